@@ -1,0 +1,55 @@
+"""jaxfeed: a deterministic, resumable input pipeline for JAX.
+
+The public API is what this module exports; everything else is internal.
+Names are imported lazily so `import jaxfeed` stays cheap for service
+processes that never touch JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # op graph
+    "Dataset": "jaxfeed.dataset",
+    "AUTOTUNE": "jaxfeed.ops.base",
+    "PipelineStateError": "jaxfeed.ops.base",
+    "Options": "jaxfeed.ops.options",
+    # sampler
+    "IndexSampler": "jaxfeed.sampler",
+    "RecordMetadata": "jaxfeed.sampler",
+    "ShardOptions": "jaxfeed.sampler",
+    "ShardByJaxProcess": "jaxfeed.sampler",
+    "NoSharding": "jaxfeed.sampler",
+    # sources
+    "ArraySource": "jaxfeed.sources",
+    "ArrayRecordSource": "jaxfeed.sources",
+    "TFRecordSource": "jaxfeed.sources",
+    "write_array_record": "jaxfeed.sources",
+    "write_tfrecord": "jaxfeed.sources",
+    "CorruptRecordError": "jaxfeed.sources",
+    # device and loader
+    "DevicePrefetcher": "jaxfeed.device",
+    "Loader": "jaxfeed.loader",
+    "LoaderCheckpointHandler": "jaxfeed.loader",
+}
+
+__all__ = sorted(_EXPORTS) + ["sources", "ops", "service", "device", "coord"]
+
+
+def __getattr__(name: str) -> Any:
+  module = _EXPORTS.get(name)
+  if module is None:
+    if name in ("sources", "ops", "service", "device", "coord", "sampler"):
+      return importlib.import_module(f"jaxfeed.{name}")
+    raise AttributeError(f"module 'jaxfeed' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return __all__

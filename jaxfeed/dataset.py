@@ -1,0 +1,203 @@
+"""`Dataset`: the thin chaining facade over the op graph.
+
+Each method builds one node from its op module in `jaxfeed/ops/` and wraps it;
+the ops' logic lives there. Op modules never import this file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any, Callable, Mapping, Sequence
+
+from jaxfeed.ops import base
+
+
+def _op(module: str):
+  return importlib.import_module(f"jaxfeed.ops.{module}")
+
+
+class Dataset:
+  """An immutable pipeline. Iterating it builds a fresh, stateful iterator."""
+
+  __slots__ = ("node", "options")
+
+  def __init__(self, node: base.Node, options: Any = None):
+    if not isinstance(node, base.Node):
+      raise TypeError(f"Dataset wraps a jaxfeed op node, got {type(node).__name__}.")
+    self.node = node
+    self.options = options
+
+  def _wrap(self, node: base.Node) -> "Dataset":
+    return Dataset(node, self.options)
+
+  # ---- sources -----------------------------------------------------------
+  @staticmethod
+  def from_source(source: Any, sampler: Any = None) -> "Dataset":
+    """Records of a random-access source, in the order a sampler gives."""
+    return Dataset(_op("from_source").SourceNode(source, sampler))
+
+  @staticmethod
+  def range(*args: int, dtype: Any = None) -> "Dataset":
+    """Like tf.data.Dataset.range: range(stop), range(start, stop[, step])."""
+    return Dataset(_op("range").RangeNode(*args, dtype=dtype))
+
+  @staticmethod
+  def from_tensor_slices(tensors: Any) -> "Dataset":
+    """Slices a pytree of arrays along its first dimension."""
+    return Dataset(_op("from_tensor_slices").TensorSlicesNode(tensors))
+
+  @staticmethod
+  def zip(datasets: Any) -> "Dataset":
+    """Zips a tuple or dict of datasets, like tf.data.Dataset.zip."""
+    return Dataset(_op("zip").ZipNode(datasets))
+
+  @staticmethod
+  def from_bucket_plan(source: Any, plan: Any, padded_shapes: Any = None,
+                       padding_values: Any = None,
+                       pad_to_bucket_boundary: bool = False) -> "Dataset":
+    """This host's padded batches of a `jaxfeed.coord.BucketPlan`."""
+    from jaxfeed.coord import bucket_plan_dataset  # coord sits right of ops
+    return Dataset(bucket_plan_dataset.BucketPlanNode(
+        source, plan, padded_shapes=padded_shapes,
+        padding_values=padding_values,
+        pad_to_bucket_boundary=pad_to_bucket_boundary))
+
+  # ---- element-wise --------------------------------------------------------
+  def map(self, fn: Callable, num_parallel_calls: int | None = None,
+          deterministic: bool = True, batched: bool = False,
+          backend: str = "auto") -> "Dataset":
+    """Applies fn to each element (to each batch when `batched=True`)."""
+    return self._wrap(_op("map").MapNode(
+        self.node, fn, num_parallel_calls=num_parallel_calls,
+        deterministic=deterministic, batched=batched, backend=backend))
+
+  def random_map(self, fn: Callable, num_parallel_calls: int | None = None,
+                 deterministic: bool = True, seed: int | None = None,
+                 backend: str = "auto") -> "Dataset":
+    """fn(element, rng) with a np.random.Generator seeded per record."""
+    return self._wrap(_op("random_map").RandomMapNode(
+        self.node, fn, num_parallel_calls=num_parallel_calls,
+        deterministic=deterministic, seed=seed, backend=backend))
+
+  def filter(self, predicate: Callable) -> "Dataset":
+    return self._wrap(_op("filter").FilterNode(self.node, predicate))
+
+  # ---- batching ----------------------------------------------------------
+  def batch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
+    return self._wrap(_op("batch").BatchNode(self.node, batch_size, drop_remainder))
+
+  def padded_batch(self, batch_size: int, padded_shapes: Any = None,
+                   padding_values: Any = None,
+                   drop_remainder: bool = False) -> "Dataset":
+    return self._wrap(_op("padded_batch").PaddedBatchNode(
+        self.node, batch_size, padded_shapes=padded_shapes,
+        padding_values=padding_values, drop_remainder=drop_remainder))
+
+  def unbatch(self) -> "Dataset":
+    return self._wrap(_op("unbatch").UnbatchNode(self.node))
+
+  def rebatch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
+    return self._wrap(_op("rebatch").RebatchNode(self.node, batch_size, drop_remainder))
+
+  def bucket_by_sequence_length(
+      self, element_length_func: Callable, bucket_boundaries: Sequence[int],
+      bucket_batch_sizes: Sequence[int], padded_shapes: Any = None,
+      padding_values: Any = None, pad_to_bucket_boundary: bool = False,
+      no_padding: bool = False, drop_remainder: bool = False) -> "Dataset":
+    return self._wrap(_op("bucket_by_sequence_length").BucketBySequenceLengthNode(
+        self.node, element_length_func, bucket_boundaries, bucket_batch_sizes,
+        padded_shapes=padded_shapes, padding_values=padding_values,
+        pad_to_bucket_boundary=pad_to_bucket_boundary, no_padding=no_padding,
+        drop_remainder=drop_remainder))
+
+  def group_by_window(self, key_func: Callable, reduce_func: Callable,
+                      window_size: int | None = None,
+                      window_size_func: Callable | None = None) -> "Dataset":
+    return self._wrap(_op("group_by_window").GroupByWindowNode(
+        self.node, key_func, reduce_func, window_size=window_size,
+        window_size_func=window_size_func))
+
+  def pack(self, length_struct: Any, *, num_packing_bins: int,
+           algorithm: str = "first_fit",
+           max_sequences_per_bin: int | None = None) -> "Dataset":
+    """Packs sequences into fixed-length rows with segment ids and positions."""
+    return self._wrap(_op("pack").PackNode(
+        self.node, length_struct, num_packing_bins=num_packing_bins,
+        algorithm=algorithm, max_sequences_per_bin=max_sequences_per_bin))
+
+  # ---- order and count -------------------------------------------------
+  def shuffle(self, buffer_size: int, seed: int | None = None,
+              reshuffle_each_iteration: bool = True) -> "Dataset":
+    return self._wrap(_op("shuffle").ShuffleNode(
+        self.node, buffer_size, seed=seed,
+        reshuffle_each_iteration=reshuffle_each_iteration))
+
+  def repeat(self, count: int | None = None) -> "Dataset":
+    return self._wrap(_op("repeat").RepeatNode(self.node, count))
+
+  def take(self, count: int) -> "Dataset":
+    return self._wrap(_op("take").TakeNode(self.node, count))
+
+  def skip(self, count: int) -> "Dataset":
+    return self._wrap(_op("skip").SkipNode(self.node, count))
+
+  def concatenate(self, other: "Dataset") -> "Dataset":
+    return self._wrap(_op("concatenate").ConcatenateNode(self.node, other))
+
+  # ---- nesting -----------------------------------------------------------
+  def interleave(self, fn: Callable, cycle_length: int | None = None,
+                 block_length: int = 1, num_parallel_calls: int | None = None,
+                 deterministic: bool = True) -> "Dataset":
+    return self._wrap(_op("interleave").InterleaveNode(
+        self.node, fn, cycle_length=cycle_length, block_length=block_length,
+        num_parallel_calls=num_parallel_calls, deterministic=deterministic))
+
+  def flat_map(self, fn: Callable) -> "Dataset":
+    return self._wrap(_op("flat_map").FlatMapNode(self.node, fn))
+
+  # ---- materialization and overlap ----------------------------------------
+  def cache(self, filename: str = "") -> "Dataset":
+    return self._wrap(_op("cache").CacheNode(self.node, filename))
+
+  def prefetch(self, buffer_size: int) -> "Dataset":
+    return self._wrap(_op("prefetch").PrefetchNode(self.node, buffer_size))
+
+  # ---- service -------------------------------------------------------------
+  def distribute(self, service: str, processing_mode: Any = "parallel_epochs",
+                 **kwargs: Any) -> "Dataset":
+    """Runs this pipeline on jaxfeed service workers (see jaxfeed.service)."""
+    from jaxfeed.service import client  # the service sits right of ops
+    return client.distribute(self, service, processing_mode, **kwargs)
+
+  # ---- running -----------------------------------------------------------
+  def with_options(self, options: Any) -> "Dataset":
+    """Returns this dataset with `jaxfeed.Options` (optimizer, autotune)."""
+    return Dataset(self.node, options)
+
+  def make_iterator(self) -> base.OpIterator:
+    """A fresh iterator (with get_state / set_state / close)."""
+    node = self.node
+    optimize = _op("optimize") if _has_op("optimize") else None
+    if optimize is not None:
+      node = optimize.optimize(node, self.options)
+    return node.make_iterator()
+
+  def __iter__(self) -> base.OpIterator:
+    return self.make_iterator()
+
+  def as_numpy_iterator(self) -> base.OpIterator:
+    return self.make_iterator()
+
+  def cardinality(self) -> int | None:
+    return self.node.cardinality()
+
+  def fingerprint(self) -> str:
+    return self.node.fingerprint()
+
+  def __repr__(self) -> str:
+    return f"Dataset({self.node!r})"
+
+
+def _has_op(module: str) -> bool:
+  return importlib.util.find_spec(f"jaxfeed.ops.{module}") is not None

@@ -1,0 +1,1 @@
+"""The op graph: one op per module, each depending only on base."""

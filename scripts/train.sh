@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Sets up .venv (if needed) and runs the main job: a Flax trainer fed by
+# jaxfeed.Loader on the embedded digits dataset, on an 8-device CPU mesh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[examples]'
+export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
+exec .venv/bin/python -m examples.train_digits --flagfile=configs/digits.flags "$@"
