@@ -21,32 +21,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from jaxfeed.seeding import mix_seed  # re-exported for op modules
+
 AUTOTUNE = -1
 """Pass as `num_parallel_calls` or a buffer size to let the autotuner choose."""
 
-_MASK64 = (1 << 64) - 1
+__all__ = ["AUTOTUNE", "Node", "OpIterator", "PipelineStateError", "mix_seed"]
 
 
 class PipelineStateError(ValueError):
   """A state dict does not belong to the pipeline it is restored into."""
-
-
-def mix_seed(*values: int) -> int:
-  """Mixes integers into one well-spread 64-bit seed (splitmix64 chain).
-
-  Args:
-    *values: any Python ints (negative values are taken modulo 2**64).
-
-  Returns:
-    An int in [0, 2**64).
-  """
-  z = 0x9E3779B97F4A7C15
-  for v in values:
-    z = (z + (int(v) & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-  return z
 
 
 class OpIterator:
@@ -156,7 +140,12 @@ class Node:
     raise NotImplementedError
 
   def spec_params(self) -> dict:
-    """Params that identify this node; callables appear by import path."""
+    """The keyword arguments that rebuild this node.
+
+    `type(node)(*parent_nodes, **node.spec_params())` must build an equal node.
+    Values may be callables, numpy arrays, sources or samplers; fingerprints
+    and service specs encode them (callables by `module:qualname`).
+    """
     return {}
 
   def cardinality(self) -> int | None:
