@@ -213,6 +213,15 @@ def check_positive_int(value: Any, op_name: str, name: str,
   return int(value)
 
 
+def check_count(value: Any, op_name: str, name: str = "count") -> int:
+  """Validates a tf.data-style element count: an int, negative meaning 'all'."""
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+    raise ValueError(
+        f"{op_name}: {name} must be an integer (-1 for all elements), got "
+        f"{type(value).__name__}: {_short(value)}.")
+  return int(value)
+
+
 def iterate(node: Node) -> Iterator[Any]:
   """Convenience: a fresh iterator over a node."""
   return node.make_iterator()
