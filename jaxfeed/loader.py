@@ -1,0 +1,249 @@
+"""`Loader`: what a training loop iterates — global jax.Array batches on a mesh.
+
+Checkpointing with orbax, next to the model state::
+
+  manager = ocp.CheckpointManager(workdir)
+  jaxfeed.save_checkpoint(manager, step, loader, model_state=state)
+  ...
+  state = jaxfeed.restore_checkpoint(manager, step, loader, model_state=state)
+
+or, composing the items yourself::
+
+  manager.save(step, args=ocp.args.Composite(
+      model=ocp.args.StandardSave(state), loader=jaxfeed.LoaderSave(loader)))
+  restored = manager.restore(step, args=ocp.args.Composite(
+      model=ocp.args.StandardRestore(state), loader=jaxfeed.LoaderRestore(loader)))
+
+The loader item is written by `LoaderCheckpointHandler`: one JSON file per JAX
+process (`process_<i>-of-<n>.json`), since every process reads its own shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from etils import epath
+import jax
+import orbax.checkpoint as ocp
+
+from jaxfeed.dataset import Dataset
+from jaxfeed.device import DevicePrefetcher
+from jaxfeed.device.placement import ShardingLike
+
+_MODEL_ITEM = "model"
+_LOADER_ITEM = "loader"
+
+
+class Loader:
+  """Iterates a pipeline's batches as global `jax.Array`s on a device mesh.
+
+  Usage::
+
+    loader = jaxfeed.Loader(dataset.batch(per_host_batch), prefetch=2)
+    with loader:
+      for batch in loader:          # dicts (pytrees) of jax.Array
+        state = train_step(state, batch)
+
+  Args:
+    dataset: a `jaxfeed.Dataset` whose elements are this process's batches
+      (pytrees of numpy arrays, leading dim = per-process batch size), or any
+      iterable of such batches (checkpointable only if its iterator has
+      `get_state` / `set_state`).
+    sharding: the batches' sharding: a `jax.sharding.Sharding`, a pytree of
+      them matching the batch, or a callable leaf -> Sharding. Default: the
+      batch dimension split over all devices (`jaxfeed.device.batch_sharding()`).
+      0-d leaves are replicated.
+    prefetch: batches kept ready on device ahead of the training loop.
+
+  State: `get_state()` is `{"pipeline": <pipeline state as of the last batch
+  the loop received>, "batches": <batches received>}` (JSON-able);
+  `set_state()` restores it before or during iteration. To checkpoint with
+  orbax next to the model state use `jaxfeed.save_checkpoint` /
+  `jaxfeed.restore_checkpoint`, or the `jaxfeed.LoaderSave` /
+  `jaxfeed.LoaderRestore` items inside `ocp.args.Composite` (see the module
+  docstring).
+
+  `stats()` tells whether training is input bound: the seconds the loop waited
+  for batches versus the seconds it spent between batches (model time).
+  """
+
+  def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
+               prefetch: int = 2):
+    if not isinstance(dataset, Dataset) and not hasattr(dataset, "__iter__"):
+      raise TypeError(
+          "Loader: dataset must be a jaxfeed.Dataset or an iterable of numpy "
+          f"batch pytrees, got {type(dataset).__name__}.")
+    self._dataset = dataset
+    self._sharding = sharding
+    self._prefetch = prefetch
+    self._prefetcher = DevicePrefetcher(
+        self._new_host_iterator(), sharding, prefetch=prefetch)
+    self._batches = 0
+    self._wait_s = 0.0
+    self._model_s = 0.0
+    self._returned_at: float | None = None
+
+  def _new_host_iterator(self) -> Any:
+    if isinstance(self._dataset, Dataset):
+      return self._dataset.make_iterator()
+    return iter(self._dataset)
+
+  # -- iteration ----------------------------------------------------------
+  def __iter__(self) -> "Loader":
+    return self
+
+  def __next__(self) -> Any:
+    start = time.perf_counter()
+    if self._returned_at is not None:
+      self._model_s += start - self._returned_at
+    try:
+      batch = next(self._prefetcher)
+    finally:
+      end = time.perf_counter()
+      self._wait_s += end - start
+    self._batches += 1
+    self._returned_at = end
+    return batch
+
+  def stats(self) -> dict[str, float]:
+    """Batches received, seconds waiting for input and between batches."""
+    busy = self._wait_s + self._model_s
+    return {
+        "batches": self._batches,
+        "wait_seconds": self._wait_s,
+        "model_seconds": self._model_s,
+        "input_bound_fraction": self._wait_s / busy if busy else 0.0,
+    }
+
+  # -- state ----------------------------------------------------------------
+  def get_state(self) -> dict:
+    """`{"pipeline": ..., "batches": n}` as of the last batch received."""
+    return {"pipeline": self._prefetcher.get_state(), "batches": self._batches}
+
+  def set_state(self, state: dict) -> None:
+    """Resumes from a `get_state()` result; read-ahead restarts from there."""
+    if (not isinstance(state, dict) or set(state) != {"pipeline", "batches"}
+        or not isinstance(state["batches"], int)):
+      raise ValueError(
+          "Loader.set_state: expected the dict returned by Loader.get_state() "
+          f"with keys 'pipeline' and 'batches' (int), got {str(state):.200}.")
+    if isinstance(self._dataset, Dataset):
+      # A fresh iterator: the old one may have failed or been exhausted.
+      host_iterator = self._dataset.make_iterator()
+      try:
+        host_iterator.set_state(state["pipeline"])
+      except BaseException:
+        host_iterator.close()
+        raise
+      self._prefetcher.close()
+      self._prefetcher = DevicePrefetcher(
+          host_iterator, self._sharding, prefetch=self._prefetch)
+    else:
+      self._prefetcher.set_state(state["pipeline"])
+    self._batches = state["batches"]
+    self._returned_at = None
+
+  # -- lifetime -------------------------------------------------------------
+  def close(self) -> None:
+    """Stops read-ahead and closes the pipeline iterator. Idempotent."""
+    self._prefetcher.close()
+
+  def __enter__(self) -> "Loader":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+
+# -- orbax ------------------------------------------------------------------
+def _state_file(directory: epath.Path) -> epath.Path:
+  return epath.Path(directory) / (
+      f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+
+
+class LoaderCheckpointHandler(ocp.CheckpointHandler):
+  """Orbax handler for a `Loader`'s state: one JSON file per JAX process.
+
+  Use through its args, `LoaderSave(loader)` / `LoaderRestore(loader)`, inside
+  `ocp.args.Composite` (see `save_checkpoint`).
+  """
+
+  def save(self, directory: epath.Path, args: "LoaderSave") -> None:
+    _state_file(directory).write_text(json.dumps(args.state))
+
+  def restore(self, directory: epath.Path, args: "LoaderRestore") -> Any:
+    path = _state_file(directory)
+    if not path.exists():
+      found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
+      raise FileNotFoundError(
+          f"Loader checkpoint: {path} does not exist (found {found}); the "
+          "checkpoint was written by a different number of JAX processes.")
+    state = json.loads(path.read_text())
+    if args.loader is None:
+      return state
+    args.loader.set_state(state)
+    return args.loader
+
+  def metadata(self, directory: epath.Path) -> None:
+    del directory
+    return None
+
+
+@ocp.args.register_with_handler(LoaderCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class LoaderSave(ocp.args.CheckpointArgs):
+  """Saves `loader`'s state as of now (the state is taken at construction)."""
+
+  loader: Any
+  state: dict = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    self.state = self.loader.get_state()
+
+
+@ocp.args.register_with_handler(LoaderCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class LoaderRestore(ocp.args.CheckpointArgs):
+  """Restores into `loader` (restore returns it), or returns the state dict
+  when `loader` is None."""
+
+  loader: Any = None
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, step: int, loader: Loader,
+                    *, model_state: Any, force: bool = False) -> bool:
+  """Saves `model_state` (item "model") and the loader state (item "loader").
+
+  Returns whether the manager saved (see `ocp.CheckpointManager.save`).
+  """
+  return manager.save(step, args=ocp.args.Composite(**{
+      _MODEL_ITEM: ocp.args.StandardSave(model_state),
+      _LOADER_ITEM: LoaderSave(loader)}), force=force)
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
+                       loader: Loader, *, model_state: Any) -> Any:
+  """Restores the loader in place and returns the model state of `step`.
+
+  Args:
+    manager: the manager `save_checkpoint` wrote with.
+    step: the step to restore; None for the latest.
+    loader: restored in place (`loader.set_state`).
+    model_state: a pytree like the saved one (arrays or
+      `jax.ShapeDtypeStruct`s) giving the shapes, dtypes and shardings.
+
+  Returns:
+    The restored model state.
+  """
+  if step is None:
+    step = manager.latest_step()
+    if step is None:
+      raise FileNotFoundError(
+          f"restore_checkpoint: no checkpoint in {manager.directory}.")
+  restored = manager.restore(step, args=ocp.args.Composite(**{
+      _MODEL_ITEM: ocp.args.StandardRestore(model_state),
+      _LOADER_ITEM: LoaderRestore(loader)}))
+  return restored[_MODEL_ITEM]
