@@ -33,8 +33,13 @@ _EXPORTS = {
     "CorruptRecordError": "jaxfeed.sources",
     # device and loader
     "DevicePrefetcher": "jaxfeed.device",
+    "batch_sharding": "jaxfeed.device",
     "Loader": "jaxfeed.loader",
     "LoaderCheckpointHandler": "jaxfeed.loader",
+    "LoaderSave": "jaxfeed.loader",
+    "LoaderRestore": "jaxfeed.loader",
+    "save_checkpoint": "jaxfeed.loader",
+    "restore_checkpoint": "jaxfeed.loader",
 }
 
 __all__ = sorted(_EXPORTS) + ["sources", "ops", "service", "device", "coord"]
