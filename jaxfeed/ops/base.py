@@ -222,6 +222,19 @@ def check_count(value: Any, op_name: str, name: str = "count") -> int:
   return int(value)
 
 
+def state_int(state: Any, key: str, op_name: str, low: int = 0,
+              high: int | None = None) -> int:
+  """Reads integer `state[key]` of an own state, checking `low <= it <= high`."""
+  value = state.get(key) if isinstance(state, dict) else None
+  if (not isinstance(value, int) or isinstance(value, bool) or value < low
+      or (high is not None and value > high)):
+    allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+    raise PipelineStateError(
+        f"Cannot restore op {op_name!r}: own state needs an integer {key!r} "
+        f"in {allowed}, got {_short(state)}.")
+  return value
+
+
 def iterate(node: Node) -> Iterator[Any]:
   """Convenience: a fresh iterator over a node."""
   return node.make_iterator()
