@@ -7,7 +7,6 @@ the ops' logic lives there. Op modules never import this file.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxfeed.ops import base
@@ -176,12 +175,13 @@ class Dataset:
     return Dataset(self.node, options)
 
   def make_iterator(self) -> base.OpIterator:
-    """A fresh iterator (with get_state / set_state / close)."""
-    node = self.node
-    optimize = _op("optimize") if _has_op("optimize") else None
-    if optimize is not None:
-      node = optimize.optimize(node, self.options)
-    return node.make_iterator()
+    """A fresh iterator (with get_state / set_state / close).
+
+    The graph is first rewritten by the static optimizer, then run under the
+    autotuner when it has AUTOTUNE knobs (see `jaxfeed.Options`).
+    """
+    node = _op("optimize").optimize(self.node, self.options)
+    return _op("autotune").autotuned(node.make_iterator(), self.options)
 
   def __iter__(self) -> base.OpIterator:
     return self.make_iterator()
@@ -197,7 +197,3 @@ class Dataset:
 
   def __repr__(self) -> str:
     return f"Dataset({self.node!r})"
-
-
-def _has_op(module: str) -> bool:
-  return importlib.util.find_spec(f"jaxfeed.ops.{module}") is not None

@@ -63,6 +63,10 @@ class OpIterator:
       return self.parents[0].last_seed
     return 0
 
+  def tunables(self) -> list:
+    """This op's `jaxfeed.ops.autotune.Knob`s (AUTOTUNE parallelism/buffers)."""
+    return []
+
   # -- state ---------------------------------------------------------------
   def _get_own_state(self) -> dict:
     return {}

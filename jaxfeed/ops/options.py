@@ -18,7 +18,8 @@ class Options:
     noop_elimination: drops take(-1), skip(0), repeat(1), prefetch(0).
     map_and_batch_vectorization: map(f, batched=True).batch(b) runs f once per
       batch instead of once per element.
-    inject_prefetch: appends prefetch(AUTOTUNE) to the end of the pipeline.
+    inject_prefetch: appends prefetch(AUTOTUNE) to the end of the pipeline
+      (off by default: jaxfeed.Loader already prefetches onto the device).
     autotune: lets AUTOTUNE parallelism and buffer sizes adapt while running.
     autotune_cpu_budget: threads the autotuner may use in total (0: all cores).
     autotune_ram_budget_bytes: bytes the autotuned buffers may hold in total
@@ -31,7 +32,7 @@ class Options:
   filter_fusion: bool = True
   noop_elimination: bool = True
   map_and_batch_vectorization: bool = True
-  inject_prefetch: bool = True
+  inject_prefetch: bool = False
   autotune: bool = True
   autotune_cpu_budget: int = 0
   autotune_ram_budget_bytes: int = 0
