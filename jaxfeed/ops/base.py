@@ -15,6 +15,7 @@ the seed beside each buffered element and override `last_seed`.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 from typing import Any, Callable, Iterator, Sequence
@@ -26,7 +27,8 @@ from jaxfeed.seeding import mix_seed  # re-exported for op modules
 AUTOTUNE = -1
 """Pass as `num_parallel_calls` or a buffer size to let the autotuner choose."""
 
-__all__ = ["AUTOTUNE", "Node", "OpIterator", "PipelineStateError", "mix_seed"]
+__all__ = ["AUTOTUNE", "InputReplay", "Node", "OpIterator", "PipelineStateError",
+           "mix_seed"]
 
 
 class PipelineStateError(ValueError):
@@ -242,3 +244,96 @@ def state_int(state: Any, key: str, op_name: str, low: int = 0,
 def iterate(node: Node) -> Iterator[Any]:
   """Convenience: a fresh iterator over a node."""
   return node.make_iterator()
+
+
+class InputReplay:
+  """Re-reads the buffered input elements of an op from saved parent states.
+
+  Ops that hold input elements across `next()` calls (cycles, windows,
+  buckets, bins) keep their state small by not saving those elements. They
+  read their parent through this object, which counts the reads and, every
+  `interval` reads, remembers the parent's state (an anchor). The op's state
+  names the read index of its oldest buffered element; on restore the parent
+  is rewound to the newest anchor at or before that index and the elements up
+  to the saved position are read again, so the op rebuilds its buffers from
+  the same elements (user functions are assumed deterministic).
+
+  Restoring costs reading the buffered span again plus at most `interval`
+  elements; running costs one parent `get_state()` per `interval` reads.
+  """
+
+  def __init__(self, parent: OpIterator, op_name: str, interval: int = 64,
+               oldest_needed: Callable[[], int] | None = None):
+    """Args:
+      parent: The iterator read from.
+      op_name: The op named in restore errors.
+      interval: Reads between two anchors (1: an anchor before every read).
+      oldest_needed: Returns the read index of the oldest element still
+        needed; anchors before it are forgotten when a new one is taken.
+    """
+    self.parent = parent
+    self.num_read = 0
+    self._op_name = op_name
+    self._interval = interval
+    self._oldest_needed = oldest_needed
+    self._anchors: collections.deque = collections.deque()
+
+  def read(self) -> Any:
+    """The parent's next element (StopIteration at its end)."""
+    anchors = self._anchors
+    if not anchors or self.num_read - anchors[-1][0] >= self._interval:
+      if self._oldest_needed is not None:
+        self._forget_before(self._oldest_needed())
+      anchors.append((self.num_read, self.parent.get_state()))
+    element = next(self.parent)
+    self.num_read += 1
+    return element
+
+  def _forget_before(self, index: int) -> None:
+    anchors = self._anchors
+    while len(anchors) > 1 and anchors[1][0] <= index:
+      anchors.popleft()
+
+  def get_state(self, oldest_needed: int) -> dict:
+    """A state from which elements `oldest_needed ..` can be read again."""
+    if oldest_needed >= self.num_read:
+      return {"num_read": self.num_read}
+    self._forget_before(oldest_needed)
+    index, parent_state = self._anchors[0]
+    return {"num_read": self.num_read, "anchor_index": index,
+            "anchor": parent_state}
+
+  def set_state(self, state: Any, first_needed: int,
+                consume: Callable[[int, Any, int], None]) -> None:
+    """Re-reads elements `first_needed ..` of a saved state.
+
+    Calls `consume(read_index, element, seed)` for each of them, in order, and
+    leaves the parent where it was when this is called (the saved position).
+
+    Raises:
+      PipelineStateError: The state is malformed or the parent ends before
+        the saved position (the state belongs to other data).
+    """
+    num_read = state_int(state, "num_read", self._op_name)
+    current = None
+    self._anchors.clear()
+    if first_needed < num_read:
+      index = state_int(state, "anchor_index", self._op_name, high=first_needed)
+      anchor = state.get("anchor")
+      current = self.parent.get_state()
+      self.parent.set_state(anchor)
+      self._anchors.append((index, anchor))
+      parent = self.parent
+      while index < num_read:
+        try:
+          element = next(parent)
+        except StopIteration:
+          raise PipelineStateError(
+              f"Cannot restore op {self._op_name!r}: its input ended after "
+              f"{index} elements while re-reading the {num_read} the state "
+              f"was saved at; the state belongs to other data.") from None
+        if index >= first_needed:
+          consume(index, element, parent.last_seed)
+        index += 1
+      self.parent.set_state(current)
+    self.num_read = num_read
