@@ -103,6 +103,11 @@ def _rewrite_one(node: base.Node, options: Options) -> base.Node:
     return _rebuild(parent, parent.parents,
                     predicate=AllOf(inner["predicate"], params["predicate"]))
 
+  if op == "filter" and parent_op == "map_and_filter" and options.filter_fusion:
+    inner = parent.spec_params()
+    return _rebuild(parent, parent.parents,
+                    predicate=AllOf(inner["predicate"], params["predicate"]))
+
   if op == "map" and parent_op == "map" and options.map_fusion:
     inner = parent.spec_params()
     if _same_execution(inner, params):
