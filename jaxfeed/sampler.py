@@ -263,7 +263,8 @@ class IndexSampler:
       raise TypeError(
           f"IndexSampler.get_many: positions must be integers, got dtype "
           f"{positions.dtype}.")
-    positions = positions.astype(np.int64, copy=False)
+    shape = positions.shape
+    positions = positions.astype(np.int64, copy=False).reshape(-1)
     if positions.size:
       low, high = int(positions.min()), int(positions.max())
       num = self.num_positions
@@ -279,7 +280,8 @@ class IndexSampler:
     else:
       record_indices = global_positions
     seeds = mix_seeds(self._seed, epochs, record_indices)
-    return epochs, record_indices, seeds
+    return (epochs.reshape(shape), record_indices.reshape(shape),
+            seeds.reshape(shape))
 
   def _out_of_range_message(self, position: int) -> str:
     num = self.num_positions
