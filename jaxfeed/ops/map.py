@@ -1,0 +1,79 @@
+"""`map`: applies a function to every element (tf.data's `Dataset.map`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jaxfeed.ops import parallel
+from jaxfeed.ops.base import Node, OpIterator
+
+__all__ = ["MapNode", "MapIterator"]
+
+
+class MapNode(Node):
+  """fn(element), or fn(*element) for tuple elements, as in tf.data.
+
+  Args:
+    parent: the input node.
+    fn: the function; dict elements are passed as one argument.
+    num_parallel_calls: None or 1 runs fn in the consumer's thread; an int
+      > 1 or `jaxfeed.AUTOTUNE` runs it on that many threads.
+    deterministic: whether parallel outputs keep the input order. With False
+      each output is returned as soon as it is ready.
+    batched: declares fn vectorized over a leading batch dimension; the
+      optimizer may then run it once per batch when the map is followed by a
+      batch. It does not change what this op computes.
+    backend: "auto" or "thread" (threads); "process" is reserved.
+  """
+
+  op_name = "map"
+
+  def __init__(self, parent: Node, fn: Callable,
+               num_parallel_calls: int | None = None,
+               deterministic: bool = True, batched: bool = False,
+               backend: str = "auto"):
+    super().__init__([parent])
+    self.fn = parallel.check_callable(fn, self.op_name)
+    self.num_parallel_calls = parallel.check_num_parallel_calls(
+        num_parallel_calls, self.op_name)
+    self.deterministic = parallel.check_deterministic(deterministic,
+                                                      self.op_name)
+    if not isinstance(batched, bool):
+      raise TypeError(f"map: batched must be a bool, got {batched!r}.")
+    self.batched = batched
+    self.backend = parallel.check_backend(backend, self.op_name)
+
+  def make_iterator(self) -> "MapIterator":
+    return MapIterator(self.parents[0].make_iterator(), self.fn,
+                       self.num_parallel_calls, self.deterministic)
+
+  def spec_params(self) -> dict:
+    return {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
+            "deterministic": self.deterministic, "batched": self.batched,
+            "backend": self.backend}
+
+  def cardinality(self) -> int | None:
+    return self.parents[0].cardinality()
+
+
+def _map_work(fn: Callable) -> Callable[[Any, int], Any]:
+  def work(element: Any, seed: int) -> Any:
+    del seed
+    return parallel.call_unpacked(fn, element)
+  return work
+
+
+class MapIterator(parallel.ParallelMapIterator):
+  """Iterator of `MapNode`."""
+
+  op_name = "map"
+
+  def __init__(self, parent: OpIterator, fn: Callable,
+               num_parallel_calls: int | None, deterministic: bool):
+    self._fn = fn
+    super().__init__(parent, _map_work(fn), num_parallel_calls, deterministic)
+
+  def _apply(self, element: Any) -> Any:
+    if type(element) is tuple:
+      return self._fn(*element)
+    return self._fn(element)

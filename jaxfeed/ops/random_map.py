@@ -1,0 +1,102 @@
+"""`random_map`: fn(element, rng) with a per-record random generator."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxfeed.ops import parallel
+from jaxfeed.ops.base import Node, OpIterator, mix_seed
+
+__all__ = ["RandomMapNode", "RandomMapIterator", "element_rng"]
+
+
+def element_rng(op_seed: int, record_seed: int) -> np.random.Generator:
+  """The generator handed to fn for one element.
+
+  Args:
+    op_seed: the op's `seed` (0 when None).
+    record_seed: the element's seed (`last_seed` of the parent, which
+      sources set from the sampler's per-record seed).
+
+  Returns:
+    `np.random.Generator(np.random.Philox(key=mix_seed(op_seed, record_seed)))`.
+  """
+  key = mix_seed(op_seed, record_seed)
+  # A key array equals key=int (low word first) and skips int conversion.
+  return np.random.Generator(
+      np.random.Philox(key=np.array([key, 0], dtype=np.uint64)))
+
+
+class RandomMapNode(Node):
+  """fn(element, rng) where rng depends only on the op seed and the record.
+
+  The element is passed as one argument (tuples are not unpacked). Outputs
+  do not depend on `num_parallel_calls`, on thread timing or on resuming
+  from a checkpoint, because each element's generator is derived from its own
+  record seed.
+
+  Args:
+    parent: the input node.
+    fn: fn(element, rng) -> new element.
+    num_parallel_calls: as for `map`.
+    deterministic: as for `map` (only the order of outputs can change).
+    seed: the op seed mixed into every element's generator (None: 0).
+    backend: as for `map`.
+  """
+
+  op_name = "random_map"
+
+  def __init__(self, parent: Node, fn: Callable,
+               num_parallel_calls: int | None = None,
+               deterministic: bool = True, seed: int | None = None,
+               backend: str = "auto"):
+    super().__init__([parent])
+    self.fn = parallel.check_callable(fn, self.op_name)
+    self.num_parallel_calls = parallel.check_num_parallel_calls(
+        num_parallel_calls, self.op_name)
+    self.deterministic = parallel.check_deterministic(deterministic,
+                                                      self.op_name)
+    if seed is not None and (not isinstance(seed, (int, np.integer))
+                             or isinstance(seed, bool)):
+      raise TypeError(
+          f"random_map: seed must be an int or None, got {seed!r}.")
+    self.seed = None if seed is None else int(seed)
+    self.backend = parallel.check_backend(backend, self.op_name)
+
+  def make_iterator(self) -> "RandomMapIterator":
+    return RandomMapIterator(self.parents[0].make_iterator(), self.fn,
+                             self.num_parallel_calls, self.deterministic,
+                             self.seed or 0)
+
+  def spec_params(self) -> dict:
+    return {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
+            "deterministic": self.deterministic, "seed": self.seed,
+            "backend": self.backend}
+
+  def cardinality(self) -> int | None:
+    return self.parents[0].cardinality()
+
+
+def _random_map_work(fn: Callable, op_seed: int) -> Callable[[Any, int], Any]:
+  def work(element: Any, seed: int) -> Any:
+    return fn(element, element_rng(op_seed, seed))
+  return work
+
+
+class RandomMapIterator(parallel.ParallelMapIterator):
+  """Iterator of `RandomMapNode`."""
+
+  op_name = "random_map"
+
+  def __init__(self, parent: OpIterator, fn: Callable,
+               num_parallel_calls: int | None, deterministic: bool,
+               op_seed: int):
+    self._fn = fn
+    self._op_seed = op_seed
+    super().__init__(parent, _random_map_work(fn, op_seed),
+                     num_parallel_calls, deterministic)
+
+  def _apply(self, element: Any) -> Any:
+    return self._fn(element, element_rng(self._op_seed, self._parent.last_seed))
