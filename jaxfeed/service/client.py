@@ -1,0 +1,537 @@
+"""Reading a pipeline through the service: `distribute`, `from_dataset_id`.
+
+The returned `Dataset` wraps a `DistributedNode`; ops chained after it run
+locally on the client. Iterating it joins (or creates) a job at the
+dispatcher, then fetches batches from all of the job's workers at once into
+a bounded buffer. A worker that dies is dropped and the others go on.
+
+Round-robin reads (`num_consumers=K`, `consumer_index=i`, a shared
+`job_name`): the job's workers are fixed when it starts (W of them) and each
+produces rounds of K consecutive batches. Global round r is served by worker
+r mod W; consumer i receives batch i of that round. All K consumers thus read
+round r from the same worker, so whatever the worker's pipeline groups
+together (one bucket per K batches, say) reaches every consumer in the same
+step. This is plain round-robin: a slow consumer holds a worker's buffer of
+rounds, and a dead worker's rounds are skipped by every consumer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import grpc
+
+from jaxfeed.ops import base
+from jaxfeed.service import data_socket
+from jaxfeed.service import rpc
+from jaxfeed.service import spec as spec_lib
+from jaxfeed.service import task_pipeline
+from jaxfeed.service import wire
+from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.sharding import ShardingPolicy, to_sharding_policy
+
+_DISPATCHER = "/jaxfeed.service.Dispatcher/"
+_WORKER = "/jaxfeed.service.Worker/"
+_POLL_S = 0.05
+# Statuses after which a worker's stream is given up (the worker is gone);
+# any other status is an error of the pipeline and reaches the consumer.
+_WORKER_LOST = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                          "ABORTED", "OUT_OF_RANGE"})
+DATA_TRANSFERS = ("auto", "socket", "grpc")
+
+
+def _target(service: str) -> str:
+  if not isinstance(service, str) or not service:
+    raise ValueError(f"service must be a 'host:port' string, got {service!r}.")
+  for prefix in ("grpc://", "grpcs://"):
+    if service.startswith(prefix):
+      return service[len(prefix):]
+  return service
+
+
+def _dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
+                       token: str | None) -> rpc.Caller:
+  return rpc.Caller(channel, _DISPATCHER + method, response_cls, token)
+
+
+def register_dataset(service: str, dataset: Any, *, auth_token: str | None = None,
+                     udf_secret: bytes | None = None, tls: rpc.TLSConfig | None = None,
+                     timeout_s: float = 60.0) -> str:
+  """Registers a pipeline with the dispatcher and returns its dataset id.
+
+  Equal pipelines (same fingerprint) get the same id.
+
+  Args:
+    service: the dispatcher's "host:port" (a "grpc://" prefix is accepted).
+    dataset: a jaxfeed Dataset (or op node).
+    auth_token: the deployment's token, if it requires one.
+    udf_secret: the deployment's shared secret; UDFs without an import path
+      are then shipped pickled and signed. None refuses such UDFs.
+    tls: root certificates for a TLS dispatcher.
+    timeout_s: how long to wait for (and retry reaching) the dispatcher.
+
+  Returns:
+    The dataset id.
+  """
+  node = base.to_node(dataset, "register_dataset", "dataset")
+  dataset_def = spec_lib.to_dataset_def(node, udf_secret)
+  dataset_def.num_positions = task_pipeline.num_positions(node)
+  channel = rpc.make_channel(_target(service), tls=tls)
+  try:
+    caller = _dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,
+                                auth_token)
+    response = rpc.call_with_retry(caller, pb.RegisterDatasetRequest(dataset=dataset_def),
+                                   timeout_s, f"Registering dataset with {service}")
+    return response.dataset_id
+  finally:
+    channel.close()
+
+
+def _check_read_options(job_name: str | None, num_consumers: int | None,
+                        consumer_index: int | None, compression: str | None,
+                        max_outstanding_requests: int | None,
+                        data_transfer: str) -> None:
+  if job_name is not None and (not isinstance(job_name, str) or not job_name):
+    raise ValueError(f"job_name must be a non-empty string or None, got {job_name!r}.")
+  if num_consumers is not None:
+    if job_name is None:
+      raise ValueError(
+          f"num_consumers={num_consumers} needs a job_name: the consumers of a "
+          "round-robin read share one job.")
+    if not isinstance(num_consumers, int) or num_consumers < 1:
+      raise ValueError(f"num_consumers must be an integer >= 1, got {num_consumers!r}.")
+    if consumer_index is None:
+      raise ValueError("num_consumers needs consumer_index in [0, num_consumers).")
+  if consumer_index is not None and (
+      num_consumers is None or not isinstance(consumer_index, int)
+      or not 0 <= consumer_index < num_consumers):
+    raise ValueError(f"consumer_index must be an integer in [0, num_consumers="
+                     f"{num_consumers}), got {consumer_index!r}.")
+  wire.check_compression(compression)
+  if max_outstanding_requests is not None and (
+      not isinstance(max_outstanding_requests, int) or max_outstanding_requests < 1):
+    raise ValueError("max_outstanding_requests must be an integer >= 1 or None, got "
+                     f"{max_outstanding_requests!r}.")
+  if data_transfer not in DATA_TRANSFERS:
+    raise ValueError(f"data_transfer must be one of {DATA_TRANSFERS}, got {data_transfer!r}.")
+
+
+class DistributedNode(base.Node):
+  """Reads the output of a pipeline that runs on service workers."""
+
+  op_name = "distribute"
+
+  def __init__(self, *, service: str, processing_mode: Any = "parallel_epochs",
+               dataset: Any = None, dataset_id: str | None = None,
+               job_name: str | None = None, num_consumers: int | None = None,
+               consumer_index: int | None = None, compression: str | None = None,
+               max_outstanding_requests: int | None = None,
+               auth_token: str | None = None, udf_secret: bytes | None = None,
+               tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
+               timeout_s: float = 60.0):
+    super().__init__(())
+    if (dataset is None) == (dataset_id is None):
+      raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
+    self.service = _target(service)
+    self.policy = to_sharding_policy(processing_mode)
+    _check_read_options(job_name, num_consumers, consumer_index, compression,
+                        max_outstanding_requests, data_transfer)
+    if num_consumers is not None and self.policy == ShardingPolicy.DYNAMIC:
+      pass  # allowed: round-robin over dynamically sharded workers
+    self.dataset = None if dataset is None else base.to_node(dataset, "distribute", "dataset")
+    if self.dataset is not None:
+      spec_lib.to_dataset_def(self.dataset, udf_secret)  # fail early on bad UDFs
+    self.dataset_id = dataset_id
+    self.job_name = job_name
+    self.num_consumers = num_consumers
+    self.consumer_index = consumer_index
+    self.compression = compression or None
+    self.max_outstanding_requests = max_outstanding_requests
+    self.auth_token = auth_token
+    self.udf_secret = udf_secret
+    self.tls = tls
+    self.data_transfer = data_transfer
+    self.timeout_s = timeout_s
+    self._lock = threading.Lock()
+
+  def spec_params(self) -> dict:
+    return {"service": self.service, "processing_mode": self.policy.value,
+            "dataset": self.dataset, "dataset_id": self.dataset_id,
+            "job_name": self.job_name, "num_consumers": self.num_consumers,
+            "consumer_index": self.consumer_index, "compression": self.compression,
+            "max_outstanding_requests": self.max_outstanding_requests,
+            "data_transfer": self.data_transfer, "timeout_s": self.timeout_s}
+
+  def resolve_dataset_id(self) -> str:
+    """Registers the pipeline on first use (so the dispatcher may start later)."""
+    with self._lock:
+      if self.dataset_id is None:
+        self.dataset_id = register_dataset(
+            self.service, self.dataset, auth_token=self.auth_token,
+            udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s)
+      return self.dataset_id
+
+  def make_iterator(self) -> "DistributedIterator":
+    return DistributedIterator(self)
+
+
+class _Fetcher:
+  """One thread reading one task's stream into the read's buffer."""
+
+  def __init__(self, read: "_ReadState", task: pb.TaskInfo, out: queue.Queue):
+    self.task = task
+    self.out = out
+    self.done = False
+    self.failed = False
+    self._read = read
+    self._connection: Any = None
+    self._cancelled = False
+    self.thread = threading.Thread(target=self._run, daemon=True,
+                                   name=f"jaxfeed-fetch-{task.task_id}")
+    self.thread.start()
+
+  def _frames(self):
+    read = self._read
+    consumer = read.node.consumer_index or 0
+    use_socket = read.node.data_transfer != "grpc" and self.task.data_address
+    if read.node.data_transfer == "socket" and not self.task.data_address:
+      raise data_socket.DataConnectionError(
+          f"Worker {self.task.worker_address} has no data socket "
+          "(data_transfer='socket').", "FAILED_PRECONDITION")
+    if use_socket:
+      conn = data_socket.DataConnection(self.task.data_address, {
+          "token": read.node.auth_token or "", "task_id": self.task.task_id,
+          "compression": read.node.compression or "", "consumer_index": consumer,
+          "round": 0})
+      self._connection = conn
+      if self._cancelled:
+        conn.close()
+      while True:
+        item = conn.next_frame()
+        if item is None:
+          return
+        yield item
+    channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
+    try:
+      caller = rpc.Caller(channel, _WORKER + "GetElements", pb.ElementChunk,
+                          read.node.auth_token, streams=True)
+      call = caller(pb.GetElementsRequest(
+          task_id=self.task.task_id, compression=read.node.compression or "",
+          consumer_index=consumer, round=0), timeout=None)
+      self._connection = call
+      if self._cancelled:
+        call.cancel()
+      buffer, filled, round_index = None, 0, 0
+      for chunk in call:
+        if chunk.end_of_sequence:
+          return
+        if chunk.frame_bytes:
+          if chunk.frame_bytes == len(chunk.data):
+            yield chunk.data, chunk.round
+            continue
+          buffer, filled, round_index = bytearray(chunk.frame_bytes), 0, chunk.round
+        if buffer is None:
+          raise rpc.ServiceError("Stream chunk arrived without a frame start.")
+        buffer[filled:filled + len(chunk.data)] = chunk.data
+        filled += len(chunk.data)
+        if filled == len(buffer):
+          yield buffer, round_index
+          buffer = None
+    finally:
+      channel.close()
+
+  def _run(self) -> None:
+    read = self._read
+    try:
+      for frame, round_index in self._frames():
+        element = wire.decode(frame)
+        if not read.put(self.out, (element, round_index)):
+          return
+        read.count(self.task.worker_address)
+      self.done = True
+    except (grpc.RpcError, data_socket.DataConnectionError, OSError) as e:
+      status = e.code().name if isinstance(e, grpc.RpcError) else getattr(e, "status", "UNAVAILABLE")
+      details = e.details() if isinstance(e, grpc.RpcError) else str(e)
+      if status in _WORKER_LOST or self._cancelled:
+        if not read.stop.is_set():
+          logging.warning("Lost worker %s of job %d (%s: %s); reading on from the others.",
+                          self.task.worker_address, self.task.job_id, status, details)
+        self.failed = True
+      else:
+        self.failed = True
+        read.fail(rpc.ServiceError(
+            f"Worker {self.task.worker_address} failed task {self.task.task_id} of "
+            f"dataset {self.task.dataset_id}: {status}: {details}"))
+    except Exception as e:  # pylint: disable=broad-except
+      self.failed = True
+      read.fail(e)
+    finally:
+      read.wake()
+
+  def cancel(self) -> None:
+    self._cancelled = True
+    connection = self._connection
+    if connection is not None:
+      if isinstance(connection, data_socket.DataConnection):
+        connection.close()
+      else:
+        connection.cancel()
+
+  @property
+  def ended(self) -> bool:
+    return not self.thread.is_alive()
+
+
+_END = object()
+
+
+class _ReadState:
+  """Everything a read's threads share; the iterator owns and closes it."""
+
+  def __init__(self, node: DistributedNode):
+    self.node = node
+    self.stop = threading.Event()
+    self.lock = threading.Lock()
+    self.error: BaseException | None = None
+    self.elements_by_worker: dict[str, int] = {}
+    capacity = node.max_outstanding_requests or 8
+    self.buffer: queue.Queue = queue.Queue(maxsize=capacity)
+    self.capacity = capacity
+    self.fetchers: dict[int, _Fetcher] = {}
+    self.finished = False
+    self.job_id = 0
+    self.client_id = 0
+    self.channel = rpc.make_channel(node.service, tls=node.tls)
+    self.manager = threading.Thread(target=self._manage, daemon=True,
+                                    name="jaxfeed-distribute-manager")
+    self.manager.start()
+
+  # -- shared helpers -----------------------------------------------------------
+  def put(self, out: queue.Queue, item: Any) -> bool:
+    while not self.stop.is_set():
+      try:
+        out.put(item, timeout=_POLL_S)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def count(self, worker: str) -> None:
+    with self.lock:
+      self.elements_by_worker[worker] = self.elements_by_worker.get(worker, 0) + 1
+
+  def fail(self, error: BaseException) -> None:
+    with self.lock:
+      if self.error is None:
+        self.error = error
+
+  def wake(self) -> None:
+    pass
+
+  # -- the manager thread ---------------------------------------------------------
+  def _manage(self) -> None:
+    node = self.node
+    try:
+      dataset_id = node.resolve_dataset_id()
+      job_call = _dispatcher_caller(self.channel, "GetOrCreateJob",
+                                    pb.GetOrCreateJobResponse, node.auth_token)
+      job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
+          dataset_id=dataset_id, sharding_policy=node.policy.value,
+          job_name=node.job_name or "", num_consumers=node.num_consumers or 0),
+          node.timeout_s, f"Creating a job for dataset {dataset_id}")
+      self.job_id, self.client_id = job.job_id, job.client_id
+      heartbeat = _dispatcher_caller(self.channel, "ClientHeartbeat",
+                                     pb.ClientHeartbeatResponse, node.auth_token)
+      last_ok = time.monotonic()
+      while not self.stop.is_set():
+        try:
+          response = heartbeat(pb.ClientHeartbeatRequest(
+              job_id=self.job_id, client_id=self.client_id), timeout=10)
+          last_ok = time.monotonic()
+        except grpc.RpcError as e:
+          if e.code() == grpc.StatusCode.UNAVAILABLE and (
+              time.monotonic() - last_ok < node.timeout_s):
+            self.stop.wait(0.2)
+            continue
+          raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
+                                 f"{e.code().name}: {e.details()}") from e
+        self._update_tasks(response)
+        if self.finished:
+          return
+        self.stop.wait(0.1)
+    except BaseException as e:  # pylint: disable=broad-except
+      self.fail(e)
+
+  def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
+    listed = {t.task_id: t for t in response.tasks}
+    for task_id, task in listed.items():
+      if task_id not in self.fetchers:
+        out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
+        self.fetchers[task_id] = _Fetcher(self, task, out)
+    for task_id, fetcher in self.fetchers.items():
+      if task_id not in listed and not fetcher.ended:
+        fetcher.cancel()  # the dispatcher declared its worker dead
+    if response.job_finished and all(f.ended for f in self.fetchers.values()):
+      self.finished = True
+
+  def round_queue(self, round_index: int) -> tuple[_Fetcher | None, int]:
+    """(fetcher, local round) serving a global round of a round-robin read."""
+    fetchers = sorted(self.fetchers.values(), key=lambda f: f.task.worker_index)
+    if not fetchers:
+      return None, 0
+    num_workers = fetchers[0].task.num_workers
+    by_index = {f.task.worker_index: f for f in fetchers}
+    return by_index.get(round_index % num_workers), round_index // num_workers
+
+  def close(self) -> None:
+    self.stop.set()
+    for fetcher in list(self.fetchers.values()):
+      fetcher.cancel()
+    if self.manager is not threading.current_thread():
+      self.manager.join(timeout=15)
+    for fetcher in list(self.fetchers.values()):
+      fetcher.thread.join(timeout=15)
+    if self.client_id:
+      try:
+        _dispatcher_caller(self.channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
+                           self.node.auth_token)(
+            pb.ReleaseJobClientRequest(job_id=self.job_id, client_id=self.client_id),
+            timeout=2)
+      except grpc.RpcError:
+        pass  # the dispatcher times the client out instead
+    self.channel.close()
+
+
+class DistributedIterator(base.OpIterator):
+  """Iterator over a service read; `close()` leaves the job."""
+
+  op_name = DistributedNode.op_name
+
+  def __init__(self, node: DistributedNode):
+    super().__init__(())
+    self._read = _ReadState(node)
+    self._elements = 0
+    self._round = 0
+    self._pending: dict[int, list] = {}
+    self._finalizer = weakref.finalize(self, self._read.close)
+
+  @property
+  def elements_by_worker(self) -> dict[str, int]:
+    """Elements received so far from each worker address."""
+    with self._read.lock:
+      return dict(self._read.elements_by_worker)
+
+  @property
+  def job_id(self) -> int:
+    return self._read.job_id
+
+  def _raise_error(self) -> None:
+    error = self._read.error
+    if error is not None:
+      if isinstance(error, (rpc.ServiceError, spec_lib.SpecError, ValueError)):
+        raise error
+      raise rpc.ServiceError(f"Reading from the service failed: {error}") from error
+
+  def __next__(self) -> Any:
+    read = self._read
+    if read.node.num_consumers:
+      return self._next_round()
+    while True:
+      try:
+        element, _ = read.buffer.get(timeout=_POLL_S)
+        self._elements += 1
+        return element
+      except queue.Empty:
+        pass
+      self._raise_error()
+      if read.finished and read.buffer.empty():
+        raise StopIteration
+      if read.stop.is_set():
+        raise StopIteration
+
+  def _next_round(self) -> Any:
+    read = self._read
+    while True:
+      self._raise_error()
+      fetcher, local_round = read.round_queue(self._round)
+      if fetcher is None:
+        if read.finished:
+          raise StopIteration
+        time.sleep(_POLL_S)
+        continue
+      try:
+        element, got_round = fetcher.out.get(timeout=_POLL_S)
+      except queue.Empty:
+        if fetcher.ended and fetcher.out.empty():
+          if fetcher.failed and not read.finished:
+            self._round += 1  # skip the rounds of a lost worker
+            continue
+          raise StopIteration
+        continue
+      del got_round, local_round
+      self._round += 1
+      self._elements += 1
+      return element
+
+  def _get_own_state(self) -> dict:
+    return {"elements_read": self._elements}
+
+  def _set_own_state(self, state: dict) -> None:
+    if state.get("elements_read", 0) != self._elements:
+      raise base.PipelineStateError(
+          "A service read cannot resume at a position: the workers' output "
+          f"order is not reproducible (state {state}); start a new read.")
+
+  def _close_own(self) -> None:
+    self._finalizer()
+
+
+def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epochs",
+               job_name: str | None = None, num_consumers: int | None = None,
+               consumer_index: int | None = None, compression: str | None = None,
+               max_outstanding_requests: int | None = None, **options: Any) -> Any:
+  """Runs `dataset` on the service's workers; returns a Dataset reading its output.
+
+  Args:
+    dataset: the pipeline to run remotely.
+    service: the dispatcher's "host:port".
+    processing_mode: "parallel_epochs" / "distributed_epoch" or a ShardingPolicy.
+    job_name: readers with the same job name share one job (each element goes
+      to one of them).
+    num_consumers: round-robin reads by this many consumers (needs job_name).
+    consumer_index: this consumer's index in [0, num_consumers).
+    compression: None, "lz4" or "zstd" for batches on the wire.
+    max_outstanding_requests: batches buffered on the client (default 8).
+    **options: auth_token, udf_secret, tls, data_transfer ("auto", "socket",
+      "grpc"), timeout_s.
+
+  Returns:
+    A jaxfeed Dataset.
+  """
+  from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
+  node = DistributedNode(
+      service=service, processing_mode=processing_mode, dataset=dataset,
+      job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
+      compression=compression, max_outstanding_requests=max_outstanding_requests,
+      **options)
+  return Dataset(node, getattr(dataset, "options", None))
+
+
+def from_dataset_id(processing_mode: Any, service: str, dataset_id: str,
+                    job_name: str | None = None, num_consumers: int | None = None,
+                    consumer_index: int | None = None, compression: str | None = None,
+                    max_outstanding_requests: int | None = None, **options: Any) -> Any:
+  """Reads a dataset registered with `register_dataset` (see `distribute`)."""
+  from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
+  if not isinstance(dataset_id, str) or not dataset_id:
+    raise ValueError(f"dataset_id must be a non-empty string, got {dataset_id!r}.")
+  return Dataset(DistributedNode(
+      service=service, processing_mode=processing_mode, dataset_id=dataset_id,
+      job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
+      compression=compression, max_outstanding_requests=max_outstanding_requests,
+      **options))

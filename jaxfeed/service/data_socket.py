@@ -1,0 +1,187 @@
+"""The raw-socket data path beside gRPC: frames straight over TCP.
+
+Python gRPC moves about 1 GB/s per channel; a plain socket moves frames at
+memcpy-like speed. A worker listens on a second port (its `data_address`);
+a client opens one connection per task and sends a hello, and the worker
+streams the task's frames:
+
+  client -> worker:  uint32 length | JSON {"token", "task_id", "compression",
+                                            "consumer_index", "round"}
+  worker -> client:  repeated  uint8 kind | uint64 length | int64 round | bytes
+                     kind 0: a frame, 1: end of sequence, 2: error
+                     (bytes = JSON {"status", "message"})
+
+TCP flow control bounds what is in flight. The hello is length-limited and
+validated, so garbage on the port only closes that connection.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import socket
+import struct
+import threading
+from typing import Any, Callable
+
+from jaxfeed.service import wire
+
+_HELLO_LEN = struct.Struct("<I")
+_FRAME_PREFIX = struct.Struct("<BQq")
+KIND_FRAME, KIND_END, KIND_ERROR = 0, 1, 2
+MAX_HELLO_BYTES = 4096
+
+
+class DataConnectionError(ConnectionError):
+  """The data connection broke or the worker reported an error."""
+
+  def __init__(self, message: str, status: str = "UNAVAILABLE"):
+    super().__init__(message)
+    self.status = status
+
+
+def _recv_exact(sock: socket.socket, size: int, into: bytearray | None = None) -> bytearray:
+  buf = into if into is not None else bytearray(size)
+  view = memoryview(buf)
+  got = 0
+  while got < size:
+    n = sock.recv_into(view[got:], size - got)
+    if n == 0:
+      raise DataConnectionError(f"Data connection closed after {got} of {size} bytes.")
+    got += n
+  return buf
+
+
+class DataServer:
+  """Listens on a TCP port and streams task frames to connected clients."""
+
+  def __init__(self, host: str, token: str | None,
+               serve: Callable[[dict, Callable[[], bool]], Any]):
+    self._token = token
+    self._serve = serve  # serve(hello, is_active) -> iterator of (frame, round)
+    self._listener = socket.create_server((host, 0))
+    self._listener.settimeout(0.2)
+    self.port = self._listener.getsockname()[1]
+    self._stop = threading.Event()
+    self._lock = threading.Lock()
+    self._connections: dict[socket.socket, threading.Thread] = {}
+    self._accept_thread = threading.Thread(
+        target=self._accept_loop, name="jaxfeed-data-accept", daemon=True)
+    self._accept_thread.start()
+
+  def _accept_loop(self) -> None:
+    while not self._stop.is_set():
+      try:
+        conn, _ = self._listener.accept()
+      except socket.timeout:
+        continue
+      except OSError:
+        return
+      conn.settimeout(None)
+      conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      thread = threading.Thread(target=self._handle, args=(conn,),
+                                name="jaxfeed-data-conn", daemon=True)
+      with self._lock:
+        if self._stop.is_set():
+          conn.close()
+          return
+        self._connections[conn] = thread
+      thread.start()
+
+  def _handle(self, conn: socket.socket) -> None:
+    try:
+      conn.settimeout(10)
+      (length,) = _HELLO_LEN.unpack(_recv_exact(conn, _HELLO_LEN.size))
+      if length > MAX_HELLO_BYTES:
+        raise DataConnectionError(f"Hello of {length} bytes exceeds {MAX_HELLO_BYTES}.",
+                                  "INVALID_ARGUMENT")
+      try:
+        hello = json.loads(bytes(_recv_exact(conn, length)))
+        if not isinstance(hello, dict):
+          raise ValueError("not an object")
+      except ValueError as e:
+        raise DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
+      conn.settimeout(None)
+      if self._token and not hmac.compare_digest(
+          str(hello.get("token", "")).encode(), self._token.encode()):
+        raise DataConnectionError("Missing or wrong auth token.", "UNAUTHENTICATED")
+      compression = hello.get("compression") or ""
+      if compression not in wire.COMPRESSIONS:
+        raise DataConnectionError(f"Unknown compression {compression!r}.", "INVALID_ARGUMENT")
+      is_active = lambda: not self._stop.is_set()
+      for frame, round_index in self._serve(hello, is_active):
+        if compression:
+          frame = wire.encode(wire.decode(frame), compression)
+        conn.sendall(_FRAME_PREFIX.pack(KIND_FRAME, len(frame), round_index))
+        conn.sendall(frame)
+      conn.sendall(_FRAME_PREFIX.pack(KIND_END, 0, 0))
+    except (DataConnectionError, Exception) as e:  # pylint: disable=broad-except
+      status = getattr(e, "status", "INTERNAL")
+      if isinstance(e, (BrokenPipeError, ConnectionResetError)):
+        return
+      payload = json.dumps({"status": status, "message": str(e)}).encode()
+      try:
+        conn.sendall(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0) + payload)
+      except OSError:
+        pass
+      if status == "INTERNAL":
+        logging.warning("Data connection failed: %s", e)
+    finally:
+      with self._lock:
+        self._connections.pop(conn, None)
+      conn.close()
+
+  def close(self) -> None:
+    if self._stop.is_set():
+      return
+    self._stop.set()
+    self._listener.close()
+    self._accept_thread.join(timeout=5)
+    with self._lock:
+      connections = dict(self._connections)
+    for conn in connections:
+      try:
+        conn.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+    for thread in connections.values():
+      thread.join(timeout=5)
+
+
+class DataConnection:
+  """A client's connection to one task on a worker's data port."""
+
+  def __init__(self, address: str, hello: dict, timeout_s: float = 10.0):
+    host, port = address.rsplit(":", 1)
+    self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = json.dumps(hello).encode()
+    self._sock.sendall(_HELLO_LEN.pack(len(payload)) + payload)
+    self._sock.settimeout(None)
+    self._prefix = bytearray(_FRAME_PREFIX.size)
+
+  def next_frame(self) -> tuple[bytearray, int] | None:
+    """The next (frame, round); None at the end. Raises DataConnectionError."""
+    try:
+      kind, length, round_index = _FRAME_PREFIX.unpack(
+          _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))
+      if kind == KIND_END:
+        return None
+      body = _recv_exact(self._sock, length)
+    except OSError as e:
+      if isinstance(e, DataConnectionError):
+        raise
+      raise DataConnectionError(f"Data connection failed: {e}") from e
+    if kind == KIND_ERROR:
+      error = json.loads(bytes(body))
+      raise DataConnectionError(error.get("message", "worker error"),
+                                error.get("status", "INTERNAL"))
+    return body, round_index
+
+  def close(self) -> None:
+    try:
+      self._sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+    self._sock.close()

@@ -1,0 +1,571 @@
+"""The dispatcher: datasets, jobs, workers, clients and splits. No data.
+
+Run it from the command line:
+
+  python -m jaxfeed.service.dispatcher --port=5050 --work_dir=/tmp/jf
+
+It prints `jaxfeed dispatcher listening on HOST:PORT` once it serves (with
+`--port=0` the OS picks the port).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+import grpc
+
+from jaxfeed.service import journal as journal_lib
+from jaxfeed.service import rpc
+from jaxfeed.service import spec as spec_lib
+from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.sharding import ShardingPolicy, to_sharding_policy
+
+SERVICE_NAME = "jaxfeed.service.Dispatcher"
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatcherConfig:
+  """Options of a dispatcher.
+
+  Attributes:
+    port: TCP port; 0 lets the OS pick one (read it from `DispatchServer.port`).
+    host: Interface to bind; loopback unless set.
+    work_dir: Folder of the write-ahead journal; None keeps state in memory.
+    heartbeat_timeout_s: A worker silent this long is declared dead.
+    client_timeout_s: A client silent this long is released from its job.
+    auth_token: If set, every RPC must carry it (gRPC metadata).
+    split_size: Sampler positions per DYNAMIC split.
+    max_message_bytes: Largest gRPC message accepted or sent.
+    pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
+    num_workers: Static sharding and round-robin jobs wait for this many
+      workers; None takes the workers registered when the job starts.
+    tls: Server key and certificate for TLS; None serves plaintext.
+    journal_fsync: fsync every journal record (durable across power loss).
+  """
+
+  port: int = 0
+  host: str = "127.0.0.1"
+  work_dir: str | None = None
+  heartbeat_timeout_s: float = 10.0
+  client_timeout_s: float = 60.0
+  auth_token: str | None = None
+  split_size: int = 256
+  max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES
+  pickled_udf_secret: bytes | None = None
+  num_workers: int | None = None
+  tls: rpc.TLSConfig | None = None
+  journal_fsync: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+      raise ValueError(f"DispatcherConfig: port must be in [0, 65535], got {self.port!r}.")
+    for name in ("heartbeat_timeout_s", "client_timeout_s"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"DispatcherConfig: {name} must be > 0 seconds, got {value!r}.")
+    if not isinstance(self.split_size, int) or self.split_size < 1:
+      raise ValueError(f"DispatcherConfig: split_size must be an integer >= 1, got {self.split_size!r}.")
+    if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
+      raise ValueError("DispatcherConfig: max_message_bytes must be an integer "
+                       f">= 1024, got {self.max_message_bytes!r}.")
+    if self.num_workers is not None and (
+        not isinstance(self.num_workers, int) or self.num_workers < 1):
+      raise ValueError(f"DispatcherConfig: num_workers must be None or >= 1, got {self.num_workers!r}.")
+    if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token):
+      raise ValueError("DispatcherConfig: auth_token must be a non-empty string or None.")
+
+
+@dataclasses.dataclass
+class _Task:
+  task_id: int
+  job_id: int
+  worker_address: str
+  worker_index: int
+  num_workers: int
+  finished: bool = False
+
+
+@dataclasses.dataclass
+class _Job:
+  job_id: int
+  dataset_id: str
+  policy: ShardingPolicy
+  job_name: str
+  num_consumers: int
+  num_positions: int
+  tasks: dict[int, _Task] = dataclasses.field(default_factory=dict)
+  clients: dict[int, float] = dataclasses.field(default_factory=dict)
+  # Static and round-robin jobs fix their workers (address -> index) once.
+  fixed_workers: dict[str, int] | None = None
+  next_position: int = 0
+
+  @property
+  def splits_exhausted(self) -> bool:
+    return 0 <= self.num_positions <= self.next_position
+
+  @property
+  def fixes_workers(self) -> bool:
+    return self.policy.is_static or self.num_consumers > 0
+
+
+@dataclasses.dataclass
+class _Worker:
+  address: str
+  data_address: str
+  last_heartbeat: float
+  tasks: set[int] = dataclasses.field(default_factory=set)
+
+
+class DispatcherState:
+  """The dispatcher's bookkeeping; every change is journaled first."""
+
+  def __init__(self, config: DispatcherConfig):
+    self.config = config
+    self.lock = threading.Lock()
+    self.datasets: dict[str, pb.DatasetDef] = {}
+    self.dataset_by_fingerprint: dict[str, str] = {}
+    self.jobs: dict[int, _Job] = {}
+    self.job_by_name: dict[str, int] = {}
+    self.workers: dict[str, _Worker] = {}
+    self._ids = itertools.count(1)
+    self._journal = None
+    if config.work_dir:
+      self._journal = journal_lib.Journal(config.work_dir, config.journal_fsync)
+      for record in self._journal.replay():
+        self._apply(record)
+
+  def close(self) -> None:
+    if self._journal is not None:
+      self._journal.close()
+
+  # -- journaled changes --------------------------------------------------
+  def _record(self, record: dict) -> None:
+    if self._journal is not None:
+      self._journal.append(record)
+    self._apply(record)
+
+  def _next_id(self) -> int:
+    return next(self._ids)
+
+  def _apply(self, r: dict) -> None:
+    kind = r["kind"]
+    if "id" in r:  # keep ids unique across restarts
+      n = int(r["id"])
+      current = next(self._ids)
+      self._ids = itertools.count(max(current, n + 1))
+    if kind == "dataset":
+      dataset_def = pb.DatasetDef.FromString(base64.b64decode(r["def"]))
+      self.datasets[r["dataset_id"]] = dataset_def
+      self.dataset_by_fingerprint[dataset_def.fingerprint] = r["dataset_id"]
+    elif kind == "job":
+      job = _Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
+                 r["job_name"], r["num_consumers"], r["num_positions"])
+      self.jobs[job.job_id] = job
+      if job.job_name:
+        self.job_by_name[job.job_name] = job.job_id
+    elif kind == "fix_workers":
+      self.jobs[r["job_id"]].fixed_workers = dict(r["workers"])
+    elif kind == "task":
+      job = self.jobs[r["job_id"]]
+      job.tasks[int(r["id"])] = _Task(int(r["id"]), job.job_id, r["worker_address"],
+                                      r["worker_index"], r["num_workers"])
+      worker = self.workers.get(r["worker_address"])
+      if worker is not None:
+        worker.tasks.add(int(r["id"]))
+    elif kind == "task_finished":
+      task = self.jobs[r["job_id"]].tasks.get(r["task_id"])
+      if task is not None:
+        task.finished = True
+    elif kind == "task_lost":
+      self.jobs[r["job_id"]].tasks.pop(r["task_id"], None)
+    elif kind == "client":
+      self.jobs[r["job_id"]].clients[int(r["id"])] = time.monotonic()
+    elif kind == "client_released":
+      self.jobs[r["job_id"]].clients.pop(r["client_id"], None)
+    elif kind == "job_deleted":
+      job = self.jobs.pop(r["job_id"], None)
+      if job is not None and self.job_by_name.get(job.job_name) == job.job_id:
+        del self.job_by_name[job.job_name]
+    elif kind == "splits":
+      self.jobs[r["job_id"]].next_position = r["next_position"]
+    else:
+      raise ValueError(f"Unknown journal record kind {kind!r}.")
+
+  # -- datasets -------------------------------------------------------------
+  def register_dataset(self, dataset_def: pb.DatasetDef) -> str:
+    spec_lib.check_signature(dataset_def, self.config.pickled_udf_secret)
+    if not dataset_def.graph_json:
+      raise ValueError("RegisterDataset: the dataset definition has no graph.")
+    with self.lock:
+      existing = self.dataset_by_fingerprint.get(dataset_def.fingerprint)
+      if existing is not None and dataset_def.fingerprint:
+        return existing
+      dataset_id = str(self._next_id())
+      self._record({"kind": "dataset", "id": dataset_id, "dataset_id": dataset_id,
+                    "def": base64.b64encode(dataset_def.SerializeToString()).decode()})
+      return dataset_id
+
+  def dataset_def(self, dataset_id: str) -> pb.DatasetDef:
+    with self.lock:
+      found = self.datasets.get(dataset_id)
+    if found is None:
+      raise rpc.NotFoundError(f"Unknown dataset id {dataset_id!r}: register the dataset first.")
+    return found
+
+  # -- jobs -------------------------------------------------------------------
+  def get_or_create_job(self, request: pb.GetOrCreateJobRequest) -> tuple[int, int]:
+    policy = to_sharding_policy(request.sharding_policy)
+    if request.num_consumers < 0:
+      raise ValueError(f"num_consumers must be >= 0, got {request.num_consumers}.")
+    with self.lock:
+      dataset_def = self.datasets.get(request.dataset_id)
+      if dataset_def is None:
+        raise rpc.NotFoundError(
+            f"Unknown dataset id {request.dataset_id!r}: register the dataset first.")
+      job = None
+      if request.job_name:
+        job_id = self.job_by_name.get(request.job_name)
+        job = self.jobs.get(job_id) if job_id is not None else None
+        if job is not None and (job.dataset_id != request.dataset_id or job.policy != policy
+                                or job.num_consumers != request.num_consumers):
+          raise ValueError(
+              f"Job {request.job_name!r} exists for dataset {job.dataset_id} with "
+              f"processing mode {job.policy.name} and num_consumers "
+              f"{job.num_consumers}; it cannot be read as dataset "
+              f"{request.dataset_id} with {policy.name} / {request.num_consumers}.")
+      if job is None:
+        if policy == ShardingPolicy.DYNAMIC and dataset_def.num_positions == 0:
+          pass  # an empty pipeline: the job finishes at once
+        job_id = self._next_id()
+        self._record({"kind": "job", "id": job_id, "dataset_id": request.dataset_id,
+                      "policy": policy.value, "job_name": request.job_name,
+                      "num_consumers": request.num_consumers,
+                      "num_positions": int(dataset_def.num_positions)})
+        job = self.jobs[job_id]
+        self._assign_tasks(job)
+      client_id = self._next_id()
+      self._record({"kind": "client", "id": client_id, "job_id": job.job_id})
+      return job.job_id, client_id
+
+  def _assign_tasks(self, job: _Job) -> None:
+    """Creates tasks for live workers that lack one (lock held)."""
+    if job.fixes_workers and job.fixed_workers is None:
+      wanted = self.config.num_workers or 1
+      if len(self.workers) < wanted:
+        return
+      addresses = sorted(self.workers)[:self.config.num_workers or len(self.workers)]
+      self._record({"kind": "fix_workers", "job_id": job.job_id,
+                    "workers": [[a, i] for i, a in enumerate(addresses)]})
+    have = {t.worker_address for t in job.tasks.values()}
+    for address in sorted(self.workers):
+      if address in have:
+        continue
+      if job.fixed_workers is not None:
+        if address not in job.fixed_workers:
+          continue
+        index, count = job.fixed_workers[address], len(job.fixed_workers)
+      else:
+        index, count = 0, 1
+      self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
+                    "worker_address": address, "worker_index": index,
+                    "num_workers": count})
+
+  def _task_info(self, task: _Task) -> pb.TaskInfo:
+    job = self.jobs[task.job_id]
+    worker = self.workers.get(task.worker_address)
+    return pb.TaskInfo(
+        task_id=task.task_id, job_id=job.job_id, dataset_id=job.dataset_id,
+        worker_address=task.worker_address,
+        data_address=worker.data_address if worker else "",
+        sharding_policy=job.policy.value, worker_index=task.worker_index,
+        num_workers=task.num_workers, num_consumers=job.num_consumers)
+
+  def _job(self, job_id: int) -> _Job:
+    job = self.jobs.get(job_id)
+    if job is None:
+      raise rpc.NotFoundError(f"Unknown job id {job_id}: it finished, was released or never existed.")
+    return job
+
+  def client_heartbeat(self, job_id: int, client_id: int) -> pb.ClientHeartbeatResponse:
+    with self.lock:
+      job = self._job(job_id)
+      if client_id not in job.clients:
+        raise rpc.NotFoundError(f"Client {client_id} is not reading job {job_id}.")
+      job.clients[client_id] = time.monotonic()
+      tasks = [self._task_info(t) for t in job.tasks.values()
+               if t.worker_address in self.workers]
+      done = all(t.finished for t in job.tasks.values())
+      if job.policy == ShardingPolicy.DYNAMIC:
+        finished = job.splits_exhausted and done
+      elif job.fixes_workers:
+        finished = job.fixed_workers is not None and done
+      else:
+        finished = bool(job.tasks) and done
+      if job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
+        finished = finished and not any(  # a fixed worker may still come back
+            a in self.workers for a in job.fixed_workers)
+      return pb.ClientHeartbeatResponse(tasks=tasks, job_finished=finished)
+
+  def release_client(self, job_id: int, client_id: int) -> None:
+    with self.lock:
+      job = self.jobs.get(job_id)
+      if job is None or client_id not in job.clients:
+        return
+      self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
+      if not job.clients:
+        self._record({"kind": "job_deleted", "job_id": job_id})
+
+  # -- workers ------------------------------------------------------------------
+  def worker_heartbeat(self, request: pb.WorkerHeartbeatRequest) -> pb.WorkerHeartbeatResponse:
+    address = request.worker_address
+    if not address:
+      raise ValueError("WorkerHeartbeat: worker_address is empty.")
+    with self.lock:
+      worker = self.workers.get(address)
+      if worker is None:
+        logging.info("Worker %s registered.", address)
+        worker = _Worker(address, request.data_address, time.monotonic())
+        self.workers[address] = worker
+        for job in self.jobs.values():  # tasks journaled before a restart
+          worker.tasks.update(t.task_id for t in job.tasks.values()
+                              if t.worker_address == address)
+        for job in list(self.jobs.values()):
+          self._assign_tasks(job)
+      worker.last_heartbeat = time.monotonic()
+      worker.data_address = request.data_address
+      for task_id in request.finished_tasks:
+        for job in self.jobs.values():
+          task = job.tasks.get(task_id)
+          if task is not None and not task.finished:
+            self._record({"kind": "task_finished", "job_id": job.job_id, "task_id": task_id})
+      live = {t.task_id: t for job in self.jobs.values() for t in job.tasks.values()
+              if t.worker_address == address}
+      current = set(request.current_tasks)
+      return pb.WorkerHeartbeatResponse(
+          new_tasks=[self._task_info(t) for tid, t in sorted(live.items())
+                     if tid not in current and not t.finished],
+          tasks_to_delete=sorted(current - set(live)))
+
+  def get_splits(self, request: pb.GetSplitsRequest) -> pb.GetSplitsResponse:
+    with self.lock:
+      job = self._job(request.job_id)
+      if job.policy != ShardingPolicy.DYNAMIC:
+        raise ValueError(f"Job {job.job_id} uses {job.policy.name} sharding; only "
+                         "DYNAMIC jobs hand out splits.")
+      if request.task_id not in job.tasks:
+        raise rpc.NotFoundError(f"Task {request.task_id} is not part of job {job.job_id}.")
+      ranges = []
+      start = job.next_position
+      for _ in range(max(1, min(request.max_ranges, 64))):
+        if 0 <= job.num_positions <= start:
+          break
+        stop = start + self.config.split_size
+        if job.num_positions >= 0:
+          stop = min(stop, job.num_positions)
+        ranges.append(pb.SplitRange(start=start, stop=stop))
+        start = stop
+      if start != job.next_position:
+        self._record({"kind": "splits", "job_id": job.job_id, "next_position": start})
+      return pb.GetSplitsResponse(ranges=ranges, end_of_splits=job.splits_exhausted)
+
+  def check_liveness(self) -> None:
+    """Drops workers and clients whose heartbeats stopped."""
+    now = time.monotonic()
+    with self.lock:
+      for address, worker in list(self.workers.items()):
+        if now - worker.last_heartbeat <= self.config.heartbeat_timeout_s:
+          continue
+        logging.warning("Worker %s missed heartbeats for %.1fs: declared dead.",
+                        address, now - worker.last_heartbeat)
+        del self.workers[address]
+        for job in self.jobs.values():
+          for task in list(job.tasks.values()):
+            if task.worker_address == address and not task.finished:
+              self._record({"kind": "task_lost", "job_id": job.job_id,
+                            "task_id": task.task_id})
+      for job in list(self.jobs.values()):
+        for client_id, seen in list(job.clients.items()):
+          if now - seen > self.config.client_timeout_s:
+            self.release_client_locked(job.job_id, client_id)
+
+  def release_client_locked(self, job_id: int, client_id: int) -> None:
+    self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
+    if not self.jobs[job_id].clients:
+      self._record({"kind": "job_deleted", "job_id": job_id})
+
+
+class _DispatcherServicer:
+  """Maps RPCs onto DispatcherState."""
+
+  def __init__(self, state: DispatcherState):
+    self.state = state
+
+  def RegisterDataset(self, request, context):
+    del context
+    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(request.dataset))
+
+  def GetDatasetDef(self, request, context):
+    del context
+    return pb.GetDatasetDefResponse(dataset=self.state.dataset_def(request.dataset_id))
+
+  def GetOrCreateJob(self, request, context):
+    del context
+    job_id, client_id = self.state.get_or_create_job(request)
+    return pb.GetOrCreateJobResponse(job_id=job_id, client_id=client_id)
+
+  def ClientHeartbeat(self, request, context):
+    del context
+    return self.state.client_heartbeat(request.job_id, request.client_id)
+
+  def ReleaseJobClient(self, request, context):
+    del context
+    self.state.release_client(request.job_id, request.client_id)
+    return pb.ReleaseJobClientResponse()
+
+  def WorkerHeartbeat(self, request, context):
+    del context
+    return self.state.worker_heartbeat(request)
+
+  def GetSplits(self, request, context):
+    del context
+    return self.state.get_splits(request)
+
+  def handler(self, token: str | None) -> grpc.GenericRpcHandler:
+    methods = {
+        "RegisterDataset": pb.RegisterDatasetRequest,
+        "GetDatasetDef": pb.GetDatasetDefRequest,
+        "GetOrCreateJob": pb.GetOrCreateJobRequest,
+        "ClientHeartbeat": pb.ClientHeartbeatRequest,
+        "ReleaseJobClient": pb.ReleaseJobClientRequest,
+        "WorkerHeartbeat": pb.WorkerHeartbeatRequest,
+        "GetSplits": pb.GetSplitsRequest,
+    }
+    return rpc.method_handlers(
+        SERVICE_NAME, token,
+        {name: (getattr(self, name), cls, False) for name, cls in methods.items()})
+
+
+def _liveness_loop(state_ref: weakref.ref, stop: threading.Event, period: float) -> None:
+  while not stop.wait(period):
+    state = state_ref()
+    if state is None:
+      return
+    try:
+      state.check_liveness()
+    except Exception:  # pylint: disable=broad-except
+      logging.exception("Dispatcher liveness check failed")
+    del state
+
+
+class DispatchServer:
+  """A dispatcher gRPC server; `start()` (or `with`) serves, `stop()` ends it."""
+
+  def __init__(self, config: DispatcherConfig | None = None, start: bool = True):
+    self.config = config or DispatcherConfig()
+    self.state = DispatcherState(self.config)
+    servicer = _DispatcherServicer(self.state)
+    self._server, self.port = rpc.make_server(
+        f"{self.config.host}:{self.config.port}", servicer.handler(self.config.auth_token),
+        self.config.max_message_bytes, self.config.tls)
+    self._stop = threading.Event()
+    self._liveness = threading.Thread(
+        target=_liveness_loop, name="jaxfeed-dispatcher-liveness", daemon=True,
+        args=(weakref.ref(self.state), self._stop,
+              min(0.5, self.config.heartbeat_timeout_s / 4)))
+    self._started = False
+    self._stopped = False
+    self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state)
+    if start:
+      self.start()
+
+  @property
+  def target(self) -> str:
+    """The address clients and workers connect to."""
+    return f"{self.config.host}:{self.port}"
+
+  def start(self) -> "DispatchServer":
+    if not self._started:
+      self._started = True
+      self._server.start()
+      self._liveness.start()
+    return self
+
+  def join(self, timeout: float | None = None) -> None:
+    """Blocks until the server stops."""
+    self._server.wait_for_termination(timeout)
+
+  def stop(self) -> None:
+    """Stops serving and releases the port. Idempotent."""
+    if self._stopped:
+      return
+    self._stopped = True
+    self._finalizer()
+    if self._liveness.is_alive():
+      self._liveness.join(timeout=5)
+
+  close = stop
+
+  def __enter__(self) -> "DispatchServer":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+def _shutdown(server: rpc.ServerHandle, stop: threading.Event, state: DispatcherState) -> None:
+  stop.set()
+  server.stop()
+  state.close()
+
+
+def main(argv: Any) -> None:
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  config = DispatcherConfig(
+      port=f.port, host=f.host, work_dir=f.work_dir or None,
+      heartbeat_timeout_s=f.heartbeat_timeout_s, auth_token=f.auth_token or None,
+      split_size=f.split_size, num_workers=f.num_workers or None,
+      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None)
+  server = DispatchServer(config)
+  print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
+  if f.port_file:
+    _write_port_file(f.port_file, server.port)
+  try:
+    server.join()
+  finally:
+    server.stop()
+
+
+def _write_port_file(path: str, port: int) -> None:
+  import os  # pylint: disable=g-import-not-at-top
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    f.write(str(port))
+  os.replace(tmp, path)
+
+
+def define_flags() -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_integer("port", 0, "Port to serve on; 0 picks a free one.")
+  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
+  flags.DEFINE_string("work_dir", "", "Folder of the write-ahead journal.")
+  flags.DEFINE_float("heartbeat_timeout_s", 10.0, "Worker heartbeat timeout.")
+  flags.DEFINE_string("auth_token", "", "Token every RPC must carry.")
+  flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
+  flags.DEFINE_integer("num_workers", 0, "Workers static sharding waits for.")
+  flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
+  flags.DEFINE_string("port_file", "", "Write the bound port to this file.")
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  define_flags()
+  app.run(main)

@@ -1,0 +1,355 @@
+"""The worker: registers with the dispatcher, runs tasks, serves their batches.
+
+Run it from the command line:
+
+  python -m jaxfeed.service.worker --dispatcher_address=HOST:PORT
+
+It prints `jaxfeed worker listening on HOST:PORT data HOST:PORT` once it serves.
+Workers keep no durable state: a restarted worker registers like a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Iterator
+
+import grpc
+
+from jaxfeed.service import data_socket
+from jaxfeed.service import rpc
+from jaxfeed.service import task_pipeline
+from jaxfeed.service import task_runner as task_runner_lib
+from jaxfeed.service.protos import service_pb2 as pb
+
+SERVICE_NAME = "jaxfeed.service.Worker"
+_DISPATCHER = "/jaxfeed.service.Dispatcher/"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+  """Options of a worker.
+
+  Attributes:
+    dispatcher_address: host:port of the dispatcher.
+    port: gRPC port; 0 lets the OS pick one.
+    host: Interface to bind and the host part of the advertised addresses.
+    heartbeat_interval_s: Seconds between heartbeats to the dispatcher.
+    buffer_size: Ready batches buffered per task (rounds for round-robin jobs).
+    auth_token: Token sent to the dispatcher and required from clients.
+    pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
+    max_message_bytes: Largest gRPC message accepted or sent.
+    chunk_bytes: Largest piece of a batch per streamed gRPC message.
+    data_socket: Also serve batches on a raw TCP port (fast path).
+    splits_per_request: DYNAMIC split ranges fetched per dispatcher call.
+    tls: Key and certificate for serving TLS, and the root CA for the
+      dispatcher. TLS disables the raw data socket.
+  """
+
+  dispatcher_address: str
+  port: int = 0
+  host: str = "127.0.0.1"
+  heartbeat_interval_s: float = 0.5
+  buffer_size: int = 8
+  auth_token: str | None = None
+  pickled_udf_secret: bytes | None = None
+  max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES
+  chunk_bytes: int = 4 << 20
+  data_socket: bool = True
+  splits_per_request: int = 2
+  tls: rpc.TLSConfig | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.dispatcher_address, str) or ":" not in self.dispatcher_address:
+      raise ValueError("WorkerConfig: dispatcher_address must be 'host:port', "
+                       f"got {self.dispatcher_address!r}.")
+    if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+      raise ValueError(f"WorkerConfig: port must be in [0, 65535], got {self.port!r}.")
+    if not isinstance(self.heartbeat_interval_s, (int, float)) or self.heartbeat_interval_s <= 0:
+      raise ValueError("WorkerConfig: heartbeat_interval_s must be > 0, got "
+                       f"{self.heartbeat_interval_s!r}.")
+    for name in ("buffer_size", "splits_per_request"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"WorkerConfig: {name} must be an integer >= 1, got {value!r}.")
+    if not isinstance(self.chunk_bytes, int) or not 1024 <= self.chunk_bytes <= self.max_message_bytes - 1024:
+      raise ValueError(f"WorkerConfig: chunk_bytes must be in [1024, max_message_bytes - 1024], "
+                       f"got {self.chunk_bytes!r}.")
+
+
+class _Worker:
+  """The worker's state; owned by WorkerServer, referenced by its threads."""
+
+  def __init__(self, config: WorkerConfig, address: str):
+    self.config = config
+    self.address = address
+    self.data_address = ""
+    self.lock = threading.Lock()
+    self.tasks: dict[int, task_runner_lib.TaskRunner] = {}
+    self.finished: set[int] = set()
+    self.task_added = threading.Condition(self.lock)
+    self.stop = threading.Event()
+    self.dataset_defs: dict[str, pb.DatasetDef] = {}
+    channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
+    self.channel = channel
+    token = config.auth_token
+    self.heartbeat_call = rpc.Caller(channel, _DISPATCHER + "WorkerHeartbeat",
+                                     pb.WorkerHeartbeatResponse, token)
+    self.dataset_call = rpc.Caller(channel, _DISPATCHER + "GetDatasetDef",
+                                   pb.GetDatasetDefResponse, token)
+    self.splits_call = rpc.Caller(channel, _DISPATCHER + "GetSplits",
+                                  pb.GetSplitsResponse, token)
+
+  # -- heartbeats and tasks ----------------------------------------------------
+  def heartbeat(self) -> None:
+    with self.lock:
+      current = list(self.tasks)
+      finished = list(self.finished)
+    response = self.heartbeat_call(
+        pb.WorkerHeartbeatRequest(worker_address=self.address,
+                                  data_address=self.data_address,
+                                  current_tasks=current, finished_tasks=finished),
+        timeout=10)
+    for task in response.new_tasks:
+      self.start_task(task)
+    for task_id in response.tasks_to_delete:
+      with self.lock:
+        runner = self.tasks.pop(task_id, None)
+        self.finished.discard(task_id)
+      if runner is not None:
+        runner.stop()
+
+  def start_task(self, task: pb.TaskInfo) -> None:
+    with self.lock:
+      if task.task_id in self.tasks or self.stop.is_set():
+        return
+    make_iterator = lambda: self._make_iterator(task)
+    runner = task_runner_lib.TaskRunner(
+        task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
+        on_finished=self._on_finished)
+    with self.lock:
+      self.tasks[task.task_id] = runner
+      self.task_added.notify_all()
+
+  def _on_finished(self, task_id: int) -> None:
+    with self.lock:
+      self.finished.add(task_id)
+
+  def _make_iterator(self, task: pb.TaskInfo) -> Any:
+    dataset_def = self.dataset_defs.get(task.dataset_id)
+    if dataset_def is None:
+      dataset_def = rpc.call_with_retry(
+          self.dataset_call, pb.GetDatasetDefRequest(dataset_id=task.dataset_id),
+          30, f"Fetching dataset {task.dataset_id}").dataset
+      self.dataset_defs[task.dataset_id] = dataset_def
+
+    def fetch_ranges() -> tuple[list, bool]:
+      response = rpc.call_with_retry(
+          self.splits_call,
+          pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
+                              max_ranges=self.config.splits_per_request),
+          30, f"Fetching splits of job {task.job_id}")
+      return [(r.start, r.stop) for r in response.ranges], response.end_of_splits
+
+    node = task_pipeline.build_task_node(dataset_def, task, self.config.pickled_udf_secret,
+                                         fetch_ranges)
+    return node.make_iterator()
+
+  def find_task(self, task_id: int, timeout_s: float = 5.0) -> task_runner_lib.TaskRunner:
+    """The task's runner, waiting briefly: clients may learn of a task first."""
+    deadline = time.monotonic() + timeout_s
+    with self.lock:
+      while task_id not in self.tasks:
+        left = deadline - time.monotonic()
+        if left <= 0 or self.stop.is_set():
+          raise rpc.NotFoundError(f"Worker {self.address} has no task {task_id}.")
+        self.task_added.wait(min(left, 0.1))
+      return self.tasks[task_id]
+
+  def frames(self, task_id: int, consumer_index: int, round_index: int,
+             is_active) -> Iterator[tuple[bytes, int]]:
+    runner = self.find_task(task_id)
+    yield from runner.frames(is_active, consumer_index, round_index)
+
+  # -- serving --------------------------------------------------------------------
+  def GetElements(self, request: pb.GetElementsRequest,
+                  context: grpc.ServicerContext) -> Iterator[pb.ElementChunk]:
+    chunk = min(request.max_chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
+    compression = request.compression
+    from jaxfeed.service import wire  # pylint: disable=g-import-not-at-top
+    wire.check_compression(compression)
+    try:
+      for frame, round_index in self.frames(request.task_id, request.consumer_index,
+                                            request.round, context.is_active):
+        if compression:
+          frame = wire.encode(wire.decode(frame), compression)
+        view = memoryview(frame)
+        size = view.nbytes
+        yield pb.ElementChunk(data=bytes(view[:chunk]), frame_bytes=size, round=round_index)
+        for start in range(chunk, size, chunk):
+          yield pb.ElementChunk(data=bytes(view[start:start + chunk]))
+      yield pb.ElementChunk(end_of_sequence=True)
+    except task_runner_lib.TaskFailed as e:
+      raise rpc.StatusError(e.status, str(e)) from e
+
+  def serve_socket(self, hello: dict, is_active) -> Iterator[tuple[bytes, int]]:
+    try:
+      task_id = int(hello["task_id"])
+      consumer_index = int(hello.get("consumer_index", 0))
+      round_index = int(hello.get("round", 0))
+    except (KeyError, TypeError, ValueError) as e:
+      raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
+    try:
+      yield from self.frames(task_id, consumer_index, round_index, is_active)
+    except rpc.NotFoundError as e:
+      raise data_socket.DataConnectionError(str(e), "NOT_FOUND") from e
+    except task_runner_lib.TaskFailed as e:
+      raise data_socket.DataConnectionError(str(e), e.status) from e
+
+  def shutdown(self) -> None:
+    self.stop.set()
+    with self.lock:
+      runners = list(self.tasks.values())
+      self.tasks.clear()
+      self.task_added.notify_all()
+    for runner in runners:
+      runner.stop()
+    self.channel.close()
+
+
+def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+  failures = 0
+  while not stop.is_set():
+    worker = worker_ref()
+    if worker is None:
+      return
+    try:
+      worker.heartbeat()
+      failures = 0
+    except grpc.RpcError as e:
+      failures += 1
+      if failures in (1, 20) or failures % 200 == 0:
+        logging.warning("Worker %s: heartbeat to dispatcher failed (%s); retrying.",
+                        worker.address, e.code().name)
+    except Exception:  # pylint: disable=broad-except
+      logging.exception("Worker heartbeat failed")
+    del worker
+    stop.wait(interval)
+
+
+class WorkerServer:
+  """A worker gRPC server plus its heartbeat thread (and raw data socket)."""
+
+  def __init__(self, config: WorkerConfig, start: bool = True):
+    self.config = config
+    handler_holder: list = []
+    self._server, self.port = rpc.make_server(
+        f"{config.host}:{config.port}",
+        _LazyHandler(handler_holder), config.max_message_bytes, config.tls)
+    self._worker = _Worker(config, f"{config.host}:{self.port}")
+    handler_holder.append(rpc.method_handlers(
+        SERVICE_NAME, config.auth_token,
+        {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True)}))
+    self._data_server = None
+    if config.data_socket and config.tls is None:
+      self._data_server = data_socket.DataServer(config.host, config.auth_token,
+                                                 self._worker.serve_socket)
+      self._worker.data_address = f"{config.host}:{self._data_server.port}"
+    self._heartbeat = threading.Thread(
+        target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,
+        args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s))
+    self._started = False
+    self._finalizer = weakref.finalize(self, _shutdown, self._server, self._worker,
+                                       self._data_server)
+    if start:
+      self.start()
+
+  @property
+  def target(self) -> str:
+    return self._worker.address
+
+  @property
+  def data_address(self) -> str:
+    return self._worker.data_address
+
+  def start(self) -> "WorkerServer":
+    if not self._started:
+      self._started = True
+      self._server.start()
+      self._heartbeat.start()
+    return self
+
+  def join(self, timeout: float | None = None) -> None:
+    self._server.wait_for_termination(timeout)
+
+  def stop(self) -> None:
+    """Stops serving, its tasks and its threads. Idempotent."""
+    self._finalizer()
+    if self._heartbeat.is_alive():
+      self._heartbeat.join(timeout=10)
+
+  close = stop
+
+  def __enter__(self) -> "WorkerServer":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+class _LazyHandler(grpc.GenericRpcHandler):
+  """Forwards to a handler made after the port (and so the address) is known."""
+
+  def __init__(self, holder: list):
+    self._holder = holder
+
+  def service(self, handler_call_details):
+    return self._holder[0].service(handler_call_details) if self._holder else None
+
+
+def _shutdown(server: rpc.ServerHandle, worker: _Worker, data_server: Any) -> None:
+  worker.stop.set()
+  if data_server is not None:
+    data_server.close()
+  server.stop()
+  worker.shutdown()
+
+
+def main(argv: Any) -> None:
+  del argv
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  config = WorkerConfig(
+      dispatcher_address=f.dispatcher_address, port=f.port, host=f.host,
+      heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
+      auth_token=f.auth_token or None, data_socket=f.data_socket,
+      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None)
+  server = WorkerServer(config)
+  print(f"jaxfeed worker listening on {server.target} data {server.data_address}",
+        flush=True)
+  try:
+    server.join()
+  finally:
+    server.stop()
+
+
+def define_flags() -> None:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.DEFINE_string("dispatcher_address", None, "host:port of the dispatcher.")
+  flags.DEFINE_integer("port", 0, "Port to serve on; 0 picks a free one.")
+  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind and advertise.")
+  flags.DEFINE_float("heartbeat_interval_s", 0.5, "Seconds between heartbeats.")
+  flags.DEFINE_integer("buffer_size", 8, "Ready batches buffered per task.")
+  flags.DEFINE_string("auth_token", "", "Token of the deployment.")
+  flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
+  flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
+  flags.mark_flag_as_required("dispatcher_address")
+
+
+if __name__ == "__main__":
+  from absl import app  # pylint: disable=g-import-not-at-top
+  define_flags()
+  app.run(main)
