@@ -1,0 +1,128 @@
+"""Worker processes with shared-memory transfer: results, errors, no leaks."""
+
+import gc
+import os
+import signal
+
+import numpy as np
+import psutil
+import pytest
+
+from jaxfeed.ops import process_pool
+
+
+def square_dict(x):
+  return {"sq": np.full((3, 4), x * x, np.float32), "id": x, "name": f"n{x}"}
+
+
+def big_output(n):
+  return np.arange(n, dtype=np.int64)  # n * 8 bytes, past the 1 MiB block
+
+
+def add_pair(a, b):
+  return np.array([a + b])
+
+
+def noisy(x, rng):
+  return rng.integers(0, 1_000_000, 4)
+
+
+def fails_on_three(x):
+  if x == 3:
+    raise KeyError(f"bad element {x}")
+  return np.array(x)
+
+
+def dies(x):
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def shm_exists(name):
+  return os.path.exists(f"/dev/shm/{name.lstrip('/')}")
+
+
+@pytest.fixture
+def pool_factory():
+  pools = []
+
+  def make(*args, **kwargs):
+    pool = process_pool.ProcessPool(*args, **kwargs)
+    pools.append(pool)
+    return pool
+
+  yield make
+  for pool in pools:
+    pool.close()
+
+
+def test_outputs_come_back_through_shared_memory(pool_factory):
+  pool = pool_factory(square_dict, "map")
+  out = pool(5, seed=0)
+  assert out["id"] == 5 and out["name"] == "n5"
+  np.testing.assert_array_equal(out["sq"], np.full((3, 4), 25, np.float32))
+  assert out["sq"].dtype == np.float32 and out["sq"].flags.owndata
+
+
+def test_tuple_elements_are_unpacked_like_tf_data(pool_factory):
+  pool = pool_factory(add_pair, "map")
+  np.testing.assert_array_equal(pool((2, 5), seed=0), [7])
+
+
+def test_outputs_larger_than_the_block_grow_it(pool_factory):
+  pool = pool_factory(big_output, "map")
+  np.testing.assert_array_equal(pool(10, seed=0), np.arange(10))
+  [first_block] = pool.shared_memory_names()
+  out = pool(1_000_000, seed=0)
+  np.testing.assert_array_equal(out, np.arange(1_000_000))
+  [grown_block] = pool.shared_memory_names()
+  assert grown_block != first_block and not shm_exists(first_block)
+  np.testing.assert_array_equal(pool(10, seed=0), np.arange(10))
+
+
+def test_rng_is_seeded_from_the_element_seed(pool_factory):
+  pool = pool_factory(noisy, "random_map", with_rng=True)
+  a, b = pool(0, seed=123), pool(0, seed=123)
+  np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(a, np.random.default_rng(123).integers(0, 1_000_000, 4))
+  assert not np.array_equal(a, pool(0, seed=124))
+
+
+def test_worker_exception_reaches_caller_with_remote_traceback(pool_factory):
+  pool = pool_factory(fails_on_three, "map")
+  with pytest.raises(KeyError, match="bad element 3") as info:
+    pool(3, seed=0)
+  assert "fails_on_three" in str(info.value.__cause__)
+  np.testing.assert_array_equal(pool(4, seed=0), 4)  # the worker lives on
+
+
+def test_dead_worker_raises_and_is_replaced(pool_factory):
+  pool = pool_factory(dies, "map")
+  with pytest.raises(process_pool.WorkerProcessError, match="died"):
+    pool(1, seed=0)
+  assert pool.num_processes == 0
+
+
+def test_lambda_is_rejected_with_advice():
+  with pytest.raises(ValueError, match="module level.*backend='thread'"):
+    process_pool.ProcessPool(lambda x: x, "map")
+
+
+def test_close_stops_processes_and_unlinks_shared_memory():
+  pool = process_pool.ProcessPool(square_dict, "map")
+  pool(1, seed=0)
+  pids, names = pool.pids(), pool.shared_memory_names()
+  assert pids and all(shm_exists(n) for n in names)
+  pool.close()
+  pool.close()  # idempotent
+  assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+  assert not any(shm_exists(n) for n in names)
+
+
+def test_garbage_collection_stops_processes():
+  pool = process_pool.ProcessPool(square_dict, "map")
+  pool(1, seed=0)
+  pids, names = pool.pids(), pool.shared_memory_names()
+  del pool
+  gc.collect()
+  assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+  assert not any(shm_exists(n) for n in names)
