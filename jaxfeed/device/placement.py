@@ -133,7 +133,7 @@ class BatchPlacer:
         if not _is_sharding(sharding):
           raise TypeError(
               f"DevicePrefetcher: the sharding function returned "
-              f"{type(sharding).__name__} for leaf {_leaf_path(batch, i)!r}; "
+              f"{sharding!r:.100} for leaf {_leaf_path(batch, i)}; "
               f"it must return a jax.sharding.Sharding.")
         shardings.append(self._for_rank(sharding, leaf.ndim))
       return shardings
@@ -174,7 +174,7 @@ class BatchPlacer:
                   sharding: Sharding) -> None:
     if leaf.dtype.kind in "OUSV":
       raise TypeError(
-          f"DevicePrefetcher: leaf {_leaf_path(batch, index)!r} has dtype "
+          f"DevicePrefetcher: leaf {_leaf_path(batch, index)} has dtype "
           f"{leaf.dtype}, which cannot be placed on devices; allowed are "
           "numeric and bool arrays.")
     if not leaf.ndim:
@@ -184,15 +184,15 @@ class BatchPlacer:
     if parts is None:
       try:
         parts = self._parts[key] = _local_parts(sharding, leaf.ndim)
-      except ValueError as e:
+      except (ValueError, IndexError) as e:
         raise ValueError(
-            f"DevicePrefetcher: leaf {_leaf_path(batch, index)!r} of shape "
+            f"DevicePrefetcher: leaf {_leaf_path(batch, index)} of shape "
             f"{leaf.shape} cannot use sharding {sharding}: {e}") from e
     for dim, (size, count) in enumerate(zip(leaf.shape, parts)):
       if size % count:
         what = "local batch size" if dim == 0 else f"size of dimension {dim}"
         raise ValueError(
-            f"DevicePrefetcher: leaf {_leaf_path(batch, index)!r} has "
+            f"DevicePrefetcher: leaf {_leaf_path(batch, index)} has "
             f"{what} {size}, which is not divisible by {count}, the number "
             f"of this process's devices that dimension is split over "
             f"(sharding {sharding}). Use a per-process batch size that is a "

@@ -168,12 +168,16 @@ class DevicePrefetcher:
     iterator = self._resources.iterator
     try:
       batch = next(iterator)
+      state = iterator.get_state() if self._has_state else None
+      arrays = self._place(batch)
     except StopIteration:
       self._state = iterator.get_state() if self._has_state else None
       self._outcome = _END
       raise
-    arrays = self._place(batch)
-    self._state = iterator.get_state() if self._has_state else None
+    except Exception as e:
+      self._outcome = e  # Like the threaded mode: later calls fail the same.
+      raise
+    self._state = state
     return arrays
 
   # -- state ----------------------------------------------------------------

@@ -1,0 +1,386 @@
+"""Tests of jaxfeed.Loader on the 8-device CPU mesh: sharding, resume, orbax, errors."""
+
+import gc
+import json
+import threading
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxfeed
+
+NUM_ROWS = 96
+
+
+@pytest.fixture(scope="module", autouse=True)
+def eight_devices():
+  assert jax.device_count() == 8, (
+      "tests/conftest.py must set XLA_FLAGS before jax is imported")
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+  before = set(threading.enumerate())
+  yield
+  gc.collect()
+  deadline = time.monotonic() + 10
+  while set(threading.enumerate()) - before:
+    assert time.monotonic() < deadline, (
+        f"leaked threads: {set(threading.enumerate()) - before}")
+    time.sleep(0.01)
+
+
+def rows() -> dict[str, np.ndarray]:
+  return {"image": np.arange(NUM_ROWS * 6, dtype=np.float32).reshape(NUM_ROWS, 2, 3),
+          "label": np.arange(NUM_ROWS, dtype=np.int32)}
+
+
+def add_one(element):
+  return {"image": element["image"] + 1.0, "label": element["label"]}
+
+
+def pipeline(batch_size: int = 16, seed: int = 3) -> jaxfeed.Dataset:
+  """Shuffled, mapped, batched: every op has state a resume must restore."""
+  return (jaxfeed.Dataset.from_tensor_slices(rows())
+          .shuffle(20, seed=seed)
+          .map(add_one)
+          .batch(batch_size, drop_remainder=True))
+
+
+def host_batches(dataset: jaxfeed.Dataset) -> list[dict]:
+  iterator = dataset.make_iterator()
+  try:
+    return list(iterator)
+  finally:
+    iterator.close()
+
+
+def to_host(batch) -> dict:
+  return jax.tree_util.tree_map(np.asarray, batch)
+
+
+def assert_batches_equal(got, want):
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(w)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def assert_shards_match(array: jax.Array, host: np.ndarray) -> None:
+  for shard in array.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
+
+
+def mesh_2d() -> Mesh:
+  return Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+
+# -- sharding ------------------------------------------------------------------
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_default_sharding_splits_batch_over_all_eight_devices(prefetch):
+  want = host_batches(pipeline())
+  with jaxfeed.Loader(pipeline(), prefetch=prefetch) as loader:
+    got = list(loader)
+  assert len(got) == NUM_ROWS // 16
+  for batch, host in zip(got, want):
+    for key in ("image", "label"):
+      assert isinstance(batch[key], jax.Array)
+      assert batch[key].sharding == jaxfeed.batch_sharding()
+      assert len(batch[key].addressable_shards) == 8
+      assert all(s.data.shape[0] == 2 for s in batch[key].addressable_shards)
+      assert_shards_match(batch[key], host[key])
+
+
+def test_requested_named_sharding_is_used():
+  sharding = NamedSharding(mesh_2d(), P("data"))
+  want = host_batches(pipeline(batch_size=8))
+  with jaxfeed.Loader(pipeline(batch_size=8), sharding=sharding) as loader:
+    got = list(loader)
+  for batch, host in zip(got, want):
+    assert batch["image"].sharding == sharding
+    assert batch["image"].addressable_shards[0].data.shape == (2, 2, 3)
+    assert_shards_match(batch["image"], host["image"])
+    assert_shards_match(batch["label"], host["label"])
+
+
+def with_count(batch):
+  return {**batch, "count": np.int32(len(batch["label"]))}
+
+
+def test_pytree_of_shardings_and_replicated_scalars():
+  mesh = mesh_2d()
+  shardings = {"image": NamedSharding(mesh, P("data", None, "model")),
+               "label": NamedSharding(mesh, P(("data", "model"))),
+               "count": NamedSharding(mesh, P())}
+  dataset = (jaxfeed.Dataset.from_tensor_slices(
+      {"image": np.arange(16 * 2 * 4, dtype=np.float32).reshape(16, 2, 4),
+       "label": np.arange(16, dtype=np.int32)})
+             .batch(8).map(with_count, batched=True))
+  want = host_batches(dataset)
+  with jaxfeed.Loader(dataset, sharding=shardings) as loader:
+    got = list(loader)
+  assert len(got) == 2
+  for batch, host in zip(got, want):
+    for key in ("image", "label", "count"):
+      assert batch[key].sharding == shardings[key]
+      assert_shards_match(batch[key], np.asarray(host[key]))
+    assert batch["count"].shape == ()
+    assert int(batch["count"]) == 8
+
+
+# -- state -----------------------------------------------------------------------
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+@pytest.mark.parametrize("consumed", [0, 1, 4])
+def test_resume_from_state_yields_the_remaining_batches(prefetch, consumed):
+  want = host_batches(pipeline())
+  with jaxfeed.Loader(pipeline(), prefetch=prefetch) as loader:
+    first = [to_host(next(loader)) for _ in range(consumed)]
+    time.sleep(0.02)  # Let read-ahead run past the consumed batches.
+    state = json.loads(json.dumps(loader.get_state()))
+  assert state["batches"] == consumed
+  with jaxfeed.Loader(pipeline(), prefetch=prefetch) as resumed:
+    resumed.set_state(state)
+    rest = [to_host(b) for b in resumed]
+    assert resumed.get_state()["batches"] == len(want)
+  assert_batches_equal(first + rest, want)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_set_state_mid_iteration_rewinds_the_same_loader(prefetch):
+  want = host_batches(pipeline())
+  with jaxfeed.Loader(pipeline(), prefetch=prefetch) as loader:
+    next(loader)
+    next(loader)
+    state = loader.get_state()
+    next(loader)
+    next(loader)
+    loader.set_state(state)
+    rest = [to_host(b) for b in loader]
+  assert_batches_equal(rest, want[2:])
+
+
+def test_set_state_after_exhaustion_restarts():
+  with jaxfeed.Loader(pipeline()) as loader:
+    start = loader.get_state()
+    first_pass = [to_host(b) for b in loader]
+    loader.set_state(start)
+    assert_batches_equal([to_host(b) for b in loader], first_pass)
+
+
+def test_state_of_another_pipeline_is_rejected():
+  with jaxfeed.Loader(pipeline()) as loader:
+    state = loader.get_state()
+  other = jaxfeed.Dataset.from_tensor_slices(rows()).batch(8)
+  with jaxfeed.Loader(other) as loader:
+    with pytest.raises(jaxfeed.PipelineStateError):
+      loader.set_state(state)
+    # The loader still works after the rejected restore.
+    assert len(list(loader)) == NUM_ROWS // 8
+
+
+@pytest.mark.parametrize("state", [{}, {"pipeline": {}}, {"pipeline": {}, "batches": "2"}, [1]])
+def test_malformed_state_is_rejected(state):
+  with jaxfeed.Loader(pipeline()) as loader:
+    with pytest.raises(ValueError, match="expected the dict returned by Loader.get_state"):
+      loader.set_state(state)
+
+
+# -- orbax -------------------------------------------------------------------------
+def model_state(value: float = 0.0) -> dict:
+  return {"w": jnp.full((4, 2), value), "step": jnp.asarray(0)}
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_orbax_save_restore_of_model_and_loader_resumes_identically(tmp_path, prefetch):
+  want = host_batches(pipeline())
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    with jaxfeed.Loader(pipeline(), prefetch=prefetch) as loader:
+      first = [to_host(next(loader)) for _ in range(2)]
+      assert jaxfeed.save_checkpoint(manager, 2, loader, model_state=model_state(1.5))
+      next(loader)  # Progress after the save is not part of the checkpoint.
+    manager.wait_until_finished()
+    with jaxfeed.Loader(pipeline(), prefetch=prefetch) as resumed:
+      restored = jaxfeed.restore_checkpoint(manager, None, resumed,
+                                            model_state=model_state())
+      assert resumed.get_state()["batches"] == 2
+      rest = [to_host(b) for b in resumed]
+  np.testing.assert_array_equal(restored["w"], np.full((4, 2), 1.5))
+  assert_batches_equal(first + rest, want)
+
+
+def test_orbax_composite_with_loader_items(tmp_path):
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    with jaxfeed.Loader(pipeline()) as loader:
+      next(loader)
+      saved = loader.get_state()
+      manager.save(1, args=ocp.args.Composite(
+          model=ocp.args.StandardSave(model_state(2.0)),
+          loader=jaxfeed.LoaderSave(loader)))
+      manager.wait_until_finished()
+      files = sorted(p.name for p in (tmp_path / "ckpt" / "1" / "loader").iterdir())
+      assert "process_0-of-1.json" in files
+      restored = manager.restore(1, args=ocp.args.Composite(
+          loader=jaxfeed.LoaderRestore()))
+  assert restored["loader"] == saved
+
+
+def test_orbax_restore_with_other_process_count_names_the_file(tmp_path):
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    with jaxfeed.Loader(pipeline()) as loader:
+      jaxfeed.save_checkpoint(manager, 0, loader, model_state=model_state())
+      manager.wait_until_finished()
+      loader_dir = tmp_path / "ckpt" / "0" / "loader"
+      (loader_dir / "process_0-of-1.json").rename(loader_dir / "process_0-of-2.json")
+      with pytest.raises(FileNotFoundError, match=r"process_0-of-1.json does not exist"):
+        jaxfeed.restore_checkpoint(manager, 0, loader, model_state=model_state())
+
+
+def test_restore_without_checkpoint_is_rejected(tmp_path):
+  with ocp.CheckpointManager(tmp_path / "empty") as manager:
+    with jaxfeed.Loader(pipeline()) as loader:
+      with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        jaxfeed.restore_checkpoint(manager, None, loader, model_state=model_state())
+
+
+# -- stats ---------------------------------------------------------------------------
+def test_stats_split_wait_and_model_time():
+  with jaxfeed.Loader(pipeline(), prefetch=2) as loader:
+    assert loader.stats() == {"batches": 0, "wait_seconds": 0.0,
+                              "model_seconds": 0.0, "input_bound_fraction": 0.0}
+    next(loader)
+    for _ in range(3):
+      time.sleep(0.05)  # The "model step" between batches.
+      next(loader)
+    stats = loader.stats()
+  assert stats["batches"] == 4
+  assert stats["model_seconds"] >= 0.15
+  assert stats["wait_seconds"] > 0.0
+  assert stats["input_bound_fraction"] == pytest.approx(
+      stats["wait_seconds"] / (stats["wait_seconds"] + stats["model_seconds"]))
+
+
+# -- errors ----------------------------------------------------------------------------
+class DecodeError(Exception):
+  pass
+
+
+def failing_decode(element):
+  if int(element["label"]) == 40:
+    raise DecodeError("record 40 is corrupt")
+  return element
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_pipeline_exception_reaches_the_training_loop(prefetch):
+  dataset = jaxfeed.Dataset.from_tensor_slices(rows()).map(failing_decode).batch(8)
+  with jaxfeed.Loader(dataset, prefetch=prefetch) as loader:
+    for _ in range(5):
+      next(loader)
+    with pytest.raises(DecodeError, match="record 40 is corrupt") as info:
+      next(loader)
+  assert "failing_decode" in "".join(traceback.format_exception(info.value))
+
+
+def test_batch_size_not_divisible_by_devices_is_a_clear_error():
+  dataset = jaxfeed.Dataset.from_tensor_slices(rows()).batch(12)
+  with jaxfeed.Loader(dataset) as loader:
+    with pytest.raises(ValueError) as info:
+      next(loader)
+  message = str(info.value)
+  assert "['image']" in message or "['label']" in message
+  assert "local batch size 12" in message
+  assert "divisible by 8" in message
+
+
+def test_non_iterable_input_is_rejected():
+  with pytest.raises(TypeError, match="must be a jaxfeed.Dataset or an iterable"):
+    jaxfeed.Loader(42)
+
+
+# -- plain iterables -------------------------------------------------------------------
+def test_plain_iterable_of_numpy_batches_is_loaded_without_state():
+  batches = [{"x": np.full((8, 2), i, np.float32)} for i in range(3)]
+  with jaxfeed.Loader(batches) as loader:
+    got = [float(b["x"][0, 0]) for b in loader]
+    with pytest.raises(TypeError, match="has no get_state"):
+      loader.get_state()
+  assert got == [0.0, 1.0, 2.0]
+
+
+class StatefulBatches:
+  """An iterable whose iterator checkpoints, as a non-jaxfeed pipeline might."""
+
+  def __iter__(self):
+    return StatefulBatchIterator()
+
+
+class StatefulBatchIterator:
+
+  def __init__(self):
+    self.position = 0
+
+  def __next__(self):
+    if self.position == 5:
+      raise StopIteration
+    self.position += 1
+    return {"x": np.full((8,), self.position, np.int32)}
+
+  def get_state(self):
+    return {"position": self.position}
+
+  def set_state(self, state):
+    self.position = state["position"]
+
+
+def test_iterable_with_state_methods_resumes():
+  with jaxfeed.Loader(StatefulBatches(), prefetch=2) as loader:
+    next(loader)
+    next(loader)
+    state = loader.get_state()
+    assert state == {"pipeline": {"position": 2}, "batches": 2}
+    next(loader)
+    loader.set_state(state)
+    assert [int(b["x"][0]) for b in loader] == [3, 4, 5]
+
+
+# -- lifetime -------------------------------------------------------------------------
+def threaded_pipeline() -> jaxfeed.Dataset:
+  return (jaxfeed.Dataset.from_tensor_slices(rows())
+          .map(add_one, num_parallel_calls=2).batch(8))
+
+
+def test_close_is_idempotent_and_stops_iteration():
+  loader = jaxfeed.Loader(threaded_pipeline(), prefetch=2)
+  next(loader)
+  loader.close()
+  loader.close()
+  with pytest.raises(RuntimeError, match="after close"):
+    next(loader)
+
+
+def test_unclosed_loader_releases_threads_on_gc():
+  before = set(threading.enumerate())
+  loader = jaxfeed.Loader(threaded_pipeline(), prefetch=2)
+  next(loader)
+  assert set(threading.enumerate()) - before
+  del loader
+  gc.collect()
+  deadline = time.monotonic() + 10
+  while set(threading.enumerate()) - before:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+
+
+def test_loader_is_exported_with_checkpoint_helpers():
+  for name in ("Loader", "DevicePrefetcher", "batch_sharding", "LoaderSave",
+               "LoaderRestore", "LoaderCheckpointHandler", "save_checkpoint",
+               "restore_checkpoint"):
+    assert name in dir(jaxfeed)
+    assert getattr(jaxfeed, name) is not None
