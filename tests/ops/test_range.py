@@ -1,0 +1,122 @@
+"""Tests of the range op against tf.data.Dataset.range."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from jaxfeed.dataset import Dataset
+from jaxfeed.ops.base import PipelineStateError, mix_seed
+from jaxfeed.ops.range import RangeNode
+
+ARGS = [
+    (5,), (0,), (1,), (-3,), (2, 7), (7, 2), (3, 3), (0, 10, 3), (0, 9, 3),
+    (10, 0, -3), (5, -3, -2), (-5, 5, 4), (1, 0, -1), (0, 1, 5), (-2, -8, -1),
+    (10**12, 10**12 + 30, 7), (0, 10**15, 10**14),
+]
+DTYPES = [None, np.int32, np.int64, np.float32, np.float64]
+TF_DTYPES = {None: tf.int64, np.int32: tf.int32, np.int64: tf.int64,
+             np.float32: tf.float32, np.float64: tf.float64}
+
+
+def _assert_same_scalars(ours: list, theirs: list) -> None:
+  assert len(ours) == len(theirs)
+  for a, b in zip(ours, theirs):
+    assert type(a) is type(b)
+    assert a.dtype == b.dtype and np.shape(a) == np.shape(b)
+    assert a == b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("args", ARGS)
+def test_range_matches_tf_data(args, dtype):
+  ours = Dataset.range(*args, dtype=dtype)
+  theirs = tf.data.Dataset.range(*args, output_type=TF_DTYPES[dtype])
+  _assert_same_scalars(list(ours), list(theirs.as_numpy_iterator()))
+  assert ours.cardinality() == int(theirs.cardinality())
+
+
+def test_range_accepts_keywords_and_tf_dtypes():
+  node = RangeNode(start=2, stop=9, step=3, dtype=tf.int32)
+  assert list(node.make_iterator()) == [2, 5, 8]
+  assert node.dtype == np.int32
+
+
+def test_spec_params_rebuild_an_equal_range():
+  node = RangeNode(10, 0, -3, dtype="float32")
+  params = json.loads(json.dumps(node.spec_params()))
+  rebuilt = RangeNode(**params)
+  assert rebuilt.fingerprint() == node.fingerprint()
+  _assert_same_scalars(list(rebuilt.make_iterator()), list(node.make_iterator()))
+  assert RangeNode(10, 0, -2).fingerprint() != node.fingerprint()
+
+
+@pytest.mark.parametrize("args, kwargs, error, pattern", [
+    ((0, 5, 0), {}, ValueError, "step must be a non-zero"),
+    ((), {}, TypeError, "stop"),
+    ((1, 2, 3, 4), {}, TypeError, "4 arguments"),
+    ((1.5,), {}, ValueError, "stop must be an integer.*1.5"),
+    (("3",), {}, ValueError, "stop must be an integer.*'3'"),
+    ((0, True), {}, ValueError, "stop must be an integer.*True"),
+    ((3,), {"stop": 4}, TypeError, "positionally or by keyword"),
+    ((3,), {"dtype": "nonsense"}, ValueError, "dtype.*nonsense"),
+    ((3,), {"dtype": np.bool_}, ValueError, "integer or floating.*bool"),
+])
+def test_bad_arguments_raise_clear_errors(args, kwargs, error, pattern):
+  with pytest.raises(error, match=pattern):
+    RangeNode(*args, **kwargs)
+
+
+def test_step_zero_is_rejected_by_tf_too():
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    list(tf.data.Dataset.range(0, 5, 0))
+
+
+@pytest.mark.parametrize("args", [(7,), (10, -4, -3), (0,)])
+def test_state_resumes_exactly_at_every_cut(args):
+  full = list(Dataset.range(*args))
+  for cut in range(len(full) + 1):
+    iterator = Dataset.range(*args).make_iterator()
+    for _ in range(cut):
+      next(iterator)
+    state = json.loads(json.dumps(iterator.get_state()))
+    assert state["own"] == {"index": cut}
+    assert list(iterator) == full[cut:]
+    for restored in (Dataset.range(*args).make_iterator(), iterator):
+      restored.set_state(state)  # Into a fresh and into an exhausted iterator.
+      assert list(restored) == full[cut:]
+
+
+def test_last_seed_is_the_default_sampler_seed_of_the_index():
+  iterator = Dataset.range(5, 15).make_iterator()
+  seeds = []
+  for _ in range(10):
+    next(iterator)
+    seeds.append(iterator.last_seed)
+  assert seeds == [mix_seed(0, 0, i) for i in range(10)]
+
+
+def test_skip_elements_moves_the_index_without_yielding():
+  iterator = Dataset.range(10).make_iterator()
+  assert iterator.skip_elements(4) == 4
+  assert next(iterator) == 4
+  assert iterator.skip_elements(100) == 5
+  assert list(iterator) == []
+
+
+@pytest.mark.parametrize("state", [
+    {"op": "take", "own": {"taken": 0}, "parents": []},
+    {"op": "range", "own": {"index": 11}, "parents": []},
+    {"op": "range", "own": {"index": -1}, "parents": []},
+    {"op": "range", "own": {"position": 1}, "parents": []},
+    {"op": "range", "own": {"index": 1}, "parents": [{}]},
+    "not a state",
+])
+def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
+  iterator = Dataset.range(10).make_iterator()
+  with pytest.raises(PipelineStateError):
+    iterator.set_state(state)
