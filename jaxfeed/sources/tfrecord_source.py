@@ -1,0 +1,331 @@
+"""`TFRecordSource`: random access to TFRecord files without TensorFlow.
+
+Random access needs the byte offset of every record. It is found once per
+file by scanning the record headers and cached beside the file as
+`<file>.idx`, an .npy int64 array:
+
+    [MAGIC, VERSION, file_size, mtime_ns, num_records, offset_0, ...,
+     offset_{num_records - 1}, file_size]
+
+The cache is used only while the file's size and mtime match; otherwise it is
+rebuilt. Where the directory is not writable the index stays in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+import threading
+import uuid
+import weakref
+from typing import Any, Callable
+
+from etils import epath
+import numpy as np
+
+from jaxfeed.sources.base import (CorruptRecordError, LazyHandle, RecordSource,
+                                  as_path_list, check_files_exist,
+                                  close_handles, file_of, is_local,
+                                  split_by_file)
+from jaxfeed.sources.tfrecord_format import (FOOTER_BYTES, FRAME_OVERHEAD,
+                                             HEADER_BYTES, masked_crc32c,
+                                             scan_record_offsets)
+
+__all__ = ["TFRecordSource"]
+
+INDEX_SUFFIX = ".idx"
+_INDEX_MAGIC = int.from_bytes(b"JFTFRIDX", "little")
+_INDEX_VERSION = 1
+_INDEX_HEADER = 5  # magic, version, file_size, mtime_ns, num_records
+
+# get_many merges reads of adjacent records into one read of at most this
+# many bytes (one syscall instead of many for sequential access).
+_MAX_SPAN_BYTES = 4 << 20
+
+_CRC = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")
+
+
+class TFRecordSource(RecordSource):
+  """Records (bytes) of one or more TFRecord files, concatenated in order.
+
+  Args:
+    paths: One path or a sequence of paths (str or os.PathLike; anything
+      `etils.epath` opens).
+    verify_crc: Check each record's data CRC (and that its header matches the
+      index) on read.
+    cache_index: Store each file's record index beside it as `<file>.idx`
+      (when the directory is writable) and reuse it while it is fresh.
+
+  Raises:
+    FileNotFoundError: a file does not exist.
+    CorruptRecordError: a file is truncated or a record header is damaged
+      (found while indexing); damaged record data is reported on read.
+  """
+
+  def __init__(self, paths: Any, verify_crc: bool = True,
+               cache_index: bool = True):
+    if not isinstance(verify_crc, bool) or not isinstance(cache_index, bool):
+      raise TypeError(
+          "TFRecordSource: verify_crc and cache_index must be bools, got "
+          f"verify_crc={verify_crc!r}, cache_index={cache_index!r}.")
+    path_list = as_path_list(paths, "TFRecordSource")
+    check_files_exist(path_list, "TFRecordSource")
+    self._verify_crc = verify_crc
+    self._cache_index = cache_index
+    self._files = [_TFRecordFile(p, cache_index) for p in path_list]
+    counts = [f.load_index() for f in self._files]
+    self._file_starts = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=self._file_starts[1:])
+    self._finalizer = weakref.finalize(
+        self, close_handles, [f.handle for f in self._files])
+
+  def __len__(self) -> int:
+    return int(self._file_starts[-1])
+
+  def _read(self, index: int) -> bytes:
+    f = file_of(index, self._file_starts)
+    return self._files[f].read_one(index - int(self._file_starts[f]),
+                                   self._verify_crc)
+
+  def _read_many(self, indices: np.ndarray) -> list:
+    out = [None] * len(indices)
+    for f, positions, slots in split_by_file(indices, self._file_starts):
+      self._files[f].read_sorted(positions, slots, out, self._verify_crc)
+    return out
+
+  @property
+  def paths(self) -> list[str]:
+    return [f.name for f in self._files]
+
+  def spec_params(self) -> dict:
+    return {"paths": self.paths, "verify_crc": self._verify_crc,
+            "cache_index": self._cache_index}
+
+  def close(self) -> None:
+    close_handles(f.handle for f in self._files)
+
+  def __getstate__(self) -> dict:
+    state = self.__dict__.copy()
+    del state["_finalizer"]
+    return state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self._finalizer = weakref.finalize(
+        self, close_handles, [f.handle for f in self._files])
+
+
+class _TFRecordFile:
+  """One TFRecord file: its record offsets and a lazily opened handle."""
+
+  def __init__(self, path: epath.Path, cache_index: bool):
+    self.path = path
+    self.name = os.fspath(path)
+    self.cache_index = cache_index
+    self.local = is_local(path)
+    if self.local:
+      self.handle = LazyHandle(
+          functools.partial(os.open, self.name, os.O_RDONLY | os.O_CLOEXEC),
+          os.close)
+    else:
+      self.handle = LazyHandle(
+          functools.partial(_open_stream, path), _close_stream)
+    self.offsets: np.ndarray | None = None
+    self.stamp: tuple[int, int] | None = None  # (size, mtime_ns) indexed
+    self.index_on_disk = False
+    self.num_records = -1
+
+  # -- index ---------------------------------------------------------------
+  def load_index(self) -> int:
+    """Loads (or builds and caches) the offsets; returns the record count."""
+    stamp = _stat(self.path)
+    offsets = self._load_cached(stamp) if self.cache_index else None
+    self.index_on_disk = offsets is not None
+    if offsets is None:
+      offsets = scan_record_offsets(self._read_at_unopened, stamp[0],
+                                    self.name)
+      if self.cache_index:
+        self.index_on_disk = self._store_cached(stamp, offsets)
+    if self.num_records >= 0 and len(offsets) - 1 != self.num_records:
+      raise CorruptRecordError(
+          self.name, None,
+          f"the file changed while in use: it now holds {len(offsets) - 1} "
+          f"records, the source was built with {self.num_records}")
+    self.offsets, self.stamp = offsets, stamp
+    self.num_records = len(offsets) - 1
+    return self.num_records
+
+  def _index_path(self) -> epath.Path:
+    return epath.Path(self.name + INDEX_SUFFIX)
+
+  def _load_cached(self, stamp: tuple[int, int]) -> np.ndarray | None:
+    try:
+      with self._index_path().open("rb") as f:
+        table = np.load(f, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+      return None  # missing or unreadable: rebuilt by the caller
+    if (table.dtype != np.int64 or table.ndim != 1
+        or len(table) < _INDEX_HEADER + 1):
+      return None
+    magic, version, size, mtime_ns, count = table[:_INDEX_HEADER].tolist()
+    offsets = table[_INDEX_HEADER:]
+    if (magic != _INDEX_MAGIC or version != _INDEX_VERSION
+        or (size, mtime_ns) != stamp or count != len(offsets) - 1
+        or offsets[-1] != size):
+      return None
+    return offsets
+
+  def _store_cached(self, stamp: tuple[int, int],
+                    offsets: np.ndarray) -> bool:
+    table = np.concatenate([
+        np.array([_INDEX_MAGIC, _INDEX_VERSION, stamp[0], stamp[1],
+                  len(offsets) - 1], np.int64), offsets])
+    final = self._index_path()
+    temporary = epath.Path(f"{final}.tmp-{uuid.uuid4().hex}")
+    try:
+      with temporary.open("wb") as f:
+        np.save(f, table, allow_pickle=False)
+      temporary.replace(final)  # atomic: readers never see a partial index
+      return True
+    except OSError:
+      # Not writable (read-only dataset directory): keep it in memory.
+      try:
+        temporary.unlink(missing_ok=True)
+      except OSError:
+        pass
+      return False
+
+  def __getstate__(self) -> dict:
+    state = self.__dict__.copy()
+    if self.index_on_disk:
+      state["offsets"] = None  # reloaded from the cache file where needed
+    return state
+
+  def _ensure_index(self) -> None:
+    if self.offsets is None:  # dropped when pickled: the cache is on disk
+      self.load_index()
+
+  # -- reads ---------------------------------------------------------------
+  def _read_at_unopened(self, offset: int, size: int) -> bytes:
+    with self.path.open("rb") as f:
+      f.seek(offset)
+      return f.read(size)
+
+  def _reader(self) -> Callable[[int, int], bytes]:
+    """`read_at(offset, size)` on this process's open handle."""
+    handle = self.handle.get()
+    if self.local:
+      return functools.partial(_pread, handle)
+    return functools.partial(_stream_read, handle)
+
+  def _open_checked(self) -> None:
+    """Opens the handle; on first open checks the file still matches."""
+    if self.handle.is_open:
+      return
+    self._ensure_index()
+    if _stat(self.path) != self.stamp:
+      self.load_index()  # raises if the record count changed
+    self.handle.get()
+
+  def read_one(self, position: int, verify_crc: bool) -> bytes:
+    self._open_checked()
+    start = int(self.offsets[position])
+    end = int(self.offsets[position + 1])
+    frame = self._reader()(start, end - start)
+    return self._extract(frame, start, start, end, position, verify_crc)
+
+  def read_sorted(self, positions: np.ndarray, slots: np.ndarray, out: list,
+                  verify_crc: bool) -> None:
+    """Reads records at ascending `positions` into `out[slots]`."""
+    self._open_checked()
+    read_at = self._reader()
+    extract = self._extract
+    starts = self.offsets[positions]
+    ends = self.offsets[positions + 1]
+    span_first, span_last = _spans(starts, ends)
+    starts, ends = starts.tolist(), ends.tolist()
+    slots, positions = slots.tolist(), positions.tolist()
+    for first, last in zip(span_first.tolist(), span_last.tolist()):
+      low = starts[first]
+      buffer = read_at(low, ends[last] - low)
+      for k in range(first, last + 1):
+        out[slots[k]] = extract(buffer, low, starts[k], ends[k], positions[k],
+                                verify_crc)
+
+  def _extract(self, buffer: bytes, base: int, start: int, end: int,
+               position: int, verify_crc: bool) -> bytes:
+    """The data of the frame [start, end) from `buffer` read at `base`."""
+    if len(buffer) < end - base:
+      raise CorruptRecordError(
+          self.name, start,
+          f"the file ended inside this record (it holds {len(buffer)} of "
+          f"{end - base} bytes read from offset {base}); the file was "
+          "truncated after it was indexed", position)
+    data = buffer[start - base + HEADER_BYTES:end - base - FOOTER_BYTES]
+    if verify_crc:
+      length = _LENGTH.unpack_from(buffer, start - base)[0]
+      if length != end - start - FRAME_OVERHEAD:
+        raise CorruptRecordError(
+            self.name, start,
+            f"the record header says {length} data bytes but the index says "
+            f"{end - start - FRAME_OVERHEAD}; the file changed after it was "
+            "indexed", position)
+      stored = _CRC.unpack_from(buffer, end - base - FOOTER_BYTES)[0]
+      computed = masked_crc32c(data)
+      if stored != computed:
+        raise CorruptRecordError(
+            self.name, start,
+            f"data CRC mismatch (stored 0x{stored:08x}, computed "
+            f"0x{computed:08x}) for the {len(data)}-byte record starting at "
+            f"byte {start + HEADER_BYTES}", position)
+    return data
+
+
+def _spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray,
+                                                          np.ndarray]:
+  """Groups ascending frames into runs of adjacent frames read at once.
+
+  A run breaks at a gap between frames and every `_MAX_SPAN_BYTES` bytes.
+
+  Returns:
+    (first, last): index of the first and last frame of each run.
+  """
+  n = len(starts)
+  new = np.ones(n, bool)
+  new[1:] = starts[1:] > ends[:-1]
+  run_first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
+  chunk = (starts - starts[run_first]) // _MAX_SPAN_BYTES
+  new[1:] |= chunk[1:] != chunk[:-1]
+  first = np.flatnonzero(new)
+  last = np.append(first[1:], n) - 1
+  return first, last
+
+
+def _stat(path: epath.Path) -> tuple[int, int]:
+  """(size, mtime in ns) of a file; remote filesystems give whole seconds."""
+  if is_local(path):
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+  st = path.stat()
+  return int(st.length), int(st.mtime) * 1_000_000_000
+
+
+def _pread(fd: int, offset: int, size: int) -> bytes:
+  return os.pread(fd, size, offset)
+
+
+def _stream_read(handle, offset: int, size: int) -> bytes:
+  stream, lock = handle
+  with lock:  # seek + read must not interleave between threads
+    stream.seek(offset)
+    return stream.read(size)
+
+
+def _open_stream(path: epath.Path):
+  return path.open("rb"), threading.Lock()
+
+
+def _close_stream(handle) -> None:
+  handle[0].close()
