@@ -200,7 +200,7 @@ def to_dataset_def(node: base.Node, udf_secret: bytes | None = None
   return dataset_def
 
 
-NodeRewrite = Callable[[type, dict], dict]
+NodeRewrite = Callable[[type, dict], "tuple[type, dict]"]
 
 
 class _Decoder:
@@ -219,7 +219,7 @@ class _Decoder:
       raise SpecError(f"{spec['class']!r} is not a jaxfeed op node class.")
     params = {k: self.value(v) for k, v in spec["params"].items()}
     if self.rewrite is not None:
-      params = self.rewrite(cls, params)
+      cls, params = self.rewrite(cls, params)
     parents = [self.node(p) for p in spec["parents"]]
     try:
       return cls(*parents, **params)
@@ -281,8 +281,8 @@ def from_dataset_def(dataset_def: service_pb2.DatasetDef,
   Args:
     dataset_def: the encoded pipeline.
     udf_secret: the deployment's shared secret, or None to refuse pickled UDFs.
-    rewrite: called as rewrite(node_class, params) -> params before each node
-      is built (the service uses it to shard samplers).
+    rewrite: called as rewrite(node_class, params) -> (node_class, params)
+      before each node is built (the service uses it to shard samplers).
 
   Returns:
     The root node.

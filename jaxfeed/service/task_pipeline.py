@@ -1,15 +1,14 @@
 """Builds a task's pipeline on a worker: the spec plus the task's sharding.
 
 Static sharding (FILE / DATA) gives the pipeline's sampler ShardOptions(i, n).
-DYNAMIC sharding wraps the sampler in a `SplitSampler` that maps the
-pipeline's positions onto position ranges fetched from the dispatcher; the
-per-record seeds stay those of the global sampler, so a record is augmented
-the same way whichever worker reads it.
+DYNAMIC sharding replaces the `from_source` op by a `SplitSourceNode` that
+reads the sampler positions of dispatcher-issued ranges. The per-record seeds
+stay those of the global sampler, so a record is augmented the same way
+whichever worker reads it.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -20,10 +19,9 @@ from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy
 
 SOURCE_OP = "from_source"
+_MAX_CHUNK = 256
 
-
-class SplitsExhausted(Exception):
-  """The dispatcher has no more splits for this job."""
+FetchRanges = Callable[[], "tuple[list[tuple[int, int]], bool]"]
 
 
 def _is_sampler(value: Any) -> bool:
@@ -31,21 +29,22 @@ def _is_sampler(value: Any) -> bool:
 
 
 def find_samplers(node: base.Node) -> list[Any]:
-  """The samplers of every from_source node in a graph."""
+  """The samplers of every from_source op in a graph."""
   found = []
+  params = node.spec_params()
   if node.op_name == SOURCE_OP:
-    found += [v for v in node.spec_params().values() if _is_sampler(v)]
+    found += [v for v in params.values() if _is_sampler(v)]
   for parent in node.parents:
     found += find_samplers(parent)
-  for value in node.spec_params().values():
+  for value in params.values():
     inner = getattr(value, "node", value)
-    if isinstance(inner, base.Node) and inner is not node:
+    if isinstance(inner, base.Node):
       found += find_samplers(inner)
   return found
 
 
 def num_positions(node: base.Node) -> int:
-  """Positions DYNAMIC sharding splits: those of the single sampler, -1 if unbounded."""
+  """Positions DYNAMIC sharding splits: the single sampler's, -1 if unbounded."""
   samplers = find_samplers(node)
   if len(samplers) != 1:
     return -1
@@ -53,95 +52,112 @@ def num_positions(node: base.Node) -> int:
   return -1 if count is None else int(count)
 
 
-class SplitSampler:
-  """A sampler whose positions come from dispatcher-issued ranges.
+class SplitSourceNode(base.Node):
+  """The records of a source at the sampler positions of fetched ranges."""
 
-  Local position k is the k-th position of the concatenated ranges; looking
-  past the last range fetches more, and past the job's end raises IndexError
-  like an exhausted sampler.
-  """
+  op_name = SOURCE_OP
 
-  def __init__(self, inner: Any, fetch_ranges: Callable[[], tuple[list, bool]]):
-    self.inner = inner
-    self._fetch = fetch_ranges
-    self._lock = threading.Lock()
-    self._starts: list[int] = []   # local start of each range
-    self._globals: list[int] = []  # global start of each range
-    self._local_end = 0
-    self._exhausted = False
-
-  num_positions = None  # unknown in advance: ends when splits run out
-
-  @property
-  def num_records(self) -> int:
-    return self.inner.num_records
-
-  def _ensure(self, local_stop: int) -> None:
-    with self._lock:
-      while self._local_end < local_stop and not self._exhausted:
-        ranges, end = self._fetch()
-        for start, stop in ranges:
-          self._starts.append(self._local_end)
-          self._globals.append(start)
-          self._local_end += stop - start
-        if end or not ranges:
-          self._exhausted = end
-
-  def _to_global(self, positions: np.ndarray) -> np.ndarray:
-    idx = np.searchsorted(np.asarray(self._starts), positions, side="right") - 1
-    return np.asarray(self._globals)[idx] + (positions - np.asarray(self._starts)[idx])
-
-  def get_many(self, positions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if positions.size == 0:
-      return self.inner.get_many(positions)
-    high = int(positions.max())
-    self._ensure(high + 1)
-    if high >= self._local_end:
-      raise IndexError(f"Position {high} is past the end of this worker's "
-                       f"splits ({self._local_end} positions).")
-    return self.inner.get_many(self._to_global(positions))
-
-  def __getitem__(self, position: int) -> Any:
-    self._ensure(int(position) + 1)
-    if position >= self._local_end or position < 0:
-      raise IndexError(f"Position {position} is past the end of this worker's "
-                       f"splits ({self._local_end} positions).")
-    return self.inner[int(self._to_global(np.asarray([position]))[0])]
+  def __init__(self, source: Any, sampler: Any, fetch_ranges: FetchRanges):
+    super().__init__()
+    self.source = source
+    self.sampler = sampler
+    self.fetch_ranges = fetch_ranges
 
   def spec_params(self) -> dict:
-    return self.inner.spec_params()
+    return {"source": self.source, "sampler": self.sampler,
+            "fetch_ranges": self.fetch_ranges}
+
+  def make_iterator(self) -> "SplitSourceIterator":
+    return SplitSourceIterator(self)
+
+
+class SplitSourceIterator(base.OpIterator):
+  """Reads range after range; ends when the dispatcher has no more splits."""
+
+  op_name = SOURCE_OP
+
+  def __init__(self, node: SplitSourceNode):
+    super().__init__()
+    self._node = node
+    source = node.source
+    get_many = getattr(source, "get_many", None)
+    self._read_many = get_many if callable(get_many) else (
+        lambda indices: [source[i] for i in indices.tolist()])
+    self._ranges: list[tuple[int, int]] = []
+    self._exhausted = False
+    self._records: list = []
+    self._seeds = np.zeros(0, np.uint64)
+    self._offset = 0
+    self._last_seed = 0
+
+  def __next__(self) -> Any:
+    if self._offset >= len(self._records):
+      self._read_chunk()
+    record = self._records[self._offset]
+    self._last_seed = int(self._seeds[self._offset])
+    self._offset += 1
+    return record
+
+  def _read_chunk(self) -> None:
+    while not self._ranges:
+      if self._exhausted:
+        raise StopIteration
+      ranges, end = self._node.fetch_ranges()
+      self._ranges = [(int(a), int(b)) for a, b in ranges if b > a]
+      self._exhausted = end or not ranges
+    start, stop = self._ranges[0]
+    count = min(stop - start, _MAX_CHUNK)
+    if start + count < stop:
+      self._ranges[0] = (start + count, stop)
+    else:
+      self._ranges.pop(0)
+    _, record_indices, seeds = self._node.sampler.get_many(
+        np.arange(start, start + count, dtype=np.int64))
+    self._records = self._read_many(record_indices)
+    self._seeds = seeds
+    self._offset = 0
+
+  @property
+  def last_seed(self) -> int:
+    return self._last_seed
+
+  def _get_own_state(self) -> dict:
+    raise base.PipelineStateError(
+        "A DYNAMIC service task has no resumable state: its splits come from "
+        "the dispatcher.")
 
 
 def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
                     udf_secret: bytes | None,
-                    fetch_ranges: Callable[[], tuple[list, bool]] | None) -> base.Node:
+                    fetch_ranges: FetchRanges | None) -> base.Node:
   """Rebuilds a task's pipeline with the task's sharding applied."""
   policy = ShardingPolicy(task.sharding_policy)
   touched = []
 
-  def rewrite(cls: type, params: dict) -> dict:
+  def rewrite(cls: type, params: dict) -> tuple[type, dict]:
     if getattr(cls, "op_name", None) != SOURCE_OP or policy == ShardingPolicy.OFF:
-      return params
-    params = dict(params)
-    for name, value in params.items():
-      if not _is_sampler(value):
-        continue
-      touched.append(name)
-      if policy.is_static:
-        sampler_params = dict(value.spec_params())
-        current = sampler_params.get("shard_options") or {}
-        if dict(current).get("shard_count", 1) != 1:
-          raise spec_lib.SpecError(
-              f"{policy.name} sharding shards the pipeline's sampler itself, "
-              f"but it is already sharded ({current}); use an unsharded sampler.")
-        sampler_params["shard_options"] = {"shard_index": task.worker_index,
-                                           "shard_count": task.num_workers,
-                                           "drop_remainder": False}
-        params[name] = type(value)(**sampler_params)
-      else:
-        params[name] = SplitSampler(value, fetch_ranges)
-    return params
+      return cls, params
+    sampler = params.get("sampler")
+    source = params.get("source")
+    if sampler is None and source is not None:
+      from jaxfeed.sampler import IndexSampler  # pylint: disable=g-import-not-at-top
+      sampler = IndexSampler(len(source))
+    if not _is_sampler(sampler):
+      return cls, params
+    touched.append(sampler)
+    if policy == ShardingPolicy.DYNAMIC:
+      return SplitSourceNode, {"source": source, "sampler": sampler,
+                               "fetch_ranges": fetch_ranges}
+    sampler_params = dict(sampler.spec_params())
+    current = dict(sampler_params.get("shard_options") or {})
+    if current.get("shard_count", 1) != 1:
+      raise spec_lib.SpecError(
+          f"{policy.name} sharding shards the pipeline's sampler itself, but it "
+          f"is already sharded ({current}); give the pipeline an unsharded sampler.")
+    sampler_params["shard_options"] = {"shard_index": task.worker_index,
+                                       "shard_count": task.num_workers,
+                                       "drop_remainder": False}
+    return cls, {**params, "sampler": type(sampler)(**sampler_params)}
 
   node = spec_lib.from_dataset_def(dataset_def, udf_secret, rewrite)
   if policy != ShardingPolicy.OFF and len(touched) != 1:
@@ -149,6 +165,5 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
         f"{policy.name} sharding needs a pipeline with exactly one "
         f"from_source(source, sampler) op to shard; dataset "
         f"{task.dataset_id!r} has {len(touched)}. Use processing_mode "
-        "'parallel_epochs' (OFF) or read records through Dataset.from_source "
-        "with an IndexSampler.")
+        "'parallel_epochs' (OFF) or read records through Dataset.from_source.")
   return node

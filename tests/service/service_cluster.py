@@ -1,0 +1,76 @@
+"""Starts dispatcher and worker processes on loopback for the service tests."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+START_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class ServiceProcess:
+  """A `python -m jaxfeed.service.<role>` child process; kill() or stop() ends it."""
+
+  def __init__(self, role: str, *flags: str, wait_ready: bool = True):
+    env = dict(os.environ)
+    # Workers import the tests' UDFs (service_udfs) by module path.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])
+    env["GRPC_VERBOSITY"] = "ERROR"
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    self._lines: queue.Queue = queue.Queue()
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+    self.address = ""
+    self.data_address = ""
+    if wait_ready:
+      self.wait_ready()
+
+  def _read(self) -> None:
+    for line in self.proc.stdout:
+      self._lines.put(line)
+
+  def wait_ready(self) -> "ServiceProcess":
+    try:
+      line = self._lines.get(timeout=START_TIMEOUT_S)
+    except queue.Empty:
+      self.kill()
+      raise TimeoutError(f"{self.proc.args} did not report its address.") from None
+    words = line.split()
+    self.address = words[words.index("on") + 1]
+    if "data" in words:
+      self.data_address = words[words.index("data") + 1]
+    return self
+
+  def kill(self) -> None:
+    """SIGKILL: no goodbye to anyone."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGKILL)
+    self.proc.wait(timeout=30)
+    self._reader.join(timeout=5)
+
+  def stop(self) -> None:
+    if self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+    self.kill()
