@@ -318,9 +318,11 @@ class BucketPlan:
   def _build_table(self, epoch: int) -> _EpochTable:
     n = self.num_records
     if self._shuffle:
+      # The keys are distinct (the mixer is a bijection of the index for a
+      # fixed prefix), so any sort algorithm gives the same order.
       record_keys = mix_seeds(mix_seed(self._seed, epoch, _RECORD_ORDER_SALT),
                               np.arange(n, dtype=np.uint64))
-      record_order = np.argsort(record_keys, kind="stable")
+      record_order = np.argsort(record_keys)
     else:
       record_order = np.arange(n, dtype=np.int64)
     # Stable grouping keeps the shuffled order inside each bucket.
@@ -332,7 +334,7 @@ class BucketPlan:
     if self._shuffle:
       batch_keys = mix_seeds(mix_seed(self._seed, epoch, _BATCH_ORDER_SALT),
                              np.arange(self._steps_per_epoch, dtype=np.uint64))
-      batch_order = np.argsort(batch_keys, kind="stable")
+      batch_order = np.argsort(batch_keys)
     else:
       # A batch is due when its last record has been read (tf.data's order).
       last_read = stream_position[self._batch_start + batch_sizes - 1]

@@ -283,3 +283,26 @@ def test_fingerprint_depends_on_the_plan(sequence_source_cls, make_lengths):
     return jaxfeed.Dataset.from_bucket_plan(source, plan).fingerprint()
 
   assert fingerprint(1) == fingerprint(1) != fingerprint(2)
+
+
+def _trim_to_length(record):
+  return {"tokens": record["tokens"][:int(record["length"])]}
+
+
+def test_array_source_of_fixed_width_rows_is_read_through_decode_fn():
+  rng = np.random.default_rng(6)
+  lengths = rng.integers(1, 30, 300)
+  tokens = np.zeros((300, 32), np.int32)
+  for i, n in enumerate(lengths):
+    tokens[i, :n] = i + 1
+  source = jaxfeed.ArraySource({"tokens": tokens, "length": lengths})
+  plan = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=4,
+                    shard_options=ShardOptions(0, 2))
+  ds = jaxfeed.Dataset(BucketPlanNode(source, plan, decode_fn=_trim_to_length))
+  steps = 0
+  for step, batch in enumerate(ds):
+    _, records = plan[step]
+    expected = tokens[records, :plan.padded_length(step)]
+    np.testing.assert_array_equal(batch["tokens"], expected)
+    steps += 1
+  assert steps == len(plan)
