@@ -40,6 +40,9 @@ _EXPORTS = {
     "LoaderRestore": "jaxfeed.loader",
     "save_checkpoint": "jaxfeed.loader",
     "restore_checkpoint": "jaxfeed.loader",
+    # coordinated reads
+    "BucketPlan": "jaxfeed.coord",
+    "compute_lengths": "jaxfeed.coord",
 }
 
 __all__ = sorted(_EXPORTS) + ["sources", "ops", "service", "device", "coord"]
