@@ -123,6 +123,13 @@ class DataServer:
       payload = json.dumps({"status": status, "message": str(e)}).encode()
       try:
         conn.sendall(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0) + payload)
+        # Closing with unread input would reset the connection before the
+        # peer reads the error: half-close, then drain briefly.
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(1.0)
+        for _ in range(64):
+          if not conn.recv(65536):
+            break
       except OSError:
         pass
       if status == "INTERNAL":
