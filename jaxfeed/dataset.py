@@ -54,13 +54,18 @@ class Dataset:
   @staticmethod
   def from_bucket_plan(source: Any, plan: Any, padded_shapes: Any = None,
                        padding_values: Any = None,
-                       pad_to_bucket_boundary: bool = False) -> "Dataset":
-    """This host's padded batches of a `jaxfeed.coord.BucketPlan`."""
+                       pad_to_bucket_boundary: bool = False,
+                       decode_fn: Callable | None = None) -> "Dataset":
+    """This host's padded batches of a `jaxfeed.coord.BucketPlan`.
+
+    Records must be pytrees of arrays, or bytes that `decode_fn` turns into
+    one; every host pads a step's batch to the same sequence length.
+    """
     from jaxfeed.coord import bucket_plan_dataset  # coord sits right of ops
     return Dataset(bucket_plan_dataset.BucketPlanNode(
         source, plan, padded_shapes=padded_shapes,
         padding_values=padding_values,
-        pad_to_bucket_boundary=pad_to_bucket_boundary))
+        pad_to_bucket_boundary=pad_to_bucket_boundary, decode_fn=decode_fn))
 
   # ---- element-wise --------------------------------------------------------
   def map(self, fn: Callable, num_parallel_calls: int | None = None,
