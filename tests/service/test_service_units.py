@@ -1,0 +1,153 @@
+"""Frames, specs, generated protos, the journal and round-robin reads."""
+
+from __future__ import annotations
+
+import filecmp
+import pathlib
+import threading
+
+import numpy as np
+import pytest
+
+import jaxfeed
+import service_udfs
+from jaxfeed import service
+from jaxfeed.service import spec, wire
+from jaxfeed.service.protos import generate
+
+pytestmark = pytest.mark.timeout(60)
+
+TREES = [
+    {"image": np.arange(24, dtype=np.uint8).reshape(2, 3, 4), "label": np.int32(7)},
+    (np.float32([1.5, -2.0]), [np.array([b"ab", b"c"]), np.array(["xyz"])]),
+    np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2],  # not contiguous
+    {"empty": np.zeros((0, 5), np.int16), "flag": np.array([True, False])},
+]
+
+
+@pytest.mark.parametrize("compression", [None, "lz4", "zstd"])
+@pytest.mark.parametrize("tree_index", range(len(TREES)))
+def test_frame_round_trips_structure_dtypes_and_values(tree_index, compression):
+  value = TREES[tree_index]
+  decoded = wire.decode(wire.encode(value, compression))
+  expected_leaves = jaxfeed.ops.tree.flatten(value)
+  got_leaves = jaxfeed.ops.tree.flatten(decoded)
+  assert jaxfeed.ops.tree.same_structure(value, decoded)
+  assert type(decoded) is type(value)
+  for got, want in zip(got_leaves, expected_leaves):
+    want = np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+def test_frame_payload_is_aligned_raw_bytes():
+  frame = wire.encode({"a": np.arange(100, dtype=np.float32)})
+  decoded = wire.decode(frame)
+  payload_start = len(frame) - 400
+  assert payload_start % 64 == 0
+  assert bytes(frame[payload_start:]) == np.arange(100, dtype=np.float32).tobytes()
+  assert decoded["a"].base is not None  # a view, not a copy
+
+
+@pytest.mark.parametrize("cut", [3, 10, -1])
+def test_truncated_frame_raises_wire_format_error(cut):
+  frame = bytes(wire.encode({"a": np.arange(10)}))
+  with pytest.raises(wire.WireFormatError):
+    wire.decode(frame[:cut])
+
+
+def test_frame_with_object_dtype_is_refused_both_ways():
+  with pytest.raises(TypeError, match="dtype object"):
+    wire.encode({"a": np.array([object()])})
+  frame = bytes(wire.encode({"a": np.arange(2, dtype=np.int64)}))
+  forged = frame.replace(b'"<i8"', b'"|O8"')
+  with pytest.raises(wire.WireFormatError):
+    wire.decode(forged)
+
+
+def test_frame_leaf_outside_payload_is_refused():
+  frame = bytes(wire.encode({"a": np.arange(2, dtype=np.int64)}))
+  forged = frame.replace(b"[2],0,16]", b"[9],0,72]")
+  with pytest.raises(wire.WireFormatError, match="does not fit"):
+    wire.decode(forged)
+
+
+def test_spec_round_trip_rebuilds_an_equal_graph():
+  source = jaxfeed.ArraySource({"x": np.arange(30, dtype=np.int64)})
+  dataset = jaxfeed.Dataset.from_source(
+      source, jaxfeed.IndexSampler(30, shuffle=True, seed=5)
+  ).map(service_udfs.add_one_to_x).batch(4, drop_remainder=True)
+  rebuilt = spec.from_dataset_def(spec.to_dataset_def(dataset.node))
+  assert rebuilt.fingerprint() == dataset.node.fingerprint()
+  got = list(rebuilt.make_iterator())
+  want = list(dataset.make_iterator())
+  assert len(got) == len(want) == 7
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g["x"], w["x"])
+
+
+def test_spec_carries_arrays_as_raw_bytes_not_pickle():
+  source = jaxfeed.ArraySource({"x": np.arange(1000, dtype=np.int64)})
+  dataset_def = spec.to_dataset_def(jaxfeed.Dataset.from_source(source).node)
+  assert not dataset_def.pickled_udfs
+  assert np.arange(1000, dtype=np.int64).tobytes() in dataset_def.arrays
+  assert b"pickle" not in dataset_def.graph_json
+
+
+def test_local_function_is_refused_with_its_name():
+  def scale(x):
+    return x * 2
+  with pytest.raises(spec.SpecError, match="scale.*module level"):
+    spec.to_dataset_def(jaxfeed.Dataset.range(3).map(scale).node)
+
+
+def test_generated_protos_are_up_to_date(tmp_path):
+  written = generate.generate(pathlib.Path(tmp_path))
+  for path in written:
+    committed = generate.PROTO_DIR / path.name
+    assert filecmp.cmp(path, committed, shallow=False), (
+        f"{committed} is stale: run python -m jaxfeed.service.protos.generate")
+
+
+def test_dispatcher_replays_its_journal_after_a_restart(tmp_path):
+  dataset = jaxfeed.Dataset.range(10).map(service_udfs.add_one).batch(5)
+  config = service.DispatcherConfig(work_dir=str(tmp_path))
+  with service.DispatchServer(config) as dispatcher:
+    dataset_id = service.register_dataset(dispatcher.target, dataset)
+    port = dispatcher.port
+  restarted = service.DispatcherConfig(work_dir=str(tmp_path), port=port)
+  with service.DispatchServer(restarted) as dispatcher:
+    assert service.register_dataset(dispatcher.target, dataset) == dataset_id
+    other = service.register_dataset(dispatcher.target, dataset.batch(1))
+    assert other != dataset_id
+    with service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.target)):
+      batches = list(service.from_dataset_id("parallel_epochs", dispatcher.target, dataset_id))
+  assert np.concatenate(batches).tolist() == list(range(1, 11))
+
+
+def test_round_robin_consumers_read_each_round_from_one_worker():
+  threads_before = set(threading.enumerate())
+  config = service.DispatcherConfig(num_workers=2)
+  with service.DispatchServer(config) as dispatcher:
+    workers = [service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)) for _ in range(2)]
+    dataset = jaxfeed.Dataset.range(16).batch(1)
+    results: list = [None, None]
+
+    def consume(i):
+      with dataset.distribute(dispatcher.target, job_name="rr", num_consumers=2,
+                              consumer_index=i).make_iterator() as iterator:
+        results[i] = [int(b[0]) for b in iterator]
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=30)
+    for worker in workers:
+      worker.stop()
+  # Both workers run range(16) (OFF); round r comes from worker r % 2 and is
+  # its local round r // 2: batches 2*(r//2) and 2*(r//2)+1 of that worker.
+  assert results[0] == [2 * (r // 2) for r in range(16)]
+  assert results[1] == [2 * (r // 2) + 1 for r in range(16)]
+  assert not [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
