@@ -305,13 +305,14 @@ def _stack_objects(col: list, leaf_index: int, structure: Any, elements: list,
 
 def _diagnose_column(col: list, leaf_index: int, structure: Any,
                      elements: list, op_name: str,
-                     cause: BaseException | None) -> None:
+                     cause: BaseException | None,
+                     padded: bool = False) -> None:
   """Raises the most specific error for a column that would not stack."""
   path = _path(structure, leaf_index)
   if not all(map(tree.is_leaf, col)):
     _raise_structure_mismatch(elements, op_name)
   shapes = [np.shape(v) for v in col]
-  if len(set(shapes)) > 1:
+  if len(set(shapes)) > 1 and not padded:
     raise ValueError(
         f"{op_name}: cannot batch elements whose leaf {path!r} has different "
         f"shapes: {_groups(shapes)}. Batching needs equal shapes; use "
@@ -499,7 +500,8 @@ def _pad_column(col: list, leaf_index: int, shape_spec: Any, pad_value: Any,
   if all(s == target_shape for s in shapes):
     return _stack_column(col, leaf_index, structure, elements, op_name)
   if not is_string and any(v.dtype != dtype for v in col):
-    _diagnose_column(col, leaf_index, structure, elements, op_name, None)
+    _diagnose_column(col, leaf_index, structure, elements, op_name, None,
+                     padded=True)
   n = len(col)
   out = np.full((n,) + target_shape, fill, dtype=dtype)
   if (rank == 1 and n >= _MASK_PAD_MIN_ROWS

@@ -1,0 +1,367 @@
+"""`batch` and the stacking helpers, element by element against tf.data."""
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from jaxfeed.dataset import Dataset
+from jaxfeed.ops import base
+from jaxfeed.ops import batch as batch_op
+from jaxfeed.ops import stacking
+
+
+# ---------------------------------------------------------------------------
+# element kinds: element i of each kind, built the same way for both libraries
+# ---------------------------------------------------------------------------
+ELEMENT_KINDS = {
+    "int64_scalar": lambda i: np.int64(i),
+    "float32_scalar": lambda i: np.float32(i / 2),
+    "bool_scalar": lambda i: np.bool_(i % 2),
+    "uint8_vector": lambda i: np.full(3, i, np.uint8),
+    "float64_matrix": lambda i: np.arange(6, dtype=np.float64).reshape(2, 3) + i,
+    "bytes_scalar": lambda i: b"s%d" % i,
+    "bytes_vector": lambda i: np.array([b"a%d" % i, b"b"], dtype=object),
+    "dict": lambda i: {"label": np.int32(i), "x": np.full(2, i, np.float32)},
+    "tuple": lambda i: (np.int64(i), np.full((2, 2), i, np.int16)),
+    "nested": lambda i: {"a": (np.int64(i), {"b": np.float32(i)}),
+                         "s": b"t%d" % i},
+}
+
+
+def make_elements(kind, n):
+  return [ELEMENT_KINDS[kind](i) for i in range(n)]
+
+
+def jaxfeed_dataset(elements):
+  """The elements, in order, as a jaxfeed pipeline (range -> map)."""
+  return Dataset.range(len(elements)).map(lambda i: elements[int(i)])
+
+
+def tf_spec(value):
+  if isinstance(value, dict):
+    return {k: tf_spec(v) for k, v in value.items()}
+  if isinstance(value, tuple):
+    return tuple(tf_spec(v) for v in value)
+  if isinstance(value, bytes):
+    return tf.TensorSpec([], tf.string)
+  arr = np.asarray(value)
+  dtype = tf.string if arr.dtype == object else tf.as_dtype(arr.dtype)
+  return tf.TensorSpec([None] * arr.ndim, dtype)
+
+
+def tf_dataset(elements, example):
+  """The elements as a tf.data pipeline (sliced from stacked columns)."""
+  if not elements:
+    return tf.data.Dataset.from_generator(
+        lambda: iter(elements), output_signature=tf_spec(example))
+  columns = tf.nest.map_structure(lambda *xs: np.array(xs), *elements)
+  return tf.data.Dataset.from_tensor_slices(columns)
+
+
+def assert_same_tree(ours, theirs, where="batch"):
+  """Equal structure, dtypes, shapes and values."""
+  if isinstance(theirs, dict):
+    assert isinstance(ours, dict) and set(ours) == set(theirs), where
+    for k in theirs:
+      assert_same_tree(ours[k], theirs[k], f"{where}/{k}")
+    return
+  if isinstance(theirs, tuple):
+    assert isinstance(ours, tuple) and len(ours) == len(theirs), where
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+      assert_same_tree(a, b, f"{where}/{i}")
+    return
+  assert isinstance(ours, np.ndarray), (where, type(ours))
+  assert ours.dtype == theirs.dtype, (where, ours.dtype, theirs.dtype)
+  assert ours.shape == theirs.shape, (where, ours.shape, theirs.shape)
+  np.testing.assert_array_equal(ours, theirs, err_msg=where)
+
+
+def assert_same_batches(ours, theirs):
+  assert len(ours) == len(theirs)
+  for i, (a, b) in enumerate(zip(ours, theirs)):
+    assert_same_tree(a, b, f"batch {i}")
+
+
+# ---------------------------------------------------------------------------
+# against tf.data
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(ELEMENT_KINDS))
+@pytest.mark.parametrize("n,batch_size", [
+    (0, 3), (1, 1), (1, 3), (7, 1), (7, 3), (7, 7), (7, 9), (9, 3)])
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_batches_equal_tf_data(kind, n, batch_size, drop_remainder):
+  elements = make_elements(kind, n)
+  ours = list(jaxfeed_dataset(elements).batch(batch_size, drop_remainder))
+  example = ELEMENT_KINDS[kind](0)
+  theirs = list(tf_dataset(elements, example).batch(
+      batch_size, drop_remainder).as_numpy_iterator())
+  assert_same_batches(ours, theirs)
+
+
+@pytest.mark.parametrize("arrays", [
+    np.arange(10, dtype=np.int32),
+    {"image": np.arange(10 * 4, dtype=np.uint8).reshape(10, 2, 2),
+     "label": np.arange(10, dtype=np.int64)},
+    (np.linspace(0, 1, 10, dtype=np.float32),
+     np.array([b"w%d" % i for i in range(10)], dtype=object)),
+])
+@pytest.mark.parametrize("batch_size", [1, 3, 10, 12])
+def test_batches_of_tensor_slices_equal_tf_data(arrays, batch_size):
+  ours = list(Dataset.from_tensor_slices(arrays).batch(batch_size))
+  theirs = list(tf.data.Dataset.from_tensor_slices(arrays).batch(
+      batch_size).as_numpy_iterator())
+  assert_same_batches(ours, theirs)
+
+
+@pytest.mark.parametrize("n,batch_size,drop_remainder,expected", [
+    (10, 3, False, 4), (10, 3, True, 3), (9, 3, False, 3), (0, 2, False, 0),
+    (2, 5, True, 0), (2, 5, False, 1)])
+def test_cardinality_matches_tf_data(n, batch_size, drop_remainder, expected):
+  ours = Dataset.range(n).batch(batch_size, drop_remainder).cardinality()
+  theirs = int(tf.data.Dataset.range(n).batch(
+      batch_size, drop_remainder).cardinality())
+  assert ours == theirs == expected
+
+
+def test_python_scalars_batch_to_numpy_default_dtypes():
+  elements = [{"i": 1, "f": 0.5, "b": True, "s": "text"},
+              {"i": 2, "f": 1.5, "b": False, "s": "more"}]
+  out = stacking.stack(elements)
+  assert out["i"].dtype == np.int64 and out["i"].tolist() == [1, 2]
+  assert out["f"].dtype == np.float64 and out["f"].tolist() == [0.5, 1.5]
+  assert out["b"].dtype == np.bool_ and out["b"].tolist() == [True, False]
+  assert out["s"].dtype == object and out["s"].tolist() == ["text", "more"]
+
+
+def test_numpy_string_rows_batch_to_object_arrays_of_bytes():
+  rows = np.array([b"ab", b"c"])  # dtype S2: rows are np.bytes_ scalars
+  out = stacking.stack([rows[0], rows[1]])
+  assert out.dtype == object and out.tolist() == [b"ab", b"c"]
+  zero_d = [np.array(b"xy"), np.array(b"z")]
+  out = stacking.stack(zero_d)
+  assert out.dtype == object and out.tolist() == [b"xy", b"z"]
+  assert all(type(v) is bytes for v in out)
+
+
+def test_dict_key_order_of_first_element_is_kept():
+  out = stacking.stack([{"z": 1, "a": 2}, {"a": 4, "z": 3}])
+  assert list(out) == ["z", "a"]
+  assert out["z"].tolist() == [1, 3] and out["a"].tolist() == [2, 4]
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+def test_ragged_elements_raise_error_naming_leaf_shapes_and_positions():
+  elements = [{"tokens": np.zeros(3)}, {"tokens": np.zeros(3)},
+              {"tokens": np.zeros(5)}]
+  it = jaxfeed_dataset(elements).batch(3).make_iterator()
+  with pytest.raises(ValueError) as info:
+    next(it)
+  message = str(info.value)
+  for part in ("batch", "'tokens'", "(3,)", "(5,)", "[0, 1]", "[2]",
+               "padded_batch"):
+    assert part in message, (part, message)
+
+
+def test_different_structures_raise_error_naming_both():
+  with pytest.raises(ValueError) as info:
+    stacking.stack([{"a": np.int64(1)}, {"a": np.int64(1)},
+                    {"a": np.int64(1), "b": np.float32(2)}])
+  message = str(info.value)
+  assert "element 0" in message and "element 2" in message
+  assert "'b'" in message and "structure" in message
+
+
+@pytest.mark.parametrize("elements", [
+    [(1, 2), (1, 2, 3)],
+    [(1, 2), [1, 2]],
+    [{"a": 1}, {"a": (1, 2)}],
+    [{"a": (1, 2)}, {"a": 1}],
+])
+def test_structure_mismatch_of_any_kind_is_a_value_error(elements):
+  with pytest.raises(ValueError, match="same structure"):
+    stacking.stack(elements)
+
+
+def test_different_dtypes_raise_error_naming_dtypes():
+  with pytest.raises(ValueError) as info:
+    stacking.stack([np.zeros(2, np.int32), np.zeros(2, np.float32)])
+  assert "int32" in str(info.value) and "float32" in str(info.value)
+
+
+def test_strings_mixed_with_numbers_raise_error():
+  with pytest.raises(ValueError, match="dtypes"):
+    stacking.stack([b"a", 3])
+
+
+def test_stack_of_no_elements_raises():
+  with pytest.raises(ValueError, match="no elements"):
+    stacking.stack([])
+
+
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, True, None])
+def test_invalid_batch_size_raises(batch_size):
+  with pytest.raises(ValueError, match="batch_size"):
+    Dataset.range(3).batch(batch_size)
+
+
+# ---------------------------------------------------------------------------
+# seeds and state
+# ---------------------------------------------------------------------------
+def test_last_seed_is_seed_of_first_element_of_batch():
+  it = Dataset.range(10).batch(3).make_iterator()
+  firsts = []
+  for _ in it:
+    firsts.append(it.last_seed)
+  reference = Dataset.range(10).make_iterator()
+  seeds = []
+  for _ in reference:
+    seeds.append(reference.last_seed)
+  assert firsts == [seeds[0], seeds[3], seeds[6], seeds[9]]
+  assert len(set(firsts)) == 4
+
+
+@pytest.mark.parametrize("n,batch_size,drop_remainder", [
+    (10, 3, False), (10, 3, True), (9, 3, False), (4, 5, False), (0, 2, False)])
+def test_resume_at_every_cut_point_after_json_round_trip(n, batch_size,
+                                                         drop_remainder):
+  elements = make_elements("dict", n)
+  ds = jaxfeed_dataset(elements).batch(batch_size, drop_remainder)
+  expected = list(ds)
+  for cut in range(len(expected) + 1):
+    it = ds.make_iterator()
+    for _ in range(cut):
+      next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    restored = ds.make_iterator()
+    restored.set_state(state)
+    assert_same_batches(list(restored), expected[cut:])
+
+
+def test_exhausted_iterator_keeps_raising_stop_iteration():
+  it = Dataset.range(5).batch(2).make_iterator()
+  assert len(list(it)) == 3
+  with pytest.raises(StopIteration):
+    next(it)
+  with pytest.raises(StopIteration):
+    next(it)
+
+
+def test_state_of_other_op_raises_pipeline_state_error():
+  state = Dataset.range(5).shuffle(2, seed=1).make_iterator().get_state()
+  it = Dataset.range(5).batch(2).make_iterator()
+  with pytest.raises(base.PipelineStateError):
+    it.set_state(state)
+
+
+def test_node_spec_params_rebuild_an_equal_node():
+  node = Dataset.range(5).batch(2, drop_remainder=True).node
+  rebuilt = type(node)(*node.parents, **node.spec_params())
+  assert rebuilt.fingerprint() == node.fingerprint()
+  other = Dataset.range(5).batch(3, drop_remainder=True).node
+  assert other.fingerprint() != node.fingerprint()
+
+
+# ---------------------------------------------------------------------------
+# the batched-read protocol
+# ---------------------------------------------------------------------------
+class _RowsNode(base.Node):
+  """Rows of an array, with the optional `next_batch` protocol."""
+
+  op_name = "rows"
+
+  def __init__(self, data, with_next_batch):
+    super().__init__()
+    self.data, self.with_next_batch = data, with_next_batch
+
+  def make_iterator(self):
+    cls = _BatchedRowsIterator if self.with_next_batch else _RowsIterator
+    return cls(self.data)
+
+
+class _RowsIterator(base.OpIterator):
+  op_name = "rows"
+
+  def __init__(self, data):
+    super().__init__()
+    self.data, self.position, self.batched_calls = data, 0, 0
+
+  @property
+  def last_seed(self):
+    return 1000 + self.position - 1
+
+  def __next__(self):
+    if self.position >= len(self.data):
+      raise StopIteration
+    self.position += 1
+    return self.data[self.position - 1]
+
+  def _get_own_state(self):
+    return {"position": self.position}
+
+  def _set_own_state(self, state):
+    self.position = state["position"]
+
+
+class _BatchedRowsIterator(_RowsIterator):
+
+  def next_batch(self, max_count):
+    if self.position >= len(self.data):
+      raise StopIteration
+    start = self.position
+    self.position = min(start + max_count, len(self.data))
+    self.batched_calls += 1
+    seeds = np.arange(1000 + start, 1000 + self.position, dtype=np.uint64)
+    return stacking.to_batch_leaf(self.data[start:self.position]), seeds
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+@pytest.mark.parametrize("batch_size", [1, 3, 10, 11])
+def test_next_batch_protocol_gives_same_batches_seeds_and_states(
+    batch_size, drop_remainder):
+  data = np.array([b"r%d" % i for i in range(10)])
+  results = []
+  for with_next_batch in (False, True):
+    it = batch_op.BatchNode(_RowsNode(data, with_next_batch), batch_size,
+                            drop_remainder).make_iterator()
+    batches, seeds, states = [], [], []
+    for b in it:
+      batches.append(b)
+      seeds.append(it.last_seed)
+      states.append(it.get_state())
+    results.append((batches, seeds, states, it.parents[0].batched_calls))
+  (plain, plain_seeds, plain_states, plain_calls), (fast, fast_seeds,
+                                                    fast_states, fast_calls) = results
+  assert_same_batches(fast, plain)
+  assert fast_seeds == plain_seeds and fast_states == plain_states
+  assert plain_calls == 0 and fast_calls == len(fast) + (
+      1 if drop_remainder and 10 % batch_size else 0)
+
+
+# ---------------------------------------------------------------------------
+# the other stacking helpers
+# ---------------------------------------------------------------------------
+def test_unstack_concatenate_and_slice_invert_stack():
+  elements = make_elements("nested", 5)
+  batch = stacking.stack(elements)
+  assert stacking.batch_length(batch) == 5
+  for ours, original in zip(stacking.unstack(batch), elements):
+    assert ours["a"][0] == original["a"][0]
+    assert ours["a"][1]["b"] == original["a"][1]["b"]
+    assert ours["s"] == original["s"]
+  head = stacking.slice_batch(batch, 0, 2)
+  tail = stacking.slice_batch(batch, 2, 5)
+  assert stacking.batch_length(head) == 2
+  joined = stacking.concatenate([head, tail])
+  assert_same_tree(joined, batch)
+
+
+def test_concatenate_rejects_other_shapes():
+  with pytest.raises(ValueError, match="'x'"):
+    stacking.concatenate([{"x": np.zeros((2, 3))}, {"x": np.zeros((2, 4))}])
