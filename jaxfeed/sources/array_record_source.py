@@ -147,7 +147,7 @@ def _open_reader(name: str, options: str):
     reason = "the reader failed to open it"
   except RuntimeError as e:
     reason = str(e) or "the footer could not be read"
-  reader.close()
+  _close_reader(reader)
   raise CorruptRecordError(
       name, _offset_in(reason),
       f"not a readable array_record file (truncated, damaged footer, or "
@@ -155,7 +155,10 @@ def _open_reader(name: str, options: str):
 
 
 def _close_reader(reader) -> None:
-  reader.close()
+  try:
+    reader.close()
+  except RuntimeError:
+    pass  # close() repeats a failure already raised by open or read
 
 
 def _offset_in(message: str) -> int | None:
