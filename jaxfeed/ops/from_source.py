@@ -1,0 +1,155 @@
+"""`from_source`: the records of a random-access source in sampler order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jaxfeed.ops.base import Node, OpIterator, state_int
+from jaxfeed.sampler import IndexSampler
+
+_OP = "from_source"
+# Records are read ahead in chunks that grow from the first to the largest
+# size: a pipeline that takes a few elements reads few records, a long run
+# pays the per-call overhead of the sampler and the source once per chunk.
+_FIRST_CHUNK = 16
+_MAX_CHUNK = 256
+
+
+class SourceNode(Node):
+  """Reads `source[record_index]` for every position of `sampler`.
+
+  Args:
+    source: A random-access source: `len(source)`, `source[i]` and optionally
+      the batched `source.get_many(indices) -> list`.
+    sampler: An `IndexSampler` over `len(source)` records; default: every
+      record once, in order (`IndexSampler(len(source))`).
+  """
+
+  op_name = _OP
+
+  def __init__(self, source: Any, sampler: IndexSampler | None = None):
+    super().__init__()
+    if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+      raise TypeError(
+          f"{_OP}: source must be a random-access source with __len__ and "
+          f"__getitem__ (e.g. jaxfeed.ArraySource), got "
+          f"{type(source).__name__}.")
+    num_records = len(source)
+    if sampler is None:
+      sampler = IndexSampler(num_records)
+    elif not all(hasattr(sampler, a)
+                 for a in ("get_many", "num_records", "num_positions")):
+      raise TypeError(
+          f"{_OP}: sampler must be a jaxfeed.IndexSampler (or provide "
+          f"get_many, num_records and num_positions), got "
+          f"{type(sampler).__name__}.")
+    if sampler.num_records != num_records:
+      raise ValueError(
+          f"{_OP}: the sampler indexes {sampler.num_records} records but the "
+          f"source {type(source).__name__} holds {num_records}; build the "
+          f"sampler with num_records=len(source).")
+    self.source = source
+    self.sampler = sampler
+
+  def spec_params(self) -> dict:
+    return {"source": self.source, "sampler": self.sampler}
+
+  def cardinality(self) -> int:
+    num = self.sampler.num_positions
+    return -1 if num is None else num
+
+  def make_iterator(self) -> "SourceIterator":
+    return SourceIterator(self.source, self.sampler)
+
+  def __repr__(self) -> str:
+    return f"SourceNode({self.source!r}, {self.sampler!r})"
+
+
+class SourceIterator(OpIterator):
+  """Yields records in sampler order; state is the next sampler position."""
+
+  op_name = _OP
+
+  def __init__(self, source: Any, sampler: IndexSampler):
+    super().__init__()
+    self._source = source
+    self._sampler = sampler
+    self._end = sampler.num_positions  # None when endless.
+    get_many = getattr(source, "get_many", None)
+    self._read_many = get_many if callable(get_many) else (
+        lambda indices: [source[i] for i in indices.tolist()])
+    self._chunk = _FIRST_CHUNK
+    self._buffer_start = 0  # Sampler position of self._records[0].
+    self._records: list = []
+    self._seeds = np.zeros(0, np.uint64)
+    self._offset = 0  # Next index into self._records.
+    self._last_seeds = self._seeds
+    self._last_offset = -1
+
+  def __next__(self) -> Any:
+    offset = self._offset
+    if offset >= len(self._records):
+      self._read_ahead()
+      offset = 0
+    self._offset = offset + 1
+    self._last_seeds = self._seeds
+    self._last_offset = offset
+    return self._records[offset]
+
+  def _read_ahead(self) -> None:
+    start = self._buffer_start + len(self._records)
+    count = self._chunk
+    if self._end is not None:
+      count = min(count, self._end - start)
+      if count <= 0:
+        raise StopIteration
+    _, record_indices, seeds = self._sampler.get_many(
+        np.arange(start, start + count, dtype=np.int64))
+    records = self._read_many(record_indices)
+    if len(records) != count:
+      raise RuntimeError(
+          f"{_OP}: {type(self._source).__name__}.get_many returned "
+          f"{len(records)} records for {count} indices.")
+    self._buffer_start = start
+    self._records = records
+    self._seeds = seeds
+    self._offset = 0
+    self._chunk = min(2 * self._chunk, _MAX_CHUNK)
+
+  @property
+  def position(self) -> int:
+    """The sampler position of the next element."""
+    return self._buffer_start + self._offset
+
+  @property
+  def last_seed(self) -> int:
+    if self._last_offset < 0:
+      return 0
+    return int(self._last_seeds[self._last_offset])
+
+  def skip_elements(self, count: int) -> int:
+    """Skips up to `count` elements without reading them; returns how many."""
+    position = self.position
+    end = position + count if self._end is None else min(position + count,
+                                                         self._end)
+    skipped = max(0, end - position)
+    self._seek(position + skipped)
+    return skipped
+
+  def _seek(self, position: int) -> None:
+    buffered = position - self._buffer_start
+    if 0 <= buffered <= len(self._records):
+      self._offset = buffered
+    else:
+      self._buffer_start = position
+      self._records = []
+      self._seeds = np.zeros(0, np.uint64)
+      self._offset = 0
+
+  def _get_own_state(self) -> dict:
+    return {"position": self.position}
+
+  def _set_own_state(self, state: dict) -> None:
+    self._seek(state_int(state, "position", _OP, 0, self._end))

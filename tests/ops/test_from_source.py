@@ -1,0 +1,237 @@
+"""Tests of from_source: records in sampler order, seeds, reads and states."""
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from jaxfeed.dataset import Dataset
+from jaxfeed.ops.base import PipelineStateError
+from jaxfeed.ops.from_source import SourceNode
+from jaxfeed.sampler import IndexSampler, ShardOptions
+from jaxfeed.sources import ArraySource
+
+
+class _ListSource:
+  """A minimal source over a list that records every read."""
+
+  def __init__(self, num, batched=True):
+    self.records = [f"record-{i}" for i in range(num)]
+    self.reads = []  # Record indices in read order.
+    self.get_many_calls = 0
+    if not batched:
+      self.get_many = None
+
+  def __len__(self):
+    return len(self.records)
+
+  def __getitem__(self, index):
+    self.reads.append(index)
+    return self.records[index]
+
+  def get_many(self, indices):  # pylint: disable=method-hidden
+    self.get_many_calls += 1
+    self.reads.extend(int(i) for i in indices)
+    return [self.records[i] for i in indices]
+
+
+def _iterate(dataset):
+  """The op's own iterator, without the graph optimizer's rewrites."""
+  return dataset.node.make_iterator()
+
+
+def _expected(source, sampler):
+  _, record_indices, seeds = sampler.get_many(np.arange(len(sampler)))
+  return [source.records[i] for i in record_indices], seeds.tolist()
+
+
+def test_default_sampler_reads_every_record_once_in_order():
+  source = _ListSource(50)
+  assert list(_iterate(Dataset.from_source(source))) == source.records
+  assert sorted(source.reads) == list(range(50))
+
+
+@pytest.mark.parametrize("num", [0, 1, 17, 300])
+def test_array_source_in_order_matches_tf_from_tensor_slices(num):
+  data = {"image": np.arange(num * 6, dtype=np.uint8).reshape(num, 2, 3),
+          "label": np.arange(num, dtype=np.int32)}
+  ours = list(_iterate(Dataset.from_source(ArraySource(data))))
+  theirs = list(tf.data.Dataset.from_tensor_slices(data).as_numpy_iterator())
+  assert len(ours) == len(theirs) == num
+  for a, b in zip(ours, theirs):
+    for key in ("image", "label"):
+      assert np.asarray(a[key]).dtype == b[key].dtype
+      assert np.shape(a[key]) == np.shape(b[key])
+      np.testing.assert_array_equal(a[key], b[key])
+
+
+@pytest.mark.parametrize("num, shard, epochs", [
+    (100, ShardOptions(0, 1), 3), (37, ShardOptions(2, 3), 2),
+    (1, ShardOptions(0, 1), 5), (10, ShardOptions(1, 4, True), 4),
+])
+def test_shuffled_sampler_order_and_seeds(num, shard, epochs):
+  source = _ListSource(num)
+  sampler = IndexSampler(num, shuffle=True, seed=42, num_epochs=epochs,
+                         shard_options=shard)
+  iterator = _iterate(Dataset.from_source(source, sampler))
+  records, seeds = [], []
+  for record in iterator:
+    records.append(record)
+    seeds.append(iterator.last_seed)
+  assert (records, seeds) == _expected(source, sampler)
+
+
+def test_shards_together_read_every_record_of_each_epoch():
+  source = _ListSource(23)
+  per_shard = [
+      list(_iterate(Dataset.from_source(source, IndexSampler(
+          23, shuffle=True, seed=1, shard_options=ShardOptions(h, 3)))))
+      for h in range(3)
+  ]
+  assert sorted(itertools.chain(*per_shard)) == sorted(source.records)
+
+
+def test_endless_sampler_is_infinite():
+  source = _ListSource(7)
+  dataset = Dataset.from_source(
+      source, IndexSampler(7, shuffle=True, num_epochs=None))
+  assert dataset.cardinality() == -1
+  records = list(itertools.islice(_iterate(dataset), 700))
+  for epoch in range(100):
+    assert sorted(records[epoch * 7:(epoch + 1) * 7]) == sorted(source.records)
+
+
+def test_cardinality_is_the_number_of_sampler_positions():
+  source = _ListSource(10)
+  assert Dataset.from_source(source).cardinality() == 10
+  sampler = IndexSampler(10, num_epochs=3, shard_options=ShardOptions(1, 4))
+  assert Dataset.from_source(source, sampler).cardinality() == 9
+
+
+def test_reads_are_batched_and_never_past_the_end():
+  source = _ListSource(1000)
+  assert len(list(_iterate(Dataset.from_source(source)))) == 1000
+  assert sorted(source.reads) == list(range(1000))
+  assert source.get_many_calls <= 10
+
+
+def test_a_short_take_reads_only_the_first_chunk():
+  source = _ListSource(10_000)
+  assert list(_iterate(Dataset.from_source(source).take(3))) == (
+      source.records[:3])
+  assert len(source.reads) <= 16
+
+
+def test_skip_does_not_read_the_skipped_records():
+  source = _ListSource(100)
+  sampler = IndexSampler(100, shuffle=True, seed=3)
+  records = list(_iterate(Dataset.from_source(source, sampler).skip(90)))
+  expected, _ = _expected(source, sampler)
+  assert records == expected[90:]
+  assert sorted(source.reads) == sorted(
+      sampler.get_many(np.arange(90, 100))[1].tolist())
+
+
+def test_source_without_get_many_is_read_record_by_record():
+  source = _ListSource(40, batched=False)
+  sampler = IndexSampler(40, shuffle=True, seed=5, num_epochs=2)
+  assert list(_iterate(Dataset.from_source(source, sampler))) == (
+      _expected(source, sampler)[0])
+
+
+def test_state_resumes_exactly_at_every_cut():
+  source = _ListSource(40)
+  sampler = IndexSampler(40, shuffle=True, seed=8, num_epochs=2)
+  dataset = Dataset.from_source(source, sampler)
+
+  def run(iterator, limit):
+    out = []
+    for record in itertools.islice(iterator, limit):
+      out.append((record, iterator.last_seed))
+    return out
+
+  full = run(_iterate(dataset), 100)
+  assert len(full) == 80
+  for cut in range(81):
+    iterator = _iterate(dataset)
+    assert run(iterator, cut) == full[:cut]
+    state = json.loads(json.dumps(iterator.get_state()))
+    assert state["own"] == {"position": cut}
+    rest = run(iterator, 100)
+    assert rest == full[cut:]
+    fresh = _iterate(dataset)
+    fresh.set_state(state)
+    assert run(fresh, 100) == rest
+    iterator.set_state(state)  # Into the same, exhausted iterator.
+    assert run(iterator, 100) == rest
+
+
+def test_state_restores_inside_the_read_ahead_buffer():
+  source = _ListSource(100)
+  iterator = _iterate(Dataset.from_source(source))
+  for _ in range(20):
+    next(iterator)
+  state = iterator.get_state()
+  next(iterator)
+  reads = len(source.reads)
+  iterator.set_state(state)
+  assert next(iterator) == source.records[20]
+  assert len(source.reads) == reads  # Served from the buffer.
+
+
+@pytest.mark.parametrize("state", [
+    {"op": "range", "own": {"index": 0}, "parents": []},
+    {"op": "from_source", "own": {"position": 11}, "parents": []},
+    {"op": "from_source", "own": {"position": -1}, "parents": []},
+    {"op": "from_source", "own": {"index": 0}, "parents": []},
+    {"op": "from_source", "own": {"position": 0}, "parents": [{}]},
+])
+def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
+  iterator = _iterate(Dataset.from_source(_ListSource(10)))
+  with pytest.raises(PipelineStateError):
+    iterator.set_state(state)
+
+
+def test_source_must_be_random_access():
+  with pytest.raises(TypeError, match="random-access.*int"):
+    SourceNode(5)
+  with pytest.raises(TypeError, match="random-access.*generator"):
+    SourceNode(x for x in range(3))
+
+
+def test_sampler_must_cover_the_source():
+  with pytest.raises(ValueError, match="12 records.*_ListSource holds 10"):
+    SourceNode(_ListSource(10), IndexSampler(12))
+
+
+def test_sampler_must_be_a_sampler():
+  with pytest.raises(TypeError, match="sampler.*list"):
+    SourceNode(_ListSource(3), [0, 1, 2])
+
+
+def test_a_source_returning_too_few_records_is_reported():
+  source = _ListSource(10)
+  source.get_many = lambda indices: source.records[:1]
+  with pytest.raises(RuntimeError, match="returned 1 records for 10"):
+    next(_iterate(Dataset.from_source(source)))
+
+
+def test_empty_source_yields_nothing():
+  assert list(_iterate(Dataset.from_source(_ListSource(0)))) == []
+  endless = IndexSampler(0, shuffle=True, num_epochs=None)
+  dataset = Dataset.from_source(_ListSource(0), endless)
+  assert list(_iterate(dataset)) == [] and dataset.cardinality() == 0
+
+
+def test_spec_params_rebuild_an_equal_node():
+  source = ArraySource({"x": np.arange(10)})
+  node = SourceNode(source, IndexSampler(10, shuffle=True, seed=2))
+  rebuilt = SourceNode(**node.spec_params())
+  assert rebuilt.fingerprint() == node.fingerprint()
+  other = SourceNode(source, IndexSampler(10, shuffle=True, seed=3))
+  assert other.fingerprint() != node.fingerprint()
