@@ -155,6 +155,9 @@ def _remove_tree(path: str) -> None:
 
 def _leaf_kind(leaf: Any, where: str) -> str:
   if isinstance(leaf, np.ndarray):
+    if leaf.dtype == object:
+      raise TypeError(
+          f"{where}: cannot store an array of dtype object without pickle.")
     return "array"
   if isinstance(leaf, np.generic):
     return "scalar"
@@ -468,7 +471,11 @@ class CacheIterator(OpIterator):
     except StopIteration:
       if self._writer is not None:
         writer, self._writer = self._writer, None
-        writer.publish()
+        try:
+          writer.publish()
+        except BaseException:
+          writer.abort()
+          raise
       raise
     except BaseException:
       self._abort_writer()  # A pass with a failure must not be cached.

@@ -1,0 +1,229 @@
+"""Tests of the map op against tf.data's Dataset.map."""
+
+import collections
+import gc
+import json
+import os
+import threading
+import traceback
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+tf.get_logger().setLevel("ERROR")
+tf.autograph.set_verbosity(0)
+
+import jaxfeed
+from jaxfeed.dataset import Dataset
+from jaxfeed.ops.map import MapNode
+
+PARALLEL = [None, 1, 4, jaxfeed.AUTOTUNE]
+
+
+def _ours(ds):
+  """Runs exactly the op graph built (no optimizer rewrites, no tuner)."""
+  return ds.node.make_iterator()
+
+
+def _canonical(element):
+  """A hashable, comparable form of an element (values and dtypes)."""
+  if isinstance(element, dict):
+    return tuple(sorted((k, _canonical(v)) for k, v in element.items()))
+  if isinstance(element, (tuple, list)):
+    return tuple(_canonical(v) for v in element)
+  array = np.asarray(element)
+  return (str(array.dtype), array.shape, array.tobytes())
+
+
+A = np.arange(12, dtype=np.int32)
+B = np.linspace(0.0, 1.0, 12)
+
+# name -> (jaxfeed dataset, tf dataset, fn working on numpy and tf values)
+CASES = {
+    "range_scalar": (lambda: Dataset.range(17),
+                     lambda: tf.data.Dataset.range(17),
+                     lambda x: x * 3 + 1),
+    "tuple_unpacked": (lambda: Dataset.from_tensor_slices((A, B)),
+                       lambda: tf.data.Dataset.from_tensor_slices((A, B)),
+                       lambda a, b: (b * 2.0, a + 1)),
+    "dict_one_argument": (lambda: Dataset.from_tensor_slices({"a": A, "b": B}),
+                          lambda: tf.data.Dataset.from_tensor_slices(
+                              {"a": A, "b": B}),
+                          lambda d: {"sum": d["b"] + 1.0, "a": d["a"] * 2}),
+    "scalar_to_tuple": (lambda: Dataset.range(9),
+                        lambda: tf.data.Dataset.range(9),
+                        lambda x: (x, x * x)),
+    "empty": (lambda: Dataset.range(0), lambda: tf.data.Dataset.range(0),
+              lambda x: x + 1),
+}
+
+
+def _tf_values(case, num_parallel_calls, deterministic):
+  _, make_tf, fn = CASES[case]
+  # tf.data only takes `deterministic` together with `num_parallel_calls`.
+  ds = make_tf().map(fn, num_parallel_calls=num_parallel_calls,
+                     deterministic=deterministic if num_parallel_calls else None)
+  return [_canonical(e) for e in ds.as_numpy_iterator()]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_map_matches_tf_data(case, num_parallel_calls, deterministic):
+  make_ours, make_tf, fn = CASES[case]
+  ours_ds = make_ours().map(fn, num_parallel_calls=num_parallel_calls,
+                            deterministic=deterministic)
+  with _ours(ours_ds) as it:
+    ours = [_canonical(e) for e in it]
+  theirs = _tf_values(case, num_parallel_calls, deterministic)
+  if deterministic:
+    assert ours == theirs
+  else:
+    assert sorted(ours) == sorted(theirs)
+  tf_cardinality = int(make_tf().map(fn).cardinality())
+  assert ours_ds.cardinality() == tf_cardinality
+
+
+def test_map_through_the_facade_with_default_options_matches_tf_data():
+  ours = list(Dataset.range(50).map(lambda x: x + 1, num_parallel_calls=3)
+              .map(lambda x: x * 2))
+  theirs = list(tf.data.Dataset.range(50).map(lambda x: x + 1)
+                .map(lambda x: x * 2).as_numpy_iterator())
+  assert [_canonical(e) for e in ours] == [_canonical(e) for e in theirs]
+
+
+def test_namedtuple_elements_are_passed_whole_like_tf_data():
+  pair = collections.namedtuple("Pair", "a b")
+  ours = list(_ours(Dataset.from_tensor_slices(pair(A, B)).map(
+      lambda p: p.a * 2)))
+  theirs = list(tf.data.Dataset.from_tensor_slices(pair(A, B)).map(
+      lambda p: p.a * 2).as_numpy_iterator())
+  assert [_canonical(e) for e in ours] == [_canonical(e) for e in theirs]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+def test_map_resumes_exactly_at_every_cut_point(num_parallel_calls,
+                                                 deterministic):
+  ds = Dataset.from_tensor_slices({"a": A, "b": B}).map(
+      lambda d: {"a": d["a"] * 2, "b": d["b"]},
+      num_parallel_calls=num_parallel_calls, deterministic=deterministic)
+  with _ours(ds) as it:
+    expected = [_canonical(e) for e in it]
+  for cut in range(len(A) + 1):
+    with _ours(ds) as it:
+      head = [_canonical(next(it)) for _ in range(cut)]
+      state = json.loads(json.dumps(it.get_state()))
+    with _ours(ds) as restored:
+      restored.set_state(state)
+      tail = [_canonical(e) for e in restored]
+    if deterministic:
+      assert head + tail == expected
+    else:
+      assert sorted(head + tail) == sorted(expected)
+
+
+def test_map_restores_into_the_same_running_iterator():
+  ds = Dataset.range(30).map(lambda x: x * 2, num_parallel_calls=4)
+  with _ours(ds) as it:
+    head = [int(next(it)) for _ in range(11)]
+    state = it.get_state()
+    middle = [int(next(it)) for _ in range(9)]  # work in flight beyond this
+    it.set_state(state)
+    assert [int(e) for e in it] == list(range(22, 60, 2))
+  assert head == list(range(0, 22, 2)) and middle == list(range(22, 40, 2))
+
+
+@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+def test_map_passes_each_element_seed_through(num_parallel_calls):
+  source = Dataset.range(15)
+  with _ours(source) as it:
+    expected = []
+    for _ in it:
+      expected.append(it.last_seed)
+  with _ours(source.map(lambda x: -x, num_parallel_calls=num_parallel_calls)) as it:
+    seeds = []
+    for _ in it:
+      seeds.append(it.last_seed)
+  assert seeds == expected
+
+
+def _explode_on_five(x):
+  if x == 5:
+    raise ZeroDivisionError("no fives")
+  return x
+
+
+@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+def test_fn_exception_surfaces_with_type_and_traceback_then_iteration_continues(
+    num_parallel_calls):
+  ds = Dataset.range(8).map(_explode_on_five,
+                            num_parallel_calls=num_parallel_calls)
+  with _ours(ds) as it:
+    assert [int(next(it)) for _ in range(5)] == [0, 1, 2, 3, 4]
+    with pytest.raises(ZeroDivisionError, match="no fives") as info:
+      next(it)
+    names = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "_explode_on_five" in names
+    assert [int(e) for e in it] == [6, 7]
+
+
+def _threads_now():
+  return set(threading.enumerate())
+
+
+@pytest.mark.parametrize("num_parallel_calls", [4, jaxfeed.AUTOTUNE])
+def test_no_threads_leak_after_close_or_garbage_collection(num_parallel_calls):
+  before = _threads_now()
+  ds = Dataset.range(1000).map(lambda x: x, num_parallel_calls=num_parallel_calls)
+  it = _ours(ds)
+  next(it)
+  assert _threads_now() - before
+  it.close()
+  assert not {t for t in _threads_now() - before if t.is_alive()}
+  it = _ours(ds)
+  next(it)
+  del it
+  gc.collect()
+  assert not {t for t in _threads_now() - before if t.is_alive()}
+
+
+def test_sequential_map_starts_no_thread():
+  before = _threads_now()
+  with _ours(Dataset.range(5).map(lambda x: x, num_parallel_calls=1)) as it:
+    next(it)
+    assert _threads_now() == before
+
+
+def test_spec_params_rebuild_an_equal_node_and_keep_batched():
+  node = MapNode(Dataset.range(4).node, _explode_on_five, num_parallel_calls=3,
+                 deterministic=False, batched=True, backend="thread")
+  params = node.spec_params()
+  assert params == {"fn": _explode_on_five, "num_parallel_calls": 3,
+                    "deterministic": False, "batched": True,
+                    "backend": "thread"}
+  rebuilt = MapNode(*node.parents, **params)
+  assert rebuilt.fingerprint() == node.fingerprint()
+  other = MapNode(Dataset.range(4).node, _explode_on_five, batched=False)
+  assert other.fingerprint() != node.fingerprint()
+
+
+def test_batched_flag_does_not_change_map_output():
+  plain = list(_ours(Dataset.range(6).map(lambda x: x * 2)))
+  batched = list(_ours(Dataset.range(6).map(lambda x: x * 2, batched=True)))
+  assert plain == batched
+
+
+def test_invalid_arguments_are_rejected_with_clear_errors():
+  node = Dataset.range(3).node
+  with pytest.raises(TypeError, match="map: fn must be callable"):
+    MapNode(node, "not a function")
+  with pytest.raises(ValueError, match="num_parallel_calls"):
+    MapNode(node, abs, num_parallel_calls=0)
+  with pytest.raises(ValueError, match="backend must be one of"):
+    MapNode(node, abs, backend="gpu")
+  with pytest.raises(TypeError, match="batched must be a bool"):
+    MapNode(node, abs, batched="yes")

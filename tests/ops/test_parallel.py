@@ -1,0 +1,392 @@
+"""Tests of the parallel-execution engine (ordered and unordered executor)."""
+
+import gc
+import json
+import os
+import random
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+import jaxfeed
+from jaxfeed.dataset import Dataset
+from jaxfeed.ops import parallel
+from jaxfeed.ops.base import AUTOTUNE, OpIterator, PipelineStateError
+from jaxfeed.ops.map import MapNode
+
+
+class ListIterator(OpIterator):
+  """A test input: yields items (raising Exception items), counts pulls."""
+
+  op_name = "list"
+
+  def __init__(self, items):
+    super().__init__()
+    self.items = list(items)
+    self.index = 0
+    self.pulls = 0
+
+  def __next__(self):
+    if self.index >= len(self.items):
+      raise StopIteration
+    item = self.items[self.index]
+    self.index += 1
+    self.pulls += 1
+    if isinstance(item, Exception):
+      raise item
+    return item
+
+  @property
+  def last_seed(self):
+    return 1000 + self.index - 1
+
+  def _get_own_state(self):
+    return {"index": self.index}
+
+  def _set_own_state(self, state):
+    self.index = state["index"]
+
+
+def _jittered(fn):
+  """fn with a small random delay, so workers finish out of order."""
+  rng = random.Random(0)
+  delays = [rng.random() * 0.002 for _ in range(64)]
+
+  def run(element, seed):
+    time.sleep(delays[hash(int(element)) % 64])
+    return fn(element, seed)
+  return run
+
+
+def _new_threads(before):
+  return [t for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+def _executor(items, work=None, parallelism=4, deterministic=True):
+  parent = ListIterator(items)
+  work = work or _jittered(lambda x, seed: (x, seed))
+  return parent, parallel.ParallelExecutor(parent, work, parallelism,
+                                           deterministic, "test")
+
+
+def _drain(executor):
+  out = []
+  while True:
+    try:
+      out.append(next(executor))
+    except StopIteration:
+      return out
+
+
+@pytest.mark.parametrize("parallelism", [1, 2, 4, 16])
+def test_ordered_executor_keeps_input_order_and_seeds(parallelism):
+  _, executor = _executor(range(40), parallelism=parallelism)
+  out, seeds = [], []
+  while True:
+    try:
+      out.append(next(executor))
+    except StopIteration:
+      break
+    seeds.append(executor.last_seed)
+  executor.close()
+  assert out == [(i, 1000 + i) for i in range(40)]
+  assert seeds == [1000 + i for i in range(40)]
+
+
+@pytest.mark.parametrize("parallelism", [2, 4])
+def test_unordered_executor_returns_every_element_once_with_its_seed(parallelism):
+  _, executor = _executor(range(40), parallelism=parallelism,
+                          deterministic=False)
+  pairs = []
+  while True:
+    try:
+      value = next(executor)
+    except StopIteration:
+      break
+    pairs.append((value, executor.last_seed))
+  executor.close()
+  assert sorted(pairs) == [((i, 1000 + i), 1000 + i) for i in range(40)]
+
+
+def test_unordered_executor_does_not_wait_for_a_slow_head_element():
+  release = threading.Event()
+
+  def work(x, seed):
+    if x == 0:
+      release.wait()
+    return x
+
+  _, executor = _executor(range(10), work=work, parallelism=3,
+                          deterministic=False)
+  first = [next(executor) for _ in range(5)]  # element 0 is still running
+  release.set()
+  rest = _drain(executor)
+  executor.close()
+  assert 0 not in first
+  assert sorted(first + rest) == list(range(10))
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_executor_never_has_more_than_parallelism_elements_in_flight(
+    parallelism, deterministic):
+  parent, executor = _executor(range(30), parallelism=parallelism,
+                               deterministic=deterministic)
+  returned = 0
+  while True:
+    try:
+      next(executor)
+    except StopIteration:
+      break
+    returned += 1
+    assert parent.pulls - returned <= parallelism
+  executor.close()
+  assert returned == 30
+
+
+def test_ordered_executor_resumes_exactly_at_every_cut_point():
+  items = list(range(25))
+  _, reference = _executor(items)
+  expected = _drain(reference)
+  reference.close()
+  for cut in range(len(items) + 1):
+    _, executor = _executor(items)
+    head = [next(executor) for _ in range(cut)]
+    state = json.loads(json.dumps(
+        {"parent": executor.parent_state(), "own": executor.own_state()}))
+    executor.close()
+    assert state["own"] == {"consumed_ahead": []}
+    _, restored = _executor(items)
+    restored.restore(state["parent"], state["own"])
+    assert head + _drain(restored) == expected
+    restored.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unordered_executor_resumes_exactly_at_every_cut_point(seed):
+  items = list(range(20))
+  rng = random.Random(seed)
+  delays = {i: rng.random() * 0.003 for i in items}
+
+  def work(x, s):
+    time.sleep(delays[x])
+    return x
+
+  for cut in range(len(items) + 1):
+    _, executor = _executor(items, work=work, deterministic=False)
+    head = [next(executor) for _ in range(cut)]
+    state = json.loads(json.dumps(
+        {"parent": executor.parent_state(), "own": executor.own_state()}))
+    executor.close()
+    _, restored = _executor(items, work=work, deterministic=False)
+    restored.restore(state["parent"], state["own"])
+    tail = _drain(restored)
+    restored.close()
+    assert sorted(head + tail) == items, (cut, head, tail, state)
+
+
+def test_unordered_state_lists_elements_returned_ahead_of_a_slow_one():
+  release = threading.Event()
+
+  def slow_zero(x, seed):
+    if x == 0:
+      release.wait()
+    return x
+
+  _, executor = _executor(range(10), work=slow_zero, parallelism=4,
+                          deterministic=False)
+  head = [next(executor) for _ in range(3)]
+  parent_state, own = executor.parent_state(), executor.own_state()
+  release.set()
+  executor.close()
+  assert parent_state == {"op": "list", "own": {"index": 0}, "parents": []}
+  assert own["consumed_ahead"] == sorted(head)
+
+  _, restored = _executor(range(10), deterministic=False)
+  restored.restore(parent_state, own)
+  # Saving again before anything is pulled keeps the returned-ahead list.
+  assert restored.own_state() == own
+  assert restored.parent_state() == parent_state
+  tail = [value for value, _ in _drain(restored)]
+  restored.close()
+  assert sorted(head + tail) == list(range(10))
+  assert not set(head) & set(tail)
+
+
+def test_worker_exception_surfaces_in_order_with_its_traceback_and_iteration_goes_on():
+
+  def explode_on_three(x, seed):
+    if x == 3:
+      raise KeyError(f"bad element {x}")
+    return x
+
+  _, executor = _executor(range(6), work=explode_on_three, parallelism=3)
+  assert [next(executor) for _ in range(3)] == [0, 1, 2]
+  with pytest.raises(KeyError, match="bad element 3") as info:
+    next(executor)
+  frames = [frame.name for frame in
+            __import__("traceback").extract_tb(info.value.__traceback__)]
+  assert "explode_on_three" in frames
+  assert _drain(executor) == [4, 5]
+  executor.close()
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_parent_exception_surfaces_at_its_position(deterministic):
+  items = [0, 1, ValueError("input broke"), 3]
+  _, executor = _executor(items, work=lambda x, s: x, parallelism=2,
+                          deterministic=deterministic)
+  got = []
+  for _ in range(4):
+    try:
+      got.append(next(executor))
+    except ValueError as exc:
+      got.append(str(exc))
+  with pytest.raises(StopIteration):
+    next(executor)
+  executor.close()
+  if deterministic:
+    assert got == [0, 1, "input broke", 3]
+  else:
+    assert sorted(map(str, got)) == ["0", "1", "3", "input broke"]
+
+
+def test_close_joins_every_worker_thread():
+  before = threading.enumerate()
+  _, executor = _executor(range(100), parallelism=5)
+  for _ in range(10):
+    next(executor)
+  assert len(_new_threads(before)) == 5
+  executor.close()
+  executor.close()  # idempotent
+  assert _new_threads(before) == []
+  with pytest.raises(RuntimeError, match="closed"):
+    next(executor)
+
+
+def test_garbage_collecting_an_unclosed_iterator_stops_its_threads():
+  before = threading.enumerate()
+  ds = Dataset.range(100).map(lambda x: x + 1, num_parallel_calls=4)
+  it = ds.node.make_iterator()
+  for _ in range(10):
+    next(it)
+  assert len(_new_threads(before)) == 4
+  ref = weakref.ref(it)
+  del it
+  gc.collect()
+  assert ref() is None  # threads hold no reference to the iterator
+  assert _new_threads(before) == []
+
+
+def test_parallelism_can_grow_and_shrink_while_running():
+  before = threading.enumerate()
+  parent, executor = _executor(range(200), parallelism=2)
+  out = [next(executor) for _ in range(5)]
+  executor.parallelism = 6
+  out.append(next(executor))
+  assert executor.num_threads == 6
+  returned = len(out)
+  for _ in range(20):
+    out.append(next(executor))
+    returned += 1
+    assert parent.pulls - returned <= 6
+  executor.parallelism = 1
+  out += _drain(executor)
+  assert out == [(i, 1000 + i) for i in range(200)]
+  executor.close()
+  assert _new_threads(before) == []
+  with pytest.raises(ValueError, match="parallelism must be >= 1"):
+    executor.parallelism = 0
+
+
+def test_parallelism_shrink_retires_threads():
+  _, executor = _executor(range(100), parallelism=4)
+  next(executor)
+  executor.parallelism = 1
+  _drain(executor)
+  deadline = time.monotonic() + 30
+  while executor.num_threads > 1 and time.monotonic() < deadline:
+    time.sleep(0.01)
+  assert executor.num_threads == 1
+  executor.close()
+
+
+def test_autotune_starts_from_the_default_and_exposes_a_parallelism_knob():
+  it = MapNode(Dataset.range(10).node, lambda x: x,
+               num_parallel_calls=AUTOTUNE).make_iterator()
+  assert it.parallelism == min(os.cpu_count(), 8)
+  [knob] = it.tunables()
+  assert knob.kind == "threads" and knob.get() == it.parallelism
+  knob.set(3)
+  assert it.parallelism == 3 and knob.get() == 3
+  assert list(it) == list(range(10))
+  assert knob.wait_s() >= 0.0 and knob.busy_s() >= 0.0
+  it.close()
+  fixed = MapNode(Dataset.range(3).node, lambda x: x,
+                  num_parallel_calls=3).make_iterator()
+  assert fixed.tunables() == []
+  fixed.close()
+
+
+def test_sequential_state_restores_into_parallel_iterator_and_back():
+  node = Dataset.range(20).node
+  sequential = MapNode(node, lambda x: x * 3).make_iterator()
+  head = [next(sequential) for _ in range(7)]
+  state = json.loads(json.dumps(sequential.get_state()))
+  par = MapNode(node, lambda x: x * 3, num_parallel_calls=4).make_iterator()
+  par.set_state(state)
+  assert head + list(par) == [i * 3 for i in range(20)]
+  par.set_state(state)
+  next(par)
+  state2 = par.get_state()
+  par.close()
+  back = MapNode(node, lambda x: x * 3).make_iterator()
+  back.set_state(state2)
+  assert list(back) == [i * 3 for i in range(8, 20)]
+
+
+def test_restoring_an_out_of_order_state_into_a_sequential_map_fails_clearly():
+  node = Dataset.range(5).node
+  it = MapNode(node, lambda x: x).make_iterator()
+  state = it.get_state()
+  state["own"] = {"consumed_ahead": [2]}
+  with pytest.raises(PipelineStateError, match="out of order"):
+    it.set_state(state)
+  with pytest.raises(PipelineStateError, match="consumed_ahead"):
+    par = MapNode(node, lambda x: x, num_parallel_calls=2).make_iterator()
+    state["own"] = {"consumed_ahead": "x"}
+    par.set_state(state)
+  par.close()
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "4", True])
+def test_invalid_num_parallel_calls_is_rejected(value):
+  with pytest.raises(ValueError, match="num_parallel_calls"):
+    parallel.check_num_parallel_calls(value, "map")
+
+
+def test_validators_accept_what_tf_data_accepts():
+  assert parallel.check_num_parallel_calls(None, "map") is None
+  assert parallel.check_num_parallel_calls(np.int64(3), "map") == 3
+  assert parallel.check_num_parallel_calls(jaxfeed.AUTOTUNE, "map") == AUTOTUNE
+  assert parallel.check_num_parallel_calls(tf.data.AUTOTUNE, "map") == AUTOTUNE
+  assert parallel.check_deterministic(None, "map") is True
+  with pytest.raises(TypeError, match="deterministic"):
+    parallel.check_deterministic("yes", "map")
+  with pytest.raises(TypeError, match="fn must be callable"):
+    parallel.check_callable(3, "map")
+
+
+def test_call_unpacked_unpacks_plain_tuples_only():
+  import collections
+  pair = collections.namedtuple("Pair", "a b")
+  assert parallel.call_unpacked(lambda a, b: a + b, (1, 2)) == 3
+  assert parallel.call_unpacked(lambda p: p.a, pair(1, 2)) == 1
+  assert parallel.call_unpacked(lambda d: d["a"], {"a": 5}) == 5
+  assert parallel.call_unpacked(lambda l: len(l), [1, 2, 3]) == 3
