@@ -33,9 +33,10 @@ saved one is a `PipelineStateError`.
 Iterations: with `reshuffle_each_iteration=True` every iterator made from the
 node (each pass over the dataset, or each epoch under `repeat`) gets the next
 iteration number and so its own order, as in tf.data; `False` repeats the
-order of iteration 0. A restored iterator takes its iteration from the state,
-and iterators made after it continue from there, so passes after a restore
-get the orders the uninterrupted run would have given them.
+order of iteration 0. A restored iterator takes its iteration from the state
+and the next iterator made from the node gets the iteration after it, so the
+passes after a restore (e.g. later epochs under `repeat`) get the orders the
+uninterrupted run gave them.
 """
 
 from __future__ import annotations
@@ -78,11 +79,11 @@ class _ShuffleRun:
       return iteration
 
   def restored(self, seed: int, iteration: int) -> None:
-    """A restored iterator is at `iteration`: later ones follow it."""
+    """A restored iterator is at `iteration`: the next one follows it."""
     with self.lock:
       if not self.seed_given:
         self.seed = seed
-      self.next_iteration = max(self.next_iteration, iteration + 1)
+      self.next_iteration = iteration + 1
 
 
 class _CarriedSeed(int):
