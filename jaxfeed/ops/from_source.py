@@ -12,9 +12,13 @@ from jaxfeed.sampler import IndexSampler
 _OP = "from_source"
 # Records are read ahead in chunks that grow from the first to the largest
 # size: a pipeline that takes a few elements reads few records, a long run
-# pays the per-call overhead of the sampler and the source once per chunk.
+# pays the per-call overhead of the source once per chunk. Sampler lookups are
+# cheap per position but not per call, so they run in larger blocks of
+# positions (a few int arrays, unlike chunks of records).
 _FIRST_CHUNK = 16
 _MAX_CHUNK = 256
+_FIRST_BLOCK = 64
+_MAX_BLOCK = 4096
 
 
 class SourceNode(Node):
@@ -81,42 +85,56 @@ class SourceIterator(OpIterator):
     self._read_many = get_many if callable(get_many) else (
         lambda indices: [source[i] for i in indices.tolist()])
     self._chunk = _FIRST_CHUNK
-    self._buffer_start = 0  # Sampler position of self._records[0].
+    # Read-ahead records, and their seeds: positions [buffer_start, +len).
+    self._buffer_start = 0
     self._records: list = []
     self._seeds = np.zeros(0, np.uint64)
-    self._offset = 0  # Next index into self._records.
-    self._last_seeds = self._seeds
-    self._last_offset = -1
+    self._buffered = 0
+    self._offset = 0  # Index in self._records of the next element.
+    # Sampler lookups for positions [block_start, +len).
+    self._block = _FIRST_BLOCK
+    self._block_start = 0
+    self._block_indices = np.zeros(0, np.int64)
+    self._block_seeds = np.zeros(0, np.uint64)
 
   def __next__(self) -> Any:
     offset = self._offset
-    if offset >= len(self._records):
+    if offset >= self._buffered:
       self._read_ahead()
       offset = 0
     self._offset = offset + 1
-    self._last_seeds = self._seeds
-    self._last_offset = offset
     return self._records[offset]
 
   def _read_ahead(self) -> None:
-    start = self._buffer_start + len(self._records)
+    start = self._buffer_start + self._buffered
     count = self._chunk
     if self._end is not None:
       count = min(count, self._end - start)
       if count <= 0:
         raise StopIteration
-    _, record_indices, seeds = self._sampler.get_many(
-        np.arange(start, start + count, dtype=np.int64))
+    record_indices, seeds = self._lookup(start, count)
     records = self._read_many(record_indices)
     if len(records) != count:
       raise RuntimeError(
           f"{_OP}: {type(self._source).__name__}.get_many returned "
           f"{len(records)} records for {count} indices.")
-    self._buffer_start = start
-    self._records = records
-    self._seeds = seeds
-    self._offset = 0
+    self._buffer_start, self._buffered, self._offset = start, count, 0
+    self._records, self._seeds = records, seeds
     self._chunk = min(2 * self._chunk, _MAX_CHUNK)
+
+  def _lookup(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Record indices and seeds of positions [start, start + count)."""
+    offset = start - self._block_start
+    if offset < 0 or offset + count > len(self._block_indices):
+      size = max(count, self._block)
+      if self._end is not None:
+        size = min(size, self._end - start)
+      _, self._block_indices, self._block_seeds = self._sampler.get_many(
+          np.arange(start, start + size, dtype=np.int64))
+      self._block_start, offset = start, 0
+      self._block = min(4 * self._block, _MAX_BLOCK)
+    return (self._block_indices[offset:offset + count],
+            self._block_seeds[offset:offset + count])
 
   @property
   def position(self) -> int:
@@ -125,9 +143,10 @@ class SourceIterator(OpIterator):
 
   @property
   def last_seed(self) -> int:
-    if self._last_offset < 0:
-      return 0
-    return int(self._last_seeds[self._last_offset])
+    if self._offset:
+      return int(self._seeds[self._offset - 1])
+    position = self.position
+    return self._sampler[position - 1].rng_seed if position else 0
 
   def skip_elements(self, count: int) -> int:
     """Skips up to `count` elements without reading them; returns how many."""
@@ -140,13 +159,12 @@ class SourceIterator(OpIterator):
 
   def _seek(self, position: int) -> None:
     buffered = position - self._buffer_start
-    if 0 <= buffered <= len(self._records):
+    if 0 <= buffered <= self._buffered:
       self._offset = buffered
     else:
-      self._buffer_start = position
+      self._buffer_start, self._buffered, self._offset = position, 0, 0
       self._records = []
-      self._seeds = np.zeros(0, np.uint64)
-      self._offset = 0
+      self._seeds = self._seeds[:0]
 
   def _get_own_state(self) -> dict:
     return {"position": self.position}

@@ -235,3 +235,29 @@ def test_spec_params_rebuild_an_equal_node():
   assert rebuilt.fingerprint() == node.fingerprint()
   other = SourceNode(source, IndexSampler(10, shuffle=True, seed=3))
   assert other.fingerprint() != node.fingerprint()
+
+
+def test_last_seed_after_restore_is_that_of_the_element_before_the_position():
+  sampler = IndexSampler(30, shuffle=True, seed=6)
+  dataset = Dataset.from_source(_ListSource(30), sampler)
+  iterator = _iterate(dataset)
+  assert iterator.last_seed == 0  # Nothing returned yet.
+  for _ in range(25):
+    next(iterator)
+  fresh = _iterate(dataset)
+  fresh.set_state(iterator.get_state())
+  assert fresh.last_seed == iterator.last_seed == sampler[24].rng_seed
+
+
+def test_sampler_lookups_are_batched_in_blocks():
+  class CountingSampler(IndexSampler):
+    calls = 0
+
+    def get_many(self, positions):
+      CountingSampler.calls += 1
+      return super().get_many(positions)
+
+  source = _ListSource(10_000)
+  sampler = CountingSampler(10_000, shuffle=True, num_epochs=2)
+  assert len(list(_iterate(Dataset.from_source(source, sampler)))) == 20_000
+  assert CountingSampler.calls <= 12  # 64, 256, 1024, then 4096 positions each.
