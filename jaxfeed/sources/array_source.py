@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -16,10 +17,11 @@ __all__ = ["ArraySource"]
 class ArraySource(RecordSource):
   """Random access to the rows of a pytree of arrays.
 
-  The pytree is nested dicts / lists / tuples whose leaves are arrays (numpy,
-  jax or anything `np.asarray` accepts) sharing their first dimension, the
-  record axis. `src[i]` is the pytree with every leaf sliced at `i`: read-only
-  numpy views into the source's arrays (0-d arrays for 1-D leaves).
+  The pytree is nested dicts / lists / tuples / namedtuples (containers, as
+  in JAX) whose leaves are arrays (numpy, jax or anything `np.asarray`
+  accepts) sharing their first dimension, the record axis. `src[i]` is the
+  pytree with every leaf indexed at `i`, like `from_tensor_slices`: read-only
+  numpy views into the source's arrays, numpy scalars for 1-D leaves.
   `get_many` returns independent rows (one fancy-indexing copy per leaf) and
   `get_batch` returns the stacked batch itself.
   """
@@ -38,9 +40,7 @@ class ArraySource(RecordSource):
         raise ValueError(
             f"ArraySource: leaf {path or '<root>'} is a scalar; every leaf "
             "needs a first (record) dimension.")
-      view = array.view()
-      view.flags.writeable = False  # src[i] hands out views into these
-      arrays.append(view)
+      arrays.append(_read_only(array))
     lengths = {a.shape[0] for a in arrays}
     if len(lengths) != 1:
       listing = ", ".join(
@@ -52,6 +52,7 @@ class ArraySource(RecordSource):
     self._leaves = arrays
     self._length = lengths.pop()
     self._content_hash: str | None = None
+    self._build = _compile(self._structure)
 
   def __len__(self) -> int:
     return self._length
@@ -59,23 +60,21 @@ class ArraySource(RecordSource):
   @property
   def data(self) -> Any:
     """The whole pytree (read-only views)."""
-    return _unflatten(self._structure, iter(self._leaves))
+    return self._build(self._leaves)
 
   def _read(self, index: int) -> Any:
-    return _unflatten(self._structure,
-                      (leaf[index, ...] for leaf in self._leaves))
+    return self._build([leaf[index] for leaf in self._leaves])
 
   def _read_many(self, indices: np.ndarray) -> list:
-    taken = [leaf[indices] for leaf in self._leaves]
-    structure = self._structure
-    return [_unflatten(structure, (t[j, ...] for t in taken))
-            for j in range(len(indices))]
+    # list() splits each taken leaf into rows in C (views, or numpy scalars
+    # for 1-D leaves); zip regroups them per record.
+    rows = [list(leaf[indices]) for leaf in self._leaves]
+    return list(map(self._build, zip(*rows)))
 
   def get_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
     """The records at `indices` stacked: the pytree with fancy-indexed leaves."""
     indices = check_indices(indices, self._length, "ArraySource")
-    return _unflatten(self._structure,
-                      (leaf[indices] for leaf in self._leaves))
+    return self._build([leaf[indices] for leaf in self._leaves])
 
   def spec_params(self) -> dict:
     """`{"data": pytree}`: arrays, the one source whose params are not JSON."""
@@ -103,17 +102,20 @@ class ArraySource(RecordSource):
 
   def __getstate__(self) -> dict:
     state = self.__dict__.copy()
-    state["_leaves"] = [np.asarray(a) for a in self._leaves]
+    del state["_build"]  # closures; rebuilt from the structure
     return state
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)
-    leaves = []
-    for a in self._leaves:
-      view = a.view()
-      view.flags.writeable = False
-      leaves.append(view)
-    self._leaves = leaves
+    self._leaves = [_read_only(a) for a in self._leaves]
+    self._build = _compile(self._structure)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+  """A read-only view: src[i] hands out views, the caller's array stays as is."""
+  view = array.view()
+  view.flags.writeable = False
+  return view
 
 
 # The structure is the pytree with every leaf replaced by _LEAF; dict key
@@ -136,18 +138,29 @@ def _flatten(tree: Any, path: str, paths: list, leaves: list) -> Any:
   return _LEAF
 
 
-def _unflatten(structure: Any, leaves) -> Any:
+def _compile(structure: Any) -> Callable[[Sequence[Any]], Any]:
+  """A function from the list of leaf values to the pytree."""
+  if isinstance(structure, dict) and all(
+      v is _LEAF for v in structure.values()):
+    keys = tuple(structure)  # the common flat dict, built in one call
+    return lambda values: dict(zip(keys, values))
+  counter = iter(range(1 << 62))
+  return _compile_node(structure, counter)
+
+
+def _compile_node(structure: Any, counter) -> Callable[[Sequence[Any]], Any]:
   if structure is _LEAF:
-    return next(leaves)
+    return operator.itemgetter(next(counter))
   if isinstance(structure, dict):
-    return {k: _unflatten(v, leaves) for k, v in structure.items()}
+    items = [(k, _compile_node(v, counter)) for k, v in structure.items()]
+    return lambda values: {k: build(values) for k, build in items}
   kind, cls, children = structure
-  values = [_unflatten(c, leaves) for c in children]
+  builders = [_compile_node(c, counter) for c in children]
   if kind == "list":
-    return values
+    return lambda values: [build(values) for build in builders]
   if kind == "tuple":
-    return tuple(values)
-  return cls(*values)
+    return lambda values: tuple([build(values) for build in builders])
+  return lambda values: cls(*[build(values) for build in builders])
 
 
 def _structure_key(structure: Any) -> Any:

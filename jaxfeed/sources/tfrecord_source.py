@@ -126,9 +126,8 @@ class _TFRecordFile:
     self.cache_index = cache_index
     self.local = is_local(path)
     if self.local:
-      self.handle = LazyHandle(
-          functools.partial(os.open, self.name, os.O_RDONLY | os.O_CLOEXEC),
-          os.close)
+      self.handle = LazyHandle(functools.partial(_open_fd, self.name),
+                               os.close)
     else:
       self.handle = LazyHandle(
           functools.partial(_open_stream, path), _close_stream)
@@ -144,8 +143,7 @@ class _TFRecordFile:
     offsets = self._load_cached(stamp) if self.cache_index else None
     self.index_on_disk = offsets is not None
     if offsets is None:
-      offsets = scan_record_offsets(self._read_at_unopened, stamp[0],
-                                    self.name)
+      offsets = self._scan(stamp[0])
       if self.cache_index:
         self.index_on_disk = self._store_cached(stamp, offsets)
     if self.num_records >= 0 and len(offsets) - 1 != self.num_records:
@@ -208,10 +206,21 @@ class _TFRecordFile:
       self.load_index()
 
   # -- reads ---------------------------------------------------------------
-  def _read_at_unopened(self, offset: int, size: int) -> bytes:
-    with self.path.open("rb") as f:
-      f.seek(offset)
-      return f.read(size)
+  def _scan(self, file_size: int) -> np.ndarray:
+    """Scans the file for its offsets through a handle closed when done."""
+    if self.local:
+      fd = _open_fd(self.name)
+      try:
+        return scan_record_offsets(functools.partial(_pread, fd), file_size,
+                                   self.name)
+      finally:
+        os.close(fd)
+    handle = _open_stream(self.path)
+    try:
+      return scan_record_offsets(functools.partial(_stream_read, handle),
+                                 file_size, self.name)
+    finally:
+      _close_stream(handle)
 
   def _reader(self) -> Callable[[int, int], bytes]:
     """`read_at(offset, size)` on this process's open handle."""
@@ -310,6 +319,10 @@ def _stat(path: epath.Path) -> tuple[int, int]:
     return st.st_size, st.st_mtime_ns
   st = path.stat()
   return int(st.length), int(st.mtime) * 1_000_000_000
+
+
+def _open_fd(name: str) -> int:
+  return os.open(name, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def _pread(fd: int, offset: int, size: int) -> bytes:
