@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jaxfeed.ops import parallel
+from jaxfeed.ops import parallel, process_pool
 from jaxfeed.ops.base import Node, OpIterator
 
 __all__ = ["MapNode", "MapIterator"]
@@ -23,7 +23,10 @@ class MapNode(Node):
     batched: declares fn vectorized over a leading batch dimension; the
       optimizer may then run it once per batch when the map is followed by a
       batch. It does not change what this op computes.
-    backend: "auto" or "thread" (threads); "process" is reserved.
+    backend: "auto" or "thread" runs fn on threads (numpy releases the
+      GIL); "process" runs it in worker processes (for GIL-bound Python), one
+      per parallel call, which return numpy arrays through shared memory; fn
+      must then be picklable (defined at module level).
   """
 
   op_name = "map"
@@ -45,7 +48,8 @@ class MapNode(Node):
 
   def make_iterator(self) -> "MapIterator":
     return MapIterator(self.parents[0].make_iterator(), self.fn,
-                       self.num_parallel_calls, self.deterministic)
+                       self.num_parallel_calls, self.deterministic,
+                       self.backend)
 
   def spec_params(self) -> dict:
     return {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
@@ -69,11 +73,26 @@ class MapIterator(parallel.ParallelMapIterator):
   op_name = "map"
 
   def __init__(self, parent: OpIterator, fn: Callable,
-               num_parallel_calls: int | None, deterministic: bool):
+               num_parallel_calls: int | None, deterministic: bool,
+               backend: str = "auto"):
     self._fn = fn
-    super().__init__(parent, _map_work(fn), num_parallel_calls, deterministic)
+    self._pool = None
+    if backend == "process":
+      # Unpacks tuples itself; the executor's threads each drive a process.
+      self._pool = process_pool.ProcessPool(fn, self.op_name)
+      work = self._pool
+    else:
+      work = _map_work(fn)
+    super().__init__(parent, work, num_parallel_calls, deterministic)
 
   def _apply(self, element: Any) -> Any:
+    if self._pool is not None:
+      return self._pool(element, 0)
     if type(element) is tuple:
       return self._fn(*element)
     return self._fn(element)
+
+  def _close_own(self) -> None:
+    super()._close_own()  # Joins the threads before their processes stop.
+    if self._pool is not None:
+      self._pool.close()

@@ -482,16 +482,11 @@ BACKENDS = ("auto", "thread", "process")
 
 
 def check_backend(value: Any, op_name: str) -> str:
-  """Validates a parallelism backend name; returns the backend to run."""
+  """Validates a parallelism backend name ("auto" runs threads)."""
   if value not in BACKENDS:
     raise ValueError(
         f"{op_name}: backend must be one of {', '.join(map(repr, BACKENDS))}, "
         f"got {value!r}.")
-  if value == "process":
-    raise NotImplementedError(
-        f"{op_name}: backend='process' (worker processes with shared-memory "
-        f"transfer) is not available yet; use backend='thread' or 'auto' "
-        f"(threads, which run numpy code in parallel).")
   return value
 
 

@@ -6,10 +6,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import parallel
+from jaxfeed.ops import parallel, process_pool
 from jaxfeed.ops.base import Node, OpIterator, mix_seed
 
-__all__ = ["RandomMapNode", "RandomMapIterator", "element_rng"]
+__all__ = ["RandomMapNode", "RandomMapIterator", "RandomMapCall", "element_rng"]
 
 
 def element_rng(op_seed: int, record_seed: int) -> np.random.Generator:
@@ -43,7 +43,7 @@ class RandomMapNode(Node):
     num_parallel_calls: as for `map`.
     deterministic: as for `map` (only the order of outputs can change).
     seed: the op seed mixed into every element's generator (None: 0).
-    backend: as for `map`.
+    backend: as for `map`; worker processes build the same generators.
   """
 
   op_name = "random_map"
@@ -68,7 +68,7 @@ class RandomMapNode(Node):
   def make_iterator(self) -> "RandomMapIterator":
     return RandomMapIterator(self.parents[0].make_iterator(), self.fn,
                              self.num_parallel_calls, self.deterministic,
-                             self.seed or 0)
+                             self.seed or 0, self.backend)
 
   def spec_params(self) -> dict:
     return {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
@@ -85,6 +85,28 @@ def _random_map_work(fn: Callable, op_seed: int) -> Callable[[Any, int], Any]:
   return work
 
 
+class RandomMapCall:
+  """fn(element, rng) as a picklable callable of (element, record seed).
+
+  What worker processes run, so that they build exactly the generator the
+  thread path builds.
+  """
+
+  def __init__(self, fn: Callable, op_seed: int):
+    self.fn = fn
+    self.op_seed = op_seed
+
+  def __call__(self, element: Any, record_seed: int) -> Any:
+    return self.fn(element, element_rng(self.op_seed, record_seed))
+
+
+def _process_work(pool: process_pool.ProcessPool) -> Callable[[Any, int], Any]:
+  def work(element: Any, seed: int) -> Any:
+    # The pool unpacks the tuple into RandomMapCall(element, seed).
+    return pool((element, seed), seed)
+  return work
+
+
 class RandomMapIterator(parallel.ParallelMapIterator):
   """Iterator of `RandomMapNode`."""
 
@@ -92,11 +114,25 @@ class RandomMapIterator(parallel.ParallelMapIterator):
 
   def __init__(self, parent: OpIterator, fn: Callable,
                num_parallel_calls: int | None, deterministic: bool,
-               op_seed: int):
+               op_seed: int, backend: str = "auto"):
     self._fn = fn
     self._op_seed = op_seed
-    super().__init__(parent, _random_map_work(fn, op_seed),
-                     num_parallel_calls, deterministic)
+    self._pool = None
+    if backend == "process":
+      self._pool = process_pool.ProcessPool(RandomMapCall(fn, op_seed),
+                                            self.op_name)
+      work = _process_work(self._pool)
+    else:
+      work = _random_map_work(fn, op_seed)
+    self._work = work
+    super().__init__(parent, work, num_parallel_calls, deterministic)
 
   def _apply(self, element: Any) -> Any:
+    if self._pool is not None:
+      return self._work(element, self._parent.last_seed)
     return self._fn(element, element_rng(self._op_seed, self._parent.last_seed))
+
+  def _close_own(self) -> None:
+    super()._close_own()  # Joins the threads before their processes stop.
+    if self._pool is not None:
+      self._pool.close()

@@ -1,4 +1,9 @@
-"""Tests of the parallel-execution engine (ordered and unordered executor)."""
+"""Tests of the parallel-execution engine and the process backend.
+
+TensorFlow is imported by a fixture (failing when it is missing), not at the
+top: worker processes of the process backend import this module to load
+its functions, and should not pay for TensorFlow.
+"""
 
 import gc
 import json
@@ -6,19 +11,26 @@ import os
 import random
 import threading
 import time
+import traceback
 import weakref
 
 import numpy as np
+import psutil
 import pytest
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import jaxfeed
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import parallel
 from jaxfeed.ops.base import AUTOTUNE, OpIterator, PipelineStateError
 from jaxfeed.ops.map import MapNode
+from jaxfeed.ops.random_map import RandomMapNode
+
+
+@pytest.fixture(scope="module")
+def tf():
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  import tensorflow  # pylint: disable=g-import-not-at-top
+  return tensorflow
 
 
 class ListIterator(OpIterator):
@@ -231,7 +243,7 @@ def test_worker_exception_surfaces_in_order_with_its_traceback_and_iteration_goe
   with pytest.raises(KeyError, match="bad element 3") as info:
     next(executor)
   frames = [frame.name for frame in
-            __import__("traceback").extract_tb(info.value.__traceback__)]
+            traceback.extract_tb(info.value.__traceback__)]
   assert "explode_on_three" in frames
   assert _drain(executor) == [4, 5]
   executor.close()
@@ -371,7 +383,7 @@ def test_invalid_num_parallel_calls_is_rejected(value):
     parallel.check_num_parallel_calls(value, "map")
 
 
-def test_validators_accept_what_tf_data_accepts():
+def test_validators_accept_what_tf_data_accepts(tf):
   assert parallel.check_num_parallel_calls(None, "map") is None
   assert parallel.check_num_parallel_calls(np.int64(3), "map") == 3
   assert parallel.check_num_parallel_calls(jaxfeed.AUTOTUNE, "map") == AUTOTUNE
@@ -390,3 +402,100 @@ def test_call_unpacked_unpacks_plain_tuples_only():
   assert parallel.call_unpacked(lambda p: p.a, pair(1, 2)) == 1
   assert parallel.call_unpacked(lambda d: d["a"], {"a": 5}) == 5
   assert parallel.call_unpacked(lambda l: len(l), [1, 2, 3]) == 3
+
+
+# -- process backend --------------------------------------------------------
+# Module level, so that worker processes can import them.
+def square_dict(d):
+  return {"sq": d["v"] * d["v"], "id": d["id"]}
+
+
+def add_pair(a, b):
+  return a + b
+
+
+def noisy(x, rng):
+  return np.array([int(x), rng.integers(0, 1 << 30)])
+
+
+def fails_on_two(d):
+  if d["id"] == 2:
+    raise FloatingPointError("bad two")
+  return d
+
+
+def _live_children():
+  """Child processes, less multiprocessing's session-wide resource tracker."""
+  from multiprocessing import resource_tracker  # pylint: disable=g-import-not-at-top
+  tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+  return {p.pid for p in psutil.Process().children(recursive=True)
+          if p.pid != tracker and p.is_running()
+          and p.status() != psutil.STATUS_ZOMBIE}
+
+
+def _shm_exists(name):
+  return os.path.exists(f"/dev/shm/{name}")
+
+
+def _dict_source():
+  return Dataset.from_tensor_slices(
+      {"v": np.arange(12, dtype=np.float64).reshape(6, 2),
+       "id": np.arange(6)})
+
+
+def _as_lists(elements):
+  return [{k: np.asarray(v).tolist() for k, v in e.items()} for e in elements]
+
+
+def test_process_backend_matches_threads_resumes_exactly_and_leaks_nothing():
+  children_before = _live_children()
+  ds = _dict_source().map(square_dict, num_parallel_calls=2, backend="process")
+  expected = _as_lists(_dict_source().map(square_dict).node.make_iterator())
+  it = ds.node.make_iterator()
+  head = [next(it) for _ in range(3)]
+  state = json.loads(json.dumps(it.get_state()))
+  rest = list(it)
+  assert _as_lists(head + rest) == expected
+  it.set_state(state)  # same iterator: in-flight work is discarded
+  assert _as_lists(head + list(it)) == expected
+  pids, names = it._pool.pids(), it._pool.shared_memory_names()
+  assert len(pids) == 2 and all(_shm_exists(n) for n in names)
+  it.close()
+  assert _live_children() == children_before
+  assert not any(_shm_exists(n) for n in names)
+
+  pairs = Dataset.from_tensor_slices((np.arange(5), np.arange(5) * 10))
+  with pairs.map(add_pair, backend="process").node.make_iterator() as seq:
+    assert [int(x) for x in seq] == [11 * i for i in range(5)]
+  assert _live_children() == children_before
+
+
+def test_process_backend_random_map_gives_the_thread_backend_values():
+  children_before = _live_children()
+  threads = RandomMapNode(Dataset.range(8).node, noisy, seed=3,
+                          num_parallel_calls=2)
+  processes = RandomMapNode(Dataset.range(8).node, noisy, seed=3,
+                            backend="process")
+  with threads.make_iterator() as a, processes.make_iterator() as b:
+    assert [x.tolist() for x in a] == [x.tolist() for x in b]
+  assert _live_children() == children_before
+
+
+def test_process_backend_errors_surface_and_garbage_collection_stops_workers():
+  children_before = _live_children()
+  ds = _dict_source().map(fails_on_two, num_parallel_calls=2, backend="process")
+  it = ds.node.make_iterator()
+  assert [int(next(it)["id"]) for _ in range(2)] == [0, 1]
+  with pytest.raises(FloatingPointError, match="bad two"):
+    next(it)
+  assert [int(e["id"]) for e in it] == [3, 4, 5]
+  names = it._pool.shared_memory_names()
+  del it
+  gc.collect()
+  assert _live_children() == children_before
+  assert not any(_shm_exists(n) for n in names)
+
+
+def test_process_backend_rejects_functions_workers_cannot_import():
+  with pytest.raises(ValueError, match="module level"):
+    Dataset.range(3).map(lambda x: x, backend="process").node.make_iterator()
