@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 from array_record.python import array_record_module
 import numpy as np
@@ -21,7 +22,7 @@ def _write(path, records, **kwargs) -> str:
 
 def _chunk_offset_of(path: str, record: bytes) -> int:
   """Offset of a record's bytes in an uncompressed file."""
-  data = open(path, "rb").read()
+  data = pathlib.Path(path).read_bytes()
   assert data.count(record) == 1
   return data.index(record)
 
@@ -144,7 +145,7 @@ def test_random_damage_never_crashes_and_reads_fail_cleanly(tmp_path):
   # touches) or raises CorruptRecordError; it never returns wrong records.
   records = make_records(200, seed=5, sizes=(10, 300, 3000))
   path = _write(tmp_path / "a.ar", records)
-  content = open(path, "rb").read()
+  content = pathlib.Path(path).read_bytes()
   rng = np.random.default_rng(6)
   outcomes = set()
   for trial in range(30):

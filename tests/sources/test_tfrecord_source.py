@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import pickle
 import struct
 
@@ -61,7 +62,7 @@ def test_written_files_are_byte_identical_to_tensorflows(tmp_path):
   with tf.io.TFRecordWriter(theirs) as writer:
     for record in records:
       writer.write(record)
-  assert open(ours, "rb").read() == open(theirs, "rb").read()
+  assert pathlib.Path(ours).read_bytes() == pathlib.Path(theirs).read_bytes()
 
 
 @pytest.mark.parametrize("count", [0, 1, 50])
@@ -158,7 +159,7 @@ def test_damaged_index_cache_is_ignored_and_rebuilt(tmp_path, scan_counter,
   path = _write(tmp_path / "a.tfrecord", records)
   TFRecordSource(path).close()
   index_file = path + ".idx"
-  content = open(index_file, "rb").read()
+  content = pathlib.Path(index_file).read_bytes()
   with open(index_file, "wb") as f:
     f.write({"garbage": os.urandom(300), "empty": b"",
              "truncated": content[:len(content) - 8]}[damage])
