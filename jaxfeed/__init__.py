@@ -31,6 +31,7 @@ _EXPORTS = {
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
+    "RecordSource": "jaxfeed.sources",
     # device and loader
     "DevicePrefetcher": "jaxfeed.device",
     "batch_sharding": "jaxfeed.device",

@@ -15,7 +15,8 @@ from jaxfeed.sources import base
 
 @pytest.mark.parametrize("name", ["ArraySource", "ArrayRecordSource",
                                   "TFRecordSource", "write_array_record",
-                                  "write_tfrecord", "CorruptRecordError"])
+                                  "write_tfrecord", "CorruptRecordError",
+                                  "RecordSource"])
 def test_public_names_resolve_from_the_package_root(name):
   assert getattr(jaxfeed, name) is getattr(sources, name)
 
