@@ -51,6 +51,10 @@ NUM_CLASSES = 10
 _RECORD_BYTES = 4 + IMAGE_SIZE * IMAGE_SIZE
 
 
+def _log(message: str, *args: Any) -> None:
+  print(message % args, flush=True)
+
+
 def encode_record(image: np.ndarray, label: int) -> bytes:
   """A record: int32 label (little endian) then 64 uint8 pixels."""
   return np.int32(label).tobytes() + image.astype(np.uint8).tobytes()
@@ -127,7 +131,8 @@ def main(argv: list[str]) -> None:
 
   import jaxfeed
 
-  logging.set_verbosity(logging.INFO)
+  # Orbax logs every checkpoint step at INFO; keep the trainer's output readable.
+  logging.set_verbosity(logging.WARNING)
   if FLAGS.distributed:
     jax.distributed.initialize()
   paths = prepare_digits(FLAGS.data_dir, FLAGS.num_shards)
@@ -151,7 +156,14 @@ def main(argv: list[str]) -> None:
   model = MLP(nnx.Rngs(FLAGS.seed))
   optimizer = nnx.Optimizer(model, optax.adam(FLAGS.learning_rate), wrt=nnx.Param)
   # Parameters replicated on every device; the batch is split along "data".
-  nnx.update(optimizer, jax.device_put(nnx.state(optimizer), replicated))
+  # The optimizer state does not hold the parameters: checkpoint both.
+  train_state = lambda: {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+
+  def load_train_state(state):
+    nnx.update(model, state["model"])
+    nnx.update(optimizer, state["optimizer"])
+
+  load_train_state(jax.device_put(train_state(), replicated))
 
   @nnx.jit
   def train_step(model, optimizer, batch):
@@ -174,12 +186,12 @@ def main(argv: list[str]) -> None:
   if FLAGS.resume and manager.latest_step() is not None:
     step = manager.latest_step()
     restored = jaxfeed.restore_checkpoint(
-        manager, step, loader, model_state=nnx.state(optimizer))
-    nnx.update(optimizer, restored)
-    logging.info("Resumed from step %d (loader at batch %d).", step,
+        manager, step, loader, model_state=train_state())
+    load_train_state(restored)
+    _log("Resumed from step %d (loader at batch %d).", step,
                  loader.get_state()["batches"])
 
-  logging.info("Training on %d devices (%s), global batch %d, %d records.",
+  _log("Training on %d devices (%s), global batch %d, %d records.",
                len(devices), devices[0].platform, FLAGS.batch_size,
                len(jaxfeed.ArrayRecordSource(paths)))
   window_start = time.perf_counter()
@@ -196,16 +208,16 @@ def main(argv: list[str]) -> None:
       if step % FLAGS.log_every == 0 or step == FLAGS.num_steps:
         elapsed = time.perf_counter() - window_start
         stats = loader.stats()
-        logging.info(
+        _log(
             "step %5d  loss %.4f  accuracy %.3f  %.1f steps/s  input wait %.1f%% of step time",
             step, np.mean(losses), float(accuracy), window_steps / elapsed,
             100.0 * stats["input_bound_fraction"])
         window_start, window_steps, losses = time.perf_counter(), 0, []
       if step % FLAGS.checkpoint_every == 0 or step == FLAGS.num_steps:
-        jaxfeed.save_checkpoint(manager, step, loader, model_state=nnx.state(optimizer))
+        jaxfeed.save_checkpoint(manager, step, loader, model_state=train_state())
   manager.wait_until_finished()
   manager.close()
-  logging.info("Done at step %d; checkpoints in %s.", step, FLAGS.workdir)
+  _log("Done at step %d; checkpoints in %s.", step, FLAGS.workdir)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""The main job: the Flax trainer runs, learns, checkpoints and resumes."""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_trainer(tmp_path, *flags):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=REPO)
+  cmd = [sys.executable, "-m", "examples.train_digits",
+         "--flagfile=configs/digits_smoke.flags",
+         f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'ckpt'}", *flags]
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  return proc.stdout
+
+
+def losses(output):
+  return [float(m) for m in re.findall(r"loss ([0-9.]+)", output)]
+
+
+def test_trainer_learns_checkpoints_and_resumes(tmp_path):
+  first = run_trainer(tmp_path, "--num_steps=20", "--log_every=5", "--checkpoint_every=20")
+  assert "Training on 8 devices (cpu)" in first
+  values = losses(first)
+  assert len(values) == 4 and values[-1] < values[0], first
+  assert re.search(r"input wait [0-9.]+% of step time", first)
+  assert "Done at step 20" in first
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["20"]
+
+  resumed = run_trainer(tmp_path, "--num_steps=30", "--resume", "--log_every=5",
+                        "--checkpoint_every=10")
+  assert "Resumed from step 20 (loader at batch 20)" in resumed
+  steps = [int(s) for s in re.findall(r"^step +([0-9]+)", resumed, re.M)]
+  assert steps == [25, 30], resumed
+  assert "Done at step 30" in resumed
+  # The restored model continues from the trained weights, not from scratch.
+  assert losses(resumed)[0] < values[0] - 0.3, (first, resumed)
