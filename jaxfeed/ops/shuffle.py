@@ -72,6 +72,14 @@ class _ShuffleRun:
     self.next_iteration = 0
     self.lock = threading.Lock()
 
+  def __getstate__(self) -> dict:
+    return {"seed": self.seed, "seed_given": self.seed_given,
+            "next_iteration": self.next_iteration}
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self.lock = threading.Lock()
+
   def take_iteration(self) -> int:
     with self.lock:
       iteration = self.next_iteration
@@ -91,6 +99,10 @@ class _CarriedSeed(int):
   carries its node's `_ShuffleRun` through rebuilds from `spec_params`."""
 
   run: _ShuffleRun
+
+  def __reduce__(self):
+    # Pickled and copied specs hold the plain seed, as other processes see it.
+    return int, (int(self),)
 
 
 class ShuffleNode(base.Node):

@@ -4,6 +4,7 @@ import collections
 import gc
 import json
 import os
+import pickle
 import weakref
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -325,3 +326,11 @@ def test_emitted_elements_are_not_kept_alive_by_the_window():
   gc.collect()
   assert ref() is None
   assert len(list(it)) == 9
+
+
+def test_node_and_spec_params_pickle():
+  ds = Dataset.range(20).shuffle(20, seed=3)
+  params = pickle.loads(pickle.dumps(ds.node.spec_params()))
+  assert type(params["seed"]) is int and params["seed"] == 3
+  copy = Dataset(pickle.loads(pickle.dumps(ds.node)))
+  assert values(copy) == values(Dataset.range(20).shuffle(20, seed=3))
