@@ -89,6 +89,7 @@ class SplitSourceIterator(base.OpIterator):
     self._seeds = np.zeros(0, np.uint64)
     self._offset = 0
     self._last_seed = 0
+    self._records_read = 0
 
   def __next__(self) -> Any:
     if self._offset >= len(self._records):
@@ -96,6 +97,7 @@ class SplitSourceIterator(base.OpIterator):
     record = self._records[self._offset]
     self._last_seed = int(self._seeds[self._offset])
     self._offset += 1
+    self._records_read += 1
     return record
 
   def _read_chunk(self) -> None:
@@ -122,9 +124,13 @@ class SplitSourceIterator(base.OpIterator):
     return self._last_seed
 
   def _get_own_state(self) -> dict:
-    raise base.PipelineStateError(
-        "A DYNAMIC service task has no resumable state: its splits come from "
-        "the dispatcher.")
+    return {"records_read": self._records_read}
+
+  def _set_own_state(self, state: dict) -> None:
+    if state.get("records_read") != self._records_read:
+      raise base.PipelineStateError(
+          "A DYNAMIC service task cannot be restored to another position: its "
+          f"splits come from the dispatcher (state {state}).")
 
 
 def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,

@@ -162,6 +162,13 @@ class _Worker:
     """The task's runner, waiting briefly: clients may learn of a task first."""
     deadline = time.monotonic() + timeout_s
     with self.lock:
+      known = task_id in self.tasks
+    if not known and not self.stop.is_set():
+      try:  # ask the dispatcher now rather than at the next heartbeat
+        self.heartbeat()
+      except grpc.RpcError:
+        pass
+    with self.lock:
       while task_id not in self.tasks:
         left = deadline - time.monotonic()
         if left <= 0 or self.stop.is_set():

@@ -1,0 +1,251 @@
+"""W4 / W4t: the service on loopback, against tf.data service, in one run.
+
+  python -m benchmarks.w4_service [--epochs=3] [--scale=1.0]
+
+W4: W1's 20,000 images in one TFRecord file (int32 label + raw image bytes),
+decoded, cropped 56x56, flipped, normalized to float32 and batched by 128 by
+a dispatcher and 1 or 2 worker processes; this process is the client.
+W4t: transfer only: workers serve one ready float32 batch 128x56x56x3 over
+and over; MB/s against a plain TCP socket moving the same bytes over
+loopback from another process. Every system reads DYNAMIC / distributed_epoch
+(an epoch is every record once). Prints one JSON line per (workload, system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks import harness
+from benchmarks import workloads
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+BATCH = 128
+_CACHED: dict = {}
+
+
+# -- UDFs shipped to jaxfeed workers by import path --------------------------------
+def decode_record(record: bytes) -> dict:
+  data = np.frombuffer(record, dtype=np.uint8)
+  return {"image": data[4:].reshape(workloads.IMAGE, workloads.IMAGE, 3),
+          "label": data[:4].view(np.int32)[0]}
+
+
+def cached_batch(index) -> dict:
+  """W4t: the same ready batch every time (made once per worker process)."""
+  del index
+  if "batch" not in _CACHED:
+    _CACHED["batch"] = {"image": np.ones((BATCH, workloads.CROP, workloads.CROP, 3), np.float32)}
+  return _CACHED["batch"]
+
+
+# -- processes ----------------------------------------------------------------------
+def _env() -> dict:
+  env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="3",
+             GRPC_VERBOSITY="ERROR", JAX_PLATFORMS="cpu")
+  return env
+
+
+def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
+  proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, env=_env(), text=True)
+  line = proc.stdout.readline()
+  if not line:
+    raise RuntimeError(f"{args} exited before reporting its address.")
+  words = line.split()
+  return proc, words[words.index("on") + 1]
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+  for proc in procs:
+    proc.terminate()
+  for proc in procs:
+    try:
+      proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+
+
+def _jaxfeed_cluster(num_workers: int) -> tuple[list, str]:
+  dispatcher, address = _spawn(["-m", "jaxfeed.service.dispatcher", "--port=0",
+                                "--split_size=1024"])
+  procs = [dispatcher]
+  for _ in range(num_workers):
+    procs.append(_spawn(["-m", "jaxfeed.service.worker", f"--dispatcher_address={address}",
+                         "--buffer_size=8"])[0])
+  return procs, address
+
+
+_TF_ROLE = r"""
+import sys, tensorflow as tf
+role, arg = sys.argv[1], sys.argv[2]
+if role == "dispatcher":
+  server = tf.data.experimental.service.DispatchServer()
+  print("tf dispatcher on", server.target.split("://")[1], flush=True)
+else:
+  server = tf.data.experimental.service.WorkerServer(
+      tf.data.experimental.service.WorkerConfig(dispatcher_address=arg))
+  print("tf worker on", arg, flush=True)
+server.join()
+"""
+
+
+def _tf_cluster(num_workers: int) -> tuple[list, str]:
+  dispatcher, address = _spawn(["-c", _TF_ROLE, "dispatcher", "-"])
+  procs = [dispatcher]
+  for _ in range(num_workers):
+    procs.append(_spawn(["-c", _TF_ROLE, "worker", address])[0])
+  return procs, address
+
+
+# -- pipelines ------------------------------------------------------------------------
+def _jaxfeed_w4(path: str, n: int):
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  from benchmarks import w4_service  # importable path for the UDFs
+  return (jaxfeed.Dataset.from_source(jaxfeed.TFRecordSource(path),
+                                      jaxfeed.IndexSampler(n, shuffle=True, seed=0))
+          .map(w4_service.decode_record).batch(BATCH)
+          .random_map(workloads.augment_batch, num_parallel_calls=2))
+
+
+def _jaxfeed_w4t(n: int):
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  from benchmarks import w4_service
+  num_batches = -(-n // BATCH)
+  source = jaxfeed.ArraySource({"i": np.arange(num_batches)})
+  return jaxfeed.Dataset.from_source(source).map(w4_service.cached_batch)
+
+
+def _tf_w4(path: str):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  crop = workloads.CROP
+
+  def parse(record):
+    raw = tf.io.decode_raw(record, tf.uint8)
+    label = tf.bitcast(tf.reshape(raw[:4], [4]), tf.int32)
+    image = tf.reshape(raw[4:], [workloads.IMAGE, workloads.IMAGE, 3])
+    image = tf.image.random_crop(image, [crop, crop, 3])
+    image = tf.image.random_flip_left_right(image)
+    return {"image": tf.cast(image, tf.float32) / 127.5 - 1.0, "label": label}
+
+  return (tf.data.TFRecordDataset(path).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
+          .batch(BATCH))
+
+
+def _tf_w4t(n: int):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  batch = tf.ones([BATCH, workloads.CROP, workloads.CROP, 3], tf.float32)
+  return tf.data.Dataset.from_tensors({"image": batch}).repeat(-(-n // BATCH)).cache()
+
+
+def _measure_jaxfeed(make, address: str, epochs: int) -> dict:
+  def epoch():
+    return make().distribute(address, "distributed_epoch",
+                             max_outstanding_requests=8).make_iterator()
+  return harness.measure(epoch, lambda b: len(b["image"]), epochs)
+
+
+def _measure_tf(make, address: str, epochs: int) -> dict:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  def epoch():
+    return make().apply(tf.data.experimental.service.distribute(
+        processing_mode="distributed_epoch", service=f"grpc://{address}")
+    ).prefetch(8).as_numpy_iterator()
+  return harness.measure(epoch, lambda b: len(b["image"]), epochs)
+
+
+_SENDER = r"""
+import socket, sys
+import numpy as np
+port, frames, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+payload = np.ones(size // 4, np.float32).tobytes()
+with socket.create_connection(("127.0.0.1", port)) as s:
+  for _ in range(frames):
+    s.sendall(len(payload).to_bytes(8, "little")); s.sendall(payload)
+"""
+
+
+def _plain_socket_rate(frames: int, size: int, epochs: int) -> dict:
+  """Bytes/s of a plain loopback TCP stream of frames, received into fresh buffers."""
+  rates = []
+  for epoch in range(epochs + 1):
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(frames), str(size)])
+    conn, _ = listener.accept()
+    start = time.perf_counter()
+    received = 0
+    header = bytearray(8)
+    for _ in range(frames):
+      conn.recv_into(header, 8, socket.MSG_WAITALL)
+      length = int.from_bytes(header, "little")
+      body = bytearray(length)
+      view, got = memoryview(body), 0
+      while got < length:
+        got += conn.recv_into(view[got:], length - got)
+      received += length
+    elapsed = time.perf_counter() - start
+    conn.close()
+    listener.close()
+    sender.wait()
+    if epoch:
+      rates.append(received / elapsed)
+  return {"rate": float(np.median(rates)), "rates": [round(r / 1e6, 1) for r in rates]}
+
+
+def main(argv: list[str]) -> None:
+  args = dict(a.lstrip("-").split("=", 1) for a in argv[1:] if "=" in a)
+  epochs, scale = int(args.get("epochs", 3)), float(args.get("scale", 1.0))
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  data = workloads.w1_data(scale)
+  n = len(data["label"])
+  image_bytes = workloads.CROP * workloads.CROP * 3 * 4
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "w4.tfrecord")
+    jaxfeed.write_tfrecord(path, [data["label"][i].tobytes() + data["image"][i].tobytes()
+                                  for i in range(n)])
+    w4, w4t = {}, {}
+    for workers in (1, 2):
+      procs, address = _jaxfeed_cluster(workers)
+      try:
+        w4[f"jaxfeed service ({workers} workers)"] = _measure_jaxfeed(
+            lambda: _jaxfeed_w4(path, n), address, epochs)
+        w4t[f"jaxfeed service ({workers} workers)"] = _measure_jaxfeed(
+            lambda: _jaxfeed_w4t(n), address, epochs)
+      finally:
+        _stop(procs)
+      procs, address = _tf_cluster(workers)
+      try:
+        w4[f"tf.data service ({workers} workers)"] = _measure_tf(
+            lambda: _tf_w4(path), address, epochs)
+        w4t[f"tf.data service ({workers} workers)"] = _measure_tf(
+            lambda: _tf_w4t(n), address, epochs)
+      finally:
+        _stop(procs)
+  for result in w4.values():
+    result["mb_per_s"] = round(result["rate"] * image_bytes / 1e6, 1)
+  harness.report("W4", w4, "images/s")
+  batch_bytes = BATCH * image_bytes
+  for result in w4t.values():
+    result["rate"] = result["rate"] * image_bytes / 1e6
+  socket_rate = _plain_socket_rate(-(-n // BATCH), batch_bytes, epochs)
+  w4t["plain TCP socket"] = {"rate": socket_rate["rate"] / 1e6, "rates": socket_rate["rates"]}
+  harness.report("W4t", w4t, "MB/s")
+  for workers in (1, 2):
+    print(json.dumps({
+        "workload": "W4t", "system": f"jaxfeed service ({workers} workers)",
+        "fraction_of_plain_socket": round(
+            w4t[f"jaxfeed service ({workers} workers)"]["rate"] / w4t["plain TCP socket"]["rate"], 3)}))
+
+
+if __name__ == "__main__":
+  main(sys.argv)
