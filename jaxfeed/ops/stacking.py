@@ -119,10 +119,8 @@ def pad_and_stack(elements: Sequence[Any], padded_shapes: Any = None,
       fit the elements.
   """
   structure, columns = _columns(elements, op_name)
-  shapes = _per_leaf(structure, padded_shapes, "padded_shapes", op_name,
-                     is_spec_leaf=_is_shape_spec)
-  values = _per_leaf(structure, padding_values, "padding_values", op_name,
-                     is_spec_leaf=_is_scalar_spec)
+  shapes = _per_leaf(structure, padded_shapes, "padded_shapes", op_name)
+  values = _per_leaf(structure, padding_values, "padding_values", op_name)
   leaves = []
   for i, col in enumerate(columns):
     leaves.append(_pad_column(col, i, shapes[i], values[i], structure,
@@ -342,7 +340,8 @@ def _groups(keys: list) -> str:
   parts = []
   for key, where in positions.items():
     listed = where[:_MAX_LISTED_POSITIONS]
-    more = f" and {len(where) - len(listed)} more" if len(where) > len(listed) else ""
+    hidden = len(where) - len(listed)
+    more = f" and {hidden} more" if hidden else ""
     parts.append(f"{key} at element positions {listed}{more}")
   return " vs ".join(parts)
 
@@ -363,13 +362,20 @@ def _is_scalar_spec(value: Any) -> bool:
   return tree.is_leaf(value)
 
 
-def _per_leaf(structure: Any, spec: Any, name: str, op_name: str,
-              is_spec_leaf) -> list:
+_SPEC_LEAVES = {
+    # name: (is a per-leaf entry, what one is, one entry may serve all leaves)
+    "padded_shapes": (_is_shape_spec, "a shape (a list of ints / None)", False),
+    "padding_values": (_is_scalar_spec, "a scalar or None", True),
+}
+
+
+def _per_leaf(structure: Any, spec: Any, name: str, op_name: str) -> list:
   """One entry of `spec` per leaf of `structure` (None where spec is None)."""
+  is_spec_leaf, what, broadcasts = _SPEC_LEAVES[name]
   num_leaves = len(tree.flatten(structure))
   if spec is None:
     return [None] * num_leaves
-  if is_spec_leaf(spec) and (tree.is_leaf(structure) or name == "padding_values"):
+  if is_spec_leaf(spec) and (broadcasts or tree.is_leaf(structure)):
     return [spec] * num_leaves
   out: list = []
 
@@ -377,9 +383,8 @@ def _per_leaf(structure: Any, spec: Any, name: str, op_name: str,
     if tree.is_leaf(s):
       if not is_spec_leaf(p):
         raise ValueError(
-            f"{op_name}: {name} at {where or '<element>'!r} must be "
-            f"{'a shape (list of ints / None)' if name == 'padded_shapes' else 'a scalar or None'}"
-            f" for a leaf, got {p!r}.")
+            f"{op_name}: {name} at {where or '<element>'!r} must be {what} "
+            f"for a leaf, got {p!r}.")
       out.append(p)
       return
     if p is None:

@@ -23,7 +23,7 @@ ELEMENT_KINDS = {
     "float32_scalar": lambda i: np.float32(i / 2),
     "bool_scalar": lambda i: np.bool_(i % 2),
     "uint8_vector": lambda i: np.full(3, i, np.uint8),
-    "float64_matrix": lambda i: np.arange(6, dtype=np.float64).reshape(2, 3) + i,
+    "float64_matrix": lambda i: np.arange(6.0).reshape(2, 3) + i,
     "bytes_scalar": lambda i: b"s%d" % i,
     "bytes_vector": lambda i: np.array([b"a%d" % i, b"b"], dtype=object),
     "dict": lambda i: {"label": np.int32(i), "x": np.full(2, i, np.float32)},
@@ -336,8 +336,8 @@ def test_next_batch_protocol_gives_same_batches_seeds_and_states(
       seeds.append(it.last_seed)
       states.append(it.get_state())
     results.append((batches, seeds, states, it.parents[0].batched_calls))
-  (plain, plain_seeds, plain_states, plain_calls), (fast, fast_seeds,
-                                                    fast_states, fast_calls) = results
+  plain, plain_seeds, plain_states, plain_calls = results[0]
+  fast, fast_seeds, fast_states, fast_calls = results[1]
   assert_same_batches(fast, plain)
   assert fast_seeds == plain_seeds and fast_states == plain_states
   assert plain_calls == 0 and fast_calls == len(fast) + (

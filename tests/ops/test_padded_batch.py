@@ -185,7 +185,8 @@ def test_cardinality_matches_tf_data():
 # ---------------------------------------------------------------------------
 def test_element_longer_than_padded_shape_raises_error_naming_sizes():
   elements = make_elements("int32_vector", 11)
-  it = jaxfeed_dataset(elements).padded_batch(5, padded_shapes=[3]).make_iterator()
+  ds = jaxfeed_dataset(elements).padded_batch(5, padded_shapes=[3])
+  it = ds.make_iterator()
   with pytest.raises(ValueError) as info:
     next(it)
   message = str(info.value)
