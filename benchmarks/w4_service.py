@@ -237,6 +237,7 @@ def main(argv: list[str]) -> None:
   batch_bytes = BATCH * image_bytes
   for result in w4t.values():
     result["rate"] = result["rate"] * image_bytes / 1e6
+    result["rates"] = [round(r * image_bytes / 1e6, 1) for r in result["rates"]]
   socket_rate = _plain_socket_rate(-(-n // BATCH), batch_bytes, epochs)
   w4t["plain TCP socket"] = {"rate": socket_rate["rate"] / 1e6, "rates": socket_rate["rates"]}
   harness.report("W4t", w4t, "MB/s")
