@@ -45,12 +45,13 @@ def masked_crc32c(data: bytes) -> int:
   return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & _MASK32
 
 
-def scan_record_offsets(read_at: Callable[[int, int], bytes], file_size: int,
+def scan_record_offsets(pread: Callable[[int, int], bytes], file_size: int,
                         path: str) -> np.ndarray:
   """Finds the start of every frame of a TFRecord file, checking headers.
 
   Args:
-    read_at: `read_at(offset, size)` returns up to `size` bytes at `offset`.
+    pread: `pread(size, offset)` returns up to `size` bytes at `offset`
+      (the argument order of `os.pread` after its file descriptor).
     file_size: Size of the file in bytes.
     path: The file, for error messages.
 
@@ -77,7 +78,7 @@ def scan_record_offsets(read_at: Callable[[int, int], bytes], file_size: int,
             f"truncated file: {file_size - pos} bytes left where a "
             f"{HEADER_BYTES}-byte record header starts (file size "
             f"{file_size})", record)
-      chunk = read_at(pos, max(HEADER_BYTES, min(read_size, file_size - pos)))
+      chunk = pread(max(HEADER_BYTES, min(read_size, file_size - pos)), pos)
       chunk_start, chunk_end = pos, pos + len(chunk)
       if chunk_end < pos + HEADER_BYTES:
         raise CorruptRecordError(

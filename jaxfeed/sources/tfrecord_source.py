@@ -39,9 +39,12 @@ _INDEX_MAGIC = int.from_bytes(b"JFTFRIDX", "little")
 _INDEX_VERSION = 1
 _INDEX_HEADER = 5  # magic, version, file_size, mtime_ns, num_records
 
-# get_many merges reads of adjacent records into one read of at most this
-# many bytes (one syscall instead of many for sequential access).
-_MAX_SPAN_BYTES = 4 << 20
+# get_many merges reads of adjacent small records into one read of at most
+# this many bytes (one syscall instead of many for sequential access).
+_MAX_SPAN_BYTES = 1 << 20
+# Frames this large are read straight into their own bytes object (data,
+# then the 4-byte CRC): one copy instead of two, worth the extra syscall.
+_DIRECT_READ_BYTES = 4096
 
 _CRC = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
@@ -211,7 +214,7 @@ class _TFRecordFile:
     if self.local:
       fd = _open_fd(self.name)
       try:
-        return scan_record_offsets(functools.partial(_pread, fd), file_size,
+        return scan_record_offsets(functools.partial(os.pread, fd), file_size,
                                    self.name)
       finally:
         os.close(fd)
@@ -223,10 +226,10 @@ class _TFRecordFile:
       _close_stream(handle)
 
   def _reader(self) -> Callable[[int, int], bytes]:
-    """`read_at(offset, size)` on this process's open handle."""
+    """`pread(size, offset)` on this process's open handle."""
     handle = self.handle.get()
     if self.local:
-      return functools.partial(_pread, handle)
+      return functools.partial(os.pread, handle)  # all in C: no Python frame
     return functools.partial(_stream_read, handle)
 
   def _open_checked(self) -> None:
@@ -242,14 +245,17 @@ class _TFRecordFile:
     self._open_checked()
     start = int(self.offsets[position])
     end = int(self.offsets[position + 1])
-    frame = self._reader()(start, end - start)
-    return self._extract(frame, start, start, end, position, verify_crc)
+    pread = self._reader()
+    if end - start >= _DIRECT_READ_BYTES:
+      return self._read_direct(pread, start, end, position, verify_crc)
+    return self._extract(pread(end - start, start), start, start, end,
+                         position, verify_crc)
 
   def read_sorted(self, positions: np.ndarray, slots: np.ndarray, out: list,
                   verify_crc: bool) -> None:
     """Reads records at ascending `positions` into `out[slots]`."""
     self._open_checked()
-    read_at = self._reader()
+    pread = self._reader()
     extract = self._extract
     starts = self.offsets[positions]
     ends = self.offsets[positions + 1]
@@ -258,10 +264,29 @@ class _TFRecordFile:
     slots, positions = slots.tolist(), positions.tolist()
     for first, last in zip(span_first.tolist(), span_last.tolist()):
       low = starts[first]
-      buffer = read_at(low, ends[last] - low)
+      if first == last and ends[last] - low >= _DIRECT_READ_BYTES:
+        out[slots[first]] = self._read_direct(pread, low, ends[last],
+                                              positions[first], verify_crc)
+        continue
+      buffer = pread(ends[last] - low, low)
       for k in range(first, last + 1):
         out[slots[k]] = extract(buffer, low, starts[k], ends[k], positions[k],
                                 verify_crc)
+
+  def _read_direct(self, pread: Callable[[int, int], bytes], start: int,
+                   end: int, position: int, verify_crc: bool) -> bytes:
+    """Reads a large record's data straight into its own bytes object."""
+    data = pread(end - start - FRAME_OVERHEAD, start + HEADER_BYTES)
+    footer = pread(FOOTER_BYTES, end - FOOTER_BYTES) if verify_crc else b""
+    if len(data) < end - start - FRAME_OVERHEAD or (
+        verify_crc and len(footer) < FOOTER_BYTES):
+      raise CorruptRecordError(
+          self.name, start,
+          f"the file ended inside this record (it should end at byte {end}); "
+          "the file was truncated after it was indexed", position)
+    if verify_crc:
+      self._check_crc(data, _CRC.unpack(footer)[0], start, position)
+    return data
 
   def _extract(self, buffer: bytes, base: int, start: int, end: int,
                position: int, verify_crc: bool) -> bytes:
@@ -281,29 +306,36 @@ class _TFRecordFile:
             f"the record header says {length} data bytes but the index says "
             f"{end - start - FRAME_OVERHEAD}; the file changed after it was "
             "indexed", position)
-      stored = _CRC.unpack_from(buffer, end - base - FOOTER_BYTES)[0]
-      computed = masked_crc32c(data)
-      if stored != computed:
-        raise CorruptRecordError(
-            self.name, start,
-            f"data CRC mismatch (stored 0x{stored:08x}, computed "
-            f"0x{computed:08x}) for the {len(data)}-byte record starting at "
-            f"byte {start + HEADER_BYTES}", position)
+      self._check_crc(
+          data, _CRC.unpack_from(buffer, end - base - FOOTER_BYTES)[0], start,
+          position)
     return data
+
+  def _check_crc(self, data: bytes, stored: int, start: int,
+                 position: int) -> None:
+    computed = masked_crc32c(data)
+    if stored != computed:
+      raise CorruptRecordError(
+          self.name, start,
+          f"data CRC mismatch (stored 0x{stored:08x}, computed "
+          f"0x{computed:08x}) for the {len(data)}-byte record starting at "
+          f"byte {start + HEADER_BYTES}", position)
 
 
 def _spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray,
                                                           np.ndarray]:
-  """Groups ascending frames into runs of adjacent frames read at once.
+  """Groups ascending frames into runs of adjacent small frames read at once.
 
-  A run breaks at a gap between frames and every `_MAX_SPAN_BYTES` bytes.
+  A run breaks at a gap between frames and every `_MAX_SPAN_BYTES` bytes;
+  a frame of `_DIRECT_READ_BYTES` or more is a run of its own.
 
   Returns:
     (first, last): index of the first and last frame of each run.
   """
   n = len(starts)
+  large = (ends - starts) >= _DIRECT_READ_BYTES
   new = np.ones(n, bool)
-  new[1:] = starts[1:] > ends[:-1]
+  new[1:] = (starts[1:] > ends[:-1]) | large[1:] | large[:-1]
   run_first = np.maximum.accumulate(np.where(new, np.arange(n), 0))
   chunk = (starts - starts[run_first]) // _MAX_SPAN_BYTES
   new[1:] |= chunk[1:] != chunk[:-1]
@@ -325,11 +357,7 @@ def _open_fd(name: str) -> int:
   return os.open(name, os.O_RDONLY | os.O_CLOEXEC)
 
 
-def _pread(fd: int, offset: int, size: int) -> bytes:
-  return os.pread(fd, size, offset)
-
-
-def _stream_read(handle, offset: int, size: int) -> bytes:
+def _stream_read(handle, size: int, offset: int) -> bytes:
   stream, lock = handle
   with lock:  # seek + read must not interleave between threads
     stream.seek(offset)

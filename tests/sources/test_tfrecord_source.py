@@ -228,7 +228,9 @@ def _check_error(error: CorruptRecordError, path: str, offset: int) -> None:
   assert f"byte offset {offset}" in str(error)
 
 
-@pytest.mark.parametrize("record", [0, 3, 6])
+# Records 0 and 6 are small (read in runs of adjacent records), record 2 is
+# large (read on its own), record 4 is in between.
+@pytest.mark.parametrize("record", [0, 2, 4, 6])
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_flipped_data_byte_raises_corrupt_record_error_on_read(
     tmp_path, record, where):
@@ -302,14 +304,16 @@ def test_garbage_file_raises_corrupt_record_error_at_offset_zero(tmp_path,
   _check_error(info.value, path, 0)
 
 
-def test_file_truncated_after_indexing_raises_on_read(tmp_path):
-  records = make_records(4, sizes=(1000,))
+@pytest.mark.parametrize("size", [1000, 50_000])
+@pytest.mark.parametrize("read", ["getitem", "get_many"])
+def test_file_truncated_after_indexing_raises_on_read(tmp_path, size, read):
+  records = make_records(4, sizes=(size,))
   path = _write(tmp_path / "a.tfrecord", records)
   with TFRecordSource(path) as source:
     assert source[0] == records[0]  # the handle is open
-    os.truncate(path, _frame_offsets(records)[3] + 500)
+    os.truncate(path, _frame_offsets(records)[3] + size // 2)
     with pytest.raises(CorruptRecordError, match="ended inside") as info:
-      source[3]
+      source[3] if read == "getitem" else source.get_many([2, 3])
   _check_error(info.value, path, _frame_offsets(records)[3])
 
 
@@ -350,3 +354,13 @@ def test_reads_through_the_stream_path_used_for_remote_files(tmp_path,
     indices = np.random.default_rng(0).integers(0, 40, 100)
     assert source.get_many(indices) == [records[i] for i in indices]
     assert source[39] == records[39]
+
+
+def test_get_many_of_adjacent_small_records_beyond_one_read_span(tmp_path):
+  # 2.5 MiB of adjacent 1000-byte records: several coalesced reads.
+  records = make_records(2600, seed=3, sizes=(1000, 0, 3))
+  path = _write(tmp_path / "a.tfrecord", records)
+  with TFRecordSource(path) as source:
+    assert source.get_many(np.arange(2600)) == records
+    picked = np.arange(0, 2600, 2)
+    assert source.get_many(picked) == [records[i] for i in picked]
