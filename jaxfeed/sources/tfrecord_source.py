@@ -56,8 +56,8 @@ class TFRecordSource(RecordSource):
   Args:
     paths: One path or a sequence of paths (str or os.PathLike; anything
       `etils.epath` opens).
-    verify_crc: Check each record's data CRC (and that its header matches the
-      index) on read.
+    verify_crc: Check each record's data CRC on read (record headers are
+      checked when the index is built).
     cache_index: Store each file's record index beside it as `<file>.idx`
       (when the directory is writable) and reuse it while it is fresh.
 

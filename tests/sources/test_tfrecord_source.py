@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pathlib
 import pickle
-import struct
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
