@@ -9,10 +9,14 @@ element; a nested dataset that ends frees its position, which is refilled when
 the cycle comes back to it. This is tf.data's exact order, and
 `num_parallel_calls` with `deterministic=True` keeps it.
 
-Parallel reading: with `num_parallel_calls`, every open nested dataset is
-created (fn runs) and read ahead one block of `block_length` elements at a
-time on a pool of `num_parallel_calls` threads; the consumer takes the blocks
-in cycle order. With `deterministic=False` the consumer skips a position whose
+Parallel reading: with `num_parallel_calls`, every cycle position is opened as
+soon as it is empty (in the order the sequential cycle would open it, so with
+the same input element), and its nested dataset is created (fn runs) and read
+ahead on a pool of `num_parallel_calls` threads, in reads of
+max(block_length, 8) elements with one read queued ahead per position; the
+consumer takes the elements in cycle order. (When `fn` raises, the element
+is skipped in both modes, but the order after the error may differ between
+them, as it does in tf.data.) With `deterministic=False` the consumer skips a position whose
 block is not ready yet when another one is, so a slow nested dataset does not
 hold the others back (each nested dataset's own order is kept).
 
@@ -42,6 +46,10 @@ from jaxfeed.ops import base
 from jaxfeed.ops import parallel
 
 __all__ = ["InterleaveNode", "InterleaveIterator", "default_cycle_length"]
+
+# Elements per read-ahead task at least: amortizes the task overhead when
+# block_length is small.
+_MIN_READ_AHEAD = 8
 
 
 def default_cycle_length() -> int:
@@ -154,7 +162,11 @@ class _Slot:
 
 
 class _Block:
-  """Elements read ahead from one nested iterator, with its state before them."""
+  """Elements read ahead from one nested iterator, with its state before them.
+
+  Reads need not line up with the cycle's blocks: a position's elements are
+  one stream, and a state is the read's starting state plus the count taken.
+  """
 
   __slots__ = ("state", "elements", "seeds", "exhausted", "error")
 
@@ -178,12 +190,12 @@ class _PrefetchSlot:
 
   def __init__(self, pool: concurrent.futures.ThreadPoolExecutor,
                input_index: int, input_seed: int, open_nested: Callable,
-               block_length: int, child_state: Any = None, skip: int = 0):
+               read_length: int, child_state: Any = None, skip: int = 0):
     self.input_index = input_index
     self.input_seed = input_seed
     self.failed = False
     self._pool = pool
-    self._block_length = block_length
+    self._read_length = read_length
     self._iterator: base.OpIterator | None = None
     self._initial = (child_state, skip)
     self._block: _Block | None = None
@@ -202,7 +214,7 @@ class _PrefetchSlot:
     state = iterator.get_state()
     elements, seeds = [], []
     exhausted, error = False, None
-    for _ in range(self._block_length):
+    for _ in range(self._read_length):
       try:
         element = next(iterator)
       except StopIteration:
@@ -329,7 +341,8 @@ class InterleaveIterator(base.OpIterator):
       return _open_nested(fn, element, op_name, state, skip)
 
     return _PrefetchSlot(self._pool, input_index, input_seed, open_nested,
-                         self._block_length, child_state, skip)
+                         max(self._block_length, _MIN_READ_AHEAD), child_state,
+                         skip)
 
   def _can_skip(self, index: int) -> bool:
     """deterministic=False: whether to pass over the unready position `index`.
@@ -348,9 +361,35 @@ class InterleaveIterator(base.OpIterator):
                               return_when=concurrent.futures.FIRST_COMPLETED)
     return False
 
+  def _fill_empty_positions(self) -> None:
+    """Parallel mode: opens every empty position now, in cycle order.
+
+    Positions are refilled in the order they became empty, which is the order
+    in which the sequential cycle refills them, so every position gets the
+    input element it would get there; opening them early lets their first
+    reads overlap.
+    """
+    slots = self._slots
+    for k in range(self._cycle_length):
+      index = (self._cycle_index + k) % self._cycle_length
+      if slots[index] is None:
+        try:
+          element = self._input.read()
+        except StopIteration:
+          self._end_of_input = True
+          return
+        slots[index] = self._open(self._input.num_read - 1, element,
+                                  self.parents[0].last_seed)
+        self._num_open += 1
+
   def __next__(self) -> Any:
     slots = self._slots
+    eager = self._pool is not None
     while not self._end_of_input or self._num_open:
+      if eager and not self._end_of_input and (
+          self._num_open < self._cycle_length):
+        self._fill_empty_positions()
+        continue
       index = self._cycle_index
       slot = slots[index]
       if slot is None:

@@ -80,6 +80,15 @@ def test_nondeterministic_keeps_each_nested_order_and_the_multiset():
   assert out != expected  # the slow position was passed over
 
 
+def test_parallel_mode_opens_every_cycle_position_at_once():
+  for parallel, opened in [(2, 4), (None, 1)]:
+    ds = Dataset.range(20).interleave(lambda x: Dataset.range(3), cycle_length=4,
+                                      num_parallel_calls=parallel)
+    with ds.make_iterator() as it:
+      next(it)
+      assert it.get_state()["own"]["input"]["num_read"] == opened
+
+
 def test_tuple_elements_are_unpacked_into_fn_arguments():
   ds = Dataset.zip((Dataset.range(4), Dataset.range(10, 14))).interleave(
       lambda a, b: Dataset.range(a, b, 5), cycle_length=2)
