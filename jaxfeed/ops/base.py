@@ -270,6 +270,7 @@ class InputReplay:
       interval: Reads between two anchors (1: an anchor before every read).
       oldest_needed: Returns the read index of the oldest element still
         needed; anchors before it are forgotten when a new one is taken.
+        None: no element is needed once the next one is read.
     """
     self.parent = parent
     self.num_read = 0
@@ -282,8 +283,8 @@ class InputReplay:
     """The parent's next element (StopIteration at its end)."""
     anchors = self._anchors
     if not anchors or self.num_read - anchors[-1][0] >= self._interval:
-      if self._oldest_needed is not None:
-        self._forget_before(self._oldest_needed())
+      self._forget_before(self.num_read if self._oldest_needed is None
+                          else self._oldest_needed())
       anchors.append((self.num_read, self.parent.get_state()))
     element = next(self.parent)
     self.num_read += 1

@@ -66,6 +66,17 @@ def test_unbatch_state_does_not_hold_the_batch():
     assert len(str(it.get_state())) < 600
 
 
+@pytest.mark.parametrize("op", ["unbatch", "rebatch"])
+def test_saved_input_positions_stay_bounded_over_a_long_run(op):
+  ds = Dataset.range(20000).batch(2)
+  ds = ds.unbatch() if op == "unbatch" else ds.rebatch(3)
+  with ds.make_iterator() as it:
+    for _ in it:
+      pass
+    # The positions kept for restoring (InputReplay anchors) do not grow.
+    assert len(it._input._anchors) <= 2  # pylint: disable=protected-access
+
+
 # -- rebatch -------------------------------------------------------------------
 @pytest.mark.parametrize("n,first,sizes,drop", [
     (13, 3, 4, False), (13, 3, 4, True), (13, 5, 13, False), (13, 5, 20, False),
