@@ -212,3 +212,15 @@ def test_last_seed_is_the_seed_of_the_row_first_element():
   with source(examples).pack({"a": 16}, num_packing_bins=3).make_iterator() as it:
     seeds = [it.last_seed for _ in it]
   assert len(set(seeds)) == len(seeds)
+
+
+def test_saved_input_positions_stay_bounded_over_a_long_run():
+  examples = make_examples(10, n=50)
+  ds = Dataset.range(5000).map(lambda i: examples[int(i) % 50]).pack(
+      {"a": 24}, num_packing_bins=4)
+  with ds.make_iterator() as it:
+    for _ in it:
+      pass
+    # The positions kept for restoring (InputReplay anchors) cover only the
+    # rows being filled, not the whole run.
+    assert len(it._input._anchors) <= 3  # pylint: disable=protected-access
