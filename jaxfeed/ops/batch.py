@@ -9,6 +9,7 @@ and the iterator's state is its parent's.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -86,13 +87,10 @@ class BatchIterator(base.OpIterator):
     parent = self.parents[0]
     elements = [next(parent)]  # StopIteration here ends the batches
     first_seed = parent.last_seed
-    append = elements.append
-    try:
-      for _ in range(self._batch_size - 1):
-        append(next(parent))
-    except StopIteration:
-      if self._drop_remainder:
-        raise
+    # islice pulls the rest in C and stops quietly at the parent's end.
+    elements.extend(itertools.islice(parent, self._batch_size - 1))
+    if len(elements) < self._batch_size and self._drop_remainder:
+      raise StopIteration
     self._last_seed = first_seed
     return self._assemble(elements)
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxfeed.ops import stacking
 from jaxfeed.ops.base import Node, OpIterator, state_int
 from jaxfeed.sampler import IndexSampler
 
@@ -72,7 +73,13 @@ class SourceNode(Node):
 
 
 class SourceIterator(OpIterator):
-  """Yields records in sampler order; state is the next sampler position."""
+  """Yields records in sampler order; state is the next sampler position.
+
+  Implements the batched-read protocol of `jaxfeed.ops.stacking`
+  (`next_batch`): sources with `get_batch(indices)` (like `ArraySource`)
+  gather a whole batch in one call, other sources are read in chunks and
+  their records stacked.
+  """
 
   op_name = _OP
 
@@ -84,6 +91,10 @@ class SourceIterator(OpIterator):
     get_many = getattr(source, "get_many", None)
     self._read_many = get_many if callable(get_many) else (
         lambda indices: [source[i] for i in indices.tolist()])
+    get_batch = getattr(source, "get_batch", None)
+    # Cleared when a gathered batch does not have the batch layout (e.g.
+    # object leaves of non-strings): then records are stacked instead.
+    self._get_batch = get_batch if callable(get_batch) else None
     self._chunk = _FIRST_CHUNK
     # Read-ahead records, and their seeds: positions [buffer_start, +len).
     self._buffer_start = 0
@@ -105,9 +116,9 @@ class SourceIterator(OpIterator):
     self._offset = offset + 1
     return self._records[offset]
 
-  def _read_ahead(self) -> None:
+  def _read_ahead(self, min_count: int = 1) -> None:
     start = self._buffer_start + self._buffered
-    count = self._chunk
+    count = max(self._chunk, min_count)
     if self._end is not None:
       count = min(count, self._end - start)
       if count <= 0:
@@ -136,6 +147,43 @@ class SourceIterator(OpIterator):
     return (self._block_indices[offset:offset + count],
             self._block_seeds[offset:offset + count])
 
+  def next_batch(self, max_count: int) -> tuple[Any, np.ndarray]:
+    """The next `k <= max_count` records stacked, and their seeds.
+
+    See the batched-read protocol in `jaxfeed.ops.stacking`.
+    """
+    start = self.position
+    count = max_count
+    if self._end is not None:
+      count = min(count, self._end - start)
+    if count <= 0:
+      raise StopIteration
+    if self._get_batch is not None and self._offset >= self._buffered:
+      record_indices, seeds = self._lookup(start, count)
+      batch = stacking.as_batch(self._get_batch(record_indices))
+      if batch is not None:
+        self._seek(start + count)
+        return batch, seeds.copy()
+      self._get_batch = None
+    records, seeds = self._take_records(count)
+    return stacking.stack(records, "batch"), seeds
+
+  def _take_records(self, count: int) -> tuple[list, np.ndarray]:
+    """The next `count` records (all exist) and their seeds, in order."""
+    records: list = []
+    seeds = []
+    while count:
+      offset = self._offset
+      if offset >= self._buffered:
+        self._read_ahead(count)
+        offset = 0
+      stop = min(offset + count, self._buffered)
+      records.extend(self._records[offset:stop])
+      seeds.append(self._seeds[offset:stop])
+      count -= stop - offset
+      self._offset = stop
+    return records, np.concatenate(seeds)
+
   @property
   def position(self) -> int:
     """The sampler position of the next element."""
@@ -146,7 +194,12 @@ class SourceIterator(OpIterator):
     if self._offset:
       return int(self._seeds[self._offset - 1])
     position = self.position
-    return self._sampler[position - 1].rng_seed if position else 0
+    if not position:
+      return 0
+    looked_up = position - 1 - self._block_start
+    if 0 <= looked_up < len(self._block_seeds):
+      return int(self._block_seeds[looked_up])
+    return self._sampler[position - 1].rng_seed
 
   def skip_elements(self, count: int) -> int:
     """Skips up to `count` elements without reading them; returns how many."""

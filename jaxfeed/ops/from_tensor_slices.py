@@ -13,7 +13,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from jaxfeed.ops import stacking
 from jaxfeed.ops.base import Node, OpIterator, mix_seed, state_int
+from jaxfeed.seeding import mix_seeds
 
 _OP = "from_tensor_slices"
 _INT32 = np.iinfo(np.int32)
@@ -128,7 +130,11 @@ class TensorSlicesNode(Node):
 
 
 class TensorSlicesIterator(OpIterator):
-  """Yields slice i of every component; state is the next index."""
+  """Yields slice i of every component; state is the next index.
+
+  Implements the batched-read protocol of `jaxfeed.ops.stacking`
+  (`next_batch`): a batch is a copy of slices `i:j` of the components.
+  """
 
   op_name = _OP
 
@@ -144,6 +150,26 @@ class TensorSlicesIterator(OpIterator):
       raise StopIteration
     self._index = index + 1
     return self._build(index)
+
+  def next_batch(self, max_count: int) -> tuple[Any, np.ndarray]:
+    """The next `k <= max_count` elements stacked, and their seeds.
+
+    See the batched-read protocol in `jaxfeed.ops.stacking`.
+    """
+    index = self._index
+    count = min(max_count, self._length - index)
+    if count <= 0:
+      raise StopIteration
+    # The element builder indexes every component; with a slice it builds
+    # the components' rows, which `as_batch` copies into the batch layout.
+    batch = stacking.as_batch(self._build(slice(index, index + count)),
+                              copy=True)
+    if batch is None:
+      batch = stacking.stack(
+          [self._build(i) for i in range(index, index + count)], "batch")
+    self._index = index + count
+    return batch, mix_seeds(0, 0, np.arange(index, index + count,
+                                            dtype=np.int64))
 
   @property
   def last_seed(self) -> int:

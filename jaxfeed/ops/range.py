@@ -6,9 +6,14 @@ from typing import Any
 
 import numpy as np
 
+from jaxfeed.ops import stacking
 from jaxfeed.ops.base import Node, OpIterator, mix_seed, state_int
+from jaxfeed.seeding import mix_seeds
 
 _OP = "range"
+# Elements computed at once for element-wise reads.
+_CHUNK = 256
+_INT64 = np.iinfo(np.int64)
 
 
 def _check_int(value: Any, name: str) -> int:
@@ -77,7 +82,13 @@ class RangeNode(Node):
 
 
 class RangeIterator(OpIterator):
-  """Yields the range's elements; state is the index of the next one."""
+  """Yields the range's elements; state is the index of the next one.
+
+  Values are computed a chunk at a time with numpy and handed out one by one
+  (a numpy scalar per `next()` costs a list lookup, not a conversion).
+  Implements the batched-read protocol of `jaxfeed.ops.stacking`
+  (`next_batch`), which builds a batch with one `np.arange`.
+  """
 
   op_name = _OP
 
@@ -86,39 +97,108 @@ class RangeIterator(OpIterator):
     self._start = node.start
     self._step = node.step
     self._length = node.cardinality()
+    self._dtype = node.dtype
     self._scalar = node.dtype.type
+    last = self._start + max(self._length - 1, 0) * self._step
+    low, high = min(self._start, last), max(self._start, last)
     if self._length and node.dtype.kind in "iu":
       info = np.iinfo(node.dtype)
-      last = self._start + (self._length - 1) * self._step
-      if not info.min <= min(self._start, last) <= max(self._start,
-                                                        last) <= info.max:
+      if not info.min <= low <= high <= info.max:
         # Like tf.data: values computed in int64, cast with wrap-around.
         dtype = node.dtype
         self._scalar = lambda value: np.int64(value).astype(dtype)
-    self._index = 0
+    # Values outside int64 are built one by one, so that an element that
+    # cannot be represented fails when it is reached, as element-wise.
+    self._vectorized = _INT64.min <= low and high <= _INT64.max
+    # Values of indices [chunk_start, chunk_start + len(chunk)).
+    self._chunk: list = []
+    self._chunk_start = 0
+    self._offset = 0  # Index in self._chunk of the next element.
 
   def __next__(self) -> Any:
-    index = self._index
-    if index >= self._length:
+    offset = self._offset
+    if offset >= len(self._chunk):
+      self._fill_chunk()
+      offset = 0
+    self._offset = offset + 1
+    return self._chunk[offset]
+
+  def _fill_chunk(self) -> None:
+    index = self.position
+    count = min(_CHUNK, self._length - index)
+    if count <= 0:
       raise StopIteration
-    self._index = index + 1
-    return self._scalar(self._start + index * self._step)
+    if self._vectorized:
+      self._chunk = list(self._values(index, count))
+      self._chunk_start, self._offset = index, 0
+      return
+    # One element at a time; one that cannot be represented raises when it
+    # is reached and counts as read, so the next call moves on.
+    self._chunk, self._chunk_start, self._offset = [], index + 1, 0
+    self._chunk = [self._scalar(self._start + index * self._step)]
+    self._chunk_start = index
+
+  def _values(self, index: int, count: int) -> np.ndarray:
+    """Elements `index .. index + count - 1` as one array (vectorized only)."""
+    values = np.arange(index, index + count, dtype=np.int64)
+    if self._step != 1:
+      values *= self._step
+    if self._start:
+      values += self._start
+    if self._dtype.kind == "f":
+      # Through float64, as numpy converts the Python int of one element.
+      values = values.astype(np.float64)
+    return values.astype(self._dtype, copy=False)
+
+  def next_batch(self, max_count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The next `k <= max_count` elements as one array, and their seeds.
+
+    See the batched-read protocol in `jaxfeed.ops.stacking`.
+    """
+    index = self.position
+    count = min(max_count, self._length - index)
+    if count <= 0:
+      raise StopIteration
+    if not self._vectorized:
+      elements = [next(self) for _ in range(count)]
+      return stacking.stack(elements, "batch"), _seeds(index, count)
+    batch = self._values(index, count)
+    self._seek(index + count)
+    return batch, _seeds(index, count)
+
+  @property
+  def position(self) -> int:
+    """The index of the next element."""
+    return self._chunk_start + self._offset
+
+  def _seek(self, index: int) -> None:
+    offset = index - self._chunk_start
+    if 0 <= offset <= len(self._chunk):
+      self._offset = offset
+    else:
+      self._chunk, self._chunk_start, self._offset = [], index, 0
 
   @property
   def last_seed(self) -> int:
     # Seed 0, epoch 0 and the element's index, as a default IndexSampler
     # gives the same element of a source.
-    return mix_seed(0, 0, self._index - 1) if self._index else 0
+    index = self.position
+    return mix_seed(0, 0, index - 1) if index else 0
 
   def skip_elements(self, count: int) -> int:
     """Skips up to `count` elements without producing them; returns how many."""
-    skipped = max(0, min(count, self._length - self._index))
-    self._index += skipped
+    index = self.position
+    skipped = max(0, min(count, self._length - index))
+    self._seek(index + skipped)
     return skipped
 
   def _get_own_state(self) -> dict:
-    return {"index": self._index}
+    return {"index": self.position}
 
   def _set_own_state(self, state: dict) -> None:
-    self._index = state_int(state, "index", _OP, 0, self._length)
+    self._seek(state_int(state, "index", _OP, 0, self._length))
 
+
+def _seeds(index: int, count: int) -> np.ndarray:
+  """The seeds of elements `index .. index + count - 1` (see `last_seed`)."""
+  return mix_seeds(0, 0, np.arange(index, index + count, dtype=np.int64))

@@ -12,6 +12,8 @@ the same errors:
   `batch_length(batch)`, `unstack(batch)`: joining and splitting batches along
   the leading dimension.
 - `to_batch_leaf(array)`: the batch layout of one already stacked leaf.
+- `as_batch(gathered)`: the batch layout of a whole pytree of already stacked
+  leaves (what iterators implementing `next_batch` below return).
 
 Batch layout (as tf.data's `as_numpy_iterator` gives it): every leaf gains a
 leading batch dimension and keeps its dtype; numpy and Python scalars become
@@ -30,7 +32,8 @@ which gathers rows with one fancy-indexing call) may implement
 
 - `batch`: the stacked pytree of the next `k` elements, exactly the batch
   `stack([next(it) for _ in range(k)])` would return (string leaves as object
-  arrays; `to_batch_leaf` converts a stacked leaf), with
+  arrays, namedtuples as tuples, fresh writable arrays; `as_batch` converts a
+  pytree of gathered leaves, `to_batch_leaf` one leaf), with
   `1 <= k <= max_count`; `k < max_count` only when the input ends after them.
 - `seeds`: a uint64 numpy array of length `k`, the per-element rng seeds (what
   `last_seed` would have been after each of the `k` elements).
@@ -52,6 +55,7 @@ import numpy as np
 from jaxfeed.ops import tree
 
 __all__ = [
+    "as_batch",
     "batch_length",
     "concatenate",
     "pad_and_stack",
@@ -179,6 +183,47 @@ def to_batch_leaf(array: np.ndarray) -> np.ndarray:
   return array
 
 
+def as_batch(gathered: Any, copy: bool = False) -> Any | None:
+  """The batch `stack` builds from the rows of already stacked leaves.
+
+  Args:
+    gathered: A pytree (dicts, tuples, namedtuples, lists) of numpy arrays
+      whose leading dimension holds the rows, e.g. leaves fancy-indexed from
+      a source's arrays.
+    copy: Whether to copy leaves that would otherwise be returned as they are
+      (needed when they are views of data that other batches also see).
+
+  Returns:
+    The pytree in the batch layout (string arrays as object arrays of
+    `bytes` / `str`, namedtuples as plain tuples, dict key order kept), or
+    None when a leaf is not a numpy array or is an object array holding
+    anything but strings: only `stack` knows how such rows combine.
+  """
+  if isinstance(gathered, dict):
+    out = {}
+    for key, value in gathered.items():
+      out[key] = as_batch(value, copy)
+      if out[key] is None:
+        return None
+    return out
+  if isinstance(gathered, (tuple, list)):
+    children = [as_batch(value, copy) for value in gathered]
+    if any(child is None for child in children):
+      return None
+    return children if isinstance(gathered, list) else tuple(children)
+  if not isinstance(gathered, np.ndarray) or gathered.ndim == 0:
+    return None
+  kind = gathered.dtype.kind
+  if kind in "SU":
+    return gathered.astype(object)
+  if kind == "O":
+    if not all(isinstance(v, (bytes, str)) for v in gathered.flat):
+      return None
+  elif kind == "V":
+    return None  # Structured rows: stack decides.
+  return gathered.copy() if copy else gathered
+
+
 # ---------------------------------------------------------------------------
 # columns: elements -> one list of values per leaf, checking structure
 # ---------------------------------------------------------------------------
@@ -284,9 +329,11 @@ def _stack_objects(col: list, leaf_index: int, structure: Any, elements: list,
   out = np.empty((len(col),) + shape, dtype=object)
   try:
     if not shape:
-      if any(isinstance(v, np.ndarray) for v in col):
-        # 0-d arrays would be stored as array objects; store their values.
-        col = [v.item() if isinstance(v, np.ndarray) else v for v in col]
+      if any(isinstance(v, (np.ndarray, np.generic)) for v in col):
+        # 0-d arrays would be stored as array objects and numpy string
+        # scalars as such; store their Python values.
+        col = [v.item() if isinstance(v, (np.ndarray, np.generic)) else v
+               for v in col]
       out[:] = col
     else:
       for i, value in enumerate(col):

@@ -1,5 +1,6 @@
 """`batch` and the stacking helpers, element by element against tf.data."""
 
+import collections
 import json
 import os
 
@@ -13,6 +14,9 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
 from jaxfeed.ops import batch as batch_op
 from jaxfeed.ops import stacking
+from jaxfeed.ops import tree as tree_lib
+from jaxfeed.sampler import IndexSampler
+from jaxfeed.sources import ArraySource
 
 
 # ---------------------------------------------------------------------------
@@ -142,6 +146,10 @@ def test_numpy_string_rows_batch_to_object_arrays_of_bytes():
   rows = np.array([b"ab", b"c"])  # dtype S2: rows are np.bytes_ scalars
   out = stacking.stack([rows[0], rows[1]])
   assert out.dtype == object and out.tolist() == [b"ab", b"c"]
+  assert all(type(v) is bytes for v in out)
+  unicode_rows = np.array(["ab", "c"])  # dtype U2: rows are np.str_ scalars
+  out = stacking.stack([unicode_rows[0], unicode_rows[1]])
+  assert out.tolist() == ["ab", "c"] and all(type(v) is str for v in out)
   zero_d = [np.array(b"xy"), np.array(b"z")]
   out = stacking.stack(zero_d)
   assert out.dtype == object and out.tolist() == [b"xy", b"z"]
@@ -242,6 +250,67 @@ def test_resume_at_every_cut_point_after_json_round_trip(n, batch_size,
     restored = ds.make_iterator()
     restored.set_state(state)
     assert_same_batches(list(restored), expected[cut:])
+
+
+def _fails_on_four(x):
+  if x == 4:
+    raise ValueError("element 4 is bad")
+  return x
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_input_error_mid_batch_is_raised_and_the_next_batch_follows_it(
+    drop_remainder):
+  it = Dataset.range(12).map(_fails_on_four).batch(
+      3, drop_remainder).make_iterator()
+  assert next(it).tolist() == [0, 1, 2]
+  with pytest.raises(ValueError, match="element 4 is bad"):
+    next(it)  # Elements 3 and 4 were read for this batch.
+  assert next(it).tolist() == [5, 6, 7]
+  assert next(it).tolist() == [8, 9, 10]
+  if not drop_remainder:
+    assert next(it).tolist() == [11]
+  with pytest.raises(StopIteration):
+    next(it)
+
+
+@pytest.mark.parametrize("n,batch_size", [(10, 4), (8, 4), (3, 5), (1, 1)])
+def test_short_last_batch_is_kept_or_dropped(n, batch_size):
+  kept = [b.tolist() for b in Dataset.range(n).map(int).batch(batch_size)]
+  dropped = [b.tolist() for b in Dataset.range(n).map(int).batch(
+      batch_size, drop_remainder=True)]
+  expected = [list(range(i, min(i + batch_size, n)))
+              for i in range(0, n, batch_size)]
+  assert kept == expected
+  assert dropped == [b for b in expected if len(b) == batch_size]
+
+
+@pytest.mark.parametrize("dataset", [
+    lambda: Dataset.range(50),
+    lambda: Dataset.from_tensor_slices({"x": np.arange(50), "y": np.ones(50)}),
+    lambda: Dataset.from_source(ArraySource({"x": np.arange(50)}),
+                                IndexSampler(50, shuffle=True, seed=2)),
+])
+@pytest.mark.parametrize("batch_size,drop_remainder", [(7, False), (7, True),
+                                                       (50, False), (64, True)])
+def test_batches_read_with_next_batch_equal_element_wise_batches(
+    dataset, batch_size, drop_remainder):
+  fast = dataset().batch(batch_size, drop_remainder).node.make_iterator()
+  assert hasattr(fast.parents[0], "next_batch")
+  identity = lambda e: e
+  plain = dataset().map(identity).batch(batch_size, drop_remainder).node
+  plain = plain.make_iterator()
+  while True:
+    try:
+      expected = next(plain)
+    except StopIteration:
+      with pytest.raises(StopIteration):
+        next(fast)
+      break
+    assert_same_tree(next(fast), expected)
+    assert fast.last_seed == plain.last_seed
+    assert fast.get_state()["parents"] == plain.get_state()["parents"][0][
+        "parents"]
 
 
 def test_exhausted_iterator_keeps_raising_stop_iteration():
@@ -365,3 +434,44 @@ def test_unstack_concatenate_and_slice_invert_stack():
 def test_concatenate_rejects_other_shapes():
   with pytest.raises(ValueError, match="'x'"):
     stacking.concatenate([{"x": np.zeros((2, 3))}, {"x": np.zeros((2, 4))}])
+
+
+@pytest.mark.parametrize("kind", sorted(ELEMENT_KINDS))
+def test_as_batch_of_gathered_leaves_equals_stack_of_their_rows(kind):
+  elements = make_elements(kind, 4)
+  stacked = stacking.stack(elements)
+  # `stacked` is a pytree of gathered leaves; numpy string leaves are what a
+  # source of string arrays gathers.
+  gathered = tree_lib.map_structure(
+      lambda leaf: leaf.astype(bytes) if leaf.dtype == object else leaf,
+      stacked)
+  ours = stacking.as_batch(gathered)
+  assert_same_tree(ours, stacked)
+  for a, b in zip(tree_lib.flatten(ours), tree_lib.flatten(stacked)):
+    assert [type(v) for v in a.flat] == [type(v) for v in b.flat]
+
+
+def test_as_batch_turns_namedtuples_into_tuples_like_stack():
+  point = collections.namedtuple("Point", ["x", "y"])
+  gathered = point(np.arange(3), np.ones(3))
+  rows = [point(gathered.x[i], gathered.y[i]) for i in range(3)]
+  ours, expected = stacking.as_batch(gathered), stacking.stack(rows)
+  assert type(ours) is type(expected) is tuple
+  assert_same_tree(ours, expected)
+
+
+def test_as_batch_copies_only_when_asked():
+  leaf = np.arange(4)
+  assert stacking.as_batch({"x": leaf})["x"] is leaf
+  copied = stacking.as_batch({"x": leaf}, copy=True)["x"]
+  assert not np.shares_memory(copied, leaf) and copied.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("gathered", [
+    {"x": np.array([1, b"a"], dtype=object)},  # not only strings
+    {"x": [1, 2]},  # a Python list of scalars is not a leaf array
+    (np.arange(2), np.float32(3)),  # a scalar has no rows
+    np.zeros(2, dtype=[("a", np.int32)]),  # structured rows
+])
+def test_as_batch_leaves_what_only_stack_knows_to_stack(gathered):
+  assert stacking.as_batch(gathered) is None

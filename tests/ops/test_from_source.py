@@ -1,5 +1,6 @@
 """Tests of from_source: records in sampler order, seeds, reads and states."""
 
+import collections
 import itertools
 import json
 import os
@@ -11,6 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
+from jaxfeed.ops import stacking
 from jaxfeed.ops.base import PipelineStateError
 from jaxfeed.ops.from_source import SourceNode
 from jaxfeed.sampler import IndexSampler, ShardOptions
@@ -261,3 +263,166 @@ def test_sampler_lookups_are_batched_in_blocks():
   sampler = CountingSampler(10_000, shuffle=True, num_epochs=2)
   assert len(list(_iterate(Dataset.from_source(source, sampler)))) == 20_000
   assert CountingSampler.calls <= 12  # 64, 256, 1024, then 4096 positions each.
+
+
+# ---------------------------------------------------------------------------
+# the batched-read protocol (next_batch)
+# ---------------------------------------------------------------------------
+Pair = collections.namedtuple("Pair", ["left", "right"])
+
+
+def _array_data(num):
+  return {
+      "dict": {"image": np.arange(num * 6, dtype=np.uint8).reshape(num, 2, 3),
+               "label": np.arange(num, dtype=np.int32)},
+      "nested": {"z": [np.arange(num, dtype=np.float16),
+                       (np.arange(num) % 2 == 0,)],
+                 "a": Pair(np.arange(num * 2).reshape(num, 2),
+                           np.arange(num, dtype=np.uint64))},
+      "strings": {"s": np.array([b"b%d" % i for i in range(num)]),
+                  "u": np.array(["u%d" % i for i in range(num)]),
+                  "o": np.array([b"o%d" % i for i in range(num)], object)},
+      "objects": {"o": np.array([i * 10 for i in range(num)], object),
+                  "x": np.arange(num)},
+      "bare_array": np.arange(num * 2, dtype=np.float32).reshape(num, 2),
+  }
+
+
+def _assert_identical_batch(ours, expected, path="batch"):
+  """Same container types and key order; leaves of one dtype, shape, values."""
+  assert type(ours) is type(expected), f"{path}: {type(ours)} vs {type(expected)}"
+  if isinstance(expected, dict):
+    assert list(ours) == list(expected), path
+    for key in expected:
+      _assert_identical_batch(ours[key], expected[key], f"{path}[{key!r}]")
+  elif isinstance(expected, (tuple, list)):
+    assert len(ours) == len(expected), path
+    for i, (a, b) in enumerate(zip(ours, expected)):
+      _assert_identical_batch(a, b, f"{path}[{i}]")
+  else:
+    assert ours.dtype == expected.dtype and ours.shape == expected.shape, path
+    assert ours.flags.writeable, path
+    assert [type(v) for v in ours.flat] == [type(v) for v in expected.flat]
+    assert ours.tolist() == expected.tolist(), path
+
+
+def _leaves(tree):
+  if isinstance(tree, dict):
+    return [leaf for value in tree.values() for leaf in _leaves(value)]
+  if isinstance(tree, (tuple, list)):
+    return [leaf for value in tree for leaf in _leaves(value)]
+  return [tree]
+
+
+def _check_next_batch(make_iterator, sizes, source_arrays=()):
+  """next_batch(size) reads equal `size` next() calls, stacked; 0 is a next()."""
+  fast, plain = make_iterator(), make_iterator()
+  reads = 0
+  for size in itertools.cycle(sizes):
+    reads += 1
+    if size == 0:
+      try:
+        expected = next(plain)
+      except StopIteration:
+        with pytest.raises(StopIteration):
+          next(fast)
+        break
+      _assert_identical_batch(stacking.stack([next(fast)]),
+                              stacking.stack([expected]))
+    else:
+      elements, seeds = [], []
+      for element in itertools.islice(plain, size):
+        elements.append(element)
+        seeds.append(plain.last_seed)
+      if not elements:
+        with pytest.raises(StopIteration):
+          fast.next_batch(size)
+        break
+      batch, batch_seeds = fast.next_batch(size)
+      _assert_identical_batch(batch, stacking.stack(elements))
+      assert batch_seeds.dtype == np.uint64 and batch_seeds.tolist() == seeds
+      for leaf in _leaves(batch):
+        assert not any(np.shares_memory(leaf, a) for a in source_arrays)
+    assert fast.get_state() == plain.get_state()
+    assert fast.last_seed == plain.last_seed
+  return reads
+
+
+@pytest.mark.parametrize("kind", sorted(_array_data(1)))
+@pytest.mark.parametrize("sizes", [[1], [5], [64], [500], [3, 0, 0, 40, 0]])
+@pytest.mark.parametrize("sampler_args", [
+    {}, {"shuffle": True, "seed": 4, "num_epochs": 2},
+    {"shard_options": ShardOptions(1, 3), "num_epochs": 3}])
+def test_array_source_next_batch_equals_stacked_next_calls(
+    kind, sizes, sampler_args):
+  data = _array_data(97)[kind]
+  source = ArraySource(data)
+  sampler = IndexSampler(97, **sampler_args)
+  reads = _check_next_batch(
+      lambda: _iterate(Dataset.from_source(source, sampler)), sizes,
+      _leaves(data))
+  assert reads >= 2
+
+
+class _GatheringSource(_ListSource):
+  """A list source that also gathers whole batches, counting the calls."""
+
+  def __init__(self, num):
+    super().__init__(num)
+    self.get_batch_calls = []
+
+  def get_batch(self, indices):
+    self.get_batch_calls.append(len(indices))
+    return np.array([self.records[i] for i in indices])
+
+
+def test_sources_with_get_batch_are_gathered_once_per_batch():
+  source = _GatheringSource(100)
+  iterator = _iterate(Dataset.from_source(source))
+  batches = []
+  while True:
+    try:
+      batches.append(iterator.next_batch(32)[0])
+    except StopIteration:
+      break
+  assert source.get_batch_calls == [32, 32, 32, 4]
+  assert source.reads == []  # No record read one by one.
+  assert [b.dtype for b in batches] == [object] * 4  # Strings as objects.
+  assert sum((b.tolist() for b in batches), []) == source.records
+
+
+@pytest.mark.parametrize("batched", [True, False])
+@pytest.mark.parametrize("sizes", [[1], [7], [300], [2, 0, 20, 0, 0]])
+def test_sources_without_get_batch_stack_their_records(batched, sizes):
+  source = _ListSource(150, batched=batched)
+  sampler = IndexSampler(150, shuffle=True, seed=9, num_epochs=2)
+  _check_next_batch(lambda: _iterate(Dataset.from_source(source, sampler)),
+                    sizes)
+  # Each record is read once per epoch and iterator, whatever the sizes.
+  assert len(source.reads) == 2 * 2 * 150
+
+
+def test_next_batch_on_an_endless_sampler_never_ends():
+  source = ArraySource({"x": np.arange(10)})
+  iterator = _iterate(Dataset.from_source(
+      source, IndexSampler(10, shuffle=True, num_epochs=None)))
+  batches = [iterator.next_batch(7)[0]["x"] for _ in range(10)]
+  assert all(len(b) == 7 for b in batches)
+  values = np.concatenate(batches)
+  for epoch in range(7):
+    assert sorted(values[epoch * 10:(epoch + 1) * 10]) == list(range(10))
+
+
+def test_restore_after_next_batch_resumes_exactly():
+  source = ArraySource({"x": np.arange(60), "y": np.arange(60) * 2.0})
+  sampler = IndexSampler(60, shuffle=True, seed=1)
+  dataset = Dataset.from_source(source, sampler)
+  iterator = _iterate(dataset)
+  iterator.next_batch(25)
+  state = json.loads(json.dumps(iterator.get_state()))
+  assert state["own"] == {"position": 25}
+  rest = [int(e["x"]) for e in iterator]
+  fresh = _iterate(dataset)
+  fresh.set_state(state)
+  assert fresh.last_seed == sampler[24].rng_seed
+  assert fresh.next_batch(100)[0]["x"].tolist() == rest

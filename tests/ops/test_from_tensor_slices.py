@@ -1,6 +1,7 @@
 """Tests of from_tensor_slices against tf.data.Dataset.from_tensor_slices."""
 
 import collections
+import itertools
 import json
 import os
 
@@ -11,6 +12,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
+from jaxfeed.ops import stacking
 from jaxfeed.ops.base import PipelineStateError, mix_seed
 from jaxfeed.ops.from_tensor_slices import TensorSlicesNode
 
@@ -194,3 +196,80 @@ def test_array_likes_keep_their_dtype():
       {"a": jnp.arange(3, dtype=jnp.int16)}))
   assert [e["a"].dtype for e in elements] == [np.int16] * 3
   assert [int(e["a"]) for e in elements] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------
+# the batched-read protocol (next_batch)
+# ---------------------------------------------------------------------------
+def _assert_identical_batch(ours, expected, path="batch"):
+  """Same container types and key order; leaves of one dtype, shape, values."""
+  assert type(ours) is type(expected), f"{path}: {type(ours)} vs {type(expected)}"
+  if isinstance(expected, dict):
+    assert list(ours) == list(expected), path
+    for key in expected:
+      _assert_identical_batch(ours[key], expected[key], f"{path}[{key!r}]")
+  elif isinstance(expected, (tuple, list)):
+    assert len(ours) == len(expected), path
+    for i, (a, b) in enumerate(zip(ours, expected)):
+      _assert_identical_batch(a, b, f"{path}[{i}]")
+  else:
+    assert ours.dtype == expected.dtype and ours.shape == expected.shape, path
+    assert ours.flags.writeable, path
+    assert [type(v) for v in ours.flat] == [type(v) for v in expected.flat]
+    assert ours.tolist() == expected.tolist(), path
+
+
+def _leaves(tree):
+  if isinstance(tree, dict):
+    return [leaf for value in tree.values() for leaf in _leaves(value)]
+  if isinstance(tree, (tuple, list)):
+    return [leaf for value in tree for leaf in _leaves(value)]
+  return [tree]
+
+
+@pytest.mark.parametrize("name", sorted(_inputs()))
+@pytest.mark.parametrize("sizes", [[1], [2], [100], [2, 0, 1]])
+def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(
+    name, sizes):
+  tensors = _inputs()[name]
+  fast = TensorSlicesNode(tensors).make_iterator()
+  plain = TensorSlicesNode(tensors).make_iterator()
+  inputs = [np.asarray(leaf) for leaf in _leaves(tensors)]
+  for size in itertools.cycle(sizes):
+    if size == 0:  # An element-wise read in between.
+      try:
+        _assert_same_element(next(fast), next(plain))
+      except StopIteration:
+        with pytest.raises(StopIteration):
+          next(plain)
+        break
+      continue
+    elements, seeds = [], []
+    for element in itertools.islice(plain, size):
+      elements.append(element)
+      seeds.append(plain.last_seed)
+    if not elements:
+      with pytest.raises(StopIteration):
+        fast.next_batch(size)
+      break
+    batch, batch_seeds = fast.next_batch(size)
+    _assert_identical_batch(batch, stacking.stack(elements))
+    assert batch_seeds.dtype == np.uint64 and batch_seeds.tolist() == seeds
+    for leaf in _leaves(batch):
+      assert not any(np.shares_memory(leaf, x) for x in inputs)
+    assert fast.get_state() == plain.get_state()
+    assert fast.last_seed == plain.last_seed
+
+
+def test_batch_of_slices_reads_with_next_batch_and_equals_tf_data():
+  tensors = {"image": np.arange(7 * 6, dtype=np.uint8).reshape(7, 2, 3),
+             "label": np.arange(7, dtype=np.int32),
+             "name": np.array([b"n%d" % i for i in range(7)])}
+  ours = list(Dataset.from_tensor_slices(tensors).batch(3))
+  theirs = list(tf.data.Dataset.from_tensor_slices(tensors).batch(3)
+                .as_numpy_iterator())
+  assert len(ours) == len(theirs) == 3
+  for a, b in zip(ours, theirs):
+    assert list(a) == list(tensors)
+    for key in tensors:
+      _assert_same_element(a[key], b[key])

@@ -1,5 +1,6 @@
 """Tests of the range op against tf.data.Dataset.range."""
 
+import itertools
 import json
 import os
 
@@ -10,6 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
+from jaxfeed.ops import stacking
 from jaxfeed.ops.base import PipelineStateError, mix_seed
 from jaxfeed.ops.range import RangeNode
 
@@ -120,3 +122,100 @@ def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
   iterator = Dataset.range(10).make_iterator()
   with pytest.raises(PipelineStateError):
     iterator.set_state(state)
+
+
+# ---------------------------------------------------------------------------
+# the batched-read protocol (next_batch) and the chunked element-wise reads
+# ---------------------------------------------------------------------------
+NEXT_BATCH_CASES = [
+    ((1000,), None), ((10, -4, -3), np.int32), ((0, 10**15, 10**14), np.float32),
+    ((120, 135, 5), np.int8),  # wraps around like tf.data
+    ((-3, 300, 7), np.uint8), ((2**53 + 1, 2**53 + 40, 3), np.float32),
+    ((2**63, 2**63 + 3), np.uint64),  # beyond int64: built one by one
+    ((600,), np.float16), ((0,), None),
+]
+
+
+def _read(iterator, size):
+  """One read: next_batch(size), or `size` next() calls stacked.
+
+  Returns (batch, seeds) or "end"; a size of 0 is a single next().
+  """
+  try:
+    if size == 0:
+      return next(iterator), [iterator.last_seed]
+    if isinstance(size, tuple):
+      return iterator.next_batch(size[0])
+    elements, seeds = [], []
+    for _ in range(size):
+      try:
+        elements.append(next(iterator))
+      except StopIteration:
+        break
+      seeds.append(iterator.last_seed)
+    if not elements:
+      raise StopIteration
+    return stacking.stack(elements), seeds
+  except StopIteration:
+    return "end"
+
+
+def _assert_same_read(fast, plain):
+  assert (fast == "end") == (plain == "end")
+  if plain == "end":
+    return
+  (batch, seeds), (expected, expected_seeds) = fast, plain
+  assert type(batch) is type(expected) and batch.dtype == expected.dtype
+  assert batch.shape == expected.shape
+  assert batch.ndim == 0 or batch.flags.writeable
+  np.testing.assert_array_equal(batch, expected)
+  assert list(map(int, seeds)) == expected_seeds
+  assert batch.ndim == 0 or seeds.dtype == np.uint64
+
+
+@pytest.mark.parametrize("args, dtype", NEXT_BATCH_CASES)
+@pytest.mark.parametrize("sizes", [[1], [7], [256], [1000], [3, 0, 0, 300, 0, 5]])
+def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(
+    args, dtype, sizes):
+  fast = RangeNode(*args, dtype=dtype).make_iterator()
+  plain = RangeNode(*args, dtype=dtype).make_iterator()
+  for size in itertools.cycle(sizes):
+    result = _read(fast, size if size == 0 else (size,))
+    _assert_same_read(result, _read(plain, size))
+    assert fast.get_state() == plain.get_state()
+    assert fast.last_seed == plain.last_seed
+    if result == "end":
+      break
+
+
+def test_next_batch_of_an_unrepresentable_element_fails_like_next():
+  plain = RangeNode(2**63 - 2, 2**63 + 2).make_iterator()
+  assert [next(plain), next(plain)] == [2**63 - 2, 2**63 - 1]
+  with pytest.raises(OverflowError):
+    next(plain)
+  assert plain.get_state()["own"] == {"index": 3}  # Counts as read.
+  fast = RangeNode(2**63 - 2, 2**63 + 2).make_iterator()
+  with pytest.raises(OverflowError):
+    fast.next_batch(4)
+  assert fast.get_state() == plain.get_state()
+
+
+@pytest.mark.parametrize("cut", [0, 1, 255, 256, 257, 700, 999, 1000])
+def test_restore_inside_and_outside_the_current_chunk(cut):
+  full = list(Dataset.range(1000).node.make_iterator())
+  iterator = Dataset.range(1000).node.make_iterator()
+  for _ in range(300):
+    next(iterator)  # Leaves a chunk of computed values behind.
+  iterator.set_state({"op": "range", "own": {"index": cut}, "parents": []})
+  assert list(iterator) == full[cut:]
+  assert iterator.last_seed == mix_seed(0, 0, 999)
+
+
+def test_batch_of_a_range_reads_with_next_batch_and_equals_tf_data():
+  ours = list(Dataset.range(3, 2000, 2).batch(64, drop_remainder=True))
+  theirs = list(tf.data.Dataset.range(3, 2000, 2).batch(
+      64, drop_remainder=True).as_numpy_iterator())
+  assert len(ours) == len(theirs)
+  for a, b in zip(ours, theirs):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a, b)
