@@ -84,5 +84,9 @@ class FilterIterator(OpIterator):
         return element
       if keep is False:
         continue
+      if type(keep) is np.bool_:
+        if keep:
+          return element
+        continue
       if predicate_result(predicate, keep, self.op_name):
         return element

@@ -5,22 +5,16 @@ iterator on a pool of threads, with at most `parallelism` elements pulled but
 not yet returned. Elements are pulled from the parent in the consumer's thread,
 so the parent iterator (and its state) is only ever touched by one thread.
 
-Resume contract. With every element pulled, the executor records the parent's
-per-element seed and the parent's state snapshot taken right after the pull.
-Its `parent_state()` is the parent state as of the oldest element not yet
-returned (that is, nothing in flight), plus the offsets of the elements after
-it that were already returned:
-
-* `deterministic=True`: outputs come back in input order, so the list of
-  returned-ahead elements is always empty and the state is simply "the parent
-  after the last returned element".
-* `deterministic=False`: outputs come back in completion order (no
-  head-of-line blocking). An element may be returned while an older one is
-  still running; those returned-ahead elements are listed in the state, and
-  after `restore` they are pulled from the parent again but not recomputed or
-  returned. The elements returned after a restore are therefore exactly the
-  ones the uninterrupted iterator had left to return (as a multiset; their
-  order is, as always with `deterministic=False`, the completion order).
+Resume contract (details in `ParallelExecutor`): the state is a saved parent
+state at or before the oldest element not yet returned, the number of
+elements after it that were all returned (`skip`), and, for
+`deterministic=False` only, the offsets of later elements already returned
+(`consumed_ahead`). Restoring replays the parent from the saved state and
+drops those elements without running work on them, so the outputs after a
+restore are exactly the ones the uninterrupted iterator had left to return
+(for `deterministic=False`, as a multiset: their order is the completion
+order). Parent states are saved every `ANCHOR_INTERVAL` pulls, or before
+every pull when the parent itself does not replay identically.
 
 A worker's exception is re-raised, with the worker's traceback, by the
 `next()` that would have returned its element; the iterator then continues with
@@ -120,28 +114,123 @@ def _shutdown(tasks: queue.SimpleQueue, threads: list, generation: list) -> None
   threads.clear()
 
 
-class _Record:
-  """Bookkeeping of one pulled element until it is returned."""
+def replays_identically(iterator: OpIterator) -> bool:
+  """Whether restoring `iterator` to a state repeats the same elements.
 
-  __slots__ = ("seed", "snapshot")
+  False when an iterator in its subtree returns elements in a timing-dependent
+  order; such iterators set the attribute `deterministic = False`.
+  """
+  stack = [iterator]
+  while stack:
+    it = stack.pop()
+    if getattr(it, "deterministic", True) is False:
+      return False
+    stack.extend(it.parents)
+  return True
 
-  def __init__(self, seed: int, snapshot: Any):
-    self.seed = seed
-    self.snapshot = snapshot
+
+def anchor_interval(parent: OpIterator) -> int:
+  """Pulls between two saved parent states (see `ParallelExecutor`)."""
+  return ANCHOR_INTERVAL if replays_identically(parent) else 1
+
+
+ANCHOR_INTERVAL = 32
+"""Pulls between two parent-state anchors when the parent replays exactly."""
+
+INLINE_BELOW_S = 100e-6
+"""Work cheaper than this per element runs in the consumer (ordered mode).
+
+0 turns the timing off: work then always runs on the threads.
+"""
+
+PROBE_INTERVAL = 256
+"""Outputs between two timings of the work in the consumer (ordered mode)."""
+
+PROBE_LENGTH = 4
+"""Elements timed in the consumer per probe (the fastest one counts)."""
+
+
+def skip_elements(parent: OpIterator, count: int, op_name: str) -> None:
+  """Pulls and drops `count` elements of a just-restored parent.
+
+  An element whose pull raised counts as pulled (it was returned, as that
+  exception, before the state was saved).
+  """
+  for index in range(count):
+    try:
+      next(parent)
+    except StopIteration:
+      raise PipelineStateError(
+          f"Cannot restore op {op_name!r}: its input ended after {index} of "
+          f"the {count} elements to replay; the state belongs to other "
+          f"data.") from None
+    except Exception:  # noqa: BLE001 -- returned as an error before the save
+      pass
+
+
+def check_replay_state(own: Any, op_name: str) -> tuple[int, list[int]]:
+  """Reads `{"skip": n, "consumed_ahead": [...]}` of a saved own state."""
+  skip = own.get("skip", 0) if isinstance(own, dict) else None
+  ahead = own.get("consumed_ahead", []) if isinstance(own, dict) else None
+  if (not isinstance(skip, int) or isinstance(skip, bool) or skip < 0
+      or not isinstance(ahead, list)
+      or not all(isinstance(o, int) and not isinstance(o, bool) and o > skip
+                 for o in ahead)):
+    raise PipelineStateError(
+        f"Cannot restore op {op_name!r}: own state needs an int 'skip' >= 0 "
+        f"and 'consumed_ahead', a list of ints > skip, got {own!r}.")
+  return skip, ahead
 
 
 class ParallelExecutor:
   """Pipelined `work_fn(element, seed)` over a parent iterator on threads.
 
+  Elements are pulled in the consumer's thread, so the parent is only ever
+  touched by one thread; the work runs on `parallelism` threads, overlapping
+  with the consumer's own work even when `parallelism` is 1.
+
+  Cheap work. Handing an element to a thread and back costs tens of
+  microseconds of thread switching (and the GIL), more than cheap Python or
+  numpy work takes. So with `deterministic=True` the executor times the work
+  of `PROBE_LENGTH` elements in the consumer every `PROBE_INTERVAL` outputs
+  (after the elements in flight are out, so the order is kept), and while a
+  call takes less than `INLINE_BELOW_S` it runs every element in the
+  consumer, timing each, until the work gets dearer. Outputs and states do
+  not change.
+
+  Resume. Every `interval` pulls the executor saves the parent's state (an
+  anchor). Its state is the newest anchor at or before the oldest element not
+  yet returned, plus `skip` (how many elements after the anchor were all
+  returned) and `consumed_ahead` (offsets from the anchor of later elements
+  already returned, which only `deterministic=False` produces). `restore`
+  sets the parent to the anchor, pulls and drops the `skip` elements, and
+  drops the `consumed_ahead` ones when it pulls them again, without running
+  work on any of them. So the outputs after a restore are exactly those the
+  uninterrupted executor had left to return (for `deterministic=False`, as a
+  multiset: their order is the completion order), provided the parent repeats
+  its elements when restored. When a parent does not (it has an unordered
+  op upstream, see `replays_identically`) the interval is 1 and `skip` is 0,
+  so no returned element is pulled again except `consumed_ahead` ones.
+
   Attributes:
     parallelism: the maximum number of elements in flight (pulled from the
       parent and not yet returned) and the number of worker threads. The
-      autotuner may assign it while iterating.
+      autotuner may assign it, from any thread, while iterating.
     deterministic: whether outputs keep the input order.
+    last_seed: the parent's seed of the element returned last.
+    wait_s: seconds the consumer waited for outputs.
   """
 
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
                parallelism: int, deterministic: bool, op_name: str):
+    """Args:
+      parent: the input iterator.
+      work_fn: work_fn(element, seed) -> output; must not reference the
+        op iterator (so that garbage collection can stop the threads).
+      parallelism: initial `parallelism`.
+      deterministic: whether outputs keep the input order.
+      op_name: for thread names and errors.
+    """
     if parallelism < 1:
       raise ValueError(f"{op_name}: parallelism must be >= 1, got {parallelism}.")
     self._parent = parent
@@ -149,19 +238,26 @@ class ParallelExecutor:
     self._parallelism = int(parallelism)
     self.deterministic = bool(deterministic)
     self._op_name = op_name
+    self._interval = anchor_interval(parent)
     self._tasks: queue.SimpleQueue = queue.SimpleQueue()
     self._results: queue.SimpleQueue = queue.SimpleQueue()
     self._generation = [0]
     self._threads: list[threading.Thread] = []
     self._num_active_threads = 0
+    self._busy_cells: list[list[float]] = []
     self._finalizer = weakref.finalize(
         self, _shutdown, self._tasks, self._threads, self._generation)
     self._finalizer.atexit = False  # Daemon threads; never block exit.
     self._closed = False
     self.last_seed = 0
-    self.wait_s = 0.0  # Seconds the consumer waited for results.
-    self._busy_cells: list[list[float]] = []
-    self._reset_bookkeeping(base_snapshot=None, consumed_ahead=())
+    self.wait_s = 0.0
+    # Ordered mode runs cheap work in the consumer (see the class docstring):
+    # a running estimate of one work call, and outputs since the last probe.
+    self._inline = False
+    self._work_s_estimate = 0.0
+    self._probe_times: list[float] = []
+    self._since_probe = PROBE_INTERVAL  # Probe the first elements.
+    self._reset_bookkeeping(consumed_ahead=())
 
   # -- configuration -----------------------------------------------------
   @property
@@ -209,16 +305,13 @@ class ParallelExecutor:
     return sum(cell[0] for cell in self._busy_cells)
 
   # -- bookkeeping ---------------------------------------------------------
-  def _reset_bookkeeping(self, base_snapshot: Any, consumed_ahead) -> None:
+  def _reset_bookkeeping(self, consumed_ahead) -> None:
     self._next_seq = 0          # seq of the next element to pull
     self._base_seq = 0          # oldest element not yet returned
-    self._base_snapshot = base_snapshot  # parent state before _base_seq
-    self._last_snapshot = base_snapshot  # parent state after the last pull
-    self._records: dict[int, _Record] = {}
+    self._anchors: collections.deque = collections.deque()  # (seq, state)
+    self._pending: dict[int, int] = {}  # seq -> seed: pulled, not returned
     self._consumed_ahead: set[int] = set(consumed_ahead)
-    self._in_flight = 0         # pulled, submitted and not yet returned
-    self._ready: dict[int, tuple] = {}   # finished, not yet returned (ordered)
-    self._ready_unordered: collections.deque = collections.deque()
+    self._ready: dict[int, tuple] = {}   # finished, not yet returned
     self._exhausted = False
 
   def _mark_returned(self, seq: int) -> None:
@@ -226,74 +319,117 @@ class ParallelExecutor:
     if seq != self._base_seq:
       self._consumed_ahead.add(seq)
       return
-    records = self._records
+    base = seq + 1
     consumed_ahead = self._consumed_ahead
-    while True:
-      record = records.pop(self._base_seq)
-      self._base_snapshot = record.snapshot
-      self._base_seq += 1
-      nxt = self._base_seq
-      if nxt in consumed_ahead and nxt in records:
-        consumed_ahead.discard(nxt)
-        continue
-      return
+    # A returned-ahead element not pulled again yet keeps its place, so that
+    # it is recognized (and dropped) when it is pulled.
+    while base in consumed_ahead and base < self._next_seq:
+      consumed_ahead.discard(base)
+      base += 1
+    self._base_seq = base
 
   # -- iteration -----------------------------------------------------------
-  def _fill(self) -> None:
-    """Pulls elements and submits work until `parallelism` are in flight."""
+  def _pull(self) -> tuple | None:
+    """Pulls the next element to work on: (seq, ok, element or error, seed).
+
+    Elements returned before the checkpoint this executor was restored from
+    are dropped. None at the end of the input.
+    """
     parent = self._parent
-    records = self._records
-    generation = self._generation[0]
-    while self._in_flight < self._parallelism and not self._exhausted:
-      if self._base_snapshot is None and self._next_seq == self._base_seq:
-        self._base_snapshot = self._last_snapshot = parent.get_state()
+    anchors = self._anchors
+    while not self._exhausted:
       seq = self._next_seq
+      if not anchors or seq - anchors[-1][0] >= self._interval:
+        while len(anchors) > 1 and anchors[1][0] <= self._base_seq:
+          anchors.popleft()
+        anchors.append((seq, parent.get_state()))
       try:
         element = next(parent)
       except StopIteration:
         self._exhausted = True
-        return
-      except Exception as exc:  # noqa: BLE001 -- returned in order below
-        pulled_ok = False
-        element = exc
-        seed = 0
-        try:
-          snapshot = parent.get_state()
-        except Exception:  # noqa: BLE001 -- resume re-pulls the failure
-          snapshot = self._last_snapshot
+        return None
+      except Exception as exc:  # noqa: BLE001 -- returned in order
+        ok, element, seed = False, exc, 0
       else:
-        pulled_ok = True
-        seed = parent.last_seed
-        snapshot = parent.get_state()
-      self._last_snapshot = snapshot
-      records[seq] = _Record(seed, snapshot)
+        ok, seed = True, parent.last_seed
       self._next_seq = seq + 1
       if seq in self._consumed_ahead:
-        # Returned before the checkpoint this iterator was restored from.
         self._consumed_ahead.discard(seq)
         self._mark_returned(seq)
         continue
-      self._in_flight += 1
-      if pulled_ok:
-        self._tasks.put((generation, seq, element, seed))
-      elif self.deterministic:
-        self._ready[seq] = (False, element)
-      else:
-        self._ready_unordered.append((seq, False, element))
-      del element
+      return seq, ok, element, seed
+    return None
 
-  def _take_result(self) -> tuple:
+  def _fill(self) -> None:
+    """Pulls elements and submits work until `parallelism` are in flight."""
+    pending = self._pending
+    generation = self._generation[0]
+    while len(pending) < self._parallelism:
+      pulled = self._pull()
+      if pulled is None:
+        return
+      seq, ok, element, seed = pulled
+      pending[seq] = seed
+      if ok:
+        self._tasks.put((generation, seq, element, seed))
+      else:
+        self._ready[seq] = (False, element)
+      del pulled, element
+
+  def _next_inline(self) -> Any:
+    """Pulls the next element and runs its work in the consumer, timed."""
+    pulled = self._pull()
+    if pulled is None:
+      raise StopIteration
+    seq, ok, value, seed = pulled
+    del pulled
+    self.last_seed = seed
+    self._mark_returned(seq)
+    if not ok:
+      raise value
+    start = time.perf_counter()
+    try:
+      return self._work_fn(value, seed)
+    finally:
+      self._judge_work_time(time.perf_counter() - start)
+
+  def _judge_work_time(self, elapsed: float) -> None:
+    """Decides from one timed call whether work runs in the consumer."""
+    if self._inline:
+      # A slow running mean of clipped samples: a rare pause (the machine
+      # is busy, a garbage collection) does not send work to the threads.
+      sample = min(elapsed, 4 * INLINE_BELOW_S)
+      self._work_s_estimate = 0.9 * self._work_s_estimate + 0.1 * sample
+      self._inline = self._work_s_estimate < 2 * INLINE_BELOW_S
+      return
+    # A probe: the fastest of PROBE_LENGTH calls (a call right after the
+    # threads ran, or the very first one, is slower than the work itself).
+    self._probe_times.append(elapsed)
+    if len(self._probe_times) < PROBE_LENGTH:
+      return
+    self._work_s_estimate = min(self._probe_times)
+    self._probe_times = []
+    self._since_probe = 0
+    self._inline = self._work_s_estimate < INLINE_BELOW_S
+
+  def _receive(self, block: bool, until: int | None = None) -> bool:
+    """Moves finished results into `_ready`.
+
+    Returns when a result arrived (or, with `until`, that element's result);
+    without `block`, returns False as soon as none is waiting.
+    """
     generation = self._generation[0]
     results = self._results
+    ready = self._ready
     while True:
       try:
-        result_generation, seq, ok, value = results.get_nowait()
+        result_generation, seq, ok, value = results.get(block)
       except queue.Empty:
-        start = time.perf_counter()
-        result_generation, seq, ok, value = results.get()
-        self.wait_s += time.perf_counter() - start
+        return False
       if result_generation == generation:
-        return seq, ok, value
+        ready[seq] = (ok, value)
+        if until is None or seq == until:
+          return True
 
   def __next__(self) -> Any:
     """The next output; StopIteration at the end; a worker's exception."""
@@ -301,22 +437,32 @@ class ParallelExecutor:
       raise RuntimeError(f"{self._op_name}: the iterator is closed.")
     if self._num_active_threads != self._parallelism:
       self._resize_pool()
-    self._fill()
-    if self._in_flight == 0:
-      raise StopIteration
+    if self.deterministic and (
+        self._inline
+        or (self._since_probe >= PROBE_INTERVAL and INLINE_BELOW_S > 0)):
+      # Measure the work in the consumer once everything in flight is out.
+      if not self._pending:
+        return self._next_inline()
+    else:
+      self._fill()
+      if not self._pending:
+        raise StopIteration
+    self._since_probe += 1
+    ready = self._ready
     if self.deterministic:
       seq = self._base_seq
-      ready = self._ready
-      while seq not in ready:
-        got_seq, ok, value = self._take_result()
-        ready[got_seq] = (ok, value)
-      ok, value = ready.pop(seq)
-    elif self._ready_unordered:
-      seq, ok, value = self._ready_unordered.popleft()
+      if seq not in ready and not self._receive(block=False, until=seq):
+        start = time.perf_counter()
+        self._receive(block=True, until=seq)
+        self.wait_s += time.perf_counter() - start
     else:
-      seq, ok, value = self._take_result()
-    self.last_seed = self._records[seq].seed
-    self._in_flight -= 1
+      if not ready and not self._receive(block=False):
+        start = time.perf_counter()
+        self._receive(block=True)
+        self.wait_s += time.perf_counter() - start
+      seq = next(iter(ready))
+    ok, value = ready.pop(seq)
+    self.last_seed = self._pending.pop(seq)
     self._mark_returned(seq)
     if ok:
       return value
@@ -329,36 +475,42 @@ class ParallelExecutor:
 
   # -- state ---------------------------------------------------------------
   def parent_state(self) -> Any:
-    """The parent's state as of the oldest element not yet returned."""
+    """The parent state to restore (see the class docstring)."""
     if self._next_seq == self._base_seq and not self._consumed_ahead:
       # Nothing pulled and unreturned: the parent's own state is exact.
       return self._parent.get_state()
-    if self._base_snapshot is None:  # pragma: no cover -- set by _fill
-      return self._parent.get_state()
-    return self._base_snapshot
+    return self._anchor()[1]
 
   def own_state(self) -> dict:
-    """The executor's part of the op state (returned-ahead offsets)."""
-    base = self._base_seq
-    return {"consumed_ahead": sorted(s - base for s in self._consumed_ahead)}
+    """The executor's part of the op state: `skip` and `consumed_ahead`."""
+    if self._next_seq == self._base_seq and not self._consumed_ahead:
+      return {"skip": 0, "consumed_ahead": []}
+    anchor_seq = self._anchor()[0]
+    return {"skip": self._base_seq - anchor_seq,
+            "consumed_ahead": sorted(s - anchor_seq
+                                     for s in self._consumed_ahead)}
+
+  def _anchor(self) -> tuple[int, Any]:
+    """The newest anchor at or before the oldest unreturned element."""
+    anchors = self._anchors
+    while len(anchors) > 1 and anchors[1][0] <= self._base_seq:
+      anchors.popleft()
+    return anchors[0]
 
   def restore(self, parent_state: Any, own_state: dict) -> None:
     """Restores the parent and discards everything in flight."""
-    consumed_ahead = own_state.get("consumed_ahead", [])
-    if (not isinstance(consumed_ahead, list)
-        or not all(isinstance(o, int) and o > 0 for o in consumed_ahead)):
-      raise PipelineStateError(
-          f"{self._op_name}: invalid state: 'consumed_ahead' must be a list "
-          f"of positive ints, got {consumed_ahead!r}.")
+    skip, consumed_ahead = check_replay_state(own_state, self._op_name)
     self._discard_in_flight()
     self._parent.set_state(parent_state)
-    self._reset_bookkeeping(base_snapshot=parent_state,
-                            consumed_ahead=consumed_ahead)
+    skip_elements(self._parent, skip, self._op_name)
+    self._reset_bookkeeping(consumed_ahead=[o - skip for o in consumed_ahead])
+    if consumed_ahead:
+      # The parent's state now is the state before the oldest unreturned.
+      self._anchors.append((0, self._parent.get_state()))
 
   def _discard_in_flight(self) -> None:
     self._generation[0] += 1
     self._ready.clear()
-    self._ready_unordered.clear()
     while True:  # Drop what the workers already finished.
       try:
         self._results.get_nowait()
@@ -371,7 +523,7 @@ class ParallelExecutor:
     self._closed = True
     self._finalizer()
     self._ready.clear()
-    self._ready_unordered.clear()
+    self._pending.clear()
 
 
 class ParallelMapIterator(OpIterator):
@@ -383,10 +535,11 @@ class ParallelMapIterator(OpIterator):
 
   With `num_parallel_calls` None or 1 no thread is started. Otherwise a
   `ParallelExecutor` runs `work_fn`; `parallelism` reads and sets its width.
-  The state is `{"consumed_ahead": [...]}` plus the parent's state, identical
-  in layout for both paths, so a checkpoint of the sequential path restores
-  into the parallel one and vice versa (except a `deterministic=False` state
-  with returned-ahead elements, which needs the parallel path).
+  The state is `{"skip": n, "consumed_ahead": [...]}` plus a parent state
+  (see `ParallelExecutor`), identical in layout for both paths, so a
+  checkpoint of the sequential path restores into the parallel one and vice
+  versa (except a `deterministic=False` state with returned-ahead elements,
+  which needs the parallel path).
   """
 
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
@@ -400,6 +553,8 @@ class ParallelMapIterator(OpIterator):
       self.executor = ParallelExecutor(
           parent, work_fn, resolve_parallelism(num_parallel_calls),
           deterministic, self.op_name)
+    # Read by `replays_identically`: unordered outputs do not replay.
+    self.deterministic = self.executor is None or self.executor.deterministic
 
   def _apply(self, element: Any) -> Any:
     raise NotImplementedError
@@ -444,7 +599,7 @@ class ParallelMapIterator(OpIterator):
 
   def get_state(self) -> dict:
     if self.executor is None:
-      return {"op": self.op_name, "own": {"consumed_ahead": []},
+      return {"op": self.op_name, "own": {"skip": 0, "consumed_ahead": []},
               "parents": [self._parent.get_state()]}
     return {"op": self.op_name, "own": self.executor.own_state(),
             "parents": [self.executor.parent_state()]}
@@ -452,19 +607,17 @@ class ParallelMapIterator(OpIterator):
   def set_state(self, state: dict) -> None:
     check_state(state, self.op_name, 1)
     own = state.get("own")
-    if not isinstance(own, dict):
-      raise PipelineStateError(
-          f"Cannot restore op {self.op_name!r}: 'own' must be a dict, got "
-          f"{own!r}.")
-    if self.executor is None:
-      if own.get("consumed_ahead"):
-        raise PipelineStateError(
-            f"Cannot restore op {self.op_name!r}: the state lists elements "
-            f"returned out of order (deterministic=False), which only a "
-            f"parallel {self.op_name} can resume; got {own!r}.")
-      self._parent.set_state(state["parents"][0])
+    if self.executor is not None:
+      self.executor.restore(state["parents"][0], own)
       return
-    self.executor.restore(state["parents"][0], own)
+    skip, consumed_ahead = check_replay_state(own, self.op_name)
+    if consumed_ahead:
+      raise PipelineStateError(
+          f"Cannot restore op {self.op_name!r}: the state lists elements "
+          f"returned out of order (deterministic=False), which only a "
+          f"parallel {self.op_name} can resume; got {own!r}.")
+    self._parent.set_state(state["parents"][0])
+    skip_elements(self._parent, skip, self.op_name)
 
   def _close_own(self) -> None:
     if self.executor is not None:

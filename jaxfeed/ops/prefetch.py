@@ -8,9 +8,9 @@ import time
 import weakref
 from typing import Any
 
-from jaxfeed.ops import autotune, tree
-from jaxfeed.ops.base import (AUTOTUNE, Node, OpIterator, PipelineStateError,
-                              check_positive_int, check_state)
+from jaxfeed.ops import autotune, parallel, tree
+from jaxfeed.ops.base import (AUTOTUNE, Node, OpIterator, check_positive_int,
+                              check_state, state_int)
 
 __all__ = ["PrefetchNode", "PrefetchIterator", "DEFAULT_AUTOTUNE_BUFFER_SIZE"]
 
@@ -67,7 +67,12 @@ def _nbytes(element: Any) -> int:
 class _Buffer:
   """The bounded buffer between the producer thread and the consumer.
 
-  Shared by both sides; holds no reference to the iterator.
+  Shared by both sides; holds no reference to the iterator. The fast path
+  takes no lock: the producer appends to `entries` and counts `produced`,
+  the consumer pops and counts `consumed` (each counter has one writer).
+  A side that must wait sets its `*_waiting` flag and re-checks under the
+  lock before sleeping; the other side, after its change, notifies under
+  the lock only when it sees that flag, so no wake-up is lost.
   """
 
   def __init__(self, capacity: int):
@@ -75,37 +80,56 @@ class _Buffer:
     self.entries: collections.deque = collections.deque()
     self.cond = threading.Condition(threading.Lock())
     self.stop = False
+    self.produced = 0
+    self.consumed = 0
+    self.producer_waiting = False
+    self.consumer_waiting = False
+
+  def wake(self) -> None:
+    with self.cond:
+      self.cond.notify_all()
 
 
-def _produce(parent: OpIterator, buffer: _Buffer) -> None:
-  """The producer thread: pulls from parent until the end or a stop."""
+def _produce(parent: OpIterator, buffer: _Buffer, interval: int) -> None:
+  """The producer thread: pulls from parent until the end or a stop.
+
+  Every `interval`-th entry carries the parent's state right after it (an
+  anchor), from which the consumer's state is expressed.
+  """
   entries = buffer.entries
   cond = buffer.cond
   while True:
     # Wait for room before pulling, so the parent is never more than
     # `capacity` elements ahead of the consumer.
-    with cond:
-      while len(entries) >= buffer.capacity and not buffer.stop:
-        cond.wait()
-      if buffer.stop:
-        return
-    kind = _ELEMENT
+    if buffer.produced - buffer.consumed >= buffer.capacity:
+      with cond:
+        buffer.producer_waiting = True
+        while (buffer.produced - buffer.consumed >= buffer.capacity
+               and not buffer.stop):
+          cond.wait()
+        buffer.producer_waiting = False
+    if buffer.stop:
+      return
+    kind, seed, anchor = _ELEMENT, 0, None
     try:
       element = next(parent)
+      seed = parent.last_seed
     except StopIteration:
       kind, element = _END, None
     except BaseException as exc:  # noqa: BLE001 -- re-raised in the consumer
       kind, element = _ERROR, exc
-    seed = parent.last_seed if kind == _ELEMENT else 0
-    try:
-      snapshot = parent.get_state()
-    except BaseException as exc:  # noqa: BLE001 -- surfaced in the consumer
-      kind, element, snapshot = _ERROR, exc, None
-    with cond:
-      if buffer.stop:
-        return
-      entries.append((kind, element, seed, snapshot))
-      cond.notify()
+    if kind != _END:
+      if (buffer.produced + 1) % interval == 0:
+        try:
+          anchor = parent.get_state()
+        except BaseException as exc:  # noqa: BLE001 -- surfaced in order
+          kind, element = _ERROR, exc
+    if buffer.stop:
+      return
+    buffer.produced += 1
+    entries.append((kind, element, seed, anchor))
+    if buffer.consumer_waiting:
+      buffer.wake()
     del element
     if kind == _END:
       return
@@ -128,9 +152,12 @@ def _stop_producer(buffer: _Buffer, threads: list) -> None:
 class PrefetchIterator(OpIterator):
   """Iterator of `PrefetchNode`.
 
-  The state is the parent's state as of the last element returned (each
-  buffered element carries the parent's state taken right after it was
-  produced); restoring discards the buffer, so resume is exact.
+  The state is a parent state saved by the producer at or before the last
+  element returned, plus `skip`, the number of elements returned after it
+  (parent states are saved every `parallel.ANCHOR_INTERVAL` elements, or
+  after every element when the parent does not replay identically).
+  Restoring discards the buffer, restores the parent and drops `skip` of its
+  elements, so resume is exact.
   """
 
   op_name = "prefetch"
@@ -146,8 +173,11 @@ class PrefetchIterator(OpIterator):
     self._num_returned = 0
     self._last_seed = 0
     self._finished = False  # the end was returned; the producer has exited
-    self._start_state: Any = None  # parent state before the first pull
-    self._consumed_snapshot: Any = None  # parent state after the last return
+    self._interval = 1
+    # Elements returned since the producer started, and the newest parent
+    # state (anchor) among them: (elements returned before it, state).
+    self._position = 0
+    self._anchor: tuple[int, Any] = (0, None)
     self._buffer: _Buffer | None = None
     self._threads: list[threading.Thread] = []
     self._finalizer: weakref.finalize | None = None
@@ -193,9 +223,12 @@ class PrefetchIterator(OpIterator):
 
   # -- iteration -----------------------------------------------------------
   def _start(self) -> None:
-    self._start_state = self._parent.get_state()
+    self._interval = parallel.anchor_interval(self._parent)
+    self._position = 0
+    self._anchor = (0, self._parent.get_state())
     buffer = _Buffer(self._buffer_size)
-    thread = threading.Thread(target=_produce, args=(self._parent, buffer),
+    thread = threading.Thread(target=_produce,
+                              args=(self._parent, buffer, self._interval),
                               name="jaxfeed-prefetch", daemon=True)
     self._buffer = buffer
     self._threads = [thread]
@@ -216,16 +249,22 @@ class PrefetchIterator(OpIterator):
       self._start()
       buffer = self._buffer
     entries = buffer.entries
-    with buffer.cond:
-      if not entries:
-        start = time.perf_counter()
+    if not entries:
+      start = time.perf_counter()
+      with buffer.cond:
+        buffer.consumer_waiting = True
         while not entries:
           buffer.cond.wait()
-        self.wait_s += time.perf_counter() - start
-      kind, element, seed, snapshot = entries.popleft()
-      buffer.cond.notify()
-    if snapshot is not None:
-      self._consumed_snapshot = snapshot
+        buffer.consumer_waiting = False
+      self.wait_s += time.perf_counter() - start
+    kind, element, seed, anchor = entries.popleft()
+    buffer.consumed += 1
+    if buffer.producer_waiting:
+      buffer.wake()
+    if kind != _END:
+      self._position += 1
+      if anchor is not None:
+        self._anchor = (self._position, anchor)
     if kind == _ELEMENT:
       self._last_seed = seed
       if self._autotuned and self._num_returned % 64 == 0:
@@ -247,30 +286,23 @@ class PrefetchIterator(OpIterator):
     return self._last_seed
 
   # -- state ---------------------------------------------------------------
-  def _parent_state(self) -> Any:
-    if self._buffer is None:
-      return self._parent.get_state()  # No producer thread touches it.
-    if self._consumed_snapshot is not None:
-      return self._consumed_snapshot
-    return self._start_state
-
   def get_state(self) -> dict:
-    return {"op": self.op_name, "own": {"last_seed": self.last_seed},
-            "parents": [self._parent_state()]}
+    if self._buffer is None:
+      # No producer touches the parent: its own state is exact.
+      return {"op": self.op_name, "own": {"skip": 0},
+              "parents": [self._parent.get_state()]}
+    anchor_position, anchor = self._anchor
+    return {"op": self.op_name,
+            "own": {"skip": self._position - anchor_position},
+            "parents": [anchor]}
 
   def set_state(self, state: dict) -> None:
     check_state(state, self.op_name, 1)
-    own = state.get("own")
-    if not isinstance(own, dict) or not isinstance(own.get("last_seed"), int):
-      raise PipelineStateError(
-          f"Cannot restore op 'prefetch': 'own' must be a dict with an int "
-          f"'last_seed', got {own!r}.")
+    skip = state_int(state.get("own"), "skip", self.op_name)
     self._stop()
     self._parent.set_state(state["parents"][0])
-    self._last_seed = own["last_seed"]
+    parallel.skip_elements(self._parent, skip, self.op_name)
     self._finished = False
-    self._consumed_snapshot = None
-    self._start_state = None
 
   def _stop(self) -> None:
     if self._finalizer is not None:

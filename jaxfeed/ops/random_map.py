@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable
 
 import numpy as np
@@ -9,7 +10,8 @@ import numpy as np
 from jaxfeed.ops import parallel, process_pool
 from jaxfeed.ops.base import Node, OpIterator, mix_seed
 
-__all__ = ["RandomMapNode", "RandomMapIterator", "RandomMapCall", "element_rng"]
+__all__ = ["RandomMapNode", "RandomMapIterator", "RandomMapCall",
+           "ElementGenerators", "element_rng"]
 
 
 def element_rng(op_seed: int, record_seed: int) -> np.random.Generator:
@@ -29,13 +31,41 @@ def element_rng(op_seed: int, record_seed: int) -> np.random.Generator:
       np.random.Philox(key=np.array([key, 0], dtype=np.uint64)))
 
 
+class ElementGenerators:
+  """Hands out `element_rng(op_seed, record_seed)`, reusing one per thread.
+
+  Re-keying a thread's Philox generator gives the very stream a new one
+  would, at a quarter of the cost of building it. A generator is therefore
+  only valid during the call it was handed to.
+  """
+
+  def __init__(self, op_seed: int):
+    self._op_seed = op_seed
+    self._local = threading.local()
+
+  def __call__(self, record_seed: int) -> np.random.Generator:
+    key = mix_seed(self._op_seed, record_seed)
+    generator = getattr(self._local, "generator", None)
+    if generator is None:
+      generator = self._local.generator = np.random.Generator(
+          np.random.Philox(key=np.array([key, 0], dtype=np.uint64)))
+      return generator
+    generator.bit_generator.state = {
+        "bit_generator": "Philox",
+        "state": {"counter": np.zeros(4, dtype=np.uint64),
+                  "key": np.array([key, 0], dtype=np.uint64)},
+        "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4,
+        "has_uint32": 0, "uinteger": 0}
+    return generator
+
+
 class RandomMapNode(Node):
   """fn(element, rng) where rng depends only on the op seed and the record.
 
   The element is passed as one argument (tuples are not unpacked). Outputs
   do not depend on `num_parallel_calls`, on thread timing or on resuming
   from a checkpoint, because each element's generator is derived from its own
-  record seed.
+  record seed. `rng` is only valid during the call: do not keep it.
 
   Args:
     parent: the input node.
@@ -79,9 +109,10 @@ class RandomMapNode(Node):
     return self.parents[0].cardinality()
 
 
-def _random_map_work(fn: Callable, op_seed: int) -> Callable[[Any, int], Any]:
+def _random_map_work(fn: Callable,
+                     generators: ElementGenerators) -> Callable[[Any, int], Any]:
   def work(element: Any, seed: int) -> Any:
-    return fn(element, element_rng(op_seed, seed))
+    return fn(element, generators(seed))
   return work
 
 
@@ -116,21 +147,21 @@ class RandomMapIterator(parallel.ParallelMapIterator):
                num_parallel_calls: int | None, deterministic: bool,
                op_seed: int, backend: str = "auto"):
     self._fn = fn
-    self._op_seed = op_seed
+    self._generators = ElementGenerators(op_seed)
     self._pool = None
     if backend == "process":
       self._pool = process_pool.ProcessPool(RandomMapCall(fn, op_seed),
                                             self.op_name)
       work = _process_work(self._pool)
     else:
-      work = _random_map_work(fn, op_seed)
+      work = _random_map_work(fn, self._generators)
     self._work = work
     super().__init__(parent, work, num_parallel_calls, deterministic)
 
   def _apply(self, element: Any) -> Any:
     if self._pool is not None:
       return self._work(element, self._parent.last_seed)
-    return self._fn(element, element_rng(self._op_seed, self._parent.last_seed))
+    return self._fn(element, self._generators(self._parent.last_seed))
 
   def _close_own(self) -> None:
     super()._close_own()  # Joins the threads before their processes stop.

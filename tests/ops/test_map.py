@@ -17,10 +17,19 @@ tf.get_logger().setLevel("ERROR")
 tf.autograph.set_verbosity(0)
 
 import jaxfeed
+from jaxfeed.ops import parallel
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.map import MapNode
 
 PARALLEL = [None, 1, 4, jaxfeed.AUTOTUNE]
+
+
+@pytest.fixture(params=["threads", "adaptive"])
+def work_mode(request, monkeypatch):
+  """Parallel work on the threads only, or cheap ordered work in the consumer."""
+  if request.param == "threads":
+    monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
+  return request.param
 
 
 def _ours(ds):
@@ -72,6 +81,7 @@ def _tf_values(case, num_parallel_calls, deterministic):
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("num_parallel_calls", PARALLEL)
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.usefixtures("work_mode")
 def test_map_matches_tf_data(case, num_parallel_calls, deterministic):
   make_ours, make_tf, fn = CASES[case]
   ours_ds = make_ours().map(fn, num_parallel_calls=num_parallel_calls,
@@ -106,6 +116,7 @@ def test_namedtuple_elements_are_passed_whole_like_tf_data():
 
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.usefixtures("work_mode")
 def test_map_resumes_exactly_at_every_cut_point(num_parallel_calls,
                                                  deterministic):
   ds = Dataset.from_tensor_slices({"a": A, "b": B}).map(

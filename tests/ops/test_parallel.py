@@ -7,6 +7,7 @@ its functions, and should not pay for TensorFlow.
 
 import gc
 import json
+from multiprocessing import resource_tracker
 import os
 import random
 import threading
@@ -24,6 +25,17 @@ from jaxfeed.ops import parallel
 from jaxfeed.ops.base import AUTOTUNE, OpIterator, PipelineStateError
 from jaxfeed.ops.map import MapNode
 from jaxfeed.ops.random_map import RandomMapNode
+
+
+# multiprocessing's session-wide shared-memory tracker process, started by
+# the first process-backend test, is no leak: start it before the leak checks.
+resource_tracker.ensure_running()
+
+
+@pytest.fixture(autouse=True)
+def work_on_threads(monkeypatch):
+  """Tests of thread semantics keep cheap work off the consumer thread."""
+  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +185,7 @@ def test_ordered_executor_resumes_exactly_at_every_cut_point():
     state = json.loads(json.dumps(
         {"parent": executor.parent_state(), "own": executor.own_state()}))
     executor.close()
-    assert state["own"] == {"consumed_ahead": []}
+    assert state["own"]["consumed_ahead"] == []
     _, restored = _executor(items)
     restored.restore(state["parent"], state["own"])
     assert head + _drain(restored) == expected
@@ -377,6 +389,131 @@ def test_restoring_an_out_of_order_state_into_a_sequential_map_fails_clearly():
   par.close()
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_state_replays_from_a_recent_anchor_and_resumes_exactly(deterministic):
+  items = list(range(150))
+  _, reference = _executor(items, deterministic=deterministic)
+  expected = sorted(_drain(reference))
+  reference.close()
+  for cut in (1, 31, 32, 33, 64, 100, 149, 150):
+    _, executor = _executor(items, deterministic=deterministic)
+    head = [next(executor) for _ in range(cut)]
+    parent_state = json.loads(json.dumps(executor.parent_state()))
+    own = json.loads(json.dumps(executor.own_state()))
+    executor.close()
+    assert own["skip"] < parallel.ANCHOR_INTERVAL + 4  # a bounded replay
+    parent, restored = _executor(items, deterministic=deterministic)
+    restored.restore(parent_state, own)
+    tail = _drain(restored)
+    restored.close()
+    assert sorted(head + tail) == expected
+    if deterministic:
+      assert head + tail == [(i, 1000 + i) for i in items]
+
+
+def _thread_recording(cost_s=lambda x: 0.0):
+  threads = {}
+
+  def work(x, seed):
+    threads[x] = threading.current_thread()
+    if cost_s(x):
+      time.sleep(cost_s(x))
+    return x
+  return threads, work
+
+
+def test_with_timing_off_all_work_runs_on_worker_threads():
+  threads, work = _thread_recording()
+  _, executor = _executor(range(300), work=work, parallelism=1)
+  assert _drain(executor) == list(range(300))
+  executor.close()
+  assert threading.main_thread() not in threads.values()
+
+
+def test_cheap_ordered_work_moves_into_the_consumer(monkeypatch):
+  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  threads, work = _thread_recording()
+  _, executor = _executor(range(600), work=work, parallelism=3)
+  assert _drain(executor) == list(range(600))
+  executor.close()
+  main = threading.main_thread()
+  assert sum(t is main for t in threads.values()) >= 600 - parallel.PROBE_INTERVAL
+
+
+def test_expensive_work_stays_on_the_threads(monkeypatch):
+  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  threads, work = _thread_recording(lambda x: 0.0003)
+  _, executor = _executor(range(40), work=work, parallelism=3)
+  assert _drain(executor) == list(range(40))
+  executor.close()
+  in_consumer = [x for x, t in threads.items() if t is threading.main_thread()]
+  assert in_consumer == list(range(parallel.PROBE_LENGTH))  # the probe
+
+
+def test_unordered_work_never_runs_in_the_consumer(monkeypatch):
+  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  threads, work = _thread_recording()
+  _, executor = _executor(range(300), work=work, deterministic=False)
+  assert sorted(_drain(executor)) == list(range(300))
+  executor.close()
+  assert threading.main_thread() not in threads.values()
+
+
+def test_work_getting_dearer_goes_back_to_threads_and_resume_stays_exact(
+    monkeypatch):
+  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  threads, work = _thread_recording(lambda x: 0.0005 if x >= 300 else 0.0)
+  items = list(range(360))
+  _, executor = _executor(items, work=work, parallelism=3)
+  assert _drain(executor) == items
+  executor.close()
+  main = threading.main_thread()
+  assert threads[200] is main  # cheap: in the consumer
+  assert any(threads[x] is not main for x in range(300, 360))
+  for cut in (0, 150, 299, 300, 305, 359):
+    _, executor = _executor(items, work=work, parallelism=3)
+    head = [next(executor) for _ in range(cut)]
+    parent_state = json.loads(json.dumps(executor.parent_state()))
+    own = executor.own_state()
+    executor.close()
+    _, restored = _executor(items, work=work, parallelism=3)
+    restored.restore(parent_state, own)
+    assert head + _drain(restored) == items
+    restored.close()
+
+
+def test_unordered_upstream_makes_anchors_per_element():
+  unordered = Dataset.range(30).map(lambda x: x, num_parallel_calls=3,
+                                    deterministic=False)
+  assert parallel.replays_identically(Dataset.range(3).node.make_iterator())
+  it = unordered.node.make_iterator()
+  assert not parallel.replays_identically(it)
+  assert parallel.anchor_interval(it) == 1
+  it.close()
+
+
+@pytest.mark.parametrize("outer", ["map", "prefetch"])
+def test_ops_over_an_unordered_map_resume_exactly_as_a_multiset(outer):
+  inner = Dataset.range(40).map(_sleepy, num_parallel_calls=3,
+                                deterministic=False)
+  ds = (inner.map(lambda x: x + 1000, num_parallel_calls=2)
+        if outer == "map" else inner.prefetch(3))
+  offset = 1000 if outer == "map" else 0
+  for cut in (0, 1, 5, 17, 39, 40):
+    with ds.node.make_iterator() as it:
+      head = [int(next(it)) for _ in range(cut)]
+      state = json.loads(json.dumps(it.get_state()))
+    with ds.node.make_iterator() as restored:
+      restored.set_state(state)
+      tail = [int(x) for x in restored]
+    assert sorted(head + tail) == [i + offset for i in range(40)], cut
+
+
+def _sleepy(x):
+  time.sleep(0.0005 * (int(x) % 3))
+  return x
+
+
 @pytest.mark.parametrize("value", [0, -2, 1.5, "4", True])
 def test_invalid_num_parallel_calls_is_rejected(value):
   with pytest.raises(ValueError, match="num_parallel_calls"):
@@ -426,7 +563,6 @@ def fails_on_two(d):
 
 def _live_children():
   """Child processes, less multiprocessing's session-wide resource tracker."""
-  from multiprocessing import resource_tracker  # pylint: disable=g-import-not-at-top
   tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
   return {p.pid for p in psutil.Process().children(recursive=True)
           if p.pid != tracker and p.is_running()

@@ -11,11 +11,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 import jaxfeed
+from jaxfeed.ops import parallel
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.base import mix_seed
-from jaxfeed.ops.random_map import RandomMapNode, element_rng
+from jaxfeed.ops.random_map import ElementGenerators, RandomMapNode, element_rng
 
 PARALLEL = [None, 1, 4, jaxfeed.AUTOTUNE]
+
+
+@pytest.fixture(params=["threads", "adaptive"])
+def work_mode(request, monkeypatch):
+  """Parallel work on the threads only, or cheap ordered work in the consumer."""
+  if request.param == "threads":
+    monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
+  return request.param
 
 
 def _ours(ds):
@@ -49,9 +58,22 @@ def test_generator_is_philox_keyed_by_the_mixed_op_and_record_seeds():
           == expected.integers(0, 1 << 62, 8).tolist())
 
 
+def test_reused_generators_give_exactly_the_fresh_generator_streams():
+  generators = ElementGenerators(11)
+  for record_seed in (5, 2**64 - 1, 5, 123456789):
+    reused, fresh = generators(record_seed), element_rng(11, record_seed)
+    for g in (reused, fresh):  # leave odd 32-bit and buffered draws behind
+      g.integers(0, 7, 3, dtype=np.int32)
+    assert reused.random(4).tolist() == fresh.random(4).tolist()
+    assert reused.normal(size=3).tolist() == fresh.normal(size=3).tolist()
+    reused.bit_generator.random_raw(3)
+    reused.integers(0, 2**31, 1, dtype=np.int32)
+
+
 @pytest.mark.parametrize("seed", [None, 0, 3])
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.usefixtures("work_mode")
 def test_outputs_do_not_depend_on_parallelism(num_parallel_calls, deterministic,
                                               seed):
   ds = Dataset.range(40).random_map(
@@ -95,6 +117,7 @@ def test_tuple_and_dict_elements_are_passed_whole_with_the_generator():
 
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.usefixtures("work_mode")
 def test_resume_at_every_cut_point_gives_the_same_random_values(
     num_parallel_calls, deterministic):
   ds = Dataset.range(16).random_map(
