@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxfeed.ops import tree
+from jaxfeed.ops import parallel, tree
 from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, check_state
 
 __all__ = ["CacheNode", "CacheIterator"]
@@ -488,6 +488,17 @@ class CacheIterator(OpIterator):
         raise
     self._count += 1
     return element
+
+  def skip_elements(self, count: int) -> int:
+    """Skips up to `count` elements (at no cost while reading the cache)."""
+    if self._mode != _READ or self._reader is None:
+      # Filling: every element must reach the cache.
+      return parallel.skip_outputs(self, count)
+    skipped = max(0, min(count, self._reader.num_elements - self._index))
+    self._index += skipped
+    if skipped:
+      self._last_seed = self._reader.get(self._index - 1)[1]
+    return skipped
 
   @property
   def last_seed(self) -> int:

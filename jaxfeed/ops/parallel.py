@@ -44,6 +44,8 @@ __all__ = [
     "check_num_parallel_calls",
     "ParallelMapIterator",
     "call_unpacked",
+    "drop_replayed",
+    "skip_outputs",
 ]
 
 _STOP = None  # Task-queue sentinel: the worker that takes it exits.
@@ -150,22 +152,44 @@ PROBE_LENGTH = 4
 """Elements timed in the consumer per probe (the fastest one counts)."""
 
 
-def skip_elements(parent: OpIterator, count: int, op_name: str) -> None:
-  """Pulls and drops `count` elements of a just-restored parent.
+def drop_replayed(parent: OpIterator, count: int, op_name: str) -> None:
+  """Drops the next `count` elements of a just-restored parent.
 
-  An element whose pull raised counts as pulled (it was returned, as that
-  exception, before the state was saved).
+  Uses the parent's `skip_elements(count)` where it has one. An element whose
+  pull raised counts as dropped (it was returned, as that exception, before
+  the state was saved).
   """
+  skip = getattr(parent, "skip_elements", None)
+  if skip is not None and count:
+    dropped = skip(count)
+    if dropped < count:
+      _replay_ended(op_name, dropped, count)
+    return
   for index in range(count):
     try:
       next(parent)
     except StopIteration:
-      raise PipelineStateError(
-          f"Cannot restore op {op_name!r}: its input ended after {index} of "
-          f"the {count} elements to replay; the state belongs to other "
-          f"data.") from None
+      _replay_ended(op_name, index, count)
     except Exception:  # noqa: BLE001 -- returned as an error before the save
       pass
+
+
+def _replay_ended(op_name: str, index: int, count: int) -> None:
+  raise PipelineStateError(
+      f"Cannot restore op {op_name!r}: its input ended after {index} of the "
+      f"{count} elements to replay; the state belongs to other data.")
+
+
+def skip_outputs(iterator: Any, count: int) -> int:
+  """Skips up to `count` outputs by pulling them; returns how many."""
+  skipped = 0
+  while skipped < count:
+    try:
+      next(iterator)
+    except StopIteration:
+      break
+    skipped += 1
+  return skipped
 
 
 def check_replay_state(own: Any, op_name: str) -> tuple[int, list[int]]:
@@ -473,6 +497,17 @@ class ParallelExecutor:
 
   next = __next__
 
+  def skip(self, count: int) -> int:
+    """Skips up to `count` outputs, without work when the parent can skip."""
+    skip_parent = getattr(self._parent, "skip_elements", None)
+    if (skip_parent is None or self._pending or self._consumed_ahead
+        or self._exhausted):
+      return skip_outputs(self, count)
+    skipped = skip_parent(count)
+    self._next_seq += skipped
+    self._base_seq += skipped
+    return skipped
+
   # -- state ---------------------------------------------------------------
   def parent_state(self) -> Any:
     """The parent state to restore (see the class docstring)."""
@@ -502,7 +537,7 @@ class ParallelExecutor:
     skip, consumed_ahead = check_replay_state(own_state, self._op_name)
     self._discard_in_flight()
     self._parent.set_state(parent_state)
-    skip_elements(self._parent, skip, self._op_name)
+    drop_replayed(self._parent, skip, self._op_name)
     self._reset_bookkeeping(consumed_ahead=[o - skip for o in consumed_ahead])
     if consumed_ahead:
       # The parent's state now is the state before the oldest unreturned.
@@ -571,6 +606,15 @@ class ParallelMapIterator(OpIterator):
       return self._parent.last_seed
     return self.executor.last_seed
 
+  def _skip_one_to_one(self, count: int) -> int:
+    """`skip_elements` for ops with one output per input (see skip.py)."""
+    if self.executor is not None:
+      return self.executor.skip(count)
+    skip_parent = getattr(self._parent, "skip_elements", None)
+    if skip_parent is None:
+      return skip_outputs(self, count)
+    return skip_parent(count)
+
   @property
   def parallelism(self) -> int:
     """Elements processed at once (the autotuner may assign it)."""
@@ -617,7 +661,7 @@ class ParallelMapIterator(OpIterator):
           f"returned out of order (deterministic=False), which only a "
           f"parallel {self.op_name} can resume; got {own!r}.")
     self._parent.set_state(state["parents"][0])
-    skip_elements(self._parent, skip, self.op_name)
+    drop_replayed(self._parent, skip, self.op_name)
 
   def _close_own(self) -> None:
     if self.executor is not None:

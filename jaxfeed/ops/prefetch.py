@@ -301,7 +301,7 @@ class PrefetchIterator(OpIterator):
     skip = state_int(state.get("own"), "skip", self.op_name)
     self._stop()
     self._parent.set_state(state["parents"][0])
-    parallel.skip_elements(self._parent, skip, self.op_name)
+    parallel.drop_replayed(self._parent, skip, self.op_name)
     self._finished = False
 
   def _stop(self) -> None:

@@ -163,6 +163,10 @@ class RandomMapIterator(parallel.ParallelMapIterator):
       return self._work(element, self._parent.last_seed)
     return self._fn(element, self._generators(self._parent.last_seed))
 
+  def skip_elements(self, count: int) -> int:
+    """Skips up to `count` elements, without calling fn where possible."""
+    return self._skip_one_to_one(count)
+
   def _close_own(self) -> None:
     super()._close_own()  # Joins the threads before their processes stop.
     if self._pool is not None:

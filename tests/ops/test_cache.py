@@ -258,3 +258,30 @@ def test_spec_params_rebuild_an_equal_node(tmp_path):
   assert CacheNode(*node.parents, **node.spec_params()).fingerprint() == (
       node.fingerprint())
   assert node.cardinality() == 3
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_skip_over_a_filled_cache_matches_tf_data(on_disk, tmp_path):
+  ds = Dataset.range(12).map(lambda x: x * 3).cache(
+      _filename(tmp_path, on_disk))
+  list(_ours(ds))  # fill
+  ours = [int(x) for x in _ours(ds.skip(5).repeat(2))]
+  tf_ds = tf.data.Dataset.range(12).map(lambda x: x * 3).cache(
+      _filename(tmp_path, on_disk, "tf"))
+  list(tf_ds)
+  assert ours == [int(x) for x in tf_ds.skip(5).repeat(2).as_numpy_iterator()]
+  with _ours(ds) as it:
+    assert it.skip_elements(4) == 4
+    assert it.last_seed == _seeds(Dataset.range(12))[3]
+    state = json.loads(json.dumps(it.get_state()))
+  with _ours(ds) as restored:
+    restored.set_state(state)
+    assert [int(x) for x in restored] == [x * 3 for x in range(4, 12)]
+
+
+def _seeds(ds):
+  it = _ours(ds)
+  out = []
+  for _ in it:
+    out.append(it.last_seed)
+  return out

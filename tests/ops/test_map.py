@@ -238,3 +238,41 @@ def test_invalid_arguments_are_rejected_with_clear_errors():
     MapNode(node, abs, backend="gpu")
   with pytest.raises(TypeError, match="batched must be a bool"):
     MapNode(node, abs, batched="yes")
+
+
+class _Counting:
+  def __init__(self):
+    self.calls = 0
+
+  def __call__(self, x):
+    self.calls += 1
+    return x * 2
+
+
+@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+def test_skip_after_map_matches_tf_data_without_calling_fn_on_skipped(
+    num_parallel_calls):
+  fn = _Counting()
+  ds = Dataset.range(20).map(fn, num_parallel_calls=num_parallel_calls).skip(7)
+  with _ours(ds) as it:
+    ours = [_canonical(e) for e in it]
+  theirs = [_canonical(e) for e in tf.data.Dataset.range(20).map(
+      lambda x: x * 2).skip(7).as_numpy_iterator()]
+  assert ours == theirs
+  assert fn.calls == 13  # the skipped elements never reached fn
+
+
+@pytest.mark.parametrize("num_parallel_calls", [None, 4])
+def test_skip_elements_in_the_middle_of_a_map_keeps_order_and_state(
+    num_parallel_calls):
+  ds = Dataset.range(40).map(lambda x: x, num_parallel_calls=num_parallel_calls)
+  with _ours(ds) as it:
+    head = [int(next(it)) for _ in range(3)]  # work may be in flight now
+    assert it.skip_elements(10) == 10
+    state = json.loads(json.dumps(it.get_state()))
+    rest = [int(x) for x in it]
+    assert it.skip_elements(5) == 0
+  assert head + rest == [0, 1, 2] + list(range(13, 40))
+  with _ours(ds) as restored:
+    restored.set_state(state)
+    assert [int(x) for x in restored] == list(range(13, 40))
