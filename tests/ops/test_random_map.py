@@ -166,3 +166,19 @@ def test_spec_params_rebuild_an_equal_node():
 def test_invalid_seed_is_rejected():
   with pytest.raises(TypeError, match="random_map: seed must be an int"):
     RandomMapNode(Dataset.range(3).node, _noisy, seed="7")
+
+
+@pytest.mark.parametrize("num_parallel_calls", [None, 3])
+def test_generators_are_keyed_by_the_samplers_record_seeds(num_parallel_calls):
+  sampler = jaxfeed.IndexSampler(12, shuffle=True, seed=42, num_epochs=2)
+  source = jaxfeed.ArraySource({"id": np.arange(12)})
+  ds = Dataset.from_source(source, sampler).random_map(
+      lambda d, rng: (int(d["id"]), int(rng.integers(0, 1 << 40))),
+      num_parallel_calls=num_parallel_calls, seed=8)
+  expected = []
+  for position in range(24):
+    record = sampler[position]
+    rng = np.random.Generator(np.random.Philox(key=mix_seed(8, record.rng_seed)))
+    expected.append((int(record.record_index), int(rng.integers(0, 1 << 40))))
+  with _ours(ds) as it:
+    assert list(it) == expected
