@@ -19,13 +19,14 @@ def _op(module: str):
 class Dataset:
   """An immutable pipeline. Iterating it builds a fresh, stateful iterator."""
 
-  __slots__ = ("node", "options")
+  __slots__ = ("node", "options", "_optimized")
 
   def __init__(self, node: base.Node, options: Any = None):
     if not isinstance(node, base.Node):
       raise TypeError(f"Dataset wraps a jaxfeed op node, got {type(node).__name__}.")
     self.node = node
     self.options = options
+    self._optimized: base.Node | None = None
 
   def _wrap(self, node: base.Node) -> "Dataset":
     return Dataset(node, self.options)
@@ -185,8 +186,12 @@ class Dataset:
     The graph is first rewritten by the static optimizer, then run under the
     autotuner when it has AUTOTUNE knobs (see `jaxfeed.Options`).
     """
-    node = _op("optimize").optimize(self.node, self.options)
-    return _op("autotune").autotuned(node.make_iterator(), self.options)
+    # Optimized once per Dataset: nodes that keep something across iterations
+    # (an in-memory cache, shuffle's pass counter) then live on, as they do
+    # when the same Dataset is iterated again in tf.data.
+    if self._optimized is None:
+      self._optimized = _op("optimize").optimize(self.node, self.options)
+    return _op("autotune").autotuned(self._optimized.make_iterator(), self.options)
 
   def __iter__(self) -> base.OpIterator:
     return self.make_iterator()

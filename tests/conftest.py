@@ -1,7 +1,56 @@
-"""Shared test setup: 8 CPU devices, set before anything imports jax."""
+"""Shared test setup.
 
+* 8 CPU devices, set before anything imports jax.
+* A leak check around every test module: jaxfeed's threads (all named
+  "jaxfeed-...") and child processes started by the module must be gone once
+  its tests and fixtures are done (after a garbage collection).
+"""
+
+import gc
 import os
+import threading
+import time
+
+import psutil
+import pytest
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
+
+
+def _jaxfeed_threads() -> set:
+  return {t for t in threading.enumerate() if t.name.startswith("jaxfeed")}
+
+
+def _children() -> set:
+  procs = set()
+  for child in psutil.Process().children(recursive=True):
+    try:
+      if child.status() == psutil.STATUS_ZOMBIE:
+        continue
+      # multiprocessing's resource tracker lives as long as the interpreter.
+      if any("resource_tracker" in part for part in child.cmdline()):
+        continue
+      procs.add((child.pid, child.create_time()))
+    except psutil.NoSuchProcess:
+      pass
+  return procs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leaked_threads_or_processes(request):
+  threads_before, children_before = _jaxfeed_threads(), _children()
+  yield
+  deadline = time.monotonic() + 10
+  while True:
+    gc.collect()
+    threads = _jaxfeed_threads() - threads_before
+    children = _children() - children_before
+    if not threads and not children:
+      return
+    if time.monotonic() > deadline:
+      break
+    time.sleep(0.05)
+  pytest.fail(f"{request.module.__name__} leaked threads {sorted(t.name for t in threads)} "
+              f"and child processes {sorted(children)}", pytrace=False)

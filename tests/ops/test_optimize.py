@@ -177,3 +177,12 @@ def test_options_reject_bad_values():
     jaxfeed.Options(map_fusion="yes")
   with pytest.raises(ValueError, match="autotune_cpu_budget"):
     jaxfeed.Options(autotune_cpu_budget=-2)
+
+
+def test_cache_below_a_rewrite_is_reused_across_iterations_of_one_dataset():
+  fn = CountingFn()
+  ds = jaxfeed.Dataset.range(10).map(fn).map(fn).cache()  # the maps get fused
+  first = as_list(ds)
+  assert fn.calls == 20
+  assert as_list(ds) == first
+  assert fn.calls == 20  # the second pass reads the cache
