@@ -9,7 +9,10 @@ clocks' deltas:
 
 * the consumer waited a noticeable share of the interval on a knob -> that op
   is a bottleneck: grow it by one step, if the CPU budget (threads in total)
-  or the RAM budget (buffered bytes in total) allows;
+  or the RAM budget (buffered bytes in total) allows. A buffer grows only if
+  its producer also had to wait for room in that interval: a buffer that
+  never fills is behind a producer slower than its consumer, and more room
+  would only hold memory;
 * nobody waited for several intervals and the producers were mostly idle ->
   shrink it by one step (threads are given back to other ops).
 
@@ -46,6 +49,8 @@ class Knob:
     minimum, maximum: the allowed range.
     wait_s: cumulative seconds the consumer waited on this op.
     busy_s: cumulative seconds the op's producers spent working (threads).
+    producer_blocked_s: cumulative seconds the producer of a buffer waited
+      for room (buffers only; None when the op cannot tell).
     unit_bytes: bytes one unit of a buffer holds (estimate; buffers only).
   """
 
@@ -57,6 +62,7 @@ class Knob:
   maximum: int
   wait_s: Callable[[], float]
   busy_s: Callable[[], float] = lambda: 0.0
+  producer_blocked_s: Callable[[], float] | None = None
   unit_bytes: Callable[[], int] = lambda: 0
 
   def __post_init__(self):
@@ -82,13 +88,23 @@ def collect_knobs(root: OpIterator) -> list[Knob]:
 
 
 class _KnobTrack:
-  __slots__ = ("knob", "wait", "busy", "calm")
+  __slots__ = ("knob", "wait", "busy", "blocked", "calm")
 
   def __init__(self, knob: Knob):
     self.knob = knob
     self.wait = knob.wait_s()
     self.busy = knob.busy_s()
+    self.blocked = self._blocked()
     self.calm = 0
+
+  def _blocked(self) -> float | None:
+    clock = self.knob.producer_blocked_s
+    return None if clock is None else clock()
+
+  def producer_filled_buffer(self) -> bool:
+    """Whether the producer waited for room since the last call."""
+    blocked, self.blocked = self.blocked, self._blocked()
+    return blocked is None or self.blocked is None or self.blocked > blocked
 
 
 class AutotunePolicy:
@@ -112,13 +128,16 @@ class AutotunePolicy:
     deltas = []
     for track in self.tracks:
       wait, busy = track.knob.wait_s(), track.knob.busy_s()
-      deltas.append((wait - track.wait, busy - track.busy, track))
+      filled = track.producer_filled_buffer()
+      deltas.append((wait - track.wait, busy - track.busy, filled, track))
       track.wait, track.busy = wait, busy
     deltas.sort(key=lambda d: -d[0])
-    for waited, busy, track in deltas:
+    for waited, busy, filled, track in deltas:
       knob = track.knob
       value = knob.get()
-      if waited > _WAIT_SHARE_TO_GROW * interval_s and value < knob.maximum:
+      useful = knob.kind == "threads" or filled
+      if (waited > _WAIT_SHARE_TO_GROW * interval_s and value < knob.maximum
+          and useful):
         track.calm = 0
         if knob.kind == "threads" and self._threads_used() + 1 > self.cpu_budget:
           continue

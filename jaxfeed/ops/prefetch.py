@@ -84,6 +84,7 @@ class _Buffer:
     self.consumed = 0
     self.producer_waiting = False
     self.consumer_waiting = False
+    self.full_s = 0.0  # Seconds the producer waited for room (autotuner).
 
   def wake(self) -> None:
     with self.cond:
@@ -102,12 +103,14 @@ def _produce(parent: OpIterator, buffer: _Buffer, interval: int) -> None:
     # Wait for room before pulling, so the parent is never more than
     # `capacity` elements ahead of the consumer.
     if buffer.produced - buffer.consumed >= buffer.capacity:
+      start = time.perf_counter()
       with cond:
         buffer.producer_waiting = True
         while (buffer.produced - buffer.consumed >= buffer.capacity
                and not buffer.stop):
           cond.wait()
         buffer.producer_waiting = False
+      buffer.full_s += time.perf_counter() - start
     if buffer.stop:
       return
     kind, seed, anchor = _ELEMENT, 0, None
@@ -213,6 +216,7 @@ class PrefetchIterator(OpIterator):
         set=lambda value: setattr(self, "buffer_size", value),
         minimum=1, maximum=_MAX_AUTOTUNE_BUFFER_SIZE,
         wait_s=lambda: self.wait_s,
+        producer_blocked_s=lambda: 0.0 if self._buffer is None else self._buffer.full_s,
         unit_bytes=lambda: self._element_bytes)]
 
   @property

@@ -13,12 +13,14 @@ from jaxfeed.ops import autotune
 class FakeKnob:
   """A knob whose clocks the test advances by hand."""
 
-  def __init__(self, name, kind="threads", value=1, minimum=1, maximum=8, unit_bytes=0):
-    self.value, self.wait, self.busy = value, 0.0, 0.0
+  def __init__(self, name, kind="threads", value=1, minimum=1, maximum=8, unit_bytes=0,
+               reports_blocking=False):
+    self.value, self.wait, self.busy, self.blocked = value, 0.0, 0.0, 0.0
     self.knob = autotune.Knob(
         name=name, kind=kind, get=lambda: self.value, set=self._set,
         minimum=minimum, maximum=maximum, wait_s=lambda: self.wait,
-        busy_s=lambda: self.busy, unit_bytes=lambda: unit_bytes)
+        busy_s=lambda: self.busy, unit_bytes=lambda: unit_bytes,
+        producer_blocked_s=(lambda: self.blocked) if reports_blocking else None)
 
   def _set(self, value):
     self.value = value
@@ -70,6 +72,27 @@ def test_buffers_grow_only_within_the_ram_budget():
     fake.wait += 0.05
     policy.step(0.1)
   assert fake.value == 5
+
+
+def test_a_buffer_behind_a_slow_producer_does_not_grow():
+  fake = FakeKnob("prefetch", kind="buffer", value=2, maximum=100, unit_bytes=10,
+                  reports_blocking=True)
+  policy = autotune.AutotunePolicy([fake.knob], cpu_budget=8, ram_budget_bytes=1 << 30)
+  for _ in range(20):
+    fake.wait += 0.05  # the consumer waits, but the buffer never fills
+    policy.step(0.1)
+  assert fake.value == 2
+
+
+def test_a_buffer_that_fills_and_still_starves_the_consumer_grows():
+  fake = FakeKnob("prefetch", kind="buffer", value=2, maximum=100, unit_bytes=10,
+                  reports_blocking=True)
+  policy = autotune.AutotunePolicy([fake.knob], cpu_budget=8, ram_budget_bytes=1 << 30)
+  for _ in range(10):
+    fake.wait += 0.05  # bursty: the producer also waits for room
+    fake.blocked += 0.02
+    policy.step(0.1)
+  assert fake.value == 12
 
 
 def test_knob_rejects_bad_ranges():
