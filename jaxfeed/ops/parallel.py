@@ -51,6 +51,9 @@ __all__ = [
 _STOP = None  # Task-queue sentinel: the worker that takes it exits.
 
 
+_MAX_AUTOTUNE_PARALLELISM = 256
+
+
 def default_autotune_parallelism() -> int:
   """The parallelism AUTOTUNE starts from until the autotuner adjusts it."""
   return max(1, min(os.cpu_count() or 1, 8))
@@ -637,8 +640,8 @@ class ParallelMapIterator(OpIterator):
         name=f"{self.op_name}/parallelism", kind="threads",
         get=lambda: executor.parallelism,
         set=lambda value: setattr(executor, "parallelism", value),
-        minimum=1,
-        maximum=max(os.cpu_count() or 1, default_autotune_parallelism()),
+        # The autotuner's CPU budget (jaxfeed.Options) is the real bound.
+        minimum=1, maximum=_MAX_AUTOTUNE_PARALLELISM,
         wait_s=lambda: executor.wait_s, busy_s=lambda: executor.busy_s)]
 
   def get_state(self) -> dict:

@@ -175,3 +175,21 @@ def test_tuner_thread_adjusts_a_live_knob():
   it.close()
   assert fake.value == 3
   assert it.history and it.history[-1]["k"] >= 2
+
+
+def sleepy_identity(x):
+  time.sleep(0.003)  # releases the GIL, like I/O or numpy work
+  return x
+
+
+def test_autotune_raises_parallelism_of_a_real_slow_map():
+  options = jaxfeed.Options(autotune_cpu_budget=6)
+  ds = jaxfeed.Dataset.range(600).map(sleepy_identity,
+                                      num_parallel_calls=jaxfeed.AUTOTUNE).with_options(options)
+  it = ds.make_iterator()
+  assert isinstance(it, autotune.AutotunedIterator)
+  out = [int(x) for x in it]
+  history = list(it.history)
+  it.close()
+  assert out == list(range(600))  # tuning never changes the output
+  assert max(h["map/parallelism"] for h in history) > 2, history
