@@ -6,17 +6,33 @@ dispatcher, then fetches batches from all of the job's workers at once into
 a bounded buffer. A worker that dies is dropped and the others go on.
 
 Round-robin reads (`num_consumers=K`, `consumer_index=i`, a shared
-`job_name`): the job's workers are fixed when it starts (W of them) and each
-produces rounds of K consecutive batches. Global round r is served by worker
-r mod W; consumer i receives batch i of that round. All K consumers thus read
-round r from the same worker, so whatever the worker's pipeline groups
-together (one bucket per K batches, say) reaches every consumer in the same
-step. This is plain round-robin: a slow consumer holds a worker's buffer of
-rounds, and a dead worker's rounds are skipped by every consumer.
+`job_name`): coordinated reads, one batch per consumer per step, all K from
+the same bucket. The job's workers are fixed when it starts (W of them).
+Global round r is served by worker r mod W (its local round r // W);
+consumer i receives batch i of that round. A worker builds each round from K
+batches that share a bucket key, the shapes of their leaves without the batch
+dimension, so the K consumers' batches of one round have the same padded
+length; partial windows are dropped at the end of the input or when too many
+batches wait (`WorkerConfig.max_window_batches`), as
+`jaxfeed.service.round_assembly` describes. Every consumer of a job must pass
+the same `num_consumers` (and `round_timeout_s`, if any).
+
+Late consumers: once the first consumer took its batch of a round, the
+others have `round_timeout_s` (default 60 s) to take theirs. Then the round
+closes and the late consumers' batches are dropped; later rounds do not wait
+for a consumer that missed one until it reads again. When it does, it goes on
+at the oldest round still open on each worker: its iterator skips the rounds
+it missed (`DistributedIterator.stats["rounds_skipped"]`) and reports each
+batch's global round (`last_round`). The timeout must exceed the longest
+pause of a training loop (a checkpoint save, say), since the client's
+prefetch buffer stops reading while the loop stands still. Rounds of a worker
+that ended or died are skipped by every consumer alike, so the consumers stay
+aligned; a read ends when every worker's stream ended.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -95,7 +111,7 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
 def _check_read_options(job_name: str | None, num_consumers: int | None,
                         consumer_index: int | None, compression: str | None,
                         max_outstanding_requests: int | None,
-                        data_transfer: str) -> None:
+                        data_transfer: str, round_timeout_s: float | None) -> None:
   if job_name is not None and (not isinstance(job_name, str) or not job_name):
     raise ValueError(f"job_name must be a non-empty string or None, got {job_name!r}.")
   if num_consumers is not None:
@@ -112,6 +128,14 @@ def _check_read_options(job_name: str | None, num_consumers: int | None,
       or not 0 <= consumer_index < num_consumers):
     raise ValueError(f"consumer_index must be an integer in [0, num_consumers="
                      f"{num_consumers}), got {consumer_index!r}.")
+  if round_timeout_s is not None:
+    if num_consumers is None:
+      raise ValueError(f"round_timeout_s={round_timeout_s!r} applies to round-robin "
+                       "reads only: pass num_consumers and consumer_index too.")
+    if (isinstance(round_timeout_s, bool) or not isinstance(round_timeout_s, (int, float))
+        or not round_timeout_s > 0):
+      raise ValueError(f"round_timeout_s must be a number of seconds > 0, got "
+                       f"{round_timeout_s!r}.")
   wire.check_compression(compression)
   if max_outstanding_requests is not None and (
       not isinstance(max_outstanding_requests, int) or max_outstanding_requests < 1):
@@ -133,14 +157,14 @@ class DistributedNode(base.Node):
                max_outstanding_requests: int | None = None,
                auth_token: str | None = None, udf_secret: bytes | None = None,
                tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
-               timeout_s: float = 60.0):
+               timeout_s: float = 60.0, round_timeout_s: float | None = None):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
     self.service = _target(service)
     self.policy = to_sharding_policy(processing_mode)
     _check_read_options(job_name, num_consumers, consumer_index, compression,
-                        max_outstanding_requests, data_transfer)
+                        max_outstanding_requests, data_transfer, round_timeout_s)
     if num_consumers is not None and self.policy == ShardingPolicy.DYNAMIC:
       pass  # allowed: round-robin over dynamically sharded workers
     self.dataset = None if dataset is None else base.to_node(dataset, "distribute", "dataset")
@@ -157,6 +181,7 @@ class DistributedNode(base.Node):
     self.tls = tls
     self.data_transfer = data_transfer
     self.timeout_s = timeout_s
+    self.round_timeout_s = None if round_timeout_s is None else float(round_timeout_s)
     self._lock = threading.Lock()
 
   def spec_params(self) -> dict:
@@ -165,7 +190,8 @@ class DistributedNode(base.Node):
             "job_name": self.job_name, "num_consumers": self.num_consumers,
             "consumer_index": self.consumer_index, "compression": self.compression,
             "max_outstanding_requests": self.max_outstanding_requests,
-            "data_transfer": self.data_transfer, "timeout_s": self.timeout_s}
+            "data_transfer": self.data_transfer, "timeout_s": self.timeout_s,
+            "round_timeout_s": self.round_timeout_s}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on first use (so the dispatcher may start later)."""
@@ -188,6 +214,7 @@ class _Fetcher:
     self.out = out
     self.done = False
     self.failed = False
+    self.end_stats: dict = {}  # the task's round statistics, at its end
     self._read = read
     self._connection: Any = None
     self._cancelled = False
@@ -214,6 +241,7 @@ class _Fetcher:
       while True:
         item = conn.next_frame()
         if item is None:
+          self.end_stats = conn.end_stats
           return
         yield item
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
@@ -229,6 +257,7 @@ class _Fetcher:
       buffer, filled, round_index = None, 0, 0
       for chunk in call:
         if chunk.end_of_sequence:
+          self.end_stats = json.loads(chunk.stats_json) if chunk.stats_json else {}
           return
         if chunk.frame_bytes:
           if chunk.frame_bytes == len(chunk.data):
@@ -340,10 +369,22 @@ class _ReadState:
       dataset_id = node.resolve_dataset_id()
       job_call = _dispatcher_caller(self.channel, "GetOrCreateJob",
                                     pb.GetOrCreateJobResponse, node.auth_token)
-      job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
-          dataset_id=dataset_id, sharding_policy=node.policy.value,
-          job_name=node.job_name or "", num_consumers=node.num_consumers or 0),
-          node.timeout_s, f"Creating a job for dataset {dataset_id}")
+      try:
+        job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
+            dataset_id=dataset_id, sharding_policy=node.policy.value,
+            job_name=node.job_name or "", num_consumers=node.num_consumers or 0,
+            consumer_index=node.consumer_index or 0,
+            round_timeout_s=node.round_timeout_s or 0.0),
+            node.timeout_s, f"Creating a job for dataset {dataset_id}")
+      except rpc.ServiceError as e:
+        cause = e.__cause__
+        if (isinstance(cause, grpc.RpcError)
+            and cause.code() == grpc.StatusCode.INVALID_ARGUMENT):
+          raise ValueError(
+              f"distribute(job_name={node.job_name!r}, num_consumers="
+              f"{node.num_consumers}, consumer_index={node.consumer_index}): the "
+              f"dispatcher refused the read: {cause.details()}") from e
+        raise
       self.job_id, self.client_id = job.job_id, job.client_id
       heartbeat = _dispatcher_caller(self.channel, "ClientHeartbeat",
                                      pb.ClientHeartbeatResponse, node.auth_token)
@@ -379,14 +420,13 @@ class _ReadState:
     if response.job_finished and all(f.ended for f in self.fetchers.values()):
       self.finished = True
 
-  def round_queue(self, round_index: int) -> tuple[_Fetcher | None, int]:
-    """(fetcher, local round) serving a global round of a round-robin read."""
-    fetchers = sorted(self.fetchers.values(), key=lambda f: f.task.worker_index)
+  def round_fetchers(self) -> tuple[dict[int, _Fetcher], int]:
+    """Round-robin reads: the fetcher of each worker index, and the number
+    of workers (the latest task of an index wins)."""
+    fetchers = sorted(list(self.fetchers.values()), key=lambda f: f.task.task_id)
     if not fetchers:
-      return None, 0
-    num_workers = fetchers[0].task.num_workers
-    by_index = {f.task.worker_index: f for f in fetchers}
-    return by_index.get(round_index % num_workers), round_index // num_workers
+      return {}, 0
+    return {f.task.worker_index: f for f in fetchers}, fetchers[-1].task.num_workers
 
   def close(self) -> None:
     self.stop.set()
@@ -416,8 +456,10 @@ class DistributedIterator(base.OpIterator):
     super().__init__(())
     self._read = _ReadState(node)
     self._elements = 0
-    self._round = 0
-    self._pending: dict[int, list] = {}
+    self._round = 0  # round-robin: the next global round wanted
+    self._last_round = -1
+    self._heads: dict[int, tuple] = {}  # task id -> (element, local round) not yet due
+    self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -429,6 +471,34 @@ class DistributedIterator(base.OpIterator):
   @property
   def job_id(self) -> int:
     return self._read.job_id
+
+  @property
+  def last_round(self) -> int:
+    """Round-robin reads: the global round of the last batch returned (-1
+    before the first); consumers' batches of one round share a bucket."""
+    return self._last_round
+
+  @property
+  def stats(self) -> dict:
+    """Round-robin reads: what this consumer received and missed.
+
+    `rounds_received`: batches returned; `rounds_skipped`: rounds that closed
+    before this consumer took its batch (it was late, see the module
+    docstring); `rounds_of_ended_workers`: rounds skipped because their
+    worker's stream had ended or died. `workers` maps each worker address
+    whose stream ended to that task's counters (`jaxfeed.service.
+    round_assembly`: rounds, windows and batches dropped), and the counters'
+    totals over those workers are given at the top level too.
+    """
+    stats = {"rounds_received": self._elements if self._read.node.num_consumers else 0,
+             **self._skipped, "workers": {}}
+    for fetcher in list(self._read.fetchers.values()):
+      if fetcher.end_stats:
+        stats["workers"][fetcher.task.worker_address] = dict(fetcher.end_stats)
+        for key, value in fetcher.end_stats.items():
+          if isinstance(value, (int, float)):
+            stats[key] = stats.get(key, 0) + value
+    return stats
 
   def _raise_error(self) -> None:
     error = self._read.error
@@ -454,29 +524,62 @@ class DistributedIterator(base.OpIterator):
       if read.stop.is_set():
         raise StopIteration
 
+  # -- round-robin reads ---------------------------------------------------------
+  def _head(self, fetcher: _Fetcher) -> tuple | None:
+    """The fetcher's next (element, local round), kept until its round is due."""
+    task_id = fetcher.task.task_id
+    head = self._heads.get(task_id)
+    if head is None:
+      try:
+        head = self._heads[task_id] = fetcher.out.get(timeout=_POLL_S)
+      except queue.Empty:
+        return None
+    return head
+
+  def _drained(self, fetcher: _Fetcher) -> bool:
+    # `ended` first: once the thread ended, nothing more is put.
+    return (fetcher.ended and fetcher.out.empty()
+            and fetcher.task.task_id not in self._heads)
+
   def _next_round(self) -> Any:
     read = self._read
     while True:
       self._raise_error()
-      fetcher, local_round = read.round_queue(self._round)
+      if read.stop.is_set():
+        raise StopIteration
+      by_index, num_workers = read.round_fetchers()
+      if all(self._drained(f) for f in by_index.values()) and (
+          read.finished or (by_index and len(by_index) >= num_workers)):
+        raise StopIteration
+      index = self._round % num_workers if num_workers else 0
+      fetcher = by_index.get(index)
       if fetcher is None:
-        if read.finished:
-          raise StopIteration
-        time.sleep(_POLL_S)
+        if read.finished:  # this worker never served the job
+          self._skip("rounds_of_ended_workers")
+        else:
+          time.sleep(_POLL_S)
         continue
-      try:
-        element, got_round = fetcher.out.get(timeout=_POLL_S)
-      except queue.Empty:
-        if fetcher.ended and fetcher.out.empty():
-          if fetcher.failed and not read.finished:
-            self._round += 1  # skip the rounds of a lost worker
-            continue
-          raise StopIteration
+      head = self._head(fetcher)
+      if head is None:
+        if self._drained(fetcher):
+          self._skip("rounds_of_ended_workers")
         continue
-      del got_round, local_round
+      element, local_round = head
+      got = local_round * num_workers + index
+      if got > self._round:  # the rounds up to `got` closed before we came
+        self._skip("rounds_skipped")
+        continue
+      del self._heads[fetcher.task.task_id]
+      if got < self._round:  # a replaced task starting over; already past it
+        continue
       self._round += 1
+      self._last_round = got
       self._elements += 1
       return element
+
+  def _skip(self, why: str) -> None:
+    self._skipped[why] += 1
+    self._round += 1
 
   def _get_own_state(self) -> dict:
     return {"elements_read": self._elements}
@@ -494,7 +597,8 @@ class DistributedIterator(base.OpIterator):
 def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epochs",
                job_name: str | None = None, num_consumers: int | None = None,
                consumer_index: int | None = None, compression: str | None = None,
-               max_outstanding_requests: int | None = None, **options: Any) -> Any:
+               max_outstanding_requests: int | None = None,
+               round_timeout_s: float | None = None, **options: Any) -> Any:
   """Runs `dataset` on the service's workers; returns a Dataset reading its output.
 
   Args:
@@ -503,10 +607,20 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
     processing_mode: "parallel_epochs" / "distributed_epoch" or a ShardingPolicy.
     job_name: readers with the same job name share one job (each element goes
       to one of them).
-    num_consumers: round-robin reads by this many consumers (needs job_name).
+    num_consumers: coordinated round-robin reads by this many consumers
+      (needs job_name): at every round, one worker serves all of them one
+      batch each, all with the same bucket key (padded shapes); see the
+      module docstring.
     consumer_index: this consumer's index in [0, num_consumers).
     compression: None, "lz4" or "zstd" for batches on the wire.
-    max_outstanding_requests: batches buffered on the client (default 8).
+    max_outstanding_requests: batches buffered on the client (default 8;
+      per worker for round-robin reads).
+    round_timeout_s: round-robin reads: once the first consumer took its
+      batch of a round, the others have this long to take theirs; then the
+      round closes without them and a late consumer later goes on at the
+      current round, counting what it skipped in its iterator's `stats`.
+      None: the job's value, 60 s for a new job. Every consumer of a job
+      passes the same value or None.
     **options: auth_token, udf_secret, tls, data_transfer ("auto", "socket",
       "grpc"), timeout_s.
 
@@ -518,14 +632,15 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       service=service, processing_mode=processing_mode, dataset=dataset,
       job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
       compression=compression, max_outstanding_requests=max_outstanding_requests,
-      **options)
+      round_timeout_s=round_timeout_s, **options)
   return Dataset(node, getattr(dataset, "options", None))
 
 
 def from_dataset_id(processing_mode: Any, service: str, dataset_id: str,
                     job_name: str | None = None, num_consumers: int | None = None,
                     consumer_index: int | None = None, compression: str | None = None,
-                    max_outstanding_requests: int | None = None, **options: Any) -> Any:
+                    max_outstanding_requests: int | None = None,
+                    round_timeout_s: float | None = None, **options: Any) -> Any:
   """Reads a dataset registered with `register_dataset` (see `distribute`)."""
   from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
   if not isinstance(dataset_id, str) or not dataset_id:
@@ -534,4 +649,4 @@ def from_dataset_id(processing_mode: Any, service: str, dataset_id: str,
       service=service, processing_mode=processing_mode, dataset_id=dataset_id,
       job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
       compression=compression, max_outstanding_requests=max_outstanding_requests,
-      **options))
+      round_timeout_s=round_timeout_s, **options))

@@ -8,7 +8,8 @@ streams the task's frames:
   client -> worker:  uint32 length | JSON {"token", "task_id", "compression",
                                             "consumer_index", "round"}
   worker -> client:  repeated  uint8 kind | uint64 length | int64 round | bytes
-                     kind 0: a frame, 1: end of sequence, 2: error
+                     kind 0: a frame, 1: end of sequence (bytes = JSON of
+                     the task's round statistics, possibly empty), 2: error
                      (bytes = JSON {"status", "message"})
 
 TCP flow control bounds what is in flight. The hello is length-limited and
@@ -59,7 +60,9 @@ class DataServer:
   def __init__(self, host: str, token: str | None,
                serve: Callable[[dict, Callable[[], bool]], Any]):
     self._token = token
-    self._serve = serve  # serve(hello, is_active) -> iterator of (frame, round)
+    # serve(hello, is_active) -> generator of (frame, round) that returns the
+    # statistics sent with the end of sequence (a dict or None).
+    self._serve = serve
     self._listener = socket.create_server((host, 0))
     self._listener.settimeout(0.2)
     self.port = self._listener.getsockname()[1]
@@ -110,12 +113,18 @@ class DataServer:
       if compression not in wire.COMPRESSIONS:
         raise DataConnectionError(f"Unknown compression {compression!r}.", "INVALID_ARGUMENT")
       is_active = lambda: not self._stop.is_set()
-      for frame, round_index in self._serve(hello, is_active):
+      frames = self._serve(hello, is_active)
+      while True:
+        try:
+          frame, round_index = next(frames)
+        except StopIteration as end:
+          stats = json.dumps(end.value).encode() if end.value else b""
+          break
         if compression:
           frame = wire.encode(wire.decode(frame), compression)
         conn.sendall(_FRAME_PREFIX.pack(KIND_FRAME, len(frame), round_index))
         conn.sendall(frame)
-      conn.sendall(_FRAME_PREFIX.pack(KIND_END, 0, 0))
+      conn.sendall(_FRAME_PREFIX.pack(KIND_END, len(stats), 0) + stats)
     except (DataConnectionError, Exception) as e:  # pylint: disable=broad-except
       status = getattr(e, "status", "INTERNAL")
       if isinstance(e, (BrokenPipeError, ConnectionResetError)):
@@ -167,15 +176,18 @@ class DataConnection:
     self._sock.sendall(_HELLO_LEN.pack(len(payload)) + payload)
     self._sock.settimeout(None)
     self._prefix = bytearray(_FRAME_PREFIX.size)
+    self.end_stats: dict = {}
 
   def next_frame(self) -> tuple[bytearray, int] | None:
-    """The next (frame, round); None at the end. Raises DataConnectionError."""
+    """The next (frame, round); None at the end (then `end_stats` holds the
+    task's statistics). Raises DataConnectionError."""
     try:
       kind, length, round_index = _FRAME_PREFIX.unpack(
           _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))
-      if kind == KIND_END:
-        return None
       body = _recv_exact(self._sock, length)
+      if kind == KIND_END:
+        self.end_stats = _stats_of(bytes(body))
+        return None
     except OSError as e:
       if isinstance(e, DataConnectionError):
         raise
@@ -192,3 +204,14 @@ class DataConnection:
     except OSError:
       pass
     self._sock.close()
+
+
+def _stats_of(body: bytes) -> dict:
+  try:
+    stats = json.loads(body) if body else {}
+  except ValueError as e:
+    raise DataConnectionError(f"Malformed end-of-sequence statistics: {e}",
+                              "INTERNAL") from e
+  if not isinstance(stats, dict):
+    raise DataConnectionError("End-of-sequence statistics are not an object.", "INTERNAL")
+  return stats

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from jaxfeed.service import journal as journal_lib
+from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service.protos import service_pb2 as pb
@@ -100,6 +101,7 @@ class _Job:
   job_name: str
   num_consumers: int
   num_positions: int
+  round_timeout_s: float = 0.0
   tasks: dict[int, _Task] = dataclasses.field(default_factory=dict)
   clients: dict[int, float] = dataclasses.field(default_factory=dict)
   # Static and round-robin jobs fix their workers (address -> index) once.
@@ -166,7 +168,8 @@ class DispatcherState:
       self.dataset_by_fingerprint[dataset_def.fingerprint] = r["dataset_id"]
     elif kind == "job":
       job = _Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
-                 r["job_name"], r["num_consumers"], r["num_positions"])
+                 r["job_name"], r["num_consumers"], r["num_positions"],
+                 r.get("round_timeout_s", 0.0))
       self.jobs[job.job_id] = job
       if job.job_name:
         self.job_by_name[job.job_name] = job.job_id
@@ -222,8 +225,7 @@ class DispatcherState:
   # -- jobs -------------------------------------------------------------------
   def get_or_create_job(self, request: pb.GetOrCreateJobRequest) -> tuple[int, int]:
     policy = to_sharding_policy(request.sharding_policy)
-    if request.num_consumers < 0:
-      raise ValueError(f"num_consumers must be >= 0, got {request.num_consumers}.")
+    _check_round_robin_request(request)
     with self.lock:
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
@@ -239,7 +241,15 @@ class DispatcherState:
               f"Job {request.job_name!r} exists for dataset {job.dataset_id} with "
               f"processing mode {job.policy.name} and num_consumers "
               f"{job.num_consumers}; it cannot be read as dataset "
-              f"{request.dataset_id} with {policy.name} / {request.num_consumers}.")
+              f"{request.dataset_id} with {policy.name} / num_consumers "
+              f"{request.num_consumers}: every consumer of a job must pass the "
+              "same dataset, processing mode and num_consumers.")
+        if job is not None and request.round_timeout_s and (
+            request.round_timeout_s != job.round_timeout_s):
+          raise ValueError(
+              f"Job {request.job_name!r} has round_timeout_s "
+              f"{job.round_timeout_s}; a consumer asked for "
+              f"{request.round_timeout_s}: pass the same value (or none).")
       if job is None:
         if policy == ShardingPolicy.DYNAMIC and dataset_def.num_positions == 0:
           pass  # an empty pipeline: the job finishes at once
@@ -247,7 +257,9 @@ class DispatcherState:
         self._record({"kind": "job", "id": job_id, "dataset_id": request.dataset_id,
                       "policy": policy.value, "job_name": request.job_name,
                       "num_consumers": request.num_consumers,
-                      "num_positions": int(dataset_def.num_positions)})
+                      "num_positions": int(dataset_def.num_positions),
+                      "round_timeout_s": (request.round_timeout_s
+                                          or round_assembly.DEFAULT_ROUND_TIMEOUT_S)})
         job = self.jobs[job_id]
         self._assign_tasks(job)
       client_id = self._next_id()
@@ -285,7 +297,8 @@ class DispatcherState:
         worker_address=task.worker_address,
         data_address=worker.data_address if worker else "",
         sharding_policy=job.policy.value, worker_index=task.worker_index,
-        num_workers=task.num_workers, num_consumers=job.num_consumers)
+        num_workers=task.num_workers, num_consumers=job.num_consumers,
+        round_timeout_s=job.round_timeout_s)
 
   def _job(self, job_id: int) -> _Job:
     job = self.jobs.get(job_id)
@@ -399,6 +412,25 @@ class DispatcherState:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
     if not self.jobs[job_id].clients:
       self._record({"kind": "job_deleted", "job_id": job_id})
+
+
+def _check_round_robin_request(request: pb.GetOrCreateJobRequest) -> None:
+  """Raises ValueError (INVALID_ARGUMENT) for inconsistent round-robin options."""
+  k = request.num_consumers
+  if k < 0:
+    raise ValueError(f"num_consumers must be >= 0, got {k}.")
+  if k and not request.job_name:
+    raise ValueError(f"num_consumers={k} needs a job_name: the consumers of a "
+                     "round-robin read share one job.")
+  if k and not 0 <= request.consumer_index < k:
+    raise ValueError(f"consumer_index must be in [0, num_consumers={k}), got "
+                     f"{request.consumer_index}.")
+  if not k and (request.consumer_index or request.round_timeout_s):
+    raise ValueError("consumer_index and round_timeout_s apply to round-robin "
+                     "reads only: pass num_consumers too.")
+  if request.round_timeout_s < 0 or request.round_timeout_s != request.round_timeout_s:
+    raise ValueError(f"round_timeout_s must be > 0 (or 0 for the job's value), got "
+                     f"{request.round_timeout_s}.")
 
 
 class _DispatcherServicer:

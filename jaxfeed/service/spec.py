@@ -192,7 +192,7 @@ def to_dataset_def(node: base.Node, udf_secret: bytes | None = None
   graph = encoder.node(node)
   dataset_def = service_pb2.DatasetDef(
       graph_json=json.dumps(graph, sort_keys=True).encode(),
-      arrays=wire.encode(encoder.arrays),
+      arrays=bytes(wire.encode(encoder.arrays)),
       pickled_udfs=encoder.pickled,
       fingerprint=node.fingerprint())
   if udf_secret:

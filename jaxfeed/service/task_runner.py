@@ -6,8 +6,9 @@ import collections
 import logging
 import threading
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator
 
+from jaxfeed.service import round_assembly
 from jaxfeed.service import wire
 
 _POLL_S = 0.1
@@ -26,22 +27,42 @@ class TaskRunner:
 
   Plain jobs keep one FIFO that every consumer of the task pulls from (a
   frame goes to exactly one of them). Round-robin jobs (num_consumers K > 0)
-  group the frames into rounds of K; consumer i gets frame i of each round
-  this worker owns, and a round is dropped once all K consumers took theirs.
+  assemble rounds of K batches of one bucket key and close them when every
+  consumer took its batch or when the round timed out; see
+  `jaxfeed.service.round_assembly` for the rules.
+
+  Args:
+    task_id: The dispatcher's task id.
+    make_iterator: Builds the task's pipeline (called on the task's thread).
+    buffer_size: Ready batches (plain jobs) or rounds (round-robin jobs) held.
+    num_consumers: K; 0 for a plain job.
+    on_finished: Called with the task id once the pipeline ended cleanly.
+    round_timeout_s: Round-robin: how long a round waits for late consumers
+      once its first consumer took its batch.
+    max_window_batches: Round-robin: most batches waiting in partial bucket
+      windows.
   """
 
   def __init__(self, task_id: int, make_iterator: Callable[[], Any],
                buffer_size: int, num_consumers: int = 0,
-               on_finished: Callable[[int], None] | None = None):
+               on_finished: Callable[[int], None] | None = None,
+               round_timeout_s: float = round_assembly.DEFAULT_ROUND_TIMEOUT_S,
+               max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES):
     self.task_id = task_id
     self.num_consumers = num_consumers
     self._buffer_size = buffer_size
     self._cond = threading.Condition()
     self._fifo: collections.deque = collections.deque()
-    self._rounds: dict[int, list] = {}      # local round -> K frames
-    self._served: dict[int, set] = {}       # local round -> consumers served
-    self._next_round = 0
-    self._pending: list = []
+    self._assembler: round_assembly.RoundAssembler | None = None
+    self._rounds: round_assembly.RoundBuffer | None = None
+    self._setup_error: Exception | None = None
+    if num_consumers:
+      self._rounds = round_assembly.RoundBuffer(num_consumers, buffer_size, round_timeout_s)
+      try:
+        self._assembler = round_assembly.RoundAssembler(num_consumers, max_window_batches)
+      except ValueError as e:  # the worker's limit, reported to every consumer
+        e.grpc_status = "FAILED_PRECONDITION"
+        self._setup_error = e
     self._done = False
     self._error: TaskFailed | None = None
     self._stop = threading.Event()
@@ -53,22 +74,30 @@ class TaskRunner:
 
   # -- producer ---------------------------------------------------------------
   def _full(self) -> bool:
-    if self.num_consumers:
-      return len(self._rounds) >= self._buffer_size
+    if self._rounds is not None:  # closing timed-out rounds may make room
+      if self._rounds.close_expired():
+        self._cond.notify_all()
+      return self._rounds.full
     return len(self._fifo) >= self._buffer_size
 
   def _produce(self, make_iterator: Callable[[], Any]) -> None:
     iterator = None
     try:
+      if self._setup_error is not None:
+        raise self._setup_error
       iterator = make_iterator()
       for element in iterator:
+        key = rows = None
+        if self._assembler is not None:
+          key = round_assembly.bucket_key(element)
+          rows = round_assembly.batch_rows(element)
         frame = wire.encode(element)
         with self._cond:
           while self._full() and not self._stop.is_set():
             self._cond.wait(_POLL_S)
           if self._stop.is_set():
             return
-          self._add(frame)
+          self._add(frame, key, rows)
           self._cond.notify_all()
     except Exception as e:  # pylint: disable=broad-except
       status = getattr(e, "grpc_status", None) or _status_of(e)
@@ -83,26 +112,29 @@ class TaskRunner:
         except Exception:  # pylint: disable=broad-except
           logging.exception("Closing task %d's pipeline failed", self.task_id)
       with self._cond:
+        if self._assembler is not None and self._error is None and not self._stop.is_set():
+          self._assembler.finish()
         self._done = True
         self._cond.notify_all()
       if self._error is None and not self._stop.is_set() and self._on_finished:
         self._on_finished(self.task_id)
 
-  def _add(self, frame: bytes) -> None:
-    if not self.num_consumers:
+  def _add(self, frame: bytes, key: Any, rows: Any) -> None:
+    if self._assembler is None:
       self._fifo.append(frame)
       return
-    self._pending.append(frame)
-    if len(self._pending) == self.num_consumers:
-      self._rounds[self._next_round] = self._pending
-      self._served[self._next_round] = set()
-      self._next_round += 1
-      self._pending = []
+    completed = self._assembler.add(frame, key, rows)
+    if completed is not None:
+      self._rounds.put(completed)
 
   # -- consumers ----------------------------------------------------------------
   def frames(self, is_active: Callable[[], bool], consumer_index: int = 0,
-             local_round: int = 0) -> Iterator[tuple[bytes, int]]:
-    """Yields (frame, local round) until the task ends; raises TaskFailed."""
+             local_round: int = 0) -> Generator[tuple[bytes, int], None, dict | None]:
+    """Yields (frame, local round) until the task ends; raises TaskFailed.
+
+    Returns the task's round statistics (see `stats`) when the task ended,
+    None when `is_active()` turned false first.
+    """
     if self.num_consumers and not 0 <= consumer_index < self.num_consumers:
       raise TaskFailed(f"consumer_index {consumer_index} is outside "
                        f"[0, {self.num_consumers}) of task {self.task_id}.",
@@ -113,33 +145,42 @@ class TaskRunner:
           if self._stop.is_set():
             raise TaskFailed(f"Task {self.task_id} was stopped on this worker.",
                              "UNAVAILABLE")
-          if self.num_consumers:
-            frames = self._rounds.get(local_round)
-            if frames is not None:
-              frame = frames[consumer_index]
-              served = self._served[local_round]
-              served.add(consumer_index)
-              if len(served) == self.num_consumers:
-                del self._rounds[local_round], self._served[local_round]
-                self._cond.notify_all()
+          if self._rounds is not None:
+            if self._rounds.close_expired():
+              self._cond.notify_all()
+            got = self._rounds.take(consumer_index, local_round)
+            if got is not None:
+              frame, local_round = got
+              self._cond.notify_all()
               break
-            if local_round < self._next_round:  # already dropped
-              raise TaskFailed(
-                  f"Round {local_round} of task {self.task_id} was already "
-                  "served to every consumer.", "OUT_OF_RANGE")
+            ended = self._done and self._rounds.exhausted(local_round)
           elif self._fifo:
             frame = self._fifo.popleft()
             self._cond.notify_all()
             break
+          else:
+            ended = self._done
           if self._error is not None:
             raise self._error
-          if self._done:
-            return
+          if ended:
+            return self._stats_locked()
           if not is_active():
-            return
+            return None
           self._cond.wait(_POLL_S)
       yield frame, local_round
       local_round += 1
+
+  def stats(self) -> dict:
+    """Round-robin counters (rounds made, windows and batches dropped, see
+    `jaxfeed.service.round_assembly`); empty for plain jobs."""
+    with self._cond:
+      return self._stats_locked()
+
+  def _stats_locked(self) -> dict:
+    if self._rounds is None:
+      return {}
+    assembler = self._assembler.stats if self._assembler is not None else {}
+    return {**self._rounds.stats, **assembler}
 
   # -- lifetime ---------------------------------------------------------------
   @property

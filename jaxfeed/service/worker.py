@@ -11,15 +11,17 @@ Workers keep no durable state: a restarted worker registers like a new one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
 import weakref
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 import grpc
 
 from jaxfeed.service import data_socket
+from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import task_pipeline
 from jaxfeed.service import task_runner as task_runner_lib
@@ -47,6 +49,10 @@ class WorkerConfig:
     splits_per_request: DYNAMIC split ranges fetched per dispatcher call.
     tls: Key and certificate for serving TLS, and the root CA for the
       dispatcher. TLS disables the raw data socket.
+    max_window_batches: Round-robin jobs: most batches a task holds in
+      partial bucket windows; past it the oldest window is dropped (see
+      `jaxfeed.service.round_assembly`). A job's worker memory is bounded by
+      this plus buffer_size rounds of num_consumers batches.
   """
 
   dispatcher_address: str
@@ -61,6 +67,7 @@ class WorkerConfig:
   data_socket: bool = True
   splits_per_request: int = 2
   tls: rpc.TLSConfig | None = None
+  max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES
 
   def __post_init__(self):
     if not isinstance(self.dispatcher_address, str) or ":" not in self.dispatcher_address:
@@ -71,7 +78,7 @@ class WorkerConfig:
     if not isinstance(self.heartbeat_interval_s, (int, float)) or self.heartbeat_interval_s <= 0:
       raise ValueError("WorkerConfig: heartbeat_interval_s must be > 0, got "
                        f"{self.heartbeat_interval_s!r}.")
-    for name in ("buffer_size", "splits_per_request"):
+    for name in ("buffer_size", "splits_per_request", "max_window_batches"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"WorkerConfig: {name} must be an integer >= 1, got {value!r}.")
@@ -129,7 +136,9 @@ class _Worker:
     make_iterator = lambda: self._make_iterator(task)
     runner = task_runner_lib.TaskRunner(
         task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
-        on_finished=self._on_finished)
+        on_finished=self._on_finished,
+        round_timeout_s=task.round_timeout_s or round_assembly.DEFAULT_ROUND_TIMEOUT_S,
+        max_window_batches=self.config.max_window_batches)
     with self.lock:
       self.tasks[task.task_id] = runner
       self.task_added.notify_all()
@@ -177,9 +186,10 @@ class _Worker:
       return self.tasks[task_id]
 
   def frames(self, task_id: int, consumer_index: int, round_index: int,
-             is_active) -> Iterator[tuple[bytes, int]]:
+             is_active) -> Generator[tuple[bytes, int], None, dict | None]:
+    """The task's frames; returns its round statistics at the task's end."""
     runner = self.find_task(task_id)
-    yield from runner.frames(is_active, consumer_index, round_index)
+    return (yield from runner.frames(is_active, consumer_index, round_index))
 
   # -- serving --------------------------------------------------------------------
   def GetElements(self, request: pb.GetElementsRequest,
@@ -189,8 +199,14 @@ class _Worker:
     from jaxfeed.service import wire  # pylint: disable=g-import-not-at-top
     wire.check_compression(compression)
     try:
-      for frame, round_index in self.frames(request.task_id, request.consumer_index,
-                                            request.round, context.is_active):
+      frames = self.frames(request.task_id, request.consumer_index, request.round,
+                           context.is_active)
+      while True:
+        try:
+          frame, round_index = next(frames)
+        except StopIteration as end:
+          stats = end.value
+          break
         if compression:
           frame = wire.encode(wire.decode(frame), compression)
         view = memoryview(frame)
@@ -198,11 +214,13 @@ class _Worker:
         yield pb.ElementChunk(data=bytes(view[:chunk]), frame_bytes=size, round=round_index)
         for start in range(chunk, size, chunk):
           yield pb.ElementChunk(data=bytes(view[start:start + chunk]))
-      yield pb.ElementChunk(end_of_sequence=True)
+      yield pb.ElementChunk(end_of_sequence=True,
+                            stats_json=json.dumps(stats) if stats else "")
     except task_runner_lib.TaskFailed as e:
       raise rpc.StatusError(e.status, str(e)) from e
 
-  def serve_socket(self, hello: dict, is_active) -> Iterator[tuple[bytes, int]]:
+  def serve_socket(self, hello: dict, is_active
+                   ) -> Generator[tuple[bytes, int], None, dict | None]:
     try:
       task_id = int(hello["task_id"])
       consumer_index = int(hello.get("consumer_index", 0))
@@ -210,7 +228,7 @@ class _Worker:
     except (KeyError, TypeError, ValueError) as e:
       raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
     try:
-      yield from self.frames(task_id, consumer_index, round_index, is_active)
+      return (yield from self.frames(task_id, consumer_index, round_index, is_active))
     except rpc.NotFoundError as e:
       raise data_socket.DataConnectionError(str(e), "NOT_FOUND") from e
     except task_runner_lib.TaskFailed as e:
@@ -333,6 +351,7 @@ def main(argv: Any) -> None:
       dispatcher_address=f.dispatcher_address, port=f.port, host=f.host,
       heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
       auth_token=f.auth_token or None, data_socket=f.data_socket,
+      max_window_batches=f.max_window_batches,
       pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None)
   server = WorkerServer(config)
   print(f"jaxfeed worker listening on {server.target} data {server.data_address}",
@@ -353,6 +372,8 @@ def define_flags() -> None:
   flags.DEFINE_string("auth_token", "", "Token of the deployment.")
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
   flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
+  flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
+                       "Round-robin jobs: batches held in partial bucket windows.")
   flags.mark_flag_as_required("dispatcher_address")
 
 
