@@ -24,7 +24,16 @@ def mix_seed(*values: int) -> int:
   Returns:
     A Python int in [0, 2**64).
   """
-  z = _GOLDEN
+  return continue_mix(_GOLDEN, *values)
+
+
+def continue_mix(prefix: int, *values: int) -> int:
+  """Goes on mixing from `prefix = mix_seed(a, ...)`.
+
+  `continue_mix(mix_seed(a), b) == mix_seed(a, b)`, so a prefix that stays
+  fixed (an op's seed) is mixed once instead of for every element.
+  """
+  z = prefix
   for v in values:
     z = (z + (int(v) & _MASK64) + _GOLDEN) & _MASK64
     z = ((z ^ (z >> 30)) * _M1) & _MASK64
@@ -35,10 +44,15 @@ def mix_seed(*values: int) -> int:
 
 def mix_seeds(*values: np.ndarray | int) -> np.ndarray:
   """Vectorized `mix_seed`: broadcasts its arguments, returns uint64."""
+  # Leading Python ints are mixed once as a scalar prefix.
+  count = 0
+  while count < len(values) and isinstance(values[count], int):
+    count += 1
+  prefix = continue_mix(_GOLDEN, *values[:count])
   arrays = [np.asarray(v).astype(np.uint64) if not isinstance(v, int)
-            else np.uint64(v & _MASK64) for v in values]
+            else np.uint64(v & _MASK64) for v in values[count:]]
   shape = np.broadcast_shapes(*(np.shape(a) for a in arrays))
-  z = np.full(shape, _GOLDEN, dtype=np.uint64)
+  z = np.full(shape, prefix, dtype=np.uint64)
   with np.errstate(over="ignore"):
     for a in arrays:
       z = z + a + np.uint64(_GOLDEN)

@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxfeed.ops import parallel, process_pool
 from jaxfeed.ops.base import Node, OpIterator, mix_seed
+from jaxfeed.seeding import continue_mix
 
 __all__ = ["RandomMapNode", "RandomMapIterator", "RandomMapCall",
            "ElementGenerators", "element_rng"]
@@ -40,22 +41,24 @@ class ElementGenerators:
   """
 
   def __init__(self, op_seed: int):
-    self._op_seed = op_seed
+    self._op_prefix = mix_seed(op_seed)  # mixed once, continued per element
     self._local = threading.local()
 
   def __call__(self, record_seed: int) -> np.random.Generator:
-    key = mix_seed(self._op_seed, record_seed)
-    generator = getattr(self._local, "generator", None)
-    if generator is None:
-      generator = self._local.generator = np.random.Generator(
-          np.random.Philox(key=np.array([key, 0], dtype=np.uint64)))
-      return generator
-    generator.bit_generator.state = {
-        "bit_generator": "Philox",
-        "state": {"counter": np.zeros(4, dtype=np.uint64),
-                  "key": np.array([key, 0], dtype=np.uint64)},
-        "buffer": np.zeros(4, dtype=np.uint64), "buffer_pos": 4,
-        "has_uint32": 0, "uinteger": 0}
+    key = continue_mix(self._op_prefix, record_seed)
+    local = self._local
+    try:
+      generator, state, key_words = local.cached
+    except AttributeError:
+      key_words = np.zeros(2, np.uint64)
+      state = {"bit_generator": "Philox",
+               "state": {"counter": np.zeros(4, np.uint64), "key": key_words},
+               "buffer": np.zeros(4, np.uint64), "buffer_pos": 4,
+               "has_uint32": 0, "uinteger": 0}
+      generator = np.random.Generator(np.random.Philox(key=0))
+      local.cached = (generator, state, key_words)
+    key_words[0] = key  # the state setter copies the arrays it is given
+    generator.bit_generator.state = state
     return generator
 
 

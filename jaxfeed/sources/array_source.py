@@ -22,8 +22,8 @@ class ArraySource(RecordSource):
   accepts) sharing their first dimension, the record axis. `src[i]` is the
   pytree with every leaf indexed at `i`, like `from_tensor_slices`: read-only
   numpy views into the source's arrays, numpy scalars for 1-D leaves.
-  `get_many` returns independent rows (one fancy-indexing copy per leaf) and
-  `get_batch` returns the stacked batch itself.
+  `get_many` returns the same read-only views (no copy: batching copies
+  anyway) and `get_batch` returns the stacked batch itself, a fresh array.
   """
 
   def __init__(self, data: Any):
@@ -66,10 +66,10 @@ class ArraySource(RecordSource):
     return self._build([leaf[index] for leaf in self._leaves])
 
   def _read_many(self, indices: np.ndarray) -> list:
-    # list() splits each taken leaf into rows in C (views, or numpy scalars
-    # for 1-D leaves); zip regroups them per record.
-    rows = [list(leaf[indices]) for leaf in self._leaves]
-    return list(map(self._build, zip(*rows)))
+    # Views into the read-only leaves, like src[i]: copying rows here would
+    # cost more than the whole record read.
+    leaves = self._leaves
+    return [self._build([leaf[i] for leaf in leaves]) for i in indices.tolist()]
 
   def get_batch(self, indices: Sequence[int] | np.ndarray) -> Any:
     """The records at `indices` stacked: the pytree with fancy-indexed leaves."""
