@@ -6,7 +6,7 @@ scalars. These helpers avoid jax.tree_util on the per-element hot path.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -47,20 +47,21 @@ def paths(tree: Any, prefix: str = "") -> list[str]:
 
 def unflatten(structure: Any, leaves: Sequence[Any]) -> Any:
   """Inverse of `flatten` given an example tree with the same structure."""
-  it = iter(leaves)
+  return _build(structure, iter(leaves))
 
-  def build(s):
-    if isinstance(s, dict):
-      # Leaves come in sorted-key order; the result keeps the user's key order.
-      built = {k: build(s[k]) for k in sorted(s)}
-      return {k: built[k] for k in s}
-    if isinstance(s, tuple):
-      return tuple(build(v) for v in s)
-    if isinstance(s, list):
-      return [build(v) for v in s]
-    return next(it)
 
-  return build(structure)
+def _build(structure: Any, leaves: Iterator[Any]) -> Any:
+  # A module-level recursion: a recursive closure would form a reference
+  # cycle holding the leaves (whole batches) until the garbage collector ran.
+  if isinstance(structure, dict):
+    # Leaves come in sorted-key order; the result keeps the user's key order.
+    built = {k: _build(structure[k], leaves) for k in sorted(structure)}
+    return {k: built[k] for k in structure}
+  if isinstance(structure, tuple):
+    return tuple(_build(v, leaves) for v in structure)
+  if isinstance(structure, list):
+    return [_build(v, leaves) for v in structure]
+  return next(leaves)
 
 
 def map_structure(fn: Callable, *trees: Any) -> Any:
