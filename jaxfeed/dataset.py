@@ -207,3 +207,6 @@ class Dataset:
 
   def __repr__(self) -> str:
     return f"Dataset({self.node!r})"
+
+
+base.register_dataset_wrapper(Dataset)

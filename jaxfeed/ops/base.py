@@ -196,6 +196,24 @@ def _spec_default(value: Any) -> Any:
   return repr(value)
 
 
+_dataset_wrapper: Callable[[Node], Any] | None = None
+
+
+def register_dataset_wrapper(wrapper: Callable[[Node], Any]) -> None:
+  """Called once by the facade: how `as_dataset` wraps a node for users."""
+  global _dataset_wrapper
+  _dataset_wrapper = wrapper
+
+
+def as_dataset(node: Node) -> Any:
+  """`node` as the public Dataset, for ops that hand datasets to user code
+  (group_by_window's reduce_func) without importing the facade."""
+  if _dataset_wrapper is None:
+    raise RuntimeError("jaxfeed.dataset has not been imported; build "
+                       "pipelines through jaxfeed.Dataset.")
+  return _dataset_wrapper(node)
+
+
 def to_node(value: Any, op_name: str, what: str = "value") -> Node:
   """Accepts a Node or a facade `Dataset` (anything with a `.node`)."""
   if isinstance(value, Node):

@@ -20,7 +20,6 @@ buffered elements are always its most recent ones), so `key_func` and
 from __future__ import annotations
 
 import collections
-import importlib
 import sys
 from typing import Any, Callable
 
@@ -56,15 +55,6 @@ def _check_window_size(value: Any, key: int) -> int:
         f"{_OP}: window size must be an integer greater than zero, but "
         f"window_size_func returned {value!r:.200} for key {key}.")
   return int(value)
-
-
-def _as_dataset(node: base.Node) -> Any:
-  """Wraps a node in the public `Dataset` facade for `reduce_func`.
-
-  reduce_func is user code written against the public API. The facade imports
-  op modules lazily, so importing it here at call time makes no import cycle.
-  """
-  return importlib.import_module("jaxfeed.dataset").Dataset(node)
 
 
 class WindowNode(base.Node):
@@ -214,7 +204,7 @@ class GroupByWindowIterator(base.OpIterator):
     return _check_window_size(self._window_size_func(np.int64(key)), key)
 
   def _reduce(self, key: int, group: _Group) -> base.OpIterator:
-    window = _as_dataset(WindowNode(group.elements, group.seeds))
+    window = base.as_dataset(WindowNode(group.elements, group.seeds))
     result = self._reduce_func(np.int64(key), window)
     node = base.to_node(result, _OP, "the value returned by reduce_func")
     return node.make_iterator()
