@@ -130,17 +130,19 @@ class _Worker:
         runner.stop()
 
   def start_task(self, task: pb.TaskInfo) -> None:
+    make_iterator = lambda: self._make_iterator(task)
+    # Checked and added under one lock hold: the heartbeat thread and a
+    # client's first request (find_task) may both learn of a new task, and
+    # two runners of one task would serve its consumers different streams.
+    # A runner only starts its thread here; the pipeline is built on it.
     with self.lock:
       if task.task_id in self.tasks or self.stop.is_set():
         return
-    make_iterator = lambda: self._make_iterator(task)
-    runner = task_runner_lib.TaskRunner(
-        task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
-        on_finished=self._on_finished,
-        round_timeout_s=task.round_timeout_s or round_assembly.DEFAULT_ROUND_TIMEOUT_S,
-        max_window_batches=self.config.max_window_batches)
-    with self.lock:
-      self.tasks[task.task_id] = runner
+      self.tasks[task.task_id] = task_runner_lib.TaskRunner(
+          task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
+          on_finished=self._on_finished,
+          round_timeout_s=task.round_timeout_s or round_assembly.DEFAULT_ROUND_TIMEOUT_S,
+          max_window_batches=self.config.max_window_batches)
       self.task_added.notify_all()
 
   def _on_finished(self, task_id: int) -> None:

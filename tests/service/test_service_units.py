@@ -157,3 +157,37 @@ def test_round_robin_consumers_read_each_round_from_one_worker():
   assert results[0] == [2 * (r // 2) for r in range(16)]
   assert results[1] == [2 * (r // 2) + 1 for r in range(16)]
   assert not [t for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+
+
+def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):
+  # The heartbeat thread and a client's first request can both hand a
+  # worker the same new task; two runners would split its consumers.
+  from jaxfeed.service import task_runner  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  created = []
+
+  class CountedRunner(task_runner.TaskRunner):
+
+    def __init__(self, *args, **kwargs):
+      created.append(args[0])
+      super().__init__(*args, **kwargs)
+
+  monkeypatch.setattr(worker_lib.task_runner_lib, "TaskRunner", CountedRunner)
+  monkeypatch.setattr(worker_lib._Worker, "_make_iterator", lambda self, task: iter([]))
+  worker = worker_lib._Worker(service.WorkerConfig(dispatcher_address="127.0.0.1:1"),
+                              "127.0.0.1:2")
+  task = pb.TaskInfo(task_id=7, job_id=1, dataset_id="1", num_consumers=2)
+  barrier = threading.Barrier(8)
+
+  def learn():
+    barrier.wait()
+    worker.start_task(task)
+
+  threads = [threading.Thread(target=learn) for _ in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(timeout=10)
+  worker.shutdown()
+  assert created == [7]
