@@ -460,6 +460,7 @@ class DistributedIterator(base.OpIterator):
     self._last_round = -1
     self._heads: dict[int, tuple] = {}  # task id -> (element, local round) not yet due
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
+    self._ended_pending = 0
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -484,8 +485,10 @@ class DistributedIterator(base.OpIterator):
 
     `rounds_received`: batches returned; `rounds_skipped`: rounds that closed
     before this consumer took its batch (it was late, see the module
-    docstring); `rounds_of_ended_workers`: rounds skipped because their
-    worker's stream had ended or died. `workers` maps each worker address
+    docstring), including, at the end, those after its last batch;
+    `rounds_of_ended_workers`: rounds without a batch because their worker
+    had ended or died while another worker still served later rounds (the
+    same for every consumer). `workers` maps each worker address
     whose stream ended to that task's counters (`jaxfeed.service.
     round_assembly`: rounds, windows and batches dropped), and the counters'
     totals over those workers are given at the top level too.
@@ -550,6 +553,7 @@ class DistributedIterator(base.OpIterator):
       by_index, num_workers = read.round_fetchers()
       if all(self._drained(f) for f in by_index.values()) and (
           read.finished or (by_index and len(by_index) >= num_workers)):
+        self._count_rounds_never_reached(by_index, num_workers)
         raise StopIteration
       index = self._round % num_workers if num_workers else 0
       fetcher = by_index.get(index)
@@ -562,7 +566,11 @@ class DistributedIterator(base.OpIterator):
       head = self._head(fetcher)
       if head is None:
         if self._drained(fetcher):
-          self._skip("rounds_of_ended_workers")
+          # The worker says how many rounds it made: the ones we did not get
+          # closed before we came.
+          made = fetcher.end_stats.get("rounds", 0)
+          late = self._round // num_workers < made
+          self._skip("rounds_skipped" if late else "rounds_of_ended_workers")
         continue
       element, local_round = head
       got = local_round * num_workers + index
@@ -575,11 +583,28 @@ class DistributedIterator(base.OpIterator):
       self._round += 1
       self._last_round = got
       self._elements += 1
+      self._skipped["rounds_of_ended_workers"] += self._ended_pending
+      self._ended_pending = 0
       return element
 
   def _skip(self, why: str) -> None:
-    self._skipped[why] += 1
+    if why == "rounds_of_ended_workers":
+      # Counted once a later round arrives: after the last one, they are
+      # just the end of the read.
+      self._ended_pending += 1
+    else:
+      self._skipped[why] += 1
     self._round += 1
+
+  def _count_rounds_never_reached(self, by_index: dict, num_workers: int) -> None:
+    """At the end: rounds the workers made past our position closed unseen."""
+    for index, fetcher in by_index.items():
+      made = fetcher.end_stats.get("rounds", 0)
+      first = max(0, -(-(self._round - index) // num_workers))
+      self._skipped["rounds_skipped"] += max(0, made - first)
+    self._round = max(self._round, max(
+        (f.end_stats.get("rounds", 0) * num_workers for f in by_index.values()), default=0))
+    self._ended_pending = 0
 
   def _get_own_state(self) -> dict:
     return {"elements_read": self._elements}

@@ -21,3 +21,17 @@ def decode_record(record):
   """TFRecord payload: 4-byte int32 label then the raw bytes of x (int64)."""
   data = np.frombuffer(record, dtype=np.uint8)
   return {"label": data[:4].view(np.int32)[0], "x": data[4:].view(np.int64)[0]}
+
+
+def trim_tokens(record):
+  """A fixed-width token row cut to the record's length, with its id."""
+  return {"tokens": record["tokens"][:record["length"]], "id": record["id"]}
+
+
+def token_count(element):
+  return element["tokens"].shape[0]
+
+
+def add_payload(element):
+  """A 64 KiB leaf per element, so that batches outgrow socket buffers."""
+  return {**element, "payload": np.zeros(1 << 16, np.uint8)}
