@@ -1,15 +1,13 @@
 """`bucket_by_sequence_length`: tf.data's batches, errors and exact resume."""
 
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
-from test_conformance import assert_same_stream, check_resume
+import op_testing
+from op_testing import assert_same_stream, check_resume, run
+
+tf = op_testing.import_tensorflow()
 
 RNG = np.random.default_rng(11)
 LENGTHS = np.clip(RNG.lognormal(2.0, 0.7, 120), 1, 40).astype(int)
@@ -17,21 +15,13 @@ SEQUENCES = [np.arange(1, n + 1, dtype=np.int32) for n in LENGTHS]
 
 
 def ours(sequences=SEQUENCES, **kwargs):
-  items = list(sequences)
-  return Dataset.range(len(items)).map(lambda i: items[int(i)]) \
-      .bucket_by_sequence_length(lambda x: x.shape[0], **kwargs)
+  return op_testing.elements_dataset(sequences).bucket_by_sequence_length(
+      lambda x: x.shape[0], **kwargs)
 
 
 def theirs(sequences=SEQUENCES, **kwargs):
-  items = list(sequences)
-  ds = tf.data.Dataset.from_generator(
-      lambda: iter(items), output_signature=tf.TensorSpec([None], tf.int32))
+  ds = op_testing.tf_elements_dataset(sequences, example=SEQUENCES[0])
   return ds.bucket_by_sequence_length(lambda x: tf.shape(x)[0], **kwargs)
-
-
-def run(dataset):
-  with dataset.make_iterator() as it:
-    return list(it)
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -3,115 +3,22 @@
 Every configuration is one function of a namespace (`JF` or `TF`) that builds
 the pipeline with that library's API, so both sides run exactly the same ops on
 the same data. Outputs are compared in order (structure, dtype, shape, values),
-or as multisets for shuffles. The helpers at the top (element comparison, exact
-resume checks, restoring in a new process) are shared by the op tests in this
-folder.
+or as multisets for shuffles.
 """
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
+import op_testing
+from op_testing import assert_same_stream, restore_in_new_process
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-
-
-# ---------------------------------------------------------------------------
-# Shared helpers
-# ---------------------------------------------------------------------------
-def assert_same_element(ours, theirs, where="element"):
-  """Same structure, and per leaf the same dtype, shape and values."""
-  if isinstance(theirs, dict):
-    assert isinstance(ours, dict), (where, type(ours))
-    assert set(ours) == set(theirs), (where, sorted(ours), sorted(theirs))
-    for key in theirs:
-      assert_same_element(ours[key], theirs[key], f"{where}/{key}")
-    return
-  if isinstance(theirs, tuple):
-    assert isinstance(ours, tuple) and len(ours) == len(theirs), (where, ours)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-      assert_same_element(a, b, f"{where}/{i}")
-    return
-  a, b = np.asarray(ours), np.asarray(theirs)
-  assert a.dtype == b.dtype, (where, a.dtype, b.dtype)
-  assert a.shape == b.shape, (where, a.shape, b.shape)
-  np.testing.assert_array_equal(a, b, err_msg=where)
-
-
-def assert_same_stream(ours, theirs):
-  ours, theirs = list(ours), list(theirs)
-  assert len(ours) == len(theirs), (len(ours), len(theirs))
-  for i, (a, b) in enumerate(zip(ours, theirs)):
-    assert_same_element(a, b, f"element {i}")
-
-
-def check_resume(build, cuts=None):
-  """Saves the state after each cut, restores it (JSON round-trip) into a new
-  iterator and checks that the elements before the cut plus those after the
-  restore are exactly the uninterrupted stream; also that saving a state does
-  not disturb the iterator it is taken from."""
-  expected = list(build().make_iterator())
-  if cuts is None:
-    cuts = range(len(expected) + 1)
-  for cut in cuts:
-    with build().make_iterator() as it:
-      head = [next(it) for _ in range(cut)]
-      state = json.loads(json.dumps(it.get_state()))
-      continued = list(it)
-    assert_same_stream(head + continued, expected)
-    with build().make_iterator() as restored:
-      restored.set_state(state)
-      rest = list(restored)
-    assert_same_stream(head + rest, expected)
-  return expected
-
-
-def restore_in_new_process(expression, states):
-  """Builds `expression` (jaxfeed code) in a new Python process, restores each
-  of `states` there into a fresh iterator and returns, per state, the
-  remaining elements (pickled back)."""
-  script = textwrap.dedent("""
-      import json, pickle, sys
-      import numpy as np
-      from jaxfeed.dataset import Dataset
-      results = []
-      for state in json.loads(sys.stdin.read()):
-        iterator = eval(sys.argv[1]).make_iterator()
-        iterator.set_state(state)
-        results.append(list(iterator))
-        iterator.close()
-      sys.stdout.buffer.write(pickle.dumps(results))
-  """)
-  import pickle  # pylint: disable=g-import-not-at-top
-  done = subprocess.run([sys.executable, "-c", script, expression],
-                        input=json.dumps(states).encode(), capture_output=True,
-                        cwd=REPO_ROOT, timeout=120, check=False)
-  assert done.returncode == 0, done.stderr.decode()[-3000:]
-  return pickle.loads(done.stdout)
+tf = op_testing.import_tensorflow()
 
 
 # ---------------------------------------------------------------------------
 # The two namespaces
 # ---------------------------------------------------------------------------
-def _tf_spec(value):
-  if isinstance(value, dict):
-    return {k: _tf_spec(v) for k, v in value.items()}
-  if isinstance(value, tuple):
-    return tuple(_tf_spec(v) for v in value)
-  arr = np.asarray(value)
-  return tf.TensorSpec([None] * arr.ndim, tf.as_dtype(arr.dtype))
-
-
 class JF:
   """jaxfeed side."""
   D = Dataset
@@ -136,8 +43,8 @@ class JF:
   @staticmethod
   def elements(items, example=None):
     """A dataset of Python-held elements (arrays, dicts, tuples)."""
-    items = list(items)
-    return Dataset.range(len(items)).map(lambda i: items[int(i)])
+    del example  # only tf.data needs it: the spec of an empty dataset
+    return op_testing.elements_dataset(items)
 
 
 class TF:
@@ -163,17 +70,7 @@ class TF:
 
   @staticmethod
   def elements(items, example=None):
-    items = list(items)
-    spec = _tf_spec(items[0] if items else example)
-    return tf.data.Dataset.from_generator(lambda: iter(items),
-                                          output_signature=spec)
-
-
-def _run(dataset):
-  if isinstance(dataset, tf.data.Dataset):
-    return list(dataset.as_numpy_iterator())
-  with dataset.make_iterator() as it:
-    return list(it)
+    return op_testing.tf_elements_dataset(items, example)
 
 
 # ---------------------------------------------------------------------------
@@ -442,8 +339,8 @@ def test_enough_configurations():
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_tf_data(name):
   build, compare = CONFIGS[name]
-  ours = _run(build(JF))
-  theirs = _run(build(TF))
+  ours = op_testing.run(build(JF))
+  theirs = op_testing.run(build(TF))
   if compare == "multiset":
     flat = lambda xs: sorted(np.concatenate([np.ravel(x) for x in xs]).tolist()) if xs else []
     assert flat(ours) == flat(theirs)

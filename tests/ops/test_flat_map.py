@@ -1,16 +1,14 @@
 """`flat_map`: tf.data's order, errors and exact resume."""
 
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.flat_map import FlatMapNode
-from test_conformance import assert_same_stream, check_resume
+import op_testing
+from op_testing import assert_same_stream, check_resume
+
+tf = op_testing.import_tensorflow()
 
 
 def build(n=8):

@@ -1,20 +1,10 @@
 """`group_by_window`: tf.data's windows and flush order, errors, resume."""
 
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
-from test_conformance import assert_same_stream, check_resume
-
-
-def run(dataset):
-  with dataset.make_iterator() as it:
-    return list(it)
+from op_testing import assert_matches_tf_data, check_resume, run
 
 
 @pytest.mark.parametrize("n,mod,window,batch", [
@@ -25,14 +15,14 @@ def test_matches_tf_data(n, mod, window, batch):
     return D.range(n).group_by_window(lambda x: x % mod,
                                       lambda k, w: w.batch(batch),
                                       window_size=window)
-  assert_same_stream(run(make(Dataset)), make(tf.data.Dataset).as_numpy_iterator())
+  assert_matches_tf_data(make)
 
 
 def test_window_size_func_matches_tf_data():
   def make(D):
     return D.range(40).group_by_window(
         lambda x: x % 4, lambda k, w: w.batch(3), window_size_func=lambda k: k + 1)
-  assert_same_stream(run(make(Dataset)), make(tf.data.Dataset).as_numpy_iterator())
+  assert_matches_tf_data(make)
 
 
 def test_partial_windows_are_flushed_in_increasing_key_order():

@@ -8,16 +8,16 @@ import threading
 import time
 import traceback
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed import AUTOTUNE
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import interleave
-from test_conformance import assert_same_stream, check_resume
+import op_testing
+from op_testing import assert_same_stream, check_resume, new_threads, wait_until
+
+tf = op_testing.import_tensorflow()
 
 
 def nested(x):
@@ -208,27 +208,20 @@ def test_restoring_a_state_of_another_op_fails_clearly():
       it.set_state(state)
 
 
-def _jaxfeed_threads():
-  return {t for t in threading.enumerate() if t.name.startswith("jaxfeed-")}
-
-
 def test_parallel_threads_stop_on_close_and_on_garbage_collection():
-  before = _jaxfeed_threads()
+  before = threading.enumerate()
   it = build(n=30, cycle=4, parallel=3).make_iterator()
   next(it)
-  assert len(_jaxfeed_threads() - before) >= 1
+  assert len(new_threads(before, "jaxfeed-")) >= 1
   it.close()
   it.close()  # idempotent
-  assert _jaxfeed_threads() - before == set()
+  assert new_threads(before, "jaxfeed-") == []
 
   it = build(n=30, cycle=4, parallel=3).make_iterator()
   next(it)
   del it
   gc.collect()
-  deadline = time.monotonic() + 10
-  while _jaxfeed_threads() - before and time.monotonic() < deadline:
-    time.sleep(0.01)
-  assert _jaxfeed_threads() - before == set()
+  wait_until(lambda: not new_threads(before, "jaxfeed-"), timeout_s=10)
 
 
 def test_sequential_mode_starts_no_thread():

@@ -1,17 +1,13 @@
 """`pack`: Grain's first-fit / best-fit packing, packing invariants, resume."""
 
 import collections
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import grain
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top,unused-import
 
 from jaxfeed.dataset import Dataset
-from test_conformance import assert_same_stream, check_resume
+from op_testing import assert_same_stream, check_resume, elements_dataset, run
 
 
 def make_examples(seed, n=60, max_a=12, max_b=6, min_length=1):
@@ -21,15 +17,6 @@ def make_examples(seed, n=60, max_a=12, max_b=6, min_length=1):
            "b": rng.integers(1, 1000, (rng.integers(min_length, max_b + 1), 2))
                 .astype(np.float32)}
           for _ in range(n)]
-
-
-def source(examples):
-  return Dataset.range(len(examples)).map(lambda i: examples[int(i)])
-
-
-def run(dataset):
-  with dataset.make_iterator() as it:
-    return list(it)
 
 
 GRAIN_PACKERS = {"first_fit": grain.experimental.FirstFitPackIterDataset,
@@ -42,9 +29,9 @@ GRAIN_PACKERS = {"first_fit": grain.experimental.FirstFitPackIterDataset,
     ({"a": 30, "b": 12}, 5, 3), ({"a": 12, "b": 6}, 8, 1)])
 def test_rows_match_grain(algorithm, lengths, bins, max_seqs):
   examples = [{k: e[k] for k in lengths} for e in make_examples(1, min_length=0)]
-  ours = run(source(examples).pack(lengths, num_packing_bins=bins,
-                                   algorithm=algorithm,
-                                   max_sequences_per_bin=max_seqs))
+  ours = run(elements_dataset(examples).pack(lengths, num_packing_bins=bins,
+                                             algorithm=algorithm,
+                                             max_sequences_per_bin=max_seqs))
   theirs = list(GRAIN_PACKERS[algorithm](
       grain.MapDataset.source(examples).to_iter_dataset(),
       length_struct=lengths, num_packing_bins=bins, shuffle_bins=False,
@@ -87,8 +74,8 @@ def test_no_token_is_lost_or_duplicated_and_segments_are_consistent(seed,
                            max_a=int(rng.integers(1, 30)))
   row_length = int(rng.integers(30, 64))
   bins = int(rng.integers(1, 9))
-  rows = run(source(examples).pack({"a": row_length, "b": 40},
-                                   num_packing_bins=bins, algorithm=algorithm))
+  rows = run(elements_dataset(examples).pack(
+      {"a": row_length, "b": 40}, num_packing_bins=bins, algorithm=algorithm))
   for row in rows:
     assert row["a"].shape == (row_length,) and row["b"].shape == (40, 2)
     # Both features of an element share its segment id.
@@ -102,7 +89,7 @@ def test_no_token_is_lost_or_duplicated_and_segments_are_consistent(seed,
 def test_first_fit_keeps_arrival_order_within_rows_and_across_row_sets():
   lengths = [5, 5, 3, 8, 2, 6, 6]
   examples = [{"t": np.full(n, i + 1, np.int32)} for i, n in enumerate(lengths)]
-  rows = run(source(examples).pack({"t": 10}, num_packing_bins=2))
+  rows = run(elements_dataset(examples).pack({"t": 10}, num_packing_bins=2))
   # 5,5 -> row 0; 3 -> row 1; 8 fits nowhere -> emit; 8 -> row 0, 2 -> row 0;
   # 6 -> row 1; 6 fits nowhere -> emit; 6 -> row 0.
   assert [r["t"].tolist() for r in rows] == [
@@ -114,8 +101,8 @@ def test_first_fit_keeps_arrival_order_within_rows_and_across_row_sets():
 def test_best_fit_chooses_the_fullest_row_that_fits():
   lengths = [6, 3, 2]
   examples = [{"t": np.full(n, i + 1, np.int32)} for i, n in enumerate(lengths)]
-  rows = run(source(examples).pack({"t": 8}, num_packing_bins=2,
-                                   algorithm="best_fit"))
+  rows = run(elements_dataset(examples).pack({"t": 8}, num_packing_bins=2,
+                                             algorithm="best_fit"))
   # 6 -> row 0 (2 left); 3 -> row 1 (5 left); 2 fits both: best fit is row 0.
   assert [r["t"].tolist() for r in rows] == [[1] * 6 + [3] * 2,
                                              [2] * 3 + [0] * 5]
@@ -123,16 +110,16 @@ def test_best_fit_chooses_the_fullest_row_that_fits():
 
 def test_max_sequences_per_bin_limits_segments():
   examples = [{"t": np.ones(1, np.int32)} for _ in range(20)]
-  rows = run(source(examples).pack({"t": 100}, num_packing_bins=2,
-                                   max_sequences_per_bin=3))
+  rows = run(elements_dataset(examples).pack({"t": 100}, num_packing_bins=2,
+                                             max_sequences_per_bin=3))
   assert [int(r["t_segment_ids"].max()) for r in rows] == [3] * 6 + [2]
 
 
 def test_nested_features_get_segment_ids_beside_them_and_extras_are_dropped():
   examples = [{"x": {"ids": np.arange(n, dtype=np.int64)},
                "label": np.int32(n), "extra": "dropped"} for n in (2, 3)]
-  rows = run(source(examples).pack({"x": {"ids": 6}, "label": 2},
-                                   num_packing_bins=1))
+  rows = run(elements_dataset(examples).pack({"x": {"ids": 6}, "label": 2},
+                                             num_packing_bins=1))
   assert len(rows) == 1
   row = rows[0]
   assert set(row) == {"x", "label", "label_segment_ids", "label_positions"}
@@ -146,14 +133,14 @@ def test_nested_features_get_segment_ids_beside_them_and_extras_are_dropped():
 
 def test_an_element_longer_than_its_row_is_an_error_naming_feature_and_lengths():
   examples = [{"a": np.ones(3, np.int32)}, {"a": np.ones(9, np.int32)}]
-  with source(examples).pack({"a": 8}, num_packing_bins=2).make_iterator() as it:
+  with elements_dataset(examples).pack({"a": 8}, num_packing_bins=2).make_iterator() as it:
     with pytest.raises(ValueError, match=r"pack: feature 'a'.*length 9.*row "
                                          r"length 8"):
       next(it)
 
 
 def test_an_element_without_a_packed_feature_is_an_error():
-  with source([{"b": np.ones(2)}]).pack({"a": 8}, num_packing_bins=1) \
+  with elements_dataset([{"b": np.ones(2)}]).pack({"a": 8}, num_packing_bins=1) \
       .make_iterator() as it:
     with pytest.raises(ValueError, match="pack.*features.*'a'"):
       next(it)
@@ -178,7 +165,7 @@ def test_invalid_options_are_rejected(kwargs, error, match):
 @pytest.mark.parametrize("bins", [1, 3])
 def test_resume_at_every_cut_is_exact(algorithm, bins):
   examples = make_examples(5, n=40)
-  check_resume(lambda: source(examples).pack(
+  check_resume(lambda: elements_dataset(examples).pack(
       {"a": 20, "b": 10}, num_packing_bins=bins, algorithm=algorithm))
 
 
@@ -191,7 +178,7 @@ def test_resume_under_a_shuffled_input_is_exact():
 
 def test_state_is_small_with_many_pending_elements():
   examples = [{"a": np.ones(2, np.int32)} for _ in range(3000)]
-  with source(examples).pack({"a": 512}, num_packing_bins=4).make_iterator() as it:
+  with elements_dataset(examples).pack({"a": 512}, num_packing_bins=4).make_iterator() as it:
     next(it)
     state = it.get_state()
   assert len(str(state)) < 1000
@@ -199,9 +186,9 @@ def test_state_is_small_with_many_pending_elements():
 
 def test_spec_params_rebuild_an_equal_node_and_the_optimizer_keeps_rows():
   examples = make_examples(8, n=30)
-  node = source(examples).pack({"a": 20}, num_packing_bins=2,
-                               algorithm="best_fit",
-                               max_sequences_per_bin=3).node
+  node = elements_dataset(examples).pack({"a": 20}, num_packing_bins=2,
+                                         algorithm="best_fit",
+                                         max_sequences_per_bin=3).node
   rebuilt = type(node)(*node.parents, **node.spec_params())
   assert rebuilt.fingerprint() == node.fingerprint()
   assert_same_stream(run(Dataset(rebuilt)), run(Dataset(node)))
@@ -209,7 +196,7 @@ def test_spec_params_rebuild_an_equal_node_and_the_optimizer_keeps_rows():
 
 def test_last_seed_is_the_seed_of_the_row_first_element():
   examples = make_examples(9, n=20)
-  with source(examples).pack({"a": 16}, num_packing_bins=3).make_iterator() as it:
+  with elements_dataset(examples).pack({"a": 16}, num_packing_bins=3).make_iterator() as it:
     seeds = [it.last_seed for _ in it]
   assert len(set(seeds)) == len(seeds)
 

@@ -1,35 +1,21 @@
 """`unbatch` and `rebatch`: tf.data semantics, slicing without copies, resume."""
 
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
-from test_conformance import assert_same_stream, check_resume
+from op_testing import (assert_matches_tf_data, assert_same_stream,
+                        check_resume, run)
 
 SLICES = {"x": np.arange(13, dtype=np.int32),
           "y": np.arange(26, dtype=np.float32).reshape(13, 2)}
 
 
-def run(dataset):
-  with dataset.make_iterator() as it:
-    return list(it)
-
-
-def tf_run(dataset):
-  return list(dataset.as_numpy_iterator())
-
-
 # -- unbatch -------------------------------------------------------------------
 @pytest.mark.parametrize("batch_size", [1, 4, 13, 20])
 def test_unbatch_matches_tf_data_on_dicts(batch_size):
-  ours = Dataset.from_tensor_slices(SLICES).batch(batch_size).unbatch()
-  theirs = tf.data.Dataset.from_tensor_slices(SLICES).batch(batch_size).unbatch()
-  assert_same_stream(run(ours), tf_run(theirs))
+  assert_matches_tf_data(
+      lambda D: D.from_tensor_slices(SLICES).batch(batch_size).unbatch())
 
 
 def test_unbatch_skips_empty_batches():
@@ -83,11 +69,9 @@ def test_saved_input_positions_stay_bounded_over_a_long_run(op):
     (13, 5, 20, True), (13, 4, [2, 3], False), (13, 4, [2, 3], True),
     (0, 2, 3, False)])
 def test_rebatch_matches_tf_data(n, first, sizes, drop):
-  ours = Dataset.from_tensor_slices(SLICES).take(n).batch(first).rebatch(
-      sizes, drop_remainder=drop)
-  theirs = tf.data.Dataset.from_tensor_slices(SLICES).take(n).batch(
-      first).rebatch(sizes, drop_remainder=drop)
-  assert_same_stream(run(ours), tf_run(theirs))
+  assert_matches_tf_data(
+      lambda D: D.from_tensor_slices(SLICES).take(n).batch(first).rebatch(
+          sizes, drop_remainder=drop))
 
 
 def test_rebatch_equals_unbatch_then_batch():

@@ -1,29 +1,19 @@
 """`zip` and `concatenate`: tf.data semantics, errors, cardinality and resume."""
 
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.zip import ZipNode
-from test_conformance import assert_same_stream, check_resume
-
-
-def run(dataset):
-  with dataset.make_iterator() as it:
-    return list(it)
+from op_testing import (assert_matches_tf_data, assert_same_stream,
+                        check_resume, run)
 
 
 # -- zip -----------------------------------------------------------------------
 def test_zip_of_a_nested_dict_matches_tf_data():
   def make(D):
     return D.zip({"z": D.range(4), "a": (D.range(10, 20), {"q": D.range(3, 9)})})
-  assert_same_stream(run(make(Dataset)),
-                     make(tf.data.Dataset).as_numpy_iterator())
+  assert_matches_tf_data(make)
 
 
 def test_zip_ends_with_the_shortest_without_reading_later_inputs_further():
@@ -86,8 +76,7 @@ def test_concatenate_dicts_matches_tf_data():
   def make(D):
     return D.from_tensor_slices(slices).concatenate(
         D.from_tensor_slices(slices).take(2))
-  assert_same_stream(run(make(Dataset)),
-                     make(tf.data.Dataset).as_numpy_iterator())
+  assert_matches_tf_data(make)
 
 
 def test_concatenate_of_other_dtypes_is_a_type_error_naming_both_datasets():
