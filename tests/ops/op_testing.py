@@ -1,4 +1,4 @@
-"""Helpers shared by the op tests in this folder.
+"""What the op tests in this folder share.
 
 * The reference: TensorFlow, imported on demand with its logs silenced, and
   datasets of Python-held elements built the same way for both libraries.

@@ -1,14 +1,9 @@
 """`batch` and the stacking helpers, element by element against tf.data."""
 
 import collections
-import json
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
@@ -17,6 +12,11 @@ from jaxfeed.ops import stacking
 from jaxfeed.ops import tree as tree_lib
 from jaxfeed.sampler import IndexSampler
 from jaxfeed.sources import ArraySource
+import op_testing
+from op_testing import (assert_same_element, assert_same_stream, check_resume,
+                        elements_dataset)
+
+tf = op_testing.import_tensorflow()
 
 
 # ---------------------------------------------------------------------------
@@ -41,54 +41,12 @@ def make_elements(kind, n):
   return [ELEMENT_KINDS[kind](i) for i in range(n)]
 
 
-def jaxfeed_dataset(elements):
-  """The elements, in order, as a jaxfeed pipeline (range -> map)."""
-  return Dataset.range(len(elements)).map(lambda i: elements[int(i)])
-
-
-def tf_spec(value):
-  if isinstance(value, dict):
-    return {k: tf_spec(v) for k, v in value.items()}
-  if isinstance(value, tuple):
-    return tuple(tf_spec(v) for v in value)
-  if isinstance(value, bytes):
-    return tf.TensorSpec([], tf.string)
-  arr = np.asarray(value)
-  dtype = tf.string if arr.dtype == object else tf.as_dtype(arr.dtype)
-  return tf.TensorSpec([None] * arr.ndim, dtype)
-
-
 def tf_dataset(elements, example):
   """The elements as a tf.data pipeline (sliced from stacked columns)."""
   if not elements:
-    return tf.data.Dataset.from_generator(
-        lambda: iter(elements), output_signature=tf_spec(example))
+    return op_testing.tf_elements_dataset(elements, example)
   columns = tf.nest.map_structure(lambda *xs: np.array(xs), *elements)
   return tf.data.Dataset.from_tensor_slices(columns)
-
-
-def assert_same_tree(ours, theirs, where="batch"):
-  """Equal structure, dtypes, shapes and values."""
-  if isinstance(theirs, dict):
-    assert isinstance(ours, dict) and set(ours) == set(theirs), where
-    for k in theirs:
-      assert_same_tree(ours[k], theirs[k], f"{where}/{k}")
-    return
-  if isinstance(theirs, tuple):
-    assert isinstance(ours, tuple) and len(ours) == len(theirs), where
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-      assert_same_tree(a, b, f"{where}/{i}")
-    return
-  assert isinstance(ours, np.ndarray), (where, type(ours))
-  assert ours.dtype == theirs.dtype, (where, ours.dtype, theirs.dtype)
-  assert ours.shape == theirs.shape, (where, ours.shape, theirs.shape)
-  np.testing.assert_array_equal(ours, theirs, err_msg=where)
-
-
-def assert_same_batches(ours, theirs):
-  assert len(ours) == len(theirs)
-  for i, (a, b) in enumerate(zip(ours, theirs)):
-    assert_same_tree(a, b, f"batch {i}")
 
 
 # ---------------------------------------------------------------------------
@@ -100,11 +58,11 @@ def assert_same_batches(ours, theirs):
 @pytest.mark.parametrize("drop_remainder", [False, True])
 def test_batches_equal_tf_data(kind, n, batch_size, drop_remainder):
   elements = make_elements(kind, n)
-  ours = list(jaxfeed_dataset(elements).batch(batch_size, drop_remainder))
+  ours = list(elements_dataset(elements).batch(batch_size, drop_remainder))
   example = ELEMENT_KINDS[kind](0)
   theirs = list(tf_dataset(elements, example).batch(
       batch_size, drop_remainder).as_numpy_iterator())
-  assert_same_batches(ours, theirs)
+  assert_same_stream(ours, theirs)
 
 
 @pytest.mark.parametrize("arrays", [
@@ -119,7 +77,7 @@ def test_batches_of_tensor_slices_equal_tf_data(arrays, batch_size):
   ours = list(Dataset.from_tensor_slices(arrays).batch(batch_size))
   theirs = list(tf.data.Dataset.from_tensor_slices(arrays).batch(
       batch_size).as_numpy_iterator())
-  assert_same_batches(ours, theirs)
+  assert_same_stream(ours, theirs)
 
 
 @pytest.mark.parametrize("n,batch_size,drop_remainder,expected", [
@@ -168,7 +126,7 @@ def test_dict_key_order_of_first_element_is_kept():
 def test_ragged_elements_raise_error_naming_leaf_shapes_and_positions():
   elements = [{"tokens": np.zeros(3)}, {"tokens": np.zeros(3)},
               {"tokens": np.zeros(5)}]
-  it = jaxfeed_dataset(elements).batch(3).make_iterator()
+  it = elements_dataset(elements).batch(3).make_iterator()
   with pytest.raises(ValueError) as info:
     next(it)
   message = str(info.value)
@@ -240,16 +198,8 @@ def test_last_seed_is_seed_of_first_element_of_batch():
 def test_resume_at_every_cut_point_after_json_round_trip(n, batch_size,
                                                          drop_remainder):
   elements = make_elements("dict", n)
-  ds = jaxfeed_dataset(elements).batch(batch_size, drop_remainder)
-  expected = list(ds)
-  for cut in range(len(expected) + 1):
-    it = ds.make_iterator()
-    for _ in range(cut):
-      next(it)
-    state = json.loads(json.dumps(it.get_state()))
-    restored = ds.make_iterator()
-    restored.set_state(state)
-    assert_same_batches(list(restored), expected[cut:])
+  check_resume(lambda: elements_dataset(elements).batch(batch_size,
+                                                        drop_remainder))
 
 
 def _fails_on_four(x):
@@ -307,7 +257,7 @@ def test_batches_read_with_next_batch_equal_element_wise_batches(
       with pytest.raises(StopIteration):
         next(fast)
       break
-    assert_same_tree(next(fast), expected)
+    assert_same_element(next(fast), expected)
     assert fast.last_seed == plain.last_seed
     assert fast.get_state()["parents"] == plain.get_state()["parents"][0][
         "parents"]
@@ -340,56 +290,6 @@ def test_node_spec_params_rebuild_an_equal_node():
 # ---------------------------------------------------------------------------
 # the batched-read protocol
 # ---------------------------------------------------------------------------
-class _RowsNode(base.Node):
-  """Rows of an array, with the optional `next_batch` protocol."""
-
-  op_name = "rows"
-
-  def __init__(self, data, with_next_batch):
-    super().__init__()
-    self.data, self.with_next_batch = data, with_next_batch
-
-  def make_iterator(self):
-    cls = _BatchedRowsIterator if self.with_next_batch else _RowsIterator
-    return cls(self.data)
-
-
-class _RowsIterator(base.OpIterator):
-  op_name = "rows"
-
-  def __init__(self, data):
-    super().__init__()
-    self.data, self.position, self.batched_calls = data, 0, 0
-
-  @property
-  def last_seed(self):
-    return 1000 + self.position - 1
-
-  def __next__(self):
-    if self.position >= len(self.data):
-      raise StopIteration
-    self.position += 1
-    return self.data[self.position - 1]
-
-  def _get_own_state(self):
-    return {"position": self.position}
-
-  def _set_own_state(self, state):
-    self.position = state["position"]
-
-
-class _BatchedRowsIterator(_RowsIterator):
-
-  def next_batch(self, max_count):
-    if self.position >= len(self.data):
-      raise StopIteration
-    start = self.position
-    self.position = min(start + max_count, len(self.data))
-    self.batched_calls += 1
-    seeds = np.arange(1000 + start, 1000 + self.position, dtype=np.uint64)
-    return stacking.to_batch_leaf(self.data[start:self.position]), seeds
-
-
 @pytest.mark.parametrize("drop_remainder", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 3, 10, 11])
 def test_next_batch_protocol_gives_same_batches_seeds_and_states(
@@ -397,8 +297,9 @@ def test_next_batch_protocol_gives_same_batches_seeds_and_states(
   data = np.array([b"r%d" % i for i in range(10)])
   results = []
   for with_next_batch in (False, True):
-    it = batch_op.BatchNode(_RowsNode(data, with_next_batch), batch_size,
-                            drop_remainder).make_iterator()
+    it = batch_op.BatchNode(
+        op_testing.ListNode(data, with_next_batch=with_next_batch),
+        batch_size, drop_remainder).make_iterator()
     batches, seeds, states = [], [], []
     for b in it:
       batches.append(b)
@@ -407,7 +308,7 @@ def test_next_batch_protocol_gives_same_batches_seeds_and_states(
     results.append((batches, seeds, states, it.parents[0].batched_calls))
   plain, plain_seeds, plain_states, plain_calls = results[0]
   fast, fast_seeds, fast_states, fast_calls = results[1]
-  assert_same_batches(fast, plain)
+  assert_same_stream(fast, plain)
   assert fast_seeds == plain_seeds and fast_states == plain_states
   assert plain_calls == 0 and fast_calls == len(fast) + (
       1 if drop_remainder and 10 % batch_size else 0)
@@ -428,7 +329,7 @@ def test_unstack_concatenate_and_slice_invert_stack():
   tail = stacking.slice_batch(batch, 2, 5)
   assert stacking.batch_length(head) == 2
   joined = stacking.concatenate([head, tail])
-  assert_same_tree(joined, batch)
+  assert_same_element(joined, batch)
 
 
 def test_concatenate_rejects_other_shapes():
@@ -446,7 +347,7 @@ def test_as_batch_of_gathered_leaves_equals_stack_of_their_rows(kind):
       lambda leaf: leaf.astype(bytes) if leaf.dtype == object else leaf,
       stacked)
   ours = stacking.as_batch(gathered)
-  assert_same_tree(ours, stacked)
+  assert_same_element(ours, stacked)
   for a, b in zip(tree_lib.flatten(ours), tree_lib.flatten(stacked)):
     assert [type(v) for v in a.flat] == [type(v) for v in b.flat]
 
@@ -457,7 +358,7 @@ def test_as_batch_turns_namedtuples_into_tuples_like_stack():
   rows = [point(gathered.x[i], gathered.y[i]) for i in range(3)]
   ours, expected = stacking.as_batch(gathered), stacking.stack(rows)
   assert type(ours) is type(expected) is tuple
-  assert_same_tree(ours, expected)
+  assert_same_element(ours, expected)
 
 
 def test_as_batch_copies_only_when_asked():

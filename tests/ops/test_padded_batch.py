@@ -1,16 +1,14 @@
 """`padded_batch` against tf.data, errors, and exact resume."""
 
-import json
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import stacking
+import op_testing
+from op_testing import assert_same_stream, check_resume, elements_dataset
+
+tf = op_testing.import_tensorflow()
 
 
 # Element i of each kind; lengths vary (zero included) so batches are ragged.
@@ -35,51 +33,13 @@ def make_elements(kind, n):
   return [ELEMENT_KINDS[kind](i) for i in range(n)]
 
 
-def jaxfeed_dataset(elements):
-  return Dataset.range(len(elements)).map(lambda i: elements[int(i)])
-
-
-def tf_spec(value):
-  if isinstance(value, dict):
-    return {k: tf_spec(v) for k, v in value.items()}
-  if isinstance(value, tuple):
-    return tuple(tf_spec(v) for v in value)
-  arr = np.asarray(value)
-  dtype = tf.string if arr.dtype == object else tf.as_dtype(arr.dtype)
-  return tf.TensorSpec([None] * arr.ndim, dtype)
-
-
 def tf_dataset(elements, kind):
-  return tf.data.Dataset.from_generator(
-      lambda: iter(elements), output_signature=tf_spec(ELEMENT_KINDS[kind](0)))
-
-
-def assert_same_tree(ours, theirs, where="batch"):
-  if isinstance(theirs, dict):
-    assert isinstance(ours, dict) and set(ours) == set(theirs), where
-    for k in theirs:
-      assert_same_tree(ours[k], theirs[k], f"{where}/{k}")
-    return
-  if isinstance(theirs, tuple):
-    assert isinstance(ours, tuple) and len(ours) == len(theirs), where
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-      assert_same_tree(a, b, f"{where}/{i}")
-    return
-  assert isinstance(ours, np.ndarray), (where, type(ours))
-  assert ours.dtype == theirs.dtype, (where, ours.dtype, theirs.dtype)
-  assert ours.shape == theirs.shape, (where, ours.shape, theirs.shape)
-  np.testing.assert_array_equal(ours, theirs, err_msg=where)
-
-
-def assert_same_batches(ours, theirs):
-  assert len(ours) == len(theirs)
-  for i, (a, b) in enumerate(zip(ours, theirs)):
-    assert_same_tree(a, b, f"batch {i}")
+  return op_testing.tf_elements_dataset(elements, ELEMENT_KINDS[kind](0))
 
 
 def run_both(kind, n, batch_size, drop_remainder=False, **kwargs):
   elements = make_elements(kind, n)
-  ours = list(jaxfeed_dataset(elements).padded_batch(
+  ours = list(elements_dataset(elements).padded_batch(
       batch_size, drop_remainder=drop_remainder, **kwargs))
   theirs = list(tf_dataset(elements, kind).padded_batch(
       batch_size, drop_remainder=drop_remainder, **kwargs).as_numpy_iterator())
@@ -96,7 +56,7 @@ def run_both(kind, n, batch_size, drop_remainder=False, **kwargs):
 def test_padding_to_batch_maximum_equals_tf_data(kind, n, batch_size,
                                                  drop_remainder):
   ours, theirs = run_both(kind, n, batch_size, drop_remainder)
-  assert_same_batches(ours, theirs)
+  assert_same_stream(ours, theirs)
 
 
 @pytest.mark.parametrize("kind,padded_shapes", [
@@ -114,13 +74,13 @@ def test_padding_to_batch_maximum_equals_tf_data(kind, n, batch_size,
 @pytest.mark.parametrize("batch_size", [3, 11])
 def test_explicit_padded_shapes_equal_tf_data(kind, padded_shapes, batch_size):
   ours, theirs = run_both(kind, 11, batch_size, padded_shapes=padded_shapes)
-  assert_same_batches(ours, theirs)
+  assert_same_stream(ours, theirs)
 
 
 def test_tensor_shape_padded_shapes_are_accepted():
   ours, theirs = run_both("int32_vector", 11, 4,
                           padded_shapes=tf.TensorShape([7]))
-  assert_same_batches(ours, theirs)
+  assert_same_stream(ours, theirs)
 
 
 @pytest.mark.parametrize("kind,padding_values", [
@@ -134,7 +94,7 @@ def test_tensor_shape_padded_shapes_are_accepted():
 ])
 def test_padding_values_equal_tf_data(kind, padding_values):
   ours, theirs = run_both(kind, 11, 4, padding_values=padding_values)
-  assert_same_batches(ours, theirs)
+  assert_same_stream(ours, theirs)
 
 
 def test_one_padding_value_pads_every_leaf():
@@ -185,7 +145,7 @@ def test_cardinality_matches_tf_data():
 # ---------------------------------------------------------------------------
 def test_element_longer_than_padded_shape_raises_error_naming_sizes():
   elements = make_elements("int32_vector", 11)
-  ds = jaxfeed_dataset(elements).padded_batch(5, padded_shapes=[3])
+  ds = elements_dataset(elements).padded_batch(5, padded_shapes=[3])
   it = ds.make_iterator()
   with pytest.raises(ValueError) as info:
     next(it)
@@ -259,21 +219,13 @@ def test_invalid_batch_size_raises():
 @pytest.mark.parametrize("drop_remainder", [False, True])
 def test_resume_at_every_cut_point_after_json_round_trip(drop_remainder):
   elements = make_elements("features", 11)
-  ds = jaxfeed_dataset(elements).padded_batch(
+  ds = elements_dataset(elements).padded_batch(
       3, padded_shapes={"tokens": [8], "mask": [None], "label": [],
                         "image": [None, None]},
       padding_values={"tokens": -1, "mask": None, "label": None,
                       "image": None},
       drop_remainder=drop_remainder)
-  expected = list(ds)
-  for cut in range(len(expected) + 1):
-    it = ds.make_iterator()
-    for _ in range(cut):
-      next(it)
-    state = json.loads(json.dumps(it.get_state()))
-    restored = ds.make_iterator()
-    restored.set_state(state)
-    assert_same_batches(list(restored), expected[cut:])
+  check_resume(lambda: ds)
 
 
 def test_node_spec_params_rebuild_an_equal_node():
