@@ -3,20 +3,20 @@
 import collections
 import itertools
 import json
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import stacking
 from jaxfeed.ops.base import PipelineStateError
 from jaxfeed.ops.from_source import SourceNode
 from jaxfeed.sampler import IndexSampler, ShardOptions
 from jaxfeed.sources import ArraySource
+import op_testing
+from op_testing import (assert_same_stream, check_next_batch, check_resume,
+                        elements_and_seeds, graph_iterator, leaves)
+
+tf = op_testing.import_tensorflow()
 
 
 class _ListSource:
@@ -42,11 +42,6 @@ class _ListSource:
     return [self.records[i] for i in indices]
 
 
-def _iterate(dataset):
-  """The op's own iterator, without the graph optimizer's rewrites."""
-  return dataset.node.make_iterator()
-
-
 def _expected(source, sampler):
   _, record_indices, seeds = sampler.get_many(np.arange(len(sampler)))
   return [source.records[i] for i in record_indices], seeds.tolist()
@@ -54,7 +49,7 @@ def _expected(source, sampler):
 
 def test_default_sampler_reads_every_record_once_in_order():
   source = _ListSource(50)
-  assert list(_iterate(Dataset.from_source(source))) == source.records
+  assert list(graph_iterator(Dataset.from_source(source))) == source.records
   assert sorted(source.reads) == list(range(50))
 
 
@@ -62,14 +57,10 @@ def test_default_sampler_reads_every_record_once_in_order():
 def test_array_source_in_order_matches_tf_from_tensor_slices(num):
   data = {"image": np.arange(num * 6, dtype=np.uint8).reshape(num, 2, 3),
           "label": np.arange(num, dtype=np.int32)}
-  ours = list(_iterate(Dataset.from_source(ArraySource(data))))
+  ours = list(graph_iterator(Dataset.from_source(ArraySource(data))))
   theirs = list(tf.data.Dataset.from_tensor_slices(data).as_numpy_iterator())
-  assert len(ours) == len(theirs) == num
-  for a, b in zip(ours, theirs):
-    for key in ("image", "label"):
-      assert np.asarray(a[key]).dtype == b[key].dtype
-      assert np.shape(a[key]) == np.shape(b[key])
-      np.testing.assert_array_equal(a[key], b[key])
+  assert len(ours) == num
+  assert_same_stream(ours, theirs)
 
 
 @pytest.mark.parametrize("num, shard, epochs", [
@@ -80,18 +71,15 @@ def test_shuffled_sampler_order_and_seeds(num, shard, epochs):
   source = _ListSource(num)
   sampler = IndexSampler(num, shuffle=True, seed=42, num_epochs=epochs,
                          shard_options=shard)
-  iterator = _iterate(Dataset.from_source(source, sampler))
-  records, seeds = [], []
-  for record in iterator:
-    records.append(record)
-    seeds.append(iterator.last_seed)
+  records, seeds = elements_and_seeds(
+      graph_iterator(Dataset.from_source(source, sampler)))
   assert (records, seeds) == _expected(source, sampler)
 
 
 def test_shards_together_read_every_record_of_each_epoch():
   source = _ListSource(23)
   per_shard = [
-      list(_iterate(Dataset.from_source(source, IndexSampler(
+      list(graph_iterator(Dataset.from_source(source, IndexSampler(
           23, shuffle=True, seed=1, shard_options=ShardOptions(h, 3)))))
       for h in range(3)
   ]
@@ -103,7 +91,7 @@ def test_endless_sampler_is_infinite():
   dataset = Dataset.from_source(
       source, IndexSampler(7, shuffle=True, num_epochs=None))
   assert dataset.cardinality() == -1
-  records = list(itertools.islice(_iterate(dataset), 700))
+  records = list(itertools.islice(graph_iterator(dataset), 700))
   for epoch in range(100):
     assert sorted(records[epoch * 7:(epoch + 1) * 7]) == sorted(source.records)
 
@@ -117,14 +105,14 @@ def test_cardinality_is_the_number_of_sampler_positions():
 
 def test_reads_are_batched_and_never_past_the_end():
   source = _ListSource(1000)
-  assert len(list(_iterate(Dataset.from_source(source)))) == 1000
+  assert len(list(graph_iterator(Dataset.from_source(source)))) == 1000
   assert sorted(source.reads) == list(range(1000))
   assert source.get_many_calls <= 10
 
 
 def test_a_short_take_reads_only_the_first_chunk():
   source = _ListSource(10_000)
-  assert list(_iterate(Dataset.from_source(source).take(3))) == (
+  assert list(graph_iterator(Dataset.from_source(source).take(3))) == (
       source.records[:3])
   assert len(source.reads) <= 16
 
@@ -132,7 +120,7 @@ def test_a_short_take_reads_only_the_first_chunk():
 def test_skip_does_not_read_the_skipped_records():
   source = _ListSource(100)
   sampler = IndexSampler(100, shuffle=True, seed=3)
-  records = list(_iterate(Dataset.from_source(source, sampler).skip(90)))
+  records = list(graph_iterator(Dataset.from_source(source, sampler).skip(90)))
   expected, _ = _expected(source, sampler)
   assert records == expected[90:]
   assert sorted(source.reads) == sorted(
@@ -142,7 +130,7 @@ def test_skip_does_not_read_the_skipped_records():
 def test_source_without_get_many_is_read_record_by_record():
   source = _ListSource(40, batched=False)
   sampler = IndexSampler(40, shuffle=True, seed=5, num_epochs=2)
-  assert list(_iterate(Dataset.from_source(source, sampler))) == (
+  assert list(graph_iterator(Dataset.from_source(source, sampler))) == (
       _expected(source, sampler)[0])
 
 
@@ -150,32 +138,16 @@ def test_state_resumes_exactly_at_every_cut():
   source = _ListSource(40)
   sampler = IndexSampler(40, shuffle=True, seed=8, num_epochs=2)
   dataset = Dataset.from_source(source, sampler)
-
-  def run(iterator, limit):
-    out = []
-    for record in itertools.islice(iterator, limit):
-      out.append((record, iterator.last_seed))
-    return out
-
-  full = run(_iterate(dataset), 100)
-  assert len(full) == 80
-  for cut in range(81):
-    iterator = _iterate(dataset)
-    assert run(iterator, cut) == full[:cut]
-    state = json.loads(json.dumps(iterator.get_state()))
-    assert state["own"] == {"position": cut}
-    rest = run(iterator, 100)
-    assert rest == full[cut:]
-    fresh = _iterate(dataset)
-    fresh.set_state(state)
-    assert run(fresh, 100) == rest
-    iterator.set_state(state)  # Into the same, exhausted iterator.
-    assert run(iterator, 100) == rest
+  resumed = check_resume(lambda: dataset, make_iterator=graph_iterator,
+                         with_seeds=True, into_same_iterator=True)
+  assert len(resumed.expected) == 80
+  assert [state["own"] for state in resumed.states] == [
+      {"position": cut} for cut in range(81)]
 
 
 def test_state_restores_inside_the_read_ahead_buffer():
   source = _ListSource(100)
-  iterator = _iterate(Dataset.from_source(source))
+  iterator = graph_iterator(Dataset.from_source(source))
   for _ in range(20):
     next(iterator)
   state = iterator.get_state()
@@ -194,7 +166,7 @@ def test_state_restores_inside_the_read_ahead_buffer():
     {"op": "from_source", "own": {"position": 0}, "parents": [{}]},
 ])
 def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
-  iterator = _iterate(Dataset.from_source(_ListSource(10)))
+  iterator = graph_iterator(Dataset.from_source(_ListSource(10)))
   with pytest.raises(PipelineStateError):
     iterator.set_state(state)
 
@@ -220,14 +192,14 @@ def test_a_source_returning_too_few_records_is_reported():
   source = _ListSource(10)
   source.get_many = lambda indices: source.records[:1]
   with pytest.raises(RuntimeError, match="returned 1 records for 10"):
-    next(_iterate(Dataset.from_source(source)))
+    next(graph_iterator(Dataset.from_source(source)))
 
 
 def test_empty_source_yields_nothing():
-  assert list(_iterate(Dataset.from_source(_ListSource(0)))) == []
+  assert list(graph_iterator(Dataset.from_source(_ListSource(0)))) == []
   endless = IndexSampler(0, shuffle=True, num_epochs=None)
   dataset = Dataset.from_source(_ListSource(0), endless)
-  assert list(_iterate(dataset)) == [] and dataset.cardinality() == 0
+  assert list(graph_iterator(dataset)) == [] and dataset.cardinality() == 0
 
 
 def test_spec_params_rebuild_an_equal_node():
@@ -242,11 +214,11 @@ def test_spec_params_rebuild_an_equal_node():
 def test_last_seed_after_restore_is_that_of_the_element_before_the_position():
   sampler = IndexSampler(30, shuffle=True, seed=6)
   dataset = Dataset.from_source(_ListSource(30), sampler)
-  iterator = _iterate(dataset)
+  iterator = graph_iterator(dataset)
   assert iterator.last_seed == 0  # Nothing returned yet.
   for _ in range(25):
     next(iterator)
-  fresh = _iterate(dataset)
+  fresh = graph_iterator(dataset)
   fresh.set_state(iterator.get_state())
   assert fresh.last_seed == iterator.last_seed == sampler[24].rng_seed
 
@@ -261,7 +233,8 @@ def test_sampler_lookups_are_batched_in_blocks():
 
   source = _ListSource(10_000)
   sampler = CountingSampler(10_000, shuffle=True, num_epochs=2)
-  assert len(list(_iterate(Dataset.from_source(source, sampler)))) == 20_000
+  records = list(graph_iterator(Dataset.from_source(source, sampler)))
+  assert len(records) == 20_000
   assert CountingSampler.calls <= 12  # 64, 256, 1024, then 4096 positions each.
 
 
@@ -288,66 +261,6 @@ def _array_data(num):
   }
 
 
-def _assert_identical_batch(ours, expected, path="batch"):
-  """Same container types and key order; leaves of one dtype, shape, values."""
-  assert type(ours) is type(expected), f"{path}: {type(ours)} vs {type(expected)}"
-  if isinstance(expected, dict):
-    assert list(ours) == list(expected), path
-    for key in expected:
-      _assert_identical_batch(ours[key], expected[key], f"{path}[{key!r}]")
-  elif isinstance(expected, (tuple, list)):
-    assert len(ours) == len(expected), path
-    for i, (a, b) in enumerate(zip(ours, expected)):
-      _assert_identical_batch(a, b, f"{path}[{i}]")
-  else:
-    assert ours.dtype == expected.dtype and ours.shape == expected.shape, path
-    assert ours.flags.writeable, path
-    assert [type(v) for v in ours.flat] == [type(v) for v in expected.flat]
-    assert ours.tolist() == expected.tolist(), path
-
-
-def _leaves(tree):
-  if isinstance(tree, dict):
-    return [leaf for value in tree.values() for leaf in _leaves(value)]
-  if isinstance(tree, (tuple, list)):
-    return [leaf for value in tree for leaf in _leaves(value)]
-  return [tree]
-
-
-def _check_next_batch(make_iterator, sizes, source_arrays=()):
-  """next_batch(size) reads equal `size` next() calls, stacked; 0 is a next()."""
-  fast, plain = make_iterator(), make_iterator()
-  reads = 0
-  for size in itertools.cycle(sizes):
-    reads += 1
-    if size == 0:
-      try:
-        expected = next(plain)
-      except StopIteration:
-        with pytest.raises(StopIteration):
-          next(fast)
-        break
-      _assert_identical_batch(stacking.stack([next(fast)]),
-                              stacking.stack([expected]))
-    else:
-      elements, seeds = [], []
-      for element in itertools.islice(plain, size):
-        elements.append(element)
-        seeds.append(plain.last_seed)
-      if not elements:
-        with pytest.raises(StopIteration):
-          fast.next_batch(size)
-        break
-      batch, batch_seeds = fast.next_batch(size)
-      _assert_identical_batch(batch, stacking.stack(elements))
-      assert batch_seeds.dtype == np.uint64 and batch_seeds.tolist() == seeds
-      for leaf in _leaves(batch):
-        assert not any(np.shares_memory(leaf, a) for a in source_arrays)
-    assert fast.get_state() == plain.get_state()
-    assert fast.last_seed == plain.last_seed
-  return reads
-
-
 @pytest.mark.parametrize("kind", sorted(_array_data(1)))
 @pytest.mark.parametrize("sizes", [[1], [5], [64], [500], [3, 0, 0, 40, 0]])
 @pytest.mark.parametrize("sampler_args", [
@@ -358,9 +271,9 @@ def test_array_source_next_batch_equals_stacked_next_calls(
   data = _array_data(97)[kind]
   source = ArraySource(data)
   sampler = IndexSampler(97, **sampler_args)
-  reads = _check_next_batch(
-      lambda: _iterate(Dataset.from_source(source, sampler)), sizes,
-      _leaves(data))
+  reads = check_next_batch(
+      lambda: graph_iterator(Dataset.from_source(source, sampler)), sizes,
+      leaves(data))
   assert reads >= 2
 
 
@@ -378,7 +291,7 @@ class _GatheringSource(_ListSource):
 
 def test_sources_with_get_batch_are_gathered_once_per_batch():
   source = _GatheringSource(100)
-  iterator = _iterate(Dataset.from_source(source))
+  iterator = graph_iterator(Dataset.from_source(source))
   batches = []
   while True:
     try:
@@ -396,15 +309,15 @@ def test_sources_with_get_batch_are_gathered_once_per_batch():
 def test_sources_without_get_batch_stack_their_records(batched, sizes):
   source = _ListSource(150, batched=batched)
   sampler = IndexSampler(150, shuffle=True, seed=9, num_epochs=2)
-  _check_next_batch(lambda: _iterate(Dataset.from_source(source, sampler)),
-                    sizes)
+  check_next_batch(lambda: graph_iterator(Dataset.from_source(source, sampler)),
+                   sizes)
   # Each record is read once per epoch and iterator, whatever the sizes.
   assert len(source.reads) == 2 * 2 * 150
 
 
 def test_next_batch_on_an_endless_sampler_never_ends():
   source = ArraySource({"x": np.arange(10)})
-  iterator = _iterate(Dataset.from_source(
+  iterator = graph_iterator(Dataset.from_source(
       source, IndexSampler(10, shuffle=True, num_epochs=None)))
   batches = [iterator.next_batch(7)[0]["x"] for _ in range(10)]
   assert all(len(b) == 7 for b in batches)
@@ -417,12 +330,12 @@ def test_restore_after_next_batch_resumes_exactly():
   source = ArraySource({"x": np.arange(60), "y": np.arange(60) * 2.0})
   sampler = IndexSampler(60, shuffle=True, seed=1)
   dataset = Dataset.from_source(source, sampler)
-  iterator = _iterate(dataset)
+  iterator = graph_iterator(dataset)
   iterator.next_batch(25)
   state = json.loads(json.dumps(iterator.get_state()))
   assert state["own"] == {"position": 25}
   rest = [int(e["x"]) for e in iterator]
-  fresh = _iterate(dataset)
+  fresh = graph_iterator(dataset)
   fresh.set_state(state)
   assert fresh.last_seed == sampler[24].rng_seed
   assert fresh.next_batch(100)[0]["x"].tolist() == rest

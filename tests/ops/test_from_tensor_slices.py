@@ -1,44 +1,21 @@
 """Tests of from_tensor_slices against tf.data.Dataset.from_tensor_slices."""
 
 import collections
-import itertools
-import json
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import stacking
 from jaxfeed.ops.base import PipelineStateError, mix_seed
 from jaxfeed.ops.from_tensor_slices import TensorSlicesNode
+import op_testing
+from op_testing import (assert_same_element, assert_same_stream,
+                        check_next_batch, check_resume, elements_and_seeds,
+                        leaves)
+
+tf = op_testing.import_tensorflow()
 
 Point = collections.namedtuple("Point", ["x", "y"])
-
-
-def _assert_same_element(ours, theirs, path="element"):
-  """Same structure, and leaves of the same type, dtype, shape and value."""
-  assert type(ours) is type(theirs), f"{path}: {type(ours)} vs {type(theirs)}"
-  if isinstance(theirs, dict):
-    assert set(ours) == set(theirs), path
-    for key in theirs:
-      _assert_same_element(ours[key], theirs[key], f"{path}[{key!r}]")
-  elif isinstance(theirs, tuple):
-    assert len(ours) == len(theirs), path
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-      _assert_same_element(a, b, f"{path}[{i}]")
-  elif isinstance(theirs, bytes):
-    assert ours == theirs, path
-  else:
-    assert ours.dtype == theirs.dtype, f"{path}: {ours.dtype} vs {theirs.dtype}"
-    assert ours.shape == theirs.shape, f"{path}: {ours.shape} vs {theirs.shape}"
-    if theirs.dtype == object:
-      assert ours.tolist() == theirs.tolist(), path
-    else:
-      np.testing.assert_array_equal(ours, theirs, err_msg=path)
 
 
 def _inputs():
@@ -78,11 +55,7 @@ def _inputs():
 def test_elements_match_tf_data(name):
   ours = Dataset.from_tensor_slices(_inputs()[name])
   theirs = tf.data.Dataset.from_tensor_slices(_inputs()[name])
-  ours_list = list(ours)
-  theirs_list = list(theirs.as_numpy_iterator())
-  assert len(ours_list) == len(theirs_list)
-  for a, b in zip(ours_list, theirs_list):
-    _assert_same_element(a, b)
+  assert_same_stream(ours, theirs.as_numpy_iterator())
   assert ours.cardinality() == int(theirs.cardinality())
 
 
@@ -134,31 +107,16 @@ def test_dict_keys_keep_the_callers_order():
     [5],
 ])
 def test_state_resumes_exactly_at_every_cut(tensors):
-  def elements(iterator):
-    return [json.dumps(e, default=lambda a: np.asarray(a).tolist())
-            for e in iterator]
-
-  full = elements(Dataset.from_tensor_slices(tensors))
-  for cut in range(len(full) + 1):
-    iterator = Dataset.from_tensor_slices(tensors).make_iterator()
-    for _ in range(cut):
-      next(iterator)
-    state = json.loads(json.dumps(iterator.get_state()))
-    assert state["own"] == {"index": cut}
-    assert elements(iterator) == full[cut:]
-    for restored in (Dataset.from_tensor_slices(tensors).make_iterator(),
-                     iterator):
-      restored.set_state(state)
-      assert elements(restored) == full[cut:]
+  resumed = check_resume(lambda: Dataset.from_tensor_slices(tensors),
+                         into_same_iterator=True)
+  assert [state["own"] for state in resumed.states] == [
+      {"index": cut} for cut in range(len(resumed.expected) + 1)]
 
 
 def test_last_seed_is_the_default_sampler_seed_of_the_index():
   iterator = Dataset.from_tensor_slices(np.arange(4)).make_iterator()
   assert iterator.last_seed == 0  # Nothing returned yet.
-  seeds = []
-  for _ in iterator:
-    seeds.append(iterator.last_seed)
-  assert seeds == [mix_seed(0, 0, i) for i in range(4)]
+  assert elements_and_seeds(iterator)[1] == [mix_seed(0, 0, i) for i in range(4)]
 
 
 def test_skip_elements_moves_the_index_without_building_elements():
@@ -201,64 +159,14 @@ def test_array_likes_keep_their_dtype():
 # ---------------------------------------------------------------------------
 # the batched-read protocol (next_batch)
 # ---------------------------------------------------------------------------
-def _assert_identical_batch(ours, expected, path="batch"):
-  """Same container types and key order; leaves of one dtype, shape, values."""
-  assert type(ours) is type(expected), f"{path}: {type(ours)} vs {type(expected)}"
-  if isinstance(expected, dict):
-    assert list(ours) == list(expected), path
-    for key in expected:
-      _assert_identical_batch(ours[key], expected[key], f"{path}[{key!r}]")
-  elif isinstance(expected, (tuple, list)):
-    assert len(ours) == len(expected), path
-    for i, (a, b) in enumerate(zip(ours, expected)):
-      _assert_identical_batch(a, b, f"{path}[{i}]")
-  else:
-    assert ours.dtype == expected.dtype and ours.shape == expected.shape, path
-    assert ours.flags.writeable, path
-    assert [type(v) for v in ours.flat] == [type(v) for v in expected.flat]
-    assert ours.tolist() == expected.tolist(), path
-
-
-def _leaves(tree):
-  if isinstance(tree, dict):
-    return [leaf for value in tree.values() for leaf in _leaves(value)]
-  if isinstance(tree, (tuple, list)):
-    return [leaf for value in tree for leaf in _leaves(value)]
-  return [tree]
-
-
 @pytest.mark.parametrize("name", sorted(_inputs()))
 @pytest.mark.parametrize("sizes", [[1], [2], [100], [2, 0, 1]])
 def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(
     name, sizes):
   tensors = _inputs()[name]
-  fast = TensorSlicesNode(tensors).make_iterator()
-  plain = TensorSlicesNode(tensors).make_iterator()
-  inputs = [np.asarray(leaf) for leaf in _leaves(tensors)]
-  for size in itertools.cycle(sizes):
-    if size == 0:  # An element-wise read in between.
-      try:
-        _assert_same_element(next(fast), next(plain))
-      except StopIteration:
-        with pytest.raises(StopIteration):
-          next(plain)
-        break
-      continue
-    elements, seeds = [], []
-    for element in itertools.islice(plain, size):
-      elements.append(element)
-      seeds.append(plain.last_seed)
-    if not elements:
-      with pytest.raises(StopIteration):
-        fast.next_batch(size)
-      break
-    batch, batch_seeds = fast.next_batch(size)
-    _assert_identical_batch(batch, stacking.stack(elements))
-    assert batch_seeds.dtype == np.uint64 and batch_seeds.tolist() == seeds
-    for leaf in _leaves(batch):
-      assert not any(np.shares_memory(leaf, x) for x in inputs)
-    assert fast.get_state() == plain.get_state()
-    assert fast.last_seed == plain.last_seed
+  check_next_batch(lambda: TensorSlicesNode(tensors).make_iterator(), sizes,
+                   [np.asarray(leaf) for leaf in leaves(tensors)],
+                   same_element=assert_same_element)
 
 
 def test_batch_of_slices_reads_with_next_batch_and_equals_tf_data():
@@ -271,5 +179,4 @@ def test_batch_of_slices_reads_with_next_batch_and_equals_tf_data():
   assert len(ours) == len(theirs) == 3
   for a, b in zip(ours, theirs):
     assert list(a) == list(tensors)
-    for key in tensors:
-      _assert_same_element(a[key], b[key])
+    assert_same_element(a, b)

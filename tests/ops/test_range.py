@@ -1,19 +1,18 @@
 """Tests of the range op against tf.data.Dataset.range."""
 
-import itertools
 import json
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import stacking
 from jaxfeed.ops.base import PipelineStateError, mix_seed
 from jaxfeed.ops.range import RangeNode
+import op_testing
+from op_testing import (assert_same_element, assert_same_stream,
+                        check_next_batch, check_resume)
+
+tf = op_testing.import_tensorflow()
 
 ARGS = [
     (5,), (0,), (1,), (-3,), (2, 7), (7, 2), (3, 3), (0, 10, 3), (0, 9, 3),
@@ -25,20 +24,12 @@ TF_DTYPES = {None: tf.int64, np.int32: tf.int32, np.int64: tf.int64,
              np.float32: tf.float32, np.float64: tf.float64}
 
 
-def _assert_same_scalars(ours: list, theirs: list) -> None:
-  assert len(ours) == len(theirs)
-  for a, b in zip(ours, theirs):
-    assert type(a) is type(b)
-    assert a.dtype == b.dtype and np.shape(a) == np.shape(b)
-    assert a == b
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("args", ARGS)
 def test_range_matches_tf_data(args, dtype):
   ours = Dataset.range(*args, dtype=dtype)
   theirs = tf.data.Dataset.range(*args, output_type=TF_DTYPES[dtype])
-  _assert_same_scalars(list(ours), list(theirs.as_numpy_iterator()))
+  assert_same_stream(ours, theirs.as_numpy_iterator())
   assert ours.cardinality() == int(theirs.cardinality())
 
 
@@ -53,7 +44,7 @@ def test_spec_params_rebuild_an_equal_range():
   params = json.loads(json.dumps(node.spec_params()))
   rebuilt = RangeNode(**params)
   assert rebuilt.fingerprint() == node.fingerprint()
-  _assert_same_scalars(list(rebuilt.make_iterator()), list(node.make_iterator()))
+  assert_same_stream(rebuilt.make_iterator(), node.make_iterator())
   assert RangeNode(10, 0, -2).fingerprint() != node.fingerprint()
 
 
@@ -80,17 +71,9 @@ def test_step_zero_is_rejected_by_tf_too():
 
 @pytest.mark.parametrize("args", [(7,), (10, -4, -3), (0,)])
 def test_state_resumes_exactly_at_every_cut(args):
-  full = list(Dataset.range(*args))
-  for cut in range(len(full) + 1):
-    iterator = Dataset.range(*args).make_iterator()
-    for _ in range(cut):
-      next(iterator)
-    state = json.loads(json.dumps(iterator.get_state()))
-    assert state["own"] == {"index": cut}
-    assert list(iterator) == full[cut:]
-    for restored in (Dataset.range(*args).make_iterator(), iterator):
-      restored.set_state(state)  # Into a fresh and into an exhausted iterator.
-      assert list(restored) == full[cut:]
+  resumed = check_resume(lambda: Dataset.range(*args), into_same_iterator=True)
+  assert [state["own"] for state in resumed.states] == [
+      {"index": cut} for cut in range(len(resumed.expected) + 1)]
 
 
 def test_last_seed_is_the_default_sampler_seed_of_the_index():
@@ -136,56 +119,12 @@ NEXT_BATCH_CASES = [
 ]
 
 
-def _read(iterator, size):
-  """One read: next_batch(size), or `size` next() calls stacked.
-
-  Returns (batch, seeds) or "end"; a size of 0 is a single next().
-  """
-  try:
-    if size == 0:
-      return next(iterator), [iterator.last_seed]
-    if isinstance(size, tuple):
-      return iterator.next_batch(size[0])
-    elements, seeds = [], []
-    for _ in range(size):
-      try:
-        elements.append(next(iterator))
-      except StopIteration:
-        break
-      seeds.append(iterator.last_seed)
-    if not elements:
-      raise StopIteration
-    return stacking.stack(elements), seeds
-  except StopIteration:
-    return "end"
-
-
-def _assert_same_read(fast, plain):
-  assert (fast == "end") == (plain == "end")
-  if plain == "end":
-    return
-  (batch, seeds), (expected, expected_seeds) = fast, plain
-  assert type(batch) is type(expected) and batch.dtype == expected.dtype
-  assert batch.shape == expected.shape
-  assert batch.ndim == 0 or batch.flags.writeable
-  np.testing.assert_array_equal(batch, expected)
-  assert list(map(int, seeds)) == expected_seeds
-  assert batch.ndim == 0 or seeds.dtype == np.uint64
-
-
 @pytest.mark.parametrize("args, dtype", NEXT_BATCH_CASES)
 @pytest.mark.parametrize("sizes", [[1], [7], [256], [1000], [3, 0, 0, 300, 0, 5]])
 def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(
     args, dtype, sizes):
-  fast = RangeNode(*args, dtype=dtype).make_iterator()
-  plain = RangeNode(*args, dtype=dtype).make_iterator()
-  for size in itertools.cycle(sizes):
-    result = _read(fast, size if size == 0 else (size,))
-    _assert_same_read(result, _read(plain, size))
-    assert fast.get_state() == plain.get_state()
-    assert fast.last_seed == plain.last_seed
-    if result == "end":
-      break
+  check_next_batch(lambda: RangeNode(*args, dtype=dtype).make_iterator(), sizes,
+                   same_element=assert_same_element)
 
 
 def test_next_batch_of_an_unrepresentable_element_fails_like_next():
@@ -215,7 +154,4 @@ def test_batch_of_a_range_reads_with_next_batch_and_equals_tf_data():
   ours = list(Dataset.range(3, 2000, 2).batch(64, drop_remainder=True))
   theirs = list(tf.data.Dataset.range(3, 2000, 2).batch(
       64, drop_remainder=True).as_numpy_iterator())
-  assert len(ours) == len(theirs)
-  for a, b in zip(ours, theirs):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    np.testing.assert_array_equal(a, b)
+  assert_same_stream(ours, theirs)
