@@ -23,11 +23,14 @@ closes and the late consumers' batches are dropped; later rounds do not wait
 for a consumer that missed one until it reads again. When it does, it goes on
 at the oldest round still open on each worker: its iterator skips the rounds
 it missed (`DistributedIterator.stats["rounds_skipped"]`) and reports each
-batch's global round (`last_round`). The timeout must exceed the longest
-pause of a training loop (a checkpoint save, say), since the client's
-prefetch buffer stops reading while the loop stands still. Rounds of a worker
-that ended or died are skipped by every consumer alike, so the consumers stay
-aligned; a read ends when every worker's stream ended.
+batch's global round (`last_round`). "Took" is seen from the worker: a batch
+is taken once sent on the consumer's connection, so what already sits in the
+client's buffer (`max_outstanding_requests` per worker) or in socket buffers
+stays the consumer's; a consumer that stops reading becomes late when those
+are full, a killed one at once. The timeout must exceed the longest pause of
+a training loop (a checkpoint save, say). Rounds of a worker that ended or
+died are skipped by every consumer alike, so the consumers stay aligned; a
+read ends when every worker's stream ended.
 """
 
 from __future__ import annotations

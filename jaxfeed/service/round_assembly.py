@@ -21,7 +21,8 @@ windows are dropped, never padded or mixed with another key:
   batch arrived earliest) is dropped (`windows_dropped_over_limit`,
   `batches_dropped_over_limit`, `rows_dropped_over_limit`).
 
-Rows are the first dimension of a batch's first leaf.
+Rows are the first dimension of a batch's first leaf; `peak_window_batches`
+is the most batches that waited in partial windows at once.
 
 Round closing (`RoundBuffer`). At most `capacity` assembled rounds wait for
 their consumers. A round closes when every consumer took its batch, or
@@ -90,7 +91,8 @@ class RoundAssembler:
     self._pending = 0
     self.stats = {"windows_dropped_at_end": 0, "batches_dropped_at_end": 0,
                   "rows_dropped_at_end": 0, "windows_dropped_over_limit": 0,
-                  "batches_dropped_over_limit": 0, "rows_dropped_over_limit": 0}
+                  "batches_dropped_over_limit": 0, "rows_dropped_over_limit": 0,
+                  "peak_window_batches": 0}
 
   @property
   def pending_batches(self) -> int:
@@ -111,6 +113,8 @@ class RoundAssembler:
       completed = window
     while self._pending > self.max_window_batches:
       self._drop_oldest("over_limit")
+    if self._pending > self.stats["peak_window_batches"]:
+      self.stats["peak_window_batches"] = self._pending
     return completed
 
   def finish(self) -> None:

@@ -96,6 +96,7 @@ def test_over_the_limit_the_oldest_partial_window_is_dropped():
   assert assembler.stats["batches_dropped_over_limit"] == 2
   assert assembler.stats["rows_dropped_over_limit"] == 4
   assert assembler.pending_batches == 3
+  assert assembler.stats["peak_window_batches"] == 4  # never above the limit
   completed = assembler.add("b", "b", 2)  # b still fills
   assert [frame for frame, _ in completed] == ["b", "b", "b"]
   assert assembler.add("a", "a", 2) is None  # a starts over
