@@ -87,6 +87,18 @@ def tf_elements_dataset(items: Sequence[Any], example: Any = None) -> Any:
                                         output_signature=spec)
 
 
+_COLUMN = np.arange(10, dtype=np.int32)
+# Inputs of each element structure, built from a Dataset class: jaxfeed's
+# `Dataset` or `tf.data.Dataset`.
+INPUT_KINDS = {
+    "range": lambda D: D.range(20),
+    "tuple": lambda D: D.from_tensor_slices((_COLUMN, _COLUMN * 2.5)),
+    "dict": lambda D: D.from_tensor_slices({"x": _COLUMN,
+                                            "y": _COLUMN[:, None]}),
+    "empty": lambda D: D.range(0),
+}
+
+
 def graph_iterator(dataset: Dataset) -> base.OpIterator:
   """An iterator of exactly the op graph built: no optimizer rewrites, no tuner."""
   return dataset.node.make_iterator()
@@ -134,6 +146,12 @@ def elements_and_seeds(iterator: Iterable[Any],
     elements.append(element)
     seeds.append(iterator.last_seed)
   return elements, seeds
+
+
+def seeds_of(dataset: Dataset) -> list:
+  """The `last_seed` after each element of `dataset`'s op graph."""
+  with graph_iterator(dataset) as iterator:
+    return elements_and_seeds(iterator)[1]
 
 
 @pytest.fixture(params=["threads", "adaptive"])

@@ -7,31 +7,14 @@ import os
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-tf.get_logger().setLevel("ERROR")
-tf.autograph.set_verbosity(0)
-
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import cache as cache_module
 from jaxfeed.ops.cache import CacheNode
+import op_testing
+from op_testing import (INPUT_KINDS, canonical, check_resume, graph_iterator,
+                        run, seeds_of)
 
-
-def _ours(ds):
-  return ds.node.make_iterator()
-
-
-def _canonical(element):
-  if isinstance(element, dict):
-    return ("dict",) + tuple((k, _canonical(v)) for k, v in element.items())
-  if isinstance(element, (tuple, list)):
-    return (type(element).__name__,) + tuple(_canonical(v) for v in element)
-  if isinstance(element, (bytes, str, bool, int, float)):
-    return (type(element).__name__, element)
-  array = np.asarray(element)
-  return (type(element).__name__, str(array.dtype), array.shape,
-          array.tobytes())
+tf = op_testing.import_tensorflow()
 
 
 class Counter:
@@ -45,33 +28,22 @@ class Counter:
     return element[0] if len(element) == 1 else element
 
 
-A = np.arange(8, dtype=np.int32)
-CASES = {
-    "range": (lambda: Dataset.range(9), lambda: tf.data.Dataset.range(9)),
-    "tuple": (lambda: Dataset.from_tensor_slices((A, A * 0.5)),
-              lambda: tf.data.Dataset.from_tensor_slices((A, A * 0.5))),
-    "dict": (lambda: Dataset.from_tensor_slices({"a": A, "b": A[:, None]}),
-             lambda: tf.data.Dataset.from_tensor_slices(
-                 {"a": A, "b": A[:, None]})),
-    "empty": (lambda: Dataset.range(0), lambda: tf.data.Dataset.range(0)),
-}
-
-
 def _filename(tmp_path, on_disk, name="cache"):
   return str(tmp_path / name) if on_disk else ""
 
 
 @pytest.mark.parametrize("on_disk", [False, True])
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("kind", sorted(INPUT_KINDS))
 def test_cache_under_repeat_matches_tf_data_and_runs_the_input_once(
-    case, on_disk, tmp_path):
-  make_ours, make_tf = CASES[case]
+    kind, on_disk, tmp_path):
+  make_input = INPUT_KINDS[kind]
   counter = Counter()
-  ds = make_ours().map(counter).cache(_filename(tmp_path, on_disk)).repeat(3)
-  with _ours(ds) as it:
-    ours = [_canonical(e) for e in it]
-  tf_ds = make_tf().cache(_filename(tmp_path, on_disk, "tf")).repeat(3)
-  theirs = [_canonical(e) for e in tf_ds.as_numpy_iterator()]
+  ds = make_input(Dataset).map(counter).cache(
+      _filename(tmp_path, on_disk)).repeat(3)
+  ours = [canonical(e, exact_types=True) for e in run(ds, graph_iterator)]
+  tf_ds = make_input(tf.data.Dataset).cache(
+      _filename(tmp_path, on_disk, "tf")).repeat(3)
+  theirs = [canonical(e, exact_types=True) for e in run(tf_ds)]
   assert ours == theirs
   assert counter.calls == len(ours) // 3
   assert ds.cardinality() == int(tf_ds.cardinality())
@@ -81,8 +53,8 @@ def test_cache_under_repeat_matches_tf_data_and_runs_the_input_once(
 def test_later_iterations_of_the_same_dataset_read_the_cache(on_disk, tmp_path):
   counter = Counter()
   ds = Dataset.range(6).map(counter).cache(_filename(tmp_path, on_disk))
-  first = [int(x) for x in _ours(ds)]
-  second = [int(x) for x in _ours(ds)]
+  first = [int(x) for x in graph_iterator(ds)]
+  second = [int(x) for x in graph_iterator(ds)]
   assert first == second == list(range(6))
   assert counter.calls == 6
 
@@ -91,17 +63,17 @@ def test_later_iterations_of_the_same_dataset_read_the_cache(on_disk, tmp_path):
 def test_partial_first_pass_does_not_fill_the_cache(on_disk, tmp_path):
   counter = Counter()
   ds = Dataset.range(10).map(counter).cache(_filename(tmp_path, on_disk))
-  with _ours(ds) as it:
+  with graph_iterator(ds) as it:
     assert [int(next(it)) for _ in range(3)] == [0, 1, 2]
   assert os.listdir(tmp_path) == []  # no partial files left behind
-  assert [int(x) for x in _ours(ds)] == list(range(10))
-  assert [int(x) for x in _ours(ds)] == list(range(10))
+  assert [int(x) for x in graph_iterator(ds)] == list(range(10))
+  assert [int(x) for x in graph_iterator(ds)] == list(range(10))
   assert counter.calls == 3 + 10
 
 
 def test_abandoned_partial_disk_cache_is_removed_on_garbage_collection(tmp_path):
   ds = Dataset.range(10).cache(str(tmp_path / "c"))
-  it = _ours(ds)
+  it = graph_iterator(ds)
   next(it)
   assert len(os.listdir(tmp_path)) == 1  # the temporary directory
   del it
@@ -121,13 +93,13 @@ def test_a_pass_whose_input_fails_is_not_cached(on_disk, tmp_path):
 
   ds = Dataset.range(6).map(fail_once_on_four).cache(
       _filename(tmp_path, on_disk))
-  it = _ours(ds)
+  it = graph_iterator(ds)
   with pytest.raises(OSError):
     list(it)
   assert [int(x) for x in it] == [5]  # the pass goes on, uncached
-  assert [int(x) for x in _ours(ds)] == list(range(6))
+  assert [int(x) for x in graph_iterator(ds)] == list(range(6))
   before = len(calls)
-  assert [int(x) for x in _ours(ds)] == list(range(6))
+  assert [int(x) for x in graph_iterator(ds)] == list(range(6))
   assert len(calls) == before  # that complete pass was cached
 
 
@@ -147,23 +119,24 @@ def test_disk_cache_keeps_every_leaf_kind_and_structure(tmp_path, monkeypatch):
   elements = [_leafy(i) for i in range(11)]
   source = Dataset.range(11).map(lambda i: _leafy(int(i)))
   filename = str(tmp_path / "leafy")
-  written = list(_ours(source.cache(filename)))
+  written = list(graph_iterator(source.cache(filename)))
   assert sorted(os.listdir(filename)) == [
       "chunk-00000.npz", "chunk-00001.npz", "chunk-00002.npz", "manifest.json"]
   counter = Counter()
-  read = list(_ours(source.map(counter).cache(filename)))  # a new node
+  read = list(graph_iterator(source.map(counter).cache(filename)))  # a new node
   assert counter.calls == 0
-  assert [_canonical(e) for e in written] == [_canonical(e) for e in elements]
-  assert [_canonical(e) for e in read] == [_canonical(e) for e in elements]
+  expected = [canonical(e, exact_types=True) for e in elements]
+  assert [canonical(e, exact_types=True) for e in written] == expected
+  assert [canonical(e, exact_types=True) for e in read] == expected
   assert all(list(e) == list(_leafy(0)) for e in read)  # dict key order
 
 
 def test_disk_cache_written_by_one_dataset_is_read_by_another(tmp_path):
   filename = str(tmp_path / "shared")
-  list(_ours(Dataset.range(5).map(lambda x: x * 10).cache(filename)))
+  list(graph_iterator(Dataset.range(5).map(lambda x: x * 10).cache(filename)))
   # As in tf.data, an existing complete cache is used as is.
-  assert [int(x) for x in _ours(Dataset.range(99).cache(filename))] == [
-      0, 10, 20, 30, 40]
+  reused = graph_iterator(Dataset.range(99).cache(filename))
+  assert [int(x) for x in reused] == [0, 10, 20, 30, 40]
 
 
 @pytest.mark.parametrize("on_disk", [False, True])
@@ -177,39 +150,25 @@ def test_resume_at_every_cut_point_with_a_fresh_pipeline(on_disk, tmp_path,
     return (Dataset.range(7).map(lambda x: x * 2)
             .cache(_filename(tmp_path, on_disk)).repeat(3))
 
-  expected = [int(x) for x in _ours(build())]
-  assert expected == [x * 2 for x in range(7)] * 3
-  for cut in range(len(expected) + 1):
-    with _ours(build()) as it:
-      head = [int(next(it)) for _ in range(cut)]
-      state = json.loads(json.dumps(it.get_state()))
-    with _ours(build()) as restored:
-      restored.set_state(state)
-      assert head + [int(x) for x in restored] == expected, cut
+  resumed = check_resume(build, make_iterator=graph_iterator)
+  assert [int(x) for x in resumed.expected] == [x * 2 for x in range(7)] * 3
 
 
 def test_restoring_a_read_state_rebuilds_a_missing_memory_cache():
   counter = Counter()
   ds = Dataset.range(5).map(counter).cache().repeat(2)
-  it = _ours(ds)
+  it = graph_iterator(ds)
   head = [int(next(it)) for _ in range(7)]  # two into the cached epoch
   state = it.get_state()
   assert state["parents"][0]["own"] == {"mode": "read", "index": 2}
   fresh = Dataset.range(5).map(counter).cache().repeat(2)
-  restored = _ours(fresh)
+  restored = graph_iterator(fresh)
   restored.set_state(state)
   assert head + [int(x) for x in restored] == [0, 1, 2, 3, 4] * 2
   assert counter.calls == 5 + 5  # the rebuild ran the input once
 
 
 def test_seeds_of_cached_elements_are_kept(tmp_path):
-  def seeds_of(ds):
-    it = _ours(ds)
-    out = []
-    for _ in it:
-      out.append(it.last_seed)
-    return out
-
   expected = seeds_of(Dataset.range(6))
   for filename in ("", str(tmp_path / "s")):
     assert seeds_of(Dataset.range(6).cache(filename).repeat(2)) == expected * 2
@@ -225,7 +184,7 @@ def test_unstorable_elements_raise_type_error_naming_the_cache(element, match,
   filename = str(tmp_path / "bad")
   ds = Dataset.range(2).map(lambda x: element).cache(filename)
   with pytest.raises(TypeError, match=match) as info:
-    list(_ours(ds))
+    list(graph_iterator(ds))
   assert filename in str(info.value)
   assert os.listdir(tmp_path) == []
 
@@ -234,18 +193,18 @@ def test_elements_changing_structure_or_dtype_raise_type_error(tmp_path):
   changing = Dataset.range(3).map(
       lambda x: {"a": x} if x == 0 else {"b": x}).cache(str(tmp_path / "s"))
   with pytest.raises(TypeError, match="share one structure"):
-    list(_ours(changing))
+    list(graph_iterator(changing))
   dtypes = Dataset.range(3).map(
       lambda x: np.int32(x) if x == 0 else np.float32(x)).cache(
           str(tmp_path / "d"))
   with pytest.raises(TypeError, match="keep their dtype"):
-    list(_ours(dtypes))
+    list(graph_iterator(dtypes))
 
 
 def test_invalid_filename_and_state_are_rejected():
   with pytest.raises(TypeError, match="cache: filename must be a str"):
     CacheNode(Dataset.range(2).node, 3)
-  it = _ours(Dataset.range(2).cache())
+  it = graph_iterator(Dataset.range(2).cache())
   state = it.get_state()
   state["own"] = {"mode": "read", "index": -1}
   with pytest.raises(ValueError, match="'cache'"):
@@ -264,24 +223,16 @@ def test_spec_params_rebuild_an_equal_node(tmp_path):
 def test_skip_over_a_filled_cache_matches_tf_data(on_disk, tmp_path):
   ds = Dataset.range(12).map(lambda x: x * 3).cache(
       _filename(tmp_path, on_disk))
-  list(_ours(ds))  # fill
-  ours = [int(x) for x in _ours(ds.skip(5).repeat(2))]
+  list(graph_iterator(ds))  # fill
+  ours = [int(x) for x in graph_iterator(ds.skip(5).repeat(2))]
   tf_ds = tf.data.Dataset.range(12).map(lambda x: x * 3).cache(
       _filename(tmp_path, on_disk, "tf"))
   list(tf_ds)
   assert ours == [int(x) for x in tf_ds.skip(5).repeat(2).as_numpy_iterator()]
-  with _ours(ds) as it:
+  with graph_iterator(ds) as it:
     assert it.skip_elements(4) == 4
-    assert it.last_seed == _seeds(Dataset.range(12))[3]
+    assert it.last_seed == seeds_of(Dataset.range(12))[3]
     state = json.loads(json.dumps(it.get_state()))
-  with _ours(ds) as restored:
+  with graph_iterator(ds) as restored:
     restored.set_state(state)
     assert [int(x) for x in restored] == [x * 3 for x in range(4, 12)]
-
-
-def _seeds(ds):
-  it = _ours(ds)
-  out = []
-  for _ in it:
-    out.append(it.last_seed)
-  return out

@@ -1,63 +1,37 @@
 """Tests of the filter op against tf.data's Dataset.filter."""
 
-import json
-import os
-
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-tf.get_logger().setLevel("ERROR")
-tf.autograph.set_verbosity(0)
-
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.filter import FilterNode
+import op_testing
+from op_testing import (assert_matches_tf_data, assert_same_values,
+                        check_resume, elements_and_seeds, graph_iterator)
 
-
-def _ours(ds):
-  return ds.node.make_iterator()
-
-
-def _canonical(element):
-  if isinstance(element, dict):
-    return tuple(sorted((k, _canonical(v)) for k, v in element.items()))
-  if isinstance(element, (tuple, list)):
-    return tuple(_canonical(v) for v in element)
-  array = np.asarray(element)
-  return (str(array.dtype), array.shape, array.tobytes())
-
+tf = op_testing.import_tensorflow()
 
 A = np.arange(15, dtype=np.int64)
 B = np.arange(15, dtype=np.float32) * 0.5
 
+# name -> (input from a Dataset class, predicate working on numpy and tf values)
 CASES = {
-    "every_third": (lambda: Dataset.range(30), lambda: tf.data.Dataset.range(30),
-                    lambda x: x % 3 == 0),
-    "none_kept": (lambda: Dataset.range(10), lambda: tf.data.Dataset.range(10),
-                  lambda x: x > 100),
-    "all_kept": (lambda: Dataset.range(10), lambda: tf.data.Dataset.range(10),
-                 lambda x: x >= 0),
-    "empty_input": (lambda: Dataset.range(0), lambda: tf.data.Dataset.range(0),
-                    lambda x: x >= 0),
-    "tuple_unpacked": (lambda: Dataset.from_tensor_slices((A, B)),
-                       lambda: tf.data.Dataset.from_tensor_slices((A, B)),
+    "every_third": (lambda D: D.range(30), lambda x: x % 3 == 0),
+    "none_kept": (lambda D: D.range(10), lambda x: x > 100),
+    "all_kept": (lambda D: D.range(10), lambda x: x >= 0),
+    "empty_input": (lambda D: D.range(0), lambda x: x >= 0),
+    "tuple_unpacked": (lambda D: D.from_tensor_slices((A, B)),
                        lambda a, b: a % 2 == 1),
-    "dict_one_argument": (lambda: Dataset.from_tensor_slices({"a": A, "b": B}),
-                          lambda: tf.data.Dataset.from_tensor_slices(
-                              {"a": A, "b": B}),
+    "dict_one_argument": (lambda D: D.from_tensor_slices({"a": A, "b": B}),
                           lambda d: d["b"] > 3.0),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_filter_matches_tf_data(case):
-  make_ours, make_tf, predicate = CASES[case]
-  ours = [_canonical(e) for e in _ours(make_ours().filter(predicate))]
-  theirs = [_canonical(e) for e in
-            make_tf().filter(predicate).as_numpy_iterator()]
-  assert ours == theirs
+  make_input, predicate = CASES[case]
+  assert_matches_tf_data(lambda D: make_input(D).filter(predicate),
+                         make_iterator=graph_iterator, same=assert_same_values)
 
 
 def test_cardinality_is_unknown_like_tf_data():
@@ -69,7 +43,8 @@ def test_cardinality_is_unknown_like_tf_data():
 @pytest.mark.parametrize("result", [True, np.bool_(True), np.array(True),
                                     np.array([True])[0]])
 def test_boolean_scalars_are_accepted(result):
-  assert len(list(_ours(Dataset.range(3).filter(lambda x: result)))) == 3
+  kept = list(graph_iterator(Dataset.range(3).filter(lambda x: result)))
+  assert len(kept) == 3
 
 
 def _returns_one(x):
@@ -84,7 +59,7 @@ def test_non_boolean_predicate_result_raises_type_error_naming_op_and_predicate(
   def not_a_bool(x):
     return result
   with pytest.raises(TypeError) as info:
-    next(_ours(Dataset.range(3).filter(not_a_bool)))
+    next(graph_iterator(Dataset.range(3).filter(not_a_bool)))
   message = str(info.value)
   assert message.startswith("filter: predicate")
   assert "not_a_bool" in message and shown in message
@@ -93,27 +68,19 @@ def test_non_boolean_predicate_result_raises_type_error_naming_op_and_predicate(
 @pytest.mark.parametrize("case", ["every_third", "tuple_unpacked",
                                   "dict_one_argument"])
 def test_filter_resumes_exactly_at_every_cut_point(case):
-  make_ours, _, predicate = CASES[case]
-  ds = make_ours().filter(predicate)
-  expected = [_canonical(e) for e in _ours(ds)]
-  for cut in range(len(expected) + 1):
-    it = _ours(ds)
-    head = [_canonical(next(it)) for _ in range(cut)]
-    state = json.loads(json.dumps(it.get_state()))
-    restored = _ours(ds)
-    restored.set_state(state)
-    assert head + [_canonical(e) for e in restored] == expected
+  make_input, predicate = CASES[case]
+  check_resume(lambda: make_input(Dataset).filter(predicate),
+               make_iterator=graph_iterator, same=assert_same_values)
 
 
 def test_last_seed_is_the_kept_elements_seed():
-  with _ours(Dataset.range(12)) as it:
-    seeds = {}
-    for x in it:
-      seeds[int(x)] = it.last_seed
-  with _ours(Dataset.range(12).filter(lambda x: x % 4 == 1)) as it:
-    got = {}
-    for x in it:
-      got[int(x)] = it.last_seed
+  def seed_by_element(dataset):
+    with graph_iterator(dataset) as it:
+      elements, seeds = elements_and_seeds(it)
+    return {int(x): seed for x, seed in zip(elements, seeds)}
+
+  seeds = seed_by_element(Dataset.range(12))
+  got = seed_by_element(Dataset.range(12).filter(lambda x: x % 4 == 1))
   assert got == {k: seeds[k] for k in (1, 5, 9)}
 
 
@@ -122,7 +89,7 @@ def test_predicate_exception_propagates():
     if x == 2:
       raise ValueError("two")
     return True
-  it = _ours(Dataset.range(5).filter(picky))
+  it = graph_iterator(Dataset.range(5).filter(picky))
   assert [int(next(it)) for _ in range(2)] == [0, 1]
   with pytest.raises(ValueError, match="two"):
     next(it)

@@ -3,143 +3,89 @@
 import collections
 import gc
 import json
-import os
 import threading
 import traceback
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-tf.get_logger().setLevel("ERROR")
-tf.autograph.set_verbosity(0)
-
 import jaxfeed
-from jaxfeed.ops import parallel
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.map import MapNode
+import op_testing
+from op_testing import (NUM_PARALLEL_CALLS, assert_matches_tf_data,
+                        assert_same_multiset, assert_same_values, check_resume,
+                        graph_iterator, new_threads, run, seeds_of)
+# A fixture, requested by name.
+from op_testing import work_mode  # pylint: disable=unused-import
 
-PARALLEL = [None, 1, 4, jaxfeed.AUTOTUNE]
-
-
-@pytest.fixture(params=["threads", "adaptive"])
-def work_mode(request, monkeypatch):
-  """Parallel work on the threads only, or cheap ordered work in the consumer."""
-  if request.param == "threads":
-    monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
-  return request.param
-
-
-def _ours(ds):
-  """Runs exactly the op graph built (no optimizer rewrites, no tuner)."""
-  return ds.node.make_iterator()
-
-
-def _canonical(element):
-  """A hashable, comparable form of an element (values and dtypes)."""
-  if isinstance(element, dict):
-    return tuple(sorted((k, _canonical(v)) for k, v in element.items()))
-  if isinstance(element, (tuple, list)):
-    return tuple(_canonical(v) for v in element)
-  array = np.asarray(element)
-  return (str(array.dtype), array.shape, array.tobytes())
-
+tf = op_testing.import_tensorflow()
 
 A = np.arange(12, dtype=np.int32)
 B = np.linspace(0.0, 1.0, 12)
 
-# name -> (jaxfeed dataset, tf dataset, fn working on numpy and tf values)
+# name -> (input from a Dataset class, fn working on numpy and tf values)
 CASES = {
-    "range_scalar": (lambda: Dataset.range(17),
-                     lambda: tf.data.Dataset.range(17),
-                     lambda x: x * 3 + 1),
-    "tuple_unpacked": (lambda: Dataset.from_tensor_slices((A, B)),
-                       lambda: tf.data.Dataset.from_tensor_slices((A, B)),
+    "range_scalar": (lambda D: D.range(17), lambda x: x * 3 + 1),
+    "tuple_unpacked": (lambda D: D.from_tensor_slices((A, B)),
                        lambda a, b: (b * 2.0, a + 1)),
-    "dict_one_argument": (lambda: Dataset.from_tensor_slices({"a": A, "b": B}),
-                          lambda: tf.data.Dataset.from_tensor_slices(
-                              {"a": A, "b": B}),
+    "dict_one_argument": (lambda D: D.from_tensor_slices({"a": A, "b": B}),
                           lambda d: {"sum": d["b"] + 1.0, "a": d["a"] * 2}),
-    "scalar_to_tuple": (lambda: Dataset.range(9),
-                        lambda: tf.data.Dataset.range(9),
-                        lambda x: (x, x * x)),
-    "empty": (lambda: Dataset.range(0), lambda: tf.data.Dataset.range(0),
-              lambda x: x + 1),
+    "scalar_to_tuple": (lambda D: D.range(9), lambda x: (x, x * x)),
+    "empty": (lambda D: D.range(0), lambda x: x + 1),
 }
 
 
-def _tf_values(case, num_parallel_calls, deterministic):
-  _, make_tf, fn = CASES[case]
-  # tf.data only takes `deterministic` together with `num_parallel_calls`.
-  ds = make_tf().map(fn, num_parallel_calls=num_parallel_calls,
-                     deterministic=deterministic if num_parallel_calls else None)
-  return [_canonical(e) for e in ds.as_numpy_iterator()]
-
-
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.usefixtures("work_mode")
 def test_map_matches_tf_data(case, num_parallel_calls, deterministic):
-  make_ours, make_tf, fn = CASES[case]
-  ours_ds = make_ours().map(fn, num_parallel_calls=num_parallel_calls,
-                            deterministic=deterministic)
-  with _ours(ours_ds) as it:
-    ours = [_canonical(e) for e in it]
-  theirs = _tf_values(case, num_parallel_calls, deterministic)
-  if deterministic:
-    assert ours == theirs
-  else:
-    assert sorted(ours) == sorted(theirs)
-  tf_cardinality = int(make_tf().map(fn).cardinality())
+  make_input, fn = CASES[case]
+  ours_ds = make_input(Dataset).map(fn, num_parallel_calls=num_parallel_calls,
+                                    deterministic=deterministic)
+  # tf.data only takes `deterministic` together with `num_parallel_calls`.
+  theirs_ds = make_input(tf.data.Dataset).map(
+      fn, num_parallel_calls=num_parallel_calls,
+      deterministic=deterministic if num_parallel_calls else None)
+  same = assert_same_values if deterministic else assert_same_multiset
+  same(run(ours_ds, graph_iterator), run(theirs_ds))
+  tf_cardinality = int(make_input(tf.data.Dataset).map(fn).cardinality())
   assert ours_ds.cardinality() == tf_cardinality
 
 
 def test_map_through_the_facade_with_default_options_matches_tf_data():
   ours = list(Dataset.range(50).map(lambda x: x + 1, num_parallel_calls=3)
               .map(lambda x: x * 2))
-  theirs = list(tf.data.Dataset.range(50).map(lambda x: x + 1)
-                .map(lambda x: x * 2).as_numpy_iterator())
-  assert [_canonical(e) for e in ours] == [_canonical(e) for e in theirs]
+  theirs = run(tf.data.Dataset.range(50).map(lambda x: x + 1)
+               .map(lambda x: x * 2))
+  assert_same_values(ours, theirs)
 
 
 def test_namedtuple_elements_are_passed_whole_like_tf_data():
   pair = collections.namedtuple("Pair", "a b")
-  ours = list(_ours(Dataset.from_tensor_slices(pair(A, B)).map(
-      lambda p: p.a * 2)))
-  theirs = list(tf.data.Dataset.from_tensor_slices(pair(A, B)).map(
-      lambda p: p.a * 2).as_numpy_iterator())
-  assert [_canonical(e) for e in ours] == [_canonical(e) for e in theirs]
+  assert_matches_tf_data(
+      lambda D: D.from_tensor_slices(pair(A, B)).map(lambda p: p.a * 2),
+      make_iterator=graph_iterator, same=assert_same_values)
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 @pytest.mark.usefixtures("work_mode")
 def test_map_resumes_exactly_at_every_cut_point(num_parallel_calls,
                                                  deterministic):
   ds = Dataset.from_tensor_slices({"a": A, "b": B}).map(
       lambda d: {"a": d["a"] * 2, "b": d["b"]},
       num_parallel_calls=num_parallel_calls, deterministic=deterministic)
-  with _ours(ds) as it:
-    expected = [_canonical(e) for e in it]
-  for cut in range(len(A) + 1):
-    with _ours(ds) as it:
-      head = [_canonical(next(it)) for _ in range(cut)]
-      state = json.loads(json.dumps(it.get_state()))
-    with _ours(ds) as restored:
-      restored.set_state(state)
-      tail = [_canonical(e) for e in restored]
-    if deterministic:
-      assert head + tail == expected
-    else:
-      assert sorted(head + tail) == sorted(expected)
+  resumed = check_resume(
+      lambda: ds, make_iterator=graph_iterator,
+      same=assert_same_values if deterministic else assert_same_multiset)
+  assert len(resumed.states) == len(A) + 1
 
 
 def test_map_restores_into_the_same_running_iterator():
   ds = Dataset.range(30).map(lambda x: x * 2, num_parallel_calls=4)
-  with _ours(ds) as it:
+  with graph_iterator(ds) as it:
     head = [int(next(it)) for _ in range(11)]
     state = it.get_state()
     middle = [int(next(it)) for _ in range(9)]  # work in flight beyond this
@@ -148,18 +94,11 @@ def test_map_restores_into_the_same_running_iterator():
   assert head == list(range(0, 22, 2)) and middle == list(range(22, 40, 2))
 
 
-@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 def test_map_passes_each_element_seed_through(num_parallel_calls):
   source = Dataset.range(15)
-  with _ours(source) as it:
-    expected = []
-    for _ in it:
-      expected.append(it.last_seed)
-  with _ours(source.map(lambda x: -x, num_parallel_calls=num_parallel_calls)) as it:
-    seeds = []
-    for _ in it:
-      seeds.append(it.last_seed)
-  assert seeds == expected
+  mapped = source.map(lambda x: -x, num_parallel_calls=num_parallel_calls)
+  assert seeds_of(mapped) == seeds_of(source)
 
 
 def _explode_on_five(x):
@@ -168,12 +107,12 @@ def _explode_on_five(x):
   return x
 
 
-@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 def test_fn_exception_surfaces_with_type_and_traceback_then_iteration_continues(
     num_parallel_calls):
   ds = Dataset.range(8).map(_explode_on_five,
                             num_parallel_calls=num_parallel_calls)
-  with _ours(ds) as it:
+  with graph_iterator(ds) as it:
     assert [int(next(it)) for _ in range(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(ZeroDivisionError, match="no fives") as info:
       next(it)
@@ -182,31 +121,28 @@ def test_fn_exception_surfaces_with_type_and_traceback_then_iteration_continues(
     assert [int(e) for e in it] == [6, 7]
 
 
-def _threads_now():
-  return set(threading.enumerate())
-
-
 @pytest.mark.parametrize("num_parallel_calls", [4, jaxfeed.AUTOTUNE])
 def test_no_threads_leak_after_close_or_garbage_collection(num_parallel_calls):
-  before = _threads_now()
+  before = threading.enumerate()
   ds = Dataset.range(1000).map(lambda x: x, num_parallel_calls=num_parallel_calls)
-  it = _ours(ds)
+  it = graph_iterator(ds)
   next(it)
-  assert _threads_now() - before
+  assert new_threads(before)
   it.close()
-  assert not {t for t in _threads_now() - before if t.is_alive()}
-  it = _ours(ds)
+  assert not new_threads(before)
+  it = graph_iterator(ds)
   next(it)
   del it
   gc.collect()
-  assert not {t for t in _threads_now() - before if t.is_alive()}
+  assert not new_threads(before)
 
 
 def test_sequential_map_starts_no_thread():
-  before = _threads_now()
-  with _ours(Dataset.range(5).map(lambda x: x, num_parallel_calls=1)) as it:
+  before = set(threading.enumerate())
+  with graph_iterator(Dataset.range(5).map(lambda x: x,
+                                           num_parallel_calls=1)) as it:
     next(it)
-    assert _threads_now() == before
+    assert set(threading.enumerate()) == before
 
 
 def test_spec_params_rebuild_an_equal_node_and_keep_batched():
@@ -223,8 +159,9 @@ def test_spec_params_rebuild_an_equal_node_and_keep_batched():
 
 
 def test_batched_flag_does_not_change_map_output():
-  plain = list(_ours(Dataset.range(6).map(lambda x: x * 2)))
-  batched = list(_ours(Dataset.range(6).map(lambda x: x * 2, batched=True)))
+  plain = list(graph_iterator(Dataset.range(6).map(lambda x: x * 2)))
+  batched = list(graph_iterator(Dataset.range(6).map(lambda x: x * 2,
+                                                     batched=True)))
   assert plain == batched
 
 
@@ -249,16 +186,14 @@ class _Counting:
     return x * 2
 
 
-@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 def test_skip_after_map_matches_tf_data_without_calling_fn_on_skipped(
     num_parallel_calls):
   fn = _Counting()
   ds = Dataset.range(20).map(fn, num_parallel_calls=num_parallel_calls).skip(7)
-  with _ours(ds) as it:
-    ours = [_canonical(e) for e in it]
-  theirs = [_canonical(e) for e in tf.data.Dataset.range(20).map(
-      lambda x: x * 2).skip(7).as_numpy_iterator()]
-  assert ours == theirs
+  assert_same_values(
+      run(ds, graph_iterator),
+      run(tf.data.Dataset.range(20).map(lambda x: x * 2).skip(7)))
   assert fn.calls == 13  # the skipped elements never reached fn
 
 
@@ -266,13 +201,13 @@ def test_skip_after_map_matches_tf_data_without_calling_fn_on_skipped(
 def test_skip_elements_in_the_middle_of_a_map_keeps_order_and_state(
     num_parallel_calls):
   ds = Dataset.range(40).map(lambda x: x, num_parallel_calls=num_parallel_calls)
-  with _ours(ds) as it:
+  with graph_iterator(ds) as it:
     head = [int(next(it)) for _ in range(3)]  # work may be in flight now
     assert it.skip_elements(10) == 10
     state = json.loads(json.dumps(it.get_state()))
     rest = [int(x) for x in it]
     assert it.skip_elements(5) == 0
   assert head + rest == [0, 1, 2] + list(range(13, 40))
-  with _ours(ds) as restored:
+  with graph_iterator(ds) as restored:
     restored.set_state(state)
     assert [int(x) for x in restored] == list(range(13, 40))

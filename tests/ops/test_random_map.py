@@ -1,52 +1,32 @@
 """Tests of random_map: per-record generators, independent of parallelism."""
 
-import json
-import os
 import threading
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
 import jaxfeed
-from jaxfeed.ops import parallel
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.base import mix_seed
 from jaxfeed.ops.random_map import ElementGenerators, RandomMapNode, element_rng
+import op_testing
+from op_testing import (NUM_PARALLEL_CALLS, assert_same_multiset,
+                        assert_same_values, check_resume, graph_iterator,
+                        new_threads, seeds_of)
+# A fixture, requested by name.
+from op_testing import work_mode  # pylint: disable=unused-import
 
-PARALLEL = [None, 1, 4, jaxfeed.AUTOTUNE]
-
-
-@pytest.fixture(params=["threads", "adaptive"])
-def work_mode(request, monkeypatch):
-  """Parallel work on the threads only, or cheap ordered work in the consumer."""
-  if request.param == "threads":
-    monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
-  return request.param
-
-
-def _ours(ds):
-  return ds.node.make_iterator()
+tf = op_testing.import_tensorflow()
 
 
 def _noisy(x, rng):
   return (int(x), float(rng.random()), int(rng.integers(0, 1 << 30)))
 
 
-def _record_seeds(ds):
-  with _ours(ds) as it:
-    seeds = []
-    for _ in it:
-      seeds.append(it.last_seed)
-  return seeds
-
-
 def _reference(n, seed):
   """What random_map must give: rng = Generator(Philox(key=mix(seed, record)))."""
   out = []
-  for x, record_seed in zip(range(n), _record_seeds(Dataset.range(n))):
+  for x, record_seed in zip(range(n), seeds_of(Dataset.range(n))):
     rng = np.random.Generator(np.random.Philox(key=mix_seed(seed or 0, record_seed)))
     out.append(_noisy(x, rng))
   return out
@@ -72,14 +52,14 @@ def test_reused_generators_give_exactly_the_fresh_generator_streams():
 
 @pytest.mark.parametrize("seed", [None, 0, 3])
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 @pytest.mark.usefixtures("work_mode")
 def test_outputs_do_not_depend_on_parallelism(num_parallel_calls, deterministic,
                                               seed):
   ds = Dataset.range(40).random_map(
       _noisy, num_parallel_calls=num_parallel_calls,
       deterministic=deterministic, seed=seed)
-  with _ours(ds) as it:
+  with graph_iterator(ds) as it:
     ours = list(it)
   expected = _reference(40, seed)
   if deterministic:
@@ -89,7 +69,7 @@ def test_outputs_do_not_depend_on_parallelism(num_parallel_calls, deterministic,
 
 
 def test_element_order_and_count_match_tf_data_map():
-  ours = [x for x, _, _ in _ours(Dataset.range(25).random_map(_noisy))]
+  ours = [x for x, _, _ in graph_iterator(Dataset.range(25).random_map(_noisy))]
   theirs = list(tf.data.Dataset.range(25).map(lambda x: x).as_numpy_iterator())
   assert ours == [int(x) for x in theirs]
   assert Dataset.range(25).random_map(_noisy).cardinality() == int(
@@ -97,9 +77,9 @@ def test_element_order_and_count_match_tf_data_map():
 
 
 def test_op_seed_changes_every_stream_and_none_means_zero():
-  zero = list(_ours(Dataset.range(20).random_map(_noisy, seed=0)))
-  none = list(_ours(Dataset.range(20).random_map(_noisy)))
-  one = list(_ours(Dataset.range(20).random_map(_noisy, seed=1)))
+  zero = list(graph_iterator(Dataset.range(20).random_map(_noisy, seed=0)))
+  none = list(graph_iterator(Dataset.range(20).random_map(_noisy)))
+  one = list(graph_iterator(Dataset.range(20).random_map(_noisy, seed=1)))
   assert zero == none
   assert all(a[1] != b[1] for a, b in zip(zero, one))
   assert len({r for _, r, _ in zero}) == 20  # each record its own stream
@@ -107,48 +87,46 @@ def test_op_seed_changes_every_stream_and_none_means_zero():
 
 def test_tuple_and_dict_elements_are_passed_whole_with_the_generator():
   a = np.arange(6)
-  tuples = list(_ours(Dataset.from_tensor_slices((a, a * 10)).random_map(
-      lambda pair, rng: (int(pair[0] + pair[1]), rng.random() < 2.0))))
+  tuples = list(graph_iterator(
+      Dataset.from_tensor_slices((a, a * 10)).random_map(
+          lambda pair, rng: (int(pair[0] + pair[1]), rng.random() < 2.0))))
   assert tuples == [(11 * i, True) for i in range(6)]
-  dicts = list(_ours(Dataset.from_tensor_slices({"v": a}).random_map(
+  dicts = list(graph_iterator(Dataset.from_tensor_slices({"v": a}).random_map(
       lambda d, rng: int(d["v"]) * 2)))
   assert dicts == [2 * i for i in range(6)]
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("num_parallel_calls", PARALLEL)
+@pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 @pytest.mark.usefixtures("work_mode")
 def test_resume_at_every_cut_point_gives_the_same_random_values(
     num_parallel_calls, deterministic):
   ds = Dataset.range(16).random_map(
       _noisy, num_parallel_calls=num_parallel_calls,
       deterministic=deterministic, seed=5)
-  expected = _reference(16, 5)
-  for cut in range(17):
-    with _ours(ds) as it:
-      head = [next(it) for _ in range(cut)]
-      state = json.loads(json.dumps(it.get_state()))
-    with _ours(ds) as restored:
-      restored.set_state(state)
-      tail = list(restored)
-    if deterministic:
-      assert head + tail == expected
-    else:
-      assert sorted(head + tail) == expected
+  resumed = check_resume(
+      lambda: ds, make_iterator=graph_iterator,
+      same=assert_same_values if deterministic else assert_same_multiset)
+  assert len(resumed.states) == 17
+  if deterministic:
+    assert resumed.expected == _reference(16, 5)
+  else:
+    assert sorted(resumed.expected) == _reference(16, 5)
 
 
 def test_last_seed_is_the_record_seed_not_the_mixed_one():
-  seeds = _record_seeds(Dataset.range(10).random_map(_noisy, seed=9,
-                                                     num_parallel_calls=3))
-  assert seeds == _record_seeds(Dataset.range(10))
+  seeds = seeds_of(Dataset.range(10).random_map(_noisy, seed=9,
+                                                num_parallel_calls=3))
+  assert seeds == seeds_of(Dataset.range(10))
 
 
 def test_no_threads_leak_after_close():
-  before = set(threading.enumerate())
-  it = _ours(Dataset.range(100).random_map(_noisy, num_parallel_calls=3))
+  before = threading.enumerate()
+  it = graph_iterator(Dataset.range(100).random_map(_noisy,
+                                                    num_parallel_calls=3))
   next(it)
   it.close()
-  assert not {t for t in set(threading.enumerate()) - before if t.is_alive()}
+  assert not new_threads(before)
 
 
 def test_spec_params_rebuild_an_equal_node():
@@ -180,5 +158,5 @@ def test_generators_are_keyed_by_the_samplers_record_seeds(num_parallel_calls):
     record = sampler[position]
     rng = np.random.Generator(np.random.Philox(key=mix_seed(8, record.rng_seed)))
     expected.append((int(record.record_index), int(rng.integers(0, 1 << 40))))
-  with _ours(ds) as it:
+  with graph_iterator(ds) as it:
     assert list(it) == expected
