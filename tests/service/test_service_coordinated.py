@@ -303,3 +303,18 @@ def test_dispatcher_answers_invalid_argument_to_bad_round_robin_requests(
                                     **fields), timeout=10)
   assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
   assert re.search(message, info.value.details())
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"num_consumers": 3, "consumer_index": 0}, "needs a job_name"),
+    ({"num_consumers": 3, "consumer_index": 3, "job_name": "j"}, r"\[0, num_consumers=3\)"),
+    ({"num_consumers": 3, "job_name": "j"}, "consumer_index"),
+    ({"job_name": "j", "round_timeout_s": 5.0}, "round-robin reads only"),
+    ({"num_consumers": 3, "consumer_index": 0, "job_name": "j", "round_timeout_s": 0},
+     "round_timeout_s must be"),
+    ({"num_consumers": 3, "consumer_index": 0, "job_name": "j", "round_timeout_s": "5"},
+     "round_timeout_s must be"),
+])
+def test_bad_round_robin_options_are_refused_before_anything_starts(options, message):
+  with pytest.raises(ValueError, match=message):
+    corpus_lib.pipeline().distribute("127.0.0.1:1", "data", **options)
