@@ -7,7 +7,8 @@
   hashable canonical forms for ordered and multiset comparisons, and batches
   read with the batched-read protocol (`next_batch`).
 * State: exact resume at every cut point; restoring in a new process.
-* Threads: the ones started since a snapshot; waiting for a condition.
+* Threads, processes and shared memory: which are new or still there;
+  waiting for a condition.
 
 Test modules import it as `import op_testing`: pytest puts this folder on
 `sys.path` when it collects them (the folder has no `__init__.py`).
@@ -25,6 +26,7 @@ import time
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
+import psutil
 import pytest
 
 import jaxfeed
@@ -481,7 +483,7 @@ def restore_in_new_process(expression: str, states: Sequence[dict]) -> list:
 
 
 # ---------------------------------------------------------------------------
-# threads
+# threads, processes and shared memory
 # ---------------------------------------------------------------------------
 def new_threads(before: Iterable[threading.Thread],
                 prefix: str = "") -> list[threading.Thread]:
@@ -497,3 +499,16 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
   while not condition():
     assert time.monotonic() < deadline, "condition not reached"
     time.sleep(0.005)
+
+
+def process_alive(pid: int) -> bool:
+  """Whether process `pid` runs (exists and is no zombie)."""
+  try:
+    return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+  except psutil.NoSuchProcess:
+    return False
+
+
+def shared_memory_exists(name: str) -> bool:
+  """Whether the POSIX shared-memory block `name` (leading "/" or not) exists."""
+  return os.path.exists(f"/dev/shm/{name.lstrip('/')}")

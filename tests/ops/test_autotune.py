@@ -8,6 +8,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed.ops import autotune
+from op_testing import wait_until
 
 
 class FakeKnob:
@@ -74,25 +75,22 @@ def test_buffers_grow_only_within_the_ram_budget():
   assert fake.value == 5
 
 
-def test_a_buffer_behind_a_slow_producer_does_not_grow():
+@pytest.mark.parametrize("steps, producer_blocked_s, expected_size", [
+    # The consumer waits, but the buffer never fills: no growth.
+    pytest.param(20, 0.0, 2, id="behind_a_slow_producer_does_not_grow"),
+    # Bursty: the producer also waits for room; the buffer grows.
+    pytest.param(10, 0.02, 12, id="that_fills_and_still_starves_the_consumer_grows"),
+])
+def test_a_buffer_grows_only_when_its_producer_fills_it(steps, producer_blocked_s,
+                                                        expected_size):
   fake = FakeKnob("prefetch", kind="buffer", value=2, maximum=100, unit_bytes=10,
                   reports_blocking=True)
   policy = autotune.AutotunePolicy([fake.knob], cpu_budget=8, ram_budget_bytes=1 << 30)
-  for _ in range(20):
-    fake.wait += 0.05  # the consumer waits, but the buffer never fills
+  for _ in range(steps):
+    fake.wait += 0.05
+    fake.blocked += producer_blocked_s
     policy.step(0.1)
-  assert fake.value == 2
-
-
-def test_a_buffer_that_fills_and_still_starves_the_consumer_grows():
-  fake = FakeKnob("prefetch", kind="buffer", value=2, maximum=100, unit_bytes=10,
-                  reports_blocking=True)
-  policy = autotune.AutotunePolicy([fake.knob], cpu_budget=8, ram_budget_bytes=1 << 30)
-  for _ in range(10):
-    fake.wait += 0.05  # bursty: the producer also waits for room
-    fake.blocked += 0.02
-    policy.step(0.1)
-  assert fake.value == 12
+  assert fake.value == expected_size
 
 
 def test_knob_rejects_bad_ranges():
@@ -148,10 +146,7 @@ def test_tuner_thread_ends_when_iterator_is_garbage_collected():
   assert tuner_threads()
   del it
   gc.collect()
-  deadline = time.time() + 5
-  while tuner_threads() and time.time() < deadline:
-    time.sleep(0.01)
-  assert not tuner_threads()
+  wait_until(lambda: not tuner_threads(), timeout_s=5)
 
 
 def test_autotune_off_or_no_knobs_means_no_tuner():

@@ -22,9 +22,13 @@ import pytest
 import jaxfeed
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import parallel
-from jaxfeed.ops.base import AUTOTUNE, OpIterator, PipelineStateError
+from jaxfeed.ops.base import AUTOTUNE, PipelineStateError
 from jaxfeed.ops.map import MapNode
 from jaxfeed.ops.random_map import RandomMapNode
+import op_testing
+from op_testing import (ListNode, assert_same_multiset, check_resume,
+                        graph_iterator, new_threads, shared_memory_exists,
+                        wait_until)
 
 
 # multiprocessing's session-wide shared-memory tracker process, started by
@@ -40,41 +44,7 @@ def work_on_threads(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tf():
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  import tensorflow  # pylint: disable=g-import-not-at-top
-  return tensorflow
-
-
-class ListIterator(OpIterator):
-  """A test input: yields items (raising Exception items), counts pulls."""
-
-  op_name = "list"
-
-  def __init__(self, items):
-    super().__init__()
-    self.items = list(items)
-    self.index = 0
-    self.pulls = 0
-
-  def __next__(self):
-    if self.index >= len(self.items):
-      raise StopIteration
-    item = self.items[self.index]
-    self.index += 1
-    self.pulls += 1
-    if isinstance(item, Exception):
-      raise item
-    return item
-
-  @property
-  def last_seed(self):
-    return 1000 + self.index - 1
-
-  def _get_own_state(self):
-    return {"index": self.index}
-
-  def _set_own_state(self, state):
-    self.index = state["index"]
+  return op_testing.import_tensorflow()
 
 
 def _jittered(fn):
@@ -88,15 +58,21 @@ def _jittered(fn):
   return run
 
 
-def _new_threads(before):
-  return [t for t in threading.enumerate() if t not in before and t.is_alive()]
+def _blocked_on_zero(release):
+  """Work that returns its element; on element 0 it first waits for `release`."""
+  def work(x, seed):
+    if x == 0:
+      release.wait()
+    return x
+  return work
 
 
 def _executor(items, work=None, parallelism=4, deterministic=True):
-  parent = ListIterator(items)
+  """An executor over a `ListNode` of `items`; returns (node, executor)."""
+  parent = ListNode(items)
   work = work or _jittered(lambda x, seed: (x, seed))
-  return parent, parallel.ParallelExecutor(parent, work, parallelism,
-                                           deterministic, "test")
+  return parent, parallel.ParallelExecutor(parent.make_iterator(), work,
+                                           parallelism, deterministic, "test")
 
 
 def _drain(executor):
@@ -140,14 +116,8 @@ def test_unordered_executor_returns_every_element_once_with_its_seed(parallelism
 
 def test_unordered_executor_does_not_wait_for_a_slow_head_element():
   release = threading.Event()
-
-  def work(x, seed):
-    if x == 0:
-      release.wait()
-    return x
-
-  _, executor = _executor(range(10), work=work, parallelism=3,
-                          deterministic=False)
+  _, executor = _executor(range(10), work=_blocked_on_zero(release),
+                          parallelism=3, deterministic=False)
   first = [next(executor) for _ in range(5)]  # element 0 is still running
   release.set()
   rest = _drain(executor)
@@ -217,14 +187,8 @@ def test_unordered_executor_resumes_exactly_at_every_cut_point(seed):
 
 def test_unordered_state_lists_elements_returned_ahead_of_a_slow_one():
   release = threading.Event()
-
-  def slow_zero(x, seed):
-    if x == 0:
-      release.wait()
-    return x
-
-  _, executor = _executor(range(10), work=slow_zero, parallelism=4,
-                          deterministic=False)
+  _, executor = _executor(range(10), work=_blocked_on_zero(release),
+                          parallelism=4, deterministic=False)
   head = [next(executor) for _ in range(3)]
   parent_state, own = executor.parent_state(), executor.own_state()
   release.set()
@@ -286,10 +250,10 @@ def test_close_joins_every_worker_thread():
   _, executor = _executor(range(100), parallelism=5)
   for _ in range(10):
     next(executor)
-  assert len(_new_threads(before)) == 5
+  assert len(new_threads(before)) == 5
   executor.close()
   executor.close()  # idempotent
-  assert _new_threads(before) == []
+  assert new_threads(before) == []
   with pytest.raises(RuntimeError, match="closed"):
     next(executor)
 
@@ -300,12 +264,12 @@ def test_garbage_collecting_an_unclosed_iterator_stops_its_threads():
   it = ds.node.make_iterator()
   for _ in range(10):
     next(it)
-  assert len(_new_threads(before)) == 4
+  assert len(new_threads(before)) == 4
   ref = weakref.ref(it)
   del it
   gc.collect()
   assert ref() is None  # threads hold no reference to the iterator
-  assert _new_threads(before) == []
+  assert new_threads(before) == []
 
 
 def test_parallelism_can_grow_and_shrink_while_running():
@@ -324,7 +288,7 @@ def test_parallelism_can_grow_and_shrink_while_running():
   out += _drain(executor)
   assert out == [(i, 1000 + i) for i in range(200)]
   executor.close()
-  assert _new_threads(before) == []
+  assert new_threads(before) == []
   with pytest.raises(ValueError, match="parallelism must be >= 1"):
     executor.parallelism = 0
 
@@ -334,9 +298,7 @@ def test_parallelism_shrink_retires_threads():
   next(executor)
   executor.parallelism = 1
   _drain(executor)
-  deadline = time.monotonic() + 30
-  while executor.num_threads > 1 and time.monotonic() < deadline:
-    time.sleep(0.01)
+  wait_until(lambda: executor.num_threads <= 1)
   assert executor.num_threads == 1
   executor.close()
 
@@ -499,14 +461,10 @@ def test_ops_over_an_unordered_map_resume_exactly_as_a_multiset(outer):
   ds = (inner.map(lambda x: x + 1000, num_parallel_calls=2)
         if outer == "map" else inner.prefetch(3))
   offset = 1000 if outer == "map" else 0
-  for cut in (0, 1, 5, 17, 39, 40):
-    with ds.node.make_iterator() as it:
-      head = [int(next(it)) for _ in range(cut)]
-      state = json.loads(json.dumps(it.get_state()))
-    with ds.node.make_iterator() as restored:
-      restored.set_state(state)
-      tail = [int(x) for x in restored]
-    assert sorted(head + tail) == [i + offset for i in range(40)], cut
+  resumed = check_resume(lambda: ds, cuts=(0, 1, 5, 17, 39, 40),
+                         make_iterator=graph_iterator, same=assert_same_multiset)
+  assert sorted(int(x) for x in resumed.expected) == [
+      i + offset for i in range(40)]
 
 
 def _sleepy(x):
@@ -569,10 +527,6 @@ def _live_children():
           and p.status() != psutil.STATUS_ZOMBIE}
 
 
-def _shm_exists(name):
-  return os.path.exists(f"/dev/shm/{name}")
-
-
 def _dict_source():
   return Dataset.from_tensor_slices(
       {"v": np.arange(12, dtype=np.float64).reshape(6, 2),
@@ -595,10 +549,10 @@ def test_process_backend_matches_threads_resumes_exactly_and_leaks_nothing():
   it.set_state(state)  # same iterator: in-flight work is discarded
   assert _as_lists(head + list(it)) == expected
   pids, names = it._pool.pids(), it._pool.shared_memory_names()
-  assert len(pids) == 2 and all(_shm_exists(n) for n in names)
+  assert len(pids) == 2 and all(shared_memory_exists(n) for n in names)
   it.close()
   assert _live_children() == children_before
-  assert not any(_shm_exists(n) for n in names)
+  assert not any(shared_memory_exists(n) for n in names)
 
   pairs = Dataset.from_tensor_slices((np.arange(5), np.arange(5) * 10))
   with pairs.map(add_pair, backend="process").node.make_iterator() as seq:
@@ -629,7 +583,7 @@ def test_process_backend_errors_surface_and_garbage_collection_stops_workers():
   del it
   gc.collect()
   assert _live_children() == children_before
-  assert not any(_shm_exists(n) for n in names)
+  assert not any(shared_memory_exists(n) for n in names)
 
 
 def test_process_backend_rejects_functions_workers_cannot_import():

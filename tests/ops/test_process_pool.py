@@ -5,10 +5,10 @@ import os
 import signal
 
 import numpy as np
-import psutil
 import pytest
 
 from jaxfeed.ops import process_pool
+from op_testing import process_alive, shared_memory_exists
 
 
 def square_dict(x):
@@ -35,10 +35,6 @@ def fails_on_three(x):
 
 def dies(x):
   os.kill(os.getpid(), signal.SIGKILL)
-
-
-def shm_exists(name):
-  return os.path.exists(f"/dev/shm/{name.lstrip('/')}")
 
 
 @pytest.fixture
@@ -75,7 +71,7 @@ def test_outputs_larger_than_the_block_grow_it(pool_factory):
   out = pool(1_000_000, seed=0)
   np.testing.assert_array_equal(out, np.arange(1_000_000))
   [grown_block] = pool.shared_memory_names()
-  assert grown_block != first_block and not shm_exists(first_block)
+  assert grown_block != first_block and not shared_memory_exists(first_block)
   np.testing.assert_array_equal(pool(10, seed=0), np.arange(10))
 
 
@@ -111,11 +107,11 @@ def test_close_stops_processes_and_unlinks_shared_memory():
   pool = process_pool.ProcessPool(square_dict, "map")
   pool(1, seed=0)
   pids, names = pool.pids(), pool.shared_memory_names()
-  assert pids and all(shm_exists(n) for n in names)
+  assert pids and all(shared_memory_exists(n) for n in names)
   pool.close()
   pool.close()  # idempotent
-  assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
-  assert not any(shm_exists(n) for n in names)
+  assert not any(process_alive(p) for p in pids)
+  assert not any(shared_memory_exists(n) for n in names)
 
 
 def test_garbage_collection_stops_processes():
@@ -124,5 +120,5 @@ def test_garbage_collection_stops_processes():
   pids, names = pool.pids(), pool.shared_memory_names()
   del pool
   gc.collect()
-  assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
-  assert not any(shm_exists(n) for n in names)
+  assert not any(process_alive(p) for p in pids)
+  assert not any(shared_memory_exists(n) for n in names)

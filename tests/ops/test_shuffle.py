@@ -3,19 +3,18 @@
 import collections
 import gc
 import json
-import os
 import pickle
 import weakref
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
 from jaxfeed.seeding import mix_seed
+import op_testing
+
+tf = op_testing.import_tensorflow()
 
 
 def values(ds):

@@ -2,19 +2,20 @@
 
 import itertools
 import json
-import os
 
 import numpy as np
 import pytest
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, mix_seed
+from jaxfeed.ops.base import PipelineStateError, mix_seed
 from jaxfeed.ops.repeat import RepeatNode
 from jaxfeed.ops.skip import SkipNode
 from jaxfeed.ops.take import TakeNode
+import op_testing
+from op_testing import (ListNode, assert_same_stream, check_resume,
+                        elements_and_seeds, graph_iterator)
+
+tf = op_testing.import_tensorflow()
 
 # Enough to see several epochs of every finite input; infinite pipelines are
 # compared on this many elements.
@@ -32,17 +33,12 @@ def _ours(num, ops):
   return _apply(Dataset.range(num), ops)
 
 
-def _iterate(dataset):
-  """The ops' own iterators, without the graph optimizer's rewrites."""
-  return dataset.node.make_iterator()
-
-
 def _theirs(num, ops):
   return _apply(tf.data.Dataset.range(num), ops)
 
 
 def _assert_same_as_tf(num, ops):
-  ours = list(itertools.islice(_iterate(_ours(num, ops)), LIMIT))
+  ours = list(itertools.islice(graph_iterator(_ours(num, ops)), LIMIT))
   theirs = list(_theirs(num, ops).take(LIMIT).as_numpy_iterator())
   assert [type(x) for x in ours] == [type(x) for x in theirs]
   assert [int(x) for x in ours] == [int(x) for x in theirs]
@@ -104,30 +100,20 @@ def _elements(iterator, limit=LIMIT):
     (4, [("take", 2), ("repeat", 3), ("skip", 1)]),
 ])
 def test_state_resumes_exactly_at_every_cut(num, ops):
-  full = _elements(_iterate(_ours(num, ops)))
-  for cut in range(len(full) + 1):
-    iterator = _iterate(_ours(num, ops))
-    assert _elements(iterator, cut) == full[:cut]
-    state = json.loads(json.dumps(iterator.get_state()))
-    rest = _elements(iterator, LIMIT - cut)
-    assert rest == full[cut:]
-    fresh = _iterate(_ours(num, ops))
-    fresh.set_state(state)
-    assert _elements(fresh, LIMIT - cut) == rest
-    iterator.set_state(state)  # Into the same, further advanced iterator.
-    assert _elements(iterator, LIMIT - cut) == rest
+  check_resume(lambda: _ours(num, ops), make_iterator=graph_iterator,
+               limit=LIMIT, into_same_iterator=True)
 
 
 def test_state_of_a_finished_repeat_restores_finished():
-  iterator = _iterate(Dataset.range(2).repeat(2))
+  iterator = graph_iterator(Dataset.range(2).repeat(2))
   assert _elements(iterator) == [0, 1, 0, 1]
   state = json.loads(json.dumps(iterator.get_state()))
   assert state["own"]["done"] is True
-  fresh = _iterate(Dataset.range(2).repeat(2))
+  fresh = graph_iterator(Dataset.range(2).repeat(2))
   fresh.set_state(state)
   assert _elements(fresh) == []
   # And back to an unfinished state from the finished iterator.
-  other = _iterate(Dataset.range(2).repeat(2))
+  other = graph_iterator(Dataset.range(2).repeat(2))
   next(other)
   fresh.set_state(other.get_state())
   assert _elements(fresh) == [1, 0, 1]
@@ -135,11 +121,11 @@ def test_state_of_a_finished_repeat_restores_finished():
 
 @pytest.mark.parametrize("make, state", [
     (lambda: Dataset.range(10).skip(3),
-     _iterate(Dataset.range(10).take(3)).get_state()),
+     graph_iterator(Dataset.range(10).take(3)).get_state()),
     (lambda: Dataset.range(10).take(3).repeat(2),
-     _iterate(Dataset.range(10).repeat(2).take(3)).get_state()),
+     graph_iterator(Dataset.range(10).repeat(2).take(3)).get_state()),
     (lambda: Dataset.range(10).repeat(2),
-     _iterate(Dataset.from_tensor_slices([1, 2]).repeat(2)).get_state()),
+     graph_iterator(Dataset.from_tensor_slices([1, 2]).repeat(2)).get_state()),
     (lambda: Dataset.range(10).take(3),
      {"op": "take", "own": {"taken": 4}, "parents": [
          {"op": "range", "own": {"index": 0}, "parents": []}]}),
@@ -159,7 +145,7 @@ def test_state_of_a_finished_repeat_restores_finished():
          {"op": "take", "own": {"taken": 0}, "parents": []}]}),
 ])
 def test_foreign_or_corrupt_state_raises_pipeline_state_error(make, state):
-  iterator = _iterate(make())
+  iterator = graph_iterator(make())
   with pytest.raises(PipelineStateError):
     iterator.set_state(state)
 
@@ -167,53 +153,14 @@ def test_foreign_or_corrupt_state_raises_pipeline_state_error(make, state):
 # -- laziness, iterator lifetime and seeds -----------------------------------------
 
 
-class _CountingNode(Node):
-  """range(n) that records pulls, created iterators and closes."""
-
-  op_name = "counting"
-
-  def __init__(self, num):
-    super().__init__()
-    self.num = num
-    self.pulls = 0
-    self.made = []
-
-  def make_iterator(self):
-    iterator = _CountingIterator(self)
-    self.made.append(iterator)
-    return iterator
-
-
-class _CountingIterator(OpIterator):
-  op_name = "counting"
-
-  def __init__(self, node):
-    super().__init__()
-    self.node = node
-    self.index = 0
-
-  def __next__(self):
-    if self.index >= self.node.num:
-      raise StopIteration
-    self.node.pulls += 1
-    self.index += 1
-    return self.index - 1
-
-  def _get_own_state(self):
-    return {"index": self.index}
-
-  def _set_own_state(self, state):
-    self.index = state["index"]
-
-
 def test_take_pulls_no_more_than_count():
-  node = _CountingNode(100)
+  node = ListNode(range(100))
   assert list(TakeNode(node, 3).make_iterator()) == [0, 1, 2]
   assert node.pulls == 3
 
 
 def test_skip_is_lazy_until_the_first_next():
-  node = _CountingNode(10)
+  node = ListNode(range(10))
   iterator = SkipNode(node, 4).make_iterator()
   assert node.pulls == 0
   assert iterator.get_state()["own"] == {"remaining": 4}
@@ -223,12 +170,12 @@ def test_skip_is_lazy_until_the_first_next():
 
 
 def test_skip_uses_the_fast_path_of_sources():
-  iterator = _iterate(Dataset.range(10**15).skip(10**15 - 2))
+  iterator = graph_iterator(Dataset.range(10**15).skip(10**15 - 2))
   assert _elements(iterator) == [10**15 - 2, 10**15 - 1]
 
 
 def test_repeat_makes_a_fresh_parent_iterator_per_epoch_and_closes_the_old():
-  node = _CountingNode(2)
+  node = ListNode(range(2))
   iterator = RepeatNode(node, 3).make_iterator()
   assert list(iterator) == [0, 1] * 3
   assert len(node.made) == 3
@@ -236,7 +183,7 @@ def test_repeat_makes_a_fresh_parent_iterator_per_epoch_and_closes_the_old():
 
 
 def test_closing_repeat_closes_the_current_parent():
-  node = _CountingNode(5)
+  node = ListNode(range(5))
   iterator = RepeatNode(node, None).make_iterator()
   _elements(iterator, 7)
   iterator.close()
@@ -245,23 +192,21 @@ def test_closing_repeat_closes_the_current_parent():
 
 
 def test_repeat_of_zero_makes_no_parent_iterator():
-  node = _CountingNode(5)
+  node = ListNode(range(5))
   assert list(RepeatNode(node, 0).make_iterator()) == []
   assert node.made == []
 
 
 @pytest.mark.parametrize("count", [None, -1, 10**12])
 def test_repeat_of_an_empty_dataset_ends(count):
-  node = _CountingNode(0)
+  node = ListNode(range(0))
   assert list(RepeatNode(node, count).make_iterator()) == []
   assert len(node.made) == 1
 
 
 def test_last_seed_passes_through_take_skip_and_repeat():
-  iterator = _iterate(Dataset.range(6).skip(1).take(3).repeat(2))
-  seeds = []
-  for _ in iterator:
-    seeds.append(iterator.last_seed)
+  iterator = graph_iterator(Dataset.range(6).skip(1).take(3).repeat(2))
+  _, seeds = elements_and_seeds(iterator)
   assert seeds == [mix_seed(0, 0, i) for i in (1, 2, 3)] * 2
 
 
@@ -304,7 +249,7 @@ def test_cardinality(ops, expected):
 
 
 def test_cardinality_of_an_unknown_input_stays_unknown_unless_forced():
-  node = _CountingNode(5)  # cardinality() is None: unknown.
+  node = ListNode(range(5))  # cardinality() is None: unknown.
   assert TakeNode(node, 3).cardinality() is None
   assert TakeNode(node, 0).cardinality() == 0
   assert SkipNode(node, 3).cardinality() is None
@@ -314,11 +259,9 @@ def test_cardinality_of_an_unknown_input_stays_unknown_unless_forced():
 
 def test_elements_keep_their_values_and_dtypes_through_the_ops():
   data = {"x": np.arange(12, dtype=np.float16).reshape(4, 3)}
-  ours = list(_iterate(
+  ours = list(graph_iterator(
       Dataset.from_tensor_slices(data).skip(1).take(2).repeat(2)))
   theirs = list(tf.data.Dataset.from_tensor_slices(data).skip(1).take(2)
                 .repeat(2).as_numpy_iterator())
-  assert len(ours) == len(theirs) == 4
-  for a, b in zip(ours, theirs):
-    assert a["x"].dtype == b["x"].dtype and a["x"].shape == b["x"].shape
-    np.testing.assert_array_equal(a["x"], b["x"])
+  assert len(ours) == 4
+  assert_same_stream(ours, theirs)
