@@ -81,7 +81,8 @@ def tf_spec(value: Any) -> Any:
 
 
 def tf_elements_dataset(items: Sequence[Any], example: Any = None) -> Any:
-  """A tf.data dataset of `items`, in order; `example` gives the spec if empty."""
+  """A tf.data dataset of `items`, in order; `example` gives the spec of an
+  empty one."""
   tf = import_tensorflow()
   items = list(items)
   spec = tf_spec(items[0] if items else example)
@@ -102,7 +103,7 @@ INPUT_KINDS = {
 
 
 def graph_iterator(dataset: Dataset) -> base.OpIterator:
-  """An iterator of exactly the op graph built: no optimizer rewrites, no tuner."""
+  """An iterator of exactly the op graph built: no optimizer, no autotuner."""
   return dataset.node.make_iterator()
 
 
@@ -189,8 +190,8 @@ class ListNode(base.Node):
     self.waiting = threading.Event()
 
   def make_iterator(self) -> "ListIterator":
-    iterator = (BatchedListIterator if self.with_next_batch else ListIterator)(
-        self)
+    iterator_type = BatchedListIterator if self.with_next_batch else ListIterator
+    iterator = iterator_type(self)
     self.made.append(iterator)
     return iterator
 
@@ -312,10 +313,11 @@ def assert_same_stream(ours: Iterable[Any], theirs: Iterable[Any]) -> None:
     assert_same_element(a, b, f"element {i}")
 
 
-def assert_identical_batch(ours: Any, expected: Any, path: str = "batch") -> None:
+def assert_identical_batch(ours: Any, expected: Any,
+                           path: str = "batch") -> None:
   """The same container types and dict key order; per leaf array the same
   dtype, shape, Python types of the values and values; ours is writable."""
-  assert type(ours) is type(expected), f"{path}: {type(ours)} vs {type(expected)}"
+  assert type(ours) is type(expected), (path, type(ours), type(expected))
   if isinstance(expected, dict):
     assert list(ours) == list(expected), path
     for key in expected:
@@ -340,6 +342,18 @@ def leaves(tree: Any) -> list:
   return [tree]
 
 
+def next_of_both(ours: Iterable[Any], reference: Iterable[Any]) -> tuple | None:
+  """next() of both iterators: (ours, reference's), or None where both ended
+  (asserting that ours ends where the reference does)."""
+  try:
+    expected = next(reference)
+  except StopIteration:
+    with pytest.raises(StopIteration):
+      next(ours)
+    return None
+  return next(ours), expected
+
+
 def check_next_batch(make_iterator: Callable[[], base.OpIterator],
                      sizes: Sequence[int],
                      source_arrays: Sequence[np.ndarray] = (),
@@ -360,23 +374,17 @@ def check_next_batch(make_iterator: Callable[[], base.OpIterator],
   reads = 0
   for size in itertools.cycle(sizes):
     reads += 1
-    ended = False
     if size == 0:
-      try:
-        expected = next(plain)
-      except StopIteration:
-        with pytest.raises(StopIteration):
-          next(fast)
-        ended = True
-      else:
-        ours = next(fast)
-        assert_identical_batch(stacking.stack([ours]),
-                               stacking.stack([expected]))
+      both = next_of_both(fast, plain)
+      ended = both is None
+      if not ended:
+        assert_identical_batch(*(stacking.stack([e]) for e in both))
         if same_element is not None:
-          same_element(ours, expected)
+          same_element(*both)
     else:
       elements, seeds = elements_and_seeds(plain, size)
-      if elements:
+      ended = not elements
+      if not ended:
         batch, batch_seeds = fast.next_batch(size)
         assert_identical_batch(batch, stacking.stack(elements))
         assert batch_seeds.dtype == np.uint64 and batch_seeds.tolist() == seeds
@@ -385,7 +393,6 @@ def check_next_batch(make_iterator: Callable[[], base.OpIterator],
       else:
         with pytest.raises(StopIteration):
           fast.next_batch(size)
-        ended = True
     assert fast.get_state() == plain.get_state()
     assert fast.last_seed == plain.last_seed
     if ended:
@@ -493,6 +500,17 @@ def new_threads(before: Iterable[threading.Thread],
           if t not in before and t.is_alive() and t.name.startswith(prefix)]
 
 
+def check_close(iterator: Any, threads_before: Iterable[threading.Thread]
+                ) -> None:
+  """Closes `iterator` twice (closing is idempotent), then checks that no
+  thread started since `threads_before` runs and that next() fails."""
+  iterator.close()
+  iterator.close()
+  assert new_threads(threads_before) == []
+  with pytest.raises(RuntimeError, match="closed"):
+    next(iterator)
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
   """Polls `condition` until it holds; fails once `timeout_s` has passed."""
   deadline = time.monotonic() + timeout_s
@@ -510,5 +528,5 @@ def process_alive(pid: int) -> bool:
 
 
 def shared_memory_exists(name: str) -> bool:
-  """Whether the POSIX shared-memory block `name` (leading "/" or not) exists."""
+  """Whether POSIX shared-memory block `name` (leading "/" or not) exists."""
   return os.path.exists(f"/dev/shm/{name.lstrip('/')}")

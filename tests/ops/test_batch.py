@@ -250,14 +250,8 @@ def test_batches_read_with_next_batch_equal_element_wise_batches(
   identity = lambda e: e
   plain = dataset().map(identity).batch(batch_size, drop_remainder).node
   plain = plain.make_iterator()
-  while True:
-    try:
-      expected = next(plain)
-    except StopIteration:
-      with pytest.raises(StopIteration):
-        next(fast)
-      break
-    assert_same_element(next(fast), expected)
+  while (both := op_testing.next_of_both(fast, plain)) is not None:
+    assert_same_element(*both)
     assert fast.last_seed == plain.last_seed
     assert fast.get_state()["parents"] == plain.get_state()["parents"][0][
         "parents"]

@@ -26,9 +26,9 @@ from jaxfeed.ops.base import AUTOTUNE, PipelineStateError
 from jaxfeed.ops.map import MapNode
 from jaxfeed.ops.random_map import RandomMapNode
 import op_testing
-from op_testing import (ListNode, assert_same_multiset, check_resume,
-                        graph_iterator, new_threads, shared_memory_exists,
-                        wait_until)
+from op_testing import (ListNode, assert_same_multiset, check_close,
+                        check_resume, graph_iterator, new_threads,
+                        shared_memory_exists, wait_until)
 
 
 # multiprocessing's session-wide shared-memory tracker process, started by
@@ -251,11 +251,7 @@ def test_close_joins_every_worker_thread():
   for _ in range(10):
     next(executor)
   assert len(new_threads(before)) == 5
-  executor.close()
-  executor.close()  # idempotent
-  assert new_threads(before) == []
-  with pytest.raises(RuntimeError, match="closed"):
-    next(executor)
+  check_close(executor, before)
 
 
 def test_garbage_collecting_an_unclosed_iterator_stops_its_threads():

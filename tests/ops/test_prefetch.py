@@ -15,8 +15,9 @@ from jaxfeed.ops.base import PipelineStateError
 from jaxfeed.ops.prefetch import (DEFAULT_AUTOTUNE_BUFFER_SIZE, PrefetchNode)
 import op_testing
 from op_testing import (INPUT_KINDS, ListNode, assert_matches_tf_data,
-                        assert_same_values, check_resume, elements_and_seeds,
-                        graph_iterator, new_threads, wait_until)
+                        assert_same_values, check_close, check_resume,
+                        elements_and_seeds, graph_iterator, new_threads,
+                        wait_until)
 
 tf = op_testing.import_tensorflow()
 
@@ -129,11 +130,7 @@ def test_close_stops_a_producer_blocked_on_a_full_buffer():
   next(it)
   wait_until(lambda: it.num_buffered == 2)
   assert len(new_threads(before)) == 1
-  it.close()
-  it.close()
-  assert new_threads(before) == []
-  with pytest.raises(RuntimeError, match="closed"):
-    next(it)
+  check_close(it, before)
 
 
 def test_close_stops_a_producer_waiting_on_a_slow_input():
