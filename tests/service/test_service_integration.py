@@ -29,6 +29,9 @@ def cluster():
   """Starts processes on demand; stops all of them after the test."""
   started: list[ServiceProcess] = []
   threads_before = set(threading.enumerate())
+  # Earlier tests in this interpreter may have left multiprocessing's
+  # resource tracker running: only processes started here must be gone.
+  children_before = {p.pid for p in psutil.Process().children(recursive=True)}
 
   def start(role: str, *flags: str, wait_ready: bool = True) -> ServiceProcess:
     process = ServiceProcess(role, *flags, wait_ready=wait_ready)
@@ -38,7 +41,8 @@ def cluster():
   yield start
   for process in started:
     process.stop()
-  assert not psutil.Process().children(recursive=True)
+  assert not [p for p in psutil.Process().children(recursive=True)
+              if p.pid not in children_before]
   deadline = time.monotonic() + 10
   while time.monotonic() < deadline:
     leaked = [t for t in set(threading.enumerate()) - threads_before
