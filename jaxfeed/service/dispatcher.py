@@ -41,6 +41,9 @@ class DispatcherConfig:
     work_dir: Folder of the write-ahead journal; None keeps state in memory.
     heartbeat_timeout_s: A worker silent this long is declared dead.
     client_timeout_s: A client silent this long is released from its job.
+    job_gc_timeout_s: A named job left without clients is kept this long,
+      so a consumer that joins late still shares it (it gets what is left,
+      or the end of the job) instead of starting the job over.
     auth_token: If set, every RPC must carry it (gRPC metadata).
     split_size: Sampler positions per DYNAMIC split.
     max_message_bytes: Largest gRPC message accepted or sent.
@@ -56,6 +59,7 @@ class DispatcherConfig:
   work_dir: str | None = None
   heartbeat_timeout_s: float = 10.0
   client_timeout_s: float = 60.0
+  job_gc_timeout_s: float = 300.0
   auth_token: str | None = None
   split_size: int = 256
   max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES
@@ -67,7 +71,7 @@ class DispatcherConfig:
   def __post_init__(self):
     if not isinstance(self.port, int) or not 0 <= self.port < 65536:
       raise ValueError(f"DispatcherConfig: port must be in [0, 65535], got {self.port!r}.")
-    for name in ("heartbeat_timeout_s", "client_timeout_s"):
+    for name in ("heartbeat_timeout_s", "client_timeout_s", "job_gc_timeout_s"):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"DispatcherConfig: {name} must be > 0 seconds, got {value!r}.")
@@ -107,6 +111,8 @@ class _Job:
   # Static and round-robin jobs fix their workers (address -> index) once.
   fixed_workers: dict[str, int] | None = None
   next_position: int = 0
+  # When the last client left a named job (kept for job_gc_timeout_s).
+  idle_since: float | None = None
 
   @property
   def splits_exhausted(self) -> bool:
@@ -264,6 +270,7 @@ class DispatcherState:
         self._assign_tasks(job)
       client_id = self._next_id()
       self._record({"kind": "client", "id": client_id, "job_id": job.job_id})
+      job.idle_since = None
       return job.job_id, client_id
 
   def _assign_tasks(self, job: _Job) -> None:
@@ -331,9 +338,7 @@ class DispatcherState:
       job = self.jobs.get(job_id)
       if job is None or client_id not in job.clients:
         return
-      self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
-      if not job.clients:
-        self._record({"kind": "job_deleted", "job_id": job_id})
+      self.release_client_locked(job_id, client_id)
 
   # -- workers ------------------------------------------------------------------
   def worker_heartbeat(self, request: pb.WorkerHeartbeatRequest) -> pb.WorkerHeartbeatResponse:
@@ -407,10 +412,20 @@ class DispatcherState:
         for client_id, seen in list(job.clients.items()):
           if now - seen > self.config.client_timeout_s:
             self.release_client_locked(job.job_id, client_id)
+        if job.job_name and not job.clients and job.idle_since is None:
+          job.idle_since = now  # replayed from the journal without clients
+        if (job.idle_since is not None and not job.clients
+            and now - job.idle_since > self.config.job_gc_timeout_s):
+          self._record({"kind": "job_deleted", "job_id": job.job_id})
 
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
-    if not self.jobs[job_id].clients:
+    job = self.jobs[job_id]
+    if job.clients:
+      return
+    if job.job_name:  # shared: a late consumer may still join it
+      job.idle_since = time.monotonic()
+    else:
       self._record({"kind": "job_deleted", "job_id": job_id})
 
 

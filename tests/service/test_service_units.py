@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -191,3 +192,21 @@ def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):
     t.join(timeout=10)
   worker.shutdown()
   assert created == [7]
+
+
+def test_named_job_outlives_its_last_client_until_the_gc_timeout():
+  config = service.DispatcherConfig(job_gc_timeout_s=1.0, heartbeat_timeout_s=0.4)
+  dataset = jaxfeed.Dataset.range(10).batch(5)
+
+  def read():
+    return [int(x) for b in dataset.distribute(dispatcher.target, job_name="shared")
+            for x in b]
+
+  with service.DispatchServer(config) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)):
+      assert read() == list(range(10))
+      # A consumer joining the finished job shares it: nothing is read twice.
+      assert read() == []
+      time.sleep(2.0)  # past job_gc_timeout_s: the name is free again
+      assert read() == list(range(10))
