@@ -123,6 +123,7 @@ def make_dataset(paths: list[str], batch_size: int, seed: int,
 
 def main(argv: list[str]) -> None:
   del argv
+  import flax
   import jax
   import jax.numpy as jnp
   from flax import nnx
@@ -155,6 +156,9 @@ def main(argv: list[str]) -> None:
 
   model = MLP(nnx.Rngs(FLAGS.seed))
   optimizer = nnx.Optimizer(model, optax.adam(FLAGS.learning_rate), wrt=nnx.Param)
+  # flax 0.11 and later pass the model to each update; 0.10 (the newest release
+  # for Python 3.10) binds the optimizer to the model it was built with.
+  optimizer_takes_model = tuple(map(int, flax.__version__.split(".")[:2])) >= (0, 11)
   # Parameters replicated on every device; the batch is split along "data".
   # The optimizer state does not hold the parameters: checkpoint both.
   train_state = lambda: {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
@@ -172,7 +176,10 @@ def main(argv: list[str]) -> None:
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
       return loss, (logits.argmax(-1) == batch["label"]).mean()
     (loss, accuracy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    optimizer.update(model, grads)
+    if optimizer_takes_model:
+      optimizer.update(model, grads)
+    else:
+      optimizer.update(grads)
     return loss, accuracy
 
   dataset = make_dataset(paths, FLAGS.batch_size, FLAGS.seed, FLAGS.num_parallel_calls)

@@ -15,6 +15,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 import numpy as np
 
+# jax 0.6 (the newest release for Python 3.10) places one array per call; the
+# releases pinned for Python 3.11+ place the whole list of leaves in one call.
+_PLACES_LEAF_LISTS = jax.__version_info__ >= (0, 7)
+
 ShardingLike = Union[Sharding, Callable[[np.ndarray], Sharding], Any]
 """A `Sharding` for every leaf, a pytree of shardings (a prefix of the batch
 structure), or a callable leaf -> Sharding."""
@@ -120,7 +124,11 @@ class BatchPlacer:
     shardings = self._shardings_for(batch, leaves, treedef)
     for i, (leaf, sharding) in enumerate(zip(leaves, shardings)):
       self._check_leaf(batch, i, leaf, sharding)
-    arrays = jax.make_array_from_process_local_data(shardings, leaves)
+    if _PLACES_LEAF_LISTS:
+      arrays = jax.make_array_from_process_local_data(shardings, leaves)
+    else:
+      arrays = [jax.make_array_from_process_local_data(sharding, leaf)
+                for sharding, leaf in zip(shardings, leaves)]
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
   # -- shardings per leaf ----------------------------------------------------
