@@ -26,6 +26,8 @@ import struct
 import threading
 from typing import Any, Callable
 
+import numpy as np
+
 from jaxfeed.service import wire
 
 _HELLO_LEN = struct.Struct("<I")
@@ -42,8 +44,11 @@ class DataConnectionError(ConnectionError):
     self.status = status
 
 
-def _recv_exact(sock: socket.socket, size: int, into: bytearray | None = None) -> bytearray:
-  buf = into if into is not None else bytearray(size)
+def _recv_exact(sock: socket.socket, size: int,
+                into: bytearray | None = None) -> bytearray | np.ndarray:
+  # np.empty, not bytearray(size): a frame is megabytes that the socket
+  # overwrites at once, so zero-filling it first is wasted memory traffic.
+  buf = into if into is not None else np.empty(size, np.uint8)
   view = memoryview(buf)
   got = 0
   while got < size:
@@ -178,7 +183,7 @@ class DataConnection:
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
 
-  def next_frame(self) -> tuple[bytearray, int] | None:
+  def next_frame(self) -> tuple[np.ndarray, int] | None:
     """The next (frame, round); None at the end (then `end_stats` holds the
     task's statistics). Raises DataConnectionError."""
     try:
