@@ -95,8 +95,3 @@ class MapIterator(parallel.ParallelMapIterator):
   def skip_elements(self, count: int) -> int:
     """Skips up to `count` elements, without calling fn where possible."""
     return self._skip_one_to_one(count)
-
-  def _close_own(self) -> None:
-    super()._close_own()  # Joins the threads before their processes stop.
-    if self._pool is not None:
-      self._pool.close()

@@ -580,6 +580,10 @@ class ParallelMapIterator(OpIterator):
   which needs the parallel path).
   """
 
+  _pool: Any = None
+  """A `process_pool.ProcessPool` the subclass drives (backend="process"),
+  closed after the executor's threads."""
+
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
                num_parallel_calls: int | None, deterministic: bool):
     super().__init__([parent])
@@ -668,7 +672,9 @@ class ParallelMapIterator(OpIterator):
 
   def _close_own(self) -> None:
     if self.executor is not None:
-      self.executor.close()
+      self.executor.close()  # Joins the threads before their processes stop.
+    if self._pool is not None:
+      self._pool.close()
 
 
 def call_unpacked(fn: Callable, element: Any) -> Any:

@@ -1,7 +1,8 @@
 """Worker processes for GIL-bound UDFs, returning arrays through shared memory.
 
-`ProcessPool(fn, num_workers)` is a callable `work(element, seed)` that the
-thread-based `ParallelExecutor` runs: each executor thread borrows one worker
+`ProcessPool(fn, op_name)` is a callable `work(element, seed)` that the
+thread-based `ParallelExecutor` runs (one process per executor thread,
+started on first use): each executor thread borrows one worker
 process, sends it the element (pickled, inputs are records), and the worker
 writes the output's numpy arrays into a shared-memory block owned by the
 parent; only a small header (tree skeleton, dtypes, shapes, offsets) travels
