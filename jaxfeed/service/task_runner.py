@@ -91,7 +91,7 @@ class TaskRunner:
         if self._assembler is not None:
           key = round_assembly.bucket_key(element)
           rows = round_assembly.batch_rows(element)
-        frame = wire.encode(element)
+        frame = wire.encode_frame(element)
         with self._cond:
           while self._full() and not self._stop.is_set():
             self._cond.wait(_POLL_S)
@@ -119,7 +119,7 @@ class TaskRunner:
       if self._error is None and not self._stop.is_set() and self._on_finished:
         self._on_finished(self.task_id)
 
-  def _add(self, frame: bytes, key: Any, rows: Any) -> None:
+  def _add(self, frame: wire.Frame, key: Any, rows: Any) -> None:
     if self._assembler is None:
       self._fifo.append(frame)
       return
@@ -129,7 +129,7 @@ class TaskRunner:
 
   # -- consumers ----------------------------------------------------------------
   def frames(self, is_active: Callable[[], bool], consumer_index: int = 0,
-             local_round: int = 0) -> Generator[tuple[bytes, int], None, dict | None]:
+             local_round: int = 0) -> Generator[tuple[wire.Frame, int], None, dict | None]:
     """Yields (frame, local round) until the task ends; raises TaskFailed.
 
     Returns the task's round statistics (see `stats`) when the task ended,

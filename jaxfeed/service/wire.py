@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -96,9 +96,51 @@ def check_compression(name: str | None) -> str:
   return name
 
 
-def encode(value: Any, compression: str | None = None) -> bytes:
-  """Encodes a pytree of arrays into one frame."""
-  compression = compression or ""
+class Frame:
+  """An uncompressed frame kept as its parts, so a socket can send it without
+  first copying every leaf into one buffer.
+
+  The parts are the prefix and header (padded so the payload starts
+  64-byte aligned), then each leaf's bytes (views of the arrays) and the
+  padding between them. A Frame holds the arrays it was made from; they must
+  not change while it is alive, as for any element a pipeline has produced.
+  """
+
+  __slots__ = ("_value", "parts", "nbytes")
+
+  def __init__(self, value: Any, parts: list, nbytes: int):
+    self._value = value
+    self.parts = parts
+    self.nbytes = nbytes
+
+  def tobytes(self) -> bytes:
+    return b"".join(self.parts)
+
+  def chunks(self, size: int) -> Iterator[bytes]:
+    """The frame's bytes in pieces of `size` (the last may be shorter)."""
+    pending, filled = [], 0
+    for part in self.parts:
+      view = memoryview(part)
+      while view.nbytes:
+        take = min(size - filled, view.nbytes)
+        pending.append(view[:take])
+        filled += take
+        view = view[take:]
+        if filled == size:
+          yield b"".join(pending)
+          pending, filled = [], 0
+    if pending:
+      yield b"".join(pending)
+
+  def encoded(self, compression: str | None) -> "Frame":
+    """The frame with `compression` applied (itself when there is none)."""
+    if not compression:
+      return self
+    data = encode(self._value, compression)
+    return Frame(None, [data], len(data))
+
+
+def _layout(value: Any) -> tuple[list[np.ndarray], dict]:
   leaves = tree.flatten(value)
   leaf_paths = tree.paths(value)
   arrays = [_leaf_array(x, p) for x, p in zip(leaves, leaf_paths)]
@@ -107,35 +149,49 @@ def encode(value: Any, compression: str | None = None) -> bytes:
     offset = -(-offset // _ALIGN) * _ALIGN
     specs.append([arr.dtype.str, list(arr.shape), offset, arr.nbytes])
     offset += arr.nbytes
-  payload_size = offset
   header = {"structure": _encode_structure(value), "paths": leaf_paths,
-            "leaves": specs, "payload_bytes": payload_size,
-            "compression": compression}
-  if compression:
-    raw = bytearray(payload_size)
-    _fill(raw, 0, arrays, specs)
-    compress, _ = _compressor(compression)
-    body = compress(bytes(raw))
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    return _PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes + body
+            "leaves": specs, "payload_bytes": offset, "compression": ""}
+  return arrays, header
+
+
+def encode_frame(value: Any) -> Frame:
+  """Encodes a pytree of arrays into an uncompressed `Frame` (no copy of the
+  array bytes)."""
+  arrays, header = _layout(value)
   header_bytes = json.dumps(header, separators=(",", ":")).encode()
   start = _PREFIX.size + len(header_bytes)
   start_aligned = -(-start // _ALIGN) * _ALIGN
   # Pad the header with spaces (valid JSON) so the payload starts aligned.
   header_bytes += b" " * (start_aligned - start)
-  out = bytearray(start_aligned + payload_size)
-  out[:_PREFIX.size] = _PREFIX.pack(MAGIC, len(header_bytes))
-  out[_PREFIX.size:start_aligned] = header_bytes
-  _fill(out, start_aligned, arrays, specs)
-  return bytes(out) if len(out) < (1 << 16) else out  # type: ignore[return-value]
+  parts = [_PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes]
+  end = 0
+  for arr, (_, _, offset, nbytes) in zip(arrays, header["leaves"]):
+    if not nbytes:
+      continue
+    if offset > end:
+      parts.append(bytes(offset - end))
+    parts.append(memoryview(arr.reshape(-1).view(np.uint8)))
+    end = offset + nbytes
+  if header["payload_bytes"] > end:
+    parts.append(bytes(header["payload_bytes"] - end))
+  return Frame(value, parts, start_aligned + header["payload_bytes"])
 
 
-def _fill(out: bytearray, base: int, arrays: list[np.ndarray],
-          specs: list[list]) -> None:
-  view = np.frombuffer(out, dtype=np.uint8)
-  for arr, (_, _, offset, nbytes) in zip(arrays, specs):
+def encode(value: Any, compression: str | None = None) -> bytes:
+  """Encodes a pytree of arrays into one frame."""
+  if not compression:
+    return encode_frame(value).tobytes()
+  compress, _ = _compressor(compression)
+  arrays, header = _layout(value)
+  header["compression"] = compression
+  raw = bytearray(header["payload_bytes"])
+  view = np.frombuffer(raw, dtype=np.uint8)
+  for arr, (_, _, offset, nbytes) in zip(arrays, header["leaves"]):
     if nbytes:
-      view[base + offset:base + offset + nbytes] = arr.reshape(-1).view(np.uint8)
+      view[offset:offset + nbytes] = arr.reshape(-1).view(np.uint8)
+  body = compress(bytes(raw))
+  header_bytes = json.dumps(header, separators=(",", ":")).encode()
+  return _PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes + body
 
 
 def decode(frame: bytes | bytearray | memoryview) -> Any:

@@ -25,6 +25,7 @@ from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import task_pipeline
 from jaxfeed.service import task_runner as task_runner_lib
+from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2 as pb
 
 SERVICE_NAME = "jaxfeed.service.Worker"
@@ -188,7 +189,7 @@ class _Worker:
       return self.tasks[task_id]
 
   def frames(self, task_id: int, consumer_index: int, round_index: int,
-             is_active) -> Generator[tuple[bytes, int], None, dict | None]:
+             is_active) -> Generator[tuple[wire.Frame, int], None, dict | None]:
     """The task's frames; returns its round statistics at the task's end."""
     runner = self.find_task(task_id)
     return (yield from runner.frames(is_active, consumer_index, round_index))
@@ -198,7 +199,6 @@ class _Worker:
                   context: grpc.ServicerContext) -> Iterator[pb.ElementChunk]:
     chunk = min(request.max_chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
     compression = request.compression
-    from jaxfeed.service import wire  # pylint: disable=g-import-not-at-top
     wire.check_compression(compression)
     try:
       frames = self.frames(request.task_id, request.consumer_index, request.round,
@@ -209,20 +209,19 @@ class _Worker:
         except StopIteration as end:
           stats = end.value
           break
-        if compression:
-          frame = wire.encode(wire.decode(frame), compression)
-        view = memoryview(frame)
-        size = view.nbytes
-        yield pb.ElementChunk(data=bytes(view[:chunk]), frame_bytes=size, round=round_index)
-        for start in range(chunk, size, chunk):
-          yield pb.ElementChunk(data=bytes(view[start:start + chunk]))
+        frame = frame.encoded(compression)
+        for i, data in enumerate(frame.chunks(chunk)):
+          if i:
+            yield pb.ElementChunk(data=data)
+          else:
+            yield pb.ElementChunk(data=data, frame_bytes=frame.nbytes, round=round_index)
       yield pb.ElementChunk(end_of_sequence=True,
                             stats_json=json.dumps(stats) if stats else "")
     except task_runner_lib.TaskFailed as e:
       raise rpc.StatusError(e.status, str(e)) from e
 
   def serve_socket(self, hello: dict, is_active
-                   ) -> Generator[tuple[bytes, int], None, dict | None]:
+                   ) -> Generator[tuple[wire.Frame, int], None, dict | None]:
     try:
       task_id = int(hello["task_id"])
       consumer_index = int(hello.get("consumer_index", 0))

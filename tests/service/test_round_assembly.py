@@ -210,7 +210,7 @@ def run_consumers(runner, num_consumers, delays=None):
       except StopIteration as end:
         ends[i] = end.value
         break
-      got.append((r, wire.decode(frame)))
+      got.append((r, wire.decode(frame.tobytes())))
       if delays and delays.get(i) and len(got) == delays[i][0]:
         import time  # pylint: disable=g-import-not-at-top
         time.sleep(delays[i][1])

@@ -52,6 +52,72 @@ def test_frame_payload_is_aligned_raw_bytes():
   assert decoded["a"].base is not None  # a view, not a copy
 
 
+@pytest.mark.parametrize("tree_index", range(len(TREES)))
+def test_frame_parts_view_the_arrays_and_join_to_the_encoded_bytes(tree_index):
+  value = TREES[tree_index]
+  frame = wire.encode_frame(value)
+  data = frame.tobytes()
+  assert data == bytes(wire.encode(value))
+  assert frame.nbytes == len(data) == sum(memoryview(p).nbytes for p in frame.parts)
+  leaves = [x for x in jaxfeed.ops.tree.flatten(value) if isinstance(x, np.ndarray)]
+  contiguous = [x for x in leaves if x.flags.c_contiguous and x.nbytes]
+  assert contiguous or tree_index == 2
+  parts = [np.frombuffer(p, np.uint8) for p in frame.parts]
+  for leaf in contiguous:  # sent from the array's own memory, not a copy
+    assert any(np.shares_memory(leaf, p) for p in parts)
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 100, 4096, 10**6])
+def test_frame_chunks_rejoin_to_the_frame_across_part_boundaries(size):
+  value = {"a": np.arange(1000, dtype=np.int32), "b": np.arange(3, dtype=np.uint8),
+           "c": np.arange(50, dtype=np.float64)}
+  frame = wire.encode_frame(value)
+  chunks = list(frame.chunks(size))
+  assert b"".join(chunks) == frame.tobytes()
+  assert all(len(c) == size for c in chunks[:-1]) and 0 < len(chunks[-1]) <= size
+
+
+def test_frame_encoded_with_compression_decodes_to_the_value():
+  value = {"a": np.zeros(10000, np.float32), "b": np.arange(5)}
+  frame = wire.encode_frame(value)
+  assert frame.encoded(None) is frame
+  packed = frame.encoded("zstd")
+  assert packed.nbytes < frame.nbytes
+  decoded = wire.decode(packed.tobytes())
+  np.testing.assert_array_equal(decoded["a"], value["a"])
+  np.testing.assert_array_equal(decoded["b"], value["b"])
+
+
+class _TrickleSocket:
+  """Accepts at most `limit` bytes per sendmsg, like a full socket buffer."""
+
+  def __init__(self, limit):
+    self.limit, self.received, self.calls = limit, bytearray(), []
+
+  def sendmsg(self, buffers):
+    self.calls.append(len(buffers))
+    room = self.limit
+    for b in buffers:
+      take = bytes(memoryview(b)[:room])
+      self.received += take
+      room -= len(take)
+      if not room:
+        break
+    return self.limit - room
+
+
+@pytest.mark.parametrize("limit", [1, 5, 64, 10**7])
+def test_scatter_gather_send_delivers_every_byte_in_order_after_partial_sends(limit):
+  from jaxfeed.service import data_socket  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  buffers = [rng.bytes(n) for n in (3, 0, 200, 1, 0, 77)]
+  buffers += [memoryview(np.arange(10, dtype=np.int64).view(np.uint8))] * 600  # > one iovec list
+  sock = _TrickleSocket(limit)
+  data_socket._send_all(sock, buffers)  # pylint: disable=protected-access
+  assert bytes(sock.received) == b"".join(bytes(b) for b in buffers)
+  assert max(sock.calls) <= data_socket._MAX_IOV  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize("cut", [3, 10, -1])
 def test_truncated_frame_raises_wire_format_error(cut):
   frame = bytes(wire.encode({"a": np.arange(10)}))
