@@ -580,7 +580,8 @@ def main(argv: Any) -> None:
       port=f.port, host=f.host, work_dir=f.work_dir or None,
       heartbeat_timeout_s=f.heartbeat_timeout_s, auth_token=f.auth_token or None,
       split_size=f.split_size, num_workers=f.num_workers or None,
-      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None)
+      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None,
+      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert))
   server = DispatchServer(config)
   print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
   if f.port_file:
@@ -610,6 +611,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_workers", 0, "Workers static sharding waits for.")
   flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
   flags.DEFINE_string("port_file", "", "Write the bound port to this file.")
+  flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")
+  flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,31 @@ class TLSConfig:
   certificate_chain: bytes | None = None
   root_certificates: bytes | None = None
 
+  @classmethod
+  def from_files(cls, private_key: str = "", certificate_chain: str = "",
+                 root_certificates: str = "") -> "TLSConfig | None":
+    """Reads the PEM files given (empty names are left out); None if none is."""
+    if not (private_key or certificate_chain or root_certificates):
+      return None
+    if bool(private_key) != bool(certificate_chain):
+      raise ValueError(
+          "TLS: give both the private key and the certificate chain file, got "
+          f"key={private_key!r}, certificate={certificate_chain!r}.")
+
+    def read(path: str) -> bytes | None:
+      if not path:
+        return None
+      try:
+        with open(path, "rb") as f:
+          data = f.read()
+      except OSError as e:
+        raise ValueError(f"TLS: cannot read PEM file {path!r}: {e.strerror}.") from e
+      if b"-----BEGIN" not in data:
+        raise ValueError(f"TLS: {path!r} is not a PEM file (no '-----BEGIN' line).")
+      return data
+
+    return cls(read(private_key), read(certificate_chain), read(root_certificates))
+
   def server_credentials(self) -> grpc.ServerCredentials:
     if not self.private_key or not self.certificate_chain:
       raise ValueError("TLS on a server needs private_key and certificate_chain PEM bytes.")
@@ -223,5 +248,10 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
           deadline - time.monotonic() > 0.05):
         time.sleep(0.05)
         continue
-      raise ServiceError(f"{what} failed: {code.name}: {e.details()}") from e
+      hint = ""
+      if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        hint = (f" (no answer within {timeout_s:g} s: check that the server is up at "
+                "that address and that client and server agree on TLS and its "
+                "certificates)")
+      raise ServiceError(f"{what} failed: {code.name}: {e.details()}{hint}") from e
 

@@ -353,10 +353,11 @@ def main(argv: Any) -> None:
       heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
       auth_token=f.auth_token or None, data_socket=f.data_socket,
       max_window_batches=f.max_window_batches,
-      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None)
+      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None,
+      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs))
   server = WorkerServer(config)
-  print(f"jaxfeed worker listening on {server.target} data {server.data_address}",
-        flush=True)
+  data = f" data {server.data_address}" if server.data_address else ""
+  print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
   try:
     server.join()
   finally:
@@ -375,6 +376,11 @@ def define_flags() -> None:
   flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
   flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
                        "Round-robin jobs: batches held in partial bucket windows.")
+  flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert; "
+                      "no raw data socket then).")
+  flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
+  flags.DEFINE_string("tls_root_certs", "", "PEM root certificates that verify a TLS "
+                      "dispatcher.")
   flags.mark_flag_as_required("dispatcher_address")
 
 

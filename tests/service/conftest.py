@@ -1,0 +1,40 @@
+"""Fixtures of the service tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psutil
+import pytest
+
+from service_cluster import ServiceProcess
+
+
+@pytest.fixture
+def cluster():
+  """Starts processes on demand; stops all of them after the test."""
+  started: list[ServiceProcess] = []
+  threads_before = set(threading.enumerate())
+  # Earlier tests in this interpreter may have left multiprocessing's
+  # resource tracker running: only processes started here must be gone.
+  children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+
+  def start(role: str, *flags: str, wait_ready: bool = True) -> ServiceProcess:
+    process = ServiceProcess(role, *flags, wait_ready=wait_ready)
+    started.append(process)
+    return process
+
+  yield start
+  for process in started:
+    process.stop()
+  assert not [p for p in psutil.Process().children(recursive=True)
+              if p.pid not in children_before]
+  deadline = time.monotonic() + 10
+  while time.monotonic() < deadline:
+    leaked = [t for t in set(threading.enumerate()) - threads_before
+              if t.is_alive() and t.name.startswith("jaxfeed")]
+    if not leaked:
+      break
+    time.sleep(0.05)
+  assert not leaked, leaked

@@ -1,0 +1,91 @@
+"""TLS: dispatcher and worker processes serving gRPC over TLS on loopback.
+
+The certificates in tls/ are test-only (tls/make_certs.sh remakes them): a
+test CA, a server certificate for 127.0.0.1 signed by it, and an unrelated CA.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+
+import numpy as np
+import pytest
+
+import jaxfeed
+from jaxfeed import service
+
+pytestmark = pytest.mark.timeout(120)
+
+TLS_DIR = pathlib.Path(__file__).resolve().parent / "tls"
+CA = TLS_DIR / "ca.pem"
+TOKEN = "tls-test-token"
+NUM_RECORDS = 300
+
+
+def server_flags() -> tuple[str, ...]:
+  return (f"--tls_key={TLS_DIR / 'server.key'}", f"--tls_cert={TLS_DIR / 'server.pem'}",
+          f"--auth_token={TOKEN}")
+
+
+@pytest.fixture
+def tls_service(cluster):
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2", *server_flags())
+  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
+                   "--heartbeat_interval_s=0.2", f"--tls_root_certs={CA}", *server_flags())
+  return dispatcher, worker
+
+
+def records() -> jaxfeed.Dataset:
+  source = jaxfeed.ArraySource({"x": np.arange(NUM_RECORDS, dtype=np.int64)})
+  return jaxfeed.Dataset.from_source(
+      source, jaxfeed.IndexSampler(NUM_RECORDS, shuffle=True, seed=3)).batch(16)
+
+
+def read(address: str, tls: service.TLSConfig | None, **options) -> collections.Counter:
+  dataset = records().distribute(address, "distributed_epoch", auth_token=TOKEN, tls=tls,
+                                 **options)
+  with dataset.make_iterator() as iterator:
+    batches = list(iterator)
+  return collections.Counter(np.concatenate([b["x"] for b in batches]).tolist())
+
+
+def test_a_tls_deployment_serves_one_exact_epoch_over_grpc(tls_service):
+  dispatcher, worker = tls_service
+  assert worker.data_address == ""  # TLS turns the raw data socket off
+  tls = service.TLSConfig(root_certificates=CA.read_bytes())
+  assert read(dispatcher.address, tls) == collections.Counter(range(NUM_RECORDS))
+  with pytest.raises(jaxfeed.service.ServiceError, match="FAILED_PRECONDITION.*no data socket"):
+    read(dispatcher.address, tls, data_transfer="socket")
+
+
+@pytest.mark.parametrize("client_tls", ["plaintext", "unrelated CA"])
+def test_a_client_that_cannot_verify_the_servers_is_refused_and_they_still_serve(
+    tls_service, client_tls):
+  dispatcher, _ = tls_service
+  tls = (None if client_tls == "plaintext"
+         else service.TLSConfig(root_certificates=(TLS_DIR / "other_ca.pem").read_bytes()))
+  with pytest.raises(service.ServiceError, match="no answer within 2 s.*agree on TLS"):
+    service.register_dataset(dispatcher.address, records(), auth_token=TOKEN, tls=tls,
+                             timeout_s=2)
+  good = service.TLSConfig(root_certificates=CA.read_bytes())
+  assert read(dispatcher.address, good) == collections.Counter(range(NUM_RECORDS))
+
+
+def test_tls_files_are_checked_with_messages_naming_them(tmp_path):
+  assert service.TLSConfig.from_files() is None
+  config = service.TLSConfig.from_files(str(TLS_DIR / "server.key"),
+                                        str(TLS_DIR / "server.pem"), str(CA))
+  assert config.private_key.startswith(b"-----BEGIN") and config.root_certificates
+  missing = tmp_path / "missing.pem"
+  with pytest.raises(ValueError, match="cannot read PEM file.*missing.pem"):
+    service.TLSConfig.from_files(root_certificates=str(missing))
+  not_pem = tmp_path / "key.txt"
+  not_pem.write_text("hello")
+  with pytest.raises(ValueError, match="key.txt.*not a PEM file"):
+    service.TLSConfig.from_files(str(not_pem), str(TLS_DIR / "server.pem"))
+  with pytest.raises(ValueError, match="both the private key and the certificate"):
+    service.TLSConfig.from_files(private_key=str(TLS_DIR / "server.key"))
+  with pytest.raises(ValueError, match="needs private_key and certificate_chain"):
+    service.DispatchServer(service.DispatcherConfig(
+        port=0, tls=service.TLSConfig(root_certificates=CA.read_bytes())))
