@@ -237,7 +237,7 @@ class _Fetcher:
       conn = data_socket.DataConnection(self.task.data_address, {
           "token": read.node.auth_token or "", "task_id": self.task.task_id,
           "compression": read.node.compression or "", "consumer_index": consumer,
-          "round": 0})
+          "round": 0}, ssl_context=read.ssl_context)
       self._connection = conn
       if self._cancelled:
         conn.close()
@@ -339,6 +339,7 @@ class _ReadState:
     self.job_id = 0
     self.client_id = 0
     self.channel = rpc.make_channel(node.service, tls=node.tls)
+    self.ssl_context = node.tls.client_ssl_context() if node.tls is not None else None
     self.manager = threading.Thread(target=self._manage, daemon=True,
                                     name="jaxfeed-distribute-manager")
     self.manager.start()

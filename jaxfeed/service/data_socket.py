@@ -1,7 +1,10 @@
 """The raw-socket data path beside gRPC: frames straight over TCP.
 
-Python gRPC moves about 1 GB/s per channel; a plain socket moves frames at
-memcpy-like speed. A worker listens on a second port (its `data_address`);
+Python gRPC streams move a few hundred MB/s here, each frame copied several
+times; a plain socket moves frames at memcpy-like speed, and the worker sends
+them scatter-gather from the batch arrays. With TLS the socket is wrapped in
+the deployment's certificates. A worker listens on a second port (its
+`data_address`);
 a client opens one connection per task and sends a hello, and the worker
 streams the task's frames:
 
@@ -22,6 +25,7 @@ import hmac
 import json
 import logging
 import socket
+import ssl
 import struct
 import threading
 from typing import Any, Callable
@@ -63,6 +67,10 @@ def _recv_exact(sock: socket.socket, size: int,
 def _send_all(sock: socket.socket, buffers: list) -> None:
   """Sends the buffers in order with scatter-gather writes (no joining copy)."""
   views = [memoryview(b).cast("B") for b in buffers]
+  if isinstance(sock, ssl.SSLSocket):  # TLS encrypts record by record anyway
+    for view in views:
+      sock.sendall(view)
+    return
   first = 0
   while first < len(views):
     sent = sock.sendmsg(views[first:first + _MAX_IOV])
@@ -81,8 +89,10 @@ class DataServer:
   """Listens on a TCP port and streams task frames to connected clients."""
 
   def __init__(self, host: str, token: str | None,
-               serve: Callable[[dict, Callable[[], bool]], Any]):
+               serve: Callable[[dict, Callable[[], bool]], Any],
+               ssl_context: ssl.SSLContext | None = None):
     self._token = token
+    self._ssl_context = ssl_context
     # serve(hello, is_active) -> generator of (wire.Frame, round) that returns
     # the statistics sent with the end of sequence (a dict or None).
     self._serve = serve
@@ -118,6 +128,12 @@ class DataServer:
   def _handle(self, conn: socket.socket) -> None:
     try:
       conn.settimeout(10)
+      if self._ssl_context is not None:
+        try:
+          conn = self._wrap(conn)
+        except (OSError, ValueError) as e:  # not TLS, a refused certificate, a timeout
+          logging.info("TLS handshake on the data socket failed: %s", e)
+          return
       (length,) = _HELLO_LEN.unpack(_recv_exact(conn, _HELLO_LEN.size))
       if length > MAX_HELLO_BYTES:
         raise DataConnectionError(f"Hello of {length} bytes exceeds {MAX_HELLO_BYTES}.",
@@ -170,6 +186,14 @@ class DataServer:
         self._connections.pop(conn, None)
       conn.close()
 
+  def _wrap(self, conn: socket.socket) -> ssl.SSLSocket:
+    tls_conn = self._ssl_context.wrap_socket(conn, server_side=True)
+    with self._lock:  # close() must shut the wrapped socket down
+      thread = self._connections.pop(conn, None)
+      if thread is not None:
+        self._connections[tls_conn] = thread
+    return tls_conn
+
   def close(self) -> None:
     if self._stop.is_set():
       return
@@ -190,10 +214,18 @@ class DataServer:
 class DataConnection:
   """A client's connection to one task on a worker's data port."""
 
-  def __init__(self, address: str, hello: dict, timeout_s: float = 10.0):
+  def __init__(self, address: str, hello: dict, timeout_s: float = 10.0,
+               ssl_context: ssl.SSLContext | None = None):
     host, port = address.rsplit(":", 1)
     self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if ssl_context is not None:
+      try:
+        self._sock = ssl_context.wrap_socket(self._sock, server_hostname=host)
+      except (OSError, ValueError) as e:
+        self._sock.close()
+        raise DataConnectionError(
+            f"TLS handshake with the data socket {address} failed: {e}") from e
     payload = json.dumps(hello).encode()
     self._sock.sendall(_HELLO_LEN.pack(len(payload)) + payload)
     self._sock.settimeout(None)

@@ -12,6 +12,9 @@ import concurrent.futures
 import dataclasses
 import hmac
 import logging
+import os
+import ssl
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -83,6 +86,33 @@ class TLSConfig:
 
   def channel_credentials(self) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
+
+  def server_ssl_context(self) -> ssl.SSLContext:
+    """The same key and certificate for the raw data socket."""
+    if not self.private_key or not self.certificate_chain:
+      raise ValueError("TLS on a server needs private_key and certificate_chain PEM bytes.")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # load_cert_chain reads only files: write them to a private folder briefly.
+    with tempfile.TemporaryDirectory(prefix="jaxfeed-tls-") as folder:
+      key_path = os.path.join(folder, "key.pem")
+      cert_path = os.path.join(folder, "cert.pem")
+      with open(os.open(key_path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        f.write(self.private_key)
+      with open(cert_path, "wb") as f:
+        f.write(self.certificate_chain)
+      try:
+        context.load_cert_chain(cert_path, key_path)
+      except ssl.SSLError as e:
+        raise ValueError(f"TLS key and certificate chain do not load: {e}") from e
+    return context
+
+  def client_ssl_context(self) -> ssl.SSLContext:
+    """Verifies servers against root_certificates (the system's when None)."""
+    roots = self.root_certificates.decode("ascii") if self.root_certificates else None
+    context = ssl.create_default_context(cadata=roots)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:

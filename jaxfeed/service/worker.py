@@ -48,8 +48,8 @@ class WorkerConfig:
     chunk_bytes: Largest piece of a batch per streamed gRPC message.
     data_socket: Also serve batches on a raw TCP port (fast path).
     splits_per_request: DYNAMIC split ranges fetched per dispatcher call.
-    tls: Key and certificate for serving TLS, and the root CA for the
-      dispatcher. TLS disables the raw data socket.
+    tls: Key and certificate for serving TLS (gRPC and the data socket),
+      and the root CA for the dispatcher.
     max_window_batches: Round-robin jobs: most batches a task holds in
       partial bucket windows; past it the oldest window is dropped (see
       `jaxfeed.service.round_assembly`). A job's worker memory is bounded by
@@ -280,9 +280,10 @@ class WorkerServer:
         SERVICE_NAME, config.auth_token,
         {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True)}))
     self._data_server = None
-    if config.data_socket and config.tls is None:
-      self._data_server = data_socket.DataServer(config.host, config.auth_token,
-                                                 self._worker.serve_socket)
+    if config.data_socket:
+      self._data_server = data_socket.DataServer(
+          config.host, config.auth_token, self._worker.serve_socket,
+          config.tls.server_ssl_context() if config.tls is not None else None)
       self._worker.data_address = f"{config.host}:{self._data_server.port}"
     self._heartbeat = threading.Thread(
         target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,
@@ -376,8 +377,8 @@ def define_flags() -> None:
   flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
   flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
                        "Round-robin jobs: batches held in partial bucket windows.")
-  flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert; "
-                      "no raw data socket then).")
+  flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS on gRPC and the "
+                      "data socket (with --tls_cert).")
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
   flags.DEFINE_string("tls_root_certs", "", "PEM root certificates that verify a TLS "
                       "dispatcher.")

@@ -7,13 +7,17 @@ test CA, a server certificate for 127.0.0.1 signed by it, and an unrelated CA.
 from __future__ import annotations
 
 import collections
+import json
 import pathlib
+import socket
+import struct
 
 import numpy as np
 import pytest
 
 import jaxfeed
 from jaxfeed import service
+from jaxfeed.service import data_socket
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,13 +54,33 @@ def read(address: str, tls: service.TLSConfig | None, **options) -> collections.
   return collections.Counter(np.concatenate([b["x"] for b in batches]).tolist())
 
 
-def test_a_tls_deployment_serves_one_exact_epoch_over_grpc(tls_service):
+@pytest.mark.parametrize("data_transfer", ["socket", "grpc"])
+def test_a_tls_deployment_serves_one_exact_epoch(tls_service, data_transfer):
   dispatcher, worker = tls_service
-  assert worker.data_address == ""  # TLS turns the raw data socket off
+  assert worker.data_address  # the raw data socket speaks TLS too
+  tls = service.TLSConfig(root_certificates=CA.read_bytes())
+  got = read(dispatcher.address, tls, data_transfer=data_transfer)
+  assert got == collections.Counter(range(NUM_RECORDS))
+
+
+def test_the_tls_data_socket_refuses_plaintext_and_unverified_peers(tls_service):
+  dispatcher, worker = tls_service
+  host, port = worker.data_address.rsplit(":", 1)
+  hello = json.dumps({"token": TOKEN, "task_id": 1}).encode()
+  with socket.create_connection((host, int(port)), timeout=10) as plain:
+    plain.sendall(struct.pack("<I", len(hello)) + hello)
+    try:
+      answer = plain.recv(4096)
+    except ConnectionResetError:
+      answer = b""
+    # Closed, at most after a TLS alert record (0x15): no frame in the clear.
+    assert answer == b"" or answer[0] == 0x15, answer[:16]
+  other = service.TLSConfig(root_certificates=(TLS_DIR / "other_ca.pem").read_bytes())
+  with pytest.raises(data_socket.DataConnectionError, match="TLS handshake.*failed"):
+    data_socket.DataConnection(worker.data_address, {"token": TOKEN, "task_id": 1},
+                               ssl_context=other.client_ssl_context())
   tls = service.TLSConfig(root_certificates=CA.read_bytes())
   assert read(dispatcher.address, tls) == collections.Counter(range(NUM_RECORDS))
-  with pytest.raises(jaxfeed.service.ServiceError, match="FAILED_PRECONDITION.*no data socket"):
-    read(dispatcher.address, tls, data_transfer="socket")
 
 
 @pytest.mark.parametrize("client_tls", ["plaintext", "unrelated CA"])
