@@ -44,9 +44,11 @@ import weakref
 from typing import Any
 
 import grpc
+import numpy as np
 
 from jaxfeed.ops import base
 from jaxfeed.service import data_socket
+from jaxfeed.service import element_chunks
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
@@ -249,7 +251,7 @@ class _Fetcher:
         yield item
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
     try:
-      caller = rpc.Caller(channel, _WORKER + "GetElements", pb.ElementChunk,
+      caller = rpc.Caller(channel, _WORKER + "GetElements", None,
                           read.node.auth_token, streams=True)
       call = caller(pb.GetElementsRequest(
           task_id=self.task.task_id, compression=read.node.compression or "",
@@ -258,20 +260,25 @@ class _Fetcher:
       if self._cancelled:
         call.cancel()
       buffer, filled, round_index = None, 0, 0
-      for chunk in call:
+      for raw in call:
+        chunk = element_chunks.parse(raw)
         if chunk.end_of_sequence:
           self.end_stats = json.loads(chunk.stats_json) if chunk.stats_json else {}
           return
+        size = chunk.data.nbytes
         if chunk.frame_bytes:
-          if chunk.frame_bytes == len(chunk.data):
-            yield chunk.data, chunk.round
+          if chunk.frame_bytes == size:
+            yield chunk.data, chunk.round  # a view of the received message
             continue
-          buffer, filled, round_index = bytearray(chunk.frame_bytes), 0, chunk.round
+          buffer, filled, round_index = np.empty(chunk.frame_bytes, np.uint8), 0, chunk.round
         if buffer is None:
           raise rpc.ServiceError("Stream chunk arrived without a frame start.")
-        buffer[filled:filled + len(chunk.data)] = chunk.data
-        filled += len(chunk.data)
-        if filled == len(buffer):
+        if filled + size > buffer.nbytes:
+          raise rpc.ServiceError(
+              f"Stream chunks overrun their {buffer.nbytes}-byte frame.")
+        buffer[filled:filled + size] = np.frombuffer(chunk.data, np.uint8)
+        filled += size
+        if filled == buffer.nbytes:
           yield buffer, round_index
           buffer = None
     finally:

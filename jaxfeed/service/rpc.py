@@ -170,8 +170,8 @@ def method_handlers(service_name: str, token: str | None,
         _check_token(context, token)
         request = _parse(request_cls, data, full, context)
         try:
-          for response in fn(request, context):
-            yield response.SerializeToString()
+          for response in fn(request, context):  # a message, or its bytes
+            yield response if isinstance(response, bytes) else response.SerializeToString()
         except Exception as e:  # pylint: disable=broad-except
           _abort_for(e, full, context)
       handlers[name] = grpc.unary_stream_rpc_method_handler(stream)
@@ -250,11 +250,12 @@ def make_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 class Caller:
   """Calls one method of a channel with token metadata and a deadline."""
 
-  def __init__(self, channel: grpc.Channel, method: str, response_cls: type,
+  def __init__(self, channel: grpc.Channel, method: str, response_cls: type | None,
                token: str | None, streams: bool = False):
+    """response_cls None: responses arrive as their raw bytes."""
     make = channel.unary_stream if streams else channel.unary_unary
     self._call = make(method, request_serializer=lambda m: m.SerializeToString(),
-                      response_deserializer=response_cls.FromString)
+                      response_deserializer=response_cls.FromString if response_cls else None)
     self._metadata = ((TOKEN_METADATA_KEY, token),) if token else None
     self.method = method
 

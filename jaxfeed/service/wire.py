@@ -116,8 +116,9 @@ class Frame:
   def tobytes(self) -> bytes:
     return b"".join(self.parts)
 
-  def chunks(self, size: int) -> Iterator[bytes]:
-    """The frame's bytes in pieces of `size` (the last may be shorter)."""
+  def chunks(self, size: int) -> Iterator[list[memoryview]]:
+    """The frame's bytes in pieces of `size` (the last may be shorter), each
+    piece a list of views of the parts."""
     pending, filled = [], 0
     for part in self.parts:
       view = memoryview(part)
@@ -127,10 +128,10 @@ class Frame:
         filled += take
         view = view[take:]
         if filled == size:
-          yield b"".join(pending)
+          yield pending
           pending, filled = [], 0
     if pending:
-      yield b"".join(pending)
+      yield pending
 
   def encoded(self, compression: str | None) -> "Frame":
     """The frame with `compression` applied (itself when there is none)."""

@@ -21,6 +21,7 @@ from typing import Any, Generator, Iterator
 import grpc
 
 from jaxfeed.service import data_socket
+from jaxfeed.service import element_chunks
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import task_pipeline
@@ -196,7 +197,7 @@ class _Worker:
 
   # -- serving --------------------------------------------------------------------
   def GetElements(self, request: pb.GetElementsRequest,
-                  context: grpc.ServicerContext) -> Iterator[pb.ElementChunk]:
+                  context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:
     chunk = min(request.max_chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
     compression = request.compression
     wire.check_compression(compression)
@@ -210,11 +211,11 @@ class _Worker:
           stats = end.value
           break
         frame = frame.encoded(compression)
-        for i, data in enumerate(frame.chunks(chunk)):
+        for i, views in enumerate(frame.chunks(chunk)):
           if i:
-            yield pb.ElementChunk(data=data)
+            yield element_chunks.encode(views)
           else:
-            yield pb.ElementChunk(data=data, frame_bytes=frame.nbytes, round=round_index)
+            yield element_chunks.encode(views, frame.nbytes, round_index)
       yield pb.ElementChunk(end_of_sequence=True,
                             stats_json=json.dumps(stats) if stats else "")
     except task_runner_lib.TaskFailed as e:

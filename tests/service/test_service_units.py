@@ -72,7 +72,7 @@ def test_frame_chunks_rejoin_to_the_frame_across_part_boundaries(size):
   value = {"a": np.arange(1000, dtype=np.int32), "b": np.arange(3, dtype=np.uint8),
            "c": np.arange(50, dtype=np.float64)}
   frame = wire.encode_frame(value)
-  chunks = list(frame.chunks(size))
+  chunks = [b"".join(views) for views in frame.chunks(size)]
   assert b"".join(chunks) == frame.tobytes()
   assert all(len(c) == size for c in chunks[:-1]) and 0 < len(chunks[-1]) <= size
 
@@ -86,6 +86,32 @@ def test_frame_encoded_with_compression_decodes_to_the_value():
   decoded = wire.decode(packed.tobytes())
   np.testing.assert_array_equal(decoded["a"], value["a"])
   np.testing.assert_array_equal(decoded["b"], value["b"])
+
+
+@pytest.mark.parametrize("fields", [
+    {"frame_bytes": 5000, "round": 3}, {}, {"round": -2}, {"frame_bytes": 2**40}])
+def test_hand_written_element_chunks_are_protobuf_both_ways(fields):
+  from jaxfeed.service import element_chunks  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  parts = [b"abc", memoryview(np.arange(300, dtype=np.int16).view(np.uint8)), b""]
+  data = b"".join(bytes(p) for p in parts)
+  raw = element_chunks.encode(parts, fields.get("frame_bytes", 0), fields.get("round", 0))
+  assert pb.ElementChunk.FromString(raw) == pb.ElementChunk(data=data, **fields)
+  message = pb.ElementChunk(data=data, end_of_sequence=True, stats_json='{"a": 1}', **fields)
+  chunk = element_chunks.parse(message.SerializeToString())
+  assert bytes(chunk.data) == data and chunk.end_of_sequence
+  assert chunk.stats_json == '{"a": 1}'
+  assert (chunk.frame_bytes, chunk.round) == (fields.get("frame_bytes", 0), fields.get("round", 0))
+  parsed = element_chunks.parse(raw)
+  assert isinstance(parsed.data, memoryview) and parsed.data.obj is raw  # a view, no copy
+
+
+@pytest.mark.parametrize("raw", [b"\x0a\x05ab", b"\x10", b"\x10\xff\xff", b"\x0b",
+                                 b"\x10" + b"\xff" * 11])
+def test_malformed_element_chunks_raise_wire_format_error(raw):
+  from jaxfeed.service import element_chunks  # pylint: disable=g-import-not-at-top
+  with pytest.raises(wire.WireFormatError):
+    element_chunks.parse(raw)
 
 
 class _TrickleSocket:
@@ -276,3 +302,23 @@ def test_named_job_outlives_its_last_client_until_the_gc_timeout():
       assert read() == []
       time.sleep(2.0)  # past job_gc_timeout_s: the name is free again
       assert read() == list(range(10))
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("data_transfer", ["grpc", "socket"])
+def test_frames_spanning_many_chunks_arrive_whole_and_in_order(data_transfer, compression):
+  rng = np.random.default_rng(5)
+  source = jaxfeed.ArraySource({"x": rng.normal(size=(24, 300)),
+                                "y": np.arange(24, dtype=np.int32)})
+  dataset = jaxfeed.Dataset.from_source(source).batch(4)  # 9.6 kB frames in 1 kB chunks
+  with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1, chunk_bytes=1024)):
+      with dataset.distribute(dispatcher.target, "parallel_epochs", compression=compression,
+                              data_transfer=data_transfer).make_iterator() as iterator:
+        got = list(iterator)
+  want = list(dataset)
+  assert len(got) == len(want) == 6
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g["x"], w["x"])
+    np.testing.assert_array_equal(g["y"], w["y"])

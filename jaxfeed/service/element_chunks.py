@@ -1,0 +1,97 @@
+"""`ElementChunk` messages written and read around their data bytes.
+
+A worker streams a frame over gRPC as ElementChunk messages. Going through
+protobuf objects would copy each chunk's data twice more on each side (into
+the message, into its serialization; out of the parsed message), so the
+worker writes the message bytes itself, joining the frame's array views into
+them once, and the client reads the fields in place and keeps the data as a
+view of the received bytes. Both produce and accept ordinary protobuf
+encoding of `service.proto`'s ElementChunk, so either side may also use the
+generated class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.wire import WireFormatError
+
+_DATA_TAG = bytes([(1 << 3) | 2])  # field 1 (data), length-delimited
+_INT64_FIELDS = {2: "frame_bytes", 4: "round"}
+
+
+def _varint(value: int) -> bytes:
+  out = bytearray()
+  while True:
+    byte = value & 0x7F
+    value >>= 7
+    if value:
+      out.append(byte | 0x80)
+    else:
+      out.append(byte)
+      return bytes(out)
+
+
+def encode(data_parts: list, frame_bytes: int = 0, round_index: int = 0) -> bytes:
+  """An ElementChunk carrying the concatenation of `data_parts`."""
+  head = pb.ElementChunk(frame_bytes=frame_bytes, round=round_index).SerializeToString()
+  size = sum(memoryview(part).nbytes for part in data_parts)
+  return b"".join([head, _DATA_TAG, _varint(size), *data_parts])
+
+
+@dataclasses.dataclass
+class Chunk:
+  data: memoryview
+  frame_bytes: int = 0
+  end_of_sequence: bool = False
+  round: int = 0
+  stats_json: str = ""
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+  value = shift = 0
+  while True:
+    if pos >= buf.nbytes or shift > 63:
+      raise WireFormatError("ElementChunk has a truncated or overlong varint.")
+    byte = buf[pos]
+    pos += 1
+    value |= (byte & 0x7F) << shift
+    if not byte & 0x80:
+      return value, pos
+    shift += 7
+
+
+def parse(raw: bytes) -> Chunk:
+  """Reads an ElementChunk; `data` is a view of `raw`, not a copy."""
+  buf = memoryview(raw)
+  chunk = Chunk(data=buf[0:0])
+  pos = 0
+  while pos < buf.nbytes:
+    key, pos = _read_varint(buf, pos)
+    field, wire_type = key >> 3, key & 7
+    if wire_type == 0:
+      value, pos = _read_varint(buf, pos)
+      if field in _INT64_FIELDS:
+        setattr(chunk, _INT64_FIELDS[field], value - (1 << 64) if value >> 63 else value)
+      elif field == 3:
+        chunk.end_of_sequence = bool(value)
+    elif wire_type == 2:
+      length, pos = _read_varint(buf, pos)
+      if pos + length > buf.nbytes:
+        raise WireFormatError(
+            f"ElementChunk field {field} of {length} bytes runs past the message "
+            f"end ({buf.nbytes} bytes).")
+      value = buf[pos:pos + length]
+      pos += length
+      if field == 1:
+        chunk.data = value
+      elif field == 5:
+        chunk.stats_json = bytes(value).decode("utf-8", errors="replace")
+    elif wire_type in (1, 5):  # fixed64 / fixed32 fields of a newer peer
+      pos += 8 if wire_type == 1 else 4
+    else:
+      raise WireFormatError(f"ElementChunk has field {field} of wire type {wire_type}.")
+  if pos != buf.nbytes:
+    raise WireFormatError("ElementChunk ends inside a field.")
+  return chunk
