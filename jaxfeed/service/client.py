@@ -64,6 +64,7 @@ _POLL_S = 0.05
 _WORKER_LOST = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND",
                           "ABORTED", "OUT_OF_RANGE"})
 DATA_TRANSFERS = ("auto", "socket", "grpc")
+VISITATIONS = ("at_most_once", "exactly_once")
 
 
 def _target(service: str) -> str:
@@ -162,7 +163,8 @@ class DistributedNode(base.Node):
                max_outstanding_requests: int | None = None,
                auth_token: str | None = None, udf_secret: bytes | None = None,
                tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
-               timeout_s: float = 60.0, round_timeout_s: float | None = None):
+               timeout_s: float = 60.0, round_timeout_s: float | None = None,
+               visitation: str = "at_most_once"):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
@@ -170,8 +172,15 @@ class DistributedNode(base.Node):
     self.policy = to_sharding_policy(processing_mode)
     _check_read_options(job_name, num_consumers, consumer_index, compression,
                         max_outstanding_requests, data_transfer, round_timeout_s)
-    if num_consumers is not None and self.policy == ShardingPolicy.DYNAMIC:
-      pass  # allowed: round-robin over dynamically sharded workers
+    if visitation not in VISITATIONS:
+      raise ValueError(f"visitation must be one of {VISITATIONS}, got {visitation!r}.")
+    if visitation == "exactly_once" and (
+        self.policy != ShardingPolicy.DYNAMIC or num_consumers is not None):
+      raise ValueError(
+          "visitation='exactly_once' needs processing_mode='distributed_epoch' "
+          f"(DYNAMIC) and no num_consumers; got {self.policy.name} and "
+          f"num_consumers={num_consumers}.")
+    self.visitation = visitation
     self.dataset = None if dataset is None else base.to_node(dataset, "distribute", "dataset")
     if self.dataset is not None:
       spec_lib.to_dataset_def(self.dataset, udf_secret)  # fail early on bad UDFs
@@ -196,7 +205,7 @@ class DistributedNode(base.Node):
             "consumer_index": self.consumer_index, "compression": self.compression,
             "max_outstanding_requests": self.max_outstanding_requests,
             "data_transfer": self.data_transfer, "timeout_s": self.timeout_s,
-            "round_timeout_s": self.round_timeout_s}
+            "round_timeout_s": self.round_timeout_s, "visitation": self.visitation}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on first use (so the dispatcher may start later)."""
@@ -265,6 +274,9 @@ class _Fetcher:
         if chunk.end_of_sequence:
           self.end_stats = json.loads(chunk.stats_json) if chunk.stats_json else {}
           return
+        if chunk.split_end:
+          yield None, chunk.round
+          continue
         size = chunk.data.nbytes
         if chunk.frame_bytes:
           if chunk.frame_bytes == size:
@@ -286,8 +298,24 @@ class _Fetcher:
 
   def _run(self) -> None:
     read = self._read
+    split: list = []  # exactly-once: the elements of the split arriving now
     try:
       for frame, round_index in self._frames():
+        if read.node.visitation == "exactly_once":
+          if frame is not None:
+            split.append((wire.decode(frame), round_index))
+            continue
+          if any(r != round_index for _, r in split):
+            raise rpc.ServiceError(
+                f"Worker {self.task.worker_address} ended split {round_index} "
+                "after elements of another split.")
+          for item in split:  # all of the split arrived: hand it on
+            if not read.put(self.out, item):
+              return
+            read.count(self.task.worker_address)
+          split = []
+          read.ack(round_index)
+          continue
         element = wire.decode(frame)
         if not read.put(self.out, (element, round_index)):
           return
@@ -338,6 +366,7 @@ class _ReadState:
     self.lock = threading.Lock()
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
+    self.acks: list[int] = []  # exactly-once: splits to acknowledge
     capacity = node.max_outstanding_requests or 8
     self.buffer: queue.Queue = queue.Queue(maxsize=capacity)
     self.capacity = capacity
@@ -365,6 +394,11 @@ class _ReadState:
     with self.lock:
       self.elements_by_worker[worker] = self.elements_by_worker.get(worker, 0) + 1
 
+  def ack(self, split_start: int) -> None:
+    """Exactly-once: the split's elements are all in the buffer."""
+    with self.lock:
+      self.acks.append(split_start)
+
   def fail(self, error: BaseException) -> None:
     with self.lock:
       if self.error is None:
@@ -385,7 +419,8 @@ class _ReadState:
             dataset_id=dataset_id, sharding_policy=node.policy.value,
             job_name=node.job_name or "", num_consumers=node.num_consumers or 0,
             consumer_index=node.consumer_index or 0,
-            round_timeout_s=node.round_timeout_s or 0.0),
+            round_timeout_s=node.round_timeout_s or 0.0,
+            exactly_once=node.visitation == "exactly_once"),
             node.timeout_s, f"Creating a job for dataset {dataset_id}")
       except rpc.ServiceError as e:
         cause = e.__cause__
@@ -401,10 +436,14 @@ class _ReadState:
                                      pb.ClientHeartbeatResponse, node.auth_token)
       last_ok = time.monotonic()
       while not self.stop.is_set():
+        with self.lock:
+          acks = list(self.acks)
         try:
           response = heartbeat(pb.ClientHeartbeatRequest(
-              job_id=self.job_id, client_id=self.client_id), timeout=10)
+              job_id=self.job_id, client_id=self.client_id, acked_splits=acks), timeout=10)
           last_ok = time.monotonic()
+          with self.lock:
+            del self.acks[:len(acks)]
         except grpc.RpcError as e:
           if e.code() == grpc.StatusCode.UNAVAILABLE and (
               time.monotonic() - last_ok < node.timeout_s):
@@ -658,7 +697,13 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       None: the job's value, 60 s for a new job. Every consumer of a job
       passes the same value or None.
     **options: auth_token, udf_secret, tls, data_transfer ("auto", "socket",
-      "grpc"), timeout_s.
+      "grpc"), timeout_s, visitation: "at_most_once" (default: what a lost
+      worker had buffered or in flight is lost) or "exactly_once"
+      (distributed_epoch without num_consumers: the pipeline runs split by
+      split on the workers, so a batch never spans two splits; the client
+      hands a split's elements on only once all of them arrived and
+      acknowledges it; a lost worker's unacknowledged splits are read again
+      by the others, so every record arrives once per epoch).
 
   Returns:
     A jaxfeed Dataset.

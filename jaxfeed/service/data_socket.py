@@ -13,7 +13,8 @@ streams the task's frames:
   worker -> client:  repeated  uint8 kind | uint64 length | int64 round | bytes
                      kind 0: a frame, 1: end of sequence (bytes = JSON of
                      the task's round statistics, possibly empty), 2: error
-                     (bytes = JSON {"status", "message"})
+                     (bytes = JSON {"status", "message"}), 3: exactly-once
+                     jobs: the split starting at `round` ended (no bytes)
 
 TCP flow control bounds what is in flight. The hello is length-limited and
 validated, so garbage on the port only closes that connection.
@@ -36,7 +37,7 @@ from jaxfeed.service import wire
 
 _HELLO_LEN = struct.Struct("<I")
 _FRAME_PREFIX = struct.Struct("<BQq")
-KIND_FRAME, KIND_END, KIND_ERROR = 0, 1, 2
+KIND_FRAME, KIND_END, KIND_ERROR, KIND_SPLIT_END = 0, 1, 2, 3
 MAX_HELLO_BYTES = 4096
 _MAX_IOV = 512  # buffers per sendmsg; Linux allows 1024
 
@@ -159,6 +160,9 @@ class DataServer:
         except StopIteration as end:
           stats = json.dumps(end.value).encode() if end.value else b""
           break
+        if frame is None:  # exactly-once: the split `round_index` ended
+          conn.sendall(_FRAME_PREFIX.pack(KIND_SPLIT_END, 0, round_index))
+          continue
         frame = frame.encoded(compression)
         _send_all(conn, [_FRAME_PREFIX.pack(KIND_FRAME, frame.nbytes, round_index),
                          *frame.parts])
@@ -232,9 +236,10 @@ class DataConnection:
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
 
-  def next_frame(self) -> tuple[np.ndarray, int] | None:
+  def next_frame(self) -> tuple[np.ndarray | None, int] | None:
     """The next (frame, round); None at the end (then `end_stats` holds the
-    task's statistics). Raises DataConnectionError."""
+    task's statistics). Exactly-once jobs: (None, split start) when a split
+    ended. Raises DataConnectionError."""
     try:
       kind, length, round_index = _FRAME_PREFIX.unpack(
           _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))
@@ -246,6 +251,8 @@ class DataConnection:
       if isinstance(e, DataConnectionError):
         raise
       raise DataConnectionError(f"Data connection failed: {e}") from e
+    if kind == KIND_SPLIT_END:
+      return None, round_index
     if kind == KIND_ERROR:
       error = json.loads(bytes(body))
       raise DataConnectionError(error.get("message", "worker error"),

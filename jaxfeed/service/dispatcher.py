@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 
@@ -113,10 +113,20 @@ class _Job:
   next_position: int = 0
   # When the last client left a named job (kept for job_gc_timeout_s).
   idle_since: float | None = None
+  # Exactly-once DYNAMIC jobs: issued splits not yet acknowledged by a client
+  # (start -> (stop, task id)), and splits of lost tasks to issue again.
+  exactly_once: bool = False
+  unacked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+  reissue: dict[int, int] = dataclasses.field(default_factory=dict)
 
   @property
   def splits_exhausted(self) -> bool:
     return 0 <= self.num_positions <= self.next_position
+
+  @property
+  def all_splits_delivered(self) -> bool:
+    """No split is left to issue, or (exactly-once) to be acknowledged."""
+    return self.splits_exhausted and not self.unacked and not self.reissue
 
   @property
   def fixes_workers(self) -> bool:
@@ -144,10 +154,16 @@ class DispatcherState:
     self.workers: dict[str, _Worker] = {}
     self._ids = itertools.count(1)
     self._journal = None
+    # Workers of replayed tasks: address -> when they count as lost if they
+    # have not registered again by then.
+    self._awaited: dict[str, float] = {}
     if config.work_dir:
       self._journal = journal_lib.Journal(config.work_dir, config.journal_fsync)
       for record in self._journal.replay():
         self._apply(record)
+      deadline = time.monotonic() + config.heartbeat_timeout_s
+      self._awaited = {t.worker_address: deadline for job in self.jobs.values()
+                       for t in job.tasks.values() if not t.finished}
 
   def close(self) -> None:
     if self._journal is not None:
@@ -175,7 +191,7 @@ class DispatcherState:
     elif kind == "job":
       job = _Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
                  r["job_name"], r["num_consumers"], r["num_positions"],
-                 r.get("round_timeout_s", 0.0))
+                 r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False))
       self.jobs[job.job_id] = job
       if job.job_name:
         self.job_by_name[job.job_name] = job.job_id
@@ -193,7 +209,12 @@ class DispatcherState:
       if task is not None:
         task.finished = True
     elif kind == "task_lost":
-      self.jobs[r["job_id"]].tasks.pop(r["task_id"], None)
+      job = self.jobs[r["job_id"]]
+      job.tasks.pop(r["task_id"], None)
+      for start, (stop, task_id) in list(job.unacked.items()):
+        if task_id == r["task_id"]:  # its elements may never have arrived
+          del job.unacked[start]
+          job.reissue[start] = stop
     elif kind == "client":
       self.jobs[r["job_id"]].clients[int(r["id"])] = time.monotonic()
     elif kind == "client_released":
@@ -204,6 +225,16 @@ class DispatcherState:
         del self.job_by_name[job.job_name]
     elif kind == "splits":
       self.jobs[r["job_id"]].next_position = r["next_position"]
+    elif kind == "splits_issued":
+      job = self.jobs[r["job_id"]]
+      for start, stop in r["ranges"]:
+        job.reissue.pop(start, None)
+        job.unacked[start] = (stop, r["task_id"])
+    elif kind == "splits_acked":
+      job = self.jobs[r["job_id"]]
+      for start in r["starts"]:
+        job.unacked.pop(start, None)
+        job.reissue.pop(start, None)  # acknowledged just after its worker was lost
     else:
       raise ValueError(f"Unknown journal record kind {kind!r}.")
 
@@ -232,6 +263,10 @@ class DispatcherState:
   def get_or_create_job(self, request: pb.GetOrCreateJobRequest) -> tuple[int, int]:
     policy = to_sharding_policy(request.sharding_policy)
     _check_round_robin_request(request)
+    if request.exactly_once and (policy != ShardingPolicy.DYNAMIC or request.num_consumers):
+      raise ValueError(
+          f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
+          f"got {policy.name} and num_consumers={request.num_consumers}.")
     with self.lock:
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
@@ -242,14 +277,16 @@ class DispatcherState:
         job_id = self.job_by_name.get(request.job_name)
         job = self.jobs.get(job_id) if job_id is not None else None
         if job is not None and (job.dataset_id != request.dataset_id or job.policy != policy
-                                or job.num_consumers != request.num_consumers):
+                                or job.num_consumers != request.num_consumers
+                                or job.exactly_once != request.exactly_once):
           raise ValueError(
               f"Job {request.job_name!r} exists for dataset {job.dataset_id} with "
-              f"processing mode {job.policy.name} and num_consumers "
-              f"{job.num_consumers}; it cannot be read as dataset "
-              f"{request.dataset_id} with {policy.name} / num_consumers "
-              f"{request.num_consumers}: every consumer of a job must pass the "
-              "same dataset, processing mode and num_consumers.")
+              f"processing mode {job.policy.name}, num_consumers "
+              f"{job.num_consumers} and {_visitation(job.exactly_once)} visitation; "
+              f"it cannot be read as dataset {request.dataset_id} with "
+              f"{policy.name} / num_consumers {request.num_consumers} / "
+              f"{_visitation(request.exactly_once)}: every consumer of a job must "
+              "pass the same dataset, processing mode, num_consumers and visitation.")
         if job is not None and request.round_timeout_s and (
             request.round_timeout_s != job.round_timeout_s):
           raise ValueError(
@@ -265,7 +302,8 @@ class DispatcherState:
                       "num_consumers": request.num_consumers,
                       "num_positions": int(dataset_def.num_positions),
                       "round_timeout_s": (request.round_timeout_s
-                                          or round_assembly.DEFAULT_ROUND_TIMEOUT_S)})
+                                          or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
+                      "exactly_once": request.exactly_once})
         job = self.jobs[job_id]
         self._assign_tasks(job)
       client_id = self._next_id()
@@ -305,7 +343,7 @@ class DispatcherState:
         data_address=worker.data_address if worker else "",
         sharding_policy=job.policy.value, worker_index=task.worker_index,
         num_workers=task.num_workers, num_consumers=job.num_consumers,
-        round_timeout_s=job.round_timeout_s)
+        round_timeout_s=job.round_timeout_s, exactly_once=job.exactly_once)
 
   def _job(self, job_id: int) -> _Job:
     job = self.jobs.get(job_id)
@@ -313,17 +351,21 @@ class DispatcherState:
       raise rpc.NotFoundError(f"Unknown job id {job_id}: it finished, was released or never existed.")
     return job
 
-  def client_heartbeat(self, job_id: int, client_id: int) -> pb.ClientHeartbeatResponse:
+  def client_heartbeat(self, job_id: int, client_id: int,
+                       acked_splits: Sequence[int] = ()) -> pb.ClientHeartbeatResponse:
     with self.lock:
       job = self._job(job_id)
       if client_id not in job.clients:
         raise rpc.NotFoundError(f"Client {client_id} is not reading job {job_id}.")
       job.clients[client_id] = time.monotonic()
+      acked = sorted(set(acked_splits) & (set(job.unacked) | set(job.reissue)))
+      if acked:
+        self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
       tasks = [self._task_info(t) for t in job.tasks.values()
                if t.worker_address in self.workers]
       done = all(t.finished for t in job.tasks.values())
       if job.policy == ShardingPolicy.DYNAMIC:
-        finished = job.splits_exhausted and done
+        finished = job.all_splits_delivered and done
       elif job.fixes_workers:
         finished = job.fixed_workers is not None and done
       else:
@@ -349,6 +391,7 @@ class DispatcherState:
       worker = self.workers.get(address)
       if worker is None:
         logging.info("Worker %s registered.", address)
+        self._awaited.pop(address, None)
         worker = _Worker(address, request.data_address, time.monotonic())
         self.workers[address] = worker
         for job in self.jobs.values():  # tasks journaled before a restart
@@ -379,9 +422,11 @@ class DispatcherState:
                          "DYNAMIC jobs hand out splits.")
       if request.task_id not in job.tasks:
         raise rpc.NotFoundError(f"Task {request.task_id} is not part of job {job.job_id}.")
-      ranges = []
+      wanted = max(1, min(request.max_ranges, 64))
+      ranges = [pb.SplitRange(start=start, stop=stop)
+                for start, stop in sorted(job.reissue.items())[:wanted]]
       start = job.next_position
-      for _ in range(max(1, min(request.max_ranges, 64))):
+      while len(ranges) < wanted:
         if 0 <= job.num_positions <= start:
           break
         stop = start + self.config.split_size
@@ -391,7 +436,16 @@ class DispatcherState:
         start = stop
       if start != job.next_position:
         self._record({"kind": "splits", "job_id": job.job_id, "next_position": start})
-      return pb.GetSplitsResponse(ranges=ranges, end_of_splits=job.splits_exhausted)
+      if not job.exactly_once:
+        return pb.GetSplitsResponse(ranges=ranges, end_of_splits=job.splits_exhausted)
+      if ranges:
+        self._record({"kind": "splits_issued", "job_id": job.job_id,
+                      "task_id": request.task_id,
+                      "ranges": [[r.start, r.stop] for r in ranges]})
+      # The end only once every split arrived: until then a lost worker's
+      # splits may come back to this task.
+      return pb.GetSplitsResponse(ranges=ranges,
+                                  end_of_splits=not ranges and job.all_splits_delivered)
 
   def check_liveness(self) -> None:
     """Drops workers and clients whose heartbeats stopped."""
@@ -403,11 +457,12 @@ class DispatcherState:
         logging.warning("Worker %s missed heartbeats for %.1fs: declared dead.",
                         address, now - worker.last_heartbeat)
         del self.workers[address]
-        for job in self.jobs.values():
-          for task in list(job.tasks.values()):
-            if task.worker_address == address and not task.finished:
-              self._record({"kind": "task_lost", "job_id": job.job_id,
-                            "task_id": task.task_id})
+        self._lose_tasks_of(address)
+      for address, deadline in list(self._awaited.items()):
+        if now > deadline:  # did not come back after a dispatcher restart
+          logging.warning("Worker %s did not register again: its tasks are lost.", address)
+          del self._awaited[address]
+          self._lose_tasks_of(address)
       for job in list(self.jobs.values()):
         for client_id, seen in list(job.clients.items()):
           if now - seen > self.config.client_timeout_s:
@@ -418,6 +473,12 @@ class DispatcherState:
             and now - job.idle_since > self.config.job_gc_timeout_s):
           self._record({"kind": "job_deleted", "job_id": job.job_id})
 
+  def _lose_tasks_of(self, address: str) -> None:
+    for job in self.jobs.values():
+      for task in list(job.tasks.values()):
+        if task.worker_address == address and not task.finished:
+          self._record({"kind": "task_lost", "job_id": job.job_id, "task_id": task.task_id})
+
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
     job = self.jobs[job_id]
@@ -427,6 +488,10 @@ class DispatcherState:
       job.idle_since = time.monotonic()
     else:
       self._record({"kind": "job_deleted", "job_id": job_id})
+
+
+def _visitation(exactly_once: bool) -> str:
+  return "exactly-once" if exactly_once else "at-most-once"
 
 
 def _check_round_robin_request(request: pb.GetOrCreateJobRequest) -> None:
@@ -469,7 +534,8 @@ class _DispatcherServicer:
 
   def ClientHeartbeat(self, request, context):
     del context
-    return self.state.client_heartbeat(request.job_id, request.client_id)
+    return self.state.client_heartbeat(request.job_id, request.client_id,
+                                       request.acked_splits)
 
   def ReleaseJobClient(self, request, context):
     del context

@@ -47,6 +47,7 @@ class Chunk:
   end_of_sequence: bool = False
   round: int = 0
   stats_json: str = ""
+  split_end: bool = False
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -76,6 +77,8 @@ def parse(raw: bytes) -> Chunk:
         setattr(chunk, _INT64_FIELDS[field], value - (1 << 64) if value >> 63 else value)
       elif field == 3:
         chunk.end_of_sequence = bool(value)
+      elif field == 6:
+        chunk.split_end = bool(value)
     elif wire_type == 2:
       length, pos = _read_varint(buf, pos)
       if pos + length > buf.nbytes:

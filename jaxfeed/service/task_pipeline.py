@@ -9,7 +9,8 @@ whichever worker reads it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -22,6 +23,20 @@ SOURCE_OP = "from_source"
 _MAX_CHUNK = 256
 
 FetchRanges = Callable[[], "tuple[list[tuple[int, int]], bool]"]
+
+
+class SplitEnd(NamedTuple):
+  """Exactly-once tasks: every element of the split starting here came before."""
+  start: int
+
+
+class _Waiting:
+  def __repr__(self) -> str:
+    return "WAITING"
+
+
+# Exactly-once tasks: no split to read yet, but the job has not ended either.
+WAITING = _Waiting()
 
 
 def _is_sampler(value: Any) -> bool:
@@ -173,3 +188,38 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
         f"{task.dataset_id!r} has {len(touched)}. Use processing_mode "
         "'parallel_epochs' (OFF) or read records through Dataset.from_source.")
   return node
+
+
+def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: bytes | None,
+                   fetch_ranges: FetchRanges, poll_s: float = 0.05) -> Iterator[Any]:
+  """An exactly-once task's elements: the pipeline runs on one split at a
+  time, so each element belongs to one split (a batch never spans two), and
+  `SplitEnd(start)` follows each split's elements. Yields `WAITING` while the
+  dispatcher holds the end back: other workers' splits are not yet
+  acknowledged and may come back to this task if their worker is lost.
+  """
+  current: list[tuple[int, int]] = []
+
+  def this_split() -> tuple[list[tuple[int, int]], bool]:
+    ranges = list(current)
+    current.clear()
+    return ranges, True
+
+  node = build_task_node(dataset_def, task, udf_secret, this_split)
+  while True:
+    ranges, end = fetch_ranges()
+    for start, stop in ranges:
+      current[:] = [(start, stop)]
+      iterator = node.make_iterator()
+      try:
+        yield from iterator
+      finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+          close()
+      yield SplitEnd(start)
+    if end:
+      return
+    if not ranges:
+      yield WAITING
+      time.sleep(poll_s)

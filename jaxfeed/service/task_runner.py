@@ -9,6 +9,7 @@ import traceback
 from typing import Any, Callable, Generator
 
 from jaxfeed.service import round_assembly
+from jaxfeed.service import task_pipeline
 from jaxfeed.service import wire
 
 _POLL_S = 0.1
@@ -26,10 +27,12 @@ class TaskRunner:
   """Runs one task's pipeline on a thread into a bounded buffer of frames.
 
   Plain jobs keep one FIFO that every consumer of the task pulls from (a
-  frame goes to exactly one of them). Round-robin jobs (num_consumers K > 0)
-  assemble rounds of K batches of one bucket key and close them when every
-  consumer took its batch or when the round timed out; see
-  `jaxfeed.service.round_assembly` for the rules.
+  frame goes to exactly one of them). Exactly-once jobs keep that FIFO in
+  whole splits: a split's frames are queued once the split ended, and one
+  consumer sends all of them, then the split's end. Round-robin jobs
+  (num_consumers K > 0) assemble rounds of K batches of one bucket key and
+  close them when every consumer took its batch or when the round timed out;
+  see `jaxfeed.service.round_assembly` for the rules.
 
   Args:
     task_id: The dispatcher's task id.
@@ -41,14 +44,21 @@ class TaskRunner:
       once its first consumer took its batch.
     max_window_batches: Round-robin: most batches waiting in partial bucket
       windows.
+    exactly_once: The iterator yields `task_pipeline.SplitEnd` after each
+      split (and `WAITING` while it has none); buffer_size then counts frames
+      of whole splits, and one split in progress is held beyond it.
   """
 
   def __init__(self, task_id: int, make_iterator: Callable[[], Any],
                buffer_size: int, num_consumers: int = 0,
                on_finished: Callable[[int], None] | None = None,
                round_timeout_s: float = round_assembly.DEFAULT_ROUND_TIMEOUT_S,
-               max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES):
+               max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
+               exactly_once: bool = False):
     self.task_id = task_id
+    self.exactly_once = exactly_once
+    self._split_frames: list[wire.Frame] = []  # exactly-once: the split in progress
+    self._fifo_frames = 0
     self.num_consumers = num_consumers
     self._buffer_size = buffer_size
     self._cond = threading.Condition()
@@ -78,6 +88,8 @@ class TaskRunner:
       if self._rounds.close_expired():
         self._cond.notify_all()
       return self._rounds.full
+    if self.exactly_once:  # whole splits: one always fits
+      return bool(self._fifo) and self._fifo_frames >= self._buffer_size
     return len(self._fifo) >= self._buffer_size
 
   def _produce(self, make_iterator: Callable[[], Any]) -> None:
@@ -87,6 +99,10 @@ class TaskRunner:
         raise self._setup_error
       iterator = make_iterator()
       for element in iterator:
+        if self.exactly_once:
+          if not self._take_split_element(element):
+            return
+          continue
         key = rows = None
         if self._assembler is not None:
           key = round_assembly.bucket_key(element)
@@ -119,6 +135,25 @@ class TaskRunner:
       if self._error is None and not self._stop.is_set() and self._on_finished:
         self._on_finished(self.task_id)
 
+  def _take_split_element(self, element: Any) -> bool:
+    """Exactly-once: collects a split's frames and queues the whole split at
+    its end. Returns False once the runner was stopped."""
+    if element is task_pipeline.WAITING:
+      return not self._stop.is_set()
+    if not isinstance(element, task_pipeline.SplitEnd):
+      self._split_frames.append(wire.encode_frame(element))
+      return not self._stop.is_set()
+    frames, self._split_frames = self._split_frames, []
+    with self._cond:
+      while self._full() and not self._stop.is_set():
+        self._cond.wait(_POLL_S)
+      if self._stop.is_set():
+        return False
+      self._fifo.append((element.start, frames))
+      self._fifo_frames += len(frames)
+      self._cond.notify_all()
+    return True
+
   def _add(self, frame: wire.Frame, key: Any, rows: Any) -> None:
     if self._assembler is None:
       self._fifo.append(frame)
@@ -129,8 +164,12 @@ class TaskRunner:
 
   # -- consumers ----------------------------------------------------------------
   def frames(self, is_active: Callable[[], bool], consumer_index: int = 0,
-             local_round: int = 0) -> Generator[tuple[wire.Frame, int], None, dict | None]:
+             local_round: int = 0
+             ) -> Generator[tuple[wire.Frame | None, int], None, dict | None]:
     """Yields (frame, local round) until the task ends; raises TaskFailed.
+
+    Exactly-once tasks yield (frame, split start) for each frame of a split,
+    then (None, split start).
 
     Returns the task's round statistics (see `stats`) when the task ended,
     None when `is_active()` turned false first.
@@ -156,6 +195,8 @@ class TaskRunner:
             ended = self._done and self._rounds.exhausted(local_round)
           elif self._fifo:
             frame = self._fifo.popleft()
+            if self.exactly_once:
+              self._fifo_frames -= len(frame[1])
             self._cond.notify_all()
             break
           else:
@@ -167,6 +208,12 @@ class TaskRunner:
           if not is_active():
             return None
           self._cond.wait(_POLL_S)
+      if self.exactly_once:
+        start, frames = frame
+        for each in frames:
+          yield each, start
+        yield None, start
+        continue
       yield frame, local_round
       local_round += 1
 

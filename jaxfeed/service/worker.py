@@ -144,7 +144,8 @@ class _Worker:
           task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
           on_finished=self._on_finished,
           round_timeout_s=task.round_timeout_s or round_assembly.DEFAULT_ROUND_TIMEOUT_S,
-          max_window_batches=self.config.max_window_batches)
+          max_window_batches=self.config.max_window_batches,
+          exactly_once=task.exactly_once)
       self.task_added.notify_all()
 
   def _on_finished(self, task_id: int) -> None:
@@ -167,6 +168,9 @@ class _Worker:
           30, f"Fetching splits of job {task.job_id}")
       return [(r.start, r.stop) for r in response.ranges], response.end_of_splits
 
+    if task.exactly_once:
+      return task_pipeline.split_by_split(dataset_def, task, self.config.pickled_udf_secret,
+                                          fetch_ranges)
     node = task_pipeline.build_task_node(dataset_def, task, self.config.pickled_udf_secret,
                                          fetch_ranges)
     return node.make_iterator()
@@ -210,6 +214,9 @@ class _Worker:
         except StopIteration as end:
           stats = end.value
           break
+        if frame is None:  # exactly-once: the split `round_index` ended
+          yield pb.ElementChunk(split_end=True, round=round_index)
+          continue
         frame = frame.encoded(compression)
         for i, views in enumerate(frame.chunks(chunk)):
           if i:

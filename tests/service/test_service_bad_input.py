@@ -236,3 +236,26 @@ def test_bad_read_options_are_refused(kwargs):
 def test_unknown_processing_mode_is_refused():
   with pytest.raises(ValueError, match="distributed_epoch"):
     small_dataset().distribute("127.0.0.1:1", "sometimes")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"visitation": "twice"}, "visitation must be one of"),
+    ({"visitation": "exactly_once"}, "needs processing_mode='distributed_epoch'"),
+    ({"visitation": "exactly_once", "processing_mode": "distributed_epoch",
+      "job_name": "j", "num_consumers": 2, "consumer_index": 0}, "no num_consumers")])
+def test_bad_visitation_is_refused_with_what_it_needs(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    small_dataset().distribute("127.0.0.1:1", **kwargs)
+
+
+def test_a_shared_job_refuses_a_consumer_with_another_visitation(servers):
+  dispatcher, _ = servers
+  dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(20)})).batch(5)
+  with dataset.distribute(dispatcher.target, "distributed_epoch", job_name="shared",
+                          auth_token=TOKEN).make_iterator() as first:
+    next(first)
+    other = dataset.distribute(dispatcher.target, "distributed_epoch", job_name="shared",
+                               auth_token=TOKEN, visitation="exactly_once")
+    with pytest.raises(ValueError, match="at-most-once visitation.*exactly-once"):
+      read(other)
+  still_serves(dispatcher)
