@@ -108,6 +108,8 @@ class _Job:
   round_timeout_s: float = 0.0
   tasks: dict[int, _Task] = dataclasses.field(default_factory=dict)
   clients: dict[int, float] = dataclasses.field(default_factory=dict)
+  # Round-robin jobs: client id -> its consumer_index.
+  consumers: dict[int, int] = dataclasses.field(default_factory=dict)
   # Static and round-robin jobs fix their workers (address -> index) once.
   fixed_workers: dict[str, int] | None = None
   next_position: int = 0
@@ -216,9 +218,13 @@ class DispatcherState:
           del job.unacked[start]
           job.reissue[start] = stop
     elif kind == "client":
-      self.jobs[r["job_id"]].clients[int(r["id"])] = time.monotonic()
+      job = self.jobs[r["job_id"]]
+      job.clients[int(r["id"])] = time.monotonic()
+      if job.num_consumers:
+        job.consumers[int(r["id"])] = r.get("consumer_index", 0)
     elif kind == "client_released":
       self.jobs[r["job_id"]].clients.pop(r["client_id"], None)
+      self.jobs[r["job_id"]].consumers.pop(r["client_id"], None)
     elif kind == "job_deleted":
       job = self.jobs.pop(r["job_id"], None)
       if job is not None and self.job_by_name.get(job.job_name) == job.job_id:
@@ -306,8 +312,18 @@ class DispatcherState:
                       "exactly_once": request.exactly_once})
         job = self.jobs[job_id]
         self._assign_tasks(job)
+      holder = next((c for c, i in job.consumers.items()
+                     if i == request.consumer_index), None) if job.num_consumers else None
+      if holder is not None:
+        raise ValueError(
+            f"consumer_index {request.consumer_index} of job {job.job_name!r} is "
+            f"already being read by client {holder}: each consumer of a "
+            f"round-robin job needs its own index in [0, {job.num_consumers}). A "
+            "consumer that died is released after "
+            f"client_timeout_s={self.config.client_timeout_s:g} s without heartbeats.")
       client_id = self._next_id()
-      self._record({"kind": "client", "id": client_id, "job_id": job.job_id})
+      self._record({"kind": "client", "id": client_id, "job_id": job.job_id,
+                    "consumer_index": request.consumer_index})
       job.idle_since = None
       return job.job_id, client_id
 

@@ -273,6 +273,20 @@ def test_consumers_that_disagree_on_num_consumers_get_a_value_error(service):
         next(refused)
 
 
+def test_a_second_consumer_with_a_taken_consumer_index_is_refused(service):
+  first = corpus_lib.coordinated(service, "same-index", 0, round_timeout_s=30.0)
+  second = corpus_lib.coordinated(service, "same-index", 0, round_timeout_s=30.0)
+  with first.make_iterator() as reading:
+    next(reading)
+    with second.make_iterator() as refused:
+      with pytest.raises(ValueError, match="consumer_index 0 of job 'same-index' is already"):
+        next(refused)
+  # Released with the first iterator: the index is free again.
+  with corpus_lib.coordinated(service, "same-index", 0,
+                              round_timeout_s=30.0).make_iterator() as again:
+    next(again)
+
+
 def test_consumers_that_disagree_on_round_timeout_get_a_value_error(service):
   first = corpus_lib.coordinated(service, "timeouts", 0, round_timeout_s=30.0)
   second = corpus_lib.coordinated(service, "timeouts", 1, round_timeout_s=5.0)
