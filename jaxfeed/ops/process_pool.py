@@ -76,9 +76,7 @@ class _RemoteTraceback(Exception):
     return self.text
 
 
-def _call(fn: Callable, element: Any, seed: int, with_rng: bool) -> Any:
-  if with_rng:
-    return fn(element, np.random.default_rng(seed))
+def _call(fn: Callable, element: Any) -> Any:
   if type(element) is tuple:
     return fn(*element)
   return fn(element)
@@ -99,7 +97,7 @@ def _layout(output: Any) -> tuple[Any, list[np.ndarray], int]:
   return tree.unflatten(output, markers), arrays, total
 
 
-def _worker_main(fn_bytes: bytes, with_rng: bool, conn, block_name: str) -> None:
+def _worker_main(fn_bytes: bytes, conn, block_name: str) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   block = _attach(block_name)
   try:
@@ -119,9 +117,9 @@ def _worker_main(fn_bytes: bytes, with_rng: bool, conn, block_name: str) -> None
       block.close()
       block = _attach(message[1])
       continue
-    _, element, seed = message
+    _, element = message
     try:
-      skeleton, arrays, needed = _layout(_call(fn, element, seed, with_rng))
+      skeleton, arrays, needed = _layout(_call(fn, element))
       if needed > block.size:
         conn.send(("grow", needed))
         reply = conn.recv()
@@ -147,12 +145,12 @@ def _picklable(exc: BaseException) -> BaseException:
 class _Worker:
   """One process, its pipe and its shared-memory block (parent side)."""
 
-  def __init__(self, ctx, fn_bytes: bytes, with_rng: bool, index: int, op_name: str):
+  def __init__(self, ctx, fn_bytes: bytes, index: int, op_name: str):
     self.op_name = op_name
     self.block = shared_memory.SharedMemory(create=True, size=_INITIAL_BLOCK_BYTES)
     self.conn, child = ctx.Pipe()
     self.process = ctx.Process(
-        target=_worker_main, args=(fn_bytes, with_rng, child, self.block.name),
+        target=_worker_main, args=(fn_bytes, child, self.block.name),
         name=f"jaxfeed-{op_name}-process-{index}", daemon=True)
     self.process.start()
     child.close()
@@ -171,8 +169,8 @@ class _Worker:
           f"{self.op_name}: worker process {self.process.name} died "
           f"(exit code {self.process.exitcode}).") from exc
 
-  def run(self, element: Any, seed: int) -> Any:
-    self.conn.send(("run", element, seed))
+  def run(self, element: Any) -> Any:
+    self.conn.send(("run", element))
     reply = self._recv()
     if reply[0] == "grow":
       old = self.block
@@ -221,13 +219,12 @@ class ProcessPool:
   """`work(element, seed)` run in worker processes (see module docstring).
 
   Args:
-    fn: the UDF; `fn(element)` (tuples unpacked) or, with `with_rng`,
-      `fn(element, rng)` with `rng = np.random.default_rng(seed)`.
+    fn: the UDF; `fn(element)`, tuples unpacked into arguments (random_map
+      sends `(element, seed)` to a `RandomMapCall`).
     op_name: for error messages and process names.
-    with_rng: whether fn takes a generator seeded from the element's seed.
   """
 
-  def __init__(self, fn: Callable, op_name: str, with_rng: bool = False):
+  def __init__(self, fn: Callable, op_name: str):
     try:
       self._fn_bytes = pickle.dumps(fn)
     except Exception as exc:  # noqa: BLE001 -- lambdas, closures, local fns
@@ -235,7 +232,6 @@ class ProcessPool:
           f"{op_name}(backend='process'): {fn!r} cannot be sent to worker "
           f"processes ({exc}). Define it at module level (or make it a "
           f"picklable callable object), or use backend='thread'.") from exc
-    self._with_rng = with_rng
     self._op_name = op_name
     self._ctx = multiprocessing.get_context("spawn")
     self._workers: list[_Worker] = []
@@ -256,15 +252,15 @@ class ProcessPool:
     with self._lock:
       if self._closed:
         raise WorkerProcessError(f"{self._op_name}: the process pool is closed.")
-      worker = _Worker(self._ctx, self._fn_bytes, self._with_rng,
-                       len(self._workers), self._op_name)
+      worker = _Worker(self._ctx, self._fn_bytes, len(self._workers), self._op_name)
       self._workers.append(worker)
       return worker
 
   def __call__(self, element: Any, seed: int) -> Any:
+    del seed  # the executor's signature; random_map puts the seed in the element
     worker = self._borrow()
     try:
-      result = worker.run(element, seed)
+      result = worker.run(element)
     except WorkerProcessError:
       with self._lock:  # A dead worker is replaced on the next call.
         if worker in self._workers:

@@ -23,10 +23,6 @@ def add_pair(a, b):
   return np.array([a + b])
 
 
-def noisy(x, rng):
-  return rng.integers(0, 1_000_000, 4)
-
-
 def fails_on_three(x):
   if x == 3:
     raise KeyError(f"bad element {x}")
@@ -73,14 +69,6 @@ def test_outputs_larger_than_the_block_grow_it(pool_factory):
   [grown_block] = pool.shared_memory_names()
   assert grown_block != first_block and not shared_memory_exists(first_block)
   np.testing.assert_array_equal(pool(10, seed=0), np.arange(10))
-
-
-def test_rng_is_seeded_from_the_element_seed(pool_factory):
-  pool = pool_factory(noisy, "random_map", with_rng=True)
-  a, b = pool(0, seed=123), pool(0, seed=123)
-  np.testing.assert_array_equal(a, b)
-  np.testing.assert_array_equal(a, np.random.default_rng(123).integers(0, 1_000_000, 4))
-  assert not np.array_equal(a, pool(0, seed=124))
 
 
 def test_worker_exception_reaches_caller_with_remote_traceback(pool_factory):
