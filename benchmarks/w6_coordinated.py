@@ -86,14 +86,16 @@ def _host_streams(num_records: int, seed: int) -> list[np.ndarray]:
   return streams
 
 
-def coordinated(lengths: np.ndarray, examples: list, seed: int) -> dict:
+def coordinated(lengths: np.ndarray, examples: list, seed: int,
+                carry_remainders: bool = False) -> dict:
   """(a): every host runs the real from_bucket_plan pipeline."""
   import jaxfeed
   from jaxfeed.coord import BucketPlan
   from jaxfeed.sampler import ShardOptions
   sizes = [GLOBAL_BATCH] * (len(BOUNDARIES) + 1)
   plans = [BucketPlan(lengths, BOUNDARIES, sizes, seed=seed,
-                      shard_options=ShardOptions(h, HOSTS))
+                      shard_options=ShardOptions(h, HOSTS),
+                      carry_remainders=carry_remainders)
            for h in range(HOSTS)]
   iterators = [jaxfeed.Dataset.from_bucket_plan(examples, p).make_iterator()
                for p in plans]
@@ -105,7 +107,9 @@ def coordinated(lengths: np.ndarray, examples: list, seed: int) -> dict:
     buckets.append([p[step][0] for p in plans])
   for it in iterators:
     it.close()
-  line = _summary("coordinated (BucketPlan)", np.array(padded), np.array(real),
+  name = "coordinated (BucketPlan, carry_remainders)" if carry_remainders else (
+      "coordinated (BucketPlan)")
+  line = _summary(name, np.array(padded), np.array(real),
                   np.array(buckets), len(plans[0]) * GLOBAL_BATCH, lengths)
   line["dropped_per_epoch"] = plans[0].num_dropped_per_epoch
   return line
@@ -186,9 +190,10 @@ def main(argv: list[str]) -> None:
   streams = _host_streams(len(lengths), FLAGS.seed)
 
   a = coordinated(lengths, examples, FLAGS.seed)
+  carried = coordinated(lengths, examples, FLAGS.seed, carry_remainders=True)
   b = per_host_bucketing(lengths, streams)
   c = no_bucketing(lengths, streams)
-  for line in (a, b, c):
+  for line in (a, carried, b, c):
     print(json.dumps(line), flush=True)
   print(json.dumps(host_pipeline_rate(lengths, examples, FLAGS.seed,
                                       FLAGS.epochs)), flush=True)

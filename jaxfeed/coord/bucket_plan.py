@@ -62,6 +62,12 @@ class BucketPlan:
   order tf.data's `bucket_by_sequence_length` would emit them from the records
   read in index order (a batch is due when its bucket fills).
 
+  With `carry_remainders=True` a bucket's remainder instead joins the next
+  longer bucket (padded to its length, as its shorter records are), so only
+  the last bucket's remainder is dropped. With fine-grained buckets this keeps
+  most of the records a plain plan drops: each bucket's remainder can be up
+  to a whole global batch.
+
   Every record appears at most once per epoch, and the number of steps is the
   same for every epoch.
 
@@ -76,13 +82,16 @@ class BucketPlan:
     num_epochs: Epochs to plan, or None for an endless plan.
     shard_options: This host's `jaxfeed.ShardOptions` (`shard_index` of
       `shard_count` hosts; `drop_remainder` does not apply: bucket remainders
-      are always dropped). `NoSharding()`: one host reads whole batches.
+      are dropped or carried). `NoSharding()`: one host reads whole batches.
+    carry_remainders: Move each bucket's remainder into the next longer
+      bucket instead of dropping it.
   """
 
   def __init__(self, lengths: Any, bucket_boundaries: Sequence[int],
                bucket_batch_sizes: Sequence[int], *, seed: int = 0,
                shuffle: bool = True, num_epochs: int | None = 1,
-               shard_options: ShardOptions = NoSharding()):
+               shard_options: ShardOptions = NoSharding(),
+               carry_remainders: bool = False):
     self._lengths = _read_only(_check_lengths(lengths))
     self._boundaries = _check_boundaries(bucket_boundaries)
     self._shard_index, self._shard_count = _shard_of(shard_options)
@@ -97,6 +106,7 @@ class BucketPlan:
     self._seed = int(seed)
     self._shuffle = bool(shuffle)
     self._num_epochs = None if num_epochs is None else int(num_epochs)
+    self._carry = bool(carry_remainders)
 
     num_buckets = len(self._batch_sizes)
     # Small bucket ids make the per-epoch stable sort a radix sort.
@@ -107,7 +117,17 @@ class BucketPlan:
                                       minlength=num_buckets).astype(np.int64)
     self._bucket_offsets = np.concatenate(
         [[0], np.cumsum(self._bucket_counts)[:-1]]).astype(np.int64)
-    self._batches_per_bucket = self._bucket_counts // self._batch_sizes
+    # The records each bucket's batches are cut from: its own, after the
+    # remainder carried from the bucket before (which sits right before them
+    # once records are grouped by bucket).
+    self._group_offsets = self._bucket_offsets.copy()
+    self._group_counts = self._bucket_counts.copy()
+    if self._carry:
+      for b in range(1, num_buckets):
+        carried = self._group_counts[b - 1] % self._batch_sizes[b - 1]
+        self._group_offsets[b] -= carried
+        self._group_counts[b] += carried
+    self._batches_per_bucket = self._group_counts // self._batch_sizes
     self._steps_per_epoch = int(self._batches_per_bucket.sum())
     if self._steps_per_epoch == 0:
       raise ValueError(
@@ -122,9 +142,14 @@ class BucketPlan:
     first_batch = np.cumsum(self._batches_per_bucket) - self._batches_per_bucket
     within_bucket = (np.arange(self._steps_per_epoch)
                      - np.repeat(first_batch, self._batches_per_bucket))
-    self._batch_start = (self._bucket_offsets[self._batch_bucket]
+    self._batch_start = (self._group_offsets[self._batch_bucket]
                          + within_bucket * self._batch_sizes[self._batch_bucket])
-    self._num_dropped = int((self._bucket_counts % self._batch_sizes).sum())
+    used_end = self._group_offsets + self._batches_per_bucket * self._batch_sizes
+    group_end = self._group_offsets + self._group_counts
+    if self._carry:  # only the last bucket's remainder is left over
+      used_end, group_end = used_end[-1:], group_end[-1:]
+    self._dropped_ranges = [(int(a), int(b)) for a, b in zip(used_end, group_end) if b > a]
+    self._num_dropped = sum(b - a for a, b in self._dropped_ranges)
 
     self._lock = threading.Lock()
     self._tables: dict[int, _EpochTable] = {}
@@ -177,6 +202,10 @@ class BucketPlan:
   @property
   def steps_per_epoch(self) -> int:
     return self._steps_per_epoch
+
+  @property
+  def carry_remainders(self) -> bool:
+    return self._carry
 
   @property
   def num_dropped_per_epoch(self) -> int:
@@ -263,11 +292,7 @@ class BucketPlan:
   def dropped_per_epoch(self, epoch: int) -> np.ndarray:
     """Sorted indices of the records `epoch` leaves out (bucket remainders)."""
     table = self._table(self._check_epoch(epoch))
-    used_end = (self._bucket_offsets
-                + self._batches_per_bucket * self._batch_sizes)
-    bucket_end = self._bucket_offsets + self._bucket_counts
-    pieces = [table.grouped_records[a:b]
-              for a, b in zip(used_end, bucket_end) if b > a]
+    pieces = [table.grouped_records[a:b] for a, b in self._dropped_ranges]
     if not pieces:
       return np.zeros((0,), np.int64)
     return np.sort(np.concatenate(pieces))
@@ -283,7 +308,8 @@ class BucketPlan:
             f"bucket_batch_sizes={list(self.bucket_batch_sizes)}, "
             f"seed={self._seed}, shuffle={self._shuffle}, "
             f"num_epochs={epochs}, shard={self._shard_index}/"
-            f"{self._shard_count}, fingerprint={self._digest})")
+            f"{self._shard_count}, carry_remainders={self._carry}, "
+            f"fingerprint={self._digest})")
 
   # -- internals ------------------------------------------------------------
   def _check_epoch(self, epoch: int) -> int:
@@ -360,6 +386,8 @@ class BucketPlan:
     h.update(repr((self.bucket_boundaries, self.bucket_batch_sizes,
                    self._seed, self._shuffle, self._num_epochs,
                    self._shard_index, self._shard_count)).encode())
+    if self._carry:  # plans made before the option keep their fingerprints
+      h.update(b"carry_remainders")
     return h.hexdigest()[:16]
 
 

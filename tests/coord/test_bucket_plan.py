@@ -27,11 +27,13 @@ def _bucket_of(lengths):
   return np.searchsorted(BOUNDARIES, lengths, side="right")
 
 
+@pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("hosts", [1, 2, 4])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_every_host_reads_the_same_bucket_at_every_step(hosts, shuffle):
+def test_every_host_reads_the_same_bucket_at_every_step(hosts, shuffle, carry):
   lengths = _lengths()
-  plans = _plans(lengths, hosts, seed=7, shuffle=shuffle, num_epochs=2)
+  plans = _plans(lengths, hosts, seed=7, shuffle=shuffle, num_epochs=2,
+                 carry_remainders=carry)
   assert len({len(p) for p in plans}) == 1
   for step in range(len(plans[0])):
     buckets = {p[step][0] for p in plans}
@@ -49,11 +51,13 @@ def test_hosts_read_disjoint_contiguous_slices_of_the_global_batch(hosts):
     assert len(set(global_records.tolist())) == len(global_records)
 
 
+@pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("hosts", [1, 4])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_each_epoch_reads_every_record_once_except_the_dropped(hosts, shuffle):
+def test_each_epoch_reads_every_record_once_except_the_dropped(hosts, shuffle, carry):
   lengths = _lengths()
-  plans = _plans(lengths, hosts, seed=11, shuffle=shuffle, num_epochs=3)
+  plans = _plans(lengths, hosts, seed=11, shuffle=shuffle, num_epochs=3,
+                 carry_remainders=carry)
   steps = plans[0].steps_per_epoch
   for epoch in range(3):
     read = np.concatenate([p[s][1] for p in plans
@@ -85,6 +89,35 @@ def test_batches_hold_only_records_of_their_bucket():
     bucket, records = plan.global_step(step)
     assert len(records) == BATCH_SIZES[bucket]
     assert (_bucket_of(lengths[records]) == bucket).all()
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_carried_remainders_join_the_next_longer_bucket(shuffle):
+  lengths = _lengths()
+  plan = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=5, num_epochs=2,
+                    shuffle=shuffle, carry_remainders=True)
+  counts = np.bincount(_bucket_of(lengths), minlength=len(BATCH_SIZES))
+  carried = np.zeros(len(BATCH_SIZES), np.int64)  # into bucket b from b - 1
+  for b in range(1, len(BATCH_SIZES)):
+    carried[b] = (counts[b - 1] + carried[b - 1]) % BATCH_SIZES[b - 1]
+  assert carried[1:].sum() > 0  # the case is exercised
+  for epoch in range(2):
+    from_previous = np.zeros(len(BATCH_SIZES), np.int64)
+    for step in range(epoch * plan.steps_per_epoch, (epoch + 1) * plan.steps_per_epoch):
+      bucket, records = plan.global_step(step)
+      assert len(records) == BATCH_SIZES[bucket]
+      record_buckets = _bucket_of(lengths[records])
+      assert (record_buckets <= bucket).all()  # never a longer record
+      from_previous[bucket] += int((record_buckets < bucket).sum())
+      assert plan.max_length(step) == lengths[records].max()
+    np.testing.assert_array_equal(from_previous, carried)
+    dropped = plan.dropped_per_epoch(epoch)
+    last = len(BATCH_SIZES) - 1
+    assert len(dropped) == (counts[last] + carried[last]) % BATCH_SIZES[last]
+    assert (_bucket_of(lengths[dropped]) <= last).all()
+  plain = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=5)
+  assert plan.num_dropped_per_epoch < plain.num_dropped_per_epoch
+  assert plan.fingerprint() != plain.fingerprint()
 
 
 def test_same_seed_gives_the_same_plan_and_other_seeds_differ():
