@@ -164,7 +164,7 @@ class DistributedNode(base.Node):
                auth_token: str | None = None, udf_secret: bytes | None = None,
                tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
                timeout_s: float = 60.0, round_timeout_s: float | None = None,
-               visitation: str = "at_most_once"):
+               visitation: str = "at_most_once", ephemeral_sharing: bool = False):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
@@ -181,6 +181,13 @@ class DistributedNode(base.Node):
           f"(DYNAMIC) and no num_consumers; got {self.policy.name} and "
           f"num_consumers={num_consumers}.")
     self.visitation = visitation
+    if not isinstance(ephemeral_sharing, bool):
+      raise ValueError(f"ephemeral_sharing must be True or False, got {ephemeral_sharing!r}.")
+    if ephemeral_sharing and (self.policy != ShardingPolicy.OFF or num_consumers is not None):
+      raise ValueError(
+          "ephemeral_sharing=True needs processing_mode='parallel_epochs' (OFF) and "
+          f"no num_consumers; got {self.policy.name} and num_consumers={num_consumers}.")
+    self.ephemeral_sharing = ephemeral_sharing
     self.dataset = None if dataset is None else base.to_node(dataset, "distribute", "dataset")
     if self.dataset is not None:
       spec_lib.to_dataset_def(self.dataset, udf_secret)  # fail early on bad UDFs
@@ -205,7 +212,8 @@ class DistributedNode(base.Node):
             "consumer_index": self.consumer_index, "compression": self.compression,
             "max_outstanding_requests": self.max_outstanding_requests,
             "data_transfer": self.data_transfer, "timeout_s": self.timeout_s,
-            "round_timeout_s": self.round_timeout_s, "visitation": self.visitation}
+            "round_timeout_s": self.round_timeout_s, "visitation": self.visitation,
+            "ephemeral_sharing": self.ephemeral_sharing}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on first use (so the dispatcher may start later)."""
@@ -420,7 +428,8 @@ class _ReadState:
             job_name=node.job_name or "", num_consumers=node.num_consumers or 0,
             consumer_index=node.consumer_index or 0,
             round_timeout_s=node.round_timeout_s or 0.0,
-            exactly_once=node.visitation == "exactly_once"),
+            exactly_once=node.visitation == "exactly_once",
+            ephemeral_sharing=node.ephemeral_sharing),
             node.timeout_s, f"Creating a job for dataset {dataset_id}")
       except rpc.ServiceError as e:
         cause = e.__cause__
@@ -703,7 +712,11 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       split on the workers, so a batch never spans two splits; the client
       hands a split's elements on only once all of them arrived and
       acknowledges it; a lost worker's unacknowledged splits are read again
-      by the others, so every record arrives once per epoch).
+      by the others, so every record arrives once per epoch),
+      ephemeral_sharing: parallel_epochs jobs of one dataset that all pass
+      True share each worker's pipeline through a byte-bounded window, each
+      job at its own position; a job that falls behind the window skips
+      ahead (see `jaxfeed.service.shared_stream`).
 
   Returns:
     A jaxfeed Dataset.

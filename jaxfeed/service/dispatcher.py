@@ -118,6 +118,7 @@ class _Job:
   # Exactly-once DYNAMIC jobs: issued splits not yet acknowledged by a client
   # (start -> (stop, task id)), and splits of lost tasks to issue again.
   exactly_once: bool = False
+  ephemeral_sharing: bool = False
   unacked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
   reissue: dict[int, int] = dataclasses.field(default_factory=dict)
 
@@ -193,7 +194,8 @@ class DispatcherState:
     elif kind == "job":
       job = _Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
                  r["job_name"], r["num_consumers"], r["num_positions"],
-                 r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False))
+                 r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False),
+                 ephemeral_sharing=r.get("ephemeral_sharing", False))
       self.jobs[job.job_id] = job
       if job.job_name:
         self.job_by_name[job.job_name] = job.job_id
@@ -273,6 +275,10 @@ class DispatcherState:
       raise ValueError(
           f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
           f"got {policy.name} and num_consumers={request.num_consumers}.")
+    if request.ephemeral_sharing and (policy != ShardingPolicy.OFF or request.num_consumers):
+      raise ValueError(
+          f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
+          f"num_consumers; got {policy.name} and num_consumers={request.num_consumers}.")
     with self.lock:
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
@@ -284,15 +290,18 @@ class DispatcherState:
         job = self.jobs.get(job_id) if job_id is not None else None
         if job is not None and (job.dataset_id != request.dataset_id or job.policy != policy
                                 or job.num_consumers != request.num_consumers
-                                or job.exactly_once != request.exactly_once):
+                                or job.exactly_once != request.exactly_once
+                                or job.ephemeral_sharing != request.ephemeral_sharing):
           raise ValueError(
               f"Job {request.job_name!r} exists for dataset {job.dataset_id} with "
               f"processing mode {job.policy.name}, num_consumers "
-              f"{job.num_consumers} and {_visitation(job.exactly_once)} visitation; "
-              f"it cannot be read as dataset {request.dataset_id} with "
-              f"{policy.name} / num_consumers {request.num_consumers} / "
-              f"{_visitation(request.exactly_once)}: every consumer of a job must "
-              "pass the same dataset, processing mode, num_consumers and visitation.")
+              f"{job.num_consumers}, {_visitation(job.exactly_once)} visitation and "
+              f"ephemeral_sharing={job.ephemeral_sharing}; it cannot be read as "
+              f"dataset {request.dataset_id} with {policy.name} / num_consumers "
+              f"{request.num_consumers} / {_visitation(request.exactly_once)} / "
+              f"ephemeral_sharing={request.ephemeral_sharing}: every consumer of a "
+              "job must pass the same dataset, processing mode, num_consumers, "
+              "visitation and ephemeral_sharing.")
         if job is not None and request.round_timeout_s and (
             request.round_timeout_s != job.round_timeout_s):
           raise ValueError(
@@ -309,7 +318,8 @@ class DispatcherState:
                       "num_positions": int(dataset_def.num_positions),
                       "round_timeout_s": (request.round_timeout_s
                                           or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
-                      "exactly_once": request.exactly_once})
+                      "exactly_once": request.exactly_once,
+                      "ephemeral_sharing": request.ephemeral_sharing})
         job = self.jobs[job_id]
         self._assign_tasks(job)
       holder = next((c for c, i in job.consumers.items()
@@ -359,7 +369,8 @@ class DispatcherState:
         data_address=worker.data_address if worker else "",
         sharding_policy=job.policy.value, worker_index=task.worker_index,
         num_workers=task.num_workers, num_consumers=job.num_consumers,
-        round_timeout_s=job.round_timeout_s, exactly_once=job.exactly_once)
+        round_timeout_s=job.round_timeout_s, exactly_once=job.exactly_once,
+        ephemeral_sharing=job.ephemeral_sharing)
 
   def _job(self, job_id: int) -> _Job:
     job = self.jobs.get(job_id)

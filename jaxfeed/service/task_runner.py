@@ -116,7 +116,7 @@ class TaskRunner:
           self._add(frame, key, rows)
           self._cond.notify_all()
     except Exception as e:  # pylint: disable=broad-except
-      status = getattr(e, "grpc_status", None) or _status_of(e)
+      status = getattr(e, "grpc_status", None) or status_of(e)
       message = f"Task {self.task_id} failed: {type(e).__name__}: {e}"
       logging.warning("%s\n%s", message, traceback.format_exc())
       with self._cond:
@@ -242,7 +242,7 @@ class TaskRunner:
       self._thread.join(timeout=10)
 
 
-def _status_of(error: Exception) -> str:
+def status_of(error: Exception) -> str:
   from jaxfeed.service import spec as spec_lib  # pylint: disable=g-import-not-at-top
   if isinstance(error, spec_lib.UDFImportError):
     return "FAILED_PRECONDITION"

@@ -24,6 +24,7 @@ from jaxfeed.service import data_socket
 from jaxfeed.service import element_chunks
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
+from jaxfeed.service import shared_stream
 from jaxfeed.service import task_pipeline
 from jaxfeed.service import task_runner as task_runner_lib
 from jaxfeed.service import wire
@@ -51,6 +52,9 @@ class WorkerConfig:
     splits_per_request: DYNAMIC split ranges fetched per dispatcher call.
     tls: Key and certificate for serving TLS (gRPC and the data socket),
       and the root CA for the dispatcher.
+    sharing_window_bytes: Ephemeral sharing: most bytes of frames a shared
+      pipeline keeps for its slower readers (see
+      `jaxfeed.service.shared_stream`).
     max_window_batches: Round-robin jobs: most batches a task holds in
       partial bucket windows; past it the oldest window is dropped (see
       `jaxfeed.service.round_assembly`). A job's worker memory is bounded by
@@ -70,6 +74,7 @@ class WorkerConfig:
   splits_per_request: int = 2
   tls: rpc.TLSConfig | None = None
   max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES
+  sharing_window_bytes: int = 256 << 20
 
   def __post_init__(self):
     if not isinstance(self.dispatcher_address, str) or ":" not in self.dispatcher_address:
@@ -80,7 +85,8 @@ class WorkerConfig:
     if not isinstance(self.heartbeat_interval_s, (int, float)) or self.heartbeat_interval_s <= 0:
       raise ValueError("WorkerConfig: heartbeat_interval_s must be > 0, got "
                        f"{self.heartbeat_interval_s!r}.")
-    for name in ("buffer_size", "splits_per_request", "max_window_batches"):
+    for name in ("buffer_size", "splits_per_request", "max_window_batches",
+                 "sharing_window_bytes"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"WorkerConfig: {name} must be an integer >= 1, got {value!r}.")
@@ -97,7 +103,8 @@ class _Worker:
     self.address = address
     self.data_address = ""
     self.lock = threading.Lock()
-    self.tasks: dict[int, task_runner_lib.TaskRunner] = {}
+    self.tasks: dict[int, task_runner_lib.TaskRunner | shared_stream.SharedStreamReader] = {}
+    self.shared_streams: dict[str, shared_stream.SharedStream] = {}  # by dataset id
     self.finished: set[int] = set()
     self.task_added = threading.Condition(self.lock)
     self.stop = threading.Event()
@@ -140,6 +147,10 @@ class _Worker:
     with self.lock:
       if task.task_id in self.tasks or self.stop.is_set():
         return
+      if task.ephemeral_sharing:
+        self.tasks[task.task_id] = self._shared_reader(task)
+        self.task_added.notify_all()
+        return
       self.tasks[task.task_id] = task_runner_lib.TaskRunner(
           task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
           on_finished=self._on_finished,
@@ -147,6 +158,22 @@ class _Worker:
           max_window_batches=self.config.max_window_batches,
           exactly_once=task.exactly_once)
       self.task_added.notify_all()
+
+  def _shared_reader(self, task: pb.TaskInfo) -> shared_stream.SharedStreamReader:
+    """A reader of the dataset's shared pipeline, started if need be (lock held)."""
+    stream = self.shared_streams.get(task.dataset_id)
+    reader = stream.add_reader(task.task_id) if stream is not None else None
+    if reader is None:
+      def forget(ended: shared_stream.SharedStream, dataset_id: str = task.dataset_id) -> None:
+        with self.lock:
+          if self.shared_streams.get(dataset_id) is ended:
+            del self.shared_streams[dataset_id]
+      stream = shared_stream.SharedStream(
+          lambda: self._make_iterator(task), self.config.sharing_window_bytes,
+          self.config.buffer_size, on_finished=self._on_finished, on_empty=forget)
+      self.shared_streams[task.dataset_id] = stream
+      reader = stream.add_reader(task.task_id)
+    return reader
 
   def _on_finished(self, task_id: int) -> None:
     with self.lock:
@@ -362,6 +389,7 @@ def main(argv: Any) -> None:
       heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
       auth_token=f.auth_token or None, data_socket=f.data_socket,
       max_window_batches=f.max_window_batches,
+      sharing_window_bytes=f.sharing_window_bytes,
       pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None,
       tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs))
   server = WorkerServer(config)
@@ -383,6 +411,8 @@ def define_flags() -> None:
   flags.DEFINE_string("auth_token", "", "Token of the deployment.")
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
   flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
+  flags.DEFINE_integer("sharing_window_bytes", 256 << 20,
+                       "Ephemeral sharing: bytes a shared pipeline keeps for slower jobs.")
   flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
                        "Round-robin jobs: batches held in partial bucket windows.")
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS on gRPC and the "

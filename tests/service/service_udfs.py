@@ -35,3 +35,12 @@ def token_count(element):
 def add_payload(element):
   """A 64 KiB leaf per element, so that batches outgrow socket buffers."""
   return {**element, "payload": np.zeros(1 << 16, np.uint8)}
+
+
+CALLS = {"counted": 0}  # in-process workers only: how often `counted` ran
+
+
+def counted(x):
+  """x with a 1 MiB payload (so that socket buffers hold few elements)."""
+  CALLS["counted"] += 1
+  return {"x": x, "payload": np.zeros(1 << 20, np.uint8)}
