@@ -375,6 +375,10 @@ class _ReadState:
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
     self.acks: list[int] = []  # exactly-once: splits to acknowledge
+    # Reported to the dispatcher for autoscaling.
+    self.consumed = 0
+    self.wait_s = 0.0
+    self.started = time.monotonic()
     capacity = node.max_outstanding_requests or 8
     self.buffer: queue.Queue = queue.Queue(maxsize=capacity)
     self.capacity = capacity
@@ -449,7 +453,10 @@ class _ReadState:
           acks = list(self.acks)
         try:
           response = heartbeat(pb.ClientHeartbeatRequest(
-              job_id=self.job_id, client_id=self.client_id, acked_splits=acks), timeout=10)
+              job_id=self.job_id, client_id=self.client_id, acked_splits=acks,
+              elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
+              read_elapsed_s=time.monotonic() - self.started,
+              buffer_fill=self.buffer.qsize() / self.capacity), timeout=10)
           last_ok = time.monotonic()
           with self.lock:
             del self.acks[:len(acks)]
@@ -571,8 +578,16 @@ class DistributedIterator(base.OpIterator):
 
   def __next__(self) -> Any:
     read = self._read
-    if read.node.num_consumers:
-      return self._next_round()
+    start = time.monotonic()
+    try:
+      element = self._next_round() if read.node.num_consumers else self._next_element()
+    finally:
+      read.wait_s += time.monotonic() - start
+    read.consumed += 1
+    return element
+
+  def _next_element(self) -> Any:
+    read = self._read
     while True:
       try:
         element, _ = read.buffer.get(timeout=_POLL_S)

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import grpc
 
+from jaxfeed.service import autoscale as autoscale_lib
 from jaxfeed.service import journal as journal_lib
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
@@ -52,6 +53,9 @@ class DispatcherConfig:
       workers; None takes the workers registered when the job starts.
     tls: Server key and certificate for TLS; None serves plaintext.
     journal_fsync: fsync every journal record (durable across power loss).
+    autoscale: Start and resize a pool of local worker processes from the
+      clients' reports (see `jaxfeed.service.autoscale`); None: workers are
+      started by hand.
   """
 
   port: int = 0
@@ -67,6 +71,7 @@ class DispatcherConfig:
   num_workers: int | None = None
   tls: rpc.TLSConfig | None = None
   journal_fsync: bool = False
+  autoscale: autoscale_lib.AutoscaleConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -160,6 +165,11 @@ class DispatcherState:
     # Workers of replayed tasks: address -> when they count as lost if they
     # have not registered again by then.
     self._awaited: dict[str, float] = {}
+    # Autoscaling: each client's latest cumulative report, and the reports
+    # as of the last sample (not journaled: they are only rates).
+    self._reports: dict[int, tuple[int, float, float, float]] = {}
+    self._sampled: dict[int, tuple[int, float, float, float]] = {}
+    self._sampled_at = time.monotonic()
     if config.work_dir:
       self._journal = journal_lib.Journal(config.work_dir, config.journal_fsync)
       for record in self._journal.replay():
@@ -379,12 +389,18 @@ class DispatcherState:
     return job
 
   def client_heartbeat(self, job_id: int, client_id: int,
-                       acked_splits: Sequence[int] = ()) -> pb.ClientHeartbeatResponse:
+                       acked_splits: Sequence[int] = (),
+                       report: pb.ClientHeartbeatRequest | None = None
+                       ) -> pb.ClientHeartbeatResponse:
     with self.lock:
       job = self._job(job_id)
       if client_id not in job.clients:
         raise rpc.NotFoundError(f"Client {client_id} is not reading job {job_id}.")
       job.clients[client_id] = time.monotonic()
+      if report is not None and report.read_elapsed_s > 0:
+        self._reports[client_id] = (report.elements_consumed, report.consumer_wait_s,
+                                    report.read_elapsed_s,
+                                    min(max(report.buffer_fill, 0.0), 1.0))
       acked = sorted(set(acked_splits) & (set(job.unacked) | set(job.reissue)))
       if acked:
         self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
@@ -506,6 +522,30 @@ class DispatcherState:
         if task.worker_address == address and not task.finished:
           self._record({"kind": "task_lost", "job_id": job.job_id, "task_id": task.task_id})
 
+  def sample_clients(self) -> autoscale_lib.Sample | None:
+    """The live clients' reports since the last call, as one sample."""
+    with self.lock:
+      now = time.monotonic()
+      live = {c for job in self.jobs.values() for c in job.clients}
+      elements, waits, fills = 0, [], []
+      for client_id, (count, wait_s, elapsed_s, fill) in self._reports.items():
+        if client_id not in live:
+          continue
+        before = self._sampled.get(client_id, (0, 0.0, 0.0, 0.0))
+        if elapsed_s <= before[2]:
+          continue  # no report since the last sample
+        elements += count - before[0]
+        waits.append(min(1.0, (wait_s - before[1]) / (elapsed_s - before[2])))
+        fills.append(fill)
+      self._reports = {c: r for c, r in self._reports.items() if c in live}
+      self._sampled = dict(self._reports)
+      span, self._sampled_at = now - self._sampled_at, now
+    if not waits or span <= 0:
+      return None
+    return autoscale_lib.Sample(elements_per_s=elements / span,
+                                wait_fraction=sum(waits) / len(waits),
+                                buffer_fill=sum(fills) / len(fills), num_clients=len(waits))
+
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
     job = self.jobs[job_id]
@@ -562,7 +602,7 @@ class _DispatcherServicer:
   def ClientHeartbeat(self, request, context):
     del context
     return self.state.client_heartbeat(request.job_id, request.client_id,
-                                       request.acked_splits)
+                                       request.acked_splits, request)
 
   def ReleaseJobClient(self, request, context):
     del context
@@ -621,7 +661,19 @@ class DispatchServer:
               min(0.5, self.config.heartbeat_timeout_s / 4)))
     self._started = False
     self._stopped = False
-    self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state)
+    self.autoscaler: autoscale_lib.Autoscaler | None = None
+    if self.config.autoscale is not None:
+      secrets = {}
+      if self.config.auth_token:
+        secrets["auth_token"] = self.config.auth_token
+      if self.config.pickled_udf_secret:
+        secrets["pickled_udf_secret"] = self.config.pickled_udf_secret.decode()
+      backend = autoscale_lib.LocalWorkerBackend(
+          self.target, self.config.autoscale.worker_flags, secrets)
+      self.autoscaler = autoscale_lib.Autoscaler(
+          self.config.autoscale, backend, self.state.sample_clients)
+    self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
+                                       self.autoscaler)
     if start:
       self.start()
 
@@ -635,6 +687,8 @@ class DispatchServer:
       self._started = True
       self._server.start()
       self._liveness.start()
+      if self.autoscaler is not None:
+        self.autoscaler.start()
     return self
 
   def join(self, timeout: float | None = None) -> None:
@@ -659,7 +713,10 @@ class DispatchServer:
     self.stop()
 
 
-def _shutdown(server: rpc.ServerHandle, stop: threading.Event, state: DispatcherState) -> None:
+def _shutdown(server: rpc.ServerHandle, stop: threading.Event, state: DispatcherState,
+              autoscaler: autoscale_lib.Autoscaler | None = None) -> None:
+  if autoscaler is not None:  # its workers go first, while they can still say goodbye
+    autoscaler.close()
   stop.set()
   server.stop()
   state.close()
@@ -674,9 +731,14 @@ def main(argv: Any) -> None:
       heartbeat_timeout_s=f.heartbeat_timeout_s, auth_token=f.auth_token or None,
       split_size=f.split_size, num_workers=f.num_workers or None,
       pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None,
-      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert))
+      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert),
+      autoscale=autoscale_lib.AutoscaleConfig(
+          min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
+          interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()))
+      if f.autoscale_max_workers else None)
   server = DispatchServer(config)
   print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
+  rpc.stop_on_sigterm()
   if f.port_file:
     _write_port_file(f.port_file, server.port)
   try:
@@ -706,6 +768,12 @@ def define_flags() -> None:
   flags.DEFINE_string("port_file", "", "Write the bound port to this file.")
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
+  flags.DEFINE_integer("autoscale_max_workers", 0, "Run an elastic pool of up to this "
+                       "many local worker processes (0: workers are started by hand).")
+  flags.DEFINE_integer("autoscale_min_workers", 1, "Workers the elastic pool keeps.")
+  flags.DEFINE_float("autoscale_interval_s", 5.0, "Seconds between pool resizes.")
+  flags.DEFINE_multi_string("worker_flag", None, "A flag of the pool's workers, e.g. "
+                            "--worker_flag=--buffer_size=16 (repeat for more).")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import signal
 import ssl
 import tempfile
 import time
@@ -286,3 +287,12 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
                 "certificates)")
       raise ServiceError(f"{what} failed: {code.name}: {e.details()}{hint}") from e
 
+
+
+def stop_on_sigterm() -> None:
+  """Makes SIGTERM end the main thread with SystemExit(0), so a server's
+  command-line main stops it (and what it started) in its `finally`."""
+  def exit_cleanly(signum, frame):
+    del signum, frame
+    raise SystemExit(0)
+  signal.signal(signal.SIGTERM, exit_cleanly)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -395,10 +396,21 @@ def main(argv: Any) -> None:
   server = WorkerServer(config)
   data = f" data {server.data_address}" if server.data_address else ""
   print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
+  if f.parent_pid:  # a pool's worker: goes when the process that started it does
+    threading.Thread(target=_stop_with_parent, args=(f.parent_pid, server),
+                     name="jaxfeed-worker-parent-watch", daemon=True).start()
+  rpc.stop_on_sigterm()
   try:
     server.join()
   finally:
     server.stop()
+
+
+def _stop_with_parent(parent_pid: int, server: WorkerServer) -> None:
+  while os.getppid() == parent_pid:
+    time.sleep(1.0)
+  logging.warning("The process that started this worker (%d) is gone: stopping.", parent_pid)
+  server.stop()
 
 
 def define_flags() -> None:
@@ -411,6 +423,8 @@ def define_flags() -> None:
   flags.DEFINE_string("auth_token", "", "Token of the deployment.")
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
   flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
+  flags.DEFINE_integer("parent_pid", 0, "Stop when this parent process is gone (set by "
+                       "the dispatcher for the workers of its pool).")
   flags.DEFINE_integer("sharing_window_bytes", 256 << 20,
                        "Ephemeral sharing: bytes a shared pipeline keeps for slower jobs.")
   flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,

@@ -44,3 +44,10 @@ def counted(x):
   """x with a 1 MiB payload (so that socket buffers hold few elements)."""
   CALLS["counted"] += 1
   return {"x": x, "payload": np.zeros(1 << 20, np.uint8)}
+
+
+def sleepy(x):
+  """5 ms of waiting per element: a pipeline more workers speed up."""
+  import time  # pylint: disable=g-import-not-at-top
+  time.sleep(0.005)
+  return x

@@ -1,0 +1,266 @@
+"""Elastic worker pools: the dispatcher adds workers while they help.
+
+Clients report, in every heartbeat, how many elements their consumer took,
+how long it waited for them and how full their buffer is. Every `interval_s`
+the dispatcher's `Autoscaler` turns the reports of the last interval into one
+`Sample` and asks a `ScalingPolicy`:
+
+- Consumers input-bound (they waited more than `scale_up_wait_fraction` of
+  the interval): add a worker, unless the last worker added did not raise
+  the throughput by `min_gain`; then the pool stays at that size (adding more
+  would not help) until it shrinks again.
+- Consumers well fed (waiting almost never, buffers `scale_down_fill` full)
+  for `scale_down_intervals` intervals in a row: remove a worker.
+- The interval after a change is skipped: a new worker needs time to start
+  and fill its buffers.
+
+The pool is the workers its backend started: it never leaves [min_workers,
+max_workers], and workers started by hand beside it are extra capacity the
+policy neither counts nor stops. `LocalWorkerBackend` starts worker processes on this machine
+(`python -m jaxfeed.service.worker`); a cluster would start them with its own
+scheduler behind the same three methods (`start_worker`, `stop_worker`,
+`close`), which is not built here.
+
+A removed worker goes the way of a lost one: DYNAMIC jobs lose what it had
+buffered unless they read with `visitation="exactly_once"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Callable, Sequence
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoscaleConfig:
+  """When and how far the dispatcher resizes its worker pool.
+
+  Attributes:
+    min_workers: Workers the pool starts and never goes below.
+    max_workers: Most workers the pool grows to.
+    interval_s: Seconds between decisions.
+    scale_up_wait_fraction: Consumers waiting more than this share of the
+      time are input-bound.
+    min_gain: A worker added must raise throughput by this fraction, or the
+      pool stops growing.
+    scale_down_fill: Buffers at least this full (and consumers that waited
+      less than a fifth of scale_up_wait_fraction) count as well fed.
+    scale_down_intervals: Well-fed intervals in a row before a worker goes.
+    worker_flags: Extra flags of the worker processes (e.g. --buffer_size).
+  """
+
+  min_workers: int = 1
+  max_workers: int = 4
+  interval_s: float = 5.0
+  scale_up_wait_fraction: float = 0.05
+  min_gain: float = 0.1
+  scale_down_fill: float = 0.9
+  scale_down_intervals: int = 3
+  worker_flags: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    if not isinstance(self.min_workers, int) or self.min_workers < 0:
+      raise ValueError(f"AutoscaleConfig: min_workers must be an integer >= 0, got "
+                       f"{self.min_workers!r}.")
+    if not isinstance(self.max_workers, int) or self.max_workers < max(1, self.min_workers):
+      raise ValueError(f"AutoscaleConfig: max_workers must be an integer >= max(1, "
+                       f"min_workers={self.min_workers}), got {self.max_workers!r}.")
+    for name in ("interval_s", "scale_up_wait_fraction", "min_gain", "scale_down_fill"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"AutoscaleConfig: {name} must be a number > 0, got {value!r}.")
+    if not isinstance(self.scale_down_intervals, int) or self.scale_down_intervals < 1:
+      raise ValueError(f"AutoscaleConfig: scale_down_intervals must be an integer >= 1, "
+                       f"got {self.scale_down_intervals!r}.")
+    if isinstance(self.worker_flags, str) or not all(
+        isinstance(f, str) for f in self.worker_flags):
+      raise ValueError(f"AutoscaleConfig: worker_flags must be a sequence of strings, got "
+                       f"{self.worker_flags!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """What the clients reported over one interval."""
+  elements_per_s: float
+  wait_fraction: float  # of the interval, averaged over clients
+  buffer_fill: float  # averaged over clients
+  num_clients: int
+
+
+class ScalingPolicy:
+  """Decides +1, -1 or 0 workers from one `Sample` per interval."""
+
+  def __init__(self, config: AutoscaleConfig):
+    self.config = config
+    self._settling = False
+    self._throughput_before_add: float | None = None
+    self._ceiling: int | None = None  # adding past this did not help
+    self._well_fed = 0
+
+  def decide(self, workers: int, sample: Sample | None) -> int:
+    c = self.config
+    if workers < c.min_workers:
+      return 1
+    if workers > c.max_workers:
+      return -1
+    if sample is None or sample.num_clients == 0:
+      self._well_fed = 0
+      return 0
+    if self._settling:  # the interval right after a change
+      self._settling = False
+      return 0
+    if self._throughput_before_add is not None:
+      gained = sample.elements_per_s >= self._throughput_before_add * (1 + c.min_gain)
+      if not gained:
+        self._ceiling = workers - 1
+      self._throughput_before_add = None
+    if sample.wait_fraction > c.scale_up_wait_fraction:
+      self._well_fed = 0
+      if workers < c.max_workers and (self._ceiling is None or workers < self._ceiling):
+        self._throughput_before_add = sample.elements_per_s
+        self._settling = True
+        return 1
+      return 0
+    if (sample.wait_fraction < c.scale_up_wait_fraction / 5
+        and sample.buffer_fill >= c.scale_down_fill):
+      self._well_fed += 1
+      if self._well_fed >= c.scale_down_intervals and workers > c.min_workers:
+        self._well_fed = 0
+        self._ceiling = None
+        self._settling = True
+        return -1
+      return 0
+    self._well_fed = 0
+    return 0
+
+
+class LocalWorkerBackend:
+  """Starts and stops worker processes on this machine.
+
+  Args:
+    dispatcher_address: host:port the workers register with.
+    flags: Extra worker flags.
+    secrets: Flag name -> value of flags that must not show on a command
+      line (auth token, UDF secret); they reach the workers through a
+      flag file only this user can read.
+  """
+
+  def __init__(self, dispatcher_address: str, flags: Sequence[str] = (),
+               secrets: dict[str, str] | None = None):
+    self._address = dispatcher_address
+    self._flags = list(flags)
+    self._lock = threading.Lock()
+    self._processes: list[subprocess.Popen] = []
+    self._folder = tempfile.TemporaryDirectory(prefix="jaxfeed-workers-")
+    self._flagfile = None
+    if secrets:
+      path = os.path.join(self._folder.name, "secrets.flags")
+      with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        for name, value in secrets.items():
+          f.write(f"--{name}={value}\n")
+      self._flagfile = path
+
+  @property
+  def num_workers(self) -> int:
+    with self._lock:
+      self._processes = [p for p in self._processes if p.poll() is None]
+      return len(self._processes)
+
+  def pids(self) -> list[int]:
+    with self._lock:
+      return [p.pid for p in self._processes if p.poll() is None]
+
+  def start_worker(self) -> None:
+    args = [sys.executable, "-m", "jaxfeed.service.worker",
+            f"--dispatcher_address={self._address}", "--port=0",
+            f"--parent_pid={os.getpid()}", *self._flags]
+    if self._flagfile:
+      args.append(f"--flagfile={self._flagfile}")
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    with self._lock:
+      self._processes.append(process)
+    _LOG.info("Started worker process %d.", process.pid)
+
+  def stop_worker(self) -> bool:
+    """Stops the newest worker; False if this backend runs none."""
+    with self._lock:
+      live = [p for p in self._processes if p.poll() is None]
+      if not live:
+        return False
+      process = live[-1]
+      self._processes.remove(process)
+    _stop_process(process)
+    _LOG.info("Stopped worker process %d.", process.pid)
+    return True
+
+  def close(self) -> None:
+    with self._lock:
+      processes, self._processes = self._processes, []
+    for process in processes:
+      process.terminate()
+    for process in processes:
+      _stop_process(process)
+    self._folder.cleanup()
+
+
+def _stop_process(process: subprocess.Popen) -> None:
+  process.terminate()
+  try:
+    process.wait(timeout=10)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    process.wait()
+
+
+class Autoscaler:
+  """The dispatcher's thread that resizes the pool every interval.
+
+  Args:
+    config: The policy's settings.
+    backend: Starts and stops the pool's workers.
+    sample: Returns the clients' reports since the last call (or None).
+  """
+
+  def __init__(self, config: AutoscaleConfig, backend: LocalWorkerBackend,
+               sample: Callable[[], Sample | None]):
+    self.config = config
+    self.backend = backend
+    self.policy = ScalingPolicy(config)
+    self._sample = sample
+    self._stop = threading.Event()
+    self.decisions: list[tuple[int, int]] = []  # (workers, change), newest last
+    self._thread = threading.Thread(target=self._run, name="jaxfeed-autoscaler", daemon=True)
+
+  def start(self) -> None:
+    for _ in range(self.config.min_workers):
+      self.backend.start_worker()
+    self._thread.start()
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.config.interval_s):
+      try:
+        workers = self.backend.num_workers
+        change = self.policy.decide(workers, self._sample())
+        if change > 0:
+          self.backend.start_worker()
+        elif change < 0:
+          self.backend.stop_worker()
+        if change:
+          _LOG.info("Autoscaler: %d -> %d workers.", workers, workers + change)
+        self.decisions.append((workers, change))
+      except Exception:  # pylint: disable=broad-except
+        _LOG.exception("Autoscaler step failed")
+
+  def close(self) -> None:
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join(timeout=15)
+    self.backend.close()

@@ -1,0 +1,131 @@
+"""Elastic worker pools: the policy, the local backend and a resizing pool."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import stat
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import jaxfeed
+import service_udfs
+from jaxfeed import service
+from jaxfeed.service import autoscale
+
+pytestmark = pytest.mark.timeout(120)
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def sample(rate=100.0, wait=0.0, fill=0.0, clients=1):
+  return autoscale.Sample(elements_per_s=rate, wait_fraction=wait, buffer_fill=fill,
+                          num_clients=clients)
+
+
+def test_policy_grows_while_workers_help_and_stops_when_one_does_not():
+  policy = autoscale.ScalingPolicy(autoscale.AutoscaleConfig(min_workers=1, max_workers=5))
+  assert policy.decide(1, sample(100, wait=0.5)) == 1
+  assert policy.decide(2, sample(150, wait=0.5)) == 0  # settling after the change
+  assert policy.decide(2, sample(190, wait=0.4)) == 1  # 190 >= 1.1 * 100: it helped
+  assert policy.decide(3, sample(195, wait=0.4)) == 0  # settling
+  # 200 < 1.1 * 190: the third worker did not help; the pool stays at 3.
+  assert policy.decide(3, sample(200, wait=0.4)) == 0
+  assert policy.decide(3, sample(200, wait=0.4)) == 0
+
+
+def test_policy_shrinks_after_well_fed_intervals_and_respects_its_bounds():
+  config = autoscale.AutoscaleConfig(min_workers=2, max_workers=4, scale_down_intervals=3)
+  policy = autoscale.ScalingPolicy(config)
+  fed = sample(100, wait=0.001, fill=0.95)
+  assert [policy.decide(4, fed) for _ in range(3)] == [0, 0, -1]
+  assert policy.decide(3, fed) == 0  # settling
+  assert [policy.decide(3, fed) for _ in range(3)] == [0, 0, -1]
+  assert [policy.decide(2, fed) for _ in range(5)] == [0] * 5  # at min_workers
+  assert policy.decide(4, sample(10, wait=0.9)) == 0  # at max_workers
+  assert policy.decide(1, None) == 1 and policy.decide(5, None) == -1
+  half_fed = sample(100, wait=0.001, fill=0.5)
+  assert [policy.decide(3, half_fed) for _ in range(5)] == [0] * 5
+  assert policy.decide(3, sample(0, clients=0)) == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_workers": -1}, "min_workers"), ({"max_workers": 0}, "max_workers"),
+    ({"min_workers": 3, "max_workers": 2}, "max_workers"),
+    ({"interval_s": 0}, "interval_s"), ({"scale_down_intervals": 0}, "scale_down_intervals"),
+    ({"worker_flags": "--buffer_size=2"}, "worker_flags")])
+def test_bad_autoscale_config_names_the_field(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    autoscale.AutoscaleConfig(**kwargs)
+
+
+def test_local_backend_keeps_secrets_off_the_command_line(tmp_path):
+  backend = autoscale.LocalWorkerBackend("127.0.0.1:1", ["--heartbeat_interval_s=0.2"],
+                                         {"auth_token": "hush"})
+  try:
+    backend.start_worker()
+    backend.start_worker()
+    assert backend.num_workers == 2
+    cmdline = " ".join(psutil.Process(backend.pids()[0]).cmdline())
+    assert "hush" not in cmdline and "--flagfile=" in cmdline
+    flagfile = cmdline.split("--flagfile=")[1].split()[0]
+    assert stat.S_IMODE(os.stat(flagfile).st_mode) == 0o600
+    assert backend.stop_worker() and backend.num_workers == 1
+  finally:
+    pids = backend.pids()
+    backend.close()
+  assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                 for p in pids)
+  assert not os.path.exists(flagfile) and backend.num_workers == 0
+
+
+def test_the_pool_grows_for_a_starved_consumer_and_shrinks_for_a_slow_one(monkeypatch):
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  config = service.DispatcherConfig(
+      heartbeat_timeout_s=2, autoscale=autoscale.AutoscaleConfig(
+          min_workers=1, max_workers=3, interval_s=0.6, scale_down_intervals=2,
+          worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4")))
+  dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy)
+  with service.DispatchServer(config) as dispatcher:
+    backend = dispatcher.autoscaler.backend
+    assert backend.num_workers == 1
+    with dataset.distribute(dispatcher.target, max_outstanding_requests=4).make_iterator() as it:
+      # Starved: 5 ms per element on one worker, and a consumer that waits for each.
+      deadline = time.monotonic() + 30
+      while backend.num_workers < 3 and time.monotonic() < deadline:
+        next(it)
+      grown = backend.num_workers
+      for _ in range(200):
+        next(it)
+      by_worker = it.elements_by_worker
+      # Well fed: the consumer now takes 20 elements/s.
+      deadline = time.monotonic() + 40
+      while backend.num_workers > 1 and time.monotonic() < deadline:
+        next(it)
+        time.sleep(0.05)
+      shrunk = backend.num_workers
+    changes = [change for _, change in dispatcher.autoscaler.decisions if change]
+  assert grown == 3 and shrunk == 1, dispatcher.autoscaler.decisions
+  assert changes[0] == 1 and changes[-1] == -1
+  assert len(by_worker) >= 2  # the added workers served the job
+  assert backend.num_workers == 0  # stopping the dispatcher stopped its pool
+
+
+@pytest.mark.parametrize("how", ["terminate", "kill"])
+def test_a_command_line_pool_goes_with_its_dispatcher(cluster, how):
+  dispatcher = cluster("dispatcher", "--port=0", "--autoscale_max_workers=3",
+                       "--autoscale_min_workers=2", "--worker_flag=--buffer_size=4")
+  parent = psutil.Process(dispatcher.proc.pid)
+  deadline = time.monotonic() + 30
+  while len(parent.children()) < 2 and time.monotonic() < deadline:
+    time.sleep(0.1)
+  workers = parent.children()
+  assert len(workers) == 2
+  getattr(dispatcher.proc, how)()  # SIGTERM stops the pool; SIGKILL orphans it
+  assert dispatcher.proc.wait(timeout=30) == (0 if how == "terminate" else -9)
+  gone, alive = psutil.wait_procs(workers, timeout=20)
+  assert not alive and len(gone) == 2  # orphans notice their parent is gone
