@@ -6,9 +6,10 @@ the dispatcher's `Autoscaler` turns the reports of the last interval into one
 `Sample` and asks a `ScalingPolicy`:
 
 - Consumers input-bound (they waited more than `scale_up_wait_fraction` of
-  the interval): add a worker, unless the last worker added did not raise
-  the throughput by `min_gain`; then the pool stays at that size (adding more
-  would not help) until it shrinks again.
+  the interval): add a worker. If that worker did not raise the throughput
+  by `min_gain`, it goes again and the pool stays below that size (more
+  would not help: the machine or the source is the limit) until it shrinks
+  for being well fed.
 - Consumers well fed (waiting almost never, buffers `scale_down_fill` full)
   for `scale_down_intervals` intervals in a row: remove a worker.
 - The interval after a change is skipped: a new worker needs time to start
@@ -21,8 +22,10 @@ policy neither counts nor stops. `LocalWorkerBackend` starts worker processes on
 scheduler behind the same three methods (`start_worker`, `stop_worker`,
 `close`), which is not built here.
 
-A removed worker goes the way of a lost one: DYNAMIC jobs lose what it had
-buffered unless they read with `visitation="exactly_once"`.
+A worker leaves the pool on SIGTERM: it takes no new splits, finishes the
+ones it holds, waits for its consumers to take its batches, and tells the
+dispatcher it left; DYNAMIC jobs lose nothing. Its `parallel_epochs` tasks
+stop at once (their epoch on that worker ends early).
 """
 
 from __future__ import annotations
@@ -119,9 +122,11 @@ class ScalingPolicy:
       return 0
     if self._throughput_before_add is not None:
       gained = sample.elements_per_s >= self._throughput_before_add * (1 + c.min_gain)
-      if not gained:
-        self._ceiling = workers - 1
       self._throughput_before_add = None
+      if not gained and workers > c.min_workers:  # the last one did not help: undo
+        self._ceiling = workers - 1
+        self._settling = True
+        return -1
     if sample.wait_fraction > c.scale_up_wait_fraction:
       self._well_fed = 0
       if workers < c.max_workers and (self._ceiling is None or workers < self._ceiling):
@@ -212,9 +217,9 @@ class LocalWorkerBackend:
 
 
 def _stop_process(process: subprocess.Popen) -> None:
-  process.terminate()
+  process.terminate()  # the worker drains first (--drain_timeout_s, 30 s)
   try:
-    process.wait(timeout=10)
+    process.wait(timeout=45)
   except subprocess.TimeoutExpired:
     process.kill()
     process.wait()

@@ -431,6 +431,12 @@ class DispatcherState:
     if not address:
       raise ValueError("WorkerHeartbeat: worker_address is empty.")
     with self.lock:
+      if request.leaving:
+        self._finish_tasks(request.finished_tasks)
+        if self.workers.pop(address, None) is not None:
+          logging.info("Worker %s left.", address)
+          self._lose_tasks_of(address)
+        return pb.WorkerHeartbeatResponse()
       worker = self.workers.get(address)
       if worker is None:
         logging.info("Worker %s registered.", address)
@@ -444,11 +450,7 @@ class DispatcherState:
           self._assign_tasks(job)
       worker.last_heartbeat = time.monotonic()
       worker.data_address = request.data_address
-      for task_id in request.finished_tasks:
-        for job in self.jobs.values():
-          task = job.tasks.get(task_id)
-          if task is not None and not task.finished:
-            self._record({"kind": "task_finished", "job_id": job.job_id, "task_id": task_id})
+      self._finish_tasks(request.finished_tasks)
       live = {t.task_id: t for job in self.jobs.values() for t in job.tasks.values()
               if t.worker_address == address}
       current = set(request.current_tasks)
@@ -515,6 +517,13 @@ class DispatcherState:
         if (job.idle_since is not None and not job.clients
             and now - job.idle_since > self.config.job_gc_timeout_s):
           self._record({"kind": "job_deleted", "job_id": job.job_id})
+
+  def _finish_tasks(self, task_ids: Sequence[int]) -> None:
+    for task_id in task_ids:
+      for job in self.jobs.values():
+        task = job.tasks.get(task_id)
+        if task is not None and not task.finished:
+          self._record({"kind": "task_finished", "job_id": job.job_id, "task_id": task_id})
 
   def _lose_tasks_of(self, address: str) -> None:
     for job in self.jobs.values():

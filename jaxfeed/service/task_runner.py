@@ -234,6 +234,18 @@ class TaskRunner:
   def finished(self) -> bool:
     return self._done and self._error is None
 
+  @property
+  def drained(self) -> bool:
+    """The pipeline ended and consumers took everything it made."""
+    with self._cond:
+      if not self._done:
+        return False
+      if self._error is not None:
+        return True
+      if self._rounds is not None:
+        return self._rounds.open_rounds() == 0
+      return not self._fifo
+
   def stop(self) -> None:
     self._stop.set()
     with self._cond:

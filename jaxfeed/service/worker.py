@@ -30,6 +30,7 @@ from jaxfeed.service import task_pipeline
 from jaxfeed.service import task_runner as task_runner_lib
 from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.sharding import ShardingPolicy
 
 SERVICE_NAME = "jaxfeed.service.Worker"
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
@@ -109,6 +110,8 @@ class _Worker:
     self.finished: set[int] = set()
     self.task_added = threading.Condition(self.lock)
     self.stop = threading.Event()
+    self.draining = threading.Event()  # no new splits: finish what it has
+    self.dynamic_tasks: set[int] = set()  # tasks that read DYNAMIC splits
     self.dataset_defs: dict[str, pb.DatasetDef] = {}
     channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
     self.channel = channel
@@ -136,6 +139,7 @@ class _Worker:
       with self.lock:
         runner = self.tasks.pop(task_id, None)
         self.finished.discard(task_id)
+        self.dynamic_tasks.discard(task_id)
       if runner is not None:
         runner.stop()
 
@@ -152,6 +156,8 @@ class _Worker:
         self.tasks[task.task_id] = self._shared_reader(task)
         self.task_added.notify_all()
         return
+      if task.sharding_policy == ShardingPolicy.DYNAMIC.value:
+        self.dynamic_tasks.add(task.task_id)
       self.tasks[task.task_id] = task_runner_lib.TaskRunner(
           task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
           on_finished=self._on_finished,
@@ -189,6 +195,8 @@ class _Worker:
       self.dataset_defs[task.dataset_id] = dataset_def
 
     def fetch_ranges() -> tuple[list, bool]:
+      if self.draining.is_set():
+        return [], True
       response = rpc.call_with_retry(
           self.splits_call,
           pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
@@ -271,6 +279,39 @@ class _Worker:
     except task_runner_lib.TaskFailed as e:
       raise data_socket.DataConnectionError(str(e), e.status) from e
 
+  def drain(self, timeout_s: float) -> bool:
+    """Takes no new splits, lets DYNAMIC tasks finish the splits they hold
+    and their consumers take every batch, and stops the other tasks (their
+    pipelines would run whole epochs). True if all drained in time."""
+    self.draining.set()
+    with self.lock:
+      runners = list(self.tasks.items())
+    for task_id, runner in runners:
+      if not isinstance(runner, task_runner_lib.TaskRunner) or (
+          runner.num_consumers or task_id not in self.dynamic_tasks):
+        with self.lock:
+          self.tasks.pop(task_id, None)
+        runner.stop()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      with self.lock:
+        left = [r for r in self.tasks.values() if not r.drained]
+      if not left:
+        return True
+      time.sleep(0.05)
+    return False
+
+  def leave(self) -> None:
+    """Tells the dispatcher this worker is gone (best effort), with the tasks
+    that finished: their splits were all delivered."""
+    with self.lock:
+      finished = list(self.finished)
+    try:
+      self.heartbeat_call(pb.WorkerHeartbeatRequest(
+          worker_address=self.address, finished_tasks=finished, leaving=True), timeout=2)
+    except grpc.RpcError:
+      pass
+
   def shutdown(self) -> None:
     self.stop.set()
     with self.lock:
@@ -338,6 +379,12 @@ class WorkerServer:
   def data_address(self) -> str:
     return self._worker.data_address
 
+  def drain(self, timeout_s: float = 30.0) -> bool:
+    """Finishes the splits this worker holds and waits (up to timeout_s) for
+    its consumers to take every batch; stops its other tasks. Call `stop()`
+    after it. True if everything was taken in time."""
+    return self._worker.drain(timeout_s)
+
   def start(self) -> "WorkerServer":
     if not self._started:
       self._started = True
@@ -375,6 +422,7 @@ class _LazyHandler(grpc.GenericRpcHandler):
 
 def _shutdown(server: rpc.ServerHandle, worker: _Worker, data_server: Any) -> None:
   worker.stop.set()
+  worker.leave()
   if data_server is not None:
     data_server.close()
   server.stop()
@@ -402,6 +450,10 @@ def main(argv: Any) -> None:
   rpc.stop_on_sigterm()
   try:
     server.join()
+  except SystemExit:  # SIGTERM: hand over what it holds, then stop
+    if f.drain_timeout_s > 0 and not server.drain(f.drain_timeout_s):
+      logging.warning("Stopping with batches not taken after %.0fs.", f.drain_timeout_s)
+    raise
   finally:
     server.stop()
 
@@ -423,6 +475,8 @@ def define_flags() -> None:
   flags.DEFINE_string("auth_token", "", "Token of the deployment.")
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
   flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
+  flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, seconds to finish the splits "
+                     "held and let consumers take the batches before stopping.")
   flags.DEFINE_integer("parent_pid", 0, "Stop when this parent process is gone (set by "
                        "the dispatcher for the workers of its pool).")
   flags.DEFINE_integer("sharing_window_bytes", 256 << 20,

@@ -32,9 +32,11 @@ def test_policy_grows_while_workers_help_and_stops_when_one_does_not():
   assert policy.decide(2, sample(150, wait=0.5)) == 0  # settling after the change
   assert policy.decide(2, sample(190, wait=0.4)) == 1  # 190 >= 1.1 * 100: it helped
   assert policy.decide(3, sample(195, wait=0.4)) == 0  # settling
-  # 200 < 1.1 * 190: the third worker did not help; the pool stays at 3.
-  assert policy.decide(3, sample(200, wait=0.4)) == 0
-  assert policy.decide(3, sample(200, wait=0.4)) == 0
+  # 200 < 1.1 * 190: the third worker did not help, so it goes again and the
+  # pool stays at 2 although consumers still wait.
+  assert policy.decide(3, sample(200, wait=0.4)) == -1
+  assert policy.decide(2, sample(190, wait=0.4)) == 0  # settling
+  assert [policy.decide(2, sample(190, wait=0.4)) for _ in range(3)] == [0, 0, 0]
 
 
 def test_policy_shrinks_after_well_fed_intervals_and_respects_its_bounds():

@@ -156,6 +156,27 @@ def test_exactly_once_delivers_every_record_once_when_a_worker_is_killed(cluster
   assert all(len(b["x"]) in (4,) for b in batches)  # splits of 8 make whole batches
 
 
+def test_a_terminated_worker_hands_over_its_splits_and_leaves_at_once(cluster):
+  # A long heartbeat timeout: only the worker's goodbye lets the job end soon.
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=60",
+                       "--split_size=8")
+  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+             for _ in range(2)]
+  dataset = records_dataset(600).map(service_udfs.slow_add_one_to_x).batch(4)
+  distributed = dataset.distribute(dispatcher.address, "distributed_epoch",
+                                   max_outstanding_requests=2)
+  with distributed.make_iterator() as iterator:
+    batches = [next(iterator) for _ in range(20)]
+    start = time.monotonic()
+    workers[0].proc.terminate()  # SIGTERM: drain, then leave
+    batches += list(iterator)
+    elapsed = time.monotonic() - start
+  assert workers[0].proc.wait(timeout=30) == 0
+  # At-most-once, yet nothing lost: the worker finished its splits first.
+  assert values(batches) == collections.Counter(range(1, 601))
+  assert elapsed < 30, elapsed
+
+
 def test_worker_added_mid_job_starts_serving(cluster):
   dispatcher, _ = start_service(cluster, 1, "--split_size=4")
   dataset = records_dataset(1200).map(service_udfs.slow_add_one_to_x).batch(2)
