@@ -17,6 +17,7 @@ _EXPORTS = {
     "WorkerServer": "jaxfeed.service.worker",
     "WorkerConfig": "jaxfeed.service.worker",
     "TLSConfig": "jaxfeed.service.rpc",
+    "AutoscaleConfig": "jaxfeed.service.autoscale",
     "ServiceError": "jaxfeed.service.rpc",
     "SpecError": "jaxfeed.service.spec",
     "UDFImportError": "jaxfeed.service.spec",
