@@ -165,6 +165,12 @@ class Dataset:
   def cache(self, filename: str = "") -> "Dataset":
     return self._wrap(_op("cache").CacheNode(self.node, filename))
 
+  def autocache(self) -> "Dataset":
+    """Marks where service workers with `--autocache_dir` may keep this
+    pipeline's output and reuse it across jobs (see jaxfeed.ops.autocache);
+    passes elements through elsewhere."""
+    return self._wrap(_op("autocache").AutocacheNode(self.node))
+
   def prefetch(self, buffer_size: int) -> "Dataset":
     return self._wrap(_op("prefetch").PrefetchNode(self.node, buffer_size))
 

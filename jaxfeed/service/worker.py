@@ -21,6 +21,7 @@ from typing import Any, Generator, Iterator
 
 import grpc
 
+from jaxfeed.ops import autocache
 from jaxfeed.service import data_socket
 from jaxfeed.service import element_chunks
 from jaxfeed.service import round_assembly
@@ -54,6 +55,10 @@ class WorkerConfig:
     splits_per_request: DYNAMIC split ranges fetched per dispatcher call.
     tls: Key and certificate for serving TLS (gRPC and the data socket),
       and the root CA for the dispatcher.
+    autocache_dir: Where `autocache` ops of parallel_epochs and static
+      tasks keep their input's output, keyed by its fingerprint, for later
+      tasks of any job (see `jaxfeed.ops.autocache`); None: they pass
+      through. Workers may share the folder.
     sharing_window_bytes: Ephemeral sharing: most bytes of frames a shared
       pipeline keeps for its slower readers (see
       `jaxfeed.service.shared_stream`).
@@ -77,6 +82,7 @@ class WorkerConfig:
   tls: rpc.TLSConfig | None = None
   max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES
   sharing_window_bytes: int = 256 << 20
+  autocache_dir: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.dispatcher_address, str) or ":" not in self.dispatcher_address:
@@ -209,6 +215,8 @@ class _Worker:
                                           fetch_ranges)
     node = task_pipeline.build_task_node(dataset_def, task, self.config.pickled_udf_secret,
                                          fetch_ranges)
+    if self.config.autocache_dir and task.sharding_policy != ShardingPolicy.DYNAMIC.value:
+      autocache.point_at(node, self.config.autocache_dir)
     return node.make_iterator()
 
   def find_task(self, task_id: int, timeout_s: float = 5.0) -> task_runner_lib.TaskRunner:
@@ -439,6 +447,7 @@ def main(argv: Any) -> None:
       auth_token=f.auth_token or None, data_socket=f.data_socket,
       max_window_batches=f.max_window_batches,
       sharing_window_bytes=f.sharing_window_bytes,
+      autocache_dir=f.autocache_dir or None,
       pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None,
       tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs))
   server = WorkerServer(config)
@@ -479,6 +488,8 @@ def define_flags() -> None:
                      "held and let consumers take the batches before stopping.")
   flags.DEFINE_integer("parent_pid", 0, "Stop when this parent process is gone (set by "
                        "the dispatcher for the workers of its pool).")
+  flags.DEFINE_string("autocache_dir", "", "Folder where autocache ops keep and reuse "
+                      "their input's output across jobs (may be shared by workers).")
   flags.DEFINE_integer("sharing_window_bytes", 256 << 20,
                        "Ephemeral sharing: bytes a shared pipeline keeps for slower jobs.")
   flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,

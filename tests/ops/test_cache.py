@@ -236,3 +236,16 @@ def test_skip_over_a_filled_cache_matches_tf_data(on_disk, tmp_path):
   with graph_iterator(ds) as restored:
     restored.set_state(state)
     assert [int(x) for x in restored] == [x * 3 for x in range(4, 12)]
+
+
+def test_autocache_passes_through_and_resumes_exactly_outside_the_service(tmp_path):
+  def build():
+    return Dataset.range(40).shuffle(16, seed=3).autocache().batch(6)
+
+  assert canonical(list(build())) == canonical(list(Dataset.range(40).shuffle(16, seed=3).batch(6)))
+  check_resume(build)
+  pointed = build()
+  from jaxfeed.ops import autocache  # pylint: disable=g-import-not-at-top
+  [node] = autocache.point_at(pointed.node, str(tmp_path))
+  assert canonical(list(pointed)) == canonical(list(build()))
+  assert os.path.isdir(node.cache_path())  # a complete pass was written there

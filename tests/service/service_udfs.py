@@ -51,3 +51,9 @@ def sleepy(x):
   import time  # pylint: disable=g-import-not-at-top
   time.sleep(0.005)
   return x
+
+
+def tally(x):
+  """{"x": x}, counting calls in CALLS["tally"] (in-process workers)."""
+  CALLS["tally"] = CALLS.get("tally", 0) + 1
+  return {"x": x}

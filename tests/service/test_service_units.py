@@ -400,3 +400,32 @@ def test_exactly_once_bookkeeping_survives_a_dispatcher_restart(tmp_path):
   state.client_heartbeat(job_id, client_id, acked_splits=[10, 30])
   assert splits("w3:1") == ([], True)
   state.close()
+
+
+def test_autocache_keeps_a_pass_for_later_jobs_of_the_same_input(tmp_path):
+  service_udfs.CALLS["tally"] = 0
+  decoded = jaxfeed.Dataset.range(30).map(service_udfs.tally).autocache()
+  dataset = decoded.map(service_udfs.add_one_to_x).batch(10)
+  local = [b["x"].tolist() for b in dataset]
+  assert service_udfs.CALLS["tally"] == 30  # locally it passes through
+  other = decoded.batch(15)  # another pipeline over the same input
+  source = jaxfeed.Dataset.from_source(jaxfeed.ArraySource(np.arange(30)))
+  dynamic = source.map(service_udfs.tally).autocache().batch(10)
+  with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1,
+        autocache_dir=str(tmp_path))):
+      runs = [[b["x"].tolist() for b in dataset.distribute(dispatcher.target)]
+              for _ in range(2)]
+      assert service_udfs.CALLS["tally"] == 60  # the first job ran the input
+      shared = [b["x"].tolist() for b in other.distribute(dispatcher.target)]
+      assert service_udfs.CALLS["tally"] == 60  # later jobs read the cache
+      for _ in range(2):  # DYNAMIC tasks read other splits each time: no cache
+        got = [b["x"].tolist() for b in dynamic.distribute(dispatcher.target,
+                                                          "distributed_epoch")]
+        assert sorted(sum(got, [])) == list(range(30))
+      assert service_udfs.CALLS["tally"] == 120
+  assert runs == [local, local]
+  assert shared == [list(range(15)), list(range(15, 30))]
+  key = decoded.node.parents[0].fingerprint()
+  assert [p.name for p in tmp_path.iterdir()] == [key]

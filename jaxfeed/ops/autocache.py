@@ -1,0 +1,83 @@
+"""`autocache`: marks where a pipeline's output may be kept and reused.
+
+In a local pipeline it passes elements through. On a jaxfeed service worker
+started with `--autocache_dir=DIR`, the worker points each autocache op of a
+task at `DIR/<fingerprint of the op's input>`, and the op then behaves as
+`cache(filename=...)`: the first task whose pass over the input completes
+writes the cache, and every later task — of this job or any other job whose
+pipeline has the same input subgraph, on any worker sharing DIR — reads it
+instead of running the input again.
+
+The input's fingerprint covers its ops, their parameters and UDF paths, and
+the shard a static (FILE / DATA) task reads, so different inputs never share
+a cache. Tasks of `distributed_epoch` jobs read different splits every time
+and pass through. As with `cache`, put `autocache` before random
+augmentation and before `repeat` (an endless input never completes a pass),
+and do not modify the elements it hands out in place.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jaxfeed.ops.base import Node, OpIterator, to_node
+from jaxfeed.ops.cache import CacheNode
+
+__all__ = ["AutocacheNode", "AutocacheIterator", "point_at"]
+
+_OP = "autocache"
+
+
+class AutocacheNode(Node):
+  """Its input's elements; cached on disk where a service worker says so."""
+
+  op_name = _OP
+
+  def __init__(self, parent: Any):
+    super().__init__([to_node(parent, _OP, "input")])
+    self.cache_dir = ""  # set on service workers, never part of the spec
+
+  def spec_params(self) -> dict:
+    return {}
+
+  def cardinality(self) -> int | None:
+    return self.parents[0].cardinality()
+
+  def cache_path(self) -> str:
+    return os.path.join(self.cache_dir, self.parents[0].fingerprint())
+
+  def make_iterator(self) -> OpIterator:
+    if self.cache_dir:
+      return CacheNode(self.parents[0], self.cache_path()).make_iterator()
+    return AutocacheIterator(self.parents[0].make_iterator())
+
+
+class AutocacheIterator(OpIterator):
+  """Passes its input through (no state of its own)."""
+
+  op_name = _OP
+
+  def __init__(self, parent: OpIterator):
+    super().__init__([parent])
+    self._parent = parent
+
+  def __next__(self) -> Any:
+    return next(self._parent)
+
+
+def point_at(node: Node, cache_dir: str) -> list[AutocacheNode]:
+  """Points every autocache op of a graph at `cache_dir`; returns them."""
+  found = []
+  seen: set[int] = set()
+  stack = [node]
+  while stack:
+    current = stack.pop()
+    if id(current) in seen:
+      continue
+    seen.add(id(current))
+    if isinstance(current, AutocacheNode):
+      current.cache_dir = cache_dir
+      found.append(current)
+    stack.extend(current.parents)
+  return found
