@@ -429,3 +429,36 @@ def test_autocache_keeps_a_pass_for_later_jobs_of_the_same_input(tmp_path):
   assert shared == [list(range(15)), list(range(15, 30))]
   key = decoded.node.parents[0].fingerprint()
   assert [p.name for p in tmp_path.iterdir()] == [key]
+
+
+def test_exactly_once_shared_job_gives_each_split_whole_to_one_of_its_clients():
+  num_records = 200
+  source = jaxfeed.ArraySource({"x": np.arange(num_records)})
+  dataset = jaxfeed.Dataset.from_source(
+      source, jaxfeed.IndexSampler(num_records, shuffle=True, seed=4)).batch(5)
+  results = [None, None]
+  with service.DispatchServer(service.DispatcherConfig(split_size=10)) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)):
+      iterators = [dataset.distribute(dispatcher.target, "distributed_epoch",
+                                      job_name="shared-once", visitation="exactly_once",
+                                      max_outstanding_requests=2).make_iterator()
+                   for _ in range(2)]
+
+      def read(i):
+        with iterators[i] as iterator:
+          results[i] = [b["x"].tolist() for b in iterator]
+
+      threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+      for t in threads:
+        t.start()
+      for t in threads:
+        t.join(timeout=60)
+  sampler = jaxfeed.IndexSampler(num_records, shuffle=True, seed=4)
+  split_of = {int(sampler[p].record_index): p // 10 for p in range(num_records)}
+  for batches in results:
+    # Each split's two batches went to the same client.
+    splits = [split_of[b[0]] for b in batches]
+    assert all(split_of[x] == s for b, s in zip(batches, splits) for x in b)
+    assert sorted(collections.Counter(splits).values()) == [2] * len(set(splits))
+  assert sorted(sum(sum(results, []), [])) == list(range(num_records))
