@@ -61,6 +61,7 @@ _WORKER = "/jaxfeed.service.Worker/"
 _POLL_S = 0.05
 # Statuses after which a worker's stream is given up (the worker is gone);
 # any other status is an error of the pipeline and reaches the consumer.
+_RECONNECT_S = 1.0  # exactly-once: between reconnects to a listed worker
 _WORKER_LOST = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND",
                           "ABORTED", "OUT_OF_RANGE"})
 DATA_TRANSFERS = ("auto", "socket", "grpc")
@@ -375,6 +376,7 @@ class _ReadState:
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
     self.acks: list[int] = []  # exactly-once: splits to acknowledge
+    self.retry_at: dict[int, float] = {}  # exactly-once: task -> next reconnect
     # Reported to the dispatcher for autoscaling.
     self.consumed = 0
     self.wait_s = 0.0
@@ -476,8 +478,16 @@ class _ReadState:
 
   def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
     listed = {t.task_id: t for t in response.tasks}
+    now = time.monotonic()
     for task_id, task in listed.items():
-      if task_id not in self.fetchers:
+      old = self.fetchers.get(task_id)
+      if old is not None and self.node.visitation == "exactly_once" and (
+          old.failed and old.ended and now >= self.retry_at.get(task_id, 0.0)):
+        # The connection broke but the worker is still listed: its worker put
+        # the unfinished split back, so read on from it.
+        self.retry_at[task_id] = now + _RECONNECT_S
+        old = None
+      if old is None:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
         self.fetchers[task_id] = _Fetcher(self, task, out)
     for task_id, fetcher in self.fetchers.items():

@@ -209,13 +209,30 @@ class TaskRunner:
             return None
           self._cond.wait(_POLL_S)
       if self.exactly_once:
-        start, frames = frame
-        for each in frames:
-          yield each, start
-        yield None, start
+        yield from self._send_split(frame)
         continue
       yield frame, local_round
       local_round += 1
+
+  def _send_split(self, split: tuple[int, list]
+                  ) -> Generator[tuple[wire.Frame | None, int], None, None]:
+    """Exactly-once: a whole split, then its end. If the connection breaks
+    first (the generator is closed at a yield), the split goes back to the
+    front of the FIFO for the next connection: the client drops the part it
+    got, as it only hands on whole splits."""
+    start, frames = split
+    sent = False
+    try:
+      for each in frames:
+        yield each, start
+      yield None, start
+      sent = True  # resumed after the end went out
+    finally:
+      if not sent:
+        with self._cond:
+          self._fifo.appendleft(split)
+          self._fifo_frames += len(frames)
+          self._cond.notify_all()
 
   def stats(self) -> dict:
     """Round-robin counters (rounds made, windows and batches dropped, see

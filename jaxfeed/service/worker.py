@@ -156,7 +156,7 @@ class _Worker:
     # two runners of one task would serve its consumers different streams.
     # A runner only starts its thread here; the pipeline is built on it.
     with self.lock:
-      if task.task_id in self.tasks or self.stop.is_set():
+      if task.task_id in self.tasks or self.stop.is_set() or self.draining.is_set():
         return
       if task.ephemeral_sharing:
         self.tasks[task.task_id] = self._shared_reader(task)

@@ -462,3 +462,25 @@ def test_exactly_once_shared_job_gives_each_split_whole_to_one_of_its_clients():
     assert all(split_of[x] == s for b, s in zip(batches, splits) for x in b)
     assert sorted(collections.Counter(splits).values()) == [2] * len(set(splits))
   assert sorted(sum(sum(results, []), [])) == list(range(num_records))
+
+
+@pytest.mark.parametrize("data_transfer", ["socket", "grpc"])
+def test_exactly_once_survives_a_broken_connection_to_a_live_worker(data_transfer):
+  num_records = 240
+  source = jaxfeed.ArraySource({"x": np.arange(num_records)})
+  dataset = jaxfeed.Dataset.from_source(source).map(service_udfs.slow_add_one_to_x).batch(4)
+  with service.DispatchServer(service.DispatcherConfig(split_size=8)) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1, buffer_size=2)):
+      read = dataset.distribute(dispatcher.target, "distributed_epoch",
+                                visitation="exactly_once", data_transfer=data_transfer,
+                                max_outstanding_requests=1)
+      with read.make_iterator() as iterator:
+        batches = [next(iterator) for _ in range(10)]
+        [fetcher] = iterator._read.fetchers.values()  # pylint: disable=protected-access
+        fetcher.cancel()  # the connection breaks; the worker lives on
+        batches += list(iterator)
+        reconnected = len(iterator._read.retry_at)  # pylint: disable=protected-access
+  got = collections.Counter(np.concatenate([b["x"] for b in batches]).tolist())
+  assert got == collections.Counter(range(1, num_records + 1))
+  assert reconnected == 1
