@@ -26,6 +26,8 @@ from absl import flags
 from absl import logging
 import numpy as np
 
+from examples.digits_data import IMAGE_SIZE, NUM_CLASSES, augment, decode_record, encode_record
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("data_dir", "/tmp/jaxfeed_digits/data",
                     "Where the ArrayRecord files are written once and read.")
@@ -42,42 +44,15 @@ flags.DEFINE_integer("seed", 0, "Seed of the model, the shuffle and the augmenta
 flags.DEFINE_integer("num_parallel_calls", 2, "Threads for decode and augment.")
 flags.DEFINE_integer("prefetch", 2, "Batches the Loader keeps ahead on device.")
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
+flags.DEFINE_string("service", "", "host:port of a jaxfeed dispatcher: decode, augment "
+                    "and batch on its workers (every host reads one shared job).")
+flags.DEFINE_string("service_job", "digits-train", "Job name the hosts share on the service.")
 flags.DEFINE_bool("distributed", False,
                   "Call jax.distributed.initialize() first (one process per "
                   "host, e.g. on every host of a Cloud TPU VM slice).")
 
-IMAGE_SIZE = 8
-NUM_CLASSES = 10
-_RECORD_BYTES = 4 + IMAGE_SIZE * IMAGE_SIZE
-
-
 def _log(message: str, *args: Any) -> None:
   print(message % args, flush=True)
-
-
-def encode_record(image: np.ndarray, label: int) -> bytes:
-  """A record: int32 label (little endian) then 64 uint8 pixels."""
-  return np.int32(label).tobytes() + image.astype(np.uint8).tobytes()
-
-
-def decode_record(record: bytes) -> dict[str, np.ndarray]:
-  """Inverse of `encode_record`; pixels scaled to [0, 1]."""
-  if len(record) != _RECORD_BYTES:
-    raise ValueError(f"digits record has {len(record)} bytes, expected {_RECORD_BYTES}")
-  label = np.frombuffer(record, np.int32, count=1)[0]
-  pixels = np.frombuffer(record, np.uint8, offset=4).reshape(IMAGE_SIZE, IMAGE_SIZE)
-  return {"image": pixels.astype(np.float32) / 16.0, "label": label}
-
-
-def augment(example: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
-  """Shifts the image by up to one pixel in each direction (zero fill)."""
-  dy, dx = rng.integers(-1, 2, size=2)
-  image = np.roll(example["image"], (dy, dx), axis=(0, 1))
-  if dy:
-    image[0 if dy > 0 else -1, :] = 0.0
-  if dx:
-    image[:, 0 if dx > 0 else -1] = 0.0
-  return {"image": image, "label": example["label"]}
 
 
 def prepare_digits(data_dir: str, num_shards: int) -> list[str]:
@@ -102,8 +77,14 @@ def prepare_digits(data_dir: str, num_shards: int) -> list[str]:
 
 
 def make_dataset(paths: list[str], batch_size: int, seed: int,
-                 num_parallel_calls: int) -> Any:
-  """The input pipeline: global shuffle, per-host shard, decode, augment, batch."""
+                 num_parallel_calls: int, service: str = "",
+                 service_job: str = "digits-train") -> Any:
+  """The input pipeline: global shuffle, per-host shard, decode, augment, batch.
+
+  With `service`, the workers of that dispatcher run it over the whole
+  dataset, split dynamically, and every host reads its batches from one
+  shared job (each batch goes to one host).
+  """
   import jax
   import jaxfeed
 
@@ -112,13 +93,16 @@ def make_dataset(paths: list[str], batch_size: int, seed: int,
   if batch_size % num_hosts:
     raise ValueError(f"--batch_size={batch_size} must be divisible by the "
                      f"{num_hosts} JAX processes.")
-  sampler = jaxfeed.IndexSampler(
-      len(source), shuffle=True, seed=seed, num_epochs=None,
-      shard_options=jaxfeed.ShardByJaxProcess(drop_remainder=True))
-  return (jaxfeed.Dataset.from_source(source, sampler)
-          .map(decode_record, num_parallel_calls=num_parallel_calls)
-          .random_map(augment, num_parallel_calls=num_parallel_calls, seed=seed)
-          .batch(batch_size // num_hosts, drop_remainder=True))
+  shard = jaxfeed.NoSharding() if service else jaxfeed.ShardByJaxProcess(drop_remainder=True)
+  sampler = jaxfeed.IndexSampler(len(source), shuffle=True, seed=seed, num_epochs=None,
+                                 shard_options=shard)
+  dataset = (jaxfeed.Dataset.from_source(source, sampler)
+             .map(decode_record, num_parallel_calls=num_parallel_calls)
+             .random_map(augment, num_parallel_calls=num_parallel_calls, seed=seed)
+             .batch(batch_size // num_hosts, drop_remainder=True))
+  if service:
+    dataset = dataset.distribute(service, "distributed_epoch", job_name=service_job)
+  return dataset
 
 
 def main(argv: list[str]) -> None:
@@ -182,7 +166,8 @@ def main(argv: list[str]) -> None:
       optimizer.update(grads)
     return loss, accuracy
 
-  dataset = make_dataset(paths, FLAGS.batch_size, FLAGS.seed, FLAGS.num_parallel_calls)
+  dataset = make_dataset(paths, FLAGS.batch_size, FLAGS.seed, FLAGS.num_parallel_calls,
+                         FLAGS.service, FLAGS.service_job)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   loader = jaxfeed.Loader(dataset, sharding=sharding, prefetch=FLAGS.prefetch)
   manager = ocp.CheckpointManager(
@@ -192,8 +177,10 @@ def main(argv: list[str]) -> None:
   step = 0
   if FLAGS.resume and manager.latest_step() is not None:
     step = manager.latest_step()
+    # A service read cannot be put back at a position: it starts a new read.
     restored = jaxfeed.restore_checkpoint(
-        manager, step, loader, model_state=train_state())
+        manager, step, loader, model_state=train_state(),
+        restore_loader=not FLAGS.service)
     load_train_state(restored)
     _log("Resumed from step %d (loader at batch %d).", step,
                  loader.get_state()["batches"])

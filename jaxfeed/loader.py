@@ -225,7 +225,8 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, loader: Loader,
 
 
 def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
-                       loader: Loader, *, model_state: Any) -> Any:
+                       loader: Loader, *, model_state: Any,
+                       restore_loader: bool = True) -> Any:
   """Restores the loader in place and returns the model state of `step`.
 
   Args:
@@ -234,6 +235,8 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
     loader: restored in place (`loader.set_state`).
     model_state: a pytree like the saved one (arrays or
       `jax.ShapeDtypeStruct`s) giving the shapes, dtypes and shardings.
+    restore_loader: False leaves the loader where it is (e.g. a service read,
+      which cannot resume at a position) and restores only the model.
 
   Returns:
     The restored model state.
@@ -243,7 +246,8 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
     if step is None:
       raise FileNotFoundError(
           f"restore_checkpoint: no checkpoint in {manager.directory}.")
-  restored = manager.restore(step, args=ocp.args.Composite(**{
-      _MODEL_ITEM: ocp.args.StandardRestore(model_state),
-      _LOADER_ITEM: LoaderRestore(loader)}))
+  items = {_MODEL_ITEM: ocp.args.StandardRestore(model_state)}
+  if restore_loader:
+    items[_LOADER_ITEM] = LoaderRestore(loader)
+  restored = manager.restore(step, args=ocp.args.Composite(**items))
   return restored[_MODEL_ITEM]

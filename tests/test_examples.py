@@ -40,3 +40,31 @@ def test_trainer_learns_checkpoints_and_resumes(tmp_path):
   assert "Done at step 30" in resumed
   # The restored model continues from the trained weights, not from scratch.
   assert losses(resumed)[0] < values[0] - 0.3, (first, resumed)
+
+
+def test_trainer_reads_through_the_service_and_resumes_the_model(tmp_path):
+  env = dict(os.environ, PYTHONPATH=REPO, GRPC_VERBOSITY="ERROR", JAX_PLATFORMS="cpu")
+
+  def start(*args):
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    words = proc.stdout.readline().split()
+    return proc, words[words.index("on") + 1]
+
+  dispatcher, address = start("jaxfeed.service.dispatcher", "--port=0")
+  worker, _ = start("jaxfeed.service.worker", f"--dispatcher_address={address}")
+  try:
+    first = run_trainer(tmp_path, f"--service={address}", "--num_steps=20",
+                        "--log_every=5", "--checkpoint_every=20")
+    values = losses(first)
+    assert len(values) == 4 and values[-1] < values[0], first
+    assert "Done at step 20" in first
+    resumed = run_trainer(tmp_path, f"--service={address}", "--service_job=again",
+                          "--num_steps=30", "--resume", "--log_every=5")
+    # The model comes back; the service read starts anew.
+    assert "Resumed from step 20 (loader at batch 0)" in resumed
+    assert losses(resumed)[0] < values[0] - 0.3, (first, resumed)
+  finally:
+    for proc in (worker, dispatcher):
+      proc.terminate()
+      proc.wait(timeout=60)

@@ -677,8 +677,10 @@ class DispatchServer:
         secrets["auth_token"] = self.config.auth_token
       if self.config.pickled_udf_secret:
         secrets["pickled_udf_secret"] = self.config.pickled_udf_secret.decode()
+      host = self.config.host
+      local = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "") else host
       backend = autoscale_lib.LocalWorkerBackend(
-          self.target, self.config.autoscale.worker_flags, secrets)
+          f"{local}:{self.port}", self.config.autoscale.worker_flags, secrets)
       self.autoscaler = autoscale_lib.Autoscaler(
           self.config.autoscale, backend, self.state.sample_clients)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
@@ -767,7 +769,8 @@ def _write_port_file(path: str, port: int) -> None:
 def define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_integer("port", 0, "Port to serve on; 0 picks a free one.")
-  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind.")
+  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 0.0.0.0 for all (workers "
+                      "and clients on other machines).")
   flags.DEFINE_string("work_dir", "", "Folder of the write-ahead journal.")
   flags.DEFINE_float("heartbeat_timeout_s", 10.0, "Worker heartbeat timeout.")
   flags.DEFINE_string("auth_token", "", "Token every RPC must carry.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import traceback
 from typing import Any, Callable, Generator
 
@@ -59,6 +60,7 @@ class TaskRunner:
     self.exactly_once = exactly_once
     self._split_frames: list[wire.Frame] = []  # exactly-once: the split in progress
     self._fifo_frames = 0
+    self._last_taken = time.monotonic()  # when a consumer last took a frame
     self.num_consumers = num_consumers
     self._buffer_size = buffer_size
     self._cond = threading.Condition()
@@ -189,12 +191,14 @@ class TaskRunner:
               self._cond.notify_all()
             got = self._rounds.take(consumer_index, local_round)
             if got is not None:
+              self._last_taken = time.monotonic()
               frame, local_round = got
               self._cond.notify_all()
               break
             ended = self._done and self._rounds.exhausted(local_round)
           elif self._fifo:
             frame = self._fifo.popleft()
+            self._last_taken = time.monotonic()
             if self.exactly_once:
               self._fifo_frames -= len(frame[1])
             self._cond.notify_all()
@@ -250,6 +254,12 @@ class TaskRunner:
   @property
   def finished(self) -> bool:
     return self._done and self._error is None
+
+  @property
+  def idle_s(self) -> float:
+    """Seconds since a consumer last took a frame (or the task started)."""
+    with self._cond:
+      return time.monotonic() - self._last_taken
 
   @property
   def drained(self) -> bool:

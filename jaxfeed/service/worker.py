@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import weakref
@@ -34,6 +35,7 @@ from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy
 
 SERVICE_NAME = "jaxfeed.service.Worker"
+_DRAIN_IDLE_S = 2.0  # draining: a task unread this long has no consumer left
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 
 
@@ -44,7 +46,9 @@ class WorkerConfig:
   Attributes:
     dispatcher_address: host:port of the dispatcher.
     port: gRPC port; 0 lets the OS pick one.
-    host: Interface to bind and the host part of the advertised addresses.
+    host: Interface to bind ("0.0.0.0" for all of them).
+    advertise_host: The host part of the addresses clients are given; None:
+      `host`, or this machine's host name when `host` is a wildcard.
     heartbeat_interval_s: Seconds between heartbeats to the dispatcher.
     buffer_size: Ready batches buffered per task (rounds for round-robin jobs).
     auth_token: Token sent to the dispatcher and required from clients.
@@ -71,6 +75,7 @@ class WorkerConfig:
   dispatcher_address: str
   port: int = 0
   host: str = "127.0.0.1"
+  advertise_host: str | None = None
   heartbeat_interval_s: float = 0.5
   buffer_size: int = 8
   auth_token: str | None = None
@@ -290,7 +295,8 @@ class _Worker:
   def drain(self, timeout_s: float) -> bool:
     """Takes no new splits, lets DYNAMIC tasks finish the splits they hold
     and their consumers take every batch, and stops the other tasks (their
-    pipelines would run whole epochs). True if all drained in time."""
+    pipelines would run whole epochs). A task no consumer read for
+    _DRAIN_IDLE_S is not waited for. True if all drained in time."""
     self.draining.set()
     with self.lock:
       runners = list(self.tasks.items())
@@ -303,7 +309,9 @@ class _Worker:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
       with self.lock:
-        left = [r for r in self.tasks.values() if not r.drained]
+        # A task nobody has read for a while has no consumer left to wait for.
+        left = [r for r in self.tasks.values()
+                if not r.drained and r.idle_s < _DRAIN_IDLE_S]
       if not left:
         return True
       time.sleep(0.05)
@@ -360,7 +368,8 @@ class WorkerServer:
     self._server, self.port = rpc.make_server(
         f"{config.host}:{config.port}",
         _LazyHandler(handler_holder), config.max_message_bytes, config.tls)
-    self._worker = _Worker(config, f"{config.host}:{self.port}")
+    advertised = _advertised_host(config)
+    self._worker = _Worker(config, f"{advertised}:{self.port}")
     handler_holder.append(rpc.method_handlers(
         SERVICE_NAME, config.auth_token,
         {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True)}))
@@ -369,7 +378,7 @@ class WorkerServer:
       self._data_server = data_socket.DataServer(
           config.host, config.auth_token, self._worker.serve_socket,
           config.tls.server_ssl_context() if config.tls is not None else None)
-      self._worker.data_address = f"{config.host}:{self._data_server.port}"
+      self._worker.data_address = f"{advertised}:{self._data_server.port}"
     self._heartbeat = threading.Thread(
         target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,
         args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s))
@@ -418,6 +427,14 @@ class WorkerServer:
     self.stop()
 
 
+def _advertised_host(config: WorkerConfig) -> str:
+  if config.advertise_host:
+    return config.advertise_host
+  if config.host in ("0.0.0.0", "::", "[::]", ""):
+    return socket.gethostname()  # a wildcard cannot be connected to from elsewhere
+  return config.host
+
+
 class _LazyHandler(grpc.GenericRpcHandler):
   """Forwards to a handler made after the port (and so the address) is known."""
 
@@ -443,6 +460,7 @@ def main(argv: Any) -> None:
   f = flags.FLAGS
   config = WorkerConfig(
       dispatcher_address=f.dispatcher_address, port=f.port, host=f.host,
+      advertise_host=f.advertise_host or None,
       heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
       auth_token=f.auth_token or None, data_socket=f.data_socket,
       max_window_batches=f.max_window_batches,
@@ -478,7 +496,9 @@ def define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
   flags.DEFINE_string("dispatcher_address", None, "host:port of the dispatcher.")
   flags.DEFINE_integer("port", 0, "Port to serve on; 0 picks a free one.")
-  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind and advertise.")
+  flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 0.0.0.0 for all.")
+  flags.DEFINE_string("advertise_host", "", "Host name or IP clients reach this worker "
+                      "at (default: --host, or the host name when --host is 0.0.0.0).")
   flags.DEFINE_float("heartbeat_interval_s", 0.5, "Seconds between heartbeats.")
   flags.DEFINE_integer("buffer_size", 8, "Ready batches buffered per task.")
   flags.DEFINE_string("auth_token", "", "Token of the deployment.")

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import filecmp
 import pathlib
+import socket
 import subprocess
 import sys
 import threading
@@ -484,3 +485,20 @@ def test_exactly_once_survives_a_broken_connection_to_a_live_worker(data_transfe
   got = collections.Counter(np.concatenate([b["x"] for b in batches]).tolist())
   assert got == collections.Counter(range(1, num_records + 1))
   assert reconnected == 1
+
+
+def test_workers_advertise_the_host_clients_can_reach():
+  from jaxfeed.service import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  config = service.WorkerConfig(dispatcher_address="127.0.0.1:1", host="0.0.0.0")
+  assert worker_lib._advertised_host(config) == socket.gethostname()  # pylint: disable=protected-access
+  dataset = jaxfeed.Dataset.range(12).batch(4)
+  with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1,
+        advertise_host="localhost")) as worker:
+      assert worker.target.startswith("localhost:")
+      assert worker.data_address.startswith("localhost:")
+      for data_transfer in ("socket", "grpc"):
+        got = [b.tolist() for b in dataset.distribute(dispatcher.target,
+                                                      data_transfer=data_transfer)]
+        assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
