@@ -51,6 +51,7 @@ flags.DEFINE_bool("distributed", False,
                   "Call jax.distributed.initialize() first (one process per "
                   "host, e.g. on every host of a Cloud TPU VM slice).")
 
+
 def _log(message: str, *args: Any) -> None:
   print(message % args, flush=True)
 
