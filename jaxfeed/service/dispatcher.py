@@ -401,7 +401,7 @@ class DispatcherState:
         self._reports[client_id] = (report.elements_consumed, report.consumer_wait_s,
                                     report.read_elapsed_s,
                                     min(max(report.buffer_fill, 0.0), 1.0))
-      acked = sorted(set(acked_splits) & (set(job.unacked) | set(job.reissue)))
+      acked = sorted(s for s in set(acked_splits) if s in job.unacked or s in job.reissue)
       if acked:
         self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
       tasks = [self._task_info(t) for t in job.tasks.values()
@@ -678,7 +678,7 @@ class DispatchServer:
       if self.config.pickled_udf_secret:
         secrets["pickled_udf_secret"] = self.config.pickled_udf_secret.decode()
       host = self.config.host
-      local = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]", "") else host
+      local = "127.0.0.1" if rpc.is_wildcard_host(host) else host
       backend = autoscale_lib.LocalWorkerBackend(
           f"{local}:{self.port}", self.config.autoscale.worker_flags, secrets)
       self.autoscaler = autoscale_lib.Autoscaler(

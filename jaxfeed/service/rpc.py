@@ -240,6 +240,14 @@ class ServerHandle:
     self.executor.shutdown(wait=True, cancel_futures=True)
 
 
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+def is_wildcard_host(host: str) -> bool:
+  """Whether `host` binds every interface (and so names no reachable host)."""
+  return host in _WILDCARD_HOSTS
+
+
 def make_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  tls: TLSConfig | None = None) -> grpc.Channel:
   if tls is not None:

@@ -33,6 +33,7 @@ import threading
 import traceback
 from typing import Any, Callable, Generator
 
+from jaxfeed.service import task_pipeline
 from jaxfeed.service import task_runner
 from jaxfeed.service import wire
 
@@ -187,11 +188,7 @@ class SharedStream:
         self._error = e
         self._cond.notify_all()
     finally:
-      if iterator is not None and hasattr(iterator, "close"):
-        try:
-          iterator.close()
-        except Exception:  # pylint: disable=broad-except
-          logging.exception("Closing a shared pipeline failed")
+      task_pipeline.close_quietly(iterator, "a shared pipeline")
       with self._cond:
         self._done = True
         finished = [] if self._error is not None or self._stopped else list(self._positions)

@@ -9,6 +9,7 @@ whichever worker reads it.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Iterator, NamedTuple
 
@@ -188,6 +189,16 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
         f"{task.dataset_id!r} has {len(touched)}. Use processing_mode "
         "'parallel_epochs' (OFF) or read records through Dataset.from_source.")
   return node
+
+
+def close_quietly(iterator: Any, what: str) -> None:
+  """Closes a pipeline's iterator (if any), logging instead of raising."""
+  if iterator is None or not hasattr(iterator, "close"):
+    return
+  try:
+    iterator.close()
+  except Exception:  # pylint: disable=broad-except
+    logging.exception("Closing %s failed", what)
 
 
 def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: bytes | None,

@@ -94,6 +94,12 @@ class TaskRunner:
       return bool(self._fifo) and self._fifo_frames >= self._buffer_size
     return len(self._fifo) >= self._buffer_size
 
+  def _wait_for_room_locked(self) -> bool:
+    """Waits (lock held) until the buffer has room; False once stopped."""
+    while self._full() and not self._stop.is_set():
+      self._cond.wait(_POLL_S)
+    return not self._stop.is_set()
+
   def _produce(self, make_iterator: Callable[[], Any]) -> None:
     iterator = None
     try:
@@ -111,9 +117,7 @@ class TaskRunner:
           rows = round_assembly.batch_rows(element)
         frame = wire.encode_frame(element)
         with self._cond:
-          while self._full() and not self._stop.is_set():
-            self._cond.wait(_POLL_S)
-          if self._stop.is_set():
+          if not self._wait_for_room_locked():
             return
           self._add(frame, key, rows)
           self._cond.notify_all()
@@ -124,11 +128,7 @@ class TaskRunner:
       with self._cond:
         self._error = TaskFailed(message, status)
     finally:
-      if iterator is not None and hasattr(iterator, "close"):
-        try:
-          iterator.close()
-        except Exception:  # pylint: disable=broad-except
-          logging.exception("Closing task %d's pipeline failed", self.task_id)
+      task_pipeline.close_quietly(iterator, f"task {self.task_id}'s pipeline")
       with self._cond:
         if self._assembler is not None and self._error is None and not self._stop.is_set():
           self._assembler.finish()
@@ -147,9 +147,7 @@ class TaskRunner:
       return not self._stop.is_set()
     frames, self._split_frames = self._split_frames, []
     with self._cond:
-      while self._full() and not self._stop.is_set():
-        self._cond.wait(_POLL_S)
-      if self._stop.is_set():
+      if not self._wait_for_room_locked():
         return False
       self._fifo.append((element.start, frames))
       self._fifo_frames += len(frames)

@@ -430,7 +430,7 @@ class WorkerServer:
 def _advertised_host(config: WorkerConfig) -> str:
   if config.advertise_host:
     return config.advertise_host
-  if config.host in ("0.0.0.0", "::", "[::]", ""):
+  if rpc.is_wildcard_host(config.host):
     return socket.gethostname()  # a wildcard cannot be connected to from elsewhere
   return config.host
 
