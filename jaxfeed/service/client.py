@@ -115,10 +115,11 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
     channel.close()
 
 
-def _check_read_options(job_name: str | None, num_consumers: int | None,
-                        consumer_index: int | None, compression: str | None,
-                        max_outstanding_requests: int | None,
-                        data_transfer: str, round_timeout_s: float | None) -> None:
+def _check_read_options(policy: ShardingPolicy, job_name: str | None,
+                        num_consumers: int | None, consumer_index: int | None,
+                        compression: str | None, max_outstanding_requests: int | None,
+                        data_transfer: str, round_timeout_s: float | None,
+                        visitation: str, ephemeral_sharing: bool) -> None:
   if job_name is not None and (not isinstance(job_name, str) or not job_name):
     raise ValueError(f"job_name must be a non-empty string or None, got {job_name!r}.")
   if num_consumers is not None:
@@ -150,6 +151,20 @@ def _check_read_options(job_name: str | None, num_consumers: int | None,
                      f"{max_outstanding_requests!r}.")
   if data_transfer not in DATA_TRANSFERS:
     raise ValueError(f"data_transfer must be one of {DATA_TRANSFERS}, got {data_transfer!r}.")
+  if visitation not in VISITATIONS:
+    raise ValueError(f"visitation must be one of {VISITATIONS}, got {visitation!r}.")
+  if visitation == "exactly_once" and (
+      policy != ShardingPolicy.DYNAMIC or num_consumers is not None):
+    raise ValueError(
+        "visitation='exactly_once' needs processing_mode='distributed_epoch' "
+        f"(DYNAMIC) and no num_consumers; got {policy.name} and "
+        f"num_consumers={num_consumers}.")
+  if not isinstance(ephemeral_sharing, bool):
+    raise ValueError(f"ephemeral_sharing must be True or False, got {ephemeral_sharing!r}.")
+  if ephemeral_sharing and (policy != ShardingPolicy.OFF or num_consumers is not None):
+    raise ValueError(
+        "ephemeral_sharing=True needs processing_mode='parallel_epochs' (OFF) and "
+        f"no num_consumers; got {policy.name} and num_consumers={num_consumers}.")
 
 
 class DistributedNode(base.Node):
@@ -171,23 +186,10 @@ class DistributedNode(base.Node):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
     self.service = _target(service)
     self.policy = to_sharding_policy(processing_mode)
-    _check_read_options(job_name, num_consumers, consumer_index, compression,
-                        max_outstanding_requests, data_transfer, round_timeout_s)
-    if visitation not in VISITATIONS:
-      raise ValueError(f"visitation must be one of {VISITATIONS}, got {visitation!r}.")
-    if visitation == "exactly_once" and (
-        self.policy != ShardingPolicy.DYNAMIC or num_consumers is not None):
-      raise ValueError(
-          "visitation='exactly_once' needs processing_mode='distributed_epoch' "
-          f"(DYNAMIC) and no num_consumers; got {self.policy.name} and "
-          f"num_consumers={num_consumers}.")
+    _check_read_options(self.policy, job_name, num_consumers, consumer_index, compression,
+                        max_outstanding_requests, data_transfer, round_timeout_s,
+                        visitation, ephemeral_sharing)
     self.visitation = visitation
-    if not isinstance(ephemeral_sharing, bool):
-      raise ValueError(f"ephemeral_sharing must be True or False, got {ephemeral_sharing!r}.")
-    if ephemeral_sharing and (self.policy != ShardingPolicy.OFF or num_consumers is not None):
-      raise ValueError(
-          "ephemeral_sharing=True needs processing_mode='parallel_epochs' (OFF) and "
-          f"no num_consumers; got {self.policy.name} and num_consumers={num_consumers}.")
     self.ephemeral_sharing = ephemeral_sharing
     self.dataset = None if dataset is None else base.to_node(dataset, "distribute", "dataset")
     if self.dataset is not None:

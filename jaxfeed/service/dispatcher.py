@@ -280,15 +280,7 @@ class DispatcherState:
   # -- jobs -------------------------------------------------------------------
   def get_or_create_job(self, request: pb.GetOrCreateJobRequest) -> tuple[int, int]:
     policy = to_sharding_policy(request.sharding_policy)
-    _check_round_robin_request(request)
-    if request.exactly_once and (policy != ShardingPolicy.DYNAMIC or request.num_consumers):
-      raise ValueError(
-          f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
-          f"got {policy.name} and num_consumers={request.num_consumers}.")
-    if request.ephemeral_sharing and (policy != ShardingPolicy.OFF or request.num_consumers):
-      raise ValueError(
-          f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
-          f"num_consumers; got {policy.name} and num_consumers={request.num_consumers}.")
+    _check_job_request(request, policy)
     with self.lock:
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
@@ -570,8 +562,8 @@ def _visitation(exactly_once: bool) -> str:
   return "exactly-once" if exactly_once else "at-most-once"
 
 
-def _check_round_robin_request(request: pb.GetOrCreateJobRequest) -> None:
-  """Raises ValueError (INVALID_ARGUMENT) for inconsistent round-robin options."""
+def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy) -> None:
+  """Raises ValueError (INVALID_ARGUMENT) for inconsistent read options."""
   k = request.num_consumers
   if k < 0:
     raise ValueError(f"num_consumers must be >= 0, got {k}.")
@@ -587,6 +579,14 @@ def _check_round_robin_request(request: pb.GetOrCreateJobRequest) -> None:
   if request.round_timeout_s < 0 or request.round_timeout_s != request.round_timeout_s:
     raise ValueError(f"round_timeout_s must be > 0 (or 0 for the job's value), got "
                      f"{request.round_timeout_s}.")
+  if request.exactly_once and (policy != ShardingPolicy.DYNAMIC or k):
+    raise ValueError(
+        f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
+        f"got {policy.name} and num_consumers={k}.")
+  if request.ephemeral_sharing and (policy != ShardingPolicy.OFF or k):
+    raise ValueError(
+        f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
+        f"num_consumers; got {policy.name} and num_consumers={k}.")
 
 
 class _DispatcherServicer:
