@@ -15,16 +15,15 @@ from concurrent import futures
 import functools
 import os
 import re
-import weakref
 from typing import Any, Iterable
 
 from array_record.python import array_record_module
 from etils import epath
 import numpy as np
 
-from jaxfeed.sources.base import (CorruptRecordError, LazyHandle, RecordSource,
+from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
                                   as_path_list, as_record_bytes, check_files_exist,
-                                  close_handles, file_of, split_by_file)
+                                  file_of, split_by_file)
 
 __all__ = ["ArrayRecordSource", "write_array_record"]
 
@@ -37,7 +36,7 @@ _OFFSET_PATTERNS = (re.compile(r"chunk at (\d+)"),
                     re.compile(r"at byte (\d+)"))
 
 
-class ArrayRecordSource(RecordSource):
+class ArrayRecordSource(HandleSource):
   """Records (bytes) of one or more array_record files, concatenated in order.
 
   Args:
@@ -72,7 +71,7 @@ class ArrayRecordSource(RecordSource):
     self._readers = [
         LazyHandle(functools.partial(_open_reader, name, reader_options),
                    _close_reader) for name in self._names]
-    self._finalizer = weakref.finalize(self, close_handles, self._readers)
+    self._track_handles()
 
   def _count_records(self, name: str) -> int:
     reader = _open_reader(name, self._reader_options)
@@ -120,17 +119,8 @@ class ArrayRecordSource(RecordSource):
   def spec_params(self) -> dict:
     return {"paths": self.paths, "reader_options": self._reader_options}
 
-  def close(self) -> None:
-    close_handles(self._readers)
-
-  def __getstate__(self) -> dict:
-    state = self.__dict__.copy()
-    del state["_finalizer"]
-    return state
-
-  def __setstate__(self, state: dict) -> None:
-    self.__dict__.update(state)
-    self._finalizer = weakref.finalize(self, close_handles, self._readers)
+  def _handles(self) -> list[LazyHandle]:
+    return self._readers
 
 
 def _open_reader(name: str, options: str):

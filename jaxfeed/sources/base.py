@@ -13,6 +13,7 @@ import json
 import operator
 import os
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 from etils import epath
@@ -56,7 +57,8 @@ class RecordSource:
 
   Subclasses implement `__len__`, `_read(index)` (index already validated)
   and `spec_params()`; they override `_read_many(indices)` with a faster
-  batched read and `close()` when they hold file handles.
+  batched read. Sources over files derive from `HandleSource`, which closes
+  their handles.
 
   Contract:
     * `len(src)` is the number of records, fixed for the source's lifetime.
@@ -273,6 +275,33 @@ def close_handles(handles: Iterable[LazyHandle]) -> None:
   """Closes every handle (used by sources' close() and finalizers)."""
   for handle in handles:
     handle.close()
+
+
+class HandleSource(RecordSource):
+  """A source over files opened through `LazyHandle`s.
+
+  Subclasses return their handles from `_handles()` and call
+  `_track_handles()` once they exist: `close()`, garbage collection and
+  unpickling then all treat them alike.
+  """
+
+  def _handles(self) -> list[LazyHandle]:
+    raise NotImplementedError
+
+  def _track_handles(self) -> None:
+    self._finalizer = weakref.finalize(self, close_handles, self._handles())
+
+  def close(self) -> None:
+    close_handles(self._handles())
+
+  def __getstate__(self) -> dict:
+    state = self.__dict__.copy()
+    del state["_finalizer"]
+    return state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self._track_handles()
 
 
 def as_record_bytes(record: Any, writer_name: str, path: Any,

@@ -18,16 +18,14 @@ import os
 import struct
 import threading
 import uuid
-import weakref
 from typing import Any, Callable
 
 from etils import epath
 import numpy as np
 
-from jaxfeed.sources.base import (CorruptRecordError, LazyHandle, RecordSource,
-                                  as_path_list, check_files_exist,
-                                  close_handles, file_of, is_local,
-                                  split_by_file)
+from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
+                                  as_path_list, check_files_exist, file_of,
+                                  is_local, split_by_file)
 from jaxfeed.sources.tfrecord_format import (FOOTER_BYTES, FRAME_OVERHEAD,
                                              HEADER_BYTES, masked_crc32c,
                                              scan_record_offsets)
@@ -50,7 +48,7 @@ _CRC = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
 
 
-class TFRecordSource(RecordSource):
+class TFRecordSource(HandleSource):
   """Records (bytes) of one or more TFRecord files, concatenated in order.
 
   Args:
@@ -81,8 +79,7 @@ class TFRecordSource(RecordSource):
     counts = [f.load_index() for f in self._files]
     self._file_starts = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=self._file_starts[1:])
-    self._finalizer = weakref.finalize(
-        self, close_handles, [f.handle for f in self._files])
+    self._track_handles()
 
   def __len__(self) -> int:
     return int(self._file_starts[-1])
@@ -106,18 +103,8 @@ class TFRecordSource(RecordSource):
     return {"paths": self.paths, "verify_crc": self._verify_crc,
             "cache_index": self._cache_index}
 
-  def close(self) -> None:
-    close_handles(f.handle for f in self._files)
-
-  def __getstate__(self) -> dict:
-    state = self.__dict__.copy()
-    del state["_finalizer"]
-    return state
-
-  def __setstate__(self, state: dict) -> None:
-    self.__dict__.update(state)
-    self._finalizer = weakref.finalize(
-        self, close_handles, [f.handle for f in self._files])
+  def _handles(self) -> list[LazyHandle]:
+    return [f.handle for f in self._files]
 
 
 class _TFRecordFile:
