@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-import numpy as np
 from etils import epath
+import numpy as np
+
+from jaxfeed.ops import from_source
 
 __all__ = ["LengthIndexError", "compute_lengths", "read_records"]
 
@@ -19,10 +21,7 @@ class LengthIndexError(ValueError):
 
 def read_records(source: Any, indices: np.ndarray) -> list:
   """Records at `indices`, through `source.get_many` when the source has it."""
-  get_many = getattr(source, "get_many", None)
-  if get_many is not None:
-    return list(get_many(indices))
-  return [source[int(i)] for i in indices]
+  return list(from_source.records_reader(source)(indices))
 
 
 def compute_lengths(source: Any, length_fn: Callable[[Any], int],

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from jaxfeed.ops import stacking
 from jaxfeed.ops.base import Node, OpIterator, state_int
 from jaxfeed.sampler import IndexSampler
+
+
+def records_reader(source: Any) -> Callable[[np.ndarray], Sequence]:
+  """Reads the records at an array of indices: `source.get_many` when the
+  source has it, else `source[i]` one by one."""
+  get_many = getattr(source, "get_many", None)
+  if callable(get_many):
+    return get_many
+  return lambda indices: [source[i] for i in np.asarray(indices).tolist()]
 
 _OP = "from_source"
 # Records are read ahead in chunks that grow from the first to the largest
@@ -88,9 +97,7 @@ class SourceIterator(OpIterator):
     self._source = source
     self._sampler = sampler
     self._end = sampler.num_positions  # None when endless.
-    get_many = getattr(source, "get_many", None)
-    self._read_many = get_many if callable(get_many) else (
-        lambda indices: [source[i] for i in indices.tolist()])
+    self._read_many = records_reader(source)
     get_batch = getattr(source, "get_batch", None)
     # Cleared when a gathered batch does not have the batch layout (e.g.
     # object leaves of non-strings): then records are stacked instead.

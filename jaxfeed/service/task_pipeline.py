@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from jaxfeed.ops import base
+from jaxfeed.ops import from_source
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy
@@ -95,10 +96,7 @@ class SplitSourceIterator(base.OpIterator):
   def __init__(self, node: SplitSourceNode):
     super().__init__()
     self._node = node
-    source = node.source
-    get_many = getattr(source, "get_many", None)
-    self._read_many = get_many if callable(get_many) else (
-        lambda indices: [source[i] for i in indices.tolist()])
+    self._read_many = from_source.records_reader(node.source)
     self._ranges: list[tuple[int, int]] = []
     self._exhausted = False
     self._records: list = []
