@@ -320,12 +320,14 @@ class _Fetcher:
             raise rpc.ServiceError(
                 f"Worker {self.task.worker_address} ended split {round_index} "
                 "after elements of another split.")
+          if not read.ack(round_index):  # sent again after a broken connection
+            split = []
+            continue
           for item in split:  # all of the split arrived: hand it on
             if not read.put(self.out, item):
               return
             read.count(self.task.worker_address)
           split = []
-          read.ack(round_index)
           continue
         element = wire.decode(frame)
         if not read.put(self.out, (element, round_index)):
@@ -378,6 +380,7 @@ class _ReadState:
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
     self.acks: list[int] = []  # exactly-once: splits to acknowledge
+    self.handed_on: set[int] = set()  # exactly-once: splits this read has had
     self.retry_at: dict[int, float] = {}  # exactly-once: task -> next reconnect
     # Reported to the dispatcher for autoscaling.
     self.consumed = 0
@@ -410,10 +413,16 @@ class _ReadState:
     with self.lock:
       self.elements_by_worker[worker] = self.elements_by_worker.get(worker, 0) + 1
 
-  def ack(self, split_start: int) -> None:
-    """Exactly-once: the split's elements are all in the buffer."""
+  def ack(self, split_start: int) -> bool:
+    """Exactly-once: all of a split arrived; acknowledges it and returns True,
+    or False if this read already had it (its worker sent it again because
+    the connection broke while the split's end was going out)."""
     with self.lock:
+      if split_start in self.handed_on:
+        return False
+      self.handed_on.add(split_start)
       self.acks.append(split_start)
+      return True
 
   def fail(self, error: BaseException) -> None:
     with self.lock:

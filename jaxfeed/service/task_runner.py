@@ -221,7 +221,10 @@ class TaskRunner:
     """Exactly-once: a whole split, then its end. If the connection breaks
     first (the generator is closed at a yield), the split goes back to the
     front of the FIFO for the next connection: the client drops the part it
-    got, as it only hands on whole splits."""
+    got, as it only hands on whole splits. Closed at the end's own yield, the
+    end may have reached the client (gRPC asks for the next message only
+    after sending), so it may be sent twice; the client drops a split it
+    already had."""
     start, frames = split
     sent = False
     try:
