@@ -92,7 +92,8 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
   Args:
     service: the dispatcher's "host:port" (a "grpc://" prefix is accepted).
     dataset: a jaxfeed Dataset (or op node).
-    auth_token: the deployment's token, if it requires one.
+    auth_token: the clients' token, if the deployment requires one (workers
+      are read with per-task tickets from the dispatcher, never with it).
     udf_secret: the deployment's shared secret; UDFs without an import path
       are then shipped pickled and signed. None refuses such UDFs.
     tls: root certificates for a TLS dispatcher.
@@ -102,8 +103,8 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
     The dataset id.
   """
   node = base.to_node(dataset, "register_dataset", "dataset")
-  dataset_def = spec_lib.to_dataset_def(node, udf_secret)
-  dataset_def.num_positions = task_pipeline.num_positions(node)
+  dataset_def = spec_lib.to_dataset_def(node, udf_secret,
+                                        num_positions=task_pipeline.num_positions(node))
   channel = rpc.make_channel(_target(service), tls=tls)
   try:
     caller = _dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,
@@ -257,7 +258,7 @@ class _Fetcher:
           "(data_transfer='socket').", "FAILED_PRECONDITION")
     if use_socket:
       conn = data_socket.DataConnection(self.task.data_address, {
-          "token": read.node.auth_token or "", "task_id": self.task.task_id,
+          "token": self.task.read_ticket, "task_id": self.task.task_id,
           "compression": read.node.compression or "", "consumer_index": consumer,
           "round": 0}, ssl_context=read.ssl_context)
       self._connection = conn
@@ -271,8 +272,9 @@ class _Fetcher:
         yield item
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
     try:
+      # Workers are given the task's read ticket, never the client's token.
       caller = rpc.Caller(channel, _WORKER + "GetElements", None,
-                          read.node.auth_token, streams=True)
+                          self.task.read_ticket or None, streams=True)
       call = caller(pb.GetElementsRequest(
           task_id=self.task.task_id, compression=read.node.compression or "",
           consumer_index=consumer, round=0), timeout=None)

@@ -16,19 +16,24 @@ streams the task's frames:
                      (bytes = JSON {"status", "message"}), 3: exactly-once
                      jobs: the split starting at `round` ended (no bytes)
 
-TCP flow control bounds what is in flight. The hello is length-limited and
-validated, so garbage on the port only closes that connection.
+The hello's "token" is the task's read ticket from the dispatcher (empty when
+the deployment does not authenticate). TCP flow control bounds what is in
+flight. The hello is length-limited, must arrive within a deadline and is
+read without a thread; only an authenticated hello gets one, and their
+number is capped, so garbage or idle connections on the port cost a socket
+each until they are dropped.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
+import selectors
 import socket
 import ssl
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -86,69 +91,201 @@ def _send_all(sock: socket.socket, buffers: list) -> None:
       first += 1
 
 
-class DataServer:
-  """Listens on a TCP port and streams task frames to connected clients."""
+class _PendingHello:
+  """A connection whose hello is still arriving: a few bytes, no thread."""
 
-  def __init__(self, host: str, token: str | None,
+  def __init__(self, deadline: float, handshaking: bool):
+    self.deadline = deadline
+    self.handshaking = handshaking
+    self.length: int | None = None
+    self.data = bytearray()
+
+  def wanted(self) -> int:
+    if self.length is None:
+      return _HELLO_LEN.size - len(self.data)
+    return self.length - len(self.data)
+
+  def add(self, chunk: bytes) -> bool:
+    """Takes received bytes; True once the whole hello is here."""
+    self.data += chunk
+    if self.length is None and len(self.data) == _HELLO_LEN.size:
+      (self.length,) = _HELLO_LEN.unpack(self.data)
+      self.data = bytearray()
+      if self.length > MAX_HELLO_BYTES:
+        raise DataConnectionError(
+            f"Hello of {self.length} bytes exceeds {MAX_HELLO_BYTES}.", "INVALID_ARGUMENT")
+    return self.length is not None and len(self.data) == self.length
+
+
+class DataServer:
+  """Listens on a TCP port and streams task frames to connected clients.
+
+  One thread accepts connections and reads their hellos without blocking
+  (a connection costs no thread, and little memory, until its hello arrived
+  within `hello_timeout_s` and passed `authenticate`); past
+  `max_pending_hellos` the oldest waiting connection is dropped. At most
+  `max_connections` connections stream at once, one thread each; a hello
+  beyond that is answered RESOURCE_EXHAUSTED.
+  """
+
+  def __init__(self, host: str, authenticate: Callable[[dict], None] | None,
                serve: Callable[[dict, Callable[[], bool]], Any],
-               ssl_context: ssl.SSLContext | None = None):
-    self._token = token
+               ssl_context: ssl.SSLContext | None = None,
+               max_connections: int = 512, max_pending_hellos: int = 256,
+               hello_timeout_s: float = 5.0):
+    # authenticate(hello) raises DataConnectionError to refuse a client.
+    self._authenticate = authenticate
     self._ssl_context = ssl_context
     # serve(hello, is_active) -> generator of (wire.Frame, round) that returns
     # the statistics sent with the end of sequence (a dict or None).
     self._serve = serve
-    self._listener = socket.create_server((host, 0))
-    self._listener.settimeout(0.2)
+    self._max_connections = max_connections
+    self._max_pending = max_pending_hellos
+    self._hello_timeout_s = hello_timeout_s
+    self._listener = socket.create_server((host, 0), backlog=128)
+    self._listener.setblocking(False)
     self.port = self._listener.getsockname()[1]
     self._stop = threading.Event()
     self._lock = threading.Lock()
     self._connections: dict[socket.socket, threading.Thread] = {}
+    self._pending: dict[socket.socket, _PendingHello] = {}  # oldest first
+    self._selector = selectors.DefaultSelector()
+    self._selector.register(self._listener, selectors.EVENT_READ, None)
+    self._wake_reader, self._wake_writer = socket.socketpair()
+    self._selector.register(self._wake_reader, selectors.EVENT_READ, None)
     self._accept_thread = threading.Thread(
         target=self._accept_loop, name="jaxfeed-data-accept", daemon=True)
     self._accept_thread.start()
 
+  @property
+  def num_connections(self) -> int:
+    """Connections streaming now (each on its own thread)."""
+    with self._lock:
+      return len(self._connections)
+
   def _accept_loop(self) -> None:
-    while not self._stop.is_set():
+    try:
+      while not self._stop.is_set():
+        for key, _ in self._selector.select(timeout=0.2):
+          if key.fileobj is self._listener:
+            self._accept_ready()
+          elif key.data is not None:
+            self._advance(key.fileobj, key.data)
+        now = time.monotonic()
+        for conn, pending in list(self._pending.items()):
+          if pending.deadline < now:
+            self._drop(conn)
+    finally:
+      for conn in list(self._pending):
+        self._drop(conn)
+      self._selector.close()
+
+  def _accept_ready(self) -> None:
+    for _ in range(64):  # then let the hellos already here advance
       try:
         conn, _ = self._listener.accept()
-      except socket.timeout:
-        continue
-      except OSError:
+      except (BlockingIOError, InterruptedError):
         return
-      conn.settimeout(None)
+      except OSError:  # out of file descriptors: the oldest hellos make room
+        if self._pending:
+          self._drop(next(iter(self._pending)))
+        return
+      conn.setblocking(False)
       conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-      thread = threading.Thread(target=self._handle, args=(conn,),
-                                name="jaxfeed-data-conn", daemon=True)
-      with self._lock:
-        if self._stop.is_set():
-          conn.close()
-          return
-        self._connections[conn] = thread
-      thread.start()
+      if len(self._pending) >= self._max_pending:
+        self._drop(next(iter(self._pending)))
+      handshaking = self._ssl_context is not None
+      if handshaking:
+        conn = self._ssl_context.wrap_socket(conn, server_side=True,
+                                             do_handshake_on_connect=False)
+      pending = _PendingHello(time.monotonic() + self._hello_timeout_s, handshaking)
+      self._pending[conn] = pending
+      self._selector.register(conn, selectors.EVENT_READ, pending)
+      self._advance(conn, pending)  # TLS data may already wait in the socket
 
-  def _handle(self, conn: socket.socket) -> None:
+  def _drop(self, conn: socket.socket) -> None:
+    self._pending.pop(conn, None)
     try:
-      conn.settimeout(10)
-      if self._ssl_context is not None:
+      self._selector.unregister(conn)
+    except (KeyError, ValueError, OSError):
+      pass
+    conn.close()
+
+  def _advance(self, conn: socket.socket, pending: _PendingHello) -> None:
+    """Reads what has arrived of a hello; hands the connection on when complete."""
+    try:
+      if pending.handshaking:
         try:
-          conn = self._wrap(conn)
-        except (OSError, ValueError) as e:  # not TLS, a refused certificate, a timeout
-          logging.info("TLS handshake on the data socket failed: %s", e)
+          conn.do_handshake()
+        except ssl.SSLWantReadError:
           return
-      (length,) = _HELLO_LEN.unpack(_recv_exact(conn, _HELLO_LEN.size))
-      if length > MAX_HELLO_BYTES:
-        raise DataConnectionError(f"Hello of {length} bytes exceeds {MAX_HELLO_BYTES}.",
-                                  "INVALID_ARGUMENT")
-      try:
-        hello = json.loads(bytes(_recv_exact(conn, length)))
-        if not isinstance(hello, dict):
-          raise ValueError("not an object")
-      except ValueError as e:
-        raise DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
-      conn.settimeout(None)
-      if self._token and not hmac.compare_digest(
-          str(hello.get("token", "")).encode(), self._token.encode()):
-        raise DataConnectionError("Missing or wrong auth token.", "UNAUTHENTICATED")
+        except ssl.SSLWantWriteError:
+          self._selector.modify(conn, selectors.EVENT_WRITE, pending)
+          return
+        pending.handshaking = False
+        self._selector.modify(conn, selectors.EVENT_READ, pending)
+      while True:
+        try:
+          chunk = conn.recv(pending.wanted())
+        except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
+          return
+        if not chunk:
+          raise DataConnectionError("Closed before its hello.")
+        if pending.add(chunk):
+          break
+    except (OSError, ValueError) as e:  # not TLS, a refused certificate, garbage
+      if isinstance(e, DataConnectionError) and e.status != "UNAVAILABLE":
+        self._refuse(conn, e)
+      else:
+        logging.debug("Data connection dropped before its hello: %s", e)
+      self._drop(conn)
+      return
+    self._pending.pop(conn)
+    self._selector.unregister(conn)
+    try:
+      hello = json.loads(bytes(pending.data))
+      if not isinstance(hello, dict):
+        raise ValueError("not an object")
+    except ValueError as e:
+      self._refuse(conn, DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT"))
+      conn.close()
+      return
+    try:
+      if self._authenticate is not None:
+        self._authenticate(hello)
+      with self._lock:
+        if len(self._connections) >= self._max_connections:
+          raise DataConnectionError(
+              f"The worker's data socket already streams {self._max_connections} "
+              "connections, its most.", "RESOURCE_EXHAUSTED")
+        if self._stop.is_set():
+          raise DataConnectionError("The worker is stopping.", "UNAVAILABLE")
+        thread = threading.Thread(target=self._handle, args=(conn, hello),
+                                  name="jaxfeed-data-conn", daemon=True)
+        self._connections[conn] = thread
+    except DataConnectionError as e:
+      self._refuse(conn, e)
+      conn.close()
+      return
+    conn.setblocking(True)
+    thread.start()
+
+  @staticmethod
+  def _refuse(conn: socket.socket, error: DataConnectionError) -> None:
+    """Sends the error without blocking the accept loop (best effort)."""
+    payload = json.dumps({"status": error.status, "message": str(error)}).encode()
+    try:
+      conn.send(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0) + payload)
+      # Closing with unread input would reset the connection before the
+      # peer reads the error: take what has arrived first.
+      for _ in range(16):
+        if not conn.recv(65536):
+          break
+    except (OSError, ValueError):
+      pass
+
+  def _handle(self, conn: socket.socket, hello: dict) -> None:
+    try:
       compression = hello.get("compression") or ""
       if compression not in wire.COMPRESSIONS:
         raise DataConnectionError(f"Unknown compression {compression!r}.", "INVALID_ARGUMENT")
@@ -190,20 +327,15 @@ class DataServer:
         self._connections.pop(conn, None)
       conn.close()
 
-  def _wrap(self, conn: socket.socket) -> ssl.SSLSocket:
-    tls_conn = self._ssl_context.wrap_socket(conn, server_side=True)
-    with self._lock:  # close() must shut the wrapped socket down
-      thread = self._connections.pop(conn, None)
-      if thread is not None:
-        self._connections[tls_conn] = thread
-    return tls_conn
-
   def close(self) -> None:
     if self._stop.is_set():
       return
     self._stop.set()
-    self._listener.close()
+    self._wake_writer.send(b"x")
     self._accept_thread.join(timeout=5)
+    self._listener.close()
+    self._wake_reader.close()
+    self._wake_writer.close()
     with self._lock:
       connections = dict(self._connections)
     for conn in connections:

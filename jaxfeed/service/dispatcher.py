@@ -14,6 +14,7 @@ import base64
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -45,13 +46,24 @@ class DispatcherConfig:
     job_gc_timeout_s: A named job left without clients is kept this long,
       so a consumer that joins late still shares it (it gets what is left,
       or the end of the job) instead of starting the job over.
-    auth_token: If set, every RPC must carry it (gRPC metadata).
+    auth_token: The clients' token: registering datasets and reading jobs
+      need it (gRPC metadata). Set together with worker_token.
+    worker_token: The workers' token: registering, heartbeats and splits
+      need it. Different from auth_token, so that a client cannot pose as a
+      worker nor a worker as a client; clients read from workers with
+      per-task tickets the dispatcher hands them instead.
     split_size: Sampler positions per DYNAMIC split.
     max_message_bytes: Largest gRPC message accepted or sent.
     pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
+    udf_modules: Modules (or package prefixes ending in ".") whose UDFs and
+      classes pipelines may use beyond `spec.DEFAULT_UDF_MODULES`; a dataset
+      naming any other import path is refused when registered.
+    insecure: Allow binding beyond loopback without authentication.
+    max_jobs_per_host: Most jobs one client host may read at once.
     num_workers: Static sharding and round-robin jobs wait for this many
       workers; None takes the workers registered when the job starts.
-    tls: Server key and certificate for TLS; None serves plaintext.
+    tls: Server key and certificate for TLS; None serves plaintext. With a
+      client CA, callers must present certificates it signed.
     journal_fsync: fsync every journal record (durable across power loss).
     autoscale: Start and resize a pool of local worker processes from the
       clients' reports (see `jaxfeed.service.autoscale`); None: workers are
@@ -65,9 +77,13 @@ class DispatcherConfig:
   client_timeout_s: float = 60.0
   job_gc_timeout_s: float = 300.0
   auth_token: str | None = None
+  worker_token: str | None = None
   split_size: int = 256
   max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES
   pickled_udf_secret: bytes | None = None
+  udf_modules: tuple[str, ...] = ()
+  insecure: bool = False
+  max_jobs_per_host: int = 256
   num_workers: int | None = None
   tls: rpc.TLSConfig | None = None
   journal_fsync: bool = False
@@ -88,8 +104,30 @@ class DispatcherConfig:
     if self.num_workers is not None and (
         not isinstance(self.num_workers, int) or self.num_workers < 1):
       raise ValueError(f"DispatcherConfig: num_workers must be None or >= 1, got {self.num_workers!r}.")
-    if self.auth_token is not None and (not isinstance(self.auth_token, str) or not self.auth_token):
-      raise ValueError("DispatcherConfig: auth_token must be a non-empty string or None.")
+    for name in ("auth_token", "worker_token"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"DispatcherConfig: {name} must be a non-empty string or None.")
+    if (self.auth_token is None) != (self.worker_token is None):
+      raise ValueError(
+          "DispatcherConfig: set both auth_token (for clients) and worker_token "
+          "(for workers), or neither: with one token only, anyone could take "
+          "the other role.")
+    if self.auth_token is not None and self.auth_token == self.worker_token:
+      raise ValueError("DispatcherConfig: auth_token and worker_token must differ, "
+                       "so that clients cannot pose as workers.")
+    if not isinstance(self.max_jobs_per_host, int) or self.max_jobs_per_host < 1:
+      raise ValueError("DispatcherConfig: max_jobs_per_host must be an integer >= 1, "
+                       f"got {self.max_jobs_per_host!r}.")
+    object.__setattr__(self, "udf_modules", spec_lib.check_udf_modules(self.udf_modules))
+    rpc.check_bind_is_safe(
+        "Dispatcher", self.host, self.authenticates, self.insecure,
+        "register pipelines that run their code on every worker, or pose as a worker")
+
+  @property
+  def authenticates(self) -> bool:
+    """Whether every caller must prove who it is (tokens, or client certificates)."""
+    return bool(self.auth_token) or bool(self.tls is not None and self.tls.verifies_clients)
 
 
 @dataclasses.dataclass
@@ -170,6 +208,12 @@ class DispatcherState:
     self._reports: dict[int, tuple[int, float, float, float]] = {}
     self._sampled: dict[int, tuple[int, float, float, float]] = {}
     self._sampled_at = time.monotonic()
+    # The live clients' hosts, for max_jobs_per_host (clients replayed from
+    # the journal count for no host).
+    self._client_hosts: dict[int, str] = {}
+    # Workers derive their read-ticket keys from it; journaled, so that the
+    # tickets clients hold stay valid across a restart.
+    self._ticket_master: bytes | None = None
     if config.work_dir:
       self._journal = journal_lib.Journal(config.work_dir, config.journal_fsync)
       for record in self._journal.replay():
@@ -177,6 +221,8 @@ class DispatcherState:
       deadline = time.monotonic() + config.heartbeat_timeout_s
       self._awaited = {t.worker_address: deadline for job in self.jobs.values()
                        for t in job.tasks.values() if not t.finished}
+    if config.auth_token and self._ticket_master is None:
+      self._record({"kind": "ticket_master", "key": os.urandom(32).hex()})
 
   def close(self) -> None:
     if self._journal is not None:
@@ -248,6 +294,8 @@ class DispatcherState:
       for start, stop in r["ranges"]:
         job.reissue.pop(start, None)
         job.unacked[start] = (stop, r["task_id"])
+    elif kind == "ticket_master":
+      self._ticket_master = bytes.fromhex(r["key"])
     elif kind == "splits_acked":
       job = self.jobs[r["job_id"]]
       for start in r["starts"]:
@@ -259,6 +307,7 @@ class DispatcherState:
   # -- datasets -------------------------------------------------------------
   def register_dataset(self, dataset_def: pb.DatasetDef) -> str:
     spec_lib.check_signature(dataset_def, self.config.pickled_udf_secret)
+    spec_lib.check_spec_paths(dataset_def, self.config.udf_modules)
     if not dataset_def.graph_json:
       raise ValueError("RegisterDataset: the dataset definition has no graph.")
     with self.lock:
@@ -278,10 +327,19 @@ class DispatcherState:
     return found
 
   # -- jobs -------------------------------------------------------------------
-  def get_or_create_job(self, request: pb.GetOrCreateJobRequest) -> tuple[int, int]:
+  def get_or_create_job(self, request: pb.GetOrCreateJobRequest,
+                        host: str = "") -> tuple[int, int]:
+    """Returns (job id, client id); `host` is the client's, for max_jobs_per_host."""
     policy = to_sharding_policy(request.sharding_policy)
     _check_job_request(request, policy)
     with self.lock:
+      open_jobs = sum(1 for h in self._client_hosts.values() if h == host)
+      if host and open_jobs >= self.config.max_jobs_per_host:
+        raise rpc.StatusError(
+            "RESOURCE_EXHAUSTED",
+            f"Client host {host} already reads {open_jobs} jobs, the most "
+            f"max_jobs_per_host={self.config.max_jobs_per_host} allows "
+            "(--max_jobs_per_host): finish or release some first.")
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
         raise rpc.NotFoundError(
@@ -336,6 +394,8 @@ class DispatcherState:
       client_id = self._next_id()
       self._record({"kind": "client", "id": client_id, "job_id": job.job_id,
                     "consumer_index": request.consumer_index})
+      if host:
+        self._client_hosts[client_id] = host
       job.idle_since = None
       return job.job_id, client_id
 
@@ -362,10 +422,17 @@ class DispatcherState:
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
 
-  def _task_info(self, task: _Task) -> pb.TaskInfo:
+  def _ticket_key(self, worker_address: str) -> bytes:
+    if self._ticket_master is None:
+      return b""
+    return rpc.worker_ticket_key(self._ticket_master, worker_address)
+
+  def _task_info(self, task: _Task, for_client: bool = False) -> pb.TaskInfo:
     job = self.jobs[task.job_id]
     worker = self.workers.get(task.worker_address)
+    key = self._ticket_key(task.worker_address) if for_client else b""
     return pb.TaskInfo(
+        read_ticket=rpc.read_ticket(key, task.task_id) if key else "",
         task_id=task.task_id, job_id=job.job_id, dataset_id=job.dataset_id,
         worker_address=task.worker_address,
         data_address=worker.data_address if worker else "",
@@ -396,7 +463,7 @@ class DispatcherState:
       acked = sorted(s for s in set(acked_splits) if s in job.unacked or s in job.reissue)
       if acked:
         self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
-      tasks = [self._task_info(t) for t in job.tasks.values()
+      tasks = [self._task_info(t, for_client=True) for t in job.tasks.values()
                if t.worker_address in self.workers]
       done = all(t.finished for t in job.tasks.values())
       if job.policy == ShardingPolicy.DYNAMIC:
@@ -449,7 +516,8 @@ class DispatcherState:
       return pb.WorkerHeartbeatResponse(
           new_tasks=[self._task_info(t) for tid, t in sorted(live.items())
                      if tid not in current and not t.finished],
-          tasks_to_delete=sorted(current - set(live)))
+          tasks_to_delete=sorted(current - set(live)),
+          ticket_key=self._ticket_key(address))
 
   def get_splits(self, request: pb.GetSplitsRequest) -> pb.GetSplitsResponse:
     with self.lock:
@@ -549,6 +617,7 @@ class DispatcherState:
 
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
+    self._client_hosts.pop(client_id, None)
     job = self.jobs[job_id]
     if job.clients:
       return
@@ -604,8 +673,7 @@ class _DispatcherServicer:
     return pb.GetDatasetDefResponse(dataset=self.state.dataset_def(request.dataset_id))
 
   def GetOrCreateJob(self, request, context):
-    del context
-    job_id, client_id = self.state.get_or_create_job(request)
+    job_id, client_id = self.state.get_or_create_job(request, _peer_host(context.peer()))
     return pb.GetOrCreateJobResponse(job_id=job_id, client_id=client_id)
 
   def ClientHeartbeat(self, request, context):
@@ -626,19 +694,29 @@ class _DispatcherServicer:
     del context
     return self.state.get_splits(request)
 
-  def handler(self, token: str | None) -> grpc.GenericRpcHandler:
+  def handler(self, config: DispatcherConfig) -> grpc.GenericRpcHandler:
+    client, worker = (rpc.CLIENT,), (rpc.WORKER,)
     methods = {
-        "RegisterDataset": pb.RegisterDatasetRequest,
-        "GetDatasetDef": pb.GetDatasetDefRequest,
-        "GetOrCreateJob": pb.GetOrCreateJobRequest,
-        "ClientHeartbeat": pb.ClientHeartbeatRequest,
-        "ReleaseJobClient": pb.ReleaseJobClientRequest,
-        "WorkerHeartbeat": pb.WorkerHeartbeatRequest,
-        "GetSplits": pb.GetSplitsRequest,
+        "RegisterDataset": (pb.RegisterDatasetRequest, client),
+        "GetDatasetDef": (pb.GetDatasetDefRequest, worker),
+        "GetOrCreateJob": (pb.GetOrCreateJobRequest, client),
+        "ClientHeartbeat": (pb.ClientHeartbeatRequest, client),
+        "ReleaseJobClient": (pb.ReleaseJobClientRequest, client),
+        "WorkerHeartbeat": (pb.WorkerHeartbeatRequest, worker),
+        "GetSplits": (pb.GetSplitsRequest, worker),
     }
     return rpc.method_handlers(
-        SERVICE_NAME, token,
-        {name: (getattr(self, name), cls, False) for name, cls in methods.items()})
+        SERVICE_NAME, {rpc.CLIENT: config.auth_token, rpc.WORKER: config.worker_token},
+        {name: (getattr(self, name), cls, False, roles)
+         for name, (cls, roles) in methods.items()})
+
+
+def _peer_host(peer: str) -> str:
+  """The host of a gRPC peer ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678")."""
+  kind, _, rest = peer.partition(":")
+  if kind in ("ipv4", "ipv6"):
+    return rest.rsplit(":", 1)[0].strip("[]")
+  return peer
 
 
 def _liveness_loop(state_ref: weakref.ref, stop: threading.Event, period: float) -> None:
@@ -661,7 +739,7 @@ class DispatchServer:
     self.state = DispatcherState(self.config)
     servicer = _DispatcherServicer(self.state)
     self._server, self.port = rpc.make_server(
-        f"{self.config.host}:{self.config.port}", servicer.handler(self.config.auth_token),
+        f"{self.config.host}:{self.config.port}", servicer.handler(self.config),
         self.config.max_message_bytes, self.config.tls)
     self._stop = threading.Event()
     self._liveness = threading.Thread(
@@ -673,14 +751,16 @@ class DispatchServer:
     self.autoscaler: autoscale_lib.Autoscaler | None = None
     if self.config.autoscale is not None:
       secrets = {}
-      if self.config.auth_token:
-        secrets["auth_token"] = self.config.auth_token
+      if self.config.worker_token:
+        secrets["worker_token"] = self.config.worker_token
       if self.config.pickled_udf_secret:
         secrets["pickled_udf_secret"] = self.config.pickled_udf_secret.decode()
       host = self.config.host
       local = "127.0.0.1" if rpc.is_wildcard_host(host) else host
-      backend = autoscale_lib.LocalWorkerBackend(
-          f"{local}:{self.port}", self.config.autoscale.worker_flags, secrets)
+      flags = list(self.config.autoscale.worker_flags)
+      if self.config.udf_modules:
+        flags.append(f"--udf_modules={','.join(self.config.udf_modules)}")
+      backend = autoscale_lib.LocalWorkerBackend(f"{local}:{self.port}", flags, secrets)
       self.autoscaler = autoscale_lib.Autoscaler(
           self.config.autoscale, backend, self.state.sample_clients)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
@@ -737,12 +817,18 @@ def main(argv: Any) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
+                               "pickled_udf_secret")
   config = DispatcherConfig(
       port=f.port, host=f.host, work_dir=f.work_dir or None,
-      heartbeat_timeout_s=f.heartbeat_timeout_s, auth_token=f.auth_token or None,
+      heartbeat_timeout_s=f.heartbeat_timeout_s,
+      auth_token=rpc.read_secret(f.auth_token, f.auth_token_file, "auth_token"),
+      worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
       split_size=f.split_size, num_workers=f.num_workers or None,
-      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None,
-      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert),
+      pickled_udf_secret=udf_secret.encode() if udf_secret else None,
+      udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
+      max_jobs_per_host=f.max_jobs_per_host,
+      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, client_ca=f.tls_client_ca),
       autoscale=autoscale_lib.AutoscaleConfig(
           min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
           interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()))
@@ -773,10 +859,14 @@ def define_flags() -> None:
                       "and clients on other machines).")
   flags.DEFINE_string("work_dir", "", "Folder of the write-ahead journal.")
   flags.DEFINE_float("heartbeat_timeout_s", 10.0, "Worker heartbeat timeout.")
-  flags.DEFINE_string("auth_token", "", "Token every RPC must carry.")
+  rpc.define_auth_flags(flags)
+  flags.DEFINE_string("auth_token", "", "Token of the clients (tests; prefer "
+                      "--auth_token_file: command lines are visible in ps).")
+  flags.DEFINE_string("auth_token_file", "", "File holding the clients' token.")
+  flags.DEFINE_integer("max_jobs_per_host", 256, "Most jobs one client host may read "
+                       "at once.")
   flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
   flags.DEFINE_integer("num_workers", 0, "Workers static sharding waits for.")
-  flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
   flags.DEFINE_string("port_file", "", "Write the bound port to this file.")
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")

@@ -2,15 +2,18 @@
 
 Servers register their methods through `method_handlers`, which receives raw
 request bytes so that malformed messages get INVALID_ARGUMENT (gRPC's own
-deserializer would answer a bare INTERNAL), checks the auth token on every
-call, and maps the service's exceptions to clear status codes.
+deserializer would answer a bare INTERNAL), checks the caller's credential
+for the method's role from the call's metadata before the request body is
+read, and maps the service's exceptions to clear status codes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import signal
@@ -26,6 +29,9 @@ from jaxfeed.service import spec as spec_lib
 
 TOKEN_METADATA_KEY = "x-jaxfeed-token"
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# Metadata is read before a call is authenticated: keep it small.
+MAX_METADATA_BYTES = 16 << 10
+CLIENT, WORKER = "client", "worker"  # the roles of a dispatcher's callers
 
 
 class NotFoundError(KeyError):
@@ -49,17 +55,23 @@ class ServiceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class TLSConfig:
-  """PEM bytes for TLS. Servers need key + certificate, clients the root CA."""
+  """PEM bytes for TLS.
+
+  Servers need key + certificate, and with client_ca they require every
+  caller to present a certificate it signed (mutual TLS). Clients need the
+  root CA, and a key + certificate of their own where servers require one.
+  """
 
   private_key: bytes | None = None
   certificate_chain: bytes | None = None
   root_certificates: bytes | None = None
+  client_ca: bytes | None = None
 
   @classmethod
   def from_files(cls, private_key: str = "", certificate_chain: str = "",
-                 root_certificates: str = "") -> "TLSConfig | None":
+                 root_certificates: str = "", client_ca: str = "") -> "TLSConfig | None":
     """Reads the PEM files given (empty names are left out); None if none is."""
-    if not (private_key or certificate_chain or root_certificates):
+    if not (private_key or certificate_chain or root_certificates or client_ca):
       return None
     if bool(private_key) != bool(certificate_chain):
       raise ValueError(
@@ -78,22 +90,26 @@ class TLSConfig:
         raise ValueError(f"TLS: {path!r} is not a PEM file (no '-----BEGIN' line).")
       return data
 
-    return cls(read(private_key), read(certificate_chain), read(root_certificates))
+    return cls(read(private_key), read(certificate_chain), read(root_certificates),
+               read(client_ca))
+
+  @property
+  def verifies_clients(self) -> bool:
+    return bool(self.client_ca)
 
   def server_credentials(self) -> grpc.ServerCredentials:
     if not self.private_key or not self.certificate_chain:
       raise ValueError("TLS on a server needs private_key and certificate_chain PEM bytes.")
-    return grpc.ssl_server_credentials([(self.private_key, self.certificate_chain)])
+    return grpc.ssl_server_credentials(
+        [(self.private_key, self.certificate_chain)],
+        root_certificates=self.client_ca, require_client_auth=self.verifies_clients)
 
   def channel_credentials(self) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
+    return grpc.ssl_channel_credentials(
+        root_certificates=self.root_certificates, private_key=self.private_key,
+        certificate_chain=self.certificate_chain)
 
-  def server_ssl_context(self) -> ssl.SSLContext:
-    """The same key and certificate for the raw data socket."""
-    if not self.private_key or not self.certificate_chain:
-      raise ValueError("TLS on a server needs private_key and certificate_chain PEM bytes.")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
+  def _load_own_certificate(self, context: ssl.SSLContext) -> None:
     # load_cert_chain reads only files: write them to a private folder briefly.
     with tempfile.TemporaryDirectory(prefix="jaxfeed-tls-") as folder:
       key_path = os.path.join(folder, "key.pem")
@@ -106,6 +122,17 @@ class TLSConfig:
         context.load_cert_chain(cert_path, key_path)
       except ssl.SSLError as e:
         raise ValueError(f"TLS key and certificate chain do not load: {e}") from e
+
+  def server_ssl_context(self) -> ssl.SSLContext:
+    """The same key and certificate (and client CA) for the raw data socket."""
+    if not self.private_key or not self.certificate_chain:
+      raise ValueError("TLS on a server needs private_key and certificate_chain PEM bytes.")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    self._load_own_certificate(context)
+    if self.verifies_clients:
+      context.verify_mode = ssl.CERT_REQUIRED
+      context.load_verify_locations(cadata=self.client_ca.decode("ascii"))
     return context
 
   def client_ssl_context(self) -> ssl.SSLContext:
@@ -113,16 +140,108 @@ class TLSConfig:
     roots = self.root_certificates.decode("ascii") if self.root_certificates else None
     context = ssl.create_default_context(cadata=roots)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if self.private_key and self.certificate_chain:
+      self._load_own_certificate(context)  # for servers that verify clients
     return context
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+def read_secret(value: str, path: str, flag: str) -> str | None:
+  """A secret from the flag `--flag` or, better (`ps` shows no file
+  contents), from the file of `--flag_file`; None when neither is given."""
+  if value and path:
+    raise ValueError(f"Give --{flag} or --{flag}_file, not both.")
+  if not path:
+    return value or None
+  try:
+    with open(path) as f:
+      text = f.read().strip()
+    mode = os.stat(path).st_mode
+  except OSError as e:
+    raise ValueError(f"Cannot read --{flag}_file {path!r}: {e.strerror}.") from e
+  if not text:
+    raise ValueError(f"--{flag}_file {path!r} is empty.")
+  if mode & 0o077:
+    logging.warning("--%s_file %s can be read by other users (mode %o): chmod 600 it.",
+                    flag, path, mode & 0o777)
+  return text
+
+
+def is_loopback_host(host: str) -> bool:
+  """Whether binding `host` is reachable from this machine only."""
+  if host == "localhost":
+    return True
+  try:
+    return ipaddress.ip_address(host.strip("[]")).is_loopback
+  except ValueError:
+    return False  # a host name: it may resolve beyond this machine
+
+
+def check_bind_is_safe(who: str, host: str, authenticated: bool, insecure: bool,
+                       how: str) -> None:
+  """Raises ValueError when a server would bind beyond loopback unauthenticated."""
+  if is_loopback_host(host) or authenticated or insecure:
+    return
+  raise ValueError(
+      f"{who}: refusing to bind {host!r} (reachable from other machines) "
+      f"without authentication: anyone who reaches it could {how}. Set "
+      "the tokens (or TLS with a client CA that verifies callers), or pass "
+      "insecure=True (--insecure) on a network you trust.")
+
+
+def define_auth_flags(flags: Any) -> None:
+  """The flags of credentials and trust that dispatcher and workers share."""
+  flags.DEFINE_string("worker_token", "", "Token of the workers (tests; prefer "
+                      "--worker_token_file).")
+  flags.DEFINE_string("worker_token_file", "", "File holding the workers' token.")
+  flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs "
+                      "(tests; prefer --pickled_udf_secret_file).")
+  flags.DEFINE_string("pickled_udf_secret_file", "", "File holding the secret of "
+                      "signed pickled UDFs.")
+  flags.DEFINE_string("udf_modules", "", "Comma-separated modules (or package "
+                      "prefixes ending in '.') pipelines may import UDFs and classes "
+                      "from, beyond jaxfeed's and numpy's; e.g. mypkg.,examples.")
+  flags.DEFINE_bool("insecure", False, "Allow binding beyond loopback without "
+                    "authentication (a trusted network only).")
+  flags.DEFINE_string("tls_client_ca", "", "PEM CA file: require TLS callers to present "
+                      "a certificate it signed (mutual TLS; with --tls_key).")
+
+
+def read_ticket(key: bytes, task_id: int) -> str:
+  """The credential that lets a client read task `task_id` on the worker
+  holding `key`: the dispatcher hands it to the task's clients, so workers
+  never see (and cannot replay) a client's token."""
+  return hmac.new(key, b"jaxfeed read ticket %d" % task_id, hashlib.sha256).hexdigest()
+
+
+def worker_ticket_key(master_key: bytes, worker_address: str) -> bytes:
+  """A worker's own ticket key: it verifies tickets for its tasks only."""
+  return hmac.new(master_key, b"jaxfeed worker ticket key\0" + worker_address.encode(),
+                  hashlib.sha256).digest()
+
+
+def ticket_matches(key: bytes, task_id: int, sent: Any) -> bool:
+  return isinstance(sent, str) and hmac.compare_digest(
+      read_ticket(key, task_id).encode(), sent.encode())
+
+
+def metadata_token(metadata: Any) -> str | None:
+  """The credential a call carries in its metadata, if any."""
+  for key, value in metadata or ():
+    if key == TOKEN_METADATA_KEY:
+      return value if isinstance(value, str) else None
+  return None
+
+
+def channel_options(max_message_bytes: int, max_receive_bytes: int | None = None
+                    ) -> list[tuple[str, Any]]:
   return [("grpc.max_send_message_length", max_message_bytes),
-          ("grpc.max_receive_message_length", max_message_bytes),
+          ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
+          ("grpc.max_metadata_size", MAX_METADATA_BYTES),
           ("grpc.so_reuseport", 0)]
 
 
 _STATUS_BY_ERROR = (
+    (spec_lib.UDFNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
     (spec_lib.UDFImportError, grpc.StatusCode.FAILED_PRECONDITION),
     (spec_lib.SpecError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
@@ -137,16 +256,6 @@ def _status_for(error: Exception) -> grpc.StatusCode:
   return grpc.StatusCode.INTERNAL
 
 
-def _check_token(context: grpc.ServicerContext, token: str | None) -> None:
-  if not token:
-    return
-  sent = dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY)
-  if sent is None or not hmac.compare_digest(str(sent).encode(), token.encode()):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                  "Missing or wrong auth token: send the deployment's token in "
-                  f"gRPC metadata {TOKEN_METADATA_KEY!r}.")
-
-
 def _parse(request_cls: type, data: bytes, method: str,
            context: grpc.ServicerContext) -> pb_message.Message:
   request = request_cls()
@@ -159,16 +268,22 @@ def _parse(request_cls: type, data: bytes, method: str,
   return request
 
 
-def method_handlers(service_name: str, token: str | None,
-                    methods: dict[str, tuple[Callable, type, bool]]
-                    ) -> grpc.GenericRpcHandler:
-  """A generic handler for methods name -> (fn(request, context), request type, streams)."""
-  handlers = {}
-  for name, (fn, request_cls, streams) in methods.items():
+Method = tuple[Callable, type, bool, tuple[str, ...]]
+
+
+def method_handlers(service_name: str, tokens: dict[str, str | None],
+                    methods: dict[str, Method]) -> grpc.GenericRpcHandler:
+  """A generic handler for methods name -> (fn(request, context), request
+  type, streams, roles allowed to call it).
+
+  tokens: role -> the token its callers must send; when no role has one,
+  every caller is let in (loopback, or TLS that verifies client certificates).
+  """
+  handlers, refusals = {}, {}
+  for name, (fn, request_cls, streams, roles) in methods.items():
     full = f"{service_name}.{name}"
     if streams:
       def stream(data, context, fn=fn, request_cls=request_cls, full=full):
-        _check_token(context, token)
         request = _parse(request_cls, data, full, context)
         try:
           for response in fn(request, context):  # a message, or its bytes
@@ -178,14 +293,62 @@ def method_handlers(service_name: str, token: str | None,
       handlers[name] = grpc.unary_stream_rpc_method_handler(stream)
     else:
       def unary(data, context, fn=fn, request_cls=request_cls, full=full):
-        _check_token(context, token)
         request = _parse(request_cls, data, full, context)
         try:
           return fn(request, context).SerializeToString()
         except Exception as e:  # pylint: disable=broad-except
           _abort_for(e, full, context)
       handlers[name] = grpc.unary_unary_rpc_method_handler(unary)
-  return grpc.method_handlers_generic_handler(service_name, handlers)
+    refusals[name] = _refusal(full, roles)
+  return _AuthenticatingHandler(service_name, tokens, methods, handlers, refusals)
+
+
+def _refusal(method: str, roles: tuple[str, ...]) -> grpc.RpcMethodHandler:
+  message = (f"{method}: missing or wrong credential. This method is for "
+             f"{' and '.join(roles)}s: send the {' or '.join(roles)} token in gRPC "
+             f"metadata {TOKEN_METADATA_KEY!r}.")
+
+  def refuse(requests, context):
+    del requests  # never read: an unauthenticated body is not received
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+  return grpc.stream_stream_rpc_method_handler(refuse)
+
+
+class _AuthenticatingHandler(grpc.GenericRpcHandler):
+  """Picks a method's handler from the call's metadata alone: a caller
+  without the credential of the method's roles gets a handler that answers
+  UNAUTHENTICATED without receiving the request."""
+
+  def __init__(self, service_name: str, tokens: dict[str, str | None],
+               methods: dict[str, Method], handlers: dict, refusals: dict):
+    self._prefix = f"/{service_name}/"
+    self._tokens = {role: token.encode() for role, token in tokens.items() if token}
+    self._roles = {name: method[3] for name, method in methods.items()}
+    self._handlers = handlers
+    self._refusals = refusals
+
+  def _allows(self, roles: tuple[str, ...], metadata: Any) -> bool:
+    if not self._tokens:
+      return True
+    sent = metadata_token(metadata)
+    if sent is None:
+      return False
+    sent_bytes = sent.encode()
+    # Every role's token is compared, so the time taken tells nothing.
+    matches = [hmac.compare_digest(sent_bytes, self._tokens[role])
+               for role in roles if role in self._tokens]
+    return any(matches)
+
+  def service(self, handler_call_details):
+    method = handler_call_details.method
+    if not method.startswith(self._prefix):
+      return None
+    name = method[len(self._prefix):]
+    if name not in self._handlers:
+      return None
+    if not self._allows(self._roles[name], handler_call_details.invocation_metadata):
+      return self._refusals[name]
+    return self._handlers[name]
 
 
 def _abort_for(error: Exception, method: str, context: grpc.ServicerContext) -> None:
@@ -202,13 +365,18 @@ def _abort_for(error: Exception, method: str, context: grpc.ServicerContext) -> 
 
 def make_server(address: str, methods_handler: grpc.GenericRpcHandler,
                 max_message_bytes: int, tls: TLSConfig | None,
-                max_workers: int = 32) -> tuple["ServerHandle", int]:
-  """A bound, not yet started server; returns (handle, port)."""
+                max_workers: int = 32, max_receive_bytes: int | None = None
+                ) -> tuple["ServerHandle", int]:
+  """A bound, not yet started server; returns (handle, port).
+
+  max_receive_bytes: largest request accepted (default max_message_bytes);
+  a server whose requests are all small says so here.
+  """
   executor = concurrent.futures.ThreadPoolExecutor(
       max_workers=max_workers, thread_name_prefix="jaxfeed-rpc")
   server = grpc.server(
       executor,
-      options=channel_options(max_message_bytes),
+      options=channel_options(max_message_bytes, max_receive_bytes),
       maximum_concurrent_rpcs=None)
   server.add_generic_rpc_handlers((methods_handler,))
   if tls is not None:

@@ -14,6 +14,14 @@ and its parents. Parameter values are encoded by kind:
   checked before anything is unpickled);
 - sources, samplers and other objects with `spec_params()` by class path and
   their own params; nested datasets as nested graphs.
+
+Where a spec is rebuilt (workers) or registered (the dispatcher), every import
+path must lie in an allowed module (`DEFAULT_UDF_MODULES`, jaxfeed's classes
+and the deployment's `--udf_modules`); modules that run code, touch files or
+processes are never allowed, and a path is checked before its module is
+imported. A signature covers every field of the spec, the key id of the
+secret and an expiry time, so a signed spec can be neither altered nor
+registered again after it expired.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import hmac
 import importlib
 import json
 import struct
-from typing import Any, Callable
+import time
+import types
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -44,11 +54,136 @@ def object_path(obj: Any) -> str:
   return f"{obj.__module__}:{obj.__qualname__}"
 
 
-def resolve_path(path: str) -> Any:
-  """Imports `module:qualname` and returns the object."""
+class UDFNotAllowedError(SpecError):
+  """An import path is outside the modules the deployment allows."""
+
+
+# Callables workers may import when the deployment lists nothing more: pure
+# numeric modules and jaxfeed's own op helpers. An entry ending in "." allows
+# a package and everything under it; any other entry allows exactly that
+# module (so "numpy" does not let in numpy.ctypeslib or numpy.f2py).
+DEFAULT_UDF_MODULES = ("numpy", "numpy.fft", "numpy.linalg", "math",
+                       "jaxfeed.ops.", "jaxfeed.coord.", "jaxfeed.sampler",
+                       "jaxfeed.seeding")
+# Class paths (op nodes, sources, samplers) may also name any jaxfeed class;
+# they are only used after checking that they are such classes.
+_CLASS_MODULES = ("jaxfeed.",)
+# Modules that run code, touch files or processes, or reach the network:
+# never allowed, whatever the deployment lists.
+NEVER_ALLOWED_MODULES = frozenset({
+    "builtins", "os", "posix", "nt", "subprocess", "_posixsubprocess", "importlib",
+    "pickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "shutil", "sys",
+    "ctypes", "socket", "runpy", "code", "codeop", "pty", "multiprocessing", "signal",
+    "io", "_io", "tempfile", "pathlib", "glob", "pkgutil", "zipimport", "types",
+    "inspect", "gc", "threading", "asyncio", "webbrowser", "urllib", "http",
+    "ftplib", "smtplib", "__main__", "functools", "operator", "jaxfeed.service"})
+# Callables of allowed modules that read or write files.
+_NEVER_ALLOWED_PATHS = frozenset(
+    f"numpy:{name}" for name in (
+        "load", "save", "savez", "savez_compressed", "loadtxt", "savetxt",
+        "genfromtxt", "fromfile", "fromregex", "memmap", "DataSource"))
+UDF_MODULES_FLAG = "--udf_modules"
+
+
+def _module_matches(module: str, entries: Sequence[str]) -> bool:
+  for entry in entries:
+    if entry.endswith("."):
+      if module == entry[:-1] or module.startswith(entry):
+        return True
+    elif module == entry:
+      return True
+  return False
+
+
+def check_udf_modules(entries: Sequence[str]) -> tuple[str, ...]:
+  """Validates a deployment's extra UDF module entries; returns them as a tuple.
+
+  Args:
+    entries: module names ("mypkg.udfs": that module only) or package
+      prefixes ending in "." ("mypkg.": the package and its submodules).
+
+  Returns:
+    The entries, in order.
+  """
+  if isinstance(entries, str):
+    raise ValueError(f"udf_modules must be a sequence of module names, got the "
+                     f"string {entries!r} (split it at commas).")
+  checked = []
+  for entry in entries:
+    name = entry[:-1] if isinstance(entry, str) and entry.endswith(".") else entry
+    if not isinstance(name, str) or not all(
+        part.isidentifier() for part in name.split(".")):
+      raise ValueError(
+          f"udf_modules entry {entry!r} is not a module name or a package "
+          "prefix ending in '.' (e.g. 'mypkg.udfs' or 'mypkg.').")
+    unsafe = sorted(m for m in NEVER_ALLOWED_MODULES
+                    if _module_matches(m, [entry]) or m.startswith(name + ".")
+                    or name.startswith(m + "."))
+    if unsafe:
+      raise ValueError(
+          f"udf_modules entry {entry!r} would let pipelines run {unsafe[0]!r}, "
+          "a module that runs code, touches files or processes; it is never "
+          "allowed. List only the modules of your own UDFs.")
+    checked.append(entry)
+  return tuple(checked)
+
+
+def parse_udf_modules(flag_value: str) -> tuple[str, ...]:
+  """The entries of a comma-separated --udf_modules flag, validated."""
+  return check_udf_modules([e.strip() for e in flag_value.split(",") if e.strip()])
+
+
+def _split_path(path: Any) -> tuple[str, str]:
   if not isinstance(path, str) or ":" not in path:
     raise UDFImportError(f"Import path {path!r} is not of the form 'module:qualname'.")
   module_name, qualname = path.split(":", 1)
+  return module_name, qualname
+
+
+def _refuse(path: str, what: str, udf_modules: Sequence[str]) -> UDFNotAllowedError:
+  return UDFNotAllowedError(
+      f"Import path {path!r} is not allowed on this deployment: {what}. UDFs "
+      "and classes in a pipeline are imported only from jaxfeed's own modules, "
+      f"{', '.join(DEFAULT_UDF_MODULES[:4])} and the modules the dispatcher "
+      f"and workers list in {UDF_MODULES_FLAG} (now: "
+      f"{','.join(udf_modules) or 'none'}); add your UDFs' module there, e.g. "
+      f"{UDF_MODULES_FLAG}=mypkg. on both.")
+
+
+def check_path_allowed(path: str, udf_modules: Sequence[str], is_class: bool = False
+                       ) -> None:
+  """Raises UDFNotAllowedError unless `path` may be imported (without importing)."""
+  module_name, qualname = _split_path(path)
+  allowed = (*(_CLASS_MODULES if is_class else DEFAULT_UDF_MODULES), *udf_modules)
+  if any(module_name == m or module_name.startswith(m + ".")
+         for m in NEVER_ALLOWED_MODULES):
+    raise _refuse(path, f"module {module_name!r} runs code, touches files or "
+                  "processes and is never allowed", udf_modules)
+  if not _module_matches(module_name, allowed):
+    raise _refuse(path, f"module {module_name!r} is not allowlisted", udf_modules)
+  if path in _NEVER_ALLOWED_PATHS:
+    raise _refuse(path, "it reads or writes files", udf_modules)
+  if any(not part.isidentifier() or part.startswith("_") for part in qualname.split(".")):
+    raise _refuse(path, f"qualname {qualname!r} names a private attribute", udf_modules)
+
+
+def resolve_path(path: str, udf_modules: Sequence[str] | None = None,
+                 is_class: bool = False) -> Any:
+  """Imports `module:qualname` and returns the object.
+
+  Args:
+    path: the import path.
+    udf_modules: None imports anything (the client checking its own
+      functions); otherwise the deployment's extra allowed modules: paths
+      outside them are refused before their module is imported.
+    is_class: the path names an op, source or sampler class.
+
+  Returns:
+    The object.
+  """
+  module_name, qualname = _split_path(path)
+  if udf_modules is not None:
+    check_path_allowed(path, udf_modules, is_class)
   try:
     value = importlib.import_module(module_name)
   except ImportError as e:
@@ -63,7 +198,49 @@ def resolve_path(path: str) -> Any:
       raise UDFImportError(
           f"Module {module_name!r} has no attribute {qualname!r} (import path "
           f"{path!r}) on this host.") from e
+    if udf_modules is not None and isinstance(value, types.ModuleType):
+      raise _refuse(path, f"{part!r} is a module imported by {module_name!r}",
+                    udf_modules)
+  if udf_modules is not None:
+    # An allowed module may import a function from elsewhere
+    # (`from os import system`): the object's own module must be allowed too.
+    home = getattr(value, "__module__", None)
+    if not isinstance(home, str):
+      raise _refuse(path, "the object names no module of its own", udf_modules)
+    if home != module_name:
+      check_path_allowed(f"{home}:{getattr(value, '__qualname__', qualname)}",
+                         udf_modules, is_class)
   return value
+
+
+def graph_paths(dataset_def: service_pb2.DatasetDef) -> list[tuple[str, bool]]:
+  """Every import path in a spec's graph, with whether it names a class."""
+  try:
+    graph = json.loads(dataset_def.graph_json)
+  except ValueError as e:
+    raise SpecError(f"Pipeline spec is not valid JSON: {e}") from e
+  found: list[tuple[str, bool]] = []
+  pending = [graph]
+  while pending:
+    item = pending.pop()
+    if isinstance(item, list):
+      pending.extend(item)
+    elif isinstance(item, dict):
+      for key, value in item.items():
+        if key in ("class", "__object__") and isinstance(value, str):
+          found.append((value, True))
+        elif key == "__callable__":
+          found.append((value, False))
+        else:
+          pending.append(value)
+  return found
+
+
+def check_spec_paths(dataset_def: service_pb2.DatasetDef,
+                     udf_modules: Sequence[str]) -> None:
+  """Raises UDFNotAllowedError if any import path of the spec is not allowed."""
+  for path, is_class in graph_paths(dataset_def):
+    check_path_allowed(path, udf_modules, is_class)
 
 
 def _is_dtype_like(value: Any) -> bool:
@@ -158,43 +335,117 @@ class _Encoder:
         "udf_secret=...")
 
 
-def _signed_bytes(dataset_def: service_pb2.DatasetDef) -> bytes:
-  parts = [dataset_def.graph_json, dataset_def.arrays, *dataset_def.pickled_udfs]
-  return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+SPEC_TTL_S = 600.0  # how long a signed spec may be registered after signing
+_SIGNATURE_MAGIC = b"JFS2"
+_SIGNATURE_HEAD = struct.Struct("<4sB")
+_EXPIRY = struct.Struct("<q")
+_UNSIGNED_FIELDS = ("signature",)
 
 
-def sign(dataset_def: service_pb2.DatasetDef, secret: bytes) -> bytes:
-  return hmac.new(secret, _signed_bytes(dataset_def), hashlib.sha256).digest()
+def key_id(secret: bytes) -> str:
+  """A public name of a secret: tells which key signed a spec, reveals nothing."""
+  return hashlib.sha256(b"jaxfeed spec key id\0" + secret).hexdigest()[:16]
 
 
-def check_signature(dataset_def: service_pb2.DatasetDef,
-                    secret: bytes | None) -> None:
-  """Raises SpecError unless pickled UDFs are allowed and correctly signed."""
-  if not dataset_def.pickled_udfs:
+def _canonical_fields(dataset_def: service_pb2.DatasetDef) -> bytes:
+  """Every field but the signature, each tagged with its number and length, so
+  that a field added to DatasetDef later is covered without a change here."""
+  parts = []
+  for field in sorted(dataset_def.DESCRIPTOR.fields, key=lambda f: f.number):
+    if field.name in _UNSIGNED_FIELDS:
+      continue
+    value = getattr(dataset_def, field.name)
+    values = list(value) if field.is_repeated else [value]
+    encoded = []
+    for v in values:
+      if isinstance(v, bytes):
+        encoded.append(v)
+      elif isinstance(v, str):
+        encoded.append(v.encode())
+      elif hasattr(v, "SerializeToString"):
+        encoded.append(v.SerializeToString(deterministic=True))
+      else:
+        encoded.append(repr(v).encode())
+    parts.append(struct.pack("<IQ", field.number, len(encoded)))
+    parts.extend(struct.pack("<Q", len(e)) + e for e in encoded)
+  return b"".join(parts)
+
+
+def _mac(secret: bytes, head: bytes, dataset_def: service_pb2.DatasetDef) -> bytes:
+  return hmac.new(secret, head + _canonical_fields(dataset_def), hashlib.sha256).digest()
+
+
+def sign(dataset_def: service_pb2.DatasetDef, secret: bytes,
+         ttl_s: float = SPEC_TTL_S, now: float | None = None) -> bytes:
+  """A signature over every field of the spec, the key id and an expiry time."""
+  kid = key_id(secret).encode()
+  expires = int((time.time() if now is None else now) + ttl_s)
+  head = _SIGNATURE_HEAD.pack(_SIGNATURE_MAGIC, len(kid)) + kid + _EXPIRY.pack(expires)
+  return head + _mac(secret, head, dataset_def)
+
+
+def check_signature(dataset_def: service_pb2.DatasetDef, secret: bytes | None,
+                    check_expiry: bool = True, now: float | None = None) -> None:
+  """Raises SpecError unless the spec's signature (if any) is valid.
+
+  A spec that ships pickled UDFs must be signed with this deployment's
+  secret; one without them may be unsigned.
+
+  Args:
+    dataset_def: the spec.
+    secret: the deployment's secret; None refuses pickled UDFs.
+    check_expiry: refuse a signature past its expiry time (the dispatcher
+      does when a spec is registered; workers get specs only from it).
+    now: the current Unix time (tests).
+  """
+  name = f"Dataset {dataset_def.fingerprint!r}"
+  if dataset_def.pickled_udfs and not secret:
+    raise SpecError(
+        f"{name} ships {len(dataset_def.pickled_udfs)} pickled UDF(s), but this "
+        "deployment does not accept pickled UDFs (no pickled_udf_secret "
+        "configured). Use UDFs importable as module:qualname.")
+  if not secret or (not dataset_def.signature and not dataset_def.pickled_udfs):
     return
-  if not secret:
+  signature = dataset_def.signature
+  head_size = _SIGNATURE_HEAD.size
+  if len(signature) < head_size or signature[:4] != _SIGNATURE_MAGIC:
+    raise SpecError(f"{name} has no valid signature (pickled UDFs must be signed "
+                    "with the deployment's secret); refusing it.")
+  kid_size = signature[4]
+  body = head_size + kid_size + _EXPIRY.size
+  if len(signature) != body + hashlib.sha256().digest_size:
+    raise SpecError(f"{name}: malformed signature of {len(signature)} bytes; refusing it.")
+  kid = signature[head_size:head_size + kid_size].decode("ascii", "replace")
+  if kid != key_id(secret):
     raise SpecError(
-        f"Dataset {dataset_def.fingerprint!r} ships "
-        f"{len(dataset_def.pickled_udfs)} pickled UDF(s), but this deployment "
-        "does not accept pickled UDFs (no pickled_udf_secret configured). Use "
-        "UDFs importable as module:qualname.")
-  if not hmac.compare_digest(sign(dataset_def, secret), dataset_def.signature):
+        f"{name}: its HMAC signature is by key id {kid!r}, but this "
+        f"deployment's secret has key id {key_id(secret)!r}; refusing it.")
+  if not hmac.compare_digest(_mac(secret, signature[:body], dataset_def),
+                             signature[body:]):
     raise SpecError(
-        f"Dataset {dataset_def.fingerprint!r} ships pickled UDF(s) without a "
-        "valid HMAC signature of the deployment's shared secret; refusing to "
-        "unpickle them.")
+        f"{name}: the HMAC signature does not match the spec (altered after "
+        "signing); refusing it.")
+  (expires,) = _EXPIRY.unpack(signature[body - _EXPIRY.size:body])
+  current = time.time() if now is None else now
+  if check_expiry and current > expires:
+    raise SpecError(
+        f"{name}: the signature expired {current - expires:.0f} s ago (signed "
+        f"specs are valid for {SPEC_TTL_S:g} s after signing, so that a copy "
+        "cannot be registered again later); sign it again.")
 
 
-def to_dataset_def(node: base.Node, udf_secret: bytes | None = None
-                   ) -> service_pb2.DatasetDef:
-  """Encodes a graph; with udf_secret, unimportable UDFs are pickled and signed."""
+def to_dataset_def(node: base.Node, udf_secret: bytes | None = None,
+                   num_positions: int = 0) -> service_pb2.DatasetDef:
+  """Encodes a graph; with udf_secret, unimportable UDFs are pickled and the
+  spec (num_positions included) is signed."""
   encoder = _Encoder(pickle_udfs=bool(udf_secret))
   graph = encoder.node(node)
   dataset_def = service_pb2.DatasetDef(
       graph_json=json.dumps(graph, sort_keys=True).encode(),
       arrays=bytes(wire.encode(encoder.arrays)),
       pickled_udfs=encoder.pickled,
-      fingerprint=node.fingerprint())
+      fingerprint=node.fingerprint(),
+      num_positions=num_positions)
   if udf_secret:
     dataset_def.signature = sign(dataset_def, udf_secret)
   return dataset_def
@@ -207,14 +458,15 @@ class _Decoder:
   """Rebuilds a graph from a DatasetDef."""
 
   def __init__(self, dataset_def: service_pb2.DatasetDef, secret: bytes | None,
-               rewrite: NodeRewrite | None):
-    check_signature(dataset_def, secret)
+               rewrite: NodeRewrite | None, udf_modules: Sequence[str]):
+    check_signature(dataset_def, secret, check_expiry=False)
+    self.udf_modules = udf_modules
     self.arrays = wire.decode(dataset_def.arrays) if dataset_def.arrays else []
     self.pickled = list(dataset_def.pickled_udfs)
     self.rewrite = rewrite
 
   def node(self, spec: dict) -> base.Node:
-    cls = resolve_path(spec["class"])
+    cls = resolve_path(spec["class"], self.udf_modules, is_class=True)
     if not (isinstance(cls, type) and issubclass(cls, base.Node)):
       raise SpecError(f"{spec['class']!r} is not a jaxfeed op node class.")
     params = {k: self.value(v) for k, v in spec["params"].items()}
@@ -249,7 +501,7 @@ class _Decoder:
       from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
       return Dataset(self.node(body))
     if tag == "__callable__":
-      fn = resolve_path(body)
+      fn = resolve_path(body, self.udf_modules)
       if not callable(fn):
         raise SpecError(f"Import path {body!r} names a {type(fn).__name__}, not a callable.")
       return fn
@@ -258,7 +510,7 @@ class _Decoder:
       import pickle  # pylint: disable=g-import-not-at-top
       return pickle.loads(self.pickled[body])  # signature checked in __init__
     if "__object__" in enc:
-      cls = resolve_path(enc["__object__"])
+      cls = resolve_path(enc["__object__"], self.udf_modules, is_class=True)
       if not (isinstance(cls, type) and hasattr(cls, "spec_params")):
         raise SpecError(f"{enc['__object__']!r} is not a class with spec_params().")
       params = {k: self.value(v) for k, v in enc["params"].items()}
@@ -275,14 +527,18 @@ class _Decoder:
 
 def from_dataset_def(dataset_def: service_pb2.DatasetDef,
                      udf_secret: bytes | None = None,
-                     rewrite: NodeRewrite | None = None) -> base.Node:
-  """Rebuilds the graph of a DatasetDef (verifying pickled UDFs first).
+                     rewrite: NodeRewrite | None = None,
+                     udf_modules: Sequence[str] = ()) -> base.Node:
+  """Rebuilds the graph of a DatasetDef (verifying paths and pickles first).
 
   Args:
     dataset_def: the encoded pipeline.
     udf_secret: the deployment's shared secret, or None to refuse pickled UDFs.
     rewrite: called as rewrite(node_class, params) -> (node_class, params)
       before each node is built (the service uses it to shard samplers).
+    udf_modules: modules allowed beyond `DEFAULT_UDF_MODULES` (see
+      `check_udf_modules`); every import path of the spec is checked before
+      any module is imported.
 
   Returns:
     The root node.
@@ -291,4 +547,5 @@ def from_dataset_def(dataset_def: service_pb2.DatasetDef,
     graph = json.loads(dataset_def.graph_json)
   except ValueError as e:
     raise SpecError(f"Pipeline spec is not valid JSON: {e}") from e
-  return _Decoder(dataset_def, udf_secret, rewrite).node(graph)
+  check_spec_paths(dataset_def, udf_modules)
+  return _Decoder(dataset_def, udf_secret, rewrite, udf_modules).node(graph)

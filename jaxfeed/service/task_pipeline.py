@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -149,8 +149,10 @@ class SplitSourceIterator(base.OpIterator):
 
 def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
                     udf_secret: bytes | None,
-                    fetch_ranges: FetchRanges | None) -> base.Node:
-  """Rebuilds a task's pipeline with the task's sharding applied."""
+                    fetch_ranges: FetchRanges | None,
+                    udf_modules: Sequence[str] = ()) -> base.Node:
+  """Rebuilds a task's pipeline with the task's sharding applied (and the
+  deployment's allowed UDF modules, see `spec.from_dataset_def`)."""
   policy = ShardingPolicy(task.sharding_policy)
   touched = []
 
@@ -179,7 +181,7 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
                                        "drop_remainder": False}
     return cls, {**params, "sampler": type(sampler)(**sampler_params)}
 
-  node = spec_lib.from_dataset_def(dataset_def, udf_secret, rewrite)
+  node = spec_lib.from_dataset_def(dataset_def, udf_secret, rewrite, udf_modules)
   if policy != ShardingPolicy.OFF and len(touched) != 1:
     raise spec_lib.SpecError(
         f"{policy.name} sharding needs a pipeline with exactly one "
@@ -200,7 +202,8 @@ def close_quietly(iterator: Any, what: str) -> None:
 
 
 def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: bytes | None,
-                   fetch_ranges: FetchRanges, poll_s: float = 0.05) -> Iterator[Any]:
+                   fetch_ranges: FetchRanges, poll_s: float = 0.05,
+                   udf_modules: Sequence[str] = ()) -> Iterator[Any]:
   """An exactly-once task's elements: the pipeline runs on one split at a
   time, so each element belongs to one split (a batch never spans two), and
   `SplitEnd(start)` follows each split's elements. Yields `WAITING` while the
@@ -214,7 +217,7 @@ def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: by
     current.clear()
     return ranges, True
 
-  node = build_task_node(dataset_def, task, udf_secret, this_split)
+  node = build_task_node(dataset_def, task, udf_secret, this_split, udf_modules)
   while True:
     ranges, end = fetch_ranges()
     for start, stop in ranges:

@@ -28,6 +28,7 @@ from jaxfeed.service import element_chunks
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import shared_stream
+from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
 from jaxfeed.service import task_runner as task_runner_lib
 from jaxfeed.service import wire
@@ -37,6 +38,7 @@ from jaxfeed.service.sharding import ShardingPolicy
 SERVICE_NAME = "jaxfeed.service.Worker"
 _DRAIN_IDLE_S = 2.0  # draining: a task unread this long has no consumer left
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
+_MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,14 +53,21 @@ class WorkerConfig:
       `host`, or this machine's host name when `host` is a wildcard.
     heartbeat_interval_s: Seconds between heartbeats to the dispatcher.
     buffer_size: Ready batches buffered per task (rounds for round-robin jobs).
-    auth_token: Token sent to the dispatcher and required from clients.
+    worker_token: The workers' token, sent to the dispatcher. Clients do not
+      send it: they read a task with the ticket the dispatcher gave them,
+      which this worker checks with a key the dispatcher gives it.
     pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
+    udf_modules: Modules (or package prefixes ending in ".") whose UDFs and
+      classes pipelines may use beyond `spec.DEFAULT_UDF_MODULES`; no other
+      module is ever imported for a pipeline.
+    insecure: Allow binding beyond loopback without authentication.
     max_message_bytes: Largest gRPC message accepted or sent.
     chunk_bytes: Largest piece of a batch per streamed gRPC message.
     data_socket: Also serve batches on a raw TCP port (fast path).
     splits_per_request: DYNAMIC split ranges fetched per dispatcher call.
     tls: Key and certificate for serving TLS (gRPC and the data socket),
-      and the root CA for the dispatcher.
+      and the root CA for the dispatcher; with a client CA, clients must
+      present certificates it signed.
     autocache_dir: Where `autocache` ops of parallel_epochs and static
       tasks keep their input's output, keyed by its fingerprint, for later
       tasks of any job (see `jaxfeed.ops.autocache`); None: they pass
@@ -78,8 +87,10 @@ class WorkerConfig:
   advertise_host: str | None = None
   heartbeat_interval_s: float = 0.5
   buffer_size: int = 8
-  auth_token: str | None = None
+  worker_token: str | None = None
   pickled_udf_secret: bytes | None = None
+  udf_modules: tuple[str, ...] = ()
+  insecure: bool = False
   max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES
   chunk_bytes: int = 4 << 20
   data_socket: bool = True
@@ -106,6 +117,14 @@ class WorkerConfig:
     if not isinstance(self.chunk_bytes, int) or not 1024 <= self.chunk_bytes <= self.max_message_bytes - 1024:
       raise ValueError(f"WorkerConfig: chunk_bytes must be in [1024, max_message_bytes - 1024], "
                        f"got {self.chunk_bytes!r}.")
+    if self.worker_token is not None and (
+        not isinstance(self.worker_token, str) or not self.worker_token):
+      raise ValueError("WorkerConfig: worker_token must be a non-empty string or None.")
+    object.__setattr__(self, "udf_modules", spec_lib.check_udf_modules(self.udf_modules))
+    rpc.check_bind_is_safe(
+        "Worker", self.host,
+        bool(self.worker_token) or bool(self.tls is not None and self.tls.verifies_clients),
+        self.insecure, "read every task's batches")
 
 
 class _Worker:
@@ -126,7 +145,11 @@ class _Worker:
     self.dataset_defs: dict[str, pb.DatasetDef] = {}
     channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
     self.channel = channel
-    token = config.auth_token
+    token = config.worker_token
+    # The key of the clients' read tickets, from the dispatcher's answer to a
+    # heartbeat: None before the first answer, b"" when it issues none.
+    self.ticket_key: bytes | None = None
+    self.rejected: str | None = None  # why the dispatcher refused this worker
     self.heartbeat_call = rpc.Caller(channel, _DISPATCHER + "WorkerHeartbeat",
                                      pb.WorkerHeartbeatResponse, token)
     self.dataset_call = rpc.Caller(channel, _DISPATCHER + "GetDatasetDef",
@@ -144,6 +167,7 @@ class _Worker:
                                   data_address=self.data_address,
                                   current_tasks=current, finished_tasks=finished),
         timeout=10)
+    self.ticket_key = response.ticket_key
     for task in response.new_tasks:
       self.start_task(task)
     for task_id in response.tasks_to_delete:
@@ -217,9 +241,9 @@ class _Worker:
 
     if task.exactly_once:
       return task_pipeline.split_by_split(dataset_def, task, self.config.pickled_udf_secret,
-                                          fetch_ranges)
+                                          fetch_ranges, udf_modules=self.config.udf_modules)
     node = task_pipeline.build_task_node(dataset_def, task, self.config.pickled_udf_secret,
-                                         fetch_ranges)
+                                         fetch_ranges, self.config.udf_modules)
     if self.config.autocache_dir and task.sharding_policy != ShardingPolicy.DYNAMIC.value:
       autocache.point_at(node, self.config.autocache_dir)
     return node.make_iterator()
@@ -249,8 +273,38 @@ class _Worker:
     return (yield from runner.frames(is_active, consumer_index, round_index))
 
   # -- serving --------------------------------------------------------------------
+  def check_ticket(self, task_id: Any, sent: Any) -> None:
+    """Raises StatusError unless `sent` is the read ticket of the task (when
+    the deployment authenticates)."""
+    key = self.ticket_key
+    if not key:
+      if not self.config.worker_token:
+        return  # an unauthenticated deployment (loopback or --insecure)
+      if key is None:
+        raise rpc.StatusError("UNAVAILABLE", f"Worker {self.address} is not "
+                              "registered with the dispatcher yet: retry.")
+      raise rpc.StatusError(
+          "FAILED_PRECONDITION",
+          f"Worker {self.address} has a worker token, but its dispatcher issues "
+          "no read tickets (it has no tokens): give the dispatcher "
+          "--auth_token_file and --worker_token_file.")
+    if not isinstance(task_id, int) or not rpc.ticket_matches(key, task_id, sent):
+      raise rpc.StatusError(
+          "UNAUTHENTICATED",
+          f"Worker {self.address}: missing or wrong read ticket for task "
+          f"{task_id!r}: clients read a task with the ticket the dispatcher "
+          "gives them for it.")
+
+  def check_hello(self, hello: dict) -> None:
+    """The data socket's check of a client's hello, before anything is served."""
+    try:
+      self.check_ticket(hello.get("task_id"), hello.get("token"))
+    except rpc.StatusError as e:
+      raise data_socket.DataConnectionError(str(e), e.status) from e
+
   def GetElements(self, request: pb.GetElementsRequest,
                   context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:
+    self.check_ticket(request.task_id, rpc.metadata_token(context.invocation_metadata()))
     chunk = min(request.max_chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
     compression = request.compression
     wire.check_compression(compression)
@@ -349,6 +403,14 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
       worker.heartbeat()
       failures = 0
     except grpc.RpcError as e:
+      if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        worker.rejected = (
+            f"the dispatcher at {worker.config.dispatcher_address} refused worker "
+            f"{worker.address}: {e.code().name}: {e.details()} (give the worker the "
+            "dispatcher's --worker_token_file, or the certificates it trusts)")
+        logging.error("Worker stops: %s", worker.rejected)
+        stop.set()
+        return
       failures += 1
       if failures in (1, 20) or failures % 200 == 0:
         logging.warning("Worker %s: heartbeat to dispatcher failed (%s); retrying.",
@@ -367,16 +429,19 @@ class WorkerServer:
     handler_holder: list = []
     self._server, self.port = rpc.make_server(
         f"{config.host}:{config.port}",
-        _LazyHandler(handler_holder), config.max_message_bytes, config.tls)
+        _LazyHandler(handler_holder), config.max_message_bytes, config.tls,
+        max_receive_bytes=_MAX_REQUEST_BYTES)
     advertised = _advertised_host(config)
     self._worker = _Worker(config, f"{advertised}:{self.port}")
+    # Clients are let in by read tickets, checked per task in GetElements.
     handler_holder.append(rpc.method_handlers(
-        SERVICE_NAME, config.auth_token,
-        {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True)}))
+        SERVICE_NAME, {},
+        {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True,
+                         (rpc.CLIENT,))}))
     self._data_server = None
     if config.data_socket:
       self._data_server = data_socket.DataServer(
-          config.host, config.auth_token, self._worker.serve_socket,
+          config.host, self._worker.check_hello, self._worker.serve_socket,
           config.tls.server_ssl_context() if config.tls is not None else None)
       self._worker.data_address = f"{advertised}:{self._data_server.port}"
     self._heartbeat = threading.Thread(
@@ -410,7 +475,17 @@ class WorkerServer:
     return self
 
   def join(self, timeout: float | None = None) -> None:
-    self._server.wait_for_termination(timeout)
+    """Blocks until the server stops, or the dispatcher refused this worker."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not self._worker.stop.is_set():
+      wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+      if wait <= 0 or not self._server.wait_for_termination(wait):
+        return
+
+  @property
+  def rejected(self) -> str | None:
+    """Why the dispatcher refused this worker (it then stops serving), or None."""
+    return self._worker.rejected
 
   def stop(self) -> None:
     """Stops serving, its tasks and its threads. Idempotent."""
@@ -458,16 +533,21 @@ def main(argv: Any) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
+                               "pickled_udf_secret")
   config = WorkerConfig(
       dispatcher_address=f.dispatcher_address, port=f.port, host=f.host,
       advertise_host=f.advertise_host or None,
       heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
-      auth_token=f.auth_token or None, data_socket=f.data_socket,
+      worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
+      udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
+      data_socket=f.data_socket,
       max_window_batches=f.max_window_batches,
       sharing_window_bytes=f.sharing_window_bytes,
       autocache_dir=f.autocache_dir or None,
-      pickled_udf_secret=f.pickled_udf_secret.encode() if f.pickled_udf_secret else None,
-      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs))
+      pickled_udf_secret=udf_secret.encode() if udf_secret else None,
+      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
+                                   f.tls_client_ca))
   server = WorkerServer(config)
   data = f" data {server.data_address}" if server.data_address else ""
   print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
@@ -483,6 +563,8 @@ def main(argv: Any) -> None:
     raise
   finally:
     server.stop()
+  if server.rejected:
+    raise SystemExit(f"jaxfeed worker: {server.rejected}")
 
 
 def _stop_with_parent(parent_pid: int, server: WorkerServer) -> None:
@@ -501,9 +583,8 @@ def define_flags() -> None:
                       "at (default: --host, or the host name when --host is 0.0.0.0).")
   flags.DEFINE_float("heartbeat_interval_s", 0.5, "Seconds between heartbeats.")
   flags.DEFINE_integer("buffer_size", 8, "Ready batches buffered per task.")
-  flags.DEFINE_string("auth_token", "", "Token of the deployment.")
+  rpc.define_auth_flags(flags)
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
-  flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs.")
   flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, seconds to finish the splits "
                      "held and let consumers take the batches before stopping.")
   flags.DEFINE_integer("parent_pid", 0, "Stop when this parent process is gone (set by "

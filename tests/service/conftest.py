@@ -8,7 +8,16 @@ import time
 import psutil
 import pytest
 
-from service_cluster import ServiceProcess
+from jaxfeed.service import spec as spec_lib
+from service_cluster import ServiceProcess, TEST_UDF_MODULES
+
+
+@pytest.fixture(autouse=True)
+def allow_test_udfs(monkeypatch):
+  """In-process dispatchers and workers may import the tests' UDF modules
+  (server processes get --udf_modules from ServiceProcess)."""
+  monkeypatch.setattr(spec_lib, "DEFAULT_UDF_MODULES",
+                      (*spec_lib.DEFAULT_UDF_MODULES, *TEST_UDF_MODULES))
 
 
 @pytest.fixture

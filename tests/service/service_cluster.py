@@ -14,6 +14,8 @@ import threading
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 START_TIMEOUT_S = 60
+# The modules of the tests' UDFs, allowed on the tests' servers.
+TEST_UDF_MODULES = ("service_udfs", "coordinated_reads")
 
 
 def free_port() -> int:
@@ -26,12 +28,15 @@ class ServiceProcess:
   """A `python -m jaxfeed.service.<role>` child process; kill() or stop() ends it."""
 
   def __init__(self, role: str, *flags: str, wait_ready: bool = True):
+    """Flags without --udf_modules get TEST_UDF_MODULES."""
     env = dict(os.environ)
     # Workers import the tests' UDFs (service_udfs) by module path.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])
     env["GRPC_VERBOSITY"] = "ERROR"
     env.setdefault("JAX_PLATFORMS", "cpu")
+    if not any(f.startswith("--udf_modules") for f in flags):
+      flags = (*flags, f"--udf_modules={','.join(TEST_UDF_MODULES)}")
     self.proc = subprocess.Popen(
         [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)

@@ -21,6 +21,7 @@ from jaxfeed.service.protos import service_pb2 as pb
 pytestmark = pytest.mark.timeout(60)
 
 TOKEN = "s3cret-token"
+WORKER_TOKEN = "w0rker-token"
 SECRET = b"shared-udf-secret"
 
 
@@ -29,10 +30,10 @@ def servers():
   """A dispatcher and a worker in this process, with a token and a UDF secret."""
   threads_before = set(threading.enumerate())
   dispatcher = service.DispatchServer(service.DispatcherConfig(
-      auth_token=TOKEN, pickled_udf_secret=SECRET, max_message_bytes=256 << 10,
-      heartbeat_timeout_s=2))
+      auth_token=TOKEN, worker_token=WORKER_TOKEN, pickled_udf_secret=SECRET,
+      max_message_bytes=256 << 10, heartbeat_timeout_s=2))
   worker = service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.target, auth_token=TOKEN,
+      dispatcher_address=dispatcher.target, worker_token=WORKER_TOKEN,
       pickled_udf_secret=SECRET, heartbeat_interval_s=0.1, chunk_bytes=64 << 10,
       max_message_bytes=256 << 10))
   yield dispatcher, worker
@@ -80,23 +81,6 @@ def test_dispatcher_rejects_missing_or_wrong_token(servers, token):
     raw_call(dispatcher.target, "/jaxfeed.service.Dispatcher/GetDatasetDef", request, token)
   assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
   assert rpc.TOKEN_METADATA_KEY in info.value.details()
-  still_serves(dispatcher)
-
-
-@pytest.mark.parametrize("data_transfer", ["grpc", "socket"])
-def test_worker_rejects_a_client_with_a_wrong_token(servers, data_transfer):
-  dispatcher, _ = servers
-  dataset_id = service.register_dataset(dispatcher.target, small_dataset(), auth_token=TOKEN)
-  # The client may reach the dispatcher (right token) but not the worker.
-  node = service.DistributedNode(service=dispatcher.target, dataset_id=dataset_id,
-                                 auth_token=TOKEN, data_transfer=data_transfer)
-  iterator = node.make_iterator()
-  iterator._read.node = service.DistributedNode(  # pylint: disable=protected-access
-      service=dispatcher.target, dataset_id=dataset_id, auth_token="wrong",
-      data_transfer=data_transfer)
-  with pytest.raises(service.ServiceError, match="UNAUTHENTICATED"):
-    list(iterator)
-  iterator.close()
   still_serves(dispatcher)
 
 
@@ -185,8 +169,10 @@ def test_worker_refuses_pickled_udfs_it_cannot_verify():
     spec.from_dataset_def(dataset_def, udf_secret=b"other")
 
 
-def test_udf_import_path_missing_on_the_worker_names_the_path(servers):
+def test_udf_import_path_missing_on_the_worker_names_the_path(servers, monkeypatch):
   dispatcher, _ = servers
+  monkeypatch.setattr(spec, "DEFAULT_UDF_MODULES",
+                      (*spec.DEFAULT_UDF_MODULES, "no_such_module_here"))
   dataset_def = spec.to_dataset_def(small_dataset().node)
   graph = dataset_def.graph_json.decode().replace(
       "service_udfs:add_one", "no_such_module_here:add_one")

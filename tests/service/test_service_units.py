@@ -489,7 +489,8 @@ def test_exactly_once_survives_a_broken_connection_to_a_live_worker(data_transfe
 
 def test_workers_advertise_the_host_clients_can_reach():
   from jaxfeed.service import worker as worker_lib  # pylint: disable=g-import-not-at-top
-  config = service.WorkerConfig(dispatcher_address="127.0.0.1:1", host="0.0.0.0")
+  config = service.WorkerConfig(dispatcher_address="127.0.0.1:1", host="0.0.0.0",
+                                insecure=True)
   assert worker_lib._advertised_host(config) == socket.gethostname()  # pylint: disable=protected-access
   dataset = jaxfeed.Dataset.range(12).batch(4)
   with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
