@@ -51,8 +51,11 @@ def test_trainer_reads_through_the_service_and_resumes_the_model(tmp_path):
     words = proc.stdout.readline().split()
     return proc, words[words.index("on") + 1]
 
-  dispatcher, address = start("jaxfeed.service.dispatcher", "--port=0")
-  worker, _ = start("jaxfeed.service.worker", f"--dispatcher_address={address}")
+  # The trainer's UDFs live in examples/.
+  dispatcher, address = start("jaxfeed.service.dispatcher", "--port=0",
+                              "--udf_modules=examples.")
+  worker, _ = start("jaxfeed.service.worker", f"--dispatcher_address={address}",
+                    "--udf_modules=examples.")
   try:
     first = run_trainer(tmp_path, f"--service={address}", "--num_steps=20",
                         "--log_every=5", "--checkpoint_every=20")

@@ -66,7 +66,7 @@ def test_bad_autoscale_config_names_the_field(kwargs, message):
 
 def test_local_backend_keeps_secrets_off_the_command_line(tmp_path):
   backend = autoscale.LocalWorkerBackend("127.0.0.1:1", ["--heartbeat_interval_s=0.2"],
-                                         {"auth_token": "hush"})
+                                         {"worker_token": "hush"})
   try:
     backend.start_worker()
     backend.start_worker()
@@ -88,7 +88,7 @@ def test_the_pool_grows_for_a_starved_consumer_and_shrinks_for_a_slow_one(monkey
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
       [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
   config = service.DispatcherConfig(
-      heartbeat_timeout_s=2, autoscale=service.AutoscaleConfig(
+      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
           min_workers=1, max_workers=3, interval_s=0.6, scale_down_intervals=2,
           worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4")))
   dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy)

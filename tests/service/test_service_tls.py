@@ -24,17 +24,19 @@ pytestmark = pytest.mark.timeout(120)
 TLS_DIR = pathlib.Path(__file__).resolve().parent / "tls"
 CA = TLS_DIR / "ca.pem"
 TOKEN = "tls-test-token"
+WORKER_TOKEN = "tls-test-worker-token"
 NUM_RECORDS = 300
 
 
 def server_flags() -> tuple[str, ...]:
   return (f"--tls_key={TLS_DIR / 'server.key'}", f"--tls_cert={TLS_DIR / 'server.pem'}",
-          f"--auth_token={TOKEN}")
+          f"--worker_token={WORKER_TOKEN}")
 
 
 @pytest.fixture
 def tls_service(cluster):
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2", *server_flags())
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2", *server_flags(),
+                       f"--auth_token={TOKEN}")
   worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
                    "--heartbeat_interval_s=0.2", f"--tls_root_certs={CA}", *server_flags())
   return dispatcher, worker
