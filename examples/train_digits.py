@@ -47,6 +47,8 @@ flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --wor
 flags.DEFINE_string("service", "", "host:port of a jaxfeed dispatcher: decode, augment "
                     "and batch on its workers (every host reads one shared job).")
 flags.DEFINE_string("service_job", "digits-train", "Job name the hosts share on the service.")
+flags.DEFINE_string("service_token_file", "", "File holding the service's client token, "
+                    "when the dispatcher requires one.")
 flags.DEFINE_bool("distributed", False,
                   "Call jax.distributed.initialize() first (one process per "
                   "host, e.g. on every host of a Cloud TPU VM slice).")
@@ -79,7 +81,7 @@ def prepare_digits(data_dir: str, num_shards: int) -> list[str]:
 
 def make_dataset(paths: list[str], batch_size: int, seed: int,
                  num_parallel_calls: int, service: str = "",
-                 service_job: str = "digits-train") -> Any:
+                 service_job: str = "digits-train", service_token: str | None = None) -> Any:
   """The input pipeline: global shuffle, per-host shard, decode, augment, batch.
 
   With `service`, the workers of that dispatcher run it over the whole
@@ -102,7 +104,8 @@ def make_dataset(paths: list[str], batch_size: int, seed: int,
              .random_map(augment, num_parallel_calls=num_parallel_calls, seed=seed)
              .batch(batch_size // num_hosts, drop_remainder=True))
   if service:
-    dataset = dataset.distribute(service, "distributed_epoch", job_name=service_job)
+    dataset = dataset.distribute(service, "distributed_epoch", job_name=service_job,
+                                 auth_token=service_token)
   return dataset
 
 
@@ -167,8 +170,12 @@ def main(argv: list[str]) -> None:
       optimizer.update(grads)
     return loss, accuracy
 
+  token = None
+  if FLAGS.service_token_file:
+    with open(FLAGS.service_token_file) as f:
+      token = f.read().strip()
   dataset = make_dataset(paths, FLAGS.batch_size, FLAGS.seed, FLAGS.num_parallel_calls,
-                         FLAGS.service, FLAGS.service_job)
+                         FLAGS.service, FLAGS.service_job, token)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   loader = jaxfeed.Loader(dataset, sharding=sharding, prefetch=FLAGS.prefetch)
   manager = ocp.CheckpointManager(
