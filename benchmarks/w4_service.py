@@ -55,6 +55,8 @@ def _env() -> dict:
 
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
+  if args[:2] in (["-m", "jaxfeed.service.dispatcher"], ["-m", "jaxfeed.service.worker"]):
+    args = [*args, "--udf_modules=benchmarks."]  # where the benchmarks' UDFs live
   proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, env=_env(), text=True)
   line = proc.stdout.readline()
