@@ -814,25 +814,29 @@ def _shutdown(server: rpc.ServerHandle, stop: threading.Event, state: Dispatcher
 
 
 def main(argv: Any) -> None:
+  """Runs a dispatcher from flags; a bad flag value ends it with the reason."""
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
-                               "pickled_udf_secret")
-  config = DispatcherConfig(
-      port=f.port, host=f.host, work_dir=f.work_dir or None,
-      heartbeat_timeout_s=f.heartbeat_timeout_s,
-      auth_token=rpc.read_secret(f.auth_token, f.auth_token_file, "auth_token"),
-      worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
-      split_size=f.split_size, num_workers=f.num_workers or None,
-      pickled_udf_secret=udf_secret.encode() if udf_secret else None,
-      udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
-      max_jobs_per_host=f.max_jobs_per_host,
-      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, client_ca=f.tls_client_ca),
-      autoscale=autoscale_lib.AutoscaleConfig(
-          min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
-          interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()))
-      if f.autoscale_max_workers else None)
+  try:
+    udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
+                                 "pickled_udf_secret")
+    config = DispatcherConfig(
+        port=f.port, host=f.host, work_dir=f.work_dir or None,
+        heartbeat_timeout_s=f.heartbeat_timeout_s,
+        auth_token=rpc.read_secret(f.auth_token, f.auth_token_file, "auth_token"),
+        worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
+        split_size=f.split_size, num_workers=f.num_workers or None,
+        pickled_udf_secret=udf_secret.encode() if udf_secret else None,
+        udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
+        max_jobs_per_host=f.max_jobs_per_host,
+        tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, client_ca=f.tls_client_ca),
+        autoscale=autoscale_lib.AutoscaleConfig(
+            min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
+            interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()))
+        if f.autoscale_max_workers else None)
+  except ValueError as e:  # a flag's value: say which, without a traceback
+    raise SystemExit(f"jaxfeed dispatcher: {e}") from e
   server = DispatchServer(config)
   print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
   rpc.stop_on_sigterm()

@@ -530,24 +530,28 @@ def _shutdown(server: rpc.ServerHandle, worker: _Worker, data_server: Any) -> No
 
 
 def main(argv: Any) -> None:
+  """Runs a worker from flags; a bad flag value ends it with the reason."""
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
-  udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
-                               "pickled_udf_secret")
-  config = WorkerConfig(
-      dispatcher_address=f.dispatcher_address, port=f.port, host=f.host,
-      advertise_host=f.advertise_host or None,
-      heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
-      worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
-      udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
-      data_socket=f.data_socket,
-      max_window_batches=f.max_window_batches,
-      sharing_window_bytes=f.sharing_window_bytes,
-      autocache_dir=f.autocache_dir or None,
-      pickled_udf_secret=udf_secret.encode() if udf_secret else None,
-      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
-                                   f.tls_client_ca))
+  try:
+    udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
+                                 "pickled_udf_secret")
+    config = WorkerConfig(
+        dispatcher_address=f.dispatcher_address, port=f.port, host=f.host,
+        advertise_host=f.advertise_host or None,
+        heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
+        worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
+        udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
+        data_socket=f.data_socket,
+        max_window_batches=f.max_window_batches,
+        sharing_window_bytes=f.sharing_window_bytes,
+        autocache_dir=f.autocache_dir or None,
+        pickled_udf_secret=udf_secret.encode() if udf_secret else None,
+        tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
+                                     f.tls_client_ca))
+  except ValueError as e:  # a flag's value: say which, without a traceback
+    raise SystemExit(f"jaxfeed worker: {e}") from e
   server = WorkerServer(config)
   data = f" data {server.data_address}" if server.data_address else ""
   print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
