@@ -97,7 +97,8 @@ def pipeline_node(dataset: Any, what: str,
   node = base.to_node(dataset, what, "dataset")
   if policy == ShardingPolicy.DYNAMIC:
     index_ranges.split_input(node)
-  options = getattr(dataset, "options", None)
+  # A node carries no options (a WithOptionsNode already holds its own).
+  options = None if dataset is node else getattr(dataset, "options", None)
   return node if options is None else WithOptionsNode(node, options)
 
 
