@@ -38,6 +38,9 @@ _OP = "ranges"
 ALLOWED = ("range, from_tensor_slices, from_source, or a concatenate / zip of "
            "such datasets with no other op in between")
 
+# Inputs listed in an error at most (a graph's paths can be many).
+_MAX_LISTED = 8
+
 FetchRanges = Callable[[], "tuple[list[tuple[int, int]], bool]"]
 """Returns the next position ranges to read and whether none will follow."""
 
@@ -66,6 +69,8 @@ def _find_inputs(node: base.Node, path: tuple[str, ...], found: list,
                  refused: list) -> None:
   """Collects every addressable input on every path from `node` (a node read
   along two paths counts twice: each path would read it by itself)."""
+  if len(found) + len(refused) > _MAX_LISTED:
+    return  # enough to refuse the pipeline; shared subgraphs could explode
   if is_index_addressable(node):
     found.append((node, path))
     return
@@ -105,8 +110,10 @@ def split_input(root: base.Node) -> base.Node:
     problems.append("it reads " + ", ".join(_describe(n, p) for n, p in refused) +
                     ", which cannot be split")
   if len(found) > 1:
+    count = (f"more than {_MAX_LISTED}" if len(found) + len(refused) > _MAX_LISTED
+             else str(len(found)))
     problems.append(
-        f"it reads {len(found)} inputs separately (" +
+        f"it reads {count} inputs separately (" +
         ", ".join(_describe(n, p) for n, p in found) +
         "): combine them with concatenate / zip before any other op")
   raise NotIndexAddressableError(

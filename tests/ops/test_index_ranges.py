@@ -5,6 +5,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed.dataset import Dataset
+from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
 
 
@@ -105,3 +106,16 @@ def test_one_input_read_along_two_paths_is_refused():
   numbers = Dataset.range(5).map(abs)
   with pytest.raises(index_ranges.NotIndexAddressableError, match="2 inputs"):
     index_ranges.split_input(Dataset.zip((numbers, numbers)).node)
+
+
+class _Opaque(base.Node):
+  """A source without positions."""
+
+  op_name = "opaque"
+
+
+def test_a_source_without_positions_is_refused_naming_it():
+  dataset = Dataset.zip((Dataset(_Opaque()), Dataset.range(3))).batch(2)
+  with pytest.raises(index_ranges.NotIndexAddressableError,
+                     match="reads 'opaque -> zip -> batch', which cannot be split"):
+    index_ranges.split_input(dataset.node)
