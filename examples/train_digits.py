@@ -18,7 +18,6 @@ and continue from the last checkpoint with `--resume`.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from absl import app
@@ -26,6 +25,7 @@ from absl import flags
 from absl import logging
 import numpy as np
 
+from examples import training
 from examples.digits_data import IMAGE_SIZE, NUM_CLASSES, augment, decode_record, encode_record
 
 FLAGS = flags.FLAGS
@@ -52,10 +52,6 @@ flags.DEFINE_string("service_token_file", "", "File holding the service's client
 flags.DEFINE_bool("distributed", False,
                   "Call jax.distributed.initialize() first (one process per "
                   "host, e.g. on every host of a Cloud TPU VM slice).")
-
-
-def _log(message: str, *args: Any) -> None:
-  print(message % args, flush=True)
 
 
 def prepare_digits(data_dir: str, num_shards: int) -> list[str]:
@@ -111,12 +107,9 @@ def make_dataset(paths: list[str], batch_size: int, seed: int,
 
 def main(argv: list[str]) -> None:
   del argv
-  import flax
   import jax
-  import jax.numpy as jnp
   from flax import nnx
   import optax
-  import orbax.checkpoint as ocp
 
   import jaxfeed
 
@@ -125,12 +118,8 @@ def main(argv: list[str]) -> None:
   if FLAGS.distributed:
     jax.distributed.initialize()
   paths = prepare_digits(FLAGS.data_dir, FLAGS.num_shards)
-  devices = jax.devices()
-  if FLAGS.batch_size % len(devices):
-    raise ValueError(f"--batch_size={FLAGS.batch_size} must be divisible by the "
-                     f"{len(devices)} devices.")
-  mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  # Parameters replicated on every device; the batch is split along "data".
+  _, replicated, split = training.data_parallel(FLAGS.batch_size)
 
   class MLP(nnx.Module):
 
@@ -144,18 +133,8 @@ def main(argv: list[str]) -> None:
 
   model = MLP(nnx.Rngs(FLAGS.seed))
   optimizer = nnx.Optimizer(model, optax.adam(FLAGS.learning_rate), wrt=nnx.Param)
-  # flax 0.11 and later pass the model to each update; 0.10 (the newest release
-  # for Python 3.10) binds the optimizer to the model it was built with.
-  optimizer_takes_model = tuple(map(int, flax.__version__.split(".")[:2])) >= (0, 11)
-  # Parameters replicated on every device; the batch is split along "data".
-  # The optimizer state does not hold the parameters: checkpoint both.
-  train_state = lambda: {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-
-  def load_train_state(state):
-    nnx.update(model, state["model"])
-    nnx.update(optimizer, state["optimizer"])
-
-  load_train_state(jax.device_put(train_state(), replicated))
+  state = training.TrainState(model, optimizer)
+  state.load(jax.device_put(state.get(), replicated))
 
   @nnx.jit
   def train_step(model, optimizer, batch):
@@ -164,10 +143,7 @@ def main(argv: list[str]) -> None:
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
       return loss, (logits.argmax(-1) == batch["label"]).mean()
     (loss, accuracy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    if optimizer_takes_model:
-      optimizer.update(model, grads)
-    else:
-      optimizer.update(grads)
+    training.optimizer_update(optimizer, model, grads)
     return loss, accuracy
 
   token = None
@@ -176,50 +152,36 @@ def main(argv: list[str]) -> None:
       token = f.read().strip()
   dataset = make_dataset(paths, FLAGS.batch_size, FLAGS.seed, FLAGS.num_parallel_calls,
                          FLAGS.service, FLAGS.service_job, token)
-  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  loader = jaxfeed.Loader(dataset, sharding=sharding, prefetch=FLAGS.prefetch)
-  manager = ocp.CheckpointManager(
-      os.path.abspath(FLAGS.workdir),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+  loader = jaxfeed.Loader(dataset, sharding=split, prefetch=FLAGS.prefetch)
+  manager = training.checkpoint_manager(FLAGS.workdir)
+  # A service read cannot be put back at a position: it starts a new read.
+  step = (training.resume(manager, loader, state, restore_loader=not FLAGS.service)
+          if FLAGS.resume else 0)
 
-  step = 0
-  if FLAGS.resume and manager.latest_step() is not None:
-    step = manager.latest_step()
-    # A service read cannot be put back at a position: it starts a new read.
-    restored = jaxfeed.restore_checkpoint(
-        manager, step, loader, model_state=train_state(),
-        restore_loader=not FLAGS.service)
-    load_train_state(restored)
-    _log("Resumed from step %d (loader at batch %d).", step,
-                 loader.get_state()["batches"])
-
-  _log("Training on %d devices (%s), global batch %d, %d records.",
-               len(devices), devices[0].platform, FLAGS.batch_size,
+  training.log("Training on %d devices (%s), global batch %d, %d records.",
+               len(jax.devices()), jax.devices()[0].platform, FLAGS.batch_size,
                len(jaxfeed.ArrayRecordSource(paths)))
-  window_start = time.perf_counter()
-  window_steps = 0
-  losses = []
+  accuracy = [0.0]
+
+  def line(step, loss, steps_per_s, images_per_s, wait):
+    del images_per_s
+    return (f"step {step:5d}  loss {loss:.4f}  accuracy {accuracy[0]:.3f}  "
+            f"{steps_per_s:.1f} steps/s  input wait {wait:.1f}% of step time")
+
+  progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
   with loader:
     for batch in loader:
       if step >= FLAGS.num_steps:
         break
-      loss, accuracy = train_step(model, optimizer, batch)
+      loss, batch_accuracy = train_step(model, optimizer, batch)
       step += 1
-      window_steps += 1
-      losses.append(float(loss))
-      if step % FLAGS.log_every == 0 or step == FLAGS.num_steps:
-        elapsed = time.perf_counter() - window_start
-        stats = loader.stats()
-        _log(
-            "step %5d  loss %.4f  accuracy %.3f  %.1f steps/s  input wait %.1f%% of step time",
-            step, np.mean(losses), float(accuracy), window_steps / elapsed,
-            100.0 * stats["input_bound_fraction"])
-        window_start, window_steps, losses = time.perf_counter(), 0, []
+      accuracy[0] = float(batch_accuracy)
+      progress.step(step, loss, FLAGS.batch_size)
       if step % FLAGS.checkpoint_every == 0 or step == FLAGS.num_steps:
-        jaxfeed.save_checkpoint(manager, step, loader, model_state=train_state())
+        jaxfeed.save_checkpoint(manager, step, loader, model_state=state.get())
   manager.wait_until_finished()
   manager.close()
-  _log("Done at step %d; checkpoints in %s.", step, FLAGS.workdir)
+  training.log("Done at step %d; checkpoints in %s.", step, FLAGS.workdir)
 
 
 if __name__ == "__main__":

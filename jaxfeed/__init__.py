@@ -41,18 +41,23 @@ _EXPORTS = {
     "LoaderRestore": "jaxfeed.loader",
     "save_checkpoint": "jaxfeed.loader",
     "restore_checkpoint": "jaxfeed.loader",
+    # text
+    "ByteTokenizer": "jaxfeed.text",
+    "HFTokenizer": "jaxfeed.text",
+    "Tokenize": "jaxfeed.text",
     # coordinated reads
     "BucketPlan": "jaxfeed.coord",
     "compute_lengths": "jaxfeed.coord",
 }
 
-__all__ = sorted(_EXPORTS) + ["sources", "ops", "service", "device", "coord"]
+__all__ = sorted(_EXPORTS) + ["sources", "ops", "service", "device", "coord",
+                              "text"]
 
 
 def __getattr__(name: str) -> Any:
   module = _EXPORTS.get(name)
   if module is None:
-    if name in ("sources", "ops", "service", "device", "coord", "sampler"):
+    if name in ("sources", "ops", "service", "device", "coord", "sampler", "text"):
       return importlib.import_module(f"jaxfeed.{name}")
     raise AttributeError(f"module 'jaxfeed' has no attribute {name!r}")
   value = getattr(importlib.import_module(module), name)

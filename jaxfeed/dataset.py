@@ -53,6 +53,42 @@ class Dataset:
     return Dataset(_op("zip").ZipNode(datasets))
 
   @staticmethod
+  def sample_from_datasets(datasets: Sequence["Dataset"],
+                           weights: Sequence[float] | None = None,
+                           seed: int | None = None,
+                           stop_on_empty_dataset: bool = False) -> "Dataset":
+    """A random mixture: each element comes from a dataset drawn by weight.
+
+    Like tf.data's `sample_from_datasets`. Draw `k` is a pure function of
+    (seed, k) and of which datasets are exhausted, so the mixture is
+    deterministic from the seed and resumes exactly. With
+    `stop_on_empty_dataset=False` (the default) an exhausted dataset drops
+    out and the others go on, so no element is lost; with True the output
+    ends at the first draw of an exhausted dataset.
+
+    Example: `Dataset.sample_from_datasets([code, prose], [0.7, 0.3], seed=0)`.
+    """
+    nodes = _op("mixing").check_datasets(datasets, "sample_from_datasets")
+    return Dataset(_op("sample_from_datasets").SampleFromDatasetsNode(
+        *nodes, weights=weights, seed=seed,
+        stop_on_empty_dataset=stop_on_empty_dataset))
+
+  @staticmethod
+  def choose_from_datasets(datasets: Sequence["Dataset"], choice_dataset: "Dataset",
+                           stop_on_empty_dataset: bool = True) -> "Dataset":
+    """The next element of `datasets[c]` for each choice `c` of `choice_dataset`.
+
+    Same output as tf.data's `choose_from_datasets`: with
+    `stop_on_empty_dataset=True` the output ends at the first choice of an
+    exhausted dataset; with False such choices are skipped and the output
+    ends when the choices end or every dataset is exhausted. A choice outside
+    `[0, len(datasets))` is an error.
+    """
+    nodes = _op("mixing").check_datasets(datasets, "choose_from_datasets")
+    return Dataset(_op("choose_from_datasets").ChooseFromDatasetsNode(
+        *nodes, choice_dataset, stop_on_empty_dataset=stop_on_empty_dataset))
+
+  @staticmethod
   def from_bucket_plan(source: Any, plan: Any, padded_shapes: Any = None,
                        padding_values: Any = None,
                        pad_to_bucket_boundary: bool = False,
@@ -125,11 +161,19 @@ class Dataset:
 
   def pack(self, length_struct: Any, *, num_packing_bins: int,
            algorithm: str = "first_fit",
-           max_sequences_per_bin: int | None = None) -> "Dataset":
-    """Packs sequences into fixed-length rows with segment ids and positions."""
+           max_sequences_per_bin: int | None = None,
+           overflow: str = "error") -> "Dataset":
+    """Packs sequences into fixed-length rows with segment ids and positions.
+
+    `overflow` says what happens to a sequence longer than its row:
+    "error", "truncate" (cut to the row length) or "split" (cut into
+    row-length pieces packed in order, each with positions from 0; nothing is
+    lost). See `jaxfeed.ops.pack` for the packing rules.
+    """
     return self._wrap(_op("pack").PackNode(
         self.node, length_struct, num_packing_bins=num_packing_bins,
-        algorithm=algorithm, max_sequences_per_bin=max_sequences_per_bin))
+        algorithm=algorithm, max_sequences_per_bin=max_sequences_per_bin,
+        overflow=overflow))
 
   # ---- order and count -------------------------------------------------
   def shuffle(self, buffer_size: int, seed: int | None = None,

@@ -8,12 +8,12 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_trainer(tmp_path, *flags):
+def run_trainer(tmp_path, *flags, trainer="train_digits", smoke="digits_smoke",
+                workdir="ckpt"):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              PYTHONPATH=REPO)
-  cmd = [sys.executable, "-m", "examples.train_digits",
-         "--flagfile=configs/digits_smoke.flags",
-         f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / 'ckpt'}", *flags]
+  cmd = [sys.executable, "-m", f"examples.{trainer}", f"--flagfile=configs/{smoke}.flags",
+         f"--data_dir={tmp_path / 'data'}", f"--workdir={tmp_path / workdir}", *flags]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
@@ -21,6 +21,34 @@ def run_trainer(tmp_path, *flags):
 
 def losses(output):
   return [float(m) for m in re.findall(r"loss ([0-9.]+)", output)]
+
+
+def logged_losses(output):
+  """{step: the loss printed for it} of a trainer's log."""
+  return {int(step): float(loss) for step, loss in
+          re.findall(r"^step +([0-9]+)  loss ([0-9.]+)", output, re.M)}
+
+
+def run_lm(tmp_path, *flags, workdir="ckpt"):
+  return run_trainer(tmp_path, "--log_every=3", "--checkpoint_every=6", *flags,
+                     trainer="train_lm", smoke="lm_smoke", workdir=workdir)
+
+
+def test_lm_trainer_learns_and_resumes_exactly_where_it_stopped(tmp_path):
+  straight = run_lm(tmp_path, "--num_steps=12", workdir="straight")
+  assert "Training a 2-layer transformer on 8 devices (cpu)" in straight
+  assert "code/prose 70/30" in straight
+  values = logged_losses(straight)
+  assert sorted(values) == [3, 6, 9, 12], straight
+  assert values[12] < values[3] - 0.5, straight
+  assert re.search(r"[0-9]+ tokens/s  input wait [0-9.]+% of step time", straight)
+  # Stop at step 6, then resume: the same batches reach the same model, so the
+  # losses after the restart are exactly those of the run that never stopped.
+  run_lm(tmp_path, "--num_steps=6", workdir="stopped")
+  resumed = run_lm(tmp_path, "--num_steps=12", "--resume", workdir="stopped")
+  assert "Resumed from step 6 (loader at batch 6)" in resumed
+  after = logged_losses(resumed)
+  assert after == {9: values[9], 12: values[12]}, (straight, resumed)
 
 
 def test_trainer_learns_checkpoints_and_resumes(tmp_path):

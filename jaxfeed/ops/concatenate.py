@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from jaxfeed.ops import base
+from jaxfeed.ops import index_ranges
 
 __all__ = ["ConcatenateNode", "ConcatenateIterator", "element_signature"]
 
@@ -61,6 +62,26 @@ class ConcatenateNode(base.Node):
     return ConcatenateIterator(self.parents[0].make_iterator(),
                                self.parents[1].make_iterator(),
                                repr(self.parents[0]), repr(self.parents[1]))
+
+  # Index addressing (see jaxfeed.ops.index_ranges): the input's positions,
+  # then those of `other`.
+  def index_addressable(self) -> bool:
+    return all(index_ranges.is_index_addressable(p) for p in self.parents)
+
+  def num_positions(self) -> int | None:
+    first, second = (index_ranges.num_positions(p) for p in self.parents)
+    return None if first is None or second is None else first + second
+
+  def range_iterator(self, start: int, stop: int) -> "ConcatenateIterator":
+    first, second = self.parents
+    count = index_ranges.num_positions(first)
+    if count is None:  # `other` is never reached
+      count = stop
+    return ConcatenateIterator(
+        index_ranges.range_iterator(first, min(start, count), min(stop, count)),
+        index_ranges.range_iterator(second, max(start - count, 0),
+                                    max(stop - count, 0)),
+        repr(first), repr(second))
 
 
 class ConcatenateIterator(base.OpIterator):

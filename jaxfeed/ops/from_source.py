@@ -77,6 +77,16 @@ class SourceNode(Node):
   def make_iterator(self) -> "SourceIterator":
     return SourceIterator(self.source, self.sampler)
 
+  # Index addressing (see jaxfeed.ops.index_ranges): the sampler's positions.
+  def index_addressable(self) -> bool:
+    return True
+
+  def num_positions(self) -> int | None:
+    return self.sampler.num_positions
+
+  def range_iterator(self, start: int, stop: int) -> "SourceIterator":
+    return SourceIterator(self.source, self.sampler, start, stop)
+
   def __repr__(self) -> str:
     return f"SourceNode({self.source!r}, {self.sampler!r})"
 
@@ -87,31 +97,37 @@ class SourceIterator(OpIterator):
   Implements the batched-read protocol of `jaxfeed.ops.stacking`
   (`next_batch`): sources with `get_batch(indices)` (like `ArraySource`)
   gather a whole batch in one call, other sources are read in chunks and
-  their records stacked.
+  their records stacked. With `first` and `stop` it reads only the sampler
+  positions [first, stop).
   """
 
   op_name = _OP
 
-  def __init__(self, source: Any, sampler: IndexSampler):
+  def __init__(self, source: Any, sampler: IndexSampler, first: int = 0,
+               stop: int | None = None):
     super().__init__()
     self._source = source
     self._sampler = sampler
-    self._end = sampler.num_positions  # None when endless.
+    end = sampler.num_positions
+    if stop is not None:
+      end = stop if end is None else min(stop, end)
+    self._end = end  # None when endless.
     self._read_many = records_reader(source)
     get_batch = getattr(source, "get_batch", None)
     # Cleared when a gathered batch does not have the batch layout (e.g.
     # object leaves of non-strings): then records are stacked instead.
     self._get_batch = get_batch if callable(get_batch) else None
-    self._chunk = _FIRST_CHUNK
+    # A range is read to its end (a service split), so in full-size chunks.
+    self._chunk = _FIRST_CHUNK if stop is None else _MAX_CHUNK
     # Read-ahead records, and their seeds: positions [buffer_start, +len).
-    self._buffer_start = 0
+    self._buffer_start = first
     self._records: list = []
     self._seeds = np.zeros(0, np.uint64)
     self._buffered = 0
     self._offset = 0  # Index in self._records of the next element.
     # Sampler lookups for positions [block_start, +len).
     self._block = _FIRST_BLOCK
-    self._block_start = 0
+    self._block_start = first
     self._block_indices = np.zeros(0, np.int64)
     self._block_seeds = np.zeros(0, np.uint64)
 

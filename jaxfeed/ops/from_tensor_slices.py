@@ -125,6 +125,16 @@ class TensorSlicesNode(Node):
   def make_iterator(self) -> "TensorSlicesIterator":
     return TensorSlicesIterator(self._build, self._length)
 
+  # Index addressing (see jaxfeed.ops.index_ranges): position i is slice i.
+  def index_addressable(self) -> bool:
+    return True
+
+  def num_positions(self) -> int:
+    return self._length
+
+  def range_iterator(self, start: int, stop: int) -> "TensorSlicesIterator":
+    return TensorSlicesIterator(self._build, min(stop, self._length), start)
+
   def __repr__(self) -> str:
     return f"TensorSlicesNode(length={self._length})"
 
@@ -133,16 +143,17 @@ class TensorSlicesIterator(OpIterator):
   """Yields slice i of every component; state is the next index.
 
   Implements the batched-read protocol of `jaxfeed.ops.stacking`
-  (`next_batch`): a batch is a copy of slices `i:j` of the components.
+  (`next_batch`): a batch is a copy of slices `i:j` of the components. It
+  yields slices [first, length).
   """
 
   op_name = _OP
 
-  def __init__(self, build: Callable[[int], Any], length: int):
+  def __init__(self, build: Callable[[int], Any], length: int, first: int = 0):
     super().__init__()
     self._build = build
     self._length = length
-    self._index = 0
+    self._index = first
 
   def __next__(self) -> Any:
     index = self._index

@@ -22,8 +22,17 @@ each feature `key`, the packed values (padded with 0 to the row length),
 0 for padding) and `key_positions` (int32: 0, 1, ... within each element, 0
 for padding).
 
-An element longer than its row length is an error (truncate it in a map
-first).
+An element longer than its row length is handled by `overflow`:
+
+- `"error"` (the default): a ValueError naming the feature and the lengths;
+- `"truncate"`: every feature is cut to its row length (the rest is dropped);
+- `"split"`: the element is cut into pieces of at most the row length, each
+  packed as an element of its own, in order (the usual pretraining recipe for
+  documents longer than a row). Piece `k` of a feature holds its values
+  `[k * row_length, (k + 1) * row_length)`; an element has as many pieces as
+  its longest feature needs (a shorter feature's later pieces are empty).
+  Each piece is a segment of its own: its positions start at 0. No value is
+  lost or repeated.
 
 State: the input's position through `InputReplay`, the read index of the first
 element of the rows being emitted (or being filled) and the number of rows
@@ -39,10 +48,11 @@ import numpy as np
 
 from jaxfeed.ops import base
 
-__all__ = ["PackNode", "PackIterator", "ALGORITHMS"]
+__all__ = ["PackNode", "PackIterator", "ALGORITHMS", "OVERFLOWS"]
 
 _OP = "pack"
 ALGORITHMS = ("first_fit", "best_fit")
+OVERFLOWS = ("error", "truncate", "split")
 
 
 def _feature_paths(length_struct: Any, prefix: tuple = ()) -> list[tuple]:
@@ -82,13 +92,16 @@ class PackNode(base.Node):
     num_packing_bins: rows filled together (more rows, less padding).
     algorithm: "first_fit" or "best_fit".
     max_sequences_per_bin: None, or the most elements one row may hold.
+    overflow: what to do with an element longer than its row: "error",
+      "truncate" or "split" (see the module docstring).
   """
 
   op_name = _OP
 
   def __init__(self, parent: base.Node, length_struct: Any, *,
                num_packing_bins: int, algorithm: str = "first_fit",
-               max_sequences_per_bin: int | None = None):
+               max_sequences_per_bin: int | None = None,
+               overflow: str = "error"):
     super().__init__([base.to_node(parent, _OP, "input")])
     self.paths = _feature_paths(length_struct)
     self.length_struct = length_struct
@@ -102,18 +115,31 @@ class PackNode(base.Node):
     self.max_sequences_per_bin = (
         None if max_sequences_per_bin is None else base.check_positive_int(
             max_sequences_per_bin, _OP, "max_sequences_per_bin"))
+    if overflow not in OVERFLOWS:
+      raise ValueError(
+          f"{_OP}: overflow must be one of {', '.join(map(repr, OVERFLOWS))}, "
+          f"got {overflow!r}.")
+    self.overflow = overflow
 
   def spec_params(self) -> dict:
     return {"length_struct": self.length_struct,
             "num_packing_bins": self.num_packing_bins,
             "algorithm": self.algorithm,
-            "max_sequences_per_bin": self.max_sequences_per_bin}
+            "max_sequences_per_bin": self.max_sequences_per_bin,
+            "overflow": self.overflow}
 
   def cardinality(self) -> int | None:
     return 0 if self.parents[0].cardinality() == 0 else None
 
+  def capacities(self) -> list[int]:
+    """The row length of each feature, in `paths` order."""
+    return [int(_lookup(self.length_struct, p)) for p in self.paths]
+
   def make_iterator(self) -> "PackIterator":
-    return PackIterator(self.parents[0].make_iterator(), self)
+    parent = self.parents[0].make_iterator()
+    if self.overflow == "split":
+      parent = SplitIterator(parent, self)
+    return PackIterator(parent, self)
 
 
 class _Rows:
@@ -138,6 +164,107 @@ class _Rows:
     self.num_rows = 0             # rows holding an element (always a prefix)
 
 
+class _Leaves(list):
+  """An element already reduced to its packed features' leaves (a piece)."""
+
+
+def _element_leaves(element: Any, paths: list[tuple], flat: bool) -> _Leaves:
+  """The leaves of `element` at `paths` (`flat`: all of length 1), each 1-D+."""
+  if isinstance(element, _Leaves):
+    return element
+  try:
+    if flat:
+      leaves = _Leaves(element[p[0]] for p in paths)
+    else:
+      leaves = _Leaves(_lookup(element, p) for p in paths)
+  except (KeyError, TypeError, IndexError) as e:
+    raise ValueError(
+        f"{_OP}: input elements must be dicts holding the features "
+        f"{['/'.join(p) for p in paths]} of length_struct; an element "
+        f"lacks {e} ({type(element).__name__}: {element!r:.200}).") from None
+  for i, leaf in enumerate(leaves):
+    if type(leaf) is not np.ndarray or leaf.ndim == 0:
+      leaf = np.asarray(leaf)
+      if leaf.ndim == 0:
+        leaf = leaf.reshape(1)
+      leaves[i] = leaf
+  return leaves
+
+
+class SplitIterator(base.OpIterator):
+  """`overflow="split"`: the input's elements cut into row-length pieces.
+
+  Its state is the input's position before the element being cut plus the
+  number of its pieces returned; restoring reads that element again.
+  """
+
+  op_name = "pack_split"
+
+  def __init__(self, parent: base.OpIterator, node: PackNode):
+    super().__init__([parent])
+    self._paths = node.paths
+    self._flat = all(len(p) == 1 for p in self._paths)
+    self._capacities = node.capacities()
+    self._pieces: list[_Leaves] = []
+    self._pos = 0
+    self._seed = 0
+    self._input = base.InputReplay(parent, _OP, oldest_needed=self._oldest_needed)
+
+  @property
+  def last_seed(self) -> int:
+    return self._seed if self._pos <= 1 else base.mix_seed(self._seed, self._pos - 1)
+
+  def _partial(self) -> bool:
+    return 0 < self._pos < len(self._pieces)
+
+  def _oldest_needed(self) -> int:
+    return self._input.num_read - (1 if self._partial() else 0)
+
+  def _cut(self, element: Any, seed: int) -> None:
+    leaves = _element_leaves(element, self._paths, self._flat)
+    count = max([1] + [-(-len(leaf) // c)
+                       for leaf, c in zip(leaves, self._capacities)])
+    if count == 1:
+      self._pieces = [leaves]
+    else:
+      self._pieces = [_Leaves(leaf[k * c:(k + 1) * c]
+                              for leaf, c in zip(leaves, self._capacities))
+                      for k in range(count)]
+    self._pos = 0
+    self._seed = seed
+
+  def __next__(self) -> Any:
+    while self._pos >= len(self._pieces):
+      self._pieces = []
+      element = self._input.read()
+      self._cut(element, self.parents[0].last_seed)
+    piece = self._pieces[self._pos]
+    self._pieces[self._pos] = None
+    self._pos += 1
+    return piece
+
+  def _get_own_state(self) -> dict:
+    partial = self._partial()
+    return {"input": self._input.get_state(self._oldest_needed()),
+            "pos": self._pos if partial else 0}
+
+  def _set_own_state(self, state: dict) -> None:
+    pos = base.state_int(state, "pos", _OP)
+    input_state = state.get("input") if isinstance(state, dict) else None
+    num_read = base.state_int(input_state, "num_read", _OP)
+    self._pieces, self._pos = [], 0
+    self._input.set_state(input_state, num_read - 1 if pos else num_read,
+                          lambda index, element, seed: self._cut(element, seed))
+    if pos:
+      if pos >= len(self._pieces):
+        raise base.PipelineStateError(
+            f"Cannot restore op {_OP!r}: the state is at piece {pos} of an "
+            f"element cut into {len(self._pieces)}; it belongs to other data.")
+      for k in range(pos):
+        self._pieces[k] = None
+      self._pos = pos
+
+
 class PackIterator(base.OpIterator):
   """Fills rows from the input and returns them one at a time."""
 
@@ -147,13 +274,13 @@ class PackIterator(base.OpIterator):
     super().__init__([parent])
     self._paths = node.paths
     self._flat = all(len(p) == 1 for p in self._paths)
-    self._keys = [p[0] for p in self._paths] if self._flat else None
     self._capacities = np.array(
         [_lookup(node.length_struct, p) for p in self._paths], np.int64)
     self._capacity_list = self._capacities.tolist()
     self._num_bins = node.num_packing_bins
     self._best_fit = node.algorithm == "best_fit"
     self._max_sequences = node.max_sequences_per_bin
+    self._truncate = node.overflow == "truncate"
     self._filling = _Rows(self._capacity_list, self._num_bins)
     self._filling_start = 0       # read index of its first element
     self._emitted: list | None = None  # rows being returned
@@ -179,22 +306,11 @@ class PackIterator(base.OpIterator):
 
   # -- placing ---------------------------------------------------------------
   def _leaves(self, element: Any) -> list[np.ndarray]:
-    try:
-      if self._flat:
-        leaves = [element[k] for k in self._keys]
-      else:
-        leaves = [_lookup(element, p) for p in self._paths]
-    except (KeyError, TypeError, IndexError) as e:
-      raise ValueError(
-          f"{_OP}: input elements must be dicts holding the features "
-          f"{['/'.join(p) for p in self._paths]} of length_struct; an element "
-          f"lacks {e} ({type(element).__name__}: {element!r:.200}).") from None
-    for i, leaf in enumerate(leaves):
-      if type(leaf) is not np.ndarray or leaf.ndim == 0:
-        leaf = np.asarray(leaf)
-        if leaf.ndim == 0:
-          leaf = leaf.reshape(1)
-        leaves[i] = leaf
+    leaves = _element_leaves(element, self._paths, self._flat)
+    if self._truncate:
+      for i, capacity in enumerate(self._capacity_list):
+        if len(leaves[i]) > capacity:
+          leaves[i] = leaves[i][:capacity]
     return leaves
 
   def _too_long(self, leaves: list) -> None:
@@ -202,8 +318,8 @@ class PackIterator(base.OpIterator):
       if len(leaf) > capacity:
         raise ValueError(
             f"{_OP}: feature {'/'.join(path)!r} of an element has length "
-            f"{len(leaf)}, longer than its row length {capacity}; truncate "
-            f"elements to the row length first (e.g. in a map).")
+            f"{len(leaf)}, longer than its row length {capacity}; pass "
+            f"overflow='truncate' or overflow='split' to cut it.")
 
   def _place(self, rows: _Rows, leaves: list, seed: int) -> bool:
     """Puts an element into a row of `rows`; False if it fits in none."""

@@ -76,6 +76,16 @@ class RangeNode(Node):
   def make_iterator(self) -> "RangeIterator":
     return RangeIterator(self)
 
+  # Index addressing (see jaxfeed.ops.index_ranges): position i is element i.
+  def index_addressable(self) -> bool:
+    return True
+
+  def num_positions(self) -> int:
+    return self.cardinality()
+
+  def range_iterator(self, start: int, stop: int) -> "RangeIterator":
+    return RangeIterator(self, start, stop)
+
   def __repr__(self) -> str:
     return (f"RangeNode(start={self.start}, stop={self.stop}, step={self.step}, "
             f"dtype={self.dtype.name})")
@@ -87,16 +97,18 @@ class RangeIterator(OpIterator):
   Values are computed a chunk at a time with numpy and handed out one by one
   (a numpy scalar per `next()` costs a list lookup, not a conversion).
   Implements the batched-read protocol of `jaxfeed.ops.stacking`
-  (`next_batch`), which builds a batch with one `np.arange`.
+  (`next_batch`), which builds a batch with one `np.arange`. With `first`
+  and `stop` it yields only the elements of indices [first, stop).
   """
 
   op_name = _OP
 
-  def __init__(self, node: RangeNode):
+  def __init__(self, node: RangeNode, first: int = 0, stop: int | None = None):
     super().__init__()
     self._start = node.start
     self._step = node.step
-    self._length = node.cardinality()
+    length = node.cardinality()
+    self._length = length if stop is None else min(stop, length)
     self._dtype = node.dtype
     self._scalar = node.dtype.type
     last = self._start + max(self._length - 1, 0) * self._step
@@ -112,7 +124,7 @@ class RangeIterator(OpIterator):
     self._vectorized = _INT64.min <= low and high <= _INT64.max
     # Values of indices [chunk_start, chunk_start + len(chunk)).
     self._chunk: list = []
-    self._chunk_start = 0
+    self._chunk_start = first
     self._offset = 0  # Index in self._chunk of the next element.
 
   def __next__(self) -> Any:

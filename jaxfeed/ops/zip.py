@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxfeed.ops import base
+from jaxfeed.ops import index_ranges
 from jaxfeed.ops import tree
 
 __all__ = ["ZipNode", "ZipIterator"]
@@ -96,6 +97,20 @@ class ZipNode(base.Node):
   def make_iterator(self) -> "ZipIterator":
     return ZipIterator([p.make_iterator() for p in self.parents],
                        self.structure)
+
+  # Index addressing (see jaxfeed.ops.index_ranges): position p of every
+  # input, up to the shortest input.
+  def index_addressable(self) -> bool:
+    return all(index_ranges.is_index_addressable(p) for p in self.parents)
+
+  def num_positions(self) -> int | None:
+    counts = [index_ranges.num_positions(p) for p in self.parents]
+    bounded = [n for n in counts if n is not None]
+    return min(bounded) if bounded else None
+
+  def range_iterator(self, start: int, stop: int) -> "ZipIterator":
+    return ZipIterator([index_ranges.range_iterator(p, start, stop)
+                        for p in self.parents], self.structure)
 
 
 class ZipIterator(base.OpIterator):

@@ -102,7 +102,7 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
   Returns:
     The dataset id.
   """
-  node = base.to_node(dataset, "register_dataset", "dataset")
+  node = task_pipeline.pipeline_node(dataset, "register_dataset")
   dataset_def = spec_lib.to_dataset_def(node, udf_secret,
                                         num_positions=task_pipeline.num_positions(node))
   channel = rpc.make_channel(_target(service), tls=tls)
@@ -192,7 +192,8 @@ class DistributedNode(base.Node):
                         visitation, ephemeral_sharing)
     self.visitation = visitation
     self.ephemeral_sharing = ephemeral_sharing
-    self.dataset = None if dataset is None else base.to_node(dataset, "distribute", "dataset")
+    self.dataset = None if dataset is None else task_pipeline.pipeline_node(
+        dataset, "distribute", self.policy)
     if self.dataset is not None:
       spec_lib.to_dataset_def(self.dataset, udf_secret)  # fail early on bad UDFs
     self.dataset_id = dataset_id

@@ -10,9 +10,14 @@ class ShardingPolicy(enum.Enum):
   """How a job's data is split among its workers.
 
   OFF: every worker runs the whole pipeline ("parallel_epochs").
-  DYNAMIC: the dispatcher hands out ranges of the pipeline's sampler
-    positions; each position is read by exactly one worker
-    ("distributed_epoch").
+  DYNAMIC: the dispatcher hands out ranges of the positions of the
+    pipeline's one index-addressable input (`range`, `from_tensor_slices`,
+    `from_source`'s sampler positions, or a `concatenate` / `zip` of those;
+    see `jaxfeed.ops.index_ranges`); each position is read by one worker, so
+    with nothing lost every element of the epoch is delivered once in total
+    ("distributed_epoch"). The ops after that input run on each worker's
+    share: a `repeat` there ends with the distributed epoch, where tf.data
+    service would start another (use the sampler's `num_epochs`).
   FILE / DATA: static sharding, worker i of n applies ShardOptions(i, n) to
     the pipeline's sampler (for record sources the two coincide).
   """

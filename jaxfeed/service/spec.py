@@ -76,7 +76,10 @@ NEVER_ALLOWED_MODULES = frozenset({
     "ctypes", "socket", "runpy", "code", "codeop", "pty", "multiprocessing", "signal",
     "io", "_io", "tempfile", "pathlib", "glob", "pkgutil", "zipimport", "types",
     "inspect", "gc", "threading", "asyncio", "webbrowser", "urllib", "http",
-    "ftplib", "smtplib", "__main__", "functools", "operator", "jaxfeed.service"})
+    "ftplib", "smtplib", "__main__", "functools", "operator"})
+# Never a UDF's module either: the service's own functions (they import
+# modules by name, start processes); its classes may appear as class paths.
+_NEVER_UDF_MODULES = NEVER_ALLOWED_MODULES | {"jaxfeed.service"}
 # Callables of allowed modules that read or write files.
 _NEVER_ALLOWED_PATHS = frozenset(
     f"numpy:{name}" for name in (
@@ -116,7 +119,7 @@ def check_udf_modules(entries: Sequence[str]) -> tuple[str, ...]:
       raise ValueError(
           f"udf_modules entry {entry!r} is not a module name or a package "
           "prefix ending in '.' (e.g. 'mypkg.udfs' or 'mypkg.').")
-    unsafe = sorted(m for m in NEVER_ALLOWED_MODULES
+    unsafe = sorted(m for m in _NEVER_UDF_MODULES
                     if _module_matches(m, [entry]) or m.startswith(name + ".")
                     or name.startswith(m + "."))
     if unsafe:
@@ -155,10 +158,11 @@ def check_path_allowed(path: str, udf_modules: Sequence[str], is_class: bool = F
   """Raises UDFNotAllowedError unless `path` may be imported (without importing)."""
   module_name, qualname = _split_path(path)
   allowed = (*(_CLASS_MODULES if is_class else DEFAULT_UDF_MODULES), *udf_modules)
-  if any(module_name == m or module_name.startswith(m + ".")
-         for m in NEVER_ALLOWED_MODULES):
+  never = NEVER_ALLOWED_MODULES if is_class else _NEVER_UDF_MODULES
+  if any(module_name == m or module_name.startswith(m + ".") for m in never):
     raise _refuse(path, f"module {module_name!r} runs code, touches files or "
-                  "processes and is never allowed", udf_modules)
+                  "processes (or is the service itself) and is never allowed",
+                  udf_modules)
   if not _module_matches(module_name, allowed):
     raise _refuse(path, f"module {module_name!r} is not allowlisted", udf_modules)
   if path in _NEVER_ALLOWED_PATHS:

@@ -1,30 +1,46 @@
-"""Builds a task's pipeline on a worker: the spec plus the task's sharding.
+"""Builds and runs a task's pipeline on a worker: the spec, the task's
+sharding and the client's `jaxfeed.Options`.
 
 Static sharding (FILE / DATA) gives the pipeline's sampler ShardOptions(i, n).
-DYNAMIC sharding replaces the `from_source` op by a `SplitSourceNode` that
-reads the sampler positions of dispatcher-issued ranges. The per-record seeds
-stay those of the global sampler, so a record is augmented the same way
-whichever worker reads it.
+DYNAMIC sharding splits the positions of the pipeline's one index-addressable
+input (`range`, `from_tensor_slices`, `from_source`, or a `concatenate` /
+`zip` of those; see `jaxfeed.ops.index_ranges`): the dispatcher hands out
+ranges of positions and the worker's pipeline reads the elements at them.
+Every element keeps the seed it has in a local run (the sampler's per-record
+seed for sources), so a record is augmented the same way whichever worker
+reads it. With nothing lost, an epoch's elements are each delivered once in
+total across the workers, as by tf.data service; unlike tf.data service, a
+`zip` pairs the elements a local run pairs (the inputs share one position
+space). Ops after the split input run on each worker's share: a `repeat`
+there ends with the distributed epoch (repeat epochs through the sampler's
+`num_epochs` instead).
+
+The pipeline then runs like a local `Dataset`'s: rewritten by the static
+optimizer (`jaxfeed.ops.optimize`) and run under the autotuner
+(`jaxfeed.ops.autotune`) with the Options of the client's dataset, which
+travel in the spec as the root `WithOptionsNode`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
-import numpy as np
-
+from jaxfeed.ops import autocache
+from jaxfeed.ops import autotune
 from jaxfeed.ops import base
-from jaxfeed.ops import from_source
+from jaxfeed.ops import index_ranges
+from jaxfeed.ops import optimize
+from jaxfeed.ops.options import Options
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy
 
 SOURCE_OP = "from_source"
-_MAX_CHUNK = 256
 
-FetchRanges = Callable[[], "tuple[list[tuple[int, int]], bool]"]
+FetchRanges = index_ranges.FetchRanges
 
 
 class SplitEnd(NamedTuple):
@@ -41,123 +57,87 @@ class _Waiting:
 WAITING = _Waiting()
 
 
+class WithOptionsNode(base.Node):
+  """A pipeline and the `jaxfeed.Options` it runs with, as one spec root.
+
+  Clients ship a Dataset's options this way; workers take them off again
+  (`unwrap_options`). Iterated directly, it runs its input like a local
+  Dataset with these options.
+  """
+
+  op_name = "with_options"
+
+  def __init__(self, parent: Any, options: Options | dict):
+    super().__init__([base.to_node(parent, self.op_name, "input")])
+    if isinstance(options, dict):
+      options = Options(**options)
+    if not isinstance(options, Options):
+      raise TypeError(f"{self.op_name}: options must be a jaxfeed.Options, got "
+                      f"{type(options).__name__}.")
+    self.options = options
+
+  def spec_params(self) -> dict:
+    return {"options": dataclasses.asdict(self.options)}
+
+  def cardinality(self) -> int | None:
+    return self.parents[0].cardinality()
+
+  def make_iterator(self) -> base.OpIterator:
+    return run(optimize.optimize(self.parents[0], self.options), self.options)
+
+
+def pipeline_node(dataset: Any, what: str,
+                  policy: ShardingPolicy | None = None) -> base.Node:
+  """The graph a client ships for `dataset`, with its Options if it has any.
+
+  Raises:
+    ValueError: `policy` is DYNAMIC and the pipeline has no single input
+      whose positions can be split (the message names the ops involved).
+  """
+  node = base.to_node(dataset, what, "dataset")
+  if policy == ShardingPolicy.DYNAMIC:
+    index_ranges.split_input(node)
+  # A node carries no options (a WithOptionsNode already holds its own).
+  options = None if dataset is node else getattr(dataset, "options", None)
+  return node if options is None else WithOptionsNode(node, options)
+
+
+def unwrap_options(node: base.Node) -> tuple[base.Node, Options | None]:
+  """A shipped graph's pipeline and Options (None: the defaults)."""
+  if isinstance(node, WithOptionsNode):
+    return node.parents[0], node.options
+  return node, None
+
+
 def _is_sampler(value: Any) -> bool:
   return hasattr(value, "get_many") and hasattr(value, "num_positions")
 
 
-def find_samplers(node: base.Node) -> list[Any]:
-  """The samplers of every from_source op in a graph."""
-  found = []
-  params = node.spec_params()
-  if node.op_name == SOURCE_OP:
-    found += [v for v in params.values() if _is_sampler(v)]
-  for parent in node.parents:
-    found += find_samplers(parent)
-  for value in params.values():
-    inner = getattr(value, "node", value)
-    if isinstance(inner, base.Node):
-      found += find_samplers(inner)
-  return found
-
-
 def num_positions(node: base.Node) -> int:
-  """Positions DYNAMIC sharding splits: the single sampler's, -1 if unbounded."""
-  samplers = find_samplers(node)
-  if len(samplers) != 1:
+  """Positions DYNAMIC sharding splits: those of the pipeline's
+  index-addressable input; -1 if unbounded or if it has none."""
+  try:
+    count = index_ranges.num_positions(index_ranges.split_input(node))
+  except index_ranges.NotIndexAddressableError:
     return -1
-  count = samplers[0].num_positions
   return -1 if count is None else int(count)
 
 
-class SplitSourceNode(base.Node):
-  """The records of a source at the sampler positions of fetched ranges."""
-
-  op_name = SOURCE_OP
-
-  def __init__(self, source: Any, sampler: Any, fetch_ranges: FetchRanges):
-    super().__init__()
-    self.source = source
-    self.sampler = sampler
-    self.fetch_ranges = fetch_ranges
-
-  def spec_params(self) -> dict:
-    return {"source": self.source, "sampler": self.sampler,
-            "fetch_ranges": self.fetch_ranges}
-
-  def make_iterator(self) -> "SplitSourceIterator":
-    return SplitSourceIterator(self)
-
-
-class SplitSourceIterator(base.OpIterator):
-  """Reads range after range; ends when the dispatcher has no more splits."""
-
-  op_name = SOURCE_OP
-
-  def __init__(self, node: SplitSourceNode):
-    super().__init__()
-    self._node = node
-    self._read_many = from_source.records_reader(node.source)
-    self._ranges: list[tuple[int, int]] = []
-    self._exhausted = False
-    self._records: list = []
-    self._seeds = np.zeros(0, np.uint64)
-    self._offset = 0
-    self._last_seed = 0
-    self._records_read = 0
-
-  def __next__(self) -> Any:
-    if self._offset >= len(self._records):
-      self._read_chunk()
-    record = self._records[self._offset]
-    self._last_seed = int(self._seeds[self._offset])
-    self._offset += 1
-    self._records_read += 1
-    return record
-
-  def _read_chunk(self) -> None:
-    while not self._ranges:
-      if self._exhausted:
-        raise StopIteration
-      ranges, end = self._node.fetch_ranges()
-      self._ranges = [(int(a), int(b)) for a, b in ranges if b > a]
-      self._exhausted = end or not ranges
-    start, stop = self._ranges[0]
-    count = min(stop - start, _MAX_CHUNK)
-    if start + count < stop:
-      self._ranges[0] = (start + count, stop)
-    else:
-      self._ranges.pop(0)
-    _, record_indices, seeds = self._node.sampler.get_many(
-        np.arange(start, start + count, dtype=np.int64))
-    self._records = self._read_many(record_indices)
-    self._seeds = seeds
-    self._offset = 0
-
-  @property
-  def last_seed(self) -> int:
-    return self._last_seed
-
-  def _get_own_state(self) -> dict:
-    return {"records_read": self._records_read}
-
-  def _set_own_state(self, state: dict) -> None:
-    if state.get("records_read") != self._records_read:
-      raise base.PipelineStateError(
-          "A DYNAMIC service task cannot be restored to another position: its "
-          f"splits come from the dispatcher (state {state}).")
-
-
 def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
-                    udf_secret: bytes | None,
-                    fetch_ranges: FetchRanges | None,
-                    udf_modules: Sequence[str] = ()) -> base.Node:
-  """Rebuilds a task's pipeline with the task's sharding applied (and the
-  deployment's allowed UDF modules, see `spec.from_dataset_def`)."""
+                    udf_secret: bytes | None, fetch_ranges: FetchRanges | None,
+                    udf_modules: Sequence[str] = ()) -> tuple[base.Node, Options | None]:
+  """Rebuilds a task's pipeline with the task's sharding applied (importing
+  only from the deployment's allowed UDF modules, see `spec.from_dataset_def`).
+
+  Returns:
+    The pipeline (not yet optimized) and the client's Options (None: the
+    defaults).
+  """
   policy = ShardingPolicy(task.sharding_policy)
   touched = []
 
-  def rewrite(cls: type, params: dict) -> tuple[type, dict]:
-    if getattr(cls, "op_name", None) != SOURCE_OP or policy == ShardingPolicy.OFF:
+  def shard_sampler(cls: type, params: dict) -> tuple[type, dict]:
+    if getattr(cls, "op_name", None) != SOURCE_OP:
       return cls, params
     sampler = params.get("sampler")
     source = params.get("source")
@@ -167,9 +147,6 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
     if not _is_sampler(sampler):
       return cls, params
     touched.append(sampler)
-    if policy == ShardingPolicy.DYNAMIC:
-      return SplitSourceNode, {"source": source, "sampler": sampler,
-                               "fetch_ranges": fetch_ranges}
     sampler_params = dict(sampler.spec_params())
     current = dict(sampler_params.get("shard_options") or {})
     if current.get("shard_count", 1) != 1:
@@ -181,14 +158,43 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
                                        "drop_remainder": False}
     return cls, {**params, "sampler": type(sampler)(**sampler_params)}
 
-  node = spec_lib.from_dataset_def(dataset_def, udf_secret, rewrite, udf_modules)
-  if policy != ShardingPolicy.OFF and len(touched) != 1:
+  node = spec_lib.from_dataset_def(dataset_def, udf_secret,
+                                   shard_sampler if policy.is_static else None,
+                                   udf_modules)
+  node, options = unwrap_options(node)
+  if policy.is_static and len(touched) != 1:
     raise spec_lib.SpecError(
         f"{policy.name} sharding needs a pipeline with exactly one "
         f"from_source(source, sampler) op to shard; dataset "
         f"{task.dataset_id!r} has {len(touched)}. Use processing_mode "
-        "'parallel_epochs' (OFF) or read records through Dataset.from_source.")
-  return node
+        "'parallel_epochs' (OFF) or 'distributed_epoch' (DYNAMIC), or read "
+        "records through Dataset.from_source.")
+  if policy == ShardingPolicy.DYNAMIC:
+    try:
+      node = index_ranges.over_ranges(node, fetch_ranges)
+    except index_ranges.NotIndexAddressableError as e:
+      raise spec_lib.SpecError(f"Dataset {task.dataset_id!r}: {e}") from e
+  return node, options
+
+
+def run(node: base.Node, options: Options | None) -> base.OpIterator:
+  """An iterator of an optimized pipeline under the autotuner, as a local
+  Dataset runs it (see `jaxfeed.Dataset.make_iterator`)."""
+  return autotune.autotuned(node.make_iterator(), options)
+
+
+def task_iterator(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
+                  udf_secret: bytes | None, fetch_ranges: FetchRanges,
+                  autocache_dir: str | None = None,
+                  udf_modules: Sequence[str] = ()) -> base.OpIterator:
+  """A (not exactly-once) task's pipeline, optimized and autotuned."""
+  node, options = build_task_node(dataset_def, task, udf_secret, fetch_ranges, udf_modules)
+  node = optimize.optimize(node, options)
+  if autocache_dir and task.sharding_policy != ShardingPolicy.DYNAMIC.value:
+    # After the optimizer: it rebuilds ops from their specs, which leave the
+    # folder out.
+    autocache.point_at(node, autocache_dir)
+  return run(node, options)
 
 
 def close_quietly(iterator: Any, what: str) -> None:
@@ -209,6 +215,8 @@ def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: by
   `SplitEnd(start)` follows each split's elements. Yields `WAITING` while the
   dispatcher holds the end back: other workers' splits are not yet
   acknowledged and may come back to this task if their worker is lost.
+  Each split's run starts from the values the autotuner reached in the one
+  before.
   """
   current: list[tuple[int, int]] = []
 
@@ -217,18 +225,23 @@ def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: by
     current.clear()
     return ranges, True
 
-  node = build_task_node(dataset_def, task, udf_secret, this_split, udf_modules)
+  node, options = build_task_node(dataset_def, task, udf_secret, this_split, udf_modules)
+  node = optimize.optimize(node, options)
+  tuned: list[int] = []
   while True:
     ranges, end = fetch_ranges()
     for start, stop in ranges:
       current[:] = [(start, stop)]
-      iterator = node.make_iterator()
+      iterator = run(node, options)
+      knobs = autotune.collect_knobs(iterator)
+      if len(knobs) == len(tuned):
+        for knob, value in zip(knobs, tuned):
+          knob.set(value)
       try:
         yield from iterator
       finally:
-        close = getattr(iterator, "close", None)
-        if close is not None:
-          close()
+        tuned = [knob.get() for knob in knobs]
+        iterator.close()
       yield SplitEnd(start)
     if end:
       return

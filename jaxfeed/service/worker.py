@@ -22,7 +22,6 @@ from typing import Any, Generator, Iterator
 
 import grpc
 
-from jaxfeed.ops import autocache
 from jaxfeed.service import data_socket
 from jaxfeed.service import element_chunks
 from jaxfeed.service import round_assembly
@@ -242,11 +241,9 @@ class _Worker:
     if task.exactly_once:
       return task_pipeline.split_by_split(dataset_def, task, self.config.pickled_udf_secret,
                                           fetch_ranges, udf_modules=self.config.udf_modules)
-    node = task_pipeline.build_task_node(dataset_def, task, self.config.pickled_udf_secret,
-                                         fetch_ranges, self.config.udf_modules)
-    if self.config.autocache_dir and task.sharding_policy != ShardingPolicy.DYNAMIC.value:
-      autocache.point_at(node, self.config.autocache_dir)
-    return node.make_iterator()
+    return task_pipeline.task_iterator(dataset_def, task, self.config.pickled_udf_secret,
+                                       fetch_ranges, self.config.autocache_dir,
+                                       self.config.udf_modules)
 
   def find_task(self, task_id: int, timeout_s: float = 5.0) -> task_runner_lib.TaskRunner:
     """The task's runner, waiting briefly: clients may learn of a task first."""

@@ -153,6 +153,7 @@ def test_an_element_without_a_packed_feature_is_an_error():
     ({"num_packing_bins": 0}, ValueError, "num_packing_bins"),
     ({"algorithm": "worst_fit"}, ValueError, "algorithm.*worst_fit"),
     ({"max_sequences_per_bin": 0}, ValueError, "max_sequences_per_bin"),
+    ({"overflow": "wrap"}, ValueError, "overflow.*'split'.*wrap"),
 ])
 def test_invalid_options_are_rejected(kwargs, error, match):
   args = {"length_struct": {"a": 8}, "num_packing_bins": 2, **kwargs}
@@ -211,3 +212,66 @@ def test_saved_input_positions_stay_bounded_over_a_long_run():
     # The positions kept for restoring (InputReplay anchors) cover only the
     # rows being filled, not the whole run.
     assert len(it._input._anchors) <= 3  # pylint: disable=protected-access
+
+
+# -- overflow: documents longer than a row -----------------------------------------
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("algorithm", ["first_fit", "best_fit"])
+def test_split_loses_and_duplicates_no_token_and_keeps_piece_order(seed, algorithm):
+  rng = np.random.default_rng(seed)
+  row_length = int(rng.integers(1, 40))
+  # Token values name (document, offset), so order and identity are checked.
+  documents = [np.arange(n, dtype=np.int64) + 1000 * d
+               for d, n in enumerate(rng.integers(1, 130, rng.integers(1, 30)))]
+  examples = [{"t": doc, "extra": np.int32(d)} for d, doc in enumerate(documents)]
+  rows = run(elements_dataset(examples).pack(
+      {"t": row_length}, num_packing_bins=int(rng.integers(1, 6)),
+      algorithm=algorithm, overflow="split"))
+  pieces = unpack(rows, "t")  # also checks positions restart at 0 per piece
+  assert all(0 < len(p) <= row_length for p in pieces)
+  # Exactly the row-length chunks of every document: no token lost or repeated.
+  chunks = [doc[k:k + row_length] for doc in documents
+            for k in range(0, len(doc), row_length)]
+  assert collections.Counter(key(p) for p in pieces) == collections.Counter(
+      key(c) for c in chunks)
+
+
+def test_split_with_one_bin_emits_the_pieces_in_document_order():
+  documents = [np.arange(n, dtype=np.int64) + 1000 * d
+               for d, n in enumerate([3, 25, 1, 9, 17])]
+  rows = run(elements_dataset([{"t": d} for d in documents]).pack(
+      {"t": 8}, num_packing_bins=1, overflow="split"))
+  assert np.array_equal(np.concatenate(unpack(rows, "t")),
+                        np.concatenate(documents))
+
+
+def test_split_cuts_every_feature_at_its_row_length():
+  example = {"a": np.arange(25, dtype=np.int32), "b": np.arange(4, dtype=np.int32)}
+  rows = run(elements_dataset([example]).pack(
+      {"a": 10, "b": 3}, num_packing_bins=1, overflow="split"))
+  assert [r["a"][r["a_segment_ids"] > 0].tolist() for r in rows] == [
+      list(range(10)), list(range(10, 20)), list(range(20, 25))]
+  assert [r["b"][r["b_segment_ids"] > 0].tolist() for r in rows] == [
+      [0, 1, 2], [3], []]
+
+
+def test_truncate_keeps_the_first_row_length_tokens():
+  examples = [{"t": np.arange(n, dtype=np.int32)} for n in (3, 12, 7)]
+  rows = run(elements_dataset(examples).pack({"t": 8}, num_packing_bins=3,
+                                             overflow="truncate"))
+  assert sorted(tuple(s.tolist()) for s in unpack(rows, "t")) == sorted(
+      [tuple(range(3)), tuple(range(8)), tuple(range(7))])
+
+
+def test_the_default_overflow_is_an_error_that_names_the_options():
+  with pytest.raises(ValueError, match="overflow='truncate' or overflow='split'"):
+    run(elements_dataset([{"t": np.arange(9)}]).pack({"t": 8}, num_packing_bins=1))
+
+
+@pytest.mark.parametrize("bins", [1, 3])
+def test_split_resumes_exactly_at_every_cut(bins):
+  rng = np.random.default_rng(9)
+  examples = [{"t": np.arange(n, dtype=np.int32) + 100 * i}
+              for i, n in enumerate(rng.integers(1, 60, 25))]
+  check_resume(lambda: elements_dataset(examples).pack(
+      {"t": 16}, num_packing_bins=bins, overflow="split"), with_seeds=True)

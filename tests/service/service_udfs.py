@@ -57,3 +57,26 @@ def tally(x):
   """{"x": x}, counting calls in CALLS["tally"] (in-process workers)."""
   CALLS["tally"] = CALLS.get("tally", 0) + 1
   return {"x": x}
+
+
+def mark_batched(x):
+  """{"x": x, "batched": whether x came as a batch} (a batchable map)."""
+  return {"x": x, "batched": np.full(np.shape(x), np.ndim(x) > 0)}
+
+
+_CONCURRENT = {"now": 0, "most": 0}
+
+
+def most_concurrent(x):
+  """{"x": x, "most": the most calls of this UDF seen running at once in
+  this process}; each call waits 20 ms, so more threads run more calls."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  lock = _CONCURRENT.setdefault("lock", threading.Lock())
+  with lock:
+    _CONCURRENT["now"] += 1
+    _CONCURRENT["most"] = max(_CONCURRENT["most"], _CONCURRENT["now"])
+  time.sleep(0.02)
+  with lock:
+    _CONCURRENT["now"] -= 1
+    return {"x": x, "most": _CONCURRENT["most"]}
