@@ -473,3 +473,32 @@ def test_an_autoscaled_pool_gets_the_worker_token_by_file(monkeypatch):
     got = read_all(records().distribute(dispatcher.target, auth_token=CLIENT_TOKEN))
     assert collections.Counter(np.concatenate([b["x"] for b in got]).tolist()) == (
         collections.Counter(range(64)))
+
+
+def test_an_unauthenticated_request_body_is_never_received(secured):
+  dispatcher, _ = secured
+  status = psutil.Process(dispatcher.proc.pid)
+
+  def peak_rss() -> int:
+    with open(f"/proc/{status.pid}/status") as f:
+      return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+  before = peak_rss()
+  body = pb.RegisterDatasetRequest(dataset=pb.DatasetDef(graph_json=b"x" * (48 << 20)))
+  for token in (None, WORKER_TOKEN):
+    assert refused_code(dispatcher.address, DISPATCHER + "RegisterDataset", body, token
+                        ) == grpc.StatusCode.UNAUTHENTICATED
+  assert peak_rss() - before < 16 << 20
+
+
+def test_an_allowed_module_does_not_lend_out_what_it_imports(tmp_path, monkeypatch):
+  (tmp_path / "reexporting_udfs.py").write_text(
+      "import os\nfrom os import system\nfrom importlib import import_module\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  allowed = ("reexporting_udfs",)
+  for path, why in [("reexporting_udfs:system", "never allowed"),
+                    ("reexporting_udfs:import_module", "never allowed"),
+                    ("reexporting_udfs:os.system", "is a module imported by"),
+                    ("reexporting_udfs:os", "is a module imported by")]:
+    with pytest.raises(spec.UDFNotAllowedError, match=why):
+      spec.resolve_path(path, allowed)
