@@ -157,12 +157,6 @@ class DataServer:
         target=self._accept_loop, name="jaxfeed-data-accept", daemon=True)
     self._accept_thread.start()
 
-  @property
-  def num_connections(self) -> int:
-    """Connections streaming now (each on its own thread)."""
-    with self._lock:
-      return len(self._connections)
-
   def _accept_loop(self) -> None:
     try:
       while not self._stop.is_set():
@@ -186,9 +180,11 @@ class DataServer:
         conn, _ = self._listener.accept()
       except (BlockingIOError, InterruptedError):
         return
-      except OSError:  # out of file descriptors: the oldest hellos make room
+      except OSError:  # out of file descriptors: the oldest hello makes room
         if self._pending:
           self._drop(next(iter(self._pending)))
+        else:
+          self._stop.wait(0.05)  # the listener stays readable: do not spin
         return
       conn.setblocking(False)
       conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -234,7 +230,7 @@ class DataServer:
         if pending.add(chunk):
           break
     except (OSError, ValueError) as e:  # not TLS, a refused certificate, garbage
-      if isinstance(e, DataConnectionError) and e.status != "UNAVAILABLE":
+      if isinstance(e, DataConnectionError) and e.status == "INVALID_ARGUMENT":
         self._refuse(conn, e)
       else:
         logging.debug("Data connection dropped before its hello: %s", e)
