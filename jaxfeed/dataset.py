@@ -48,6 +48,21 @@ class Dataset:
     return Dataset(_op("from_tensor_slices").TensorSlicesNode(tensors))
 
   @staticmethod
+  def from_generator(generator: Callable, output_signature: Any = None,
+                     args: Sequence[Any] | None = None,
+                     skip: Callable | None = None) -> "Dataset":
+    """The elements of `generator(*args)`, leaves as numpy arrays.
+
+    Like tf.data's `from_generator`; `output_signature`, if given, is a pytree
+    of numpy dtypes the leaves are cast to. Resuming calls the generator
+    again and skips the elements already returned (exact when it yields the
+    same sequence each time), or calls `skip(count, *args)` for an iterator
+    that starts at element `count`. See `jaxfeed.ops.from_generator`.
+    """
+    return Dataset(_op("from_generator").GeneratorNode(
+        generator, output_signature=output_signature, args=args, skip=skip))
+
+  @staticmethod
   def zip(datasets: Any) -> "Dataset":
     """Zips a tuple or dict of datasets, like tf.data.Dataset.zip."""
     return Dataset(_op("zip").ZipNode(datasets))
@@ -124,6 +139,46 @@ class Dataset:
   def filter(self, predicate: Callable) -> "Dataset":
     return self._wrap(_op("filter").FilterNode(self.node, predicate))
 
+  def enumerate(self, start: int = 0) -> "Dataset":
+    """`(index, element)` pairs, the index an int64 counting from `start`."""
+    return self._wrap(_op("enumerate").EnumerateNode(self.node, start))
+
+  def scan(self, initial_state: Any, scan_func: Callable) -> "Dataset":
+    """`scan_func(state, element) -> (new_state, output)` through the elements.
+
+    Like tf.data's `scan`. The running state is saved with the iterator's
+    state, so it must be arrays, scalars, bytes, str or containers of them.
+    """
+    return self._wrap(_op("scan").ScanNode(self.node, initial_state, scan_func))
+
+  def unique(self) -> "Dataset":
+    """The first occurrence of each distinct element (integer or string
+    scalars, as in tf.data); the values seen are kept in memory and state."""
+    return self._wrap(_op("unique").UniqueNode(self.node))
+
+  def shard(self, num_shards: int, index: int) -> "Dataset":
+    """Every `num_shards`-th element starting at `index` (tf.data's `shard`).
+
+    For sampler-based pipelines, sharding in the sampler
+    (`ShardOptions`, `ShardByJaxProcess`) reads only this shard's records.
+    """
+    return self._wrap(_op("shard").ShardNode(self.node, num_shards, index))
+
+  def ignore_errors(self, log_warning: bool = False) -> "Dataset":
+    """Drops the elements whose computation raised (a failing UDF, a corrupt
+    record) and goes on; the iterator's `stats()` counts them."""
+    return self._wrap(_op("ignore_errors").IgnoreErrorsNode(self.node, log_warning))
+
+  def reduce(self, initial_state: Any, reduce_func: Callable) -> Any:
+    """Runs the pipeline to its end: `reduce_func(state, element)` folded over
+    the elements from `initial_state`; returns the final state (tf.data's
+    `reduce`, with numpy values)."""
+    state = initial_state
+    with self.make_iterator() as iterator:
+      for element in iterator:
+        state = reduce_func(state, element)
+    return state
+
   # ---- batching ----------------------------------------------------------
   def batch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
     return self._wrap(_op("batch").BatchNode(self.node, batch_size, drop_remainder))
@@ -134,6 +189,22 @@ class Dataset:
     return self._wrap(_op("padded_batch").PaddedBatchNode(
         self.node, batch_size, padded_shapes=padded_shapes,
         padding_values=padding_values, drop_remainder=drop_remainder))
+
+  def ragged_batch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
+    """Batches elements of different lengths: each leaf of rank >= 1 becomes
+    `{"values", "row_lengths"}` (tf.data's ragged batch, flattened); scalar
+    leaves are stacked. See `jaxfeed.ops.ragged_batch`."""
+    return self._wrap(_op("ragged_batch").RaggedBatchNode(
+        self.node, batch_size, drop_remainder))
+
+  def window(self, size: int, shift: int | None = None, stride: int = 1,
+             drop_remainder: bool = False, stack: bool = True) -> "Dataset":
+    """Windows of `size` elements every `shift` (default `size`), taking every
+    `stride`-th, with tf.data's rules; each window is one element: stacked
+    like `batch` (`stack=True`) or a list. See `jaxfeed.ops.window`."""
+    return self._wrap(_op("window").WindowNode(
+        self.node, size, shift=shift, stride=stride,
+        drop_remainder=drop_remainder, stack=stack))
 
   def unbatch(self) -> "Dataset":
     return self._wrap(_op("unbatch").UnbatchNode(self.node))
@@ -208,6 +279,12 @@ class Dataset:
   # ---- materialization and overlap ----------------------------------------
   def cache(self, filename: str = "") -> "Dataset":
     return self._wrap(_op("cache").CacheNode(self.node, filename))
+
+  def snapshot(self, path: str) -> "Dataset":
+    """Persists this pipeline's output under `path` on the first complete pass
+    and reads it from there afterwards, in any process; a pass killed
+    mid-write leaves nothing half-written. See `jaxfeed.ops.snapshot`."""
+    return self._wrap(_op("snapshot").SnapshotNode(self.node, path))
 
   def autocache(self) -> "Dataset":
     """Marks where service workers with `--autocache_dir` may keep this
