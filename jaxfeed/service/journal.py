@@ -2,8 +2,8 @@
 
 Files in the work_dir:
 
-  snapshot.json       the live state up to journal generation G (see
-                      `state_snapshot`); absent before the first snapshot.
+  snapshot.json       the live state as of the start of journal generation G
+                      (see `state_snapshot`); absent before the first snapshot.
   journal.jsonl       journal generation 0.
   journal.<G>.jsonl   journal generation G >= 1.
 
@@ -27,13 +27,14 @@ the same state:
      to G+1 describe the state; a leftover tmp file is ignored and removed.
   3. Delete generations up to G (a restart also deletes any left over).
 
-Cost of fsync (`DispatcherConfig.journal_fsync`, on by default): one fsync
-per state change, shared by the changes that commit at the same time (group
-commit). Measured with `benchmarks/journal_restart.py` on a local ext4/overlay
-disk: see the service section of the README for the numbers; on disks where
-fsync takes milliseconds, every journaled RPC (register, create a job, get
-splits, acknowledge splits) waits that long, while heartbeats that change
-nothing do not wait.
+Cost of fsync (`DispatcherConfig.journal_fsync`, on by default), measured with
+`python -m benchmarks.journal_restart` on an ext4 virtual disk: one journaled
+change (a GetSplits) takes 1.7 ms with fsync and 0.013 ms without (470 against
+13.9k changes/s from one thread); with 8 threads committing at once, changes
+share fsyncs (group commit) and reach 5.6k/s. A reply that changed nothing
+waits only for changes it may have seen. The same run: a restart after 10k
+jobs and 1M exactly-once splits replays 2.1M records in 18 s without
+snapshots, and 69k (39k of live state, 30k of journal) in 1.6 s with them.
 """
 
 from __future__ import annotations
