@@ -98,7 +98,8 @@ class DispatcherConfig:
     for name in ("snapshot_every_records", "snapshot_every_bytes"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
-        raise ValueError(f"DispatcherConfig: {name} must be an integer >= 0 (0: off), got {value!r}.")
+        raise ValueError(
+            f"DispatcherConfig: {name} must be an integer >= 0 (0: off), got {value!r}.")
     if not isinstance(self.split_size, int) or self.split_size < 1:
       raise ValueError(f"DispatcherConfig: split_size must be an integer >= 1, got {self.split_size!r}.")
     if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:

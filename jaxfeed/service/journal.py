@@ -216,7 +216,7 @@ class Journal:
     data = json.dumps(records, separators=(",", ":")).encode() + b"\n"
     try:
       if self._fd is None:
-        self._fd = self._open(self.path)
+        self._fd = self._open(self.path, sync_folder=self._fsync)
       view = memoryview(data)
       while view:
         view = view[os.write(self._fd, view):]
@@ -251,10 +251,10 @@ class Journal:
         self._fail(e)
       self._synced = target
 
-  def _open(self, path: pathlib.Path) -> int:
+  def _open(self, path: pathlib.Path, sync_folder: bool) -> int:
     existed = path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    if not existed and self._fsync:
+    if not existed and sync_folder:
       _fsync_path(self.work_dir)  # the new file's name survives a power loss
     return fd
 
@@ -282,12 +282,15 @@ class Journal:
   def start_snapshot(self) -> int:
     """Step 1 (under the state's lock, after its last write): starts the next
     journal generation and returns it; pass it to `finish_snapshot` with
-    the state's records as of now."""
+    the state's records as of now.
+
+    The finished generation is fsynced even with fsync off: a generation
+    followed by another is then never torn, whatever the crash.
+    """
     with self._sync_lock:
       if self._fd is not None:
         try:
-          if self._fsync:
-            os.fsync(self._fd)
+          os.fsync(self._fd)
           os.close(self._fd)
         except OSError as e:
           self._fail(e)
@@ -295,7 +298,7 @@ class Journal:
       self._synced = self._written
       self._generation += 1
       try:
-        self._fd = self._open(self.path)
+        self._fd = self._open(self.path, sync_folder=True)
       except OSError as e:
         self._fail(e)
     self._snapshot_in_flight = True

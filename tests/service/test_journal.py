@@ -51,7 +51,8 @@ def busy_state(config: dispatcher_lib.DispatcherConfig) -> dispatcher_lib.Dispat
 
 def live_records(state: dispatcher_lib.DispatcherState) -> list[dict]:
   """The state's records without the id counter (a replay may skip ids)."""
-  return [r for r in state._live_records() if r["kind"] != "ids"]  # pylint: disable=protected-access
+  records = state._live_records()  # pylint: disable=protected-access
+  return [r for r in records if r["kind"] != "ids"]
 
 
 def lines(path) -> list[bytes]:

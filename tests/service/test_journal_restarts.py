@@ -57,7 +57,8 @@ def test_a_dispatcher_restarts_twice_after_a_torn_journal_write(cluster, tmp_pat
   dispatcher = start_dispatcher(cluster, port, tmp_path)
   first = service.register_dataset(dispatcher.address, pipeline(10))
   job = call(dispatcher.address, "GetOrCreateJob", pb.GetOrCreateJobRequest(
-      dataset_id=first, sharding_policy="parallel_epochs", job_name="kept"), pb.GetOrCreateJobResponse)
+      dataset_id=first, sharding_policy="parallel_epochs", job_name="kept"),
+             pb.GetOrCreateJobResponse)
   dispatcher.kill()
   journal, = tmp_path.glob("journal*.jsonl")
   with open(journal, "ab") as f:
