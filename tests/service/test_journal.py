@@ -55,6 +55,10 @@ def live_records(state: dispatcher_lib.DispatcherState) -> list[dict]:
   return [r for r in records if r["kind"] != "ids"]
 
 
+def files(work_dir) -> list[str]:
+  return sorted(p.name for p in work_dir.iterdir() if p.name != journal_lib.LOCK_NAME)
+
+
 def lines(path) -> list[bytes]:
   return path.read_bytes().splitlines()
 
@@ -159,7 +163,7 @@ def snapshot_steps(tmp_path, config) -> tuple[dict, list[dict]]:
   just before the snapshot and after it, and the live records."""
   state = busy_state(dataclasses.replace(config, snapshot_every_records=0))
   state.close()
-  before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+  before = {name: (tmp_path / name).read_bytes() for name in files(tmp_path)}
   state = dispatcher_lib.DispatcherState(dataclasses.replace(config, snapshot_every_records=1))
   state.check_liveness()  # takes the lock: the journal is due for a snapshot
   expected = live_records(state)
@@ -173,7 +177,7 @@ def test_a_crash_at_any_step_of_a_snapshot_replays_the_same_state(tmp_path, cras
   config = dispatcher_lib.DispatcherConfig(work_dir=str(work_dir), heartbeat_timeout_s=60)
   before, expected = snapshot_steps(work_dir, config)
   snapshot = (work_dir / "snapshot.json").read_bytes()
-  assert sorted(p.name for p in work_dir.iterdir()) == ["journal.1.jsonl", "snapshot.json"]
+  assert files(work_dir) == ["journal.1.jsonl", "snapshot.json"]
   assert list(before) == ["journal.jsonl"]
   # Put the files back as they were at the crash.
   (work_dir / "journal.jsonl").write_bytes(before["journal.jsonl"])
@@ -184,7 +188,7 @@ def test_a_crash_at_any_step_of_a_snapshot_replays_the_same_state(tmp_path, cras
   restarted = dispatcher_lib.DispatcherState(config)
   assert live_records(restarted) == expected
   restarted.close()
-  names = sorted(p.name for p in work_dir.iterdir())
+  names = files(work_dir)
   assert "snapshot.json.tmp" not in names
   if crash_point == "before_delete":
     assert names == ["journal.1.jsonl", "snapshot.json"]  # the leftover is gone
@@ -210,6 +214,15 @@ def test_a_missing_journal_generation_is_an_error(tmp_path):
   (tmp_path / "journal.3.jsonl").write_bytes(b'[{"kind":"ids","id":1}]\n')
   with pytest.raises(ValueError, match=r"generations \[3\], expected \[2\]"):
     journal_lib.Journal(tmp_path).replay(lambda r: None)
+
+
+def test_a_second_dispatcher_on_the_same_work_dir_is_refused(tmp_path):
+  config = dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path))
+  first = dispatcher_lib.DispatcherState(config)
+  with pytest.raises(RuntimeError, match=f"work_dir {tmp_path} is in use"):
+    dispatcher_lib.DispatcherState(config)
+  first.close()
+  dispatcher_lib.DispatcherState(config).close()
 
 
 @pytest.mark.parametrize("field,value", [
