@@ -170,7 +170,7 @@ class _Worker:
 
 
 class DispatcherState:
-  """The dispatcher's bookkeeping; every change is journaled first."""
+  """The dispatcher's bookkeeping; every change is journaled before it is acknowledged."""
 
   def __init__(self, config: DispatcherConfig):
     self.config = config
