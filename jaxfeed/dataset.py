@@ -48,6 +48,21 @@ class Dataset:
     return Dataset(_op("from_tensor_slices").TensorSlicesNode(tensors))
 
   @staticmethod
+  def from_generator(generator: Callable, output_signature: Any = None,
+                     args: Sequence[Any] | None = None,
+                     skip: Callable | None = None) -> "Dataset":
+    """The elements of `generator(*args)`, leaves as numpy arrays.
+
+    Like tf.data's `from_generator`; `output_signature`, if given, is a pytree
+    of numpy dtypes the leaves are cast to. Resuming calls the generator
+    again and skips the elements already returned (exact when it yields the
+    same sequence each time), or calls `skip(count, *args)` for an iterator
+    that starts at element `count`. See `jaxfeed.ops.from_generator`.
+    """
+    return Dataset(_op("from_generator").GeneratorNode(
+        generator, output_signature=output_signature, args=args, skip=skip))
+
+  @staticmethod
   def zip(datasets: Any) -> "Dataset":
     """Zips a tuple or dict of datasets, like tf.data.Dataset.zip."""
     return Dataset(_op("zip").ZipNode(datasets))
@@ -108,7 +123,29 @@ class Dataset:
   def map(self, fn: Callable, num_parallel_calls: int | None = None,
           deterministic: bool = True, batched: bool = False,
           backend: str = "auto") -> "Dataset":
-    """Applies fn to each element (to each batch when `batched=True`)."""
+    """Applies `fn` to each element.
+
+    tf.data's `map`: a tuple element is unpacked into arguments
+    (`fn(*element)`); any other element (an array, a dict) is passed as one
+    argument. `fn` returns the new element (a pytree of numpy arrays or
+    scalars).
+
+    Args:
+      fn: the function.
+      num_parallel_calls: None or 1 runs `fn` in the consumer's thread; an
+        int > 1 or `jaxfeed.AUTOTUNE` runs it on that many workers.
+      deterministic: keep the input order with parallel calls (False returns
+        each result as soon as it is ready).
+      batched: declares `fn` vectorized over a leading batch dimension, so the
+        optimizer may move it after a following `batch` and call it once per
+        batch; the output is the same either way.
+      backend: "auto" or "thread" runs `fn` on threads (numpy and most
+        decoders release the GIL); "process" runs it in worker processes,
+        for GIL-bound Python code (`fn` must then be picklable: defined at
+        module level); results come back through shared memory.
+
+    Example: `ds.map(decode, num_parallel_calls=jaxfeed.AUTOTUNE)`.
+    """
     return self._wrap(_op("map").MapNode(
         self.node, fn, num_parallel_calls=num_parallel_calls,
         deterministic=deterministic, batched=batched, backend=backend))
@@ -116,29 +153,128 @@ class Dataset:
   def random_map(self, fn: Callable, num_parallel_calls: int | None = None,
                  deterministic: bool = True, seed: int | None = None,
                  backend: str = "auto") -> "Dataset":
-    """fn(element, rng) with a np.random.Generator seeded per record."""
+    """Applies `fn(element, rng)` with a `np.random.Generator` per element.
+
+    The generator is seeded from the element's own seed (for sampler
+    pipelines a hash of (seed, epoch, record index), combined with `seed`),
+    so augmentations are the same whatever the parallelism, backend, host
+    count or resume point. Arguments as for `map`. tf.data has no
+    equivalent (its random ops use stateful or op-level seeds).
+
+    Example: `ds.random_map(lambda x, rng: x + rng.normal(size=x.shape))`.
+    """
     return self._wrap(_op("random_map").RandomMapNode(
         self.node, fn, num_parallel_calls=num_parallel_calls,
         deterministic=deterministic, seed=seed, backend=backend))
 
   def filter(self, predicate: Callable) -> "Dataset":
+    """Keeps the elements for which `predicate(element)` is true.
+
+    tf.data's `filter`: tuple elements are unpacked into arguments; the
+    predicate returns a Python or numpy bool (scalar).
+
+    Example: `Dataset.range(6).filter(lambda x: x % 2 == 0)` -> 0, 2, 4.
+    """
     return self._wrap(_op("filter").FilterNode(self.node, predicate))
+
+  def enumerate(self, start: int = 0) -> "Dataset":
+    """`(index, element)` pairs, the index an int64 counting from `start`."""
+    return self._wrap(_op("enumerate").EnumerateNode(self.node, start))
+
+  def scan(self, initial_state: Any, scan_func: Callable) -> "Dataset":
+    """`scan_func(state, element) -> (new_state, output)` through the elements.
+
+    Like tf.data's `scan`. The running state is saved with the iterator's
+    state, so it must be arrays, scalars, bytes, str or containers of them.
+    """
+    return self._wrap(_op("scan").ScanNode(self.node, initial_state, scan_func))
+
+  def unique(self) -> "Dataset":
+    """The first occurrence of each distinct element (integer or string
+    scalars, as in tf.data); the values seen are kept in memory and state."""
+    return self._wrap(_op("unique").UniqueNode(self.node))
+
+  def shard(self, num_shards: int, index: int) -> "Dataset":
+    """Every `num_shards`-th element starting at `index` (tf.data's `shard`).
+
+    For sampler-based pipelines, sharding in the sampler
+    (`ShardOptions`, `ShardByJaxProcess`) reads only this shard's records.
+    """
+    return self._wrap(_op("shard").ShardNode(self.node, num_shards, index))
+
+  def ignore_errors(self, log_warning: bool = False) -> "Dataset":
+    """Drops the elements whose computation raised (a failing UDF, a corrupt
+    record) and goes on; the iterator's `stats()` counts them."""
+    return self._wrap(_op("ignore_errors").IgnoreErrorsNode(self.node, log_warning))
+
+  def reduce(self, initial_state: Any, reduce_func: Callable) -> Any:
+    """Runs the pipeline to its end: `reduce_func(state, element)` folded over
+    the elements from `initial_state`; returns the final state (tf.data's
+    `reduce`, with numpy values)."""
+    state = initial_state
+    with self.make_iterator() as iterator:
+      for element in iterator:
+        state = reduce_func(state, element)
+    return state
 
   # ---- batching ----------------------------------------------------------
   def batch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
+    """Stacks `batch_size` consecutive elements along a new leading dimension.
+
+    tf.data's `batch`: every leaf of the elements gets a leading batch
+    dimension (elements must share structure, dtypes and shapes; use
+    `padded_batch` or `ragged_batch` otherwise). The last batch holds the
+    remaining elements unless `drop_remainder=True` drops it (what a jitted
+    step with a fixed shape wants). Nothing is buffered between batches, so
+    the iterator's state is its input's.
+
+    Example: `Dataset.range(5).batch(2)` yields `[0, 1]`, `[2, 3]`, `[4]`.
+    """
     return self._wrap(_op("batch").BatchNode(self.node, batch_size, drop_remainder))
 
   def padded_batch(self, batch_size: int, padded_shapes: Any = None,
                    padding_values: Any = None,
                    drop_remainder: bool = False) -> "Dataset":
+    """Batches elements of different shapes by padding them.
+
+    tf.data's `padded_batch`: each leaf is padded to its entry of
+    `padded_shapes` (None or -1 dimensions, or no `padded_shapes`: to the
+    longest element of the batch) with its entry of `padding_values` (0,
+    False, b'' or '' by default). An element longer than an explicit size is
+    an error. In a multi-process job, give fixed `padded_shapes` so every
+    process builds the same global shape.
+
+    Example: `ds.padded_batch(32, padded_shapes={"tokens": [128]})`.
+    """
     return self._wrap(_op("padded_batch").PaddedBatchNode(
         self.node, batch_size, padded_shapes=padded_shapes,
         padding_values=padding_values, drop_remainder=drop_remainder))
 
+  def ragged_batch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
+    """Batches elements of different lengths: each leaf of rank >= 1 becomes
+    `{"values", "row_lengths"}` (tf.data's ragged batch, flattened); scalar
+    leaves are stacked. See `jaxfeed.ops.ragged_batch`."""
+    return self._wrap(_op("ragged_batch").RaggedBatchNode(
+        self.node, batch_size, drop_remainder))
+
+  def window(self, size: int, shift: int | None = None, stride: int = 1,
+             drop_remainder: bool = False, stack: bool = True) -> "Dataset":
+    """Windows of `size` elements every `shift` (default `size`), taking every
+    `stride`-th, with tf.data's rules; each window is one element: stacked
+    like `batch` (`stack=True`) or a list. See `jaxfeed.ops.window`."""
+    return self._wrap(_op("window").WindowNode(
+        self.node, size, shift=shift, stride=stride,
+        drop_remainder=drop_remainder, stack=stack))
+
   def unbatch(self) -> "Dataset":
+    """Splits every batch into its rows (tf.data's `unbatch`): every leaf
+    needs the same leading dimension; rows are views of the batch."""
     return self._wrap(_op("unbatch").UnbatchNode(self.node))
 
   def rebatch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
+    """Re-splits batches into batches of `batch_size` rows (tf.data's
+    `rebatch`): what `unbatch().batch(batch_size)` gives, without splitting
+    into elements. `batch_size` may be a list of sizes used in turn."""
     return self._wrap(_op("rebatch").RebatchNode(self.node, batch_size, drop_remainder))
 
   def bucket_by_sequence_length(
@@ -146,6 +282,18 @@ class Dataset:
       bucket_batch_sizes: Sequence[int], padded_shapes: Any = None,
       padding_values: Any = None, pad_to_bucket_boundary: bool = False,
       no_padding: bool = False, drop_remainder: bool = False) -> "Dataset":
+    """Batches elements of similar length together, padded per bucket.
+
+    tf.data's `bucket_by_sequence_length`, output for output: bucket `i`
+    holds lengths in `[bucket_boundaries[i-1], bucket_boundaries[i])` and is
+    emitted as a batch of `bucket_batch_sizes[i]` once full (padded like
+    `padded_batch`, or stacked with `no_padding=True`); partial buckets are
+    emitted at the end unless `drop_remainder`. `pad_to_bucket_boundary` pads
+    to `boundary - 1`. `element_length_func` must be deterministic (resume
+    re-reads the pending elements). For shapes every JAX process agrees on,
+    give `padded_shapes` or pad to the bucket boundary. See
+    `jaxfeed.ops.bucket_by_sequence_length`.
+    """
     return self._wrap(_op("bucket_by_sequence_length").BucketBySequenceLengthNode(
         self.node, element_length_func, bucket_boundaries, bucket_batch_sizes,
         padded_shapes=padded_shapes, padding_values=padding_values,
@@ -155,6 +303,15 @@ class Dataset:
   def group_by_window(self, key_func: Callable, reduce_func: Callable,
                       window_size: int | None = None,
                       window_size_func: Callable | None = None) -> "Dataset":
+    """Groups elements by `key_func` into windows, each reduced to a dataset.
+
+    tf.data's `group_by_window`, output for output: an element goes to the
+    group of `key_func(element)` (an integer); a group of `window_size`
+    (or `window_size_func(key)`) elements becomes a window, and
+    `reduce_func(key, window_dataset)` returns the dataset whose elements are
+    output. Partial groups are reduced at the end in key order. Both
+    functions must be deterministic (resume re-reads the pending elements).
+    """
     return self._wrap(_op("group_by_window").GroupByWindowNode(
         self.node, key_func, reduce_func, window_size=window_size,
         window_size_func=window_size_func))
@@ -178,36 +335,92 @@ class Dataset:
   # ---- order and count -------------------------------------------------
   def shuffle(self, buffer_size: int, seed: int | None = None,
               reshuffle_each_iteration: bool = True) -> "Dataset":
+    """Shuffles the elements within windows of `buffer_size`, with exact,
+    small state.
+
+    How it differs from tf.data's sliding reservoir: the input is cut into
+    consecutive windows of `buffer_size` elements and each window is emitted
+    in a random order keyed by (seed, iteration, window), so an element
+    moves at most `buffer_size - 1` positions and the saved state does not
+    hold the buffer. With `buffer_size >=` the dataset size it is a uniform
+    permutation, as in tf.data. `seed=None` draws one (saved in the state);
+    `reshuffle_each_iteration` gives every pass its own order. For a global
+    shuffle of records, shuffle in the sampler (`IndexSampler(shuffle=True)`).
+    See `jaxfeed.ops.shuffle`.
+    """
     return self._wrap(_op("shuffle").ShuffleNode(
         self.node, buffer_size, seed=seed,
         reshuffle_each_iteration=reshuffle_each_iteration))
 
   def repeat(self, count: int | None = None) -> "Dataset":
+    """Repeats the dataset `count` times (forever for None or -1).
+
+    tf.data's `repeat`: each repetition is a new pass over the input (a new
+    iterator of it), so `shuffle(..., reshuffle_each_iteration=True)` above
+    or below reshuffles per epoch. For sampler pipelines, `num_epochs` of the
+    `IndexSampler` gives epochs with their own global shuffle.
+    """
     return self._wrap(_op("repeat").RepeatNode(self.node, count))
 
   def take(self, count: int) -> "Dataset":
+    """At most the first `count` elements (tf.data's `take`; a negative count
+    takes them all)."""
     return self._wrap(_op("take").TakeNode(self.node, count))
 
   def skip(self, count: int) -> "Dataset":
+    """All but the first `count` elements (tf.data's `skip`; a negative count
+    skips everything). Ops that can skip without computing do so."""
     return self._wrap(_op("skip").SkipNode(self.node, count))
 
   def concatenate(self, other: "Dataset") -> "Dataset":
+    """The elements of this dataset, then those of `other` (tf.data's
+    `concatenate`; structures and dtypes must match, shapes may differ)."""
     return self._wrap(_op("concatenate").ConcatenateNode(self.node, other))
 
   # ---- nesting -----------------------------------------------------------
   def interleave(self, fn: Callable, cycle_length: int | None = None,
                  block_length: int = 1, num_parallel_calls: int | None = None,
                  deterministic: bool = True) -> "Dataset":
+    """Reads the datasets `fn(element)` returns, cycling between them.
+
+    tf.data's `interleave`, in tf.data's exact order: up to `cycle_length`
+    nested datasets are open at once; `block_length` consecutive elements are
+    taken from each in turn. With `num_parallel_calls` (an int or AUTOTUNE)
+    the nested datasets are opened and read ahead on threads; with
+    `deterministic=False` a slow one does not hold the others back. `fn` must
+    be deterministic (resume calls it again). See `jaxfeed.ops.interleave`.
+
+    Example: `Dataset.range(2).interleave(lambda x: Dataset.range(3).map(
+    lambda y: 10 * x + y), cycle_length=2)` -> 0, 10, 1, 11, 2, 12.
+    """
     return self._wrap(_op("interleave").InterleaveNode(
         self.node, fn, cycle_length=cycle_length, block_length=block_length,
         num_parallel_calls=num_parallel_calls, deterministic=deterministic))
 
   def flat_map(self, fn: Callable) -> "Dataset":
+    """The elements of the dataset `fn(element)` returns, for each element
+    in turn (tf.data's `flat_map`: `interleave` with `cycle_length=1`)."""
     return self._wrap(_op("flat_map").FlatMapNode(self.node, fn))
 
   # ---- materialization and overlap ----------------------------------------
   def cache(self, filename: str = "") -> "Dataset":
+    """Keeps the elements of the first complete pass; later passes read them.
+
+    tf.data's `cache`: `filename=""` caches in memory (shared by every
+    iterator of this dataset); a path caches on disk (a directory written
+    under a temporary name and renamed into place when complete, so a partial
+    cache is never read; `gs://` paths work through etils.epath). A pass that
+    stops early or fails leaves the cache empty. Elements read from a cache
+    must not be modified in place. Random ops above the cache see the cached
+    values. See `jaxfeed.ops.cache`.
+    """
     return self._wrap(_op("cache").CacheNode(self.node, filename))
+
+  def snapshot(self, path: str) -> "Dataset":
+    """Persists this pipeline's output under `path` on the first complete pass
+    and reads it from there afterwards, in any process; a pass killed
+    mid-write leaves nothing half-written. See `jaxfeed.ops.snapshot`."""
+    return self._wrap(_op("snapshot").SnapshotNode(self.node, path))
 
   def autocache(self) -> "Dataset":
     """Marks where service workers with `--autocache_dir` may keep this
@@ -216,6 +429,9 @@ class Dataset:
     return self._wrap(_op("autocache").AutocacheNode(self.node))
 
   def prefetch(self, buffer_size: int) -> "Dataset":
+    """Produces up to `buffer_size` elements ahead on a background thread
+    (`jaxfeed.AUTOTUNE` lets the autotuner size it). The thread's exceptions
+    reach the consumer's next `next()`."""
     return self._wrap(_op("prefetch").PrefetchNode(self.node, buffer_size))
 
   # ---- service -------------------------------------------------------------
@@ -247,12 +463,18 @@ class Dataset:
     return self.make_iterator()
 
   def as_numpy_iterator(self) -> base.OpIterator:
+    """Same as `make_iterator()` (elements are numpy already); for code
+    written against tf.data."""
     return self.make_iterator()
 
   def cardinality(self) -> int | None:
+    """The number of elements if known and finite, -1 if infinite, None if
+    unknown (tf.data returns constants for the last two)."""
     return self.node.cardinality()
 
   def fingerprint(self) -> str:
+    """A stable hash of what this pipeline computes (ops, parameters and
+    the code of its functions); the service shares and caches by it."""
     return self.node.fingerprint()
 
   def __repr__(self) -> str:

@@ -12,8 +12,10 @@ On-disk format (`filename` given): the directory `filename` holds
 (all elements of the chunk share a shape) or the raveled leaves concatenated
 plus their shapes, and the elements' seeds. The directory is written under a
 temporary name and renamed into place only once the pass is complete, so a
-partially written cache is never read. An existing complete cache is read as
-is, even by a different program (as in tf.data).
+partially written cache is never read (a directory counts as complete only
+once its manifest is there). An existing complete cache is read as is, even by
+a different program (as in tf.data). Paths go through `etils.epath`, so
+`gs://` and other remote paths work where their backend is installed.
 
 Elements handed out from the cache are shared with it (memory) or views of the
 loaded chunk (disk): do not modify them in place.
@@ -24,12 +26,12 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import shutil
 import threading
 import uuid
 import weakref
 from typing import Any
 
+from etils import epath
 import numpy as np
 
 from jaxfeed.ops import parallel, tree
@@ -140,7 +142,7 @@ class _DiskStore:
     return f"cache {self.path!r}"
 
   def is_complete(self) -> bool:
-    return os.path.isfile(os.path.join(self.path, _MANIFEST))
+    return (epath.Path(self.path) / _MANIFEST).exists()
 
   def writer(self) -> "_DiskWriter":
     return _DiskWriter(self.path)
@@ -150,7 +152,10 @@ class _DiskStore:
 
 
 def _remove_tree(path: str) -> None:
-  shutil.rmtree(path, ignore_errors=True)
+  try:
+    epath.Path(path).rmtree()
+  except OSError:
+    pass
 
 
 def _leaf_kind(leaf: Any, where: str) -> str:
@@ -205,12 +210,11 @@ class _DiskWriter:
   def __init__(self, path: str):
     self._path = path
     self._where = f"cache {path!r}"
-    parent_dir = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent_dir, exist_ok=True)
-    self._tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    os.makedirs(self._tmp)
+    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    self._tmp = epath.Path(f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    self._tmp.mkdir()
     # An abandoned (never published) pass leaves nothing behind.
-    self._finalizer = weakref.finalize(self, _remove_tree, self._tmp)
+    self._finalizer = weakref.finalize(self, _remove_tree, os.fspath(self._tmp))
     self._example: Any = None
     self._kinds: list[str] = []
     self._leaf_paths: list[str] = []
@@ -288,7 +292,8 @@ class _DiskWriter:
                 len(arrays), arrays[0].ndim)
       self._pending[j] = []
     name = f"chunk-{len(self._chunks):05d}.npz"
-    np.savez(os.path.join(self._tmp, name), **payload)
+    with (self._tmp / name).open("wb") as f:
+      np.savez(f, **payload)
     self._chunks.append({"file": name, "count": len(self._pending_seeds)})
     self._pending_seeds = []
     self._pending_bytes = 0
@@ -302,14 +307,14 @@ class _DiskWriter:
         "kinds": self._kinds,
         "chunks": self._chunks,
     }
-    with open(os.path.join(self._tmp, _MANIFEST), "w") as f:
-      json.dump(manifest, f)
+    (self._tmp / _MANIFEST).write_text(json.dumps(manifest))
+    path = epath.Path(self._path)
     try:
-      if os.path.isdir(self._path) and not os.listdir(self._path):
-        os.rmdir(self._path)
-      os.rename(self._tmp, self._path)
+      if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+      self._tmp.rename(path)
     except OSError:
-      if not os.path.isfile(os.path.join(self._path, _MANIFEST)):
+      if not (path / _MANIFEST).exists():
         raise
       # Another pass completed the same cache first; it is equivalent.
       self._finalizer()
@@ -325,10 +330,9 @@ class _DiskReader:
 
   def __init__(self, path: str):
     self._path = path
-    manifest_path = os.path.join(path, _MANIFEST)
+    manifest_path = epath.Path(path) / _MANIFEST
     try:
-      with open(manifest_path) as f:
-        manifest = json.load(f)
+      manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
       raise ValueError(
           f"cache {path!r}: cannot read {manifest_path}: {exc}.") from exc
@@ -348,9 +352,9 @@ class _DiskReader:
     self._seeds: np.ndarray | None = None
 
   def _load(self, chunk_index: int) -> None:
-    file = os.path.join(self._path, self._chunks[chunk_index]["file"])
+    file = epath.Path(self._path) / self._chunks[chunk_index]["file"]
     try:
-      with np.load(file, allow_pickle=False) as npz:
+      with file.open("rb") as f, np.load(f, allow_pickle=False) as npz:
         arrays = {key: npz[key] for key in npz.files}
     except (OSError, ValueError) as exc:
       raise ValueError(f"cache {self._path!r}: cannot read {file}: {exc}.") from exc

@@ -19,6 +19,30 @@ def records_reader(source: Any) -> Callable[[np.ndarray], Sequence]:
     return get_many
   return lambda indices: [source[i] for i in np.asarray(indices).tolist()]
 
+class _Failed:
+  """Stands for a record whose read raised: the error is raised when the
+  pipeline reaches it, so the records before it arrive and those after it can
+  still be read (`ignore_errors`)."""
+
+  __slots__ = ("error",)
+
+  def __init__(self, error: Exception):
+    self.error = error
+
+
+def _read_each(read_many: Callable[[np.ndarray], Sequence],
+               indices: np.ndarray) -> list:
+  """The records at `indices` read one at a time, a `_Failed` for each that
+  raises."""
+  records: list = []
+  for index in indices:
+    try:
+      records.extend(read_many(np.asarray([index])))
+    except Exception as e:  # noqa: BLE001 -- raised when the pipeline reaches it
+      records.append(_Failed(e))
+  return records
+
+
 _OP = "from_source"
 # Records are read ahead in chunks that grow from the first to the largest
 # size: a pipeline that takes a few elements reads few records, a long run
@@ -137,7 +161,10 @@ class SourceIterator(OpIterator):
       self._read_ahead()
       offset = 0
     self._offset = offset + 1
-    return self._records[offset]
+    record = self._records[offset]
+    if type(record) is _Failed:
+      raise record.error
+    return record
 
   def _read_ahead(self, min_count: int = 1) -> None:
     start = self._buffer_start + self._buffered
@@ -147,7 +174,10 @@ class SourceIterator(OpIterator):
       if count <= 0:
         raise StopIteration
     record_indices, seeds = self._lookup(start, count)
-    records = self._read_many(record_indices)
+    try:
+      records = self._read_many(record_indices)
+    except Exception:  # noqa: BLE001 -- find the failing record(s)
+      records = _read_each(self._read_many, record_indices)
     if len(records) != count:
       raise RuntimeError(
           f"{_OP}: {type(self._source).__name__}.get_many returned "
@@ -201,7 +231,12 @@ class SourceIterator(OpIterator):
         self._read_ahead(count)
         offset = 0
       stop = min(offset + count, self._buffered)
-      records.extend(self._records[offset:stop])
+      taken = self._records[offset:stop]
+      for i, record in enumerate(taken):
+        if type(record) is _Failed:
+          self._offset = offset + i + 1
+          raise record.error
+      records.extend(taken)
       seeds.append(self._seeds[offset:stop])
       count -= stop - offset
       self._offset = stop

@@ -221,9 +221,10 @@ class DistributedNode(base.Node):
             "ephemeral_sharing": self.ephemeral_sharing}
 
   def resolve_dataset_id(self) -> str:
-    """Registers the pipeline on first use (so the dispatcher may start later)."""
+    """Registers the pipeline on each read (so the dispatcher may start later,
+    and a dataset it collected in between is registered again)."""
     with self._lock:
-      if self.dataset_id is None:
+      if self.dataset is not None:
         self.dataset_id = register_dataset(
             self.service, self.dataset, auth_token=self.auth_token,
             udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s)

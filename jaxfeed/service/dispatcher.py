@@ -27,6 +27,7 @@ from jaxfeed.service import journal as journal_lib
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
+from jaxfeed.service import state_snapshot
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy, to_sharding_policy
 
@@ -64,7 +65,17 @@ class DispatcherConfig:
       workers; None takes the workers registered when the job starts.
     tls: Server key and certificate for TLS; None serves plaintext. With a
       client CA, callers must present certificates it signed.
-    journal_fsync: fsync every journal record (durable across power loss).
+    journal_fsync: fsync the journal before a change is acknowledged (durable
+      across power loss; one fsync per state change, shared by changes that
+      commit together). Without it a change survives a crash of the
+      dispatcher process but not of the machine.
+    snapshot_every_records: Compact the journal into a snapshot of the live
+      state once it holds this many records (0: never by count). A restart
+      reads the snapshot plus at most about this many records.
+    snapshot_every_bytes: The same by journal size in bytes (0: never by size).
+    dataset_gc_timeout_s: A dataset no job reads is deleted after this long;
+      a later read of its id gets NOT_FOUND (registering the pipeline again
+      works and may give a new id).
     autoscale: Start and resize a pool of local worker processes from the
       clients' reports (see `jaxfeed.service.autoscale`); None: workers are
       started by hand.
@@ -86,16 +97,25 @@ class DispatcherConfig:
   max_jobs_per_host: int = 256
   num_workers: int | None = None
   tls: rpc.TLSConfig | None = None
-  journal_fsync: bool = False
+  journal_fsync: bool = True
+  snapshot_every_records: int = 50_000
+  snapshot_every_bytes: int = 32 << 20
+  dataset_gc_timeout_s: float = 24 * 3600.0
   autoscale: autoscale_lib.AutoscaleConfig | None = None
 
   def __post_init__(self):
     if not isinstance(self.port, int) or not 0 <= self.port < 65536:
       raise ValueError(f"DispatcherConfig: port must be in [0, 65535], got {self.port!r}.")
-    for name in ("heartbeat_timeout_s", "client_timeout_s", "job_gc_timeout_s"):
+    for name in ("heartbeat_timeout_s", "client_timeout_s", "job_gc_timeout_s",
+                 "dataset_gc_timeout_s"):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"DispatcherConfig: {name} must be > 0 seconds, got {value!r}.")
+    for name in ("snapshot_every_records", "snapshot_every_bytes"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"DispatcherConfig: {name} must be an integer >= 0 (0: off), got {value!r}.")
     if not isinstance(self.split_size, int) or self.split_size < 1:
       raise ValueError(f"DispatcherConfig: split_size must be an integer >= 1, got {self.split_size!r}.")
     if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
@@ -188,11 +208,10 @@ class _Worker:
 
 
 class DispatcherState:
-  """The dispatcher's bookkeeping; every change is journaled first."""
+  """The dispatcher's bookkeeping; every change is journaled before it is acknowledged."""
 
   def __init__(self, config: DispatcherConfig):
     self.config = config
-    self.lock = threading.Lock()
     self.datasets: dict[str, pb.DatasetDef] = {}
     self.dataset_by_fingerprint: dict[str, str] = {}
     self.jobs: dict[int, _Job] = {}
@@ -211,18 +230,25 @@ class DispatcherState:
     # The live clients' hosts, for max_jobs_per_host (clients replayed from
     # the journal count for no host).
     self._client_hosts: dict[int, str] = {}
-    # Workers derive their read-ticket keys from it; journaled, so that the
-    # tickets clients hold stay valid across a restart.
+    # Workers derive their read-ticket keys from it; journaled (and kept in
+    # snapshots), so that the tickets clients hold stay valid across a restart.
     self._ticket_master: bytes | None = None
+    # Datasets no job reads: id -> since when (not journaled: a restart
+    # only extends their life).
+    self._unread_since: dict[str, float] = {}
+    self.replay_stats = journal_lib.ReplayStats()
     if config.work_dir:
-      self._journal = journal_lib.Journal(config.work_dir, config.journal_fsync)
-      for record in self._journal.replay():
-        self._apply(record)
+      self._journal = journal_lib.Journal(
+          config.work_dir, config.journal_fsync, config.snapshot_every_records,
+          config.snapshot_every_bytes)
+      self.replay_stats = self._journal.replay(self._apply)
       deadline = time.monotonic() + config.heartbeat_timeout_s
       self._awaited = {t.worker_address: deadline for job in self.jobs.values()
                        for t in job.tasks.values() if not t.finished}
+    self.lock = journal_lib.JournalLock(self._journal, self._live_records)
     if config.auth_token and self._ticket_master is None:
-      self._record({"kind": "ticket_master", "key": os.urandom(32).hex()})
+      with self.lock:
+        self._record({"kind": "ticket_master", "key": os.urandom(32).hex()})
 
   def close(self) -> None:
     if self._journal is not None:
@@ -230,9 +256,17 @@ class DispatcherState:
 
   # -- journaled changes --------------------------------------------------
   def _record(self, record: dict) -> None:
-    if self._journal is not None:
-      self._journal.append(record)
+    """Applies a change; it is journaled when the lock is released."""
     self._apply(record)
+    self.lock.add(record)
+
+  def _live_records(self) -> list[dict]:
+    next_id = next(self._ids)
+    self._ids = itertools.count(next_id)
+    records = state_snapshot.state_records(self.datasets, self.jobs, next_id)
+    if self._ticket_master is not None:  # the tickets clients hold stay valid
+      records.append({"kind": "ticket_master", "key": self._ticket_master.hex()})
+    return records
 
   def _next_id(self) -> int:
     return next(self._ids)
@@ -243,10 +277,18 @@ class DispatcherState:
       n = int(r["id"])
       current = next(self._ids)
       self._ids = itertools.count(max(current, n + 1))
-    if kind == "dataset":
+    if kind == "ids":
+      pass  # a snapshot's highest id: handled above
+    elif kind == "dataset":
       dataset_def = pb.DatasetDef.FromString(base64.b64decode(r["def"]))
       self.datasets[r["dataset_id"]] = dataset_def
       self.dataset_by_fingerprint[dataset_def.fingerprint] = r["dataset_id"]
+    elif kind == "dataset_deleted":
+      dataset_def = self.datasets.pop(r["dataset_id"], None)
+      if dataset_def is not None and self.dataset_by_fingerprint.get(
+          dataset_def.fingerprint) == r["dataset_id"]:
+        del self.dataset_by_fingerprint[dataset_def.fingerprint]
+      self._unread_since.pop(r["dataset_id"], None)
     elif kind == "job":
       job = _Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
                  r["job_name"], r["num_consumers"], r["num_positions"],
@@ -301,6 +343,8 @@ class DispatcherState:
       for start in r["starts"]:
         job.unacked.pop(start, None)
         job.reissue.pop(start, None)  # acknowledged just after its worker was lost
+    elif kind == "splits_lost":
+      self.jobs[r["job_id"]].reissue.update((start, stop) for start, stop in r["ranges"])
     else:
       raise ValueError(f"Unknown journal record kind {kind!r}.")
 
@@ -313,6 +357,7 @@ class DispatcherState:
     with self.lock:
       existing = self.dataset_by_fingerprint.get(dataset_def.fingerprint)
       if existing is not None and dataset_def.fingerprint:
+        self._unread_since.pop(existing, None)  # registered again: in use
         return existing
       dataset_id = str(self._next_id())
       self._record({"kind": "dataset", "id": dataset_id, "dataset_id": dataset_id,
@@ -577,6 +622,17 @@ class DispatcherState:
         if (job.idle_since is not None and not job.clients
             and now - job.idle_since > self.config.job_gc_timeout_s):
           self._record({"kind": "job_deleted", "job_id": job.job_id})
+      self._collect_datasets(now)
+
+  def _collect_datasets(self, now: float) -> None:
+    """Deletes datasets no job has read for dataset_gc_timeout_s (lock held)."""
+    read = {job.dataset_id for job in self.jobs.values()}
+    for dataset_id in list(self.datasets):
+      if dataset_id in read:
+        self._unread_since.pop(dataset_id, None)
+      elif now - self._unread_since.setdefault(dataset_id, now) > (
+          self.config.dataset_gc_timeout_s):
+        self._record({"kind": "dataset_deleted", "dataset_id": dataset_id})
 
   def _finish_tasks(self, task_ids: Sequence[int]) -> None:
     for task_id in task_ids:
@@ -831,6 +887,9 @@ def main(argv: Any) -> None:
         udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
         max_jobs_per_host=f.max_jobs_per_host,
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, client_ca=f.tls_client_ca),
+        journal_fsync=f.journal_fsync, snapshot_every_records=f.snapshot_every_records,
+        snapshot_every_bytes=f.snapshot_every_bytes, job_gc_timeout_s=f.job_gc_timeout_s,
+        dataset_gc_timeout_s=f.dataset_gc_timeout_s,
         autoscale=autoscale_lib.AutoscaleConfig(
             min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
             interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()))
@@ -862,6 +921,16 @@ def define_flags() -> None:
   flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 0.0.0.0 for all (workers "
                       "and clients on other machines).")
   flags.DEFINE_string("work_dir", "", "Folder of the write-ahead journal.")
+  flags.DEFINE_bool("journal_fsync", True, "fsync the journal before acknowledging a "
+                    "change (--nojournal_fsync: survives a process crash, not a power loss).")
+  flags.DEFINE_integer("snapshot_every_records", 50_000, "Compact the journal into a "
+                       "snapshot after this many records (0: never by count).")
+  flags.DEFINE_integer("snapshot_every_bytes", 32 << 20, "Compact the journal into a "
+                       "snapshot after this many bytes (0: never by size).")
+  flags.DEFINE_float("job_gc_timeout_s", 300.0, "A named job without clients is deleted "
+                     "after this long.")
+  flags.DEFINE_float("dataset_gc_timeout_s", 24 * 3600.0, "A dataset no job reads is "
+                     "deleted after this long.")
   flags.DEFINE_float("heartbeat_timeout_s", 10.0, "Worker heartbeat timeout.")
   rpc.define_auth_flags(flags)
   flags.DEFINE_string("auth_token", "", "Token of the clients (tests; prefer "

@@ -1,0 +1,66 @@
+"""`shard`: every `num_shards`-th element from `index` (tf.data's `shard`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxfeed.ops.base import (Node, OpIterator, check_positive_int, state_int,
+                              to_node)
+
+__all__ = ["ShardNode", "ShardIterator"]
+
+_OP = "shard"
+
+
+class ShardNode(Node):
+  """Elements `index, index + num_shards, index + 2 * num_shards, ...`."""
+
+  op_name = _OP
+
+  def __init__(self, parent: Any, num_shards: int, index: int):
+    super().__init__([to_node(parent, _OP, "input")])
+    self.num_shards = check_positive_int(num_shards, _OP, "num_shards")
+    index = check_positive_int(index, _OP, "index", allow_zero=True)
+    if index >= self.num_shards:
+      raise ValueError(f"{_OP}: index must be in [0, num_shards={self.num_shards}), "
+                       f"got {index}.")
+    self.index = index
+
+  def spec_params(self) -> dict:
+    return {"num_shards": self.num_shards, "index": self.index}
+
+  def cardinality(self) -> int | None:
+    parent = self.parents[0].cardinality()
+    if parent is None or parent < 0:
+      return parent
+    return max(0, -(-(parent - self.index) // self.num_shards))
+
+  def make_iterator(self) -> "ShardIterator":
+    return ShardIterator(self.parents[0].make_iterator(), self.num_shards, self.index)
+
+
+class ShardIterator(OpIterator):
+  """Reads and drops the elements of the other shards; state: elements read."""
+
+  op_name = _OP
+
+  def __init__(self, parent: OpIterator, num_shards: int, index: int):
+    super().__init__([parent])
+    self._num_shards = num_shards
+    self._index = index
+    self._read = 0
+
+  def __next__(self) -> Any:
+    parent = self.parents[0]
+    while True:
+      element = next(parent)
+      position = self._read
+      self._read += 1
+      if position % self._num_shards == self._index:
+        return element
+
+  def _get_own_state(self) -> dict:
+    return {"read": self._read}
+
+  def _set_own_state(self, state: dict) -> None:
+    self._read = state_int(state, "read", _OP)
