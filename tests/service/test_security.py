@@ -502,3 +502,22 @@ def test_an_allowed_module_does_not_lend_out_what_it_imports(tmp_path, monkeypat
                     ("reexporting_udfs:os", "is a module imported by")]:
     with pytest.raises(spec.UDFNotAllowedError, match=why):
       spec.resolve_path(path, allowed)
+
+
+def test_read_tickets_stay_valid_across_a_restart_from_a_snapshot(tmp_path):
+  from jaxfeed.service import dispatcher as dispatcher_lib  # pylint: disable=g-import-not-at-top
+  config = service.DispatcherConfig(work_dir=str(tmp_path), auth_token=CLIENT_TOKEN,
+                                    worker_token=WORKER_TOKEN, snapshot_every_records=2)
+  keys = []
+  for restart in range(2):
+    state = dispatcher_lib.DispatcherState(config)
+    try:
+      for i in range(4):  # enough changes for snapshots to compact the journal
+        dataset_def = spec.to_dataset_def(records(8 + i).node)
+        state.register_dataset(dataset_def)
+      response = state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="h:1"))
+      keys.append(response.ticket_key)
+    finally:
+      state.close()
+    assert restart or list(tmp_path.glob("*snapshot*")), list(tmp_path.iterdir())
+  assert len(keys[0]) == 32 and keys[0] == keys[1]
