@@ -109,3 +109,10 @@ def test_progress_is_silent_off_a_terminal_and_drawn_on_one(capsys):
   with progress.Progress("loud work", 4, enabled=True) as bar:
     bar.advance(4)
   assert "loud work" in capsys.readouterr().err
+
+
+def test_the_console_script_is_installed_with_the_package():
+  script = os.path.join(os.path.dirname(sys.executable), "jaxfeed")
+  assert os.path.exists(script), "pip install -e . installs the jaxfeed command"
+  done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0 and "convert" in done.stdout
