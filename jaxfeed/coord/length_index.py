@@ -8,6 +8,7 @@ from typing import Any, Callable
 from etils import epath
 import numpy as np
 
+from jaxfeed import progress
 from jaxfeed.ops import from_source
 
 __all__ = ["LengthIndexError", "compute_lengths", "read_records"]
@@ -53,10 +54,12 @@ def compute_lengths(source: Any, length_fn: Callable[[Any], int],
     # A stale index (the source changed size) is recomputed below.
 
   lengths = np.empty((num_records,), np.int64)
-  for start in range(0, num_records, _CHUNK_SIZE):
-    indices = np.arange(start, min(start + _CHUNK_SIZE, num_records))
-    for index, record in zip(indices, read_records(source, indices)):
-      lengths[index] = _checked_length(length_fn(record), int(index), length_fn)
+  with progress.Progress("length index", num_records) as bar:
+    for start in range(0, num_records, _CHUNK_SIZE):
+      indices = np.arange(start, min(start + _CHUNK_SIZE, num_records))
+      for index, record in zip(indices, read_records(source, indices)):
+        lengths[index] = _checked_length(length_fn(record), int(index), length_fn)
+      bar.advance(len(indices))
 
   if index_path is not None:
     _write_atomically(index_path, lengths)
