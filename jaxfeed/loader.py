@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
+from jaxfeed.device.agreement import check_policy
 from jaxfeed.device.placement import ShardingLike
 
 _MODEL_ITEM = "model"
@@ -57,6 +58,21 @@ class Loader:
       batch dimension split over all devices (`jaxfeed.device.batch_sharding()`).
       0-d leaves are replicated.
     prefetch: batches kept ready on device ahead of the training loop.
+    end_of_input: what happens in a multi-process job when the processes'
+      inputs end at different steps (uneven shards, a `filter` keeping
+      different numbers of records per process, a shared service job).
+      `"stop_at_shortest"` (default): every process stops at the first step
+      some process has no batch for; the others' batches of that step are
+      dropped. `"pad"`: steps go on until every process's input ended; a
+      process out of input (or with a shorter last batch) yields zero rows up
+      to the longest process's batch size, and every batch, which must be a
+      dict, gets a bool leaf `"valid"` of shape `[global_batch]` that is True
+      for real rows; weigh the loss with it. Either way the processes check
+      each step that their local shapes can form one global array (else every
+      process raises a ValueError naming the leaf and each process's shape),
+      through a small host-side exchange in the `jax.distributed` key-value
+      store on the prefetch thread (see `jaxfeed.device.agreement`). With one
+      process nothing is exchanged and this option has no effect.
 
   State: `get_state()` is `{"pipeline": <pipeline state as of the last batch
   the loop received>, "batches": <batches received>}` (JSON-able);
@@ -71,20 +87,26 @@ class Loader:
   """
 
   def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
-               prefetch: int = 2):
+               prefetch: int = 2, end_of_input: str = "stop_at_shortest"):
     if not isinstance(dataset, Dataset) and not hasattr(dataset, "__iter__"):
       raise TypeError(
           "Loader: dataset must be a jaxfeed.Dataset or an iterable of numpy "
           f"batch pytrees, got {type(dataset).__name__}.")
+    check_policy(end_of_input, "Loader")
     self._dataset = dataset
     self._sharding = sharding
     self._prefetch = prefetch
-    self._prefetcher = DevicePrefetcher(
-        self._new_host_iterator(), sharding, prefetch=prefetch)
+    self._end_of_input = end_of_input
+    self._prefetcher = self._new_prefetcher(self._new_host_iterator())
     self._batches = 0
     self._wait_s = 0.0
     self._model_s = 0.0
     self._returned_at: float | None = None
+
+  def _new_prefetcher(self, host_iterator: Any) -> DevicePrefetcher:
+    return DevicePrefetcher(host_iterator, self._sharding,
+                            prefetch=self._prefetch,
+                            end_of_input=self._end_of_input)
 
   def _new_host_iterator(self) -> Any:
     if isinstance(self._dataset, Dataset):
@@ -139,8 +161,7 @@ class Loader:
         host_iterator.close()
         raise
       self._prefetcher.close()
-      self._prefetcher = DevicePrefetcher(
-          host_iterator, self._sharding, prefetch=self._prefetch)
+      self._prefetcher = self._new_prefetcher(host_iterator)
     else:
       self._prefetcher.set_state(state["pipeline"])
     self._batches = state["batches"]

@@ -1,0 +1,253 @@
+"""End-of-input agreement: every JAX process stops at the same step.
+
+In a multi-process job each process reads its own share of the input, and the
+shares can end at different steps (uneven shards, a `filter` keeping different
+numbers of records per host, several hosts reading one shared job). A process
+that leaves the training loop early leaves the others blocked in the next
+collective. `StepAgreement` makes the processes agree, before each step's batch
+is placed, on whether the step happens and on the batch's local shapes.
+
+Each step every process publishes one short message in the `jax.distributed`
+key-value store (whether it has a batch, and the path, shape and dtype of each
+leaf) and reads the others'. This is host-side only: it never enqueues a device
+collective, so running it on the device prefetch thread cannot interleave with
+the training loop's collectives, and it overlaps with the read-ahead. Cost per
+step: one write and `process_count - 1` reads from the coordinator per process.
+
+Policies (`end_of_input`):
+- `"stop_at_shortest"`: the input ends for every process at the first step
+  where some process has no batch; batches other processes read for that step
+  are dropped (their checkpoint state stays that of the last step taken).
+- `"pad"`: steps go on while some process has a batch. A process without one
+  (or with a shorter leading dimension, e.g. a last partial batch) yields
+  zero rows up to the longest process's batch size, and every batch (a dict)
+  gets a bool leaf `PAD_MASK_KEY` of shape `[batch]`: True for real rows, False
+  for padding. A process needs one batch of its own first to know the structure.
+
+In both, the processes' leaf shapes must agree (in `"pad"`, up to the leading
+dimension); otherwise every process raises `ValueError` naming the leaf and the
+shape on each process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+END_OF_INPUT_POLICIES = ("stop_at_shortest", "pad")
+PAD_MASK_KEY = "valid"
+"""The mask leaf `end_of_input="pad"` adds to every batch."""
+
+_POLL_MS = 500  # How often a wait for other processes checks for close().
+_CHUNK = 64  # Own keys are deleted 64 steps at a time.
+
+
+class Interrupted(Exception):
+  """The wait for other processes was stopped by `close()`."""
+
+
+def check_policy(end_of_input: str, who: str) -> str:
+  if end_of_input not in END_OF_INPUT_POLICIES:
+    raise ValueError(
+        f"{who}: end_of_input must be one of {END_OF_INPUT_POLICIES}, got "
+        f"{end_of_input!r}.")
+  return end_of_input
+
+
+def distributed_client() -> Any:
+  """The `jax.distributed` coordination client (None when not initialized)."""
+  # jax has no public handle on its key-value store; orbax uses the same one.
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client
+
+
+class StepAgreement:
+  """Per-step agreement of all JAX processes on whether the input goes on.
+
+  Every process must create its agreements in the same order (their keys are
+  numbered) and call `step` once per step.
+
+  Args:
+    policy: one of `END_OF_INPUT_POLICIES`.
+    namespace: a key prefix unique to this agreement and equal on every
+      process.
+    client: the coordination service client (`distributed_client()`).
+  """
+
+  def __init__(self, policy: str, namespace: str, client: Any):
+    self._policy = policy
+    self._namespace = namespace
+    self._client = client
+    self._index = jax.process_index()
+    self._count = jax.process_count()
+    self._step = 0
+    self._treedef: Any = None  # Of this process's last batch, for padding.
+    self._message_cache: tuple[Any, str] = (None, "")
+
+  def step(self, batch: Any, stop: threading.Event | None = None) -> Any:
+    """This step's batch as agreed by all processes, or None: input ended.
+
+    Args:
+      batch: this process's batch for the step, or None if its input ended.
+      stop: when set, a wait for other processes raises `Interrupted`.
+
+    Returns:
+      None when the input ended for all processes; else the batch to place
+      (`batch` itself, or padded and masked under `"pad"`).
+    """
+    step = self._step
+    self._step += 1
+    if step >= 2 and (step - 2) % _CHUNK == _CHUNK - 1:
+      # Every process has read this process's keys up to step - 2: it
+      # published step - 1 only after reading them.
+      self._client.key_value_delete(self._key(self._index, step - 2)
+                                    .rsplit("/", 1)[0])
+    local = None if batch is None else _describe(batch)
+    self._client.key_value_set(self._key(self._index, step),
+                               self._encode(local))
+    if local is None and self._policy == "stop_at_shortest":
+      return None
+    described = {self._index: local}
+    for process in range(self._count):
+      if process != self._index:
+        message = json.loads(self._read(self._key(process, step), stop))
+        if message is None and self._policy == "stop_at_shortest":
+          return None
+        described[process] = message
+    if batch is not None:
+      self._treedef = jax.tree_util.tree_structure(batch)
+    return self._agreed_batch(step, batch, described)
+
+  # -- messages ---------------------------------------------------------------
+  def _key(self, process: int, step: int) -> str:
+    return f"{self._namespace}/p{process}/c{step // _CHUNK}/{step}"
+
+  def _encode(self, described: list | None) -> str:
+    # Shapes rarely change between steps: reuse the encoded message.
+    if self._message_cache[0] != described:
+      self._message_cache = (described, json.dumps(described))
+    return self._message_cache[1]
+
+  def _read(self, key: str, stop: threading.Event | None) -> str:
+    while True:
+      try:
+        return self._client.blocking_key_value_get(key, _POLL_MS)
+      except Exception as e:  # pylint: disable=broad-except
+        if "DEADLINE_EXCEEDED" not in str(e):
+          raise
+      if stop is not None and stop.is_set():
+        raise Interrupted()
+
+  # -- agreement ----------------------------------------------------------------
+  def _agreed_batch(self, step: int, batch: Any,
+                    described: dict[int, list | None]) -> Any:
+    present = {p: d for p, d in described.items() if d is not None}
+    if not present:
+      return None
+    reference = next(iter(present.values()))
+    pad = self._policy == "pad"
+    for leaves in present.values():
+      if not _compatible(leaves, reference, pad):
+        raise ValueError(_mismatch_message(step, present, pad))
+    if not pad:
+      return batch
+    if self._treedef is None:
+      raise ValueError(
+          f"Loader(end_of_input='pad'): process {self._index} has no batch at "
+          f"step {step} and has had none before, so it cannot build a padding "
+          "batch of the right structure; every process needs at least one "
+          "batch of its own.")
+    return _pad(batch, self._treedef, present, self._index)
+
+
+def _describe(batch: Any) -> list:
+  """[[leaf path, shape, dtype], ...] in flatten order."""
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  described = []
+  for path, leaf in leaves:
+    leaf = np.asarray(leaf)
+    described.append([jax.tree_util.keystr(path) or "<batch>",
+                      list(leaf.shape), leaf.dtype.str])
+  return described
+
+
+def _compatible(a: list, b: list, pad: bool) -> bool:
+  if len(a) != len(b):
+    return False
+  for (path_a, shape_a, dtype_a), (path_b, shape_b, dtype_b) in zip(a, b):
+    if path_a != path_b or dtype_a != dtype_b or len(shape_a) != len(shape_b):
+      return False
+    if (shape_a[1:] if pad else shape_a) != (shape_b[1:] if pad else shape_b):
+      return False
+  return True
+
+
+def _mismatch_message(step: int, present: dict[int, list], pad: bool) -> str:
+  """Names the first leaf whose path, dtype or shape differs between processes."""
+  described = sorted(present.items())
+  leaf_lists = [d for _, d in described]
+  if len({len(d) for d in leaf_lists}) > 1 or len(
+      {tuple(leaf[0] for leaf in d) for d in leaf_lists}) > 1:
+    what = "; ".join(f"process {p}: {[leaf[0] for leaf in d]}"
+                     for p, d in described)
+    return (f"Loader: the processes' batches at step {step} have different "
+            f"structures (leaf paths {what}); every process must yield the "
+            "same structure.")
+  for i, (path, _, _) in enumerate(leaf_lists[0]):
+    variants = {(tuple(d[i][1][1:] if pad else d[i][1]), d[i][2], len(d[i][1]))
+                for d in leaf_lists}
+    if len(variants) > 1:
+      shapes = ", ".join(f"{tuple(d[i][1])} {np.dtype(d[i][2]).name} on "
+                         f"process {p}" for p, d in described)
+      allowed = ("the same shape except the leading (batch) dimension"
+                 if pad else "the same shape")
+      return (
+          f"Loader: leaf {path} cannot form one global array at step {step}: "
+          f"its local shape and dtype are {shapes}. Every process must yield "
+          f"{allowed} and dtype, e.g. padded_batch(..., padded_shapes=<fixed "
+          "sizes>) instead of padding to each host's longest element.")
+  raise AssertionError("no mismatching leaf")  # Callers checked one differs.
+
+
+def _pad(batch: Any, treedef: Any, present: dict[int, list],
+         index: int) -> dict:
+  """`batch` (or zeros when None) padded to the longest leading dimension, with
+  the mask leaf."""
+  reference = next(iter(present.values()))
+  rows = max(_rows(d) for d in present.values())
+  if batch is None:
+    leaves = [np.zeros(shape, dtype) for _, shape, dtype in reference]
+    leaves = [_pad_rows(leaf, rows) if leaf.ndim else leaf for leaf in leaves]
+    batch = jax.tree_util.tree_unflatten(treedef, leaves)
+    valid = 0
+  else:
+    valid = _rows(present[index])
+    batch = jax.tree_util.tree_map(
+        lambda leaf: _pad_rows(np.asarray(leaf), rows)
+        if np.ndim(leaf) else leaf, batch)
+  if not isinstance(batch, Mapping):
+    raise TypeError(
+        "Loader(end_of_input='pad'): batches must be dicts to carry the "
+        f"'{PAD_MASK_KEY}' mask leaf, got {type(batch).__name__}.")
+  if PAD_MASK_KEY in batch:
+    raise ValueError(
+        f"Loader(end_of_input='pad'): the batch already has a leaf "
+        f"'{PAD_MASK_KEY}', the name of the mask this policy adds.")
+  mask = np.zeros(rows, bool)
+  mask[:valid] = True
+  return {**batch, PAD_MASK_KEY: mask}
+
+
+def _rows(described: list) -> int:
+  return max((shape[0] for _, shape, _ in described if shape), default=0)
+
+
+def _pad_rows(leaf: np.ndarray, rows: int) -> np.ndarray:
+  if leaf.shape[0] == rows:
+    return leaf
+  padding = [(0, rows - leaf.shape[0])] + [(0, 0)] * (leaf.ndim - 1)
+  return np.pad(leaf, padding)
