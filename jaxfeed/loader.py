@@ -73,6 +73,13 @@ class Loader:
       through a small host-side exchange in the `jax.distributed` key-value
       store on the prefetch thread (see `jaxfeed.device.agreement`). With one
       process nothing is exchanged and this option has no effect.
+    pad_to_common_shape: in a multi-process job, zero-pad each leaf's
+      dimensions after the first to the largest size any process has at that
+      step, so that e.g. `padded_batch` without fixed `padded_shapes` or
+      per-process `bucket_by_sequence_length` (which pad to each process's own
+      longest element) form one global array. Without it such batches fail
+      with the ValueError above; fixed `padded_shapes` (or coordinated reads,
+      `Dataset.from_bucket_plan`) avoid both the error and this padding.
 
   State: `get_state()` is `{"pipeline": <pipeline state as of the last batch
   the loop received>, "batches": <batches received>}` (JSON-able);
@@ -87,7 +94,8 @@ class Loader:
   """
 
   def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
-               prefetch: int = 2, end_of_input: str = "stop_at_shortest"):
+               prefetch: int = 2, end_of_input: str = "stop_at_shortest",
+               pad_to_common_shape: bool = False):
     if not isinstance(dataset, Dataset) and not hasattr(dataset, "__iter__"):
       raise TypeError(
           "Loader: dataset must be a jaxfeed.Dataset or an iterable of numpy "
@@ -97,6 +105,7 @@ class Loader:
     self._sharding = sharding
     self._prefetch = prefetch
     self._end_of_input = end_of_input
+    self._pad_to_common_shape = pad_to_common_shape
     self._prefetcher = self._new_prefetcher(self._new_host_iterator())
     self._batches = 0
     self._wait_s = 0.0
@@ -106,7 +115,8 @@ class Loader:
   def _new_prefetcher(self, host_iterator: Any) -> DevicePrefetcher:
     return DevicePrefetcher(host_iterator, self._sharding,
                             prefetch=self._prefetch,
-                            end_of_input=self._end_of_input)
+                            end_of_input=self._end_of_input,
+                            pad_to_common_shape=self._pad_to_common_shape)
 
   def _new_host_iterator(self) -> Any:
     if isinstance(self._dataset, Dataset):

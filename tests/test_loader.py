@@ -304,6 +304,20 @@ def test_non_iterable_input_is_rejected():
     jaxfeed.Loader(42)
 
 
+def test_unknown_end_of_input_policy_is_rejected():
+  with pytest.raises(ValueError, match="end_of_input must be one of"):
+    jaxfeed.Loader(pipeline(), end_of_input="longest")
+
+
+@pytest.mark.parametrize("end_of_input", ["stop_at_shortest", "pad"])
+def test_end_of_input_policy_changes_nothing_in_one_process(end_of_input):
+  # No other process to agree with: no mask leaf, no padding, same batches.
+  with jaxfeed.Loader(pipeline(), end_of_input=end_of_input,
+                      pad_to_common_shape=True) as loader:
+    got = [to_host(batch) for batch in loader]
+  assert_batches_equal(got, host_batches(pipeline()))
+
+
 # -- plain iterables -------------------------------------------------------------------
 def test_plain_iterable_of_numpy_batches_is_loaded_without_state():
   batches = [{"x": np.full((8, 2), i, np.float32)} for i in range(3)]

@@ -25,8 +25,10 @@ Policies (`end_of_input`):
   for padding. A process needs one batch of its own first to know the structure.
 
 In both, the processes' leaf shapes must agree (in `"pad"`, up to the leading
-dimension); otherwise every process raises `ValueError` naming the leaf and the
-shape on each process.
+dimension; with `pad_to_common_shape`, up to the dimensions after the first,
+which are zero-padded to the largest size any process has at that step);
+otherwise every process raises `ValueError` naming the leaf and the shape on
+each process.
 """
 
 from __future__ import annotations
@@ -76,10 +78,15 @@ class StepAgreement:
     namespace: a key prefix unique to this agreement and equal on every
       process.
     client: the coordination service client (`distributed_client()`).
+    pad_to_common_shape: zero-pad each leaf's dimensions after the first to
+      the largest size any process has at that step, instead of requiring
+      equal sizes.
   """
 
-  def __init__(self, policy: str, namespace: str, client: Any):
+  def __init__(self, policy: str, namespace: str, client: Any, *,
+               pad_to_common_shape: bool = False):
     self._policy = policy
+    self._pad_dims = pad_to_common_shape
     self._namespace = namespace
     self._client = client
     self._index = jax.process_index()
@@ -148,20 +155,21 @@ class StepAgreement:
     present = {p: d for p, d in described.items() if d is not None}
     if not present:
       return None
-    reference = next(iter(present.values()))
-    pad = self._policy == "pad"
-    for leaves in present.values():
-      if not _compatible(leaves, reference, pad):
-        raise ValueError(_mismatch_message(step, present, pad))
-    if not pad:
+    pad_rows = self._policy == "pad"
+    signatures = {p: _signature(d, pad_rows, self._pad_dims)
+                  for p, d in present.items()}
+    if len(set(signatures.values())) > 1:
+      raise ValueError(_mismatch_message(step, present, signatures,
+                                         pad_rows, self._pad_dims))
+    if not pad_rows and not self._pad_dims:
       return batch
-    if self._treedef is None:
+    if batch is None and self._treedef is None:
       raise ValueError(
           f"Loader(end_of_input='pad'): process {self._index} has no batch at "
           f"step {step} and has had none before, so it cannot build a padding "
           "batch of the right structure; every process needs at least one "
           "batch of its own.")
-    return _pad(batch, self._treedef, present, self._index)
+    return _pad(batch, self._treedef, present, pad_rows)
 
 
 def _describe(batch: Any) -> list:
@@ -175,60 +183,72 @@ def _describe(batch: Any) -> list:
   return described
 
 
-def _compatible(a: list, b: list, pad: bool) -> bool:
-  if len(a) != len(b):
-    return False
-  for (path_a, shape_a, dtype_a), (path_b, shape_b, dtype_b) in zip(a, b):
-    if path_a != path_b or dtype_a != dtype_b or len(shape_a) != len(shape_b):
-      return False
-    if (shape_a[1:] if pad else shape_a) != (shape_b[1:] if pad else shape_b):
-      return False
-  return True
+def _signature(described: list, pad_rows: bool, pad_dims: bool) -> tuple:
+  """What must be equal on every process: paths, dtypes, ranks and the sizes
+  of the dimensions that are not padded."""
+  def sizes(shape: list) -> tuple:
+    return tuple(None if (d == 0 and pad_rows) or (d > 0 and pad_dims) else n
+                 for d, n in enumerate(shape))
+  return tuple((path, dtype, sizes(shape)) for path, shape, dtype in described)
 
 
-def _mismatch_message(step: int, present: dict[int, list], pad: bool) -> str:
+def _mismatch_message(step: int, present: dict[int, list],
+                      signatures: dict[int, tuple], pad_rows: bool,
+                      pad_dims: bool) -> str:
   """Names the first leaf whose path, dtype or shape differs between processes."""
   described = sorted(present.items())
-  leaf_lists = [d for _, d in described]
-  if len({len(d) for d in leaf_lists}) > 1 or len(
-      {tuple(leaf[0] for leaf in d) for d in leaf_lists}) > 1:
-    what = "; ".join(f"process {p}: {[leaf[0] for leaf in d]}"
-                     for p, d in described)
+  paths = {p: [leaf[0] for leaf in d] for p, d in described}
+  if len({tuple(v) for v in paths.values()}) > 1:
+    what = "; ".join(f"process {p}: {v}" for p, v in paths.items())
     return (f"Loader: the processes' batches at step {step} have different "
             f"structures (leaf paths {what}); every process must yield the "
             "same structure.")
-  for i, (path, _, _) in enumerate(leaf_lists[0]):
-    variants = {(tuple(d[i][1][1:] if pad else d[i][1]), d[i][2], len(d[i][1]))
-                for d in leaf_lists}
-    if len(variants) > 1:
+  for i, path in enumerate(next(iter(paths.values()))):
+    if len({signatures[p][i] for p, _ in described}) > 1:
       shapes = ", ".join(f"{tuple(d[i][1])} {np.dtype(d[i][2]).name} on "
                          f"process {p}" for p, d in described)
-      allowed = ("the same shape except the leading (batch) dimension"
-                 if pad else "the same shape")
+      if pad_dims:
+        allowed = "the same rank" + ("" if pad_rows else
+                                     " and leading (batch) dimension")
+      elif pad_rows:
+        allowed = "the same shape except the leading (batch) dimension"
+      else:
+        allowed = "the same shape"
+      only_rows = len({tuple(d[i][1][1:]) for _, d in described}) == 1
+      if only_rows:
+        remedy = ("for a last partial batch, use batch(..., "
+                  "drop_remainder=True) or Loader(end_of_input='pad')")
+      else:
+        remedy = ("pad to sizes every process agrees on (e.g. padded_batch("
+                  "..., padded_shapes=<fixed sizes>) instead of padding to each "
+                  "process's longest element), or pass "
+                  "Loader(pad_to_common_shape=True)")
       return (
           f"Loader: leaf {path} cannot form one global array at step {step}: "
           f"its local shape and dtype are {shapes}. Every process must yield "
-          f"{allowed} and dtype, e.g. padded_batch(..., padded_shapes=<fixed "
-          "sizes>) instead of padding to each host's longest element.")
+          f"{allowed} and dtype: {remedy}.")
   raise AssertionError("no mismatching leaf")  # Callers checked one differs.
 
 
 def _pad(batch: Any, treedef: Any, present: dict[int, list],
-         index: int) -> dict:
-  """`batch` (or zeros when None) padded to the longest leading dimension, with
-  the mask leaf."""
+         pad_rows: bool) -> Any:
+  """`batch` (zeros when None) with each leaf zero-padded to the largest size
+  of each dimension over the processes; the mask leaf when `pad_rows`."""
   reference = next(iter(present.values()))
-  rows = max(_rows(d) for d in present.values())
+  targets = [tuple(max(d[i][1][dim] for d in present.values())
+                   for dim in range(len(leaf[1])))
+             for i, leaf in enumerate(reference)]
   if batch is None:
-    leaves = [np.zeros(shape, dtype) for _, shape, dtype in reference]
-    leaves = [_pad_rows(leaf, rows) if leaf.ndim else leaf for leaf in leaves]
-    batch = jax.tree_util.tree_unflatten(treedef, leaves)
+    leaves = [np.zeros(shape, dtype)
+              for shape, (_, _, dtype) in zip(targets, reference)]
     valid = 0
   else:
-    valid = _rows(present[index])
-    batch = jax.tree_util.tree_map(
-        lambda leaf: _pad_rows(np.asarray(leaf), rows)
-        if np.ndim(leaf) else leaf, batch)
+    leaves = [_pad_to(np.asarray(leaf), shape) for leaf, shape
+              in zip(jax.tree_util.tree_leaves(batch), targets)]
+    valid = _rows(_describe(batch))
+  batch = jax.tree_util.tree_unflatten(treedef, leaves)
+  if not pad_rows:
+    return batch
   if not isinstance(batch, Mapping):
     raise TypeError(
         "Loader(end_of_input='pad'): batches must be dicts to carry the "
@@ -237,6 +257,7 @@ def _pad(batch: Any, treedef: Any, present: dict[int, list],
     raise ValueError(
         f"Loader(end_of_input='pad'): the batch already has a leaf "
         f"'{PAD_MASK_KEY}', the name of the mask this policy adds.")
+  rows = max((shape[0] for shape in targets if shape), default=0)
   mask = np.zeros(rows, bool)
   mask[:valid] = True
   return {**batch, PAD_MASK_KEY: mask}
@@ -246,8 +267,7 @@ def _rows(described: list) -> int:
   return max((shape[0] for _, shape, _ in described if shape), default=0)
 
 
-def _pad_rows(leaf: np.ndarray, rows: int) -> np.ndarray:
-  if leaf.shape[0] == rows:
+def _pad_to(leaf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+  if leaf.shape == shape:
     return leaf
-  padding = [(0, rows - leaf.shape[0])] + [(0, 0)] * (leaf.ndim - 1)
-  return np.pad(leaf, padding)
+  return np.pad(leaf, [(0, n - m) for m, n in zip(leaf.shape, shape)])

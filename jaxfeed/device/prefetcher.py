@@ -175,10 +175,14 @@ class DevicePrefetcher:
       stops at the first step some process has no batch for) or `"pad"`
       (steps go on while any process has a batch; missing rows are zeros and a
       bool leaf `"valid"` marks the real ones). Ignored in one process.
+    pad_to_common_shape: in multi-process jobs, zero-pad each leaf's
+      dimensions after the first to the largest size any process has at that
+      step (instead of failing when they differ). Ignored in one process.
   """
 
   def __init__(self, host_iterator: Any, sharding: ShardingLike = None, *,
-               prefetch: int = 2, end_of_input: str = "stop_at_shortest"):
+               prefetch: int = 2, end_of_input: str = "stop_at_shortest",
+               pad_to_common_shape: bool = False):
     agreement.check_policy(end_of_input, "DevicePrefetcher")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
       raise ValueError(
@@ -195,6 +199,7 @@ class DevicePrefetcher:
     self._place = BatchPlacer(sharding)
     self._prefetch = prefetch
     self._end_of_input = end_of_input
+    self._pad_to_common_shape = bool(pad_to_common_shape)
     self._agreement_name = None
     if jax.process_count() > 1:
       client = agreement.distributed_client()
@@ -221,7 +226,8 @@ class DevicePrefetcher:
       step_agreement = agreement.StepAgreement(
           self._end_of_input,
           f"{self._agreement_name}/{next(self._generation)}",
-          agreement.distributed_client())
+          agreement.distributed_client(),
+          pad_to_common_shape=self._pad_to_common_shape)
     self._steps = _HostSteps(self._resources.iterator, self._has_state,
                              self._state, step_agreement)
     if self._prefetch:

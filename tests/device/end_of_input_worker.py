@@ -13,8 +13,9 @@ import os
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
+if __name__ == "__main__":  # The test imports this module for its constants.
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+  os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -68,7 +69,7 @@ masked_sum = jax.jit(
 def run(dataset, **loader_args) -> dict:
   """Iterates a Loader with a collective per step; reports steps and sums."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  sums = []
+  sums, shapes = [], []
   try:
     with jaxfeed.Loader(dataset, **loader_args) as loader:
       for batch in loader:
@@ -76,10 +77,12 @@ def run(dataset, **loader_args) -> dict:
           sums.append([int(v) for v in masked_sum(batch)])
         else:
           sums.append(int(global_sum(batch)))
+        shapes.append(list(batch["x"].shape))
       state = loader.get_state()
   except ValueError as e:
     return {"steps": len(sums), "sums": sums, "error": str(e)}
-  return {"steps": len(sums), "sums": sums, "batches": state["batches"]}
+  return {"steps": len(sums), "sums": sums, "shapes": shapes,
+          "batches": state["batches"]}
 
 
 def close_while_waiting(process_id: int) -> dict:
@@ -108,6 +111,11 @@ def scenario(name: str, process_id: int) -> dict:
     return run(ragged(process_id, None))
   if name == "ragged_fixed":
     return run(ragged(process_id, {"x": [8]}))
+  if name == "ragged_common":
+    return run(ragged(process_id, None), pad_to_common_shape=True)
+  if name == "ragged_rows":
+    # Equal lengths but 3 and 2 rows: the last step's batches differ in size.
+    return run(filtered(process_id, False))
   if name == "close_while_waiting":
     return close_while_waiting(process_id)
   raise ValueError(f"unknown scenario {name!r}")

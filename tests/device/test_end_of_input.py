@@ -16,7 +16,8 @@ from jax_processes import run_processes
 WORKER = str(pathlib.Path(worker.__file__).resolve())
 NUM_PROCESSES = 2
 SCENARIOS = ["filter", "filter_sync", "uneven_shards", "pad", "ragged",
-             "ragged_fixed", "close_while_waiting"]
+             "ragged_fixed", "ragged_common", "ragged_rows",
+             "close_while_waiting"]
 TIMEOUT_S = 150
 
 
@@ -82,12 +83,28 @@ def test_differing_local_shapes_fail_on_every_process_naming_leaf_and_shapes(
     assert "(2, 3) int64 on process 0" in message
     assert "(2, 5) int64 on process 1" in message
     assert "padded_shapes" in message
+    assert "pad_to_common_shape" in message
 
 
 def test_fixed_padded_shapes_form_one_global_array(reports):
   for report in reports["ragged_fixed"]:
-    assert report["steps"] == 1
+    assert report["shapes"] == [[4, 8]]
     assert report["sums"] == [2 * 3 + 2 * 5]
+
+
+def test_pad_to_common_shape_pads_to_the_longest_process(reports):
+  for report in reports["ragged_common"]:
+    assert report["shapes"] == [[4, 5]]
+    assert report["sums"] == [2 * 3 + 2 * 5]
+
+
+def test_last_partial_batch_of_one_process_fails_on_every_process(reports):
+  # 20 and 14 records kept, batches of 4: at step 3 process 1 has 2 rows.
+  for report in reports["ragged_rows"]:
+    assert report["steps"] == 3
+    assert "step 3" in report["error"]
+    assert "(4,) int64 on process 0, (2,) int64 on process 1" in report["error"]
+    assert "drop_remainder=True" in report["error"]
 
 
 def test_close_interrupts_a_wait_for_another_process(reports):
