@@ -41,6 +41,7 @@ _EXPORTS = {
     "LoaderRestore": "jaxfeed.loader",
     "save_checkpoint": "jaxfeed.loader",
     "restore_checkpoint": "jaxfeed.loader",
+    "reshard_loader_states": "jaxfeed.loader",
     # coordinated reads
     "BucketPlan": "jaxfeed.coord",
     "compute_lengths": "jaxfeed.coord",

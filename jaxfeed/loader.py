@@ -16,6 +16,9 @@ or, composing the items yourself::
 
 The loader item is written by `LoaderCheckpointHandler`: one JSON file per JAX
 process (`process_<i>-of-<n>.json`), since every process reads its own shard.
+Restoring with another number of processes works for pipelines that read an
+`IndexSampler` sharded by process through `map`, `random_map`, `filter` and
+`batch` (see `reshard_loader_states`); others fail with an error naming the op.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import orbax.checkpoint as ocp
 from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
 from jaxfeed.device.agreement import check_policy
+from jaxfeed.ops.from_source import reshard_states
 from jaxfeed.device.placement import ShardingLike
 
 _MODEL_ITEM = "model"
@@ -189,14 +193,64 @@ class Loader:
     self.close()
 
 
+def reshard_loader_states(states: list[dict]) -> dict:
+  """A Loader state that resumes, on any number of JAX processes, the run whose
+  process `h` of `len(states)` saved `states[h]` (`Loader.get_state()`).
+
+  Every new process restores the same state (`Loader.set_state`); its pipeline
+  must be the old one, with the sampler sharded by the new process count (e.g.
+  `ShardByJaxProcess()`) and, for the same global batch, a per-process batch
+  size of `global_batch // jax.process_count()`. The records the old processes
+  had not read are dealt out to the new ones, each read once over all of them;
+  later epochs are read as usual. Pipelines: `from_source` with an
+  `IndexSampler`, then `map`, `random_map`, `filter`, `batch` /
+  `padded_batch`; anything holding elements of one process's shard (a
+  `shuffle` buffer, ...) raises a ValueError naming it.
+  """
+  batches = {state.get("batches") for state in states}
+  if len(batches) != 1:
+    raise ValueError(
+        f"reshard: the processes' Loader states have received different "
+        f"numbers of batches {sorted(map(str, batches))}; they must be "
+        "taken at the same step.")
+  return {"pipeline": reshard_states([state["pipeline"] for state in states]),
+          "batches": batches.pop()}
+
+
 # -- orbax ------------------------------------------------------------------
 def _state_file(directory: epath.Path) -> epath.Path:
   return epath.Path(directory) / (
       f"process_{jax.process_index()}-of-{jax.process_count()}.json")
 
 
+def _read_state(directory: epath.Path) -> dict:
+  """This process's state, or one resharded from another process count's."""
+  path = _state_file(directory)
+  if path.exists():
+    return json.loads(path.read_text())
+  found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
+  counts = {name.rsplit("-of-", 1)[-1][:-len(".json")] for name in found}
+  if len(counts) != 1 or not counts.copy().pop().isdigit():
+    raise FileNotFoundError(
+        f"Loader checkpoint: {path} does not exist and the files there "
+        f"({found}) are not one set written by one number of JAX processes.")
+  count = int(counts.pop())
+  files = [epath.Path(directory) / f"process_{i}-of-{count}.json"
+           for i in range(count)]
+  missing = [f.name for f in files if not f.exists()]
+  if missing:
+    raise FileNotFoundError(
+        f"Loader checkpoint: written by {count} JAX processes, restoring with "
+        f"{jax.process_count()}; resharding needs every process's file but "
+        f"{missing} are missing in {directory}.")
+  return reshard_loader_states([json.loads(f.read_text()) for f in files])
+
+
 class LoaderCheckpointHandler(ocp.CheckpointHandler):
   """Orbax handler for a `Loader`'s state: one JSON file per JAX process.
+
+  Restoring with another number of JAX processes than saved reads every
+  process's file and reshards them (`reshard_loader_states`).
 
   Use through its args, `LoaderSave(loader)` / `LoaderRestore(loader)`, inside
   `ocp.args.Composite` (see `save_checkpoint`).
@@ -206,13 +260,7 @@ class LoaderCheckpointHandler(ocp.CheckpointHandler):
     _state_file(directory).write_text(json.dumps(args.state))
 
   def restore(self, directory: epath.Path, args: "LoaderRestore") -> Any:
-    path = _state_file(directory)
-    if not path.exists():
-      found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
-      raise FileNotFoundError(
-          f"Loader checkpoint: {path} does not exist (found {found}); the "
-          "checkpoint was written by a different number of JAX processes.")
-    state = json.loads(path.read_text())
+    state = _read_state(directory)
     if args.loader is None:
       return state
     args.loader.set_state(state)

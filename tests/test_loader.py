@@ -231,14 +231,31 @@ def test_orbax_composite_with_loader_items(tmp_path):
   assert restored["loader"] == saved
 
 
-def test_orbax_restore_with_other_process_count_names_the_file(tmp_path):
+def test_orbax_restore_with_other_process_count_names_missing_files(tmp_path):
   with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
     with jaxfeed.Loader(pipeline()) as loader:
       jaxfeed.save_checkpoint(manager, 0, loader, model_state=model_state())
       manager.wait_until_finished()
       loader_dir = tmp_path / "ckpt" / "0" / "loader"
       (loader_dir / "process_0-of-1.json").rename(loader_dir / "process_0-of-2.json")
-      with pytest.raises(FileNotFoundError, match=r"process_0-of-1.json does not exist"):
+      with pytest.raises(FileNotFoundError,
+                         match=r"written by 2 JAX processes.*process_1-of-2.json"):
+        jaxfeed.restore_checkpoint(manager, 0, loader, model_state=model_state())
+
+
+def test_orbax_restore_with_other_process_count_names_a_shuffle_buffer(tmp_path):
+  # pipeline() shuffles with a buffer: its elements belong to one process.
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    with jaxfeed.Loader(pipeline()) as loader:
+      next(loader)
+      jaxfeed.save_checkpoint(manager, 0, loader, model_state=model_state())
+      manager.wait_until_finished()
+      loader_dir = tmp_path / "ckpt" / "0" / "loader"
+      saved = loader_dir / "process_0-of-1.json"
+      for i in range(2):
+        (loader_dir / f"process_{i}-of-2.json").write_text(saved.read_text())
+      saved.unlink()
+      with pytest.raises(ValueError, match=r"op 'shuffle' cannot be resumed"):
         jaxfeed.restore_checkpoint(manager, 0, loader, model_state=model_state())
 
 
