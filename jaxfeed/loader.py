@@ -76,7 +76,9 @@ class Loader:
       process raises a ValueError naming the leaf and each process's shape),
       through a small host-side exchange in the `jax.distributed` key-value
       store on the prefetch thread (see `jaxfeed.device.agreement`). With one
-      process nothing is exchanged and this option has no effect.
+      process, or shardings on this process's devices only, nothing is
+      exchanged and this option has no effect. Every process must create its
+      Loaders in the same order.
     pad_to_common_shape: in a multi-process job, zero-pad each leaf's
       dimensions after the first to the largest size any process has at that
       step, so that e.g. `padded_batch` without fixed `padded_shapes` or

@@ -142,6 +142,15 @@ class BatchPlacer:
                 for sharding, leaf, shape in zip(shardings, leaves, global_shapes)]
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
+  def spans_processes(self) -> bool:
+    """Whether the shardings may place a batch over several JAX processes'
+    devices (a sharding function may, whatever it returns later)."""
+    if self._mode == "fn":
+      return True
+    shardings = jax.tree_util.tree_leaves(self._sharding, is_leaf=_is_sharding)
+    return any(d.process_index != jax.process_index()
+               for s in shardings for d in s.device_set)
+
   # -- shardings per leaf ----------------------------------------------------
   def _shardings_for(self, batch: Any, leaves: list[np.ndarray],
                      treedef: Any) -> list[Sharding]:

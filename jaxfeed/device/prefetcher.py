@@ -158,11 +158,12 @@ class DevicePrefetcher:
   `next()`, not the read-ahead position, so restoring it with `set_state()`
   (here or into a fresh iterator of the same pipeline) resumes exactly.
 
-  In a multi-process job (`jax.process_count() > 1`) the processes agree before
-  each step whether it happens and that their local shapes can form one global
-  array, so every process stops at the same step; see
-  `jaxfeed.device.agreement`. Every process must create its prefetchers in the
-  same order and call `set_state` the same number of times.
+  In a multi-process job (`jax.process_count() > 1`) whose shardings span
+  several processes' devices, the processes agree before each step whether it
+  happens and that their local shapes can form one global array, so every
+  process stops at the same step; see `jaxfeed.device.agreement`. Every process
+  must create such prefetchers in the same order and call `set_state` the same
+  number of times.
 
   Args:
     host_iterator: the iterator of host-local numpy batch pytrees.
@@ -201,7 +202,8 @@ class DevicePrefetcher:
     self._end_of_input = end_of_input
     self._pad_to_common_shape = bool(pad_to_common_shape)
     self._agreement_name = None
-    if jax.process_count() > 1:
+    # Batches placed on this process's devices only are its own business.
+    if jax.process_count() > 1 and self._place.spans_processes():
       client = agreement.distributed_client()
       if client is None:
         raise RuntimeError(

@@ -116,6 +116,13 @@ def scenario(name: str, process_id: int) -> dict:
   if name == "ragged_rows":
     # Equal lengths but 3 and 2 rows: the last step's batches differ in size.
     return run(filtered(process_id, False))
+  if name == "local_mesh":
+    # Each process's batches stay on its own devices: no agreement, each
+    # reads its own input to its end.
+    local = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.local_devices()), ("data",)),
+        jax.sharding.PartitionSpec("data"))
+    return run(filtered(process_id, True), sharding=local)
   if name == "close_while_waiting":
     return close_while_waiting(process_id)
   raise ValueError(f"unknown scenario {name!r}")

@@ -16,7 +16,7 @@ from jax_processes import run_processes
 WORKER = str(pathlib.Path(worker.__file__).resolve())
 NUM_PROCESSES = 2
 SCENARIOS = ["filter", "filter_sync", "uneven_shards", "pad", "ragged",
-             "ragged_fixed", "ragged_common", "ragged_rows",
+             "ragged_fixed", "ragged_common", "ragged_rows", "local_mesh",
              "close_while_waiting"]
 TIMEOUT_S = 150
 
@@ -105,6 +105,16 @@ def test_last_partial_batch_of_one_process_fails_on_every_process(reports):
     assert "step 3" in report["error"]
     assert "(4,) int64 on process 0, (2,) int64 on process 1" in report["error"]
     assert "drop_remainder=True" in report["error"]
+
+
+def test_process_local_shardings_read_each_process_to_its_own_end(reports):
+  # 20 and 14 records kept: 5 and 3 batches of 4, each on its own devices.
+  assert [r["steps"] for r in reports["local_mesh"]] == [5, 3]
+  for process, report in enumerate(reports["local_mesh"]):
+    assert report["shapes"] == [[worker.BATCH]] * report["steps"]
+    kept = worker.kept(process)
+    assert report["sums"] == [int(kept[s * 4:(s + 1) * 4].sum())
+                              for s in range(report["steps"])]
 
 
 def test_close_interrupts_a_wait_for_another_process(reports):
