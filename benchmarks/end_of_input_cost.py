@@ -14,6 +14,7 @@ CPU device, and measures:
 Prints one JSON line per process.
 
   python -m benchmarks.end_of_input_cost [--processes=2] [--steps=2000]
+      [--model_ms=0]
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from absl import flags
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("processes", 2, "JAX processes.")
 flags.DEFINE_integer("steps", 2000, "Timed steps per measurement.")
+flags.DEFINE_float("model_ms", 0.0,
+                   "Host time the training loop spends per step besides the "
+                   "global sum (a sleep standing in for a model step).")
 flags.DEFINE_integer("process_id", -1, "Internal: this process's index.")
 flags.DEFINE_integer("port", 0, "Internal: the coordinator's port.")
 
@@ -50,7 +54,8 @@ def _measure() -> dict:
 
   steps = FLAGS.steps
   batch = {"x": np.ones((8, 16), np.float32), "y": np.ones(8, np.int32)}
-  report = {"process": jax.process_index(), "processes": jax.process_count()}
+  report = {"process": jax.process_index(), "processes": jax.process_count(),
+            "model_ms": FLAGS.model_ms}
 
   step_agreement = agreement.StepAgreement(
       "stop_at_shortest", "bench/raw", agreement.distributed_client())
@@ -74,6 +79,8 @@ def _measure() -> dict:
           if i == 50:
             start = time.perf_counter()
           global_sum(b).block_until_ready()
+          if FLAGS.model_ms:
+            time.sleep(FLAGS.model_ms / 1000)
         seconds = time.perf_counter() - start
       report[f"loader_step_us_prefetch{prefetch}_{mode}"] = (
           seconds / steps * 1e6)
@@ -94,6 +101,7 @@ def main(argv):
   procs = [subprocess.Popen(
       [sys.executable, "-m", "benchmarks.end_of_input_cost",
        f"--processes={FLAGS.processes}", f"--steps={FLAGS.steps}",
+       f"--model_ms={FLAGS.model_ms}",
        f"--process_id={i}", f"--port={port}"], env=env)
            for i in range(FLAGS.processes)]
   try:
