@@ -22,7 +22,8 @@ Policies (`end_of_input`):
   (or with a shorter leading dimension, e.g. a last partial batch) yields
   zero rows up to the longest process's batch size, and every batch (a dict)
   gets a bool leaf `PAD_MASK_KEY` of shape `[batch]`: True for real rows, False
-  for padding. A process needs one batch of its own first to know the structure.
+  for padding. A process needs one batch of its own first to know the
+  structure; otherwise every process raises a ValueError at that step.
 
 In both, the processes' leaf shapes must agree (in `"pad"`, up to the leading
 dimension; with `pad_to_common_shape`, up to the dimensions after the first,
@@ -114,20 +115,26 @@ class StepAgreement:
       self._client.key_value_delete(self._key(self._index, step - 2)
                                     .rsplit("/", 1)[0])
     local = None if batch is None else _describe(batch)
+    if batch is not None:
+      self._treedef = jax.tree_util.tree_structure(batch)
+    # "never": out of input without a batch ever, so no structure to pad.
+    never = batch is None and self._treedef is None
     self._client.key_value_set(self._key(self._index, step),
-                               self._encode(local))
+                               '"never"' if never else self._encode(local))
     if local is None and self._policy == "stop_at_shortest":
       return None
     described = {self._index: local}
+    without_structure = [self._index] if never else []
     for process in range(self._count):
       if process != self._index:
         message = json.loads(self._read(self._key(process, step), stop))
+        if message == "never":
+          without_structure.append(process)
+          message = None
         if message is None and self._policy == "stop_at_shortest":
           return None
         described[process] = message
-    if batch is not None:
-      self._treedef = jax.tree_util.tree_structure(batch)
-    return self._agreed_batch(step, batch, described)
+    return self._agreed_batch(step, batch, described, sorted(without_structure))
 
   # -- messages ---------------------------------------------------------------
   def _key(self, process: int, step: int) -> str:
@@ -151,7 +158,8 @@ class StepAgreement:
 
   # -- agreement ----------------------------------------------------------------
   def _agreed_batch(self, step: int, batch: Any,
-                    described: dict[int, list | None]) -> Any:
+                    described: dict[int, list | None],
+                    without_structure: list[int]) -> Any:
     present = {p: d for p, d in described.items() if d is not None}
     if not present:
       return None
@@ -163,11 +171,11 @@ class StepAgreement:
                                          pad_rows, self._pad_dims))
     if not pad_rows and not self._pad_dims:
       return batch
-    if batch is None and self._treedef is None:
+    if without_structure:
       raise ValueError(
-          f"Loader(end_of_input='pad'): process {self._index} has no batch at "
-          f"step {step} and has had none before, so it cannot build a padding "
-          "batch of the right structure; every process needs at least one "
+          f"Loader(end_of_input='pad'): processes {without_structure} have "
+          f"had no batch at all by step {step}, so they cannot build padding "
+          "batches of the right structure; every process needs at least one "
           "batch of its own.")
     return _pad(batch, self._treedef, present, pad_rows)
 

@@ -116,6 +116,10 @@ def scenario(name: str, process_id: int) -> dict:
   if name == "ragged_rows":
     # Equal lengths but 3 and 2 rows: the last step's batches differ in size.
     return run(filtered(process_id, False))
+  if name == "pad_empty_process":
+    # Process 1 keeps nothing: it has no batch to learn the structure from.
+    return run(filtered(process_id, True).take(0 if process_id else 100),
+               end_of_input="pad")
   if name == "local_mesh":
     # Each process's batches stay on its own devices: no agreement, each
     # reads its own input to its end.

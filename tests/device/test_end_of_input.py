@@ -16,7 +16,7 @@ from jax_processes import run_processes
 WORKER = str(pathlib.Path(worker.__file__).resolve())
 NUM_PROCESSES = 2
 SCENARIOS = ["filter", "filter_sync", "uneven_shards", "pad", "ragged",
-             "ragged_fixed", "ragged_common", "ragged_rows", "local_mesh",
+             "ragged_fixed", "ragged_common", "ragged_rows", "local_mesh", "pad_empty_process",
              "close_while_waiting"]
 TIMEOUT_S = 150
 
@@ -72,6 +72,12 @@ def test_pad_goes_on_to_the_longest_process_with_a_mask(reports):
     assert list(valid) == [8, 8, 8, 4 + 2, 4]
     assert sum(sums) == sum(int(worker.kept(p).sum())
                             for p in range(NUM_PROCESSES))
+
+
+def test_pad_with_a_process_that_never_had_a_batch_fails_everywhere(reports):
+  for report in reports["pad_empty_process"]:
+    assert report["steps"] == 0
+    assert "processes [1] have had no batch at all by step 0" in report["error"]
 
 
 def test_differing_local_shapes_fail_on_every_process_naming_leaf_and_shapes(
