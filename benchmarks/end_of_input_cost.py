@@ -5,6 +5,10 @@ CPU device, and measures:
 
   (a) `agreement_us`: one `StepAgreement.step` (publish this process's message,
       read the others') on the caller's thread, averaged over --steps steps;
+  (a') `device_allgather_us`, the alternative not taken: a device collective
+      of one flag per step (`multihost_utils.process_allgather`), which would
+      have to run on the training loop's thread to keep the order of
+      collectives equal on every process, and waits for the device queue;
   (b) `loader_step_us`: a Loader step (next() plus a jitted global sum, i.e. a
       cross-process collective) with the agreement on and, as the baseline,
       with `StepAgreement.step` replaced by a pass-through; both for prefetch=0
@@ -65,6 +69,15 @@ def _measure() -> dict:
   for _ in range(steps):
     step_agreement.step(batch)
   report["agreement_us"] = (time.perf_counter() - start) / steps * 1e6
+
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  flag = np.ones(1, np.int32)
+  for _ in range(20):
+    multihost_utils.process_allgather(flag)
+  start = time.perf_counter()
+  for _ in range(steps):
+    multihost_utils.process_allgather(flag)
+  report["device_allgather_us"] = (time.perf_counter() - start) / steps * 1e6
 
   global_sum = jax.jit(lambda b: jnp.sum(b["x"]))
   dataset = jaxfeed.Dataset.from_tensor_slices(

@@ -99,6 +99,7 @@ def close_while_waiting(process_id: int) -> dict:
 
 
 def scenario(name: str, process_id: int) -> dict:
+  import jaxfeed  # pylint: disable=g-import-not-at-top
   if name == "filter":
     return run(filtered(process_id, True))
   if name == "filter_sync":
@@ -106,7 +107,9 @@ def scenario(name: str, process_id: int) -> dict:
   if name == "uneven_shards":
     return run(uneven_shards())
   if name == "pad":
-    return run(filtered(process_id, False), end_of_input="pad")
+    # A sharding per leaf: the mask leaf gets the batch's sharding.
+    return run(filtered(process_id, False), end_of_input="pad",
+               sharding={"x": jaxfeed.device.batch_sharding()})
   if name == "ragged":
     return run(ragged(process_id, None))
   if name == "ragged_fixed":
