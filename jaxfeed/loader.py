@@ -231,8 +231,8 @@ def _read_state(directory: epath.Path) -> dict:
   if path.exists():
     return json.loads(path.read_text())
   found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
-  counts = {name.rsplit("-of-", 1)[-1][:-len(".json")] for name in found}
-  if len(counts) != 1 or not counts.copy().pop().isdigit():
+  counts = {name.rsplit("-of-", 1)[-1].removesuffix(".json") for name in found}
+  if len(counts) != 1 or not next(iter(counts)).isdigit():
     raise FileNotFoundError(
         f"Loader checkpoint: {path} does not exist and the files there "
         f"({found}) are not one set written by one number of JAX processes.")
