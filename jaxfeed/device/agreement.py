@@ -7,12 +7,14 @@ that leaves the training loop early leaves the others blocked in the next
 collective. `StepAgreement` makes the processes agree, before each step's batch
 is placed, on whether the step happens and on the batch's local shapes.
 
-Each step every process publishes one short message in the `jax.distributed`
+Each step every process writes one short message in the `jax.distributed`
 key-value store (whether it has a batch, and the path, shape and dtype of each
-leaf) and reads the others'. This is host-side only: it never enqueues a device
-collective, so running it on the device prefetch thread cannot interleave with
-the training loop's collectives, and it overlaps with the read-ahead. Cost per
-step: one write and `process_count - 1` reads from the coordinator per process.
+leaf); process 0 reads them all and writes the verdict, which the others read.
+This is host-side only: it never enqueues a device collective, so running it
+on the device prefetch thread cannot interleave with the training loop's
+collectives, and it overlaps with the read-ahead. Cost per step: two or three
+requests to the coordinator per process, whatever the number of processes
+(`benchmarks/end_of_input_cost.py` measures it).
 
 Policies (`end_of_input`):
 - `"stop_at_shortest"`: the input ends for every process at the first step
@@ -74,6 +76,12 @@ class StepAgreement:
   Every process must create its agreements in the same order (their keys are
   numbered) and call `step` once per step.
 
+  Each step every process writes its message; process 0 reads them all (one
+  directory read, plus a wait for any still missing), decides, and writes the
+  verdict, which the others read. So a process makes O(1) requests to the
+  coordinator per step, whatever the number of processes, and the coordinator
+  handles O(process_count).
+
   Args:
     policy: one of `END_OF_INPUT_POLICIES`.
     namespace: a key prefix unique to this agreement and equal on every
@@ -105,42 +113,49 @@ class StepAgreement:
 
     Returns:
       None when the input ended for all processes; else the batch to place
-      (`batch` itself, or padded and masked under `"pad"`).
+      (`batch` itself, or padded, and masked under `"pad"`).
+
+    Raises:
+      ValueError: on every process alike, when the processes' batches cannot
+        form one global array.
     """
     step = self._step
     self._step += 1
-    if step >= 2 and (step - 2) % _CHUNK == _CHUNK - 1:
-      # Every process has read this process's keys up to step - 2: it
-      # published step - 1 only after reading them.
-      self._client.key_value_delete(self._key(self._index, step - 2)
-                                    .rsplit("/", 1)[0])
-    local = None if batch is None else _describe(batch)
     if batch is not None:
       self._treedef = jax.tree_util.tree_structure(batch)
-    # "never": out of input without a batch ever, so no structure to pad.
-    never = batch is None and self._treedef is None
-    self._client.key_value_set(self._key(self._index, step),
-                               '"never"' if never else self._encode(local))
-    if local is None and self._policy == "stop_at_shortest":
+    if batch is not None:
+      message = self._encode(_describe(batch))
+    else:
+      # "never": out of input without a batch ever, so no structure to pad.
+      message = '"never"' if self._treedef is None else "null"
+    directory = self._directory(step)
+    self._client.key_value_set(f"{directory}/p{self._index}", message)
+    if self._index == 0:
+      verdict = self._decide(step, directory, message, stop)
+      self._client.key_value_set(f"{directory}/verdict", json.dumps(verdict))
+      if step >= 2 and (step - 2) % _CHUNK == _CHUNK - 1:
+        # Every process has read the verdicts up to step - 2: it wrote its
+        # message of step - 1, which process 0 has read, after reading them.
+        self._client.key_value_delete(self._directory(step - 2)
+                                      .rsplit("/", 1)[0])
+    elif batch is None and self._policy == "stop_at_shortest":
+      return None  # Whatever the others have, the input ends here.
+    else:
+      verdict = json.loads(self._read(f"{directory}/verdict", stop))
+    if "error" in verdict:
+      raise ValueError(verdict["error"])
+    if verdict.get("end"):
       return None
-    described = {self._index: local}
-    without_structure = [self._index] if never else []
-    for process in range(self._count):
-      if process != self._index:
-        message = json.loads(self._read(self._key(process, step), stop))
-        if message == "never":
-          without_structure.append(process)
-          message = None
-        if message is None and self._policy == "stop_at_shortest":
-          return None
-        described[process] = message
-    return self._agreed_batch(step, batch, described, sorted(without_structure))
+    if "targets" not in verdict:
+      return batch
+    return _pad(batch, self._treedef, verdict["targets"],
+                self._policy == "pad")
 
   # -- messages ---------------------------------------------------------------
-  def _key(self, process: int, step: int) -> str:
-    return f"{self._namespace}/p{process}/c{step // _CHUNK}/{step}"
+  def _directory(self, step: int) -> str:
+    return f"{self._namespace}/c{step // _CHUNK}/s{step}"
 
-  def _encode(self, described: list | None) -> str:
+  def _encode(self, described: list) -> str:
     # Shapes rarely change between steps: reuse the encoded message.
     if self._message_cache[0] != described:
       self._message_cache = (described, json.dumps(described))
@@ -156,28 +171,54 @@ class StepAgreement:
       if stop is not None and stop.is_set():
         raise Interrupted()
 
-  # -- agreement ----------------------------------------------------------------
-  def _agreed_batch(self, step: int, batch: Any,
-                    described: dict[int, list | None],
-                    without_structure: list[int]) -> Any:
-    present = {p: d for p, d in described.items() if d is not None}
-    if not present:
-      return None
+  def _messages(self, directory: str, own: str,
+                stop: threading.Event | None) -> dict[int, Any]:
+    """Every process's message of the step, waiting for missing ones."""
+    messages: dict[int, Any] = {self._index: json.loads(own)}
+    prefix = f"{directory}/p"
+    while True:
+      missing = [p for p in range(self._count) if p not in messages]
+      if not missing:
+        return messages
+      # Wait for the last missing one; the others have usually arrived by
+      # then and come in one directory read.
+      messages[missing[-1]] = json.loads(self._read(
+          f"{prefix}{missing[-1]}", stop))
+      if len(missing) > 1:
+        for key, value in self._client.key_value_dir_get(directory):
+          if key.startswith(prefix):
+            messages[int(key[len(prefix):])] = json.loads(value)
+
+  # -- agreement (process 0) ----------------------------------------------------
+  def _decide(self, step: int, directory: str, own: str,
+              stop: threading.Event | None) -> dict:
+    """The verdict: {"end": True}, {"error": message}, {} (place as is) or
+    {"targets": [[shape, dtype], ...]} (pad every leaf to them)."""
+    messages = self._messages(directory, own, stop)
+    without_structure = sorted(p for p, m in messages.items() if m == "never")
+    present = {p: m for p, m in messages.items() if isinstance(m, list)}
+    if not present or (len(present) < self._count
+                       and self._policy == "stop_at_shortest"):
+      return {"end": True}
     pad_rows = self._policy == "pad"
     signatures = {p: _signature(d, pad_rows, self._pad_dims)
                   for p, d in present.items()}
     if len(set(signatures.values())) > 1:
-      raise ValueError(_mismatch_message(step, present, signatures,
-                                         pad_rows, self._pad_dims))
+      return {"error": _mismatch_message(step, present, signatures, pad_rows,
+                                         self._pad_dims)}
     if not pad_rows and not self._pad_dims:
-      return batch
+      return {}
     if without_structure:
-      raise ValueError(
+      return {"error": (
           f"Loader(end_of_input='pad'): processes {without_structure} have "
           f"had no batch at all by step {step}, so they cannot build padding "
           "batches of the right structure; every process needs at least one "
-          "batch of its own.")
-    return _pad(batch, self._treedef, present, pad_rows)
+          "batch of its own.")}
+    reference = next(iter(present.values()))
+    return {"targets": [
+        [[max(d[i][1][dim] for d in present.values())
+          for dim in range(len(leaf[1]))], leaf[2]]
+        for i, leaf in enumerate(reference)]}
 
 
 def _describe(batch: Any) -> list:
@@ -238,21 +279,16 @@ def _mismatch_message(step: int, present: dict[int, list],
   raise AssertionError("no mismatching leaf")  # Callers checked one differs.
 
 
-def _pad(batch: Any, treedef: Any, present: dict[int, list],
-         pad_rows: bool) -> Any:
-  """`batch` (zeros when None) with each leaf zero-padded to the largest size
-  of each dimension over the processes; the mask leaf when `pad_rows`."""
-  reference = next(iter(present.values()))
-  targets = [tuple(max(d[i][1][dim] for d in present.values())
-                   for dim in range(len(leaf[1])))
-             for i, leaf in enumerate(reference)]
+def _pad(batch: Any, treedef: Any, targets: list, pad_rows: bool) -> Any:
+  """`batch` (zeros when None) with each leaf zero-padded to its target shape;
+  the mask leaf when `pad_rows`."""
+  shapes = [tuple(shape) for shape, _ in targets]
   if batch is None:
-    leaves = [np.zeros(shape, dtype)
-              for shape, (_, _, dtype) in zip(targets, reference)]
+    leaves = [np.zeros(shape, dtype) for shape, (_, dtype) in zip(shapes, targets)]
     valid = 0
   else:
     leaves = [_pad_to(np.asarray(leaf), shape) for leaf, shape
-              in zip(jax.tree_util.tree_leaves(batch), targets)]
+              in zip(jax.tree_util.tree_leaves(batch), shapes)]
     valid = _rows(_describe(batch))
   batch = jax.tree_util.tree_unflatten(treedef, leaves)
   if not pad_rows:
@@ -265,7 +301,7 @@ def _pad(batch: Any, treedef: Any, present: dict[int, list],
     raise ValueError(
         f"Loader(end_of_input='pad'): the batch already has a leaf "
         f"'{PAD_MASK_KEY}', the name of the mask this policy adds.")
-  rows = max((shape[0] for shape in targets if shape), default=0)
+  rows = max((shape[0] for shape in shapes if shape), default=0)
   mask = np.zeros(rows, bool)
   mask[:valid] = True
   return {**batch, PAD_MASK_KEY: mask}
