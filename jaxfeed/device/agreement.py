@@ -123,14 +123,12 @@ class StepAgreement:
     self._step += 1
     if batch is not None:
       self._treedef = jax.tree_util.tree_structure(batch)
-    if batch is not None:
       message = self._encode(_describe(batch))
     else:
       # "never": out of input without a batch ever, so no structure to pad.
       message = '"never"' if self._treedef is None else "null"
     directory = self._directory(step)
-    self._client.key_value_set(f"{directory}/p{self._index}", message)
-    if self._index == 0:
+    if self._index == 0:  # Process 0 keeps its own message.
       verdict = self._decide(step, directory, message, stop)
       self._client.key_value_set(f"{directory}/verdict", json.dumps(verdict))
       if step >= 2 and (step - 2) % _CHUNK == _CHUNK - 1:
@@ -138,9 +136,10 @@ class StepAgreement:
         # message of step - 1, which process 0 has read, after reading them.
         self._client.key_value_delete(self._directory(step - 2)
                                       .rsplit("/", 1)[0])
-    elif batch is None and self._policy == "stop_at_shortest":
-      return None  # Whatever the others have, the input ends here.
     else:
+      self._client.key_value_set(f"{directory}/p{self._index}", message)
+      if batch is None and self._policy == "stop_at_shortest":
+        return None  # Whatever the others have, the input ends here.
       verdict = json.loads(self._read(f"{directory}/verdict", stop))
     if "error" in verdict:
       raise ValueError(verdict["error"])
