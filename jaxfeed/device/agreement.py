@@ -102,6 +102,7 @@ class StepAgreement:
     self._count = jax.process_count()
     self._step = 0
     self._treedef: Any = None  # Of this process's last batch, for padding.
+    # (treedef, leaf shapes and dtypes) -> message of the last batch.
     self._message_cache: tuple[Any, str] = (None, "")
 
   def step(self, batch: Any, stop: threading.Event | None = None) -> Any:
@@ -122,8 +123,7 @@ class StepAgreement:
     step = self._step
     self._step += 1
     if batch is not None:
-      self._treedef = jax.tree_util.tree_structure(batch)
-      message = self._encode(_describe(batch))
+      message = self._encode(batch)
     else:
       # "never": out of input without a batch ever, so no structure to pad.
       message = '"never"' if self._treedef is None else "null"
@@ -154,10 +154,15 @@ class StepAgreement:
   def _directory(self, step: int) -> str:
     return f"{self._namespace}/c{step // _CHUNK}/s{step}"
 
-  def _encode(self, described: list) -> str:
-    # Shapes rarely change between steps: reuse the encoded message.
-    if self._message_cache[0] != described:
-      self._message_cache = (described, json.dumps(described))
+  def _encode(self, batch: Any) -> str:
+    """The message for `batch`; notes its structure for padding."""
+    leaves, self._treedef = jax.tree_util.tree_flatten(batch)
+    key = (self._treedef, tuple((np.shape(leaf), np.asarray(leaf).dtype.str)
+                                for leaf in leaves))
+    # Shapes rarely change between steps: reuse the message, whose leaf
+    # paths cost more to build than this key.
+    if self._message_cache[0] != key:
+      self._message_cache = (key, json.dumps(_describe(batch)))
     return self._message_cache[1]
 
   def _read(self, key: str, stop: threading.Event | None) -> str:
@@ -171,9 +176,9 @@ class StepAgreement:
         raise Interrupted()
 
   def _messages(self, directory: str, own: str,
-                stop: threading.Event | None) -> dict[int, Any]:
-    """Every process's message of the step, waiting for missing ones."""
-    messages: dict[int, Any] = {self._index: json.loads(own)}
+                stop: threading.Event | None) -> dict[int, str]:
+    """Every process's message of the step (JSON), waiting for missing ones."""
+    messages = {self._index: own}
     prefix = f"{directory}/p"
     while True:
       missing = [p for p in range(self._count) if p not in messages]
@@ -181,19 +186,22 @@ class StepAgreement:
         return messages
       # Wait for the last missing one; the others have usually arrived by
       # then and come in one directory read.
-      messages[missing[-1]] = json.loads(self._read(
-          f"{prefix}{missing[-1]}", stop))
+      messages[missing[-1]] = self._read(f"{prefix}{missing[-1]}", stop)
       if len(missing) > 1:
         for key, value in self._client.key_value_dir_get(directory):
           if key.startswith(prefix):
-            messages[int(key[len(prefix):])] = json.loads(value)
+            messages[int(key[len(prefix):])] = value
 
   # -- agreement (process 0) ----------------------------------------------------
   def _decide(self, step: int, directory: str, own: str,
               stop: threading.Event | None) -> dict:
     """The verdict: {"end": True}, {"error": message}, {} (place as is) or
     {"targets": [[shape, dtype], ...]} (pad every leaf to them)."""
-    messages = self._messages(directory, own, stop)
+    raw = self._messages(directory, own, stop)
+    if (self._policy == "stop_at_shortest" and not self._pad_dims
+        and own[0] == "[" and all(m == own for m in raw.values())):
+      return {}  # The usual step: every process has a batch like this one.
+    messages = {p: json.loads(m) for p, m in raw.items()}
     without_structure = sorted(p for p, m in messages.items() if m == "never")
     present = {p: m for p, m in messages.items() if isinstance(m, list)}
     if not present or (len(present) < self._count
@@ -288,7 +296,8 @@ def _pad(batch: Any, treedef: Any, targets: list, pad_rows: bool) -> Any:
   else:
     leaves = [_pad_to(np.asarray(leaf), shape) for leaf, shape
               in zip(jax.tree_util.tree_leaves(batch), shapes)]
-    valid = _rows(_describe(batch))
+    valid = max((np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(batch)
+                 if np.ndim(leaf)), default=0)
   batch = jax.tree_util.tree_unflatten(treedef, leaves)
   if not pad_rows:
     return batch
@@ -304,10 +313,6 @@ def _pad(batch: Any, treedef: Any, targets: list, pad_rows: bool) -> Any:
   mask = np.zeros(rows, bool)
   mask[:valid] = True
   return {**batch, PAD_MASK_KEY: mask}
-
-
-def _rows(described: list) -> int:
-  return max((shape[0] for _, shape, _ in described if shape), default=0)
 
 
 def _pad_to(leaf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
