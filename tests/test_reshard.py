@@ -95,3 +95,23 @@ def test_loader_states_at_different_steps_are_rejected():
   with pytest.raises(ValueError, match="different numbers of batches"):
     reshard_loader_states([{"pipeline": {}, "batches": 1},
                            {"pipeline": {}, "batches": 2}])
+
+
+def test_state_saved_inside_the_dealt_out_epochs_resumes_exactly():
+  iterators = [pipeline(h, 2).make_iterator() for h in range(2)]
+  for it in iterators:
+    next(it)
+  state = reshard_states([it.get_state() for it in iterators])
+  for it in iterators:
+    it.close()
+  first = pipeline(1, 3).make_iterator()
+  first.set_state(state)
+  next(first)
+  saved = first.get_state()
+  assert "resharded" in saved["parents"][0]["parents"][0]["own"]
+  rest = [b["x"].tolist() for b in first]
+  second = pipeline(1, 3).make_iterator()
+  second.set_state(saved)
+  assert [b["x"].tolist() for b in second] == rest
+  first.close()
+  second.close()
