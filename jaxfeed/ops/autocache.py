@@ -8,9 +8,10 @@ writes the cache, and every later task — of this job or any other job whose
 pipeline has the same input subgraph, on any worker sharing DIR — reads it
 instead of running the input again.
 
-The input's fingerprint covers its ops, their parameters and UDF paths, and
-the shard a static (FILE / DATA) task reads, so different inputs never share
-a cache. Tasks of `distributed_epoch` jobs read different splits every time
+The input's fingerprint covers its ops, their parameters, the code of its
+UDFs, the size and modification time of its source files, and the shard a
+static (FILE / DATA) task reads, so different inputs never share a cache (see
+`jaxfeed.ops.fingerprint`). Tasks of `distributed_epoch` jobs read different splits every time
 and pass through. As with `cache`, put `autocache` before random
 augmentation and before `repeat` (an endless input never completes a pass),
 and do not modify the elements it hands out in place.
