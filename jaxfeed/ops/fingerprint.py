@@ -363,8 +363,9 @@ def _is_installed(module_name: str) -> bool:
   if module is None:
     return False
   filename = getattr(module, "__file__", None)
-  if not filename:
-    return True  # built into the interpreter
+  if not filename:  # built into the interpreter, or made at run time
+    origin = getattr(getattr(module, "__spec__", None), "origin", None)
+    return module_name in sys.builtin_module_names or origin in ("built-in", "frozen")
   return os.path.realpath(filename).startswith(_installed_roots())
 
 
