@@ -1,0 +1,149 @@
+"""The dispatcher shares a dataset only between pipelines that compute the same.
+
+Dispatcher and worker run as separate processes: the dispatcher computes each
+fingerprint from the spec it receives, workers check the code of import-path
+UDFs and key their autocache by the rebuilt pipeline's fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import jaxfeed
+import service_udfs
+from jaxfeed import service
+from jaxfeed.service import spec
+from jaxfeed.service.protos import service_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "fingerprint-test-secret"
+HEARTBEAT = "--heartbeat_interval_s=0.2"
+
+
+def start(cluster, *worker_flags: str):
+  dispatcher = cluster("dispatcher", "--port=0", f"--pickled_udf_secret={SECRET}")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT,
+          f"--pickled_udf_secret={SECRET}", *worker_flags)
+  return dispatcher
+
+
+def values(dataset) -> list:
+  with dataset.make_iterator() as iterator:
+    return [np.asarray(element).tolist() for element in iterator]
+
+
+def make(k):
+  return lambda x: x * k
+
+
+def test_closures_of_one_factory_are_two_datasets(cluster):
+  dispatcher = start(cluster)
+  outputs = [values(jaxfeed.Dataset.range(4).map(make(k)).distribute(
+      dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode()))
+             for k in (2, 3)]
+  assert outputs == [[0, 2, 4, 6], [0, 3, 6, 9]]
+
+
+def register_raw(address: str, dataset_def: pb.DatasetDef) -> str:
+  with grpc.insecure_channel(address) as channel:
+    call = channel.unary_unary("/jaxfeed.service.Dispatcher/RegisterDataset",
+                               request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=pb.RegisterDatasetResponse.FromString)
+    return call(pb.RegisterDatasetRequest(dataset=dataset_def), timeout=30).dataset_id
+
+
+def test_a_forged_fingerprint_from_the_client_is_ignored(cluster):
+  dispatcher = start(cluster)
+  plus_one = jaxfeed.Dataset.range(4).map(service_udfs.add_one)
+  plain = jaxfeed.Dataset.range(4)
+  first = spec.to_dataset_def(plus_one.node)
+  victim = first.fingerprint
+  forged = spec.to_dataset_def(plain.node)
+  forged.fingerprint = victim  # claims to be the first pipeline
+  first_id = register_raw(dispatcher.address, first)
+  forged_id = register_raw(dispatcher.address, forged)
+  assert forged_id != first_id
+  blank = spec.to_dataset_def(plain.node)
+  blank.fingerprint = "forged"
+  assert register_raw(dispatcher.address, blank) == forged_id  # equal content: shared
+  read = lambda dataset_id: values(service.from_dataset_id(
+      "parallel_epochs", dispatcher.address, dataset_id))
+  assert read(first_id) == [1, 2, 3, 4]
+  assert read(forged_id) == [0, 1, 2, 3]
+
+
+def write_labelled(path: str, xs) -> None:
+  jaxfeed.write_tfrecord(path, [np.int32(7).tobytes() + np.int64(x).tobytes()
+                                for x in xs])
+
+
+def wait_for_cache_entries(cache_dir: str, count: int) -> list[str]:
+  deadline = time.monotonic() + 60
+  while True:
+    done = sorted(name for name in os.listdir(cache_dir)
+                  if os.path.exists(os.path.join(cache_dir, name, "manifest.json")))
+    if len(done) >= count or time.monotonic() > deadline:
+      return done
+    time.sleep(0.05)
+
+
+def test_autocache_serves_a_file_rewritten_at_the_same_path(cluster, tmp_path):
+  cache_dir = tmp_path / "autocache"
+  cache_dir.mkdir()
+  dispatcher = start(cluster, f"--autocache_dir={cache_dir}")
+  path = str(tmp_path / "labelled.tfrecord")
+
+  def read_file() -> list:
+    dataset = jaxfeed.Dataset.from_source(jaxfeed.TFRecordSource(path)).map(
+        service_udfs.decode_record).autocache().map(lambda e: e["x"])
+    return values(dataset.distribute(dispatcher.address, "parallel_epochs",
+                                     udf_secret=SECRET.encode()))
+
+  write_labelled(path, range(4))
+  stat = os.stat(path)
+  assert read_file() == [0, 1, 2, 3]
+  assert len(wait_for_cache_entries(str(cache_dir), 1)) == 1
+  assert read_file() == [0, 1, 2, 3]  # the same file: the same cache entry
+  write_labelled(path, range(10, 14))  # as many records, as many bytes
+  # Where the filesystem clock is coarse the rewrite may keep the mtime.
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+  assert read_file() == [10, 11, 12, 13]
+  assert len(wait_for_cache_entries(str(cache_dir), 2)) == 2
+
+
+VERSIONED_MODULE = "fingerprint_versioned_udf"
+
+
+def write_module(directory, body: str) -> None:
+  directory.mkdir()
+  (directory / f"{VERSIONED_MODULE}.py").write_text(f"def scale(x):\n  return {body}\n")
+
+
+def test_worker_refuses_an_import_path_udf_whose_code_differs(cluster, tmp_path,
+                                                              monkeypatch):
+  write_module(tmp_path / "client", "x * 2")
+  write_module(tmp_path / "worker", "x * 3")
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(tmp_path / "worker"), os.environ.get("PYTHONPATH", "")]))
+  dispatcher = start(cluster)
+  monkeypatch.syspath_prepend(str(tmp_path / "client"))
+  monkeypatch.delitem(sys.modules, VERSIONED_MODULE, raising=False)
+  module = __import__(VERSIONED_MODULE)
+  try:
+    dataset = jaxfeed.Dataset.range(4).map(module.scale)
+    with pytest.raises(service.ServiceError) as info:
+      values(dataset.distribute(dispatcher.address, "parallel_epochs"))
+  finally:
+    sys.modules.pop(VERSIONED_MODULE, None)
+  message = str(info.value)
+  assert "FAILED_PRECONDITION" in message
+  assert f"{VERSIONED_MODULE}:scale" in message
+  assert (f"client and worker run different versions of module "
+          f"'{VERSIONED_MODULE}'") in message
