@@ -7,7 +7,8 @@ name or `id()`:
 - scalars, strings, bytes, containers and numpy arrays and dtypes by value;
 - graph nodes by their fingerprint; sources, samplers and other objects with
   `spec_params()` by class path, those params and their
-  `fingerprint_params()` (file sizes and modification times);
+  `fingerprint_params()` (file sizes and modification times); other objects
+  with a `fingerprint()` method (bucket plans) by what it returns;
 - Python functions by their code (bytecode, constants and nested code, names,
   argument layout), defaults, keyword defaults, attributes, closure cells and
   the globals the code names, recursively (a helper called through a global
@@ -147,6 +148,9 @@ class _Hasher:
       self.put(b"graph", v.node.fingerprint().encode())
     elif hasattr(v, "spec_params"):
       self._spec_object(v)
+    elif callable(getattr(v, "fingerprint", None)):  # e.g. a BucketPlan
+      self.put(b"fingerprinted", str(v.fingerprint()).encode())
+      self._class(type(v))
     elif isinstance(v, enum.Enum):
       self.put(b"enum", v.name.encode())
       self._class(type(v))
@@ -184,13 +188,13 @@ class _Hasher:
       digests.append(sub.hexdigest())
     self.put(tag, ",".join(sorted(digests)).encode())
 
-  def _array(self, array: np.ndarray, static: bool) -> None:
+  def _array(self, array: np.ndarray) -> None:
     self.put(b"array", f"{array.dtype!r}|{array.shape}".encode())
     if array.dtype.hasobject:
-      self._items(b"objects", array.ravel().tolist(), static)
-    else:
-      self.put(b"data", hashlib.sha256(
-          np.ascontiguousarray(array).view(np.uint8).data).digest())
+      self._items(b"objects", array.ravel().tolist(), static=False)
+    elif array.nbytes:
+      raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+      self.put(b"data", hashlib.sha256(raw.data).digest())
 
   def _module_state(self, v: Any) -> None:
     """Mutable module state: identified by type, not by current content."""
@@ -199,8 +203,8 @@ class _Hasher:
 
   def _runtime_value(self, v: Any) -> None:
     """A value built at run time: by content, else a nonce."""
-    if isinstance(v, np.ndarray):
-      self._array(v, static=False)
+    if type(v) is np.ndarray:  # subclasses (masked arrays) hold more state
+      self._array(v)
       return
     if isinstance(v, (bytearray, memoryview)):
       self.put(b"bytearray", bytes(v))
@@ -264,8 +268,12 @@ class _Hasher:
     state_is_module_state = importable and fn.__module__ != "__main__"
     self.put(b"function")
     self._code(fn.__code__)
-    self.value(fn.__defaults__, state_is_module_state)
-    self.value(fn.__kwdefaults__, state_is_module_state)
+    # The containers of defaults and attributes are made by the `def`, so
+    # they are walked even where their values are module state.
+    self._items(b"defaults", fn.__defaults__ or (), state_is_module_state)
+    kwdefaults = sorted((fn.__kwdefaults__ or {}).items())
+    self._items(b"kwdefaults", (x for kv in kwdefaults for x in kv),
+                state_is_module_state)
     cells = fn.__closure__ or ()
     self.put(b"cells", str(len(cells)).encode())
     for cell in cells:

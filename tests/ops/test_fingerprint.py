@@ -78,7 +78,8 @@ def test_module_globals_and_helpers_of_an_importable_udf_are_hashed():
   module.__file__ = os.path.join(HERE, "fingerprint_module_under_test.py")
   module.__dict__["SCALE"] = 2
   exec("def helper(x):\n  return x * SCALE\n"  # pylint: disable=exec-used
-       "def f(x):\n  return helper(x) + 1\n", module.__dict__)
+       "def f(x):\n  return helper(x) + 1\n"
+       "def g(x, *, k=2):\n  return x * k\n", module.__dict__)
   sys.modules[module.__name__] = module
   try:
     before = mapped(module.f)
@@ -89,6 +90,10 @@ def test_module_globals_and_helpers_of_an_importable_udf_are_hashed():
     exec("def helper(x):\n  return x * SCALE + 0\n",  # pylint: disable=exec-used
          module.__dict__)
     assert mapped(module.f) != before
+    g = mapped(module.g)
+    exec("def g(x, *, k=3):\n  return x * k\n",  # pylint: disable=exec-used
+         module.__dict__)
+    assert mapped(module.g) != g
   finally:
     del sys.modules[module.__name__]
 
@@ -148,6 +153,10 @@ def test_numpy_arrays_are_hashed_by_content():
   assert fingerprint.digest(a) != fingerprint.digest(a[::-1].copy())
   assert fingerprint.digest(a) != fingerprint.digest(a.reshape(2, 5))
   assert fingerprint.digest(a[::2]) == fingerprint.digest(np.arange(0, 10, 2))
+  assert fingerprint.digest(np.zeros((0, 3))) != fingerprint.digest(np.zeros((3, 0)))
+  dates = np.array(["2020-01-01", "2021-01-01"], "datetime64[D]")
+  assert fingerprint.digest(dates) != fingerprint.digest(dates[::-1].copy())
+  assert fingerprint.digest(np.array(5)) != fingerprint.digest(np.array([5]))
   assert (jaxfeed.Dataset.from_tensor_slices(a).fingerprint()
           != jaxfeed.Dataset.from_tensor_slices(a + 1).fingerprint())
 
