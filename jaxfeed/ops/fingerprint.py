@@ -141,7 +141,7 @@ class _Hasher:
       self._code(v)
     elif isinstance(v, (types.FunctionType, type, types.ModuleType,
                         types.BuiltinFunctionType)):
-      self._code_object(v)
+      self._code_object(v, static)
     elif isinstance(v, _node_type()):
       self.put(b"graph", v.fingerprint().encode())
     elif isinstance(getattr(v, "node", None), _node_type()):
@@ -172,7 +172,7 @@ class _Hasher:
       self.put(type(v).__name__.encode())
       self._items(b"fields", (v.start, v.stop, v.step), static)
     elif _import_path(v) is not None:
-      self._code_object(v)  # a callable object importable by name
+      self._code_object(v, static)  # a callable object importable by name
     elif static:
       self._module_state(v)
     else:
@@ -235,7 +235,7 @@ class _Hasher:
     self.value(content() if callable(content) else None, static=False)
 
   # -- code ---------------------------------------------------------------------
-  def _code_object(self, v: Any) -> None:
+  def _code_object(self, v: Any, static: bool) -> None:
     """Functions, classes, modules and other callables."""
     if isinstance(v, types.ModuleType):
       self.put(b"module", f"{v.__name__}=={_version(v.__name__)}".encode())
@@ -256,7 +256,7 @@ class _Hasher:
       self.put(b"builtin", repr(v).encode())  # unnamed C function: rare
     else:  # a C method bound to an object, e.g. `some_list.append`
       self.put(b"bound-builtin", v.__qualname__.encode())
-      self.value(v.__self__, static=False)
+      self.value(v.__self__, static)
 
   def _function(self, fn: types.FunctionType, importable: bool) -> None:
     if not self._first_visit(fn):

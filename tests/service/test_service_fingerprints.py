@@ -7,7 +7,9 @@ UDFs and key their autocache by the rebuilt pipeline's fingerprint.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -20,6 +22,7 @@ import service_udfs
 from jaxfeed import service
 from jaxfeed.service import spec
 from jaxfeed.service.protos import service_pb2 as pb
+from service_cluster import REPO_ROOT, TESTS_DIR
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,3 +150,69 @@ def test_worker_refuses_an_import_path_udf_whose_code_differs(cluster, tmp_path,
   assert f"{VERSIONED_MODULE}:scale" in message
   assert (f"client and worker run different versions of module "
           f"'{VERSIONED_MODULE}'") in message
+
+
+def decoded_with_udf(edit) -> None:
+  dataset_def = spec.to_dataset_def(jaxfeed.Dataset.range(4).map(service_udfs.add_one).node)
+  graph = json.loads(dataset_def.graph_json)
+  fn = graph["params"]["fn"]  # the root is the map
+  fn["__callable__"] = edit(fn["__callable__"])
+  dataset_def.graph_json = json.dumps(graph).encode()
+  spec.from_dataset_def(dataset_def)
+
+
+def test_an_import_path_udf_carries_the_hash_of_its_code():
+  decoded_with_udf(lambda body: body)  # unchanged: rebuilds
+  with pytest.raises(spec.UDFImportError,
+                     match="service_udfs:add_one.*different versions of module 'service_udfs'"):
+    decoded_with_udf(lambda body: {**body, "code": "0" * 64})
+  with pytest.raises(spec.UDFImportError, match="service_udfs:add_one.*without the hash"):
+    decoded_with_udf(lambda body: body["path"])
+
+
+def test_the_spec_fingerprint_covers_every_part_of_the_spec():
+  dataset_def = spec.to_dataset_def(jaxfeed.Dataset.from_tensor_slices(
+      np.arange(6)).map(service_udfs.add_one).node)
+  original = spec.fingerprint(dataset_def)
+  variants = []
+  for field, value in [("graph_json", dataset_def.graph_json + b" "),
+                       ("arrays", dataset_def.arrays[:-1] + b"\x01"),
+                       ("num_positions", 7), ("fingerprint", "claimed"),
+                       ("signature", b"sig")]:
+    changed = pb.DatasetDef()
+    changed.CopyFrom(dataset_def)
+    setattr(changed, field, value)
+    variants.append(spec.fingerprint(changed))
+  pickled = pb.DatasetDef()
+  pickled.CopyFrom(dataset_def)
+  pickled.pickled_udfs.append(b"udf")
+  variants.append(spec.fingerprint(pickled))
+  # Neither the claimed fingerprint nor the signature says what is computed.
+  assert variants[3:5] == [original, original]
+  assert len({original, *variants[:3], variants[5]}) == 5
+
+
+SPEC_SCRIPT = """
+import numpy as np
+import jaxfeed
+import service_udfs
+from jaxfeed.service import spec
+source = jaxfeed.ArraySource({"x": np.arange(50), "y": np.linspace(0, 1, 50)})
+dataset = jaxfeed.Dataset.from_source(
+    source, jaxfeed.IndexSampler(50, shuffle=True, seed=3)
+).map(service_udfs.add_one_to_x).batch(4)
+FINGERPRINT = spec.fingerprint(spec.to_dataset_def(dataset.node))
+"""
+
+
+def test_the_same_pipeline_has_the_same_spec_fingerprint_in_other_processes():
+  expected = {}
+  exec(SPEC_SCRIPT, expected)  # pylint: disable=exec-used
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR),
+                                       env.get("PYTHONPATH", "")])
+  env["JAX_PLATFORMS"] = "cpu"
+  printed = subprocess.run(
+      [sys.executable, "-c", SPEC_SCRIPT + "print(FINGERPRINT)"], env=env,
+      capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+  assert printed == expected["FINGERPRINT"]
