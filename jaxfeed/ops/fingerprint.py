@@ -2,13 +2,13 @@
 
 A graph fingerprint must say what a pipeline computes: equal fingerprints mean
 equal output, in any process. So parameters are hashed by content, never by
-name or `id()`:
+`id()` or a function's name:
 
-- scalars, strings, bytes, containers and numpy arrays and dtypes by value;
-- graph nodes by their fingerprint; sources, samplers and other objects with
-  `spec_params()` by class path, those params and their
-  `fingerprint_params()` (file sizes and modification times); other objects
-  with a `fingerprint()` method (bucket plans) by what it returns;
+- scalars, strings, bytes, containers, numpy arrays and dtypes by value;
+- graph nodes by their fingerprint (op name, params, parents); sources,
+  samplers and other objects with `spec_params()` by class path, those params
+  and their `fingerprint_params()` (file sizes and modification times);
+  other objects with a `fingerprint()` method (bucket plans) by its result;
 - Python functions by their code (bytecode, constants and nested code, names,
   argument layout), defaults, keyword defaults, attributes, closure cells and
   the globals the code names, recursively (a helper called through a global
@@ -23,7 +23,8 @@ the defaults and attributes of a function importable by `module:qualname`)
 may change while the program runs (counters, caches) and are set up by the
 module's own code on every host, so mutable ones (dicts, lists, arrays,
 objects) are identified by their type, not their current contents; immutable
-ones (numbers, strings, tuples, functions, classes) by value.
+ones (numbers, strings, tuples, frozen dataclasses, functions, classes) by
+value.
 
 Everything else that cannot be hashed by content (an object of a C type in a
 closure, a generator, ...) gets a random nonce, the same for the same object
@@ -173,6 +174,11 @@ class _Hasher:
       self._items(b"fields", (v.start, v.stop, v.step), static)
     elif _import_path(v) is not None:
       self._code_object(v, static)  # a callable object importable by name
+    elif static and _is_frozen_dataclass(v):
+      self.put(b"frozen")
+      self._class(type(v))
+      fields = _object_fields(v)
+      self._items(b"fields", (x for kv in fields for x in kv), static=True)
     elif static:
       self._module_state(v)
     else:
@@ -228,8 +234,14 @@ class _Hasher:
       self._items(b"fields", (x for kv in fields for x in kv), static=False)
 
   def _spec_object(self, v: Any) -> None:
-    self.put(b"spec-object")
-    self._class(type(v))
+    # Like op nodes (by op name), and as in service specs, importable
+    # classes of sources and samplers are named, not hashed.
+    path = _import_path(type(v))
+    if path is None:
+      self.put(b"spec-object")
+      self._class(type(v))
+    else:
+      self.put(b"spec-object", f"{path[0]}:{path[1]}".encode())
     self.value(v.spec_params(), static=False)
     content = getattr(v, "fingerprint_params", None)
     self.value(content() if callable(content) else None, static=False)
@@ -381,6 +393,11 @@ def _version(module_name: str) -> str:
   top = sys.modules.get(module_name.partition(".")[0])
   version = getattr(top, "__version__", "")
   return version if isinstance(version, str) else ""
+
+
+def _is_frozen_dataclass(obj: Any) -> bool:
+  params = getattr(type(obj), "__dataclass_params__", None)
+  return bool(getattr(params, "frozen", False))
 
 
 def _object_fields(obj: Any) -> list[tuple[str, Any]] | None:

@@ -168,3 +168,20 @@ def test_values_of_different_types_differ(value):
             np.float32(1), None]
   matches = [o for o in others if fingerprint.digest(o) == fingerprint.digest(value)]
   assert len(matches) == 1
+
+
+def test_frozen_dataclass_module_constants_are_hashed_by_value():
+  module = types.ModuleType("fingerprint_config_module_under_test")
+  module.__file__ = os.path.join(HERE, "fingerprint_config_module_under_test.py")
+  exec("import dataclasses\n"  # pylint: disable=exec-used
+       "@dataclasses.dataclass(frozen=True)\n"
+       "class Config:\n  scale: int\n"
+       "CONFIG = Config(2)\n"
+       "def f(x):\n  return x * CONFIG.scale\n", module.__dict__)
+  sys.modules[module.__name__] = module
+  try:
+    before = mapped(module.f)
+    module.CONFIG = module.Config(3)
+    assert mapped(module.f) != before
+  finally:
+    del sys.modules[module.__name__]
