@@ -246,8 +246,8 @@ def _check_code(path: str, code: Any, fn: Callable) -> None:
     raise UDFImportError(
         f"UDF {path!r} on this worker is not the code the client sent: client "
         f"and worker run different versions of module {module!r} (or of a "
-        "module, package or Python it uses). Deploy the same code on clients "
-        "and workers.")
+        "module, package or Python it uses, or module-level values it reads "
+        "differ). Deploy the same code on clients and workers.")
 
 
 class _Decoder:

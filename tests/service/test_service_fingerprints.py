@@ -54,6 +54,22 @@ def test_closures_of_one_factory_are_two_datasets(cluster):
   assert outputs == [[0, 2, 4, 6], [0, 3, 6, 9]]
 
 
+def test_closures_of_one_factory_do_not_share_a_stream(cluster):
+  dispatcher = start(cluster)
+  readers = [jaxfeed.Dataset.range(4).map(make(k)).distribute(
+      dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode(),
+      ephemeral_sharing=True).make_iterator() for k in (2, 3)]
+  try:
+    outputs = [[], []]
+    for _ in range(4):  # in turns, so that both jobs run at once
+      for reader, output in zip(readers, outputs):
+        output.append(int(next(reader)))
+  finally:
+    for reader in readers:
+      reader.close()
+  assert outputs == [[0, 2, 4, 6], [0, 3, 6, 9]]
+
+
 def register_raw(address: str, dataset_def: pb.DatasetDef) -> str:
   with grpc.insecure_channel(address) as channel:
     call = channel.unary_unary("/jaxfeed.service.Dispatcher/RegisterDataset",
