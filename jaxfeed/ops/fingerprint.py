@@ -95,7 +95,8 @@ class _Hasher:
     return self._sha.hexdigest()
 
   def put(self, tag: bytes, payload: bytes = b"") -> None:
-    self._sha.update(tag + struct.pack("<Q", len(payload)) + payload)
+    """One token: the tag (no NUL in it), NUL, payload length, payload."""
+    self._sha.update(tag + b"\0" + struct.pack("<Q", len(payload)) + payload)
 
   def _first_visit(self, obj: Any) -> bool:
     """False (and a back reference written) if `obj` was hashed already."""
@@ -318,8 +319,8 @@ class _Hasher:
 
   def _class(self, cls: type) -> None:
     path = _import_path(cls)
-    if path is not None and _is_installed(path[0]) or not (
-        cls.__flags__ & _HEAPTYPE):
+    if (path is not None and _is_installed(path[0])) or not (
+        cls.__flags__ & _HEAPTYPE):  # installed, or a C type
       self.put(b"class", f"{cls.__module__}:{cls.__qualname__}=="
                f"{_version(cls.__module__)}".encode())
       return
