@@ -157,7 +157,7 @@ class Node:
     """Number of elements if known and finite, -1 for infinite, None unknown."""
     return None
 
-  def fingerprint(self) -> str:
+  def fingerprint(self) -> fingerprint_lib.Fingerprint:
     """A stable hash of what this subgraph computes: op names, parents and
     params by content, UDFs by their code (see `jaxfeed.ops.fingerprint`)."""
     return fingerprint_lib.node_fingerprint(

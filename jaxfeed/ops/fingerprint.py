@@ -18,19 +18,20 @@ equal output, in any process. So parameters are hashed by content, never by
   modules by `module:qualname` plus the package's `__version__`: they are
   the environment, not the pipeline.
 
-Values a function reads from module state (the globals of a module function,
-the defaults and attributes of a function importable by `module:qualname`)
-may change while the program runs (counters, caches) and are set up by the
-module's own code on every host, so mutable ones (dicts, lists, arrays,
-objects) are identified by their type, not their current contents; immutable
-ones (numbers, strings, tuples, frozen dataclasses, functions, classes) by
-value.
+Values a function reads from module state (the globals of a module function;
+the defaults, cells and attributes of a function importable by
+`module:qualname` or reached through module state) may change while the
+program runs (counters, caches) and are set up by the module's own code on
+every host, so mutable ones (dicts, lists, arrays, objects) are identified by
+their type, not their current contents; immutable ones (numbers, strings,
+tuples, frozen dataclasses, functions, classes) by value.
 
 Everything else that cannot be hashed by content (an object of a C type in a
 closure, a generator, ...) gets a random nonce, the same for the same object
 while it lives in this process: pipelines holding such objects never share a
 fingerprint with another process's, which costs sharing but never returns
-another pipeline's data.
+another pipeline's data. Such fingerprints say so (`Fingerprint.reproducible`),
+so that nothing is cached under a key no one can compute again.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["digest", "node_fingerprint"]
+__all__ = ["Fingerprint", "digest", "node_fingerprint"]
 
 _PYTHON = f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}"
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python code
@@ -62,6 +63,17 @@ _SKIPPED_CLASS_ATTRS = frozenset({
     "__parameters__", "__orig_bases__", "__abstractmethods__", "_abc_impl"})
 
 
+class Fingerprint(str):
+  """A graph fingerprint (32 hex digits).
+
+  Attributes:
+    reproducible: False when a nonce went into it (see the module docstring):
+      no other process, and no rebuilt copy of the graph, computes it again.
+  """
+
+  reproducible: bool = True
+
+
 def digest(value: Any) -> str:
   """A hex SHA-256 of `value`'s content (see the module docstring)."""
   hasher = _Hasher()
@@ -70,14 +82,16 @@ def digest(value: Any) -> str:
 
 
 def node_fingerprint(op_name: str, params: dict,
-                     parent_fingerprints: Sequence[str]) -> str:
+                     parent_fingerprints: Sequence[str]) -> Fingerprint:
   """The fingerprint of a graph node from its op, params and parents."""
   hasher = _Hasher()
   hasher.put(b"node", op_name.encode())
   hasher.value(params, static=False)
   for parent in parent_fingerprints:
-    hasher.put(b"parent", parent.encode())
-  return hasher.hexdigest()[:32]
+    hasher.graph(parent)
+  fingerprint = Fingerprint(hasher.hexdigest()[:32])
+  fingerprint.reproducible = hasher.reproducible
+  return fingerprint
 
 
 class _Hasher:
@@ -90,6 +104,7 @@ class _Hasher:
     # a back reference. The objects are kept alive so ids stay unique.
     self._visited: dict[int, int] = {}
     self._alive: list[Any] = []
+    self.reproducible = True  # no nonce went in
 
   def hexdigest(self) -> str:
     return self._sha.hexdigest()
@@ -107,6 +122,12 @@ class _Hasher:
     self._visited[id(obj)] = len(self._visited)
     self._alive.append(obj)
     return True
+
+  def graph(self, fingerprint: str) -> None:
+    """A graph node's fingerprint, as a parent or a parameter."""
+    self.put(b"graph", fingerprint.encode())
+    if not getattr(fingerprint, "reproducible", True):
+      self.reproducible = False
 
   def _items(self, tag: bytes, items: Iterable[Any], static: bool) -> None:
     items = list(items)
@@ -145,9 +166,9 @@ class _Hasher:
                         types.BuiltinFunctionType)):
       self._code_object(v, static)
     elif isinstance(v, _node_type()):
-      self.put(b"graph", v.fingerprint().encode())
+      self.graph(v.fingerprint())
     elif isinstance(getattr(v, "node", None), _node_type()):
-      self.put(b"graph", v.node.fingerprint().encode())
+      self.graph(v.node.fingerprint())
     elif hasattr(v, "spec_params"):
       self._spec_object(v)
     elif callable(getattr(v, "fingerprint", None)):  # e.g. a BucketPlan
@@ -193,6 +214,7 @@ class _Hasher:
       sub._visited, sub._alive = dict(self._visited), self._alive
       sub.value(item, static)
       digests.append(sub.hexdigest())
+      self.reproducible &= sub.reproducible
     self.put(tag, ",".join(sorted(digests)).encode())
 
   def _array(self, array: np.ndarray) -> None:
@@ -228,6 +250,7 @@ class _Hasher:
     fields = _object_fields(v)
     if fields is None:
       self.put(b"nonce", _nonce(v))
+      self.reproducible = False
       return
     if self._first_visit(v):
       self.put(b"object")
@@ -262,7 +285,7 @@ class _Hasher:
         self.value(wrapped, static=True)
       return
     if isinstance(v, types.FunctionType):
-      self._function(v, importable=path is not None)
+      self._function(v, module_state=static or path is not None)
     elif isinstance(v, type):
       self._class(v)
     elif v.__self__ is None or isinstance(v.__self__, types.ModuleType):
@@ -271,14 +294,16 @@ class _Hasher:
       self.put(b"bound-builtin", v.__qualname__.encode())
       self.value(v.__self__, static)
 
-  def _function(self, fn: types.FunctionType, importable: bool) -> None:
+  def _function(self, fn: types.FunctionType, module_state: bool) -> None:
+    """`module_state`: `fn` is module state (importable by name, or reached
+    through module state), and so are its defaults, cells and attributes."""
     if not self._first_visit(fn):
       return
     module = sys.modules.get(fn.__module__)
     globals_are_module_state = (
         module is not None and fn.__module__ != "__main__"
         and fn.__globals__ is vars(module))
-    state_is_module_state = importable and fn.__module__ != "__main__"
+    state_is_module_state = module_state and fn.__module__ != "__main__"
     self.put(b"function")
     self._code(fn.__code__)
     # The containers of defaults and attributes are made by the `def`, so

@@ -185,3 +185,43 @@ def test_frozen_dataclass_module_constants_are_hashed_by_value():
     assert mapped(module.f) != before
   finally:
     del sys.modules[module.__name__]
+
+
+def test_only_fingerprints_without_a_nonce_are_reproducible():
+  lock = threading.Lock()
+  assert jaxfeed.Dataset.range(4).map(lambda x: x + 1).fingerprint().reproducible
+  held = jaxfeed.Dataset.range(4).map(lambda x, l=lock: x)
+  assert not held.fingerprint().reproducible
+  assert not held.batch(2).fingerprint().reproducible  # downstream too
+  zipped = jaxfeed.Dataset.zip((jaxfeed.Dataset.range(4), held))
+  assert not zipped.fingerprint().reproducible
+
+
+def test_closures_in_module_state_are_module_state():
+  module = types.ModuleType("fingerprint_closure_module_under_test")
+  module.__file__ = os.path.join(HERE, "fingerprint_closure_module_under_test.py")
+  exec("import threading\n"  # pylint: disable=exec-used
+       "def make(guard):\n  return lambda x: x + 1\n"
+       "helper = make(threading.Lock())\n"
+       "def f(x):\n  return helper(x)\n", module.__dict__)
+  sys.modules[module.__name__] = module
+  try:
+    # The lock is made by the module's code on every host: named, not a nonce.
+    assert jaxfeed.Dataset.range(4).map(module.f).fingerprint().reproducible
+    assert fingerprint.digest(module.f) == fingerprint.digest(module.f)
+  finally:
+    del sys.modules[module.__name__]
+
+
+def test_autocache_keeps_nothing_under_a_fingerprint_that_is_not_reproducible(
+    tmp_path):
+  from jaxfeed.ops import autocache  # pylint: disable=g-import-not-at-top
+  lock = threading.Lock()
+  kept = jaxfeed.Dataset.range(4).map(lambda x: x + 1).autocache()
+  passed = jaxfeed.Dataset.range(4).map(lambda x, l=lock: x + 1).autocache()
+  for dataset, cache_dir in [(kept, tmp_path / "kept"), (passed, tmp_path / "passed")]:
+    cache_dir.mkdir()
+    autocache.point_at(dataset.node, str(cache_dir))
+    assert [int(x) for x in dataset] == [1, 2, 3, 4]
+  assert len(list((tmp_path / "kept").iterdir())) == 1
+  assert not list((tmp_path / "passed").iterdir())
