@@ -201,7 +201,9 @@ def test_closures_in_module_state_are_module_state():
   module = types.ModuleType("fingerprint_closure_module_under_test")
   module.__file__ = os.path.join(HERE, "fingerprint_closure_module_under_test.py")
   exec("import threading\n"  # pylint: disable=exec-used
-       "def make(guard):\n  return lambda x: x + 1\n"
+       "def make(guard):\n"
+       "  def locked(x):\n    with guard:\n      return x + 1\n"
+       "  return locked\n"
        "helper = make(threading.Lock())\n"
        "def f(x):\n  return helper(x)\n", module.__dict__)
   sys.modules[module.__name__] = module
