@@ -22,7 +22,7 @@ import service_udfs
 from jaxfeed import service
 from jaxfeed.service import spec
 from jaxfeed.service.protos import service_pb2 as pb
-from service_cluster import REPO_ROOT, TESTS_DIR
+from service_cluster import REPO_ROOT, TESTS_DIR, TEST_UDF_MODULES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,10 +30,12 @@ SECRET = "fingerprint-test-secret"
 HEARTBEAT = "--heartbeat_interval_s=0.2"
 
 
-def start(cluster, *worker_flags: str):
-  dispatcher = cluster("dispatcher", "--port=0", f"--pickled_udf_secret={SECRET}")
+def start(cluster, *worker_flags: str, extra_udf_modules: tuple = ()):
+  allowed = [f"--udf_modules={','.join((*TEST_UDF_MODULES, *extra_udf_modules))}"]
+  dispatcher = cluster("dispatcher", "--port=0", f"--pickled_udf_secret={SECRET}",
+                       *allowed)
   cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT,
-          f"--pickled_udf_secret={SECRET}", *worker_flags)
+          f"--pickled_udf_secret={SECRET}", *allowed, *worker_flags)
   return dispatcher
 
 
@@ -151,7 +153,7 @@ def test_worker_refuses_an_import_path_udf_whose_code_differs(cluster, tmp_path,
   write_module(tmp_path / "worker", "x * 3")
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
       [str(tmp_path / "worker"), os.environ.get("PYTHONPATH", "")]))
-  dispatcher = start(cluster)
+  dispatcher = start(cluster, extra_udf_modules=(VERSIONED_MODULE,))
   monkeypatch.syspath_prepend(str(tmp_path / "client"))
   monkeypatch.delitem(sys.modules, VERSIONED_MODULE, raising=False)
   module = __import__(VERSIONED_MODULE)
