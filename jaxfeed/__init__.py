@@ -45,6 +45,16 @@ _EXPORTS = {
     "ByteTokenizer": "jaxfeed.text",
     "HFTokenizer": "jaxfeed.text",
     "Tokenize": "jaxfeed.text",
+    # tf.train.Example records
+    "FixedLenFeature": "jaxfeed.example",
+    "FixedLenSequenceFeature": "jaxfeed.example",
+    "VarLenFeature": "jaxfeed.example",
+    "SparseArray": "jaxfeed.example",
+    "parse_single_example": "jaxfeed.example",
+    "parse_example": "jaxfeed.example",
+    "parse_single_sequence_example": "jaxfeed.example",
+    "make_example": "jaxfeed.example",
+    "make_sequence_example": "jaxfeed.example",
     # coordinated reads
     "BucketPlan": "jaxfeed.coord",
     "compute_lengths": "jaxfeed.coord",
