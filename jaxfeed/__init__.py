@@ -31,6 +31,7 @@ _EXPORTS = {
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
+    "SequentialReadError": "jaxfeed.sources.tfrecord_source",
     "RecordSource": "jaxfeed.sources",
     # device and loader
     "DevicePrefetcher": "jaxfeed.device",
