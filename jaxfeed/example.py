@@ -50,18 +50,19 @@ _DTYPE_NAMES = {"int64_list": "int64", "float_list": "float32",
 
 def _spec_dtype(dtype: Any, where: str) -> np.dtype:
   """int64, float32 or object (bytes) from the spellings users write."""
+  given = dtype
   dtype = getattr(dtype, "as_numpy_dtype", dtype)  # a tf.DType
   if dtype in (bytes, str, "string", "bytes") or (
       isinstance(dtype, np.dtype) and dtype.kind in "SUO"):
     return np.dtype(object)
   try:
-    dtype = np.dtype(dtype)
+    dtype = None if dtype is None else np.dtype(dtype)
   except TypeError:
     dtype = None
   if dtype not in _KINDS:
     raise TypeError(
         f"{where}: dtype must be int64, float32 or bytes (object / 'string'), "
-        f"got {dtype!r}.")
+        f"got {given!r}.")
   return dtype
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-tf = pytest.importorskip("tensorflow")
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from jaxfeed import example as jex  # pylint: disable=g-import-not-at-top
 from jaxfeed.protos import generate  # pylint: disable=g-import-not-at-top

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-tf = pytest.importorskip("tensorflow")
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from PIL import Image  # pylint: disable=g-import-not-at-top
 
 from jaxfeed import image as jim  # pylint: disable=g-import-not-at-top
