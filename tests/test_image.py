@@ -2,6 +2,7 @@
 
 import io
 import os
+import time
 
 import numpy as np
 import pytest
@@ -169,24 +170,48 @@ def test_flips_and_normalize():
     jim.normalize(image, std=(1.0, 0.0, 1.0))
 
 
-def test_decoding_releases_the_gil_so_threads_overlap():
+def spinner_count_during(work) -> int:
+  """How often a Python thread loops while `work()` runs in this one.
+
+  With a 1 s switch interval a thread waiting for the GIL gets it only when
+  the holder releases it itself (as C code does around blocking work), so the
+  count is 0 if `work` holds the GIL throughout and large if it releases it.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
   import threading  # pylint: disable=g-import-not-at-top
-  data = _encode(_photo(960, 1280), quality=95)
   counts = []
-  done = threading.Event()
+  start, done = threading.Event(), threading.Event()
 
   def spin():
+    start.wait()
     count = 0
     while not done.is_set():
       count += 1
     counts.append(count)
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1.0)
   spinner = threading.Thread(target=spin)
   spinner.start()
   try:
-    for _ in range(5):
-      jim.decode_jpeg(data)
+    start.set()
+    work()
   finally:
     done.set()
     spinner.join()
-  # With the GIL held through each decode the spinner would barely run.
-  assert counts[0] > 1000
+    sys.setswitchinterval(interval)
+  return counts[0]
+
+
+def test_decoding_and_resizing_release_the_gil_so_threads_overlap():
+  data = _encode(_photo(960, 1280), quality=95)
+  rng = np.random.default_rng(0)
+  assert spinner_count_during(lambda: [jim.decode_jpeg(data)
+                                       for _ in range(2)]) > 1000
+  assert spinner_count_during(lambda: [jim.decode_and_random_resized_crop(
+      data, rng, 900, scale=(1.0, 1.0)) for _ in range(2)]) > 1000
+
+  def hold_gil():  # the control: Python code never releases the GIL itself
+    deadline = time.perf_counter() + 0.2
+    while time.perf_counter() < deadline:
+      pass
+  assert spinner_count_during(hold_gil) < 100
