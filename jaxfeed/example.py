@@ -168,11 +168,21 @@ class VarLenFeature:
 FeatureSpec = Union[FixedLenFeature, VarLenFeature]
 
 
-class SparseArray(NamedTuple):
-  """A VarLenFeature's values: the fields of the equal `tf.SparseTensor`."""
-  indices: np.ndarray  # int64 [n, rank]
-  values: np.ndarray  # [n]
-  dense_shape: np.ndarray  # int64 [rank]
+# The functional form keeps the field annotations real types (the module's
+# `from __future__ import annotations` would make them strings that
+# documentation tools cannot resolve in the generated constructor).
+_SparseFields = NamedTuple("_SparseFields", [
+    ("indices", np.ndarray),      # int64 [n, rank]
+    ("values", np.ndarray),       # [n]
+    ("dense_shape", np.ndarray),  # int64 [rank]
+])
+
+
+class SparseArray(_SparseFields):
+  """A VarLenFeature's values: the fields of the equal `tf.SparseTensor`
+  (`indices` int64 [n, rank], `values` [n], `dense_shape` int64 [rank])."""
+
+  __slots__ = ()
 
   def row_lengths(self) -> np.ndarray:
     """Values per row (per record of a batch; per step of a sequence)."""
