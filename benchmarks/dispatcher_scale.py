@@ -11,7 +11,8 @@ party, speaking the real protocol at the intervals the dispatcher asks for:
 
 - workers register and heartbeat (`WorkerHeartbeat`), take the tasks they are
   given and, for each DYNAMIC task, fetch split ranges (`GetSplits`) at the
-  pace of a worker that works through `--splits_per_s` splits a second;
+  pace of a worker that produces `--elements_per_s` elements a second for
+  the task (one element per sampler position);
 - clients join one of `--jobs` shared, named, exactly-once DYNAMIC jobs
   (`GetOrCreateJob`) and heartbeat (`ClientHeartbeat`), acknowledging the
   splits the workers of their process were issued for that job; with
@@ -167,12 +168,13 @@ class _Stats:
 class _Party:
   """One simulated host: its own channel and the dispatcher's methods on it."""
 
-  def __init__(self, address: str, token: str, stats: _Stats):
+  def __init__(self, address: str, token: str, stats: _Stats, stop: asyncio.Event):
     import grpc  # pylint: disable=g-import-not-at-top
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     self.channel = grpc.aio.insecure_channel(address, options=_channel_options())
     self.metadata = (("x-jaxfeed-token", token),)
     self.stats = stats
+    self.stop = stop
     responses = {"WorkerHeartbeat": pb.WorkerHeartbeatResponse,
                  "GetSplits": pb.GetSplitsResponse,
                  "GetOrCreateJob": pb.GetOrCreateJobResponse,
@@ -190,6 +192,8 @@ class _Party:
       response = await self.calls[kind](request, timeout=RPC_DEADLINE_S,
                                         metadata=self.metadata, wait_for_ready=True)
     except grpc.aio.AioRpcError as e:
+      if self.stop.is_set() and e.code() == grpc.StatusCode.CANCELLED:
+        return None  # the simulation ends: its calls in flight are cancelled
       self.stats.fail(kind, f"{e.code().name}: {e.details()}")
       return None
     self.stats.add(kind, time.perf_counter() - start)
@@ -218,7 +222,7 @@ class _Simulator:
 
   async def worker(self, number: int, ready: asyncio.Event) -> None:
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
-    party = _Party(self.args.address, WORKER_TOKEN, self.stats)
+    party = _Party(self.args.address, WORKER_TOKEN, self.stats, self.stop)
     address = f"sim-worker-{number}.local:5051"
     current: set[int] = set()
     fetchers: dict[int, asyncio.Task] = {}
@@ -256,21 +260,25 @@ class _Simulator:
                          exactly_once: bool) -> None:
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     per_request = self.args.splits_per_request
-    period = per_request / self.args.splits_per_s
-    await _sleep_until(self.stop, random.uniform(0, period))
+    # The first request comes once the (simulated) pipeline is built.
+    await _sleep_until(self.stop, random.uniform(0, 2.0))
     while not self.stop.is_set():
       response = await party.call("GetSplits", pb.GetSplitsRequest(
           job_id=job_id, task_id=task_id, max_ranges=per_request))
+      positions = 0
       if response is not None:
         if exactly_once:
           self.issued.setdefault(job_id, []).extend(r.start for r in response.ranges)
         if response.end_of_splits:
           return
+        positions = sum(r.stop - r.start for r in response.ranges)
+      # Working through the splits takes this long; then the next request.
+      period = max(positions / self.args.elements_per_s, 0.5)
       await _sleep_until(self.stop, period * random.uniform(0.8, 1.2))
 
   async def client(self, number: int) -> None:
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
-    party = _Party(self.args.address, CLIENT_TOKEN, self.stats)
+    party = _Party(self.args.address, CLIENT_TOKEN, self.stats, self.stop)
     args = self.args
     try:
       await _sleep_until(self.stop, random.uniform(0, args.join_spread_s))
@@ -365,7 +373,7 @@ class _SimulatorProcess:
     env.setdefault("JAX_PLATFORMS", "cpu")
     flags = [f"--{name}={getattr(args, name)}" for name in (
         "workers", "clients", "jobs", "round_robin_clients", "processes",
-        "splits_per_s", "splits_per_request", "max_acks", "join_spread_s")]
+        "elements_per_s", "splits_per_request", "max_acks", "join_spread_s")]
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.dispatcher_scale", "--simulator",
          f"--index={index}", f"--address={args.address}", f"--dataset_id={dataset_id}",
@@ -524,13 +532,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--seconds", type=float, default=20.0,
                       help="Length of the measured window.")
   parser.add_argument("--json", action="store_true", help="Print one JSON line.")
-  parser.add_argument("--jobs", type=int, default=4,
+  parser.add_argument("--jobs", type=int, default=2,
                       help="Shared exactly-once DYNAMIC jobs the clients read.")
   parser.add_argument("--round_robin_clients", type=int, default=0,
                       help="Clients that read one round-robin job instead.")
   parser.add_argument("--processes", type=int, default=2, help="Simulator processes.")
-  parser.add_argument("--splits_per_s", type=float, default=0.5,
-                      help="Splits one worker's task works through per second.")
+  parser.add_argument("--elements_per_s", type=float, default=1000.0,
+                      help="Elements (sampler positions) a second one worker "
+                      "produces for one task.")
   parser.add_argument("--splits_per_request", type=int, default=2,
                       help="Split ranges per GetSplits (the workers' default).")
   parser.add_argument("--max_acks", type=int, default=1024,
@@ -554,8 +563,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   if not 0 <= args.round_robin_clients <= args.clients:
     parser.error(f"--round_robin_clients must be in [0, --clients={args.clients}], "
                  f"got {args.round_robin_clients}.")
-  if args.seconds <= 0 or args.splits_per_s <= 0:
-    parser.error("--seconds and --splits_per_s must be > 0.")
+  if args.seconds <= 0 or args.elements_per_s <= 0:
+    parser.error("--seconds and --elements_per_s must be > 0.")
   return args
 
 
