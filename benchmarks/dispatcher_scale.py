@@ -65,7 +65,7 @@ NUM_POSITIONS = 1 << 50
 class DispatcherProcess:
   """`python -m jaxfeed.service.dispatcher` on loopback; `kill()` ends it."""
 
-  def __init__(self, work_dir: str, extra_flags: tuple[str, ...] = ()):
+  def __init__(self, work_dir: str, extra_flags: tuple[str, ...] = (), nice: int = 0):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["GRPC_VERBOSITY"] = "ERROR"
@@ -76,7 +76,8 @@ class DispatcherProcess:
          f"--work_dir={work_dir}", f"--auth_token={CLIENT_TOKEN}",
          f"--worker_token={WORKER_TOKEN}", "--max_jobs_per_host=100000",
          "--heartbeat_timeout_s=10", *extra_flags],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None)
     self._lines: queue.Queue = queue.Queue()
     threading.Thread(target=self._read, daemon=True).start()
     try:
@@ -436,7 +437,8 @@ def run(args: argparse.Namespace) -> dict:
   import psutil  # pylint: disable=g-import-not-at-top
   work_dir = args.work_dir or tempfile.mkdtemp(prefix="jaxfeed-dispatcher-scale-")
   os.makedirs(work_dir, exist_ok=True)
-  dispatcher = DispatcherProcess(work_dir)
+  dispatcher_flags = tuple(args.dispatcher_flag or ())
+  dispatcher = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice)
   simulators: list[_SimulatorProcess] = []
   try:
     args.address = dispatcher.address
@@ -476,7 +478,7 @@ def run(args: argparse.Namespace) -> dict:
     journal_bytes = sum(f.stat().st_size for f in pathlib.Path(work_dir).rglob("*")
                         if f.is_file())
     dispatcher.kill()
-    restarted = DispatcherProcess(work_dir)
+    restarted = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice)
     _wait_serving(restarted.address, START_TIMEOUT_S)
     restart_s = time.monotonic() - restarted.started_at
     restarted.kill()
@@ -501,6 +503,7 @@ def run(args: argparse.Namespace) -> dict:
   return {
       "workers": args.workers, "clients": args.clients, "jobs": args.jobs,
       "round_robin_clients": args.round_robin_clients,
+      "dispatcher_flags": list(dispatcher_flags), "dispatcher_nice": args.dispatcher_nice,
       "parties": args.workers + args.clients, "seconds": round(elapsed, 2),
       "simulator_processes": args.processes,
       "rpcs_per_s": round(measured / elapsed, 1),
@@ -544,13 +547,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="Split ranges per GetSplits (the workers' default).")
   parser.add_argument("--max_acks", type=int, default=1024,
                       help="Most acknowledgments in one client heartbeat.")
-  parser.add_argument("--join_spread_s", type=float, default=2.0,
+  parser.add_argument("--join_spread_s", type=float, default=10.0,
                       help="Clients join at random times within this many seconds.")
   parser.add_argument("--warmup_s", type=float, default=5.0,
                       help="Seconds of load before the measured window.")
   parser.add_argument("--leave", action="store_true",
                       help="Workers say goodbye when they stop.")
   parser.add_argument("--work_dir", default="", help="Dispatcher work_dir (kept).")
+  parser.add_argument("--dispatcher_flag", action="append",
+                      help="A flag for the dispatcher, e.g. --dispatcher_flag=--nojournal_fsync "
+                      "(repeat for more).")
+  parser.add_argument("--dispatcher_nice", type=int, default=0,
+                      help="Niceness change of the dispatcher process (e.g. -10 to "
+                      "favour it on a machine that runs other work).")
   # A simulator process (started by the driver).
   parser.add_argument("--simulator", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
