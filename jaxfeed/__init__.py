@@ -41,6 +41,7 @@ _EXPORTS = {
     "LoaderRestore": "jaxfeed.loader",
     "save_checkpoint": "jaxfeed.loader",
     "restore_checkpoint": "jaxfeed.loader",
+    "reshard_loader_states": "jaxfeed.loader",
     # text
     "ByteTokenizer": "jaxfeed.text",
     "HFTokenizer": "jaxfeed.text",

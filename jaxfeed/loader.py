@@ -16,6 +16,9 @@ or, composing the items yourself::
 
 The loader item is written by `LoaderCheckpointHandler`: one JSON file per JAX
 process (`process_<i>-of-<n>.json`), since every process reads its own shard.
+Restoring with another number of processes works for pipelines that read an
+`IndexSampler` sharded by process through `map`, `random_map`, `filter` and
+`batch` (see `reshard_loader_states`); others fail with an error naming the op.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import orbax.checkpoint as ocp
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
+from jaxfeed.device.agreement import check_policy
+from jaxfeed.ops.from_source import reshard_states
 from jaxfeed.device.placement import ShardingLike
 
 _MODEL_ITEM = "model"
@@ -57,6 +62,30 @@ class Loader:
       batch dimension split over all devices (`jaxfeed.device.batch_sharding()`).
       0-d leaves are replicated.
     prefetch: batches kept ready on device ahead of the training loop.
+    end_of_input: what happens in a multi-process job when the processes'
+      inputs end at different steps (uneven shards, a `filter` keeping
+      different numbers of records per process, a shared service job).
+      `"stop_at_shortest"` (default): every process stops at the first step
+      some process has no batch for; the others' batches of that step are
+      dropped. `"pad"`: steps go on until every process's input ended; a
+      process out of input (or with a shorter last batch) yields zero rows up
+      to the longest process's batch size, and every batch, which must be a
+      dict, gets a bool leaf `"valid"` of shape `[global_batch]` that is True
+      for real rows; weigh the loss with it. Either way the processes check
+      each step that their local shapes can form one global array (else every
+      process raises a ValueError naming the leaf and each process's shape),
+      through a small host-side exchange in the `jax.distributed` key-value
+      store on the prefetch thread (see `jaxfeed.device.agreement`). With one
+      process, or shardings on this process's devices only, nothing is
+      exchanged and this option has no effect. Every process must create its
+      Loaders in the same order.
+    pad_to_common_shape: in a multi-process job, zero-pad each leaf's
+      dimensions after the first to the largest size any process has at that
+      step, so that e.g. `padded_batch` without fixed `padded_shapes` or
+      per-process `bucket_by_sequence_length` (which pad to each process's own
+      longest element) form one global array. Without it such batches fail
+      with the ValueError above; fixed `padded_shapes` (or coordinated reads,
+      `Dataset.from_bucket_plan`) avoid both the error and this padding.
 
   State: `get_state()` is `{"pipeline": <pipeline state as of the last batch
   the loop received>, "batches": <batches received>}` (JSON-able);
@@ -71,20 +100,29 @@ class Loader:
   """
 
   def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
-               prefetch: int = 2):
+               prefetch: int = 2, end_of_input: str = "stop_at_shortest",
+               pad_to_common_shape: bool = False):
     if not isinstance(dataset, Dataset) and not hasattr(dataset, "__iter__"):
       raise TypeError(
           "Loader: dataset must be a jaxfeed.Dataset or an iterable of numpy "
           f"batch pytrees, got {type(dataset).__name__}.")
+    check_policy(end_of_input, "Loader")
     self._dataset = dataset
     self._sharding = sharding
     self._prefetch = prefetch
-    self._prefetcher = DevicePrefetcher(
-        self._new_host_iterator(), sharding, prefetch=prefetch)
+    self._end_of_input = end_of_input
+    self._pad_to_common_shape = pad_to_common_shape
+    self._prefetcher = self._new_prefetcher(self._new_host_iterator())
     self._batches = 0
     self._wait_s = 0.0
     self._model_s = 0.0
     self._returned_at: float | None = None
+
+  def _new_prefetcher(self, host_iterator: Any) -> DevicePrefetcher:
+    return DevicePrefetcher(host_iterator, self._sharding,
+                            prefetch=self._prefetch,
+                            end_of_input=self._end_of_input,
+                            pad_to_common_shape=self._pad_to_common_shape)
 
   def _new_host_iterator(self) -> Any:
     if isinstance(self._dataset, Dataset):
@@ -139,8 +177,7 @@ class Loader:
         host_iterator.close()
         raise
       self._prefetcher.close()
-      self._prefetcher = DevicePrefetcher(
-          host_iterator, self._sharding, prefetch=self._prefetch)
+      self._prefetcher = self._new_prefetcher(host_iterator)
     else:
       self._prefetcher.set_state(state["pipeline"])
     self._batches = state["batches"]
@@ -158,14 +195,64 @@ class Loader:
     self.close()
 
 
+def reshard_loader_states(states: list[dict]) -> dict:
+  """A Loader state that resumes, on any number of JAX processes, the run whose
+  process `h` of `len(states)` saved `states[h]` (`Loader.get_state()`).
+
+  Every new process restores the same state (`Loader.set_state`); its pipeline
+  must be the old one, with the sampler sharded by the new process count (e.g.
+  `ShardByJaxProcess()`) and, for the same global batch, a per-process batch
+  size of `global_batch // jax.process_count()`. The records the old processes
+  had not read are dealt out to the new ones, each read once over all of them;
+  later epochs are read as usual. Pipelines: `from_source` with an
+  `IndexSampler`, then `map`, `random_map`, `filter`, `batch` /
+  `padded_batch`; anything holding elements of one process's shard (a
+  `shuffle` buffer, ...) raises a ValueError naming it.
+  """
+  batches = {state.get("batches") for state in states}
+  if len(batches) != 1:
+    raise ValueError(
+        f"reshard: the processes' Loader states have received different "
+        f"numbers of batches {sorted(map(str, batches))}; they must be "
+        "taken at the same step.")
+  return {"pipeline": reshard_states([state["pipeline"] for state in states]),
+          "batches": batches.pop()}
+
+
 # -- orbax ------------------------------------------------------------------
 def _state_file(directory: epath.Path) -> epath.Path:
   return epath.Path(directory) / (
       f"process_{jax.process_index()}-of-{jax.process_count()}.json")
 
 
+def _read_state(directory: epath.Path) -> dict:
+  """This process's state, or one resharded from another process count's."""
+  path = _state_file(directory)
+  if path.exists():
+    return json.loads(path.read_text())
+  found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
+  counts = {name.rsplit("-of-", 1)[-1].removesuffix(".json") for name in found}
+  if len(counts) != 1 or not next(iter(counts)).isdigit():
+    raise FileNotFoundError(
+        f"Loader checkpoint: {path} does not exist and the files there "
+        f"({found}) are not one set written by one number of JAX processes.")
+  count = int(counts.pop())
+  files = [epath.Path(directory) / f"process_{i}-of-{count}.json"
+           for i in range(count)]
+  missing = [f.name for f in files if not f.exists()]
+  if missing:
+    raise FileNotFoundError(
+        f"Loader checkpoint: written by {count} JAX processes, restoring with "
+        f"{jax.process_count()}; resharding needs every process's file but "
+        f"{missing} are missing in {directory}.")
+  return reshard_loader_states([json.loads(f.read_text()) for f in files])
+
+
 class LoaderCheckpointHandler(ocp.CheckpointHandler):
   """Orbax handler for a `Loader`'s state: one JSON file per JAX process.
+
+  Restoring with another number of JAX processes than saved reads every
+  process's file and reshards them (`reshard_loader_states`).
 
   Use through its args, `LoaderSave(loader)` / `LoaderRestore(loader)`, inside
   `ocp.args.Composite` (see `save_checkpoint`).
@@ -175,13 +262,7 @@ class LoaderCheckpointHandler(ocp.CheckpointHandler):
     _state_file(directory).write_text(json.dumps(args.state))
 
   def restore(self, directory: epath.Path, args: "LoaderRestore") -> Any:
-    path = _state_file(directory)
-    if not path.exists():
-      found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
-      raise FileNotFoundError(
-          f"Loader checkpoint: {path} does not exist (found {found}); the "
-          "checkpoint was written by a different number of JAX processes.")
-    state = json.loads(path.read_text())
+    state = _read_state(directory)
     if args.loader is None:
       return state
     args.loader.set_state(state)

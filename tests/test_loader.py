@@ -231,14 +231,31 @@ def test_orbax_composite_with_loader_items(tmp_path):
   assert restored["loader"] == saved
 
 
-def test_orbax_restore_with_other_process_count_names_the_file(tmp_path):
+def test_orbax_restore_with_other_process_count_names_missing_files(tmp_path):
   with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
     with jaxfeed.Loader(pipeline()) as loader:
       jaxfeed.save_checkpoint(manager, 0, loader, model_state=model_state())
       manager.wait_until_finished()
       loader_dir = tmp_path / "ckpt" / "0" / "loader"
       (loader_dir / "process_0-of-1.json").rename(loader_dir / "process_0-of-2.json")
-      with pytest.raises(FileNotFoundError, match=r"process_0-of-1.json does not exist"):
+      with pytest.raises(FileNotFoundError,
+                         match=r"written by 2 JAX processes.*process_1-of-2.json"):
+        jaxfeed.restore_checkpoint(manager, 0, loader, model_state=model_state())
+
+
+def test_orbax_restore_with_other_process_count_names_a_shuffle_buffer(tmp_path):
+  # pipeline() shuffles with a buffer: its elements belong to one process.
+  with ocp.CheckpointManager(tmp_path / "ckpt") as manager:
+    with jaxfeed.Loader(pipeline()) as loader:
+      next(loader)
+      jaxfeed.save_checkpoint(manager, 0, loader, model_state=model_state())
+      manager.wait_until_finished()
+      loader_dir = tmp_path / "ckpt" / "0" / "loader"
+      saved = loader_dir / "process_0-of-1.json"
+      for i in range(2):
+        (loader_dir / f"process_{i}-of-2.json").write_text(saved.read_text())
+      saved.unlink()
+      with pytest.raises(ValueError, match=r"op 'shuffle' cannot be resumed"):
         jaxfeed.restore_checkpoint(manager, 0, loader, model_state=model_state())
 
 
@@ -302,6 +319,20 @@ def test_batch_size_not_divisible_by_devices_is_a_clear_error():
 def test_non_iterable_input_is_rejected():
   with pytest.raises(TypeError, match="must be a jaxfeed.Dataset or an iterable"):
     jaxfeed.Loader(42)
+
+
+def test_unknown_end_of_input_policy_is_rejected():
+  with pytest.raises(ValueError, match="end_of_input must be one of"):
+    jaxfeed.Loader(pipeline(), end_of_input="longest")
+
+
+@pytest.mark.parametrize("end_of_input", ["stop_at_shortest", "pad"])
+def test_end_of_input_policy_changes_nothing_in_one_process(end_of_input):
+  # No other process to agree with: no mask leaf, no padding, same batches.
+  with jaxfeed.Loader(pipeline(), end_of_input=end_of_input,
+                      pad_to_common_shape=True) as loader:
+    got = [to_host(batch) for batch in loader]
+  assert_batches_equal(got, host_batches(pipeline()))
 
 
 # -- plain iterables -------------------------------------------------------------------

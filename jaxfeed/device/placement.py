@@ -2,9 +2,12 @@
 
 A batch is a pytree of numpy arrays whose leading dimension is this process's
 share of the global batch. `BatchPlacer` turns it into global arrays with
-`jax.make_array_from_process_local_data`: along a dimension split over the
-devices of several processes, the global size is the local size times the
-number of processes holding distinct parts of it.
+`jax.make_array_from_process_local_data` with an explicit global shape: along a
+dimension split over the devices of several processes, the global size is the
+local size times the number of distinct parts over all devices divided by the
+number this process holds. That presumes every process holds the same local
+shape; in multi-process jobs the `DevicePrefetcher`'s end-of-input agreement
+checks it (see `jaxfeed.device.agreement`).
 """
 
 from __future__ import annotations
@@ -70,18 +73,24 @@ def _replicated(sharding: Sharding) -> Sharding:
   return NamedSharding(Mesh(np.array(devices), ("replica",)), PartitionSpec())
 
 
-def _local_parts(sharding: Sharding, ndim: int) -> tuple[int, ...]:
-  """Per dimension: how many distinct slices this process's devices hold.
+def _parts(sharding: Sharding, ndim: int
+           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Per dimension: how many distinct slices this process's devices hold, and
+  how many all devices hold.
 
-  The local array's size along a dimension must be a multiple of it. A probe
-  shape of `len(device_set)` per dimension is divisible by every partition
-  count a mesh can produce.
+  The local array's size along a dimension must be a multiple of the first;
+  its global size is the local size times all / local. A probe shape of
+  `len(device_set)` per dimension is divisible by every partition count a mesh
+  can produce.
   """
   probe = (len(sharding.device_set),) * ndim
-  index_map = sharding.addressable_devices_indices_map(probe)
-  return tuple(
-      len({(index[d].start or 0) for index in index_map.values()})
-      for d in range(ndim))
+
+  def count(index_map: dict) -> tuple[int, ...]:
+    return tuple(len({(index[d].start or 0) for index in index_map.values()})
+                 for d in range(ndim))
+
+  return (count(sharding.addressable_devices_indices_map(probe)),
+          count(sharding.devices_indices_map(probe)))
 
 
 class BatchPlacer:
@@ -111,7 +120,8 @@ class BatchPlacer:
             f"{bad[0] if bad else sharding!r:.120}.")
       self._mode = "tree"
     self._sharding = sharding
-    self._parts: dict[tuple[Sharding, int], tuple[int, ...]] = {}
+    # (sharding, rank) -> (local parts, global parts) per dimension.
+    self._parts: dict[tuple[Sharding, int], tuple[tuple[int, ...], ...]] = {}
     self._replicated: dict[Sharding, Sharding] = {}
     # Shardings of the last batch structure seen (key: treedef and ranks).
     self._cached_key: Any = None
@@ -122,14 +132,24 @@ class BatchPlacer:
     leaves = [leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
               for leaf in leaves]
     shardings = self._shardings_for(batch, leaves, treedef)
-    for i, (leaf, sharding) in enumerate(zip(leaves, shardings)):
-      self._check_leaf(batch, i, leaf, sharding)
+    global_shapes = [self._global_shape(batch, i, leaf, sharding)
+                     for i, (leaf, sharding) in enumerate(zip(leaves, shardings))]
     if _PLACES_LEAF_LISTS:
-      arrays = jax.make_array_from_process_local_data(shardings, leaves)
+      arrays = jax.make_array_from_process_local_data(
+          shardings, leaves, global_shapes)
     else:
-      arrays = [jax.make_array_from_process_local_data(sharding, leaf)
-                for sharding, leaf in zip(shardings, leaves)]
+      arrays = [jax.make_array_from_process_local_data(sharding, leaf, shape)
+                for sharding, leaf, shape in zip(shardings, leaves, global_shapes)]
     return jax.tree_util.tree_unflatten(treedef, arrays)
+
+  def spans_processes(self) -> bool:
+    """Whether the shardings may place a batch over several JAX processes'
+    devices (a sharding function may, whatever it returns later)."""
+    if self._mode == "fn":
+      return True
+    shardings = jax.tree_util.tree_leaves(self._sharding, is_leaf=_is_sharding)
+    return any(d.process_index != jax.process_index()
+               for s in shardings for d in s.device_set)
 
   # -- shardings per leaf ----------------------------------------------------
   def _shardings_for(self, batch: Any, leaves: list[np.ndarray],
@@ -178,25 +198,27 @@ class BatchPlacer:
     return replicated
 
   # -- validation -------------------------------------------------------------
-  def _check_leaf(self, batch: Any, index: int, leaf: np.ndarray,
-                  sharding: Sharding) -> None:
+  def _global_shape(self, batch: Any, index: int, leaf: np.ndarray,
+                    sharding: Sharding) -> tuple[int, ...]:
+    """Checks the leaf against its sharding; returns the global shape."""
     if leaf.dtype.kind in "OUSV":
       raise TypeError(
           f"DevicePrefetcher: leaf {_leaf_path(batch, index)} has dtype "
           f"{leaf.dtype}, which cannot be placed on devices; allowed are "
           "numeric and bool arrays.")
     if not leaf.ndim:
-      return
+      return ()
     key = (sharding, leaf.ndim)
     parts = self._parts.get(key)
     if parts is None:
       try:
-        parts = self._parts[key] = _local_parts(sharding, leaf.ndim)
+        parts = self._parts[key] = _parts(sharding, leaf.ndim)
       except (ValueError, IndexError) as e:
         raise ValueError(
             f"DevicePrefetcher: leaf {_leaf_path(batch, index)} of shape "
             f"{leaf.shape} cannot use sharding {sharding}: {e}") from e
-    for dim, (size, count) in enumerate(zip(leaf.shape, parts)):
+    local_parts, global_parts = parts
+    for dim, (size, count) in enumerate(zip(leaf.shape, local_parts)):
       if size % count:
         what = "local batch size" if dim == 0 else f"size of dimension {dim}"
         raise ValueError(
@@ -205,6 +227,8 @@ class BatchPlacer:
             f"of this process's devices that dimension is split over "
             f"(sharding {sharding}). Use a per-process batch size that is a "
             f"multiple of {count} (e.g. batch(..., drop_remainder=True)).")
+    return tuple(size // count * total for size, count, total
+                 in zip(leaf.shape, local_parts, global_parts))
 
 
 def _leaf_path(batch: Any, index: int) -> str:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import queue
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 import warnings
 import weakref
 
 import jax
+from jax.sharding import Sharding
 
+from jaxfeed.device import agreement
 from jaxfeed.device.placement import BatchPlacer, ShardingLike
 
 _END = "end"
@@ -19,8 +22,58 @@ _ERROR = "error"
 
 _JOIN_TIMEOUT_S = 60.0
 
+# Numbers the multi-process prefetchers of this process; every process creates
+# them in the same order, so equal numbers name the same agreement.
+_agreement_serials = itertools.count()
 
-def _produce(iterator: Any, place: Callable[[Any], Any], has_state: bool,
+
+def _is_sharding(value: Any) -> bool:
+  return isinstance(value, Sharding)
+
+
+class _End(Exception):
+  """The input ended for this step; carries the iterator state to keep."""
+
+  def __init__(self, state: Any):
+    super().__init__()
+    self.state = state
+
+
+class _HostSteps:
+  """This process's batches, each agreed with the other processes when there
+  are several, and the iterator state right after each step taken."""
+
+  def __init__(self, iterator: Any, has_state: bool, state: Any,
+               step_agreement: agreement.StepAgreement | None):
+    self.iterator = iterator
+    self._has_state = has_state
+    self._state = state
+    self._agreement = step_agreement
+    self._exhausted = False
+
+  def next(self, stop: threading.Event | None = None) -> tuple[Any, Any]:
+    """(batch, state after it); raises `_End` when the input ended."""
+    batch = None
+    if not self._exhausted:
+      try:
+        batch = next(self.iterator)
+      except StopIteration:
+        self._exhausted = True
+        self._state = self.iterator.get_state() if self._has_state else None
+    if self._agreement is not None:
+      agreed = self._agreement.step(batch, stop)
+    else:
+      agreed = batch
+    if agreed is None:
+      # If the processes agreed to end while this one still had a batch, that
+      # batch is dropped: the state stays that of the last step taken.
+      raise _End(self._state)
+    if batch is not None and self._has_state:
+      self._state = self.iterator.get_state()
+    return agreed, self._state
+
+
+def _produce(steps: _HostSteps, place: Callable[[Any], Any],
              out: queue.SimpleQueue, slots: threading.Semaphore,
              stop: threading.Event) -> None:
   """Thread body. It references no DevicePrefetcher, so GC can close it."""
@@ -30,16 +83,16 @@ def _produce(iterator: Any, place: Callable[[Any], Any], has_state: bool,
       if stop.is_set():
         return
       try:
-        batch = next(iterator)
-      except StopIteration:
-        out.put((_END, iterator.get_state() if has_state else None))
+        batch, state = steps.next(stop)
+      except _End as end:
+        out.put((_END, end.state))
         return
-      # The state right after this batch: resuming from it yields the next.
-      state = iterator.get_state() if has_state else None
       arrays = place(batch)
       del batch
       jax.block_until_ready(arrays)
       out.put((_BATCH, arrays, state))
+  except agreement.Interrupted:
+    return  # close() or set_state() stopped a wait for other processes.
   except BaseException as e:  # pylint: disable=broad-except
     # Surfaces on the consumer's next(); the exception keeps its traceback.
     out.put((_ERROR, e))
@@ -55,15 +108,14 @@ class _Resources:
     self.slots: threading.Semaphore | None = None
     self.stop: threading.Event | None = None
 
-  def start(self, place: Callable[[Any], Any], has_state: bool,
+  def start(self, steps: _HostSteps, place: Callable[[Any], Any],
             prefetch: int) -> None:
     self.queue = queue.SimpleQueue()
     self.slots = threading.Semaphore(prefetch)
     self.stop = threading.Event()
     self.thread = threading.Thread(
         target=_produce, name="jaxfeed-device-prefetch", daemon=True,
-        args=(self.iterator, place, has_state, self.queue, self.slots,
-              self.stop))
+        args=(steps, place, self.queue, self.slots, self.stop))
     self.thread.start()
 
   def stop_thread(self) -> None:
@@ -106,6 +158,13 @@ class DevicePrefetcher:
   `next()`, not the read-ahead position, so restoring it with `set_state()`
   (here or into a fresh iterator of the same pipeline) resumes exactly.
 
+  In a multi-process job (`jax.process_count() > 1`) whose shardings span
+  several processes' devices, the processes agree before each step whether it
+  happens and that their local shapes can form one global array, so every
+  process stops at the same step; see `jaxfeed.device.agreement`. Every process
+  must create such prefetchers in the same order and call `set_state` the same
+  number of times.
+
   Args:
     host_iterator: the iterator of host-local numpy batch pytrees.
     sharding: a `jax.sharding.Sharding` for every leaf, a pytree of them with
@@ -113,10 +172,19 @@ class DevicePrefetcher:
       or None for `batch_sharding()` (batch split over all devices). 0-d
       leaves are replicated.
     prefetch: batches kept ready ahead of the consumer (>= 0).
+    end_of_input: in multi-process jobs, `"stop_at_shortest"` (every process
+      stops at the first step some process has no batch for) or `"pad"`
+      (steps go on while any process has a batch; missing rows are zeros and a
+      bool leaf `"valid"` marks the real ones). Ignored in one process.
+    pad_to_common_shape: in multi-process jobs, zero-pad each leaf's
+      dimensions after the first to the largest size any process has at that
+      step (instead of failing when they differ). Ignored in one process.
   """
 
   def __init__(self, host_iterator: Any, sharding: ShardingLike = None, *,
-               prefetch: int = 2):
+               prefetch: int = 2, end_of_input: str = "stop_at_shortest",
+               pad_to_common_shape: bool = False):
+    agreement.check_policy(end_of_input, "DevicePrefetcher")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
       raise ValueError(
           f"DevicePrefetcher: prefetch must be an integer >= 0, got {prefetch!r}.")
@@ -124,8 +192,26 @@ class DevicePrefetcher:
       raise TypeError(
           "DevicePrefetcher: host_iterator must be an iterator (with "
           f"__next__), got {type(host_iterator).__name__}.")
+    if (end_of_input == "pad" and isinstance(sharding, Mapping)
+        and agreement.PAD_MASK_KEY not in sharding):
+      # The mask leaf is split over the batch dimension like the batch.
+      sharding = {**sharding, agreement.PAD_MASK_KEY: next(iter(
+          jax.tree_util.tree_leaves(sharding, is_leaf=_is_sharding)), None)}
     self._place = BatchPlacer(sharding)
     self._prefetch = prefetch
+    self._end_of_input = end_of_input
+    self._pad_to_common_shape = bool(pad_to_common_shape)
+    self._agreement_name = None
+    # Batches placed on this process's devices only are its own business.
+    if jax.process_count() > 1 and self._place.spans_processes():
+      client = agreement.distributed_client()
+      if client is None:
+        raise RuntimeError(
+            "DevicePrefetcher: a multi-process job needs jax.distributed."
+            "initialize() for the processes to agree on the end of input.")
+      self._agreement_name = (
+          f"jaxfeed/end_of_input/{next(_agreement_serials)}")
+    self._generation = itertools.count()
     self._has_state = callable(getattr(host_iterator, "get_state", None))
     self._state = host_iterator.get_state() if self._has_state else None
     self._resources = _Resources(host_iterator)
@@ -136,8 +222,18 @@ class DevicePrefetcher:
 
   def _start(self) -> None:
     self._outcome = None
+    step_agreement = None
+    if self._agreement_name is not None:
+      # A restart (set_state) agrees on fresh keys: every process restarts.
+      step_agreement = agreement.StepAgreement(
+          self._end_of_input,
+          f"{self._agreement_name}/{next(self._generation)}",
+          agreement.distributed_client(),
+          pad_to_common_shape=self._pad_to_common_shape)
+    self._steps = _HostSteps(self._resources.iterator, self._has_state,
+                             self._state, step_agreement)
     if self._prefetch:
-      self._resources.start(self._place, self._has_state, self._prefetch)
+      self._resources.start(self._steps, self._place, self._prefetch)
 
   # -- iteration ----------------------------------------------------------
   def __iter__(self) -> "DevicePrefetcher":
@@ -165,15 +261,13 @@ class DevicePrefetcher:
     raise self._outcome
 
   def _next_sync(self) -> Any:
-    iterator = self._resources.iterator
     try:
-      batch = next(iterator)
-      state = iterator.get_state() if self._has_state else None
+      batch, state = self._steps.next()
       arrays = self._place(batch)
-    except StopIteration:
-      self._state = iterator.get_state() if self._has_state else None
+    except _End as end:
+      self._state = end.state
       self._outcome = _END
-      raise
+      raise StopIteration from None
     except Exception as e:
       self._outcome = e  # Like the threaded mode: later calls fail the same.
       raise

@@ -8,9 +8,12 @@ writes the cache, and every later task — of this job or any other job whose
 pipeline has the same input subgraph, on any worker sharing DIR — reads it
 instead of running the input again.
 
-The input's fingerprint covers its ops, their parameters and UDF paths, and
-the shard a static (FILE / DATA) task reads, so different inputs never share
-a cache. Tasks of `distributed_epoch` jobs read different splits every time
+The input's fingerprint covers its ops, their parameters, the code of its
+UDFs, the size and modification time of its source files, and the shard a
+static (FILE / DATA) task reads, so different inputs never share a cache (see
+`jaxfeed.ops.fingerprint`). An input whose fingerprint is not reproducible (a
+UDF holds an object that cannot be hashed by content) passes through: no later
+task could find its cache. Tasks of `distributed_epoch` jobs read different splits every time
 and pass through. As with `cache`, put `autocache` before random
 augmentation and before `repeat` (an endless input never completes a pass),
 and do not modify the elements it hands out in place.
@@ -44,12 +47,19 @@ class AutocacheNode(Node):
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
 
-  def cache_path(self) -> str:
-    return os.path.join(self.cache_dir, self.parents[0].fingerprint())
+  def cache_path(self) -> str | None:
+    """Where the input's output is kept; None where it is not cached."""
+    if not self.cache_dir:
+      return None
+    fingerprint = self.parents[0].fingerprint()
+    if not fingerprint.reproducible:
+      return None
+    return os.path.join(self.cache_dir, fingerprint)
 
   def make_iterator(self) -> OpIterator:
-    if self.cache_dir:
-      return CacheNode(self.parents[0], self.cache_path()).make_iterator()
+    path = self.cache_path()
+    if path is not None:
+      return CacheNode(self.parents[0], path).make_iterator()
     return AutocacheIterator(self.parents[0].make_iterator())
 
 

@@ -16,12 +16,11 @@ the seed beside each buffered element and override `last_seed`.
 from __future__ import annotations
 
 import collections
-import hashlib
-import json
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from jaxfeed.ops import fingerprint as fingerprint_lib
 from jaxfeed.seeding import mix_seed  # re-exported for op modules
 
 AUTOTUNE = -1
@@ -150,7 +149,7 @@ class Node:
 
     `type(node)(*parent_nodes, **node.spec_params())` must build an equal node.
     Values may be callables, numpy arrays, sources or samplers; fingerprints
-    and service specs encode them (callables by `module:qualname`).
+    hash them by content, service specs encode them.
     """
     return {}
 
@@ -158,18 +157,11 @@ class Node:
     """Number of elements if known and finite, -1 for infinite, None unknown."""
     return None
 
-  def fingerprint(self) -> str:
-    """A stable hash of this subgraph (op names, params, parents)."""
-    payload = json.dumps(
-        {
-            "op": self.op_name,
-            "params": self.spec_params(),
-            "parents": [p.fingerprint() for p in self.parents],
-        },
-        sort_keys=True,
-        default=_spec_default,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+  def fingerprint(self) -> fingerprint_lib.Fingerprint:
+    """A stable hash of what this subgraph computes: op names, parents and
+    params by content, UDFs by their code (see `jaxfeed.ops.fingerprint`)."""
+    return fingerprint_lib.node_fingerprint(
+        self.op_name, self.spec_params(), [p.fingerprint() for p in self.parents])
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.op_name})"
@@ -182,18 +174,6 @@ def callable_path(fn: Callable) -> str:
   if module and qualname:
     return f"{module}:{qualname}"
   return repr(fn)
-
-
-def _spec_default(value: Any) -> Any:
-  if callable(value):
-    return callable_path(value)
-  if isinstance(value, np.ndarray):
-    return {"array": value.tolist(), "dtype": str(value.dtype)}
-  if isinstance(value, (np.integer, np.floating, np.bool_)):
-    return value.item()
-  if isinstance(value, np.dtype):
-    return str(value)
-  return repr(value)
 
 
 _dataset_wrapper: Callable[[Node], Any] | None = None

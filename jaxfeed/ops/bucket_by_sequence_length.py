@@ -21,6 +21,15 @@ State: the input's position through `InputReplay` plus the number of elements
 pending in each bucket. Restoring reads the input again from the oldest pending
 element and keeps the last `n` elements that fall into each bucket holding `n`,
 so `element_length_func` must be deterministic.
+
+Several JAX processes: each process buckets its own elements, so at one step
+the processes' batches can come from different buckets and have different
+shapes, which cannot form one global array (`jaxfeed.Loader` raises a
+ValueError naming the leaf and each process's shape). For one bucket per step
+on every process use coordinated reads (`jaxfeed.coord.BucketPlan` with
+`Dataset.from_bucket_plan`); otherwise `Loader(..., pad_to_common_shape=True)`
+zero-pads every process to the longest length of the step (the batch sizes must
+then be equal, or also padded, with masked rows, by `end_of_input="pad"`).
 """
 
 from __future__ import annotations

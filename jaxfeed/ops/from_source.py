@@ -8,7 +8,7 @@ import numpy as np
 
 from jaxfeed.ops import stacking
 from jaxfeed.ops.base import Node, OpIterator, state_int
-from jaxfeed.sampler import IndexSampler
+from jaxfeed.sampler import RESHARD_STATE_VERSION, IndexSampler, ReshardedSampler
 
 
 def records_reader(source: Any) -> Callable[[np.ndarray], Sequence]:
@@ -131,11 +131,10 @@ class SourceIterator(OpIterator):
                stop: int | None = None):
     super().__init__()
     self._source = source
-    self._sampler = sampler
-    end = sampler.num_positions
-    if stop is not None:
-      end = stop if end is None else min(stop, end)
-    self._end = end  # None when endless.
+    self._base_sampler = sampler
+    self._sampler: Any = sampler  # A ReshardedSampler after a resharded resume.
+    self._stop = stop
+    self._end = _end_of(sampler, stop)  # None when endless.
     self._read_many = records_reader(source)
     get_batch = getattr(source, "get_batch", None)
     # Cleared when a gathered batch does not have the batch layout (e.g.
@@ -278,7 +277,120 @@ class SourceIterator(OpIterator):
       self._seeds = self._seeds[:0]
 
   def _get_own_state(self) -> dict:
-    return {"position": self.position}
+    position = self.position
+    if self._sampler is self._base_sampler:
+      return {"position": position}
+    base_position = self._sampler.base_position(position)
+    if base_position is not None:  # Past the dealt-out epochs.
+      return {"position": base_position}
+    return {"position": position, "resharded": self._sampler.reshard_state()}
 
   def _set_own_state(self, state: dict) -> None:
+    resharded = state.get("resharded")
+    sampler = (self._base_sampler if resharded is None
+               else _resharded_sampler(self._base_sampler, resharded))
+    if sampler is not self._sampler or resharded is not None:
+      self._sampler = sampler
+      self._end = _end_of(sampler, self._stop)
+      self._buffer_start, self._buffered, self._offset = 0, 0, 0
+      self._records = []
+      self._block_start, self._block_indices = 0, np.zeros(0, np.int64)
     self._seek(state_int(state, "position", _OP, 0, self._end))
+
+
+def _end_of(sampler: Any, stop: int | None) -> int | None:
+  """The position reading ends at: the sampler's end, or `stop` if earlier."""
+  end = sampler.num_positions
+  if stop is not None:
+    end = stop if end is None else min(stop, end)
+  return end
+
+
+def _resharded_sampler(base: Any, resharded: Any) -> ReshardedSampler:
+  """The sampler a resharded state (see `reshard_states`) describes."""
+  if not isinstance(base, IndexSampler):
+    raise ValueError(
+        f"{_OP}: a state saved with another number of processes can only be "
+        f"restored with an IndexSampler, got {type(base).__name__}.")
+  if (not isinstance(resharded, dict)
+      or resharded.get("version") != RESHARD_STATE_VERSION
+      or set(resharded) != {"version", "shard_count", "positions"}):
+    raise ValueError(
+        f"{_OP}: 'resharded' state must be a dict with keys 'version' "
+        f"(= {RESHARD_STATE_VERSION}), 'shard_count' and 'positions', got "
+        f"{str(resharded):.200}.")
+  return ReshardedSampler(base, resharded["shard_count"],
+                          resharded["positions"])
+
+
+# Ops whose state at a batch boundary holds nothing but their parent's: a
+# pipeline of these over from_source can be resumed on another number of
+# processes. Map-like ops must have nothing in flight.
+_RESHARDABLE = {"from_source", "map", "random_map", "filter", "map_and_filter",
+                "batch", "padded_batch"}
+_AT_REST = ({}, {"skip": 0, "consumed_ahead": []})
+
+
+def reshard_states(states: list[dict]) -> dict:
+  """One pipeline state that resumes, on any number of processes, the run
+  whose process `h` of `len(states)` saved `states[h]`.
+
+  The pipeline must be a chain of `from_source` (with an `IndexSampler`
+  sharded by process, e.g. `ShardByJaxProcess()`), `map`, `random_map`,
+  `filter` and `batch` / `padded_batch`. Restored into such a pipeline on
+  process `i` of `M`, it reads the records the old processes had not read, each
+  once over all new processes (see `jaxfeed.sampler.ReshardedSampler`).
+
+  Raises:
+    ValueError: naming the op when a state cannot be resharded (an op that
+      holds elements of its own shard, e.g. a `shuffle` buffer, or a state
+      already resharded whose dealt-out epochs are not finished).
+  """
+  positions = []
+  chains = []
+  for process, state in enumerate(states):
+    chain = []
+    node = state
+    while True:
+      if not isinstance(node, dict) or "op" not in node:
+        raise ValueError(
+            f"reshard: process {process}'s pipeline state is not an op state: "
+            f"{str(node):.200}.")
+      op = node["op"]
+      own = node.get("own")
+      parents = node.get("parents", [])
+      if op not in _RESHARDABLE or len(parents) > 1:
+        raise ValueError(
+            f"reshard: op {op!r} cannot be resumed on another number of "
+            f"processes (it may hold elements read from its own process's "
+            f"shard); only chains of {sorted(_RESHARDABLE)} can. Resume with "
+            f"{len(states)} processes, or shuffle globally with "
+            "IndexSampler(shuffle=True) instead of a shuffle buffer.")
+      chain.append(op)
+      if op == _OP:
+        if isinstance(own, dict) and "resharded" in own:
+          raise ValueError(
+              f"reshard: process {process}'s state was itself resumed on "
+              "another number of processes and has not finished the epochs "
+              "dealt out then; resume it with the same number of processes.")
+        positions.append(state_int(own, "position", _OP, 0))
+        break
+      if own not in _AT_REST or not parents:
+        raise ValueError(
+            f"reshard: op {op!r} of process {process} has elements in flight "
+            f"(state {own!r}); only a state taken between batches with "
+            "nothing in flight can be resumed on another number of processes.")
+      node = parents[0]
+    chains.append(chain)
+  if any(chain != chains[0] for chain in chains):
+    raise ValueError(
+        f"reshard: the processes' pipelines differ: {chains}.")
+  resharded = {"version": RESHARD_STATE_VERSION, "shard_count": len(states),
+               "positions": positions}
+
+  def rebuild(node: dict) -> dict:
+    if node["op"] == _OP:
+      return {**node, "own": {"position": 0, "resharded": resharded}}
+    return {**node, "parents": [rebuild(node["parents"][0])]}
+
+  return rebuild(states[0])

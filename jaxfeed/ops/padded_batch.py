@@ -5,6 +5,13 @@ or -1 dimensions, or no `padded_shapes` at all, pad to the longest element of
 the batch) with its entry of `padding_values` (0 / False for numbers, b'' or ''
 for strings by default; one scalar pads every leaf). An element longer than an
 explicit padded size is an error. See `jaxfeed.ops.stacking.pad_and_stack`.
+
+Several JAX processes: padding to the batch's longest element gives each
+process its own shape, and the processes' batches of a step must have equal
+shapes to form one global array (`jaxfeed.Loader` raises a ValueError naming
+the leaf and each process's shape otherwise). Give fixed `padded_shapes` (every
+process pads to the same sizes), or let the Loader zero-pad to the largest size
+any process has at that step with `Loader(..., pad_to_common_shape=True)`.
 """
 
 from __future__ import annotations

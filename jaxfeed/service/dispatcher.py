@@ -399,14 +399,19 @@ class DispatcherState:
     spec_lib.check_spec_paths(dataset_def, self.config.udf_modules)
     if not dataset_def.graph_json:
       raise ValueError("RegisterDataset: the dataset definition has no graph.")
+    # Computed here from the spec's content, never taken from the client: a
+    # forged fingerprint would let one pipeline be served another's data.
+    trusted = pb.DatasetDef()
+    trusted.CopyFrom(dataset_def)
+    trusted.fingerprint = spec_lib.fingerprint(dataset_def)
     with self.lock:
-      existing = self.dataset_by_fingerprint.get(dataset_def.fingerprint)
-      if existing is not None and dataset_def.fingerprint:
+      existing = self.dataset_by_fingerprint.get(trusted.fingerprint)
+      if existing is not None:
         self._unread_since.pop(existing, None)  # registered again: in use
         return existing
       dataset_id = str(self._next_id())
       self._record({"kind": "dataset", "id": dataset_id, "dataset_id": dataset_id,
-                    "def": base64.b64encode(dataset_def.SerializeToString()).decode()})
+                    "def": base64.b64encode(trusted.SerializeToString()).decode()})
       return dataset_id
 
   def dataset_def(self, dataset_id: str) -> pb.DatasetDef:

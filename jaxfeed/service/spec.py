@@ -8,12 +8,20 @@ and its parents. Parameter values are encoded by kind:
 - numpy arrays (and numpy scalars) in a side table sent in the frame format of
   `jaxfeed.service.wire` (header plus raw bytes, never pickle);
 - numpy dtypes by name;
-- callables by import path `module:qualname`; lambdas, closures and local
-  functions have none, so they are refused unless the deployment enables
-  pickled UDFs and the client signs them with the shared secret (HMAC-SHA256,
-  checked before anything is unpickled);
-- sources, samplers and other objects with `spec_params()` by class path and
-  their own params; nested datasets as nested graphs.
+- callables by import path `module:qualname` plus the hash of their code
+  (`jaxfeed.ops.fingerprint.digest`), which the worker checks after importing
+  them; lambdas, closures and local functions have no import path, so they
+  are refused unless the deployment enables pickled UDFs and the client signs
+  them with the shared secret (HMAC-SHA256, checked before anything is
+  unpickled);
+- sources, samplers and other objects with `spec_params()` by class path,
+  their own params and their `fingerprint_params()` (what identifies their
+  records, e.g. file sizes and modification times); nested datasets as nested
+  graphs.
+
+Everything that decides a pipeline's output is thus in the spec's bytes, and
+`fingerprint(dataset_def)` hashes them: the dispatcher keys datasets (and so
+ephemeral sharing) by it, whatever fingerprint a client claims.
 
 Where a spec is rebuilt (workers) or registered (the dispatcher), every import
 path must lie in an allowed module (`DEFAULT_UDF_MODULES`, jaxfeed's classes
@@ -38,6 +46,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxfeed.ops import base
+from jaxfeed.ops import fingerprint as fingerprint_lib
 from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2
 
@@ -234,7 +243,9 @@ def graph_paths(dataset_def: service_pb2.DatasetDef) -> list[tuple[str, bool]]:
         if key in ("class", "__object__") and isinstance(value, str):
           found.append((value, True))
         elif key == "__callable__":
-          found.append((value, False))
+          # {"path": ..., "code": ...}; a bare path from older clients.
+          found.append((value.get("path") if isinstance(value, dict) else value,
+                        False))
         else:
           pending.append(value)
   return found
@@ -299,8 +310,12 @@ class _Encoder:
       return {"__dataset__": self.node(value.node)}
     if hasattr(value, "spec_params") and not isinstance(value, type):
       params = value.spec_params()
-      return {"__object__": object_path(type(value)),
-              "params": {k: self.value(v, f"{where}.{k}") for k, v in params.items()}}
+      encoded = {"__object__": object_path(type(value)),
+                 "params": {k: self.value(v, f"{where}.{k}") for k, v in params.items()}}
+      content = getattr(value, "fingerprint_params", None)
+      if content is not None:  # part of the fingerprint; not rebuilt from
+        encoded["content"] = self.value(content(), f"{where}.fingerprint_params")
+      return encoded
     if callable(value):
       return self.callable(value, where)
     raise SpecError(
@@ -322,7 +337,7 @@ class _Encoder:
       if found is not fn:
         path = None
     if path is not None:
-      return {"__callable__": path}
+      return {"__callable__": {"path": path, "code": fingerprint_lib.digest(fn)}}
     if self.pickle_udfs:
       try:
         import cloudpickle  # pylint: disable=g-import-not-at-top
@@ -448,14 +463,48 @@ def to_dataset_def(node: base.Node, udf_secret: bytes | None = None,
       graph_json=json.dumps(graph, sort_keys=True).encode(),
       arrays=bytes(wire.encode(encoder.arrays)),
       pickled_udfs=encoder.pickled,
-      fingerprint=node.fingerprint(),
       num_positions=num_positions)
+  dataset_def.fingerprint = fingerprint(dataset_def)
   if udf_secret:
     dataset_def.signature = sign(dataset_def, udf_secret)
   return dataset_def
 
 
+def fingerprint(dataset_def: service_pb2.DatasetDef) -> str:
+  """A hash of everything in a DatasetDef that decides the pipeline's output.
+
+  The graph JSON (which carries each import-path UDF's code hash and each
+  source's content identity), the arrays, the pickled UDFs' bytes and the
+  number of positions; not the signature, nor the `fingerprint` field a
+  client may have set.
+  """
+  digest = hashlib.sha256(b"jaxfeed.DatasetDef/1")
+  parts = [dataset_def.graph_json, dataset_def.arrays, *dataset_def.pickled_udfs,
+           str(dataset_def.num_positions).encode()]
+  digest.update(struct.pack("<Q", len(parts)))
+  for part in parts:
+    digest.update(struct.pack("<Q", len(part)))
+    digest.update(part)
+  return digest.hexdigest()[:32]
+
+
 NodeRewrite = Callable[[type, dict], "tuple[type, dict]"]
+
+
+def _check_code(path: str, code: Any, fn: Callable) -> None:
+  """Raises UDFImportError unless `fn` has the code the client hashed."""
+  if not isinstance(code, str):
+    raise UDFImportError(
+        f"UDF {path!r} comes without the hash of its code (got {code!r:.80}); "
+        "the client runs a jaxfeed version that does not send it. Use the "
+        "same jaxfeed version on clients and workers.")
+  if fingerprint_lib.digest(fn) != code:
+    module = path.split(":", 1)[0]
+    raise UDFImportError(
+        f"UDF {path!r} on this worker is not the code the client sent: client "
+        f"and worker run different versions of module {module!r} (or of a "
+        "module, package or Python it uses, or module-level values it reads "
+        "differ). Deploy the same code on clients and workers.")
 
 
 class _Decoder:
@@ -505,9 +554,11 @@ class _Decoder:
       from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
       return Dataset(self.node(body))
     if tag == "__callable__":
-      fn = resolve_path(body, self.udf_modules)
+      path, code = (body.get("path"), body.get("code")) if isinstance(body, dict) else (body, None)
+      fn = resolve_path(path, self.udf_modules)
       if not callable(fn):
-        raise SpecError(f"Import path {body!r} names a {type(fn).__name__}, not a callable.")
+        raise SpecError(f"Import path {path!r} names a {type(fn).__name__}, not a callable.")
+      _check_code(path, code, fn)
       return fn
     if tag == "__pickled__":
       import cloudpickle  # pylint: disable=g-import-not-at-top  # noqa: F401

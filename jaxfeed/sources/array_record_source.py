@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
                                   as_path_list, as_record_bytes, check_files_exist,
-                                  file_of, split_by_file)
+                                  file_of, files_fingerprint_params, split_by_file)
 
 __all__ = ["ArrayRecordSource", "write_array_record"]
 
@@ -118,6 +118,9 @@ class ArrayRecordSource(HandleSource):
 
   def spec_params(self) -> dict:
     return {"paths": self.paths, "reader_options": self._reader_options}
+
+  def fingerprint_params(self) -> dict:
+    return files_fingerprint_params(self.paths)
 
   def _handles(self) -> list[LazyHandle]:
     return self._readers

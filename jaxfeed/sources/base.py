@@ -71,8 +71,11 @@ class RecordSource:
     * Sources pickle without their open handles.
     * `spec_params()` returns the constructor keyword arguments, JSON-able
       (paths as strings), so `type(src)(**src.spec_params())` rebuilds it.
-    * `repr(src)` is stable across processes and runs (graph fingerprints use
-      it): no memory addresses.
+    * `fingerprint_params()` returns JSON-able values that, with
+      `spec_params()`, identify the records (sources over files: each file's
+      size and modification time), so graph fingerprints change when a file
+      is rewritten at the same path.
+    * `repr(src)` is stable across processes and runs: no memory addresses.
   """
 
   def __len__(self) -> int:
@@ -87,6 +90,10 @@ class RecordSource:
 
   def spec_params(self) -> dict:
     raise NotImplementedError
+
+  def fingerprint_params(self) -> dict:
+    """What identifies the records beyond `spec_params()` (see the contract)."""
+    return {}
 
   def __getitem__(self, index: int) -> Any:
     return self._read(check_index(index, len(self), type(self).__name__))
@@ -183,6 +190,20 @@ def check_files_exist(paths: Sequence[epath.Path], source_name: str) -> None:
 def is_local(path: epath.Path) -> bool:
   """True for paths on the local filesystem (no URI scheme like gs://)."""
   return "://" not in os.fspath(path)
+
+
+def file_stamp(path: epath.Path) -> tuple[int, int]:
+  """(size, mtime in ns) of a file; remote filesystems give whole seconds."""
+  if is_local(path):
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+  st = path.stat()
+  return int(st.length), int(st.mtime) * 1_000_000_000
+
+
+def files_fingerprint_params(paths: Sequence[Any]) -> dict:
+  """`fingerprint_params()` of a source over `paths`: each file's stamp."""
+  return {"file_stamps": [list(file_stamp(epath.Path(p))) for p in paths]}
 
 
 def split_by_file(indices: np.ndarray, file_starts: np.ndarray):

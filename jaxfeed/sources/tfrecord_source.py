@@ -25,7 +25,8 @@ import numpy as np
 
 from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
                                   as_path_list, check_files_exist, file_of,
-                                  is_local, split_by_file)
+                                  file_stamp, files_fingerprint_params, is_local,
+                                  split_by_file)
 from jaxfeed.sources.tfrecord_format import (FOOTER_BYTES, FRAME_OVERHEAD,
                                              HEADER_BYTES, masked_crc32c,
                                              scan_record_offsets)
@@ -103,6 +104,9 @@ class TFRecordSource(HandleSource):
     return {"paths": self.paths, "verify_crc": self._verify_crc,
             "cache_index": self._cache_index}
 
+  def fingerprint_params(self) -> dict:
+    return files_fingerprint_params(self.paths)
+
   def _handles(self) -> list[LazyHandle]:
     return [f.handle for f in self._files]
 
@@ -129,7 +133,7 @@ class _TFRecordFile:
   # -- index ---------------------------------------------------------------
   def load_index(self) -> int:
     """Loads (or builds and caches) the offsets; returns the record count."""
-    stamp = _stat(self.path)
+    stamp = file_stamp(self.path)
     offsets = self._load_cached(stamp) if self.cache_index else None
     self.index_on_disk = offsets is not None
     if offsets is None:
@@ -224,7 +228,7 @@ class _TFRecordFile:
     if self.handle.is_open:
       return
     self._ensure_index()
-    if _stat(self.path) != self.stamp:
+    if file_stamp(self.path) != self.stamp:
       self.load_index()  # raises if the record count changed
     self.handle.get()
 
@@ -329,15 +333,6 @@ def _spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray,
   first = np.flatnonzero(new)
   last = np.append(first[1:], n) - 1
   return first, last
-
-
-def _stat(path: epath.Path) -> tuple[int, int]:
-  """(size, mtime in ns) of a file; remote filesystems give whole seconds."""
-  if is_local(path):
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
-  st = path.stat()
-  return int(st.length), int(st.mtime) * 1_000_000_000
 
 
 def _open_fd(name: str) -> int:

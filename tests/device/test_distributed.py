@@ -5,13 +5,11 @@ Each process runs `distributed_loader_worker.py` with its own host data and
 """
 
 import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from jax_processes import run_processes
 
 WORKER = pathlib.Path(__file__).with_name("distributed_loader_worker.py")
 NUM_PROCESSES = 2
@@ -20,37 +18,16 @@ NUM_BATCHES = 4
 TIMEOUT_S = 120
 
 
-def free_port() -> int:
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
   """Runs both processes once; returns each one's JSON report."""
-  port = free_port()
   checkpoint_dir = tmp_path_factory.mktemp("distributed_ckpt")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [
-      subprocess.Popen(
-          [sys.executable, str(WORKER), str(i), str(NUM_PROCESSES), str(port),
-           str(checkpoint_dir)],
-          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-      for i in range(NUM_PROCESSES)
-  ]
-  outputs = []
-  try:
-    for proc in procs:
-      outputs.append(proc.communicate(timeout=TIMEOUT_S))
-  finally:
-    for proc in procs:  # A hang fails the test instead of blocking it.
-      if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
-  for i, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
-    assert proc.returncode == 0, f"process {i} failed:\n{stderr[-4000:]}"
-  return [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in outputs]
+  timed_out, results = run_processes(
+      str(WORKER), NUM_PROCESSES, [str(checkpoint_dir)], TIMEOUT_S)
+  assert not timed_out, f"the processes hung for more than {TIMEOUT_S} s"
+  for i, (returncode, _, stderr) in enumerate(results):
+    assert returncode == 0, f"process {i} failed:\n{stderr[-4000:]}"
+  return [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in results]
 
 
 def test_processes_form_one_global_mesh(reports):

@@ -1,0 +1,94 @@
+"""One process of the elastic-resume test (run by test_elastic_resume.py).
+
+Usage: python elastic_worker.py PROCESS_ID NUM_PROCESSES PORT MODE CKPT_DIR OUT
+MODE "save": iterate SAVE_AT steps, checkpoint the Loader with orbax, then run
+on to the end (the uninterrupted run). MODE "resume": restore that checkpoint
+(written by any number of processes) and run to the end. Writes OUT (JSON):
+the (label, noise) rows this process received before and after the
+checkpoint, and the global batch size of every step.
+"""
+
+import json
+import os
+import sys
+
+if __name__ == "__main__":  # The test imports this module for its constants.
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+NUM_RECORDS = 90
+NUM_EPOCHS = 2
+GLOBAL_BATCH = 12
+SAVE_AT = 3
+SEED = 5
+
+
+def noise(element, rng):
+  return {"label": element["label"], "noise": np.int64(rng.integers(0, 1 << 30))}
+
+
+def keep(element):
+  return element["noise"] % 3 != 0
+
+
+def pipeline():
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  sampler = jaxfeed.IndexSampler(
+      NUM_RECORDS, shuffle=True, seed=SEED, num_epochs=NUM_EPOCHS,
+      shard_options=jaxfeed.ShardByJaxProcess())
+  source = jaxfeed.ArraySource({"label": np.arange(NUM_RECORDS)})
+  return (jaxfeed.Dataset.from_source(source, sampler)
+          .random_map(noise, seed=SEED)
+          .filter(keep)
+          .batch(GLOBAL_BATCH // jax.process_count()))
+
+
+def local_rows(batch) -> list[list[int]]:
+  """This process's real (unpadded) rows as [label, noise]."""
+  def local(leaf):
+    return np.asarray(leaf.addressable_shards[0].data)
+  valid = local(batch["valid"])
+  return np.stack([local(batch["label"]), local(batch["noise"])], 1)[
+      valid].tolist()
+
+
+def main() -> None:
+  process_id, num_processes, port = map(int, sys.argv[1:4])
+  mode, checkpoint_dir, out = sys.argv[4:7]
+  out = out.replace("PID", str(process_id))
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
+                             process_id=process_id, initialization_timeout=60)
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+
+  # A collective every step: the global sum of the real labels.
+  real_sum = jax.jit(lambda b: jnp.sum(b["label"] * b["valid"]))
+  manager = ocp.CheckpointManager(checkpoint_dir)
+  report = {"before": [], "after": [], "global_rows": []}
+  with jaxfeed.Loader(pipeline(), end_of_input="pad") as loader:
+    if mode == "resume":
+      manager.restore(SAVE_AT, args=ocp.args.Composite(
+          loader=jaxfeed.LoaderRestore(loader)))
+      report["restored_batches"] = loader.get_state()["batches"]
+    for step, batch in enumerate(loader, start=loader.get_state()["batches"]):
+      real_sum(batch).block_until_ready()
+      report["global_rows"].append(batch["label"].shape[0])
+      report["before" if step < SAVE_AT else "after"].extend(local_rows(batch))
+      if mode == "save" and step + 1 == SAVE_AT:
+        manager.save(SAVE_AT, args=ocp.args.Composite(
+            loader=jaxfeed.LoaderSave(loader)))
+  manager.wait_until_finished()
+  manager.close()
+  with open(out, "w") as f:
+    json.dump(report, f)
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,65 @@
+"""A Loader checkpoint written by N JAX processes restored by M (real
+processes, jax.distributed on CPU): global shuffle + random_map + filter +
+batch, with `end_of_input="pad"` so every record read shows up in a batch."""
+
+import collections
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import elastic_worker as worker
+from jax_processes import run_processes
+from jaxfeed.ops.random_map import element_rng
+from jaxfeed.sampler import IndexSampler
+
+WORKER = str(pathlib.Path(worker.__file__).resolve())
+TIMEOUT_S = 150
+
+
+def run(num_processes, mode, checkpoint_dir, out_dir):
+  timed_out, results = run_processes(
+      WORKER, num_processes,
+      [mode, str(checkpoint_dir), str(out_dir / f"{mode}_PID.json")], TIMEOUT_S)
+  assert not timed_out, f"{mode} with {num_processes} processes hung"
+  for i, (returncode, _, stderr) in enumerate(results):
+    assert returncode == 0, f"{mode}: process {i} failed:\n{stderr[-4000:]}"
+  return [json.loads((out_dir / f"{mode}_{i}.json").read_text())
+          for i in range(num_processes)]
+
+
+def kept_records():
+  """Every (label, noise) the pipeline keeps over all epochs, any sharding."""
+  sampler = IndexSampler(worker.NUM_RECORDS, shuffle=True, seed=worker.SEED,
+                         num_epochs=worker.NUM_EPOCHS)
+  _, records, seeds = sampler.get_many(np.arange(len(sampler)))
+  rows = collections.Counter()
+  for record, seed in zip(records.tolist(), seeds.tolist()):
+    element = worker.noise({"label": record}, element_rng(worker.SEED, seed))
+    if worker.keep(element):
+      rows[(record, int(element["noise"]))] += 1
+  return rows
+
+
+def rows(reports, key):
+  return collections.Counter(tuple(row) for r in reports for row in r[key])
+
+
+@pytest.mark.parametrize("saved_with, resumed_with", [(2, 3), (4, 2)])
+def test_resume_on_another_process_count_reads_the_rest_exactly_once(
+    tmp_path, saved_with, resumed_with):
+  checkpoint_dir = tmp_path / "ckpt"
+  saved = run(saved_with, "save", checkpoint_dir, tmp_path)
+  resumed = run(resumed_with, "resume", checkpoint_dir, tmp_path)
+  # The uninterrupted run reads every kept record once.
+  assert rows(saved, "before") + rows(saved, "after") == kept_records()
+  assert sum(rows(saved, "before").values()) > 0
+  # The resumed run reads exactly what the uninterrupted one read after the
+  # checkpoint: every record once over all processes.
+  assert rows(resumed, "before") == collections.Counter()
+  assert rows(resumed, "after") == rows(saved, "after")
+  for report in saved + resumed:  # Only the very last batch may be short.
+    assert set(report["global_rows"][:-1]) == {worker.GLOBAL_BATCH}
+  for report in resumed:
+    assert report["restored_batches"] == worker.SAVE_AT

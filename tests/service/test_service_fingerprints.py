@@ -1,0 +1,236 @@
+"""The dispatcher shares a dataset only between pipelines that compute the same.
+
+Dispatcher and worker run as separate processes: the dispatcher computes each
+fingerprint from the spec it receives, workers check the code of import-path
+UDFs and key their autocache by the rebuilt pipeline's fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import jaxfeed
+import service_udfs
+from jaxfeed import service
+from jaxfeed.service import spec
+from jaxfeed.service.protos import service_pb2 as pb
+from service_cluster import REPO_ROOT, TESTS_DIR, TEST_UDF_MODULES
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "fingerprint-test-secret"
+HEARTBEAT = "--heartbeat_interval_s=0.2"
+
+
+def start(cluster, *worker_flags: str, extra_udf_modules: tuple = ()):
+  allowed = [f"--udf_modules={','.join((*TEST_UDF_MODULES, *extra_udf_modules))}"]
+  dispatcher = cluster("dispatcher", "--port=0", f"--pickled_udf_secret={SECRET}",
+                       *allowed)
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT,
+          f"--pickled_udf_secret={SECRET}", *allowed, *worker_flags)
+  return dispatcher
+
+
+def values(dataset) -> list:
+  with dataset.make_iterator() as iterator:
+    return [np.asarray(element).tolist() for element in iterator]
+
+
+def make(k):
+  return lambda x: x * k
+
+
+def test_closures_of_one_factory_are_two_datasets(cluster):
+  dispatcher = start(cluster)
+  outputs = [values(jaxfeed.Dataset.range(4).map(make(k)).distribute(
+      dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode()))
+             for k in (2, 3)]
+  assert outputs == [[0, 2, 4, 6], [0, 3, 6, 9]]
+
+
+def test_closures_of_one_factory_do_not_share_a_stream(cluster):
+  dispatcher = start(cluster)
+  readers = [jaxfeed.Dataset.range(4).map(make(k)).distribute(
+      dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode(),
+      ephemeral_sharing=True).make_iterator() for k in (2, 3)]
+  try:
+    outputs = [[], []]
+    for _ in range(4):  # in turns, so that both jobs run at once
+      for reader, output in zip(readers, outputs):
+        output.append(int(next(reader)))
+  finally:
+    for reader in readers:
+      reader.close()
+  assert outputs == [[0, 2, 4, 6], [0, 3, 6, 9]]
+
+
+def register_raw(address: str, dataset_def: pb.DatasetDef) -> str:
+  with grpc.insecure_channel(address) as channel:
+    call = channel.unary_unary("/jaxfeed.service.Dispatcher/RegisterDataset",
+                               request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=pb.RegisterDatasetResponse.FromString)
+    return call(pb.RegisterDatasetRequest(dataset=dataset_def), timeout=30).dataset_id
+
+
+def test_a_forged_fingerprint_from_the_client_is_ignored(cluster):
+  dispatcher = start(cluster)
+  plus_one = jaxfeed.Dataset.range(4).map(service_udfs.add_one)
+  plain = jaxfeed.Dataset.range(4)
+  first = spec.to_dataset_def(plus_one.node)
+  victim = first.fingerprint
+  forged = spec.to_dataset_def(plain.node)
+  forged.fingerprint = victim  # claims to be the first pipeline
+  first_id = register_raw(dispatcher.address, first)
+  forged_id = register_raw(dispatcher.address, forged)
+  assert forged_id != first_id
+  blank = spec.to_dataset_def(plain.node)
+  blank.fingerprint = "forged"
+  assert register_raw(dispatcher.address, blank) == forged_id  # equal content: shared
+  read = lambda dataset_id: values(service.from_dataset_id(
+      "parallel_epochs", dispatcher.address, dataset_id))
+  assert read(first_id) == [1, 2, 3, 4]
+  assert read(forged_id) == [0, 1, 2, 3]
+
+
+def write_labelled(path: str, xs) -> None:
+  jaxfeed.write_tfrecord(path, [np.int32(7).tobytes() + np.int64(x).tobytes()
+                                for x in xs])
+
+
+def wait_for_cache_entries(cache_dir: str, count: int) -> list[str]:
+  deadline = time.monotonic() + 60
+  while True:
+    done = sorted(name for name in os.listdir(cache_dir)
+                  if os.path.exists(os.path.join(cache_dir, name, "manifest.json")))
+    if len(done) >= count or time.monotonic() > deadline:
+      return done
+    time.sleep(0.05)
+
+
+def test_autocache_serves_a_file_rewritten_at_the_same_path(cluster, tmp_path):
+  cache_dir = tmp_path / "autocache"
+  cache_dir.mkdir()
+  dispatcher = start(cluster, f"--autocache_dir={cache_dir}")
+  path = str(tmp_path / "labelled.tfrecord")
+
+  def read_file() -> list:
+    dataset = jaxfeed.Dataset.from_source(jaxfeed.TFRecordSource(path)).map(
+        service_udfs.decode_record).autocache().map(lambda e: e["x"])
+    return values(dataset.distribute(dispatcher.address, "parallel_epochs",
+                                     udf_secret=SECRET.encode()))
+
+  write_labelled(path, range(4))
+  stat = os.stat(path)
+  assert read_file() == [0, 1, 2, 3]
+  assert len(wait_for_cache_entries(str(cache_dir), 1)) == 1
+  assert read_file() == [0, 1, 2, 3]  # the same file: the same cache entry
+  write_labelled(path, range(10, 14))  # as many records, as many bytes
+  # Where the filesystem clock is coarse the rewrite may keep the mtime.
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+  assert read_file() == [10, 11, 12, 13]
+  assert len(wait_for_cache_entries(str(cache_dir), 2)) == 2
+
+
+VERSIONED_MODULE = "fingerprint_versioned_udf"
+
+
+def write_module(directory, body: str) -> None:
+  directory.mkdir()
+  (directory / f"{VERSIONED_MODULE}.py").write_text(f"def scale(x):\n  return {body}\n")
+
+
+def test_worker_refuses_an_import_path_udf_whose_code_differs(cluster, tmp_path,
+                                                              monkeypatch):
+  write_module(tmp_path / "client", "x * 2")
+  write_module(tmp_path / "worker", "x * 3")
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(tmp_path / "worker"), os.environ.get("PYTHONPATH", "")]))
+  dispatcher = start(cluster, extra_udf_modules=(VERSIONED_MODULE,))
+  monkeypatch.syspath_prepend(str(tmp_path / "client"))
+  monkeypatch.delitem(sys.modules, VERSIONED_MODULE, raising=False)
+  module = __import__(VERSIONED_MODULE)
+  try:
+    dataset = jaxfeed.Dataset.range(4).map(module.scale)
+    with pytest.raises(service.ServiceError) as info:
+      values(dataset.distribute(dispatcher.address, "parallel_epochs"))
+  finally:
+    sys.modules.pop(VERSIONED_MODULE, None)
+  message = str(info.value)
+  assert "FAILED_PRECONDITION" in message
+  assert f"{VERSIONED_MODULE}:scale" in message
+  assert (f"client and worker run different versions of module "
+          f"'{VERSIONED_MODULE}'") in message
+
+
+def decoded_with_udf(edit) -> None:
+  dataset_def = spec.to_dataset_def(jaxfeed.Dataset.range(4).map(service_udfs.add_one).node)
+  graph = json.loads(dataset_def.graph_json)
+  fn = graph["params"]["fn"]  # the root is the map
+  fn["__callable__"] = edit(fn["__callable__"])
+  dataset_def.graph_json = json.dumps(graph).encode()
+  spec.from_dataset_def(dataset_def)
+
+
+def test_an_import_path_udf_carries_the_hash_of_its_code():
+  decoded_with_udf(lambda body: body)  # unchanged: rebuilds
+  with pytest.raises(spec.UDFImportError,
+                     match="service_udfs:add_one.*different versions of module 'service_udfs'"):
+    decoded_with_udf(lambda body: {**body, "code": "0" * 64})
+  with pytest.raises(spec.UDFImportError, match="service_udfs:add_one.*without the hash"):
+    decoded_with_udf(lambda body: body["path"])
+
+
+def test_the_spec_fingerprint_covers_every_part_of_the_spec():
+  dataset_def = spec.to_dataset_def(jaxfeed.Dataset.from_tensor_slices(
+      np.arange(6)).map(service_udfs.add_one).node)
+  original = spec.fingerprint(dataset_def)
+  variants = []
+  for field, value in [("graph_json", dataset_def.graph_json + b" "),
+                       ("arrays", dataset_def.arrays[:-1] + b"\x01"),
+                       ("num_positions", 7), ("fingerprint", "claimed"),
+                       ("signature", b"sig")]:
+    changed = pb.DatasetDef()
+    changed.CopyFrom(dataset_def)
+    setattr(changed, field, value)
+    variants.append(spec.fingerprint(changed))
+  pickled = pb.DatasetDef()
+  pickled.CopyFrom(dataset_def)
+  pickled.pickled_udfs.append(b"udf")
+  variants.append(spec.fingerprint(pickled))
+  # Neither the claimed fingerprint nor the signature says what is computed.
+  assert variants[3:5] == [original, original]
+  assert len({original, *variants[:3], variants[5]}) == 5
+
+
+SPEC_SCRIPT = """
+import numpy as np
+import jaxfeed
+import service_udfs
+from jaxfeed.service import spec
+source = jaxfeed.ArraySource({"x": np.arange(50), "y": np.linspace(0, 1, 50)})
+dataset = jaxfeed.Dataset.from_source(
+    source, jaxfeed.IndexSampler(50, shuffle=True, seed=3)
+).map(service_udfs.add_one_to_x).batch(4)
+FINGERPRINT = spec.fingerprint(spec.to_dataset_def(dataset.node))
+"""
+
+
+def test_the_same_pipeline_has_the_same_spec_fingerprint_in_other_processes():
+  expected = {}
+  exec(SPEC_SCRIPT, expected)  # pylint: disable=exec-used
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR),
+                                       env.get("PYTHONPATH", "")])
+  env["JAX_PLATFORMS"] = "cpu"
+  printed = subprocess.run(
+      [sys.executable, "-c", SPEC_SCRIPT + "print(FINGERPRINT)"], env=env,
+      capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+  assert printed == expected["FINGERPRINT"]
