@@ -23,7 +23,8 @@ when every party has joined) the simulators stop, the dispatcher is killed
 (SIGKILL) and restarted on the same work_dir, and the time until it answers
 again is the restart replay time. Prints one JSON line (`--json`) or a
 readable summary: parties, RPCs/s, p50/p99/max latency per RPC kind (as the
-callers saw it; GetOrCreateJob and ReleaseJobClient from the joins before and
+callers saw it, `latency_ms`, and inside the dispatcher's handlers,
+`handler_ms`: lock, work and fsync, without gRPC's queues; GetOrCreateJob and ReleaseJobClient from the joins before and
 the goodbyes after the window), failed RPCs, dispatcher CPU (share of one core) and RSS,
 journal bytes written per second, the simulators' own CPU, and the restart.
 
@@ -65,14 +66,19 @@ NUM_POSITIONS = 1 << 50
 class DispatcherProcess:
   """`python -m jaxfeed.service.dispatcher` on loopback; `kill()` ends it."""
 
-  def __init__(self, work_dir: str, extra_flags: tuple[str, ...] = (), nice: int = 0):
+  def __init__(self, work_dir: str, extra_flags: tuple[str, ...] = (), nice: int = 0,
+               timing_file: str = ""):
+    """timing_file: run it under benchmarks.dispatcher_scale_server, which
+    writes its handlers' times there."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["GRPC_VERBOSITY"] = "ERROR"
     env.setdefault("JAX_PLATFORMS", "cpu")
     self.started_at = time.monotonic()
     self.proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxfeed.service.dispatcher", "--port=0",
+        [sys.executable, "-m",
+         "benchmarks.dispatcher_scale_server" if timing_file else "jaxfeed.service.dispatcher",
+         *([f"--timing_file={timing_file}"] if timing_file else []), "--port=0",
          f"--work_dir={work_dir}", f"--auth_token={CLIENT_TOKEN}",
          f"--worker_token={WORKER_TOKEN}", "--max_jobs_per_host=100000",
          "--heartbeat_timeout_s=10", *extra_flags],
@@ -193,7 +199,8 @@ class _Party:
       response = await self.calls[kind](request, timeout=RPC_DEADLINE_S,
                                         metadata=self.metadata, wait_for_ready=True)
     except grpc.aio.AioRpcError as e:
-      if self.stop.is_set() and e.code() == grpc.StatusCode.CANCELLED:
+      if self.stop.is_set() and e.code() == grpc.StatusCode.CANCELLED and (
+          kind != "ReleaseJobClient"):
         return None  # the simulation ends: its calls in flight are cancelled
       self.stats.fail(kind, f"{e.code().name}: {e.details()}")
       return None
@@ -341,7 +348,10 @@ class _Simulator:
     assert await commands.get() == "stop"
     self.stats.measuring = False
     self.stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+      if isinstance(outcome, BaseException):  # a bug of the simulator: report it
+        key = f"simulator: {type(outcome).__name__}: {outcome}"[:200]
+        self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
     return {"latencies": self.stats.latencies, "failed": self.stats.failed,
             "errors": self.stats.errors}
 
@@ -416,6 +426,17 @@ def _percentile(sorted_values: list[float], q: float) -> float:
   return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
+def _read_timing(path: str, timeout_s: float) -> dict[str, list[float]]:
+  """The dispatcher's handler times of the window (see dispatcher_scale_server)."""
+  deadline = time.monotonic() + timeout_s
+  while not os.path.exists(path):
+    if time.monotonic() > deadline:
+      raise TimeoutError(f"The dispatcher wrote no handler times to {path}.")
+    time.sleep(0.1)
+  with open(path) as f:
+    return json.load(f)
+
+
 def _cpu_seconds(process) -> float:
   times = process.cpu_times()
   return times.user + times.system
@@ -438,7 +459,9 @@ def run(args: argparse.Namespace) -> dict:
   work_dir = args.work_dir or tempfile.mkdtemp(prefix="jaxfeed-dispatcher-scale-")
   os.makedirs(work_dir, exist_ok=True)
   dispatcher_flags = tuple(args.dispatcher_flag or ())
-  dispatcher = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice)
+  timing_dir = tempfile.mkdtemp(prefix="jaxfeed-dispatcher-timing-")
+  timing_file = os.path.join(timing_dir, "handlers.json")
+  dispatcher = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice, timing_file)
   simulators: list[_SimulatorProcess] = []
   try:
     args.address = dispatcher.address
@@ -467,12 +490,16 @@ def run(args: argparse.Namespace) -> dict:
     time.sleep(args.seconds)
     for simulator in simulators:
       simulator.send("stop")
-    elapsed = time.monotonic() - started
+    stopped = time.monotonic()
+    elapsed = stopped - started
+    with open(f"{timing_file}.window", "w") as f:
+      f.write(f"{started} {stopped}")
     cpu1, io1 = _cpu_seconds(server), server.io_counters().write_chars
     sim_cpu1 = _tree_cpu_seconds(sim_pids)
     machine1 = psutil.cpu_times()
     rss = server.memory_info().rss
     results = [s.expect("result", 120 + args.seconds) for s in simulators]
+    handler_times = _read_timing(timing_file, 60.0)
     for simulator in simulators:
       simulator.proc.wait(timeout=60)
     journal_bytes = sum(f.stat().st_size for f in pathlib.Path(work_dir).rglob("*")
@@ -488,6 +515,7 @@ def run(args: argparse.Namespace) -> dict:
     dispatcher.kill()
     if not args.work_dir:
       shutil.rmtree(work_dir, ignore_errors=True)
+    shutil.rmtree(timing_dir, ignore_errors=True)
 
   latencies = {kind: sorted(x for r in results for x in r["latencies"][kind])
                for kind in RPC_KINDS}
@@ -512,7 +540,12 @@ def run(args: argparse.Namespace) -> dict:
                             "p99": round(_percentile(v, 0.99) * 1e3, 2),
                             "max": round((v[-1] if v else 0.0) * 1e3, 2)}
                      for kind, v in latencies.items()},
+      "handler_ms": {kind: {"p50": round(_percentile(v, 0.5) * 1e3, 2),
+                            "p99": round(_percentile(v, 0.99) * 1e3, 2),
+                            "max": round((v[-1] if v else 0.0) * 1e3, 2)}
+                     for kind, v in handler_times.items() if kind in RPC_KINDS},
       "failed_rpcs": sum(failed.values()), "failed_by_kind": failed,
+      "simulator_errors": sum(n for k, n in errors.items() if k.startswith("simulator:")),
       "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
       "dispatcher_cpu_share": round((cpu1 - cpu0) / elapsed, 3),
       "dispatcher_rss_mb": round(rss / (1 << 20), 1),
@@ -537,8 +570,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--json", action="store_true", help="Print one JSON line.")
   parser.add_argument("--jobs", type=int, default=2,
                       help="Shared exactly-once DYNAMIC jobs the clients read.")
-  parser.add_argument("--round_robin_clients", type=int, default=0,
-                      help="Clients that read one round-robin job instead.")
+  parser.add_argument("--round_robin_clients", type=int, default=8,
+                      help="Clients that read one round-robin job instead (at most "
+                      "half the clients).")
   parser.add_argument("--processes", type=int, default=2, help="Simulator processes.")
   parser.add_argument("--elements_per_s", type=float, default=1000.0,
                       help="Elements (sampler positions) a second one worker "
@@ -569,9 +603,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   for name in ("workers", "clients", "jobs", "processes", "splits_per_request", "max_acks"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}.")
-  if not 0 <= args.round_robin_clients <= args.clients:
-    parser.error(f"--round_robin_clients must be in [0, --clients={args.clients}], "
-                 f"got {args.round_robin_clients}.")
+  if args.round_robin_clients < 0:
+    parser.error(f"--round_robin_clients must be >= 0, got {args.round_robin_clients}.")
+  args.round_robin_clients = min(args.round_robin_clients, args.clients // 2)
   if args.seconds <= 0 or args.elements_per_s <= 0:
     parser.error("--seconds and --elements_per_s must be > 0.")
   return args

@@ -21,7 +21,7 @@ from service_cluster import REPO_ROOT
 
 RESULT_FIELDS = (
     "workers", "clients", "parties", "seconds", "rpcs_per_s", "rpcs", "latency_ms",
-    "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
+    "handler_ms", "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
     "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s")
 RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
              "ReleaseJobClient")
