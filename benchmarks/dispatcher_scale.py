@@ -226,7 +226,7 @@ class _Simulator:
     # Exactly-once jobs: split starts the workers of this process were issued
     # (job id -> starts), acknowledged by this process's clients of the job.
     self.issued: dict[int, list[int]] = {}
-    self.workers_ready = 0
+    self.clients_joined = 0
 
   async def worker(self, number: int, ready: asyncio.Event) -> None:
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
@@ -257,8 +257,9 @@ class _Simulator:
             if fetcher is not None:
               fetcher.cancel()
         await _sleep_until(self.stop, interval * random.uniform(0.9, 1.1))
-      await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
-          worker_address=address, leaving=True)) if self.args.leave else None
+      if self.args.leave:
+        await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
+            worker_address=address, leaving=True))
     finally:
       for fetcher in fetchers.values():
         fetcher.cancel()
@@ -326,7 +327,6 @@ class _Simulator:
 
   async def run(self, commands: "asyncio.Queue[str]") -> dict:
     args = self.args
-    self.clients_joined = 0
     worker_numbers = range(self.index, args.workers, args.processes)
     client_numbers = range(self.index, args.clients, args.processes)
     readies = [asyncio.Event() for _ in worker_numbers]
