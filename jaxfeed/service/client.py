@@ -318,7 +318,7 @@ class _Fetcher:
       call = caller(pb.GetElementsRequest(**self._request()), timeout=None)
       self._connection = call
       ack_call = rpc.Caller(channel, _WORKER + "AckElements", pb.AckElementsResponse,
-                            read.node.auth_token)
+                            self.task.read_ticket or None)
       self._send_ack = lambda received: ack_call(pb.AckElementsRequest(
           task_id=self.task.task_id, client_id=read.client_id, received=received),
           timeout=_STALL_S)
