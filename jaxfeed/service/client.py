@@ -3,7 +3,10 @@
 The returned `Dataset` wraps a `DistributedNode`; ops chained after it run
 locally on the client. Iterating it joins (or creates) a job at the
 dispatcher, then fetches batches from all of the job's workers at once into
-a bounded buffer. A worker that dies is dropped and the others go on.
+a bounded buffer. A worker that dies is dropped and the others go on. A
+connection to a live worker that breaks or stalls is made again, and the
+worker goes on after the last batch the client received: nothing is lost or
+repeated (see `jaxfeed.service.delivery`).
 
 Round-robin reads (`num_consumers=K`, `consumer_index=i`, a shared
 `job_name`): coordinated reads, one batch per consumer per step, all K from
@@ -24,10 +27,12 @@ for a consumer that missed one until it reads again. When it does, it goes on
 at the oldest round still open on each worker: its iterator skips the rounds
 it missed (`DistributedIterator.stats["rounds_skipped"]`) and reports each
 batch's global round (`last_round`). "Took" is seen from the worker: a batch
-is taken once sent on the consumer's connection, so what already sits in the
-client's buffer (`max_outstanding_requests` per worker) or in socket buffers
-stays the consumer's; a consumer that stops reading becomes late when those
-are full, a killed one at once. The timeout must exceed the longest pause of
+is taken once the worker queued it for the consumer's connection, so what
+already sits in the client's buffer (`max_outstanding_requests` per worker)
+or on its way (up to `delivery.DEFAULT_WINDOW` batches not yet acknowledged,
+sent again over a new connection if one breaks) stays the consumer's; a
+consumer that stops reading becomes late when those are full, a killed one
+at once. The timeout must exceed the longest pause of
 a training loop (a checkpoint save, say). Rounds of a worker that ended or
 died are skipped by every consumer alike, so the consumers stay aligned; a
 read ends when every worker's stream ended.
@@ -48,6 +53,7 @@ import numpy as np
 
 from jaxfeed.ops import base
 from jaxfeed.service import data_socket
+from jaxfeed.service import delivery
 from jaxfeed.service import element_chunks
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import rpc
@@ -60,9 +66,14 @@ from jaxfeed.service.sharding import ShardingPolicy, to_sharding_policy
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 _WORKER = "/jaxfeed.service.Worker/"
 _POLL_S = 0.05
-# Statuses after which a worker's stream is given up (the worker is gone);
-# any other status is an error of the pipeline and reaches the consumer.
-_RECONNECT_S = 1.0  # exactly-once: between reconnects to a listed worker
+# Statuses after which a fetcher connects to its worker again (NOT_FOUND: the
+# worker lost the task, it is given up); any other status is an error of the
+# pipeline and reaches the consumer.
+# A fetcher's connection that brings nothing, not even a keepalive (see
+# `jaxfeed.service.delivery`), this long while it waits is replaced.
+_STALL_S = 10.0
+_BACKOFF_S = (0.05, 2.0)  # first and longest wait between reconnects
+_ACK_EVERY = delivery.DEFAULT_WINDOW // 4  # items between acknowledgments
 _WORKER_LOST = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND",
                           "ABORTED", "OUT_OF_RANGE"})
 DATA_TRANSFERS = ("auto", "socket", "grpc")
@@ -236,7 +247,15 @@ class DistributedNode(base.Node):
 
 
 class _Fetcher:
-  """One thread reading one task's stream into the read's buffer."""
+  """One thread reading one task's stream into the read's buffer.
+
+  When a connection breaks or stalls (nothing, not even a keepalive, for
+  _STALL_S while it waits for data), the fetcher connects again with
+  backoff and the worker goes on after the last item received (see
+  `jaxfeed.service.delivery`), so nothing is lost or repeated. It stops at
+  the stream's end, when cancelled (the dispatcher dropped the worker), and
+  fails the read when no connection worked for the read's `timeout_s`.
+  """
 
   def __init__(self, read: "_ReadState", task: pb.TaskInfo, out: queue.Queue):
     self.task = task
@@ -244,6 +263,13 @@ class _Fetcher:
     self.done = False
     self.failed = False
     self.end_stats: dict = {}  # the task's round statistics, at its end
+    self.received = 0  # items of the stream received, over all connections
+    self.reconnects = 0
+    self._acked = 0
+    self._send_ack: Any = None  # the current connection's acknowledgment
+    # When the current connection last brought something; None while the
+    # fetcher waits for room in the buffer rather than for data.
+    self.heard_at: float | None = None
     self._read = read
     self._connection: Any = None
     self._cancelled = False
@@ -251,54 +277,73 @@ class _Fetcher:
                                    name=f"jaxfeed-fetch-{task.task_id}")
     self.thread.start()
 
-  def _frames(self):
+  def _request(self) -> dict:
+    node = self._read.node
+    return {"task_id": self.task.task_id, "compression": node.compression or "",
+            "consumer_index": node.consumer_index or 0, "round": 0,
+            "client_id": self._read.client_id, "received": self.received,
+            "window": delivery.DEFAULT_WINDOW}
+
+  def _items(self):
+    """One connection's items: (seq, frame, round), (seq, None, split start)
+    at an exactly-once split's end, None for a keepalive."""
     read = self._read
-    consumer = read.node.consumer_index or 0
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
       raise data_socket.DataConnectionError(
           f"Worker {self.task.worker_address} has no data socket "
           "(data_transfer='socket').", "FAILED_PRECONDITION")
     if use_socket:
-      conn = data_socket.DataConnection(self.task.data_address, {
-          "token": self.task.read_ticket, "task_id": self.task.task_id,
-          "compression": read.node.compression or "", "consumer_index": consumer,
-          "round": 0}, ssl_context=read.ssl_context)
+      conn = data_socket.DataConnection(
+          self.task.data_address, {"token": self.task.read_ticket, **self._request()},
+          ssl_context=read.ssl_context)
       self._connection = conn
-      if self._cancelled:
-        conn.close()
-      while True:
-        item = conn.next_frame()
-        if item is None:
-          self.end_stats = conn.end_stats
+      self._send_ack = conn.ack
+      try:
+        if self._cancelled:
           return
-        yield item
+        while True:
+          item = conn.next_item()
+          if item is None:
+            self.end_stats = conn.end_stats
+            return
+          kind, seq, frame, round_index = item
+          yield None if kind == data_socket.KIND_KEEPALIVE else (seq, frame, round_index)
+      finally:
+        conn.close()
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
     try:
       # Workers are given the task's read ticket, never the client's token.
       caller = rpc.Caller(channel, _WORKER + "GetElements", None,
                           self.task.read_ticket or None, streams=True)
-      call = caller(pb.GetElementsRequest(
-          task_id=self.task.task_id, compression=read.node.compression or "",
-          consumer_index=consumer, round=0), timeout=None)
+      call = caller(pb.GetElementsRequest(**self._request()), timeout=None)
       self._connection = call
+      ack_call = rpc.Caller(channel, _WORKER + "AckElements", pb.AckElementsResponse,
+                            self.task.read_ticket or None)
+      self._send_ack = lambda received: ack_call(pb.AckElementsRequest(
+          task_id=self.task.task_id, client_id=read.client_id, received=received),
+          timeout=_STALL_S)
       if self._cancelled:
         call.cancel()
-      buffer, filled, round_index = None, 0, 0
+      buffer, filled, round_index, seq = None, 0, 0, 0
       for raw in call:
         chunk = element_chunks.parse(raw)
+        if chunk.keepalive:
+          yield None
+          continue
         if chunk.end_of_sequence:
           self.end_stats = json.loads(chunk.stats_json) if chunk.stats_json else {}
           return
         if chunk.split_end:
-          yield None, chunk.round
+          yield chunk.seq, None, chunk.round
           continue
         size = chunk.data.nbytes
         if chunk.frame_bytes:
           if chunk.frame_bytes == size:
-            yield chunk.data, chunk.round  # a view of the received message
+            yield chunk.seq, chunk.data, chunk.round  # a view of the received message
             continue
-          buffer, filled, round_index = np.empty(chunk.frame_bytes, np.uint8), 0, chunk.round
+          buffer, filled = np.empty(chunk.frame_bytes, np.uint8), 0
+          round_index, seq = chunk.round, chunk.seq
         if buffer is None:
           raise rpc.ServiceError("Stream chunk arrived without a frame start.")
         if filled + size > buffer.nbytes:
@@ -307,7 +352,7 @@ class _Fetcher:
         buffer[filled:filled + size] = np.frombuffer(chunk.data, np.uint8)
         filled += size
         if filled == buffer.nbytes:
-          yield buffer, round_index
+          yield seq, buffer, round_index
           buffer = None
     finally:
       channel.close()
@@ -315,51 +360,116 @@ class _Fetcher:
   def _run(self) -> None:
     read = self._read
     split: list = []  # exactly-once: the elements of the split arriving now
+    failing_since = None
+    backoff = _BACKOFF_S[0]
     try:
-      for frame, round_index in self._frames():
-        if read.node.visitation == "exactly_once":
-          if frame is not None:
-            split.append((wire.decode(frame), round_index))
-            continue
-          if any(r != round_index for _, r in split):
-            raise rpc.ServiceError(
-                f"Worker {self.task.worker_address} ended split {round_index} "
-                "after elements of another split.")
-          if not read.ack(round_index):  # sent again after a broken connection
-            split = []
-            continue
-          for item in split:  # all of the split arrived: hand it on
-            if not read.put(self.out, item):
+      while True:
+        self.heard_at = time.monotonic()
+        try:
+          for item in self._items():
+            self.heard_at = time.monotonic()
+            failing_since, backoff = None, _BACKOFF_S[0]  # the connection works
+            if item is None:  # a keepalive
+              continue
+            if not self._take(item, split):
               return
-            read.count(self.task.worker_address)
-          split = []
-          continue
-        element = wire.decode(frame)
-        if not read.put(self.out, (element, round_index)):
+          self.done = True
           return
-        read.count(self.task.worker_address)
-      self.done = True
-    except (grpc.RpcError, data_socket.DataConnectionError, OSError) as e:
-      status = e.code().name if isinstance(e, grpc.RpcError) else getattr(e, "status", "UNAVAILABLE")
-      details = e.details() if isinstance(e, grpc.RpcError) else str(e)
-      if status in _WORKER_LOST or self._cancelled:
-        if not read.stop.is_set():
-          logging.warning("Lost worker %s of job %d (%s: %s); reading on from the others.",
-                          self.task.worker_address, self.task.job_id, status, details)
-        self.failed = True
-      else:
-        self.failed = True
-        read.fail(rpc.ServiceError(
-            f"Worker {self.task.worker_address} failed task {self.task.task_id} of "
-            f"dataset {self.task.dataset_id}: {status}: {details}"))
+        except (grpc.RpcError, data_socket.DataConnectionError, OSError) as e:
+          status = e.code().name if isinstance(e, grpc.RpcError) else getattr(e, "status", "UNAVAILABLE")
+          details = e.details() if isinstance(e, grpc.RpcError) else str(e)
+          where = (f"worker {self.task.worker_address} (task {self.task.task_id} of "
+                   f"job {self.task.job_id})")
+          if self._cancelled or read.stop.is_set() or status == "NOT_FOUND":
+            if not read.stop.is_set():
+              logging.warning("Lost %s (%s: %s); reading on from the others.",
+                              where, status, details)
+            self.failed = True
+            return
+          if status not in _WORKER_LOST:
+            self.failed = True
+            read.fail(rpc.ServiceError(
+                f"Worker {self.task.worker_address} failed task {self.task.task_id} of "
+                f"dataset {self.task.dataset_id}: {status}: {details}"))
+            return
+          now = time.monotonic()
+          failing_since = failing_since or now
+          if now - failing_since > read.node.timeout_s:
+            self.failed = True
+            read.fail(rpc.ServiceError(
+                f"Cannot reach {where} for {now - failing_since:.0f} s although the "
+                f"dispatcher lists it as alive (timeout_s={read.node.timeout_s:g}); "
+                f"last error: {status}: {details}"))
+            return
+          logging.info("Connection to %s broke (%s: %s); connecting again.",
+                       where, status, details)
+        finally:
+          self.heard_at = None
+          self._connection = self._send_ack = None
+        self.reconnects += 1
+        if read.stop.wait(backoff):
+          return
+        backoff = min(2 * backoff, _BACKOFF_S[1])
     except Exception as e:  # pylint: disable=broad-except
       self.failed = True
       read.fail(e)
+
+  def _take(self, item: tuple, split: list) -> bool:
+    """Hands one received item on (exactly-once: each split once whole) and
+    acknowledges it to the worker now and then; False once the read stops."""
+    read = self._read
+    seq, frame, round_index = item
+    if seq != self.received:
+      if seq < self.received:  # already had it
+        return True
+      raise rpc.ServiceError(
+          f"Worker {self.task.worker_address} sent item {seq} of task "
+          f"{self.task.task_id}'s stream after item {self.received - 1}: items were lost.")
+    self.received += 1
+    taken = True
+    if read.node.visitation != "exactly_once":
+      taken = self._put((wire.decode(frame), round_index))
+    elif frame is not None:
+      split.append((wire.decode(frame), round_index))
+    else:
+      if any(r != round_index for _, r in split):
+        raise rpc.ServiceError(
+            f"Worker {self.task.worker_address} ended split {round_index} "
+            "after elements of another split.")
+      whole, split[:] = list(split), []
+      if read.ack(round_index):  # else sent again: this read already had it
+        for element in whole:
+          taken = taken and self._put(element)
+    if self.received - self._acked >= _ACK_EVERY and self._send_ack is not None:
+      self._send_ack(self.received)
+      self._acked = self.received
+    return taken
+
+  def _put(self, item: tuple) -> bool:
+    self.heard_at = None  # waiting for the consumer, not for the worker
+    try:
+      if not self._read.put(self.out, item):
+        return False
     finally:
-      read.wake()
+      self.heard_at = time.monotonic()
+    self._read.count(self.task.worker_address)
+    return True
+
+  def kick_if_stalled(self, now: float) -> None:
+    """Ends the current connection (the fetcher connects again) when it
+    brought nothing for _STALL_S while the fetcher waited for it."""
+    heard_at = self.heard_at
+    if heard_at is not None and now - heard_at > _STALL_S and not self._cancelled:
+      logging.warning("No data or keepalive from worker %s for %.0f s: connecting again.",
+                      self.task.worker_address, now - heard_at)
+      self.heard_at = None
+      self._close_connection()
 
   def cancel(self) -> None:
     self._cancelled = True
+    self._close_connection()
+
+  def _close_connection(self) -> None:
     connection = self._connection
     if connection is not None:
       if isinstance(connection, data_socket.DataConnection):
@@ -386,7 +496,6 @@ class _ReadState:
     self.elements_by_worker: dict[str, int] = {}
     self.acks: list[int] = []  # exactly-once: splits to acknowledge
     self.handed_on: set[int] = set()  # exactly-once: splits this read has had
-    self.retry_at: dict[int, float] = {}  # exactly-once: task -> next reconnect
     # Reported to the dispatcher for autoscaling.
     self.consumed = 0
     self.wait_s = 0.0
@@ -433,9 +542,6 @@ class _ReadState:
     with self.lock:
       if self.error is None:
         self.error = error
-
-  def wake(self) -> None:
-    pass
 
   # -- the manager thread ---------------------------------------------------------
   def _manage(self) -> None:
@@ -506,13 +612,9 @@ class _ReadState:
     now = time.monotonic()
     for task_id, task in listed.items():
       old = self.fetchers.get(task_id)
-      if old is not None and self.node.visitation == "exactly_once" and (
-          old.failed and old.ended and now >= self.retry_at.get(task_id, 0.0)):
-        # The connection broke but the worker is still listed: its worker put
-        # the unfinished split back, so read on from it.
-        self.retry_at[task_id] = now + _RECONNECT_S
-        old = None
-      if old is None:
+      if old is not None:
+        old.kick_if_stalled(now)
+      else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
         self.fetchers[task_id] = _Fetcher(self, task, out)
     for task_id, fetcher in self.fetchers.items():
@@ -756,13 +858,16 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       None: the job's value, 60 s for a new job. Every consumer of a job
       passes the same value or None.
     **options: auth_token, udf_secret, tls, data_transfer ("auto", "socket",
-      "grpc"), timeout_s, visitation: "at_most_once" (default: what a lost
-      worker had buffered or in flight is lost) or "exactly_once"
-      (distributed_epoch without num_consumers: the pipeline runs split by
-      split on the workers, so a batch never spans two splits; the client
-      hands a split's elements on only once all of them arrived and
-      acknowledges it; a lost worker's unacknowledged splits are read again
-      by the others, so every record arrives once per epoch),
+      "grpc"), timeout_s (how long to retry reaching the dispatcher, or a
+      listed worker whose connection broke, before the read fails),
+      visitation: "at_most_once" (default: what a lost worker had buffered
+      or in flight is lost) or "exactly_once" (distributed_epoch without
+      num_consumers: the pipeline runs split by split on the workers, so a
+      batch never spans two splits; the client hands a split's elements on
+      only once all of them arrived and acknowledges it; a lost worker's
+      unacknowledged splits are read again by the others, and so are those
+      of a client of a shared job that left or was silent for the
+      dispatcher's client_timeout_s, so every record arrives once per epoch),
       ephemeral_sharing: parallel_epochs jobs of one dataset that all pass
       True share each worker's pipeline through a byte-bounded window, each
       job at its own position; a job that falls behind the window skips

@@ -9,12 +9,20 @@ a client opens one connection per task and sends a hello, and the worker
 streams the task's frames:
 
   client -> worker:  uint32 length | JSON {"token", "task_id", "compression",
-                                            "consumer_index", "round"}
-  worker -> client:  repeated  uint8 kind | uint64 length | int64 round | bytes
+                                            "consumer_index", "round",
+                                            "client_id", "received", "window"}
+                     then repeated uint64 received (acknowledgments)
+  worker -> client:  repeated  uint8 kind | uint64 length | int64 round |
+                               int64 seq | bytes
                      kind 0: a frame, 1: end of sequence (bytes = JSON of
                      the task's round statistics, possibly empty), 2: error
                      (bytes = JSON {"status", "message"}), 3: exactly-once
-                     jobs: the split starting at `round` ended (no bytes)
+                     jobs: the split starting at `round` ended (no bytes),
+                     4: keepalive (no bytes)
+
+Frames and split ends are numbered items of the client's stream (`seq`);
+the client acknowledges what it received and a new connection resumes
+after it (see `jaxfeed.service.delivery`).
 
 The hello's "token" is the task's read ticket from the dispatcher (empty when
 the deployment does not authenticate). TCP flow control bounds what is in
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import selectors
 import socket
 import ssl
@@ -38,11 +47,16 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxfeed.service import delivery
 from jaxfeed.service import wire
 
 _HELLO_LEN = struct.Struct("<I")
-_FRAME_PREFIX = struct.Struct("<BQq")
-KIND_FRAME, KIND_END, KIND_ERROR, KIND_SPLIT_END = 0, 1, 2, 3
+_FRAME_PREFIX = struct.Struct("<BQqq")
+_ACK = struct.Struct("<Q")
+KIND_FRAME, KIND_END, KIND_ERROR, KIND_SPLIT_END, KIND_KEEPALIVE = 0, 1, 2, 3, 4
+# A send that makes no progress this long ends the connection (the client
+# reconnects and resumes).
+_SEND_TIMEOUT_S = 60.0
 MAX_HELLO_BYTES = 4096
 _MAX_IOV = 512  # buffers per sendmsg; Linux allows 1024
 
@@ -117,6 +131,44 @@ class _PendingHello:
     return self.length is not None and len(self.data) == self.length
 
 
+class ServerLink:
+  """The worker's side of one data connection, as a client stream sees it:
+  `wait_for_ack` reads the client's acknowledgments into `on_ack`, `kick`
+  ends the connection from another thread."""
+
+  def __init__(self, conn: socket.socket, stop: threading.Event):
+    self._conn = conn
+    self._stop = stop
+    self._acks = bytearray()
+    self.on_ack: Callable[[int], None] = lambda received: None
+
+  def is_active(self) -> bool:
+    return not self._stop.is_set()
+
+  def wait_for_ack(self, timeout_s: float) -> None:
+    """Reads the acknowledgments that arrive within timeout_s."""
+    conn = self._conn
+    if not (isinstance(conn, ssl.SSLSocket) and conn.pending()):
+      readable, _, _ = select.select([conn], [], [], timeout_s)
+      if not readable:
+        return
+    data = conn.recv(4096)
+    if not data:
+      raise ConnectionResetError("The client closed the data connection.")
+    self._acks += data
+    whole = len(self._acks) // _ACK.size * _ACK.size
+    if whole:
+      (received,) = _ACK.unpack_from(self._acks, whole - _ACK.size)
+      del self._acks[:whole]
+      self.on_ack(received)
+
+  def kick(self) -> None:
+    try:
+      self._conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass
+
+
 class DataServer:
   """Listens on a TCP port and streams task frames to connected clients.
 
@@ -129,15 +181,16 @@ class DataServer:
   """
 
   def __init__(self, host: str, authenticate: Callable[[dict], None] | None,
-               serve: Callable[[dict, Callable[[], bool]], Any],
+               serve: Callable[[dict, "ServerLink"], Any],
                ssl_context: ssl.SSLContext | None = None,
                max_connections: int = 512, max_pending_hellos: int = 256,
                hello_timeout_s: float = 5.0):
     # authenticate(hello) raises DataConnectionError to refuse a client.
     self._authenticate = authenticate
     self._ssl_context = ssl_context
-    # serve(hello, is_active) -> generator of (wire.Frame, round) that returns
-    # the statistics sent with the end of sequence (a dict or None).
+    # serve(hello, link) -> generator of `delivery.Item`s and IDLE (None)
+    # that returns the statistics sent with the end of sequence (a dict or
+    # None); `link` is the connection's ServerLink.
     self._serve = serve
     self._max_connections = max_connections
     self._max_pending = max_pending_hellos
@@ -271,7 +324,7 @@ class DataServer:
     """Sends the error without blocking the accept loop (best effort)."""
     payload = json.dumps({"status": error.status, "message": str(error)}).encode()
     try:
-      conn.send(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0) + payload)
+      conn.send(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0, 0) + payload)
       # Closing with unread input would reset the connection before the
       # peer reads the error: take what has arrived first.
       for _ in range(16):
@@ -282,31 +335,42 @@ class DataServer:
 
   def _handle(self, conn: socket.socket, hello: dict) -> None:
     try:
+      conn.settimeout(_SEND_TIMEOUT_S)
       compression = hello.get("compression") or ""
       if compression not in wire.COMPRESSIONS:
         raise DataConnectionError(f"Unknown compression {compression!r}.", "INVALID_ARGUMENT")
-      is_active = lambda: not self._stop.is_set()
-      frames = self._serve(hello, is_active)
+      link = ServerLink(conn, self._stop)
+      items = self._serve(hello, link)
+      last_sent = time.monotonic()
       while True:
+        link.wait_for_ack(0)
         try:
-          frame, round_index = next(frames)
+          item = next(items)
         except StopIteration as end:
+          if end.value is None:  # superseded by a newer connection, or stopping
+            return
           stats = json.dumps(end.value).encode() if end.value else b""
           break
-        if frame is None:  # exactly-once: the split `round_index` ended
-          conn.sendall(_FRAME_PREFIX.pack(KIND_SPLIT_END, 0, round_index))
+        if item is delivery.IDLE:
+          if time.monotonic() - last_sent >= delivery.KEEPALIVE_S:
+            conn.sendall(_FRAME_PREFIX.pack(KIND_KEEPALIVE, 0, 0, 0))
+            last_sent = time.monotonic()
           continue
-        frame = frame.encoded(compression)
-        _send_all(conn, [_FRAME_PREFIX.pack(KIND_FRAME, frame.nbytes, round_index),
-                         *frame.parts])
-      conn.sendall(_FRAME_PREFIX.pack(KIND_END, len(stats), 0) + stats)
+        if item.frame is None:  # exactly-once: the split `item.round` ended
+          conn.sendall(_FRAME_PREFIX.pack(KIND_SPLIT_END, 0, item.round, item.seq))
+        else:
+          frame = item.frame.encoded(compression)
+          _send_all(conn, [_FRAME_PREFIX.pack(KIND_FRAME, frame.nbytes, item.round,
+                                              item.seq), *frame.parts])
+        last_sent = time.monotonic()
+      conn.sendall(_FRAME_PREFIX.pack(KIND_END, len(stats), 0, 0) + stats)
     except (DataConnectionError, Exception) as e:  # pylint: disable=broad-except
       status = getattr(e, "status", "INTERNAL")
-      if isinstance(e, (BrokenPipeError, ConnectionResetError)):
-        return
+      if isinstance(e, OSError) and not isinstance(e, DataConnectionError):
+        return  # the connection broke (or a newer one of its client took over)
       payload = json.dumps({"status": status, "message": str(e)}).encode()
       try:
-        conn.sendall(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0) + payload)
+        conn.sendall(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0, 0) + payload)
         # Closing with unread input would reset the connection before the
         # peer reads the error: half-close, then drain briefly.
         conn.shutdown(socket.SHUT_WR)
@@ -364,12 +428,13 @@ class DataConnection:
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
 
-  def next_frame(self) -> tuple[np.ndarray | None, int] | None:
-    """The next (frame, round); None at the end (then `end_stats` holds the
-    task's statistics). Exactly-once jobs: (None, split start) when a split
-    ended. Raises DataConnectionError."""
+  def next_item(self) -> tuple[int, int, np.ndarray | None, int] | None:
+    """The next (kind, seq, frame, round): KIND_FRAME, KIND_SPLIT_END
+    (exactly-once: the split starting at `round` ended; no frame) or
+    KIND_KEEPALIVE; None at the end (then `end_stats` holds the task's
+    statistics). Raises DataConnectionError."""
     try:
-      kind, length, round_index = _FRAME_PREFIX.unpack(
+      kind, length, round_index, seq = _FRAME_PREFIX.unpack(
           _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))
       body = _recv_exact(self._sock, length)
       if kind == KIND_END:
@@ -379,13 +444,20 @@ class DataConnection:
       if isinstance(e, DataConnectionError):
         raise
       raise DataConnectionError(f"Data connection failed: {e}") from e
-    if kind == KIND_SPLIT_END:
-      return None, round_index
     if kind == KIND_ERROR:
       error = json.loads(bytes(body))
       raise DataConnectionError(error.get("message", "worker error"),
                                 error.get("status", "INTERNAL"))
-    return body, round_index
+    if kind not in (KIND_FRAME, KIND_SPLIT_END, KIND_KEEPALIVE):
+      raise DataConnectionError(f"Unknown data connection message kind {kind}.", "INTERNAL")
+    return kind, seq, body if kind == KIND_FRAME else None, round_index
+
+  def ack(self, received: int) -> None:
+    """Tells the worker the items before `received` arrived."""
+    try:
+      self._sock.sendall(_ACK.pack(received))
+    except OSError as e:
+      raise DataConnectionError(f"Data connection failed: {e}") from e
 
   def close(self) -> None:
     try:

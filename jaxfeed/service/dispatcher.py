@@ -45,7 +45,8 @@ class DispatcherConfig:
     host: Interface to bind; loopback unless set.
     work_dir: Folder of the write-ahead journal; None keeps state in memory.
     heartbeat_timeout_s: A worker silent this long is declared dead.
-    client_timeout_s: A client silent this long is released from its job.
+    client_timeout_s: A client silent this long is released from its job;
+      exactly-once jobs issue the splits it had not acknowledged again.
     job_gc_timeout_s: A named job left without clients is kept this long,
       so a consumer that joins late still shares it (it gets what is left,
       or the end of the job) instead of starting the job over.
@@ -192,6 +193,15 @@ class _Job:
   ephemeral_sharing: bool = False
   unacked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
   reissue: dict[int, int] = dataclasses.field(default_factory=dict)
+  # Exactly-once: the client a worker is sending each unacknowledged split
+  # to (start -> client id); a released client's splits are issued again.
+  holders: dict[int, int] = dataclasses.field(default_factory=dict)
+
+  def return_split(self, start: int) -> None:
+    """An unacknowledged split goes back to the pool, to be issued again."""
+    stop, _ = self.unacked.pop(start)
+    self.holders.pop(start, None)
+    self.reissue[start] = stop
 
   @property
   def splits_exhausted(self) -> bool:
@@ -358,18 +368,30 @@ class DispatcherState:
     elif kind == "task_lost":
       job = self.jobs[r["job_id"]]
       job.tasks.pop(r["task_id"], None)
-      for start, (stop, task_id) in list(job.unacked.items()):
+      for start, (_, task_id) in list(job.unacked.items()):
         if task_id == r["task_id"]:  # its elements may never have arrived
-          del job.unacked[start]
-          job.reissue[start] = stop
+          job.return_split(start)
+    elif kind == "splits_held":
+      job = self.jobs[r["job_id"]]
+      for start in r["starts"]:
+        if start not in job.unacked:
+          continue
+        if r["client_id"] in job.clients:
+          job.holders[start] = r["client_id"]
+        else:  # its client left before the worker told
+          job.return_split(start)
     elif kind == "client":
       job = self.jobs[r["job_id"]]
       job.clients[int(r["id"])] = time.monotonic()
       if job.num_consumers:
         job.consumers[int(r["id"])] = r.get("consumer_index", 0)
     elif kind == "client_released":
-      self.jobs[r["job_id"]].clients.pop(r["client_id"], None)
-      self.jobs[r["job_id"]].consumers.pop(r["client_id"], None)
+      job = self.jobs[r["job_id"]]
+      job.clients.pop(r["client_id"], None)
+      job.consumers.pop(r["client_id"], None)
+      for start, client_id in list(job.holders.items()):
+        if client_id == r["client_id"]:  # it may never have had all of them
+          job.return_split(start)
     elif kind == "job_deleted":
       job = self.jobs.pop(r["job_id"], None)
       if job is not None and self.job_by_name.get(job.job_name) == job.job_id:
@@ -380,6 +402,7 @@ class DispatcherState:
       job = self.jobs[r["job_id"]]
       for start, stop in r["ranges"]:
         job.reissue.pop(start, None)
+        job.holders.pop(start, None)
         job.unacked[start] = (stop, r["task_id"])
     elif kind == "ticket_master":
       self._ticket_master = bytes.fromhex(r["key"])
@@ -387,6 +410,7 @@ class DispatcherState:
       job = self.jobs[r["job_id"]]
       for start in r["starts"]:
         job.unacked.pop(start, None)
+        job.holders.pop(start, None)
         job.reissue.pop(start, None)  # acknowledged just after its worker was lost
     elif kind == "splits_lost":
       self.jobs[r["job_id"]].reissue.update((start, stop) for start, stop in r["ranges"])
@@ -655,12 +679,22 @@ class DispatcherState:
       worker.data_address = request.data_address
       self._finish_tasks(request.finished_tasks)
       live = self._tasks_of_worker(worker)
+      for held in request.held_splits:
+        task = live.get(held.task_id)
+        job = self.jobs[task.job_id] if task is not None else None
+        starts = [s for s in held.starts if job is not None and s in job.unacked]
+        if starts:
+          self._record({"kind": "splits_held", "job_id": job.job_id,
+                        "client_id": held.client_id, "starts": starts})
       current = set(request.current_tasks)
       return pb.WorkerHeartbeatResponse(
           new_tasks=[self._task_info(t) for tid, t in sorted(live.items())
                      if tid not in current and not t.finished],
           tasks_to_delete=sorted(current - set(live)),
           ticket_key=self._ticket_key(address),
+          task_clients=[pb.TaskClients(task_id=tid,
+                                       client_ids=sorted(self.jobs[t.job_id].clients))
+                        for tid, t in sorted(live.items()) if tid in current],
           heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
               len(self.workers), self.config.heartbeat_timeout_s))
 
@@ -981,7 +1015,7 @@ def main(argv: Any) -> None:
                                  "pickled_udf_secret")
     config = DispatcherConfig(
         port=f.port, host=f.host, work_dir=f.work_dir or None,
-        heartbeat_timeout_s=f.heartbeat_timeout_s,
+        heartbeat_timeout_s=f.heartbeat_timeout_s, client_timeout_s=f.client_timeout_s,
         auth_token=rpc.read_secret(f.auth_token, f.auth_token_file, "auth_token"),
         worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
         split_size=f.split_size, num_workers=f.num_workers or None,
@@ -1034,6 +1068,9 @@ def define_flags() -> None:
   flags.DEFINE_float("dataset_gc_timeout_s", 24 * 3600.0, "A dataset no job reads is "
                      "deleted after this long.")
   flags.DEFINE_float("heartbeat_timeout_s", 10.0, "Worker heartbeat timeout.")
+  flags.DEFINE_float("client_timeout_s", 60.0, "A client silent this long is released "
+                     "from its job (exactly-once: its unacknowledged splits are "
+                     "issued again).")
   rpc.define_auth_flags(flags)
   flags.DEFINE_string("auth_token", "", "Token of the clients (tests; prefer "
                       "--auth_token_file: command lines are visible in ps).")

@@ -18,7 +18,7 @@ from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.wire import WireFormatError
 
 _DATA_TAG = bytes([(1 << 3) | 2])  # field 1 (data), length-delimited
-_INT64_FIELDS = {2: "frame_bytes", 4: "round"}
+_INT64_FIELDS = {2: "frame_bytes", 4: "round", 7: "seq"}
 
 
 def _varint(value: int) -> bytes:
@@ -33,9 +33,11 @@ def _varint(value: int) -> bytes:
       return bytes(out)
 
 
-def encode(data_parts: list, frame_bytes: int = 0, round_index: int = 0) -> bytes:
+def encode(data_parts: list, frame_bytes: int = 0, round_index: int = 0,
+           seq: int = 0) -> bytes:
   """An ElementChunk carrying the concatenation of `data_parts`."""
-  head = pb.ElementChunk(frame_bytes=frame_bytes, round=round_index).SerializeToString()
+  head = pb.ElementChunk(frame_bytes=frame_bytes, round=round_index,
+                         seq=seq).SerializeToString()
   size = sum(memoryview(part).nbytes for part in data_parts)
   return b"".join([head, _DATA_TAG, _varint(size), *data_parts])
 
@@ -48,6 +50,8 @@ class Chunk:
   round: int = 0
   stats_json: str = ""
   split_end: bool = False
+  seq: int = 0
+  keepalive: bool = False
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -79,6 +83,8 @@ def parse(raw: bytes) -> Chunk:
         chunk.end_of_sequence = bool(value)
       elif field == 6:
         chunk.split_end = bool(value)
+      elif field == 8:
+        chunk.keepalive = bool(value)
     elif wire_type == 2:
       length, pos = _read_varint(buf, pos)
       if pos + length > buf.nbytes:

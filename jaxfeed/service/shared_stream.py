@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import traceback
 from typing import Any, Callable, Generator
 
@@ -99,6 +100,10 @@ class SharedStream:
         self._thread.join(timeout=10)
       if self._on_empty is not None:
         self._on_empty(self)
+
+  def has_reader(self, task_id: int) -> bool:
+    with self._cond:
+      return task_id in self._positions
 
   @property
   def num_readers(self) -> int:
@@ -218,27 +223,39 @@ class SharedStreamReader:
     self.stream = stream
     self.task_id = task_id
 
+  def take(self, consumer_index: int, local_round: int, wait_s: float) -> Any:
+    """The reader's next (frame, index), waiting up to wait_s; None if none
+    came in time; `task_runner.Ended` at the pipeline's end. Raises
+    TaskFailed (see `task_runner.TaskRunner.take`)."""
+    del consumer_index
+    deadline = time.monotonic() + wait_s
+    try:
+      frame = self.stream.next_frame(self.task_id, lambda: time.monotonic() < deadline)
+    except Exception as e:  # pylint: disable=broad-except
+      raise task_runner.TaskFailed(
+          f"Task {self.task_id}'s shared pipeline failed: {type(e).__name__}: {e}",
+          getattr(e, "grpc_status", None) or task_runner.status_of(e)) from e
+    if frame is None:
+      return task_runner.Ended(self.stats())
+    if frame is False:
+      if not self.stream.has_reader(self.task_id):
+        raise task_runner.TaskFailed(
+            f"Task {self.task_id} was stopped on this worker.", "UNAVAILABLE")
+      return None
+    return frame, local_round
+
   def frames(self, is_active: Callable[[], bool], consumer_index: int = 0,
              local_round: int = 0) -> Generator[tuple[wire.Frame, int], None, dict | None]:
     """Yields (frame, index) until the pipeline ends; returns the reader's
     statistics then, None when is_active() turned false first."""
-    del consumer_index
-    while True:
-      try:
-        frame = self.stream.next_frame(self.task_id, is_active)
-      except Exception as e:  # pylint: disable=broad-except
-        raise task_runner.TaskFailed(
-            f"Task {self.task_id}'s shared pipeline failed: {type(e).__name__}: {e}",
-            getattr(e, "grpc_status", None) or task_runner.status_of(e)) from e
-      if frame is None:
-        return self.stats()
-      if frame is False:
-        if is_active():
-          raise task_runner.TaskFailed(
-              f"Task {self.task_id} was stopped on this worker.", "UNAVAILABLE")
-        return None
-      yield frame, local_round
-      local_round += 1
+    while is_active():
+      item = self.take(consumer_index, local_round, _POLL_S)
+      if isinstance(item, task_runner.Ended):
+        return item.stats
+      if item is not None:
+        yield item
+        local_round += 1
+    return None
 
   def stats(self) -> dict:
     return {"elements_skipped": self.stream.skipped(self.task_id)}

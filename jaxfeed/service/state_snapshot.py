@@ -2,8 +2,9 @@
 
 A snapshot is the list of journal records that rebuilds the live state on an
 empty `DispatcherState`: one `dataset` record per registered dataset, per job
-its `job`, `fix_workers`, `task`, `task_finished` and `client` records and its
-split positions, and an `ids` record so that ids are never handed out twice.
+its `job`, `fix_workers`, `task`, `task_finished` and `client` records, its
+split positions and the clients that hold unacknowledged splits, and an
+`ids` record so that ids are never handed out twice.
 Replaying it costs time in proportion to the live state, however long the
 history that led there.
 
@@ -78,6 +79,12 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
     if job.reissue:
       records.append({"kind": "splits_lost", "job_id": job.job_id,
                       "ranges": [[start, stop] for start, stop in job.reissue.items()]})
+    by_client: dict[int, list[int]] = {}
+    for start, client_id in job.holders.items():
+      by_client.setdefault(client_id, []).append(start)
+    for client_id, starts in by_client.items():
+      records.append({"kind": "splits_held", "job_id": job.job_id,
+                      "client_id": client_id, "starts": starts})
   return records
 
 

@@ -24,6 +24,15 @@ class TaskFailed(RuntimeError):
     self.status = status
 
 
+class Ended:
+  """What `take` returns once a task ended: its round statistics."""
+
+  __slots__ = ("stats",)
+
+  def __init__(self, stats: dict | None):
+    self.stats = stats
+
+
 class TaskRunner:
   """Runs one task's pipeline on a thread into a bounded buffer of frames.
 
@@ -163,6 +172,50 @@ class TaskRunner:
       self._rounds.put(completed)
 
   # -- consumers ----------------------------------------------------------------
+  def take(self, consumer_index: int, local_round: int, wait_s: float) -> Any:
+    """The consumer's next item, waiting up to wait_s for it.
+
+    Returns (frame, local round); exactly-once tasks: (split start, frames)
+    of a whole split; `Ended` at the task's end; None if nothing came in
+    time. Raises TaskFailed.
+    """
+    if self.num_consumers and not 0 <= consumer_index < self.num_consumers:
+      raise TaskFailed(f"consumer_index {consumer_index} is outside "
+                       f"[0, {self.num_consumers}) of task {self.task_id}.",
+                       "INVALID_ARGUMENT")
+    deadline = time.monotonic() + wait_s
+    with self._cond:
+      while True:
+        if self._stop.is_set():
+          raise TaskFailed(f"Task {self.task_id} was stopped on this worker.",
+                           "UNAVAILABLE")
+        if self._rounds is not None:
+          if self._rounds.close_expired():
+            self._cond.notify_all()
+          got = self._rounds.take(consumer_index, local_round)
+          if got is not None:
+            self._last_taken = time.monotonic()
+            self._cond.notify_all()
+            return got
+          ended = self._done and self._rounds.exhausted(local_round)
+        elif self._fifo:
+          item = self._fifo.popleft()
+          self._last_taken = time.monotonic()
+          if self.exactly_once:
+            self._fifo_frames -= len(item[1])
+          self._cond.notify_all()
+          return item if self.exactly_once else (item, local_round)
+        else:
+          ended = self._done
+        if self._error is not None:
+          raise self._error
+        if ended:
+          return Ended(self._stats_locked())
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return None
+        self._cond.wait(min(left, _POLL_S))
+
   def frames(self, is_active: Callable[[], bool], consumer_index: int = 0,
              local_round: int = 0
              ) -> Generator[tuple[wire.Frame | None, int], None, dict | None]:
@@ -174,70 +227,22 @@ class TaskRunner:
     Returns the task's round statistics (see `stats`) when the task ended,
     None when `is_active()` turned false first.
     """
-    if self.num_consumers and not 0 <= consumer_index < self.num_consumers:
-      raise TaskFailed(f"consumer_index {consumer_index} is outside "
-                       f"[0, {self.num_consumers}) of task {self.task_id}.",
-                       "INVALID_ARGUMENT")
-    while True:
-      with self._cond:
-        while True:
-          if self._stop.is_set():
-            raise TaskFailed(f"Task {self.task_id} was stopped on this worker.",
-                             "UNAVAILABLE")
-          if self._rounds is not None:
-            if self._rounds.close_expired():
-              self._cond.notify_all()
-            got = self._rounds.take(consumer_index, local_round)
-            if got is not None:
-              self._last_taken = time.monotonic()
-              frame, local_round = got
-              self._cond.notify_all()
-              break
-            ended = self._done and self._rounds.exhausted(local_round)
-          elif self._fifo:
-            frame = self._fifo.popleft()
-            self._last_taken = time.monotonic()
-            if self.exactly_once:
-              self._fifo_frames -= len(frame[1])
-            self._cond.notify_all()
-            break
-          else:
-            ended = self._done
-          if self._error is not None:
-            raise self._error
-          if ended:
-            return self._stats_locked()
-          if not is_active():
-            return None
-          self._cond.wait(_POLL_S)
-      if self.exactly_once:
-        yield from self._send_split(frame)
+    while is_active():
+      item = self.take(consumer_index, local_round, _POLL_S)
+      if item is None:
         continue
+      if isinstance(item, Ended):
+        return item.stats
+      if self.exactly_once:
+        start, frames = item
+        for frame in frames:
+          yield frame, start
+        yield None, start
+        continue
+      frame, local_round = item
       yield frame, local_round
       local_round += 1
-
-  def _send_split(self, split: tuple[int, list]
-                  ) -> Generator[tuple[wire.Frame | None, int], None, None]:
-    """Exactly-once: a whole split, then its end. If the connection breaks
-    first (the generator is closed at a yield), the split goes back to the
-    front of the FIFO for the next connection: the client drops the part it
-    got, as it only hands on whole splits. Closed at the end's own yield, the
-    end may have reached the client (gRPC asks for the next message only
-    after sending), so it may be sent twice; the client drops a split it
-    already had."""
-    start, frames = split
-    sent = False
-    try:
-      for each in frames:
-        yield each, start
-      yield None, start
-      sent = True  # resumed after the end went out
-    finally:
-      if not sent:
-        with self._cond:
-          self._fifo.appendleft(split)
-          self._fifo_frames += len(frames)
-          self._cond.notify_all()
+    return None
 
   def stats(self) -> dict:
     """Round-robin counters (rounds made, windows and batches dropped, see

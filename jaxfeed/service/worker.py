@@ -18,11 +18,12 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator
 
 import grpc
 
 from jaxfeed.service import data_socket
+from jaxfeed.service import delivery
 from jaxfeed.service import element_chunks
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
@@ -142,6 +143,8 @@ class _Worker:
     self.draining = threading.Event()  # no new splits: finish what it has
     self.dynamic_tasks: set[int] = set()  # tasks that read DYNAMIC splits
     self.dataset_defs: dict[str, pb.DatasetDef] = {}
+    self.streams = delivery.Registry()  # what each client of a task gets
+    self._held: list[tuple[int, int, list[int]]] = []  # not yet reported
     channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
     self.channel = channel
     token = config.worker_token
@@ -160,14 +163,24 @@ class _Worker:
 
   # -- heartbeats and tasks ----------------------------------------------------
   def heartbeat(self) -> None:
+    sent_at = time.monotonic()
+    held = self.streams.take_held()
     with self.lock:
       current = list(self.tasks)
       finished = list(self.finished)
-    response = self.heartbeat_call(
-        pb.WorkerHeartbeatRequest(worker_address=self.address,
-                                  data_address=self.data_address,
-                                  current_tasks=current, finished_tasks=finished),
-        timeout=10)
+      held, self._held = self._held + held, []
+    try:
+      response = self.heartbeat_call(
+          pb.WorkerHeartbeatRequest(
+              worker_address=self.address, data_address=self.data_address,
+              current_tasks=current, finished_tasks=finished,
+              held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
+                           for t, c, s in held]),
+          timeout=10)
+    except BaseException:
+      with self.lock:  # reported with the next heartbeat
+        self._held = held + self._held
+      raise
     self.ticket_key = response.ticket_key
     self.paced_interval_s = response.heartbeat_interval_s
     for task in response.new_tasks:
@@ -179,6 +192,18 @@ class _Worker:
         self.dynamic_tasks.discard(task_id)
       if runner is not None:
         runner.stop()
+    self._drop_streams({t.task_id: set(t.client_ids) for t in response.task_clients},
+                       sent_at)
+
+  def _drop_streams(self, clients: dict[int, set[int]], listed_at: float) -> None:
+    """Forgets the streams of tasks gone from this worker and of clients the
+    dispatcher no longer lists (those that came after `listed_at` may just
+    not have been listed yet)."""
+    with self.lock:
+      tasks = set(self.tasks)
+    self.streams.drop(lambda task_id, client_id, stream: task_id in tasks and (
+        task_id not in clients or client_id in clients[task_id]
+        or stream.created > listed_at))
 
   def start_task(self, task: pb.TaskInfo) -> None:
     make_iterator = lambda: self._make_iterator(task)
@@ -266,11 +291,27 @@ class _Worker:
         self.task_added.wait(min(left, 0.1))
       return self.tasks[task_id]
 
-  def frames(self, task_id: int, consumer_index: int, round_index: int,
-             is_active) -> Generator[tuple[wire.Frame, int], None, dict | None]:
-    """The task's frames; returns its round statistics at the task's end."""
-    runner = self.find_task(task_id)
-    return (yield from runner.frames(is_active, consumer_index, round_index))
+  def open_stream(self, request: pb.GetElementsRequest, kick: Callable[[], None]
+                  ) -> tuple[delivery.ClientStream, object]:
+    """The client's stream of the task, attached to a new connection that
+    `kick` ends; returns it and the connection's token (see
+    `delivery.ClientStream.attach`)."""
+    runner = self.find_task(request.task_id)
+    window = min(request.window or delivery.DEFAULT_WINDOW, delivery.MAX_WINDOW)
+    stream = self.streams.get_or_add(
+        request.task_id, request.client_id,
+        lambda: delivery.ClientStream(runner, runner.exactly_once, request.consumer_index,
+                                      request.round, window, request.received,
+                                      resumable=bool(request.client_id)))
+    return stream, stream.attach(request.received, kick)
+
+  def AckElements(self, request: pb.AckElementsRequest,
+                  context: grpc.ServicerContext) -> pb.AckElementsResponse:
+    self.check_ticket(request.task_id, rpc.metadata_token(context.invocation_metadata()))
+    stream = self.streams.find(request.task_id, request.client_id)
+    if stream is not None:
+      stream.ack(request.received)
+    return pb.AckElementsResponse()
 
   # -- serving --------------------------------------------------------------------
   def check_ticket(self, task_id: Any, sent: Any) -> None:
@@ -309,38 +350,51 @@ class _Worker:
     compression = request.compression
     wire.check_compression(compression)
     try:
-      frames = self.frames(request.task_id, request.consumer_index, request.round,
-                           context.is_active)
+      stream, token = self.open_stream(request, context.cancel)
+      items = stream.items(token, request.received, context.is_active, stream.wait_for_ack)
+      last_sent = time.monotonic()
       while True:
         try:
-          frame, round_index = next(frames)
+          item = next(items)
         except StopIteration as end:
           stats = end.value
           break
-        if frame is None:  # exactly-once: the split `round_index` ended
-          yield pb.ElementChunk(split_end=True, round=round_index)
+        if item is delivery.IDLE:
+          if time.monotonic() - last_sent >= delivery.KEEPALIVE_S:
+            last_sent = time.monotonic()
+            yield pb.ElementChunk(keepalive=True)
           continue
-        frame = frame.encoded(compression)
+        last_sent = time.monotonic()
+        if item.frame is None:  # exactly-once: the split `item.round` ended
+          yield pb.ElementChunk(split_end=True, round=item.round, seq=item.seq)
+          continue
+        frame = item.frame.encoded(compression)
         for i, views in enumerate(frame.chunks(chunk)):
           if i:
             yield element_chunks.encode(views)
           else:
-            yield element_chunks.encode(views, frame.nbytes, round_index)
+            yield element_chunks.encode(views, frame.nbytes, item.round, item.seq)
+      if stats is None:  # superseded by a newer connection of the client
+        return
       yield pb.ElementChunk(end_of_sequence=True,
                             stats_json=json.dumps(stats) if stats else "")
     except task_runner_lib.TaskFailed as e:
       raise rpc.StatusError(e.status, str(e)) from e
 
-  def serve_socket(self, hello: dict, is_active
-                   ) -> Generator[tuple[wire.Frame, int], None, dict | None]:
+  def serve_socket(self, hello: dict, link: data_socket.ServerLink
+                   ) -> Generator[delivery.Item | None, None, dict | None]:
     try:
-      task_id = int(hello["task_id"])
-      consumer_index = int(hello.get("consumer_index", 0))
-      round_index = int(hello.get("round", 0))
+      request = pb.GetElementsRequest(
+          task_id=int(hello["task_id"]), consumer_index=int(hello.get("consumer_index", 0)),
+          round=int(hello.get("round", 0)), client_id=int(hello.get("client_id", 0)),
+          received=int(hello.get("received", 0)), window=int(hello.get("window", 0)))
     except (KeyError, TypeError, ValueError) as e:
       raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
     try:
-      return (yield from self.frames(task_id, consumer_index, round_index, is_active))
+      stream, token = self.open_stream(request, link.kick)
+      link.on_ack = stream.ack
+      return (yield from stream.items(token, request.received, link.is_active,
+                                      link.wait_for_ack))
     except rpc.NotFoundError as e:
       raise data_socket.DataConnectionError(str(e), "NOT_FOUND") from e
     except task_runner_lib.TaskFailed as e:
@@ -438,6 +492,8 @@ class WorkerServer:
     handler_holder.append(rpc.method_handlers(
         SERVICE_NAME, {},
         {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True,
+                         (rpc.CLIENT,)),
+         "AckElements": (self._worker.AckElements, pb.AckElementsRequest, False,
                          (rpc.CLIENT,))}))
     self._data_server = None
     if config.data_socket:

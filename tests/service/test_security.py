@@ -320,7 +320,7 @@ def read_task_socket(address: str, task: pb.TaskInfo, credential: str) -> str:
   connection = data_socket.DataConnection(address, {"token": credential,
                                                     "task_id": task.task_id})
   try:
-    connection.next_frame()
+    connection.next_item()
     return "OK"
   except data_socket.DataConnectionError as e:
     return e.status

@@ -199,9 +199,9 @@ def test_garbage_on_the_data_socket_closes_only_that_connection(servers, hello):
     reply = b""
     while chunk := conn.recv(4096):
       reply += chunk
-  kind, length, _ = struct.unpack("<BQq", reply[:17])
+  kind, length, _, _ = struct.unpack("<BQqq", reply[:25])
   assert kind == 2
-  assert json.loads(reply[17:17 + length])["status"] == "INVALID_ARGUMENT"
+  assert json.loads(reply[25:25 + length])["status"] == "INVALID_ARGUMENT"
   still_serves(dispatcher)
 
 

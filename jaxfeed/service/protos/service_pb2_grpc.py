@@ -369,6 +369,11 @@ class WorkerStub:
                 request_serializer=service__pb2.GetElementsRequest.SerializeToString,
                 response_deserializer=service__pb2.ElementChunk.FromString,
                 _registered_method=True)
+        self.AckElements = channel.unary_unary(
+                '/jaxfeed.service.Worker/AckElements',
+                request_serializer=service__pb2.AckElementsRequest.SerializeToString,
+                response_deserializer=service__pb2.AckElementsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -381,6 +386,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AckElements(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -388,6 +399,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetElements,
                     request_deserializer=service__pb2.GetElementsRequest.FromString,
                     response_serializer=service__pb2.ElementChunk.SerializeToString,
+            ),
+            'AckElements': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckElements,
+                    request_deserializer=service__pb2.AckElementsRequest.FromString,
+                    response_serializer=service__pb2.AckElementsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +433,33 @@ class Worker:
             '/jaxfeed.service.Worker/GetElements',
             service__pb2.GetElementsRequest.SerializeToString,
             service__pb2.ElementChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckElements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxfeed.service.Worker/AckElements',
+            service__pb2.AckElementsRequest.SerializeToString,
+            service__pb2.AckElementsResponse.FromString,
             options,
             channel_credentials,
             insecure,
