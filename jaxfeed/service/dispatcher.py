@@ -821,7 +821,8 @@ class DispatchServer:
       flags = list(self.config.autoscale.worker_flags)
       if self.config.udf_modules:
         flags.append(f"--udf_modules={','.join(self.config.udf_modules)}")
-      backend = autoscale_lib.LocalWorkerBackend(f"{local}:{self.port}", flags, secrets)
+      backend = autoscale_lib.make_backend(self.config.autoscale, f"{local}:{self.port}",
+                                           flags, secrets)
       self.autoscaler = autoscale_lib.Autoscaler(
           self.config.autoscale, backend, self.state.sample_clients)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
@@ -897,7 +898,8 @@ def main(argv: Any) -> None:
         dataset_gc_timeout_s=f.dataset_gc_timeout_s,
         autoscale=autoscale_lib.AutoscaleConfig(
             min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
-            interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()))
+            interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()),
+            backend=f.worker_backend, ray_address=f.ray_address or None)
         if f.autoscale_max_workers else None)
   except ValueError as e:  # a flag's value: say which, without a traceback
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
@@ -954,6 +956,11 @@ def define_flags() -> None:
   flags.DEFINE_float("autoscale_interval_s", 5.0, "Seconds between pool resizes.")
   flags.DEFINE_multi_string("worker_flag", None, "A flag of the pool's workers, e.g. "
                             "--worker_flag=--buffer_size=16 (repeat for more).")
+  flags.DEFINE_enum("worker_backend", "local", list(autoscale_lib.BACKENDS),
+                    "Where the elastic pool's workers run: local processes, or "
+                    "actors on a Ray cluster (--ray_address).")
+  flags.DEFINE_string("ray_address", "", "host:port of the Ray cluster's head "
+                      "(--worker_backend=ray; default: Ray's auto-detection).")
 
 
 if __name__ == "__main__":
