@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import grpc
 
 from jaxfeed.service import autoscale as autoscale_lib
+from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service import journal as journal_lib
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
@@ -241,7 +242,9 @@ class DispatcherState:
       self._journal = journal_lib.Journal(
           config.work_dir, config.journal_fsync, config.snapshot_every_records,
           config.snapshot_every_bytes)
+      replay_started = time.monotonic()
       self.replay_stats = self._journal.replay(self._apply)
+      self.replay_seconds = time.monotonic() - replay_started  # for --metrics_port
       deadline = time.monotonic() + config.heartbeat_timeout_s
       self._awaited = {t.worker_address: deadline for job in self.jobs.values()
                        for t in job.tasks.values() if not t.finished}
@@ -905,6 +908,9 @@ def main(argv: Any) -> None:
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
   server = DispatchServer(config)
   print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
+  metrics = metrics_lib.serve_dispatcher(server, f.host, f.metrics_port)
+  if metrics is not None:
+    print(f"jaxfeed dispatcher metrics on {metrics.url}", flush=True)
   rpc.stop_on_sigterm()
   if f.port_file:
     _write_port_file(f.port_file, server.port)
@@ -912,6 +918,8 @@ def main(argv: Any) -> None:
     server.join()
   finally:
     server.stop()
+    if metrics is not None:
+      metrics.close()
 
 
 def _write_port_file(path: str, port: int) -> None:
@@ -956,6 +964,8 @@ def define_flags() -> None:
   flags.DEFINE_float("autoscale_interval_s", 5.0, "Seconds between pool resizes.")
   flags.DEFINE_multi_string("worker_flag", None, "A flag of the pool's workers, e.g. "
                             "--worker_flag=--buffer_size=16 (repeat for more).")
+  flags.DEFINE_integer("metrics_port", metrics_lib.OFF, "Serve Prometheus metrics on "
+                       "this port (0: a free one, printed; -1: off).")
   flags.DEFINE_enum("worker_backend", "local", list(autoscale_lib.BACKENDS),
                     "Where the elastic pool's workers run: local processes, or "
                     "actors on a Ray cluster (--ray_address).")

@@ -146,9 +146,19 @@ class RayWorkerBackend:
     return len(self._prune())
 
   def workers(self, timeout_s: float = 120.0) -> list[dict[str, Any]]:
-    """Each live worker's address, pid and Ray node id, once all have started."""
-    actors = self._prune()
-    return ray.get([actor.info.remote() for actor, _ in actors], timeout=timeout_s)
+    """The address, pid and Ray node id of each worker that started and
+    still runs (waiting up to timeout_s for those still starting)."""
+    polls = [actor.info.remote() for actor, _ in self._prune()]
+    ready, _ = ray.wait(polls, num_returns=len(polls), timeout=timeout_s)
+    found = []
+    for poll in ready:
+      try:
+        info = ray.get(poll)
+      except ray.exceptions.RayError:
+        continue  # lost meanwhile
+      if info["running"]:
+        found.append(info)
+    return found
 
   def start_worker(self) -> None:
     actor = self._actor_class.remote(self._args, self._secrets)

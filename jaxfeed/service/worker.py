@@ -24,6 +24,7 @@ import grpc
 
 from jaxfeed.service import data_socket
 from jaxfeed.service import element_chunks
+from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import shared_stream
@@ -142,6 +143,7 @@ class _Worker:
     self.draining = threading.Event()  # no new splits: finish what it has
     self.dynamic_tasks: set[int] = set()  # tasks that read DYNAMIC splits
     self.dataset_defs: dict[str, pb.DatasetDef] = {}
+    self.served = metrics_lib.ServedCounts()  # for --metrics_port
     channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
     self.channel = channel
     token = config.worker_token
@@ -178,6 +180,7 @@ class _Worker:
         runner.stop()
 
   def start_task(self, task: pb.TaskInfo) -> None:
+    self.served.track(task)
     make_iterator = lambda: self._make_iterator(task)
     # Checked and added under one lock hold: the heartbeat thread and a
     # client's first request (find_task) may both learn of a new task, and
@@ -267,7 +270,8 @@ class _Worker:
              is_active) -> Generator[tuple[wire.Frame, int], None, dict | None]:
     """The task's frames; returns its round statistics at the task's end."""
     runner = self.find_task(task_id)
-    return (yield from runner.frames(is_active, consumer_index, round_index))
+    return (yield from self.served.counted(
+        task_id, runner.frames(is_active, consumer_index, round_index)))
 
   # -- serving --------------------------------------------------------------------
   def check_ticket(self, task_id: Any, sent: Any) -> None:
@@ -552,6 +556,9 @@ def main(argv: Any) -> None:
   server = WorkerServer(config)
   data = f" data {server.data_address}" if server.data_address else ""
   print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
+  metrics = metrics_lib.serve_worker(server, f.host, f.metrics_port)
+  if metrics is not None:
+    print(f"jaxfeed worker metrics on {metrics.url}", flush=True)
   if f.parent_pid:  # a pool's worker: goes when the process that started it does
     threading.Thread(target=_stop_with_parent, args=(f.parent_pid, server),
                      name="jaxfeed-worker-parent-watch", daemon=True).start()
@@ -564,6 +571,8 @@ def main(argv: Any) -> None:
     raise
   finally:
     server.stop()
+    if metrics is not None:
+      metrics.close()
   if server.rejected:
     raise SystemExit(f"jaxfeed worker: {server.rejected}")
 
@@ -601,6 +610,8 @@ def define_flags() -> None:
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
   flags.DEFINE_string("tls_root_certs", "", "PEM root certificates that verify a TLS "
                       "dispatcher.")
+  flags.DEFINE_integer("metrics_port", metrics_lib.OFF, "Serve Prometheus metrics on "
+                       "this port (0: a free one, printed; -1: off).")
   flags.mark_flag_as_required("dispatcher_address")
 
 

@@ -51,6 +51,7 @@ def ray_cluster():
   finally:
     ray.shutdown()
     cluster.shutdown()
+    assert not cluster.remaining_processes_alive()
     if saved is None:
       del os.environ["PYTHONPATH"]
     else:
