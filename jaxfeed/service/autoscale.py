@@ -25,6 +25,8 @@ behind three methods (`start_worker`, `stop_worker`, `close`) and a
   (`python -m jaxfeed.service.worker`).
 - "ray": `jaxfeed.service.ray_backend.RayWorkerBackend`, one actor per worker
   spread over a Ray cluster's nodes (needs `jaxfeed[ray]`).
+- "kubernetes": `jaxfeed.service.kubernetes_backend.KubernetesWorkerBackend`,
+  the replicas of a worker Deployment (needs `jaxfeed[kubernetes]`).
 
 A worker leaves the pool on SIGTERM: it takes no new splits, finishes the
 ones it holds, waits for its consumers to take its batches, and tells the
@@ -46,7 +48,7 @@ from typing import Any, Callable, Sequence
 _LOG = logging.getLogger(__name__)
 
 # The places a pool's workers can run (AutoscaleConfig.backend).
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "kubernetes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,8 @@ class AutoscaleConfig:
       this machine; "ray": actors on a Ray cluster).
     ray_address: host:port of the Ray cluster's head ("ray" backend); None:
       the cluster this process is connected to, or Ray's "auto".
+    kubernetes_deployment: "namespace/name" of the worker Deployment
+      ("kubernetes" backend; required there).
   """
 
   min_workers: int = 1
@@ -81,6 +85,7 @@ class AutoscaleConfig:
   worker_flags: tuple[str, ...] = ()
   backend: str = "local"
   ray_address: str | None = None
+  kubernetes_deployment: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.min_workers, int) or self.min_workers < 0:
@@ -108,6 +113,13 @@ class AutoscaleConfig:
       raise ValueError(f"AutoscaleConfig: ray_address applies to backend='ray' only and "
                        f"must be a non-empty host:port, got {self.ray_address!r} with "
                        f"backend={self.backend!r}.")
+    if (self.backend == "kubernetes") != (self.kubernetes_deployment is not None):
+      raise ValueError(f"AutoscaleConfig: kubernetes_deployment (NAMESPACE/NAME) is "
+                       f"required with backend='kubernetes' and applies to it only, got "
+                       f"{self.kubernetes_deployment!r} with backend={self.backend!r}.")
+    if self.kubernetes_deployment is not None:
+      from jaxfeed.service import kubernetes_backend  # pylint: disable=g-import-not-at-top
+      kubernetes_backend.parse_deployment(self.kubernetes_deployment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +260,13 @@ def make_backend(config: AutoscaleConfig, dispatcher_address: str,
                         "'jaxfeed[ray]'.") from e
     return ray_backend.RayWorkerBackend(dispatcher_address, flags, secrets,
                                         ray_address=config.ray_address)
+  if config.backend == "kubernetes":  # the Deployment carries flags and secrets
+    try:
+      from jaxfeed.service import kubernetes_backend  # pylint: disable=g-import-not-at-top
+      return kubernetes_backend.KubernetesWorkerBackend(config.kubernetes_deployment)
+    except ImportError as e:
+      raise ImportError("AutoscaleConfig(backend='kubernetes') needs the kubernetes "
+                        "client: pip install 'jaxfeed[kubernetes]'.") from e
   return LocalWorkerBackend(dispatcher_address, flags, secrets)
 
 
@@ -280,7 +299,8 @@ class Autoscaler:
     self._thread = threading.Thread(target=self._run, name="jaxfeed-autoscaler", daemon=True)
 
   def start(self) -> None:
-    for _ in range(self.config.min_workers):
+    # A Deployment may already run workers (a restarted dispatcher's pool).
+    for _ in range(self.config.min_workers - self.backend.num_workers):
       self.backend.start_worker()
     self._thread.start()
 

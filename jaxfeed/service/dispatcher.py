@@ -902,7 +902,8 @@ def main(argv: Any) -> None:
         autoscale=autoscale_lib.AutoscaleConfig(
             min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
             interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()),
-            backend=f.worker_backend, ray_address=f.ray_address or None)
+            backend=f.worker_backend, ray_address=f.ray_address or None,
+            kubernetes_deployment=f.kubernetes_deployment or None)
         if f.autoscale_max_workers else None)
   except ValueError as e:  # a flag's value: say which, without a traceback
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
@@ -967,10 +968,13 @@ def define_flags() -> None:
   flags.DEFINE_integer("metrics_port", metrics_lib.OFF, "Serve Prometheus metrics on "
                        "this port (0: a free one, printed; -1: off).")
   flags.DEFINE_enum("worker_backend", "local", list(autoscale_lib.BACKENDS),
-                    "Where the elastic pool's workers run: local processes, or "
-                    "actors on a Ray cluster (--ray_address).")
+                    "Where the elastic pool's workers run: local processes, actors "
+                    "on a Ray cluster (--ray_address) or the pods of a Kubernetes "
+                    "Deployment (--kubernetes_deployment).")
   flags.DEFINE_string("ray_address", "", "host:port of the Ray cluster's head "
                       "(--worker_backend=ray; default: Ray's auto-detection).")
+  flags.DEFINE_string("kubernetes_deployment", "", "NAMESPACE/NAME of the worker "
+                      "Deployment the pool scales (--worker_backend=kubernetes).")
 
 
 if __name__ == "__main__":

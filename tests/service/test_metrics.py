@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import time
 import urllib.request
 
 import pytest
 
 import jaxfeed
 from jaxfeed.service import metrics
+from jaxfeed.service import spec
 
 parser = pytest.importorskip("prometheus_client.parser")
 
@@ -115,3 +117,27 @@ def test_every_dashboard_query_names_an_exported_metric():
   for query in queries:
     names = set(re.findall(r"jaxfeed_\w+", query))
     assert names and names <= exported, (query, names - exported)
+
+
+def test_restart_replay_and_pool_decisions_are_exported(tmp_path):
+  from jaxfeed import service  # pylint: disable=g-import-not-at-top
+  with service.DispatchServer(service.DispatcherConfig(work_dir=str(tmp_path))) as dispatcher:
+    dispatcher.state.register_dataset(spec.to_dataset_def(jaxfeed.Dataset.range(10).node))
+  config = service.DispatcherConfig(
+      work_dir=str(tmp_path), autoscale=service.AutoscaleConfig(
+          min_workers=1, max_workers=1, interval_s=0.2))
+  with service.DispatchServer(config) as dispatcher:
+    server = metrics.serve_dispatcher(dispatcher, "127.0.0.1", 0)
+    try:
+      deadline = time.monotonic() + 30
+      while not dispatcher.autoscaler.decisions:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+      samples = scrape(server.url)
+    finally:
+      server.close()
+  assert value(samples, "jaxfeed_journal_replay_records") > 0
+  assert value(samples, "jaxfeed_journal_replay_seconds") > 0
+  assert value(samples, "jaxfeed_pool_workers") == 1
+  assert value(samples, "jaxfeed_pool_scaling_decisions_total", direction="hold") >= 1
+  assert value(samples, "jaxfeed_pool_scaling_decisions_total", direction="up") == 0

@@ -51,7 +51,9 @@ def ray_cluster():
   finally:
     ray.shutdown()
     cluster.shutdown()
-    assert not cluster.remaining_processes_alive()
+    alive = [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+    _, alive = psutil.wait_procs(alive, timeout=30)
+    assert not alive, [p.cmdline()[:2] for p in alive]
     if saved is None:
       del os.environ["PYTHONPATH"]
     else:
@@ -118,3 +120,12 @@ def test_a_node_removed_mid_epoch_loses_nothing_exactly_once(ray_cluster):
       time.sleep(0.2)
     assert any(change > 0 for _, change in dispatcher.autoscaler.decisions)
   assert not _worker_processes(dispatcher.target)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"backend": "slurm"}, "backend must be one of local, ray, kubernetes"),
+    ({"ray_address": "127.0.0.1:6379"}, "ray_address applies to backend='ray' only"),
+    ({"backend": "ray", "ray_address": ""}, "ray_address")])
+def test_bad_backend_choice_names_the_field(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    service.AutoscaleConfig(**kwargs)
