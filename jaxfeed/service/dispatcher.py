@@ -77,7 +77,8 @@ class DispatcherConfig:
     dataset_gc_timeout_s: A dataset no job reads is deleted after this long;
       a later read of its id gets NOT_FOUND (registering the pipeline again
       works and may give a new id).
-    autoscale: Start and resize a pool of local worker processes from the
+    autoscale: Start and resize a pool of workers (local processes, Ray
+      actors or a Kubernetes Deployment: `AutoscaleConfig.backend`) from the
       clients' reports (see `jaxfeed.service.autoscale`); None: workers are
       started by hand.
   """
@@ -960,7 +961,7 @@ def define_flags() -> None:
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
   flags.DEFINE_integer("autoscale_max_workers", 0, "Run an elastic pool of up to this "
-                       "many local worker processes (0: workers are started by hand).")
+                       "many workers (0: workers are started by hand).")
   flags.DEFINE_integer("autoscale_min_workers", 1, "Workers the elastic pool keeps.")
   flags.DEFINE_float("autoscale_interval_s", 5.0, "Seconds between pool resizes.")
   flags.DEFINE_multi_string("worker_flag", None, "A flag of the pool's workers, e.g. "
