@@ -17,7 +17,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 import ray  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from service_cluster import REPO_ROOT, TESTS_DIR  # pylint: disable=wrong-import-position
+from service_cluster import REPO_ROOT, TESTS_DIR, ServiceProcess  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -87,6 +87,23 @@ def test_a_ray_pool_spreads_over_the_nodes_and_serves_a_read(ray_cluster):
     assert len(_worker_processes(dispatcher.target)) == 2
   assert not _worker_processes(dispatcher.target)  # stopping the dispatcher stopped its pool
   assert backend.num_workers == 0
+
+
+def test_a_command_line_dispatcher_runs_its_pool_on_ray(ray_cluster):
+  dispatcher = ServiceProcess(
+      "dispatcher", "--port=0", "--worker_backend=ray",
+      f"--ray_address={ray_cluster.address}", "--autoscale_min_workers=2",
+      "--autoscale_max_workers=2", "--worker_flag=--heartbeat_interval_s=0.2")
+  try:
+    got = sorted(int(x) for x in jaxfeed.Dataset.range(300).distribute(
+        dispatcher.address, "distributed_epoch"))
+    assert got == list(range(300))
+    assert len(_worker_processes(dispatcher.address)) == 2
+    dispatcher.proc.terminate()  # SIGTERM: the pool drains and its actors go
+    assert dispatcher.proc.wait(timeout=90) == 0
+  finally:
+    dispatcher.stop()
+  assert not _worker_processes(dispatcher.address)
 
 
 def test_a_node_removed_mid_epoch_loses_nothing_exactly_once(ray_cluster):
