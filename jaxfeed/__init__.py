@@ -31,6 +31,7 @@ _EXPORTS = {
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
+    "SequentialReadError": "jaxfeed.sources.tfrecord_source",
     "RecordSource": "jaxfeed.sources",
     # device and loader
     "DevicePrefetcher": "jaxfeed.device",
@@ -46,6 +47,16 @@ _EXPORTS = {
     "ByteTokenizer": "jaxfeed.text",
     "HFTokenizer": "jaxfeed.text",
     "Tokenize": "jaxfeed.text",
+    # tf.train.Example records
+    "FixedLenFeature": "jaxfeed.example",
+    "FixedLenSequenceFeature": "jaxfeed.example",
+    "VarLenFeature": "jaxfeed.example",
+    "SparseArray": "jaxfeed.example",
+    "parse_single_example": "jaxfeed.example",
+    "parse_example": "jaxfeed.example",
+    "parse_single_sequence_example": "jaxfeed.example",
+    "make_example": "jaxfeed.example",
+    "make_sequence_example": "jaxfeed.example",
     # coordinated reads
     "BucketPlan": "jaxfeed.coord",
     "compute_lengths": "jaxfeed.coord",

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -99,3 +100,29 @@ def test_trainer_reads_through_the_service_and_resumes_the_model(tmp_path):
     for proc in (worker, dispatcher):
       proc.terminate()
       proc.wait(timeout=60)
+
+
+def run_images(tmp_path, *flags, workdir="ckpt"):
+  return run_trainer(tmp_path, "--log_every=3", "--checkpoint_every=6", *flags,
+                     trainer="train_images", smoke="images_smoke",
+                     workdir=workdir)
+
+
+def test_image_trainer_learns_and_resumes_exactly_where_it_stopped(tmp_path):
+  straight = run_images(tmp_path, "--num_steps=12", workdir="straight")
+  assert "Training a CNN on 8 devices (cpu)" in straight
+  assert "256 JPEG Examples, 4 classes" in straight
+  values = logged_losses(straight)
+  assert sorted(values) == [3, 6, 9, 12], straight
+  assert values[12] < values[3], straight
+  assert re.search(r"[0-9]+ images/s  input wait [0-9.]+% of step time",
+                   straight)
+  assert sorted(os.listdir(tmp_path / "straight")) == ["12", "6"]
+  # Drop the last checkpoint and resume from step 6: the same batches reach
+  # the same model, so the losses are exactly those of the straight run.
+  shutil.rmtree(tmp_path / "straight" / "12")
+  resumed = run_images(tmp_path, "--num_steps=12", "--resume",
+                       workdir="straight")
+  assert "Resumed from step 6 (loader at batch 6)" in resumed
+  assert logged_losses(resumed) == {9: values[9], 12: values[12]}, (
+      straight, resumed)

@@ -49,6 +49,7 @@ import numpy as np
 from jaxfeed.ops import base
 from jaxfeed.service import data_socket
 from jaxfeed.service import element_chunks
+from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
@@ -465,6 +466,9 @@ class _ReadState:
       heartbeat = _dispatcher_caller(self.channel, "ClientHeartbeat",
                                      pb.ClientHeartbeatResponse, node.auth_token)
       last_ok = time.monotonic()
+      # The last task list and its version: the dispatcher leaves the tasks
+      # out of its answer while they stay the same.
+      tasks, tasks_version = [], 0
       while not self.stop.is_set():
         with self.lock:
           acks = list(self.acks)
@@ -473,7 +477,8 @@ class _ReadState:
               job_id=self.job_id, client_id=self.client_id, acked_splits=acks,
               elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
               read_elapsed_s=time.monotonic() - self.started,
-              buffer_fill=self.buffer.qsize() / self.capacity), timeout=10)
+              buffer_fill=self.buffer.qsize() / self.capacity,
+              known_tasks_version=tasks_version), timeout=10)
           last_ok = time.monotonic()
           with self.lock:
             del self.acks[:len(acks)]
@@ -484,10 +489,15 @@ class _ReadState:
             continue
           raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
                                  f"{e.code().name}: {e.details()}") from e
+        if response.tasks_unchanged:
+          response.tasks.extend(tasks)
+        else:
+          tasks, tasks_version = list(response.tasks), response.tasks_version
         self._update_tasks(response)
         if self.finished:
           return
-        self.stop.wait(0.1)
+        self.stop.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
+                           response.heartbeat_interval_s))
     except BaseException as e:  # pylint: disable=broad-except
       self.fail(e)
 

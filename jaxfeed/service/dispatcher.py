@@ -23,12 +23,14 @@ from typing import Any, Sequence
 import grpc
 
 from jaxfeed.service import autoscale as autoscale_lib
-from jaxfeed.service import metrics as metrics_lib
+from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import journal as journal_lib
+from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import state_snapshot
+from jaxfeed.service import task_lists
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy, to_sharding_policy
 
@@ -81,6 +83,8 @@ class DispatcherConfig:
       actors or a Kubernetes Deployment: `AutoscaleConfig.backend`) from the
       clients' reports (see `jaxfeed.service.autoscale`); None: workers are
       started by hand.
+    heartbeat_pacing: How often workers and clients are asked to heartbeat,
+      and how DYNAMIC splits grow, as their numbers grow.
   """
 
   port: int = 0
@@ -104,8 +108,12 @@ class DispatcherConfig:
   snapshot_every_bytes: int = 32 << 20
   dataset_gc_timeout_s: float = 24 * 3600.0
   autoscale: autoscale_lib.AutoscaleConfig | None = None
+  heartbeat_pacing: heartbeat_pacing.HeartbeatPacing = heartbeat_pacing.HeartbeatPacing()
 
   def __post_init__(self):
+    if not isinstance(self.heartbeat_pacing, heartbeat_pacing.HeartbeatPacing):
+      raise ValueError("DispatcherConfig: heartbeat_pacing must be a HeartbeatPacing, "
+                       f"got {self.heartbeat_pacing!r}.")
     if not isinstance(self.port, int) or not 0 <= self.port < 65536:
       raise ValueError(f"DispatcherConfig: port must be in [0, 65535], got {self.port!r}.")
     for name in ("heartbeat_timeout_s", "client_timeout_s", "job_gc_timeout_s",
@@ -209,6 +217,31 @@ class _Worker:
   tasks: set[int] = dataclasses.field(default_factory=set)
 
 
+class _WorkerTable(dict):
+  """Address -> _Worker; a worker that comes or goes changes the clients'
+  task lists (they list the tasks of live workers only)."""
+
+  def __init__(self, task_lists_cache: task_lists.TaskListCache):
+    super().__init__()
+    self._task_lists = task_lists_cache
+
+  def __setitem__(self, key, value):
+    super().__setitem__(key, value)
+    self._task_lists.changed()
+
+  def __delitem__(self, key):
+    super().__delitem__(key)
+    self._task_lists.changed()
+
+  def pop(self, *args):
+    self._task_lists.changed()
+    return super().pop(*args)
+
+
+# Journal records that change a job's task list as clients see it.
+_TASK_LIST_RECORDS = frozenset({"task", "task_finished", "task_lost", "fix_workers"})
+
+
 class DispatcherState:
   """The dispatcher's bookkeeping; every change is journaled before it is acknowledged."""
 
@@ -218,7 +251,14 @@ class DispatcherState:
     self.dataset_by_fingerprint: dict[str, str] = {}
     self.jobs: dict[int, _Job] = {}
     self.job_by_name: dict[str, int] = {}
-    self.workers: dict[str, _Worker] = {}
+    # Clients' task lists, built once per change (see jaxfeed.service.task_lists).
+    self._task_lists = task_lists.TaskListCache()
+    self.workers: dict[str, _Worker] = _WorkerTable(self._task_lists)
+    # Task id -> its job's id (entries of lost tasks and deleted jobs stay
+    # until their worker's next heartbeat finds them gone).
+    self._task_jobs: dict[int, int] = {}
+    # (when counted, live clients): the count paces client heartbeats.
+    self._client_count = (float("-inf"), 0)
     self._ids = itertools.count(1)
     self._journal = None
     # Workers of replayed tasks: address -> when they count as lost if they
@@ -263,6 +303,10 @@ class DispatcherState:
     """Applies a change; it is journaled when the lock is released."""
     self._apply(record)
     self.lock.add(record)
+    if record["kind"] in _TASK_LIST_RECORDS:
+      self._task_lists.changed()
+    elif record["kind"] == "job_deleted":
+      self._task_lists.forget(record["job_id"])
 
   def _live_records(self) -> list[dict]:
     next_id = next(self._ids)
@@ -307,6 +351,7 @@ class DispatcherState:
       job = self.jobs[r["job_id"]]
       job.tasks[int(r["id"])] = _Task(int(r["id"]), job.job_id, r["worker_address"],
                                       r["worker_index"], r["num_workers"])
+      self._task_jobs[int(r["id"])] = job.job_id
       worker = self.workers.get(r["worker_address"])
       if worker is not None:
         worker.tasks.add(int(r["id"]))
@@ -505,6 +550,14 @@ class DispatcherState:
                        acked_splits: Sequence[int] = (),
                        report: pb.ClientHeartbeatRequest | None = None
                        ) -> pb.ClientHeartbeatResponse:
+    return pb.ClientHeartbeatResponse.FromString(
+        self.client_heartbeat_wire(job_id, client_id, acked_splits, report))
+
+  def client_heartbeat_wire(self, job_id: int, client_id: int,
+                            acked_splits: Sequence[int] = (),
+                            report: pb.ClientHeartbeatRequest | None = None) -> bytes:
+    """`client_heartbeat`'s answer, serialized: the task list is serialized
+    once per change, not once per heartbeat."""
     with self.lock:
       job = self._job(job_id)
       if client_id not in job.clients:
@@ -517,9 +570,8 @@ class DispatcherState:
       acked = sorted(s for s in set(acked_splits) if s in job.unacked or s in job.reissue)
       if acked:
         self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
-      tasks = [self._task_info(t, for_client=True) for t in job.tasks.values()
-               if t.worker_address in self.workers]
-      done = all(t.finished for t in job.tasks.values())
+      task_list = self._client_task_list(job)
+      done = task_list.all_finished
       if job.policy == ShardingPolicy.DYNAMIC:
         finished = job.all_splits_delivered and done
       elif job.fixes_workers:
@@ -529,7 +581,47 @@ class DispatcherState:
       if job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
         finished = finished and not any(  # a fixed worker may still come back
             a in self.workers for a in job.fixed_workers)
-      return pb.ClientHeartbeatResponse(tasks=tasks, job_finished=finished)
+      response = pb.ClientHeartbeatResponse(
+          job_finished=finished, tasks_version=task_list.version,
+          heartbeat_interval_s=self.config.heartbeat_pacing.client_interval(
+              self._live_clients(), self.config.client_timeout_s))
+      if report is not None and report.known_tasks_version == task_list.version:
+        response.tasks_unchanged = True
+        return response.SerializeToString()
+      # Serialized messages concatenate into their merge.
+      return response.SerializeToString() + task_list.serialized
+
+  def _client_task_list(self, job: _Job) -> task_lists.TaskList:
+    """The job's tasks as its clients see them (lock held)."""
+    def tasks():
+      for t in job.tasks.values():
+        worker = self.workers.get(t.worker_address)
+        yield (t.task_id, worker.data_address if worker else "", worker is not None,
+               t.finished)
+    return self._task_lists.get(
+        job.job_id, tasks, lambda task_id: self._task_info(job.tasks[task_id], for_client=True))
+
+  def _live_clients(self) -> int:
+    """Clients of all jobs, counted at most once a second (lock held)."""
+    counted_at, count = self._client_count
+    now = time.monotonic()
+    if now - counted_at > 1.0:
+      count = sum(len(job.clients) for job in self.jobs.values())
+      self._client_count = (now, count)
+    return count
+
+  def _tasks_of_worker(self, worker: _Worker) -> dict[int, _Task]:
+    """Task id -> task of the tasks on `worker` (lock held); forgets its lost ones."""
+    live = {}
+    for task_id in list(worker.tasks):
+      job = self.jobs.get(self._task_jobs.get(task_id, -1))
+      task = job.tasks.get(task_id) if job is not None else None
+      if task is None or task.worker_address != worker.address:
+        worker.tasks.discard(task_id)
+        self._task_jobs.pop(task_id, None)
+        continue
+      live[task_id] = task
+    return live
 
   def release_client(self, job_id: int, client_id: int) -> None:
     with self.lock:
@@ -562,16 +654,19 @@ class DispatcherState:
         for job in list(self.jobs.values()):
           self._assign_tasks(job)
       worker.last_heartbeat = time.monotonic()
+      if worker.data_address != request.data_address:
+        self._task_lists.changed()  # clients read its tasks at the new address
       worker.data_address = request.data_address
       self._finish_tasks(request.finished_tasks)
-      live = {t.task_id: t for job in self.jobs.values() for t in job.tasks.values()
-              if t.worker_address == address}
+      live = self._tasks_of_worker(worker)
       current = set(request.current_tasks)
       return pb.WorkerHeartbeatResponse(
           new_tasks=[self._task_info(t) for tid, t in sorted(live.items())
                      if tid not in current and not t.finished],
           tasks_to_delete=sorted(current - set(live)),
-          ticket_key=self._ticket_key(address))
+          ticket_key=self._ticket_key(address),
+          heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
+              len(self.workers), self.config.heartbeat_timeout_s))
 
   def get_splits(self, request: pb.GetSplitsRequest) -> pb.GetSplitsResponse:
     with self.lock:
@@ -585,10 +680,12 @@ class DispatcherState:
       ranges = [pb.SplitRange(start=start, stop=stop)
                 for start, stop in sorted(job.reissue.items())[:wanted]]
       start = job.next_position
+      split_size = self.config.heartbeat_pacing.split_size(self.config.split_size,
+                                                           len(job.tasks))
       while len(ranges) < wanted:
         if 0 <= job.num_positions <= start:
           break
-        stop = start + self.config.split_size
+        stop = start + split_size
         if job.num_positions >= 0:
           stop = min(stop, job.num_positions)
         ranges.append(pb.SplitRange(start=start, stop=stop))
@@ -743,8 +840,8 @@ class _DispatcherServicer:
 
   def ClientHeartbeat(self, request, context):
     del context
-    return self.state.client_heartbeat(request.job_id, request.client_id,
-                                       request.acked_splits, request)
+    return self.state.client_heartbeat_wire(request.job_id, request.client_id,
+                                            request.acked_splits, request)
 
   def ReleaseJobClient(self, request, context):
     del context

@@ -295,7 +295,8 @@ def method_handlers(service_name: str, tokens: dict[str, str | None],
       def unary(data, context, fn=fn, request_cls=request_cls, full=full):
         request = _parse(request_cls, data, full, context)
         try:
-          return fn(request, context).SerializeToString()
+          response = fn(request, context)  # a message, or its bytes
+          return response if isinstance(response, bytes) else response.SerializeToString()
         except Exception as e:  # pylint: disable=broad-except
           _abort_for(e, full, context)
       handlers[name] = grpc.unary_unary_rpc_method_handler(unary)

@@ -151,6 +151,8 @@ class _Worker:
     # heartbeat: None before the first answer, b"" when it issues none.
     self.ticket_key: bytes | None = None
     self.rejected: str | None = None  # why the dispatcher refused this worker
+    # The heartbeat interval the dispatcher asks for (0: the configured one).
+    self.paced_interval_s = 0.0
     self.heartbeat_call = rpc.Caller(channel, _DISPATCHER + "WorkerHeartbeat",
                                      pb.WorkerHeartbeatResponse, token)
     self.dataset_call = rpc.Caller(channel, _DISPATCHER + "GetDatasetDef",
@@ -169,6 +171,7 @@ class _Worker:
                                   current_tasks=current, finished_tasks=finished),
         timeout=10)
     self.ticket_key = response.ticket_key
+    self.paced_interval_s = response.heartbeat_interval_s
     for task in response.new_tasks:
       self.start_task(task)
     for task_id in response.tasks_to_delete:
@@ -418,8 +421,9 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
                         worker.address, e.code().name)
     except Exception:  # pylint: disable=broad-except
       logging.exception("Worker heartbeat failed")
+    paced_s = worker.paced_interval_s
     del worker
-    stop.wait(interval)
+    stop.wait(max(interval, paced_s))
 
 
 class WorkerServer:

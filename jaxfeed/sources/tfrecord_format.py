@@ -8,12 +8,18 @@ A TFRecord file is a sequence of frames:
     uint32 masked_crc32c(data)
 
 with masked_crc(c) = ((c >> 15) | (c << 17)) + 0xa282ead8 (mod 2**32).
+
+A compressed file ("GZIP" or "ZLIB", as `tf.io.TFRecordOptions` names them)
+is that sequence of frames in one gzip or zlib (deflate) stream. A deflate
+stream can only be read from its start, so compressed files are read in
+order: `RecordStream`.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Callable, Iterable
+import zlib
+from typing import Any, BinaryIO, Callable, Iterable
 
 from etils import epath
 import google_crc32c
@@ -21,7 +27,8 @@ import numpy as np
 
 from jaxfeed.sources.base import CorruptRecordError, as_record_bytes
 
-__all__ = ["masked_crc32c", "scan_record_offsets", "write_tfrecord"]
+__all__ = ["masked_crc32c", "scan_record_offsets", "write_tfrecord",
+           "RecordStream", "compression_wbits"]
 
 HEADER_BYTES = 12  # uint64 length + uint32 length crc
 FOOTER_BYTES = 4  # uint32 data crc
@@ -37,6 +44,30 @@ _CRC = struct.Struct("<I")
 # it reads only the 12 header bytes of each, skipping the data.
 _SCAN_CHUNK_BYTES = 1 << 20
 _LARGE_RECORD_BYTES = 1 << 16
+
+# zlib window bits of each compression type: 16 + 15 asks zlib for a gzip
+# header and trailer, 15 for a zlib one (what TensorFlow's writer uses).
+_WBITS = {None: None, "": None, "GZIP": 16 + zlib.MAX_WBITS,
+          "ZLIB": zlib.MAX_WBITS}
+# zlib's memory level in TensorFlow's writer (zlib's own default is 8): with
+# the same level the compressed bytes are identical to TensorFlow's.
+_MEM_LEVEL = 9
+# Compressed bytes read per call while streaming.
+_STREAM_CHUNK_BYTES = 1 << 20
+
+
+def compression_wbits(compression_type: Any, where: str) -> int | None:
+  """zlib window bits of `compression_type`, or None for no compression.
+
+  Raises:
+    ValueError: not one of None, "", "GZIP", "ZLIB".
+  """
+  try:
+    return _WBITS[compression_type]
+  except (KeyError, TypeError):
+    raise ValueError(
+        f'{where}: compression_type must be None, "", "GZIP" or "ZLIB", '
+        f"got {compression_type!r}.") from None
 
 
 def masked_crc32c(data: bytes) -> int:
@@ -114,21 +145,163 @@ def encode_frame_header(length: int) -> bytes:
   return header + _CRC.pack(masked_crc32c(header))
 
 
-def write_tfrecord(path: epath.PathLike, records: Iterable[bytes]) -> int:
+def write_tfrecord(path: epath.PathLike, records: Iterable[bytes],
+                   compression_type: str | None = None) -> int:
   """Writes `records` (bytes-like) to a TFRecord file; returns the count.
 
-  The file is readable by `tf.data.TFRecordDataset` (uncompressed).
+  The file is readable by `tf.data.TFRecordDataset(path, compression_type)`.
+
+  Args:
+    path: The file (anything `etils.epath` opens).
+    records: Bytes-like records.
+    compression_type: None (or "") for a plain file, "GZIP" or "ZLIB" to
+      compress it as TensorFlow does. Compressed files are read in order only.
   """
   path = epath.Path(path)
+  wbits = compression_wbits(compression_type, f"write_tfrecord({path})")
   pack_crc = _CRC.pack
   count = 0
   with path.open("wb") as f:
-    write = f.write
+    if wbits is None:
+      write = f.write
+    else:
+      deflate = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED,
+                                 wbits, _MEM_LEVEL)
+      write = lambda data: f.write(deflate.compress(data))
     for count, record in enumerate(records, start=1):
       if not isinstance(record, bytes):
         record = as_record_bytes(record, "write_tfrecord", path, count - 1)
       write(encode_frame_header(len(record)))
       write(record)
       write(pack_crc(masked_crc32c(record)))
+    if wbits is not None:
+      f.write(deflate.flush())
   return count
+
+
+class RecordStream:
+  """Reads the records of a compressed TFRecord file in order.
+
+  Args:
+    stream: The compressed file, open for reading in binary (owned: closed by
+      `close()`).
+    wbits: `compression_wbits` of the file's compression type.
+    path: The file, for error messages.
+
+  Offsets in errors count bytes of the uncompressed stream.
+  """
+
+  def __init__(self, stream: BinaryIO, wbits: int, path: str):
+    self._stream = stream
+    self._wbits = wbits
+    self._inflate = zlib.decompressobj(wbits)
+    self._path = path
+    self._buffer = bytearray()
+    self._start = 0  # next unread byte of _buffer
+    self.offset = 0  # uncompressed offset of _buffer[_start]
+    self.position = 0  # index of the next record
+    self.last: bytes | None = None  # record position - 1, where just read
+
+  def close(self) -> None:
+    self._stream.close()
+
+  def rewind(self) -> None:
+    """Starts again at the first record."""
+    self._stream.seek(0)
+    self._inflate = zlib.decompressobj(self._wbits)
+    self._buffer = bytearray()
+    self._start = self.offset = self.position = 0
+    self.last = None
+
+  def _fill(self, size: int) -> bool:
+    """Makes `size` bytes available; False where the stream ends first."""
+    while len(self._buffer) - self._start < size:
+      if self._inflate.eof:
+        return False
+      tail = self._inflate.unconsumed_tail
+      compressed = tail or self._stream.read(_STREAM_CHUNK_BYTES)
+      if not compressed:
+        if len(self._buffer) == self._start:
+          raise CorruptRecordError(
+              self._path, self.offset,
+              "the compressed stream ends without its end marker (the file "
+              "was truncated)", self.position)
+        return False
+      try:
+        data = self._inflate.decompress(compressed, _STREAM_CHUNK_BYTES)
+      except zlib.error as e:
+        raise CorruptRecordError(
+            self._path, self.offset,
+            f"the compressed stream cannot be decompressed ({e}); the file is "
+            "damaged or its compression_type is not the one it was written "
+            "with", self.position) from None
+      if self._start:
+        del self._buffer[:self._start]  # drop what has been read
+        self._start = 0
+      self._buffer += data
+    return True
+
+  def _frame_length(self) -> int | None:
+    """The data length of the next frame; None at the end of the stream."""
+    if not self._fill(HEADER_BYTES):
+      if len(self._buffer) == self._start:
+        return None
+      raise self._truncated(HEADER_BYTES)
+    length, length_crc = _HEADER.unpack_from(self._buffer, self._start)
+    computed = masked_crc32c(bytes(self._buffer[self._start:self._start + 8]))
+    if computed != length_crc:
+      raise CorruptRecordError(
+          self._path, self.offset,
+          f"length CRC mismatch in the record header (stored "
+          f"0x{length_crc:08x}, computed 0x{computed:08x}); the file is "
+          "damaged or is not a TFRecord file", self.position)
+    if not self._fill(FRAME_OVERHEAD + length):
+      raise self._truncated(FRAME_OVERHEAD + length)
+    return length
+
+  def _truncated(self, size: int) -> CorruptRecordError:
+    return CorruptRecordError(
+        self._path, self.offset,
+        f"truncated file: the uncompressed stream ends {size} bytes into a "
+        "frame", self.position)
+
+  def _advance(self, length: int) -> None:
+    self._start += FRAME_OVERHEAD + length
+    self.offset += FRAME_OVERHEAD + length
+    self.position += 1
+
+  def read(self, verify_crc: bool = True) -> bytes | None:
+    """The next record, or None after the last one."""
+    length = self._frame_length()
+    if length is None:
+      return None
+    start = self._start + HEADER_BYTES
+    data = bytes(self._buffer[start:start + length])
+    if verify_crc:
+      stored = _CRC.unpack_from(self._buffer, start + length)[0]
+      computed = masked_crc32c(data)
+      if stored != computed:
+        raise CorruptRecordError(
+            self._path, self.offset,
+            f"data CRC mismatch (stored 0x{stored:08x}, computed "
+            f"0x{computed:08x}) for the {length}-byte record", self.position)
+    self._advance(length)
+    self.last = data
+    return data
+
+  def skip(self) -> bool:
+    """Passes the next record (its header checked); False at the end."""
+    length = self._frame_length()
+    if length is None:
+      return False
+    self._advance(length)
+    self.last = None
+    return True
+
+  def scan_offsets(self) -> np.ndarray:
+    """Uncompressed frame offsets of the remaining records, plus the end."""
+    offsets = [self.offset]
+    while self.skip():
+      offsets.append(self.offset)
+    return np.asarray(offsets, dtype=np.int64)
 

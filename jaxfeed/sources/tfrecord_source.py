@@ -9,6 +9,15 @@ file by scanning the record headers and cached beside the file as
 
 The cache is used only while the file's size and mtime match; otherwise it is
 rebuilt. Where the directory is not writable the index stays in memory.
+
+Compressed files (`compression_type="GZIP"` or `"ZLIB"`) have no random
+access: a deflate stream is read from its start. Their index (the record
+count and the offsets in the uncompressed stream) costs one pass that
+decompresses each whole file, cached the same way. Records are then served
+in order: a read at or after the current position decompresses forward to it,
+a read of a file's first record starts that file again (a new epoch), and any
+other backward read raises `SequentialReadError`. So read them with an
+unshuffled sampler; for shuffled access write the file uncompressed.
 """
 
 from __future__ import annotations
@@ -28,14 +37,16 @@ from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
                                   file_stamp, files_fingerprint_params, is_local,
                                   split_by_file)
 from jaxfeed.sources.tfrecord_format import (FOOTER_BYTES, FRAME_OVERHEAD,
-                                             HEADER_BYTES, masked_crc32c,
+                                             HEADER_BYTES, RecordStream,
+                                             compression_wbits, masked_crc32c,
                                              scan_record_offsets)
 
-__all__ = ["TFRecordSource"]
+__all__ = ["TFRecordSource", "SequentialReadError"]
 
 INDEX_SUFFIX = ".idx"
 _INDEX_MAGIC = int.from_bytes(b"JFTFRIDX", "little")
 _INDEX_VERSION = 1
+_COMPRESSED_INDEX_VERSION = 2  # offsets in the uncompressed stream
 _INDEX_HEADER = 5  # magic, version, file_size, mtime_ns, num_records
 
 # get_many merges reads of adjacent small records into one read of at most
@@ -49,6 +60,10 @@ _CRC = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
 
 
+class SequentialReadError(ValueError):
+  """A compressed TFRecord file was asked for a record behind its position."""
+
+
 class TFRecordSource(HandleSource):
   """Records (bytes) of one or more TFRecord files, concatenated in order.
 
@@ -59,6 +74,11 @@ class TFRecordSource(HandleSource):
       checked when the index is built).
     cache_index: Store each file's record index beside it as `<file>.idx`
       (when the directory is writable) and reuse it while it is fresh.
+    compression_type: None (or "") for plain files; "GZIP" or "ZLIB" for
+      files written compressed (as `tf.io.TFRecordOptions` names them). These
+      are read in order only (see the module docstring): indexing them
+      decompresses each file once, and a read behind a file's position (other
+      than its first record) raises `SequentialReadError`.
 
   Raises:
     FileNotFoundError: a file does not exist.
@@ -67,16 +87,24 @@ class TFRecordSource(HandleSource):
   """
 
   def __init__(self, paths: Any, verify_crc: bool = True,
-               cache_index: bool = True):
+               cache_index: bool = True,
+               compression_type: str | None = None):
     if not isinstance(verify_crc, bool) or not isinstance(cache_index, bool):
       raise TypeError(
           "TFRecordSource: verify_crc and cache_index must be bools, got "
           f"verify_crc={verify_crc!r}, cache_index={cache_index!r}.")
+    wbits = compression_wbits(compression_type, "TFRecordSource")
     path_list = as_path_list(paths, "TFRecordSource")
     check_files_exist(path_list, "TFRecordSource")
     self._verify_crc = verify_crc
     self._cache_index = cache_index
-    self._files = [_TFRecordFile(p, cache_index) for p in path_list]
+    self._compression_type = compression_type or None
+    if wbits is None:
+      self._files = [_TFRecordFile(p, cache_index) for p in path_list]
+    else:
+      self._files = [_CompressedTFRecordFile(p, cache_index, wbits,
+                                             compression_type)
+                     for p in path_list]
     counts = [f.load_index() for f in self._files]
     self._file_starts = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=self._file_starts[1:])
@@ -91,6 +119,10 @@ class TFRecordSource(HandleSource):
                                    self._verify_crc)
 
   def _read_many(self, indices: np.ndarray) -> list:
+    if self._compression_type is not None:
+      # In the order asked: sorting a chunk that spans two epochs would
+      # read the second epoch's first records before the first one's last.
+      return [self._read(i) for i in indices.tolist()]
     out = [None] * len(indices)
     for f, positions, slots in split_by_file(indices, self._file_starts):
       self._files[f].read_sorted(positions, slots, out, self._verify_crc)
@@ -101,8 +133,11 @@ class TFRecordSource(HandleSource):
     return [f.name for f in self._files]
 
   def spec_params(self) -> dict:
-    return {"paths": self.paths, "verify_crc": self._verify_crc,
-            "cache_index": self._cache_index}
+    params = {"paths": self.paths, "verify_crc": self._verify_crc,
+              "cache_index": self._cache_index}
+    if self._compression_type is not None:
+      params["compression_type"] = self._compression_type
+    return params
 
   def fingerprint_params(self) -> dict:
     return files_fingerprint_params(self.paths)
@@ -113,6 +148,8 @@ class TFRecordSource(HandleSource):
 
 class _TFRecordFile:
   """One TFRecord file: its record offsets and a lazily opened handle."""
+
+  index_version = _INDEX_VERSION
 
   def __init__(self, path: epath.Path, cache_index: bool):
     self.path = path
@@ -163,16 +200,19 @@ class _TFRecordFile:
       return None
     magic, version, size, mtime_ns, count = table[:_INDEX_HEADER].tolist()
     offsets = table[_INDEX_HEADER:]
-    if (magic != _INDEX_MAGIC or version != _INDEX_VERSION
+    if (magic != _INDEX_MAGIC or version != self.index_version
         or (size, mtime_ns) != stamp or count != len(offsets) - 1
-        or offsets[-1] != size):
+        or not self._offsets_fit(offsets, size)):
       return None
     return offsets
+
+  def _offsets_fit(self, offsets: np.ndarray, size: int) -> bool:
+    return offsets[-1] == size
 
   def _store_cached(self, stamp: tuple[int, int],
                     offsets: np.ndarray) -> bool:
     table = np.concatenate([
-        np.array([_INDEX_MAGIC, _INDEX_VERSION, stamp[0], stamp[1],
+        np.array([_INDEX_MAGIC, self.index_version, stamp[0], stamp[1],
                   len(offsets) - 1], np.int64), offsets])
     final = self._index_path()
     temporary = epath.Path(f"{final}.tmp-{uuid.uuid4().hex}")
@@ -311,6 +351,69 @@ class _TFRecordFile:
           f"data CRC mismatch (stored 0x{stored:08x}, computed "
           f"0x{computed:08x}) for the {len(data)}-byte record starting at "
           f"byte {start + HEADER_BYTES}", position)
+
+
+class _CompressedTFRecordFile(_TFRecordFile):
+  """A GZIP or ZLIB TFRecord file: indexed by one pass, read in order."""
+
+  index_version = _COMPRESSED_INDEX_VERSION
+
+  def __init__(self, path: epath.Path, cache_index: bool, wbits: int,
+               compression_type: str):
+    super().__init__(path, cache_index)
+    self.wbits = wbits
+    self.compression_type = compression_type
+    self.handle = LazyHandle(
+        functools.partial(_open_record_stream, path, wbits), _close_stream)
+
+  def _offsets_fit(self, offsets: np.ndarray, size: int) -> bool:
+    del size  # the offsets count uncompressed bytes
+    return True
+
+  def _scan(self, file_size: int) -> np.ndarray:
+    del file_size
+    stream = _open_record_stream(self.path, self.wbits)
+    try:
+      return stream[0].scan_offsets()
+    finally:
+      _close_stream(stream)
+
+  def read_one(self, position: int, verify_crc: bool) -> bytes:
+    self._open_checked()
+    stream, lock = self.handle.get()
+    with lock:
+      if position == stream.position - 1 and stream.last is not None:
+        return stream.last  # the same record again (a repeated index)
+      self._seek(stream, position)
+      record = stream.read(verify_crc)
+      if record is None:
+        raise CorruptRecordError(
+            self.name, stream.offset,
+            f"the file ended before record {position}; it changed after it "
+            "was indexed", position)
+      return record
+
+  def _seek(self, stream: RecordStream, position: int) -> None:
+    if position < stream.position:
+      if position != 0:
+        raise SequentialReadError(
+            f"TFRecordSource: {self.name} is {self.compression_type}-"
+            f"compressed, so its records are read in order only: record "
+            f"{position} of the file was asked for after record "
+            f"{stream.position - 1}. Read it with an unshuffled sampler "
+            "(IndexSampler(n, shuffle=False)), or write it uncompressed "
+            "(write_tfrecord without compression_type) for random access.")
+      stream.rewind()  # the first record again: a new pass over the file
+    while stream.position < position:
+      if not stream.skip():
+        raise CorruptRecordError(
+            self.name, stream.offset,
+            f"the file ended before record {position}; it changed after it "
+            "was indexed", position)
+
+
+def _open_record_stream(path: epath.Path, wbits: int):
+  return RecordStream(path.open("rb"), wbits, os.fspath(path)), threading.Lock()
 
 
 def _spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray,

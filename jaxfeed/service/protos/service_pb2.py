@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rservice.proto\x12\x0fjaxfeed.service\"\x85\x01\n\nDatasetDef\x12\x12\n\ngraph_json\x18\x01 \x01(\x0c\x12\x0e\n\x06\x61rrays\x18\x02 \x01(\x0c\x12\x14\n\x0cpickled_udfs\x18\x03 \x03(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x15\n\rnum_positions\x18\x06 \x01(\x03\"F\n\x16RegisterDatasetRequest\x12,\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1b.jaxfeed.service.DatasetDef\"-\n\x17RegisterDatasetResponse\x12\x12\n\ndataset_id\x18\x01 \x01(\t\"*\n\x14GetDatasetDefRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\"E\n\x15GetDatasetDefResponse\x12,\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1b.jaxfeed.service.DatasetDef\"\xcf\x01\n\x15GetOrCreateJobRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12\x17\n\x0fsharding_policy\x18\x02 \x01(\t\x12\x10\n\x08job_name\x18\x03 \x01(\t\x12\x15\n\rnum_consumers\x18\x04 \x01(\x05\x12\x16\n\x0e\x63onsumer_index\x18\x05 \x01(\x05\x12\x17\n\x0fround_timeout_s\x18\x06 \x01(\x01\x12\x14\n\x0c\x65xactly_once\x18\x07 \x01(\x08\x12\x19\n\x11\x65phemeral_sharing\x18\x08 \x01(\x08\";\n\x16GetOrCreateJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\"\xb2\x01\n\x16\x43lientHeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\x12\x14\n\x0c\x61\x63ked_splits\x18\x03 \x03(\x03\x12\x19\n\x11\x65lements_consumed\x18\x04 \x01(\x03\x12\x17\n\x0f\x63onsumer_wait_s\x18\x05 \x01(\x01\x12\x16\n\x0eread_elapsed_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x62uffer_fill\x18\x07 \x01(\x01\"\xa7\x02\n\x08TaskInfo\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\x03\x12\x12\n\ndataset_id\x18\x03 \x01(\t\x12\x16\n\x0eworker_address\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x17\n\x0fsharding_policy\x18\x06 \x01(\t\x12\x14\n\x0cworker_index\x18\x07 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x08 \x01(\x05\x12\x15\n\rnum_consumers\x18\t \x01(\x05\x12\x17\n\x0fround_timeout_s\x18\n \x01(\x01\x12\x14\n\x0c\x65xactly_once\x18\x0b \x01(\x08\x12\x19\n\x11\x65phemeral_sharing\x18\x0c \x01(\x08\x12\x13\n\x0bread_ticket\x18\x14 \x01(\t\"Y\n\x17\x43lientHeartbeatResponse\x12(\n\x05tasks\x18\x01 \x03(\x0b\x32\x19.jaxfeed.service.TaskInfo\x12\x14\n\x0cjob_finished\x18\x02 \x01(\x08\"<\n\x17ReleaseJobClientRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\"\x1a\n\x18ReleaseJobClientResponse\"\x86\x01\n\x16WorkerHeartbeatRequest\x12\x16\n\x0eworker_address\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x15\n\rcurrent_tasks\x18\x03 \x03(\x03\x12\x16\n\x0e\x66inished_tasks\x18\x04 \x03(\x03\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\"t\n\x17WorkerHeartbeatResponse\x12,\n\tnew_tasks\x18\x01 \x03(\x0b\x32\x19.jaxfeed.service.TaskInfo\x12\x17\n\x0ftasks_to_delete\x18\x02 \x03(\x03\x12\x12\n\nticket_key\x18\x14 \x01(\x0c\")\n\nSplitRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"G\n\x10GetSplitsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\x12\x12\n\nmax_ranges\x18\x03 \x01(\x05\"W\n\x11GetSplitsResponse\x12+\n\x06ranges\x18\x01 \x03(\x0b\x32\x1b.jaxfeed.service.SplitRange\x12\x15\n\rend_of_splits\x18\x02 \x01(\x08\"z\n\x12GetElementsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x13\n\x0b\x63ompression\x18\x02 \x01(\t\x12\x16\n\x0e\x63onsumer_index\x18\x03 \x01(\x05\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\x03\"\x80\x01\n\x0c\x45lementChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66rame_bytes\x18\x02 \x01(\x03\x12\x17\n\x0f\x65nd_of_sequence\x18\x03 \x01(\x08\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x12\n\nstats_json\x18\x05 \x01(\t\x12\x11\n\tsplit_end\x18\x06 \x01(\x08\x32\xbe\x05\n\nDispatcher\x12\x64\n\x0fRegisterDataset\x12\'.jaxfeed.service.RegisterDatasetRequest\x1a(.jaxfeed.service.RegisterDatasetResponse\x12^\n\rGetDatasetDef\x12%.jaxfeed.service.GetDatasetDefRequest\x1a&.jaxfeed.service.GetDatasetDefResponse\x12\x61\n\x0eGetOrCreateJob\x12&.jaxfeed.service.GetOrCreateJobRequest\x1a\'.jaxfeed.service.GetOrCreateJobResponse\x12\x64\n\x0f\x43lientHeartbeat\x12\'.jaxfeed.service.ClientHeartbeatRequest\x1a(.jaxfeed.service.ClientHeartbeatResponse\x12g\n\x10ReleaseJobClient\x12(.jaxfeed.service.ReleaseJobClientRequest\x1a).jaxfeed.service.ReleaseJobClientResponse\x12\x64\n\x0fWorkerHeartbeat\x12\'.jaxfeed.service.WorkerHeartbeatRequest\x1a(.jaxfeed.service.WorkerHeartbeatResponse\x12R\n\tGetSplits\x12!.jaxfeed.service.GetSplitsRequest\x1a\".jaxfeed.service.GetSplitsResponse2]\n\x06Worker\x12S\n\x0bGetElements\x12#.jaxfeed.service.GetElementsRequest\x1a\x1d.jaxfeed.service.ElementChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rservice.proto\x12\x0fjaxfeed.service\"\x85\x01\n\nDatasetDef\x12\x12\n\ngraph_json\x18\x01 \x01(\x0c\x12\x0e\n\x06\x61rrays\x18\x02 \x01(\x0c\x12\x14\n\x0cpickled_udfs\x18\x03 \x03(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x05 \x01(\t\x12\x15\n\rnum_positions\x18\x06 \x01(\x03\"F\n\x16RegisterDatasetRequest\x12,\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1b.jaxfeed.service.DatasetDef\"-\n\x17RegisterDatasetResponse\x12\x12\n\ndataset_id\x18\x01 \x01(\t\"*\n\x14GetDatasetDefRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\"E\n\x15GetDatasetDefResponse\x12,\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1b.jaxfeed.service.DatasetDef\"\xcf\x01\n\x15GetOrCreateJobRequest\x12\x12\n\ndataset_id\x18\x01 \x01(\t\x12\x17\n\x0fsharding_policy\x18\x02 \x01(\t\x12\x10\n\x08job_name\x18\x03 \x01(\t\x12\x15\n\rnum_consumers\x18\x04 \x01(\x05\x12\x16\n\x0e\x63onsumer_index\x18\x05 \x01(\x05\x12\x17\n\x0fround_timeout_s\x18\x06 \x01(\x01\x12\x14\n\x0c\x65xactly_once\x18\x07 \x01(\x08\x12\x19\n\x11\x65phemeral_sharing\x18\x08 \x01(\x08\";\n\x16GetOrCreateJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\"\xcf\x01\n\x16\x43lientHeartbeatRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\x12\x14\n\x0c\x61\x63ked_splits\x18\x03 \x03(\x03\x12\x19\n\x11\x65lements_consumed\x18\x04 \x01(\x03\x12\x17\n\x0f\x63onsumer_wait_s\x18\x05 \x01(\x01\x12\x16\n\x0eread_elapsed_s\x18\x06 \x01(\x01\x12\x13\n\x0b\x62uffer_fill\x18\x07 \x01(\x01\x12\x1b\n\x13known_tasks_version\x18( \x01(\x03\"\xa7\x02\n\x08TaskInfo\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x0e\n\x06job_id\x18\x02 \x01(\x03\x12\x12\n\ndataset_id\x18\x03 \x01(\t\x12\x16\n\x0eworker_address\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x17\n\x0fsharding_policy\x18\x06 \x01(\t\x12\x14\n\x0cworker_index\x18\x07 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x08 \x01(\x05\x12\x15\n\rnum_consumers\x18\t \x01(\x05\x12\x17\n\x0fround_timeout_s\x18\n \x01(\x01\x12\x14\n\x0c\x65xactly_once\x18\x0b \x01(\x08\x12\x19\n\x11\x65phemeral_sharing\x18\x0c \x01(\x08\x12\x13\n\x0bread_ticket\x18\x14 \x01(\t\"\xa7\x01\n\x17\x43lientHeartbeatResponse\x12(\n\x05tasks\x18\x01 \x03(\x0b\x32\x19.jaxfeed.service.TaskInfo\x12\x14\n\x0cjob_finished\x18\x02 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18( \x01(\x01\x12\x15\n\rtasks_version\x18) \x01(\x03\x12\x17\n\x0ftasks_unchanged\x18* \x01(\x08\"<\n\x17ReleaseJobClientRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x11\n\tclient_id\x18\x02 \x01(\x03\"\x1a\n\x18ReleaseJobClientResponse\"\x86\x01\n\x16WorkerHeartbeatRequest\x12\x16\n\x0eworker_address\x18\x01 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x15\n\rcurrent_tasks\x18\x03 \x03(\x03\x12\x16\n\x0e\x66inished_tasks\x18\x04 \x03(\x03\x12\x0f\n\x07leaving\x18\x05 \x01(\x08\"\x92\x01\n\x17WorkerHeartbeatResponse\x12,\n\tnew_tasks\x18\x01 \x03(\x0b\x32\x19.jaxfeed.service.TaskInfo\x12\x17\n\x0ftasks_to_delete\x18\x02 \x03(\x03\x12\x12\n\nticket_key\x18\x14 \x01(\x0c\x12\x1c\n\x14heartbeat_interval_s\x18( \x01(\x01\")\n\nSplitRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"G\n\x10GetSplitsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0f\n\x07task_id\x18\x02 \x01(\x03\x12\x12\n\nmax_ranges\x18\x03 \x01(\x05\"W\n\x11GetSplitsResponse\x12+\n\x06ranges\x18\x01 \x03(\x0b\x32\x1b.jaxfeed.service.SplitRange\x12\x15\n\rend_of_splits\x18\x02 \x01(\x08\"z\n\x12GetElementsRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\x03\x12\x13\n\x0b\x63ompression\x18\x02 \x01(\t\x12\x16\n\x0e\x63onsumer_index\x18\x03 \x01(\x05\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x05 \x01(\x03\"\x80\x01\n\x0c\x45lementChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66rame_bytes\x18\x02 \x01(\x03\x12\x17\n\x0f\x65nd_of_sequence\x18\x03 \x01(\x08\x12\r\n\x05round\x18\x04 \x01(\x03\x12\x12\n\nstats_json\x18\x05 \x01(\t\x12\x11\n\tsplit_end\x18\x06 \x01(\x08\x32\xbe\x05\n\nDispatcher\x12\x64\n\x0fRegisterDataset\x12\'.jaxfeed.service.RegisterDatasetRequest\x1a(.jaxfeed.service.RegisterDatasetResponse\x12^\n\rGetDatasetDef\x12%.jaxfeed.service.GetDatasetDefRequest\x1a&.jaxfeed.service.GetDatasetDefResponse\x12\x61\n\x0eGetOrCreateJob\x12&.jaxfeed.service.GetOrCreateJobRequest\x1a\'.jaxfeed.service.GetOrCreateJobResponse\x12\x64\n\x0f\x43lientHeartbeat\x12\'.jaxfeed.service.ClientHeartbeatRequest\x1a(.jaxfeed.service.ClientHeartbeatResponse\x12g\n\x10ReleaseJobClient\x12(.jaxfeed.service.ReleaseJobClientRequest\x1a).jaxfeed.service.ReleaseJobClientResponse\x12\x64\n\x0fWorkerHeartbeat\x12\'.jaxfeed.service.WorkerHeartbeatRequest\x1a(.jaxfeed.service.WorkerHeartbeatResponse\x12R\n\tGetSplits\x12!.jaxfeed.service.GetSplitsRequest\x1a\".jaxfeed.service.GetSplitsResponse2]\n\x06Worker\x12S\n\x0bGetElements\x12#.jaxfeed.service.GetElementsRequest\x1a\x1d.jaxfeed.service.ElementChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,31 +46,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETORCREATEJOBRESPONSE']._serialized_start=614
   _globals['_GETORCREATEJOBRESPONSE']._serialized_end=673
   _globals['_CLIENTHEARTBEATREQUEST']._serialized_start=676
-  _globals['_CLIENTHEARTBEATREQUEST']._serialized_end=854
-  _globals['_TASKINFO']._serialized_start=857
-  _globals['_TASKINFO']._serialized_end=1152
-  _globals['_CLIENTHEARTBEATRESPONSE']._serialized_start=1154
-  _globals['_CLIENTHEARTBEATRESPONSE']._serialized_end=1243
-  _globals['_RELEASEJOBCLIENTREQUEST']._serialized_start=1245
-  _globals['_RELEASEJOBCLIENTREQUEST']._serialized_end=1305
-  _globals['_RELEASEJOBCLIENTRESPONSE']._serialized_start=1307
-  _globals['_RELEASEJOBCLIENTRESPONSE']._serialized_end=1333
-  _globals['_WORKERHEARTBEATREQUEST']._serialized_start=1336
-  _globals['_WORKERHEARTBEATREQUEST']._serialized_end=1470
-  _globals['_WORKERHEARTBEATRESPONSE']._serialized_start=1472
-  _globals['_WORKERHEARTBEATRESPONSE']._serialized_end=1588
-  _globals['_SPLITRANGE']._serialized_start=1590
-  _globals['_SPLITRANGE']._serialized_end=1631
-  _globals['_GETSPLITSREQUEST']._serialized_start=1633
-  _globals['_GETSPLITSREQUEST']._serialized_end=1704
-  _globals['_GETSPLITSRESPONSE']._serialized_start=1706
-  _globals['_GETSPLITSRESPONSE']._serialized_end=1793
-  _globals['_GETELEMENTSREQUEST']._serialized_start=1795
-  _globals['_GETELEMENTSREQUEST']._serialized_end=1917
-  _globals['_ELEMENTCHUNK']._serialized_start=1920
-  _globals['_ELEMENTCHUNK']._serialized_end=2048
-  _globals['_DISPATCHER']._serialized_start=2051
-  _globals['_DISPATCHER']._serialized_end=2753
-  _globals['_WORKER']._serialized_start=2755
-  _globals['_WORKER']._serialized_end=2848
+  _globals['_CLIENTHEARTBEATREQUEST']._serialized_end=883
+  _globals['_TASKINFO']._serialized_start=886
+  _globals['_TASKINFO']._serialized_end=1181
+  _globals['_CLIENTHEARTBEATRESPONSE']._serialized_start=1184
+  _globals['_CLIENTHEARTBEATRESPONSE']._serialized_end=1351
+  _globals['_RELEASEJOBCLIENTREQUEST']._serialized_start=1353
+  _globals['_RELEASEJOBCLIENTREQUEST']._serialized_end=1413
+  _globals['_RELEASEJOBCLIENTRESPONSE']._serialized_start=1415
+  _globals['_RELEASEJOBCLIENTRESPONSE']._serialized_end=1441
+  _globals['_WORKERHEARTBEATREQUEST']._serialized_start=1444
+  _globals['_WORKERHEARTBEATREQUEST']._serialized_end=1578
+  _globals['_WORKERHEARTBEATRESPONSE']._serialized_start=1581
+  _globals['_WORKERHEARTBEATRESPONSE']._serialized_end=1727
+  _globals['_SPLITRANGE']._serialized_start=1729
+  _globals['_SPLITRANGE']._serialized_end=1770
+  _globals['_GETSPLITSREQUEST']._serialized_start=1772
+  _globals['_GETSPLITSREQUEST']._serialized_end=1843
+  _globals['_GETSPLITSRESPONSE']._serialized_start=1845
+  _globals['_GETSPLITSRESPONSE']._serialized_end=1932
+  _globals['_GETELEMENTSREQUEST']._serialized_start=1934
+  _globals['_GETELEMENTSREQUEST']._serialized_end=2056
+  _globals['_ELEMENTCHUNK']._serialized_start=2059
+  _globals['_ELEMENTCHUNK']._serialized_end=2187
+  _globals['_DISPATCHER']._serialized_start=2190
+  _globals['_DISPATCHER']._serialized_end=2892
+  _globals['_WORKER']._serialized_start=2894
+  _globals['_WORKER']._serialized_end=2987
 # @@protoc_insertion_point(module_scope)

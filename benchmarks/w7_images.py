@@ -1,0 +1,289 @@
+r"""W7: JPEG tf.train.Examples -> parse -> decode + random resized crop -> batch.
+
+10,000 Examples, each a ~256 px JPEG (a random crop of one of scikit-learn's
+sample photographs, re-encoded at quality 90) and a label, in one TFRecord
+file. Every system parses each Example, decodes a random resized crop to
+224 x 224 (scale (0.08, 1), ratio (3/4, 4/3)), flips it at random, normalizes
+it to float32 and batches 128:
+
+  * jaxfeed: TFRecordSource -> random_map(jaxfeed.example + jaxfeed.image,
+    threads) -> batch; jaxfeed-normalize-batches: the same with normalize
+    moved after the batch (uint8 images, one float32 array per batch).
+  * tf.data: TFRecordDataset -> map(tf.io.parse_single_example,
+    tf.image.sample_distorted_bounding_box + decode_and_crop_jpeg + resize,
+    flip, normalize; AUTOTUNE) -> batch -> prefetch.
+  * grain: MapDataset over the same records -> random_map (Pillow: draft,
+    crop-resize, flip, normalize) -> batch, in worker processes.
+  * decode-limit: one core's rate of the jaxfeed decode + crop in a bare loop
+    times the cores this process may use (the most a decoder-bound pipeline
+    can do); transform-limit: the same for the whole per-image transform
+    (parse, decode + crop, flip, normalize).
+
+Prints one JSON line per system: images/s, and for the in-process systems
+the CPU time per image (all threads), which a machine shared with other work
+disturbs far less than the rate. The jaxfeed line has its ratio to the best
+peer and to the limits.
+
+  python -m benchmarks.w7_images [--records 10000] [--epochs 2] [--systems ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import time
+
+import numpy as np
+
+from benchmarks import harness
+
+SIZE = 224
+BATCH = 128
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+MEAN = np.array([123.675, 116.28, 103.53], np.float32)
+STD = np.array([58.395, 57.12, 57.375], np.float32)
+
+
+def make_records(path: str, count: int) -> str:
+  """Writes `count` JPEG Examples once (reused while the file exists)."""
+  from examples import images_data
+  import jaxfeed
+  if not os.path.exists(path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    records = (jaxfeed.make_example({"image/encoded": jpeg,
+                                     "image/class/label": label})
+               for jpeg, label in images_data.random_crop_jpegs(
+                   count, seed=7, sizes=(256,), min_side=128, quality=90))
+    jaxfeed.write_tfrecord(path + ".tmp", records)
+    os.replace(path + ".tmp", path)
+  return path
+
+
+def jaxfeed_transform(record: bytes, rng: np.random.Generator) -> dict:
+  from examples import images_data
+  from jaxfeed import image
+  import jaxfeed
+  example = jaxfeed.parse_single_example(record, images_data.FEATURES)
+  pixels = image.decode_and_random_resized_crop(
+      example["image/encoded"].item(), rng, SIZE, SCALE, RATIO)
+  pixels = image.random_flip_left_right(pixels, rng)
+  return {"image": image.normalize(pixels),
+          "label": example["image/class/label"]}
+
+
+def jaxfeed_uint8_transform(record: bytes, rng: np.random.Generator) -> dict:
+  """`jaxfeed_transform` without the normalize: uint8 pixels."""
+  from examples import images_data
+  from jaxfeed import image
+  import jaxfeed
+  example = jaxfeed.parse_single_example(record, images_data.FEATURES)
+  pixels = image.decode_and_random_resized_crop(
+      example["image/encoded"].item(), rng, SIZE, SCALE, RATIO)
+  return {"image": image.random_flip_left_right(pixels, rng),
+          "label": example["image/class/label"]}
+
+
+def normalize_batch(batch: dict) -> dict:
+  from jaxfeed import image
+  return {"image": image.normalize(batch["image"]), "label": batch["label"]}
+
+
+def jaxfeed_dataset(path: str, threads: int, normalize_batches: bool = False):
+  """The pipeline; `normalize_batches` normalizes each uint8 batch at once
+  instead of each image (one float32 array per batch, not per image)."""
+  import jaxfeed
+  source = jaxfeed.TFRecordSource(path)
+  dataset = jaxfeed.Dataset.from_source(source)
+  if not normalize_batches:
+    return (dataset.random_map(jaxfeed_transform, num_parallel_calls=threads,
+                               seed=0).batch(BATCH))
+  return (dataset.random_map(jaxfeed_uint8_transform,
+                             num_parallel_calls=threads, seed=0)
+          .batch(BATCH).map(normalize_batch))
+
+
+def tf_dataset(path: str):
+  import tensorflow as tf
+  features = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
+              "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+
+  def transform(record):
+    example = tf.io.parse_single_example(record, features)
+    data = example["image/encoded"]
+    shape = tf.io.extract_jpeg_shape(data)
+    begin, size, _ = tf.image.sample_distorted_bounding_box(
+        shape, tf.zeros([0, 0, 4], tf.float32), min_object_covered=0.0,
+        aspect_ratio_range=RATIO, area_range=SCALE, max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    window = tf.stack([begin[0], begin[1], size[0], size[1]])
+    pixels = tf.io.decode_and_crop_jpeg(data, window, channels=3)
+    pixels = tf.image.resize(pixels, [SIZE, SIZE])
+    pixels = tf.image.random_flip_left_right(pixels)
+    return {"image": (pixels - MEAN) / STD, "label": example["image/class/label"]}
+
+  return (tf.data.TFRecordDataset(path).map(
+      transform, num_parallel_calls=tf.data.AUTOTUNE)
+          .batch(BATCH).prefetch(tf.data.AUTOTUNE))
+
+
+class PillowTransform:
+  """Grain's side: the same steps with Pillow (draft decoding, crop-resize)."""
+
+  def __call__(self, record: bytes, rng: np.random.Generator) -> dict:
+    from PIL import Image
+    from examples import images_data
+    from jaxfeed import image
+    import jaxfeed
+    example = jaxfeed.parse_single_example(record, images_data.FEATURES)
+    picture = Image.open(io.BytesIO(example["image/encoded"].item()))
+    width, height = picture.size
+    top, left, h, w = image.random_crop_box(height, width, rng, SCALE, RATIO)
+    picture.draft("RGB", (max(1, width * SIZE // w), max(1, height * SIZE // h)))
+    sx, sy = picture.size[0] / width, picture.size[1] / height
+    picture = picture.convert("RGB").resize(
+        (SIZE, SIZE), Image.BILINEAR,
+        box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+    pixels = np.asarray(picture)
+    if rng.random() < 0.5:
+      pixels = pixels[:, ::-1]
+    return {"image": (pixels.astype(np.float32) - MEAN) / STD,
+            "label": example["image/class/label"]}
+
+
+def grain_dataset(path: str, workers: int):
+  from absl import flags
+  import grain
+  import jaxfeed
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()  # grain's workers read their absl flags
+  source = jaxfeed.TFRecordSource(path)
+  dataset = (grain.MapDataset.source(source).seed(0)
+             .random_map(PillowTransform()).batch(BATCH).to_iter_dataset())
+  if workers > 0:
+    dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(
+        num_workers=workers))
+  return dataset
+
+
+def bare_limit(path: str, cores: int, whole_transform: bool,
+               seconds: float = 5.0) -> dict:
+  """One core's rate in a bare loop, times `cores`.
+
+  Decode + crop only (the jaxfeed decoder), or with `whole_transform` the
+  whole per-image transform of the jaxfeed pipeline.
+  """
+  import jaxfeed
+  from jaxfeed import image
+  from examples import images_data
+  source = jaxfeed.TFRecordSource(path)
+  records = source.get_many(np.arange(min(500, len(source))))
+  jpegs = [jaxfeed.parse_single_example(r, images_data.FEATURES)[
+      "image/encoded"].item() for r in records]
+  rng = np.random.default_rng(0)
+  count, start, cpu = 0, time.perf_counter(), time.process_time()
+  while time.perf_counter() - start < seconds:
+    if whole_transform:
+      for record in records:
+        jaxfeed_transform(record, rng)
+    else:
+      for jpeg in jpegs:
+        image.decode_and_random_resized_crop(jpeg, rng, SIZE, SCALE, RATIO)
+    count += len(jpegs)
+  one_core = count / (time.perf_counter() - start)
+  return {"rate": one_core * cores, "one_core_rate": round(one_core, 1),
+          "cores": cores, "cpu_us_per_image": round(
+              (time.process_time() - cpu) / count * 1e6, 1)}
+
+
+def measure_cpu(make_epoch, count, epochs: int) -> dict:
+  """`harness.measure` plus this process's CPU time per item (all epochs)."""
+  start = time.process_time()
+  result = harness.measure(make_epoch, count, epochs)
+  result["cpu_us_per_image"] = round(
+      (time.process_time() - start) / (result["items"] * (epochs + 1)) * 1e6,
+      1)
+  return result
+
+
+def thread_scaling(path: str, seconds: float = 3.0) -> dict:
+  """decode_and_random_resized_crop images/s on 1 and on 2 threads."""
+  import threading
+  import jaxfeed
+  from jaxfeed import image
+  from examples import images_data
+  source = jaxfeed.TFRecordSource(path)
+  jpegs = [jaxfeed.parse_single_example(r, images_data.FEATURES)[
+      "image/encoded"].item() for r in source.get_many(np.arange(200))]
+
+  def run(threads: int) -> float:
+    counts = [0] * threads
+    stop = time.perf_counter() + seconds
+
+    def work(slot):
+      rng = np.random.default_rng(slot)
+      while time.perf_counter() < stop:
+        for jpeg in jpegs[:50]:
+          image.decode_and_random_resized_crop(jpeg, rng, SIZE, SCALE, RATIO)
+        counts[slot] += 50
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    start = time.perf_counter()
+    for t in pool:
+      t.start()
+    for t in pool:
+      t.join()
+    return sum(counts) / (time.perf_counter() - start)
+  return {"1_thread": round(run(1), 1), "2_threads": round(run(2), 1)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--records", type=int, default=10_000)
+  parser.add_argument("--epochs", type=int, default=2)
+  parser.add_argument("--data", default="/tmp/jaxfeed_w7/images.tfrecord")
+  parser.add_argument("--systems", nargs="+",
+                      default=["jaxfeed", "tf.data", "grain", "limit"])
+  parser.add_argument("--threads", type=int, default=0,
+                      help="jaxfeed's decode threads (0: the usable cores)")
+  args = parser.parse_args()
+  cores = len(os.sched_getaffinity(0))
+  threads = args.threads or cores
+  path = make_records(args.data.replace(".tfrecord", f"-{args.records}.tfrecord"),
+                      args.records)
+  count = lambda batch: len(batch["label"])
+  results, extra = {}, {}
+  if "jaxfeed" in args.systems:
+    dataset = jaxfeed_dataset(path, threads)
+    results["jaxfeed"] = measure_cpu(lambda: iter(dataset), count,
+                                     args.epochs)
+    extra["jaxfeed"] = {"threads": threads,
+                        "thread_scaling": thread_scaling(path)}
+    dataset = jaxfeed_dataset(path, threads, normalize_batches=True)
+    results["jaxfeed-normalize-batches"] = measure_cpu(
+        lambda: iter(dataset), count, args.epochs)
+  if "tf.data" in args.systems:
+    dataset = tf_dataset(path)
+    results["tf.data"] = measure_cpu(dataset.as_numpy_iterator, count,
+                                     args.epochs)
+  if "grain" in args.systems:
+    dataset = grain_dataset(path, cores)
+    results["grain"] = harness.measure(lambda: iter(dataset), count,
+                                       args.epochs)
+    extra["grain"] = {"workers": cores}
+  limits = {}
+  if "limit" in args.systems:
+    limits["decode-limit"] = bare_limit(path, cores, whole_transform=False)
+    limits["transform-limit"] = bare_limit(path, cores, whole_transform=True)
+    for name, limit in limits.items():
+      for system in ("jaxfeed", "jaxfeed-normalize-batches"):
+        if system in results:
+          extra.setdefault(system, {})[f"ratio_vs_{name}"] = round(
+              results[system]["rate"] / limit["rate"], 3)
+  harness.report("W7", results, "images/s", extra)
+  for name, limit in limits.items():
+    harness.report("W7", {name: limit}, "images/s")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""Protocol buffers of record formats jaxfeed reads (tf.train.Example)."""

@@ -1,0 +1,168 @@
+"""The dispatcher at scale: heartbeat pacing, task lists sent once per change,
+splits that grow with a job, and the load simulator (benchmarks.dispatcher_scale)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import psutil
+import pytest
+
+import jaxfeed
+from jaxfeed.service import dispatcher as dispatcher_lib
+from jaxfeed.service import heartbeat_pacing
+from jaxfeed.service import spec
+from jaxfeed.service.protos import service_pb2 as pb
+from service_cluster import REPO_ROOT
+
+RESULT_FIELDS = (
+    "workers", "clients", "parties", "seconds", "rpcs_per_s", "rpcs", "latency_ms",
+    "handler_ms", "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
+    "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s")
+RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
+             "ReleaseJobClient")
+
+
+def _dataset_def(num_positions: int = 1 << 40) -> pb.DatasetDef:
+  dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(4)}))
+  result = spec.to_dataset_def(dataset.node)
+  result.num_positions = num_positions
+  return result
+
+
+def _state(**pacing) -> dispatcher_lib.DispatcherState:
+  return dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig(
+      split_size=10, heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(**pacing)))
+
+
+def _register_workers(state, count: int, first: int = 0) -> pb.WorkerHeartbeatResponse:
+  response = None
+  for i in range(first, first + count):
+    response = state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=f"w{i}:1"))
+  return response
+
+
+@pytest.mark.parametrize("parties, expected", [
+    (10, 0.0),      # few: the parties keep their own interval
+    (100, 1.0),     # 100 / 100 calls a second
+    (10_000, 5.0),  # capped at the most allowed
+])
+def test_heartbeat_interval_keeps_the_rate_within_budget(parties, expected):
+  assert heartbeat_pacing.heartbeat_interval(parties, 100.0, 0.5, 5.0) == expected
+
+
+def test_heartbeat_pacing_rejects_bad_values():
+  with pytest.raises(ValueError, match="worker_heartbeats_per_s must be > 0"):
+    heartbeat_pacing.HeartbeatPacing(worker_heartbeats_per_s=0)
+  with pytest.raises(ValueError, match=r"client_timeout_fraction must be in \(0, 1\]"):
+    heartbeat_pacing.HeartbeatPacing(client_timeout_fraction=2)
+  with pytest.raises(ValueError, match="heartbeat_pacing must be a HeartbeatPacing"):
+    dispatcher_lib.DispatcherConfig(heartbeat_pacing=3)
+
+
+def test_workers_are_told_a_longer_interval_as_they_grow():
+  state = _state(worker_heartbeats_per_s=10.0)
+  assert _register_workers(state, 4).heartbeat_interval_s == 0.0
+  # 40 workers at 10 heartbeats a second: every 4 s; at most timeout / 3.
+  assert _register_workers(state, 36, first=4).heartbeat_interval_s == pytest.approx(10 / 3)
+  state.close()
+
+
+def test_clients_are_told_a_longer_interval_as_they_grow():
+  state = _state(client_heartbeats_per_s=10.0)
+  _register_workers(state, 2)
+  dataset_id = state.register_dataset(_dataset_def())
+  joined = [state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared"))
+            for _ in range(30)]
+  job_id, client_id = joined[0]
+  response = state.client_heartbeat(job_id, client_id)
+  assert response.heartbeat_interval_s == pytest.approx(3.0)  # 30 / 10 a second
+  state.close()
+
+
+def test_client_gets_the_task_list_only_when_it_changed():
+  state = _state()
+  _register_workers(state, 3)
+  dataset_id = state.register_dataset(_dataset_def())
+  job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="DYNAMIC"))
+  heartbeat = lambda version: state.client_heartbeat(
+      job_id, client_id, report=pb.ClientHeartbeatRequest(known_tasks_version=version))
+  first = heartbeat(0)
+  assert len(first.tasks) == 3 and first.tasks_version and not first.tasks_unchanged
+  assert all(t.read_ticket == "" for t in first.tasks)
+  again = heartbeat(first.tasks_version)
+  assert again.tasks_unchanged and not again.tasks
+  assert again.tasks_version == first.tasks_version
+  _register_workers(state, 1, first=3)  # a new worker: a new task
+  grown = heartbeat(first.tasks_version)
+  assert not grown.tasks_unchanged and len(grown.tasks) == 4
+  assert grown.tasks_version != first.tasks_version
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w0:1", leaving=True))
+  shrunk = heartbeat(grown.tasks_version)
+  assert sorted(t.worker_address for t in shrunk.tasks) == ["w1:1", "w2:1", "w3:1"]
+  # An unrelated change elsewhere keeps the version (no list is resent).
+  other = state.register_dataset(_dataset_def(7))
+  state.get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=other,
+                                                   sharding_policy="DYNAMIC"))
+  assert heartbeat(shrunk.tasks_version).tasks_unchanged
+  state.close()
+
+
+def test_task_list_reports_finished_tasks():
+  state = _state()
+  _register_workers(state, 1)
+  dataset_id = state.register_dataset(_dataset_def(5))
+  job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="OFF"))
+  task_id = next(iter(state.jobs[job_id].tasks))
+  before = state.client_heartbeat(job_id, client_id)
+  assert not before.job_finished
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w0:1",
+                                                   finished_tasks=[task_id]))
+  after = state.client_heartbeat(job_id, client_id, report=pb.ClientHeartbeatRequest(
+      known_tasks_version=before.tasks_version))
+  assert after.job_finished and after.tasks_version != before.tasks_version
+  state.close()
+
+
+def test_splits_grow_with_the_tasks_of_a_job():
+  state = _state(tasks_per_split_step=4)
+  _register_workers(state, 10)
+  dataset_id = state.register_dataset(_dataset_def())
+  job_id, _ = state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="DYNAMIC"))
+  task_id = next(iter(state.jobs[job_id].tasks))
+  response = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
+                                                  max_ranges=2))
+  # 10 tasks, 4 a step: 3 x split_size.
+  assert [(r.start, r.stop) for r in response.ranges] == [(0, 30), (30, 60)]
+  state.close()
+
+
+def test_load_simulator_reports_every_field_without_failures():
+  children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+  output = subprocess.run(
+      [sys.executable, "-m", "benchmarks.dispatcher_scale", "--workers=20",
+       "--clients=40", "--seconds=3", "--warmup_s=0.5", "--join_spread_s=0.5",
+       "--processes=1", "--round_robin_clients=4", "--json"],
+      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240, check=True)
+  result = json.loads(output.stdout.strip().splitlines()[-1])
+  assert not set(RESULT_FIELDS) - set(result)
+  assert result["failed_rpcs"] == 0, result["errors"]
+  assert result["parties"] == 60
+  assert set(result["latency_ms"]) == set(RPC_KINDS)
+  for kind in RPC_KINDS:
+    assert result["rpcs"][kind] > 0, kind
+  assert result["rpcs"]["GetOrCreateJob"] == 40
+  assert result["restart_replay_s"] > 0 and result["dispatcher_rss_mb"] > 0
+  assert result["journal_bytes_per_s"] > 0  # splits and acknowledgments are journaled
+  assert not [p for p in psutil.Process().children(recursive=True)
+              if p.pid not in children_before]

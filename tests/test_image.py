@@ -1,0 +1,217 @@
+"""jaxfeed.image: decoding against TensorFlow's, crop geometry, augmentations."""
+
+import io
+import os
+import time
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
+from PIL import Image  # pylint: disable=g-import-not-at-top
+
+from jaxfeed import image as jim  # pylint: disable=g-import-not-at-top
+
+
+def _photo(height=96, width=128, seed=0) -> np.ndarray:
+  """A smooth color image with some texture (JPEG-friendly, not constant)."""
+  y, x = np.mgrid[0:height, 0:width]
+  rng = np.random.default_rng(seed)
+  noise = rng.integers(0, 40, (height, width, 3))
+  rgb = np.stack([x * 255 // width, y * 255 // height, (x + y) % 256], -1)
+  return np.clip(rgb + noise, 0, 255).astype(np.uint8)
+
+
+def _encode(array, fmt="JPEG", **kw) -> bytes:
+  buffer = io.BytesIO()
+  Image.fromarray(array).save(buffer, fmt, **kw)
+  return buffer.getvalue()
+
+
+@pytest.mark.parametrize("quality,subsampling", [(90, 0), (75, 2)])
+def test_decode_jpeg_matches_tensorflow(quality, subsampling):
+  data = _encode(_photo(), quality=quality, subsampling=subsampling)
+  ours = jim.decode_jpeg(data)
+  # Both are libjpeg-turbo: with the same (accurate integer) IDCT, the same
+  # pixels. TensorFlow's default, the fast IDCT, is a few steps off.
+  theirs = tf.io.decode_jpeg(data, channels=3,
+                             dct_method="INTEGER_ACCURATE").numpy()
+  assert ours.dtype == np.uint8 and ours.shape == (96, 128, 3)
+  np.testing.assert_array_equal(ours, theirs)
+  fast = tf.io.decode_jpeg(data, channels=3).numpy()
+  assert np.abs(ours.astype(int) - fast).max() <= 8
+
+
+def test_decode_jpeg_gray_and_file_channels():
+  gray = _photo()[:, :, 0]
+  data = _encode(gray, quality=95)
+  assert jim.decode_jpeg(data, channels=0).shape == (96, 128, 1)
+  np.testing.assert_array_equal(
+      jim.decode_jpeg(data, channels=1),
+      tf.io.decode_jpeg(data, channels=1,
+                        dct_method="INTEGER_ACCURATE").numpy())
+  assert jim.decode_jpeg(data).shape == (96, 128, 3)
+
+
+def test_decode_image_png_is_exact():
+  photo = _photo(40, 50)
+  np.testing.assert_array_equal(jim.decode_image(_encode(photo, "PNG")), photo)
+  rgba = np.dstack([photo, np.full((40, 50), 7, np.uint8)])
+  data = _encode(rgba, "PNG")
+  np.testing.assert_array_equal(jim.decode_image(data, channels=0), rgba)
+  np.testing.assert_array_equal(jim.decode_image(data, channels=0),
+                                tf.io.decode_png(data).numpy())
+
+
+def test_bad_bytes_are_refused_clearly():
+  with pytest.raises(ValueError, match="neither JPEG nor PNG"):
+    jim.decode_image(b"GIF89a....")
+  truncated = _encode(_photo())[:300]
+  with pytest.raises(ValueError, match="300-byte JPEG cannot be decoded"):
+    jim.decode_jpeg(truncated)
+  with pytest.raises(ValueError, match="a PNG, not a JPEG"):
+    jim.decode_jpeg(_encode(_photo(), "PNG"))
+  with pytest.raises(ValueError, match="channels must be one of"):
+    jim.decode_jpeg(_encode(_photo()), channels=2)
+
+
+def test_crop_boxes_lie_inside_and_follow_scale_and_ratio():
+  rng = np.random.default_rng(0)
+  areas, ratios = [], []
+  for _ in range(2000):
+    top, left, h, w = jim.random_crop_box(300, 400, rng, (0.2, 0.9),
+                                          (0.5, 2.0))
+    assert 0 <= top and top + h <= 300 and 0 <= left and left + w <= 400
+    areas.append(h * w / (300 * 400))
+    ratios.append(w / h)
+  areas, ratios = np.array(areas), np.array(ratios)
+  assert areas.min() >= 0.19 and areas.max() <= 0.91
+  assert ratios.min() >= 0.49 and ratios.max() <= 2.02
+  # Spread over the range, not stuck at the fallback.
+  assert areas.std() > 0.15 and np.log(ratios).std() > 0.3
+
+
+def test_crop_box_falls_back_to_a_centered_crop():
+  rng = np.random.default_rng(0)
+  # A 10x1000 strip cannot hold a crop of ratio <= 4/3 and area >= 8%.
+  top, left, h, w = jim.random_crop_box(10, 1000, rng)
+  assert (top, h) == (0, 10) and w == 13 and left == (1000 - 13) // 2
+
+
+def test_random_resized_crop_equals_crop_then_resize_of_full_decode():
+  # Smooth, so that the smoothing of reduced-scale decoding hardly matters.
+  y, x = np.mgrid[0:480, 0:640]
+  smooth = np.stack([x * 255 // 640, y * 255 // 480, (x + y) * 255 // 1120], -1)
+  data = _encode(smooth.astype(np.uint8), quality=95)
+  full = jim.decode_jpeg(data)
+  for seed in range(6):
+    out = jim.decode_and_random_resized_crop(data, np.random.default_rng(seed),
+                                             (32, 48))
+    assert out.shape == (32, 48, 3) and out.dtype == np.uint8
+    top, left, h, w = jim.random_crop_box(480, 640,
+                                          np.random.default_rng(seed))
+    want = tf.image.resize(full[top:top + h, left:left + w], (32, 48)).numpy()
+    assert np.abs(out.astype(float) - want).mean() < 3
+
+
+def test_random_resized_crop_decodes_small_crops_at_reduced_scale(monkeypatch):
+  import simplejpeg  # pylint: disable=g-import-not-at-top
+  sizes = []
+  decode = simplejpeg.decode_jpeg
+
+  def recording_decode(*args, **kwargs):
+    out = decode(*args, **kwargs)
+    sizes.append(out.shape[:2])
+    return out
+  monkeypatch.setattr(simplejpeg, "decode_jpeg", recording_decode)
+  data = _encode(_photo(480, 640))
+  jim.decode_and_random_resized_crop(data, np.random.default_rng(0), 16,
+                                     scale=(0.5, 0.5), ratio=(1, 1))
+  jim.decode_and_random_resized_crop(data, np.random.default_rng(0), 300,
+                                     scale=(0.5, 0.5), ratio=(1, 1))
+  assert sizes == [(60, 80), (480, 640)]
+
+
+def test_png_random_resized_crop():
+  out = jim.decode_and_random_resized_crop(
+      _encode(_photo(), "PNG"), np.random.default_rng(1), 20, channels=1)
+  assert out.shape == (20, 20, 1)
+
+
+def test_normalize_of_a_batch_and_of_gray_images():
+  batch = np.stack([_photo(4, 5), _photo(4, 5, seed=1)])
+  np.testing.assert_allclose(
+      jim.normalize(batch, mean=(1, 2, 3), std=(2, 4, 8)),
+      (batch - np.array([1, 2, 3])) / np.array([2, 4, 8]), rtol=1e-6)
+  gray = _photo(4, 5)[:, :, :1]
+  np.testing.assert_allclose(jim.normalize(gray, 10.0, 5.0),
+                             (gray - 10.0) / 5.0, rtol=1e-6)
+  with pytest.raises(ValueError, match="need 1 or 3 values"):
+    jim.normalize(batch, mean=(1, 2))
+
+
+def test_flips_and_normalize():
+  image = _photo(4, 5)
+  np.testing.assert_array_equal(jim.flip_left_right(image), image[:, ::-1])
+  batch = np.stack([image, image])
+  np.testing.assert_array_equal(jim.flip_left_right(batch), batch[:, :, ::-1])
+  np.testing.assert_array_equal(
+      jim.flip_left_right(image), tf.image.flip_left_right(image).numpy())
+  flips = [jim.random_flip_left_right(image, np.random.default_rng(s))
+           is not image for s in range(40)]
+  assert 5 < sum(flips) < 35
+  out = jim.normalize(image)
+  assert out.dtype == np.float32
+  np.testing.assert_allclose(
+      out, (image - np.array(jim.IMAGENET_MEAN)) / np.array(jim.IMAGENET_STD),
+      rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="std must be non-zero"):
+    jim.normalize(image, std=(1.0, 0.0, 1.0))
+
+
+def spinner_count_during(work) -> int:
+  """How often a Python thread loops while `work()` runs in this one.
+
+  With a 1 s switch interval a thread waiting for the GIL gets it only when
+  the holder releases it itself (as C code does around blocking work), so the
+  count is 0 if `work` holds the GIL throughout and large if it releases it.
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  counts = []
+  start, done = threading.Event(), threading.Event()
+
+  def spin():
+    start.wait()
+    count = 0
+    while not done.is_set():
+      count += 1
+    counts.append(count)
+  interval = sys.getswitchinterval()
+  sys.setswitchinterval(1.0)
+  spinner = threading.Thread(target=spin)
+  spinner.start()
+  try:
+    start.set()
+    work()
+  finally:
+    done.set()
+    spinner.join()
+    sys.setswitchinterval(interval)
+  return counts[0]
+
+
+def test_decoding_and_resizing_release_the_gil_so_threads_overlap():
+  data = _encode(_photo(960, 1280), quality=95)
+  rng = np.random.default_rng(0)
+  assert spinner_count_during(lambda: [jim.decode_jpeg(data)
+                                       for _ in range(2)]) > 1000
+  assert spinner_count_during(lambda: [jim.decode_and_random_resized_crop(
+      data, rng, 900, scale=(1.0, 1.0)) for _ in range(2)]) > 1000
+
+  def hold_gil():  # the control: Python code never releases the GIL itself
+    deadline = time.perf_counter() + 0.2
+    while time.perf_counter() < deadline:
+      pass
+  assert spinner_count_during(hold_gil) < 100
