@@ -17,10 +17,16 @@ the dispatcher's `Autoscaler` turns the reports of the last interval into one
 
 The pool is the workers its backend started: it never leaves [min_workers,
 max_workers], and workers started by hand beside it are extra capacity the
-policy neither counts nor stops. `LocalWorkerBackend` starts worker processes on this machine
-(`python -m jaxfeed.service.worker`); a cluster would start them with its own
-scheduler behind the same three methods (`start_worker`, `stop_worker`,
-`close`), which is not built here.
+policy neither counts nor stops. A backend starts and stops the workers
+behind three methods (`start_worker`, `stop_worker`, `close`) and a
+`num_workers` property; `AutoscaleConfig.backend` picks one:
+
+- "local": `LocalWorkerBackend`, worker processes on this machine
+  (`python -m jaxfeed.service.worker`).
+- "ray": `jaxfeed.service.ray_backend.RayWorkerBackend`, one actor per worker
+  spread over a Ray cluster's nodes (needs `jaxfeed[ray]`).
+- "kubernetes": `jaxfeed.service.kubernetes_backend.KubernetesWorkerBackend`,
+  the replicas of a worker Deployment (needs `jaxfeed[kubernetes]`).
 
 A worker leaves the pool on SIGTERM: it takes no new splits, finishes the
 ones it holds, waits for its consumers to take its batches, and tells the
@@ -37,9 +43,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 _LOG = logging.getLogger(__name__)
+
+# The places a pool's workers can run (AutoscaleConfig.backend).
+BACKENDS = ("local", "ray", "kubernetes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +67,12 @@ class AutoscaleConfig:
       less than a fifth of scale_up_wait_fraction) count as well fed.
     scale_down_intervals: Well-fed intervals in a row before a worker goes.
     worker_flags: Extra flags of the worker processes (e.g. --buffer_size).
+    backend: Where workers run: one of `BACKENDS` ("local": processes on
+      this machine; "ray": actors on a Ray cluster).
+    ray_address: host:port of the Ray cluster's head ("ray" backend); None:
+      the cluster this process is connected to, or Ray's "auto".
+    kubernetes_deployment: "namespace/name" of the worker Deployment
+      ("kubernetes" backend; required there).
   """
 
   min_workers: int = 1
@@ -68,6 +83,9 @@ class AutoscaleConfig:
   scale_down_fill: float = 0.9
   scale_down_intervals: int = 3
   worker_flags: tuple[str, ...] = ()
+  backend: str = "local"
+  ray_address: str | None = None
+  kubernetes_deployment: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.min_workers, int) or self.min_workers < 0:
@@ -87,6 +105,21 @@ class AutoscaleConfig:
         isinstance(f, str) for f in self.worker_flags):
       raise ValueError(f"AutoscaleConfig: worker_flags must be a sequence of strings, got "
                        f"{self.worker_flags!r}.")
+    if self.backend not in BACKENDS:
+      raise ValueError(f"AutoscaleConfig: backend must be one of {', '.join(BACKENDS)}, "
+                       f"got {self.backend!r}.")
+    if self.ray_address is not None and (
+        self.backend != "ray" or not isinstance(self.ray_address, str) or not self.ray_address):
+      raise ValueError(f"AutoscaleConfig: ray_address applies to backend='ray' only and "
+                       f"must be a non-empty host:port, got {self.ray_address!r} with "
+                       f"backend={self.backend!r}.")
+    if (self.backend == "kubernetes") != (self.kubernetes_deployment is not None):
+      raise ValueError(f"AutoscaleConfig: kubernetes_deployment (NAMESPACE/NAME) is "
+                       f"required with backend='kubernetes' and applies to it only, got "
+                       f"{self.kubernetes_deployment!r} with backend={self.backend!r}.")
+    if self.kubernetes_deployment is not None:
+      from jaxfeed.service import kubernetes_backend  # pylint: disable=g-import-not-at-top
+      kubernetes_backend.parse_deployment(self.kubernetes_deployment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +249,27 @@ class LocalWorkerBackend:
     self._folder.cleanup()
 
 
+def make_backend(config: AutoscaleConfig, dispatcher_address: str,
+                 flags: Sequence[str] = (), secrets: dict[str, str] | None = None) -> Any:
+  """The backend `config.backend` names, for workers of `dispatcher_address`."""
+  if config.backend == "ray":
+    try:
+      from jaxfeed.service import ray_backend  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError("AutoscaleConfig(backend='ray') needs Ray: pip install "
+                        "'jaxfeed[ray]'.") from e
+    return ray_backend.RayWorkerBackend(dispatcher_address, flags, secrets,
+                                        ray_address=config.ray_address)
+  if config.backend == "kubernetes":  # the Deployment carries flags and secrets
+    try:
+      from jaxfeed.service import kubernetes_backend  # pylint: disable=g-import-not-at-top
+      return kubernetes_backend.KubernetesWorkerBackend(config.kubernetes_deployment)
+    except ImportError as e:
+      raise ImportError("AutoscaleConfig(backend='kubernetes') needs the kubernetes "
+                        "client: pip install 'jaxfeed[kubernetes]'.") from e
+  return LocalWorkerBackend(dispatcher_address, flags, secrets)
+
+
 def _stop_process(process: subprocess.Popen) -> None:
   process.terminate()  # the worker drains first (--drain_timeout_s, 30 s)
   try:
@@ -234,7 +288,7 @@ class Autoscaler:
     sample: Returns the clients' reports since the last call (or None).
   """
 
-  def __init__(self, config: AutoscaleConfig, backend: LocalWorkerBackend,
+  def __init__(self, config: AutoscaleConfig, backend: Any,
                sample: Callable[[], Sample | None]):
     self.config = config
     self.backend = backend
@@ -245,7 +299,8 @@ class Autoscaler:
     self._thread = threading.Thread(target=self._run, name="jaxfeed-autoscaler", daemon=True)
 
   def start(self) -> None:
-    for _ in range(self.config.min_workers):
+    # A Deployment may already run workers (a restarted dispatcher's pool).
+    for _ in range(self.config.min_workers - self.backend.num_workers):
       self.backend.start_worker()
     self._thread.start()
 

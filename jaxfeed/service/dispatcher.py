@@ -25,6 +25,7 @@ import grpc
 from jaxfeed.service import autoscale as autoscale_lib
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import journal as journal_lib
+from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
@@ -79,7 +80,8 @@ class DispatcherConfig:
     dataset_gc_timeout_s: A dataset no job reads is deleted after this long;
       a later read of its id gets NOT_FOUND (registering the pipeline again
       works and may give a new id).
-    autoscale: Start and resize a pool of local worker processes from the
+    autoscale: Start and resize a pool of workers (local processes, Ray
+      actors or a Kubernetes Deployment: `AutoscaleConfig.backend`) from the
       clients' reports (see `jaxfeed.service.autoscale`); None: workers are
       started by hand.
     heartbeat_pacing: How often workers and clients are asked to heartbeat,
@@ -291,7 +293,9 @@ class DispatcherState:
       self._journal = journal_lib.Journal(
           config.work_dir, config.journal_fsync, config.snapshot_every_records,
           config.snapshot_every_bytes)
+      replay_started = time.monotonic()
       self.replay_stats = self._journal.replay(self._apply)
+      self.replay_seconds = time.monotonic() - replay_started  # for --metrics_port
       deadline = time.monotonic() + config.heartbeat_timeout_s
       self._awaited = {t.worker_address: deadline for job in self.jobs.values()
                        for t in job.tasks.values() if not t.finished}
@@ -952,7 +956,8 @@ class DispatchServer:
       flags = list(self.config.autoscale.worker_flags)
       if self.config.udf_modules:
         flags.append(f"--udf_modules={','.join(self.config.udf_modules)}")
-      backend = autoscale_lib.LocalWorkerBackend(f"{local}:{self.port}", flags, secrets)
+      backend = autoscale_lib.make_backend(self.config.autoscale, f"{local}:{self.port}",
+                                           flags, secrets)
       self.autoscaler = autoscale_lib.Autoscaler(
           self.config.autoscale, backend, self.state.sample_clients)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
@@ -1028,12 +1033,17 @@ def main(argv: Any) -> None:
         dataset_gc_timeout_s=f.dataset_gc_timeout_s,
         autoscale=autoscale_lib.AutoscaleConfig(
             min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
-            interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()))
+            interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()),
+            backend=f.worker_backend, ray_address=f.ray_address or None,
+            kubernetes_deployment=f.kubernetes_deployment or None)
         if f.autoscale_max_workers else None)
   except ValueError as e:  # a flag's value: say which, without a traceback
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
   server = DispatchServer(config)
   print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
+  metrics = metrics_lib.serve_dispatcher(server, f.host, f.metrics_port)
+  if metrics is not None:
+    print(f"jaxfeed dispatcher metrics on {metrics.url}", flush=True)
   rpc.stop_on_sigterm()
   if f.port_file:
     _write_port_file(f.port_file, server.port)
@@ -1041,6 +1051,8 @@ def main(argv: Any) -> None:
     server.join()
   finally:
     server.stop()
+    if metrics is not None:
+      metrics.close()
 
 
 def _write_port_file(path: str, port: int) -> None:
@@ -1083,11 +1095,21 @@ def define_flags() -> None:
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
   flags.DEFINE_integer("autoscale_max_workers", 0, "Run an elastic pool of up to this "
-                       "many local worker processes (0: workers are started by hand).")
+                       "many workers (0: workers are started by hand).")
   flags.DEFINE_integer("autoscale_min_workers", 1, "Workers the elastic pool keeps.")
   flags.DEFINE_float("autoscale_interval_s", 5.0, "Seconds between pool resizes.")
   flags.DEFINE_multi_string("worker_flag", None, "A flag of the pool's workers, e.g. "
                             "--worker_flag=--buffer_size=16 (repeat for more).")
+  flags.DEFINE_integer("metrics_port", metrics_lib.OFF, "Serve Prometheus metrics on "
+                       "this port (0: a free one, printed; -1: off).")
+  flags.DEFINE_enum("worker_backend", "local", list(autoscale_lib.BACKENDS),
+                    "Where the elastic pool's workers run: local processes, actors "
+                    "on a Ray cluster (--ray_address) or the pods of a Kubernetes "
+                    "Deployment (--kubernetes_deployment).")
+  flags.DEFINE_string("ray_address", "", "host:port of the Ray cluster's head "
+                      "(--worker_backend=ray; default: Ray's auto-detection).")
+  flags.DEFINE_string("kubernetes_deployment", "", "NAMESPACE/NAME of the worker "
+                      "Deployment the pool scales (--worker_backend=kubernetes).")
 
 
 if __name__ == "__main__":

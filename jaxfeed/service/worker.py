@@ -25,6 +25,7 @@ import grpc
 from jaxfeed.service import data_socket
 from jaxfeed.service import delivery
 from jaxfeed.service import element_chunks
+from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import shared_stream
@@ -145,6 +146,7 @@ class _Worker:
     self.dataset_defs: dict[str, pb.DatasetDef] = {}
     self.streams = delivery.Registry()  # what each client of a task gets
     self._held: list[tuple[int, int, list[int]]] = []  # not yet reported
+    self.served = metrics_lib.ServedCounts()  # for --metrics_port
     channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
     self.channel = channel
     token = config.worker_token
@@ -206,6 +208,7 @@ class _Worker:
         or stream.created > listed_at))
 
   def start_task(self, task: pb.TaskInfo) -> None:
+    self.served.track(task)
     make_iterator = lambda: self._make_iterator(task)
     # Checked and added under one lock hold: the heartbeat thread and a
     # client's first request (find_task) may both learn of a new task, and
@@ -300,7 +303,8 @@ class _Worker:
     window = min(request.window or delivery.DEFAULT_WINDOW, delivery.MAX_WINDOW)
     stream = self.streams.get_or_add(
         request.task_id, request.client_id,
-        lambda: delivery.ClientStream(runner, runner.exactly_once, request.consumer_index,
+        lambda: delivery.ClientStream(self.served.counting(request.task_id, runner),
+                                      runner.exactly_once, request.consumer_index,
                                       request.round, window, request.received,
                                       resumable=bool(request.client_id)))
     return stream, stream.attach(request.received, kick)
@@ -612,6 +616,9 @@ def main(argv: Any) -> None:
   server = WorkerServer(config)
   data = f" data {server.data_address}" if server.data_address else ""
   print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
+  metrics = metrics_lib.serve_worker(server, f.host, f.metrics_port)
+  if metrics is not None:
+    print(f"jaxfeed worker metrics on {metrics.url}", flush=True)
   if f.parent_pid:  # a pool's worker: goes when the process that started it does
     threading.Thread(target=_stop_with_parent, args=(f.parent_pid, server),
                      name="jaxfeed-worker-parent-watch", daemon=True).start()
@@ -624,6 +631,8 @@ def main(argv: Any) -> None:
     raise
   finally:
     server.stop()
+    if metrics is not None:
+      metrics.close()
   if server.rejected:
     raise SystemExit(f"jaxfeed worker: {server.rejected}")
 
@@ -661,6 +670,8 @@ def define_flags() -> None:
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
   flags.DEFINE_string("tls_root_certs", "", "PEM root certificates that verify a TLS "
                       "dispatcher.")
+  flags.DEFINE_integer("metrics_port", metrics_lib.OFF, "Serve Prometheus metrics on "
+                       "this port (0: a free one, printed; -1: off).")
   flags.mark_flag_as_required("dispatcher_address")
 
 

@@ -1,0 +1,236 @@
+"""Prometheus metrics of dispatchers and workers (`--metrics_port`).
+
+Every name starts with `jaxfeed_`. Most values are read from the server's
+state when Prometheus scrapes (a custom collector), so serving costs nothing
+between scrapes; the worker counts what it serves in `ServedCounts`, which
+needs no Prometheus at all. `prometheus-client` is an optional dependency
+(`pip install jaxfeed[metrics]`), imported only by `serve_*`.
+
+Dispatcher (per job where labelled `job`):
+  jaxfeed_dispatcher_workers            registered workers
+  jaxfeed_dispatcher_jobs               jobs
+  jaxfeed_job_clients                   clients reading the job
+  jaxfeed_job_split_lag                 exactly-once splits issued, not yet acknowledged
+  jaxfeed_job_splits_to_reissue         splits of lost workers waiting to be issued again
+  jaxfeed_job_positions_issued          sampler positions handed out in splits
+  jaxfeed_job_client_elements_total     elements the clients' consumers took
+  jaxfeed_job_client_wait_seconds_total seconds the consumers waited for input
+  jaxfeed_job_client_buffer_fill        the clients' buffer fill (0..1, mean)
+  jaxfeed_journal_bytes                 size of the journal and snapshot files
+  jaxfeed_journal_replay_records        records the last restart replayed
+  jaxfeed_journal_replay_seconds        how long that replay took
+  jaxfeed_pool_workers                  workers of the elastic pool
+  jaxfeed_pool_scaling_decisions_total  the pool's decisions, by direction
+Worker:
+  jaxfeed_worker_tasks                  tasks it runs
+  jaxfeed_worker_elements_served_total  elements (batches) sent to consumers, by job
+  jaxfeed_worker_bytes_served_total     their encoded bytes, by job
+  jaxfeed_worker_errors_total           task failures sent to consumers, by job
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import Any, Iterator
+
+# --metrics_port's value that serves no metrics.
+OFF = -1
+
+
+class _CountedSource:
+  """A task source whose `take()` results are counted (see
+  `ServedCounts.counting`); everything else is the source's."""
+
+  def __init__(self, counts: "ServedCounts", job: str, source: Any):
+    self._counts = counts
+    self._job = job
+    self._source = source
+
+  def take(self, *args: Any) -> Any:
+    try:
+      got = self._source.take(*args)
+    except Exception:
+      self._counts._error(self._job)  # pylint: disable=protected-access
+      raise
+    if isinstance(got, tuple) and len(got) == 2:
+      first, second = got
+      # Exactly-once: (split start, [frames]); otherwise (frame, round).
+      frames = second if isinstance(second, list) else [first]
+      self._counts._add(self._job, [f for f in frames if f is not None])  # pylint: disable=protected-access
+    return got
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._source, name)
+
+
+class ServedCounts:
+  """What a worker sent to its consumers, by job (thread-safe)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._job_of: dict[int, int] = {}  # task id -> job id
+    self.elements: collections.Counter = collections.Counter()
+    self.bytes: collections.Counter = collections.Counter()
+    self.errors: collections.Counter = collections.Counter()
+
+  def track(self, task: Any) -> None:
+    """Remembers the job of a task (a `TaskInfo`) the worker starts."""
+    with self._lock:
+      self._job_of[task.task_id] = task.job_id
+
+  def counting(self, task_id: int, source: Any) -> "_CountedSource":
+    """`source` (a task's runner or shared-stream reader) with what its
+    `take()` hands out counted: each produced frame once, however often a
+    client's stream sends it again after a broken connection."""
+    return _CountedSource(self, str(self._job_of.get(task_id, "")), source)
+
+  def _add(self, job: str, frames: list) -> None:
+    with self._lock:
+      self.elements[job] += len(frames)
+      self.bytes[job] += sum(frame.nbytes for frame in frames)
+
+  def _error(self, job: str) -> None:
+    with self._lock:
+      self.errors[job] += 1
+
+  def snapshot(self) -> tuple[dict, dict, dict]:
+    with self._lock:
+      return dict(self.elements), dict(self.bytes), dict(self.errors)
+
+
+class MetricsServer:
+  """An HTTP server of /metrics on its own thread; `close()` stops it."""
+
+  def __init__(self, collector: Any, host: str, port: int):
+    import prometheus_client  # pylint: disable=g-import-not-at-top
+    self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    self.registry.register(collector)
+    self._server, self._thread = prometheus_client.start_http_server(
+        port, addr=host, registry=self.registry)
+    self.port = self._server.server_address[1]
+    self.url = f"http://{host}:{self.port}/metrics"
+
+  def close(self) -> None:
+    self._server.shutdown()
+    self._server.server_close()
+    self._thread.join(timeout=5)
+
+
+def _families():
+  from prometheus_client import core  # pylint: disable=g-import-not-at-top
+  return core.GaugeMetricFamily, core.CounterMetricFamily
+
+
+class _DispatcherCollector:
+  """Reads a `DispatchServer`'s state at each scrape."""
+
+  def __init__(self, server: Any):
+    self._server = server
+
+  def collect(self) -> Iterator[Any]:
+    gauge, counter = _families()
+    state = self._server.state
+    clients = gauge("jaxfeed_job_clients", "Clients reading the job.", labels=["job"])
+    lag = gauge("jaxfeed_job_split_lag",
+                "Exactly-once splits issued but not yet acknowledged.", labels=["job"])
+    reissue = gauge("jaxfeed_job_splits_to_reissue",
+                    "Splits of lost workers waiting to be issued again.", labels=["job"])
+    issued = gauge("jaxfeed_job_positions_issued",
+                   "Sampler positions handed out in splits.", labels=["job"])
+    elements = counter("jaxfeed_job_client_elements",
+                       "Elements the clients' consumers took.", labels=["job"])
+    waited = counter("jaxfeed_job_client_wait_seconds",
+                     "Seconds the clients' consumers waited for input.", labels=["job"])
+    fill = gauge("jaxfeed_job_client_buffer_fill",
+                 "Mean fill (0..1) of the clients' buffers.", labels=["job"])
+    with state.lock:
+      reports = dict(state._reports)  # pylint: disable=protected-access
+      num_workers, num_jobs = len(state.workers), len(state.jobs)
+      for job in state.jobs.values():
+        label = [str(job.job_id)]
+        clients.add_metric(label, len(job.clients))
+        lag.add_metric(label, len(job.unacked))
+        reissue.add_metric(label, len(job.reissue))
+        issued.add_metric(label, job.next_position)
+        mine = [reports[c] for c in job.clients if c in reports]
+        elements.add_metric(label, sum(r[0] for r in mine))
+        waited.add_metric(label, sum(r[1] for r in mine))
+        fill.add_metric(label, sum(r[3] for r in mine) / len(mine) if mine else 0.0)
+    yield gauge("jaxfeed_dispatcher_workers", "Registered workers.", value=num_workers)
+    yield gauge("jaxfeed_dispatcher_jobs", "Jobs.", value=num_jobs)
+    yield from (clients, lag, reissue, issued, elements, waited, fill)
+    yield gauge("jaxfeed_journal_bytes", "Size of the journal and snapshot files.",
+                value=_folder_bytes(state.config.work_dir))
+    yield gauge("jaxfeed_journal_replay_records", "Records the last restart replayed.",
+                value=state.replay_stats.records)
+    yield gauge("jaxfeed_journal_replay_seconds", "How long the last restart's replay took.",
+                value=getattr(state, "replay_seconds", 0.0))
+    autoscaler = self._server.autoscaler
+    if autoscaler is not None:
+      decisions = list(autoscaler.decisions)
+      workers = (decisions[-1][0] + decisions[-1][1] if decisions
+                 else autoscaler.config.min_workers)
+      yield gauge("jaxfeed_pool_workers", "Workers of the elastic pool.", value=workers)
+      made = counter("jaxfeed_pool_scaling_decisions",
+                     "The elastic pool's decisions, by direction.", labels=["direction"])
+      counts = collections.Counter(
+          "up" if c > 0 else "down" if c < 0 else "hold" for _, c in decisions)
+      for direction in ("up", "down", "hold"):
+        made.add_metric([direction], counts[direction])
+      yield made
+
+
+def _folder_bytes(folder: str | None) -> int:
+  if not folder:
+    return 0
+  total = 0
+  for entry in os.scandir(folder):
+    if entry.is_file() and entry.name != "LOCK":
+      total += entry.stat().st_size
+  return total
+
+
+class _WorkerCollector:
+  """Reads a `WorkerServer`'s counts at each scrape."""
+
+  def __init__(self, worker: Any):
+    self._worker = worker
+
+  def collect(self) -> Iterator[Any]:
+    gauge, counter = _families()
+    with self._worker.lock:
+      tasks = len(self._worker.tasks)
+    yield gauge("jaxfeed_worker_tasks", "Tasks the worker runs.", value=tasks)
+    served, sent, errors = self._worker.served.snapshot()
+    for name, doc, values in (
+        ("jaxfeed_worker_elements_served", "Elements (batches) sent to consumers.", served),
+        ("jaxfeed_worker_bytes_served", "Encoded bytes sent to consumers.", sent),
+        ("jaxfeed_worker_errors", "Task failures sent to consumers.", errors)):
+      family = counter(name, doc, labels=["job"])
+      for job, value in sorted(values.items()):
+        family.add_metric([job], value)
+      yield family
+
+
+def serve_dispatcher(server: Any, host: str, port: int) -> MetricsServer | None:
+  """Serves a `DispatchServer`'s metrics on host:port (0: a free port); None when port is OFF."""
+  if check_port(port) == OFF:
+    return None
+  return MetricsServer(_DispatcherCollector(server), host, port)
+
+
+def serve_worker(server: Any, host: str, port: int) -> MetricsServer | None:
+  """Serves a `WorkerServer`'s metrics on host:port (0: a free port); None when port is OFF."""
+  if check_port(port) == OFF:
+    return None
+  return MetricsServer(_WorkerCollector(server._worker), host, port)  # pylint: disable=protected-access
+
+
+def check_port(port: int) -> int:
+  """Validates a --metrics_port value."""
+  if not isinstance(port, int) or not OFF <= port < 65536:
+    raise ValueError(f"metrics_port must be {OFF} (off), 0 (a free port) or a port "
+                     f"up to 65535, got {port!r}.")
+  return port
