@@ -7,7 +7,12 @@ dimension split over the devices of several processes, the global size is the
 local size times the number of distinct parts over all devices divided by the
 number this process holds. That presumes every process holds the same local
 shape; in multi-process jobs the `DevicePrefetcher`'s end-of-input agreement
-checks it (see `jaxfeed.device.agreement`).
+checks it (see `jaxfeed.device.agreement`). When every device is this
+process's, one `jax.device_put` of all leaves places the batch.
+
+On CPU devices a leaf whose memory is 64-byte aligned and C-contiguous (with
+shard boundaries on 64-byte multiples, as for a batch split along its leading
+dimension) is aliased by the devices, not copied; other leaves are copied.
 """
 
 from __future__ import annotations
@@ -126,6 +131,10 @@ class BatchPlacer:
     # Shardings of the last batch structure seen (key: treedef and ranks).
     self._cached_key: Any = None
     self._cached_shardings: list[Sharding] = []
+    # Whether every device is this process's: then the global shape is the
+    # local one and one device_put places all leaves, without the per-leaf
+    # bookkeeping of make_array_from_process_local_data.
+    self._local_only = not self.spans_processes()
 
   def __call__(self, batch: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -134,7 +143,9 @@ class BatchPlacer:
     shardings = self._shardings_for(batch, leaves, treedef)
     global_shapes = [self._global_shape(batch, i, leaf, sharding)
                      for i, (leaf, sharding) in enumerate(zip(leaves, shardings))]
-    if _PLACES_LEAF_LISTS:
+    if self._local_only:
+      arrays = jax.device_put(leaves, shardings)
+    elif _PLACES_LEAF_LISTS:
       arrays = jax.make_array_from_process_local_data(
           shardings, leaves, global_shapes)
     else:
@@ -150,6 +161,14 @@ class BatchPlacer:
     shardings = jax.tree_util.tree_leaves(self._sharding, is_leaf=_is_sharding)
     return any(d.process_index != jax.process_index()
                for s in shardings for d in s.device_set)
+
+  def on_cpu_devices_only(self) -> bool:
+    """Whether every batch goes to CPU devices only (unknown for a sharding
+    function, so False for one)."""
+    if self._mode == "fn":
+      return False
+    shardings = jax.tree_util.tree_leaves(self._sharding, is_leaf=_is_sharding)
+    return all(d.platform == "cpu" for s in shardings for d in s.device_set)
 
   # -- shardings per leaf ----------------------------------------------------
   def _shardings_for(self, batch: Any, leaves: list[np.ndarray],
