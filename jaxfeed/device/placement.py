@@ -13,6 +13,7 @@ process's, one `jax.device_put` of all leaves places the batch.
 On CPU devices a leaf whose memory is 64-byte aligned and C-contiguous (with
 shard boundaries on 64-byte multiples, as for a batch split along its leading
 dimension) is aliased by the devices, not copied; other leaves are copied.
+`aligned_empty` allocates such memory.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import numpy as np
 # jax 0.6 (the newest release for Python 3.10) places one array per call; the
 # releases pinned for Python 3.11+ place the whole list of leaves in one call.
 _PLACES_LEAF_LISTS = jax.__version_info__ >= (0, 7)
+
+# The alignment XLA's CPU client needs to use host memory as a device buffer.
+_ALIGNMENT = 64
 
 ShardingLike = Union[Sharding, Callable[[np.ndarray], Sharding], Any]
 """A `Sharding` for every leaf, a pytree of shardings (a prefix of the batch
@@ -62,6 +66,29 @@ def batch_sharding(mesh: Mesh | None = None,
         f"batch_sharding: axis {missing[0]!r} is not an axis of the mesh; its "
         f"axes are {tuple(mesh.axis_names)}.")
   return NamedSharding(mesh, PartitionSpec(axis_name))
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+  """An uninitialized C-contiguous array whose data (if it has any) starts on
+  a 64-byte boundary.
+
+  A batch leaf written into one (e.g. the output of a batch-wise augmentation)
+  is aliased by CPU devices when placed, not copied, as long as each device's
+  shard also starts on a 64-byte boundary (the bytes of one device's rows are
+  a multiple of 64).
+
+  Args:
+    shape: the array's shape.
+    dtype: its numpy dtype.
+
+  Returns:
+    A writable array of `shape` and `dtype`, owned by a slightly larger buffer.
+  """
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % _ALIGNMENT
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _is_sharding(value: Any) -> bool:
