@@ -14,7 +14,9 @@ the rounds after a warm-up round. Variants:
   64-byte aligned memory, which the CPU devices alias instead of copying.
 
 Each line gets `overhead_vs_host_only` (host rate / rate - 1, of the host-only
-variant with the same augmentation) and the peak RSS seen while it ran.
+variant with the same augmentation), the median CPU time of all threads per
+batch of 128 (steadier than rates on a loaded machine) and the peak RSS seen
+while it ran.
 
   python -m benchmarks.w5_placement --rounds=5
 """
@@ -29,6 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import functools  # noqa: E402
 import gc  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Callable, Iterator  # noqa: E402
@@ -80,16 +83,22 @@ def variants(data: dict, aligned: bool) -> dict[str, Callable[[], Iterator]]:
   }
 
 
-def _epoch(make_epoch: Callable[[], Iterator]) -> tuple[float, float]:
-  """(images/s, peak RSS in MB) of one epoch."""
+def _cpu_seconds() -> float:
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
+def _epoch(make_epoch: Callable[[], Iterator]) -> tuple[float, float, float]:
+  """(images/s, CPU ms of all threads per 128 images, peak RSS in MB) of one
+  epoch."""
   gc.collect()
   images = 0
   with harness.PeakRSS() as rss:
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     for batch in make_epoch():
       images += batch["label"].shape[0]
-    elapsed = time.perf_counter() - start
-  return images / elapsed, rss.peak_bytes / 2**20
+    elapsed, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
+  return images / elapsed, cpu * 1e3 * 128 / images, rss.peak_bytes / 2**20
 
 
 def run(rounds: int, scale: float, aligned: bool = False) -> list[dict]:
@@ -101,16 +110,19 @@ def run(rounds: int, scale: float, aligned: bool = False) -> list[dict]:
     runs.update(variants(data, True))
   names = list(runs)
   rates: dict[str, list[float]] = {name: [] for name in names}
+  cpu_ms: dict[str, list[float]] = {name: [] for name in names}
   peaks: dict[str, float] = {name: 0.0 for name in names}
   for round_ in range(rounds + 1):
     shift = round_ % len(names)
     for name in names[shift:] + names[:shift]:
-      rate, peak = _epoch(runs[name])
+      rate, cpu, peak = _epoch(runs[name])
       peaks[name] = max(peaks[name], peak)
       if round_:  # Round 0 warms up every variant.
         rates[name].append(rate)
+        cpu_ms[name].append(cpu)
   results = {name: {"rate": statistics.median(rates[name]),
                     "rates": [round(r) for r in rates[name]],
+                    "cpu_ms_per_batch": round(statistics.median(cpu_ms[name]), 2),
                     "peak_rss_mb": round(peaks[name], 1)} for name in names}
   extra = {}
   for name in names:
