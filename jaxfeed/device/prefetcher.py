@@ -146,8 +146,8 @@ class DevicePrefetcher:
   process's share of the global batch; it needs `__next__` and, for
   checkpointing, `get_state()` / `set_state()`; `close()` is called if present.
   The prefetcher owns it: `close()` closes it. Batches must not be modified by
-  the host iterator after they are yielded (on one device the array may alias
-  the host buffer).
+  the host iterator after they are yielded (on CPU devices the arrays may
+  alias the host buffers).
 
   Each batch becomes global arrays (`jax.make_array_from_process_local_data`):
   along the batch axis the global size is the local size times the number of
