@@ -38,7 +38,6 @@ from typing import Callable, Iterator  # noqa: E402
 
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from benchmarks import workloads  # noqa: E402
