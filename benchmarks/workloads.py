@@ -53,14 +53,16 @@ def augment(example: dict, rng: np.random.Generator) -> dict:
   return {"image": out, "label": example["label"]}
 
 
-def augment_batch(batch: dict, rng: np.random.Generator) -> dict:
-  """W1, vectorized: the same augmentation applied to a whole batch."""
+def augment_batch(batch: dict, rng: np.random.Generator, *,
+                  empty: Callable = np.empty) -> dict:
+  """W1, vectorized: the same augmentation applied to a whole batch, written
+  into `empty(shape, dtype)`."""
   images = batch["image"]
   n = images.shape[0]
   ys = rng.integers(0, IMAGE - CROP + 1, n)
   xs = rng.integers(0, IMAGE - CROP + 1, n)
   flips = rng.random(n) < 0.5
-  out = np.empty((n, CROP, CROP, 3), np.float32)
+  out = empty((n, CROP, CROP, 3), np.float32)
   scale = np.float32(1 / 127.5)
   for i in range(n):
     crop = images[i, ys[i]:ys[i] + CROP, xs[i]:xs[i] + CROP]
@@ -86,12 +88,12 @@ def sequence_length(example: dict) -> int:
 # ----------------------------------------------------------------------------
 # W1: in-memory images -> crop/flip/normalize -> batch 128
 # ----------------------------------------------------------------------------
-def _w1_jaxfeed(data: dict, batched: bool):
+def _w1_jaxfeed(data: dict, batched: bool, augment_batched: Callable = augment_batch):
   import jaxfeed
   source = jaxfeed.ArraySource(data)
   ds = jaxfeed.Dataset.from_source(source, jaxfeed.IndexSampler(len(source)))
   if batched:
-    ds = ds.batch(128).random_map(augment_batch, num_parallel_calls=2)
+    ds = ds.batch(128).random_map(augment_batched, num_parallel_calls=2)
   else:
     ds = ds.random_map(augment, num_parallel_calls=jaxfeed.AUTOTUNE).batch(128)
   return ds.prefetch(2)
@@ -228,28 +230,12 @@ def run_w3(systems, epochs, scale):
 # W5: W1 through jaxfeed.Loader onto an 8-device CPU mesh vs host only
 # ----------------------------------------------------------------------------
 def run_w5(systems, epochs, scale):
+  """Host only vs Loader prefetch=0 vs the default (and the placement
+  thread), interleaved per epoch; see `benchmarks.w5_placement`."""
   if "jaxfeed" not in systems:
     return []
-  import jax
-  import jaxfeed
-  data = w1_data(scale)
-  count = lambda b: b["label"].shape[0]
-
-  def on_device():
-    loader = jaxfeed.Loader(_w1_jaxfeed(data, batched=True), prefetch=2)
-    for batch in loader:
-      jax.block_until_ready(batch)
-      yield batch
-    loader.close()
-
-  results = {
-      "host-only": harness.measure(lambda: iter(_w1_jaxfeed(data, batched=True)), count, epochs),
-      "jaxfeed-loader": harness.measure(on_device, count, epochs),
-  }
-  overhead = results["host-only"]["rate"] / results["jaxfeed-loader"]["rate"] - 1
-  return harness.report("W5", results, "images/s", {
-      "jaxfeed-loader": {"devices": len(jax.devices()),
-                         "overhead_vs_host_only": round(overhead, 4)}})
+  from benchmarks import w5_placement
+  return w5_placement.run(epochs, scale)
 
 
 RUNNERS = {"W1": run_w1, "W2": run_w2, "W3": run_w3, "W5": run_w5}

@@ -36,6 +36,7 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
 from jaxfeed.device.agreement import check_policy
 from jaxfeed.ops.from_source import reshard_states
+from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
 
 _MODEL_ITEM = "model"
@@ -61,7 +62,10 @@ class Loader:
       them matching the batch, or a callable leaf -> Sharding. Default: the
       batch dimension split over all devices (`jaxfeed.device.batch_sharding()`).
       0-d leaves are replicated.
-    prefetch: batches kept ready on device ahead of the training loop.
+    prefetch: batches kept ready on device ahead of the training loop. When
+      the pipeline ends in `prefetch` (it reads ahead itself), batches go to
+      CPU devices only and no other process takes part, each batch is placed
+      in `next()` instead, with no thread (see `DevicePrefetcher`).
     end_of_input: what happens in a multi-process job when the processes'
       inputs end at different steps (uneven shards, a `filter` keeping
       different numbers of records per process, a shared service job).
@@ -122,7 +126,8 @@ class Loader:
     return DevicePrefetcher(host_iterator, self._sharding,
                             prefetch=self._prefetch,
                             end_of_input=self._end_of_input,
-                            pad_to_common_shape=self._pad_to_common_shape)
+                            pad_to_common_shape=self._pad_to_common_shape,
+                            host_reads_ahead=_reads_ahead(self._dataset))
 
   def _new_host_iterator(self) -> Any:
     if isinstance(self._dataset, Dataset):
@@ -193,6 +198,19 @@ class Loader:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
+
+
+def _reads_ahead(dataset: Any) -> bool:
+  """Whether the pipeline's iterator produces batches ahead on its own thread
+  (it ends in a non-zero `prefetch`)."""
+  if not isinstance(dataset, Dataset):
+    return False
+  node = dataset.node
+  if isinstance(node, PrefetchNode):
+    return node.buffer_size != 0
+  options = dataset.options
+  return bool(options is not None and options.optimize
+              and options.inject_prefetch)
 
 
 def reshard_loader_states(states: list[dict]) -> dict:

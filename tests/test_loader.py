@@ -415,3 +415,28 @@ def test_loader_is_exported_with_checkpoint_helpers():
                "restore_checkpoint"):
     assert name in dir(jaxfeed)
     assert getattr(jaxfeed, name) is not None
+
+
+# -- placement -----------------------------------------------------------------
+def device_prefetch_threads():
+  return [t for t in threading.enumerate() if t.name == "jaxfeed-device-prefetch"]
+
+
+@pytest.mark.parametrize("ends_in_prefetch", [True, False])
+def test_pipeline_that_reads_ahead_is_placed_inline_on_cpu_devices(ends_in_prefetch):
+  dataset = pipeline().prefetch(2) if ends_in_prefetch else pipeline()
+  want = host_batches(pipeline())
+  with jaxfeed.Loader(dataset, prefetch=2) as loader:
+    got = [next(loader)]
+    # A placement thread would only compete with the pipeline's own read-ahead
+    # thread for the cores; without one it is what keeps batches ahead.
+    assert bool(device_prefetch_threads()) != ends_in_prefetch
+    got += list(loader)
+  assert_batches_equal(got, want)
+
+
+def test_injected_prefetch_counts_as_reading_ahead():
+  options = jaxfeed.Options(inject_prefetch=True)
+  with jaxfeed.Loader(pipeline().with_options(options), prefetch=2) as loader:
+    next(loader)
+    assert not device_prefetch_threads()

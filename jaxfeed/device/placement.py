@@ -7,7 +7,13 @@ dimension split over the devices of several processes, the global size is the
 local size times the number of distinct parts over all devices divided by the
 number this process holds. That presumes every process holds the same local
 shape; in multi-process jobs the `DevicePrefetcher`'s end-of-input agreement
-checks it (see `jaxfeed.device.agreement`).
+checks it (see `jaxfeed.device.agreement`). When every device is this
+process's, one `jax.device_put` of all leaves places the batch.
+
+On CPU devices a leaf whose memory is 64-byte aligned and C-contiguous (with
+shard boundaries on 64-byte multiples, as for a batch split along its leading
+dimension) is aliased by the devices, not copied; other leaves are copied.
+`aligned_empty` allocates such memory.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import numpy as np
 # jax 0.6 (the newest release for Python 3.10) places one array per call; the
 # releases pinned for Python 3.11+ place the whole list of leaves in one call.
 _PLACES_LEAF_LISTS = jax.__version_info__ >= (0, 7)
+
+# The alignment XLA's CPU client needs to use host memory as a device buffer.
+_ALIGNMENT = 64
 
 ShardingLike = Union[Sharding, Callable[[np.ndarray], Sharding], Any]
 """A `Sharding` for every leaf, a pytree of shardings (a prefix of the batch
@@ -57,6 +66,29 @@ def batch_sharding(mesh: Mesh | None = None,
         f"batch_sharding: axis {missing[0]!r} is not an axis of the mesh; its "
         f"axes are {tuple(mesh.axis_names)}.")
   return NamedSharding(mesh, PartitionSpec(axis_name))
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+  """An uninitialized C-contiguous array whose data (if it has any) starts on
+  a 64-byte boundary.
+
+  A batch leaf written into one (e.g. the output of a batch-wise augmentation)
+  is aliased by CPU devices when placed, not copied, as long as each device's
+  shard also starts on a 64-byte boundary (the bytes of one device's rows are
+  a multiple of 64).
+
+  Args:
+    shape: the array's shape.
+    dtype: its numpy dtype.
+
+  Returns:
+    A writable array of `shape` and `dtype`, owned by a slightly larger buffer.
+  """
+  dtype = np.dtype(dtype)
+  nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+  raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+  start = -raw.ctypes.data % _ALIGNMENT
+  return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def _is_sharding(value: Any) -> bool:
@@ -126,6 +158,10 @@ class BatchPlacer:
     # Shardings of the last batch structure seen (key: treedef and ranks).
     self._cached_key: Any = None
     self._cached_shardings: list[Sharding] = []
+    # Whether every device is this process's: then the global shape is the
+    # local one and one device_put places all leaves, without the per-leaf
+    # bookkeeping of make_array_from_process_local_data.
+    self._local_only = not self.spans_processes()
 
   def __call__(self, batch: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -134,7 +170,9 @@ class BatchPlacer:
     shardings = self._shardings_for(batch, leaves, treedef)
     global_shapes = [self._global_shape(batch, i, leaf, sharding)
                      for i, (leaf, sharding) in enumerate(zip(leaves, shardings))]
-    if _PLACES_LEAF_LISTS:
+    if self._local_only:
+      arrays = jax.device_put(leaves, shardings)
+    elif _PLACES_LEAF_LISTS:
       arrays = jax.make_array_from_process_local_data(
           shardings, leaves, global_shapes)
     else:
@@ -150,6 +188,14 @@ class BatchPlacer:
     shardings = jax.tree_util.tree_leaves(self._sharding, is_leaf=_is_sharding)
     return any(d.process_index != jax.process_index()
                for s in shardings for d in s.device_set)
+
+  def on_cpu_devices_only(self) -> bool:
+    """Whether every batch goes to CPU devices only (unknown for a sharding
+    function, so False for one)."""
+    if self._mode == "fn":
+      return False
+    shardings = jax.tree_util.tree_leaves(self._sharding, is_leaf=_is_sharding)
+    return all(d.platform == "cpu" for s in shardings for d in s.device_set)
 
   # -- shardings per leaf ----------------------------------------------------
   def _shardings_for(self, batch: Any, leaves: list[np.ndarray],

@@ -146,13 +146,21 @@ class DevicePrefetcher:
   process's share of the global batch; it needs `__next__` and, for
   checkpointing, `get_state()` / `set_state()`; `close()` is called if present.
   The prefetcher owns it: `close()` closes it. Batches must not be modified by
-  the host iterator after they are yielded (on one device the array may alias
-  the host buffer).
+  the host iterator after they are yielded (on CPU devices the arrays may
+  alias the host buffers).
 
   Each batch becomes global arrays (`jax.make_array_from_process_local_data`):
   along the batch axis the global size is the local size times the number of
   processes. With `prefetch > 0`, a background thread keeps up to `prefetch`
   batches ready on device; `prefetch=0` places each batch in `next()`.
+
+  When `host_reads_ahead` says the host iterator already produces batches
+  ahead on its own thread (a pipeline ending in `prefetch`), batches go to
+  CPU devices only and no other process takes part, `next()` places each
+  batch itself and no thread is started (`places_inline`): placing on CPU
+  devices is host work (a copy, or none when the batch's memory is 64-byte
+  aligned and the devices alias it), which a thread could only run on the
+  cores the pipeline already uses, after two more hand-offs of each batch.
 
   `get_state()` is the host iterator's state as of the last batch returned by
   `next()`, not the read-ahead position, so restoring it with `set_state()`
@@ -179,11 +187,14 @@ class DevicePrefetcher:
     pad_to_common_shape: in multi-process jobs, zero-pad each leaf's
       dimensions after the first to the largest size any process has at that
       step (instead of failing when they differ). Ignored in one process.
+    host_reads_ahead: whether `host_iterator` produces batches ahead on its
+      own thread; lets placement on CPU devices run in `next()` (see above).
   """
 
   def __init__(self, host_iterator: Any, sharding: ShardingLike = None, *,
                prefetch: int = 2, end_of_input: str = "stop_at_shortest",
-               pad_to_common_shape: bool = False):
+               pad_to_common_shape: bool = False,
+               host_reads_ahead: bool = False):
     agreement.check_policy(end_of_input, "DevicePrefetcher")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
       raise ValueError(
@@ -211,6 +222,9 @@ class DevicePrefetcher:
             "initialize() for the processes to agree on the end of input.")
       self._agreement_name = (
           f"jaxfeed/end_of_input/{next(_agreement_serials)}")
+    self._inline = not prefetch or (
+        bool(host_reads_ahead) and self._agreement_name is None
+        and self._place.on_cpu_devices_only())
     self._generation = itertools.count()
     self._has_state = callable(getattr(host_iterator, "get_state", None))
     self._state = host_iterator.get_state() if self._has_state else None
@@ -232,7 +246,7 @@ class DevicePrefetcher:
           pad_to_common_shape=self._pad_to_common_shape)
     self._steps = _HostSteps(self._resources.iterator, self._has_state,
                              self._state, step_agreement)
-    if self._prefetch:
+    if not self._inline:
       self._resources.start(self._steps, self._place, self._prefetch)
 
   # -- iteration ----------------------------------------------------------
@@ -246,7 +260,7 @@ class DevicePrefetcher:
       if self._outcome is _END:
         raise StopIteration
       raise self._outcome
-    if not self._prefetch:
+    if self._inline:
       return self._next_sync()
     item = self._resources.queue.get()
     self._resources.slots.release()
@@ -273,6 +287,11 @@ class DevicePrefetcher:
       raise
     self._state = state
     return arrays
+
+  @property
+  def places_inline(self) -> bool:
+    """Whether `next()` places each batch itself (no read-ahead thread)."""
+    return self._inline
 
   # -- state ----------------------------------------------------------------
   def get_state(self) -> dict:

@@ -7,6 +7,7 @@ Prints one JSON line with what this process observed.
 import json
 import os
 import sys
+import threading
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -40,7 +41,9 @@ def main() -> None:
   import jaxfeed  # pylint: disable=g-import-not-at-top
 
   data = host_data(process_id)
-  dataset = jaxfeed.Dataset.from_tensor_slices(data).batch(LOCAL_BATCH)
+  # Ends in prefetch: one process would place in next(); several must not,
+  # since the processes agree on every step on the placement thread.
+  dataset = jaxfeed.Dataset.from_tensor_slices(data).batch(LOCAL_BATCH).prefetch(2)
   global_sum = jax.jit(lambda batch: batch["x"].sum() + batch["label"].sum())
   replicated = jax.sharding.NamedSharding(
       jax.sharding.Mesh(np.array(jax.devices()), ("data",)),
@@ -51,6 +54,8 @@ def main() -> None:
             "device_count": jax.device_count(), "batches": []}
   with jaxfeed.Loader(dataset, prefetch=2) as loader:
     for step, batch in enumerate(loader):
+      report.setdefault("placement_thread", any(
+          t.name == "jaxfeed-device-prefetch" for t in threading.enumerate()))
       rows = slice(step * LOCAL_BATCH, (step + 1) * LOCAL_BATCH)
       local_matches = True
       for key in ("x", "label"):

@@ -62,3 +62,8 @@ def test_orbax_restore_resumes_each_process_on_its_own_shard(reports):
     assert report["restored_batches"] == 1
     assert report["resumed_labels"] == report["expected_resumed_labels"]
   assert reports[0]["resumed_labels"] != reports[1]["resumed_labels"]
+
+
+def test_processes_agree_on_the_placement_thread_even_for_a_pipeline_that_reads_ahead(reports):
+  for report in reports:
+    assert report["placement_thread"]

@@ -246,3 +246,32 @@ def test_invalid_prefetch_is_rejected(prefetch):
 def test_non_iterator_is_rejected():
   with pytest.raises(TypeError, match="must be an iterator"):
     DevicePrefetcher([1, 2, 3], None)
+
+
+def test_host_that_reads_ahead_is_placed_inline_on_cpu_devices():
+  host = CountingIterator(6)
+  with DevicePrefetcher(host, None, prefetch=2, host_reads_ahead=True) as it:
+    assert it.places_inline
+    assert not prefetch_threads()
+    batches = [next(it), next(it)]
+    # Nothing read beyond what next() returned: the host does the read-ahead.
+    assert host.produced == 2
+    assert it.get_state() == {"position": 2}
+    batches += list(it)
+  assert steps_of(batches) == expected_steps(0, 6)
+  assert batches[0]["x"].sharding == batch_sharding()
+
+
+def test_host_without_read_ahead_keeps_the_placement_thread():
+  with DevicePrefetcher(CountingIterator(3), None, prefetch=2) as it:
+    assert not it.places_inline
+    assert len(prefetch_threads()) == 1
+    assert steps_of(list(it)) == expected_steps(0, 3)
+
+
+def test_sharding_function_keeps_the_placement_thread():
+  # A sharding function may name any device, so it is not known to be CPU.
+  with DevicePrefetcher(CountingIterator(3), lambda leaf: batch_sharding(),
+                        prefetch=2, host_reads_ahead=True) as it:
+    assert not it.places_inline
+    assert steps_of(list(it)) == expected_steps(0, 3)
