@@ -40,6 +40,9 @@ def ray_cluster():
   saved = os.environ.get("PYTHONPATH")
   os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), saved or ""])
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  # Children this process had before (e.g. multiprocessing's resource
+  # tracker, started by an earlier test in the same test process) are not Ray's.
+  before = {p.pid for p in psutil.Process().children(recursive=True)}
   cluster = cluster_utils.Cluster(
       initialize_head=True, connect=True,
       head_node_args={"node_ip_address": "127.0.0.1", "num_cpus": 1,
@@ -51,7 +54,8 @@ def ray_cluster():
   finally:
     ray.shutdown()
     cluster.shutdown()
-    alive = [p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"]
+    alive = [p for p in psutil.Process().children(recursive=True)
+             if p.pid not in before and p.status() != "zombie"]
     _, alive = psutil.wait_procs(alive, timeout=30)
     assert not alive, [p.cmdline()[:2] for p in alive]
     if saved is None:
