@@ -180,7 +180,8 @@ class DistributedNode(base.Node):
                auth_token: str | None = None, udf_secret: bytes | None = None,
                tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
                timeout_s: float = 60.0, round_timeout_s: float | None = None,
-               visitation: str = "at_most_once", ephemeral_sharing: bool = False):
+               visitation: str = "at_most_once", ephemeral_sharing: bool = False,
+               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
@@ -191,6 +192,7 @@ class DistributedNode(base.Node):
                         visitation, ephemeral_sharing)
     self.visitation = visitation
     self.ephemeral_sharing = ephemeral_sharing
+    self.max_frame_bytes = wire.check_max_frame_bytes(max_frame_bytes)
     self.dataset = None if dataset is None else base.to_node(dataset, "distribute", "dataset")
     if self.dataset is not None:
       spec_lib.to_dataset_def(self.dataset, udf_secret)  # fail early on bad UDFs
@@ -216,7 +218,8 @@ class DistributedNode(base.Node):
             "max_outstanding_requests": self.max_outstanding_requests,
             "data_transfer": self.data_transfer, "timeout_s": self.timeout_s,
             "round_timeout_s": self.round_timeout_s, "visitation": self.visitation,
-            "ephemeral_sharing": self.ephemeral_sharing}
+            "ephemeral_sharing": self.ephemeral_sharing,
+            "max_frame_bytes": self.max_frame_bytes}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on first use (so the dispatcher may start later)."""
@@ -259,7 +262,8 @@ class _Fetcher:
       conn = data_socket.DataConnection(self.task.data_address, {
           "token": read.node.auth_token or "", "task_id": self.task.task_id,
           "compression": read.node.compression or "", "consumer_index": consumer,
-          "round": 0}, ssl_context=read.ssl_context)
+          "round": 0}, ssl_context=read.ssl_context,
+          max_frame_bytes=read.node.max_frame_bytes)
       self._connection = conn
       if self._cancelled:
         conn.close()
@@ -279,31 +283,19 @@ class _Fetcher:
       self._connection = call
       if self._cancelled:
         call.cancel()
-      buffer, filled, round_index = None, 0, 0
+      frames = element_chunks.FrameAssembler(read.node.max_frame_bytes)
       for raw in call:
         chunk = element_chunks.parse(raw)
         if chunk.end_of_sequence:
-          self.end_stats = json.loads(chunk.stats_json) if chunk.stats_json else {}
+          frames.check_ended()
+          self.end_stats = chunk.end_stats()
           return
         if chunk.split_end:
           yield None, chunk.round
           continue
-        size = chunk.data.nbytes
-        if chunk.frame_bytes:
-          if chunk.frame_bytes == size:
-            yield chunk.data, chunk.round  # a view of the received message
-            continue
-          buffer, filled, round_index = np.empty(chunk.frame_bytes, np.uint8), 0, chunk.round
-        if buffer is None:
-          raise rpc.ServiceError("Stream chunk arrived without a frame start.")
-        if filled + size > buffer.nbytes:
-          raise rpc.ServiceError(
-              f"Stream chunks overrun their {buffer.nbytes}-byte frame.")
-        buffer[filled:filled + size] = np.frombuffer(chunk.data, np.uint8)
-        filled += size
-        if filled == buffer.nbytes:
-          yield buffer, round_index
-          buffer = None
+        frame = frames.add(chunk)
+        if frame is not None:
+          yield frame
     finally:
       channel.close()
 
@@ -314,7 +306,7 @@ class _Fetcher:
       for frame, round_index in self._frames():
         if read.node.visitation == "exactly_once":
           if frame is not None:
-            split.append((wire.decode(frame), round_index))
+            split.append((wire.decode(frame, read.node.max_frame_bytes), round_index))
             continue
           if any(r != round_index for _, r in split):
             raise rpc.ServiceError(
@@ -329,7 +321,7 @@ class _Fetcher:
             read.count(self.task.worker_address)
           split = []
           continue
-        element = wire.decode(frame)
+        element = wire.decode(frame, read.node.max_frame_bytes)
         if not read.put(self.out, (element, round_index)):
           return
         read.count(self.task.worker_address)
@@ -752,7 +744,9 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       ephemeral_sharing: parallel_epochs jobs of one dataset that all pass
       True share each worker's pipeline through a byte-bounded window, each
       job at its own position; a job that falls behind the window skips
-      ahead (see `jaxfeed.service.shared_stream`).
+      ahead (see `jaxfeed.service.shared_stream`),
+      max_frame_bytes: the largest batch (its frame, after decompression)
+      accepted from a worker, 2 GiB by default; a bigger one fails the read.
 
   Returns:
     A jaxfeed Dataset.
