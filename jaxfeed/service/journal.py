@@ -37,7 +37,7 @@ class Journal:
         continue
       try:
         yield json.loads(line)
-      except ValueError as e:
+      except (ValueError, RecursionError) as e:  # too deep a nesting recurses too far
         if number == len(lines) - 1:
           return  # torn final write
         raise ValueError(

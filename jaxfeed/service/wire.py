@@ -14,6 +14,7 @@ malformed frame raises `WireFormatError` instead of reading out of bounds.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any, Iterator
 
@@ -30,6 +31,7 @@ COMPRESSIONS = ("", "lz4", "zstd")
 DEFAULT_MAX_FRAME_BYTES = 2 << 30
 MAX_STRUCTURE_DEPTH = 64
 _MAX_NDIM = 64  # numpy's own limit
+_DTYPE_STR = re.compile(r"[<>|=]?[a-zA-Z][0-9]{0,10}(\[[0-9]{0,3}[a-zA-Z]{1,2}\])?")
 
 
 class WireFormatError(ValueError):
@@ -252,7 +254,9 @@ def _leaf_size(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, int
     raise WireFormatError(
         f"Frame leaf description {spec!r:.100} is not [dtype, shape, offset, nbytes].")
   dtype_str, shape, offset, nbytes = spec
-  if not isinstance(dtype_str, str) or len(dtype_str) > 64:
+  # What np.dtype(...).str gives; np.dtype would also parse much else (and
+  # raise SyntaxError on some of it).
+  if not isinstance(dtype_str, str) or not _DTYPE_STR.fullmatch(dtype_str):
     raise WireFormatError(f"Frame leaf dtype {dtype_str!r:.80} is not a dtype string.")
   try:
     dtype = np.dtype(dtype_str)
