@@ -133,6 +133,8 @@ class Frame:
   def chunks(self, size: int) -> Iterator[list[memoryview]]:
     """The frame's bytes in pieces of `size` (the last may be shorter), each
     piece a list of views of the parts."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+      raise ValueError(f"A frame's chunk size must be an integer >= 1, got {size!r}.")
     pending, filled = [], 0
     for part in self.parts:
       view = memoryview(part)

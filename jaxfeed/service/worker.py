@@ -283,7 +283,7 @@ class _Worker:
       task_id = int(hello["task_id"])
       consumer_index = int(hello.get("consumer_index", 0))
       round_index = int(hello.get("round", 0))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(inf): Overflow
       raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
     try:
       return (yield from self.frames(task_id, consumer_index, round_index, is_active))

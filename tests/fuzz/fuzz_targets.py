@@ -107,7 +107,7 @@ def _absurd_json_value(rng: random.Random, original: Any) -> Any:
       value = [value] if rng.random() < 0.5 else {"l": [value]}
     return value
   if choice == 8:  # many of it (inputs stay a few MB at most)
-    return [original] * rng.choice((2, 1000 if len(_json_dumps(original)) < 1000 else 2))
+    return [original] * rng.choice((2, 1000 if len(json_dumps(original)) < 1000 else 2))
   if choice == 9 and isinstance(original, int) and not isinstance(original, bool):
     return original + rng.choice((-1, 1, 1 << 32))
   if choice == 10 and isinstance(original, str):
@@ -152,15 +152,15 @@ def mutate_json(value: Any, rng: random.Random) -> Any:
   return value
 
 
-_MAX_INPUT_BYTES = 2 << 20  # mutations compound; bigger inputs only cost time
+MAX_INPUT_BYTES = 2 << 20  # mutations compound; bigger inputs only cost time
 
 
-def _json_dumps(value: Any) -> bytes:
+def json_dumps(value: Any) -> bytes:
   try:
     data = json.dumps(value).encode()
   except (RecursionError, ValueError):
     return b"[" * 100000  # what a too-deep value would have been
-  return data[:_MAX_INPUT_BYTES]  # cut: invalid JSON, as a truncated message
+  return data[:MAX_INPUT_BYTES]  # cut: invalid JSON, as a truncated message
 
 
 # -- targets -----------------------------------------------------------------
@@ -187,7 +187,7 @@ def _sample_trees() -> list:
 
 
 def _frame_with_header(header: Any, body: bytes) -> bytes:
-  header_bytes = _json_dumps(header)
+  header_bytes = json_dumps(header)
   return wire.MAGIC + struct.pack("<I", len(header_bytes)) + header_bytes + body
 
 
@@ -362,7 +362,7 @@ def _mutate_spec(raw: bytes, rng: random.Random) -> bytes:
   if rng.random() < 0.2 and dataset_def.arrays:
     dataset_def.arrays = _mutate_frame(dataset_def.arrays, rng)
   else:
-    dataset_def.graph_json = _json_dumps(mutate_json(json.loads(dataset_def.graph_json), rng))
+    dataset_def.graph_json = json_dumps(mutate_json(json.loads(dataset_def.graph_json), rng))
   return dataset_def.SerializeToString()
 
 
@@ -429,7 +429,7 @@ def _mutate_journal(lines: list[str], rng: random.Random) -> list[str]:
   elif op == 2:
     lines[i] = mutate_bytes(lines[i].encode(), rng).decode("utf-8", "replace").replace("\n", "")
   else:
-    lines[i] = _json_dumps(mutate_json(json.loads(lines[i]), rng)).decode()
+    lines[i] = json_dumps(mutate_json(json.loads(lines[i]), rng)).decode()
   return lines
 
 
