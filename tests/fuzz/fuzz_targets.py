@@ -340,7 +340,7 @@ def _mutate_stream(stream: bytes, rng: random.Random) -> bytes:
   return mutate_bytes(stream, rng)
 
 
-def _spec_corpus() -> list[bytes]:
+def spec_corpus() -> list[bytes]:
   import jaxfeed  # pylint: disable=g-import-not-at-top
   source = jaxfeed.ArraySource({"x": np.arange(40, dtype=np.float32).reshape(20, 2),
                                 "label": np.arange(20) % 3})
@@ -355,7 +355,7 @@ def _spec_corpus() -> list[bytes]:
   return [spec.to_dataset_def(ds.node).SerializeToString() for ds in pipelines]
 
 
-def _mutate_spec(raw: bytes, rng: random.Random) -> bytes:
+def mutate_spec(raw: bytes, rng: random.Random) -> bytes:
   if rng.random() < 0.3:
     return mutate_bytes(raw, rng)
   dataset_def = pb.DatasetDef.FromString(raw)
@@ -445,7 +445,7 @@ def make_targets() -> dict[str, Target]:
       "data_socket_client": Target(
           "data_socket_client", _socket_corpus, _mutate_stream, stream_server.run,
           (wire.WireFormatError, data_socket.DataConnectionError), stream_server.close),
-      "dataset_spec": Target("dataset_spec", _spec_corpus, _mutate_spec, _spec_run,
+      "dataset_spec": Target("dataset_spec", spec_corpus, mutate_spec, _spec_run,
                              (spec.SpecError,)),
       "journal_replay": Target("journal_replay", lambda: [journal_corpus_from_run()],
                                _mutate_journal, journal.run,

@@ -4,8 +4,9 @@ running dispatcher and worker processes.
 `ServerFuzzer.run` makes one case at a time against one of: each gRPC method
 of the dispatcher and the worker (mutations of valid requests, random bytes,
 truncations, a message over the size limit), the gRPC ports as raw TCP
-(garbage instead of HTTP/2), and the worker's data socket (mutated hellos,
-absurd hello lengths, truncated and stalled hellos). Every case has a bounded
+(garbage instead of HTTP/2), the worker's data socket (mutated hellos,
+absurd hello lengths, truncated and stalled hellos), and the worker's spec
+decoder (mutated dataset specs registered and run as jobs). Every case has a bounded
 time; what the servers answered is counted by port and answer.
 """
 
@@ -25,6 +26,7 @@ import jaxfeed
 from jaxfeed.service import spec
 from jaxfeed.service.protos import service_pb2 as pb
 
+import fuzz_targets
 from fuzz_targets import json_dumps, mutate_bytes, mutate_json
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
@@ -50,6 +52,8 @@ class ServerFuzzer:
     self.slowest_s = 0.0
     self.cases = 0
     self._seeds = self._make_seeds()
+    self._spec_seeds = fuzz_targets.spec_corpus()
+    self._specs_sent = 0
 
   def close(self) -> None:
     for channel in self._channels.values():
@@ -199,9 +203,57 @@ class ServerFuzzer:
       data = self.rng.randbytes(self.rng.choice((1, 8, 5000)))
     return f"data socket {self._tcp_exchange(self.worker_data, data, linger_s=0.2)}"
 
+  def _spec_case(self) -> str:
+    """A mutated spec the decoder here refuses, run as a job: the worker must
+    refuse it too, with a clear status. (Specs that do decode are not sent:
+    what a valid pipeline may compute is not this fuzzer's business.)"""
+    for _ in range(20):
+      try:
+        dataset_def = pb.DatasetDef.FromString(
+            fuzz_targets.mutate_spec(self.rng.choice(self._spec_seeds), self.rng))
+        spec.from_dataset_def(dataset_def)
+      except spec.SpecError:
+        break
+      except Exception:  # pylint: disable=broad-except  # not even a DatasetDef
+        continue
+    else:
+      return "spec none refused"
+    self._specs_sent += 1
+    dataset_def.fingerprint = f"fuzz-{self._specs_sent}"  # no reuse of a registered one
+    try:
+      dataset_id = pb.RegisterDatasetResponse.FromString(self._unary(
+          "RegisterDataset", pb.RegisterDatasetRequest(dataset=dataset_def))).dataset_id
+      job = pb.GetOrCreateJobResponse.FromString(self._unary(
+          "GetOrCreateJob", pb.GetOrCreateJobRequest(dataset_id=dataset_id,
+                                                     sharding_policy="OFF")))
+    except grpc.RpcError as e:
+      return f"spec on dispatcher {e.code().name}"
+    try:
+      heartbeat = pb.ClientHeartbeatRequest(job_id=job.job_id, client_id=job.client_id)
+      deadline = time.monotonic() + CALL_TIMEOUT_S
+      task_id = None
+      while task_id is None and time.monotonic() < deadline:
+        tasks = pb.ClientHeartbeatResponse.FromString(
+            self._unary("ClientHeartbeat", heartbeat)).tasks
+        task_id = next((t.task_id for t in tasks if t.worker_address == self.worker), None)
+        time.sleep(0.05)
+      if task_id is None:
+        return "spec no task"
+      call = self._channels[self.worker].unary_stream(_WORKER + "GetElements")
+      try:
+        list(call(pb.GetElementsRequest(task_id=task_id).SerializeToString(),
+                  timeout=CALL_TIMEOUT_S))
+        return "spec on worker OK"
+      except grpc.RpcError as e:
+        return f"spec on worker {e.code().name}"
+    finally:
+      self._unary("ReleaseJobClient", pb.ReleaseJobClientRequest(
+          job_id=job.job_id, client_id=job.client_id))
+
   def run(self, cases: int, alive: Callable[[], bool] = lambda: True) -> None:
     """Runs `cases` cases, checking `alive()` (the servers) every few."""
-    makers = [self._grpc_case] * 6 + [self._data_socket_case] * 3 + [self._raw_grpc_port_case]
+    makers = ([self._grpc_case] * 12 + [self._data_socket_case] * 6
+              + [self._raw_grpc_port_case] * 2 + [self._spec_case])
     for i in range(cases):
       started = time.monotonic()
       self.outcomes[self.rng.choice(makers)()] += 1

@@ -57,6 +57,8 @@ def test_fuzzed_servers_stay_up_answer_in_bounded_time_and_keep_serving(servers)
   answers = " ".join(fuzzer.outcomes)
   assert "INTERNAL" not in answers, fuzzer.outcomes  # every refusal says what was wrong
   assert "INVALID_ARGUMENT" in answers and "data socket error INVALID_ARGUMENT" in answers
+  # Specs the decoder refuses here were refused by the worker too.
+  assert "spec on worker" in answers and "spec on worker OK" not in answers, fuzzer.outcomes
   assert fuzzer.slowest_s < 30, fuzzer.outcomes
   for process, before in rss_before.items():
     assert rss_mb(process) - before < 256, (process.proc.args, before, rss_mb(process))
