@@ -31,6 +31,7 @@ COMPRESSIONS = ("", "lz4", "zstd")
 DEFAULT_MAX_FRAME_BYTES = 2 << 30
 MAX_STRUCTURE_DEPTH = 64
 _MAX_NDIM = 64  # numpy's own limit
+_MAX_ARRAY_SPAN = 1 << 62
 _DTYPE_STR = re.compile(r"[<>|=]?[a-zA-Z][0-9]{0,10}(\[[0-9]{0,3}[a-zA-Z]{1,2}\])?")
 
 
@@ -273,9 +274,12 @@ def _leaf_size(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, int
     raise WireFormatError(
         f"Frame leaf shape {shape!r:.100} is not a list of at most {_MAX_NDIM} "
         "non-negative integers.")
-  count = 1
+  count = span = 1
   for dim in shape:  # Python ints: no overflow, unlike np.prod
     count *= dim
+    span *= max(dim, 1)  # numpy refuses even an empty array this big
+  if span * dtype.itemsize > _MAX_ARRAY_SPAN:
+    raise WireFormatError(f"Frame leaf shape {shape} is too large for an array.")
   if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)) or (
       count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > payload_bytes):
     raise WireFormatError(
