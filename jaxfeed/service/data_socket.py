@@ -219,7 +219,11 @@ class DataServer:
 
 
 class DataConnection:
-  """A client's connection to one task on a worker's data port."""
+  """A client's connection to one task on a worker's data port.
+
+  What the worker sends is bounded before it is allocated: a frame by
+  `max_frame_bytes`, other messages by a small fixed size.
+  """
 
   def __init__(self, address: str, hello: dict, timeout_s: float = 10.0,
                ssl_context: ssl.SSLContext | None = None,

@@ -250,7 +250,7 @@ def _decompress(name: str, data: memoryview, size: int) -> memoryview:
   return memoryview(out)
 
 
-def _leaf_size(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, int]:
+def _leaf_layout(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, int]:
   """Checks one leaf description against the payload; returns (dtype, shape,
   count, offset)."""
   if not isinstance(spec, list) or len(spec) != 4:
@@ -333,7 +333,7 @@ def decode(frame: bytes | bytearray | memoryview,
   if num_leaves != len(specs):
     raise WireFormatError(
         f"Frame header lists {len(specs)} leaves for a structure with {num_leaves}.")
-  layout = [_leaf_size(spec, payload_bytes) for spec in specs]
+  layout = [_leaf_layout(spec, payload_bytes) for spec in specs]
   payload: Any = buf[start:]
   if compression:
     try:
