@@ -143,9 +143,7 @@ class DataServer:
         raise DataConnectionError(f"Hello of {length} bytes exceeds {MAX_HELLO_BYTES}.",
                                   "INVALID_ARGUMENT")
       try:
-        hello = json.loads(bytes(_recv_exact(conn, length)))
-        if not isinstance(hello, dict):
-          raise ValueError("not an object")
+        hello = wire.decode_json_object(_recv_exact(conn, length), "Hello")
       except ValueError as e:
         raise DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
       conn.settimeout(None)

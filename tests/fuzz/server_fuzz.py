@@ -196,6 +196,10 @@ class ServerFuzzer:
       data = mutate_bytes(struct.pack("<I", len(body)) + body, self.rng)
     elif kind == 3:  # an absurd hello length, then a few bytes
       data = struct.pack("<I", self.rng.choice((4097, 1 << 20, (1 << 32) - 1))) + b"{}"
+    elif kind == 4 and self.rng.random() < 0.5:  # nested deeper than a parser recurses
+      depth = self.rng.choice((500, 1000, 2000))
+      body = b'{"task_id": ' + b"[" * depth + b"]" * depth + b"}"
+      data = struct.pack("<I", len(body)) + body
     elif kind == 4:  # a hello cut short
       body = json.dumps(self.hello).encode()
       data = (struct.pack("<I", len(body)) + body)[:self.rng.randrange(len(body) + 4)]

@@ -3,6 +3,9 @@ answer within bounded time, do not grow without bound and keep serving."""
 
 from __future__ import annotations
 
+import json
+import socket
+import struct
 import time
 
 import grpc
@@ -80,3 +83,17 @@ def test_a_get_elements_with_a_negative_chunk_size_is_refused_not_looped_on(serv
   time.sleep(1)  # a worker thread still looping would keep growing
   assert rss_mb(worker) - rss_before < 64
   read_one_epoch(dispatcher)
+
+
+def test_a_hello_nested_too_deeply_gets_invalid_argument(servers):
+  _, worker = servers
+  body = b'{"task_id": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+  host, port = worker.data_address.rsplit(":", 1)
+  with socket.create_connection((host, int(port)), timeout=10) as conn:
+    conn.sendall(struct.pack("<I", len(body)) + body)
+    reply = b""
+    while chunk := conn.recv(4096):
+      reply += chunk
+  kind, length, _ = struct.unpack_from("<BQq", reply)
+  assert kind == 2
+  assert json.loads(reply[17:17 + length])["status"] == "INVALID_ARGUMENT"
