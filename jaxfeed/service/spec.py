@@ -295,11 +295,10 @@ class _Decoder:
       import pickle  # pylint: disable=g-import-not-at-top
       return pickle.loads(table[body])  # signature checked in __init__
     if tag == "__dtype__":
-      _want(isinstance(body, str), tag, enc, "want a dtype string")
       try:
-        return np.dtype(body)
-      except (TypeError, ValueError) as e:
-        raise SpecError(f"Pipeline spec names an invalid dtype {body!r:.80}: {e}") from e
+        return wire.dtype_from_str(body)
+      except wire.WireFormatError as e:
+        raise SpecError(f"Pipeline spec has an invalid dtype: {e}") from e
     if tag == "__bytes__":
       _want(isinstance(body, str), tag, enc, "want a hex string")
       try:

@@ -250,6 +250,17 @@ def _decompress(name: str, data: memoryview, size: int) -> memoryview:
   return memoryview(out)
 
 
+def dtype_from_str(dtype_str: Any) -> np.dtype:
+  """The dtype of a `np.dtype(...).str` string received from a peer."""
+  # np.dtype would parse much else too, and raise SyntaxError on some of it.
+  if not isinstance(dtype_str, str) or not _DTYPE_STR.fullmatch(dtype_str):
+    raise WireFormatError(f"{dtype_str!r:.80} is not a dtype string.")
+  try:
+    return np.dtype(dtype_str)
+  except (TypeError, ValueError) as e:
+    raise WireFormatError(f"{dtype_str!r} is not a valid dtype: {e}") from e
+
+
 def _leaf_layout(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, int]:
   """Checks one leaf description against the payload; returns (dtype, shape,
   count, offset)."""
@@ -257,14 +268,7 @@ def _leaf_layout(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, i
     raise WireFormatError(
         f"Frame leaf description {spec!r:.100} is not [dtype, shape, offset, nbytes].")
   dtype_str, shape, offset, nbytes = spec
-  # What np.dtype(...).str gives; np.dtype would also parse much else (and
-  # raise SyntaxError on some of it).
-  if not isinstance(dtype_str, str) or not _DTYPE_STR.fullmatch(dtype_str):
-    raise WireFormatError(f"Frame leaf dtype {dtype_str!r:.80} is not a dtype string.")
-  try:
-    dtype = np.dtype(dtype_str)
-  except (TypeError, ValueError) as e:
-    raise WireFormatError(f"Frame leaf dtype {dtype_str!r} is not valid: {e}") from e
+  dtype = dtype_from_str(dtype_str)
   if dtype.hasobject or dtype.subdtype is not None or not dtype.itemsize:
     raise WireFormatError(
         f"Frame leaf has dtype {dtype_str!r}: only fixed-size numpy dtypes "
