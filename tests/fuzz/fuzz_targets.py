@@ -95,7 +95,8 @@ def _absurd_json_value(rng: random.Random, original: Any) -> Any:
     return rng.choice((float("inf"), float("-inf"), float("nan"), 1e308, -0.5, 2.5))
   if choice == 4:
     return rng.choice(("", "x" * rng.choice((1, 100, 10000)), "\x00", "../..", "os:system",
-                       "O", "<f8", "V1000000000", "(1000000,1000000)f8", "jaxfeed:nothing"))
+                       "O", "<f8", "V1000000000", "(1000000,1000000)f8", ",i4", "i4,(2,)f8",
+                       "jaxfeed:nothing"))
   if choice == 5:
     return []
   if choice == 6:
