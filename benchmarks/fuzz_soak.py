@@ -74,6 +74,7 @@ def run_batch(row: Row, cases: int, seed: int, rlimit_mb: int, timeout_s: float)
   row.rss_growth_mb = max(row.rss_growth_mb, stats["max_rss_growth_mb"])
   row.outcomes.update(stats["outcomes"])
   row.failures += [f"seed {seed}: {f[0]}: {f[1]} input {f[2][:300]}" for f in stats["failures"]]
+  row.failures.sort(key=lambda f: "HANG" not in f)  # the rarer kind first
 
 
 def run_servers(cases: int, seed: int) -> Row:

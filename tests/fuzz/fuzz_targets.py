@@ -6,7 +6,8 @@ mutator that damages them (seeded bytes flips, inserts, truncations and
 absurd integers, and structure-aware edits of their JSON parts), and a
 `run` that feeds one input to the real decoder. A case passes when the
 decoder returns or raises one of the target's documented errors; any other
-exception is a crash, and a case running longer than `hang_s` a hang.
+exception is a crash, and a case running longer than `hang_s` (generous: a
+loaded machine is slow, a bug loops forever) a hang.
 
 `run_targets` runs cases for several targets and returns one `TargetStats`
 each; as a script (`python fuzz_targets.py --cases=N --rlimit_mb=M`) it does
@@ -472,7 +473,7 @@ def _max_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_target(target: Target, cases: int, seed: int, hang_s: float = 5.0) -> TargetStats:
+def run_target(target: Target, cases: int, seed: int, hang_s: float = 10.0) -> TargetStats:
   """Runs `cases` mutated inputs (and the unmutated corpus) through a target."""
   rng = random.Random(seed)
   corpus = target.corpus()
