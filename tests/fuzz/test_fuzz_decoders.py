@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(240)
 
 FUZZ_TARGETS = pathlib.Path(__file__).resolve().parent / "fuzz_targets.py"
 CASES = {"wire_frame": 1000, "element_chunks": 1000, "data_socket_client": 500,
-         "dataset_spec": 500, "journal_replay": 300}
+         "dataset_spec": 400, "journal_replay": 250}
 
 
 @pytest.mark.parametrize("target", sorted(CASES))

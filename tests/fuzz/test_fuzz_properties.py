@@ -43,7 +43,7 @@ def frame(header, body: bytes) -> bytes:
   return wire.MAGIC + struct.pack("<I", len(header_bytes)) + header_bytes + body
 
 
-@hypothesis.settings(FUZZ, max_examples=150)
+@hypothesis.settings(FUZZ, max_examples=100)
 @hypothesis.given(
     structure=JSON, leaves=st.lists(st.lists(JSON, min_size=4, max_size=4) | JSON, max_size=3),
     payload_bytes=JSON | st.integers(0, 64), compression=JSON | st.sampled_from(["lz4", "zstd"]),

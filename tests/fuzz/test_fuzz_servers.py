@@ -53,7 +53,7 @@ def test_fuzzed_servers_stay_up_answer_in_bounded_time_and_keep_serving(servers)
   alive = lambda: all(p.proc.poll() is None for p in servers)
   fuzzer = ServerFuzzer(dispatcher.address, worker.address, worker.data_address, seed=11)
   try:
-    fuzzer.run(300, alive)
+    fuzzer.run(250, alive)
   finally:
     fuzzer.close()
   assert alive(), fuzzer.outcomes
