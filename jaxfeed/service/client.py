@@ -35,7 +35,6 @@ read ends when every worker's stream ended.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -44,7 +43,6 @@ import weakref
 from typing import Any
 
 import grpc
-import numpy as np
 
 from jaxfeed.ops import base
 from jaxfeed.service import data_socket

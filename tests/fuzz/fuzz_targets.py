@@ -20,7 +20,6 @@ process, which also turns a segfault or a hang into a reported failure.
 from __future__ import annotations
 
 import argparse
-import base64
 import collections
 import dataclasses
 import json
