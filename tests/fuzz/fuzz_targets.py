@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import dataclasses
 import json
 import os
@@ -108,19 +109,25 @@ def _absurd_json_value(rng: random.Random, original: Any) -> Any:
       value = [value] if rng.random() < 0.5 else {"l": [value]}
     return value
   if choice == 8:  # many of it (inputs stay a few MB at most)
-    return [original] * rng.choice((2, 1000 if len(json_dumps(original)) < 1000 else 2))
+    count = rng.choice((2, 1000 if len(json_dumps(original)) < 1000 else 2))
+    # Copies, not one object many times: a later edit inside one of them
+    # would otherwise repeat in all, and compound.
+    try:
+      return [copy.deepcopy(original) for _ in range(count)]
+    except RecursionError:  # a deep value an earlier edit made
+      return [original]
   if choice == 9 and isinstance(original, int) and not isinstance(original, bool):
     return original + rng.choice((-1, 1, 1 << 32))
   if choice == 10 and isinstance(original, str):
     return original[:rng.randrange(len(original) + 1)]
   if choice == 11 and isinstance(original, list) and original:
-    copy = list(original)
-    del copy[rng.randrange(len(copy))]
-    return copy
+    shorter = list(original)
+    del shorter[rng.randrange(len(shorter))]
+    return shorter
   if choice == 12 and isinstance(original, dict) and original:
-    copy = dict(original)
-    del copy[rng.choice(list(copy))]
-    return copy
+    shorter = dict(original)
+    del shorter[rng.choice(list(shorter))]
+    return shorter
   if choice == 13 and isinstance(original, dict):
     return {**original, rng.choice(("__array__", "__object__", "params", "d", "x")): 1}
   return rng.choice((0, "", None, [], {}))
