@@ -40,7 +40,6 @@ read ends when every worker's stream ended.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -49,7 +48,6 @@ import weakref
 from typing import Any
 
 import grpc
-import numpy as np
 
 from jaxfeed.ops import base
 from jaxfeed.service import data_socket
@@ -193,7 +191,8 @@ class DistributedNode(base.Node):
                auth_token: str | None = None, udf_secret: bytes | None = None,
                tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
                timeout_s: float = 60.0, round_timeout_s: float | None = None,
-               visitation: str = "at_most_once", ephemeral_sharing: bool = False):
+               visitation: str = "at_most_once", ephemeral_sharing: bool = False,
+               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
@@ -204,6 +203,7 @@ class DistributedNode(base.Node):
                         visitation, ephemeral_sharing)
     self.visitation = visitation
     self.ephemeral_sharing = ephemeral_sharing
+    self.max_frame_bytes = wire.check_max_frame_bytes(max_frame_bytes)
     self.dataset = None if dataset is None else task_pipeline.pipeline_node(
         dataset, "distribute", self.policy)
     if self.dataset is not None:
@@ -230,7 +230,8 @@ class DistributedNode(base.Node):
             "max_outstanding_requests": self.max_outstanding_requests,
             "data_transfer": self.data_transfer, "timeout_s": self.timeout_s,
             "round_timeout_s": self.round_timeout_s, "visitation": self.visitation,
-            "ephemeral_sharing": self.ephemeral_sharing}
+            "ephemeral_sharing": self.ephemeral_sharing,
+            "max_frame_bytes": self.max_frame_bytes}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on each read (so the dispatcher may start later,
@@ -296,7 +297,7 @@ class _Fetcher:
     if use_socket:
       conn = data_socket.DataConnection(
           self.task.data_address, {"token": self.task.read_ticket, **self._request()},
-          ssl_context=read.ssl_context)
+          ssl_context=read.ssl_context, max_frame_bytes=read.node.max_frame_bytes)
       self._connection = conn
       self._send_ack = conn.ack
       try:
@@ -325,35 +326,23 @@ class _Fetcher:
           timeout=_STALL_S)
       if self._cancelled:
         call.cancel()
-      buffer, filled, round_index, seq = None, 0, 0, 0
+      frames = element_chunks.FrameAssembler(read.node.max_frame_bytes)
       for raw in call:
         chunk = element_chunks.parse(raw)
         if chunk.keepalive:
           yield None
           continue
         if chunk.end_of_sequence:
-          self.end_stats = json.loads(chunk.stats_json) if chunk.stats_json else {}
+          frames.check_ended()
+          self.end_stats = chunk.end_stats()
           return
         if chunk.split_end:
           yield chunk.seq, None, chunk.round
           continue
-        size = chunk.data.nbytes
-        if chunk.frame_bytes:
-          if chunk.frame_bytes == size:
-            yield chunk.seq, chunk.data, chunk.round  # a view of the received message
-            continue
-          buffer, filled = np.empty(chunk.frame_bytes, np.uint8), 0
-          round_index, seq = chunk.round, chunk.seq
-        if buffer is None:
-          raise rpc.ServiceError("Stream chunk arrived without a frame start.")
-        if filled + size > buffer.nbytes:
-          raise rpc.ServiceError(
-              f"Stream chunks overrun their {buffer.nbytes}-byte frame.")
-        buffer[filled:filled + size] = np.frombuffer(chunk.data, np.uint8)
-        filled += size
-        if filled == buffer.nbytes:
-          yield seq, buffer, round_index
-          buffer = None
+        frame = frames.add(chunk)
+        if frame is not None:
+          data, round_index, seq = frame
+          yield seq, data, round_index
     finally:
       channel.close()
 
@@ -428,9 +417,9 @@ class _Fetcher:
     self.received += 1
     taken = True
     if read.node.visitation != "exactly_once":
-      taken = self._put((wire.decode(frame), round_index))
+      taken = self._put((wire.decode(frame, self._read.node.max_frame_bytes), round_index))
     elif frame is not None:
-      split.append((wire.decode(frame), round_index))
+      split.append((wire.decode(frame, self._read.node.max_frame_bytes), round_index))
     else:
       if any(r != round_index for _, r in split):
         raise rpc.ServiceError(
@@ -871,7 +860,9 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       ephemeral_sharing: parallel_epochs jobs of one dataset that all pass
       True share each worker's pipeline through a byte-bounded window, each
       job at its own position; a job that falls behind the window skips
-      ahead (see `jaxfeed.service.shared_stream`).
+      ahead (see `jaxfeed.service.shared_stream`),
+      max_frame_bytes: the largest batch (its frame, after decompression)
+      accepted from a worker, 2 GiB by default; a bigger one fails the read.
 
   Returns:
     A jaxfeed Dataset.

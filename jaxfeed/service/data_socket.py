@@ -58,6 +58,10 @@ KIND_FRAME, KIND_END, KIND_ERROR, KIND_SPLIT_END, KIND_KEEPALIVE = 0, 1, 2, 3, 4
 # reconnects and resumes).
 _SEND_TIMEOUT_S = 60.0
 MAX_HELLO_BYTES = 4096
+# The longest body a client accepts from a worker, by message kind; frames
+# are bounded by the reader's max_frame_bytes.
+_MAX_BODY_BYTES = {KIND_END: 1 << 20, KIND_ERROR: 1 << 20, KIND_SPLIT_END: 0,
+                   KIND_KEEPALIVE: 0}
 _MAX_IOV = 512  # buffers per sendmsg; Linux allows 1024
 
 
@@ -292,9 +296,7 @@ class DataServer:
     self._pending.pop(conn)
     self._selector.unregister(conn)
     try:
-      hello = json.loads(bytes(pending.data))
-      if not isinstance(hello, dict):
-        raise ValueError("not an object")
+      hello = wire.decode_json_object(bytes(pending.data), "Hello")
     except ValueError as e:
       self._refuse(conn, DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT"))
       conn.close()
@@ -408,10 +410,16 @@ class DataServer:
 
 
 class DataConnection:
-  """A client's connection to one task on a worker's data port."""
+  """A client's connection to one task on a worker's data port.
+
+  What the worker sends is bounded before it is allocated: a frame by
+  `max_frame_bytes`, other messages by a small fixed size.
+  """
 
   def __init__(self, address: str, hello: dict, timeout_s: float = 10.0,
-               ssl_context: ssl.SSLContext | None = None):
+               ssl_context: ssl.SSLContext | None = None,
+               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
+    self._max_frame_bytes = max_frame_bytes
     host, port = address.rsplit(":", 1)
     self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -436,6 +444,7 @@ class DataConnection:
     try:
       kind, length, round_index, seq = _FRAME_PREFIX.unpack(
           _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))
+      _check_length(kind, length, self._max_frame_bytes)
       body = _recv_exact(self._sock, length)
       if kind == KIND_END:
         self.end_stats = _stats_of(bytes(body))
@@ -445,9 +454,9 @@ class DataConnection:
         raise
       raise DataConnectionError(f"Data connection failed: {e}") from e
     if kind == KIND_ERROR:
-      error = json.loads(bytes(body))
-      raise DataConnectionError(error.get("message", "worker error"),
-                                error.get("status", "INTERNAL"))
+      error = wire.decode_json_object(body, "Worker error message")
+      raise DataConnectionError(str(error.get("message", "worker error")),
+                                str(error.get("status", "INTERNAL")))
     if kind not in (KIND_FRAME, KIND_SPLIT_END, KIND_KEEPALIVE):
       raise DataConnectionError(f"Unknown data connection message kind {kind}.", "INTERNAL")
     return kind, seq, body if kind == KIND_FRAME else None, round_index
@@ -467,12 +476,22 @@ class DataConnection:
     self._sock.close()
 
 
+def _check_length(kind: int, length: int, max_frame_bytes: int) -> None:
+  """Checks a message's kind and length before its body is allocated."""
+  limit = max_frame_bytes if kind == KIND_FRAME else _MAX_BODY_BYTES.get(kind)
+  if limit is None:
+    raise wire.WireFormatError(f"Data connection sent a message of unknown kind {kind}.")
+  if length > limit:
+    raise wire.WireFormatError(
+        f"Data connection sent a message of kind {kind} with {length} bytes; "
+        f"allowed are at most {limit}"
+        f"{' (max_frame_bytes)' if kind == KIND_FRAME else ''}.")
+
+
 def _stats_of(body: bytes) -> dict:
+  if not body:
+    return {}
   try:
-    stats = json.loads(body) if body else {}
-  except ValueError as e:
-    raise DataConnectionError(f"Malformed end-of-sequence statistics: {e}",
-                              "INTERNAL") from e
-  if not isinstance(stats, dict):
-    raise DataConnectionError("End-of-sequence statistics are not an object.", "INTERNAL")
-  return stats
+    return wire.decode_json_object(body, "End-of-sequence statistics")
+  except wire.WireFormatError as e:
+    raise DataConnectionError(str(e), "INTERNAL") from e

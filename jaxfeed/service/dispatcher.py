@@ -26,6 +26,7 @@ from jaxfeed.service import autoscale as autoscale_lib
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import journal as journal_lib
 from jaxfeed.service import metrics as metrics_lib
+from jaxfeed.service import journal_records
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
@@ -330,6 +331,7 @@ class DispatcherState:
     return next(self._ids)
 
   def _apply(self, r: dict) -> None:
+    journal_records.check_record(r, self.jobs)
     kind = r["kind"]
     if "id" in r:  # keep ids unique across restarts
       n = int(r["id"])

@@ -13,7 +13,11 @@ generated class.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import numpy as np
+
+from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.wire import WireFormatError
 
@@ -52,6 +56,12 @@ class Chunk:
   split_end: bool = False
   seq: int = 0
   keepalive: bool = False
+
+  def end_stats(self) -> dict:
+    """The task's round statistics sent with its end of sequence."""
+    if not self.stats_json:
+      return {}
+    return wire.decode_json_object(self.stats_json.encode(), "End-of-sequence statistics")
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -104,3 +114,53 @@ def parse(raw: bytes) -> Chunk:
   if pos != buf.nbytes:
     raise WireFormatError("ElementChunk ends inside a field.")
   return chunk
+
+
+class FrameAssembler:
+  """Joins the data of a stream's chunks into frames.
+
+  A frame's first chunk declares the frame's size; it is checked against
+  `max_frame_bytes` before the frame's buffer is allocated, and later chunks
+  must fill exactly that many bytes.
+  """
+
+  def __init__(self, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
+    self._max_frame_bytes = max_frame_bytes
+    self._buffer: np.ndarray | None = None
+    self._filled = 0
+    self._round = 0
+    self._seq = 0
+
+  def add(self, chunk: Chunk) -> tuple[Any, int, int] | None:
+    """Takes a data chunk; returns (frame, round, seq) once a frame is complete."""
+    size = chunk.data.nbytes
+    if chunk.frame_bytes:
+      if not 0 < chunk.frame_bytes <= self._max_frame_bytes:
+        raise WireFormatError(
+            f"Stream chunk starts a frame of {chunk.frame_bytes} bytes; allowed "
+            f"are 1 to {self._max_frame_bytes} (max_frame_bytes).")
+      if self._buffer is not None:
+        raise WireFormatError(
+            f"Stream chunk starts a frame while {self._buffer.nbytes - self._filled} "
+            "bytes of the previous one are missing.")
+      if chunk.frame_bytes == size:
+        return chunk.data, chunk.round, chunk.seq  # a view of the received message
+      self._buffer, self._filled, self._round, self._seq = (
+          np.empty(chunk.frame_bytes, np.uint8), 0, chunk.round, chunk.seq)
+    if self._buffer is None:
+      raise WireFormatError("Stream chunk arrived without a frame start.")
+    if self._filled + size > self._buffer.nbytes:
+      raise WireFormatError(f"Stream chunks overrun their {self._buffer.nbytes}-byte frame.")
+    self._buffer[self._filled:self._filled + size] = np.frombuffer(chunk.data, np.uint8)
+    self._filled += size
+    if self._filled < self._buffer.nbytes:
+      return None
+    frame, self._buffer = self._buffer, None
+    return frame, self._round, self._seq
+
+  def check_ended(self) -> None:
+    """Raises if the stream ended inside a frame."""
+    if self._buffer is not None:
+      raise WireFormatError(
+          f"Stream ended {self._buffer.nbytes - self._filled} bytes before the end "
+          "of its last frame.")

@@ -223,7 +223,7 @@ class Journal:
           continue
         try:
           decoded = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # too deep a nesting recurses too far
           raise ValueError(f"Journal {path} is corrupt at line {number}: {e}") from e
         batch = decoded if isinstance(decoded, list) else [decoded]
         for record in batch:

@@ -507,47 +507,123 @@ def _check_code(path: str, code: Any, fn: Callable) -> None:
         "differ). Deploy the same code on clients and workers.")
 
 
+# How deep a spec may nest (ops on ops, containers in containers): deeper
+# than the encoder can produce. Python's recursion limit may still stop a
+# spec of nested containers earlier; from_dataset_def turns that into a
+# SpecError too.
+MAX_SPEC_DEPTH = 500
+
+
+def _want(ok: bool, what: str, enc: Any, allowed: str) -> None:
+  if not ok:
+    raise SpecError(f"Pipeline spec has a malformed {what}: {enc!r:.100} ({allowed}).")
+
+
 class _Decoder:
-  """Rebuilds a graph from a DatasetDef."""
+  """Rebuilds a graph from a DatasetDef; every part of the spec is checked
+  before it is used, so a malformed spec raises SpecError."""
 
   def __init__(self, dataset_def: service_pb2.DatasetDef, secret: bytes | None,
                rewrite: NodeRewrite | None, udf_modules: Sequence[str]):
     check_signature(dataset_def, secret, check_expiry=False)
     self.udf_modules = udf_modules
-    self.arrays = wire.decode(dataset_def.arrays) if dataset_def.arrays else []
+    self.arrays = []
+    if dataset_def.arrays:
+      try:
+        self.arrays = wire.decode(dataset_def.arrays)
+      except wire.WireFormatError as e:
+        raise SpecError(f"Pipeline spec's array table is not valid: {e}") from e
+      _want(isinstance(self.arrays, list), "array table", type(self.arrays),
+            "want a list of arrays")
     self.pickled = list(dataset_def.pickled_udfs)
     self.rewrite = rewrite
+    self._depth = 0
 
-  def node(self, spec: dict) -> base.Node:
-    cls = resolve_path(spec["class"], self.udf_modules, is_class=True)
-    if not (isinstance(cls, type) and issubclass(cls, base.Node)):
-      raise SpecError(f"{spec['class']!r} is not a jaxfeed op node class.")
-    params = {k: self.value(v) for k, v in spec["params"].items()}
-    if self.rewrite is not None:
-      cls, params = self.rewrite(cls, params)
-    parents = [self.node(p) for p in spec["parents"]]
+  def _enter(self) -> None:
+    self._depth += 1
+    if self._depth > MAX_SPEC_DEPTH:
+      raise SpecError(f"Pipeline spec nests deeper than {MAX_SPEC_DEPTH} levels.")
+
+  def node(self, spec: Any) -> base.Node:
+    _want(isinstance(spec, dict) and isinstance(spec.get("class"), str)
+          and isinstance(spec.get("params"), dict) and isinstance(spec.get("parents"), list),
+          "op node", spec, "want {'class': str, 'params': dict, 'parents': list}")
+    self._enter()
+    try:
+      cls = resolve_path(spec["class"], self.udf_modules, is_class=True)
+      if not (isinstance(cls, type) and issubclass(cls, base.Node)):
+        raise SpecError(f"{spec['class']!r} is not a jaxfeed op node class.")
+      params = {k: self.value(v) for k, v in spec["params"].items()}
+      if self.rewrite is not None:
+        cls, params = self.rewrite(cls, params)
+      parents = [self.node(p) for p in spec["parents"]]
+    finally:
+      self._depth -= 1
     try:
       return cls(*parents, **params)
     except Exception as e:
-      raise SpecError(f"Cannot rebuild op {spec.get('op')!r} "
+      raise SpecError(f"Cannot rebuild op {spec.get('op')!r:.80} "
                       f"({spec['class']}) from its spec: {e}") from e
 
   def value(self, enc: Any) -> Any:
-    if isinstance(enc, list):
-      return [self.value(v) for v in enc]
-    if not isinstance(enc, dict):
+    if not isinstance(enc, (list, dict)):
       return enc
-    (tag, body), = enc.items() if len(enc) == 1 else (("__object__", None),)
-    if tag == "__array__":
-      return np.array(self.arrays[body])  # writable copy owned by the op
+    self._enter()
+    try:
+      if isinstance(enc, list):
+        return [self.value(v) for v in enc]
+      return self._tagged(enc)
+    finally:
+      self._depth -= 1
+
+  def _tagged(self, enc: dict) -> Any:
+    if len(enc) != 1:
+      # "content" (what identifies an object's data, for fingerprints) is
+      # not needed to rebuild it.
+      _want(set(enc) - {"content"} == {"__object__", "params"}
+            and isinstance(enc["__object__"], str) and isinstance(enc["params"], dict),
+            "object", enc, "want {'__object__': 'module:qualname', 'params': dict}")
+      cls = resolve_path(enc["__object__"], self.udf_modules, is_class=True)
+      if not (isinstance(cls, type) and hasattr(cls, "spec_params")):
+        raise SpecError(f"{enc['__object__']!r} is not a class with spec_params().")
+      params = {k: self.value(v) for k, v in enc["params"].items()}
+      try:
+        return cls(**params)
+      except Exception as e:
+        raise SpecError(f"Cannot rebuild {enc['__object__']} from its spec: {e}") from e
+    (tag, body), = enc.items()
+    if tag in ("__array__", "__pickled__"):
+      table = self.arrays if tag == "__array__" else self.pickled
+      _want(isinstance(body, int) and not isinstance(body, bool) and 0 <= body < len(table),
+            tag, enc, f"want an index into the {len(table)} entries sent")
+      if tag == "__array__":
+        return np.array(table[body])  # writable copy owned by the op
+      import cloudpickle  # pylint: disable=g-import-not-at-top  # noqa: F401
+      import pickle  # pylint: disable=g-import-not-at-top
+      return pickle.loads(table[body])  # signature checked in __init__
     if tag == "__dtype__":
-      return np.dtype(body)
+      try:
+        return wire.dtype_from_str(body)
+      except wire.WireFormatError as e:
+        raise SpecError(f"Pipeline spec has an invalid dtype: {e}") from e
     if tag == "__bytes__":
-      return bytes.fromhex(body)
+      _want(isinstance(body, str), tag, enc, "want a hex string")
+      try:
+        return bytes.fromhex(body)
+      except ValueError as e:
+        raise SpecError(f"Pipeline spec has malformed hex bytes: {e}") from e
     if tag == "__tuple__":
+      _want(isinstance(body, list), tag, enc, "want a list")
       return tuple(self.value(v) for v in body)
     if tag == "__dict__":
-      return {self._key(self.value(k)): self.value(v) for k, v in body}
+      _want(isinstance(body, list) and all(isinstance(kv, list) and len(kv) == 2
+                                           for kv in body), tag, enc,
+            "want a list of [key, value] pairs")
+      items = [(self._key(self.value(k)), self.value(v)) for k, v in body]
+      try:
+        return dict(items)
+      except TypeError as e:
+        raise SpecError(f"Pipeline spec has a dict key that is not hashable: {e}") from e
     if tag == "__node__":
       return self.node(body)
     if tag == "__dataset__":
@@ -560,19 +636,6 @@ class _Decoder:
         raise SpecError(f"Import path {path!r} names a {type(fn).__name__}, not a callable.")
       _check_code(path, code, fn)
       return fn
-    if tag == "__pickled__":
-      import cloudpickle  # pylint: disable=g-import-not-at-top  # noqa: F401
-      import pickle  # pylint: disable=g-import-not-at-top
-      return pickle.loads(self.pickled[body])  # signature checked in __init__
-    if "__object__" in enc:
-      cls = resolve_path(enc["__object__"], self.udf_modules, is_class=True)
-      if not (isinstance(cls, type) and hasattr(cls, "spec_params")):
-        raise SpecError(f"{enc['__object__']!r} is not a class with spec_params().")
-      params = {k: self.value(v) for k, v in enc["params"].items()}
-      try:
-        return cls(**params)
-      except Exception as e:
-        raise SpecError(f"Cannot rebuild {enc['__object__']} from its spec: {e}") from e
     raise SpecError(f"Unknown value tag in pipeline spec: {enc!r:.80}.")
 
   @staticmethod
@@ -600,7 +663,10 @@ def from_dataset_def(dataset_def: service_pb2.DatasetDef,
   """
   try:
     graph = json.loads(dataset_def.graph_json)
-  except ValueError as e:
+  except (ValueError, RecursionError) as e:  # too deep a nesting recurses too far
     raise SpecError(f"Pipeline spec is not valid JSON: {e}") from e
   check_spec_paths(dataset_def, udf_modules)
-  return _Decoder(dataset_def, udf_secret, rewrite, udf_modules).node(graph)
+  try:
+    return _Decoder(dataset_def, udf_secret, rewrite, udf_modules).node(graph)
+  except RecursionError as e:
+    raise SpecError(f"Pipeline spec nests too deeply to rebuild: {e}") from e

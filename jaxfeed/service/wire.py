@@ -14,6 +14,7 @@ malformed frame raises `WireFormatError` instead of reading out of bounds.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any, Iterator
 
@@ -25,6 +26,13 @@ MAGIC = b"JFB1"
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 64
 COMPRESSIONS = ("", "lz4", "zstd")
+# A received frame (its payload after decompression) may be at most this big
+# unless the reader configures another limit: its length comes from the peer.
+DEFAULT_MAX_FRAME_BYTES = 2 << 30
+MAX_STRUCTURE_DEPTH = 64
+_MAX_NDIM = 64  # numpy's own limit
+_MAX_ARRAY_SPAN = 1 << 62
+_DTYPE_STR = re.compile(r"[<>|=]?[a-zA-Z][0-9]{0,10}(\[[0-9]{0,3}[a-zA-Z]{1,2}\])?")
 
 
 class WireFormatError(ValueError):
@@ -41,20 +49,27 @@ def _encode_structure(value: Any) -> Any:
   return None
 
 
-def _decode_structure(enc: Any) -> Any:
+def _decode_structure(enc: Any, depth: int = 0) -> Any:
   if enc is None:
     return 0
+  if depth >= MAX_STRUCTURE_DEPTH:
+    raise WireFormatError(
+        f"Frame header nests its tree structure deeper than {MAX_STRUCTURE_DEPTH} levels.")
   if not isinstance(enc, dict) or len(enc) != 1:
     raise WireFormatError(f"Bad tree structure in frame header: {enc!r:.100}.")
   (kind, items), = enc.items()
   if not isinstance(items, list):
     raise WireFormatError(f"Bad tree structure in frame header: {enc!r:.100}.")
   if kind == "d":
-    return {k: _decode_structure(v) for k, v in items}
+    if not all(isinstance(item, list) and len(item) == 2
+               and isinstance(item[0], (str, int)) for item in items):
+      raise WireFormatError(
+          f"Bad dict node in frame header: {enc!r:.100} (want [key, node] pairs).")
+    return {k: _decode_structure(v, depth + 1) for k, v in items}
   if kind == "t":
-    return tuple(_decode_structure(v) for v in items)
+    return tuple(_decode_structure(v, depth + 1) for v in items)
   if kind == "l":
-    return [_decode_structure(v) for v in items]
+    return [_decode_structure(v, depth + 1) for v in items]
   raise WireFormatError(f"Unknown tree node kind {kind!r} in frame header.")
 
 
@@ -119,6 +134,8 @@ class Frame:
   def chunks(self, size: int) -> Iterator[list[memoryview]]:
     """The frame's bytes in pieces of `size` (the last may be shorter), each
     piece a list of views of the parts."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+      raise ValueError(f"A frame's chunk size must be an integer >= 1, got {size!r}.")
     pending, filled = [], 0
     for part in self.parts:
       view = memoryview(part)
@@ -195,8 +212,95 @@ def encode(value: Any, compression: str | None = None) -> bytes:
   return _PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes + body
 
 
-def decode(frame: bytes | bytearray | memoryview) -> Any:
-  """Rebuilds the pytree of a frame; leaves are read-only views into it."""
+def decode_json_object(data: bytes | memoryview, what: str) -> dict:
+  """A JSON object received from a peer; `what` names it in the error."""
+  try:
+    value = json.loads(bytes(data))
+  except (ValueError, RecursionError) as e:  # nesting too deep recurses too far
+    raise WireFormatError(f"{what} is not valid JSON: {e}") from e
+  if not isinstance(value, dict):
+    raise WireFormatError(f"{what} is a JSON {type(value).__name__}, not an object.")
+  return value
+
+
+def check_max_frame_bytes(value: Any) -> int:
+  """Validates a frame size limit (an int >= 1024) and returns it."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1024:
+    raise ValueError(f"max_frame_bytes must be an integer >= 1024, got {value!r}.")
+  return value
+
+
+def _decompress(name: str, data: memoryview, size: int) -> memoryview:
+  """The payload of `data`, decompressed only up to `size` + 1 bytes: the
+  codecs' own size fields come from the peer and are not trusted."""
+  _compressor(name)  # a missing codec gets its install hint
+  if name == "lz4":
+    import lz4.frame  # pylint: disable=g-import-not-at-top
+    decompressor = lz4.frame.LZ4FrameDecompressor()
+    out = decompressor.decompress(data, max_length=size + 1)
+    if len(out) <= size and not decompressor.eof:
+      raise WireFormatError("lz4 payload is truncated.")
+    if decompressor.unused_data:
+      raise WireFormatError(
+          f"lz4 payload has {len(decompressor.unused_data)} bytes after its end.")
+  else:
+    import zstandard  # pylint: disable=g-import-not-at-top
+    with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+      out = reader.read(size + 1)
+  return memoryview(out)
+
+
+def dtype_from_str(dtype_str: Any) -> np.dtype:
+  """The dtype of a `np.dtype(...).str` string received from a peer."""
+  # np.dtype would parse much else too, and raise SyntaxError on some of it.
+  if not isinstance(dtype_str, str) or not _DTYPE_STR.fullmatch(dtype_str):
+    raise WireFormatError(f"{dtype_str!r:.80} is not a dtype string.")
+  try:
+    return np.dtype(dtype_str)
+  except (TypeError, ValueError) as e:
+    raise WireFormatError(f"{dtype_str!r} is not a valid dtype: {e}") from e
+
+
+def _leaf_layout(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, int]:
+  """Checks one leaf description against the payload; returns (dtype, shape,
+  count, offset)."""
+  if not isinstance(spec, list) or len(spec) != 4:
+    raise WireFormatError(
+        f"Frame leaf description {spec!r:.100} is not [dtype, shape, offset, nbytes].")
+  dtype_str, shape, offset, nbytes = spec
+  dtype = dtype_from_str(dtype_str)
+  if dtype.hasobject or dtype.subdtype is not None or not dtype.itemsize:
+    raise WireFormatError(
+        f"Frame leaf has dtype {dtype_str!r}: only fixed-size numpy dtypes "
+        "without objects travel as raw bytes.")
+  if (not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(
+      isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    raise WireFormatError(
+        f"Frame leaf shape {shape!r:.100} is not a list of at most {_MAX_NDIM} "
+        "non-negative integers.")
+  count = span = 1
+  for dim in shape:  # Python ints: no overflow, unlike np.prod
+    count *= dim
+    span *= max(dim, 1)  # numpy refuses even an empty array this big
+  if span * dtype.itemsize > _MAX_ARRAY_SPAN:
+    raise WireFormatError(f"Frame leaf shape {shape} is too large for an array.")
+  if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)) or (
+      count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > payload_bytes):
+    raise WireFormatError(
+        f"Frame leaf {dtype_str}{shape} at offset {offset!r} with {nbytes!r} "
+        f"bytes does not fit the {payload_bytes}-byte payload.")
+  return dtype, tuple(shape), count, offset
+
+
+def decode(frame: bytes | bytearray | memoryview,
+           max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
+  """Rebuilds the pytree of a frame; leaves are read-only views into it.
+
+  Every field of the header is checked against the frame before any array is
+  built, and a compressed payload is never decompressed past what the header
+  declares, nor past `max_bytes`: a truncated, garbled or hostile frame raises
+  `WireFormatError`.
+  """
   buf = memoryview(frame)
   if buf.nbytes < _PREFIX.size:
     raise WireFormatError(f"Frame of {buf.nbytes} bytes is shorter than its prefix.")
@@ -208,45 +312,46 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
     raise WireFormatError(
         f"Frame header of {header_len} bytes runs past the frame end "
         f"({buf.nbytes} bytes): truncated frame.")
+  header = decode_json_object(buf[_PREFIX.size:start], "Frame header")
+  if not all(key in header for key in ("structure", "leaves", "payload_bytes")):
+    raise WireFormatError(
+        "Frame header lacks one of 'structure', 'leaves', 'payload_bytes'.")
+  structure = _decode_structure(header["structure"])
+  specs = header["leaves"]
+  payload_bytes = header["payload_bytes"]
+  compression = header.get("compression", "")
+  if isinstance(payload_bytes, bool) or not isinstance(payload_bytes, int) or not (
+      0 <= payload_bytes <= max_bytes):
+    raise WireFormatError(
+        f"Frame header declares a payload of {payload_bytes!r:.40} bytes; "
+        f"allowed are 0 to {max_bytes} (max_frame_bytes).")
+  if not isinstance(compression, str) or compression not in COMPRESSIONS:
+    raise WireFormatError(
+        f"Frame has unknown compression {compression!r:.40}; allowed: {COMPRESSIONS}.")
+  if not isinstance(specs, list):
+    raise WireFormatError(f"Frame header's leaves are a {type(specs).__name__}, not a list.")
   try:
-    header = json.loads(bytes(buf[_PREFIX.size:start]))
-    structure = _decode_structure(header["structure"])
-    specs = header["leaves"]
-    payload_bytes = int(header["payload_bytes"])
-    compression = header.get("compression", "")
-  except (ValueError, KeyError, TypeError) as e:
-    raise WireFormatError(f"Frame header is not valid: {e}") from e
+    num_leaves = len(tree.flatten(structure))
+  except TypeError as e:  # dict keys of mixed types do not sort
+    raise WireFormatError(f"Bad tree structure in frame header: {e}") from e
+  if num_leaves != len(specs):
+    raise WireFormatError(
+        f"Frame header lists {len(specs)} leaves for a structure with {num_leaves}.")
+  layout = [_leaf_layout(spec, payload_bytes) for spec in specs]
   payload: Any = buf[start:]
   if compression:
-    _, decompress = _compressor(compression)
     try:
-      payload = memoryview(decompress(bytes(payload)))
+      payload = _decompress(compression, payload, payload_bytes)
+    except WireFormatError:
+      raise
     except Exception as e:  # codecs raise their own error types
       raise WireFormatError(f"Cannot {compression}-decompress frame payload: {e}") from e
   if payload.nbytes != payload_bytes:
+    got = (f"{payload.nbytes}" if payload.nbytes < payload_bytes
+           else f"more than {payload_bytes}")
     raise WireFormatError(
-        f"Frame payload has {payload.nbytes} bytes, header says "
-        f"{payload_bytes}: truncated or garbled frame.")
-  leaves = []
-  try:
-    for dtype_str, shape, offset, nbytes in specs:
-      dtype = np.dtype(dtype_str)
-      if dtype.hasobject:
-        raise WireFormatError(f"Frame leaf has forbidden dtype {dtype_str!r}.")
-      count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-      if (count < 0 or count * dtype.itemsize != nbytes or offset < 0
-          or offset + nbytes > payload_bytes):
-        raise WireFormatError(
-            f"Frame leaf {dtype_str}{shape} at offset {offset} with {nbytes} "
-            f"bytes does not fit the {payload_bytes}-byte payload.")
-      leaves.append(np.frombuffer(payload, dtype=dtype, count=count,
-                                  offset=offset).reshape(tuple(shape)))
-  except (TypeError, ValueError) as e:
-    if isinstance(e, WireFormatError):
-      raise
-    raise WireFormatError(f"Frame leaf description is not valid: {e}") from e
-  num_leaves = len(tree.flatten(structure))
-  if num_leaves != len(leaves):
-    raise WireFormatError(
-        f"Frame header lists {len(leaves)} leaves for a structure with {num_leaves}.")
+        f"Frame payload has {got} bytes, header says {payload_bytes}: truncated "
+        "or garbled frame.")
+  leaves = [np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
+            for dtype, shape, count, offset in layout]
   return tree.unflatten(structure, leaves)

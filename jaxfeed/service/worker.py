@@ -392,7 +392,7 @@ class _Worker:
           task_id=int(hello["task_id"]), consumer_index=int(hello.get("consumer_index", 0)),
           round=int(hello.get("round", 0)), client_id=int(hello.get("client_id", 0)),
           received=int(hello.get("received", 0)), window=int(hello.get("window", 0)))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(inf): Overflow
       raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
     try:
       stream, token = self.open_stream(request, link.kick)

@@ -1,0 +1,6 @@
+"""The fuzz tests start servers with the service tests' helpers."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "service"))
