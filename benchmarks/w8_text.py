@@ -1,0 +1,149 @@
+r"""W8 of BENCHMARKS.md: real text -> tokenize -> mix 70/30 -> pack 512 -> batch 32.
+
+The two corpora ship with Python (`examples/lm_data.py`): the standard
+library's source ("code") and the interactive help's topics ("prose"). Every
+system tokenizes with the same function (`jaxfeed.ByteTokenizer().encode`),
+reshuffles each corpus, mixes them 70/30 by document and makes batches of 32
+rows of 512 tokens:
+
+- jaxfeed: `sample_from_datasets` + `pack(overflow="split")` (first fit);
+- Grain: `MapDataset.mix` + a flat map into 512-token pieces +
+  `FirstFitPackIterDataset`;
+- tf.data: `sample_from_datasets` + a flat map into 512-token pieces +
+  `bucket_by_sequence_length` (tf.data has no packing).
+
+Prints one JSON line per system: real (non-padding) tokens/s, the median of
+the timed epochs after a warm-up (an epoch is `--batches` batches), the
+padding fraction and peak RSS; the jaxfeed line adds the ratio to the best
+peer.
+
+  python -m benchmarks.w8_text [--epochs 3] [--batches 100] [--no-peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+
+from benchmarks import harness
+from examples import lm_data
+
+ROW = 512
+BATCH = 32
+BINS = 32
+WEIGHTS = (0.7, 0.3)
+SEED = 0
+
+
+def _tokens(batch: dict) -> int:
+  return int(np.count_nonzero(batch["tokens_segment_ids"]))
+
+
+def _slots(batch: dict) -> int:
+  return int(np.size(batch["tokens_segment_ids"]))
+
+
+def jaxfeed_epochs(corpora: list[list[bytes]], batches: int):
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  tokenize = jaxfeed.Tokenize(jaxfeed.ByteTokenizer())
+  parts = []
+  for salt, documents in enumerate(corpora):
+    sampler = jaxfeed.IndexSampler(len(documents), shuffle=True, seed=SEED + salt,
+                                   num_epochs=None)
+    parts.append(jaxfeed.Dataset.from_source(documents, sampler).map(tokenize))
+  dataset = (jaxfeed.Dataset.sample_from_datasets(parts, list(WEIGHTS), seed=SEED)
+             .pack({"tokens": ROW}, num_packing_bins=BINS, overflow="split")
+             .batch(BATCH, drop_remainder=True))
+
+  def epoch():
+    return itertools.islice(dataset.make_iterator(), batches)
+  return epoch
+
+
+class _Pieces:
+  """Grain FlatMap: a tokenized document -> its 512-token pieces."""
+
+  max_fan_out = 4096
+
+  def flat_map(self, element):
+    tokens = element["tokens"]
+    return [{"tokens": tokens[i:i + ROW]} for i in range(0, len(tokens), ROW)]
+
+
+def grain_epochs(corpora: list[list[bytes]], batches: int):
+  import grain  # pylint: disable=g-import-not-at-top
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  tokenize = jaxfeed.Tokenize(jaxfeed.ByteTokenizer())
+  parts = [grain.MapDataset.source(documents).shuffle(seed=SEED + salt).repeat()
+           .map(tokenize) for salt, documents in enumerate(corpora)]
+  pieces = grain.experimental.FlatMapIterDataset(
+      grain.MapDataset.mix(parts, weights=list(WEIGHTS)).to_iter_dataset(),
+      type("Pieces", (_Pieces, grain.experimental.FlatMapTransform), {})())
+  packed = grain.experimental.FirstFitPackIterDataset(
+      pieces, length_struct={"tokens": ROW}, num_packing_bins=BINS,
+      shuffle_bins=False)
+  dataset = packed.batch(BATCH, drop_remainder=True)
+
+  def epoch():
+    return itertools.islice(iter(dataset), batches)
+  return epoch
+
+
+def tf_data_epochs(corpora: list[list[bytes]], batches: int):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  encode = jaxfeed.ByteTokenizer().encode
+  eos = np.int32(jaxfeed.ByteTokenizer.eos_id)
+
+  def tokenize(text):
+    return np.append(encode(text), eos)
+
+  def corpus(documents, salt):
+    ds = tf.data.Dataset.from_tensor_slices(np.array(documents, dtype=object))
+    ds = ds.shuffle(len(documents), seed=SEED + salt).repeat()
+    ds = ds.map(lambda t: tf.ensure_shape(
+        tf.numpy_function(tokenize, [t], tf.int32), [None]))
+    return ds.flat_map(lambda t: tf.data.Dataset.from_tensor_slices(t).batch(ROW))
+
+  mixed = tf.data.Dataset.sample_from_datasets(
+      [corpus(d, salt) for salt, d in enumerate(corpora)], list(WEIGHTS), seed=SEED)
+  bucketed = mixed.bucket_by_sequence_length(
+      lambda t: tf.shape(t)[0], bucket_boundaries=[65, 129, 257],
+      bucket_batch_sizes=[BATCH] * 4, padding_values=-1, drop_remainder=True)
+  dataset = bucketed.map(lambda t: {"tokens_segment_ids": tf.cast(t >= 0, tf.int32)})
+
+  def epoch():
+    return itertools.islice(dataset.as_numpy_iterator(), batches)
+  return epoch
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--epochs", type=int, default=3)
+  parser.add_argument("--batches", type=int, default=100,
+                      help="batches of 32 x 512 tokens per epoch")
+  parser.add_argument("--no-peers", action="store_true")
+  args = parser.parse_args()
+  corpora = [lm_data.code_documents(), lm_data.prose_documents()]
+  systems = {"jaxfeed": jaxfeed_epochs}
+  if not args.no_peers:
+    systems.update({"grain": grain_epochs, "tf.data": tf_data_epochs})
+  results, extra = {}, {}
+  for name, make in systems.items():
+    epoch = make(corpora, args.batches)
+    padding = [0, 0]
+
+    def count(batch, padding=padding):
+      tokens = _tokens(batch)
+      padding[0] += tokens
+      padding[1] += _slots(batch)
+      return tokens
+    results[name] = harness.measure(epoch, count, args.epochs)
+    extra[name] = {"padding_fraction": round(1 - padding[0] / padding[1], 4)}
+  harness.report("W8", results, "tokens/s", extra)
+
+
+if __name__ == "__main__":
+  main()
