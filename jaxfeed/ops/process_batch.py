@@ -506,9 +506,9 @@ class _Workers:
     self.slots.append(slot)
     return slot
 
-  def release(self, slot: _Slot, guard: weakref.ref | None) -> None:
-    """The chunk using `slot` is done; `guard` is alive while views are."""
-    slot.taken, slot.guard = False, guard
+  def release(self, slot: _Slot) -> None:
+    """The chunk using `slot` is done (its views may live on)."""
+    slot.taken = False
     # Slots whose batches users still hold are not reused; past a few, the
     # oldest are unlinked, so that memory is bounded by what users hold.
     held = [s for s in self.slots if s.in_use() and not s.taken]
@@ -556,7 +556,8 @@ def _context():
   # beside JAX and gRPC threads, unlike fork) that has this module imported
   # already, so a worker starts in milliseconds instead of a spawn's second.
   ctx = multiprocessing.get_context("forkserver")
-  ctx.set_forkserver_preload(["__main__", __name__])
+  ctx.set_forkserver_preload(["__main__", "jaxfeed.sources", "jaxfeed.sampler",
+                              __name__])
   return ctx
 
 
@@ -713,7 +714,7 @@ class ProcessBatchIterator(base.OpIterator):
       item = items.popleft()
       kind = item[0]
       if kind == "release":
-        self._workers.release(item[1], item[2])
+        self._workers.release(item[1])
         continue
       if kind == "batch":
         _, batch, seed, self._position = item
@@ -732,7 +733,7 @@ class ProcessBatchIterator(base.OpIterator):
       while items:
         rest = items.popleft()
         if rest[0] == "release":
-          self._workers.release(rest[1], rest[2])
+          self._workers.release(rest[1])
       self._restart(position)
       raise exc from _RemoteTraceback(text)
     if not elements or (len(elements) < chain.batch_size and chain.drop_remainder):
@@ -788,8 +789,9 @@ class ProcessBatchIterator(base.OpIterator):
       if header[0] == "batch":
         header = ("batch", tree.map_structure(restore, header[1])) + header[2:]
       self._items.append(header)
-    guard = None if copy_out else weakref.ref(whole.base)
-    self._items.append(("release", chunk.slot, guard))
+    if not copy_out:
+      chunk.slot.guard = weakref.ref(whole.base)
+    self._items.append(("release", chunk.slot))
     return True
 
   def _result(self, chunk: _Chunk) -> tuple[list, float]:
@@ -825,11 +827,11 @@ class ProcessBatchIterator(base.OpIterator):
       chunk = self._inflight.popleft()
       self._result(chunk)
       if chunk.slot is not None:
-        self._workers.release(chunk.slot, None)
+        self._workers.release(chunk.slot)
     while self._items:
       item = self._items.popleft()
       if item[0] == "release":
-        self._workers.release(item[1], item[2])
+        self._workers.release(item[1])
 
   def _restart(self, position: int) -> None:
     self._drain()
