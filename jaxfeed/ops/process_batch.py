@@ -57,7 +57,7 @@ import numpy as np
 from jaxfeed.ops import base, parallel, stacking, tree
 from jaxfeed.ops.filter import predicate_result
 from jaxfeed.ops.process_pool import (WorkerProcessError, _ArrayRef, _attach,
-                                      _layout, _picklable, _RemoteTraceback)
+                                      _picklable, _RemoteTraceback)
 from jaxfeed.ops.random_map import ElementGenerators
 
 __all__ = ["ProcessBatchNode", "ProcessBatchIterator", "fuse"]
@@ -245,12 +245,16 @@ class _ChunkRunner:
     self.stages = [_stage_fn(s) for s in stages]
     self.filters = any(s[0] in ("filter", "map_and_filter") for s in stages)
 
-  def run(self, start: int, stop: int) -> list:
-    """Items ("batch", batch, first seed, next position), ("element", element,
-    seed, next position) and at most one last ("error", exc, traceback,
-    next position)."""
+  def run(self, start: int, stop: int) -> tuple[list, int]:
+    """The outputs of input positions [start, stop) and the bytes they need.
+
+    Items are ("batch", skeleton, writes, first seed, next position) (see
+    `_plan_batch`; the batches of a chunk lie one after the other from byte
+    0), ("element", element, seed, next position), and at most one last
+    ("error", exc, traceback, next position).
+    """
     items = []
-    batch, first_seed = [], 0
+    batch, first_seed, needed = [], 0, 0
     iterator = self.input.range_iterator(start, stop)
     position = start
     try:
@@ -278,16 +282,48 @@ class _ChunkRunner:
           first_seed = seed
         batch.append(element)
         if len(batch) == self.batch_size:
-          items.append(("batch", stacking.stack(batch, "batch"), first_seed, position))
+          skeleton, writes, needed = _plan_batch(batch, needed)
+          items.append(("batch", skeleton, writes, first_seed, position))
           batch = []
       if batch and not self.drop_remainder:
-        items.append(("batch", stacking.stack(batch, "batch"), first_seed, position))
+        skeleton, writes, needed = _plan_batch(batch, needed)
+        items.append(("batch", skeleton, writes, first_seed, position))
     except Exception as exc:  # noqa: BLE001 -- raised in the consumer
-      # The failing element counts as read, as in the thread path.
       items.append(("error", _picklable(exc), traceback.format_exc(), position))
     finally:
       iterator.close()
-    return items
+    return items, needed
+
+
+def _plan_batch(elements: list, start: int) -> tuple[Any, list, int]:
+  """Where the leaves of `stacking.stack(elements)` go, from byte `start` on.
+
+  Returns the batch with `_ArrayRef`s for its array leaves (object leaves
+  stay), the writes `(offset, shape, dtype, source)` that fill them (source:
+  the equally shaped arrays of a column, stacked straight into shared
+  memory, or an already stacked leaf) and the end of the last leaf.
+  """
+  # The column split and the stacking rules are the batch op's own.
+  structure, columns = stacking._columns(elements, "batch")  # pylint: disable=protected-access
+  markers, writes, offset = [], [], start
+  for index, column in enumerate(columns):
+    first = column[0]
+    if (type(first) is np.ndarray and not first.dtype.hasobject
+        and all(type(v) is np.ndarray and v.dtype == first.dtype
+                and v.shape == first.shape for v in column)):
+      # What np.array(column) would give, without building it first.
+      shape, dtype, source = (len(column),) + first.shape, first.dtype, column
+    else:
+      source = stacking._stack_column(column, index, structure, elements, "batch")  # pylint: disable=protected-access
+      if source.dtype.hasobject:
+        markers.append(source)
+        continue
+      shape, dtype = source.shape, source.dtype
+    offset = (offset + 63) // 64 * 64  # keep every array 64-byte aligned
+    markers.append(_ArrayRef(offset, dtype.str, shape))
+    writes.append((offset, shape, dtype, source))
+    offset += int(np.prod(shape)) * dtype.itemsize
+  return tree.unflatten(structure, markers), writes, offset
 
 
 def _stage_fn(spec: tuple) -> Callable[[Any, int], tuple[bool, Any]]:
@@ -337,18 +373,10 @@ def _worker_main(payload: bytes, conn) -> None:
       if block is not None:
         block.close()
     begin = time.perf_counter()
-    items = runner.run(start, stop)
-    busy_s = time.perf_counter() - begin
+    items, needed = runner.run(start, stop)
     if slot_name is None:
-      conn.send(("done", items, busy_s))
+      conn.send(("done", items, time.perf_counter() - begin))
       continue
-    headers, arrays, needed = [], [], 0
-    for item in items:
-      if item[0] == "batch":
-        skeleton, leaves, needed = _layout(item[1], needed)
-        arrays.extend(leaves)
-        item = ("batch", skeleton) + item[2:]
-      headers.append(item)
     if slot_name not in slots:
       slots[slot_name] = _attach(slot_name)
     block = slots[slot_name]
@@ -365,10 +393,19 @@ def _worker_main(payload: bytes, conn) -> None:
         return
       slot_name = reply[1]
       block = slots[slot_name] = _attach(slot_name)
-    for array, offset in arrays:
-      np.ndarray(array.shape, array.dtype, buffer=block.buf, offset=offset)[...] = array
-    del arrays
-    conn.send(("done", headers, busy_s))
+    headers = []
+    for item in items:
+      if item[0] == "batch":
+        for offset, shape, dtype, source in item[2]:
+          view = np.ndarray(shape, dtype, buffer=block.buf, offset=offset)
+          if type(source) is list:
+            np.stack(source, out=view)
+          else:
+            view[...] = source
+        item = ("batch", item[1]) + item[3:]
+      headers.append(item)
+    del items
+    conn.send(("done", headers, time.perf_counter() - begin))
 
 
 # ---------------------------------------------------------------------------
@@ -666,8 +703,11 @@ class ProcessBatchIterator(base.OpIterator):
     """AUTOTUNE: times the backend on trial; switches or decides."""
     trial = self._trial
     now = time.perf_counter()
-    if trial["start"] is None:  # the first batch fills the pipeline
-      trial.update(start=now, cpu=time.process_time(), batches=0)
+    if trial["start"] is None:
+      # The first batches fill the pipeline (processes: the chunks in flight).
+      trial["warmup"] = trial.get("warmup", 0) + 1
+      if trial["phase"] == "thread" or trial["warmup"] > self._warmup_batches():
+        trial.update(start=now, cpu=time.process_time(), batches=0)
       return
     trial["batches"] += 1
     elapsed = now - trial["start"]
@@ -700,6 +740,11 @@ class ProcessBatchIterator(base.OpIterator):
     self._drain()
     self._use_threads(state)
     self._decide("thread", f"processes only {rate / trial['thread_rate']:.2f}x threads")
+
+  def _warmup_batches(self) -> int:
+    """Batches of the first chunks in flight (AUTOTUNE does not time them)."""
+    per_chunk = max(1, self._chunk_size // self._chain.batch_size)
+    return CHUNKS_PER_WORKER * len(self._workers) * per_chunk
 
   def _next_from_workers(self) -> Any:
     chain = self._chain

@@ -82,10 +82,9 @@ def _call(fn: Callable, element: Any) -> Any:
   return fn(element)
 
 
-def _layout(output: Any, start: int = 0) -> tuple[Any, list[np.ndarray], int]:
-  """Replaces array leaves by markers placed from byte `start` on; returns
-  the skeleton, (array, offset) pairs and the end of the last array."""
-  arrays, total = [], start
+def _layout(output: Any) -> tuple[Any, list[np.ndarray], int]:
+  """Replaces array leaves by markers; returns skeleton, arrays, bytes needed."""
+  arrays, total = [], 0
   markers = []
   for leaf in tree.flatten(output):
     if isinstance(leaf, np.ndarray) and leaf.dtype != object:

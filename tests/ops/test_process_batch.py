@@ -31,14 +31,14 @@ from process_udfs import (busy_python, fails_on_seven, jitter,
 N = 40
 
 
-def _input(kind):
-  values = np.arange(N, dtype=np.int64)
+def _input(kind, n=N):
+  values = np.arange(n, dtype=np.int64)
   if kind == "range":
-    return Dataset.range(N)
+    return Dataset.range(n)
   if kind == "from_tensor_slices":
     return Dataset.from_tensor_slices({"x": values})
   source = jaxfeed.ArraySource({"x": values})
-  return Dataset.from_source(source, jaxfeed.IndexSampler(N, shuffle=True, seed=5))
+  return Dataset.from_source(source, jaxfeed.IndexSampler(n, shuffle=True, seed=5))
 
 
 CHAINS = {
@@ -241,7 +241,8 @@ def test_autotune_switches_backends_without_changing_the_output(
   monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
   monkeypatch.setattr(process_batch, "THREADS_USE_CORES", threads_use_cores)
   monkeypatch.setattr(process_batch, "PROCESS_MARGIN", margin)
-  build = lambda npc: (_input("from_source").filter(not_multiple_of_three)
+  # Long enough for both trials after the chunks first in flight.
+  build = lambda npc: (_input("from_source", 300).filter(not_multiple_of_three)
                        .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
   with _threads(build(None)) as it:
     expected, expected_seeds = elements_and_seeds(it)
