@@ -660,7 +660,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._items: collections.deque = collections.deque()
     self._next_start = position
     self._position = position
-    self._chunks_sent = 0
+    self._chunks_sent = self._chunks_received = 0
     self._slot_bytes = 1 << 20
     self._chunk_size = self._node.chunk or (
         _MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size)
@@ -705,8 +705,8 @@ class ProcessBatchIterator(base.OpIterator):
     now = time.perf_counter()
     if trial["start"] is None:
       # The first batches fill the pipeline (processes: the chunks in flight).
-      trial["warmup"] = trial.get("warmup", 0) + 1
-      if trial["phase"] == "thread" or trial["warmup"] > self._warmup_batches():
+      if trial["phase"] == "thread" or self._chunks_received > (
+          CHUNKS_PER_WORKER * len(self._workers)):
         trial.update(start=now, cpu=time.process_time(), batches=0)
       return
     trial["batches"] += 1
@@ -740,11 +740,6 @@ class ProcessBatchIterator(base.OpIterator):
     self._drain()
     self._use_threads(state)
     self._decide("thread", f"processes only {rate / trial['thread_rate']:.2f}x threads")
-
-  def _warmup_batches(self) -> int:
-    """Batches of the first chunks in flight (AUTOTUNE does not time them)."""
-    per_chunk = max(1, self._chunk_size // self._chain.batch_size)
-    return CHUNKS_PER_WORKER * len(self._workers) * per_chunk
 
   def _next_from_workers(self) -> Any:
     chain = self._chain
@@ -813,6 +808,7 @@ class ProcessBatchIterator(base.OpIterator):
       return False
     chunk = self._inflight.popleft()
     headers, busy_s = self._result(chunk)
+    self._chunks_received += 1
     self._tune_chunk(chunk, busy_s)
     if chunk.slot is None:
       self._items.extend(headers)

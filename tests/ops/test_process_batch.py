@@ -241,6 +241,7 @@ def test_autotune_switches_backends_without_changing_the_output(
   monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
   monkeypatch.setattr(process_batch, "THREADS_USE_CORES", threads_use_cores)
   monkeypatch.setattr(process_batch, "PROCESS_MARGIN", margin)
+  monkeypatch.setattr(process_batch, "CHUNK_WORK_S", 0.0)  # small chunks
   # Long enough for both trials after the chunks first in flight.
   build = lambda npc: (_input("from_source", 300).filter(not_multiple_of_three)
                        .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
