@@ -14,12 +14,15 @@ per call) -> batches of 128. Rows, all in this run:
     num_parallel_calls=AUTOTUNE, batch 128, prefetch AUTOTUNE.
 
 Each row runs one iterator over 1 + `--epochs` epochs (jaxfeed: a sampler
-with that many epochs; tf.data: repeat) and reports the median images/s of
-the epochs after the first, so start-up and AUTOTUNE's trial fall in the
-warm-up epoch (its time is reported too). Memory: the peak, while the row
-ran, of the RSS of this process plus its children (worker processes), and of
-their PSS (shared pages counted once). The jaxfeed rows report the ratio to
-tf.data and to (cores x bare loop).
+with that many epochs; tf.data: repeat); the rows take turns, one epoch each,
+so that changes of the machine's load hit all of them. A row reports the
+median images/s of its epochs after the first (start-up and AUTOTUNE's
+trial fall in the warm-up epoch, whose time is reported too), the images
+per CPU second and the cores it kept busy (this process and its children:
+on a shared machine the scheduler's share, not the code, can be the limit).
+Memory: the peak, while the row ran, of the RSS of this process plus its
+children (worker processes), and of their PSS (shared pages counted once).
+The jaxfeed rows report the ratio to tf.data and to (cores x bare loop).
 
   python -m benchmarks.w1_per_element [--epochs 3] [--scale 1.0] [--no-tf]
 """
@@ -65,6 +68,8 @@ class PeakMemory:
     self.peak_rss, self.peak_pss = max(self.peak_rss, rss), max(self.peak_pss, pss)
 
   def __enter__(self) -> "PeakMemory":
+    self._stop.clear()
+
     def run():
       while not self._stop.wait(self._interval):
         self._sample()
@@ -78,24 +83,54 @@ class PeakMemory:
     self._thread.join()
 
 
-def _measure(iterator, images_per_epoch: int, epochs: int) -> dict:
-  """Reads 1 + epochs epochs from one iterator; median rate after the first."""
-  times, count, mark = [], 0, time.perf_counter()
-  start = mark
-  with PeakMemory() as memory:
-    for batch in iterator:
-      count += len(batch["label"]) if isinstance(batch, dict) else len(batch[1])
-      if count >= images_per_epoch * (len(times) + 1):
-        now = time.perf_counter()
-        times.append(now - mark)
-        mark = now
-  assert len(times) == epochs + 1, (len(times), epochs)
-  return {"rate": statistics.median(images_per_epoch / t for t in times[1:]),
-          "rates": [round(images_per_epoch / t, 1) for t in times[1:]],
-          "warmup_epoch_s": round(times[0], 2),
-          "total_s": round(time.perf_counter() - start, 2),
-          "peak_rss_mb": round(memory.peak_rss / 2**20, 1),
-          "peak_pss_mb": round(memory.peak_pss / 2**20, 1)}
+def _cpu_s() -> float:
+  """CPU seconds used so far by this process and its live children."""
+  me = psutil.Process()
+  total = sum(me.cpu_times()[:2])
+  for child in me.children(recursive=True):
+    try:
+      total += sum(child.cpu_times()[:2])
+    except psutil.Error:
+      pass
+  return total
+
+
+class _Row:
+  """One system: its iterator over all epochs, and what its epochs took."""
+
+  def __init__(self, make, extra=None):
+    self.iterator = make()
+    self.extra = extra
+    self.times, self.cpu, self.memory = [], [], PeakMemory()
+    self.read = 0
+
+  def epoch(self, images: int) -> None:
+    """Reads one epoch's batches (`images` images), timed."""
+    # Batches may span epochs (a sampler's epochs follow each other).
+    target = images * (len(self.times) + 1)
+    cpu, start = _cpu_s(), time.perf_counter()
+    with self.memory:
+      while self.read < target:
+        batch = next(self.iterator)
+        self.read += len(batch["label"]) if isinstance(batch, dict) else len(batch[1])
+    self.times.append(time.perf_counter() - start)
+    self.cpu.append(_cpu_s() - cpu)
+
+  def result(self, images: int) -> dict:
+    timed, cpu = self.times[1:], self.cpu[1:]
+    out = {"rate": statistics.median(images / t for t in timed),
+           "rates": [round(images / t, 1) for t in timed],
+           "images_per_cpu_s": round(images * len(cpu) / sum(cpu), 1),
+           "cores_used": round(sum(cpu) / sum(timed), 2),
+           "warmup_epoch_s": round(self.times[0], 2),
+           "peak_rss_mb": round(self.memory.peak_rss / 2**20, 1),
+           "peak_pss_mb": round(self.memory.peak_pss / 2**20, 1)}
+    if self.extra is not None:
+      out.update(self.extra(self.iterator))
+    close = getattr(self.iterator, "close", None)
+    if close is not None:
+      close()
+    return out
 
 
 def _bare_loop(data: dict, epochs: int):
@@ -164,31 +199,29 @@ def main() -> None:
   n = len(data["label"])
   epochs = args.epochs + 1
   cores = os.cpu_count() or 1
-  rows = {}
-
-  def row(name, make, extra=None):
-    iterator = make()
-    result = _measure(iterator, n, args.epochs)
-    if extra is not None:
-      result.update(extra(iterator))
-    close = getattr(iterator, "close", None)
-    if close is not None:
-      close()
-    rows[name] = result
-
   def picked(iterator):
     fused = _fused(iterator)
     return {"picked": fused.stats() if fused is not None else "thread (not fused)"}
 
-  row("bare loop", lambda: _bare_loop(data, epochs))
-  row("jaxfeed", lambda: _jaxfeed(data, epochs), picked)
-  row("jaxfeed threads", lambda: _jaxfeed(data, epochs, "thread"))
-  row("jaxfeed processes", lambda: _jaxfeed(data, epochs, "process"),
-      lambda it: {"picked": it.stats()})
-  row("jaxfeed processes (copies)", lambda: _jaxfeed(data, epochs, "process", copy=True),
-      lambda it: {"picked": it.stats()})
+  makers = {
+      "bare loop": (lambda: _bare_loop(data, epochs), None),
+      "jaxfeed": (lambda: _jaxfeed(data, epochs), picked),
+      "jaxfeed threads": (lambda: _jaxfeed(data, epochs, "thread"), None),
+      "jaxfeed processes": (lambda: _jaxfeed(data, epochs, "process"),
+                            lambda it: {"picked": it.stats()}),
+      "jaxfeed processes (copies)": (
+          lambda: _jaxfeed(data, epochs, "process", copy=True),
+          lambda it: {"picked": it.stats()}),
+  }
   if not args.no_tf:
-    row("tf.data", lambda: _tf_data(data, epochs))
+    makers["tf.data"] = (lambda: _tf_data(data, epochs), None)
+  live = {name: _Row(make, extra) for name, (make, extra) in makers.items()}
+  # Epochs round-robin over the systems, so that a change of the machine's
+  # load while the benchmark runs is shared by all of them.
+  for _ in range(epochs):
+    for row in live.values():
+      row.epoch(n)
+  rows = {name: row.result(n) for name, row in live.items()}
 
   bare = rows["bare loop"]["rate"]
   load = [round(x, 2) for x in os.getloadavg()]

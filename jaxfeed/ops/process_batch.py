@@ -81,6 +81,9 @@ THREADS_USE_CORES = 1.5
 PROCESS_MARGIN = 1.1
 """AUTOTUNE keeps processes only when they are this much faster."""
 
+MIN_BATCHES_LEFT = 64
+"""AUTOTUNE tries processes only with at least this many batches of input left."""
+
 TRIAL_S = 0.3
 TRIAL_BATCHES = 8
 """Each backend is timed over at least this long and this many batches."""
@@ -722,6 +725,10 @@ class ProcessBatchIterator(base.OpIterator):
         self._decide("thread", f"threads use {cores:.1f} cores")
         return
       position = self._position_of(self._thread_iterator.get_state())
+      left = None if self._end is None else self._end - position
+      if left is not None and left < MIN_BATCHES_LEFT * self._chain.batch_size:
+        self._decide("thread", f"only {left} input elements left")
+        return
       try:
         self._use_processes(position)
       except (ValueError, WorkerProcessError) as exc:

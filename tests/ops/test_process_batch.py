@@ -242,6 +242,7 @@ def test_autotune_switches_backends_without_changing_the_output(
   monkeypatch.setattr(process_batch, "THREADS_USE_CORES", threads_use_cores)
   monkeypatch.setattr(process_batch, "PROCESS_MARGIN", margin)
   monkeypatch.setattr(process_batch, "CHUNK_WORK_S", 0.0)  # small chunks
+  monkeypatch.setattr(process_batch, "MIN_BATCHES_LEFT", 1)
   # Long enough for both trials after the chunks first in flight.
   build = lambda npc: (_input("from_source", 300).filter(not_multiple_of_three)
                        .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
@@ -256,3 +257,23 @@ def test_autotune_switches_backends_without_changing_the_output(
   assert stats["backend"] == picked, stats
   assert "thread_batches_per_s" in stats and stats["reason"]
   assert ("process_batches_per_s" in stats) == (threads_use_cores > 1)
+
+
+def test_copies_instead_of_views_when_asked():
+  dataset = Dataset.range(100).map(plus_ten, backend="process").batch(10)
+  with _processes(dataset, copy=True) as it:
+    batches = list(it)
+  assert all(b.flags.owndata and b.flags.writeable for b in batches)
+  assert [b.tolist() for b in batches] == [
+      list(range(10 + 10 * i, 20 + 10 * i)) for i in range(10)]
+
+
+def test_autotune_keeps_threads_when_little_input_is_left(monkeypatch):
+  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
+  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
+  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", 1e9)
+  dataset = Dataset.range(100).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE).batch(2)
+  with dataset.make_iterator() as it:
+    assert len(list(it)) == 50
+    assert _root(it).backend == "thread" and _root(it).pids() == []
+    assert "input elements left" in _root(it).stats()["reason"]
