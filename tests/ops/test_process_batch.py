@@ -97,6 +97,13 @@ def test_optimizer_fuses_process_chains_and_keeps_others_on_threads():
   with fused.make_iterator() as it:
     assert list(it)[1].tolist() == [14, 15, 16, 17]
     assert _root(it).backend == "process" and len(_root(it).pids()) >= 1
+  # A map asking for processes is not fused with its filter into a
+  # (thread-only) map_and_filter, which would drop the backend.
+  filtered = (Dataset.range(N).map(plus_ten, backend="process")
+              .filter(not_multiple_of_three).batch(4))
+  with filtered.make_iterator() as it:
+    assert _root(it).backend == "process"
+    assert list(it)[0].tolist() == [10, 11, 13, 14]
   plain = Dataset.range(N).map(plus_ten, num_parallel_calls=2).batch(4)
   lambdas = Dataset.range(N).map(lambda x: x, num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
   for dataset in (plain, lambdas):
