@@ -20,8 +20,9 @@ median images/s of its epochs after the first (start-up and AUTOTUNE's
 trial fall in the warm-up epoch, whose time is reported too), the images
 per CPU second and the cores it kept busy (this process and its children:
 on a shared machine the scheduler's share, not the code, can be the limit).
-Memory: the peak, while the row ran, of the RSS of this process plus its
-children (worker processes), and of their PSS (shared pages counted once).
+Memory is measured after, one system at a time over two epochs: the peak RSS
+of this process plus its children (worker processes), and of their PSS
+(shared pages counted once), data set included.
 The jaxfeed rows report the ratio to tf.data and to (cores x bare loop).
 
   python -m benchmarks.w1_per_element [--epochs 3] [--scale 1.0] [--no-tf]
@@ -47,7 +48,7 @@ BATCH = 128
 class PeakMemory:
   """Samples RSS and PSS of this process and its children while a row runs."""
 
-  def __init__(self, interval_s: float = 0.1):
+  def __init__(self, interval_s: float = 0.25):
     self._interval = interval_s
     self._stop = threading.Event()
     self.peak_rss = self.peak_pss = 0
@@ -101,7 +102,7 @@ class _Row:
   def __init__(self, make, extra=None):
     self.iterator = make()
     self.extra = extra
-    self.times, self.cpu, self.memory = [], [], PeakMemory()
+    self.times, self.cpu = [], []
     self.read = 0
 
   def epoch(self, images: int) -> None:
@@ -109,10 +110,9 @@ class _Row:
     # Batches may span epochs (a sampler's epochs follow each other).
     target = images * (len(self.times) + 1)
     cpu, start = _cpu_s(), time.perf_counter()
-    with self.memory:
-      while self.read < target:
-        batch = next(self.iterator)
-        self.read += len(batch["label"]) if isinstance(batch, dict) else len(batch[1])
+    while self.read < target:
+      batch = next(self.iterator)
+      self.read += len(batch["label"]) if isinstance(batch, dict) else len(batch[1])
     self.times.append(time.perf_counter() - start)
     self.cpu.append(_cpu_s() - cpu)
 
@@ -122,9 +122,7 @@ class _Row:
            "rates": [round(images / t, 1) for t in timed],
            "images_per_cpu_s": round(images * len(cpu) / sum(cpu), 1),
            "cores_used": round(sum(cpu) / sum(timed), 2),
-           "warmup_epoch_s": round(self.times[0], 2),
-           "peak_rss_mb": round(self.memory.peak_rss / 2**20, 1),
-           "peak_pss_mb": round(self.memory.peak_pss / 2**20, 1)}
+           "warmup_epoch_s": round(self.times[0], 2)}
     if self.extra is not None:
       out.update(self.extra(self.iterator))
     close = getattr(self.iterator, "close", None)
@@ -222,6 +220,18 @@ def main() -> None:
     for row in live.values():
       row.epoch(n)
   rows = {name: row.result(n) for name, row in live.items()}
+  # Memory, one system at a time (nothing else alive): two epochs each.
+  for name, (make, _) in makers.items():
+    with PeakMemory() as memory:
+      iterator = make()
+      for _ in zip(range(2 * -(-n // BATCH)), iterator):
+        pass
+      close = getattr(iterator, "close", None)
+      if close is not None:
+        close()
+      del iterator
+    rows[name]["peak_rss_mb"] = round(memory.peak_rss / 2**20, 1)
+    rows[name]["peak_pss_mb"] = round(memory.peak_pss / 2**20, 1)
 
   bare = rows["bare loop"]["rate"]
   load = [round(x, 2) for x in os.getloadavg()]

@@ -422,7 +422,7 @@ class _SharedArrayPickler(pickle.Pickler):
     self._blocks = blocks
 
   def reducer_override(self, obj):
-    if (type(obj) is np.ndarray and obj.nbytes >= SHARED_ARRAY_BYTES
+    if (isinstance(obj, np.ndarray) and obj.nbytes >= SHARED_ARRAY_BYTES
         and not obj.dtype.hasobject):
       block = shared_memory.SharedMemory(create=True, size=obj.nbytes)
       self._blocks.append(block)
@@ -511,7 +511,7 @@ class _Workers:
     return [b.name for b in self.blocks] + [s.name for s in self.slots]
 
   def send(self, index: int, message: tuple) -> None:
-    process, conn = self.workers[index]
+    conn = self.workers[index][1]
     try:
       conn.send(message)
     except (OSError, ValueError) as exc:
@@ -537,11 +537,13 @@ class _Workers:
         f"go on. Restore its last state into a new iterator to resume.")
 
   def slot(self, size: int) -> _Slot:
-    """A slot no live view uses (a new one, if all are in use)."""
-    for slot in self.slots:
+    """A slot of `size` bytes or more that no chunk or live view uses."""
+    for slot in list(self.slots):
       if not slot.in_use():
-        slot.taken, slot.guard = True, None
-        return slot
+        if slot.size >= size:
+          slot.taken, slot.guard = True, None
+          return slot
+        self.retire(slot)  # outgrown
     slot = _Slot(size)
     self.slots.append(slot)
     return slot
@@ -566,7 +568,7 @@ class _Workers:
     return names
 
   def close(self) -> None:
-    for index, (process, conn) in enumerate(self.workers):
+    for _, conn in self.workers:
       try:
         conn.send(("stop",))
       except (OSError, ValueError):
@@ -620,7 +622,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._sequential = self._chain.sequential()
     with self._sequential.make_iterator() as iterator:
       self._template = iterator.get_state()
-    self._end = _num_positions(self._chain.input)
+    self._end = self._chain.input.num_positions()  # None: endless
     self._position = 0
     self._last_seed = 0
     self._error: BaseException | None = None
@@ -958,6 +960,3 @@ class ProcessBatchIterator(base.OpIterator):
     if self._thread_iterator is not None:
       self._thread_iterator.close()
 
-
-def _num_positions(node: base.Node) -> int | None:
-  return node.num_positions()

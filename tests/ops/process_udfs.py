@@ -35,3 +35,7 @@ def busy_python(x):
   return np.array([total], np.int64)
 
 
+
+
+def wide_after_400(x):
+  return np.full(1 if x < 400 else 4096, x, np.int64)  # 8 B, then 32 KiB

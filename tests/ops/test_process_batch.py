@@ -25,7 +25,7 @@ from op_testing import (assert_identical_batch, elements_and_seeds,
                         process_alive, shared_memory_exists)
 # In a module of their own: each worker imports the module of a function.
 from process_udfs import (busy_python, fails_on_seven, jitter,
-                          not_multiple_of_three, plus_ten)
+                          not_multiple_of_three, plus_ten, wide_after_400)
 
 
 N = 40
@@ -284,3 +284,12 @@ def test_autotune_keeps_threads_when_little_input_is_left(monkeypatch):
     assert len(list(it)) == 50
     assert _root(it).backend == "thread" and _root(it).pids() == []
     assert "input elements left" in _root(it).stats()["reason"]
+
+
+def test_outputs_that_grow_get_slots_big_enough():
+  dataset = Dataset.range(800).map(wide_after_400, backend="process").batch(8)
+  with _processes(dataset, chunk=64) as it:
+    held = [next(it) for _ in range(40)]  # small: one slot per held chunk
+    del held  # ... all free now, and too small for what follows
+    last_column = [int(batch[-1, -1]) for batch in it]
+  assert last_column == list(range(327, 800, 8))
