@@ -727,6 +727,9 @@ class ProcessBatchIterator(base.OpIterator):
         self._decide("thread", f"threads use {cores:.1f} cores")
         return
       position = self._position_of(self._thread_iterator.get_state())
+      if position is None:
+        self._decide("thread", "the input's state is more than a position")
+        return
       left = None if self._end is None else self._end - position
       if left is not None and left < MIN_BATCHES_LEFT * self._chain.batch_size:
         self._decide("thread", f"only {left} input elements left")
@@ -903,14 +906,21 @@ class ProcessBatchIterator(base.OpIterator):
     bottom["own"][key] = position
     return state
 
-  def _position_of(self, state: dict) -> int:
-    """The input position a chain state resumes from (checks the state)."""
+  def _position_of(self, state: dict) -> int | None:
+    """The input position a chain state resumes from (checks the state).
+
+    None when the input's state holds more than a position (workers, which
+    read positions of the node they rebuilt, cannot resume it).
+    """
     with self._sequential.make_iterator() as iterator:
       iterator.set_state(state)
       state = iterator.get_state()
     while state["parents"]:
       state = state["parents"][0]
-    (position,) = state["own"].values()
+    own = state["own"]
+    if not isinstance(own, dict) or len(own) != 1:
+      return None
+    (position,) = own.values()
     return position
 
   def get_state(self) -> dict:
@@ -923,7 +933,12 @@ class ProcessBatchIterator(base.OpIterator):
     position = self._position_of(state)
     self._last_seed = 0
     self._error = None
-    if self._workers is not None:
+    if position is None:
+      if self._workers is not None:
+        self._drain()
+      self._use_threads(state)
+      self._decide("thread", "restored a state that is more than a position")
+    elif self._workers is not None:
       self._restart(position)
     elif self._thread_iterator is not None:
       self._thread_iterator.set_state(state)
