@@ -29,8 +29,10 @@ def _children() -> set:
     try:
       if child.status() == psutil.STATUS_ZOMBIE:
         continue
-      # multiprocessing's resource tracker lives as long as the interpreter.
-      if any("resource_tracker" in part for part in child.cmdline()):
+      # multiprocessing's resource tracker and fork server (process_batch
+      # forks its workers from it) live as long as the interpreter.
+      if any("resource_tracker" in part or "forkserver" in part
+             for part in child.cmdline()):
         continue
       procs.add((child.pid, child.create_time()))
     except psutil.NoSuchProcess:

@@ -23,10 +23,16 @@ class MapNode(Node):
     batched: declares fn vectorized over a leading batch dimension; the
       optimizer may then run it once per batch when the map is followed by a
       batch. It does not change what this op computes.
-    backend: "auto" or "thread" runs fn on threads (numpy releases the
-      GIL); "process" runs it in worker processes (for GIL-bound Python), one
-      per parallel call, which return numpy arrays through shared memory; fn
-      must then be picklable (defined at module level).
+    backend: "thread" runs fn on threads (numpy releases the GIL);
+      "process" runs it in worker processes (for GIL-bound Python), which
+      return numpy arrays through shared memory; fn must then be picklable
+      (defined at module level). Where the map sits between `range`,
+      `from_tensor_slices` or `from_source` and a `batch` (with other maps
+      and filters), the optimizer hands the whole chain to worker processes
+      by chunks of input (`jaxfeed.ops.process_batch`); elsewhere each
+      parallel call drives one process. "auto" is "thread", except that in
+      such a chain with AUTOTUNE and picklable functions the backend is
+      chosen by measurement.
   """
 
   op_name = "map"

@@ -13,6 +13,12 @@ Rewrites, bottom-up over the graph:
     same (possibly parallel) call;
   * map and batch vectorization: map(f, batched=True).batch(b) ->
     batch(b).map(f, batched=True): f runs once per batch;
+  * process batching: range | from_tensor_slices | from_source ->
+    (map | random_map | filter)* -> batch, with a map asking for
+    backend="process" (or AUTOTUNE and picklable functions), becomes one
+    `process_batch` node: worker processes compute whole batches of the
+    chain (see `jaxfeed.ops.process_batch`; AUTOTUNE there picks threads
+    or processes by measurement);
   * prefetch injection: prefetch(AUTOTUNE) at the end (off by default, since
     `jaxfeed.Loader` already prefetches onto the device).
 """
@@ -115,7 +121,8 @@ def _rewrite_one(node: base.Node, options: Options) -> base.Node:
 
   if op == "filter" and parent_op == "map" and options.map_and_filter_fusion:
     inner = parent.spec_params()
-    if not inner.get("batched"):
+    # map_and_filter runs on threads: a map asking for processes stays.
+    if not inner.get("batched") and inner.get("backend") != "process":
       fused = importlib.import_module("jaxfeed.ops.map_and_filter")
       return fused.MapAndFilterNode(
           parent.parents[0], inner["fn"], params["predicate"],
@@ -127,6 +134,11 @@ def _rewrite_one(node: base.Node, options: Options) -> base.Node:
     inner = parent.spec_params()
     batched = _rebuild(node, (parent.parents[0],))
     return _rebuild(parent, (batched,), **{k: v for k, v in inner.items()})
+
+  if op == "batch" and parent_op in ("map", "random_map", "filter", "map_and_filter"):
+    fused = importlib.import_module("jaxfeed.ops.process_batch").fuse(node)
+    if fused is not None:
+      return fused
 
   return node
 

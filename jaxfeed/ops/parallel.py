@@ -688,7 +688,7 @@ BACKENDS = ("auto", "thread", "process")
 
 
 def check_backend(value: Any, op_name: str) -> str:
-  """Validates a parallelism backend name ("auto" runs threads)."""
+  """Validates a parallelism backend name (see `MapNode`'s `backend`)."""
   if value not in BACKENDS:
     raise ValueError(
         f"{op_name}: backend must be one of {', '.join(map(repr, BACKENDS))}, "

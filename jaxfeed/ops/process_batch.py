@@ -1,0 +1,977 @@
+"""`process_batch`: element ops and their batching run by worker processes.
+
+The optimizer replaces a chain `input -> (map | random_map | filter |
+map_and_filter)* -> batch`, whose input is `range`, `from_tensor_slices` or
+`from_source`, by a `ProcessBatchNode` wrapping it when an element op asks for
+`backend="process"`, or for `num_parallel_calls=AUTOTUNE` with the default
+backend and functions that can be pickled (see `fuse`).
+
+Worker processes each rebuild the input node and the element functions once
+(pickled; numpy arrays of `SHARED_ARRAY_BYTES` or more go through shared
+memory instead of the pipe, so an in-memory source is not copied per worker).
+The parent hands them chunks of input positions `[start, stop)` in turn. A
+worker reads the chunk's elements with the input's `range_iterator`, applies
+the element ops to each with the record seed the thread path gives it, and
+
+  * without a filter, where a chunk is whole batches, stacks the batches and
+    writes them into a shared-memory slot owned by the parent. The parent
+    returns arrays that are views of the slot, and reuses a slot only once no
+    view of its earlier batches is alive; otherwise the slot is retired
+    (unlinked; the memory goes with its last view) and a new one made;
+  * with a filter, where batch boundaries depend on earlier chunks, sends the
+    surviving elements back through the pipe; the parent stacks them.
+
+Outputs, per-record seeds and errors are those of the chain run by threads:
+a function's exception is raised by the `next()` that would return the
+batch holding its element, with the worker's traceback as its cause; the
+elements read into that batch before it are lost and the next batch starts
+after it (as `batch` over a failing input does). The state is the chain's own
+state, in the layout its thread iterator saves, so a checkpoint restores
+into either backend.
+
+With AUTOTUNE the iterator starts on threads. Once they have run a while, if
+the process uses less than `THREADS_USE_CORES` cores (the functions hold the
+GIL), it runs the same stretch on processes and keeps whichever produced
+batches faster (threads unless processes win by `PROCESS_MARGIN`);
+`stats()` and `repr` say what was picked and why.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import io
+import mmap
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+import traceback
+import weakref
+from multiprocessing import shared_memory
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxfeed.ops import base, parallel, stacking, tree
+from jaxfeed.ops.filter import predicate_result
+from jaxfeed.ops.process_pool import (WorkerProcessError, _ArrayRef, _attach,
+                                      _picklable, _RemoteTraceback)
+from jaxfeed.ops.random_map import ElementGenerators
+
+__all__ = ["ProcessBatchNode", "ProcessBatchIterator", "fuse"]
+
+_OP = "process_batch"
+INPUT_OPS = ("range", "from_tensor_slices", "from_source")
+ELEMENT_OPS = ("map", "random_map", "filter", "map_and_filter")
+
+SHARED_ARRAY_BYTES = 1 << 20
+"""Arrays in the pickled pipeline at least this big go through shared memory."""
+
+CHUNK_WORK_S = 0.02
+"""Worker time one chunk aims at: long enough to hide a round trip."""
+
+CHUNKS_PER_WORKER = 2
+"""Chunks queued at each worker (one computing, one waiting)."""
+
+THREADS_USE_CORES = 1.5
+"""AUTOTUNE keeps threads when they keep this many cores busy."""
+
+PROCESS_MARGIN = 1.1
+"""AUTOTUNE keeps processes only when they are this much faster."""
+
+MIN_BATCHES_LEFT = 64
+"""AUTOTUNE tries processes only with at least this many batches of input left."""
+
+TRIAL_S = 0.3
+TRIAL_BATCHES = 8
+"""Each backend is timed over at least this long and this many batches."""
+
+_MAX_CHUNK_BATCHES = 16
+_MIN_CHUNK_ELEMENTS, _MAX_CHUNK_ELEMENTS = 16, 4096
+_RECV_POLL_S = 0.2
+
+
+# ---------------------------------------------------------------------------
+# the chain
+# ---------------------------------------------------------------------------
+class _Chain:
+  """The parts of a fusable chain: input node, element ops, batch params."""
+
+  def __init__(self, batch_node: base.Node):
+    if batch_node.op_name != "batch":
+      raise ValueError(f"{_OP}: expects a batch node, got {batch_node.op_name!r}.")
+    params = batch_node.spec_params()
+    self.batch_size = params["batch_size"]
+    self.drop_remainder = params["drop_remainder"]
+    stages = []
+    node = batch_node.parents[0]
+    while node.op_name in ELEMENT_OPS:
+      stages.append(node)
+      node = node.parents[0]
+    if node.op_name not in INPUT_OPS or not stages:
+      raise ValueError(
+          f"{_OP}: fuses {' | '.join(INPUT_OPS)} -> "
+          f"({' | '.join(ELEMENT_OPS)})+ -> batch, got a chain from "
+          f"{node.op_name!r}.")
+    self.input = node
+    self.stage_nodes = stages[::-1]
+    self.stages = [_stage_spec(n) for n in self.stage_nodes]
+    self.filters = any(s[0] in ("filter", "map_and_filter") for s in self.stages)
+    self.batch_node = batch_node
+
+  def sequential(self) -> base.Node:
+    """The chain with every element op in the consumer thread."""
+    node = self.input
+    for stage in self.stage_nodes:
+      params = dict(stage.spec_params())
+      if "num_parallel_calls" in params:
+        params["num_parallel_calls"] = None
+      if "backend" in params:
+        params["backend"] = "thread"
+      node = type(stage)(node, **params)
+    return type(self.batch_node)(node, **self.batch_node.spec_params())
+
+  def worker_payload(self) -> tuple:
+    """What workers rebuild: the input as (type, params), the stages, batch."""
+    return ((type(self.input), self.input.spec_params()), self.stages,
+            self.batch_size, self.drop_remainder)
+
+
+def _stage_spec(node: base.Node) -> tuple:
+  params = node.spec_params()
+  if node.op_name == "map":
+    return ("map", params["fn"])
+  if node.op_name == "random_map":
+    return ("random_map", params["fn"], params["seed"] or 0)
+  if node.op_name == "filter":
+    return ("filter", params["predicate"])
+  return ("map_and_filter", params["fn"], params["predicate"])
+
+
+def fuse(batch_node: base.Node) -> "ProcessBatchNode | None":
+  """The fused node for a fusable chain ending at `batch_node`, else None.
+
+  A chain is fused when an element op asks for backend="process" (mode
+  "process"), or when none asks for threads, one asks for AUTOTUNE
+  parallelism and the functions can be pickled (mode "auto"). Batched maps
+  are left to the map-and-batch vectorization.
+  """
+  try:
+    chain = _Chain(batch_node)
+  except ValueError:
+    return None
+  params = [n.spec_params() for n in chain.stage_nodes]
+  if any(p.get("batched") for p in params):
+    return None
+  backends = {p.get("backend", "auto") for p in params}
+  if "process" in backends:
+    return ProcessBatchNode(batch_node, backend="process")
+  if "thread" in backends or not any(
+      p.get("num_parallel_calls") == base.AUTOTUNE for p in params):
+    return None
+  try:
+    pickle.dumps(chain.stages)
+  except Exception:  # noqa: BLE001 -- lambdas and closures stay on threads
+    return None
+  return ProcessBatchNode(batch_node, backend="auto")
+
+
+class ProcessBatchNode(base.Node):
+  """A batch of per-element ops computed by worker processes (module doc).
+
+  Args:
+    chain: the `batch` node of `input -> element ops -> batch`.
+    backend: "process" always uses processes; "auto" measures (AUTOTUNE).
+    num_workers: worker processes; None: one per core.
+    chunk: positions per chunk, a multiple of the batch size without a
+      filter; None: chosen from the measured cost per element.
+    copy: return copies of the batches instead of views of shared memory.
+  """
+
+  op_name = _OP
+
+  def __init__(self, chain: base.Node, backend: str = "process",
+               num_workers: int | None = None, chunk: int | None = None,
+               copy: bool = False):
+    super().__init__([chain])
+    self.chain = _Chain(chain)
+    if backend not in ("auto", "process"):
+      raise ValueError(f"{_OP}: backend must be 'auto' or 'process', got {backend!r}.")
+    self.backend = backend
+    self.num_workers = (None if num_workers is None else
+                        base.check_positive_int(num_workers, _OP, "num_workers"))
+    self.chunk = None if chunk is None else base.check_positive_int(chunk, _OP, "chunk")
+    if (self.chunk is not None and not self.chain.filters
+        and self.chunk % self.chain.batch_size):
+      raise ValueError(
+          f"{_OP}: chunk must be a multiple of the batch size "
+          f"{self.chain.batch_size} when no filter runs, got {self.chunk}.")
+    self.copy = bool(copy)
+
+  def spec_params(self) -> dict:
+    return {"backend": self.backend, "num_workers": self.num_workers,
+            "chunk": self.chunk, "copy": self.copy}
+
+  def cardinality(self) -> int | None:
+    return self.parents[0].cardinality()
+
+  def make_iterator(self) -> "ProcessBatchIterator":
+    return ProcessBatchIterator(self)
+
+
+# ---------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------
+_INPUT_BLOCKS: list = []  # a worker's attached blocks of shared input arrays
+
+
+def _shared_array(name: str, dtype: str, shape: tuple) -> np.ndarray:
+  block = _attach(name)
+  _INPUT_BLOCKS.append(block)
+  array = np.ndarray(shape, np.dtype(dtype), buffer=block.buf)
+  array.flags.writeable = False
+  return array
+
+
+def _rebuild(cls: type, params: dict) -> base.Node:
+  return cls(**params)
+
+
+class _ChunkRunner:
+  """Computes the outputs of chunks of input positions (in a worker)."""
+
+  def __init__(self, payload: tuple):
+    (input_cls, input_params), stages, self.batch_size, self.drop_remainder = payload
+    self.input = _rebuild(input_cls, input_params)
+    self.stages = [_stage_fn(s) for s in stages]
+    self.filters = any(s[0] in ("filter", "map_and_filter") for s in stages)
+
+  def run(self, start: int, stop: int) -> tuple[list, int]:
+    """The outputs of input positions [start, stop) and the bytes they need.
+
+    Items are ("batch", skeleton, writes, first seed, next position) (see
+    `_plan_batch`; the batches of a chunk lie one after the other from byte
+    0), ("element", element, seed, next position), and at most one last
+    ("error", exc, traceback, next position).
+    """
+    items = []
+    batch, first_seed, needed = [], 0, 0
+    iterator = self.input.range_iterator(start, stop)
+    position = start
+    try:
+      while position < stop:
+        try:
+          element = next(iterator)
+        except StopIteration:
+          break
+        except Exception:
+          position += 1  # a failing read counts as an element, as on threads
+          raise
+        position += 1
+        seed = iterator.last_seed
+        keep = True
+        for stage in self.stages:
+          keep, element = stage(element, seed)
+          if not keep:
+            break
+        if not keep:
+          continue
+        if self.filters:
+          items.append(("element", element, seed, position))
+          continue
+        if not batch:
+          first_seed = seed
+        batch.append(element)
+        if len(batch) == self.batch_size:
+          skeleton, writes, needed = _plan_batch(batch, needed)
+          items.append(("batch", skeleton, writes, first_seed, position))
+          batch = []
+      if batch and not self.drop_remainder:
+        skeleton, writes, needed = _plan_batch(batch, needed)
+        items.append(("batch", skeleton, writes, first_seed, position))
+    except Exception as exc:  # noqa: BLE001 -- raised in the consumer
+      items.append(("error", _picklable(exc), traceback.format_exc(), position))
+    finally:
+      iterator.close()
+    return items, needed
+
+
+def _plan_batch(elements: list, start: int) -> tuple[Any, list, int]:
+  """Where the leaves of `stacking.stack(elements)` go, from byte `start` on.
+
+  Returns the batch with `_ArrayRef`s for its array leaves (object leaves
+  stay), the writes `(offset, shape, dtype, source)` that fill them (source:
+  the equally shaped arrays of a column, stacked straight into shared
+  memory, or an already stacked leaf) and the end of the last leaf.
+  """
+  # The column split and the stacking rules are the batch op's own.
+  structure, columns = stacking._columns(elements, "batch")  # pylint: disable=protected-access
+  markers, writes, offset = [], [], start
+  for index, column in enumerate(columns):
+    first = column[0]
+    if (type(first) is np.ndarray and not first.dtype.hasobject
+        and all(type(v) is np.ndarray and v.dtype == first.dtype
+                and v.shape == first.shape for v in column)):
+      # What np.array(column) would give, without building it first.
+      shape, dtype, source = (len(column),) + first.shape, first.dtype, column
+    else:
+      source = stacking._stack_column(column, index, structure, elements, "batch")  # pylint: disable=protected-access
+      if source.dtype.hasobject:
+        markers.append(source)
+        continue
+      shape, dtype = source.shape, source.dtype
+    offset = (offset + 63) // 64 * 64  # keep every array 64-byte aligned
+    markers.append(_ArrayRef(offset, dtype.str, shape))
+    writes.append((offset, shape, dtype, source))
+    offset += int(np.prod(shape)) * dtype.itemsize
+  return tree.unflatten(structure, markers), writes, offset
+
+
+def _stage_fn(spec: tuple) -> Callable[[Any, int], tuple[bool, Any]]:
+  kind = spec[0]
+  if kind == "map":
+    fn = spec[1]
+    return lambda element, seed: (True, parallel.call_unpacked(fn, element))
+  if kind == "random_map":
+    fn, generators = spec[1], ElementGenerators(spec[2])
+    return lambda element, seed: (True, fn(element, generators(seed)))
+  if kind == "filter":
+    predicate = spec[1]
+
+    def keep(element, seed):
+      result = parallel.call_unpacked(predicate, element)
+      return predicate_result(predicate, result, "filter"), element
+    return keep
+  fn, predicate = spec[1], spec[2]
+
+  def map_and_keep(element, seed):
+    mapped = parallel.call_unpacked(fn, element)
+    result = parallel.call_unpacked(predicate, mapped)
+    return predicate_result(predicate, result, "filter"), mapped
+  return map_and_keep
+
+
+def _worker_main(payload: bytes, conn) -> None:
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    runner = _ChunkRunner(pickle.loads(payload))
+  except BaseException as exc:  # noqa: BLE001 -- reported to the parent
+    conn.send(("error", _picklable(exc), traceback.format_exc()))
+    return
+  conn.send(("ready",))
+  slots: dict[str, shared_memory.SharedMemory] = {}
+  queued: collections.deque = collections.deque()  # chunks sent meanwhile
+  while True:
+    try:
+      message = queued.popleft() if queued else conn.recv()
+    except (EOFError, OSError):
+      return  # The parent went away.
+    if message[0] == "stop":
+      return
+    _, start, stop, slot_name, retired = message
+    for name in retired:
+      block = slots.pop(name, None)
+      if block is not None:
+        block.close()
+    begin = time.perf_counter()
+    items, needed = runner.run(start, stop)
+    if slot_name is None:
+      conn.send(("done", items, time.perf_counter() - begin))
+      continue
+    if slot_name not in slots:
+      slots[slot_name] = _attach(slot_name)
+    block = slots[slot_name]
+    if needed > block.size:
+      conn.send(("grow", needed))
+      try:
+        reply = conn.recv()
+        while reply[0] == "chunk":
+          queued.append(reply)
+          reply = conn.recv()
+      except (EOFError, OSError):
+        return
+      if reply[0] != "slot":
+        return
+      slot_name = reply[1]
+      block = slots[slot_name] = _attach(slot_name)
+    headers = []
+    for item in items:
+      if item[0] == "batch":
+        for offset, shape, dtype, source in item[2]:
+          view = np.ndarray(shape, dtype, buffer=block.buf, offset=offset)
+          if type(source) is list:
+            np.stack(source, out=view)
+          else:
+            view[...] = source
+        item = ("batch", item[1]) + item[3:]
+      headers.append(item)
+    del items
+    conn.send(("done", headers, time.perf_counter() - begin))
+
+
+# ---------------------------------------------------------------------------
+# parent side
+# ---------------------------------------------------------------------------
+class _SharedArrayPickler(pickle.Pickler):
+  """Pickles large numpy arrays as names of shared-memory copies."""
+
+  def __init__(self, file, blocks: list):
+    super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    self._blocks = blocks
+
+  def reducer_override(self, obj):
+    if (isinstance(obj, np.ndarray) and obj.nbytes >= SHARED_ARRAY_BYTES
+        and not obj.dtype.hasobject):
+      block = shared_memory.SharedMemory(create=True, size=obj.nbytes)
+      self._blocks.append(block)
+      np.ndarray(obj.shape, obj.dtype, buffer=block.buf)[...] = obj
+      return _shared_array, (block.name, obj.dtype.str, obj.shape)
+    return NotImplemented
+
+
+class _Slot:
+  """A shared-memory block batches are written to, mapped by the parent."""
+
+  __slots__ = ("shm", "map", "size", "guard", "taken")
+
+  def __init__(self, size: int):
+    self.shm = shared_memory.SharedMemory(create=True, size=size)
+    # A mapping of our own: the views handed out hold it, so after the slot
+    # is retired (unlinked) its memory lives exactly as long as they do.
+    self.map = mmap.mmap(self.shm._fd, size)  # pylint: disable=protected-access
+    self.size = size
+    self.shm.close()
+    self.guard: weakref.ref | None = None  # the views' buffer
+    self.taken = True  # by a chunk in flight or not yet returned
+
+  @property
+  def name(self) -> str:
+    return self.shm.name
+
+  def in_use(self) -> bool:
+    """Whether a chunk or a view handed out uses the slot."""
+    return self.taken or (self.guard is not None and self.guard() is not None)
+
+  def retire(self) -> None:
+    try:
+      self.shm.unlink()
+    except FileNotFoundError:
+      pass
+    if not self.in_use():
+      self.map.close()
+    self.map = None
+
+
+class _Workers:
+  """The worker processes, their pipes, slots and shared input (parent side)."""
+
+  def __init__(self, payload: tuple, num_workers: int):
+    self.blocks: list[shared_memory.SharedMemory] = []
+    self.workers: list = []
+    self.slots: list[_Slot] = []
+    self.retired: list[list[str]] = []
+    buffer = io.BytesIO()
+    try:
+      _SharedArrayPickler(buffer, self.blocks).dump(payload)
+    except Exception as exc:
+      self.close()
+      raise ValueError(
+          f"{_OP}: the pipeline cannot be sent to worker processes ({exc}). "
+          f"Define its functions at module level (or make them picklable "
+          f"callable objects), or use backend='thread'.") from exc
+    ctx = _context()
+    try:
+      for index in range(num_workers):
+        conn, child = ctx.Pipe()
+        process = ctx.Process(target=_worker_main, args=(buffer.getvalue(), child),
+                              name=f"jaxfeed-{_OP}-{index}", daemon=True)
+        process.start()
+        child.close()
+        self.workers.append((process, conn))
+        self.retired.append([])
+      for index in range(num_workers):
+        reply = self.recv(index, "starting")
+        if reply[0] == "error":
+          raise WorkerProcessError(
+              f"{_OP}: a worker process could not rebuild the pipeline: "
+              f"{reply[1]!r}") from _RemoteTraceback(reply[2])
+    except BaseException:
+      self.close()
+      raise
+
+  def __len__(self) -> int:
+    return len(self.workers)
+
+  def pids(self) -> list[int]:
+    return [process.pid for process, _ in self.workers]
+
+  def shared_memory_names(self) -> list[str]:
+    return [b.name for b in self.blocks] + [s.name for s in self.slots]
+
+  def send(self, index: int, message: tuple) -> None:
+    conn = self.workers[index][1]
+    try:
+      conn.send(message)
+    except (OSError, ValueError) as exc:
+      raise self._died(index, "receiving work") from exc
+
+  def recv(self, index: int, doing: str) -> tuple:
+    """The worker's next message; WorkerProcessError if it died."""
+    process, conn = self.workers[index]
+    try:
+      while not conn.poll(_RECV_POLL_S):
+        if not process.is_alive():
+          raise self._died(index, doing)
+      return conn.recv()
+    except (EOFError, OSError) as exc:
+      raise self._died(index, doing) from exc
+
+  def _died(self, index: int, doing: str) -> WorkerProcessError:
+    process = self.workers[index][0]
+    process.join(timeout=1)
+    return WorkerProcessError(
+        f"{_OP}: worker process {process.name} (pid {process.pid}) died "
+        f"(exit code {process.exitcode}) while {doing}; the iterator cannot "
+        f"go on. Restore its last state into a new iterator to resume.")
+
+  def slot(self, size: int) -> _Slot:
+    """A slot of `size` bytes or more that no chunk or live view uses."""
+    for slot in list(self.slots):
+      if not slot.in_use():
+        if slot.size >= size:
+          slot.taken, slot.guard = True, None
+          return slot
+        self.retire(slot)  # outgrown
+    slot = _Slot(size)
+    self.slots.append(slot)
+    return slot
+
+  def release(self, slot: _Slot) -> None:
+    """The chunk using `slot` is done (its views may live on)."""
+    slot.taken = False
+    # Slots whose batches users still hold are not reused; past a few, the
+    # oldest are unlinked, so that memory is bounded by what users hold.
+    held = [s for s in self.slots if s.in_use() and not s.taken]
+    for old in held[:max(0, len(held) - 2 * len(self.workers))]:
+      self.retire(old)
+
+  def retire(self, slot: _Slot) -> None:
+    slot.retire()
+    self.slots.remove(slot)
+    for names in self.retired:
+      names.append(slot.name)
+
+  def take_retired(self, index: int) -> list[str]:
+    names, self.retired[index] = self.retired[index], []
+    return names
+
+  def close(self) -> None:
+    for _, conn in self.workers:
+      try:
+        conn.send(("stop",))
+      except (OSError, ValueError):
+        pass
+    for process, conn in self.workers:
+      process.join(timeout=5)
+      if process.is_alive():
+        process.kill()
+        process.join()
+      conn.close()
+    self.workers = []
+    for slot in self.slots:
+      slot.taken = False
+      slot.retire()
+    self.slots = []
+    for block in self.blocks:
+      block.close()
+      try:
+        block.unlink()
+      except FileNotFoundError:
+        pass
+    self.blocks = []
+
+
+def _context():
+  # A fork server forks workers from a clean single-threaded process (safe
+  # beside JAX and gRPC threads, unlike fork) that has this module imported
+  # already, so a worker starts in milliseconds instead of a spawn's second.
+  ctx = multiprocessing.get_context("forkserver")
+  ctx.set_forkserver_preload(["__main__", "jaxfeed.sources", "jaxfeed.sampler",
+                              __name__])
+  return ctx
+
+
+class _Chunk:
+  __slots__ = ("worker", "start", "stop", "slot")
+
+  def __init__(self, worker: int, start: int, stop: int, slot: _Slot | None):
+    self.worker, self.start, self.stop, self.slot = worker, start, stop, slot
+
+
+class ProcessBatchIterator(base.OpIterator):
+  """Iterator of `ProcessBatchNode` (see the module docstring)."""
+
+  op_name = _OP
+
+  def __init__(self, node: ProcessBatchNode):
+    super().__init__()
+    self._node = node
+    self._chain = node.chain
+    self._sequential = self._chain.sequential()
+    with self._sequential.make_iterator() as iterator:
+      self._template = iterator.get_state()
+    self._end = self._chain.input.num_positions()  # None: endless
+    self._position = 0
+    self._last_seed = 0
+    self._error: BaseException | None = None
+    self._workers: _Workers | None = None
+    self._thread_iterator: base.OpIterator | None = None
+    self._finalizer = None
+    num = node.num_workers or os.cpu_count() or 1
+    self._stats: dict[str, Any] = {
+        "backend": None, "reason": None, "num_workers": num,
+        "chunk": node.chunk, "copy": node.copy}
+    self._trial: dict[str, float] | None = None
+    if node.backend == "process":
+      self._use_processes(0)
+      self._decide("process", "backend='process'")
+    elif (os.cpu_count() or 1) < 2:
+      self._use_threads(None)
+      self._decide("thread", "one core")
+    else:
+      self._use_threads(None)
+      self._stats["backend"] = "thread (measuring)"
+      self._trial = {"phase": "thread", "batches": 0, "start": None}
+
+  # -- backends ------------------------------------------------------------
+  def _use_threads(self, state: dict | None) -> None:
+    self._stop_workers()
+    iterator = self._chain.batch_node.make_iterator()
+    if state is not None:
+      iterator.set_state(state)
+    self._thread_iterator = iterator
+    self.parents = [iterator]  # the autotuner tunes its knobs
+
+  def _use_processes(self, position: int) -> None:
+    if self._thread_iterator is not None:
+      self._thread_iterator.close()
+      self._thread_iterator = None
+      self.parents = []
+    self._workers = _Workers(self._chain.worker_payload(), self._stats["num_workers"])
+    self._finalizer = weakref.finalize(self, self._workers.close)
+    self._inflight: collections.deque = collections.deque()
+    self._items: collections.deque = collections.deque()
+    self._next_start = position
+    self._position = position
+    self._chunks_sent = self._chunks_received = 0
+    self._slot_bytes = 1 << 20
+    self._chunk_size = self._node.chunk or (
+        _MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size)
+    self._tuned_chunk = self._node.chunk is None
+
+  def _stop_workers(self) -> None:
+    if self._finalizer is not None:
+      self._finalizer()
+      self._finalizer = None
+    self._workers = None
+
+  def _decide(self, backend: str, reason: str) -> None:
+    self._trial = None
+    self._stats["backend"] = backend
+    self._stats["reason"] = reason
+
+  # -- iteration -----------------------------------------------------------
+  def __next__(self) -> Any:
+    if self._closed:
+      raise RuntimeError(f"{_OP}: the iterator is closed.")
+    if self._error is not None:
+      raise self._error
+    if self._workers is None:
+      batch = next(self._thread_iterator)
+      self._last_seed = self._thread_iterator.last_seed
+    else:
+      try:
+        batch = self._next_from_workers()
+      except WorkerProcessError as exc:
+        self._error = exc
+        self._stop_workers()
+        raise
+    if self._trial is not None:
+      self._observe()
+    return batch
+
+  next = __next__
+
+  def _observe(self) -> None:
+    """AUTOTUNE: times the backend on trial; switches or decides."""
+    trial = self._trial
+    now = time.perf_counter()
+    if trial["start"] is None:
+      # The first batches fill the pipeline (processes: the chunks in flight).
+      if trial["phase"] == "thread" or self._chunks_received > (
+          CHUNKS_PER_WORKER * len(self._workers)):
+        trial.update(start=now, cpu=time.process_time(), batches=0)
+      return
+    trial["batches"] += 1
+    elapsed = now - trial["start"]
+    if elapsed < TRIAL_S or trial["batches"] < TRIAL_BATCHES:
+      return
+    rate = trial["batches"] / elapsed
+    if trial["phase"] == "thread":
+      cores = (time.process_time() - trial["cpu"]) / elapsed
+      self._stats["thread_batches_per_s"] = round(rate, 2)
+      self._stats["thread_cores"] = round(cores, 2)
+      if cores >= THREADS_USE_CORES:
+        self._decide("thread", f"threads use {cores:.1f} cores")
+        return
+      position = self._position_of(self._thread_iterator.get_state())
+      if position is None:
+        self._decide("thread", "the input's state is more than a position")
+        return
+      left = None if self._end is None else self._end - position
+      if left is not None and left < MIN_BATCHES_LEFT * self._chain.batch_size:
+        self._decide("thread", f"only {left} input elements left")
+        return
+      try:
+        self._use_processes(position)
+      except (ValueError, WorkerProcessError) as exc:
+        self._use_threads(self._state_at(position))
+        self._decide("thread", f"processes unavailable: {exc}")
+        return
+      self._trial = {"phase": "process", "batches": 0, "start": None,
+                     "thread_rate": rate}
+      self._stats["backend"] = "process (measuring)"
+      return
+    self._stats["process_batches_per_s"] = round(rate, 2)
+    if rate >= PROCESS_MARGIN * trial["thread_rate"]:
+      self._decide("process", f"processes {rate / trial['thread_rate']:.2f}x threads")
+      return
+    state = self.get_state()
+    self._drain()
+    self._use_threads(state)
+    self._decide("thread", f"processes only {rate / trial['thread_rate']:.2f}x threads")
+
+  def _next_from_workers(self) -> Any:
+    chain = self._chain
+    elements, seeds = [], []
+    last = self._position
+    items = self._items
+    while True:
+      if not items:
+        if not self._receive_chunk():
+          break
+        continue
+      item = items.popleft()
+      kind = item[0]
+      if kind == "release":
+        self._workers.release(item[1])
+        continue
+      if kind == "batch":
+        _, batch, seed, self._position = item
+        self._last_seed = seed
+        return batch
+      if kind == "element":
+        _, element, seed, last = item
+        elements.append(element)
+        seeds.append(seed)
+        if len(elements) == chain.batch_size:
+          break
+        continue
+      # An error: the elements read into this batch are lost, the next
+      # batch starts after the failing element.
+      _, exc, text, position = item
+      while items:
+        rest = items.popleft()
+        if rest[0] == "release":
+          self._workers.release(rest[1])
+      self._restart(position)
+      raise exc from _RemoteTraceback(text)
+    if not elements or (len(elements) < chain.batch_size and chain.drop_remainder):
+      raise StopIteration
+    self._position = last
+    self._last_seed = seeds[0]
+    return stacking.stack(elements, "batch")
+
+  def _submit(self) -> None:
+    workers = self._workers
+    depth = CHUNKS_PER_WORKER * len(workers)
+    while len(self._inflight) < depth and (self._end is None
+                                           or self._next_start < self._end):
+      start = self._next_start
+      stop = start + self._chunk_size
+      if self._end is not None:
+        stop = min(stop, self._end)
+      index = self._chunks_sent % len(workers)
+      slot = None
+      if not self._chain.filters:
+        slot = workers.slot(self._slot_bytes)
+      workers.send(index, ("chunk", start, stop, None if slot is None else slot.name,
+                           workers.take_retired(index)))
+      self._inflight.append(_Chunk(index, start, stop, slot))
+      self._chunks_sent += 1
+      self._next_start = stop
+
+  def _receive_chunk(self) -> bool:
+    """Moves the oldest chunk's outputs to `_items`; False at the end."""
+    self._submit()
+    if not self._inflight:
+      return False
+    chunk = self._inflight.popleft()
+    headers, busy_s = self._result(chunk)
+    self._chunks_received += 1
+    self._tune_chunk(chunk, busy_s)
+    if chunk.slot is None:
+      self._items.extend(headers)
+      return True
+    # Every array is a view of `whole`, whose buffer (the memoryview numpy
+    # made of the mapping) lives exactly as long as some view does.
+    whole = np.frombuffer(chunk.slot.map, np.uint8)
+    copy_out = self._node.copy
+
+    def restore(leaf):
+      if type(leaf) is _ArrayRef:
+        dtype = np.dtype(leaf.dtype)
+        size = int(np.prod(leaf.shape)) * dtype.itemsize
+        array = whole[leaf.offset:leaf.offset + size].view(dtype).reshape(leaf.shape)
+        return array.copy() if copy_out else array
+      return leaf
+
+    for header in headers:
+      if header[0] == "batch":
+        header = ("batch", tree.map_structure(restore, header[1])) + header[2:]
+      self._items.append(header)
+    if not copy_out:
+      chunk.slot.guard = weakref.ref(whole.base)
+    self._items.append(("release", chunk.slot))
+    return True
+
+  def _result(self, chunk: _Chunk) -> tuple[list, float]:
+    workers = self._workers
+    doing = f"computing input positions [{chunk.start}, {chunk.stop})"
+    while True:
+      reply = workers.recv(chunk.worker, doing)
+      if reply[0] == "done":
+        return reply[1], reply[2]
+      # "grow": the chunk's batches need a bigger slot.
+      self._slot_bytes = max(2 * chunk.slot.size, reply[1])
+      chunk.slot.taken = False
+      workers.retire(chunk.slot)
+      chunk.slot = workers.slot(self._slot_bytes)
+      workers.send(chunk.worker, ("slot", chunk.slot.name))
+
+  def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:
+    if not self._tuned_chunk or chunk.stop <= chunk.start:
+      return
+    per_position = busy_s / (chunk.stop - chunk.start)
+    target = CHUNK_WORK_S / max(per_position, 1e-9)
+    if self._chain.filters:
+      size = int(min(max(target, _MIN_CHUNK_ELEMENTS), _MAX_CHUNK_ELEMENTS))
+    else:
+      batch = self._chain.batch_size
+      size = batch * int(min(max(target // batch, 1), _MAX_CHUNK_BATCHES))
+    self._chunk_size = size
+    self._stats["chunk"] = size
+
+  def _drain(self) -> None:
+    """Waits for the chunks in flight and drops their outputs."""
+    while self._inflight:
+      chunk = self._inflight.popleft()
+      self._result(chunk)
+      if chunk.slot is not None:
+        self._workers.release(chunk.slot)
+    while self._items:
+      item = self._items.popleft()
+      if item[0] == "release":
+        self._workers.release(item[1])
+
+  def _restart(self, position: int) -> None:
+    self._drain()
+    self._next_start = self._position = position
+
+  # -- state ---------------------------------------------------------------
+  @property
+  def last_seed(self) -> int:
+    """The seed of the first element of the batch returned last."""
+    return self._last_seed
+
+  def _state_at(self, position: int) -> dict:
+    """The chain's state with every op caught up and the input at `position`."""
+    state = copy.deepcopy(self._template)
+    bottom = state
+    while bottom["parents"]:
+      bottom = bottom["parents"][0]
+    (key,) = bottom["own"]
+    bottom["own"][key] = position
+    return state
+
+  def _position_of(self, state: dict) -> int | None:
+    """The input position a chain state resumes from (checks the state).
+
+    None when the input's state holds more than a position (workers, which
+    read positions of the node they rebuilt, cannot resume it).
+    """
+    with self._sequential.make_iterator() as iterator:
+      iterator.set_state(state)
+      state = iterator.get_state()
+    while state["parents"]:
+      state = state["parents"][0]
+    own = state["own"]
+    if not isinstance(own, dict) or len(own) != 1:
+      return None
+    (position,) = own.values()
+    return position
+
+  def get_state(self) -> dict:
+    if self._workers is None:
+      return self._thread_iterator.get_state()
+    return self._state_at(self._position)
+
+  def set_state(self, state: dict) -> None:
+    base.check_state(state, "batch", 1)
+    position = self._position_of(state)
+    self._last_seed = 0
+    self._error = None
+    if position is None:
+      if self._workers is not None:
+        self._drain()
+      self._use_threads(state)
+      self._decide("thread", "restored a state that is more than a position")
+    elif self._workers is not None:
+      self._restart(position)
+    elif self._thread_iterator is not None:
+      self._thread_iterator.set_state(state)
+    else:  # the workers failed: start new ones
+      self._use_processes(position)
+
+  # -- reporting and lifetime ----------------------------------------------
+  def stats(self) -> dict:
+    """What runs the chain: backend, why, workers, chunk, trial rates."""
+    return dict(self._stats)
+
+  @property
+  def backend(self) -> str | None:
+    """"thread" or "process" ("... (measuring)" while AUTOTUNE times them)."""
+    return self._stats["backend"]
+
+  def pids(self) -> list[int]:
+    """The worker processes' ids (none on threads)."""
+    return [] if self._workers is None else self._workers.pids()
+
+  def shared_memory_names(self) -> list[str]:
+    """The shared-memory blocks this iterator owns now."""
+    return [] if self._workers is None else self._workers.shared_memory_names()
+
+  def __repr__(self) -> str:
+    details = ", ".join(f"{k}={v}" for k, v in self._stats.items() if v is not None)
+    return f"ProcessBatchIterator({details})"
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    self._stop_workers()
+    if self._thread_iterator is not None:
+      self._thread_iterator.close()
+

@@ -1,0 +1,295 @@
+"""process_batch: per-element ops and batching in worker processes by chunks.
+
+Checks the outputs, seeds, errors and states against the same chain run by
+the thread backend, exact resume (also in a new process and across
+backends), the AUTOTUNE switch between backends, and that closing (or
+losing a worker) leaves no process or shared memory behind.
+"""
+
+import gc
+import json
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+import jaxfeed
+from jaxfeed.dataset import Dataset
+from jaxfeed.ops import process_batch
+from jaxfeed.ops.process_batch import ProcessBatchNode
+from jaxfeed.ops.process_pool import WorkerProcessError
+import op_testing
+from op_testing import (assert_identical_batch, elements_and_seeds,
+                        process_alive, shared_memory_exists)
+# In a module of their own: each worker imports the module of a function.
+from process_udfs import (busy_python, fails_on_seven, jitter,
+                          not_multiple_of_three, plus_ten, wide_after_400)
+
+
+N = 40
+
+
+def _input(kind, n=N):
+  values = np.arange(n, dtype=np.int64)
+  if kind == "range":
+    return Dataset.range(n)
+  if kind == "from_tensor_slices":
+    return Dataset.from_tensor_slices({"x": values})
+  source = jaxfeed.ArraySource({"x": values})
+  return Dataset.from_source(source, jaxfeed.IndexSampler(n, shuffle=True, seed=5))
+
+
+CHAINS = {
+    "map": lambda ds, **kw: ds.map(plus_ten, **kw),
+    "random_map": lambda ds, **kw: ds.random_map(jitter, seed=9, **kw),
+    "filter_map_random_map": lambda ds, **kw: (
+        ds.filter(not_multiple_of_three).map(plus_ten, **kw)
+        .random_map(jitter, seed=1, **kw)),
+}
+
+
+def _chain(kind, chain, backend, batch_size=6, drop_remainder=False):
+  kw = ({"num_parallel_calls": 2, "backend": "process"} if backend == "process"
+        else {})
+  return CHAINS[chain](_input(kind), **kw).batch(batch_size, drop_remainder)
+
+
+def _processes(dataset, **kw):
+  """The fused iterator over a chain built with backend="process"."""
+  kw.setdefault("num_workers", 2)
+  return ProcessBatchNode(dataset.node, **kw).make_iterator()
+
+
+def _root(iterator):
+  """The pipeline's last op iterator under the autotuner's wrapper."""
+  return getattr(iterator, "root", iterator)
+
+
+def _threads(dataset):
+  return dataset.node.make_iterator()
+
+
+def _assert_same_batches(ours, expected):
+  assert len(ours) == len(expected)
+  for a, b in zip(ours, expected):
+    assert_identical_batch(a, b)
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+@pytest.mark.parametrize("kind", ["range", "from_tensor_slices", "from_source"])
+def test_batches_and_seeds_are_those_of_the_thread_backend(kind, chain,
+                                                           drop_remainder):
+  build = lambda backend: _chain(kind, chain, backend, drop_remainder=drop_remainder)
+  with _threads(build("thread")) as it:
+    expected, expected_seeds = elements_and_seeds(it)
+  # chunk=12: several chunks per worker, batches spanning chunks (filter).
+  with _processes(build("process"), chunk=12) as it:
+    ours, seeds = elements_and_seeds(it)
+  _assert_same_batches(ours, expected)
+  assert seeds == expected_seeds
+
+
+def test_optimizer_fuses_process_chains_and_keeps_others_on_threads():
+  fused = Dataset.range(N).map(plus_ten, backend="process").batch(4)
+  with fused.make_iterator() as it:
+    assert list(it)[1].tolist() == [14, 15, 16, 17]
+    assert _root(it).backend == "process" and len(_root(it).pids()) >= 1
+  # A map asking for processes is not fused with its filter into a
+  # (thread-only) map_and_filter, which would drop the backend.
+  filtered = (Dataset.range(N).map(plus_ten, backend="process")
+              .filter(not_multiple_of_three).batch(4))
+  with filtered.make_iterator() as it:
+    assert _root(it).backend == "process"
+    assert list(it)[0].tolist() == [10, 11, 13, 14]
+  plain = Dataset.range(N).map(plus_ten, num_parallel_calls=2).batch(4)
+  lambdas = Dataset.range(N).map(lambda x: x, num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
+  for dataset in (plain, lambdas):
+    with dataset.make_iterator() as it:
+      assert not isinstance(_root(it), process_batch.ProcessBatchIterator)
+  auto = Dataset.range(N).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
+  with auto.make_iterator() as it:
+    assert _root(it).backend == "thread (measuring)" and _root(it).pids() == []
+
+
+@pytest.mark.parametrize("chain", ["random_map", "filter_map_random_map"])
+def test_resumes_exactly_at_every_cut_and_across_backends(chain):
+  build = lambda: _chain("from_source", chain, "process", batch_size=4)
+  # Cuts inside a chunk, on a chunk boundary and at the end.
+  resumed = op_testing.check_resume(build, cuts=[1, 4, 7],
+                                    make_iterator=lambda ds: _processes(ds, chunk=8),
+                                    with_seeds=True, into_same_iterator=True)
+  # A process checkpoint restores into threads and a thread one into processes.
+  on_threads = lambda: _chain("from_source", chain, "thread", batch_size=4)
+  for cut, state in zip([1, 4], resumed.states[:2]):
+    with _threads(on_threads()) as it:
+      it.set_state(state)
+      _assert_same_batches([b for b, _ in resumed.expected[cut:]], list(it))
+    with _threads(on_threads()) as threads, _processes(build(), chunk=8) as ours:
+      for _ in range(cut):
+        next(threads)
+      ours.set_state(json.loads(json.dumps(threads.get_state())))
+      _assert_same_batches(list(ours), [b for b, _ in resumed.expected[cut:]])
+
+
+def test_resumes_in_a_new_process():
+  expression = ("Dataset.range(50).map(np.square, num_parallel_calls=2, "
+                "backend='process').batch(8)")
+  dataset = eval(expression)  # pylint: disable=eval-used
+  with dataset.make_iterator() as it:
+    assert _root(it).backend == "process"
+    expected = list(it)
+  states = []
+  with dataset.make_iterator() as it:
+    for read in (1, 2):  # cuts after 1 and 3 batches
+      for _ in range(read):
+        next(it)
+      states.append(json.loads(json.dumps(it.get_state())))
+  remaining = op_testing.restore_in_new_process(expression, states)
+  for cut, rest in zip((1, 3), remaining):
+    assert [b.tolist() for b in rest] == [b.tolist() for b in expected[cut:]]
+
+
+def _outcomes(iterator):
+  """Each next(): the batch as a list, or the error's type and message."""
+  outcomes = []
+  while True:
+    try:
+      outcomes.append(next(iterator).tolist())
+    except StopIteration:
+      return outcomes
+    except ValueError as exc:
+      outcomes.append((type(exc).__name__, str(exc)))
+
+
+def test_udf_error_reaches_the_consumer_and_iteration_goes_on_as_on_threads():
+  build = lambda kw: Dataset.range(20).map(fails_on_seven, **kw).batch(3)
+  with _threads(build({})) as it:
+    expected = _outcomes(it)
+  assert ("ValueError", "bad element 7") in expected
+  with _processes(build({"backend": "process"}), chunk=6) as it:
+    assert _outcomes(it) == expected
+  with _processes(build({"backend": "process"}), chunk=6) as it:
+    next(it), next(it)
+    with pytest.raises(ValueError, match="bad element 7") as info:
+      next(it)
+    assert "fails_on_seven" in str(info.value.__cause__)  # the worker's traceback
+
+
+def test_close_and_garbage_collection_leave_no_process_or_shared_memory():
+  dataset = Dataset.from_source(jaxfeed.ArraySource(
+      {"x": np.arange(300_000, dtype=np.int64)}))  # 2.4 MB: shared, not piped
+  dataset = dataset.map(plus_ten, backend="process").batch(64)
+  threads_before = threading.enumerate()
+  it = _processes(dataset)
+  first = next(it)
+  pids, names = it.pids(), it.shared_memory_names()
+  assert len(pids) == 2 and all(process_alive(p) for p in pids)
+  assert len(names) >= 2 and all(shared_memory_exists(n) for n in names)
+  op_testing.check_close(it, threads_before)
+  assert not any(process_alive(p) for p in pids)
+  assert not any(shared_memory_exists(n) for n in names)
+  # A batch handed out before close() stays valid (its memory is unlinked).
+  assert first["x"].tolist() == list(range(10, 74))
+
+  it = _processes(dataset)
+  next(it)
+  pids, names = it.pids(), it.shared_memory_names()
+  del it
+  gc.collect()
+  op_testing.wait_until(lambda: not any(process_alive(p) for p in pids))
+  assert not any(shared_memory_exists(n) for n in names)
+
+
+def test_batches_are_views_until_dropped_then_slots_are_reused():
+  dataset = Dataset.range(2000).map(plus_ten, backend="process").batch(10)
+  with _processes(dataset, chunk=10) as it:
+    held = [next(it) for _ in range(30)]  # all held: none overwritten
+    for _ in range(100):
+      next(it)  # dropped at once: slots come back
+    assert len(it.shared_memory_names()) <= 16
+    assert [b.tolist() for b in held] == [
+        list(range(10 + 10 * i, 20 + 10 * i)) for i in range(30)]
+    assert held[0].flags.writeable
+
+
+def test_killed_worker_gives_a_clear_error_not_a_hang():
+  dataset = Dataset.range(10_000).map(busy_python, backend="process").batch(4)
+  it = _processes(dataset, chunk=4)
+  next(it)
+  pids, names = it.pids(), it.shared_memory_names()
+  os.kill(pids[0], signal.SIGKILL)
+  with pytest.raises(WorkerProcessError, match=f"pid {pids[0]}.*died"):
+    for _ in range(10_000):
+      next(it)
+  with pytest.raises(WorkerProcessError):
+    next(it)  # stays failed
+  assert not any(process_alive(p) for p in pids)
+  assert not any(shared_memory_exists(n) for n in names)
+  it.close()
+
+
+def test_process_backend_rejects_functions_workers_cannot_import():
+  dataset = Dataset.range(5).map(lambda x: x, backend="process").batch(2)
+  with pytest.raises(ValueError, match="module level"):
+    dataset.make_iterator()
+
+
+@pytest.mark.parametrize("threads_use_cores, margin, picked", [
+    (0.0, 1.1, "thread"),      # threads already use the cores
+    (1e9, 0.0, "process"),     # processes win
+    (1e9, 1e9, "thread"),      # processes lose: back to threads
+])
+def test_autotune_switches_backends_without_changing_the_output(
+    monkeypatch, threads_use_cores, margin, picked):
+  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
+  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
+  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", threads_use_cores)
+  monkeypatch.setattr(process_batch, "PROCESS_MARGIN", margin)
+  monkeypatch.setattr(process_batch, "CHUNK_WORK_S", 0.0)  # small chunks
+  monkeypatch.setattr(process_batch, "MIN_BATCHES_LEFT", 1)
+  # Long enough for both trials after the chunks first in flight.
+  build = lambda npc: (_input("from_source", 300).filter(not_multiple_of_three)
+                       .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
+  with _threads(build(None)) as it:
+    expected, expected_seeds = elements_and_seeds(it)
+  with build(jaxfeed.AUTOTUNE).make_iterator() as it:
+    assert isinstance(_root(it), process_batch.ProcessBatchIterator)
+    ours, seeds = elements_and_seeds(it)
+    stats = _root(it).stats()
+  _assert_same_batches(ours, expected)
+  assert seeds == expected_seeds
+  assert stats["backend"] == picked, stats
+  assert "thread_batches_per_s" in stats and stats["reason"]
+  assert ("process_batches_per_s" in stats) == (threads_use_cores > 1)
+
+
+def test_copies_instead_of_views_when_asked():
+  dataset = Dataset.range(100).map(plus_ten, backend="process").batch(10)
+  with _processes(dataset, copy=True) as it:
+    batches = list(it)
+  assert all(b.flags.owndata and b.flags.writeable for b in batches)
+  assert [b.tolist() for b in batches] == [
+      list(range(10 + 10 * i, 20 + 10 * i)) for i in range(10)]
+
+
+def test_autotune_keeps_threads_when_little_input_is_left(monkeypatch):
+  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
+  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
+  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", 1e9)
+  dataset = Dataset.range(100).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE).batch(2)
+  with dataset.make_iterator() as it:
+    assert len(list(it)) == 50
+    assert _root(it).backend == "thread" and _root(it).pids() == []
+    assert "input elements left" in _root(it).stats()["reason"]
+
+
+def test_outputs_that_grow_get_slots_big_enough():
+  dataset = Dataset.range(800).map(wide_after_400, backend="process").batch(8)
+  with _processes(dataset, chunk=64) as it:
+    held = [next(it) for _ in range(40)]  # small: one slot per held chunk
+    del held  # ... all free now, and too small for what follows
+    last_column = [int(batch[-1, -1]) for batch in it]
+  assert last_column == list(range(327, 800, 8))
