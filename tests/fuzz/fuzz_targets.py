@@ -269,8 +269,16 @@ def _chunks_run(chunks: list[bytes]) -> None:
       wire.decode(done[0], MAX_FRAME_BYTES)
 
 
-def _socket_message(kind: int, body: bytes, round_index: int = 0) -> bytes:
-  return struct.pack("<BQq", kind, len(body), round_index) + body
+# The data socket's message prefix, spelled out here so the tests also pin
+# the wire format: kind, body length, round, sequence number.
+SOCKET_PREFIX = struct.Struct("<BQqq")
+
+
+def socket_message(kind: int, body: bytes, round_index: int = 0, seq: int = 0,
+                   length: int | None = None) -> bytes:
+  """One data socket message; `length` overrides the announced body length."""
+  return SOCKET_PREFIX.pack(kind, len(body) if length is None else length,
+                            round_index, seq) + body
 
 
 def _socket_corpus() -> list[bytes]:
@@ -278,10 +286,11 @@ def _socket_corpus() -> list[bytes]:
   for tree in _sample_trees()[:3]:
     frame = wire.encode(tree)
     streams.append(
-        _socket_message(data_socket.KIND_FRAME, frame, 1)
-        + _socket_message(data_socket.KIND_SPLIT_END, b"", 1)
-        + _socket_message(data_socket.KIND_FRAME, wire.encode(tree, "lz4"), 2)
-        + _socket_message(data_socket.KIND_END, b'{"rounds": 2}'))
+        socket_message(data_socket.KIND_FRAME, frame, 1, 0)
+        + socket_message(data_socket.KIND_KEEPALIVE, b"")
+        + socket_message(data_socket.KIND_SPLIT_END, b"", 1, 1)
+        + socket_message(data_socket.KIND_FRAME, wire.encode(tree, "lz4"), 2, 2)
+        + socket_message(data_socket.KIND_END, b'{"rounds": 2}'))
   return streams
 
 
@@ -315,6 +324,10 @@ class _StreamServer:
           conn.recv(length, socket.MSG_WAITALL)
           conn.sendall(stream)
           conn.shutdown(socket.SHUT_WR)
+          # Take the client's acks until it closes: closing with them unread
+          # would reset the connection before the client read the stream.
+          while conn.recv(65536):
+            pass
         except OSError:
           pass
 
@@ -324,12 +337,17 @@ class _StreamServer:
     conn = data_socket.DataConnection(self.address, {"task_id": 1}, timeout_s=10,
                                       max_frame_bytes=MAX_FRAME_BYTES)
     try:
+      received = 0
       while True:
-        item = conn.next_frame()
+        item = conn.next_item()
         if item is None:
           return
-        if item[0] is not None:
-          wire.decode(item[0], MAX_FRAME_BYTES)
+        kind, _, frame, _ = item
+        if frame is not None:
+          wire.decode(frame, MAX_FRAME_BYTES)
+        if kind != data_socket.KIND_KEEPALIVE:
+          received += 1
+          conn.ack(received)
     finally:
       conn.close()
 
@@ -344,7 +362,7 @@ def _mutate_stream(stream: bytes, rng: random.Random) -> bytes:
   if rng.random() < 0.3:  # a message whose length is absurd, with few bytes behind it
     kind = rng.choice((0, 1, 2, 3, 4, 255))
     length = rng.choice(_INTERESTING_INTS) & ((1 << 64) - 1)
-    return struct.pack("<BQq", kind, length, 0) + rng.randbytes(rng.choice((0, 16, 1000)))
+    return socket_message(kind, rng.randbytes(rng.choice((0, 16, 1000))), length=length)
   return mutate_bytes(stream, rng)
 
 

@@ -1,6 +1,9 @@
 """A worker that registers with a real dispatcher and answers every read with
 bytes the test chose: for checking what a client does with a hostile or
-broken worker."""
+broken worker. Around those bytes it speaks the current protocol: it takes
+acknowledgments (AckElements, 8-byte acks on the data socket) and keeps a held
+gRPC stream alive with keepalive chunks, so a client fails on what the worker
+sent, not on a missing method or a stall."""
 
 from __future__ import annotations
 
@@ -8,23 +11,26 @@ import socket
 import struct
 import threading
 
+from jaxfeed.service import delivery
 from jaxfeed.service import rpc
 from jaxfeed.service.protos import service_pb2 as pb
 
 
 class HostileWorker:
   """Heartbeats to `dispatcher_address` as a worker; GetElements streams
-  `grpc_messages` (raw ElementChunk bytes), and every data socket connection
-  gets `socket_bytes` after its hello and then is held open (so a client
-  waiting for more bytes than were announced would wait forever)."""
+  `grpc_messages` (raw ElementChunk bytes) and then only keepalives, and every
+  data socket connection gets `socket_bytes` after its hello and then is held
+  open, reading acks (so a client waiting for more bytes than were announced
+  would wait forever)."""
 
   def __init__(self, dispatcher_address: str, grpc_messages: list[bytes],
                socket_bytes: bytes):
     self._grpc_messages = grpc_messages
     self._socket_bytes = socket_bytes
     self._stop = threading.Event()
-    handler = rpc.method_handlers("jaxfeed.service.Worker", None, {
-        "GetElements": (self._get_elements, pb.GetElementsRequest, True)})
+    handler = rpc.method_handlers("jaxfeed.service.Worker", {}, {
+        "GetElements": (self._get_elements, pb.GetElementsRequest, True, (rpc.CLIENT,)),
+        "AckElements": (self._ack_elements, pb.AckElementsRequest, False, (rpc.CLIENT,))})
     self._server, port = rpc.make_server("127.0.0.1:0", handler, 64 << 20, None)
     self._server.start()
     self.address = f"127.0.0.1:{port}"
@@ -32,6 +38,7 @@ class HostileWorker:
     self._listener.settimeout(0.2)
     self.data_address = f"127.0.0.1:{self._listener.getsockname()[1]}"
     self._connections: list[socket.socket] = []
+    self._connection_threads: list[threading.Thread] = []
     self._channel = rpc.make_channel(dispatcher_address)
     self._heartbeat = rpc.Caller(self._channel, "/jaxfeed.service.Dispatcher/WorkerHeartbeat",
                                  pb.WorkerHeartbeatResponse, None)
@@ -55,7 +62,13 @@ class HostileWorker:
   def _get_elements(self, request, context):
     del request
     yield from self._grpc_messages
-    self._stop.wait()  # held open, like a stalled worker
+    keepalive = pb.ElementChunk(keepalive=True).SerializeToString()
+    while not self._stop.wait(delivery.KEEPALIVE_S) and context.is_active():
+      yield keepalive  # held open, like a worker whose pipeline is slow
+
+  def _ack_elements(self, request, context):
+    del request, context
+    return pb.AckElementsResponse()
 
   def _accept_loop(self) -> None:
     while not self._stop.is_set():
@@ -66,18 +79,30 @@ class HostileWorker:
       except OSError:
         return
       self._connections.append(conn)
-      try:
-        conn.settimeout(10)
-        (length,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
-        conn.recv(length, socket.MSG_WAITALL)
-        conn.sendall(self._socket_bytes)
-      except OSError:
-        pass
+      thread = threading.Thread(target=self._serve_connection, args=(conn,), daemon=True)
+      self._connection_threads.append(thread)
+      thread.start()
+
+  def _serve_connection(self, conn: socket.socket) -> None:
+    try:
+      conn.settimeout(10)
+      (length,) = struct.unpack("<I", conn.recv(4, socket.MSG_WAITALL))
+      conn.recv(length, socket.MSG_WAITALL)
+      conn.sendall(self._socket_bytes)
+      conn.settimeout(0.2)
+      while not self._stop.is_set():  # held open; acks are read and dropped
+        try:
+          if not conn.recv(4096):
+            return
+        except socket.timeout:
+          continue
+    except OSError:
+      pass
 
   def close(self) -> None:
     self._stop.set()
     self._listener.close()
-    for thread in self._threads:
+    for thread in self._threads + self._connection_threads:
       thread.join(timeout=10)
     for conn in self._connections:
       conn.close()

@@ -23,6 +23,7 @@ from typing import Callable
 import grpc
 
 import jaxfeed
+from jaxfeed.service import delivery
 from jaxfeed.service import spec
 from jaxfeed.service.protos import service_pb2 as pb
 
@@ -82,7 +83,8 @@ class ServerFuzzer:
       raise TimeoutError("The worker got no task of the fuzzer's job.")
     task_id = tasks[0].task_id
     self.hello = {"token": "", "task_id": task_id, "compression": "",
-                  "consumer_index": 0, "round": 0}
+                  "consumer_index": 0, "round": 0, "client_id": job.client_id,
+                  "received": 0, "window": delivery.DEFAULT_WINDOW}
     d = lambda method, *requests: ((self.dispatcher, _DISPATCHER + method),
                                    [r.SerializeToString() for r in requests])
     return dict([
@@ -101,7 +103,10 @@ class ServerFuzzer:
             finished_tasks=[2])),
         d("GetSplits", pb.GetSplitsRequest(job_id=job.job_id, task_id=task_id, max_ranges=2)),
         ((self.worker, _WORKER + "GetElements"), [pb.GetElementsRequest(
-            task_id=task_id, max_chunk_bytes=4096).SerializeToString()]),
+            task_id=task_id, max_chunk_bytes=4096, client_id=job.client_id,
+            window=delivery.DEFAULT_WINDOW).SerializeToString()]),
+        ((self.worker, _WORKER + "AckElements"), [pb.AckElementsRequest(
+            task_id=task_id, client_id=job.client_id, received=2).SerializeToString()]),
     ])
 
   # -- cases -----------------------------------------------------------------------
@@ -160,11 +165,12 @@ class ServerFuzzer:
         return "held open"
       except OSError:
         return "reset"
-    if address == self.worker_data and len(first) >= 17:
-      kind, length, _ = struct.unpack_from("<BQq", first)
+    prefix = fuzz_targets.SOCKET_PREFIX
+    if address == self.worker_data and len(first) >= prefix.size:
+      kind, length, _, _ = prefix.unpack_from(first)
       if kind == 2:
         try:
-          error = json.loads(first[17:17 + length])
+          error = json.loads(first[prefix.size:prefix.size + length])
         except ValueError:
           return "error (unreadable)"
         if error.get("status") == "INTERNAL":  # a bug: say which

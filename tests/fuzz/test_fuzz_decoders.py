@@ -198,11 +198,17 @@ JOB = {"kind": "job", "id": 2, "dataset_id": "1", "policy": "OFF", "job_name": "
     ({"kind": "client", "id": 5}, "lacks its field 'job_id'"),
     ({**DATASET, "id": "2", "dataset_id": "2", "def": "!!not base64"}, "malformed field 'def'"),
     ({**DATASET, "id": [2]}, "want an integer"),
-    (["kind", "job"], "not a JSON object"),
 ])
 def test_a_malformed_journal_record_stops_the_replay_naming_it(tmp_path, bad, message):
-  with pytest.raises(journal_records.JournalRecordError, match=message):
+  with pytest.raises(ValueError, match=f"corrupt at line 3.*{message}") as raised:
     replay(tmp_path, [DATASET, JOB, bad, {"kind": "job_deleted", "job_id": 2}])
+  assert isinstance(raised.value.__cause__, journal_records.JournalRecordError)
+
+
+def test_a_journal_batch_holding_a_non_record_stops_the_replay_naming_it(tmp_path):
+  # A line is a batch (a JSON list of records); a list inside it is no record.
+  with pytest.raises(ValueError, match="corrupt at line 3: expected a record"):
+    replay(tmp_path, [DATASET, JOB, [["kind", "job"]], {"kind": "job_deleted", "job_id": 2}])
 
 
 def test_a_too_deeply_nested_journal_line_is_reported_as_corrupt(tmp_path):

@@ -18,6 +18,7 @@ from jaxfeed.service import element_chunks
 from jaxfeed.service import spec
 from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2 as pb
+import fuzz_targets
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -146,14 +147,14 @@ class _OneShotServer:
 @hypothesis.given(st.lists(st.tuples(st.integers(0, 255), st.integers(0, (1 << 64) - 1),
                                      st.binary(max_size=40)), max_size=3))
 def test_generated_data_socket_streams_get_connection_or_wire_errors(messages):
-  reply = b"".join(struct.pack("<BQq", kind, length, 0) + body
+  reply = b"".join(fuzz_targets.socket_message(kind, body, length=length)
                    for kind, length, body in messages)
   server = _OneShotServer(reply)
   try:
     conn = data_socket.DataConnection(server.address, {"task_id": 1},
                                       max_frame_bytes=1 << 20)
     try:
-      while conn.next_frame() is not None:
+      while conn.next_item() is not None:
         pass
     except (wire.WireFormatError, data_socket.DataConnectionError):
       pass

@@ -15,6 +15,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed.service.protos import service_pb2 as pb
+from fuzz_targets import SOCKET_PREFIX
 from server_fuzz import ServerFuzzer
 from service_cluster import ServiceProcess
 
@@ -94,6 +95,7 @@ def test_a_hello_nested_too_deeply_gets_invalid_argument(servers):
     reply = b""
     while chunk := conn.recv(4096):
       reply += chunk
-  kind, length, _ = struct.unpack_from("<BQq", reply)
+  kind, length, _, _ = SOCKET_PREFIX.unpack_from(reply)
   assert kind == 2
-  assert json.loads(reply[17:17 + length])["status"] == "INVALID_ARGUMENT"
+  assert json.loads(reply[SOCKET_PREFIX.size:SOCKET_PREFIX.size + length])["status"] == (
+      "INVALID_ARGUMENT")

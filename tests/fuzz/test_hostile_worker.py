@@ -16,6 +16,7 @@ import zstandard
 import jaxfeed
 from jaxfeed.service import element_chunks
 from jaxfeed.service import wire
+from fuzz_targets import socket_message as socket_message_of
 from hostile_worker import HostileWorker
 from service_cluster import ServiceProcess
 
@@ -42,7 +43,7 @@ def read_from(dispatcher, **options) -> None:
 def test_a_frame_longer_than_max_frame_bytes_fails_the_read_before_allocating(
     dispatcher, data_transfer):
   chunk = element_chunks.encode([b"JFB1" + bytes(60)], frame_bytes=ABSURD)
-  socket_message = struct.pack("<BQq", 0, ABSURD, 0) + bytes(64)
+  socket_message = socket_message_of(0, bytes(64), length=ABSURD)
   with HostileWorker(dispatcher.address, [chunk], socket_message):
     started = time.monotonic()
     with pytest.raises(wire.WireFormatError, match=f"{ABSURD}.*max_frame_bytes"):
@@ -54,7 +55,7 @@ def test_a_frame_longer_than_max_frame_bytes_fails_the_read_before_allocating(
 def test_a_frame_over_a_configured_max_frame_bytes_fails_the_read(dispatcher, data_transfer):
   frame = wire.encode({"x": np.zeros(4096)})
   chunk = element_chunks.encode([frame], frame_bytes=len(frame))
-  socket_message = struct.pack("<BQq", 0, len(frame), 0) + frame
+  socket_message = socket_message_of(0, frame)
   with HostileWorker(dispatcher.address, [chunk], socket_message):
     with pytest.raises(wire.WireFormatError, match="max_frame_bytes"):
       read_from(dispatcher, data_transfer=data_transfer, max_frame_bytes=16 << 10)
@@ -76,7 +77,7 @@ def test_a_zstd_bomb_is_not_decompressed_past_the_declared_size(dispatcher):
   header = json.dumps({"structure": None, "paths": [""], "leaves": [["<f8", [1], 0, 8]],
                        "payload_bytes": 8, "compression": "zstd"}).encode()
   frame = wire.MAGIC + struct.pack("<I", len(header)) + header + zstd_bomb(1 << 30)
-  socket_message = struct.pack("<BQq", 0, len(frame), 0) + frame
+  socket_message = socket_message_of(0, frame)
   with HostileWorker(dispatcher.address, [], socket_message):
     before = peak_rss_mb()
     with pytest.raises(wire.WireFormatError, match="more than 8 bytes"):
