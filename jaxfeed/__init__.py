@@ -62,14 +62,17 @@ _EXPORTS = {
     "compute_lengths": "jaxfeed.coord",
 }
 
-__all__ = sorted(_EXPORTS) + ["sources", "ops", "service", "device", "coord",
-                              "text"]
+# Submodules reachable as attributes (`jaxfeed.example.parse_example`).
+_SUBMODULES = ("sources", "ops", "service", "device", "coord", "sampler", "text",
+               "example", "image")
+
+__all__ = sorted(_EXPORTS) + [m for m in _SUBMODULES if m != "sampler"]
 
 
 def __getattr__(name: str) -> Any:
   module = _EXPORTS.get(name)
   if module is None:
-    if name in ("sources", "ops", "service", "device", "coord", "sampler", "text"):
+    if name in _SUBMODULES:
       return importlib.import_module(f"jaxfeed.{name}")
     raise AttributeError(f"module 'jaxfeed' has no attribute {name!r}")
   value = getattr(importlib.import_module(module), name)

@@ -20,6 +20,15 @@ def test_every_public_name_and_dataset_method_has_a_docstring():
   assert not undocumented, undocumented
 
 
+def test_every_listed_submodule_is_reachable_as_an_attribute():
+  import types
+  for name in jaxfeed.__all__:
+    value = getattr(jaxfeed, name)
+    if isinstance(value, types.ModuleType):
+      assert inspect.getdoc(value), name
+  assert jaxfeed.example.parse_example and jaxfeed.image.decode_jpeg
+
+
 def test_dataset_docstrings_say_what_users_ask_about():
   assert "drop_remainder" in inspect.getdoc(jaxfeed.Dataset.batch)
   map_doc = inspect.getdoc(jaxfeed.Dataset.map)
