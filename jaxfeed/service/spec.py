@@ -230,7 +230,7 @@ def graph_paths(dataset_def: service_pb2.DatasetDef) -> list[tuple[str, bool]]:
   """Every import path in a spec's graph, with whether it names a class."""
   try:
     graph = json.loads(dataset_def.graph_json)
-  except ValueError as e:
+  except (ValueError, RecursionError) as e:  # too deep a nesting recurses too far
     raise SpecError(f"Pipeline spec is not valid JSON: {e}") from e
   found: list[tuple[str, bool]] = []
   pending = [graph]

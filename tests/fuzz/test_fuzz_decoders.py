@@ -222,3 +222,20 @@ def test_a_well_formed_journal_still_replays(tmp_path):
     assert state.jobs[2].next_position == 4 and "1" in state.datasets
   finally:
     state.close()
+
+
+def test_the_dispatcher_refuses_a_spec_nested_too_deeply_with_a_spec_error(tmp_path):
+  # Found by the server soak: the allowlist walk parsed the graph JSON with a
+  # RecursionError escaping, which the dispatcher answered as INTERNAL.
+  from jaxfeed.service import dispatcher as dispatcher_lib
+  from jaxfeed.service import spec as spec_lib
+  from jaxfeed.service.protos import service_pb2 as pb
+  nested = pb.DatasetDef(graph_json=("[" * 100_000 + "]" * 100_000).encode())
+  with pytest.raises(spec_lib.SpecError, match="not valid JSON"):
+    spec_lib.check_spec_paths(nested, ())
+  state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
+  try:
+    with pytest.raises(spec_lib.SpecError):
+      state.register_dataset(nested)
+  finally:
+    state.close()
