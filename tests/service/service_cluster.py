@@ -25,16 +25,23 @@ def free_port() -> int:
 class ServiceProcess:
   """A `python -m jaxfeed.service.<role>` child process; kill() or stop() ends it."""
 
-  def __init__(self, role: str, *flags: str, wait_ready: bool = True):
+  def __init__(self, role: str, *flags: str, wait_ready: bool = True,
+               log_path: str | os.PathLike | None = None):
     env = dict(os.environ)
     # Workers import the tests' UDFs (service_udfs) by module path.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])
     env["GRPC_VERBOSITY"] = "ERROR"
     env.setdefault("JAX_PLATFORMS", "cpu")
-    self.proc = subprocess.Popen(
-        [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    # log_path: the process's stderr (its logging) is appended there.
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # pylint: disable=consider-using-with
+    try:
+      self.proc = subprocess.Popen(
+          [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
+          stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+    finally:
+      if log_path:
+        log.close()
     self._lines: queue.Queue = queue.Queue()
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -46,6 +53,7 @@ class ServiceProcess:
   def _read(self) -> None:
     for line in self.proc.stdout:
       self._lines.put(line)
+    self._lines.put(None)  # exited
 
   def wait_ready(self) -> "ServiceProcess":
     try:
@@ -53,6 +61,10 @@ class ServiceProcess:
     except queue.Empty:
       self.kill()
       raise TimeoutError(f"{self.proc.args} did not report its address.") from None
+    if line is None:
+      code = self.proc.wait(timeout=30)
+      raise RuntimeError(f"{self.proc.args} exited with status {code} before "
+                         "reporting its address.")
     words = line.split()
     self.address = words[words.index("on") + 1]
     if "data" in words:
@@ -66,8 +78,18 @@ class ServiceProcess:
     self.proc.wait(timeout=30)
     self._reader.join(timeout=5)
 
+  def pause(self) -> None:
+    """SIGSTOP: the process and its sockets stay, nothing runs."""
+    self.proc.send_signal(signal.SIGSTOP)
+
+  def resume(self) -> None:
+    """SIGCONT after pause()."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGCONT)
+
   def stop(self) -> None:
     if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGCONT)  # a paused process cannot end
       self.proc.terminate()
       try:
         self.proc.wait(timeout=10)
