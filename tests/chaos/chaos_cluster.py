@@ -109,7 +109,7 @@ class ChaosCluster:
     self.work_dir = pathlib.Path(work_dir)
     self.work_dir.mkdir(parents=True, exist_ok=True)
     self.journal_path = self.work_dir / "journal.jsonl"
-    self.log_path = self.work_dir / "servers.log"
+    self.log_path = self.work_dir / "dispatcher.log"
     self.dispatcher_port = free_port()
     self._dispatcher_flags = (f"--port={self.dispatcher_port}", f"--work_dir={self.work_dir}",
                               f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
@@ -120,7 +120,7 @@ class ChaosCluster:
     self.proxied_workers = proxied_workers
     self._worker_flags = (f"--buffer_size={worker_buffer_size}",)
     self.workers = [ChaosWorker(slot, self.address, proxied_workers, self._worker_flags,
-                                self.log_path) for slot in range(num_workers)]
+                                self._worker_log(slot)) for slot in range(num_workers)]
     if start:
       try:
         self.start_dispatcher()
@@ -165,17 +165,24 @@ class ChaosCluster:
       self.dispatcher_proxy.cut()
 
   def add_worker(self) -> ChaosWorker:
-    worker = ChaosWorker(len(self.workers), self.address, self.proxied_workers,
-                         self._worker_flags, self.log_path)
+    slot = len(self.workers)
+    worker = ChaosWorker(slot, self.address, self.proxied_workers, self._worker_flags,
+                         self._worker_log(slot))
     self.workers.append(worker)
     worker.start()
     return worker
 
-  def log_tail(self, lines: int = 30) -> str:
-    """The servers' last log lines, for a failure message."""
-    if not self.log_path.exists():
-      return ""
-    return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+  def _worker_log(self, slot: int) -> pathlib.Path:
+    return self.work_dir / f"worker{slot}.log"
+
+  def log_tail(self, lines: int = 12) -> str:
+    """Each server's last log lines, for a failure message."""
+    parts = []
+    for path in [self.log_path] + [self._worker_log(w.slot) for w in self.workers]:
+      if path.exists():
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"-- {path.name}:\n" + "\n".join(tail))
+    return "\n".join(parts)
 
   def close(self) -> None:
     for worker in self.workers:

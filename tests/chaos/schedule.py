@@ -41,10 +41,10 @@ FAULT_KINDS = ("worker_kill", "worker_restart", "worker_stop", "worker_cut",
                "worker_stall", "dispatcher_restart", "dispatcher_torn_restart",
                "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart")
 SPLITS_PER_REQUEST = 2  # WorkerConfig's default: split ranges a worker holds
-BASE_DEADLINE_S = 60.0
+BASE_DEADLINE_S = 90.0
 # A read that hands on no batch this long, beyond the fault being injected,
 # hangs: a dead worker is noticed in HEARTBEAT_TIMEOUT_S.
-NO_PROGRESS_S = 40.0
+NO_PROGRESS_S = 45.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,20 +289,24 @@ class ReadResult:
 
 def read_until_end(iterator: Any, deadline_s: float, no_progress_s: float = NO_PROGRESS_S,
                    on_batch: Callable[[int], None] | None = None,
-                   delay_s: float = 0.0) -> ReadResult:
-  """Reads `iterator` to its end on a thread, counting the values of "x".
+                   delay_s: float = 0.0, max_batches: int | None = None) -> ReadResult:
+  """Reads `iterator` to its end (or `max_batches`) on a thread, counting the
+  values of "x".
 
   A read hangs if it has not ended `deadline_s` after the start, or handed on
-  no batch for `no_progress_s`; it is then closed (which ends its `next()`).
-  `on_batch(n)` is called after the n-th batch; `delay_s` is the consumer's
-  time per batch.
+  no batch for `no_progress_s`; it is then closed (which ends its `next()`),
+  as it is at its end. `on_batch(n)` is called after the n-th batch;
+  `delay_s` is the consumer's time per batch.
   """
   counts: collections.Counter = collections.Counter()
   state = {"batches": 0, "error": None}
 
   def consume() -> None:
     try:
-      for batch in iterator:
+      while max_batches is None or state["batches"] < max_batches:
+        batch = next(iterator, None)
+        if batch is None:
+          return
         counts.update(np.asarray(batch["x"]).reshape(-1).tolist())
         state["batches"] += 1
         if on_batch is not None:
@@ -325,7 +329,8 @@ def read_until_end(iterator: Any, deadline_s: float, no_progress_s: float = NO_P
       hang = True
       break
     consumer.join(timeout=0.2)
-  iterator.close()  # ends a hung read: its next() sees the stop
+  if hang or max_batches is None:
+    iterator.close()  # ends a hung read: its next() sees the stop
   consumer.join(timeout=60)
   return ReadResult(counts, state["batches"], None if hang else state["error"], hang)
 
@@ -337,7 +342,7 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
                     proxied_workers=schedule.proxied_workers,
                     split_size=schedule.split_size,
                     worker_buffer_size=schedule.worker_buffer_size) as cluster:
-    iterator = distribute(schedule, cluster, timeout_s=30.0).make_iterator()
+    iterator = distribute(schedule, cluster, timeout_s=60.0).make_iterator()
     injector = _Injector(schedule, cluster)
     longest = max((f.duration_s for f in schedule.faults), default=0.0)
     result = read_until_end(iterator, schedule.deadline_s, NO_PROGRESS_S + longest,

@@ -43,25 +43,28 @@ def read(cluster, mode: str, dataset=None, **options):
   """The iterator of a read of `dataset` (EPOCH records) in `mode`."""
   policy, visitation = MODES[mode]
   dataset = dataset if dataset is not None else records(EPOCH, BATCH)
-  options = {"max_outstanding_requests": 4, "timeout_s": 30.0, **options}
+  options = {"max_outstanding_requests": 4, "timeout_s": 60.0, **options}
   return dataset.distribute(cluster.address, policy, visitation=visitation,
                             **options).make_iterator()
 
 
-def take(iterator, num_batches: int) -> collections.Counter:
-  counts: collections.Counter = collections.Counter()
-  for _ in range(num_batches):
-    counts.update(next(iterator)["x"].tolist())
-  return counts
-
-
-def finish(iterator, deadline_s: float = DEADLINE_S) -> collections.Counter:
-  """The rest of the read; fails the test if it hangs or fails."""
-  result = read_until_end(iterator, deadline_s)
+def _checked(result) -> collections.Counter:
   assert not result.hang, f"the read hung after {sum(result.counts.values())} elements"
   if result.error is not None:
     raise result.error
   return result.counts
+
+
+def take(iterator, num_batches: int) -> collections.Counter:
+  """The next num_batches batches; fails the test if the read hangs, fails or ends."""
+  result = read_until_end(iterator, DEADLINE_S, max_batches=num_batches)
+  assert result.batches == num_batches, f"the read ended after {result.batches} batches"
+  return _checked(result)
+
+
+def finish(iterator, deadline_s: float = DEADLINE_S) -> collections.Counter:
+  """The rest of the read; fails the test if it hangs or fails."""
+  return _checked(read_until_end(iterator, deadline_s))
 
 
 def assert_at_most_once(counts: collections.Counter, killed: int) -> None:
@@ -115,7 +118,7 @@ def test_dispatcher_restart_before_reading(chaos, mode):
   dataset_id = register_dataset(cluster.address, records(EPOCH, BATCH))
   cluster.restart_dispatcher()
   dataset = from_dataset_id(policy, cluster.address, dataset_id,
-                                            visitation=visitation, timeout_s=30.0)
+                                            visitation=visitation, timeout_s=60.0)
   assert finish(dataset.make_iterator()) == epoch()
 
 
@@ -135,7 +138,7 @@ def test_dispatcher_restart_during_reading(chaos, mode):
 @pytest.mark.parametrize("mode", list(DISTRIBUTED))
 def test_dispatcher_restart_during_distributed_epoch_repeatedly(chaos, mode):
   cluster = chaos(1)
-  iterator = read(cluster, mode, records(EPOCH, BATCH).repeat(3))
+  iterator = read(cluster, mode, records(3 * EPOCH, BATCH))
   counts: collections.Counter = collections.Counter()
   taken = 0
   for breakpoint_ in (10, 50, 100, 125):  # batches, of 150
@@ -143,13 +146,13 @@ def test_dispatcher_restart_during_distributed_epoch_repeatedly(chaos, mode):
     taken = breakpoint_
     cluster.restart_dispatcher()
   counts.update(finish(iterator))
-  assert counts == epoch(3)
+  assert counts == collections.Counter(range(1, 3 * EPOCH + 1))
 
 
 def test_dispatcher_restart_between_iterations(chaos):
   cluster = chaos(1)
   dataset = records(EPOCH, BATCH).distribute(cluster.address, "parallel_epochs",
-                                             timeout_s=30.0)
+                                             timeout_s=60.0)
   assert finish(dataset.make_iterator()) == epoch()
   cluster.restart_dispatcher()
   assert finish(dataset.make_iterator()) == epoch()
@@ -162,7 +165,7 @@ def test_dispatcher_many_restarts(chaos):
     dataset = records(size, 2, slow_map=False)
     dataset_id = register_dataset(cluster.address, dataset)
     datasets[size] = from_dataset_id(
-        "parallel_epochs", cluster.address, dataset_id, timeout_s=30.0)
+        "parallel_epochs", cluster.address, dataset_id, timeout_s=60.0)
     cluster.restart_dispatcher()
   for size, dataset in datasets.items():
     got = finish(dataset.make_iterator())
@@ -173,7 +176,7 @@ def test_dispatcher_and_worker_restart(chaos):
   cluster = chaos(1)
   dataset_id = register_dataset(cluster.address, records(EPOCH, BATCH))
   dataset = from_dataset_id("parallel_epochs", cluster.address,
-                                            dataset_id, timeout_s=30.0)
+                                            dataset_id, timeout_s=60.0)
   for _ in range(2):
     cluster.restart_dispatcher()
     cluster.workers[0].kill()
