@@ -18,7 +18,7 @@ from schedule import FAULT_KINDS, MODES, Fault, Schedule, draw, run
 
 pytestmark = pytest.mark.timeout(400)
 
-CI_SEEDS = (3, 4, 12, 13, 14, 16, 17, 21, 24, 33)
+CI_SEEDS = (4, 12, 13, 14, 16, 17, 33)
 
 
 def _assert_ok(record) -> None:
