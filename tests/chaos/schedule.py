@@ -34,13 +34,14 @@ import numpy as np
 
 import jaxfeed
 import service_udfs
+from jaxfeed.service import WorkerConfig
 from chaos_cluster import HEARTBEAT_TIMEOUT_S, ChaosCluster
 
 MODES = ("parallel_epochs", "at_most_once", "exactly_once")
 FAULT_KINDS = ("worker_kill", "worker_restart", "worker_stop", "worker_cut",
                "worker_stall", "dispatcher_restart", "dispatcher_torn_restart",
                "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart")
-SPLITS_PER_REQUEST = 2  # WorkerConfig's default: split ranges a worker holds
+SPLITS_PER_REQUEST = WorkerConfig.splits_per_request  # split ranges a worker holds
 BASE_DEADLINE_S = 90.0
 # A read that hands on no batch this long, beyond the fault being injected,
 # hangs: a dead worker is noticed in HEARTBEAT_TIMEOUT_S.
