@@ -628,8 +628,11 @@ class DispatcherState:
     def tasks():
       for t in job.tasks.values():
         worker = self.workers.get(t.worker_address)
-        yield (t.task_id, worker.data_address if worker else "", worker is not None,
-               t.finished)
+        # A worker of the journal that has not registered again since a
+        # restart is not dead yet: a client that stopped reading its task
+        # would never read it again.
+        live = worker is not None or t.worker_address in self._awaited
+        yield (t.task_id, worker.data_address if worker else "", live, t.finished)
     return self._task_lists.get(
         job.job_id, tasks, lambda task_id: self._task_info(job.tasks[task_id], for_client=True))
 
