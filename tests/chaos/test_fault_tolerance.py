@@ -21,6 +21,7 @@ import pytest
 
 from jaxfeed.service import ServiceError, from_dataset_id, register_dataset
 from schedule import SPLITS_PER_REQUEST, read_until_end, records
+from tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -250,3 +251,22 @@ def test_remove_more_workers_than_max_outstanding_requests(chaos):
     worker.kill()
   counts.update(finish(iterator))
   assert all(1 <= counts[v] <= 3 for v in epoch()), counts
+
+
+@pytest.mark.parametrize("mode", list(DISTRIBUTED))
+def test_a_client_cut_off_from_the_dispatcher_longer_than_a_heartbeat_deadline(chaos, mode):
+  # The client's path to the dispatcher hangs for longer than its heartbeat's
+  # deadline (10 s) but less than the read's timeout_s: the heartbeat times
+  # out rather than failing fast, and the read goes on once the path is back.
+  cluster = chaos(1)
+  with TcpProxy(cluster.address) as client_path:
+    policy, visitation = MODES[mode]
+    iterator = records(EPOCH, BATCH).distribute(
+        client_path.address, policy, visitation=visitation, max_outstanding_requests=4,
+        timeout_s=60.0).make_iterator()
+    counts = take(iterator, 5)
+    client_path.stall()
+    time.sleep(13.0)
+    client_path.resume()
+    counts.update(finish(iterator))
+  assert counts == epoch()
