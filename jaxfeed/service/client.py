@@ -578,7 +578,10 @@ class _ReadState:
           with self.lock:
             del self.acks[:len(acks)]
         except grpc.RpcError as e:
-          if e.code() == grpc.StatusCode.UNAVAILABLE and (
+          # A heartbeat sent while the dispatcher restarts or its connection
+          # was just cut may time out rather than fail fast: both are an
+          # outage, retried until the read's timeout.
+          if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
               time.monotonic() - last_ok < node.timeout_s):
             self.stop.wait(0.2)
             continue

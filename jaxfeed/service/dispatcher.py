@@ -199,6 +199,9 @@ class _Job:
   # Exactly-once: the client a worker is sending each unacknowledged split
   # to (start -> client id); a released client's splits are issued again.
   holders: dict[int, int] = dataclasses.field(default_factory=dict)
+  # Task id -> (request_seq, ranges) of its last GetSplits that handed out
+  # ranges: a request repeated after a lost reply gets the same ones.
+  last_splits: dict[int, tuple[int, list]] = dataclasses.field(default_factory=dict)
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
@@ -226,6 +229,7 @@ class _Worker:
   data_address: str
   last_heartbeat: float
   tasks: set[int] = dataclasses.field(default_factory=set)
+  incarnation: str = ""  # of the worker's process ("": it sends none)
 
 
 class _WorkerTable(dict):
@@ -374,6 +378,7 @@ class DispatcherState:
     elif kind == "task_lost":
       job = self.jobs[r["job_id"]]
       job.tasks.pop(r["task_id"], None)
+      job.last_splits.pop(r["task_id"], None)
       for start, (_, task_id) in list(job.unacked.items()):
         if task_id == r["task_id"]:  # its elements may never have arrived
           job.return_split(start)
@@ -403,9 +408,16 @@ class DispatcherState:
       if job is not None and self.job_by_name.get(job.job_name) == job.job_id:
         del self.job_by_name[job.job_name]
     elif kind == "splits":
-      self.jobs[r["job_id"]].next_position = r["next_position"]
+      job = self.jobs[r["job_id"]]
+      job.next_position = r["next_position"]
+      if "request_seq" in r:
+        job.last_splits[r["task_id"]] = (r["request_seq"], r["ranges"])
+    elif kind == "splits_reply":  # from a compacted journal
+      self.jobs[r["job_id"]].last_splits[r["task_id"]] = (r["request_seq"], r["ranges"])
     elif kind == "splits_issued":
       job = self.jobs[r["job_id"]]
+      if "request_seq" in r:
+        job.last_splits[r["task_id"]] = (r["request_seq"], r["ranges"])
       for start, stop in r["ranges"]:
         job.reissue.pop(start, None)
         job.holders.pop(start, None)
@@ -622,8 +634,11 @@ class DispatcherState:
     def tasks():
       for t in job.tasks.values():
         worker = self.workers.get(t.worker_address)
-        yield (t.task_id, worker.data_address if worker else "", worker is not None,
-               t.finished)
+        # A worker of the journal that has not registered again since a
+        # restart is not dead yet: a client that stopped reading its task
+        # would never read it again.
+        live = worker is not None or t.worker_address in self._awaited
+        yield (t.task_id, worker.data_address if worker else "", live, t.finished)
     return self._task_lists.get(
         job.job_id, tasks, lambda task_id: self._task_info(job.tasks[task_id], for_client=True))
 
@@ -669,11 +684,25 @@ class DispatcherState:
           self._lose_tasks_of(address)
         return pb.WorkerHeartbeatResponse()
       worker = self.workers.get(address)
+      if (worker is not None and request.incarnation and worker.incarnation
+          and request.incarnation != worker.incarnation):
+        # Restarted on the same address before its heartbeats timed out: the
+        # new process has none of the old one's tasks or streams.
+        logging.warning("Worker %s restarted: its tasks are lost.", address)
+        del self.workers[address]
+        self._lose_tasks_of(address)
+        worker = None
       if worker is None:
         logging.info("Worker %s registered.", address)
         self._awaited.pop(address, None)
-        worker = _Worker(address, request.data_address, time.monotonic())
+        worker = _Worker(address, request.data_address, time.monotonic(),
+                         incarnation=request.incarnation)
         self.workers[address] = worker
+        if request.incarnation:
+          # Tasks journaled before a restart that the process does not run:
+          # it restarted too (or never got them).
+          self._lose_tasks_of(address, keep=set(request.current_tasks)
+                              | set(request.finished_tasks))
         for job in self.jobs.values():  # tasks journaled before a restart
           worker.tasks.update(t.task_id for t in job.tasks.values()
                               if t.worker_address == address)
@@ -712,6 +741,12 @@ class DispatcherState:
                          "DYNAMIC jobs hand out splits.")
       if request.task_id not in job.tasks:
         raise rpc.NotFoundError(f"Task {request.task_id} is not part of job {job.job_id}.")
+      last = job.last_splits.get(request.task_id)
+      if request.request_seq and last is not None and last[0] == request.request_seq:
+        # The worker did not get the reply: the same ranges, still its own
+        # (they are acknowledged or reissued only after it had them).
+        return pb.GetSplitsResponse(ranges=[pb.SplitRange(start=a, stop=b)
+                                            for a, b in last[1]])
       wanted = max(1, min(request.max_ranges, 64))
       ranges = [pb.SplitRange(start=start, stop=stop)
                 for start, stop in sorted(job.reissue.items())[:wanted]]
@@ -726,14 +761,16 @@ class DispatcherState:
           stop = min(stop, job.num_positions)
         ranges.append(pb.SplitRange(start=start, stop=stop))
         start = stop
+      issued = {"task_id": request.task_id, "ranges": [[r.start, r.stop] for r in ranges]}
+      if request.request_seq:
+        issued["request_seq"] = request.request_seq
       if start != job.next_position:
-        self._record({"kind": "splits", "job_id": job.job_id, "next_position": start})
+        self._record({"kind": "splits", "job_id": job.job_id, "next_position": start,
+                      **({} if job.exactly_once else issued)})
       if not job.exactly_once:
         return pb.GetSplitsResponse(ranges=ranges, end_of_splits=job.splits_exhausted)
       if ranges:
-        self._record({"kind": "splits_issued", "job_id": job.job_id,
-                      "task_id": request.task_id,
-                      "ranges": [[r.start, r.stop] for r in ranges]})
+        self._record({"kind": "splits_issued", "job_id": job.job_id, **issued})
       # The end only once every split arrived: until then a lost worker's
       # splits may come back to this task.
       return pb.GetSplitsResponse(ranges=ranges,
@@ -783,10 +820,12 @@ class DispatcherState:
         if task is not None and not task.finished:
           self._record({"kind": "task_finished", "job_id": job.job_id, "task_id": task_id})
 
-  def _lose_tasks_of(self, address: str) -> None:
+  def _lose_tasks_of(self, address: str, keep: set[int] = frozenset()) -> None:
+    """Records as lost the unfinished tasks on `address`, but those in `keep`."""
     for job in self.jobs.values():
       for task in list(job.tasks.values()):
-        if task.worker_address == address and not task.finished:
+        if (task.worker_address == address and not task.finished
+            and task.task_id not in keep):
           self._record({"kind": "task_lost", "job_id": job.job_id, "task_id": task.task_id})
 
   def sample_clients(self) -> autoscale_lib.Sample | None:

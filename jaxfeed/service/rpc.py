@@ -232,12 +232,22 @@ def metadata_token(metadata: Any) -> str | None:
   return None
 
 
+# The first and the longest wait before a channel reconnects, in milliseconds.
+RECONNECT_BACKOFF_MS = (200, 2000)
+
+
 def channel_options(max_message_bytes: int, max_receive_bytes: int | None = None
                     ) -> list[tuple[str, Any]]:
   return [("grpc.max_send_message_length", max_message_bytes),
           ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
           ("grpc.max_metadata_size", MAX_METADATA_BYTES),
-          ("grpc.so_reuseport", 0)]
+          ("grpc.so_reuseport", 0),
+          # gRPC's default reconnect backoff grows to 120 s: a dispatcher or
+          # worker that is back after a few seconds would go unnoticed for
+          # minutes.
+          ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+          ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+          ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
 
 
 _STATUS_BY_ERROR = (

@@ -76,6 +76,9 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
     for task_id, ranges in by_task.items():
       records.append({"kind": "splits_issued", "job_id": job.job_id,
                       "task_id": task_id, "ranges": ranges})
+    for task_id, (request_seq, ranges) in job.last_splits.items():
+      records.append({"kind": "splits_reply", "job_id": job.job_id, "task_id": task_id,
+                      "request_seq": request_seq, "ranges": ranges})
     if job.reissue:
       records.append({"kind": "splits_lost", "job_id": job.job_id,
                       "ranges": [[start, stop] for start, stop in job.reissue.items()]})

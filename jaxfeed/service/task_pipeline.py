@@ -96,10 +96,29 @@ def pipeline_node(dataset: Any, what: str,
   """
   node = base.to_node(dataset, what, "dataset")
   if policy == ShardingPolicy.DYNAMIC:
-    index_ranges.split_input(node)
+    _check_no_repeat_after(index_ranges.split_input(node), node)
   # A node carries no options (a WithOptionsNode already holds its own).
   options = None if dataset is node else getattr(dataset, "options", None)
   return node if options is None else WithOptionsNode(node, options)
+
+
+def _check_no_repeat_after(split: base.Node, node: base.Node) -> None:
+  """Refuses a repeat between the split input and the pipeline's end: its
+  second pass would find every split already handed out, so the read would
+  silently end after one pass."""
+  if node is split:
+    return
+  count = getattr(node, "count", 1) if node.op_name == "repeat" else 1
+  if count != 1:
+    times = "forever" if count < 0 else f"{count} times"
+    raise ValueError(
+        f"distribute(processing_mode='distributed_epoch') cannot read a "
+        f"pipeline that repeats its split input (repeat {times}): each split "
+        "of the input is handed out once per job, so only one pass would be "
+        "read. Apply .repeat() to the distributed dataset instead, or use "
+        "processing_mode='parallel_epochs'.")
+  for parent in node.parents:
+    _check_no_repeat_after(split, parent)
 
 
 def unwrap_options(node: base.Node) -> tuple[base.Node, Options | None]:

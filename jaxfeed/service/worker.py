@@ -10,10 +10,12 @@ Workers keep no durable state: a restarted worker registers like a new one.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
@@ -147,6 +149,11 @@ class _Worker:
     self.streams = delivery.Registry()  # what each client of a task gets
     self._held: list[tuple[int, int, list[int]]] = []  # not yet reported
     self.served = metrics_lib.ServedCounts()  # for --metrics_port
+    # Told to the dispatcher with every heartbeat: a process restarted on this
+    # address has a new one, so its predecessor's tasks count as lost.
+    self.incarnation = secrets.token_hex(8)
+    # Task id -> the number of its next GetSplits request (see GetSplitsRequest).
+    self._split_requests: dict[int, int] = collections.defaultdict(lambda: 1)
     channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
     self.channel = channel
     token = config.worker_token
@@ -175,7 +182,7 @@ class _Worker:
       response = self.heartbeat_call(
           pb.WorkerHeartbeatRequest(
               worker_address=self.address, data_address=self.data_address,
-              current_tasks=current, finished_tasks=finished,
+              incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
                            for t, c, s in held]),
           timeout=10)
@@ -259,14 +266,25 @@ class _Worker:
           30, f"Fetching dataset {task.dataset_id}").dataset
       self.dataset_defs[task.dataset_id] = dataset_def
 
+    fetching = threading.Lock()  # one request of the task at a time: they are numbered
+
     def fetch_ranges() -> tuple[list, bool]:
       if self.draining.is_set():
         return [], True
+      with fetching:
+        return fetch_numbered()
+
+    def fetch_numbered() -> tuple[list, bool]:
+      with self.lock:
+        request_seq = self._split_requests[task.task_id]
       response = rpc.call_with_retry(
           self.splits_call,
           pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
-                              max_ranges=self.config.splits_per_request),
+                              max_ranges=self.config.splits_per_request,
+                              request_seq=request_seq),
           30, f"Fetching splits of job {task.job_id}")
+      with self.lock:
+        self._split_requests[task.task_id] = request_seq + 1
       return [(r.start, r.stop) for r in response.ranges], response.end_of_splits
 
     if task.exactly_once:
@@ -436,7 +454,8 @@ class _Worker:
       finished = list(self.finished)
     try:
       self.heartbeat_call(pb.WorkerHeartbeatRequest(
-          worker_address=self.address, finished_tasks=finished, leaving=True), timeout=2)
+          worker_address=self.address, incarnation=self.incarnation,
+          finished_tasks=finished, leaving=True), timeout=2)
     except grpc.RpcError:
       pass
 

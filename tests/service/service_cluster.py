@@ -27,8 +27,10 @@ def free_port() -> int:
 class ServiceProcess:
   """A `python -m jaxfeed.service.<role>` child process; kill() or stop() ends it."""
 
-  def __init__(self, role: str, *flags: str, wait_ready: bool = True):
-    """Flags without --udf_modules get TEST_UDF_MODULES."""
+  def __init__(self, role: str, *flags: str, wait_ready: bool = True,
+               log_path: str | os.PathLike | None = None):
+    """Flags without --udf_modules get TEST_UDF_MODULES; `log_path`: the
+    process's stderr (its logging) is appended there."""
     env = dict(os.environ)
     # Workers import the tests' UDFs (service_udfs) by module path.
     env["PYTHONPATH"] = os.pathsep.join(
@@ -37,9 +39,14 @@ class ServiceProcess:
     env.setdefault("JAX_PLATFORMS", "cpu")
     if not any(f.startswith("--udf_modules") for f in flags):
       flags = (*flags, f"--udf_modules={','.join(TEST_UDF_MODULES)}")
-    self.proc = subprocess.Popen(
-        [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # pylint: disable=consider-using-with
+    try:
+      self.proc = subprocess.Popen(
+          [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
+          stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+    finally:
+      if log_path:
+        log.close()
     self._lines: queue.Queue = queue.Queue()
     self._reader = threading.Thread(target=self._read, daemon=True)
     self._reader.start()
@@ -51,6 +58,7 @@ class ServiceProcess:
   def _read(self) -> None:
     for line in self.proc.stdout:
       self._lines.put(line)
+    self._lines.put(None)  # exited
 
   def wait_ready(self) -> "ServiceProcess":
     try:
@@ -58,6 +66,10 @@ class ServiceProcess:
     except queue.Empty:
       self.kill()
       raise TimeoutError(f"{self.proc.args} did not report its address.") from None
+    if line is None:
+      code = self.proc.wait(timeout=30)
+      raise RuntimeError(f"{self.proc.args} exited with status {code} before "
+                         "reporting its address.")
     words = line.split()
     self.address = words[words.index("on") + 1]
     if "data" in words:
@@ -71,8 +83,18 @@ class ServiceProcess:
     self.proc.wait(timeout=30)
     self._reader.join(timeout=5)
 
+  def pause(self) -> None:
+    """SIGSTOP: the process and its sockets stay, nothing runs."""
+    self.proc.send_signal(signal.SIGSTOP)
+
+  def resume(self) -> None:
+    """SIGCONT after pause()."""
+    if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGCONT)
+
   def stop(self) -> None:
     if self.proc.poll() is None:
+      self.proc.send_signal(signal.SIGCONT)  # a paused process cannot end
       self.proc.terminate()
       try:
         self.proc.wait(timeout=10)

@@ -202,3 +202,68 @@ def test_finished_jobs_and_unread_datasets_are_collected(cluster, tmp_path):
     read_values(service.from_dataset_id("distributed_epoch", address, dataset_id,
                                         timeout_s=WAIT_S))
   assert read_values(node) == list(range(30))  # the pipeline registers again
+
+
+def _worker_heartbeat(address: str, incarnation: str, current=()) -> pb.WorkerHeartbeatResponse:
+  """A heartbeat as a worker process at 127.0.0.1:1 with `incarnation` sends it."""
+  return call(address, "WorkerHeartbeat", pb.WorkerHeartbeatRequest(
+      worker_address="127.0.0.1:1", data_address="127.0.0.1:1", incarnation=incarnation,
+      current_tasks=list(current)), pb.WorkerHeartbeatResponse)
+
+
+def _get_splits(address: str, task: pb.TaskInfo, request_seq: int) -> list:
+  response = call(address, "GetSplits", pb.GetSplitsRequest(
+      job_id=task.job_id, task_id=task.task_id, max_ranges=2, request_seq=request_seq),
+                  pb.GetSplitsResponse)
+  return [(r.start, r.stop) for r in response.ranges]
+
+
+@pytest.mark.parametrize("exactly_once", [True, False], ids=["exactly_once", "at_most_once"])
+def test_a_repeated_get_splits_gets_the_same_ranges_also_after_restarts(
+    cluster, tmp_path, exactly_once):
+  # A worker whose GetSplits reply was lost asks again with the same number:
+  # the ranges it was given must not be lost, before or after the dispatcher
+  # restarts, or compacts its journal (every 10 records here).
+  port = free_port()
+  flags = ("--snapshot_every_records=10",)
+  dispatcher = start_dispatcher(cluster, port, tmp_path, *flags)
+  dataset_id = service.register_dataset(dispatcher.address, pipeline(100_000))
+  _worker_heartbeat(dispatcher.address, "a")
+  call(dispatcher.address, "GetOrCreateJob", pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="distributed_epoch",
+      exactly_once=exactly_once), pb.GetOrCreateJobResponse)
+  task, = _worker_heartbeat(dispatcher.address, "a").new_tasks
+  given = []
+  for seq in range(1, 6):  # enough records for compactions in between
+    ranges = _get_splits(dispatcher.address, task, seq)
+    assert ranges and not set(ranges) & set(given)
+    given += ranges
+    assert _get_splits(dispatcher.address, task, seq) == ranges
+    dispatcher.kill()
+    dispatcher = start_dispatcher(cluster, port, tmp_path, *flags)
+    _worker_heartbeat(dispatcher.address, "a", [task.task_id])
+    assert _get_splits(dispatcher.address, task, seq) == ranges
+
+
+@pytest.mark.parametrize("restart_dispatcher", [False, True], ids=["live", "restarted"])
+def test_a_worker_restarted_on_its_address_gets_new_tasks(cluster, tmp_path,
+                                                          restart_dispatcher):
+  # The new process has none of its predecessor's tasks or streams: those are
+  # lost (their clients move to the new task ids) even when it comes back
+  # before its heartbeats time out, or the dispatcher restarted meanwhile.
+  port = free_port()
+  dispatcher = start_dispatcher(cluster, port, tmp_path)
+  dataset_id = service.register_dataset(dispatcher.address, pipeline(10))
+  _worker_heartbeat(dispatcher.address, "a")
+  job = call(dispatcher.address, "GetOrCreateJob", pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="parallel_epochs"), pb.GetOrCreateJobResponse)
+  old, = _worker_heartbeat(dispatcher.address, "a").new_tasks
+  assert not _worker_heartbeat(dispatcher.address, "a", [old.task_id]).new_tasks
+  if restart_dispatcher:
+    dispatcher.kill()
+    dispatcher = start_dispatcher(cluster, port, tmp_path)
+  new, = _worker_heartbeat(dispatcher.address, "b").new_tasks
+  assert new.task_id != old.task_id
+  listed = call(dispatcher.address, "ClientHeartbeat", pb.ClientHeartbeatRequest(
+      job_id=job.job_id, client_id=job.client_id), pb.ClientHeartbeatResponse).tasks
+  assert [t.task_id for t in listed] == [new.task_id]

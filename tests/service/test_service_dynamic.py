@@ -71,6 +71,16 @@ def test_distribute_refuses_a_dynamic_pipeline_without_one_splittable_input():
     dataset.distribute("127.0.0.1:1", "distributed_epoch")
 
 
+@pytest.mark.parametrize("count", [3, None])
+def test_distribute_refuses_a_dynamic_pipeline_that_repeats_its_split_input(count):
+  # Each split is handed out once per job: a repeat would silently read one pass.
+  dataset = Dataset.range(5).repeat(count).map(service_udfs.add_one)
+  with pytest.raises(ValueError, match="repeats its split input"):
+    dataset.distribute("127.0.0.1:1", "distributed_epoch")
+  dataset.distribute("127.0.0.1:1", "parallel_epochs")
+  Dataset.range(5).repeat(1).distribute("127.0.0.1:1", "distributed_epoch")
+
+
 def test_a_registered_unsplittable_dataset_read_dynamically_fails_clearly(cluster):
   dispatcher = start_service(cluster, 1)
   dataset = Dataset.zip((Dataset.range(5).map(service_udfs.add_one), Dataset.range(5)))

@@ -18,7 +18,7 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import spec, wire
+from jaxfeed.service import rpc, spec, wire
 from jaxfeed.service.protos import generate
 
 pytestmark = pytest.mark.timeout(60)
@@ -523,3 +523,11 @@ def test_workers_advertise_the_host_clients_can_reach():
         got = [b.tolist() for b in dataset.distribute(dispatcher.target,
                                                       data_transfer=data_transfer)]
         assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+
+def test_channels_reconnect_within_seconds_after_an_outage():
+  # gRPC's default reconnect backoff grows to 120 s: a dispatcher back after
+  # a short outage would be noticed only minutes later.
+  options = dict(rpc.channel_options(1 << 20))
+  assert options["grpc.max_reconnect_backoff_ms"] <= 2000
+  assert options["grpc.initial_reconnect_backoff_ms"] <= options["grpc.max_reconnect_backoff_ms"]

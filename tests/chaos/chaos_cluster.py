@@ -1,0 +1,198 @@
+"""A dispatcher and workers as processes, with handles to break them from outside.
+
+The dispatcher listens on a fixed port with a work_dir, so it can be killed
+and restarted in place; workers and clients reach it through a `TcpProxy`.
+Workers listen on fixed ports, so they too restart in place. With
+`proxied_workers`, each worker advertises its own loopback address
+127.0.0.<2+slot> on which a proxy forwards to the worker's real port on
+127.0.0.1 (clients then read over gRPC: the worker's raw data port changes
+at every start, so it is not served); otherwise clients read the raw data
+socket straight from the worker, and connections are cut with `ss -K`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+from service_cluster import ServiceProcess, free_port
+from tcp_proxy import TcpProxy
+
+HEARTBEAT_INTERVAL_S = 0.2
+# Stalls and stops in the schedules stay well below this: a worker silent
+# this long is dead to the dispatcher.
+HEARTBEAT_TIMEOUT_S = 5.0
+# Torn journal tail: the start of a record, cut mid-write.
+TORN_RECORD = b'{"kind":"splits_acked","job_id":'
+
+
+def cut_tcp(port: int) -> None:
+  """Resets every established TCP connection to or from `port` (`ss -K`)."""
+  subprocess.run(["ss", "-K", "-n", "state", "established",
+                  f"( dport = :{port} or sport = :{port} )"],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+                 timeout=30)
+
+
+class ChaosWorker:
+  """One worker slot: a process restarted in place, and its proxy if any."""
+
+  def __init__(self, slot: int, dispatcher_address: str, proxied: bool,
+               flags: tuple[str, ...], log_path: pathlib.Path):
+    self.slot = slot
+    self.port = free_port()
+    self.proxied = proxied
+    self._dispatcher_address = dispatcher_address
+    self._flags = flags
+    self._log_path = log_path
+    self.host = f"127.0.0.{2 + slot}" if proxied else "127.0.0.1"
+    self.proxy = (TcpProxy(f"127.0.0.1:{self.port}", self.host, self.port)
+                  if proxied else None)
+    self.process: ServiceProcess | None = None
+    self.incarnations = 0
+    self.paused = False
+
+  @property
+  def address(self) -> str:
+    return f"{self.host}:{self.port}"
+
+  @property
+  def alive(self) -> bool:
+    return self.process is not None and self.process.proc.poll() is None
+
+  def start(self, wait_ready: bool = True) -> None:
+    flags = [f"--dispatcher_address={self._dispatcher_address}", f"--port={self.port}",
+             f"--heartbeat_interval_s={HEARTBEAT_INTERVAL_S}", *self._flags]
+    if self.proxied:
+      flags += [f"--advertise_host={self.host}", "--data_socket=false"]
+    self.process = ServiceProcess("worker", *flags, wait_ready=wait_ready,
+                                  log_path=self._log_path)
+    self.incarnations += 1
+
+  def kill(self) -> None:
+    if self.process is not None:
+      self.process.kill()
+    self.paused = False
+
+  def pause(self) -> None:
+    self.process.pause()
+    self.paused = True
+
+  def resume(self) -> None:
+    self.process.resume()
+    self.paused = False
+
+  def cut(self) -> None:
+    """Breaks every connection of this worker (clients' and its dispatcher's)."""
+    if self.proxy is not None:
+      self.proxy.cut()
+      return
+    cut_tcp(self.port)
+    data = self.process.data_address if self.process is not None else ""
+    if data:
+      cut_tcp(int(data.rsplit(":", 1)[1]))
+
+  def close(self) -> None:
+    if self.process is not None:
+      self.process.kill()
+    if self.proxy is not None:
+      self.proxy.close()
+
+
+class ChaosCluster:
+  """A dispatcher with a work_dir plus worker slots; `close()` ends all of it."""
+
+  def __init__(self, work_dir: str | os.PathLike, num_workers: int, *,
+               proxied_workers: bool = False, split_size: int = 16,
+               worker_buffer_size: int = 8, start: bool = True):
+    self.work_dir = pathlib.Path(work_dir)
+    self.work_dir.mkdir(parents=True, exist_ok=True)
+    self.journal_path = self.work_dir / "journal.jsonl"
+    self.log_path = self.work_dir / "dispatcher.log"
+    self.dispatcher_port = free_port()
+    self._dispatcher_flags = (f"--port={self.dispatcher_port}", f"--work_dir={self.work_dir}",
+                              f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+                              f"--split_size={split_size}")
+    self.dispatcher_proxy = TcpProxy(f"127.0.0.1:{self.dispatcher_port}")
+    self.dispatcher: ServiceProcess | None = None
+    self.dispatcher_starts = 0
+    self.proxied_workers = proxied_workers
+    self._worker_flags = (f"--buffer_size={worker_buffer_size}",)
+    self.workers = [ChaosWorker(slot, self.address, proxied_workers, self._worker_flags,
+                                self._worker_log(slot)) for slot in range(num_workers)]
+    if start:
+      try:
+        self.start_dispatcher()
+        for worker in self.workers:
+          worker.start()
+      except BaseException:
+        self.close()
+        raise
+
+  @property
+  def address(self) -> str:
+    """What clients and workers dial: the dispatcher's proxy."""
+    return self.dispatcher_proxy.address
+
+  def start_dispatcher(self) -> None:
+    self.dispatcher = ServiceProcess("dispatcher", *self._dispatcher_flags,
+                                     log_path=self.log_path)
+    self.dispatcher_starts += 1
+
+  def kill_dispatcher(self) -> None:
+    if self.dispatcher is not None:
+      self.dispatcher.kill()
+
+  def tear_journal(self) -> None:
+    """Appends the start of a record without its end, as a crash mid-write leaves."""
+    with open(self.journal_path, "ab") as f:
+      f.write(TORN_RECORD)
+
+  def restart_dispatcher(self, torn_journal: bool = False) -> None:
+    """SIGKILL, optionally a torn journal tail, then a new process on the same
+    port and work_dir."""
+    self.kill_dispatcher()
+    if torn_journal:
+      self.tear_journal()
+    self.start_dispatcher()
+
+  def cut_dispatcher(self, with_ss: bool = False) -> None:
+    """Breaks every connection to the dispatcher."""
+    if with_ss:
+      cut_tcp(self.dispatcher_port)
+    else:
+      self.dispatcher_proxy.cut()
+
+  def add_worker(self) -> ChaosWorker:
+    slot = len(self.workers)
+    worker = ChaosWorker(slot, self.address, self.proxied_workers, self._worker_flags,
+                         self._worker_log(slot))
+    self.workers.append(worker)
+    worker.start()
+    return worker
+
+  def _worker_log(self, slot: int) -> pathlib.Path:
+    return self.work_dir / f"worker{slot}.log"
+
+  def log_tail(self, lines: int = 12) -> str:
+    """Each server's last log lines, for a failure message."""
+    parts = []
+    for path in [self.log_path] + [self._worker_log(w.slot) for w in self.workers]:
+      if path.exists():
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"-- {path.name}:\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+  def close(self) -> None:
+    for worker in self.workers:
+      worker.close()
+    if self.dispatcher is not None:
+      self.dispatcher.kill()
+    self.dispatcher_proxy.close()
+
+  def __enter__(self) -> "ChaosCluster":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

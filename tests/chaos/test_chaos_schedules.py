@@ -1,0 +1,100 @@
+"""Seeded chaos schedules (tests/chaos/schedule.py) and hand-written ones.
+
+Each run starts its own dispatcher and workers, reads while faults hit them
+from outside (SIGKILL, SIGSTOP, restarts in place, connections reset with a
+proxy or `ss -K`, stalled connections, a torn journal tail) and checks the
+guarantee of its mode (DESIGN.md §4). The seeds here are a fixed sample
+that covers every mode and fault kind; benchmarks/chaos_soak.py runs many
+more.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from schedule import FAULT_KINDS, MODES, Fault, Schedule, draw, run
+
+pytestmark = pytest.mark.timeout(400)
+
+CI_SEEDS = (4, 12, 13, 14, 16, 17, 33)
+
+
+def _assert_ok(record) -> None:
+  assert record.ok, (f"seed {record.seed} ({record.mode}, faults "
+                     f"{record.faults_injected}): {record.violation}")
+
+
+def test_seeds_cover_every_mode_and_fault_kind():
+  schedules = [draw(seed) for seed in CI_SEEDS]
+  assert {s.mode for s in schedules} == set(MODES)
+  kinds = collections.Counter(f.kind for s in schedules for f in s.faults)
+  assert set(kinds) == set(FAULT_KINDS), set(FAULT_KINDS) - set(kinds)
+
+
+def test_a_seed_always_draws_the_same_schedule():
+  assert draw(12345) == draw(12345)
+  assert draw(12345) != draw(12346)
+
+
+# Known failures, each with its diagnosis; strict, so that a fix shows.
+KNOWN_FAILING_SEEDS = {
+    13: ("at-most-once, a worker's connection cut and later the worker killed: "
+         "46 values lost against the bound of 24 (2 split requests of 8 plus "
+         "the buffer and two batches); not yet diagnosed whether the worker "
+         "holds more than the bound counts (its pipeline's own buffers, the "
+         "resend buffer after the cut) or the client drops batches it had "
+         "received"),
+}
+
+
+@pytest.mark.parametrize("seed", [
+    pytest.param(seed, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILING_SEEDS[seed]))
+    if seed in KNOWN_FAILING_SEEDS else seed for seed in CI_SEEDS])
+def test_seeded_schedule_keeps_its_guarantee(seed, tmp_path):
+  _assert_ok(run(draw(seed), str(tmp_path)))
+
+
+def _schedule(mode: str, proxied: bool, *faults: Fault) -> Schedule:
+  return Schedule(seed=0, mode=mode, num_records=400, batch_size=4, split_size=8,
+                  num_workers=1, worker_buffer_size=4, proxied_workers=proxied,
+                  slow_map=True, consumer_delay_s=0.002, faults=faults)
+
+
+# A broken or stalled connection to a live worker loses nothing, in any mode.
+CONNECTION_FAULTS = {
+    "proxy_cut": (True, Fault(20, "worker_cut")),
+    "ss_cut": (False, Fault(20, "worker_cut")),
+    "proxy_stall": (True, Fault(20, "worker_stall", duration_s=1.5)),
+    "sigstop": (False, Fault(20, "worker_stop", duration_s=1.5)),
+}
+
+
+@pytest.mark.parametrize("fault", list(CONNECTION_FAULTS))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_broken_connection_to_a_live_worker_loses_nothing(mode, fault, tmp_path):
+  proxied, injected = CONNECTION_FAULTS[fault]
+  record = run(_schedule(mode, proxied, injected), str(tmp_path))
+  _assert_ok(record)
+  assert record.faults_injected == [injected.kind]
+  assert record.elements_checked == 400
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dispatcher_connections_cut_and_stalled(mode, tmp_path):
+  record = run(_schedule(mode, True, Fault(10, "dispatcher_cut"),
+                         Fault(30, "dispatcher_stall", duration_s=1.5),
+                         Fault(50, "dispatcher_cut")), str(tmp_path))
+  _assert_ok(record)
+  assert record.elements_checked == 400
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dispatcher_restarts_after_a_torn_journal_tail_twice(mode, tmp_path):
+  # The second restart replays what the first one appended after the torn tail.
+  record = run(_schedule(mode, False, Fault(15, "dispatcher_torn_restart"),
+                         Fault(45, "dispatcher_torn_restart", duration_s=0.2)),
+               str(tmp_path))
+  _assert_ok(record)
+  assert record.faults_injected == ["dispatcher_torn_restart"] * 2
