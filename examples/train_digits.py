@@ -169,19 +169,14 @@ def main(argv: list[str]) -> None:
             f"{steps_per_s:.1f} steps/s  input wait {wait:.1f}% of step time")
 
   progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
-  with loader:
-    for batch in loader:
-      if step >= FLAGS.num_steps:
-        break
-      loss, batch_accuracy = train_step(model, optimizer, batch)
-      step += 1
-      accuracy[0] = float(batch_accuracy)
-      progress.step(step, loss, FLAGS.batch_size)
-      if step % FLAGS.checkpoint_every == 0 or step == FLAGS.num_steps:
-        jaxfeed.save_checkpoint(manager, step, loader, model_state=state.get())
-  manager.wait_until_finished()
-  manager.close()
-  training.log("Done at step %d; checkpoints in %s.", step, FLAGS.workdir)
+  def run_step(batch):
+    loss, batch_accuracy = train_step(model, optimizer, batch)
+    accuracy[0] = float(batch_accuracy)
+    return loss, FLAGS.batch_size
+
+  training.train(loader, manager, state, run_step, progress, step=step,
+                 num_steps=FLAGS.num_steps, checkpoint_every=FLAGS.checkpoint_every,
+                 workdir=FLAGS.workdir)
 
 
 if __name__ == "__main__":

@@ -109,3 +109,29 @@ class ProgressLog:
     print(self._line(step, float(np.mean(self._losses)), self._steps / elapsed,
                      self._items / elapsed, 100.0 * wait), flush=True)
     self._start, self._steps, self._losses, self._items = time.perf_counter(), 0, [], 0
+
+
+def train(loader: Any, manager: Any, state: TrainState, run_step: Callable[[Any], tuple],
+          progress: ProgressLog, *, step: int, num_steps: int, checkpoint_every: int,
+          workdir: str) -> int:
+  """The loop every example shares: `run_step(batch) -> (loss, items)` from
+  `step` up to `num_steps`, logging through `progress` and checkpointing the
+  model, optimizer and loader every `checkpoint_every` steps and at the end.
+
+  Returns:
+    The last step taken.
+  """
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  with loader:
+    for batch in loader:
+      if step >= num_steps:
+        break
+      loss, items = run_step(batch)
+      step += 1
+      progress.step(step, loss, items)
+      if step % checkpoint_every == 0 or step == num_steps:
+        jaxfeed.save_checkpoint(manager, step, loader, model_state=state.get())
+  manager.wait_until_finished()
+  manager.close()
+  log("Done at step %d; checkpoints in %s.", step, workdir)
+  return step
