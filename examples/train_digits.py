@@ -169,6 +169,7 @@ def main(argv: list[str]) -> None:
             f"{steps_per_s:.1f} steps/s  input wait {wait:.1f}% of step time")
 
   progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
+
   def run_step(batch):
     loss, batch_accuracy = train_step(model, optimizer, batch)
     accuracy[0] = float(batch_accuracy)

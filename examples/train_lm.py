@@ -173,6 +173,7 @@ def main(argv: list[str]) -> None:
             f"{tokens_per_s:.0f} tokens/s  input wait {wait:.1f}% of step time")
 
   progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
+
   def run_step(batch):
     return train_step(model, optimizer, batch)  # (loss, real tokens)
 
