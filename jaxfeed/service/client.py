@@ -268,6 +268,8 @@ class _Fetcher:
     self.reconnects = 0
     self._acked = 0
     self._send_ack: Any = None  # the current connection's acknowledgment
+    # Why the current connection's last acknowledgment failed (see _acknowledge).
+    self._ack_error: Exception | None = None
     # When the current connection last brought something; None while the
     # fetcher waits for room in the buffer rather than for data.
     self.heard_at: float | None = None
@@ -359,6 +361,8 @@ class _Fetcher:
             self.heard_at = time.monotonic()
             failing_since, backoff = None, _BACKOFF_S[0]  # the connection works
             if item is None:  # a keepalive
+              if self._ack_error is not None:  # the worker may wait for the ack
+                raise self._ack_error
               continue
             if not self._take(item, split):
               return
@@ -394,7 +398,7 @@ class _Fetcher:
                        where, status, details)
         finally:
           self.heard_at = None
-          self._connection = self._send_ack = None
+          self._connection = self._send_ack = self._ack_error = None
         self.reconnects += 1
         if read.stop.wait(backoff):
           return
@@ -430,9 +434,21 @@ class _Fetcher:
         for element in whole:
           taken = taken and self._put(element)
     if self.received - self._acked >= _ACK_EVERY and self._send_ack is not None:
-      self._send_ack(self.received)
-      self._acked = self.received
+      self._acknowledge()
     return taken
+
+  def _acknowledge(self) -> None:
+    """Acknowledges what was received. A failed acknowledgment does not end
+    the connection at once: what it already brought is read and handed on
+    first (a dead worker's items that reached this host are all that is
+    left of them), and the next connection's request acknowledges; the
+    connection ends at its next keepalive, when the worker may be waiting
+    for the acknowledgment."""
+    self._acked = self.received
+    try:
+      self._send_ack(self.received)
+    except (grpc.RpcError, OSError) as e:
+      self._ack_error = self._ack_error or e
 
   def _put(self, item: tuple) -> bool:
     self.heard_at = None  # waiting for the consumer, not for the worker

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 DEADLINE_S = 90.0
 EPOCH = 200
 BATCH = 4
-SPLIT = 8
+SPLIT = 16  # ChaosCluster's default split_size
 BUFFER = 8
 DISTRIBUTED = {"at_most_once": ("distributed_epoch", "at_most_once"),
                "exactly_once": ("distributed_epoch", "exactly_once")}
@@ -241,6 +241,26 @@ def test_worker_restart(chaos, mode, same_port):
     assert counts == epoch()
   else:
     assert_at_most_once(counts, killed=1)
+
+
+def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos):
+  # Nobody reads for a while, so each worker sends a whole window of
+  # unacknowledged batches into the client's socket; then one is killed.
+  # The client's next acknowledgment to it fails, as nobody is there, but
+  # the batches already in its socket buffer arrived: they are read and
+  # handed on, and only what the worker itself held is lost.
+  cluster = chaos(2, worker_buffer_size=2)
+  size = 4 * EPOCH
+  iterator = read(cluster, "at_most_once", records(size, BATCH, slow_map=False),
+                  data_transfer="socket")
+  counts = take(iterator, 4)
+  time.sleep(2.0)
+  cluster.workers[1].kill()
+  counts.update(finish(iterator))
+  assert max(counts.values()) == 1
+  assert set(counts) <= set(range(1, size + 1))
+  held = SPLITS_PER_REQUEST * SPLIT + (2 + 2) * BATCH
+  assert size - len(counts) <= held
 
 
 def test_remove_more_workers_than_max_outstanding_requests(chaos):
