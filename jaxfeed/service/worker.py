@@ -42,6 +42,12 @@ SERVICE_NAME = "jaxfeed.service.Worker"
 _DRAIN_IDLE_S = 2.0  # draining: a task unread this long has no consumer left
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 _MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
+# A heartbeat call's deadline: this until the dispatcher told its heartbeat
+# timeout, then that fraction of it, so that a call hung on a connection that
+# broke without a reset is given up (and the next one made) before the
+# dispatcher takes this worker for dead.
+_HEARTBEAT_DEADLINE_S = 10.0
+_HEARTBEAT_DEADLINE_FRACTION = 1 / 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +169,7 @@ class _Worker:
     self.rejected: str | None = None  # why the dispatcher refused this worker
     # The heartbeat interval the dispatcher asks for (0: the configured one).
     self.paced_interval_s = 0.0
+    self.heartbeat_deadline_s = _HEARTBEAT_DEADLINE_S
     self.heartbeat_call = rpc.Caller(channel, _DISPATCHER + "WorkerHeartbeat",
                                      pb.WorkerHeartbeatResponse, token)
     self.dataset_call = rpc.Caller(channel, _DISPATCHER + "GetDatasetDef",
@@ -185,13 +192,15 @@ class _Worker:
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
                            for t, c, s in held]),
-          timeout=10)
+          timeout=self.heartbeat_deadline_s)
     except BaseException:
       with self.lock:  # reported with the next heartbeat
         self._held = held + self._held
       raise
     self.ticket_key = response.ticket_key
     self.paced_interval_s = response.heartbeat_interval_s
+    if response.heartbeat_timeout_s > 0:
+      self.heartbeat_deadline_s = response.heartbeat_timeout_s * _HEARTBEAT_DEADLINE_FRACTION
     for task in response.new_tasks:
       self.start_task(task)
     for task_id in response.tasks_to_delete:

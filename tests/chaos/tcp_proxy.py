@@ -45,6 +45,24 @@ def _reset(sock: socket.socket) -> None:
   sock.close()
 
 
+def _reset_once_it_sends(sock: socket.socket) -> None:
+  """Drops what the peer sent so far, waits until it sends again (or closes),
+  then resets it; at once if the socket was reset already."""
+  try:
+    sock.setblocking(False)
+    while sock.recv(_CHUNK):
+      pass
+  except BlockingIOError:
+    try:
+      sock.setblocking(True)
+      sock.recv(1)
+    except OSError:
+      pass
+  except OSError:
+    pass
+  _reset(sock)
+
+
 class _Link:
   """One proxied connection: a client socket, its upstream socket, two pumps."""
 
@@ -84,18 +102,21 @@ class _Link:
     try:
       while True:
         data = source.recv(_CHUNK)
-        if self.closed:  # cut or forgotten: the client's end sent, gets a reset
+        if self.closed:  # cut or forgotten since: this end sent (or closed)
           _reset(source)
           return
         if not data:
           sink.shutdown(socket.SHUT_WR)  # pass the clean close on
           break
         if not self._proxy.gate.wait_open(self):
-          _reset(source)
+          _reset_once_it_sends(source)  # held, then cut or forgotten: dropped
           return
         sink.sendall(data)
     except OSError:
-      self.abort()  # one end broke: break the other one too
+      if self.closed:  # cut or forgotten: this end goes too
+        _reset(source)
+      else:
+        self.abort()  # one end broke: break the other one too
       return
     with self._lock:
       self._open -= 1

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from jaxfeed.service import ServiceError, from_dataset_id, register_dataset
+from chaos_cluster import HEARTBEAT_TIMEOUT_S
 from schedule import SPLITS_PER_REQUEST, read_until_end, records
 from tcp_proxy import TcpProxy
 
@@ -261,6 +262,31 @@ def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos):
   assert set(counts) <= set(range(1, size + 1))
   held = SPLITS_PER_REQUEST * SPLIT + (2 + 2) * BATCH
   assert size - len(counts) <= held
+
+
+def test_a_worker_whose_dispatcher_connection_is_dropped_silently_stays_alive(chaos):
+  # The worker's path to the dispatcher forgets its connection while a
+  # heartbeat waits there for its answer: neither an answer nor a reset
+  # comes. The worker gives the call up well within the dispatcher's
+  # heartbeat timeout and calls again on a new connection, so it is not
+  # taken for dead while the consumer pauses past that timeout, and the
+  # read gets the whole epoch once.
+  cluster = chaos(1)
+  size = 3 * EPOCH
+  direct = f"127.0.0.1:{cluster.dispatcher_port}"  # the client's path stays up
+  iterator = records(size, BATCH).distribute(
+      direct, "parallel_epochs", max_outstanding_requests=4,
+      timeout_s=60.0).make_iterator()
+  counts = take(iterator, 5)
+  proxy = cluster.dispatcher_proxy
+  proxy.stall()
+  time.sleep(1.0)  # a heartbeat (every 0.2 s) now waits in the proxy
+  assert proxy.forget() >= 1
+  proxy.resume()
+  time.sleep(2 * HEARTBEAT_TIMEOUT_S)
+  counts.update(finish(iterator))
+  assert "declared dead" not in cluster.log_path.read_text(errors="replace")
+  assert counts == collections.Counter(range(1, size + 1))
 
 
 def test_remove_more_workers_than_max_outstanding_requests(chaos):
