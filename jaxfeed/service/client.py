@@ -433,7 +433,8 @@ class _Fetcher:
       if read.ack(round_index):  # else sent again: this read already had it
         for element in whole:
           taken = taken and self._put(element)
-    if self.received - self._acked >= _ACK_EVERY and self._send_ack is not None:
+    if (self.received - self._acked >= _ACK_EVERY and self._send_ack is not None
+        and not self._cancelled):
       self._acknowledge()
     return taken
 
@@ -471,8 +472,16 @@ class _Fetcher:
       self._close_connection()
 
   def cancel(self) -> None:
+    """Stops the fetcher: the dispatcher dropped the task, or the read ends.
+    Batches a data socket already brought are still handed on (if the
+    worker died, they are all that is left of them); nothing more is
+    acknowledged, so a live worker sends at most a window more."""
     self._cancelled = True
-    self._close_connection()
+    connection = self._connection
+    if isinstance(connection, data_socket.DataConnection):
+      connection.stop_receiving()
+    else:
+      self._close_connection()
 
   def _close_connection(self) -> None:
     connection = self._connection

@@ -244,12 +244,15 @@ def test_worker_restart(chaos, mode, same_port):
     assert_at_most_once(counts, killed=1)
 
 
-def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos):
+@pytest.mark.parametrize("pause_s", [0.0, 2 * HEARTBEAT_TIMEOUT_S],
+                         ids=["reading_on", "pausing_past_the_heartbeat_timeout"])
+def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos, pause_s):
   # Nobody reads for a while, so each worker sends a whole window of
   # unacknowledged batches into the client's socket; then one is killed.
-  # The client's next acknowledgment to it fails, as nobody is there, but
-  # the batches already in its socket buffer arrived: they are read and
-  # handed on, and only what the worker itself held is lost.
+  # Those batches arrived: they are read and handed on, although the
+  # client's next acknowledgment to the worker fails (reading_on) or the
+  # dispatcher drops the worker's task before the consumer reads again
+  # (pausing), and only what the worker itself held is lost.
   cluster = chaos(2, worker_buffer_size=2)
   size = 4 * EPOCH
   iterator = read(cluster, "at_most_once", records(size, BATCH, slow_map=False),
@@ -257,6 +260,7 @@ def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos):
   counts = take(iterator, 4)
   time.sleep(2.0)
   cluster.workers[1].kill()
+  time.sleep(pause_s)
   counts.update(finish(iterator))
   assert max(counts.values()) == 1
   assert set(counts) <= set(range(1, size + 1))
