@@ -293,9 +293,12 @@ class _Fetcher:
     read = self._read
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
+      # Retried: after a restart, the dispatcher lists the tasks of a worker
+      # that has not registered again without its data address.
       raise data_socket.DataConnectionError(
-          f"Worker {self.task.worker_address} has no data socket "
-          "(data_transfer='socket').", "FAILED_PRECONDITION")
+          f"The dispatcher lists no data socket of worker {self.task.worker_address} "
+          "(data_transfer='socket'): it serves none, or has not registered again "
+          "since the dispatcher restarted.", "UNAVAILABLE")
     if use_socket:
       conn = data_socket.DataConnection(
           self.task.data_address, {"token": self.task.read_ticket, **self._request()},
@@ -630,6 +633,8 @@ class _ReadState:
     for task_id, task in listed.items():
       old = self.fetchers.get(task_id)
       if old is not None:
+        if task.data_address and not old.task.data_address:
+          old.task = task  # its worker registered again: its next connection uses it
         old.kick_if_stalled(now)
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)

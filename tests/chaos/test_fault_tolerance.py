@@ -293,6 +293,38 @@ def test_a_worker_whose_dispatcher_connection_is_dropped_silently_stays_alive(ch
   assert counts == collections.Counter(range(1, size + 1))
 
 
+def test_a_client_that_joins_before_the_worker_registers_again_reads_its_socket(chaos):
+  # After a dispatcher restart, a second client joins the shared job while
+  # the worker's path to the dispatcher is stalled: the dispatcher lists the
+  # worker's task without its data address. The client waits for the worker
+  # to register again and then reads its data socket.
+  cluster = chaos(1)
+  direct = f"127.0.0.1:{cluster.dispatcher_port}"  # the clients' path stays up
+  dataset = records(EPOCH, BATCH)
+
+  def join():
+    return dataset.distribute(direct, "parallel_epochs", job_name="shared",
+                              max_outstanding_requests=4, data_transfer="socket",
+                              timeout_s=60.0).make_iterator()
+
+  first = join()
+  try:
+    counts = take(first, 2)
+    cluster.dispatcher_proxy.stall()
+    cluster.restart_dispatcher()
+    second = join()
+    try:
+      time.sleep(1.5)
+      cluster.dispatcher_proxy.resume()
+      counts.update(finish(second))
+    finally:
+      second.close()
+    counts.update(finish(first))
+  finally:
+    first.close()
+  assert counts == epoch()
+
+
 def test_remove_more_workers_than_max_outstanding_requests(chaos):
   cluster = chaos(3)
   iterator = read(cluster, "parallel_epochs", max_outstanding_requests=1)
