@@ -286,12 +286,20 @@ class _Worker:
     def fetch_numbered() -> tuple[list, bool]:
       with self.lock:
         request_seq = self._split_requests[task.task_id]
-      response = rpc.call_with_retry(
-          self.splits_call,
-          pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
-                              max_ranges=self.config.splits_per_request,
-                              request_seq=request_seq),
-          30, f"Fetching splits of job {task.job_id}")
+      try:
+        response = rpc.call_with_retry(
+            self.splits_call,
+            pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
+                                max_ranges=self.config.splits_per_request,
+                                request_seq=request_seq),
+            30, f"Fetching splits of job {task.job_id}")
+      except rpc.ServiceError as e:
+        cause = e.__cause__
+        if isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.NOT_FOUND:
+          # The dispatcher gave the task up (it took this worker for dead):
+          # the task is lost, as if this worker had died, not failed.
+          e.grpc_status = "NOT_FOUND"
+        raise
       with self.lock:
         self._split_requests[task.task_id] = request_seq + 1
       return [(r.start, r.stop) for r in response.ranges], response.end_of_splits

@@ -325,6 +325,39 @@ def test_a_client_that_joins_before_the_worker_registers_again_reads_its_socket(
   assert counts == epoch()
 
 
+def test_a_task_the_restarted_dispatcher_gave_up_ends_without_failing_the_read(chaos):
+  # The dispatcher restarts while its paths to the worker and to the client
+  # are both stalled, past the time it waits for the worker to register
+  # again: it gives the worker's task up. When the worker's path comes
+  # back, the task's pipeline asks for splits the dispatcher no longer has
+  # for it; the task ends as lost (not failed), the worker gets a new task
+  # and the read goes on, losing at most what the given-up task held.
+  cluster = chaos(1, worker_buffer_size=2)
+  size = 4 * EPOCH
+  with TcpProxy(f"127.0.0.1:{cluster.dispatcher_port}") as client_path:
+    iterator = records(size, BATCH, slow_map=False).distribute(
+        client_path.address, "distributed_epoch", max_outstanding_requests=4,
+        data_transfer="socket", timeout_s=60.0).make_iterator()
+    counts = take(iterator, 5)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(rest=read_until_end(
+        iterator, DEADLINE_S)))
+    client_path.stall()
+    cluster.dispatcher_proxy.stall()
+    cluster.restart_dispatcher()
+    reader.start()
+    time.sleep(HEARTBEAT_TIMEOUT_S + 2.0)
+    cluster.dispatcher_proxy.resume()
+    time.sleep(2.0)
+    client_path.resume()
+    reader.join(timeout=DEADLINE_S + 60)
+  counts.update(_checked(result["rest"]))
+  assert "did not register again" in cluster.log_path.read_text(errors="replace")
+  assert max(counts.values()) == 1
+  held = SPLITS_PER_REQUEST * SPLIT + (2 + 2) * BATCH
+  assert size - len(counts) <= held
+
+
 def test_remove_more_workers_than_max_outstanding_requests(chaos):
   cluster = chaos(3)
   iterator = read(cluster, "parallel_epochs", max_outstanding_requests=1)
