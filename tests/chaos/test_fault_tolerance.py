@@ -9,6 +9,10 @@ the dispatcher restarts on its port and work_dir and the read goes on;
 exactly-once reads every record once, at-most-once never twice and loses only
 what a killed worker held, parallel_epochs a whole epoch per live worker; and
 every read ends, or fails with a clear error, within a bounded time.
+Beyond tf.data's scenarios: a killed worker's batches that reached the
+client, heartbeats hung on a connection dropped without a reset, clients
+that join before a worker registers again, and tasks a restarted dispatcher
+gave up.
 """
 
 from __future__ import annotations
