@@ -45,6 +45,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
@@ -271,7 +272,6 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
   Returns:
     A jaxfeed Dataset.
   """
-  from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
   node = DistributedNode(
       service=service, processing_mode=processing_mode, dataset=dataset,
       job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
@@ -286,7 +286,6 @@ def from_dataset_id(processing_mode: Any, service: str, dataset_id: str,
                     max_outstanding_requests: int | None = None,
                     round_timeout_s: float | None = None, **options: Any) -> Any:
   """Reads a dataset registered with `register_dataset` (see `distribute`)."""
-  from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
   if not isinstance(dataset_id, str) or not dataset_id:
     raise ValueError(f"dataset_id must be a non-empty string, got {dataset_id!r}.")
   return Dataset(DistributedNode(
