@@ -91,6 +91,26 @@ def test_jaxfeed_has_no_import_cycles():
       f"count too); move the shared code to the layer on the left: {cycles}")
 
 
+# DESIGN.md's data path, left to right; the Dataset facade belongs to the op
+# graph. A module imports only from its own layer and the layers to its left.
+_LAYERS = {"sources": 0, "seeding": 0, "sampler": 1, "ops": 2, "dataset": 2,
+           "service": 3, "device": 4}
+
+
+def _layer(module: str) -> int | None:
+  parts = module.split(".")
+  return _LAYERS.get(parts[1]) if len(parts) > 1 else None
+
+
+def test_layers_import_only_from_their_left():
+  graph = import_graph(PACKAGE_DIR, "jaxfeed")
+  rightward = sorted(
+      (module, target) for module, targets in graph.items() for target in targets
+      if _layer(module) is not None and _layer(target) is not None
+      and _layer(target) > _layer(module))
+  assert not rightward, f"imports from a layer to the right (module, target): {rightward}"
+
+
 def test_the_dataset_facade_does_not_import_the_service():
   graph = import_graph(PACKAGE_DIR, "jaxfeed")
   assert not {m for m in graph["jaxfeed.dataset"] if m.startswith("jaxfeed.service")}
