@@ -2,7 +2,8 @@
 
 The public API is what this module exports; everything else is internal.
 Names are imported lazily so `import jaxfeed` stays cheap for service
-processes that never touch JAX.
+processes that never touch JAX; only the Dataset facade (numpy, no JAX) is
+imported at once, to be given the service's reader.
 """
 
 from __future__ import annotations
