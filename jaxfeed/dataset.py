@@ -16,6 +16,18 @@ def _op(module: str):
   return importlib.import_module(f"jaxfeed.ops.{module}")
 
 
+# What `Dataset.distribute` runs. The service sits right of the op graph and
+# imports this facade, so the facade never imports it: the package root,
+# above both, registers it (see jaxfeed/__init__.py).
+_distribute: Callable[..., "Dataset"] | None = None
+
+
+def register_distribute(implementation: Callable[..., "Dataset"]) -> None:
+  """Called once by the package root: what `Dataset.distribute` runs."""
+  global _distribute
+  _distribute = implementation
+
+
 class Dataset:
   """An immutable pipeline. Iterating it builds a fresh, stateful iterator."""
 
@@ -438,8 +450,7 @@ class Dataset:
   def distribute(self, service: str, processing_mode: Any = "parallel_epochs",
                  **kwargs: Any) -> "Dataset":
     """Runs this pipeline on jaxfeed service workers (see jaxfeed.service)."""
-    from jaxfeed.service import client  # the service sits right of ops
-    return client.distribute(self, service, processing_mode, **kwargs)
+    return _distribute(self, service, processing_mode, **kwargs)
 
   # ---- running -----------------------------------------------------------
   def with_options(self, options: Any) -> "Dataset":
