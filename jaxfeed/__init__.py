@@ -24,10 +24,12 @@ _EXPORTS = {
     "ShardOptions": "jaxfeed.sampler",
     "ShardByJaxProcess": "jaxfeed.sampler",
     "NoSharding": "jaxfeed.sampler",
+    "MixtureSampler": "jaxfeed.mixture",
     # sources
     "ArraySource": "jaxfeed.sources",
     "ArrayRecordSource": "jaxfeed.sources",
     "TFRecordSource": "jaxfeed.sources",
+    "ConcatSource": "jaxfeed.sources",
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
