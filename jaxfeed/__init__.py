@@ -45,6 +45,7 @@ _EXPORTS = {
     "save_checkpoint": "jaxfeed.loader",
     "restore_checkpoint": "jaxfeed.loader",
     "reshard_loader_states": "jaxfeed.loader",
+    "align_mixture_states": "jaxfeed.ops.mix",
     # text
     "ByteTokenizer": "jaxfeed.text",
     "HFTokenizer": "jaxfeed.text",

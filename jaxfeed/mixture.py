@@ -393,9 +393,11 @@ class MixtureSampler:
     history and where this shard stands in the global order."""
     return {"version": MIXTURE_STATE_VERSION, "segments": self.segments,
             "frontier": self.frontier(position),
-            # Only a single shard knows that nothing from its frontier on was
-            # read; several shards must be merged (`merge_mixture_states`).
-            "frontier_is_global": self._shard.shard_count == 1}
+            # Not even a single shard's frontier is where the new weights may
+            # start: a state may hold older snapshots of this one (an op's
+            # replay anchor), which must switch at the same position. See
+            # `jaxfeed.align_mixture_states`.
+            "frontier_is_global": False}
 
   def restored(self, state: Any) -> "MixtureSampler":
     """This sampler with a saved weight history; when this sampler's weights
@@ -413,11 +415,11 @@ class MixtureSampler:
       if not state["frontier_is_global"]:
         raise ValueError(
             f"{_OP}: the weights changed from {segments[-1][1]} to "
-            f"{list(self._weights)} on restore, but this state is one of "
-            "several shards', which cannot tell on their own where the new "
-            "weights may start. Merge every shard's state first with "
-            "jaxfeed.reshard_loader_states (also for the same number of "
-            "processes) and restore the merged state on every process.")
+            f"{list(self._weights)} on restore, but the state does not say "
+            "where the new weights may start. Pass the states of all "
+            "processes (a list of one for one process) through "
+            "jaxfeed.align_mixture_states first and restore this process's "
+            "result (or merge them with jaxfeed.reshard_loader_states).")
       switch = max(state["frontier"], segments[-1][0])
       if switch == segments[-1][0]:
         segments.pop()  # Nothing was read with those weights.
@@ -464,9 +466,10 @@ class MixtureSampler:
             f"shard_options={self._shard!r}, segments={self.segments})")
 
 
-def merge_mixture_states(states: list[dict]) -> dict:
+def merge_mixture_states(states: list[dict], frontier: int | None = None) -> dict:
   """One mixture state for all shards, whose frontier is global: every shard
-  has read nothing from it on (their largest frontier)."""
+  has read nothing from it on (their largest frontier, or `frontier` when
+  larger)."""
   segments = [state.get("segments") if isinstance(state, dict) else None
               for state in states]
   if any(s != segments[0] for s in segments):
@@ -477,4 +480,5 @@ def merge_mixture_states(states: list[dict]) -> dict:
   if not all(isinstance(f, int) and not isinstance(f, bool) for f in frontiers):
     raise ValueError(f"reshard: mixture states need integer frontiers, got "
                      f"{frontiers}.")
-  return {**states[0], "frontier": max(frontiers), "frontier_is_global": True}
+  return {**states[0], "frontier": max(frontiers + [frontier or 0]),
+          "frontier_is_global": True}

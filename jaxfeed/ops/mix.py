@@ -11,15 +11,15 @@ transform records (`map`, `filter`, ...) go after the mixture.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from jaxfeed.mixture import MixtureSampler
+from jaxfeed.mixture import MixtureSampler, merge_mixture_states
 from jaxfeed.ops import mixing
 from jaxfeed.ops.from_source import SourceNode
 from jaxfeed.sampler import IndexSampler, ShardOptions
 from jaxfeed.sources.concat_source import ConcatSource
 
-__all__ = ["mix_node"]
+__all__ = ["align_mixture_states", "mix_node"]
 
 _OP = "mix"
 
@@ -48,3 +48,59 @@ def mix_node(datasets: Sequence[Any], weights: Any = None, *, seed: int = 0,
     raise type(e)(f"{_OP}: {e}") from None
   return SourceNode(ConcatSource([node.source for node in nodes]), sampler)
 
+
+
+def align_mixture_states(states: Sequence[Any]) -> list:
+  """The states of all processes, ready to restore with new mixture weights.
+
+  Restored into a `mix` with other weights, a state needs to say from which
+  global position on the new weights apply: one that no process had read
+  yet. Given the states that processes `0 .. H-1` saved at one checkpoint
+  (`Loader.get_state()` or pipeline states; a list of one for one process),
+  this returns them in the same order with every mixture state in them set
+  to switch at the furthest position any of them reached, so that process
+  `h` can restore element `h`. Nothing else changes: unlike
+  `reshard_loader_states`, it works for every pipeline (open `pack` rows,
+  replay anchors, buffers, ...), on the same number of processes.
+
+  Raises:
+    ValueError: the states hold different numbers of mixtures or their weight
+      histories differ.
+  """
+  found: list[list] = []
+  for state in states:
+    found.append([])
+    _map_mixtures(state, lambda m, f=found[-1]: f.append(m) or m)
+  if any(len(f) != len(found[0]) for f in found):
+    raise ValueError(
+        f"align_mixture_states: the processes' states hold different numbers "
+        f"of mixtures: {[len(f) for f in found]}.")
+  # One switch position for every snapshot of every mixture: an op's replay
+  # anchor holds an older snapshot of the same mixture, which must switch
+  # where the newest one does.
+  furthest = max((merge_mixture_states(f)["frontier"] for f in found if f),
+                 default=0)
+  merged = [merge_mixture_states([f[i] for f in found], furthest)
+            for i in range(len(found[0]))]
+  aligned = []
+  for state in states:
+    replacements = iter(merged)
+    aligned.append(_map_mixtures(state, lambda m: next(replacements)))
+  return aligned
+
+
+def _map_mixtures(state: Any, fn: Callable[[dict], dict]) -> Any:
+  """`state` (a Loader or pipeline state) with `fn` applied to each mixture
+  state in it, depth first, own state before parents."""
+  if isinstance(state, dict):
+    out = {}
+    for key, value in state.items():
+      if (key == "own" and state.get("op") == SourceNode.op_name
+          and isinstance(value, dict) and "mixture" in value):
+        out[key] = {**value, "mixture": fn(value["mixture"])}
+      else:
+        out[key] = _map_mixtures(value, fn)
+    return out
+  if isinstance(state, list):
+    return [_map_mixtures(item, fn) for item in state]
+  return state
