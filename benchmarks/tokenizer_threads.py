@@ -17,7 +17,9 @@ processes hits them alike) and the median MB/s of text per configuration is
 printed as one JSON line each, with its ratio to per-document on 1 thread
 and `cores_busy`, this process's CPU seconds per second (worker processes not
 counted): above 1 only where threads encode at once, which a machine shared
-with other work shows better than the rates. Timing starts at the first
+with other work shows better than the rates, and `mb_per_cpu_second`, the
+text tokenized per CPU second of this process (the cost, whatever the
+load; null for worker processes, whose CPU is not counted). Timing starts at the first
 element of each run.
 
   python -m benchmarks.tokenizer_threads [--rounds 3] [--megabytes 4]
@@ -144,6 +146,9 @@ def main() -> None:
           "rate": round(rate, 2), "rates": [round(r, 2) for r in values[1:]],
           "ratio_vs_per_document_1_thread": round(rate / base, 2),
           "cores_busy": round(statistics.median(busy[name][1:]), 2),
+          "mb_per_cpu_second": None if configs[name][2] == "process" else round(
+              statistics.median(r / b for r, b in zip(values[1:], busy[name][1:])),
+              2),
           "tokens": tokens[name], "megabytes": round(size / 1e6, 2)}),
             flush=True)
     if len(set(tokens.values())) != 1:

@@ -102,8 +102,9 @@ class Dataset:
     `ShardByJaxProcess()`), not its components. The result is a
     `from_source` dataset: checkpoints resume exactly, also on another
     number of processes (`reshard_loader_states`), and a restored pipeline
-    may have new weights, which apply from the checkpoint on. See
-    `jaxfeed.mixture.MixtureSampler`.
+    may have new weights, which apply from the checkpoint on (restore the
+    states through `jaxfeed.align_mixture_states`). See
+    `jaxfeed.MixtureSampler`.
 
     Example: `Dataset.mix([Dataset.from_source(code, code_sampler),
     Dataset.from_source(prose, prose_sampler)], [0.7, 0.3])`.

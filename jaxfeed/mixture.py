@@ -21,7 +21,9 @@ Weights may change when a pipeline is restored: positions before the switch
 point keep their mapping, the new weights apply from it on, and each
 component's position counter carries over, so no component position is used
 twice. The history is a list of segments `[start, integer weights]`, saved in
-the pipeline state (see `from_source`).
+the pipeline state (see `from_source`) with the shard's frontier; the switch
+point is the furthest frontier of all shards' states, which
+`jaxfeed.align_mixture_states` (or resharding) writes into them.
 
 Sharding works on the mixture, never on its components: the global positions
 are laid out like the epochs of an unshuffled `IndexSampler` (one epoch of all
