@@ -49,7 +49,6 @@ def mix_node(datasets: Sequence[Any], weights: Any = None, *, seed: int = 0,
   return SourceNode(ConcatSource([node.source for node in nodes]), sampler)
 
 
-
 def align_mixture_states(states: Sequence[Any]) -> list:
   """The states of all processes, ready to restore with new mixture weights.
 
