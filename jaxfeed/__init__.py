@@ -27,10 +27,12 @@ _EXPORTS = {
     "ShardOptions": "jaxfeed.sampler",
     "ShardByJaxProcess": "jaxfeed.sampler",
     "NoSharding": "jaxfeed.sampler",
+    "MixtureSampler": "jaxfeed.mixture",
     # sources
     "ArraySource": "jaxfeed.sources",
     "ArrayRecordSource": "jaxfeed.sources",
     "TFRecordSource": "jaxfeed.sources",
+    "ConcatSource": "jaxfeed.sources",
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
@@ -46,6 +48,7 @@ _EXPORTS = {
     "save_checkpoint": "jaxfeed.loader",
     "restore_checkpoint": "jaxfeed.loader",
     "reshard_loader_states": "jaxfeed.loader",
+    "align_mixture_states": "jaxfeed.ops.mix",
     # text
     "ByteTokenizer": "jaxfeed.text",
     "HFTokenizer": "jaxfeed.text",

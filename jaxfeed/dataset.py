@@ -101,6 +101,30 @@ class Dataset:
         stop_on_empty_dataset=stop_on_empty_dataset))
 
   @staticmethod
+  def mix(datasets: Sequence["Dataset"], weights: Sequence[float] | None = None,
+          *, seed: int = 0, shard_options: Any = None) -> "Dataset":
+    """An index-level mixture of `from_source` datasets, like Grain's
+    `MapDataset.mix`.
+
+    Global position `q` of the mixture goes to a component chosen as a pure
+    function of (seed, q, weights), with the weights' proportions held
+    exactly at every prefix; each component reads its sampler's positions in
+    order, so it keeps its global shuffle and repeats nothing within its
+    epochs. Shard the mixture with `shard_options` (e.g.
+    `ShardByJaxProcess()`), not its components. The result is a
+    `from_source` dataset: checkpoints resume exactly, also on another
+    number of processes (`reshard_loader_states`), and a restored pipeline
+    may have new weights, which apply from the checkpoint on (restore the
+    states through `jaxfeed.align_mixture_states`). See
+    `jaxfeed.MixtureSampler`.
+
+    Example: `Dataset.mix([Dataset.from_source(code, code_sampler),
+    Dataset.from_source(prose, prose_sampler)], [0.7, 0.3])`.
+    """
+    return Dataset(_op("mix").mix_node(datasets, weights, seed=seed,
+                                       shard_options=shard_options))
+
+  @staticmethod
   def choose_from_datasets(datasets: Sequence["Dataset"], choice_dataset: "Dataset",
                            stop_on_empty_dataset: bool = True) -> "Dataset":
     """The next element of `datasets[c]` for each choice `c` of `choice_dataset`.
