@@ -48,6 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxfeed.service import delivery
+from jaxfeed.service import rpc_errors
 from jaxfeed.service import wire
 
 _HELLO_LEN = struct.Struct("<I")
@@ -199,6 +200,7 @@ class DataServer:
     self._max_connections = max_connections
     self._max_pending = max_pending_hellos
     self._hello_timeout_s = hello_timeout_s
+    self.errors = rpc_errors.ErrorCounts()  # refusals and failures, by status
     self._listener = socket.create_server((host, 0), backlog=128)
     self._listener.setblocking(False)
     self.port = self._listener.getsockname()[1]
@@ -321,9 +323,9 @@ class DataServer:
     conn.setblocking(True)
     thread.start()
 
-  @staticmethod
-  def _refuse(conn: socket.socket, error: DataConnectionError) -> None:
+  def _refuse(self, conn: socket.socket, error: DataConnectionError) -> None:
     """Sends the error without blocking the accept loop (best effort)."""
+    self.errors.add(rpc_errors.DATA_SOCKET, error.status)
     payload = json.dumps({"status": error.status, "message": str(error)}).encode()
     try:
       conn.send(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0, 0) + payload)
@@ -370,6 +372,7 @@ class DataServer:
       status = getattr(e, "status", "INTERNAL")
       if isinstance(e, OSError) and not isinstance(e, DataConnectionError):
         return  # the connection broke (or a newer one of its client took over)
+      self.errors.add(rpc_errors.DATA_SOCKET, status)
       payload = json.dumps({"status": status, "message": str(e)}).encode()
       try:
         conn.sendall(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0, 0) + payload)
@@ -435,12 +438,21 @@ class DataConnection:
     self._sock.settimeout(None)
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
+    self._closed = False
 
   def next_item(self) -> tuple[int, int, np.ndarray | None, int] | None:
     """The next (kind, seq, frame, round): KIND_FRAME, KIND_SPLIT_END
     (exactly-once: the split starting at `round` ended; no frame) or
     KIND_KEEPALIVE; None at the end (then `end_stats` holds the task's
     statistics). Raises DataConnectionError."""
+    try:
+      return self._next_item()
+    except DataConnectionError as e:
+      if not self._closed:  # closed here: cancelled, not failed
+        rpc_errors.CLIENT_ERRORS.add(rpc_errors.DATA_SOCKET, e.status)
+      raise
+
+  def _next_item(self) -> tuple[int, int, np.ndarray | None, int] | None:
     try:
       kind, length, round_index, seq = _FRAME_PREFIX.unpack(
           _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))
@@ -469,6 +481,7 @@ class DataConnection:
       raise DataConnectionError(f"Data connection failed: {e}") from e
 
   def close(self) -> None:
+    self._closed = True
     try:
       self._sock.shutdown(socket.SHUT_RDWR)
     except OSError:

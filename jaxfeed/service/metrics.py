@@ -21,11 +21,22 @@ Dispatcher (per job where labelled `job`):
   jaxfeed_journal_replay_seconds        how long that replay took
   jaxfeed_pool_workers                  workers of the elastic pool
   jaxfeed_pool_scaling_decisions_total  the pool's decisions, by direction
+  jaxfeed_rpc_errors_total              calls answered with a status other than OK,
+                                        by method and code
 Worker:
   jaxfeed_worker_tasks                  tasks it runs
   jaxfeed_worker_elements_served_total  elements (batches) sent to consumers, by job
   jaxfeed_worker_bytes_served_total     their encoded bytes, by job
   jaxfeed_worker_errors_total           task failures sent to consumers, by job
+  jaxfeed_rpc_errors_total              calls answered with a status other than OK,
+                                        by method ("data_socket": the data socket's
+                                        refusals and failures) and code
+  jaxfeed_client_rpc_errors_total       the worker's own calls (to the dispatcher)
+                                        that failed, by method and code
+Client (`jaxfeed.service.serve_client_metrics()`, in the trainer's process):
+  jaxfeed_client_rpc_errors_total       the process's calls to dispatcher and
+                                        workers that failed, by method and code
+                                        (cancelled calls are no errors)
 """
 
 from __future__ import annotations
@@ -34,6 +45,8 @@ import collections
 import os
 import threading
 from typing import Any, Iterator
+
+from jaxfeed.service import rpc_errors
 
 # --metrics_port's value that serves no metrics.
 OFF = -1
@@ -123,6 +136,22 @@ def _families():
   return core.GaugeMetricFamily, core.CounterMetricFamily
 
 
+def _error_family(name: str, doc: str, *counts: rpc_errors.ErrorCounts) -> Any:
+  """A counter by method and code of what `counts` hold together."""
+  _, counter = _families()
+  total: collections.Counter = collections.Counter()
+  for one in counts:
+    total.update(one.snapshot())
+  family = counter(name, doc, labels=["method", "code"])
+  for (method, code), value in sorted(total.items()):
+    family.add_metric([method, code], value)
+  return family
+
+
+_SERVED_ERRORS_DOC = "Calls answered with a status other than OK, by method and code."
+_CLIENT_ERRORS_DOC = "Calls this process made that failed, by method and code."
+
+
 class _DispatcherCollector:
   """Reads a `DispatchServer`'s state at each scrape."""
 
@@ -167,6 +196,8 @@ class _DispatcherCollector:
                 value=state.replay_stats.records)
     yield gauge("jaxfeed_journal_replay_seconds", "How long the last restart's replay took.",
                 value=getattr(state, "replay_seconds", 0.0))
+    yield _error_family("jaxfeed_rpc_errors", _SERVED_ERRORS_DOC,
+                        self._server._server.errors)  # pylint: disable=protected-access
     autoscaler = self._server.autoscaler
     if autoscaler is not None:
       decisions = list(autoscaler.decisions)
@@ -195,11 +226,18 @@ def _folder_bytes(folder: str | None) -> int:
 class _WorkerCollector:
   """Reads a `WorkerServer`'s counts at each scrape."""
 
-  def __init__(self, worker: Any):
-    self._worker = worker
+  def __init__(self, server: Any):
+    # pylint: disable=protected-access
+    self._worker = server._worker
+    self._errors = [server._server.errors]
+    if server._data_server is not None:
+      self._errors.append(server._data_server.errors)
 
   def collect(self) -> Iterator[Any]:
     gauge, counter = _families()
+    yield _error_family("jaxfeed_rpc_errors", _SERVED_ERRORS_DOC, *self._errors)
+    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC,
+                        rpc_errors.CLIENT_ERRORS)
     with self._worker.lock:
       tasks = len(self._worker.tasks)
     yield gauge("jaxfeed_worker_tasks", "Tasks the worker runs.", value=tasks)
@@ -225,7 +263,23 @@ def serve_worker(server: Any, host: str, port: int) -> MetricsServer | None:
   """Serves a `WorkerServer`'s metrics on host:port (0: a free port); None when port is OFF."""
   if check_port(port) == OFF:
     return None
-  return MetricsServer(_WorkerCollector(server._worker), host, port)  # pylint: disable=protected-access
+  return MetricsServer(_WorkerCollector(server), host, port)
+
+
+class _ClientCollector:
+  """The process's failed calls, at each scrape."""
+
+  def collect(self) -> Iterator[Any]:
+    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC,
+                        rpc_errors.CLIENT_ERRORS)
+
+
+def serve_client_metrics(host: str = "127.0.0.1", port: int = 0) -> MetricsServer | None:
+  """Serves the client side's metrics of this process (the trainer's) on
+  host:port (0: a free port); None when port is OFF. `close()` stops it."""
+  if check_port(port) == OFF:
+    return None
+  return MetricsServer(_ClientCollector(), host, port)
 
 
 def check_port(port: int) -> int:
