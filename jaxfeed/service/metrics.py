@@ -25,6 +25,8 @@ Dispatcher (per job where labelled `job`):
                                         by method and code
 Worker:
   jaxfeed_worker_tasks                  tasks it runs
+  jaxfeed_worker_buffer_fill            fill (0..1) of its tasks' buffers of produced
+                                        batches, by job (the mean over its tasks)
   jaxfeed_worker_elements_served_total  elements (batches) sent to consumers, by job
   jaxfeed_worker_bytes_served_total     their encoded bytes, by job
   jaxfeed_worker_errors_total           task failures sent to consumers, by job
@@ -93,11 +95,16 @@ class ServedCounts:
     with self._lock:
       self._job_of[task.task_id] = task.job_id
 
+  def job_of(self, task_id: int) -> str:
+    """The job of a tracked task, as a label ("" if not tracked)."""
+    with self._lock:
+      return str(self._job_of.get(task_id, ""))
+
   def counting(self, task_id: int, source: Any) -> "_CountedSource":
     """`source` (a task's runner or shared-stream reader) with what its
     `take()` hands out counted: each produced frame once, however often a
     client's stream sends it again after a broken connection."""
-    return _CountedSource(self, str(self._job_of.get(task_id, "")), source)
+    return _CountedSource(self, self.job_of(task_id), source)
 
   def _add(self, job: str, frames: list) -> None:
     with self._lock:
@@ -239,8 +246,17 @@ class _WorkerCollector:
     yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC,
                         rpc_errors.CLIENT_ERRORS)
     with self._worker.lock:
-      tasks = len(self._worker.tasks)
-    yield gauge("jaxfeed_worker_tasks", "Tasks the worker runs.", value=tasks)
+      tasks = dict(self._worker.tasks)
+    yield gauge("jaxfeed_worker_tasks", "Tasks the worker runs.", value=len(tasks))
+    fills = collections.defaultdict(list)
+    for task_id, runner in tasks.items():
+      if hasattr(runner, "buffer_fill"):  # a shared stream's reader has none of its own
+        fills[self._worker.served.job_of(task_id)].append(runner.buffer_fill())
+    fill = gauge("jaxfeed_worker_buffer_fill",
+                 "Mean fill (0..1) of the buffers of produced batches.", labels=["job"])
+    for job, values in sorted(fills.items()):
+      fill.add_metric([job], sum(values) / len(values))
+    yield fill
     served, sent, errors = self._worker.served.snapshot()
     for name, doc, values in (
         ("jaxfeed_worker_elements_served", "Elements (batches) sent to consumers.", served),

@@ -80,9 +80,10 @@ def test_dispatcher_and_worker_export_what_they_serve(cluster, tmp_path):
   # need an elastic pool).
   listed = {n for n in _listed_metrics() if not n.startswith("jaxfeed_pool_")}
   exported = {name for name, _ in [*during, *served]}
-  errors = {"jaxfeed_worker_errors_total", "jaxfeed_rpc_errors_total",
-            "jaxfeed_client_rpc_errors_total"}  # see the error tests
-  assert listed - errors <= exported, listed - exported
+  # Checked by tests of their own: errors, and the buffers of live tasks.
+  own_tests = {"jaxfeed_worker_errors_total", "jaxfeed_rpc_errors_total",
+               "jaxfeed_client_rpc_errors_total", "jaxfeed_worker_buffer_fill"}
+  assert listed - own_tests <= exported, listed - exported
 
 
 def _errors(samples: dict, name: str) -> dict[tuple[str, str], float]:
@@ -170,6 +171,28 @@ def test_rpc_errors_are_counted_by_method_and_code_on_both_ends(cluster, tmp_pat
       ("WorkerHeartbeat", "UNAVAILABLE")):
     assert time.monotonic() < deadline, "no failed heartbeat was counted"
     time.sleep(0.2)
+
+
+def test_worker_buffer_fill_rises_when_its_consumer_stops_reading():
+  from jaxfeed import service  # pylint: disable=g-import-not-at-top
+  with service.DispatchServer() as dispatcher, service.WorkerServer(service.WorkerConfig(
+      dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2,
+      buffer_size=4)) as worker:
+    server = metrics.serve_worker(worker, "127.0.0.1", 0)
+    try:
+      with jaxfeed.Dataset.range(10**6).distribute(
+          dispatcher.target).make_iterator() as iterator:
+        next(iterator)
+        job = str(next(iter(dispatcher.state.jobs)))
+        fills = []
+        deadline = time.monotonic() + 60
+        while not fills or fills[-1] < 1.0:  # the client's buffer, then the worker's
+          assert time.monotonic() < deadline, fills[-5:]
+          fills.append(value(scrape(server.url), "jaxfeed_worker_buffer_fill", job=job))
+          time.sleep(0.05)
+        assert all(0 <= f <= 1 for f in fills)
+    finally:
+      server.close()
 
 
 def test_a_healthy_read_counts_no_errors_on_either_end():
