@@ -28,6 +28,25 @@ def run_cli(*args, timeout=120, cwd=REPO):
                         capture_output=True, text=True, timeout=timeout)
 
 
+def kill_mid_conversion(src, out, num_shards=40):
+  """SIGKILLs `jaxfeed convert SRC OUT` once its third shard is complete;
+  returns (the shard paths, those complete then)."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen([sys.executable, "-m", "jaxfeed.cli", "convert", str(src),
+                           str(out), f"--num_shards={num_shards}", "--workers=1"],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  paths = cli.shard_paths(str(out), num_shards)
+  deadline = time.monotonic() + 60
+  while not os.path.exists(paths[2]) and time.monotonic() < deadline:
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=30)
+  done_before = [p for p in paths if os.path.exists(p)]
+  assert 3 <= len(done_before) < num_shards, "the conversion was not caught mid-way"
+  return paths, done_before
+
+
 @pytest.mark.parametrize("shards,workers", [(1, 1), (3, 2)])
 def test_convert_round_trips_every_record(tmp_path, shards, workers):
   original = records(500)
@@ -46,18 +65,7 @@ def test_a_killed_conversion_keeps_its_finished_shards_and_completes(tmp_path):
   src = tmp_path / "in.tfrecord"
   jaxfeed.write_tfrecord(str(src), original)
   out = tmp_path / "out.array_record"
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen([sys.executable, "-m", "jaxfeed.cli", "convert", str(src),
-                           str(out), "--num_shards=40", "--workers=1"], cwd=REPO,
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  paths = cli.shard_paths(str(out), 40)
-  deadline = time.monotonic() + 60
-  while not os.path.exists(paths[2]) and time.monotonic() < deadline:
-    time.sleep(0.005)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait(timeout=30)
-  done_before = [p for p in paths if os.path.exists(p)]
-  assert 3 <= len(done_before) < 40, "the conversion was not caught mid-way"
+  paths, done_before = kill_mid_conversion(src, out)
   result = cli.convert([str(src)], str(out), num_shards=40, progress=False)
   assert result["skipped"] == len(done_before)
   back = jaxfeed.ArrayRecordSource(paths)
@@ -154,19 +162,7 @@ def test_a_killed_table_conversion_completes_without_duplicates(tmp_path):
   columns = {"index": np.arange(20000)}
   np.savez(tmp_path / "in.npz", **columns)
   out = tmp_path / "out.parquet"
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen([sys.executable, "-m", "jaxfeed.cli", "convert",
-                           str(tmp_path / "in.npz"), str(out), "--num_shards=40",
-                           "--workers=1"], cwd=REPO, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  paths = cli.shard_paths(str(out), 40)
-  deadline = time.monotonic() + 60
-  while not os.path.exists(paths[2]) and time.monotonic() < deadline:
-    time.sleep(0.005)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait(timeout=30)
-  done_before = [p for p in paths if os.path.exists(p)]
-  assert 3 <= len(done_before) < 40, "the conversion was not caught mid-way"
+  paths, done_before = kill_mid_conversion(tmp_path / "in.npz", out)
   done = run_cli("convert", str(tmp_path / "in.npz"), str(out), "--num_shards=40",
                  "--workers=2")
   assert done.returncode == 0, done.stderr
