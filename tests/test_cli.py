@@ -158,18 +158,27 @@ def test_parquet_rows_of_different_lengths_and_nulls_round_trip(tmp_path):
   assert back.column("text").to_pylist() == [b"a", None, "ü".encode(), b""]
 
 
-def test_a_killed_table_conversion_completes_without_duplicates(tmp_path):
+@pytest.mark.parametrize("source,target", [(".npz", ".parquet"), (".parquet", ".tfrecord")])
+def test_a_killed_table_conversion_completes_without_duplicates(tmp_path, source, target):
   columns = {"index": np.arange(20000)}
-  np.savez(tmp_path / "in.npz", **columns)
-  out = tmp_path / "out.parquet"
-  paths, done_before = kill_mid_conversion(tmp_path / "in.npz", out)
-  done = run_cli("convert", str(tmp_path / "in.npz"), str(out), "--num_shards=40",
+  write_table(tmp_path / f"in{source}", columns, row_group_size=500)
+  out = tmp_path / f"out{target}"
+  paths, done_before = kill_mid_conversion(tmp_path / f"in{source}", out)
+  done = run_cli("convert", str(tmp_path / f"in{source}"), str(out), "--num_shards=40",
                  "--workers=2")
   assert done.returncode == 0, done.stderr
   assert json.loads(done.stdout)["skipped"] == len(done_before)
-  np.testing.assert_array_equal(read_table(paths)["index"], columns["index"])
-  # Nothing half-written is left beside the shards.
-  assert sorted(os.listdir(tmp_path)) == sorted(["in.npz", *map(os.path.basename, paths)])
+  if target == ".tfrecord":
+    spec = {"index": jaxfeed.FixedLenFeature([], np.int64)}
+    got = [jaxfeed.parse_single_example(r, spec)["index"]
+           for r in jaxfeed.TFRecordSource(paths).get_many(range(20000))]
+  else:
+    got = read_table(paths)["index"]
+  np.testing.assert_array_equal(got, columns["index"])
+  # Nothing half-written is left beside the shards (TFRecordSource's
+  # offset indexes aside).
+  left = [name for name in os.listdir(tmp_path) if not name.endswith(".idx")]
+  assert sorted(left) == sorted([f"in{source}", *map(os.path.basename, paths)])
 
 
 @pytest.mark.parametrize("ext", [".npz", ".parquet"])
