@@ -80,3 +80,9 @@ def most_concurrent(x):
   with lock:
     _CONCURRENT["now"] -= 1
     return {"x": x, "most": _CONCURRENT["most"]}
+
+
+def fails_at_five(x):
+  if x == 5:
+    raise ValueError("element five is bad")
+  return x

@@ -195,6 +195,24 @@ def test_worker_buffer_fill_rises_when_its_consumer_stops_reading():
       server.close()
 
 
+def test_a_failing_pipeline_counts_a_task_error_for_its_job():
+  import service_udfs  # pylint: disable=g-import-not-at-top
+  from jaxfeed import service  # pylint: disable=g-import-not-at-top
+  with service.DispatchServer() as dispatcher, service.WorkerServer(service.WorkerConfig(
+      dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2)) as worker:
+    server = metrics.serve_worker(worker, "127.0.0.1", 0)
+    try:
+      dataset = jaxfeed.Dataset.range(20).map(service_udfs.fails_at_five)
+      with dataset.distribute(dispatcher.target).make_iterator() as iterator:
+        assert next(iterator) == 0
+        job = str(next(iter(dispatcher.state.jobs)))
+        with pytest.raises(Exception, match="element five is bad"):
+          list(iterator)
+      assert value(scrape(server.url), "jaxfeed_worker_errors_total", job=job) == 1
+    finally:
+      server.close()
+
+
 def test_a_healthy_read_counts_no_errors_on_either_end():
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
   with service.DispatchServer() as dispatcher, service.WorkerServer(service.WorkerConfig(
