@@ -256,6 +256,14 @@ def test_progress_is_silent_off_a_terminal_and_drawn_on_one(capsys):
   assert "loud work" in capsys.readouterr().err
 
 
+def test_a_conversion_draws_its_progress_on_a_terminal_only(tmp_path, capsys):
+  np.savez(tmp_path / "t.npz", x=np.arange(300))
+  cli.convert([str(tmp_path / "t.npz")], str(tmp_path / "a.tfrecord"), progress=True)
+  assert "convert -> a.tfrecord" in capsys.readouterr().err
+  cli.convert([str(tmp_path / "t.npz")], str(tmp_path / "b.tfrecord"))  # stderr is no tty
+  assert capsys.readouterr().err == ""
+
+
 def test_the_console_script_is_installed_with_the_package():
   script = os.path.join(os.path.dirname(sys.executable), "jaxfeed")
   assert os.path.exists(script), "pip install -e . installs the jaxfeed command"
