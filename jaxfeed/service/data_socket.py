@@ -34,6 +34,7 @@ each until they are dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import select
@@ -412,6 +413,21 @@ class DataServer:
       thread.join(timeout=5)
 
 
+def _counting_failures(next_item: Callable) -> Callable:
+  """`DataConnection.next_item` with its failures counted in
+  `rpc_errors.CLIENT_ERRORS`, unless the connection was closed here."""
+
+  @functools.wraps(next_item)
+  def counted(self: "DataConnection") -> Any:
+    try:
+      return next_item(self)
+    except DataConnectionError as e:
+      if not self._closed:  # pylint: disable=protected-access
+        rpc_errors.CLIENT_ERRORS.add(rpc_errors.DATA_SOCKET, e.status)
+      raise
+  return counted
+
+
 class DataConnection:
   """A client's connection to one task on a worker's data port.
 
@@ -423,6 +439,7 @@ class DataConnection:
                ssl_context: ssl.SSLContext | None = None,
                max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
     self._max_frame_bytes = max_frame_bytes
+    self._closed = False  # by close(): what fails after it was cancelled
     host, port = address.rsplit(":", 1)
     self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -438,21 +455,13 @@ class DataConnection:
     self._sock.settimeout(None)
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
-    self._closed = False
 
+  @_counting_failures
   def next_item(self) -> tuple[int, int, np.ndarray | None, int] | None:
     """The next (kind, seq, frame, round): KIND_FRAME, KIND_SPLIT_END
     (exactly-once: the split starting at `round` ended; no frame) or
     KIND_KEEPALIVE; None at the end (then `end_stats` holds the task's
     statistics). Raises DataConnectionError."""
-    try:
-      return self._next_item()
-    except DataConnectionError as e:
-      if not self._closed:  # closed here: cancelled, not failed
-        rpc_errors.CLIENT_ERRORS.add(rpc_errors.DATA_SOCKET, e.status)
-      raise
-
-  def _next_item(self) -> tuple[int, int, np.ndarray | None, int] | None:
     try:
       kind, length, round_index, seq = _FRAME_PREFIX.unpack(
           _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))

@@ -250,6 +250,12 @@ class TaskRunner:
     with self._cond:
       return self._stats_locked()
 
+  def _stats_locked(self) -> dict:
+    if self._rounds is None:
+      return {}
+    assembler = self._assembler.stats if self._assembler is not None else {}
+    return {**self._rounds.stats, **assembler}
+
   def buffer_fill(self) -> float:
     """How full (0..1) the buffer of produced batches (rounds, for
     round-robin jobs) is."""
@@ -259,12 +265,6 @@ class TaskRunner:
       else:
         held = self._fifo_frames if self.exactly_once else len(self._fifo)
       return min(1.0, held / self._buffer_size)
-
-  def _stats_locked(self) -> dict:
-    if self._rounds is None:
-      return {}
-    assembler = self._assembler.stats if self._assembler is not None else {}
-    return {**self._rounds.stats, **assembler}
 
   # -- lifetime ---------------------------------------------------------------
   @property
