@@ -86,4 +86,3 @@ def most_concurrent(x):
   with lock:
     _CONCURRENT["now"] -= 1
     return {"x": x, "most": _CONCURRENT["most"]}
-
