@@ -54,6 +54,7 @@ from jaxfeed.service import data_socket
 from jaxfeed.service import delivery
 from jaxfeed.service import element_chunks
 from jaxfeed.service import heartbeat_pacing
+from jaxfeed.service import read_state
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
@@ -286,8 +287,8 @@ class _Fetcher:
             "window": delivery.DEFAULT_WINDOW}
 
   def _items(self):
-    """One connection's items: (seq, frame, round), (seq, None, split start)
-    at an exactly-once split's end, None for a keepalive."""
+    """One connection's items: (seq, frame, round, 0), (seq, None, split
+    start, split stop) at an exactly-once split's end, None for a keepalive."""
     read = self._read
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
@@ -309,7 +310,8 @@ class _Fetcher:
             self.end_stats = conn.end_stats
             return
           kind, seq, frame, round_index = item
-          yield None if kind == data_socket.KIND_KEEPALIVE else (seq, frame, round_index)
+          yield None if kind == data_socket.KIND_KEEPALIVE else (
+              seq, frame, round_index, conn.split_stop if frame is None else 0)
       finally:
         conn.close()
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
@@ -337,12 +339,12 @@ class _Fetcher:
           self.end_stats = chunk.end_stats()
           return
         if chunk.split_end:
-          yield chunk.seq, None, chunk.round
+          yield chunk.seq, None, chunk.round, chunk.split_stop
           continue
         frame = frames.add(chunk)
         if frame is not None:
           data, round_index, seq = frame
-          yield seq, data, round_index
+          yield seq, data, round_index, 0
     finally:
       channel.close()
 
@@ -407,7 +409,7 @@ class _Fetcher:
     """Hands one received item on (exactly-once: each split once whole) and
     acknowledges it to the worker now and then; False once the read stops."""
     read = self._read
-    seq, frame, round_index = item
+    seq, frame, round_index, split_stop = item
     if seq != self.received:
       if seq < self.received:  # already had it
         return True
@@ -427,7 +429,7 @@ class _Fetcher:
             "after elements of another split.")
       whole, split[:] = list(split), []
       if read.ack(round_index):  # else sent again: this read already had it
-        for element in whole:
+        for element in read.progress.arrived(round_index, split_stop, whole):
           taken = taken and self._put(element)
     if self.received - self._acked >= _ACK_EVERY and self._send_ack is not None:
       self._send_ack(self.received)
@@ -477,8 +479,11 @@ _END = object()
 class _ReadState:
   """Everything a read's threads share; the iterator owns and closes it."""
 
-  def __init__(self, node: DistributedNode):
+  def __init__(self, node: DistributedNode,
+               progress: read_state.SplitProgress | None = None):
     self.node = node
+    # Exactly-once: what the consumer took (a restored read goes on from it).
+    self.progress = progress or read_state.SplitProgress()
     self.stop = threading.Event()
     self.lock = threading.Lock()
     self.error: BaseException | None = None
@@ -539,10 +544,15 @@ class _ReadState:
       dataset_id = node.resolve_dataset_id()
       job_call = _dispatcher_caller(self.channel, "GetOrCreateJob",
                                     pb.GetOrCreateJobResponse, node.auth_token)
+      job_name, done, partial = node.job_name or "", *self.progress.resume_ranges
+      if job_name and self.progress.resumed_from:
+        job_name = read_state.resume_job_name(job_name, self.progress.resumed_from)
       try:
         job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=node.policy.value,
-            job_name=node.job_name or "", num_consumers=node.num_consumers or 0,
+            resume_done=[pb.SplitRange(start=a, stop=b) for a, b in done],
+            resume_partial=[pb.SplitRange(start=a, stop=b) for a, b in partial],
+            job_name=job_name, num_consumers=node.num_consumers or 0,
             consumer_index=node.consumer_index or 0,
             round_timeout_s=node.round_timeout_s or 0.0,
             exactly_once=node.visitation == "exactly_once",
@@ -719,7 +729,9 @@ class DistributedIterator(base.OpIterator):
     read = self._read
     while True:
       try:
-        element, _ = read.buffer.get(timeout=_POLL_S)
+        element, tag = read.buffer.get(timeout=_POLL_S)
+        if isinstance(tag, read_state.SplitTag):
+          read.progress.took(tag)
         self._elements += 1
         return element
       except queue.Empty:
@@ -810,13 +822,34 @@ class DistributedIterator(base.OpIterator):
     self._ended_pending = 0
 
   def _get_own_state(self) -> dict:
-    return {"elements_read": self._elements}
+    if self._read.node.visitation != "exactly_once":
+      return {"elements_read": self._elements}
+    return {"elements_read": self._elements, "splits": self._read.progress.state()}
 
   def _set_own_state(self, state: dict) -> None:
+    """Exactly-once reads go on where the state was taken, on a new job (see
+    `jaxfeed.service.read_state`); other reads only restore a state of
+    nothing read."""
+    node = self._read.node
+    if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
+      try:
+        progress = read_state.SplitProgress(state["splits"])
+      except read_state.ResumeStateError as e:
+        raise base.PipelineStateError(str(e)) from e
+      if progress.started:
+        self._finalizer.detach()
+        self._read.close()
+        self._read = _ReadState(node, progress)
+        self._finalizer = weakref.finalize(self, self._read.close)
+      self._elements = int(state.get("elements_read", 0))
+      return
     if state.get("elements_read", 0) != self._elements:
       raise base.PipelineStateError(
-          "A service read cannot resume at a position: the workers' output "
-          f"order is not reproducible (state {state}); start a new read.")
+          f"A {node.policy.name} read with {node.visitation} visitation cannot "
+          f"resume at a position (state {str(state):.200}): the workers' output "
+          "order is not reproducible. Only distributed_epoch reads with "
+          "visitation='exactly_once' resume (see jaxfeed.service.read_state); "
+          "start a new read, e.g. restore_checkpoint(..., restore_loader=False).")
 
   def _close_own(self) -> None:
     self._finalizer()

@@ -26,6 +26,7 @@ from jaxfeed.service import autoscale as autoscale_lib
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import journal as journal_lib
 from jaxfeed.service import metrics as metrics_lib
+from jaxfeed.service import read_state
 from jaxfeed.service import journal_records
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
@@ -202,6 +203,9 @@ class _Job:
   # Task id -> (request_seq, ranges) of its last GetSplits that handed out
   # ranges: a request repeated after a lost reply gets the same ones.
   last_splits: dict[int, tuple[int, list]] = dataclasses.field(default_factory=dict)
+  # A resumed exactly-once read's job: positions no split is carved from (sorted
+  # disjoint [start, stop) ranges; see jaxfeed.service.read_state).
+  skip: list = dataclasses.field(default_factory=list)
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
@@ -357,7 +361,9 @@ class DispatcherState:
       job = _Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
                  r["job_name"], r["num_consumers"], r["num_positions"],
                  r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False),
-                 ephemeral_sharing=r.get("ephemeral_sharing", False))
+                 ephemeral_sharing=r.get("ephemeral_sharing", False),
+                 skip=read_state.merge_ranges(r.get("skip", [])))
+      job.next_position = read_state.skip_to(job.skip, 0)
       self.jobs[job.job_id] = job
       if job.job_name:
         self.job_by_name[job.job_name] = job.job_id
@@ -508,8 +514,13 @@ class DispatcherState:
       if job is None:
         if policy == ShardingPolicy.DYNAMIC and dataset_def.num_positions == 0:
           pass  # an empty pipeline: the job finishes at once
+        done = [[r.start, r.stop] for r in request.resume_done]
+        partial = [[r.start, r.stop] for r in request.resume_partial]
+        read_state.check_resume_ranges(done, partial, int(dataset_def.num_positions))
         job_id = self._next_id()
         self._record({"kind": "job", "id": job_id, "dataset_id": request.dataset_id,
+                      **({"skip": read_state.merge_ranges(done + partial)}
+                         if done or partial else {}),
                       "policy": policy.value, "job_name": request.job_name,
                       "num_consumers": request.num_consumers,
                       "num_positions": int(dataset_def.num_positions),
@@ -517,6 +528,8 @@ class DispatcherState:
                                           or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
                       "exactly_once": request.exactly_once,
                       "ephemeral_sharing": request.ephemeral_sharing})
+        if partial:  # issued again first, whole
+          self._record({"kind": "splits_lost", "job_id": job_id, "ranges": partial})
         job = self.jobs[job_id]
         self._assign_tasks(job)
       holder = next((c for c, i in job.consumers.items()
@@ -759,8 +772,9 @@ class DispatcherState:
         stop = start + split_size
         if job.num_positions >= 0:
           stop = min(stop, job.num_positions)
+        stop = read_state.clip(job.skip, start, stop)
         ranges.append(pb.SplitRange(start=start, stop=stop))
-        start = stop
+        start = read_state.skip_to(job.skip, stop)
       issued = {"task_id": request.task_id, "ranges": [[r.start, r.stop] for r in ranges]}
       if request.request_seq:
         issued["request_seq"] = request.request_seq
@@ -889,6 +903,8 @@ def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy
     raise ValueError(
         f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
         f"got {policy.name} and num_consumers={k}.")
+  if (request.resume_done or request.resume_partial) and not request.exactly_once:
+    raise ValueError("Only exactly-once reads resume from a saved state.")
   if request.ephemeral_sharing and (policy != ShardingPolicy.OFF or k):
     raise ValueError(
         f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
