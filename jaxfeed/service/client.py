@@ -824,7 +824,8 @@ class DistributedIterator(base.OpIterator):
   def _get_own_state(self) -> dict:
     if self._read.node.visitation != "exactly_once":
       return {"elements_read": self._elements}
-    return {"elements_read": self._elements, "splits": self._read.progress.state()}
+    return {"elements_read": self._elements, "splits": self._read.progress.state(),
+            "job_name": self._read.node.job_name or ""}
 
   def _set_own_state(self, state: dict) -> None:
     """Exactly-once reads go on where the state was taken, on a new job (see

@@ -192,3 +192,69 @@ class SplitProgress:
     """Whether anything was taken (or restored)."""
     with self._lock:
       return bool(self._done or self._partial)
+
+
+def merge_states(states: Sequence[dict]) -> dict:
+  """One state of what the consumers of a shared job took together, from
+  each consumer's `SplitProgress.state()`.
+
+  Each split went to one consumer; consumers restored from one merged state
+  all list its partly taken splits, and the one that took more of a split
+  (or all of it) knows best.
+  """
+  checked = [check_state(state) for state in states]
+  done = merge_ranges(r for d, _ in checked for r in d)
+  taken: dict[tuple[int, int], int] = {}
+  for _, partial in checked:
+    for start, stop, count in partial:
+      taken[(start, stop)] = max(count, taken.get((start, stop), 0))
+  partial = [[start, stop, count] for (start, stop), count in sorted(taken.items())
+             if skip_to(done, start) == start]  # not taken whole by another
+  merged = {"version": STATE_VERSION, "done": done, "partial": partial}
+  check_state(merged)  # a split twice: states of different jobs or epochs
+  return merged
+
+
+def merge_process_states(pipeline_states: Sequence[Any]) -> list[Any]:
+  """The processes' pipeline states with each shared exactly-once read's
+  state replaced by what all its consumers took (`merge_states`).
+
+  `pipeline_states[h]` is process h's (an op state tree, see
+  `jaxfeed.ops.base.OpIterator.get_state`). Reads of one job are those at
+  the same place in the pipeline with the same `job_name`; reads without a
+  job name (each process its own job) stay as they are. Restoring the result
+  on every process resumes the shared job once, on one new job.
+  """
+  states = [json.loads(json.dumps(state)) for state in pipeline_states]
+
+  def visit(nodes: list) -> None:
+    if not all(isinstance(n, dict) and "own" in n for n in nodes):
+      return
+    groups: dict[str, list[dict]] = {}
+    for node in nodes:
+      own = node.get("own")
+      if (node.get("op") == "distribute" and isinstance(own, dict) and own.get("job_name")
+          and "splits" in own):
+        groups.setdefault(own["job_name"], []).append(own)
+    for owns in groups.values():
+      merged = merge_states([own["splits"] for own in owns])
+      for own in owns:
+        own["splits"] = merged
+    parents = [n.get("parents") for n in nodes]
+    if all(isinstance(p, list) and len(p) == len(parents[0]) for p in parents):
+      for i in range(len(parents[0])):
+        visit([p[i] for p in parents])
+
+  visit(states)
+  return states
+
+
+def has_shared_read(pipeline_state: Any) -> bool:
+  """Whether the state holds an exactly-once read of a named (shared) job."""
+  if not isinstance(pipeline_state, dict):
+    return False
+  own = pipeline_state.get("own")
+  if (pipeline_state.get("op") == "distribute" and isinstance(own, dict)
+      and own.get("job_name") and "splits" in own):
+    return True
+  return any(has_shared_read(p) for p in pipeline_state.get("parents") or ())

@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import subprocess
+import threading
 import sys
 
 import numpy as np
@@ -22,6 +23,7 @@ import pytest
 import jaxfeed
 import resume_trainer as trainer
 from jaxfeed.ops import base
+from jaxfeed.service import read_state
 from service_cluster import REPO_ROOT, TESTS_DIR, ServiceProcess, free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -123,3 +125,41 @@ def test_a_state_of_another_dataset_is_refused_naming_the_positions(cluster):
     iterator.set_state(state)
     with pytest.raises(ValueError, match="outside the dataset's 8 positions"):
       next(iterator)
+
+
+def test_consumers_of_a_shared_job_resume_it_together_exactly_once(cluster):
+  dispatcher = cluster("dispatcher", "--port=0", "--split_size=6")
+  for _ in range(2):
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  dataset = jaxfeed.Dataset.range(120).batch(4).distribute(
+      dispatcher.address, "distributed_epoch", job_name="shared", visitation="exactly_once",
+      max_outstanding_requests=2)
+  consumers = [dataset.make_iterator() for _ in range(2)]
+  try:
+    taken = [next(c) for c in consumers for _ in range(4)]
+    states = [c.get_state() for c in consumers]
+  finally:
+    for consumer in consumers:
+      consumer.close()
+  merged = read_state.merge_process_states(states)
+  assert merged[0] == merged[1]
+  consumers = [dataset.make_iterator() for _ in range(2)]
+  rest: list[list] = [[], []]
+  try:
+    for consumer, state in zip(consumers, merged):
+      consumer.set_state(state)
+
+    def read(i: int) -> None:
+      rest[i] = list(consumers[i])
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+  finally:
+    for consumer in consumers:
+      consumer.close()
+  got = collections.Counter(np.concatenate(taken + rest[0] + rest[1]).tolist())
+  assert got == collections.Counter(range(120))
