@@ -284,7 +284,17 @@ class _Fetcher:
     return {"task_id": self.task.task_id, "compression": node.compression or "",
             "consumer_index": node.consumer_index or 0, "round": 0,
             "client_id": self._read.client_id, "received": self.received,
-            "window": delivery.DEFAULT_WINDOW}
+            "window": 1 if self._one_split_at_a_time else delivery.DEFAULT_WINDOW}
+
+  @property
+  def _one_split_at_a_time(self) -> bool:
+    """Exactly-once reads of a shared job take one split at a time from a
+    worker, the next only once this client handed the last one on: a split
+    taken for a client whose buffer is full could reach neither it nor the
+    job's other consumers, and the job cannot end while it is out. Hosts in
+    lockstep (a collective per step) would wait for each other for ever."""
+    node = self._read.node
+    return node.visitation == "exactly_once" and bool(node.job_name)
 
   def _items(self):
     """One connection's items: (seq, frame, round, 0), (seq, None, split
@@ -431,6 +441,9 @@ class _Fetcher:
       if read.ack(round_index):  # else sent again: this read already had it
         for element in read.progress.arrived(round_index, split_stop, whole):
           taken = taken and self._put(element)
+      if self._one_split_at_a_time and self._send_ack is not None:
+        self._send_ack(self.received)  # handed on: the worker may send the next
+        self._acked = self.received
     if self.received - self._acked >= _ACK_EVERY and self._send_ack is not None:
       self._send_ack(self.received)
       self._acked = self.received

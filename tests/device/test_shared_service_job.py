@@ -1,0 +1,69 @@
+"""Two JAX processes (jax.distributed on CPU, gloo) reading one shared
+`distributed_epoch` service job from real dispatcher and worker processes,
+with a collective in every step: the job's batches are dealt out to the two
+consumers as they ask, so their inputs end at different steps, and both must
+still end at the same step."""
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+import shared_service_worker as worker
+from jax_processes import run_processes
+
+_SERVICE_TESTS = str(pathlib.Path(__file__).resolve().parents[1] / "service")
+if _SERVICE_TESTS not in sys.path:
+  sys.path.insert(0, _SERVICE_TESTS)
+
+from service_cluster import ServiceProcess  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+WORKER = str(pathlib.Path(worker.__file__).resolve())
+NUM_PROCESSES = 2
+TIMEOUT_S = 150
+
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
+
+
+@pytest.fixture(scope="module")
+def dispatcher():
+  """A dispatcher (one position per split and batch row) and one worker."""
+  started = [ServiceProcess("dispatcher", "--port=0", f"--split_size={worker.BATCH}")]
+  try:
+    started.append(ServiceProcess("worker", f"--dispatcher_address={started[0].address}",
+                                  "--heartbeat_interval_s=0.2"))
+    yield started[0].address
+  finally:
+    for process in started:
+      process.stop()
+
+
+def read_shared_job(dispatcher: str, end_of_input: str) -> list[dict]:
+  timed_out, results = run_processes(
+      WORKER, NUM_PROCESSES, [dispatcher, f"shared-{end_of_input}", end_of_input],
+      TIMEOUT_S)
+  reports = []
+  for i, (returncode, stdout, stderr) in enumerate(results):
+    assert not timed_out, f"process {i} hung (killed after {TIMEOUT_S} s):\n{stderr[-3000:]}"
+    assert returncode == 0, f"process {i} failed:\n{stderr[-4000:]}"
+    reports.append(json.loads(stdout.strip().splitlines()[-1]))
+  return reports
+
+
+def test_a_shared_job_ending_unevenly_stops_every_process_at_the_same_step(dispatcher):
+  reports = read_shared_job(dispatcher, "stop_at_shortest")
+  assert reports[0]["steps"] == reports[1]["steps"]
+  assert reports[0]["sums"] == reports[1]["sums"]
+  assert reports[0]["batches"] == reports[0]["steps"]
+  # An odd number of batches: one process had fewer, and both stopped there.
+  assert 1 <= reports[0]["steps"] <= worker.BATCHES // 2
+
+
+def test_a_shared_job_ending_unevenly_pads_to_the_longest_process_exactly_once(dispatcher):
+  reports = read_shared_job(dispatcher, "pad")
+  assert reports[0] == reports[1]
+  # Every batch of the job took part in one step of both processes' loops.
+  assert reports[0]["valid_rows"] == worker.RECORDS
+  assert sum(reports[0]["sums"]) == sum(range(worker.RECORDS))
+  assert worker.BATCHES // 2 < reports[0]["steps"] < worker.BATCHES
