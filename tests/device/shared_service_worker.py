@@ -2,19 +2,21 @@
 test_shared_service_job.py).
 
 Usage: python shared_service_worker.py PROCESS_ID NUM_PROCESSES PORT
-DISPATCHER JOB_NAME END_OF_INPUT
+DISPATCHER JOB_NAME END_OF_INPUT [save|restore CHECKPOINT_DIR]
 
-Both processes read one shared `distributed_epoch` job of RECORDS records in
-batches of BATCH (BATCHES batches, an odd number: the processes' counts
-differ), with a jitted global sum (a cross-process collective) in the loop,
-and print one JSON line with what they saw.
+Both processes read one shared exactly-once `distributed_epoch` job of
+RECORDS records in batches of BATCH (BATCHES batches, an odd number: the
+processes' counts differ), with a jitted global sum (a cross-process
+collective) in the loop, and print one JSON line with what they saw. `save`
+saves an orbax checkpoint of the Loader after step SAVE_AT, reads AHEAD
+more steps and stops; `restore` restores it and reads to the end.
 """
 
 import json
 import os
-import time
 import pathlib
 import sys
+import time
 
 if __name__ == "__main__":  # The test imports this module for its constants.
   os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -30,6 +32,8 @@ RECORDS = 60
 BATCH = 4
 BATCHES = RECORDS // BATCH  # 15
 LATE_S = 2.0
+SAVE_AT = 3
+AHEAD = 2
 
 global_sum = jax.jit(lambda batch: jnp.sum(batch["x"]))
 masked_sums = jax.jit(
@@ -39,9 +43,12 @@ masked_sums = jax.jit(
 def main() -> None:
   process_id, num_processes, port = map(int, sys.argv[1:4])
   dispatcher, job_name, end_of_input = sys.argv[4:7]
+  mode, checkpoint_dir = (sys.argv[7:9] + ["read", ""])[:2]
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
                              process_id=process_id, initialization_timeout=60)
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   import jaxfeed  # pylint: disable=g-import-not-at-top
   import service_udfs  # pylint: disable=g-import-not-at-top
   # One split per batch (the dispatcher's --split_size is BATCH), so the
@@ -54,17 +61,27 @@ def main() -> None:
   multihost_utils.sync_global_devices("before the read")
   if process_id:
     time.sleep(LATE_S)
-  steps, sums, valid_rows = 0, [], 0
+  manager = ocp.CheckpointManager(checkpoint_dir) if checkpoint_dir else None
+  steps, sums, valid_rows = 0, [], []
   with jaxfeed.Loader(dataset, end_of_input=end_of_input) as loader:
+    if mode == "restore":
+      manager.restore(SAVE_AT, args=ocp.args.Composite(loader=jaxfeed.LoaderRestore(loader)))
     for batch in loader:
       if end_of_input == "pad":
         total, rows = masked_sums(batch)
         sums.append(int(total))
-        valid_rows += int(rows)
+        valid_rows.append(int(rows))
       else:
         sums.append(int(global_sum(batch)))
       steps += 1
+      if mode == "save" and steps == SAVE_AT:
+        manager.save(SAVE_AT, args=ocp.args.Composite(loader=jaxfeed.LoaderSave(loader)))
+      if mode == "save" and steps == SAVE_AT + AHEAD:
+        break
     state = loader.get_state()
+  if manager is not None:
+    manager.wait_until_finished()
+    manager.close()
   print(json.dumps({"steps": steps, "sums": sums, "valid_rows": valid_rows,
                     "batches": state["batches"]}), flush=True)
   jax.distributed.shutdown()

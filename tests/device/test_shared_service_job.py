@@ -39,10 +39,11 @@ def dispatcher():
       process.stop()
 
 
-def read_shared_job(dispatcher: str, end_of_input: str) -> list[dict]:
+def read_shared_job(dispatcher: str, end_of_input: str, job_name: str = "",
+                    *mode: str) -> list[dict]:
   timed_out, results = run_processes(
-      WORKER, NUM_PROCESSES, [dispatcher, f"shared-{end_of_input}", end_of_input],
-      TIMEOUT_S)
+      WORKER, NUM_PROCESSES,
+      [dispatcher, job_name or f"shared-{end_of_input}", end_of_input, *mode], TIMEOUT_S)
   reports = []
   for i, (returncode, stdout, stderr) in enumerate(results):
     assert not timed_out, f"process {i} hung (killed after {TIMEOUT_S} s):\n{stderr[-3000:]}"
@@ -64,6 +65,21 @@ def test_a_shared_job_ending_unevenly_pads_to_the_longest_process_exactly_once(d
   reports = read_shared_job(dispatcher, "pad")
   assert reports[0] == reports[1]
   # Every batch of the job took part in one step of both processes' loops.
-  assert reports[0]["valid_rows"] == worker.RECORDS
+  assert sum(reports[0]["valid_rows"]) == worker.RECORDS
   assert sum(reports[0]["sums"]) == sum(range(worker.RECORDS))
   assert worker.BATCHES // 2 < reports[0]["steps"] < worker.BATCHES
+
+
+def test_a_shared_job_saved_at_step_k_resumes_in_new_processes_exactly_once(
+    dispatcher, tmp_path):
+  saved = read_shared_job(dispatcher, "pad", "shared-resume", "save", str(tmp_path))
+  resumed = read_shared_job(dispatcher, "pad", "shared-resume", "restore", str(tmp_path))
+  assert saved[0] == saved[1] and resumed[0] == resumed[1]
+  assert saved[0]["steps"] == worker.SAVE_AT + worker.AHEAD
+  assert resumed[0]["batches"] == worker.SAVE_AT + resumed[0]["steps"]
+  # Steps up to the checkpoint, then the restored read: every record once
+  # over both processes (the AHEAD steps after the checkpoint came again).
+  rows = saved[0]["valid_rows"][:worker.SAVE_AT] + resumed[0]["valid_rows"]
+  sums = saved[0]["sums"][:worker.SAVE_AT] + resumed[0]["sums"]
+  assert sum(rows) == worker.RECORDS
+  assert sum(sums) == sum(range(worker.RECORDS))
