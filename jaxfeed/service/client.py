@@ -855,7 +855,7 @@ class DistributedIterator(base.OpIterator):
         progress = read_state.SplitProgress(state["splits"])
       except read_state.ResumeStateError as e:
         raise base.PipelineStateError(str(e)) from e
-      if progress.started:
+      if progress.started or self._read.progress.started:  # else: a fresh read either way
         self._finalizer.detach()
         self._read.close()
         self._read = _ReadState(node, progress)

@@ -163,3 +163,17 @@ def test_consumers_of_a_shared_job_resume_it_together_exactly_once(cluster):
       consumer.close()
   got = collections.Counter(np.concatenate(taken + rest[0] + rest[1]).tolist())
   assert got == collections.Counter(range(120))
+
+
+def test_the_state_of_a_fresh_read_restarts_an_iterator_at_the_epoch_start(cluster):
+  dispatcher = cluster("dispatcher", "--port=0", "--split_size=8")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  dataset = jaxfeed.Dataset.range(40).batch(4).distribute(
+      dispatcher.address, "distributed_epoch", visitation="exactly_once")
+  with dataset.make_iterator() as iterator:
+    start = iterator.get_state()
+    for _ in range(3):
+      next(iterator)
+    iterator.set_state(start)
+    again = list(iterator)
+  assert collections.Counter(np.concatenate(again).tolist()) == collections.Counter(range(40))
