@@ -112,3 +112,51 @@ def test_merge_process_states_merges_reads_of_one_named_job_only():
   own_jobs = read_state.merge_process_states([pipeline("", first), pipeline("", second)])
   assert [m["parents"][0]["own"]["splits"] for m in own_jobs] == [first, second]
   assert not read_state.has_shared_read(own_jobs[0])
+
+
+@pytest.mark.parametrize("snapshot_every_records", [0, 1], ids=["journal", "snapshots"])
+def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(tmp_path,
+                                                                    snapshot_every_records):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service import dispatcher as dispatcher_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service import spec  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+
+  config = dispatcher_lib.DispatcherConfig(
+      work_dir=str(tmp_path), split_size=10, journal_fsync=False,
+      snapshot_every_records=snapshot_every_records)
+  definition = spec.to_dataset_def(
+      jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(100)})).node)
+  definition.num_positions = 100
+  state = dispatcher_lib.DispatcherState(config)
+  dataset_id = state.register_dataset(definition)
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1"))
+  job_id, _ = state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True,
+      resume_done=[pb.SplitRange(start=0, stop=25), pb.SplitRange(start=40, stop=50)],
+      resume_partial=[pb.SplitRange(start=30, stop=40)]))
+  task_id = next(iter(state.jobs[job_id].tasks))
+
+  def splits() -> list[list[int]]:
+    response = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
+                                                    max_ranges=2))
+    return [[r.start, r.stop] for r in response.ranges]
+
+  assert splits() == [[30, 40], [25, 30]]  # the partly taken split first, whole
+  state.close()
+  state = dispatcher_lib.DispatcherState(config)
+  assert splits() == [[50, 60], [60, 70]]
+  state.close()
+  state = dispatcher_lib.DispatcherState(config)
+  assert splits() == [[70, 80], [80, 90]]
+  assert splits() == [[90, 100]]
+  with pytest.raises(ValueError, match="outside the dataset's 100 positions"):
+    state.get_or_create_job(pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True,
+        resume_done=[pb.SplitRange(start=90, stop=110)]))
+  with pytest.raises(ValueError, match="Only exactly-once reads resume"):
+    state.get_or_create_job(pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="distributed_epoch",
+        resume_done=[pb.SplitRange(start=0, stop=10)]))
+  state.close()
