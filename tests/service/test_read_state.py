@@ -134,7 +134,8 @@ def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(tmp_path,
   state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1"))
   job_id, _ = state.get_or_create_job(pb.GetOrCreateJobRequest(
       dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True,
-      resume_done=[pb.SplitRange(start=0, stop=25), pb.SplitRange(start=40, stop=50)],
+      resume_done=[pb.SplitRange(start=0, stop=25), pb.SplitRange(start=40, stop=50),
+                   pb.SplitRange(start=72, stop=80)],
       resume_partial=[pb.SplitRange(start=30, stop=40)]))
   task_id = next(iter(state.jobs[job_id].tasks))
 
@@ -149,7 +150,7 @@ def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(tmp_path,
   assert splits() == [[50, 60], [60, 70]]
   state.close()
   state = dispatcher_lib.DispatcherState(config)
-  assert splits() == [[70, 80], [80, 90]]
+  assert splits() == [[70, 72], [80, 90]]
   assert splits() == [[90, 100]]
   with pytest.raises(ValueError, match="outside the dataset's 100 positions"):
     state.get_or_create_job(pb.GetOrCreateJobRequest(
