@@ -2,12 +2,13 @@
 test_shared_service_job.py).
 
 Usage: python shared_service_worker.py PROCESS_ID NUM_PROCESSES PORT
-DISPATCHER JOB_NAME END_OF_INPUT [save|restore CHECKPOINT_DIR]
+DISPATCHER JOB_NAME POLICIES [save|restore CHECKPOINT_DIR]
 
 Both processes read one shared exactly-once `distributed_epoch` job of
 RECORDS records in batches of BATCH (BATCHES batches, an odd number: the
 processes' counts differ), with a jitted global sum (a cross-process
-collective) in the loop, and print one JSON line with what they saw. `save`
+collective) in the loop, once per Loader `end_of_input` policy in the comma-separated POLICIES (job
+JOB_NAME-POLICY), and print one JSON line per read with what they saw. `save`
 saves an orbax checkpoint of the Loader after step SAVE_AT, reads AHEAD
 more steps and stops; `restore` restores it and reads to the end.
 """
@@ -40,17 +41,14 @@ masked_sums = jax.jit(
     lambda batch: (jnp.sum(batch["x"] * batch["valid"]), jnp.sum(batch["valid"])))
 
 
-def main() -> None:
-  process_id, num_processes, port = map(int, sys.argv[1:4])
-  dispatcher, job_name, end_of_input = sys.argv[4:7]
-  mode, checkpoint_dir = (sys.argv[7:9] + ["read", ""])[:2]
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=60)
+def read(process_id: int, dispatcher: str, job_name: str, end_of_input: str, mode: str,
+         checkpoint_dir: str) -> dict:
+  """Reads the shared job through a Loader; what this process saw."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   import jaxfeed  # pylint: disable=g-import-not-at-top
   import service_udfs  # pylint: disable=g-import-not-at-top
+  manager = ocp.CheckpointManager(checkpoint_dir) if checkpoint_dir else None
   # One split per batch (the dispatcher's --split_size is BATCH), so the
   # job's batches are dealt out to both consumers as they ask.
   dataset = jaxfeed.Dataset.range(RECORDS).map(service_udfs.paced).batch(BATCH).distribute(
@@ -61,7 +59,6 @@ def main() -> None:
   multihost_utils.sync_global_devices("before the read")
   if process_id:
     time.sleep(LATE_S)
-  manager = ocp.CheckpointManager(checkpoint_dir) if checkpoint_dir else None
   steps, sums, valid_rows = 0, [], []
   with jaxfeed.Loader(dataset, end_of_input=end_of_input) as loader:
     if mode == "restore":
@@ -82,8 +79,21 @@ def main() -> None:
   if manager is not None:
     manager.wait_until_finished()
     manager.close()
-  print(json.dumps({"steps": steps, "sums": sums, "valid_rows": valid_rows,
-                    "batches": state["batches"]}), flush=True)
+  return {"steps": steps, "sums": sums, "valid_rows": valid_rows,
+          "batches": state["batches"]}
+
+
+def main() -> None:
+  process_id, num_processes, port = map(int, sys.argv[1:4])
+  dispatcher, job_name, policies = sys.argv[4:7]
+  mode, checkpoint_dir = (sys.argv[7:9] + ["read", ""])[:2]
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
+                             process_id=process_id, initialization_timeout=60)
+  for end_of_input in policies.split(","):
+    report = read(process_id, dispatcher, f"{job_name}-{end_of_input}", end_of_input, mode,
+                  checkpoint_dir)
+    print(json.dumps({"end_of_input": end_of_input, **report}), flush=True)
   jax.distributed.shutdown()
 
 

@@ -35,25 +35,34 @@ def dispatcher():
                                   "--heartbeat_interval_s=0.2"))
     yield started[0].address
   finally:
-    for process in started:
+    for process in reversed(started):  # workers first: they say goodbye
       process.stop()
 
 
-def read_shared_job(dispatcher: str, end_of_input: str, job_name: str = "",
-                    *mode: str) -> list[dict]:
+def read_shared_job(dispatcher: str, job_name: str, policies: list[str],
+                    *mode: str) -> dict[str, list[dict]]:
+  """{end_of_input policy: [report of process 0, report of process 1]}."""
   timed_out, results = run_processes(
-      WORKER, NUM_PROCESSES,
-      [dispatcher, job_name or f"shared-{end_of_input}", end_of_input, *mode], TIMEOUT_S)
-  reports = []
+      WORKER, NUM_PROCESSES, [dispatcher, job_name, ",".join(policies), *mode], TIMEOUT_S)
+  reports: dict[str, list[dict]] = {}
   for i, (returncode, stdout, stderr) in enumerate(results):
     assert not timed_out, f"process {i} hung (killed after {TIMEOUT_S} s):\n{stderr[-3000:]}"
     assert returncode == 0, f"process {i} failed:\n{stderr[-4000:]}"
-    reports.append(json.loads(stdout.strip().splitlines()[-1]))
+    for line in stdout.splitlines():
+      if line.startswith("{"):
+        report = json.loads(line)
+        reports.setdefault(report.pop("end_of_input"), []).append(report)
   return reports
 
 
-def test_a_shared_job_ending_unevenly_stops_every_process_at_the_same_step(dispatcher):
-  reports = read_shared_job(dispatcher, "stop_at_shortest")
+@pytest.fixture(scope="module")
+def uneven(dispatcher):
+  """Both policies, read by one pair of processes (one job each)."""
+  return read_shared_job(dispatcher, "shared", ["stop_at_shortest", "pad"])
+
+
+def test_a_shared_job_ending_unevenly_stops_every_process_at_the_same_step(uneven):
+  reports = uneven["stop_at_shortest"]
   assert reports[0]["steps"] == reports[1]["steps"]
   assert reports[0]["sums"] == reports[1]["sums"]
   assert reports[0]["batches"] == reports[0]["steps"]
@@ -61,8 +70,8 @@ def test_a_shared_job_ending_unevenly_stops_every_process_at_the_same_step(dispa
   assert 1 <= reports[0]["steps"] <= worker.BATCHES // 2
 
 
-def test_a_shared_job_ending_unevenly_pads_to_the_longest_process_exactly_once(dispatcher):
-  reports = read_shared_job(dispatcher, "pad")
+def test_a_shared_job_ending_unevenly_pads_to_the_longest_process_exactly_once(uneven):
+  reports = uneven["pad"]
   assert reports[0] == reports[1]
   # Every batch of the job took part in one step of both processes' loops.
   assert sum(reports[0]["valid_rows"]) == worker.RECORDS
@@ -72,8 +81,8 @@ def test_a_shared_job_ending_unevenly_pads_to_the_longest_process_exactly_once(d
 
 def test_a_shared_job_saved_at_step_k_resumes_in_new_processes_exactly_once(
     dispatcher, tmp_path):
-  saved = read_shared_job(dispatcher, "pad", "shared-resume", "save", str(tmp_path))
-  resumed = read_shared_job(dispatcher, "pad", "shared-resume", "restore", str(tmp_path))
+  saved = read_shared_job(dispatcher, "resume", ["pad"], "save", str(tmp_path))["pad"]
+  resumed = read_shared_job(dispatcher, "resume", ["pad"], "restore", str(tmp_path))["pad"]
   assert saved[0] == saved[1] and resumed[0] == resumed[1]
   assert saved[0]["steps"] == worker.SAVE_AT + worker.AHEAD
   assert resumed[0]["batches"] == worker.SAVE_AT + resumed[0]["steps"]

@@ -65,8 +65,8 @@ def test_a_read_saved_at_step_k_resumes_in_a_new_process_exactly_once(cluster, t
   port = free_port()
   dispatcher = cluster("dispatcher", f"--port={port}", f"--work_dir={tmp_path / 'a'}",
                        "--split_size=10", "--heartbeat_timeout_s=5")
-  for _ in range(2):
-    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+             for _ in range(2)]
   first = trainer_process(dispatcher.address, tmp_path / "checkpoints", "first")
   try:
     before = lines_until(first, "saved")
@@ -93,6 +93,8 @@ def test_a_read_saved_at_step_k_resumes_in_a_new_process_exactly_once(cluster, t
   assert got == collections.Counter(range(trainer.RECORDS))
   # The batches read after the checkpoint by the killed process came again.
   assert set(records(ahead)) <= set(records(after))
+  for worker in workers:  # before the dispatcher, so that they leave at once
+    worker.stop()
 
 
 def partial_read(dispatcher: str, visitation: str, mode: str = "distributed_epoch"):
