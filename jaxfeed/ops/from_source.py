@@ -276,6 +276,9 @@ class SourceIterator(OpIterator):
       self._records = []
       self._seeds = self._seeds[:0]
 
+  def _stats_fields(self) -> dict:
+    return {"elements": self.position}
+
   def _get_own_state(self) -> dict:
     position = self.position
     if self._sampler is self._base_sampler:

@@ -946,9 +946,12 @@ class ProcessBatchIterator(base.OpIterator):
       self._use_processes(position)
 
   # -- reporting and lifetime ----------------------------------------------
-  def stats(self) -> dict:
-    """What runs the chain: backend, why, workers, chunk, trial rates."""
-    return dict(self._stats)
+  def _stats_fields(self) -> dict:
+    """What runs the chain (backend, why, workers, chunk, trial rates), in
+    its `stats()` row."""
+    fields = dict(self._stats)
+    fields["parallelism"] = fields["num_workers"] if self._workers is not None else 1
+    return fields
 
   @property
   def backend(self) -> str | None:
