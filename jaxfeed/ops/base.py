@@ -55,9 +55,14 @@ class OpIterator:
     super().__init_subclass__(**kwargs)
     op_stats.register_op_class(cls)
 
+  _stats_label: str | None = None
+
   def __init__(self, parents: Sequence["OpIterator"] = ()):
     self.parents: list[OpIterator] = list(parents)
     self._closed = False
+    # Made here, not on first use: an attribute added to a running object
+    # (or a look at its __dict__) slows every attribute access on it.
+    self._stats_cell = op_stats.OpCell()
 
   # -- iteration ---------------------------------------------------------
   def __iter__(self) -> "OpIterator":
@@ -82,11 +87,11 @@ class OpIterator:
   def stats_label(self) -> str:
     """The op's name in `stats()`: the op as the user wrote it, or the ops
     the optimizer fused into it joined by "+" (e.g. "map+filter")."""
-    return self.__dict__.get("_stats_label") or self.op_name
+    return self._stats_label or self.op_name
 
   @stats_label.setter
   def stats_label(self, value: str) -> None:
-    self.__dict__["_stats_label"] = value
+    self._stats_label = value
 
   def stats(self) -> dict:
     """Per-op statistics of this iterator's pipeline, inputs first.

@@ -198,11 +198,10 @@ def ops_of(root: Any) -> list:
 
 
 def cell_of(op: Any) -> OpCell:
-  """The op's cell, created on first use."""
-  cell = op.__dict__.get("_stats_cell")
-  if cell is None:
-    cell = op.__dict__["_stats_cell"] = OpCell()
-  return cell
+  """The op's cell (`OpIterator.__init__` makes it; an iterator that skipped
+  that gets an empty one, which the sampler does not fill)."""
+  cell = getattr(op, "_stats_cell", None)
+  return cell if cell is not None else OpCell()
 
 
 def track(root: Any) -> Any:
