@@ -457,11 +457,8 @@ class Dataset:
     # when the same Dataset is iterated again in tf.data.
     if self._optimized is None:
       self._optimized = _op("optimize").optimize(self.node, self.options)
-    root = self._optimized.make_iterator()
-    op_stats = _op("op_stats")
-    op_stats.label_iterators(self._optimized, root)
-    if self.options is None or self.options.stats:
-      op_stats.track(root)
+    root = _op("op_stats").instrument(self._optimized, self._optimized.make_iterator(),
+                                      self.options)
     return _op("autotune").autotuned(root, self.options)
 
   def __iter__(self) -> base.OpIterator:

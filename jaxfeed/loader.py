@@ -165,7 +165,7 @@ class Loader:
         "wait_seconds": self._wait_s,
         "model_seconds": self._model_s,
         "input_bound_fraction": self._wait_s / busy if busy else 0.0,
-        "ops": _op_rows(self._host_iterator),
+        "ops": op_stats.rows_of(self._host_iterator),
     }
 
   def report(self, file: Any = None) -> str:
@@ -214,13 +214,6 @@ class Loader:
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
-
-
-def _op_rows(iterator: Any) -> list[dict]:
-  """The per-op rows of a jaxfeed iterator; none for other iterators."""
-  stats = getattr(iterator, "stats", None)
-  result = stats() if callable(stats) else None
-  return list(result["ops"]) if isinstance(result, dict) and "ops" in result else []
 
 
 def _reads_ahead(dataset: Any) -> bool:

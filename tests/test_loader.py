@@ -318,7 +318,8 @@ def test_report_on_a_model_bound_loop_says_so():
     for _ in range(5):
       next(loader)
       time.sleep(0.1)  # A model step far slower than the input.
-    text = loader.report(file=open(os.devnull, "w"))
+    with open(os.devnull, "w") as sink:
+      text = loader.report(file=sink)
   assert "Not input bound" in text
 
 

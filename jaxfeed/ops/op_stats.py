@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable
 
 __all__ = ["SAMPLE_INTERVAL_S", "OpCell", "register_op_class",
            "waits_for_input", "track", "untrack", "tracked_count", "label_of",
-           "fuse_labels", "label_iterators",
+           "fuse_labels", "label_iterators", "instrument", "rows_of",
            "bottleneck", "format_table", "report"]
 
 SAMPLE_INTERVAL_S = 0.01
@@ -241,6 +241,23 @@ def label_iterators(node: Any, iterator: Any) -> None:
       stack.extend(zip(node.parents, iterator.parents))
 
 
+def instrument(node: Any, root: Any, options: Any) -> Any:
+  """Readies the iterator `root` built from the optimized graph `node` for
+  `stats()`: fused ops get their labels, and sampling starts unless
+  `options.stats` is False. Returns `root`."""
+  label_iterators(node, root)
+  if options is None or options.stats:
+    track(root)
+  return root
+
+
+def rows_of(iterator: Any) -> list[dict]:
+  """The `stats()` rows of a jaxfeed iterator; none for other iterables."""
+  stats = getattr(iterator, "stats", None)
+  result = stats() if callable(stats) else None
+  return list(result["ops"]) if isinstance(result, dict) and "ops" in result else []
+
+
 def untrack(root: Any) -> None:
   """Stops sampling `root` (the thread ends when nothing is tracked)."""
   _SAMPLER.untrack(root)
@@ -318,14 +335,20 @@ _COLUMNS = (("op", "op", "{}"), ("elements", "elements", "{}"),
             ("buffer_fill", "fill", "{:.2f}"), ("parallelism", "par", "{}"))
 
 
+def _name(row: dict) -> str:
+  """The op, and the worker it runs on for a service read's worker rows."""
+  worker = row.get("worker")
+  return f"{row['op']} (worker {worker})" if worker else str(row["op"])
+
+
 def format_table(rows: list[dict]) -> str:
   """The rows as a fixed-width text table, with each op's share of self time."""
   total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0
   header = [title for _, title, _ in _COLUMNS] + ["self %"]
   lines = [header]
   for row in rows:
-    cells = []
-    for key, _, fmt in _COLUMNS:
+    cells = [_name(row)]
+    for key, _, fmt in _COLUMNS[1:]:
       value = row.get(key)
       cells.append("-" if value is None else fmt.format(value))
     cells.append(f"{100 * row.get('self_seconds', 0.0) / total:.0f}")
@@ -360,7 +383,8 @@ def report(rows: list[dict], loader_stats: dict | None = None) -> str:
   else:
     total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0
     share = 100 * slowest["self_seconds"] / total
-    lines.append(f"Op to fix: {slowest['op']!r} ({share:.0f}% of the pipeline's "
+    where = f" on worker {slowest['worker']}" if slowest.get("worker") else ""
+    lines.append(f"Op to fix: {slowest['op']!r}{where} ({share:.0f}% of the pipeline's "
                  f"self time, parallelism {slowest.get('parallelism') or 1}): "
                  f"{_advice(slowest)}.")
   return "\n".join(lines)

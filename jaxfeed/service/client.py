@@ -25,7 +25,7 @@ others have `round_timeout_s` (default 60 s) to take theirs. Then the round
 closes and the late consumers' batches are dropped; later rounds do not wait
 for a consumer that missed one until it reads again. When it does, it goes on
 at the oldest round still open on each worker: its iterator skips the rounds
-it missed (`DistributedIterator.stats["rounds_skipped"]`) and reports each
+it missed (`DistributedIterator.stats()["rounds_skipped"]`) and reports each
 batch's global round (`last_round`). "Took" is seen from the worker: a batch
 is taken once the worker queued it for the consumer's connection, so what
 already sits in the client's buffer (`max_outstanding_requests` per worker)
@@ -57,6 +57,7 @@ from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
+from jaxfeed.service import task_stats
 from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy, to_sharding_policy
@@ -656,6 +657,7 @@ class DistributedIterator(base.OpIterator):
     self._heads: dict[int, tuple] = {}  # task id -> (element, local round) not yet due
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._ended_pending = 0
+    self._worker_rows: dict[int, list[dict]] = {}  # task id -> its op rows
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -674,9 +676,13 @@ class DistributedIterator(base.OpIterator):
     before the first); consumers' batches of one round share a bucket."""
     return self._last_round
 
-  @property
   def stats(self) -> dict:
-    """Round-robin reads: what this consumer received and missed.
+    """Per-op rows of the workers' pipelines and of this read, and, for
+    round-robin reads, what this consumer received and missed.
+
+    `ops`: each worker task's rows (see `OpIterator.stats`; tagged with
+    `worker` and `task`, asked of the workers now, see
+    `jaxfeed.service.task_stats`), then this read's own row.
 
     `rounds_received`: batches returned; `rounds_skipped`: rounds that closed
     before this consumer took its batch (it was late, see the module
@@ -688,7 +694,10 @@ class DistributedIterator(base.OpIterator):
     round_assembly`: rounds, windows and batches dropped), and the counters'
     totals over those workers are given at the top level too.
     """
-    stats = {"rounds_received": self._elements if self._read.node.num_consumers else 0,
+    live = [f.task for f in list(self._read.fetchers.values()) if not f.done]
+    rows = task_stats.refresh(self._worker_rows, live, self._read.node.tls)
+    stats = {"ops": rows + super().stats()["ops"],
+             "rounds_received": self._elements if self._read.node.num_consumers else 0,
              **self._skipped, "workers": {}}
     for fetcher in list(self._read.fetchers.values()):
       if fetcher.end_stats:
@@ -697,6 +706,9 @@ class DistributedIterator(base.OpIterator):
           if isinstance(value, (int, float)):
             stats[key] = stats.get(key, 0) + value
     return stats
+
+  def _stats_fields(self) -> dict:
+    return {"elements": self._read.consumed}
 
   def _raise_error(self) -> None:
     error = self._read.error
