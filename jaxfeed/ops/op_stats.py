@@ -183,17 +183,20 @@ _SAMPLER = _Sampler()
 
 def ops_of(root: Any) -> list:
   """The op iterators under `root`, inputs first (post-order, each once)."""
+  # Iterative: a recursive closure would be a reference cycle holding the
+  # ops until the next garbage collection.
   ordered, seen = [], set()
-
-  def visit(op: Any) -> None:
+  stack = [(root, False)]
+  while stack:
+    op, expanded = stack.pop()
+    if expanded:
+      ordered.append(op)
+      continue
     if id(op) in seen:
-      return
+      continue
     seen.add(id(op))
-    for parent in op.parents:
-      visit(parent)
-    ordered.append(op)
-
-  visit(root)
+    stack.append((op, True))
+    stack.extend((parent, False) for parent in reversed(op.parents))
   return ordered
 
 
