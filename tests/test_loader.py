@@ -309,7 +309,7 @@ def test_report_says_input_bound_and_names_the_slow_op(capsys):
   assert [row["op"] for row in rows] == ["range", "map+map", "map", "batch", "prefetch"]
   assert "Input bound" in text
   assert "Op to fix: 'map' (" in text
-  assert rows[2]["parallelism"] == 2 and rows[2]["elements"] >= 100
+  assert rows[2]["parallelism"] == 2 and rows[2]["elements"] >= 50
   assert rows[4]["wait_seconds"] > 0
 
 
