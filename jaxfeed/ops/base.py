@@ -51,11 +51,11 @@ class OpIterator:
   """Whether the op returns one element per input element (its `stats()`
   row then shows its input's element count unless it counts its own)."""
 
+  _stats_label: str | None = None
+
   def __init_subclass__(cls, **kwargs: Any):
     super().__init_subclass__(**kwargs)
     op_stats.register_op_class(cls)
-
-  _stats_label: str | None = None
 
   def __init__(self, parents: Sequence["OpIterator"] = ()):
     self.parents: list[OpIterator] = list(parents)
@@ -113,8 +113,9 @@ class OpIterator:
     added to self_seconds) and fields of its own."""
     return {}
 
-  _stats_buffer_fill = op_stats._no_buffer  # pylint: disable=protected-access
-  """Ops with a buffer return its fill now (0..1), sampled into the row."""
+  def _stats_buffer_fill(self) -> float | None:
+    """Ops with a buffer return its fill now (0..1), sampled into the row."""
+    return None
 
   # -- state ---------------------------------------------------------------
   def _get_own_state(self) -> dict:

@@ -35,7 +35,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 __all__ = ["SAMPLE_INTERVAL_S", "OpCell", "register_op_class",
-           "waits_for_input", "track", "untrack", "tracked_count", "label_of",
+           "waits_for_input", "track", "tracked_count", "label_of",
            "fuse_labels", "label_iterators", "instrument", "rows_of",
            "bottleneck", "format_table", "report"]
 
@@ -80,13 +80,13 @@ def waits_for_input(fn: Callable) -> Callable:
 
 # -- tracking ----------------------------------------------------------------
 class _Pipeline:
-  """One tracked iterator tree: its root and its ops with buffers."""
+  """One tracked iterator tree: its root and its ops (for their buffers)."""
 
-  __slots__ = ("root", "buffers")
+  __slots__ = ("root", "ops")
 
   def __init__(self, root: Any):
     self.root = weakref.ref(root)
-    self.buffers: list[tuple[weakref.ref, OpCell]] = []
+    self.ops: list[tuple[weakref.ref, OpCell]] = []
 
   def alive(self) -> bool:
     root = self.root()
@@ -101,6 +101,9 @@ class _Sampler:
     self._pipelines: list[_Pipeline] = []
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
+    # A failure of the sampling thread, raised by `stats()` (the pipelines
+    # themselves go on).
+    self.error: Exception | None = None
 
   def track(self, pipeline: _Pipeline) -> None:
     with self._lock:
@@ -110,10 +113,6 @@ class _Sampler:
         self._thread = threading.Thread(target=self._run, args=(self._stop,),
                                         name="jaxfeed-op-stats", daemon=True)
         self._thread.start()
-
-  def untrack(self, root: Any) -> None:
-    with self._lock:
-      self._pipelines = [p for p in self._pipelines if p.root() is not root]
 
   def count(self) -> int:
     with self._lock:
@@ -143,8 +142,9 @@ class _Sampler:
         _sample_stacks(me, elapsed)
         for pipeline in pipelines:
           _sample_buffers(pipeline)
-      except Exception:  # noqa: BLE001 -- statistics never break a pipeline
-        pass
+      except Exception as e:  # noqa: BLE001 -- raised by the next stats()
+        self.error = e
+        return
 
 
 def _sample_stacks(me: int, elapsed: float) -> None:
@@ -170,7 +170,7 @@ def _sample_stacks(me: int, elapsed: float) -> None:
 
 
 def _sample_buffers(pipeline: _Pipeline) -> None:
-  for op_ref, cell in pipeline.buffers:
+  for op_ref, cell in pipeline.ops:
     op = op_ref()
     fill = None if op is None else op._stats_buffer_fill()  # pylint: disable=protected-access
     if fill is not None:
@@ -211,10 +211,7 @@ def track(root: Any) -> Any:
   """Samples the ops under `root` from now on, until it is closed or
   garbage-collected; returns `root`."""
   pipeline = _Pipeline(root)
-  for op in ops_of(root):
-    cell = cell_of(op)
-    if type(op)._stats_buffer_fill is not _no_buffer:  # pylint: disable=protected-access
-      pipeline.buffers.append((weakref.ref(op), cell))
+  pipeline.ops = [(weakref.ref(op), cell_of(op)) for op in ops_of(root)]
   _SAMPLER.track(pipeline)
   return root
 
@@ -261,25 +258,21 @@ def rows_of(iterator: Any) -> list[dict]:
   return list(result["ops"]) if isinstance(result, dict) and "ops" in result else []
 
 
-def untrack(root: Any) -> None:
-  """Stops sampling `root` (the thread ends when nothing is tracked)."""
-  _SAMPLER.untrack(root)
-
-
 def tracked_count() -> int:
   """Open pipelines being sampled now (for tests)."""
   return _SAMPLER.count()
 
 
-def _no_buffer(op: Any) -> float | None:
-  """The default `OpIterator._stats_buffer_fill`: no buffer."""
-  del op
-  return None
-
-
 # -- rows --------------------------------------------------------------------
 def op_rows(root: Any) -> list[dict]:
-  """The stats rows of the ops under `root` (see the module docstring)."""
+  """The stats rows of the ops under `root` (see the module docstring).
+
+  Raises:
+    RuntimeError: the sampling thread failed (with its exception as cause).
+  """
+  if _SAMPLER.error is not None:
+    raise RuntimeError(f"Op statistics: the sampling thread failed: "
+                       f"{_SAMPLER.error!r}") from _SAMPLER.error
   ops = ops_of(root)
   counts: dict[int, int | None] = {}
   rows = []
