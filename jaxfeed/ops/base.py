@@ -148,6 +148,7 @@ class OpIterator:
     self._close_own()
     for parent in self.parents:
       parent.close()
+    op_stats.release(self)
 
   def _close_own(self) -> None:
     """Subclasses with threads, processes or memory release them here."""

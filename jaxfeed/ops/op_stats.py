@@ -35,7 +35,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 __all__ = ["SAMPLE_INTERVAL_S", "OpCell", "register_op_class",
-           "waits_for_input", "track", "tracked_count", "label_of",
+           "waits_for_input", "track", "release", "tracked_count", "label_of",
            "fuse_labels", "label_iterators", "instrument", "rows_of",
            "bottleneck", "format_table", "report"]
 
@@ -97,7 +97,7 @@ class _Sampler:
   """The sampling thread, started while a tracked pipeline is alive."""
 
   def __init__(self):
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()
     self._pipelines: list[_Pipeline] = []
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
@@ -113,6 +113,18 @@ class _Sampler:
         self._thread = threading.Thread(target=self._run, args=(self._stop,),
                                         name="jaxfeed-op-stats", daemon=True)
         self._thread.start()
+
+  def release(self, root: Any) -> None:
+    """Forgets `root`; stops and joins the thread when nothing is left."""
+    with self._lock:
+      self._pipelines = [p for p in self._pipelines
+                         if p.alive() and p.root() is not root]
+      thread = None
+      if not self._pipelines and self._thread is not None:
+        thread, self._thread = self._thread, None
+        self._stop.set()
+    if thread is not None and thread is not threading.current_thread():
+      thread.join()
 
   def count(self) -> int:
     with self._lock:
@@ -256,6 +268,12 @@ def rows_of(iterator: Any) -> list[dict]:
   stats = getattr(iterator, "stats", None)
   result = stats() if callable(stats) else None
   return list(result["ops"]) if isinstance(result, dict) and "ops" in result else []
+
+
+def release(root: Any) -> None:
+  """Called when `root` closes: stops sampling it, and stops the thread
+  (joined) when no other pipeline is sampled."""
+  _SAMPLER.release(root)
 
 
 def tracked_count() -> int:

@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import base, parallel, stacking, tree
+from jaxfeed.ops import base, op_stats, parallel, stacking, tree
 from jaxfeed.ops.filter import predicate_result
 from jaxfeed.ops.process_pool import (WorkerProcessError, _ArrayRef, _attach,
                                       _picklable, _RemoteTraceback)
@@ -977,4 +977,5 @@ class ProcessBatchIterator(base.OpIterator):
     self._stop_workers()
     if self._thread_iterator is not None:
       self._thread_iterator.close()
+    op_stats.release(self)
 

@@ -144,6 +144,13 @@ def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped():
   assert op_stats.tracked_count() == 0
 
 
+def test_closing_the_last_sampled_pipeline_joins_the_thread():
+  with Dataset.range(10).map(sleepy).make_iterator() as it:
+    next(it)
+    assert sampler_running()
+  assert not sampler_running()  # no wait: close() stopped and joined it
+
+
 def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
   rows = [{"op": "range", "self_seconds": 0.1, "parallelism": 1},
           {"op": "map", "self_seconds": 4.0, "parallelism": 8},
