@@ -12,8 +12,8 @@ than it measures. Instead one thread ("jaxfeed-op-stats", running while a
 tracked pipeline is open) looks at every thread's Python stack every
 `SAMPLE_INTERVAL_S` and charges the time since its last look to the
 innermost op method on each stack: to the op's `wait_seconds` when the
-stack is blocked in a wait for that op's producers (a lock or condition
-wait, or a function marked with `waits_for_input`), else to its
+stack is blocked in a wait for that op's producers (a `threading.Condition`
+or `Event` wait, or a function marked with `waits_for_input`), else to its
 `self_seconds`. A call into an op's parent shows the parent's frame
 innermost, so the parent is charged: self time excludes the input's time.
 A thread that runs no op (the training loop, an idle worker) is not
