@@ -12,7 +12,10 @@ so that changes of the machine's load hit both:
 Each row reports the median rate of its epochs with stats on and off and
 the overhead, 1 - on / off (negative: on was faster, i.e. noise), and the
 same for items per CPU second of this process (the sampling thread's CPU
-included), which the machine's load disturbs less than wall time.
+included), which the machine's load disturbs less than wall time, and the
+share of the process's CPU time used by the sampling thread itself (what
+stats cost directly; the rest of a difference is the threads' switching
+and the machine's noise).
 
   python -m benchmarks.stats_overhead [--rounds 9] [--scale 1.0] [--only W2]
 """
@@ -39,15 +42,20 @@ def _w2(n: int, per_element: bool, stats: bool):
   return ds.with_options(jaxfeed.Options(stats=stats))
 
 
-def _epoch_rates(dataset, count) -> tuple[float, float]:
-  """Items per second and items per CPU second (this process, all threads)."""
+def _epoch_rates(dataset, count) -> tuple[float, float, float]:
+  """Items per second, items per CPU second (this process, all threads) and
+  the share of that CPU time the sampling thread used."""
+  from jaxfeed.ops import op_stats
   items = 0
   start, cpu_start = time.perf_counter(), time.process_time()
+  sampler_start = op_stats.sampler_cpu_seconds()
   with dataset.make_iterator() as iterator:
     for output in iterator:
       items += count(output)
-  return (items / (time.perf_counter() - start),
-          items / max(1e-9, time.process_time() - cpu_start))
+  cpu = max(1e-9, time.process_time() - cpu_start)
+  # close() joined the sampling thread, so its CPU time is counted.
+  sampler = op_stats.sampler_cpu_seconds() - sampler_start
+  return items / (time.perf_counter() - start), items / cpu, sampler / cpu
 
 
 def run(rounds: int, scale: float, only: str | None = None) -> list[dict]:
@@ -66,13 +74,16 @@ def run(rounds: int, scale: float, only: str | None = None) -> list[dict]:
       continue
     rates = {True: [], False: []}
     cpu_rates = {True: [], False: []}
+    sampler_shares = []
     _epoch_rates(make(True), count)  # warm-up
     for r in range(rounds):
       order = (True, False) if r % 2 == 0 else (False, True)
       for stats in order:
-        rate, cpu_rate = _epoch_rates(make(stats), count)
+        rate, cpu_rate, sampler_share = _epoch_rates(make(stats), count)
         rates[stats].append(rate)
         cpu_rates[stats].append(cpu_rate)
+        if stats:
+          sampler_shares.append(sampler_share)
     on, off = statistics.median(rates[True]), statistics.median(rates[False])
     cpu_on = statistics.median(cpu_rates[True])
     cpu_off = statistics.median(cpu_rates[False])
@@ -80,7 +91,9 @@ def run(rounds: int, scale: float, only: str | None = None) -> list[dict]:
             "stats_off": round(off, 1), "overhead": round(1 - on / off, 4),
             "per_cpu_second_on": round(cpu_on, 1),
             "per_cpu_second_off": round(cpu_off, 1),
-            "cpu_overhead": round(1 - cpu_on / cpu_off, 4), "rounds": rounds}
+            "cpu_overhead": round(1 - cpu_on / cpu_off, 4),
+            "sampler_cpu_share": round(statistics.median(sampler_shares), 4),
+            "rounds": rounds}
     print(json.dumps(line), flush=True)
     lines.append(line)
   return lines

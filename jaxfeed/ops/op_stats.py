@@ -10,7 +10,8 @@ cheap element-wise ops spends a few hundred nanoseconds per element, less
 than two clock reads cost, so any per-call timing would slow it down by more
 than it measures. Instead one thread ("jaxfeed-op-stats", running while a
 tracked pipeline is open) looks at every thread's Python stack every
-`SAMPLE_INTERVAL_S` and charges the time since its last look to the
+`SAMPLE_INTERVAL_S` (less often when a look would cost more than
+`MAX_CPU_SHARE` of a core) and charges the time since its last look to the
 innermost op method on each stack: to the op's `wait_seconds` when the
 stack is blocked in a wait for that op's producers (a `threading.Condition`
 or `Event` wait, or a function marked with `waits_for_input`), else to its
@@ -35,12 +36,16 @@ import weakref
 from typing import Any, Callable, Iterable
 
 __all__ = ["SAMPLE_INTERVAL_S", "OpCell", "register_op_class",
-           "waits_for_input", "track", "release", "tracked_count", "label_of",
+           "waits_for_input", "track", "release", "tracked_count", "sampler_cpu_seconds", "label_of",
            "fuse_labels", "label_iterators", "instrument", "rows_of",
            "bottleneck", "format_table", "report"]
 
 SAMPLE_INTERVAL_S = 0.01
 """Seconds between two looks at the threads' stacks."""
+
+MAX_CPU_SHARE = 0.002
+"""The most of one core the sampling thread uses (it looks less often when
+a look costs more)."""
 
 _MAX_DEPTH = 64  # stack frames examined per thread, from the innermost
 
@@ -104,6 +109,7 @@ class _Sampler:
     # A failure of the sampling thread, raised by `stats()` (the pipelines
     # themselves go on).
     self.error: Exception | None = None
+    self.cpu_s = 0.0  # CPU seconds the sampling thread used, in total
 
   def track(self, pipeline: _Pipeline) -> None:
     with self._lock:
@@ -144,10 +150,12 @@ class _Sampler:
   def _run(self, stop: threading.Event) -> None:
     me = threading.get_ident()
     last = time.perf_counter()
-    while not stop.wait(SAMPLE_INTERVAL_S):
+    interval = SAMPLE_INTERVAL_S
+    while not stop.wait(interval):
       pipelines = self._live_pipelines(stop)
       if pipelines is None:
         return
+      cpu_start = time.thread_time()
       now = time.perf_counter()
       elapsed, last = now - last, now
       try:
@@ -157,6 +165,11 @@ class _Sampler:
       except Exception as e:  # noqa: BLE001 -- raised by the next stats()
         self.error = e
         return
+      cost = time.thread_time() - cpu_start
+      self.cpu_s += cost
+      # Many threads or a busy machine make a look dearer: look less often
+      # rather than use more than MAX_CPU_SHARE of a core.
+      interval = max(SAMPLE_INTERVAL_S, cost / MAX_CPU_SHARE)
 
 
 def _sample_stacks(me: int, elapsed: float) -> None:
@@ -274,6 +287,12 @@ def release(root: Any) -> None:
   """Called when `root` closes: stops sampling it, and stops the thread
   (joined) when no other pipeline is sampled."""
   _SAMPLER.release(root)
+
+
+def sampler_cpu_seconds() -> float:
+  """CPU seconds the sampling thread has spent looking at stacks in this
+  process (its direct cost)."""
+  return _SAMPLER.cpu_s
 
 
 def tracked_count() -> int:
