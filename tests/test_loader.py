@@ -297,7 +297,7 @@ def test_report_says_input_bound_and_names_the_slow_op(capsys):
              .map(sleepy_add_one, num_parallel_calls=2).batch(8).prefetch(1))
   with jaxfeed.Loader(dataset, prefetch=1) as loader:
     deadline = time.monotonic() + 60
-    # Enough batches for the sampler (every 10 ms) to see the ops many times.
+    # Enough batches for the sampler (20 looks a second) to see the ops many times.
     while loader.stats()["ops"][2]["self_seconds"] < 0.5:
       assert time.monotonic() < deadline
       next(loader)

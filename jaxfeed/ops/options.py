@@ -26,7 +26,7 @@ class Options:
       (0: half of the machine's memory).
     stats: samples where the pipeline spends its time, for the iterator's
       `stats()` (see `jaxfeed.ops.op_stats`; its cost is a thread looking at
-      the stacks every 10 ms). Element counts are kept either way.
+      the stacks 20 times a second). Element counts are kept either way.
   """
 
   optimize: bool = True

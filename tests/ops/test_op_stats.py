@@ -27,6 +27,13 @@ def is_even(x):
   return x % 2 == 0
 
 
+@pytest.fixture(autouse=True)
+def frequent_samples(monkeypatch):
+  """Many samples in these short runs, whatever the machine's load."""
+  monkeypatch.setattr(op_stats, "SAMPLE_INTERVAL_S", 0.005)
+  monkeypatch.setattr(op_stats, "MAX_CPU_SHARE", 1.0)
+
+
 def ops(iterator) -> list[str]:
   return [row["op"] for row in iterator.stats()["ops"]]
 
