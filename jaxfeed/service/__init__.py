@@ -13,7 +13,7 @@ from typing import Any
 _EXPORTS = {
     "ShardingPolicy": "jaxfeed.service.sharding",
     "DispatchServer": "jaxfeed.service.dispatcher",
-    "DispatcherConfig": "jaxfeed.service.dispatcher",
+    "DispatcherConfig": "jaxfeed.service.dispatcher_config",
     "WorkerServer": "jaxfeed.service.worker",
     "WorkerConfig": "jaxfeed.service.worker",
     "TLSConfig": "jaxfeed.service.rpc",
@@ -26,6 +26,7 @@ _EXPORTS = {
     "distribute": "jaxfeed.service.client",
     "register_dataset": "jaxfeed.service.client",
     "from_dataset_id": "jaxfeed.service.client",
+    "serve_client_metrics": "jaxfeed.service.metrics",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,6 +10,7 @@ import traceback
 from typing import Any, Callable, Generator
 
 from jaxfeed.service import round_assembly
+from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
 from jaxfeed.service import wire
 
@@ -256,6 +257,16 @@ class TaskRunner:
     assembler = self._assembler.stats if self._assembler is not None else {}
     return {**self._rounds.stats, **assembler}
 
+  def buffer_fill(self) -> float:
+    """How full (0..1) the buffer of produced batches (rounds, for
+    round-robin jobs) is."""
+    with self._cond:
+      if self._rounds is not None:
+        held = self._rounds.open_rounds
+      else:
+        held = self._fifo_frames if self.exactly_once else len(self._fifo)
+      return min(1.0, held / self._buffer_size)
+
   # -- lifetime ---------------------------------------------------------------
   @property
   def finished(self) -> bool:
@@ -288,7 +299,6 @@ class TaskRunner:
 
 
 def status_of(error: Exception) -> str:
-  from jaxfeed.service import spec as spec_lib  # pylint: disable=g-import-not-at-top
   if isinstance(error, spec_lib.UDFImportError):
     return "FAILED_PRECONDITION"
   if isinstance(error, spec_lib.SpecError):
