@@ -12,7 +12,7 @@ import jaxfeed
 from jaxfeed import Dataset
 from jaxfeed.ops.base import PipelineStateError
 from jaxfeed.sources import CorruptRecordError
-from tests import epath_testing
+from epath_testing import bucket_in
 
 COMPRESSIONS = [None, "GZIP", "ZLIB"]
 
@@ -57,7 +57,7 @@ def test_resumes_exactly_from_every_position(tmp_path, compression):
 def test_reads_a_gs_path_through_epath(tmp_path, compression):
   paths = _write_files(tmp_path, compression, sizes=(3, 4))
   expected = list(Dataset.from_tfrecord(paths, compression))
-  with epath_testing.bucket_in(tmp_path) as bucket:
+  with bucket_in(tmp_path) as bucket:
     remote = [f"{bucket}/{os.path.basename(p)}" for p in paths]
     dataset = Dataset.from_tfrecord(remote, compression)
     with iter(dataset) as it:
