@@ -264,6 +264,16 @@ class TaskRunner:
     assembler = self._assembler.stats if self._assembler is not None else {}
     return {**self._rounds.stats, **assembler}
 
+  def buffer_fill(self) -> float:
+    """How full (0..1) the buffer of produced batches (rounds, for
+    round-robin jobs) is."""
+    with self._cond:
+      if self._rounds is not None:
+        held = self._rounds.open_rounds
+      else:
+        held = self._fifo_frames if self.exactly_once else len(self._fifo)
+      return min(1.0, held / self._buffer_size)
+
   # -- lifetime ---------------------------------------------------------------
   @property
   def finished(self) -> bool:
