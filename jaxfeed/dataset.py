@@ -501,7 +501,9 @@ class Dataset:
     # when the same Dataset is iterated again in tf.data.
     if self._optimized is None:
       self._optimized = _op("optimize").optimize(self.node, self.options)
-    return _op("autotune").autotuned(self._optimized.make_iterator(), self.options)
+    root = _op("op_stats").instrument(self._optimized, self._optimized.make_iterator(),
+                                      self.options)
+    return _op("autotune").autotuned(root, self.options)
 
   def __iter__(self) -> base.OpIterator:
     return self.make_iterator()
