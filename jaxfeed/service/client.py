@@ -274,6 +274,7 @@ class _Fetcher:
     self._read = read
     self._connection: Any = None
     self._cancelled = False
+    self._ended = False
     self.thread = threading.Thread(target=self._run, daemon=True,
                                    name=f"jaxfeed-fetch-{task.task_id}")
     self.thread.start()
@@ -402,6 +403,9 @@ class _Fetcher:
     except Exception as e:  # pylint: disable=broad-except
       self.failed = True
       read.fail(e)
+    finally:
+      self._ended = True  # after its last put
+      read.wake.set()  # the read may be over: ask the dispatcher now
 
   def _take(self, item: tuple, split: list) -> bool:
     """Hands one received item on (exactly-once: each split once whole) and
@@ -468,7 +472,7 @@ class _Fetcher:
 
   @property
   def ended(self) -> bool:
-    return not self.thread.is_alive()
+    return self._ended
 
 
 _END = object()
@@ -480,6 +484,7 @@ class _ReadState:
   def __init__(self, node: DistributedNode):
     self.node = node
     self.stop = threading.Event()
+    self.wake = threading.Event()  # heartbeat now rather than at the interval
     self.lock = threading.Lock()
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
@@ -565,6 +570,7 @@ class _ReadState:
       # out of its answer while they stay the same.
       tasks, tasks_version = [], 0
       while not self.stop.is_set():
+        self.wake.clear()
         with self.lock:
           acks = list(self.acks)
         try:
@@ -594,7 +600,7 @@ class _ReadState:
         self._update_tasks(response)
         if self.finished:
           return
-        self.stop.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
+        self.wake.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
                            response.heartbeat_interval_s))
     except BaseException as e:  # pylint: disable=broad-except
       self.fail(e)
@@ -614,6 +620,11 @@ class _ReadState:
         fetcher.cancel()  # the dispatcher declared its worker dead
     if response.job_finished and all(f.ended for f in self.fetchers.values()):
       self.finished = True
+      if not self.node.num_consumers:
+        try:  # wakes a consumer waiting on an empty buffer
+          self.buffer.put_nowait(_END)
+        except queue.Full:
+          pass  # it is not waiting
 
   def round_fetchers(self) -> tuple[dict[int, _Fetcher], int]:
     """Round-robin reads: the fetcher of each worker index, and the number
@@ -625,6 +636,7 @@ class _ReadState:
 
   def close(self) -> None:
     self.stop.set()
+    self.wake.set()
     for fetcher in list(self.fetchers.values()):
       fetcher.cancel()
     if self.manager is not threading.current_thread():
@@ -719,11 +731,14 @@ class DistributedIterator(base.OpIterator):
     read = self._read
     while True:
       try:
-        element, _ = read.buffer.get(timeout=_POLL_S)
-        self._elements += 1
-        return element
+        item = read.buffer.get(timeout=_POLL_S)
       except queue.Empty:
-        pass
+        item = None
+      if item is _END:
+        raise StopIteration
+      if item is not None:
+        self._elements += 1
+        return item[0]
       self._raise_error()
       if read.finished and read.buffer.empty():
         raise StopIteration
