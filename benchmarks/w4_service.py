@@ -1,14 +1,20 @@
 """W4 / W4t: the service on loopback, against tf.data service, in one run.
 
-  python -m benchmarks.w4_service [--epochs=3] [--scale=1.0]
+  python -m benchmarks.w4_service [--epochs=3] [--scale=1.0] [--only=W4 | --only=W4t]
 
 W4: W1's 20,000 images in one TFRecord file (int32 label + raw image bytes),
 decoded, cropped 56x56, flipped, normalized to float32 and batched by 128 by
 a dispatcher and 1 or 2 worker processes; this process is the client.
 W4t: transfer only: workers serve one ready float32 batch 128x56x56x3 over
 and over; MB/s against a plain TCP socket moving the same bytes over
-loopback from another process. Every system reads DYNAMIC / distributed_epoch
-(an epoch is every record once). Prints one JSON line per (workload, system).
+loopback from another process, measured right after each jaxfeed W4t
+configuration so that both see the same load. Every system reads DYNAMIC /
+distributed_epoch (an epoch is every record once, a new job each time).
+Prints one JSON line per (workload, system) with the median rate, the time
+from asking for an epoch to its first batch (`first_batch_ms`: a new job on
+running workers; `first_batch_ms_warmup`: the first job of fresh workers),
+and peak RSS (this process, the dispatcher and workers, and both); then one
+line per worker count with W4t's fraction of the plain socket.
 """
 
 from __future__ import annotations
@@ -149,20 +155,22 @@ def _tf_w4t(n: int):
   return tf.data.Dataset.from_tensors({"image": batch}).repeat(-(-n // BATCH)).cache()
 
 
-def _measure_jaxfeed(make, address: str, epochs: int) -> dict:
+def _measure_jaxfeed(make, address: str, epochs: int, procs: list) -> dict:
   def epoch():
     return make().distribute(address, "distributed_epoch",
                              max_outstanding_requests=8).make_iterator()
-  return harness.measure(epoch, lambda b: len(b["image"]), epochs)
+  return harness.measure(epoch, lambda b: len(b["image"]), epochs,
+                         servers=[p.pid for p in procs])
 
 
-def _measure_tf(make, address: str, epochs: int) -> dict:
+def _measure_tf(make, address: str, epochs: int, procs: list) -> dict:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   def epoch():
     return make().apply(tf.data.experimental.service.distribute(
         processing_mode="distributed_epoch", service=f"grpc://{address}")
     ).prefetch(8).as_numpy_iterator()
-  return harness.measure(epoch, lambda b: len(b["image"]), epochs)
+  return harness.measure(epoch, lambda b: len(b["image"]), epochs,
+                         servers=[p.pid for p in procs])
 
 
 _SENDER = r"""
@@ -179,75 +187,101 @@ with socket.create_connection(("127.0.0.1", port)) as s:
 def _plain_socket_rate(frames: int, size: int, epochs: int) -> dict:
   """Bytes/s of a plain loopback TCP stream of frames, received into fresh buffers."""
   rates = []
-  for epoch in range(epochs + 1):
-    listener = socket.create_server(("127.0.0.1", 0))
+  with harness.PeakRSS() as rss:
+    for epoch in range(epochs + 1):
+      rate = _plain_socket_epoch(frames, size)
+      if epoch:
+        rates.append(rate)
+  return {"rate": float(np.median(rates)), "rates": rates, **rss.report()}
+
+
+def _plain_socket_epoch(frames: int, size: int) -> float:
+  with socket.create_server(("127.0.0.1", 0)) as listener:
     port = listener.getsockname()[1]
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(frames), str(size)])
     conn, _ = listener.accept()
-    start = time.perf_counter()
-    received = 0
-    header = bytearray(8)
-    for _ in range(frames):
-      conn.recv_into(header, 8, socket.MSG_WAITALL)
-      length = int.from_bytes(header, "little")
-      body = bytearray(length)
-      view, got = memoryview(body), 0
-      while got < length:
-        got += conn.recv_into(view[got:], length - got)
-      received += length
-    elapsed = time.perf_counter() - start
-    conn.close()
-    listener.close()
-    sender.wait()
-    if epoch:
-      rates.append(received / elapsed)
-  return {"rate": float(np.median(rates)), "rates": [round(r / 1e6, 1) for r in rates]}
+    with conn:
+      start = time.perf_counter()
+      received = 0
+      header = bytearray(8)
+      for _ in range(frames):
+        conn.recv_into(header, 8, socket.MSG_WAITALL)
+        length = int.from_bytes(header, "little")
+        body = bytearray(length)
+        view, got = memoryview(body), 0
+        while got < length:
+          got += conn.recv_into(view[got:], length - got)
+        received += length
+      elapsed = time.perf_counter() - start
+  sender.wait()
+  return received / elapsed
+
+
+def _to_mb_per_s(result: dict, item_bytes: int) -> dict:
+  """A result in items/s as MB/s."""
+  return {**result, "rate": result["rate"] * item_bytes / 1e6,
+          "rates": [round(r * item_bytes / 1e6, 1) for r in result["rates"]]}
 
 
 def main(argv: list[str]) -> None:
   args = dict(a.lstrip("-").split("=", 1) for a in argv[1:] if "=" in a)
   epochs, scale = int(args.get("epochs", 3)), float(args.get("scale", 1.0))
+  only = args.get("only", "")
+  if only not in ("", "W4", "W4t"):
+    raise SystemExit(f"--only must be W4 or W4t, got {only!r}.")
   import jaxfeed  # pylint: disable=g-import-not-at-top
   data = workloads.w1_data(scale)
   n = len(data["label"])
   image_bytes = workloads.CROP * workloads.CROP * 3 * 4
+  batch_bytes = BATCH * image_bytes
+  num_batches = -(-n // BATCH)
+  w4, w4t, sockets = {}, {}, {}
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "w4.tfrecord")
     jaxfeed.write_tfrecord(path, [data["label"][i].tobytes() + data["image"][i].tobytes()
                                   for i in range(n)])
-    w4, w4t = {}, {}
     for workers in (1, 2):
+      name = f"jaxfeed service ({workers} workers)"
       procs, address = _jaxfeed_cluster(workers)
       try:
-        w4[f"jaxfeed service ({workers} workers)"] = _measure_jaxfeed(
-            lambda: _jaxfeed_w4(path, n), address, epochs)
-        w4t[f"jaxfeed service ({workers} workers)"] = _measure_jaxfeed(
-            lambda: _jaxfeed_w4t(n), address, epochs)
+        if only != "W4t":
+          w4[name] = _measure_jaxfeed(lambda: _jaxfeed_w4(path, n), address, epochs, procs)
+        if only != "W4":
+          w4t[name] = _to_mb_per_s(
+              _measure_jaxfeed(lambda: _jaxfeed_w4t(n), address, epochs, procs), image_bytes)
       finally:
         _stop(procs)
+      if only != "W4":  # right after, under the same load
+        sockets[name] = _plain_socket_rate(num_batches, batch_bytes, epochs)
+      name = f"tf.data service ({workers} workers)"
       procs, address = _tf_cluster(workers)
       try:
-        w4[f"tf.data service ({workers} workers)"] = _measure_tf(
-            lambda: _tf_w4(path), address, epochs)
-        w4t[f"tf.data service ({workers} workers)"] = _measure_tf(
-            lambda: _tf_w4t(n), address, epochs)
+        if only != "W4t":
+          w4[name] = _measure_tf(lambda: _tf_w4(path), address, epochs, procs)
+        if only != "W4":
+          w4t[name] = _to_mb_per_s(
+              _measure_tf(lambda: _tf_w4t(n), address, epochs, procs), image_bytes)
       finally:
         _stop(procs)
   for result in w4.values():
     result["mb_per_s"] = round(result["rate"] * image_bytes / 1e6, 1)
-  harness.report("W4", w4, "images/s")
-  batch_bytes = BATCH * image_bytes
-  for result in w4t.values():
-    result["rate"] = result["rate"] * image_bytes / 1e6
-    result["rates"] = [round(r * image_bytes / 1e6, 1) for r in result["rates"]]
-  socket_rate = _plain_socket_rate(-(-n // BATCH), batch_bytes, epochs)
-  w4t["plain TCP socket"] = {"rate": socket_rate["rate"] / 1e6, "rates": socket_rate["rates"]}
+  if w4:
+    harness.report("W4", w4, "images/s")
+  if not w4t:
+    return
+  rates = [r for result in sockets.values() for r in result["rates"]]
+  w4t["plain TCP socket"] = {
+      "rate": float(np.median(rates)) / 1e6, "rates": [round(r / 1e6, 1) for r in rates],
+      "peak_rss_mb": max(result["peak_rss_mb"] for result in sockets.values())}
   harness.report("W4t", w4t, "MB/s")
-  for workers in (1, 2):
+  for name, socket_result in sockets.items():
     print(json.dumps({
-        "workload": "W4t", "system": f"jaxfeed service ({workers} workers)",
-        "fraction_of_plain_socket": round(
-            w4t[f"jaxfeed service ({workers} workers)"]["rate"] / w4t["plain TCP socket"]["rate"], 3)}))
+        "workload": "W4t", "system": name,
+        "fraction_of_plain_socket": round(w4t[name]["rate"] / w4t["plain TCP socket"]["rate"], 3),
+        "fraction_of_socket_measured_right_after": round(
+            w4t[name]["rate"] * 1e6 / socket_result["rate"], 3),
+        "first_batch_ms": w4t[name]["first_batch_ms"],
+        "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"]}), flush=True)
 
 
 if __name__ == "__main__":
