@@ -79,7 +79,8 @@ class PeakRSS:
 
 
 def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
-            epochs: int = 3, servers: Sequence[int] = ()) -> dict:
+            epochs: int = 3, servers: Sequence[int] = (),
+            before_epoch: Callable[[], None] | None = None) -> dict:
   """Runs one warm-up and `epochs` timed epochs; returns rate and memory.
 
   Args:
@@ -88,6 +89,8 @@ def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
     epochs: timed epochs after the warm-up.
     servers: pids of the processes the pipeline runs in besides this one
       (service dispatchers and workers); their RSS is reported too.
+    before_epoch: run before each epoch, untimed (a baseline measured
+      under the same load as the epoch right after it).
 
   Returns:
     {"rate": median items/s, "rates": [...], "items": per epoch,
@@ -104,6 +107,8 @@ def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
     for epoch in range(epochs + 1):
       items = 0
       first = None
+      if before_epoch is not None:
+        before_epoch()
       start = time.perf_counter()
       iterator = make_epoch()
       for output in iterator:
