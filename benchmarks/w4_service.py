@@ -12,7 +12,8 @@ W4t epoch, so that both see the same load. Every system reads DYNAMIC /
 distributed_epoch (an epoch is every record once, a new job each time).
 Prints one JSON line per (workload, system) with the median rate, the time
 from asking for an epoch to its first batch (`first_batch_ms`: a new job on
-running workers; `first_batch_ms_warmup`: the first job of fresh workers),
+running workers; `first_batch_ms_warmup`: the warm-up epoch's, for W4 the
+first job of freshly started workers),
 and peak RSS (this process, the dispatcher and workers, and both); then one
 line per worker count with W4t's fraction of the plain socket: the median
 over epochs of the epoch's rate over its socket epoch's, and the ratio of
