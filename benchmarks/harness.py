@@ -96,12 +96,13 @@ def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
     {"rate": median items/s, "rates": [...], "items": per epoch,
      "first_batch_ms": median time from asking for an epoch to its first
      output, "first_batch_ms_warmup": the same of the warm-up epoch,
+     "last_batch_to_end_ms": median time from the last output to the end,
      "peak_rss_mb": peak RSS of this process while running,
      "rss_growth_mb": peak - start, and with servers
      "servers_peak_rss_mb" and "total_peak_rss_mb"}.
   """
   gc.collect()
-  rates, firsts = [], []
+  rates, firsts, tails = [], [], []
   items = 0
   with PeakRSS(others=servers) as rss:
     for epoch in range(epochs + 1):
@@ -111,15 +112,19 @@ def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
         before_epoch()
       start = time.perf_counter()
       iterator = make_epoch()
+      last = start
       for output in iterator:
         if first is None:
           first = time.perf_counter() - start
         items += count(output)
-      elapsed = time.perf_counter() - start
+        last = time.perf_counter()
+      end = time.perf_counter()
+      elapsed = end - start
       close = getattr(iterator, "close", None)
       if close is not None:
         close()
       firsts.append(elapsed if first is None else first)
+      tails.append(end - last)
       if epoch:
         rates.append(items / elapsed)
   return {
@@ -128,6 +133,7 @@ def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
       "items": items,
       "first_batch_ms": round(statistics.median(firsts[1:]) * 1e3, 1),
       "first_batch_ms_warmup": round(firsts[0] * 1e3, 1),
+      "last_batch_to_end_ms": round(statistics.median(tails[1:]) * 1e3, 1),
       **rss.report(),
   }
 

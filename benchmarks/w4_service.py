@@ -13,7 +13,8 @@ distributed_epoch (an epoch is every record once, a new job each time).
 Prints one JSON line per (workload, system) with the median rate, the time
 from asking for an epoch to its first batch (`first_batch_ms`: a new job on
 running workers; `first_batch_ms_warmup`: the warm-up epoch's, for W4 the
-first job of freshly started workers),
+first job of freshly started workers), the time from its last batch to its
+end (`last_batch_to_end_ms`),
 and peak RSS (this process, the dispatcher and workers, and both); then one
 line per worker count with W4t's fraction of the plain socket: the median
 over epochs of the epoch's rate over its socket epoch's, and the ratio of
@@ -279,6 +280,7 @@ def main(argv: list[str]) -> None:
         "fraction_of_median_rates": round(w4t[name]["rate"] / float(np.median(socket_rates)), 3),
         "socket_rates": [round(r, 1) for r in socket_rates],
         "first_batch_ms": w4t[name]["first_batch_ms"],
+        "last_batch_to_end_ms": w4t[name]["last_batch_to_end_ms"],
         "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"]}), flush=True)
 
 
