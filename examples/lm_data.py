@@ -8,9 +8,10 @@ Two real-text corpora that ship with Python itself, so nothing is downloaded:
   document per topic.
 
 They are written once to ArrayRecord files (one record per document, UTF-8
-bytes) and read back through jaxfeed: a global shuffle per corpus, sharded
-per JAX process -> tokenize -> a 70/30 mixture -> packing into fixed-length
-rows (long documents split into row-length pieces) -> batch.
+bytes) and read back through jaxfeed: a global shuffle per corpus -> a 70/30
+index-level mixture (`Dataset.mix`), sharded per JAX process -> tokenize ->
+packing into fixed-length rows (long documents split into row-length pieces)
+-> batch.
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ def make_dataset(paths: dict[str, str], *, seq_len: int, batch_size: int,
   corpora = []
   for salt, name in enumerate(CORPORA):
     source = jaxfeed.ArrayRecordSource([paths[name]])
-    sampler = jaxfeed.IndexSampler(
-        len(source), shuffle=True, seed=seed + salt, num_epochs=None,
-        shard_options=jaxfeed.ShardByJaxProcess(drop_remainder=True))
-    corpora.append(jaxfeed.Dataset.from_source(source, sampler)
-                   .map(tokenize, num_parallel_calls=num_parallel_calls))
-  mixture = jaxfeed.Dataset.sample_from_datasets(corpora, list(weights), seed=seed)
+    sampler = jaxfeed.IndexSampler(len(source), shuffle=True, seed=seed + salt,
+                                   num_epochs=None)
+    corpora.append(jaxfeed.Dataset.from_source(source, sampler))
+  # One global mixture of the two shuffles, sharded per process.
+  mixture = jaxfeed.Dataset.mix(
+      corpora, list(weights), seed=seed,
+      shard_options=jaxfeed.ShardByJaxProcess()).map(
+          tokenize, num_parallel_calls=num_parallel_calls)
   return (mixture
           .pack({"tokens": seq_len + 1}, num_packing_bins=num_packing_bins,
                 overflow="split")

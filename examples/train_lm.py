@@ -4,8 +4,8 @@ The main job. The text ships with Python itself (the standard library's
 source as "code", the interactive help's topics as "prose"; see
 `examples/lm_data.py`), is written once to ArrayRecord, and is read back
 through the whole jaxfeed path: ArrayRecordSource -> IndexSampler (global
-shuffle, sharded per JAX process) -> tokenize -> sample_from_datasets (70/30)
--> pack (fixed-length rows with segment ids and positions; long documents are
+shuffle per corpus) -> Dataset.mix (70/30, sharded per JAX process) ->
+tokenize -> pack (fixed-length rows with segment ids and positions; long documents are
 split) -> batch -> Loader (global jax.Arrays split over every device).
 Attention never crosses a segment: packed documents do not see each other.
 

@@ -2,13 +2,16 @@
 
 The public API is what this module exports; everything else is internal.
 Names are imported lazily so `import jaxfeed` stays cheap for service
-processes that never touch JAX.
+processes that never touch JAX; only the Dataset facade (numpy, no JAX) is
+imported at once, to be given the service's reader.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from jaxfeed import dataset as _dataset
 
 __version__ = "0.1.0"
 
@@ -24,10 +27,12 @@ _EXPORTS = {
     "ShardOptions": "jaxfeed.sampler",
     "ShardByJaxProcess": "jaxfeed.sampler",
     "NoSharding": "jaxfeed.sampler",
+    "MixtureSampler": "jaxfeed.mixture",
     # sources
     "ArraySource": "jaxfeed.sources",
     "ArrayRecordSource": "jaxfeed.sources",
     "TFRecordSource": "jaxfeed.sources",
+    "ConcatSource": "jaxfeed.sources",
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
@@ -43,6 +48,7 @@ _EXPORTS = {
     "save_checkpoint": "jaxfeed.loader",
     "restore_checkpoint": "jaxfeed.loader",
     "reshard_loader_states": "jaxfeed.loader",
+    "align_mixture_states": "jaxfeed.ops.mix",
     # text
     "ByteTokenizer": "jaxfeed.text",
     "HFTokenizer": "jaxfeed.text",
@@ -67,6 +73,19 @@ _SUBMODULES = ("sources", "ops", "service", "device", "coord", "sampler", "text"
                "example", "image")
 
 __all__ = sorted(_EXPORTS) + [m for m in _SUBMODULES if m != "sampler"]
+
+
+def _distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epochs",
+                **kwargs: Any) -> Any:
+  # Imported on first use: reading through the service needs gRPC, which
+  # importing jaxfeed does not.
+  client = importlib.import_module("jaxfeed.service.client")
+  return client.distribute(dataset, service, processing_mode, **kwargs)
+
+
+# The facade cannot import the service (the service imports it): the root,
+# above both, gives `Dataset.distribute` the service's reader.
+_dataset.register_distribute(_distribute)
 
 
 def __getattr__(name: str) -> Any:

@@ -16,6 +16,18 @@ def _op(module: str):
   return importlib.import_module(f"jaxfeed.ops.{module}")
 
 
+# What `Dataset.distribute` runs. The service sits right of the op graph and
+# imports this facade, so the facade never imports it: the package root,
+# above both, registers it (see jaxfeed/__init__.py).
+_distribute: Callable[..., "Dataset"] | None = None
+
+
+def register_distribute(implementation: Callable[..., "Dataset"]) -> None:
+  """Called once by the package root: what `Dataset.distribute` runs."""
+  global _distribute
+  _distribute = implementation
+
+
 class Dataset:
   """An immutable pipeline. Iterating it builds a fresh, stateful iterator."""
 
@@ -87,6 +99,30 @@ class Dataset:
     return Dataset(_op("sample_from_datasets").SampleFromDatasetsNode(
         *nodes, weights=weights, seed=seed,
         stop_on_empty_dataset=stop_on_empty_dataset))
+
+  @staticmethod
+  def mix(datasets: Sequence["Dataset"], weights: Sequence[float] | None = None,
+          *, seed: int = 0, shard_options: Any = None) -> "Dataset":
+    """An index-level mixture of `from_source` datasets, like Grain's
+    `MapDataset.mix`.
+
+    Global position `q` of the mixture goes to a component chosen as a pure
+    function of (seed, q, weights), with the weights' proportions held
+    exactly at every prefix; each component reads its sampler's positions in
+    order, so it keeps its global shuffle and repeats nothing within its
+    epochs. Shard the mixture with `shard_options` (e.g.
+    `ShardByJaxProcess()`), not its components. The result is a
+    `from_source` dataset: checkpoints resume exactly, also on another
+    number of processes (`reshard_loader_states`), and a restored pipeline
+    may have new weights, which apply from the checkpoint on (restore the
+    states through `jaxfeed.align_mixture_states`). See
+    `jaxfeed.MixtureSampler`.
+
+    Example: `Dataset.mix([Dataset.from_source(code, code_sampler),
+    Dataset.from_source(prose, prose_sampler)], [0.7, 0.3])`.
+    """
+    return Dataset(_op("mix").mix_node(datasets, weights, seed=seed,
+                                       shard_options=shard_options))
 
   @staticmethod
   def choose_from_datasets(datasets: Sequence["Dataset"], choice_dataset: "Dataset",
@@ -438,8 +474,7 @@ class Dataset:
   def distribute(self, service: str, processing_mode: Any = "parallel_epochs",
                  **kwargs: Any) -> "Dataset":
     """Runs this pipeline on jaxfeed service workers (see jaxfeed.service)."""
-    from jaxfeed.service import client  # the service sits right of ops
-    return client.distribute(self, service, processing_mode, **kwargs)
+    return _distribute(self, service, processing_mode, **kwargs)
 
   # ---- running -----------------------------------------------------------
   def with_options(self, options: Any) -> "Dataset":

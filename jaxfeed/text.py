@@ -1,7 +1,8 @@
 """Tokenizers for text pipelines, and the `Tokenize` map function.
 
 Two tokenizers with one interface (`encode(text) -> int32 array`,
-`decode(ids) -> str`, `vocab_size`, `eos_id`):
+`encode_many(texts) -> list of int32 arrays`, `decode(ids) -> str`,
+`vocab_size`, `eos_id`):
 
 - `ByteTokenizer`: the UTF-8 bytes of the text (ids 0-255) plus an
   end-of-document id 256. No dependency, no file, and fast (one
@@ -13,7 +14,11 @@ Two tokenizers with one interface (`encode(text) -> int32 array`,
 
 In a pipeline, `map(Tokenize(tokenizer), num_parallel_calls=...)` turns
 `{"text": bytes or str}` elements into `{"tokens": int32 array}` (other
-features pass through). Both tokenizers and `Tokenize` list their
+features pass through). With a Hugging Face tokenizer, tokenize batches
+instead: `batch(64).map(Tokenize(tokenizer, batched=True),
+num_parallel_calls=...).unbatch()`. `Tokenizer.encode` holds the GIL for the
+whole Rust call, so per-document maps do not scale on threads;
+`encode_batch_fast` releases it (see docs/llm_text.md for measurements). Both tokenizers and `Tokenize` list their
 `spec_params()`, so pipelines that use them travel to service workers (the
 HF tokenizer file must exist at the same path on the workers).
 """
@@ -50,6 +55,10 @@ class ByteTokenizer:
   def encode(self, text: bytes | str) -> np.ndarray:
     """The token ids of `text` (int32, one per UTF-8 byte)."""
     return np.frombuffer(_as_bytes(text), np.uint8).astype(np.int32)
+
+  def encode_many(self, texts: Iterable[bytes | str]) -> list[np.ndarray]:
+    """`[encode(t) for t in texts]`."""
+    return [self.encode(t) for t in texts]
 
   def decode(self, ids: Iterable[int]) -> str:
     """The text of `ids`; the end-of-document id and invalid UTF-8 are dropped
@@ -128,6 +137,16 @@ class HFTokenizer:
     return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids,
                       np.int32)
 
+  def encode_many(self, texts: Iterable[bytes | str]) -> list[np.ndarray]:
+    """`[encode(t) for t in texts]` in one Rust call that releases the GIL, so
+    several threads encode at once. The call also spreads over the
+    tokenizers library's own threads unless TOKENIZERS_PARALLELISM=false."""
+    strings = [t if isinstance(t, str)
+               else _as_bytes(t).decode("utf-8", errors="replace") for t in texts]
+    encodings = self._tokenizer.encode_batch_fast(strings,
+                                                  add_special_tokens=False)
+    return [np.asarray(e.ids, np.int32) for e in encodings]
+
   def decode(self, ids: Iterable[int]) -> str:
     return self._tokenizer.decode([int(i) for i in ids])
 
@@ -154,17 +173,28 @@ class Tokenize:
     output: the key of the token ids in the result.
     append_eos: end every document with the tokenizer's `eos_id`, so packed
       rows still say where one document ended.
+    batched: the input is a batch (`batch(k)` of texts: a 1-D array of
+      bytes or str); the output's `output` leaf is then a 1-D object array
+      of int32 id arrays, one per text, which `unbatch()` splits again. All
+      texts of the batch are encoded in one `encode_many` call.
   """
 
   def __init__(self, tokenizer: Any, feature: str = "text",
-               output: str = "tokens", append_eos: bool = True):
+               output: str = "tokens", append_eos: bool = True,
+               batched: bool = False):
     if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "eos_id")):
       raise TypeError("Tokenize: tokenizer must be a jaxfeed.text.ByteTokenizer "
                       f"or HFTokenizer, got {type(tokenizer).__name__}.")
+    if not isinstance(batched, (bool, np.bool_)):
+      raise TypeError(f"Tokenize: batched must be True or False, got {batched!r}.")
+    if batched and not hasattr(tokenizer, "encode_many"):
+      raise TypeError(f"Tokenize(batched=True): {type(tokenizer).__name__} has "
+                      "no encode_many(texts) to encode a batch with.")
     self.tokenizer = tokenizer
     self.feature = feature
     self.output = output
     self.append_eos = bool(append_eos)
+    self.batched = bool(batched)
 
   def __call__(self, element: Any) -> dict:
     if isinstance(element, dict):
@@ -175,16 +205,34 @@ class Tokenize:
       text = element[self.feature]
     else:
       result, text = {}, element
-    ids = self.tokenizer.encode(text)
+    if self.batched:
+      result[self.output] = self._encode_batch(text)
+    else:
+      result[self.output] = self._with_eos(self.tokenizer.encode(text))
+    return result
+
+  def _with_eos(self, ids: np.ndarray) -> np.ndarray:
     if self.append_eos:
       ids = np.append(ids, np.int32(self.tokenizer.eos_id))
-    result[self.output] = ids
-    return result
+    return ids
+
+  def _encode_batch(self, texts: Any) -> np.ndarray:
+    if np.ndim(texts) != 1 or isinstance(texts, (str, bytes)):
+      raise TypeError(
+          f"Tokenize(batched=True): the text must be a batch (a 1-D array of "
+          f"texts, e.g. after .batch(k)), got {type(texts).__name__} of shape "
+          f"{np.shape(texts)}.")
+    out = np.empty(len(texts), object)
+    for i, ids in enumerate(self.tokenizer.encode_many(list(texts))):
+      out[i] = self._with_eos(ids)
+    return out
 
   def __repr__(self) -> str:
     return (f"Tokenize({self.tokenizer!r}, feature={self.feature!r}, "
-            f"output={self.output!r}, append_eos={self.append_eos})")
+            f"output={self.output!r}, append_eos={self.append_eos}, "
+            f"batched={self.batched})")
 
   def spec_params(self) -> dict:
     return {"tokenizer": self.tokenizer, "feature": self.feature,
-            "output": self.output, "append_eos": self.append_eos}
+            "output": self.output, "append_eos": self.append_eos,
+            "batched": self.batched}

@@ -91,3 +91,49 @@ def test_tokenizing_pipelines_travel_to_service_workers(tokenizer, bpe):
       e["tokens"].tolist() for e in ds]
   assert pickle.loads(pickle.dumps(chosen)).encode("abc").tolist() == (
       chosen.encode("abc").tolist())
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_batched_tokenize_equals_per_document_on_threads_and_resumes(
+    tokenizer, bpe):
+  chosen = jaxfeed.ByteTokenizer() if tokenizer == "bytes" else bpe
+  texts = [f"line {i}: " + TEXTS[i % 2] * (i % 7) for i in range(200)]
+  expected = [chosen.encode(t).tolist() + [chosen.eos_id] for t in texts]
+  assert [ids.tolist() for ids in chosen.encode_many(texts)] == [
+      e[:-1] for e in expected]
+
+  def build(calls):
+    return Dataset.from_source([t.encode() for t in texts]).batch(16).map(
+        jaxfeed.Tokenize(chosen, batched=True),
+        num_parallel_calls=calls).unbatch()
+  for calls in (None, 3):
+    got = list(build(calls))
+    assert [e["tokens"].tolist() for e in got] == expected
+    assert all(e["tokens"].dtype == np.int32 for e in got)
+  with build(3).make_iterator() as iterator:
+    for _ in range(37):
+      next(iterator)
+    state = iterator.get_state()
+  with build(3).make_iterator() as restored:
+    restored.set_state(state)
+    assert [e["tokens"].tolist() for e in restored] == expected[37:]
+
+
+def test_batched_tokenize_names_what_it_needs(bpe):
+  batched = jaxfeed.Tokenize(bpe, batched=True)
+  with pytest.raises(TypeError, match=r"batched=True.*1-D array of texts"):
+    batched(b"one document")
+  with pytest.raises(TypeError, match="batched must be True or False"):
+    jaxfeed.Tokenize(bpe, batched="yes")
+
+  class EncodeOnly:
+    eos_id = 0
+
+    def encode(self, text):
+      return np.zeros(1, np.int32)
+  with pytest.raises(TypeError, match="EncodeOnly has no encode_many"):
+    jaxfeed.Tokenize(EncodeOnly(), batched=True)
+  ds = Dataset.from_source([b"ab", b"c"]).batch(2).map(batched).unbatch()
+  rebuilt = Dataset(spec.from_dataset_def(spec.to_dataset_def(ds.node)))
+  assert [e["tokens"].tolist() for e in rebuilt] == [
+      e["tokens"].tolist() for e in ds]

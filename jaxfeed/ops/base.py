@@ -176,6 +176,9 @@ def callable_path(fn: Callable) -> str:
   return repr(fn)
 
 
+fingerprint_lib.register_node_class(Node)
+
+
 _dataset_wrapper: Callable[[Node], Any] | None = None
 
 

@@ -165,9 +165,9 @@ class _Hasher:
     elif isinstance(v, (types.FunctionType, type, types.ModuleType,
                         types.BuiltinFunctionType)):
       self._code_object(v, static)
-    elif isinstance(v, _node_type()):
+    elif isinstance(v, _node_class):
       self.graph(v.fingerprint())
-    elif isinstance(getattr(v, "node", None), _node_type()):
+    elif isinstance(getattr(v, "node", None), _node_class):
       self.graph(v.node.fingerprint())
     elif hasattr(v, "spec_params"):
       self._spec_object(v)
@@ -359,11 +359,20 @@ class _Hasher:
     self._items(b"members", (x for kv in members for x in kv), static=True)
 
 
-@functools.cache
-def _node_type() -> type:
-  # base imports this module, so the graph node class is looked up late.
-  from jaxfeed.ops.base import Node  # pylint: disable=g-import-not-at-top
-  return Node
+class _NoNodeYet:
+  """Stands for the graph node class until `jaxfeed.ops.base` registers it
+  (no node exists before that)."""
+
+
+# base imports this module, so base registers its node class here.
+_node_class: type = _NoNodeYet
+
+
+def register_node_class(node_class: type) -> None:
+  """Called once by `jaxfeed.ops.base`: the class of graph nodes, hashed by
+  their own fingerprint."""
+  global _node_class
+  _node_class = node_class
 
 
 def _global_names(code: types.CodeType) -> set[str]:

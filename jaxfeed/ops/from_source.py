@@ -6,6 +6,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxfeed.mixture import merge_mixture_states
 from jaxfeed.ops import stacking
 from jaxfeed.ops.base import Node, OpIterator, state_int
 from jaxfeed.sampler import RESHARD_STATE_VERSION, IndexSampler, ReshardedSampler
@@ -278,18 +279,31 @@ class SourceIterator(OpIterator):
 
   def _get_own_state(self) -> dict:
     position = self.position
-    if self._sampler is self._base_sampler:
-      return {"position": position}
-    base_position = self._sampler.base_position(position)
-    if base_position is not None:  # Past the dealt-out epochs.
-      return {"position": base_position}
-    return {"position": position, "resharded": self._sampler.reshard_state()}
+    state = {"position": position}
+    if self._sampler is not self._base_sampler:
+      base_position = self._sampler.base_position(position)
+      if base_position is not None:  # Past the dealt-out epochs, if any.
+        state["position"] = base_position
+      elif self._sampler.reshard_state() is not None:
+        state["resharded"] = self._sampler.reshard_state()
+    saved_state = getattr(self._sampler, "saved_state", None)
+    if saved_state is not None:  # A mixture's weight history.
+      state["mixture"] = saved_state(position)
+    return state
 
   def _set_own_state(self, state: dict) -> None:
     resharded = state.get("resharded")
-    sampler = (self._base_sampler if resharded is None
-               else _resharded_sampler(self._base_sampler, resharded))
-    if sampler is not self._sampler or resharded is not None:
+    mixture = state.get("mixture")
+    sampler = self._base_sampler
+    if mixture is not None:
+      if not hasattr(sampler, "restored"):
+        raise ValueError(
+            f"{_OP}: the state was saved by a mixture (Dataset.mix) but this "
+            f"pipeline reads a {type(sampler).__name__}.")
+      sampler = sampler.restored(mixture)
+    if resharded is not None:
+      sampler = _resharded_sampler(sampler, resharded)
+    if sampler is not self._sampler or resharded is not None or mixture is not None:
       self._sampler = sampler
       self._end = _end_of(sampler, self._stop)
       self._buffer_start, self._buffered, self._offset = 0, 0, 0
@@ -308,10 +322,11 @@ def _end_of(sampler: Any, stop: int | None) -> int | None:
 
 def _resharded_sampler(base: Any, resharded: Any) -> ReshardedSampler:
   """The sampler a resharded state (see `reshard_states`) describes."""
-  if not isinstance(base, IndexSampler):
+  if not isinstance(base, IndexSampler) and not hasattr(base, "reshard"):
     raise ValueError(
         f"{_OP}: a state saved with another number of processes can only be "
-        f"restored with an IndexSampler, got {type(base).__name__}.")
+        f"restored with an IndexSampler or a mixture of them, got "
+        f"{type(base).__name__}.")
   if (not isinstance(resharded, dict)
       or resharded.get("version") != RESHARD_STATE_VERSION
       or set(resharded) != {"version", "shard_count", "positions"}):
@@ -319,8 +334,10 @@ def _resharded_sampler(base: Any, resharded: Any) -> ReshardedSampler:
         f"{_OP}: 'resharded' state must be a dict with keys 'version' "
         f"(= {RESHARD_STATE_VERSION}), 'shard_count' and 'positions', got "
         f"{str(resharded):.200}.")
-  return ReshardedSampler(base, resharded["shard_count"],
-                          resharded["positions"])
+  if isinstance(base, IndexSampler):
+    return ReshardedSampler(base, resharded["shard_count"],
+                            resharded["positions"])
+  return base.reshard(resharded["shard_count"], resharded["positions"])
 
 
 # Ops whose state at a batch boundary holds nothing but their parent's: a
@@ -347,6 +364,7 @@ def reshard_states(states: list[dict]) -> dict:
       already resharded whose dealt-out epochs are not finished).
   """
   positions = []
+  mixtures = []
   chains = []
   for process, state in enumerate(states):
     chain = []
@@ -374,6 +392,7 @@ def reshard_states(states: list[dict]) -> dict:
               "another number of processes and has not finished the epochs "
               "dealt out then; resume it with the same number of processes.")
         positions.append(state_int(own, "position", _OP, 0))
+        mixtures.append(own.get("mixture"))
         break
       if own not in _AT_REST or not parents:
         raise ValueError(
@@ -387,10 +406,13 @@ def reshard_states(states: list[dict]) -> dict:
         f"reshard: the processes' pipelines differ: {chains}.")
   resharded = {"version": RESHARD_STATE_VERSION, "shard_count": len(states),
                "positions": positions}
+  own = {"position": 0, "resharded": resharded}
+  if any(m is not None for m in mixtures):
+    own["mixture"] = merge_mixture_states(mixtures)
 
   def rebuild(node: dict) -> dict:
     if node["op"] == _OP:
-      return {**node, "own": {"position": 0, "resharded": resharded}}
+      return {**node, "own": own}
     return {**node, "parents": [rebuild(node["parents"][0])]}
 
   return rebuild(states[0])

@@ -13,7 +13,7 @@ from typing import Any
 _EXPORTS = {
     "ShardingPolicy": "jaxfeed.service.sharding",
     "DispatchServer": "jaxfeed.service.dispatcher",
-    "DispatcherConfig": "jaxfeed.service.dispatcher",
+    "DispatcherConfig": "jaxfeed.service.dispatcher_config",
     "WorkerServer": "jaxfeed.service.worker",
     "WorkerConfig": "jaxfeed.service.worker",
     "TLSConfig": "jaxfeed.service.rpc",

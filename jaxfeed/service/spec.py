@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
 from jaxfeed.ops import fingerprint as fingerprint_lib
 from jaxfeed.service import wire
@@ -627,7 +628,6 @@ class _Decoder:
     if tag == "__node__":
       return self.node(body)
     if tag == "__dataset__":
-      from jaxfeed.dataset import Dataset  # pylint: disable=g-import-not-at-top
       return Dataset(self.node(body))
     if tag == "__callable__":
       path, code = (body.get("path"), body.get("code")) if isinstance(body, dict) else (body, None)

@@ -34,6 +34,7 @@ from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
 from jaxfeed.ops import optimize
 from jaxfeed.ops.options import Options
+from jaxfeed.sampler import IndexSampler
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy
@@ -161,7 +162,6 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
     sampler = params.get("sampler")
     source = params.get("source")
     if sampler is None and source is not None:
-      from jaxfeed.sampler import IndexSampler  # pylint: disable=g-import-not-at-top
       sampler = IndexSampler(len(source))
     if not _is_sampler(sampler):
       return cls, params

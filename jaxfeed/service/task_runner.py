@@ -10,6 +10,7 @@ import traceback
 from typing import Any, Callable, Generator
 
 from jaxfeed.service import round_assembly
+from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
 from jaxfeed.service import wire
 
@@ -291,7 +292,6 @@ class TaskRunner:
 
 
 def status_of(error: Exception) -> str:
-  from jaxfeed.service import spec as spec_lib  # pylint: disable=g-import-not-at-top
   if isinstance(error, spec_lib.UDFImportError):
     return "FAILED_PRECONDITION"
   if isinstance(error, spec_lib.SpecError):

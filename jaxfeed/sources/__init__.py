@@ -9,12 +9,14 @@ from jaxfeed.sources.array_record_source import (ArrayRecordSource,
                                                  write_array_record)
 from jaxfeed.sources.array_source import ArraySource
 from jaxfeed.sources.base import CorruptRecordError, RecordSource
+from jaxfeed.sources.concat_source import ConcatSource
 from jaxfeed.sources.tfrecord_format import write_tfrecord
 from jaxfeed.sources.tfrecord_source import TFRecordSource
 
 __all__ = [
     "ArrayRecordSource",
     "ArraySource",
+    "ConcatSource",
     "CorruptRecordError",
     "RecordSource",
     "TFRecordSource",

@@ -1,11 +1,14 @@
 """One process of the elastic-resume test (run by test_elastic_resume.py).
 
 Usage: python elastic_worker.py PROCESS_ID NUM_PROCESSES PORT MODE CKPT_DIR OUT
+[SOURCE]
 MODE "save": iterate SAVE_AT steps, checkpoint the Loader with orbax, then run
 on to the end (the uninterrupted run). MODE "resume": restore that checkpoint
 (written by any number of processes) and run to the end. Writes OUT (JSON):
 the (label, noise) rows this process received before and after the
-checkpoint, and the global batch size of every step.
+checkpoint, and the global batch size of every step. SOURCE "index" (the
+default) reads one sharded IndexSampler, "mix" a `Dataset.mix` of two
+(labels `MIX_OFFSET + r` for the second one's record `r`).
 """
 
 import json
@@ -35,13 +38,38 @@ def keep(element):
   return element["noise"] % 3 != 0
 
 
-def pipeline():
+MIX_SIZES = (60, 40)
+MIX_WEIGHTS = (0.6, 0.4)
+MIX_OFFSET = 1000
+
+
+def mix_components():
+  """The samplers and sources of the mixed pipeline's two components."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
+  samplers = [jaxfeed.IndexSampler(n, shuffle=True, seed=SEED + i,
+                                   num_epochs=NUM_EPOCHS)
+              for i, n in enumerate(MIX_SIZES)]
+  sources = [jaxfeed.ArraySource({"label": MIX_OFFSET * i + np.arange(n)})
+             for i, n in enumerate(MIX_SIZES)]
+  return samplers, sources
+
+
+def records(source_kind):
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  if source_kind == "mix":
+    samplers, sources = mix_components()
+    return jaxfeed.Dataset.mix(
+        [jaxfeed.Dataset.from_source(src, s) for s, src in zip(samplers, sources)],
+        list(MIX_WEIGHTS), seed=SEED, shard_options=jaxfeed.ShardByJaxProcess())
   sampler = jaxfeed.IndexSampler(
       NUM_RECORDS, shuffle=True, seed=SEED, num_epochs=NUM_EPOCHS,
       shard_options=jaxfeed.ShardByJaxProcess())
   source = jaxfeed.ArraySource({"label": np.arange(NUM_RECORDS)})
-  return (jaxfeed.Dataset.from_source(source, sampler)
+  return jaxfeed.Dataset.from_source(source, sampler)
+
+
+def pipeline(source_kind="index"):
+  return (records(source_kind)
           .random_map(noise, seed=SEED)
           .filter(keep)
           .batch(GLOBAL_BATCH // jax.process_count()))
@@ -59,6 +87,7 @@ def local_rows(batch) -> list[list[int]]:
 def main() -> None:
   process_id, num_processes, port = map(int, sys.argv[1:4])
   mode, checkpoint_dir, out = sys.argv[4:7]
+  source_kind = sys.argv[7] if len(sys.argv) > 7 else "index"
   out = out.replace("PID", str(process_id))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
@@ -71,7 +100,7 @@ def main() -> None:
   real_sum = jax.jit(lambda b: jnp.sum(b["label"] * b["valid"]))
   manager = ocp.CheckpointManager(checkpoint_dir)
   report = {"before": [], "after": [], "global_rows": []}
-  with jaxfeed.Loader(pipeline(), end_of_input="pad") as loader:
+  with jaxfeed.Loader(pipeline(source_kind), end_of_input="pad") as loader:
     if mode == "resume":
       manager.restore(SAVE_AT, args=ocp.args.Composite(
           loader=jaxfeed.LoaderRestore(loader)))

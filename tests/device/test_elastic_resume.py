@@ -1,6 +1,7 @@
 """A Loader checkpoint written by N JAX processes restored by M (real
-processes, jax.distributed on CPU): global shuffle + random_map + filter +
-batch, with `end_of_input="pad"` so every record read shows up in a batch."""
+processes, jax.distributed on CPU): global shuffle (or an index-level
+mixture of two) + random_map + filter + batch, with `end_of_input="pad"` so
+every record read shows up in a batch."""
 
 import collections
 import json
@@ -11,6 +12,7 @@ import pytest
 
 import elastic_worker as worker
 from jax_processes import run_processes
+from jaxfeed.mixture import MixtureSampler
 from jaxfeed.ops.random_map import element_rng
 from jaxfeed.sampler import IndexSampler
 
@@ -18,10 +20,11 @@ WORKER = str(pathlib.Path(worker.__file__).resolve())
 TIMEOUT_S = 150
 
 
-def run(num_processes, mode, checkpoint_dir, out_dir):
+def run(num_processes, mode, checkpoint_dir, out_dir, source_kind="index"):
   timed_out, results = run_processes(
       WORKER, num_processes,
-      [mode, str(checkpoint_dir), str(out_dir / f"{mode}_PID.json")], TIMEOUT_S)
+      [mode, str(checkpoint_dir), str(out_dir / f"{mode}_PID.json"),
+       source_kind], TIMEOUT_S)
   assert not timed_out, f"{mode} with {num_processes} processes hung"
   for i, (returncode, _, stderr) in enumerate(results):
     assert returncode == 0, f"{mode}: process {i} failed:\n{stderr[-4000:]}"
@@ -29,11 +32,19 @@ def run(num_processes, mode, checkpoint_dir, out_dir):
           for i in range(num_processes)]
 
 
-def kept_records():
+def kept_records(source_kind):
   """Every (label, noise) the pipeline keeps over all epochs, any sharding."""
-  sampler = IndexSampler(worker.NUM_RECORDS, shuffle=True, seed=worker.SEED,
-                         num_epochs=worker.NUM_EPOCHS)
+  if source_kind == "mix":
+    sampler = MixtureSampler(worker.mix_components()[0],
+                             list(worker.MIX_WEIGHTS), seed=worker.SEED)
+  else:
+    sampler = IndexSampler(worker.NUM_RECORDS, shuffle=True, seed=worker.SEED,
+                           num_epochs=worker.NUM_EPOCHS)
   _, records, seeds = sampler.get_many(np.arange(len(sampler)))
+  if source_kind == "mix":  # The second source's labels start at MIX_OFFSET.
+    first = worker.MIX_SIZES[0]
+    records = np.where(records < first, records,
+                       records - first + worker.MIX_OFFSET)
   rows = collections.Counter()
   for record, seed in zip(records.tolist(), seeds.tolist()):
     element = worker.noise({"label": record}, element_rng(worker.SEED, seed))
@@ -46,14 +57,16 @@ def rows(reports, key):
   return collections.Counter(tuple(row) for r in reports for row in r[key])
 
 
-@pytest.mark.parametrize("saved_with, resumed_with", [(2, 3), (4, 2)])
+@pytest.mark.parametrize("saved_with, resumed_with, source_kind",
+                         [(2, 3, "index"), (4, 2, "index"), (2, 3, "mix")])
 def test_resume_on_another_process_count_reads_the_rest_exactly_once(
-    tmp_path, saved_with, resumed_with):
+    tmp_path, saved_with, resumed_with, source_kind):
   checkpoint_dir = tmp_path / "ckpt"
-  saved = run(saved_with, "save", checkpoint_dir, tmp_path)
-  resumed = run(resumed_with, "resume", checkpoint_dir, tmp_path)
+  saved = run(saved_with, "save", checkpoint_dir, tmp_path, source_kind)
+  resumed = run(resumed_with, "resume", checkpoint_dir, tmp_path, source_kind)
   # The uninterrupted run reads every kept record once.
-  assert rows(saved, "before") + rows(saved, "after") == kept_records()
+  assert rows(saved, "before") + rows(saved, "after") == kept_records(
+      source_kind)
   assert sum(rows(saved, "before").values()) > 0
   # The resumed run reads exactly what the uninterrupted one read after the
   # checkpoint: every record once over all processes.

@@ -1,0 +1,204 @@
+"""What a service read's threads share (`ReadState`): the job it joined at
+the dispatcher, the heartbeats that keep it and list its tasks, and a
+fetcher per task (`jaxfeed.service.client_fetcher`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from jaxfeed.service import heartbeat_pacing
+from jaxfeed.service import rpc
+from jaxfeed.service.client_fetcher import Fetcher
+from jaxfeed.service.protos import service_pb2 as pb
+
+_DISPATCHER = "/jaxfeed.service.Dispatcher/"
+POLL_S = 0.05
+END = object()  # put in the buffer when a read is over, to wake its consumer
+
+
+def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
+                      token: str | None) -> rpc.Caller:
+  return rpc.Caller(channel, _DISPATCHER + method, response_cls, token)
+
+
+class ReadState:
+  """Everything a read's threads share; the iterator owns and closes it."""
+
+  def __init__(self, node: Any):
+    """`node` is the `jaxfeed.service.client.DistributedNode` read."""
+    self.node = node
+    self.stop = threading.Event()
+    self.wake = threading.Event()  # heartbeat now rather than at the interval
+    self.lock = threading.Lock()
+    self.error: BaseException | None = None
+    self.elements_by_worker: dict[str, int] = {}
+    self.acks: list[int] = []  # exactly-once: splits to acknowledge
+    self.handed_on: set[int] = set()  # exactly-once: splits this read has had
+    # Reported to the dispatcher for autoscaling.
+    self.consumed = 0
+    self.wait_s = 0.0
+    self.started = time.monotonic()
+    capacity = node.max_outstanding_requests or 8
+    self.buffer: queue.Queue = queue.Queue(maxsize=capacity)
+    self.capacity = capacity
+    self.fetchers: dict[int, Fetcher] = {}
+    self.finished = False
+    self.job_id = 0
+    self.client_id = 0
+    self.channel = rpc.make_channel(node.service, tls=node.tls)
+    self.ssl_context = node.tls.client_ssl_context() if node.tls is not None else None
+    self.manager = threading.Thread(target=self._manage, daemon=True,
+                                    name="jaxfeed-distribute-manager")
+    self.manager.start()
+
+  # -- shared helpers -----------------------------------------------------------
+  def put(self, out: queue.Queue, item: Any) -> bool:
+    while not self.stop.is_set():
+      try:
+        out.put(item, timeout=POLL_S)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def count(self, worker: str) -> None:
+    with self.lock:
+      self.elements_by_worker[worker] = self.elements_by_worker.get(worker, 0) + 1
+
+  def ack(self, split_start: int) -> bool:
+    """Exactly-once: all of a split arrived; acknowledges it and returns True,
+    or False if this read already had it (its worker sent it again because
+    the connection broke while the split's end was going out)."""
+    with self.lock:
+      if split_start in self.handed_on:
+        return False
+      self.handed_on.add(split_start)
+      self.acks.append(split_start)
+      return True
+
+  def fail(self, error: BaseException) -> None:
+    with self.lock:
+      if self.error is None:
+        self.error = error
+
+  # -- the manager thread ---------------------------------------------------------
+  def _manage(self) -> None:
+    node = self.node
+    try:
+      dataset_id = node.resolve_dataset_id()
+      job_call = dispatcher_caller(self.channel, "GetOrCreateJob",
+                                    pb.GetOrCreateJobResponse, node.auth_token)
+      try:
+        job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
+            dataset_id=dataset_id, sharding_policy=node.policy.value,
+            job_name=node.job_name or "", num_consumers=node.num_consumers or 0,
+            consumer_index=node.consumer_index or 0,
+            round_timeout_s=node.round_timeout_s or 0.0,
+            exactly_once=node.visitation == "exactly_once",
+            ephemeral_sharing=node.ephemeral_sharing),
+            node.timeout_s, f"Creating a job for dataset {dataset_id}")
+      except rpc.ServiceError as e:
+        cause = e.__cause__
+        if (isinstance(cause, grpc.RpcError)
+            and cause.code() == grpc.StatusCode.INVALID_ARGUMENT):
+          raise ValueError(
+              f"distribute(job_name={node.job_name!r}, num_consumers="
+              f"{node.num_consumers}, consumer_index={node.consumer_index}): the "
+              f"dispatcher refused the read: {cause.details()}") from e
+        raise
+      self.job_id, self.client_id = job.job_id, job.client_id
+      heartbeat = dispatcher_caller(self.channel, "ClientHeartbeat",
+                                     pb.ClientHeartbeatResponse, node.auth_token)
+      last_ok = time.monotonic()
+      # The last task list and its version: the dispatcher leaves the tasks
+      # out of its answer while they stay the same.
+      tasks, tasks_version = [], 0
+      while not self.stop.is_set():
+        self.wake.clear()
+        with self.lock:
+          acks = list(self.acks)
+        try:
+          response = heartbeat(pb.ClientHeartbeatRequest(
+              job_id=self.job_id, client_id=self.client_id, acked_splits=acks,
+              elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
+              read_elapsed_s=time.monotonic() - self.started,
+              buffer_fill=self.buffer.qsize() / self.capacity,
+              known_tasks_version=tasks_version), timeout=10)
+          last_ok = time.monotonic()
+          with self.lock:
+            del self.acks[:len(acks)]
+        except grpc.RpcError as e:
+          # A heartbeat sent while the dispatcher restarts or its connection
+          # was just cut may time out rather than fail fast: both are an
+          # outage, retried until the read's timeout.
+          if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
+              time.monotonic() - last_ok < node.timeout_s):
+            self.stop.wait(0.2)
+            continue
+          raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
+                                 f"{e.code().name}: {e.details()}") from e
+        if response.tasks_unchanged:
+          response.tasks.extend(tasks)
+        else:
+          tasks, tasks_version = list(response.tasks), response.tasks_version
+        self._update_tasks(response)
+        if self.finished:
+          return
+        self.wake.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
+                           response.heartbeat_interval_s))
+    except BaseException as e:  # pylint: disable=broad-except
+      self.fail(e)
+
+  def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
+    listed = {t.task_id: t for t in response.tasks}
+    now = time.monotonic()
+    for task_id, task in listed.items():
+      old = self.fetchers.get(task_id)
+      if old is not None:
+        old.kick_if_stalled(now)
+      else:
+        out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
+        self.fetchers[task_id] = Fetcher(self, task, out)
+    for task_id, fetcher in self.fetchers.items():
+      if task_id not in listed and not fetcher.ended:
+        fetcher.cancel()  # the dispatcher declared its worker dead
+    if response.job_finished and all(f.ended for f in self.fetchers.values()):
+      self.finished = True
+      if not self.node.num_consumers:
+        try:  # wakes a consumer waiting on an empty buffer
+          self.buffer.put_nowait(END)
+        except queue.Full:
+          pass  # it is not waiting
+
+  def round_fetchers(self) -> tuple[dict[int, Fetcher], int]:
+    """Round-robin reads: the fetcher of each worker index, and the number
+    of workers (the latest task of an index wins)."""
+    fetchers = sorted(list(self.fetchers.values()), key=lambda f: f.task.task_id)
+    if not fetchers:
+      return {}, 0
+    return {f.task.worker_index: f for f in fetchers}, fetchers[-1].task.num_workers
+
+  def close(self) -> None:
+    self.stop.set()
+    self.wake.set()
+    for fetcher in list(self.fetchers.values()):
+      fetcher.cancel()
+    if self.manager is not threading.current_thread():
+      self.manager.join(timeout=15)
+    for fetcher in list(self.fetchers.values()):
+      fetcher.thread.join(timeout=15)
+    if self.client_id:
+      try:
+        dispatcher_caller(self.channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
+                           self.node.auth_token)(
+            pb.ReleaseJobClientRequest(job_id=self.job_id, client_id=self.client_id),
+            timeout=2)
+      except grpc.RpcError:
+        pass  # the dispatcher times the client out instead
+    self.channel.close()
+
