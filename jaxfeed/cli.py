@@ -2,20 +2,26 @@
 
   jaxfeed dispatcher [FLAGS]     the service's dispatcher (python -m jaxfeed.service.dispatcher)
   jaxfeed worker [FLAGS]         a service worker (python -m jaxfeed.service.worker)
-  jaxfeed convert IN... OUT      TFRecord <-> ArrayRecord, sharded, parallel, resumable
+  jaxfeed convert IN... OUT      TFRecord, ArrayRecord, NumPy, Parquet; sharded, parallel, resumable
   jaxfeed inspect FILE...        record count, sizes and a decoded sample
   jaxfeed bench MODULE:FUNCTION  runs a user's pipeline for a while: elements/s
+                                 and a table of where each op spent its time
 
 `convert` writes OUT (or OUT-SSSSS-of-NNNNN.ext with `--num_shards`), each
 shard under a temporary name renamed into place when complete, so a killed
 conversion starts again where it stopped: complete shards are kept.
+NumPy (.npy/.npz) and Parquet files are tables whose rows are tf.train.Example
+records, a feature per column (see `jaxfeed.tables`).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
+import glob
 import importlib
+import multiprocessing
 import os
 import sys
 import time
@@ -24,7 +30,9 @@ from typing import Any, Sequence
 import numpy as np
 
 FORMATS = {".tfrecord": "tfrecord", ".tfrecords": "tfrecord",
-           ".array_record": "array_record", ".arrayrecord": "array_record"}
+           ".array_record": "array_record", ".arrayrecord": "array_record",
+           ".npy": "numpy", ".npz": "numpy", ".parquet": "parquet"}
+FORMAT_NAMES = ("tfrecord", "array_record", "numpy", "parquet")
 
 
 class UsageError(ValueError):
@@ -32,10 +40,10 @@ class UsageError(ValueError):
 
 
 def file_format(path: str, given: str | None = None) -> str:
-  """'tfrecord' or 'array_record', from `given` or the file name."""
+  """One of FORMAT_NAMES, from `given` or the file name."""
   if given:
-    if given not in set(FORMATS.values()):
-      raise UsageError(f"Unknown format {given!r}; use tfrecord or array_record.")
+    if given not in FORMAT_NAMES:
+      raise UsageError(f"Unknown format {given!r}; use one of {', '.join(FORMAT_NAMES)}.")
     return given
   suffix = os.path.splitext(path)[1].lower()
   if suffix not in FORMATS:
@@ -47,9 +55,34 @@ def file_format(path: str, given: str | None = None) -> str:
 
 def open_source(paths: Sequence[str], fmt: str) -> Any:
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  if fmt == "tfrecord":
-    return jaxfeed.TFRecordSource(list(paths))
-  return jaxfeed.ArrayRecordSource(list(paths))
+  from jaxfeed import tables  # pylint: disable=g-import-not-at-top
+  try:
+    if fmt == "tfrecord":
+      return jaxfeed.TFRecordSource(list(paths))
+    if fmt == "array_record":
+      return jaxfeed.ArrayRecordSource(list(paths))
+    return tables.TableSource(paths, fmt)
+  except (ImportError, ValueError) as e:  # an extra not installed, a bad table file
+    raise UsageError(str(e)) from None
+
+
+def _writer(fmt: str, path: str) -> Any:
+  """write(file, records) of `fmt` for the output `path`."""
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  from jaxfeed import tables  # pylint: disable=g-import-not-at-top
+  if fmt == "numpy":
+    return functools.partial(tables.write_numpy, single_array=path.endswith(".npy"))
+  return {"tfrecord": jaxfeed.write_tfrecord, "array_record": jaxfeed.write_array_record,
+          "parquet": tables.write_parquet}[fmt]
+
+
+def _read_range(source: Any, start: int, stop: int) -> Any:
+  """Records start..stop-1 of `source`, streamed."""
+  if hasattr(source, "records"):  # a table: reads row groups once each
+    yield from source.records(start, stop)
+    return
+  for first in range(start, stop, 256):
+    yield from source.get_many(np.arange(first, min(first + 256, stop)))
 
 
 def shard_paths(out: str, num_shards: int) -> list[str]:
@@ -62,17 +95,17 @@ def shard_paths(out: str, num_shards: int) -> list[str]:
 
 def _convert_shard(job: tuple) -> int:
   """Writes records [start, stop) of the input to `path`; returns the count."""
-  import jaxfeed  # pylint: disable=g-import-not-at-top
   inputs, in_fmt, out_fmt, path, start, stop = job
   source = open_source(inputs, in_fmt)
-  write = jaxfeed.write_tfrecord if out_fmt == "tfrecord" else jaxfeed.write_array_record
   tmp = f"{path}.tmp{os.getpid()}"
-
-  def records():
-    for first in range(start, stop, 256):
-      yield from source.get_many(np.arange(first, min(first + 256, stop)))
-  write(tmp, records())
-  os.replace(tmp, path)
+  try:
+    _writer(out_fmt, path)(tmp, _read_range(source, start, stop))
+    os.replace(tmp, path)
+  except ValueError as e:  # records that do not fit the output format
+    raise UsageError(str(e)) from None
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
   return stop - start
 
 
@@ -99,6 +132,9 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
   jobs = [(list(inputs), in_fmt, out_fmt, path, bounds[i], bounds[i + 1])
           for i, path in enumerate(paths) if not os.path.exists(path)]
   skipped = num_shards - len(jobs)
+  for job in jobs:  # what a killed conversion left half written
+    for stale in glob.glob(f"{glob.escape(job[3])}.tmp*"):
+      os.remove(stale)
   with progress_lib.Progress(f"convert -> {os.path.basename(out)}", total,
                              enabled=progress) as bar:
     bar.advance(total - sum(j[5] - j[4] for j in jobs))
@@ -106,7 +142,10 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
       for job in jobs:
         bar.advance(_convert_shard(job))
     else:
-      with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+      # Spawned, not forked: a fork copies the caller's threads' locks
+      # (pyarrow's, gRPC's, jax's) mid-use and can crash the child.
+      with concurrent.futures.ProcessPoolExecutor(
+          workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for count in pool.map(_convert_shard, jobs):
           bar.advance(count)
   return {"records": total, "shards": paths, "skipped": skipped}
@@ -115,17 +154,34 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
 def describe_record(record: bytes) -> str:
   """A short readable view of a record: a tf.train.Example's features if it
   parses as one, else its first bytes."""
-  try:
-    from jaxfeed import example  # pylint: disable=g-import-not-at-top
-    summary = example.describe(record)
-    if summary:
-      return summary
-  except Exception:  # noqa: BLE001 -- not an Example, or no parser: show bytes
-    pass
+  summary = describe_example(record)
+  if summary:
+    return summary
   head = record[:64]
   text = head.decode("utf-8", errors="replace")
   printable = sum(ch.isprintable() or ch in "\n\t" for ch in text) / max(1, len(text))
   return repr(text if printable > 0.9 else head) + (" ..." if len(record) > 64 else "")
+
+
+def describe_example(record: bytes, max_values: int = 4) -> str | None:
+  """`{name: type[count] [first values], ...}` of a tf.train.Example, or None
+  when `record` does not parse as one with features."""
+  from google.protobuf import message  # pylint: disable=g-import-not-at-top
+  from jaxfeed.protos import example_pb2  # pylint: disable=g-import-not-at-top
+  try:
+    features = example_pb2.Example.FromString(record).features.feature
+  except message.DecodeError:
+    return None
+  parts = []
+  for name in sorted(features):
+    kind = features[name].WhichOneof("kind")
+    if kind is None:
+      return None  # random bytes can parse as an Example, but not as features
+    values = list(getattr(features[name], kind).value)
+    shown = ", ".join(repr(v) for v in values[:max_values])
+    more = ", ..." if len(values) > max_values else ""
+    parts.append(f"{name!r}: {kind[:-5]}[{len(values)}] [{shown}{more}]")
+  return "{" + ", ".join(parts) + "}" if parts else None
 
 
 def inspect_files(paths: Sequence[str], fmt: str | None = None,
@@ -178,6 +234,16 @@ def bench(target: str, seconds: float, warmup_s: float = 1.0) -> dict:
   return result
 
 
+def bench_report(result: dict) -> str:
+  """`bench`'s result as text: the rate, then the per-op table and the op
+  that limits the rate."""
+  from jaxfeed.ops import op_stats  # pylint: disable=g-import-not-at-top
+  head = (f"{result['elements']} elements in {result['seconds']} s: "
+          f"{result['elements_per_s']} elements/s")
+  rows = result.get("stats", {}).get("ops")
+  return f"{head}\n\n{op_stats.report(rows)}" if rows else head
+
+
 def _server(role: str, argv: Sequence[str]) -> None:
   from absl import app  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(f"jaxfeed.service.{role}")
@@ -196,17 +262,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   commands.add_parser("worker", help="run a service worker (flags: --help)")
   conv = commands.add_parser("convert", help="convert record files")
   conv.add_argument("paths", nargs="+", help="input files, then the output")
-  conv.add_argument("--from", dest="in_format", choices=["tfrecord", "array_record"])
-  conv.add_argument("--to", dest="out_format", choices=["tfrecord", "array_record"])
+  conv.add_argument("--from", dest="in_format", choices=FORMAT_NAMES)
+  conv.add_argument("--to", dest="out_format", choices=FORMAT_NAMES)
   conv.add_argument("--num_shards", type=int, default=1)
   conv.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
   insp = commands.add_parser("inspect", help="describe record files")
   insp.add_argument("paths", nargs="+")
-  insp.add_argument("--format", choices=["tfrecord", "array_record"])
+  insp.add_argument("--format", choices=FORMAT_NAMES)
   insp.add_argument("--samples", type=int, default=1)
   ben = commands.add_parser("bench", help="time a pipeline: MODULE:FUNCTION")
   ben.add_argument("target")
   ben.add_argument("--seconds", type=float, default=10.0)
+  ben.add_argument("--json", action="store_true",
+                   help="print the result as JSON instead of a table")
   args = parser.parse_args(argv)
   import json  # pylint: disable=g-import-not-at-top
   try:
@@ -220,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       result = inspect_files(args.paths, args.format, args.samples)
     else:
       result = bench(args.target, args.seconds)
+      if not args.json:
+        print(bench_report(result))
+        return 0
   except UsageError as e:
     print(f"jaxfeed {args.command}: {e}", file=sys.stderr)
     return 2

@@ -35,6 +35,7 @@ import orbax.checkpoint as ocp
 from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
 from jaxfeed.device.agreement import check_policy
+from jaxfeed.ops import op_stats
 from jaxfeed.ops.from_source import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
@@ -100,7 +101,10 @@ class Loader:
   docstring).
 
   `stats()` tells whether training is input bound: the seconds the loop waited
-  for batches versus the seconds it spent between batches (model time).
+  for batches versus the seconds it spent between batches (model time), and
+  the pipeline's per-op statistics (`ops`, see `OpIterator.stats`);
+  `report()` prints them as one table with a verdict: input bound or not,
+  and which op to fix.
   """
 
   def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
@@ -116,7 +120,8 @@ class Loader:
     self._prefetch = prefetch
     self._end_of_input = end_of_input
     self._pad_to_common_shape = pad_to_common_shape
-    self._prefetcher = self._new_prefetcher(self._new_host_iterator())
+    self._host_iterator = self._new_host_iterator()
+    self._prefetcher = self._new_prefetcher(self._host_iterator)
     self._batches = 0
     self._wait_s = 0.0
     self._model_s = 0.0
@@ -151,15 +156,25 @@ class Loader:
     self._returned_at = end
     return batch
 
-  def stats(self) -> dict[str, float]:
-    """Batches received, seconds waiting for input and between batches."""
+  def stats(self) -> dict[str, Any]:
+    """Batches received, seconds waiting for input and between batches, and
+    the pipeline's per-op rows (`ops`; empty for a plain iterable)."""
     busy = self._wait_s + self._model_s
     return {
         "batches": self._batches,
         "wait_seconds": self._wait_s,
         "model_seconds": self._model_s,
         "input_bound_fraction": self._wait_s / busy if busy else 0.0,
+        "ops": op_stats.rows_of(self._host_iterator),
     }
+
+  def report(self, file: Any = None) -> str:
+    """Prints (to `file`, default stdout) and returns one table of the
+    pipeline's ops, whether the loop is input bound, and the op to fix."""
+    stats = self.stats()
+    text = op_stats.report(stats["ops"], stats)
+    print(text, file=file)
+    return text
 
   # -- state ----------------------------------------------------------------
   def get_state(self) -> dict:
@@ -182,6 +197,7 @@ class Loader:
         host_iterator.close()
         raise
       self._prefetcher.close()
+      self._host_iterator = host_iterator
       self._prefetcher = self._new_prefetcher(host_iterator)
     else:
       self._prefetcher.set_state(state["pipeline"])

@@ -28,6 +28,25 @@ def run_cli(*args, timeout=120, cwd=REPO):
                         capture_output=True, text=True, timeout=timeout)
 
 
+def kill_mid_conversion(src, out, num_shards=40):
+  """SIGKILLs `jaxfeed convert SRC OUT` once its third shard is complete;
+  returns (the shard paths, those complete then)."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen([sys.executable, "-m", "jaxfeed.cli", "convert", str(src),
+                           str(out), f"--num_shards={num_shards}", "--workers=1"],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  paths = cli.shard_paths(str(out), num_shards)
+  deadline = time.monotonic() + 60
+  while not os.path.exists(paths[2]) and time.monotonic() < deadline:
+    time.sleep(0.005)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait(timeout=30)
+  done_before = [p for p in paths if os.path.exists(p)]
+  assert 3 <= len(done_before) < num_shards, "the conversion was not caught mid-way"
+  return paths, done_before
+
+
 @pytest.mark.parametrize("shards,workers", [(1, 1), (3, 2)])
 def test_convert_round_trips_every_record(tmp_path, shards, workers):
   original = records(500)
@@ -46,22 +65,148 @@ def test_a_killed_conversion_keeps_its_finished_shards_and_completes(tmp_path):
   src = tmp_path / "in.tfrecord"
   jaxfeed.write_tfrecord(str(src), original)
   out = tmp_path / "out.array_record"
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen([sys.executable, "-m", "jaxfeed.cli", "convert", str(src),
-                           str(out), "--num_shards=40", "--workers=1"], cwd=REPO,
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  paths = cli.shard_paths(str(out), 40)
-  deadline = time.monotonic() + 60
-  while not os.path.exists(paths[2]) and time.monotonic() < deadline:
-    time.sleep(0.005)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait(timeout=30)
-  done_before = [p for p in paths if os.path.exists(p)]
-  assert 3 <= len(done_before) < 40, "the conversion was not caught mid-way"
+  paths, done_before = kill_mid_conversion(src, out)
   result = cli.convert([str(src)], str(out), num_shards=40, progress=False)
   assert result["skipped"] == len(done_before)
   back = jaxfeed.ArrayRecordSource(paths)
   assert [back[i] for i in range(len(back))] == original
+
+
+def table_columns(rows=600, seed=2):
+  """A table of every kind of column a tf.train.Example holds."""
+  rng = np.random.default_rng(seed)
+  return {"label": rng.integers(-5, 10**12, rows),
+          "score": rng.random(rows).astype(np.float32),
+          "vector": rng.integers(0, 100, (rows, 3)),
+          "name": np.array([b"row-%d" % i for i in range(rows)])}
+
+
+def write_table(path, columns, row_group_size=128):
+  """`columns` as an .npz or a Parquet file (binary, not string, for bytes)."""
+  if str(path).endswith(".npz"):
+    np.savez(path, **columns)
+    return
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  arrays = {k: pa.array(list(v) if v.ndim > 1 else v,
+                        pa.binary() if v.dtype.kind == "S" else None)
+            for k, v in columns.items()}
+  pq.write_table(pa.table(arrays), str(path), row_group_size=row_group_size)
+
+
+def read_table(paths):
+  """name -> array of every row of .npz or Parquet files, in order."""
+  if paths[0].endswith(".npz"):
+    loaded = [np.load(p) for p in paths]
+    return {k: np.concatenate([f[k] for f in loaded]) for k in loaded[0].files}
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  table = pa.concat_tables([pq.read_table(p) for p in paths])
+  return {k: (np.array(c.to_pylist()) if pa.types.is_list(c.type) or pa.types.is_binary(c.type)
+              else c.to_numpy()) for k, c in zip(table.column_names, table.columns)}
+
+
+@pytest.mark.parametrize("ext", [".npz", ".parquet"])
+def test_convert_round_trips_every_row_of_a_table(tmp_path, ext):
+  columns = table_columns()
+  write_table(tmp_path / f"in{ext}", columns)
+  # Two inputs, four shards over two processes, through both record formats.
+  mid = cli.convert([str(tmp_path / f"in{ext}")] * 2, str(tmp_path / "mid.array_record"),
+                    num_shards=4, workers=2, progress=False)
+  assert mid["records"] == 1200
+  rows = [jaxfeed.parse_single_example(r, {
+      "label": jaxfeed.FixedLenFeature([], np.int64),
+      "vector": jaxfeed.FixedLenFeature([3], np.int64),
+      "name": jaxfeed.FixedLenFeature([], bytes)})
+          for r in jaxfeed.ArrayRecordSource(mid["shards"]).get_many(range(1200))]
+  assert [r["label"] for r in rows] == [*columns["label"]] * 2
+  assert [r["name"] for r in rows] == [*columns["name"]] * 2
+  np.testing.assert_array_equal(np.stack([r["vector"] for r in rows[:600]]),
+                                columns["vector"])
+  out = cli.convert(mid["shards"], str(tmp_path / f"out{ext}"), num_shards=3,
+                    workers=2, progress=False)
+  back = read_table(out["shards"])
+  assert sorted(back) == sorted(columns)
+  for name, column in columns.items():
+    np.testing.assert_array_equal(back[name], np.concatenate([column, column]))
+    assert back[name].dtype == column.dtype, name
+
+
+def test_an_npy_array_is_one_feature_a_row(tmp_path):
+  images = np.arange(40 * 6, dtype=np.float32).reshape(40, 6)
+  np.save(tmp_path / "images.npy", images)
+  cli.convert([str(tmp_path / "images.npy")], str(tmp_path / "images.tfrecord"),
+              progress=False)
+  first = jaxfeed.TFRecordSource([str(tmp_path / "images.tfrecord")])[0]
+  parsed = jaxfeed.parse_single_example(first, {"array": jaxfeed.FixedLenFeature([6], np.float32)})
+  np.testing.assert_array_equal(parsed["array"], images[0])
+  cli.convert([str(tmp_path / "images.tfrecord")], str(tmp_path / "back.npy"), progress=False)
+  np.testing.assert_array_equal(np.load(tmp_path / "back.npy"), images)
+
+
+def test_parquet_rows_of_different_lengths_and_nulls_round_trip(tmp_path):
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  table = pa.table({"tokens": pa.array([[1, 2, 3], [], None, [7]], pa.list_(pa.int64())),
+                    "text": pa.array(["a", None, "ü", ""], pa.string())})
+  pq.write_table(table, tmp_path / "t.parquet")
+  cli.convert([str(tmp_path / "t.parquet")], str(tmp_path / "t.tfrecord"), progress=False)
+  cli.convert([str(tmp_path / "t.tfrecord")], str(tmp_path / "back.parquet"), progress=False)
+  back = pq.read_table(tmp_path / "back.parquet")
+  assert back.column("tokens").to_pylist() == [[1, 2, 3], [], None, [7]]
+  # Text comes back as its UTF-8 bytes (an Example has no string type).
+  assert back.column("text").to_pylist() == [b"a", None, "ü".encode(), b""]
+
+
+@pytest.mark.parametrize("source,target", [(".npz", ".parquet"), (".parquet", ".tfrecord")])
+def test_a_killed_table_conversion_completes_without_duplicates(tmp_path, source, target):
+  columns = {"index": np.arange(20000)}
+  write_table(tmp_path / f"in{source}", columns, row_group_size=500)
+  out = tmp_path / f"out{target}"
+  paths, done_before = kill_mid_conversion(tmp_path / f"in{source}", out)
+  done = run_cli("convert", str(tmp_path / f"in{source}"), str(out), "--num_shards=40",
+                 "--workers=2")
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout)["skipped"] == len(done_before)
+  if target == ".tfrecord":
+    spec = {"index": jaxfeed.FixedLenFeature([], np.int64)}
+    got = [jaxfeed.parse_single_example(r, spec)["index"]
+           for r in jaxfeed.TFRecordSource(paths).get_many(range(20000))]
+  else:
+    got = read_table(paths)["index"]
+  np.testing.assert_array_equal(got, columns["index"])
+  # Nothing half-written is left beside the shards (TFRecordSource's
+  # offset indexes aside).
+  left = [name for name in os.listdir(tmp_path) if not name.endswith(".idx")]
+  assert sorted(left) == sorted([f"in{source}", *map(os.path.basename, paths)])
+
+
+@pytest.mark.parametrize("ext", [".npz", ".parquet"])
+def test_inspect_decodes_a_table_row(tmp_path, ext):
+  write_table(tmp_path / f"t{ext}", table_columns(rows=5))
+  done = run_cli("inspect", str(tmp_path / f"t{ext}"))
+  assert done.returncode == 0, done.stderr
+  info = json.loads(done.stdout)
+  assert info["records"] == 5
+  assert "'name': bytes[1] [b'row-0']" in info["samples"][0]
+  assert "'vector': int64[3]" in info["samples"][0]
+
+
+def test_table_errors_name_the_file_and_feature(tmp_path):
+  np.save(tmp_path / "objects.npy", np.array([{"a": 1}], object))
+  with pytest.raises(cli.UsageError, match="objects.npy.*without pickle"):
+    cli.convert([str(tmp_path / "objects.npy")], str(tmp_path / "o.tfrecord"))
+  np.savez(tmp_path / "ragged.npz", a=np.zeros(3), b=np.zeros(4))
+  with pytest.raises(cli.UsageError, match="ragged.npz.*same leading"):
+    cli.convert([str(tmp_path / "ragged.npz")], str(tmp_path / "o.tfrecord"))
+  jaxfeed.write_tfrecord(str(tmp_path / "var.tfrecord"), [
+      jaxfeed.make_example({"t": [1, 2]}), jaxfeed.make_example({"t": [3]})])
+  with pytest.raises(cli.UsageError, match="feature 't' has \\[1, 2\\] values"):
+    cli.convert([str(tmp_path / "var.tfrecord")], str(tmp_path / "o.npz"), progress=False)
+  assert not list(tmp_path.glob("o.npz*")), "no half-written output is left"
+  jaxfeed.write_tfrecord(str(tmp_path / "raw.tfrecord"), [b"\xff\xff"])
+  with pytest.raises(cli.UsageError, match="record 0 is not a tf.train.Example"):
+    cli.convert([str(tmp_path / "raw.tfrecord")], str(tmp_path / "o.parquet"), progress=False)
 
 
 def test_convert_errors_name_the_file_or_format(tmp_path):
@@ -88,11 +233,29 @@ def test_bench_times_a_users_pipeline(tmp_path):
   (tmp_path / "my_pipeline.py").write_text(
       "from jaxfeed.dataset import Dataset\n"
       "def make():\n  return Dataset.range(10**9).map(lambda x: x + 1).ignore_errors()\n")
-  done = run_cli("bench", "my_pipeline:make", "--seconds=1", cwd=tmp_path)
+  done = run_cli("bench", "my_pipeline:make", "--seconds=1", "--json", cwd=tmp_path)
   assert done.returncode == 0, done.stderr
   result = json.loads(done.stdout)
   assert result["elements"] > 1000 and result["elements_per_s"] > 1000
-  assert result["stats"] == {"errors_ignored": 0}
+  rows = result["stats"]["ops"]
+  assert [row["op"] for row in rows] == ["range", "map", "ignore_errors"]
+  assert rows[-1]["errors_ignored"] == 0
+
+
+def test_bench_prints_the_per_op_table_and_the_op_to_fix(tmp_path):
+  (tmp_path / "slow_pipeline.py").write_text(
+      "import time\n"
+      "from jaxfeed.dataset import Dataset\n"
+      "def slow(x):\n  time.sleep(0.002)\n  return x\n"
+      "def make():\n  return Dataset.range(10**9).map(lambda x: x + 1).filter(bool)"
+      ".map(slow, num_parallel_calls=2).batch(4)\n")
+  done = run_cli("bench", "slow_pipeline:make", "--seconds=2", cwd=tmp_path)
+  assert done.returncode == 0, done.stderr
+  lines = done.stdout.splitlines()
+  assert "elements/s" in lines[0]
+  table = [line.split()[0] for line in lines[2:7]]
+  assert table == ["op", "range", "map+filter", "map", "batch"]
+  assert "Op to fix: 'map' (" in done.stdout
 
 
 @pytest.mark.parametrize("role", ["dispatcher", "worker"])
@@ -109,6 +272,14 @@ def test_progress_is_silent_off_a_terminal_and_drawn_on_one(capsys):
   with progress.Progress("loud work", 4, enabled=True) as bar:
     bar.advance(4)
   assert "loud work" in capsys.readouterr().err
+
+
+def test_a_conversion_draws_its_progress_on_a_terminal_only(tmp_path, capsys):
+  np.savez(tmp_path / "t.npz", x=np.arange(300))
+  cli.convert([str(tmp_path / "t.npz")], str(tmp_path / "a.tfrecord"), progress=True)
+  assert "convert -> a.tfrecord" in capsys.readouterr().err
+  cli.convert([str(tmp_path / "t.npz")], str(tmp_path / "b.tfrecord"))  # stderr is no tty
+  assert capsys.readouterr().err == ""
 
 
 def test_the_console_script_is_installed_with_the_package():

@@ -26,6 +26,7 @@ _EXPORTS = {
     "distribute": "jaxfeed.service.client",
     "register_dataset": "jaxfeed.service.client",
     "from_dataset_id": "jaxfeed.service.client",
+    "serve_client_metrics": "jaxfeed.service.metrics",
 }
 
 __all__ = sorted(_EXPORTS)

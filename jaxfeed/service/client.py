@@ -27,7 +27,7 @@ others have `round_timeout_s` (default 60 s) to take theirs. Then the round
 closes and the late consumers' batches are dropped; later rounds do not wait
 for a consumer that missed one until it reads again. When it does, it goes on
 at the oldest round still open on each worker: its iterator skips the rounds
-it missed (`DistributedIterator.stats["rounds_skipped"]`) and reports each
+it missed (`DistributedIterator.stats()["rounds_skipped"]`) and reports each
 batch's global round (`last_round`). "Took" is seen from the worker: a batch
 is taken once the worker queued it for the consumer's connection, so what
 already sits in the client's buffer (`max_outstanding_requests` per worker)

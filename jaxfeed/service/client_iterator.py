@@ -12,6 +12,7 @@ from jaxfeed.ops import base
 from jaxfeed.service import client_read
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
+from jaxfeed.service import task_stats
 from jaxfeed.service.client_fetcher import Fetcher
 from jaxfeed.service.client_read import POLL_S
 
@@ -31,6 +32,7 @@ class DistributedIterator(base.OpIterator):
     self._heads: dict[int, tuple] = {}  # task id -> (element, local round) not yet due
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._ended_pending = 0
+    self._worker_rows: dict[int, list[dict]] = {}  # task id -> its op rows
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -49,9 +51,13 @@ class DistributedIterator(base.OpIterator):
     before the first); consumers' batches of one round share a bucket."""
     return self._last_round
 
-  @property
   def stats(self) -> dict:
-    """Round-robin reads: what this consumer received and missed.
+    """Per-op rows of the workers' pipelines and of this read, and, for
+    round-robin reads, what this consumer received and missed.
+
+    `ops`: each worker task's rows (see `OpIterator.stats`; tagged with
+    `worker` and `task`, asked of the workers now, see
+    `jaxfeed.service.task_stats`), then this read's own row.
 
     `rounds_received`: batches returned; `rounds_skipped`: rounds that closed
     before this consumer took its batch (it was late, see the module
@@ -63,7 +69,10 @@ class DistributedIterator(base.OpIterator):
     round_assembly`: rounds, windows and batches dropped), and the counters'
     totals over those workers are given at the top level too.
     """
-    stats = {"rounds_received": self._elements if self._read.node.num_consumers else 0,
+    live = [f.task for f in list(self._read.fetchers.values()) if not f.done]
+    rows = task_stats.refresh(self._worker_rows, live, self._read.node.tls)
+    stats = {"ops": rows + super().stats()["ops"],
+             "rounds_received": self._elements if self._read.node.num_consumers else 0,
              **self._skipped, "workers": {}}
     for fetcher in list(self._read.fetchers.values()):
       if fetcher.end_stats:
@@ -72,6 +81,9 @@ class DistributedIterator(base.OpIterator):
           if isinstance(value, (int, float)):
             stats[key] = stats.get(key, 0) + value
     return stats
+
+  def _stats_fields(self) -> dict:
+    return {"elements": self._read.consumed}
 
   def _raise_error(self) -> None:
     error = self._read.error

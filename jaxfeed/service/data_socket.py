@@ -34,6 +34,7 @@ each until they are dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import select
@@ -48,6 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxfeed.service import delivery
+from jaxfeed.service import rpc_errors
 from jaxfeed.service import wire
 
 _HELLO_LEN = struct.Struct("<I")
@@ -199,6 +201,7 @@ class DataServer:
     self._max_connections = max_connections
     self._max_pending = max_pending_hellos
     self._hello_timeout_s = hello_timeout_s
+    self.errors = rpc_errors.ErrorCounts()  # refusals and failures, by status
     self._listener = socket.create_server((host, 0), backlog=128)
     self._listener.setblocking(False)
     self.port = self._listener.getsockname()[1]
@@ -321,9 +324,9 @@ class DataServer:
     conn.setblocking(True)
     thread.start()
 
-  @staticmethod
-  def _refuse(conn: socket.socket, error: DataConnectionError) -> None:
+  def _refuse(self, conn: socket.socket, error: DataConnectionError) -> None:
     """Sends the error without blocking the accept loop (best effort)."""
+    self.errors.add(rpc_errors.DATA_SOCKET, error.status)
     payload = json.dumps({"status": error.status, "message": str(error)}).encode()
     try:
       conn.send(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0, 0) + payload)
@@ -370,6 +373,7 @@ class DataServer:
       status = getattr(e, "status", "INTERNAL")
       if isinstance(e, OSError) and not isinstance(e, DataConnectionError):
         return  # the connection broke (or a newer one of its client took over)
+      self.errors.add(rpc_errors.DATA_SOCKET, status)
       payload = json.dumps({"status": status, "message": str(e)}).encode()
       try:
         conn.sendall(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0, 0) + payload)
@@ -409,6 +413,21 @@ class DataServer:
       thread.join(timeout=5)
 
 
+def _counting_failures(next_item: Callable) -> Callable:
+  """`DataConnection.next_item` with its failures counted in
+  `rpc_errors.CLIENT_ERRORS`, unless the connection was closed here."""
+
+  @functools.wraps(next_item)
+  def counted(self: "DataConnection") -> Any:
+    try:
+      return next_item(self)
+    except DataConnectionError as e:
+      if not self._closed:  # pylint: disable=protected-access
+        rpc_errors.CLIENT_ERRORS.add(rpc_errors.DATA_SOCKET, e.status)
+      raise
+  return counted
+
+
 class DataConnection:
   """A client's connection to one task on a worker's data port.
 
@@ -420,6 +439,7 @@ class DataConnection:
                ssl_context: ssl.SSLContext | None = None,
                max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
     self._max_frame_bytes = max_frame_bytes
+    self._closed = False  # by close(): what fails after it was cancelled
     host, port = address.rsplit(":", 1)
     self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -436,6 +456,7 @@ class DataConnection:
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
 
+  @_counting_failures
   def next_item(self) -> tuple[int, int, np.ndarray | None, int] | None:
     """The next (kind, seq, frame, round): KIND_FRAME, KIND_SPLIT_END
     (exactly-once: the split starting at `round` ended; no frame) or
@@ -469,6 +490,7 @@ class DataConnection:
       raise DataConnectionError(f"Data connection failed: {e}") from e
 
   def close(self) -> None:
+    self._closed = True
     try:
       self._sock.shutdown(socket.SHUT_RDWR)
     except OSError:

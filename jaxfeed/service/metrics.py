@@ -21,11 +21,24 @@ Dispatcher (per job where labelled `job`):
   jaxfeed_journal_replay_seconds        how long that replay took
   jaxfeed_pool_workers                  workers of the elastic pool
   jaxfeed_pool_scaling_decisions_total  the pool's decisions, by direction
+  jaxfeed_rpc_errors_total              calls answered with a status other than OK,
+                                        by method and code
 Worker:
   jaxfeed_worker_tasks                  tasks it runs
+  jaxfeed_worker_buffer_fill            fill (0..1) of its tasks' buffers of produced
+                                        batches, by job (the mean over its tasks)
   jaxfeed_worker_elements_served_total  elements (batches) sent to consumers, by job
   jaxfeed_worker_bytes_served_total     their encoded bytes, by job
   jaxfeed_worker_errors_total           task failures sent to consumers, by job
+  jaxfeed_rpc_errors_total              calls answered with a status other than OK,
+                                        by method ("data_socket": the data socket's
+                                        refusals and failures) and code
+  jaxfeed_client_rpc_errors_total       the worker's own calls (to the dispatcher)
+                                        that failed, by method and code
+Client (`jaxfeed.service.serve_client_metrics()`, in the trainer's process):
+  jaxfeed_client_rpc_errors_total       the process's calls to dispatcher and
+                                        workers that failed, by method and code
+                                        (cancelled calls are no errors)
 """
 
 from __future__ import annotations
@@ -34,6 +47,8 @@ import collections
 import os
 import threading
 from typing import Any, Iterator
+
+from jaxfeed.service import rpc_errors
 
 # --metrics_port's value that serves no metrics.
 OFF = -1
@@ -80,11 +95,16 @@ class ServedCounts:
     with self._lock:
       self._job_of[task.task_id] = task.job_id
 
+  def job_of(self, task_id: int) -> str:
+    """The job of a tracked task, as a label ("" if not tracked)."""
+    with self._lock:
+      return str(self._job_of.get(task_id, ""))
+
   def counting(self, task_id: int, source: Any) -> "_CountedSource":
     """`source` (a task's runner or shared-stream reader) with what its
     `take()` hands out counted: each produced frame once, however often a
     client's stream sends it again after a broken connection."""
-    return _CountedSource(self, str(self._job_of.get(task_id, "")), source)
+    return _CountedSource(self, self.job_of(task_id), source)
 
   def _add(self, job: str, frames: list) -> None:
     with self._lock:
@@ -121,6 +141,22 @@ class MetricsServer:
 def _families():
   from prometheus_client import core  # pylint: disable=g-import-not-at-top
   return core.GaugeMetricFamily, core.CounterMetricFamily
+
+
+def _error_family(name: str, doc: str, *counts: rpc_errors.ErrorCounts) -> Any:
+  """A counter by method and code of what `counts` hold together."""
+  _, counter = _families()
+  total: collections.Counter = collections.Counter()
+  for one in counts:
+    total.update(one.snapshot())
+  family = counter(name, doc, labels=["method", "code"])
+  for (method, code), value in sorted(total.items()):
+    family.add_metric([method, code], value)
+  return family
+
+
+_SERVED_ERRORS_DOC = "Calls answered with a status other than OK, by method and code."
+_CLIENT_ERRORS_DOC = "Calls this process made that failed, by method and code."
 
 
 class _DispatcherCollector:
@@ -167,6 +203,8 @@ class _DispatcherCollector:
                 value=state.replay_stats.records)
     yield gauge("jaxfeed_journal_replay_seconds", "How long the last restart's replay took.",
                 value=getattr(state, "replay_seconds", 0.0))
+    yield _error_family("jaxfeed_rpc_errors", _SERVED_ERRORS_DOC,
+                        self._server._server.errors)  # pylint: disable=protected-access
     autoscaler = self._server.autoscaler
     if autoscaler is not None:
       decisions = list(autoscaler.decisions)
@@ -195,14 +233,30 @@ def _folder_bytes(folder: str | None) -> int:
 class _WorkerCollector:
   """Reads a `WorkerServer`'s counts at each scrape."""
 
-  def __init__(self, worker: Any):
-    self._worker = worker
+  def __init__(self, server: Any):
+    # pylint: disable=protected-access
+    self._worker = server._worker
+    self._errors = [server._server.errors]
+    if server._data_server is not None:
+      self._errors.append(server._data_server.errors)
 
   def collect(self) -> Iterator[Any]:
     gauge, counter = _families()
+    yield _error_family("jaxfeed_rpc_errors", _SERVED_ERRORS_DOC, *self._errors)
+    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC,
+                        rpc_errors.CLIENT_ERRORS)
     with self._worker.lock:
-      tasks = len(self._worker.tasks)
-    yield gauge("jaxfeed_worker_tasks", "Tasks the worker runs.", value=tasks)
+      tasks = dict(self._worker.tasks)
+    yield gauge("jaxfeed_worker_tasks", "Tasks the worker runs.", value=len(tasks))
+    fills = collections.defaultdict(list)
+    for task_id, runner in tasks.items():
+      if hasattr(runner, "buffer_fill"):  # a shared stream's reader has none of its own
+        fills[self._worker.served.job_of(task_id)].append(runner.buffer_fill())
+    fill = gauge("jaxfeed_worker_buffer_fill",
+                 "Mean fill (0..1) of the buffers of produced batches.", labels=["job"])
+    for job, values in sorted(fills.items()):
+      fill.add_metric([job], sum(values) / len(values))
+    yield fill
     served, sent, errors = self._worker.served.snapshot()
     for name, doc, values in (
         ("jaxfeed_worker_elements_served", "Elements (batches) sent to consumers.", served),
@@ -225,7 +279,23 @@ def serve_worker(server: Any, host: str, port: int) -> MetricsServer | None:
   """Serves a `WorkerServer`'s metrics on host:port (0: a free port); None when port is OFF."""
   if check_port(port) == OFF:
     return None
-  return MetricsServer(_WorkerCollector(server._worker), host, port)  # pylint: disable=protected-access
+  return MetricsServer(_WorkerCollector(server), host, port)
+
+
+class _ClientCollector:
+  """The process's failed calls, at each scrape."""
+
+  def collect(self) -> Iterator[Any]:
+    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC,
+                        rpc_errors.CLIENT_ERRORS)
+
+
+def serve_client_metrics(host: str = "127.0.0.1", port: int = 0) -> MetricsServer | None:
+  """Serves the client side's metrics of this process (the trainer's) on
+  host:port (0: a free port); None when port is OFF. `close()` stops it."""
+  if check_port(port) == OFF:
+    return None
+  return MetricsServer(_ClientCollector(), host, port)
 
 
 def check_port(port: int) -> int:

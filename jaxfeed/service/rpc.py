@@ -25,6 +25,7 @@ from typing import Any, Callable
 import grpc
 from google.protobuf import message as pb_message
 
+from jaxfeed.service import rpc_errors
 from jaxfeed.service import spec as spec_lib
 
 TOKEN_METADATA_KEY = "x-jaxfeed-token"
@@ -385,8 +386,10 @@ def make_server(address: str, methods_handler: grpc.GenericRpcHandler,
   """
   executor = concurrent.futures.ThreadPoolExecutor(
       max_workers=max_workers, thread_name_prefix="jaxfeed-rpc")
+  errors = rpc_errors.ErrorCounts()
   server = grpc.server(
       executor,
+      interceptors=(rpc_errors.ServerErrorInterceptor(errors),),
       options=channel_options(max_message_bytes, max_receive_bytes),
       maximum_concurrent_rpcs=None)
   server.add_generic_rpc_handlers((methods_handler,))
@@ -397,16 +400,19 @@ def make_server(address: str, methods_handler: grpc.GenericRpcHandler,
   if port == 0:
     executor.shutdown(wait=False)
     raise OSError(f"Cannot bind a gRPC server to {address!r}.")
-  return ServerHandle(server, executor), port
+  return ServerHandle(server, executor, errors), port
 
 
 class ServerHandle:
-  """A gRPC server and the thread pool it runs on (grpc does not stop it)."""
+  """A gRPC server and the thread pool it runs on (grpc does not stop it);
+  `errors` counts the calls it answered with a status other than OK."""
 
   def __init__(self, server: grpc.Server,
-               executor: concurrent.futures.ThreadPoolExecutor):
+               executor: concurrent.futures.ThreadPoolExecutor,
+               errors: rpc_errors.ErrorCounts | None = None):
     self.server = server
     self.executor = executor
+    self.errors = errors if errors is not None else rpc_errors.ErrorCounts()
 
   def start(self) -> None:
     self.server.start()
@@ -429,10 +435,14 @@ def is_wildcard_host(host: str) -> bool:
 
 def make_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  tls: TLSConfig | None = None) -> grpc.Channel:
+  """A channel to `target` whose failed calls count in `rpc_errors.CLIENT_ERRORS`."""
   if tls is not None:
-    return grpc.secure_channel(target, tls.channel_credentials(),
-                               options=channel_options(max_message_bytes))
-  return grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+    channel = grpc.secure_channel(target, tls.channel_credentials(),
+                                  options=channel_options(max_message_bytes))
+  else:
+    channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+  return grpc.intercept_channel(
+      channel, rpc_errors.ClientErrorInterceptor(rpc_errors.CLIENT_ERRORS))
 
 
 class Caller:

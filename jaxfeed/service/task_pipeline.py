@@ -32,6 +32,7 @@ from jaxfeed.ops import autocache
 from jaxfeed.ops import autotune
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
+from jaxfeed.ops import op_stats
 from jaxfeed.ops import optimize
 from jaxfeed.ops.options import Options
 from jaxfeed.sampler import IndexSampler
@@ -199,7 +200,8 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
 def run(node: base.Node, options: Options | None) -> base.OpIterator:
   """An iterator of an optimized pipeline under the autotuner, as a local
   Dataset runs it (see `jaxfeed.Dataset.make_iterator`)."""
-  return autotune.autotuned(node.make_iterator(), options)
+  root = op_stats.instrument(node, node.make_iterator(), options)
+  return autotune.autotuned(root, options)
 
 
 def task_iterator(dataset_def: pb.DatasetDef, task: pb.TaskInfo,

@@ -9,6 +9,7 @@ import time
 import traceback
 from typing import Any, Callable, Generator
 
+from jaxfeed.ops import op_stats
 from jaxfeed.service import round_assembly
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
@@ -88,6 +89,7 @@ class TaskRunner:
         self._setup_error = e
     self._done = False
     self._error: TaskFailed | None = None
+    self._pipeline: Any = None  # the task's iterator, for its op statistics
     self._stop = threading.Event()
     self._on_finished = on_finished
     self._thread = threading.Thread(
@@ -116,7 +118,7 @@ class TaskRunner:
     try:
       if self._setup_error is not None:
         raise self._setup_error
-      iterator = make_iterator()
+      iterator = self._pipeline = make_iterator()
       for element in iterator:
         if self.exactly_once:
           if not self._take_split_element(element):
@@ -254,11 +256,26 @@ class TaskRunner:
     with self._cond:
       return self._stats_locked()
 
+  def op_rows(self) -> list[dict]:
+    """The per-op `stats()` rows of the task's pipeline (none before it is
+    built)."""
+    return op_stats.rows_of(self._pipeline)
+
   def _stats_locked(self) -> dict:
     if self._rounds is None:
       return {}
     assembler = self._assembler.stats if self._assembler is not None else {}
     return {**self._rounds.stats, **assembler}
+
+  def buffer_fill(self) -> float:
+    """How full (0..1) the buffer of produced batches (rounds, for
+    round-robin jobs) is."""
+    with self._cond:
+      if self._rounds is not None:
+        held = self._rounds.open_rounds
+      else:
+        held = self._fifo_frames if self.exactly_once else len(self._fifo)
+      return min(1.0, held / self._buffer_size)
 
   # -- lifetime ---------------------------------------------------------------
   @property

@@ -349,6 +349,16 @@ class _Worker:
       stream.ack(request.received)
     return pb.AckElementsResponse()
 
+  def GetTaskStats(self, request: pb.GetTaskStatsRequest,
+                   context: grpc.ServicerContext) -> pb.GetTaskStatsResponse:
+    self.check_ticket(request.task_id, rpc.metadata_token(context.invocation_metadata()))
+    with self.lock:
+      runner = self.tasks.get(request.task_id)
+    if runner is None:
+      raise rpc.NotFoundError(f"Worker {self.address} has no task {request.task_id}.")
+    return pb.GetTaskStatsResponse(stats_json=json.dumps({"ops": runner.op_rows()},
+                                                         default=str))
+
   # -- serving --------------------------------------------------------------------
   def check_ticket(self, task_id: Any, sent: Any) -> None:
     """Raises StatusError unless `sent` is the read ticket of the task (when
@@ -531,7 +541,9 @@ class WorkerServer:
         {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True,
                          (rpc.CLIENT,)),
          "AckElements": (self._worker.AckElements, pb.AckElementsRequest, False,
-                         (rpc.CLIENT,))}))
+                         (rpc.CLIENT,)),
+         "GetTaskStats": (self._worker.GetTaskStats, pb.GetTaskStatsRequest, False,
+                          (rpc.CLIENT,))}))
     self._data_server = None
     if config.data_socket:
       self._data_server = data_socket.DataServer(

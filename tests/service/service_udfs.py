@@ -11,6 +11,12 @@ def add_one_to_x(element):
   return {**element, "x": element["x"] + 1}
 
 
+def fails_at_five(x):
+  if x == 5:
+    raise ValueError("element five is bad")
+  return x
+
+
 def slow_add_one_to_x(element):
   import time  # pylint: disable=g-import-not-at-top
   time.sleep(0.002)
