@@ -106,11 +106,14 @@ class DistributedIterator(base.OpIterator):
     read = self._read
     while True:
       try:
-        element, _ = read.buffer.get(timeout=POLL_S)
-        self._elements += 1
-        return element
+        item = read.buffer.get(timeout=POLL_S)
       except queue.Empty:
-        pass
+        item = None
+      if item is client_read.END:
+        raise StopIteration
+      if item is not None:
+        self._elements += 1
+        return item[0]
       self._raise_error()
       if read.finished and read.buffer.empty():
         raise StopIteration
