@@ -59,6 +59,7 @@ class Fetcher:
     self._read = read
     self._connection: Any = None
     self._cancelled = False
+    self._ended = False
     self.thread = threading.Thread(target=self._run, daemon=True,
                                    name=f"jaxfeed-fetch-{task.task_id}")
     self.thread.start()
@@ -198,6 +199,9 @@ class Fetcher:
     except Exception as e:  # pylint: disable=broad-except
       self.failed = True
       read.fail(e)
+    finally:
+      self._ended = True  # after its last put
+      read.wake.set()  # the read may be over: ask the dispatcher now
 
   def _take(self, item: tuple, split: list) -> bool:
     """Hands one received item on (exactly-once: each split once whole) and
@@ -267,4 +271,4 @@ class Fetcher:
 
   @property
   def ended(self) -> bool:
-    return not self.thread.is_alive()
+    return self._ended

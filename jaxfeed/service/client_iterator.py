@@ -112,13 +112,17 @@ class DistributedIterator(base.OpIterator):
     read = self._read
     while True:
       try:
-        element, tag = read.buffer.get(timeout=POLL_S)
+        item = read.buffer.get(timeout=POLL_S)
+      except queue.Empty:
+        item = None
+      if item is client_read.END:
+        raise StopIteration
+      if item is not None:
+        element, tag = item
         if isinstance(tag, read_state.SplitTag):
           read.progress.took(tag)
         self._elements += 1
         return element
-      except queue.Empty:
-        pass
       self._raise_error()
       if read.finished and read.buffer.empty():
         raise StopIteration

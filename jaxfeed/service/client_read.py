@@ -19,6 +19,7 @@ from jaxfeed.service.protos import service_pb2 as pb
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
+END = object()  # put in the buffer when a read is over, to wake its consumer
 
 
 def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
@@ -36,6 +37,7 @@ class ReadState:
     # Exactly-once: what the consumer took (a restored read goes on from it).
     self.progress = progress or read_state.SplitProgress()
     self.stop = threading.Event()
+    self.wake = threading.Event()  # heartbeat now rather than at the interval
     self.lock = threading.Lock()
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
@@ -126,6 +128,7 @@ class ReadState:
       # out of its answer while they stay the same.
       tasks, tasks_version = [], 0
       while not self.stop.is_set():
+        self.wake.clear()
         with self.lock:
           acks = list(self.acks)
         try:
@@ -155,7 +158,7 @@ class ReadState:
         self._update_tasks(response)
         if self.finished:
           return
-        self.stop.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
+        self.wake.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
                            response.heartbeat_interval_s))
     except BaseException as e:  # pylint: disable=broad-except
       self.fail(e)
@@ -175,6 +178,11 @@ class ReadState:
         fetcher.cancel()  # the dispatcher declared its worker dead
     if response.job_finished and all(f.ended for f in self.fetchers.values()):
       self.finished = True
+      if not self.node.num_consumers:
+        try:  # wakes a consumer waiting on an empty buffer
+          self.buffer.put_nowait(END)
+        except queue.Full:
+          pass  # it is not waiting
 
   def round_fetchers(self) -> tuple[dict[int, Fetcher], int]:
     """Round-robin reads: the fetcher of each worker index, and the number
@@ -186,6 +194,7 @@ class ReadState:
 
   def close(self) -> None:
     self.stop.set()
+    self.wake.set()
     for fetcher in list(self.fetchers.values()):
       fetcher.cancel()
     if self.manager is not threading.current_thread():

@@ -51,7 +51,8 @@ class TaskRunner:
     make_iterator: Builds the task's pipeline (called on the task's thread).
     buffer_size: Ready batches (plain jobs) or rounds (round-robin jobs) held.
     num_consumers: K; 0 for a plain job.
-    on_finished: Called with the task id once the pipeline ended cleanly.
+    on_finished: Called with the task id once the pipeline ended cleanly,
+      before `take` reports the end.
     round_timeout_s: Round-robin: how long a round waits for late consumers
       once its first consumer took its batch.
     max_window_batches: Round-robin: most batches waiting in partial bucket
@@ -141,13 +142,15 @@ class TaskRunner:
         self._error = TaskFailed(message, status)
     finally:
       task_pipeline.close_quietly(iterator, f"task {self.task_id}'s pipeline")
+      if self._error is None and not self._stop.is_set() and self._on_finished:
+        # Before the end reaches a consumer: a client that saw every stream
+        # of its read end finds the job finished when it asks right after.
+        self._on_finished(self.task_id)
       with self._cond:
         if self._assembler is not None and self._error is None and not self._stop.is_set():
           self._assembler.finish()
         self._done = True
         self._cond.notify_all()
-      if self._error is None and not self._stop.is_set() and self._on_finished:
-        self._on_finished(self.task_id)
 
   def _take_split_element(self, element: Any) -> bool:
     """Exactly-once: collects a split's frames and queues the whole split at

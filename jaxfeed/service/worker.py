@@ -42,6 +42,8 @@ SERVICE_NAME = "jaxfeed.service.Worker"
 _DRAIN_IDLE_S = 2.0  # draining: a task unread this long has no consumer left
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 _MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
+# The longest a finished task's end waits for the dispatcher to hear of it.
+_FINISH_REPORT_TIMEOUT_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +173,7 @@ class _Worker:
                                   pb.GetSplitsResponse, token)
 
   # -- heartbeats and tasks ----------------------------------------------------
-  def heartbeat(self) -> None:
+  def heartbeat(self, timeout_s: float = 10.0) -> None:
     sent_at = time.monotonic()
     held = self.streams.take_held()
     with self.lock:
@@ -185,7 +187,7 @@ class _Worker:
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
                            for t, c, s in held]),
-          timeout=10)
+          timeout=timeout_s)
     except BaseException:
       with self.lock:  # reported with the next heartbeat
         self._held = held + self._held
@@ -257,6 +259,18 @@ class _Worker:
   def _on_finished(self, task_id: int) -> None:
     with self.lock:
       self.finished.add(task_id)
+    # Told at once, not at the next heartbeat: a read ends only once the
+    # dispatcher knows all of its tasks finished, and a short epoch would
+    # otherwise wait most of a heartbeat interval after its last batch.
+    if self.stop.is_set():
+      return
+    try:
+      self.heartbeat(_FINISH_REPORT_TIMEOUT_S)
+    except grpc.RpcError:
+      pass  # the heartbeat thread reports it
+    except Exception:  # pylint: disable=broad-except
+      # Not the task's failure: its end must still reach its consumers.
+      logging.exception("Reporting finished task %d failed", task_id)
 
   def _make_iterator(self, task: pb.TaskInfo) -> Any:
     dataset_def = self.dataset_defs.get(task.dataset_id)
