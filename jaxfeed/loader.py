@@ -39,6 +39,7 @@ from jaxfeed.ops import op_stats
 from jaxfeed.ops.from_source import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
+from jaxfeed.service import read_state
 
 _MODEL_ITEM = "model"
 _LOADER_ITEM = "loader"
@@ -260,10 +261,22 @@ def _state_file(directory: epath.Path) -> epath.Path:
 
 
 def _read_state(directory: epath.Path) -> dict:
-  """This process's state, or one resharded from another process count's."""
+  """This process's state, or one resharded from another process count's.
+
+  An exactly-once read of a shared service job resumes what all processes
+  took together (`read_state.merge_process_states`), so it reads every
+  process's file.
+  """
   path = _state_file(directory)
   if path.exists():
-    return json.loads(path.read_text())
+    state = json.loads(path.read_text())
+    if jax.process_count() > 1 and read_state.has_shared_read(state["pipeline"]):
+      states = [json.loads((epath.Path(directory) / (
+          f"process_{i}-of-{jax.process_count()}.json")).read_text())
+                for i in range(jax.process_count())]
+      merged = read_state.merge_process_states([s["pipeline"] for s in states])
+      state["pipeline"] = merged[jax.process_index()]
+    return state
   found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
   counts = {name.rsplit("-of-", 1)[-1].removesuffix(".json") for name in found}
   if len(counts) != 1 or not next(iter(counts)).isdigit():
@@ -350,8 +363,10 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
     loader: restored in place (`loader.set_state`).
     model_state: a pytree like the saved one (arrays or
       `jax.ShapeDtypeStruct`s) giving the shapes, dtypes and shardings.
-    restore_loader: False leaves the loader where it is (e.g. a service read,
-      which cannot resume at a position) and restores only the model.
+    restore_loader: False leaves the loader where it is and restores only
+      the model (e.g. a service read that cannot resume at a position: one
+      not `distributed_epoch` with `visitation="exactly_once"`, see
+      docs/service.md, "Resuming a read").
 
   Returns:
     The restored model state.

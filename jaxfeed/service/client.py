@@ -261,7 +261,10 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       only once all of them arrived and acknowledges it; a lost worker's
       unacknowledged splits are read again by the others, and so are those
       of a client of a shared job that left or was silent for the
-      dispatcher's client_timeout_s, so every record arrives once per epoch),
+      dispatcher's client_timeout_s, so every record arrives once per epoch;
+      such a read resumes from its iterator's (or Loader's) state on a new
+      job, see `jaxfeed.service.read_state`; a shared job's client takes
+      one split at a time from each worker),
       ephemeral_sharing: parallel_epochs jobs of one dataset that all pass
       True share each worker's pipeline through a byte-bounded window, each
       job at its own position; a job that falls behind the window skips

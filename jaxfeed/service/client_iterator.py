@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxfeed.ops import base
 from jaxfeed.service import client_read
+from jaxfeed.service import read_state
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_stats
@@ -18,7 +19,12 @@ from jaxfeed.service.client_read import POLL_S
 
 
 class DistributedIterator(base.OpIterator):
-  """Iterator over a service read; `close()` leaves the job."""
+  """Iterator over a service read; `close()` leaves the job.
+
+  State: exactly-once reads save which splits the consumer took and resume
+  from it on a new job (`jaxfeed.service.read_state`); other reads restore
+  only a state of nothing read.
+  """
 
   op_name = "distribute"  # DistributedNode's
 
@@ -112,8 +118,11 @@ class DistributedIterator(base.OpIterator):
       if item is client_read.END:
         raise StopIteration
       if item is not None:
+        element, tag = item
+        if isinstance(tag, read_state.SplitTag):
+          read.progress.took(tag)
         self._elements += 1
-        return item[0]
+        return element
       self._raise_error()
       if read.finished and read.buffer.empty():
         raise StopIteration
@@ -200,13 +209,35 @@ class DistributedIterator(base.OpIterator):
     self._ended_pending = 0
 
   def _get_own_state(self) -> dict:
-    return {"elements_read": self._elements}
+    if self._read.node.visitation != "exactly_once":
+      return {"elements_read": self._elements}
+    return {"elements_read": self._elements, "splits": self._read.progress.state(),
+            "job_name": self._read.node.job_name or ""}
 
   def _set_own_state(self, state: dict) -> None:
+    """Exactly-once reads go on where the state was taken, on a new job (see
+    `jaxfeed.service.read_state`); other reads only restore a state of
+    nothing read."""
+    node = self._read.node
+    if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
+      try:
+        progress = read_state.SplitProgress(state["splits"])
+      except read_state.ResumeStateError as e:
+        raise base.PipelineStateError(str(e)) from e
+      if progress.started or self._read.progress.started:  # else: a fresh read either way
+        self._finalizer.detach()
+        self._read.close()
+        self._read = client_read.ReadState(node, progress)
+        self._finalizer = weakref.finalize(self, self._read.close)
+      self._elements = int(state.get("elements_read", 0))
+      return
     if state.get("elements_read", 0) != self._elements:
       raise base.PipelineStateError(
-          "A service read cannot resume at a position: the workers' output "
-          f"order is not reproducible (state {state}); start a new read.")
+          f"A {node.policy.name} read with {node.visitation} visitation cannot "
+          f"resume at a position (state {str(state):.200}): the workers' output "
+          "order is not reproducible. Only distributed_epoch reads with "
+          "visitation='exactly_once' resume (see jaxfeed.service.read_state); "
+          "start a new read, e.g. restore_checkpoint(..., restore_loader=False).")
 
   def _close_own(self) -> None:
     self._finalizer()

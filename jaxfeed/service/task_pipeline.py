@@ -46,8 +46,9 @@ FetchRanges = index_ranges.FetchRanges
 
 
 class SplitEnd(NamedTuple):
-  """Exactly-once tasks: every element of the split starting here came before."""
+  """Exactly-once tasks: every element of the split [start, stop) came before."""
   start: int
+  stop: int
 
 
 class _Waiting:
@@ -233,7 +234,7 @@ def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: by
                    udf_modules: Sequence[str] = ()) -> Iterator[Any]:
   """An exactly-once task's elements: the pipeline runs on one split at a
   time, so each element belongs to one split (a batch never spans two), and
-  `SplitEnd(start)` follows each split's elements. Yields `WAITING` while the
+  `SplitEnd(start, stop)` follows each split's elements. Yields `WAITING` while the
   dispatcher holds the end back: other workers' splits are not yet
   acknowledged and may come back to this task if their worker is lost.
   Each split's run starts from the values the autotuner reached in the one
@@ -263,7 +264,7 @@ def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: by
       finally:
         tuned = [knob.get() for knob in knobs]
         iterator.close()
-      yield SplitEnd(start)
+      yield SplitEnd(start, stop)
     if end:
       return
     if not ranges:

@@ -164,7 +164,7 @@ class TaskRunner:
     with self._cond:
       if not self._wait_for_room_locked():
         return False
-      self._fifo.append((element.start, frames))
+      self._fifo.append(((element.start, element.stop), frames))
       self._fifo_frames += len(frames)
       self._cond.notify_all()
     return True
@@ -181,8 +181,8 @@ class TaskRunner:
   def take(self, consumer_index: int, local_round: int, wait_s: float) -> Any:
     """The consumer's next item, waiting up to wait_s for it.
 
-    Returns (frame, local round); exactly-once tasks: (split start, frames)
-    of a whole split; `Ended` at the task's end; None if nothing came in
+    Returns (frame, local round); exactly-once tasks: ((split start, stop),
+    frames) of a whole split; `Ended` at the task's end; None if nothing came in
     time. Raises TaskFailed.
     """
     if self.num_consumers and not 0 <= consumer_index < self.num_consumers:
@@ -240,7 +240,7 @@ class TaskRunner:
       if isinstance(item, Ended):
         return item.stats
       if self.exactly_once:
-        start, frames = item
+        (start, _), frames = item
         for frame in frames:
           yield frame, start
         yield None, start

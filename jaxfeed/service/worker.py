@@ -412,7 +412,8 @@ class _Worker:
           continue
         last_sent = time.monotonic()
         if item.frame is None:  # exactly-once: the split `item.round` ended
-          yield pb.ElementChunk(split_end=True, round=item.round, seq=item.seq)
+          yield pb.ElementChunk(split_end=True, round=item.round, seq=item.seq,
+                                split_stop=item.split_stop)
           continue
         frame = item.frame.encoded(compression)
         for i, views in enumerate(frame.chunks(chunk)):
