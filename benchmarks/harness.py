@@ -1,8 +1,10 @@
 """Timing, memory sampling and reporting shared by the benchmark scripts.
 
 Every benchmark prints one JSON line per (workload, system) with the median
-rate over the measured epochs (after one warm-up epoch), the peak RSS seen
-while that system ran, and — on the jaxfeed line — the ratio to the best peer.
+rate over the measured epochs (after one warm-up epoch), the time to its
+first output, the peak RSS seen while that system ran (of its server
+processes too, for services), and — on the jaxfeed line — the ratio to the
+best peer.
 """
 
 from __future__ import annotations
@@ -12,28 +14,48 @@ import json
 import statistics
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import psutil
 
 
 class PeakRSS:
-  """Samples this process's RSS on a thread while a block runs."""
+  """Samples RSS on a thread while a block runs: this process's, and the
+  sum over `others` (pids of the servers a pipeline runs in) at each sample."""
 
-  def __init__(self, interval_s: float = 0.01):
+  def __init__(self, interval_s: float = 0.01, others: Sequence[int] = ()):
     self._interval = interval_s
+    self._others = [psutil.Process(pid) for pid in others]
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self.peak_bytes = 0
     self.start_bytes = 0
+    self.others_peak_bytes = 0
+    self.total_peak_bytes = 0
+
+  def _others_bytes(self) -> int:
+    total = 0
+    for process in self._others:
+      try:
+        total += process.memory_info().rss
+      except psutil.Error:  # exited: holds nothing now
+        pass
+    return total
+
+  def _sample(self, process: psutil.Process) -> None:
+    own, others = process.memory_info().rss, self._others_bytes()
+    self.peak_bytes = max(self.peak_bytes, own)
+    self.others_peak_bytes = max(self.others_peak_bytes, others)
+    self.total_peak_bytes = max(self.total_peak_bytes, own + others)
 
   def __enter__(self) -> "PeakRSS":
     process = psutil.Process()
-    self.start_bytes = self.peak_bytes = process.memory_info().rss
+    self.start_bytes = process.memory_info().rss
+    self._sample(process)
 
     def sample():
       while not self._stop.wait(self._interval):
-        self.peak_bytes = max(self.peak_bytes, process.memory_info().rss)
+        self._sample(process)
 
     self._thread = threading.Thread(target=sample, name="peak-rss", daemon=True)
     self._thread.start()
@@ -43,42 +65,76 @@ class PeakRSS:
     self._stop.set()
     self._thread.join()
 
+  def report(self) -> dict:
+    """The peaks in MiB: `peak_rss_mb` (this process), `rss_growth_mb` (its
+    peak less its start) and, with others, `servers_peak_rss_mb` and
+    `total_peak_rss_mb` (this process plus its servers)."""
+    mib = lambda b: round(b / 2**20, 1)
+    result = {"peak_rss_mb": mib(self.peak_bytes),
+              "rss_growth_mb": mib(self.peak_bytes - self.start_bytes)}
+    if self._others:
+      result["servers_peak_rss_mb"] = mib(self.others_peak_bytes)
+      result["total_peak_rss_mb"] = mib(self.total_peak_bytes)
+    return result
+
 
 def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
-            epochs: int = 3) -> dict:
+            epochs: int = 3, servers: Sequence[int] = (),
+            before_epoch: Callable[[], None] | None = None) -> dict:
   """Runs one warm-up and `epochs` timed epochs; returns rate and memory.
 
   Args:
     make_epoch: returns a fresh iterable over one epoch.
     count: number of items (images, elements, sequences) in one output.
     epochs: timed epochs after the warm-up.
+    servers: pids of the processes the pipeline runs in besides this one
+      (service dispatchers and workers); their RSS is reported too.
+    before_epoch: run before each epoch, untimed (a baseline measured
+      under the same load as the epoch right after it).
 
   Returns:
     {"rate": median items/s, "rates": [...], "items": per epoch,
-     "peak_rss_mb": peak RSS while running, "rss_growth_mb": peak - start}.
+     "first_batch_ms": median time from asking for an epoch to its first
+     output, "first_batch_ms_warmup": the same of the warm-up epoch,
+     "last_batch_to_end_ms": median time from the last output to the end,
+     "peak_rss_mb": peak RSS of this process while running,
+     "rss_growth_mb": peak - start, and with servers
+     "servers_peak_rss_mb" and "total_peak_rss_mb"}.
   """
   gc.collect()
-  rates = []
+  rates, firsts, tails = [], [], []
   items = 0
-  with PeakRSS() as rss:
+  with PeakRSS(others=servers) as rss:
     for epoch in range(epochs + 1):
       items = 0
+      first = None
+      if before_epoch is not None:
+        before_epoch()
       start = time.perf_counter()
       iterator = make_epoch()
+      last = start
       for output in iterator:
+        if first is None:
+          first = time.perf_counter() - start
         items += count(output)
-      elapsed = time.perf_counter() - start
+        last = time.perf_counter()
+      end = time.perf_counter()
+      elapsed = end - start
       close = getattr(iterator, "close", None)
       if close is not None:
         close()
+      firsts.append(elapsed if first is None else first)
+      tails.append(end - last)
       if epoch:
         rates.append(items / elapsed)
   return {
       "rate": statistics.median(rates),
       "rates": [round(r, 1) for r in rates],
       "items": items,
-      "peak_rss_mb": round(rss.peak_bytes / 2**20, 1),
-      "rss_growth_mb": round((rss.peak_bytes - rss.start_bytes) / 2**20, 1),
+      "first_batch_ms": round(statistics.median(firsts[1:]) * 1e3, 1),
+      "first_batch_ms_warmup": round(firsts[0] * 1e3, 1),
+      "last_batch_to_end_ms": round(statistics.median(tails[1:]) * 1e3, 1),
+      **rss.report(),
   }
 
 

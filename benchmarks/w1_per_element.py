@@ -199,17 +199,18 @@ def main() -> None:
   cores = os.cpu_count() or 1
   def picked(iterator):
     fused = _fused(iterator)
-    return {"picked": fused.stats() if fused is not None else "thread (not fused)"}
+    return {"picked": (fused.stats()["ops"][-1] if fused is not None
+                       else "thread (not fused)")}
 
   makers = {
       "bare loop": (lambda: _bare_loop(data, epochs), None),
       "jaxfeed": (lambda: _jaxfeed(data, epochs), picked),
       "jaxfeed threads": (lambda: _jaxfeed(data, epochs, "thread"), None),
       "jaxfeed processes": (lambda: _jaxfeed(data, epochs, "process"),
-                            lambda it: {"picked": it.stats()}),
+                            lambda it: {"picked": it.stats()["ops"][-1]}),
       "jaxfeed processes (copies)": (
           lambda: _jaxfeed(data, epochs, "process", copy=True),
-          lambda it: {"picked": it.stats()}),
+          lambda it: {"picked": it.stats()["ops"][-1]}),
   }
   if not args.no_tf:
     makers["tf.data"] = (lambda: _tf_data(data, epochs), None)

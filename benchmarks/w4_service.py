@@ -1,14 +1,24 @@
 """W4 / W4t: the service on loopback, against tf.data service, in one run.
 
-  python -m benchmarks.w4_service [--epochs=3] [--scale=1.0]
+  python -m benchmarks.w4_service [--epochs=3] [--scale=1.0] [--only=W4 | --only=W4t]
 
 W4: W1's 20,000 images in one TFRecord file (int32 label + raw image bytes),
 decoded, cropped 56x56, flipped, normalized to float32 and batched by 128 by
 a dispatcher and 1 or 2 worker processes; this process is the client.
 W4t: transfer only: workers serve one ready float32 batch 128x56x56x3 over
 and over; MB/s against a plain TCP socket moving the same bytes over
-loopback from another process. Every system reads DYNAMIC / distributed_epoch
-(an epoch is every record once). Prints one JSON line per (workload, system).
+loopback from another process, one socket epoch right before each jaxfeed
+W4t epoch, so that both see the same load. Every system reads DYNAMIC /
+distributed_epoch (an epoch is every record once, a new job each time).
+Prints one JSON line per (workload, system) with the median rate, the time
+from asking for an epoch to its first batch (`first_batch_ms`: a new job on
+running workers; `first_batch_ms_warmup`: the warm-up epoch's, for W4 the
+first job of freshly started workers), the time from its last batch to its
+end (`last_batch_to_end_ms`),
+and peak RSS (this process, the dispatcher and workers, and both); then one
+line per worker count with W4t's fraction of the plain socket: the median
+over epochs of the epoch's rate over its socket epoch's, and the ratio of
+the medians.
 """
 
 from __future__ import annotations
@@ -149,20 +159,23 @@ def _tf_w4t(n: int):
   return tf.data.Dataset.from_tensors({"image": batch}).repeat(-(-n // BATCH)).cache()
 
 
-def _measure_jaxfeed(make, address: str, epochs: int) -> dict:
+def _measure_jaxfeed(make, address: str, epochs: int, procs: list,
+                     before_epoch=None) -> dict:
   def epoch():
     return make().distribute(address, "distributed_epoch",
                              max_outstanding_requests=8).make_iterator()
-  return harness.measure(epoch, lambda b: len(b["image"]), epochs)
+  return harness.measure(epoch, lambda b: len(b["image"]), epochs,
+                         servers=[p.pid for p in procs], before_epoch=before_epoch)
 
 
-def _measure_tf(make, address: str, epochs: int) -> dict:
+def _measure_tf(make, address: str, epochs: int, procs: list) -> dict:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   def epoch():
     return make().apply(tf.data.experimental.service.distribute(
         processing_mode="distributed_epoch", service=f"grpc://{address}")
     ).prefetch(8).as_numpy_iterator()
-  return harness.measure(epoch, lambda b: len(b["image"]), epochs)
+  return harness.measure(epoch, lambda b: len(b["image"]), epochs,
+                         servers=[p.pid for p in procs])
 
 
 _SENDER = r"""
@@ -176,78 +189,99 @@ with socket.create_connection(("127.0.0.1", port)) as s:
 """
 
 
-def _plain_socket_rate(frames: int, size: int, epochs: int) -> dict:
-  """Bytes/s of a plain loopback TCP stream of frames, received into fresh buffers."""
-  rates = []
-  for epoch in range(epochs + 1):
-    listener = socket.create_server(("127.0.0.1", 0))
+def _plain_socket_epoch(frames: int, size: int) -> float:
+  """Bytes/s of a plain loopback TCP stream of frames from another process,
+  received into fresh buffers (timed from the connection on)."""
+  with socket.create_server(("127.0.0.1", 0)) as listener:
     port = listener.getsockname()[1]
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(frames), str(size)])
     conn, _ = listener.accept()
-    start = time.perf_counter()
-    received = 0
-    header = bytearray(8)
-    for _ in range(frames):
-      conn.recv_into(header, 8, socket.MSG_WAITALL)
-      length = int.from_bytes(header, "little")
-      body = bytearray(length)
-      view, got = memoryview(body), 0
-      while got < length:
-        got += conn.recv_into(view[got:], length - got)
-      received += length
-    elapsed = time.perf_counter() - start
-    conn.close()
-    listener.close()
-    sender.wait()
-    if epoch:
-      rates.append(received / elapsed)
-  return {"rate": float(np.median(rates)), "rates": [round(r / 1e6, 1) for r in rates]}
+    with conn:
+      start = time.perf_counter()
+      received = 0
+      header = bytearray(8)
+      for _ in range(frames):
+        conn.recv_into(header, 8, socket.MSG_WAITALL)
+        length = int.from_bytes(header, "little")
+        body = bytearray(length)
+        view, got = memoryview(body), 0
+        while got < length:
+          got += conn.recv_into(view[got:], length - got)
+        received += length
+      elapsed = time.perf_counter() - start
+  sender.wait()
+  return received / elapsed
+
+
+def _to_mb_per_s(result: dict, item_bytes: int) -> dict:
+  """A result in items/s as MB/s."""
+  return {**result, "rate": result["rate"] * item_bytes / 1e6,
+          "rates": [round(r * item_bytes / 1e6, 1) for r in result["rates"]]}
 
 
 def main(argv: list[str]) -> None:
   args = dict(a.lstrip("-").split("=", 1) for a in argv[1:] if "=" in a)
   epochs, scale = int(args.get("epochs", 3)), float(args.get("scale", 1.0))
+  only = args.get("only", "")
+  if only not in ("", "W4", "W4t"):
+    raise SystemExit(f"--only must be W4 or W4t, got {only!r}.")
   import jaxfeed  # pylint: disable=g-import-not-at-top
   data = workloads.w1_data(scale)
   n = len(data["label"])
   image_bytes = workloads.CROP * workloads.CROP * 3 * 4
+  batch_bytes = BATCH * image_bytes
+  num_batches = -(-n // BATCH)
+  w4, w4t, sockets = {}, {}, {}
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "w4.tfrecord")
     jaxfeed.write_tfrecord(path, [data["label"][i].tobytes() + data["image"][i].tobytes()
                                   for i in range(n)])
-    w4, w4t = {}, {}
     for workers in (1, 2):
+      name = f"jaxfeed service ({workers} workers)"
       procs, address = _jaxfeed_cluster(workers)
       try:
-        w4[f"jaxfeed service ({workers} workers)"] = _measure_jaxfeed(
-            lambda: _jaxfeed_w4(path, n), address, epochs)
-        w4t[f"jaxfeed service ({workers} workers)"] = _measure_jaxfeed(
-            lambda: _jaxfeed_w4t(n), address, epochs)
+        if only != "W4t":
+          w4[name] = _measure_jaxfeed(lambda: _jaxfeed_w4(path, n), address, epochs, procs)
+        if only != "W4":
+          socket_rates = sockets[name] = []
+          w4t[name] = _to_mb_per_s(_measure_jaxfeed(
+              lambda: _jaxfeed_w4t(n), address, epochs, procs,
+              lambda: socket_rates.append(_plain_socket_epoch(num_batches, batch_bytes))),
+              image_bytes)
       finally:
         _stop(procs)
+      name = f"tf.data service ({workers} workers)"
       procs, address = _tf_cluster(workers)
       try:
-        w4[f"tf.data service ({workers} workers)"] = _measure_tf(
-            lambda: _tf_w4(path), address, epochs)
-        w4t[f"tf.data service ({workers} workers)"] = _measure_tf(
-            lambda: _tf_w4t(n), address, epochs)
+        if only != "W4t":
+          w4[name] = _measure_tf(lambda: _tf_w4(path), address, epochs, procs)
+        if only != "W4":
+          w4t[name] = _to_mb_per_s(
+              _measure_tf(lambda: _tf_w4t(n), address, epochs, procs), image_bytes)
       finally:
         _stop(procs)
   for result in w4.values():
     result["mb_per_s"] = round(result["rate"] * image_bytes / 1e6, 1)
-  harness.report("W4", w4, "images/s")
-  batch_bytes = BATCH * image_bytes
-  for result in w4t.values():
-    result["rate"] = result["rate"] * image_bytes / 1e6
-    result["rates"] = [round(r * image_bytes / 1e6, 1) for r in result["rates"]]
-  socket_rate = _plain_socket_rate(-(-n // BATCH), batch_bytes, epochs)
-  w4t["plain TCP socket"] = {"rate": socket_rate["rate"] / 1e6, "rates": socket_rate["rates"]}
+  if w4:
+    harness.report("W4", w4, "images/s")
+  if not w4t:
+    return
+  # Timed epochs only (the first socket epoch went with the warm-up).
+  timed = {name: [r / 1e6 for r in rates[1:]] for name, rates in sockets.items()}
+  all_timed = [r for rates in timed.values() for r in rates]
+  w4t["plain TCP socket"] = {"rate": float(np.median(all_timed)),
+                             "rates": [round(r, 1) for r in all_timed]}
   harness.report("W4t", w4t, "MB/s")
-  for workers in (1, 2):
+  for name, socket_rates in timed.items():
     print(json.dumps({
-        "workload": "W4t", "system": f"jaxfeed service ({workers} workers)",
-        "fraction_of_plain_socket": round(
-            w4t[f"jaxfeed service ({workers} workers)"]["rate"] / w4t["plain TCP socket"]["rate"], 3)}))
+        "workload": "W4t", "system": name,
+        "fraction_of_plain_socket": round(float(np.median(
+            [r / s for r, s in zip(w4t[name]["rates"], socket_rates)])), 3),
+        "fraction_of_median_rates": round(w4t[name]["rate"] / float(np.median(socket_rates)), 3),
+        "socket_rates": [round(r, 1) for r in socket_rates],
+        "first_batch_ms": w4t[name]["first_batch_ms"],
+        "last_batch_to_end_ms": w4t[name]["last_batch_to_end_ms"],
+        "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,18 @@ def _cluster(num_workers: int, tls: bool) -> tuple[list, str]:
   return procs, address
 
 
-def _measure(make, address: str, epochs: int, **options) -> dict:
+_MEMORY_AND_START = ("first_batch_ms", "peak_rss_mb", "servers_peak_rss_mb",
+                     "total_peak_rss_mb")
+
+
+def _measure(make, address: str, epochs: int, procs: list, **options) -> dict:
   def epoch():
     return make().distribute(address, "distributed_epoch", max_outstanding_requests=8,
                              **options).make_iterator()
-  return harness.measure(epoch, lambda b: len(b["image"]), epochs)
+  result = harness.measure(epoch, lambda b: len(b["image"]), epochs,
+                           servers=[p.pid for p in procs])
+  result["memory_and_start"] = {k: result[k] for k in _MEMORY_AND_START}
+  return result
 
 
 def _w4_visitations(data: dict, workers: int, epochs: int) -> list[dict]:
@@ -58,10 +65,11 @@ def _w4_visitations(data: dict, workers: int, epochs: int) -> list[dict]:
     try:
       for visitation in ("at_most_once", "exactly_once"):
         result = _measure(lambda: w4_service._jaxfeed_w4(path, n),  # pylint: disable=protected-access
-                          address, epochs, visitation=visitation)
+                          address, epochs, procs, visitation=visitation)
         w4.append({"workload": "W4", "unit": "images/s", "workers": workers,
                    "visitation": visitation, "rate": round(result["rate"], 1),
-                   "rates": result["rates"], "items": result["items"]})
+                   "rates": result["rates"], "items": result["items"],
+                   **result["memory_and_start"]})
     finally:
       w4_service._stop(procs)  # pylint: disable=protected-access
   return w4
@@ -84,12 +92,13 @@ def main(argv: list[str]) -> None:
     try:
       for transfer in ("socket", "grpc"):
         result = _measure(lambda: w4_service._jaxfeed_w4t(n),  # pylint: disable=protected-access
-                          address, epochs, data_transfer=transfer,
+                          address, epochs, procs, data_transfer=transfer,
                           tls=tls if use_tls else None)
         lines.append({"workload": "W4t", "unit": "MB/s", "workers": workers,
                       "path": f"{transfer}{' + TLS' if use_tls else ''}",
                       "rate": round(result["rate"] * image_bytes / 1e6, 1),
-                      "rates": [round(r * image_bytes / 1e6, 1) for r in result["rates"]]})
+                      "rates": [round(r * image_bytes / 1e6, 1) for r in result["rates"]],
+                      **result["memory_and_start"]})
     finally:
       w4_service._stop(procs)  # pylint: disable=protected-access
   for line in lines:

@@ -5,6 +5,7 @@
   jaxfeed convert IN... OUT      TFRecord, ArrayRecord, NumPy, Parquet; sharded, parallel, resumable
   jaxfeed inspect FILE...        record count, sizes and a decoded sample
   jaxfeed bench MODULE:FUNCTION  runs a user's pipeline for a while: elements/s
+                                 and a table of where each op spent its time
 
 `convert` writes OUT (or OUT-SSSSS-of-NNNNN.ext with `--num_shards`), each
 shard under a temporary name renamed into place when complete, so a killed
@@ -233,6 +234,16 @@ def bench(target: str, seconds: float, warmup_s: float = 1.0) -> dict:
   return result
 
 
+def bench_report(result: dict) -> str:
+  """`bench`'s result as text: the rate, then the per-op table and the op
+  that limits the rate."""
+  from jaxfeed.ops import op_stats  # pylint: disable=g-import-not-at-top
+  head = (f"{result['elements']} elements in {result['seconds']} s: "
+          f"{result['elements_per_s']} elements/s")
+  rows = result.get("stats", {}).get("ops")
+  return f"{head}\n\n{op_stats.report(rows)}" if rows else head
+
+
 def _server(role: str, argv: Sequence[str]) -> None:
   from absl import app  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(f"jaxfeed.service.{role}")
@@ -262,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   ben = commands.add_parser("bench", help="time a pipeline: MODULE:FUNCTION")
   ben.add_argument("target")
   ben.add_argument("--seconds", type=float, default=10.0)
+  ben.add_argument("--json", action="store_true",
+                   help="print the result as JSON instead of a table")
   args = parser.parse_args(argv)
   import json  # pylint: disable=g-import-not-at-top
   try:
@@ -275,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       result = inspect_files(args.paths, args.format, args.samples)
     else:
       result = bench(args.target, args.seconds)
+      if not args.json:
+        print(bench_report(result))
+        return 0
   except UsageError as e:
     print(f"jaxfeed {args.command}: {e}", file=sys.stderr)
     return 2

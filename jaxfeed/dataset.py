@@ -50,6 +50,15 @@ class Dataset:
     return Dataset(_op("from_source").SourceNode(source, sampler))
 
   @staticmethod
+  def from_tfrecord(paths: Any, compression_type: str | None = None,
+                    verify_crc: bool = True) -> "Dataset":
+    """Like tf.data.TFRecordDataset: the records (bytes) of TFRecord files,
+    files in order, records in order, read sequentially (compression_type
+    None, "GZIP" or "ZLIB"); resumes at the saved (file, byte offset)."""
+    return Dataset(_op("from_tfrecord").TFRecordNode(
+        paths, compression_type, verify_crc))
+
+  @staticmethod
   def range(*args: int, dtype: Any = None) -> "Dataset":
     """Like tf.data.Dataset.range: range(stop), range(start, stop[, step])."""
     return Dataset(_op("range").RangeNode(*args, dtype=dtype))
@@ -492,7 +501,9 @@ class Dataset:
     # when the same Dataset is iterated again in tf.data.
     if self._optimized is None:
       self._optimized = _op("optimize").optimize(self.node, self.options)
-    return _op("autotune").autotuned(self._optimized.make_iterator(), self.options)
+    root = _op("op_stats").instrument(self._optimized, self._optimized.make_iterator(),
+                                      self.options)
+    return _op("autotune").autotuned(root, self.options)
 
   def __iter__(self) -> base.OpIterator:
     return self.make_iterator()

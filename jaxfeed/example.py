@@ -268,6 +268,10 @@ def _column(key: str, spec: Any, rows: list, where: Any) -> Any:
 def _sparse(values: np.ndarray, lengths: np.ndarray) -> SparseArray:
   """A rank-2 SparseArray: row i holds the next lengths[i] values."""
   total = len(values)
+  if len(lengths) == 1:  # one record (parse_single_example): no repeats
+    indices = np.zeros((total, 2), np.int64)
+    indices[:, 1] = np.arange(total)
+    return SparseArray(indices, values, np.array([1, total], np.int64))
   rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
   starts = np.cumsum(lengths) - lengths
   columns = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)

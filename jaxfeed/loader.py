@@ -35,9 +35,11 @@ import orbax.checkpoint as ocp
 from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
 from jaxfeed.device.agreement import check_policy
+from jaxfeed.ops import op_stats
 from jaxfeed.ops.from_source import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
+from jaxfeed.service import read_state
 
 _MODEL_ITEM = "model"
 _LOADER_ITEM = "loader"
@@ -100,7 +102,10 @@ class Loader:
   docstring).
 
   `stats()` tells whether training is input bound: the seconds the loop waited
-  for batches versus the seconds it spent between batches (model time).
+  for batches versus the seconds it spent between batches (model time), and
+  the pipeline's per-op statistics (`ops`, see `OpIterator.stats`);
+  `report()` prints them as one table with a verdict: input bound or not,
+  and which op to fix.
   """
 
   def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
@@ -116,7 +121,8 @@ class Loader:
     self._prefetch = prefetch
     self._end_of_input = end_of_input
     self._pad_to_common_shape = pad_to_common_shape
-    self._prefetcher = self._new_prefetcher(self._new_host_iterator())
+    self._host_iterator = self._new_host_iterator()
+    self._prefetcher = self._new_prefetcher(self._host_iterator)
     self._batches = 0
     self._wait_s = 0.0
     self._model_s = 0.0
@@ -151,15 +157,25 @@ class Loader:
     self._returned_at = end
     return batch
 
-  def stats(self) -> dict[str, float]:
-    """Batches received, seconds waiting for input and between batches."""
+  def stats(self) -> dict[str, Any]:
+    """Batches received, seconds waiting for input and between batches, and
+    the pipeline's per-op rows (`ops`; empty for a plain iterable)."""
     busy = self._wait_s + self._model_s
     return {
         "batches": self._batches,
         "wait_seconds": self._wait_s,
         "model_seconds": self._model_s,
         "input_bound_fraction": self._wait_s / busy if busy else 0.0,
+        "ops": op_stats.rows_of(self._host_iterator),
     }
+
+  def report(self, file: Any = None) -> str:
+    """Prints (to `file`, default stdout) and returns one table of the
+    pipeline's ops, whether the loop is input bound, and the op to fix."""
+    stats = self.stats()
+    text = op_stats.report(stats["ops"], stats)
+    print(text, file=file)
+    return text
 
   # -- state ----------------------------------------------------------------
   def get_state(self) -> dict:
@@ -182,6 +198,7 @@ class Loader:
         host_iterator.close()
         raise
       self._prefetcher.close()
+      self._host_iterator = host_iterator
       self._prefetcher = self._new_prefetcher(host_iterator)
     else:
       self._prefetcher.set_state(state["pipeline"])
@@ -244,10 +261,22 @@ def _state_file(directory: epath.Path) -> epath.Path:
 
 
 def _read_state(directory: epath.Path) -> dict:
-  """This process's state, or one resharded from another process count's."""
+  """This process's state, or one resharded from another process count's.
+
+  An exactly-once read of a shared service job resumes what all processes
+  took together (`read_state.merge_process_states`), so it reads every
+  process's file.
+  """
   path = _state_file(directory)
   if path.exists():
-    return json.loads(path.read_text())
+    state = json.loads(path.read_text())
+    if jax.process_count() > 1 and read_state.has_shared_read(state["pipeline"]):
+      states = [json.loads((epath.Path(directory) / (
+          f"process_{i}-of-{jax.process_count()}.json")).read_text())
+                for i in range(jax.process_count())]
+      merged = read_state.merge_process_states([s["pipeline"] for s in states])
+      state["pipeline"] = merged[jax.process_index()]
+    return state
   found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
   counts = {name.rsplit("-of-", 1)[-1].removesuffix(".json") for name in found}
   if len(counts) != 1 or not next(iter(counts)).isdigit():
@@ -334,8 +363,10 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
     loader: restored in place (`loader.set_state`).
     model_state: a pytree like the saved one (arrays or
       `jax.ShapeDtypeStruct`s) giving the shapes, dtypes and shardings.
-    restore_loader: False leaves the loader where it is (e.g. a service read,
-      which cannot resume at a position) and restores only the model.
+    restore_loader: False leaves the loader where it is and restores only
+      the model (e.g. a service read that cannot resume at a position: one
+      not `distributed_epoch` with `visitation="exactly_once"`, see
+      docs/service.md, "Resuming a read").
 
   Returns:
     The restored model state.

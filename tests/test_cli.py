@@ -233,11 +233,29 @@ def test_bench_times_a_users_pipeline(tmp_path):
   (tmp_path / "my_pipeline.py").write_text(
       "from jaxfeed.dataset import Dataset\n"
       "def make():\n  return Dataset.range(10**9).map(lambda x: x + 1).ignore_errors()\n")
-  done = run_cli("bench", "my_pipeline:make", "--seconds=1", cwd=tmp_path)
+  done = run_cli("bench", "my_pipeline:make", "--seconds=1", "--json", cwd=tmp_path)
   assert done.returncode == 0, done.stderr
   result = json.loads(done.stdout)
   assert result["elements"] > 1000 and result["elements_per_s"] > 1000
-  assert result["stats"] == {"errors_ignored": 0}
+  rows = result["stats"]["ops"]
+  assert [row["op"] for row in rows] == ["range", "map", "ignore_errors"]
+  assert rows[-1]["errors_ignored"] == 0
+
+
+def test_bench_prints_the_per_op_table_and_the_op_to_fix(tmp_path):
+  (tmp_path / "slow_pipeline.py").write_text(
+      "import time\n"
+      "from jaxfeed.dataset import Dataset\n"
+      "def slow(x):\n  time.sleep(0.002)\n  return x\n"
+      "def make():\n  return Dataset.range(10**9).map(lambda x: x + 1).filter(bool)"
+      ".map(slow, num_parallel_calls=2).batch(4)\n")
+  done = run_cli("bench", "slow_pipeline:make", "--seconds=2", cwd=tmp_path)
+  assert done.returncode == 0, done.stderr
+  lines = done.stdout.splitlines()
+  assert "elements/s" in lines[0]
+  table = [line.split()[0] for line in lines[2:7]]
+  assert table == ["op", "range", "map+filter", "map", "batch"]
+  assert "Op to fix: 'map' (" in done.stdout
 
 
 @pytest.mark.parametrize("role", ["dispatcher", "worker"])

@@ -2,6 +2,7 @@
 
 import gc
 import json
+import os
 import threading
 import time
 import traceback
@@ -269,8 +270,11 @@ def test_restore_without_checkpoint_is_rejected(tmp_path):
 # -- stats ---------------------------------------------------------------------------
 def test_stats_split_wait_and_model_time():
   with jaxfeed.Loader(pipeline(), prefetch=2) as loader:
-    assert loader.stats() == {"batches": 0, "wait_seconds": 0.0,
-                              "model_seconds": 0.0, "input_bound_fraction": 0.0}
+    stats = loader.stats()
+    assert [row["op"] for row in stats.pop("ops")] == [
+        "from_tensor_slices", "shuffle", "map", "batch"]
+    assert stats == {"batches": 0, "wait_seconds": 0.0,
+                     "model_seconds": 0.0, "input_bound_fraction": 0.0}
     next(loader)
     for _ in range(3):
       time.sleep(0.05)  # The "model step" between batches.
@@ -281,6 +285,42 @@ def test_stats_split_wait_and_model_time():
   assert stats["wait_seconds"] > 0.0
   assert stats["input_bound_fraction"] == pytest.approx(
       stats["wait_seconds"] / (stats["wait_seconds"] + stats["model_seconds"]))
+
+
+def sleepy_add_one(x):
+  time.sleep(0.004)  # Deliberately the slowest op by far.
+  return x + 1
+
+
+def test_report_says_input_bound_and_names_the_slow_op(capsys):
+  dataset = (jaxfeed.Dataset.range(100_000).map(np.negative).map(np.negative)
+             .map(sleepy_add_one, num_parallel_calls=2).batch(8).prefetch(1))
+  with jaxfeed.Loader(dataset, prefetch=1) as loader:
+    deadline = time.monotonic() + 60
+    # Enough batches for the sampler (20 looks a second) to see the ops many times.
+    while loader.stats()["ops"][2]["self_seconds"] < 0.5:
+      assert time.monotonic() < deadline
+      next(loader)
+    text = loader.report()
+    rows = loader.stats()["ops"]
+  assert capsys.readouterr().out.strip() == text.strip()
+  # The first two maps are fused (and named so); the slow one is not fused
+  # with them (other parallelism) and is the op to fix.
+  assert [row["op"] for row in rows] == ["range", "map+map", "map", "batch", "prefetch"]
+  assert "Input bound" in text
+  assert "Op to fix: 'map' (" in text
+  assert rows[2]["parallelism"] == 2 and rows[2]["elements"] >= 50
+  assert rows[4]["wait_seconds"] > 0
+
+
+def test_report_on_a_model_bound_loop_says_so():
+  with jaxfeed.Loader(pipeline(), prefetch=2) as loader:
+    for _ in range(5):
+      next(loader)
+      time.sleep(0.1)  # A model step far slower than the input.
+    with open(os.devnull, "w") as sink:
+      text = loader.report(file=sink)
+  assert "Not input bound" in text
 
 
 # -- errors ----------------------------------------------------------------------------

@@ -213,6 +213,9 @@ class AutotunedIterator(OpIterator):
   def tunables(self) -> list:
     return self.root.tunables()
 
+  def stats(self) -> dict:
+    return self.root.stats()
+
   def close(self) -> None:
     self._finalizer()
     self.root.close()

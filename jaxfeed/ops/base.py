@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from jaxfeed.ops import fingerprint as fingerprint_lib
+from jaxfeed.ops import op_stats
 from jaxfeed.seeding import mix_seed  # re-exported for op modules
 
 AUTOTUNE = -1
@@ -46,9 +47,22 @@ class OpIterator:
 
   op_name: str = "op"
 
+  stats_one_to_one: bool = False
+  """Whether the op returns one element per input element (its `stats()`
+  row then shows its input's element count unless it counts its own)."""
+
+  _stats_label: str | None = None
+
+  def __init_subclass__(cls, **kwargs: Any):
+    super().__init_subclass__(**kwargs)
+    op_stats.register_op_class(cls)
+
   def __init__(self, parents: Sequence["OpIterator"] = ()):
     self.parents: list[OpIterator] = list(parents)
     self._closed = False
+    # Made here, not on first use: an attribute added to a running object
+    # (or a look at its __dict__) slows every attribute access on it.
+    self._stats_cell = op_stats.OpCell()
 
   # -- iteration ---------------------------------------------------------
   def __iter__(self) -> "OpIterator":
@@ -67,6 +81,41 @@ class OpIterator:
   def tunables(self) -> list:
     """This op's `jaxfeed.ops.autotune.Knob`s (AUTOTUNE parallelism/buffers)."""
     return []
+
+  # -- statistics ----------------------------------------------------------
+  @property
+  def stats_label(self) -> str:
+    """The op's name in `stats()`: the op as the user wrote it, or the ops
+    the optimizer fused into it joined by "+" (e.g. "map+filter")."""
+    return self._stats_label or self.op_name
+
+  @stats_label.setter
+  def stats_label(self, value: str) -> None:
+    self._stats_label = value
+
+  def stats(self) -> dict:
+    """Per-op statistics of this iterator's pipeline, inputs first.
+
+    Returns `{"ops": [{"op", "elements", "self_seconds", "wait_seconds",
+    "buffer_fill", "parallelism", ...}, ...]}`: elements returned (None when
+    the op does not count them), seconds spent in the op itself (its input's
+    time excluded; on all its threads), seconds its consumer waited for it,
+    the mean fill of its buffer (None without one), how many elements it
+    works on at once, and fields of the op's own (e.g. `errors_ignored`).
+    Times are sampled (see `jaxfeed.ops.op_stats`) from the moment the
+    iterator was made, unless `jaxfeed.Options(stats=False)`.
+    """
+    return {"ops": op_stats.op_rows(self)}
+
+  def _stats_fields(self) -> dict:
+    """This op's part of its stats row: any of "elements", "parallelism",
+    "busy_seconds" (work done outside op methods, e.g. on worker threads,
+    added to self_seconds) and fields of its own."""
+    return {}
+
+  def _stats_buffer_fill(self) -> float | None:
+    """Ops with a buffer return its fill now (0..1), sampled into the row."""
+    return None
 
   # -- state ---------------------------------------------------------------
   def _get_own_state(self) -> dict:
@@ -99,6 +148,7 @@ class OpIterator:
     self._close_own()
     for parent in self.parents:
       parent.close()
+    op_stats.release(self)
 
   def _close_own(self) -> None:
     """Subclasses with threads, processes or memory release them here."""
@@ -108,6 +158,9 @@ class OpIterator:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+op_stats.register_op_class(OpIterator)
 
 
 def check_state(state: Any, op_name: str, num_parents: int) -> None:
@@ -137,6 +190,10 @@ class Node:
   """
 
   op_name: str = "node"
+
+  stats_label: str | None = None
+  """Set by the optimizer on a node it fused from several ops: their names
+  joined by "+" (e.g. "map+filter"), shown by `OpIterator.stats()`."""
 
   def __init__(self, parents: Sequence["Node"] = ()):
     self.parents: tuple[Node, ...] = tuple(parents)

@@ -71,11 +71,15 @@ class BatchIterator(base.OpIterator):
     self._next_batch = (getattr(parent, "next_batch", None)
                         if self._use_batched_reads else None)
     self._last_seed = 0
+    self._batches = 0
 
   @property
   def last_seed(self) -> int:
     """The seed of the first element of the batch returned last."""
     return self._last_seed
+
+  def _stats_fields(self) -> dict:
+    return {"elements": self._batches}
 
   def __next__(self) -> Any:
     if self._next_batch is not None:
@@ -83,6 +87,7 @@ class BatchIterator(base.OpIterator):
       if len(seeds) < self._batch_size and self._drop_remainder:
         raise StopIteration
       self._last_seed = int(seeds[0])
+      self._batches += 1
       return batch
     parent = self.parents[0]
     elements = [next(parent)]  # StopIteration here ends the batches
@@ -92,6 +97,7 @@ class BatchIterator(base.OpIterator):
     if len(elements) < self._batch_size and self._drop_remainder:
       raise StopIteration
     self._last_seed = first_seed
+    self._batches += 1
     return self._assemble(elements)
 
   def _assemble(self, elements: list) -> Any:

@@ -277,6 +277,9 @@ class SourceIterator(OpIterator):
       self._records = []
       self._seeds = self._seeds[:0]
 
+  def _stats_fields(self) -> dict:
+    return {"elements": self.position}
+
   def _get_own_state(self) -> dict:
     position = self.position
     state = {"position": position}

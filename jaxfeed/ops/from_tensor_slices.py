@@ -194,6 +194,9 @@ class TensorSlicesIterator(OpIterator):
     self._index += skipped
     return skipped
 
+  def _stats_fields(self) -> dict:
+    return {"elements": self._index}
+
   def _get_own_state(self) -> dict:
     return {"index": self._index}
 

@@ -3,7 +3,8 @@
 tf.data's `ignore_errors(log_warning=False)`: an exception raised while
 producing an input element (a UDF that fails on it, a corrupt record) drops
 that element and the input goes on with the next one. `StopIteration` still
-ends the input. The number of dropped elements is in `stats()` and the state.
+ends the input. The number of dropped elements is in the op's `stats()` row
+(`errors_ignored`) and in the state.
 
 The ops above which this works are the ones that go on after an element's
 error: `map` / `random_map` / `filter` (sequential or parallel) and
@@ -72,7 +73,7 @@ class IgnoreErrorsIterator(OpIterator):
               f"{_OP}: the input raised {in_a_row} times in a row without "
               "producing an element; it does not go on after errors.") from e
 
-  def stats(self) -> dict:
+  def _stats_fields(self) -> dict:
     return {"errors_ignored": self.errors_ignored}
 
   def _get_own_state(self) -> dict:

@@ -54,6 +54,7 @@ class MapAndFilterIterator(parallel.ParallelMapIterator):
   """Iterator of `MapAndFilterNode`."""
 
   op_name = "map_and_filter"
+  stats_one_to_one = False
 
   def __init__(self, parent: OpIterator, fn: Callable, predicate: Callable,
                num_parallel_calls: int | None, deterministic: bool):

@@ -29,6 +29,7 @@ import importlib
 from typing import Any, Callable
 
 from jaxfeed.ops import base
+from jaxfeed.ops import op_stats
 from jaxfeed.ops.parallel import call_unpacked
 from jaxfeed.ops.options import Options
 
@@ -66,10 +67,18 @@ _NOOPS = {
 }
 
 
+def _fused(fused: base.Node, *parts: base.Node) -> base.Node:
+  """Labels `fused` with the names of the nodes it replaces, for `stats()`."""
+  fused.stats_label = op_stats.fuse_labels(*parts)
+  return fused
+
+
 def _rebuild(node: base.Node, parents: tuple, **changes: Any) -> base.Node:
   params = dict(node.spec_params())
   params.update(changes)
-  return type(node)(*parents, **params)
+  rebuilt = type(node)(*parents, **params)
+  rebuilt.stats_label = node.stats_label
+  return rebuilt
 
 
 def _same_execution(a: dict, b: dict) -> bool:
@@ -106,28 +115,31 @@ def _rewrite_one(node: base.Node, options: Options) -> base.Node:
 
   if op == "filter" and parent_op == "filter" and options.filter_fusion:
     inner = parent.spec_params()
-    return _rebuild(parent, parent.parents,
-                    predicate=AllOf(inner["predicate"], params["predicate"]))
+    return _fused(_rebuild(parent, parent.parents,
+                           predicate=AllOf(inner["predicate"], params["predicate"])),
+                  parent, node)
 
   if op == "filter" and parent_op == "map_and_filter" and options.filter_fusion:
     inner = parent.spec_params()
-    return _rebuild(parent, parent.parents,
-                    predicate=AllOf(inner["predicate"], params["predicate"]))
+    return _fused(_rebuild(parent, parent.parents,
+                           predicate=AllOf(inner["predicate"], params["predicate"])),
+                  parent, node)
 
   if op == "map" and parent_op == "map" and options.map_fusion:
     inner = parent.spec_params()
     if _same_execution(inner, params):
-      return _rebuild(parent, parent.parents, fn=ComposedFn(inner["fn"], params["fn"]))
+      return _fused(_rebuild(parent, parent.parents,
+                             fn=ComposedFn(inner["fn"], params["fn"])), parent, node)
 
   if op == "filter" and parent_op == "map" and options.map_and_filter_fusion:
     inner = parent.spec_params()
     # map_and_filter runs on threads: a map asking for processes stays.
     if not inner.get("batched") and inner.get("backend") != "process":
       fused = importlib.import_module("jaxfeed.ops.map_and_filter")
-      return fused.MapAndFilterNode(
+      return _fused(fused.MapAndFilterNode(
           parent.parents[0], inner["fn"], params["predicate"],
           num_parallel_calls=inner.get("num_parallel_calls"),
-          deterministic=inner.get("deterministic", True))
+          deterministic=inner.get("deterministic", True)), parent, node)
 
   if (op == "batch" and parent_op == "map" and options.map_and_batch_vectorization
       and parent.spec_params().get("batched")):
@@ -138,7 +150,8 @@ def _rewrite_one(node: base.Node, options: Options) -> base.Node:
   if op == "batch" and parent_op in ("map", "random_map", "filter", "map_and_filter"):
     fused = importlib.import_module("jaxfeed.ops.process_batch").fuse(node)
     if fused is not None:
-      return fused
+      chain = fused.chain
+      return _fused(fused, chain.input, *chain.stage_nodes, chain.batch_node)
 
   return node
 

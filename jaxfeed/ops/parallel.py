@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import autotune
+from jaxfeed.ops import autotune, op_stats
 from jaxfeed.ops.base import (AUTOTUNE, OpIterator, PipelineStateError,
                               check_state)
 
@@ -327,6 +327,16 @@ class ParallelExecutor:
     return sum(t.is_alive() for t in self._threads)
 
   @property
+  def num_returned(self) -> int:
+    """Inputs pulled and done with, except those returned out of order."""
+    return self._base_seq
+
+  @property
+  def num_ready(self) -> int:
+    """Outputs computed and not yet returned."""
+    return len(self._ready)
+
+  @property
   def busy_s(self) -> float:
     """Seconds the worker threads spent in the work function, in total."""
     return sum(cell[0] for cell in self._busy_cells)
@@ -439,6 +449,7 @@ class ParallelExecutor:
     self._since_probe = 0
     self._inline = self._work_s_estimate < INLINE_BELOW_S
 
+  @op_stats.waits_for_input
   def _receive(self, block: bool, until: int | None = None) -> bool:
     """Moves finished results into `_ready`.
 
@@ -584,6 +595,8 @@ class ParallelMapIterator(OpIterator):
   """A `process_pool.ProcessPool` the subclass drives (backend="process"),
   closed after the executor's threads."""
 
+  stats_one_to_one = True
+
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
                num_parallel_calls: int | None, deterministic: bool):
     super().__init__([parent])
@@ -634,6 +647,21 @@ class ParallelMapIterator(OpIterator):
           f"{self.op_name}: parallelism can only be changed on an op built "
           f"with num_parallel_calls > 1 or AUTOTUNE.")
     self.executor.parallelism = value
+
+  def _stats_fields(self) -> dict:
+    executor = self.executor
+    if executor is None:
+      return {}
+    fields = {"parallelism": executor.parallelism, "busy_seconds": executor.busy_s}
+    if self.stats_one_to_one:
+      fields["elements"] = executor.num_returned
+    return fields
+
+  def _stats_buffer_fill(self) -> float | None:
+    executor = self.executor
+    if executor is None:
+      return None
+    return min(1.0, executor.num_ready / executor.parallelism)
 
   def tunables(self) -> list:
     """The parallelism knob, for ops built with AUTOTUNE."""

@@ -164,6 +164,7 @@ class PrefetchIterator(OpIterator):
   """
 
   op_name = "prefetch"
+  stats_one_to_one = True
 
   def __init__(self, parent: OpIterator, buffer_size: int,
                autotuned: bool = False):
@@ -224,6 +225,15 @@ class PrefetchIterator(OpIterator):
     """Elements produced and not yet returned."""
     buffer = self._buffer
     return 0 if buffer is None else len(buffer.entries)
+
+  def _stats_fields(self) -> dict:
+    if self._buffer_size == 0:
+      return {}
+    return {"elements": self._num_returned}
+
+  def _stats_buffer_fill(self) -> float | None:
+    capacity = self._buffer_size
+    return min(1.0, self.num_buffered / capacity) if capacity else None
 
   # -- iteration -----------------------------------------------------------
   def _start(self) -> None:

@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import base, parallel, stacking, tree
+from jaxfeed.ops import base, op_stats, parallel, stacking, tree
 from jaxfeed.ops.filter import predicate_result
 from jaxfeed.ops.process_pool import (WorkerProcessError, _ArrayRef, _attach,
                                       _picklable, _RemoteTraceback)
@@ -946,9 +946,12 @@ class ProcessBatchIterator(base.OpIterator):
       self._use_processes(position)
 
   # -- reporting and lifetime ----------------------------------------------
-  def stats(self) -> dict:
-    """What runs the chain: backend, why, workers, chunk, trial rates."""
-    return dict(self._stats)
+  def _stats_fields(self) -> dict:
+    """What runs the chain (backend, why, workers, chunk, trial rates), in
+    its `stats()` row."""
+    fields = dict(self._stats)
+    fields["parallelism"] = fields["num_workers"] if self._workers is not None else 1
+    return fields
 
   @property
   def backend(self) -> str | None:
@@ -974,4 +977,5 @@ class ProcessBatchIterator(base.OpIterator):
     self._stop_workers()
     if self._thread_iterator is not None:
       self._thread_iterator.close()
+    op_stats.release(self)
 

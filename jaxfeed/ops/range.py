@@ -204,6 +204,9 @@ class RangeIterator(OpIterator):
     self._seek(index + skipped)
     return skipped
 
+  def _stats_fields(self) -> dict:
+    return {"elements": self.position}
+
   def _get_own_state(self) -> dict:
     return {"index": self.position}
 

@@ -27,7 +27,7 @@ others have `round_timeout_s` (default 60 s) to take theirs. Then the round
 closes and the late consumers' batches are dropped; later rounds do not wait
 for a consumer that missed one until it reads again. When it does, it goes on
 at the oldest round still open on each worker: its iterator skips the rounds
-it missed (`DistributedIterator.stats["rounds_skipped"]`) and reports each
+it missed (`DistributedIterator.stats()["rounds_skipped"]`) and reports each
 batch's global round (`last_round`). "Took" is seen from the worker: a batch
 is taken once the worker queued it for the consumer's connection, so what
 already sits in the client's buffer (`max_outstanding_requests` per worker)
@@ -261,7 +261,10 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       only once all of them arrived and acknowledges it; a lost worker's
       unacknowledged splits are read again by the others, and so are those
       of a client of a shared job that left or was silent for the
-      dispatcher's client_timeout_s, so every record arrives once per epoch),
+      dispatcher's client_timeout_s, so every record arrives once per epoch;
+      such a read resumes from its iterator's (or Loader's) state on a new
+      job, see `jaxfeed.service.read_state`; a shared job's client takes
+      one split at a time from each worker),
       ephemeral_sharing: parallel_epochs jobs of one dataset that all pass
       True share each worker's pipeline through a byte-bounded window, each
       job at its own position; a job that falls behind the window skips

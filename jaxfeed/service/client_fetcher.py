@@ -61,6 +61,7 @@ class Fetcher:
     self._read = read
     self._connection: Any = None
     self._cancelled = False
+    self._ended = False
     self.thread = threading.Thread(target=self._run, daemon=True,
                                    name=f"jaxfeed-fetch-{task.task_id}")
     self.thread.start()
@@ -70,11 +71,21 @@ class Fetcher:
     return {"task_id": self.task.task_id, "compression": node.compression or "",
             "consumer_index": node.consumer_index or 0, "round": 0,
             "client_id": self._read.client_id, "received": self.received,
-            "window": delivery.DEFAULT_WINDOW}
+            "window": 1 if self._one_split_at_a_time else delivery.DEFAULT_WINDOW}
+
+  @property
+  def _one_split_at_a_time(self) -> bool:
+    """Exactly-once reads of a shared job take one split at a time from a
+    worker, the next only once this client handed the last one on: a split
+    taken for a client whose buffer is full could reach neither it nor the
+    job's other consumers, and the job cannot end while it is out. Hosts in
+    lockstep (a collective per step) would wait for each other for ever."""
+    node = self._read.node
+    return node.visitation == "exactly_once" and bool(node.job_name)
 
   def _items(self):
-    """One connection's items: (seq, frame, round), (seq, None, split start)
-    at an exactly-once split's end, None for a keepalive."""
+    """One connection's items: (seq, frame, round, 0), (seq, None, split
+    start, split stop) at an exactly-once split's end, None for a keepalive."""
     read = self._read
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
@@ -99,7 +110,8 @@ class Fetcher:
             self.end_stats = conn.end_stats
             return
           kind, seq, frame, round_index = item
-          yield None if kind == data_socket.KIND_KEEPALIVE else (seq, frame, round_index)
+          yield None if kind == data_socket.KIND_KEEPALIVE else (
+              seq, frame, round_index, conn.split_stop if frame is None else 0)
       finally:
         conn.close()
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
@@ -127,12 +139,12 @@ class Fetcher:
           self.end_stats = chunk.end_stats()
           return
         if chunk.split_end:
-          yield chunk.seq, None, chunk.round
+          yield chunk.seq, None, chunk.round, chunk.split_stop
           continue
         frame = frames.add(chunk)
         if frame is not None:
           data, round_index, seq = frame
-          yield seq, data, round_index
+          yield seq, data, round_index, 0
     finally:
       channel.close()
 
@@ -194,12 +206,15 @@ class Fetcher:
     except Exception as e:  # pylint: disable=broad-except
       self.failed = True
       read.fail(e)
+    finally:
+      self._ended = True  # after its last put
+      read.wake.set()  # the read may be over: ask the dispatcher now
 
   def _take(self, item: tuple, split: list) -> bool:
     """Hands one received item on (exactly-once: each split once whole) and
     acknowledges it to the worker now and then; False once the read stops."""
     read = self._read
-    seq, frame, round_index = item
+    seq, frame, round_index, split_stop = item
     if seq != self.received:
       if seq < self.received:  # already had it
         return True
@@ -219,8 +234,10 @@ class Fetcher:
             "after elements of another split.")
       whole, split[:] = list(split), []
       if read.ack(round_index):  # else sent again: this read already had it
-        for element in whole:
+        for element in read.progress.arrived(round_index, split_stop, whole):
           taken = taken and self._put(element)
+      if self._one_split_at_a_time and self._send_ack is not None and not self._cancelled:
+        self._acknowledge()  # handed on: the worker may send the next
     if (self.received - self._acked >= _ACK_EVERY and self._send_ack is not None
         and not self._cancelled):
       self._acknowledge()
@@ -281,4 +298,4 @@ class Fetcher:
 
   @property
   def ended(self) -> bool:
-    return not self.thread.is_alive()
+    return self._ended

@@ -10,14 +10,21 @@ from typing import Any
 
 from jaxfeed.ops import base
 from jaxfeed.service import client_read
+from jaxfeed.service import read_state
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
+from jaxfeed.service import task_stats
 from jaxfeed.service.client_fetcher import Fetcher
 from jaxfeed.service.client_read import POLL_S
 
 
 class DistributedIterator(base.OpIterator):
-  """Iterator over a service read; `close()` leaves the job."""
+  """Iterator over a service read; `close()` leaves the job.
+
+  State: exactly-once reads save which splits the consumer took and resume
+  from it on a new job (`jaxfeed.service.read_state`); other reads restore
+  only a state of nothing read.
+  """
 
   op_name = "distribute"  # DistributedNode's
 
@@ -31,6 +38,7 @@ class DistributedIterator(base.OpIterator):
     self._heads: dict[int, tuple] = {}  # task id -> (element, local round) not yet due
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._ended_pending = 0
+    self._worker_rows: dict[int, list[dict]] = {}  # task id -> its op rows
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -49,9 +57,13 @@ class DistributedIterator(base.OpIterator):
     before the first); consumers' batches of one round share a bucket."""
     return self._last_round
 
-  @property
   def stats(self) -> dict:
-    """Round-robin reads: what this consumer received and missed.
+    """Per-op rows of the workers' pipelines and of this read, and, for
+    round-robin reads, what this consumer received and missed.
+
+    `ops`: each worker task's rows (see `OpIterator.stats`; tagged with
+    `worker` and `task`, asked of the workers now, see
+    `jaxfeed.service.task_stats`), then this read's own row.
 
     `rounds_received`: batches returned; `rounds_skipped`: rounds that closed
     before this consumer took its batch (it was late, see the module
@@ -63,7 +75,10 @@ class DistributedIterator(base.OpIterator):
     round_assembly`: rounds, windows and batches dropped), and the counters'
     totals over those workers are given at the top level too.
     """
-    stats = {"rounds_received": self._elements if self._read.node.num_consumers else 0,
+    live = [f.task for f in list(self._read.fetchers.values()) if not f.done]
+    rows = task_stats.refresh(self._worker_rows, live, self._read.node.tls)
+    stats = {"ops": rows + super().stats()["ops"],
+             "rounds_received": self._elements if self._read.node.num_consumers else 0,
              **self._skipped, "workers": {}}
     for fetcher in list(self._read.fetchers.values()):
       if fetcher.end_stats:
@@ -72,6 +87,9 @@ class DistributedIterator(base.OpIterator):
           if isinstance(value, (int, float)):
             stats[key] = stats.get(key, 0) + value
     return stats
+
+  def _stats_fields(self) -> dict:
+    return {"elements": self._read.consumed}
 
   def _raise_error(self) -> None:
     error = self._read.error
@@ -94,11 +112,17 @@ class DistributedIterator(base.OpIterator):
     read = self._read
     while True:
       try:
-        element, _ = read.buffer.get(timeout=POLL_S)
+        item = read.buffer.get(timeout=POLL_S)
+      except queue.Empty:
+        item = None
+      if item is client_read.END:
+        raise StopIteration
+      if item is not None:
+        element, tag = item
+        if isinstance(tag, read_state.SplitTag):
+          read.progress.took(tag)
         self._elements += 1
         return element
-      except queue.Empty:
-        pass
       self._raise_error()
       if read.finished and read.buffer.empty():
         raise StopIteration
@@ -185,13 +209,35 @@ class DistributedIterator(base.OpIterator):
     self._ended_pending = 0
 
   def _get_own_state(self) -> dict:
-    return {"elements_read": self._elements}
+    if self._read.node.visitation != "exactly_once":
+      return {"elements_read": self._elements}
+    return {"elements_read": self._elements, "splits": self._read.progress.state(),
+            "job_name": self._read.node.job_name or ""}
 
   def _set_own_state(self, state: dict) -> None:
+    """Exactly-once reads go on where the state was taken, on a new job (see
+    `jaxfeed.service.read_state`); other reads only restore a state of
+    nothing read."""
+    node = self._read.node
+    if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
+      try:
+        progress = read_state.SplitProgress(state["splits"])
+      except read_state.ResumeStateError as e:
+        raise base.PipelineStateError(str(e)) from e
+      if progress.started or self._read.progress.started:  # else: a fresh read either way
+        self._finalizer.detach()
+        self._read.close()
+        self._read = client_read.ReadState(node, progress)
+        self._finalizer = weakref.finalize(self, self._read.close)
+      self._elements = int(state.get("elements_read", 0))
+      return
     if state.get("elements_read", 0) != self._elements:
       raise base.PipelineStateError(
-          "A service read cannot resume at a position: the workers' output "
-          f"order is not reproducible (state {state}); start a new read.")
+          f"A {node.policy.name} read with {node.visitation} visitation cannot "
+          f"resume at a position (state {str(state):.200}): the workers' output "
+          "order is not reproducible. Only distributed_epoch reads with "
+          "visitation='exactly_once' resume (see jaxfeed.service.read_state); "
+          "start a new read, e.g. restore_checkpoint(..., restore_loader=False).")
 
   def _close_own(self) -> None:
     self._finalizer()

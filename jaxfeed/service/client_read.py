@@ -12,12 +12,14 @@ from typing import Any
 import grpc
 
 from jaxfeed.service import heartbeat_pacing
+from jaxfeed.service import read_state
 from jaxfeed.service import rpc
 from jaxfeed.service.client_fetcher import Fetcher
 from jaxfeed.service.protos import service_pb2 as pb
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
+END = object()  # put in the buffer when a read is over, to wake its consumer
 
 
 def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
@@ -28,10 +30,14 @@ def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
 class ReadState:
   """Everything a read's threads share; the iterator owns and closes it."""
 
-  def __init__(self, node: Any):
-    """`node` is the `jaxfeed.service.client.DistributedNode` read."""
+  def __init__(self, node: Any, progress: read_state.SplitProgress | None = None):
+    """`node` is the `jaxfeed.service.client.DistributedNode` read;
+    `progress`, what a restored exactly-once read's consumer took before."""
     self.node = node
+    # Exactly-once: what the consumer took (a restored read goes on from it).
+    self.progress = progress or read_state.SplitProgress()
     self.stop = threading.Event()
+    self.wake = threading.Event()  # heartbeat now rather than at the interval
     self.lock = threading.Lock()
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
@@ -91,10 +97,15 @@ class ReadState:
       dataset_id = node.resolve_dataset_id()
       job_call = dispatcher_caller(self.channel, "GetOrCreateJob",
                                     pb.GetOrCreateJobResponse, node.auth_token)
+      job_name, done, partial = node.job_name or "", *self.progress.resume_ranges
+      if job_name and self.progress.resumed_from:
+        job_name = read_state.resume_job_name(job_name, self.progress.resumed_from)
       try:
         job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=node.policy.value,
-            job_name=node.job_name or "", num_consumers=node.num_consumers or 0,
+            resume_done=[pb.SplitRange(start=a, stop=b) for a, b in done],
+            resume_partial=[pb.SplitRange(start=a, stop=b) for a, b in partial],
+            job_name=job_name, num_consumers=node.num_consumers or 0,
             consumer_index=node.consumer_index or 0,
             round_timeout_s=node.round_timeout_s or 0.0,
             exactly_once=node.visitation == "exactly_once",
@@ -117,6 +128,7 @@ class ReadState:
       # out of its answer while they stay the same.
       tasks, tasks_version = [], 0
       while not self.stop.is_set():
+        self.wake.clear()
         with self.lock:
           acks = list(self.acks)
         try:
@@ -146,7 +158,7 @@ class ReadState:
         self._update_tasks(response)
         if self.finished:
           return
-        self.stop.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
+        self.wake.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
                            response.heartbeat_interval_s))
     except BaseException as e:  # pylint: disable=broad-except
       self.fail(e)
@@ -168,6 +180,11 @@ class ReadState:
         fetcher.cancel()  # the dispatcher declared its worker dead
     if response.job_finished and all(f.ended for f in self.fetchers.values()):
       self.finished = True
+      if not self.node.num_consumers:
+        try:  # wakes a consumer waiting on an empty buffer
+          self.buffer.put_nowait(END)
+        except queue.Full:
+          pass  # it is not waiting
 
   def round_fetchers(self) -> tuple[dict[int, Fetcher], int]:
     """Round-robin reads: the fetcher of each worker index, and the number
@@ -179,6 +196,7 @@ class ReadState:
 
   def close(self) -> None:
     self.stop.set()
+    self.wake.set()
     for fetcher in list(self.fetchers.values()):
       fetcher.cancel()
     if self.manager is not threading.current_thread():

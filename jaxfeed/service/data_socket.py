@@ -17,7 +17,8 @@ streams the task's frames:
                      kind 0: a frame, 1: end of sequence (bytes = JSON of
                      the task's round statistics, possibly empty), 2: error
                      (bytes = JSON {"status", "message"}), 3: exactly-once
-                     jobs: the split starting at `round` ended (no bytes),
+                     jobs: the split starting at `round` ended (bytes =
+                     int64 where its positions stop),
                      4: keepalive (no bytes)
 
 Frames and split ends are numbered items of the client's stream (`seq`);
@@ -55,6 +56,7 @@ from jaxfeed.service import wire
 _HELLO_LEN = struct.Struct("<I")
 _FRAME_PREFIX = struct.Struct("<BQqq")
 _ACK = struct.Struct("<Q")
+_SPLIT_STOP = struct.Struct("<q")
 KIND_FRAME, KIND_END, KIND_ERROR, KIND_SPLIT_END, KIND_KEEPALIVE = 0, 1, 2, 3, 4
 # A send that makes no progress this long ends the connection (the client
 # reconnects and resumes).
@@ -62,7 +64,7 @@ _SEND_TIMEOUT_S = 60.0
 MAX_HELLO_BYTES = 4096
 # The longest body a client accepts from a worker, by message kind; frames
 # are bounded by the reader's max_frame_bytes.
-_MAX_BODY_BYTES = {KIND_END: 1 << 20, KIND_ERROR: 1 << 20, KIND_SPLIT_END: 0,
+_MAX_BODY_BYTES = {KIND_END: 1 << 20, KIND_ERROR: 1 << 20, KIND_SPLIT_END: _SPLIT_STOP.size,
                    KIND_KEEPALIVE: 0}
 _MAX_IOV = 512  # buffers per sendmsg; Linux allows 1024
 
@@ -362,7 +364,8 @@ class DataServer:
             last_sent = time.monotonic()
           continue
         if item.frame is None:  # exactly-once: the split `item.round` ended
-          conn.sendall(_FRAME_PREFIX.pack(KIND_SPLIT_END, 0, item.round, item.seq))
+          conn.sendall(_FRAME_PREFIX.pack(KIND_SPLIT_END, _SPLIT_STOP.size, item.round,
+                                          item.seq) + _SPLIT_STOP.pack(item.split_stop))
         else:
           frame = item.frame.encoded(compression)
           _send_all(conn, [_FRAME_PREFIX.pack(KIND_FRAME, frame.nbytes, item.round,
@@ -455,13 +458,15 @@ class DataConnection:
     self._sock.settimeout(None)
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
+    self.split_stop = 0  # where the split of the last KIND_SPLIT_END stops
 
   @_counting_failures
   def next_item(self) -> tuple[int, int, np.ndarray | None, int] | None:
     """The next (kind, seq, frame, round): KIND_FRAME, KIND_SPLIT_END
     (exactly-once: the split starting at `round` ended; no frame) or
     KIND_KEEPALIVE; None at the end (then `end_stats` holds the task's
-    statistics). Raises DataConnectionError."""
+    statistics). After a KIND_SPLIT_END, `split_stop` is where the split's
+    positions stop (0 if the worker did not say). Raises DataConnectionError."""
     try:
       kind, length, round_index, seq = _FRAME_PREFIX.unpack(
           _recv_exact(self._sock, _FRAME_PREFIX.size, self._prefix))
@@ -480,6 +485,8 @@ class DataConnection:
                                 str(error.get("status", "INTERNAL")))
     if kind not in (KIND_FRAME, KIND_SPLIT_END, KIND_KEEPALIVE):
       raise DataConnectionError(f"Unknown data connection message kind {kind}.", "INTERNAL")
+    if kind == KIND_SPLIT_END:
+      self.split_stop = _SPLIT_STOP.unpack(body)[0] if len(body) == _SPLIT_STOP.size else 0
     return kind, seq, body if kind == KIND_FRAME else None, round_index
 
   def ack(self, received: int) -> None:

@@ -40,14 +40,16 @@ IDLE = None  # what `ClientStream.items` yields when it has nothing to send
 
 class Item:
   """One numbered item of a client's stream: a frame, or (frame None) the
-  end of the exactly-once split that starts at `round`."""
+  end of the exactly-once split [round, split_stop)."""
 
-  __slots__ = ("seq", "frame", "round")
+  __slots__ = ("seq", "frame", "round", "split_stop")
 
-  def __init__(self, seq: int, frame: wire.Frame | None, round_index: int):
+  def __init__(self, seq: int, frame: wire.Frame | None, round_index: int,
+               split_stop: int = 0):
     self.seq = seq
     self.frame = frame
     self.round = round_index
+    self.split_stop = split_stop
 
 
 class ClientStream:
@@ -171,10 +173,10 @@ class ClientStream:
         if isinstance(got, task_runner.Ended):
           self._ended, self._end_seen = got.stats, True
         elif self._exactly_once:
-          start, frames = got
+          (start, stop), frames = got
           for frame in frames:
             self._unacked.append(Item(self._end_seq, frame, start))
-          self._unacked.append(Item(self._end_seq, None, start))
+          self._unacked.append(Item(self._end_seq, None, start, stop))
           self.held.append(start)
         else:
           frame, local_round = got

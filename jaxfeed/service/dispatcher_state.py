@@ -13,6 +13,7 @@ from typing import Sequence
 from jaxfeed.service import autoscale as autoscale_lib
 from jaxfeed.service import dispatcher_workers
 from jaxfeed.service import journal as journal_lib
+from jaxfeed.service import read_state
 from jaxfeed.service import round_assembly
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
@@ -132,8 +133,13 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       if job is None:
         if policy == ShardingPolicy.DYNAMIC and dataset_def.num_positions == 0:
           pass  # an empty pipeline: the job finishes at once
+        done = [[r.start, r.stop] for r in request.resume_done]
+        partial = [[r.start, r.stop] for r in request.resume_partial]
+        read_state.check_resume_ranges(done, partial, int(dataset_def.num_positions))
         job_id = self._next_id()
         self._record({"kind": "job", "id": job_id, "dataset_id": request.dataset_id,
+                      **({"skip": read_state.merge_ranges(done + partial)}
+                         if done or partial else {}),
                       "policy": policy.value, "job_name": request.job_name,
                       "num_consumers": request.num_consumers,
                       "num_positions": int(dataset_def.num_positions),
@@ -141,6 +147,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
                                           or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
                       "exactly_once": request.exactly_once,
                       "ephemeral_sharing": request.ephemeral_sharing})
+        if partial:  # issued again first, whole
+          self._record({"kind": "splits_lost", "job_id": job_id, "ranges": partial})
         job = self.jobs[job_id]
         self._assign_tasks(job)
       holder = next((c for c, i in job.consumers.items()
@@ -332,6 +340,8 @@ def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy
     raise ValueError(
         f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
         f"got {policy.name} and num_consumers={k}.")
+  if (request.resume_done or request.resume_partial) and not request.exactly_once:
+    raise ValueError("Only exactly-once reads resume from a saved state.")
   if request.ephemeral_sharing and (policy != ShardingPolicy.OFF or k):
     raise ValueError(
         f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "

@@ -10,6 +10,7 @@ import time
 
 from jaxfeed.service import journal as journal_lib
 from jaxfeed.service import journal_records
+from jaxfeed.service import read_state
 from jaxfeed.service import state_snapshot
 from jaxfeed.service import task_lists
 from jaxfeed.service.protos import service_pb2 as pb
@@ -56,6 +57,9 @@ class Job:
   # Task id -> (request_seq, ranges) of its last GetSplits that handed out
   # ranges: a request repeated after a lost reply gets the same ones.
   last_splits: dict[int, tuple[int, list]] = dataclasses.field(default_factory=dict)
+  # A resumed exactly-once read's job: positions no split is carved from (sorted
+  # disjoint [start, stop) ranges; see jaxfeed.service.read_state).
+  skip: list = dataclasses.field(default_factory=list)
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
@@ -181,7 +185,9 @@ class DispatcherTables:
       job = Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
                  r["job_name"], r["num_consumers"], r["num_positions"],
                  r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False),
-                 ephemeral_sharing=r.get("ephemeral_sharing", False))
+                 ephemeral_sharing=r.get("ephemeral_sharing", False),
+                 skip=read_state.merge_ranges(r.get("skip", [])))
+      job.next_position = read_state.skip_to(job.skip, 0)
       self.jobs[job.job_id] = job
       if job.job_name:
         self.job_by_name[job.job_name] = job.job_id

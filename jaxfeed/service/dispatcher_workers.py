@@ -8,6 +8,7 @@ import time
 from typing import Sequence
 
 from jaxfeed.service import dispatcher_tables
+from jaxfeed.service import read_state
 from jaxfeed.service import rpc
 from jaxfeed.service.dispatcher_config import DispatcherConfig
 from jaxfeed.service.dispatcher_tables import Job, Task, Worker
@@ -176,8 +177,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         stop = start + split_size
         if job.num_positions >= 0:
           stop = min(stop, job.num_positions)
+        stop = read_state.clip(job.skip, start, stop)
         ranges.append(pb.SplitRange(start=start, stop=stop))
-        start = stop
+        start = read_state.skip_to(job.skip, stop)
       issued = {"task_id": request.task_id, "ranges": [[r.start, r.stop] for r in ranges]}
       if request.request_seq:
         issued["request_seq"] = request.request_seq

@@ -22,7 +22,7 @@ from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.wire import WireFormatError
 
 _DATA_TAG = bytes([(1 << 3) | 2])  # field 1 (data), length-delimited
-_INT64_FIELDS = {2: "frame_bytes", 4: "round", 7: "seq"}
+_INT64_FIELDS = {2: "frame_bytes", 4: "round", 7: "seq", 9: "split_stop"}
 
 
 def _varint(value: int) -> bytes:
@@ -56,6 +56,7 @@ class Chunk:
   split_end: bool = False
   seq: int = 0
   keepalive: bool = False
+  split_stop: int = 0
 
   def end_stats(self) -> dict:
     """The task's round statistics sent with its end of sequence."""

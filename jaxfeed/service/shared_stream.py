@@ -34,6 +34,7 @@ import time
 import traceback
 from typing import Any, Callable, Generator
 
+from jaxfeed.ops import op_stats
 from jaxfeed.service import task_pipeline
 from jaxfeed.service import task_runner
 from jaxfeed.service import wire
@@ -60,6 +61,7 @@ class SharedStream:
     self._ahead = ahead
     self._on_finished = on_finished
     self._on_empty = on_empty
+    self._pipeline: Any = None  # the shared iterator, for its op statistics
     self._cond = threading.Condition()
     self._frames: collections.deque[wire.Frame] = collections.deque()
     self._base = 0  # absolute index of self._frames[0]
@@ -77,6 +79,10 @@ class SharedStream:
     self._thread.start()
 
   # -- readers --------------------------------------------------------------
+  def op_rows(self) -> list[dict]:
+    """The per-op `stats()` rows of the shared pipeline."""
+    return op_stats.rows_of(self._pipeline)
+
   def add_reader(self, task_id: int) -> "SharedStreamReader | None":
     """A reader for the task, starting at the oldest frame; None if the
     stream already stopped or ended (the caller then makes a new stream)."""
@@ -168,7 +174,7 @@ class SharedStream:
   def _produce(self, make_iterator: Callable[[], Any]) -> None:
     iterator = None
     try:
-      iterator = make_iterator()
+      iterator = self._pipeline = make_iterator()
       while True:
         with self._cond:
           while not self._stopped and not self._wanted():
@@ -259,6 +265,9 @@ class SharedStreamReader:
 
   def stats(self) -> dict:
     return {"elements_skipped": self.stream.skipped(self.task_id)}
+
+  def op_rows(self) -> list[dict]:
+    return self.stream.op_rows()
 
   @property
   def finished(self) -> bool:

@@ -53,7 +53,8 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
                     "num_positions": job.num_positions,
                     "round_timeout_s": job.round_timeout_s,
                     "exactly_once": job.exactly_once,
-                    "ephemeral_sharing": job.ephemeral_sharing})
+                    "ephemeral_sharing": job.ephemeral_sharing,
+                    **({"skip": job.skip} if job.skip else {})})
     if job.fixed_workers is not None:
       records.append({"kind": "fix_workers", "job_id": job.job_id,
                       "workers": [[a, i] for a, i in job.fixed_workers.items()]})

@@ -32,6 +32,7 @@ from jaxfeed.ops import autocache
 from jaxfeed.ops import autotune
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
+from jaxfeed.ops import op_stats
 from jaxfeed.ops import optimize
 from jaxfeed.ops.options import Options
 from jaxfeed.sampler import IndexSampler
@@ -45,8 +46,9 @@ FetchRanges = index_ranges.FetchRanges
 
 
 class SplitEnd(NamedTuple):
-  """Exactly-once tasks: every element of the split starting here came before."""
+  """Exactly-once tasks: every element of the split [start, stop) came before."""
   start: int
+  stop: int
 
 
 class _Waiting:
@@ -199,7 +201,8 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
 def run(node: base.Node, options: Options | None) -> base.OpIterator:
   """An iterator of an optimized pipeline under the autotuner, as a local
   Dataset runs it (see `jaxfeed.Dataset.make_iterator`)."""
-  return autotune.autotuned(node.make_iterator(), options)
+  root = op_stats.instrument(node, node.make_iterator(), options)
+  return autotune.autotuned(root, options)
 
 
 def task_iterator(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
@@ -231,7 +234,7 @@ def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: by
                    udf_modules: Sequence[str] = ()) -> Iterator[Any]:
   """An exactly-once task's elements: the pipeline runs on one split at a
   time, so each element belongs to one split (a batch never spans two), and
-  `SplitEnd(start)` follows each split's elements. Yields `WAITING` while the
+  `SplitEnd(start, stop)` follows each split's elements. Yields `WAITING` while the
   dispatcher holds the end back: other workers' splits are not yet
   acknowledged and may come back to this task if their worker is lost.
   Each split's run starts from the values the autotuner reached in the one
@@ -261,7 +264,7 @@ def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: by
       finally:
         tuned = [knob.get() for knob in knobs]
         iterator.close()
-      yield SplitEnd(start)
+      yield SplitEnd(start, stop)
     if end:
       return
     if not ranges:

@@ -9,6 +9,7 @@ import time
 import traceback
 from typing import Any, Callable, Generator
 
+from jaxfeed.ops import op_stats
 from jaxfeed.service import round_assembly
 from jaxfeed.service import spec as spec_lib
 from jaxfeed.service import task_pipeline
@@ -50,7 +51,8 @@ class TaskRunner:
     make_iterator: Builds the task's pipeline (called on the task's thread).
     buffer_size: Ready batches (plain jobs) or rounds (round-robin jobs) held.
     num_consumers: K; 0 for a plain job.
-    on_finished: Called with the task id once the pipeline ended cleanly.
+    on_finished: Called with the task id once the pipeline ended cleanly,
+      before `take` reports the end.
     round_timeout_s: Round-robin: how long a round waits for late consumers
       once its first consumer took its batch.
     max_window_batches: Round-robin: most batches waiting in partial bucket
@@ -87,6 +89,7 @@ class TaskRunner:
         self._setup_error = e
     self._done = False
     self._error: TaskFailed | None = None
+    self._pipeline: Any = None  # the task's iterator, for its op statistics
     self._stop = threading.Event()
     self._on_finished = on_finished
     self._thread = threading.Thread(
@@ -115,7 +118,7 @@ class TaskRunner:
     try:
       if self._setup_error is not None:
         raise self._setup_error
-      iterator = make_iterator()
+      iterator = self._pipeline = make_iterator()
       for element in iterator:
         if self.exactly_once:
           if not self._take_split_element(element):
@@ -139,13 +142,15 @@ class TaskRunner:
         self._error = TaskFailed(message, status)
     finally:
       task_pipeline.close_quietly(iterator, f"task {self.task_id}'s pipeline")
+      if self._error is None and not self._stop.is_set() and self._on_finished:
+        # Before the end reaches a consumer: a client that saw every stream
+        # of its read end finds the job finished when it asks right after.
+        self._on_finished(self.task_id)
       with self._cond:
         if self._assembler is not None and self._error is None and not self._stop.is_set():
           self._assembler.finish()
         self._done = True
         self._cond.notify_all()
-      if self._error is None and not self._stop.is_set() and self._on_finished:
-        self._on_finished(self.task_id)
 
   def _take_split_element(self, element: Any) -> bool:
     """Exactly-once: collects a split's frames and queues the whole split at
@@ -159,7 +164,7 @@ class TaskRunner:
     with self._cond:
       if not self._wait_for_room_locked():
         return False
-      self._fifo.append((element.start, frames))
+      self._fifo.append(((element.start, element.stop), frames))
       self._fifo_frames += len(frames)
       self._cond.notify_all()
     return True
@@ -176,8 +181,8 @@ class TaskRunner:
   def take(self, consumer_index: int, local_round: int, wait_s: float) -> Any:
     """The consumer's next item, waiting up to wait_s for it.
 
-    Returns (frame, local round); exactly-once tasks: (split start, frames)
-    of a whole split; `Ended` at the task's end; None if nothing came in
+    Returns (frame, local round); exactly-once tasks: ((split start, stop),
+    frames) of a whole split; `Ended` at the task's end; None if nothing came in
     time. Raises TaskFailed.
     """
     if self.num_consumers and not 0 <= consumer_index < self.num_consumers:
@@ -235,7 +240,7 @@ class TaskRunner:
       if isinstance(item, Ended):
         return item.stats
       if self.exactly_once:
-        start, frames = item
+        (start, _), frames = item
         for frame in frames:
           yield frame, start
         yield None, start
@@ -250,6 +255,11 @@ class TaskRunner:
     `jaxfeed.service.round_assembly`); empty for plain jobs."""
     with self._cond:
       return self._stats_locked()
+
+  def op_rows(self) -> list[dict]:
+    """The per-op `stats()` rows of the task's pipeline (none before it is
+    built)."""
+    return op_stats.rows_of(self._pipeline)
 
   def _stats_locked(self) -> dict:
     if self._rounds is None:

@@ -48,6 +48,8 @@ _MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
 # dispatcher takes this worker for dead.
 _HEARTBEAT_DEADLINE_S = 10.0
 _HEARTBEAT_DEADLINE_FRACTION = 1 / 3
+# The longest a finished task's end waits for the dispatcher to hear of it.
+_FINISH_REPORT_TIMEOUT_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +180,7 @@ class _Worker:
                                   pb.GetSplitsResponse, token)
 
   # -- heartbeats and tasks ----------------------------------------------------
-  def heartbeat(self) -> None:
+  def heartbeat(self, timeout_s: float = _HEARTBEAT_DEADLINE_S) -> None:
     sent_at = time.monotonic()
     held = self.streams.take_held()
     with self.lock:
@@ -192,7 +194,7 @@ class _Worker:
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
                            for t, c, s in held]),
-          timeout=self.heartbeat_deadline_s)
+          timeout=min(timeout_s, self.heartbeat_deadline_s))
     except BaseException:
       with self.lock:  # reported with the next heartbeat
         self._held = held + self._held
@@ -266,6 +268,18 @@ class _Worker:
   def _on_finished(self, task_id: int) -> None:
     with self.lock:
       self.finished.add(task_id)
+    # Told at once, not at the next heartbeat: a read ends only once the
+    # dispatcher knows all of its tasks finished, and a short epoch would
+    # otherwise wait most of a heartbeat interval after its last batch.
+    if self.stop.is_set():
+      return
+    try:
+      self.heartbeat(_FINISH_REPORT_TIMEOUT_S)
+    except grpc.RpcError:
+      pass  # the heartbeat thread reports it
+    except Exception:  # pylint: disable=broad-except
+      # Not the task's failure: its end must still reach its consumers.
+      logging.exception("Reporting finished task %d failed", task_id)
 
   def _make_iterator(self, task: pb.TaskInfo) -> Any:
     dataset_def = self.dataset_defs.get(task.dataset_id)
@@ -352,6 +366,16 @@ class _Worker:
       stream.ack(request.received)
     return pb.AckElementsResponse()
 
+  def GetTaskStats(self, request: pb.GetTaskStatsRequest,
+                   context: grpc.ServicerContext) -> pb.GetTaskStatsResponse:
+    self.check_ticket(request.task_id, rpc.metadata_token(context.invocation_metadata()))
+    with self.lock:
+      runner = self.tasks.get(request.task_id)
+    if runner is None:
+      raise rpc.NotFoundError(f"Worker {self.address} has no task {request.task_id}.")
+    return pb.GetTaskStatsResponse(stats_json=json.dumps({"ops": runner.op_rows()},
+                                                         default=str))
+
   # -- serving --------------------------------------------------------------------
   def check_ticket(self, task_id: Any, sent: Any) -> None:
     """Raises StatusError unless `sent` is the read ticket of the task (when
@@ -405,7 +429,8 @@ class _Worker:
           continue
         last_sent = time.monotonic()
         if item.frame is None:  # exactly-once: the split `item.round` ended
-          yield pb.ElementChunk(split_end=True, round=item.round, seq=item.seq)
+          yield pb.ElementChunk(split_end=True, round=item.round, seq=item.seq,
+                                split_stop=item.split_stop)
           continue
         frame = item.frame.encoded(compression)
         for i, views in enumerate(frame.chunks(chunk)):
@@ -534,7 +559,9 @@ class WorkerServer:
         {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True,
                          (rpc.CLIENT,)),
          "AckElements": (self._worker.AckElements, pb.AckElementsRequest, False,
-                         (rpc.CLIENT,))}))
+                         (rpc.CLIENT,)),
+         "GetTaskStats": (self._worker.GetTaskStats, pb.GetTaskStatsRequest, False,
+                          (rpc.CLIENT,))}))
     self._data_server = None
     if config.data_socket:
       self._data_server = data_socket.DataServer(

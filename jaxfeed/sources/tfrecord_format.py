@@ -179,22 +179,38 @@ def write_tfrecord(path: epath.PathLike, records: Iterable[bytes],
   return count
 
 
+class _PlainBytes:
+  """Stands in for a zlib decompressor where the file is not compressed."""
+
+  eof = False
+  unconsumed_tail = b""
+
+  def decompress(self, data: bytes, max_length: int) -> bytes:
+    del max_length  # a read chunk is already bounded
+    return data
+
+
+def _inflater(wbits: int | None) -> Any:
+  return _PlainBytes() if wbits is None else zlib.decompressobj(wbits)
+
+
 class RecordStream:
-  """Reads the records of a compressed TFRecord file in order.
+  """Reads the records of a TFRecord file in order.
 
   Args:
-    stream: The compressed file, open for reading in binary (owned: closed by
+    stream: The file, open for reading in binary (owned: closed by
       `close()`).
-    wbits: `compression_wbits` of the file's compression type.
+    wbits: `compression_wbits` of the file's compression type (None: not
+      compressed).
     path: The file, for error messages.
 
   Offsets in errors count bytes of the uncompressed stream.
   """
 
-  def __init__(self, stream: BinaryIO, wbits: int, path: str):
+  def __init__(self, stream: BinaryIO, wbits: int | None, path: str):
     self._stream = stream
     self._wbits = wbits
-    self._inflate = zlib.decompressobj(wbits)
+    self._inflate = _inflater(wbits)
     self._path = path
     self._buffer = bytearray()
     self._start = 0  # next unread byte of _buffer
@@ -208,10 +224,36 @@ class RecordStream:
   def rewind(self) -> None:
     """Starts again at the first record."""
     self._stream.seek(0)
-    self._inflate = zlib.decompressobj(self._wbits)
+    self._inflate = _inflater(self._wbits)
     self._buffer = bytearray()
     self._start = self.offset = self.position = 0
     self.last = None
+
+  def seek_offset(self, offset: int, position: int) -> None:
+    """Continues at the frame at uncompressed `offset`, record `position`.
+
+    A plain file seeks there; a compressed one has no random access, so it is
+    read again from its start up to there.
+
+    Raises:
+      CorruptRecordError: no frame starts at `offset` (the file changed).
+    """
+    if self._wbits is None:
+      self._stream.seek(offset)
+      self._buffer = bytearray()
+      self._start, self.offset, self.position = 0, offset, position
+      self.last = None
+      return
+    if offset < self.offset:
+      self.rewind()
+    while self.offset < offset and self.skip():
+      pass
+    if self.offset != offset:
+      raise CorruptRecordError(
+          self._path, self.offset,
+          f"no record starts at uncompressed offset {offset} (the file ended "
+          "or changed since that position was saved)", self.position)
+    self.position = position
 
   def _fill(self, size: int) -> bool:
     """Makes `size` bytes available; False where the stream ends first."""
@@ -221,6 +263,8 @@ class RecordStream:
       tail = self._inflate.unconsumed_tail
       compressed = tail or self._stream.read(_STREAM_CHUNK_BYTES)
       if not compressed:
+        if self._wbits is None:
+          return False  # a plain file just ends
         if len(self._buffer) == self._start:
           raise CorruptRecordError(
               self._path, self.offset,

@@ -258,7 +258,7 @@ def test_autotune_switches_backends_without_changing_the_output(
   with build(jaxfeed.AUTOTUNE).make_iterator() as it:
     assert isinstance(_root(it), process_batch.ProcessBatchIterator)
     ours, seeds = elements_and_seeds(it)
-    stats = _root(it).stats()
+    stats = _root(it).stats()["ops"][-1]
   _assert_same_batches(ours, expected)
   assert seeds == expected_seeds
   assert stats["backend"] == picked, stats
@@ -283,7 +283,7 @@ def test_autotune_keeps_threads_when_little_input_is_left(monkeypatch):
   with dataset.make_iterator() as it:
     assert len(list(it)) == 50
     assert _root(it).backend == "thread" and _root(it).pids() == []
-    assert "input elements left" in _root(it).stats()["reason"]
+    assert "input elements left" in _root(it).stats()["ops"][-1]["reason"]
 
 
 def test_outputs_that_grow_get_slots_big_enough():

@@ -86,3 +86,11 @@ def most_concurrent(x):
   with lock:
     _CONCURRENT["now"] -= 1
     return {"x": x, "most": _CONCURRENT["most"]}
+
+
+def paced(x):
+  """{"x": x} after 30 ms: a read that lasts long enough for several
+  consumers of a shared job to each take part of it."""
+  import time  # pylint: disable=g-import-not-at-top
+  time.sleep(0.03)
+  return {"x": x}

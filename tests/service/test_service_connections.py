@@ -145,7 +145,7 @@ def test_cut_connections_of_a_round_robin_read_skip_no_round(cluster, data_trans
       for batch in iterator:
         ids.append((iterator.last_round, tuple(batch["id"].tolist())))
         time.sleep(0.01)  # a training step: the cuts land mid-read
-      return ids, iterator.stats
+      return ids, iterator.stats()
     results[index] = read_within_deadline(lambda: corpus_lib.coordinated(
         dispatcher.address, f"cut-{data_transfer}", index, 60.0,
         data_transfer=data_transfer).make_iterator(), run)[0]

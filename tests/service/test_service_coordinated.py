@@ -101,7 +101,7 @@ class Consumer:
             time.sleep(self._pause_s)
           if self._step_s:
             time.sleep(self._step_s)
-        self.stats = iterator.stats
+        self.stats = iterator.stats()
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
 
@@ -109,7 +109,7 @@ class Consumer:
     self.thread.join(timeout=JOIN_TIMEOUT_S)
     assert not self.thread.is_alive(), (
         f"a consumer stalled after {len(self.batches)} batches: "
-        f"{self.iterator.stats if self.iterator else 'not started'}")
+        f"{self.iterator.stats() if self.iterator else 'not started'}")
     if self.error is not None:
       raise self.error
     return self

@@ -374,6 +374,11 @@ class WorkerStub:
                 request_serializer=service__pb2.AckElementsRequest.SerializeToString,
                 response_deserializer=service__pb2.AckElementsResponse.FromString,
                 _registered_method=True)
+        self.GetTaskStats = channel.unary_unary(
+                '/jaxfeed.service.Worker/GetTaskStats',
+                request_serializer=service__pb2.GetTaskStatsRequest.SerializeToString,
+                response_deserializer=service__pb2.GetTaskStatsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -392,6 +397,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTaskStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -404,6 +415,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.AckElements,
                     request_deserializer=service__pb2.AckElementsRequest.FromString,
                     response_serializer=service__pb2.AckElementsResponse.SerializeToString,
+            ),
+            'GetTaskStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTaskStats,
+                    request_deserializer=service__pb2.GetTaskStatsRequest.FromString,
+                    response_serializer=service__pb2.GetTaskStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -460,6 +476,33 @@ class Worker:
             '/jaxfeed.service.Worker/AckElements',
             service__pb2.AckElementsRequest.SerializeToString,
             service__pb2.AckElementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTaskStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxfeed.service.Worker/GetTaskStats',
+            service__pb2.GetTaskStatsRequest.SerializeToString,
+            service__pb2.GetTaskStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

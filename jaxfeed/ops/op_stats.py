@@ -1,0 +1,426 @@
+"""Per-op statistics of a running pipeline, and the bottleneck they point at.
+
+`OpIterator.stats()` returns `{"ops": [row, ...]}`, one row per op of the
+iterator tree in pipeline order (inputs before the ops reading them), each
+row `{"op", "elements", "self_seconds", "wait_seconds", "buffer_fill",
+"parallelism"}` plus what the op adds of its own (see `OpIterator.stats`).
+
+Time is measured by sampling, not by timers around `next()`: a pipeline of
+cheap element-wise ops spends a few hundred nanoseconds per element, less
+than two clock reads cost, so any per-call timing would slow it down by more
+than it measures. Instead one thread ("jaxfeed-op-stats", running while a
+tracked pipeline is open) looks at every thread's Python stack every
+`SAMPLE_INTERVAL_S` (less often when a look would cost more than
+`MAX_CPU_SHARE` of a core) and charges the time since its last look to the
+innermost op method on each stack: to the op's `wait_seconds` when the
+stack is blocked in a wait for that op's producers (a `threading.Condition`
+or `Event` wait, or a function marked with `waits_for_input`), else to its
+`self_seconds`. A call into an op's parent shows the parent's frame
+innermost, so the parent is charged: self time excludes the input's time.
+A thread that runs no op (the training loop, an idle worker) is not
+charged. Work an op does on its own threads or processes, outside any op
+method (parallel map's workers), is added from the op's own clock.
+
+Elements are counted where that is free: an op reports its count when it
+keeps one anyway (a position, a sequence number, batches made); an op that
+returns one element per input element reports its input's count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable
+
+__all__ = ["SAMPLE_INTERVAL_S", "OpCell", "register_op_class",
+           "waits_for_input", "track", "release", "tracked_count", "sampler_cpu_seconds", "label_of",
+           "fuse_labels", "label_iterators", "instrument", "rows_of",
+           "bottleneck", "format_table", "report"]
+
+SAMPLE_INTERVAL_S = 0.05
+"""Seconds between two looks at the threads' stacks. Each look makes the
+running threads hand over the GIL, which on a loaded machine can cost a
+scheduling round; 20 looks a second keep that small and still give a
+minute-long run a thousand samples."""
+
+MAX_CPU_SHARE = 0.002
+"""The most of one core the sampling thread uses (it looks less often when
+a look costs more)."""
+
+_MAX_DEPTH = 64  # stack frames examined per thread, from the innermost
+
+# Code objects of every OpIterator method, and of functions in which a
+# thread waits for an op's producers (filled as classes are defined).
+_OP_CODES: set = set()
+_WAIT_CODES: set = {threading.Condition.wait.__code__,
+                    threading.Event.wait.__code__}
+
+
+@dataclasses.dataclass
+class OpCell:
+  """What the sampler charged to one op iterator so far."""
+
+  self_s: float = 0.0
+  wait_s: float = 0.0
+  fill_sum: float = 0.0
+  fill_samples: int = 0
+
+
+def register_op_class(cls: type) -> None:
+  """Lets the sampler recognize `cls`'s methods on a stack (`self` is the op)."""
+  for value in vars(cls).values():
+    if isinstance(value, property):
+      value = value.fget
+    code = getattr(value, "__code__", None)
+    if code is not None and code.co_varnames[:1] == ("self",):
+      _OP_CODES.add(code)
+
+
+def waits_for_input(fn: Callable) -> Callable:
+  """Marks `fn` as a place where an op's consumer waits for its producers,
+  so that time sampled in it counts as the op's `wait_seconds`."""
+  _WAIT_CODES.add(fn.__code__)
+  return fn
+
+
+# -- tracking ----------------------------------------------------------------
+class _Pipeline:
+  """One tracked iterator tree: its root and its ops (for their buffers)."""
+
+  __slots__ = ("root", "ops")
+
+  def __init__(self, root: Any):
+    self.root = weakref.ref(root)
+    self.ops: list[tuple[weakref.ref, OpCell]] = []
+
+  def alive(self) -> bool:
+    root = self.root()
+    return root is not None and not getattr(root, "_closed", False)
+
+
+class _Sampler:
+  """The sampling thread, started while a tracked pipeline is alive."""
+
+  def __init__(self):
+    self._lock = threading.RLock()
+    self._pipelines: list[_Pipeline] = []
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+    # A failure of the sampling thread, raised by `stats()` (the pipelines
+    # themselves go on).
+    self.error: Exception | None = None
+    self.cpu_s = 0.0  # CPU seconds the sampling thread used, in total
+
+  def track(self, pipeline: _Pipeline) -> None:
+    with self._lock:
+      self._pipelines.append(pipeline)
+      if self._thread is None or not self._thread.is_alive():
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,),
+                                        name="jaxfeed-op-stats", daemon=True)
+        self._thread.start()
+
+  def release(self, root: Any) -> None:
+    """Forgets `root`; stops and joins the thread when nothing is left."""
+    with self._lock:
+      self._pipelines = [p for p in self._pipelines
+                         if p.alive() and p.root() is not root]
+      thread = None
+      if not self._pipelines and self._thread is not None:
+        thread, self._thread = self._thread, None
+        self._stop.set()
+    if thread is not None and thread is not threading.current_thread():
+      thread.join()
+
+  def count(self) -> int:
+    with self._lock:
+      return sum(p.alive() for p in self._pipelines)
+
+  def _live_pipelines(self, stop: threading.Event) -> list[_Pipeline] | None:
+    """The pipelines still open; None (and the thread ends) when none is."""
+    with self._lock:
+      self._pipelines = [p for p in self._pipelines if p.alive()]
+      if not self._pipelines:
+        stop.set()
+        if self._thread is threading.current_thread():
+          self._thread = None
+        return None
+      return list(self._pipelines)
+
+  def _run(self, stop: threading.Event) -> None:
+    me = threading.get_ident()
+    last = time.perf_counter()
+    interval = SAMPLE_INTERVAL_S  # read here, so tests may change it
+    while not stop.wait(interval):
+      pipelines = self._live_pipelines(stop)
+      if pipelines is None:
+        return
+      cpu_start = time.thread_time()
+      now = time.perf_counter()
+      elapsed, last = now - last, now
+      try:
+        _sample_stacks(me, elapsed)
+        for pipeline in pipelines:
+          _sample_buffers(pipeline)
+      except Exception as e:  # noqa: BLE001 -- raised by the next stats()
+        self.error = e
+        return
+      cost = time.thread_time() - cpu_start
+      self.cpu_s += cost
+      # Many threads or a busy machine make a look dearer: look less often
+      # rather than use more than MAX_CPU_SHARE of a core.
+      interval = max(SAMPLE_INTERVAL_S, cost / MAX_CPU_SHARE)
+
+
+def _sample_stacks(me: int, elapsed: float) -> None:
+  for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
+    if ident == me:
+      continue
+    waiting = False
+    depth = 0
+    while frame is not None and depth < _MAX_DEPTH:
+      code = frame.f_code
+      if code in _WAIT_CODES:
+        waiting = True
+      elif code in _OP_CODES:
+        cell = getattr(frame.f_locals.get("self"), "_stats_cell", None)
+        if cell is not None:
+          if waiting:
+            cell.wait_s += elapsed
+          else:
+            cell.self_s += elapsed
+          break
+      frame = frame.f_back
+      depth += 1
+
+
+def _sample_buffers(pipeline: _Pipeline) -> None:
+  for op_ref, cell in pipeline.ops:
+    op = op_ref()
+    fill = None if op is None else op._stats_buffer_fill()  # pylint: disable=protected-access
+    if fill is not None:
+      cell.fill_sum += fill
+      cell.fill_samples += 1
+
+
+_SAMPLER = _Sampler()
+
+
+def ops_of(root: Any) -> list:
+  """The op iterators under `root`, inputs first (post-order, each once)."""
+  # Iterative: a recursive closure would be a reference cycle holding the
+  # ops until the next garbage collection.
+  ordered, seen = [], set()
+  stack = [(root, False)]
+  while stack:
+    op, expanded = stack.pop()
+    if expanded:
+      ordered.append(op)
+      continue
+    if id(op) in seen:
+      continue
+    seen.add(id(op))
+    stack.append((op, True))
+    stack.extend((parent, False) for parent in reversed(op.parents))
+  return ordered
+
+
+def cell_of(op: Any) -> OpCell:
+  """The op's cell (`OpIterator.__init__` makes it; an iterator that skipped
+  that gets an empty one, which the sampler does not fill)."""
+  cell = getattr(op, "_stats_cell", None)
+  return cell if cell is not None else OpCell()
+
+
+def track(root: Any) -> Any:
+  """Samples the ops under `root` from now on, until it is closed or
+  garbage-collected; returns `root`."""
+  pipeline = _Pipeline(root)
+  pipeline.ops = [(weakref.ref(op), cell_of(op)) for op in ops_of(root)]
+  _SAMPLER.track(pipeline)
+  return root
+
+
+def label_of(node: Any) -> str:
+  """A node's name in stats: its fused parts, or its op name."""
+  return node.stats_label or node.op_name
+
+
+def fuse_labels(*nodes: Any) -> str:
+  """The label of one op fused from `nodes` (inputs first)."""
+  return "+".join(label_of(n) for n in nodes)
+
+
+def label_iterators(node: Any, iterator: Any) -> None:
+  """Gives the iterators built from `node`'s graph the labels of fused
+  nodes, walking both trees while they have the same shape."""
+  iterator = getattr(iterator, "root", iterator)  # the autotuner's wrapper
+  stack = [(node, iterator)]
+  while stack:
+    node, iterator = stack.pop()
+    if node.op_name != iterator.op_name:
+      continue
+    if node.stats_label:
+      iterator.stats_label = node.stats_label
+    if len(node.parents) == len(iterator.parents):
+      stack.extend(zip(node.parents, iterator.parents))
+
+
+def instrument(node: Any, root: Any, options: Any) -> Any:
+  """Readies the iterator `root` built from the optimized graph `node` for
+  `stats()`: fused ops get their labels, and sampling starts unless
+  `options.stats` is False. Returns `root`."""
+  label_iterators(node, root)
+  if options is None or options.stats:
+    track(root)
+  return root
+
+
+def rows_of(iterator: Any) -> list[dict]:
+  """The `stats()` rows of a jaxfeed iterator; none for other iterables."""
+  stats = getattr(iterator, "stats", None)
+  result = stats() if callable(stats) else None
+  return list(result["ops"]) if isinstance(result, dict) and "ops" in result else []
+
+
+def release(root: Any) -> None:
+  """Called when `root` closes: stops sampling it, and stops the thread
+  (joined) when no other pipeline is sampled."""
+  _SAMPLER.release(root)
+
+
+def sampler_cpu_seconds() -> float:
+  """CPU seconds the sampling thread has spent looking at stacks in this
+  process (its direct cost)."""
+  return _SAMPLER.cpu_s
+
+
+def tracked_count() -> int:
+  """Open pipelines being sampled now (for tests)."""
+  return _SAMPLER.count()
+
+
+# -- rows --------------------------------------------------------------------
+def op_rows(root: Any) -> list[dict]:
+  """The stats rows of the ops under `root` (see the module docstring).
+
+  Raises:
+    RuntimeError: the sampling thread failed (with its exception as cause).
+  """
+  if _SAMPLER.error is not None:
+    raise RuntimeError(f"Op statistics: the sampling thread failed: "
+                       f"{_SAMPLER.error!r}") from _SAMPLER.error
+  ops = ops_of(root)
+  counts: dict[int, int | None] = {}
+  rows = []
+  for op in ops:
+    cell = cell_of(op)
+    fields = dict(op._stats_fields())  # pylint: disable=protected-access
+    elements = fields.pop("elements", None)
+    if elements is None and op.stats_one_to_one and len(op.parents) == 1:
+      elements = counts.get(id(op.parents[0]))
+    counts[id(op)] = elements
+    row = {
+        "op": op.stats_label,
+        "elements": elements,
+        "self_seconds": round(cell.self_s + fields.pop("busy_seconds", 0.0), 4),
+        "wait_seconds": round(cell.wait_s, 4),
+        "buffer_fill": (round(cell.fill_sum / cell.fill_samples, 3)
+                        if cell.fill_samples else None),
+        "parallelism": fields.pop("parallelism", 1),
+    }
+    row.update(fields)
+    rows.append(row)
+  return rows
+
+
+# -- report --------------------------------------------------------------------
+INPUT_BOUND_FRACTION = 0.1
+"""A loop that waits this share of its time for batches is input bound."""
+
+
+def bottleneck(rows: Iterable[dict]) -> dict | None:
+  """The row of the op that limits throughput: the most self time per unit
+  of parallelism (an op with 4 threads busy 4 s took 1 s of wall time)."""
+  best, best_cost = None, 0.0
+  for row in rows:
+    cost = row.get("self_seconds", 0.0) / max(1, row.get("parallelism") or 1)
+    if cost > best_cost:
+      best, best_cost = row, cost
+  return best
+
+
+def _advice(row: dict) -> str:
+  op = row["op"]
+  if "map" in op or "filter" in op:
+    return ("give it more parallelism (num_parallel_calls=jaxfeed.AUTOTUNE, or "
+            "backend='process' for Python-heavy functions) or make its "
+            "function cheaper")
+  if op in ("from_source", "from_tensor_slices", "range", "interleave"):
+    return "read faster: more parallel reads (interleave) or faster storage"
+  if "batch" in op:
+    return "batch fewer or smaller elements, or vectorize the ops before it"
+  return "make it cheaper or move work out of it"
+
+
+_COLUMNS = (("op", "op", "{}"), ("elements", "elements", "{}"),
+            ("self_seconds", "self s", "{:.3f}"), ("wait_seconds", "wait s", "{:.3f}"),
+            ("buffer_fill", "fill", "{:.2f}"), ("parallelism", "par", "{}"))
+
+
+def _name(row: dict) -> str:
+  """The op, and the worker it runs on for a service read's worker rows."""
+  worker = row.get("worker")
+  return f"{row['op']} (worker {worker})" if worker else str(row["op"])
+
+
+def format_table(rows: list[dict]) -> str:
+  """The rows as a fixed-width text table, with each op's share of self time."""
+  total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0
+  header = [title for _, title, _ in _COLUMNS] + ["self %"]
+  lines = [header]
+  for row in rows:
+    cells = [_name(row)]
+    for key, _, fmt in _COLUMNS[1:]:
+      value = row.get(key)
+      cells.append("-" if value is None else fmt.format(value))
+    cells.append(f"{100 * row.get('self_seconds', 0.0) / total:.0f}")
+    lines.append(cells)
+  widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+  return "\n".join(
+      "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(line, widths)))
+      for line in lines)
+
+
+def report(rows: list[dict], loader_stats: dict | None = None) -> str:
+  """The table plus a verdict: input bound or not, and which op to fix.
+
+  Args:
+    rows: op rows (`stats()["ops"]`, worker rows included).
+    loader_stats: `Loader.stats()`'s counters, when a training loop ran.
+  """
+  lines = [format_table(rows), ""]
+  if loader_stats is not None and loader_stats.get("batches"):
+    fraction = loader_stats.get("input_bound_fraction", 0.0)
+    if fraction >= INPUT_BOUND_FRACTION:
+      lines.append(f"Input bound: the training loop waited {100 * fraction:.0f}% "
+                   "of its time for batches.")
+    else:
+      lines.append(f"Not input bound: the training loop waited only "
+                   f"{100 * fraction:.0f}% of its time for batches; the model "
+                   "step is the bottleneck.")
+  slowest = bottleneck(rows)
+  if slowest is None:
+    lines.append("No op has measured time yet.")
+  else:
+    total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0
+    share = 100 * slowest["self_seconds"] / total
+    where = f" on worker {slowest['worker']}" if slowest.get("worker") else ""
+    lines.append(f"Op to fix: {slowest['op']!r}{where} ({share:.0f}% of the pipeline's "
+                 f"self time, parallelism {slowest.get('parallelism') or 1}): "
+                 f"{_advice(slowest)}.")
+  return "\n".join(lines)

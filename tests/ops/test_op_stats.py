@@ -1,0 +1,170 @@
+"""Per-op statistics (`iterator.stats()`): rows in pipeline order, fused ops
+named by their parts, sampled self and wait time, counts, and the report."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jaxfeed
+from jaxfeed import Dataset
+from jaxfeed.ops import op_stats
+from process_udfs import plus_ten
+
+ROW_KEYS = {"op", "elements", "self_seconds", "wait_seconds", "buffer_fill", "parallelism"}
+
+
+def sleepy(x):
+  time.sleep(0.003)
+  return x
+
+
+def is_even(x):
+  return x % 2 == 0
+
+
+@pytest.fixture(autouse=True)
+def frequent_samples(monkeypatch):
+  """Many samples in these short runs, whatever the machine's load."""
+  monkeypatch.setattr(op_stats, "SAMPLE_INTERVAL_S", 0.005)
+  monkeypatch.setattr(op_stats, "MAX_CPU_SHARE", 1.0)
+
+
+def ops(iterator) -> list[str]:
+  return [row["op"] for row in iterator.stats()["ops"]]
+
+
+def sampler_running() -> bool:
+  return any(t.name == "jaxfeed-op-stats" for t in threading.enumerate())
+
+
+def test_rows_have_every_field_in_pipeline_order():
+  ds = Dataset.range(100).map(np.negative).shuffle(10, seed=1).batch(4).prefetch(2)
+  with ds.make_iterator() as it:
+    batches = list(it)
+    rows = it.stats()["ops"]
+  assert [r["op"] for r in rows] == ["range", "map", "shuffle", "batch", "prefetch"]
+  assert all(set(r) >= ROW_KEYS for r in rows)
+  by_op = {r["op"]: r for r in rows}
+  assert by_op["range"]["elements"] == 100
+  assert by_op["map"]["elements"] == 100  # one output per input: its input's count
+  assert by_op["batch"]["elements"] == by_op["prefetch"]["elements"] == len(batches) == 25
+  assert by_op["shuffle"]["elements"] is None  # does not count
+  assert by_op["map"]["buffer_fill"] is None and by_op["map"]["parallelism"] == 1
+
+
+@pytest.mark.parametrize("build, names", [
+    (lambda: Dataset.range(10).map(np.negative).map(np.negative), ["range", "map+map"]),
+    (lambda: Dataset.range(10).map(np.negative).filter(is_even), ["range", "map+filter"]),
+    (lambda: Dataset.range(10).filter(is_even).filter(is_even), ["range", "filter+filter"]),
+    (lambda: Dataset.range(10).map(np.negative).map(np.negative).filter(is_even)
+     .filter(is_even), ["range", "map+map+filter+filter"]),
+    # Vectorization swaps map and batch: two ops, nothing fused.
+    (lambda: Dataset.range(10).map(np.negative, batched=True).batch(2),
+     ["range", "batch", "map"]),
+    # Nothing rewritten: every op as written.
+    (lambda: Dataset.range(10).map(np.negative).map(np.negative).with_options(
+        jaxfeed.Options(optimize=False)), ["range", "map", "map"]),
+])
+def test_fused_ops_are_named_by_their_parts(build, names):
+  with build().make_iterator() as it:
+    list(it)
+    assert ops(it) == names
+
+
+def test_a_process_batch_chain_names_its_input_ops_and_batch():
+  ds = Dataset.range(40).map(plus_ten, backend="process").batch(8)
+  with ds.make_iterator() as it:
+    assert len(list(it)) == 5
+    rows = it.stats()["ops"]
+  assert rows[-1]["op"] == "range+map+batch"
+  assert rows[-1]["backend"] == "process" and rows[-1]["parallelism"] >= 1
+
+
+def test_a_slow_op_gets_the_self_time_not_its_input_or_consumer():
+  ds = (Dataset.range(200).map(np.negative).map(sleepy).batch(5)
+        .with_options(jaxfeed.Options(map_fusion=False)))
+  with ds.make_iterator() as it:
+    start = time.perf_counter()
+    list(it)
+    elapsed = time.perf_counter() - start
+    rows = it.stats()["ops"]
+  assert [r["op"] for r in rows] == ["range", "map", "map", "batch"]
+  slow = rows[2]
+  # 200 x 3 ms of sleeping: most of the run, and charged to the slow map only.
+  assert 0.5 * 0.6 <= slow["self_seconds"] <= elapsed * 1.2
+  assert sum(r["self_seconds"] for r in rows) - slow["self_seconds"] < 0.5 * slow["self_seconds"]
+  assert op_stats.bottleneck(rows) is slow
+  assert rows[3]["elements"] == 40
+
+
+def test_parallel_work_counts_as_self_time_and_waiting_as_wait_time():
+  ds = Dataset.range(300).map(sleepy, num_parallel_calls=3).prefetch(1)
+  with ds.make_iterator() as it:
+    list(it)
+    rows = {r["op"]: r for r in it.stats()["ops"]}
+  # The workers slept 300 x 3 ms in total; the consumer waited on prefetch.
+  assert rows["map"]["self_seconds"] >= 0.8 * 0.9
+  assert rows["map"]["parallelism"] == 3 and rows["map"]["elements"] == 300
+  assert 0.0 <= rows["map"]["buffer_fill"] <= 1.0
+  assert 0.0 <= rows["prefetch"]["buffer_fill"] <= 1.0
+  assert rows["prefetch"]["wait_seconds"] > 0.1
+  assert rows["prefetch"]["self_seconds"] < rows["prefetch"]["wait_seconds"]
+  # 3 threads busy 0.9 s cost 0.3 s of wall time: still the bottleneck.
+  assert op_stats.bottleneck(list(rows.values()))["op"] == "map"
+
+
+def test_op_fields_of_their_own_are_in_their_row():
+  ds = Dataset.range(10).map(lambda x: 1 // int(x % 3)).ignore_errors()
+  with ds.make_iterator() as it:
+    list(it)
+    assert it.stats()["ops"][-1]["errors_ignored"] == 4
+
+
+def test_stats_off_samples_nothing_but_still_counts():
+  ds = Dataset.range(100).map(sleepy).with_options(jaxfeed.Options(stats=False))
+  before = op_stats.tracked_count()
+  with ds.make_iterator() as it:
+    assert op_stats.tracked_count() == before
+    list(it)
+    rows = it.stats()["ops"]
+  assert rows[0]["elements"] == rows[1]["elements"] == 100
+  assert all(r["self_seconds"] == 0.0 for r in rows)
+
+
+def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped():
+  closed = Dataset.range(10).map(sleepy).make_iterator()
+  dropped = Dataset.range(10).map(sleepy).make_iterator()
+  next(closed), next(dropped)
+  assert sampler_running()
+  closed.close()
+  del dropped
+  gc.collect()
+  deadline = time.monotonic() + 10
+  while sampler_running():
+    assert time.monotonic() < deadline
+    time.sleep(0.02)
+  assert op_stats.tracked_count() == 0
+
+
+def test_closing_the_last_sampled_pipeline_joins_the_thread():
+  with Dataset.range(10).map(sleepy).make_iterator() as it:
+    next(it)
+    assert sampler_running()
+  assert not sampler_running()  # no wait: close() stopped and joined it
+
+
+def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
+  rows = [{"op": "range", "self_seconds": 0.1, "parallelism": 1},
+          {"op": "map", "self_seconds": 4.0, "parallelism": 8},
+          {"op": "filter", "self_seconds": 1.0, "parallelism": 1}]
+  assert op_stats.bottleneck(rows)["op"] == "filter"
+  text = op_stats.report(rows, {"batches": 10, "input_bound_fraction": 0.5})
+  assert text.splitlines()[0].split() == ["op", "elements", "self", "s", "wait", "s",
+                                          "fill", "par", "self", "%"]
+  assert "Input bound: the training loop waited 50%" in text
+  assert "Op to fix: 'filter' (20% of the pipeline's self time, parallelism 1)" in text

@@ -1,0 +1,181 @@
+"""Exactly-once service reads resumed from a checkpoint in a new process.
+
+A training process (`resume_trainer.py`) reads an exactly-once
+`distributed_epoch` job of real dispatcher and worker processes through a
+Loader, saves an orbax checkpoint at step k, reads on and is SIGKILLed. A new
+process restores the checkpoint, on a new job, and must read the rest of the
+epoch: what the first read up to step k plus what the second read is every
+record once.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import threading
+import sys
+
+import numpy as np
+import pytest
+
+import jaxfeed
+import resume_trainer as trainer
+from jaxfeed.ops import base
+from jaxfeed.service import read_state
+from service_cluster import REPO_ROOT, TESTS_DIR, ServiceProcess, free_port
+
+pytestmark = pytest.mark.timeout(240)
+
+SAVE_AT = 7
+HEARTBEAT = ("--heartbeat_interval_s=0.2",)
+
+
+def trainer_process(dispatcher: str, directory, mode: str) -> subprocess.Popen:
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(
+      [sys.executable, "-m", "resume_trainer", dispatcher, str(directory), str(SAVE_AT),
+       mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+
+def lines_until(process: subprocess.Popen, key: str) -> list[dict]:
+  """The process's JSON lines up to the first with `key`."""
+  lines = []
+  for line in process.stdout:
+    lines.append(json.loads(line))
+    if key in lines[-1]:
+      return lines
+  process.wait(timeout=30)
+  raise AssertionError(f"the trainer ended (status {process.returncode}) before "
+                       f"printing {key!r}:\n{process.stderr.read()[-4000:]}")
+
+
+def records(lines: list[dict], up_to: int | None = None) -> collections.Counter:
+  return collections.Counter(x for line in lines if "step" in line
+                             and (up_to is None or line["step"] <= up_to)
+                             for x in line["x"])
+
+
+@pytest.mark.parametrize("old_job", ["dispatcher_restarted_empty", "still_there"])
+def test_a_read_saved_at_step_k_resumes_in_a_new_process_exactly_once(cluster, tmp_path,
+                                                                       old_job):
+  port = free_port()
+  dispatcher = cluster("dispatcher", f"--port={port}", f"--work_dir={tmp_path / 'a'}",
+                       "--split_size=10", "--heartbeat_timeout_s=5")
+  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+             for _ in range(2)]
+  first = trainer_process(dispatcher.address, tmp_path / "checkpoints", "first")
+  try:
+    before = lines_until(first, "saved")
+    ahead = [json.loads(first.stdout.readline()) for _ in range(trainer.AHEAD)]
+  finally:
+    first.kill()
+    first.wait(timeout=30)
+  assert [line["step"] for line in ahead] == list(range(SAVE_AT + 1, SAVE_AT + 1 + trainer.AHEAD))
+  if old_job == "dispatcher_restarted_empty":
+    # The same address, a new work_dir: the old job is gone.
+    dispatcher.stop()
+    dispatcher = cluster("dispatcher", f"--port={port}", f"--work_dir={tmp_path / 'b'}",
+                         "--split_size=10", "--heartbeat_timeout_s=5")
+  second = trainer_process(dispatcher.address, tmp_path / "checkpoints", "restore")
+  try:
+    after = lines_until(second, "end")
+    assert second.wait(timeout=60) == 0, second.stderr.read()[-4000:]
+  finally:
+    second.kill()
+    second.wait(timeout=30)
+  assert after[0] == {"restored": SAVE_AT}
+  assert after[1]["step"] == SAVE_AT + 1
+  got = records(before, SAVE_AT) + records(after)
+  assert got == collections.Counter(range(trainer.RECORDS))
+  # The batches read after the checkpoint by the killed process came again.
+  assert set(records(ahead)) <= set(records(after))
+  for worker in workers:  # before the dispatcher, so that they leave at once
+    worker.stop()
+
+
+def partial_read(dispatcher: str, visitation: str, mode: str = "distributed_epoch"):
+  dataset = jaxfeed.Dataset.range(40).batch(4).distribute(
+      dispatcher, mode, visitation=visitation)
+  with dataset.make_iterator() as iterator:
+    next(iterator)
+    return dataset, iterator.get_state()
+
+
+@pytest.mark.parametrize("visitation,mode", [("at_most_once", "distributed_epoch"),
+                                             ("at_most_once", "parallel_epochs")])
+def test_reads_that_cannot_resume_say_which_can(cluster, visitation, mode):
+  dispatcher = cluster("dispatcher", "--port=0")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  dataset, state = partial_read(dispatcher.address, visitation, mode)
+  with dataset.make_iterator() as iterator:
+    with pytest.raises(base.PipelineStateError, match="visitation='exactly_once'"):
+      iterator.set_state(state)
+
+
+def test_a_state_of_another_dataset_is_refused_naming_the_positions(cluster):
+  dispatcher = cluster("dispatcher", "--port=0", "--split_size=4")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  _, state = partial_read(dispatcher.address, "exactly_once")
+  smaller = jaxfeed.Dataset.range(8).batch(4).distribute(
+      dispatcher.address, "distributed_epoch", visitation="exactly_once")
+  state["own"]["splits"]["done"] = [[0, 12]]
+  with smaller.make_iterator() as iterator:
+    iterator.set_state(state)
+    with pytest.raises(ValueError, match="outside the dataset's 8 positions"):
+      next(iterator)
+
+
+def test_consumers_of_a_shared_job_resume_it_together_exactly_once(cluster):
+  dispatcher = cluster("dispatcher", "--port=0", "--split_size=6")
+  for _ in range(2):
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  dataset = jaxfeed.Dataset.range(120).batch(4).distribute(
+      dispatcher.address, "distributed_epoch", job_name="shared", visitation="exactly_once",
+      max_outstanding_requests=2)
+  consumers = [dataset.make_iterator() for _ in range(2)]
+  try:
+    taken = [next(c) for c in consumers for _ in range(4)]
+    states = [c.get_state() for c in consumers]
+  finally:
+    for consumer in consumers:
+      consumer.close()
+  merged = read_state.merge_process_states(states)
+  assert merged[0] == merged[1]
+  consumers = [dataset.make_iterator() for _ in range(2)]
+  rest: list[list] = [[], []]
+  try:
+    for consumer, state in zip(consumers, merged):
+      consumer.set_state(state)
+
+    def read(i: int) -> None:
+      rest[i] = list(consumers[i])
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for thread in threads:
+      thread.start()
+    for thread in threads:
+      thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+  finally:
+    for consumer in consumers:
+      consumer.close()
+  got = collections.Counter(np.concatenate(taken + rest[0] + rest[1]).tolist())
+  assert got == collections.Counter(range(120))
+
+
+def test_the_state_of_a_fresh_read_restarts_an_iterator_at_the_epoch_start(cluster):
+  dispatcher = cluster("dispatcher", "--port=0", "--split_size=8")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  dataset = jaxfeed.Dataset.range(40).batch(4).distribute(
+      dispatcher.address, "distributed_epoch", visitation="exactly_once")
+  with dataset.make_iterator() as iterator:
+    start = iterator.get_state()
+    for _ in range(3):
+      next(iterator)
+    iterator.set_state(start)
+    again = list(iterator)
+  assert collections.Counter(np.concatenate(again).tolist()) == collections.Counter(range(40))
