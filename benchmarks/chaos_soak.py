@@ -8,7 +8,8 @@ stopped, restarted, connections cut or stalled, the dispatcher restarted,
 its journal torn) one after another, each on its own dispatcher and worker
 processes, and prints per mode the runs, faults injected by kind, elements
 checked, violations of the mode's guarantee and hangs, then the seeds of the
-failing runs with their first violation line. Rerun one with
+failing runs with their first violation line, and those of runs whose
+cluster did not start (not counted). Rerun one with
 `--runs=1 --seed=SEED --verbose`.
 """
 
@@ -59,11 +60,17 @@ def main(argv: list[str] | None = None) -> int:
   if args.runs < 1:
     parser.error(f"--runs must be >= 1, got {args.runs}")
   records = []
+  errors = []  # (seed, why): runs whose cluster did not start, not counted
   start = time.monotonic()
   for seed in range(args.seed, args.seed + args.runs):
     schedule = schedule_lib.draw(seed)
-    with tempfile.TemporaryDirectory(prefix="chaos_soak_") as work_dir:
-      record = schedule_lib.run(schedule, work_dir)
+    try:
+      with tempfile.TemporaryDirectory(prefix="chaos_soak_") as work_dir:
+        record = schedule_lib.run(schedule, work_dir)
+    except RuntimeError as e:  # a server did not start (say, its port was taken)
+      errors.append((seed, str(e).splitlines()[0]))
+      print(f"seed {seed:6d} {schedule.mode:16s} ERROR     {errors[-1][1]}", flush=True)
+      continue
     records.append(record)
     status = "ok" if record.ok else ("HANG" if record.hang else "VIOLATION")
     print(f"seed {seed:6d} {record.mode:16s} {status:9s} faults="
@@ -82,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
   for r in failing:
     first = r.violation.splitlines()[0] if r.violation else ""
     print(f"  {r.seed:6d} {r.mode:16s} {','.join(r.faults_injected)}: {first}")
-  return 1 if failing else 0
+  if errors:
+    print()
+    print(f"runs not made ({len(errors)}):")
+    for seed, why in errors:
+      print(f"  {seed:6d} {why}")
+  return 1 if failing or errors else 0
 
 
 if __name__ == "__main__":

@@ -53,6 +53,8 @@ class Fetcher:
     self.reconnects = 0
     self._acked = 0
     self._send_ack: Any = None  # the current connection's acknowledgment
+    # Why the current connection's last acknowledgment failed (see _acknowledge).
+    self._ack_error: Exception | None = None
     # When the current connection last brought something; None while the
     # fetcher waits for room in the buffer rather than for data.
     self.heard_at: float | None = None
@@ -87,9 +89,12 @@ class Fetcher:
     read = self._read
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
+      # Retried: after a restart, the dispatcher lists the tasks of a worker
+      # that has not registered again without its data address.
       raise data_socket.DataConnectionError(
-          f"Worker {self.task.worker_address} has no data socket "
-          "(data_transfer='socket').", "FAILED_PRECONDITION")
+          f"The dispatcher lists no data socket of worker {self.task.worker_address} "
+          "(data_transfer='socket'): it serves none, or has not registered again "
+          "since the dispatcher restarted.", "UNAVAILABLE")
     if use_socket:
       conn = data_socket.DataConnection(
           self.task.data_address, {"token": self.task.read_ticket, **self._request()},
@@ -156,6 +161,8 @@ class Fetcher:
             self.heard_at = time.monotonic()
             failing_since, backoff = None, _BACKOFF_S[0]  # the connection works
             if item is None:  # a keepalive
+              if self._ack_error is not None:  # the worker may wait for the ack
+                raise self._ack_error
               continue
             if not self._take(item, split):
               return
@@ -191,7 +198,7 @@ class Fetcher:
                        where, status, details)
         finally:
           self.heard_at = None
-          self._connection = self._send_ack = None
+          self._connection = self._send_ack = self._ack_error = None
         self.reconnects += 1
         if read.stop.wait(backoff):
           return
@@ -229,13 +236,25 @@ class Fetcher:
       if read.ack(round_index):  # else sent again: this read already had it
         for element in read.progress.arrived(round_index, split_stop, whole):
           taken = taken and self._put(element)
-      if self._one_split_at_a_time and self._send_ack is not None:
-        self._send_ack(self.received)  # handed on: the worker may send the next
-        self._acked = self.received
-    if self.received - self._acked >= _ACK_EVERY and self._send_ack is not None:
-      self._send_ack(self.received)
-      self._acked = self.received
+      if self._one_split_at_a_time and self._send_ack is not None and not self._cancelled:
+        self._acknowledge()  # handed on: the worker may send the next
+    if (self.received - self._acked >= _ACK_EVERY and self._send_ack is not None
+        and not self._cancelled):
+      self._acknowledge()
     return taken
+
+  def _acknowledge(self) -> None:
+    """Acknowledges what was received. A failed acknowledgment does not end
+    the connection at once: what it already brought is read and handed on
+    first (a dead worker's items that reached this host are all that is
+    left of them), and the next connection's request acknowledges; the
+    connection ends at its next keepalive, when the worker may be waiting
+    for the acknowledgment."""
+    self._acked = self.received
+    try:
+      self._send_ack(self.received)
+    except (grpc.RpcError, OSError) as e:
+      self._ack_error = self._ack_error or e
 
   def _put(self, item: tuple) -> bool:
     self.heard_at = None  # waiting for the consumer, not for the worker
@@ -258,8 +277,16 @@ class Fetcher:
       self._close_connection()
 
   def cancel(self) -> None:
+    """Stops the fetcher: the dispatcher dropped the task, or the read ends.
+    Batches a data socket already brought are still handed on (if the
+    worker died, they are all that is left of them); nothing more is
+    acknowledged, so a live worker sends at most a window more."""
     self._cancelled = True
-    self._close_connection()
+    connection = self._connection
+    if isinstance(connection, data_socket.DataConnection):
+      connection.stop_receiving()
+    else:
+      self._close_connection()
 
   def _close_connection(self) -> None:
     connection = self._connection

@@ -496,6 +496,17 @@ class DataConnection:
     except OSError as e:
       raise DataConnectionError(f"Data connection failed: {e}") from e
 
+  def stop_receiving(self) -> None:
+    """What has arrived is still read, then `next_item` sees the end of the
+    connection (DataConnectionError). Over TLS the connection closes now."""
+    if isinstance(self._sock, ssl.SSLSocket):  # its shutdown drops the TLS layer
+      self.close()
+      return
+    try:
+      self._sock.shutdown(socket.SHUT_RD)
+    except OSError:
+      pass
+
   def close(self) -> None:
     self._closed = True
     try:

@@ -147,6 +147,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           task_clients=[pb.TaskClients(task_id=tid,
                                        client_ids=sorted(self.jobs[t.job_id].clients))
                         for tid, t in sorted(live.items()) if tid in current],
+          heartbeat_timeout_s=self.config.heartbeat_timeout_s,
           heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
               len(self.workers), self.config.heartbeat_timeout_s))
 

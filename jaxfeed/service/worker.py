@@ -42,6 +42,12 @@ SERVICE_NAME = "jaxfeed.service.Worker"
 _DRAIN_IDLE_S = 2.0  # draining: a task unread this long has no consumer left
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 _MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
+# A heartbeat call's deadline: this until the dispatcher told its heartbeat
+# timeout, then that fraction of it, so that a call hung on a connection that
+# broke without a reset is given up (and the next one made) before the
+# dispatcher takes this worker for dead.
+_HEARTBEAT_DEADLINE_S = 10.0
+_HEARTBEAT_DEADLINE_FRACTION = 1 / 3
 # The longest a finished task's end waits for the dispatcher to hear of it.
 _FINISH_REPORT_TIMEOUT_S = 2.0
 
@@ -165,6 +171,7 @@ class _Worker:
     self.rejected: str | None = None  # why the dispatcher refused this worker
     # The heartbeat interval the dispatcher asks for (0: the configured one).
     self.paced_interval_s = 0.0
+    self.heartbeat_deadline_s = _HEARTBEAT_DEADLINE_S
     self.heartbeat_call = rpc.Caller(channel, _DISPATCHER + "WorkerHeartbeat",
                                      pb.WorkerHeartbeatResponse, token)
     self.dataset_call = rpc.Caller(channel, _DISPATCHER + "GetDatasetDef",
@@ -173,7 +180,7 @@ class _Worker:
                                   pb.GetSplitsResponse, token)
 
   # -- heartbeats and tasks ----------------------------------------------------
-  def heartbeat(self, timeout_s: float = 10.0) -> None:
+  def heartbeat(self, timeout_s: float = _HEARTBEAT_DEADLINE_S) -> None:
     sent_at = time.monotonic()
     held = self.streams.take_held()
     with self.lock:
@@ -187,13 +194,15 @@ class _Worker:
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
                            for t, c, s in held]),
-          timeout=timeout_s)
+          timeout=min(timeout_s, self.heartbeat_deadline_s))
     except BaseException:
       with self.lock:  # reported with the next heartbeat
         self._held = held + self._held
       raise
     self.ticket_key = response.ticket_key
     self.paced_interval_s = response.heartbeat_interval_s
+    if response.heartbeat_timeout_s > 0:
+      self.heartbeat_deadline_s = response.heartbeat_timeout_s * _HEARTBEAT_DEADLINE_FRACTION
     for task in response.new_tasks:
       self.start_task(task)
     for task_id in response.tasks_to_delete:
@@ -291,12 +300,20 @@ class _Worker:
     def fetch_numbered() -> tuple[list, bool]:
       with self.lock:
         request_seq = self._split_requests[task.task_id]
-      response = rpc.call_with_retry(
-          self.splits_call,
-          pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
-                              max_ranges=self.config.splits_per_request,
-                              request_seq=request_seq),
-          30, f"Fetching splits of job {task.job_id}")
+      try:
+        response = rpc.call_with_retry(
+            self.splits_call,
+            pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
+                                max_ranges=self.config.splits_per_request,
+                                request_seq=request_seq),
+            30, f"Fetching splits of job {task.job_id}")
+      except rpc.ServiceError as e:
+        cause = e.__cause__
+        if isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.NOT_FOUND:
+          # The dispatcher gave the task up (it took this worker for dead):
+          # the task is lost, as if this worker had died, not failed.
+          e.grpc_status = "NOT_FOUND"
+        raise
       with self.lock:
         self._split_requests[task.task_id] = request_seq + 1
       return [(r.start, r.stop) for r in response.ranges], response.end_of_splits

@@ -10,7 +10,10 @@ checks the guarantee of the mode (DESIGN.md, "Fault model and guarantees"):
 * at-most-once (distributed_epoch): nothing twice, nothing foreign, and a
   loss only if a worker was killed, at most what each killed worker held:
   the splits it had fetched plus its buffer, the batch it was building and
-  the batch it was sending;
+  the batch it was sending; over gRPC also the batches it had sent but the
+  client had not acknowledged (a failed call discards the messages the
+  client's gRPC library received but not yet handed on, while the data
+  socket's reader still reads them from its socket buffer);
 * parallel_epochs: every worker never killed delivers the whole epoch, a
   killed or restarted one at most one epoch per process it ran as;
 * every read ends, or fails with a clear error, within a deadline; with the
@@ -35,6 +38,7 @@ import numpy as np
 import jaxfeed
 import service_udfs
 from jaxfeed.service import WorkerConfig
+from jaxfeed.service import delivery
 from chaos_cluster import HEARTBEAT_TIMEOUT_S, ChaosCluster
 
 MODES = ("parallel_epochs", "at_most_once", "exactly_once")
@@ -272,6 +276,8 @@ def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: 
     return None
   held = (SPLITS_PER_REQUEST * schedule.split_size
           + (schedule.worker_buffer_size + 2) * schedule.batch_size)
+  if schedule.proxied_workers:  # reads over gRPC: the unacknowledged window too
+    held += delivery.DEFAULT_WINDOW * schedule.batch_size
   allowed = killed_incarnations * held
   if len(missing) > allowed:
     why = (f"{killed_incarnations} killed worker process(es) held at most {allowed}"

@@ -9,7 +9,11 @@ code under test it can
 * `stall()`: stop forwarding (connections stay open, bytes wait in socket
   buffers, senders block once those fill), as a hung path or a full queue
   would; new connections are accepted but not connected on;
-* `resume()`: forward again; nothing that waited is lost.
+* `resume()`: forward again; nothing that waited is lost;
+* `forget()`: drop every open connection without telling its client, as a
+  middlebox that lost its connection state would: the server's end is
+  reset, the client's end hears nothing more (what it sends is dropped)
+  until it sends again, which is answered with a reset.
 
 An end that closes cleanly is passed on as a half-close after everything it
 sent, so a killed process's last bytes (which its kernel still sends) arrive.
@@ -27,12 +31,36 @@ _POLL_S = 0.2
 
 
 def _reset(sock: socket.socket) -> None:
-  """Closes with an RST instead of a FIN (linger on, timeout 0)."""
+  """Closes with an RST instead of a FIN (linger on, timeout 0).
+
+  A pump blocked in `recv` on the socket keeps it open past `close()`
+  (no RST goes out until that call returns), so the socket's read side is
+  shut first, which wakes the pump.
+  """
   try:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.shutdown(socket.SHUT_RD)
   except OSError:
     pass
   sock.close()
+
+
+def _reset_once_it_sends(sock: socket.socket) -> None:
+  """Drops what the peer sent so far, waits until it sends again (or closes),
+  then resets it; at once if the socket was reset already."""
+  try:
+    sock.setblocking(False)
+    while sock.recv(_CHUNK):
+      pass
+  except BlockingIOError:
+    try:
+      sock.setblocking(True)
+      sock.recv(1)
+    except OSError:
+      pass
+  except OSError:
+    pass
+  _reset(sock)
 
 
 class _Link:
@@ -74,14 +102,21 @@ class _Link:
     try:
       while True:
         data = source.recv(_CHUNK)
+        if self.closed:  # cut or forgotten since: this end sent (or closed)
+          _reset(source)
+          return
         if not data:
           sink.shutdown(socket.SHUT_WR)  # pass the clean close on
           break
         if not self._proxy.gate.wait_open(self):
+          _reset_once_it_sends(source)  # held, then cut or forgotten: dropped
           return
         sink.sendall(data)
     except OSError:
-      self.abort()  # one end broke: break the other one too
+      if self.closed:  # cut or forgotten: this end goes too
+        _reset(source)
+      else:
+        self.abort()  # one end broke: break the other one too
       return
     with self._lock:
       self._open -= 1
@@ -90,13 +125,21 @@ class _Link:
       self.close()
 
   def abort(self) -> None:
+    """Resets both ends (again, after `forget`: a reset socket stays closed)."""
     with self._lock:
-      if self.closed:
-        return
       self.closed = True
     for sock in (self.downstream, self.upstream):
       if sock is not None:
         _reset(sock)
+
+  def forget(self) -> None:
+    """Resets the server's end; the client's end is reset once it sends."""
+    with self._lock:
+      if self.closed:
+        return
+      self.closed = True
+    if self.upstream is not None:
+      _reset(self.upstream)
 
   def close(self) -> None:
     with self._lock:
@@ -167,7 +210,8 @@ class TcpProxy:
         if self._stop.is_set():
           _reset(conn)
           return
-        self._links = [link for link in self._links if not link.closed]
+        # A forgotten link lives on until its client's end sends or closes.
+        self._links = [link for link in self._links if link.thread.is_alive()]
         self._links.append(_Link(self, conn))
         self.connections += 1
 
@@ -180,6 +224,14 @@ class TcpProxy:
     links = self._live_links()
     for link in links:
       link.abort()
+    return len(links)
+
+  def forget(self) -> int:
+    """Drops every open connection without telling its client (see the
+    module docstring); returns how many it dropped."""
+    links = self._live_links()
+    for link in links:
+      link.forget()
     return len(links)
 
   def stall(self) -> None:

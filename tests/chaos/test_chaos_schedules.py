@@ -38,20 +38,7 @@ def test_a_seed_always_draws_the_same_schedule():
   assert draw(12345) != draw(12346)
 
 
-# Known failures, each with its diagnosis; strict, so that a fix shows.
-KNOWN_FAILING_SEEDS = {
-    13: ("at-most-once, a worker's connection cut and later the worker killed: "
-         "46 values lost against the bound of 24 (2 split requests of 8 plus "
-         "the buffer and two batches); not yet diagnosed whether the worker "
-         "holds more than the bound counts (its pipeline's own buffers, the "
-         "resend buffer after the cut) or the client drops batches it had "
-         "received"),
-}
-
-
-@pytest.mark.parametrize("seed", [
-    pytest.param(seed, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILING_SEEDS[seed]))
-    if seed in KNOWN_FAILING_SEEDS else seed for seed in CI_SEEDS])
+@pytest.mark.parametrize("seed", CI_SEEDS)
 def test_seeded_schedule_keeps_its_guarantee(seed, tmp_path):
   _assert_ok(run(draw(seed), str(tmp_path)))
 

@@ -9,6 +9,10 @@ the dispatcher restarts on its port and work_dir and the read goes on;
 exactly-once reads every record once, at-most-once never twice and loses only
 what a killed worker held, parallel_epochs a whole epoch per live worker; and
 every read ends, or fails with a clear error, within a bounded time.
+Beyond tf.data's scenarios: a killed worker's batches that reached the
+client, heartbeats hung on a connection dropped without a reset, clients
+that join before a worker registers again, and tasks a restarted dispatcher
+gave up.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import pytest
 
 from jaxfeed.service import ServiceError, from_dataset_id, register_dataset
+from chaos_cluster import HEARTBEAT_TIMEOUT_S
 from schedule import SPLITS_PER_REQUEST, read_until_end, records
 from tcp_proxy import TcpProxy
 
@@ -28,7 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 DEADLINE_S = 90.0
 EPOCH = 200
 BATCH = 4
-SPLIT = 8
+SPLIT = 16  # ChaosCluster's default split_size
 BUFFER = 8
 DISTRIBUTED = {"at_most_once": ("distributed_epoch", "at_most_once"),
                "exactly_once": ("distributed_epoch", "exactly_once")}
@@ -241,6 +246,120 @@ def test_worker_restart(chaos, mode, same_port):
     assert counts == epoch()
   else:
     assert_at_most_once(counts, killed=1)
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 2 * HEARTBEAT_TIMEOUT_S],
+                         ids=["reading_on", "pausing_past_the_heartbeat_timeout"])
+def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos, pause_s):
+  # Nobody reads for a while, so each worker sends a whole window of
+  # unacknowledged batches into the client's socket; then one is killed.
+  # Those batches arrived: they are read and handed on, although the
+  # client's next acknowledgment to the worker fails (reading_on) or the
+  # dispatcher drops the worker's task before the consumer reads again
+  # (pausing), and only what the worker itself held is lost.
+  cluster = chaos(2, worker_buffer_size=2)
+  size = 4 * EPOCH
+  iterator = read(cluster, "at_most_once", records(size, BATCH, slow_map=False),
+                  data_transfer="socket")
+  counts = take(iterator, 4)
+  time.sleep(2.0)
+  cluster.workers[1].kill()
+  time.sleep(pause_s)
+  counts.update(finish(iterator))
+  assert max(counts.values()) == 1
+  assert set(counts) <= set(range(1, size + 1))
+  held = SPLITS_PER_REQUEST * SPLIT + (2 + 2) * BATCH
+  assert size - len(counts) <= held
+
+
+def test_a_worker_whose_dispatcher_connection_is_dropped_silently_stays_alive(chaos):
+  # The worker's path to the dispatcher forgets its connection while a
+  # heartbeat waits there for its answer: neither an answer nor a reset
+  # comes. The worker gives the call up well within the dispatcher's
+  # heartbeat timeout and calls again on a new connection, so it is not
+  # taken for dead while the consumer pauses past that timeout, and the
+  # read gets the whole epoch once.
+  cluster = chaos(1)
+  size = 3 * EPOCH
+  direct = f"127.0.0.1:{cluster.dispatcher_port}"  # the client's path stays up
+  iterator = records(size, BATCH).distribute(
+      direct, "parallel_epochs", max_outstanding_requests=4,
+      timeout_s=60.0).make_iterator()
+  counts = take(iterator, 5)
+  proxy = cluster.dispatcher_proxy
+  proxy.stall()
+  time.sleep(1.0)  # a heartbeat (every 0.2 s) now waits in the proxy
+  assert proxy.forget() >= 1
+  proxy.resume()
+  time.sleep(2 * HEARTBEAT_TIMEOUT_S)
+  counts.update(finish(iterator))
+  assert "declared dead" not in cluster.log_path.read_text(errors="replace")
+  assert counts == collections.Counter(range(1, size + 1))
+
+
+def test_a_client_that_joins_before_the_worker_registers_again_reads_its_socket(chaos):
+  # After a dispatcher restart, a second client joins the shared job while
+  # the worker's path to the dispatcher is stalled: the dispatcher lists the
+  # worker's task without its data address. The client waits for the worker
+  # to register again and then reads its data socket.
+  cluster = chaos(1)
+  direct = f"127.0.0.1:{cluster.dispatcher_port}"  # the clients' path stays up
+  dataset = records(EPOCH, BATCH)
+
+  def join():
+    return dataset.distribute(direct, "parallel_epochs", job_name="shared",
+                              max_outstanding_requests=4, data_transfer="socket",
+                              timeout_s=60.0).make_iterator()
+
+  first = join()
+  try:
+    counts = take(first, 2)
+    cluster.dispatcher_proxy.stall()
+    cluster.restart_dispatcher()
+    second = join()
+    try:
+      time.sleep(1.5)
+      cluster.dispatcher_proxy.resume()
+      counts.update(finish(second))
+    finally:
+      second.close()
+    counts.update(finish(first))
+  finally:
+    first.close()
+  assert counts == epoch()
+
+
+def test_a_task_the_restarted_dispatcher_gave_up_ends_without_failing_the_read(chaos):
+  # The dispatcher restarts while its paths to the worker and to the client
+  # are both stalled, past the time it waits for the worker to register
+  # again: it gives the worker's task up. When the worker's path comes
+  # back, the task's pipeline asks for splits the dispatcher no longer has
+  # for it; the task ends as lost (not failed), the worker gets a new task
+  # and the read goes on, losing at most what the given-up task held.
+  cluster = chaos(1, worker_buffer_size=2)
+  size = 4 * EPOCH
+  with TcpProxy(f"127.0.0.1:{cluster.dispatcher_port}") as client_path:
+    iterator = records(size, BATCH, slow_map=False).distribute(
+        client_path.address, "distributed_epoch", max_outstanding_requests=4,
+        data_transfer="socket", timeout_s=60.0).make_iterator()
+    counts = take(iterator, 5)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(rest=read_until_end(
+        iterator, DEADLINE_S)))
+    client_path.stall()
+    cluster.dispatcher_proxy.stall()
+    cluster.restart_dispatcher()
+    reader.start()
+    time.sleep(HEARTBEAT_TIMEOUT_S + 2.0)
+    cluster.dispatcher_proxy.resume()
+    time.sleep(2.0)
+    client_path.resume()
+    reader.join(timeout=DEADLINE_S + 60)
+  counts.update(_checked(result["rest"]))
+  assert "did not register again" in cluster.log_path.read_text(errors="replace")
+  assert max(counts.values()) == 1
+  held = SPLITS_PER_REQUEST * SPLIT + (2 + 2) * BATCH
+  assert size - len(counts) <= held
 
 
 def test_remove_more_workers_than_max_outstanding_requests(chaos):

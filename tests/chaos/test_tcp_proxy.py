@@ -42,6 +42,10 @@ class _EchoServer:
       pass
 
   def close(self):
+    try:
+      self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept; close alone does not
+    except OSError:
+      pass
     self.sock.close()
     for conn in self._conns:
       conn.close()
@@ -105,9 +109,42 @@ def test_a_refused_target_resets_the_client():
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     dead = "127.0.0.1:%d" % s.getsockname()[1]
-  with TcpProxy(dead) as proxy, _connect(proxy) as conn:
-    conn.settimeout(10)
-    with pytest.raises(OSError):
-      conn.sendall(b"x")
+  with TcpProxy(dead) as proxy:
+    with pytest.raises(OSError):  # the reset may come while connecting
+      with _connect(proxy) as conn:
+        conn.settimeout(10)
+        conn.sendall(b"x")
+        if not conn.recv(1):
+          raise ConnectionResetError("closed")
+
+
+def test_cut_resets_a_client_that_waits_for_a_reply(echo):
+  # Nothing flows when the cut comes: each pump waits in recv on its socket.
+  with TcpProxy(echo.address) as proxy, _connect(proxy) as conn:
+    conn.sendall(b"a")
+    assert conn.recv(1) == b"a"
+    assert proxy.cut() == 1
+    conn.settimeout(5)
+    with pytest.raises(ConnectionResetError):
       if not conn.recv(1):
-        raise ConnectionResetError("closed")
+        raise AssertionError("a clean close, not a reset")
+
+
+def test_forget_leaves_the_client_unanswered_until_it_sends(echo):
+  with TcpProxy(echo.address) as proxy:
+    with _connect(proxy) as conn:
+      conn.sendall(b"a")
+      assert conn.recv(1) == b"a"
+      assert proxy.forget() == 1
+      conn.settimeout(0.5)
+      with pytest.raises(socket.timeout):
+        conn.recv(1)
+      conn.settimeout(5)
+      with pytest.raises(OSError):
+        for _ in range(100):  # the reset may take a round trip to show
+          conn.sendall(b"b")
+          if not conn.recv(1):
+            raise AssertionError("a clean close, not a reset")
+    with _connect(proxy) as conn:
+      conn.sendall(b"c")
+      assert conn.recv(1) == b"c"
