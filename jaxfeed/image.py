@@ -232,7 +232,8 @@ def _image_size(data: bytes, kind: str, where: str) -> tuple[int, int]:
 def decode_and_random_resized_crop(
     data: bytes, rng: np.random.Generator, size: int | tuple[int, int],
     scale: Sequence[float] = (0.08, 1.0),
-    ratio: Sequence[float] = (3 / 4, 4 / 3), channels: int = 3) -> np.ndarray:
+    ratio: Sequence[float] = (3 / 4, 4 / 3), channels: int = 3,
+    out: np.ndarray | None = None) -> np.ndarray:
   """Decodes a random crop (see `random_crop_box`) resized to `size`.
 
   JPEGs are decoded at the smallest DCT scale that keeps the crop at least
@@ -245,13 +246,17 @@ def decode_and_random_resized_crop(
     scale: (min, max) area fraction of the crop.
     ratio: (min, max) aspect ratio (width / height) of the crop.
     channels: 3 for RGB, 1 for gray.
+    out: Where to write the result: a C-contiguous uint8 array [height, width,
+      channels] (e.g. a buffer reused from image to image); None: a new one.
 
   Returns:
-    uint8 [height, width, channels].
+    uint8 [height, width, channels] (`out` when given).
   """
   where = "decode_and_random_resized_crop"
   out_h, out_w = _size_pair(size, where)
   _check_channels(channels, where, (1, 3))
+  if out is not None:
+    _check_out(out, (out_h, out_w, channels), np.uint8, where)
   kind = _format_of(data, where)
   height, width = _image_size(data, kind, where)
   top, left, crop_h, crop_w = random_crop_box(height, width, rng, scale, ratio)
@@ -268,12 +273,26 @@ def decode_and_random_resized_crop(
   else:
     decoded = _decode_png(data, channels, where)
   return _resize_box(decoded, (top, left, crop_h, crop_w), (height, width),
-                     (out_h, out_w))
+                     (out_h, out_w), out)
+
+
+def _check_out(out: Any, shape: tuple, dtype: Any, where: str) -> None:
+  """Refuses an `out` array the result cannot be written into as it is."""
+  if (not isinstance(out, np.ndarray) or out.shape != tuple(shape)
+      or out.dtype != dtype or not out.flags.c_contiguous
+      or not out.flags.writeable):
+    described = (f"a {'' if out.flags.c_contiguous else 'non-'}contiguous "
+                 f"{'' if out.flags.writeable else 'read-only '}"
+                 f"{out.dtype} array of shape {out.shape}"
+                 if isinstance(out, np.ndarray) else type(out).__name__)
+    raise ValueError(
+        f"{where}: out must be a writeable C-contiguous {np.dtype(dtype)} "
+        f"array of shape {tuple(shape)}, got {described}.")
 
 
 def _resize_box(image: np.ndarray, box: tuple[int, int, int, int],
-                full_size: tuple[int, int],
-                size: tuple[int, int]) -> np.ndarray:
+                full_size: tuple[int, int], size: tuple[int, int],
+                out: np.ndarray | None = None) -> np.ndarray:
   """Resizes `box` (in full-size pixels) of a possibly scaled-down decode."""
   _, cv2 = _modules()
   top, left, crop_h, crop_w = box
@@ -284,51 +303,94 @@ def _resize_box(image: np.ndarray, box: tuple[int, int, int, int],
   y0, x0 = round(top * scale_y), round(left * scale_x)
   y1 = max(y0 + 1, min(image.shape[0], round((top + crop_h) * scale_y)))
   x1 = max(x0 + 1, min(image.shape[1], round((left + crop_w) * scale_x)))
-  out = cv2.resize(image[y0:y1, x0:x1], (size[1], size[0]),
-                   interpolation=cv2.INTER_LINEAR)
-  return out if out.ndim == 3 else out[:, :, None]
+  crop = image[y0:y1, x0:x1]
+  if out is None:
+    out = cv2.resize(crop, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
+    return out if out.ndim == 3 else out[:, :, None]
+  # OpenCV writes into a 2-D view for one channel (it drops the axis).
+  cv2.resize(crop, (size[1], size[0]), dst=out if out.shape[2] > 1 else
+             out[:, :, 0], interpolation=cv2.INTER_LINEAR)
+  return out
 
 
-def flip_left_right(image: np.ndarray) -> np.ndarray:
-  """The image mirrored left to right ([..., height, width, channels])."""
+def flip_left_right(image: np.ndarray,
+                    out: np.ndarray | None = None) -> np.ndarray:
+  """The image mirrored left to right ([..., height, width, channels]).
+
+  Args:
+    image: The image or batch of images.
+    out: Where to write the result: a C-contiguous array of the image's shape
+      and dtype, not the image itself; None: a new one.
+  """
   image = np.asarray(image)
+  where = "flip_left_right"
+  if out is not None:
+    _check_out(out, image.shape, image.dtype, where)
+    if np.shares_memory(out, image):
+      raise ValueError(f"{where}: out must not overlap the image; pass a "
+                       "separate array.")
   if image.ndim == 3 and image.shape[2] <= 4 and image.dtype == np.uint8:
     _, cv2 = _modules()
-    out = cv2.flip(image, 1)
-    return out if out.ndim == 3 else out[:, :, None]
+    if out is not None:
+      cv2.flip(image, 1, dst=out if out.shape[2] > 1 else out[:, :, 0])
+      return out
+    flipped = cv2.flip(image, 1)
+    return flipped if flipped.ndim == 3 else flipped[:, :, None]
+  if out is not None:
+    np.copyto(out, image[..., ::-1, :])
+    return out
   return np.ascontiguousarray(image[..., ::-1, :])
 
 
-def random_flip_left_right(image: np.ndarray,
-                           rng: np.random.Generator) -> np.ndarray:
-  """The image, mirrored with probability 1/2."""
-  return flip_left_right(image) if rng.random() < 0.5 else image
+def random_flip_left_right(image: np.ndarray, rng: np.random.Generator,
+                           out: np.ndarray | None = None) -> np.ndarray:
+  """The image, mirrored with probability 1/2 (into `out` when given).
+
+  Without `out` an image that is not mirrored is returned as it is; with
+  `out` it is copied there, so the result is always `out`.
+  """
+  if rng.random() < 0.5:
+    return flip_left_right(image, out)
+  if out is not None:
+    _check_out(out, np.shape(image), np.asarray(image).dtype,
+               "random_flip_left_right")
+    np.copyto(out, image)
+    return out
+  return image
 
 
 def normalize(image: np.ndarray, mean: Sequence[float] = IMAGENET_MEAN,
-              std: Sequence[float] = IMAGENET_STD) -> np.ndarray:
+              std: Sequence[float] = IMAGENET_STD,
+              out: np.ndarray | None = None) -> np.ndarray:
   """(image - mean) / std per channel, as float32.
 
   `mean` and `std` are in the image's pixel units (0..255 for uint8); the
-  defaults are ImageNet's RGB statistics.
+  defaults are ImageNet's RGB statistics. `out`: where to write the result, a
+  C-contiguous float32 array of the image's shape (e.g. a row of a batch);
+  None: a new one.
   """
   mean = np.asarray(mean, np.float32)
   std = np.asarray(std, np.float32)
   if np.any(std == 0):
     raise ValueError(f"normalize: std must be non-zero, got {std.tolist()}.")
   inverse = 1.0 / std
-  image = np.ascontiguousarray(image)
+  image = np.asarray(image)
   channels = image.shape[-1]
   if mean.size not in (1, channels) or inverse.size not in (1, channels):
     raise ValueError(
         f"normalize: mean and std need 1 or {channels} values (the image's "
         f"channels), got {mean.size} and {inverse.size}.")
-  # Rows of width * channels values, so NumPy's inner loop runs over a whole
-  # row rather than over 3 channels at a time.
+  if out is None:
+    out = np.empty(image.shape, np.float32)
+  else:
+    _check_out(out, image.shape, np.float32, "normalize")
+  # Cast first, then scale and shift in place: NumPy's float32 loops are
+  # vectorized, while a uint8 * float32 multiply casts through a small
+  # buffer at twice the cost. Rows of width * channels values, so the inner
+  # loop runs over a whole row rather than over 3 channels at a time.
+  np.copyto(out, image, casting="unsafe")
   row = image.shape[-2] * channels if image.ndim >= 2 else channels
-  rows = image.reshape(-1, row)
-  scale = np.resize(np.broadcast_to(inverse, (channels,)), row)
-  offset = np.resize(np.broadcast_to(-mean * inverse, (channels,)), row)
-  out = np.multiply(rows, scale, dtype=np.float32)
-  out += offset
-  return out.reshape(image.shape)
+  rows = out.reshape(-1, row)
+  rows *= np.resize(np.broadcast_to(inverse, (channels,)), row)
+  rows += np.resize(np.broadcast_to(-mean * inverse, (channels,)), row)
+  return out

@@ -215,3 +215,47 @@ def test_decoding_and_resizing_release_the_gil_so_threads_overlap():
     while time.perf_counter() < deadline:
       pass
   assert spinner_count_during(hold_gil) < 100
+
+
+@pytest.mark.parametrize("channels", [3, 1])
+def test_out_arrays_receive_exactly_the_new_arrays_results(channels):
+  data = _encode(_photo(120, 160))
+  want = jim.decode_and_random_resized_crop(data, np.random.default_rng(3),
+                                            (24, 32), channels=channels)
+  slot = np.full((24, 32, channels), 7, np.uint8)
+  got = jim.decode_and_random_resized_crop(
+      data, np.random.default_rng(3), (24, 32), channels=channels, out=slot)
+  assert got is slot
+  np.testing.assert_array_equal(slot, want)
+  flipped = np.empty_like(slot)
+  assert jim.flip_left_right(slot, out=flipped) is flipped
+  np.testing.assert_array_equal(flipped, jim.flip_left_right(want))
+  for seed in range(4):  # both outcomes of the draw land in out
+    draw = np.empty_like(slot)
+    assert jim.random_flip_left_right(slot, np.random.default_rng(seed),
+                                      out=draw) is draw
+    np.testing.assert_array_equal(draw, jim.random_flip_left_right(
+        want, np.random.default_rng(seed)))
+  batch = np.zeros((2, 24, 32, channels), np.float32)
+  assert jim.normalize(slot, 10.0, 5.0, out=batch[1]).base is batch
+  np.testing.assert_array_equal(batch[1], jim.normalize(want, 10.0, 5.0))
+  assert not batch[0].any()
+
+
+def test_out_arrays_that_do_not_fit_are_refused():
+  data = _encode(_photo())
+  rng = np.random.default_rng(0)
+  with pytest.raises(ValueError, match=r"out must be a writeable C-contiguous "
+                     r"uint8 array of shape \(8, 8, 3\), got a contiguous "
+                     r"float32 array of shape \(8, 8, 3\)"):
+    jim.decode_and_random_resized_crop(data, rng, 8,
+                                       out=np.empty((8, 8, 3), np.float32))
+  with pytest.raises(ValueError, match="got a non-contiguous uint8 array"):
+    jim.decode_and_random_resized_crop(
+        data, rng, 8, out=np.empty((8, 16, 3), np.uint8)[:, ::2])
+  image = _photo(4, 5)
+  with pytest.raises(ValueError, match="must not overlap"):
+    jim.flip_left_right(image, out=image)
+  with pytest.raises(ValueError, match=r"float32 array of shape \(4, 5, 3\), "
+                     r"got list"):
+    jim.normalize(image, out=[])
