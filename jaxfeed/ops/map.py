@@ -76,6 +76,8 @@ def _map_work(fn: Callable) -> Callable[[Any, int], Any]:
 class MapIterator(parallel.ParallelMapIterator):
   """Iterator of `MapNode`."""
 
+  places_batches = True
+
   op_name = "map"
 
   def __init__(self, parent: OpIterator, fn: Callable,

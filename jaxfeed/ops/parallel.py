@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import autotune, op_stats
+from jaxfeed.ops import autotune, batch_placement, op_stats, stacking
 from jaxfeed.ops.base import (AUTOTUNE, OpIterator, PipelineStateError,
                               check_state)
 
@@ -91,16 +91,19 @@ def _worker_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
     task = tasks.get()
     if task is _STOP:
       return
-    task_generation, seq, element, seed = task
+    task_generation, seq, element, seed, slot = task
     task = None
     if task_generation != generation[0]:
       continue  # Discarded by restore() or close(): skip the work.
     start = clock()
     try:
-      result = (task_generation, seq, True, work_fn(element, seed))
+      value = work_fn(element, seed)
+      if slot is not None:
+        value = batch_placement.place(value, slot)
+      result = (task_generation, seq, True, value)
     except BaseException as exc:  # noqa: BLE001 -- re-raised in the consumer
       result = (task_generation, seq, False, exc)
-    element = None
+    element = value = slot = None
     busy[0] += clock() - start
     results.put(result)
     result = None
@@ -153,6 +156,12 @@ PROBE_INTERVAL = 256
 
 PROBE_LENGTH = 4
 """Elements timed in the consumer per probe (the fastest one counts)."""
+
+BATCH_DEPTH = 4
+"""Reading batches (`next_batch`), the executor keeps this many elements per
+thread in flight (at most a batch), not one: a worker that finishes finds
+its next element queued instead of waiting for the consumer thread to wake
+up and pull one, which on a busy machine can take a scheduler time slice."""
 
 
 def drop_replayed(parent: OpIterator, count: int, op_name: str) -> None:
@@ -239,13 +248,21 @@ class ParallelExecutor:
   op upstream, see `replays_identically`) the interval is 1 and `skip` is 0,
   so no returned element is pulled again except `consumed_ahead` ones.
 
+  Batches. `next_batch` (what a following `batch` reads) tells each task the
+  batch row its output goes to, and the worker writes it there (see
+  `jaxfeed.ops.batch_placement`); up to `BATCH_DEPTH` elements per thread are
+  then in flight.
+
   Attributes:
     parallelism: the maximum number of elements in flight (pulled from the
-      parent and not yet returned) and the number of worker threads. The
+      parent and not yet returned; more for `next_batch`) and the number of
+      worker threads. The
       autotuner may assign it, from any thread, while iterating.
     deterministic: whether outputs keep the input order.
     last_seed: the parent's seed of the element returned last.
     wait_s: seconds the consumer waited for outputs.
+    placement: where workers write outputs for `next_batch` (None until a
+      batch showed that its elements can be placed).
   """
 
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
@@ -284,6 +301,8 @@ class ParallelExecutor:
     self._work_s_estimate = 0.0
     self._probe_times: list[float] = []
     self._since_probe = PROBE_INTERVAL  # Probe the first elements.
+    self.placement: batch_placement.Placement | None = None
+    self._batch_depth = 0  # in flight for next_batch (see BATCH_DEPTH)
     self._reset_bookkeeping(consumed_ahead=())
 
   # -- configuration -----------------------------------------------------
@@ -398,19 +417,24 @@ class ParallelExecutor:
     return None
 
   def _fill(self) -> None:
-    """Pulls elements and submits work until `parallelism` are in flight."""
+    """Pulls elements and submits work until `parallelism` are in flight
+    (more while reading batches: `BATCH_DEPTH`)."""
     pending = self._pending
     generation = self._generation[0]
-    while len(pending) < self._parallelism:
+    while len(pending) < max(self._parallelism, self._batch_depth):
       pulled = self._pull()
       if pulled is None:
         return
       seq, ok, element, seed = pulled
       pending[seq] = seed
+      placement = self.placement
       if ok:
-        self._tasks.put((generation, seq, element, seed))
+        slot = None if placement is None else placement.slot(seq)
+        self._tasks.put((generation, seq, element, seed, slot))
       else:
         self._ready[seq] = (False, element)
+        if placement is not None:
+          placement.realign(seq + 1)  # the error ends its batch
       del pulled, element
 
   def _next_inline(self) -> Any:
@@ -424,11 +448,17 @@ class ParallelExecutor:
     self._mark_returned(seq)
     if not ok:
       raise value
+    # A probe between parallel stretches writes into the batch like the
+    # workers do; work cheap enough to stay here is stacked as it was.
+    placement = None if self._inline else self.placement
     start = time.perf_counter()
     try:
-      return self._work_fn(value, seed)
+      value = self._work_fn(value, seed)
     finally:
       self._judge_work_time(time.perf_counter() - start)
+    if placement is not None and seq >= placement.origin:
+      value = batch_placement.place(value, placement.slot(seq))
+    return value
 
   def _judge_work_time(self, elapsed: float) -> None:
     """Decides from one timed call whether work runs in the consumer."""
@@ -511,6 +541,60 @@ class ParallelExecutor:
 
   next = __next__
 
+  def next_batch(self, batch_size: int) -> tuple[Any, np.ndarray]:
+    """The next `batch_size` outputs as one batch (the batched-read protocol
+    of `jaxfeed.ops.stacking`, for ordered executors).
+
+    Rows the workers placed are handed out as they are when they form the
+    whole batch in order; otherwise the outputs are stacked. An output's
+    error ends the batch (the outputs before it are lost), as in `batch`.
+    """
+    self._batch_depth = min(batch_size, BATCH_DEPTH * self._parallelism)
+    placement = self.placement
+    start = self._base_seq
+    if placement is not None:
+      if placement.batch_size != batch_size:
+        placement = self.placement = None
+      elif start < placement.origin or (start - placement.origin) % batch_size:
+        placement.realign(start)  # skipped or restored mid-batch
+    outputs, seeds = [], []
+    try:
+      while len(outputs) < batch_size:
+        outputs.append(self.next())
+        seeds.append(self.last_seed)
+        if placement is None and len(outputs) == 1:
+          # From the first output on, elements pulled for the rest of this
+          # batch and for the next ones are placed.
+          self._adopt_template(outputs[0], batch_size, start)
+    except StopIteration:
+      if not outputs:
+        raise
+    except Exception:
+      if self.placement is not None:
+        self.placement.realign(self._base_seq)
+      raise
+    finally:
+      if self.placement is not None:
+        self.placement.close_before(self._base_seq)
+    batch = None if placement is None else placement.batch(outputs)
+    if batch is None:
+      elements = [o.element(copy=False) if type(o) is batch_placement.Placed
+                  else o for o in outputs]
+      batch = stacking.stack(elements)
+      if placement is not None:  # new shapes, say: place those from now on
+        self._adopt_template(elements[0], batch_size, self._base_seq)
+    return batch, np.array(seeds, dtype=np.uint64)
+
+  def _adopt_template(self, element: Any, batch_size: int,
+                      origin: int) -> None:
+    """Places rows like `element`'s, batches starting at element `origin`."""
+    placement = self.placement
+    if placement is not None and placement.template.leaves_of(element):
+      return
+    template = batch_placement.Template.of(element)
+    self.placement = None if template is None else batch_placement.Placement(
+        batch_size, template, origin)
+
   def skip(self, count: int) -> int:
     """Skips up to `count` outputs, without work when the parent can skip."""
     skip_parent = getattr(self._parent, "skip_elements", None)
@@ -553,6 +637,8 @@ class ParallelExecutor:
     self._parent.set_state(parent_state)
     drop_replayed(self._parent, skip, self._op_name)
     self._reset_bookkeeping(consumed_ahead=[o - skip for o in consumed_ahead])
+    if self.placement is not None:
+      self.placement.realign(0)
     if consumed_ahead:
       # The parent's state now is the state before the oldest unreturned.
       self._anchors.append((0, self._parent.get_state()))
@@ -596,6 +682,9 @@ class ParallelMapIterator(OpIterator):
   closed after the executor's threads."""
 
   stats_one_to_one = True
+  places_batches = False
+  """Whether a following `batch` may read through `next_batch`: one output
+  per input, so the workers can write each into its row of the batch."""
 
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
                num_parallel_calls: int | None, deterministic: bool):
@@ -618,7 +707,20 @@ class ParallelMapIterator(OpIterator):
     executor = self.executor
     if executor is None:
       return self._apply(next(self._parent))
-    return executor.next()
+    value = executor.next()
+    if type(value) is batch_placement.Placed:
+      # Read one at a time after batches: the row, as an array of its own.
+      return value.element(copy=True)
+    return value
+
+  @property
+  def next_batch(self) -> Callable[[int], tuple[Any, np.ndarray]]:
+    """The batched-read protocol (`jaxfeed.ops.stacking`) of an ordered
+    parallel op with one output per input: see `batch_placement`."""
+    executor = self.executor
+    if not self.places_batches or executor is None or not executor.deterministic:
+      raise AttributeError("next_batch")
+    return executor.next_batch
 
   @property
   def last_seed(self) -> int:

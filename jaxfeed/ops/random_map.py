@@ -144,6 +144,8 @@ def _process_work(pool: process_pool.ProcessPool) -> Callable[[Any, int], Any]:
 class RandomMapIterator(parallel.ParallelMapIterator):
   """Iterator of `RandomMapNode`."""
 
+  places_batches = True
+
   op_name = "random_map"
 
   def __init__(self, parent: OpIterator, fn: Callable,

@@ -43,7 +43,9 @@ which gathers rows with one fancy-indexing call) may implement
 
 `batch` uses it when its parent iterator has it (`hasattr(parent,
 "next_batch")`); iterators whose elements come from user code or buffers
-should not implement it.
+should not implement it, except ordered parallel `map` / `random_map`, whose
+worker threads write each output into its row of the batch
+(`jaxfeed.ops.batch_placement`).
 """
 
 from __future__ import annotations

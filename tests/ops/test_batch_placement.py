@@ -1,0 +1,141 @@
+"""Parallel map -> batch: the workers write each output into its batch row."""
+
+import weakref
+
+import numpy as np
+import pytest
+
+import op_testing
+from jaxfeed.dataset import Dataset
+from jaxfeed.ops import batch_placement
+from jaxfeed.ops import parallel
+
+
+@pytest.fixture(autouse=True)
+def on_threads(monkeypatch):
+  """Every element's work on the worker threads (none in the consumer)."""
+  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
+
+
+def image_like(x):
+  return {"pixels": np.full((5, 6, 3), x % 251, np.uint8),
+          "label": np.int64(x),
+          "extra": (np.float32(x) / 2, np.arange(x, x + 2))}
+
+
+def noisy(x, rng):
+  return {"noise": rng.random(4).astype(np.float32) + x, "x": np.asarray(x)}
+
+
+def strings_and_ints(x):
+  return {"name": b"n%d" % x, "x": x}
+
+
+def fails_on_5_and_17(x):
+  if x in (5, 17):
+    raise ValueError(f"element {x} is bad")
+  return image_like(x)
+
+
+def grows_every_10(x):
+  return np.zeros(x // 10 + 1, np.float32) + x
+
+
+def outcomes(dataset: Dataset) -> list:
+  """Each next() of the dataset's iterator: a batch, or the error's text."""
+  out = []
+  with dataset.make_iterator() as iterator:
+    while True:
+      try:
+        out.append(next(iterator))
+      except StopIteration:
+        return out
+      except ValueError as e:
+        out.append(str(e))
+
+
+def assert_same_outcomes(ours: list, theirs: list) -> None:
+  assert len(ours) == len(theirs)
+  for a, b in zip(ours, theirs):
+    if isinstance(b, str):
+      assert a == b
+    else:
+      op_testing.assert_identical_batch(a, b)
+
+
+def parallel_and_sequential(fn, n, batch_size, threads=2, random=False,
+                            skip=0):
+  def build(calls):
+    dataset = Dataset.range(n)
+    if random:
+      dataset = dataset.random_map(fn, num_parallel_calls=calls, seed=3)
+    else:
+      dataset = dataset.map(fn, num_parallel_calls=calls)
+    return dataset.skip(skip).batch(batch_size)
+  return build(threads), build(None)
+
+
+@pytest.mark.parametrize("fn,random", [(image_like, False), (noisy, True),
+                                       (strings_and_ints, False)])
+@pytest.mark.parametrize("batch_size,threads", [(4, 2), (7, 3), (1, 2)])
+def test_batches_equal_those_stacked_from_sequential_outputs(
+    fn, random, batch_size, threads):
+  ours, theirs = parallel_and_sequential(fn, 50, batch_size, threads, random)
+  assert_same_outcomes(outcomes(ours), outcomes(theirs))
+
+
+def test_a_batch_is_written_in_place_as_views_of_one_block():
+  ours, _ = parallel_and_sequential(image_like, 40, 8)
+  batches = list(ours)
+  assert batches[0]["pixels"].base is None  # the first one is stacked
+  for batch in batches[1:]:
+    block = batch["pixels"].base
+    assert block is not None and block.dtype == np.uint8
+    assert batch["label"].base is block and batch["extra"][1].base is block
+
+
+def test_batches_the_user_holds_are_never_written_again():
+  ours, theirs = parallel_and_sequential(image_like, 200, 4)
+  held = list(ours)  # far more batches than the blocks kept for reuse
+  assert len(held) > 4 * batch_placement.POOL_BLOCKS
+  assert_same_outcomes(held, list(theirs))
+
+
+def test_memory_of_dropped_batches_is_written_again():
+  ours, theirs = parallel_and_sequential(image_like, 200, 4)
+  expected = list(theirs)
+  seen, reused = [], 0
+  for i, batch in enumerate(ours):
+    op_testing.assert_identical_batch(batch, expected[i])
+    if i:
+      block = batch["pixels"].base
+      reused += any(ref() is block for ref in seen)
+      seen.append(weakref.ref(block))
+      del block
+    del batch
+  assert reused >= len(seen) - batch_placement.POOL_BLOCKS - 1
+
+
+def test_failing_elements_end_their_batch_like_sequential_batching():
+  ours, theirs = parallel_and_sequential(fails_on_5_and_17, 40, 4)
+  got = outcomes(ours)
+  assert "element 5 is bad" in got and "element 17 is bad" in got
+  assert_same_outcomes(got, outcomes(theirs))
+
+
+def test_outputs_changing_shape_batch_or_fail_like_sequential_batching():
+  ours, theirs = parallel_and_sequential(grows_every_10, 60, 4)
+  got = outcomes(ours)
+  assert any(isinstance(o, str) and "different shapes" in o for o in got)
+  assert_same_outcomes(got, outcomes(theirs))
+
+
+def test_skipped_elements_before_the_batch_keep_batches_aligned():
+  ours, theirs = parallel_and_sequential(image_like, 50, 4, skip=3)
+  assert_same_outcomes(outcomes(ours), outcomes(theirs))
+
+
+def test_resumes_exactly_from_every_batch():
+  op_testing.check_resume(
+      lambda: Dataset.range(30).map(image_like, num_parallel_calls=2).batch(4),
+      into_same_iterator=True)
