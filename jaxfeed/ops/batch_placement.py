@@ -211,6 +211,20 @@ class Placement:
     self._open.pop(first.index, None)
     return tree.unflatten(self.template.structure, arrays)
 
+  def assemble(self, elements: list) -> Any | None:
+    """A whole batch of `elements` copied into a block, if all of them fit
+    the template (else None: `stacking.stack` knows what to do)."""
+    if len(elements) != self.batch_size:
+      return None
+    rows = [self.template.leaves_of(element) for element in elements]
+    if not all(rows):
+      return None
+    arrays = self._arrays()
+    for row, leaves in enumerate(rows):
+      for array, leaf in zip(arrays, leaves):
+        array[row] = leaf
+    return tree.unflatten(self.template.structure, arrays)
+
   def _arrays(self) -> list:
     block = self._free_block()
     arrays = []

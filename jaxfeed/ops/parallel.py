@@ -580,9 +580,14 @@ class ParallelExecutor:
     if batch is None:
       elements = [o.element(copy=False) if type(o) is batch_placement.Placed
                   else o for o in outputs]
-      batch = stacking.stack(elements)
-      if placement is not None:  # new shapes, say: place those from now on
-        self._adopt_template(elements[0], batch_size, self._base_seq)
+      if self.placement is not None:
+        # Not placed as a whole (the first batch, say): copied into a block
+        # all the same, rather than onto fresh pages.
+        batch = self.placement.assemble(elements)
+      if batch is None:
+        batch = stacking.stack(elements)
+        if placement is not None:  # new shapes, say: place those from now on
+          self._adopt_template(elements[0], batch_size, self._base_seq)
     return batch, np.array(seeds, dtype=np.uint64)
 
   def _adopt_template(self, element: Any, batch_size: int,
