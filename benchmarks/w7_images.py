@@ -7,20 +7,25 @@ file. Every system parses each Example, decodes a random resized crop to
 it to float32 and batches 128:
 
   * jaxfeed: TFRecordSource -> random_map(jaxfeed.example + jaxfeed.image,
-    threads) -> batch; jaxfeed-normalize-batches: the same with normalize
-    moved after the batch (uint8 images, one float32 array per batch,
-    normalized on the same threads); jaxfeed-uint8: no normalize on the host
-    (uint8 batches, a quarter of the bytes, for a jitted step to normalize
-    on the accelerator). The flip is a view: batching copies anyway.
+    threads) -> batch (the threads write each image into its batch row);
+    jaxfeed-normalize-batches: the same with normalize moved after the batch
+    (uint8 images, one float32 array per batch, normalized on the same
+    threads); jaxfeed-uint8: no normalize on the host (uint8 batches, a
+    quarter of the bytes, for a jitted step to normalize on the accelerator).
   * tf.data: TFRecordDataset -> map(tf.io.parse_single_example,
     tf.image.sample_distorted_bounding_box + decode_and_crop_jpeg + resize,
     flip, normalize; AUTOTUNE) -> batch -> prefetch.
   * grain: MapDataset over the same records -> random_map (Pillow: draft,
     crop-resize, flip, normalize) -> batch, in worker processes.
-  * decode-limit: one core's rate of the jaxfeed decode + crop in a bare loop
-    times the cores this process may use (the most a decoder-bound pipeline
-    can do); transform-limit: the same for the whole per-image transform
-    (parse, decode + crop, flip, normalize).
+  * limit: one core's rate in a bare loop doing the work the jaxfeed
+    pipeline is asked to do, times the cores this process may use: from
+    records in memory, parse, decode + random resized crop, flip, normalize
+    to float32, into the rows of a batch array (as fast as one thread can:
+    reused buffers, `out=` arrays, no per-image allocation);
+    limit-uint8: the same without the normalize (uint8 batches), the limit
+    of jaxfeed-uint8; decode-limit: decode + crop alone (uint8, a new array
+    per image), for reference. A test checks that the limit's loop gives the
+    pipeline's batches.
 
 Prints one JSON line per system and repetition: images/s, and for the
 in-process systems the CPU time per image (all threads), which a machine
@@ -31,13 +36,14 @@ have their ratio to the best peer and to the limits, by rate and by CPU time
 in turn, and a last line gives each ratio's median.
 
   python -m benchmarks.w7_images [--records 10000] [--epochs 2] [--repeats 3]
-      [--systems ...]
+      [--systems ...] [--limit-seconds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import os
 import statistics
@@ -90,11 +96,8 @@ def jaxfeed_uint8_transform(record: bytes, rng: np.random.Generator) -> dict:
   example = jaxfeed.parse_single_example(record, images_data.FEATURES)
   pixels = image.decode_and_random_resized_crop(
       example["image/encoded"].item(), rng, SIZE, SCALE, RATIO)
-  # The same draw as image.random_flip_left_right, but a view: the batch
-  # copies every image once anyway, and a copy here costs fresh pages.
-  if rng.random() < 0.5:
-    pixels = pixels[:, ::-1]
-  return {"image": pixels, "label": example["image/class/label"]}
+  return {"image": image.random_flip_left_right(pixels, rng),
+          "label": example["image/class/label"]}
 
 
 def normalize_batch(batch: dict) -> dict:
@@ -182,29 +185,72 @@ def grain_dataset(path: str, workers: int):
   return dataset
 
 
-def bare_limit(path: str, cores: int, whole_transform: bool,
+class BareBatches:
+  """The pipeline's work in a bare loop on one thread: batches of `BATCH`
+  images (float32 normalized, or uint8 without `normalized`) and labels.
+
+  Everything is written into arrays made once: the two uint8 images between
+  steps and the batch itself, which `batch()` returns and overwrites next
+  time.
+  """
+
+  def __init__(self, normalized: bool):
+    self.normalized = normalized
+    self.cropped = np.empty((SIZE, SIZE, 3), np.uint8)
+    self.flipped = np.empty((SIZE, SIZE, 3), np.uint8)
+    self.images = np.empty((BATCH, SIZE, SIZE, 3),
+                           np.float32 if normalized else np.uint8)
+    self.labels = np.empty(BATCH, np.int64)
+
+  def batch(self, records, rngs) -> dict:
+    """The batch of up to `BATCH` records, each with its generator."""
+    from examples import images_data
+    from jaxfeed import image
+    import jaxfeed
+    row = -1
+    for row, (record, rng) in enumerate(zip(records, rngs)):
+      example = jaxfeed.parse_single_example(record, images_data.FEATURES)
+      pixels = image.decode_and_random_resized_crop(
+          example["image/encoded"].item(), rng, SIZE, SCALE, RATIO,
+          out=self.cropped)
+      if self.normalized:
+        image.normalize(image.random_flip_left_right(pixels, rng,
+                                                     out=self.flipped),
+                        out=self.images[row])
+      else:
+        image.random_flip_left_right(pixels, rng, out=self.images[row])
+      self.labels[row] = example["image/class/label"]
+    return {"image": self.images[:row + 1], "label": self.labels[:row + 1]}
+
+
+def bare_limit(path: str, cores: int, kind: str,
                seconds: float = 5.0) -> dict:
   """One core's rate in a bare loop, times `cores`.
 
-  Decode + crop only (the jaxfeed decoder), or with `whole_transform` the
-  whole per-image transform of the jaxfeed pipeline.
+  `kind`: "limit" (the work of the jaxfeed pipeline: parse, decode + crop,
+  flip, normalize, into batches), "limit-uint8" (the same without the
+  normalize) or "decode-limit" (decode + crop alone).
   """
   import jaxfeed
   from jaxfeed import image
   from examples import images_data
   source = jaxfeed.TFRecordSource(path)
-  records = source.get_many(np.arange(min(500, len(source))))
+  records = source.get_many(np.arange(min(512, len(source))))
   jpegs = [jaxfeed.parse_single_example(r, images_data.FEATURES)[
       "image/encoded"].item() for r in records]
   rng = np.random.default_rng(0)
+  bare = BareBatches(normalized=kind == "limit")
+  # A warm-up batch maps the batch array's pages (the pipeline's first
+  # epoch, a warm-up too, maps the blocks it reuses).
+  bare.batch(records[:BATCH], itertools.repeat(rng))
   count, start, cpu = 0, time.perf_counter(), time.process_time()
   while time.perf_counter() - start < seconds:
-    if whole_transform:
-      for record in records:
-        jaxfeed_transform(record, rng)
-    else:
+    if kind == "decode-limit":
       for jpeg in jpegs:
         image.decode_and_random_resized_crop(jpeg, rng, SIZE, SCALE, RATIO)
+    else:
+      for first in range(0, len(records), BATCH):
+        bare.batch(records[first:first + BATCH], itertools.repeat(rng))
     count += len(jpegs)
   one_core = count / (time.perf_counter() - start)
   return {"rate": one_core * cores, "one_core_rate": round(one_core, 1),
@@ -252,17 +298,35 @@ def thread_scaling(path: str, seconds: float = 3.0) -> dict:
   return {"1_thread": round(run(1), 1), "2_threads": round(run(2), 1)}
 
 
+JAXFEED_MODES = (  # system, jaxfeed_dataset mode, the limit doing its work
+    ("jaxfeed", "per-image", "limit"),
+    ("jaxfeed-normalize-batches", "batches", "limit"),
+    ("jaxfeed-uint8", "uint8", "limit-uint8"),
+)
+
+
 def run_once(args, path: str, cores: int, threads: int) -> dict:
-  """Measures every system and limit once; prints and returns the ratios."""
+  """Measures every system and limit once; prints and returns the ratios.
+
+  Each limit is measured right before the jaxfeed systems it bounds, so that
+  a ratio compares measurements taken under about the same machine load.
+  """
   count = lambda batch: len(batch["label"])
-  results, extra = {}, {}
+  results, extra, limits = {}, {}, {}
+
+  def measure_limit(name: str) -> None:
+    if "limit" in args.systems and name not in limits:
+      limits[name] = bare_limit(path, cores, name, args.limit_seconds)
+      limits[name]["load_avg_1m"] = round(os.getloadavg()[0], 1)
+
+  measure_limit("limit")
   if "jaxfeed" in args.systems:
-    for name, mode in (("jaxfeed", "per-image"),
-                       ("jaxfeed-normalize-batches", "batches"),
-                       ("jaxfeed-uint8", "uint8")):
+    for name, mode, limit in JAXFEED_MODES:
+      measure_limit(limit)
       dataset = jaxfeed_dataset(path, threads, mode)
       results[name] = measure_cpu(lambda: iter(dataset), count, args.epochs)
-      extra[name] = {"threads": threads}
+      extra[name] = {"threads": threads, "limit": limit,
+                     "load_avg_1m": round(os.getloadavg()[0], 1)}
     extra["jaxfeed"]["thread_scaling"] = thread_scaling(path)
   if "tf.data" in args.systems:
     dataset = tf_dataset(path)
@@ -273,22 +337,22 @@ def run_once(args, path: str, cores: int, threads: int) -> dict:
     results["grain"] = harness.measure(lambda: iter(dataset), count,
                                        args.epochs)
     extra["grain"] = {"workers": cores}
-  limits = {}
-  if "limit" in args.systems:
-    limits["decode-limit"] = bare_limit(path, cores, whole_transform=False)
-    limits["transform-limit"] = bare_limit(path, cores, whole_transform=True)
+  measure_limit("decode-limit")
   ratios = {}
-  for system in [s for s in results if s.startswith("jaxfeed")]:
-    mine = results[system]
-    for name, limit in limits.items():
-      ratios[f"{system} ratio_vs_{name}"] = round(mine["rate"] / limit["rate"],
-                                                  3)
-      ratios[f"{system} cpu_ratio_vs_{name}"] = round(
-          limit["cpu_us_per_image"] / mine["cpu_us_per_image"], 3)
+  for name, _, limit_name in JAXFEED_MODES:
+    if name not in results:
+      continue
+    mine = results[name]
+    for other in (limit_name, "decode-limit"):
+      if other in limits:
+        ratios[f"{name} ratio_vs_{other}"] = round(
+            mine["rate"] / limits[other]["rate"], 3)
+        ratios[f"{name} cpu_ratio_vs_{other}"] = round(
+            limits[other]["cpu_us_per_image"] / mine["cpu_us_per_image"], 3)
     if "tf.data" in results:
-      ratios[f"{system} ratio_vs_tf.data"] = round(
+      ratios[f"{name} ratio_vs_tf.data"] = round(
           mine["rate"] / results["tf.data"]["rate"], 3)
-      ratios[f"{system} cpu_ratio_vs_tf.data"] = round(
+      ratios[f"{name} cpu_ratio_vs_tf.data"] = round(
           results["tf.data"]["cpu_us_per_image"] / mine["cpu_us_per_image"], 3)
   for key, value in ratios.items():
     system, ratio = key.split(" ")
@@ -309,6 +373,8 @@ def main() -> None:
                       default=["jaxfeed", "tf.data", "grain", "limit"])
   parser.add_argument("--threads", type=int, default=0,
                       help="jaxfeed's decode threads (0: the usable cores)")
+  parser.add_argument("--limit-seconds", type=float, default=5.0,
+                      help="how long each limit's bare loop runs")
   args = parser.parse_args()
   cores = len(os.sched_getaffinity(0))
   threads = args.threads or cores
