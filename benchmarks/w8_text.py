@@ -17,8 +17,11 @@ rows of 512 tokens:
 
 Prints one JSON line per system: real (non-padding) tokens/s, the median of
 the timed epochs after a warm-up (an epoch is `--batches` batches), the
-padding fraction and peak RSS; the jaxfeed lines add the ratio to the best
-peer and to Grain, and the load average before and after the run.
+padding fraction, peak RSS and `tokens_per_cpu_second` (real tokens over
+this process's CPU time, warm-up epochs included: the cost, which load from
+other processes does not change much; every system runs in this process);
+the jaxfeed lines add the ratio to the best peer and to Grain. Every line
+gives the load average before and after the run.
 
   python -m benchmarks.w8_text [--epochs 3] [--batches 100] [--repeats 1] [--no-peers]
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import time
 
 import numpy as np
 
@@ -157,6 +161,7 @@ def main() -> None:
   epochs = {name: make(corpora, args.batches) for name, make in systems.items()}
   runs = {name: [] for name in systems}
   padding = {name: [0, 0] for name in systems}
+  cpu = {name: 0.0 for name in systems}
   load = os.getloadavg()
   # Systems take turns, so load from other processes hits them alike.
   for _ in range(args.repeats):
@@ -167,12 +172,15 @@ def main() -> None:
         padding[0] += tokens
         padding[1] += _slots(batch)
         return tokens
+      start = time.process_time()
       runs[name].append(harness.measure(epoch, count, args.epochs))
+      cpu[name] += time.process_time() - start
   load = [round(x, 1) for x in load + os.getloadavg()]
   results, extra = {}, {}
   for name, measured in runs.items():
     results[name] = sorted(measured, key=lambda r: r["rate"])[len(measured) // 2]
     extra[name] = {"padding_fraction": round(1 - padding[name][0] / padding[name][1], 4),
+                   "tokens_per_cpu_second": round(padding[name][0] / cpu[name]),
                    "load_average_before_after": load}
     if args.repeats > 1:
       extra[name]["rate_per_repeat"] = [round(r["rate"]) for r in measured]
