@@ -160,8 +160,11 @@ def main() -> None:
   parser.add_argument("--only", default="",
                       help="comma-separated configurations (default: all)")
   args = parser.parse_args()
-  configs = {name: CONFIGS[name] for name in
-             (args.only.split(",") if args.only else CONFIGS)}
+  names = args.only.split(",") if args.only else list(CONFIGS)
+  unknown = sorted(set(names) - set(CONFIGS))
+  if unknown:
+    parser.error(f"--only: no configuration {unknown}; choose from {list(CONFIGS)}")
+  configs = {name: CONFIGS[name] for name in names}
   import jaxfeed  # pylint: disable=g-import-not-at-top
   documents = lm_data.code_documents() + lm_data.prose_documents()
   # Interleave the corpora, then take documents up to the requested size.
