@@ -1,6 +1,6 @@
 """`Dataset.mix` / `MixtureSampler`: the index-level mixture — a pure function
 of (seed, position, weights), exact proportions, weights changed at a
-checkpoint, and resumes on another number of processes."""
+checkpoint, resumes in a new process and on another number of processes."""
 
 import collections
 import json
