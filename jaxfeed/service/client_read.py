@@ -169,8 +169,11 @@ class ReadState:
     for task_id, task in listed.items():
       old = self.fetchers.get(task_id)
       if old is not None:
-        if task.data_address and not old.task.data_address:
-          old.task = task  # its worker registered again: its next connection uses it
+        if task.data_address != old.task.data_address:
+          # Its worker registered again (after a restart: at a new data
+          # address, and perhaps without the task): the next connection
+          # goes there and learns which.
+          old.task = task
         old.kick_if_stalled(now)
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
