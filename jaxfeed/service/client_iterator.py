@@ -232,7 +232,10 @@ class DistributedIterator(base.OpIterator):
     kwargs = None
     try:
       if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
-        kwargs = {"progress": read_state.SplitProgress(state["splits"])}
+        # A state not marked by a restore (`read_state.merge_process_states`)
+        # is this consumer's alone: its own restore.
+        kwargs = {"progress": read_state.SplitProgress(
+            state["splits"], state.get("restore_id") or read_state.new_restore_id())}
       elif self._read.streams is not None and isinstance(state, dict) and "streams" in state:
         _check_index_based(node)
         kwargs = {"streams": stream_state.StreamProgress(state["streams"])}

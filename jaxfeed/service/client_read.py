@@ -117,7 +117,8 @@ class ReadState:
                                     pb.GetOrCreateJobResponse, node.auth_token)
       job_name, done, partial = node.job_name or "", *self.progress.resume_ranges
       if job_name and self.progress.resumed_from:
-        job_name = read_state.resume_job_name(job_name, self.progress.resumed_from)
+        job_name = read_state.resume_job_name(job_name, self.progress.resumed_from,
+                                              self.progress.restore_id)
       try:
         job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=node.policy.value,

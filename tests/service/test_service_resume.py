@@ -16,6 +16,7 @@ import os
 import subprocess
 import threading
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -257,6 +258,56 @@ def test_consumers_of_a_shared_job_resume_it_together_exactly_once(cluster):
     for consumer in consumers:
       consumer.close()
   got = collections.Counter(np.concatenate(taken + rest[0] + rest[1]).tolist())
+  assert got == collections.Counter(range(120))
+
+
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_a_shared_read_restored_twice_from_one_checkpoint_reads_the_rest_each_time(
+    cluster, consumers):
+  # The first restore's job goes on and stays (job_gc_timeout_s) after its
+  # consumers leave: the second restore must not join it.
+  dispatcher = cluster("dispatcher", "--port=0", "--split_size=6", "--job_gc_timeout_s=600")
+  for _ in range(2):
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+  dataset = jaxfeed.Dataset.range(120).batch(4).distribute(
+      dispatcher.address, "distributed_epoch", job_name="twice", visitation="exactly_once",
+      max_outstanding_requests=2)
+
+  def read(states: list, batches: int | None) -> list:
+    iterators = [dataset.make_iterator() for _ in states]
+    try:
+      for iterator, state in zip(iterators, states):
+        if state is not None:
+          iterator.set_state(state)
+      if batches is not None:
+        taken = [next(i) for i in iterators for _ in range(batches)]
+        time.sleep(2)  # training on: the heartbeats acknowledge what arrived
+        return taken
+      got = [None] * len(iterators)
+      threads = [threading.Thread(target=lambda k: got.__setitem__(k, list(iterators[k])),
+                                  args=(k,)) for k in range(len(iterators))]
+      for thread in threads:
+        thread.start()
+      for thread in threads:
+        thread.join(timeout=120)
+      assert not any(thread.is_alive() for thread in threads)
+      return [b for batches_of_one in got for b in batches_of_one]
+    finally:
+      states[:] = [i.get_state() for i in iterators]
+      for iterator in iterators:
+        iterator.close()
+
+  saved = [None] * consumers
+  taken = read(saved, 3)  # the checkpoint: what each process saved
+
+  def restore() -> list:
+    # As a Loader's restore does: one consumer restores its own state; the
+    # consumers of a shared job restore the merge of theirs, marked anew.
+    return list(saved) if consumers == 1 else read_state.merge_process_states(saved)
+
+  read(restore(), 4)  # preempted again, after 4 batches more each
+  rest = read(restore(), None)
+  got = collections.Counter(np.concatenate(taken + rest).tolist())
   assert got == collections.Counter(range(120))
 
 
