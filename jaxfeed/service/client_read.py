@@ -51,6 +51,7 @@ class ReadState:
     self.streams = streams or (stream_state.StreamProgress()
                                if follows_streams(node) else None)
     self._first_tasks = True  # no task listed yet
+    self.job_started = time.monotonic()  # reset once the job exists
     self.stop = threading.Event()
     self.wake = threading.Event()  # heartbeat now rather than at the interval
     self.lock = threading.Lock()
