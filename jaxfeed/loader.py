@@ -388,7 +388,8 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
       `jax.ShapeDtypeStruct`s) giving the shapes, dtypes and shardings.
     restore_loader: False leaves the loader where it is and restores only
       the model (e.g. a service read that cannot resume at a position: one
-      not `distributed_epoch` with `visitation="exactly_once"`, see
+      neither `distributed_epoch` with `visitation="exactly_once"` nor an
+      unshared `parallel_epochs` read of an index-based pipeline, see
       docs/service.md, "Resuming a read").
 
   Returns:
