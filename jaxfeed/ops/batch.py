@@ -82,7 +82,8 @@ class BatchIterator(base.OpIterator):
     return {"elements": self._batches}
 
   def __next__(self) -> Any:
-    if self._next_batch is not None:
+    if self._next_batch is not None and not getattr(
+        self.parents[0], "batched_reads_declined", False):
       batch, seeds = self._next_batch(self._batch_size)
       if len(seeds) < self._batch_size and self._drop_remainder:
         raise StopIteration

@@ -35,7 +35,13 @@ import numpy as np
 
 from jaxfeed.ops import tree
 
-__all__ = ["Template", "Placed", "Placement", "place", "POOL_BLOCKS"]
+__all__ = ["Template", "Placed", "Placement", "place", "POOL_BLOCKS",
+           "MIN_ELEMENT_BYTES"]
+
+MIN_ELEMENT_BYTES = 64 << 10
+"""Elements smaller than this are stacked, not placed: stacking copies a
+small element in C for less than the Python that places it costs, and
+batches of them come from memory the allocator already has."""
 
 POOL_BLOCKS = 4
 """Blocks kept for reuse: the batch being filled, the next, and those the
@@ -68,12 +74,14 @@ def _describe(value: Any, leaves: list) -> Any:
 class Template:
   """The structure, shapes and dtypes every placed element must have."""
 
-  __slots__ = ("structure", "signature", "specs")
+  __slots__ = ("structure", "signature", "specs", "nbytes")
 
   def __init__(self, structure: Any, signature: Any, specs: list):
     self.structure = structure
     self.signature = signature
     self.specs = specs  # [(shape, dtype)] in `tree.flatten` order
+    self.nbytes = sum(int(np.prod(shape)) * dtype.itemsize
+                      for shape, dtype in specs)
 
   @classmethod
   def of(cls, element: Any) -> "Template | None":

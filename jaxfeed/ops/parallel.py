@@ -302,6 +302,7 @@ class ParallelExecutor:
     self._probe_times: list[float] = []
     self._since_probe = PROBE_INTERVAL  # Probe the first elements.
     self.placement: batch_placement.Placement | None = None
+    self.placement_declined = False  # outputs that stacking handles best
     self._batch_depth = 0  # in flight for next_batch (see BATCH_DEPTH)
     self._reset_bookkeeping(consumed_ahead=())
 
@@ -558,14 +559,17 @@ class ParallelExecutor:
       elif start < placement.origin or (start - placement.origin) % batch_size:
         placement.realign(start)  # skipped or restored mid-batch
     outputs, seeds = [], []
+    next_output, append, append_seed = self.next, outputs.append, seeds.append
     try:
-      while len(outputs) < batch_size:
-        outputs.append(self.next())
-        seeds.append(self.last_seed)
-        if placement is None and len(outputs) == 1:
-          # From the first output on, elements pulled for the rest of this
-          # batch and for the next ones are placed.
-          self._adopt_template(outputs[0], batch_size, start)
+      append(next_output())
+      append_seed(self.last_seed)
+      if placement is None:
+        # From the first output on, elements pulled for the rest of this
+        # batch and for the next ones are placed.
+        self._adopt_template(outputs[0], batch_size, start)
+      for _ in range(batch_size - 1):
+        append(next_output())
+        append_seed(self.last_seed)
     except StopIteration:
       if not outputs:
         raise
@@ -597,8 +601,11 @@ class ParallelExecutor:
     if placement is not None and placement.template.leaves_of(element):
       return
     template = batch_placement.Template.of(element)
-    self.placement = None if template is None else batch_placement.Placement(
-        batch_size, template, origin)
+    if template is None or template.nbytes < batch_placement.MIN_ELEMENT_BYTES:
+      self.placement = None
+      self.placement_declined = placement is None  # the first batch decides
+      return
+    self.placement = batch_placement.Placement(batch_size, template, origin)
 
   def skip(self, count: int) -> int:
     """Skips up to `count` outputs, without work when the parent can skip."""
@@ -726,6 +733,13 @@ class ParallelMapIterator(OpIterator):
     if not self.places_batches or executor is None or not executor.deterministic:
       raise AttributeError("next_batch")
     return executor.next_batch
+
+  @property
+  def batched_reads_declined(self) -> bool:
+    """Whether `batch` should read one element at a time after all: the
+    outputs are not worth placing (see `batch_placement.MIN_ELEMENT_BYTES`),
+    and next() per element costs less than `next_batch`'s bookkeeping."""
+    return self.executor is not None and self.executor.placement_declined
 
   @property
   def last_seed(self) -> int:

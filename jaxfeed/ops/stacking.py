@@ -42,10 +42,11 @@ which gathers rows with one fancy-indexing call) may implement
   `next()`: `get_state()`, `last_seed` (`seeds[-1]`) and later reads agree.
 
 `batch` uses it when its parent iterator has it (`hasattr(parent,
-"next_batch")`); iterators whose elements come from user code or buffers
-should not implement it, except ordered parallel `map` / `random_map`, whose
-worker threads write each output into its row of the batch
-(`jaxfeed.ops.batch_placement`).
+"next_batch")`) and does not say `batched_reads_declined`; iterators whose
+elements come from user code or buffers should not implement it, except
+ordered parallel `map` / `random_map`, whose worker threads write each
+output into its row of the batch (`jaxfeed.ops.batch_placement`), and which
+decline when the outputs are too small for that to pay.
 """
 
 from __future__ import annotations

@@ -11,10 +11,15 @@ from jaxfeed.ops import batch_placement
 from jaxfeed.ops import parallel
 
 
+DEFAULT_MIN_ELEMENT_BYTES = batch_placement.MIN_ELEMENT_BYTES
+
+
 @pytest.fixture(autouse=True)
 def on_threads(monkeypatch):
-  """Every element's work on the worker threads (none in the consumer)."""
+  """Every element's work on the worker threads (none in the consumer), and
+  small elements placed too."""
   monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
+  monkeypatch.setattr(batch_placement, "MIN_ELEMENT_BYTES", 0)
 
 
 def image_like(x):
@@ -92,6 +97,18 @@ def test_whole_batches_are_views_of_one_block():
     block = batch["pixels"].base
     assert block is not None and block.dtype == np.uint8
     assert batch["label"].base is block and batch["extra"][1].base is block
+
+
+def test_small_elements_are_stacked_and_large_ones_placed(monkeypatch):
+  monkeypatch.setattr(batch_placement, "MIN_ELEMENT_BYTES",
+                      DEFAULT_MIN_ELEMENT_BYTES)
+  small, _ = parallel_and_sequential(image_like, 40, 8)
+  assert all(batch["pixels"].base is None for batch in small)
+  large, theirs = parallel_and_sequential(
+      lambda x: np.full(DEFAULT_MIN_ELEMENT_BYTES, x % 251, np.uint8), 40, 8)
+  batches = list(large)
+  assert all(batch.base is not None for batch in batches)
+  assert_same_outcomes(batches, list(theirs))
 
 
 def test_batches_the_user_holds_are_never_written_again():
