@@ -24,7 +24,9 @@ it to float32 and batches 128:
     reused buffers, `out=` arrays, no per-image allocation);
     limit-uint8: the same without the normalize (uint8 batches), the limit
     of jaxfeed-uint8; decode-limit: decode + crop alone (uint8, a new array
-    per image), for reference. A test checks that the limit's loop gives the
+    per image), for reference; limit-in-processes: the limit's loop run in
+    that many processes at once, what a machine shared with other work
+    actually gives it. A test checks that the limit's loop gives the
     pipeline's batches.
 
 Prints one JSON line per system and repetition: images/s, and for the
@@ -224,12 +226,13 @@ class BareBatches:
 
 
 def bare_limit(path: str, cores: int, kind: str,
-               seconds: float = 5.0) -> dict:
+               seconds: float = 5.0, ready=None) -> dict:
   """One core's rate in a bare loop, times `cores`.
 
   `kind`: "limit" (the work of the jaxfeed pipeline: parse, decode + crop,
   flip, normalize, into batches), "limit-uint8" (the same without the
-  normalize) or "decode-limit" (decode + crop alone).
+  normalize) or "decode-limit" (decode + crop alone). `ready()`, if given, is
+  called after the warm-up, right before the timed loop.
   """
   import jaxfeed
   from jaxfeed import image
@@ -243,6 +246,8 @@ def bare_limit(path: str, cores: int, kind: str,
   # A warm-up batch maps the batch array's pages (the pipeline's first
   # epoch, a warm-up too, maps the blocks it reuses).
   bare.batch(records[:BATCH], itertools.repeat(rng))
+  if ready is not None:
+    ready()
   count, start, cpu = 0, time.perf_counter(), time.process_time()
   while time.perf_counter() - start < seconds:
     if kind == "decode-limit":
@@ -256,6 +261,31 @@ def bare_limit(path: str, cores: int, kind: str,
   return {"rate": one_core * cores, "one_core_rate": round(one_core, 1),
           "cores": cores, "cpu_us_per_image": round(
               (time.process_time() - cpu) / count * 1e6, 1)}
+
+
+def _bare_limit_worker(path, kind, seconds, barrier, results) -> None:
+  results.put(bare_limit(path, 1, kind, seconds, ready=barrier.wait))
+
+
+def bare_limit_in_processes(path: str, cores: int, kind: str,
+                            seconds: float = 5.0) -> dict:
+  """The bare loop of `bare_limit` in `cores` processes at once (no GIL
+  shared): what the machine gives this work now, against which "one core
+  times the cores" can be checked on a machine shared with other work."""
+  import multiprocessing
+  context = multiprocessing.get_context("spawn")
+  barrier, results = context.Barrier(cores), context.Queue()
+  workers = [context.Process(target=_bare_limit_worker,
+                             args=(path, kind, seconds, barrier, results))
+             for _ in range(cores)]
+  for worker in workers:
+    worker.start()
+  rates = [results.get() for _ in workers]
+  for worker in workers:
+    worker.join()
+  return {"rate": round(sum(r["one_core_rate"] for r in rates), 1),
+          "processes": cores, "cpu_us_per_image": round(statistics.mean(
+              r["cpu_us_per_image"] for r in rates), 1)}
 
 
 def measure_cpu(make_epoch, count, epochs: int) -> dict:
@@ -320,6 +350,10 @@ def run_once(args, path: str, cores: int, threads: int) -> dict:
       limits[name]["load_avg_1m"] = round(os.getloadavg()[0], 1)
 
   measure_limit("limit")
+  if "limit" in args.systems:
+    limits["limit-in-processes"] = bare_limit_in_processes(
+        path, cores, "limit", args.limit_seconds)
+    limits["limit-in-processes"]["load_avg_1m"] = round(os.getloadavg()[0], 1)
   if "jaxfeed" in args.systems:
     for name, mode, limit in JAXFEED_MODES:
       measure_limit(limit)
@@ -343,7 +377,9 @@ def run_once(args, path: str, cores: int, threads: int) -> dict:
     if name not in results:
       continue
     mine = results[name]
-    for other in (limit_name, "decode-limit"):
+    for other in (limit_name, "decode-limit", "limit-in-processes"):
+      if other == "limit-in-processes" and limit_name != "limit":
+        continue
       if other in limits:
         ratios[f"{name} ratio_vs_{other}"] = round(
             mine["rate"] / limits[other]["rate"], 3)
