@@ -3,11 +3,13 @@ splits that grow with a job, and the load simulator (benchmarks.dispatcher_scale
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 
+import grpc
 import numpy as np
 import psutil
 import pytest
@@ -166,3 +168,37 @@ def test_load_simulator_reports_every_field_without_failures():
   assert result["journal_bytes_per_s"] > 0  # splits and acknowledgments are journaled
   assert not [p for p in psutil.Process().children(recursive=True)
               if p.pid not in children_before]
+
+
+def test_every_goodbye_of_a_pod_sized_burst_is_answered():
+  # 3,000 clients of one job say goodbye at once, as a pod's hosts do at the
+  # end of a job. gRPC by default holds 1,000 calls for the Python server and
+  # answers the rest of such a burst CANCELLED.
+  server = dispatcher_lib.DispatchServer(dispatcher_lib.DispatcherConfig())
+  try:
+    dataset_id = server.state.register_dataset(_dataset_def())
+    joined = [server.state.get_or_create_job(pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="pod"))
+              for _ in range(3000)]
+
+    async def say_goodbyes() -> list[str]:
+      async with grpc.aio.insecure_channel(server.target) as channel:
+        release = channel.unary_unary(
+            f"/{dispatcher_lib.SERVICE_NAME}/ReleaseJobClient",
+            request_serializer=pb.ReleaseJobClientRequest.SerializeToString,
+            response_deserializer=pb.ReleaseJobClientResponse.FromString)
+
+        async def goodbye(job_id: int, client_id: int) -> str:
+          try:
+            await release(pb.ReleaseJobClientRequest(job_id=job_id, client_id=client_id),
+                          timeout=60, wait_for_ready=True)
+            return "OK"
+          except grpc.aio.AioRpcError as e:
+            return e.code().name
+        return await asyncio.gather(*(goodbye(*ids) for ids in joined))
+
+    outcomes = asyncio.run(say_goodbyes())
+    assert {o: outcomes.count(o) for o in set(outcomes)} == {"OK": 3000}
+    assert not server.state.jobs[joined[0][0]].clients
+  finally:
+    server.stop()
