@@ -202,3 +202,33 @@ def test_every_goodbye_of_a_pod_sized_burst_is_answered():
     assert not server.state.jobs[joined[0][0]].clients
   finally:
     server.stop()
+
+
+def test_worker_gets_its_tasks_clients_only_when_they_changed():
+  state = _state()
+  _register_workers(state, 1)
+  dataset_id = state.register_dataset(_dataset_def())
+  join = lambda: state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared"))
+  job_id, first = join()
+  task_id = next(iter(state.jobs[job_id].tasks))
+  heartbeat = lambda version: state.worker_heartbeat(pb.WorkerHeartbeatRequest(
+      worker_address="w0:1", current_tasks=[task_id], known_clients_version=version))
+  listed = heartbeat(0)
+  assert [(t.task_id, list(t.client_ids)) for t in listed.task_clients] == [(task_id, [first])]
+  assert listed.clients_version and not listed.clients_unchanged
+  again = heartbeat(listed.clients_version)
+  assert again.clients_unchanged and not again.task_clients
+  assert again.clients_version == listed.clients_version
+  _, second = join()  # a client joins: every list again
+  grown = heartbeat(listed.clients_version)
+  assert not grown.clients_unchanged
+  assert [list(t.client_ids) for t in grown.task_clients] == [sorted([first, second])]
+  state.release_client(job_id, first)
+  shrunk = heartbeat(grown.clients_version)
+  assert [list(t.client_ids) for t in shrunk.task_clients] == [[second]]
+  # A version of another dispatcher process never matches.
+  other = _state()
+  assert other.clients_version != state.clients_version
+  state.close()
+  other.close()
