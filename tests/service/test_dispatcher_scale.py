@@ -24,7 +24,8 @@ from service_cluster import REPO_ROOT
 RESULT_FIELDS = (
     "workers", "clients", "parties", "seconds", "rpcs_per_s", "rpcs", "latency_ms",
     "handler_ms", "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
-    "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s")
+    "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s", "dispatcher_gc",
+    "simulator_loop_lag_ms")
 RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
              "ReleaseJobClient")
 
@@ -166,6 +167,8 @@ def test_load_simulator_reports_every_field_without_failures():
   assert result["rpcs"]["GetOrCreateJob"] == 40
   assert result["restart_replay_s"] > 0 and result["dispatcher_rss_mb"] > 0
   assert result["journal_bytes_per_s"] > 0  # splits and acknowledgments are journaled
+  assert result["dispatcher_gc"]["collections"] > 0  # a 3 s window of calls collects
+  assert result["simulator_loop_lag_ms"]["max"] >= result["simulator_loop_lag_ms"]["p50"] >= 0
   assert not [p for p in psutil.Process().children(recursive=True)
               if p.pid not in children_before]
 
