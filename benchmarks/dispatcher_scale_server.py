@@ -8,7 +8,8 @@ lock, the work and the journal's fsync; not gRPC's queues). Once
 `PATH.window` appears, holding "START STOP" in `time.monotonic()` seconds
 (the same clock in every process of a machine), it writes the handler times
 of that window to PATH as JSON: method -> sorted seconds, and under "gc" the
-garbage collector's pauses of the window (seconds each, every generation).
+garbage collector's pauses of the window (seconds each, every generation;
+"gc2": the full collections alone).
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ def _time_collections(times: list) -> None:
   started = [0.0]
 
   def callback(phase: str, info: dict) -> None:
-    del info
     if phase == "start":
       started[0] = time.monotonic()
     else:
       end = time.monotonic()
       times.append(("gc", end, end - started[0]))
+      if info["generation"] == 2:
+        times.append(("gc2", end, end - started[0]))
   gc.callbacks.append(callback)
 
 
