@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 import jaxfeed
+from jaxfeed import service
 from jaxfeed.service import dispatcher as dispatcher_lib
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import spec
@@ -235,3 +237,57 @@ def test_worker_gets_its_tasks_clients_only_when_they_changed():
   assert other.clients_version != state.clients_version
   state.close()
   other.close()
+
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.05)
+
+
+_KILLED_READER = """
+import sys, time
+import jaxfeed
+reader = jaxfeed.Dataset.range(1 << 20).batch(4).distribute(
+    sys.argv[1], "distributed_epoch", job_name="shared").make_iterator()
+next(reader)
+print("read", flush=True)
+time.sleep(600)
+"""
+
+
+def test_worker_drops_the_stream_of_a_client_that_died_without_goodbye():
+  # The worker learns that a client is gone only from the dispatcher's
+  # task_clients: a killed client sends no goodbye to anyone.
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+  with service.DispatchServer(service.DispatcherConfig(client_timeout_s=1.0)) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.05)) as worker:
+      streams = worker._worker.streams._streams  # pylint: disable=protected-access
+      reader = jaxfeed.Dataset.range(1 << 20).batch(4).distribute(
+          dispatcher.target, "distributed_epoch", job_name="shared").make_iterator()
+      next(reader)
+      other = subprocess.Popen([sys.executable, "-c", _KILLED_READER, dispatcher.target],
+                               env=env, stdout=subprocess.PIPE, text=True)
+      try:
+        assert other.stdout.readline().strip() == "read"
+        _wait_for(lambda: len(streams) == 2)
+        other.kill()
+        other.wait(timeout=30)
+        job = next(iter(dispatcher.state.jobs.values()))
+        _wait_for(lambda: len(job.clients) == 1)  # released after client_timeout_s
+        _wait_for(lambda: len(streams) == 1)
+        assert {client for _, client in streams} == set(job.clients)
+        # Later heartbeats are answered "unchanged": the live client's stream stays.
+        _wait_for(lambda: worker._worker._listed[0] == dispatcher.state.clients_version)  # pylint: disable=protected-access
+        time.sleep(0.5)
+        assert {client for _, client in streams} == set(job.clients)
+        next(reader)
+      finally:
+        other.kill()
+        other.wait(timeout=30)
+        other.stdout.close()
+        reader.close()
