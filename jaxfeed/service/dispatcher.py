@@ -219,8 +219,8 @@ def main(argv: Any) -> None:
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
   server = DispatchServer(config)
   # The modules and the replayed state live as long as the process: out of
-  # the collector's full passes, which otherwise stall every call for up to
-  # ~100 ms at a pod's scale (benchmarks/dispatcher_scale.py). Only here:
+  # the collector's full passes, which otherwise stalled every call for
+  # 35-210 ms (benchmarks/dispatcher_scale.py, 256-1,024 workers). Only here:
   # a DispatchServer in a user's process leaves its collector alone.
   gc.freeze()
   print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
