@@ -242,8 +242,6 @@ def test_packing_processes_take_new_weights_from_their_aligned_states(count):
   states = [{"pipeline": it.get_state(), "batches": 9} for it in iterators]
   for it in iterators:
     it.close()
-  with pytest.raises(ValueError, match="op 'pack' cannot be resumed"):
-    reshard_loader_states(states)
   # Pack's open rows are replayed from an older snapshot of the mixture.
   assert '"anchor"' in json.dumps(states)
   aligned = jaxfeed.align_mixture_states(states)

@@ -75,8 +75,9 @@ def test_resharded_state_reads_the_rest_then_saves_a_plain_position():
   resumed = pipeline(0, 3).make_iterator()
   resumed.set_state(state)
   own = resumed.get_state()["parents"][0]["parents"][0]["own"]
-  assert own["resharded"] == {"version": 1, "shard_count": 2,
-                              "positions": own["resharded"]["positions"]}
+  assert own["resharded"] == {"version": 2, "shard_count": 2,
+                              "positions": own["resharded"]["positions"],
+                              "unread": [[], []]}
   list(resumed)  # To the end: past the dealt-out epochs.
   own = resumed.get_state()["parents"][0]["parents"][0]["own"]
   assert set(own) == {"position"}

@@ -7,9 +7,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxfeed.mixture import merge_mixture_states
+from jaxfeed.ops import pack as pack_lib
 from jaxfeed.ops import stacking
-from jaxfeed.ops.base import Node, OpIterator, state_int
-from jaxfeed.sampler import RESHARD_STATE_VERSION, IndexSampler, ReshardedSampler
+from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, state_int
+from jaxfeed.sampler import (RESHARD_STATE_VERSION, IndexSampler,
+                             ReshardedSampler, ShardOptions)
 
 
 def records_reader(source: Any) -> Callable[[np.ndarray], Sequence]:
@@ -330,25 +332,82 @@ def _resharded_sampler(base: Any, resharded: Any) -> ReshardedSampler:
         f"{_OP}: a state saved with another number of processes can only be "
         f"restored with an IndexSampler or a mixture of them, got "
         f"{type(base).__name__}.")
-  if (not isinstance(resharded, dict)
-      or resharded.get("version") != RESHARD_STATE_VERSION
-      or set(resharded) != {"version", "shard_count", "positions"}):
+  keys = {"version", "shard_count", "positions"}
+  if (not isinstance(resharded, dict) or not (
+      (resharded.get("version") == 1 and set(resharded) == keys)
+      or (resharded.get("version") == RESHARD_STATE_VERSION and (
+          set(resharded) == keys | {"unread"}
+          or set(resharded) == keys | {"pending"})))):
     raise ValueError(
         f"{_OP}: 'resharded' state must be a dict with keys 'version' "
-        f"(= {RESHARD_STATE_VERSION}), 'shard_count' and 'positions', got "
-        f"{str(resharded):.200}.")
+        f"(= {RESHARD_STATE_VERSION}), 'shard_count', 'positions' and "
+        f"'unread' or 'pending', got {str(resharded):.200}.")
+  count, positions = resharded["shard_count"], resharded["positions"]
+  unread = resharded.get("unread")
+  if "pending" in resharded:
+    unread = _unread_positions(base, count, positions, resharded["pending"])
   if isinstance(base, IndexSampler):
-    return ReshardedSampler(base, resharded["shard_count"],
-                            resharded["positions"])
-  return base.reshard(resharded["shard_count"], resharded["positions"])
+    return ReshardedSampler(base, count, positions, unread)
+  return base.reshard(count, positions, unread)
+
+
+def _unread_positions(base: Any, count: Any, positions: Any,
+                      pending: Any) -> list[list[int]]:
+  """Per old shard, its positions whose records an op (`pack`) held but had
+  not emitted: those in `[pending[h]["from"], positions[h])` whose seed is in
+  `pending[h]["seeds"]`."""
+  if (not isinstance(pending, list) or not isinstance(positions, list)
+      or len(pending) != len(positions) or not all(
+          isinstance(p, dict) and set(p) == {"from", "seeds"}
+          and isinstance(p["seeds"], list) for p in pending)):
+    raise ValueError(
+        f"{_OP}: 'pending' must hold one {{'from', 'seeds'}} dict per old "
+        f"process, got {str(pending):.200}.")
+  unread = []
+  drop = base.shard_options.drop_remainder
+  for h, (stop, entry) in enumerate(zip(positions, pending)):
+    wanted = np.array(entry["seeds"], np.uint64)
+    if not wanted.size:
+      unread.append([])
+      continue
+    start = state_int(entry, "from", _OP, 0, stop)
+    old_shard = type(base)(**{**base.spec_params(), "shard_options":
+                              ShardOptions(h, count, drop)})
+    window = np.arange(start, stop, dtype=np.int64)
+    _, _, seeds = old_shard.get_many(window)
+    found = np.isin(seeds, wanted)
+    if int(found.sum()) != np.unique(wanted).size:
+      raise PipelineStateError(
+          f"Cannot restore op {_OP!r}: {np.unique(wanted).size} records held "
+          f"by process {h} of {count} are not all among its positions "
+          f"[{start}, {stop}); the state belongs to other data.")
+    unread.append(window[found].tolist())
+  return unread
 
 
 # Ops whose state at a batch boundary holds nothing but their parent's: a
 # pipeline of these over from_source can be resumed on another number of
 # processes. Map-like ops must have nothing in flight.
-_RESHARDABLE = {"from_source", "map", "random_map", "filter", "map_and_filter",
-                "batch", "padded_batch"}
+_RESHARDABLE = {_OP, *pack_lib.ELASTIC_INPUT_OPS, "batch", "padded_batch"}
 _AT_REST = ({}, {"skip": 0, "consumed_ahead": []})
+# `pack` (with its `pack_split` under it) may appear once: it names the
+# elements it holds, which go back into the global order.
+_PACK_OPS = ("pack", pack_lib.SPLIT_OP)
+_ELASTIC = sorted(_RESHARDABLE | {"pack"})
+
+
+def _source_positions(state: Any) -> list:
+  """The `from_source` own states anywhere inside `state` (replay anchors)."""
+  found = []
+  if isinstance(state, dict):
+    if state.get("op") == _OP and isinstance(state.get("own"), dict):
+      found.append(state["own"])
+    for value in state.values():
+      found.extend(_source_positions(value))
+  elif isinstance(state, list):
+    for value in state:
+      found.extend(_source_positions(value))
+  return found
 
 
 def reshard_states(states: list[dict]) -> dict:
@@ -356,10 +415,13 @@ def reshard_states(states: list[dict]) -> dict:
   whose process `h` of `len(states)` saved `states[h]`.
 
   The pipeline must be a chain of `from_source` (with an `IndexSampler`
-  sharded by process, e.g. `ShardByJaxProcess()`), `map`, `random_map`,
-  `filter` and `batch` / `padded_batch`. Restored into such a pipeline on
-  process `i` of `M`, it reads the records the old processes had not read, each
-  once over all new processes (see `jaxfeed.sampler.ReshardedSampler`).
+  sharded by process, e.g. `ShardByJaxProcess()`, or a `Dataset.mix`),
+  `map`, `random_map`, `filter`, at most one `pack` and `batch` /
+  `padded_batch`. Restored into such a pipeline on process `i` of `M`, it
+  reads the records the old processes had not read, each once over all new
+  processes (see `jaxfeed.sampler.ReshardedSampler`); the records a `pack`
+  held but had not emitted count as unread, and of a record it had partly
+  emitted (`overflow="split"`) only the missing pieces are packed.
 
   Raises:
     ValueError: naming the op when a state cannot be resharded (an op that
@@ -369,9 +431,12 @@ def reshard_states(states: list[dict]) -> dict:
   positions = []
   mixtures = []
   chains = []
+  pending = []
+  keep: list[list] = []
   for process, state in enumerate(states):
     chain = []
     node = state
+    held: dict | None = None
     while True:
       if not isinstance(node, dict) or "op" not in node:
         raise ValueError(
@@ -380,24 +445,38 @@ def reshard_states(states: list[dict]) -> dict:
       op = node["op"]
       own = node.get("own")
       parents = node.get("parents", [])
-      if op not in _RESHARDABLE or len(parents) > 1:
+      if (op not in _RESHARDABLE and op not in _PACK_OPS) or len(parents) > 1:
         raise ValueError(
             f"reshard: op {op!r} cannot be resumed on another number of "
             f"processes (it may hold elements read from its own process's "
-            f"shard); only chains of {sorted(_RESHARDABLE)} can. Resume with "
-            f"{len(states)} processes, or shuffle globally with "
-            "IndexSampler(shuffle=True) instead of a shuffle buffer.")
+            f"shard); only chains of {_ELASTIC} (with at most one pack) "
+            f"can. Resume with {len(states)} processes, or shuffle globally "
+            "with IndexSampler(shuffle=True) instead of a shuffle buffer.")
       chain.append(op)
       if op == _OP:
-        if isinstance(own, dict) and "resharded" in own:
+        if any("resharded" in s for s in [own] + (held or {}).get("anchors", [])):
           raise ValueError(
               f"reshard: process {process}'s state was itself resumed on "
               "another number of processes and has not finished the epochs "
               "dealt out then; resume it with the same number of processes.")
         positions.append(state_int(own, "position", _OP, 0))
         mixtures.append(own.get("mixture"))
+        if held is not None:
+          seeds, partial = pack_lib.unemitted_elements(held["own"])
+          keep.extend(partial)
+          start = min([positions[-1]] + [state_int(s, "position", _OP, 0)
+                                         for s in held["anchors"]])
+          pending.append({"from": start, "seeds": seeds})
         break
-      if own not in _AT_REST or not parents:
+      if op in _PACK_OPS:
+        if op == "pack" and held is not None:
+          raise ValueError(
+              f"reshard: process {process}'s pipeline packs twice; only one "
+              "pack can be resumed on another number of processes.")
+        if op == "pack":
+          held = {"own": own, "anchors": []}
+        held["anchors"].extend(_source_positions(own))
+      elif own not in _AT_REST or not parents:
         raise ValueError(
             f"reshard: op {op!r} of process {process} has elements in flight "
             f"(state {own!r}); only a state taken between batches with "
@@ -409,13 +488,20 @@ def reshard_states(states: list[dict]) -> dict:
         f"reshard: the processes' pipelines differ: {chains}.")
   resharded = {"version": RESHARD_STATE_VERSION, "shard_count": len(states),
                "positions": positions}
+  if pending:
+    resharded["pending"] = pending
+  else:
+    resharded["unread"] = [[] for _ in positions]
   own = {"position": 0, "resharded": resharded}
   if any(m is not None for m in mixtures):
     own["mixture"] = merge_mixture_states(mixtures)
+  fresh = {"pack": pack_lib.resumed_pack_state(),
+           pack_lib.SPLIT_OP: pack_lib.resumed_split_state(keep)}
 
   def rebuild(node: dict) -> dict:
     if node["op"] == _OP:
       return {**node, "own": own}
-    return {**node, "parents": [rebuild(node["parents"][0])]}
+    return {**node, "own": fresh.get(node["op"], node["own"]),
+            "parents": [rebuild(node["parents"][0])]}
 
   return rebuild(states[0])
