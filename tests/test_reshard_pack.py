@@ -44,7 +44,8 @@ def trim(element):
 
 
 def pipeline(shard, count, *, overflow="split", num_epochs=2, bins=3,
-             batch=6, shuffle_buffer=False, num_docs=NUM_DOCS):
+             batch=6, shuffle_buffer=False, num_docs=NUM_DOCS,
+             num_parallel_calls=None):
   assert batch % count == 0
   sampler = IndexSampler(num_docs, shuffle=True, seed=SEED,
                          num_epochs=num_epochs,
@@ -52,7 +53,7 @@ def pipeline(shard, count, *, overflow="split", num_epochs=2, bins=3,
   ds = jaxfeed.Dataset.from_source(documents(num_docs), sampler).filter(keep)
   if shuffle_buffer:
     ds = ds.shuffle(4, seed=1)
-  ds = ds.map(trim)
+  ds = ds.map(trim, num_parallel_calls=num_parallel_calls)
   if overflow == "truncate_in_map":  # Documents fit a row: no overflow.
     ds, overflow = ds.map(lambda e: {"tokens": e["tokens"][:ROW]}), "error"
   return ds.pack({"tokens": ROW}, num_packing_bins=bins,
@@ -163,6 +164,12 @@ def test_a_packed_mixture_resumes_on_another_process_count_exactly():
       for batch in it:
         got += tokens_of(batch)
   assert got == after and sum(after.values()) > 0
+
+
+def test_a_parallel_map_before_pack_resumes_exactly():
+  states, _, after = run_processes(2, 3, num_parallel_calls=2)
+  got, _ = resume(reshard_loader_states(states), 3, num_parallel_calls=2)
+  assert got == after
 
 
 def test_a_partly_emitted_document_resumes_at_its_exact_token_offset():
