@@ -37,7 +37,7 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
 from jaxfeed.device.agreement import check_policy
 from jaxfeed.ops import op_stats
-from jaxfeed.ops.from_source import reshard_states
+from jaxfeed.ops.reshard import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
 from jaxfeed.service import read_state

@@ -13,7 +13,7 @@ import pytest
 import jaxfeed
 from jaxfeed import reshard_loader_states
 from jaxfeed.mixture import MixtureSampler
-from jaxfeed.ops.from_source import reshard_states
+from jaxfeed.ops.reshard import reshard_states
 
 SIZES = (60, 25, 40)
 

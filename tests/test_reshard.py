@@ -8,7 +8,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed import reshard_loader_states
-from jaxfeed.ops.from_source import reshard_states
+from jaxfeed.ops.reshard import reshard_states
 from jaxfeed.sampler import IndexSampler, ReshardedSampler, ShardOptions
 
 
