@@ -1,0 +1,30 @@
+"""W4t's read with 2 workers (`benchmarks.w4_service`) is served by both:
+its splits are small enough that each worker gets some of the epoch."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import w4_service
+from benchmarks import workloads
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_w4t_read_with_two_workers_is_served_by_both_workers():
+  procs, address, metrics_urls = w4_service.jaxfeed_cluster(2, w4_service.W4T_SPLIT_SIZE)
+  try:
+    n = workloads.w1_size(1.0)  # the benchmark's epoch
+    with w4_service.read_epoch(w4_service._jaxfeed_w4t(n), address) as iterator:  # pylint: disable=protected-access
+      batches = [len(batch["image"]) for batch in iterator]
+    served = w4_service.served_bytes(metrics_urls)
+  finally:
+    w4_service._stop(procs)  # pylint: disable=protected-access
+
+  assert sum(batches) == -(-n // w4_service.BATCH) * w4_service.BATCH
+  (job,) = set().union(*served)
+  by_worker = [counts.get(job, 0) for counts in served]
+  assert all(by_worker), f"bytes served by each worker: {by_worker}"
+  # Between them, the workers served every batch (and a little framing).
+  batch_bytes = w4_service.BATCH * workloads.CROP ** 2 * 3 * 4
+  assert sum(by_worker) >= len(batches) * batch_bytes
