@@ -22,8 +22,9 @@ def test_w4t_read_with_two_workers_is_served_by_both_workers():
     w4_service._stop(procs)  # pylint: disable=protected-access
 
   assert sum(batches) == -(-n // w4_service.BATCH) * w4_service.BATCH
-  (job,) = set().union(*served)
-  by_worker = [counts.get(job, 0) for counts in served]
+  jobs = set().union(*served)
+  assert len(jobs) == 1, f"bytes served by each worker, by job: {served}"
+  by_worker = [counts.get(job, 0) for counts in served for job in jobs]
   assert all(by_worker), f"bytes served by each worker: {by_worker}"
   # Between them, the workers served every batch (and a little framing).
   batch_bytes = w4_service.BATCH * workloads.CROP ** 2 * 3 * 4
