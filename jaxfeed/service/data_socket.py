@@ -139,6 +139,18 @@ class _PendingHello:
     return self.length is not None and len(self.data) == self.length
 
 
+def _peer_closed(conn: socket.socket) -> bool:
+  """Whether the other end closed `conn` (unread acknowledgments are dropped:
+  the connection is ending)."""
+  try:
+    while select.select([conn], [], [], 0)[0]:
+      if not conn.recv(65536):
+        return True
+  except (OSError, ValueError):
+    return True
+  return False
+
+
 class ServerLink:
   """The worker's side of one data connection, as a client stream sees it:
   `wait_for_ack` reads the client's acknowledgments into `on_ack`, `kick`
@@ -376,6 +388,8 @@ class DataServer:
       status = getattr(e, "status", "INTERNAL")
       if isinstance(e, OSError) and not isinstance(e, DataConnectionError):
         return  # the connection broke (or a newer one of its client took over)
+      if _peer_closed(conn):
+        return  # the client left first (say, its task stopped after it closed)
       self.errors.add(rpc_errors.DATA_SOCKET, status)
       payload = json.dumps({"status": status, "message": str(e)}).encode()
       try:
