@@ -10,7 +10,8 @@ streams the task's frames:
 
   client -> worker:  uint32 length | JSON {"token", "task_id", "compression",
                                             "consumer_index", "round",
-                                            "client_id", "received", "window"}
+                                            "client_id", "received", "window",
+                                            "skip"}
                      then repeated uint64 received (acknowledgments)
   worker -> client:  repeated  uint8 kind | uint64 length | int64 round |
                                int64 seq | bytes
