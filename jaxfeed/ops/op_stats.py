@@ -8,8 +8,9 @@ row `{"op", "elements", "self_seconds", "wait_seconds", "buffer_fill",
 Time is measured by sampling, not by timers around `next()`: a pipeline of
 cheap element-wise ops spends a few hundred nanoseconds per element, less
 than two clock reads cost, so any per-call timing would slow it down by more
-than it measures. Instead one thread ("jaxfeed-op-stats", running while a
-tracked pipeline is open) looks at every thread's Python stack every
+than it measures. Instead one thread per process ("jaxfeed-op-stats",
+running while a tracked pipeline is open and for `LINGER_S` after the last
+one closed) looks at every thread's Python stack every
 `SAMPLE_INTERVAL_S` (less often when a look would cost more than
 `MAX_CPU_SHARE` of a core) and charges the time since its last look to the
 innermost op method on each stack: to the op's `wait_seconds` when the
@@ -35,8 +36,8 @@ import time
 import weakref
 from typing import Any, Callable, Iterable
 
-__all__ = ["SAMPLE_INTERVAL_S", "OpCell", "register_op_class",
-           "waits_for_input", "track", "release", "tracked_count", "sampler_cpu_seconds", "label_of",
+__all__ = ["SAMPLE_INTERVAL_S", "LINGER_S", "THREAD_NAME", "OpCell", "register_op_class",
+           "waits_for_input", "track", "release", "tracked_count", "sampler_running", "sampler_cpu_seconds", "label_of",
            "fuse_labels", "label_iterators", "instrument", "rows_of",
            "bottleneck", "format_table", "report"]
 
@@ -45,6 +46,13 @@ SAMPLE_INTERVAL_S = 0.05
 running threads hand over the GIL, which on a loaded machine can cost a
 scheduling round; 20 looks a second keep that small and still give a
 minute-long run a thousand samples."""
+
+LINGER_S = 1.0
+"""Seconds the sampling thread waits for a new pipeline once none is open
+before it ends (a loop making one iterator per epoch keeps using it)."""
+
+THREAD_NAME = "jaxfeed-op-stats"
+"""The sampling thread's name (one per process, not owned by any op)."""
 
 MAX_CPU_SHARE = 0.002
 """The most of one core the sampling thread uses (it looks less often when
@@ -102,13 +110,19 @@ class _Pipeline:
 
 
 class _Sampler:
-  """The sampling thread, started while a tracked pipeline is alive."""
+  """The process's one sampling thread, shared by every tracked pipeline.
+
+  It starts with the first tracked pipeline and ends by itself once none has
+  been open for `LINGER_S`: closing a pipeline neither stops nor joins it, so
+  a loop that makes one iterator per epoch pays for one thread, not for a
+  thread started and joined per epoch (which, on a busy machine, costs a
+  scheduling round each way: more than a short epoch of W2 takes to run).
+  """
 
   def __init__(self):
-    self._lock = threading.RLock()
+    self._lock = threading.Lock()
     self._pipelines: list[_Pipeline] = []
     self._thread: threading.Thread | None = None
-    self._stop = threading.Event()
     # A failure of the sampling thread, raised by `stats()` (the pipelines
     # themselves go on).
     self.error: Exception | None = None
@@ -117,56 +131,62 @@ class _Sampler:
   def track(self, pipeline: _Pipeline) -> None:
     with self._lock:
       self._pipelines.append(pipeline)
-      if self._thread is None or not self._thread.is_alive():
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(self._stop,),
-                                        name="jaxfeed-op-stats", daemon=True)
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME,
+                                        daemon=True)
         self._thread.start()
 
   def release(self, root: Any) -> None:
-    """Forgets `root`; stops and joins the thread when nothing is left."""
+    """Forgets `root` (the thread ends `LINGER_S` after the last one)."""
     with self._lock:
       self._pipelines = [p for p in self._pipelines
                          if p.alive() and p.root() is not root]
-      thread = None
-      if not self._pipelines and self._thread is not None:
-        thread, self._thread = self._thread, None
-        self._stop.set()
-    if thread is not None and thread is not threading.current_thread():
-      thread.join()
 
   def count(self) -> int:
     with self._lock:
       return sum(p.alive() for p in self._pipelines)
 
-  def _live_pipelines(self, stop: threading.Event) -> list[_Pipeline] | None:
-    """The pipelines still open; None (and the thread ends) when none is."""
+  def running(self) -> bool:
+    with self._lock:
+      return self._thread is not None
+
+  def _live_pipelines(self, idle_since: float | None) -> list[_Pipeline] | None:
+    """The pipelines still open; None (and the thread ends) when none has
+    been since `idle_since` for `LINGER_S`."""
     with self._lock:
       self._pipelines = [p for p in self._pipelines if p.alive()]
-      if not self._pipelines:
-        stop.set()
-        if self._thread is threading.current_thread():
-          self._thread = None
+      if (not self._pipelines and idle_since is not None
+          and time.monotonic() - idle_since >= LINGER_S):
+        self._thread = None
         return None
       return list(self._pipelines)
 
-  def _run(self, stop: threading.Event) -> None:
+  def _run(self) -> None:
     me = threading.get_ident()
     last = time.perf_counter()
+    idle_since = None
     interval = SAMPLE_INTERVAL_S  # read here, so tests may change it
-    while not stop.wait(interval):
-      pipelines = self._live_pipelines(stop)
+    while True:
+      time.sleep(interval)
+      pipelines = self._live_pipelines(idle_since)
       if pipelines is None:
         return
       cpu_start = time.thread_time()
       now = time.perf_counter()
       elapsed, last = now - last, now
+      if not pipelines:
+        idle_since = time.monotonic() if idle_since is None else idle_since
+        interval = SAMPLE_INTERVAL_S
+        continue
+      idle_since = None
       try:
         _sample_stacks(me, elapsed)
         for pipeline in pipelines:
           _sample_buffers(pipeline)
       except Exception as e:  # noqa: BLE001 -- raised by the next stats()
         self.error = e
+        with self._lock:
+          self._thread = None
         return
       cost = time.thread_time() - cpu_start
       self.cpu_s += cost
@@ -287,8 +307,8 @@ def rows_of(iterator: Any) -> list[dict]:
 
 
 def release(root: Any) -> None:
-  """Called when `root` closes: stops sampling it, and stops the thread
-  (joined) when no other pipeline is sampled."""
+  """Called when `root` closes: stops sampling it (the thread ends by itself
+  `LINGER_S` after the last sampled pipeline closed)."""
   _SAMPLER.release(root)
 
 
@@ -301,6 +321,11 @@ def sampler_cpu_seconds() -> float:
 def tracked_count() -> int:
   """Open pipelines being sampled now (for tests)."""
   return _SAMPLER.count()
+
+
+def sampler_running() -> bool:
+  """Whether the sampling thread runs (or lingers) now."""
+  return _SAMPLER.running()
 
 
 # -- rows --------------------------------------------------------------------

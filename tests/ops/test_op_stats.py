@@ -38,8 +38,12 @@ def ops(iterator) -> list[str]:
   return [row["op"] for row in iterator.stats()["ops"]]
 
 
+def sampler_threads() -> list[threading.Thread]:
+  return [t for t in threading.enumerate() if t.name == op_stats.THREAD_NAME]
+
+
 def sampler_running() -> bool:
-  return any(t.name == "jaxfeed-op-stats" for t in threading.enumerate())
+  return bool(sampler_threads())
 
 
 def test_rows_have_every_field_in_pipeline_order():
@@ -136,7 +140,8 @@ def test_stats_off_samples_nothing_but_still_counts():
   assert all(r["self_seconds"] == 0.0 for r in rows)
 
 
-def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped():
+def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped(monkeypatch):
+  monkeypatch.setattr(op_stats, "LINGER_S", 0.1)
   closed = Dataset.range(10).map(sleepy).make_iterator()
   dropped = Dataset.range(10).map(sleepy).make_iterator()
   next(closed), next(dropped)
@@ -151,11 +156,20 @@ def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped():
   assert op_stats.tracked_count() == 0
 
 
-def test_closing_the_last_sampled_pipeline_joins_the_thread():
-  with Dataset.range(10).map(sleepy).make_iterator() as it:
-    next(it)
-    assert sampler_running()
-  assert not sampler_running()  # no wait: close() stopped and joined it
+def test_one_thread_samples_pipeline_after_pipeline_and_ends_when_idle(monkeypatch):
+  # An iterator per epoch must not start and join a thread per epoch: on a
+  # busy machine that cost more than a short epoch (W2) takes.
+  monkeypatch.setattr(op_stats, "LINGER_S", 60.0)
+  threads = []
+  for _ in range(3):
+    with Dataset.range(10).map(sleepy).make_iterator() as it:
+      next(it)
+      threads.extend(sampler_threads())
+  assert len(threads) == 3 and len(set(threads)) == 1
+  assert threads[0].is_alive() and op_stats.tracked_count() == 0
+  monkeypatch.setattr(op_stats, "LINGER_S", 0.0)  # idle from now on: it ends
+  threads[0].join(timeout=10)
+  assert not threads[0].is_alive() and not op_stats.sampler_running()
 
 
 def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
