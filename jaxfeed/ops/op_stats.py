@@ -37,15 +37,18 @@ import weakref
 from typing import Any, Callable, Iterable
 
 __all__ = ["SAMPLE_INTERVAL_S", "LINGER_S", "THREAD_NAME", "OpCell", "register_op_class",
-           "waits_for_input", "track", "release", "tracked_count", "sampler_running", "sampler_cpu_seconds", "label_of",
+           "waits_for_input", "track", "release", "tracked_count", "sampler_running",
+           "sampler_cpu_seconds", "samples_taken", "label_of",
            "fuse_labels", "label_iterators", "instrument", "rows_of",
            "bottleneck", "format_table", "report"]
 
-SAMPLE_INTERVAL_S = 0.05
-"""Seconds between two looks at the threads' stacks. Each look makes the
-running threads hand over the GIL, which on a loaded machine can cost a
-scheduling round; 20 looks a second keep that small and still give a
-minute-long run a thousand samples."""
+SAMPLE_INTERVAL_S = 0.1
+"""Seconds between two looks at the threads' stacks. A look costs little CPU
+(about 0.1 ms) but makes a thread running Python hand over the GIL and
+sleep until the look is done; waking it again costs microseconds on a quiet
+machine and a scheduling round (milliseconds) on a loaded one, which is
+most of what stats cost. 10 looks a second keep that small and still give
+a minute-long run 600 samples."""
 
 LINGER_S = 1.0
 """Seconds the sampling thread waits for a new pipeline once none is open
@@ -55,8 +58,13 @@ THREAD_NAME = "jaxfeed-op-stats"
 """The sampling thread's name (one per process, not owned by any op)."""
 
 MAX_CPU_SHARE = 0.002
-"""The most of one core the sampling thread uses (it looks less often when
-a look costs more)."""
+"""The most of the pipeline's time the looks may cost (see `_cost`): the
+thread looks less often when a look costs more (many threads to look at, or
+a machine so busy that a thread waits milliseconds for a core)."""
+
+MAX_INTERVAL_S = 1.0
+"""The longest wait between two looks, however dear they are, so that a
+minute's run still gets 60 samples."""
 
 _MAX_DEPTH = 64  # stack frames examined per thread, from the innermost
 
@@ -127,6 +135,7 @@ class _Sampler:
     # themselves go on).
     self.error: Exception | None = None
     self.cpu_s = 0.0  # CPU seconds the sampling thread used, in total
+    self.samples = 0  # looks at the stacks taken, in total
 
   def track(self, pipeline: _Pipeline) -> None:
     with self._lock:
@@ -166,13 +175,16 @@ class _Sampler:
     last = time.perf_counter()
     idle_since = None
     interval = SAMPLE_INTERVAL_S  # read here, so tests may change it
+    cost = 0.0  # what a look costs, averaged over the last few (see _cost)
     while True:
+      asleep = time.perf_counter()
       time.sleep(interval)
+      now = time.perf_counter()
+      late = now - asleep - interval
       pipelines = self._live_pipelines(idle_since)
       if pipelines is None:
         return
       cpu_start = time.thread_time()
-      now = time.perf_counter()
       elapsed, last = now - last, now
       if not pipelines:
         idle_since = time.monotonic() if idle_since is None else idle_since
@@ -188,11 +200,23 @@ class _Sampler:
         with self._lock:
           self._thread = None
         return
-      cost = time.thread_time() - cpu_start
-      self.cpu_s += cost
-      # Many threads or a busy machine make a look dearer: look less often
-      # rather than use more than MAX_CPU_SHARE of a core.
-      interval = max(SAMPLE_INTERVAL_S, cost / MAX_CPU_SHARE)
+      self.cpu_s += time.thread_time() - cpu_start
+      self.samples += 1
+      cost += 0.25 * (_cost(time.perf_counter() - now, late) - cost)
+      interval = min(MAX_INTERVAL_S, max(SAMPLE_INTERVAL_S, cost / MAX_CPU_SHARE))
+
+
+def _cost(held: float, late: float) -> float:
+  """What one look cost the pipeline's threads, in seconds: the time it
+  held the GIL (`held`; every thread that wanted it waited), plus one
+  scheduling delay of this machine now. A thread running Python hands the
+  GIL over and sleeps, and waking it takes about as long as this thread
+  took to run after its own sleep ended (`late`), less the switch interval
+  it waited for a busy thread to let go of the GIL."""
+  switch = sys.getswitchinterval()
+  if late > switch:
+    late -= switch
+  return held + max(0.0, late)
 
 
 def _sample_stacks(me: int, elapsed: float) -> None:
@@ -316,6 +340,11 @@ def sampler_cpu_seconds() -> float:
   """CPU seconds the sampling thread has spent looking at stacks in this
   process (its direct cost)."""
   return _SAMPLER.cpu_s
+
+
+def samples_taken() -> int:
+  """Looks at the stacks taken in this process so far."""
+  return _SAMPLER.samples
 
 
 def tracked_count() -> int:

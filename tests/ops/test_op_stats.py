@@ -4,6 +4,8 @@ named by their parts, sampled self and wait time, counts, and the report."""
 from __future__ import annotations
 
 import gc
+import pathlib
+import re
 import threading
 import time
 
@@ -14,6 +16,8 @@ import jaxfeed
 from jaxfeed import Dataset
 from jaxfeed.ops import op_stats
 from process_udfs import plus_ten
+
+DEFAULT_SAMPLE_INTERVAL_S = op_stats.SAMPLE_INTERVAL_S  # before the fixture below
 
 ROW_KEYS = {"op", "elements", "self_seconds", "wait_seconds", "buffer_fill", "parallelism"}
 
@@ -182,3 +186,10 @@ def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
                                           "fill", "par", "self", "%"]
   assert "Input bound: the training loop waited 50%" in text
   assert "Op to fix: 'filter' (20% of the pipeline's self time, parallelism 1)" in text
+
+
+def test_the_readme_states_the_default_sampling_rate():
+  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  rate = re.search(r"looks at the Python stacks (\d+) times a second", readme)
+  assert rate is not None
+  assert int(rate.group(1)) == round(1 / DEFAULT_SAMPLE_INTERVAL_S)
