@@ -61,7 +61,7 @@ def test_rows_have_every_field_in_pipeline_order():
   assert by_op["range"]["elements"] == 100
   assert by_op["map"]["elements"] == 100  # one output per input: its input's count
   assert by_op["batch"]["elements"] == by_op["prefetch"]["elements"] == len(batches) == 25
-  assert by_op["shuffle"]["elements"] is None  # does not count
+  assert by_op["shuffle"]["elements"] == 100
   assert by_op["map"]["buffer_fill"] is None and by_op["map"]["parallelism"] == 1
 
 
@@ -82,6 +82,40 @@ def test_fused_ops_are_named_by_their_parts(build, names):
   with build().make_iterator() as it:
     list(it)
     assert ops(it) == names
+
+
+@pytest.mark.parametrize("build, op", [
+    (lambda: Dataset.range(25).filter(is_even), "filter"),
+    (lambda: Dataset.range(25).filter(is_even).filter(is_even), "filter+filter"),
+    (lambda: Dataset.range(25).map(np.negative).filter(is_even), "map+filter"),
+    (lambda: Dataset.range(25).map(np.negative, num_parallel_calls=2).filter(is_even),
+     "map+filter"),
+])
+def test_filters_count_the_elements_they_keep(build, op):
+  with build().make_iterator() as it:
+    assert next(it) == 0
+    assert it.stats()["ops"][-1]["elements"] == 1
+    rest = list(it)
+    rows = it.stats()["ops"]
+  assert rows[-1]["op"] == op and rows[-1]["elements"] == 1 + len(rest) == 13
+  assert rows[0]["elements"] == 25
+
+
+def test_shuffle_counts_its_elements_across_windows_and_a_restore():
+  ds = Dataset.range(23).shuffle(5, seed=2)  # 4 full windows and one of 3
+  with ds.make_iterator() as it:
+    for _ in range(7):
+      next(it)
+    assert it.stats()["ops"][-1]["elements"] == 7
+    state = it.get_state()
+    assert len(list(it)) == 16
+    assert it.stats()["ops"][-1]["elements"] == 23
+  with ds.make_iterator() as it:
+    it.set_state(state)  # counts from the saved position, as range does
+    assert it.stats()["ops"][-1]["elements"] == 7
+    assert len(list(it)) == 16
+    rows = it.stats()["ops"]
+  assert [(r["op"], r["elements"]) for r in rows] == [("range", 23), ("shuffle", 23)]
 
 
 def test_a_process_batch_chain_names_its_input_ops_and_batch():
