@@ -13,10 +13,11 @@ sample with stats on and one with stats off, in alternating order (on, off,
 then off, on, ...), so drifts of the machine's load hit both arms alike. A
 sample runs whole epochs, each from a fresh iterator as a training loop
 makes one per epoch, until it has lasted `--min_sample_s` (W2's epochs take
-a few milliseconds: one epoch alone would time mostly the clock). Before an
-"off" sample the benchmark waits until the sampling thread, which outlives
-the last sampled pipeline by `op_stats.LINGER_S`, has ended: "off" is a
-process with no sampling thread at all.
+a few milliseconds: one epoch alone would time mostly the clock). Before
+every sample, of either arm, the benchmark ends the sampling thread (which
+outlives the last sampled pipeline by `op_stats.LINGER_S`) and waits for
+it: both arms start alike, "off" runs with no sampling thread at all, and
+"on" pays for starting it once per sample.
 
 Per row it prints one JSON line with the median rate of each arm and the
 overhead `1 - on / off` of those medians (negative: on was faster, i.e.
@@ -76,11 +77,16 @@ def _backend(iterator) -> str | None:
   return None
 
 
-def _wait_for_no_sampler() -> None:
+def _end_sampler() -> None:
+  """Makes the lingering sampling thread end now, and waits until it has."""
   from jaxfeed.ops import op_stats
-  deadline = time.monotonic() + op_stats.LINGER_S + 30
-  while op_stats.sampler_running() and time.monotonic() < deadline:
-    time.sleep(0.01)
+  linger, op_stats.LINGER_S = op_stats.LINGER_S, 0.0
+  try:
+    deadline = time.monotonic() + 30
+    while op_stats.sampler_running() and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    op_stats.LINGER_S = linger
 
 
 def _sample(make, count, min_seconds: float, backends: collections.Counter
@@ -127,8 +133,10 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
   default_interval, default_cap = op_stats.SAMPLE_INTERVAL_S, op_stats.MAX_CPU_SHARE
 
   def take(arm: str, record: bool = True) -> None:
-    if arm == "off":
-      _wait_for_no_sampler()
+    # Every sample, of either arm, starts in a process without a sampling
+    # thread, after the same short pause (an "on" sample's first epoch
+    # starts the thread, its next epochs reuse it).
+    _end_sampler()
     amplified = arm == "amplified"
     # Amplified: K times the rate, and no CPU cap that would slow it down.
     op_stats.SAMPLE_INTERVAL_S = default_interval / amplify if amplified else default_interval

@@ -30,6 +30,7 @@ returns one element per input element reports its input's count.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -136,6 +137,13 @@ class _Sampler:
     self.error: Exception | None = None
     self.cpu_s = 0.0  # CPU seconds the sampling thread used, in total
     self.samples = 0  # looks at the stacks taken, in total
+
+  def after_fork_in_child(self) -> None:
+    """A forked child has no sampling thread and samples none of its
+    parent's pipelines; the lock may have been held when it forked."""
+    self._lock = threading.Lock()
+    self._pipelines = []
+    self._thread = None
 
   def track(self, pipeline: _Pipeline) -> None:
     with self._lock:
@@ -251,6 +259,7 @@ def _sample_buffers(pipeline: _Pipeline) -> None:
 
 
 _SAMPLER = _Sampler()
+os.register_at_fork(after_in_child=_SAMPLER.after_fork_in_child)
 
 
 def ops_of(root: Any) -> list:

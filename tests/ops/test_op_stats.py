@@ -4,6 +4,7 @@ named by their parts, sampled self and wait time, counts, and the report."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import pathlib
 import re
 import threading
@@ -227,3 +228,27 @@ def test_the_readme_states_the_default_sampling_rate():
   rate = re.search(r"looks at the Python stacks (\d+) times a second", readme)
   assert rate is not None
   assert int(rate.group(1)) == round(1 / DEFAULT_SAMPLE_INTERVAL_S)
+
+
+def _child_samples(connection) -> None:
+  with Dataset.range(1000).map(sleepy).make_iterator() as it:
+    for _ in range(200):
+      next(it)
+    connection.send((op_stats.sampler_running(), it.stats()["ops"][-1]["self_seconds"]))
+
+
+def test_a_forked_child_samples_its_own_pipelines():
+  with Dataset.range(100).map(sleepy).make_iterator() as it:
+    next(it)
+    assert sampler_running()  # in the parent, while it forks
+    context = multiprocessing.get_context("fork")
+    parent_end, child_end = context.Pipe()
+    child = context.Process(target=_child_samples, args=(child_end,))
+    child.start()
+    try:
+      assert parent_end.poll(60)
+      running, self_seconds = parent_end.recv()
+    finally:
+      child.join(timeout=60)
+  assert child.exitcode == 0
+  assert running and self_seconds > 0.0
