@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--runs", type=int, default=1000)
   parser.add_argument("--seed", type=int, default=0, help="seed of the first run")
   parser.add_argument("--verbose", action="store_true",
-                      help="print each schedule and its whole violation")
+                      help="print each schedule (failing runs' schedules and whole "
+                      "violations are always printed)")
   args = parser.parse_args(argv)
   if args.runs < 1:
     parser.error(f"--runs must be >= 1, got {args.runs}")
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seed {seed:6d} {record.mode:16s} {status:9s} faults="
           f"{','.join(record.faults_injected) or '-'} elements={record.elements_checked} "
           f"{record.elapsed_s:.1f}s", flush=True)
-    if args.verbose:
+    if args.verbose or record.violation:  # a failure's whole story, servers' logs too
       print(f"  {schedule}")
       if record.violation:
         print("  " + record.violation.replace("\n", "\n  "))

@@ -82,7 +82,8 @@ def make_dataset(paths: list[str], batch_size: int, seed: int,
 
   With `service`, the workers of that dispatcher run it over the whole
   dataset, split dynamically, and every host reads its batches from one
-  shared job (each batch goes to one host).
+  shared job (each batch goes to one host), exactly once, so that `--resume`
+  continues the read where the checkpoint left it.
   """
   import jax
   import jaxfeed
@@ -101,7 +102,7 @@ def make_dataset(paths: list[str], batch_size: int, seed: int,
              .batch(batch_size // num_hosts, drop_remainder=True))
   if service:
     dataset = dataset.distribute(service, "distributed_epoch", job_name=service_job,
-                                 auth_token=service_token)
+                                 auth_token=service_token, visitation="exactly_once")
   return dataset
 
 
@@ -154,9 +155,8 @@ def main(argv: list[str]) -> None:
                          FLAGS.service, FLAGS.service_job, token)
   loader = jaxfeed.Loader(dataset, sharding=split, prefetch=FLAGS.prefetch)
   manager = training.checkpoint_manager(FLAGS.workdir)
-  # A service read cannot be put back at a position: it starts a new read.
-  step = (training.resume(manager, loader, state, restore_loader=not FLAGS.service)
-          if FLAGS.resume else 0)
+  # The loader's state is saved with the model: a service read goes on too.
+  step = training.resume(manager, loader, state) if FLAGS.resume else 0
 
   training.log("Training on %d devices (%s), global batch %d, %d records.",
                len(jax.devices()), jax.devices()[0].platform, FLAGS.batch_size,

@@ -24,6 +24,7 @@ Restoring with another number of processes works for pipelines that read an
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from typing import Any
@@ -34,7 +35,7 @@ import orbax.checkpoint as ocp
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
-from jaxfeed.device.agreement import check_policy
+from jaxfeed.device.agreement import check_policy, distributed_client
 from jaxfeed.ops import op_stats
 from jaxfeed.ops.from_source import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
@@ -260,12 +261,33 @@ def _state_file(directory: epath.Path) -> epath.Path:
       f"process_{jax.process_index()}-of-{jax.process_count()}.json")
 
 
+_restores = itertools.count()  # this process's restores of shared reads
+
+
+def _agreed_restore_id() -> str:
+  """A new random id, the same on every JAX process: process 0 draws it
+  and hands it on through the coordination service. Every process restores
+  in the same order, so the n-th restore of each shares a key."""
+  key = f"jaxfeed/loader_restore/{next(_restores)}"
+  client = distributed_client()
+  if client is None:
+    raise RuntimeError(
+        "Restoring a shared service read in a multi-process job needs "
+        "jax.distributed.initialize(): its processes agree on the new job "
+        "through it.")
+  if jax.process_index() == 0:
+    restore_id = read_state.new_restore_id()
+    client.key_value_set(key, restore_id)
+    return restore_id
+  return client.blocking_key_value_get(key, 300_000)
+
+
 def _read_state(directory: epath.Path) -> dict:
   """This process's state, or one resharded from another process count's.
 
   An exactly-once read of a shared service job resumes what all processes
   took together (`read_state.merge_process_states`), so it reads every
-  process's file.
+  process's file, on one new job per restore (`_agreed_restore_id`).
   """
   path = _state_file(directory)
   if path.exists():
@@ -274,7 +296,8 @@ def _read_state(directory: epath.Path) -> dict:
       states = [json.loads((epath.Path(directory) / (
           f"process_{i}-of-{jax.process_count()}.json")).read_text())
                 for i in range(jax.process_count())]
-      merged = read_state.merge_process_states([s["pipeline"] for s in states])
+      merged = read_state.merge_process_states([s["pipeline"] for s in states],
+                                               _agreed_restore_id())
       state["pipeline"] = merged[jax.process_index()]
     return state
   found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
@@ -365,7 +388,8 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
       `jax.ShapeDtypeStruct`s) giving the shapes, dtypes and shardings.
     restore_loader: False leaves the loader where it is and restores only
       the model (e.g. a service read that cannot resume at a position: one
-      not `distributed_epoch` with `visitation="exactly_once"`, see
+      neither `distributed_epoch` with `visitation="exactly_once"` nor an
+      unshared `parallel_epochs` read of an index-based pipeline, see
       docs/service.md, "Resuming a read").
 
   Returns:

@@ -71,7 +71,7 @@ def test_trainer_learns_checkpoints_and_resumes(tmp_path):
   assert losses(resumed)[0] < values[0] - 0.3, (first, resumed)
 
 
-def test_trainer_reads_through_the_service_and_resumes_the_model(tmp_path):
+def test_trainer_reads_through_the_service_and_resumes_the_model_and_the_read(tmp_path):
   env = dict(os.environ, PYTHONPATH=REPO, GRPC_VERBOSITY="ERROR", JAX_PLATFORMS="cpu")
 
   def start(*args):
@@ -91,10 +91,12 @@ def test_trainer_reads_through_the_service_and_resumes_the_model(tmp_path):
     values = losses(first)
     assert len(values) == 4 and values[-1] < values[0], first
     assert "Done at step 20" in first
-    resumed = run_trainer(tmp_path, f"--service={address}", "--service_job=again",
-                          "--num_steps=30", "--resume", "--log_every=5")
-    # The model comes back; the service read starts anew.
-    assert "Resumed from step 20 (loader at batch 0)" in resumed
+    resumed = run_trainer(tmp_path, f"--service={address}", "--num_steps=30", "--resume",
+                          "--log_every=5")
+    # The model comes back, and the service read goes on after batch 20.
+    assert "Resumed from step 20 (loader at batch 20)" in resumed
+    steps = [int(s) for s in re.findall(r"^step +([0-9]+)", resumed, re.M)]
+    assert steps == [25, 30], resumed
     assert losses(resumed)[0] < values[0] - 0.3, (first, resumed)
   finally:
     for proc in (worker, dispatcher):

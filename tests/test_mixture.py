@@ -1,9 +1,11 @@
 """`Dataset.mix` / `MixtureSampler`: the index-level mixture — a pure function
 of (seed, position, weights), exact proportions, weights changed at a
-checkpoint, and resumes on another number of processes."""
+checkpoint, resumes in a new process and on another number of processes."""
 
 import collections
 import json
+import os
+import pickle
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ from jaxfeed.mixture import MixtureSampler
 from jaxfeed.ops.from_source import reshard_states
 
 SIZES = (60, 25, 40)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def component(i, num_epochs=1, size=None):
@@ -267,3 +270,36 @@ def test_packing_processes_take_new_weights_from_their_aligned_states(count):
   for i in range(3):
     mine = sorted(x - 1000 * i for x in counts if x // 1000 == i)
     assert mine == sorted(component(i).get_many(np.arange(len(mine)))[1])
+
+
+RESTORE_IN_NEW_PROCESS = """
+import json, pickle, sys
+sys.path.insert(0, "tests")
+import test_mixture
+shard, count, states = json.loads(sys.stdin.read())
+rest = []
+for state in states:
+  with test_mixture.packed([0.5, 0.2, 0.3], shard, count).make_iterator() as it:
+    it.set_state(state)
+    rest.append([b["tokens"].tolist() for b in it])
+sys.stdout.buffer.write(pickle.dumps(rest))
+"""
+
+
+@pytest.mark.parametrize("shard, count", [(0, 1), (1, 2)])
+def test_a_packed_mixture_resumes_exactly_in_a_new_process(shard, count):
+  expected = [b["tokens"].tolist() for b in packed([0.5, 0.2, 0.3], shard, count)]
+  cuts = [0, 1, 3, len(expected) // 2, len(expected) - 1, len(expected)]
+  states = []
+  for cut in cuts:
+    with packed([0.5, 0.2, 0.3], shard, count).make_iterator() as it:
+      for _ in range(cut):
+        next(it)
+      states.append(it.get_state())
+  done = subprocess.run(
+      [sys.executable, "-c", RESTORE_IN_NEW_PROCESS],
+      input=json.dumps([shard, count, states]).encode(), capture_output=True,
+      cwd=REPO, timeout=120, check=False)
+  assert done.returncode == 0, done.stderr.decode()[-3000:]
+  for cut, rest in zip(cuts, pickle.loads(done.stdout)):
+    assert rest == expected[cut:], cut

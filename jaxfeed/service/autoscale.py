@@ -36,6 +36,7 @@ stop at once (their epoch on that worker ends early).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -46,6 +47,9 @@ import threading
 from typing import Any, Callable, Sequence
 
 _LOG = logging.getLogger(__name__)
+
+# How many of its latest decisions an Autoscaler keeps.
+_DECISIONS_KEPT = 1000
 
 # The places a pool's workers can run (AutoscaleConfig.backend).
 BACKENDS = ("local", "ray", "kubernetes")
@@ -295,7 +299,13 @@ class Autoscaler:
     self.policy = ScalingPolicy(config)
     self._sample = sample
     self._stop = threading.Event()
-    self.decisions: list[tuple[int, int]] = []  # (workers, change), newest last
+    # The latest decisions, (workers, change), newest last; one is made every
+    # interval for as long as the dispatcher runs, so only the last are kept
+    # and `decision_counts` counts them all by direction.
+    self.decisions: collections.deque[tuple[int, int]] = collections.deque(
+        maxlen=_DECISIONS_KEPT)
+    self.decision_counts: collections.Counter[str] = collections.Counter(
+        {"up": 0, "down": 0, "hold": 0})
     self._thread = threading.Thread(target=self._run, name="jaxfeed-autoscaler", daemon=True)
 
   def start(self) -> None:
@@ -316,6 +326,7 @@ class Autoscaler:
         if change:
           _LOG.info("Autoscaler: %d -> %d workers.", workers, workers + change)
         self.decisions.append((workers, change))
+        self.decision_counts["up" if change > 0 else "down" if change < 0 else "hold"] += 1
       except Exception:  # pylint: disable=broad-except
         _LOG.exception("Autoscaler step failed")
 

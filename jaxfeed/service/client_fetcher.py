@@ -15,6 +15,7 @@ from jaxfeed.service import data_socket
 from jaxfeed.service import delivery
 from jaxfeed.service import element_chunks
 from jaxfeed.service import rpc
+from jaxfeed.service import stream_state
 from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2 as pb
 
@@ -42,10 +43,16 @@ class Fetcher:
   fails the read when no connection worked for the read's `timeout_s`.
   """
 
-  def __init__(self, read: Any, task: pb.TaskInfo, out: queue.Queue):
-    """`read` is the `jaxfeed.service.client_read.ReadState` it reads for."""
+  def __init__(self, read: Any, task: pb.TaskInfo, out: queue.Queue,
+               stream: tuple[int, int] | None = None):
+    """`read` is the `jaxfeed.service.client_read.ReadState` it reads for;
+    `stream`, for a read that follows its streams (`jaxfeed.service.
+    stream_state`): (the stream's slot, the elements of it the worker drops
+    first)."""
     self.task = task
     self.out = out
+    self.stream = stream
+    self.handed_on = 0  # elements put into `out`
     self.done = False
     self.failed = False
     self.end_stats: dict = {}  # the task's round statistics, at its end
@@ -71,7 +78,8 @@ class Fetcher:
     return {"task_id": self.task.task_id, "compression": node.compression or "",
             "consumer_index": node.consumer_index or 0, "round": 0,
             "client_id": self._read.client_id, "received": self.received,
-            "window": 1 if self._one_split_at_a_time else delivery.DEFAULT_WINDOW}
+            "window": 1 if self._one_split_at_a_time else delivery.DEFAULT_WINDOW,
+            "skip": self.stream[1] if self.stream else 0}
 
   @property
   def _one_split_at_a_time(self) -> bool:
@@ -224,7 +232,8 @@ class Fetcher:
     self.received += 1
     taken = True
     if read.node.visitation != "exactly_once":
-      taken = self._put((wire.decode(frame, self._read.node.max_frame_bytes), round_index))
+      tag = round_index if self.stream is None else stream_state.StreamTag(self.stream[0])
+      taken = self._put((wire.decode(frame, self._read.node.max_frame_bytes), tag))
     elif frame is not None:
       split.append((wire.decode(frame, self._read.node.max_frame_bytes), round_index))
     else:
@@ -263,6 +272,7 @@ class Fetcher:
         return False
     finally:
       self.heard_at = time.monotonic()
+    self.handed_on += 1
     self._read.count(self.task.worker_address)
     return True
 

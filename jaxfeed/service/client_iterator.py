@@ -9,10 +9,12 @@ import weakref
 from typing import Any
 
 from jaxfeed.ops import base
+from jaxfeed.ops import index_ranges
 from jaxfeed.service import client_read
 from jaxfeed.service import read_state
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
+from jaxfeed.service import stream_state
 from jaxfeed.service import task_stats
 from jaxfeed.service.client_fetcher import Fetcher
 from jaxfeed.service.client_read import POLL_S
@@ -22,8 +24,10 @@ class DistributedIterator(base.OpIterator):
   """Iterator over a service read; `close()` leaves the job.
 
   State: exactly-once reads save which splits the consumer took and resume
-  from it on a new job (`jaxfeed.service.read_state`); other reads restore
-  only a state of nothing read.
+  from it on a new job (`jaxfeed.service.read_state`); parallel_epochs reads
+  that are neither shared nor round-robin save how much of each worker's
+  stream it took and resume each stream on a new job (`jaxfeed.service.
+  stream_state`); other reads restore only a state of nothing read.
   """
 
   op_name = "distribute"  # DistributedNode's
@@ -127,6 +131,8 @@ class DistributedIterator(base.OpIterator):
         element, tag = item
         if isinstance(tag, read_state.SplitTag):
           read.progress.took(tag)
+        elif isinstance(tag, stream_state.StreamTag):
+          read.streams.took(tag.slot)
         self._elements += 1
         return element
       self._raise_error()
@@ -215,35 +221,74 @@ class DistributedIterator(base.OpIterator):
     self._ended_pending = 0
 
   def _get_own_state(self) -> dict:
-    if self._read.node.visitation != "exactly_once":
-      return {"elements_read": self._elements}
-    return {"elements_read": self._elements, "splits": self._read.progress.state(),
-            "job_name": self._read.node.job_name or ""}
+    read = self._read
+    if read.node.visitation == "exactly_once":
+      return {"elements_read": self._elements, "splits": read.progress.state(),
+              "job_name": read.node.job_name or ""}
+    if read.streams is not None:
+      return {"elements_read": self._elements, "streams": read.streams.state()}
+    return {"elements_read": self._elements}
 
   def _set_own_state(self, state: dict) -> None:
     """Exactly-once reads go on where the state was taken, on a new job (see
-    `jaxfeed.service.read_state`); other reads only restore a state of
-    nothing read."""
+    `jaxfeed.service.read_state`), and so do parallel_epochs reads of
+    index-based pipelines (`jaxfeed.service.stream_state`); other reads only
+    restore a state of nothing read."""
     node = self._read.node
-    if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
-      try:
-        progress = read_state.SplitProgress(state["splits"])
-      except read_state.ResumeStateError as e:
-        raise base.PipelineStateError(str(e)) from e
-      if progress.started or self._read.progress.started:  # else: a fresh read either way
-        self._finalizer.detach()
+    kwargs = None
+    try:
+      if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
+        # A state not marked by a restore (`read_state.merge_process_states`)
+        # is this consumer's alone: its own restore.
+        kwargs = {"progress": read_state.SplitProgress(
+            state["splits"], state.get("restore_id") or read_state.new_restore_id())}
+      elif self._read.streams is not None and isinstance(state, dict) and "streams" in state:
+        _check_index_based(node)
+        kwargs = {"streams": stream_state.StreamProgress(state["streams"])}
+    except read_state.ResumeStateError as e:
+      raise base.PipelineStateError(str(e)) from e
+    if kwargs is not None:
+      (name, restored), = kwargs.items()
+      if restored.started or getattr(self._read, name).started:
+        self._finalizer.detach()  # else: a fresh read either way
         self._read.close()
-        self._read = client_read.ReadState(node, progress)
+        self._read = client_read.ReadState(node, **kwargs)
         self._finalizer = weakref.finalize(self, self._read.close)
       self._elements = int(state.get("elements_read", 0))
       return
     if state.get("elements_read", 0) != self._elements:
       raise base.PipelineStateError(
-          f"A {node.policy.name} read with {node.visitation} visitation cannot "
-          f"resume at a position (state {str(state):.200}): the workers' output "
-          "order is not reproducible. Only distributed_epoch reads with "
-          "visitation='exactly_once' resume (see jaxfeed.service.read_state); "
-          "start a new read, e.g. restore_checkpoint(..., restore_loader=False).")
+          f"A {node.policy.name} read with {node.visitation} visitation"
+          f"{_sharing(node)} cannot resume at a position (state {str(state):.200}): "
+          "the workers' output order is not reproducible. Only distributed_epoch "
+          "reads with visitation='exactly_once' (see jaxfeed.service.read_state) "
+          "and parallel_epochs reads without job_name, num_consumers or "
+          "ephemeral_sharing (jaxfeed.service.stream_state) resume; start a new "
+          "read, e.g. restore_checkpoint(..., restore_loader=False).")
 
   def _close_own(self) -> None:
     self._finalizer()
+
+
+def _sharing(node: Any) -> str:
+  """How a read shares its job, for errors."""
+  if node.num_consumers:
+    return f" and num_consumers={node.num_consumers}"
+  if node.ephemeral_sharing:
+    return " and ephemeral_sharing=True"
+  return f" of shared job {node.job_name!r}" if node.job_name else ""
+
+
+def _check_index_based(node: Any) -> None:
+  """Raises PipelineStateError unless the read's pipeline (when the client
+  has it) has an index-based input, whose streams are alike on every
+  worker."""
+  if node.dataset is None:
+    return  # from_dataset_id: the dispatcher holds the pipeline
+  try:
+    index_ranges.split_input(node.dataset)
+  except index_ranges.NotIndexAddressableError as e:
+    raise base.PipelineStateError(
+        "A parallel_epochs read resumes only a pipeline with one index-based "
+        "input (range, from_tensor_slices, from_source), whose order every "
+        f"worker repeats; pipeline {str(node.dataset):.200} has none, or several.") from e

@@ -14,12 +14,21 @@ import grpc
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import read_state
 from jaxfeed.service import rpc
+from jaxfeed.service import stream_state
 from jaxfeed.service.client_fetcher import Fetcher
 from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.sharding import ShardingPolicy
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
 END = object()  # put in the buffer when a read is over, to wake its consumer
+
+
+def follows_streams(node: Any) -> bool:
+  """Whether a read follows its streams to resume (`jaxfeed.service.
+  stream_state`): parallel_epochs, not shared, not round-robin."""
+  return (node.policy == ShardingPolicy.OFF and not node.job_name
+          and not node.num_consumers and not node.ephemeral_sharing)
 
 
 def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
@@ -30,12 +39,19 @@ def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
 class ReadState:
   """Everything a read's threads share; the iterator owns and closes it."""
 
-  def __init__(self, node: Any, progress: read_state.SplitProgress | None = None):
+  def __init__(self, node: Any, progress: read_state.SplitProgress | None = None,
+               streams: stream_state.StreamProgress | None = None):
     """`node` is the `jaxfeed.service.client.DistributedNode` read;
-    `progress`, what a restored exactly-once read's consumer took before."""
+    `progress`, what a restored exactly-once read's consumer took before;
+    `streams`, what a restored parallel_epochs read's consumer took."""
     self.node = node
     # Exactly-once: what the consumer took (a restored read goes on from it).
     self.progress = progress or read_state.SplitProgress()
+    # Reads that can resume per stream: what the consumer took of each.
+    self.streams = streams or (stream_state.StreamProgress()
+                               if follows_streams(node) else None)
+    self._first_tasks = True  # no task listed yet
+    self.job_started = time.monotonic()  # reset once the job exists
     self.stop = threading.Event()
     self.wake = threading.Event()  # heartbeat now rather than at the interval
     self.lock = threading.Lock()
@@ -94,12 +110,16 @@ class ReadState:
   def _manage(self) -> None:
     node = self.node
     try:
+      if self.streams is not None and self.streams.resumed and not self.streams.open_streams:
+        self._end()  # every stream was over when the state was taken
+        return
       dataset_id = node.resolve_dataset_id()
       job_call = dispatcher_caller(self.channel, "GetOrCreateJob",
                                     pb.GetOrCreateJobResponse, node.auth_token)
       job_name, done, partial = node.job_name or "", *self.progress.resume_ranges
       if job_name and self.progress.resumed_from:
-        job_name = read_state.resume_job_name(job_name, self.progress.resumed_from)
+        job_name = read_state.resume_job_name(job_name, self.progress.resumed_from,
+                                              self.progress.restore_id)
       try:
         job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=node.policy.value,
@@ -121,6 +141,7 @@ class ReadState:
               f"dispatcher refused the read: {cause.details()}") from e
         raise
       self.job_id, self.client_id = job.job_id, job.client_id
+      self.job_started = time.monotonic()
       heartbeat = dispatcher_caller(self.channel, "ClientHeartbeat",
                                      pb.ClientHeartbeatResponse, node.auth_token)
       last_ok = time.monotonic()
@@ -166,25 +187,61 @@ class ReadState:
   def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
     listed = {t.task_id: t for t in response.tasks}
     now = time.monotonic()
-    for task_id, task in listed.items():
+    if self.streams is not None:
+      self._check_stream_count(len(listed), now, response.job_finished)
+    for task_id, task in sorted(listed.items()):
       old = self.fetchers.get(task_id)
       if old is not None:
-        if task.data_address and not old.task.data_address:
-          old.task = task  # its worker registered again: its next connection uses it
+        if task.data_address != old.task.data_address:
+          # Its worker registered again (after a restart: at a new data
+          # address, and perhaps without the task): the next connection
+          # goes there and learns which.
+          old.task = task
         old.kick_if_stalled(now)
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
-        self.fetchers[task_id] = Fetcher(self, task, out)
+        stream = self.streams.assign() if self.streams is not None else None
+        fetcher = self.fetchers[task_id] = Fetcher(self, task, out, stream)
+        if stream is not None:
+          self.streams.reading(*stream, fetcher)
     for task_id, fetcher in self.fetchers.items():
       if task_id not in listed and not fetcher.ended:
         fetcher.cancel()  # the dispatcher declared its worker dead
     if response.job_finished and all(f.ended for f in self.fetchers.values()):
-      self.finished = True
-      if not self.node.num_consumers:
-        try:  # wakes a consumer waiting on an empty buffer
-          self.buffer.put_nowait(END)
-        except queue.Full:
-          pass  # it is not waiting
+      self._end()
+
+  def _end(self) -> None:
+    self.finished = True
+    if not self.node.num_consumers:
+      try:  # wakes a consumer waiting on an empty buffer
+        self.buffer.put_nowait(END)
+      except queue.Full:
+        pass  # it is not waiting
+
+  def _check_stream_count(self, listed: int, now: float, job_finished: bool) -> None:
+    """A restored parallel_epochs read needs one worker per open stream
+    (see `jaxfeed.service.stream_state`): it fails when its job started
+    with more, or lacks some after timeout_s or at its end."""
+    if not self.streams.resumed:
+      return
+    wanted = self.streams.unassigned
+    if self._first_tasks and listed:
+      self._first_tasks = False
+      if listed > wanted:
+        raise read_state.ResumeStateError(
+            f"This parallel_epochs read was saved with {wanted} open worker "
+            f"streams, but its new job started with {listed} workers: it cannot "
+            "resume exactly, since each worker continues one stream and the "
+            "others would each add a whole epoch. Resume with as many workers "
+            "as the read had, or start a new read (restore_checkpoint(..., "
+            "restore_loader=False)).")
+    elif wanted and (job_finished or now - self.job_started > self.node.timeout_s):
+      raise read_state.ResumeStateError(
+          f"{wanted} of the open worker streams this parallel_epochs read was "
+          f"saved with have no worker in its new job (at its end, or after "
+          f"timeout_s={self.node.timeout_s:g} s): it cannot resume exactly. Resume with as "
+          "many workers as the read had, or start a new read "
+          "(restore_checkpoint(..., restore_loader=False)).")
 
   def round_fetchers(self) -> tuple[dict[int, Fetcher], int]:
     """Round-robin reads: the fetcher of each worker index, and the number

@@ -10,7 +10,8 @@ streams the task's frames:
 
   client -> worker:  uint32 length | JSON {"token", "task_id", "compression",
                                             "consumer_index", "round",
-                                            "client_id", "received", "window"}
+                                            "client_id", "received", "window",
+                                            "skip"}
                      then repeated uint64 received (acknowledgments)
   worker -> client:  repeated  uint8 kind | uint64 length | int64 round |
                                int64 seq | bytes
@@ -137,6 +138,18 @@ class _PendingHello:
         raise DataConnectionError(
             f"Hello of {self.length} bytes exceeds {MAX_HELLO_BYTES}.", "INVALID_ARGUMENT")
     return self.length is not None and len(self.data) == self.length
+
+
+def _peer_closed(conn: socket.socket) -> bool:
+  """Whether the other end closed `conn` (unread acknowledgments are dropped:
+  the connection is ending)."""
+  try:
+    while select.select([conn], [], [], 0)[0]:
+      if not conn.recv(65536):
+        return True
+  except (OSError, ValueError):
+    return True
+  return False
 
 
 class ServerLink:
@@ -376,6 +389,8 @@ class DataServer:
       status = getattr(e, "status", "INTERNAL")
       if isinstance(e, OSError) and not isinstance(e, DataConnectionError):
         return  # the connection broke (or a newer one of its client took over)
+      if _peer_closed(conn):
+        return  # the client left first (say, its task stopped after it closed)
       self.errors.add(rpc_errors.DATA_SOCKET, status)
       payload = json.dumps({"status": status, "message": str(e)}).encode()
       try:

@@ -65,17 +65,21 @@ class ClientStream:
     resumable: False for a client that cannot resume (it sent no client
       id): an item counts as acknowledged once it was handed to the
       connection.
+    skip: plain (not exactly-once, not round-robin) streams: items of the
+      source to drop before the first one sent (a resumed read, see
+      `jaxfeed.service.stream_state`).
   """
 
   def __init__(self, source: Any, exactly_once: bool, consumer_index: int,
                local_round: int, window: int, first_seq: int = 0,
-               resumable: bool = True):
+               resumable: bool = True, skip: int = 0):
     self._source = source
     self._exactly_once = exactly_once
     self._consumer_index = consumer_index
     self._round = local_round
     self._window = window
     self._resumable = resumable
+    self._skip = max(0, skip)
     self._cond = threading.Condition()
     self._taking = threading.Lock()  # keeps the source's order in the buffer
     self._unacked: collections.deque[Item] = collections.deque()
@@ -180,8 +184,13 @@ class ClientStream:
           self.held.append(start)
         else:
           frame, local_round = got
-          self._unacked.append(Item(self._end_seq, frame, local_round))
           self._round = local_round + 1
+          if self._skip:
+            # Dropped; "none came", so that the transport keeps its
+            # keepalives going while a long skip runs.
+            self._skip -= 1
+            return False
+          self._unacked.append(Item(self._end_seq, frame, local_round))
         self._cond.notify_all()
       return True
 

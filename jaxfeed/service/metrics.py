@@ -213,8 +213,7 @@ class _DispatcherCollector:
       yield gauge("jaxfeed_pool_workers", "Workers of the elastic pool.", value=workers)
       made = counter("jaxfeed_pool_scaling_decisions",
                      "The elastic pool's decisions, by direction.", labels=["direction"])
-      counts = collections.Counter(
-          "up" if c > 0 else "down" if c < 0 else "hold" for _, c in decisions)
+      counts = autoscaler.decision_counts.copy()
       for direction in ("up", "down", "hold"):
         made.add_metric([direction], counts[direction])
       yield made

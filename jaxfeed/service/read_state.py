@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import threading
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -121,11 +122,18 @@ def check_resume_ranges(done: Sequence[Sequence[int]], partial: Sequence[Sequenc
     raise ResumeStateError("A resumed read names overlapping splits.")
 
 
-def resume_job_name(job_name: str, state: dict) -> str:
+def resume_job_name(job_name: str, state: dict, restore_id: str = "") -> str:
   """The shared job that every consumer resuming `state` of job `job_name`
-  reads: a new one, never the checkpointed job (it has gone on since)."""
-  digest = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
-  return f"{job_name}/resumed-{digest[:16]}"
+  in restore `restore_id` reads: a new one, never the checkpointed job (it
+  has gone on since), nor that of another restore of the same state (a job
+  preempted twice, restored twice from one checkpoint)."""
+  digest = hashlib.sha256(json.dumps([state, restore_id], sort_keys=True).encode())
+  return f"{job_name}/resumed-{digest.hexdigest()[:16]}"
+
+
+def new_restore_id() -> str:
+  """A random id of one restore (see `resume_job_name`)."""
+  return os.urandom(8).hex()
 
 
 class SplitProgress:
@@ -133,11 +141,13 @@ class SplitProgress:
 
   Args:
     state: a `state()` to go on from (a restored read), or None.
+    restore_id: the restore's id (`resume_job_name`), for a restored read.
   """
 
-  def __init__(self, state: dict | None = None):
+  def __init__(self, state: dict | None = None, restore_id: str = ""):
     done, partial = check_state(state) if state is not None else ([], [])
     self.resumed_from = state  # the state the read's job was created from
+    self.restore_id = restore_id  # the restore's, shared by its consumers
     self._lock = threading.Lock()
     self._done = merge_ranges(done)
     # start -> [stop, taken]: splits partly taken.
@@ -215,9 +225,12 @@ def merge_states(states: Sequence[dict]) -> dict:
   return merged
 
 
-def merge_process_states(pipeline_states: Sequence[Any]) -> list[Any]:
+def merge_process_states(pipeline_states: Sequence[Any],
+                         restore_id: str | None = None) -> list[Any]:
   """The processes' pipeline states with each shared exactly-once read's
-  state replaced by what all its consumers took (`merge_states`).
+  state replaced by what all its consumers took (`merge_states`), and
+  marked with `restore_id` (None: a new one), which every process of one
+  restore must share (`resume_job_name`).
 
   `pipeline_states[h]` is process h's (an op state tree, see
   `jaxfeed.ops.base.OpIterator.get_state`). Reads of one job are those at
@@ -226,6 +239,7 @@ def merge_process_states(pipeline_states: Sequence[Any]) -> list[Any]:
   on every process resumes the shared job once, on one new job.
   """
   states = [json.loads(json.dumps(state)) for state in pipeline_states]
+  restore_id = restore_id or new_restore_id()
 
   def visit(nodes: list) -> None:
     if not all(isinstance(n, dict) and "own" in n for n in nodes):
@@ -240,6 +254,7 @@ def merge_process_states(pipeline_states: Sequence[Any]) -> list[Any]:
       merged = merge_states([own["splits"] for own in owns])
       for own in owns:
         own["splits"] = merged
+        own["restore_id"] = restore_id
     parents = [n.get("parents") for n in nodes]
     if all(isinstance(p, list) and len(p) == len(parents[0]) for p in parents):
       for i in range(len(parents[0])):

@@ -82,6 +82,8 @@ class ServerErrorInterceptor(grpc.ServerInterceptor):
     counts = self._counts
 
     def count(context: Any) -> None:
+      if not context.is_active():
+        return  # the caller left first (cancelled, or gone): nobody gets this error
       code = context.code()
       if code != grpc.StatusCode.OK:  # None: an exception grpc answers UNKNOWN
         counts.add(method, _code_name(code))

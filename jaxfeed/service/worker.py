@@ -355,7 +355,8 @@ class _Worker:
         lambda: delivery.ClientStream(self.served.counting(request.task_id, runner),
                                       runner.exactly_once, request.consumer_index,
                                       request.round, window, request.received,
-                                      resumable=bool(request.client_id)))
+                                      resumable=bool(request.client_id),
+                                      skip=request.skip))
     return stream, stream.attach(request.received, kick)
 
   def AckElements(self, request: pb.AckElementsRequest,
@@ -451,7 +452,8 @@ class _Worker:
       request = pb.GetElementsRequest(
           task_id=int(hello["task_id"]), consumer_index=int(hello.get("consumer_index", 0)),
           round=int(hello.get("round", 0)), client_id=int(hello.get("client_id", 0)),
-          received=int(hello.get("received", 0)), window=int(hello.get("window", 0)))
+          received=int(hello.get("received", 0)), window=int(hello.get("window", 0)),
+          skip=int(hello.get("skip", 0)))
     except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(inf): Overflow
       raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
     try:

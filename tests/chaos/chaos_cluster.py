@@ -16,7 +16,7 @@ import os
 import pathlib
 import subprocess
 
-from service_cluster import ServiceProcess, free_port
+from service_cluster import ServiceProcess, free_port, release_port
 from tcp_proxy import TcpProxy
 
 HEARTBEAT_INTERVAL_S = 0.2
@@ -98,6 +98,7 @@ class ChaosWorker:
       self.process.kill()
     if self.proxy is not None:
       self.proxy.close()
+    release_port(self.port)
 
 
 class ChaosCluster:
@@ -190,6 +191,7 @@ class ChaosCluster:
     if self.dispatcher is not None:
       self.dispatcher.kill()
     self.dispatcher_proxy.close()
+    release_port(self.dispatcher_port)
 
   def __enter__(self) -> "ChaosCluster":
     return self

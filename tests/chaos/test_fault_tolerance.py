@@ -248,6 +248,29 @@ def test_worker_restart(chaos, mode, same_port):
     assert_at_most_once(counts, killed=1)
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_worker_restarted_after_its_task_finished_but_not_delivered(chaos, mode):
+  # The worker produces the rest of the epoch into its buffer and window
+  # while nobody reads, and reports its task finished; then it is killed and
+  # restarted on its port before the dispatcher's heartbeat timeout. What it
+  # held went with the process although the task "finished": the client must
+  # not wait for it at the old data address (parallel_epochs, at-most-once),
+  # and exactly-once must get its unacknowledged splits issued again.
+  cluster = chaos(1, worker_buffer_size=EPOCH // BATCH)  # holds a whole epoch
+  iterator = read(cluster, mode, records(EPOCH, BATCH, slow_map=False),
+                  data_transfer="socket")
+  counts = take(iterator, 5)
+  time.sleep(3.0)  # the worker runs out of input and tells the dispatcher
+  cluster.workers[0].kill()
+  cluster.workers[0].start()
+  counts.update(finish(iterator, deadline_s=60.0))
+  if mode == "exactly_once":
+    assert counts == epoch()
+  else:
+    assert max(counts.values()) == 1 and set(counts) <= set(epoch())
+    assert len(counts) < EPOCH  # it held some of the epoch when killed
+
+
 @pytest.mark.parametrize("pause_s", [0.0, 2 * HEARTBEAT_TIMEOUT_S],
                          ids=["reading_on", "pausing_past_the_heartbeat_timeout"])
 def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos, pause_s):

@@ -2,7 +2,7 @@
 test_shared_service_job.py).
 
 Usage: python shared_service_worker.py PROCESS_ID NUM_PROCESSES PORT
-DISPATCHER JOB_NAME POLICIES [save|restore CHECKPOINT_DIR]
+DISPATCHER JOB_NAME POLICIES [save|restore|restore_ahead CHECKPOINT_DIR]
 
 Both processes read one shared exactly-once `distributed_epoch` job of
 RECORDS records in batches of BATCH (BATCHES batches, an odd number: the
@@ -10,7 +10,8 @@ processes' counts differ), with a jitted global sum (a cross-process
 collective) in the loop, once per Loader `end_of_input` policy in the comma-separated POLICIES (job
 JOB_NAME-POLICY), and print one JSON line per read with what they saw. `save`
 saves an orbax checkpoint of the Loader after step SAVE_AT, reads AHEAD
-more steps and stops; `restore` restores it and reads to the end.
+more steps and stops; `restore` restores it and reads to the end;
+`restore_ahead` restores it, reads AHEAD steps and stops (preempted again).
 """
 
 import json
@@ -61,7 +62,7 @@ def read(process_id: int, dispatcher: str, job_name: str, end_of_input: str, mod
     time.sleep(LATE_S)
   steps, sums, valid_rows = 0, [], []
   with jaxfeed.Loader(dataset, end_of_input=end_of_input) as loader:
-    if mode == "restore":
+    if mode in ("restore", "restore_ahead"):
       manager.restore(SAVE_AT, args=ocp.args.Composite(loader=jaxfeed.LoaderRestore(loader)))
     for batch in loader:
       if end_of_input == "pad":
@@ -73,7 +74,8 @@ def read(process_id: int, dispatcher: str, job_name: str, end_of_input: str, mod
       steps += 1
       if mode == "save" and steps == SAVE_AT:
         manager.save(SAVE_AT, args=ocp.args.Composite(loader=jaxfeed.LoaderSave(loader)))
-      if mode == "save" and steps == SAVE_AT + AHEAD:
+      if (mode == "save" and steps == SAVE_AT + AHEAD) or (
+          mode == "restore_ahead" and steps == AHEAD):
         break
     state = loader.get_state()
   if manager is not None:

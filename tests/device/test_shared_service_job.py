@@ -79,10 +79,18 @@ def test_a_shared_job_ending_unevenly_pads_to_the_longest_process_exactly_once(u
   assert worker.BATCHES // 2 < reports[0]["steps"] < worker.BATCHES
 
 
+@pytest.mark.parametrize("restored_before", [0, 1])
 def test_a_shared_job_saved_at_step_k_resumes_in_new_processes_exactly_once(
-    dispatcher, tmp_path):
-  saved = read_shared_job(dispatcher, "resume", ["pad"], "save", str(tmp_path))["pad"]
-  resumed = read_shared_job(dispatcher, "resume", ["pad"], "restore", str(tmp_path))["pad"]
+    dispatcher, tmp_path, restored_before):
+  job = f"resume{restored_before}"
+  saved = read_shared_job(dispatcher, job, ["pad"], "save", str(tmp_path))["pad"]
+  if restored_before:
+    # Restored from the same checkpoint, read on and preempted again: its
+    # job stays on the dispatcher (job_gc_timeout_s), but the next restore
+    # must read the rest of the epoch from the checkpoint again, on its own.
+    again = read_shared_job(dispatcher, job, ["pad"], "restore_ahead", str(tmp_path))["pad"]
+    assert again[0]["steps"] == worker.AHEAD
+  resumed = read_shared_job(dispatcher, job, ["pad"], "restore", str(tmp_path))["pad"]
   assert saved[0] == saved[1] and resumed[0] == resumed[1]
   assert saved[0]["steps"] == worker.SAVE_AT + worker.AHEAD
   assert resumed[0]["batches"] == worker.SAVE_AT + resumed[0]["steps"]

@@ -2,6 +2,10 @@
 for test_service_resume.py; the test kills it and restores in a new one.
 
 Usage: python -m resume_trainer DISPATCHER CHECKPOINT_DIR SAVE_AT (first|restore)
+  [distributed_epoch|parallel_epochs]
+
+distributed_epoch (the default) reads exactly once; parallel_epochs reads a
+whole epoch from each worker.
 
 first: prints {"step": s, "x": [...]} for each batch; after batch SAVE_AT it
 saves an orbax checkpoint (model and loader) and prints {"saved": SAVE_AT},
@@ -28,12 +32,12 @@ BATCH = 4
 AHEAD = 3
 
 
-def dataset(dispatcher: str) -> jaxfeed.Dataset:
+def dataset(dispatcher: str, mode: str = "distributed_epoch") -> jaxfeed.Dataset:
   source = jaxfeed.ArraySource({"x": np.arange(RECORDS, dtype=np.int64)})
   sampler = jaxfeed.IndexSampler(RECORDS, shuffle=True, seed=7)
+  visitation = "exactly_once" if mode == "distributed_epoch" else "at_most_once"
   return jaxfeed.Dataset.from_source(source, sampler).batch(BATCH).distribute(
-      dispatcher, "distributed_epoch", visitation="exactly_once",
-      max_outstanding_requests=2)
+      dispatcher, mode, visitation=visitation, max_outstanding_requests=2)
 
 
 def emit(**fields) -> None:
@@ -42,10 +46,11 @@ def emit(**fields) -> None:
 
 def main() -> None:
   dispatcher, directory, save_at, mode = sys.argv[1:5]
+  processing_mode = sys.argv[5] if len(sys.argv) > 5 else "distributed_epoch"
   save_at = int(save_at)
   manager = ocp.CheckpointManager(directory)
   model = {"w": jnp.zeros(2)}
-  with jaxfeed.Loader(dataset(dispatcher), prefetch=2) as loader:
+  with jaxfeed.Loader(dataset(dispatcher, processing_mode), prefetch=2) as loader:
     batches = iter(loader)
     if mode == "restore":
       model = jaxfeed.restore_checkpoint(manager, None, loader, model_state=model)

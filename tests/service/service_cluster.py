@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import queue
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -18,10 +21,54 @@ START_TIMEOUT_S = 60
 TEST_UDF_MODULES = ("service_udfs", "coordinated_reads")
 
 
+# Lock files of the ports `free_port` handed out, one per port, so that test
+# processes running side by side never pick the same one.
+_PORT_LOCKS = pathlib.Path(tempfile.gettempdir()) / "jaxfeed-test-ports"
+_held_ports: dict[int, int] = {}  # port -> file descriptor holding its lock
+
+
+def _ephemeral_low() -> int:
+  try:
+    return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+  except (OSError, ValueError, IndexError):
+    return 32768
+
+
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A loopback port that stays this process's until `release_port`.
+
+  Servers that are killed and restarted on the same port need a port nobody
+  else takes while they are down. A port the OS picks (bind to 0) comes from
+  the ephemeral range, where any outgoing connection or other test may get it
+  next; so this one comes from below that range, and a lock file held until
+  `release_port` (or the process's end) keeps other test processes off it.
+  """
+  high = _ephemeral_low()
+  low = max(1024, min(20000, high - 4096))
+  _PORT_LOCKS.mkdir(exist_ok=True)
+  rng = random.SystemRandom()
+  for _ in range(2000):
+    port = rng.randrange(low, high)
+    if port in _held_ports:
+      continue
+    fd = os.open(_PORT_LOCKS / f"{port}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+      os.close(fd)
+      continue
+    _held_ports[port] = fd
+    return port
+  raise RuntimeError(f"no free loopback port in [{low}, {high})")
+
+
+def release_port(port: int) -> None:
+  """Gives back a port from `free_port` (its server is gone for good)."""
+  fd = _held_ports.pop(port, None)
+  if fd is not None:
+    os.close(fd)
 
 
 class ServiceProcess:

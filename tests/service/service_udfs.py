@@ -94,3 +94,11 @@ def paced(x):
   import time  # pylint: disable=g-import-not-at-top
   time.sleep(0.03)
   return {"x": x}
+
+
+def dawdle(x):
+  """{"x": x} after a second: a worker's connection waits for the next
+  element longer than a heartbeat."""
+  import time  # pylint: disable=g-import-not-at-top
+  time.sleep(1.0)
+  return {"x": x}

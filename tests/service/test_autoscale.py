@@ -131,3 +131,34 @@ def test_a_command_line_pool_goes_with_its_dispatcher(cluster, how):
   assert dispatcher.proc.wait(timeout=30) == (0 if how == "terminate" else -9)
   gone, alive = psutil.wait_procs(workers, timeout=20)
   assert not alive and len(gone) == 2  # orphans notice their parent is gone
+
+
+class _CountingBackend:
+  """A pool that only counts: starting or stopping a worker changes a number."""
+
+  def __init__(self, workers: int):
+    self.num_workers = workers
+
+  def start_worker(self) -> None:
+    self.num_workers += 1
+
+  def stop_worker(self) -> None:
+    self.num_workers -= 1
+
+  def close(self) -> None:
+    pass
+
+
+def test_a_long_running_autoscaler_keeps_its_latest_decisions_and_counts_all():
+  config = autoscale.AutoscaleConfig(min_workers=1, max_workers=2, interval_s=0.0005)
+  scaler = autoscale.Autoscaler(config, _CountingBackend(1), sample=lambda: None)
+  scaler.start()
+  try:
+    deadline = time.monotonic() + 60
+    while sum(scaler.decision_counts.values()) < 3 * autoscale._DECISIONS_KEPT:  # pylint: disable=protected-access
+      assert time.monotonic() < deadline, scaler.decision_counts
+      time.sleep(0.05)
+  finally:
+    scaler.close()
+  assert len(scaler.decisions) == autoscale._DECISIONS_KEPT  # pylint: disable=protected-access
+  assert sum(scaler.decision_counts.values()) >= 3 * len(scaler.decisions)

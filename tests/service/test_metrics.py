@@ -237,6 +237,29 @@ def test_a_healthy_read_counts_no_errors_on_either_end():
         server.close()
 
 
+@pytest.mark.parametrize("transfer", ["socket", "grpc"])
+def test_a_client_gone_before_its_task_stops_is_no_error(transfer):
+  """The consumer closes while the worker's connection waits for an element;
+  the job is released and the worker stops the task: nobody is left to get
+  an error, so none is counted."""
+  from jaxfeed import service  # pylint: disable=g-import-not-at-top
+  import service_udfs  # pylint: disable=g-import-not-at-top
+  with service.DispatchServer(service.DispatcherConfig(udf_modules=("service_udfs",))
+                              ) as dispatcher, service.WorkerServer(service.WorkerConfig(
+                                  dispatcher_address=dispatcher.target,
+                                  heartbeat_interval_s=0.1)) as worker:
+    served = metrics.serve_worker(worker, "127.0.0.1", 0)
+    try:
+      dataset = jaxfeed.Dataset.range(10).map(service_udfs.dawdle)
+      with dataset.distribute(dispatcher.target, data_transfer=transfer
+                              ).make_iterator() as iterator:
+        assert next(iterator)["x"] == 0
+      time.sleep(1.5)  # the task stops while the next element is on its way
+      assert _errors(scrape(served.url), "jaxfeed_rpc_errors_total") == {}
+    finally:
+      served.close()
+
+
 def _listed_metrics() -> set[str]:
   return set(re.findall(r"^  (jaxfeed_\w+)", metrics.__doc__, re.M))
 

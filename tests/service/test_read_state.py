@@ -86,6 +86,9 @@ def test_consumers_resuming_one_state_share_one_new_job_name():
   assert name == read_state.resume_job_name("train", dict(state))
   assert name.startswith("train/resumed-")
   assert name != read_state.resume_job_name("train", {**state, "done": [[0, 9]]})
+  # Two restores of one state: two jobs.
+  assert read_state.resume_job_name("train", state, "a") != read_state.resume_job_name(
+      "train", state, "b")
 
 
 def test_merged_states_of_a_shared_job_take_the_furthest_consumer_of_each_split():

@@ -1,0 +1,50 @@
+"""The state of a parallel_epochs read: what the consumer took per stream."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxfeed.service import read_state
+from jaxfeed.service import stream_state
+
+
+class FakeFetcher:
+  """A task's fetcher as `StreamProgress.state` sees it."""
+
+  def __init__(self, ended: bool, handed_on: int):
+    self.ended = ended
+    self.handed_on = handed_on
+
+
+def test_a_stream_is_closed_once_its_fetcher_ended_and_the_consumer_took_all_it_handed_on():
+  progress = stream_state.StreamProgress()
+  fetchers = [FakeFetcher(False, 2), FakeFetcher(True, 2)]
+  for fetcher in fetchers:
+    slot, skip = progress.assign()
+    assert skip == 0
+    progress.reading(slot, skip, fetcher)
+  progress.took(0)
+  progress.took(1)
+  assert progress.state() == {"version": 1, "streams": [[1, False], [1, False]]}
+  progress.took(1)  # all that the ended stream handed on
+  assert progress.state()["streams"] == [[1, False], [2, True]]
+
+
+def test_a_restored_read_gives_its_tasks_the_open_streams_in_order_then_new_ones():
+  progress = stream_state.StreamProgress(
+      {"version": 1, "streams": [[5, True], [3, False], [7, False]]})
+  assert progress.resumed and progress.open_streams == 2
+  assert [progress.assign() for _ in range(3)] == [(1, 3), (2, 7), (3, 0)]
+  assert progress.unassigned == 0
+  progress.reading(1, 3, FakeFetcher(True, 1))
+  progress.took(1)  # the one element after the 3 dropped
+  assert progress.state()["streams"] == [[5, True], [4, True], [7, False], [0, False]]
+
+
+@pytest.mark.parametrize("state", [
+    None, [], {"version": 2, "streams": []}, {"version": 1},
+    {"version": 1, "streams": [[-1, False]]}, {"version": 1, "streams": [[1, 0]]},
+    {"version": 1, "streams": [[1, False]], "extra": 1}])
+def test_a_malformed_state_is_refused_naming_it(state):
+  with pytest.raises(read_state.ResumeStateError, match="parallel_epochs read's state"):
+    stream_state.check_state(state)
