@@ -18,7 +18,9 @@ from jaxfeed import Dataset
 from jaxfeed.ops import op_stats
 from process_udfs import plus_ten
 
-DEFAULT_SAMPLE_INTERVAL_S = op_stats.SAMPLE_INTERVAL_S  # before the fixture below
+# The defaults, read before the fixture below changes them.
+DEFAULT_SAMPLE_INTERVAL_S = op_stats.SAMPLE_INTERVAL_S
+DEFAULT_LINGER_S = op_stats.LINGER_S
 
 ROW_KEYS = {"op", "elements", "self_seconds", "wait_seconds", "buffer_fill", "parallelism"}
 
@@ -223,11 +225,30 @@ def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
   assert "Op to fix: 'filter' (20% of the pipeline's self time, parallelism 1)" in text
 
 
-def test_the_readme_states_the_default_sampling_rate():
+def test_the_readme_states_the_default_sampling_rate_and_linger():
   readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
   rate = re.search(r"looks at the Python stacks (\d+) times a second", readme)
   assert rate is not None
   assert int(rate.group(1)) == round(1 / DEFAULT_SAMPLE_INTERVAL_S)
+  assert "one thread per process outlives the last\n  pipeline by a second" in readme
+  assert DEFAULT_LINGER_S == 1.0
+
+
+def looks_while_running(seconds: float) -> int:
+  with Dataset.range(10**6).map(sleepy).make_iterator() as it:
+    next(it)
+    before, start = op_stats.samples_taken(), time.monotonic()
+    while time.monotonic() - start < seconds:
+      next(it)
+    return op_stats.samples_taken() - before
+
+
+def test_the_thread_looks_less_often_when_looks_cost_more(monkeypatch):
+  assert looks_while_running(2.5) >= 5  # every 5 ms, at any cost
+  monkeypatch.setattr(op_stats, "MAX_CPU_SHARE", 1e-9)  # any look is too dear
+  looks_while_running(1.5)  # the next wait is MAX_INTERVAL_S
+  assert op_stats.MAX_INTERVAL_S == 1.0
+  assert looks_while_running(2.5) <= 4
 
 
 def _child_samples(connection) -> None:
