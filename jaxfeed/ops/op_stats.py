@@ -11,8 +11,8 @@ than two clock reads cost, so any per-call timing would slow it down by more
 than it measures. Instead one thread per process ("jaxfeed-op-stats",
 running while a tracked pipeline is open and for `LINGER_S` after the last
 one closed) looks at every thread's Python stack every
-`SAMPLE_INTERVAL_S` (less often when a look would cost more than
-`MAX_CPU_SHARE` of a core) and charges the time since its last look to the
+`SAMPLE_INTERVAL_S` (less often, down to every `MAX_INTERVAL_S`, when looks
+would cost the pipeline more than `MAX_CPU_SHARE` of its time) and charges the time since its last look to the
 innermost op method on each stack: to the op's `wait_seconds` when the
 stack is blocked in a wait for that op's producers (a `threading.Condition`
 or `Event` wait, or a function marked with `waits_for_input`), else to its
@@ -22,9 +22,11 @@ A thread that runs no op (the training loop, an idle worker) is not
 charged. Work an op does on its own threads or processes, outside any op
 method (parallel map's workers), is added from the op's own clock.
 
-Elements are counted where that is free: an op reports its count when it
-keeps one anyway (a position, a sequence number, batches made); an op that
-returns one element per input element reports its input's count.
+Elements are counted where that is free or nearly: an op reports its count
+when it keeps one anyway (a position, a sequence number, batches made, a
+shuffle window's offset), a filter adds one to an integer per element it
+keeps; an op that returns one element per input element reports its
+input's count.
 """
 
 from __future__ import annotations
