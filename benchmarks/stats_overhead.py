@@ -185,8 +185,8 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
     if extra_looks > 0:
       # Seconds per item, amplified minus on, divided by the extra looks per
       # item: what one look cost, in wall time and in CPU time.
-      rate_on, rate_amp = statistics.median(rates["on"]), statistics.median(rates["amplified"])
-      cpu_on, cpu_amp = statistics.median(cpu_rates["on"]), statistics.median(cpu_rates["amplified"])
+      rate_on, rate_amp = (statistics.median(rates[arm]) for arm in ("on", "amplified"))
+      cpu_on, cpu_amp = (statistics.median(cpu_rates[arm]) for arm in ("on", "amplified"))
       looks_per_item = extra_looks / rate_amp
       wall_per_look = (1 / rate_amp - 1 / rate_on) / looks_per_item
       cpu_per_look = (1 / cpu_amp - 1 / cpu_on) / looks_per_item

@@ -10,9 +10,10 @@ cheap element-wise ops spends a few hundred nanoseconds per element, less
 than two clock reads cost, so any per-call timing would slow it down by more
 than it measures. Instead one thread per process ("jaxfeed-op-stats",
 running while a tracked pipeline is open and for `LINGER_S` after the last
-one closed) looks at every thread's Python stack every
-`SAMPLE_INTERVAL_S` (less often, down to every `MAX_INTERVAL_S`, when looks
-would cost the pipeline more than `MAX_CPU_SHARE` of its time) and charges the time since its last look to the
+one closed) looks at every thread's Python stack every `SAMPLE_INTERVAL_S`
+(less often, down to every `MAX_INTERVAL_S`, when looks would cost the
+pipeline more than `MAX_CPU_SHARE` of its time) and charges the time since
+its last look to the
 innermost op method on each stack: to the op's `wait_seconds` when the
 stack is blocked in a wait for that op's producers (a `threading.Condition`
 or `Event` wait, or a function marked with `waits_for_input`), else to its
