@@ -26,7 +26,10 @@ readable summary: parties, RPCs/s, p50/p99/max latency per RPC kind (as the
 callers saw it, `latency_ms`, and inside the dispatcher's handlers,
 `handler_ms`: lock, work and fsync, without gRPC's queues; GetOrCreateJob and ReleaseJobClient from the joins before and
 the goodbyes after the window), failed RPCs, dispatcher CPU (share of one core) and RSS,
-journal bytes written per second, the simulators' own CPU, and the restart.
+journal bytes written per second, the dispatcher's garbage-collection pauses
+(`dispatcher_gc`), the simulators' own CPU and how late their event loops woke
+a 10 ms sleep (`simulator_loop_lag_ms`: their own share of the latencies),
+and the restart.
 
 Latencies include the simulators' own scheduling delay: on a machine with few
 cores the simulators and the dispatcher compete for them.
@@ -160,6 +163,9 @@ class _Stats:
     self.failed: dict[str, int] = {kind: 0 for kind in RPC_KINDS}
     self.errors: dict[str, int] = {}
     self.measuring = False
+    # How late the simulator's event loop woke a task in the window: the part
+    # of the callers' latencies that is the simulator's own delay.
+    self.loop_lags: list[float] = []
 
   def add(self, kind: str, seconds: float) -> None:
     # Joining and leaving happen outside the measured window: always kept.
@@ -236,12 +242,19 @@ class _Simulator:
     fetchers: dict[int, asyncio.Task] = {}
     interval = 0.5
     first = True
+    # As jaxfeed's worker: the clients_version of the last task_clients and
+    # the tasks they were listed for.
+    listed_version, listed_tasks = 0, frozenset()
     try:
       while not self.stop.is_set():
+        running = frozenset(current)
         response = await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
             worker_address=address, data_address=f"sim-worker-{number}.local:5052",
-            current_tasks=sorted(current)))
+            current_tasks=sorted(current),
+            known_clients_version=listed_version if listed_tasks == running else 0))
         if response is not None:
+          if not response.clients_unchanged:
+            listed_version, listed_tasks = response.clients_version, running
           if first:
             first = False
             ready.set()
@@ -325,6 +338,14 @@ class _Simulator:
     finally:
       await party.channel.close()
 
+  async def watch_loop(self) -> None:
+    """Notes how late a 10 ms sleep wakes while measuring."""
+    while not self.stop.is_set():
+      start = time.perf_counter()
+      await asyncio.sleep(0.01)
+      if self.stats.measuring:
+        self.stats.loop_lags.append(time.perf_counter() - start - 0.01)
+
   async def run(self, commands: "asyncio.Queue[str]") -> dict:
     args = self.args
     worker_numbers = range(self.index, args.workers, args.processes)
@@ -345,6 +366,7 @@ class _Simulator:
     _say({"event": "clients_ready"})
     assert await commands.get() == "measure"
     self.stats.measuring = True
+    tasks.append(asyncio.ensure_future(self.watch_loop()))
     assert await commands.get() == "stop"
     self.stats.measuring = False
     self.stop.set()
@@ -353,7 +375,7 @@ class _Simulator:
         key = f"simulator: {type(outcome).__name__}: {outcome}"[:200]
         self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
     return {"latencies": self.stats.latencies, "failed": self.stats.failed,
-            "errors": self.stats.errors}
+            "errors": self.stats.errors, "loop_lags": self.stats.loop_lags}
 
 
 def _say(message: dict) -> None:
@@ -524,6 +546,8 @@ def run(args: argparse.Namespace) -> dict:
   for r in results:
     for key, count in r["errors"].items():
       errors[key] = errors.get(key, 0) + count
+  loop_lags = sorted(x for r in results for x in r["loop_lags"])
+  collections = handler_times.get("gc", [])
   busy = lambda t: t.user + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
   machine_busy = (busy(machine1) - busy(machine0)) / max(
       1e-9, sum(machine1) - sum(machine0)) * psutil.cpu_count()
@@ -554,6 +578,14 @@ def run(args: argparse.Namespace) -> dict:
       "journal_bytes_per_s": round((io1 - io0) / elapsed, 1),
       "journal_dir_bytes": journal_bytes,
       "simulator_cpu_share": round((sim_cpu1 - sim_cpu0) / elapsed, 3),
+      "simulator_loop_lag_ms": {"p50": round(_percentile(loop_lags, 0.5) * 1e3, 2),
+                                "p99": round(_percentile(loop_lags, 0.99) * 1e3, 2),
+                                "max": round((loop_lags[-1] if loop_lags else 0.0) * 1e3, 2)},
+      "dispatcher_gc": {"collections": len(collections),
+                        "seconds": round(sum(collections), 3),
+                        "max_ms": round((collections[-1] if collections else 0.0) * 1e3, 2),
+                        "full_collections": len(handler_times.get("gc2", [])),
+                        "full_max_ms": round(max(handler_times.get("gc2", [0.0])) * 1e3, 2)},
       "machine_cores": psutil.cpu_count(),
       "machine_busy_cores": round(machine_busy, 2),
       "load_average_1m": round(os.getloadavg()[0], 2),

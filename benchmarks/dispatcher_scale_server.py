@@ -7,11 +7,14 @@ servicer wrapped to note (end time, seconds spent in the handler: the state
 lock, the work and the journal's fsync; not gRPC's queues). Once
 `PATH.window` appears, holding "START STOP" in `time.monotonic()` seconds
 (the same clock in every process of a machine), it writes the handler times
-of that window to PATH as JSON: method -> sorted seconds.
+of that window to PATH as JSON: method -> sorted seconds, and under "gc" the
+garbage collector's pauses of the window (seconds each, every generation;
+"gc2": the full collections alone).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -33,6 +36,21 @@ def _timed(name: str, method, times: list):
       end = time.monotonic()
       times.append((name, end, end - start))  # list.append is atomic
   return handler
+
+
+def _time_collections(times: list) -> None:
+  """Notes each garbage collection as ("gc", end time, seconds)."""
+  started = [0.0]
+
+  def callback(phase: str, info: dict) -> None:
+    if phase == "start":
+      started[0] = time.monotonic()
+    else:
+      end = time.monotonic()
+      times.append(("gc", end, end - started[0]))
+      if info["generation"] == 2:
+        times.append(("gc2", end, end - started[0]))
+  gc.callbacks.append(callback)
 
 
 def _write_when_asked(path: str, times: list) -> None:
@@ -58,6 +76,7 @@ def main() -> None:
   for name in METHODS:
     setattr(dispatcher._DispatcherServicer, name,  # pylint: disable=protected-access
             _timed(name, getattr(dispatcher._DispatcherServicer, name), times))  # pylint: disable=protected-access
+  _time_collections(times)
   threading.Thread(target=_write_when_asked, args=(timing_file, times), daemon=True).start()
   from absl import app  # pylint: disable=g-import-not-at-top
   dispatcher.define_flags()

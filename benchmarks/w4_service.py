@@ -10,6 +10,12 @@ and over; MB/s against a plain TCP socket moving the same bytes over
 loopback from another process, one socket epoch right before each jaxfeed
 W4t epoch, so that both see the same load. Every system reads DYNAMIC /
 distributed_epoch (an epoch is every record once, a new job each time).
+jaxfeed's splits hold 8 batches in both (W4: 1024 images; W4t: 8 ready
+batches, so 2 workers share W4t's 157), each on its own dispatcher; W4t's
+rows give each worker's served bytes (`served_mb_by_worker`, its
+`jaxfeed_worker_bytes_served_total`) and the smallest share a worker served
+of an epoch (`min_worker_share`), and the run fails if with 2 workers that
+is under 25%.
 Prints one JSON line per (workload, system) with the median rate, the time
 from asking for an epoch to its first batch (`first_batch_ms`: a new job on
 running workers; `first_batch_ms_warmup`: the warm-up epoch's, for W4 the
@@ -26,11 +32,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
+import urllib.request
 
 import numpy as np
 
@@ -39,6 +48,14 @@ from benchmarks import workloads
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 128
+# Sampler positions per DYNAMIC split. W4 reads images, so its split of 1024
+# positions is 8 batches; W4t reads ready batches, one per position, and its
+# split holds the same 8 batches: its 157 batches are 20 splits, enough for
+# both workers to serve (one split of 1024 would leave the second idle).
+W4_SPLIT_SIZE = 1024
+W4T_SPLIT_SIZE = W4_SPLIT_SIZE // BATCH
+# Each of 2 workers must serve at least this share of every W4t epoch.
+FAIR_SHARE = 0.25
 _CACHED: dict = {}
 
 
@@ -69,11 +86,16 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
     args = [*args, "--udf_modules=benchmarks."]  # where the benchmarks' UDFs live
   proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, env=_env(), text=True)
+  return proc, _printed_address(proc, args)
+
+
+def _printed_address(proc: subprocess.Popen, args: list[str]) -> str:
+  """The address on the next line the process prints ("... on ADDRESS ...")."""
   line = proc.stdout.readline()
   if not line:
     raise RuntimeError(f"{args} exited before reporting its address.")
   words = line.split()
-  return proc, words[words.index("on") + 1]
+  return words[words.index("on") + 1]
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -87,14 +109,41 @@ def _stop(procs: list[subprocess.Popen]) -> None:
       proc.wait()
 
 
-def _jaxfeed_cluster(num_workers: int) -> tuple[list, str]:
+def jaxfeed_cluster(num_workers: int, split_size: int, flags: Sequence[str] = (),
+                    worker_flags: Sequence[str] = ()) -> tuple[list, str, list[str]]:
+  """A dispatcher and its workers, all with `flags`: (processes, dispatcher
+  address, the workers' metrics URLs)."""
   dispatcher, address = _spawn(["-m", "jaxfeed.service.dispatcher", "--port=0",
-                                "--split_size=1024"])
-  procs = [dispatcher]
+                                f"--split_size={split_size}", *flags])
+  procs, metrics_urls = [dispatcher], []
   for _ in range(num_workers):
-    procs.append(_spawn(["-m", "jaxfeed.service.worker", f"--dispatcher_address={address}",
-                         "--buffer_size=8"])[0])
-  return procs, address
+    args = ["-m", "jaxfeed.service.worker", f"--dispatcher_address={address}",
+            "--buffer_size=8", "--metrics_port=0", *flags, *worker_flags]
+    worker, _ = _spawn(args)
+    procs.append(worker)
+    metrics_urls.append(_printed_address(worker, args))
+  return procs, address, metrics_urls
+
+
+def served_bytes(metrics_urls: list[str]) -> list[dict[int, int]]:
+  """Per worker, the bytes it served to clients by job id (its
+  `jaxfeed_worker_bytes_served_total` counter)."""
+  counts = []
+  for url in metrics_urls:
+    with urllib.request.urlopen(url, timeout=10) as response:
+      text = response.read().decode()
+    counts.append({int(job): int(float(value)) for job, value in re.findall(
+        r'^jaxfeed_worker_bytes_served_total\{job="(\d+)"\} (\S+)$', text, re.M)})
+  return counts
+
+
+def worker_shares(served: list[dict[int, int]], jobs: list[int]) -> list[list[float]]:
+  """Per job, each worker's share of the bytes served."""
+  shares = []
+  for job in jobs:
+    by_worker = [counts.get(job, 0) for counts in served]
+    shares.append([b / max(1, sum(by_worker)) for b in by_worker])
+  return shares
 
 
 _TF_ROLE = r"""
@@ -159,12 +208,15 @@ def _tf_w4t(n: int):
   return tf.data.Dataset.from_tensors({"image": batch}).repeat(-(-n // BATCH)).cache()
 
 
+def read_epoch(dataset, address: str):
+  """An iterator over one epoch of `dataset` read through the service (a new job)."""
+  return dataset.distribute(address, "distributed_epoch",
+                            max_outstanding_requests=8).make_iterator()
+
+
 def _measure_jaxfeed(make, address: str, epochs: int, procs: list,
                      before_epoch=None) -> dict:
-  def epoch():
-    return make().distribute(address, "distributed_epoch",
-                             max_outstanding_requests=8).make_iterator()
-  return harness.measure(epoch, lambda b: len(b["image"]), epochs,
+  return harness.measure(lambda: read_epoch(make(), address), lambda b: len(b["image"]), epochs,
                          servers=[p.pid for p in procs], before_epoch=before_epoch)
 
 
@@ -213,6 +265,16 @@ def _plain_socket_epoch(frames: int, size: int) -> float:
   return received / elapsed
 
 
+def _served_by_worker(served: list[dict[int, int]]) -> dict:
+  """The timed epochs' bytes by worker (the first job was the warm-up's) and
+  the smallest share any worker served of any of them."""
+  jobs = sorted(set().union(*served))[1:]
+  shares = worker_shares(served, jobs)
+  return {"served_mb_by_worker": [round(sum(c.get(j, 0) for j in jobs) / 1e6, 1)
+                                  for c in served],
+          "min_worker_share": round(min(min(s) for s in shares), 3)}
+
+
 def _to_mb_per_s(result: dict, item_bytes: int) -> dict:
   """A result in items/s as MB/s."""
   return {**result, "rate": result["rate"] * item_bytes / 1e6,
@@ -238,18 +300,23 @@ def main(argv: list[str]) -> None:
                                   for i in range(n)])
     for workers in (1, 2):
       name = f"jaxfeed service ({workers} workers)"
-      procs, address = _jaxfeed_cluster(workers)
-      try:
-        if only != "W4t":
+      if only != "W4t":
+        procs, address, _ = jaxfeed_cluster(workers, W4_SPLIT_SIZE)
+        try:
           w4[name] = _measure_jaxfeed(lambda: _jaxfeed_w4(path, n), address, epochs, procs)
-        if only != "W4":
+        finally:
+          _stop(procs)
+      if only != "W4":
+        procs, address, metrics_urls = jaxfeed_cluster(workers, W4T_SPLIT_SIZE)
+        try:
           socket_rates = sockets[name] = []
           w4t[name] = _to_mb_per_s(_measure_jaxfeed(
               lambda: _jaxfeed_w4t(n), address, epochs, procs,
               lambda: socket_rates.append(_plain_socket_epoch(num_batches, batch_bytes))),
               image_bytes)
-      finally:
-        _stop(procs)
+          w4t[name].update(_served_by_worker(served_bytes(metrics_urls)))
+        finally:
+          _stop(procs)
       name = f"tf.data service ({workers} workers)"
       procs, address = _tf_cluster(workers)
       try:
@@ -281,7 +348,14 @@ def main(argv: list[str]) -> None:
         "socket_rates": [round(r, 1) for r in socket_rates],
         "first_batch_ms": w4t[name]["first_batch_ms"],
         "last_batch_to_end_ms": w4t[name]["last_batch_to_end_ms"],
+        "served_mb_by_worker": w4t[name]["served_mb_by_worker"],
+        "min_worker_share": w4t[name]["min_worker_share"],
         "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"]}), flush=True)
+  unfair = {name: result["min_worker_share"] for name, result in w4t.items()
+            if len(result.get("served_mb_by_worker", ())) > 1
+            and result["min_worker_share"] < FAIR_SHARE}
+  if unfair:
+    raise SystemExit(f"W4t: a worker served less than {FAIR_SHARE:.0%} of an epoch: {unfair}.")
 
 
 if __name__ == "__main__":

@@ -24,18 +24,12 @@ from benchmarks import workloads
 TLS_DIR = str(w4_service.REPO_ROOT / "tests" / "service" / "tls")
 
 
-def _cluster(num_workers: int, tls: bool) -> tuple[list, str]:
-  flags = []
+def _cluster(num_workers: int, tls: bool, split_size: int) -> tuple[list, str]:
+  flags, worker_flags = [], []
   if tls:
     flags = [f"--tls_key={TLS_DIR}/server.key", f"--tls_cert={TLS_DIR}/server.pem"]
-  dispatcher, address = w4_service._spawn(  # pylint: disable=protected-access
-      ["-m", "jaxfeed.service.dispatcher", "--port=0", "--split_size=1024", *flags])
-  procs = [dispatcher]
-  for _ in range(num_workers):
-    worker_flags = [f"--tls_root_certs={TLS_DIR}/ca.pem"] if tls else []
-    procs.append(w4_service._spawn(  # pylint: disable=protected-access
-        ["-m", "jaxfeed.service.worker", f"--dispatcher_address={address}",
-         "--buffer_size=8", *flags, *worker_flags])[0])
+    worker_flags = [f"--tls_root_certs={TLS_DIR}/ca.pem"]
+  procs, address, _ = w4_service.jaxfeed_cluster(num_workers, split_size, flags, worker_flags)
   return procs, address
 
 
@@ -61,7 +55,7 @@ def _w4_visitations(data: dict, workers: int, epochs: int) -> list[dict]:
     path = os.path.join(tmp, "w4.tfrecord")
     jaxfeed.write_tfrecord(path, [data["label"][i].tobytes() + data["image"][i].tobytes()
                                   for i in range(n)])
-    procs, address = _cluster(workers, False)
+    procs, address = _cluster(workers, False, w4_service.W4_SPLIT_SIZE)
     try:
       for visitation in ("at_most_once", "exactly_once"):
         result = _measure(lambda: w4_service._jaxfeed_w4(path, n),  # pylint: disable=protected-access
@@ -88,7 +82,7 @@ def main(argv: list[str]) -> None:
     tls = service.TLSConfig(root_certificates=f.read())
   lines, w4 = [], []
   for use_tls in (False, True) if only != "W4" else ():
-    procs, address = _cluster(workers, use_tls)
+    procs, address = _cluster(workers, use_tls, w4_service.W4T_SPLIT_SIZE)
     try:
       for transfer in ("socket", "grpc"):
         result = _measure(lambda: w4_service._jaxfeed_w4t(n),  # pylint: disable=protected-access

@@ -19,8 +19,13 @@ IMAGE = 64
 # ----------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------
+def w1_size(scale: float) -> int:
+  """W1's number of images at `scale`."""
+  return max(256, int(20_000 * scale))
+
+
 def w1_data(scale: float) -> dict[str, np.ndarray]:
-  n = max(256, int(20_000 * scale))
+  n = w1_size(scale)
   rng = np.random.default_rng(0)
   return {"image": rng.integers(0, 256, (n, IMAGE, IMAGE, 3), dtype=np.uint8),
           "label": rng.integers(0, 1000, n, dtype=np.int32)}

@@ -370,7 +370,10 @@ class Dataset:
     `overflow` says what happens to a sequence longer than its row:
     "error", "truncate" (cut to the row length) or "split" (cut into
     row-length pieces packed in order, each with positions from 0; nothing is
-    lost). See `jaxfeed.ops.pack` for the packing rules.
+    lost). See `jaxfeed.ops.pack` for the packing rules. Over an
+    `IndexSampler` (or `mix`) through `map` / `random_map` / `filter`, a
+    checkpoint resumes on another number of processes: the tokens are the
+    uninterrupted run's, the rows may differ (see docs/multihost.md).
     """
     return self._wrap(_op("pack").PackNode(
         self.node, length_struct, num_packing_bins=num_packing_bins,

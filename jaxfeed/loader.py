@@ -17,8 +17,9 @@ or, composing the items yourself::
 The loader item is written by `LoaderCheckpointHandler`: one JSON file per JAX
 process (`process_<i>-of-<n>.json`), since every process reads its own shard.
 Restoring with another number of processes works for pipelines that read an
-`IndexSampler` sharded by process through `map`, `random_map`, `filter` and
-`batch` (see `reshard_loader_states`); others fail with an error naming the op.
+`IndexSampler` sharded by process through `map`, `random_map`, `filter`,
+`pack` and `batch` (see `reshard_loader_states`); others fail with an error
+naming the op.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
 from jaxfeed.device.agreement import check_policy, distributed_client
 from jaxfeed.ops import op_stats
-from jaxfeed.ops.from_source import reshard_states
+from jaxfeed.ops.reshard import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
 from jaxfeed.service import read_state
@@ -241,8 +242,10 @@ def reshard_loader_states(states: list[dict]) -> dict:
   size of `global_batch // jax.process_count()`. The records the old processes
   had not read are dealt out to the new ones, each read once over all of them;
   later epochs are read as usual. Pipelines: `from_source` with an
-  `IndexSampler`, then `map`, `random_map`, `filter`, `batch` /
-  `padded_batch`; anything holding elements of one process's shard (a
+  `IndexSampler` (or `Dataset.mix`), then `map`, `random_map`, `filter`, at
+  most one `pack`, `batch` / `padded_batch`; the elements `pack` held count
+  as unread (a partly emitted `overflow="split"` element as its missing
+  pieces). Anything else holding elements of one process's shard (a
   `shuffle` buffer, ...) raises a ValueError naming it.
   """
   batches = {state.get("batches") for state in states}

@@ -429,13 +429,14 @@ class MixtureSampler:
     return MixtureSampler(self._components, self._weights, seed=self._seed,
                           shard_options=self._shard, segments=segments)
 
-  def reshard(self, old_shard_count: int, old_positions: Any) -> "MixtureSampler":
+  def reshard(self, old_shard_count: int, old_positions: Any,
+              old_unread: Any = None) -> "MixtureSampler":
     """This shard's sampler after a resume on another number of shards (see
     `ReshardedSampler`)."""
     view = MixtureSampler(self._components, self._weights, seed=self._seed,
                           shard_options=self._shard, segments=self._segments)
     view._positions = ReshardedSampler(self._layout, old_shard_count,
-                                       old_positions)
+                                       old_positions, old_unread)
     return view
 
   def reshard_state(self) -> dict | None:

@@ -402,20 +402,24 @@ def _feistel(x: Any, keys: list, hi_bits: int, lo_bits: int) -> Any:
   return x
 
 
-RESHARD_STATE_VERSION = 1
+RESHARD_STATE_VERSION = 2
+"""Version 2 added `unread` (positions below a shard's frontier it had not
+consumed); version 1 states (without it) are still read."""
 
 
 class ReshardedSampler:
   """An `IndexSampler`'s shard after a resume on another number of shards.
 
   A run with `old_shard_count` shards stopped after shard `h` had read its
-  first `old_positions[h]` positions. The records the old shards had not read
-  yet, epoch by epoch, are dealt out to the new shards: in each epoch that some
-  old shard had started but not finished, the unread global positions in
-  increasing order go round-robin to the new shards (new shard `i` of `M`
-  takes the `i`-th, `(i+M)`-th, ...); the epochs after those are read as
-  `base` reads them. So over all new shards every unread record is read
-  exactly once, and the shards' lengths differ by at most one per epoch.
+  first `old_positions[h]` positions, except the positions `old_unread[h]`
+  below that (elements an op such as `pack` held but had not emitted yet).
+  The records the old shards had not read yet, epoch by epoch, are dealt out
+  to the new shards: in each epoch that some old shard had started but not
+  finished, the unread global positions in increasing order go round-robin
+  to the new shards (new shard `i` of `M` takes the `i`-th, `(i+M)`-th, ...);
+  the epochs after those are read as `base` reads them. So over all new
+  shards every unread record is read exactly once, and the shards' lengths
+  differ by at most one per epoch.
 
   Looking up a position of the dealt-out epochs costs
   `O(old_shard_count * log(num_records))`.
@@ -427,10 +431,12 @@ class ReshardedSampler:
     old_positions: the next position of each old shard `h` (shard `h` of
       `old_shard_count`, with `base`'s records, seed, epochs and
       `drop_remainder`).
+    old_unread: None, or per old shard the positions below
+      `old_positions[h]` it had not consumed.
   """
 
   def __init__(self, base: IndexSampler, old_shard_count: int,
-               old_positions: Any):
+               old_positions: Any, old_unread: Any = None):
     if not _is_int(old_shard_count) or old_shard_count < 1:
       raise ValueError(
           f"ReshardedSampler: old_shard_count must be an integer >= 1, got "
@@ -441,9 +447,19 @@ class ReshardedSampler:
       raise ValueError(
           f"ReshardedSampler: old_positions must be {old_shard_count} "
           f"integers >= 0 (one per old shard), got {old_positions!r}.")
+    unread = [[] for _ in positions] if old_unread is None else [
+        list(u) if isinstance(u, (list, tuple)) else None for u in old_unread]
+    if len(unread) != old_shard_count or not all(
+        u is not None and all(_is_int(j) and 0 <= j < p for j in u)
+        and len(set(u)) == len(u) for u, p in zip(unread, positions)):
+      raise ValueError(
+          f"ReshardedSampler: old_unread must be {old_shard_count} lists of "
+          f"distinct positions, each below its shard's old position "
+          f"{positions}, got {str(old_unread):.200}.")
     self._base = base
     self._old_count = int(old_shard_count)
     self._old_positions = [int(p) for p in positions]
+    self._old_unread = [sorted(int(j) for j in u) for u in unread]
     shard = base.shard_options
     n = base.num_records
     per = np.array([
@@ -452,20 +468,31 @@ class ReshardedSampler:
         for h in range(self._old_count)], np.int64)
     self._old_per = per
     reading = per > 0
-    epochs = np.array(self._old_positions, np.int64)[reading] // per[reading]
+    # Per old shard, the first position it has not consumed.
+    frontiers = np.array([min(u[:1] + [p]) for u, p in zip(
+        self._old_unread, self._old_positions)], np.int64)
+    epochs = frontiers[reading] // per[reading]
     first = int(epochs.min()) if epochs.size else 0
-    last = int(epochs.max()) if epochs.size else -1
+    last = int((np.array(self._old_positions, np.int64)[reading]
+                // per[reading]).max()) if epochs.size else -1
     if base.num_epochs is not None:
       last = min(last, base.num_epochs - 1)
+    # The unread positions below the frontiers as global positions, sorted.
+    holes = np.array(sorted(
+        (j // int(per[h]), h + (j % int(per[h])) * self._old_count)
+        for h, u in enumerate(self._old_unread) for j in u), np.int64
+                     ).reshape(-1, 2)
     # Per dealt-out epoch: (epoch, unread positions read so far per old
-    # shard, this shard's share, first position of the share).
-    self._epochs: list[tuple[int, np.ndarray, int, int]] = []
+    # shard, that epoch's holes, this shard's share, first position of the
+    # share).
+    self._epochs: list[tuple[int, np.ndarray, np.ndarray, int, int]] = []
     start = 0
     for epoch in range(first, last + 1):
       done = np.clip(np.array(self._old_positions) - epoch * per, 0, per)
-      unread = int((per - done).sum())
-      share = max(0, -(-(unread - shard.shard_index) // shard.shard_count))
-      self._epochs.append((epoch, done, share, start))
+      epoch_holes = holes[holes[:, 0] == epoch, 1]
+      unread_count = int((per - done).sum()) + epoch_holes.size
+      share = max(0, -(-(unread_count - shard.shard_index) // shard.shard_count))
+      self._epochs.append((epoch, done, epoch_holes, share, start))
       start += share
     self._dealt = start
     self._next_epoch = last + 1
@@ -486,7 +513,8 @@ class ReshardedSampler:
   def reshard_state(self) -> dict:
     """What `from_source` saves to rebuild this sampler (JSON-able)."""
     return {"version": RESHARD_STATE_VERSION, "shard_count": self._old_count,
-            "positions": list(self._old_positions)}
+            "positions": list(self._old_positions),
+            "unread": [list(u) for u in self._old_unread]}
 
   def base_position(self, position: int) -> int | None:
     """The `base` position equal to `position`; None inside the dealt-out
@@ -523,12 +551,12 @@ class ReshardedSampler:
       epochs[later], records[later], seeds[later] = self._base.get_many(
           base_positions)
     shard = self._base.shard_options
-    for epoch, done, share, start in self._epochs:
+    for epoch, done, holes, share, start in self._epochs:
       which = (positions >= start) & (positions < start + share)
       if not which.any():
         continue
       ranks = shard.shard_index + (positions[which] - start) * shard.shard_count
-      global_positions = self._unread_at(ranks, done)
+      global_positions = self._unread_at(ranks, done, holes)
       epoch_array = np.full(global_positions.size, epoch, np.int64)
       if self._base.shuffle:
         record_indices = self._base._permute_many(  # pylint: disable=protected-access
@@ -540,13 +568,14 @@ class ReshardedSampler:
       seeds[which] = mix_seeds(self._base.seed, epoch_array, record_indices)
     return epochs.reshape(shape), records.reshape(shape), seeds.reshape(shape)
 
-  def _unread_at(self, ranks: np.ndarray, done: np.ndarray) -> np.ndarray:
+  def _unread_at(self, ranks: np.ndarray, done: np.ndarray,
+                 holes: np.ndarray) -> np.ndarray:
     """The global positions of rank `ranks` among an epoch's unread ones.
 
     Old shard `h` left positions `h + j * count` for `done[h] <= j < per[h]`
-    unread; the number of unread positions below `g` is monotone in `g`, so a
-    bisection finds the smallest `g` with more than `rank` of them below
-    `g + 1`.
+    unread, and the global positions `holes` (sorted) below that; the number
+    of unread positions below `g` is monotone in `g`, so a bisection finds
+    the smallest `g` with more than `rank` of them below `g + 1`.
     """
     count = self._old_count
     shards = np.arange(count, dtype=np.int64)
@@ -554,7 +583,8 @@ class ReshardedSampler:
 
     def unread_below(g: np.ndarray) -> np.ndarray:
       below = np.maximum(0, -(-(g[:, None] - shards) // count))
-      return (np.clip(below, done, per) - done).sum(axis=1)
+      return ((np.clip(below, done, per) - done).sum(axis=1)
+              + np.searchsorted(holes, g))
 
     low = np.zeros(ranks.size, np.int64)
     high = np.full(ranks.size, self._base.num_records, np.int64)
@@ -567,4 +597,5 @@ class ReshardedSampler:
 
   def __repr__(self) -> str:
     return (f"ReshardedSampler({self._base!r}, old_shard_count="
-            f"{self._old_count}, old_positions={self._old_positions})")
+            f"{self._old_count}, old_positions={self._old_positions}, "
+            f"old_unread={self._old_unread})")

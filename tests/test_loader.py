@@ -297,9 +297,13 @@ def test_report_says_input_bound_and_names_the_slow_op(capsys):
              .map(sleepy_add_one, num_parallel_calls=2).batch(8).prefetch(1))
   with jaxfeed.Loader(dataset, prefetch=1) as loader:
     deadline = time.monotonic() + 60
-    # Enough batches for the sampler (20 looks a second) to see the ops many times.
-    while loader.stats()["ops"][2]["self_seconds"] < 0.5:
-      assert time.monotonic() < deadline
+    # Until the slow map has worked half a second and the sampler (10 looks
+    # a second, fewer on a busy machine) has seen the loop wait.
+    while True:
+      rows = loader.stats()["ops"]
+      if rows[2]["self_seconds"] >= 0.5 and rows[4]["wait_seconds"] > 0:
+        break
+      assert time.monotonic() < deadline, rows
       next(loader)
     text = loader.report()
     rows = loader.stats()["ops"]

@@ -8,7 +8,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed import reshard_loader_states
-from jaxfeed.ops.from_source import reshard_states
+from jaxfeed.ops.reshard import reshard_states
 from jaxfeed.sampler import IndexSampler, ReshardedSampler, ShardOptions
 
 
@@ -49,6 +49,37 @@ def test_new_shards_read_every_unread_position_exactly_once(trial):
   assert max(lengths) - min(lengths) <= num_epochs
 
 
+@pytest.mark.parametrize("trial", range(40))
+def test_unread_positions_below_the_old_positions_are_dealt_out_too(trial):
+  # An op (pack) held records of these positions: they count as unread.
+  rng = np.random.default_rng(100 + trial)
+  num_records = int(rng.integers(1, 50))
+  old, new = (int(c) for c in rng.integers(1, 6, 2))
+  num_epochs = int(rng.integers(1, 4))
+  olds = [sampler(num_records, h, old, num_epochs) for h in range(old)]
+  positions = [int(rng.integers(0, len(s) + 1)) for s in olds]
+  holes = [sorted(rng.choice(p, int(rng.integers(0, min(p, 6) + 1)),
+                             replace=False).tolist()) for p in positions]
+  unread = sum((reads(s, len(s)) for s in olds), collections.Counter())
+  unread -= sum((reads(s, p) for s, p in zip(olds, positions)),
+                collections.Counter())
+  for s, h in zip(olds, holes):
+    epochs, records, seeds = s.get_many(np.array(h, np.int64))
+    unread.update(zip(epochs.tolist(), records.tolist(), seeds.tolist()))
+  got = collections.Counter()
+  for i in range(new):
+    resharded = ReshardedSampler(
+        sampler(num_records, i, new, num_epochs), old, positions, holes)
+    got += reads(resharded, resharded.num_positions)
+    assert resharded.reshard_state()["unread"] == holes
+  assert got == unread
+
+
+def test_unread_positions_must_lie_below_the_old_positions():
+  with pytest.raises(ValueError, match="old_unread must be 2 lists"):
+    ReshardedSampler(sampler(10, 0, 1, 1), 2, [3, 2], [[1], [2]])
+
+
 def test_bad_old_positions_are_rejected():
   with pytest.raises(ValueError, match="must be 2 integers >= 0"):
     ReshardedSampler(sampler(10, 0, 1, 1), 2, [3])
@@ -75,8 +106,9 @@ def test_resharded_state_reads_the_rest_then_saves_a_plain_position():
   resumed = pipeline(0, 3).make_iterator()
   resumed.set_state(state)
   own = resumed.get_state()["parents"][0]["parents"][0]["own"]
-  assert own["resharded"] == {"version": 1, "shard_count": 2,
-                              "positions": own["resharded"]["positions"]}
+  assert own["resharded"] == {"version": 2, "shard_count": 2,
+                              "positions": own["resharded"]["positions"],
+                              "unread": [[], []]}
   list(resumed)  # To the end: past the dealt-out epochs.
   own = resumed.get_state()["parents"][0]["parents"][0]["own"]
   assert set(own) == {"position"}

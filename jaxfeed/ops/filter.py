@@ -70,6 +70,7 @@ class FilterIterator(OpIterator):
     super().__init__([parent])
     self._parent = parent
     self._predicate = predicate
+    self._kept = 0  # elements returned, for stats()
 
   def __next__(self) -> Any:
     parent = self._parent
@@ -81,12 +82,18 @@ class FilterIterator(OpIterator):
       else:
         keep = predicate(element)
       if keep is True:
+        self._kept += 1
         return element
       if keep is False:
         continue
       if type(keep) is np.bool_:
         if keep:
+          self._kept += 1
           return element
         continue
       if predicate_result(predicate, keep, self.op_name):
+        self._kept += 1
         return element
+
+  def _stats_fields(self) -> dict:
+    return {"elements": self._kept}

@@ -6,10 +6,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from jaxfeed.mixture import merge_mixture_states
 from jaxfeed.ops import stacking
-from jaxfeed.ops.base import Node, OpIterator, state_int
-from jaxfeed.sampler import RESHARD_STATE_VERSION, IndexSampler, ReshardedSampler
+from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, state_int
+from jaxfeed.sampler import (RESHARD_STATE_VERSION, IndexSampler,
+                             ReshardedSampler, ShardOptions)
 
 
 def records_reader(source: Any) -> Callable[[np.ndarray], Sequence]:
@@ -330,92 +330,54 @@ def _resharded_sampler(base: Any, resharded: Any) -> ReshardedSampler:
         f"{_OP}: a state saved with another number of processes can only be "
         f"restored with an IndexSampler or a mixture of them, got "
         f"{type(base).__name__}.")
-  if (not isinstance(resharded, dict)
-      or resharded.get("version") != RESHARD_STATE_VERSION
-      or set(resharded) != {"version", "shard_count", "positions"}):
+  keys = {"version", "shard_count", "positions"}
+  if (not isinstance(resharded, dict) or not (
+      (resharded.get("version") == 1 and set(resharded) == keys)
+      or (resharded.get("version") == RESHARD_STATE_VERSION and (
+          set(resharded) == keys | {"unread"}
+          or set(resharded) == keys | {"pending"})))):
     raise ValueError(
         f"{_OP}: 'resharded' state must be a dict with keys 'version' "
-        f"(= {RESHARD_STATE_VERSION}), 'shard_count' and 'positions', got "
-        f"{str(resharded):.200}.")
+        f"(= {RESHARD_STATE_VERSION}), 'shard_count', 'positions' and "
+        f"'unread' or 'pending', got {str(resharded):.200}.")
+  count, positions = resharded["shard_count"], resharded["positions"]
+  unread = resharded.get("unread")
+  if "pending" in resharded:
+    unread = _unread_positions(base, count, positions, resharded["pending"])
   if isinstance(base, IndexSampler):
-    return ReshardedSampler(base, resharded["shard_count"],
-                            resharded["positions"])
-  return base.reshard(resharded["shard_count"], resharded["positions"])
+    return ReshardedSampler(base, count, positions, unread)
+  return base.reshard(count, positions, unread)
 
 
-# Ops whose state at a batch boundary holds nothing but their parent's: a
-# pipeline of these over from_source can be resumed on another number of
-# processes. Map-like ops must have nothing in flight.
-_RESHARDABLE = {"from_source", "map", "random_map", "filter", "map_and_filter",
-                "batch", "padded_batch"}
-_AT_REST = ({}, {"skip": 0, "consumed_ahead": []})
-
-
-def reshard_states(states: list[dict]) -> dict:
-  """One pipeline state that resumes, on any number of processes, the run
-  whose process `h` of `len(states)` saved `states[h]`.
-
-  The pipeline must be a chain of `from_source` (with an `IndexSampler`
-  sharded by process, e.g. `ShardByJaxProcess()`), `map`, `random_map`,
-  `filter` and `batch` / `padded_batch`. Restored into such a pipeline on
-  process `i` of `M`, it reads the records the old processes had not read, each
-  once over all new processes (see `jaxfeed.sampler.ReshardedSampler`).
-
-  Raises:
-    ValueError: naming the op when a state cannot be resharded (an op that
-      holds elements of its own shard, e.g. a `shuffle` buffer, or a state
-      already resharded whose dealt-out epochs are not finished).
-  """
-  positions = []
-  mixtures = []
-  chains = []
-  for process, state in enumerate(states):
-    chain = []
-    node = state
-    while True:
-      if not isinstance(node, dict) or "op" not in node:
-        raise ValueError(
-            f"reshard: process {process}'s pipeline state is not an op state: "
-            f"{str(node):.200}.")
-      op = node["op"]
-      own = node.get("own")
-      parents = node.get("parents", [])
-      if op not in _RESHARDABLE or len(parents) > 1:
-        raise ValueError(
-            f"reshard: op {op!r} cannot be resumed on another number of "
-            f"processes (it may hold elements read from its own process's "
-            f"shard); only chains of {sorted(_RESHARDABLE)} can. Resume with "
-            f"{len(states)} processes, or shuffle globally with "
-            "IndexSampler(shuffle=True) instead of a shuffle buffer.")
-      chain.append(op)
-      if op == _OP:
-        if isinstance(own, dict) and "resharded" in own:
-          raise ValueError(
-              f"reshard: process {process}'s state was itself resumed on "
-              "another number of processes and has not finished the epochs "
-              "dealt out then; resume it with the same number of processes.")
-        positions.append(state_int(own, "position", _OP, 0))
-        mixtures.append(own.get("mixture"))
-        break
-      if own not in _AT_REST or not parents:
-        raise ValueError(
-            f"reshard: op {op!r} of process {process} has elements in flight "
-            f"(state {own!r}); only a state taken between batches with "
-            "nothing in flight can be resumed on another number of processes.")
-      node = parents[0]
-    chains.append(chain)
-  if any(chain != chains[0] for chain in chains):
+def _unread_positions(base: Any, count: Any, positions: Any,
+                      pending: Any) -> list[list[int]]:
+  """Per old shard, its positions whose records an op (`pack`) held but had
+  not emitted: those in `[pending[h]["from"], positions[h])` whose seed is in
+  `pending[h]["seeds"]`."""
+  if (not isinstance(pending, list) or not isinstance(positions, list)
+      or len(pending) != len(positions) or not all(
+          isinstance(p, dict) and set(p) == {"from", "seeds"}
+          and isinstance(p["seeds"], list) for p in pending)):
     raise ValueError(
-        f"reshard: the processes' pipelines differ: {chains}.")
-  resharded = {"version": RESHARD_STATE_VERSION, "shard_count": len(states),
-               "positions": positions}
-  own = {"position": 0, "resharded": resharded}
-  if any(m is not None for m in mixtures):
-    own["mixture"] = merge_mixture_states(mixtures)
-
-  def rebuild(node: dict) -> dict:
-    if node["op"] == _OP:
-      return {**node, "own": own}
-    return {**node, "parents": [rebuild(node["parents"][0])]}
-
-  return rebuild(states[0])
+        f"{_OP}: 'pending' must hold one {{'from', 'seeds'}} dict per old "
+        f"process, got {str(pending):.200}.")
+  unread = []
+  drop = base.shard_options.drop_remainder
+  for h, (stop, entry) in enumerate(zip(positions, pending)):
+    wanted = np.array(entry["seeds"], np.uint64)
+    if not wanted.size:
+      unread.append([])
+      continue
+    start = state_int(entry, "from", _OP, 0, stop)
+    old_shard = type(base)(**{**base.spec_params(), "shard_options":
+                              ShardOptions(h, count, drop)})
+    window = np.arange(start, stop, dtype=np.int64)
+    _, _, seeds = old_shard.get_many(window)
+    found = np.isin(seeds, wanted)
+    if int(found.sum()) != np.unique(wanted).size:
+      raise PipelineStateError(
+          f"Cannot restore op {_OP!r}: {np.unique(wanted).size} records held "
+          f"by process {h} of {count} are not all among its positions "
+          f"[{start}, {stop}); the state belongs to other data.")
+    unread.append(window[found].tolist())
+  return unread

@@ -62,9 +62,14 @@ class MapAndFilterIterator(parallel.ParallelMapIterator):
     self._apply = apply
     super().__init__(parent, lambda element, seed: apply(element),
                      num_parallel_calls, deterministic)
+    self._kept = 0  # elements returned, for stats()
 
   def __next__(self) -> Any:
     while True:
       keep, mapped = super().__next__()
       if keep:
+        self._kept += 1
         return mapped
+
+  def _stats_fields(self) -> dict:
+    return {**super()._stats_fields(), "elements": self._kept}

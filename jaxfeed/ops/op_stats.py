@@ -8,10 +8,12 @@ row `{"op", "elements", "self_seconds", "wait_seconds", "buffer_fill",
 Time is measured by sampling, not by timers around `next()`: a pipeline of
 cheap element-wise ops spends a few hundred nanoseconds per element, less
 than two clock reads cost, so any per-call timing would slow it down by more
-than it measures. Instead one thread ("jaxfeed-op-stats", running while a
-tracked pipeline is open) looks at every thread's Python stack every
-`SAMPLE_INTERVAL_S` (less often when a look would cost more than
-`MAX_CPU_SHARE` of a core) and charges the time since its last look to the
+than it measures. Instead one thread per process ("jaxfeed-op-stats",
+running while a tracked pipeline is open and for `LINGER_S` after the last
+one closed) looks at every thread's Python stack every `SAMPLE_INTERVAL_S`
+(less often, down to every `MAX_INTERVAL_S`, when looks would cost the
+pipeline more than `MAX_CPU_SHARE` of its time) and charges the time since
+its last look to the
 innermost op method on each stack: to the op's `wait_seconds` when the
 stack is blocked in a wait for that op's producers (a `threading.Condition`
 or `Event` wait, or a function marked with `waits_for_input`), else to its
@@ -21,34 +23,52 @@ A thread that runs no op (the training loop, an idle worker) is not
 charged. Work an op does on its own threads or processes, outside any op
 method (parallel map's workers), is added from the op's own clock.
 
-Elements are counted where that is free: an op reports its count when it
-keeps one anyway (a position, a sequence number, batches made); an op that
-returns one element per input element reports its input's count.
+Elements are counted where that is free or nearly: an op reports its count
+when it keeps one anyway (a position, a sequence number, batches made, a
+shuffle window's offset), a filter adds one to an integer per element it
+keeps; an op that returns one element per input element reports its
+input's count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 import time
 import weakref
 from typing import Any, Callable, Iterable
 
-__all__ = ["SAMPLE_INTERVAL_S", "OpCell", "register_op_class",
-           "waits_for_input", "track", "release", "tracked_count", "sampler_cpu_seconds", "label_of",
+__all__ = ["SAMPLE_INTERVAL_S", "LINGER_S", "THREAD_NAME", "OpCell", "register_op_class",
+           "waits_for_input", "track", "release", "tracked_count", "sampler_running",
+           "sampler_cpu_seconds", "samples_taken", "label_of",
            "fuse_labels", "label_iterators", "instrument", "rows_of",
            "bottleneck", "format_table", "report"]
 
-SAMPLE_INTERVAL_S = 0.05
-"""Seconds between two looks at the threads' stacks. Each look makes the
-running threads hand over the GIL, which on a loaded machine can cost a
-scheduling round; 20 looks a second keep that small and still give a
-minute-long run a thousand samples."""
+SAMPLE_INTERVAL_S = 0.1
+"""Seconds between two looks at the threads' stacks. A look costs little CPU
+(about 0.1 ms) but makes a thread running Python hand over the GIL and
+sleep until the look is done; waking it again costs microseconds on a quiet
+machine and a scheduling round (milliseconds) on a loaded one, which is
+most of what stats cost. 10 looks a second keep that small and still give
+a minute-long run 600 samples."""
+
+LINGER_S = 1.0
+"""Seconds the sampling thread waits for a new pipeline once none is open
+before it ends (a loop making one iterator per epoch keeps using it)."""
+
+THREAD_NAME = "jaxfeed-op-stats"
+"""The sampling thread's name (one per process, not owned by any op)."""
 
 MAX_CPU_SHARE = 0.002
-"""The most of one core the sampling thread uses (it looks less often when
-a look costs more)."""
+"""The most of the pipeline's time the looks may cost (see `_cost`): the
+thread looks less often when a look costs more (many threads to look at, or
+a machine so busy that a thread waits milliseconds for a core)."""
+
+MAX_INTERVAL_S = 1.0
+"""The longest wait between two looks, however dear they are, so that a
+minute's run still gets 60 samples."""
 
 _MAX_DEPTH = 64  # stack frames examined per thread, from the innermost
 
@@ -102,77 +122,112 @@ class _Pipeline:
 
 
 class _Sampler:
-  """The sampling thread, started while a tracked pipeline is alive."""
+  """The process's one sampling thread, shared by every tracked pipeline.
+
+  It starts with the first tracked pipeline and ends by itself once none has
+  been open for `LINGER_S`: closing a pipeline neither stops nor joins it, so
+  a loop that makes one iterator per epoch pays for one thread, not for a
+  thread started and joined per epoch (which, on a busy machine, costs a
+  scheduling round each way: more than a short epoch of W2 takes to run).
+  """
 
   def __init__(self):
-    self._lock = threading.RLock()
+    self._lock = threading.Lock()
     self._pipelines: list[_Pipeline] = []
     self._thread: threading.Thread | None = None
-    self._stop = threading.Event()
     # A failure of the sampling thread, raised by `stats()` (the pipelines
     # themselves go on).
     self.error: Exception | None = None
     self.cpu_s = 0.0  # CPU seconds the sampling thread used, in total
+    self.samples = 0  # looks at the stacks taken, in total
+
+  def after_fork_in_child(self) -> None:
+    """A forked child has no sampling thread and samples none of its
+    parent's pipelines; the lock may have been held when it forked."""
+    self._lock = threading.Lock()
+    self._pipelines = []
+    self._thread = None
 
   def track(self, pipeline: _Pipeline) -> None:
     with self._lock:
       self._pipelines.append(pipeline)
-      if self._thread is None or not self._thread.is_alive():
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(self._stop,),
-                                        name="jaxfeed-op-stats", daemon=True)
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME,
+                                        daemon=True)
         self._thread.start()
 
   def release(self, root: Any) -> None:
-    """Forgets `root`; stops and joins the thread when nothing is left."""
+    """Forgets `root` (the thread ends `LINGER_S` after the last one)."""
     with self._lock:
       self._pipelines = [p for p in self._pipelines
                          if p.alive() and p.root() is not root]
-      thread = None
-      if not self._pipelines and self._thread is not None:
-        thread, self._thread = self._thread, None
-        self._stop.set()
-    if thread is not None and thread is not threading.current_thread():
-      thread.join()
 
   def count(self) -> int:
     with self._lock:
       return sum(p.alive() for p in self._pipelines)
 
-  def _live_pipelines(self, stop: threading.Event) -> list[_Pipeline] | None:
-    """The pipelines still open; None (and the thread ends) when none is."""
+  def running(self) -> bool:
+    with self._lock:
+      return self._thread is not None
+
+  def _live_pipelines(self, idle_since: float | None) -> list[_Pipeline] | None:
+    """The pipelines still open; None (and the thread ends) when none has
+    been since `idle_since` for `LINGER_S`."""
     with self._lock:
       self._pipelines = [p for p in self._pipelines if p.alive()]
-      if not self._pipelines:
-        stop.set()
-        if self._thread is threading.current_thread():
-          self._thread = None
+      if (not self._pipelines and idle_since is not None
+          and time.monotonic() - idle_since >= LINGER_S):
+        self._thread = None
         return None
       return list(self._pipelines)
 
-  def _run(self, stop: threading.Event) -> None:
+  def _run(self) -> None:
     me = threading.get_ident()
     last = time.perf_counter()
+    idle_since = None
     interval = SAMPLE_INTERVAL_S  # read here, so tests may change it
-    while not stop.wait(interval):
-      pipelines = self._live_pipelines(stop)
+    cost = 0.0  # what a look costs, averaged over the last few (see _cost)
+    while True:
+      asleep = time.perf_counter()
+      time.sleep(interval)
+      now = time.perf_counter()
+      late = now - asleep - interval
+      pipelines = self._live_pipelines(idle_since)
       if pipelines is None:
         return
       cpu_start = time.thread_time()
-      now = time.perf_counter()
       elapsed, last = now - last, now
+      if not pipelines:
+        idle_since = time.monotonic() if idle_since is None else idle_since
+        interval = SAMPLE_INTERVAL_S
+        continue
+      idle_since = None
       try:
         _sample_stacks(me, elapsed)
         for pipeline in pipelines:
           _sample_buffers(pipeline)
       except Exception as e:  # noqa: BLE001 -- raised by the next stats()
         self.error = e
+        with self._lock:
+          self._thread = None
         return
-      cost = time.thread_time() - cpu_start
-      self.cpu_s += cost
-      # Many threads or a busy machine make a look dearer: look less often
-      # rather than use more than MAX_CPU_SHARE of a core.
-      interval = max(SAMPLE_INTERVAL_S, cost / MAX_CPU_SHARE)
+      self.cpu_s += time.thread_time() - cpu_start
+      self.samples += 1
+      cost += 0.25 * (_cost(time.perf_counter() - now, late) - cost)
+      interval = min(MAX_INTERVAL_S, max(SAMPLE_INTERVAL_S, cost / MAX_CPU_SHARE))
+
+
+def _cost(held: float, late: float) -> float:
+  """What one look cost the pipeline's threads, in seconds: the time it
+  held the GIL (`held`; every thread that wanted it waited), plus one
+  scheduling delay of this machine now. A thread running Python hands the
+  GIL over and sleeps, and waking it takes about as long as this thread
+  took to run after its own sleep ended (`late`), less the switch interval
+  it waited for a busy thread to let go of the GIL."""
+  switch = sys.getswitchinterval()
+  if late > switch:
+    late -= switch
+  return held + max(0.0, late)
 
 
 def _sample_stacks(me: int, elapsed: float) -> None:
@@ -207,6 +262,7 @@ def _sample_buffers(pipeline: _Pipeline) -> None:
 
 
 _SAMPLER = _Sampler()
+os.register_at_fork(after_in_child=_SAMPLER.after_fork_in_child)
 
 
 def ops_of(root: Any) -> list:
@@ -287,8 +343,8 @@ def rows_of(iterator: Any) -> list[dict]:
 
 
 def release(root: Any) -> None:
-  """Called when `root` closes: stops sampling it, and stops the thread
-  (joined) when no other pipeline is sampled."""
+  """Called when `root` closes: stops sampling it (the thread ends by itself
+  `LINGER_S` after the last sampled pipeline closed)."""
   _SAMPLER.release(root)
 
 
@@ -298,9 +354,19 @@ def sampler_cpu_seconds() -> float:
   return _SAMPLER.cpu_s
 
 
+def samples_taken() -> int:
+  """Looks at the stacks taken in this process so far."""
+  return _SAMPLER.samples
+
+
 def tracked_count() -> int:
   """Open pipelines being sampled now (for tests)."""
   return _SAMPLER.count()
+
+
+def sampler_running() -> bool:
+  """Whether the sampling thread runs (or lingers) now."""
+  return _SAMPLER.running()
 
 
 # -- rows --------------------------------------------------------------------

@@ -26,7 +26,8 @@ class Options:
       (0: half of the machine's memory).
     stats: samples where the pipeline spends its time, for the iterator's
       `stats()` (see `jaxfeed.ops.op_stats`; its cost is a thread looking at
-      the stacks 20 times a second). Element counts are kept either way.
+      the stacks 10 times a second, fewer on a busy machine). Element counts
+      are kept either way.
   """
 
   optimize: bool = True

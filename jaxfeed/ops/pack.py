@@ -38,6 +38,17 @@ State: the input's position through `InputReplay`, the read index of the first
 element of the rows being emitted (or being filled) and the number of rows
 already emitted from them. Restoring reads the input again from that element
 and repeats the packing, which is deterministic.
+
+Elastic resume (`jaxfeed.reshard_loader_states`): the state also names, by
+their per-record seeds, the input elements whose values have not all been
+emitted yet (`unemitted`: whole elements, and for `overflow="split"` the
+pieces still to come of partly emitted ones). Resharding folds them back into
+the global order as unread sampler positions (see
+`jaxfeed.sampler.ReshardedSampler`), and the resumed `pack_split` cuts a partly
+emitted element to exactly its missing pieces (`keep`). Every value the
+uninterrupted run would still have emitted is emitted once over all new
+processes; rows differ from the uninterrupted run's, since each process packs
+what it reads.
 """
 
 from __future__ import annotations
@@ -48,11 +59,17 @@ import numpy as np
 
 from jaxfeed.ops import base
 
-__all__ = ["PackNode", "PackIterator", "ALGORITHMS", "OVERFLOWS"]
+__all__ = ["PackNode", "PackIterator", "ALGORITHMS", "OVERFLOWS",
+           "SPLIT_OP", "ELASTIC_INPUT_OPS", "unemitted_elements",
+           "resumed_pack_state", "resumed_split_state"]
 
 _OP = "pack"
 ALGORITHMS = ("first_fit", "best_fit")
 OVERFLOWS = ("error", "truncate", "split")
+SPLIT_OP = "pack_split"
+# Element-wise ops that may stand between a sampler's records and `pack` in a
+# pipeline resumed on another number of processes.
+ELASTIC_INPUT_OPS = ("map", "random_map", "filter", "map_and_filter")
 
 
 def _feature_paths(length_struct: Any, prefix: tuple = ()) -> list[tuple]:
@@ -152,7 +169,7 @@ class _Rows:
   """
 
   __slots__ = ("free", "counts", "items", "lengths", "rows_of", "seeds",
-               "num_rows")
+               "idents", "num_rows")
 
   def __init__(self, capacities: list[int], num_bins: int):
     self.free = [[c] * num_bins for c in capacities]  # per feature, per row
@@ -161,6 +178,9 @@ class _Rows:
     self.lengths: list[list[int]] = []  # per element: its feature lengths
     self.rows_of: list[int] = []  # per element: its row
     self.seeds: list[int] = []    # per element: its seed
+    # Per element, what elastic resume names it by: its seed, or for a piece
+    # (doc seed, piece index, piece count).
+    self.idents: list = []
     self.num_rows = 0             # rows holding an element (always a prefix)
 
 
@@ -195,10 +215,12 @@ class SplitIterator(base.OpIterator):
   """`overflow="split"`: the input's elements cut into row-length pieces.
 
   Its state is the input's position before the element being cut plus the
-  number of its pieces returned; restoring reads that element again.
+  number of its pieces returned; restoring reads that element again. After
+  an elastic resume it also holds `keep`: for elements (by seed) that the old
+  processes had partly emitted, the only pieces still to return.
   """
 
-  op_name = "pack_split"
+  op_name = SPLIT_OP
 
   def __init__(self, parent: base.OpIterator, node: PackNode):
     super().__init__([parent])
@@ -206,13 +228,26 @@ class SplitIterator(base.OpIterator):
     self._flat = all(len(p) == 1 for p in self._paths)
     self._capacities = node.capacities()
     self._pieces: list[_Leaves] = []
+    self._indices: list[int] = []  # Each piece's index among all pieces.
+    self._count = 0                # The pieces of the element being cut.
     self._pos = 0
     self._seed = 0
+    self._keep: dict[int, list[int]] = {}
     self._input = base.InputReplay(parent, _OP, oldest_needed=self._oldest_needed)
 
   @property
   def last_seed(self) -> int:
-    return self._seed if self._pos <= 1 else base.mix_seed(self._seed, self._pos - 1)
+    index = self._indices[self._pos - 1] if self._pos else 0
+    return self._seed if index == 0 else base.mix_seed(self._seed, index)
+
+  @property
+  def last_piece(self) -> tuple[int, int, int]:
+    """(element seed, piece index, piece count) of the piece returned last."""
+    return self._seed, self._indices[self._pos - 1], self._count
+
+  def pieces_to_come(self) -> tuple[int, list[int], int]:
+    """(element seed, indices of its pieces not returned yet, piece count)."""
+    return self._seed, self._indices[self._pos:], self._count
 
   def _partial(self) -> bool:
     return 0 < self._pos < len(self._pieces)
@@ -224,12 +259,21 @@ class SplitIterator(base.OpIterator):
     leaves = _element_leaves(element, self._paths, self._flat)
     count = max([1] + [-(-len(leaf) // c)
                        for leaf, c in zip(leaves, self._capacities)])
+    indices = range(count)
+    if self._keep and seed in self._keep:
+      indices = self._keep[seed]
+      if indices[-1] >= count:
+        raise base.PipelineStateError(
+            f"Cannot restore op {_OP!r}: the state keeps piece {indices[-1]} "
+            f"of an element cut into {count}; it belongs to other data.")
     if count == 1:
       self._pieces = [leaves]
     else:
       self._pieces = [_Leaves(leaf[k * c:(k + 1) * c]
                               for leaf, c in zip(leaves, self._capacities))
-                      for k in range(count)]
+                      for k in indices]
+    self._indices = list(indices)
+    self._count = count
     self._pos = 0
     self._seed = seed
 
@@ -245,13 +289,17 @@ class SplitIterator(base.OpIterator):
 
   def _get_own_state(self) -> dict:
     partial = self._partial()
-    return {"input": self._input.get_state(self._oldest_needed()),
-            "pos": self._pos if partial else 0}
+    state = {"input": self._input.get_state(self._oldest_needed()),
+             "pos": self._pos if partial else 0}
+    if self._keep:
+      state["keep"] = [[seed, pieces] for seed, pieces in self._keep.items()]
+    return state
 
   def _set_own_state(self, state: dict) -> None:
     pos = base.state_int(state, "pos", _OP)
     input_state = state.get("input") if isinstance(state, dict) else None
     num_read = base.state_int(input_state, "num_read", _OP)
+    self._keep = _keep_map(state.get("keep", []))
     self._pieces, self._pos = [], 0
     self._input.set_state(input_state, num_read - 1 if pos else num_read,
                           lambda index, element, seed: self._cut(element, seed))
@@ -281,10 +329,13 @@ class PackIterator(base.OpIterator):
     self._best_fit = node.algorithm == "best_fit"
     self._max_sequences = node.max_sequences_per_bin
     self._truncate = node.overflow == "truncate"
+    self._split = parent if isinstance(parent, SplitIterator) else None
+    self._elastic = _reads_a_sampler(parent)
     self._filling = _Rows(self._capacity_list, self._num_bins)
     self._filling_start = 0       # read index of its first element
     self._emitted: list | None = None  # rows being returned
     self._emitted_seeds: list = []
+    self._emitted_elements: _Rows | None = None  # what they were made of
     self._emitted_start = 0       # read index of their first element
     self._next_row = 0
     self._end_of_input = False
@@ -321,7 +372,7 @@ class PackIterator(base.OpIterator):
             f"{len(leaf)}, longer than its row length {capacity}; pass "
             f"overflow='truncate' or overflow='split' to cut it.")
 
-  def _place(self, rows: _Rows, leaves: list, seed: int) -> bool:
+  def _place(self, rows: _Rows, leaves: list, seed: int, ident: Any) -> bool:
     """Puts an element into a row of `rows`; False if it fits in none."""
     lengths = [len(leaf) for leaf in leaves]
     for length, capacity in zip(lengths, self._capacity_list):
@@ -368,6 +419,7 @@ class PackIterator(base.OpIterator):
     rows.lengths.append(lengths)
     rows.rows_of.append(chosen)
     rows.seeds.append(seed)
+    rows.idents.append(ident)
     if chosen >= rows.num_rows:
       rows.num_rows = chosen + 1
     return True
@@ -375,9 +427,10 @@ class PackIterator(base.OpIterator):
   def _absorb(self, index: int, element: Any, seed: int) -> None:
     """Adds an input element; emits the rows when it fits in none of them."""
     leaves = self._leaves(element)
+    ident = seed if self._split is None else self._split.last_piece
     if not self._filling.items:
       self._filling_start = index
-    if self._place(self._filling, leaves, seed):
+    if self._place(self._filling, leaves, seed, ident):
       return
     if self._emitted is not None:
       raise base.PipelineStateError(
@@ -385,12 +438,13 @@ class PackIterator(base.OpIterator):
           f"than the state describes; it belongs to other data.")
     self._emit_filling()
     self._filling_start = index
-    self._place(self._filling, leaves, seed)
+    self._place(self._filling, leaves, seed, ident)
 
   def _emit_filling(self) -> None:
     rows = self._filling
     self._filling = _Rows(self._capacity_list, self._num_bins)
     self._emitted, self._emitted_seeds = self._assemble(rows)
+    self._emitted_elements = rows
     self._emitted_start = self._filling_start
     self._next_row = 0
 
@@ -472,16 +526,42 @@ class PackIterator(base.OpIterator):
     self._emitted[self._next_row] = None  # Returned: do not keep it alive.
     self._next_row += 1
     if self._next_row == len(self._emitted):
-      self._emitted = None
+      self._emitted = self._emitted_elements = None
       self._next_row = 0
     return row
 
   # -- state -------------------------------------------------------------------
   def _get_own_state(self) -> dict:
     first = self._oldest_needed()
-    return {"input": self._input.get_state(first), "first": first,
-            "emitting": self._emitted is not None, "next_row": self._next_row,
-            "end_of_input": self._end_of_input}
+    state = {"input": self._input.get_state(first), "first": first,
+             "emitting": self._emitted is not None, "next_row": self._next_row,
+             "end_of_input": self._end_of_input}
+    if self._elastic:
+      state["unemitted"] = self._unemitted()
+    return state
+
+  def _unemitted(self) -> dict:
+    """The input elements not all emitted yet (see the module docstring):
+    `{"elements": [seed, ...], "pieces": [[seed, [piece, ...]], ...]}`."""
+    idents = list(self._filling.idents)
+    emitted = self._emitted_elements
+    if emitted is not None:
+      next_row = self._next_row
+      idents.extend(ident for ident, row in zip(emitted.idents, emitted.rows_of)
+                    if row >= next_row)
+    if self._split is None:
+      return {"elements": idents, "pieces": []}
+    pieces: dict[int, tuple[int, list[int]]] = {}
+    seed, to_come, count = self._split.pieces_to_come()
+    if to_come:
+      pieces[seed] = (count, list(to_come))
+    for seed, index, count in idents:
+      pieces.setdefault(seed, (count, []))[1].append(index)
+    whole = [seed for seed, (count, indices) in pieces.items()
+             if len(indices) == count]
+    return {"elements": whole,
+            "pieces": [[seed, sorted(indices)] for seed, (count, indices)
+                       in pieces.items() if len(indices) != count]}
 
   def _set_own_state(self, state: dict) -> None:
     first = base.state_int(state, "first", _OP)
@@ -495,6 +575,7 @@ class PackIterator(base.OpIterator):
           f"'end_of_input', got {state!r:.200}.")
     self._filling = _Rows(self._capacity_list, self._num_bins)
     self._emitted, self._emitted_seeds, self._next_row = None, [], 0
+    self._emitted_elements = None
     self._end_of_input = end_of_input
     self._input.set_state(state.get("input"), first, self._absorb)
     if emitting and self._emitted is None and end_of_input and self._filling.items:
@@ -508,3 +589,70 @@ class PackIterator(base.OpIterator):
     for r in range(next_row):
       self._emitted[r] = None
     self._next_row = next_row
+
+
+def _reads_a_sampler(iterator: base.OpIterator) -> bool:
+  """Whether `iterator` is `from_source` under a chain of element-wise ops:
+  only then can the pipeline be resumed on another number of processes, so
+  only then does the state name the elements `pack` holds."""
+  while iterator.op_name in ELASTIC_INPUT_OPS + (SPLIT_OP,):
+    if len(iterator.parents) != 1:
+      return False
+    iterator = iterator.parents[0]
+  return iterator.op_name == "from_source"
+
+
+def _keep_map(keep: Any) -> dict[int, list[int]]:
+  """`pack_split`'s `keep` state as {element seed: sorted piece indices}."""
+  ok = isinstance(keep, list)
+  result: dict[int, list[int]] = {}
+  for entry in keep if ok else ():
+    if not (isinstance(entry, list) and len(entry) == 2
+            and isinstance(entry[0], int) and isinstance(entry[1], list)
+            and entry[1] and all(isinstance(k, int) and k >= 0
+                                 for k in entry[1])):
+      ok = False
+      break
+    result[entry[0]] = sorted(set(entry[1]))
+  if not ok:
+    raise base.PipelineStateError(
+        f"Cannot restore op {SPLIT_OP!r}: 'keep' must be a list of [seed, "
+        f"[piece index, ...]] pairs, got {str(keep):.200}.")
+  return result
+
+
+def unemitted_elements(own_state: Any) -> tuple[list[int], list[list]]:
+  """From a `pack` op's own state: the seeds of the input elements it had read
+  but not all emitted, and `[seed, [piece, ...]]` for those of them partly
+  emitted (the pieces still to come).
+
+  Raises:
+    ValueError: the state does not list them (saved before they were kept).
+  """
+  unemitted = own_state.get("unemitted") if isinstance(own_state, dict) else None
+  if (not isinstance(unemitted, dict)
+      or not isinstance(unemitted.get("elements"), list)
+      or not isinstance(unemitted.get("pieces"), list)):
+    raise ValueError(
+        f"reshard: op {_OP!r}'s state does not list the elements it holds "
+        f"('unemitted'), so it can only be resumed on the same number of "
+        f"processes; got {str(own_state):.200}.")
+  partial = unemitted["pieces"]
+  _keep_map(partial)
+  return unemitted["elements"] + [seed for seed, _ in partial], partial
+
+
+def resumed_pack_state() -> dict:
+  """The own state of a `pack` that holds nothing (after a reshard)."""
+  return {"input": {"num_read": 0}, "first": 0, "emitting": False,
+          "next_row": 0, "end_of_input": False,
+          "unemitted": {"elements": [], "pieces": []}}
+
+
+def resumed_split_state(keep: list[list]) -> dict:
+  """The own state of a `pack_split` that holds nothing and cuts the
+  elements of `keep` (`[[seed, [piece, ...]], ...]`) to those pieces."""
+  state: dict = {"input": {"num_read": 0}, "pos": 0}
+  if keep:
+    state["keep"] = keep
+  return state

@@ -162,6 +162,7 @@ class ShuffleIterator(base.OpIterator):
     self._seeds: list[int] = []
     self._order: list[int] = []
     self._offset = 0
+    self._before = 0  # elements of the windows before this one, for stats()
     self._last_seed = 0
 
   @property
@@ -191,10 +192,15 @@ class ShuffleIterator(base.OpIterator):
         seeds.append(parent.last_seed)
     except StopIteration:
       pass
+    self._before += len(self._order)  # every element of the last window left
     self._elements, self._seeds = elements, seeds
     self._offset = 0
     self._order = window_permutation(self._seed, self._iteration, window_index,
                                      len(elements)).tolist()
+
+  def _stats_fields(self) -> dict:
+    """Elements returned: those of the windows before plus this one's."""
+    return {"elements": self._before + self._offset}
 
   # -- state ---------------------------------------------------------------
   def get_state(self) -> dict:
@@ -235,6 +241,8 @@ class ShuffleIterator(base.OpIterator):
     self._run.restored(seed, iteration)
     self._elements, self._seeds, self._order = [], [], []
     self._offset = 0
+    # Every window before a window that was read is full.
+    self._before = window_index * buffer_size
     self._window_index = window_index - 1
     self._last_seed = 0
     if offset:

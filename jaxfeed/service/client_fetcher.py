@@ -55,7 +55,7 @@ class Fetcher:
     self.handed_on = 0  # elements put into `out`
     self.done = False
     self.failed = False
-    self.end_stats: dict = {}  # the task's round statistics, at its end
+    self.end_stats: dict = {}  # the task's round statistics and final op rows, at its end
     self.received = 0  # items of the stream received, over all connections
     self.reconnects = 0
     self._acked = 0

@@ -42,7 +42,7 @@ class DistributedIterator(base.OpIterator):
     self._heads: dict[int, tuple] = {}  # task id -> (element, local round) not yet due
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._ended_pending = 0
-    self._worker_rows: dict[int, list[dict]] = {}  # task id -> its op rows
+    self._worker_rows = task_stats.TaskRows()
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -66,7 +66,8 @@ class DistributedIterator(base.OpIterator):
     round-robin reads, what this consumer received and missed.
 
     `ops`: each worker task's rows (see `OpIterator.stats`; tagged with
-    `worker` and `task`, asked of the workers now, see
+    `worker` and `task`; asked of the workers at most once a second, an
+    ended task's final rows come with its end, see
     `jaxfeed.service.task_stats`), then this read's own row.
 
     `rounds_received`: batches returned; `rounds_skipped`: rounds that closed
@@ -79,15 +80,20 @@ class DistributedIterator(base.OpIterator):
     round_assembly`: rounds, windows and batches dropped), and the counters'
     totals over those workers are given at the top level too.
     """
-    live = [f.task for f in list(self._read.fetchers.values()) if not f.done]
-    rows = task_stats.refresh(self._worker_rows, live, self._read.node.tls)
+    fetchers = list(self._read.fetchers.values())
+    rows = self._worker_rows.rows(
+        [f.task for f in fetchers if not f.done],
+        [(f.task, f.end_stats) for f in fetchers if f.done and f.end_stats],
+        self._read.node.tls)
     stats = {"ops": rows + super().stats()["ops"],
              "rounds_received": self._elements if self._read.node.num_consumers else 0,
              **self._skipped, "workers": {}}
-    for fetcher in list(self._read.fetchers.values()):
-      if fetcher.end_stats:
-        stats["workers"][fetcher.task.worker_address] = dict(fetcher.end_stats)
-        for key, value in fetcher.end_stats.items():
+    for fetcher in fetchers:
+      counters = {key: value for key, value in fetcher.end_stats.items()
+                  if key != task_stats.END_ROWS_KEY}
+      if counters:
+        stats["workers"][fetcher.task.worker_address] = counters
+        for key, value in counters.items():
           if isinstance(value, (int, float)):
             stats[key] = stats.get(key, 0) + value
     return stats

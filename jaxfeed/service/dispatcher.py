@@ -13,6 +13,7 @@ It prints `jaxfeed dispatcher listening on HOST:PORT` once it serves (with
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import weakref
@@ -217,6 +218,11 @@ def main(argv: Any) -> None:
   except ValueError as e:  # a flag's value: say which, without a traceback
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
   server = DispatchServer(config)
+  # The modules and the replayed state live as long as the process: out of
+  # the collector's full passes, which otherwise stalled every call for
+  # 35-210 ms (benchmarks/dispatcher_scale.py, 256-1,024 workers). Only here:
+  # a DispatchServer in a user's process leaves its collector alone.
+  gc.freeze()
   print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
   metrics = metrics_lib.serve_dispatcher(server, f.host, f.metrics_port)
   if metrics is not None:

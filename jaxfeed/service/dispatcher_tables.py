@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import itertools
+import random
 import time
 
 from jaxfeed.service import journal as journal_lib
@@ -113,6 +114,8 @@ class WorkerTable(dict):
 
 # Journal records that change a job's task list as clients see it.
 TASK_LIST_RECORDS = frozenset({"task", "task_finished", "task_lost", "fix_workers"})
+# Records that change which clients read a job (workers' task_clients).
+CLIENT_RECORDS = frozenset({"client", "client_released", "job_deleted"})
 
 
 class DispatcherTables:
@@ -140,6 +143,9 @@ class DispatcherTables:
     # Datasets no job reads: id -> since when (not journaled: a restart
     # only extends their life).
     self._unread_since: dict[str, float] = {}
+    # Version of every job's clients as workers see them; random at start,
+    # so that no version a worker got from an earlier process matches.
+    self.clients_version = random.getrandbits(62) + 1
 
   # -- journaled changes --------------------------------------------------
   def _record(self, record: dict) -> None:
@@ -150,6 +156,8 @@ class DispatcherTables:
       self._task_lists.changed()
     elif record["kind"] == "job_deleted":
       self._task_lists.forget(record["job_id"])
+    if record["kind"] in CLIENT_RECORDS:
+      self.clients_version += 1
 
   def _live_records(self) -> list[dict]:
     next_id = next(self._ids)

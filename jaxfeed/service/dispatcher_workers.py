@@ -139,14 +139,18 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           self._record({"kind": "splits_held", "job_id": job.job_id,
                         "client_id": held.client_id, "starts": starts})
       current = set(request.current_tasks)
+      # Every task's clients again only when some job's clients changed:
+      # 1,024 clients of a job are 1,024 ids sorted and sent per heartbeat.
+      unchanged = request.known_clients_version == self.clients_version
       return pb.WorkerHeartbeatResponse(
           new_tasks=[self._task_info(t) for tid, t in sorted(live.items())
                      if tid not in current and not t.finished],
           tasks_to_delete=sorted(current - set(live)),
           ticket_key=self._ticket_key(address),
-          task_clients=[pb.TaskClients(task_id=tid,
-                                       client_ids=sorted(self.jobs[t.job_id].clients))
-                        for tid, t in sorted(live.items()) if tid in current],
+          task_clients=[] if unchanged else [
+              pb.TaskClients(task_id=tid, client_ids=sorted(self.jobs[t.job_id].clients))
+              for tid, t in sorted(live.items()) if tid in current],
+          clients_version=self.clients_version, clients_unchanged=unchanged,
           heartbeat_timeout_s=self.config.heartbeat_timeout_s,
           heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
               len(self.workers), self.config.heartbeat_timeout_s))

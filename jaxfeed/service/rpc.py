@@ -236,6 +236,12 @@ def metadata_token(metadata: Any) -> str | None:
 # The first and the longest wait before a channel reconnects, in milliseconds.
 RECONNECT_BACKOFF_MS = (200, 2000)
 
+# Calls a server holds before its Python loop takes them. That loop takes one
+# call at a time, and gRPC's default (1,000, then random refusals up to 3,000)
+# answers the rest of a burst CANCELLED: every host of a pod saying goodbye
+# at the end of a job is such a burst. A waiting call costs a few KB.
+MAX_PENDING_CALLS = 1 << 16
+
 
 def channel_options(max_message_bytes: int, max_receive_bytes: int | None = None
                     ) -> list[tuple[str, Any]]:
@@ -390,7 +396,9 @@ def make_server(address: str, methods_handler: grpc.GenericRpcHandler,
   server = grpc.server(
       executor,
       interceptors=(rpc_errors.ServerErrorInterceptor(errors),),
-      options=channel_options(max_message_bytes, max_receive_bytes),
+      options=[*channel_options(max_message_bytes, max_receive_bytes),
+               ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+               ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS)],
       maximum_concurrent_rpcs=None)
   server.add_generic_rpc_handlers((methods_handler,))
   if tls is not None:

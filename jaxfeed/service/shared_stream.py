@@ -242,7 +242,7 @@ class SharedStreamReader:
           f"Task {self.task_id}'s shared pipeline failed: {type(e).__name__}: {e}",
           getattr(e, "grpc_status", None) or task_runner.status_of(e)) from e
     if frame is None:
-      return task_runner.Ended(self.stats())
+      return task_runner.Ended(task_runner.end_stats(self.stats(), self.op_rows()))
     if frame is False:
       if not self.stream.has_reader(self.task_id):
         raise task_runner.TaskFailed(

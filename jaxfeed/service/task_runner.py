@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 import time
@@ -24,6 +25,15 @@ class TaskFailed(RuntimeError):
   def __init__(self, message: str, status: str = "INTERNAL"):
     super().__init__(message)
     self.status = status
+
+
+def end_stats(counters: dict, rows: list[dict]) -> dict:
+  """What a task's consumer gets at the task's end: its counters and, under
+  "ops", the final per-op rows of its pipeline (made JSON-safe), so that a
+  client sees the whole task's breakdown however late it asks."""
+  if not rows:
+    return counters
+  return {**counters, "ops": json.loads(json.dumps(rows, default=str))}
 
 
 class Ended:
@@ -216,7 +226,7 @@ class TaskRunner:
         if self._error is not None:
           raise self._error
         if ended:
-          return Ended(self._stats_locked())
+          return Ended(end_stats(self._stats_locked(), self.op_rows()))
         left = deadline - time.monotonic()
         if left <= 0:
           return None

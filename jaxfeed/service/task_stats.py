@@ -3,13 +3,17 @@
 A client's `DistributedIterator.stats()` asks each worker it reads from for
 its task's pipeline rows (the worker's `GetTaskStats`, with the task's read
 ticket) and shows them before its own row, each tagged with the worker's
-address and the task id. A worker that does not answer keeps the rows it
-gave last; a task that ended keeps its last rows.
+address and the task id. It asks at most once every `MAX_AGE_S`, so a loop
+calling `stats()` every step does not make a call per worker per step. A
+worker that does not answer keeps the rows it gave last; a task that ended
+shows the final rows its worker sent with the end of its stream (under
+"ops" in the end's statistics).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from typing import Any, Iterable
 
 import grpc
@@ -21,6 +25,19 @@ from jaxfeed.service.protos import service_pb2 as pb
 METHOD = "/jaxfeed.service.Worker/GetTaskStats"
 TIMEOUT_S = 2.0
 """How long one worker may take to answer."""
+
+MAX_AGE_S = 1.0
+"""How old a running task's rows may be before the workers are asked again."""
+
+END_ROWS_KEY = "ops"
+"""The key of the final rows in a task's end-of-stream statistics."""
+
+
+def _tagged(rows: Any, worker_address: str, task_id: int) -> list[dict] | None:
+  """`rows` tagged with `worker` and `task`; None unless a list of rows."""
+  if not isinstance(rows, list) or not all(isinstance(r, dict) and "op" in r for r in rows):
+    return None
+  return [{**row, "worker": worker_address, "task": task_id} for row in rows]
 
 
 def fetch_rows(worker_address: str, task_id: int, read_ticket: str,
@@ -36,10 +53,7 @@ def fetch_rows(worker_address: str, task_id: int, read_ticket: str,
     return None
   finally:
     channel.close()
-  rows = stats.get("ops")
-  if not isinstance(rows, list) or not all(isinstance(r, dict) and "op" in r for r in rows):
-    return None
-  return [{**row, "worker": worker_address, "task": task_id} for row in rows]
+  return _tagged(stats.get("ops"), worker_address, task_id)
 
 
 def refresh(known: dict[int, list[dict]], tasks: Iterable[Any], tls: Any = None) -> list[dict]:
@@ -56,3 +70,33 @@ def refresh(known: dict[int, list[dict]], tasks: Iterable[Any], tls: Any = None)
         if rows is not None:
           known[task.task_id] = rows
   return [row for task_id in sorted(known) for row in known[task_id]]
+
+
+class TaskRows:
+  """The rows of a read's tasks: asked of the workers of running tasks at
+  most every `MAX_AGE_S`, taken from the end of the stream for ended ones."""
+
+  def __init__(self):
+    self._known: dict[int, list[dict]] = {}  # task id -> its tagged rows
+    self._asked_at: float | None = None
+
+  def rows(self, running: Iterable[Any], ended: Iterable[tuple[Any, dict]],
+           tls: Any = None) -> list[dict]:
+    """Every known task's rows, in task order.
+
+    Args:
+      running: `pb.TaskInfo`s of the tasks still read.
+      ended: (`pb.TaskInfo`, end-of-stream statistics) of the tasks whose
+        stream ended.
+      tls: The read's TLS settings, for the calls.
+    """
+    for task, stats in ended:
+      rows = _tagged(stats.get(END_ROWS_KEY), task.worker_address, task.task_id)
+      if rows is not None:
+        self._known[task.task_id] = rows
+    running = list(running)
+    now = time.monotonic()
+    if running and (self._asked_at is None or now - self._asked_at >= MAX_AGE_S):
+      self._asked_at = now
+      refresh(self._known, running, tls)
+    return [row for task_id in sorted(self._known) for row in self._known[task_id]]

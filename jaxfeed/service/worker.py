@@ -172,6 +172,9 @@ class _Worker:
     # The heartbeat interval the dispatcher asks for (0: the configured one).
     self.paced_interval_s = 0.0
     self.heartbeat_deadline_s = _HEARTBEAT_DEADLINE_S
+    # The last clients the dispatcher listed: (clients_version, the tasks
+    # it listed them for, task id -> client ids).
+    self._listed: tuple[int, frozenset[int], dict[int, set[int]]] = (0, frozenset(), {})
     self.heartbeat_call = rpc.Caller(channel, _DISPATCHER + "WorkerHeartbeat",
                                      pb.WorkerHeartbeatResponse, token)
     self.dataset_call = rpc.Caller(channel, _DISPATCHER + "GetDatasetDef",
@@ -187,11 +190,15 @@ class _Worker:
       current = list(self.tasks)
       finished = list(self.finished)
       held, self._held = self._held + held, []
+    listed_version, listed_tasks, listed = self._listed
     try:
       response = self.heartbeat_call(
           pb.WorkerHeartbeatRequest(
               worker_address=self.address, data_address=self.data_address,
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
+              # The lists held cover exactly these tasks: they may stay.
+              known_clients_version=(listed_version if listed_tasks == frozenset(current)
+                                     else 0),
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
                            for t, c, s in held]),
           timeout=min(timeout_s, self.heartbeat_deadline_s))
@@ -212,8 +219,10 @@ class _Worker:
         self.dynamic_tasks.discard(task_id)
       if runner is not None:
         runner.stop()
-    self._drop_streams({t.task_id: set(t.client_ids) for t in response.task_clients},
-                       sent_at)
+    if not response.clients_unchanged:
+      listed = {t.task_id: set(t.client_ids) for t in response.task_clients}
+      self._listed = (response.clients_version, frozenset(current), listed)
+    self._drop_streams(listed, sent_at)
 
   def _drop_streams(self, clients: dict[int, set[int]], listed_at: float) -> None:
     """Forgets the streams of tasks gone from this worker and of clients the

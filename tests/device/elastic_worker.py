@@ -8,7 +8,9 @@ on to the end (the uninterrupted run). MODE "resume": restore that checkpoint
 the (label, noise) rows this process received before and after the
 checkpoint, and the global batch size of every step. SOURCE "index" (the
 default) reads one sharded IndexSampler, "mix" a `Dataset.mix` of two
-(labels `MIX_OFFSET + r` for the second one's record `r`).
+(labels `MIX_OFFSET + r` for the second one's record `r`), "pack" the
+IndexSampler's records as documents of `tokens(...)` packed into rows of
+PACK_ROW with overflow="split" (the rows hold [token] instead).
 """
 
 import json
@@ -36,6 +38,15 @@ def noise(element, rng):
 
 def keep(element):
   return element["noise"] % 3 != 0
+
+
+PACK_ROW = 16
+
+
+def tokens(element):
+  """A document of 1 .. 3 * PACK_ROW tokens `label * 1000 + offset`."""
+  length = int(element["noise"]) % (3 * PACK_ROW) + 1
+  return {"tokens": int(element["label"]) * 1000 + np.arange(length)}
 
 
 MIX_SIZES = (60, 40)
@@ -69,19 +80,36 @@ def records(source_kind):
 
 
 def pipeline(source_kind="index"):
-  return (records(source_kind)
+  kept = (records("index" if source_kind == "pack" else source_kind)
           .random_map(noise, seed=SEED)
-          .filter(keep)
-          .batch(GLOBAL_BATCH // jax.process_count()))
+          .filter(keep))
+  if source_kind == "pack":
+    kept = kept.map(tokens).pack({"tokens": PACK_ROW}, num_packing_bins=3,
+                                 overflow="split")
+  return kept.batch(GLOBAL_BATCH // jax.process_count())
 
 
 def local_rows(batch) -> list[list[int]]:
-  """This process's real (unpadded) rows as [label, noise]."""
+  """This process's real (unpadded) rows as [label, noise], or for packed
+  rows its real tokens as [token]."""
   def local(leaf):
     return np.asarray(leaf.addressable_shards[0].data)
   valid = local(batch["valid"])
+  if "tokens" in batch:
+    real = (local(batch["tokens_segment_ids"]) > 0) & valid[:, None]
+    return local(batch["tokens"])[real].reshape(-1, 1).tolist()
   return np.stack([local(batch["label"]), local(batch["noise"])], 1)[
       valid].tolist()
+
+
+def held_by_pack(state) -> int:
+  """How many documents `pack` holds in a pipeline state (0 without pack)."""
+  while state["op"] != "pack":
+    if not state["parents"]:
+      return 0
+    state = state["parents"][0]
+  unemitted = state["own"].get("unemitted", {"elements": [], "pieces": []})
+  return len(unemitted["elements"]) + len(unemitted["pieces"])
 
 
 def main() -> None:
@@ -97,7 +125,8 @@ def main() -> None:
   import jaxfeed  # pylint: disable=g-import-not-at-top
 
   # A collective every step: the global sum of the real labels.
-  real_sum = jax.jit(lambda b: jnp.sum(b["label"] * b["valid"]))
+  key = "tokens" if source_kind == "pack" else "label"
+  real_sum = jax.jit(lambda b: jnp.sum(b[key].T * b["valid"]))
   manager = ocp.CheckpointManager(checkpoint_dir)
   report = {"before": [], "after": [], "global_rows": []}
   with jaxfeed.Loader(pipeline(source_kind), end_of_input="pad") as loader:
@@ -107,11 +136,12 @@ def main() -> None:
       report["restored_batches"] = loader.get_state()["batches"]
     for step, batch in enumerate(loader, start=loader.get_state()["batches"]):
       real_sum(batch).block_until_ready()
-      report["global_rows"].append(batch["label"].shape[0])
+      report["global_rows"].append(batch[key].shape[0])
       report["before" if step < SAVE_AT else "after"].extend(local_rows(batch))
       if mode == "save" and step + 1 == SAVE_AT:
         manager.save(SAVE_AT, args=ocp.args.Composite(
             loader=jaxfeed.LoaderSave(loader)))
+        report["held"] = held_by_pack(loader.get_state()["pipeline"])
   manager.wait_until_finished()
   manager.close()
   with open(out, "w") as f:

@@ -1,7 +1,7 @@
 """A Loader checkpoint written by N JAX processes restored by M (real
 processes, jax.distributed on CPU): global shuffle (or an index-level
-mixture of two) + random_map + filter + batch, with `end_of_input="pad"` so
-every record read shows up in a batch."""
+mixture of two) + random_map + filter (+ pack with overflow="split") + batch,
+with `end_of_input="pad"` so every record read shows up in a batch."""
 
 import collections
 import json
@@ -33,7 +33,8 @@ def run(num_processes, mode, checkpoint_dir, out_dir, source_kind="index"):
 
 
 def kept_records(source_kind):
-  """Every (label, noise) the pipeline keeps over all epochs, any sharding."""
+  """Every (label, noise) the pipeline keeps over all epochs, any sharding
+  (for "pack": every (token,) of the kept documents)."""
   if source_kind == "mix":
     sampler = MixtureSampler(worker.mix_components()[0],
                              list(worker.MIX_WEIGHTS), seed=worker.SEED)
@@ -48,7 +49,11 @@ def kept_records(source_kind):
   rows = collections.Counter()
   for record, seed in zip(records.tolist(), seeds.tolist()):
     element = worker.noise({"label": record}, element_rng(worker.SEED, seed))
-    if worker.keep(element):
+    if not worker.keep(element):
+      continue
+    if source_kind == "pack":
+      rows.update((t,) for t in worker.tokens(element)["tokens"].tolist())
+    else:
       rows[(record, int(element["noise"]))] += 1
   return rows
 
@@ -58,7 +63,8 @@ def rows(reports, key):
 
 
 @pytest.mark.parametrize("saved_with, resumed_with, source_kind",
-                         [(2, 3, "index"), (4, 2, "index"), (2, 3, "mix")])
+                         [(2, 3, "index"), (4, 2, "index"), (2, 3, "mix"),
+                          (2, 3, "pack"), (3, 2, "pack")])
 def test_resume_on_another_process_count_reads_the_rest_exactly_once(
     tmp_path, saved_with, resumed_with, source_kind):
   checkpoint_dir = tmp_path / "ckpt"
@@ -68,6 +74,8 @@ def test_resume_on_another_process_count_reads_the_rest_exactly_once(
   assert rows(saved, "before") + rows(saved, "after") == kept_records(
       source_kind)
   assert sum(rows(saved, "before").values()) > 0
+  if source_kind == "pack":  # The checkpoint cut through packed rows.
+    assert sum(report["held"] for report in saved) > 0
   # The resumed run reads exactly what the uninterrupted one read after the
   # checkpoint: every record once over all processes.
   assert rows(resumed, "before") == collections.Counter()

@@ -32,6 +32,7 @@ import pytest
 import jaxfeed
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
+from jaxfeed.ops import op_stats
 from jaxfeed.ops import parallel
 from jaxfeed.ops import stacking
 
@@ -494,10 +495,13 @@ def restore_in_new_process(expression: str, states: Sequence[dict]) -> list:
 # ---------------------------------------------------------------------------
 def new_threads(before: Iterable[threading.Thread],
                 prefix: str = "") -> list[threading.Thread]:
-  """The live threads named `prefix...` that are not in `before`."""
+  """The live threads named `prefix...` that are not in `before`, except the
+  process's op-stats sampling thread (no op's: it outlives pipelines by
+  `op_stats.LINGER_S`)."""
   before = set(before)
   return [t for t in threading.enumerate()
-          if t not in before and t.is_alive() and t.name.startswith(prefix)]
+          if t not in before and t.is_alive() and t.name.startswith(prefix)
+          and t.name != op_stats.THREAD_NAME]
 
 
 def check_close(iterator: Any, threads_before: Iterable[threading.Thread]

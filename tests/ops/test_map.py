@@ -138,11 +138,11 @@ def test_no_threads_leak_after_close_or_garbage_collection(num_parallel_calls):
 
 
 def test_sequential_map_starts_no_thread():
-  before = set(threading.enumerate())
+  before = threading.enumerate()
   with graph_iterator(Dataset.range(5).map(lambda x: x,
                                            num_parallel_calls=1)) as it:
     next(it)
-    assert set(threading.enumerate()) == before
+    assert not op_testing.new_threads(before)
 
 
 def test_spec_params_rebuild_an_equal_node_and_keep_batched():

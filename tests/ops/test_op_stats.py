@@ -4,6 +4,9 @@ named by their parts, sampled self and wait time, counts, and the report."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import pathlib
+import re
 import threading
 import time
 
@@ -14,6 +17,10 @@ import jaxfeed
 from jaxfeed import Dataset
 from jaxfeed.ops import op_stats
 from process_udfs import plus_ten
+
+# The defaults, read before the fixture below changes them.
+DEFAULT_SAMPLE_INTERVAL_S = op_stats.SAMPLE_INTERVAL_S
+DEFAULT_LINGER_S = op_stats.LINGER_S
 
 ROW_KEYS = {"op", "elements", "self_seconds", "wait_seconds", "buffer_fill", "parallelism"}
 
@@ -38,8 +45,12 @@ def ops(iterator) -> list[str]:
   return [row["op"] for row in iterator.stats()["ops"]]
 
 
+def sampler_threads() -> list[threading.Thread]:
+  return [t for t in threading.enumerate() if t.name == op_stats.THREAD_NAME]
+
+
 def sampler_running() -> bool:
-  return any(t.name == "jaxfeed-op-stats" for t in threading.enumerate())
+  return bool(sampler_threads())
 
 
 def test_rows_have_every_field_in_pipeline_order():
@@ -53,7 +64,7 @@ def test_rows_have_every_field_in_pipeline_order():
   assert by_op["range"]["elements"] == 100
   assert by_op["map"]["elements"] == 100  # one output per input: its input's count
   assert by_op["batch"]["elements"] == by_op["prefetch"]["elements"] == len(batches) == 25
-  assert by_op["shuffle"]["elements"] is None  # does not count
+  assert by_op["shuffle"]["elements"] == 100
   assert by_op["map"]["buffer_fill"] is None and by_op["map"]["parallelism"] == 1
 
 
@@ -74,6 +85,40 @@ def test_fused_ops_are_named_by_their_parts(build, names):
   with build().make_iterator() as it:
     list(it)
     assert ops(it) == names
+
+
+@pytest.mark.parametrize("build, op", [
+    (lambda: Dataset.range(25).filter(is_even), "filter"),
+    (lambda: Dataset.range(25).filter(is_even).filter(is_even), "filter+filter"),
+    (lambda: Dataset.range(25).map(np.negative).filter(is_even), "map+filter"),
+    (lambda: Dataset.range(25).map(np.negative, num_parallel_calls=2).filter(is_even),
+     "map+filter"),
+])
+def test_filters_count_the_elements_they_keep(build, op):
+  with build().make_iterator() as it:
+    assert next(it) == 0
+    assert it.stats()["ops"][-1]["elements"] == 1
+    rest = list(it)
+    rows = it.stats()["ops"]
+  assert rows[-1]["op"] == op and rows[-1]["elements"] == 1 + len(rest) == 13
+  assert rows[0]["elements"] == 25
+
+
+def test_shuffle_counts_its_elements_across_windows_and_a_restore():
+  ds = Dataset.range(23).shuffle(5, seed=2)  # 4 full windows and one of 3
+  with ds.make_iterator() as it:
+    for _ in range(7):
+      next(it)
+    assert it.stats()["ops"][-1]["elements"] == 7
+    state = it.get_state()
+    assert len(list(it)) == 16
+    assert it.stats()["ops"][-1]["elements"] == 23
+  with ds.make_iterator() as it:
+    it.set_state(state)  # counts from the saved position, as range does
+    assert it.stats()["ops"][-1]["elements"] == 7
+    assert len(list(it)) == 16
+    rows = it.stats()["ops"]
+  assert [(r["op"], r["elements"]) for r in rows] == [("range", 23), ("shuffle", 23)]
 
 
 def test_a_process_batch_chain_names_its_input_ops_and_batch():
@@ -136,7 +181,8 @@ def test_stats_off_samples_nothing_but_still_counts():
   assert all(r["self_seconds"] == 0.0 for r in rows)
 
 
-def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped():
+def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped(monkeypatch):
+  monkeypatch.setattr(op_stats, "LINGER_S", 0.1)
   closed = Dataset.range(10).map(sleepy).make_iterator()
   dropped = Dataset.range(10).map(sleepy).make_iterator()
   next(closed), next(dropped)
@@ -151,11 +197,20 @@ def test_the_sampling_thread_stops_when_pipelines_close_or_are_dropped():
   assert op_stats.tracked_count() == 0
 
 
-def test_closing_the_last_sampled_pipeline_joins_the_thread():
-  with Dataset.range(10).map(sleepy).make_iterator() as it:
-    next(it)
-    assert sampler_running()
-  assert not sampler_running()  # no wait: close() stopped and joined it
+def test_one_thread_samples_pipeline_after_pipeline_and_ends_when_idle(monkeypatch):
+  # An iterator per epoch must not start and join a thread per epoch: on a
+  # busy machine that cost more than a short epoch (W2) takes.
+  monkeypatch.setattr(op_stats, "LINGER_S", 60.0)
+  threads = []
+  for _ in range(3):
+    with Dataset.range(10).map(sleepy).make_iterator() as it:
+      next(it)
+      threads.extend(sampler_threads())
+  assert len(threads) == 3 and len(set(threads)) == 1
+  assert threads[0].is_alive() and op_stats.tracked_count() == 0
+  monkeypatch.setattr(op_stats, "LINGER_S", 0.0)  # idle from now on: it ends
+  threads[0].join(timeout=10)
+  assert not threads[0].is_alive() and not op_stats.sampler_running()
 
 
 def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
@@ -168,3 +223,53 @@ def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
                                           "fill", "par", "self", "%"]
   assert "Input bound: the training loop waited 50%" in text
   assert "Op to fix: 'filter' (20% of the pipeline's self time, parallelism 1)" in text
+
+
+def test_the_readme_states_the_default_sampling_rate_and_linger():
+  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  rate = re.search(r"looks at the Python stacks (\d+) times a second", readme)
+  assert rate is not None
+  assert int(rate.group(1)) == round(1 / DEFAULT_SAMPLE_INTERVAL_S)
+  assert "one thread per process outlives the last\n  pipeline by a second" in readme
+  assert DEFAULT_LINGER_S == 1.0
+
+
+def looks_while_running(seconds: float) -> int:
+  with Dataset.range(10**6).map(sleepy).make_iterator() as it:
+    next(it)
+    before, start = op_stats.samples_taken(), time.monotonic()
+    while time.monotonic() - start < seconds:
+      next(it)
+    return op_stats.samples_taken() - before
+
+
+def test_the_thread_looks_less_often_when_looks_cost_more(monkeypatch):
+  assert looks_while_running(2.5) >= 5  # every 5 ms, at any cost
+  monkeypatch.setattr(op_stats, "MAX_CPU_SHARE", 1e-9)  # any look is too dear
+  looks_while_running(1.5)  # the next wait is MAX_INTERVAL_S
+  assert op_stats.MAX_INTERVAL_S == 1.0
+  assert looks_while_running(2.5) <= 4
+
+
+def _child_samples(connection) -> None:
+  with Dataset.range(1000).map(sleepy).make_iterator() as it:
+    for _ in range(200):
+      next(it)
+    connection.send((op_stats.sampler_running(), it.stats()["ops"][-1]["self_seconds"]))
+
+
+def test_a_forked_child_samples_its_own_pipelines():
+  with Dataset.range(100).map(sleepy).make_iterator() as it:
+    next(it)
+    assert sampler_running()  # in the parent, while it forks
+    context = multiprocessing.get_context("fork")
+    parent_end, child_end = context.Pipe()
+    child = context.Process(target=_child_samples, args=(child_end,))
+    child.start()
+    try:
+      assert parent_end.poll(60)
+      running, self_seconds = parent_end.recv()
+    finally:
+      child.join(timeout=60)
+  assert child.exitcode == 0
+  assert running and self_seconds > 0.0

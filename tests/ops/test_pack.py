@@ -6,6 +6,7 @@ import grain
 import numpy as np
 import pytest
 
+import jaxfeed
 from jaxfeed.dataset import Dataset
 from op_testing import assert_same_stream, check_resume, elements_dataset, run
 
@@ -183,6 +184,18 @@ def test_state_is_small_with_many_pending_elements():
     next(it)
     state = it.get_state()
   assert len(str(state)) < 1000
+
+
+def test_over_a_sampler_the_state_names_held_elements_by_seed_only():
+  # For elastic resume: one seed per held element, no values.
+  source = jaxfeed.ArraySource({"a": np.ones((3000, 2), np.int32)})
+  ds = Dataset.from_source(source, jaxfeed.IndexSampler(3000, seed=1))
+  with ds.pack({"a": 512}, num_packing_bins=4).make_iterator() as it:
+    next(it)
+    state = it.get_state()
+  held = state["own"]["unemitted"]["elements"]
+  assert len(held) == state["own"]["input"]["num_read"] - 256
+  assert len(str(state)) < 1000 + 22 * len(held)
 
 
 def test_spec_params_rebuild_an_equal_node_and_the_optimizer_keeps_rows():

@@ -3,16 +3,20 @@ splits that grow with a job, and the load simulator (benchmarks.dispatcher_scale
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
 
+import grpc
 import numpy as np
 import psutil
 import pytest
 
 import jaxfeed
+from jaxfeed import service
 from jaxfeed.service import dispatcher as dispatcher_lib
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import spec
@@ -22,7 +26,8 @@ from service_cluster import REPO_ROOT
 RESULT_FIELDS = (
     "workers", "clients", "parties", "seconds", "rpcs_per_s", "rpcs", "latency_ms",
     "handler_ms", "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
-    "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s")
+    "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s", "dispatcher_gc",
+    "simulator_loop_lag_ms")
 RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
              "ReleaseJobClient")
 
@@ -164,5 +169,125 @@ def test_load_simulator_reports_every_field_without_failures():
   assert result["rpcs"]["GetOrCreateJob"] == 40
   assert result["restart_replay_s"] > 0 and result["dispatcher_rss_mb"] > 0
   assert result["journal_bytes_per_s"] > 0  # splits and acknowledgments are journaled
+  assert result["dispatcher_gc"]["collections"] > 0  # a 3 s window of calls collects
+  assert result["simulator_loop_lag_ms"]["max"] >= result["simulator_loop_lag_ms"]["p50"] >= 0
   assert not [p for p in psutil.Process().children(recursive=True)
               if p.pid not in children_before]
+
+
+def test_every_goodbye_of_a_pod_sized_burst_is_answered():
+  # 3,000 clients of one job say goodbye at once, as a pod's hosts do at the
+  # end of a job. gRPC by default holds 1,000 calls for the Python server and
+  # answers the rest of such a burst CANCELLED.
+  server = dispatcher_lib.DispatchServer(dispatcher_lib.DispatcherConfig())
+  try:
+    dataset_id = server.state.register_dataset(_dataset_def())
+    joined = [server.state.get_or_create_job(pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="pod"))
+              for _ in range(3000)]
+
+    async def say_goodbyes() -> list[str]:
+      async with grpc.aio.insecure_channel(server.target) as channel:
+        release = channel.unary_unary(
+            f"/{dispatcher_lib.SERVICE_NAME}/ReleaseJobClient",
+            request_serializer=pb.ReleaseJobClientRequest.SerializeToString,
+            response_deserializer=pb.ReleaseJobClientResponse.FromString)
+
+        async def goodbye(job_id: int, client_id: int) -> str:
+          try:
+            await release(pb.ReleaseJobClientRequest(job_id=job_id, client_id=client_id),
+                          timeout=60, wait_for_ready=True)
+            return "OK"
+          except grpc.aio.AioRpcError as e:
+            return e.code().name
+        return await asyncio.gather(*(goodbye(*ids) for ids in joined))
+
+    outcomes = asyncio.run(say_goodbyes())
+    assert {o: outcomes.count(o) for o in set(outcomes)} == {"OK": 3000}
+    assert not server.state.jobs[joined[0][0]].clients
+  finally:
+    server.stop()
+
+
+def test_worker_gets_its_tasks_clients_only_when_they_changed():
+  state = _state()
+  _register_workers(state, 1)
+  dataset_id = state.register_dataset(_dataset_def())
+  join = lambda: state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared"))
+  job_id, first = join()
+  task_id = next(iter(state.jobs[job_id].tasks))
+  heartbeat = lambda version: state.worker_heartbeat(pb.WorkerHeartbeatRequest(
+      worker_address="w0:1", current_tasks=[task_id], known_clients_version=version))
+  listed = heartbeat(0)
+  assert [(t.task_id, list(t.client_ids)) for t in listed.task_clients] == [(task_id, [first])]
+  assert listed.clients_version and not listed.clients_unchanged
+  again = heartbeat(listed.clients_version)
+  assert again.clients_unchanged and not again.task_clients
+  assert again.clients_version == listed.clients_version
+  _, second = join()  # a client joins: every list again
+  grown = heartbeat(listed.clients_version)
+  assert not grown.clients_unchanged
+  assert [list(t.client_ids) for t in grown.task_clients] == [sorted([first, second])]
+  state.release_client(job_id, first)
+  shrunk = heartbeat(grown.clients_version)
+  assert [list(t.client_ids) for t in shrunk.task_clients] == [[second]]
+  # A version of another dispatcher process never matches.
+  other = _state()
+  assert other.clients_version != state.clients_version
+  state.close()
+  other.close()
+
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.05)
+
+
+_KILLED_READER = """
+import sys, time
+import jaxfeed
+reader = jaxfeed.Dataset.range(1 << 20).batch(4).distribute(
+    sys.argv[1], "distributed_epoch", job_name="shared").make_iterator()
+next(reader)
+print("read", flush=True)
+time.sleep(600)
+"""
+
+
+def test_worker_drops_the_stream_of_a_client_that_died_without_goodbye():
+  # The worker learns that a client is gone only from the dispatcher's
+  # task_clients: a killed client sends no goodbye to anyone.
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+  with service.DispatchServer(service.DispatcherConfig(client_timeout_s=1.0)) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.05)) as worker:
+      streams = worker._worker.streams._streams  # pylint: disable=protected-access
+      reader = jaxfeed.Dataset.range(1 << 20).batch(4).distribute(
+          dispatcher.target, "distributed_epoch", job_name="shared").make_iterator()
+      next(reader)
+      other = subprocess.Popen([sys.executable, "-c", _KILLED_READER, dispatcher.target],
+                               env=env, stdout=subprocess.PIPE, text=True)
+      try:
+        assert other.stdout.readline().strip() == "read"
+        _wait_for(lambda: len(streams) == 2)
+        other.kill()
+        other.wait(timeout=30)
+        job = next(iter(dispatcher.state.jobs.values()))
+        _wait_for(lambda: len(job.clients) == 1)  # released after client_timeout_s
+        _wait_for(lambda: len(streams) == 1)
+        assert {client for _, client in streams} == set(job.clients)
+        # Later heartbeats are answered "unchanged": the live client's stream stays.
+        _wait_for(lambda: worker._worker._listed[0] == dispatcher.state.clients_version)  # pylint: disable=protected-access
+        time.sleep(0.5)
+        assert {client for _, client in streams} == set(job.clients)
+        next(reader)
+      finally:
+        other.kill()
+        other.wait(timeout=30)
+        other.stdout.close()
+        reader.close()

@@ -10,19 +10,30 @@ import numpy as np
 
 import jaxfeed
 import service_udfs
+from jaxfeed.service import task_stats
 
 DEADLINE_S = 90
 
 
-def test_a_service_read_shows_the_workers_op_rows_and_names_the_slow_one(cluster):
+def read_of(cluster, num_elements: int, fn, batch_size: int):
+  """A dispatcher and a worker process, and a dataset of `num_elements`
+  mapped by `fn` and batched on that worker; returns (dataset, worker)."""
   dispatcher = cluster("dispatcher", "--port=0")
   worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
                    "--heartbeat_interval_s=0.2")
-  dataset = (jaxfeed.Dataset.from_tensor_slices({"x": np.arange(100_000)})
-             .map(service_udfs.slow_add_one_to_x).batch(8)
+  dataset = (jaxfeed.Dataset.from_tensor_slices({"x": np.arange(num_elements)})
+             .map(fn).batch(batch_size)
              .distribute(dispatcher.address, "parallel_epochs"))
+  return dataset, worker
+
+
+def test_a_service_read_shows_the_workers_op_rows_and_names_the_slow_one(cluster):
+  dataset, worker = read_of(cluster, 100_000, service_udfs.slow_add_one_to_x, 8)
   with jaxfeed.Loader(dataset, prefetch=1) as loader:
     deadline = time.monotonic() + DEADLINE_S
+    # No model step: the loop waits for every batch (input bound however long
+    # the rows take to show the slow op), and stats() in every step asks the
+    # worker at most once a second.
     while True:
       next(loader)
       rows = loader.stats()["ops"]
@@ -30,7 +41,6 @@ def test_a_service_read_shows_the_workers_op_rows_and_names_the_slow_one(cluster
       if worker_rows and worker_rows[1]["self_seconds"] > 0.3:
         break
       assert time.monotonic() < deadline, rows
-      time.sleep(0.05)
     with open(os.devnull, "w") as sink:
       text = loader.report(file=sink)
   assert [r["op"] for r in rows] == ["from_tensor_slices", "map", "batch", "distribute"]
@@ -39,3 +49,36 @@ def test_a_service_read_shows_the_workers_op_rows_and_names_the_slow_one(cluster
   assert worker_rows[1]["elements"] > 0 and rows[-1]["elements"] > 0
   assert "Input bound" in text
   assert f"Op to fix: 'map' on worker {worker.address} (" in text
+
+
+def worker_rows(iterator) -> list[dict]:
+  return [r for r in iterator.stats()["ops"] if r.get("worker")]
+
+
+def test_a_read_that_ended_shows_its_workers_final_rows(cluster):
+  # Nobody asked during the read: the rows came with the end of the stream.
+  dataset, worker = read_of(cluster, 100, service_udfs.add_one_to_x, 10)
+  with dataset.make_iterator() as iterator:
+    assert len(list(iterator)) == 10
+    rows = worker_rows(iterator)
+    stats = iterator.stats()
+  assert [(r["op"], r["elements"]) for r in rows] == [
+      ("from_tensor_slices", 100), ("map", 100), ("batch", 10)]
+  assert all(r["worker"] == worker.address for r in rows)
+  assert all("ops" not in counters for counters in stats["workers"].values())
+
+
+def test_stats_asks_a_worker_at_most_once_per_max_age(cluster, monkeypatch):
+  monkeypatch.setattr(task_stats, "MAX_AGE_S", 3600.0)
+  dataset, _ = read_of(cluster, 100_000, service_udfs.slow_add_one_to_x, 8)
+  with dataset.make_iterator() as iterator:
+    next(iterator)
+    first = worker_rows(iterator)  # asks the worker
+    assert [r["op"] for r in first] == ["from_tensor_slices", "map", "batch"]
+    made = first[-1]["elements"]
+    for _ in range(made + 1):  # the worker has made more batches since
+      next(iterator)
+    for _ in range(20):
+      assert worker_rows(iterator) == first  # not asked again
+    monkeypatch.setattr(task_stats, "MAX_AGE_S", 0.0)
+    assert worker_rows(iterator)[-1]["elements"] > made  # asked
