@@ -166,6 +166,9 @@ class _TFRecordFile:
     self.stamp: tuple[int, int] | None = None  # (size, mtime_ns) indexed
     self.index_on_disk = False
     self.num_records = -1
+    # The first reads of an unpickled copy (a worker process's) load the
+    # index once, not once per thread.
+    self._opening = threading.Lock()
 
   # -- index ---------------------------------------------------------------
   def load_index(self) -> int:
@@ -231,9 +234,14 @@ class _TFRecordFile:
 
   def __getstate__(self) -> dict:
     state = self.__dict__.copy()
+    del state["_opening"]
     if self.index_on_disk:
       state["offsets"] = None  # reloaded from the cache file where needed
     return state
+
+  def __setstate__(self, state: dict) -> None:
+    self.__dict__.update(state)
+    self._opening = threading.Lock()
 
   def _ensure_index(self) -> None:
     if self.offsets is None:  # dropped when pickled: the cache is on disk
@@ -267,10 +275,13 @@ class _TFRecordFile:
     """Opens the handle; on first open checks the file still matches."""
     if self.handle.is_open:
       return
-    self._ensure_index()
-    if file_stamp(self.path) != self.stamp:
-      self.load_index()  # raises if the record count changed
-    self.handle.get()
+    with self._opening:
+      if self.handle.is_open:
+        return
+      self._ensure_index()
+      if file_stamp(self.path) != self.stamp:
+        self.load_index()  # raises if the record count changed
+      self.handle.get()
 
   def read_one(self, position: int, verify_crc: bool) -> bytes:
     self._open_checked()

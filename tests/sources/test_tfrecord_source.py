@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pathlib
 import pickle
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -207,6 +209,30 @@ def test_pickled_copy_reloads_the_cached_index_instead_of_rescanning(
   with pickle.loads(payload) as copy:
     assert copy.get_many([14, 2]) == [records[14], records[2]]
   assert scan_counter == [path]
+
+
+def test_threads_of_a_pickled_copy_load_its_index_once(tmp_path, monkeypatch):
+  # A worker process's copy is read by many threads at once; each used to
+  # load the index itself (and concurrent np.load header parsing has crashed
+  # CPython 3.11). A slow load widens the window in which they would meet.
+  records = make_records(15)
+  path = _write(tmp_path / "a.tfrecord", records)
+  with TFRecordSource(path) as source:
+    payload = pickle.dumps(source)
+  loads = []
+  original = np.load
+
+  def slow_load(*args, **kwargs):
+    loads.append(1)
+    time.sleep(0.2)
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(tfrecord_source.np, "load", slow_load)
+  with pickle.loads(payload) as copy:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+      got = list(pool.map(copy.__getitem__, range(8)))
+  assert got == records[:8]
+  assert len(loads) == 1
 
 
 # -- corrupt files ---------------------------------------------------------------
