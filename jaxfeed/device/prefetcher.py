@@ -21,6 +21,9 @@ _BATCH = "batch"
 _ERROR = "error"
 
 _JOIN_TIMEOUT_S = 60.0
+# How long close() lets the producer finish its step before it closes the
+# input under it (see `_Resources.close`).
+_INTERRUPT_AFTER_S = 5.0
 
 # Numbers the multi-process prefetchers of this process; every process creates
 # them in the same order, so equal numbers name the same agreement.
@@ -103,6 +106,7 @@ class _Resources:
 
   def __init__(self, iterator: Any):
     self.iterator = iterator
+    self.iterator_closed = False
     self.thread: threading.Thread | None = None
     self.queue: queue.SimpleQueue | None = None
     self.slots: threading.Semaphore | None = None
@@ -118,12 +122,18 @@ class _Resources:
         args=(steps, place, self.queue, self.slots, self.stop))
     self.thread.start()
 
-  def stop_thread(self) -> None:
+  def stop_thread(self, interrupt: Callable[[], None] | None = None) -> None:
+    """Stops the producer; `interrupt()` is called if it is still busy
+    `_INTERRUPT_AFTER_S` later (it is blocked in the input's next())."""
     thread = self.thread
     if thread is None:
       return
     self.stop.set()
     self.slots.release()  # Wakes a producer waiting for a free slot.
+    if interrupt is not None:
+      thread.join(_INTERRUPT_AFTER_S)
+      if thread.is_alive():
+        interrupt()
     thread.join(_JOIN_TIMEOUT_S)
     if thread.is_alive():
       warnings.warn(
@@ -133,7 +143,18 @@ class _Resources:
     self.thread = self.queue = self.slots = self.stop = None
 
   def close(self) -> None:
-    self.stop_thread()
+    # A producer blocked in the input's next() returns only once the input
+    # is closed: say, a read of a shared service job whose next batch waits
+    # for a split that another process's loop, stopped at the same step,
+    # still holds until its own loader closes. So the input is closed under
+    # a producer that does not stop within `_INTERRUPT_AFTER_S`.
+    self.stop_thread(interrupt=self._close_iterator)
+    self._close_iterator()
+
+  def _close_iterator(self) -> None:
+    if self.iterator_closed:
+      return
+    self.iterator_closed = True
     close = getattr(self.iterator, "close", None)
     if callable(close):
       close()
