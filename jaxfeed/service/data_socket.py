@@ -440,7 +440,7 @@ def _counting_failures(next_item: Callable) -> Callable:
     try:
       return next_item(self)
     except DataConnectionError as e:
-      if not self._closed:  # pylint: disable=protected-access
+      if not (self._closed or self._stopped):  # pylint: disable=protected-access
         rpc_errors.CLIENT_ERRORS.add(rpc_errors.DATA_SOCKET, e.status)
       raise
   return counted
@@ -458,6 +458,7 @@ class DataConnection:
                max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
     self._max_frame_bytes = max_frame_bytes
     self._closed = False  # by close(): what fails after it was cancelled
+    self._stopped = False  # by stop_receiving(): the reads that end after it were cancelled
     host, port = address.rsplit(":", 1)
     self._sock = socket.create_connection((host, int(port)), timeout=timeout_s)
     self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -514,6 +515,7 @@ class DataConnection:
   def stop_receiving(self) -> None:
     """What has arrived is still read, then `next_item` sees the end of the
     connection (DataConnectionError). Over TLS the connection closes now."""
+    self._stopped = True  # the end it sees is this client's, not an error
     if isinstance(self._sock, ssl.SSLSocket):  # its shutdown drops the TLS layer
       self.close()
       return
