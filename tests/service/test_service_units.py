@@ -340,6 +340,12 @@ def test_exactly_once_runs_the_pipeline_split_by_split_and_delivers_one_epoch():
     workers = [service.WorkerServer(service.WorkerConfig(
         dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)) for _ in range(2)]
     try:
+      # Both registered before the job starts, so both get a task at once
+      # (a worker that registers later may find every split taken).
+      deadline = time.monotonic() + 30
+      while len(dispatcher.state.workers) < 2:
+        assert time.monotonic() < deadline, dispatcher.state.workers
+        time.sleep(0.02)
       for data_transfer in ("socket", "grpc"):
         with dataset.distribute(dispatcher.target, "distributed_epoch",
                                 visitation="exactly_once",
