@@ -167,8 +167,8 @@ class _TFRecordFile:
     self.index_on_disk = False
     self.num_records = -1
     # The first reads of an unpickled copy (a worker process's) load the
-    # index once, not once per thread.
-    self._opening = threading.Lock()
+    # index once, not once per thread (see `_opening_lock`).
+    self._opening = (os.getpid(), threading.Lock())
 
   # -- index ---------------------------------------------------------------
   def load_index(self) -> int:
@@ -241,7 +241,17 @@ class _TFRecordFile:
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)
-    self._opening = threading.Lock()
+    self._opening = (os.getpid(), threading.Lock())
+
+  def _opening_lock(self) -> threading.Lock:
+    """This process's lock around the first open. A forked child makes its
+    own: a thread of the parent may have held the parent's at the fork (as
+    `LazyHandle` does with its lock)."""
+    pid, lock = self._opening
+    if pid != os.getpid():
+      self._opening = (os.getpid(), threading.Lock())
+      pid, lock = self._opening
+    return lock
 
   def _ensure_index(self) -> None:
     if self.offsets is None:  # dropped when pickled: the cache is on disk
@@ -275,7 +285,7 @@ class _TFRecordFile:
     """Opens the handle; on first open checks the file still matches."""
     if self.handle.is_open:
       return
-    with self._opening:
+    with self._opening_lock():
       if self.handle.is_open:
         return
       self._ensure_index()

@@ -235,6 +235,34 @@ def test_threads_of_a_pickled_copy_load_its_index_once(tmp_path, monkeypatch):
   assert len(loads) == 1
 
 
+def test_a_child_forked_while_a_thread_opens_the_file_opens_it_too(tmp_path):
+  # The parent's lock around the first open is held at the fork (as by a
+  # thread of the parent in the middle of loading the index); the child
+  # must not wait for it forever.
+  records = make_records(5)
+  path = _write(tmp_path / "a.tfrecord", records)
+  copy = pickle.loads(pickle.dumps(TFRecordSource(path)))
+  held = copy._files[0]._opening_lock()  # pylint: disable=protected-access
+  held.acquire()
+  try:
+    pid = os.fork()
+    if pid == 0:
+      os._exit(0 if copy[3] == records[3] else 1)
+    deadline = time.monotonic() + 30
+    while True:
+      done, status = os.waitpid(pid, os.WNOHANG)
+      if done:
+        break
+      if time.monotonic() > deadline:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child waited for its parent's lock")
+      time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0
+  finally:
+    held.release()
+
+
 # -- corrupt files ---------------------------------------------------------------
 
 
