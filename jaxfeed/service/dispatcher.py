@@ -217,23 +217,27 @@ def main(argv: Any) -> None:
         if f.autoscale_max_workers else None)
   except ValueError as e:  # a flag's value: say which, without a traceback
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
-  server = DispatchServer(config)
-  # The modules and the replayed state live as long as the process: out of
-  # the collector's full passes, which otherwise stalled every call for
-  # 35-210 ms (benchmarks/dispatcher_scale.py, 256-1,024 workers). Only here:
-  # a DispatchServer in a user's process leaves its collector alone.
-  gc.freeze()
-  print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
-  metrics = metrics_lib.serve_dispatcher(server, f.host, f.metrics_port)
-  if metrics is not None:
-    print(f"jaxfeed dispatcher metrics on {metrics.url}", flush=True)
+  # SIGTERM stops the dispatcher cleanly from here on: the pool it starts
+  # while it is being built goes with it, even when the signal comes first.
   rpc.stop_on_sigterm()
-  if f.port_file:
-    _write_port_file(f.port_file, server.port)
+  server = metrics = None
   try:
+    server = DispatchServer(config)
+    # The modules and the replayed state live as long as the process: out of
+    # the collector's full passes, which otherwise stalled every call for
+    # 35-210 ms (benchmarks/dispatcher_scale.py, 256-1,024 workers). Only here:
+    # a DispatchServer in a user's process leaves its collector alone.
+    gc.freeze()
+    print(f"jaxfeed dispatcher listening on {server.target}", flush=True)
+    metrics = metrics_lib.serve_dispatcher(server, f.host, f.metrics_port)
+    if metrics is not None:
+      print(f"jaxfeed dispatcher metrics on {metrics.url}", flush=True)
+    if f.port_file:
+      _write_port_file(f.port_file, server.port)
     server.join()
   finally:
-    server.stop()
+    if server is not None:
+      server.stop()
     if metrics is not None:
       metrics.close()
 

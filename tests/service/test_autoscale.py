@@ -133,6 +133,31 @@ def test_a_command_line_pool_goes_with_its_dispatcher(cluster, how):
   assert not alive and len(gone) == 2  # orphans notice their parent is gone
 
 
+def test_sigterm_while_the_pool_starts_stops_the_dispatcher_and_its_pool(cluster):
+  # The signal comes as soon as the first worker process exists, while the
+  # dispatcher is still starting its pool: it still exits cleanly (0) and
+  # takes every worker it started with it.
+  dispatcher = cluster("dispatcher", "--port=0", "--autoscale_max_workers=3",
+                       "--autoscale_min_workers=2", "--worker_flag=--buffer_size=4",
+                       wait_ready=False)
+  parent = psutil.Process(dispatcher.proc.pid)
+  deadline = time.monotonic() + 30
+  while not parent.children() and time.monotonic() < deadline:
+    pass  # no sleep: the signal should come as early as it can
+  seen = set(parent.children())
+  assert seen, "the dispatcher started no worker within 30 s"
+  dispatcher.proc.terminate()
+  while dispatcher.proc.poll() is None and time.monotonic() < deadline:
+    try:
+      seen.update(parent.children())
+    except psutil.NoSuchProcess:
+      break
+    time.sleep(0.005)
+  assert dispatcher.proc.wait(timeout=30) == 0
+  gone, alive = psutil.wait_procs(list(seen), timeout=20)
+  assert not alive and len(gone) == len(seen)
+
+
 class _CountingBackend:
   """A pool that only counts: starting or stopping a worker changes a number."""
 
