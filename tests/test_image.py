@@ -12,6 +12,7 @@ import tensorflow as tf  # pylint: disable=g-import-not-at-top
 from PIL import Image  # pylint: disable=g-import-not-at-top
 
 from jaxfeed import image as jim  # pylint: disable=g-import-not-at-top
+from gil_testing import spinner_count_during  # pylint: disable=g-import-not-at-top
 
 
 def _photo(height=96, width=128, seed=0) -> np.ndarray:
@@ -168,38 +169,6 @@ def test_flips_and_normalize():
       rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="std must be non-zero"):
     jim.normalize(image, std=(1.0, 0.0, 1.0))
-
-
-def spinner_count_during(work) -> int:
-  """How often a Python thread loops while `work()` runs in this one.
-
-  With a 1 s switch interval a thread waiting for the GIL gets it only when
-  the holder releases it itself (as C code does around blocking work), so the
-  count is 0 if `work` holds the GIL throughout and large if it releases it.
-  """
-  import sys  # pylint: disable=g-import-not-at-top
-  import threading  # pylint: disable=g-import-not-at-top
-  counts = []
-  start, done = threading.Event(), threading.Event()
-
-  def spin():
-    start.wait()
-    count = 0
-    while not done.is_set():
-      count += 1
-    counts.append(count)
-  interval = sys.getswitchinterval()
-  sys.setswitchinterval(1.0)
-  spinner = threading.Thread(target=spin)
-  spinner.start()
-  try:
-    start.set()
-    work()
-  finally:
-    done.set()
-    spinner.join()
-    sys.setswitchinterval(interval)
-  return counts[0]
 
 
 def test_decoding_and_resizing_release_the_gil_so_threads_overlap():
