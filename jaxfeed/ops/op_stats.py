@@ -52,7 +52,17 @@ SAMPLE_INTERVAL_S = 0.1
 sleep until the look is done; waking it again costs microseconds on a quiet
 machine and a scheduling round (milliseconds) on a loaded one, which is
 most of what stats cost. 10 looks a second keep that small and still give
-a minute-long run 600 samples."""
+a minute-long run 600 samples.
+
+Until it has the GIL, a waking sampler is a thread waiting for it, and a
+pipeline thread that lets go of the GIL for a moment thousands of times a
+second (C code that releases it around a short call: `np.arange` does on
+every call, a ufunc or cast on more than about 500 elements) wakes it at
+each release without it getting the GIL. Each release then costs the
+pipeline a futex wake, until the sampler wins a race (tens of ms); jaxfeed's
+own per-element paths keep the GIL (see `range`), and the sampler backs off
+(`_cost` counts the wait as `late`) when a user's function makes looks
+that dear."""
 
 LINGER_S = 1.0
 """Seconds the sampling thread waits for a new pipeline once none is open
