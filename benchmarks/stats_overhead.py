@@ -36,10 +36,18 @@ each look at the stacks cost the pipeline, and `projected_overhead` that
 cost at the default rate: an estimate that a loaded machine's noise hardly
 touches, since the effect it measures is K times larger.
 
+With `--wait_idle C` every round first waits (up to `IDLE_WAIT_S`) for half
+a second in which the machine's other processes used less than C cores
+(Linux's /proc/stat; on a shared machine the quiet moments between other
+jobs): some costs show only on an idle machine (a thread waking on the idle
+core, see `jaxfeed.ops.op_stats.SAMPLE_INTERVAL_S`) and load hides them.
+`idle_rounds` says how many rounds found such a moment.
+
 At the end a table gives each row's overheads against the 2% target.
 
   python -m benchmarks.stats_overhead [--rounds 9] [--scale 1.0]
       [--only 'W2 per-element'] [--min_sample_s 0.3] [--amplify 20]
+      [--wait_idle 0.3]
 """
 
 from __future__ import annotations
@@ -55,6 +63,33 @@ from benchmarks import workloads
 
 TARGET = 0.02
 """The most stats on by default may cost (1 - on / off)."""
+
+IDLE_WAIT_S = 30.0
+"""The longest `--wait_idle` waits for a quiet moment before a round."""
+
+
+def _busy_cores(seconds: float) -> float:
+  """Cores that processes other than this one kept busy over `seconds`."""
+  def read() -> tuple[float, float, float]:
+    with open("/proc/stat", encoding="ascii") as f:
+      ticks = [int(v) for v in f.readline().split()[1:]]
+    return sum(ticks), ticks[3] + ticks[4], time.process_time()
+  total, idle, cpu = read()
+  time.sleep(seconds)
+  total2, idle2, cpu2 = read()
+  hz = os.sysconf("SC_CLK_TCK")
+  elapsed = max(1, total2 - total) / (os.cpu_count() or 1)  # ticks per core
+  busy = (total2 - total) - (idle2 - idle) - (cpu2 - cpu) * hz
+  return max(0.0, busy / elapsed)
+
+
+def _wait_idle(cores: float) -> bool:
+  """Waits for half a second in which other processes used under `cores`."""
+  deadline = time.monotonic() + IDLE_WAIT_S
+  while time.monotonic() < deadline:
+    if _busy_cores(0.5) < cores:
+      return True
+  return False
 
 
 def _w1(data, per_element: bool, stats: bool):
@@ -122,7 +157,7 @@ def _quartiles(values: list[float]) -> list[float]:
 
 
 def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
-            amplify: int = 0) -> dict:
+            amplify: int = 0, wait_idle: float | None = None) -> dict:
   """One row: `make(stats)` builds the workload's dataset."""
   from jaxfeed.ops import op_stats
   arms = ["on", "off"] + (["amplified"] if amplify else [])
@@ -153,7 +188,10 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
   load_before = os.getloadavg()[0]
   for arm in arms:  # warm-up: caches, imports, the autotuner's first choices
     take(arm, record=False)
+  idle_rounds = 0
   for r in range(rounds):
+    if wait_idle is not None:
+      idle_rounds += _wait_idle(wait_idle)
     order = arms if r % 2 == 0 else arms[::-1]
     for arm in order:
       take(arm)
@@ -178,6 +216,8 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
       "load_average": [round(load_before, 2), round(load_after, 2)],
       "cores": os.cpu_count(),
   }
+  if wait_idle is not None:
+    line["idle_rounds"] = idle_rounds
   if any(backends.values()):
     line["backends"] = {arm: dict(counter) for arm, counter in backends.items()}
   if amplify:
@@ -202,7 +242,7 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
 
 
 def run(rounds: int, scale: float, only: str | None = None, min_seconds: float = 0.3,
-        amplify: int = 0) -> list[dict]:
+        amplify: int = 0, wait_idle: float | None = None) -> list[dict]:
   data = workloads.w1_data(scale)
   n = max(10_000, int(200_000 * scale))
   images = lambda b: len(b["label"])
@@ -218,7 +258,7 @@ def run(rounds: int, scale: float, only: str | None = None, min_seconds: float =
   for name, (make, count, unit) in rows.items():
     if only is not None and name != only:
       continue
-    line = measure(name, make, count, unit, rounds, min_seconds, amplify)
+    line = measure(name, make, count, unit, rounds, min_seconds, amplify, wait_idle)
     print(json.dumps(line), flush=True)
     lines.append(line)
   print(summary(lines), flush=True)
@@ -242,7 +282,8 @@ def summary(lines: list[dict]) -> str:
         f"{line['workload']:16} {100 * worst:+6.1f}% {100 * q1:+7.1f}..{100 * q3:+5.1f}% "
         f"{100 * line['cpu_overhead']:+7.1f}% "
         f"{'-' if projected is None else f'{100 * projected:+.2f}%':>9} "
-        f"{line['load_average'][0]:5.1f}-{line['load_average'][1]:<5.1f}  {verdict}")
+        f"{line['load_average'][0]:5.1f}-{line['load_average'][1]:<5.1f}  {verdict}"
+        + (f" ({line['idle_rounds']}/{line['rounds']} rounds idle)" if "idle_rounds" in line else ""))
   return "\n".join(out)
 
 
@@ -255,8 +296,11 @@ def main() -> None:
                       help="each sample runs whole epochs for at least this long")
   parser.add_argument("--amplify", type=int, default=0,
                       help="also sample K times as often, to measure one look's cost")
+  parser.add_argument("--wait_idle", type=float, default=None, metavar="CORES",
+                      help="before each round wait for other processes to use "
+                           "under CORES cores for half a second")
   args = parser.parse_args()
-  run(args.rounds, args.scale, args.only, args.min_sample_s, args.amplify)
+  run(args.rounds, args.scale, args.only, args.min_sample_s, args.amplify, args.wait_idle)
 
 
 if __name__ == "__main__":
