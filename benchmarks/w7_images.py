@@ -7,7 +7,8 @@ file. Every system parses each Example, decodes a random resized crop to
 it to float32 and batches 128:
 
   * jaxfeed: TFRecordSource -> random_map(jaxfeed.example + jaxfeed.image,
-    threads) -> batch (the threads write each image into its batch row);
+    threads, writes_out=True) -> batch (each thread normalizes its image
+    straight into the image's batch row);
     jaxfeed-normalize-batches: the same with normalize moved after the batch
     (uint8 images, one float32 array per batch, normalized on the same
     threads); jaxfeed-uint8: no normalize on the host (uint8 batches, a
@@ -78,7 +79,9 @@ def make_records(path: str, count: int) -> str:
   return path
 
 
-def jaxfeed_transform(record: bytes, rng: np.random.Generator) -> dict:
+def jaxfeed_transform(record: bytes, rng: np.random.Generator,
+                      out: dict | None = None) -> dict:
+  """Normalizes into `out["image"]`, the image's batch row, when given."""
   from examples import images_data
   from jaxfeed import image
   import jaxfeed
@@ -86,7 +89,8 @@ def jaxfeed_transform(record: bytes, rng: np.random.Generator) -> dict:
   pixels = image.decode_and_random_resized_crop(
       example["image/encoded"].item(), rng, SIZE, SCALE, RATIO)
   pixels = image.random_flip_left_right(pixels, rng)
-  return {"image": image.normalize(pixels),
+  return {"image": image.normalize(pixels, out=None if out is None
+                                   else out["image"]),
           "label": example["image/class/label"]}
 
 
@@ -116,7 +120,7 @@ def jaxfeed_dataset(path: str, threads: int, mode: str = "per-image"):
   dataset = jaxfeed.Dataset.from_source(source)
   if mode == "per-image":
     return (dataset.random_map(jaxfeed_transform, num_parallel_calls=threads,
-                               seed=0).batch(BATCH))
+                               seed=0, writes_out=True).batch(BATCH))
   dataset = dataset.random_map(jaxfeed_uint8_transform,
                                num_parallel_calls=threads, seed=0).batch(BATCH)
   if mode == "uint8":

@@ -2,12 +2,17 @@
 
 Needs the optional `image` extra (`pip install jaxfeed[image]`): JPEG is
 decoded by simplejpeg (libjpeg-turbo), PNG decoding, resizing, flipping and
-the normalizing of uint8 images (a table lookup) are OpenCV's. Chosen by measurement (CPU time per ~256 px image, one thread):
-simplejpeg decodes in about 60% of OpenCV's time and half of Pillow's, with the
-same pixels; OpenCV's bilinear resize to 224 x 224 takes about a sixth of
-Pillow's, and its flip a twentieth of NumPy's copy. All of them release the
-GIL, so a `map` / `random_map` with `num_parallel_calls` threads scales with
-cores.
+the normalizing of uint8 images (a table lookup) are OpenCV's. Chosen by
+measurement (CPU time per ~256 px image, one thread): simplejpeg decodes in
+about 60% of OpenCV's time and half of Pillow's, with the same pixels;
+OpenCV's bilinear resize to 224 x 224 takes about a sixth of Pillow's, its
+flip a twentieth of NumPy's copy, and its table lookup half the time of
+NumPy's cast, scale and shift. All of them release the GIL, so a `map` /
+`random_map` with `num_parallel_calls` threads scales with cores.
+
+A function that writes its output into a batch row (`writes_out=True` of
+`map` / `random_map`) passes that row as `normalize`'s `out`, so the float32
+image is written once, into the batch, with no copy and no fresh memory.
 
 Images are uint8 arrays [height, width, channels]. `channels=3` (the default)
 gives RGB, 1 gray, 0 what the file holds. JPEG pixels equal
