@@ -31,8 +31,9 @@ it to float32 and batches 128:
     pipeline's batches.
 
 Prints one JSON line per system and repetition: images/s, and for the
-in-process systems the CPU time per image (all threads), which a machine
-shared with other work disturbs far less than the rate. The jaxfeed lines
+in-process systems the CPU time per image (all threads, over the timed
+epochs), which a machine shared with other work disturbs far less than the
+rate. The jaxfeed lines
 have their ratio to the best peer and to the limits, by rate and by CPU time
 (`cpu_ratio_vs_*`: the limit's CPU per image over the system's). With
 `--repeats N` every system and limit is measured N times in one process,
@@ -293,12 +294,14 @@ def bare_limit_in_processes(path: str, cores: int, kind: str,
 
 
 def measure_cpu(make_epoch, count, epochs: int) -> dict:
-  """`harness.measure` plus this process's CPU time per item (all epochs)."""
-  start = time.process_time()
-  result = harness.measure(make_epoch, count, epochs)
+  """`harness.measure` plus this process's CPU time per item over the timed
+  epochs (after the warm-up, like the rate and like the limits' loops)."""
+  starts = []
+  result = harness.measure(make_epoch, count, epochs,
+                           before_epoch=lambda: starts.append(
+                               time.process_time()))
   result["cpu_us_per_image"] = round(
-      (time.process_time() - start) / (result["items"] * (epochs + 1)) * 1e6,
-      1)
+      (time.process_time() - starts[1]) / (result["items"] * epochs) * 1e6, 1)
   return result
 
 
