@@ -196,8 +196,8 @@ class Dataset:
         structure or shapes, or there is no batch). A returned leaf that is
         `out`'s own array is not copied again: for large outputs (an image
         normalized to float32) this saves a copy and fresh memory per
-        element. `fn` must write every leaf it returns from `out` in full
-        and nothing else there. Not with backend="process".
+        element. A leaf `fn` returns from `out` must be written in full.
+        Not with backend="process".
 
     Example: `ds.map(decode, num_parallel_calls=jaxfeed.AUTOTUNE)`.
     Writing into the batch: `def fn(x, out=None): return {"y": np.multiply(
