@@ -137,7 +137,8 @@ class DispatchServer:
       backend = autoscale_lib.make_backend(self.config.autoscale, f"{local}:{self.port}",
                                            flags, secrets)
       self.autoscaler = autoscale_lib.Autoscaler(
-          self.config.autoscale, backend, self.state.sample_clients)
+          self.config.autoscale, backend, self.state.sample_clients,
+          self.state.num_workers)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
                                        self.autoscaler)
     if start:

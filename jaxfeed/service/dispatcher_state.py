@@ -279,6 +279,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
           self.config.dataset_gc_timeout_s):
         self._record({"kind": "dataset_deleted", "dataset_id": dataset_id})
 
+  def num_workers(self) -> int:
+    """The workers registered and alive."""
+    with self.lock:
+      return len(self.workers)
+
   def sample_clients(self) -> autoscale_lib.Sample | None:
     """The live clients' reports since the last call, as one sample."""
     with self.lock:
