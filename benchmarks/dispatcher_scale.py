@@ -14,7 +14,8 @@ party, speaking the real protocol at the intervals the dispatcher asks for:
   pace of a worker that produces `--elements_per_s` elements a second for
   the task (one element per sampler position);
 - clients join one of `--jobs` shared, named, exactly-once DYNAMIC jobs
-  (`GetOrCreateJob`) and heartbeat (`ClientHeartbeat`), acknowledging the
+  (`GetOrCreateJob`, which answers their first heartbeat, as jaxfeed's
+  client asks) and heartbeat (`ClientHeartbeat`), acknowledging the
   splits the workers of their process were issued for that job; with
   `--round_robin_clients=K` another K clients read one round-robin job.
 
@@ -316,12 +317,16 @@ class _Simulator:
         request = pb.GetOrCreateJobRequest(
             dataset_id=args.dataset_id, sharding_policy="DYNAMIC",
             job_name=f"scale-{number % args.jobs}", exactly_once=True)
+      request.first_heartbeat = True  # as jaxfeed's client
       job = await party.call("GetOrCreateJob", request)
       if job is None:
         return
       self.clients_joined += 1
-      version, interval, started = 0, 0.1, time.monotonic()
+      # The join answered the first heartbeat.
+      version, started = job.heartbeat.tasks_version, time.monotonic()
+      interval = job.heartbeat.heartbeat_interval_s or 0.1
       consumed = 0
+      await _sleep_until(self.stop, interval * random.uniform(0.9, 1.1))
       while not self.stop.is_set():
         pending = self.issued.get(job.job_id, [])
         acks = pending[:args.max_acks]
