@@ -14,7 +14,8 @@ party, speaking the real protocol at the intervals the dispatcher asks for:
   pace of a worker that produces `--elements_per_s` elements a second for
   the task (one element per sampler position);
 - clients join one of `--jobs` shared, named, exactly-once DYNAMIC jobs
-  (`GetOrCreateJob`) and heartbeat (`ClientHeartbeat`), acknowledging the
+  (`GetOrCreateJob`, which answers their first heartbeat, as jaxfeed's
+  client asks) and heartbeat (`ClientHeartbeat`), acknowledging the
   splits the workers of their process were issued for that job; with
   `--round_robin_clients=K` another K clients read one round-robin job.
 
@@ -28,8 +29,10 @@ callers saw it, `latency_ms`, and inside the dispatcher's handlers,
 the goodbyes after the window), failed RPCs, dispatcher CPU (share of one core) and RSS,
 journal bytes written per second, the dispatcher's garbage-collection pauses
 (`dispatcher_gc`), the simulators' own CPU and how late their event loops woke
-a 10 ms sleep (`simulator_loop_lag_ms`: their own share of the latencies),
-and the restart.
+a 10 ms sleep (`simulator_loop_lag_ms`: their own share of the latencies;
+`simulator_burst_lag_ms`: the same while the clients join and say goodbye),
+the dispatcher's CPU seconds while the clients join (`joins_dispatcher_cpu_s`,
+over `joins_s`), and the restart.
 
 Latencies include the simulators' own scheduling delay: on a machine with few
 cores the simulators and the dispatcher compete for them.
@@ -166,6 +169,7 @@ class _Stats:
     # How late the simulator's event loop woke a task in the window: the part
     # of the callers' latencies that is the simulator's own delay.
     self.loop_lags: list[float] = []
+    self.burst_lags: dict[str, list[float]] = {"joins": [], "goodbyes": []}
 
   def add(self, kind: str, seconds: float) -> None:
     # Joining and leaving happen outside the measured window: always kept.
@@ -233,6 +237,7 @@ class _Simulator:
     # (job id -> starts), acknowledged by this process's clients of the job.
     self.issued: dict[int, list[int]] = {}
     self.clients_joined = 0
+    self.phase = "workers"  # then joins, window, goodbyes, done
 
   async def worker(self, number: int, ready: asyncio.Event) -> None:
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
@@ -312,12 +317,16 @@ class _Simulator:
         request = pb.GetOrCreateJobRequest(
             dataset_id=args.dataset_id, sharding_policy="DYNAMIC",
             job_name=f"scale-{number % args.jobs}", exactly_once=True)
+      request.first_heartbeat = True  # as jaxfeed's client
       job = await party.call("GetOrCreateJob", request)
       if job is None:
         return
       self.clients_joined += 1
-      version, interval, started = 0, 0.1, time.monotonic()
+      # The join answered the first heartbeat.
+      version, started = job.heartbeat.tasks_version, time.monotonic()
+      interval = job.heartbeat.heartbeat_interval_s or 0.1
       consumed = 0
+      await _sleep_until(self.stop, interval * random.uniform(0.9, 1.1))
       while not self.stop.is_set():
         pending = self.issued.get(job.job_id, [])
         acks = pending[:args.max_acks]
@@ -339,12 +348,16 @@ class _Simulator:
       await party.channel.close()
 
   async def watch_loop(self) -> None:
-    """Notes how late a 10 ms sleep wakes while measuring."""
-    while not self.stop.is_set():
+    """Notes how late a 10 ms sleep wakes: in the window (`loop_lags`), and
+    while the clients join and say goodbye (`burst_lags`)."""
+    while self.phase != "done":
       start = time.perf_counter()
       await asyncio.sleep(0.01)
+      lag = time.perf_counter() - start - 0.01
       if self.stats.measuring:
-        self.stats.loop_lags.append(time.perf_counter() - start - 0.01)
+        self.stats.loop_lags.append(lag)
+      elif self.phase in self.stats.burst_lags:
+        self.stats.burst_lags[self.phase].append(lag)
 
   async def run(self, commands: "asyncio.Queue[str]") -> dict:
     args = self.args
@@ -358,6 +371,8 @@ class _Simulator:
     await asyncio.gather(*(ready.wait() for ready in readies))
     _say({"event": "workers_ready"})
     assert await commands.get() == "clients"
+    self.phase = "joins"
+    watch = asyncio.ensure_future(self.watch_loop())
     tasks += [asyncio.ensure_future(self.client(n)) for n in client_numbers]
     while self.clients_joined < len(client_numbers):
       if any(t.done() for t in tasks):  # a party gave up: report, do not hang
@@ -365,17 +380,22 @@ class _Simulator:
       await asyncio.sleep(0.05)
     _say({"event": "clients_ready"})
     assert await commands.get() == "measure"
+    self.phase = "window"
     self.stats.measuring = True
-    tasks.append(asyncio.ensure_future(self.watch_loop()))
     assert await commands.get() == "stop"
     self.stats.measuring = False
+    self.phase = "goodbyes"
     self.stop.set()
-    for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    self.phase = "done"
+    await watch
+    for outcome in outcomes:
       if isinstance(outcome, BaseException):  # a bug of the simulator: report it
         key = f"simulator: {type(outcome).__name__}: {outcome}"[:200]
         self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
     return {"latencies": self.stats.latencies, "failed": self.stats.failed,
-            "errors": self.stats.errors, "loop_lags": self.stats.loop_lags}
+            "errors": self.stats.errors, "loop_lags": self.stats.loop_lags,
+            "burst_lags": self.stats.burst_lags}
 
 
 def _say(message: dict) -> None:
@@ -494,14 +514,17 @@ def run(args: argparse.Namespace) -> dict:
     join_timeout = START_TIMEOUT_S + args.workers * 0.05 + args.clients * 0.05
     for simulator in simulators:
       simulator.expect("workers_ready", join_timeout)
+    server = psutil.Process(dispatcher.proc.pid)
+    joins_cpu0, joins_started = _cpu_seconds(server), time.monotonic()
     for simulator in simulators:
       simulator.send("clients")
     for simulator in simulators:
       simulator.expect("clients_ready", join_timeout)
+    joins_cpu_s = _cpu_seconds(server) - joins_cpu0
+    joins_s = time.monotonic() - joins_started
     setup_s = time.monotonic() - setup_started
     # Let the heartbeats spread out to their steady rhythm before measuring.
     time.sleep(args.warmup_s)
-    server = psutil.Process(dispatcher.proc.pid)
     sim_pids = [s.proc.pid for s in simulators]
     cpu0, io0 = _cpu_seconds(server), server.io_counters().write_chars
     sim_cpu0 = _tree_cpu_seconds(sim_pids)
@@ -521,6 +544,8 @@ def run(args: argparse.Namespace) -> dict:
     machine1 = psutil.cpu_times()
     rss = server.memory_info().rss
     results = [s.expect("result", 120 + args.seconds) for s in simulators]
+    with open(f"{timing_file}.done", "w"):
+      pass  # every goodbye was answered
     handler_times = _read_timing(timing_file, 60.0)
     for simulator in simulators:
       simulator.proc.wait(timeout=60)
@@ -547,6 +572,8 @@ def run(args: argparse.Namespace) -> dict:
     for key, count in r["errors"].items():
       errors[key] = errors.get(key, 0) + count
   loop_lags = sorted(x for r in results for x in r["loop_lags"])
+  burst_lags = {phase: sorted(x for r in results for x in r["burst_lags"][phase])
+                for phase in ("joins", "goodbyes")}
   collections = handler_times.get("gc", [])
   busy = lambda t: t.user + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
   machine_busy = (busy(machine1) - busy(machine0)) / max(
@@ -570,6 +597,11 @@ def run(args: argparse.Namespace) -> dict:
                             "p99": round(_percentile(v, 0.99) * 1e3, 2),
                             "max": round((v[-1] if v else 0.0) * 1e3, 2)}
                      for kind, v in handler_times.items() if kind in RPC_KINDS},
+      "simulator_burst_lag_ms": {
+          phase: {"p50": round(_percentile(v, 0.5) * 1e3, 2),
+                  "p99": round(_percentile(v, 0.99) * 1e3, 2),
+                  "max": round((v[-1] if v else 0.0) * 1e3, 2)}
+          for phase, v in burst_lags.items()},
       "failed_rpcs": sum(failed.values()), "failed_by_kind": failed,
       "simulator_errors": sum(n for k, n in errors.items() if k.startswith("simulator:")),
       "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
@@ -590,6 +622,8 @@ def run(args: argparse.Namespace) -> dict:
       "machine_busy_cores": round(machine_busy, 2),
       "load_average_1m": round(os.getloadavg()[0], 2),
       "setup_s": round(setup_s, 2),
+      # From the first join until every client joined (--join_spread_s).
+      "joins_s": round(joins_s, 2), "joins_dispatcher_cpu_s": round(joins_cpu_s, 2),
       "dispatcher_start_s": round(start_s, 2),
       "restart_replay_s": round(restart_s, 2),
   }

@@ -5,11 +5,12 @@
 Runs the dispatcher's command line unchanged, with every method of its
 servicer wrapped to note (end time, seconds spent in the handler: the state
 lock, the work and the journal's fsync; not gRPC's queues). Once
-`PATH.window` appears, holding "START STOP" in `time.monotonic()` seconds
-(the same clock in every process of a machine), it writes the handler times
-of that window to PATH as JSON: method -> sorted seconds, and under "gc" the
-garbage collector's pauses of the window (seconds each, every generation;
-"gc2": the full collections alone).
+`PATH.window` holds "START STOP" in `time.monotonic()` seconds (the same
+clock in every process of a machine) and `PATH.done` exists, it writes the
+handler times of that window (and of every join and goodbye, which come
+before and after it) to PATH as JSON: method -> sorted seconds, and under
+"gc" the garbage collector's pauses of the window (seconds each, every
+generation; "gc2": the full collections alone).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import time
 
 from jaxfeed.service import dispatcher
 
+# Timed whenever they come: before the window (joins) and after it (goodbyes).
+BURSTS = ("GetOrCreateJob", "ReleaseJobClient")
 METHODS = ("RegisterDataset", "GetDatasetDef", "GetOrCreateJob", "ClientHeartbeat",
            "ReleaseJobClient", "WorkerHeartbeat", "GetSplits")
 
@@ -58,11 +61,15 @@ def _write_when_asked(path: str, times: list) -> None:
   while not os.path.exists(window_path):
     time.sleep(0.2)
   time.sleep(0.3)  # a moment for the window's last reads to be noted
+  done_path = f"{path}.done"
+  while not os.path.exists(done_path):  # the goodbyes come after the window
+    time.sleep(0.2)
   with open(window_path) as f:
     start, stop = (float(x) for x in f.read().split())
   by_method: dict[str, list[float]] = {}
   for name, end, seconds in list(times):
-    if start <= end <= stop:
+    # The joins come before the window and the goodbyes after it: all kept.
+    if start <= end <= stop or name in BURSTS:
       by_method.setdefault(name, []).append(seconds)
   with open(f"{path}.tmp", "w") as f:
     json.dump({name: sorted(v) for name, v in by_method.items()}, f)

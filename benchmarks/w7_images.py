@@ -7,7 +7,8 @@ file. Every system parses each Example, decodes a random resized crop to
 it to float32 and batches 128:
 
   * jaxfeed: TFRecordSource -> random_map(jaxfeed.example + jaxfeed.image,
-    threads) -> batch (the threads write each image into its batch row);
+    threads, writes_out=True) -> batch (each thread normalizes its image
+    straight into the image's batch row);
     jaxfeed-normalize-batches: the same with normalize moved after the batch
     (uint8 images, one float32 array per batch, normalized on the same
     threads); jaxfeed-uint8: no normalize on the host (uint8 batches, a
@@ -30,8 +31,9 @@ it to float32 and batches 128:
     pipeline's batches.
 
 Prints one JSON line per system and repetition: images/s, and for the
-in-process systems the CPU time per image (all threads), which a machine
-shared with other work disturbs far less than the rate. The jaxfeed lines
+in-process systems the CPU time per image (all threads, over the timed
+epochs), which a machine shared with other work disturbs far less than the
+rate. The jaxfeed lines
 have their ratio to the best peer and to the limits, by rate and by CPU time
 (`cpu_ratio_vs_*`: the limit's CPU per image over the system's). With
 `--repeats N` every system and limit is measured N times in one process,
@@ -78,7 +80,9 @@ def make_records(path: str, count: int) -> str:
   return path
 
 
-def jaxfeed_transform(record: bytes, rng: np.random.Generator) -> dict:
+def jaxfeed_transform(record: bytes, rng: np.random.Generator,
+                      out: dict | None = None) -> dict:
+  """Normalizes into `out["image"]`, the image's batch row, when given."""
   from examples import images_data
   from jaxfeed import image
   import jaxfeed
@@ -86,7 +90,8 @@ def jaxfeed_transform(record: bytes, rng: np.random.Generator) -> dict:
   pixels = image.decode_and_random_resized_crop(
       example["image/encoded"].item(), rng, SIZE, SCALE, RATIO)
   pixels = image.random_flip_left_right(pixels, rng)
-  return {"image": image.normalize(pixels),
+  return {"image": image.normalize(pixels, out=None if out is None
+                                   else out["image"]),
           "label": example["image/class/label"]}
 
 
@@ -116,7 +121,7 @@ def jaxfeed_dataset(path: str, threads: int, mode: str = "per-image"):
   dataset = jaxfeed.Dataset.from_source(source)
   if mode == "per-image":
     return (dataset.random_map(jaxfeed_transform, num_parallel_calls=threads,
-                               seed=0).batch(BATCH))
+                               seed=0, writes_out=True).batch(BATCH))
   dataset = dataset.random_map(jaxfeed_uint8_transform,
                                num_parallel_calls=threads, seed=0).batch(BATCH)
   if mode == "uint8":
@@ -289,12 +294,14 @@ def bare_limit_in_processes(path: str, cores: int, kind: str,
 
 
 def measure_cpu(make_epoch, count, epochs: int) -> dict:
-  """`harness.measure` plus this process's CPU time per item (all epochs)."""
-  start = time.process_time()
-  result = harness.measure(make_epoch, count, epochs)
+  """`harness.measure` plus this process's CPU time per item over the timed
+  epochs (after the warm-up, like the rate and like the limits' loops)."""
+  starts = []
+  result = harness.measure(make_epoch, count, epochs,
+                           before_epoch=lambda: starts.append(
+                               time.process_time()))
   result["cpu_us_per_image"] = round(
-      (time.process_time() - start) / (result["items"] * (epochs + 1)) * 1e6,
-      1)
+      (time.process_time() - starts[1]) / (result["items"] * epochs) * 1e6, 1)
   return result
 
 

@@ -85,14 +85,21 @@ def parse_record(record: bytes) -> dict:
 
 
 class Augment:
-  """Random resized crop to `size`, random flip, normalize (float32)."""
+  """Random resized crop to `size`, random flip, normalize (float32).
+
+  For `random_map(..., writes_out=True)`: the image is normalized straight
+  into `out["image"]`, its batch row, when the pipeline hands one out.
+  """
 
   def __init__(self, size: int):
     self.size = size
 
-  def __call__(self, example: dict, rng: np.random.Generator) -> dict:
+  def __call__(self, example: dict, rng: np.random.Generator,
+               out: dict | None = None) -> dict:
     from jaxfeed import image  # pylint: disable=g-import-not-at-top
     pixels = image.decode_and_random_resized_crop(
         example["jpeg"], rng, self.size, scale=(0.25, 1.0))
     pixels = image.random_flip_left_right(pixels, rng)
-    return {"image": image.normalize(pixels), "label": example["label"]}
+    return {"image": image.normalize(pixels, out=None if out is None
+                                     else out["image"]),
+            "label": example["label"]}

@@ -64,7 +64,8 @@ def make_dataset(path: str, image_size: int, batch_size: int, seed: int,
   return (jaxfeed.Dataset.from_source(source, sampler)
           .map(images_data.parse_record, num_parallel_calls=num_parallel_calls)
           .random_map(images_data.Augment(image_size),
-                      num_parallel_calls=num_parallel_calls, seed=seed)
+                      num_parallel_calls=num_parallel_calls, seed=seed,
+                      writes_out=True)
           .batch(batch_size // num_hosts, drop_remainder=True))
 
 

@@ -9,7 +9,10 @@
 
 `convert` writes OUT (or OUT-SSSSS-of-NNNNN.ext with `--num_shards`), each
 shard under a temporary name renamed into place when complete, so a killed
-conversion starts again where it stopped: complete shards are kept.
+conversion starts again where it stopped: complete shards are kept. A
+temporary is `.NAME.tmp-<random hex>` beside the shard and locked while it is
+written: a later conversion removes only those of its own shards whose writer
+is gone, never another running conversion's files.
 NumPy (.npy/.npz) and Parquet files are tables whose rows are tf.train.Example
 records, a feature per column (see `jaxfeed.tables`).
 """
@@ -18,14 +21,17 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fcntl
 import functools
-import glob
 import importlib
 import multiprocessing
 import os
+import re
 import sys
+import threading
 import time
 from typing import Any, Sequence
+import uuid
 
 import numpy as np
 
@@ -93,11 +99,59 @@ def shard_paths(out: str, num_shards: int) -> list[str]:
   return [f"{stem}-{i:05d}-of-{num_shards:05d}{ext}" for i in range(num_shards)]
 
 
+def _temporary_pattern(path: str) -> re.Pattern:
+  """The names of `path`'s temporaries (see `_locked_temporary`)."""
+  return re.compile(re.escape(f".{os.path.basename(path)}.tmp-") + "[0-9a-f]{32}")
+
+
+def _locked_temporary(path: str) -> tuple[str, int]:
+  """A new empty temporary beside `path` and a descriptor holding its lock.
+
+  The lock (released by the kernel when the process ends, however it ends)
+  tells a conversion starting later that the file is still being written.
+  """
+  folder, name = os.path.split(path)
+  while True:
+    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+      if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+        return tmp, fd
+    except FileNotFoundError:
+      pass  # removed as stale between its creation and the lock: take another
+    os.close(fd)
+
+
+def _remove_stale_temporaries(path: str) -> None:
+  """Removes the temporaries of `path` that no living process writes (what
+  a killed conversion left half written)."""
+  folder = os.path.dirname(path) or "."
+  pattern = _temporary_pattern(path)
+  for name in os.listdir(folder):
+    if not pattern.fullmatch(name):
+      continue
+    stale = os.path.join(folder, name)
+    try:
+      fd = os.open(stale, os.O_RDONLY)
+    except FileNotFoundError:
+      continue
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      os.remove(stale)  # locked by us: its writer is gone
+    except BlockingIOError:
+      pass  # another conversion of the same shard is writing it
+    except FileNotFoundError:
+      pass  # another conversion removed it first
+    finally:
+      os.close(fd)
+
+
 def _convert_shard(job: tuple) -> int:
   """Writes records [start, stop) of the input to `path`; returns the count."""
   inputs, in_fmt, out_fmt, path, start, stop = job
   source = open_source(inputs, in_fmt)
-  tmp = f"{path}.tmp{os.getpid()}"
+  tmp, lock = _locked_temporary(path)
   try:
     _writer(out_fmt, path)(tmp, _read_range(source, start, stop))
     os.replace(tmp, path)
@@ -106,7 +160,21 @@ def _convert_shard(job: tuple) -> int:
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
+    os.close(lock)
   return stop - start
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+  """Pool initializer: the process exits once its parent is gone (killed:
+  it never shuts the pool down), instead of converting on unseen and then
+  waiting for work forever."""
+
+  def watch() -> None:
+    while os.getppid() == parent_pid:
+      time.sleep(0.2)
+    os._exit(1)  # pylint: disable=protected-access
+
+  threading.Thread(target=watch, name="jaxfeed-convert-parent-watch", daemon=True).start()
 
 
 def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
@@ -132,9 +200,8 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
   jobs = [(list(inputs), in_fmt, out_fmt, path, bounds[i], bounds[i + 1])
           for i, path in enumerate(paths) if not os.path.exists(path)]
   skipped = num_shards - len(jobs)
-  for job in jobs:  # what a killed conversion left half written
-    for stale in glob.glob(f"{glob.escape(job[3])}.tmp*"):
-      os.remove(stale)
+  for job in jobs:
+    _remove_stale_temporaries(job[3])
   with progress_lib.Progress(f"convert -> {os.path.basename(out)}", total,
                              enabled=progress) as bar:
     bar.advance(total - sum(j[5] - j[4] for j in jobs))
@@ -145,7 +212,8 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
       # Spawned, not forked: a fork copies the caller's threads' locks
       # (pyarrow's, gRPC's, jax's) mid-use and can crash the child.
       with concurrent.futures.ProcessPoolExecutor(
-          workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+          workers, mp_context=multiprocessing.get_context("spawn"),
+          initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
         for count in pool.map(_convert_shard, jobs):
           bar.advance(count)
   return {"records": total, "shards": paths, "skipped": skipped}

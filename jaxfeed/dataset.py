@@ -167,7 +167,7 @@ class Dataset:
   # ---- element-wise --------------------------------------------------------
   def map(self, fn: Callable, num_parallel_calls: int | None = None,
           deterministic: bool = True, batched: bool = False,
-          backend: str = "auto") -> "Dataset":
+          backend: str = "auto", writes_out: bool = False) -> "Dataset":
     """Applies `fn` to each element.
 
     tf.data's `map`: a tuple element is unpacked into arguments
@@ -188,16 +188,30 @@ class Dataset:
         decoders release the GIL); "process" runs it in worker processes,
         for GIL-bound Python code (`fn` must then be picklable: defined at
         module level); results come back through shared memory.
+      writes_out: `fn` takes a keyword argument `out` and may write its
+        output there. When a `batch` follows a parallel map on threads,
+        `out` is the element's row of the batch: the structure of `fn`'s
+        outputs, with writable numpy arrays of their shapes and dtypes (from
+        the first output on; None before, when `fn` returns another
+        structure or shapes, or there is no batch). A returned leaf that is
+        `out`'s own array is not copied again: for large outputs (an image
+        normalized to float32) this saves a copy and fresh memory per
+        element. A leaf `fn` returns from `out` must be written in full.
+        Not with backend="process".
 
     Example: `ds.map(decode, num_parallel_calls=jaxfeed.AUTOTUNE)`.
+    Writing into the batch: `def fn(x, out=None): return {"y": np.multiply(
+    x, 2, out=None if out is None else out["y"])}` then
+    `ds.map(fn, num_parallel_calls=4, writes_out=True).batch(64)`.
     """
     return self._wrap(_op("map").MapNode(
         self.node, fn, num_parallel_calls=num_parallel_calls,
-        deterministic=deterministic, batched=batched, backend=backend))
+        deterministic=deterministic, batched=batched, backend=backend,
+        writes_out=writes_out))
 
   def random_map(self, fn: Callable, num_parallel_calls: int | None = None,
                  deterministic: bool = True, seed: int | None = None,
-                 backend: str = "auto") -> "Dataset":
+                 backend: str = "auto", writes_out: bool = False) -> "Dataset":
     """Applies `fn(element, rng)` with a `np.random.Generator` per element.
 
     The generator is seeded from the element's own seed (for sampler
@@ -207,10 +221,12 @@ class Dataset:
     equivalent (its random ops use stateful or op-level seeds).
 
     Example: `ds.random_map(lambda x, rng: x + rng.normal(size=x.shape))`.
+    With `writes_out=True`, `fn(element, rng, out=...)` (see `map`).
     """
     return self._wrap(_op("random_map").RandomMapNode(
         self.node, fn, num_parallel_calls=num_parallel_calls,
-        deterministic=deterministic, seed=seed, backend=backend))
+        deterministic=deterministic, seed=seed, backend=backend,
+        writes_out=writes_out))
 
   def filter(self, predicate: Callable) -> "Dataset":
     """Keeps the elements for which `predicate(element)` is true.

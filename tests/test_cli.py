@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 
 import jaxfeed
@@ -28,14 +29,18 @@ def run_cli(*args, timeout=120, cwd=REPO):
                         capture_output=True, text=True, timeout=timeout)
 
 
+def start_conversion(*args, stderr=subprocess.DEVNULL):
+  """`jaxfeed convert ARGS...` as a process of its own."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.Popen([sys.executable, "-m", "jaxfeed.cli", "convert", *map(str, args)],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr,
+                          text=True)
+
+
 def kill_mid_conversion(src, out, num_shards=40):
   """SIGKILLs `jaxfeed convert SRC OUT` once its third shard is complete;
   returns (the shard paths, those complete then)."""
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen([sys.executable, "-m", "jaxfeed.cli", "convert", str(src),
-                           str(out), f"--num_shards={num_shards}", "--workers=1"],
-                          cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = start_conversion(src, out, f"--num_shards={num_shards}", "--workers=1")
   paths = cli.shard_paths(str(out), num_shards)
   deadline = time.monotonic() + 60
   while not os.path.exists(paths[2]) and time.monotonic() < deadline:
@@ -70,6 +75,109 @@ def test_a_killed_conversion_keeps_its_finished_shards_and_completes(tmp_path):
   assert result["skipped"] == len(done_before)
   back = jaxfeed.ArrayRecordSource(paths)
   assert [back[i] for i in range(len(back))] == original
+
+
+def wait_for(condition, what, timeout_s=60):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    time.sleep(0.005)
+
+
+def tfrecords_of(path):
+  source = jaxfeed.TFRecordSource([str(path)])
+  return list(source.get_many(range(len(source))))
+
+
+@pytest.mark.parametrize("first, second", [
+    # A staging name (a script renames it when done), and the final name.
+    ("data.tfrecord.tmp", "data.tfrecord"),
+    ("same.tfrecord", "same.tfrecord"),
+])
+def test_concurrent_conversions_in_one_folder_keep_each_others_files(tmp_path, first, second):
+  original = records(100000, seed=3)
+  src = tmp_path / "in.tfrecord"
+  jaxfeed.write_tfrecord(str(src), original)
+  jaxfeed.TFRecordSource([str(src)])  # its offset index, before the folder is watched
+  before = set(os.listdir(tmp_path))
+  paused = start_conversion(src, tmp_path / first, "--to=tfrecord", "--workers=1",
+                            stderr=subprocess.PIPE)
+  try:
+    # Stopped from outside while it writes its temporary...
+    wait_for(lambda: set(os.listdir(tmp_path)) - before, "the first one's temporary")
+    os.kill(paused.pid, signal.SIGSTOP)
+    assert not (tmp_path / first).exists(), "the first conversion was not caught mid-write"
+    # ... while the second one runs from start to end in the same folder.
+    done = run_cli("convert", str(src), str(tmp_path / second), "--to=tfrecord", "--workers=1")
+    assert done.returncode == 0, done.stderr
+    os.kill(paused.pid, signal.SIGCONT)
+    _, stderr = paused.communicate(timeout=120)
+    assert paused.returncode == 0, stderr
+  finally:
+    if paused.poll() is None:
+      paused.kill()
+      paused.communicate()
+  # Once more with the first one complete: its output stays.
+  os.remove(tmp_path / second)
+  done = run_cli("convert", str(src), str(tmp_path / second), "--to=tfrecord", "--workers=1")
+  assert done.returncode == 0, done.stderr
+  for name in {first, second}:
+    assert tfrecords_of(tmp_path / name) == original
+  left = [name for name in os.listdir(tmp_path) if not name.endswith(".idx")]
+  assert sorted(left) == sorted({"in.tfrecord", first, second})
+
+
+def test_a_conversion_killed_mid_write_leaves_no_partial_shard_and_its_pool_exits(tmp_path):
+  original = records(200000, seed=4)
+  src = tmp_path / "in.tfrecord"
+  jaxfeed.write_tfrecord(str(src), original)
+  jaxfeed.TFRecordSource([str(src)])
+  out = tmp_path / "out.array_record"
+  paths = cli.shard_paths(str(out), 4)
+  known = set(os.listdir(tmp_path)) | set(map(os.path.basename, paths))
+  proc = start_conversion(src, out, "--num_shards=4", "--workers=2")
+  pool = []
+
+  def writing():
+    for name in set(os.listdir(tmp_path)) - known:
+      try:
+        if os.stat(tmp_path / name).st_size > 0:
+          return True
+      except FileNotFoundError:
+        pass  # renamed into place meanwhile
+    return False
+
+  try:
+    wait_for(writing, "a temporary with records in it")
+    pool = psutil.Process(proc.pid).children(recursive=True)
+    assert pool
+    proc.kill()
+    proc.wait(timeout=30)
+    _, alive = psutil.wait_procs(pool, timeout=15)
+    assert not alive, "the pool's processes outlived the killed conversion"
+  finally:
+    proc.kill()
+    proc.wait(timeout=30)
+    for process in pool:
+      try:
+        process.kill()
+      except psutil.NoSuchProcess:
+        pass
+  # Under the final names only complete shards.
+  bounds = [len(original) * i // 4 for i in range(5)]
+  complete = [p for p in paths if os.path.exists(p)]
+  assert len(complete) < 4
+  for i, path in enumerate(paths):
+    if os.path.exists(path):
+      shard = jaxfeed.ArrayRecordSource([path])
+      assert list(shard.get_many(range(len(shard)))) == original[bounds[i]:bounds[i + 1]]
+  done = run_cli("convert", str(src), str(out), "--num_shards=4", "--workers=2")
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout)["skipped"] == len(complete)
+  back = jaxfeed.ArrayRecordSource(paths)
+  assert list(back.get_many(range(len(back)))) == original
+  left = [name for name in os.listdir(tmp_path) if not name.endswith(".idx")]
+  assert sorted(left) == sorted(["in.tfrecord", *map(os.path.basename, paths)])
 
 
 def table_columns(rows=600, seed=2):

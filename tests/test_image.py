@@ -228,3 +228,25 @@ def test_out_arrays_that_do_not_fit_are_refused():
   with pytest.raises(ValueError, match=r"float32 array of shape \(4, 5, 3\), "
                      r"got list"):
     jim.normalize(image, out=[])
+
+
+@pytest.mark.parametrize("shape", [(48, 56, 3), (2, 48, 56, 3), (48, 56, 1),
+                                   (48, 56, 4), (48, 56, 5)])
+def test_normalize_of_uint8_gives_the_bits_of_float32_arithmetic(shape):
+  # uint8 images are normalized through a table of the 256 results; they
+  # must equal the float32 scale-and-shift bit for bit, in a new array and
+  # in `out`, for every channel count (5 channels take the arithmetic).
+  image = (np.arange(np.prod(shape)) % 256).astype(np.uint8).reshape(shape)
+  np.random.default_rng(0).shuffle(image.reshape(-1))  # every value occurs
+  channels = shape[-1]
+  mean = np.linspace(0, 200, channels).astype(np.float32)
+  std = np.linspace(3, 70, channels).astype(np.float32)
+  inverse = np.float32(1) / std
+  want = image.astype(np.float32) * inverse + (-mean * inverse)
+  np.testing.assert_array_equal(jim.normalize(image, mean, std), want)
+  out = np.full(shape, np.nan, np.float32)
+  assert jim.normalize(image, mean, std, out=out) is out
+  np.testing.assert_array_equal(out, want)
+  # Not contiguous: normalized all the same.
+  np.testing.assert_array_equal(jim.normalize(image[..., ::-1, :], mean, std),
+                                want[..., ::-1, :])

@@ -10,6 +10,10 @@ array, and the worker thread that computed the output copies it there. The
 batch is then complete when its last row is written, and the consumer hands
 the arrays out as they are.
 
+A function that can write its output itself (`map` / `random_map` with
+`writes_out=True`) is handed the row as `out`: the leaves it returns that
+are the row's own arrays are then not copied again (`Placement.slot`).
+
 Outputs are identical to stacking's: rows are only placed when an output has
 the structure, shapes and dtypes of the `Template` (numeric numpy leaves
 only), and a batch is handed out as placed only when each of its rows holds
@@ -136,13 +140,22 @@ class Placed:
 
 
 def place(value: Any, slot: tuple) -> Any:
-  """Writes `value` into its slot; returns a `Placed`, or `value` if unfit."""
-  index, arrays, row, template = slot
+  """Writes `value` into its slot; returns a `Placed`, or `value` if unfit.
+
+  A leaf that is the slot's own row array (written there by the function
+  handed the row as `out`) is already in place.
+  """
+  index, arrays, row, template, _, rows = slot
   leaves = template.leaves_of(value)
   if leaves is None:
     return value
-  for array, leaf in zip(arrays, leaves):
-    array[row] = leaf
+  if rows is None:
+    for array, leaf in zip(arrays, leaves):
+      array[row] = leaf
+  else:
+    for array, leaf, own in zip(arrays, leaves, rows):
+      if leaf is not own:
+        array[row] = leaf
   return Placed(index, arrays, row, template)
 
 
@@ -166,8 +179,10 @@ class Placement:
 
   _UNREFERENCED = _unreferenced_count()
 
-  def __init__(self, batch_size: int, template: Template, origin: int):
+  def __init__(self, batch_size: int, template: Template, origin: int,
+               hands_out_rows: bool = False):
     self.batch_size = batch_size
+    self.hands_out_rows = hands_out_rows
     self.template = template
     self.origin = origin
     self._open: dict[int, list] = {}  # batch index -> its arrays
@@ -182,7 +197,11 @@ class Placement:
     weakref.finalize(self, _keep_spares, self._blocks)
 
   def slot(self, seq: int) -> tuple | None:
-    """The task's slot for element `seq` (None before the origin)."""
+    """The task's slot for element `seq` (None before the origin):
+    (batch index, arrays, row, template, out, rows). With `hands_out_rows`,
+    `rows` are views of the element's row of each array and `out` is them
+    in the element's structure, for the function to write into; else both
+    are None."""
     p = seq - self.origin
     if p < 0:
       return None
@@ -190,7 +209,11 @@ class Placement:
     arrays = self._open.get(index)
     if arrays is None:
       arrays = self._open[index] = self._arrays()
-    return index, arrays, row, self.template
+    if not self.hands_out_rows:
+      return index, arrays, row, self.template, None, None
+    rows = [array[row, ...] for array in arrays]  # 0-d rows stay arrays
+    return (index, arrays, row, self.template,
+            tree.unflatten(self.template.structure, rows), rows)
 
   def index_of(self, seq: int) -> int:
     return (seq - self.origin) // self.batch_size

@@ -33,6 +33,7 @@ class MapNode(Node):
       parallel call drives one process. "auto" is "thread", except that in
       such a chain with AUTOTUNE and picklable functions the backend is
       chosen by measurement.
+    writes_out: fn takes a keyword argument `out` (see `Dataset.map`).
   """
 
   op_name = "map"
@@ -40,7 +41,7 @@ class MapNode(Node):
   def __init__(self, parent: Node, fn: Callable,
                num_parallel_calls: int | None = None,
                deterministic: bool = True, batched: bool = False,
-               backend: str = "auto"):
+               backend: str = "auto", writes_out: bool = False):
     super().__init__([parent])
     self.fn = parallel.check_callable(fn, self.op_name)
     self.num_parallel_calls = parallel.check_num_parallel_calls(
@@ -51,22 +52,33 @@ class MapNode(Node):
       raise TypeError(f"map: batched must be a bool, got {batched!r}.")
     self.batched = batched
     self.backend = parallel.check_backend(backend, self.op_name)
+    self.writes_out = parallel.check_writes_out(writes_out, self.backend,
+                                                self.op_name)
 
   def make_iterator(self) -> "MapIterator":
     return MapIterator(self.parents[0].make_iterator(), self.fn,
                        self.num_parallel_calls, self.deterministic,
-                       self.backend)
+                       self.backend, self.writes_out)
 
   def spec_params(self) -> dict:
-    return {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
-            "deterministic": self.deterministic, "batched": self.batched,
-            "backend": self.backend}
+    params = {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
+              "deterministic": self.deterministic, "batched": self.batched,
+              "backend": self.backend}
+    return parallel.with_writes_out(params, self.writes_out)
 
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
 
 
-def _map_work(fn: Callable) -> Callable[[Any, int], Any]:
+def _map_work(fn: Callable, writes_out: bool) -> Callable[..., Any]:
+  if writes_out:
+    def work_into(element: Any, seed: int, out: Any = None) -> Any:
+      del seed
+      if type(element) is tuple:
+        return fn(*element, out=out)
+      return fn(element, out=out)
+    return work_into
+
   def work(element: Any, seed: int) -> Any:
     del seed
     return parallel.call_unpacked(fn, element)
@@ -82,7 +94,7 @@ class MapIterator(parallel.ParallelMapIterator):
 
   def __init__(self, parent: OpIterator, fn: Callable,
                num_parallel_calls: int | None, deterministic: bool,
-               backend: str = "auto"):
+               backend: str = "auto", writes_out: bool = False):
     self._fn = fn
     self._pool = None
     if backend == "process":
@@ -90,15 +102,15 @@ class MapIterator(parallel.ParallelMapIterator):
       self._pool = process_pool.ProcessPool(fn, self.op_name)
       work = self._pool
     else:
-      work = _map_work(fn)
-    super().__init__(parent, work, num_parallel_calls, deterministic)
+      work = _map_work(fn, writes_out)
+    self._work = work
+    super().__init__(parent, work, num_parallel_calls, deterministic,
+                     writes_out)
 
   def _apply(self, element: Any) -> Any:
     if self._pool is not None:
       return self._pool(element, 0)
-    if type(element) is tuple:
-      return self._fn(*element)
-    return self._fn(element)
+    return self._work(element, 0)
 
   def skip_elements(self, count: int) -> int:
     """Skips up to `count` elements, without calling fn where possible."""

@@ -83,7 +83,10 @@ def _rebuild(node: base.Node, parents: tuple, **changes: Any) -> base.Node:
 
 def _same_execution(a: dict, b: dict) -> bool:
   keys = ("num_parallel_calls", "deterministic", "batched", "backend")
-  return all(a.get(k) == b.get(k) for k in keys)
+  # A function writing into its batch row is called with the row as `out`,
+  # which a composition or fusion would not pass on.
+  return (all(a.get(k) == b.get(k) for k in keys)
+          and not a.get("writes_out") and not b.get("writes_out"))
 
 
 def _rewrite(node: base.Node, options: Options, memo: dict) -> base.Node:
@@ -134,7 +137,8 @@ def _rewrite_one(node: base.Node, options: Options) -> base.Node:
   if op == "filter" and parent_op == "map" and options.map_and_filter_fusion:
     inner = parent.spec_params()
     # map_and_filter runs on threads: a map asking for processes stays.
-    if not inner.get("batched") and inner.get("backend") != "process":
+    if (not inner.get("batched") and inner.get("backend") != "process"
+        and not inner.get("writes_out")):
       fused = importlib.import_module("jaxfeed.ops.map_and_filter")
       return _fused(fused.MapAndFilterNode(
           parent.parents[0], inner["fn"], params["predicate"],

@@ -10,6 +10,12 @@ import os
 class Options:
   """How a pipeline is rewritten and tuned before it runs.
 
+  None of them changes the pipeline's elements (the rewrites compute the same
+  output, the autotuner and `stats` only change how it runs), so they are no
+  part of its fingerprint: service reads of pipelines that differ only in
+  their Options are reads of one dataset (they may share a job), run with the
+  Options it was first registered with.
+
   Attributes:
     optimize: master switch for every static rewrite below.
     map_fusion: map(f).map(g) -> map(g . f).

@@ -97,7 +97,7 @@ def _worker_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
       continue  # Discarded by restore() or close(): skip the work.
     start = clock()
     try:
-      value = work_fn(element, seed)
+      value = _call_work(work_fn, element, seed, slot)
       if slot is not None:
         value = batch_placement.place(value, slot)
       result = (task_generation, seq, True, value)
@@ -107,6 +107,16 @@ def _worker_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
     busy[0] += clock() - start
     results.put(result)
     result = None
+
+
+def _call_work(work_fn: Callable, element: Any, seed: int,
+               slot: tuple | None) -> Any:
+  """work_fn(element, seed), and the row to write into as a third argument
+  when the slot hands one out (see `batch_placement.Placement.slot`)."""
+  out = None if slot is None else slot[4]
+  if out is None:
+    return work_fn(element, seed)
+  return work_fn(element, seed, out)
 
 
 def _shutdown(tasks: queue.SimpleQueue, threads: list, generation: list) -> None:
@@ -251,7 +261,8 @@ class ParallelExecutor:
   Batches. `next_batch` (what a following `batch` reads) tells each task the
   batch row its output goes to, and the worker writes it there (see
   `jaxfeed.ops.batch_placement`); up to `BATCH_DEPTH` elements per thread are
-  then in flight.
+  then in flight. With `writes_out` the work function is also handed the
+  row itself, to write the output there without a copy.
 
   Attributes:
     parallelism: the maximum number of elements in flight (pulled from the
@@ -266,7 +277,8 @@ class ParallelExecutor:
   """
 
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
-               parallelism: int, deterministic: bool, op_name: str):
+               parallelism: int, deterministic: bool, op_name: str,
+               writes_out: bool = False):
     """Args:
       parent: the input iterator.
       work_fn: work_fn(element, seed) -> output; must not reference the
@@ -274,6 +286,8 @@ class ParallelExecutor:
       parallelism: initial `parallelism`.
       deterministic: whether outputs keep the input order.
       op_name: for thread names and errors.
+      writes_out: work_fn(element, seed, out) also takes the batch row its
+        output goes to, and may write the output there itself.
     """
     if parallelism < 1:
       raise ValueError(f"{op_name}: parallelism must be >= 1, got {parallelism}.")
@@ -282,6 +296,7 @@ class ParallelExecutor:
     self._parallelism = int(parallelism)
     self.deterministic = bool(deterministic)
     self._op_name = op_name
+    self.writes_out = writes_out
     self._interval = anchor_interval(parent)
     self._tasks: queue.SimpleQueue = queue.SimpleQueue()
     self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -452,13 +467,14 @@ class ParallelExecutor:
     # A probe between parallel stretches writes into the batch like the
     # workers do; work cheap enough to stay here is stacked as it was.
     placement = None if self._inline else self.placement
+    slot = None if placement is None else placement.slot(seq)
     start = time.perf_counter()
     try:
-      value = self._work_fn(value, seed)
+      value = _call_work(self._work_fn, value, seed, slot)
     finally:
       self._judge_work_time(time.perf_counter() - start)
-    if placement is not None and seq >= placement.origin:
-      value = batch_placement.place(value, placement.slot(seq))
+    if slot is not None:
+      value = batch_placement.place(value, slot)
     return value
 
   def _judge_work_time(self, elapsed: float) -> None:
@@ -605,7 +621,8 @@ class ParallelExecutor:
       self.placement = None
       self.placement_declined = placement is None  # the first batch decides
       return
-    self.placement = batch_placement.Placement(batch_size, template, origin)
+    self.placement = batch_placement.Placement(
+        batch_size, template, origin, hands_out_rows=self.writes_out)
 
   def skip(self, count: int) -> int:
     """Skips up to `count` outputs, without work when the parent can skip."""
@@ -699,7 +716,8 @@ class ParallelMapIterator(OpIterator):
   per input, so the workers can write each into its row of the batch."""
 
   def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
-               num_parallel_calls: int | None, deterministic: bool):
+               num_parallel_calls: int | None, deterministic: bool,
+               writes_out: bool = False):
     super().__init__([parent])
     self._parent = parent
     self._autotuned = num_parallel_calls == AUTOTUNE
@@ -708,7 +726,7 @@ class ParallelMapIterator(OpIterator):
     else:
       self.executor = ParallelExecutor(
           parent, work_fn, resolve_parallelism(num_parallel_calls),
-          deterministic, self.op_name)
+          deterministic, self.op_name, writes_out)
     # Read by `replays_identically`: unordered outputs do not replay.
     self.deterministic = self.executor is None or self.executor.deterministic
 
@@ -853,6 +871,26 @@ def check_deterministic(value: Any, op_name: str) -> bool:
     raise TypeError(
         f"{op_name}: deterministic must be a bool or None, got {value!r}.")
   return bool(value)
+
+
+def check_writes_out(value: Any, backend: str, op_name: str) -> bool:
+  """Validates `writes_out`: a bool, and only for work on threads (a worker
+  process cannot write into the consumer's batch)."""
+  if not isinstance(value, bool):
+    raise TypeError(f"{op_name}: writes_out must be a bool, got {value!r}.")
+  if value and backend == "process":
+    raise ValueError(
+        f"{op_name}: writes_out=True needs backend 'auto' or 'thread' (fn "
+        f"writes into batch rows of this process), got backend={backend!r}.")
+  return value
+
+
+def with_writes_out(params: dict, writes_out: bool) -> dict:
+  """`spec_params` with `writes_out` when it is set: left out when False, so
+  that the fingerprints of the maps that existed before it stay the same."""
+  if writes_out:
+    params["writes_out"] = True
+  return params
 
 
 def check_callable(fn: Any, op_name: str, name: str = "fn") -> Callable:

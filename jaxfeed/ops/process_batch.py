@@ -163,7 +163,8 @@ def fuse(batch_node: base.Node) -> "ProcessBatchNode | None":
   except ValueError:
     return None
   params = [n.spec_params() for n in chain.stage_nodes]
-  if any(p.get("batched") for p in params):
+  # Functions writing into batch rows (writes_out) stay on threads.
+  if any(p.get("batched") or p.get("writes_out") for p in params):
     return None
   backends = {p.get("backend", "auto") for p in params}
   if "process" in backends:

@@ -77,6 +77,7 @@ class RandomMapNode(Node):
     deterministic: as for `map` (only the order of outputs can change).
     seed: the op seed mixed into every element's generator (None: 0).
     backend: as for `map`; worker processes build the same generators.
+    writes_out: fn takes a keyword argument `out` (see `Dataset.map`).
   """
 
   op_name = "random_map"
@@ -84,7 +85,7 @@ class RandomMapNode(Node):
   def __init__(self, parent: Node, fn: Callable,
                num_parallel_calls: int | None = None,
                deterministic: bool = True, seed: int | None = None,
-               backend: str = "auto"):
+               backend: str = "auto", writes_out: bool = False):
     super().__init__([parent])
     self.fn = parallel.check_callable(fn, self.op_name)
     self.num_parallel_calls = parallel.check_num_parallel_calls(
@@ -97,23 +98,31 @@ class RandomMapNode(Node):
           f"random_map: seed must be an int or None, got {seed!r}.")
     self.seed = None if seed is None else int(seed)
     self.backend = parallel.check_backend(backend, self.op_name)
+    self.writes_out = parallel.check_writes_out(writes_out, self.backend,
+                                                self.op_name)
 
   def make_iterator(self) -> "RandomMapIterator":
     return RandomMapIterator(self.parents[0].make_iterator(), self.fn,
                              self.num_parallel_calls, self.deterministic,
-                             self.seed or 0, self.backend)
+                             self.seed or 0, self.backend, self.writes_out)
 
   def spec_params(self) -> dict:
-    return {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
-            "deterministic": self.deterministic, "seed": self.seed,
-            "backend": self.backend}
+    params = {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
+              "deterministic": self.deterministic, "seed": self.seed,
+              "backend": self.backend}
+    return parallel.with_writes_out(params, self.writes_out)
 
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
 
 
-def _random_map_work(fn: Callable,
-                     generators: ElementGenerators) -> Callable[[Any, int], Any]:
+def _random_map_work(fn: Callable, generators: ElementGenerators,
+                     writes_out: bool) -> Callable[..., Any]:
+  if writes_out:
+    def work_into(element: Any, seed: int, out: Any = None) -> Any:
+      return fn(element, generators(seed), out=out)
+    return work_into
+
   def work(element: Any, seed: int) -> Any:
     return fn(element, generators(seed))
   return work
@@ -150,7 +159,7 @@ class RandomMapIterator(parallel.ParallelMapIterator):
 
   def __init__(self, parent: OpIterator, fn: Callable,
                num_parallel_calls: int | None, deterministic: bool,
-               op_seed: int, backend: str = "auto"):
+               op_seed: int, backend: str = "auto", writes_out: bool = False):
     self._fn = fn
     self._generators = ElementGenerators(op_seed)
     self._pool = None
@@ -159,14 +168,13 @@ class RandomMapIterator(parallel.ParallelMapIterator):
                                             self.op_name)
       work = _process_work(self._pool)
     else:
-      work = _random_map_work(fn, self._generators)
+      work = _random_map_work(fn, self._generators, writes_out)
     self._work = work
-    super().__init__(parent, work, num_parallel_calls, deterministic)
+    super().__init__(parent, work, num_parallel_calls, deterministic,
+                     writes_out)
 
   def _apply(self, element: Any) -> Any:
-    if self._pool is not None:
-      return self._work(element, self._parent.last_seed)
-    return self._fn(element, self._generators(self._parent.last_seed))
+    return self._work(element, self._parent.last_seed)
 
   def skip_elements(self, count: int) -> int:
     """Skips up to `count` elements, without calling fn where possible."""

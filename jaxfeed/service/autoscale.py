@@ -12,8 +12,11 @@ the dispatcher's `Autoscaler` turns the reports of the last interval into one
   for being well fed.
 - Consumers well fed (waiting almost never, buffers `scale_down_fill` full)
   for `scale_down_intervals` intervals in a row: remove a worker.
-- The interval after a change is skipped: a new worker needs time to start
-  and fill its buffers.
+- After adding a worker, the policy waits until it registered with the
+  dispatcher (at most `START_TIMEOUT_S`) and then skips one more interval
+  for it to fill its buffers: its gain is measured once it serves, however
+  long its process or pod takes to start. After removing one, it skips one
+  interval.
 
 The pool is the workers its backend started: it never leaves [min_workers,
 max_workers], and workers started by hand beside it are extra capacity the
@@ -44,12 +47,16 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 _LOG = logging.getLogger(__name__)
 
 # How many of its latest decisions an Autoscaler keeps.
 _DECISIONS_KEPT = 1000
+# The longest an Autoscaler waits for a worker it added to register before it
+# decides again (one that never comes is then judged as not helping).
+START_TIMEOUT_S = 60.0
 
 # The places a pool's workers can run (AutoscaleConfig.backend).
 BACKENDS = ("local", "ray", "kubernetes")
@@ -290,14 +297,21 @@ class Autoscaler:
     config: The policy's settings.
     backend: Starts and stops the pool's workers.
     sample: Returns the clients' reports since the last call (or None).
+    registered: Returns how many workers the dispatcher has registered; None:
+      a worker added is measured after one interval, started or not.
   """
 
   def __init__(self, config: AutoscaleConfig, backend: Any,
-               sample: Callable[[], Sample | None]):
+               sample: Callable[[], Sample | None],
+               registered: Callable[[], int] | None = None):
     self.config = config
     self.backend = backend
     self.policy = ScalingPolicy(config)
     self._sample = sample
+    self._registered = registered
+    # (workers registered before the last add, when it was made) until the
+    # added worker registered.
+    self._starting: tuple[int, float] | None = None
     self._stop = threading.Event()
     # The latest decisions, (workers, change), newest last; one is made every
     # interval for as long as the dispatcher runs, so only the last are kept
@@ -318,8 +332,11 @@ class Autoscaler:
     while not self._stop.wait(self.config.interval_s):
       try:
         workers = self.backend.num_workers
-        change = self.policy.decide(workers, self._sample())
+        sample = self._sample()  # reports from before the new worker serves count for nothing
+        change = 0 if self._still_starting() else self.policy.decide(workers, sample)
         if change > 0:
+          if self._registered is not None:
+            self._starting = (self._registered(), time.monotonic())
           self.backend.start_worker()
         elif change < 0:
           self.backend.stop_worker()
@@ -329,6 +346,16 @@ class Autoscaler:
         self.decision_counts["up" if change > 0 else "down" if change < 0 else "hold"] += 1
       except Exception:  # pylint: disable=broad-except
         _LOG.exception("Autoscaler step failed")
+
+  def _still_starting(self) -> bool:
+    """Whether the worker added last has yet to register (for a while)."""
+    if self._starting is None:
+      return False
+    before, added_at = self._starting
+    if self._registered() <= before and time.monotonic() - added_at < START_TIMEOUT_S:
+      return True
+    self._starting = None
+    return False
 
   def close(self) -> None:
     self._stop.set()

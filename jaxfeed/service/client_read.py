@@ -129,7 +129,7 @@ class ReadState:
             consumer_index=node.consumer_index or 0,
             round_timeout_s=node.round_timeout_s or 0.0,
             exactly_once=node.visitation == "exactly_once",
-            ephemeral_sharing=node.ephemeral_sharing),
+            ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True),
             node.timeout_s, f"Creating a job for dataset {dataset_id}")
       except rpc.ServiceError as e:
         cause = e.__cause__
@@ -148,30 +148,37 @@ class ReadState:
       # The last task list and its version: the dispatcher leaves the tasks
       # out of its answer while they stay the same.
       tasks, tasks_version = [], 0
+      # The join answered the first heartbeat (a dispatcher that predates
+      # first_heartbeat leaves it out: then the first heartbeat goes at once).
+      answered = job.heartbeat if job.HasField("heartbeat") else None
       while not self.stop.is_set():
         self.wake.clear()
-        with self.lock:
-          acks = list(self.acks)
-        try:
-          response = heartbeat(pb.ClientHeartbeatRequest(
-              job_id=self.job_id, client_id=self.client_id, acked_splits=acks,
-              elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
-              read_elapsed_s=time.monotonic() - self.started,
-              buffer_fill=self.buffer.qsize() / self.capacity,
-              known_tasks_version=tasks_version), timeout=10)
-          last_ok = time.monotonic()
+        if answered is not None:
+          response, answered = answered, None
+        else:
           with self.lock:
-            del self.acks[:len(acks)]
-        except grpc.RpcError as e:
-          # A heartbeat sent while the dispatcher restarts or its connection
-          # was just cut may time out rather than fail fast: both are an
-          # outage, retried until the read's timeout.
-          if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
-              time.monotonic() - last_ok < node.timeout_s):
-            self.stop.wait(0.2)
-            continue
-          raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
-                                 f"{e.code().name}: {e.details()}") from e
+            acks = list(self.acks)
+          try:
+            response = heartbeat(pb.ClientHeartbeatRequest(
+                job_id=self.job_id, client_id=self.client_id, acked_splits=acks,
+                elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
+                read_elapsed_s=time.monotonic() - self.started,
+                buffer_fill=self.buffer.qsize() / self.capacity,
+                known_tasks_version=tasks_version), timeout=10)
+            last_ok = time.monotonic()
+            with self.lock:
+              del self.acks[:len(acks)]
+          except grpc.RpcError as e:
+            # A heartbeat sent while the dispatcher restarts or its connection
+            # was just cut may time out rather than fail fast: both are an
+            # outage, retried until the read's timeout.
+            if e.code() in (grpc.StatusCode.UNAVAILABLE,
+                            grpc.StatusCode.DEADLINE_EXCEEDED) and (
+                                time.monotonic() - last_ok < node.timeout_s):
+              self.stop.wait(0.2)
+              continue
+            raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
+                                   f"{e.code().name}: {e.details()}") from e
         if response.tasks_unchanged:
           response.tasks.extend(tasks)
         else:

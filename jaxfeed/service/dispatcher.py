@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from jaxfeed.service import autoscale as autoscale_lib
+from jaxfeed.service import element_chunks
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
@@ -48,7 +49,15 @@ class _DispatcherServicer:
 
   def GetOrCreateJob(self, request, context):
     job_id, client_id = self.state.get_or_create_job(request, _peer_host(context.peer()))
-    return pb.GetOrCreateJobResponse(job_id=job_id, client_id=client_id)
+    joined = pb.GetOrCreateJobResponse(job_id=job_id, client_id=client_id).SerializeToString()
+    if not request.first_heartbeat:
+      return joined
+    # The client's first heartbeat, answered with the join: a pod's hosts
+    # join at once, and each would heartbeat right after. Serialized messages
+    # concatenate into their merge: the task list, serialized once per change,
+    # goes in as it is.
+    heartbeat = self.state.client_heartbeat_wire(job_id, client_id)
+    return joined + _HEARTBEAT_TAG + element_chunks.varint(len(heartbeat)) + heartbeat
 
   def ClientHeartbeat(self, request, context):
     del context
@@ -83,6 +92,10 @@ class _DispatcherServicer:
         SERVICE_NAME, {rpc.CLIENT: config.auth_token, rpc.WORKER: config.worker_token},
         {name: (getattr(self, name), cls, False, roles)
          for name, (cls, roles) in methods.items()})
+
+
+# GetOrCreateJobResponse.heartbeat: field 3, length-delimited.
+_HEARTBEAT_TAG = bytes([3 << 3 | 2])
 
 
 def _peer_host(peer: str) -> str:
@@ -137,7 +150,8 @@ class DispatchServer:
       backend = autoscale_lib.make_backend(self.config.autoscale, f"{local}:{self.port}",
                                            flags, secrets)
       self.autoscaler = autoscale_lib.Autoscaler(
-          self.config.autoscale, backend, self.state.sample_clients)
+          self.config.autoscale, backend, self.state.sample_clients,
+          self.state.num_workers)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
                                        self.autoscaler)
     if start:

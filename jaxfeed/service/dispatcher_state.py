@@ -5,6 +5,7 @@ are `jaxfeed.service.dispatcher_workers`'s."""
 from __future__ import annotations
 
 import base64
+import collections
 import logging
 import os
 import time
@@ -40,6 +41,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     # The live clients' hosts, for max_jobs_per_host (clients replayed from
     # the journal count for no host).
     self._client_hosts: dict[int, str] = {}
+    # Host -> its live clients (a count per join, not a scan of every client).
+    self._host_clients: collections.Counter[str] = collections.Counter()
     self.replay_stats = journal_lib.ReplayStats()
     if config.work_dir:
       self._journal = journal_lib.Journal(
@@ -95,7 +98,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     policy = to_sharding_policy(request.sharding_policy)
     _check_job_request(request, policy)
     with self.lock:
-      open_jobs = sum(1 for h in self._client_hosts.values() if h == host)
+      open_jobs = self._host_clients[host]
       if host and open_jobs >= self.config.max_jobs_per_host:
         raise rpc.StatusError(
             "RESOURCE_EXHAUSTED",
@@ -165,6 +168,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
                     "consumer_index": request.consumer_index})
       if host:
         self._client_hosts[client_id] = host
+        self._host_clients[host] += 1
       job.idle_since = None
       return job.job_id, client_id
 
@@ -279,6 +283,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
           self.config.dataset_gc_timeout_s):
         self._record({"kind": "dataset_deleted", "dataset_id": dataset_id})
 
+  def num_workers(self) -> int:
+    """The workers registered and alive."""
+    with self.lock:
+      return len(self.workers)
+
   def sample_clients(self) -> autoscale_lib.Sample | None:
     """The live clients' reports since the last call, as one sample."""
     with self.lock:
@@ -305,7 +314,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
 
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
-    self._client_hosts.pop(client_id, None)
+    self._forget_host(client_id)
     job = self.jobs[job_id]
     if job.clients:
       return
@@ -313,6 +322,13 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       job.idle_since = time.monotonic()
     else:
       self._record({"kind": "job_deleted", "job_id": job_id})
+
+  def _forget_host(self, client_id: int) -> None:
+    host = self._client_hosts.pop(client_id, None)
+    if host is not None:
+      self._host_clients[host] -= 1
+      if not self._host_clients[host]:
+        del self._host_clients[host]
 
 
 def _visitation(exactly_once: bool) -> str:

@@ -25,7 +25,8 @@ _DATA_TAG = bytes([(1 << 3) | 2])  # field 1 (data), length-delimited
 _INT64_FIELDS = {2: "frame_bytes", 4: "round", 7: "seq", 9: "split_stop"}
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+  """`value` (>= 0) as a protobuf varint."""
   out = bytearray()
   while True:
     byte = value & 0x7F
@@ -43,7 +44,7 @@ def encode(data_parts: list, frame_bytes: int = 0, round_index: int = 0,
   head = pb.ElementChunk(frame_bytes=frame_bytes, round=round_index,
                          seq=seq).SerializeToString()
   size = sum(memoryview(part).nbytes for part in data_parts)
-  return b"".join([head, _DATA_TAG, _varint(size), *data_parts])
+  return b"".join([head, _DATA_TAG, varint(size), *data_parts])
 
 
 @dataclasses.dataclass
@@ -65,7 +66,7 @@ class Chunk:
     return wire.decode_json_object(self.stats_json.encode(), "End-of-sequence statistics")
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def _readvarint(buf: memoryview, pos: int) -> tuple[int, int]:
   value = shift = 0
   while True:
     if pos >= buf.nbytes or shift > 63:
@@ -84,10 +85,10 @@ def parse(raw: bytes) -> Chunk:
   chunk = Chunk(data=buf[0:0])
   pos = 0
   while pos < buf.nbytes:
-    key, pos = _read_varint(buf, pos)
+    key, pos = _readvarint(buf, pos)
     field, wire_type = key >> 3, key & 7
     if wire_type == 0:
-      value, pos = _read_varint(buf, pos)
+      value, pos = _readvarint(buf, pos)
       if field in _INT64_FIELDS:
         setattr(chunk, _INT64_FIELDS[field], value - (1 << 64) if value >> 63 else value)
       elif field == 3:
@@ -97,7 +98,7 @@ def parse(raw: bytes) -> Chunk:
       elif field == 8:
         chunk.keepalive = bool(value)
     elif wire_type == 2:
-      length, pos = _read_varint(buf, pos)
+      length, pos = _readvarint(buf, pos)
       if pos + length > buf.nbytes:
         raise WireFormatError(
             f"ElementChunk field {field} of {length} bytes runs past the message "

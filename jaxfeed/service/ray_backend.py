@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -106,9 +107,14 @@ class RayWorkerBackend:
     self._secrets = dict(secrets or {})
     self._owns_connection = not ray.is_initialized()
     if self._owns_connection:
+      # ray.init() makes SIGTERM end the process with status 15; the process's
+      # own handler (the command-line dispatcher's clean stop) stays.
+      sigterm = signal.getsignal(signal.SIGTERM)
       # The actors' output stays in their logs: this process's stdout is its own.
       ray.init(address=ray_address or "auto", log_to_driver=False,
                logging_level=logging.WARNING)
+      if threading.current_thread() is threading.main_thread() and sigterm is not None:
+        signal.signal(signal.SIGTERM, sigterm)
     self._actor_class = ray.remote(_WorkerActor).options(
         num_cpus=num_cpus, scheduling_strategy="SPREAD", max_restarts=0)
     self._lock = threading.Lock()

@@ -21,7 +21,10 @@ and its parents. Parameter values are encoded by kind:
 
 Everything that decides a pipeline's output is thus in the spec's bytes, and
 `fingerprint(dataset_def)` hashes them: the dispatcher keys datasets (and so
-ephemeral sharing) by it, whatever fingerprint a client claims.
+shared jobs and ephemeral sharing) by it, whatever fingerprint a client
+claims. A Dataset's `jaxfeed.Options` travel with it (the root of the graph)
+but are left out of the hash: they change how a pipeline runs, never its
+elements.
 
 Where a spec is rebuilt (workers) or registered (the dispatcher), every import
 path must lie in an allowed module (`DEFAULT_UDF_MODULES`, jaxfeed's classes
@@ -471,17 +474,35 @@ def to_dataset_def(node: base.Node, udf_secret: bytes | None = None,
   return dataset_def
 
 
+# The root a client ships a Dataset's Options in (`task_pipeline.WithOptionsNode`).
+_WITH_OPTIONS_CLASS = "jaxfeed.service.task_pipeline:WithOptionsNode"
+
+
+def _computed_graph(graph_json: bytes) -> bytes:
+  """The graph JSON without the Options root: the same bytes as the graph of
+  the same pipeline without Options."""
+  try:
+    graph = json.loads(graph_json)
+  except (ValueError, RecursionError):
+    return graph_json  # refused where the graph is decoded
+  if (isinstance(graph, dict) and graph.get("class") == _WITH_OPTIONS_CLASS
+      and isinstance(graph.get("parents"), list) and len(graph["parents"]) == 1):
+    return json.dumps(graph["parents"][0], sort_keys=True).encode()
+  return graph_json
+
+
 def fingerprint(dataset_def: service_pb2.DatasetDef) -> str:
   """A hash of everything in a DatasetDef that decides the pipeline's output.
 
   The graph JSON (which carries each import-path UDF's code hash and each
-  source's content identity), the arrays, the pickled UDFs' bytes and the
-  number of positions; not the signature, nor the `fingerprint` field a
-  client may have set.
+  source's content identity) less the pipeline's `jaxfeed.Options` (all of
+  them change how it runs, none its elements), the arrays, the pickled
+  UDFs' bytes and the number of positions; not the signature, nor the
+  `fingerprint` field a client may have set.
   """
   digest = hashlib.sha256(b"jaxfeed.DatasetDef/1")
-  parts = [dataset_def.graph_json, dataset_def.arrays, *dataset_def.pickled_udfs,
-           str(dataset_def.num_positions).encode()]
+  parts = [_computed_graph(dataset_def.graph_json), dataset_def.arrays,
+           *dataset_def.pickled_udfs, str(dataset_def.num_positions).encode()]
   digest.update(struct.pack("<Q", len(parts)))
   for part in parts:
     digest.update(struct.pack("<Q", len(part)))

@@ -687,24 +687,29 @@ def main(argv: Any) -> None:
                                      f.tls_client_ca))
   except ValueError as e:  # a flag's value: say which, without a traceback
     raise SystemExit(f"jaxfeed worker: {e}") from e
-  server = WorkerServer(config)
-  data = f" data {server.data_address}" if server.data_address else ""
-  print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
-  metrics = metrics_lib.serve_worker(server, f.host, f.metrics_port)
-  if metrics is not None:
-    print(f"jaxfeed worker metrics on {metrics.url}", flush=True)
-  if f.parent_pid:  # a pool's worker: goes when the process that started it does
-    threading.Thread(target=_stop_with_parent, args=(f.parent_pid, server),
-                     name="jaxfeed-worker-parent-watch", daemon=True).start()
+  # SIGTERM stops the worker cleanly from here on, before it registers and
+  # says it listens: a pool (or a test) may stop it as soon as it is up.
   rpc.stop_on_sigterm()
+  server = metrics = None
   try:
+    server = WorkerServer(config)
+    data = f" data {server.data_address}" if server.data_address else ""
+    print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
+    metrics = metrics_lib.serve_worker(server, f.host, f.metrics_port)
+    if metrics is not None:
+      print(f"jaxfeed worker metrics on {metrics.url}", flush=True)
+    if f.parent_pid:  # a pool's worker: goes when the process that started it does
+      threading.Thread(target=_stop_with_parent, args=(f.parent_pid, server),
+                       name="jaxfeed-worker-parent-watch", daemon=True).start()
     server.join()
   except SystemExit:  # SIGTERM: hand over what it holds, then stop
-    if f.drain_timeout_s > 0 and not server.drain(f.drain_timeout_s):
+    if (server is not None and f.drain_timeout_s > 0
+        and not server.drain(f.drain_timeout_s)):
       logging.warning("Stopping with batches not taken after %.0fs.", f.drain_timeout_s)
     raise
   finally:
-    server.stop()
+    if server is not None:
+      server.stop()
     if metrics is not None:
       metrics.close()
   if server.rejected:

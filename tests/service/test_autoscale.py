@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import stat
 import time
 
@@ -115,6 +116,48 @@ def test_the_pool_grows_for_a_starved_consumer_and_shrinks_for_a_slow_one(monkey
   assert changes[0] == 1 and changes[-1] == -1
   assert len(by_worker) >= 2  # the added workers served the job
   assert backend.num_workers == 0  # stopping the dispatcher stopped its pool
+
+
+def test_a_worker_slow_to_start_is_judged_once_it_serves(monkeypatch):
+  # The worker the pool adds is stopped (SIGSTOP) before it registers, for
+  # many intervals, as a pod or a loaded machine may take: the pool waits
+  # for it instead of finding that it did not help and removing it.
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  interval_s = 0.5
+  config = service.DispatcherConfig(
+      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
+          min_workers=1, max_workers=2, interval_s=interval_s,
+          worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4")))
+  dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy)
+  with service.DispatchServer(config) as dispatcher:
+    backend = dispatcher.autoscaler.backend
+    first = backend.pids()
+    with dataset.distribute(dispatcher.target, max_outstanding_requests=4).make_iterator() as it:
+      deadline = time.monotonic() + 30
+      while len(backend.pids()) < 2 and time.monotonic() < deadline:
+        next(it)  # starved: the pool adds a worker
+      added = [pid for pid in backend.pids() if pid not in first]
+      assert added, dispatcher.autoscaler.decisions
+      os.kill(added[0], signal.SIGSTOP)
+      try:
+        assert dispatcher.state.num_workers() == 1, "caught after it registered"
+        until = time.monotonic() + 8 * interval_s
+        while time.monotonic() < until:
+          next(it)
+      finally:
+        os.kill(added[0], signal.SIGCONT)
+      deadline = time.monotonic() + 30
+      while dispatcher.state.num_workers() < 2 and time.monotonic() < deadline:
+        next(it)
+      until = time.monotonic() + 6 * interval_s  # registered: settles, then is measured
+      while time.monotonic() < until:
+        next(it)
+      by_worker = it.elements_by_worker
+      decisions = list(dispatcher.autoscaler.decisions)
+      assert backend.num_workers == 2, decisions
+  assert -1 not in [change for _, change in decisions], decisions
+  assert len(by_worker) == 2  # the late worker served
 
 
 @pytest.mark.parametrize("how", ["terminate", "kill"])

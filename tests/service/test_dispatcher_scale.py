@@ -27,7 +27,7 @@ RESULT_FIELDS = (
     "workers", "clients", "parties", "seconds", "rpcs_per_s", "rpcs", "latency_ms",
     "handler_ms", "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
     "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s", "dispatcher_gc",
-    "simulator_loop_lag_ms")
+    "simulator_loop_lag_ms", "simulator_burst_lag_ms", "joins_dispatcher_cpu_s")
 RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
              "ReleaseJobClient")
 
@@ -291,3 +291,58 @@ def test_worker_drops_the_stream_of_a_client_that_died_without_goodbye():
         other.wait(timeout=30)
         other.stdout.close()
         reader.close()
+
+
+def _dispatcher_call(channel, method: str, response_cls):
+  return channel.unary_unary(f"/{dispatcher_lib.SERVICE_NAME}/{method}",
+                             request_serializer=lambda m: m.SerializeToString(),
+                             response_deserializer=response_cls.FromString)
+
+
+def test_join_answers_the_first_heartbeat():
+  # A pod's hosts join at once and each heartbeats right after: the join
+  # answers that heartbeat, one call instead of two a host.
+  with dispatcher_lib.DispatchServer(dispatcher_lib.DispatcherConfig()) as server:
+    _register_workers(server.state, 3)
+    dataset_id = server.state.register_dataset(_dataset_def())
+    with grpc.insecure_channel(server.target) as channel:
+      join = _dispatcher_call(channel, "GetOrCreateJob", pb.GetOrCreateJobResponse)
+      heartbeat = _dispatcher_call(channel, "ClientHeartbeat", pb.ClientHeartbeatResponse)
+      request = pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="DYNAMIC",
+                                         job_name="pod", first_heartbeat=True)
+      joined = join(request, timeout=30)
+      first = joined.heartbeat
+      assert joined.HasField("heartbeat") and first.tasks_version
+      assert sorted(t.worker_address for t in first.tasks) == ["w0:1", "w1:1", "w2:1"]
+      assert {t.job_id for t in first.tasks} == {joined.job_id}
+      assert not first.job_finished and not first.tasks_unchanged
+      # The version is the one the next heartbeat compares.
+      again = heartbeat(pb.ClientHeartbeatRequest(
+          job_id=joined.job_id, client_id=joined.client_id,
+          known_tasks_version=first.tasks_version), timeout=30)
+      assert again.tasks_unchanged and again.tasks_version == first.tasks_version
+      request.first_heartbeat = False  # as clients from before it ask
+      plain = join(request, timeout=30)
+      assert not plain.HasField("heartbeat") and plain.client_id != joined.client_id
+
+
+def test_client_makes_no_heartbeat_call_right_after_its_join():
+  # The dispatcher asks for a heartbeat every 5 s; the client reads from the
+  # tasks its join listed, and its first heartbeat call (with its report)
+  # comes 5 s later.
+  pacing = heartbeat_pacing.HeartbeatPacing(client_heartbeats_per_s=0.2)
+  config = service.DispatcherConfig(heartbeat_pacing=pacing, client_timeout_s=100.0)
+  with service.DispatchServer(config) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.target)):
+      reader = jaxfeed.Dataset.range(1 << 20).batch(4).distribute(
+          dispatcher.target, "distributed_epoch").make_iterator()
+      try:
+        started = time.monotonic()
+        next(reader)  # read from the tasks its join listed
+        # The client's first report to the dispatcher is in its first
+        # heartbeat call: one interval after the join, not right after it.
+        _wait_for(lambda: dispatcher.state.sample_clients() is not None, 30.0)
+        assert time.monotonic() - started > 4.0
+      finally:
+        reader.close()
+

@@ -102,7 +102,12 @@ def test_a_command_line_dispatcher_runs_its_pool_on_ray(ray_cluster):
     got = sorted(int(x) for x in jaxfeed.Dataset.range(300).distribute(
         dispatcher.address, "distributed_epoch"))
     assert got == list(range(300))
-    assert len(_worker_processes(dispatcher.address)) == 2
+    # The read may end before the second actor got its node's CPU (an
+    # earlier test's actor may still hold it): the pool comes up in time.
+    deadline = time.monotonic() + 60
+    while len(_worker_processes(dispatcher.address)) < 2:
+      assert time.monotonic() < deadline, _worker_processes(dispatcher.address)
+      time.sleep(0.1)
     dispatcher.proc.terminate()  # SIGTERM: the pool drains and its actors go
     assert dispatcher.proc.wait(timeout=90) == 0
   finally:

@@ -21,6 +21,7 @@ import jaxfeed
 import service_udfs
 from jaxfeed import service
 from jaxfeed.service import spec
+from jaxfeed.service import task_pipeline
 from jaxfeed.service.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT, TESTS_DIR, TEST_UDF_MODULES
 
@@ -208,6 +209,53 @@ def test_the_spec_fingerprint_covers_every_part_of_the_spec():
   # Neither the claimed fingerprint nor the signature says what is computed.
   assert variants[3:5] == [original, original]
   assert len({original, *variants[:3], variants[5]}) == 5
+
+
+OPTION_VARIANTS = [None, jaxfeed.Options(), jaxfeed.Options(stats=False),
+                   jaxfeed.Options(optimize=False, autotune=False, inject_prefetch=True,
+                                   autotune_cpu_budget=1)]
+
+
+def with_options(dataset, options):
+  return dataset if options is None else dataset.with_options(options)
+
+
+def test_options_are_no_part_of_the_spec_fingerprint():
+  dataset = jaxfeed.Dataset.range(8).map(service_udfs.add_one).batch(2)
+  defs = [spec.to_dataset_def(task_pipeline.pipeline_node(with_options(dataset, o), "distribute"))
+          for o in OPTION_VARIANTS]
+  assert len({d.graph_json for d in defs}) == len(OPTION_VARIANTS)  # each ships its own
+  assert len({spec.fingerprint(d) for d in defs}) == 1
+  other = spec.to_dataset_def(task_pipeline.pipeline_node(
+      jaxfeed.Dataset.range(8).map(service_udfs.add_one).batch(4).with_options(
+          jaxfeed.Options(stats=False)), "distribute"))
+  assert spec.fingerprint(other) != spec.fingerprint(defs[0])
+  with service.DispatchServer() as dispatcher:
+    ids = {dispatcher.state.register_dataset(d) for d in defs}
+    assert len(ids) == 1  # one dataset, run with the Options registered first
+    assert dispatcher.state.dataset_def(ids.pop()).graph_json == defs[0].graph_json
+
+
+def test_consumers_whose_pipelines_differ_only_in_options_share_one_job(cluster):
+  dispatcher = start(cluster)
+  dataset = jaxfeed.Dataset.range(40).map(service_udfs.add_one)
+  readers = [with_options(dataset, o).distribute(
+      dispatcher.address, "distributed_epoch", job_name="shared").make_iterator()
+             for o in OPTION_VARIANTS]
+  got = []
+  try:
+    while readers:  # in turns, so that every consumer joins the job at once
+      for reader in list(readers):
+        try:
+          got.append(int(next(reader)))
+        except StopIteration:
+          reader.close()
+          readers.remove(reader)
+  finally:
+    for reader in readers:
+      reader.close()
+  # One job: every element once over all consumers.
+  assert sorted(got) == list(range(1, 41))
 
 
 SPEC_SCRIPT = """

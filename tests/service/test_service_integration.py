@@ -177,6 +177,18 @@ def test_a_terminated_worker_hands_over_its_splits_and_leaves_at_once(cluster):
   assert elapsed < 30, elapsed
 
 
+def test_a_worker_terminated_as_soon_as_it_says_it_listens_stops_cleanly(cluster):
+  # The signal comes right after the worker's readiness line, while it still
+  # starts its metrics server: it exits cleanly (0), after telling the
+  # dispatcher it left, instead of dying of the signal.
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=60")
+  for _ in range(3):
+    worker = cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT,
+                     "--metrics_port=0")
+    worker.proc.terminate()
+    assert worker.proc.wait(timeout=30) == 0
+
+
 def test_worker_added_mid_job_starts_serving(cluster):
   dispatcher, _ = start_service(cluster, 1, "--split_size=4")
   dataset = records_dataset(1200).map(service_udfs.slow_add_one_to_x).batch(2)
