@@ -59,10 +59,10 @@ pipeline thread that lets go of the GIL for a moment thousands of times a
 second (C code that releases it around a short call: `np.arange` does on
 every call, a ufunc or cast on more than about 500 elements) wakes it at
 each release without it getting the GIL. Each release then costs the
-pipeline a futex wake, until the sampler wins a race (tens of ms); jaxfeed's
-own per-element paths keep the GIL (see `range`), and the sampler backs off
-(`_cost` counts the wait as `late`) when a user's function makes looks
-that dear."""
+pipeline a futex wake, until the sampler wins a race (tens of ms).
+`range`'s element-wise reads keep the GIL for that reason, and the sampler
+backs off (`_cost` counts its wait for the GIL as `late`) when a function
+makes looks that dear."""
 
 LINGER_S = 1.0
 """Seconds the sampling thread waits for a new pipeline once none is open
