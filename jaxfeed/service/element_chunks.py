@@ -66,7 +66,7 @@ class Chunk:
     return wire.decode_json_object(self.stats_json.encode(), "End-of-sequence statistics")
 
 
-def _readvarint(buf: memoryview, pos: int) -> tuple[int, int]:
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
   value = shift = 0
   while True:
     if pos >= buf.nbytes or shift > 63:
@@ -85,10 +85,10 @@ def parse(raw: bytes) -> Chunk:
   chunk = Chunk(data=buf[0:0])
   pos = 0
   while pos < buf.nbytes:
-    key, pos = _readvarint(buf, pos)
+    key, pos = _read_varint(buf, pos)
     field, wire_type = key >> 3, key & 7
     if wire_type == 0:
-      value, pos = _readvarint(buf, pos)
+      value, pos = _read_varint(buf, pos)
       if field in _INT64_FIELDS:
         setattr(chunk, _INT64_FIELDS[field], value - (1 << 64) if value >> 63 else value)
       elif field == 3:
@@ -98,7 +98,7 @@ def parse(raw: bytes) -> Chunk:
       elif field == 8:
         chunk.keepalive = bool(value)
     elif wire_type == 2:
-      length, pos = _readvarint(buf, pos)
+      length, pos = _read_varint(buf, pos)
       if pos + length > buf.nbytes:
         raise WireFormatError(
             f"ElementChunk field {field} of {length} bytes runs past the message "

@@ -80,7 +80,7 @@ def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
       width = rng.choice((4, 8))
       out[pos:pos + width] = (value & ((1 << (8 * width)) - 1)).to_bytes(width, "little")
     elif op == 7:  # an absurd varint (protobuf lengths and ints)
-      out[pos:pos] = element_chunks._varint(rng.choice(_INTERESTING_INTS) & ((1 << 64) - 1))  # pylint: disable=protected-access
+      out[pos:pos] = element_chunks.varint(rng.choice(_INTERESTING_INTS) & ((1 << 64) - 1))
   return bytes(out)
 
 
