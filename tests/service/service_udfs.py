@@ -96,6 +96,14 @@ def paced(x):
   return {"x": x}
 
 
+def paced_record(element):
+  """`element` after 20 ms: a split takes long enough that a second worker
+  of a job takes splits too, whichever worker starts first."""
+  import time  # pylint: disable=g-import-not-at-top
+  time.sleep(0.02)
+  return element
+
+
 def dawdle(x):
   """{"x": x} after a second: a worker's connection waits for the next
   element longer than a heartbeat."""

@@ -334,8 +334,11 @@ def test_frames_spanning_many_chunks_arrive_whole_and_in_order(data_transfer, co
 def test_exactly_once_runs_the_pipeline_split_by_split_and_delivers_one_epoch():
   num_records, split_size = 103, 10
   source = jaxfeed.ArraySource({"x": np.arange(num_records)})
+  # 20 ms an element: one worker alone would take 2 s for the epoch, so the
+  # other one, a heartbeat behind, takes splits too on a busy machine.
   dataset = jaxfeed.Dataset.from_source(
-      source, jaxfeed.IndexSampler(num_records, shuffle=True, seed=1)).batch(4)
+      source, jaxfeed.IndexSampler(num_records, shuffle=True, seed=1)
+  ).map(service_udfs.paced_record).batch(4)
   with service.DispatchServer(service.DispatcherConfig(split_size=split_size)) as dispatcher:
     workers = [service.WorkerServer(service.WorkerConfig(
         dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)) for _ in range(2)]
