@@ -162,10 +162,8 @@ class RangeIterator(OpIterator):
 
   def _values(self, index: int, count: int) -> np.ndarray:
     """Elements `index .. index + count - 1` as one array (vectorized only)."""
-    if count == _CHUNK:
-      values = _OFFSETS + index  # keeps the GIL, unlike np.arange (see _OFFSETS)
-    elif count < _CHUNK:
-      values = _OFFSETS[:count] + index
+    if count <= _CHUNK:
+      values = _OFFSETS[:count] + index  # keeps the GIL, unlike np.arange (see _OFFSETS)
     else:
       values = np.arange(index, index + count, dtype=np.int64)
     if self._step != 1:
