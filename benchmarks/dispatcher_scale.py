@@ -10,7 +10,8 @@ clients as asyncio tasks over `grpc.aio`, one channel (TCP connection) per
 party, speaking the real protocol at the intervals the dispatcher asks for:
 
 - workers register and heartbeat (`WorkerHeartbeat`), take the tasks they are
-  given and, for each DYNAMIC task, fetch split ranges (`GetSplits`) at the
+  given and, for each DYNAMIC task, fetch split ranges (numbered `GetSplits`;
+  the first ones come with the task, as jaxfeed's worker takes them) at the
   pace of a worker that produces `--elements_per_s` elements a second for
   the task (one element per sampler position);
 - clients join one of `--jobs` shared, named, exactly-once DYNAMIC jobs
