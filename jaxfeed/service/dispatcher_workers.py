@@ -169,13 +169,13 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     reply costs nothing: the task comes again (the worker does not list it)
     with the same ranges, and a worker that ignores the field asks with
     request_seq 1 and gets them too. Workers without an incarnation predate
-    numbered requests, and get none.
+    numbered requests, and draining ones start no new task: they get none.
     """
     info = self._task_info(task)
     job = self.jobs[task.job_id]
     last = job.last_splits.get(task.task_id)
     if (job.policy == ShardingPolicy.DYNAMIC and request.incarnation
-        and (last is None or last[0] == 1)):
+        and request.splits_per_request >= 0 and (last is None or last[0] == 1)):
       info.first_splits.CopyFrom(self._answer_splits(
           job, task.task_id, request.splits_per_request or 2, 1, "WorkerHeartbeat"))
     return info

@@ -199,7 +199,9 @@ class _Worker:
           pb.WorkerHeartbeatRequest(
               worker_address=self.address, data_address=self.data_address,
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
-              splits_per_request=self.config.splits_per_request,
+              # Draining, it starts no new task: splits sent with one would
+              # wait unread until it leaves (at-most-once: lost).
+              splits_per_request=-1 if self.draining.is_set() else self.config.splits_per_request,
               # The lists held cover exactly these tasks: they may stay.
               known_clients_version=(listed_version if listed_tasks == frozenset(current)
                                      else 0),

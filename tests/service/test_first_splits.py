@@ -124,3 +124,30 @@ def test_a_lost_reply_carrying_the_task_loses_no_split_of_an_exactly_once_epoch(
   # The task came again (the worker did not list it), with the same ranges.
   assert answers.get(("WorkerHeartbeat", "true"), 0) >= 2, answers
   assert answers.get(("GetSplits", "true"), 0) == 0, answers
+
+
+def test_a_draining_worker_is_sent_no_splits_with_a_new_task(cluster):
+  # A draining worker starts no new task: splits sent with one would wait
+  # unread until it leaves, and an at-most-once epoch would lose them.
+  dispatcher = cluster("dispatcher", "--port=0", "--metrics_port=0", "--split_size=10",
+                       "--heartbeat_timeout_s=2")
+  url = metrics_url(dispatcher)
+  draining = cluster("worker", f"--dispatcher_address={dispatcher.address}",
+                     "--heartbeat_interval_s=0.2", "--drain_timeout_s=60")
+  wait_for("the first worker", lambda: gauge(url, "jaxfeed_dispatcher_workers") == 1)
+  # It holds a task whose consumer takes nothing more: it drains (SIGTERM)
+  # until that task is idle for 2 s, taking no new task meanwhile.
+  held = jaxfeed.Dataset.range(1000).batch(5).distribute(
+      dispatcher.address, "distributed_epoch").make_iterator()
+  with held:
+    next(held)
+    cluster("worker", f"--dispatcher_address={dispatcher.address}",
+            "--heartbeat_interval_s=0.2")
+    wait_for("both workers", lambda: gauge(url, "jaxfeed_dispatcher_workers") == 2)
+    draining.proc.terminate()
+    time.sleep(0.5)  # a few heartbeats: it drains
+    got: list = []
+    with jaxfeed.Dataset.range(200).batch(5).distribute(
+        dispatcher.address, "distributed_epoch").make_iterator() as iterator:
+      got.extend(np.concatenate(list(iterator)).tolist())
+  assert collections.Counter(got) == collections.Counter(range(200))
