@@ -194,14 +194,15 @@ class _Worker:
       finished = list(self.finished)
       held, self._held = self._held + held, []
     listed_version, listed_tasks, listed = self._listed
+    # Draining or stopping, it starts no new task: splits sent with one would
+    # wait unread until it leaves (at-most-once: lost).
+    starts_tasks = not (self.draining.is_set() or self.stop.is_set())
     try:
       response = self.heartbeat_call(
           pb.WorkerHeartbeatRequest(
               worker_address=self.address, data_address=self.data_address,
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
-              # Draining, it starts no new task: splits sent with one would
-              # wait unread until it leaves (at-most-once: lost).
-              splits_per_request=-1 if self.draining.is_set() else self.config.splits_per_request,
+              splits_per_request=self.config.splits_per_request if starts_tasks else -1,
               # The lists held cover exactly these tasks: they may stay.
               known_clients_version=(listed_version if listed_tasks == frozenset(current)
                                      else 0),
