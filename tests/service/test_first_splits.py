@@ -107,7 +107,7 @@ def test_a_lost_reply_carrying_the_task_loses_no_split_of_an_exactly_once_epoch(
     # stopped worker's, and goes with the connection.
     dispatcher.pause()
     worker.resume()
-    time.sleep(1.0)  # heartbeats every 0.2 s
+    time.sleep(1.5)  # it heartbeats every 0.2 s
     worker.pause()
     dispatcher.resume()
     wait_for("the task's first splits",
