@@ -329,18 +329,19 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
   def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
                         served_jobs: set[int]) -> None:
     """Releases the clients whose goodbyes a worker forwarded, as
-    ReleaseJobClient does (lock held). Ignored: a goodbye for a job the worker
-    serves no task of, with a ticket that is not the client's, or for a
-    client released already (a repeated heartbeat) or unknown."""
+    ReleaseJobClient does (lock held). Ignored: a goodbye for a client
+    released already (a repeated heartbeat, a client that called after all)
+    or unknown, for a job the worker serves no task of, or with a ticket that
+    is not the client's."""
     for goodbye in goodbyes:
       job = self.jobs.get(goodbye.job_id)
       master = self._ticket_master
-      if goodbye.job_id not in served_jobs or (master is not None and not hmac.compare_digest(
+      if job is None or goodbye.client_id not in job.clients:
+        self.goodbyes["stale"] += 1
+      elif goodbye.job_id not in served_jobs or (master is not None and not hmac.compare_digest(
           rpc.goodbye_ticket(master, goodbye.job_id, goodbye.client_id).encode(),
           goodbye.ticket.encode(errors="replace"))):
         self.goodbyes["refused"] += 1
-      elif job is None or goodbye.client_id not in job.clients:
-        self.goodbyes["stale"] += 1
       else:
         self.goodbyes["worker"] += 1
         self.release_client_locked(goodbye.job_id, goodbye.client_id)

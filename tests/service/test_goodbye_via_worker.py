@@ -8,11 +8,13 @@ dispatcher did is read from its metrics.
 from __future__ import annotations
 
 import collections
+import pathlib
 import threading
 import time
 
 import pytest
 
+from jaxfeed import service
 from jaxfeed.service import data_socket
 from jaxfeed.service import register_dataset
 from jaxfeed.service import rpc
@@ -24,6 +26,7 @@ from test_metrics import _metrics_url, scrape
 pytestmark = pytest.mark.timeout(240)
 
 TOKEN, WORKER_TOKEN = "goodbye-client-token", "goodbye-worker-token"
+TLS_DIR = pathlib.Path(__file__).resolve().parent / "tls"
 WORKER_INTERVAL_S = 0.5
 # Far below client_timeout_s (60 s): a release this soon is no timeout.
 RELEASED_WITHIN_S = 4 * WORKER_INTERVAL_S + 3.0
@@ -49,14 +52,15 @@ def wait_for(predicate, timeout_s: float) -> float:
 
 
 def start(cluster, *dispatcher_flags: str, workers: int = 1,
-          worker_interval_s: float = WORKER_INTERVAL_S):
+          worker_interval_s: float = WORKER_INTERVAL_S, worker_flags: tuple = ()):
   dispatcher = cluster("dispatcher", "--port=0", "--metrics_port=0", f"--auth_token={TOKEN}",
                        f"--worker_token={WORKER_TOKEN}", "--nojournal_fsync",
                        *dispatcher_flags)
   url = _metrics_url(dispatcher)
   started = [cluster("worker", f"--dispatcher_address={dispatcher.address}",
                      f"--heartbeat_interval_s={worker_interval_s}",
-                     f"--worker_token={WORKER_TOKEN}") for _ in range(workers)]
+                     f"--worker_token={WORKER_TOKEN}", *worker_flags)
+             for _ in range(workers)]
   return dispatcher, url, started
 
 
@@ -93,6 +97,21 @@ def test_a_closing_client_says_goodbye_through_a_worker_only_at_pod_scale(cluste
   assert goodbyes(url) == {"worker": 1}  # no ReleaseJobClient call, no timeout
 
 
+def test_a_goodbye_through_a_worker_over_tls(cluster):
+  tls_flags = (f"--tls_key={TLS_DIR / 'server.key'}", f"--tls_cert={TLS_DIR / 'server.pem'}")
+  dispatcher, url, _ = start(cluster, "--goodbye_via_worker_clients=1", *tls_flags,
+                             worker_flags=(f"--tls_root_certs={TLS_DIR / 'ca.pem'}",
+                                           *tls_flags))
+  iterator = reader(dispatcher, tls=service.TLSConfig(
+      root_certificates=(TLS_DIR / "ca.pem").read_bytes()))
+  try:
+    take_and_wait(iterator)
+  finally:
+    iterator.close()
+  wait_for(lambda: live_clients(url) == 0, RELEASED_WITHIN_S)
+  assert goodbyes(url) == {"worker": 1}
+
+
 def test_a_worker_killed_before_forwarding_a_goodbye_leaves_the_client_to_the_timeout(
     cluster):
   # The worker heartbeats every 20 s: it is killed long before its next one.
@@ -115,6 +134,28 @@ def test_a_worker_killed_before_forwarding_a_goodbye_leaves_the_client_to_the_ti
     values = [v for batch in again for v in batch["x"].tolist()]
   assert sorted(values) == list(range(1, NUM_RECORDS + 1))
   assert goodbyes(url)["timeout"] == 1 and goodbyes(url)["worker"] == 0
+
+
+def test_a_worker_that_does_not_answer_the_goodbye_leaves_it_to_the_call_in_bounded_time(
+    cluster):
+  dispatcher, url, (stopped,) = start(cluster, "--goodbye_via_worker_clients=1")
+  iterator = reader(dispatcher)
+  try:
+    take_and_wait(iterator)
+    stopped.pause()  # SIGSTOP: its kernel still accepts the connection, nobody answers
+    started = time.monotonic()
+  finally:
+    iterator.close()
+  closed_s = time.monotonic() - started
+  stopped.resume()
+  # 1 s to connect plus 1 s for the answer, then the call (the fetchers and
+  # the heartbeat thread end at once).
+  assert closed_s < 8, closed_s
+  assert live_clients(url) == 0
+  # Resumed, the worker takes the goodbye still in its backlog and forwards
+  # it: the client is released already, the goodbye ignored.
+  time.sleep(4 * WORKER_INTERVAL_S)
+  assert goodbyes(url)["call"] == 1 and goodbyes(url)["worker"] == 0
 
 
 def test_clients_leaving_mid_epoch_through_workers_lose_and_repeat_nothing(cluster):
