@@ -53,6 +53,7 @@ _FINISH_REPORT_TIMEOUT_S = 2.0
 # Clients' goodbyes kept for the next heartbeat, at most (a pod's worth many times).
 _MAX_GOODBYES = 1 << 16
 _MAX_GOODBYE_TICKET = 128  # characters; the dispatcher's tickets have 64
+_HEX_DIGITS = "0123456789abcdef"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,11 +434,14 @@ class _Worker:
     ReleaseJobClient)."""
     task_id, client_id, ticket = (hello.get("task_id"), hello.get("client_id"),
                                   hello.get("goodbye"))
+    # Hex digits only: a ticket that protobuf cannot encode (a lone
+    # surrogate) would fail every later heartbeat of this worker.
     if not (_is_int(task_id) and _is_int(client_id) and client_id > 0
-            and isinstance(ticket, str) and len(ticket) <= _MAX_GOODBYE_TICKET):
+            and isinstance(ticket, str) and len(ticket) <= _MAX_GOODBYE_TICKET
+            and not ticket.strip(_HEX_DIGITS)):
       raise data_socket.DataConnectionError(
           "Malformed goodbye: task_id and client_id must be integers (client_id > 0) "
-          f"and goodbye a string of at most {_MAX_GOODBYE_TICKET} characters; got "
+          f"and goodbye at most {_MAX_GOODBYE_TICKET} hex digits; got "
           f"{str(task_id)[:40]!r}, {str(client_id)[:40]!r}, {str(ticket)[:40]!r}.",
           "INVALID_ARGUMENT")
     job = self.served.job_of(task_id)

@@ -104,7 +104,8 @@ def test_a_hello_nested_too_deeply_gets_invalid_argument(servers):
 
 @pytest.mark.parametrize("bad", [
     {"client_id": "7"}, {"client_id": 0}, {"client_id": -3}, {"client_id": True},
-    {"client_id": 1 << 70}, {"goodbye": ["x"]}, {"goodbye": None}, {"goodbye": "x" * 129},
+    {"client_id": 1 << 70}, {"goodbye": ["x"]}, {"goodbye": None}, {"goodbye": "a" * 129},
+    {"goodbye": "\ud800"}, {"goodbye": "g" * 64},
     {"task_id": "1"}])
 def test_a_malformed_goodbye_is_refused_and_the_worker_keeps_serving(servers, bad):
   dispatcher, worker = servers

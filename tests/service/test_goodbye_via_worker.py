@@ -216,13 +216,16 @@ def test_a_goodbye_naming_another_client_releases_nobody(cluster):
     (task,) = answer.tasks
     taken = []
     for client_id in range(1, job.client_id + 8):
-      for ticket in (answer.goodbye_ticket, "", "0" * 64):
+      # (A lone surrogate cannot be encoded in a heartbeat: the worker must
+      # refuse it, or every later heartbeat of it would fail.)
+      for ticket in (answer.goodbye_ticket, "", "0" * 64, "\ud800"):
         try:
           data_socket.send_goodbye(task.data_address, {
               "token": task.read_ticket, "task_id": task.task_id, "client_id": client_id,
               "goodbye": ticket}, 5.0)
         except data_socket.DataConnectionError as e:
-          assert e.status == "NOT_FOUND", e  # no stream of that client here
+          # No stream of that client here, or not a ticket at all.
+          assert e.status == ("INVALID_ARGUMENT" if ticket == "\ud800" else "NOT_FOUND"), e
         else:
           taken.append(client_id)
     # The worker took the goodbyes naming the victim (it streams to it) and
