@@ -10,6 +10,10 @@ Dispatcher (per job where labelled `job`):
   jaxfeed_dispatcher_workers            registered workers
   jaxfeed_dispatcher_jobs               jobs
   jaxfeed_job_clients                   clients reading the job
+  jaxfeed_dispatcher_client_goodbyes_total  how clients left, by `via`: call
+                                        (ReleaseJobClient calls), worker (goodbyes
+                                        forwarded by workers), timeout; and goodbyes
+                                        ignored: refused (wrong ticket or job), stale
   jaxfeed_job_split_lag                 exactly-once splits issued, not yet acknowledged
   jaxfeed_job_splits_to_reissue         splits of lost workers waiting to be issued again
   jaxfeed_job_positions_issued          sampler positions handed out in splits
@@ -185,7 +189,12 @@ class _DispatcherCollector:
                      "Seconds the clients' consumers waited for input.", labels=["job"])
     fill = gauge("jaxfeed_job_client_buffer_fill",
                  "Mean fill (0..1) of the clients' buffers.", labels=["job"])
+    goodbyes = counter("jaxfeed_dispatcher_client_goodbyes",
+                       "How clients left (call, worker, timeout) and goodbyes ignored "
+                       "(refused, stale).", labels=["via"])
     with state.lock:
+      for via in ("call", "worker", "timeout", "refused", "stale"):
+        goodbyes.add_metric([via], state.goodbyes[via])
       reports = dict(state._reports)  # pylint: disable=protected-access
       split_answers = sorted(state.split_answers.items())
       num_workers, num_jobs = len(state.workers), len(state.jobs)
@@ -201,7 +210,7 @@ class _DispatcherCollector:
         fill.add_metric(label, sum(r[3] for r in mine) / len(mine) if mine else 0.0)
     yield gauge("jaxfeed_dispatcher_workers", "Registered workers.", value=num_workers)
     yield gauge("jaxfeed_dispatcher_jobs", "Jobs.", value=num_jobs)
-    yield from (clients, lag, reissue, issued, elements, waited, fill)
+    yield from (clients, lag, reissue, issued, elements, waited, fill, goodbyes)
     answers = counter("jaxfeed_dispatcher_split_answers",
                       "DYNAMIC split answers, by the call that carried them and "
                       "whether it was a task's first.", labels=["via", "first"])
