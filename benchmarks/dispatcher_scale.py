@@ -10,7 +10,8 @@ clients as asyncio tasks over `grpc.aio`, one channel (TCP connection) per
 party, speaking the real protocol at the intervals the dispatcher asks for:
 
 - workers register and heartbeat (`WorkerHeartbeat`), take the tasks they are
-  given and, for each DYNAMIC task, fetch split ranges (`GetSplits`) at the
+  given and, for each DYNAMIC task, fetch split ranges (numbered `GetSplits`;
+  the first ones come with the task, as jaxfeed's worker takes them) at the
   pace of a worker that produces `--elements_per_s` elements a second for
   the task (one element per sampler position);
 - clients join one of `--jobs` shared, named, exactly-once DYNAMIC jobs
@@ -38,7 +39,8 @@ them all (`goodbyes`, `release_all_s`: from its metrics; from
 process, which forwards it in its next heartbeat, as jaxfeed's client and
 worker do; `release_job_client_calls` counts the calls made instead),
 the dispatcher's CPU seconds while the clients join (`joins_dispatcher_cpu_s`,
-over `joins_s`), and the restart.
+over `joins_s`) and the other calls made meanwhile (`joins_rpcs`,
+`joins_latency_ms`), and the restart.
 
 Latencies include the simulators' own scheduling delay: on a machine with few
 cores the simulators and the dispatcher compete for them.
@@ -205,6 +207,9 @@ class _Stats:
     self.failed: dict[str, int] = {kind: 0 for kind in RPC_KINDS}
     self.errors: dict[str, int] = {}
     self.measuring = False
+    # The other calls made while the clients join (the join storm).
+    self.joining = False
+    self.joins: dict[str, list[float]] = {kind: [] for kind in RPC_KINDS}
     # How late the simulator's event loop woke a task in the window: the part
     # of the callers' latencies that is the simulator's own delay.
     self.loop_lags: list[float] = []
@@ -214,6 +219,8 @@ class _Stats:
     # Joining and leaving happen outside the measured window: always kept.
     if self.measuring or kind in ("GetOrCreateJob", "ReleaseJobClient"):
       self.latencies[kind].append(seconds)
+    elif self.joining:
+      self.joins[kind].append(seconds)
 
   def fail(self, kind: str, error: str) -> None:
     self.failed[kind] += 1
@@ -295,6 +302,7 @@ class _Simulator:
     # As jaxfeed's worker: the clients_version of the last task_clients and
     # the tasks they were listed for.
     listed_version, listed_tasks = 0, frozenset()
+    incarnation = f"{random.getrandbits(64):016x}"
     goodbyes = self.goodbyes.setdefault(number, [])
     try:
       # After the window: until the clients have left and this worker
@@ -304,7 +312,8 @@ class _Simulator:
         forwarded, goodbyes[:] = list(goodbyes), []
         response = await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
             worker_address=address, data_address=f"sim-worker-{number}.local:5052",
-            current_tasks=sorted(current),
+            current_tasks=sorted(current), incarnation=incarnation,
+            splits_per_request=self.args.splits_per_request,
             known_clients_version=listed_version if listed_tasks == running else 0,
             client_goodbyes=forwarded))
         if response is None:
@@ -320,8 +329,9 @@ class _Simulator:
             current.add(task.task_id)
             self.job_workers.setdefault(task.job_id, set()).add(number)
             if task.sharding_policy == "DYNAMIC":
-              fetchers[task.task_id] = asyncio.ensure_future(
-                  self.fetch_splits(party, task.job_id, task.task_id, task.exactly_once))
+              fetchers[task.task_id] = asyncio.ensure_future(self.fetch_splits(
+                  party, task.job_id, task.task_id, task.exactly_once,
+                  task.first_splits if task.HasField("first_splits") else None))
           for task_id in response.tasks_to_delete:
             current.discard(task_id)
             fetcher = fetchers.pop(task_id, None)
@@ -340,14 +350,23 @@ class _Simulator:
       await party.channel.close()
 
   async def fetch_splits(self, party: _Party, job_id: int, task_id: int,
-                         exactly_once: bool) -> None:
+                         exactly_once: bool, first_splits=None) -> None:
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     per_request = self.args.splits_per_request
-    # The first request comes once the (simulated) pipeline is built.
+    # The first request comes once the (simulated) pipeline is built; as
+    # jaxfeed's worker, it takes the first splits that came with the task
+    # instead, and numbers its requests.
     await _sleep_until(self.stop, random.uniform(0, 2.0))
+    request_seq = 1
     while not self.stop.is_set():
-      response = await party.call("GetSplits", pb.GetSplitsRequest(
-          job_id=job_id, task_id=task_id, max_ranges=per_request))
+      if request_seq == 1 and first_splits is not None:
+        response = first_splits
+      else:
+        response = await party.call("GetSplits", pb.GetSplitsRequest(
+            job_id=job_id, task_id=task_id, max_ranges=per_request,
+            request_seq=request_seq))
+      if response is not None:
+        request_seq += 1
       positions = 0
       if response is not None:
         if exactly_once:
@@ -438,12 +457,14 @@ class _Simulator:
     _say({"event": "workers_ready"})
     assert await commands.get() == "clients"
     self.phase = "joins"
+    self.stats.joining = True
     watch = asyncio.ensure_future(self.watch_loop())
     tasks += [asyncio.ensure_future(self.client(n)) for n in client_numbers]
     while self.clients_joined < len(client_numbers):
       if any(t.done() for t in tasks):  # a party gave up: report, do not hang
         break
       await asyncio.sleep(0.05)
+    self.stats.joining = False
     _say({"event": "clients_ready"})
     assert await commands.get() == "measure"
     self.phase = "window"
@@ -464,7 +485,7 @@ class _Simulator:
         self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
     return {"latencies": self.stats.latencies, "failed": self.stats.failed,
             "errors": self.stats.errors, "loop_lags": self.stats.loop_lags,
-            "burst_lags": self.stats.burst_lags}
+            "burst_lags": self.stats.burst_lags, "joins": self.stats.joins}
 
 
 def _say(message: dict) -> None:
@@ -535,6 +556,13 @@ def _percentile(sorted_values: list[float], q: float) -> float:
   if not sorted_values:
     return 0.0
   return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _summary_ms(sorted_values: list[float]) -> dict[str, float]:
+  """p50, p99 and max of seconds, in ms."""
+  return {"p50": round(_percentile(sorted_values, 0.5) * 1e3, 2),
+          "p99": round(_percentile(sorted_values, 0.99) * 1e3, 2),
+          "max": round((sorted_values[-1] if sorted_values else 0.0) * 1e3, 2)}
 
 
 def _read_timing(path: str, timeout_s: float) -> dict[str, list[float]]:
@@ -646,6 +674,8 @@ def run(args: argparse.Namespace) -> dict:
     for key, count in r["errors"].items():
       errors[key] = errors.get(key, 0) + count
   loop_lags = sorted(x for r in results for x in r["loop_lags"])
+  joins = {kind: sorted(x for r in results for x in r["joins"][kind])
+           for kind in RPC_KINDS if kind != "GetOrCreateJob"}
   burst_lags = {phase: sorted(x for r in results for x in r["burst_lags"][phase])
                 for phase in ("joins", "goodbyes")}
   collections = handler_times.get("gc", [])
@@ -663,19 +693,10 @@ def run(args: argparse.Namespace) -> dict:
       "simulator_processes": args.processes,
       "rpcs_per_s": round(measured / elapsed, 1),
       "rpcs": {kind: len(v) for kind, v in latencies.items()},
-      "latency_ms": {kind: {"p50": round(_percentile(v, 0.5) * 1e3, 2),
-                            "p99": round(_percentile(v, 0.99) * 1e3, 2),
-                            "max": round((v[-1] if v else 0.0) * 1e3, 2)}
-                     for kind, v in latencies.items()},
-      "handler_ms": {kind: {"p50": round(_percentile(v, 0.5) * 1e3, 2),
-                            "p99": round(_percentile(v, 0.99) * 1e3, 2),
-                            "max": round((v[-1] if v else 0.0) * 1e3, 2)}
+      "latency_ms": {kind: _summary_ms(v) for kind, v in latencies.items()},
+      "handler_ms": {kind: _summary_ms(v)
                      for kind, v in handler_times.items() if kind in RPC_KINDS},
-      "simulator_burst_lag_ms": {
-          phase: {"p50": round(_percentile(v, 0.5) * 1e3, 2),
-                  "p99": round(_percentile(v, 0.99) * 1e3, 2),
-                  "max": round((v[-1] if v else 0.0) * 1e3, 2)}
-          for phase, v in burst_lags.items()},
+      "simulator_burst_lag_ms": {phase: _summary_ms(v) for phase, v in burst_lags.items()},
       # From the window's end until the dispatcher had released every client
       # (its jaxfeed_job_clients gauge; None: not within 120 s), its CPU
       # seconds meanwhile, and how the clients left (dispatcher metrics:
@@ -692,9 +713,7 @@ def run(args: argparse.Namespace) -> dict:
       "journal_bytes_per_s": round((io1 - io0) / elapsed, 1),
       "journal_dir_bytes": journal_bytes,
       "simulator_cpu_share": round((sim_cpu1 - sim_cpu0) / elapsed, 3),
-      "simulator_loop_lag_ms": {"p50": round(_percentile(loop_lags, 0.5) * 1e3, 2),
-                                "p99": round(_percentile(loop_lags, 0.99) * 1e3, 2),
-                                "max": round((loop_lags[-1] if loop_lags else 0.0) * 1e3, 2)},
+      "simulator_loop_lag_ms": _summary_ms(loop_lags),
       "dispatcher_gc": {"collections": len(collections),
                         "seconds": round(sum(collections), 3),
                         "max_ms": round((collections[-1] if collections else 0.0) * 1e3, 2),
@@ -706,6 +725,9 @@ def run(args: argparse.Namespace) -> dict:
       "setup_s": round(setup_s, 2),
       # From the first join until every client joined (--join_spread_s).
       "joins_s": round(joins_s, 2), "joins_dispatcher_cpu_s": round(joins_cpu_s, 2),
+      # The other calls in those seconds, and what their callers saw.
+      "joins_rpcs": {kind: len(v) for kind, v in joins.items()},
+      "joins_latency_ms": {kind: _summary_ms(v) for kind, v in joins.items()},
       "dispatcher_start_s": round(start_s, 2),
       "restart_replay_s": round(restart_s, 2),
   }

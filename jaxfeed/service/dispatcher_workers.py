@@ -3,6 +3,7 @@ tasks it assigns them, and the splits of DYNAMIC jobs."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Sequence
@@ -26,6 +27,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     # Workers of replayed tasks: address -> when they count as lost if they
     # have not registered again by then.
     self._awaited: dict[str, float] = {}
+    # Split answers given, by (the call that carried them, whether it was a
+    # task's first request): for --metrics_port.
+    self.split_answers: collections.Counter[tuple[str, bool]] = collections.Counter()
 
   def _assign_tasks(self, job: Job) -> None:
     """Creates tasks for live workers that lack one (lock held)."""
@@ -154,7 +158,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       # 1,024 clients of a job are 1,024 ids sorted and sent per heartbeat.
       unchanged = request.known_clients_version == self.clients_version
       return pb.WorkerHeartbeatResponse(
-          new_tasks=[self._task_info(t) for tid, t in sorted(live.items())
+          new_tasks=[self._new_task_info(t, request) for tid, t in sorted(live.items())
                      if tid not in current and not t.finished],
           tasks_to_delete=sorted(current - set(live)),
           ticket_key=self._ticket_key(address),
@@ -166,6 +170,27 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
               len(self.workers), self.config.heartbeat_timeout_s))
 
+  def _new_task_info(self, task: Task, request: pb.WorkerHeartbeatRequest) -> pb.TaskInfo:
+    """A task handed to a worker; a DYNAMIC one with the answer to its first
+    GetSplits (lock held).
+
+    A pod's workers all get their tasks when a job starts, and each asked
+    for its first splits right after: one call per task in the join storm.
+    The answer is recorded as that GetSplits's (request_seq 1), so a lost
+    reply costs nothing: the task comes again (the worker does not list it)
+    with the same ranges, and a worker that ignores the field asks with
+    request_seq 1 and gets them too. Workers without an incarnation predate
+    numbered requests, and draining ones start no new task: they get none.
+    """
+    info = self._task_info(task)
+    job = self.jobs[task.job_id]
+    last = job.last_splits.get(task.task_id)
+    if (job.policy == ShardingPolicy.DYNAMIC and request.incarnation
+        and request.splits_per_request >= 0 and (last is None or last[0] == 1)):
+      info.first_splits.CopyFrom(self._answer_splits(
+          job, task.task_id, request.splits_per_request or 2, 1, "WorkerHeartbeat"))
+    return info
+
   def get_splits(self, request: pb.GetSplitsRequest) -> pb.GetSplitsResponse:
     with self.lock:
       job = self._job(request.job_id)
@@ -174,41 +199,48 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
                          "DYNAMIC jobs hand out splits.")
       if request.task_id not in job.tasks:
         raise rpc.NotFoundError(f"Task {request.task_id} is not part of job {job.job_id}.")
-      last = job.last_splits.get(request.task_id)
-      if request.request_seq and last is not None and last[0] == request.request_seq:
-        # The worker did not get the reply: the same ranges, still its own
-        # (they are acknowledged or reissued only after it had them).
-        return pb.GetSplitsResponse(ranges=[pb.SplitRange(start=a, stop=b)
-                                            for a, b in last[1]])
-      wanted = max(1, min(request.max_ranges, 64))
-      ranges = [pb.SplitRange(start=start, stop=stop)
-                for start, stop in sorted(job.reissue.items())[:wanted]]
-      start = job.next_position
-      split_size = self.config.heartbeat_pacing.split_size(self.config.split_size,
-                                                           len(job.tasks))
-      while len(ranges) < wanted:
-        if 0 <= job.num_positions <= start:
-          break
-        stop = start + split_size
-        if job.num_positions >= 0:
-          stop = min(stop, job.num_positions)
-        stop = read_state.clip(job.skip, start, stop)
-        ranges.append(pb.SplitRange(start=start, stop=stop))
-        start = read_state.skip_to(job.skip, stop)
-      issued = {"task_id": request.task_id, "ranges": [[r.start, r.stop] for r in ranges]}
-      if request.request_seq:
-        issued["request_seq"] = request.request_seq
-      if start != job.next_position:
-        self._record({"kind": "splits", "job_id": job.job_id, "next_position": start,
-                      **({} if job.exactly_once else issued)})
-      if not job.exactly_once:
-        return pb.GetSplitsResponse(ranges=ranges, end_of_splits=job.splits_exhausted)
-      if ranges:
-        self._record({"kind": "splits_issued", "job_id": job.job_id, **issued})
-      # The end only once every split arrived: until then a lost worker's
-      # splits may come back to this task.
-      return pb.GetSplitsResponse(ranges=ranges,
-                                  end_of_splits=not ranges and job.all_splits_delivered)
+      return self._answer_splits(job, request.task_id, request.max_ranges,
+                                 request.request_seq, "GetSplits")
+
+  def _answer_splits(self, job: Job, task_id: int, max_ranges: int, request_seq: int,
+                     via: str) -> pb.GetSplitsResponse:
+    """The answer to a task's GetSplits, recorded (lock held)."""
+    self.split_answers[(via, request_seq == 1)] += 1
+    last = job.last_splits.get(task_id)
+    if request_seq and last is not None and last[0] == request_seq:
+      # The worker did not get the reply: the same ranges, still its own
+      # (they are acknowledged or reissued only after it had them).
+      return pb.GetSplitsResponse(ranges=[pb.SplitRange(start=a, stop=b)
+                                          for a, b in last[1]])
+    wanted = max(1, min(max_ranges, 64))
+    ranges = [pb.SplitRange(start=start, stop=stop)
+              for start, stop in sorted(job.reissue.items())[:wanted]]
+    start = job.next_position
+    split_size = self.config.heartbeat_pacing.split_size(self.config.split_size,
+                                                         len(job.tasks))
+    while len(ranges) < wanted:
+      if 0 <= job.num_positions <= start:
+        break
+      stop = start + split_size
+      if job.num_positions >= 0:
+        stop = min(stop, job.num_positions)
+      stop = read_state.clip(job.skip, start, stop)
+      ranges.append(pb.SplitRange(start=start, stop=stop))
+      start = read_state.skip_to(job.skip, stop)
+    issued = {"task_id": task_id, "ranges": [[r.start, r.stop] for r in ranges]}
+    if request_seq:
+      issued["request_seq"] = request_seq
+    if start != job.next_position:
+      self._record({"kind": "splits", "job_id": job.job_id, "next_position": start,
+                    **({} if job.exactly_once else issued)})
+    if not job.exactly_once:
+      return pb.GetSplitsResponse(ranges=ranges, end_of_splits=job.splits_exhausted)
+    if ranges:
+      self._record({"kind": "splits_issued", "job_id": job.job_id, **issued})
+    # The end only once every split arrived: until then a lost worker's
+    # splits may come back to this task.
+    return pb.GetSplitsResponse(ranges=ranges,
+                                end_of_splits=not ranges and job.all_splits_delivered)
 
   def _finish_tasks(self, task_ids: Sequence[int]) -> None:
     for task_id in task_ids:

@@ -17,6 +17,10 @@ Dispatcher (per job where labelled `job`):
   jaxfeed_job_split_lag                 exactly-once splits issued, not yet acknowledged
   jaxfeed_job_splits_to_reissue         splits of lost workers waiting to be issued again
   jaxfeed_job_positions_issued          sampler positions handed out in splits
+  jaxfeed_dispatcher_split_answers_total  DYNAMIC split answers, by the call that
+                                        carried them (`via`: GetSplits, or
+                                        WorkerHeartbeat with a new task) and
+                                        whether it was a task's first (`first`)
   jaxfeed_job_client_elements_total     elements the clients' consumers took
   jaxfeed_job_client_wait_seconds_total seconds the consumers waited for input
   jaxfeed_job_client_buffer_fill        the clients' buffer fill (0..1, mean)
@@ -192,6 +196,7 @@ class _DispatcherCollector:
       for via in ("call", "worker", "timeout", "refused", "stale"):
         goodbyes.add_metric([via], state.goodbyes[via])
       reports = dict(state._reports)  # pylint: disable=protected-access
+      split_answers = sorted(state.split_answers.items())
       num_workers, num_jobs = len(state.workers), len(state.jobs)
       for job in state.jobs.values():
         label = [str(job.job_id)]
@@ -206,6 +211,12 @@ class _DispatcherCollector:
     yield gauge("jaxfeed_dispatcher_workers", "Registered workers.", value=num_workers)
     yield gauge("jaxfeed_dispatcher_jobs", "Jobs.", value=num_jobs)
     yield from (clients, lag, reissue, issued, elements, waited, fill, goodbyes)
+    answers = counter("jaxfeed_dispatcher_split_answers",
+                      "DYNAMIC split answers, by the call that carried them and "
+                      "whether it was a task's first.", labels=["via", "first"])
+    for (via, first), count in split_answers:
+      answers.add_metric([via, str(first).lower()], count)
+    yield answers
     yield gauge("jaxfeed_journal_bytes", "Size of the journal and snapshot files.",
                 value=_folder_bytes(state.config.work_dir))
     yield gauge("jaxfeed_journal_replay_records", "Records the last restart replayed.",

@@ -168,6 +168,9 @@ class _Worker:
     self.incarnation = secrets.token_hex(8)
     # Task id -> the number of its next GetSplits request (see GetSplitsRequest).
     self._split_requests: dict[int, int] = collections.defaultdict(lambda: 1)
+    # Task id -> the answer to its first GetSplits, which came with the task
+    # (TaskInfo.first_splits): (ranges, end_of_splits), until the task uses it.
+    self._first_splits: dict[int, tuple[list, bool]] = {}
     channel = rpc.make_channel(config.dispatcher_address, config.max_message_bytes, config.tls)
     self.channel = channel
     token = config.worker_token
@@ -198,11 +201,15 @@ class _Worker:
       held, self._held = self._held + held, []
       goodbyes, self._goodbyes = self._goodbyes, {}
     listed_version, listed_tasks, listed = self._listed
+    # Draining or stopping, it starts no new task: splits sent with one would
+    # wait unread until it leaves (at-most-once: lost).
+    starts_tasks = not (self.draining.is_set() or self.stop.is_set())
     try:
       response = self.heartbeat_call(
           pb.WorkerHeartbeatRequest(
               worker_address=self.address, data_address=self.data_address,
               incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
+              splits_per_request=self.config.splits_per_request if starts_tasks else -1,
               # The lists held cover exactly these tasks: they may stay.
               known_clients_version=(listed_version if listed_tasks == frozenset(current)
                                      else 0),
@@ -225,6 +232,7 @@ class _Worker:
       with self.lock:
         runner = self.tasks.pop(task_id, None)
         self.finished.discard(task_id)
+        self._first_splits.pop(task_id, None)
         self.dynamic_tasks.discard(task_id)
       if runner is not None:
         runner.stop()
@@ -259,6 +267,10 @@ class _Worker:
         return
       if task.sharding_policy == ShardingPolicy.DYNAMIC.value:
         self.dynamic_tasks.add(task.task_id)
+        if task.HasField("first_splits"):
+          self._first_splits[task.task_id] = (
+              [(r.start, r.stop) for r in task.first_splits.ranges],
+              task.first_splits.end_of_splits)
       self.tasks[task.task_id] = task_runner_lib.TaskRunner(
           task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
           on_finished=self._on_finished,
@@ -318,6 +330,10 @@ class _Worker:
     def fetch_numbered() -> tuple[list, bool]:
       with self.lock:
         request_seq = self._split_requests[task.task_id]
+        first = self._first_splits.pop(task.task_id, None) if request_seq == 1 else None
+        if first is not None:  # request 1 was answered with the task
+          self._split_requests[task.task_id] = 2
+          return first
       try:
         response = rpc.call_with_retry(
             self.splits_call,

@@ -218,6 +218,17 @@ def _get_splits(address: str, task: pb.TaskInfo, request_seq: int) -> list:
   return [(r.start, r.stop) for r in response.ranges]
 
 
+def _dynamic_task(address: str, exactly_once: bool) -> pb.TaskInfo:
+  """The task of worker "a" in a new DYNAMIC job, as its heartbeat hands it out."""
+  dataset_id = service.register_dataset(address, pipeline(100_000))
+  _worker_heartbeat(address, "a")
+  call(address, "GetOrCreateJob", pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="distributed_epoch",
+      exactly_once=exactly_once), pb.GetOrCreateJobResponse)
+  task, = _worker_heartbeat(address, "a").new_tasks
+  return task
+
+
 @pytest.mark.parametrize("exactly_once", [True, False], ids=["exactly_once", "at_most_once"])
 def test_a_repeated_get_splits_gets_the_same_ranges_also_after_restarts(
     cluster, tmp_path, exactly_once):
@@ -227,12 +238,7 @@ def test_a_repeated_get_splits_gets_the_same_ranges_also_after_restarts(
   port = free_port()
   flags = ("--snapshot_every_records=10",)
   dispatcher = start_dispatcher(cluster, port, tmp_path, *flags)
-  dataset_id = service.register_dataset(dispatcher.address, pipeline(100_000))
-  _worker_heartbeat(dispatcher.address, "a")
-  call(dispatcher.address, "GetOrCreateJob", pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="distributed_epoch",
-      exactly_once=exactly_once), pb.GetOrCreateJobResponse)
-  task, = _worker_heartbeat(dispatcher.address, "a").new_tasks
+  task = _dynamic_task(dispatcher.address, exactly_once)
   given = []
   for seq in range(1, 6):  # enough records for compactions in between
     ranges = _get_splits(dispatcher.address, task, seq)
@@ -243,6 +249,36 @@ def test_a_repeated_get_splits_gets_the_same_ranges_also_after_restarts(
     dispatcher = start_dispatcher(cluster, port, tmp_path, *flags)
     _worker_heartbeat(dispatcher.address, "a", [task.task_id])
     assert _get_splits(dispatcher.address, task, seq) == ranges
+
+
+@pytest.mark.parametrize("exactly_once", [True, False], ids=["exactly_once", "at_most_once"])
+def test_the_first_splits_handed_with_a_task_are_its_first_get_splits_answer(
+    cluster, tmp_path, exactly_once):
+  # An old worker ignores TaskInfo.first_splits and asks GetSplits with
+  # request_seq 1: it gets those ranges, also after a dispatcher restart. A
+  # worker whose heartbeat answer was lost gets the task again with them; one
+  # restarted loses the task, and (exactly-once) its splits go to its new one.
+  port = free_port()
+  dispatcher = start_dispatcher(cluster, port, tmp_path)
+  task = _dynamic_task(dispatcher.address, exactly_once)
+  first = [(r.start, r.stop) for r in task.first_splits.ranges]
+  assert task.HasField("first_splits") and len(first) == 2  # the default of 2 ranges
+  again, = _worker_heartbeat(dispatcher.address, "a").new_tasks  # not listed: lost
+  assert [(r.start, r.stop) for r in again.first_splits.ranges] == first
+  assert _get_splits(dispatcher.address, task, 1) == first
+  dispatcher.kill()
+  dispatcher = start_dispatcher(cluster, port, tmp_path)
+  assert not _worker_heartbeat(dispatcher.address, "a", [task.task_id]).new_tasks
+  assert _get_splits(dispatcher.address, task, 1) == first
+  later = _get_splits(dispatcher.address, task, 2)
+  assert later and not set(later) & set(first)
+  new, = _worker_heartbeat(dispatcher.address, "b").new_tasks  # a new process
+  assert new.task_id != task.task_id
+  new_first = [(r.start, r.stop) for r in new.first_splits.ranges]
+  if exactly_once:
+    assert new_first == first  # issued again, first come first
+  else:
+    assert new_first and not set(new_first) & set(first + later)
 
 
 @pytest.mark.parametrize("restart_dispatcher", [False, True], ids=["live", "restarted"])
