@@ -13,8 +13,13 @@ The parent hands them chunks of input positions `[start, stop)` in turn. A
 worker reads the chunk's elements with the input's `range_iterator`, applies
 the element ops to each with the record seed the thread path gives it, and
 
-  * without a filter, where a chunk is whole batches, stacks the batches and
-    writes them into a shared-memory slot owned by the parent. The parent
+  * without a filter, where a chunk is whole batches, writes the batches
+    into a shared-memory slot owned by the parent: each element's leaves go
+    to their batch row as soon as the element is computed (elements of 64
+    KiB or more, numeric leaves, shaped like the batch's first element:
+    `batch_placement.Template`), and a function with `writes_out=True` is
+    handed that row as `out`; a batch whose elements change shape, or that
+    does not fit the slot, is stacked there instead (as on threads). The parent
     returns arrays that are views of the slot, and reuses a slot only once no
     view of its earlier batches is alive; otherwise the slot is retired
     (unlinked; the memory goes with its last view) and a new one made;
@@ -54,11 +59,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import base, op_stats, parallel, stacking, tree
+from jaxfeed.ops import (base, batch_placement, op_stats, parallel, random_map,
+                         stacking, tree)
+from jaxfeed.ops import map as map_op
 from jaxfeed.ops.filter import predicate_result
 from jaxfeed.ops.process_pool import (WorkerProcessError, _ArrayRef, _attach,
                                       _picklable, _RemoteTraceback)
-from jaxfeed.ops.random_map import ElementGenerators
 
 __all__ = ["ProcessBatchNode", "ProcessBatchIterator", "fuse"]
 
@@ -140,14 +146,16 @@ class _Chain:
 
 
 def _stage_spec(node: base.Node) -> tuple:
+  """(kind, functions..., writes_out): what a worker rebuilds an op from."""
   params = node.spec_params()
+  writes_out = bool(params.get("writes_out"))
   if node.op_name == "map":
-    return ("map", params["fn"])
+    return ("map", params["fn"], writes_out)
   if node.op_name == "random_map":
-    return ("random_map", params["fn"], params["seed"] or 0)
+    return ("random_map", params["fn"], params["seed"] or 0, writes_out)
   if node.op_name == "filter":
-    return ("filter", params["predicate"])
-  return ("map_and_filter", params["fn"], params["predicate"])
+    return ("filter", params["predicate"], False)
+  return ("map_and_filter", params["fn"], params["predicate"], False)
 
 
 def fuse(batch_node: base.Node) -> "ProcessBatchNode | None":
@@ -163,8 +171,7 @@ def fuse(batch_node: base.Node) -> "ProcessBatchNode | None":
   except ValueError:
     return None
   params = [n.spec_params() for n in chain.stage_nodes]
-  # Functions writing into batch rows (writes_out) stay on threads.
-  if any(p.get("batched") or p.get("writes_out") for p in params):
+  if any(p.get("batched") for p in params):
     return None
   backends = {p.get("backend", "auto") for p in params}
   if "process" in backends:
@@ -248,19 +255,28 @@ class _ChunkRunner:
     self.input = _rebuild(input_cls, input_params)
     self.stages = [_stage_fn(s) for s in stages]
     self.filters = any(s[0] in ("filter", "map_and_filter") for s in stages)
+    # The last op writes into its element's batch row (writes_out).
+    self.hands_out_rows = stages[-1][-1] and not self.filters
+    self.template: batch_placement.Template | None = None  # the last batch's
 
-  def run(self, start: int, stop: int) -> tuple[list, int]:
-    """The outputs of input positions [start, stop) and the bytes they need.
+  def run(self, start: int, stop: int, block: memoryview | None
+          ) -> tuple[list, int, int]:
+    """The outputs of input positions [start, stop), the bytes they need and
+    the end of the batches already written into `block`.
 
-    Items are ("batch", skeleton, writes, first seed, next position) (see
-    `_plan_batch`; the batches of a chunk lie one after the other from byte
-    0), ("element", element, seed, next position), and at most one last
-    ("error", exc, traceback, next position).
+    Items are ("batch", skeleton, writes, first seed, next position) (the
+    batches of a chunk lie one after the other from byte 0; a batch whose
+    rows were written into `block` as they came has no writes, others are
+    planned by `_plan_batch`), ("element", element, seed, next position),
+    and at most one last ("error", exc, traceback, next position).
     """
     items = []
-    batch, first_seed, needed = [], 0, 0
+    batch, first_seed, needed, written = [], 0, 0, 0
+    rows: _Rows | None = None  # the batch being written into `block`
+    count = 0  # elements of the current batch
     iterator = self.input.range_iterator(start, stop)
     position = start
+    last = len(self.stages) - 1
     try:
       while position < stop:
         try:
@@ -272,9 +288,15 @@ class _ChunkRunner:
           raise
         position += 1
         seed = iterator.last_seed
+        if (count == 0 and block is not None and self.template is not None
+            and not batch):
+          rows = _Rows.open(block, needed, self.batch_size, self.template)
+        out = own = None
+        if rows is not None and self.hands_out_rows:
+          out, own = rows.row(count)
         keep = True
-        for stage in self.stages:
-          keep, element = stage(element, seed)
+        for index, stage in enumerate(self.stages):
+          keep, element = stage(element, seed, out if index == last else None)
           if not keep:
             break
         if not keep:
@@ -282,21 +304,125 @@ class _ChunkRunner:
         if self.filters:
           items.append(("element", element, seed, position))
           continue
-        if not batch:
+        if count == 0:
           first_seed = seed
-        batch.append(element)
-        if len(batch) == self.batch_size:
-          skeleton, writes, needed = _plan_batch(batch, needed)
-          items.append(("batch", skeleton, writes, first_seed, position))
-          batch = []
-      if batch and not self.drop_remainder:
-        skeleton, writes, needed = _plan_batch(batch, needed)
-        items.append(("batch", skeleton, writes, first_seed, position))
+          if block is not None and (rows is None or not rows.fits(element)):
+            # A first batch, or new shapes: rows like this element's.
+            self.template = _template(element)
+            rows = (None if self.template is None else
+                    _Rows.open(block, needed, self.batch_size, self.template))
+        if rows is not None and not rows.put(count, element, own):
+          batch = rows.elements(count)  # shapes changed: stacked instead
+          rows = None
+        if rows is None:
+          batch.append(element)
+        count += 1
+        if count == self.batch_size:
+          needed, written = self._finish(items, rows, batch, count,
+                                         first_seed, position, needed, written)
+          batch, rows, count = [], None, 0
+      if count and not self.drop_remainder:
+        needed, written = self._finish(items, rows, batch, count, first_seed,
+                                       position, needed, written)
     except Exception as exc:  # noqa: BLE001 -- raised in the consumer
-      items.append(("error", _picklable(exc), traceback.format_exc(), position))
+      text = traceback.format_exc()
+      _drop_tracebacks(exc)  # their frames hold views of `block`
+      items.append(("error", _picklable(exc), text, position))
     finally:
       iterator.close()
-    return items, needed
+    return items, needed, written
+
+  @staticmethod
+  def _finish(items: list, rows: "_Rows | None", batch: list, count: int,
+              first_seed: int, position: int, needed: int, written: int
+              ) -> tuple[int, int]:
+    if rows is not None:
+      items.append(("batch", rows.skeleton(count), [], first_seed, position))
+      return rows.end, rows.end
+    skeleton, writes, needed = _plan_batch(batch, needed)
+    items.append(("batch", skeleton, writes, first_seed, position))
+    return needed, written
+
+
+def _template(element: Any) -> "batch_placement.Template | None":
+  """The rows to write elements like `element` into, if it has a layout."""
+  template = batch_placement.Template.of(element)
+  if template is None or template.nbytes < batch_placement.MIN_ELEMENT_BYTES:
+    return None  # small elements: stacking them costs less than placing
+  return template
+
+
+def _drop_tracebacks(exc: BaseException | None) -> None:
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    exc.__traceback__ = None
+    exc = exc.__cause__ or exc.__context__
+
+
+def _align(offset: int) -> int:
+  return (offset + 63) // 64 * 64  # keep every array 64-byte aligned
+
+
+class _Rows:
+  """A batch written into a slot an element at a time, from byte `start`.
+
+  Arrays of `batch_size` rows per leaf of the template; each element's
+  leaves go to their row as soon as the element is computed (while it is
+  still in the cache), so no list of elements is stacked afterwards.
+  """
+
+  __slots__ = ("template", "offsets", "arrays", "end")
+
+  def __init__(self, template, offsets: list, arrays: list, end: int):
+    self.template, self.offsets, self.arrays = template, offsets, arrays
+    self.end = end
+
+  @classmethod
+  def open(cls, block: memoryview, start: int, batch_size: int,
+           template) -> "_Rows | None":
+    """The batch's rows, or None if the block is too small for them."""
+    offsets, offset = [], start
+    for shape, dtype in template.specs:
+      offset = _align(offset)
+      offsets.append(offset)
+      offset += batch_size * int(np.prod(shape)) * dtype.itemsize
+    if offset > len(block):
+      return None
+    arrays = [np.ndarray((batch_size,) + shape, dtype, buffer=block, offset=o)
+              for o, (shape, dtype) in zip(offsets, template.specs)]
+    return cls(template, offsets, arrays, offset)
+
+  def row(self, row: int) -> tuple[Any, list]:
+    """Row `row` as `out` (the element's structure) and as a leaf list."""
+    own = [array[row, ...] for array in self.arrays]  # 0-d rows stay arrays
+    return tree.unflatten(self.template.structure, own), own
+
+  def fits(self, element: Any) -> bool:
+    return self.template.leaves_of(element) is not None
+
+  def put(self, row: int, element: Any, own: list | None) -> bool:
+    """Writes `element` into row `row`; False if it does not fit. A leaf
+    that is the row's own array (`own`, handed to fn as `out`) is there."""
+    leaves = self.template.leaves_of(element)
+    if leaves is None:
+      return False
+    for i, (array, leaf) in enumerate(zip(self.arrays, leaves)):
+      if own is None or leaf is not own[i]:
+        array[row] = leaf
+    return True
+
+  def elements(self, count: int) -> list:
+    """Copies of the first `count` elements (to stack with later ones)."""
+    return [tree.unflatten(self.template.structure,
+                           [array[row, ...].copy() for array in self.arrays])
+            for row in range(count)]
+
+  def skeleton(self, count: int) -> Any:
+    """The batch of the first `count` rows as `_ArrayRef`s."""
+    refs = [_ArrayRef(offset, array.dtype.str, (count,) + array.shape[1:])
+            for offset, array in zip(self.offsets, self.arrays)]
+    return tree.unflatten(self.template.structure, refs)
 
 
 def _plan_batch(elements: list, start: int) -> tuple[Any, list, int]:
@@ -323,31 +449,35 @@ def _plan_batch(elements: list, start: int) -> tuple[Any, list, int]:
         markers.append(source)
         continue
       shape, dtype = source.shape, source.dtype
-    offset = (offset + 63) // 64 * 64  # keep every array 64-byte aligned
+    offset = _align(offset)
     markers.append(_ArrayRef(offset, dtype.str, shape))
     writes.append((offset, shape, dtype, source))
     offset += int(np.prod(shape)) * dtype.itemsize
   return tree.unflatten(structure, markers), writes, offset
 
 
-def _stage_fn(spec: tuple) -> Callable[[Any, int], tuple[bool, Any]]:
-  kind = spec[0]
-  if kind == "map":
-    fn = spec[1]
-    return lambda element, seed: (True, parallel.call_unpacked(fn, element))
-  if kind == "random_map":
-    fn, generators = spec[1], ElementGenerators(spec[2])
-    return lambda element, seed: (True, fn(element, generators(seed)))
+def _stage_fn(spec: tuple) -> Callable[[Any, int, Any], tuple[bool, Any]]:
+  """stage(element, seed, out) -> (keep, output); `out` is the element's
+  batch row for an op with writes_out (else ignored; None: no row)."""
+  kind, writes_out = spec[0], spec[-1]
+  if kind in ("map", "random_map"):
+    # The thread path's own work functions: the same calls, `out` included.
+    work = (map_op._map_work(spec[1], writes_out) if kind == "map"  # pylint: disable=protected-access
+            else random_map._random_map_work(  # pylint: disable=protected-access
+                spec[1], random_map.ElementGenerators(spec[2]), writes_out))
+    if writes_out:
+      return lambda element, seed, out: (True, work(element, seed, out=out))
+    return lambda element, seed, out: (True, work(element, seed))
   if kind == "filter":
     predicate = spec[1]
 
-    def keep(element, seed):
+    def keep(element, seed, out):
       result = parallel.call_unpacked(predicate, element)
       return predicate_result(predicate, result, "filter"), element
     return keep
   fn, predicate = spec[1], spec[2]
 
-  def map_and_keep(element, seed):
+  def map_and_keep(element, seed, out):
     mapped = parallel.call_unpacked(fn, element)
     result = parallel.call_unpacked(predicate, mapped)
     return predicate_result(predicate, result, "filter"), mapped
@@ -375,15 +505,18 @@ def _worker_main(payload: bytes, conn) -> None:
     for name in retired:
       block = slots.pop(name, None)
       if block is not None:
-        block.close()
+        _close(block)
     begin = time.perf_counter()
-    items, needed = runner.run(start, stop)
-    if slot_name is None:
+    block = None
+    if slot_name is not None:
+      if slot_name not in slots:
+        slots[slot_name] = _attach(slot_name)
+      block = slots[slot_name]
+    items, needed, written = runner.run(start, stop,
+                                        None if block is None else block.buf)
+    if block is None:
       conn.send(("done", items, time.perf_counter() - begin))
       continue
-    if slot_name not in slots:
-      slots[slot_name] = _attach(slot_name)
-    block = slots[slot_name]
     if needed > block.size:
       conn.send(("grow", needed))
       try:
@@ -395,8 +528,9 @@ def _worker_main(payload: bytes, conn) -> None:
         return
       if reply[0] != "slot":
         return
-      slot_name = reply[1]
-      block = slots[slot_name] = _attach(slot_name)
+      old = block
+      block = slots[reply[1]] = _attach(reply[1])
+      block.buf[:written] = old.buf[:written]  # the batches written in place
     headers = []
     for item in items:
       if item[0] == "batch":
@@ -406,10 +540,19 @@ def _worker_main(payload: bytes, conn) -> None:
             np.stack(source, out=view)
           else:
             view[...] = source
+          del view
         item = ("batch", item[1]) + item[3:]
       headers.append(item)
     del items
     conn.send(("done", headers, time.perf_counter() - begin))
+    del headers
+
+
+def _close(block: shared_memory.SharedMemory) -> None:
+  try:
+    block.close()
+  except BufferError:
+    pass  # a view of it lives on (kept by fn): unmapped when the worker exits
 
 
 # ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ backends), the AUTOTUNE switch between backends, and that closing (or
 losing a worker) leaves no process or shared memory behind.
 """
 
+import functools
 import gc
 import json
 import os
@@ -24,7 +25,9 @@ import op_testing
 from op_testing import (assert_identical_batch, elements_and_seeds,
                         process_alive, shared_memory_exists)
 # In a module of their own: each worker imports the module of a function.
-from process_udfs import (busy_python, fails_on_seven, jitter,
+from process_udfs import (busy_python, fails_on_seven, image_in_one_buffer,
+                          image_rows, image_rows_fail_at_13,
+                          image_rows_widen_at_18, jitter,
                           not_multiple_of_three, plus_ten, wide_after_400)
 
 
@@ -293,3 +296,98 @@ def test_outputs_that_grow_get_slots_big_enough():
     del held  # ... all free now, and too small for what follows
     last_column = [int(batch[-1, -1]) for batch in it]
   assert last_column == list(range(327, 800, 8))
+
+
+# ---------------------------------------------------------------------------
+# rows written into the slot as elements come (64 KiB elements and more)
+# ---------------------------------------------------------------------------
+def _image_chain(fn, backend, writes_out, n=42, batch_size=4, **kw):
+  kw.update(num_parallel_calls=2, backend=backend)
+  if writes_out:
+    kw["writes_out"] = True
+  return Dataset.range(n).map(fn, **kw).batch(batch_size)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 24])  # 24: over the first 1 MiB slot
+@pytest.mark.parametrize("writes_out", [False, True])
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_rows_written_in_place_are_the_thread_batches(tmp_path, dtype,
+                                                       writes_out, chunk):
+  log = tmp_path / "rows"
+  fn = functools.partial(image_rows, dtype=dtype, log=str(log))
+  with _threads(_image_chain(fn, "thread", writes_out)) as it:
+    expected = list(it)
+  log.unlink()
+  with _processes(_image_chain(fn, "process", writes_out), chunk=chunk) as it:
+    ours = list(it)
+    names = it.shared_memory_names()
+  _assert_same_batches(ours, expected)
+  assert len(ours[-1]["label"]) == 2  # the short last batch
+  assert not any(shared_memory_exists(n) for n in names)
+  had_rows = [int(line) for line in log.read_text().split()]
+  assert len(had_rows) == 42
+  if writes_out:
+    # Each worker's first element has no template yet; later ones have rows
+    # (but those of batches past a slot too small for them).
+    assert sum(had_rows) >= (42 - 2 if chunk < 24 else 42 // 2)
+  else:
+    assert not any(had_rows)
+
+
+@pytest.mark.parametrize("writes_out", [False, True])
+@pytest.mark.parametrize("fn", [image_rows_widen_at_18, image_rows_fail_at_13])
+def test_shape_changes_and_errors_mid_batch_are_those_of_threads(fn, writes_out):
+  with _threads(_image_chain(fn, "thread", writes_out)) as it:
+    expected = op_testing.next_outcomes(it)
+  assert any(isinstance(o, str) for o in expected)  # the batch that fails
+  for chunk in (4, 12):
+    with _processes(_image_chain(fn, "process", writes_out), chunk=chunk) as it:
+      op_testing.assert_same_outcomes(op_testing.next_outcomes(it), expected)
+
+
+def test_each_element_is_in_its_row_before_the_next_is_computed():
+  # The function hands out the same array every call: stacking the
+  # elements of a batch after computing them all would repeat the last one.
+  dataset = Dataset.range(40).map(image_in_one_buffer, backend="process").batch(4)
+  with _processes(dataset, chunk=8) as it:
+    batches = list(it)
+  assert [b["pixels"][:, 0, 0, 0].tolist() for b in batches] == [
+      [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(10)]
+
+
+def test_writes_out_resumes_exactly_across_backends():
+  build = lambda backend: _image_chain(image_rows, backend, True, n=30)
+  with _threads(build("thread")) as it:
+    expected = list(it)
+  for cut in (1, 3, 7):
+    with _processes(build("process"), chunk=8) as it:
+      for _ in range(cut):
+        next(it)
+      state = it.get_state()
+    with _threads(build("thread")) as it:
+      it.set_state(state)
+      _assert_same_batches(list(it), expected[cut:])
+    with _threads(build("thread")) as it:
+      for _ in range(cut):
+        next(it)
+      state = it.get_state()
+    with _processes(build("process"), chunk=12) as it:
+      it.set_state(state)
+      _assert_same_batches(list(it), expected[cut:])
+
+
+def test_autotune_runs_writes_out_maps_on_either_backend(monkeypatch):
+  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
+  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
+  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", 1e9)
+  monkeypatch.setattr(process_batch, "PROCESS_MARGIN", 0.0)
+  monkeypatch.setattr(process_batch, "MIN_BATCHES_LEFT", 1)
+  build = lambda npc: Dataset.range(200).map(
+      image_rows, num_parallel_calls=npc, writes_out=True).batch(2)
+  with _threads(build(None)) as it:
+    expected = list(it)
+  with build(jaxfeed.AUTOTUNE).make_iterator() as it:
+    assert isinstance(_root(it), process_batch.ProcessBatchIterator)
+    ours = list(it)
+    assert _root(it).backend == "process"
+  _assert_same_batches(ours, expected)
