@@ -48,6 +48,7 @@ import copy
 import io
 import mmap
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -80,6 +81,9 @@ CHUNK_WORK_S = 0.02
 
 CHUNKS_PER_WORKER = 2
 """Chunks queued at each worker (one computing, one waiting)."""
+
+AHEAD_CHUNKS = 3
+"""Chunks per worker sent and not yet consumed (each holds a slot)."""
 
 THREADS_USE_CORES = 1.5
 """AUTOTUNE keeps threads when they keep this many cores busy."""
@@ -217,6 +221,9 @@ class ProcessBatchNode(base.Node):
           f"{_OP}: chunk must be a multiple of the batch size "
           f"{self.chain.batch_size} when no filter runs, got {self.chunk}.")
     self.copy = bool(copy)
+    # What iterators measured (slot bytes, chunk size): the next iterator (the
+    # next epoch) starts from it instead of growing its slots again.
+    self.learned: dict[str, int] = {}
 
   def spec_params(self) -> dict:
     return {"backend": self.backend, "num_workers": self.num_workers,
@@ -259,10 +266,11 @@ class _ChunkRunner:
     self.hands_out_rows = stages[-1][-1] and not self.filters
     self.template: batch_placement.Template | None = None  # the last batch's
 
-  def run(self, start: int, stop: int, block: memoryview | None
+  def run(self, start: int, stop: int, slot: "_WorkerSlot | None"
           ) -> tuple[list, int, int]:
     """The outputs of input positions [start, stop), the bytes they need and
-    the end of the batches already written into `block`.
+    the end of the batches already written into the slot (None: a chain
+    with a filter, whose elements go back through the pipe).
 
     Items are ("batch", skeleton, writes, first seed, next position) (the
     batches of a chunk lie one after the other from byte 0; a batch whose
@@ -288,9 +296,8 @@ class _ChunkRunner:
           raise
         position += 1
         seed = iterator.last_seed
-        if (count == 0 and block is not None and self.template is not None
-            and not batch):
-          rows = _Rows.open(block, needed, self.batch_size, self.template)
+        if count == 0 and slot is not None and self.template is not None:
+          rows = self._open(slot, needed, written, stop - position + 1)
         out = own = None
         if rows is not None and self.hands_out_rows:
           out, own = rows.row(count)
@@ -306,11 +313,11 @@ class _ChunkRunner:
           continue
         if count == 0:
           first_seed = seed
-          if block is not None and (rows is None or not rows.fits(element)):
+          if slot is not None and (rows is None or not rows.fits(element)):
             # A first batch, or new shapes: rows like this element's.
             self.template = _template(element)
             rows = (None if self.template is None else
-                    _Rows.open(block, needed, self.batch_size, self.template))
+                    self._open(slot, needed, written, stop - position + 1))
         if rows is not None and not rows.put(count, element, own):
           batch = rows.elements(count)  # shapes changed: stacked instead
           rows = None
@@ -331,6 +338,18 @@ class _ChunkRunner:
     finally:
       iterator.close()
     return items, needed, written
+
+  def _open(self, slot: "_WorkerSlot", start: int, written: int,
+            left: int) -> "_Rows":
+    """Rows for the next batch from byte `start`, in a bigger slot if this
+    one is too small (then big enough for the `left` positions' batches)."""
+    rows = _Rows.open(slot.buf, start, self.batch_size, self.template)
+    if rows is None:
+      batches = -(-left // self.batch_size)
+      size = _Rows.layout(0, self.batch_size, self.template)[1]
+      rows = _Rows.open(slot.grow(start + batches * _align(size), written),
+                        start, self.batch_size, self.template)
+    return rows
 
   @staticmethod
   def _finish(items: list, rows: "_Rows | None", batch: list, count: int,
@@ -378,15 +397,21 @@ class _Rows:
     self.template, self.offsets, self.arrays = template, offsets, arrays
     self.end = end
 
-  @classmethod
-  def open(cls, block: memoryview, start: int, batch_size: int,
-           template) -> "_Rows | None":
-    """The batch's rows, or None if the block is too small for them."""
+  @staticmethod
+  def layout(start: int, batch_size: int, template) -> tuple[list, int]:
+    """Where a batch's arrays go from byte `start` on, and where they end."""
     offsets, offset = [], start
     for shape, dtype in template.specs:
       offset = _align(offset)
       offsets.append(offset)
       offset += batch_size * int(np.prod(shape)) * dtype.itemsize
+    return offsets, offset
+
+  @classmethod
+  def open(cls, block: memoryview, start: int, batch_size: int,
+           template) -> "_Rows | None":
+    """The batch's rows, or None if the block is too small for them."""
+    offsets, offset = cls.layout(start, batch_size, template)
     if offset > len(block):
       return None
     arrays = [np.ndarray((batch_size,) + shape, dtype, buffer=block, offset=o)
@@ -484,6 +509,64 @@ def _stage_fn(spec: tuple) -> Callable[[Any, int, Any], tuple[bool, Any]]:
   return map_and_keep
 
 
+class _ParentGone(BaseException):
+  """The parent closed the pipe mid-chunk (not a function's error)."""
+
+
+# Mapping a slot maps all its pages in one call: touching them one by one
+# costs a page fault each (a 77 MB batch: 19k faults, ~15x slower).
+_POPULATE = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+class _Mapped:
+  """A slot mapped by a worker."""
+
+  def __init__(self, name: str):
+    shm = _attach(name)
+    self.size = shm.size
+    self.map = mmap.mmap(shm._fd, shm.size, flags=_POPULATE)  # pylint: disable=protected-access
+    shm.close()
+    self.buf = memoryview(self.map)
+
+  def close(self) -> None:
+    self.buf.release()
+    self.map.close()
+
+
+class _WorkerSlot:
+  """The slot a worker writes a chunk's batches into (worker side); `grow`
+  asks the parent for a bigger one and moves what was written there."""
+
+  def __init__(self, conn, slots: dict, queued: collections.deque, name: str):
+    # `slots`: the worker's mapped slots by name (mapped once each).
+    self.conn, self.slots, self.queued = conn, slots, queued
+    if name not in slots:
+      slots[name] = _Mapped(name)
+    self.block = slots[name]
+
+  @property
+  def buf(self) -> memoryview:
+    return self.block.buf
+
+  def grow(self, needed: int, written: int) -> memoryview:
+    """A slot of `needed` bytes or more holding bytes [0, written) of this
+    one (the batches already written)."""
+    self.conn.send(("grow", needed))
+    try:
+      reply = self.conn.recv()
+      while reply[0] == "chunk":
+        self.queued.append(reply)
+        reply = self.conn.recv()
+    except (EOFError, OSError) as exc:
+      raise _ParentGone from exc
+    if reply[0] != "slot":
+      raise _ParentGone
+    old = self.block
+    self.block = self.slots[reply[1]] = _Mapped(reply[1])
+    self.block.buf[:written] = old.buf[:written]
+    return self.block.buf
+
+
 def _worker_main(payload: bytes, conn) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   try:
@@ -494,61 +577,50 @@ def _worker_main(payload: bytes, conn) -> None:
   conn.send(("ready",))
   slots: dict[str, shared_memory.SharedMemory] = {}
   queued: collections.deque = collections.deque()  # chunks sent meanwhile
-  while True:
-    try:
-      message = queued.popleft() if queued else conn.recv()
-    except (EOFError, OSError):
-      return  # The parent went away.
-    if message[0] == "stop":
-      return
-    _, start, stop, slot_name, retired = message
-    for name in retired:
-      block = slots.pop(name, None)
-      if block is not None:
-        _close(block)
-    begin = time.perf_counter()
-    block = None
-    if slot_name is not None:
-      if slot_name not in slots:
-        slots[slot_name] = _attach(slot_name)
-      block = slots[slot_name]
-    items, needed, written = runner.run(start, stop,
-                                        None if block is None else block.buf)
-    if block is None:
-      conn.send(("done", items, time.perf_counter() - begin))
-      continue
-    if needed > block.size:
-      conn.send(("grow", needed))
+  try:
+    while True:
       try:
-        reply = conn.recv()
-        while reply[0] == "chunk":
-          queued.append(reply)
-          reply = conn.recv()
+        message = queued.popleft() if queued else conn.recv()
       except (EOFError, OSError):
+        return  # The parent went away.
+      if message[0] == "stop":
         return
-      if reply[0] != "slot":
-        return
-      old = block
-      block = slots[reply[1]] = _attach(reply[1])
-      block.buf[:written] = old.buf[:written]  # the batches written in place
-    headers = []
-    for item in items:
-      if item[0] == "batch":
-        for offset, shape, dtype, source in item[2]:
-          view = np.ndarray(shape, dtype, buffer=block.buf, offset=offset)
-          if type(source) is list:
-            np.stack(source, out=view)
-          else:
-            view[...] = source
-          del view
-        item = ("batch", item[1]) + item[3:]
-      headers.append(item)
-    del items
-    conn.send(("done", headers, time.perf_counter() - begin))
-    del headers
+      _, start, stop, slot_name, retired = message
+      for name in retired:
+        block = slots.pop(name, None)
+        if block is not None:
+          _close(block)
+      begin = time.perf_counter()
+      slot = (None if slot_name is None
+              else _WorkerSlot(conn, slots, queued, slot_name))
+      items, needed, written = runner.run(start, stop, slot)
+      if slot is not None:
+        if needed > slot.block.size:
+          slot.grow(needed, written)
+        _write_planned(items, slot.buf)
+        del slot
+      conn.send(("done", items, time.perf_counter() - begin))
+      del items
+  except _ParentGone:
+    return
 
 
-def _close(block: shared_memory.SharedMemory) -> None:
+def _write_planned(items: list, buf: memoryview) -> None:
+  """Writes the batches planned by `_plan_batch` (stacking them into `buf`)
+  and leaves only their skeletons in `items`."""
+  for i, item in enumerate(items):
+    if item[0] == "batch":
+      for offset, shape, dtype, source in item[2]:
+        view = np.ndarray(shape, dtype, buffer=buf, offset=offset)
+        if type(source) is list:
+          np.stack(source, out=view)
+        else:
+          view[...] = source
+        del view
+      items[i] = ("batch", item[1]) + item[3:]
+
+
+def _close(block: _Mapped) -> None:
   try:
     block.close()
   except BufferError:
@@ -578,21 +650,30 @@ class _SharedArrayPickler(pickle.Pickler):
 class _Slot:
   """A shared-memory block batches are written to, mapped by the parent."""
 
-  __slots__ = ("shm", "map", "size", "guard", "taken")
+  __slots__ = ("shm", "map", "size", "guard", "taken", "mapped_by")
 
   def __init__(self, size: int):
     self.shm = shared_memory.SharedMemory(create=True, size=size)
-    # A mapping of our own: the views handed out hold it, so after the slot
-    # is retired (unlinked) its memory lives exactly as long as they do.
-    self.map = mmap.mmap(self.shm._fd, size)  # pylint: disable=protected-access
+    self.map: mmap.mmap | None = None  # see `mapping`
     self.size = size
-    self.shm.close()
     self.guard: weakref.ref | None = None  # the views' buffer
     self.taken = True  # by a chunk in flight or not yet returned
+    self.mapped_by: set[int] = set()  # the workers that mapped it
 
   @property
   def name(self) -> str:
     return self.shm.name
+
+  def mapping(self) -> mmap.mmap:
+    """The parent's mapping of the slot, made when its first batches are
+    back: the worker that wrote them made the pages, which are then mapped
+    at once instead of a fault each as the consumer reads them. The views
+    handed out hold it, so after the slot is retired (unlinked) its memory
+    lives exactly as long as they do."""
+    if self.map is None:
+      self.map = mmap.mmap(self.shm._fd, self.size, flags=_POPULATE)  # pylint: disable=protected-access
+      self.shm.close()
+    return self.map
 
   def in_use(self) -> bool:
     """Whether a chunk or a view handed out uses the slot."""
@@ -603,7 +684,9 @@ class _Slot:
       self.shm.unlink()
     except FileNotFoundError:
       pass
-    if not self.in_use():
+    if self.map is None:
+      self.shm.close()
+    elif not self.in_use():
       self.map.close()
     self.map = None
 
@@ -661,6 +744,24 @@ class _Workers:
     except (OSError, ValueError) as exc:
       raise self._died(index, "receiving work") from exc
 
+  def wait(self, doing: dict[int, str]) -> list[tuple[int, tuple]]:
+    """(index, message) of the workers in `doing` (index -> what it does)
+    that sent one, within `_RECV_POLL_S`; WorkerProcessError if one died."""
+    conns = {self.workers[i][1]: i for i in doing}
+    ready = multiprocessing.connection.wait(list(conns), _RECV_POLL_S)
+    if not ready:
+      for index in doing:
+        if not self.workers[index][0].is_alive():
+          raise self._died(index, doing[index])
+    messages = []
+    for conn in ready:
+      index = conns[conn]
+      try:
+        messages.append((index, conn.recv()))
+      except (EOFError, OSError) as exc:
+        raise self._died(index, doing[index]) from exc
+    return messages
+
   def recv(self, index: int, doing: str) -> tuple:
     """The worker's next message; WorkerProcessError if it died."""
     process, conn = self.workers[index]
@@ -680,16 +781,23 @@ class _Workers:
         f"(exit code {process.exitcode}) while {doing}; the iterator cannot "
         f"go on. Restore its last state into a new iterator to resume.")
 
-  def slot(self, size: int) -> _Slot:
-    """A slot of `size` bytes or more that no chunk or live view uses."""
+  def slot(self, size: int, worker: int) -> _Slot:
+    """A slot of `size` bytes or more that no chunk or live view uses, for
+    `worker`: one it mapped already if there is one."""
+    free = []
     for slot in list(self.slots):
       if not slot.in_use():
         if slot.size >= size:
-          slot.taken, slot.guard = True, None
-          return slot
-        self.retire(slot)  # outgrown
-    slot = _Slot(size)
-    self.slots.append(slot)
+          free.append(slot)
+        else:
+          self.retire(slot)  # outgrown
+    if free:
+      slot = next((s for s in free if worker in s.mapped_by), free[0])
+      slot.taken, slot.guard = True, None
+    else:
+      slot = _Slot(size)
+      self.slots.append(slot)
+    slot.mapped_by.add(worker)
     return slot
 
   def release(self, slot: _Slot) -> None:
@@ -741,17 +849,24 @@ def _context():
   # A fork server forks workers from a clean single-threaded process (safe
   # beside JAX and gRPC threads, unlike fork) that has this module imported
   # already, so a worker starts in milliseconds instead of a spawn's second.
+  # The image and Example modules (with the JPEG decoders, when installed)
+  # are preloaded too: a worker that imported them itself would pay ~0.1 s
+  # per iterator (per epoch) on image pipelines.
   ctx = multiprocessing.get_context("forkserver")
   ctx.set_forkserver_preload(["__main__", "jaxfeed.sources", "jaxfeed.sampler",
-                              __name__])
+                              "jaxfeed.example", "jaxfeed.image", __name__])
   return ctx
 
 
 class _Chunk:
-  __slots__ = ("worker", "start", "stop", "slot")
+  __slots__ = ("worker", "start", "stop", "slot", "reply")
 
   def __init__(self, worker: int, start: int, stop: int, slot: _Slot | None):
     self.worker, self.start, self.stop, self.slot = worker, start, stop, slot
+    self.reply: tuple[list, float] | None = None  # (headers, busy s) once done
+
+  def doing(self) -> str:
+    return f"computing input positions [{self.start}, {self.stop})"
 
 
 class ProcessBatchIterator(base.OpIterator):
@@ -806,12 +921,14 @@ class ProcessBatchIterator(base.OpIterator):
     self._workers = _Workers(self._chain.worker_payload(), self._stats["num_workers"])
     self._finalizer = weakref.finalize(self, self._workers.close)
     self._inflight: collections.deque = collections.deque()
+    # Per worker, its chunks not done yet, in the order it computes them.
+    self._pending = [collections.deque() for _ in range(len(self._workers))]
     self._items: collections.deque = collections.deque()
     self._next_start = position
     self._position = position
     self._chunks_sent = self._chunks_received = 0
-    self._slot_bytes = 1 << 20
-    self._chunk_size = self._node.chunk or (
+    self._slot_bytes = self._node.learned.get("slot_bytes", 1 << 20)
+    self._chunk_size = self._node.chunk or self._node.learned.get("chunk") or (
         _MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size)
     self._tuned_chunk = self._node.chunk is None
 
@@ -939,21 +1056,30 @@ class ProcessBatchIterator(base.OpIterator):
     return stacking.stack(elements, "batch")
 
   def _submit(self) -> None:
+    """Sends chunks to the workers with the fewest to compute (at most
+    `CHUNKS_PER_WORKER` each), up to `AHEAD_CHUNKS` per worker not yet
+    consumed: a worker that is ahead goes on while the consumer waits for
+    a slower one's chunk."""
     workers = self._workers
-    depth = CHUNKS_PER_WORKER * len(workers)
+    depth = AHEAD_CHUNKS * len(workers)
+    pending = self._pending
     while len(self._inflight) < depth and (self._end is None
                                            or self._next_start < self._end):
+      index = min(range(len(workers)), key=lambda i: len(pending[i]))
+      if len(pending[index]) >= CHUNKS_PER_WORKER:
+        return
       start = self._next_start
       stop = start + self._chunk_size
       if self._end is not None:
         stop = min(stop, self._end)
-      index = self._chunks_sent % len(workers)
       slot = None
       if not self._chain.filters:
-        slot = workers.slot(self._slot_bytes)
+        slot = workers.slot(self._slot_bytes, index)
       workers.send(index, ("chunk", start, stop, None if slot is None else slot.name,
                            workers.take_retired(index)))
-      self._inflight.append(_Chunk(index, start, stop, slot))
+      chunk = _Chunk(index, start, stop, slot)
+      self._inflight.append(chunk)
+      pending[index].append(chunk)
       self._chunks_sent += 1
       self._next_start = stop
 
@@ -971,7 +1097,7 @@ class ProcessBatchIterator(base.OpIterator):
       return True
     # Every array is a view of `whole`, whose buffer (the memoryview numpy
     # made of the mapping) lives exactly as long as some view does.
-    whole = np.frombuffer(chunk.slot.map, np.uint8)
+    whole = np.frombuffer(chunk.slot.mapping(), np.uint8)
     copy_out = self._node.copy
 
     def restore(leaf):
@@ -991,19 +1117,29 @@ class ProcessBatchIterator(base.OpIterator):
     self._items.append(("release", chunk.slot))
     return True
 
-  def _result(self, chunk: _Chunk) -> tuple[list, float]:
-    workers = self._workers
-    doing = f"computing input positions [{chunk.start}, {chunk.stop})"
-    while True:
-      reply = workers.recv(chunk.worker, doing)
-      if reply[0] == "done":
-        return reply[1], reply[2]
-      # "grow": the chunk's batches need a bigger slot.
-      self._slot_bytes = max(2 * chunk.slot.size, reply[1])
-      chunk.slot.taken = False
-      workers.retire(chunk.slot)
-      chunk.slot = workers.slot(self._slot_bytes)
-      workers.send(chunk.worker, ("slot", chunk.slot.name))
+  def _result(self, chunk: _Chunk, refill: bool = True) -> tuple[list, float]:
+    """The chunk's (headers, busy seconds). Meanwhile answers every worker
+    (a slot to grow) and, with `refill`, gives a worker that finished its
+    chunks new ones."""
+    workers, pending = self._workers, self._pending
+    while chunk.reply is None:
+      busy = {i: queue[0].doing() for i, queue in enumerate(pending) if queue}
+      for index, reply in workers.wait(busy):
+        oldest = pending[index][0]  # a worker computes its chunks in order
+        if reply[0] == "done":
+          oldest.reply = reply[1], reply[2]
+          pending[index].popleft()
+          if refill:
+            self._submit()
+          continue
+        # "grow": the chunk's batches need a bigger slot.
+        self._slot_bytes = max(2 * oldest.slot.size, reply[1])
+        self._node.learned["slot_bytes"] = self._slot_bytes
+        oldest.slot.taken = False
+        workers.retire(oldest.slot)
+        oldest.slot = workers.slot(self._slot_bytes, index)
+        workers.send(index, ("slot", oldest.slot.name))
+    return chunk.reply
 
   def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:
     if not self._tuned_chunk or chunk.stop <= chunk.start:
@@ -1015,14 +1151,14 @@ class ProcessBatchIterator(base.OpIterator):
     else:
       batch = self._chain.batch_size
       size = batch * int(min(max(target // batch, 1), _MAX_CHUNK_BATCHES))
-    self._chunk_size = size
+    self._chunk_size = self._node.learned["chunk"] = size
     self._stats["chunk"] = size
 
   def _drain(self) -> None:
     """Waits for the chunks in flight and drops their outputs."""
     while self._inflight:
       chunk = self._inflight.popleft()
-      self._result(chunk)
+      self._result(chunk, refill=False)
       if chunk.slot is not None:
         self._workers.release(chunk.slot)
     while self._items:
