@@ -46,16 +46,18 @@ from __future__ import annotations
 import collections
 import copy
 import io
+import itertools
 import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import signal
+import threading
 import time
 import traceback
 import weakref
-from multiprocessing import shared_memory
+from multiprocessing import reduction, shared_memory
 from typing import Any, Callable
 
 import numpy as np
@@ -519,13 +521,14 @@ _POPULATE = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class _Mapped:
-  """A slot mapped by a worker."""
+  """A slot mapped by a worker (from the descriptor the parent sent)."""
 
-  def __init__(self, name: str):
-    shm = _attach(name)
-    self.size = shm.size
-    self.map = mmap.mmap(shm._fd, shm.size, flags=_POPULATE)  # pylint: disable=protected-access
-    shm.close()
+  def __init__(self, fd: int, size: int):
+    try:
+      self.map = mmap.mmap(fd, size, flags=_POPULATE)
+    finally:
+      os.close(fd)
+    self.size = size
     self.buf = memoryview(self.map)
 
   def close(self) -> None:
@@ -537,12 +540,11 @@ class _WorkerSlot:
   """The slot a worker writes a chunk's batches into (worker side); `grow`
   asks the parent for a bigger one and moves what was written there."""
 
-  def __init__(self, conn, slots: dict, queued: collections.deque, name: str):
-    # `slots`: the worker's mapped slots by name (mapped once each).
+  def __init__(self, conn, slots: dict, queued: collections.deque,
+               slot_id: int):
+    # `slots`: the worker's mapped slots by id (mapped once each).
     self.conn, self.slots, self.queued = conn, slots, queued
-    if name not in slots:
-      slots[name] = _Mapped(name)
-    self.block = slots[name]
+    self.block = slots[slot_id]
 
   @property
   def buf(self) -> memoryview:
@@ -553,18 +555,29 @@ class _WorkerSlot:
     one (the batches already written)."""
     self.conn.send(("grow", needed))
     try:
-      reply = self.conn.recv()
+      reply = _receive(self.conn, self.slots)
       while reply[0] == "chunk":
         self.queued.append(reply)
-        reply = self.conn.recv()
+        reply = _receive(self.conn, self.slots)
     except (EOFError, OSError) as exc:
       raise _ParentGone from exc
     if reply[0] != "slot":
       raise _ParentGone
     old = self.block
-    self.block = self.slots[reply[1]] = _Mapped(reply[1])
+    self.block = self.slots[reply[1][0]]
     self.block.buf[:written] = old.buf[:written]
     return self.block.buf
+
+
+def _receive(conn, slots: dict) -> tuple:
+  """The parent's next message; maps the slot it names when its descriptor
+  follows (the first time this worker gets that slot)."""
+  message = conn.recv()
+  if message[0] in ("chunk", "slot") and message[-1] is not None:
+    slot_id, size, new = message[-1]
+    if new:
+      slots[slot_id] = _Mapped(reduction.recv_handle(conn), size)
+  return message
 
 
 def _worker_main(payload: bytes, conn) -> None:
@@ -575,24 +588,24 @@ def _worker_main(payload: bytes, conn) -> None:
     conn.send(("error", _picklable(exc), traceback.format_exc()))
     return
   conn.send(("ready",))
-  slots: dict[str, shared_memory.SharedMemory] = {}
+  slots: dict[int, _Mapped] = {}
   queued: collections.deque = collections.deque()  # chunks sent meanwhile
   try:
     while True:
       try:
-        message = queued.popleft() if queued else conn.recv()
+        message = queued.popleft() if queued else _receive(conn, slots)
       except (EOFError, OSError):
         return  # The parent went away.
       if message[0] == "stop":
         return
-      _, start, stop, slot_name, retired = message
-      for name in retired:
-        block = slots.pop(name, None)
+      _, start, stop, retired, slot_spec = message
+      for slot_id in retired:
+        block = slots.pop(slot_id, None)
         if block is not None:
           _close(block)
       begin = time.perf_counter()
-      slot = (None if slot_name is None
-              else _WorkerSlot(conn, slots, queued, slot_name))
+      slot = (None if slot_spec is None
+              else _WorkerSlot(conn, slots, queued, slot_spec[0]))
       items, needed, written = runner.run(start, stop, slot)
       if slot is not None:
         if needed > slot.block.size:
@@ -648,31 +661,38 @@ class _SharedArrayPickler(pickle.Pickler):
 
 
 class _Slot:
-  """A shared-memory block batches are written to, mapped by the parent."""
+  """Memory batches are written to: a memfd (no name that could outlive the
+  process), mapped by the workers it is sent to and by the parent."""
 
-  __slots__ = ("shm", "map", "size", "guard", "taken", "mapped_by")
+  __slots__ = ("fd", "id", "map", "size", "guard", "taken", "mapped_by")
+  _ids = itertools.count()
 
   def __init__(self, size: int):
-    self.shm = shared_memory.SharedMemory(create=True, size=size)
+    self.fd = os.memfd_create(f"jaxfeed-{_OP}", os.MFD_CLOEXEC)
+    try:
+      os.ftruncate(self.fd, size)
+    except BaseException:
+      os.close(self.fd)
+      raise
+    self.id = next(self._ids)
     self.map: mmap.mmap | None = None  # see `mapping`
     self.size = size
     self.guard: weakref.ref | None = None  # the views' buffer
     self.taken = True  # by a chunk in flight or not yet returned
     self.mapped_by: set[int] = set()  # the workers that mapped it
 
-  @property
-  def name(self) -> str:
-    return self.shm.name
+  def spec(self, worker: int) -> tuple[int, int, bool]:
+    """(id, size, whether its descriptor follows) for `worker`."""
+    return self.id, self.size, worker not in self.mapped_by
 
   def mapping(self) -> mmap.mmap:
     """The parent's mapping of the slot, made when its first batches are
     back: the worker that wrote them made the pages, which are then mapped
     at once instead of a fault each as the consumer reads them. The views
-    handed out hold it, so after the slot is retired (unlinked) its memory
-    lives exactly as long as they do."""
+    handed out hold it, so after the slot is retired its memory lives
+    exactly as long as they do."""
     if self.map is None:
-      self.map = mmap.mmap(self.shm._fd, self.size, flags=_POPULATE)  # pylint: disable=protected-access
-      self.shm.close()
+      self.map = mmap.mmap(self.fd, self.size, flags=_POPULATE)
     return self.map
 
   def in_use(self) -> bool:
@@ -680,15 +700,34 @@ class _Slot:
     return self.taken or (self.guard is not None and self.guard() is not None)
 
   def retire(self) -> None:
-    try:
-      self.shm.unlink()
-    except FileNotFoundError:
-      pass
-    if self.map is None:
-      self.shm.close()
-    elif not self.in_use():
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+    if self.map is not None and not self.in_use():
       self.map.close()
     self.map = None
+
+
+# Slots of closed iterators (the epoch before), free, for the next: a new
+# slot costs its pages (a 77 MB batch: ~30 ms of zeroing, in the worker).
+_SPARE_SLOTS: list[_Slot] = []
+SPARE_SLOTS = 8
+_spare_lock = threading.Lock()
+
+
+def _keep_spares(slots: list[_Slot]) -> None:
+  with _spare_lock:
+    _SPARE_SLOTS.extend(slots)
+    while len(_SPARE_SLOTS) > SPARE_SLOTS:
+      _SPARE_SLOTS.pop(0).retire()
+
+
+def _take_spare(size: int) -> _Slot | None:
+  with _spare_lock:
+    for i, slot in enumerate(_SPARE_SLOTS):
+      if slot.size >= size:
+        return _SPARE_SLOTS.pop(i)
+  return None
 
 
 class _Workers:
@@ -735,7 +774,29 @@ class _Workers:
     return [process.pid for process, _ in self.workers]
 
   def shared_memory_names(self) -> list[str]:
-    return [b.name for b in self.blocks] + [s.name for s in self.slots]
+    return [b.name for b in self.blocks]
+
+  def send_chunk(self, index: int, start: int, stop: int,
+                 slot: _Slot | None) -> None:
+    """Sends a chunk, and the slot's descriptor if the worker lacks it."""
+    spec = None if slot is None else slot.spec(index)
+    self.send(index, ("chunk", start, stop, self.take_retired(index), spec))
+    self._send_fd(index, slot)
+
+  def send_slot(self, index: int, slot: _Slot) -> None:
+    """Answers a worker's "grow" with `slot`."""
+    self.send(index, ("slot", slot.spec(index)))
+    self._send_fd(index, slot)
+
+  def _send_fd(self, index: int, slot: _Slot | None) -> None:
+    if slot is None or index in slot.mapped_by:
+      return
+    process, conn = self.workers[index]
+    try:
+      reduction.send_handle(conn, slot.fd, process.pid)
+    except OSError as exc:
+      raise self._died(index, "receiving work") from exc
+    slot.mapped_by.add(index)
 
   def send(self, index: int, message: tuple) -> None:
     conn = self.workers[index][1]
@@ -794,10 +855,13 @@ class _Workers:
     if free:
       slot = next((s for s in free if worker in s.mapped_by), free[0])
       slot.taken, slot.guard = True, None
-    else:
+      return slot
+    slot = _take_spare(size)
+    if slot is None:
       slot = _Slot(size)
-      self.slots.append(slot)
-    slot.mapped_by.add(worker)
+    else:
+      slot.taken, slot.guard, slot.mapped_by = True, None, set()
+    self.slots.append(slot)
     return slot
 
   def release(self, slot: _Slot) -> None:
@@ -812,12 +876,12 @@ class _Workers:
   def retire(self, slot: _Slot) -> None:
     slot.retire()
     self.slots.remove(slot)
-    for names in self.retired:
-      names.append(slot.name)
+    for ids in self.retired:
+      ids.append(slot.id)
 
-  def take_retired(self, index: int) -> list[str]:
-    names, self.retired[index] = self.retired[index], []
-    return names
+  def take_retired(self, index: int) -> list[int]:
+    ids, self.retired[index] = self.retired[index], []
+    return ids
 
   def close(self) -> None:
     for _, conn in self.workers:
@@ -832,10 +896,15 @@ class _Workers:
         process.join()
       conn.close()
     self.workers = []
+    spares = []
     for slot in self.slots:
       slot.taken = False
-      slot.retire()
+      if slot.in_use():
+        slot.retire()  # its memory goes with the last view
+      else:
+        spares.append(slot)
     self.slots = []
+    _keep_spares(spares)
     for block in self.blocks:
       block.close()
       try:
@@ -1075,8 +1144,7 @@ class ProcessBatchIterator(base.OpIterator):
       slot = None
       if not self._chain.filters:
         slot = workers.slot(self._slot_bytes, index)
-      workers.send(index, ("chunk", start, stop, None if slot is None else slot.name,
-                           workers.take_retired(index)))
+      workers.send_chunk(index, start, stop, slot)
       chunk = _Chunk(index, start, stop, slot)
       self._inflight.append(chunk)
       pending[index].append(chunk)
@@ -1138,7 +1206,7 @@ class ProcessBatchIterator(base.OpIterator):
         oldest.slot.taken = False
         workers.retire(oldest.slot)
         oldest.slot = workers.slot(self._slot_bytes, index)
-        workers.send(index, ("slot", oldest.slot.name))
+        workers.send_slot(index, oldest.slot)
     return chunk.reply
 
   def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:

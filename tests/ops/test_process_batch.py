@@ -74,6 +74,19 @@ def _threads(dataset):
   return dataset.node.make_iterator()
 
 
+def _slots():
+  """The inodes of the batch slots (memfds) this process holds open."""
+  inodes = set()
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      if os.readlink(f"/proc/self/fd/{fd}").startswith(
+          "/memfd:jaxfeed-process_batch"):
+        inodes.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+    except OSError:
+      pass  # closed meanwhile (listdir's own descriptor)
+  return inodes
+
+
 def _assert_same_batches(ours, expected):
   assert len(ours) == len(expected)
   for a, b in zip(ours, expected):
@@ -190,10 +203,12 @@ def test_close_and_garbage_collection_leave_no_process_or_shared_memory():
   first = next(it)
   pids, names = it.pids(), it.shared_memory_names()
   assert len(pids) == 2 and all(process_alive(p) for p in pids)
-  assert len(names) >= 2 and all(shared_memory_exists(n) for n in names)
+  assert len(names) == 1 and shared_memory_exists(names[0])  # the input
   op_testing.check_close(it, threads_before)
   assert not any(process_alive(p) for p in pids)
   assert not any(shared_memory_exists(n) for n in names)
+  # The free slots are kept for the next iterator, a few at most.
+  assert len(_slots()) <= process_batch.SPARE_SLOTS
   # A batch handed out before close() stays valid (its memory is unlinked).
   assert first["x"].tolist() == list(range(10, 74))
 
@@ -208,14 +223,18 @@ def test_close_and_garbage_collection_leave_no_process_or_shared_memory():
 
 def test_batches_are_views_until_dropped_then_slots_are_reused():
   dataset = Dataset.range(2000).map(plus_ten, backend="process").batch(10)
+  before = len(_slots())
   with _processes(dataset, chunk=10) as it:
     held = [next(it) for _ in range(30)]  # all held: none overwritten
     for _ in range(100):
       next(it)  # dropped at once: slots come back
-    assert len(it.shared_memory_names()) <= 16
     assert [b.tolist() for b in held] == [
         list(range(10 + 10 * i, 20 + 10 * i)) for i in range(30)]
     assert held[0].flags.writeable
+    del held  # their slots' memory goes with them
+    for _ in range(20):
+      next(it)
+    assert len(_slots()) <= before + 16
 
 
 def test_killed_worker_gives_a_clear_error_not_a_hang():
@@ -391,3 +410,17 @@ def test_autotune_runs_writes_out_maps_on_either_backend(monkeypatch):
     ours = list(it)
     assert _root(it).backend == "process"
   _assert_same_batches(ours, expected)
+
+
+def test_the_next_iterator_reuses_the_slots_of_the_last():
+  dataset = Dataset.range(40).map(image_rows, backend="process").batch(4)
+  with _processes(dataset, chunk=8) as it:
+    first = [b["label"].tolist() for b in it]
+  kept = _slots()
+  assert 0 < len(kept) <= process_batch.SPARE_SLOTS
+  with _processes(dataset, chunk=8) as it:
+    second = []
+    for batch in it:
+      second.append(batch["label"].tolist())
+      assert _slots() <= kept  # no new memory for the batches
+  assert first == second == [list(range(i, i + 4)) for i in range(0, 40, 4)]
