@@ -9,23 +9,28 @@ backend and functions that can be pickled (see `fuse`).
 Worker processes each rebuild the input node and the element functions once
 (pickled; numpy arrays of `SHARED_ARRAY_BYTES` or more go through shared
 memory instead of the pipe, so an in-memory source is not copied per worker).
-The parent hands them chunks of input positions `[start, stop)` in turn. A
-worker reads the chunk's elements with the input's `range_iterator`, applies
-the element ops to each with the record seed the thread path gives it, and
+The parent hands them chunks of input positions `[start, stop)`, each to
+the worker with the fewest chunks left to compute, and waits on all of them
+(answering requests, refilling a worker as soon as it is done), up to
+`AHEAD_CHUNKS` per worker sent and not yet consumed. A worker reads the
+chunk's elements with the input's `range_iterator`, applies the element ops
+to each with the record seed the thread path gives it, and
 
   * without a filter, where a chunk is whole batches, writes the batches
-    into a shared-memory slot owned by the parent: each element's leaves go
-    to their batch row as soon as the element is computed (elements of 64
-    KiB or more, numeric leaves, shaped like the batch's first element:
-    `batch_placement.Template`), and a function with `writes_out=True` is
-    handed that row as `out`; a batch whose elements change shape, or that
-    does not fit the slot, is stacked there instead (as on threads). The parent
-    returns arrays that are views of the slot, and reuses a slot only once no
-    view of its earlier batches is alive; otherwise the slot is retired
-    (unlinked; the memory goes with its last view) and a new one made;
-  * with a filter, where batch boundaries depend on earlier chunks, sends the
-    surviving elements back through the pipe; the parent stacks them.
-
+    into a slot: memory owned by the parent (a memfd, sent to a worker over
+    its pipe the first time it gets that slot, mapped with all its pages at
+    once). Each element's leaves go to their batch row as soon as the
+    element is computed (elements of 64 KiB or more, numeric leaves, shaped
+    like the batch's first element: `batch_placement.Template`), and a
+    function with `writes_out=True` is handed that row as `out`; a slot too
+    small is replaced by a bigger one there and then (the size is kept on
+    the node for its next iterators); a batch whose elements change shape
+    is stacked into the slot instead (as on threads). The parent returns
+    arrays that are views of the slot, and reuses a slot only once no view
+    of its earlier batches is alive; otherwise the slot is retired (the
+    memory goes with its last view) and a new one made. A closed iterator's
+    free slots serve the next one (up to `SPARE_SLOTS`): an epoch's
+    batches go to memory that is already there;
 Outputs, per-record seeds and errors are those of the chain run by threads:
 a function's exception is raised by the `next()` that would return the
 batch holding its element, with the worker's traceback as its cause; the
