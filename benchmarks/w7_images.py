@@ -14,12 +14,12 @@ it to float32 and batches 128:
     (uint8 images, one float32 array per batch, normalized on threads);
     jaxfeed-uint8: no normalize on the host (uint8 batches, a quarter of the
     bytes, for a jitted step to normalize on the accelerator).
-    Processes, not threads (`--backend thread` measures those): here the
-    per-image Python (parsing, crop boxes, generators) holds the GIL for a
-    fifth of the work, which caps threads at ~1.5 cores, while processes
-    measured ~1.2x (float32) to ~1.5x (uint8) the threads' rate on the 2-core
-    machine of the README's table. AUTOTUNE would pick processes too, but
-    only after timing threads for a while and with at least
+    Processes, not threads (`--backend thread` measures those): on the
+    2-core machine of the README's table, 2 threads kept only ~1.2 cores
+    busy (the per-image Python holds the GIL), and processes gave 1.49x
+    their rate for float32 batches and 1.45x for uint8 ones (2,000 records,
+    4 epochs of one dataset, same sitting). AUTOTUNE would pick processes
+    too, but only after timing threads for a while and with at least
     `process_batch.MIN_BATCHES_LEFT` batches left, which a 2,000-record
     epoch does not have.
   * tf.data: TFRecordDataset -> map(tf.io.parse_single_example,
