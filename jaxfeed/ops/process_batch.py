@@ -58,6 +58,7 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -673,7 +674,7 @@ class _Slot:
   _ids = itertools.count()
 
   def __init__(self, size: int):
-    self.fd = os.memfd_create(f"jaxfeed-{_OP}", os.MFD_CLOEXEC)
+    self.fd = _anonymous_file()
     try:
       os.ftruncate(self.fd, size)
     except BaseException:
@@ -711,6 +712,17 @@ class _Slot:
     if self.map is not None and not self.in_use():
       self.map.close()
     self.map = None
+
+
+def _anonymous_file() -> int:
+  """A descriptor of a new file in memory that no name leads to."""
+  if hasattr(os, "memfd_create"):
+    return os.memfd_create(f"jaxfeed-{_OP}", os.MFD_CLOEXEC)
+  fd, path = tempfile.mkstemp(  # no memfd (macOS): a file unlinked at once
+      prefix=f"jaxfeed-{_OP}-",
+      dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+  os.unlink(path)
+  return fd
 
 
 # Slots of closed iterators (the epoch before), free, for the next: a new
