@@ -31,6 +31,12 @@ journal bytes written per second, the dispatcher's garbage-collection pauses
 (`dispatcher_gc`), the simulators' own CPU and how late their event loops woke
 a 10 ms sleep (`simulator_loop_lag_ms`: their own share of the latencies;
 `simulator_burst_lag_ms`: the same while the clients join and say goodbye),
+how the clients said goodbye and how long until the dispatcher had released
+them all (`goodbyes`, `release_all_s`: from its metrics; from
+`--goodbye_via_worker_clients` live clients on, the dispatcher's default
+256, a client hands its goodbye to a simulated worker of its job in its
+process, which forwards it in its next heartbeat, as jaxfeed's client and
+worker do; `release_job_client_calls` counts the calls made instead),
 the dispatcher's CPU seconds while the clients join (`joins_dispatcher_cpu_s`,
 over `joins_s`), and the restart.
 
@@ -73,9 +79,10 @@ class DispatcherProcess:
   """`python -m jaxfeed.service.dispatcher` on loopback; `kill()` ends it."""
 
   def __init__(self, work_dir: str, extra_flags: tuple[str, ...] = (), nice: int = 0,
-               timing_file: str = ""):
+               timing_file: str = "", metrics: bool = False):
     """timing_file: run it under benchmarks.dispatcher_scale_server, which
-    writes its handlers' times there."""
+    writes its handlers' times there; metrics: serve its metrics
+    (`metrics_url`)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["GRPC_VERBOSITY"] = "ERROR"
@@ -87,7 +94,8 @@ class DispatcherProcess:
          *([f"--timing_file={timing_file}"] if timing_file else []), "--port=0",
          f"--work_dir={work_dir}", f"--auth_token={CLIENT_TOKEN}",
          f"--worker_token={WORKER_TOKEN}", "--max_jobs_per_host=100000",
-         "--heartbeat_timeout_s=10", *extra_flags],
+         "--heartbeat_timeout_s=10", *(["--metrics_port=0"] if metrics else []),
+         *extra_flags],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
         preexec_fn=(lambda: os.nice(nice)) if nice else None)
     self._lines: queue.Queue = queue.Queue()
@@ -100,6 +108,11 @@ class DispatcherProcess:
     words = line.split()
     self.address = words[words.index("on") + 1]
     self.ready_at = time.monotonic()
+    self.metrics_url = ""
+    if metrics:
+      line = self._lines.get(timeout=START_TIMEOUT_S)
+      assert " metrics on " in line, line
+      self.metrics_url = line.split()[-1]
 
   def _read(self) -> None:
     for line in self.proc.stdout:
@@ -109,6 +122,32 @@ class DispatcherProcess:
     if self.proc.poll() is None:
       self.proc.send_signal(signal.SIGKILL)
     self.proc.wait(timeout=30)
+
+
+def _scrape(url: str) -> list:
+  """The samples of the dispatcher's /metrics page."""
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  from prometheus_client import parser  # pylint: disable=g-import-not-at-top
+  with urllib.request.urlopen(url, timeout=10) as response:
+    text = response.read().decode()
+  return [s for family in parser.text_string_to_metric_families(text) for s in family.samples]
+
+
+def _wait_released(url: str, timeout_s: float) -> float | None:
+  """Seconds until the dispatcher has no live client left (its
+  jaxfeed_job_clients gauge), or None after timeout_s."""
+  started = time.monotonic()
+  while time.monotonic() - started < timeout_s:
+    if not sum(s.value for s in _scrape(url) if s.name == "jaxfeed_job_clients"):
+      return time.monotonic() - started
+    time.sleep(0.05)
+  return None
+
+
+def _goodbye_counts(url: str) -> dict[str, int]:
+  """How the dispatcher's clients left (jaxfeed_dispatcher_client_goodbyes_total)."""
+  return {s.labels["via"]: int(s.value) for s in _scrape(url)
+          if s.name == "jaxfeed_dispatcher_client_goodbyes_total"}
 
 
 def _channel_options() -> list[tuple[str, object]]:
@@ -238,6 +277,12 @@ class _Simulator:
     self.issued: dict[int, list[int]] = {}
     self.clients_joined = 0
     self.phase = "workers"  # then joins, window, goodbyes, done
+    # Goodbyes through workers, as jaxfeed's client and worker say them: the
+    # simulated workers of this process by job (number -> its goodbyes not
+    # yet forwarded), and whether every client of the process has left.
+    self.job_workers: dict[int, set[int]] = {}
+    self.goodbyes: dict[int, list] = {}
+    self.clients_gone = asyncio.Event()
 
   async def worker(self, number: int, ready: asyncio.Event) -> None:
     from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
@@ -250,14 +295,21 @@ class _Simulator:
     # As jaxfeed's worker: the clients_version of the last task_clients and
     # the tasks they were listed for.
     listed_version, listed_tasks = 0, frozenset()
+    goodbyes = self.goodbyes.setdefault(number, [])
     try:
-      while not self.stop.is_set():
+      # After the window: until the clients have left and this worker
+      # forwarded their goodbyes, at its own pace.
+      while not (self.clients_gone.is_set() and not goodbyes):
         running = frozenset(current)
+        forwarded, goodbyes[:] = list(goodbyes), []
         response = await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
             worker_address=address, data_address=f"sim-worker-{number}.local:5052",
             current_tasks=sorted(current),
-            known_clients_version=listed_version if listed_tasks == running else 0))
-        if response is not None:
+            known_clients_version=listed_version if listed_tasks == running else 0,
+            client_goodbyes=forwarded))
+        if response is None:
+          goodbyes.extend(forwarded)  # with the next heartbeat
+        else:
           if not response.clients_unchanged:
             listed_version, listed_tasks = response.clients_version, running
           if first:
@@ -266,6 +318,7 @@ class _Simulator:
           interval = response.heartbeat_interval_s or 0.5
           for task in response.new_tasks:
             current.add(task.task_id)
+            self.job_workers.setdefault(task.job_id, set()).add(number)
             if task.sharding_policy == "DYNAMIC":
               fetchers[task.task_id] = asyncio.ensure_future(
                   self.fetch_splits(party, task.job_id, task.task_id, task.exactly_once))
@@ -274,7 +327,10 @@ class _Simulator:
             fetcher = fetchers.pop(task_id, None)
             if fetcher is not None:
               fetcher.cancel()
-        await _sleep_until(self.stop, interval * random.uniform(0.9, 1.1))
+        if self.clients_gone.is_set() and not goodbyes:
+          break
+        # Not woken by the window's end: goodbyes wait for the next heartbeat.
+        await asyncio.sleep(interval * random.uniform(0.9, 1.1))
       if self.args.leave:
         await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
             worker_address=address, leaving=True))
@@ -325,6 +381,7 @@ class _Simulator:
       # The join answered the first heartbeat.
       version, started = job.heartbeat.tasks_version, time.monotonic()
       interval = job.heartbeat.heartbeat_interval_s or 0.1
+      goodbye = job.heartbeat  # the last answer: whether and how to say goodbye
       consumed = 0
       await _sleep_until(self.stop, interval * random.uniform(0.9, 1.1))
       while not self.stop.is_set():
@@ -338,12 +395,21 @@ class _Simulator:
             read_elapsed_s=time.monotonic() - started, buffer_fill=0.5,
             known_tasks_version=version))
         if response is not None:
+          goodbye = response
           interval = response.heartbeat_interval_s or 0.1
           if not response.tasks_unchanged:
             version = response.tasks_version
         await _sleep_until(self.stop, interval * random.uniform(0.9, 1.1))
-      await party.call("ReleaseJobClient", pb.ReleaseJobClientRequest(
-          job_id=job.job_id, client_id=job.client_id))
+      # As jaxfeed's client: through one worker of its job when the
+      # dispatcher asks for it (here one of this process, in process: the
+      # worker's side of a goodbye costs the dispatcher nothing), else a call.
+      workers = sorted(self.job_workers.get(job.job_id, ()))
+      if goodbye.goodbye_via_worker and workers:
+        self.goodbyes[workers[job.client_id % len(workers)]].append(pb.ClientGoodbye(
+            job_id=job.job_id, client_id=job.client_id, ticket=goodbye.goodbye_ticket))
+      else:
+        await party.call("ReleaseJobClient", pb.ReleaseJobClientRequest(
+            job_id=job.job_id, client_id=job.client_id))
     finally:
       await party.channel.close()
 
@@ -386,6 +452,9 @@ class _Simulator:
     self.stats.measuring = False
     self.phase = "goodbyes"
     self.stop.set()
+    clients = tasks[len(worker_numbers):]
+    await asyncio.gather(*clients, return_exceptions=True)
+    self.clients_gone.set()
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     self.phase = "done"
     await watch
@@ -503,7 +572,8 @@ def run(args: argparse.Namespace) -> dict:
   dispatcher_flags = tuple(args.dispatcher_flag or ())
   timing_dir = tempfile.mkdtemp(prefix="jaxfeed-dispatcher-timing-")
   timing_file = os.path.join(timing_dir, "handlers.json")
-  dispatcher = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice, timing_file)
+  dispatcher = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice, timing_file,
+                                 metrics=True)
   simulators: list[_SimulatorProcess] = []
   try:
     args.address = dispatcher.address
@@ -543,6 +613,10 @@ def run(args: argparse.Namespace) -> dict:
     sim_cpu1 = _tree_cpu_seconds(sim_pids)
     machine1 = psutil.cpu_times()
     rss = server.memory_info().rss
+    # Every client says goodbye now: until the dispatcher has released them all.
+    release_all_s = _wait_released(dispatcher.metrics_url, 120.0)
+    goodbye_cpu_s = _cpu_seconds(server) - cpu1
+    goodbye_counts = _goodbye_counts(dispatcher.metrics_url)
     results = [s.expect("result", 120 + args.seconds) for s in simulators]
     with open(f"{timing_file}.done", "w"):
       pass  # every goodbye was answered
@@ -602,6 +676,14 @@ def run(args: argparse.Namespace) -> dict:
                   "p99": round(_percentile(v, 0.99) * 1e3, 2),
                   "max": round((v[-1] if v else 0.0) * 1e3, 2)}
           for phase, v in burst_lags.items()},
+      # From the window's end until the dispatcher had released every client
+      # (its jaxfeed_job_clients gauge; None: not within 120 s), its CPU
+      # seconds meanwhile, and how the clients left (dispatcher metrics:
+      # call = ReleaseJobClient calls, worker = goodbyes forwarded by workers).
+      "release_all_s": None if release_all_s is None else round(release_all_s, 2),
+      "release_dispatcher_cpu_s": round(goodbye_cpu_s, 2),
+      "goodbyes": goodbye_counts,
+      "release_job_client_calls": len(latencies["ReleaseJobClient"]),
       "failed_rpcs": sum(failed.values()), "failed_by_kind": failed,
       "simulator_errors": sum(n for k, n in errors.items() if k.startswith("simulator:")),
       "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),

@@ -276,6 +276,11 @@ class Fetcher:
     self._read.count(self.task.worker_address)
     return True
 
+  @property
+  def on_socket(self) -> bool:
+    """Whether the fetcher streams over its worker's data socket now."""
+    return isinstance(self._connection, data_socket.DataConnection)
+
   def kick_if_stalled(self, now: float) -> None:
     """Ends the current connection (the fetcher connects again) when it
     brought nothing for _STALL_S while the fetcher waited for it."""

@@ -4,6 +4,7 @@ fetcher per task (`jaxfeed.service.client_fetcher`)."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from jaxfeed.service import data_socket
 from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import read_state
 from jaxfeed.service import rpc
@@ -21,6 +23,7 @@ from jaxfeed.service.sharding import ShardingPolicy
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
+GOODBYE_TIMEOUT_S = 1.0  # to connect to a worker, and again for its answer
 END = object()  # put in the buffer when a read is over, to wake its consumer
 
 
@@ -70,6 +73,10 @@ class ReadState:
     self.finished = False
     self.job_id = 0
     self.client_id = 0
+    # From the last heartbeat answer: say goodbye through a worker, with this
+    # ticket (the dispatcher serves many clients), rather than by a call.
+    self.goodbye_via_worker = False
+    self.goodbye_ticket = ""
     self.channel = rpc.make_channel(node.service, tls=node.tls)
     self.ssl_context = node.tls.client_ssl_context() if node.tls is not None else None
     self.manager = threading.Thread(target=self._manage, daemon=True,
@@ -179,6 +186,8 @@ class ReadState:
               continue
             raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
                                    f"{e.code().name}: {e.details()}") from e
+        self.goodbye_via_worker = response.goodbye_via_worker
+        self.goodbye_ticket = response.goodbye_ticket
         if response.tasks_unchanged:
           response.tasks.extend(tasks)
         else:
@@ -261,13 +270,17 @@ class ReadState:
   def close(self) -> None:
     self.stop.set()
     self.wake.set()
-    for fetcher in list(self.fetchers.values()):
+    fetchers = list(self.fetchers.values())
+    # The workers this read streams from over their data sockets now: one
+    # of them can take its goodbye.
+    streaming = sorted((f.task for f in fetchers if f.on_socket), key=lambda t: t.task_id)
+    for fetcher in fetchers:
       fetcher.cancel()
     if self.manager is not threading.current_thread():
       self.manager.join(timeout=15)
     for fetcher in list(self.fetchers.values()):
       fetcher.thread.join(timeout=15)
-    if self.client_id:
+    if self.client_id and not self._goodbye_through_worker(streaming):
       try:
         dispatcher_caller(self.channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
                            self.node.auth_token)(
@@ -276,4 +289,24 @@ class ReadState:
       except grpc.RpcError:
         pass  # the dispatcher times the client out instead
     self.channel.close()
+
+  def _goodbye_through_worker(self, streaming: list[pb.TaskInfo]) -> bool:
+    """When the dispatcher asks for it (it serves many clients, who may all
+    leave at once), says goodbye to one worker this read streamed from, which
+    forwards it in its next heartbeat. False if there is none, or it did not
+    take the goodbye: then the read calls ReleaseJobClient."""
+    if not (self.goodbye_via_worker and streaming):
+      return False
+    task = streaming[self.client_id % len(streaming)]
+    try:
+      data_socket.send_goodbye(
+          task.data_address, {"token": task.read_ticket, "task_id": task.task_id,
+                              "client_id": self.client_id, "goodbye": self.goodbye_ticket},
+          GOODBYE_TIMEOUT_S, self.ssl_context)
+    except data_socket.DataConnectionError as e:
+      logging.info("Worker %s did not take the goodbye of client %d (%s: %s): "
+                   "telling the dispatcher.", task.worker_address, self.client_id,
+                   e.status, e)
+      return False
+    return True
 

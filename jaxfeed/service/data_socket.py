@@ -22,6 +22,12 @@ streams the task's frames:
                      int64 where its positions stop),
                      4: keepalive (no bytes)
 
+A client that leaves its job may instead open a connection whose hello
+carries "goodbye" (its goodbye ticket from the dispatcher) with "token",
+"task_id" and "client_id": the worker keeps the goodbye for its next
+heartbeat, answers kind 1 (no bytes) or an error, and closes the connection
+(see `send_goodbye`).
+
 Frames and split ends are numbered items of the client's stream (`seq`);
 the client acknowledges what it received and a new connection resumes
 after it (see `jaxfeed.service.delivery`).
@@ -205,9 +211,13 @@ class DataServer:
                serve: Callable[[dict, "ServerLink"], Any],
                ssl_context: ssl.SSLContext | None = None,
                max_connections: int = 512, max_pending_hellos: int = 256,
-               hello_timeout_s: float = 5.0):
+               hello_timeout_s: float = 5.0,
+               goodbye: Callable[[dict], None] | None = None):
     # authenticate(hello) raises DataConnectionError to refuse a client.
     self._authenticate = authenticate
+    # goodbye(hello) takes an authenticated goodbye hello, on the accepting
+    # thread (it must not block); raises DataConnectionError to refuse it.
+    self._goodbye = goodbye
     self._ssl_context = ssl_context
     # serve(hello, link) -> generator of `delivery.Item`s and IDLE (None)
     # that returns the statistics sent with the end of sequence (a dict or
@@ -322,6 +332,13 @@ class DataServer:
     try:
       if self._authenticate is not None:
         self._authenticate(hello)
+      if "goodbye" in hello:
+        if self._goodbye is None:
+          raise DataConnectionError("This data socket takes no goodbyes.", "UNIMPLEMENTED")
+        self._goodbye(hello)
+        self._answer(conn, KIND_END, b"")
+        conn.close()
+        return
       with self._lock:
         if len(self._connections) >= self._max_connections:
           raise DataConnectionError(
@@ -343,8 +360,12 @@ class DataServer:
     """Sends the error without blocking the accept loop (best effort)."""
     self.errors.add(rpc_errors.DATA_SOCKET, error.status)
     payload = json.dumps({"status": error.status, "message": str(error)}).encode()
+    self._answer(conn, KIND_ERROR, payload)
+
+  def _answer(self, conn: socket.socket, kind: int, payload: bytes) -> None:
+    """Sends one message without blocking the accept loop (best effort)."""
     try:
-      conn.send(_FRAME_PREFIX.pack(KIND_ERROR, len(payload), 0, 0) + payload)
+      conn.send(_FRAME_PREFIX.pack(kind, len(payload), 0, 0) + payload)
       # Closing with unread input would reset the connection before the
       # peer reads the error: take what has arrived first.
       for _ in range(16):
@@ -455,7 +476,8 @@ class DataConnection:
 
   def __init__(self, address: str, hello: dict, timeout_s: float = 10.0,
                ssl_context: ssl.SSLContext | None = None,
-               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
+               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+               read_timeout_s: float | None = None):
     self._max_frame_bytes = max_frame_bytes
     self._closed = False  # by close(): what fails after it was cancelled
     self._stopped = False  # by stop_receiving(): the reads that end after it were cancelled
@@ -471,7 +493,7 @@ class DataConnection:
             f"TLS handshake with the data socket {address} failed: {e}") from e
     payload = json.dumps(hello).encode()
     self._sock.sendall(_HELLO_LEN.pack(len(payload)) + payload)
-    self._sock.settimeout(None)
+    self._sock.settimeout(read_timeout_s)
     self._prefix = bytearray(_FRAME_PREFIX.size)
     self.end_stats: dict = {}
     self.split_stop = 0  # where the split of the last KIND_SPLIT_END stops
@@ -531,6 +553,26 @@ class DataConnection:
     except OSError:
       pass
     self._sock.close()
+
+
+def send_goodbye(address: str, hello: dict, timeout_s: float,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+  """Says a client's goodbye to the worker at `address` (`hello` holds
+  "token", "task_id", "client_id" and "goodbye") and waits up to about
+  2 x timeout_s for its answer. Raises DataConnectionError if the worker
+  refused it, did not answer, or could not be reached."""
+  try:
+    conn = DataConnection(address, hello, timeout_s, ssl_context, max_frame_bytes=0,
+                          read_timeout_s=timeout_s)
+  except OSError as e:
+    if isinstance(e, DataConnectionError):
+      raise
+    raise DataConnectionError(f"Goodbye to {address} failed: {e}") from e
+  try:
+    if conn.next_item() is not None:
+      raise DataConnectionError(f"Worker {address} answered a goodbye with data.", "INTERNAL")
+  finally:
+    conn.close()
 
 
 def _check_length(kind: int, length: int, max_frame_bytes: int) -> None:

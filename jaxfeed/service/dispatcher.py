@@ -23,6 +23,7 @@ import grpc
 
 from jaxfeed.service import autoscale as autoscale_lib
 from jaxfeed.service import element_chunks
+from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service import rpc
 from jaxfeed.service import spec as spec_lib
@@ -228,7 +229,9 @@ def main(argv: Any) -> None:
             interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()),
             backend=f.worker_backend, ray_address=f.ray_address or None,
             kubernetes_deployment=f.kubernetes_deployment or None)
-        if f.autoscale_max_workers else None)
+        if f.autoscale_max_workers else None,
+        heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(
+            goodbye_via_worker_clients=f.goodbye_via_worker_clients))
   except ValueError as e:  # a flag's value: say which, without a traceback
     raise SystemExit(f"jaxfeed dispatcher: {e}") from e
   # SIGTERM stops the dispatcher cleanly from here on: the pool it starts
@@ -291,6 +294,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_jobs_per_host", 256, "Most jobs one client host may read "
                        "at once.")
   flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
+  flags.DEFINE_integer("goodbye_via_worker_clients",
+                       heartbeat_pacing.HeartbeatPacing.goodbye_via_worker_clients,
+                       "From this many live clients on, clients say goodbye through a "
+                       "worker, which forwards it in its heartbeat, instead of a "
+                       "ReleaseJobClient call each (0: never).")
   flags.DEFINE_integer("num_workers", 0, "Workers static sharding waits for.")
   flags.DEFINE_string("port_file", "", "Write the bound port to this file.")
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import hmac
 import logging
 import os
 import time
@@ -43,6 +44,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     self._client_hosts: dict[int, str] = {}
     # Host -> its live clients (a count per join, not a scan of every client).
     self._host_clients: collections.Counter[str] = collections.Counter()
+    # How clients left, for --metrics_port: "call" (ReleaseJobClient calls),
+    # "worker" (goodbyes a worker forwarded), "timeout"; and the goodbyes
+    # ignored: "refused" (wrong ticket, or a job the worker does not serve),
+    # "stale" (the client was released already, or never joined).
+    self.goodbyes: collections.Counter[str] = collections.Counter()
     self.replay_stats = journal_lib.ReplayStats()
     if config.work_dir:
       self._journal = journal_lib.Journal(
@@ -207,10 +213,16 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       if job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
         finished = finished and not any(  # a fixed worker may still come back
             a in self.workers for a in job.fixed_workers)
+      live_clients = self._live_clients()
+      pacing = self.config.heartbeat_pacing
       response = pb.ClientHeartbeatResponse(
           job_finished=finished, tasks_version=task_list.version,
-          heartbeat_interval_s=self.config.heartbeat_pacing.client_interval(
-              self._live_clients(), self.config.client_timeout_s))
+          heartbeat_interval_s=pacing.client_interval(live_clients,
+                                                      self.config.client_timeout_s))
+      if pacing.goodbye_via_worker(live_clients):
+        response.goodbye_via_worker = True
+        if self._ticket_master is not None:
+          response.goodbye_ticket = rpc.goodbye_ticket(self._ticket_master, job_id, client_id)
       if report is not None and report.known_tasks_version == task_list.version:
         response.tasks_unchanged = True
         return response.SerializeToString()
@@ -241,6 +253,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
 
   def release_client(self, job_id: int, client_id: int) -> None:
     with self.lock:
+      self.goodbyes["call"] += 1
       job = self.jobs.get(job_id)
       if job is None or client_id not in job.clients:
         return
@@ -265,6 +278,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       for job in list(self.jobs.values()):
         for client_id, seen in list(job.clients.items()):
           if now - seen > self.config.client_timeout_s:
+            self.goodbyes["timeout"] += 1
             self.release_client_locked(job.job_id, client_id)
         if job.job_name and not job.clients and job.idle_since is None:
           job.idle_since = now  # replayed from the journal without clients
@@ -311,6 +325,26 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     return autoscale_lib.Sample(elements_per_s=elements / span,
                                 wait_fraction=sum(waits) / len(waits),
                                 buffer_fill=sum(fills) / len(fills), num_clients=len(waits))
+
+  def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
+                        served_jobs: set[int]) -> None:
+    """Releases the clients whose goodbyes a worker forwarded, as
+    ReleaseJobClient does (lock held). Ignored: a goodbye for a client
+    released already (a repeated heartbeat, a client that called after all)
+    or unknown, for a job the worker serves no task of, or with a ticket that
+    is not the client's."""
+    for goodbye in goodbyes:
+      job = self.jobs.get(goodbye.job_id)
+      master = self._ticket_master
+      if job is None or goodbye.client_id not in job.clients:
+        self.goodbyes["stale"] += 1
+      elif goodbye.job_id not in served_jobs or (master is not None and not hmac.compare_digest(
+          rpc.goodbye_ticket(master, goodbye.job_id, goodbye.client_id).encode(),
+          goodbye.ticket.encode(errors="replace"))):
+        self.goodbyes["refused"] += 1
+      else:
+        self.goodbyes["worker"] += 1
+        self.release_client_locked(goodbye.job_id, goodbye.client_id)
 
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})

@@ -50,6 +50,11 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
 
+  def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
+                        served_jobs: set[int]) -> None:
+    """Releases the clients that said goodbye through a worker (DispatcherState's)."""
+    raise NotImplementedError
+
   def _ticket_key(self, worker_address: str) -> bytes:
     if self._ticket_master is None:
       return b""
@@ -96,6 +101,10 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     with self.lock:
       if request.leaving:
         self._finish_tasks(request.finished_tasks)
+        leaving = self.workers.get(address)
+        if leaving is not None and request.client_goodbyes:
+          self._release_goodbyes(request.client_goodbyes, {
+              t.job_id for t in self._tasks_of_worker(leaving).values()})
         if self.workers.pop(address, None) is not None:
           logging.info("Worker %s left.", address)
           self._lose_tasks_of(address)
@@ -138,6 +147,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         if starts:
           self._record({"kind": "splits_held", "job_id": job.job_id,
                         "client_id": held.client_id, "starts": starts})
+      if request.client_goodbyes:  # after the splits held for them
+        self._release_goodbyes(request.client_goodbyes, {t.job_id for t in live.values()})
       current = set(request.current_tasks)
       # Every task's clients again only when some job's clients changed:
       # 1,024 clients of a job are 1,024 ids sorted and sent per heartbeat.

@@ -10,6 +10,10 @@ Dispatcher (per job where labelled `job`):
   jaxfeed_dispatcher_workers            registered workers
   jaxfeed_dispatcher_jobs               jobs
   jaxfeed_job_clients                   clients reading the job
+  jaxfeed_dispatcher_client_goodbyes_total  how clients left, by `via`: call
+                                        (ReleaseJobClient calls), worker (goodbyes
+                                        forwarded by workers), timeout; and goodbyes
+                                        ignored: refused (wrong ticket or job), stale
   jaxfeed_job_split_lag                 exactly-once splits issued, not yet acknowledged
   jaxfeed_job_splits_to_reissue         splits of lost workers waiting to be issued again
   jaxfeed_job_positions_issued          sampler positions handed out in splits
@@ -181,7 +185,12 @@ class _DispatcherCollector:
                      "Seconds the clients' consumers waited for input.", labels=["job"])
     fill = gauge("jaxfeed_job_client_buffer_fill",
                  "Mean fill (0..1) of the clients' buffers.", labels=["job"])
+    goodbyes = counter("jaxfeed_dispatcher_client_goodbyes",
+                       "How clients left (call, worker, timeout) and goodbyes ignored "
+                       "(refused, stale).", labels=["via"])
     with state.lock:
+      for via in ("call", "worker", "timeout", "refused", "stale"):
+        goodbyes.add_metric([via], state.goodbyes[via])
       reports = dict(state._reports)  # pylint: disable=protected-access
       num_workers, num_jobs = len(state.workers), len(state.jobs)
       for job in state.jobs.values():
@@ -196,7 +205,7 @@ class _DispatcherCollector:
         fill.add_metric(label, sum(r[3] for r in mine) / len(mine) if mine else 0.0)
     yield gauge("jaxfeed_dispatcher_workers", "Registered workers.", value=num_workers)
     yield gauge("jaxfeed_dispatcher_jobs", "Jobs.", value=num_jobs)
-    yield from (clients, lag, reissue, issued, elements, waited, fill)
+    yield from (clients, lag, reissue, issued, elements, waited, fill, goodbyes)
     yield gauge("jaxfeed_journal_bytes", "Size of the journal and snapshot files.",
                 value=_folder_bytes(state.config.work_dir))
     yield gauge("jaxfeed_journal_replay_records", "Records the last restart replayed.",

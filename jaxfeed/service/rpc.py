@@ -214,6 +214,14 @@ def read_ticket(key: bytes, task_id: int) -> str:
   return hmac.new(key, b"jaxfeed read ticket %d" % task_id, hashlib.sha256).hexdigest()
 
 
+def goodbye_ticket(master_key: bytes, job_id: int, client_id: int) -> str:
+  """What a client hands a worker with its goodbye, and the dispatcher
+  checks when the worker forwards it: only the dispatcher holds the key, so
+  a peer that reads the same task cannot release another client."""
+  return hmac.new(master_key, b"jaxfeed goodbye %d %d" % (job_id, client_id),
+                  hashlib.sha256).hexdigest()
+
+
 def worker_ticket_key(master_key: bytes, worker_address: str) -> bytes:
   """A worker's own ticket key: it verifies tickets for its tasks only."""
   return hmac.new(master_key, b"jaxfeed worker ticket key\0" + worker_address.encode(),

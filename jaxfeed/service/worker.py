@@ -50,6 +50,10 @@ _HEARTBEAT_DEADLINE_S = 10.0
 _HEARTBEAT_DEADLINE_FRACTION = 1 / 3
 # The longest a finished task's end waits for the dispatcher to hear of it.
 _FINISH_REPORT_TIMEOUT_S = 2.0
+# Clients' goodbyes kept for the next heartbeat, at most (a pod's worth many times).
+_MAX_GOODBYES = 1 << 16
+_MAX_GOODBYE_TICKET = 128  # characters; the dispatcher's tickets have 64
+_HEX_DIGITS = "0123456789abcdef"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +160,8 @@ class _Worker:
     self.dataset_defs: dict[str, pb.DatasetDef] = {}
     self.streams = delivery.Registry()  # what each client of a task gets
     self._held: list[tuple[int, int, list[int]]] = []  # not yet reported
+    # Goodbyes of clients, not yet forwarded: (job id, client id) -> ticket.
+    self._goodbyes: dict[tuple[int, int], str] = {}
     self.served = metrics_lib.ServedCounts()  # for --metrics_port
     # Told to the dispatcher with every heartbeat: a process restarted on this
     # address has a new one, so its predecessor's tasks count as lost.
@@ -190,6 +196,7 @@ class _Worker:
       current = list(self.tasks)
       finished = list(self.finished)
       held, self._held = self._held + held, []
+      goodbyes, self._goodbyes = self._goodbyes, {}
     listed_version, listed_tasks, listed = self._listed
     try:
       response = self.heartbeat_call(
@@ -200,11 +207,13 @@ class _Worker:
               known_clients_version=(listed_version if listed_tasks == frozenset(current)
                                      else 0),
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
-                           for t, c, s in held]),
+                           for t, c, s in held],
+              client_goodbyes=_goodbye_messages(goodbyes)),
           timeout=min(timeout_s, self.heartbeat_deadline_s))
     except BaseException:
       with self.lock:  # reported with the next heartbeat
         self._held = held + self._held
+        self._goodbyes = {**goodbyes, **self._goodbyes}
       raise
     self.ticket_key = response.ticket_key
     self.paced_interval_s = response.heartbeat_interval_s
@@ -416,6 +425,37 @@ class _Worker:
     except rpc.StatusError as e:
       raise data_socket.DataConnectionError(str(e), e.status) from e
 
+  def take_goodbye(self, hello: dict) -> None:
+    """A client's goodbye on the data socket (a hello whose read ticket
+    check_hello accepted, with "goodbye": the client's goodbye ticket),
+    forwarded in the next heartbeat. Only a client this worker serves the
+    task to may say it, for its own job; the dispatcher checks the ticket.
+    Raises DataConnectionError to refuse it (the client then calls
+    ReleaseJobClient)."""
+    task_id, client_id, ticket = (hello.get("task_id"), hello.get("client_id"),
+                                  hello.get("goodbye"))
+    # Hex digits only: a ticket that protobuf cannot encode (a lone
+    # surrogate) would fail every later heartbeat of this worker.
+    if not (_is_int(task_id) and _is_int(client_id) and client_id > 0
+            and isinstance(ticket, str) and len(ticket) <= _MAX_GOODBYE_TICKET
+            and not ticket.strip(_HEX_DIGITS)):
+      raise data_socket.DataConnectionError(
+          "Malformed goodbye: task_id and client_id must be integers (client_id > 0) "
+          f"and goodbye at most {_MAX_GOODBYE_TICKET} hex digits; got "
+          f"{str(task_id)[:40]!r}, {str(client_id)[:40]!r}, {str(ticket)[:40]!r}.",
+          "INVALID_ARGUMENT")
+    job = self.served.job_of(task_id)
+    if not job or self.streams.find(task_id, client_id) is None:
+      raise data_socket.DataConnectionError(
+          f"Worker {self.address} serves no stream of task {task_id} to client "
+          f"{client_id}: a client says goodbye to a worker it reads from.", "NOT_FOUND")
+    with self.lock:
+      if len(self._goodbyes) >= _MAX_GOODBYES:
+        raise data_socket.DataConnectionError(
+            f"Worker {self.address} already holds {_MAX_GOODBYES} goodbyes.",
+            "RESOURCE_EXHAUSTED")
+      self._goodbyes[(int(job), client_id)] = ticket
+
   def GetElements(self, request: pb.GetElementsRequest,
                   context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:
     self.check_ticket(request.task_id, rpc.metadata_token(context.invocation_metadata()))
@@ -505,10 +545,12 @@ class _Worker:
     that finished: their splits were all delivered."""
     with self.lock:
       finished = list(self.finished)
+      goodbyes, self._goodbyes = self._goodbyes, {}
     try:
       self.heartbeat_call(pb.WorkerHeartbeatRequest(
           worker_address=self.address, incarnation=self.incarnation,
-          finished_tasks=finished, leaving=True), timeout=2)
+          finished_tasks=finished, leaving=True,
+          client_goodbyes=_goodbye_messages(goodbyes)), timeout=2)
     except grpc.RpcError:
       pass
 
@@ -521,6 +563,15 @@ class _Worker:
     for runner in runners:
       runner.stop()
     self.channel.close()
+
+
+def _is_int(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+
+
+def _goodbye_messages(goodbyes: dict[tuple[int, int], str]) -> list[pb.ClientGoodbye]:
+  return [pb.ClientGoodbye(job_id=job_id, client_id=client_id, ticket=ticket)
+          for (job_id, client_id), ticket in goodbyes.items()]
 
 
 def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: float) -> None:
@@ -577,7 +628,8 @@ class WorkerServer:
     if config.data_socket:
       self._data_server = data_socket.DataServer(
           config.host, self._worker.check_hello, self._worker.serve_socket,
-          config.tls.server_ssl_context() if config.tls is not None else None)
+          config.tls.server_ssl_context() if config.tls is not None else None,
+          goodbye=self._worker.take_goodbye)
       self._worker.data_address = f"{advertised}:{self._data_server.port}"
     self._heartbeat = threading.Thread(
         target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,

@@ -85,6 +85,9 @@ class ServerFuzzer:
     self.hello = {"token": "", "task_id": task_id, "compression": "",
                   "consumer_index": 0, "round": 0, "client_id": job.client_id,
                   "received": 0, "window": delivery.DEFAULT_WINDOW}
+    # A client's goodbye on the data socket (see data_socket.send_goodbye).
+    self.goodbye_hello = {"token": "", "task_id": task_id, "client_id": job.client_id,
+                          "goodbye": "0" * 64}
     d = lambda method, *requests: ((self.dispatcher, _DISPATCHER + method),
                                    [r.SerializeToString() for r in requests])
     return dict([
@@ -100,7 +103,8 @@ class ServerFuzzer:
         # A worker that is not there, so the real one keeps its tasks.
         d("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
             worker_address="127.0.0.1:9", data_address="127.0.0.1:9", current_tasks=[1],
-            finished_tasks=[2])),
+            finished_tasks=[2], client_goodbyes=[pb.ClientGoodbye(
+                job_id=job.job_id, client_id=987654, ticket="0" * 64)])),
         d("GetSplits", pb.GetSplitsRequest(job_id=job.job_id, task_id=task_id, max_ranges=2)),
         ((self.worker, _WORKER + "GetElements"), [pb.GetElementsRequest(
             task_id=task_id, max_chunk_bytes=4096, client_id=job.client_id,
@@ -193,8 +197,8 @@ class ServerFuzzer:
 
   def _data_socket_case(self) -> str:
     kind = self.rng.randrange(6)
-    if kind <= 1:
-      hello = json.loads(json.dumps(self.hello))
+    if kind <= 1:  # a mutated hello (1: of a goodbye)
+      hello = json.loads(json.dumps(self.goodbye_hello if kind else self.hello))
       body = json_dumps(mutate_json(hello, self.rng))[:8192]
       data = struct.pack("<I", len(body)) + body
     elif kind == 2:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 import jaxfeed
+from jaxfeed.service import data_socket
 from jaxfeed.service.protos import service_pb2 as pb
 from fuzz_targets import SOCKET_PREFIX
 from server_fuzz import ServerFuzzer
@@ -99,3 +100,18 @@ def test_a_hello_nested_too_deeply_gets_invalid_argument(servers):
   assert kind == 2
   assert json.loads(reply[SOCKET_PREFIX.size:SOCKET_PREFIX.size + length])["status"] == (
       "INVALID_ARGUMENT")
+
+
+@pytest.mark.parametrize("bad", [
+    {"client_id": "7"}, {"client_id": 0}, {"client_id": -3}, {"client_id": True},
+    {"client_id": 1 << 70}, {"goodbye": ["x"]}, {"goodbye": None}, {"goodbye": "a" * 129},
+    {"goodbye": "\ud800"}, {"goodbye": "g" * 64},
+    {"task_id": "1"}])
+def test_a_malformed_goodbye_is_refused_and_the_worker_keeps_serving(servers, bad):
+  dispatcher, worker = servers
+  fuzzer = ServerFuzzer(dispatcher.address, worker.address, worker.data_address)
+  fuzzer.close()
+  with pytest.raises(data_socket.DataConnectionError) as refused:
+    data_socket.send_goodbye(worker.data_address, {**fuzzer.goodbye_hello, **bad}, 10.0)
+  assert refused.value.status == "INVALID_ARGUMENT", refused.value
+  read_one_epoch(dispatcher)

@@ -27,7 +27,8 @@ RESULT_FIELDS = (
     "workers", "clients", "parties", "seconds", "rpcs_per_s", "rpcs", "latency_ms",
     "handler_ms", "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
     "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s", "dispatcher_gc",
-    "simulator_loop_lag_ms", "simulator_burst_lag_ms", "joins_dispatcher_cpu_s")
+    "simulator_loop_lag_ms", "simulator_burst_lag_ms", "joins_dispatcher_cpu_s",
+    "release_all_s", "goodbyes", "release_job_client_calls")
 RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
              "ReleaseJobClient")
 
@@ -150,16 +151,21 @@ def test_splits_grow_with_the_tasks_of_a_job():
   state.close()
 
 
-def test_load_simulator_reports_every_field_without_failures():
-  children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+def _simulate(*flags: str) -> dict:
+  """The load simulator's result for 20 workers and 40 clients."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
   output = subprocess.run(
       [sys.executable, "-m", "benchmarks.dispatcher_scale", "--workers=20",
        "--clients=40", "--seconds=3", "--warmup_s=0.5", "--join_spread_s=0.5",
-       "--processes=1", "--round_robin_clients=4", "--json"],
+       "--processes=1", "--round_robin_clients=4", "--json", *flags],
       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240, check=True)
-  result = json.loads(output.stdout.strip().splitlines()[-1])
+  return json.loads(output.stdout.strip().splitlines()[-1])
+
+
+def test_load_simulator_reports_every_field_without_failures():
+  children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+  result = _simulate()
   assert not set(RESULT_FIELDS) - set(result)
   assert result["failed_rpcs"] == 0, result["errors"]
   assert result["parties"] == 60
@@ -167,6 +173,9 @@ def test_load_simulator_reports_every_field_without_failures():
   for kind in RPC_KINDS:
     assert result["rpcs"][kind] > 0, kind
   assert result["rpcs"]["GetOrCreateJob"] == 40
+  # 40 clients, below the dispatcher's goodbye_via_worker_clients: each called.
+  assert result["goodbyes"]["call"] == result["release_job_client_calls"] == 40
+  assert result["goodbyes"]["worker"] == 0 and result["release_all_s"] is not None
   assert result["restart_replay_s"] > 0 and result["dispatcher_rss_mb"] > 0
   assert result["journal_bytes_per_s"] > 0  # splits and acknowledgments are journaled
   assert result["dispatcher_gc"]["collections"] > 0  # a 3 s window of calls collects
@@ -346,3 +355,21 @@ def test_client_makes_no_heartbeat_call_right_after_its_join():
       finally:
         reader.close()
 
+
+
+def test_goodbyes_go_through_workers_from_the_threshold_of_live_clients_on():
+  pacing = heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=256)
+  assert not pacing.goodbye_via_worker(255) and pacing.goodbye_via_worker(256)
+  assert not heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=0).goodbye_via_worker(1 << 20)
+  with pytest.raises(ValueError, match=r"goodbye_via_worker_clients must be an integer >= 0 "
+                     r"\(0: never\), got -1"):
+    heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=-1)
+
+
+def test_load_simulator_says_goodbye_through_workers_as_jaxfeed_does():
+  result = _simulate("--dispatcher_flag=--goodbye_via_worker_clients=1")
+  assert result["failed_rpcs"] == 0, result["errors"]
+  assert result["release_job_client_calls"] == 0
+  assert result["goodbyes"] == {"call": 0, "worker": 40, "timeout": 0, "refused": 0,
+                                "stale": 0}
+  assert result["release_all_s"] is not None
