@@ -282,13 +282,13 @@ class _ChunkRunner:
 
     Items are ("batch", skeleton, writes, first seed, next position) (the
     batches of a chunk lie one after the other from byte 0; a batch whose
-    rows were written into `block` as they came has no writes, others are
+    rows were written into the slot as they came has no writes, others are
     planned by `_plan_batch`), ("element", element, seed, next position),
     and at most one last ("error", exc, traceback, next position).
     """
     items = []
     batch, first_seed, needed, written = [], 0, 0, 0
-    rows: _Rows | None = None  # the batch being written into `block`
+    rows: _Rows | None = None  # the batch being written into the slot
     count = 0  # elements of the current batch
     iterator = self.input.range_iterator(start, stop)
     position = start
@@ -341,7 +341,7 @@ class _ChunkRunner:
                                        position, needed, written)
     except Exception as exc:  # noqa: BLE001 -- raised in the consumer
       text = traceback.format_exc()
-      _drop_tracebacks(exc)  # their frames hold views of `block`
+      _drop_tracebacks(exc)  # their frames hold views of the slot
       items.append(("error", _picklable(exc), text, position))
     finally:
       iterator.close()
