@@ -735,6 +735,7 @@ _spare_lock = threading.Lock()
 def _keep_spares(slots: list[_Slot]) -> None:
   with _spare_lock:
     _SPARE_SLOTS.extend(slots)
+    _SPARE_SLOTS.sort(key=lambda slot: slot.size)  # the smallest go first
     while len(_SPARE_SLOTS) > SPARE_SLOTS:
       _SPARE_SLOTS.pop(0).retire()
 
