@@ -29,8 +29,9 @@ to each with the record seed the thread path gives it, and
     arrays that are views of the slot, and reuses a slot only once no view
     of its earlier batches is alive; otherwise the slot is retired (the
     memory goes with its last view) and a new one made. A closed iterator's
-    free slots serve the next one (up to `SPARE_SLOTS`): an epoch's
-    batches go to memory that is already there;
+    free slots serve the next iterator of the same dataset (up to
+    `SPARE_SLOTS`, freed when the dataset is): an epoch's batches go to
+    memory that is already there;
 Outputs, per-record seeds and errors are those of the chain run by threads:
 a function's exception is raised by the `next()` that would return the
 batch holding its element, with the worker's traceback as its cause; the
@@ -725,33 +726,69 @@ def _anonymous_file() -> int:
   return fd
 
 
-# Slots of closed iterators (the epoch before), free, for the next: a new
-# slot costs its pages (a 77 MB batch: ~30 ms of zeroing, in the worker).
-_SPARE_SLOTS: list[_Slot] = []
+class _SpareSlots:
+  """Free slots of a node's closed iterators, for its next iterator: a new
+  slot costs its pages (a 77 MB batch: ~30 ms of zeroing, in the worker).
+
+  Kept for a node (held by its dataset), outside it so that the node stays
+  a plain picklable value: at most `SPARE_SLOTS`, the smallest let go
+  first, and all of them closed when the node is collected.
+  """
+
+  def __init__(self):
+    self._slots: list[_Slot] = []
+    self._lock = threading.Lock()
+
+  def keep(self, slots: list[_Slot]) -> None:
+    with self._lock:
+      self._slots.extend(slots)
+      self._slots.sort(key=lambda slot: slot.size)
+      while len(self._slots) > SPARE_SLOTS:
+        self._slots.pop(0).retire()
+
+  def take(self, size: int) -> _Slot | None:
+    with self._lock:
+      for i, slot in enumerate(self._slots):
+        if slot.size >= size:
+          return self._slots.pop(i)
+    return None
+
+  def __len__(self) -> int:
+    return len(self._slots)
+
+  def close(self) -> None:
+    with self._lock:
+      for slot in self._slots:
+        slot.retire()
+      self._slots.clear()
+
+
 SPARE_SLOTS = 8
-_spare_lock = threading.Lock()
+_SPARES: dict[int, _SpareSlots] = {}  # id(node) -> its spare slots
+_spares_lock = threading.Lock()
 
 
-def _keep_spares(slots: list[_Slot]) -> None:
-  with _spare_lock:
-    _SPARE_SLOTS.extend(slots)
-    _SPARE_SLOTS.sort(key=lambda slot: slot.size)  # the smallest go first
-    while len(_SPARE_SLOTS) > SPARE_SLOTS:
-      _SPARE_SLOTS.pop(0).retire()
+def _spares_of(node: object) -> _SpareSlots:
+  with _spares_lock:
+    spares = _SPARES.get(id(node))
+    if spares is None:
+      spares = _SPARES[id(node)] = _SpareSlots()
+      weakref.finalize(node, _drop_spares, id(node))
+    return spares
 
 
-def _take_spare(size: int) -> _Slot | None:
-  with _spare_lock:
-    for i, slot in enumerate(_SPARE_SLOTS):
-      if slot.size >= size:
-        return _SPARE_SLOTS.pop(i)
-  return None
+def _drop_spares(node_id: int) -> None:
+  with _spares_lock:
+    spares = _SPARES.pop(node_id, None)
+  if spares is not None:
+    spares.close()
 
 
 class _Workers:
   """The worker processes, their pipes, slots and shared input (parent side)."""
 
-  def __init__(self, payload: tuple, num_workers: int):
+  def __init__(self, payload: tuple, num_workers: int, spares: _SpareSlots):
+    self.spares = spares
     self.blocks: list[shared_memory.SharedMemory] = []
     self.workers: list = []
     self.slots: list[_Slot] = []
@@ -874,7 +911,7 @@ class _Workers:
       slot = next((s for s in free if worker in s.mapped_by), free[0])
       slot.taken, slot.guard = True, None
       return slot
-    slot = _take_spare(size)
+    slot = self.spares.take(size)
     if slot is None:
       slot = _Slot(size)
     else:
@@ -922,7 +959,7 @@ class _Workers:
       else:
         spares.append(slot)
     self.slots = []
-    _keep_spares(spares)
+    self.spares.keep(spares)
     for block in self.blocks:
       block.close()
       try:
@@ -1005,7 +1042,8 @@ class ProcessBatchIterator(base.OpIterator):
       self._thread_iterator.close()
       self._thread_iterator = None
       self.parents = []
-    self._workers = _Workers(self._chain.worker_payload(), self._stats["num_workers"])
+    self._workers = _Workers(self._chain.worker_payload(), self._stats["num_workers"],
+                             _spares_of(self._node))
     self._finalizer = weakref.finalize(self, self._workers.close)
     self._inflight: collections.deque = collections.deque()
     # Per worker, its chunks not done yet, in the order it computes them.

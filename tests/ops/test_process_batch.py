@@ -414,14 +414,34 @@ def test_autotune_runs_writes_out_maps_on_either_backend(monkeypatch):
 
 def test_the_next_iterator_reuses_the_slots_of_the_last():
   dataset = Dataset.range(40).map(image_rows, backend="process").batch(4)
-  with _processes(dataset, chunk=8) as it:
+  node = ProcessBatchNode(dataset.node, num_workers=2, chunk=8)
+  with node.make_iterator() as it:
     first = [b["label"].tolist() for b in it]
   kept = _slots()
-  assert kept  # the free slots, kept for the next iterator
+  assert kept  # the free slots, kept for the node's next iterator
   assert len(kept) <= process_batch.SPARE_SLOTS
-  with _processes(dataset, chunk=8) as it:
+  with node.make_iterator() as it:
     second = []
     for batch in it:
       second.append(batch["label"].tolist())
       assert _slots() <= kept  # no new memory for the batches
   assert first == second == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+  del node, it, batch
+  gc.collect()
+  assert not _slots()  # the spare slots go with their node
+
+
+def test_a_dataset_keeps_its_spare_slots_only_while_it_lives():
+  dataset = (Dataset.range(40).map(image_rows, backend="process")
+             .batch(4))
+  assert [b["label"].tolist() for b in dataset] == [
+      list(range(i, i + 4)) for i in range(0, 40, 4)]
+  kept = _slots()
+  assert kept
+  seen = set()
+  for batch in dataset:
+    seen |= _slots()
+  assert kept <= seen  # the second epoch wrote into the first's slots
+  del dataset, batch
+  gc.collect()
+  assert not _slots()
