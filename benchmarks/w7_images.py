@@ -7,12 +7,21 @@ file. Every system parses each Example, decodes a random resized crop to
 it to float32 and batches 128:
 
   * jaxfeed: TFRecordSource -> random_map(jaxfeed.example + jaxfeed.image,
-    threads, writes_out=True) -> batch (each thread normalizes its image
-    straight into the image's batch row);
+    backend="process", writes_out=True) -> batch (worker processes, one per
+    core, each normalizing its image straight into the image's row of the
+    shared-memory batch);
     jaxfeed-normalize-batches: the same with normalize moved after the batch
-    (uint8 images, one float32 array per batch, normalized on the same
-    threads); jaxfeed-uint8: no normalize on the host (uint8 batches, a
-    quarter of the bytes, for a jitted step to normalize on the accelerator).
+    (uint8 images, one float32 array per batch, normalized on threads);
+    jaxfeed-uint8: no normalize on the host (uint8 batches, a quarter of the
+    bytes, for a jitted step to normalize on the accelerator).
+    Processes, not threads (`--backend thread` measures those): on the
+    2-core machine of the README's table, 2 threads kept only ~1.2 cores
+    busy (the per-image Python holds the GIL), and processes gave 1.49x
+    their rate for float32 batches and 1.45x for uint8 ones (2,000 records,
+    4 epochs of one dataset, same sitting). AUTOTUNE tries processes only
+    after timing threads for a while and with at least
+    `process_batch.MIN_BATCHES_LEFT` batches left, which a 2,000-record
+    epoch does not have, so W7 names the backend.
   * tf.data: TFRecordDataset -> map(tf.io.parse_single_example,
     tf.image.sample_distorted_bounding_box + decode_and_crop_jpeg + resize,
     flip, normalize; AUTOTUNE) -> batch -> prefetch.
@@ -31,8 +40,8 @@ it to float32 and batches 128:
     pipeline's batches.
 
 Prints one JSON line per system and repetition: images/s, and for the
-in-process systems the CPU time per image (all threads, over the timed
-epochs), which a machine shared with other work disturbs far less than the
+in-process systems the CPU time per image (all threads, and jaxfeed's worker
+processes, over the timed epochs), which a machine shared with other work disturbs far less than the
 rate. The jaxfeed lines
 have their ratio to the best peer and to the limits, by rate and by CPU time
 (`cpu_ratio_vs_*`: the limit's CPU per image over the system's). With
@@ -40,7 +49,7 @@ have their ratio to the best peer and to the limits, by rate and by CPU time
 in turn, and a last line gives each ratio's median.
 
   python -m benchmarks.w7_images [--records 10000] [--epochs 2] [--repeats 3]
-      [--systems ...] [--limit-seconds 5]
+      [--systems ...] [--backend process|thread] [--limit-seconds 5]
 """
 
 from __future__ import annotations
@@ -112,18 +121,26 @@ def normalize_batch(batch: dict) -> dict:
   return {"image": image.normalize(batch["image"]), "label": batch["label"]}
 
 
-def jaxfeed_dataset(path: str, threads: int, mode: str = "per-image"):
+BACKEND = "process"  # see the module docstring
+
+
+def jaxfeed_dataset(path: str, threads: int, mode: str = "per-image",
+                    backend: str = BACKEND):
   """The pipeline. `mode`: "per-image" normalizes each image; "batches"
   normalizes each uint8 batch at once (one float32 array per batch, on
-  `threads` threads too); "uint8" leaves the normalize to the accelerator."""
+  `threads` threads); "uint8" leaves the normalize to the accelerator.
+  `backend`: where the per-image work runs ("process": one worker process
+  per core; "thread": `threads` threads)."""
   import jaxfeed
   source = jaxfeed.TFRecordSource(path)
   dataset = jaxfeed.Dataset.from_source(source)
   if mode == "per-image":
     return (dataset.random_map(jaxfeed_transform, num_parallel_calls=threads,
-                               seed=0, writes_out=True).batch(BATCH))
+                               seed=0, writes_out=True, backend=backend)
+            .batch(BATCH))
   dataset = dataset.random_map(jaxfeed_uint8_transform,
-                               num_parallel_calls=threads, seed=0).batch(BATCH)
+                               num_parallel_calls=threads, seed=0,
+                               backend=backend).batch(BATCH)
   if mode == "uint8":
     return dataset
   return dataset.map(normalize_batch, num_parallel_calls=threads)
@@ -293,15 +310,37 @@ def bare_limit_in_processes(path: str, cores: int, kind: str,
               r["cpu_us_per_image"] for r in rates), 1)}
 
 
+def pipeline_cpu_s() -> float:
+  """CPU seconds of this process and of the worker processes jaxfeed's
+  process backend runs, all forked by multiprocessing's fork server: those
+  still running, and those it reaped (its children's time)."""
+  import psutil
+  from multiprocessing import forkserver
+  total = time.process_time()
+  pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # pylint: disable=protected-access
+  if pid:
+    server = psutil.Process(pid)
+    for process in [server] + server.children():
+      try:
+        times = process.cpu_times()
+      except psutil.NoSuchProcess:  # reaped meanwhile: counted by the server
+        continue
+      total += times.user + times.system
+    times = psutil.Process(pid).cpu_times()
+    total += times.children_user + times.children_system
+  return total
+
+
 def measure_cpu(make_epoch, count, epochs: int) -> dict:
-  """`harness.measure` plus this process's CPU time per item over the timed
-  epochs (after the warm-up, like the rate and like the limits' loops)."""
+  """`harness.measure` plus the pipeline's CPU time per item (this process
+  and its worker processes) over the timed epochs (after the warm-up, like
+  the rate and like the limits' loops)."""
   starts = []
   result = harness.measure(make_epoch, count, epochs,
                            before_epoch=lambda: starts.append(
-                               time.process_time()))
+                               pipeline_cpu_s()))
   result["cpu_us_per_image"] = round(
-      (time.process_time() - starts[1]) / (result["items"] * epochs) * 1e6, 1)
+      (pipeline_cpu_s() - starts[1]) / (result["items"] * epochs) * 1e6, 1)
   return result
 
 
@@ -364,9 +403,9 @@ def run_once(args, path: str, cores: int, threads: int) -> dict:
   if "jaxfeed" in args.systems:
     for name, mode, limit in JAXFEED_MODES:
       measure_limit(limit)
-      dataset = jaxfeed_dataset(path, threads, mode)
+      dataset = jaxfeed_dataset(path, threads, mode, args.backend)
       results[name] = measure_cpu(lambda: iter(dataset), count, args.epochs)
-      extra[name] = {"threads": threads, "limit": limit,
+      extra[name] = {"backend": args.backend, "threads": threads, "limit": limit,
                      "load_avg_1m": round(os.getloadavg()[0], 1)}
     extra["jaxfeed"]["thread_scaling"] = thread_scaling(path)
   if "tf.data" in args.systems:
@@ -416,6 +455,8 @@ def main() -> None:
                       default=["jaxfeed", "tf.data", "grain", "limit"])
   parser.add_argument("--threads", type=int, default=0,
                       help="jaxfeed's decode threads (0: the usable cores)")
+  parser.add_argument("--backend", choices=["process", "thread"],
+                      default=BACKEND, help="where jaxfeed's per-image work runs")
   parser.add_argument("--limit-seconds", type=float, default=5.0,
                       help="how long each limit's bare loop runs")
   args = parser.parse_args()

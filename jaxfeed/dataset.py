@@ -197,7 +197,9 @@ class Dataset:
         `out`'s own array is not copied again: for large outputs (an image
         normalized to float32) this saves a copy and fresh memory per
         element. A leaf `fn` returns from `out` must be written in full.
-        Not with backend="process".
+        With backend="process" (or AUTOTUNE picking processes) the same
+        holds in the worker processes, whose rows are the shared memory the
+        batch is handed out in.
 
     Example: `ds.map(decode, num_parallel_calls=jaxfeed.AUTOTUNE)`.
     Writing into the batch: `def fn(x, out=None): return {"y": np.multiply(

@@ -425,3 +425,11 @@ def normalize(image: np.ndarray, mean: Sequence[float] = IMAGENET_MEAN,
   rows *= np.resize(np.broadcast_to(inverse, (channels,)), row)
   rows += np.resize(np.broadcast_to(shift, (channels,)), row)
   return out
+
+
+try:
+  # The decoders load with the module, so that processes forked from one that
+  # imported it (process_batch's workers) do not load them again.
+  _modules()
+except ImportError:
+  pass  # raised where a decoder is used

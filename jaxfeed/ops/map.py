@@ -52,8 +52,7 @@ class MapNode(Node):
       raise TypeError(f"map: batched must be a bool, got {batched!r}.")
     self.batched = batched
     self.backend = parallel.check_backend(backend, self.op_name)
-    self.writes_out = parallel.check_writes_out(writes_out, self.backend,
-                                                self.op_name)
+    self.writes_out = parallel.check_writes_out(writes_out, self.op_name)
 
   def make_iterator(self) -> "MapIterator":
     return MapIterator(self.parents[0].make_iterator(), self.fn,
@@ -99,8 +98,11 @@ class MapIterator(parallel.ParallelMapIterator):
     self._pool = None
     if backend == "process":
       # Unpacks tuples itself; the executor's threads each drive a process.
-      self._pool = process_pool.ProcessPool(fn, self.op_name)
+      # Outside a fused chain (`process_batch`) there is no row to hand out.
+      self._pool = process_pool.ProcessPool(
+          parallel.without_out(fn, writes_out), self.op_name)
       work = self._pool
+      writes_out = False
     else:
       work = _map_work(fn, writes_out)
     self._work = work

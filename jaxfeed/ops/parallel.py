@@ -24,6 +24,7 @@ the following elements (like tf.data).
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import threading
@@ -873,16 +874,16 @@ def check_deterministic(value: Any, op_name: str) -> bool:
   return bool(value)
 
 
-def check_writes_out(value: Any, backend: str, op_name: str) -> bool:
-  """Validates `writes_out`: a bool, and only for work on threads (a worker
-  process cannot write into the consumer's batch)."""
+def check_writes_out(value: Any, op_name: str) -> bool:
+  """Validates `writes_out`: a bool."""
   if not isinstance(value, bool):
     raise TypeError(f"{op_name}: writes_out must be a bool, got {value!r}.")
-  if value and backend == "process":
-    raise ValueError(
-        f"{op_name}: writes_out=True needs backend 'auto' or 'thread' (fn "
-        f"writes into batch rows of this process), got backend={backend!r}.")
   return value
+
+
+def without_out(fn: Callable, writes_out: bool) -> Callable:
+  """`fn` called with `out=None` when it writes out (a picklable partial)."""
+  return functools.partial(fn, out=None) if writes_out else fn
 
 
 def with_writes_out(params: dict, writes_out: bool) -> dict:

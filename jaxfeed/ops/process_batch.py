@@ -9,18 +9,29 @@ backend and functions that can be pickled (see `fuse`).
 Worker processes each rebuild the input node and the element functions once
 (pickled; numpy arrays of `SHARED_ARRAY_BYTES` or more go through shared
 memory instead of the pipe, so an in-memory source is not copied per worker).
-The parent hands them chunks of input positions `[start, stop)` in turn. A
-worker reads the chunk's elements with the input's `range_iterator`, applies
-the element ops to each with the record seed the thread path gives it, and
+The parent hands them chunks of input positions `[start, stop)`, each to
+the worker with the fewest chunks left to compute, and waits on all of them
+(answering requests, refilling a worker as soon as it is done), up to
+`AHEAD_CHUNKS` per worker sent and not yet consumed. A worker reads the
+chunk's elements with the input's `range_iterator`, applies the element ops
+to each with the record seed the thread path gives it, and
 
-  * without a filter, where a chunk is whole batches, stacks the batches and
-    writes them into a shared-memory slot owned by the parent. The parent
-    returns arrays that are views of the slot, and reuses a slot only once no
-    view of its earlier batches is alive; otherwise the slot is retired
-    (unlinked; the memory goes with its last view) and a new one made;
-  * with a filter, where batch boundaries depend on earlier chunks, sends the
-    surviving elements back through the pipe; the parent stacks them.
-
+  * without a filter, where a chunk is whole batches, writes the batches
+    into a slot: memory owned by the parent (a memfd, sent to a worker over
+    its pipe the first time it gets that slot, mapped with all its pages at
+    once). Each element's leaves go to their batch row as soon as the
+    element is computed (elements of 64 KiB or more, numeric leaves, shaped
+    like the batch's first element: `batch_placement.Template`), and a
+    function with `writes_out=True` is handed that row as `out`; a slot too
+    small is replaced by a bigger one there and then (the size is kept on
+    the node for its next iterators); a batch whose elements change shape
+    is stacked into the slot instead (as on threads). The parent returns
+    arrays that are views of the slot, and reuses a slot only once no view
+    of its earlier batches is alive; otherwise the slot is retired (the
+    memory goes with its last view) and a new one made. A closed iterator's
+    free slots serve the next iterator of the same dataset (up to
+    `SPARE_SLOTS`, freed when the dataset is): an epoch's batches go to
+    memory that is already there;
 Outputs, per-record seeds and errors are those of the chain run by threads:
 a function's exception is raised by the `next()` that would return the
 batch holding its element, with the worker's traceback as its cause; the
@@ -41,24 +52,29 @@ from __future__ import annotations
 import collections
 import copy
 import io
+import itertools
 import mmap
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import signal
+import tempfile
+import threading
 import time
 import traceback
 import weakref
-from multiprocessing import shared_memory
+from multiprocessing import reduction, shared_memory
 from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import base, op_stats, parallel, stacking, tree
+from jaxfeed.ops import (base, batch_placement, op_stats, parallel, random_map,
+                         stacking, tree)
+from jaxfeed.ops import map as map_op
 from jaxfeed.ops.filter import predicate_result
 from jaxfeed.ops.process_pool import (WorkerProcessError, _ArrayRef, _attach,
                                       _picklable, _RemoteTraceback)
-from jaxfeed.ops.random_map import ElementGenerators
 
 __all__ = ["ProcessBatchNode", "ProcessBatchIterator", "fuse"]
 
@@ -74,6 +90,9 @@ CHUNK_WORK_S = 0.02
 
 CHUNKS_PER_WORKER = 2
 """Chunks queued at each worker (one computing, one waiting)."""
+
+AHEAD_CHUNKS = 3
+"""Chunks per worker sent and not yet consumed (each holds a slot)."""
 
 THREADS_USE_CORES = 1.5
 """AUTOTUNE keeps threads when they keep this many cores busy."""
@@ -140,14 +159,16 @@ class _Chain:
 
 
 def _stage_spec(node: base.Node) -> tuple:
+  """(kind, functions..., writes_out): what a worker rebuilds an op from."""
   params = node.spec_params()
+  writes_out = bool(params.get("writes_out"))
   if node.op_name == "map":
-    return ("map", params["fn"])
+    return ("map", params["fn"], writes_out)
   if node.op_name == "random_map":
-    return ("random_map", params["fn"], params["seed"] or 0)
+    return ("random_map", params["fn"], params["seed"] or 0, writes_out)
   if node.op_name == "filter":
-    return ("filter", params["predicate"])
-  return ("map_and_filter", params["fn"], params["predicate"])
+    return ("filter", params["predicate"], False)
+  return ("map_and_filter", params["fn"], params["predicate"], False)
 
 
 def fuse(batch_node: base.Node) -> "ProcessBatchNode | None":
@@ -163,8 +184,7 @@ def fuse(batch_node: base.Node) -> "ProcessBatchNode | None":
   except ValueError:
     return None
   params = [n.spec_params() for n in chain.stage_nodes]
-  # Functions writing into batch rows (writes_out) stay on threads.
-  if any(p.get("batched") or p.get("writes_out") for p in params):
+  if any(p.get("batched") for p in params):
     return None
   backends = {p.get("backend", "auto") for p in params}
   if "process" in backends:
@@ -210,6 +230,9 @@ class ProcessBatchNode(base.Node):
           f"{_OP}: chunk must be a multiple of the batch size "
           f"{self.chain.batch_size} when no filter runs, got {self.chunk}.")
     self.copy = bool(copy)
+    # What iterators measured (slot bytes, chunk size): the next iterator (the
+    # next epoch) starts from it instead of growing its slots again.
+    self.learned: dict[str, int] = {}
 
   def spec_params(self) -> dict:
     return {"backend": self.backend, "num_workers": self.num_workers,
@@ -248,19 +271,29 @@ class _ChunkRunner:
     self.input = _rebuild(input_cls, input_params)
     self.stages = [_stage_fn(s) for s in stages]
     self.filters = any(s[0] in ("filter", "map_and_filter") for s in stages)
+    # The last op writes into its element's batch row (writes_out).
+    self.hands_out_rows = stages[-1][-1] and not self.filters
+    self.template: batch_placement.Template | None = None  # the last batch's
 
-  def run(self, start: int, stop: int) -> tuple[list, int]:
-    """The outputs of input positions [start, stop) and the bytes they need.
+  def run(self, start: int, stop: int, slot: "_WorkerSlot | None"
+          ) -> tuple[list, int, int]:
+    """The outputs of input positions [start, stop), the bytes they need and
+    the end of the batches already written into the slot (None: a chain
+    with a filter, whose elements go back through the pipe).
 
-    Items are ("batch", skeleton, writes, first seed, next position) (see
-    `_plan_batch`; the batches of a chunk lie one after the other from byte
-    0), ("element", element, seed, next position), and at most one last
-    ("error", exc, traceback, next position).
+    Items are ("batch", skeleton, writes, first seed, next position) (the
+    batches of a chunk lie one after the other from byte 0; a batch whose
+    rows were written into the slot as they came has no writes, others are
+    planned by `_plan_batch`), ("element", element, seed, next position),
+    and at most one last ("error", exc, traceback, next position).
     """
     items = []
-    batch, first_seed, needed = [], 0, 0
+    batch, first_seed, needed, written = [], 0, 0, 0
+    rows: _Rows | None = None  # the batch being written into the slot
+    count = 0  # elements of the current batch
     iterator = self.input.range_iterator(start, stop)
     position = start
+    last = len(self.stages) - 1
     try:
       while position < stop:
         try:
@@ -272,9 +305,14 @@ class _ChunkRunner:
           raise
         position += 1
         seed = iterator.last_seed
+        if count == 0 and slot is not None and self.template is not None:
+          rows = self._open(slot, needed, written, stop - position + 1)
+        out = own = None
+        if rows is not None and self.hands_out_rows:
+          out, own = rows.row(count)
         keep = True
-        for stage in self.stages:
-          keep, element = stage(element, seed)
+        for index, stage in enumerate(self.stages):
+          keep, element = stage(element, seed, out if index == last else None)
           if not keep:
             break
         if not keep:
@@ -282,21 +320,143 @@ class _ChunkRunner:
         if self.filters:
           items.append(("element", element, seed, position))
           continue
-        if not batch:
+        if count == 0:
           first_seed = seed
-        batch.append(element)
-        if len(batch) == self.batch_size:
-          skeleton, writes, needed = _plan_batch(batch, needed)
-          items.append(("batch", skeleton, writes, first_seed, position))
-          batch = []
-      if batch and not self.drop_remainder:
-        skeleton, writes, needed = _plan_batch(batch, needed)
-        items.append(("batch", skeleton, writes, first_seed, position))
+          if slot is not None and (rows is None or not rows.fits(element)):
+            # A first batch, or new shapes: rows like this element's.
+            self.template = _template(element)
+            rows = (None if self.template is None else
+                    self._open(slot, needed, written, stop - position + 1))
+        if rows is not None and not rows.put(count, element, own):
+          batch = rows.elements(count)  # shapes changed: stacked instead
+          rows = None
+        if rows is None:
+          batch.append(element)
+        count += 1
+        if count == self.batch_size:
+          needed, written = self._finish(items, rows, batch, count,
+                                         first_seed, position, needed, written)
+          batch, rows, count = [], None, 0
+      if count and not self.drop_remainder:
+        needed, written = self._finish(items, rows, batch, count, first_seed,
+                                       position, needed, written)
     except Exception as exc:  # noqa: BLE001 -- raised in the consumer
-      items.append(("error", _picklable(exc), traceback.format_exc(), position))
+      text = traceback.format_exc()
+      _drop_tracebacks(exc)  # their frames hold views of the slot
+      items.append(("error", _picklable(exc), text, position))
     finally:
       iterator.close()
-    return items, needed
+    return items, needed, written
+
+  def _open(self, slot: "_WorkerSlot", start: int, written: int,
+            left: int) -> "_Rows":
+    """Rows for the next batch from byte `start`, in a bigger slot if this
+    one is too small (then big enough for the `left` positions' batches)."""
+    rows = _Rows.open(slot.buf, start, self.batch_size, self.template)
+    if rows is None:
+      batches = -(-left // self.batch_size)
+      size = _Rows.layout(0, self.batch_size, self.template)[1]
+      rows = _Rows.open(slot.grow(start + batches * _align(size), written),
+                        start, self.batch_size, self.template)
+    return rows
+
+  @staticmethod
+  def _finish(items: list, rows: "_Rows | None", batch: list, count: int,
+              first_seed: int, position: int, needed: int, written: int
+              ) -> tuple[int, int]:
+    if rows is not None:
+      items.append(("batch", rows.skeleton(count), [], first_seed, position))
+      return rows.end, rows.end
+    skeleton, writes, needed = _plan_batch(batch, needed)
+    items.append(("batch", skeleton, writes, first_seed, position))
+    return needed, written
+
+
+def _template(element: Any) -> "batch_placement.Template | None":
+  """The rows to write elements like `element` into, if it has a layout."""
+  template = batch_placement.Template.of(element)
+  if template is None or template.nbytes < batch_placement.MIN_ELEMENT_BYTES:
+    return None  # small elements: stacking them costs less than placing
+  return template
+
+
+def _drop_tracebacks(exc: BaseException | None) -> None:
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    exc.__traceback__ = None
+    exc = exc.__cause__ or exc.__context__
+
+
+def _align(offset: int) -> int:
+  return (offset + 63) // 64 * 64  # keep every array 64-byte aligned
+
+
+class _Rows:
+  """A batch written into a slot an element at a time, from byte `start`.
+
+  Arrays of `batch_size` rows per leaf of the template; each element's
+  leaves go to their row as soon as the element is computed (while it is
+  still in the cache), so no list of elements is stacked afterwards.
+  """
+
+  __slots__ = ("template", "offsets", "arrays", "end")
+
+  def __init__(self, template, offsets: list, arrays: list, end: int):
+    self.template, self.offsets, self.arrays = template, offsets, arrays
+    self.end = end
+
+  @staticmethod
+  def layout(start: int, batch_size: int, template) -> tuple[list, int]:
+    """Where a batch's arrays go from byte `start` on, and where they end."""
+    offsets, offset = [], start
+    for shape, dtype in template.specs:
+      offset = _align(offset)
+      offsets.append(offset)
+      offset += batch_size * int(np.prod(shape)) * dtype.itemsize
+    return offsets, offset
+
+  @classmethod
+  def open(cls, block: memoryview, start: int, batch_size: int,
+           template) -> "_Rows | None":
+    """The batch's rows, or None if the block is too small for them."""
+    offsets, offset = cls.layout(start, batch_size, template)
+    if offset > len(block):
+      return None
+    arrays = [np.ndarray((batch_size,) + shape, dtype, buffer=block, offset=o)
+              for o, (shape, dtype) in zip(offsets, template.specs)]
+    return cls(template, offsets, arrays, offset)
+
+  def row(self, row: int) -> tuple[Any, list]:
+    """Row `row` as `out` (the element's structure) and as a leaf list."""
+    own = [array[row, ...] for array in self.arrays]  # 0-d rows stay arrays
+    return tree.unflatten(self.template.structure, own), own
+
+  def fits(self, element: Any) -> bool:
+    return self.template.leaves_of(element) is not None
+
+  def put(self, row: int, element: Any, own: list | None) -> bool:
+    """Writes `element` into row `row`; False if it does not fit. A leaf
+    that is the row's own array (`own`, handed to fn as `out`) is there."""
+    leaves = self.template.leaves_of(element)
+    if leaves is None:
+      return False
+    for i, (array, leaf) in enumerate(zip(self.arrays, leaves)):
+      if own is None or leaf is not own[i]:
+        array[row] = leaf
+    return True
+
+  def elements(self, count: int) -> list:
+    """Copies of the first `count` elements (to stack with later ones)."""
+    return [tree.unflatten(self.template.structure,
+                           [array[row, ...].copy() for array in self.arrays])
+            for row in range(count)]
+
+  def skeleton(self, count: int) -> Any:
+    """The batch of the first `count` rows as `_ArrayRef`s."""
+    refs = [_ArrayRef(offset, array.dtype.str, (count,) + array.shape[1:])
+            for offset, array in zip(self.offsets, self.arrays)]
+    return tree.unflatten(self.template.structure, refs)
 
 
 def _plan_batch(elements: list, start: int) -> tuple[Any, list, int]:
@@ -323,35 +483,108 @@ def _plan_batch(elements: list, start: int) -> tuple[Any, list, int]:
         markers.append(source)
         continue
       shape, dtype = source.shape, source.dtype
-    offset = (offset + 63) // 64 * 64  # keep every array 64-byte aligned
+    offset = _align(offset)
     markers.append(_ArrayRef(offset, dtype.str, shape))
     writes.append((offset, shape, dtype, source))
     offset += int(np.prod(shape)) * dtype.itemsize
   return tree.unflatten(structure, markers), writes, offset
 
 
-def _stage_fn(spec: tuple) -> Callable[[Any, int], tuple[bool, Any]]:
-  kind = spec[0]
-  if kind == "map":
-    fn = spec[1]
-    return lambda element, seed: (True, parallel.call_unpacked(fn, element))
-  if kind == "random_map":
-    fn, generators = spec[1], ElementGenerators(spec[2])
-    return lambda element, seed: (True, fn(element, generators(seed)))
+def _stage_fn(spec: tuple) -> Callable[[Any, int, Any], tuple[bool, Any]]:
+  """stage(element, seed, out) -> (keep, output); `out` is the element's
+  batch row for an op with writes_out (else ignored; None: no row)."""
+  kind, writes_out = spec[0], spec[-1]
+  if kind in ("map", "random_map"):
+    # The thread path's own work functions: the same calls, `out` included.
+    work = (map_op._map_work(spec[1], writes_out) if kind == "map"  # pylint: disable=protected-access
+            else random_map._random_map_work(  # pylint: disable=protected-access
+                spec[1], random_map.ElementGenerators(spec[2]), writes_out))
+    if writes_out:
+      return lambda element, seed, out: (True, work(element, seed, out=out))
+    return lambda element, seed, out: (True, work(element, seed))
   if kind == "filter":
     predicate = spec[1]
 
-    def keep(element, seed):
+    def keep(element, seed, out):
       result = parallel.call_unpacked(predicate, element)
       return predicate_result(predicate, result, "filter"), element
     return keep
   fn, predicate = spec[1], spec[2]
 
-  def map_and_keep(element, seed):
+  def map_and_keep(element, seed, out):
     mapped = parallel.call_unpacked(fn, element)
     result = parallel.call_unpacked(predicate, mapped)
     return predicate_result(predicate, result, "filter"), mapped
   return map_and_keep
+
+
+class _ParentGone(BaseException):
+  """The parent closed the pipe mid-chunk (not a function's error)."""
+
+
+# Mapping a slot maps all its pages in one call: touching them one by one
+# costs a page fault each (a 77 MB batch: 19k faults, ~15x slower).
+_POPULATE = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+class _Mapped:
+  """A slot mapped by a worker (from the descriptor the parent sent)."""
+
+  def __init__(self, fd: int, size: int):
+    try:
+      self.map = mmap.mmap(fd, size, flags=_POPULATE)
+    finally:
+      os.close(fd)
+    self.size = size
+    self.buf = memoryview(self.map)
+
+  def close(self) -> None:
+    self.buf.release()
+    self.map.close()
+
+
+class _WorkerSlot:
+  """The slot a worker writes a chunk's batches into (worker side); `grow`
+  asks the parent for a bigger one and moves what was written there."""
+
+  def __init__(self, conn, slots: dict, queued: collections.deque,
+               slot_id: int):
+    # `slots`: the worker's mapped slots by id (mapped once each).
+    self.conn, self.slots, self.queued = conn, slots, queued
+    self.block = slots[slot_id]
+
+  @property
+  def buf(self) -> memoryview:
+    return self.block.buf
+
+  def grow(self, needed: int, written: int) -> memoryview:
+    """A slot of `needed` bytes or more holding bytes [0, written) of this
+    one (the batches already written)."""
+    self.conn.send(("grow", needed))
+    try:
+      reply = _receive(self.conn, self.slots)
+      while reply[0] == "chunk":
+        self.queued.append(reply)
+        reply = _receive(self.conn, self.slots)
+    except (EOFError, OSError) as exc:
+      raise _ParentGone from exc
+    if reply[0] != "slot":
+      raise _ParentGone
+    old = self.block
+    self.block = self.slots[reply[1][0]]
+    self.block.buf[:written] = old.buf[:written]
+    return self.block.buf
+
+
+def _receive(conn, slots: dict) -> tuple:
+  """The parent's next message; maps the slot it names when its descriptor
+  follows (the first time this worker gets that slot)."""
+  message = conn.recv()
+  if message[0] in ("chunk", "slot") and message[-1] is not None:
+    slot_id, size, new = message[-1]
+    if new:
+      slots[slot_id] = _Mapped(reduction.recv_handle(conn), size)
+  return message
 
 
 def _worker_main(payload: bytes, conn) -> None:
@@ -362,54 +595,56 @@ def _worker_main(payload: bytes, conn) -> None:
     conn.send(("error", _picklable(exc), traceback.format_exc()))
     return
   conn.send(("ready",))
-  slots: dict[str, shared_memory.SharedMemory] = {}
+  slots: dict[int, _Mapped] = {}
   queued: collections.deque = collections.deque()  # chunks sent meanwhile
-  while True:
-    try:
-      message = queued.popleft() if queued else conn.recv()
-    except (EOFError, OSError):
-      return  # The parent went away.
-    if message[0] == "stop":
-      return
-    _, start, stop, slot_name, retired = message
-    for name in retired:
-      block = slots.pop(name, None)
-      if block is not None:
-        block.close()
-    begin = time.perf_counter()
-    items, needed = runner.run(start, stop)
-    if slot_name is None:
-      conn.send(("done", items, time.perf_counter() - begin))
-      continue
-    if slot_name not in slots:
-      slots[slot_name] = _attach(slot_name)
-    block = slots[slot_name]
-    if needed > block.size:
-      conn.send(("grow", needed))
+  try:
+    while True:
       try:
-        reply = conn.recv()
-        while reply[0] == "chunk":
-          queued.append(reply)
-          reply = conn.recv()
+        message = queued.popleft() if queued else _receive(conn, slots)
       except (EOFError, OSError):
+        return  # The parent went away.
+      if message[0] == "stop":
         return
-      if reply[0] != "slot":
-        return
-      slot_name = reply[1]
-      block = slots[slot_name] = _attach(slot_name)
-    headers = []
-    for item in items:
-      if item[0] == "batch":
-        for offset, shape, dtype, source in item[2]:
-          view = np.ndarray(shape, dtype, buffer=block.buf, offset=offset)
-          if type(source) is list:
-            np.stack(source, out=view)
-          else:
-            view[...] = source
-        item = ("batch", item[1]) + item[3:]
-      headers.append(item)
-    del items
-    conn.send(("done", headers, time.perf_counter() - begin))
+      _, start, stop, retired, slot_spec = message
+      for slot_id in retired:
+        block = slots.pop(slot_id, None)
+        if block is not None:
+          _close(block)
+      begin = time.perf_counter()
+      slot = (None if slot_spec is None
+              else _WorkerSlot(conn, slots, queued, slot_spec[0]))
+      items, needed, written = runner.run(start, stop, slot)
+      if slot is not None:
+        if needed > slot.block.size:
+          slot.grow(needed, written)
+        _write_planned(items, slot.buf)
+        del slot
+      conn.send(("done", items, time.perf_counter() - begin))
+      del items
+  except _ParentGone:
+    return
+
+
+def _write_planned(items: list, buf: memoryview) -> None:
+  """Writes the batches planned by `_plan_batch` (stacking them into `buf`)
+  and leaves only their skeletons in `items`."""
+  for i, item in enumerate(items):
+    if item[0] == "batch":
+      for offset, shape, dtype, source in item[2]:
+        view = np.ndarray(shape, dtype, buffer=buf, offset=offset)
+        if type(source) is list:
+          np.stack(source, out=view)
+        else:
+          view[...] = source
+        del view
+      items[i] = ("batch", item[1]) + item[3:]
+
+
+def _close(block: _Mapped) -> None:
+  try:
+    block.close()
+  except BufferError:
+    pass  # a view of it lives on (kept by fn): unmapped when the worker exits
 
 
 # ---------------------------------------------------------------------------
@@ -433,42 +668,127 @@ class _SharedArrayPickler(pickle.Pickler):
 
 
 class _Slot:
-  """A shared-memory block batches are written to, mapped by the parent."""
+  """Memory batches are written to: a memfd (no name that could outlive the
+  process), mapped by the workers it is sent to and by the parent."""
 
-  __slots__ = ("shm", "map", "size", "guard", "taken")
+  __slots__ = ("fd", "id", "map", "size", "guard", "taken", "mapped_by")
+  _ids = itertools.count()
 
   def __init__(self, size: int):
-    self.shm = shared_memory.SharedMemory(create=True, size=size)
-    # A mapping of our own: the views handed out hold it, so after the slot
-    # is retired (unlinked) its memory lives exactly as long as they do.
-    self.map = mmap.mmap(self.shm._fd, size)  # pylint: disable=protected-access
+    self.fd = _anonymous_file()
+    try:
+      os.ftruncate(self.fd, size)
+    except BaseException:
+      os.close(self.fd)
+      raise
+    self.id = next(self._ids)
+    self.map: mmap.mmap | None = None  # see `mapping`
     self.size = size
-    self.shm.close()
     self.guard: weakref.ref | None = None  # the views' buffer
     self.taken = True  # by a chunk in flight or not yet returned
+    self.mapped_by: set[int] = set()  # the workers that mapped it
 
-  @property
-  def name(self) -> str:
-    return self.shm.name
+  def spec(self, worker: int) -> tuple[int, int, bool]:
+    """(id, size, whether its descriptor follows) for `worker`."""
+    return self.id, self.size, worker not in self.mapped_by
+
+  def mapping(self) -> mmap.mmap:
+    """The parent's mapping of the slot, made when its first batches are
+    back: the worker that wrote them made the pages, which are then mapped
+    at once instead of a fault each as the consumer reads them. The views
+    handed out hold it, so after the slot is retired its memory lives
+    exactly as long as they do."""
+    if self.map is None:
+      self.map = mmap.mmap(self.fd, self.size, flags=_POPULATE)
+    return self.map
 
   def in_use(self) -> bool:
     """Whether a chunk or a view handed out uses the slot."""
     return self.taken or (self.guard is not None and self.guard() is not None)
 
   def retire(self) -> None:
-    try:
-      self.shm.unlink()
-    except FileNotFoundError:
-      pass
-    if not self.in_use():
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+    if self.map is not None and not self.in_use():
       self.map.close()
     self.map = None
+
+
+def _anonymous_file() -> int:
+  """A descriptor of a new file in memory that no name leads to."""
+  if hasattr(os, "memfd_create"):
+    return os.memfd_create(f"jaxfeed-{_OP}", os.MFD_CLOEXEC)
+  fd, path = tempfile.mkstemp(  # no memfd (macOS): a file unlinked at once
+      prefix=f"jaxfeed-{_OP}-",
+      dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+  os.unlink(path)
+  return fd
+
+
+class _SpareSlots:
+  """Free slots of a node's closed iterators, for its next iterator: a new
+  slot costs its pages (a 77 MB batch: ~30 ms of zeroing, in the worker).
+
+  Kept for a node (held by its dataset), outside it so that the node stays
+  a plain picklable value: at most `SPARE_SLOTS`, the smallest let go
+  first, and all of them closed when the node is collected.
+  """
+
+  def __init__(self):
+    self._slots: list[_Slot] = []
+    self._lock = threading.Lock()
+
+  def keep(self, slots: list[_Slot]) -> None:
+    with self._lock:
+      self._slots.extend(slots)
+      self._slots.sort(key=lambda slot: slot.size)
+      while len(self._slots) > SPARE_SLOTS:
+        self._slots.pop(0).retire()
+
+  def take(self, size: int) -> _Slot | None:
+    with self._lock:
+      for i, slot in enumerate(self._slots):
+        if slot.size >= size:
+          return self._slots.pop(i)
+    return None
+
+  def __len__(self) -> int:
+    return len(self._slots)
+
+  def close(self) -> None:
+    with self._lock:
+      for slot in self._slots:
+        slot.retire()
+      self._slots.clear()
+
+
+SPARE_SLOTS = 8
+_SPARES: dict[int, _SpareSlots] = {}  # id(node) -> its spare slots
+_spares_lock = threading.Lock()
+
+
+def _spares_of(node: object) -> _SpareSlots:
+  with _spares_lock:
+    spares = _SPARES.get(id(node))
+    if spares is None:
+      spares = _SPARES[id(node)] = _SpareSlots()
+      weakref.finalize(node, _drop_spares, id(node))
+    return spares
+
+
+def _drop_spares(node_id: int) -> None:
+  with _spares_lock:
+    spares = _SPARES.pop(node_id, None)
+  if spares is not None:
+    spares.close()
 
 
 class _Workers:
   """The worker processes, their pipes, slots and shared input (parent side)."""
 
-  def __init__(self, payload: tuple, num_workers: int):
+  def __init__(self, payload: tuple, num_workers: int, spares: _SpareSlots):
+    self.spares = spares
     self.blocks: list[shared_memory.SharedMemory] = []
     self.workers: list = []
     self.slots: list[_Slot] = []
@@ -509,7 +829,29 @@ class _Workers:
     return [process.pid for process, _ in self.workers]
 
   def shared_memory_names(self) -> list[str]:
-    return [b.name for b in self.blocks] + [s.name for s in self.slots]
+    return [b.name for b in self.blocks]
+
+  def send_chunk(self, index: int, start: int, stop: int,
+                 slot: _Slot | None) -> None:
+    """Sends a chunk, and the slot's descriptor if the worker lacks it."""
+    spec = None if slot is None else slot.spec(index)
+    self.send(index, ("chunk", start, stop, self.take_retired(index), spec))
+    self._send_fd(index, slot)
+
+  def send_slot(self, index: int, slot: _Slot) -> None:
+    """Answers a worker's "grow" with `slot`."""
+    self.send(index, ("slot", slot.spec(index)))
+    self._send_fd(index, slot)
+
+  def _send_fd(self, index: int, slot: _Slot | None) -> None:
+    if slot is None or index in slot.mapped_by:
+      return
+    process, conn = self.workers[index]
+    try:
+      reduction.send_handle(conn, slot.fd, process.pid)
+    except OSError as exc:
+      raise self._died(index, "receiving work") from exc
+    slot.mapped_by.add(index)
 
   def send(self, index: int, message: tuple) -> None:
     conn = self.workers[index][1]
@@ -517,6 +859,24 @@ class _Workers:
       conn.send(message)
     except (OSError, ValueError) as exc:
       raise self._died(index, "receiving work") from exc
+
+  def wait(self, doing: dict[int, str]) -> list[tuple[int, tuple]]:
+    """(index, message) of the workers in `doing` (index -> what it does)
+    that sent one, within `_RECV_POLL_S`; WorkerProcessError if one died."""
+    conns = {self.workers[i][1]: i for i in doing}
+    ready = multiprocessing.connection.wait(list(conns), _RECV_POLL_S)
+    if not ready:
+      for index in doing:
+        if not self.workers[index][0].is_alive():
+          raise self._died(index, doing[index])
+    messages = []
+    for conn in ready:
+      index = conns[conn]
+      try:
+        messages.append((index, conn.recv()))
+      except (EOFError, OSError) as exc:
+        raise self._died(index, doing[index]) from exc
+    return messages
 
   def recv(self, index: int, doing: str) -> tuple:
     """The worker's next message; WorkerProcessError if it died."""
@@ -537,15 +897,25 @@ class _Workers:
         f"(exit code {process.exitcode}) while {doing}; the iterator cannot "
         f"go on. Restore its last state into a new iterator to resume.")
 
-  def slot(self, size: int) -> _Slot:
-    """A slot of `size` bytes or more that no chunk or live view uses."""
+  def slot(self, size: int, worker: int) -> _Slot:
+    """A slot of `size` bytes or more that no chunk or live view uses, for
+    `worker`: one it mapped already if there is one."""
+    free = []
     for slot in list(self.slots):
       if not slot.in_use():
         if slot.size >= size:
-          slot.taken, slot.guard = True, None
-          return slot
-        self.retire(slot)  # outgrown
-    slot = _Slot(size)
+          free.append(slot)
+        else:
+          self.retire(slot)  # outgrown
+    if free:
+      slot = next((s for s in free if worker in s.mapped_by), free[0])
+      slot.taken, slot.guard = True, None
+      return slot
+    slot = self.spares.take(size)
+    if slot is None:
+      slot = _Slot(size)
+    else:
+      slot.taken, slot.guard, slot.mapped_by = True, None, set()
     self.slots.append(slot)
     return slot
 
@@ -561,12 +931,12 @@ class _Workers:
   def retire(self, slot: _Slot) -> None:
     slot.retire()
     self.slots.remove(slot)
-    for names in self.retired:
-      names.append(slot.name)
+    for ids in self.retired:
+      ids.append(slot.id)
 
-  def take_retired(self, index: int) -> list[str]:
-    names, self.retired[index] = self.retired[index], []
-    return names
+  def take_retired(self, index: int) -> list[int]:
+    ids, self.retired[index] = self.retired[index], []
+    return ids
 
   def close(self) -> None:
     for _, conn in self.workers:
@@ -581,10 +951,15 @@ class _Workers:
         process.join()
       conn.close()
     self.workers = []
+    spares = []
     for slot in self.slots:
       slot.taken = False
-      slot.retire()
+      if slot.in_use():
+        slot.retire()  # its memory goes with the last view
+      else:
+        spares.append(slot)
     self.slots = []
+    self.spares.keep(spares)
     for block in self.blocks:
       block.close()
       try:
@@ -598,17 +973,24 @@ def _context():
   # A fork server forks workers from a clean single-threaded process (safe
   # beside JAX and gRPC threads, unlike fork) that has this module imported
   # already, so a worker starts in milliseconds instead of a spawn's second.
+  # The image and Example modules (with the JPEG decoders, when installed)
+  # are preloaded too: a worker that imported them itself would pay ~0.1 s
+  # per iterator (per epoch) on image pipelines.
   ctx = multiprocessing.get_context("forkserver")
   ctx.set_forkserver_preload(["__main__", "jaxfeed.sources", "jaxfeed.sampler",
-                              __name__])
+                              "jaxfeed.example", "jaxfeed.image", __name__])
   return ctx
 
 
 class _Chunk:
-  __slots__ = ("worker", "start", "stop", "slot")
+  __slots__ = ("worker", "start", "stop", "slot", "reply")
 
   def __init__(self, worker: int, start: int, stop: int, slot: _Slot | None):
     self.worker, self.start, self.stop, self.slot = worker, start, stop, slot
+    self.reply: tuple[list, float] | None = None  # (headers, busy s) once done
+
+  def doing(self) -> str:
+    return f"computing input positions [{self.start}, {self.stop})"
 
 
 class ProcessBatchIterator(base.OpIterator):
@@ -660,15 +1042,18 @@ class ProcessBatchIterator(base.OpIterator):
       self._thread_iterator.close()
       self._thread_iterator = None
       self.parents = []
-    self._workers = _Workers(self._chain.worker_payload(), self._stats["num_workers"])
+    self._workers = _Workers(self._chain.worker_payload(), self._stats["num_workers"],
+                             _spares_of(self._node))
     self._finalizer = weakref.finalize(self, self._workers.close)
     self._inflight: collections.deque = collections.deque()
+    # Per worker, its chunks not done yet, in the order it computes them.
+    self._pending = [collections.deque() for _ in range(len(self._workers))]
     self._items: collections.deque = collections.deque()
     self._next_start = position
     self._position = position
     self._chunks_sent = self._chunks_received = 0
-    self._slot_bytes = 1 << 20
-    self._chunk_size = self._node.chunk or (
+    self._slot_bytes = self._node.learned.get("slot_bytes", 1 << 20)
+    self._chunk_size = self._node.chunk or self._node.learned.get("chunk") or (
         _MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size)
     self._tuned_chunk = self._node.chunk is None
 
@@ -796,21 +1181,29 @@ class ProcessBatchIterator(base.OpIterator):
     return stacking.stack(elements, "batch")
 
   def _submit(self) -> None:
+    """Sends chunks to the workers with the fewest to compute (at most
+    `CHUNKS_PER_WORKER` each), up to `AHEAD_CHUNKS` per worker not yet
+    consumed: a worker that is ahead goes on while the consumer waits for
+    a slower one's chunk."""
     workers = self._workers
-    depth = CHUNKS_PER_WORKER * len(workers)
+    depth = AHEAD_CHUNKS * len(workers)
+    pending = self._pending
     while len(self._inflight) < depth and (self._end is None
                                            or self._next_start < self._end):
+      index = min(range(len(workers)), key=lambda i: len(pending[i]))
+      if len(pending[index]) >= CHUNKS_PER_WORKER:
+        return
       start = self._next_start
       stop = start + self._chunk_size
       if self._end is not None:
         stop = min(stop, self._end)
-      index = self._chunks_sent % len(workers)
       slot = None
       if not self._chain.filters:
-        slot = workers.slot(self._slot_bytes)
-      workers.send(index, ("chunk", start, stop, None if slot is None else slot.name,
-                           workers.take_retired(index)))
-      self._inflight.append(_Chunk(index, start, stop, slot))
+        slot = workers.slot(self._slot_bytes, index)
+      workers.send_chunk(index, start, stop, slot)
+      chunk = _Chunk(index, start, stop, slot)
+      self._inflight.append(chunk)
+      pending[index].append(chunk)
       self._chunks_sent += 1
       self._next_start = stop
 
@@ -828,7 +1221,7 @@ class ProcessBatchIterator(base.OpIterator):
       return True
     # Every array is a view of `whole`, whose buffer (the memoryview numpy
     # made of the mapping) lives exactly as long as some view does.
-    whole = np.frombuffer(chunk.slot.map, np.uint8)
+    whole = np.frombuffer(chunk.slot.mapping(), np.uint8)
     copy_out = self._node.copy
 
     def restore(leaf):
@@ -848,19 +1241,29 @@ class ProcessBatchIterator(base.OpIterator):
     self._items.append(("release", chunk.slot))
     return True
 
-  def _result(self, chunk: _Chunk) -> tuple[list, float]:
-    workers = self._workers
-    doing = f"computing input positions [{chunk.start}, {chunk.stop})"
-    while True:
-      reply = workers.recv(chunk.worker, doing)
-      if reply[0] == "done":
-        return reply[1], reply[2]
-      # "grow": the chunk's batches need a bigger slot.
-      self._slot_bytes = max(2 * chunk.slot.size, reply[1])
-      chunk.slot.taken = False
-      workers.retire(chunk.slot)
-      chunk.slot = workers.slot(self._slot_bytes)
-      workers.send(chunk.worker, ("slot", chunk.slot.name))
+  def _result(self, chunk: _Chunk, refill: bool = True) -> tuple[list, float]:
+    """The chunk's (headers, busy seconds). Meanwhile answers every worker
+    (a slot to grow) and, with `refill`, gives a worker that finished its
+    chunks new ones."""
+    workers, pending = self._workers, self._pending
+    while chunk.reply is None:
+      busy = {i: queue[0].doing() for i, queue in enumerate(pending) if queue}
+      for index, reply in workers.wait(busy):
+        oldest = pending[index][0]  # a worker computes its chunks in order
+        if reply[0] == "done":
+          oldest.reply = reply[1], reply[2]
+          pending[index].popleft()
+          if refill:
+            self._submit()
+          continue
+        # "grow": the chunk's batches need a bigger slot.
+        self._slot_bytes = max(2 * oldest.slot.size, reply[1])
+        self._node.learned["slot_bytes"] = self._slot_bytes
+        oldest.slot.taken = False
+        workers.retire(oldest.slot)
+        oldest.slot = workers.slot(self._slot_bytes, index)
+        workers.send_slot(index, oldest.slot)
+    return chunk.reply
 
   def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:
     if not self._tuned_chunk or chunk.stop <= chunk.start:
@@ -872,14 +1275,14 @@ class ProcessBatchIterator(base.OpIterator):
     else:
       batch = self._chain.batch_size
       size = batch * int(min(max(target // batch, 1), _MAX_CHUNK_BATCHES))
-    self._chunk_size = size
+    self._chunk_size = self._node.learned["chunk"] = size
     self._stats["chunk"] = size
 
   def _drain(self) -> None:
     """Waits for the chunks in flight and drops their outputs."""
     while self._inflight:
       chunk = self._inflight.popleft()
-      self._result(chunk)
+      self._result(chunk, refill=False)
       if chunk.slot is not None:
         self._workers.release(chunk.slot)
     while self._items:

@@ -98,8 +98,7 @@ class RandomMapNode(Node):
           f"random_map: seed must be an int or None, got {seed!r}.")
     self.seed = None if seed is None else int(seed)
     self.backend = parallel.check_backend(backend, self.op_name)
-    self.writes_out = parallel.check_writes_out(writes_out, self.backend,
-                                                self.op_name)
+    self.writes_out = parallel.check_writes_out(writes_out, self.op_name)
 
   def make_iterator(self) -> "RandomMapIterator":
     return RandomMapIterator(self.parents[0].make_iterator(), self.fn,
@@ -164,9 +163,12 @@ class RandomMapIterator(parallel.ParallelMapIterator):
     self._generators = ElementGenerators(op_seed)
     self._pool = None
     if backend == "process":
-      self._pool = process_pool.ProcessPool(RandomMapCall(fn, op_seed),
-                                            self.op_name)
+      # Outside a fused chain (`process_batch`) there is no row to hand out.
+      self._pool = process_pool.ProcessPool(
+          RandomMapCall(parallel.without_out(fn, writes_out), op_seed),
+          self.op_name)
       work = _process_work(self._pool)
+      writes_out = False
     else:
       work = _random_map_work(fn, self._generators, writes_out)
     self._work = work

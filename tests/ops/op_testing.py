@@ -334,6 +334,28 @@ def assert_identical_batch(ours: Any, expected: Any,
     assert ours.tolist() == expected.tolist(), path
 
 
+def next_outcomes(iterator: Iterable[Any]) -> list:
+  """Each next() to the end: the batch, or a ValueError's text."""
+  out = []
+  while True:
+    try:
+      out.append(next(iterator))
+    except StopIteration:
+      return out
+    except ValueError as e:
+      out.append(str(e))
+
+
+def assert_same_outcomes(ours: list, theirs: list) -> None:
+  """`next_outcomes` lists: the same error texts, identical batches."""
+  assert len(ours) == len(theirs)
+  for a, b in zip(ours, theirs):
+    if isinstance(b, str):
+      assert a == b
+    else:
+      assert_identical_batch(a, b)
+
+
 def leaves(tree: Any) -> list:
   """The leaves of a tree of dicts, tuples and lists, in order."""
   if isinstance(tree, dict):

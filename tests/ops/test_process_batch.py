@@ -6,6 +6,7 @@ backends), the AUTOTUNE switch between backends, and that closing (or
 losing a worker) leaves no process or shared memory behind.
 """
 
+import functools
 import gc
 import json
 import os
@@ -24,7 +25,9 @@ import op_testing
 from op_testing import (assert_identical_batch, elements_and_seeds,
                         process_alive, shared_memory_exists)
 # In a module of their own: each worker imports the module of a function.
-from process_udfs import (busy_python, fails_on_seven, jitter,
+from process_udfs import (busy_python, fails_on_seven, image_in_one_buffer,
+                          image_rows, image_rows_fail_at_13,
+                          image_rows_widen_at_18, jitter,
                           not_multiple_of_three, plus_ten, wide_after_400)
 
 
@@ -69,6 +72,19 @@ def _root(iterator):
 
 def _threads(dataset):
   return dataset.node.make_iterator()
+
+
+def _slots():
+  """The inodes of the batch slots (memfds) this process holds open."""
+  inodes = set()
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      if os.readlink(f"/proc/self/fd/{fd}").startswith(
+          "/memfd:jaxfeed-process_batch"):
+        inodes.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+    except OSError:
+      pass  # closed meanwhile (listdir's own descriptor)
+  return inodes
 
 
 def _assert_same_batches(ours, expected):
@@ -187,10 +203,12 @@ def test_close_and_garbage_collection_leave_no_process_or_shared_memory():
   first = next(it)
   pids, names = it.pids(), it.shared_memory_names()
   assert len(pids) == 2 and all(process_alive(p) for p in pids)
-  assert len(names) >= 2 and all(shared_memory_exists(n) for n in names)
+  assert len(names) == 1 and shared_memory_exists(names[0])  # the input
   op_testing.check_close(it, threads_before)
   assert not any(process_alive(p) for p in pids)
   assert not any(shared_memory_exists(n) for n in names)
+  # The free slots are kept for the next iterator, a few at most.
+  assert len(_slots()) <= process_batch.SPARE_SLOTS
   # A batch handed out before close() stays valid (its memory is unlinked).
   assert first["x"].tolist() == list(range(10, 74))
 
@@ -205,14 +223,18 @@ def test_close_and_garbage_collection_leave_no_process_or_shared_memory():
 
 def test_batches_are_views_until_dropped_then_slots_are_reused():
   dataset = Dataset.range(2000).map(plus_ten, backend="process").batch(10)
+  before = len(_slots())
   with _processes(dataset, chunk=10) as it:
     held = [next(it) for _ in range(30)]  # all held: none overwritten
     for _ in range(100):
       next(it)  # dropped at once: slots come back
-    assert len(it.shared_memory_names()) <= 16
     assert [b.tolist() for b in held] == [
         list(range(10 + 10 * i, 20 + 10 * i)) for i in range(30)]
     assert held[0].flags.writeable
+    del held  # their slots' memory goes with them
+    for _ in range(20):
+      next(it)
+    assert len(_slots()) <= before + 16
 
 
 def test_killed_worker_gives_a_clear_error_not_a_hang():
@@ -293,3 +315,133 @@ def test_outputs_that_grow_get_slots_big_enough():
     del held  # ... all free now, and too small for what follows
     last_column = [int(batch[-1, -1]) for batch in it]
   assert last_column == list(range(327, 800, 8))
+
+
+# ---------------------------------------------------------------------------
+# rows written into the slot as elements come (64 KiB elements and more)
+# ---------------------------------------------------------------------------
+def _image_chain(fn, backend, writes_out, n=42, batch_size=4, **kw):
+  kw.update(num_parallel_calls=2, backend=backend)
+  if writes_out:
+    kw["writes_out"] = True
+  return Dataset.range(n).map(fn, **kw).batch(batch_size)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 24])  # 24: over the first 1 MiB slot
+@pytest.mark.parametrize("writes_out", [False, True])
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_rows_written_in_place_are_the_thread_batches(tmp_path, dtype,
+                                                       writes_out, chunk):
+  log = tmp_path / "rows"
+  fn = functools.partial(image_rows, dtype=dtype, log=str(log))
+  with _threads(_image_chain(fn, "thread", writes_out)) as it:
+    expected = list(it)
+  log.unlink()
+  with _processes(_image_chain(fn, "process", writes_out), chunk=chunk) as it:
+    ours = list(it)
+    names = it.shared_memory_names()
+  _assert_same_batches(ours, expected)
+  assert len(ours[-1]["label"]) == 2  # the short last batch
+  assert not any(shared_memory_exists(n) for n in names)
+  had_rows = [int(line) for line in log.read_text().split()]
+  assert len(had_rows) == 42
+  if writes_out:
+    # Each worker's first element has no template yet; later ones have rows
+    # (a slot too small for them is grown first).
+    assert sum(had_rows) >= 42 - 2
+  else:
+    assert not any(had_rows)
+
+
+@pytest.mark.parametrize("writes_out", [False, True])
+@pytest.mark.parametrize("fn", [image_rows_widen_at_18, image_rows_fail_at_13])
+def test_shape_changes_and_errors_mid_batch_are_those_of_threads(fn, writes_out):
+  with _threads(_image_chain(fn, "thread", writes_out)) as it:
+    expected = op_testing.next_outcomes(it)
+  assert any(isinstance(o, str) for o in expected)  # the batch that fails
+  for chunk in (4, 12):
+    with _processes(_image_chain(fn, "process", writes_out), chunk=chunk) as it:
+      op_testing.assert_same_outcomes(op_testing.next_outcomes(it), expected)
+
+
+def test_each_element_is_in_its_row_before_the_next_is_computed():
+  # The function hands out the same array every call: stacking the
+  # elements of a batch after computing them all would repeat the last one.
+  dataset = Dataset.range(40).map(image_in_one_buffer, backend="process").batch(4)
+  with _processes(dataset, chunk=8) as it:
+    batches = list(it)
+  assert [b["pixels"][:, 0, 0, 0].tolist() for b in batches] == [
+      [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(10)]
+
+
+def test_writes_out_resumes_exactly_across_backends():
+  build = lambda backend: _image_chain(image_rows, backend, True, n=30)
+  with _threads(build("thread")) as it:
+    expected = list(it)
+  for cut in (1, 3, 7):
+    with _processes(build("process"), chunk=8) as it:
+      for _ in range(cut):
+        next(it)
+      state = it.get_state()
+    with _threads(build("thread")) as it:
+      it.set_state(state)
+      _assert_same_batches(list(it), expected[cut:])
+    with _threads(build("thread")) as it:
+      for _ in range(cut):
+        next(it)
+      state = it.get_state()
+    with _processes(build("process"), chunk=12) as it:
+      it.set_state(state)
+      _assert_same_batches(list(it), expected[cut:])
+
+
+def test_autotune_runs_writes_out_maps_on_either_backend(monkeypatch):
+  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
+  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
+  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", 1e9)
+  monkeypatch.setattr(process_batch, "PROCESS_MARGIN", 0.0)
+  monkeypatch.setattr(process_batch, "MIN_BATCHES_LEFT", 1)
+  build = lambda npc: Dataset.range(200).map(
+      image_rows, num_parallel_calls=npc, writes_out=True).batch(2)
+  with _threads(build(None)) as it:
+    expected = list(it)
+  with build(jaxfeed.AUTOTUNE).make_iterator() as it:
+    assert isinstance(_root(it), process_batch.ProcessBatchIterator)
+    ours = list(it)
+    assert _root(it).backend == "process"
+  _assert_same_batches(ours, expected)
+
+
+def test_the_next_iterator_reuses_the_slots_of_the_last():
+  dataset = Dataset.range(40).map(image_rows, backend="process").batch(4)
+  node = ProcessBatchNode(dataset.node, num_workers=2, chunk=8)
+  with node.make_iterator() as it:
+    first = [b["label"].tolist() for b in it]
+  kept = _slots()
+  assert kept  # the free slots, kept for the node's next iterator
+  assert len(kept) <= process_batch.SPARE_SLOTS
+  with node.make_iterator() as it:
+    second = []
+    for batch in it:
+      second.append(batch["label"].tolist())
+      assert _slots() <= kept  # no new memory for the batches
+  assert first == second == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+  del node, it, batch
+  gc.collect()
+  assert not _slots()  # the spare slots go with their node
+
+
+def test_a_dataset_keeps_its_spare_slots_only_while_it_lives():
+  dataset = (Dataset.range(40).map(image_rows, backend="process")
+             .batch(4))
+  assert [b["label"].tolist() for b in dataset] == [
+      list(range(i, i + 4)) for i in range(0, 40, 4)]
+  kept = _slots()
+  assert kept
+  seen = set()
+  for batch in dataset:
+    seen |= _slots()
+  assert kept <= seen  # the second epoch wrote into the first's slots
+  del dataset, batch
+  gc.collect()
+  assert not _slots()
