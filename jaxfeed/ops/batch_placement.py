@@ -40,7 +40,7 @@ import numpy as np
 from jaxfeed.ops import tree
 
 __all__ = ["Template", "Placed", "Placement", "place", "POOL_BLOCKS",
-           "MIN_ELEMENT_BYTES"]
+           "MIN_ELEMENT_BYTES", "template_for", "row_views", "write_row"]
 
 MIN_ELEMENT_BYTES = 64 << 10
 """Elements smaller than this are stacked, not placed: stacking copies a
@@ -149,14 +149,37 @@ def place(value: Any, slot: tuple) -> Any:
   leaves = template.leaves_of(value)
   if leaves is None:
     return value
-  if rows is None:
+  write_row(arrays, row, leaves, rows)
+  return Placed(index, arrays, row, template)
+
+
+def template_for(element: Any) -> Template | None:
+  """The template to place elements like `element` by; None when it has no
+  layout or is too small to be worth placing (`MIN_ELEMENT_BYTES`)."""
+  template = Template.of(element)
+  if template is None or template.nbytes < MIN_ELEMENT_BYTES:
+    return None
+  return template
+
+
+def row_views(arrays: list, row: int, template: Template) -> tuple[Any, list]:
+  """Row `row` of each array, in the element's structure (a function's
+  `out`) and as a list (0-d rows stay arrays)."""
+  rows = [array[row, ...] for array in arrays]
+  return tree.unflatten(template.structure, rows), rows
+
+
+def write_row(arrays: list, row: int, leaves: list, own: list | None) -> None:
+  """Writes `leaves` into row `row` of `arrays`. A leaf that is the row's own
+  array (`own`, from `row_views`: the function handed it as `out` wrote
+  there) is in place already."""
+  if own is None:
     for array, leaf in zip(arrays, leaves):
       array[row] = leaf
   else:
-    for array, leaf, own in zip(arrays, leaves, rows):
-      if leaf is not own:
+    for array, leaf, mine in zip(arrays, leaves, own):
+      if leaf is not mine:
         array[row] = leaf
-  return Placed(index, arrays, row, template)
 
 
 def _unreferenced_count() -> int:
@@ -211,9 +234,8 @@ class Placement:
       arrays = self._open[index] = self._arrays()
     if not self.hands_out_rows:
       return index, arrays, row, self.template, None, None
-    rows = [array[row, ...] for array in arrays]  # 0-d rows stay arrays
     return (index, arrays, row, self.template,
-            tree.unflatten(self.template.structure, rows), rows)
+            *row_views(arrays, row, self.template))
 
   def index_of(self, seq: int) -> int:
     return (seq - self.origin) // self.batch_size

@@ -617,8 +617,8 @@ class ParallelExecutor:
     placement = self.placement
     if placement is not None and placement.template.leaves_of(element):
       return
-    template = batch_placement.Template.of(element)
-    if template is None or template.nbytes < batch_placement.MIN_ELEMENT_BYTES:
+    template = batch_placement.template_for(element)
+    if template is None:
       self.placement = None
       self.placement_declined = placement is None  # the first batch decides
       return

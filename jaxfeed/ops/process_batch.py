@@ -324,7 +324,7 @@ class _ChunkRunner:
           first_seed = seed
           if slot is not None and (rows is None or not rows.fits(element)):
             # A first batch, or new shapes: rows like this element's.
-            self.template = _template(element)
+            self.template = batch_placement.template_for(element)
             rows = (None if self.template is None else
                     self._open(slot, needed, written, stop - position + 1))
         if rows is not None and not rows.put(count, element, own):
@@ -370,14 +370,6 @@ class _ChunkRunner:
     skeleton, writes, needed = _plan_batch(batch, needed)
     items.append(("batch", skeleton, writes, first_seed, position))
     return needed, written
-
-
-def _template(element: Any) -> "batch_placement.Template | None":
-  """The rows to write elements like `element` into, if it has a layout."""
-  template = batch_placement.Template.of(element)
-  if template is None or template.nbytes < batch_placement.MIN_ELEMENT_BYTES:
-    return None  # small elements: stacking them costs less than placing
-  return template
 
 
 def _drop_tracebacks(exc: BaseException | None) -> None:
@@ -429,8 +421,7 @@ class _Rows:
 
   def row(self, row: int) -> tuple[Any, list]:
     """Row `row` as `out` (the element's structure) and as a leaf list."""
-    own = [array[row, ...] for array in self.arrays]  # 0-d rows stay arrays
-    return tree.unflatten(self.template.structure, own), own
+    return batch_placement.row_views(self.arrays, row, self.template)
 
   def fits(self, element: Any) -> bool:
     return self.template.leaves_of(element) is not None
@@ -441,9 +432,7 @@ class _Rows:
     leaves = self.template.leaves_of(element)
     if leaves is None:
       return False
-    for i, (array, leaf) in enumerate(zip(self.arrays, leaves)):
-      if own is None or leaf is not own[i]:
-        array[row] = leaf
+    batch_placement.write_row(self.arrays, row, leaves, own)
     return True
 
   def elements(self, count: int) -> list:
@@ -752,9 +741,6 @@ class _SpareSlots:
         if slot.size >= size:
           return self._slots.pop(i)
     return None
-
-  def __len__(self) -> int:
-    return len(self._slots)
 
   def close(self) -> None:
     with self._lock:
