@@ -14,6 +14,7 @@ from typing import Sequence
 
 from jaxfeed.service import autoscale as autoscale_lib
 from jaxfeed.service import dispatcher_workers
+from jaxfeed.service import heartbeat_pacing
 from jaxfeed.service import journal as journal_lib
 from jaxfeed.service import read_state
 from jaxfeed.service import round_assembly
@@ -31,8 +32,9 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
 
   def __init__(self, config: DispatcherConfig):
     super().__init__(config)
-    # (when counted, live clients): the count paces client heartbeats.
+    # (when counted, live clients) and the recent joins pace client heartbeats.
     self._client_count = (float("-inf"), 0)
+    self._joins = heartbeat_pacing.JoinRate()
     self._journal = None
     # Autoscaling: each client's latest cumulative report, and the reports
     # as of the last sample (not journaled: they are only rates).
@@ -172,6 +174,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       client_id = self._next_id()
       self._record({"kind": "client", "id": client_id, "job_id": job.job_id,
                     "consumer_index": request.consumer_index})
+      self._joins.note(time.monotonic())
       if host:
         self._client_hosts[client_id] = host
         self._host_clients[host] += 1
@@ -213,12 +216,12 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       if job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
         finished = finished and not any(  # a fixed worker may still come back
             a in self.workers for a in job.fixed_workers)
-      live_clients = self._live_clients()
+      live_clients, joins_per_s = self._client_load()
       pacing = self.config.heartbeat_pacing
       response = pb.ClientHeartbeatResponse(
           job_finished=finished, tasks_version=task_list.version,
-          heartbeat_interval_s=pacing.client_interval(live_clients,
-                                                      self.config.client_timeout_s))
+          heartbeat_interval_s=pacing.client_interval(
+              live_clients, self.config.client_timeout_s, joins_per_s))
       if pacing.goodbye_via_worker(live_clients):
         response.goodbye_via_worker = True
         if self._ticket_master is not None:
@@ -242,14 +245,15 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     return self._task_lists.get(
         job.job_id, tasks, lambda task_id: self._task_info(job.tasks[task_id], for_client=True))
 
-  def _live_clients(self) -> int:
-    """Clients of all jobs, counted at most once a second (lock held)."""
+  def _client_load(self) -> tuple[int, float]:
+    """(clients of all jobs, counted at most every COUNT_EVERY_S; joins a
+    second) (lock held)."""
     counted_at, count = self._client_count
     now = time.monotonic()
-    if now - counted_at > 1.0:
+    if now - counted_at > heartbeat_pacing.COUNT_EVERY_S:
       count = sum(len(job.clients) for job in self.jobs.values())
       self._client_count = (now, count)
-    return count
+    return count, self._joins.per_s(now)
 
   def release_client(self, job_id: int, client_id: int) -> None:
     with self.lock:

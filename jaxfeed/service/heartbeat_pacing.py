@@ -8,17 +8,27 @@ wait before the next one: the parties' own default while they are few, longer
 as they grow, so that the total heartbeat rate stays near a budget -- never so
 long that a live party could be taken for a dead one.
 
+Joins count against the clients' budget: a join answers the client's first
+heartbeat, and while a pod's hosts join (thousands in seconds) the clients
+that joined first would otherwise keep the short interval of the few clients
+there were, and call many times a second each (`JoinRate`).
+
 Likewise DYNAMIC splits grow with the number of workers reading a job, so
 that the split requests of a large job stay few (see `split_size`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 # The parties' own defaults (WorkerConfig.heartbeat_interval_s, the client's loop).
 WORKER_DEFAULT_INTERVAL_S = 0.5
 CLIENT_DEFAULT_INTERVAL_S = 0.1
+# The live clients are counted at most this often (seconds).
+COUNT_EVERY_S = 0.1
+# Joins leave at least this share of the budget to the heartbeats.
+HEARTBEAT_SHARE_LEFT = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +82,16 @@ class HeartbeatPacing:
                               WORKER_DEFAULT_INTERVAL_S,
                               heartbeat_timeout_s * self.worker_timeout_fraction)
 
-  def client_interval(self, num_clients: int, client_timeout_s: float) -> float:
-    """Seconds between a client's heartbeats; 0: the client's own default."""
-    return heartbeat_interval(num_clients, self.client_heartbeats_per_s,
-                              CLIENT_DEFAULT_INTERVAL_S,
+  def client_interval(self, num_clients: int, client_timeout_s: float,
+                      joins_per_s: float = 0.0) -> float:
+    """Seconds between a client's heartbeats; 0: the client's own default.
+
+    The joins (`joins_per_s`) take their share of the budget first, but
+    leave the heartbeats at least HEARTBEAT_SHARE_LEFT of it.
+    """
+    heartbeats_per_s = max(self.client_heartbeats_per_s - joins_per_s,
+                           self.client_heartbeats_per_s * HEARTBEAT_SHARE_LEFT)
+    return heartbeat_interval(num_clients, heartbeats_per_s, CLIENT_DEFAULT_INTERVAL_S,
                               client_timeout_s * self.client_timeout_fraction)
 
   def goodbye_via_worker(self, num_clients: int) -> bool:
@@ -108,3 +124,32 @@ def heartbeat_interval(parties: int, calls_per_s: float, default_s: float,
   if paced <= default_s:
     return 0.0
   return max(default_s, min(paced, most_s))
+
+
+class JoinRate:
+  """Joins a second, over the joins of the last `window_s` seconds.
+
+  The rate is taken over the span from the oldest of those joins to now (at
+  least `shortest_s`), not the whole window, so that it is right from the
+  first moments of a burst of joins rather than a window later.
+  """
+
+  def __init__(self, window_s: float = 1.0, shortest_s: float = 0.1):
+    self.window_s = window_s
+    self._shortest_s = shortest_s
+    self._times: collections.deque[float] = collections.deque()
+
+  def note(self, now: float) -> None:
+    """Counts a join at time `now` (seconds, monotonic)."""
+    self._times.append(now)
+    self._forget(now)
+
+  def per_s(self, now: float) -> float:
+    self._forget(now)
+    if not self._times:
+      return 0.0
+    return len(self._times) / max(now - self._times[0], self._shortest_s)
+
+  def _forget(self, now: float) -> None:
+    while self._times and now - self._times[0] > self.window_s:
+      self._times.popleft()

@@ -78,17 +78,46 @@ def test_workers_are_told_a_longer_interval_as_they_grow():
   state.close()
 
 
-def test_clients_are_told_a_longer_interval_as_they_grow():
-  state = _state(client_heartbeats_per_s=10.0)
+def test_clients_are_told_a_longer_interval_as_they_grow_and_while_others_join():
+  state = _state(client_heartbeats_per_s=100.0)
   _register_workers(state, 2)
   dataset_id = state.register_dataset(_dataset_def())
   joined = [state.get_or_create_job(pb.GetOrCreateJobRequest(
       dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared"))
             for _ in range(30)]
   job_id, client_id = joined[0]
-  response = state.client_heartbeat(job_id, client_id)
-  assert response.heartbeat_interval_s == pytest.approx(3.0)  # 30 / 10 a second
+  # 30 joins within moments (counted over at least 0.1 s: 300 a second) leave
+  # the heartbeats a quarter of the 100 a second: every 30 / 25 s.
+  during = state.client_heartbeat(job_id, client_id).heartbeat_interval_s
+  assert during == pytest.approx(1.2)
+  time.sleep(heartbeat_pacing.JoinRate().window_s + 0.05)
+  # The joins are past: the whole budget, every 30 / 100 s.
+  assert state.client_heartbeat(job_id, client_id).heartbeat_interval_s == pytest.approx(0.3)
   state.close()
+
+
+@pytest.mark.parametrize("clients, joins_per_s, expected", [
+    (100, 0.0, 1 / 3),       # no joins: 100 / 300 a second
+    (100, 200.0, 1.0),       # joins take 200 of the 300: 100 / 100
+    (150, 270.0, 2.0),       # a quarter stays with the heartbeats: 150 / 75
+    (2048, 205.0, 6.0),      # a pod joining: capped at a tenth of the timeout
+    (5, 200.0, 0.0),         # few: the clients keep their own interval
+])
+def test_joins_take_their_share_of_the_client_budget(clients, joins_per_s, expected):
+  pacing = heartbeat_pacing.HeartbeatPacing(client_heartbeats_per_s=300.0)
+  assert pacing.client_interval(clients, 60.0, joins_per_s) == pytest.approx(expected)
+
+
+def test_join_rate_is_taken_over_the_recent_joins_span():
+  rate = heartbeat_pacing.JoinRate(window_s=1.0, shortest_s=0.1)
+  assert rate.per_s(5.0) == 0.0
+  for i in range(50):  # 50 joins in 0.49 s, from t = 10
+    rate.note(10.0 + i * 0.01)
+  assert rate.per_s(10.5) == pytest.approx(50 / 0.5)  # right from the burst's start
+  assert rate.per_s(11.2) == pytest.approx(30 / 1.0)  # the last 30 are within 1 s
+  assert rate.per_s(11.6) == 0.0  # all older than the window
+  rate.note(20.0)
+  assert rate.per_s(20.0) == pytest.approx(1 / 0.1)  # at least 0.1 s of span
 
 
 def test_client_gets_the_task_list_only_when_it_changed():
