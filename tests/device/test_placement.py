@@ -1,4 +1,11 @@
-"""Tests of batch_sharding and BatchPlacer on the 8-device CPU mesh."""
+"""Tests of batch_sharding and BatchPlacer.
+
+Tests of mesh layouts (2-D meshes, shards over 8 devices, divisibility errors,
+CPU aliasing) place on the 8 CPU devices tests/conftest.py asks for, which
+exist next to any accelerator, so they run the same on every machine. Tests of
+the default mesh place on `jax.devices()`, whatever the default backend is:
+8 CPU devices in CI, the GPUs on a GPU host.
+"""
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -8,14 +15,20 @@ import pytest
 from jaxfeed.device import BatchPlacer, aligned_empty, batch_sharding
 
 
-@pytest.fixture(scope="module", autouse=True)
-def eight_devices():
-  assert jax.device_count() == 8, (
+def cpus() -> list[jax.Device]:
+  devices = jax.devices("cpu")
+  assert len(devices) == 8, (
       "tests/conftest.py must set XLA_FLAGS before jax is imported")
+  return devices
 
 
 def mesh_2d() -> Mesh:
-  return Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  return Mesh(np.array(cpus()).reshape(4, 2), ("data", "model"))
+
+
+def cpu_batch_sharding() -> NamedSharding:
+  """The batch split over the 8 CPU devices, whatever the default backend."""
+  return batch_sharding(Mesh(np.array(cpus()), ("data",)))
 
 
 def shard_rows(array: jax.Array) -> list[tuple[int, np.ndarray]]:
@@ -32,8 +45,9 @@ def assert_shards_match(array: jax.Array, host: np.ndarray) -> None:
 def test_batch_sharding_default_splits_batch_over_all_devices():
   sharding = batch_sharding()
   assert sharding.spec == P("data")
-  assert sharding.mesh.shape == {"data": 8}
+  assert sharding.mesh.shape == {"data": jax.device_count()}
   assert list(sharding.mesh.devices) == jax.devices()
+  assert {d.platform for d in sharding.device_set} == {jax.default_backend()}
 
 
 @pytest.mark.parametrize("axis_name", ["data", ("data", "model")])
@@ -47,6 +61,7 @@ def test_batch_sharding_default_mesh_takes_custom_axis_name():
   sharding = batch_sharding(axis_name="batch")
   assert sharding.spec == P("batch")
   assert sharding.mesh.axis_names == ("batch",)
+  assert list(sharding.mesh.devices) == jax.devices()
 
 
 @pytest.mark.parametrize("use_mesh, axis_name, match", [
@@ -59,12 +74,26 @@ def test_batch_sharding_rejects_bad_axis(use_mesh, axis_name, match):
     batch_sharding(mesh_2d() if use_mesh else None, axis_name)
 
 
-@pytest.mark.parametrize("batch_size", [8, 16, 64])
-def test_default_placement_splits_batch_over_eight_devices(batch_size):
+@pytest.mark.parametrize("rows_per_device", [1, 2, 8])
+def test_default_placement_splits_batch_over_all_devices(rows_per_device):
+  batch_size = rows_per_device * jax.device_count()
   host = np.arange(batch_size * 3, dtype=np.float32).reshape(batch_size, 3)
   out = BatchPlacer(None)({"x": host})["x"]
   assert out.shape == host.shape
   assert out.sharding == batch_sharding()
+  assert out.devices() == set(jax.devices())
+  rows = shard_rows(out)
+  assert [start for start, _ in rows] == list(range(0, batch_size, rows_per_device))
+  assert all(data.shape == (rows_per_device, 3) for _, data in rows)
+  assert_shards_match(out, host)
+
+
+@pytest.mark.parametrize("batch_size", [8, 16, 64])
+def test_placement_splits_batch_over_eight_cpu_devices(batch_size):
+  host = np.arange(batch_size * 3, dtype=np.float32).reshape(batch_size, 3)
+  out = BatchPlacer(cpu_batch_sharding())({"x": host})["x"]
+  assert out.shape == host.shape
+  assert out.devices() == set(cpus())
   rows = shard_rows(out)
   assert [start for start, _ in rows] == list(range(0, batch_size, batch_size // 8))
   assert all(data.shape == (batch_size // 8, 3) for _, data in rows)
@@ -117,17 +146,19 @@ def test_callable_sharding_is_asked_per_leaf():
 
 @pytest.mark.parametrize("scalar", [np.int32(7), np.float32(2.5), 3, np.array(True)])
 def test_scalars_are_replicated(scalar):
-  out = BatchPlacer(None)({"x": np.zeros((8, 2)), "step": scalar})
+  out = BatchPlacer(None)({"x": np.zeros((jax.device_count(), 2)), "step": scalar})
   assert out["step"].shape == ()
   assert out["step"].sharding.is_fully_replicated
-  assert len(out["step"].addressable_shards) == 8
+  assert out["step"].devices() == set(jax.devices())
+  assert len(out["step"].addressable_shards) == jax.device_count()
   assert all(np.asarray(s.data) == np.asarray(scalar)
              for s in out["step"].addressable_shards)
 
 
 def test_placement_preserves_structure_and_dtypes():
-  batch = {"b": (np.zeros((8,), np.uint8), [np.ones((8, 1), np.float16)]),
-           "a": np.zeros((8,), np.int64)}
+  n = jax.device_count()
+  batch = {"b": (np.zeros((n,), np.uint8), [np.ones((n, 1), np.float16)]),
+           "a": np.zeros((n,), np.int64)}
   out = BatchPlacer(None)(batch)
   assert set(out) == {"a", "b"}
   assert isinstance(out["b"], tuple) and isinstance(out["b"][1], list)
@@ -139,11 +170,30 @@ def test_placement_preserves_structure_and_dtypes():
 def test_batch_size_not_divisible_by_devices_names_leaf_size_and_count(batch_size):
   batch = {"image": np.zeros((8, 2)), "label": np.zeros((batch_size,))}
   with pytest.raises(ValueError) as info:
-    BatchPlacer(None)(batch)
+    BatchPlacer(cpu_batch_sharding())(batch)
   message = str(info.value)
   assert "['label']" in message
   assert f"local batch size {batch_size}" in message
   assert "divisible by 8" in message
+
+
+@pytest.mark.parametrize("batch_size", [4, 12, 1])
+def test_default_placement_fails_exactly_on_sizes_not_divisible_by_device_count(
+    batch_size):
+  # Every size fails over 8 CPU devices; over 1 GPU each one fits.
+  n = jax.device_count()
+  batch = {"image": np.zeros((n, 2)), "label": np.zeros((batch_size,))}
+  if batch_size % n:
+    with pytest.raises(ValueError) as info:
+      BatchPlacer(None)(batch)
+    message = str(info.value)
+    assert "['label']" in message
+    assert f"local batch size {batch_size}" in message
+    assert f"divisible by {n}," in message
+  else:
+    out = BatchPlacer(None)(batch)
+    assert out["label"].shape == (batch_size,)
+    assert out["label"].devices() == set(jax.devices())
 
 
 def test_divisibility_counts_only_devices_on_the_batch_axis():
@@ -190,11 +240,12 @@ def test_non_numeric_leaf_is_rejected(leaf):
 
 
 def test_structure_change_between_batches_is_handled():
+  n = jax.device_count()
   placer = BatchPlacer(None)
-  first = placer({"x": np.zeros((8,))})
-  second = placer({"x": np.zeros((8, 2)), "y": np.int32(1)})
-  assert first["x"].shape == (8,)
-  assert second["x"].shape == (8, 2)
+  first = placer({"x": np.zeros((n,))})
+  second = placer({"x": np.zeros((n, 2)), "y": np.int32(1)})
+  assert first["x"].shape == (n,)
+  assert second["x"].shape == (n, 2)
   assert second["y"].sharding.is_fully_replicated
 
 
@@ -205,7 +256,7 @@ def test_aligned_batch_is_aliased_by_cpu_devices_not_copied():
   # apart, on 64-byte boundaries like the batch.
   image = aligned_empty((64, 8, 8, 3), np.float32)
   image[...] = np.arange(image.size, dtype=np.float32).reshape(image.shape)
-  placed = BatchPlacer(batch_sharding())({"image": image})["image"]
+  placed = BatchPlacer(cpu_batch_sharding())({"image": image})["image"]
   row_bytes = image.strides[0]
   for shard in placed.addressable_shards:
     first_row = shard.index[0].start or 0

@@ -1,4 +1,10 @@
-"""Tests of DevicePrefetcher: order, bounded read-ahead, exact state, errors, leaks."""
+"""Tests of DevicePrefetcher: order, bounded read-ahead, exact state, errors, leaks.
+
+Batches go to the default devices (`jax.devices()`: 8 CPU devices in CI, the
+GPUs on a GPU host; BATCH rows split over 1, 2, 4 or 8 of them), except in
+tests of CPU-only behaviour, which place on the 8 CPU devices tests/conftest.py
+asks for; those exist next to any accelerator.
+"""
 
 import gc
 import json
@@ -7,6 +13,7 @@ import time
 import traceback
 
 import jax
+from jax.sharding import Mesh
 import numpy as np
 import pytest
 
@@ -59,6 +66,13 @@ class CountingIterator:
 
 def raise_pipeline_failure(step):
   raise PipelineFailure(f"bad record in batch {step}")
+
+
+def cpu_batch_sharding():
+  """The batch split over the 8 CPU devices, whatever the default backend."""
+  cpus = jax.devices("cpu")
+  assert len(cpus) == 8, "tests/conftest.py must set XLA_FLAGS before jax is imported"
+  return batch_sharding(Mesh(np.array(cpus), ("data",)))
 
 
 def expected_steps(start, stop):
@@ -185,8 +199,28 @@ def test_bad_batch_size_error_reaches_consumer(prefetch):
       batch = super().__next__()
       return {"x": batch["x"][:6]}
 
-  with DevicePrefetcher(OddBatches(3), None, prefetch=prefetch) as it:
+  with DevicePrefetcher(OddBatches(3), cpu_batch_sharding(),
+                        prefetch=prefetch) as it:
     with pytest.raises(ValueError, match=r"\['x'\] has local batch size 6.*divisible by 8"):
+      next(it)
+    # Sticky like a pipeline exception.
+    with pytest.raises(ValueError, match="divisible by 8"):
+      next(it)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_placement_error_on_default_devices_reaches_consumer(prefetch):
+  # Fails on any number of default devices (a size check might not).
+  class TextBatches(CountingIterator):
+
+    def __next__(self):
+      batch = super().__next__()
+      return {**batch, "text": np.array(["row"] * BATCH)}
+
+  with DevicePrefetcher(TextBatches(3), None, prefetch=prefetch) as it:
+    with pytest.raises(TypeError, match=r"leaf \['text'\] has dtype <U3"):
+      next(it)
+    with pytest.raises(TypeError, match="has dtype"):
       next(it)
 
 
@@ -250,7 +284,8 @@ def test_non_iterator_is_rejected():
 
 def test_host_that_reads_ahead_is_placed_inline_on_cpu_devices():
   host = CountingIterator(6)
-  with DevicePrefetcher(host, None, prefetch=2, host_reads_ahead=True) as it:
+  sharding = cpu_batch_sharding()
+  with DevicePrefetcher(host, sharding, prefetch=2, host_reads_ahead=True) as it:
     assert it.places_inline
     assert not prefetch_threads()
     batches = [next(it), next(it)]
@@ -259,7 +294,7 @@ def test_host_that_reads_ahead_is_placed_inline_on_cpu_devices():
     assert it.get_state() == {"position": 2}
     batches += list(it)
   assert steps_of(batches) == expected_steps(0, 6)
-  assert batches[0]["x"].sharding == batch_sharding()
+  assert batches[0]["x"].sharding == sharding
 
 
 def test_host_without_read_ahead_keeps_the_placement_thread():
