@@ -1,7 +1,15 @@
-"""Tests of jaxfeed.Loader on the 8-device CPU mesh: sharding, resume, orbax, errors."""
+"""Tests of jaxfeed.Loader: sharding, resume, orbax, errors.
+
+Tests of mesh layouts (2-D meshes, shards over 8 devices, divisibility by 8,
+inline placement on CPU devices) place on the 8 CPU devices tests/conftest.py
+asks for, which exist next to any accelerator. All other tests place on the
+default devices (`jax.devices()`: 8 CPU devices in CI, the GPUs on a GPU
+host), with batch sizes those devices divide (`batch_of`).
+"""
 
 import gc
 import json
+import math
 import os
 import threading
 import time
@@ -16,13 +24,25 @@ import pytest
 
 import jaxfeed
 
-NUM_ROWS = 96
+NUM_BATCHES = 6  # Of pipeline()'s default batch size.
 
 
-@pytest.fixture(scope="module", autouse=True)
-def eight_devices():
-  assert jax.device_count() == 8, (
+def batch_of(rows: int) -> int:
+  """The smallest multiple of `rows` that the default device count divides:
+  `rows` itself on 1, 2, 4 or 8 devices."""
+  return math.lcm(rows, jax.device_count())
+
+
+def num_rows() -> int:
+  """96 on 1, 2, 4 or 8 devices."""
+  return NUM_BATCHES * batch_of(16)
+
+
+def cpus() -> list[jax.Device]:
+  devices = jax.devices("cpu")
+  assert len(devices) == 8, (
       "tests/conftest.py must set XLA_FLAGS before jax is imported")
+  return devices
 
 
 @pytest.fixture(autouse=True)
@@ -38,20 +58,23 @@ def no_leaked_threads():
 
 
 def rows() -> dict[str, np.ndarray]:
-  return {"image": np.arange(NUM_ROWS * 6, dtype=np.float32).reshape(NUM_ROWS, 2, 3),
-          "label": np.arange(NUM_ROWS, dtype=np.int32)}
+  n = num_rows()
+  return {"image": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3),
+          "label": np.arange(n, dtype=np.int32)}
 
 
 def add_one(element):
   return {"image": element["image"] + 1.0, "label": element["label"]}
 
 
-def pipeline(batch_size: int = 16, seed: int = 3) -> jaxfeed.Dataset:
-  """Shuffled, mapped, batched: every op has state a resume must restore."""
+def pipeline(batch_size: int | None = None, seed: int = 3) -> jaxfeed.Dataset:
+  """Shuffled, mapped, batched: every op has state a resume must restore.
+
+  The batch size defaults to `batch_of(16)`: 16 in CI, NUM_BATCHES batches."""
   return (jaxfeed.Dataset.from_tensor_slices(rows())
           .shuffle(20, seed=seed)
           .map(add_one)
-          .batch(batch_size, drop_remainder=True))
+          .batch(batch_size or batch_of(16), drop_remainder=True))
 
 
 def host_batches(dataset: jaxfeed.Dataset) -> list[dict]:
@@ -80,22 +103,31 @@ def assert_shards_match(array: jax.Array, host: np.ndarray) -> None:
 
 
 def mesh_2d() -> Mesh:
-  return Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+  return Mesh(np.array(cpus()).reshape(4, 2), ("data", "model"))
+
+
+def cpu_batch_sharding() -> NamedSharding:
+  """The batch split over the 8 CPU devices, whatever the default backend."""
+  return jaxfeed.batch_sharding(Mesh(np.array(cpus()), ("data",)))
 
 
 # -- sharding ------------------------------------------------------------------
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_default_sharding_splits_batch_over_all_eight_devices(prefetch):
+def test_default_sharding_splits_batch_over_all_devices(prefetch):
   want = host_batches(pipeline())
   with jaxfeed.Loader(pipeline(), prefetch=prefetch) as loader:
     got = list(loader)
-  assert len(got) == NUM_ROWS // 16
+  assert len(got) == NUM_BATCHES
+  rows_per_device = batch_of(16) // jax.device_count()  # 2 in CI.
   for batch, host in zip(got, want):
     for key in ("image", "label"):
       assert isinstance(batch[key], jax.Array)
       assert batch[key].sharding == jaxfeed.batch_sharding()
-      assert len(batch[key].addressable_shards) == 8
-      assert all(s.data.shape[0] == 2 for s in batch[key].addressable_shards)
+      assert batch[key].devices() == set(jax.devices())
+      assert {d.platform for d in batch[key].devices()} == {jax.default_backend()}
+      assert len(batch[key].addressable_shards) == jax.device_count()
+      assert all(s.data.shape[0] == rows_per_device
+                 for s in batch[key].addressable_shards)
       assert_shards_match(batch[key], host[key])
 
 
@@ -106,6 +138,7 @@ def test_requested_named_sharding_is_used():
     got = list(loader)
   for batch, host in zip(got, want):
     assert batch["image"].sharding == sharding
+    assert batch["image"].devices() == set(cpus())
     assert batch["image"].addressable_shards[0].data.shape == (2, 2, 3)
     assert_shards_match(batch["image"], host["image"])
     assert_shards_match(batch["label"], host["label"])
@@ -178,12 +211,12 @@ def test_set_state_after_exhaustion_restarts():
 def test_state_of_another_pipeline_is_rejected():
   with jaxfeed.Loader(pipeline()) as loader:
     state = loader.get_state()
-  other = jaxfeed.Dataset.from_tensor_slices(rows()).batch(8)
+  other = jaxfeed.Dataset.from_tensor_slices(rows()).batch(batch_of(8))
   with jaxfeed.Loader(other) as loader:
     with pytest.raises(jaxfeed.PipelineStateError):
       loader.set_state(state)
     # The loader still works after the rejected restore.
-    assert len(list(loader)) == NUM_ROWS // 8
+    assert len(list(loader)) == num_rows() // batch_of(8)
 
 
 @pytest.mark.parametrize("state", [{}, {"pipeline": {}}, {"pipeline": {}, "batches": "2"}, [1]])
@@ -294,7 +327,8 @@ def sleepy_add_one(x):
 
 def test_report_says_input_bound_and_names_the_slow_op(capsys):
   dataset = (jaxfeed.Dataset.range(100_000).map(np.negative).map(np.negative)
-             .map(sleepy_add_one, num_parallel_calls=2).batch(8).prefetch(1))
+             .map(sleepy_add_one, num_parallel_calls=2).batch(batch_of(8))
+             .prefetch(1))
   with jaxfeed.Loader(dataset, prefetch=1) as loader:
     deadline = time.monotonic() + 60
     # Until the slow map has worked half a second and the sampler (10 looks
@@ -332,32 +366,58 @@ class DecodeError(Exception):
   pass
 
 
+FAIL_AT_BATCH = 5
+
+
 def failing_decode(element):
-  if int(element["label"]) == 40:
-    raise DecodeError("record 40 is corrupt")
+  # The first record of batch FAIL_AT_BATCH of .batch(batch_of(8)): record 40 in CI.
+  if int(element["label"]) == FAIL_AT_BATCH * batch_of(8):
+    raise DecodeError(f"record {int(element['label'])} is corrupt")
   return element
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_pipeline_exception_reaches_the_training_loop(prefetch):
-  dataset = jaxfeed.Dataset.from_tensor_slices(rows()).map(failing_decode).batch(8)
+  dataset = (jaxfeed.Dataset.from_tensor_slices(rows()).map(failing_decode)
+             .batch(batch_of(8)))
   with jaxfeed.Loader(dataset, prefetch=prefetch) as loader:
-    for _ in range(5):
+    for _ in range(FAIL_AT_BATCH):
       next(loader)
-    with pytest.raises(DecodeError, match="record 40 is corrupt") as info:
+    bad = FAIL_AT_BATCH * batch_of(8)
+    with pytest.raises(DecodeError, match=f"record {bad} is corrupt") as info:
       next(loader)
   assert "failing_decode" in "".join(traceback.format_exception(info.value))
 
 
+def assert_names_bad_batch_size(message: str, batch_size: int, devices: int) -> None:
+  assert "['image']" in message or "['label']" in message
+  assert f"local batch size {batch_size}" in message
+  assert f"divisible by {devices}," in message
+
+
 def test_batch_size_not_divisible_by_devices_is_a_clear_error():
   dataset = jaxfeed.Dataset.from_tensor_slices(rows()).batch(12)
-  with jaxfeed.Loader(dataset) as loader:
+  with jaxfeed.Loader(dataset, sharding=cpu_batch_sharding()) as loader:
     with pytest.raises(ValueError) as info:
       next(loader)
-  message = str(info.value)
-  assert "['image']" in message or "['label']" in message
-  assert "local batch size 12" in message
-  assert "divisible by 8" in message
+  assert_names_bad_batch_size(str(info.value), 12, 8)
+
+
+@pytest.mark.parametrize("batch_size", [4, 12, 16])
+def test_default_sharding_fails_exactly_on_batch_sizes_the_devices_do_not_divide(
+    batch_size):
+  # 4 and 12 fail over 8 CPU devices; over 1 GPU every size fits.
+  n = jax.device_count()
+  dataset = jaxfeed.Dataset.from_tensor_slices(rows()).batch(batch_size)
+  with jaxfeed.Loader(dataset) as loader:
+    if batch_size % n:
+      with pytest.raises(ValueError) as info:
+        next(loader)
+      assert_names_bad_batch_size(str(info.value), batch_size, n)
+    else:
+      batch = next(loader)
+      assert batch["label"].shape == (batch_size,)
+      assert batch["label"].devices() == set(jax.devices())
 
 
 def test_non_iterable_input_is_rejected():
@@ -381,7 +441,7 @@ def test_end_of_input_policy_changes_nothing_in_one_process(end_of_input):
 
 # -- plain iterables -------------------------------------------------------------------
 def test_plain_iterable_of_numpy_batches_is_loaded_without_state():
-  batches = [{"x": np.full((8, 2), i, np.float32)} for i in range(3)]
+  batches = [{"x": np.full((batch_of(8), 2), i, np.float32)} for i in range(3)]
   with jaxfeed.Loader(batches) as loader:
     got = [float(b["x"][0, 0]) for b in loader]
     with pytest.raises(TypeError, match="has no get_state"):
@@ -405,7 +465,7 @@ class StatefulBatchIterator:
     if self.position == 5:
       raise StopIteration
     self.position += 1
-    return {"x": np.full((8,), self.position, np.int32)}
+    return {"x": np.full((batch_of(8),), self.position, np.int32)}
 
   def get_state(self):
     return {"position": self.position}
@@ -428,7 +488,7 @@ def test_iterable_with_state_methods_resumes():
 # -- lifetime -------------------------------------------------------------------------
 def threaded_pipeline() -> jaxfeed.Dataset:
   return (jaxfeed.Dataset.from_tensor_slices(rows())
-          .map(add_one, num_parallel_calls=2).batch(8))
+          .map(add_one, num_parallel_calls=2).batch(batch_of(8)))
 
 
 def test_close_is_idempotent_and_stops_iteration():
@@ -470,17 +530,20 @@ def device_prefetch_threads():
 def test_pipeline_that_reads_ahead_is_placed_inline_on_cpu_devices(ends_in_prefetch):
   dataset = pipeline().prefetch(2) if ends_in_prefetch else pipeline()
   want = host_batches(pipeline())
-  with jaxfeed.Loader(dataset, prefetch=2) as loader:
+  sharding = cpu_batch_sharding()
+  with jaxfeed.Loader(dataset, sharding=sharding, prefetch=2) as loader:
     got = [next(loader)]
     # A placement thread would only compete with the pipeline's own read-ahead
     # thread for the cores; without one it is what keeps batches ahead.
     assert bool(device_prefetch_threads()) != ends_in_prefetch
     got += list(loader)
   assert_batches_equal(got, want)
+  assert all(b["image"].sharding == sharding for b in got)
 
 
 def test_injected_prefetch_counts_as_reading_ahead():
   options = jaxfeed.Options(inject_prefetch=True)
-  with jaxfeed.Loader(pipeline().with_options(options), prefetch=2) as loader:
+  with jaxfeed.Loader(pipeline().with_options(options),
+                      sharding=cpu_batch_sharding(), prefetch=2) as loader:
     next(loader)
     assert not device_prefetch_threads()
