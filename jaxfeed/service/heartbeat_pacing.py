@@ -38,7 +38,8 @@ class HeartbeatPacing:
   Attributes:
     worker_heartbeats_per_s: Worker heartbeats a second the dispatcher aims
       for in total; workers beyond rate x default interval are slowed down.
-    client_heartbeats_per_s: The same for client heartbeats.
+    client_heartbeats_per_s: The same for client heartbeats and joins (a join
+      answers a client's first heartbeat).
     worker_timeout_fraction: A worker's interval is at most this fraction of
       heartbeat_timeout_s (it may miss 1/fraction - 1 heartbeats in a row).
     client_timeout_fraction: The same of client_timeout_s for clients.
