@@ -17,12 +17,13 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import jaxfeed
+from cpu_mesh import cpu_batch_sharding, cpus, mesh_2d
 
 NUM_BATCHES = 6  # Of pipeline()'s default batch size.
 
@@ -36,13 +37,6 @@ def batch_of(rows: int) -> int:
 def num_rows() -> int:
   """96 on 1, 2, 4 or 8 devices."""
   return NUM_BATCHES * batch_of(16)
-
-
-def cpus() -> list[jax.Device]:
-  devices = jax.devices("cpu")
-  assert len(devices) == 8, (
-      "tests/conftest.py must set XLA_FLAGS before jax is imported")
-  return devices
 
 
 @pytest.fixture(autouse=True)
@@ -100,15 +94,6 @@ def assert_batches_equal(got, want):
 def assert_shards_match(array: jax.Array, host: np.ndarray) -> None:
   for shard in array.addressable_shards:
     np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
-
-
-def mesh_2d() -> Mesh:
-  return Mesh(np.array(cpus()).reshape(4, 2), ("data", "model"))
-
-
-def cpu_batch_sharding() -> NamedSharding:
-  """The batch split over the 8 CPU devices, whatever the default backend."""
-  return jaxfeed.batch_sharding(Mesh(np.array(cpus()), ("data",)))
 
 
 # -- sharding ------------------------------------------------------------------

@@ -8,27 +8,12 @@ the default mesh place on `jax.devices()`, whatever the default backend is:
 """
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
+from cpu_mesh import cpu_batch_sharding, cpus, mesh_2d
 from jaxfeed.device import BatchPlacer, aligned_empty, batch_sharding
-
-
-def cpus() -> list[jax.Device]:
-  devices = jax.devices("cpu")
-  assert len(devices) == 8, (
-      "tests/conftest.py must set XLA_FLAGS before jax is imported")
-  return devices
-
-
-def mesh_2d() -> Mesh:
-  return Mesh(np.array(cpus()).reshape(4, 2), ("data", "model"))
-
-
-def cpu_batch_sharding() -> NamedSharding:
-  """The batch split over the 8 CPU devices, whatever the default backend."""
-  return batch_sharding(Mesh(np.array(cpus()), ("data",)))
 
 
 def shard_rows(array: jax.Array) -> list[tuple[int, np.ndarray]]:

@@ -13,10 +13,10 @@ import time
 import traceback
 
 import jax
-from jax.sharding import Mesh
 import numpy as np
 import pytest
 
+from cpu_mesh import cpu_batch_sharding
 from jaxfeed.device import DevicePrefetcher, batch_sharding
 
 BATCH = 8
@@ -66,13 +66,6 @@ class CountingIterator:
 
 def raise_pipeline_failure(step):
   raise PipelineFailure(f"bad record in batch {step}")
-
-
-def cpu_batch_sharding():
-  """The batch split over the 8 CPU devices, whatever the default backend."""
-  cpus = jax.devices("cpu")
-  assert len(cpus) == 8, "tests/conftest.py must set XLA_FLAGS before jax is imported"
-  return batch_sharding(Mesh(np.array(cpus), ("data",)))
 
 
 def expected_steps(start, stop):
