@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import hmac
 import logging
 import os
 import time
@@ -342,9 +341,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       master = self._ticket_master
       if job is None or goodbye.client_id not in job.clients:
         self.goodbyes["stale"] += 1
-      elif goodbye.job_id not in served_jobs or (master is not None and not hmac.compare_digest(
-          rpc.goodbye_ticket(master, goodbye.job_id, goodbye.client_id).encode(),
-          goodbye.ticket.encode(errors="replace"))):
+      elif goodbye.job_id not in served_jobs or (master is not None and not rpc.hex_digest_matches(
+          rpc.goodbye_ticket(master, goodbye.job_id, goodbye.client_id), goodbye.ticket)):
         self.goodbyes["refused"] += 1
       else:
         self.goodbyes["worker"] += 1

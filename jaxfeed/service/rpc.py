@@ -228,9 +228,16 @@ def worker_ticket_key(master_key: bytes, worker_address: str) -> bytes:
                   hashlib.sha256).digest()
 
 
-def ticket_matches(key: bytes, task_id: int, sent: Any) -> bool:
+def hex_digest_matches(expected: str, sent: Any) -> bool:
+  """Whether a peer sent the hex digest `expected` (a ticket), compared in
+  constant time. Anything not a str is no match, and neither is a str that
+  is not UTF-8 (a lone surrogate from a JSON hello) rather than an error."""
   return isinstance(sent, str) and hmac.compare_digest(
-      read_ticket(key, task_id).encode(), sent.encode())
+      expected.encode(), sent.encode(errors="replace"))
+
+
+def ticket_matches(key: bytes, task_id: int, sent: Any) -> bool:
+  return hex_digest_matches(read_ticket(key, task_id), sent)
 
 
 def metadata_token(metadata: Any) -> str | None:

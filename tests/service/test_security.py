@@ -297,6 +297,9 @@ def test_a_worker_token_cannot_register_or_read(secured):
   for credential in (WORKER_TOKEN, CLIENT_TOKEN, ""):
     assert read_task_grpc(worker.address, task, credential) == "UNAUTHENTICATED"
     assert read_task_socket(worker.data_address, task, credential) == "UNAUTHENTICATED"
+  # A lone surrogate, which JSON can carry and UTF-8 cannot: refused like any
+  # wrong ticket, and the data socket goes on accepting (the reads below).
+  assert read_task_socket(worker.data_address, task, "\ud800") == "UNAUTHENTICATED"
   assert read_task_grpc(worker.address, task, task.read_ticket) == "OK"
   assert read_task_socket(worker.data_address, task, task.read_ticket) == "OK"
 
