@@ -353,6 +353,14 @@ class DataServer:
       self._refuse(conn, e)
       conn.close()
       return
+    except Exception as e:  # pylint: disable=broad-except
+      # A check that failed on one peer's hello must not end the accept
+      # loop: every later connection would hang.
+      logging.exception("Checking a data connection's hello failed")
+      self._refuse(conn, DataConnectionError(f"The hello could not be checked: {e}",
+                                             "INTERNAL"))
+      conn.close()
+      return
     conn.setblocking(True)
     thread.start()
 
