@@ -14,6 +14,7 @@ from typing import Any, Callable, Container
 
 from google.protobuf import message as pb_message
 
+from jaxfeed.service import wire
 from jaxfeed.service.protos import service_pb2 as pb
 from jaxfeed.service.sharding import ShardingPolicy
 
@@ -23,8 +24,7 @@ class JournalRecordError(ValueError):
   unknown job."""
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+_is_int = wire.is_int
 
 
 def _is_id(value: Any) -> bool:  # dataset ids are journaled as digit strings

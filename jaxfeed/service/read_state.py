@@ -32,6 +32,8 @@ import os
 import threading
 from typing import Any, Iterable, NamedTuple, Sequence
 
+from jaxfeed.service import wire
+
 STATE_VERSION = 1
 
 
@@ -73,8 +75,7 @@ def clip(skip: Sequence[Sequence[int]], start: int, stop: int) -> int:
   return min(stop, skip[i][0]) if i < len(skip) else stop
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+_is_int = wire.is_int
 
 
 def check_state(state: Any) -> tuple[list[list[int]], list[list[int]]]:

@@ -43,6 +43,7 @@ import threading
 from typing import Any, NamedTuple
 
 from jaxfeed.service import read_state
+from jaxfeed.service import wire
 
 STATE_VERSION = 1
 
@@ -53,7 +54,7 @@ class StreamTag(NamedTuple):
 
 
 def _is_count(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+  return wire.is_int(value) and value >= 0
 
 
 def check_state(state: Any) -> list[list]:

@@ -212,6 +212,12 @@ def encode(value: Any, compression: str | None = None) -> bytes:
   return _PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes + body
 
 
+def is_int(value: Any) -> bool:
+  """Whether a value read from a peer or a file is an integer (a JSON true or
+  false is a Python bool, an int too, and is not)."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 def decode_json_object(data: bytes | memoryview, what: str) -> dict:
   """A JSON object received from a peer; `what` names it in the error."""
   try:

@@ -452,7 +452,7 @@ class _Worker:
                                   hello.get("goodbye"))
     # Hex digits only: a ticket that protobuf cannot encode (a lone
     # surrogate) would fail every later heartbeat of this worker.
-    if not (_is_int(task_id) and _is_int(client_id) and client_id > 0
+    if not (_is_id(task_id) and _is_id(client_id) and client_id > 0
             and isinstance(ticket, str) and len(ticket) <= _MAX_GOODBYE_TICKET
             and not ticket.strip(_HEX_DIGITS)):
       raise data_socket.DataConnectionError(
@@ -581,8 +581,9 @@ class _Worker:
     self.channel.close()
 
 
-def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 63
+def _is_id(value: Any) -> bool:
+  """An id a protobuf int64 field holds."""
+  return wire.is_int(value) and 0 <= value < 1 << 63
 
 
 def _goodbye_messages(goodbyes: dict[tuple[int, int], str]) -> list[pb.ClientGoodbye]:
