@@ -572,9 +572,9 @@ def send_goodbye(address: str, hello: dict, timeout_s: float,
   try:
     conn = DataConnection(address, hello, timeout_s, ssl_context, max_frame_bytes=0,
                           read_timeout_s=timeout_s)
-  except OSError as e:
-    if isinstance(e, DataConnectionError):
-      raise
+  except DataConnectionError:
+    raise
+  except OSError as e:  # could not connect: say so as the worker's refusals do
     raise DataConnectionError(f"Goodbye to {address} failed: {e}") from e
   try:
     if conn.next_item() is not None:
