@@ -529,6 +529,33 @@ class Dataset:
   def __iter__(self) -> base.OpIterator:
     return self.make_iterator()
 
+  def close(self) -> None:
+    """Stops what the dataset keeps from one pass to the next: the worker
+    processes of maps that run in processes (kept warm for the next epoch,
+    like PyTorch's `persistent_workers`) and their shared memory. Iterating
+    again starts anew. Also happens when the dataset is garbage-collected,
+    and to worker processes idle for a while (see `jaxfeed.ops.process_batch`).
+    Iterators still open go on with what they hold and release it when they
+    end.
+
+    Example: `with ds: for epoch in range(4): for batch in ds: ...`.
+    """
+    if self._optimized is None:
+      return
+    seen, stack = set(), [self._optimized]
+    while stack:
+      node = stack.pop()
+      if id(node) not in seen:
+        seen.add(id(node))
+        node.close()
+        stack.extend(node.parents)
+
+  def __enter__(self) -> "Dataset":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
   def as_numpy_iterator(self) -> base.OpIterator:
     """Same as `make_iterator()` (elements are numpy already); for code
     written against tf.data."""

@@ -214,6 +214,12 @@ class Node:
     """Number of elements if known and finite, -1 for infinite, None unknown."""
     return None
 
+  def close(self) -> None:
+    """Releases what the node keeps for its iterators from one pass to the
+    next (a fused chain's warm worker processes, see
+    `jaxfeed.ops.process_batch`); the next iterator starts afresh. Most
+    nodes keep nothing."""
+
   def fingerprint(self) -> fingerprint_lib.Fingerprint:
     """A stable hash of what this subgraph computes: op names, parents and
     params by content, UDFs by their code (see `jaxfeed.ops.fingerprint`)."""

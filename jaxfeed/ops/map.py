@@ -25,14 +25,16 @@ class MapNode(Node):
       batch. It does not change what this op computes.
     backend: "thread" runs fn on threads (numpy releases the GIL);
       "process" runs it in worker processes (for GIL-bound Python), which
-      return numpy arrays through shared memory; fn must then be picklable
-      (defined at module level). Where the map sits between `range`,
+      return numpy arrays through shared memory; fn travels to them by
+      value (lambdas, closures and functions of a script too; one that
+      cannot travel, say over a lock, runs on threads, with a log line
+      saying why). Where the map sits between `range`,
       `from_tensor_slices` or `from_source` and a `batch` (with other maps
       and filters), the optimizer hands the whole chain to worker processes
       by chunks of input (`jaxfeed.ops.process_batch`); elsewhere each
       parallel call drives one process. "auto" is "thread", except that in
-      such a chain with AUTOTUNE and picklable functions the backend is
-      chosen by measurement.
+      such a chain with AUTOTUNE the chain runs inline, on threads or in
+      processes, whichever measures fastest.
     writes_out: fn takes a keyword argument `out` (see `Dataset.map`).
   """
 
@@ -99,8 +101,9 @@ class MapIterator(parallel.ParallelMapIterator):
     if backend == "process":
       # Unpacks tuples itself; the executor's threads each drive a process.
       # Outside a fused chain (`process_batch`) there is no row to hand out.
-      self._pool = process_pool.ProcessPool(
+      self._pool = process_pool.pool_or_threads(
           parallel.without_out(fn, writes_out), self.op_name)
+    if self._pool is not None:
       work = self._pool
       writes_out = False
     else:

@@ -40,6 +40,7 @@ from jaxfeed.ops.base import (AUTOTUNE, OpIterator, PipelineStateError,
 
 __all__ = [
     "ParallelExecutor",
+    "usable_cores",
     "resolve_parallelism",
     "default_autotune_parallelism",
     "check_num_parallel_calls",
@@ -55,9 +56,17 @@ _STOP = None  # Task-queue sentinel: the worker that takes it exits.
 _MAX_AUTOTUNE_PARALLELISM = 256
 
 
+def usable_cores() -> int:
+  """The cores this process may run on (its CPU affinity, which a
+  container or `taskset` may make fewer than the machine's)."""
+  if hasattr(os, "sched_getaffinity"):
+    return max(1, len(os.sched_getaffinity(0)))
+  return os.cpu_count() or 1
+
+
 def default_autotune_parallelism() -> int:
   """The parallelism AUTOTUNE starts from until the autotuner adjusts it."""
-  return max(1, min(os.cpu_count() or 1, 8))
+  return max(1, min(usable_cores(), 8))
 
 
 def check_num_parallel_calls(value: Any, op_name: str) -> int | None:

@@ -2,78 +2,45 @@
 
 `ProcessPool(fn, op_name)` is a callable `work(element, seed)` that the
 thread-based `ParallelExecutor` runs (one process per executor thread,
-started on first use): each executor thread borrows one worker
-process, sends it the element (pickled, inputs are records), and the worker
-writes the output's numpy arrays into a shared-memory block owned by the
-parent; only a small header (tree skeleton, dtypes, shapes, offsets) travels
-back through the pipe. The parent copies the arrays out of the block, so the
-block is reused for the worker's next element. Ordering, state and exact
-resume are the executor's, unchanged.
+started on first use): each executor thread borrows one worker process,
+sends it the element (pickled, inputs are records), and the worker writes the
+output's numpy arrays into a block of shared memory owned by the parent (a
+memfd, `jaxfeed.ops.memfd`); only a small header (tree skeleton, dtypes,
+shapes, offsets) travels back through the pipe. The parent copies the arrays
+out of the block, so the block is reused for the worker's next element.
+Ordering, state and exact resume are the executor's, unchanged. (Maps between
+an indexed input and a `batch` are fused instead, see
+`jaxfeed.ops.process_batch`.)
 
-Workers are started with the "spawn" method (safe beside JAX and gRPC
-threads), so `fn` must be importable: a module-level function or a picklable
-callable object. Workers ignore SIGINT (the parent owns shutdown) and exit on
-their own when the parent goes away. `close()` — also run on garbage
-collection and at interpreter exit — stops the processes and unlinks every
-shared-memory block.
+Workers are `jaxfeed.ops.worker_processes`: `fn` travels by value
+(lambdas, closures, functions of `__main__`), the user's main module never
+runs in them, and they die with their parent. `close()` — also run on
+garbage collection and at interpreter exit — stops them; their shared memory
+goes with them.
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import pickle
+import logging
+import os
 import queue
-import signal
 import threading
 import traceback
 import weakref
-from multiprocessing import shared_memory
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import tree
+from jaxfeed.ops import memfd, shipping, tree
+from jaxfeed.ops.memfd import ArrayRef
+from jaxfeed.ops.worker_processes import (RemoteTraceback, WorkerProcess,
+                                          WorkerProcessError, picklable_error)
 
-__all__ = ["ProcessPool", "WorkerProcessError"]
+__all__ = ["ProcessPool", "WorkerProcessError", "pool_or_threads"]
 
 _INITIAL_BLOCK_BYTES = 1 << 20
-
-
-class _ArrayRef:
-  """Where one array leaf of an output lies in the worker's block."""
-
-  __slots__ = ("offset", "dtype", "shape")
-
-  def __init__(self, offset: int, dtype: str, shape: tuple):
-    self.offset, self.dtype, self.shape = offset, dtype, shape
-
-  def __reduce__(self):
-    return _ArrayRef, (self.offset, self.dtype, self.shape)
-
-
-def _attach(name: str) -> shared_memory.SharedMemory:
-  # The parent created (and will unlink) the block; a worker only maps it.
-  # Before Python 3.13 attaching registers the name with the parent's
-  # resource tracker again, which is harmless: the tracker keeps a set.
-  try:
-    return shared_memory.SharedMemory(name=name, track=False)
-  except TypeError:
-    return shared_memory.SharedMemory(name=name)
-
-
-class WorkerProcessError(RuntimeError):
-  """A worker process died or could not run the function."""
-
-
-class _RemoteTraceback(Exception):
-  """Carries a worker's formatted traceback as the cause of its exception."""
-
-  def __init__(self, text: str):
-    super().__init__(text)
-    self.text = text
-
-  def __str__(self) -> str:
-    return self.text
+_LOG = logging.getLogger("jaxfeed")
 
 
 def _call(fn: Callable, element: Any) -> Any:
@@ -89,7 +56,7 @@ def _layout(output: Any) -> tuple[Any, list[np.ndarray], int]:
   for leaf in tree.flatten(output):
     if isinstance(leaf, np.ndarray) and leaf.dtype != object:
       total = (total + 63) // 64 * 64  # keep every array 64-byte aligned
-      markers.append(_ArrayRef(total, leaf.dtype.str, leaf.shape))
+      markers.append(ArrayRef(total, leaf.dtype.str, leaf.shape))
       arrays.append((leaf, total))
       total += leaf.nbytes
     else:
@@ -97,94 +64,103 @@ def _layout(output: Any) -> tuple[Any, list[np.ndarray], int]:
   return tree.unflatten(output, markers), arrays, total
 
 
-def _worker_main(fn_bytes: bytes, conn, block_name: str) -> None:
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  block = _attach(block_name)
+class _Block:
+  """A memfd the outputs of one worker are written to, and a mapping of it."""
+
+  def __init__(self, size: int, fd: int | None = None):
+    self.size = size
+    self.fd = memfd.anonymous_file("process_pool", size) if fd is None else fd
+    self.map = memfd.map_file(self.fd, size)
+
+  def close(self) -> None:
+    self.map.close()
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+
+
+def _worker_main(conn, fn: Callable) -> None:
+  """A worker process: maps its block, then runs `fn` on what it is sent."""
+  block = None
   try:
-    fn = pickle.loads(fn_bytes)
-  except BaseException as exc:  # noqa: BLE001 -- reported to the parent
-    conn.send(("error", _picklable(exc), traceback.format_exc()))
-    return
-  conn.send(("ready",))
-  while True:
-    try:
-      message = conn.recv()
-    except (EOFError, OSError):
-      return  # The parent went away.
-    if message[0] == "stop":
-      return
-    if message[0] == "block":
+    while True:
+      try:
+        message = conn.recv()
+      except (EOFError, OSError):
+        return  # the parent went away
+      if message[0] == "stop":
+        return
+      if message[0] == "block":
+        if block is not None:
+          block.close()
+        block = _Block(message[1], reduction.recv_handle(conn))
+        if message[2]:
+          conn.send(("ready",))
+        continue
+      try:
+        skeleton, arrays, needed = _layout(_call(fn, message[1]))
+        if needed > block.size:
+          conn.send(("grow", needed))
+          reply = conn.recv()
+          if reply[0] != "block":
+            return
+          block.close()
+          block = _Block(reply[1], reduction.recv_handle(conn))
+        for array, offset in arrays:
+          np.ndarray(array.shape, array.dtype, buffer=block.map,
+                     offset=offset)[...] = array
+        conn.send(("ok", skeleton))
+      except BaseException as exc:  # noqa: BLE001 -- re-raised in the parent
+        conn.send(("error", picklable_error(exc), traceback.format_exc()))
+  finally:
+    if block is not None:
       block.close()
-      block = _attach(message[1])
-      continue
-    _, element = message
-    try:
-      skeleton, arrays, needed = _layout(_call(fn, element))
-      if needed > block.size:
-        conn.send(("grow", needed))
-        reply = conn.recv()
-        if reply[0] != "block":
-          return
-        block.close()
-        block = _attach(reply[1])
-      for array, offset in arrays:
-        np.ndarray(array.shape, array.dtype, buffer=block.buf, offset=offset)[...] = array
-      conn.send(("ok", skeleton))
-    except BaseException as exc:  # noqa: BLE001 -- re-raised in the parent
-      conn.send(("error", _picklable(exc), traceback.format_exc()))
-
-
-def _picklable(exc: BaseException) -> BaseException:
-  try:
-    pickle.dumps(exc)
-    return exc
-  except Exception:  # noqa: BLE001
-    return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 class _Worker:
-  """One process, its pipe and its shared-memory block (parent side)."""
+  """One process, its pipe and its block (parent side)."""
 
-  def __init__(self, ctx, fn_bytes: bytes, index: int, op_name: str):
+  def __init__(self, shipment: shipping.Shipment, index: int, op_name: str):
     self.op_name = op_name
-    self.block = shared_memory.SharedMemory(create=True, size=_INITIAL_BLOCK_BYTES)
-    self.conn, child = ctx.Pipe()
-    self.process = ctx.Process(
-        target=_worker_main, args=(fn_bytes, child, self.block.name),
-        name=f"jaxfeed-{op_name}-process-{index}", daemon=True)
-    self.process.start()
-    child.close()
+    self.process = WorkerProcess(shipment, f"{op_name}-process-{index}")
+    self.block = _Block(_INITIAL_BLOCK_BYTES)
+    self._send_block(first=True)
     reply = self._recv()
     if reply[0] == "error":
+      self.stop()
       raise WorkerProcessError(
           f"{op_name}: worker process could not load the function: "
-          f"{reply[1]!r}") from _RemoteTraceback(reply[2])
+          f"{reply[1]!r}") from RemoteTraceback(reply[2])
+
+  def _send_block(self, first: bool = False) -> None:
+    self.process.check_started()  # its target goes first
+    self.process.conn.send(("block", self.block.size, first))
+    reduction.send_handle(self.process.conn, self.block.fd, 0)
 
   def _recv(self) -> tuple:
     try:
-      return self.conn.recv()
+      return self.process.conn.recv()
     except (EOFError, OSError) as exc:
-      self.process.join(timeout=1)
+      self.process.stop(timeout_s=1)
       raise WorkerProcessError(
           f"{self.op_name}: worker process {self.process.name} died "
           f"(exit code {self.process.exitcode}).") from exc
 
   def run(self, element: Any) -> Any:
-    self.conn.send(("run", element))
+    conn = self.process.conn
+    conn.send(("run", element))
     reply = self._recv()
     if reply[0] == "grow":
-      old = self.block
-      self.block = shared_memory.SharedMemory(create=True, size=max(2 * old.size, reply[1]))
-      self.conn.send(("block", self.block.name))
-      old.close()
-      old.unlink()
+      self.block.close()
+      self.block = _Block(max(2 * self.block.size, reply[1]))
+      self._send_block()
       reply = self._recv()
     if reply[0] == "error":
-      raise reply[1] from _RemoteTraceback(reply[2])
-    buf = self.block.buf
+      raise reply[1] from RemoteTraceback(reply[2])
+    buf = self.block.map
 
     def restore(leaf):
-      if type(leaf) is _ArrayRef:
+      if type(leaf) is ArrayRef:
         return np.ndarray(leaf.shape, np.dtype(leaf.dtype), buffer=buf,
                           offset=leaf.offset).copy()
       return leaf
@@ -193,26 +169,19 @@ class _Worker:
 
   def stop(self) -> None:
     try:
-      self.conn.send(("stop",))
+      self.process.conn.send(("stop",))
     except (OSError, ValueError):
       pass
-    self.process.join(timeout=5)
-    if self.process.is_alive():
-      self.process.kill()
-      self.process.join()
-    self.conn.close()
+    self.process.stop()
     self.block.close()
-    try:
-      self.block.unlink()
-    except FileNotFoundError:
-      pass
 
 
-def _stop_all(workers: list, lock: threading.Lock) -> None:
+def _stop_all(workers: list, lock: threading.Lock, shipment: shipping.Shipment) -> None:
   with lock:
     for worker in workers:
       worker.stop()
     workers.clear()
+  shipment.close()
 
 
 class ProcessPool:
@@ -222,23 +191,25 @@ class ProcessPool:
     fn: the UDF; `fn(element)`, tuples unpacked into arguments (random_map
       sends `(element, seed)` to a `RandomMapCall`).
     op_name: for error messages and process names.
+
+  Raises:
+    ValueError: `fn` cannot be sent to worker processes (see `pool_or_threads`).
   """
 
   def __init__(self, fn: Callable, op_name: str):
     try:
-      self._fn_bytes = pickle.dumps(fn)
-    except Exception as exc:  # noqa: BLE001 -- lambdas, closures, local fns
+      self._shipment = shipping.dumps((_worker_main, (fn,)))
+    except Exception as exc:  # noqa: BLE001 -- a lock, a generator, ...
       raise ValueError(
           f"{op_name}(backend='process'): {fn!r} cannot be sent to worker "
-          f"processes ({exc}). Define it at module level (or make it a "
-          f"picklable callable object), or use backend='thread'.") from exc
+          f"processes ({type(exc).__name__}: {exc}).") from exc
     self._op_name = op_name
-    self._ctx = multiprocessing.get_context("spawn")
     self._workers: list[_Worker] = []
     self._idle: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._closed = False
-    self._finalizer = weakref.finalize(self, _stop_all, self._workers, self._lock)
+    self._finalizer = weakref.finalize(self, _stop_all, self._workers,
+                                       self._lock, self._shipment)
 
   @property
   def num_processes(self) -> int:
@@ -252,7 +223,7 @@ class ProcessPool:
     with self._lock:
       if self._closed:
         raise WorkerProcessError(f"{self._op_name}: the process pool is closed.")
-      worker = _Worker(self._ctx, self._fn_bytes, len(self._workers), self._op_name)
+      worker = _Worker(self._shipment, len(self._workers), self._op_name)
       self._workers.append(worker)
       return worker
 
@@ -273,11 +244,21 @@ class ProcessPool:
   def pids(self) -> list[int]:
     return [w.process.pid for w in self._workers]
 
-  def shared_memory_names(self) -> list[str]:
-    return [w.block.name for w in self._workers]
-
   def close(self) -> None:
-    """Stops the worker processes and unlinks their shared memory."""
+    """Stops the worker processes; their shared memory goes with them."""
     self._closed = True
     self._finalizer()
 
+
+def pool_or_threads(fn: Callable, op_name: str) -> ProcessPool | None:
+  """A `ProcessPool` for `fn`, or None (and one log line saying why) when
+  `fn` cannot be sent to worker processes: the op then runs it on threads."""
+  why = shipping.why_not_shippable(fn)
+  if why is None:
+    try:
+      return ProcessPool(fn, op_name)
+    except ValueError as exc:
+      why = str(exc)
+  _LOG.warning("%s(backend='process'): running %r on threads: it cannot be "
+               "sent to worker processes (%s).", op_name, fn, why)
+  return None

@@ -164,9 +164,10 @@ class RandomMapIterator(parallel.ParallelMapIterator):
     self._pool = None
     if backend == "process":
       # Outside a fused chain (`process_batch`) there is no row to hand out.
-      self._pool = process_pool.ProcessPool(
+      self._pool = process_pool.pool_or_threads(
           RandomMapCall(parallel.without_out(fn, writes_out), op_seed),
           self.op_name)
+    if self._pool is not None:
       work = _process_work(self._pool)
       writes_out = False
     else:

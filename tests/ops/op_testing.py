@@ -32,9 +32,11 @@ import pytest
 import jaxfeed
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
+from jaxfeed.ops import memfd
 from jaxfeed.ops import op_stats
 from jaxfeed.ops import parallel
 from jaxfeed.ops import stacking
+from jaxfeed.ops import worker_processes
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -518,12 +520,14 @@ def restore_in_new_process(expression: str, states: Sequence[dict]) -> list:
 def new_threads(before: Iterable[threading.Thread],
                 prefix: str = "") -> list[threading.Thread]:
   """The live threads named `prefix...` that are not in `before`, except the
-  process's op-stats sampling thread (no op's: it outlives pipelines by
-  `op_stats.LINGER_S`)."""
+  process's op-stats sampling thread and its worker-process launcher (no
+  op's: they outlive pipelines by `op_stats.LINGER_S` and
+  `worker_processes.LINGER_S`)."""
   before = set(before)
   return [t for t in threading.enumerate()
           if t not in before and t.is_alive() and t.name.startswith(prefix)
-          and t.name != op_stats.THREAD_NAME]
+          and t.name not in (op_stats.THREAD_NAME,
+                             worker_processes.LAUNCHER_THREAD)]
 
 
 def check_close(iterator: Any, threads_before: Iterable[threading.Thread]
@@ -551,6 +555,24 @@ def process_alive(pid: int) -> bool:
     return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
   except psutil.NoSuchProcess:
     return False
+
+
+def memfds(pid: int | None = None) -> set[int]:
+  """The inodes of the jaxfeed memfds (shared memory: batch slots, input
+  arrays) process `pid` (default: this one) holds open."""
+  folder = f"/proc/{pid or 'self'}/fd"
+  inodes = set()
+  try:
+    names = os.listdir(folder)
+  except (FileNotFoundError, ProcessLookupError):
+    return inodes  # the process is gone
+  for fd in names:
+    try:
+      if os.readlink(f"{folder}/{fd}").startswith("/memfd:" + memfd.PREFIX):
+        inodes.add(os.stat(f"{folder}/{fd}").st_ino)
+    except OSError:
+      pass  # closed meanwhile (listdir's own descriptor)
+  return inodes
 
 
 def shared_memory_exists(name: str) -> bool:

@@ -1,4 +1,5 @@
-"""KeyboardInterrupt in a running pipeline leaves no processes or shared memory."""
+"""KeyboardInterrupt in a running pipeline leaves no processes behind (their
+shared memory, memfds, goes with them)."""
 
 import json
 import os
@@ -7,8 +8,7 @@ import subprocess
 import sys
 import time
 
-from op_testing import (REPO_ROOT, process_alive, shared_memory_exists,
-                        wait_until)
+from op_testing import REPO_ROOT, process_alive, wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -22,7 +22,6 @@ def test_sigint_during_iteration_cleans_up_workers_and_shared_memory(tmp_path):
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     info = json.loads(report.read_text())
     assert info["pids"] and all(process_alive(p) for p in info["pids"])
-    assert all(shared_memory_exists(n) for n in info["shm"])
     time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
@@ -31,8 +30,6 @@ def test_sigint_during_iteration_cleans_up_workers_and_shared_memory(tmp_path):
       proc.kill()
       proc.wait()
   assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
-  # Our own close ran: the resource tracker had nothing left to clean up.
   assert "leaked" not in err, err
   wait_until(lambda: not any(process_alive(p) for p in info["pids"]),
              timeout_s=10)
-  assert not any(shared_memory_exists(n) for n in info["shm"])

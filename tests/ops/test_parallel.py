@@ -7,7 +7,7 @@ its functions, and should not pay for TensorFlow.
 
 import gc
 import json
-from multiprocessing import resource_tracker
+import logging
 import os
 import random
 import threading
@@ -28,12 +28,7 @@ from jaxfeed.ops.random_map import RandomMapNode
 import op_testing
 from op_testing import (ListNode, assert_same_multiset, check_close,
                         check_resume, graph_iterator, new_threads,
-                        shared_memory_exists, wait_until)
-
-
-# multiprocessing's session-wide shared-memory tracker process, started by
-# the first process-backend test, is no leak: start it before the leak checks.
-resource_tracker.ensure_running()
+                        memfds, wait_until)
 
 
 @pytest.fixture(autouse=True)
@@ -516,11 +511,9 @@ def fails_on_two(d):
 
 
 def _live_children():
-  """Child processes, less multiprocessing's session-wide resource tracker."""
-  tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+  """This process's child processes that run."""
   return {p.pid for p in psutil.Process().children(recursive=True)
-          if p.pid != tracker and p.is_running()
-          and p.status() != psutil.STATUS_ZOMBIE}
+          if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
 
 
 def _dict_source():
@@ -534,7 +527,7 @@ def _as_lists(elements):
 
 
 def test_process_backend_matches_threads_resumes_exactly_and_leaks_nothing():
-  children_before = _live_children()
+  children_before, shared_before = _live_children(), memfds()
   ds = _dict_source().map(square_dict, num_parallel_calls=2, backend="process")
   expected = _as_lists(_dict_source().map(square_dict).node.make_iterator())
   it = ds.node.make_iterator()
@@ -544,11 +537,11 @@ def test_process_backend_matches_threads_resumes_exactly_and_leaks_nothing():
   assert _as_lists(head + rest) == expected
   it.set_state(state)  # same iterator: in-flight work is discarded
   assert _as_lists(head + list(it)) == expected
-  pids, names = it._pool.pids(), it._pool.shared_memory_names()
-  assert len(pids) == 2 and all(shared_memory_exists(n) for n in names)
+  pids, shared = it._pool.pids(), memfds()
+  assert len(pids) == 2 and shared - shared_before  # a block per worker
   it.close()
   assert _live_children() == children_before
-  assert not any(shared_memory_exists(n) for n in names)
+  assert memfds() <= shared_before
 
   pairs = Dataset.from_tensor_slices((np.arange(5), np.arange(5) * 10))
   with pairs.map(add_pair, backend="process").node.make_iterator() as seq:
@@ -568,20 +561,32 @@ def test_process_backend_random_map_gives_the_thread_backend_values():
 
 
 def test_process_backend_errors_surface_and_garbage_collection_stops_workers():
-  children_before = _live_children()
+  children_before, shared_before = _live_children(), memfds()
   ds = _dict_source().map(fails_on_two, num_parallel_calls=2, backend="process")
   it = ds.node.make_iterator()
   assert [int(next(it)["id"]) for _ in range(2)] == [0, 1]
   with pytest.raises(FloatingPointError, match="bad two"):
     next(it)
   assert [int(e["id"]) for e in it] == [3, 4, 5]
-  names = it._pool.shared_memory_names()
   del it
   gc.collect()
   assert _live_children() == children_before
-  assert not any(shared_memory_exists(n) for n in names)
+  assert memfds() <= shared_before
 
 
-def test_process_backend_rejects_functions_workers_cannot_import():
-  with pytest.raises(ValueError, match="module level"):
-    Dataset.range(3).map(lambda x: x, backend="process").node.make_iterator()
+def test_process_backend_runs_lambdas_and_keeps_unshippable_functions_on_threads(caplog):
+  children_before = _live_children()
+  factor = np.float64(1.5)
+  with Dataset.range(4).map(lambda x: x * factor, num_parallel_calls=2,
+                            backend="process").node.make_iterator() as it:
+    assert [float(x) for x in it] == [0.0, 1.5, 3.0, 4.5]
+    assert len(it._pool.pids()) >= 1
+  assert _live_children() == children_before
+  lock = threading.Lock()
+  with caplog.at_level(logging.WARNING, logger="jaxfeed"):
+    with Dataset.range(3).map(lambda x: (lock, x)[1], num_parallel_calls=2,
+                              backend="process").node.make_iterator() as it:
+      assert [int(x) for x in it] == [0, 1, 2]
+      assert it._pool is None
+  [line] = [r.getMessage() for r in caplog.records]
+  assert "on threads" in line and "lock" in line

@@ -1,29 +1,34 @@
-"""process_batch: per-element ops and batching in worker processes by chunks.
+"""process_batch: per-element ops and batching by chunks, inline, on threads
+or in worker processes.
 
-Checks the outputs, seeds, errors and states against the same chain run by
-the thread backend, exact resume (also in a new process and across
-backends), the AUTOTUNE switch between backends, and that closing (or
-losing a worker) leaves no process or shared memory behind.
+Checks the outputs, seeds, errors and states against the same chain run
+element by element on threads, exact resume (also in a new process and
+across backends), AUTOTUNE moving between backends, warm worker processes
+kept by the dataset across epochs, and that closing the dataset (or losing
+it, or a worker) leaves no process or shared memory behind.
 """
 
 import functools
 import gc
 import json
+import logging
 import os
 import signal
 import threading
 
 import numpy as np
+import psutil
 import pytest
 
 import jaxfeed
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import process_batch
+from jaxfeed.ops import (backend_choice, process_batch, process_batch_iterator,
+                         worker_processes)
 from jaxfeed.ops.process_batch import ProcessBatchNode
-from jaxfeed.ops.process_pool import WorkerProcessError
+from jaxfeed.ops.worker_processes import WorkerProcessError
 import op_testing
-from op_testing import (assert_identical_batch, elements_and_seeds,
-                        process_alive, shared_memory_exists)
+from op_testing import (assert_identical_batch, elements_and_seeds, memfds,
+                        process_alive)
 # In a module of their own: each worker imports the module of a function.
 from process_udfs import (busy_python, fails_on_seven, image_in_one_buffer,
                           image_rows, image_rows_fail_at_13,
@@ -108,7 +113,7 @@ def test_batches_and_seeds_are_those_of_the_thread_backend(kind, chain,
   assert seeds == expected_seeds
 
 
-def test_optimizer_fuses_process_chains_and_keeps_others_on_threads():
+def test_optimizer_fuses_process_and_autotune_chains_and_keeps_others_on_threads():
   fused = Dataset.range(N).map(plus_ten, backend="process").batch(4)
   with fused.make_iterator() as it:
     assert list(it)[1].tolist() == [14, 15, 16, 17]
@@ -121,13 +126,22 @@ def test_optimizer_fuses_process_chains_and_keeps_others_on_threads():
     assert _root(it).backend == "process"
     assert list(it)[0].tolist() == [10, 11, 13, 14]
   plain = Dataset.range(N).map(plus_ten, num_parallel_calls=2).batch(4)
-  lambdas = Dataset.range(N).map(lambda x: x, num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
-  for dataset in (plain, lambdas):
+  threads = Dataset.range(N).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE,
+                                 backend="thread").batch(4)
+  for dataset in (plain, threads):
     with dataset.make_iterator() as it:
       assert not isinstance(_root(it), process_batch.ProcessBatchIterator)
-  auto = Dataset.range(N).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
+  # AUTOTUNE chains are fused, lambdas included (they travel by value); the
+  # first batches run inline while the worker processes start.
+  scale = np.int64(3)
+  auto = Dataset.range(N).map(lambda x: x * scale,
+                              num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
   with auto.make_iterator() as it:
-    assert _root(it).backend == "thread (measuring)" and _root(it).pids() == []
+    assert isinstance(_root(it), process_batch.ProcessBatchIterator)
+    assert _root(it).backend == "inline"
+    assert [b.tolist() for b in it] == [[3 * i for i in range(j, j + 4)]
+                                        for j in range(0, N, 4)]
+  auto.close()
 
 
 @pytest.mark.parametrize("chain", ["random_map", "filter_map_random_map"])
@@ -194,32 +208,47 @@ def test_udf_error_reaches_the_consumer_and_iteration_goes_on_as_on_threads():
     assert "fails_on_seven" in str(info.value.__cause__)  # the worker's traceback
 
 
-def test_close_and_garbage_collection_leave_no_process_or_shared_memory():
-  dataset = Dataset.from_source(jaxfeed.ArraySource(
-      {"x": np.arange(300_000, dtype=np.int64)}))  # 2.4 MB: shared, not piped
-  dataset = dataset.map(plus_ten, backend="process").batch(64)
+def test_the_dataset_keeps_its_workers_until_closed_or_collected():
+  big = np.arange(300_000, dtype=np.int64)  # 2.4 MB: shared, not piped
+  build = lambda: Dataset.from_source(jaxfeed.ArraySource({"x": big})).map(
+      plus_ten, backend="process").batch(64)
   threads_before = threading.enumerate()
-  slots_before = _slots()  # those of other tests' datasets not yet collected
-  it = _processes(dataset)
+  shared_before = memfds()  # those of other tests' datasets not yet collected
+  dataset = build()
+  it = dataset.make_iterator()
   first = next(it)
-  pids, names = it.pids(), it.shared_memory_names()
+  pids = it.pids()
   assert len(pids) == 2 and all(process_alive(p) for p in pids)
-  assert len(names) == 1 and shared_memory_exists(names[0])  # the input
+  assert memfds() - shared_before  # the input array, the slots
   op_testing.check_close(it, threads_before)
+  # Closing the iterator gives the workers back to the dataset, warm.
+  assert all(process_alive(p) for p in pids)
+  dataset.close()
   assert not any(process_alive(p) for p in pids)
-  assert not any(shared_memory_exists(n) for n in names)
-  # The free slots are kept for the next iterator, a few at most.
-  assert len(_slots() - slots_before) <= process_batch.SPARE_SLOTS
-  # A batch handed out before close() stays valid (its memory is unlinked).
+  # A batch handed out before close() stays valid; its memory goes with it.
   assert first["x"].tolist() == list(range(10, 74))
+  del first
+  assert memfds() <= shared_before
+  dataset.close()  # idempotent
 
-  it = _processes(dataset)
+  dataset = build()
+  it = iter(dataset)
   next(it)
-  pids, names = it.pids(), it.shared_memory_names()
-  del it
+  pids = it.pids()
+  del it, dataset  # garbage: the iterator first, then the dataset
   gc.collect()
   op_testing.wait_until(lambda: not any(process_alive(p) for p in pids))
-  assert not any(shared_memory_exists(n) for n in names)
+  assert memfds() <= shared_before
+
+
+def test_a_with_block_closes_the_dataset():
+  with Dataset.range(100).map(plus_ten, backend="process").batch(10) as dataset:
+    for batch in dataset:
+      pass
+    it = dataset.make_iterator()
+    pids = it.pids()
+    it.close()
+  assert pids and not any(process_alive(p) for p in pids)
 
 
 def test_batches_are_views_until_dropped_then_slots_are_reused():
@@ -242,7 +271,7 @@ def test_killed_worker_gives_a_clear_error_not_a_hang():
   dataset = Dataset.range(10_000).map(busy_python, backend="process").batch(4)
   it = _processes(dataset, chunk=4)
   next(it)
-  pids, names = it.pids(), it.shared_memory_names()
+  pids = it.pids()
   os.kill(pids[0], signal.SIGKILL)
   with pytest.raises(WorkerProcessError, match=f"pid {pids[0]}.*died"):
     for _ in range(10_000):
@@ -250,43 +279,92 @@ def test_killed_worker_gives_a_clear_error_not_a_hang():
   with pytest.raises(WorkerProcessError):
     next(it)  # stays failed
   assert not any(process_alive(p) for p in pids)
-  assert not any(shared_memory_exists(n) for n in names)
   it.close()
 
 
-def test_process_backend_rejects_functions_workers_cannot_import():
-  dataset = Dataset.range(5).map(lambda x: x, backend="process").batch(2)
-  with pytest.raises(ValueError, match="module level"):
-    dataset.make_iterator()
+def test_lambdas_and_closures_run_in_processes():
+  offset = np.arange(4)
+  dataset = (Dataset.range(N).map(lambda x: x + offset, backend="process")
+             .map(lambda v: v * 2, backend="process").batch(5))
+  with dataset.make_iterator() as it:
+    batches = list(it)
+    assert _root(it).backend == "process"
+  assert [b.tolist() for b in batches] == [
+      [[2 * (i + k) for k in range(4)] for i in range(j, j + 5)]
+      for j in range(0, N, 5)]
+  dataset.close()
 
 
-@pytest.mark.parametrize("threads_use_cores, margin, picked", [
-    (0.0, 1.1, "thread"),      # threads already use the cores
-    (1e9, 0.0, "process"),     # processes win
-    (1e9, 1e9, "thread"),      # processes lose: back to threads
-])
-def test_autotune_switches_backends_without_changing_the_output(
-    monkeypatch, threads_use_cores, margin, picked):
-  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
-  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
-  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", threads_use_cores)
-  monkeypatch.setattr(process_batch, "PROCESS_MARGIN", margin)
-  monkeypatch.setattr(process_batch, "CHUNK_WORK_S", 0.0)  # small chunks
-  monkeypatch.setattr(process_batch, "MIN_BATCHES_LEFT", 1)
-  # Long enough for both trials after the chunks first in flight.
-  build = lambda npc: (_input("from_source", 300).filter(not_multiple_of_three)
-                       .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
+def test_functions_that_cannot_be_shipped_run_on_threads_with_a_log_line(caplog):
+  lock = threading.Lock()
+
+  def locked(x):
+    with lock:
+      return x + 1
+
+  expected = [list(range(1, 6)), list(range(6, 11))]
+  with caplog.at_level(logging.WARNING, logger="jaxfeed"):
+    dataset = Dataset.range(10).map(locked, backend="process").batch(5)
+    with dataset.make_iterator() as it:
+      assert [b.tolist() for b in it] == expected
+      assert _root(it).backend == "thread" and _root(it).pids() == []
+      assert "cannot be sent to worker processes" in _root(it).stats()["ops"][-1]["reason"]
+    auto = Dataset.range(10).map(locked, num_parallel_calls=jaxfeed.AUTOTUNE).batch(5)
+    with auto.make_iterator() as it:
+      assert [b.tolist() for b in it] == expected
+      assert _root(it).pids() == []
+  lines = [r.getMessage() for r in caplog.records]
+  assert len(lines) == 2 and all("lock" in line and "on threads" in line
+                                 for line in lines), lines
+
+
+@pytest.fixture
+def switching(monkeypatch):
+  """AUTOTUNE measuring every batch and measuring again all the time, so
+  that an iterator moves between the backends every few batches."""
+  monkeypatch.setattr(process_batch_iterator, "WINDOW_S", 0.0)
+  monkeypatch.setattr(process_batch_iterator, "WINDOW_CHUNKS", 0)
+  monkeypatch.setattr(process_batch_iterator, "SETTLE_CHUNKS", 0)
+  monkeypatch.setattr(process_batch_iterator, "CHUNK_WORK_S", 0.0)
+  monkeypatch.setattr(backend_choice, "EXPLORE_FIRST_S", 0.0)
+  ran = []
+  switch = process_batch_iterator.ProcessBatchIterator._switch
+
+  def spy(self, backend):
+    ran.append(backend)
+    switch(self, backend)
+  monkeypatch.setattr(process_batch_iterator.ProcessBatchIterator, "_switch", spy)
+  return ran
+
+
+@pytest.mark.parametrize("chain", ["filter_random_map", "random_map",
+                                   "image_rows_writes_out"])
+def test_autotune_moves_between_backends_without_changing_the_output(
+    switching, chain):
+  if chain == "image_rows_writes_out":
+    build = lambda npc: Dataset.range(300).map(
+        image_rows, num_parallel_calls=npc, writes_out=True).batch(2)
+  else:
+    build = lambda npc: (
+        (_input("from_source", 600).filter(not_multiple_of_three)
+         if chain.startswith("filter") else _input("from_source", 600))
+        .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
   with _threads(build(None)) as it:
     expected, expected_seeds = elements_and_seeds(it)
-  with build(jaxfeed.AUTOTUNE).make_iterator() as it:
-    assert isinstance(_root(it), process_batch.ProcessBatchIterator)
-    ours, seeds = elements_and_seeds(it)
-    stats = _root(it).stats()["ops"][-1]
-  _assert_same_batches(ours, expected)
-  assert seeds == expected_seeds
-  assert stats["backend"] == picked, stats
-  assert "thread_batches_per_s" in stats and stats["reason"]
-  assert ("process_batches_per_s" in stats) == (threads_use_cores > 1)
+  dataset = build(jaxfeed.AUTOTUNE)
+  # Epochs until each backend ran (the worker processes start in the
+  # background during the first ones).
+  for _ in range(50):
+    with dataset.make_iterator() as it:
+      assert isinstance(_root(it), process_batch.ProcessBatchIterator)
+      ours, seeds = elements_and_seeds(it)
+    _assert_same_batches(ours, expected)
+    assert seeds == expected_seeds
+    if set(switching) == {"inline", "thread", "process"} and len(switching) > 6:
+      break
+  else:
+    pytest.fail(f"AUTOTUNE did not move between all backends: {switching}")
+  dataset.close()
 
 
 def test_copies_instead_of_views_when_asked():
@@ -296,17 +374,6 @@ def test_copies_instead_of_views_when_asked():
   assert all(b.flags.owndata and b.flags.writeable for b in batches)
   assert [b.tolist() for b in batches] == [
       list(range(10 + 10 * i, 20 + 10 * i)) for i in range(10)]
-
-
-def test_autotune_keeps_threads_when_little_input_is_left(monkeypatch):
-  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
-  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
-  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", 1e9)
-  dataset = Dataset.range(100).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE).batch(2)
-  with dataset.make_iterator() as it:
-    assert len(list(it)) == 50
-    assert _root(it).backend == "thread" and _root(it).pids() == []
-    assert "input elements left" in _root(it).stats()["ops"][-1]["reason"]
 
 
 def test_outputs_that_grow_get_slots_big_enough():
@@ -340,10 +407,8 @@ def test_rows_written_in_place_are_the_thread_batches(tmp_path, dtype,
   log.unlink()
   with _processes(_image_chain(fn, "process", writes_out), chunk=chunk) as it:
     ours = list(it)
-    names = it.shared_memory_names()
   _assert_same_batches(ours, expected)
   assert len(ours[-1]["label"]) == 2  # the short last batch
-  assert not any(shared_memory_exists(n) for n in names)
   had_rows = [int(line) for line in log.read_text().split()]
   assert len(had_rows) == 42
   if writes_out:
@@ -396,23 +461,6 @@ def test_writes_out_resumes_exactly_across_backends():
       _assert_same_batches(list(it), expected[cut:])
 
 
-def test_autotune_runs_writes_out_maps_on_either_backend(monkeypatch):
-  monkeypatch.setattr(process_batch, "TRIAL_S", 0.0)
-  monkeypatch.setattr(process_batch, "TRIAL_BATCHES", 3)
-  monkeypatch.setattr(process_batch, "THREADS_USE_CORES", 1e9)
-  monkeypatch.setattr(process_batch, "PROCESS_MARGIN", 0.0)
-  monkeypatch.setattr(process_batch, "MIN_BATCHES_LEFT", 1)
-  build = lambda npc: Dataset.range(200).map(
-      image_rows, num_parallel_calls=npc, writes_out=True).batch(2)
-  with _threads(build(None)) as it:
-    expected = list(it)
-  with build(jaxfeed.AUTOTUNE).make_iterator() as it:
-    assert isinstance(_root(it), process_batch.ProcessBatchIterator)
-    ours = list(it)
-    assert _root(it).backend == "process"
-  _assert_same_batches(ours, expected)
-
-
 def test_the_next_iterator_reuses_the_slots_of_the_last():
   dataset = Dataset.range(40).map(image_rows, backend="process").batch(4)
   node = ProcessBatchNode(dataset.node, num_workers=2, chunk=8)
@@ -420,7 +468,6 @@ def test_the_next_iterator_reuses_the_slots_of_the_last():
     first = [b["label"].tolist() for b in it]
   kept = _slots()
   assert kept  # the free slots, kept for the node's next iterator
-  assert len(kept) <= process_batch.SPARE_SLOTS
   with node.make_iterator() as it:
     second = []
     for batch in it:
@@ -433,8 +480,9 @@ def test_the_next_iterator_reuses_the_slots_of_the_last():
 
 
 def test_a_dataset_keeps_its_spare_slots_only_while_it_lives():
-  dataset = (Dataset.range(40).map(image_rows, backend="process")
-             .batch(4))
+  chain = Dataset.range(40).map(image_rows, backend="process").batch(4)
+  dataset = Dataset(ProcessBatchNode(chain.node, chunk=8),
+                    jaxfeed.Options(optimize=False))
   assert [b["label"].tolist() for b in dataset] == [
       list(range(i, i + 4)) for i in range(0, 40, 4)]
   kept = _slots()
@@ -442,7 +490,73 @@ def test_a_dataset_keeps_its_spare_slots_only_while_it_lives():
   seen = set()
   for batch in dataset:
     seen |= _slots()
-  assert kept <= seen  # the second epoch wrote into the first's slots
+  assert seen == kept  # the second epoch wrote into the first's slots only
   del dataset, batch
   gc.collect()
   assert not _slots()
+
+
+# ---------------------------------------------------------------------------
+# what the dataset keeps across epochs
+# ---------------------------------------------------------------------------
+def _children():
+  return {p.pid for p in psutil.Process().children(recursive=True)
+          if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def test_epochs_of_one_dataset_reuse_its_warm_worker_processes():
+  dataset = _input("from_source", 400).map(plus_ten, backend="process").batch(8)
+  expected = None
+  pids = None
+  for _ in range(3):
+    before = _children()
+    it = iter(dataset)
+    batches = [b["x"].tolist() for b in it]
+    assert batches == (expected or batches)
+    expected = batches
+    if pids is None:
+      pids = it.pids()
+      assert len(pids) == 2 and set(pids) <= _children()
+    else:
+      assert it.pids() == pids
+      assert _children() - before == set()  # no process started
+  dataset.close()
+  assert not any(process_alive(p) for p in pids)
+
+
+def test_epochs_of_one_dataset_reuse_autotune_findings_without_a_new_trial():
+  dataset = Dataset.range(3000).map(
+      busy_python, num_parallel_calls=jaxfeed.AUTOTUNE).batch(10)
+  for _ in range(30):  # until the first measurement is done
+    with dataset.make_iterator() as it:
+      for _ in it:
+        pass
+      row = it.stats()["ops"][-1]
+    if not row["measuring"]:
+      break
+  picked, rates = row["picked"], row["rates"]
+  assert picked in ("inline", "thread", "process") and set(rates) == {
+      "inline", "thread", "process"}, row
+  for _ in range(2):
+    with dataset.make_iterator() as it:
+      next(it)
+      # The next epoch runs the pick from its first batch, measuring nothing.
+      assert _root(it).backend == picked
+      row = it.stats()["ops"][-1]
+      assert not row["measuring"] and row["picked"] == picked
+  dataset.close()
+
+
+def test_idle_worker_processes_stop_after_a_while(monkeypatch):
+  monkeypatch.setattr(process_batch, "IDLE_TIMEOUT_S", 0.2)
+  monkeypatch.setattr(worker_processes, "TICK_S", 0.05)
+  dataset = Dataset.range(40).map(plus_ten, backend="process").batch(4)
+  expected = [list(range(i + 10, i + 14)) for i in range(0, 40, 4)]
+  it = iter(dataset)
+  assert [b.tolist() for b in it] == expected
+  pids = it.pids()
+  assert pids and all(process_alive(p) for p in pids)
+  op_testing.wait_until(lambda: not any(process_alive(p) for p in pids),
+                        timeout_s=10)
+  assert [b.tolist() for b in dataset] == expected  # new ones start
+  dataset.close()

@@ -3,12 +3,13 @@
 import gc
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
 
 from jaxfeed.ops import process_pool
-from op_testing import process_alive, shared_memory_exists
+from op_testing import memfds, process_alive
 
 
 def square_dict(x):
@@ -63,11 +64,11 @@ def test_tuple_elements_are_unpacked_like_tf_data(pool_factory):
 def test_outputs_larger_than_the_block_grow_it(pool_factory):
   pool = pool_factory(big_output, "map")
   np.testing.assert_array_equal(pool(10, seed=0), np.arange(10))
-  [first_block] = pool.shared_memory_names()
+  [worker] = pool._workers
+  first_size = worker.block.size
   out = pool(1_000_000, seed=0)
   np.testing.assert_array_equal(out, np.arange(1_000_000))
-  [grown_block] = pool.shared_memory_names()
-  assert grown_block != first_block and not shared_memory_exists(first_block)
+  assert worker.block.size >= 8_000_000 > first_size
   np.testing.assert_array_equal(pool(10, seed=0), np.arange(10))
 
 
@@ -86,27 +87,34 @@ def test_dead_worker_raises_and_is_replaced(pool_factory):
   assert pool.num_processes == 0
 
 
-def test_lambda_is_rejected_with_advice():
-  with pytest.raises(ValueError, match="module level.*backend='thread'"):
-    process_pool.ProcessPool(lambda x: x, "map")
+def test_lambdas_and_closures_run_and_unshippable_functions_say_why(pool_factory):
+  offset = np.arange(3)
+  pool = pool_factory(lambda x: x + offset, "map")
+  np.testing.assert_array_equal(pool(2, seed=0), [2, 3, 4])
+  lock = threading.Lock()
+  with pytest.raises(ValueError, match="cannot be sent to worker processes.*lock"):
+    process_pool.ProcessPool(lambda x: (lock, x), "map")
+  assert process_pool.pool_or_threads(lambda x: (lock, x), "map") is None
 
 
-def test_close_stops_processes_and_unlinks_shared_memory():
+def test_close_stops_processes_and_frees_shared_memory():
+  shared_before = memfds()
   pool = process_pool.ProcessPool(square_dict, "map")
   pool(1, seed=0)
-  pids, names = pool.pids(), pool.shared_memory_names()
-  assert pids and all(shared_memory_exists(n) for n in names)
+  pids = pool.pids()
+  assert pids and memfds() - shared_before
   pool.close()
   pool.close()  # idempotent
   assert not any(process_alive(p) for p in pids)
-  assert not any(shared_memory_exists(n) for n in names)
+  assert memfds() <= shared_before
 
 
 def test_garbage_collection_stops_processes():
+  shared_before = memfds()
   pool = process_pool.ProcessPool(square_dict, "map")
   pool(1, seed=0)
-  pids, names = pool.pids(), pool.shared_memory_names()
+  pids = pool.pids()
   del pool
   gc.collect()
   assert not any(process_alive(p) for p in pids)
-  assert not any(shared_memory_exists(n) for n in names)
+  assert memfds() <= shared_before

@@ -1,0 +1,194 @@
+"""AUTOTUNE's choice of who computes a fused chain: the consumer's thread
+("inline"), worker threads ("thread") or worker processes ("process").
+
+`BackendChooser` is the rule, apart from the iterator that follows it so that
+it can be tested with injected measurements. The iterator runs the backend
+`backend()` names and reports, window by window, the rate at which it turned
+input elements into batches (`record`): wall-clock, end to end, so what the
+consumer's own thread costs (its share of the cores, the GIL it holds) is in
+every rate, and so are the cores this process may use.
+
+* Measuring: the candidates take turns, a window each, in the order given,
+  `FIRST_ROUNDS` times; a backend's rate is the best of its windows (what
+  else runs on the machine only ever slows a window down). Then the fastest
+  runs; rates within `TIE` of each other count as equal and go to the one
+  that costs least CPU (inline, then threads, then processes).
+* Keeping measuring: the running backend keeps being measured. After
+  `explore_every` seconds of running (from `EXPLORE_FIRST_S`, doubling each
+  time the others prove slower, up to `EXPLORE_MAX_S`), or at once when its
+  rate falls below `DROP` of what it was when chosen (the machine got
+  busier, the function dearer), the others are measured again, then the
+  running one once more, and the fastest runs; another backend takes over
+  only when it is faster by `SWITCH_MARGIN`, so that noise does not make the
+  choice flap.
+
+The findings belong to the dataset (its fused node), not to one iterator: an
+epoch loop measures once, and goes on measuring as it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+__all__ = ["BackendChooser", "PREFERENCE", "TIE", "SWITCH_MARGIN", "DROP",
+           "FIRST_ROUNDS", "EXPLORE_FIRST_S", "EXPLORE_MAX_S"]
+
+PREFERENCE = ("inline", "thread", "process")
+"""Backends from the least CPU used for the same work to the most."""
+
+TIE = 0.03
+"""Rates closer than this (relative) are a tie, won by the cheaper backend."""
+
+SWITCH_MARGIN = 0.1
+"""Another backend replaces the running one only when this much faster."""
+
+DROP = 0.7
+"""The running backend's rate below this share of its rate when chosen
+(smoothed over windows) sends the chooser measuring the others again."""
+
+FIRST_ROUNDS = 2
+"""Windows each candidate is measured for before the first choice."""
+
+EXPLORE_FIRST_S = 10.0
+EXPLORE_MAX_S = 160.0
+"""Seconds of running between two measurements of the other backends."""
+
+_SMOOTHING = 0.5
+
+
+def _label(backend: str) -> str:
+  return {"inline": "inline", "thread": "threads", "process": "processes"}.get(
+      backend, backend)
+
+
+class BackendChooser:
+  """Which backend runs a fused chain now (see the module docstring).
+
+  Thread-safe: iterators of one dataset may report from several threads.
+
+  Args:
+    candidates: the backends to choose from, in the order to measure them.
+    excluded: backends ruled out and why (reported by `summary`).
+  """
+
+  def __init__(self, candidates: Sequence[str], excluded: dict[str, str] | None = None):
+    self._lock = threading.Lock()
+    self.excluded = dict(excluded or {})
+    self.candidates = [c for c in candidates if c not in self.excluded]
+    if not self.candidates:
+      raise ValueError("BackendChooser: no candidate backend left.")
+    self.rates: dict[str, float] = {}
+    self._round: dict[str, float] = {}  # best rates of the round measuring
+    self._todo = (list(self.candidates) * FIRST_ROUNDS
+                  if len(self.candidates) > 1 else [])
+    self._pick: str | None = None if self._todo else self.candidates[0]
+    self._reason = ("measuring" if self._todo else
+                    f"the only backend ({self._why_others()})")
+    self._reference = 0.0  # the pick's smoothed rate when it was chosen
+    self._smoothed = 0.0
+    self._run_s = 0.0  # seconds the pick ran since the last round
+    self.explore_every = EXPLORE_FIRST_S
+    self.rounds = 0  # measurements of every candidate so far
+
+  def backend(self) -> str:
+    """The backend to run now: the next to measure, or the pick."""
+    with self._lock:
+      return self._todo[0] if self._todo else self._pick
+
+  @property
+  def measuring(self) -> bool:
+    with self._lock:
+      return bool(self._todo)
+
+  def record(self, backend: str, rate: float, seconds: float) -> None:
+    """A window of `seconds` in which `backend` produced `rate` input
+    elements per second."""
+    with self._lock:
+      if backend not in self.candidates:
+        return
+      if self._todo:
+        self._round[backend] = max(rate, self._round.get(backend, 0.0))
+        if backend == self._todo[0]:
+          self._todo.pop(0)
+          if not self._todo:
+            self._decide()
+        return
+      if backend != self._pick:
+        return
+      self.rates[backend] = rate
+      self._smoothed += _SMOOTHING * (rate - self._smoothed)
+      self._run_s += seconds
+      if self._smoothed < DROP * self._reference:
+        self._explore(f"{_label(backend)} fell from {self._reference:,.0f}/s "
+                      f"to {self._smoothed:,.0f}/s")
+      elif self._run_s >= self.explore_every:
+        self._explore(f"{self._run_s:.0f} s since the last measurement")
+
+  def exclude(self, backend: str, reason: str) -> None:
+    """Rules `backend` out from now on (e.g. its processes failed to start)."""
+    with self._lock:
+      if backend not in self.candidates or len(self.candidates) == 1:
+        return
+      self.candidates.remove(backend)
+      self.excluded[backend] = reason
+      self.rates.pop(backend, None)
+      self._round.pop(backend, None)
+      if backend in self._todo:
+        self._todo = [c for c in self._todo if c != backend]
+        if not self._todo:
+          self._decide()
+      elif backend == self._pick:
+        self._pick = None
+        self._decide()
+
+  def _explore(self, why: str) -> None:
+    self._todo = [c for c in self.candidates if c != self._pick] + [self._pick]
+    self._round = {self._pick: self.rates[self._pick]}
+    self._run_s = 0.0
+    self._reason = f"measuring again: {why}"
+
+  def _decide(self) -> None:
+    previous = self._pick
+    self.rates.update(self._round)
+    self._round = {}
+    measured = [c for c in self.candidates if c in self.rates]
+    if not measured:
+      self._todo = list(self.candidates)
+      return
+    top = max(self.rates[c] for c in measured)
+    tied = [c for c in measured if self.rates[c] >= (1 - TIE) * top]
+    best = min(tied, key=lambda c: PREFERENCE.index(c) if c in PREFERENCE else 99)
+    if (previous in measured and best != previous
+        and self.rates[best] < (1 + SWITCH_MARGIN) * self.rates[previous]):
+      best = previous
+    self._pick = best
+    self._reference = self._smoothed = self.rates[best]
+    self._run_s = 0.0
+    self.rounds += 1
+    if best == previous:
+      self.explore_every = min(2 * self.explore_every, EXPLORE_MAX_S)
+    else:
+      self.explore_every = EXPLORE_FIRST_S
+    ranked = sorted(measured, key=lambda c: -self.rates[c])
+    self._reason = " > ".join(
+        f"{_label(c)} {self.rates[c]:,.0f}/s" for c in ranked)
+    if best != ranked[0]:
+      self._reason += (f"; {_label(best)} kept (within "
+                       f"{100 * (SWITCH_MARGIN if best == previous else TIE):.0f}%"
+                       f", {'no switch' if best == previous else 'less CPU'})")
+    others = self._why_others()
+    if others:
+      self._reason += f"; {others}"
+
+  def _why_others(self) -> str:
+    return "; ".join(f"no {_label(b)}: {why}" for b, why in self.excluded.items())
+
+  def summary(self) -> dict:
+    """The choice and why: {"picked" (None before the first choice),
+    "reason", "rates" (elements/s by backend, as last measured),
+    "measuring" (whether backends are being measured now)}."""
+    with self._lock:
+      return {"picked": self._pick, "reason": self._reason,
+              "rates": {c: round(r, 1) for c, r in self.rates.items()},
+              "measuring": bool(self._todo)}

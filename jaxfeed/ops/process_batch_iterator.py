@@ -1,0 +1,559 @@
+"""The iterator of a fused chain (`process_batch`).
+
+It hands chunks of input positions to whoever computes them now (see
+`jaxfeed.ops.chunk_workers`: the consumer's thread, worker threads or worker
+processes), up to `AHEAD_CHUNKS` per worker sent and not yet consumed, each
+to the worker with the fewest left to compute, and returns the batches in
+order, as views of the slots they were written to (`batch_slots`).
+
+With AUTOTUNE it follows the node's `backend_choice.BackendChooser`: it
+measures the rate of the backend running, window by window (`WINDOW_S`,
+once the chunks that fill its pipeline are in; a window an epoch ends goes
+on in the next), reports it, and moves to the
+backend the chooser names at a batch boundary: without a filter it stops
+sending chunks and returns those in flight first (nothing is computed twice);
+with one it drops them (their batches do not end at chunk boundaries).
+Worker processes start in the background while another backend runs.
+
+What the iterator borrows from its node (the node's worker processes and
+slots, warm from the last epoch) it gives back at its end, on `close()` or
+when it is garbage-collected (`_Lease`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import weakref
+from typing import Any
+
+from jaxfeed.ops import base, op_stats, stacking
+from jaxfeed.ops.chunk_workers import InlineWorker, ThreadWorkers
+from jaxfeed.ops.worker_processes import RemoteTraceback, WorkerProcessError
+
+__all__ = ["ProcessBatchIterator"]
+
+_OP = "process_batch"
+
+CHUNK_WORK_S = 0.02
+"""Worker time one chunk aims at: long enough to hide a hand-off."""
+
+CHUNKS_PER_WORKER = 2
+"""Chunks queued at each worker thread or process (one computing, one
+waiting)."""
+
+WINDOW_S = 0.1
+WINDOW_CHUNKS = 4
+"""A measurement window of AUTOTUNE lasts at least `WINDOW_S` and
+`WINDOW_CHUNKS` chunks per worker: the work in flight at its start and at
+its end (up to a chunk per worker, part done) then weighs little, and the
+two even out."""
+
+SETTLE_CHUNKS = 1
+"""Chunks per worker, after a change of backend (or the start of an
+iterator), that are not measured: the pipeline fills."""
+
+CLOSE_WAIT_S = 5.0
+"""How long `close()` waits for worker processes to finish the chunks in
+flight before it stops them (their next iterator starts new ones)."""
+
+_MAX_CHUNK_BATCHES = 16
+_MIN_CHUNK_ELEMENTS, _MAX_CHUNK_ELEMENTS = 16, 4096
+
+
+class _Chunk:
+  __slots__ = ("worker", "start", "stop", "slot", "reply")
+
+  def __init__(self, worker: int, start: int, stop: int, slot: Any):
+    self.worker, self.start, self.stop, self.slot = worker, start, stop, slot
+    self.reply: tuple[list, float] | None = None  # (headers, busy s) once done
+
+  def doing(self) -> str:
+    return f"computing input positions [{self.start}, {self.stop})"
+
+
+class _Window:
+  """A measurement of one backend: its seconds and input positions, summed
+  over the stretches it ran in (an iterator that ends leaves the window to
+  its node's next one)."""
+
+  __slots__ = ("backend", "settle", "chunks", "seconds", "positions", "since",
+               "from_position")
+
+  def __init__(self, backend: str):
+    self.backend = backend
+    self.settle = 0  # chunks to receive before the stretch starts
+    self.chunks = 0  # chunks received while measuring
+    self.seconds = 0.0
+    self.positions = 0
+    self.since: float | None = None  # the running stretch's start
+    self.from_position = 0
+
+  def resume(self, settle: int) -> None:
+    """A new stretch, after `settle` chunks."""
+    self.settle, self.since = settle, None
+
+  def pause(self, now: float, position: int) -> None:
+    """Ends the running stretch."""
+    if self.since is not None:
+      self.seconds += now - self.since
+      self.positions += position - self.from_position
+      self.since = None
+
+
+class _Lease:
+  """What an iterator borrowed from its node (`kit`) and started (`transport`,
+  worker threads); given back by `close`, which holds no reference to the
+  iterator and so also runs when the iterator is garbage-collected."""
+
+  def __init__(self, runtime: Any, kit: Any):
+    self.runtime, self.kit = runtime, kit
+    self.transport: Any = None
+    self.inflight: collections.deque = collections.deque()
+    self.given_back = False
+
+  def close(self) -> None:
+    if self.given_back:
+      return
+    self.given_back = True
+    transport, self.transport = self.transport, None
+    if transport is not None and transport.name != "process":
+      transport.close()
+    if self.inflight and transport is not None and transport.name == "process":
+      # Chunks no one will read: the processes' pipes are out of step.
+      self.kit.stop_processes()
+    self.inflight.clear()
+    self.runtime.give_back(self.kit)
+
+
+class ProcessBatchIterator(base.OpIterator):
+  """Iterator of `process_batch.ProcessBatchNode` (see the module docstring).
+
+  Args:
+    node: the fused node.
+    runtime: what the node keeps across iterators (`process_batch._Runtime`).
+  """
+
+  op_name = _OP
+
+  def __init__(self, node: Any, runtime: Any):
+    super().__init__()
+    self._node, self._chain, self._runtime = node, node.chain, runtime
+    self._end = self._chain.num_positions()  # None: endless
+    self._position = 0  # the input position after the last batch returned
+    self._next_start = 0  # the first position not sent to a worker
+    self._last_seed = 0
+    self._error: BaseException | None = None
+    self._fallback: base.OpIterator | None = None
+    self._lease: _Lease | None = None
+    self._finalizer: weakref.finalize | None = None
+    self._inflight: collections.deque = collections.deque()
+    self._pending: list[collections.deque] = []
+    self._items: collections.deque = collections.deque()
+    self._workers: Any = None
+    self._backend: str | None = None
+    self._ran: str | None = None  # the backend that ran last, once ended
+    self._switch_to: str | None = None
+    self._window: _Window | None = None
+    self._chunk_size = self._chain.batch_size
+    self._slot_bytes = 1 << 20
+    self._start()
+
+  # -- backends ------------------------------------------------------------
+  @property
+  def _kit(self) -> Any:
+    return self._lease.kit
+
+  def _start(self) -> None:
+    """Borrows the node's kit and starts the backend it says."""
+    self._lease = _Lease(self._runtime, self._runtime.lend())
+    self._lease.inflight = self._inflight
+    self._finalizer = weakref.finalize(self, self._lease.close)
+    self._follow(self._runtime.backend(), first=True)
+
+  def _give_back(self) -> None:
+    if self._lease is not None:
+      if self._window is not None:
+        self._window.pause(time.perf_counter(), self._position)
+      self._ran = self._backend
+      self._workers = self._backend = self._switch_to = None
+      self._finalizer()
+      self._lease = None
+
+  def _follow(self, backend: str, first: bool = False) -> None:
+    """Moves to `backend` now if nothing is in flight, else once what is
+    has been returned; worker processes are started first, in the
+    background (another backend runs meanwhile)."""
+    if backend == "process":
+      if not self._processes_started():
+        backend = self._runtime.interim_backend()
+      elif (first and self._runtime.chooser is not None
+            and self._kit.processes_starting()):
+        self._switch(self._runtime.interim_backend())
+        self._switch_to = "process"
+        return
+    if backend == self._backend:
+      self._switch_to = None
+    elif first:
+      self._switch(backend)
+    else:
+      self._switch_to = backend
+
+  def _processes_started(self) -> bool:
+    """Starts the node's worker processes if needed; False (and processes
+    are ruled out) if they cannot start."""
+    try:
+      self._kit.start_processes()
+    except Exception as exc:  # noqa: BLE001 -- a reason to run elsewhere
+      self._runtime.no_processes(f"they could not start: {exc}")
+      return False
+    return True
+
+  def _switch(self, backend: str) -> None:
+    """Starts `backend` at `self._position` (nothing is in flight)."""
+    old = self._workers
+    if old is not None and old.name != "process":
+      old.close()
+    if backend == "process":
+      workers = self._kit.processes
+    elif backend == "thread":
+      workers = ThreadWorkers(self._chain.payload(), self._runtime.num_threads, _OP)
+    else:
+      workers = InlineWorker(self._chain.payload(), self._grow_slot)
+    self._workers, self._backend, self._switch_to = workers, backend, None
+    self._lease.transport = workers
+    self._pending = [collections.deque() for _ in range(len(workers))]
+    self._next_start = self._position
+    self._set_chunk(self._node.chunk or self._runtime.learned.get(backend)
+                    or self._chunk_size)
+    window = self._runtime.window
+    if window is None or window.backend != backend:
+      window = self._runtime.window = _Window(backend)
+    window.resume(SETTLE_CHUNKS * len(workers) + 1)
+    self._window = window
+
+  def _set_chunk(self, size: int) -> None:
+    """Chunks of `size` positions from now on, in slots that fit them (by
+    the bytes per position the node's chunks needed so far)."""
+    self._chunk_size = size
+    per_position = self._runtime.learned.get("slot_bytes_per_position", 0)
+    self._slot_bytes = max(1 << 20, int(1.05 * per_position * size))
+
+  def _switch_ready(self) -> bool:
+    """Whether the backend to move to can start (processes: loaded)."""
+    if self._switch_to != "process":
+      return True
+    try:
+      return self._kit.processes.ready()
+    except WorkerProcessError as exc:
+      self._runtime.no_processes(str(exc))
+      self._kit.stop_processes()
+      self._switch_to = None
+      return False
+
+  # -- iteration -----------------------------------------------------------
+  def __next__(self) -> Any:
+    if self._closed:
+      raise RuntimeError(f"{_OP}: the iterator is closed.")
+    if self._error is not None:
+      raise self._error
+    if self._fallback is not None:
+      batch = next(self._fallback)
+      self._last_seed = self._fallback.last_seed
+      return batch
+    if self._lease is None:  # after the end, restored to an earlier state
+      self._start()
+    try:
+      batch = self._next_batch()
+    except StopIteration:
+      self._give_back()  # the node's workers serve its next iterator now
+      raise
+    except WorkerProcessError as exc:
+      self._error = exc
+      self._inflight.clear()
+      self._kit.stop_processes()
+      self._give_back()
+      raise
+    if self._runtime.chooser is not None:
+      self._observe()
+    return batch
+
+  next = __next__
+
+  def _next_batch(self) -> Any:
+    while True:
+      if self._switch_to is not None and self._switch_ready():
+        if self._chain.filters:
+          self._discard()  # batches cross chunks: drop what is in flight
+          self._switch(self._switch_to)
+        elif not self._inflight and not self._items:
+          self._switch(self._switch_to)
+      batch = self._take_batch()
+      if batch is not None:
+        return batch
+      if self._switch_to is None or not self._switch_ready():
+        raise StopIteration
+
+  def _draining(self) -> bool:
+    return (self._switch_to is not None and not self._chain.filters
+            and self._switch_ready())
+
+  def _take_batch(self) -> Any:
+    """The next batch of the running backend; None when it has no more (the
+    end of the input, or it is draining before a switch)."""
+    chain = self._chain
+    elements, seeds = [], []
+    last = self._position
+    items = self._items
+    while True:
+      if not items:
+        if not self._receive_chunk(need=bool(elements)):
+          break
+        continue
+      item = items.popleft()
+      kind = item[0]
+      if kind == "release":
+        self._kit.slots.release(item[1])
+        continue
+      if kind == "batch":
+        _, batch, seed, self._position = item
+        self._last_seed = seed
+        return batch
+      if kind == "element":
+        _, element, seed, last = item
+        elements.append(element)
+        seeds.append(seed)
+        if len(elements) == chain.batch_size:
+          break
+        continue
+      # An error: the elements read into this batch are lost, the next
+      # batch starts after the failing element.
+      _, exc, text, position = item
+      self._restart(position)
+      raise exc from RemoteTraceback(text)
+    if not elements:
+      return None
+    if len(elements) < chain.batch_size and chain.drop_remainder:
+      raise StopIteration
+    self._position = last
+    self._last_seed = seeds[0]
+    return stacking.stack(elements, "batch")
+
+  def _submit(self, force: bool = False) -> None:
+    """Sends chunks to the workers with the fewest to compute (at most
+    `CHUNKS_PER_WORKER` each), up to `ahead` per worker not yet consumed;
+    none while draining before a switch unless `force`."""
+    if not force and self._draining():
+      return
+    workers, pending = self._workers, self._pending
+    depth = workers.ahead * len(workers)
+    per_worker = min(CHUNKS_PER_WORKER, workers.ahead)
+    while len(self._inflight) < depth and (self._end is None
+                                           or self._next_start < self._end):
+      index = min(range(len(workers)), key=lambda i: len(pending[i]))
+      if len(pending[index]) >= per_worker:
+        return
+      start = self._next_start
+      stop = start + self._chunk_size
+      if self._end is not None:
+        stop = min(stop, self._end)
+      slot = (None if self._chain.filters or self._backend == "inline"
+              else self._kit.slots.take(self._slot_bytes, index))
+      workers.send_chunk(index, start, stop, slot)
+      chunk = _Chunk(index, start, stop, slot)
+      self._inflight.append(chunk)
+      pending[index].append(chunk)
+      self._next_start = stop
+
+  def _receive_chunk(self, need: bool = False) -> bool:
+    """Moves the oldest chunk's outputs to `_items`; False when there is
+    none (`need`: a batch is half made, so send chunks even if draining)."""
+    self._submit(force=need)
+    if not self._inflight:
+      return False
+    chunk = self._inflight.popleft()
+    headers, busy_s = self._result(chunk)
+    self._tune_chunk(chunk, busy_s)
+    window = self._window
+    if window.settle:
+      window.settle -= 1
+    elif window.since is not None:
+      window.chunks += 1
+    if chunk.slot is None:
+      self._items.extend(headers)
+      return True
+    self._items.extend(chunk.slot.unpack(headers, self._node.copy))
+    self._items.append(("release", chunk.slot))
+    return True
+
+  def _result(self, chunk: _Chunk, refill: bool = True,
+              deadline: float | None = None) -> tuple[list, float]:
+    """The chunk's (headers, busy seconds). Meanwhile answers every worker
+    (a slot to grow) and, with `refill`, gives a worker that finished its
+    chunks new ones. With a `deadline` (time.monotonic), raises TimeoutError
+    past it."""
+    workers, pending = self._workers, self._pending
+    while chunk.reply is None:
+      if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError
+      busy = {i: queue[0].doing() for i, queue in enumerate(pending) if queue}
+      for index, reply in workers.wait(busy):
+        if reply[0] == "done":
+          oldest = pending[index].popleft()  # a worker computes in order
+          oldest.reply = reply[1], reply[2]
+          if refill:
+            self._submit()
+          continue
+        workers.send_slot(index, self._grow_slot(index, reply[1]))
+    return chunk.reply
+
+  def _grow_slot(self, index: int, needed: int) -> Any:
+    """A bigger slot for the chunk worker `index` computes (its batches
+    need `needed` bytes); the size is kept for the node's next chunks."""
+    chunk = self._pending[index][0]
+    learned = self._runtime.learned
+    learned["slot_bytes_per_position"] = max(
+        learned.get("slot_bytes_per_position", 0),
+        -(-needed // max(1, chunk.stop - chunk.start)))
+    self._slot_bytes = max(2 * chunk.slot.size, needed)
+    chunk.slot.taken = False
+    self._kit.slots.retire(chunk.slot)
+    chunk.slot = self._kit.slots.take(self._slot_bytes, index)
+    return chunk.slot
+
+  def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:
+    if self._node.chunk is not None or chunk.stop <= chunk.start:
+      return
+    per_position = busy_s / (chunk.stop - chunk.start)
+    target = CHUNK_WORK_S / max(per_position, 1e-9)
+    if self._chain.filters:
+      size = int(min(max(target, _MIN_CHUNK_ELEMENTS), _MAX_CHUNK_ELEMENTS))
+    else:
+      batch = self._chain.batch_size
+      size = batch * int(min(max(target // batch, 1), _MAX_CHUNK_BATCHES))
+    if size != self._chunk_size:
+      self._set_chunk(size)
+      self._runtime.learned[self._backend] = size
+
+  def _discard(self, deadline: float | None = None) -> None:
+    """Waits for the chunks in flight and drops their outputs."""
+    while self._inflight:
+      chunk = self._inflight[0]
+      self._result(chunk, refill=False, deadline=deadline)
+      self._inflight.popleft()
+      if chunk.slot is not None:
+        self._kit.slots.release(chunk.slot)
+    while self._items:
+      item = self._items.popleft()
+      if item[0] == "release":
+        self._kit.slots.release(item[1])
+
+  def _restart(self, position: int) -> None:
+    self._discard()
+    self._next_start = self._position = position
+
+  # -- AUTOTUNE ------------------------------------------------------------
+  def _observe(self) -> None:
+    """Measures the running backend; follows the chooser after a window."""
+    window = self._window
+    if window.settle:
+      return
+    now = time.perf_counter()
+    if window.since is None:
+      window.since, window.from_position = now, self._position
+      return
+    seconds = window.seconds + now - window.since
+    if (seconds < WINDOW_S
+        or window.chunks < WINDOW_CHUNKS * len(self._workers)):
+      return
+    window.pause(now, self._position)
+    chooser = self._runtime.chooser
+    if not self._kit.processes_starting():  # their start takes the cores
+      chooser.record(self._backend, window.positions / window.seconds,
+                     window.seconds)
+    self._runtime.window = self._window = _Window(self._backend)
+    self._follow(chooser.backend())
+
+  # -- state ---------------------------------------------------------------
+  @property
+  def last_seed(self) -> int:
+    """The seed of the first element of the batch returned last."""
+    return self._last_seed
+
+  def get_state(self) -> dict:
+    if self._fallback is not None:
+      return self._fallback.get_state()
+    return self._chain.state_at(self._position)
+
+  def set_state(self, state: dict) -> None:
+    base.check_state(state, "batch", 1)
+    position = self._chain.position_of(state)
+    self._last_seed = 0
+    self._error = None
+    if self._lease is not None:
+      self._discard()
+    if position is None:
+      # Workers read positions of the input they rebuilt: a state that is
+      # more than a position resumes element by element on threads.
+      self._give_back()
+      if self._fallback is None:
+        self._fallback = self._chain.batch_node.make_iterator()
+        self.parents = [self._fallback]
+      self._fallback.set_state(state)
+      self._runtime.note("restored a state that is more than a position: "
+                         "element by element on threads")
+      return
+    if self._fallback is not None:
+      self._fallback.close()
+      self._fallback = None
+      self.parents = []
+    self._next_start = self._position = position
+
+  # -- reporting and lifetime ----------------------------------------------
+  def _stats_fields(self) -> dict:
+    """What runs the chain (`backend`: now; `picked`, `reason`, `rates`,
+    `measuring`: AUTOTUNE's choice, why, and the rates it measured; workers,
+    chunk), in its `stats()` row."""
+    fields = {"backend": self.backend}
+    fields.update(self._runtime.summary())
+    fields["chunk"] = self._chunk_size
+    fields["copy"] = self._node.copy
+    fields["parallelism"] = (1 if self._workers is None
+                             else len(self._workers))
+    return fields
+
+  @property
+  def backend(self) -> str | None:
+    """What computes the chain now: "inline", "thread" or "process"."""
+    if self._fallback is not None:
+      return "thread (element by element)"
+    return self._backend or self._ran
+
+  def pids(self) -> list[int]:
+    """The ids of the worker processes this iterator uses, or once it ended
+    those its node keeps for the next one (none before they are started)."""
+    kit = self._kit if self._lease is not None else self._runtime.kit()
+    if kit is None or kit.processes is None:
+      return []
+    return kit.processes.pids()
+
+  def __repr__(self) -> str:
+    fields = self._stats_fields()
+    details = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    return f"ProcessBatchIterator({details})"
+
+  def close(self) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    if self._lease is not None:
+      try:
+        self._discard(deadline=time.monotonic() + CLOSE_WAIT_S)
+      except (TimeoutError, WorkerProcessError):
+        self._inflight.clear()
+        self._kit.stop_processes()
+      self._give_back()
+    if self._fallback is not None:
+      self._fallback.close()
+    op_stats.release(self)
+
