@@ -44,7 +44,7 @@ __all__ = ["SAMPLE_INTERVAL_S", "LINGER_S", "THREAD_NAME", "OpCell", "register_o
            "waits_for_input", "track", "release", "tracked_count", "sampler_running",
            "sampler_cpu_seconds", "samples_taken", "label_of",
            "fuse_labels", "label_iterators", "instrument", "rows_of",
-           "bottleneck", "format_table", "report"]
+           "bottleneck", "backend_lines", "format_table", "report"]
 
 SAMPLE_INTERVAL_S = 0.1
 """Seconds between two looks at the threads' stacks. A look costs little CPU
@@ -442,6 +442,34 @@ def _advice(row: dict) -> str:
   return "make it cheaper or move work out of it"
 
 
+_BACKENDS = {"inline": "in the consumer's thread", "thread": "on threads",
+             "process": "in worker processes"}
+_PICKS = {"inline": "inline", "thread": "threads", "process": "processes"}
+
+
+def backend_lines(rows: Iterable[dict]) -> list[str]:
+  """A line per op that chose how to run (a fused chain, see
+  `jaxfeed.ops.process_batch`): what runs it, what AUTOTUNE measured and
+  why it picked what it did."""
+  lines = []
+  for row in rows:
+    backend = row.get("backend")
+    if backend is None or not row.get("reason"):
+      continue
+    where = _BACKENDS.get(backend, backend)
+    if backend == "process" and row.get("num_workers"):
+      where += f" ({row['num_workers']})"
+    picked = row.get("picked")
+    if row.get("measuring"):
+      how = "AUTOTUNE is measuring the backends"
+    elif picked is not None and "rates" in row:
+      how = f"AUTOTUNE picked {_PICKS.get(picked, picked)}"
+    else:
+      how = "as asked"
+    lines.append(f"{_name(row)} runs {where}; {how}: {row['reason']}.")
+  return lines
+
+
 _COLUMNS = (("op", "op", "{}"), ("elements", "elements", "{}"),
             ("self_seconds", "self s", "{:.3f}"), ("wait_seconds", "wait s", "{:.3f}"),
             ("buffer_fill", "fill", "{:.2f}"), ("parallelism", "par", "{}"))
@@ -489,6 +517,7 @@ def report(rows: list[dict], loader_stats: dict | None = None) -> str:
       lines.append(f"Not input bound: the training loop waited only "
                    f"{100 * fraction:.0f}% of its time for batches; the model "
                    "step is the bottleneck.")
+  lines.extend(backend_lines(rows))
   slowest = bottleneck(rows)
   if slowest is None:
     lines.append("No op has measured time yet.")

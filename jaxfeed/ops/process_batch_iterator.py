@@ -156,6 +156,8 @@ class ProcessBatchIterator(base.OpIterator):
     self._switch_to: str | None = None
     self._window: _Window | None = None
     self._chunk_size = self._chain.batch_size
+    self._batches = 0  # returned
+    self._busy_s = 0.0  # worker threads' and processes' time in chunks
     self._slot_bytes = 1 << 20
     self._start()
 
@@ -274,6 +276,7 @@ class ProcessBatchIterator(base.OpIterator):
       self._kit.stop_processes()
       self._give_back()
       raise
+    self._batches += 1
     if self._runtime.chooser is not None:
       self._observe()
     return batch
@@ -374,6 +377,8 @@ class ProcessBatchIterator(base.OpIterator):
     chunk = self._inflight.popleft()
     headers, busy_s = self._result(chunk)
     self._tune_chunk(chunk, busy_s)
+    if self._backend != "inline":  # inline, op_stats samples it as self time
+      self._busy_s += busy_s
     window = self._window
     if window.settle:
       window.settle -= 1
@@ -518,6 +523,8 @@ class ProcessBatchIterator(base.OpIterator):
     fields.update(self._runtime.summary())
     fields["chunk"] = self._chunk_size
     fields["copy"] = self._node.copy
+    fields["elements"] = self._batches
+    fields["busy_seconds"] = self._busy_s
     fields["parallelism"] = (1 if self._workers is None
                              else len(self._workers))
     return fields

@@ -128,6 +128,26 @@ def test_a_process_batch_chain_names_its_input_ops_and_batch():
     rows = it.stats()["ops"]
   assert rows[-1]["op"] == "range+map+batch"
   assert rows[-1]["backend"] == "process" and rows[-1]["parallelism"] >= 1
+  assert rows[-1]["elements"] == 5
+  assert ("range+map+batch runs in worker processes (2); as asked: "
+          "backend='process'.") in op_stats.report(rows)
+  ds.close()
+
+
+def test_the_report_says_what_autotune_picked_the_rates_and_why():
+  row = {"op": "from_source+random_map+batch", "self_seconds": 1.0,
+         "backend": "process", "picked": "process", "measuring": False,
+         "num_workers": 2, "rates": {"process": 41000.0, "inline": 30000.0},
+         "reason": "processes 41,000/s > inline 30,000/s"}
+  assert op_stats.backend_lines([row]) == [
+      "from_source+random_map+batch runs in worker processes (2); AUTOTUNE "
+      "picked processes: processes 41,000/s > inline 30,000/s."]
+  measuring = dict(row, backend="inline", picked=None, measuring=True,
+                   reason="measuring")
+  assert op_stats.backend_lines([measuring]) == [
+      "from_source+random_map+batch runs in the consumer's thread; AUTOTUNE "
+      "is measuring the backends: measuring."]
+  assert op_stats.backend_lines([{"op": "map", "self_seconds": 1.0}]) == []
 
 
 def test_a_slow_op_gets_the_self_time_not_its_input_or_consumer():
