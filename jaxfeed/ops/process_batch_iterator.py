@@ -157,6 +157,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._window: _Window | None = None
     self._chunk_size = self._chain.batch_size
     self._batches = 0  # returned
+    self._ended = False  # StopIteration raised (until a state is restored)
     self._busy_s = 0.0  # worker threads' and processes' time in chunks
     self._slot_bytes = 1 << 20
     self._start()
@@ -263,11 +264,14 @@ class ProcessBatchIterator(base.OpIterator):
       batch = next(self._fallback)
       self._last_seed = self._fallback.last_seed
       return batch
+    if self._ended:
+      raise StopIteration
     if self._lease is None:  # after the end, restored to an earlier state
       self._start()
     try:
       batch = self._next_batch()
     except StopIteration:
+      self._ended = True
       self._give_back()  # the node's workers serve its next iterator now
       raise
     except WorkerProcessError as exc:
@@ -495,6 +499,7 @@ class ProcessBatchIterator(base.OpIterator):
     position = self._chain.position_of(state)
     self._last_seed = 0
     self._error = None
+    self._ended = False
     if self._lease is not None:
       self._discard()
     if position is None:

@@ -61,7 +61,7 @@ for batch in it:
   total += int(batch.sum())
 row = it.stats()["ops"][-1]
 print("TOTAL", total)
-print("PICKED", row["picked"], "|", row["reason"])
+print("PICKED", row.get("picked", row.get("backend")), "|", row["reason"])
 """
 
 EXPECTED_TOTAL = {"named": sum(range(6000)), "lambda": 2 * sum(range(6000)),
@@ -96,20 +96,25 @@ def test_a_plain_script_runs_once_and_autotune_picks_processes(tmp_path, how, ki
 
 
 TRAINER = """\
+import os
 import sys
 import time
 import jaxfeed
 
+BLOCKED = sys.argv[1]
+
 
 def block(x):
+  open(os.path.join(BLOCKED, str(os.getpid())), "w").close()
   time.sleep(3600)
   return x
 
 
-ds = jaxfeed.Dataset.range(100).map(block, {map_args})
-{batch}
-print("READY", flush=True)
-next(iter(ds))
+if __name__ == "__main__":  # a trainer as careful as can be
+  ds = jaxfeed.Dataset.range(100).map(block, {map_args})
+  {batch}
+  print("READY", flush=True)
+  next(iter(ds))
 """
 
 
@@ -125,16 +130,17 @@ def test_no_worker_outlives_a_sigkilled_trainer(tmp_path, pipeline):
   map_args, batch, workers = pipeline
   path = tmp_path / "trainer.py"
   path.write_text(TRAINER.format(map_args=map_args, batch=batch))
-  trainer = subprocess.Popen([sys.executable, str(path)], cwd=tmp_path,
-                             stdout=subprocess.PIPE, text=True)
+  blocked = tmp_path / "blocked"  # a file per worker inside the function
+  blocked.mkdir()
+  trainer = subprocess.Popen([sys.executable, str(path), str(blocked)],
+                             cwd=tmp_path, stdout=subprocess.PIPE, text=True)
   try:
     assert trainer.stdout.readline().strip() == "READY"
     parent = psutil.Process(trainer.pid)
-    # The workers started and are blocked in the function.
-    op_testing.wait_until(
-        lambda: len(parent.children(recursive=True)) >= workers, timeout_s=60)
-    time.sleep(0.5)
+    op_testing.wait_until(lambda: len(os.listdir(blocked)) >= workers,
+                          timeout_s=60)
     descendants = parent.children(recursive=True)
+    assert {int(pid) for pid in os.listdir(blocked)} <= {p.pid for p in descendants}
     os.kill(trainer.pid, signal.SIGKILL)
     trainer.wait()
     deadline = time.monotonic() + 5
