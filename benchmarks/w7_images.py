@@ -18,10 +18,9 @@ it to float32 and batches 128:
     2-core machine of the README's table, 2 threads kept only ~1.2 cores
     busy (the per-image Python holds the GIL), and processes gave 1.49x
     their rate for float32 batches and 1.45x for uint8 ones (2,000 records,
-    4 epochs of one dataset, same sitting). AUTOTUNE tries processes only
-    after timing threads for a while and with at least
-    `process_batch.MIN_BATCHES_LEFT` batches left, which a 2,000-record
-    epoch does not have, so W7 names the backend.
+    4 epochs of one dataset, same sitting). W7 names the backend so that
+    its rows measure processes from the first epoch (AUTOTUNE measures
+    inline, threads and processes first, see `jaxfeed.ops.backend_choice`).
   * tf.data: TFRecordDataset -> map(tf.io.parse_single_example,
     tf.image.sample_distorted_bounding_box + decode_and_crop_jpeg + resize,
     flip, normalize; AUTOTUNE) -> batch -> prefetch.

@@ -428,8 +428,8 @@ def normalize(image: np.ndarray, mean: Sequence[float] = IMAGENET_MEAN,
 
 
 try:
-  # The decoders load with the module, so that processes forked from one that
-  # imported it (process_batch's workers) do not load them again.
+  # The decoders load with the module, so that a worker process loads them
+  # with the functions it is sent, before its first image.
   _modules()
 except ImportError:
   pass  # raised where a decoder is used

@@ -31,8 +31,8 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
-__all__ = ["BackendChooser", "PREFERENCE", "TIE", "SWITCH_MARGIN", "DROP",
-           "FIRST_ROUNDS", "EXPLORE_FIRST_S", "EXPLORE_MAX_S"]
+__all__ = ["BackendChooser", "Window", "PREFERENCE", "TIE", "SWITCH_MARGIN",
+           "DROP", "FIRST_ROUNDS", "EXPLORE_FIRST_S", "EXPLORE_MAX_S"]
 
 PREFERENCE = ("inline", "thread", "process")
 """Backends from the least CPU used for the same work to the most."""
@@ -192,3 +192,32 @@ class BackendChooser:
       return {"picked": self._pick, "reason": self._reason,
               "rates": {c: round(r, 1) for c, r in self.rates.items()},
               "measuring": bool(self._todo)}
+
+
+class Window:
+  """A measurement of one backend for `BackendChooser.record`: its seconds
+  and input positions, summed over the stretches it ran in (an iterator that
+  ends leaves the window to its dataset's next one)."""
+
+  __slots__ = ("backend", "settle", "chunks", "seconds", "positions", "since",
+               "from_position")
+
+  def __init__(self, backend: str):
+    self.backend = backend
+    self.settle = 0  # chunks to receive before the stretch starts
+    self.chunks = 0  # chunks received while measuring
+    self.seconds = 0.0
+    self.positions = 0
+    self.since: float | None = None  # the running stretch's start
+    self.from_position = 0
+
+  def resume(self, settle: int) -> None:
+    """A new stretch, after `settle` chunks."""
+    self.settle, self.since = settle, None
+
+  def pause(self, now: float, position: int) -> None:
+    """Ends the running stretch."""
+    if self.since is not None:
+      self.seconds += now - self.since
+      self.positions += position - self.from_position
+      self.since = None

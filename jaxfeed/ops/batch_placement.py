@@ -153,11 +153,13 @@ def place(value: Any, slot: tuple) -> Any:
   return Placed(index, arrays, row, template)
 
 
-def template_for(element: Any) -> Template | None:
+def template_for(element: Any, min_bytes: int | None = None) -> Template | None:
   """The template to place elements like `element` by; None when it has no
-  layout or is too small to be worth placing (`MIN_ELEMENT_BYTES`)."""
+  layout or is smaller than `min_bytes` (default `MIN_ELEMENT_BYTES`), too
+  small to be worth placing."""
   template = Template.of(element)
-  if template is None or template.nbytes < MIN_ELEMENT_BYTES:
+  if template is None or template.nbytes < (
+      MIN_ELEMENT_BYTES if min_bytes is None else min_bytes):
     return None
   return template
 

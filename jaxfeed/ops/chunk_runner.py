@@ -7,8 +7,8 @@ positions with the input's `range_iterator`, applies the element ops to each
 element with the record seed the element-wise thread path gives it, and,
 without a filter, writes the batches into `slot` (memory the consumer hands
 out views of): each element's leaves go to their batch row as soon as the
-element is computed (elements of `batch_placement.MIN_ELEMENT_BYTES` or
-more, numeric leaves, shaped like the batch's first element), and a function
+element is computed (elements of `ROW_MIN_BYTES` or more, numeric leaves,
+shaped like the batch's first element), and a function
 with `writes_out=True` is handed that row as `out`; smaller elements are
 stacked into the slot as soon as their batch is complete. A slot too small
 is replaced by a bigger one (`slot.grow`). With a filter, elements are
@@ -28,6 +28,14 @@ from jaxfeed.ops.filter import predicate_result
 from jaxfeed.ops.memfd import ArrayRef
 
 __all__ = ["ChunkRunner", "drop_tracebacks"]
+
+
+ROW_MIN_BYTES = 16 << 10
+"""Elements this big or bigger go to their batch row in the slot as soon as
+they are computed, while they are in the cache (the worker computes every
+row of its batches, so the rows cost no hand-off, unlike
+`batch_placement.MIN_ELEMENT_BYTES` on the element-wise thread path);
+smaller ones are stacked with their batch."""
 
 
 def _rebuild(cls: type, params: dict) -> Any:
@@ -117,7 +125,7 @@ class ChunkRunner:
           first_seed = seed
           if slot is not None and (rows is None or not rows.fits(element)):
             # A first batch, or new shapes: rows like this element's.
-            self.template = batch_placement.template_for(element)
+            self.template = batch_placement.template_for(element, ROW_MIN_BYTES)
             rows = (None if self.template is None else
                     self._open(slot, end, stop - position + 1))
         if rows is not None and not rows.put(count, element, own):

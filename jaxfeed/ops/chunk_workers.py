@@ -66,7 +66,7 @@ class _LocalSlot:
 
 
 def _compute(runner: ChunkRunner, start: int, stop: int, slot: Any) -> tuple:
-  """Runs a chunk in this process: ("done", items, busy seconds)."""
+  """Runs a chunk in this thread: ("done", items, seconds it took)."""
   begin = time.perf_counter()
   items = runner.run(start, stop, slot)
   return ("done", items, time.perf_counter() - begin)

@@ -28,6 +28,7 @@ import weakref
 from typing import Any
 
 from jaxfeed.ops import base, op_stats, stacking
+from jaxfeed.ops.backend_choice import Window
 from jaxfeed.ops.chunk_workers import InlineWorker, ThreadWorkers
 from jaxfeed.ops.worker_processes import RemoteTraceback, WorkerProcessError
 
@@ -70,35 +71,6 @@ class _Chunk:
 
   def doing(self) -> str:
     return f"computing input positions [{self.start}, {self.stop})"
-
-
-class _Window:
-  """A measurement of one backend: its seconds and input positions, summed
-  over the stretches it ran in (an iterator that ends leaves the window to
-  its node's next one)."""
-
-  __slots__ = ("backend", "settle", "chunks", "seconds", "positions", "since",
-               "from_position")
-
-  def __init__(self, backend: str):
-    self.backend = backend
-    self.settle = 0  # chunks to receive before the stretch starts
-    self.chunks = 0  # chunks received while measuring
-    self.seconds = 0.0
-    self.positions = 0
-    self.since: float | None = None  # the running stretch's start
-    self.from_position = 0
-
-  def resume(self, settle: int) -> None:
-    """A new stretch, after `settle` chunks."""
-    self.settle, self.since = settle, None
-
-  def pause(self, now: float, position: int) -> None:
-    """Ends the running stretch."""
-    if self.since is not None:
-      self.seconds += now - self.since
-      self.positions += position - self.from_position
-      self.since = None
 
 
 class _Lease:
@@ -154,11 +126,12 @@ class ProcessBatchIterator(base.OpIterator):
     self._backend: str | None = None
     self._ran: str | None = None  # the backend that ran last, once ended
     self._switch_to: str | None = None
-    self._window: _Window | None = None
+    self._window: Window | None = None
     self._chunk_size = self._chain.batch_size
     self._batches = 0  # returned
     self._ended = False  # StopIteration raised (until a state is restored)
     self._busy_s = 0.0  # worker threads' and processes' time in chunks
+    self._per_position: float | None = None  # smoothed busy time per position
     self._slot_bytes = 1 << 20
     self._start()
 
@@ -224,6 +197,7 @@ class ProcessBatchIterator(base.OpIterator):
     else:
       workers = InlineWorker(self._chain.payload(), self._grow_slot)
     self._workers, self._backend, self._switch_to = workers, backend, None
+    self._per_position = None
     self._lease.transport = workers
     self._pending = [collections.deque() for _ in range(len(workers))]
     self._next_start = self._position
@@ -231,7 +205,7 @@ class ProcessBatchIterator(base.OpIterator):
                     or self._chunk_size)
     window = self._runtime.window
     if window is None or window.backend != backend:
-      window = self._runtime.window = _Window(backend)
+      window = self._runtime.window = Window(backend)
     window.resume(SETTLE_CHUNKS * len(workers) + 1)
     self._window = window
 
@@ -433,14 +407,18 @@ class ProcessBatchIterator(base.OpIterator):
   def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:
     if self._node.chunk is not None or chunk.stop <= chunk.start:
       return
+    # Smoothed: on a busy machine a chunk's time is noisy.
     per_position = busy_s / (chunk.stop - chunk.start)
-    target = CHUNK_WORK_S / max(per_position, 1e-9)
+    self._per_position = (per_position if self._per_position is None else
+                          self._per_position + 0.25 * (per_position - self._per_position))
+    target = CHUNK_WORK_S / max(self._per_position, 1e-9)
     if self._chain.filters:
       size = int(min(max(target, _MIN_CHUNK_ELEMENTS), _MAX_CHUNK_ELEMENTS))
     else:
       batch = self._chain.batch_size
       size = batch * int(min(max(target // batch, 1), _MAX_CHUNK_BATCHES))
-    if size != self._chunk_size:
+    # Only a change by half or more: each chunk size wants its own slots.
+    if 3 * size < 2 * self._chunk_size or 2 * size > 3 * self._chunk_size:
       self._set_chunk(size)
       self._runtime.learned[self._backend] = size
 
@@ -480,7 +458,7 @@ class ProcessBatchIterator(base.OpIterator):
     if not self._kit.processes_starting():  # their start takes the cores
       chooser.record(self._backend, window.positions / window.seconds,
                      window.seconds)
-    self._runtime.window = self._window = _Window(self._backend)
+    self._runtime.window = self._window = Window(self._backend)
     self._follow(chooser.backend())
 
   # -- state ---------------------------------------------------------------
