@@ -17,10 +17,10 @@ every rate, and so are the cores this process may use.
   `explore_every` seconds of running (from `EXPLORE_FIRST_S`, doubling each
   time the others prove slower, up to `EXPLORE_MAX_S`), or at once when its
   rate falls below `DROP` of what it was when chosen (the machine got
-  busier, the function dearer), the others are measured again, then the
-  running one once more, and the fastest runs; another backend takes over
-  only when it is faster by `SWITCH_MARGIN`, so that noise does not make the
-  choice flap.
+  busier, the function dearer; not before `SETTLE_S` of running), the
+  others are measured again, then the running one once more, and the
+  fastest runs; another backend takes over only when it is faster by
+  `SWITCH_MARGIN`, so that noise does not make the choice flap.
 
 The findings belong to the dataset (its fused node), not to one iterator: an
 epoch loop measures once, and goes on measuring as it runs.
@@ -32,7 +32,8 @@ import threading
 from typing import Sequence
 
 __all__ = ["BackendChooser", "Window", "PREFERENCE", "TIE", "SWITCH_MARGIN",
-           "DROP", "FIRST_ROUNDS", "EXPLORE_FIRST_S", "EXPLORE_MAX_S"]
+           "DROP", "SETTLE_S", "FIRST_ROUNDS", "EXPLORE_FIRST_S",
+           "EXPLORE_MAX_S"]
 
 PREFERENCE = ("inline", "thread", "process")
 """Backends from the least CPU used for the same work to the most."""
@@ -43,9 +44,13 @@ TIE = 0.03
 SWITCH_MARGIN = 0.1
 """Another backend replaces the running one only when this much faster."""
 
-DROP = 0.7
+DROP = 0.6
 """The running backend's rate below this share of its rate when chosen
-(smoothed over windows) sends the chooser measuring the others again."""
+(smoothed over windows) sends the chooser measuring the others again, once
+it has run `SETTLE_S` since the last measurement: on a busy machine the
+rate of every window is noisy, and each measurement runs slower backends."""
+
+SETTLE_S = 2.0
 
 FIRST_ROUNDS = 2
 """Windows each candidate is measured for before the first choice."""
@@ -54,7 +59,7 @@ EXPLORE_FIRST_S = 10.0
 EXPLORE_MAX_S = 160.0
 """Seconds of running between two measurements of the other backends."""
 
-_SMOOTHING = 0.5
+_SMOOTHING = 0.3
 
 
 def _label(backend: str) -> str:
@@ -119,7 +124,7 @@ class BackendChooser:
       self.rates[backend] = rate
       self._smoothed += _SMOOTHING * (rate - self._smoothed)
       self._run_s += seconds
-      if self._smoothed < DROP * self._reference:
+      if self._smoothed < DROP * self._reference and self._run_s >= SETTLE_S:
         self._explore(f"{_label(backend)} fell from {self._reference:,.0f}/s "
                       f"to {self._smoothed:,.0f}/s")
       elif self._run_s >= self.explore_every:

@@ -43,12 +43,11 @@ def anonymous_file(name: str, size: int = 0) -> int:
 
 
 def map_file(fd: int, size: int, readonly: bool = False) -> mmap.mmap:
-  """A shared mapping of the first `size` bytes of `fd`: writable with all
-  pages at once (what is written is written whole), or read-only with pages
-  mapped as they are read (an input array, of which a worker may read a
-  part)."""
+  """A shared mapping of the first `size` bytes of `fd`, writable or not,
+  with all its pages at once: a worker maps an input array when it starts,
+  so that its first epoch does not pay a page fault per page it reads."""
   if readonly:
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    return mmap.mmap(fd, size, flags=_POPULATE, prot=mmap.PROT_READ)
   return mmap.mmap(fd, size, flags=_POPULATE)
 
 

@@ -51,8 +51,9 @@ its end (up to a chunk per worker, part done) then weighs little, and the
 two even out."""
 
 SETTLE_CHUNKS = 1
-"""Chunks per worker, after a change of backend (or the start of an
-iterator), that are not measured: the pipeline fills."""
+"""Chunks after a change of backend (or the start of an iterator) that are
+not measured, besides the `ahead` per worker that fill its pipeline (and
+its slots: a new slot costs its pages)."""
 
 CLOSE_WAIT_S = 5.0
 """How long `close()` waits for worker processes to finish the chunks in
@@ -132,6 +133,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._ended = False  # StopIteration raised (until a state is restored)
     self._busy_s = 0.0  # worker threads' and processes' time in chunks
     self._per_position: float | None = None  # smoothed busy time per position
+    self._sent = 0
     self._slot_bytes = 1 << 20
     self._start()
 
@@ -198,6 +200,7 @@ class ProcessBatchIterator(base.OpIterator):
       workers = InlineWorker(self._chain.payload(), self._grow_slot)
     self._workers, self._backend, self._switch_to = workers, backend, None
     self._per_position = None
+    self._sent = 0  # chunks sent to this backend
     self._lease.transport = workers
     self._pending = [collections.deque() for _ in range(len(workers))]
     self._next_start = self._position
@@ -206,7 +209,7 @@ class ProcessBatchIterator(base.OpIterator):
     window = self._runtime.window
     if window is None or window.backend != backend:
       window = self._runtime.window = Window(backend)
-    window.resume(SETTLE_CHUNKS * len(workers) + 1)
+    window.resume(SETTLE_CHUNKS + workers.ahead * len(workers))
     self._window = window
 
   def _set_chunk(self, size: int) -> None:
@@ -335,9 +338,7 @@ class ProcessBatchIterator(base.OpIterator):
       if len(pending[index]) >= per_worker:
         return
       start = self._next_start
-      stop = start + self._chunk_size
-      if self._end is not None:
-        stop = min(stop, self._end)
+      stop = self._chunk_stop(start)
       slot = (None if self._chain.filters or self._backend == "inline"
               else self._kit.slots.take(self._slot_bytes, index))
       workers.send_chunk(index, start, stop, slot)
@@ -345,6 +346,23 @@ class ProcessBatchIterator(base.OpIterator):
       self._inflight.append(chunk)
       pending[index].append(chunk)
       self._next_start = stop
+      self._sent += 1
+
+  def _chunk_stop(self, start: int) -> int:
+    """Where the chunk from `start` ends: a chunk size on, except that each
+    worker's first chunk is a batch (an epoch's first batches come sooner)
+    and the last chunks share what is left among the workers (none idles
+    while another computes a whole chunk). A `chunk` of the node is kept."""
+    size = self._chunk_size
+    if self._node.chunk is None:
+      unit = _MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size
+      workers = len(self._workers)
+      if self._sent < workers:
+        size = min(size, unit)
+      if self._end is not None and self._end - start < size * workers:
+        share = -(-(self._end - start) // (workers * unit)) * unit
+        size = min(size, max(unit, share))
+    return start + size if self._end is None else min(start + size, self._end)
 
   def _receive_chunk(self, need: bool = False) -> bool:
     """Moves the oldest chunk's outputs to `_items`; False when there is
