@@ -29,9 +29,11 @@ epoch loop measures once, and goes on measuring as it runs.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Sequence
 
-__all__ = ["BackendChooser", "Window", "PREFERENCE", "TIE", "SWITCH_MARGIN",
+__all__ = ["BackendChooser", "Window", "WINDOW_S", "WINDOW_CHUNKS",
+           "PREFERENCE", "TIE", "SWITCH_MARGIN",
            "DROP", "SETTLE_S", "FIRST_ROUNDS", "EXPLORE_FIRST_S",
            "EXPLORE_MAX_S"]
 
@@ -199,10 +201,22 @@ class BackendChooser:
               "measuring": bool(self._todo)}
 
 
+WINDOW_S = 0.1
+WINDOW_CHUNKS = 4
+"""A measurement window lasts at least `WINDOW_S` and `WINDOW_CHUNKS` chunks
+per worker: the work in flight at its start and at its end (up to a chunk
+per worker, part done) then weighs little, and the two even out."""
+
+
 class Window:
   """A measurement of one backend for `BackendChooser.record`: its seconds
   and input positions, summed over the stretches it ran in (an iterator that
-  ends leaves the window to its dataset's next one)."""
+  ends leaves the window to its dataset's next one).
+
+  The iterator calls `chunk_received` for each chunk that comes back and
+  `after_batch` after each batch it returns; a stretch starts after the
+  `settle` chunks given to `resume` (they fill the pipeline).
+  """
 
   __slots__ = ("backend", "settle", "chunks", "seconds", "positions", "since",
                "from_position")
@@ -226,3 +240,25 @@ class Window:
       self.seconds += now - self.since
       self.positions += position - self.from_position
       self.since = None
+
+  def chunk_received(self) -> None:
+    if self.settle:
+      self.settle -= 1
+    elif self.since is not None:
+      self.chunks += 1
+
+  def after_batch(self, position: int, workers: int) -> float | None:
+    """The window's rate (input positions per second) once it is long
+    enough (it is then over), else None; `position` is the input position
+    after the batch, `workers` those of the backend."""
+    if self.settle:
+      return None
+    now = time.perf_counter()
+    if self.since is None:
+      self.since, self.from_position = now, position
+      return None
+    if (self.seconds + now - self.since < WINDOW_S
+        or self.chunks < WINDOW_CHUNKS * workers):
+      return None
+    self.pause(now, position)
+    return self.positions / self.seconds

@@ -33,6 +33,7 @@ for `IDLE_TIMEOUT_S`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -179,6 +180,32 @@ class _Kit:
     self.slots.close()
 
 
+class Lease:
+  """What an iterator borrowed from its node (`kit`) and started (`transport`,
+  worker threads, and the chunks it sent, `inflight`); given back by
+  `close`, which holds no reference to the iterator and so also runs when
+  the iterator is garbage-collected."""
+
+  def __init__(self, runtime: "_Runtime", kit: _Kit):
+    self.runtime, self.kit = runtime, kit
+    self.transport: Any = None
+    self.inflight: collections.deque = collections.deque()
+    self.given_back = False
+
+  def close(self) -> None:
+    if self.given_back:
+      return
+    self.given_back = True
+    transport, self.transport = self.transport, None
+    if transport is not None and transport.name != "process":
+      transport.close()
+    if self.inflight and transport is not None and transport.name == "process":
+      # Chunks no one will read: the processes' pipes are out of step.
+      self.kit.stop_processes()
+    self.inflight.clear()
+    self.runtime.give_back(self.kit)
+
+
 class _Runtime:
   """What a node keeps across its iterators (see the module docstring).
 
@@ -268,6 +295,11 @@ class _Runtime:
   def kit(self) -> _Kit | None:
     """The node's own kit (lent out or not), if it has one."""
     return self._kit
+
+  def lease(self) -> Lease:
+    """What an iterator borrows: the node's kit, or a kit of its own while
+    another iterator has the node's (see `Lease`)."""
+    return Lease(self, self.lend())
 
   def lend(self) -> _Kit:
     """The node's kit for an iterator, or a kit of its own while another

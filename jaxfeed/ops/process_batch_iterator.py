@@ -7,7 +7,7 @@ to the worker with the fewest left to compute, and returns the batches in
 order, as views of the slots they were written to (`batch_slots`).
 
 With AUTOTUNE it follows the node's `backend_choice.BackendChooser`: it
-measures the rate of the backend running, window by window (`WINDOW_S`,
+measures the rate of the backend running, window by window (`Window`,
 once the chunks that fill its pipeline are in; a window an epoch ends goes
 on in the next), reports it, and moves to the
 backend the chooser names at a batch boundary: without a filter it stops
@@ -43,13 +43,6 @@ CHUNKS_PER_WORKER = 2
 """Chunks queued at each worker thread or process (one computing, one
 waiting)."""
 
-WINDOW_S = 0.1
-WINDOW_CHUNKS = 4
-"""A measurement window of AUTOTUNE lasts at least `WINDOW_S` and
-`WINDOW_CHUNKS` chunks per worker: the work in flight at its start and at
-its end (up to a chunk per worker, part done) then weighs little, and the
-two even out."""
-
 SETTLE_CHUNKS = 1
 """Chunks after a change of backend (or the start of an iterator) that are
 not measured, besides the `ahead` per worker that fill its pipeline (and
@@ -74,31 +67,6 @@ class _Chunk:
     return f"computing input positions [{self.start}, {self.stop})"
 
 
-class _Lease:
-  """What an iterator borrowed from its node (`kit`) and started (`transport`,
-  worker threads); given back by `close`, which holds no reference to the
-  iterator and so also runs when the iterator is garbage-collected."""
-
-  def __init__(self, runtime: Any, kit: Any):
-    self.runtime, self.kit = runtime, kit
-    self.transport: Any = None
-    self.inflight: collections.deque = collections.deque()
-    self.given_back = False
-
-  def close(self) -> None:
-    if self.given_back:
-      return
-    self.given_back = True
-    transport, self.transport = self.transport, None
-    if transport is not None and transport.name != "process":
-      transport.close()
-    if self.inflight and transport is not None and transport.name == "process":
-      # Chunks no one will read: the processes' pipes are out of step.
-      self.kit.stop_processes()
-    self.inflight.clear()
-    self.runtime.give_back(self.kit)
-
-
 class ProcessBatchIterator(base.OpIterator):
   """Iterator of `process_batch.ProcessBatchNode` (see the module docstring).
 
@@ -118,7 +86,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._last_seed = 0
     self._error: BaseException | None = None
     self._fallback: base.OpIterator | None = None
-    self._lease: _Lease | None = None
+    self._lease: Any = None
     self._finalizer: weakref.finalize | None = None
     self._inflight: collections.deque = collections.deque()
     self._pending: list[collections.deque] = []
@@ -144,7 +112,7 @@ class ProcessBatchIterator(base.OpIterator):
 
   def _start(self) -> None:
     """Borrows the node's kit and starts the backend it says."""
-    self._lease = _Lease(self._runtime, self._runtime.lend())
+    self._lease = self._runtime.lease()
     self._lease.inflight = self._inflight
     self._finalizer = weakref.finalize(self, self._lease.close)
     self._follow(self._runtime.backend(), first=True)
@@ -375,11 +343,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._tune_chunk(chunk, busy_s)
     if self._backend != "inline":  # inline, op_stats samples it as self time
       self._busy_s += busy_s
-    window = self._window
-    if window.settle:
-      window.settle -= 1
-    elif window.since is not None:
-      window.chunks += 1
+    self._window.chunk_received()
     if chunk.slot is None:
       self._items.extend(headers)
       return True
@@ -460,22 +424,12 @@ class ProcessBatchIterator(base.OpIterator):
   # -- AUTOTUNE ------------------------------------------------------------
   def _observe(self) -> None:
     """Measures the running backend; follows the chooser after a window."""
-    window = self._window
-    if window.settle:
+    rate = self._window.after_batch(self._position, len(self._workers))
+    if rate is None:
       return
-    now = time.perf_counter()
-    if window.since is None:
-      window.since, window.from_position = now, self._position
-      return
-    seconds = window.seconds + now - window.since
-    if (seconds < WINDOW_S
-        or window.chunks < WINDOW_CHUNKS * len(self._workers)):
-      return
-    window.pause(now, self._position)
     chooser = self._runtime.chooser
     if not self._kit.processes_starting():  # their start takes the cores
-      chooser.record(self._backend, window.positions / window.seconds,
-                     window.seconds)
+      chooser.record(self._backend, rate, self._window.seconds)
     self._runtime.window = self._window = Window(self._backend)
     self._follow(chooser.backend())
 

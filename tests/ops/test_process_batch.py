@@ -322,8 +322,8 @@ def test_functions_that_cannot_be_shipped_run_on_threads_with_a_log_line(caplog)
 def switching(monkeypatch):
   """AUTOTUNE measuring every batch and measuring again all the time, so
   that an iterator moves between the backends every few batches."""
-  monkeypatch.setattr(process_batch_iterator, "WINDOW_S", 0.0)
-  monkeypatch.setattr(process_batch_iterator, "WINDOW_CHUNKS", 0)
+  monkeypatch.setattr(backend_choice, "WINDOW_S", 0.0)
+  monkeypatch.setattr(backend_choice, "WINDOW_CHUNKS", 0)
   monkeypatch.setattr(process_batch_iterator, "SETTLE_CHUNKS", 0)
   monkeypatch.setattr(process_batch_iterator, "CHUNK_WORK_S", 0.0)
   monkeypatch.setattr(backend_choice, "EXPLORE_FIRST_S", 0.0)
