@@ -215,7 +215,7 @@ class ProcessWorkers:
   """Worker processes computing chunks (see the module docstring).
 
   Args:
-    shipment: `ship(payload)` (kept by the caller, who closes it).
+    shipment: `ship(payload)`, which may start other workers too.
     num_workers: processes to start.
     op_name: for process names and errors.
   """
@@ -225,6 +225,7 @@ class ProcessWorkers:
 
   def __init__(self, shipment: shipping.Shipment, num_workers: int, op_name: str):
     self._op_name = op_name
+    self._shipment = shipment  # its descriptors go with its last holder
     self.workers = [WorkerProcess(shipment, f"{op_name}-{i}")
                     for i in range(num_workers)]
     self._ready = [False] * num_workers
@@ -352,6 +353,7 @@ class ProcessWorkers:
     for worker in self.workers:
       worker.stop()
     self.workers = []
+    self._shipment = None
 
 
 # -- a worker process's side --------------------------------------------------------

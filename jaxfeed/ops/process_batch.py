@@ -285,12 +285,21 @@ class _Runtime:
     return fields
 
   def shipment(self) -> shipping.Shipment:
-    """The chain shipped to worker processes (made once: its large arrays
-    are copied into shared memory)."""
+    """The chain shipped to worker processes (made once while processes
+    run: its large arrays are copied into shared memory, which goes with
+    the last holder of the shipment)."""
     with self._lock:
       if self._shipment is None:
         self._shipment = ship(self._chain.payload())
       return self._shipment
+
+  def idle_processes(self, kit: _Kit) -> None:
+    """AUTOTUNE picked another backend: the worker processes and their
+    shared input would only hold memory until the next measurement, which
+    starts them again."""
+    kit.stop_processes()
+    with self._lock:
+      self._shipment = None
 
   def kit(self) -> _Kit | None:
     """The node's own kit (lent out or not), if it has one."""
@@ -318,7 +327,7 @@ class _Runtime:
         kit.close()
         if kit is self._kit:
           self._kit = None
-          self._close_shipment()
+          self._shipment = None
         return
       self._lent, self._idle_since = False, time.monotonic()
       kit.slots.free_all()
@@ -331,18 +340,13 @@ class _Runtime:
           and time.monotonic() - self._idle_since >= IDLE_TIMEOUT_S):
         self._kit.stop_processes()
 
-  def _close_shipment(self) -> None:
-    if self._shipment is not None:
-      self._shipment.close()
-      self._shipment = None
-
   def close(self) -> None:
     with self._lock:
       self.closed = True
       if self._kit is not None and not self._lent:
         self._kit.close()
         self._kit = None
-        self._close_shipment()
+        self._shipment = None
 
 
 _RUNTIMES: dict[int, _Runtime] = {}

@@ -432,6 +432,9 @@ class ProcessBatchIterator(base.OpIterator):
       chooser.record(self._backend, rate, self._window.seconds)
     self._runtime.window = self._window = Window(self._backend)
     self._follow(chooser.backend())
+    if (not chooser.measuring and self._kit.processes is not None
+        and "process" not in (self._backend, self._switch_to)):
+      self._runtime.idle_processes(self._kit)
 
   # -- state ---------------------------------------------------------------
   @property

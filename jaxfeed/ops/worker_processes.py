@@ -150,6 +150,7 @@ class _Launcher:
         ticks = [] if job is not None else list(self._ticks)
       if job is not None:
         job()
+        job = None  # nothing it holds lingers with the thread
         continue
       next_tick = time.monotonic() + TICK_S
       for ref in ticks:
@@ -201,8 +202,10 @@ class WorkerProcess:
     self._popen: subprocess.Popen | None = None
     self._start_error: BaseException | None = None
     self._started = threading.Event()
-    # The job holds the shipment's data and its descriptors until it ran.
-    _LAUNCHER.submit(lambda: self._launch(child, shipment.data, list(shipment.fds)))
+    # The job holds the shipment's data and descriptors (not the shipment,
+    # whose descriptors close with its last holder) until it ran.
+    data, fds = shipment.data, list(shipment.fds)
+    _LAUNCHER.submit(lambda: self._launch(child, data, fds))
 
   def _launch(self, child: socket.socket, data: bytes, fds: list[int]) -> None:
     """On the launcher thread: starts the interpreter, sends the target."""
