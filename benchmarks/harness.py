@@ -19,6 +19,21 @@ from typing import Callable, Iterable, Sequence
 import psutil
 
 
+def process_tree_cpu_s() -> float:
+  """CPU seconds used so far by this process and its child processes (worker
+  processes): those that ended and were reaped, and those that run."""
+  import resource  # pylint: disable=import-outside-toplevel -- Unix only
+  me = resource.getrusage(resource.RUSAGE_SELF)
+  ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+  total = me.ru_utime + me.ru_stime + ended.ru_utime + ended.ru_stime
+  for child in psutil.Process().children(recursive=True):
+    try:
+      total += sum(child.cpu_times()[:2])
+    except psutil.Error:
+      pass  # ended meanwhile: counted above from now on
+  return total
+
+
 class PeakRSS:
   """Samples RSS on a thread while a block runs: this process's, and the
   sum over `others` (pids of the servers a pipeline runs in) at each sample."""

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ from typing import Any, Callable
 
 import numpy as np
 import psutil
+
+from benchmarks import harness
 
 BATCH = 128
 WORKLOAD = "W1 per-element"
@@ -231,19 +232,6 @@ def _close(ds: Any) -> None:
 # ----------------------------------------------------------------------------
 # measuring
 # ----------------------------------------------------------------------------
-def _cpu_s() -> float:
-  """CPU seconds of this process, its children that ended, and the live ones."""
-  me = resource.getrusage(resource.RUSAGE_SELF)
-  ended = resource.getrusage(resource.RUSAGE_CHILDREN)
-  total = me.ru_utime + me.ru_stime + ended.ru_utime + ended.ru_stime
-  for child in psutil.Process().children(recursive=True):
-    try:
-      total += sum(child.cpu_times()[:2])
-    except psutil.Error:
-      pass
-  return total
-
-
 class _Row:
   """One system: what its epochs took."""
 
@@ -254,13 +242,13 @@ class _Row:
     self.picked: dict | None = None
 
   def epoch(self) -> int:
-    cpu, start = _cpu_s(), time.perf_counter()
+    cpu, start = harness.process_tree_cpu_s(), time.perf_counter()
     images = 0
     iterator = iter(self.ds)  # what `for batch in self.ds:` does
     for batch in iterator:
       images += _count(batch)
     self.times.append(time.perf_counter() - start)
-    self.cpu.append(_cpu_s() - cpu)
+    self.cpu.append(harness.process_tree_cpu_s() - cpu)
     self.picked = _picked(getattr(self.ds, "iterator", None) or iterator)
     return images
 

@@ -311,23 +311,8 @@ def bare_limit_in_processes(path: str, cores: int, kind: str,
 
 def pipeline_cpu_s() -> float:
   """CPU seconds of this process and of the worker processes jaxfeed's
-  process backend runs, all forked by multiprocessing's fork server: those
-  still running, and those it reaped (its children's time)."""
-  import psutil
-  from multiprocessing import forkserver
-  total = time.process_time()
-  pid = getattr(forkserver._forkserver, "_forkserver_pid", None)  # pylint: disable=protected-access
-  if pid:
-    server = psutil.Process(pid)
-    for process in [server] + server.children():
-      try:
-        times = process.cpu_times()
-      except psutil.NoSuchProcess:  # reaped meanwhile: counted by the server
-        continue
-      total += times.user + times.system
-    times = psutil.Process(pid).cpu_times()
-    total += times.children_user + times.children_system
-  return total
+  process backend runs (its children: those running and those reaped)."""
+  return harness.process_tree_cpu_s()
 
 
 def measure_cpu(make_epoch, count, epochs: int) -> dict:
