@@ -8,11 +8,14 @@ input elements into batches (`record`): wall-clock, end to end, so what the
 consumer's own thread costs (its share of the cores, the GIL it holds) is in
 every rate, and so are the cores this process may use.
 
-* Measuring: the candidates take turns, a window each, in the order given,
-  `FIRST_ROUNDS` times; a backend's rate is the best of its windows (what
-  else runs on the machine only ever slows a window down). Then the fastest
-  runs; rates within `TIE` of each other count as equal and go to the one
-  that costs least CPU (inline, then threads, then processes).
+* Measuring: the candidates take turns, a window each, in the order given
+  (which may name one twice: one measured while worker processes start and
+  again after); a backend's rate is the best of its windows (what else runs
+  on the machine only ever slows a window down). A backend faster than all
+  others by `CLEAR` runs at once; those closer are measured again first, up
+  to `FIRST_ROUNDS` windows each. Then the fastest runs; rates within `TIE`
+  of each other count as equal and go to the one that costs least CPU
+  (inline, then threads, then processes).
 * Keeping measuring: the running backend keeps being measured. After
   `explore_every` seconds of running (from `EXPLORE_FIRST_S`, doubling each
   time the others prove slower, up to `EXPLORE_MAX_S`), or at once when its
@@ -28,12 +31,13 @@ epoch loop measures once, and goes on measuring as it runs.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Sequence
 
 __all__ = ["BackendChooser", "Window", "WINDOW_S", "WINDOW_CHUNKS",
-           "PREFERENCE", "TIE", "SWITCH_MARGIN",
+           "PREFERENCE", "TIE", "CLEAR", "SWITCH_MARGIN",
            "DROP", "SETTLE_S", "FIRST_ROUNDS", "EXPLORE_FIRST_S",
            "EXPLORE_MAX_S"]
 
@@ -54,8 +58,13 @@ rate of every window is noisy, and each measurement runs slower backends."""
 
 SETTLE_S = 2.0
 
+CLEAR = 0.2
+"""A backend this much faster than every other is picked without measuring
+them again."""
+
 FIRST_ROUNDS = 2
-"""Windows each candidate is measured for before the first choice."""
+"""The most windows a backend is measured for in one measurement, when the
+fastest is not clear."""
 
 EXPLORE_FIRST_S = 10.0
 EXPLORE_MAX_S = 160.0
@@ -75,19 +84,23 @@ class BackendChooser:
   Thread-safe: iterators of one dataset may report from several threads.
 
   Args:
-    candidates: the backends to choose from, in the order to measure them.
+    candidates: the backends to choose from.
     excluded: backends ruled out and why (reported by `summary`).
+    order: the windows of the first measurement, by backend (default: the
+      candidates in turn).
   """
 
-  def __init__(self, candidates: Sequence[str], excluded: dict[str, str] | None = None):
+  def __init__(self, candidates: Sequence[str], excluded: dict[str, str] | None = None,
+               order: Sequence[str] | None = None):
     self._lock = threading.Lock()
     self.excluded = dict(excluded or {})
     self.candidates = [c for c in candidates if c not in self.excluded]
     if not self.candidates:
       raise ValueError("BackendChooser: no candidate backend left.")
     self.rates: dict[str, float] = {}
-    self._round: dict[str, float] = {}  # best rates of the round measuring
-    self._todo = (list(self.candidates) * FIRST_ROUNDS
+    self._round: dict[str, float] = {}  # best rates of the measurement
+    self._windows: collections.Counter = collections.Counter()  # per backend
+    self._todo = ([c for c in (order or self.candidates) if c in self.candidates]
                   if len(self.candidates) > 1 else [])
     self._pick: str | None = None if self._todo else self.candidates[0]
     self._reason = ("measuring" if self._todo else
@@ -116,10 +129,11 @@ class BackendChooser:
         return
       if self._todo:
         self._round[backend] = max(rate, self._round.get(backend, 0.0))
+        self._windows[backend] += 1
         if backend == self._todo[0]:
           self._todo.pop(0)
           if not self._todo:
-            self._decide()
+            self._end_round()
         return
       if backend != self._pick:
         return
@@ -144,7 +158,7 @@ class BackendChooser:
       if backend in self._todo:
         self._todo = [c for c in self._todo if c != backend]
         if not self._todo:
-          self._decide()
+          self._end_round()
       elif backend == self._pick:
         self._pick = None
         self._decide()
@@ -152,13 +166,31 @@ class BackendChooser:
   def _explore(self, why: str) -> None:
     self._todo = [c for c in self.candidates if c != self._pick] + [self._pick]
     self._round = {self._pick: self.rates[self._pick]}
+    self._windows = collections.Counter({self._pick: 1})
     self._run_s = 0.0
     self._reason = f"measuring again: {why}"
+
+  def _end_round(self) -> None:
+    """Decides, or first measures again the backends whose rates are too
+    close to tell (see `CLEAR`), and those not measured yet."""
+    rates = self._round
+    missing = [c for c in self.candidates if c not in rates]
+    if not missing and rates:
+      top = max(rates.values())
+      missing = [c for c in self.candidates
+                 if (1 + CLEAR) * rates[c] >= top and self._windows[c] < FIRST_ROUNDS]
+      if len([c for c in self.candidates if (1 + CLEAR) * rates[c] >= top]) < 2:
+        missing = []
+    if missing:
+      self._todo = missing
+      return
+    self._decide()
 
   def _decide(self) -> None:
     previous = self._pick
     self.rates.update(self._round)
     self._round = {}
+    self._windows = collections.Counter()
     measured = [c for c in self.candidates if c in self.rates]
     if not measured:
       self._todo = list(self.candidates)

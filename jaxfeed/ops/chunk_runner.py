@@ -148,18 +148,26 @@ class ChunkRunner:
     finally:
       if self._contiguous:
         self._next = position
-      else:
+      elif not hasattr(iterator, "reposition"):
         iterator.close()
+        self._reader = None
     return items
 
   def _input_at(self, start: int, stop: int) -> Any:
     """An input iterator at position `start` that reads up to `stop` (when
-    contiguous: on, for the next chunks)."""
-    if not self._contiguous:
-      return self.input.range_iterator(start, stop)
-    if self._reader is None or self._next != start:
-      self.close()
-      self._reader = self.input.range_iterator(start, self.input.num_positions())
+    contiguous: on, for the next chunks). One iterator serves the chunks in
+    turn where it can be repositioned (`from_source`: its sampler lookups,
+    made in blocks, serve the next chunks too)."""
+    if self._contiguous:
+      if self._reader is None or self._next != start:
+        self.close()
+        self._reader = self.input.range_iterator(start, self.input.num_positions())
+      return self._reader
+    reposition = getattr(self._reader, "reposition", None)
+    if reposition is not None:
+      reposition(start, stop)
+      return self._reader
+    self._reader = self.input.range_iterator(start, stop)
     return self._reader
 
   def close(self) -> None:

@@ -215,7 +215,8 @@ class ProcessWorkers:
   """Worker processes computing chunks (see the module docstring).
 
   Args:
-    shipment: `ship(payload)`, which may start other workers too.
+    shipment: `ship(payload)` (which may start other workers too), or a
+      function that makes it, called in the background.
     num_workers: processes to start.
     op_name: for process names and errors.
   """
@@ -223,9 +224,9 @@ class ProcessWorkers:
   name = "process"
   ahead = AHEAD_CHUNKS
 
-  def __init__(self, shipment: shipping.Shipment, num_workers: int, op_name: str):
+  def __init__(self, shipment: shipping.Shipment | Callable[[], shipping.Shipment],
+               num_workers: int, op_name: str):
     self._op_name = op_name
-    self._shipment = shipment  # its descriptors go with its last holder
     self.workers = [WorkerProcess(shipment, f"{op_name}-{i}")
                     for i in range(num_workers)]
     self._ready = [False] * num_workers
@@ -353,7 +354,6 @@ class ProcessWorkers:
     for worker in self.workers:
       worker.stop()
     self.workers = []
-    self._shipment = None
 
 
 # -- a worker process's side --------------------------------------------------------

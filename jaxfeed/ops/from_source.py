@@ -191,8 +191,11 @@ class SourceIterator(OpIterator):
     offset = start - self._block_start
     if offset < 0 or offset + count > len(self._block_indices):
       size = max(count, self._block)
-      if self._end is not None:
-        size = min(size, self._end - start)
+      # Lookups may go past `stop` (a later `reposition` reads on there);
+      # records are read up to it only.
+      end = self._sampler.num_positions
+      if end is not None:
+        size = min(size, end - start)
       _, self._block_indices, self._block_seeds = self._sampler.get_many(
           np.arange(start, start + size, dtype=np.int64))
       self._block_start, offset = start, 0
@@ -267,6 +270,14 @@ class SourceIterator(OpIterator):
     skipped = max(0, end - position)
     self._seek(position + skipped)
     return skipped
+
+  def reposition(self, start: int, stop: int | None) -> None:
+    """Reads positions [start, stop) from now on, keeping the sampler
+    lookups made so far (one iterator reads a worker's chunks of an epoch
+    in turn, looking records up in large blocks)."""
+    self._stop = stop
+    self._end = _end_of(self._sampler, stop)
+    self._seek(start)
 
   def _seek(self, position: int) -> None:
     buffered = position - self._buffer_start

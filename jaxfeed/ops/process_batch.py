@@ -153,7 +153,7 @@ class _Kit:
   def start_processes(self) -> None:
     """Starts the worker processes (in the background) unless they run."""
     if self.processes is None:
-      self.processes = ProcessWorkers(self._runtime.shipment(),
+      self.processes = ProcessWorkers(self._runtime.shipment,
                                       self._runtime.num_workers, _OP)
       self.slots.held_limit = 2 * self._runtime.num_workers
       for slot in self.slots.slots:
@@ -238,8 +238,12 @@ class _Runtime:
     if node.backend == "auto":
       if cores < 2:
         excluded.setdefault("process", "this process may use one core only")
+      # Threads and inline are measured while the processes start (which
+      # takes their cores for a while), inline once more after; processes
+      # twice (their first chunks also make their slots).
       self.chooser: BackendChooser | None = BackendChooser(
-          ["process", "inline", "thread"], excluded)
+          ["process", "inline", "thread"], excluded,
+          order=["thread", "inline", "process", "inline", "process"])
       self._fixed = None
       self._reason = None
     else:

@@ -36,7 +36,7 @@ __all__ = ["ProcessBatchIterator"]
 
 _OP = "process_batch"
 
-CHUNK_WORK_S = 0.02
+CHUNK_WORK_S = 0.01
 """Worker time one chunk aims at: long enough to hide a hand-off."""
 
 CHUNKS_PER_WORKER = 2
@@ -115,6 +115,10 @@ class ProcessBatchIterator(base.OpIterator):
     self._lease = self._runtime.lease()
     self._lease.inflight = self._inflight
     self._finalizer = weakref.finalize(self, self._lease.close)
+    chooser = self._runtime.chooser
+    if (chooser is not None and chooser.measuring
+        and "process" in chooser.candidates):
+      self._processes_started()  # in the background, ready for their turn
     self._follow(self._runtime.backend(), first=True)
 
   def _give_back(self) -> None:
@@ -387,22 +391,27 @@ class ProcessBatchIterator(base.OpIterator):
     return chunk.slot
 
   def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:
+    """Sizes chunks to about `CHUNK_WORK_S` of a worker's time: once, from
+    the backend's first chunks, then only when that time changes fourfold
+    (a noisy machine would otherwise change it all the time, and each
+    chunk size wants slots of its own size)."""
     if self._node.chunk is not None or chunk.stop <= chunk.start:
       return
-    # Smoothed: on a busy machine a chunk's time is noisy.
     per_position = busy_s / (chunk.stop - chunk.start)
     self._per_position = (per_position if self._per_position is None else
                           self._per_position + 0.25 * (per_position - self._per_position))
+    if self._sent <= len(self._workers):
+      return  # the first chunks: cold, and small (`_chunk_stop`)
     target = CHUNK_WORK_S / max(self._per_position, 1e-9)
     if self._chain.filters:
       size = int(min(max(target, _MIN_CHUNK_ELEMENTS), _MAX_CHUNK_ELEMENTS))
     else:
       batch = self._chain.batch_size
       size = batch * int(min(max(target // batch, 1), _MAX_CHUNK_BATCHES))
-    # Only a change by half or more: each chunk size wants its own slots.
-    if 3 * size < 2 * self._chunk_size or 2 * size > 3 * self._chunk_size:
-      self._set_chunk(size)
+    learned = self._runtime.learned.get(self._backend)
+    if learned is None or not learned / 4 <= size <= 4 * learned:
       self._runtime.learned[self._backend] = size
+      self._set_chunk(size)
 
   def _discard(self, deadline: float | None = None) -> None:
     """Waits for the chunks in flight and drops their outputs."""
@@ -428,8 +437,7 @@ class ProcessBatchIterator(base.OpIterator):
     if rate is None:
       return
     chooser = self._runtime.chooser
-    if not self._kit.processes_starting():  # their start takes the cores
-      chooser.record(self._backend, rate, self._window.seconds)
+    chooser.record(self._backend, rate, self._window.seconds)
     self._runtime.window = self._window = Window(self._backend)
     self._follow(chooser.backend())
     if (not chooser.measuring and self._kit.processes is not None

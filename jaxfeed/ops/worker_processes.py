@@ -191,25 +191,31 @@ class WorkerProcess:
   caller's (it may start several workers).
 
   Args:
-    shipment: `shipping.dumps((target, args))`.
+    shipment: `shipping.dumps((target, args))`, or a function that makes it
+      (called on the launcher thread: a large shipment takes a while). The
+      worker keeps it (its descriptors close with its last holder).
     name: for errors (e.g. "process_batch-0").
   """
 
-  def __init__(self, shipment: shipping.Shipment, name: str):
+  def __init__(self, shipment: shipping.Shipment | Callable[[], shipping.Shipment],
+               name: str):
     self.name = name
     parent, child = socket.socketpair()
     self.conn = connection.Connection(parent.detach())
+    self.shipment: shipping.Shipment | None = None
     self._popen: subprocess.Popen | None = None
     self._start_error: BaseException | None = None
     self._started = threading.Event()
-    # The job holds the shipment's data and descriptors (not the shipment,
-    # whose descriptors close with its last holder) until it ran.
-    data, fds = shipment.data, list(shipment.fds)
-    _LAUNCHER.submit(lambda: self._launch(child, data, fds))
+    _LAUNCHER.submit(lambda: self._launch(child, shipment))
 
-  def _launch(self, child: socket.socket, data: bytes, fds: list[int]) -> None:
+  def _launch(self, child: socket.socket,
+              shipment: shipping.Shipment | Callable[[], shipping.Shipment]) -> None:
     """On the launcher thread: starts the interpreter, sends the target."""
     try:
+      if callable(shipment):
+        shipment = shipment()
+      self.shipment = shipment
+      data, fds = shipment.data, shipment.fds
       with child:
         self._popen = subprocess.Popen(
             [sys.executable, "-c", _BOOT, str(child.fileno()), str(os.getpid()),
@@ -220,6 +226,7 @@ class WorkerProcess:
         reduction.send_handle(self.conn, fd, self._popen.pid)
     except BaseException as exc:  # noqa: BLE001 -- raised by the caller's next wait
       self._start_error = exc
+      child.close()
     finally:
       self._started.set()
 

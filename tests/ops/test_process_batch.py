@@ -132,13 +132,14 @@ def test_optimizer_fuses_process_and_autotune_chains_and_keeps_others_on_threads
     with dataset.make_iterator() as it:
       assert not isinstance(_root(it), process_batch.ProcessBatchIterator)
   # AUTOTUNE chains are fused, lambdas included (they travel by value); the
-  # first batches run inline while the worker processes start.
+  # first batches run on threads (measured) while the worker processes start.
   scale = np.int64(3)
   auto = Dataset.range(N).map(lambda x: x * scale,
                               num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
   with auto.make_iterator() as it:
     assert isinstance(_root(it), process_batch.ProcessBatchIterator)
-    assert _root(it).backend == "inline"
+    assert _root(it).backend == "thread"
+    assert len(_root(it).pids()) == 2  # starting
     assert [b.tolist() for b in it] == [[3 * i for i in range(j, j + 4)]
                                         for j in range(0, N, 4)]
   auto.close()
