@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from jaxfeed.service import spec as spec_lib
+from jaxfeed.service.protocol import spec as spec_lib
 from service_cluster import ServiceProcess, TEST_UDF_MODULES
 
 

@@ -15,7 +15,7 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import autoscale
+from jaxfeed.service.dispatcher import autoscale
 
 pytestmark = pytest.mark.timeout(120)
 

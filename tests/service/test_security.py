@@ -22,8 +22,8 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import data_socket, rpc, spec
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import data_socket, rpc, spec
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT, TESTS_DIR
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,7 +136,7 @@ def hostile_udfs(marker: pathlib.Path) -> dict[str, object]:
       "subprocess:run": np.array([["touch", str(marker)]]),
       "importlib:import_module": np.array(["jaxfeed_test_marker_module"]),
       "pickle:loads": np.array([pickle.dumps(Touch(), protocol=0)]),
-      "jaxfeed.service.spec:resolve_path": np.array(["jaxfeed_test_marker_module:x"]),
+      "jaxfeed.service.protocol.spec:resolve_path": np.array(["jaxfeed_test_marker_module:x"]),
   }
 
 
@@ -155,7 +155,7 @@ def marker(tmp_path, monkeypatch):
 
 
 HOSTILE_PATHS = ("builtins:exec", "os:system", "subprocess:run", "importlib:import_module",
-                 "pickle:loads", "jaxfeed.service.spec:resolve_path",
+                 "pickle:loads", "jaxfeed.service.protocol.spec:resolve_path",
                  "jaxfeed_test_marker_module:x", "service_udfs:__builtins__")
 
 
@@ -508,7 +508,7 @@ def test_an_allowed_module_does_not_lend_out_what_it_imports(tmp_path, monkeypat
 
 
 def test_read_tickets_stay_valid_across_a_restart_from_a_snapshot(tmp_path):
-  from jaxfeed.service import dispatcher as dispatcher_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.dispatcher import server as dispatcher_lib  # pylint: disable=g-import-not-at-top
   config = service.DispatcherConfig(work_dir=str(tmp_path), auth_token=CLIENT_TOKEN,
                                     worker_token=WORKER_TOKEN, snapshot_every_records=2)
   keys = []

@@ -15,8 +15,8 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import rpc, spec
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import rpc, spec
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 

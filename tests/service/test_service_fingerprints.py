@@ -20,9 +20,9 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import spec
-from jaxfeed.service import task_pipeline
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.worker import task_pipeline
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT, TESTS_DIR, TEST_UDF_MODULES
 
 pytestmark = pytest.mark.timeout(120)
@@ -262,7 +262,7 @@ SPEC_SCRIPT = """
 import numpy as np
 import jaxfeed
 import service_udfs
-from jaxfeed.service import spec
+from jaxfeed.service.protocol import spec
 source = jaxfeed.ArraySource({"x": np.arange(50), "y": np.linspace(0, 1, 50)})
 dataset = jaxfeed.Dataset.from_source(
     source, jaxfeed.IndexSampler(50, shuffle=True, seed=3)

@@ -1,0 +1,2 @@
+"""Where an elastic pool's workers run: Ray actors (`ray_backend`) or the
+pods of a Kubernetes Deployment (`kubernetes_backend`)."""
