@@ -476,6 +476,19 @@ def to_dataset_def(node: base.Node, udf_secret: bytes | None = None,
 
 # The root a client ships a Dataset's Options in (`task_pipeline.WithOptionsNode`).
 _WITH_OPTIONS_CLASS = "jaxfeed.service.worker.task_pipeline:WithOptionsNode"
+# The class paths of the service's own nodes before its modules moved into
+# folders, by their path now: a dispatcher's journal may hold specs that
+# name them, and they rebuild (and fingerprint) as the same nodes.
+_MOVED_CLASSES = {
+    "jaxfeed.service.task_pipeline:WithOptionsNode": _WITH_OPTIONS_CLASS,
+    "jaxfeed.service.client:DistributedNode":
+        "jaxfeed.service.client.distribute:DistributedNode",
+}
+
+
+def _current_class_path(path: Any) -> Any:
+  """A node's class path as of now: `path`, or where its class moved to."""
+  return _MOVED_CLASSES.get(path, path) if isinstance(path, str) else path
 
 
 def _computed_graph(graph_json: bytes) -> bytes:
@@ -485,7 +498,7 @@ def _computed_graph(graph_json: bytes) -> bytes:
     graph = json.loads(graph_json)
   except (ValueError, RecursionError):
     return graph_json  # refused where the graph is decoded
-  if (isinstance(graph, dict) and graph.get("class") == _WITH_OPTIONS_CLASS
+  if (isinstance(graph, dict) and _current_class_path(graph.get("class")) == _WITH_OPTIONS_CLASS
       and isinstance(graph.get("parents"), list) and len(graph["parents"]) == 1):
     return json.dumps(graph["parents"][0], sort_keys=True).encode()
   return graph_json
@@ -572,7 +585,8 @@ class _Decoder:
           "op node", spec, "want {'class': str, 'params': dict, 'parents': list}")
     self._enter()
     try:
-      cls = resolve_path(spec["class"], self.udf_modules, is_class=True)
+      cls = resolve_path(_current_class_path(spec["class"]), self.udf_modules,
+                         is_class=True)
       if not (isinstance(cls, type) and issubclass(cls, base.Node)):
         raise SpecError(f"{spec['class']!r} is not a jaxfeed op node class.")
       params = {k: self.value(v) for k, v in spec["params"].items()}
