@@ -40,10 +40,10 @@ import numpy as np
 
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import element_chunks
-from jaxfeed.service.storage import journal_records
 from jaxfeed.service.protocol import spec
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal_records
 
 # Small enough that a decoder allocating what a peer declares (up to this
 # limit) stays well inside the child's address-space limit.

@@ -11,9 +11,9 @@ import socket
 import struct
 import threading
 
-from jaxfeed.service.worker import delivery
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import delivery
 
 
 class HostileWorker:

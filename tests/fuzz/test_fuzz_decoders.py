@@ -18,10 +18,10 @@ import pytest
 
 import jaxfeed
 from jaxfeed.service.dispatcher import server as dispatcher_lib
-from jaxfeed.service.storage import journal_records
 from jaxfeed.service.protocol import spec
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal_records
 
 pytestmark = pytest.mark.timeout(240)
 

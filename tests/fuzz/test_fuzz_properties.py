@@ -12,8 +12,8 @@ import hypothesis
 from hypothesis import strategies as st
 import pytest
 
-from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.dispatcher import server as dispatcher_lib
+from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import spec
 from jaxfeed.service.protocol import wire

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 import jaxfeed
-from jaxfeed.service.protocol import data_socket
 from jaxfeed.service import metrics
+from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec
 

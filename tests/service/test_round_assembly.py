@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
+from jaxfeed.service.protocol import wire
 from jaxfeed.service.worker import round_assembly
 from jaxfeed.service.worker import task_runner
-from jaxfeed.service.protocol import wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,8 +21,8 @@ import jaxfeed
 import service_udfs
 from jaxfeed import service
 from jaxfeed.service.protocol import spec
-from jaxfeed.service.worker import task_pipeline
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import task_pipeline
 from service_cluster import REPO_ROOT, TESTS_DIR, TEST_UDF_MODULES
 
 pytestmark = pytest.mark.timeout(120)

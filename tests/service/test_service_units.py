@@ -262,9 +262,9 @@ def test_round_robin_consumers_read_each_round_from_one_worker():
 def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):
   # The heartbeat thread and a client's first request can both hand a
   # worker the same new task; two runners would split its consumers.
-  from jaxfeed.service.worker import task_runner  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.worker import server as worker_lib  # pylint: disable=g-import-not-at-top
   from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import server as worker_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import task_runner  # pylint: disable=g-import-not-at-top
   created = []
 
   class CountedRunner(task_runner.TaskRunner):

@@ -47,14 +47,14 @@ from typing import Any
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
-from jaxfeed.service.protocol import rpc
-from jaxfeed.service.protocol import spec as spec_lib
-from jaxfeed.service.worker import task_pipeline
-from jaxfeed.service.protocol import wire
 from jaxfeed.service.client.iterator import DistributedIterator
 from jaxfeed.service.client.read import dispatcher_caller
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy, to_sharding_policy
+from jaxfeed.service.worker import task_pipeline
 
 DATA_TRANSFERS = ("auto", "socket", "grpc")
 VISITATIONS = ("at_most_once", "exactly_once")

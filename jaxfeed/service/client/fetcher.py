@@ -12,12 +12,12 @@ from typing import Any
 import grpc
 
 from jaxfeed.service.protocol import data_socket
-from jaxfeed.service.worker import delivery
 from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import stream_state
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import delivery
 
 _WORKER = "/jaxfeed.service.Worker/"
 # A fetcher's connection that brings nothing, not even a keepalive (see

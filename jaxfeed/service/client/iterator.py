@@ -11,13 +11,13 @@ from typing import Any
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
 from jaxfeed.service.client import read as client_read
+from jaxfeed.service.client import task_stats
+from jaxfeed.service.client.fetcher import Fetcher
+from jaxfeed.service.client.read import POLL_S
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol import stream_state
-from jaxfeed.service.client import task_stats
-from jaxfeed.service.client.fetcher import Fetcher
-from jaxfeed.service.client.read import POLL_S
 
 
 class DistributedIterator(base.OpIterator):

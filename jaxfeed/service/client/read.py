@@ -12,12 +12,12 @@ from typing import Any
 
 import grpc
 
-from jaxfeed.service.protocol import data_socket
+from jaxfeed.service.client.fetcher import Fetcher
 from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import stream_state
-from jaxfeed.service.client.fetcher import Fetcher
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 

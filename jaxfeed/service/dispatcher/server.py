@@ -21,14 +21,14 @@ from typing import Any
 
 import grpc
 
-from jaxfeed.service.dispatcher import autoscale as autoscale_lib
-from jaxfeed.service.protocol import element_chunks
-from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service import metrics as metrics_lib
-from jaxfeed.service.protocol import rpc
-from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.dispatcher import autoscale as autoscale_lib
+from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
+from jaxfeed.service.protocol import element_chunks
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 SERVICE_NAME = "jaxfeed.service.Dispatcher"

@@ -12,18 +12,18 @@ import time
 from typing import Sequence
 
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
-from jaxfeed.service.dispatcher import workers as dispatcher_workers
 from jaxfeed.service.dispatcher import heartbeat_pacing
-from jaxfeed.service.storage import journal as journal_lib
-from jaxfeed.service.protocol import read_state
-from jaxfeed.service.worker import round_assembly
-from jaxfeed.service.protocol import rpc
-from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.dispatcher import task_lists
+from jaxfeed.service.dispatcher import workers as dispatcher_workers
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.tables import Job
+from jaxfeed.service.protocol import read_state
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy, to_sharding_policy
+from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.worker import round_assembly
 
 
 class DispatcherState(dispatcher_workers.WorkerRegistry):

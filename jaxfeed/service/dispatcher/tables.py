@@ -9,13 +9,13 @@ import itertools
 import random
 import time
 
-from jaxfeed.service.storage import journal as journal_lib
-from jaxfeed.service.storage import journal_records
-from jaxfeed.service.protocol import read_state
-from jaxfeed.service.storage import state_snapshot
 from jaxfeed.service.dispatcher import task_lists
+from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_records
+from jaxfeed.service.storage import state_snapshot
 
 
 @dataclasses.dataclass

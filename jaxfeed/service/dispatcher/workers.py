@@ -9,10 +9,10 @@ import time
 from typing import Sequence
 
 from jaxfeed.service.dispatcher import tables as dispatcher_tables
-from jaxfeed.service.protocol import read_state
-from jaxfeed.service.protocol import rpc
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.tables import Job, Task, Worker
+from jaxfeed.service.protocol import read_state
+from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 

@@ -56,9 +56,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.service.worker import delivery
 from jaxfeed.service.protocol import rpc_errors
 from jaxfeed.service.protocol import wire
+from jaxfeed.service.worker import delivery
 
 _HELLO_LEN = struct.Struct("<I")
 _FRAME_PREFIX = struct.Struct("<BQqq")

@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Generator
 
-from jaxfeed.service.worker import task_runner
 from jaxfeed.service.protocol import wire
+from jaxfeed.service.worker import task_runner
 
 KEEPALIVE_S = 1.0
 DEFAULT_WINDOW = 32

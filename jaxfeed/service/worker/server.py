@@ -24,19 +24,19 @@ from typing import Any, Callable, Generator, Iterator
 
 import grpc
 
-from jaxfeed.service.protocol import data_socket
-from jaxfeed.service.worker import delivery
-from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service import metrics as metrics_lib
-from jaxfeed.service.worker import round_assembly
+from jaxfeed.service.protocol import data_socket
+from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import rpc
-from jaxfeed.service.worker import shared_stream
 from jaxfeed.service.protocol import spec as spec_lib
-from jaxfeed.service.worker import task_pipeline
-from jaxfeed.service.worker import task_runner as task_runner_lib
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+from jaxfeed.service.worker import delivery
+from jaxfeed.service.worker import round_assembly
+from jaxfeed.service.worker import shared_stream
+from jaxfeed.service.worker import task_pipeline
+from jaxfeed.service.worker import task_runner as task_runner_lib
 
 SERVICE_NAME = "jaxfeed.service.Worker"
 _DRAIN_IDLE_S = 2.0  # draining: a task unread this long has no consumer left

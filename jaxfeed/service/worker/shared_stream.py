@@ -35,9 +35,9 @@ import traceback
 from typing import Any, Callable, Generator
 
 from jaxfeed.ops import op_stats
+from jaxfeed.service.protocol import wire
 from jaxfeed.service.worker import task_pipeline
 from jaxfeed.service.worker import task_runner
-from jaxfeed.service.protocol import wire
 
 _POLL_S = 0.1
 

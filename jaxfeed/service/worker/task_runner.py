@@ -11,10 +11,10 @@ import traceback
 from typing import Any, Callable, Generator
 
 from jaxfeed.ops import op_stats
-from jaxfeed.service.worker import round_assembly
 from jaxfeed.service.protocol import spec as spec_lib
-from jaxfeed.service.worker import task_pipeline
 from jaxfeed.service.protocol import wire
+from jaxfeed.service.worker import round_assembly
+from jaxfeed.service.worker import task_pipeline
 
 _POLL_S = 0.1
 
