@@ -28,6 +28,7 @@ from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
 from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import rpc_server
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 
@@ -89,7 +90,7 @@ class _DispatcherServicer:
         "WorkerHeartbeat": (pb.WorkerHeartbeatRequest, worker),
         "GetSplits": (pb.GetSplitsRequest, worker),
     }
-    return rpc.method_handlers(
+    return rpc_server.method_handlers(
         SERVICE_NAME, {rpc.CLIENT: config.auth_token, rpc.WORKER: config.worker_token},
         {name: (getattr(self, name), cls, False, roles)
          for name, (cls, roles) in methods.items()})
@@ -126,7 +127,7 @@ class DispatchServer:
     self.config = config or DispatcherConfig()
     self.state = DispatcherState(self.config)
     servicer = _DispatcherServicer(self.state)
-    self._server, self.port = rpc.make_server(
+    self._server, self.port = rpc_server.make_server(
         f"{self.config.host}:{self.config.port}", servicer.handler(self.config),
         self.config.max_message_bytes, self.config.tls)
     self._stop = threading.Event()
@@ -194,7 +195,7 @@ class DispatchServer:
     self.stop()
 
 
-def _shutdown(server: rpc.ServerHandle, stop: threading.Event, state: DispatcherState,
+def _shutdown(server: rpc_server.ServerHandle, stop: threading.Event, state: DispatcherState,
               autoscaler: autoscale_lib.Autoscaler | None = None) -> None:
   if autoscaler is not None:  # its workers go first, while they can still say goodbye
     autoscaler.close()

@@ -1,6 +1,6 @@
 """Failed calls, counted by method and status code, on both ends of a call.
 
-Every gRPC server the service makes (`rpc.make_server`) counts the calls it
+Every gRPC server the service makes (`rpc_server.make_server`) counts the calls it
 answered with a status other than OK in its `ServerHandle.errors`; the
 worker's data socket counts its refusals and failures the same way, as method
 "data_socket". Every channel it makes (`rpc.make_channel`) counts the calls of

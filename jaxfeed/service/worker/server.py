@@ -28,6 +28,7 @@ from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import rpc_server
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
@@ -626,14 +627,14 @@ class WorkerServer:
   def __init__(self, config: WorkerConfig, start: bool = True):
     self.config = config
     handler_holder: list = []
-    self._server, self.port = rpc.make_server(
+    self._server, self.port = rpc_server.make_server(
         f"{config.host}:{config.port}",
         _LazyHandler(handler_holder), config.max_message_bytes, config.tls,
         max_receive_bytes=_MAX_REQUEST_BYTES)
     advertised = _advertised_host(config)
     self._worker = _Worker(config, f"{advertised}:{self.port}")
     # Clients are let in by read tickets, checked per task in GetElements.
-    handler_holder.append(rpc.method_handlers(
+    handler_holder.append(rpc_server.method_handlers(
         SERVICE_NAME, {},
         {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True,
                          (rpc.CLIENT,)),
@@ -724,7 +725,7 @@ class _LazyHandler(grpc.GenericRpcHandler):
     return self._holder[0].service(handler_call_details) if self._holder else None
 
 
-def _shutdown(server: rpc.ServerHandle, worker: _Worker, data_server: Any) -> None:
+def _shutdown(server: rpc_server.ServerHandle, worker: _Worker, data_server: Any) -> None:
   worker.stop.set()
   worker.leave()
   if data_server is not None:
