@@ -138,14 +138,14 @@ class _TrickleSocket:
 
 @pytest.mark.parametrize("limit", [1, 5, 64, 10**7])
 def test_scatter_gather_send_delivers_every_byte_in_order_after_partial_sends(limit):
-  from jaxfeed.service.protocol import data_socket  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import data_server  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   buffers = [rng.bytes(n) for n in (3, 0, 200, 1, 0, 77)]
   buffers += [memoryview(np.arange(10, dtype=np.int64).view(np.uint8))] * 600  # > one iovec list
   sock = _TrickleSocket(limit)
-  data_socket._send_all(sock, buffers)  # pylint: disable=protected-access
+  data_server._send_all(sock, buffers)  # pylint: disable=protected-access
   assert bytes(sock.received) == b"".join(bytes(b) for b in buffers)
-  assert max(sock.calls) <= data_socket._MAX_IOV  # pylint: disable=protected-access
+  assert max(sock.calls) <= data_server._MAX_IOV  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("cut", [3, 10, -1])

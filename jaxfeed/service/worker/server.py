@@ -33,6 +33,7 @@ from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+from jaxfeed.service.worker import data_server
 from jaxfeed.service.worker import delivery
 from jaxfeed.service.worker import round_assembly
 from jaxfeed.service.worker import shared_stream
@@ -512,7 +513,7 @@ class _Worker:
     except task_runner_lib.TaskFailed as e:
       raise rpc.StatusError(e.status, str(e)) from e
 
-  def serve_socket(self, hello: dict, link: data_socket.ServerLink
+  def serve_socket(self, hello: dict, link: data_server.ServerLink
                    ) -> Generator[delivery.Item | None, None, dict | None]:
     try:
       request = pb.GetElementsRequest(
@@ -644,7 +645,7 @@ class WorkerServer:
                           (rpc.CLIENT,))}))
     self._data_server = None
     if config.data_socket:
-      self._data_server = data_socket.DataServer(
+      self._data_server = data_server.DataServer(
           config.host, self._worker.check_hello, self._worker.serve_socket,
           config.tls.server_ssl_context() if config.tls is not None else None,
           goodbye=self._worker.take_goodbye)
