@@ -6,8 +6,8 @@ import dataclasses
 
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
-from jaxfeed.service.protocol import spec as spec_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class DispatcherConfig:
     max_message_bytes: Largest gRPC message accepted or sent.
     pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
     udf_modules: Modules (or package prefixes ending in ".") whose UDFs and
-      classes pipelines may use beyond `spec.DEFAULT_UDF_MODULES`; a dataset
+      classes pipelines may use beyond `import_paths.DEFAULT_UDF_MODULES`; a dataset
       naming any other import path is refused when registered.
     insecure: Allow binding beyond loopback without authentication.
     max_jobs_per_host: Most jobs one client host may read at once.
@@ -123,7 +123,7 @@ class DispatcherConfig:
     if not isinstance(self.max_jobs_per_host, int) or self.max_jobs_per_host < 1:
       raise ValueError("DispatcherConfig: max_jobs_per_host must be an integer >= 1, "
                        f"got {self.max_jobs_per_host!r}.")
-    object.__setattr__(self, "udf_modules", spec_lib.check_udf_modules(self.udf_modules))
+    object.__setattr__(self, "udf_modules", import_paths.check_udf_modules(self.udf_modules))
     rpc.check_bind_is_safe(
         "Dispatcher", self.host, self.authenticates, self.insecure,
         "register pipelines that run their code on every worker, or pose as a worker")

@@ -27,9 +27,9 @@ from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
 from jaxfeed.service.protocol import element_chunks
+from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
-from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 SERVICE_NAME = "jaxfeed.service.Dispatcher"
@@ -219,7 +219,7 @@ def main(argv: Any) -> None:
         worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
         split_size=f.split_size, num_workers=f.num_workers or None,
         pickled_udf_secret=udf_secret.encode() if udf_secret else None,
-        udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
+        udf_modules=import_paths.parse_udf_modules(f.udf_modules), insecure=f.insecure,
         max_jobs_per_host=f.max_jobs_per_host,
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, client_ca=f.tls_client_ca),
         journal_fsync=f.journal_fsync, snapshot_every_records=f.snapshot_every_records,

@@ -17,6 +17,7 @@ from jaxfeed.service.dispatcher import task_lists
 from jaxfeed.service.dispatcher import workers as dispatcher_workers
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.tables import Job
+from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
@@ -73,7 +74,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
   # -- datasets -------------------------------------------------------------
   def register_dataset(self, dataset_def: pb.DatasetDef) -> str:
     spec_lib.check_signature(dataset_def, self.config.pickled_udf_secret)
-    spec_lib.check_spec_paths(dataset_def, self.config.udf_modules)
+    import_paths.check_spec_paths(dataset_def, self.config.udf_modules)
     if not dataset_def.graph_json:
       raise ValueError("RegisterDataset: the dataset definition has no graph.")
     # Computed here from the spec's content, never taken from the client: a

@@ -17,8 +17,8 @@ from typing import Any, Callable
 import grpc
 from google.protobuf import message as pb_message
 
+from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc_errors
-from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.rpc import (NotFoundError, StatusError, TLSConfig,
                                           TOKEN_METADATA_KEY, channel_options,
                                           metadata_token)
@@ -31,9 +31,9 @@ MAX_PENDING_CALLS = 1 << 16
 
 
 _STATUS_BY_ERROR = (
-    (spec_lib.UDFNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
-    (spec_lib.UDFImportError, grpc.StatusCode.FAILED_PRECONDITION),
-    (spec_lib.SpecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (import_paths.UDFNotAllowedError, grpc.StatusCode.PERMISSION_DENIED),
+    (import_paths.UDFImportError, grpc.StatusCode.FAILED_PRECONDITION),
+    (import_paths.SpecError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )

@@ -27,9 +27,9 @@ import grpc
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import element_chunks
+from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
-from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
@@ -75,7 +75,7 @@ class WorkerConfig:
       which this worker checks with a key the dispatcher gives it.
     pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
     udf_modules: Modules (or package prefixes ending in ".") whose UDFs and
-      classes pipelines may use beyond `spec.DEFAULT_UDF_MODULES`; no other
+      classes pipelines may use beyond `import_paths.DEFAULT_UDF_MODULES`; no other
       module is ever imported for a pipeline.
     insecure: Allow binding beyond loopback without authentication.
     max_message_bytes: Largest gRPC message accepted or sent.
@@ -137,7 +137,7 @@ class WorkerConfig:
     if self.worker_token is not None and (
         not isinstance(self.worker_token, str) or not self.worker_token):
       raise ValueError("WorkerConfig: worker_token must be a non-empty string or None.")
-    object.__setattr__(self, "udf_modules", spec_lib.check_udf_modules(self.udf_modules))
+    object.__setattr__(self, "udf_modules", import_paths.check_udf_modules(self.udf_modules))
     rpc.check_bind_is_safe(
         "Worker", self.host,
         bool(self.worker_token) or bool(self.tls is not None and self.tls.verifies_clients),
@@ -748,7 +748,7 @@ def main(argv: Any) -> None:
         advertise_host=f.advertise_host or None,
         heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
         worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
-        udf_modules=spec_lib.parse_udf_modules(f.udf_modules), insecure=f.insecure,
+        udf_modules=import_paths.parse_udf_modules(f.udf_modules), insecure=f.insecure,
         data_socket=f.data_socket,
         max_window_batches=f.max_window_batches,
         sharing_window_bytes=f.sharing_window_bytes,
