@@ -15,7 +15,7 @@ _EXPORTS = {
     "DispatchServer": "jaxfeed.service.dispatcher.server",
     "DispatcherConfig": "jaxfeed.service.dispatcher.config",
     "WorkerServer": "jaxfeed.service.worker.server",
-    "WorkerConfig": "jaxfeed.service.worker.server",
+    "WorkerConfig": "jaxfeed.service.worker.config",
     "TLSConfig": "jaxfeed.service.protocol.rpc",
     "AutoscaleConfig": "jaxfeed.service.dispatcher.autoscale",
     "ServiceError": "jaxfeed.service.protocol.rpc",

@@ -263,7 +263,7 @@ def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):
   # The heartbeat thread and a client's first request can both hand a
   # worker the same new task; two runners would split its consumers.
   from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.worker import server as worker_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import state as worker_state  # pylint: disable=g-import-not-at-top
   from jaxfeed.service.worker import task_runner  # pylint: disable=g-import-not-at-top
   created = []
 
@@ -273,10 +273,10 @@ def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):
       created.append(args[0])
       super().__init__(*args, **kwargs)
 
-  monkeypatch.setattr(worker_lib.task_runner_lib, "TaskRunner", CountedRunner)
-  monkeypatch.setattr(worker_lib._Worker, "_make_iterator", lambda self, task: iter([]))
-  worker = worker_lib._Worker(service.WorkerConfig(dispatcher_address="127.0.0.1:1"),
-                              "127.0.0.1:2")
+  monkeypatch.setattr(task_runner, "TaskRunner", CountedRunner)
+  monkeypatch.setattr(worker_state.WorkerState, "_make_iterator", lambda self, task: iter([]))
+  worker = worker_state.WorkerState(service.WorkerConfig(dispatcher_address="127.0.0.1:1"),
+                                    "127.0.0.1:2")
   task = pb.TaskInfo(task_id=7, job_id=1, dataset_id="1", num_consumers=2)
   barrier = threading.Barrier(8)
 
