@@ -24,8 +24,8 @@ policy neither counts nor stops. A backend starts and stops the workers
 behind three methods (`start_worker`, `stop_worker`, `close`) and a
 `num_workers` property; `AutoscaleConfig.backend` picks one:
 
-- "local": `LocalWorkerBackend`, worker processes on this machine
-  (`python -m jaxfeed.service.worker`).
+- "local": `jaxfeed.service.pools.local_backend.LocalWorkerBackend`, worker
+  processes on this machine (`python -m jaxfeed.service.worker`).
 - "ray": `jaxfeed.service.pools.ray_backend.RayWorkerBackend`, one actor per worker
   spread over a Ray cluster's nodes (needs `jaxfeed[ray]`).
 - "kubernetes": `jaxfeed.service.pools.kubernetes_backend.KubernetesWorkerBackend`,
@@ -42,13 +42,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from typing import Any, Callable, Sequence
+
+from jaxfeed.service.pools import local_backend
 
 _LOG = logging.getLogger(__name__)
 
@@ -191,75 +189,6 @@ class ScalingPolicy:
     return 0
 
 
-class LocalWorkerBackend:
-  """Starts and stops worker processes on this machine.
-
-  Args:
-    dispatcher_address: host:port the workers register with.
-    flags: Extra worker flags.
-    secrets: Flag name -> value of flags that must not show on a command
-      line (auth token, UDF secret); they reach the workers through a
-      flag file only this user can read.
-  """
-
-  def __init__(self, dispatcher_address: str, flags: Sequence[str] = (),
-               secrets: dict[str, str] | None = None):
-    self._address = dispatcher_address
-    self._flags = list(flags)
-    self._lock = threading.Lock()
-    self._processes: list[subprocess.Popen] = []
-    self._folder = tempfile.TemporaryDirectory(prefix="jaxfeed-workers-")
-    self._flagfile = None
-    if secrets:
-      path = os.path.join(self._folder.name, "secrets.flags")
-      with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-        for name, value in secrets.items():
-          f.write(f"--{name}={value}\n")
-      self._flagfile = path
-
-  @property
-  def num_workers(self) -> int:
-    with self._lock:
-      self._processes = [p for p in self._processes if p.poll() is None]
-      return len(self._processes)
-
-  def pids(self) -> list[int]:
-    with self._lock:
-      return [p.pid for p in self._processes if p.poll() is None]
-
-  def start_worker(self) -> None:
-    args = [sys.executable, "-m", "jaxfeed.service.worker",
-            f"--dispatcher_address={self._address}", "--port=0",
-            f"--parent_pid={os.getpid()}", *self._flags]
-    if self._flagfile:
-      args.append(f"--flagfile={self._flagfile}")
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-    with self._lock:
-      self._processes.append(process)
-    _LOG.info("Started worker process %d.", process.pid)
-
-  def stop_worker(self) -> bool:
-    """Stops the newest worker; False if this backend runs none."""
-    with self._lock:
-      live = [p for p in self._processes if p.poll() is None]
-      if not live:
-        return False
-      process = live[-1]
-      self._processes.remove(process)
-    _stop_process(process)
-    _LOG.info("Stopped worker process %d.", process.pid)
-    return True
-
-  def close(self) -> None:
-    with self._lock:
-      processes, self._processes = self._processes, []
-    for process in processes:
-      process.terminate()
-    for process in processes:
-      _stop_process(process)
-    self._folder.cleanup()
-
-
 def make_backend(config: AutoscaleConfig, dispatcher_address: str,
                  flags: Sequence[str] = (), secrets: dict[str, str] | None = None) -> Any:
   """The backend `config.backend` names, for workers of `dispatcher_address`."""
@@ -278,16 +207,7 @@ def make_backend(config: AutoscaleConfig, dispatcher_address: str,
     except ImportError as e:
       raise ImportError("AutoscaleConfig(backend='kubernetes') needs the kubernetes "
                         "client: pip install 'jaxfeed[kubernetes]'.") from e
-  return LocalWorkerBackend(dispatcher_address, flags, secrets)
-
-
-def _stop_process(process: subprocess.Popen) -> None:
-  process.terminate()  # the worker drains first (--drain_timeout_s, 30 s)
-  try:
-    process.wait(timeout=45)
-  except subprocess.TimeoutExpired:
-    process.kill()
-    process.wait()
+  return local_backend.LocalWorkerBackend(dispatcher_address, flags, secrets)
 
 
 class Autoscaler:
