@@ -7,8 +7,8 @@ a bounded buffer. A worker that dies is dropped and the others go on. A
 connection to a live worker that breaks or stalls is made again, and the
 worker goes on after the last batch the client received: nothing is lost or
 repeated (see `jaxfeed.service.worker.delivery`). The read's parts: its shared
-state, job and heartbeats (`client_read`), a fetcher per task
-(`client_fetcher`) and its iterator (`client_iterator`).
+state, job and heartbeats (`client.read`), a fetcher per task
+(`client.fetcher`) and its iterator (`client.iterator`).
 
 Round-robin reads (`num_consumers=K`, `consumer_index=i`, a shared
 `job_name`): coordinated reads, one batch per consumer per step, all K from
