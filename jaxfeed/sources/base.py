@@ -31,25 +31,45 @@ class CorruptRecordError(ValueError):
       the damaged record or chunk), or None when the reader cannot tell.
     record_index: Index of the damaged record within the file, if known.
     reason: What is wrong, without the path and offset.
+    end: Where the damaged bytes end: bytes [offset, end) hold no readable
+      record and reading goes on at `end` (None where unknown, e.g. a
+      compressed stream that cannot be decompressed further).
+    kind: What is wrong, as one word where the reader knows it:
+      "length_crc", "data_crc", "truncated", "beyond_end", "decompress" or
+      "compression" (TFRecord).
   """
 
   def __init__(self, path: Any, offset: int | None, reason: str,
-               record_index: int | None = None):
+               record_index: int | None = None, end: int | None = None,
+               kind: str | None = None):
     self.path = os.fspath(path)
     self.offset = None if offset is None else int(offset)
     self.record_index = None if record_index is None else int(record_index)
     self.reason = reason
+    self.end = None if end is None else int(end)
+    self.kind = kind
     where = "at an unknown byte offset" if offset is None else (
         f"at byte offset {self.offset}")
     if record_index is not None:
       where += f" (record {self.record_index} of the file)"
-    super().__init__(f"Corrupt record file {self.path} {where}: {reason}")
+    message = f"Corrupt record file {self.path} {where}: {reason}"
+    if self.damaged_bytes is not None:
+      message += (f" [bytes {self.offset} to {self.end} "
+                  f"({self.damaged_bytes} bytes) hold no readable record]")
+    super().__init__(message)
+
+  @property
+  def damaged_bytes(self) -> int | None:
+    """How many bytes the damage spans, where known."""
+    if self.offset is None or self.end is None:
+      return None
+    return self.end - self.offset
 
   def __reduce__(self):
     # Exceptions pickle their `args` by default, which would lose the fields;
     # worker processes send these errors to the consumer.
     return (type(self), (self.path, self.offset, self.reason,
-                         self.record_index))
+                         self.record_index, self.end, self.kind))
 
 
 class RecordSource:
