@@ -239,7 +239,7 @@ def _server(role: str, argv: Sequence[str]) -> int:
   """Runs the dispatcher or a worker with absl flags; `--help` lists them."""
   from absl import app  # pylint: disable=g-import-not-at-top
   from absl import flags  # pylint: disable=g-import-not-at-top
-  module = importlib.import_module(f"jaxfeed.service.{role}")
+  module = importlib.import_module(f"jaxfeed.service.{role}.server")
   known = set(flags.FLAGS)
   module.define_flags()
   prog = f"jaxfeed {role}"
