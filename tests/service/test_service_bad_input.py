@@ -234,6 +234,25 @@ def test_bad_visitation_is_refused_with_what_it_needs(kwargs, message):
     small_dataset().distribute("127.0.0.1:1", **kwargs)
 
 
+@pytest.mark.parametrize("read, name", [
+    (lambda **kw: small_dataset().distribute("127.0.0.1:1", "distributed_epoch", **kw),
+     "distribute"),
+    (lambda **kw: service.distribute(small_dataset(), "127.0.0.1:1", **kw), "distribute"),
+    (lambda **kw: service.from_dataset_id("parallel_epochs", "127.0.0.1:1", "id", **kw),
+     "from_dataset_id")])
+def test_a_misspelled_keyword_names_the_function_and_the_close_match(read, name):
+  with pytest.raises(TypeError) as refused:
+    read(visitaton="exactly_once")
+  message = str(refused.value)
+  assert message.startswith(f"{name}() got an unexpected keyword argument 'visitaton'; "
+                            "did you mean 'visitation'? It takes: ")
+  assert "DistributedNode" not in message and "max_frame_bytes" in message
+  with pytest.raises(TypeError, match=r"'timeout'; did you mean 'timeout_s'\?"):
+    read(timeout=5)
+  with pytest.raises(TypeError, match=r"'frobnicate'\. It takes: auth_token, "):
+    read(frobnicate=True)
+
+
 def test_a_shared_job_refuses_a_consumer_with_another_visitation(servers):
   dispatcher, _ = servers
   dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(20)})).batch(5)

@@ -42,8 +42,10 @@ read ends when every worker's stream ended.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
@@ -224,6 +226,23 @@ class DistributedNode(base.Node):
     return DistributedIterator(self)
 
 
+def _check_options(function: str, own: Iterable[str], other_input: str,
+                   options: dict) -> None:
+  """Refuses a keyword in `options` (what `function` passes on to
+  `DistributedNode`) that `function` does not take, in the words of
+  `function`, with the closest keyword it takes: a misspelled `visitation`
+  otherwise surfaced as DistributedNode.__init__'s error."""
+  node_keywords = set(inspect.signature(DistributedNode.__init__).parameters) - {"self"}
+  passed_on = node_keywords - set(own) - {other_input}
+  for key in options:
+    if key not in passed_on:
+      takes = sorted((set(own) | passed_on) - {"options"})
+      close = difflib.get_close_matches(key, takes, n=1)
+      hint = f"; did you mean {close[0]!r}?" if close else "."
+      raise TypeError(f"{function}() got an unexpected keyword argument {key!r}{hint} "
+                      f"It takes: {', '.join(takes)}.")
+
+
 def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epochs",
                job_name: str | None = None, num_consumers: int | None = None,
                consumer_index: int | None = None, compression: str | None = None,
@@ -274,7 +293,12 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
 
   Returns:
     A jaxfeed Dataset.
+
+  Raises:
+    TypeError: a keyword that is none of the above, with the closest one.
   """
+  _check_options("distribute", inspect.signature(distribute).parameters, "dataset_id",
+                 options)
   node = DistributedNode(
       service=service, processing_mode=processing_mode, dataset=dataset,
       job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
@@ -289,6 +313,8 @@ def from_dataset_id(processing_mode: Any, service: str, dataset_id: str,
                     max_outstanding_requests: int | None = None,
                     round_timeout_s: float | None = None, **options: Any) -> Any:
   """Reads a dataset registered with `register_dataset` (see `distribute`)."""
+  _check_options("from_dataset_id", inspect.signature(from_dataset_id).parameters,
+                 "dataset", options)
   if not isinstance(dataset_id, str) or not dataset_id:
     raise ValueError(f"dataset_id must be a non-empty string, got {dataset_id!r}.")
   return Dataset(DistributedNode(
