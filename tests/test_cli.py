@@ -571,3 +571,28 @@ def test_inspect_shows_images_as_their_size_and_shape(tmp_path):
   assert "'label': int64[1] [3]" in example
   assert len(example) < 200
   assert png == f"<PNG, {len(encoded['PNG'])} bytes, 48x64x3>"
+
+
+def test_the_worker_command_imports_udf_modules_from_the_current_folder(tmp_path, monkeypatch):
+  # As `python -m jaxfeed.service.worker` does: its folder is not on the path.
+  from jaxfeed import service  # pylint: disable=g-import-not-at-top
+  (tmp_path / "folder_udfs.py").write_text("def add_seven(x):\n  return x + 7\n")
+  monkeypatch.syspath_prepend(str(tmp_path))  # the client names the function too
+  import folder_udfs  # pylint: disable=g-import-not-at-top
+  dispatcher = service.DispatchServer(service.DispatcherConfig(udf_modules=("folder_udfs",)))
+  script = os.path.join(os.path.dirname(sys.executable), "jaxfeed")
+  worker = subprocess.Popen(
+      [script, "worker", f"--dispatcher_address={dispatcher.target}",
+       "--udf_modules=folder_udfs", "--heartbeat_interval_s=0.1", "--drain_timeout_s=0"],
+      cwd=tmp_path, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    dataset = (jaxfeed.Dataset.range(10).map(folder_udfs.add_seven).batch(5)
+               .distribute(dispatcher.target, timeout_s=30))
+    with dataset.make_iterator() as iterator:
+      got = np.concatenate(list(iterator)).tolist()
+  finally:
+    worker.terminate()
+    _, stderr = worker.communicate(timeout=30)
+    dispatcher.stop()
+  assert got == list(range(7, 17)), stderr[-2000:]
