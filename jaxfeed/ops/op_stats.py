@@ -519,6 +519,18 @@ def format_table(rows: list[dict]) -> str:
       for line in lines)
 
 
+def _remote_read(row: dict) -> str:
+  """Where the time goes when no op here measured any: a read of a pipeline
+  that runs on other machines (the service), seen from this process."""
+  return (f"No op in this process has measured time: it is spent in the service "
+          f"read ({row['op']!r}), whose pipeline runs on the workers. This process "
+          f"waited {row['read_wait_seconds']:.3f} s for {row.get('elements') or 0} "
+          f"elements from {row.get('service_workers', 0)} worker(s) "
+          f"({row.get('received', 0)} received, {row.get('reconnects', 0)} "
+          "reconnections); the workers' op rows follow at most once a second and "
+          "at the end of their streams.")
+
+
 def report(rows: list[dict], loader_stats: dict | None = None) -> str:
   """The table plus a verdict: input bound or not, and which op to fix.
 
@@ -537,7 +549,10 @@ def report(rows: list[dict], loader_stats: dict | None = None) -> str:
                    f"{100 * fraction:.0f}% of its time for batches; the model "
                    "step is the bottleneck.")
   slowest = bottleneck(rows)
-  if slowest is None:
+  remote = [r for r in rows if "read_wait_seconds" in r]
+  if slowest is None and remote:
+    lines.append(_remote_read(remote[-1]))
+  elif slowest is None:
     lines.append("No op has measured time yet.")
   else:
     total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0

@@ -313,3 +313,16 @@ def test_a_fused_op_that_runs_its_parts_is_one_group_in_the_table():
                    "parallelism": 2, "backend": "process"}]
   text = op_stats.report(on_processes)
   assert "range+map+batch [process]" in text and "runs on 2 worker processes" in text
+
+
+def test_a_report_with_only_a_service_reads_wait_names_the_read():
+  rows = [{"op": "range", "self_seconds": 0.0, "worker": "w:1", "task": 1},
+          {"op": "distribute", "elements": 40, "self_seconds": 0.0, "wait_seconds": 0.0,
+           "read_wait_seconds": 2.5, "service_workers": 2, "received": 44,
+           "reconnects": 1}]
+  text = op_stats.report(rows, {"batches": 40, "input_bound_fraction": 0.9})
+  assert "No op has measured time yet" not in text
+  assert ("it is spent in the service read ('distribute'), whose pipeline runs on the "
+          "workers. This process waited 2.500 s for 40 elements from 2 worker(s) "
+          "(44 received, 1 reconnections)") in text
+  assert "No op has measured time yet." in op_stats.report([{"op": "range"}])
