@@ -533,6 +533,11 @@ WRONG_COMMAND_LINES = [
     (["dispatcher", "--bogus=1"], "Unknown command line flag 'bogus'"),
     (["worker", "--port=abc"], "flag --port=abc"),
     (["worker"], "--dispatcher_address must have a value"),
+    (["dispatcher", "--port=-5"], "port must be in [0, 65535], got -5"),
+    (["dispatcher", "--work_dir={d}/in.tfrecord/journal"],
+     "cannot start: [Errno 20] Not a directory: '{d}/in.tfrecord/journal'"),
+    (["worker", "--dispatcher_address=127.0.0.1:9", "--worker_token_file={d}/no.token"],
+     "Cannot read --worker_token_file '{d}/no.token'"),
 ]
 
 
@@ -596,3 +601,21 @@ def test_the_worker_command_imports_udf_modules_from_the_current_folder(tmp_path
     _, stderr = worker.communicate(timeout=30)
     dispatcher.stop()
   assert got == list(range(7, 17)), stderr[-2000:]
+
+
+@pytest.mark.parametrize("role", ["dispatcher", "worker"])
+def test_a_server_on_a_port_in_use_says_so_with_status_2(role):
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    flags = [f"--port={port}"] + (["--dispatcher_address=127.0.0.1:9"] if role == "worker"
+                                  else [])
+    done = run_cli(role, *flags, timeout=60)
+  assert done.returncode == 2, done.stderr
+  assert "Traceback" not in done.stderr
+  # gRPC's own log line may come before it.
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"jaxfeed {role}: cannot start: Cannot listen on '127.0.0.1:{port}': the port is in "
+      "use, or the host is not an address of this machine.")

@@ -12,9 +12,10 @@ import logging
 import os
 import signal
 import ssl
+import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import message as pb_message
@@ -340,6 +341,14 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
                 "that address and that client and server agree on TLS and its "
                 "certificates)")
       raise ServiceError(f"{what} failed: {code.name}: {e.details()}{hint}") from e
+
+
+def exit_for_bad_flags(program: str, error: Exception | str) -> NoReturn:
+  """Ends a server's command line that it cannot act on (a flag's value, a
+  port it cannot listen on, a folder it cannot use): the reason in one line,
+  no traceback, exit status 2 as for a usage error."""
+  print(f"{program}: {error}", file=sys.stderr, flush=True)
+  raise SystemExit(2)
 
 
 def stop_on_sigterm() -> None:
