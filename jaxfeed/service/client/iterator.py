@@ -99,7 +99,18 @@ class DistributedIterator(base.OpIterator):
     return stats
 
   def _stats_fields(self) -> dict:
-    return {"elements": self._read.consumed}
+    """The read's own row: elements taken, and what this client saw of the
+    service (`op_stats.report` names them): seconds it waited for batches,
+    the workers it read from, batches received, reconnections."""
+    read = self._read
+    fetchers = list(read.fetchers.values())
+    return {"elements": read.consumed, "read_wait_seconds": round(read.wait_s, 4),
+            "service_workers": len({f.task.worker_address for f in fetchers}),
+            "received": sum(f.received for f in fetchers),
+            "reconnects": sum(f.reconnects for f in fetchers)}
+
+  def _stats_buffer_fill(self) -> float | None:
+    return self._read.buffer.qsize() / self._read.capacity
 
   def _raise_error(self) -> None:
     error = self._read.error

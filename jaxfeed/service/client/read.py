@@ -34,9 +34,25 @@ def follows_streams(node: Any) -> bool:
           and not node.num_consumers and not node.ephemeral_sharing)
 
 
+UNANSWERED_S = 5.0
+"""A read or `register_dataset` fails after this many seconds when nothing
+answers at the dispatcher's address (unless it waits for the dispatcher)."""
+
+
 def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
                       token: str | None) -> rpc.Caller:
   return rpc.Caller(channel, _DISPATCHER + method, response_cls, token)
+
+
+def call_dispatcher(caller: rpc.Caller, request: Any, service: str, timeout_s: float,
+                    wait_for_dispatcher: bool, what: str) -> Any:
+  """A dispatcher call retried for `timeout_s`; without `wait_for_dispatcher`,
+  an error naming `service` after `UNANSWERED_S` when nothing answers there."""
+  return rpc.call_with_retry(
+      caller, request, timeout_s, what, target=service,
+      answer_within_s=None if wait_for_dispatcher else UNANSWERED_S,
+      unanswered_hint=("; to keep trying for timeout_s while a dispatcher starts "
+                       "there, pass wait_for_dispatcher=True"))
 
 
 class ReadState:
@@ -128,7 +144,7 @@ class ReadState:
         job_name = read_state.resume_job_name(job_name, self.progress.resumed_from,
                                               self.progress.restore_id)
       try:
-        job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
+        job = call_dispatcher(job_call, pb.GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=node.policy.value,
             resume_done=[pb.SplitRange(start=a, stop=b) for a, b in done],
             resume_partial=[pb.SplitRange(start=a, stop=b) for a, b in partial],
@@ -137,7 +153,8 @@ class ReadState:
             round_timeout_s=node.round_timeout_s or 0.0,
             exactly_once=node.visitation == "exactly_once",
             ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True),
-            node.timeout_s, f"Creating a job for dataset {dataset_id}")
+            node.service, node.timeout_s, node.wait_for_dispatcher,
+            f"Creating a job for dataset {dataset_id}")
       except rpc.ServiceError as e:
         cause = e.__cause__
         if (isinstance(cause, grpc.RpcError)

@@ -234,13 +234,16 @@ def main(argv: Any) -> None:
         heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(
             goodbye_via_worker_clients=f.goodbye_via_worker_clients))
   except ValueError as e:  # a flag's value: say which, without a traceback
-    raise SystemExit(f"jaxfeed dispatcher: {e}") from e
+    rpc.exit_for_bad_flags("jaxfeed dispatcher", e)
   # SIGTERM stops the dispatcher cleanly from here on: the pool it starts
   # while it is being built goes with it, even when the signal comes first.
   rpc.stop_on_sigterm()
-  server = metrics = None
   try:
     server = DispatchServer(config)
+  except OSError as e:  # its port or work_dir: say which, without a traceback
+    rpc.exit_for_bad_flags("jaxfeed dispatcher", f"cannot start: {e}")
+  metrics = None
+  try:
     # The modules and the replayed state live as long as the process: out of
     # the collector's full passes, which otherwise stalled every call for
     # 35-210 ms (benchmarks/dispatcher_scale.py, 256-1,024 workers). Only here:
@@ -254,8 +257,7 @@ def main(argv: Any) -> None:
       _write_port_file(f.port_file, server.port)
     server.join()
   finally:
-    if server is not None:
-      server.stop()
+    server.stop()
     if metrics is not None:
       metrics.close()
 

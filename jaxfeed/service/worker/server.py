@@ -198,13 +198,16 @@ def main(argv: Any) -> None:
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
                                      f.tls_client_ca))
   except ValueError as e:  # a flag's value: say which, without a traceback
-    raise SystemExit(f"jaxfeed worker: {e}") from e
+    rpc.exit_for_bad_flags("jaxfeed worker", e)
   # SIGTERM stops the worker cleanly from here on, before it registers and
   # says it listens: a pool (or a test) may stop it as soon as it is up.
   rpc.stop_on_sigterm()
-  server = metrics = None
   try:
     server = WorkerServer(config)
+  except OSError as e:  # its port: say which, without a traceback
+    rpc.exit_for_bad_flags("jaxfeed worker", f"cannot start: {e}")
+  metrics = None
+  try:
     data = f" data {server.data_address}" if server.data_address else ""
     print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
     metrics = metrics_lib.serve_worker(server, f.host, f.metrics_port)
@@ -215,13 +218,11 @@ def main(argv: Any) -> None:
                        name="jaxfeed-worker-parent-watch", daemon=True).start()
     server.join()
   except SystemExit:  # SIGTERM: hand over what it holds, then stop
-    if (server is not None and f.drain_timeout_s > 0
-        and not server.drain(f.drain_timeout_s)):
+    if f.drain_timeout_s > 0 and not server.drain(f.drain_timeout_s):
       logging.warning("Stopping with batches not taken after %.0fs.", f.drain_timeout_s)
     raise
   finally:
-    if server is not None:
-      server.stop()
+    server.stop()
     if metrics is not None:
       metrics.close()
   if server.rejected:
