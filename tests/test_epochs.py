@@ -96,6 +96,7 @@ def test_dataset_resumes_the_second_epoch_in_a_fresh_pipeline():
   fresh = pipeline()
   resumed = fresh.make_iterator()
   resumed.set_state(state)
+  assert xs(epochs[0]) != xs(epochs[1]) != xs(epochs[2])
   assert_same(list(resumed), epochs[1][2:])
   assert_same(list(fresh), epochs[2])  # the next iteration: epoch 3
 
@@ -168,21 +169,26 @@ def loader_epochs(loader, count):
   return [host(loader) for _ in range(count)]
 
 
+def dataset_epochs(count):
+  """What the Loader's epochs must be: the Dataset's iterations."""
+  ds = pipeline()
+  return [host(ds) for _ in range(count)]
+
+
 def test_loader_iterated_twice_gives_two_epochs_in_different_orders():
   with jaxfeed.Loader(pipeline()) as loader:
     first, second = loader_epochs(loader, 2)
   assert len(first) == len(second) == NUM_RECORDS // BATCH
   assert flat(first) == flat(second) == list(range(NUM_RECORDS))
   assert xs(first) != xs(second)
-  assert xs(first) == xs(pipeline())  # the Dataset's own first iteration
+  assert_same(first + second, sum(dataset_epochs(2), []))
   with jaxfeed.Loader(pipeline(reshuffle=False)) as loader:
     first, second = loader_epochs(loader, 2)
   assert xs(first) == xs(second)
 
 
 def test_loader_continues_an_epoch_a_loop_left_and_then_starts_the_next():
-  with jaxfeed.Loader(pipeline()) as loader:
-    epochs = loader_epochs(loader, 2)
+  epochs = dataset_epochs(2)
   with jaxfeed.Loader(pipeline()) as loader:
     a = host(b for _, b in zip(range(2), loader))
     b = host(b for _, b in zip(range(2), loader))
@@ -206,8 +212,7 @@ def test_loader_over_a_one_shot_iterator_says_it_cannot_start_another_epoch():
 
 @pytest.mark.parametrize("cut", [0, 3, "end", "after_end"])
 def test_loader_resumes_in_the_second_epoch_exactly(cut):
-  with jaxfeed.Loader(pipeline()) as loader:
-    epochs = loader_epochs(loader, 3)
+  epochs = dataset_epochs(3)
   per_epoch = len(epochs[0])
   with jaxfeed.Loader(pipeline()) as loader:
     list(loader)
@@ -230,11 +235,6 @@ def test_loader_resumes_in_the_second_epoch_exactly(cut):
   assert_same(following, epochs[2])
 
 
-def _uninterrupted_loader_epochs():
-  with jaxfeed.Loader(pipeline()) as loader:
-    return loader_epochs(loader, 3)
-
-
 def _save_batches(batches, path):
   np.savez(path, count=len(batches),
            **{f"{i}_{k}": v for i, b in enumerate(batches) for k, v in b.items()})
@@ -253,7 +253,7 @@ def main(argv):
 
 
 def test_loader_resumes_the_second_epoch_after_a_process_restart(tmp_path):
-  epochs = _uninterrupted_loader_epochs()
+  epochs = dataset_epochs(3)
   with jaxfeed.Loader(pipeline()) as loader:
     list(loader)
     iterator = iter(loader)

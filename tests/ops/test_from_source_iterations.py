@@ -98,6 +98,7 @@ def test_process_workers_read_the_iteration_of_their_parent():
             .random_map(jitter, num_parallel_calls=2, backend=backend)
             .batch(8))
   threads, processes = build("thread"), build("process")
+  orders = []
   for _ in range(2):
     want = list(threads)
     got = list(processes)
@@ -105,6 +106,8 @@ def test_process_workers_read_the_iteration_of_their_parent():
     for g, w in zip(got, want):
       for key in w:
         np.testing.assert_array_equal(g[key], w[key])
+    orders.append([b["k"].tolist() for b in got])
+  assert orders[0] != orders[1]
   # A state of the second iteration restores into the process backend.
   ds = build("process")
   list(ds)
