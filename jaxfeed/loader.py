@@ -240,7 +240,16 @@ class Loader:
     return state
 
   def set_state(self, state: dict) -> None:
-    """Resumes from a `get_state()` result; read-ahead restarts from there."""
+    """Resumes from a `get_state()` result; read-ahead restarts from there.
+
+    Raises:
+      PipelineStateError (a ValueError): the state was saved from another
+        pipeline; the message names what differs (e.g. the sampler's seed,
+        its shard, the source's length or files, an op). New mixture weights
+        (`jaxfeed.align_mixture_states`) and another number of processes
+        (`reshard_loader_states`) are allowed. A state saved by a jaxfeed
+        that did not record its pipeline restores with a warning.
+    """
     if (not isinstance(state, dict)
         or not {"pipeline", "batches"} <= set(state) <= _STATE_KEYS
         or not isinstance(state["batches"], int)

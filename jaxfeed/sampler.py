@@ -15,7 +15,10 @@ next epoch of a `Loader`, the next repetition under `repeat`) reads the
 sampler's iteration 1, 2, ...: `for_iteration(i)`, the same sampler with a
 seed derived from `(seed, i)`, so every iteration has its own order and its
 own per-record seeds, the same on every host. `reshuffle_each_iteration=False`
-and endless samplers read the same positions in every iteration.
+and endless samplers read the same positions in every iteration. A state is
+then the position plus, from the second iteration on, the iteration number:
+the position alone cannot tell the end of iteration i from the start of
+iteration i + 1, and the iteration picks the seed.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from jaxfeed import Dataset, IndexSampler, ShardOptions
 
 NUM_RECORDS = 48
 BATCH = 8  # 8 CPU devices (tests/conftest.py) divide it.
+WINDOW = 16  # The restart test's pipeline also has a windowed shuffle.
 
 
 def records():
@@ -34,12 +35,17 @@ def noisy(element, rng):
 
 
 def pipeline(reshuffle=True, seed=3, num_epochs=1, shard_options=None,
-             batch=BATCH):
+             batch=BATCH, window=None):
+  """A globally shuffled sampler, per-record randomness, optionally a
+  windowed `shuffle` (it reshuffles each iteration too), batches."""
   sampler = IndexSampler(NUM_RECORDS, shuffle=True, seed=seed,
                          num_epochs=num_epochs, shard_options=shard_options,
                          reshuffle_each_iteration=reshuffle)
-  return (Dataset.from_source(jaxfeed.ArraySource(records()), sampler)
-          .random_map(noisy).batch(batch))
+  ds = Dataset.from_source(jaxfeed.ArraySource(records()), sampler)
+  ds = ds.random_map(noisy)
+  if window:
+    ds = ds.shuffle(window, seed=11)
+  return ds.batch(batch)
 
 
 def xs(batches):
@@ -169,9 +175,9 @@ def loader_epochs(loader, count):
   return [host(loader) for _ in range(count)]
 
 
-def dataset_epochs(count):
+def dataset_epochs(count, **args):
   """What the Loader's epochs must be: the Dataset's iterations."""
-  ds = pipeline()
+  ds = pipeline(**args)
   return [host(ds) for _ in range(count)]
 
 
@@ -247,14 +253,14 @@ def main(argv):
   args = parser.parse_args(argv)
   with open(args.state) as f:
     state = json.load(f)
-  with jaxfeed.Loader(pipeline()) as loader:
+  with jaxfeed.Loader(pipeline(window=WINDOW)) as loader:
     loader.set_state(state)
     _save_batches(host(loader) + host(loader), args.out)
 
 
 def test_loader_resumes_the_second_epoch_after_a_process_restart(tmp_path):
-  epochs = dataset_epochs(3)
-  with jaxfeed.Loader(pipeline()) as loader:
+  epochs = dataset_epochs(3, window=WINDOW)
+  with jaxfeed.Loader(pipeline(window=WINDOW)) as loader:
     list(loader)
     iterator = iter(loader)
     for _ in range(2):

@@ -134,7 +134,12 @@ class OpIterator:
     }
 
   def set_state(self, state: dict) -> None:
-    """Restores a state returned by `get_state` of an identical pipeline."""
+    """Restores a state returned by `get_state` of an identical pipeline.
+
+    A state of another pipeline raises PipelineStateError naming what
+    differs: an op, or what `from_source` records of its sampler and source
+    (see `jaxfeed.ops.state_identity`).
+    """
     check_state(state, self.op_name, len(self.parents))
     for parent, parent_state in zip(self.parents, state["parents"]):
       parent.set_state(parent_state)

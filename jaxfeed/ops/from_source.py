@@ -172,6 +172,11 @@ class SourceNode(Node):
 class SourceIterator(OpIterator):
   """Yields records in sampler order; state is the next sampler position.
 
+  The state also holds the iteration when it is not the first (the
+  sampler's `for_iteration`) and what defines the order: the sampler's and
+  the source's identity, checked on restore (`jaxfeed.ops.state_identity`;
+  a state without it, saved by an older jaxfeed, restores with a warning).
+
   Implements the batched-read protocol of `jaxfeed.ops.stacking`
   (`next_batch`): sources with `get_batch(indices)` (like `ArraySource`)
   gather a whole batch in one call, other sources are read in chunks and
