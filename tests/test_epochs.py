@@ -19,6 +19,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed import Dataset, IndexSampler, ShardOptions
+from jaxfeed.ops.reshard import reshard_states
 
 NUM_RECORDS = 48
 BATCH = 8  # 8 CPU devices (tests/conftest.py) divide it.
@@ -143,6 +144,38 @@ def test_shards_of_two_hosts_cover_each_iteration_once_between_them():
   for shares, unsharded in zip(iterations, [xs(whole), xs(whole)]):
     order = [b[0] for b in unsharded]
     assert shares == [sorted(order[0::2]), sorted(order[1::2])]
+
+
+def test_a_second_epoch_resumes_on_another_number_of_processes():
+  def hosts(count):
+    return [pipeline(shard_options=ShardOptions(h, count)) for h in range(count)]
+  old = hosts(2)
+  for ds in old:
+    list(ds)
+  iterators = [ds.make_iterator() for ds in old]  # the second epoch
+  taken = [flat([next(it) for _ in range(steps)])
+           for it, steps in zip(iterators, (1, 2))]
+  states = [json.loads(json.dumps(it.get_state())) for it in iterators]
+  rest_of_old_run = [flat(it) for it in iterators]
+  for it in iterators:
+    it.close()
+  merged = reshard_states(states)
+  new = hosts(3)
+  resumed = []
+  for ds in new:
+    it = ds.make_iterator()
+    it.set_state(merged)
+    resumed.append(flat(it))
+    it.close()
+  # The rest of the second epoch, each record once over the new processes.
+  assert sorted(sum(resumed, [])) == sorted(sum(rest_of_old_run, []))
+  assert sorted(sum(resumed + taken, [])) == list(range(NUM_RECORDS))
+  # Then the third epoch, as three processes read it.
+  third = [flat(ds) for ds in new]
+  reference = hosts(3)
+  for ds in reference:
+    list(ds), list(ds)
+  assert third == [flat(ds) for ds in reference]
 
 
 def test_mixture_reshuffles_its_components_each_iteration():
