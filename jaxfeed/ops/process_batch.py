@@ -998,9 +998,11 @@ class ProcessBatchIterator(base.OpIterator):
     self._sequential = self._chain.sequential()
     with self._sequential.make_iterator() as iterator:
       self._template = iterator.get_state()
-    # The input positions of this iteration (see index_ranges.iteration_span).
-    self._position, self._end = index_ranges.iteration_span(
-        self._chain.input, _bottom(self._template)["own"])  # end None: endless
+    # The input positions of this iteration (see index_ranges.iteration_span);
+    # None when the input's state is more than a position (a mixture's).
+    span = index_ranges.iteration_span(self._chain.input,
+                                       _bottom(self._template)["own"])
+    self._position, self._end = span or (0, None)  # end None: endless
     self._last_seed = 0
     self._error: BaseException | None = None
     self._workers: _Workers | None = None
@@ -1011,7 +1013,10 @@ class ProcessBatchIterator(base.OpIterator):
         "backend": None, "reason": None, "num_workers": num,
         "chunk": node.chunk, "copy": node.copy}
     self._trial: dict[str, float] | None = None
-    if node.backend == "process":
+    if span is None:  # Workers could not save where they are.
+      self._use_threads(None)
+      self._decide("thread", "the input's state is more than a position")
+    elif node.backend == "process":
       self._use_processes(self._position)
       self._decide("process", "backend='process'")
     elif (os.cpu_count() or 1) < 2:

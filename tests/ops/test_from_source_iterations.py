@@ -120,3 +120,28 @@ def test_process_workers_read_the_iteration_of_their_parent():
   fresh.set_state(state)
   assert [b["k"].tolist() for b in fresh] == rest
   fresh.close()
+
+
+def test_a_mixture_under_process_workers_runs_on_threads_and_saves_its_state():
+  # Its state holds more than a position (the mixture's frontier), which
+  # workers reading positions could not save: it ran on processes and
+  # failed in get_state().
+  def build():
+    parts = [Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(n)}),
+                                 IndexSampler(n, shuffle=True, seed=n))
+             for n in (40, 24)]
+    return (Dataset.mix(parts, [1, 1])
+            .random_map(jitter, num_parallel_calls=2, backend="process")
+            .batch(8))
+  want = list(graph_iterator(build()))
+  it = build().make_iterator()
+  first = next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  rest = list(it)
+  it.close()
+  assert [b["k"].tolist() for b in [first] + rest] == [
+      b["k"].tolist() for b in want]
+  resumed = build().make_iterator()
+  resumed.set_state(state)
+  assert [b["k"].tolist() for b in resumed] == [b["k"].tolist() for b in rest]
+  resumed.close()
