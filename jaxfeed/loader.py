@@ -121,11 +121,10 @@ class Loader:
   before or during iteration. The pipeline state records its epoch (the
   sampler's iteration): a Loader restored in a fresh process finishes that
   epoch and then goes on with the next one in the order the uninterrupted
-  run gives it. To checkpoint with
-  orbax next to the model state use `jaxfeed.save_checkpoint` /
-  `jaxfeed.restore_checkpoint`, or the `jaxfeed.LoaderSave` /
-  `jaxfeed.LoaderRestore` items inside `ocp.args.Composite` (see the module
-  docstring).
+  run gives it. To checkpoint with orbax next to the model state use
+  `jaxfeed.save_checkpoint` / `jaxfeed.restore_checkpoint`, or the
+  `jaxfeed.LoaderSave` / `jaxfeed.LoaderRestore` items inside
+  `ocp.args.Composite` (see the module docstring).
 
   `stats()` tells whether training is input bound: the seconds the loop waited
   for batches versus the seconds it spent between batches (model time), and
