@@ -161,7 +161,7 @@ def _channel_options() -> list[tuple[str, object]]:
 def _wait_serving(address: str, timeout_s: float) -> None:
   """Blocks until the dispatcher answers an RPC (any answer but UNAVAILABLE)."""
   import grpc  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   deadline = time.monotonic() + timeout_s
   with grpc.insecure_channel(address, options=_channel_options()) as channel:
     call = channel.unary_unary(SERVICE + "GetDatasetDef",
@@ -184,8 +184,8 @@ def _register_dataset(address: str) -> str:
   import grpc  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service import spec  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(4)}))
   dataset_def = spec.to_dataset_def(dataset.node)
   dataset_def.num_positions = NUM_POSITIONS
@@ -233,7 +233,7 @@ class _Party:
 
   def __init__(self, address: str, token: str, stats: _Stats, stop: asyncio.Event):
     import grpc  # pylint: disable=g-import-not-at-top
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     self.channel = grpc.aio.insecure_channel(address, options=_channel_options())
     self.metadata = (("x-jaxfeed-token", token),)
     self.stats = stats
@@ -292,7 +292,7 @@ class _Simulator:
     self.clients_gone = asyncio.Event()
 
   async def worker(self, number: int, ready: asyncio.Event) -> None:
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     party = _Party(self.args.address, WORKER_TOKEN, self.stats, self.stop)
     address = f"sim-worker-{number}.local:5051"
     current: set[int] = set()
@@ -351,7 +351,7 @@ class _Simulator:
 
   async def fetch_splits(self, party: _Party, job_id: int, task_id: int,
                          exactly_once: bool, first_splits=None) -> None:
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     per_request = self.args.splits_per_request
     # The first request comes once the (simulated) pipeline is built; as
     # jaxfeed's worker, it takes the first splits that came with the task
@@ -379,7 +379,7 @@ class _Simulator:
       await _sleep_until(self.stop, period * random.uniform(0.8, 1.2))
 
   async def client(self, number: int) -> None:
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     party = _Party(self.args.address, CLIENT_TOKEN, self.stats, self.stop)
     args = self.args
     try:

@@ -8,7 +8,7 @@ sequence once). 4 consumers (threads of this process) read:
 
   (a) coordinated: `distribute(job_name, num_consumers=4, consumer_index=i)`;
       at every round one worker hands all 4 consumers a batch of the same
-      padded length (`jaxfeed.service.round_assembly`);
+      padded length (`jaxfeed.service.worker.round_assembly`);
   (b) uncoordinated: the same job shared without num_consumers; every batch
       goes to whichever consumer asks first, and consumer i's s-th batch is
       its batch of step s.

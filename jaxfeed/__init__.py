@@ -79,7 +79,7 @@ def _distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epo
                 **kwargs: Any) -> Any:
   # Imported on first use: reading through the service needs gRPC, which
   # importing jaxfeed does not.
-  client = importlib.import_module("jaxfeed.service.client")
+  client = importlib.import_module("jaxfeed.service.client.distribute")
   return client.distribute(dataset, service, processing_mode, **kwargs)
 
 

@@ -314,7 +314,7 @@ def bench_report(result: dict) -> str:
 
 def _server(role: str, argv: Sequence[str]) -> None:
   from absl import app  # pylint: disable=g-import-not-at-top
-  module = importlib.import_module(f"jaxfeed.service.{role}")
+  module = importlib.import_module(f"jaxfeed.service.{role}.server")
   module.define_flags()
   app.run(module.main, argv=[f"jaxfeed {role}", *argv])
 

@@ -41,7 +41,7 @@ from jaxfeed.ops import op_stats
 from jaxfeed.ops.reshard import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
-from jaxfeed.service import read_state
+from jaxfeed.service.protocol import read_state
 
 _MODEL_ITEM = "model"
 _LOADER_ITEM = "loader"

@@ -56,7 +56,7 @@ import os
 import threading
 from typing import Any, Iterator
 
-from jaxfeed.service import rpc_errors
+from jaxfeed.service.protocol import rpc_errors
 
 # --metrics_port's value that serves no metrics.
 OFF = -1

@@ -38,7 +38,7 @@ import numpy as np
 import jaxfeed
 import service_udfs
 from jaxfeed.service import WorkerConfig
-from jaxfeed.service import delivery
+from jaxfeed.service.worker import delivery
 from chaos_cluster import HEARTBEAT_TIMEOUT_S, ChaosCluster
 
 MODES = ("parallel_epochs", "at_most_once", "exactly_once")

@@ -38,12 +38,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.service import data_socket
-from jaxfeed.service import element_chunks
-from jaxfeed.service import journal_records
-from jaxfeed.service import spec
-from jaxfeed.service import wire
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import data_socket
+from jaxfeed.service.protocol import element_chunks
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.protocol import wire
+from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal_records
 
 # Small enough that a decoder allocating what a peer declares (up to this
 # limit) stays well inside the child's address-space limit.
@@ -425,7 +425,7 @@ class _JournalTarget:
     self._dir = tempfile.TemporaryDirectory(prefix="jaxfeed-fuzz-replay-")
 
   def run(self, lines: list[str]) -> None:
-    from jaxfeed.service import dispatcher  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.dispatcher import server as dispatcher  # pylint: disable=g-import-not-at-top
     for name in os.listdir(self._dir.name):  # what the last replay left
       os.remove(os.path.join(self._dir.name, name))
     with open(os.path.join(self._dir.name, "journal.jsonl"), "w") as f:

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import jaxfeed
-from jaxfeed.service import dispatcher as dispatcher_lib
-from jaxfeed.service import journal_records
-from jaxfeed.service import spec
-from jaxfeed.service import wire
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.dispatcher import server as dispatcher_lib
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.protocol import wire
+from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal_records
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -227,12 +227,13 @@ def test_a_well_formed_journal_still_replays(tmp_path):
 def test_the_dispatcher_refuses_a_spec_nested_too_deeply_with_a_spec_error(tmp_path):
   # Found by the server soak: the allowlist walk parsed the graph JSON with a
   # RecursionError escaping, which the dispatcher answered as INTERNAL.
-  from jaxfeed.service import dispatcher as dispatcher_lib
-  from jaxfeed.service import spec as spec_lib
-  from jaxfeed.service.protos import service_pb2 as pb
+  from jaxfeed.service.dispatcher import server as dispatcher_lib
+  from jaxfeed.service.protocol import import_paths
+  from jaxfeed.service.protocol import spec as spec_lib
+  from jaxfeed.service.protocol.protos import service_pb2 as pb
   nested = pb.DatasetDef(graph_json=("[" * 100_000 + "]" * 100_000).encode())
   with pytest.raises(spec_lib.SpecError, match="not valid JSON"):
-    spec_lib.check_spec_paths(nested, ())
+    import_paths.check_spec_paths(nested, ())
   state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
   try:
     with pytest.raises(spec_lib.SpecError):

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from jaxfeed.service import spec as spec_lib
+from jaxfeed.service.protocol import import_paths
 from service_cluster import ServiceProcess, TEST_UDF_MODULES
 
 
@@ -16,8 +16,8 @@ from service_cluster import ServiceProcess, TEST_UDF_MODULES
 def allow_test_udfs(monkeypatch):
   """In-process dispatchers and workers may import the tests' UDF modules
   (server processes get --udf_modules from ServiceProcess)."""
-  monkeypatch.setattr(spec_lib, "DEFAULT_UDF_MODULES",
-                      (*spec_lib.DEFAULT_UDF_MODULES, *TEST_UDF_MODULES))
+  monkeypatch.setattr(import_paths, "DEFAULT_UDF_MODULES",
+                      (*import_paths.DEFAULT_UDF_MODULES, *TEST_UDF_MODULES))
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import jaxfeed
-from jaxfeed.service import dispatcher as dispatcher_lib
-from jaxfeed.service import journal as journal_lib
-from jaxfeed.service import spec
-from jaxfeed.service import state_snapshot
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.dispatcher import server as dispatcher_lib
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import state_snapshot
 
 
 def dataset_def(num_records: int = 100) -> pb.DatasetDef:

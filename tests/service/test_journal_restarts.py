@@ -14,9 +14,9 @@ import pytest
 
 import jaxfeed
 from jaxfeed import service
-from jaxfeed.service import dispatcher as dispatcher_lib
-from jaxfeed.service import rpc
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.dispatcher import server as dispatcher_lib
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import free_port
 
 pytestmark = pytest.mark.timeout(180)

@@ -15,8 +15,8 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import rpc, spec
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import import_paths, rpc, spec
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -171,8 +171,8 @@ def test_worker_refuses_pickled_udfs_it_cannot_verify():
 
 def test_udf_import_path_missing_on_the_worker_names_the_path(servers, monkeypatch):
   dispatcher, _ = servers
-  monkeypatch.setattr(spec, "DEFAULT_UDF_MODULES",
-                      (*spec.DEFAULT_UDF_MODULES, "no_such_module_here"))
+  monkeypatch.setattr(import_paths, "DEFAULT_UDF_MODULES",
+                      (*import_paths.DEFAULT_UDF_MODULES, "no_such_module_here"))
   dataset_def = spec.to_dataset_def(small_dataset().node)
   graph = dataset_def.graph_json.decode().replace(
       "service_udfs:add_one", "no_such_module_here:add_one")

@@ -10,7 +10,7 @@ import numpy as np
 
 import jaxfeed
 import service_udfs
-from jaxfeed.service import task_stats
+from jaxfeed.service.client import task_stats
 
 DEADLINE_S = 90
 

@@ -1,0 +1,7 @@
+"""The dispatcher: datasets, jobs, workers, clients and splits; no data.
+
+`server` serves `state` (its bookkeeping, with `workers` and `tables`) over
+gRPC with the options of `config`; `heartbeat_pacing` and `task_lists` keep
+it fast with thousands of parties; `autoscale` resizes an elastic pool.
+Run it with `python -m jaxfeed.service.dispatcher` (see `__main__`).
+"""
