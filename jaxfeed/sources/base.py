@@ -95,6 +95,8 @@ class RecordSource:
       `spec_params()`, identify the records (sources over files: each file's
       size and modification time), so graph fingerprints change when a file
       is rewritten at the same path.
+    * `identity()` returns cheap JSON-able facts (file names, array shapes)
+      that pipeline states record and check on restore.
     * `repr(src)` is stable across processes and runs: no memory addresses.
   """
 
@@ -114,6 +116,16 @@ class RecordSource:
   def fingerprint_params(self) -> dict:
     """What identifies the records beyond `spec_params()` (see the contract)."""
     return {}
+
+  def identity(self) -> dict:
+    """Cheap JSON-able facts that tell these records from others' without
+    reading any: a pipeline state records them and a restore checks them.
+    Sources over files give their file names (not directories, so data
+    copied elsewhere still matches)."""
+    paths = getattr(self, "paths", None)
+    if paths is None:
+      return {}
+    return {"files": [os.path.basename(os.fspath(p).rstrip("/")) for p in paths]}
 
   def __getitem__(self, index: int) -> Any:
     return self._read(check_index(index, len(self), type(self).__name__))
@@ -139,6 +151,16 @@ class RecordSource:
   def __repr__(self) -> str:
     params = json.dumps(self.spec_params(), sort_keys=True)
     return f"{type(self).__name__}({params})"
+
+
+def source_identity(source: Any) -> dict:
+  """A source's type, number of records and `identity()` (for any object
+  with `__len__`; no record is read)."""
+  identity = {"type": type(source).__name__, "num_records": len(source)}
+  facts = getattr(source, "identity", None)
+  if callable(facts):
+    identity.update(facts())
+  return identity
 
 
 def check_index(index: Any, length: int, source_name: str) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
+from jaxfeed.ops import state_identity
 from jaxfeed.service.client import read as client_read
 from jaxfeed.service.client import task_stats
 from jaxfeed.service.client.fetcher import Fetcher
@@ -27,7 +28,12 @@ class DistributedIterator(base.OpIterator):
   from it on a new job (`jaxfeed.service.protocol.read_state`); parallel_epochs reads
   that are neither shared nor round-robin save how much of each worker's
   stream it took and resume each stream on a new job (`jaxfeed.service.
-  stream_state`); other reads restore only a state of nothing read.
+  stream_state`); other reads restore only a state of nothing read. The
+  positions those states name belong to the pipeline's split input: when
+  the client holds the pipeline (`distribute`, not `from_dataset_id`), they
+  record what defines its order (a `from_source`'s sampler and source, see
+  `jaxfeed.ops.state_identity`), and restoring into a read of another
+  pipeline raises PipelineStateError naming what differs.
   """
 
   op_name = "distribute"  # DistributedNode's
@@ -43,6 +49,7 @@ class DistributedIterator(base.OpIterator):
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._ended_pending = 0
     self._worker_rows = task_stats.TaskRows()
+    self._identity = _split_input_identity(node)
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -234,11 +241,15 @@ class DistributedIterator(base.OpIterator):
   def _get_own_state(self) -> dict:
     read = self._read
     if read.node.visitation == "exactly_once":
-      return {"elements_read": self._elements, "splits": read.progress.state(),
-              "job_name": read.node.job_name or ""}
-    if read.streams is not None:
-      return {"elements_read": self._elements, "streams": read.streams.state()}
-    return {"elements_read": self._elements}
+      state = {"elements_read": self._elements, "splits": read.progress.state(),
+               "job_name": read.node.job_name or ""}
+    elif read.streams is not None:
+      state = {"elements_read": self._elements, "streams": read.streams.state()}
+    else:
+      return {"elements_read": self._elements}
+    if self._identity is not None:
+      state["identity"] = self._identity
+    return state
 
   def _set_own_state(self, state: dict) -> None:
     """Exactly-once reads go on where the state was taken, on a new job (see
@@ -247,6 +258,9 @@ class DistributedIterator(base.OpIterator):
     restore a state of nothing read."""
     node = self._read.node
     kwargs = None
+    if isinstance(state, dict) and ("splits" in state or "streams" in state):
+      state_identity.check_identity(state.get("identity"), self._identity,
+                                    self.op_name, resharded=False)
     try:
       if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
         # A state not marked by a restore (`read_state.merge_process_states`)
@@ -288,6 +302,21 @@ def _sharing(node: Any) -> str:
   if node.ephemeral_sharing:
     return " and ephemeral_sharing=True"
   return f" of shared job {node.job_name!r}" if node.job_name else ""
+
+
+def _split_input_identity(node: Any) -> dict | None:
+  """What defines the positions a resumable read's state names: the
+  identity of its pipeline's split input (a `from_source`'s sampler and
+  source); None when the client does not hold the pipeline
+  (`from_dataset_id`) or its input records none."""
+  if node.dataset is None:
+    return None
+  try:
+    split_input = index_ranges.split_input(node.dataset)
+  except index_ranges.NotIndexAddressableError:
+    return None
+  identity = getattr(split_input, "identity", None)
+  return identity if isinstance(identity, dict) else None
 
 
 def _check_index_based(node: Any) -> None:
