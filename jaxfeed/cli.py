@@ -108,9 +108,13 @@ def _check_inputs(paths: Sequence[str]) -> None:
 
 def inspect_files(paths: Sequence[str], fmt: str | None = None,
                   samples: int = 1) -> dict:
-  """Record count and size statistics of files of one format."""
+  """Record count and size statistics of files of one format.
+
+  A damaged TFRecord file is described by its intact records, and its
+  damaged byte ranges are listed under "damage".
+  """
   _check_inputs(paths)
-  source = open_source(paths, file_format(paths[0], fmt))
+  source = open_source(paths, file_format(paths[0], fmt), on_damage="skip")
   count = len(source)
   sizes = np.zeros(count, np.int64)
   for first in range(0, count, 1024):
@@ -121,6 +125,9 @@ def inspect_files(paths: Sequence[str], fmt: str | None = None,
       "record_bytes": ({"min": int(sizes.min()), "mean": float(sizes.mean()),
                         "max": int(sizes.max())} if count else None),
       "samples": [describe_record(source[i]) for i in range(min(samples, count))],
+      **({"damage": [f"{d.path} bytes {d.start}-{'end' if d.end is None else d.end}: "
+                     f"{d.reason}" for d in source.damage]}
+         if getattr(source, "damage", ()) else {}),
   }
 
 

@@ -65,12 +65,13 @@ def file_format(path: str, given: str | None = None) -> str:
   return FORMATS[suffix]
 
 
-def open_source(paths: Sequence[str], fmt: str) -> Any:
+def open_source(paths: Sequence[str], fmt: str, on_damage: str = "raise") -> Any:
+  """A source over `paths` of format `fmt`; `on_damage` as `TFRecordSource`'s."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed import tables  # pylint: disable=g-import-not-at-top
   try:
     if fmt == "tfrecord":
-      return jaxfeed.TFRecordSource(list(paths))
+      return jaxfeed.TFRecordSource(list(paths), on_damage=on_damage)
     if fmt == "array_record":
       return jaxfeed.ArrayRecordSource(list(paths))
     return tables.TableSource(paths, fmt)

@@ -619,3 +619,19 @@ def test_a_server_on_a_port_in_use_says_so_with_status_2(role):
   assert done.stderr.strip().splitlines()[-1] == (
       f"jaxfeed {role}: cannot start: Cannot listen on '127.0.0.1:{port}': the port is in "
       "use, or the host is not an address of this machine.")
+
+
+def test_inspect_of_a_damaged_file_describes_its_intact_records_and_the_damage(tmp_path):
+  path = str(tmp_path / "t.tfrecord")
+  records = [b"r%03d" % i + b"x" * 20 for i in range(20)]
+  jaxfeed.write_tfrecord(path, records)
+  with open(path, "r+b") as f:  # one bit of record 10's length field
+    f.seek(10 * (16 + 24))
+    byte = f.read(1)
+    f.seek(10 * (16 + 24))
+    f.write(bytes([byte[0] ^ 0x01]))
+  done = run_cli("inspect", path)
+  assert done.returncode == 0, done.stderr
+  info = json.loads(done.stdout)
+  assert info["records"] == 19 and info["bytes"] == 19 * 24
+  assert len(info["damage"]) == 1 and f"{path} bytes 400-440" in info["damage"][0]
