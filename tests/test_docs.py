@@ -235,8 +235,11 @@ def test_the_api_reference_documents_every_public_name(site):
   done, html_dir = site
   assert done.returncode == 0, done.stderr[-3000:]
   generated = html_dir / "reference" / "generated"
+  index = (html_dir / "reference" / "index.html").read_text()
   for name in jaxfeed.__all__:
-    if name not in jaxfeed._SUBMODULES or name == "image":
+    if isinstance(getattr(jaxfeed, name), int):
+      assert f'id="jaxfeed.{name}"' in index, name     # a constant: on the index
+    elif name not in jaxfeed._SUBMODULES or name == "image":
       assert (generated / f"jaxfeed.{name}.html").is_file(), name
   for name in jaxfeed.service.__all__:
     assert (generated / f"jaxfeed.service.{name}.html").is_file(), name
