@@ -194,48 +194,37 @@ def test_broken_links_finds_a_missing_page_and_a_missing_anchor(tmp_path):
                                     "a.html -> c.html (no file)"]
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory):
-  """The manual, built from a copy of docs/ with warnings as errors
-  (nitpicky: docs/conf.py), or the build's warnings."""
-  pytest.importorskip("sphinx", reason="the docs extra is not installed")
-  pytest.importorskip("myst_parser", reason="the docs extra is not installed")
-  root = tmp_path_factory.mktemp("docs")
+def build_site(root: pathlib.Path) -> subprocess.CompletedProcess:
+  """Builds the manual from a copy of docs/ into root/html, with warnings as
+  errors (and nitpicky: docs/conf.py)."""
   shutil.copytree(REPO / "docs", root / "src",
                   ignore=lambda folder, names: [n for n in names if n in _BUILT])
-  done = subprocess.run(
+  return subprocess.run(
       [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
        "-d", str(root / "doctrees"), str(root / "src"), str(root / "html")],
       capture_output=True, text=True, timeout=600, check=False,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  return done, root / "html"
 
 
-def test_the_manual_builds_without_warnings(site):
-  done, _ = site
-  assert done.returncode == 0, done.stderr[-5000:]
-  assert not done.stderr.strip(), done.stderr[-5000:]
+# One test, so that the build (the slow part) runs once however pytest-xdist
+# spreads the tests.
+def test_the_manual_builds_without_warnings_or_broken_links(tmp_path):
+  pytest.importorskip("sphinx", reason="the docs extra is not installed")
+  pytest.importorskip("myst_parser", reason="the docs extra is not installed")
+  done = build_site(tmp_path)
+  assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-5000:]
+  site = tmp_path / "html"
 
-
-def test_every_link_of_the_manual_resolves(site):
-  done, html_dir = site
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert not broken_links(html_dir), broken_links(html_dir)[:20]
-
-
-def test_every_docs_page_is_a_page_of_the_site(site):
-  done, html_dir = site
-  assert done.returncode == 0, done.stderr[-3000:]
-  for path in DOCS[1:]:
+  for path in DOCS[1:]:   # every docs page is a page of the site
     page = path.relative_to(REPO / "docs").with_suffix(".html")
-    assert (html_dir / page).is_file(), page
+    assert (site / page).is_file(), page
 
+  broken = broken_links(site)
+  assert not broken, broken[:20]
 
-def test_the_api_reference_documents_every_public_name(site):
-  done, html_dir = site
-  assert done.returncode == 0, done.stderr[-3000:]
-  generated = html_dir / "reference" / "generated"
-  index = (html_dir / "reference" / "index.html").read_text()
+  # The API reference documents every public name.
+  generated = site / "reference" / "generated"
+  index = (site / "reference" / "index.html").read_text()
   for name in jaxfeed.__all__:
     if isinstance(getattr(jaxfeed, name), int):
       assert f'id="jaxfeed.{name}"' in index, name     # a constant: on the index
@@ -246,13 +235,9 @@ def test_the_api_reference_documents_every_public_name(site):
   batch = (generated / "jaxfeed.Dataset.html").read_text()
   assert 'id="jaxfeed.Dataset.batch"' in batch and "drop_remainder" in batch
 
-
-def test_the_snippet_markers_are_not_shown(site):
-  done, html_dir = site
-  assert done.returncode == 0, done.stderr[-3000:]
-  pages = [page for page in html_dir.rglob("*.html")
-           if page.relative_to(html_dir).parts[0] != "_static"]
-  assert pages
+  # The snippet markers are HTML comments: in the page, never shown.
+  pages = [page for page in site.rglob("*.html")
+           if page.relative_to(site).parts[0] != "_static"]
   for page in pages:
     visible = re.sub(r"<!--.*?-->", "", page.read_text(), flags=re.S)
     assert "not-runnable" not in visible and "continues --" not in visible, page
