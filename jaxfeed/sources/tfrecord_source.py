@@ -205,7 +205,7 @@ class TFRecordSource(HandleSource):
 
   @property
   def damage(self) -> tuple[DamagedRange, ...]:
-    """The damaged ranges found while indexing, in file order: each names
+    """The damaged ranges found while indexing, in file order; each names
     its file, byte range, what is wrong and its index entry (`record_index`)."""
     return tuple(d for f in self._files for d in f.damage)
 

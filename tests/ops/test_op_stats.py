@@ -225,12 +225,14 @@ def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
   assert "Op to fix: 'filter' (20% of the pipeline's self time, parallelism 1)" in text
 
 
-def test_the_readme_states_the_default_sampling_rate_and_linger():
-  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-  rate = re.search(r"looks at the Python stacks (\d+) times a second", readme)
+def test_the_manual_states_the_default_sampling_rate_and_linger():
+  docs = pathlib.Path(__file__).parents[2] / "docs"
+  tuning = (docs / "guides" / "performance.md").read_text()
+  rate = re.search(r"looks at the Python stacks (\d+) times a second", tuning)
   assert rate is not None
   assert int(rate.group(1)) == round(1 / DEFAULT_SAMPLE_INTERVAL_S)
-  assert "one thread per process outlives the last\n  pipeline by a second" in readme
+  benchmarks = (docs / "benchmarks.md").read_text()
+  assert "one thread per process outlives the last\n  pipeline by a second" in benchmarks
   assert DEFAULT_LINGER_S == 1.0
 
 
