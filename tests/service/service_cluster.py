@@ -14,6 +14,8 @@ import sys
 import tempfile
 import threading
 
+from jaxfeed import _lifetime
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 START_TIMEOUT_S = 60
@@ -88,7 +90,8 @@ class ServiceProcess:
       flags = (*flags, f"--udf_modules={','.join(TEST_UDF_MODULES)}")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # pylint: disable=consider-using-with
     try:
-      self.proc = subprocess.Popen(
+      # It ends with this process, however that ends (jaxfeed._lifetime).
+      self.proc = _lifetime.popen(
           [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
           stdout=subprocess.PIPE, stderr=log, env=env, text=True)
     finally:

@@ -110,3 +110,31 @@ def dawdle(x):
   import time  # pylint: disable=g-import-not-at-top
   time.sleep(1.0)
   return {"x": x}
+
+
+POISON = 13  # the record the poison UDFs below fail on
+
+
+def segfault_at_poison(x):
+  """x, but a real segmentation fault in the worker on record POISON."""
+  if int(x) == POISON:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.string_at(0)
+  return x
+
+
+def hang_at_poison(x):
+  """x, but never returns on record POISON (the worker lives on)."""
+  if int(x) == POISON:
+    import threading  # pylint: disable=g-import-not-at-top
+    threading.Event().wait()
+  return x
+
+
+def spin_at_poison(x):
+  """x, but on record POISON spins in C holding the GIL for ever (a regular
+  expression that backtracks 2**64 times): no other thread of the worker runs."""
+  if int(x) == POISON:
+    import re  # pylint: disable=g-import-not-at-top
+    re.match(r"(a+)+$", "a" * 64 + "b")
+  return x

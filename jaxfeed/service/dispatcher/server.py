@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from jaxfeed import _lifetime
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
@@ -209,6 +210,8 @@ def main(argv: Any) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  # Started with jaxfeed._lifetime.popen: it ends with its parent.
+  _lifetime.die_with_parent_from_env()
   try:
     udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
                                  "pickled_udf_secret")
