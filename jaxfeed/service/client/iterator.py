@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -17,6 +18,7 @@ from jaxfeed.service.client.read import POLL_S
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol import stream_state
 
 
@@ -28,6 +30,13 @@ class DistributedIterator(base.OpIterator):
   that are neither shared nor round-robin save how much of each worker's
   stream it took and resume each stream on a new job (`jaxfeed.service.
   stream_state`); other reads restore only a state of nothing read.
+
+  Failures: a `next()` that waits `timeout_s` while no worker makes
+  progress on the read raises ServiceError; an exactly-once read whose
+  split ended `--max_split_attempts` workers raises `PoisonSplitError`; an
+  at-most-once read that lost positions with its workers says so at its end
+  (`PositionsLostWarning`, and `lost_positions`); see
+  `jaxfeed.service.protocol.split_failures`.
   """
 
   op_name = "distribute"  # DistributedNode's
@@ -43,6 +52,7 @@ class DistributedIterator(base.OpIterator):
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._ended_pending = 0
     self._worker_rows = task_stats.TaskRows()
+    self._lost_warned = False
     self._finalizer = weakref.finalize(self, self._read.close)
 
   @property
@@ -54,6 +64,14 @@ class DistributedIterator(base.OpIterator):
   @property
   def job_id(self) -> int:
     return self._read.job_id
+
+  @property
+  def lost_positions(self) -> list[tuple[int, int]]:
+    """At-most-once DYNAMIC reads: the [start, stop) positions of the splits
+    that workers were reading when they were lost (their elements that had
+    not reached this client are lost; see
+    `jaxfeed.service.protocol.split_failures`). Empty when none was lost."""
+    return list(self._read.lost_positions)
 
   @property
   def last_round(self) -> int:
@@ -118,15 +136,25 @@ class DistributedIterator(base.OpIterator):
     read.consumed += 1
     return element
 
+  def _end(self) -> None:
+    """Raises StopIteration, after warning of the positions the read lost."""
+    lost = self._read.lost_positions
+    if lost and not self._lost_warned:
+      self._lost_warned = True
+      warnings.warn(split_failures.PositionsLostWarning(
+          split_failures.lost_message(self._read.dataset_id, lost)), stacklevel=3)
+    raise StopIteration
+
   def _next_element(self) -> Any:
     read = self._read
+    waiting_since = time.monotonic()
     while True:
       try:
         item = read.buffer.get(timeout=POLL_S)
       except queue.Empty:
         item = None
       if item is client_read.END:
-        raise StopIteration
+        self._end()
       if item is not None:
         element, tag = item
         if isinstance(tag, read_state.SplitTag):
@@ -137,9 +165,10 @@ class DistributedIterator(base.OpIterator):
         return element
       self._raise_error()
       if read.finished and read.buffer.empty():
-        raise StopIteration
+        self._end()
       if read.stop.is_set():
         raise StopIteration
+      read.check_progress(waiting_since)
 
   # -- round-robin reads ---------------------------------------------------------
   def _head(self, fetcher: Fetcher) -> tuple | None:
@@ -160,10 +189,12 @@ class DistributedIterator(base.OpIterator):
 
   def _next_round(self) -> Any:
     read = self._read
+    waiting_since = time.monotonic()
     while True:
       self._raise_error()
       if read.stop.is_set():
         raise StopIteration
+      read.check_progress(waiting_since)
       by_index, num_workers = read.round_fetchers()
       if all(self._drained(f) for f in by_index.values()) and (
           read.finished or (by_index and len(by_index) >= num_workers)):

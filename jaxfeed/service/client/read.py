@@ -17,6 +17,7 @@ from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol import stream_state
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
@@ -71,8 +72,12 @@ class ReadState:
     self.capacity = capacity
     self.fetchers: dict[int, Fetcher] = {}
     self.finished = False
+    self.dataset_id = node.dataset_id or ""
     self.job_id = 0
     self.client_id = 0
+    # At-most-once: positions of the splits lost workers were reading
+    # (sorted [start, stop) pairs; see jaxfeed.service.protocol.split_failures).
+    self.lost_positions: list[tuple[int, int]] = []
     # From the last heartbeat answer: say goodbye through a worker, with this
     # ticket (the dispatcher serves many clients), rather than by a call.
     self.goodbye_via_worker = False
@@ -120,7 +125,7 @@ class ReadState:
       if self.streams is not None and self.streams.resumed and not self.streams.open_streams:
         self._end()  # every stream was over when the state was taken
         return
-      dataset_id = node.resolve_dataset_id()
+      dataset_id = self.dataset_id = node.resolve_dataset_id()
       job_call = dispatcher_caller(self.channel, "GetOrCreateJob",
                                     pb.GetOrCreateJobResponse, node.auth_token)
       job_name, done, partial = node.job_name or "", *self.progress.resume_ranges
@@ -188,6 +193,10 @@ class ReadState:
                                    f"{e.code().name}: {e.details()}") from e
         self.goodbye_via_worker = response.goodbye_via_worker
         self.goodbye_ticket = response.goodbye_ticket
+        if response.job_error:  # before the job's end: a failed job ends too
+          raise split_failures.PoisonSplitError(response.job_error)
+        if response.lost_ranges:
+          self.lost_positions = [(r.start, r.stop) for r in response.lost_ranges]
         if response.tasks_unchanged:
           response.tasks.extend(tasks)
         else:
@@ -266,6 +275,33 @@ class ReadState:
     if not fetchers:
       return {}, 0
     return {f.task.worker_index: f for f in fetchers}, fetchers[-1].task.num_workers
+
+  def check_progress(self, waiting_since: float) -> None:
+    """Raises ServiceError when the consumer has waited `timeout_s` since
+    `waiting_since` and no worker made progress on the read meanwhile (a
+    pipeline stuck on a record, or a job without live workers): a read
+    never waits silently longer than its timeout."""
+    now = time.monotonic()
+    fetchers = list(self.fetchers.values())
+    last = max([waiting_since, self.job_started] + [f.progress_at for f in fetchers])
+    timeout_s = self.node.timeout_s
+    if now - last <= timeout_s:
+      return
+    live = [f for f in fetchers if not f.ended]
+    if not self.job_id:
+      state = f"it has no job yet: the dispatcher at {self.node.service} did not create one"
+    elif not live:
+      state = "its job has no live worker (none registered, or all were lost)"
+    else:
+      state = "its workers: " + "; ".join(
+          f"{f.task.worker_address} (task {f.task.task_id}): nothing new for "
+          f"{now - f.progress_at:.0f} s" for f in live)
+    raise rpc.ServiceError(
+        f"No element of dataset {self.dataset_id or '?'} (job {self.job_id}) came for "
+        f"{now - last:.0f} s, and no worker made progress on it (timeout_s="
+        f"{timeout_s:g}); {state}. A UDF that never returns on some record looks "
+        "like this: its worker lives, so the records it holds are not read "
+        "elsewhere. Raise timeout_s if the pipeline's first element may take longer.")
 
   def close(self) -> None:
     self.stop.set()
