@@ -6,12 +6,12 @@ from __future__ import annotations
 import queue
 import time
 import warnings
-import weakref
 from typing import Any
 
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
 from jaxfeed.service.client import read as client_read
+from jaxfeed.service.client import reaper
 from jaxfeed.service.client import task_stats
 from jaxfeed.service.client.fetcher import Fetcher
 from jaxfeed.service.client.read import POLL_S
@@ -53,7 +53,8 @@ class DistributedIterator(base.OpIterator):
     self._ended_pending = 0
     self._worker_rows = task_stats.TaskRows()
     self._lost_warned = False
-    self._finalizer = weakref.finalize(self, self._read.close)
+    # Not closed inside the garbage collector: see jaxfeed.service.client.reaper.
+    self._finalizer = reaper.track(self, self._read)
 
   @property
   def elements_by_worker(self) -> dict[str, int]:
@@ -281,10 +282,9 @@ class DistributedIterator(base.OpIterator):
     if kwargs is not None:
       (name, restored), = kwargs.items()
       if restored.started or getattr(self._read, name).started:
-        self._finalizer.detach()  # else: a fresh read either way
-        self._read.close()
+        reaper.close_now(self._finalizer, self._read)  # else: a fresh read either way
         self._read = client_read.ReadState(node, **kwargs)
-        self._finalizer = weakref.finalize(self, self._read.close)
+        self._finalizer = reaper.track(self, self._read)
       self._elements = int(state.get("elements_read", 0))
       return
     if state.get("elements_read", 0) != self._elements:
@@ -298,7 +298,7 @@ class DistributedIterator(base.OpIterator):
           "read, e.g. restore_checkpoint(..., restore_loader=False).")
 
   def _close_own(self) -> None:
-    self._finalizer()
+    reaper.close_now(self._finalizer, self._read)
 
 
 def _sharing(node: Any) -> str:

@@ -25,6 +25,9 @@ from jaxfeed.service.protocol.sharding import ShardingPolicy
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
 GOODBYE_TIMEOUT_S = 1.0  # to connect to a worker, and again for its answer
+HEARTBEAT_TIMEOUT_S = 10.0  # the longest one heartbeat call may take
+RELEASE_TIMEOUT_S = 2.0  # ReleaseJobClient's deadline
+CLOSE_TIMEOUT_S = 15.0  # the longest close() waits for the read's threads, in all
 END = object()  # put in the buffer when a read is over, to wake its consumer
 
 
@@ -176,7 +179,8 @@ class ReadState:
                 elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
                 read_elapsed_s=time.monotonic() - self.started,
                 buffer_fill=self.buffer.qsize() / self.capacity,
-                known_tasks_version=tasks_version), timeout=10)
+                known_tasks_version=tasks_version),
+                timeout=min(HEARTBEAT_TIMEOUT_S, node.timeout_s))
             last_ok = time.monotonic()
             with self.lock:
               del self.acks[:len(acks)]
@@ -304,6 +308,8 @@ class ReadState:
         "elsewhere. Raise timeout_s if the pipeline's first element may take longer.")
 
   def close(self) -> None:
+    """Stops the read's threads and leaves the job, within CLOSE_TIMEOUT_S
+    (or timeout_s, if shorter) plus the goodbye's deadline."""
     self.stop.set()
     self.wake.set()
     fetchers = list(self.fetchers.values())
@@ -312,16 +318,17 @@ class ReadState:
     streaming = sorted((f.task for f in fetchers if f.on_socket), key=lambda t: t.task_id)
     for fetcher in fetchers:
       fetcher.cancel()
+    deadline = time.monotonic() + min(CLOSE_TIMEOUT_S, self.node.timeout_s)
     if self.manager is not threading.current_thread():
-      self.manager.join(timeout=15)
+      self.manager.join(timeout=max(0.0, deadline - time.monotonic()))
     for fetcher in list(self.fetchers.values()):
-      fetcher.thread.join(timeout=15)
+      fetcher.thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if self.client_id and not self._goodbye_through_worker(streaming):
       try:
         dispatcher_caller(self.channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
                            self.node.auth_token)(
             pb.ReleaseJobClientRequest(job_id=self.job_id, client_id=self.client_id),
-            timeout=2)
+            timeout=min(RELEASE_TIMEOUT_S, self.node.timeout_s))
       except grpc.RpcError:
         pass  # the dispatcher times the client out instead
     self.channel.close()
