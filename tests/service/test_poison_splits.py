@@ -21,7 +21,11 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
+from jaxfeed.service.dispatcher import state as dispatcher_state
+from jaxfeed.service.dispatcher import workers
+from jaxfeed.service.protocol import spec
 from jaxfeed.service.protocol import split_failures
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,3 +122,54 @@ def test_a_record_the_udf_never_returns_from_fails_the_read_after_timeout_s(clus
   assert "no worker made progress" in message and "timeout_s=3" in message, message
   assert worker.address in message, message
   assert 3 <= took < 15, took
+
+
+def _dataset_def(num_records: int) -> pb.DatasetDef:
+  result = spec.to_dataset_def(jaxfeed.Dataset.range(num_records).node)
+  result.num_positions = num_records
+  return result
+
+
+@pytest.mark.parametrize("snapshot_every_records", [0, 1])
+def test_split_losses_are_counted_per_split_and_survive_a_restart(tmp_path,
+                                                                 snapshot_every_records):
+  config = service.DispatcherConfig(work_dir=str(tmp_path), split_size=8,
+                                    snapshot_every_records=snapshot_every_records)
+  state = dispatcher_state.DispatcherState(config)
+  dataset_id = state.register_dataset(_dataset_def(64))
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1", incarnation="a"))
+  job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True))
+  job = state.jobs[job_id]
+
+  def ask() -> tuple[int, list]:
+    (task_id,) = job.tasks
+    answer = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
+                                                  max_ranges=2, request_seq=1))
+    return task_id, [(r.start, r.stop) for r in answer.ranges]
+
+  task_id, ranges = ask()
+  assert ranges == [(0, 8), (8, 16)]
+  # It made [8, 16) whole, then died (came back as a new process) making [0, 8).
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(
+      worker_address="w:1", incarnation="a", current_tasks=[task_id],
+      made_splits=[pb.TaskSplits(task_id=task_id, starts=[8])]))
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1", incarnation="b"))
+  assert list(job.split_losses) == [0]
+  _, ranges = ask()  # answered already, with the new task (its first splits)
+  assert ranges == [(0, 8)] and set(job.reissue) == {8}  # a split with a loss goes alone
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1", incarnation="c"))
+  for restarted in (False, True):
+    if restarted:
+      state.close()
+      state = dispatcher_state.DispatcherState(config)
+      job = state.jobs[job_id]
+    assert job.failed_splits == {0: 8} and set(job.reissue) == {8}
+    assert job.split_losses[0] == (8, ["w:1: " + workers._RESTARTED] * 2)  # pylint: disable=protected-access
+    error = state.client_heartbeat(job_id, client_id).job_error
+    assert f"Dataset {dataset_id} (job {job_id})" in error and "[0, 8)" in error, error
+    (task_id,) = job.tasks  # the new process's: it gets no split, the job ended
+    answer = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
+                                                  max_ranges=2, request_seq=2))
+    assert answer.end_of_splits and not answer.ranges
+  state.close()

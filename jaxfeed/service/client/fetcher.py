@@ -113,11 +113,10 @@ class Fetcher:
           "(data_transfer='socket'): it serves none, or has not registered again "
           "since the dispatcher restarted.", "UNAVAILABLE")
     if use_socket:
-      # Keepalives come every second: a connection silent for _STALL_S stalled.
       conn = data_socket.DataConnection(
           self.task.data_address, {"token": self.task.read_ticket, **self._request()},
           min(_STALL_S, read.node.timeout_s), ssl_context=read.ssl_context,
-          max_frame_bytes=read.node.max_frame_bytes, read_timeout_s=_STALL_S)
+          max_frame_bytes=read.node.max_frame_bytes)
       self._connection = conn
       self._send_ack = conn.ack
       try:

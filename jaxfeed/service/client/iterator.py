@@ -143,7 +143,7 @@ class DistributedIterator(base.OpIterator):
     if lost and not self._lost_warned:
       self._lost_warned = True
       warnings.warn(split_failures.PositionsLostWarning(
-          split_failures.lost_message(self._read.dataset_id, lost)), stacklevel=3)
+          split_failures.lost_message(self._read.dataset_id, lost)), stacklevel=4)
     raise StopIteration
 
   def _next_element(self) -> Any:
