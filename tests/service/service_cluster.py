@@ -77,10 +77,12 @@ class ServiceProcess:
   """A `python -m jaxfeed.service.<role>` child process; kill() or stop() ends it."""
 
   def __init__(self, role: str, *flags: str, wait_ready: bool = True,
-               log_path: str | os.PathLike | None = None):
+               log_path: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None):
     """Flags without --udf_modules get TEST_UDF_MODULES; `log_path`: the
-    process's stderr (its logging) is appended there."""
-    env = dict(os.environ)
+    process's stderr (its logging) is appended there; `env`: variables
+    added to this process's environment."""
+    env = {**os.environ, **(env or {})}
     # Workers import the tests' UDFs (service_udfs) by module path.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])

@@ -138,3 +138,38 @@ def spin_at_poison(x):
     import re  # pylint: disable=g-import-not-at-top
     re.match(r"(a+)+$", "a" * 64 + "b")
   return x
+
+
+# The chaos suite's poison record: "VALUE,KIND,FOLDER" in the workers'
+# environment. KIND "always": every worker that maps x == VALUE segfaults;
+# "once": only the first one. Each death leaves a file "died-PID" in FOLDER.
+POISON_ENV = "JAXFEED_TEST_POISON"
+
+
+def _strike_if_poison(element):
+  import os  # pylint: disable=g-import-not-at-top
+  spec = os.environ.get(POISON_ENV)
+  if not spec:
+    return
+  value, kind, folder = spec.split(",", 2)
+  if int(element["x"]) != int(value):
+    return
+  if kind == "once":
+    try:
+      os.close(os.open(os.path.join(folder, "struck"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+      return
+  with open(os.path.join(folder, f"died-{os.getpid()}"), "w"):
+    pass
+  import ctypes  # pylint: disable=g-import-not-at-top
+  ctypes.string_at(0)
+
+
+def poisoned_add_one_to_x(element):
+  _strike_if_poison(element)
+  return add_one_to_x(element)
+
+
+def poisoned_slow_add_one_to_x(element):
+  _strike_if_poison(element)
+  return slow_add_one_to_x(element)
