@@ -143,7 +143,7 @@ class Fetcher:
                             self.task.read_ticket or None)
       self._send_ack = lambda received: ack_call(pb.AckElementsRequest(
           task_id=self.task.task_id, client_id=read.client_id, received=received),
-          timeout=_STALL_S)
+          timeout=min(_STALL_S, read.node.timeout_s))
       if self._cancelled:
         call.cancel()
       frames = element_chunks.FrameAssembler(read.node.max_frame_bytes)

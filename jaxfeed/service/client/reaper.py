@@ -9,7 +9,10 @@ in a call) and closes its gRPC channel, possibly under a call of that very
 channel on the same thread: a known way to deadlock or crash gRPC's Python
 library. So a finalizer only appends the read to a deque (no lock, no call),
 and one thread of this module, alive while any read is open, closes what it
-finds there.
+finds there. A read that starts while more than MAX_DROPPED dropped reads
+wait first closes the surplus itself: a loop that drops reads faster than
+one thread closes them (each holds threads and a connection to every
+worker of its job) is held back instead of piling them up.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 _POLL_S = 0.05
 THREAD_NAME = "jaxfeed-read-reaper"
+MAX_DROPPED = 4  # dropped reads waiting for the reaper before new reads help
 
 
 class _Reaper:
@@ -40,6 +44,12 @@ class _Reaper:
       if self._thread is None or not self._thread.is_alive():
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
+    while len(self._dropped) > MAX_DROPPED:  # a read starting: not inside the collector
+      try:
+        read = self._dropped.popleft()
+      except IndexError:
+        break  # the reaper took it
+      self._close(read)
 
   def closed(self) -> None:
     with self._lock:
@@ -64,8 +74,12 @@ class _Reaper:
 
   def _run(self) -> None:
     while True:
-      while self._dropped:
-        self._close(self._dropped.popleft())
+      while True:
+        try:
+          read = self._dropped.popleft()
+        except IndexError:  # none left (a starting read may have taken the last)
+          break
+        self._close(read)
       with self._lock:
         if not self._open and not self._dropped:
           self._thread = None
