@@ -325,7 +325,8 @@ _RESTARTED = "restarted (a new process on its address)"
 
 def _reissued(job: Job, wanted: int) -> list[pb.SplitRange]:
   """Up to `wanted` splits to issue again, oldest first; one a worker was
-  lost on goes alone (it is first, or ends the list)."""
+  lost on goes alone: first in an answer of its own (the caller adds no new
+  split), else not before the next answer."""
   ranges = []
   for start, stop in sorted(job.reissue.items()):
     if len(ranges) >= wanted or (ranges and start in job.split_losses):
