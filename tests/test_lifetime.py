@@ -20,8 +20,8 @@ from jaxfeed import _lifetime
 
 pytestmark = pytest.mark.timeout(60)
 
-# The parent: starts a child (`python -c CHILD`) with `how`, prints its pid,
-# then sleeps until killed.
+# The parent: starts a child (`python -c CHILD`) with `how`, waits until the
+# child says it is set up, prints the child's pid, then sleeps until killed.
 _PARENT = textwrap.dedent("""
     import subprocess, sys, threading, time
     from jaxfeed import _lifetime
@@ -29,21 +29,24 @@ _PARENT = textwrap.dedent("""
     args = [sys.executable, "-c", child]
     started = []
     if how == "popen_from_a_thread_that_ends":
-      thread = threading.Thread(target=lambda: started.append(_lifetime.popen(args)))
+      thread = threading.Thread(target=lambda: started.append(
+          _lifetime.popen(args, stdout=subprocess.PIPE)))
       thread.start()
       thread.join()
     elif how == "plain":
-      started.append(subprocess.Popen(args))
+      started.append(subprocess.Popen(args, stdout=subprocess.PIPE))
+    assert started[0].stdout.readline() == b"ready\\n"
     print(started[0].pid, flush=True)
     time.sleep(600)
 """)
+_READY = "print('ready', flush=True); time.sleep(600)"
 _CHILD_FROM_ENV = ("from jaxfeed import _lifetime; import time; "
-                   "_lifetime.die_with_parent_from_env(); time.sleep(600)")
+                   f"_lifetime.die_with_parent_from_env(); {_READY}")
 _CHILD_DEATHSIG_ONLY = ("from jaxfeed import _lifetime; import time; "
-                        "assert _lifetime.set_parent_death_signal(); time.sleep(600)")
+                        f"assert _lifetime.set_parent_death_signal(); {_READY}")
 _CHILD_WATCH_ONLY = ("import os, time; from jaxfeed import _lifetime; "
                      "_lifetime.die_with_parent(os.getppid(), deathsig=False, poll_s=0.1); "
-                     "time.sleep(600)")
+                     f"{_READY}")
 
 
 def _start_parent(how: str, child: str) -> tuple[subprocess.Popen, psutil.Process]:
