@@ -129,7 +129,10 @@ def worker_shares(served: list[dict[int, int]], jobs: list[int]) -> list[list[fl
 
 
 _TF_ROLE = r"""
-import sys, tensorflow as tf
+import sys
+from jaxfeed import _lifetime
+_lifetime.die_with_parent_from_env()
+import tensorflow as tf
 role, arg = sys.argv[1], sys.argv[2]
 if role == "dispatcher":
   server = tf.data.experimental.service.DispatchServer()
