@@ -31,13 +31,12 @@ import json
 import multiprocessing
 import os
 import re
-import threading
-import time
 from typing import Any, Sequence
 import uuid
 
 import numpy as np
 
+from jaxfeed import _lifetime
 from jaxfeed import progress as progress_lib
 
 __all__ = ["FORMATS", "FORMAT_NAMES", "UsageError", "file_format", "open_source",
@@ -171,19 +170,6 @@ def _convert_shard(job: tuple) -> int:
   return stop - start
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-  """Pool initializer: the process exits once its parent is gone (killed:
-  it never shuts the pool down), instead of converting on unseen and then
-  waiting for work forever."""
-
-  def watch() -> None:
-    while os.getppid() == parent_pid:
-      time.sleep(0.2)
-    os._exit(1)  # pylint: disable=protected-access
-
-  threading.Thread(target=watch, name="jaxfeed-convert-parent-watch", daemon=True).start()
-
-
 def _job_record_path(out: str) -> str:
   """Where a conversion into `out` records what it converts."""
   folder, name = os.path.split(out)
@@ -312,7 +298,10 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
       # (pyarrow's, gRPC's, jax's) mid-use and can crash the child.
       with concurrent.futures.ProcessPoolExecutor(
           workers, mp_context=multiprocessing.get_context("spawn"),
-          initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
+          # A killed caller never shuts the pool down: its processes end
+          # with it instead of converting on unseen and waiting forever.
+          initializer=_lifetime.die_with_parent,
+          initargs=(os.getpid(), _lifetime.on_lasting_thread())) as pool:
         for count in pool.map(_convert_shard, jobs):
           bar.advance(count)
   try:

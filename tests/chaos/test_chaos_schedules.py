@@ -2,7 +2,8 @@
 
 Each run starts its own dispatcher and workers, reads while faults hit them
 from outside (SIGKILL, SIGSTOP, restarts in place, connections reset with a
-proxy or `ss -K`, stalled connections, a torn journal tail) and checks the
+proxy or `ss -K`, stalled connections, a torn journal tail, a record that
+segfaults the workers that map it) and checks the
 guarantee of its mode (DESIGN.md §4). The seeds here are a fixed sample
 that covers every mode and fault kind; benchmarks/chaos_soak.py runs many
 more.
@@ -14,11 +15,13 @@ import collections
 
 import pytest
 
-from schedule import FAULT_KINDS, MODES, Fault, Schedule, draw, run
+from schedule import FAULT_KINDS, MODES, POISON, Fault, Schedule, draw, run
 
 pytestmark = pytest.mark.timeout(400)
 
-CI_SEEDS = (4, 12, 13, 14, 16, 17, 33)
+# 5: an exactly-once read of a record that kills every worker; 9: an
+# at-most-once read of one that kills the first.
+CI_SEEDS = (4, 5, 9, 12, 13, 14, 16, 17, 33)
 
 
 def _assert_ok(record) -> None:
@@ -30,7 +33,9 @@ def test_seeds_cover_every_mode_and_fault_kind():
   schedules = [draw(seed) for seed in CI_SEEDS]
   assert {s.mode for s in schedules} == set(MODES)
   kinds = collections.Counter(f.kind for s in schedules for f in s.faults)
+  kinds.update(POISON for s in schedules if s.poison)
   assert set(kinds) == set(FAULT_KINDS), set(FAULT_KINDS) - set(kinds)
+  assert {s.poison for s in schedules if s.poison} == {"always", "once"}
 
 
 def test_a_seed_always_draws_the_same_schedule():

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxfeed import _lifetime
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import spec
@@ -558,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rlimit_mb", type=int, default=1024,
                       help="address space allowed beyond the start-up size")
   args = parser.parse_args(argv)
+  _lifetime.die_with_parent_from_env()  # started by benchmarks/fuzz_soak.py
   names = [n for n in args.targets.split(",") if n]
   targets = make_targets()  # corpora are built before the limit
   corpora = {name: target.corpus() for name, target in targets.items()

@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import queue
 import time
-import weakref
+import warnings
 from typing import Any
 
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
 from jaxfeed.ops import state_identity
 from jaxfeed.service.client import read as client_read
+from jaxfeed.service.client import reaper
 from jaxfeed.service.client import task_stats
 from jaxfeed.service.client.fetcher import Fetcher
 from jaxfeed.service.client.read import POLL_S
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol import stream_state
 
 
@@ -34,6 +36,13 @@ class DistributedIterator(base.OpIterator):
   record what defines its order (a `from_source`'s sampler and source, see
   `jaxfeed.ops.state_identity`), and restoring into a read of another
   pipeline raises PipelineStateError naming what differs.
+
+  Failures: a `next()` that waits `timeout_s` while no worker makes
+  progress on the read raises ServiceError; an exactly-once read whose
+  split ended `--max_split_attempts` workers raises `PoisonSplitError`; an
+  at-most-once read that lost positions with its workers says so at its end
+  (`PositionsLostWarning`, and `lost_positions`); see
+  `jaxfeed.service.protocol.split_failures`.
   """
 
   op_name = "distribute"  # DistributedNode's
@@ -50,7 +59,9 @@ class DistributedIterator(base.OpIterator):
     self._ended_pending = 0
     self._worker_rows = task_stats.TaskRows()
     self._identity = _split_input_identity(node)
-    self._finalizer = weakref.finalize(self, self._read.close)
+    self._lost_warned = False
+    # Not closed inside the garbage collector: see jaxfeed.service.client.reaper.
+    self._finalizer = reaper.track(self, self._read)
 
   @property
   def elements_by_worker(self) -> dict[str, int]:
@@ -61,6 +72,14 @@ class DistributedIterator(base.OpIterator):
   @property
   def job_id(self) -> int:
     return self._read.job_id
+
+  @property
+  def lost_positions(self) -> list[tuple[int, int]]:
+    """At-most-once DYNAMIC reads: the [start, stop) positions of the splits
+    that workers were reading when they were lost (their elements that had
+    not reached this client are lost; see
+    `jaxfeed.service.protocol.split_failures`). Empty when none was lost."""
+    return list(self._read.lost_positions)
 
   @property
   def last_round(self) -> int:
@@ -136,15 +155,25 @@ class DistributedIterator(base.OpIterator):
     read.consumed += 1
     return element
 
+  def _end(self) -> None:
+    """Raises StopIteration, after warning of the positions the read lost."""
+    lost = self._read.lost_positions
+    if lost and not self._lost_warned:
+      self._lost_warned = True
+      warnings.warn(split_failures.PositionsLostWarning(
+          split_failures.lost_message(self._read.dataset_id, lost)), stacklevel=4)
+    raise StopIteration
+
   def _next_element(self) -> Any:
     read = self._read
+    waiting_since = time.monotonic()
     while True:
       try:
         item = read.buffer.get(timeout=POLL_S)
       except queue.Empty:
         item = None
       if item is client_read.END:
-        raise StopIteration
+        self._end()
       if item is not None:
         element, tag = item
         if isinstance(tag, read_state.SplitTag):
@@ -155,9 +184,10 @@ class DistributedIterator(base.OpIterator):
         return element
       self._raise_error()
       if read.finished and read.buffer.empty():
-        raise StopIteration
+        self._end()
       if read.stop.is_set():
         raise StopIteration
+      read.check_progress(waiting_since)
 
   # -- round-robin reads ---------------------------------------------------------
   def _head(self, fetcher: Fetcher) -> tuple | None:
@@ -178,10 +208,12 @@ class DistributedIterator(base.OpIterator):
 
   def _next_round(self) -> Any:
     read = self._read
+    waiting_since = time.monotonic()
     while True:
       self._raise_error()
       if read.stop.is_set():
         raise StopIteration
+      read.check_progress(waiting_since)
       by_index, num_workers = read.round_fetchers()
       if all(self._drained(f) for f in by_index.values()) and (
           read.finished or (by_index and len(by_index) >= num_workers)):
@@ -275,10 +307,9 @@ class DistributedIterator(base.OpIterator):
     if kwargs is not None:
       (name, restored), = kwargs.items()
       if restored.started or getattr(self._read, name).started:
-        self._finalizer.detach()  # else: a fresh read either way
-        self._read.close()
+        reaper.close_now(self._finalizer, self._read)  # else: a fresh read either way
         self._read = client_read.ReadState(node, **kwargs)
-        self._finalizer = weakref.finalize(self, self._read.close)
+        self._finalizer = reaper.track(self, self._read)
       self._elements = int(state.get("elements_read", 0))
       return
     if state.get("elements_read", 0) != self._elements:
@@ -292,7 +323,7 @@ class DistributedIterator(base.OpIterator):
           "read, e.g. restore_checkpoint(..., restore_loader=False).")
 
   def _close_own(self) -> None:
-    self._finalizer()
+    reaper.close_now(self._finalizer, self._read)
 
 
 def _sharing(node: Any) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from jaxfeed import _lifetime
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
@@ -181,6 +182,9 @@ def main(argv: Any) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  # Started by a pool (or anything using jaxfeed._lifetime.popen): it ends
+  # with its parent, however the parent ends.
+  _lifetime.die_with_parent_from_env()
   try:
     udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
                                  "pickled_udf_secret")
