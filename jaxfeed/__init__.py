@@ -21,6 +21,7 @@ _EXPORTS = {
     "AUTOTUNE": "jaxfeed.ops.base",
     "PipelineStateError": "jaxfeed.ops.base",
     "Options": "jaxfeed.ops.options",
+    "TensorSpec": "jaxfeed.ops.element_spec",
     # sampler
     "IndexSampler": "jaxfeed.sampler",
     "RecordMetadata": "jaxfeed.sampler",
