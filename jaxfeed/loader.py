@@ -36,8 +36,10 @@ import orbax.checkpoint as ocp
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
-from jaxfeed.device.agreement import check_policy, distributed_client
+from jaxfeed.device.agreement import distributed_client
+from jaxfeed.device.step_verdict import resolve_policy
 from jaxfeed.ops import op_stats
+from jaxfeed.ops.batch_rows import full_batch_rows
 from jaxfeed.ops.reshard import reshard_states
 from jaxfeed.ops.prefetch import PrefetchNode
 from jaxfeed.device.placement import ShardingLike
@@ -71,23 +73,49 @@ class Loader:
       the pipeline ends in `prefetch` (it reads ahead itself), batches go to
       CPU devices only and no other process takes part, each batch is placed
       in `next()` instead, with no thread (see `DevicePrefetcher`).
+    partial_batch: what a *partial* batch becomes: one with fewer rows than
+      a complete batch, such as the last batch of an epoch without
+      `drop_remainder` (on any number of processes), or a process's batch
+      with fewer rows than another process's at the same step. A complete
+      batch has the `batch_size` of the pipeline's last `batch` /
+      `padded_batch` / `rebatch` (seen through `take`, `skip`, `repeat`,
+      `shuffle`, `filter`, `prefetch`, `cache`, ...; see
+      `jaxfeed.ops.batch_rows`), or, when the pipeline does not say (a `map`
+      after the batch, a service read, a plain iterable), as many rows as
+      the largest batch of the step.
+      `"drop"` (default): the step is dropped on every process, as
+      `batch(..., drop_remainder=True)` drops it. `"pad"`: the missing rows
+      are zeros, and every batch, which must be a dict, gets a bool leaf
+      `"mask"` of shape `[global_batch]` that is True for real rows (weigh the
+      loss with it; tf.distribute's handling of a partial batch); steps then
+      go on until every process's input ended (see `end_of_input`), so every
+      real row comes once. `"error"`: a ValueError naming the step and each
+      process's shape.
+      Why "drop" by default: a jitted step compiles again for every new
+      shape, and in a multi-process job a partial batch cannot even form one
+      global array, so the default keeps every step's shapes and leaves as
+      they are and never raises at the end of an epoch; what it loses is
+      less than one global batch per epoch, as `drop_remainder=True` (what
+      JAX training loops use) does. Evaluation, where every example must
+      count, wants "pad" and a masked metric.
     end_of_input: what happens in a multi-process job when the processes'
       inputs end at different steps (uneven shards, a `filter` keeping
       different numbers of records per process, a shared service job).
-      `"stop_at_shortest"` (default): every process stops at the first step
-      some process has no batch for; the others' batches of that step are
+      `"stop_at_shortest"`: every process stops at the first step some
+      process has no batch for; the others' batches of that step are
       dropped. `"pad"`: steps go on until every process's input ended; a
-      process out of input (or with a shorter last batch) yields zero rows up
-      to the longest process's batch size, and every batch, which must be a
-      dict, gets a bool leaf `"valid"` of shape `[global_batch]` that is True
-      for real rows; weigh the loss with it. Either way the processes check
-      each step that their local shapes can form one global array (else every
-      process raises a ValueError naming the leaf and each process's shape),
-      through a small host-side exchange in the `jax.distributed` key-value
-      store on the prefetch thread (see `jaxfeed.device.agreement`). With one
-      process, or shardings on this process's devices only, nothing is
-      exchanged and this option has no effect. Every process must create its
-      Loaders in the same order.
+      process out of input yields zero rows, masked. None (default):
+      `"pad"` with `partial_batch="pad"`, else `"stop_at_shortest"`.
+      `end_of_input="pad"` without `partial_batch` pads partial batches too
+      and names the mask leaf `"valid"` (as before `partial_batch` existed);
+      with `partial_batch="drop"` it is refused. Either way the processes
+      check each step that their local shapes can form one global array
+      (else every process raises a ValueError naming the leaf and each
+      process's shape), through a small host-side exchange in the
+      `jax.distributed` key-value store on the prefetch thread (see
+      `jaxfeed.device.agreement`). With one process, or shardings on this
+      process's devices only, nothing is exchanged and this option has no
+      effect. Every process must create its Loaders in the same order.
     pad_to_common_shape: in a multi-process job, zero-pad each leaf's
       dimensions after the first to the largest size any process has at that
       step, so that e.g. `padded_batch` without fixed `padded_shapes` or
@@ -134,18 +162,22 @@ class Loader:
   """
 
   def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
-               prefetch: int = 2, end_of_input: str = "stop_at_shortest",
+               prefetch: int = 2, partial_batch: str | None = None,
+               end_of_input: str | None = None,
                pad_to_common_shape: bool = False):
     if not isinstance(dataset, Dataset) and not hasattr(dataset, "__iter__"):
       raise TypeError(
           "Loader: dataset must be a jaxfeed.Dataset or an iterable of numpy "
           f"batch pytrees, got {type(dataset).__name__}.")
-    check_policy(end_of_input, "Loader")
+    resolve_policy(partial_batch, end_of_input, "Loader")
     self._dataset = dataset
     self._sharding = sharding
     self._prefetch = prefetch
+    self._partial_batch = partial_batch
     self._end_of_input = end_of_input
     self._pad_to_common_shape = pad_to_common_shape
+    self._full_batch_rows = (full_batch_rows(dataset.node)
+                             if isinstance(dataset, Dataset) else None)
     self._host_iterator = self._new_host_iterator()
     self._prefetcher = self._new_prefetcher(self._host_iterator)
     self._end_of_epoch = False  # next() raised StopIteration this epoch
@@ -157,8 +189,10 @@ class Loader:
   def _new_prefetcher(self, host_iterator: Any) -> DevicePrefetcher:
     return DevicePrefetcher(host_iterator, self._sharding,
                             prefetch=self._prefetch,
+                            partial_batch=self._partial_batch,
                             end_of_input=self._end_of_input,
                             pad_to_common_shape=self._pad_to_common_shape,
+                            full_batch_rows=self._full_batch_rows,
                             host_reads_ahead=_reads_ahead(self._dataset))
 
   def _new_host_iterator(self) -> Any:
