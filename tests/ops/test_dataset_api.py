@@ -25,8 +25,8 @@ tf = import_tensorflow()
 DELIBERATE_OMISSIONS = {
     # Nothing: every public name of tf.data.Dataset (TensorFlow 2.21) exists.
 }
-# Built with `jaxfeed.service.distributed_save` (issue 27, point 3), in their
-# own change; present or not until it lands. Remove them from here then.
+# Built with `jaxfeed.service.distributed_save`, whose format they share, in a
+# change of their own; present or not until it lands. Remove them from here then.
 BUILT_ELSEWHERE = {"save", "load"}
 
 
