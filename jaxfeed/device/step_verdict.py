@@ -40,6 +40,7 @@ raises a ValueError naming the leaf and each process's shape.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Mapping
 
 import jax
@@ -183,6 +184,10 @@ def decide(step: int, messages: Mapping[int, Any], count: int,
     full = max([*rows.values(), policy.full_rows or 0])
     partial = sorted(p for p, r in rows.items() if r < full)
     if partial and policy.partial_batch == "drop":
+      logging.info(
+          "Loader: step %d dropped on every process: processes %s have %s of "
+          "%d rows (partial_batch='pad' keeps them, with a mask).", step,
+          partial, [rows[p] for p in partial], full)
       return {"skip": True}
     if partial and policy.partial_batch == "error":
       return {"error": _partial_message(step, present, partial, full)}
