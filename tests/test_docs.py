@@ -241,3 +241,15 @@ def test_the_manual_builds_without_warnings_or_broken_links(tmp_path):
   for page in pages:
     visible = re.sub(r"<!--.*?-->", "", page.read_text(), flags=re.S)
     assert "not-runnable" not in visible and "continues --" not in visible, page
+
+
+def test_the_reference_page_lists_every_public_name():
+  """A quick check of what the manual's build checks too, without Sphinx."""
+  text = (REPO / "docs" / "reference" / "index.md").read_text()
+  listed = set(re.findall(r"^\s+([A-Za-z_]\w*)$", text, re.MULTILINE))
+  listed |= set(re.findall(r"py:data:: (\w+)", text))
+  missing = [name for name in jaxfeed.__all__
+             if name not in jaxfeed._SUBMODULES and name not in listed]
+  missing += [f"jaxfeed.service.{name}" for name in jaxfeed.service.__all__
+              if name not in listed]
+  assert not missing, f"docs/reference/index.md does not list {missing}"
