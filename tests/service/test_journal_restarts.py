@@ -120,6 +120,9 @@ def test_a_dispatcher_killed_while_it_snapshots_keeps_every_acknowledged_change(
   assert not errors, errors
   assert len(acknowledged) >= 45
   assert (tmp_path / "snapshot.json").exists()
+  deadline = time.monotonic() + WAIT_S  # the snapshot under way, if any, finishes
+  while (tmp_path / "snapshot.json.tmp").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
   assert not (tmp_path / "snapshot.json.tmp").exists()
   dispatcher.kill()
   dispatcher = start_dispatcher(cluster, port, tmp_path, *flags)

@@ -8,6 +8,7 @@ from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.storage import journal_replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,11 @@ class DispatcherConfig:
       across power loss; one fsync per state change, shared by changes that
       commit together). Without it a change survives a crash of the
       dispatcher process but not of the machine.
+    journal_damage: What a restart does with damage in the journal before
+      valid records (a checksum that does not match): "refuse" to start
+      (the error names the file and offset), or "truncate": cut the journal
+      there, losing every change after it (logged loudly). A torn last
+      line is always cut; a damaged snapshot always refuses.
     snapshot_every_records: Compact the journal into a snapshot of the live
       state once it holds this many records (0: never by count). A restart
       reads the snapshot plus at most about this many records.
@@ -78,6 +84,7 @@ class DispatcherConfig:
   num_workers: int | None = None
   tls: rpc.TLSConfig | None = None
   journal_fsync: bool = True
+  journal_damage: str = journal_replay.REFUSE
   snapshot_every_records: int = 50_000
   snapshot_every_bytes: int = 32 << 20
   dataset_gc_timeout_s: float = 24 * 3600.0
@@ -95,6 +102,9 @@ class DispatcherConfig:
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"DispatcherConfig: {name} must be > 0 seconds, got {value!r}.")
+    if self.journal_damage not in journal_replay.DAMAGE_POLICIES:
+      raise ValueError(f"DispatcherConfig: journal_damage must be one of "
+                       f"{journal_replay.DAMAGE_POLICIES}, got {self.journal_damage!r}.")
     for name in ("snapshot_every_records", "snapshot_every_bytes"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
