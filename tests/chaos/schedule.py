@@ -17,7 +17,14 @@ checks the guarantee of the mode (DESIGN.md, "Fault model and guarantees"):
 * parallel_epochs: every worker never killed delivers the whole epoch, a
   killed or restarted one at most one epoch per process it ran as;
 * every read ends, or fails with a clear error, within a deadline; with the
-  dispatcher back and a worker alive, any failure is itself a violation.
+  dispatcher back and a worker alive, any failure is itself a violation;
+* a bit flipped in the dispatcher's work_dir (it is killed, the bit flipped,
+  and it is restarted): it refuses to start naming the file and the offset
+  (the bit is then restored, as from a backup, and it starts), or it serves
+  the right data (the read's guarantee holds);
+* a full disk (its work_dir is a small tmpfs, filled for a while): the
+  dispatcher process stays up and serves again once space returns, and the
+  read's guarantee holds.
 
 The run's `RunRecord` says which faults were injected, how many elements
 were checked, the violation (None if the guarantee held) and whether the
@@ -44,12 +51,20 @@ from chaos_cluster import HEARTBEAT_TIMEOUT_S, ChaosCluster
 MODES = ("parallel_epochs", "at_most_once", "exactly_once")
 FAULT_KINDS = ("worker_kill", "worker_restart", "worker_stop", "worker_cut",
                "worker_stall", "dispatcher_restart", "dispatcher_torn_restart",
-               "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart")
+               "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart",
+               "work_dir_bit_flip", "full_disk")
 SPLITS_PER_REQUEST = WorkerConfig.splits_per_request  # split ranges a worker holds
 BASE_DEADLINE_S = 90.0
 # A read that hands on no batch this long, beyond the fault being injected,
 # hangs: a dead worker is noticed in HEARTBEAT_TIMEOUT_S.
 NO_PROGRESS_S = 45.0
+
+
+_DISK_FAULTS = ("work_dir_bit_flip", "full_disk")
+
+
+class NotInjected(Exception):
+  """This machine cannot inject the fault (it is left out of the run)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +102,7 @@ class Schedule:
     extra = 0.0
     for fault in self.faults:
       extra += fault.duration_s + 5.0
-      if "kill" in fault.kind or "restart" in fault.kind:
+      if "kill" in fault.kind or "restart" in fault.kind or fault.kind in _DISK_FAULTS:
         extra += 3 * HEARTBEAT_TIMEOUT_S
     return BASE_DEADLINE_S + extra
 
@@ -101,6 +116,8 @@ class RunRecord:
   violation: str | None
   hang: bool
   elapsed_s: float
+  # Per work_dir bit flip: "refused" (naming file and offset) or "served".
+  flips: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def ok(self) -> bool:
@@ -132,6 +149,8 @@ def draw(seed: int) -> Schedule:
     duration = 0.0
     if kind in ("worker_stop", "worker_stall", "dispatcher_stall"):
       duration = round(rng.uniform(0.2, 1.5), 2)
+    elif kind == "full_disk":
+      duration = round(rng.uniform(0.5, 3.0), 2)
     elif "restart" in kind:
       duration = round(rng.uniform(0.0, 1.0), 2)
     faults.append(Fault(int(fraction * total), kind, slot, duration))
@@ -167,6 +186,7 @@ class _Injector:
     self.injected: list[str] = []
     self.killed_incarnations = 0  # worker processes killed (at-most-once may lose)
     self.killed_slots: set[int] = set()
+    self.flips: list[str] = []  # per bit flipped: "refused" or "served"
     self.error: BaseException | None = None
     self._consumed = 0
     self._done = False
@@ -193,7 +213,10 @@ class _Injector:
             self._cond.wait(0.1)
           if self._done:
             return
-        self._inject(fault)
+        try:
+          self._inject(fault)
+        except NotInjected:
+          continue
         self.injected.append(fault.kind)
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
@@ -243,6 +266,14 @@ class _Injector:
       time.sleep(fault.duration_s)
       cluster.start_dispatcher()
       worker.start()
+    elif kind == "work_dir_bit_flip":
+      index = self.schedule.faults.index(fault)
+      self.flips.append(cluster.flip_bit_and_restart(
+          random.Random(self.schedule.seed * 100 + index)))
+    elif kind == "full_disk":
+      if cluster.disk is None:
+        raise NotInjected("no tmpfs to fill (mounting one needs root)")
+      cluster.fill_disk(fault.duration_s)
     else:
       raise ValueError(f"Unknown fault kind {kind!r}.")
 
@@ -348,7 +379,8 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
   with ChaosCluster(work_dir, schedule.num_workers,
                     proxied_workers=schedule.proxied_workers,
                     split_size=schedule.split_size,
-                    worker_buffer_size=schedule.worker_buffer_size) as cluster:
+                    worker_buffer_size=schedule.worker_buffer_size,
+                    small_disk=any(f.kind == "full_disk" for f in schedule.faults)) as cluster:
     iterator = distribute(schedule, cluster, timeout_s=60.0).make_iterator()
     injector = _Injector(schedule, cluster)
     longest = max((f.duration_s for f in schedule.faults), default=0.0)
@@ -374,4 +406,4 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
   return RunRecord(seed=schedule.seed, mode=schedule.mode,
                    faults_injected=list(injector.injected),
                    elements_checked=sum(counts.values()), violation=violation,
-                   hang=hang, elapsed_s=time.monotonic() - start)
+                   hang=hang, elapsed_s=time.monotonic() - start, flips=injector.flips)

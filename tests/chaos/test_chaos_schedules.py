@@ -2,8 +2,8 @@
 
 Each run starts its own dispatcher and workers, reads while faults hit them
 from outside (SIGKILL, SIGSTOP, restarts in place, connections reset with a
-proxy or `ss -K`, stalled connections, a torn journal tail) and checks the
-guarantee of its mode (DESIGN.md §4). The seeds here are a fixed sample
+proxy or `ss -K`, stalled connections, a torn journal tail, a bit flipped in
+the work_dir, a full disk) and checks the guarantee of its mode (DESIGN.md §4). The seeds here are a fixed sample
 that covers every mode and fault kind; benchmarks/chaos_soak.py runs many
 more.
 """
@@ -18,7 +18,7 @@ from schedule import FAULT_KINDS, MODES, Fault, Schedule, draw, run
 
 pytestmark = pytest.mark.timeout(400)
 
-CI_SEEDS = (4, 12, 13, 14, 16, 17, 33)
+CI_SEEDS = (17, 33, 34, 99, 425, 585)
 
 
 def _assert_ok(record) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import io
+import itertools
 import json
 import logging
 import os
@@ -136,7 +137,7 @@ def replay(work_dir: pathlib.Path, apply: Apply, damage: str = REFUSE,
   if snapshot_path.exists():
     snapshot = state_snapshot.decode(snapshot_path.read_bytes(), str(snapshot_path))
     for record, offset in zip(snapshot.records, snapshot.offsets):
-      _apply_one(apply, record, f"Dispatcher snapshot {snapshot_path}, record at byte {offset}")
+      _apply_one(apply, record, snapshot_path, 0, offset)
     first, snapshot_records, legacy = (snapshot.journal_generation, len(snapshot.records),
                                        snapshot.legacy)
   found = generations(work_dir)
@@ -182,10 +183,16 @@ class _Reader:
     else:
       lines = _checked_lines(data, path, generation)
       self.last_crc = lines.last_crc
-    for record, offset, number in lines.records:
-      _apply_one(apply=self.apply, record=record,
-                 where=f"Journal {path} is corrupt at line {number} (byte {offset})")
-    self.records += len(lines.records)
+    for line, offset, number in lines.batches:  # decoded one at a time: less memory
+      try:
+        value = json.loads(line) if isinstance(line, bytes) else line
+      except (ValueError, RecursionError):  # a checksum that matches over no JSON
+        lines = _Lines([], offset, 0, number, False, "its checksum matches but it is no JSON")
+        break
+      batch = value if isinstance(value, list) else [value]
+      for record in batch:
+        _apply_one(self.apply, record, path, number, offset)
+      self.records += len(batch)
     self.bytes += lines.end
     self.size = lines.end
     if lines.end == len(data):
@@ -240,10 +247,11 @@ class _Reader:
 
 @dataclasses.dataclass(frozen=True)
 class _Lines:
-  """A journal file read: its records (with their lines' offsets and
-  numbers), where its readable part ends, and what is wrong after it."""
+  """A journal file read: its batches (a line's JSON bytes, or its value
+  decoded, with the line's offset and number), where its readable part
+  ends, and what is wrong after it."""
 
-  records: list[tuple[Any, int, int]]
+  batches: list[tuple[Any, int, int]]
   end: int
   last_crc: int = 0
   bad_line: int = 0
@@ -254,40 +262,36 @@ class _Lines:
 def _checked_lines(data: bytes, path: pathlib.Path, generation: int) -> _Lines:
   """A file of checked lines; its first line must be the header of `generation`."""
   checked = journal_lines.check(data)
-  records: list[tuple[Any, int, int]] = []
-  for number, (payload, offset) in enumerate(zip(checked.payloads, checked.offsets), 1):
+  if checked.payloads:
     try:
-      value = journal_lines.decode(payload)
-    except (ValueError, RecursionError):  # a checksum that matches over no JSON
-      return _Lines(records, offset, 0, number, False, "its checksum matches but it is no JSON")
-    if number == 1:
-      if value != header(generation):
-        raise JournalDamageError(
-            f"Journal {path} does not start with the header of generation {generation} "
-            f"({value!r:.120}): it is not this file's journal.", str(path), 0)
-      continue
-    records.extend((r, offset, number) for r in (value if isinstance(value, list) else [value]))
-  return _Lines(records, checked.valid_end, checked.last_crc, checked.bad_line,
+      first = journal_lines.decode(checked.payloads[0])
+    except (ValueError, RecursionError):
+      first = None
+    if first != header(generation):
+      raise JournalDamageError(
+          f"Journal {path} does not start with the header of generation {generation} "
+          f"({first!r:.120}): it is not this file's journal.", str(path), 0)
+  lines = list(zip(checked.payloads, checked.offsets, itertools.count(1)))[1:]
+  return _Lines(lines, checked.valid_end, checked.last_crc, checked.bad_line,
                 checked.torn, "its checksum does not match")
 
 
 def _legacy_lines(data: bytes, path: pathlib.Path) -> _Lines:
   """A file of the previous release: JSON lines without checksums."""
   del path
-  records: list[tuple[Any, int, int]] = []
+  batches: list[tuple[Any, int, int]] = []
   offset = 0
   for number, line in enumerate(io.BytesIO(data), 1):  # split at "\n" only
     if not line.endswith(b"\n"):
-      return _Lines(records, offset, bad_line=number, torn=True, why="the line is incomplete")
+      return _Lines(batches, offset, bad_line=number, torn=True, why="the line is incomplete")
     if line.strip():
       try:
         decoded = json.loads(line)
       except (ValueError, RecursionError) as e:  # too deep a nesting recurses too far
-        return _Lines(records, offset, bad_line=number, why=f"it is no JSON ({e})")
-      records.extend((r, offset, number)
-                     for r in (decoded if isinstance(decoded, list) else [decoded]))
+        return _Lines(batches, offset, bad_line=number, why=f"it is no JSON ({e})")
+      batches.append((decoded if isinstance(decoded, list) else [decoded], offset, number))
     offset += len(line)
-  return _Lines(records, offset)
+  return _Lines(batches, offset)
 
 
 def _readable_records(data: bytes) -> list[Any]:
@@ -306,15 +310,23 @@ def _readable_records(data: bytes) -> list[Any]:
   return found
 
 
-def _apply_one(apply: Apply, record: Any, where: str) -> None:
-  if not isinstance(record, dict) or "kind" not in record:
+def _apply_one(apply: Apply, record: Any, path: pathlib.Path, line: int, offset: int) -> None:
+  """Applies a record read from `path` at `line` (0: a snapshot's) and `offset`."""
+  if type(record) is dict and "kind" in record:  # pylint: disable=unidiomatic-typecheck
+    try:
+      apply(record)
+      return
+    except Exception as e:  # pylint: disable=broad-except
+      error: Exception | None = e
+  else:
+    error = None
+  where = (f"Journal {path} is corrupt at line {line} (byte {offset})" if line
+           else f"Dispatcher snapshot {path}, record at byte {offset}")
+  if error is None:
     raise ValueError(f"{where}: expected a record (a JSON object with a 'kind'), "
                      f"got {str(record)[:80]!r}.")
-  try:
-    apply(record)
-  except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(f"{where}: record {str(record)[:200]} cannot be applied: "
-                     f"{type(e).__name__}: {e}") from e
+  raise ValueError(f"{where}: record {str(record)[:200]} cannot be applied: "
+                   f"{type(error).__name__}: {error}") from error
 
 
 def fsync_path(path: pathlib.Path) -> None:
