@@ -143,7 +143,9 @@ class Journal:
     self._replayed = False
     self._lock_fd: int | None = None
     # Guards everything below; held for writes (page cache), never during an fsync.
-    self._cond = threading.Condition(threading.Lock())
+    lock = threading.Lock()
+    self._cond = threading.Condition(lock)  # an fsync round ended
+    self._work = threading.Condition(lock)  # the journal's thread has work
     self._generation = 0
     self._fd: int | None = None
     self._crc = 0  # of the current generation's last line
@@ -294,7 +296,7 @@ class Journal:
                            f"for the disk (last error: {self._write_error})"))
       changed = was_healthy != self.healthy
       number = self._accepted
-      self._cond.notify_all()  # the thread syncs what nobody waits for
+      self._work.notify()  # the thread syncs what nobody waits for
     if changed:
       self._notify()
     return number
@@ -387,8 +389,8 @@ class Journal:
       if self._failure is not None:
         raise JournalUnavailableError(self._failure_message())
       self._syncing = True
-      target, folder = self._written, self._folder_dirty
-      fds = [*self._retired, *([self._fd] if self._fd is not None else [])]
+      target, folder, retired = self._written, self._folder_dirty, list(self._retired)
+      fds = [*retired, *([self._fd] if self._fd is not None else [])]
     error = None
     try:
       for fd in fds:  # a later generation never outlives an earlier one
@@ -400,15 +402,15 @@ class Journal:
     with self._cond:
       self._syncing = False
       if error is None:
-        for fd in fds:
-          if fd in self._retired:
-            self._retired.remove(fd)
-            os.close(fd)
+        for fd in retired:  # one retired during the round may hold a write it missed
+          self._retired.remove(fd)
+          os.close(fd)
         self._folder_dirty = self._folder_dirty and not folder
         self._synced = max(self._synced, target)
       else:
         self._fail(error)
       self._cond.notify_all()
+      self._work.notify()
     if error is not None:
       self._notify()
       raise JournalUnavailableError(self._failure_message())
@@ -426,7 +428,7 @@ class Journal:
     """Retries refused writes, syncs what nobody waits for, writes snapshots."""
     while True:
       with self._cond:
-        self._cond.wait_for(self._has_work)
+        self._work.wait_for(self._has_work)
         snapshot = self._snapshots.popleft() if self._snapshots else None
         if snapshot is None and (self._closed or self._failure is not None):
           return  # a snapshot taken is written first, even when closing
@@ -453,7 +455,7 @@ class Journal:
 
   def _sleep(self, seconds: float) -> None:
     with self._cond:
-      self._cond.wait_for(lambda: self._closed, seconds)
+      self._work.wait_for(lambda: self._closed, seconds)
 
   # -- snapshots ---------------------------------------------------------------
   def wants_snapshot(self) -> bool:
@@ -495,7 +497,7 @@ class Journal:
     """Steps 2 and 3 on the journal's thread."""
     with self._cond:
       self._snapshots.append((generation, records))
-      self._cond.notify_all()
+      self._work.notify()
 
   def finish_snapshot(self, generation: int, records: list[dict[str, Any]]) -> None:
     """Steps 2 and 3 here and now."""
@@ -533,6 +535,7 @@ class Journal:
     with self._cond:
       self._closed = True
       self._cond.notify_all()
+      self._work.notify()
     if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join(timeout=30)
     with self._cond:
