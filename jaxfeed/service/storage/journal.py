@@ -167,6 +167,7 @@ class Journal:
     self._snapshots: collections.deque[tuple[int, list]] = collections.deque()
     self._closed = False
     self._thread: threading.Thread | None = None
+    self._idle = False  # the thread waits for work
     self._listeners: list[Callable[[bool], None]] = []
 
   @property
@@ -296,7 +297,7 @@ class Journal:
                            f"for the disk (last error: {self._write_error})"))
       changed = was_healthy != self.healthy
       number = self._accepted
-      self._work.notify()  # the thread syncs what nobody waits for
+      self._wake()  # the thread syncs what nobody waits for
     if changed:
       self._notify()
     return number
@@ -410,7 +411,7 @@ class Journal:
       else:
         self._fail(error)
       self._cond.notify_all()
-      self._work.notify()
+      self._wake()
     if error is not None:
       self._notify()
       raise JournalUnavailableError(self._failure_message())
@@ -428,7 +429,9 @@ class Journal:
     """Retries refused writes, syncs what nobody waits for, writes snapshots."""
     while True:
       with self._cond:
+        self._idle = True
         self._work.wait_for(self._has_work)
+        self._idle = False
         snapshot = self._snapshots.popleft() if self._snapshots else None
         if snapshot is None and (self._closed or self._failure is not None):
           return  # a snapshot taken is written first, even when closing
@@ -442,11 +445,19 @@ class Journal:
             continue
         self._notify()
       else:
-        self._sleep(LAZY_SYNC_S)  # more commits share the fsync
+        time.sleep(LAZY_SYNC_S)  # more commits share the fsync
         try:
           self.sync(self._written)
         except JournalUnavailableError:
           pass  # failed: noted, and told to every call
+
+  def _wake(self) -> None:
+    """Wakes the journal's thread if it waits for work (lock held). Not
+    otherwise: it would take the interpreter lock from the handlers at
+    every write."""
+    if self._idle:
+      self._idle = False
+      self._work.notify()
 
   def _has_work(self) -> bool:
     return bool(self._closed or self._failure is not None or self._snapshots
