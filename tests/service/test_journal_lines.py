@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
+import time
 
 import pytest
 
@@ -122,3 +124,27 @@ def test_a_failed_fsync_fails_the_journal_for_good(tmp_path, monkeypatch):
       server.state.register_dataset(dataset_def(30))
   finally:
     server.stop()
+
+
+@pytest.mark.parametrize("round_under_way", [False, True])
+def test_a_change_nobody_waits_for_is_durable_soon(tmp_path, monkeypatch, round_under_way):
+  # A heartbeat's change waits for no fsync: the journal's thread makes it
+  # durable, also when it woke while a caller's fsync was under way.
+  monkeypatch.setenv(journal_lib.FSYNC_DELAY_ENV, "0.2")
+  journal = journal_lib.Journal(tmp_path)
+  journal.replay(lambda r: None)
+  try:
+    first = journal.write([{"kind": "a"}])
+    caller = threading.Thread(target=journal.sync, args=(first,))
+    if round_under_way:
+      caller.start()
+      time.sleep(0.05)
+    second = journal.write([{"kind": "b"}])
+    deadline = time.monotonic() + 5
+    while not journal.durable(second) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert journal.durable(second)
+    if round_under_way:
+      caller.join()
+  finally:
+    journal.close()

@@ -167,7 +167,8 @@ class Journal:
     self._snapshots: collections.deque[tuple[int, list]] = collections.deque()
     self._closed = False
     self._thread: threading.Thread | None = None
-    self._idle = False  # the thread waits for work
+    # What was written waits for the thread's fsync (nobody may wait for it).
+    self._sync_due = False
     self._listeners: list[Callable[[bool], None]] = []
 
   @property
@@ -297,7 +298,11 @@ class Journal:
                            f"for the disk (last error: {self._write_error})"))
       changed = was_healthy != self.healthy
       number = self._accepted
-      self._wake()  # the thread syncs what nobody waits for
+      if changed or (self._fsync and not self._sync_due):
+        # Once per fsync of the thread, not at every write: a wake-up takes
+        # the interpreter lock from the handlers.
+        self._sync_due = self._sync_due or self._fsync
+        self._work.notify()
     if changed:
       self._notify()
     return number
@@ -411,7 +416,6 @@ class Journal:
       else:
         self._fail(error)
       self._cond.notify_all()
-      self._wake()
     if error is not None:
       self._notify()
       raise JournalUnavailableError(self._failure_message())
@@ -429,13 +433,14 @@ class Journal:
     """Retries refused writes, syncs what nobody waits for, writes snapshots."""
     while True:
       with self._cond:
-        self._idle = True
-        self._work.wait_for(self._has_work)
-        self._idle = False
+        while not self._has_work():
+          self._work.wait()
         snapshot = self._snapshots.popleft() if self._snapshots else None
         if snapshot is None and (self._closed or self._failure is not None):
           return  # a snapshot taken is written first, even when closing
         retry = self._write_error is not None
+        if snapshot is None and not retry:
+          self._sync_due = False  # a write from now on sets it again
       if snapshot is not None:
         self._finish_snapshot(*snapshot)
       elif retry:
@@ -443,6 +448,7 @@ class Journal:
         with self._cond:
           if self._closed or not self._flush():
             continue
+          self._sync_due = self._fsync  # what waited is written: fsync it
         self._notify()
       else:
         time.sleep(LAZY_SYNC_S)  # more commits share the fsync
@@ -451,18 +457,9 @@ class Journal:
         except JournalUnavailableError:
           pass  # failed: noted, and told to every call
 
-  def _wake(self) -> None:
-    """Wakes the journal's thread if it waits for work (lock held). Not
-    otherwise: it would take the interpreter lock from the handlers at
-    every write."""
-    if self._idle:
-      self._idle = False
-      self._work.notify()
-
   def _has_work(self) -> bool:
     return bool(self._closed or self._failure is not None or self._snapshots
-                or self._write_error is not None
-                or (self._fsync and self._written > self._synced and not self._syncing))
+                or self._write_error is not None or self._sync_due)
 
   def _sleep(self, seconds: float) -> None:
     with self._cond:
