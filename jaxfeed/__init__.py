@@ -36,6 +36,7 @@ _EXPORTS = {
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
+    "DamagedRange": "jaxfeed.sources",
     "SequentialReadError": "jaxfeed.sources.tfrecord_source",
     "RecordSource": "jaxfeed.sources",
     # device and loader

@@ -421,10 +421,11 @@ class Dataset:
   def repeat(self, count: int | None = None) -> "Dataset":
     """Repeats the dataset `count` times (forever for None or -1).
 
-    tf.data's `repeat`: each repetition is a new pass over the input (a new
-    iterator of it), so `shuffle(..., reshuffle_each_iteration=True)` above
-    or below reshuffles per epoch. For sampler pipelines, `num_epochs` of the
-    `IndexSampler` gives epochs with their own global shuffle.
+    tf.data's `repeat`: each repetition is a new pass over the input (its
+    next iteration, see `make_iterator`), so a shuffled `IndexSampler` or a
+    `shuffle(..., reshuffle_each_iteration=True)` below it gives every
+    repetition its own order. For sampler pipelines, `num_epochs` of the
+    `IndexSampler` also gives epochs with their own global shuffle.
     """
     return self._wrap(_op("repeat").RepeatNode(self.node, count))
 
@@ -512,16 +513,29 @@ class Dataset:
     return Dataset(self.node, options)
 
   def make_iterator(self) -> base.OpIterator:
-    """A fresh iterator (with get_state / set_state / close).
+    """A fresh iterator (with get_state / set_state / close): the next
+    iteration over the data.
+
+    Like iterating a tf.data dataset again, each iterator is a new pass from
+    the start: a shuffled `IndexSampler` (and `shuffle`) gives every pass its
+    own order, derived from its seed and the pass number, the same in every
+    run and on every host (`IndexSampler(..., reshuffle_each_iteration=False)`
+    repeats the first pass's order). The state of an iterator records its
+    pass: restored into a fresh Dataset, it resumes that pass, and the next
+    iterator of the Dataset is the pass after it, as in the run that saved
+    it. Every process of a multi-process job must iterate its Dataset the
+    same number of times.
 
     The graph is first rewritten by the static optimizer, then run under the
     autotuner when it has AUTOTUNE knobs (see `jaxfeed.Options`).
     """
     # Optimized once per Dataset: nodes that keep something across iterations
-    # (an in-memory cache, shuffle's pass counter) then live on, as they do
-    # when the same Dataset is iterated again in tf.data.
+    # (an in-memory cache, shuffle's pass counter, from_source's iteration)
+    # then live on, as they do when the same Dataset is iterated again in
+    # tf.data.
     if self._optimized is None:
       self._optimized = _op("optimize").optimize(self.node, self.options)
+    base.begin_iteration(self._optimized)
     root = _op("op_stats").instrument(self._optimized, self._optimized.make_iterator(),
                                       self.options)
     return _op("autotune").autotuned(root, self.options)

@@ -45,6 +45,7 @@ from jaxfeed.service.protocol import read_state
 
 _MODEL_ITEM = "model"
 _LOADER_ITEM = "loader"
+_STATE_KEYS = {"pipeline", "batches", "end_of_epoch"}
 
 
 class Loader:
@@ -95,13 +96,35 @@ class Loader:
       with the ValueError above; fixed `padded_shapes` (or coordinated reads,
       `Dataset.from_bucket_plan`) avoid both the error and this padding.
 
+  Epochs: a Loader is an iterator, like tf.data's `iter(dataset)` and the
+  iterator of a PyTorch DataLoader, that goes on to the next epoch once one
+  has ended::
+
+    for epoch in range(num_epochs):
+      for batch in loader:           # one whole epoch each time
+        ...
+
+  Iterating it again (`for`, `iter()`, `zip`, `islice`) where a loop left
+  off continues the current epoch: `zip(range(n), loader)` twice yields
+  batches 0..n-1, then n..2n-1, and over an endless pipeline it never
+  repeats data. Once an epoch has ended (`next()` raised StopIteration),
+  iterating again starts the next one: a fresh iterator of the `Dataset`,
+  whose shuffled `IndexSampler` gives it its own order (see
+  `Dataset.make_iterator`); `next()` alone keeps raising StopIteration. A
+  plain iterable input starts the next epoch with `iter(dataset)`; a
+  one-shot iterator (a generator) cannot, and iterating the Loader again
+  then raises a RuntimeError that says so.
+
   State: `get_state()` is `{"pipeline": <pipeline state as of the last batch
-  the loop received>, "batches": <batches received>}` (JSON-able);
-  `set_state()` restores it before or during iteration. To checkpoint with
-  orbax next to the model state use `jaxfeed.save_checkpoint` /
-  `jaxfeed.restore_checkpoint`, or the `jaxfeed.LoaderSave` /
-  `jaxfeed.LoaderRestore` items inside `ocp.args.Composite` (see the module
-  docstring).
+  the loop received>, "batches": <batches received>}` (JSON-able), plus
+  `"end_of_epoch": True` once the epoch has ended; `set_state()` restores it
+  before or during iteration. The pipeline state records its epoch (the
+  sampler's iteration): a Loader restored in a fresh process finishes that
+  epoch and then goes on with the next one in the order the uninterrupted
+  run gives it. To checkpoint with orbax next to the model state use
+  `jaxfeed.save_checkpoint` / `jaxfeed.restore_checkpoint`, or the
+  `jaxfeed.LoaderSave` / `jaxfeed.LoaderRestore` items inside
+  `ocp.args.Composite` (see the module docstring).
 
   `stats()` tells whether training is input bound: the seconds the loop waited
   for batches versus the seconds it spent between batches (model time), and
@@ -125,6 +148,7 @@ class Loader:
     self._pad_to_common_shape = pad_to_common_shape
     self._host_iterator = self._new_host_iterator()
     self._prefetcher = self._new_prefetcher(self._host_iterator)
+    self._end_of_epoch = False  # next() raised StopIteration this epoch
     self._batches = 0
     self._wait_s = 0.0
     self._model_s = 0.0
@@ -144,20 +168,46 @@ class Loader:
 
   # -- iteration ----------------------------------------------------------
   def __iter__(self) -> "Loader":
+    """This Loader: the current epoch, or the next once it has ended."""
+    if self._end_of_epoch:
+      self._start_next_epoch()
     return self
 
   def __next__(self) -> Any:
+    if self._end_of_epoch:
+      raise StopIteration
     start = time.perf_counter()
     if self._returned_at is not None:
       self._model_s += start - self._returned_at
     try:
       batch = next(self._prefetcher)
+    except StopIteration:
+      self._end_of_epoch = True
+      self._returned_at = None
+      raise
     finally:
       end = time.perf_counter()
       self._wait_s += end - start
     self._batches += 1
     self._returned_at = end
     return batch
+
+  def _start_next_epoch(self) -> None:
+    if isinstance(self._dataset, Dataset):
+      host_iterator = self._dataset.make_iterator()
+    else:
+      host_iterator = iter(self._dataset)
+      if host_iterator is self._dataset or host_iterator is self._host_iterator:
+        raise RuntimeError(
+            f"Loader: the epoch has ended and the input "
+            f"{type(self._dataset).__name__} is a one-shot iterator, which "
+            "cannot start another. Give the Loader a jaxfeed.Dataset (or an "
+            "iterable whose __iter__ returns a new iterator, like a list) to "
+            "iterate it for several epochs, or make a new Loader per epoch.")
+    self._prefetcher.close()
+    self._host_iterator = host_iterator
+    self._prefetcher = self._new_prefetcher(host_iterator)
+    self._end_of_epoch = False
 
   def stats(self) -> dict[str, Any]:
     """Batches received, seconds waiting for input and between batches, and
@@ -181,16 +231,32 @@ class Loader:
 
   # -- state ----------------------------------------------------------------
   def get_state(self) -> dict:
-    """`{"pipeline": ..., "batches": n}` as of the last batch received."""
-    return {"pipeline": self._prefetcher.get_state(), "batches": self._batches}
+    """`{"pipeline": ..., "batches": n}` as of the last batch received, with
+    `"end_of_epoch": True` once the epoch has ended."""
+    state = {"pipeline": self._prefetcher.get_state(), "batches": self._batches}
+    if self._end_of_epoch:
+      state["end_of_epoch"] = True
+    return state
 
   def set_state(self, state: dict) -> None:
-    """Resumes from a `get_state()` result; read-ahead restarts from there."""
-    if (not isinstance(state, dict) or set(state) != {"pipeline", "batches"}
-        or not isinstance(state["batches"], int)):
+    """Resumes from a `get_state()` result; read-ahead restarts from there.
+
+    Raises:
+      PipelineStateError (a ValueError): the state was saved from another
+        pipeline; the message names what differs (e.g. the sampler's seed,
+        its shard, the source's length or files, an op). New mixture weights
+        (`jaxfeed.align_mixture_states`) and another number of processes
+        (`reshard_loader_states`) are allowed. A state saved by a jaxfeed
+        that did not record its pipeline restores with a warning.
+    """
+    if (not isinstance(state, dict)
+        or not {"pipeline", "batches"} <= set(state) <= _STATE_KEYS
+        or not isinstance(state["batches"], int)
+        or not isinstance(state.get("end_of_epoch", False), bool)):
       raise ValueError(
           "Loader.set_state: expected the dict returned by Loader.get_state() "
-          f"with keys 'pipeline' and 'batches' (int), got {str(state):.200}.")
+          "with keys 'pipeline', 'batches' (int) and optionally "
+          f"'end_of_epoch' (bool), got {str(state):.200}.")
     if isinstance(self._dataset, Dataset):
       # A fresh iterator: the old one may have failed or been exhausted.
       host_iterator = self._dataset.make_iterator()
@@ -205,6 +271,7 @@ class Loader:
     else:
       self._prefetcher.set_state(state["pipeline"])
     self._batches = state["batches"]
+    self._end_of_epoch = state.get("end_of_epoch", False)
     self._returned_at = None
 
   # -- lifetime -------------------------------------------------------------
@@ -254,8 +321,11 @@ def reshard_loader_states(states: list[dict]) -> dict:
         f"reshard: the processes' Loader states have received different "
         f"numbers of batches {sorted(map(str, batches))}; they must be "
         "taken at the same step.")
-  return {"pipeline": reshard_states([state["pipeline"] for state in states]),
-          "batches": batches.pop()}
+  merged = {"pipeline": reshard_states([state["pipeline"] for state in states]),
+            "batches": batches.pop()}
+  if all(state.get("end_of_epoch") for state in states):
+    merged["end_of_epoch"] = True
+  return merged
 
 
 # -- orbax ------------------------------------------------------------------

@@ -51,13 +51,15 @@ class ChaosWorker:
   """One worker slot: a process restarted in place, and its proxy if any."""
 
   def __init__(self, slot: int, dispatcher_address: str, proxied: bool,
-               flags: tuple[str, ...], log_path: pathlib.Path):
+               flags: tuple[str, ...], log_path: pathlib.Path,
+               env: dict[str, str] | None = None):
     self.slot = slot
     self.port = free_port()
     self.proxied = proxied
     self._dispatcher_address = dispatcher_address
     self._flags = flags
     self._log_path = log_path
+    self._env = env
     self.host = f"127.0.0.{2 + slot}" if proxied else "127.0.0.1"
     self.proxy = (TcpProxy(f"127.0.0.1:{self.port}", self.host, self.port)
                   if proxied else None)
@@ -79,7 +81,7 @@ class ChaosWorker:
     if self.proxied:
       flags += [f"--advertise_host={self.host}", "--data_socket=false"]
     self.process = ServiceProcess("worker", *flags, wait_ready=wait_ready,
-                                  log_path=self._log_path)
+                                  log_path=self._log_path, env=self._env)
     self.incarnations += 1
 
   def kill(self) -> None:
@@ -118,9 +120,11 @@ class ChaosCluster:
 
   def __init__(self, work_dir: str | os.PathLike, num_workers: int, *,
                proxied_workers: bool = False, split_size: int = 16,
-               worker_buffer_size: int = 8, start: bool = True, small_disk: bool = False):
-    """small_disk: the dispatcher's work_dir is a small tmpfs that
-    `fill_disk` fills (when the machine cannot mount one, `disk` is None)."""
+               worker_buffer_size: int = 8, start: bool = True,
+               worker_env: dict[str, str] | None = None, small_disk: bool = False):
+    """`worker_env`: variables added to the workers' environment;
+    `small_disk`: the dispatcher's work_dir is a small tmpfs that `fill_disk`
+    fills (when the machine cannot mount one, `disk` is None)."""
     self.work_dir = pathlib.Path(work_dir)
     self.work_dir.mkdir(parents=True, exist_ok=True)
     self.disk = None
@@ -143,8 +147,10 @@ class ChaosCluster:
     self.dispatcher_starts = 0
     self.proxied_workers = proxied_workers
     self._worker_flags = (f"--buffer_size={worker_buffer_size}",)
+    self._worker_env = worker_env
     self.workers = [ChaosWorker(slot, self.address, proxied_workers, self._worker_flags,
-                                self._worker_log(slot)) for slot in range(num_workers)]
+                                self._worker_log(slot), worker_env)
+                    for slot in range(num_workers)]
     if start:
       try:
         self.start_dispatcher()
@@ -245,7 +251,7 @@ class ChaosCluster:
   def add_worker(self) -> ChaosWorker:
     slot = len(self.workers)
     worker = ChaosWorker(slot, self.address, self.proxied_workers, self._worker_flags,
-                         self._worker_log(slot))
+                         self._worker_log(slot), self._worker_env)
     self.workers.append(worker)
     worker.start()
     return worker

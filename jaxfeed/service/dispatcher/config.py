@@ -8,6 +8,7 @@ from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.storage import journal_replay
 
 
@@ -65,6 +66,10 @@ class DispatcherConfig:
       started by hand.
     heartbeat_pacing: How often workers and clients are asked to heartbeat,
       and how DYNAMIC splits grow, as their numbers grow.
+    max_split_attempts: Exactly-once jobs: a split whose worker was lost
+      while it made the split this many times is handed out no more and
+      the job fails, naming it (`jaxfeed.service.protocol.split_failures`):
+      a record that kills every worker it reaches kills only this many.
   """
 
   port: int = 0
@@ -90,6 +95,7 @@ class DispatcherConfig:
   dataset_gc_timeout_s: float = 24 * 3600.0
   autoscale: autoscale_lib.AutoscaleConfig | None = None
   heartbeat_pacing: heartbeat_pacing.HeartbeatPacing = heartbeat_pacing.HeartbeatPacing()
+  max_split_attempts: int = split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS
 
   def __post_init__(self):
     if not isinstance(self.heartbeat_pacing, heartbeat_pacing.HeartbeatPacing):
@@ -130,6 +136,10 @@ class DispatcherConfig:
     if self.auth_token is not None and self.auth_token == self.worker_token:
       raise ValueError("DispatcherConfig: auth_token and worker_token must differ, "
                        "so that clients cannot pose as workers.")
+    if (isinstance(self.max_split_attempts, bool) or not isinstance(self.max_split_attempts, int)
+        or self.max_split_attempts < 1):
+      raise ValueError("DispatcherConfig: max_split_attempts must be an integer >= 1, "
+                       f"got {self.max_split_attempts!r}.")
     if not isinstance(self.max_jobs_per_host, int) or self.max_jobs_per_host < 1:
       raise ValueError("DispatcherConfig: max_jobs_per_host must be an integer >= 1, "
                        f"got {self.max_jobs_per_host!r}.")

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from jaxfeed import _lifetime
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import health as health_lib
@@ -32,6 +33,7 @@ from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.storage import journal as journal_lib
 from jaxfeed.service.storage import journal_replay
@@ -160,6 +162,8 @@ class DispatchServer:
       self.autoscaler = autoscale_lib.Autoscaler(
           self.config.autoscale, backend, self.state.sample_clients,
           self.state.num_workers)
+      # How its workers ended, for the splits they die on (local processes only).
+      self.state.worker_exit_status = getattr(backend, "exit_status", None)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
                                        self.autoscaler, self.health)
     if start:
@@ -218,6 +222,8 @@ def main(argv: Any) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  # Started with jaxfeed._lifetime.popen: it ends with its parent.
+  _lifetime.die_with_parent_from_env()
   try:
     udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
                                  "pickled_udf_secret")
@@ -242,18 +248,21 @@ def main(argv: Any) -> None:
             kubernetes_deployment=f.kubernetes_deployment or None)
         if f.autoscale_max_workers else None,
         heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(
-            goodbye_via_worker_clients=f.goodbye_via_worker_clients))
+            goodbye_via_worker_clients=f.goodbye_via_worker_clients),
+        max_split_attempts=f.max_split_attempts)
   except ValueError as e:  # a flag's value: say which, without a traceback
-    raise SystemExit(f"jaxfeed dispatcher: {e}") from e
+    rpc.exit_for_bad_flags("jaxfeed dispatcher", e)
   # SIGTERM stops the dispatcher cleanly from here on: the pool it starts
   # while it is being built goes with it, even when the signal comes first.
   rpc.stop_on_sigterm()
-  server = metrics = None
   try:
-    try:
-      server = DispatchServer(config)
-    except journal_lib.JournalDamageError as e:  # the file and offset, without a traceback
-      raise SystemExit(f"jaxfeed dispatcher: {e}") from e
+    server = DispatchServer(config)
+  except journal_lib.JournalDamageError as e:  # the file and offset, without a traceback
+    raise SystemExit(f"jaxfeed dispatcher: {e}") from e
+  except OSError as e:  # its port or work_dir: say which, without a traceback
+    rpc.exit_for_bad_flags("jaxfeed dispatcher", f"cannot start: {e}")
+  metrics = None
+  try:
     # The modules and the replayed state live as long as the process: out of
     # the collector's full passes, which otherwise stalled every call for
     # 35-210 ms (benchmarks/dispatcher_scale.py, 256-1,024 workers). Only here:
@@ -271,8 +280,7 @@ def main(argv: Any) -> None:
           "restart replays every acknowledged change.", file=sys.stderr, flush=True)
     raise SystemExit(journal_lib.FATAL_EXIT_STATUS)
   finally:
-    if server is not None:
-      server.stop()
+    server.stop()
     if metrics is not None:
       metrics.close()
 
@@ -318,6 +326,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_jobs_per_host", 256, "Most jobs one client host may read "
                        "at once.")
   flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
+  flags.DEFINE_integer("max_split_attempts", split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS,
+                       "Exactly-once reads: a split whose worker was lost while it "
+                       "made the split this many times is handed out no more and the "
+                       "read fails, naming the split's positions and how the workers "
+                       "ended (a record that kills the worker reading it).")
   flags.DEFINE_integer("goodbye_via_worker_clients",
                        heartbeat_pacing.HeartbeatPacing.goodbye_via_worker_clients,
                        "From this many live clients on, clients say goodbye through a "

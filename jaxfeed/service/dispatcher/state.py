@@ -21,6 +21,7 @@ from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy, to_sharding_policy
 from jaxfeed.service.storage import journal as journal_lib
@@ -248,7 +249,9 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       response = pb.ClientHeartbeatResponse(
           job_finished=finished, tasks_version=task_list.version, acks_pending=acks_pending,
           heartbeat_interval_s=pacing.client_interval(
-              live_clients, self.config.client_timeout_s, joins_per_s))
+              live_clients, self.config.client_timeout_s, joins_per_s),
+          job_error=job.error,
+          lost_ranges=[pb.SplitRange(start=a, stop=b) for a, b in job.lost])
       if pacing.goodbye_via_worker(live_clients):
         response.goodbye_via_worker = True
         if self._ticket_master is not None:
@@ -299,15 +302,16 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       for address, worker in list(self.workers.items()):
         if now - worker.last_heartbeat <= self.config.heartbeat_timeout_s:
           continue
-        logging.warning("Worker %s missed heartbeats for %.1fs: declared dead.",
-                        address, now - worker.last_heartbeat)
+        how = self.how_lost(worker)
+        logging.warning("Worker %s missed heartbeats for %.1fs: declared dead (%s).",
+                        address, now - worker.last_heartbeat, how)
         del self.workers[address]
-        self._lose_tasks_of(address)
+        self._lose_tasks_of(address, how=how)
       for address, deadline in list(self._awaited.items()):
         if now > deadline:  # did not come back after a dispatcher restart
           logging.warning("Worker %s did not register again: its tasks are lost.", address)
           del self._awaited[address]
-          self._lose_tasks_of(address)
+          self._lose_tasks_of(address, how=split_failures.LOST)
       for job in list(self.jobs.values()):
         for client_id, seen in list(job.clients.items()):
           if now - seen > self.config.client_timeout_s:

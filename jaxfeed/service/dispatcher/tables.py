@@ -62,11 +62,23 @@ class Job:
   # A resumed exactly-once read's job: positions no split is carved from (sorted
   # disjoint [start, stop) ranges; see jaxfeed.service.protocol.read_state).
   skip: list = dataclasses.field(default_factory=list)
+  # Exactly-once: split start -> (its stop, "worker: how it ended" for each
+  # worker lost while it made the split; see jaxfeed.service.protocol.split_failures).
+  split_losses: dict[int, tuple[int, list[str]]] = dataclasses.field(default_factory=dict)
+  # Exactly-once: unacknowledged splits their worker reported made (not
+  # journaled: after a restart, a worker lost counts against them again).
+  made: set[int] = dataclasses.field(default_factory=set)
+  # Why the job failed ("": it did not), and the splits it handed out no more.
+  error: str = ""
+  failed_splits: dict[int, int] = dataclasses.field(default_factory=dict)
+  # At-most-once: sorted disjoint [start, stop) positions lost workers were reading.
+  lost: list = dataclasses.field(default_factory=list)
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
     stop, _ = self.unacked.pop(start)
     self.holders.pop(start, None)
+    self.made.discard(start)
     self.reissue[start] = stop
 
   @property
@@ -90,6 +102,8 @@ class Worker:
   last_heartbeat: float
   tasks: set[int] = dataclasses.field(default_factory=set)
   incarnation: str = ""  # of the worker's process ("": it sends none)
+  pid: int = 0  # its process and that process's parent (0: it sends none)
+  parent_pid: int = 0
 
 
 class WorkerTable(dict):
@@ -272,9 +286,22 @@ class DispatcherTables:
       for start in r["starts"]:
         job.unacked.pop(start, None)
         job.holders.pop(start, None)
+        job.made.discard(start)
         job.reissue.pop(start, None)  # acknowledged just after its worker was lost
     elif kind == "splits_lost":
       self.jobs[r["job_id"]].reissue.update((start, stop) for start, stop in r["ranges"])
+    elif kind == "splits_failed":  # a worker was lost while it made (or read) them
+      job = self.jobs[r["job_id"]]
+      if job.exactly_once:
+        for start, stop in r["ranges"]:
+          job.split_losses.setdefault(start, (stop, []))[1].append(f"{r['worker']}: {r['how']}")
+      else:
+        job.lost = read_state.merge_ranges(job.lost + r["ranges"])
+    elif kind == "split_poisoned":  # handed out no more; the job fails
+      job = self.jobs[r["job_id"]]
+      job.reissue.pop(r["start"], None)
+      job.failed_splits[r["start"]] = r["stop"]
+      job.error = job.error or r["error"]
     else:
       raise ValueError(f"Unknown journal record kind {kind!r}.")
 

@@ -12,9 +12,10 @@ import logging
 import os
 import signal
 import ssl
+import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import message as pb_message
@@ -298,15 +299,38 @@ class Caller:
 
 
 def call_with_retry(caller: Caller, request: pb_message.Message,
-                    timeout_s: float, what: str) -> Any:
-  """Calls until success or timeout_s, retrying while the server is unreachable."""
-  deadline = time.monotonic() + timeout_s
+                    timeout_s: float, what: str, *, target: str = "",
+                    answer_within_s: float | None = None,
+                    unanswered_hint: str = "") -> Any:
+  """Calls until success or timeout_s, retrying while the server is unreachable.
+
+  With `answer_within_s`, the calls of its first seconds fail fast, and if
+  all of those found nothing that answers at `target` (the connection
+  refused, an unknown host, a handshake that fails: no server there, or
+  another TLS setting), the error comes after `answer_within_s` rather than
+  `timeout_s`, with `unanswered_hint` added. A server that answers, or is
+  slow to (a deadline passes), gets the whole `timeout_s`.
+  """
+  start = time.monotonic()
+  deadline = start + timeout_s
+  answer_by = None if answer_within_s is None else start + min(answer_within_s, timeout_s)
   while True:
-    left = deadline - time.monotonic()
+    limit = deadline if answer_by is None else answer_by
     try:
-      return caller(request, timeout=max(left, 0.05), wait_for_ready=True)
+      return caller(request, timeout=max(limit - time.monotonic(), 0.05),
+                    wait_for_ready=answer_by is None)
     except grpc.RpcError as e:
       code = e.code()
+      if answer_by is not None and code == grpc.StatusCode.UNAVAILABLE:
+        if answer_by - time.monotonic() > 0.05:
+          time.sleep(0.1)
+          continue
+        raise ServiceError(
+            f"{what} failed: no answer within {answer_by - start:g} s from {target}: "
+            f"nothing answers there ({code.name}: {e.details()}). Check that the server "
+            "is up at that address and that client and server agree on TLS and its "
+            f"certificates{unanswered_hint}.") from e
+      answer_by = None  # it answered, or is slow to: the whole timeout_s
       if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
           deadline - time.monotonic() > 0.05):
         time.sleep(0.05)
@@ -318,6 +342,13 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
                 "certificates)")
       raise ServiceError(f"{what} failed: {code.name}: {e.details()}{hint}") from e
 
+
+def exit_for_bad_flags(program: str, error: Exception | str) -> NoReturn:
+  """Ends a server's command line that it cannot act on (a flag's value, a
+  port it cannot listen on, a folder it cannot use): the reason in one line,
+  no traceback, exit status 2 as for a usage error."""
+  print(f"{program}: {error}", file=sys.stderr, flush=True)
+  raise SystemExit(2)
 
 
 def stop_on_sigterm() -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any
+from typing import Any, Iterable
 
 import google_crc32c
 
@@ -55,6 +55,16 @@ def encode(payload: bytes, previous_crc: int) -> tuple[bytes, int]:
 def encode_json(value: Any, previous_crc: int) -> tuple[bytes, int]:
   """`encode` of a JSON value."""
   return encode(json.dumps(value, separators=(",", ":")).encode(), previous_crc)
+
+
+def encode_all(payloads: Iterable[bytes], previous_crc: int = 0) -> tuple[bytes, int]:
+  """The lines of `payloads`, one after another, after a line of CRC
+  `previous_crc` (0: they start a file), and the last one's CRC."""
+  lines, crc = [], previous_crc
+  for payload in payloads:
+    line, crc = encode(payload, crc)
+    lines.append(line)
+  return b"".join(lines), crc
 
 
 def _stored_crc(line: bytes) -> int | None:

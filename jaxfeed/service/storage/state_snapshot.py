@@ -3,8 +3,8 @@
 A snapshot is the list of journal records that rebuilds the live state on an
 empty `DispatcherState`: one `dataset` record per registered dataset, per job
 its `job`, `fix_workers`, `task`, `task_finished` and `client` records, its
-split positions and the clients that hold unacknowledged splits, and an
-`ids` record so that ids are never handed out twice.
+split positions, the clients that hold unacknowledged splits and the workers
+lost on its splits, and an `ids` record so that ids are never handed out twice.
 Replaying it costs time in proportion to the live state, however long the
 history that led there.
 
@@ -94,6 +94,7 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
     if job.reissue:
       records.append({"kind": "splits_lost", "job_id": job.job_id,
                       "ranges": [[start, stop] for start, stop in job.reissue.items()]})
+    records.extend(_failure_records(job))
     by_client: dict[int, list[int]] = {}
     for start, client_id in job.holders.items():
       by_client.setdefault(client_id, []).append(start)
@@ -103,15 +104,29 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
   return records
 
 
+def _failure_records(job: Any) -> list[dict[str, Any]]:
+  """The records of the workers lost on a job's splits, and of its failure."""
+  records = []
+  for start, (stop, losses) in job.split_losses.items():
+    for loss in losses:
+      worker, _, how = loss.partition(": ")
+      records.append({"kind": "splits_failed", "job_id": job.job_id,
+                      "ranges": [[start, stop]], "worker": worker, "how": how})
+  if job.lost:
+    records.append({"kind": "splits_failed", "job_id": job.job_id, "ranges": job.lost,
+                    "worker": "", "how": ""})
+  for start, stop in job.failed_splits.items():
+    records.append({"kind": "split_poisoned", "job_id": job.job_id, "start": start,
+                    "stop": stop, "error": job.error})
+  return records
+
+
 def encode(records: list[dict[str, Any]], journal_generation: int) -> bytes:
   """The snapshot file's bytes for `records`, followed by `journal_generation`."""
   header = {"format": FORMAT, "version": VERSION, "journal": journal_generation,
             "records": len(records)}
-  lines, crc = [], 0
-  for value in [header, *records]:
-    line, crc = journal_lines.encode_json(value, crc)
-    lines.append(line)
-  return b"".join(lines)
+  return journal_lines.encode_all(json.dumps(value, separators=(",", ":")).encode()
+                                  for value in [header, *records])[0]
 
 
 @dataclasses.dataclass(frozen=True)
