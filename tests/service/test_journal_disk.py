@@ -83,7 +83,7 @@ def register(address: str, num_records: int) -> pb.RegisterDatasetResponse:
 
 
 def test_a_full_disk_keeps_the_read_going_and_the_dispatcher_serves_again_once_freed(
-    cluster, small_disk):
+    small_disk, cluster):  # the cluster stops before the disk is unmounted
   work_dir = small_disk.path / "work"
   metrics_port = free_port()
   dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={work_dir}", "--split_size=20",

@@ -44,10 +44,12 @@ class DispatcherConfig:
       workers; None takes the workers registered when the job starts.
     tls: Server key and certificate for TLS; None serves plaintext. With a
       client CA, callers must present certificates it signed.
-    journal_fsync: fsync the journal before a change is acknowledged (durable
-      across power loss; one fsync per state change, shared by changes that
-      commit together). Without it a change survives a crash of the
-      dispatcher process but not of the machine.
+    journal_fsync: fsync the journal before answering a change that must be
+      durable (across power loss; one fsync shared by the changes that commit
+      together, never with the state's lock held). Heartbeats wait for none:
+      their changes are fsynced within ~20 ms, and the splits they
+      acknowledge are sent again until they are. Without it a change
+      survives a crash of the dispatcher process but not of the machine.
     journal_damage: What a restart does with damage in the journal before
       valid records (a checksum that does not match): "refuse" to start
       (the error names the file and offset), or "truncate": cut the journal

@@ -299,8 +299,10 @@ def define_flags() -> None:
   flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 0.0.0.0 for all (workers "
                       "and clients on other machines).")
   flags.DEFINE_string("work_dir", "", "Folder of the write-ahead journal.")
-  flags.DEFINE_bool("journal_fsync", True, "fsync the journal before acknowledging a "
-                    "change (--nojournal_fsync: survives a process crash, not a power loss).")
+  flags.DEFINE_bool("journal_fsync", True, "fsync the journal before answering a change "
+                    "that must be durable (a heartbeat's are fsynced within ~20 ms, and "
+                    "acknowledged splits are sent again until they are); "
+                    "--nojournal_fsync: changes survive a process crash, not a power loss.")
   flags.DEFINE_enum("journal_damage", journal_replay.REFUSE, list(journal_replay.DAMAGE_POLICIES),
                     "What a restart does with a damaged journal (a checksum that does "
                     "not match, before valid records): refuse to start, naming the file "
