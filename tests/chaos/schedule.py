@@ -30,7 +30,14 @@ checks the guarantee of the mode (DESIGN.md, "Fault model and guarantees"):
   the dispatcher cannot tell that from a poison record, so the error must
   name only workers the schedule killed;
 * every read ends, or fails with a clear error, within a deadline; with the
-  dispatcher back and a worker alive, any failure is itself a violation.
+  dispatcher back and a worker alive, any failure is itself a violation;
+* a bit flipped in the dispatcher's work_dir (it is killed, the bit flipped,
+  and it is restarted): it refuses to start naming the file and the offset
+  (the bit is then restored, as from a backup, and it starts), or it serves
+  the right data (the read's guarantee holds);
+* a full disk (its work_dir is a small tmpfs, filled for a while): the
+  dispatcher process stays up and serves again once space returns, and the
+  read's guarantee holds.
 
 The run's `RunRecord` says which faults were injected, how many elements
 were checked, the violation (None if the guarantee held) and whether the
@@ -61,17 +68,24 @@ MODES = ("parallel_epochs", "at_most_once", "exactly_once")
 FAULT_KINDS = ("worker_kill", "worker_restart", "worker_stop", "worker_cut",
                "worker_stall", "dispatcher_restart", "dispatcher_torn_restart",
                "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart",
-               "poison_records")
+               "poison_records", "work_dir_bit_flip", "full_disk")
 # In the data rather than injected: drawn after the other faults (so that
 # adding it left every seed's other draws as they were), see `Schedule.poison`.
 POISON = "poison_records"
 POISON_KINDS = ("always", "once")
 MAX_SPLIT_ATTEMPTS = split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS  # the dispatcher's
+# Faults on the dispatcher's disk, drawn after poison for the same reason.
+DISK_FAULTS = ("work_dir_bit_flip", "full_disk")
+DISK_FAULT_CHANCE = 0.15  # of each, per schedule
 SPLITS_PER_REQUEST = WorkerConfig.splits_per_request  # split ranges a worker holds
 BASE_DEADLINE_S = 90.0
 # A read that hands on no batch this long, beyond the fault being injected,
 # hangs: a dead worker is noticed in HEARTBEAT_TIMEOUT_S.
 NO_PROGRESS_S = 45.0
+
+
+class NotInjected(Exception):
+  """This machine cannot inject the fault (it is left out of the run)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +127,7 @@ class Schedule:
     extra = 0.0
     for fault in self.faults:
       extra += fault.duration_s + 5.0
-      if "kill" in fault.kind or "restart" in fault.kind:
+      if "kill" in fault.kind or "restart" in fault.kind or fault.kind in DISK_FAULTS:
         extra += 3 * HEARTBEAT_TIMEOUT_S
     if self.poison:  # each death is noticed after a heartbeat timeout
       extra += MAX_SPLIT_ATTEMPTS * 3 * HEARTBEAT_TIMEOUT_S
@@ -138,6 +152,8 @@ class RunRecord:
   violation: str | None
   hang: bool
   elapsed_s: float
+  # Per work_dir bit flip: "refused" (naming file and offset) or "served".
+  flips: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def ok(self) -> bool:
@@ -157,7 +173,7 @@ def draw(seed: int) -> Schedule:
       proxied_workers=proxied, slow_map=rng.random() < 0.8,
       consumer_delay_s=rng.choice((0.0, 0.002, 0.005)))
   kinds = [k for k in FAULT_KINDS
-           if k != POISON
+           if k != POISON and k not in DISK_FAULTS
            and (k != "worker_kill" or num_workers > 1)  # one worker always lives
            and (k != "worker_stall" or proxied)]
   total = (-(-schedule["num_records"] // schedule["batch_size"])
@@ -179,6 +195,11 @@ def draw(seed: int) -> Schedule:
   if mode != "parallel_epochs" and spared >= 1 and rng.random() < 0.25:
     schedule["poison"] = rng.choice(POISON_KINDS)
     schedule["poison_record"] = rng.randrange(schedule["num_records"])
+  for kind in DISK_FAULTS:
+    if rng.random() < DISK_FAULT_CHANCE:
+      duration = round(rng.uniform(0.5, 3.0), 2) if kind == "full_disk" else 0.0
+      faults.append(Fault(int(rng.uniform(0.05, 0.75) * total), kind, 0, duration))
+  faults.sort(key=lambda f: f.after_batches)  # stable: the others keep their order
   return Schedule(faults=tuple(faults), **schedule)
 
 
@@ -215,6 +236,7 @@ class _Injector:
     self.injected: list[str] = []
     self.killed_incarnations = 0  # worker processes killed (at-most-once may lose)
     self.killed_slots: set[int] = set()
+    self.flips: list[str] = []  # per bit flipped: "refused" or "served"
     self.error: BaseException | None = None
     self._consumed = 0
     self._done = False
@@ -241,7 +263,10 @@ class _Injector:
             self._cond.wait(0.1)
           if self._done:
             return
-        self._inject(fault)
+        try:
+          self._inject(fault)
+        except NotInjected:
+          continue
         self.injected.append(fault.kind)
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
@@ -291,6 +316,14 @@ class _Injector:
       time.sleep(fault.duration_s)
       cluster.start_dispatcher()
       worker.start()
+    elif kind == "work_dir_bit_flip":
+      index = self.schedule.faults.index(fault)
+      self.flips.append(cluster.flip_bit_and_restart(
+          random.Random(self.schedule.seed * 100 + index)))
+    elif kind == "full_disk":
+      if cluster.disk is None:
+        raise NotInjected("no tmpfs to fill (mounting one needs root)")
+      cluster.fill_disk(fault.duration_s)
     else:
       raise ValueError(f"Unknown fault kind {kind!r}.")
 
@@ -439,7 +472,8 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
                     proxied_workers=schedule.proxied_workers,
                     split_size=schedule.split_size,
                     worker_buffer_size=schedule.worker_buffer_size,
-                    worker_env=worker_env) as cluster:
+                    worker_env=worker_env,
+                    small_disk=any(f.kind == "full_disk" for f in schedule.faults)) as cluster:
     iterator = distribute(schedule, cluster, timeout_s=60.0).make_iterator()
     injector = _Injector(schedule, cluster)
     longest = max((f.duration_s for f in schedule.faults), default=0.0)
@@ -471,4 +505,4 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
   return RunRecord(seed=schedule.seed, mode=schedule.mode,
                    faults_injected=list(injector.injected) + ([POISON] if schedule.poison else []),
                    elements_checked=sum(counts.values()), violation=violation,
-                   hang=hang, elapsed_s=time.monotonic() - start)
+                   hang=hang, elapsed_s=time.monotonic() - start, flips=injector.flips)

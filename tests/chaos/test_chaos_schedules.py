@@ -3,10 +3,10 @@
 Each run starts its own dispatcher and workers, reads while faults hit them
 from outside (SIGKILL, SIGSTOP, restarts in place, connections reset with a
 proxy or `ss -K`, stalled connections, a torn journal tail, a record that
-segfaults the workers that map it) and checks the
-guarantee of its mode (DESIGN.md §4). The seeds here are a fixed sample
-that covers every mode and fault kind; benchmarks/chaos_soak.py runs many
-more.
+segfaults the workers that map it, a bit flipped in the work_dir, a full
+disk) and checks the guarantee of its mode (DESIGN.md §4). The seeds here
+are a fixed sample that covers every mode and fault kind;
+benchmarks/chaos_soak.py runs many more.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from schedule import FAULT_KINDS, MODES, POISON, Fault, Schedule, draw, run
 pytestmark = pytest.mark.timeout(400)
 
 # 5: an exactly-once read of a record that kills every worker; 9: an
-# at-most-once read of one that kills the first.
-CI_SEEDS = (4, 5, 9, 12, 13, 14, 16, 17, 33)
+# at-most-once read of one that kills the first; 13, 14 and 17 flip a bit in
+# the work_dir. DISK_SEEDS: a full disk, exactly-once and at-most-once.
+DISK_SEEDS = (6, 25)
+CI_SEEDS = (4, 5, 9, 12, 13, 14, 16, 17, 33) + DISK_SEEDS
 
 
 def _assert_ok(record) -> None:

@@ -80,7 +80,9 @@ class ReadState:
     self.lock = threading.Lock()
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
-    self.acks: list[int] = []  # exactly-once: splits to acknowledge
+    # Exactly-once: splits to acknowledge, sent with each heartbeat until the
+    # dispatcher has them durable.
+    self.acks: list[int] = []
     self.handed_on: set[int] = set()  # exactly-once: splits this read has had
     # Reported to the dispatcher for autoscaling.
     self.consumed = 0
@@ -199,8 +201,9 @@ class ReadState:
                 known_tasks_version=tasks_version),
                 timeout=min(HEARTBEAT_TIMEOUT_S, node.timeout_s))
             last_ok = time.monotonic()
-            with self.lock:
-              del self.acks[:len(acks)]
+            if not response.acks_pending:  # else sent again until durable
+              with self.lock:
+                del self.acks[:len(acks)]
           except grpc.RpcError as e:
             # A heartbeat sent while the dispatcher restarts or its connection
             # was just cut may time out rather than fail fast: both are an

@@ -9,6 +9,7 @@ from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import split_failures
+from jaxfeed.service.storage import journal_replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +44,17 @@ class DispatcherConfig:
       workers; None takes the workers registered when the job starts.
     tls: Server key and certificate for TLS; None serves plaintext. With a
       client CA, callers must present certificates it signed.
-    journal_fsync: fsync the journal before a change is acknowledged (durable
-      across power loss; one fsync per state change, shared by changes that
-      commit together). Without it a change survives a crash of the
-      dispatcher process but not of the machine.
+    journal_fsync: fsync the journal before answering a change that must be
+      durable (across power loss; one fsync shared by the changes that commit
+      together, never with the state's lock held). Heartbeats wait for none:
+      their changes are fsynced within ~20 ms, and the splits they
+      acknowledge are sent again until they are. Without it a change
+      survives a crash of the dispatcher process but not of the machine.
+    journal_damage: What a restart does with damage in the journal before
+      valid records (a checksum that does not match): "refuse" to start
+      (the error names the file and offset), or "truncate": cut the journal
+      there, losing every change after it (logged loudly). A torn last
+      line is always cut; a damaged snapshot always refuses.
     snapshot_every_records: Compact the journal into a snapshot of the live
       state once it holds this many records (0: never by count). A restart
       reads the snapshot plus at most about this many records.
@@ -83,6 +91,7 @@ class DispatcherConfig:
   num_workers: int | None = None
   tls: rpc.TLSConfig | None = None
   journal_fsync: bool = True
+  journal_damage: str = journal_replay.REFUSE
   snapshot_every_records: int = 50_000
   snapshot_every_bytes: int = 32 << 20
   dataset_gc_timeout_s: float = 24 * 3600.0
@@ -101,6 +110,9 @@ class DispatcherConfig:
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"DispatcherConfig: {name} must be > 0 seconds, got {value!r}.")
+    if self.journal_damage not in journal_replay.DAMAGE_POLICIES:
+      raise ValueError(f"DispatcherConfig: journal_damage must be one of "
+                       f"{journal_replay.DAMAGE_POLICIES}, got {self.journal_damage!r}.")
     for name in ("snapshot_every_records", "snapshot_every_bytes"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import weakref
 from typing import Any
@@ -24,6 +25,7 @@ import grpc
 from jaxfeed import _lifetime
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
+from jaxfeed.service.dispatcher import health as health_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
@@ -33,6 +35,8 @@ from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
 from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_replay
 
 SERVICE_NAME = "jaxfeed.service.Dispatcher"
 
@@ -132,6 +136,8 @@ class DispatchServer:
     self._server, self.port = rpc_server.make_server(
         f"{self.config.host}:{self.config.port}", servicer.handler(self.config),
         self.config.max_message_bytes, self.config.tls)
+    self.health = health_lib.DispatcherHealth(self._server.server, SERVICE_NAME,
+                                              self.state.journal)
     self._stop = threading.Event()
     self._liveness = threading.Thread(
         target=_liveness_loop, name="jaxfeed-dispatcher-liveness", daemon=True,
@@ -159,7 +165,7 @@ class DispatchServer:
       # How its workers ended, for the splits they die on (local processes only).
       self.state.worker_exit_status = getattr(backend, "exit_status", None)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
-                                       self.autoscaler)
+                                       self.autoscaler, self.health)
     if start:
       self.start()
 
@@ -200,7 +206,10 @@ class DispatchServer:
 
 
 def _shutdown(server: rpc_server.ServerHandle, stop: threading.Event, state: DispatcherState,
-              autoscaler: autoscale_lib.Autoscaler | None = None) -> None:
+              autoscaler: autoscale_lib.Autoscaler | None = None,
+              health: health_lib.DispatcherHealth | None = None) -> None:
+  if health is not None:
+    health.stopping()
   if autoscaler is not None:  # its workers go first, while they can still say goodbye
     autoscaler.close()
   stop.set()
@@ -228,7 +237,8 @@ def main(argv: Any) -> None:
         udf_modules=import_paths.parse_udf_modules(f.udf_modules), insecure=f.insecure,
         max_jobs_per_host=f.max_jobs_per_host,
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, client_ca=f.tls_client_ca),
-        journal_fsync=f.journal_fsync, snapshot_every_records=f.snapshot_every_records,
+        journal_fsync=f.journal_fsync, journal_damage=f.journal_damage,
+        snapshot_every_records=f.snapshot_every_records,
         snapshot_every_bytes=f.snapshot_every_bytes, job_gc_timeout_s=f.job_gc_timeout_s,
         dataset_gc_timeout_s=f.dataset_gc_timeout_s,
         autoscale=autoscale_lib.AutoscaleConfig(
@@ -247,6 +257,8 @@ def main(argv: Any) -> None:
   rpc.stop_on_sigterm()
   try:
     server = DispatchServer(config)
+  except journal_lib.JournalDamageError as e:  # the file and offset, without a traceback
+    raise SystemExit(f"jaxfeed dispatcher: {e}") from e
   except OSError as e:  # its port or work_dir: say which, without a traceback
     rpc.exit_for_bad_flags("jaxfeed dispatcher", f"cannot start: {e}")
   metrics = None
@@ -262,7 +274,11 @@ def main(argv: Any) -> None:
       print(f"jaxfeed dispatcher metrics on {metrics.url}", flush=True)
     if f.port_file:
       _write_port_file(f.port_file, server.port)
-    server.join()
+    server.health.failed.wait()  # until SIGTERM (SystemExit) or its journal fails
+    print(f"jaxfeed dispatcher: its journal in {config.work_dir} failed (see the log); "
+          f"exiting with status {journal_lib.FATAL_EXIT_STATUS} to be restarted: a "
+          "restart replays every acknowledged change.", file=sys.stderr, flush=True)
+    raise SystemExit(journal_lib.FATAL_EXIT_STATUS)
   finally:
     server.stop()
     if metrics is not None:
@@ -283,8 +299,16 @@ def define_flags() -> None:
   flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 0.0.0.0 for all (workers "
                       "and clients on other machines).")
   flags.DEFINE_string("work_dir", "", "Folder of the write-ahead journal.")
-  flags.DEFINE_bool("journal_fsync", True, "fsync the journal before acknowledging a "
-                    "change (--nojournal_fsync: survives a process crash, not a power loss).")
+  flags.DEFINE_bool("journal_fsync", True, "fsync the journal before answering a change "
+                    "that must be durable (a heartbeat's are fsynced within ~20 ms, and "
+                    "acknowledged splits are sent again until they are); "
+                    "--nojournal_fsync: changes survive a process crash, not a power loss.")
+  flags.DEFINE_enum("journal_damage", journal_replay.REFUSE, list(journal_replay.DAMAGE_POLICIES),
+                    "What a restart does with a damaged journal (a checksum that does "
+                    "not match, before valid records): refuse to start, naming the file "
+                    "and offset; or truncate: cut the journal there, losing every change "
+                    "after it (logged). A torn last line is always cut; a damaged "
+                    "snapshot always refuses.")
   flags.DEFINE_integer("snapshot_every_records", 50_000, "Compact the journal into a "
                        "snapshot after this many records (0: never by count).")
   flags.DEFINE_integer("snapshot_every_bytes", 32 << 20, "Compact the journal into a "

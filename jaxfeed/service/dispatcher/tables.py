@@ -11,9 +11,10 @@ import time
 
 from jaxfeed.service.dispatcher import task_lists
 from jaxfeed.service.protocol import read_state
+from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
-from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_lock
 from jaxfeed.service.storage import journal_records
 from jaxfeed.service.storage import state_snapshot
 
@@ -137,7 +138,7 @@ class DispatcherTables:
   happens and again when the journal is replayed after a restart."""
 
   # Set by the subclass, once the journal is open.
-  lock: journal_lib.JournalLock
+  lock: journal_lock.JournalLock
 
   def __init__(self):
     self.datasets: dict[str, pb.DatasetDef] = {}
@@ -160,6 +161,8 @@ class DispatcherTables:
     # Version of every job's clients as workers see them; random at start,
     # so that no version a worker got from an earlier process matches.
     self.clients_version = random.getrandbits(62) + 1
+    # Records come from the journal's files, not from a change being made.
+    self.replaying = False
 
   # -- journaled changes --------------------------------------------------
   def _record(self, record: dict) -> None:
@@ -195,6 +198,8 @@ class DispatcherTables:
       pass  # a snapshot's highest id: handled above
     elif kind == "dataset":
       dataset_def = pb.DatasetDef.FromString(base64.b64decode(r["def"]))
+      if self.replaying:  # computed from the definition, never trusted from the file
+        dataset_def.fingerprint = spec_lib.fingerprint(dataset_def)
       self.datasets[r["dataset_id"]] = dataset_def
       self.dataset_by_fingerprint[dataset_def.fingerprint] = r["dataset_id"]
     elif kind == "dataset_deleted":

@@ -19,6 +19,10 @@ from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 
 
+# Split answers whose journal batch is remembered before the durable ones are dropped.
+_MAX_ANSWER_BATCHES = 4096
+
+
 class WorkerRegistry(dispatcher_tables.DispatcherTables):
   """The workers, their tasks and the splits they read (callers hold `lock`
   for the methods that say so)."""
@@ -32,6 +36,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     # Split answers given, by (the call that carried them, whether it was a
     # task's first request): for --metrics_port.
     self.split_answers: collections.Counter[tuple[str, bool]] = collections.Counter()
+    # Task id -> the journal batch of its last split answer, until durable: a
+    # repeated request waits for that batch only (replayed ones are durable).
+    self._answer_batches: dict[int, int] = {}
     # The return code of a worker process this dispatcher's pool started
     # (None while it runs; KeyError for a process it did not start): set by
     # the server when it runs a local pool.
@@ -109,6 +116,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     if not address:
       raise ValueError("WorkerHeartbeat: worker_address is empty.")
     with self.lock:
+      self.lock.answer_without_fsync()  # unless it hands out tasks (below)
       if request.leaving:
         self._finish_tasks(request.finished_tasks)
         leaving = self.workers.get(address)
@@ -170,9 +178,12 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       # Every task's clients again only when some job's clients changed:
       # 1,024 clients of a job are 1,024 ids sorted and sent per heartbeat.
       unchanged = request.known_clients_version == self.clients_version
+      new_tasks = [self._new_task_info(t, request) for tid, t in sorted(live.items())
+                   if tid not in current and not t.finished]
+      if new_tasks:  # they, and the splits they come with, must be durable first
+        self.lock.answer_after_fsync()
       return pb.WorkerHeartbeatResponse(
-          new_tasks=[self._new_task_info(t, request) for tid, t in sorted(live.items())
-                     if tid not in current and not t.finished],
+          new_tasks=new_tasks,
           tasks_to_delete=sorted(current - set(live)),
           ticket_key=self._ticket_key(address),
           task_clients=[] if unchanged else [
@@ -222,7 +233,13 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     last = job.last_splits.get(task_id)
     if request_seq and last is not None and last[0] == request_seq:
       # The worker did not get the reply: the same ranges, still its own
-      # (they are acknowledged or reissued only after it had them).
+      # (they are acknowledged or reissued only after it had them). They wait
+      # for no fsync but the one that makes them durable, if still due.
+      batch = self._answer_batches.get(task_id, 0)
+      if self.lock.durable(batch):
+        self._answer_batches.pop(task_id, None)
+        batch = 0
+      self.lock.answer_without_fsync(batch)
       return pb.GetSplitsResponse(ranges=[pb.SplitRange(start=a, stop=b)
                                           for a, b in last[1]])
     if job.error:  # it failed: its tasks end
@@ -246,6 +263,15 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     issued = {"task_id": task_id, "ranges": [[r.start, r.stop] for r in ranges]}
     if request_seq:
       issued["request_seq"] = request_seq
+    if not ranges:  # nothing handed out, nothing recorded: no fsync to wait for
+      self.lock.answer_without_fsync()
+    else:
+      self.lock.check_writable()  # new splits must be durable before they go out
+      if request_seq:
+        if len(self._answer_batches) > _MAX_ANSWER_BATCHES:
+          self._answer_batches = {t: b for t, b in self._answer_batches.items()
+                                  if not self.lock.durable(b)}
+        self._answer_batches[task_id] = self.lock.batch
     if start != job.next_position:
       self._record({"kind": "splits", "job_id": job.job_id, "next_position": start,
                     **({} if job.exactly_once else issued)})
