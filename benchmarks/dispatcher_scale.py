@@ -63,6 +63,8 @@ import tempfile
 import threading
 import time
 
+from jaxfeed import _lifetime
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLIENT_TOKEN = "dispatcher-scale-client-token"
 WORKER_TOKEN = "dispatcher-scale-worker-token"
@@ -90,7 +92,7 @@ class DispatcherProcess:
     env["GRPC_VERBOSITY"] = "ERROR"
     env.setdefault("JAX_PLATFORMS", "cpu")
     self.started_at = time.monotonic()
-    self.proc = subprocess.Popen(
+    self.proc = _lifetime.popen(
         [sys.executable, "-m",
          "benchmarks.dispatcher_scale_server" if timing_file else "jaxfeed.service.dispatcher",
          *([f"--timing_file={timing_file}"] if timing_file else []), "--port=0",
@@ -161,7 +163,7 @@ def _channel_options() -> list[tuple[str, object]]:
 def _wait_serving(address: str, timeout_s: float) -> None:
   """Blocks until the dispatcher answers an RPC (any answer but UNAVAILABLE)."""
   import grpc  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   deadline = time.monotonic() + timeout_s
   with grpc.insecure_channel(address, options=_channel_options()) as channel:
     call = channel.unary_unary(SERVICE + "GetDatasetDef",
@@ -184,8 +186,8 @@ def _register_dataset(address: str) -> str:
   import grpc  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service import spec  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(4)}))
   dataset_def = spec.to_dataset_def(dataset.node)
   dataset_def.num_positions = NUM_POSITIONS
@@ -233,7 +235,7 @@ class _Party:
 
   def __init__(self, address: str, token: str, stats: _Stats, stop: asyncio.Event):
     import grpc  # pylint: disable=g-import-not-at-top
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     self.channel = grpc.aio.insecure_channel(address, options=_channel_options())
     self.metadata = (("x-jaxfeed-token", token),)
     self.stats = stats
@@ -292,7 +294,7 @@ class _Simulator:
     self.clients_gone = asyncio.Event()
 
   async def worker(self, number: int, ready: asyncio.Event) -> None:
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     party = _Party(self.args.address, WORKER_TOKEN, self.stats, self.stop)
     address = f"sim-worker-{number}.local:5051"
     current: set[int] = set()
@@ -351,7 +353,7 @@ class _Simulator:
 
   async def fetch_splits(self, party: _Party, job_id: int, task_id: int,
                          exactly_once: bool, first_splits=None) -> None:
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     per_request = self.args.splits_per_request
     # The first request comes once the (simulated) pipeline is built; as
     # jaxfeed's worker, it takes the first splits that came with the task
@@ -379,7 +381,7 @@ class _Simulator:
       await _sleep_until(self.stop, period * random.uniform(0.8, 1.2))
 
   async def client(self, number: int) -> None:
-    from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+    from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
     party = _Party(self.args.address, CLIENT_TOKEN, self.stats, self.stop)
     args = self.args
     try:
@@ -517,7 +519,7 @@ class _SimulatorProcess:
     flags = [f"--{name}={getattr(args, name)}" for name in (
         "workers", "clients", "jobs", "round_robin_clients", "processes",
         "elements_per_s", "splits_per_request", "max_acks", "join_spread_s")]
-    self.proc = subprocess.Popen(
+    self.proc = _lifetime.popen(
         [sys.executable, "-m", "benchmarks.dispatcher_scale", "--simulator",
          f"--index={index}", f"--address={args.address}", f"--dataset_id={dataset_id}",
          *flags, *(["--leave"] if args.leave else [])],
@@ -786,6 +788,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   if args.simulator:
+    _lifetime.die_with_parent_from_env()
     asyncio.run(_simulate(args))
     return
   result = run(args)

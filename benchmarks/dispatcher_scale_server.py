@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from jaxfeed.service import dispatcher
+from jaxfeed.service.dispatcher import server as dispatcher
 
 # Timed whenever they come: before the window (joins) and after it (goodbyes).
 BURSTS = ("GetOrCreateJob", "ReleaseJobClient")

@@ -33,7 +33,7 @@ SPLIT_SIZE = 10
 
 def _dataset_def(num_positions: int):
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service import spec  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
   dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(4)}))
   dataset_def = spec.to_dataset_def(dataset.node)
   dataset_def.num_positions = num_positions
@@ -41,20 +41,20 @@ def _dataset_def(num_positions: int):
 
 
 def _state(work_dir: str, **options):
-  from jaxfeed.service import dispatcher  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.dispatcher import server as dispatcher  # pylint: disable=g-import-not-at-top
   return dispatcher.DispatcherState(dispatcher.DispatcherConfig(
       work_dir=work_dir, split_size=SPLIT_SIZE, heartbeat_timeout_s=3600, **options))
 
 
 def _start_job(state, dataset_id: str) -> tuple[int, int, int]:
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
       dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True))
   return job_id, client_id, next(iter(state.jobs[job_id].tasks))
 
 
 def _get_split(state, job_id: int, task_id: int) -> int:
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   response = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
                                                   max_ranges=1))
   return response.ranges[0].start
@@ -62,7 +62,7 @@ def _get_split(state, job_id: int, task_id: int) -> int:
 
 def _history(work_dir: str, jobs: int, splits_per_job: int, **options) -> dict:
   """Writes the history; returns what it wrote."""
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   state = _state(work_dir, journal_fsync=False, **options)
   dataset_id = state.register_dataset(_dataset_def(splits_per_job * SPLIT_SIZE))
   state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="worker:1"))
@@ -98,7 +98,7 @@ def _restart(work_dir: str, **options) -> dict:
 
 def _fsync_cost(work_dir: str, fsync: bool, threads: int, changes: int = 2000) -> dict:
   """Journaled changes per second, and their median latency in ms."""
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   state = _state(work_dir, journal_fsync=fsync)
   dataset_id = state.register_dataset(_dataset_def(10**9))
   state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="worker:1"))

@@ -111,6 +111,36 @@ def test_layers_import_only_from_their_left():
   assert not rightward, f"imports from a layer to the right (module, target): {rightward}"
 
 
+# The service's parts, left to right: what every party shares (the
+# protocol); the dispatcher's storage, the pools its workers run in and the
+# metrics; then the worker, the dispatcher and the client (in the trainer).
+# A module imports only from its own part and the parts at lower levels.
+_SERVICE_PARTS = {"protocol": 0, "storage": 1, "pools": 1, "metrics": 1,
+                  "worker": 2, "dispatcher": 3, "client": 4}
+
+
+def _service_part(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[2] if parts[:2] == ["jaxfeed", "service"] and len(parts) > 2 else None
+
+
+def test_every_service_module_belongs_to_a_part():
+  graph = import_graph(PACKAGE_DIR, "jaxfeed")
+  unplaced = sorted(m for m in graph
+                    if _service_part(m) not in (None, *_SERVICE_PARTS))
+  assert not unplaced, f"place these in _SERVICE_PARTS (a folder of the service): {unplaced}"
+
+
+def test_service_parts_import_only_from_their_left():
+  graph = import_graph(PACKAGE_DIR, "jaxfeed")
+  wrong = sorted(
+      (module, target) for module, targets in graph.items() for target in targets
+      if _service_part(module) in _SERVICE_PARTS and _service_part(target) in _SERVICE_PARTS
+      and _service_part(target) != _service_part(module)
+      and _SERVICE_PARTS[_service_part(target)] >= _SERVICE_PARTS[_service_part(module)])
+  assert not wrong, f"service parts importing a part not to their left (module, target): {wrong}"
+
+
 def test_the_dataset_facade_does_not_import_the_service():
   graph = import_graph(PACKAGE_DIR, "jaxfeed")
   assert not {m for m in graph["jaxfeed.dataset"] if m.startswith("jaxfeed.service")}

@@ -220,7 +220,7 @@ def test_state_of_another_number_of_components_is_rejected():
 
 
 def test_mixture_travels_to_service_workers_as_a_spec():
-  from jaxfeed.service import spec  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
   ds = mixture([0.5, 0.2, 0.3], 1, 2).batch(4)
   rebuilt = jaxfeed.Dataset(spec.from_dataset_def(spec.to_dataset_def(ds.node)))
   assert ([b["x"].tolist() for b in rebuilt] ==

@@ -7,7 +7,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed.dataset import Dataset
-from jaxfeed.service import spec
+from jaxfeed.service.protocol import spec
 
 TEXTS = ["def f(x):\n    return x + 1\n", "Ünïcödé prose, with punctuation!", ""]
 

@@ -20,8 +20,8 @@ def test_script_parses(script):
 
 
 def _defined_flags(role: str) -> set[str]:
-  code = (f"import json; from absl import flags; from jaxfeed.service import {role}; "
-          f"{role}.define_flags(); print(json.dumps(sorted(flags.FLAGS)))")
+  code = (f"import json; from absl import flags; from jaxfeed.service.{role} import server; "
+          f"server.define_flags(); print(json.dumps(sorted(flags.FLAGS)))")
   out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                        text=True).stdout
   return set(json.loads(out))

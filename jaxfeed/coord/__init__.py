@@ -10,7 +10,7 @@ num_consumers=K, consumer_index=i)`. At every round one worker hands all K
 consumers a batch each from one window of K batches with the same padded
 shapes; partial windows are dropped, and a consumer later than
 `round_timeout_s` loses the rounds it missed (`jaxfeed.service.client` and
-`jaxfeed.service.round_assembly` give the rules).
+`jaxfeed.service.worker.round_assembly` give the rules).
 """
 
 from jaxfeed.coord.bucket_plan import BucketPlan

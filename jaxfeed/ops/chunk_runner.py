@@ -59,6 +59,7 @@ class ChunkRunner:
     self._contiguous = contiguous
     self._reader: Any = None  # contiguous: the input iterator, at `_next`
     self._next = -1
+    self._iteration = 0  # of the positions `_reader` reads
     self.stages = [_stage_fn(s) for s in stages]
     # Maps only, none writing into its row: each a plain work(element, seed).
     self._works = (None if any(s[0] not in ("map", "random_map") or s[-1]
@@ -125,7 +126,9 @@ class ChunkRunner:
           first_seed = seed
           if slot is not None and (rows is None or not rows.fits(element)):
             # A first batch, or new shapes: rows like this element's.
-            self.template = batch_placement.template_for(element, ROW_MIN_BYTES)
+            # A function that writes into its row gets one at any size.
+            self.template = batch_placement.template_for(
+                element, 0 if self.hands_out_rows else ROW_MIN_BYTES)
             rows = (None if self.template is None else
                     self._open(slot, end, stop - position + 1))
         if rows is not None and not rows.put(count, element, own):
@@ -155,17 +158,28 @@ class ChunkRunner:
 
   def _input_at(self, start: int, stop: int) -> Any:
     """An input iterator at position `start` that reads up to `stop` (when
-    contiguous: on, for the next chunks). One iterator serves the chunks in
-    turn where it can be repositioned (`from_source`: its sampler lookups,
-    made in blocks, serve the next chunks too)."""
+    contiguous: on, for the next chunks). One iterator serves the chunks of
+    an iteration in turn where it can be repositioned (`from_source`: its
+    sampler lookups, made in blocks, serve the next chunks too).
+
+    A reshuffling `from_source` gives iteration i the positions [i * n,
+    (i + 1) * n) (see `index_ranges`): an iterator reads within one."""
+    per_iteration = self.input.num_positions()
+    iteration = start // per_iteration if per_iteration else 0
+    if iteration != self._iteration:
+      self.close()
+      self._iteration = iteration
     if self._contiguous:
       if self._reader is None or self._next != start:
         self.close()
-        self._reader = self.input.range_iterator(start, self.input.num_positions())
+        end = (None if per_iteration is None
+               else (iteration + 1) * per_iteration)
+        self._reader = self.input.range_iterator(start, end)
       return self._reader
     reposition = getattr(self._reader, "reposition", None)
     if reposition is not None:
-      reposition(start, stop)
+      offset = iteration * (per_iteration or 0)
+      reposition(start - offset, stop - offset)
       return self._reader
     self._reader = self.input.range_iterator(start, stop)
     return self._reader

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 
-from jaxfeed.ops import base
+from jaxfeed.ops import base, index_ranges
 
 __all__ = ["FusedChain", "INPUT_OPS", "ELEMENT_OPS"]
 
@@ -47,8 +47,9 @@ class FusedChain:
     self.stage_nodes = stages[::-1]
     self.stages = [_stage_spec(n) for n in self.stage_nodes]
     self.filters = any(s[0] in ("filter", "map_and_filter") for s in self.stages)
+    # The last op writes each element into its batch row (writes_out).
+    self.writes_rows = bool(self.stages[-1][-1]) and not self.filters
     self.batch_node = batch_node
-    self._template: dict | None = None
 
   def sequential(self) -> base.Node:
     """The chain with every element op in the consumer thread."""
@@ -69,41 +70,46 @@ class FusedChain:
             self.batch_size, self.drop_remainder)
 
   def num_positions(self) -> int | None:
-    """The input's positions (None: endless)."""
+    """The input's positions in one iteration (None: endless)."""
     return self.input.num_positions()
 
-  def state_at(self, position: int) -> dict:
-    """The chain's state with every op caught up and the input at `position`."""
-    if self._template is None:
-      with self.sequential().make_iterator() as iterator:
-        self._template = iterator.get_state()
-    state = copy.deepcopy(self._template)
-    bottom = state
-    while bottom["parents"]:
-      bottom = bottom["parents"][0]
-    (key,) = bottom["own"]
-    bottom["own"][key] = position
+  def first_state(self) -> dict:
+    """The state the chain starts from in its input's current iteration
+    (the template `state_at` moves)."""
+    with self.sequential().make_iterator() as iterator:
+      return iterator.get_state()
+
+  def span(self, state: dict) -> tuple[int, int | None] | None:
+    """The input position a chain state reads next and the end of its
+    iteration's positions (None: endless); None when the input's state holds
+    more than a position (workers, which read positions of the node they
+    rebuilt, cannot resume it). See `index_ranges.iteration_span`."""
+    return index_ranges.iteration_span(self.input, _bottom(state)["own"])
+
+  def state_at(self, template: dict, position: int) -> dict:
+    """`template` (a chain state) with every op caught up and the input at
+    `position` of its iteration."""
+    state = copy.deepcopy(template)
+    bottom = _bottom(state)
+    bottom["own"] = index_ranges.own_state_at(self.input, bottom["own"], position)
     return state
 
-  def position_of(self, state: dict) -> int | None:
-    """The input position a chain state resumes from (checks the state).
-
-    None when the input's state holds more than a position (workers, which
-    read positions of the node they rebuilt, cannot resume it).
-    """
+  def restored(self, state: dict) -> dict:
+    """`state` checked (a PipelineStateError names what does not fit) and as
+    the element-wise iterator saves it; its iteration becomes the input's."""
     with self.sequential().make_iterator() as iterator:
       iterator.set_state(state)
-      state = iterator.get_state()
-    while state["parents"]:
-      state = state["parents"][0]
-    own = state["own"]
-    if not isinstance(own, dict) or len(own) != 1:
-      return None
-    (position,) = own.values()
-    return position
+      return iterator.get_state()
 
   def element_params(self) -> list[dict]:
     return [n.spec_params() for n in self.stage_nodes]
+
+
+def _bottom(state: dict) -> dict:
+  """The state of the chain's input inside a chain state."""
+  while state["parents"]:
+    state = state["parents"][0]
+  return state
 
 
 def _stage_spec(node: base.Node) -> tuple:

@@ -80,9 +80,14 @@ class ProcessBatchIterator(base.OpIterator):
   def __init__(self, node: Any, runtime: Any):
     super().__init__()
     self._node, self._chain, self._runtime = node, node.chain, runtime
-    self._end = self._chain.num_positions()  # None: endless
-    self._position = 0  # the input position after the last batch returned
-    self._next_start = 0  # the first position not sent to a worker
+    # The chain's state at its input's current iteration, and that
+    # iteration's input positions (see `index_ranges.iteration_span`).
+    self._template = self._chain.first_state()
+    span = self._chain.span(self._template)
+    # The input position after the last batch returned; the end of the
+    # iteration's positions (None: endless).
+    self._position, self._end = span or (0, None)
+    self._next_start = self._position  # the first position not sent to a worker
     self._last_seed = 0
     self._error: BaseException | None = None
     self._fallback: base.OpIterator | None = None
@@ -103,7 +108,10 @@ class ProcessBatchIterator(base.OpIterator):
     self._per_position: float | None = None  # smoothed busy time per position
     self._sent = 0
     self._slot_bytes = 1 << 20
-    self._start()
+    if span is None:
+      self._run_element_wise(None)
+    else:
+      self._start()
 
   # -- backends ------------------------------------------------------------
   @property
@@ -311,7 +319,10 @@ class ProcessBatchIterator(base.OpIterator):
         return
       start = self._next_start
       stop = self._chunk_stop(start)
-      slot = (None if self._chain.filters or self._backend == "inline"
+      # The consumer's own thread stacks into new arrays, unless the
+      # function writes into its batch rows (then they are in a slot).
+      slot = (None if self._chain.filters or (self._backend == "inline"
+                                              and not self._chain.writes_rows)
               else self._kit.slots.take(self._slot_bytes, index))
       workers.send_chunk(index, start, stop, slot)
       chunk = _Chunk(index, start, stop, slot)
@@ -453,32 +464,40 @@ class ProcessBatchIterator(base.OpIterator):
   def get_state(self) -> dict:
     if self._fallback is not None:
       return self._fallback.get_state()
-    return self._chain.state_at(self._position)
+    return self._chain.state_at(self._template, self._position)
 
   def set_state(self, state: dict) -> None:
     base.check_state(state, "batch", 1)
-    position = self._chain.position_of(state)
+    state = self._chain.restored(state)
+    span = self._chain.span(state)
     self._last_seed = 0
     self._error = None
     self._ended = False
     if self._lease is not None:
       self._discard()
-    if position is None:
-      # Workers read positions of the input they rebuilt: a state that is
-      # more than a position resumes element by element on threads.
+    if span is None:
       self._give_back()
-      if self._fallback is None:
-        self._fallback = self._chain.batch_node.make_iterator()
-        self.parents = [self._fallback]
-      self._fallback.set_state(state)
-      self._runtime.note("restored a state that is more than a position: "
-                         "element by element on threads")
+      self._run_element_wise(state)
       return
     if self._fallback is not None:
       self._fallback.close()
       self._fallback = None
       self.parents = []
-    self._next_start = self._position = position
+    self._template = state
+    self._position, self._end = span
+    self._next_start = self._position
+
+  def _run_element_wise(self, state: dict | None) -> None:
+    """Runs the chain element by element on threads from `state` (None: its
+    start). Workers read positions of the input they rebuilt: an input whose
+    state is more than a position (a mixture's, a resharded resume) runs so."""
+    if self._fallback is None:
+      self._fallback = self._chain.batch_node.make_iterator()
+      self.parents = [self._fallback]
+    if state is not None:
+      self._fallback.set_state(state)
+    self._runtime.note("the input's state is more than a position: "
+                       "element by element on threads")
 
   # -- reporting and lifetime ----------------------------------------------
   def _stats_fields(self) -> dict:

@@ -11,9 +11,10 @@ import socket
 import struct
 import threading
 
-from jaxfeed.service import delivery
-from jaxfeed.service import rpc
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import rpc_server
+from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import delivery
 
 
 class HostileWorker:
@@ -28,10 +29,10 @@ class HostileWorker:
     self._grpc_messages = grpc_messages
     self._socket_bytes = socket_bytes
     self._stop = threading.Event()
-    handler = rpc.method_handlers("jaxfeed.service.Worker", {}, {
+    handler = rpc_server.method_handlers("jaxfeed.service.Worker", {}, {
         "GetElements": (self._get_elements, pb.GetElementsRequest, True, (rpc.CLIENT,)),
         "AckElements": (self._ack_elements, pb.AckElementsRequest, False, (rpc.CLIENT,))})
-    self._server, port = rpc.make_server("127.0.0.1:0", handler, 64 << 20, None)
+    self._server, port = rpc_server.make_server("127.0.0.1:0", handler, 64 << 20, None)
     self._server.start()
     self.address = f"127.0.0.1:{port}"
     self._listener = socket.create_server(("127.0.0.1", 0))

@@ -23,9 +23,9 @@ from typing import Callable
 import grpc
 
 import jaxfeed
-from jaxfeed.service import delivery
-from jaxfeed.service import spec
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import delivery
 
 import fuzz_targets
 from fuzz_targets import json_dumps, mutate_bytes, mutate_json

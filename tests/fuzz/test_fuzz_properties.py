@@ -12,12 +12,12 @@ import hypothesis
 from hypothesis import strategies as st
 import pytest
 
-from jaxfeed.service import data_socket
-from jaxfeed.service import dispatcher as dispatcher_lib
-from jaxfeed.service import element_chunks
-from jaxfeed.service import spec
-from jaxfeed.service import wire
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.dispatcher import server as dispatcher_lib
+from jaxfeed.service.protocol import data_socket
+from jaxfeed.service.protocol import element_chunks
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.protocol import wire
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 import fuzz_targets
 
 pytestmark = pytest.mark.timeout(120)

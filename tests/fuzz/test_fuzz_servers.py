@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 import jaxfeed
-from jaxfeed.service import data_socket
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import data_socket
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from fuzz_targets import SOCKET_PREFIX
 from server_fuzz import ServerFuzzer
 from service_cluster import ServiceProcess

@@ -14,8 +14,8 @@ import pytest
 import zstandard
 
 import jaxfeed
-from jaxfeed.service import element_chunks
-from jaxfeed.service import wire
+from jaxfeed.service.protocol import element_chunks
+from jaxfeed.service.protocol import wire
 from fuzz_targets import socket_message as socket_message_of
 from hostile_worker import HostileWorker
 from service_cluster import ServiceProcess

@@ -350,12 +350,13 @@ def test_autotune_moves_between_backends_without_changing_the_output(
         (_input("from_source", 600).filter(not_multiple_of_three)
          if chain.startswith("filter") else _input("from_source", 600))
         .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
-  with _threads(build(None)) as it:
-    expected, expected_seeds = elements_and_seeds(it)
+  reference = build(None)  # each epoch in its own order, element by element
   dataset = build(jaxfeed.AUTOTUNE)
   # Epochs until each backend ran (the worker processes start in the
   # background during the first ones).
   for _ in range(50):
+    with reference.make_iterator() as it:
+      expected, expected_seeds = elements_and_seeds(it)
     with dataset.make_iterator() as it:
       assert isinstance(_root(it), process_batch.ProcessBatchIterator)
       ours, seeds = elements_and_seeds(it)
@@ -507,20 +508,22 @@ def _children():
 
 def test_epochs_of_one_dataset_reuse_its_warm_worker_processes():
   dataset = _input("from_source", 400).map(plus_ten, backend="process").batch(8)
-  expected = None
+  reference = _input("from_source", 400).map(plus_ten).batch(8)
   pids = None
+  epochs = []
   for _ in range(3):
     before = _children()
     it = iter(dataset)
     batches = [b["x"].tolist() for b in it]
-    assert batches == (expected or batches)
-    expected = batches
+    assert batches == [b["x"].tolist() for b in reference]  # its epoch's order
+    epochs.append(batches)
     if pids is None:
       pids = it.pids()
       assert len(pids) == 2 and set(pids) <= _children()
     else:
       assert it.pids() == pids
       assert _children() - before == set()  # no process started
+  assert epochs[0] != epochs[1] != epochs[2]
   dataset.close()
   assert not any(process_alive(p) for p in pids)
 

@@ -8,7 +8,8 @@ import time
 import psutil
 import pytest
 
-from jaxfeed.service import spec as spec_lib
+from jaxfeed import _lifetime
+from jaxfeed.service.protocol import import_paths
 from service_cluster import ServiceProcess, TEST_UDF_MODULES
 
 
@@ -16,8 +17,8 @@ from service_cluster import ServiceProcess, TEST_UDF_MODULES
 def allow_test_udfs(monkeypatch):
   """In-process dispatchers and workers may import the tests' UDF modules
   (server processes get --udf_modules from ServiceProcess)."""
-  monkeypatch.setattr(spec_lib, "DEFAULT_UDF_MODULES",
-                      (*spec_lib.DEFAULT_UDF_MODULES, *TEST_UDF_MODULES))
+  monkeypatch.setattr(import_paths, "DEFAULT_UDF_MODULES",
+                      (*import_paths.DEFAULT_UDF_MODULES, *TEST_UDF_MODULES))
 
 
 @pytest.fixture
@@ -42,7 +43,8 @@ def cluster():
   deadline = time.monotonic() + 10
   while time.monotonic() < deadline:
     leaked = [t for t in set(threading.enumerate()) - threads_before
-              if t.is_alive() and t.name.startswith("jaxfeed")]
+              if t.is_alive() and t.name.startswith("jaxfeed")
+              and t.name != _lifetime.SPAWNER_THREAD_NAME]  # lives as long as the process
     if not leaked:
       break
     time.sleep(0.05)

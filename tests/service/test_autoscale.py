@@ -15,7 +15,8 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import autoscale
+from jaxfeed.service.dispatcher import autoscale
+from jaxfeed.service.pools import local_backend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,7 +67,7 @@ def test_bad_autoscale_config_names_the_field(kwargs, message):
 
 
 def test_local_backend_keeps_secrets_off_the_command_line(tmp_path):
-  backend = autoscale.LocalWorkerBackend("127.0.0.1:1", ["--heartbeat_interval_s=0.2"],
+  backend = local_backend.LocalWorkerBackend("127.0.0.1:1", ["--heartbeat_interval_s=0.2"],
                                          {"worker_token": "hush"})
   try:
     backend.start_worker()

@@ -17,10 +17,10 @@ import pytest
 
 import jaxfeed
 from jaxfeed import service
-from jaxfeed.service import dispatcher as dispatcher_lib
-from jaxfeed.service import heartbeat_pacing
-from jaxfeed.service import spec
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.dispatcher import server as dispatcher_lib
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT
 
 RESULT_FIELDS = (

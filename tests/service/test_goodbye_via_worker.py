@@ -15,11 +15,11 @@ import time
 import pytest
 
 from jaxfeed import service
-from jaxfeed.service import data_socket
 from jaxfeed.service import register_dataset
-from jaxfeed.service import rpc
-from jaxfeed.service.client_read import dispatcher_caller
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.client.read import dispatcher_caller
+from jaxfeed.service.protocol import data_socket
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from connection_reads import NUM_RECORDS, records
 from test_metrics import _metrics_url, scrape
 

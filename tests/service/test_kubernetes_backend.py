@@ -8,8 +8,8 @@ import types
 import pytest
 import yaml
 
-from jaxfeed.service import autoscale
-from jaxfeed.service import kubernetes_backend
+from jaxfeed.service.dispatcher import autoscale
+from jaxfeed.service.pools import kubernetes_backend
 
 kubernetes = pytest.importorskip("kubernetes")
 

@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 import jaxfeed
-from jaxfeed.service import data_socket
 from jaxfeed.service import metrics
-from jaxfeed.service import rpc
-from jaxfeed.service import spec
+from jaxfeed.service.protocol import data_socket
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import spec
 
 parser = pytest.importorskip("prometheus_client.parser")
 

@@ -160,8 +160,9 @@ def test_bad_backend_choice_names_the_field(kwargs, message):
 def test_the_service_imports_no_optional_cluster_package():
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  code = ("import sys, jaxfeed, jaxfeed.service.dispatcher, jaxfeed.service.worker, "
-          "jaxfeed.service.client, jaxfeed.service.autoscale, jaxfeed.service.metrics; "
+  code = ("import sys, jaxfeed, jaxfeed.service.dispatcher.server, jaxfeed.service.worker.server, "
+          "jaxfeed.service.client.distribute, jaxfeed.service.dispatcher.autoscale, "
+          "jaxfeed.service.metrics; "
           "print([m for m in ('ray', 'kubernetes', 'prometheus_client') if m in sys.modules])")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})

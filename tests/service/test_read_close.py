@@ -21,7 +21,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed.device import prefetcher
-from jaxfeed.service import rpc_errors
+from jaxfeed.service.protocol import rpc_errors
 import service_udfs
 
 pytestmark = pytest.mark.timeout(180)

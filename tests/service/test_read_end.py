@@ -11,7 +11,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed import service
-from jaxfeed.service import heartbeat_pacing
+from jaxfeed.service.dispatcher import heartbeat_pacing
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,11 +1,11 @@
-"""`jaxfeed.service.read_state`: what an exactly-once read's consumer took."""
+"""`jaxfeed.service.protocol.read_state`: what an exactly-once read's consumer took."""
 
 import json
 
 import pytest
 
-from jaxfeed.service import read_state
-from jaxfeed.service.read_state import SplitProgress
+from jaxfeed.service.protocol import read_state
+from jaxfeed.service.protocol.read_state import SplitProgress
 
 
 def take_all(progress: SplitProgress, start: int, stop: int, count: int, upto: int | None = None):
@@ -122,9 +122,9 @@ def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(tmp_path,
                                                                     snapshot_every_records):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service import dispatcher as dispatcher_lib  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service import spec  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.dispatcher import server as dispatcher_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
 
   config = dispatcher_lib.DispatcherConfig(
       work_dir=str(tmp_path), split_size=10, journal_fsync=False,

@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from jaxfeed.service import round_assembly
-from jaxfeed.service import task_runner
-from jaxfeed.service import wire
+from jaxfeed.service.protocol import wire
+from jaxfeed.service.worker import round_assembly
+from jaxfeed.service.worker import task_runner
 
 pytestmark = pytest.mark.timeout(60)
 

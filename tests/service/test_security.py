@@ -22,8 +22,8 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import data_socket, rpc, spec
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol import data_socket, import_paths, rpc, spec
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT, TESTS_DIR
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,7 +136,8 @@ def hostile_udfs(marker: pathlib.Path) -> dict[str, object]:
       "subprocess:run": np.array([["touch", str(marker)]]),
       "importlib:import_module": np.array(["jaxfeed_test_marker_module"]),
       "pickle:loads": np.array([pickle.dumps(Touch(), protocol=0)]),
-      "jaxfeed.service.spec:resolve_path": np.array(["jaxfeed_test_marker_module:x"]),
+      "jaxfeed.service.protocol.import_paths:resolve_path": np.array(
+          ["jaxfeed_test_marker_module:x"]),
   }
 
 
@@ -155,7 +156,7 @@ def marker(tmp_path, monkeypatch):
 
 
 HOSTILE_PATHS = ("builtins:exec", "os:system", "subprocess:run", "importlib:import_module",
-                 "pickle:loads", "jaxfeed.service.spec:resolve_path",
+                 "pickle:loads", "jaxfeed.service.protocol.import_paths:resolve_path",
                  "jaxfeed_test_marker_module:x", "service_udfs:__builtins__")
 
 
@@ -192,7 +193,7 @@ def test_a_worker_imports_nothing_its_own_allowlist_lacks(marker, cluster, path,
 
 def test_the_worker_check_refuses_before_importing_in_this_process(marker):
   dataset_def = with_path("jaxfeed_test_marker_module:x", np.array([1]))
-  with pytest.raises(spec.UDFNotAllowedError, match="not allowlisted"):
+  with pytest.raises(import_paths.UDFNotAllowedError, match="not allowlisted"):
     spec.from_dataset_def(dataset_def)
   assert "jaxfeed_test_marker_module" not in sys.modules and not marker.exists()
 
@@ -503,12 +504,12 @@ def test_an_allowed_module_does_not_lend_out_what_it_imports(tmp_path, monkeypat
                     ("reexporting_udfs:import_module", "never allowed"),
                     ("reexporting_udfs:os.system", "is a module imported by"),
                     ("reexporting_udfs:os", "is a module imported by")]:
-    with pytest.raises(spec.UDFNotAllowedError, match=why):
-      spec.resolve_path(path, allowed)
+    with pytest.raises(import_paths.UDFNotAllowedError, match=why):
+      import_paths.resolve_path(path, allowed)
 
 
 def test_read_tickets_stay_valid_across_a_restart_from_a_snapshot(tmp_path):
-  from jaxfeed.service import dispatcher as dispatcher_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.dispatcher import server as dispatcher_lib  # pylint: disable=g-import-not-at-top
   config = service.DispatcherConfig(work_dir=str(tmp_path), auth_token=CLIENT_TOKEN,
                                     worker_token=WORKER_TOKEN, snapshot_every_records=2)
   keys = []

@@ -28,7 +28,7 @@ import pytest
 import tensorflow as tf
 
 import coordinated_reads as corpus_lib
-from jaxfeed.service.protos import service_pb2 as pb
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT, TESTS_DIR, ServiceProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -306,7 +306,7 @@ def test_consumers_that_disagree_on_round_timeout_get_a_value_error(service):
 ])
 def test_dispatcher_answers_invalid_argument_to_bad_round_robin_requests(
     service, fields, message):
-  from jaxfeed.service import client  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.client import distribute as client  # pylint: disable=g-import-not-at-top
   dataset_id = client.register_dataset(service, corpus_lib.pipeline())
   with grpc.insecure_channel(service) as channel:
     call = channel.unary_unary("/jaxfeed.service.Dispatcher/GetOrCreateJob",

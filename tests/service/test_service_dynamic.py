@@ -16,7 +16,7 @@ import jaxfeed
 import service_udfs
 from jaxfeed.ops import parallel
 from jaxfeed.ops import tree
-from jaxfeed.service import rpc
+from jaxfeed.service.protocol import rpc
 
 pytestmark = pytest.mark.timeout(180)
 

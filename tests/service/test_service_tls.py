@@ -17,7 +17,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed import service
-from jaxfeed.service import data_socket
+from jaxfeed.service.protocol import data_socket
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,8 +19,8 @@ import jaxfeed
 import service_udfs
 from jaxfeed import service
 from jaxfeed.ops import op_stats
-from jaxfeed.service import rpc, spec, wire
-from jaxfeed.service.protos import generate
+from jaxfeed.service.protocol import rpc, spec, wire
+from jaxfeed.service.protocol.protos import generate
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,8 +95,8 @@ def test_frame_encoded_with_compression_decodes_to_the_value():
 @pytest.mark.parametrize("fields", [
     {"frame_bytes": 5000, "round": 3}, {}, {"round": -2}, {"frame_bytes": 2**40}])
 def test_hand_written_element_chunks_are_protobuf_both_ways(fields):
-  from jaxfeed.service import element_chunks  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import element_chunks  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   parts = [b"abc", memoryview(np.arange(300, dtype=np.int16).view(np.uint8)), b""]
   data = b"".join(bytes(p) for p in parts)
   raw = element_chunks.encode(parts, fields.get("frame_bytes", 0), fields.get("round", 0))
@@ -113,7 +113,7 @@ def test_hand_written_element_chunks_are_protobuf_both_ways(fields):
 @pytest.mark.parametrize("raw", [b"\x0a\x05ab", b"\x10", b"\x10\xff\xff", b"\x0b",
                                  b"\x10" + b"\xff" * 11])
 def test_malformed_element_chunks_raise_wire_format_error(raw):
-  from jaxfeed.service import element_chunks  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import element_chunks  # pylint: disable=g-import-not-at-top
   with pytest.raises(wire.WireFormatError):
     element_chunks.parse(raw)
 
@@ -138,14 +138,14 @@ class _TrickleSocket:
 
 @pytest.mark.parametrize("limit", [1, 5, 64, 10**7])
 def test_scatter_gather_send_delivers_every_byte_in_order_after_partial_sends(limit):
-  from jaxfeed.service import data_socket  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import data_server  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   buffers = [rng.bytes(n) for n in (3, 0, 200, 1, 0, 77)]
   buffers += [memoryview(np.arange(10, dtype=np.int64).view(np.uint8))] * 600  # > one iovec list
   sock = _TrickleSocket(limit)
-  data_socket._send_all(sock, buffers)  # pylint: disable=protected-access
+  data_server._send_all(sock, buffers)  # pylint: disable=protected-access
   assert bytes(sock.received) == b"".join(bytes(b) for b in buffers)
-  assert max(sock.calls) <= data_socket._MAX_IOV  # pylint: disable=protected-access
+  assert max(sock.calls) <= data_server._MAX_IOV  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("cut", [3, 10, -1])
@@ -202,14 +202,14 @@ def test_local_function_is_refused_with_its_name():
 
 def test_generated_protos_are_up_to_date(tmp_path):
   # In a child process: protoc in a process that loaded TensorFlow can crash.
-  subprocess.run([sys.executable, "-m", "jaxfeed.service.protos.generate", str(tmp_path)],
+  subprocess.run([sys.executable, "-m", "jaxfeed.service.protocol.protos.generate", str(tmp_path)],
                  check=True, timeout=60, capture_output=True, cwd=generate.PROTO_DIR.parents[2])
   written = sorted(pathlib.Path(tmp_path).glob("*_pb2*.py"))
   assert len(written) == 2 * len(generate.PROTO_FILES)
   for path in written:
     committed = generate.PROTO_DIR / path.name
     assert filecmp.cmp(path, committed, shallow=False), (
-        f"{committed} is stale: run python -m jaxfeed.service.protos.generate")
+        f"{committed} is stale: run python -m jaxfeed.service.protocol.protos.generate")
 
 
 def test_dispatcher_replays_its_journal_after_a_restart(tmp_path):
@@ -262,9 +262,9 @@ def test_round_robin_consumers_read_each_round_from_one_worker():
 def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):
   # The heartbeat thread and a client's first request can both hand a
   # worker the same new task; two runners would split its consumers.
-  from jaxfeed.service import task_runner  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service import worker as worker_lib  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import state as worker_state  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import task_runner  # pylint: disable=g-import-not-at-top
   created = []
 
   class CountedRunner(task_runner.TaskRunner):
@@ -273,10 +273,10 @@ def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):
       created.append(args[0])
       super().__init__(*args, **kwargs)
 
-  monkeypatch.setattr(worker_lib.task_runner_lib, "TaskRunner", CountedRunner)
-  monkeypatch.setattr(worker_lib._Worker, "_make_iterator", lambda self, task: iter([]))
-  worker = worker_lib._Worker(service.WorkerConfig(dispatcher_address="127.0.0.1:1"),
-                              "127.0.0.1:2")
+  monkeypatch.setattr(task_runner, "TaskRunner", CountedRunner)
+  monkeypatch.setattr(worker_state.WorkerState, "_make_iterator", lambda self, task: iter([]))
+  worker = worker_state.WorkerState(service.WorkerConfig(dispatcher_address="127.0.0.1:1"),
+                                    "127.0.0.1:2")
   task = pb.TaskInfo(task_id=7, job_id=1, dataset_id="1", num_consumers=2)
   barrier = threading.Barrier(8)
 
@@ -367,8 +367,8 @@ def test_exactly_once_runs_the_pipeline_split_by_split_and_delivers_one_epoch():
 
 
 def test_exactly_once_bookkeeping_survives_a_dispatcher_restart(tmp_path):
-  from jaxfeed.service import dispatcher as dispatcher_lib  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.dispatcher import server as dispatcher_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   dataset_def = spec.to_dataset_def(jaxfeed.Dataset.from_source(
       jaxfeed.ArraySource({"x": np.arange(100)})).node)
   dataset_def.num_positions = 100
@@ -417,8 +417,8 @@ def test_exactly_once_bookkeeping_survives_a_dispatcher_restart(tmp_path):
 
 
 def test_exactly_once_splits_a_released_client_held_are_issued_again(tmp_path):
-  from jaxfeed.service import dispatcher as dispatcher_lib  # pylint: disable=g-import-not-at-top
-  from jaxfeed.service.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.dispatcher import server as dispatcher_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
   dataset_def = spec.to_dataset_def(jaxfeed.Dataset.from_source(
       jaxfeed.ArraySource({"x": np.arange(100)})).node)
   dataset_def.num_positions = 100
@@ -521,7 +521,7 @@ def test_exactly_once_shared_job_gives_each_split_whole_to_one_of_its_clients():
 
 
 def test_workers_advertise_the_host_clients_can_reach():
-  from jaxfeed.service import worker as worker_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.worker import server as worker_lib  # pylint: disable=g-import-not-at-top
   config = service.WorkerConfig(dispatcher_address="127.0.0.1:1", host="0.0.0.0",
                                 insecure=True)
   assert worker_lib._advertised_host(config) == socket.gethostname()  # pylint: disable=protected-access

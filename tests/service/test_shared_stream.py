@@ -11,7 +11,8 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service import shared_stream, task_runner, wire
+from jaxfeed.service.protocol import wire
+from jaxfeed.service.worker import shared_stream, task_runner
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxfeed.service import read_state
-from jaxfeed.service import stream_state
+from jaxfeed.service.protocol import read_state
+from jaxfeed.service.protocol import stream_state
 
 
 class FakeFetcher:

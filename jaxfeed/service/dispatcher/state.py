@@ -1,0 +1,438 @@
+"""The dispatcher's bookkeeping (`DispatcherState`): datasets, jobs, the
+clients that read them and their heartbeats, liveness; workers and splits
+are `jaxfeed.service.dispatcher.workers`'s."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import logging
+import os
+import time
+from typing import Sequence
+
+from jaxfeed.service.dispatcher import autoscale as autoscale_lib
+from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.dispatcher import task_lists
+from jaxfeed.service.dispatcher import workers as dispatcher_workers
+from jaxfeed.service.dispatcher.config import DispatcherConfig
+from jaxfeed.service.dispatcher.tables import Job
+from jaxfeed.service.protocol import import_paths
+from jaxfeed.service.protocol import read_state
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import split_failures
+from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.protocol.sharding import ShardingPolicy, to_sharding_policy
+from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_lock
+from jaxfeed.service.worker import round_assembly
+
+
+class DispatcherState(dispatcher_workers.WorkerRegistry):
+  """The dispatcher's bookkeeping; every change is journaled before it is acknowledged."""
+
+  def __init__(self, config: DispatcherConfig):
+    super().__init__(config)
+    # (when counted, live clients) and the recent joins pace client heartbeats.
+    self._client_count = (float("-inf"), 0)
+    self._joins = heartbeat_pacing.JoinRate()
+    self._journal = None
+    # Autoscaling: each client's latest cumulative report, and the reports
+    # as of the last sample (not journaled: they are only rates).
+    self._reports: dict[int, tuple[int, float, float, float]] = {}
+    self._sampled: dict[int, tuple[int, float, float, float]] = {}
+    self._sampled_at = time.monotonic()
+    # The live clients' hosts, for max_jobs_per_host (clients replayed from
+    # the journal count for no host).
+    self._client_hosts: dict[int, str] = {}
+    # Host -> its live clients (a count per join, not a scan of every client).
+    self._host_clients: collections.Counter[str] = collections.Counter()
+    # How clients left, for --metrics_port: "call" (ReleaseJobClient calls),
+    # "worker" (goodbyes a worker forwarded), "timeout"; and the goodbyes
+    # ignored: "refused" (wrong ticket, or a job the worker does not serve),
+    # "stale" (the client was released already, or never joined).
+    self.goodbyes: collections.Counter[str] = collections.Counter()
+    # Exactly-once: client id -> the journal batch of its latest acknowledged
+    # splits, until that batch is durable (heartbeats wait for no fsync).
+    self._ack_batches: dict[int, int] = {}
+    self.replay_stats = journal_lib.ReplayStats()
+    if config.work_dir:
+      self._journal = journal_lib.Journal(
+          config.work_dir, config.journal_fsync, config.snapshot_every_records,
+          config.snapshot_every_bytes, config.journal_damage)
+      replay_started = time.monotonic()
+      self.replaying = True
+      self.replay_stats = self._journal.replay(self._apply)
+      self.replaying = False
+      self.replay_seconds = time.monotonic() - replay_started  # for --metrics_port
+      deadline = time.monotonic() + config.heartbeat_timeout_s
+      self._awaited = {t.worker_address: deadline for job in self.jobs.values()
+                       for t in job.tasks.values() if not t.finished}
+    self.lock = journal_lock.JournalLock(self._journal, self._live_records)
+    self.lock.snapshot_now()  # files of the previous release: written again, checked
+    if config.auth_token and self._ticket_master is None:
+      with self.lock:
+        # Durable before any call that must be (they wait for what they saw).
+        self.lock.answer_without_fsync()
+        self._record({"kind": "ticket_master", "key": os.urandom(32).hex()})
+
+  def close(self) -> None:
+    if self._journal is not None:
+      self._journal.close()
+
+  @property
+  def journal(self) -> journal_lib.Journal | None:
+    """The journal (None without a work_dir): its health, for the servers."""
+    return self._journal
+
+  # -- datasets -------------------------------------------------------------
+  def register_dataset(self, dataset_def: pb.DatasetDef) -> str:
+    spec_lib.check_signature(dataset_def, self.config.pickled_udf_secret)
+    import_paths.check_spec_paths(dataset_def, self.config.udf_modules)
+    if not dataset_def.graph_json:
+      raise ValueError("RegisterDataset: the dataset definition has no graph.")
+    # Computed here from the spec's content, never taken from the client: a
+    # forged fingerprint would let one pipeline be served another's data.
+    trusted = pb.DatasetDef()
+    trusted.CopyFrom(dataset_def)
+    trusted.fingerprint = spec_lib.fingerprint(dataset_def)
+    with self.lock:
+      self.lock.check_writable()
+      existing = self.dataset_by_fingerprint.get(trusted.fingerprint)
+      if existing is not None:
+        self._unread_since.pop(existing, None)  # registered again: in use
+        return existing
+      dataset_id = str(self._next_id())
+      self._record({"kind": "dataset", "id": dataset_id, "dataset_id": dataset_id,
+                    "def": base64.b64encode(trusted.SerializeToString()).decode()})
+      return dataset_id
+
+  def dataset_def(self, dataset_id: str) -> pb.DatasetDef:
+    with self.lock:
+      # Asked by a worker for a task it was given: its dataset is durable.
+      self.lock.answer_without_fsync()
+      found = self.datasets.get(dataset_id)
+    if found is None:
+      raise rpc.NotFoundError(f"Unknown dataset id {dataset_id!r}: register the dataset first.")
+    return found
+
+  # -- jobs -------------------------------------------------------------------
+  def get_or_create_job(self, request: pb.GetOrCreateJobRequest,
+                        host: str = "") -> tuple[int, int]:
+    """Returns (job id, client id); `host` is the client's, for max_jobs_per_host."""
+    policy = to_sharding_policy(request.sharding_policy)
+    _check_job_request(request, policy)
+    with self.lock:
+      self.lock.check_writable()
+      open_jobs = self._host_clients[host]
+      if host and open_jobs >= self.config.max_jobs_per_host:
+        raise rpc.StatusError(
+            "RESOURCE_EXHAUSTED",
+            f"Client host {host} already reads {open_jobs} jobs, the most "
+            f"max_jobs_per_host={self.config.max_jobs_per_host} allows "
+            "(--max_jobs_per_host): finish or release some first.")
+      dataset_def = self.datasets.get(request.dataset_id)
+      if dataset_def is None:
+        raise rpc.NotFoundError(
+            f"Unknown dataset id {request.dataset_id!r}: register the dataset first.")
+      job = None
+      if request.job_name:
+        job_id = self.job_by_name.get(request.job_name)
+        job = self.jobs.get(job_id) if job_id is not None else None
+        if job is not None and (job.dataset_id != request.dataset_id or job.policy != policy
+                                or job.num_consumers != request.num_consumers
+                                or job.exactly_once != request.exactly_once
+                                or job.ephemeral_sharing != request.ephemeral_sharing):
+          raise ValueError(
+              f"Job {request.job_name!r} exists for dataset {job.dataset_id} with "
+              f"processing mode {job.policy.name}, num_consumers "
+              f"{job.num_consumers}, {_visitation(job.exactly_once)} visitation and "
+              f"ephemeral_sharing={job.ephemeral_sharing}; it cannot be read as "
+              f"dataset {request.dataset_id} with {policy.name} / num_consumers "
+              f"{request.num_consumers} / {_visitation(request.exactly_once)} / "
+              f"ephemeral_sharing={request.ephemeral_sharing}: every consumer of a "
+              "job must pass the same dataset, processing mode, num_consumers, "
+              "visitation and ephemeral_sharing.")
+        if job is not None and request.round_timeout_s and (
+            request.round_timeout_s != job.round_timeout_s):
+          raise ValueError(
+              f"Job {request.job_name!r} has round_timeout_s "
+              f"{job.round_timeout_s}; a consumer asked for "
+              f"{request.round_timeout_s}: pass the same value (or none).")
+      if job is None:
+        if policy == ShardingPolicy.DYNAMIC and dataset_def.num_positions == 0:
+          pass  # an empty pipeline: the job finishes at once
+        done = [[r.start, r.stop] for r in request.resume_done]
+        partial = [[r.start, r.stop] for r in request.resume_partial]
+        read_state.check_resume_ranges(done, partial, int(dataset_def.num_positions))
+        job_id = self._next_id()
+        self._record({"kind": "job", "id": job_id, "dataset_id": request.dataset_id,
+                      **({"skip": read_state.merge_ranges(done + partial)}
+                         if done or partial else {}),
+                      "policy": policy.value, "job_name": request.job_name,
+                      "num_consumers": request.num_consumers,
+                      "num_positions": int(dataset_def.num_positions),
+                      "round_timeout_s": (request.round_timeout_s
+                                          or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
+                      "exactly_once": request.exactly_once,
+                      "ephemeral_sharing": request.ephemeral_sharing})
+        if partial:  # issued again first, whole
+          self._record({"kind": "splits_lost", "job_id": job_id, "ranges": partial})
+        job = self.jobs[job_id]
+        self._assign_tasks(job)
+      holder = next((c for c, i in job.consumers.items()
+                     if i == request.consumer_index), None) if job.num_consumers else None
+      if holder is not None:
+        raise ValueError(
+            f"consumer_index {request.consumer_index} of job {job.job_name!r} is "
+            f"already being read by client {holder}: each consumer of a "
+            f"round-robin job needs its own index in [0, {job.num_consumers}). A "
+            "consumer that died is released after "
+            f"client_timeout_s={self.config.client_timeout_s:g} s without heartbeats.")
+      client_id = self._next_id()
+      self._record({"kind": "client", "id": client_id, "job_id": job.job_id,
+                    "consumer_index": request.consumer_index})
+      self._joins.note(time.monotonic())
+      if host:
+        self._client_hosts[client_id] = host
+        self._host_clients[host] += 1
+      job.idle_since = None
+      return job.job_id, client_id
+
+  def client_heartbeat(self, job_id: int, client_id: int,
+                       acked_splits: Sequence[int] = (),
+                       report: pb.ClientHeartbeatRequest | None = None
+                       ) -> pb.ClientHeartbeatResponse:
+    return pb.ClientHeartbeatResponse.FromString(
+        self.client_heartbeat_wire(job_id, client_id, acked_splits, report))
+
+  def client_heartbeat_wire(self, job_id: int, client_id: int,
+                            acked_splits: Sequence[int] = (),
+                            report: pb.ClientHeartbeatRequest | None = None) -> bytes:
+    """`client_heartbeat`'s answer, serialized: the task list is serialized
+    once per change, not once per heartbeat."""
+    with self.lock:
+      # A heartbeat's answer waits for no fsync: the splits it acknowledges
+      # are durable soon after (or once a full disk takes them), and until
+      # then the answer asks the client to send them again (acks_pending).
+      self.lock.answer_without_fsync()
+      job = self._job(job_id)
+      if client_id not in job.clients:
+        raise rpc.NotFoundError(f"Client {client_id} is not reading job {job_id}.")
+      job.clients[client_id] = time.monotonic()
+      if report is not None and report.read_elapsed_s > 0:
+        self._reports[client_id] = (report.elements_consumed, report.consumer_wait_s,
+                                    report.read_elapsed_s,
+                                    min(max(report.buffer_fill, 0.0), 1.0))
+      acked = sorted(s for s in set(acked_splits) if s in job.unacked or s in job.reissue)
+      if acked:
+        self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
+        self._ack_batches[client_id] = self.lock.batch
+      acks_pending = client_id in self._ack_batches
+      if acks_pending and self.lock.durable(self._ack_batches[client_id]):
+        del self._ack_batches[client_id]
+        acks_pending = False
+      task_list = self._client_task_list(job)
+      done = task_list.all_finished
+      if job.policy == ShardingPolicy.DYNAMIC:
+        finished = job.all_splits_delivered and done
+      elif job.fixes_workers:
+        finished = job.fixed_workers is not None and done
+      else:
+        finished = bool(job.tasks) and done
+      if job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
+        finished = finished and not any(  # a fixed worker may still come back
+            a in self.workers for a in job.fixed_workers)
+      live_clients, joins_per_s = self._client_load()
+      pacing = self.config.heartbeat_pacing
+      response = pb.ClientHeartbeatResponse(
+          job_finished=finished, tasks_version=task_list.version, acks_pending=acks_pending,
+          heartbeat_interval_s=pacing.client_interval(
+              live_clients, self.config.client_timeout_s, joins_per_s),
+          job_error=job.error,
+          lost_ranges=[pb.SplitRange(start=a, stop=b) for a, b in job.lost])
+      if pacing.goodbye_via_worker(live_clients):
+        response.goodbye_via_worker = True
+        if self._ticket_master is not None:
+          response.goodbye_ticket = rpc.goodbye_ticket(self._ticket_master, job_id, client_id)
+      if report is not None and report.known_tasks_version == task_list.version:
+        response.tasks_unchanged = True
+        return response.SerializeToString()
+      # Serialized messages concatenate into their merge.
+      return response.SerializeToString() + task_list.serialized
+
+  def _client_task_list(self, job: Job) -> task_lists.TaskList:
+    """The job's tasks as its clients see them (lock held)."""
+    def tasks():
+      for t in job.tasks.values():
+        worker = self.workers.get(t.worker_address)
+        # A worker of the journal that has not registered again since a
+        # restart is not dead yet: a client that stopped reading its task
+        # would never read it again.
+        live = worker is not None or t.worker_address in self._awaited
+        yield (t.task_id, worker.data_address if worker else "", live, t.finished)
+    return self._task_lists.get(
+        job.job_id, tasks, lambda task_id: self._task_info(job.tasks[task_id], for_client=True))
+
+  def _client_load(self) -> tuple[int, float]:
+    """(clients of all jobs, counted at most every COUNT_EVERY_S; joins a
+    second) (lock held)."""
+    counted_at, count = self._client_count
+    now = time.monotonic()
+    if now - counted_at > heartbeat_pacing.COUNT_EVERY_S:
+      count = sum(len(job.clients) for job in self.jobs.values())
+      self._client_count = (now, count)
+    return count, self._joins.per_s(now)
+
+  def release_client(self, job_id: int, client_id: int) -> None:
+    with self.lock:
+      self.lock.answer_without_fsync()  # a client that leaves waits for nothing
+      self.goodbyes["call"] += 1
+      job = self.jobs.get(job_id)
+      if job is None or client_id not in job.clients:
+        return
+      self.release_client_locked(job_id, client_id)
+
+  def check_liveness(self) -> None:
+    """Drops workers and clients whose heartbeats stopped."""
+    now = time.monotonic()
+    with self.lock:
+      self.lock.answer_without_fsync()  # nobody waits for its answer
+      for address, worker in list(self.workers.items()):
+        if now - worker.last_heartbeat <= self.config.heartbeat_timeout_s:
+          continue
+        how = self.how_lost(worker)
+        logging.warning("Worker %s missed heartbeats for %.1fs: declared dead (%s).",
+                        address, now - worker.last_heartbeat, how)
+        del self.workers[address]
+        self._lose_tasks_of(address, how=how)
+      for address, deadline in list(self._awaited.items()):
+        if now > deadline:  # did not come back after a dispatcher restart
+          logging.warning("Worker %s did not register again: its tasks are lost.", address)
+          del self._awaited[address]
+          self._lose_tasks_of(address, how=split_failures.LOST)
+      for job in list(self.jobs.values()):
+        for client_id, seen in list(job.clients.items()):
+          if now - seen > self.config.client_timeout_s:
+            self.goodbyes["timeout"] += 1
+            self.release_client_locked(job.job_id, client_id)
+        if job.job_name and not job.clients and job.idle_since is None:
+          job.idle_since = now  # replayed from the journal without clients
+        if (job.idle_since is not None and not job.clients
+            and now - job.idle_since > self.config.job_gc_timeout_s):
+          self._record({"kind": "job_deleted", "job_id": job.job_id})
+      self._collect_datasets(now)
+
+  def _collect_datasets(self, now: float) -> None:
+    """Deletes datasets no job has read for dataset_gc_timeout_s (lock held)."""
+    read = {job.dataset_id for job in self.jobs.values()}
+    for dataset_id in list(self.datasets):
+      if dataset_id in read:
+        self._unread_since.pop(dataset_id, None)
+      elif now - self._unread_since.setdefault(dataset_id, now) > (
+          self.config.dataset_gc_timeout_s):
+        self._record({"kind": "dataset_deleted", "dataset_id": dataset_id})
+
+  def num_workers(self) -> int:
+    """The workers registered and alive."""
+    with self.lock:
+      self.lock.answer_without_fsync()
+      return len(self.workers)
+
+  def sample_clients(self) -> autoscale_lib.Sample | None:
+    """The live clients' reports since the last call, as one sample."""
+    with self.lock:
+      self.lock.answer_without_fsync()
+      now = time.monotonic()
+      live = {c for job in self.jobs.values() for c in job.clients}
+      elements, waits, fills = 0, [], []
+      for client_id, (count, wait_s, elapsed_s, fill) in self._reports.items():
+        if client_id not in live:
+          continue
+        before = self._sampled.get(client_id, (0, 0.0, 0.0, 0.0))
+        if elapsed_s <= before[2]:
+          continue  # no report since the last sample
+        elements += count - before[0]
+        waits.append(min(1.0, (wait_s - before[1]) / (elapsed_s - before[2])))
+        fills.append(fill)
+      self._reports = {c: r for c, r in self._reports.items() if c in live}
+      self._sampled = dict(self._reports)
+      span, self._sampled_at = now - self._sampled_at, now
+    if not waits or span <= 0:
+      return None
+    return autoscale_lib.Sample(elements_per_s=elements / span,
+                                wait_fraction=sum(waits) / len(waits),
+                                buffer_fill=sum(fills) / len(fills), num_clients=len(waits))
+
+  def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
+                        served_jobs: set[int]) -> None:
+    """Releases the clients whose goodbyes a worker forwarded, as
+    ReleaseJobClient does (lock held). Ignored: a goodbye for a client
+    released already (a repeated heartbeat, a client that called after all)
+    or unknown, for a job the worker serves no task of, or with a ticket that
+    is not the client's."""
+    for goodbye in goodbyes:
+      job = self.jobs.get(goodbye.job_id)
+      master = self._ticket_master
+      if job is None or goodbye.client_id not in job.clients:
+        self.goodbyes["stale"] += 1
+      elif goodbye.job_id not in served_jobs or (master is not None and not rpc.hex_digest_matches(
+          rpc.goodbye_ticket(master, goodbye.job_id, goodbye.client_id), goodbye.ticket)):
+        self.goodbyes["refused"] += 1
+      else:
+        self.goodbyes["worker"] += 1
+        self.release_client_locked(goodbye.job_id, goodbye.client_id)
+
+  def release_client_locked(self, job_id: int, client_id: int) -> None:
+    self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
+    self._forget_host(client_id)
+    self._ack_batches.pop(client_id, None)
+    job = self.jobs[job_id]
+    if job.clients:
+      return
+    if job.job_name:  # shared: a late consumer may still join it
+      job.idle_since = time.monotonic()
+    else:
+      self._record({"kind": "job_deleted", "job_id": job_id})
+
+  def _forget_host(self, client_id: int) -> None:
+    host = self._client_hosts.pop(client_id, None)
+    if host is not None:
+      self._host_clients[host] -= 1
+      if not self._host_clients[host]:
+        del self._host_clients[host]
+
+
+def _visitation(exactly_once: bool) -> str:
+  return "exactly-once" if exactly_once else "at-most-once"
+
+
+def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy) -> None:
+  """Raises ValueError (INVALID_ARGUMENT) for inconsistent read options."""
+  k = request.num_consumers
+  if k < 0:
+    raise ValueError(f"num_consumers must be >= 0, got {k}.")
+  if k and not request.job_name:
+    raise ValueError(f"num_consumers={k} needs a job_name: the consumers of a "
+                     "round-robin read share one job.")
+  if k and not 0 <= request.consumer_index < k:
+    raise ValueError(f"consumer_index must be in [0, num_consumers={k}), got "
+                     f"{request.consumer_index}.")
+  if not k and (request.consumer_index or request.round_timeout_s):
+    raise ValueError("consumer_index and round_timeout_s apply to round-robin "
+                     "reads only: pass num_consumers too.")
+  if request.round_timeout_s < 0 or request.round_timeout_s != request.round_timeout_s:
+    raise ValueError(f"round_timeout_s must be > 0 (or 0 for the job's value), got "
+                     f"{request.round_timeout_s}.")
+  if request.exactly_once and (policy != ShardingPolicy.DYNAMIC or k):
+    raise ValueError(
+        f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
+        f"got {policy.name} and num_consumers={k}.")
+  if (request.resume_done or request.resume_partial) and not request.exactly_once:
+    raise ValueError("Only exactly-once reads resume from a saved state.")
+  if request.ephemeral_sharing and (policy != ShardingPolicy.OFF or k):
+    raise ValueError(
+        f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
+        f"num_consumers; got {policy.name} and num_consumers={k}.")
+
