@@ -20,7 +20,8 @@ every rate, and so are the cores this process may use.
   `explore_every` seconds of running (from `EXPLORE_FIRST_S`, doubling each
   time the others prove slower, up to `EXPLORE_MAX_S`), or at once when its
   rate falls below `DROP` of what it was when chosen (the machine got
-  busier, the function dearer; not before `SETTLE_S` of running), the
+  busier, the function dearer: its best window of the last `SETTLE_S`
+  seconds of running, as a backend's rate is its best window), the
   others are measured again, then the running one once more, and the
   fastest runs; another backend takes over only when it is faster by
   `SWITCH_MARGIN`, so that noise does not make the choice flap.
@@ -51,10 +52,12 @@ SWITCH_MARGIN = 0.1
 """Another backend replaces the running one only when this much faster."""
 
 DROP = 0.6
-"""The running backend's rate below this share of its rate when chosen
-(smoothed over windows) sends the chooser measuring the others again, once
-it has run `SETTLE_S` since the last measurement: on a busy machine the
-rate of every window is noisy, and each measurement runs slower backends."""
+"""The running backend's best window of the last `SETTLE_S` seconds below
+this share of its rate when chosen sends the chooser measuring the others
+again, once it has run `SETTLE_S` since the last measurement: on a busy
+machine the rate of every window is noisy (a mean of them falls below the
+best window the pick was chosen by, with no change at all), and each
+measurement runs slower backends."""
 
 SETTLE_S = 2.0
 
@@ -70,7 +73,6 @@ EXPLORE_FIRST_S = 10.0
 EXPLORE_MAX_S = 160.0
 """Seconds of running between two measurements of the other backends."""
 
-_SMOOTHING = 0.3
 
 
 def _label(backend: str) -> str:
@@ -105,8 +107,9 @@ class BackendChooser:
     self._pick: str | None = None if self._todo else self.candidates[0]
     self._reason = ("measuring" if self._todo else
                     f"the only backend ({self._why_others()})")
-    self._reference = 0.0  # the pick's smoothed rate when it was chosen
-    self._smoothed = 0.0
+    self._reference = 0.0  # the pick's rate when it was chosen
+    # The pick's windows of the last SETTLE_S seconds: (seconds, rate).
+    self._recent: collections.deque = collections.deque()
     self._run_s = 0.0  # seconds the pick ran since the last round
     self.explore_every = EXPLORE_FIRST_S
     self.rounds = 0  # measurements of every candidate so far
@@ -138,11 +141,17 @@ class BackendChooser:
       if backend != self._pick:
         return
       self.rates[backend] = rate
-      self._smoothed += _SMOOTHING * (rate - self._smoothed)
       self._run_s += seconds
-      if self._smoothed < DROP * self._reference and self._run_s >= SETTLE_S:
+      recent = self._recent
+      recent.append((seconds, rate))
+      while sum(s for s, _ in recent) - recent[0][0] >= SETTLE_S:
+        recent.popleft()
+      # A noisy machine slows some windows down: a fall is when none of the
+      # last SETTLE_S seconds came near the rate the pick was chosen at.
+      best = max(r for _, r in recent)
+      if best < DROP * self._reference and self._run_s >= SETTLE_S:
         self._explore(f"{_label(backend)} fell from {self._reference:,.0f}/s "
-                      f"to {self._smoothed:,.0f}/s")
+                      f"to {best:,.0f}/s")
       elif self._run_s >= self.explore_every:
         self._explore(f"{self._run_s:.0f} s since the last measurement")
 
@@ -202,7 +211,8 @@ class BackendChooser:
         and self.rates[best] < (1 + SWITCH_MARGIN) * self.rates[previous]):
       best = previous
     self._pick = best
-    self._reference = self._smoothed = self.rates[best]
+    self._reference = self.rates[best]
+    self._recent.clear()
     self._run_s = 0.0
     self.rounds += 1
     if best == previous:
