@@ -13,9 +13,9 @@ parent, whatever kills it.
   processes of its own), and fails for `python - <<EOF` (no file to import).
   The target travels by value instead (`jaxfeed.ops.shipping`), with the
   parent's `sys.path` for the modules it imports.
-* A worker dies with its parent: `PR_SET_PDEATHSIG` (SIGKILL) on Linux, and
-  a thread that ends the worker when its parent process changes (a fallback,
-  and the only means elsewhere). The death signal fires when the *thread*
+* A worker dies with its parent (`jaxfeed._lifetime.die_with_parent`):
+  `PR_SET_PDEATHSIG` (SIGKILL) on Linux, and a thread that ends the worker
+  when its parent process changes (a fallback, and the only means elsewhere). The death signal fires when the *thread*
   that started a child ends, so every child is started by one thread of this
   module (`LAUNCHER_THREAD`) that lives as long as any child does (and
   `LINGER_S` more). That thread also does the slow part of a start (the
@@ -27,7 +27,6 @@ parent, whatever kills it.
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import pickle
 import signal
@@ -41,6 +40,7 @@ import weakref
 from multiprocessing import connection, reduction
 from typing import Callable
 
+from jaxfeed import _lifetime
 from jaxfeed.ops import shipping
 
 __all__ = ["WorkerProcess", "WorkerProcessError", "RemoteTraceback",
@@ -59,7 +59,6 @@ TICK_S = 1.0
 PARENT_POLL_S = 0.5
 """Seconds between two looks of a worker at its parent process."""
 
-_PR_SET_PDEATHSIG = 1
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 # sys.argv: [-c, socket fd, parent pid, the directory jaxfeed is in].
@@ -295,30 +294,10 @@ def picklable_error(exc: BaseException) -> BaseException:
 
 
 # -- the worker's side ---------------------------------------------------------
-def _die_with_parent(parent_pid: int) -> None:
-  """Ends this process when its parent ends (see the module docstring)."""
-  if sys.platform.startswith("linux"):
-    try:
-      libc = ctypes.CDLL(None, use_errno=True)
-      libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-      pass
-  if os.getppid() != parent_pid:  # it ended before the line above
-    os._exit(0)
-  threading.Thread(target=_watch_parent, args=(parent_pid,),
-                   name="jaxfeed-parent-watch", daemon=True).start()
-
-
-def _watch_parent(parent_pid: int) -> None:
-  while True:
-    time.sleep(PARENT_POLL_S)
-    if os.getppid() != parent_pid:
-      os._exit(0)
-
-
 def _child_main(fd: int, parent_pid: int) -> None:
   """The worker: loads the shipped target and runs it."""
-  _die_with_parent(parent_pid)
+  # PR_SET_PDEATHSIG and a parent watch (see the module docstring).
+  _lifetime.die_with_parent(parent_pid, poll_s=PARENT_POLL_S)
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns shutdown
   conn = connection.Connection(fd)
   try:
