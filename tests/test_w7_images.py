@@ -5,7 +5,7 @@ import pytest
 
 import jaxfeed
 from benchmarks import w7_images
-from jaxfeed.ops import parallel
+from jaxfeed.ops import parallel_executor
 from jaxfeed.ops.random_map import element_rng
 
 
@@ -15,7 +15,7 @@ from jaxfeed.ops.random_map import element_rng
 def test_pipeline_batches_equal_the_limits_bare_loop(tmp_path, monkeypatch,
                                                      mode, normalized):
   monkeypatch.setattr(w7_images, "BATCH", 8)
-  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)  # all on the threads
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 0.0)  # all on the threads
   path = w7_images.make_records(str(tmp_path / "images.tfrecord"), 30)
   got = list(w7_images.jaxfeed_dataset(path, threads=2, mode=mode))
   with jaxfeed.Dataset.from_source(jaxfeed.TFRecordSource(path)).node \

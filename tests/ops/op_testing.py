@@ -34,7 +34,7 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
 from jaxfeed.ops import memfd
 from jaxfeed.ops import op_stats
-from jaxfeed.ops import parallel
+from jaxfeed.ops import parallel_executor
 from jaxfeed.ops import stacking
 from jaxfeed.ops import worker_processes
 
@@ -167,7 +167,7 @@ def work_mode(request, monkeypatch):
   A fixture: test modules using it import it by name.
   """
   if request.param == "threads":
-    monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
+    monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 0.0)
   return request.param
 
 

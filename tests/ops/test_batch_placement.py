@@ -9,6 +9,7 @@ import op_testing
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import batch_placement
 from jaxfeed.ops import parallel
+from jaxfeed.ops import parallel_executor
 
 
 DEFAULT_MIN_ELEMENT_BYTES = batch_placement.MIN_ELEMENT_BYTES
@@ -18,7 +19,7 @@ DEFAULT_MIN_ELEMENT_BYTES = batch_placement.MIN_ELEMENT_BYTES
 def on_threads(monkeypatch):
   """Every element's work on the worker threads (none in the consumer), and
   small elements placed too."""
-  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 0.0)
   monkeypatch.setattr(batch_placement, "MIN_ELEMENT_BYTES", 0)
 
 

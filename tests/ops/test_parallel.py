@@ -22,6 +22,7 @@ import pytest
 import jaxfeed
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import parallel
+from jaxfeed.ops import parallel_executor
 from jaxfeed.ops.base import AUTOTUNE, PipelineStateError
 from jaxfeed.ops.map import MapNode
 from jaxfeed.ops.random_map import RandomMapNode
@@ -34,7 +35,7 @@ from op_testing import (ListNode, assert_same_multiset, check_close,
 @pytest.fixture(autouse=True)
 def work_on_threads(monkeypatch):
   """Tests of thread semantics keep cheap work off the consumer thread."""
-  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 0.0)
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -384,27 +385,27 @@ def test_with_timing_off_all_work_runs_on_worker_threads():
 
 
 def test_cheap_ordered_work_moves_into_the_consumer(monkeypatch):
-  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 100e-6)
   threads, work = _thread_recording()
   _, executor = _executor(range(600), work=work, parallelism=3)
   assert _drain(executor) == list(range(600))
   executor.close()
   main = threading.main_thread()
-  assert sum(t is main for t in threads.values()) >= 600 - parallel.PROBE_INTERVAL
+  assert sum(t is main for t in threads.values()) >= 600 - parallel_executor.PROBE_INTERVAL
 
 
 def test_expensive_work_stays_on_the_threads(monkeypatch):
-  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 100e-6)
   threads, work = _thread_recording(lambda x: 0.0003)
   _, executor = _executor(range(40), work=work, parallelism=3)
   assert _drain(executor) == list(range(40))
   executor.close()
   in_consumer = [x for x, t in threads.items() if t is threading.main_thread()]
-  assert in_consumer == list(range(parallel.PROBE_LENGTH))  # the probe
+  assert in_consumer == list(range(parallel_executor.PROBE_LENGTH))  # the probe
 
 
 def test_unordered_work_never_runs_in_the_consumer(monkeypatch):
-  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 100e-6)
   threads, work = _thread_recording()
   _, executor = _executor(range(300), work=work, deterministic=False)
   assert sorted(_drain(executor)) == list(range(300))
@@ -414,7 +415,7 @@ def test_unordered_work_never_runs_in_the_consumer(monkeypatch):
 
 def test_work_getting_dearer_goes_back_to_threads_and_resume_stays_exact(
     monkeypatch):
-  monkeypatch.setattr(parallel, "INLINE_BELOW_S", 100e-6)
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 100e-6)
   threads, work = _thread_recording(lambda x: 0.0005 if x >= 300 else 0.0)
   items = list(range(360))
   _, executor = _executor(items, work=work, parallelism=3)
