@@ -36,14 +36,15 @@ def noisy(element, rng):
 
 
 def pipeline(reshuffle=True, seed=3, num_epochs=1, shard_options=None,
-             batch=BATCH, window=None):
-  """A globally shuffled sampler, per-record randomness, optionally a
-  windowed `shuffle` (it reshuffles each iteration too), batches."""
+             batch=BATCH, window=None, **parallel):
+  """A globally shuffled sampler, per-record randomness (`parallel`: its
+  `random_map`'s num_parallel_calls / backend), optionally a windowed
+  `shuffle` (it reshuffles each iteration too), batches."""
   sampler = IndexSampler(NUM_RECORDS, shuffle=True, seed=seed,
                          num_epochs=num_epochs, shard_options=shard_options,
                          reshuffle_each_iteration=reshuffle)
   ds = Dataset.from_source(jaxfeed.ArraySource(records()), sampler)
-  ds = ds.random_map(noisy)
+  ds = ds.random_map(noisy, **parallel)
   if window:
     ds = ds.shuffle(window, seed=11)
   return ds.batch(batch)
@@ -272,6 +273,28 @@ def test_loader_resumes_in_the_second_epoch_exactly(cut):
     return
   assert_same(host(taken) + rest, epochs[1])
   assert_same(following, epochs[2])
+
+
+def test_loader_epochs_on_worker_processes_are_those_of_one_thread():
+  # Worker processes read the positions of the epoch the Loader is in, and
+  # resume in the second one exactly (AUTOTUNE moving between backends
+  # epoch by epoch: tests/ops/test_process_batch.py).
+  parallel = {"num_parallel_calls": 2, "backend": "process"}
+  epochs = dataset_epochs(3)
+  ds = pipeline(**parallel)
+  with jaxfeed.Loader(ds) as loader:
+    first, second = loader_epochs(loader, 2)
+    assert_same(first + second, epochs[0] + epochs[1])
+    iterator = iter(loader)
+    taken = [next(iterator) for _ in range(3)]
+    state = json.loads(json.dumps(loader.get_state()))
+  ds.close()
+  resumed_ds = pipeline(**parallel)
+  with jaxfeed.Loader(resumed_ds) as resumed:
+    resumed.set_state(state)
+    rest = host(resumed)
+  resumed_ds.close()
+  assert_same(host(taken) + rest, epochs[2])
 
 
 def _save_batches(batches, path):
