@@ -61,9 +61,9 @@ class SavedDatasetSource(RecordSource):
       raise TypeError(f"load: path must be a non-empty str or path, got {path!r}.")
     self._path = os.fspath(path)
     folder = epath.Path(self._path)
-    save_format.read_save(folder)
     if wait:
       wait_until_complete(folder)
+    save_format.read_save(folder)
     if not (folder / save_format.MANIFEST_JSON).exists():
       progress = save_format.progress(folder)
       expected = ("an unknown number of" if progress.chunks_expected < 0

@@ -241,6 +241,7 @@ def write_chunk(path: epath.Path, index: int, elements: Iterable[Any],
   when another writer committed the chunk first (this copy is dropped: a
   committed chunk is never written twice)."""
   options = array_record_options(compression)
+  path = epath.Path(path)
   tmp = path / "tmp" / f"{index:08d}-{uuid.uuid4().hex[:12]}"
   tmp.mkdir(parents=True)
   try:
@@ -295,7 +296,7 @@ def _fsync_dir(path: epath.Path) -> None:
 def committed_chunks(path: epath.Path) -> dict[int, ChunkInfo]:
   """The chunks committed under `path`, by index."""
   found = {}
-  folder = path / CHUNKS
+  folder = epath.Path(path) / CHUNKS
   if not folder.exists():
     return found
   for entry in folder.iterdir():
@@ -309,6 +310,7 @@ def committed_chunks(path: epath.Path) -> dict[int, ChunkInfo]:
 
 def finalize(path: epath.Path, save: dict, chunks: dict[int, ChunkInfo]) -> dict:
   """Writes the manifest of a save whose every chunk is committed; returns it."""
+  path = epath.Path(path)
   ordered = [chunks[i] for i in sorted(chunks)]
   spec = None
   for chunk in ordered:
@@ -335,6 +337,7 @@ def finalize(path: epath.Path, save: dict, chunks: dict[int, ChunkInfo]) -> dict
 
 def read_save(path: epath.Path) -> dict:
   """The save.json of the saved dataset at `path`."""
+  path = epath.Path(path)
   if not (path / SAVE_JSON).exists():
     raise SaveFormatError(f"{path} is not a saved dataset: it has no {SAVE_JSON}.")
   save = read_json(path / SAVE_JSON)
