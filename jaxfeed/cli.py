@@ -115,7 +115,8 @@ def inspect_saved(path: str, samples: int = 1) -> dict:
             "writer": progress.writer, "chunks_done": progress.chunks_done,
             "chunks_expected": (progress.chunks_expected if progress.chunks_expected >= 0
                                 else "unknown until complete"),
-            "elements": progress.num_elements, "bytes": progress.num_bytes}
+            "elements": progress.num_elements, "bytes": progress.num_bytes,
+            **({"failed": progress.error} if progress.error else {})}
   if progress.complete:
     source = load_lib.SavedDatasetSource(path)
     result["element_spec"] = str(source.element_spec)

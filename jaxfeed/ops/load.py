@@ -32,10 +32,13 @@ def wait_until_complete(path: epath.PathLike, timeout_s: float | None = None) ->
 
   Raises:
     TimeoutError: still incomplete after `timeout_s` (None: waits forever).
+    jaxfeed.ops.save_format.SaveFormatError: the save failed (a chunk's
+      pipeline kept raising), with the reason.
   """
   path = epath.Path(path)
   deadline = None if timeout_s is None else time.monotonic() + timeout_s
   while not (path / save_format.MANIFEST_JSON).exists():
+    save_format.check_not_failed(path)
     if deadline is not None and time.monotonic() > deadline:
       progress = save_format.progress(path)
       raise TimeoutError(f"The save at {path} is still incomplete after {timeout_s:g} s "
@@ -65,6 +68,7 @@ class SavedDatasetSource(RecordSource):
       wait_until_complete(folder)
     save_format.read_save(folder)
     if not (folder / save_format.MANIFEST_JSON).exists():
+      save_format.check_not_failed(folder)
       progress = save_format.progress(folder)
       expected = ("an unknown number of" if progress.chunks_expected < 0
                   else progress.chunks_expected)

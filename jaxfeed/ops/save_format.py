@@ -16,6 +16,7 @@ writer of the same chunk finds it there and drops its copy):
     manifest.json          written last: every chunk in order, the element
                            spec, totals; its presence says the save is complete
     tmp/                   writers' scratch
+    failed.json            distributed saves whose chunk kept failing: why
 
 Records are in the array_record format (random access, a hash per chunk of
 records), so `jaxfeed.ops.load.SavedDatasetSource` reads element `i` of the
@@ -43,12 +44,14 @@ from jaxfeed.sources import array_record_source
 __all__ = ["FORMAT", "SaveFormatError", "ChunkInfo", "Progress", "encode_element",
            "decode_element", "write_chunk", "read_json", "write_json", "chunk_dir",
            "committed_chunks", "progress", "finalize", "array_record_options",
+           "check_not_failed",
            "spec_to_json", "spec_from_json"]
 
 FORMAT = "jaxfeed.saved_dataset"
 VERSION = 1
 SAVE_JSON = "save.json"
 MANIFEST_JSON = "manifest.json"
+FAILED_JSON = "failed.json"
 DATASET_PB = "dataset.pb"
 CHUNKS = "chunks"
 RECORDS = "records.array_record"
@@ -348,10 +351,18 @@ def read_save(path: epath.Path) -> dict:
   return save
 
 
+def check_not_failed(path: epath.PathLike) -> None:
+  """Raises SaveFormatError with the reason if the save at `path` failed."""
+  path = epath.Path(path)
+  if (path / FAILED_JSON).exists():
+    raise SaveFormatError(f"The save at {path} failed: {read_json(path / FAILED_JSON)['error']}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Progress:
   """How far a save is: chunks committed of those expected (-1: unknown
-  until the end), elements and bytes so far, and whether it is complete."""
+  until the end), elements and bytes so far, whether it is complete, and
+  why it failed ("" unless it did)."""
   path: str
   complete: bool
   chunks_done: int
@@ -359,6 +370,7 @@ class Progress:
   num_elements: int
   num_bytes: int
   writer: str
+  error: str = ""
 
 
 def progress(path: epath.PathLike) -> Progress:
@@ -371,6 +383,7 @@ def progress(path: epath.PathLike) -> Progress:
     return Progress(os.fspath(path), True, count, count, manifest["num_elements"],
                     manifest["num_bytes"], save["writer"])
   chunks = committed_chunks(path)
+  error = read_json(path / FAILED_JSON)["error"] if (path / FAILED_JSON).exists() else ""
   return Progress(os.fspath(path), False, len(chunks), int(save["num_chunks"]),
                   sum(c.num_elements for c in chunks.values()),
-                  sum(c.num_bytes for c in chunks.values()), save["writer"])
+                  sum(c.num_bytes for c in chunks.values()), save["writer"], error)

@@ -20,6 +20,9 @@ What survives what:
   was handed before and did not commit (its answer was lost).
 - Once every chunk is committed the dispatcher writes the manifest, which
   makes the save complete (`Dataset.load` reads only complete saves).
+- A chunk whose pipeline raises `max_split_attempts` times fails the save:
+  `failed.json` says which chunk and why, and readers waiting for the save
+  raise it. `distributed_save` of the same pipeline to the folder tries again.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class _Save:
   committed: set[int] = dataclasses.field(default_factory=set)
   # Chunk index -> (worker address, incarnation) writing it.
   assigned: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+  # Chunk index -> times its pipeline raised (not journaled: a restarted
+  # dispatcher counts anew).
+  failures: dict[int, int] = dataclasses.field(default_factory=dict)
 
   def chunk(self, index: int) -> pb.SaveChunk:
     if self.num_positions < 0:
@@ -140,6 +146,8 @@ class SaveRegistry:
               "ALREADY_EXISTS", f"{path} holds an incomplete save of another pipeline "
               f"(writer {meta.get('writer')!r}, fingerprint {meta.get('fingerprint')!r}); "
               "remove it or save to another folder.")
+        if (folder / save_format.FAILED_JSON).exists():
+          (folder / save_format.FAILED_JSON).unlink()  # asked again: it tries again
         save = self._resume(path)  # the same pipeline: it goes on
         self._write_registry()
       if save is not None:
@@ -189,6 +197,9 @@ class SaveRegistry:
           save.committed.add(index)
           save.assigned.pop(index, None)
       worker = (request.worker_address, request.incarnation)
+      for failure in request.failed:
+        if self._note_failure(save, failure):
+          return pb.SaveChunksResponse(finished=True)
       for index, holder in list(save.assigned.items()):
         # This worker's earlier chunks: it asks only once it wrote them.
         if holder == worker or live_workers.get(holder[0]) != holder[1]:
@@ -207,6 +218,27 @@ class SaveRegistry:
           save.assigned[index] = worker
           response.chunks.append(save.chunk(index))
       return response
+
+  def _note_failure(self, save: _Save, failure: pb.SaveChunkFailure) -> bool:
+    """Counts a chunk's failure; fails the save at the last attempt (lock held)."""
+    if failure.index in save.committed or not 0 <= failure.index < save.num_chunks:
+      return False
+    count = save.failures.get(failure.index, 0) + 1
+    save.failures[failure.index] = count
+    save.assigned.pop(failure.index, None)
+    if count < self._config.max_split_attempts:
+      return False
+    chunk = save.chunk(failure.index)
+    where = ("the whole pipeline" if chunk.stop < 0
+             else f"positions [{chunk.start}, {chunk.stop})")
+    error = (f"chunk {failure.index} ({where}) of dataset {save.dataset.fingerprint} "
+             f"raised {count} times (max_split_attempts={self._config.max_split_attempts}); "
+             f"the last error: {failure.error}")
+    save_format.write_json(epath.Path(save.path) / save_format.FAILED_JSON, {"error": error})
+    del self._saves[save.path]
+    self._write_registry()
+    logging.error("Distributed save to %s failed: %s", save.path, error)
+    return True
 
   def _finish_if_done(self, save: _Save) -> bool:
     """Writes the manifest once every chunk is committed (lock held)."""

@@ -106,16 +106,18 @@ class SaveWriters:
 
   def _write(self, path: str) -> None:
     committed: list[int] = []
+    failed: list[pb.SaveChunkFailure] = []
     dataset_def, compression = None, None
     folder = epath.Path(path)
     while not self._stop.is_set():
       response = self._ask(pb.SaveChunksRequest(
           path=path, worker_address=self._address(), incarnation=self._incarnation,
-          committed=committed, max_chunks=1, want_dataset=dataset_def is None))
+          committed=committed, failed=failed, max_chunks=1,
+          want_dataset=dataset_def is None))
       if response is None:
         self._stop.wait(_RETRY_S)
         continue
-      committed = []
+      committed, failed = [], []
       if response.finished:
         return
       if dataset_def is None:
@@ -130,9 +132,11 @@ class SaveWriters:
               compression)
         except _Stopped:
           return
-        except Exception:  # pylint: disable=broad-except
-          # Not committed: the dispatcher hands the chunk out again.
+        except Exception as e:  # pylint: disable=broad-except
+          # Reported: the dispatcher hands the chunk out again, or fails the
+          # save once it failed max_split_attempts times.
           logging.exception("Writing chunk %d of the save at %s failed", chunk.index, path)
-          self._stop.wait(_RETRY_S)
+          failed.append(pb.SaveChunkFailure(index=chunk.index,
+                                            error=f"{type(e).__name__}: {e}"[:2000]))
           break
         committed.append(chunk.index)
