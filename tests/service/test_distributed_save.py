@@ -134,3 +134,20 @@ def test_a_chunk_that_keeps_failing_fails_the_save_with_its_error(cluster, tmp_p
   with pytest.raises(jaxfeed.SaveFormatError, match=failure):
     jaxfeed.Dataset.load(tmp_path / "s")
   assert "element five is bad" in save_format.progress(tmp_path / "s").error
+
+
+def test_a_save_is_resumed_by_calling_again_and_another_pipeline_is_refused(tmp_path):
+  path = tmp_path / "s"
+  pipeline = jaxfeed.Dataset.range(100).map(np.square)
+  with service.DispatchServer(service.DispatcherConfig(port=0)) as first:
+    service.distributed_save(pipeline, path, first.target, chunk_positions=10)
+  # A dispatcher without a work_dir forgets the save; the folder remembers it.
+  with service.DispatchServer(service.DispatcherConfig(port=0)) as second:
+    with pytest.raises(service.ServiceError, match="ALREADY_EXISTS.*incomplete save of "
+                       "another pipeline"):
+      service.distributed_save(pipeline.map(np.negative), path, second.target)
+    service.distributed_save(pipeline, path, second.target)
+    with service.WorkerServer(service.WorkerConfig(dispatcher_address=second.target)):
+      jaxfeed.ops.load.wait_until_complete(path, WAIT_S)
+  assert [int(x) for x in jaxfeed.Dataset.load(path)] == [x * x for x in range(100)]
+  assert save_format.progress(path).chunks_done == 10

@@ -148,6 +148,8 @@ class SaveRegistry:
               "remove it or save to another folder.")
         if (folder / save_format.FAILED_JSON).exists():
           (folder / save_format.FAILED_JSON).unlink()  # asked again: it tries again
+        if not (folder / save_format.DATASET_PB).exists():  # stopped before writing it
+          _write_dataset(folder, dataset)
         save = self._resume(path)  # the same pipeline: it goes on
         self._write_registry()
       if save is not None:
@@ -168,9 +170,7 @@ class SaveRegistry:
             replace=False)
       except FileExistsError as e:
         raise rpc.StatusError("ALREADY_EXISTS", str(e)) from None
-      tmp = folder / f".{save_format.DATASET_PB}.tmp"
-      tmp.write_bytes(dataset.SerializeToString())
-      os.replace(os.fspath(tmp), os.fspath(folder / save_format.DATASET_PB))
+      _write_dataset(folder, dataset)
       save = _Save(path, dataset, request.compression, num_positions, chunk_positions,
                    num_chunks)
       self._saves[path] = save
@@ -251,3 +251,13 @@ class SaveRegistry:
     self._write_registry()
     logging.info("Distributed save to %s is complete.", save.path)
     return True
+
+
+def _write_dataset(folder: epath.Path, dataset: pb.DatasetDef) -> None:
+  """Writes the save's pipeline to its folder, atomically."""
+  tmp = os.fspath(folder / f".{save_format.DATASET_PB}.tmp")
+  with open(tmp, "wb") as f:
+    f.write(dataset.SerializeToString())
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, os.fspath(folder / save_format.DATASET_PB))
