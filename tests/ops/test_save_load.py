@@ -165,3 +165,15 @@ def test_inspect_shows_a_saves_progress(tmp_path):
       [sys.executable, "-m", "jaxfeed.cli", "inspect", str(tmp_path / "s")],
       capture_output=True, text=True, check=True).stdout)
   assert (shown["complete"], shown["chunks_done"], shown["elements"]) == (False, 1, 5)
+
+
+def test_load_checks_a_given_element_spec_and_refuses_reader_func(tmp_path):
+  Dataset.range(3).batch(2).save(tmp_path / "s")
+  spec = TensorSpec((None,), np.int64)
+  assert Dataset.load(tmp_path / "s", element_spec=spec).element_spec == spec
+  with pytest.raises(ValueError, match=r"element_spec .*\(2,\).* differs from the saved"):
+    Dataset.load(tmp_path / "s", element_spec=TensorSpec((2,), np.int64))
+  with pytest.raises(ValueError, match="reader_func has no jaxfeed counterpart"):
+    Dataset.load(tmp_path / "s", reader_func=lambda datasets: datasets)
+  with pytest.raises(ValueError, match="checkpoint_args"):
+    Dataset.range(3).save(tmp_path / "c", checkpoint_args={})
