@@ -27,6 +27,7 @@ from typing import Any
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
 from jaxfeed.ops import load as load_lib
+from jaxfeed.ops import save_format
 from jaxfeed.service.client.read import call_dispatcher, dispatcher_caller
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
@@ -99,6 +100,7 @@ def distributed_save(dataset: Any, path: Any, service: str, wait: bool = False, 
   node = task_pipeline.pipeline_node(dataset, "distributed_save")
   if chunk_positions < 0:
     raise ValueError(f"distributed_save: chunk_positions must be >= 0, got {chunk_positions}.")
+  save_format.array_record_options(compression)  # a ValueError here, before any call
   path = _absolute(path)
   pipeline, _ = task_pipeline.unwrap_options(node)
   dataset_def = spec_lib.to_dataset_def(node, udf_secret,
