@@ -279,6 +279,15 @@ def write_chunk(path: epath.Path, index: int, elements: Iterable[Any],
   finally:
     if tmp.exists():
       tmp.rmtree()
+    if (path / MANIFEST_JSON).exists():  # complete meanwhile: leave no scratch behind
+      _remove_empty(tmp.parent)
+
+
+def _remove_empty(folder: epath.Path) -> None:
+  try:
+    os.rmdir(os.fspath(folder))
+  except OSError:
+    pass  # not empty (another writer's scratch), or gone
 
 
 def _fsync_file(path: epath.Path) -> None:

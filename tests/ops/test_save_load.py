@@ -177,3 +177,11 @@ def test_load_checks_a_given_element_spec_and_refuses_reader_func(tmp_path):
     Dataset.load(tmp_path / "s", reader_func=lambda datasets: datasets)
   with pytest.raises(ValueError, match="checkpoint_args"):
     Dataset.range(3).save(tmp_path / "c", checkpoint_args={})
+
+
+def test_a_chunk_written_after_its_save_completed_leaves_no_scratch(tmp_path):
+  Dataset.range(3).save(tmp_path / "s")
+  assert save_format.write_chunk(tmp_path / "s", 0, [np.int64(5)], None) is None
+  assert sorted(p.name for p in (tmp_path / "s").iterdir()) == [
+      "chunks", "manifest.json", "save.json"]
+  assert [int(x) for x in Dataset.load(tmp_path / "s")] == [0, 1, 2]
