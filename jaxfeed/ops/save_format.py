@@ -121,8 +121,8 @@ def _leaf(leaf: Any) -> tuple[list, bytes]:
   return [kind, array.dtype.str, list(array.shape)], array.tobytes()
 
 
-def encode_element(element: Any) -> bytes:
-  """One element (a pytree of arrays, scalars, bytes, str) as a record."""
+def _encode(element: Any) -> tuple[bytes, bytes]:
+  """(header, record): the header names the structure, kinds, dtypes and shapes."""
   entries, payload = [], []
   for leaf in tree.flatten(element):
     entry, raw = _leaf(leaf)
@@ -130,7 +130,12 @@ def encode_element(element: Any) -> bytes:
     payload.append(raw)
   header = json.dumps({"s": _structure(element), "l": entries},
                       separators=(",", ":")).encode()
-  return b"".join([_PREFIX.pack(_MAGIC, len(header)), header, *payload])
+  return header, b"".join([_PREFIX.pack(_MAGIC, len(header)), header, *payload])
+
+
+def encode_element(element: Any) -> bytes:
+  """One element (a pytree of arrays, scalars, bytes, str) as a record."""
+  return _encode(element)[1]
 
 
 def decode_element(record: bytes, where: str = "record") -> Any:
@@ -253,10 +258,14 @@ def write_chunk(path: epath.Path, index: int, elements: Iterable[Any],
 
     def records():
       nonlocal spec, count
+      last_header = None
       for element in elements:
-        spec = _merge_spec(spec, element)
+        header, record = _encode(element)
+        if header != last_header:  # same header, same spec: merged already
+          spec = _merge_spec(spec, element)
+          last_header = header
         count += 1
-        yield encode_element(element)
+        yield record
 
     array_record_source.write_array_record(tmp / RECORDS, records(), options)
     _fsync_file(tmp / RECORDS)
