@@ -102,8 +102,9 @@ def test_a_journal_of_single_records_per_line_is_still_read(tmp_path):
   state = dispatcher_lib.DispatcherState(config)
   dataset_id = state.register_dataset(dataset_def())
   state.close()
-  batch = (tmp_path / "journal.jsonl").read_bytes()
-  (tmp_path / "journal.jsonl").write_bytes(batch.strip()[1:-1] + b"\n")  # one object
+  batches = (tmp_path / "journal.jsonl").read_bytes().splitlines()  # of one record each
+  (tmp_path / "journal.jsonl").write_bytes(  # one object per line
+      b"".join(batch.strip()[1:-1] + b"\n" for batch in batches))
   state = dispatcher_lib.DispatcherState(config)
   assert list(state.datasets) == [dataset_id]
   state.close()

@@ -63,8 +63,10 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       self._awaited = {t.worker_address: deadline for job in self.jobs.values()
                        for t in job.tasks.values() if not t.finished}
     self.lock = journal_lib.JournalLock(self._journal, self._live_records)
-    if config.auth_token and self._ticket_master is None:
-      with self.lock:
+    with self.lock:
+      if not self.incarnation:  # a new state: workers drop what they learnt before
+        self._record({"kind": "incarnation", "id": self._next_id()})
+      if config.auth_token and self._ticket_master is None:
         self._record({"kind": "ticket_master", "key": os.urandom(32).hex()})
 
   def close(self) -> None:
@@ -96,7 +98,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     with self.lock:
       found = self.datasets.get(dataset_id)
     if found is None:
-      raise rpc.NotFoundError(f"Unknown dataset id {dataset_id!r}: register the dataset first.")
+      raise rpc.NotFoundError(self.unknown_id("dataset id", dataset_id,
+                                              "register the dataset first."))
     return found
 
   # -- jobs -------------------------------------------------------------------
@@ -115,8 +118,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
             "(--max_jobs_per_host): finish or release some first.")
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
-        raise rpc.NotFoundError(
-            f"Unknown dataset id {request.dataset_id!r}: register the dataset first.")
+        raise rpc.NotFoundError(self.unknown_id("dataset id", request.dataset_id,
+                                                "register the dataset first."))
       job = None
       if request.job_name:
         job_id = self.job_by_name.get(request.job_name)
