@@ -9,12 +9,13 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import signal
 import ssl
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 import grpc
 from google.protobuf import message as pb_message
@@ -241,6 +242,9 @@ def metadata_token(metadata: Any) -> str | None:
   return None
 
 
+# How often a call that may be cancelled checks whether it is (call_with_retry).
+_CANCEL_POLL_S = 0.1
+
 # The first and the longest wait before a channel reconnects, in milliseconds.
 RECONNECT_BACKOFF_MS = (200, 2000)
 
@@ -291,33 +295,71 @@ class Caller:
     self._metadata = ((TOKEN_METADATA_KEY, token),) if token else None
     self.method = method
 
-  def __call__(self, request: pb_message.Message, timeout: float,
+  def __call__(self, request: pb_message.Message, timeout: float | None,
                wait_for_ready: bool = False) -> Any:
     return self._call(request, timeout=timeout, metadata=self._metadata,
                       wait_for_ready=wait_for_ready)
 
+  def future(self, request: pb_message.Message, timeout: float | None,
+             wait_for_ready: bool = False) -> Any:
+    """The call, made without waiting: a `grpc.Future` of its response."""
+    return self._call.future(request, timeout=timeout, metadata=self._metadata,
+                             wait_for_ready=wait_for_ready)
+
 
 def call_with_retry(caller: Caller, request: pb_message.Message,
-                    timeout_s: float, what: str) -> Any:
-  """Calls until success or timeout_s, retrying while the server is unreachable."""
-  deadline = time.monotonic() + timeout_s
+                    timeout_s: float | None, what: str, attempt_s: float | None = None,
+                    cancelled: Callable[[], bool] | None = None) -> Any:
+  """Calls until success, retrying while the server is unreachable.
+
+  Args:
+    caller: the method to call.
+    request: its request.
+    timeout_s: how long to retry; None: for as long as it takes.
+    what: what the call does, for the error ("Fetching dataset 7").
+    attempt_s: the deadline of each call (None: what is left of timeout_s):
+      a call hung on a connection that broke without a reset, or on a
+      stopped server, is made again.
+    cancelled: polled while a call waits; once true, the call is cancelled
+      and ServiceError raised (whoever needed the answer is gone).
+
+  Returns:
+    The response.
+
+  Raises:
+    ServiceError: the server refused the call, timeout_s passed, or it was
+      cancelled; its message names the status and `what`.
+  """
+  deadline = None if timeout_s is None else time.monotonic() + timeout_s
+  retried = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
   while True:
-    left = deadline - time.monotonic()
+    left = math.inf if deadline is None else deadline - time.monotonic()
+    limit = min(left, attempt_s if attempt_s is not None else math.inf)
+    timeout = None if limit == math.inf else max(limit, 0.05)
     try:
-      return caller(request, timeout=max(left, 0.05), wait_for_ready=True)
+      if cancelled is None:
+        return caller(request, timeout=timeout, wait_for_ready=True)
+      future = caller.future(request, timeout=timeout, wait_for_ready=True)
+      while True:
+        try:
+          return future.result(timeout=_CANCEL_POLL_S)
+        except grpc.FutureTimeoutError:
+          if cancelled():
+            future.cancel()
+            raise ServiceError(f"{what} was given up: whoever needed it is gone.") from None
     except grpc.RpcError as e:
       code = e.code()
-      if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
-          deadline - time.monotonic() > 0.05):
+      if code in retried and (deadline is None or deadline - time.monotonic() > 0.05):
+        if cancelled is not None and cancelled():
+          raise ServiceError(f"{what} was given up: whoever needed it is gone.") from e
         time.sleep(0.05)
         continue
       hint = ""
-      if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+      if code in retried:
         hint = (f" (no answer within {timeout_s:g} s: check that the server is up at "
                 "that address and that client and server agree on TLS and its "
                 "certificates)")
       raise ServiceError(f"{what} failed: {code.name}: {e.details()}{hint}") from e
-
 
 
 def stop_on_sigterm() -> None:
