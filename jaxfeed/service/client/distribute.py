@@ -252,8 +252,11 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       None: the job's value, 60 s for a new job. Every consumer of a job
       passes the same value or None.
     **options: auth_token, udf_secret, tls, data_transfer ("auto", "socket",
-      "grpc"), timeout_s (how long to retry reaching the dispatcher, or a
-      listed worker whose connection broke, before the read fails),
+      "grpc"), timeout_s (how long a read goes without the parties it needs
+      before it fails: the dispatcher when it starts, a worker the
+      dispatcher lists as alive whose connection broke, the dispatcher when
+      no worker is left; a read goes on from its workers however long the
+      dispatcher is away, see docs/service.md),
       visitation: "at_most_once" (default: what a lost worker had buffered
       or in flight is lost) or "exactly_once" (distributed_epoch without
       num_consumers: the pipeline runs split by split on the workers, so a

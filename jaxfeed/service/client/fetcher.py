@@ -40,7 +40,9 @@ class Fetcher:
   backoff and the worker goes on after the last item received (see
   `jaxfeed.service.worker.delivery`), so nothing is lost or repeated. It stops at
   the stream's end, when cancelled (the dispatcher dropped the worker), and
-  fails the read when no connection worked for the read's `timeout_s`.
+  fails the read when no connection worked for the read's `timeout_s` (while
+  the dispatcher does not answer either, it stops as if the worker had died,
+  and the read goes on from the others).
   """
 
   def __init__(self, read: Any, task: pb.TaskInfo, out: queue.Queue,
@@ -69,6 +71,7 @@ class Fetcher:
     self._connection: Any = None
     self._cancelled = False
     self._ended = False
+    self.ended_at = 0.0  # when the thread ended (monotonic)
     self.thread = threading.Thread(target=self._run, daemon=True,
                                    name=f"jaxfeed-fetch-{task.task_id}")
     self.thread.start()
@@ -195,6 +198,14 @@ class Fetcher:
             return
           now = time.monotonic()
           failing_since = failing_since or now
+          if now - failing_since > read.node.timeout_s and read.dispatcher_away:
+            # Nobody can say whether the worker died: as if it had, the read
+            # goes on from the others (or ends when none is left).
+            logging.warning("Cannot reach %s for %.0f s, nor the dispatcher: taking "
+                            "the worker for lost (%s: %s).", where, now - failing_since,
+                            status, details)
+            self.failed = True
+            return
           if now - failing_since > read.node.timeout_s:
             self.failed = True
             read.fail(rpc.ServiceError(
@@ -215,6 +226,7 @@ class Fetcher:
       self.failed = True
       read.fail(e)
     finally:
+      self.ended_at = time.monotonic()
       self._ended = True  # after its last put
       read.wake.set()  # the read may be over: ask the dispatcher now
 

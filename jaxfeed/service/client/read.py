@@ -71,6 +71,10 @@ class ReadState:
     self.capacity = capacity
     self.fetchers: dict[int, Fetcher] = {}
     self.finished = False
+    # The dispatcher did not answer the last heartbeat (it is stopped, down
+    # or unreachable): the read goes on from its workers meanwhile.
+    self.dispatcher_away = False
+    self._away_logged = False
     self.job_id = 0
     self.client_id = 0
     # From the last heartbeat answer: say goodbye through a worker, with this
@@ -173,19 +177,22 @@ class ReadState:
                 buffer_fill=self.buffer.qsize() / self.capacity,
                 known_tasks_version=tasks_version), timeout=10)
             last_ok = time.monotonic()
+            self.dispatcher_away = self._away_logged = False
             with self.lock:
               del self.acks[:len(acks)]
           except grpc.RpcError as e:
-            # A heartbeat sent while the dispatcher restarts or its connection
-            # was just cut may time out rather than fail fast: both are an
-            # outage, retried until the read's timeout.
-            if e.code() in (grpc.StatusCode.UNAVAILABLE,
-                            grpc.StatusCode.DEADLINE_EXCEEDED) and (
-                                time.monotonic() - last_ok < node.timeout_s):
-              self.stop.wait(0.2)
-              continue
-            raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
-                                   f"{e.code().name}: {e.details()}") from e
+            # A heartbeat sent while the dispatcher is stopped, restarts or
+            # its connection was just cut may time out rather than fail
+            # fast: all are an outage, which the read outlives.
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                grpc.StatusCode.DEADLINE_EXCEEDED):
+              raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
+                                     f"{e.code().name}: {e.details()}") from e
+            self.dispatcher_away = True
+            if self._outlive_dispatcher(last_ok, f"{e.code().name}: {e.details()}"):
+              return
+            self.stop.wait(0.2)
+            continue
         self.goodbye_via_worker = response.goodbye_via_worker
         self.goodbye_ticket = response.goodbye_ticket
         if response.tasks_unchanged:
@@ -199,6 +206,39 @@ class ReadState:
                            response.heartbeat_interval_s))
     except BaseException as e:  # pylint: disable=broad-except
       self.fail(e)
+
+  def _outlive_dispatcher(self, last_ok: float, error: str) -> bool:
+    """What the read does while its dispatcher does not answer: it reads on
+    from the workers it knows, however long, and keeps what it must tell
+    the dispatcher (acknowledged splits) for its return. True once it ends
+    without the dispatcher: every task it knows sent its whole stream (each
+    worker of a parallel_epochs read its epoch; a DYNAMIC task ends only
+    once the dispatcher said all splits were delivered). Raises ServiceError
+    when no worker is left to read from for timeout_s."""
+    node, now = self.node, time.monotonic()
+    fetchers = list(self.fetchers.values())
+    for fetcher in fetchers:
+      fetcher.kick_if_stalled(now)
+    if fetchers and all(f.done for f in fetchers):
+      logging.warning("The dispatcher at %s does not answer (%s), and every worker of "
+                      "job %d sent its whole stream: the read ends.", node.service, error,
+                      self.job_id)
+      self._end()
+      return True
+    if any(not f.ended for f in fetchers):
+      if not self._away_logged:
+        self._away_logged = True
+        logging.warning("The dispatcher at %s does not answer (%s): reading on from the "
+                        "workers of job %d until it is back.", node.service, error,
+                        self.job_id)
+      return False
+    alone_since = max([last_ok] + [f.ended_at for f in fetchers])
+    if now - alone_since > node.timeout_s:
+      raise rpc.ServiceError(
+          f"The dispatcher at {node.service} has not answered for {now - last_ok:.0f} s "
+          f"and job {self.job_id} has no worker left to read from (for "
+          f"timeout_s={node.timeout_s:g} s); last error: {error}")
+    return False
 
   def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
     listed = {t.task_id: t for t in response.tasks}

@@ -266,10 +266,15 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
         return
       self.release_client_locked(job_id, client_id)
 
-  def check_liveness(self) -> None:
-    """Drops workers and clients whose heartbeats stopped."""
+  def check_liveness(self, away_s: float = 0.0) -> None:
+    """Drops workers and clients whose heartbeats stopped. `away_s`: how
+    long this dispatcher itself was not running since the last check
+    (stopped, or starved of CPU): nobody could reach it meanwhile, so every
+    deadline moves by as much."""
     now = time.monotonic()
     with self.lock:
+      if away_s > 0:
+        self._excuse_absence(away_s, now)
       for address, worker in list(self.workers.items()):
         if now - worker.last_heartbeat <= self.config.heartbeat_timeout_s:
           continue
@@ -293,6 +298,26 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
             and now - job.idle_since > self.config.job_gc_timeout_s):
           self._record({"kind": "job_deleted", "job_id": job.job_id})
       self._collect_datasets(now)
+
+  def _excuse_absence(self, away_s: float, now: float) -> None:
+    """Moves every liveness deadline `away_s` later, but none past what a
+    party heard `now` gets (lock held): a dispatcher woken from SIGSTOP
+    takes none of the workers and clients that heartbeated in vain for
+    dead, and one that died before it stopped is still found out."""
+    logging.warning("The dispatcher did not run for %.1f s (stopped, or starved of "
+                    "CPU): workers and clients get as much longer to heartbeat.", away_s)
+    for worker in self.workers.values():
+      worker.last_heartbeat = min(worker.last_heartbeat + away_s, now)
+    timeout_s = self.config.heartbeat_timeout_s
+    self._awaited = {address: min(deadline + away_s, now + timeout_s)
+                     for address, deadline in self._awaited.items()}
+    for job in self.jobs.values():
+      for client_id, seen in job.clients.items():
+        job.clients[client_id] = min(seen + away_s, now)
+      if job.idle_since is not None:
+        job.idle_since = min(job.idle_since + away_s, now)
+    for dataset_id, since in self._unread_since.items():
+      self._unread_since[dataset_id] = min(since + away_s, now)
 
   def _collect_datasets(self, now: float) -> None:
     """Deletes datasets no job has read for dataset_gc_timeout_s (lock held)."""
