@@ -18,6 +18,24 @@ import threading
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 
+class DefinitionMismatchError(RuntimeError):
+  """The dispatcher's definition of a task's dataset is not the one the task
+  was made for."""
+
+  grpc_status = "FAILED_PRECONDITION"  # how the task's clients are told
+
+
+def check_fingerprint(task: pb.TaskInfo, dataset_def: pb.DatasetDef) -> None:
+  """Raises DefinitionMismatchError unless `dataset_def` has the fingerprint
+  `task` names (a task of a dispatcher that names none passes)."""
+  if task.dataset_fingerprint and dataset_def.fingerprint != task.dataset_fingerprint:
+    raise DefinitionMismatchError(
+        f"Task {task.task_id} of job {task.job_id} was made for dataset "
+        f"{task.dataset_id} with fingerprint {task.dataset_fingerprint}, but the "
+        f"dispatcher's definition of that id has fingerprint {dataset_def.fingerprint}: "
+        "the worker runs no other pipeline in its place.")
+
+
 class DatasetCache:
   """Dataset id -> definition, bounded; thread-safe.
 

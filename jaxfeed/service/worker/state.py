@@ -233,14 +233,7 @@ class WorkerState:
       dataset_def = self._ask_dispatcher(
           self.dataset_call, pb.GetDatasetDefRequest(dataset_id=task.dataset_id),
           f"Fetching dataset {task.dataset_id}", gone).dataset
-      if task.dataset_fingerprint and dataset_def.fingerprint != task.dataset_fingerprint:
-        error = RuntimeError(
-            f"Task {task.task_id} of job {task.job_id} was made for dataset "
-            f"{task.dataset_id} with fingerprint {task.dataset_fingerprint}, but the "
-            f"dispatcher's definition of that id has fingerprint "
-            f"{dataset_def.fingerprint}: the worker runs no other pipeline in its place.")
-        error.grpc_status = "FAILED_PRECONDITION"  # type: ignore[attr-defined]
-        raise error
+      dataset_cache.check_fingerprint(task, dataset_def)
       self.dataset_defs.put(task.dataset_id, dataset_def)
 
     fetching = threading.Lock()  # one request of the task at a time: they are numbered
