@@ -39,6 +39,10 @@ _HEARTBEAT_DEADLINE_S = 10.0
 _HEARTBEAT_DEADLINE_FRACTION = 1 / 3
 # The longest a finished task's end waits for the dispatcher to hear of it.
 _FINISH_REPORT_TIMEOUT_S = 2.0
+# The deadline of one split or definition request: a busy dispatcher answers
+# late, and an answer given up on is asked for again (and waited for again);
+# only a connection that broke without a reset needs it at all.
+_DISPATCHER_CALL_S = 30.0
 # Clients' goodbyes kept for the next heartbeat, at most (a pod's worth many times).
 _MAX_GOODBYES = 1 << 16
 _MAX_GOODBYE_TICKET = 128  # characters; the dispatcher's tickets have 64
@@ -278,7 +282,7 @@ class WorkerState:
     to dispatcher_timeout_s) unless the task is `gone()` meanwhile."""
     try:
       return rpc.call_with_retry(caller, request, self.config.dispatcher_timeout_s, what,
-                                 attempt_s=self.heartbeat_deadline_s, cancelled=gone)
+                                 attempt_s=_DISPATCHER_CALL_S, cancelled=gone)
     except rpc.ServiceError as e:
       cause = e.__cause__
       code = cause.code() if isinstance(cause, grpc.RpcError) else None
