@@ -103,6 +103,23 @@ def test_a_read_outlives_a_dispatcher_stopped_past_every_timeout(cluster, tmp_pa
   assert "declared dead" not in log.read_text()  # the workers were healthy
 
 
+def test_a_worker_that_dies_while_the_dispatcher_is_stopped_costs_an_exactly_once_read_nothing(
+    cluster, tmp_path):
+  # The read cannot reach the dead worker for longer than timeout_s, but only
+  # the dispatcher can say it died: woken, it does, and its splits go to the
+  # other worker.
+  dispatcher, workers, log, _ = start_servers(cluster, tmp_path)
+  thread, got, errors = start_read(dispatcher.address, "exactly_once")
+  dispatcher.pause()
+  try:
+    workers[1].kill()
+    time.sleep(OUTAGE_S)
+  finally:
+    dispatcher.resume()
+  finish(thread, got, errors, "exactly_once", 2)
+  assert log.read_text().count("declared dead") == 1
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_read_outlives_a_dispatcher_down_and_restarted_with_its_work_dir(
     cluster, tmp_path, mode):

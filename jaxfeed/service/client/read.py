@@ -23,6 +23,9 @@ from jaxfeed.service.protocol.sharding import ShardingPolicy
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
+# A heartbeat answered this much later than the dispatcher asked for follows
+# a silence (it was stopped, down or unreachable), not a listing.
+_ANSWER_SLACK_S = 5.0
 GOODBYE_TIMEOUT_S = 1.0  # to connect to a worker, and again for its answer
 END = object()  # put in the buffer when a read is over, to wake its consumer
 
@@ -75,6 +78,7 @@ class ReadState:
     # or unreachable): the read goes on from its workers meanwhile.
     self.dispatcher_away = False
     self._away_logged = False
+    self._answered_at = time.monotonic()  # the dispatcher's last heartbeat answer
     self.job_id = 0
     self.client_id = 0
     # From the last heartbeat answer: say goodbye through a worker, with this
@@ -214,7 +218,9 @@ class ReadState:
     without the dispatcher: every task it knows sent its whole stream (each
     worker of a parallel_epochs read its epoch; a DYNAMIC task ends only
     once the dispatcher said all splits were delivered). Raises ServiceError
-    when no worker is left to read from for timeout_s."""
+    when no worker is left to read from (its fetcher ended, or has not
+    reached it for timeout_s) and the dispatcher has not answered for
+    timeout_s."""
     node, now = self.node, time.monotonic()
     fetchers = list(self.fetchers.values())
     for fetcher in fetchers:
@@ -225,7 +231,8 @@ class ReadState:
                       self.job_id)
       self._end()
       return True
-    if any(not f.ended for f in fetchers):
+    if any(not f.ended and now - (f.failing_since or now) <= node.timeout_s
+           for f in fetchers):  # a worker it still reaches, or may yet
       if not self._away_logged:
         self._away_logged = True
         logging.warning("The dispatcher at %s does not answer (%s): reading on from the "
@@ -243,6 +250,12 @@ class ReadState:
   def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
     listed = {t.task_id: t for t in response.tasks}
     now = time.monotonic()
+    # How long the dispatcher has listed the tasks since its last answer; an
+    # answer after a longer silence (it was stopped or down) lists them now
+    # only.
+    since, self._answered_at = now - self._answered_at, now
+    interval_s = response.heartbeat_interval_s or heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S
+    listed_s = 0.0 if since > min(interval_s + _ANSWER_SLACK_S, self.node.timeout_s / 2) else since
     if self.streams is not None:
       self._check_stream_count(len(listed), now, response.job_finished)
     for task_id, task in sorted(listed.items()):
@@ -254,6 +267,9 @@ class ReadState:
           # goes there and learns which.
           old.task = task
         old.kick_if_stalled(now)
+        error = old.unreachable_listed(listed_s)
+        if error is not None:
+          raise error
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
         stream = self.streams.assign() if self.streams is not None else None
