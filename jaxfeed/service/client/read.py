@@ -26,6 +26,9 @@ POLL_S = 0.05
 # A heartbeat answered this much later than the dispatcher asked for follows
 # a silence (it was stopped, down or unreachable), not a listing.
 _ANSWER_SLACK_S = 5.0
+# A read whose every task sent its whole stream waits this long (at most
+# timeout_s) for the dispatcher to say the job finished, then ends without it.
+_END_WITHOUT_DISPATCHER_S = 10.0
 GOODBYE_TIMEOUT_S = 1.0  # to connect to a worker, and again for its answer
 END = object()  # put in the buffer when a read is over, to wake its consumer
 
@@ -217,7 +220,8 @@ class ReadState:
     the dispatcher (acknowledged splits) for its return. True once it ends
     without the dispatcher: every task it knows sent its whole stream (each
     worker of a parallel_epochs read its epoch; a DYNAMIC task ends only
-    once the dispatcher said all splits were delivered). Raises ServiceError
+    once the dispatcher said all splits were delivered) and the dispatcher
+    has not answered since for _END_WITHOUT_DISPATCHER_S. Raises ServiceError
     when no worker is left to read from (its fetcher ended, or has not
     reached it for timeout_s) and the dispatcher has not answered for
     timeout_s."""
@@ -226,6 +230,9 @@ class ReadState:
     for fetcher in fetchers:
       fetcher.kick_if_stalled(now)
     if fetchers and all(f.done for f in fetchers):
+      if now - max(last_ok, *(f.ended_at for f in fetchers)) < min(
+          node.timeout_s, _END_WITHOUT_DISPATCHER_S):
+        return False  # a dispatcher restarting in place says so itself
       logging.warning("The dispatcher at %s does not answer (%s), and every worker of "
                       "job %d sent its whole stream: the read ends.", node.service, error,
                       self.job_id)
