@@ -242,8 +242,10 @@ def metadata_token(metadata: Any) -> str | None:
   return None
 
 
-# How often a call that may be cancelled checks whether it is (call_with_retry).
+# How often a call that may be cancelled checks whether it is, and how long
+# its first attempt waits before it becomes one (call_with_retry).
 _CANCEL_POLL_S = 0.1
+_QUICK_ATTEMPT_S = 2.0
 
 # The first and the longest wait before a channel reconnects, in milliseconds.
 RECONNECT_BACKOFF_MS = (200, 2000)
@@ -320,8 +322,9 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
     attempt_s: the deadline of each call (None: what is left of timeout_s):
       a call hung on a connection that broke without a reset, or on a
       stopped server, is made again.
-    cancelled: polled while a call waits; once true, the call is cancelled
-      and ServiceError raised (whoever needed the answer is gone).
+    cancelled: polled while a call waits (past a first plain attempt of
+      _QUICK_ATTEMPT_S); once true, the call is cancelled and ServiceError
+      raised (whoever needed the answer is gone).
 
   Returns:
     The response.
@@ -332,12 +335,18 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
   """
   deadline = None if timeout_s is None else time.monotonic() + timeout_s
   retried = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+  first = True
   while True:
     left = math.inf if deadline is None else deadline - time.monotonic()
     limit = min(left, attempt_s if attempt_s is not None else math.inf)
+    if cancelled is not None and first:
+      # Most calls are answered at once: a plain call, without a future's
+      # thread hops (a few ms each), and cancellable calls only after it.
+      limit = min(limit, _QUICK_ATTEMPT_S)
     timeout = None if limit == math.inf else max(limit, 0.05)
     try:
-      if cancelled is None:
+      if cancelled is None or first:
+        first = False
         return caller(request, timeout=timeout, wait_for_ready=True)
       future = caller.future(request, timeout=timeout, wait_for_ready=True)
       while True:
