@@ -5,9 +5,10 @@
 Runs the schedules of seeds seed, seed+1, ... (tests/chaos/schedule.py: a
 processing mode, a small pipeline and a sequence of faults: workers killed,
 stopped, restarted, connections cut or stalled, the dispatcher restarted,
-its journal torn) one after another, each on its own dispatcher and worker
-processes, and prints per mode the runs, faults injected by kind, elements
-checked, violations of the mode's guarantee and hangs, then the seeds of the
+its journal torn, a bit flipped in its work_dir, its disk full for a while, a
+record that segfaults the workers that map it) one after another, each on
+its own dispatcher and worker processes, and prints per mode the runs,
+faults injected by kind, elements checked, violations of the mode's guarantee and hangs, then the seeds of the
 failing runs with their first violation line, and those of runs whose
 cluster did not start (not counted). Rerun one with
 `--runs=1 --seed=SEED --verbose`.
@@ -47,6 +48,9 @@ def _table(records: list) -> str:
   lines.append("")
   lines.append("faults injected by kind:")
   lines += [f"  {kind:32s} {by_kind[kind]:6d}" for kind in schedule_lib.FAULT_KINDS]
+  flips = collections.Counter(f for r in records for f in r.flips)
+  lines.append(f"work_dir bit flips: {flips['refused']} refused to start naming file and "
+               f"offset, {flips['served']} served (the read's guarantee checked)")
   return "\n".join(lines)
 
 

@@ -63,6 +63,8 @@ import tempfile
 import threading
 import time
 
+from jaxfeed import _lifetime
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLIENT_TOKEN = "dispatcher-scale-client-token"
 WORKER_TOKEN = "dispatcher-scale-worker-token"
@@ -90,7 +92,7 @@ class DispatcherProcess:
     env["GRPC_VERBOSITY"] = "ERROR"
     env.setdefault("JAX_PLATFORMS", "cpu")
     self.started_at = time.monotonic()
-    self.proc = subprocess.Popen(
+    self.proc = _lifetime.popen(
         [sys.executable, "-m",
          "benchmarks.dispatcher_scale_server" if timing_file else "jaxfeed.service.dispatcher",
          *([f"--timing_file={timing_file}"] if timing_file else []), "--port=0",
@@ -517,7 +519,7 @@ class _SimulatorProcess:
     flags = [f"--{name}={getattr(args, name)}" for name in (
         "workers", "clients", "jobs", "round_robin_clients", "processes",
         "elements_per_s", "splits_per_request", "max_acks", "join_spread_s")]
-    self.proc = subprocess.Popen(
+    self.proc = _lifetime.popen(
         [sys.executable, "-m", "benchmarks.dispatcher_scale", "--simulator",
          f"--index={index}", f"--address={args.address}", f"--dataset_id={dataset_id}",
          *flags, *(["--leave"] if args.leave else [])],
@@ -786,6 +788,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
   args = parse_args(argv)
   if args.simulator:
+    _lifetime.die_with_parent_from_env()
     asyncio.run(_simulate(args))
     return
   result = run(args)

@@ -33,6 +33,8 @@ import time
 from absl import app
 from absl import flags
 
+from jaxfeed import _lifetime
+
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("processes", 2, "JAX processes.")
 flags.DEFINE_integer("steps", 2000, "Timed steps per measurement.")
@@ -105,13 +107,14 @@ def _measure() -> dict:
 def main(argv):
   del argv
   if FLAGS.process_id >= 0:
+    _lifetime.die_with_parent_from_env()
     print(json.dumps(_measure()), flush=True)
     return
   with socket.socket() as sock:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen(
+  procs = [_lifetime.popen(
       [sys.executable, "-m", "benchmarks.end_of_input_cost",
        f"--processes={FLAGS.processes}", f"--steps={FLAGS.steps}",
        f"--model_ms={FLAGS.model_ms}",

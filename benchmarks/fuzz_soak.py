@@ -26,6 +26,8 @@ import time
 import numpy as np
 import psutil
 
+from jaxfeed import _lifetime
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FUZZ_DIR = REPO / "tests" / "fuzz"
 sys.path[:0] = [str(FUZZ_DIR), str(REPO / "tests" / "service")]
@@ -52,10 +54,11 @@ def run_batch(row: Row, cases: int, seed: int, rlimit_mb: int, timeout_s: float)
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
   started = time.monotonic()
   try:
-    result = subprocess.run(
+    result = _lifetime.run(
         [sys.executable, str(FUZZ_DIR / "fuzz_targets.py"), f"--targets={row.target}",
          f"--cases={cases}", f"--seed={seed}", f"--rlimit_mb={rlimit_mb}"],
-        capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout_s,
+        env=env)
   except subprocess.TimeoutExpired:
     row.hangs += 1
     row.failures.append(f"batch seed {seed}: no result within {timeout_s:.0f} s")

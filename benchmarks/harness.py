@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import statistics
+import subprocess
 import threading
 import time
 from typing import Callable, Iterable, Sequence
@@ -155,3 +156,24 @@ def report(workload: str, results: dict[str, dict], unit: str,
     print(json.dumps(line), flush=True)
     lines.append(line)
   return lines
+
+
+def printed_address(proc: subprocess.Popen, what: object = "") -> str:
+  """The address on the next line a server process prints ("... on ADDRESS ...")."""
+  line = proc.stdout.readline()
+  if not line:
+    raise RuntimeError(f"{what or proc.args} exited before reporting its address.")
+  words = line.split()
+  return words[words.index("on") + 1]
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 10.0) -> None:
+  """SIGTERM, then SIGKILL what is still running after `timeout_s`."""
+  for proc in procs:
+    proc.terminate()
+  for proc in procs:
+    try:
+      proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()

@@ -45,6 +45,7 @@ import numpy as np
 
 from benchmarks import harness
 from benchmarks import workloads
+from jaxfeed import _lifetime
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 BATCH = 128
@@ -84,29 +85,10 @@ def _env() -> dict:
 def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
   if args[:2] in (["-m", "jaxfeed.service.dispatcher"], ["-m", "jaxfeed.service.worker"]):
     args = [*args, "--udf_modules=benchmarks."]  # where the benchmarks' UDFs live
-  proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, env=_env(), text=True)
-  return proc, _printed_address(proc, args)
-
-
-def _printed_address(proc: subprocess.Popen, args: list[str]) -> str:
-  """The address on the next line the process prints ("... on ADDRESS ...")."""
-  line = proc.stdout.readline()
-  if not line:
-    raise RuntimeError(f"{args} exited before reporting its address.")
-  words = line.split()
-  return words[words.index("on") + 1]
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-  for proc in procs:
-    proc.terminate()
-  for proc in procs:
-    try:
-      proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait()
+  # Servers end with this process, however it ends (jaxfeed._lifetime).
+  proc = _lifetime.popen([sys.executable, *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, env=_env(), text=True)
+  return proc, harness.printed_address(proc, args)
 
 
 def jaxfeed_cluster(num_workers: int, split_size: int, flags: Sequence[str] = (),
@@ -121,7 +103,7 @@ def jaxfeed_cluster(num_workers: int, split_size: int, flags: Sequence[str] = ()
             "--buffer_size=8", "--metrics_port=0", *flags, *worker_flags]
     worker, _ = _spawn(args)
     procs.append(worker)
-    metrics_urls.append(_printed_address(worker, args))
+    metrics_urls.append(harness.printed_address(worker, args))
   return procs, address, metrics_urls
 
 
@@ -147,7 +129,10 @@ def worker_shares(served: list[dict[int, int]], jobs: list[int]) -> list[list[fl
 
 
 _TF_ROLE = r"""
-import sys, tensorflow as tf
+import sys
+from jaxfeed import _lifetime
+_lifetime.die_with_parent_from_env()
+import tensorflow as tf
 role, arg = sys.argv[1], sys.argv[2]
 if role == "dispatcher":
   server = tf.data.experimental.service.DispatchServer()
@@ -233,6 +218,8 @@ def _measure_tf(make, address: str, epochs: int, procs: list) -> dict:
 _SENDER = r"""
 import socket, sys
 import numpy as np
+from jaxfeed import _lifetime
+_lifetime.die_with_parent_from_env()
 port, frames, size = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 payload = np.ones(size // 4, np.float32).tobytes()
 with socket.create_connection(("127.0.0.1", port)) as s:
@@ -246,7 +233,7 @@ def _plain_socket_epoch(frames: int, size: int) -> float:
   received into fresh buffers (timed from the connection on)."""
   with socket.create_server(("127.0.0.1", 0)) as listener:
     port = listener.getsockname()[1]
-    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(port), str(frames), str(size)])
+    sender = _lifetime.popen([sys.executable, "-c", _SENDER, str(port), str(frames), str(size)])
     conn, _ = listener.accept()
     with conn:
       start = time.perf_counter()
@@ -305,7 +292,7 @@ def main(argv: list[str]) -> None:
         try:
           w4[name] = _measure_jaxfeed(lambda: _jaxfeed_w4(path, n), address, epochs, procs)
         finally:
-          _stop(procs)
+          harness.stop_processes(procs)
       if only != "W4":
         procs, address, metrics_urls = jaxfeed_cluster(workers, W4T_SPLIT_SIZE)
         try:
@@ -316,7 +303,7 @@ def main(argv: list[str]) -> None:
               image_bytes)
           w4t[name].update(_served_by_worker(served_bytes(metrics_urls)))
         finally:
-          _stop(procs)
+          harness.stop_processes(procs)
       name = f"tf.data service ({workers} workers)"
       procs, address = _tf_cluster(workers)
       try:
@@ -326,7 +313,7 @@ def main(argv: list[str]) -> None:
           w4t[name] = _to_mb_per_s(
               _measure_tf(lambda: _tf_w4t(n), address, epochs, procs), image_bytes)
       finally:
-        _stop(procs)
+        harness.stop_processes(procs)
   for result in w4.values():
     result["mb_per_s"] = round(result["rate"] * image_bytes / 1e6, 1)
   if w4:

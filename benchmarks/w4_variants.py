@@ -65,7 +65,7 @@ def _w4_visitations(data: dict, workers: int, epochs: int) -> list[dict]:
                    "rates": result["rates"], "items": result["items"],
                    **result["memory_and_start"]})
     finally:
-      w4_service._stop(procs)  # pylint: disable=protected-access
+      harness.stop_processes(procs)
   return w4
 
 
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
                       "rates": [round(r * image_bytes / 1e6, 1) for r in result["rates"]],
                       **result["memory_and_start"]})
     finally:
-      w4_service._stop(procs)  # pylint: disable=protected-access
+      harness.stop_processes(procs)
   for line in lines:
     line["ratio_vs_socket"] = round(line["rate"] / lines[0]["rate"], 3)
   if only != "W4t":

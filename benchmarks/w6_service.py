@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from benchmarks import harness
 from benchmarks import w4_service
 from benchmarks import workloads
 
@@ -190,7 +191,7 @@ def run_jaxfeed(lengths: np.ndarray, seed: int, epochs: int) -> tuple[dict, dict
         coordinated_rates.append(coordinated["sequences_per_s"])
         uncoordinated_rates.append(uncoordinated["sequences_per_s"])
   finally:
-    w4_service._stop(procs)  # pylint: disable=protected-access
+    harness.stop_processes(procs)
   # The statistics of the last epoch, the median read rate over the epochs.
   for line, rates in ((coordinated, coordinated_rates), (uncoordinated, uncoordinated_rates)):
     line["sequences_per_s"] = round(float(np.median(rates)), 1)
@@ -245,7 +246,7 @@ def run_tf_service(lengths: np.ndarray, seed: int, rounds: int) -> tuple[dict, d
       results.append(_summary("tf.data service", way, _steps(batches, by_round=False),
                               len(lengths), elapsed, int(lengths.sum())))
   finally:
-    w4_service._stop(procs)  # pylint: disable=protected-access
+    harness.stop_processes(procs)
   return results[0], results[1]
 
 

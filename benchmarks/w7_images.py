@@ -285,7 +285,9 @@ def bare_limit(path: str, cores: int, kind: str,
               (time.process_time() - cpu) / count * 1e6, 1)}
 
 
-def _bare_limit_worker(path, kind, seconds, barrier, results) -> None:
+def _bare_limit_worker(path, kind, seconds, barrier, results, parent) -> None:
+  from jaxfeed import _lifetime  # pylint: disable=g-import-not-at-top
+  _lifetime.die_with_parent(*parent)  # a killed benchmark leaves none behind
   results.put(bare_limit(path, 1, kind, seconds, ready=barrier.wait))
 
 
@@ -295,10 +297,12 @@ def bare_limit_in_processes(path: str, cores: int, kind: str,
   shared): what the machine gives this work now, against which "one core
   times the cores" can be checked on a machine shared with other work."""
   import multiprocessing
+  from jaxfeed import _lifetime  # pylint: disable=g-import-not-at-top
   context = multiprocessing.get_context("spawn")
   barrier, results = context.Barrier(cores), context.Queue()
+  parent = (os.getpid(), _lifetime.on_lasting_thread())
   workers = [context.Process(target=_bare_limit_worker,
-                             args=(path, kind, seconds, barrier, results))
+                             args=(path, kind, seconds, barrier, results, parent))
              for _ in range(cores)]
   for worker in workers:
     worker.start()

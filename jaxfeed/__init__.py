@@ -21,6 +21,7 @@ _EXPORTS = {
     "AUTOTUNE": "jaxfeed.ops.base",
     "PipelineStateError": "jaxfeed.ops.base",
     "Options": "jaxfeed.ops.options",
+    "TensorSpec": "jaxfeed.ops.element_spec",
     # sampler
     "IndexSampler": "jaxfeed.sampler",
     "RecordMetadata": "jaxfeed.sampler",
@@ -36,6 +37,7 @@ _EXPORTS = {
     "write_array_record": "jaxfeed.sources",
     "write_tfrecord": "jaxfeed.sources",
     "CorruptRecordError": "jaxfeed.sources",
+    "DamagedRange": "jaxfeed.sources",
     "SequentialReadError": "jaxfeed.sources.tfrecord_source",
     "RecordSource": "jaxfeed.sources",
     # device and loader

@@ -7,228 +7,74 @@
   jaxfeed bench MODULE:FUNCTION  runs a user's pipeline for a while: elements/s
                                  and a table of where each op spent its time
 
-`convert` writes OUT (or OUT-SSSSS-of-NNNNN.ext with `--num_shards`), each
-shard under a temporary name renamed into place when complete, so a killed
-conversion starts again where it stopped: complete shards are kept. A
-temporary is `.NAME.tmp-<random hex>` beside the shard and locked while it is
-written: a later conversion removes only those of its own shards whose writer
-is gone, never another running conversion's files.
-NumPy (.npy/.npz) and Parquet files are tables whose rows are tf.train.Example
-records, a feature per column (see `jaxfeed.tables`).
+Every command takes `--help`. A command line it cannot act on (an unknown
+flag, a bad value, a missing file) ends with one line naming what is wrong
+and what is allowed, and exit status 2.
+
+`dispatcher`, `worker` and `bench` put the current folder first on the
+module path, as `python -m` does, so that `--udf_modules` and
+MODULE:FUNCTION find modules there.
+
+`convert` writes OUT (or OUT-SSSSS-of-NNNNN.ext with `--num_shards`); it
+resumes an interrupted conversion of the same inputs and refuses outputs it
+did not write unless `--overwrite` (see `jaxfeed.convert`).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import fcntl
-import functools
 import importlib
-import multiprocessing
+import inspect
+import json
 import os
-import re
 import sys
-import threading
+import textwrap
 import time
-from typing import Any, Sequence
-import uuid
+from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 
-FORMATS = {".tfrecord": "tfrecord", ".tfrecords": "tfrecord",
-           ".array_record": "array_record", ".arrayrecord": "array_record",
-           ".npy": "numpy", ".npz": "numpy", ".parquet": "parquet"}
-FORMAT_NAMES = ("tfrecord", "array_record", "numpy", "parquet")
+from jaxfeed.convert import FORMAT_NAMES, UsageError, convert, file_format, open_source
+
+_IMAGE_MAGIC = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"))
+_PREFIX_BYTES = 16  # of a long bytes value, shown by `inspect`
 
 
-class UsageError(ValueError):
-  """A command line the command cannot act on; printed without a traceback."""
+# -- inspect -------------------------------------------------------------------
+def describe_bytes(data: bytes) -> str:
+  """A bytes value in a line: short ones as they are, long ones as their size
+  and first bytes, JPEG and PNG images as their size and decoded shape."""
+  for magic, kind in _IMAGE_MAGIC:
+    if data.startswith(magic):
+      return f"<{kind}, {len(data)} bytes, {_decoded_shape(data)}>"
+  if len(data) <= 2 * _PREFIX_BYTES:
+    return repr(data)
+  return f"<{len(data)} bytes: {data[:_PREFIX_BYTES]!r}...>"
 
 
-def file_format(path: str, given: str | None = None) -> str:
-  """One of FORMAT_NAMES, from `given` or the file name."""
-  if given:
-    if given not in FORMAT_NAMES:
-      raise UsageError(f"Unknown format {given!r}; use one of {', '.join(FORMAT_NAMES)}.")
-    return given
-  suffix = os.path.splitext(path)[1].lower()
-  if suffix not in FORMATS:
-    raise UsageError(
-        f"Cannot tell the format of {path!r} from its extension {suffix!r}: "
-        f"use one of {', '.join(sorted(FORMATS))} or pass --from/--to.")
-  return FORMATS[suffix]
-
-
-def open_source(paths: Sequence[str], fmt: str) -> Any:
-  import jaxfeed  # pylint: disable=g-import-not-at-top
-  from jaxfeed import tables  # pylint: disable=g-import-not-at-top
+def _decoded_shape(image: bytes) -> str:
+  """'height x width x channels' of an image, or why it is not known."""
+  from jaxfeed import image as image_lib  # pylint: disable=g-import-not-at-top
   try:
-    if fmt == "tfrecord":
-      return jaxfeed.TFRecordSource(list(paths))
-    if fmt == "array_record":
-      return jaxfeed.ArrayRecordSource(list(paths))
-    return tables.TableSource(paths, fmt)
-  except (ImportError, ValueError) as e:  # an extra not installed, a bad table file
-    raise UsageError(str(e)) from None
-
-
-def _writer(fmt: str, path: str) -> Any:
-  """write(file, records) of `fmt` for the output `path`."""
-  import jaxfeed  # pylint: disable=g-import-not-at-top
-  from jaxfeed import tables  # pylint: disable=g-import-not-at-top
-  if fmt == "numpy":
-    return functools.partial(tables.write_numpy, single_array=path.endswith(".npy"))
-  return {"tfrecord": jaxfeed.write_tfrecord, "array_record": jaxfeed.write_array_record,
-          "parquet": tables.write_parquet}[fmt]
-
-
-def _read_range(source: Any, start: int, stop: int) -> Any:
-  """Records start..stop-1 of `source`, streamed."""
-  if hasattr(source, "records"):  # a table: reads row groups once each
-    yield from source.records(start, stop)
-    return
-  for first in range(start, stop, 256):
-    yield from source.get_many(np.arange(first, min(first + 256, stop)))
-
-
-def shard_paths(out: str, num_shards: int) -> list[str]:
-  """OUT itself for one shard, else OUT-00000-of-0000N.ext ... ."""
-  if num_shards == 1:
-    return [out]
-  stem, ext = os.path.splitext(out)
-  return [f"{stem}-{i:05d}-of-{num_shards:05d}{ext}" for i in range(num_shards)]
-
-
-def _temporary_pattern(path: str) -> re.Pattern:
-  """The names of `path`'s temporaries (see `_locked_temporary`)."""
-  return re.compile(re.escape(f".{os.path.basename(path)}.tmp-") + "[0-9a-f]{32}")
-
-
-def _locked_temporary(path: str) -> tuple[str, int]:
-  """A new empty temporary beside `path` and a descriptor holding its lock.
-
-  The lock (released by the kernel when the process ends, however it ends)
-  tells a conversion starting later that the file is still being written.
-  """
-  folder, name = os.path.split(path)
-  while True:
-    tmp = os.path.join(folder, f".{name}.tmp-{uuid.uuid4().hex}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    try:
-      if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
-        return tmp, fd
-    except FileNotFoundError:
-      pass  # removed as stale between its creation and the lock: take another
-    os.close(fd)
-
-
-def _remove_stale_temporaries(path: str) -> None:
-  """Removes the temporaries of `path` that no living process writes (what
-  a killed conversion left half written)."""
-  folder = os.path.dirname(path) or "."
-  pattern = _temporary_pattern(path)
-  for name in os.listdir(folder):
-    if not pattern.fullmatch(name):
-      continue
-    stale = os.path.join(folder, name)
-    try:
-      fd = os.open(stale, os.O_RDONLY)
-    except FileNotFoundError:
-      continue
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      os.remove(stale)  # locked by us: its writer is gone
-    except BlockingIOError:
-      pass  # another conversion of the same shard is writing it
-    except FileNotFoundError:
-      pass  # another conversion removed it first
-    finally:
-      os.close(fd)
-
-
-def _convert_shard(job: tuple) -> int:
-  """Writes records [start, stop) of the input to `path`; returns the count."""
-  inputs, in_fmt, out_fmt, path, start, stop = job
-  source = open_source(inputs, in_fmt)
-  tmp, lock = _locked_temporary(path)
-  try:
-    _writer(out_fmt, path)(tmp, _read_range(source, start, stop))
-    os.replace(tmp, path)
-  except ValueError as e:  # records that do not fit the output format
-    raise UsageError(str(e)) from None
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    os.close(lock)
-  return stop - start
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-  """Pool initializer: the process exits once its parent is gone (killed:
-  it never shuts the pool down), instead of converting on unseen and then
-  waiting for work forever."""
-
-  def watch() -> None:
-    while os.getppid() == parent_pid:
-      time.sleep(0.2)
-    os._exit(1)  # pylint: disable=protected-access
-
-  threading.Thread(target=watch, name="jaxfeed-convert-parent-watch", daemon=True).start()
-
-
-def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
-            out_format: str | None = None, num_shards: int = 1,
-            workers: int = 1, progress: bool | None = None) -> dict:
-  """Converts every record of `inputs` to `out`; skips shards already there.
-
-  Returns:
-    {"records": total records, "shards": paths, "skipped": shards kept}.
-  """
-  from jaxfeed import progress as progress_lib  # pylint: disable=g-import-not-at-top
-  in_fmt = file_format(inputs[0], in_format)
-  out_fmt = file_format(out, out_format)
-  if num_shards < 1 or workers < 1:
-    raise UsageError(f"--num_shards and --workers must be >= 1, got "
-                     f"{num_shards} and {workers}.")
-  missing = [p for p in inputs if not os.path.exists(p)]
-  if missing:
-    raise UsageError(f"No such input file: {missing[0]!r}.")
-  total = len(open_source(inputs, in_fmt))
-  paths = shard_paths(out, num_shards)
-  bounds = [total * i // num_shards for i in range(num_shards + 1)]
-  jobs = [(list(inputs), in_fmt, out_fmt, path, bounds[i], bounds[i + 1])
-          for i, path in enumerate(paths) if not os.path.exists(path)]
-  skipped = num_shards - len(jobs)
-  for job in jobs:
-    _remove_stale_temporaries(job[3])
-  with progress_lib.Progress(f"convert -> {os.path.basename(out)}", total,
-                             enabled=progress) as bar:
-    bar.advance(total - sum(j[5] - j[4] for j in jobs))
-    if workers == 1 or len(jobs) <= 1:
-      for job in jobs:
-        bar.advance(_convert_shard(job))
-    else:
-      # Spawned, not forked: a fork copies the caller's threads' locks
-      # (pyarrow's, gRPC's, jax's) mid-use and can crash the child.
-      with concurrent.futures.ProcessPoolExecutor(
-          workers, mp_context=multiprocessing.get_context("spawn"),
-          initializer=_exit_with_parent, initargs=(os.getpid(),)) as pool:
-        for count in pool.map(_convert_shard, jobs):
-          bar.advance(count)
-  return {"records": total, "shards": paths, "skipped": skipped}
+    return "x".join(map(str, image_lib.decode_image(image, channels=0).shape))
+  except ImportError:
+    return "shape unknown: pip install 'jaxfeed[image]' to decode it"
+  except ValueError as e:
+    return f"does not decode: {e}"
 
 
 def describe_record(record: bytes) -> str:
   """A short readable view of a record: a tf.train.Example's features if it
-  parses as one, else its first bytes."""
+  parses as one, else its size and first bytes (or text)."""
   summary = describe_example(record)
   if summary:
     return summary
   head = record[:64]
   text = head.decode("utf-8", errors="replace")
   printable = sum(ch.isprintable() or ch in "\n\t" for ch in text) / max(1, len(text))
-  return repr(text if printable > 0.9 else head) + (" ..." if len(record) > 64 else "")
+  if printable > 0.9:
+    return repr(text) + (f" ... ({len(record)} bytes)" if len(record) > 64 else "")
+  return describe_bytes(record)
 
 
 def describe_example(record: bytes, max_values: int = 4) -> str | None:
@@ -246,16 +92,29 @@ def describe_example(record: bytes, max_values: int = 4) -> str | None:
     if kind is None:
       return None  # random bytes can parse as an Example, but not as features
     values = list(getattr(features[name], kind).value)
-    shown = ", ".join(repr(v) for v in values[:max_values])
+    shown = ", ".join(describe_bytes(v) if isinstance(v, bytes) else repr(v)
+                      for v in values[:max_values])
     more = ", ..." if len(values) > max_values else ""
     parts.append(f"{name!r}: {kind[:-5]}[{len(values)}] [{shown}{more}]")
   return "{" + ", ".join(parts) + "}" if parts else None
 
 
+def _check_inputs(paths: Sequence[str]) -> None:
+  for path in paths:
+    if not os.path.isfile(path):
+      raise UsageError(f"No such file: {path!r}." if not os.path.exists(path)
+                       else f"{path!r} is a folder; name its files.")
+
+
 def inspect_files(paths: Sequence[str], fmt: str | None = None,
                   samples: int = 1) -> dict:
-  """Record count and size statistics of files of one format."""
-  source = open_source(paths, file_format(paths[0], fmt))
+  """Record count and size statistics of files of one format.
+
+  A damaged TFRecord file is described by its intact records, and its
+  damaged byte ranges are listed under "damage".
+  """
+  _check_inputs(paths)
+  source = open_source(paths, file_format(paths[0], fmt), on_damage="skip")
   count = len(source)
   sizes = np.zeros(count, np.int64)
   for first in range(0, count, 1024):
@@ -266,40 +125,100 @@ def inspect_files(paths: Sequence[str], fmt: str | None = None,
       "record_bytes": ({"min": int(sizes.min()), "mean": float(sizes.mean()),
                         "max": int(sizes.max())} if count else None),
       "samples": [describe_record(source[i]) for i in range(min(samples, count))],
+      **({"damage": [f"{d.path} bytes {d.start}-{'end' if d.end is None else d.end}: "
+                     f"{d.reason}" for d in source.damage]}
+         if getattr(source, "damage", ()) else {}),
   }
 
 
-def bench(target: str, seconds: float, warmup_s: float = 1.0) -> dict:
-  """Builds `module:function()`'s pipeline and reads it for `seconds`."""
-  if ":" not in target:
-    raise UsageError(f"bench needs MODULE:FUNCTION, got {target!r}.")
-  module_name, name = target.split(":", 1)
-  sys.path.insert(0, os.getcwd())
-  fn = getattr(importlib.import_module(module_name), name)
-  dataset = fn()
-  iterator = dataset.make_iterator() if hasattr(dataset, "make_iterator") else iter(dataset)
-  elements, start = 0, time.perf_counter()
+# -- bench ---------------------------------------------------------------------
+def load_function(target: str) -> Callable[[], Any]:
+  """The function `MODULE:FUNCTION` names, MODULE found from the current
+  folder first.
+
+  Raises:
+    UsageError: no such module (the module's own failed imports are raised
+      as they are) or no such function in it.
+  """
+  module_name, _, name = target.partition(":")
+  if not module_name or not name.isidentifier():
+    raise UsageError(f"bench needs MODULE:FUNCTION (e.g. my_pipeline:make for the "
+                     f"function make in ./my_pipeline.py), got {target!r}.")
+  if os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
   try:
-    warm_until = start + warmup_s
+    module = importlib.import_module(module_name)
+  except ModuleNotFoundError as e:
+    if e.name is None or not f"{module_name}.".startswith(f"{e.name}."):
+      raise  # the module is there; something it imports is not
+    hint = (f" (a module name, not a file: {module_name[:-3]}:{name})"
+            if module_name.endswith(".py") else "")
+    raise UsageError(f"No module {module_name!r} in the current folder ({os.getcwd()}) "
+                     f"or on the module path{hint}.") from None
+  fn = getattr(module, name, None)
+  if not callable(fn):
+    functions = sorted(k for k, v in vars(module).items()
+                       if inspect.isfunction(v) and not k.startswith("_")
+                       and v.__module__ == module.__name__)
+    where = f"Module {module_name!r} ({getattr(module, '__file__', '?')})"
+    what = (f"{where} has no attribute {name!r}" if fn is None else
+            f"{where}: {name!r} is of type {type(fn).__name__}, not a function")
+    raise UsageError(f"{what}; its functions: {', '.join(functions) or 'none'}.")
+  return fn
+
+
+def bench(target: str, seconds: float, warmup_s: float = 1.0) -> dict:
+  """Builds `module:function()`'s pipeline, reads it for `warmup_s`, then
+  times it for `seconds`.
+
+  A pipeline that ends during the warm-up is timed from its start (the note
+  in the result says so).
+
+  Raises:
+    UsageError: `target` names no function, it returns no iterable, or the
+      pipeline has no element.
+  """
+  dataset = load_function(target)()
+  if not (hasattr(dataset, "make_iterator") or hasattr(dataset, "__iter__")):
+    raise UsageError(f"{target}() returned a {type(dataset).__name__}; it must return "
+                     "a jaxfeed.Dataset or another iterable.")
+  iterator = dataset.make_iterator() if hasattr(dataset, "make_iterator") else iter(dataset)
+  warm = elements = 0
+  began = start = time.perf_counter()
+  ended = False
+  try:
+    warm_until = began + warmup_s
     while time.perf_counter() < warm_until:
       next(iterator)
+      warm += 1
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
       next(iterator)
       elements += 1
   except StopIteration:
-    pass
+    ended = True
   finally:
     elapsed = time.perf_counter() - start
+    stats = getattr(iterator, "stats", None)
+    result = {"stats": stats()} if callable(stats) else {}
     close = getattr(iterator, "close", None)
     if close is not None:
       close()
-  result = {"elements": elements, "seconds": round(elapsed, 3),
-            "elements_per_s": round(elements / elapsed, 1) if elapsed else 0.0}
-  stats = getattr(iterator, "stats", None)
-  if callable(stats):
-    result["stats"] = stats()
-  return result
+  if ended and elements == 0:
+    if warm == 0:
+      raise UsageError(f"{target}()'s pipeline has no element: nothing to time.")
+    # Too short for a warm-up: time the whole read, start-up included.
+    elements, elapsed = warm, time.perf_counter() - began
+    result["note"] = (f"the pipeline ended after {warm} elements, within the "
+                      f"{warmup_s:g} s warm-up: timed from its start, start-up "
+                      "included; a longer pipeline (e.g. .repeat()) gives a "
+                      "steady-state rate")
+  elif ended:
+    result["note"] = (f"the pipeline ended after {elapsed:.3f} of the {seconds:g} s "
+                      "asked for")
+  return {"elements": elements, "seconds": round(elapsed, 3),
+          "elements_per_s": round(elements / elapsed, 1) if elapsed else 0.0,
+          **result}
 
 
 def bench_report(result: dict) -> str:
@@ -308,54 +227,151 @@ def bench_report(result: dict) -> str:
   from jaxfeed.ops import op_stats  # pylint: disable=g-import-not-at-top
   head = (f"{result['elements']} elements in {result['seconds']} s: "
           f"{result['elements_per_s']} elements/s")
+  if result.get("note"):
+    head += f"\nNote: {result['note']}."
   rows = result.get("stats", {}).get("ops")
   return f"{head}\n\n{op_stats.report(rows)}" if rows else head
 
 
-def _server(role: str, argv: Sequence[str]) -> None:
+# -- the servers ---------------------------------------------------------------
+def _flag_help(flag: Any) -> str:
+  """One absl flag as `--name: help (default: value)`, wrapped."""
+  default = "" if flag.default is None else f" (default: {flag.default_as_str})"
+  required = " (required)" if flag.default is None and not flag.name.startswith("no") else ""
+  return textwrap.fill(f"{flag.help}{default}", width=88, initial_indent="    ",
+                       subsequent_indent="    ").join([f"  --{flag.name}:{required}\n", ""])
+
+
+def _server(role: str, argv: Sequence[str]) -> int:
+  """Runs the dispatcher or a worker with absl flags; `--help` lists them."""
   from absl import app  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
   module = importlib.import_module(f"jaxfeed.service.{role}.server")
+  known = set(flags.FLAGS)
   module.define_flags()
-  app.run(module.main, argv=[f"jaxfeed {role}", *argv])
+  prog = f"jaxfeed {role}"
+  if any(arg in ("-h", "--help", "-help", "--helpshort") for arg in argv):
+    print(f"usage: {prog} [FLAGS]\n\n{(inspect.getdoc(module) or role).splitlines()[0]}\n"
+          "The current folder comes first on the module path (as with python -m), "
+          "so --udf_modules finds modules there.\n\nflags:")
+    for name in sorted(set(flags.FLAGS) - known):
+      print(_flag_help(flags.FLAGS[name]))
+    return 0
+
+  def parse(args: list[str]) -> list[str]:
+    try:
+      return flags.FLAGS(args)
+    except flags.Error as e:
+      _fail(prog, f"{e}")
+
+  # As `python -m jaxfeed.service.worker` does: UDF modules in the current
+  # folder import.
+  if os.getcwd() not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  app.run(module.main, argv=[prog, *argv], flags_parser=parse)
+  return 0
+
+
+# -- the command line ----------------------------------------------------------
+def _fail(prog: str, message: str) -> NoReturn:
+  print(f"{prog}: {message.rstrip('.')}. See: {prog} --help", file=sys.stderr)
+  sys.exit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+  """argparse with one-line errors (no usage block) and exit status 2."""
+
+  def error(self, message: str) -> NoReturn:
+    _fail(self.prog, message)
+
+
+def _at_least(minimum: float, kind: type) -> Callable[[str], Any]:
+  def parse(text: str) -> Any:
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"{text} is less than {minimum}")
+    return value
+  parse.__name__ = kind.__name__
+  return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="jaxfeed", description=__doc__.split("\n\n")[0] + "\n\n" +
+                   __doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+  commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  commands.add_parser("dispatcher", help="run the service's dispatcher (its flags: "
+                      "jaxfeed dispatcher --help)", add_help=False)
+  commands.add_parser("worker", help="run a service worker (its flags: jaxfeed worker "
+                      "--help)", add_help=False)
+  conv = commands.add_parser(
+      "convert", help="convert record files",
+      description="Converts every record of the inputs, in order, to OUT: TFRecord "
+      "(.tfrecord), ArrayRecord (.array_record), NumPy (.npy/.npz) or Parquet "
+      "(.parquet), a tf.train.Example per table row. Prints a JSON summary. Run "
+      "again after a kill, it keeps the complete shards and writes the rest; "
+      "outputs it did not write make it refuse unless --overwrite.")
+  conv.add_argument("paths", nargs="+", metavar="FILE",
+                    help="the input files, then the output file (IN... OUT)")
+  conv.add_argument("--from", dest="in_format", choices=FORMAT_NAMES,
+                    help="the inputs' format (default: from their extension)")
+  conv.add_argument("--to", dest="out_format", choices=FORMAT_NAMES,
+                    help="the output's format (default: from its extension)")
+  conv.add_argument("--num_shards", type=_at_least(1, int), default=1,
+                    help="output files OUT-SSSSS-of-NNNNN.ext, records split evenly "
+                    "in order (default: 1, OUT itself)")
+  conv.add_argument("--workers", type=_at_least(1, int), default=min(4, os.cpu_count() or 1),
+                    help="processes writing shards at once (default: %(default)s)")
+  conv.add_argument("--overwrite", action="store_true",
+                    help="remove existing outputs of OUT (any shard count) first, "
+                    "instead of refusing")
+  insp = commands.add_parser(
+      "inspect", help="describe record files",
+      description="Prints, as JSON, the record count, the record sizes and the first "
+      "records decoded: tf.train.Example features with their types and first values "
+      "(long bytes as their size and first bytes, JPEG and PNG as their decoded shape).")
+  insp.add_argument("paths", nargs="+", metavar="FILE", help="files of one format")
+  insp.add_argument("--format", choices=FORMAT_NAMES,
+                    help="their format (default: from the extension)")
+  insp.add_argument("--samples", type=_at_least(0, int), default=1,
+                    help="records to show (default: %(default)s)")
+  ben = commands.add_parser(
+      "bench", help="time a pipeline: MODULE:FUNCTION",
+      description="Calls FUNCTION() of MODULE (found from the current folder first), "
+      "reads the jaxfeed.Dataset (or iterable) it returns for --warmup seconds, then "
+      "times it for --seconds and prints elements/s, each op's time and the op that "
+      "limits the rate.")
+  ben.add_argument("target", metavar="MODULE:FUNCTION",
+                   help="e.g. my_pipeline:make for make() in ./my_pipeline.py")
+  ben.add_argument("--seconds", type=_at_least(0.001, float), default=10.0,
+                   help="seconds timed after the warm-up (default: %(default)s)")
+  ben.add_argument("--warmup", type=_at_least(0, float), default=1.0,
+                   help="seconds read before timing (default: %(default)s)")
+  ben.add_argument("--json", action="store_true",
+                   help="print the result as JSON instead of a table")
+  return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs `jaxfeed ARGV...`; returns the exit status."""
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv and argv[0] in ("dispatcher", "worker"):
-    _server(argv[0], argv[1:])
-    return 0
-  parser = argparse.ArgumentParser(prog="jaxfeed", description=__doc__.split("\n\n")[0])
-  commands = parser.add_subparsers(dest="command", required=True)
-  commands.add_parser("dispatcher", help="run the service's dispatcher (flags: --help)")
-  commands.add_parser("worker", help="run a service worker (flags: --help)")
-  conv = commands.add_parser("convert", help="convert record files")
-  conv.add_argument("paths", nargs="+", help="input files, then the output")
-  conv.add_argument("--from", dest="in_format", choices=FORMAT_NAMES)
-  conv.add_argument("--to", dest="out_format", choices=FORMAT_NAMES)
-  conv.add_argument("--num_shards", type=int, default=1)
-  conv.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
-  insp = commands.add_parser("inspect", help="describe record files")
-  insp.add_argument("paths", nargs="+")
-  insp.add_argument("--format", choices=FORMAT_NAMES)
-  insp.add_argument("--samples", type=int, default=1)
-  ben = commands.add_parser("bench", help="time a pipeline: MODULE:FUNCTION")
-  ben.add_argument("target")
-  ben.add_argument("--seconds", type=float, default=10.0)
-  ben.add_argument("--json", action="store_true",
-                   help="print the result as JSON instead of a table")
-  args = parser.parse_args(argv)
-  import json  # pylint: disable=g-import-not-at-top
+    return _server(argv[0], argv[1:])
+  args = _parser().parse_args(argv)
   try:
     if args.command == "convert":
       if len(args.paths) < 2:
         raise UsageError("convert needs at least one input and an output.")
       result = convert(args.paths[:-1], args.paths[-1], in_format=args.in_format,
                        out_format=args.out_format, num_shards=args.num_shards,
-                       workers=args.workers)
+                       workers=args.workers, overwrite=args.overwrite)
     elif args.command == "inspect":
       result = inspect_files(args.paths, args.format, args.samples)
     else:
-      result = bench(args.target, args.seconds)
+      result = bench(args.target, args.seconds, args.warmup)
       if not args.json:
         print(bench_report(result))
         return 0

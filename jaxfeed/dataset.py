@@ -69,6 +69,35 @@ class Dataset:
     return Dataset(_op("from_tensor_slices").TensorSlicesNode(tensors))
 
   @staticmethod
+  def from_tensors(tensors: Any) -> "Dataset":
+    """One element: the pytree `tensors` whole (tf.data's `from_tensors`;
+    leaves convert as in `from_tensor_slices`)."""
+    return Dataset(_op("from_tensors").FromTensorsNode(tensors))
+
+  @staticmethod
+  def counter(start: Any = 0, step: Any = 1, dtype: Any = None) -> "Dataset":
+    """Endless `start, start + step, ...` (tf.data's `counter`), scalars of
+    `dtype` (int64 by default)."""
+    return Dataset(_op("counter").CounterNode(start, step, dtype))
+
+  @staticmethod
+  def random(seed: int | None = None,
+             rerandomize_each_iteration: bool | None = None) -> "Dataset":
+    """Endless int64 values uniform in [0, 2**32) (tf.data's `random`): the
+    same for the same `seed`, every iteration unless
+    `rerandomize_each_iteration`. See `jaxfeed.ops.random_dataset`."""
+    return Dataset(_op("random_dataset").RandomNode(
+        seed, rerandomize_each_iteration))
+
+  @staticmethod
+  def list_files(file_pattern: Any, shuffle: bool | None = None,
+                 seed: int | None = None) -> "Dataset":
+    """The file names (bytes) matching glob patterns, matched now (tf.data's
+    `list_files`): shuffled by default, sorted with `shuffle=False`. See
+    `jaxfeed.ops.list_files` for how `seed=None` resumes."""
+    return Dataset(_op("list_files").list_files_node(file_pattern, shuffle, seed))
+
+  @staticmethod
   def from_generator(generator: Callable, output_signature: Any = None,
                      args: Sequence[Any] | None = None,
                      skip: Callable | None = None) -> "Dataset":
@@ -265,10 +294,40 @@ class Dataset:
     """
     return self._wrap(_op("shard").ShardNode(self.node, num_shards, index))
 
+  def take_while(self, predicate: Callable) -> "Dataset":
+    """The elements up to the first for which `predicate(element)` is false
+    (tf.data's `take_while`; tuple elements are unpacked)."""
+    return self._wrap(_op("take_while").TakeWhileNode(self.node, predicate))
+
+  def rejection_resample(self, class_func: Callable,
+                         target_dist: Sequence[float],
+                         initial_dist: Sequence[float] | None = None,
+                         seed: int | None = None) -> "Dataset":
+    """`(class_func(element), element)` pairs resampled so that the classes
+    follow `target_dist` (tf.data's `rejection_resample`: elements may be
+    dropped or repeated). Deterministic from `seed`; see
+    `jaxfeed.ops.rejection_resample`."""
+    return self._wrap(_op("rejection_resample").RejectionResampleNode(
+        self.node, class_func, target_dist, initial_dist, seed))
+
+  def apply(self, transformation_func: Callable[["Dataset"], "Dataset"]) -> "Dataset":
+    """`transformation_func(self)`, which must return a Dataset (tf.data's
+    `apply`, for chaining reusable transformations)."""
+    dataset = transformation_func(self)
+    if not isinstance(dataset, Dataset):
+      raise TypeError(f"apply: transformation_func must return a jaxfeed "
+                      f"Dataset, got {type(dataset).__name__}.")
+    return dataset
+
   def ignore_errors(self, log_warning: bool = False) -> "Dataset":
     """Drops the elements whose computation raised (a failing UDF, a corrupt
     record) and goes on; the iterator's `stats()` counts them."""
     return self._wrap(_op("ignore_errors").IgnoreErrorsNode(self.node, log_warning))
+
+  def get_single_element(self) -> Any:
+    """The dataset's only element; a ValueError if it has none or more
+    (tf.data's `get_single_element`)."""
+    return _op("single_element").single_element(self.make_iterator(), repr(self))
 
   def reduce(self, initial_state: Any, reduce_func: Callable) -> Any:
     """Runs the pipeline to its end: `reduce_func(state, element)` folded over
@@ -319,6 +378,14 @@ class Dataset:
     leaves are stacked. See `jaxfeed.ops.ragged_batch`."""
     return self._wrap(_op("ragged_batch").RaggedBatchNode(
         self.node, batch_size, drop_remainder))
+
+  def sparse_batch(self, batch_size: int,
+                   row_shape: Sequence[int | None]) -> "Dataset":
+    """Batches array elements of different shapes as sparse batches (tf.data's
+    `sparse_batch`): dicts of `indices`, `values` and `dense_shape`, the parts
+    of a `tf.sparse.SparseTensor`. See `jaxfeed.ops.sparse_batch`."""
+    return self._wrap(_op("sparse_batch").SparseBatchNode(
+        self.node, batch_size, row_shape))
 
   def window(self, size: int, shift: int | None = None, stride: int = 1,
              drop_remainder: bool = False, stack: bool = True) -> "Dataset":
@@ -421,10 +488,11 @@ class Dataset:
   def repeat(self, count: int | None = None) -> "Dataset":
     """Repeats the dataset `count` times (forever for None or -1).
 
-    tf.data's `repeat`: each repetition is a new pass over the input (a new
-    iterator of it), so `shuffle(..., reshuffle_each_iteration=True)` above
-    or below reshuffles per epoch. For sampler pipelines, `num_epochs` of the
-    `IndexSampler` gives epochs with their own global shuffle.
+    tf.data's `repeat`: each repetition is a new pass over the input (its
+    next iteration, see `make_iterator`), so a shuffled `IndexSampler` or a
+    `shuffle(..., reshuffle_each_iteration=True)` below it gives every
+    repetition its own order. For sampler pipelines, `num_epochs` of the
+    `IndexSampler` also gives epochs with their own global shuffle.
     """
     return self._wrap(_op("repeat").RepeatNode(self.node, count))
 
@@ -512,16 +580,29 @@ class Dataset:
     return Dataset(self.node, options)
 
   def make_iterator(self) -> base.OpIterator:
-    """A fresh iterator (with get_state / set_state / close).
+    """A fresh iterator (with get_state / set_state / close): the next
+    iteration over the data.
+
+    Like iterating a tf.data dataset again, each iterator is a new pass from
+    the start: a shuffled `IndexSampler` (and `shuffle`) gives every pass its
+    own order, derived from its seed and the pass number, the same in every
+    run and on every host (`IndexSampler(..., reshuffle_each_iteration=False)`
+    repeats the first pass's order). The state of an iterator records its
+    pass: restored into a fresh Dataset, it resumes that pass, and the next
+    iterator of the Dataset is the pass after it, as in the run that saved
+    it. Every process of a multi-process job must iterate its Dataset the
+    same number of times.
 
     The graph is first rewritten by the static optimizer, then run under the
     autotuner when it has AUTOTUNE knobs (see `jaxfeed.Options`).
     """
     # Optimized once per Dataset: nodes that keep something across iterations
-    # (an in-memory cache, shuffle's pass counter) then live on, as they do
-    # when the same Dataset is iterated again in tf.data.
+    # (an in-memory cache, shuffle's pass counter, from_source's iteration)
+    # then live on, as they do when the same Dataset is iterated again in
+    # tf.data.
     if self._optimized is None:
       self._optimized = _op("optimize").optimize(self.node, self.options)
+    base.begin_iteration(self._optimized)
     root = _op("op_stats").instrument(self._optimized, self._optimized.make_iterator(),
                                       self.options)
     return _op("autotune").autotuned(root, self.options)
@@ -533,6 +614,15 @@ class Dataset:
     """Same as `make_iterator()` (elements are numpy already); for code
     written against tf.data."""
     return self.make_iterator()
+
+  @property
+  def element_spec(self) -> Any:
+    """The elements' structure with a `jaxfeed.TensorSpec` (shape, dtype)
+    per leaf, None where a size varies (tf.data's `element_spec`). Derived
+    from the op graph; below a `map` or another function the graph cannot
+    see through, from that op's first element. See
+    `jaxfeed.ops.element_spec`."""
+    return _op("element_spec").element_spec(self.node)
 
   def cardinality(self) -> int | None:
     """The number of elements if known and finite, -1 if infinite, None if

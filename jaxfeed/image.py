@@ -38,7 +38,7 @@ import numpy as np
 
 __all__ = [
     "decode_jpeg", "decode_image", "decode_and_random_resized_crop",
-    "random_crop_box", "flip_left_right", "random_flip_left_right",
+    "random_crop_box", "random_crop", "flip_left_right", "random_flip_left_right",
     "normalize", "IMAGENET_MEAN", "IMAGENET_STD",
 ]
 
@@ -319,6 +319,43 @@ def _resize_box(image: np.ndarray, box: tuple[int, int, int, int],
   cv2.resize(crop, (size[1], size[0]), dst=out if out.shape[2] > 1 else
              out[:, :, 0], interpolation=cv2.INTER_LINEAR)
   return out
+
+
+def random_crop(image: np.ndarray, size: Sequence[int],
+                rng: np.random.Generator) -> np.ndarray:
+  """A crop of `size` at a uniformly random place, like `tf.image.random_crop`.
+
+  As in TensorFlow, `size` has one entry per dimension of `image` (for an
+  image [height, width, channels]: (crop_height, crop_width, channels)),
+  and each dimension's offset is drawn uniformly from the
+  `image.shape[d] - size[d] + 1` that fit, so every crop of that size can
+  come out. Use it in `Dataset.random_map`, passing the generator it gives.
+
+  Args:
+    image: An array of any rank (an image, or a batch cropped alike).
+    size: The crop's shape: non-negative ints, one per dimension, each at
+      most the image's.
+    rng: The random generator (e.g. the one `Dataset.random_map` passes).
+
+  Returns:
+    A view of `image` (no copy) of shape `size`.
+
+  Raises:
+    ValueError: `size` has another length than `image` has dimensions, or
+      an entry that is negative or larger than the image's.
+  """
+  image = np.asarray(image)
+  crop = tuple(size)
+  if (len(crop) != image.ndim
+      or not all(isinstance(c, (int, np.integer)) and c >= 0 for c in crop)):
+    raise ValueError(
+        f"random_crop: size must be {image.ndim} non-negative ints (one per "
+        f"dimension of the image of shape {image.shape}), got {tuple(size)!r}.")
+  if any(c > n for c, n in zip(crop, image.shape)):
+    raise ValueError(f"random_crop: size {crop} is larger than the image of shape "
+                     f"{image.shape}; it must fit in every dimension.")
+  offsets = rng.integers(0, np.subtract(image.shape, crop) + 1)
+  return image[tuple(slice(o, o + c) for o, c in zip(offsets.tolist(), crop))]
 
 
 def flip_left_right(image: np.ndarray,

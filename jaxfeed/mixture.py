@@ -452,7 +452,28 @@ class MixtureSampler:
       return position
     return self._positions.base_position(position)
 
+  # -- iterations ----------------------------------------------------------
+  def for_iteration(self, iteration: int) -> "MixtureSampler":
+    """The sampler iteration `iteration` of a pipeline reads (see
+    `IndexSampler.for_iteration`): every component's iteration, in this
+    mixture's schedule, so each iteration has as many positions."""
+    components = [c.for_iteration(iteration) for c in self._components]
+    if all(new is old for new, old in zip(components, self._components)):
+      return self
+    return MixtureSampler(components, self._weights, seed=self._seed,
+                          shard_options=self._shard, segments=self._segments)
+
   # -- identity ------------------------------------------------------------
+  def identity(self) -> dict:
+    """What defines the order (JSON-able), checked when a pipeline state is
+    restored (see `from_source`). The weights are left out: a restored
+    mixture may have new ones (`restored`)."""
+    return {"type": "MixtureSampler", "seed": self._seed,
+            "shard_index": self._shard.shard_index,
+            "shard_count": self._shard.shard_count,
+            "drop_remainder": self._shard.drop_remainder,
+            "components": [c.identity() for c in self._components]}
+
   def spec_params(self) -> dict:
     """The constructor keyword arguments (JSON-able but for the component
     samplers, which carry their own) that rebuild this sampler."""

@@ -9,6 +9,16 @@ position `g` of epoch `e` is `perm_e(g)`, where `perm_e` is a keyed permutation
 of the WHOLE dataset (a Feistel network with cycle walking, O(1) memory),
 reseeded every epoch. Shards therefore see disjoint, uniformly spread slices of
 one global shuffle rather than shuffles of their own contiguous blocks.
+
+Iterations: a pipeline iterated again (the next `for batch in dataset`, the
+next epoch of a `Loader`, the next repetition under `repeat`) reads the
+sampler's iteration 1, 2, ...: `for_iteration(i)`, the same sampler with a
+seed derived from `(seed, i)`, so every iteration has its own order and its
+own per-record seeds, the same on every host. `reshuffle_each_iteration=False`
+and endless samplers read the same positions in every iteration. A state is
+then the position plus, from the second iteration on, the iteration number:
+the position alone cannot tell the end of iteration i from the start of
+iteration i + 1, and the iteration picks the seed.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ _M2 = 0x94D049BB133111EB
 # Separates the permutation's round keys from the per-record seeds, which are
 # mixed from the same (seed, epoch) prefix.
 _PERMUTATION_DOMAIN = 0x5045524D  # "PERM"
+# Derives the seed of iteration i >= 1 from the seed, apart from other seeds.
+_ITERATION_DOMAIN = 0x49544552  # "ITER"
 _FEISTEL_ROUNDS = 6
 
 
@@ -130,11 +142,17 @@ class IndexSampler:
     num_epochs: Number of passes over the data (>= 1), or None for endless.
     shard_options: A `ShardOptions` (or a mapping of its fields); default
       `NoSharding()`.
+    reshuffle_each_iteration: Whether each iteration of a pipeline over this
+      sampler (see `for_iteration`) has its own order and per-record seeds,
+      like tf.data's `shuffle(..., reshuffle_each_iteration=True)`; False
+      repeats the first iteration's. Endless samplers are never iterated
+      again, so it does not apply to them.
   """
 
   def __init__(self, num_records: int, *, shuffle: bool = False, seed: int = 0,
                num_epochs: int | None = 1,
-               shard_options: ShardOptions | Mapping[str, Any] | None = None):
+               shard_options: ShardOptions | Mapping[str, Any] | None = None,
+               reshuffle_each_iteration: bool = True):
     if not _is_int(num_records) or num_records < 0:
       raise ValueError(
           f"IndexSampler: num_records must be an integer >= 0, got "
@@ -142,6 +160,10 @@ class IndexSampler:
     if not isinstance(shuffle, (bool, np.bool_)):
       raise ValueError(
           f"IndexSampler: shuffle must be True or False, got {shuffle!r}.")
+    if not isinstance(reshuffle_each_iteration, (bool, np.bool_)):
+      raise ValueError(
+          f"IndexSampler: reshuffle_each_iteration must be True or False, got "
+          f"{reshuffle_each_iteration!r}.")
     if not _is_int(seed):
       raise ValueError(
           f"IndexSampler: seed must be an integer, got {seed!r} "
@@ -166,6 +188,7 @@ class IndexSampler:
     self._shard = ShardOptions(shard_options.shard_index,
                                shard_options.shard_count,
                                shard_options.drop_remainder)
+    self._reshuffle = bool(reshuffle_each_iteration)
 
     n, h, count = self._num_records, self._shard.shard_index, self._shard.shard_count
     if self._shard.drop_remainder:
@@ -201,6 +224,10 @@ class IndexSampler:
   @property
   def shard_options(self) -> ShardOptions:
     return self._shard
+
+  @property
+  def reshuffle_each_iteration(self) -> bool:
+    return self._reshuffle
 
   @property
   def records_per_epoch(self) -> int:
@@ -326,21 +353,56 @@ class IndexSampler:
       walking = walking[x[walking] >= limit]
     return x.astype(np.int64)
 
+  # -- iterations ----------------------------------------------------------
+  def for_iteration(self, iteration: int) -> "IndexSampler":
+    """The sampler that iteration `iteration` (0, 1, ...) of a pipeline reads.
+
+    Iteration 0 is this sampler. With `reshuffle_each_iteration` and a finite
+    number of positions, iteration `i >= 1` is this sampler with the seed
+    `mix_seed(seed, "ITER", i)`: its own global shuffle and per-record seeds,
+    the same number of positions, the same on every host. Otherwise every
+    iteration is this sampler.
+    """
+    if not _is_int(iteration) or iteration < 0:
+      raise ValueError(
+          f"IndexSampler.for_iteration: iteration must be an integer >= 0, "
+          f"got {iteration!r}.")
+    if not iteration or not self._reshuffle or self.num_positions is None:
+      return self
+    return IndexSampler(
+        self._num_records, shuffle=self._shuffle,
+        seed=mix_seed(self._seed, _ITERATION_DOMAIN, iteration),
+        num_epochs=self._num_epochs, shard_options=self._shard)
+
   # -- identity ------------------------------------------------------------
   def spec_params(self) -> dict:
     """The constructor keyword arguments (JSON-able) that rebuild this sampler."""
-    return {
+    params = {
         "num_records": self._num_records,
         "shuffle": self._shuffle,
         "seed": self._seed,
         "num_epochs": self._num_epochs,
         "shard_options": dataclasses.asdict(self._shard),
     }
+    if not self._reshuffle:  # Only when set: fingerprints stay as they were.
+      params["reshuffle_each_iteration"] = False
+    return params
+
+  def identity(self) -> dict:
+    """What defines the order this sampler gives (JSON-able), which a
+    pipeline state records and checks on restore (see `from_source`)."""
+    return {"type": "IndexSampler", "num_records": self._num_records,
+            "shuffle": self._shuffle, "seed": self._seed,
+            "num_epochs": self._num_epochs,
+            "shard_index": self._shard.shard_index,
+            "shard_count": self._shard.shard_count,
+            "drop_remainder": self._shard.drop_remainder,
+            "reshuffle_each_iteration": self._reshuffle}
 
   def _key(self) -> tuple:
     return (self._num_records, self._shuffle, self._seed, self._num_epochs,
             self._shard.shard_index, self._shard.shard_count,
-            self._shard.drop_remainder)
+            self._shard.drop_remainder, self._reshuffle)
 
   def __eq__(self, other: Any) -> bool:
     if not isinstance(other, IndexSampler):
@@ -351,9 +413,11 @@ class IndexSampler:
     return hash(self._key())
 
   def __repr__(self) -> str:
+    reshuffle = "" if self._reshuffle else ", reshuffle_each_iteration=False"
     return (f"IndexSampler(num_records={self._num_records}, "
             f"shuffle={self._shuffle}, seed={self._seed}, "
-            f"num_epochs={self._num_epochs}, shard_options={self._shard!r})")
+            f"num_epochs={self._num_epochs}, shard_options={self._shard!r}"
+            f"{reshuffle})")
 
 
 def _feistel(x: Any, keys: list, hi_bits: int, lo_bits: int) -> Any:

@@ -18,9 +18,14 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 
+from jaxfeed import _lifetime  # pylint: disable=wrong-import-position  # after XLA_FLAGS
+
 
 def _jaxfeed_threads() -> set:
-  return {t for t in threading.enumerate() if t.name.startswith("jaxfeed")}
+  # jaxfeed._lifetime's spawner lives as long as the process: the children it
+  # started would get their parent-death signal when it ended.
+  return {t for t in threading.enumerate() if t.name.startswith("jaxfeed")
+          and t.name != _lifetime.SPAWNER_THREAD_NAME}
 
 
 def _children() -> set:

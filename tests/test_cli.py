@@ -3,6 +3,7 @@ a kill, inspect describes files, bench times a pipeline, servers start."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed import cli
+from jaxfeed import convert as convert_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +43,7 @@ def kill_mid_conversion(src, out, num_shards=40):
   """SIGKILLs `jaxfeed convert SRC OUT` once its third shard is complete;
   returns (the shard paths, those complete then)."""
   proc = start_conversion(src, out, f"--num_shards={num_shards}", "--workers=1")
-  paths = cli.shard_paths(str(out), num_shards)
+  paths = convert_lib.shard_paths(str(out), num_shards)
   deadline = time.monotonic() + 60
   while not os.path.exists(paths[2]) and time.monotonic() < deadline:
     time.sleep(0.005)
@@ -133,8 +135,10 @@ def test_a_conversion_killed_mid_write_leaves_no_partial_shard_and_its_pool_exit
   jaxfeed.write_tfrecord(str(src), original)
   jaxfeed.TFRecordSource([str(src)])
   out = tmp_path / "out.array_record"
-  paths = cli.shard_paths(str(out), 4)
-  known = set(os.listdir(tmp_path)) | set(map(os.path.basename, paths))
+  paths = convert_lib.shard_paths(str(out), 4)
+  # Not the record of what the conversion converts (see jaxfeed.convert).
+  known = set(os.listdir(tmp_path)) | set(map(os.path.basename, paths)) | {
+      ".out.array_record.convert"}
   proc = start_conversion(src, out, "--num_shards=4", "--workers=2")
   pool = []
 
@@ -395,3 +399,239 @@ def test_the_console_script_is_installed_with_the_package():
   assert os.path.exists(script), "pip install -e . installs the jaxfeed command"
   done = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
   assert done.returncode == 0 and "convert" in done.stdout
+
+
+# -- a newcomer's command lines ------------------------------------------------
+def test_convert_into_a_complete_output_refuses_and_overwrite_replaces_it(tmp_path):
+  jaxfeed.write_tfrecord(str(tmp_path / "big.tfrecord"), records(3000, seed=5))
+  small = records(500, seed=6)
+  jaxfeed.write_tfrecord(str(tmp_path / "small.tfrecord"), small)
+  out = tmp_path / "out.array_record"
+  assert run_cli("convert", str(tmp_path / "big.tfrecord"), str(out)).returncode == 0
+  refused = run_cli("convert", str(tmp_path / "small.tfrecord"), str(out))
+  assert refused.returncode == 2 and "Traceback" not in refused.stderr
+  assert str(out) in refused.stderr and "--overwrite" in refused.stderr
+  assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+  assert len(jaxfeed.ArrayRecordSource([str(out)])) == 3000, "the old output is untouched"
+  done = run_cli("convert", str(tmp_path / "small.tfrecord"), str(out), "--overwrite")
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout)["replaced"] == 1
+  back = jaxfeed.ArrayRecordSource([str(out)])
+  assert list(back.get_many(range(len(back)))) == small
+  assert sorted(os.listdir(tmp_path)) == sorted(
+      ["big.tfrecord", "big.tfrecord.idx", "small.tfrecord", "small.tfrecord.idx",
+       "out.array_record"])
+
+
+def test_convert_refuses_another_shard_count_of_the_same_output(tmp_path):
+  original = records(400, seed=7)
+  jaxfeed.write_tfrecord(str(tmp_path / "in.tfrecord"), original)
+  out = str(tmp_path / "out.tfrecord")
+  cli.convert([str(tmp_path / "in.tfrecord")], out, num_shards=4, progress=False)
+  with pytest.raises(cli.UsageError, match=r"out-00000-of-00004.tfrecord.*--overwrite"):
+    cli.convert([str(tmp_path / "in.tfrecord")], out, num_shards=2, progress=False)
+  assert not os.path.exists(convert_lib.shard_paths(out, 2)[0])
+  result = cli.convert([str(tmp_path / "in.tfrecord")], out, num_shards=2, progress=False,
+                       overwrite=True)
+  assert result["replaced"] == 4
+  assert sorted(tmp_path.glob("out*")) == [tmp_path / os.path.basename(p)
+                                          for p in convert_lib.shard_paths(out, 2)]
+  assert tfrecords_of(result["shards"][0]) + tfrecords_of(result["shards"][1]) == original
+
+
+def test_a_killed_conversion_is_not_completed_with_other_inputs(tmp_path):
+  src = tmp_path / "in.tfrecord"
+  jaxfeed.write_tfrecord(str(src), records(4000, seed=8))
+  other = tmp_path / "other.tfrecord"
+  replacement = records(4000, seed=9)
+  jaxfeed.write_tfrecord(str(other), replacement)
+  out = tmp_path / "out.array_record"
+  paths, _ = kill_mid_conversion(src, out)
+  with pytest.raises(cli.UsageError, match="unfinished conversion of other inputs"):
+    cli.convert([str(other)], str(out), num_shards=40, progress=False)
+  result = cli.convert([str(other)], str(out), num_shards=40, progress=False,
+                       overwrite=True)
+  assert result["skipped"] == 0
+  back = jaxfeed.ArrayRecordSource(paths)
+  assert list(back.get_many(range(len(back)))) == replacement
+
+
+def test_bench_times_a_pipeline_that_ends_during_its_warm_up(tmp_path):
+  (tmp_path / "short_pipeline.py").write_text(
+      "from jaxfeed.dataset import Dataset\n"
+      "def make():\n  return Dataset.range(50).map(lambda x: x * 2)\n"
+      "def empty():\n  return Dataset.range(0)\n")
+  done = run_cli("bench", "short_pipeline:make", "--seconds=1", "--json", cwd=tmp_path)
+  assert done.returncode == 0, done.stderr
+  result = json.loads(done.stdout)
+  assert result["elements"] == 50 and result["elements_per_s"] > 0
+  assert "within the 1 s warm-up" in result["note"]
+  table = run_cli("bench", "short_pipeline:make", "--seconds=1", cwd=tmp_path)
+  assert table.stdout.startswith("50 elements in ") and "Note: the pipeline ended" in table.stdout
+  empty = run_cli("bench", "short_pipeline:empty", cwd=tmp_path)
+  assert empty.returncode == 2 and "has no element" in empty.stderr
+  assert "Traceback" not in empty.stderr
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "bench"])
+def test_every_option_of_a_command_is_described_in_its_help(command):
+  done = run_cli(command, "--help")
+  assert done.returncode == 0, done.stderr
+  options = done.stdout.split("\noptions:\n")[1]
+  entries = re.split(r"\n(?=  -)", options.strip("\n"))
+  assert len(entries) >= 3
+  for entry in entries:
+    flag, _, rest = entry.strip().partition("  ")
+    described = rest.strip() or entry.partition("\n")[2].strip()
+    assert described, f"{command} --help: {flag} says nothing"
+
+
+@pytest.mark.parametrize("role,flag", [("dispatcher", "--work_dir"),
+                                       ("worker", "--dispatcher_address")])
+def test_server_help_lists_the_servers_flags(role, flag):
+  done = run_cli(role, "--help", timeout=60)
+  assert done.returncode == 0, done.stderr
+  assert f"  {flag}:" in done.stdout and "  --port:" in done.stdout
+  assert "Port to serve on" in done.stdout
+
+
+def write_bench_module(folder):
+  (folder / "my_steps.py").write_text(
+      "from jaxfeed.dataset import Dataset\n"
+      "LIMIT = 3\n"
+      "def make():\n  return Dataset.range(10)\n"
+      "def make_small():\n  return Dataset.range(3)\n")
+
+
+# (arguments, what the one-line error must say); {d} is a temporary folder.
+WRONG_COMMAND_LINES = [
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["convert", "{d}/in.tfrecord", "{d}/o.tfrecord", "--bogus"],
+     "unrecognized arguments: --bogus"),
+    (["convert", "{d}/in.tfrecord", "{d}/o.tfrecord", "--num_shards=0"],
+     "--num_shards: 0 is less than 1"),
+    (["convert", "{d}/in.tfrecord", "{d}/o.tfrecord", "--workers=two"],
+     "--workers: 'two' is not an integer"),
+    (["convert", "{d}/in.tfrecord", "{d}/o.tfrecord", "--to=csv"],
+     "--to: invalid choice: 'csv' (choose from"),
+    (["convert", "{d}/missing.tfrecord", "{d}/o.tfrecord"],
+     "No such input file: '{d}/missing.tfrecord'"),
+    (["convert", "{d}/in.tfrecord"], "needs at least one input and an output"),
+    (["inspect", "{d}/missing.tfrecord"], "No such file: '{d}/missing.tfrecord'"),
+    (["inspect", "{d}"], "is a folder"),
+    (["inspect", "{d}/my_steps.py"], "Cannot tell the format of '{d}/my_steps.py'"),
+    (["inspect", "{d}/in.tfrecord", "--samples=-1"], "--samples: -1 is less than 0"),
+    (["bench", "my_steps"], "bench needs MODULE:FUNCTION"),
+    (["bench", "my_steps:nope"],
+     ("Module 'my_steps' ({d}/my_steps.py) has no attribute 'nope'; its functions: "
+      "make, make_small")),
+    (["bench", "my_steps:LIMIT"],
+     "Module 'my_steps' ({d}/my_steps.py): 'LIMIT' is of type int, not a function"),
+    (["bench", "not_a_module:make"], "No module 'not_a_module' in the current folder"),
+    (["bench", "my_steps.py:make"], "(a module name, not a file: my_steps:make)"),
+    (["bench", "my_steps:make", "--seconds=soon"], "--seconds: 'soon' is not a number"),
+    (["dispatcher", "--bogus=1"], "Unknown command line flag 'bogus'"),
+    (["worker", "--port=abc"], "flag --port=abc"),
+    (["worker"], "--dispatcher_address must have a value"),
+    (["dispatcher", "--port=-5"], "port must be in [0, 65535], got -5"),
+    (["dispatcher", "--work_dir={d}/in.tfrecord/journal"],
+     "cannot start: [Errno 20] Not a directory: '{d}/in.tfrecord/journal'"),
+    (["worker", "--dispatcher_address=127.0.0.1:9", "--worker_token_file={d}/no.token"],
+     "Cannot read --worker_token_file '{d}/no.token'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", WRONG_COMMAND_LINES,
+                         ids=[" ".join(a).replace("{d}/", "") for a, _ in WRONG_COMMAND_LINES])
+def test_a_wrong_command_line_ends_with_one_line_naming_it_and_status_2(tmp_path, argv, message):
+  jaxfeed.write_tfrecord(str(tmp_path / "in.tfrecord"), records(3))
+  write_bench_module(tmp_path)
+  done = run_cli(*[a.format(d=tmp_path) for a in argv], timeout=60, cwd=tmp_path)
+  assert done.returncode == 2, (done.returncode, done.stderr)
+  assert "Traceback" not in done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1, done.stderr
+  assert message.format(d=tmp_path) in lines[0]
+  assert lines[0].startswith("jaxfeed")
+
+
+def test_inspect_shows_images_as_their_size_and_shape(tmp_path):
+  import io  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+  pixels = np.random.default_rng(0).integers(0, 255, (48, 64, 3), np.uint8)
+  encoded = {}
+  for kind in ("JPEG", "PNG"):
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, kind)
+    encoded[kind] = buffer.getvalue()
+  jaxfeed.write_tfrecord(str(tmp_path / "images.tfrecord"), [
+      jaxfeed.make_example({"image": encoded["JPEG"], "label": 3,
+                            "blob": bytes(range(200))}),
+      encoded["PNG"]])
+  done = run_cli("inspect", str(tmp_path / "images.tfrecord"), "--samples=2")
+  assert done.returncode == 0, done.stderr
+  example, png = json.loads(done.stdout)["samples"]
+  assert f"'image': bytes[1] [<JPEG, {len(encoded['JPEG'])} bytes, 48x64x3>]" in example
+  assert "'blob': bytes[1] [<200 bytes: b'\\x00\\x01\\x02" in example
+  assert "'label': int64[1] [3]" in example
+  assert len(example) < 200
+  assert png == f"<PNG, {len(encoded['PNG'])} bytes, 48x64x3>"
+
+
+def test_the_worker_command_imports_udf_modules_from_the_current_folder(tmp_path, monkeypatch):
+  # As `python -m jaxfeed.service.worker` does: its folder is not on the path.
+  from jaxfeed import service  # pylint: disable=g-import-not-at-top
+  (tmp_path / "folder_udfs.py").write_text("def add_seven(x):\n  return x + 7\n")
+  monkeypatch.syspath_prepend(str(tmp_path))  # the client names the function too
+  import folder_udfs  # pylint: disable=g-import-not-at-top
+  dispatcher = service.DispatchServer(service.DispatcherConfig(udf_modules=("folder_udfs",)))
+  script = os.path.join(os.path.dirname(sys.executable), "jaxfeed")
+  worker = subprocess.Popen(
+      [script, "worker", f"--dispatcher_address={dispatcher.target}",
+       "--udf_modules=folder_udfs", "--heartbeat_interval_s=0.1", "--drain_timeout_s=0"],
+      cwd=tmp_path, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  try:
+    dataset = (jaxfeed.Dataset.range(10).map(folder_udfs.add_seven).batch(5)
+               .distribute(dispatcher.target, timeout_s=30))
+    with dataset.make_iterator() as iterator:
+      got = np.concatenate(list(iterator)).tolist()
+  finally:
+    worker.terminate()
+    _, stderr = worker.communicate(timeout=30)
+    dispatcher.stop()
+  assert got == list(range(7, 17)), stderr[-2000:]
+
+
+@pytest.mark.parametrize("role", ["dispatcher", "worker"])
+def test_a_server_on_a_port_in_use_says_so_with_status_2(role):
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    flags = [f"--port={port}"] + (["--dispatcher_address=127.0.0.1:9"] if role == "worker"
+                                  else [])
+    done = run_cli(role, *flags, timeout=60)
+  assert done.returncode == 2, done.stderr
+  assert "Traceback" not in done.stderr
+  # gRPC's own log line may come before it.
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"jaxfeed {role}: cannot start: Cannot listen on '127.0.0.1:{port}': the port is in "
+      "use, or the host is not an address of this machine.")
+
+
+def test_inspect_of_a_damaged_file_describes_its_intact_records_and_the_damage(tmp_path):
+  path = str(tmp_path / "t.tfrecord")
+  records = [b"r%03d" % i + b"x" * 20 for i in range(20)]
+  jaxfeed.write_tfrecord(path, records)
+  with open(path, "r+b") as f:  # one bit of record 10's length field
+    f.seek(10 * (16 + 24))
+    byte = f.read(1)
+    f.seek(10 * (16 + 24))
+    f.write(bytes([byte[0] ^ 0x01]))
+  done = run_cli("inspect", path)
+  assert done.returncode == 0, done.stderr
+  info = json.loads(done.stdout)
+  assert info["records"] == 19 and info["bytes"] == 19 * 24
+  assert len(info["damage"]) == 1 and f"{path} bytes 400-440" in info["damage"][0]

@@ -1,5 +1,6 @@
 """jaxfeed.image: decoding against TensorFlow's, crop geometry, augmentations."""
 
+import collections
 import io
 import os
 import time
@@ -250,3 +251,77 @@ def test_normalize_of_uint8_gives_the_bits_of_float32_arithmetic(shape):
   # Not contiguous: normalized all the same.
   np.testing.assert_array_equal(jim.normalize(image[..., ::-1, :], mean, std),
                                 want[..., ::-1, :])
+
+
+def _offset_of(crop: np.ndarray, image: np.ndarray) -> tuple:
+  """Where `crop` sits in `image`, whose values are all different."""
+  return tuple(int(i) for i in np.argwhere(image == crop.flat[0])[0])
+
+
+@pytest.mark.parametrize("shape,size", [
+    ((5, 6, 3), (3, 4, 3)), ((5, 6, 3), (5, 6, 3)), ((5, 6, 3), (1, 1, 1)),
+    ((7, 4), (2, 4)), ((2, 5, 6, 1), (2, 3, 2, 1)), ((4, 4, 3), (0, 2, 3))])
+def test_random_crop_has_tensorflows_shapes_and_reaches_every_offset(shape, size):
+  image = np.arange(np.prod(shape), dtype=np.int32).reshape(shape)
+  rng = np.random.default_rng(0)
+  ours = [jim.random_crop(image, size, rng) for _ in range(2000)]
+  theirs = [tf.image.random_crop(image, size, seed=s).numpy() for s in range(60)]
+  assert {c.shape for c in ours} == {t.shape for t in theirs} == {tuple(size)}
+  if 0 in size:
+    return
+  limits = [n - c + 1 for n, c in zip(shape, size)]
+  every_offset = set(np.ndindex(*limits))
+  reached = {_offset_of(c, image) for c in ours}
+  assert reached == every_offset
+  # Each crop is the image's block at its offset, as TensorFlow's crops are.
+  for crop in ours[:20] + theirs:
+    offset = _offset_of(crop, image)
+    assert offset in every_offset
+    np.testing.assert_array_equal(
+        crop, image[tuple(slice(o, o + c) for o, c in zip(offset, size))])
+
+
+def test_random_crop_offsets_are_uniform_and_follow_the_generator():
+  image = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
+  counts = collections.Counter(
+      _offset_of(jim.random_crop(image, (2, 2), np.random.default_rng(s)), image)
+      for s in range(3000))
+  assert len(counts) == 6 and min(counts.values()) > 400  # 500 expected each
+  first = jim.random_crop(image, (2, 2), np.random.default_rng(7))
+  np.testing.assert_array_equal(first, jim.random_crop(image, (2, 2), np.random.default_rng(7)))
+  assert np.shares_memory(first, image), "a view, as slicing gives"
+
+
+@pytest.mark.parametrize("size,message", [
+    ((6, 4, 3), r"size \(6, 4, 3\) is larger than the image of shape \(5, 6, 3\)"),
+    ((3, 7, 3), "is larger than the image"),
+    ((3, 4, 4), "is larger than the image"),
+    ((3, 4), r"size must be 3 non-negative ints .*shape \(5, 6, 3\).*got \(3, 4\)"),
+    ((3, 4.5, 3), "size must be 3 non-negative ints")])
+def test_random_crop_refuses_sizes_tensorflow_refuses(size, message):
+  image = np.zeros((5, 6, 3), np.uint8)
+  with pytest.raises(ValueError, match=message):
+    jim.random_crop(image, size, np.random.default_rng(0))
+  with pytest.raises((tf.errors.InvalidArgumentError, ValueError, TypeError)):
+    tf.image.random_crop(image, size, seed=0)
+
+
+def test_random_crop_refuses_a_negative_size():
+  # TensorFlow crops (3, -1, 3) of a (5, 6, 3) image to (3, 1, 3) silently.
+  with pytest.raises(ValueError, match="size must be 3 non-negative ints"):
+    jim.random_crop(np.zeros((5, 6, 3)), (3, -1, 3), np.random.default_rng(0))
+
+
+def test_random_crop_and_flip_in_a_random_map_pipeline():
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  images = np.random.default_rng(0).integers(0, 255, (16, 10, 12, 3), np.uint8)
+
+  def augment(element, rng):
+    crop = jim.random_crop(element["image"], (8, 8, 3), rng)
+    return {"image": jim.random_flip_left_right(crop, rng)}
+
+  dataset = jaxfeed.Dataset.from_tensor_slices({"image": images}).random_map(
+      augment, seed=3).batch(16)
+  first, second = next(iter(dataset)), next(iter(dataset))
+  assert first["image"].shape == (16, 8, 8, 3)
+  np.testing.assert_array_equal(first["image"], second["image"])

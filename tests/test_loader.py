@@ -424,6 +424,75 @@ def test_end_of_input_policy_changes_nothing_in_one_process(end_of_input):
   assert_batches_equal(got, host_batches(pipeline()))
 
 
+# -- a partial batch in one process -----------------------------------------------------
+def twenty_in_eights(repeat: int = 1) -> jaxfeed.Dataset:
+  """20 records in batches of 8 (one per CPU device): 8, 8 and a partial 4."""
+  return (jaxfeed.Dataset.from_tensor_slices({"x": np.arange(20, dtype=np.int32)})
+          .batch(8).repeat(repeat))
+
+
+def loaded(loader: jaxfeed.Loader) -> list[dict]:
+  with loader:
+    return [{k: np.asarray(v).tolist() for k, v in batch.items()} for batch in loader]
+
+
+def test_a_partial_batch_in_one_process_is_dropped_by_default():
+  # 4 rows cannot be split over 8 devices: before partial_batch, the epoch
+  # ended in an error instead.
+  for loader in (jaxfeed.Loader(twenty_in_eights()),
+                 jaxfeed.Loader(twenty_in_eights(), partial_batch="drop")):
+    assert loaded(loader) == [{"x": list(range(8))}, {"x": list(range(8, 16))}]
+  # Mid-stream too (batch, then repeat): only the partial steps go.
+  assert [b["x"][0] for b in loaded(jaxfeed.Loader(twenty_in_eights(2)))] == [0, 8, 0, 8]
+
+
+def test_a_partial_batch_in_one_process_is_padded_to_full_size_with_a_mask():
+  batches = loaded(jaxfeed.Loader(twenty_in_eights(), partial_batch="pad"))
+  assert batches == [
+      {"x": list(range(8)), "mask": [True] * 8},
+      {"x": list(range(8, 16)), "mask": [True] * 8},
+      {"x": [16, 17, 18, 19, 0, 0, 0, 0], "mask": [True] * 4 + [False] * 4}]
+
+
+def test_a_partial_batch_in_one_process_is_an_error_naming_step_and_shape():
+  with jaxfeed.Loader(twenty_in_eights(), partial_batch="error") as loader:
+    assert len([next(loader), next(loader)]) == 2
+    with pytest.raises(ValueError, match=r"partial_batch='error'\): the batch of "
+                       r"process\(es\) \[0\] at step 2 is partial: leaf \['x'\] has "
+                       r"local shape and dtype \(4,\) int32 on process 0, and a "
+                       r"complete batch has 8 rows"):
+      next(loader)
+
+
+def test_a_loader_dropping_a_partial_batch_resumes_and_starts_the_next_epoch():
+  loader = jaxfeed.Loader(twenty_in_eights(2))
+  with loader:
+    first = np.asarray(next(loader)["x"]).tolist()
+    state = json.loads(json.dumps(loader.get_state()))
+  restored = jaxfeed.Loader(twenty_in_eights(2))
+  restored.set_state(state)
+  rest = [b["x"][0] for b in loaded(restored)]
+  assert first[0] == 0 and rest == [8, 0, 8]
+  assert state["batches"] == 1
+
+
+@pytest.mark.parametrize("args,error", [
+    ({"partial_batch": "fill"}, "partial_batch must be one of"),
+    ({"partial_batch": "drop", "end_of_input": "pad"},
+     "partial_batch='drop' drops the steps")])
+def test_partial_batch_values_are_checked(args, error):
+  with pytest.raises(ValueError, match=error):
+    jaxfeed.Loader(twenty_in_eights(), **args)
+
+
+def test_padding_needs_dict_batches_for_its_mask():
+  dataset = jaxfeed.Dataset.from_tensor_slices((np.arange(12),)).batch(8)
+  with jaxfeed.Loader(dataset, partial_batch="pad") as loader:
+    with pytest.raises(TypeError, match="padded batches must be dicts to carry "
+                       "the 'mask' mask leaf, got tuple"):
+      next(loader)
+
+
 # -- plain iterables -------------------------------------------------------------------
 def test_plain_iterable_of_numpy_batches_is_loaded_without_state():
   batches = [{"x": np.full((batch_of(8), 2), i, np.float32)} for i in range(3)]

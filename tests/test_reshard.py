@@ -111,7 +111,7 @@ def test_resharded_state_reads_the_rest_then_saves_a_plain_position():
                               "unread": [[], []]}
   list(resumed)  # To the end: past the dealt-out epochs.
   own = resumed.get_state()["parents"][0]["parents"][0]["own"]
-  assert set(own) == {"position"}
+  assert set(own) == {"position", "identity"}
   resumed.close()
 
 

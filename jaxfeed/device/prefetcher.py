@@ -14,6 +14,7 @@ import jax
 from jax.sharding import Sharding
 
 from jaxfeed.device import agreement
+from jaxfeed.device import step_verdict
 from jaxfeed.device.placement import BatchPlacer, ShardingLike
 
 _END = "end"
@@ -44,36 +45,41 @@ class _End(Exception):
 
 class _HostSteps:
   """This process's batches, each agreed with the other processes when there
-  are several, and the iterator state right after each step taken."""
+  are several (else checked alone), and the iterator state right after each
+  step taken."""
 
   def __init__(self, iterator: Any, has_state: bool, state: Any,
-               step_agreement: agreement.StepAgreement | None):
+               steps: agreement.StepAgreement | step_verdict.LocalSteps):
     self.iterator = iterator
     self._has_state = has_state
     self._state = state
-    self._agreement = step_agreement
+    self._steps = steps
     self._exhausted = False
 
   def next(self, stop: threading.Event | None = None) -> tuple[Any, Any]:
     """(batch, state after it); raises `_End` when the input ended."""
-    batch = None
-    if not self._exhausted:
-      try:
-        batch = next(self.iterator)
-      except StopIteration:
-        self._exhausted = True
-        self._state = self.iterator.get_state() if self._has_state else None
-    if self._agreement is not None:
-      agreed = self._agreement.step(batch, stop)
-    else:
-      agreed = batch
-    if agreed is None:
-      # If the processes agreed to end while this one still had a batch, that
-      # batch is dropped: the state stays that of the last step taken.
-      raise _End(self._state)
-    if batch is not None and self._has_state:
-      self._state = self.iterator.get_state()
-    return agreed, self._state
+    while True:
+      batch = None
+      if not self._exhausted:
+        try:
+          batch = next(self.iterator)
+        except StopIteration:
+          self._exhausted = True
+          self._state = self.iterator.get_state() if self._has_state else None
+      if isinstance(self._steps, agreement.StepAgreement):
+        agreed = self._steps.step(batch, stop)
+      else:
+        agreed = self._steps.step(batch)
+      if agreed is None:
+        # If the processes agreed to end while this one still had a batch,
+        # that batch is dropped: the state stays that of the last step taken.
+        raise _End(self._state)
+      if batch is not None and self._has_state:
+        self._state = self.iterator.get_state()
+      if agreed is not step_verdict.SKIP:
+        return agreed, self._state
+      # A dropped step: its batches are read (the state is past them), the
+      # next step follows.
 
 
 def _produce(steps: _HostSteps, place: Callable[[Any], Any],
@@ -187,10 +193,14 @@ class DevicePrefetcher:
   `next()`, not the read-ahead position, so restoring it with `set_state()`
   (here or into a fresh iterator of the same pipeline) resumes exactly.
 
-  In a multi-process job (`jax.process_count() > 1`) whose shardings span
+  A partial batch (fewer rows than a complete one, e.g. the last of an
+  epoch without `drop_remainder`) is dropped, padded and masked, or an
+  error, by `partial_batch` (see `jaxfeed.device.step_verdict`). In a
+  multi-process job (`jax.process_count() > 1`) whose shardings span
   several processes' devices, the processes agree before each step whether it
-  happens and that their local shapes can form one global array, so every
-  process stops at the same step; see `jaxfeed.device.agreement`. Every process
+  happens, how it is padded and that their local shapes can form one global
+  array, so every process stops at the same step; see
+  `jaxfeed.device.agreement`. Every process
   must create such prefetchers in the same order and call `set_state` the same
   number of times.
 
@@ -201,22 +211,36 @@ class DevicePrefetcher:
       or None for `batch_sharding()` (batch split over all devices). 0-d
       leaves are replicated.
     prefetch: batches kept ready ahead of the consumer (>= 0).
+    partial_batch: what a batch with fewer rows than a complete one becomes:
+      `"drop"` (its step is dropped), `"pad"` (zero rows up to the complete
+      size and a bool leaf `"mask"` on every batch) or `"error"`; None for
+      the default, "drop" (see `jaxfeed.device.step_verdict`).
     end_of_input: in multi-process jobs, `"stop_at_shortest"` (every process
       stops at the first step some process has no batch for) or `"pad"`
-      (steps go on while any process has a batch; missing rows are zeros and a
-      bool leaf `"valid"` marks the real ones). Ignored in one process.
+      (steps go on while any process has a batch; the others' rows are zeros
+      and masked); None: "pad" under `partial_batch="pad"`, else
+      "stop_at_shortest". `end_of_input="pad"` without `partial_batch` names
+      its mask leaf `"valid"`. Ignored in one process.
     pad_to_common_shape: in multi-process jobs, zero-pad each leaf's
       dimensions after the first to the largest size any process has at that
       step (instead of failing when they differ). Ignored in one process.
+    full_batch_rows: the rows of a complete batch of this process, when
+      known (the Loader reads it from the pipeline); otherwise a batch is
+      partial only when another process has more rows at that step.
     host_reads_ahead: whether `host_iterator` produces batches ahead on its
       own thread; lets placement on CPU devices run in `next()` (see above).
   """
 
   def __init__(self, host_iterator: Any, sharding: ShardingLike = None, *,
-               prefetch: int = 2, end_of_input: str = "stop_at_shortest",
+               prefetch: int = 2, end_of_input: str | None = None,
                pad_to_common_shape: bool = False,
+               partial_batch: str | None = None,
+               full_batch_rows: int | None = None,
                host_reads_ahead: bool = False):
-    agreement.check_policy(end_of_input, "DevicePrefetcher")
+    policy = step_verdict.resolve_policy(
+        partial_batch, end_of_input, "DevicePrefetcher",
+        pad_to_common_shape=bool(pad_to_common_shape))
+    self._policy = policy.with_full_rows(full_batch_rows)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
       raise ValueError(
           f"DevicePrefetcher: prefetch must be an integer >= 0, got {prefetch!r}.")
@@ -224,15 +248,14 @@ class DevicePrefetcher:
       raise TypeError(
           "DevicePrefetcher: host_iterator must be an iterator (with "
           f"__next__), got {type(host_iterator).__name__}.")
-    if (end_of_input == "pad" and isinstance(sharding, Mapping)
-        and agreement.PAD_MASK_KEY not in sharding):
+    mask_key = self._policy.mask_key
+    if (mask_key is not None and isinstance(sharding, Mapping)
+        and mask_key not in sharding):
       # The mask leaf is split over the batch dimension like the batch.
-      sharding = {**sharding, agreement.PAD_MASK_KEY: next(iter(
+      sharding = {**sharding, mask_key: next(iter(
           jax.tree_util.tree_leaves(sharding, is_leaf=_is_sharding)), None)}
     self._place = BatchPlacer(sharding)
     self._prefetch = prefetch
-    self._end_of_input = end_of_input
-    self._pad_to_common_shape = bool(pad_to_common_shape)
     self._agreement_name = None
     # Batches placed on this process's devices only are its own business.
     if jax.process_count() > 1 and self._place.spans_processes():
@@ -257,16 +280,15 @@ class DevicePrefetcher:
 
   def _start(self) -> None:
     self._outcome = None
-    step_agreement = None
     if self._agreement_name is not None:
       # A restart (set_state) agrees on fresh keys: every process restarts.
-      step_agreement = agreement.StepAgreement(
-          self._end_of_input,
-          f"{self._agreement_name}/{next(self._generation)}",
-          agreement.distributed_client(),
-          pad_to_common_shape=self._pad_to_common_shape)
+      steps: Any = agreement.StepAgreement(
+          self._policy, f"{self._agreement_name}/{next(self._generation)}",
+          agreement.distributed_client())
+    else:
+      steps = step_verdict.LocalSteps(self._policy)
     self._steps = _HostSteps(self._resources.iterator, self._has_state,
-                             self._state, step_agreement)
+                             self._state, steps)
     if not self._inline:
       self._resources.start(self._steps, self._place, self._prefetch)
 

@@ -16,6 +16,7 @@ the seed beside each buffered element and override `last_seed`.
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -27,8 +28,8 @@ from jaxfeed.seeding import mix_seed  # re-exported for op modules
 AUTOTUNE = -1
 """Pass as `num_parallel_calls` or a buffer size to let the autotuner choose."""
 
-__all__ = ["AUTOTUNE", "InputReplay", "Node", "OpIterator", "PipelineStateError",
-           "mix_seed"]
+__all__ = ["AUTOTUNE", "InputReplay", "IterationCounter", "Node", "OpIterator",
+           "PipelineStateError", "begin_iteration", "mix_seed"]
 
 
 class PipelineStateError(ValueError):
@@ -133,7 +134,12 @@ class OpIterator:
     }
 
   def set_state(self, state: dict) -> None:
-    """Restores a state returned by `get_state` of an identical pipeline."""
+    """Restores a state returned by `get_state` of an identical pipeline.
+
+    A state of another pipeline raises PipelineStateError naming what
+    differs: an op, or what `from_source` records of its sampler and source
+    (see `jaxfeed.ops.state_identity`).
+    """
     check_state(state, self.op_name, len(self.parents))
     for parent, parent_state in zip(self.parents, state["parents"]):
       parent.set_state(parent_state)
@@ -201,6 +207,11 @@ class Node:
   def make_iterator(self) -> OpIterator:
     raise NotImplementedError
 
+  def begin_iteration(self) -> None:
+    """Called by `begin_iteration(graph)` before a new iteration of a graph
+    holding this node; nodes whose data differ per iteration (`from_source`
+    with a reshuffling sampler) count them here."""
+
   def spec_params(self) -> dict:
     """The keyword arguments that rebuild this node.
 
@@ -222,6 +233,54 @@ class Node:
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.op_name})"
+
+
+def begin_iteration(root: Node) -> None:
+  """Starts the next iteration of the graph of `root`: every node in it
+  (once, however many paths reach it) gets `begin_iteration()`.
+
+  Called when a `Dataset` is iterated again and when `repeat` starts its
+  next repetition, never by iterators an op makes for its own bookkeeping,
+  so every iterator of one iteration reads the same data.
+  """
+  seen: set[int] = set()
+  stack = [root]
+  while stack:
+    node = stack.pop()
+    if id(node) in seen:
+      continue
+    seen.add(id(node))
+    node.begin_iteration()
+    stack.extend(node.parents)
+
+
+class IterationCounter:
+  """The iterations of one node: which one iterators made now read.
+
+  `begin()` starts the next (0 first); `restored(i)` says an iterator was
+  restored into iteration `i`, so the next iteration is `i + 1`, as in the
+  run whose state it was.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._current = 0
+    self._next = 0
+
+  @property
+  def current(self) -> int:
+    return self._current
+
+  def begin(self) -> int:
+    with self._lock:
+      self._current = self._next
+      self._next += 1
+      return self._current
+
+  def restored(self, iteration: int) -> None:
+    with self._lock:
+      self._current = iteration
+      self._next = iteration + 1
 
 
 def callable_path(fn: Callable) -> str:

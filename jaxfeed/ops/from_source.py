@@ -7,7 +7,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxfeed.ops import stacking
-from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, state_int
+from jaxfeed.ops.base import (IterationCounter, Node, OpIterator,
+                              PipelineStateError, state_int)
+from jaxfeed.ops.state_identity import check_identity, pipeline_identity
 from jaxfeed.sampler import (RESHARD_STATE_VERSION, IndexSampler,
                              ReshardedSampler, ShardOptions)
 
@@ -91,6 +93,12 @@ class SourceNode(Node):
           f"sampler with num_records=len(source).")
     self.source = source
     self.sampler = sampler
+    for_iteration = getattr(sampler, "for_iteration", None)
+    # Whether iterations read different data (a reshuffling sampler).
+    self.iterates_anew = (callable(for_iteration)
+                          and for_iteration(1) is not sampler)
+    self.iterations = IterationCounter()
+    self._identity: dict | None = None
 
   def spec_params(self) -> dict:
     return {"source": self.source, "sampler": self.sampler}
@@ -99,18 +107,63 @@ class SourceNode(Node):
     num = self.sampler.num_positions
     return -1 if num is None else num
 
+  def begin_iteration(self) -> None:
+    if self.iterates_anew:
+      self.iterations.begin()
+
+  @property
+  def identity(self) -> dict | None:
+    """What this node's states record of its sampler and source."""
+    if self._identity is None:
+      self._identity = pipeline_identity(self.source, self.sampler)
+    return self._identity
+
   def make_iterator(self) -> "SourceIterator":
-    return SourceIterator(self.source, self.sampler)
+    return SourceIterator(self.source, self.sampler,
+                          iteration=self.iterations.current, node=self)
 
   # Index addressing (see jaxfeed.ops.index_ranges): the sampler's positions.
+  # Iteration i of a reshuffling sampler (P positions each) has the positions
+  # [i * P, (i + 1) * P), so worker processes reading ranges of them need no
+  # other word of which iteration they read.
   def index_addressable(self) -> bool:
     return True
 
   def num_positions(self) -> int | None:
+    """The positions of one iteration (the service splits iteration 0)."""
     return self.sampler.num_positions
 
   def range_iterator(self, start: int, stop: int) -> "SourceIterator":
-    return SourceIterator(self.source, self.sampler, start, stop)
+    iteration = 0
+    per_iteration = self.sampler.num_positions
+    if self.iterates_anew and per_iteration and start >= per_iteration:
+      iteration = start // per_iteration
+      start -= iteration * per_iteration
+      stop -= iteration * per_iteration
+      if stop > per_iteration:
+        raise ValueError(
+            f"{_OP}: positions [{start}, {stop}) of iteration {iteration} "
+            f"run past its {per_iteration} positions; a range reads within "
+            "one iteration.")
+    return SourceIterator(self.source, self.sampler, start, stop,
+                          iteration=iteration, node=self)
+
+  def iteration_span(self, own_state: dict) -> tuple[int, int | None] | None:
+    """For an own state of this node's iterator: the index position it reads
+    next and where its iteration's positions end (None: endless). None when
+    the state holds more than a position (a resharded or mixture resume)."""
+    if set(own_state) - {"position", "iteration", "identity"}:
+      return None
+    per_iteration = self.sampler.num_positions
+    offset = own_state.get("iteration", 0) * (per_iteration or 0)
+    end = None if per_iteration is None else offset + per_iteration
+    return offset + own_state["position"], end
+
+  def own_state_at(self, own_state: dict, index_position: int) -> dict:
+    """`own_state` (from `iteration_span`) moved to `index_position` of its
+    iteration."""
+    offset = own_state.get("iteration", 0) * (self.sampler.num_positions or 0)
+    return {**own_state, "position": index_position - offset}
 
   def __repr__(self) -> str:
     return f"SourceNode({self.source!r}, {self.sampler!r})"
@@ -118,6 +171,11 @@ class SourceNode(Node):
 
 class SourceIterator(OpIterator):
   """Yields records in sampler order; state is the next sampler position.
+
+  The state also holds the iteration when it is not the first (the
+  sampler's `for_iteration`) and what defines the order: the sampler's and
+  the source's identity, checked on restore (`jaxfeed.ops.state_identity`;
+  a state without it, saved by an older jaxfeed, restores with a warning).
 
   Implements the batched-read protocol of `jaxfeed.ops.stacking`
   (`next_batch`): sources with `get_batch(indices)` (like `ArraySource`)
@@ -129,13 +187,18 @@ class SourceIterator(OpIterator):
   op_name = _OP
 
   def __init__(self, source: Any, sampler: IndexSampler, first: int = 0,
-               stop: int | None = None):
+               stop: int | None = None, *, iteration: int = 0,
+               node: SourceNode | None = None):
     super().__init__()
     self._source = source
-    self._base_sampler = sampler
-    self._sampler: Any = sampler  # A ReshardedSampler after a resharded resume.
+    self._node = node
+    self._node_sampler = sampler  # Iteration 0's.
+    self._iteration = iteration
+    self._base_sampler = _for_iteration(sampler, iteration)
+    # A ReshardedSampler after a resharded resume.
+    self._sampler: Any = self._base_sampler
     self._stop = stop
-    self._end = _end_of(sampler, stop)  # None when endless.
+    self._end = _end_of(self._base_sampler, stop)  # None when endless.
     self._read_many = records_reader(source)
     get_batch = getattr(source, "get_batch", None)
     # Cleared when a gathered batch does not have the batch layout (e.g.
@@ -282,7 +345,12 @@ class SourceIterator(OpIterator):
 
   def _get_own_state(self) -> dict:
     position = self.position
-    state = {"position": position}
+    state: dict[str, Any] = {"position": position}
+    if self._iteration:
+      state["iteration"] = self._iteration
+    identity = None if self._node is None else self._node.identity
+    if identity is not None:
+      state["identity"] = identity
     if self._sampler is not self._base_sampler:
       base_position = self._sampler.base_position(position)
       if base_position is not None:  # Past the dealt-out epochs, if any.
@@ -297,6 +365,26 @@ class SourceIterator(OpIterator):
   def _set_own_state(self, state: dict) -> None:
     resharded = state.get("resharded")
     mixture = state.get("mixture")
+    if self._node is not None:
+      check_identity(state.get("identity"), self._node.identity, _OP,
+                     resharded=resharded is not None)
+    iteration = 0
+    if "iteration" in state:
+      iteration = state_int(state, "iteration", _OP, 1)
+      if self._node is not None and not self._node.iterates_anew:
+        raise PipelineStateError(
+            f"Cannot restore op {_OP!r}: the state is in iteration "
+            f"{iteration} of a sampler that reshuffles each iteration, but "
+            f"this pipeline's {self._node_sampler!r} reads the same order "
+            f"every iteration.")
+    if iteration != self._iteration:
+      self._iteration = iteration
+      self._base_sampler = _for_iteration(self._node_sampler, iteration)
+      self._sampler = self._base_sampler
+      self._end = _end_of(self._base_sampler, self._stop)
+      self._seek_anew()
+    if self._node is not None and self._node.iterates_anew:
+      self._node.iterations.restored(iteration)
     sampler = self._base_sampler
     if mixture is not None:
       if not hasattr(sampler, "restored"):
@@ -309,10 +397,22 @@ class SourceIterator(OpIterator):
     if sampler is not self._sampler or resharded is not None or mixture is not None:
       self._sampler = sampler
       self._end = _end_of(sampler, self._stop)
-      self._buffer_start, self._buffered, self._offset = 0, 0, 0
-      self._records = []
-      self._block_start, self._block_indices = 0, np.zeros(0, np.int64)
+      self._seek_anew()
     self._seek(state_int(state, "position", _OP, 0, self._end))
+
+  def _seek_anew(self) -> None:
+    """Forgets every record and lookup read ahead (the sampler changed)."""
+    self._buffer_start, self._buffered, self._offset = 0, 0, 0
+    self._records = []
+    self._block_start, self._block_indices = 0, np.zeros(0, np.int64)
+
+
+def _for_iteration(sampler: Any, iteration: int) -> Any:
+  """The sampler iteration `iteration` reads (samplers without iterations
+  read the same in every one)."""
+  if not iteration:
+    return sampler
+  return sampler.for_iteration(iteration)
 
 
 def _end_of(sampler: Any, stop: int | None) -> int | None:

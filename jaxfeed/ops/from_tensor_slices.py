@@ -122,6 +122,10 @@ class TensorSlicesNode(Node):
   def cardinality(self) -> int:
     return self._length
 
+  def columns(self) -> Any:
+    """The structure with each component's whole (converted) array."""
+    return self._build(slice(None))
+
   def make_iterator(self) -> "TensorSlicesIterator":
     return TensorSlicesIterator(self._build, self._length)
 

@@ -4,6 +4,13 @@
 Unlike `from_source(TFRecordSource(...))`, no record index is built: each
 file is read once, front to back, so compressed files (GZIP, ZLIB), which
 have no random access, stream at the speed of decompression.
+
+Damage (a bad CRC, a truncated tail, garbage) raises `CorruptRecordError`
+naming the file and byte offset where the read meets it, as tf.data's
+DataLossError; the iterator is then past it (see
+`jaxfeed.sources.tfrecord_stream`), so with `ignore_errors()` reading goes on
+with the next record that verifies, or with the next file where nothing in
+this one can be trusted any more.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ from typing import Any
 from etils import epath
 
 from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, state_int
-from jaxfeed.sources.tfrecord_format import RecordStream, compression_wbits
+from jaxfeed.sources.tfrecord_format import compression_wbits
+from jaxfeed.sources.tfrecord_stream import RecordStream
 
 _OP = "from_tfrecord"
 
@@ -116,6 +124,9 @@ class TFRecordIterator(OpIterator):
     raise StopIteration
 
   def _get_own_state(self) -> dict:
+    if self._stream is not None and self._stream.ended:
+      # Damage ended this file: a restore goes on with the next one.
+      return {"file": self._file + 1, "offset": 0, "record": 0}
     if self._stream is not None:
       self._offset, self._position = (self._stream.offset,
                                       self._stream.position)

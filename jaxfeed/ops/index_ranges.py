@@ -16,6 +16,14 @@ A node takes part by implementing three methods:
   [start, stop), in order, each with the `last_seed` the node's own iterator
   gives it (so a record is augmented alike on every worker).
 
+Readers of positions that save states (the worker processes of
+`process_batch`) also need the position an iterator's own state stands at:
+`iteration_span` and `own_state_at` below. A node whose iterations read
+different data (`from_source` with a reshuffling sampler) gives iteration
+`i` the positions `[i * n, (i + 1) * n)` of its position space, `n =
+num_positions()`, and implements both; for the others an own state is a
+single position.
+
 `concatenate` maps position p < n of its input (n positions) to that input's
 position p and the others to position p - n of `other`; `zip` maps p to
 position p of every input and has as many positions as its shortest input.
@@ -31,8 +39,8 @@ from jaxfeed.ops import base
 from jaxfeed.ops import stacking
 
 __all__ = ["ALLOWED", "NotIndexAddressableError", "RangesNode", "RangesIterator",
-           "is_index_addressable", "num_positions", "over_ranges",
-           "range_iterator", "split_input"]
+           "is_index_addressable", "iteration_span", "num_positions",
+           "over_ranges", "own_state_at", "range_iterator", "split_input"]
 
 _OP = "ranges"
 ALLOWED = ("range, from_tensor_slices, from_source, or a concatenate / zip of "
@@ -63,6 +71,28 @@ def num_positions(node: base.Node) -> int | None:
 def range_iterator(node: base.Node, start: int, stop: int) -> base.OpIterator:
   """The elements of an addressable node at positions [start, stop)."""
   return node.range_iterator(start, stop)
+
+
+def iteration_span(node: base.Node, own_state: Any) -> tuple[int, int | None] | None:
+  """The position an own state of `node`'s iterator reads next and the end
+  of its iteration's positions (None: endless); None when the state holds
+  more than a position."""
+  span = getattr(node, "iteration_span", None)
+  if callable(span):
+    return span(own_state)
+  if not isinstance(own_state, dict) or len(own_state) != 1:
+    return None
+  (position,) = own_state.values()
+  return position, node.num_positions()
+
+
+def own_state_at(node: base.Node, own_state: dict, position: int) -> dict:
+  """`own_state` (one `iteration_span` accepts) moved to `position`."""
+  move = getattr(node, "own_state_at", None)
+  if callable(move):
+    return move(own_state, position)
+  (key,) = own_state
+  return {key: position}
 
 
 def _find_inputs(node: base.Node, path: tuple[str, ...], found: list,

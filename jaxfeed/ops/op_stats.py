@@ -33,6 +33,7 @@ input's count.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import sys
 import threading
@@ -241,6 +242,29 @@ def _cost(held: float, late: float) -> float:
 
 
 def _sample_stacks(me: int, elapsed: float) -> None:
+  """Charges `elapsed` to the innermost op on each other thread's stack.
+
+  The garbage collector is off meanwhile. Reading another thread's frames
+  makes frame objects for them (`_current_frames`, `f_back`), and on
+  CPython 3.11 an allocation that starts a collection there can run
+  finalizers that let go of the GIL: the other thread may then leave the
+  very frame the new object is being attached to, which then points at
+  freed memory, and a later `f_code` or `f_back` segfaults the process
+  (seen in benchmarks/client_churn_soak.py: 40 threads of short service
+  reads, the crash in this function; sampling profilers such as
+  sentry-sdk's and ddtrace's crashed the same way). A pass takes about
+  0.1 ms; the collector runs at the next allocation after it.
+  """
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    _charge_stacks(me, elapsed)
+  finally:
+    if enabled:
+      gc.enable()
+
+
+def _charge_stacks(me: int, elapsed: float) -> None:
   for ident, frame in sys._current_frames().items():  # pylint: disable=protected-access
     if ident == me:
       continue
@@ -408,6 +432,8 @@ def op_rows(root: Any) -> list[dict]:
                         if cell.fill_samples else None),
         "parallelism": fields.pop("parallelism", 1),
     }
+    if op.tunables():
+      row["autotune"] = True  # the autotuner sets its parallelism or buffer
     row.update(fields)
     rows.append(row)
   return rows
@@ -431,7 +457,15 @@ def bottleneck(rows: Iterable[dict]) -> dict | None:
 
 def _advice(row: dict) -> str:
   op = row["op"]
+  backend = row.get("backend")
+  if isinstance(backend, str) and backend.startswith("process"):
+    return (f"it runs on {row.get('parallelism') or 1} worker processes already: make "
+            "its functions cheaper, or give the pipeline more cores")
   if "map" in op or "filter" in op:
+    if row.get("autotune") or backend:
+      return (f"it already uses AUTOTUNE (parallelism {row.get('parallelism') or 1} "
+              "now): make its function cheaper, or pass backend='process' if the "
+              "function is Python-heavy (threads share the GIL)")
     return ("give it more parallelism (num_parallel_calls=jaxfeed.AUTOTUNE, or "
             "backend='process' for Python-heavy functions) or make its "
             "function cheaper")
@@ -448,9 +482,46 @@ _COLUMNS = (("op", "op", "{}"), ("elements", "elements", "{}"),
 
 
 def _name(row: dict) -> str:
-  """The op, and the worker it runs on for a service read's worker rows."""
+  """The op, what runs it (a fused chain's backend), and the worker it runs
+  on for a service read's worker rows."""
+  name = str(row["op"])
+  if isinstance(row.get("backend"), str):
+    name += f" [{row['backend']}]"
   worker = row.get("worker")
-  return f"{row['op']} (worker {worker})" if worker else str(row["op"])
+  return f"{name} (worker {worker})" if worker else name
+
+
+def _fused_parts(rows: list[dict], i: int) -> int:
+  """How many rows just before row `i` are the parts of row `i`: the ops a
+  fused op runs as they are (e.g. a process-or-thread chain on threads),
+  whose labels joined by "+" are its label. 0 when it is no such op."""
+  label, worker = rows[i]["op"], rows[i].get("worker")
+  if "+" not in str(label):
+    return 0
+  for count in range(2, i + 1):
+    parts = rows[i - count:i]
+    if ("+".join(str(r["op"]) for r in parts) == label
+        and all(r.get("worker") == worker for r in parts)):
+      return count
+  return 0
+
+
+def _display_order(rows: list[dict]) -> list[tuple[dict, int]]:
+  """(row, depth) in table order: a fused op comes before the rows of its
+  parts, which are indented under it, so the same work reads as one group
+  rather than as two ops."""
+  shown: list[tuple[dict, int]] = []
+  for i, row in enumerate(rows):
+    count = _fused_parts(rows, i)
+    if not count:
+      shown.append((row, 0))
+      continue
+    parts = shown[-count:]
+    del shown[-count:]
+    depth = min(d for _, d in parts)
+    shown.append((row, depth))
+    shown.extend((part, d + 1) for part, d in parts)
+  return shown
 
 
 def format_table(rows: list[dict]) -> str:
@@ -458,8 +529,8 @@ def format_table(rows: list[dict]) -> str:
   total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0
   header = [title for _, title, _ in _COLUMNS] + ["self %"]
   lines = [header]
-  for row in rows:
-    cells = [_name(row)]
+  for row, depth in _display_order(rows):
+    cells = ["  " * depth + _name(row)]
     for key, _, fmt in _COLUMNS[1:]:
       value = row.get(key)
       cells.append("-" if value is None else fmt.format(value))
@@ -470,6 +541,18 @@ def format_table(rows: list[dict]) -> str:
       "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                 for i, (cell, w) in enumerate(zip(line, widths)))
       for line in lines)
+
+
+def _remote_read(row: dict) -> str:
+  """Where the time goes when no op here measured any: a read of a pipeline
+  that runs on other machines (the service), seen from this process."""
+  return (f"No op in this process has measured time: it is spent in the service "
+          f"read ({row['op']!r}), whose pipeline runs on the workers. This process "
+          f"waited {row['read_wait_seconds']:.3f} s for {row.get('elements') or 0} "
+          f"elements from {row.get('service_workers', 0)} worker(s) "
+          f"({row.get('received', 0)} received, {row.get('reconnects', 0)} "
+          "reconnections); the workers' op rows follow at most once a second and "
+          "at the end of their streams.")
 
 
 def report(rows: list[dict], loader_stats: dict | None = None) -> str:
@@ -490,7 +573,10 @@ def report(rows: list[dict], loader_stats: dict | None = None) -> str:
                    f"{100 * fraction:.0f}% of its time for batches; the model "
                    "step is the bottleneck.")
   slowest = bottleneck(rows)
-  if slowest is None:
+  remote = [r for r in rows if "read_wait_seconds" in r]
+  if slowest is None and remote:
+    lines.append(_remote_read(remote[-1]))
+  elif slowest is None:
     lines.append("No op has measured time yet.")
   else:
     total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0

@@ -69,8 +69,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import (base, batch_placement, op_stats, parallel, random_map,
-                         stacking, tree)
+from jaxfeed.ops import (base, batch_placement, index_ranges, op_stats,
+                         parallel, random_map, stacking, tree)
 from jaxfeed.ops import map as map_op
 from jaxfeed.ops.filter import predicate_result
 from jaxfeed.ops.process_pool import (WorkerProcessError, _ArrayRef, _attach,
@@ -257,6 +257,13 @@ def _shared_array(name: str, dtype: str, shape: tuple) -> np.ndarray:
   array = np.ndarray(shape, np.dtype(dtype), buffer=block.buf)
   array.flags.writeable = False
   return array
+
+
+def _bottom(state: dict) -> dict:
+  """The state of the chain's input inside a chain state."""
+  while state["parents"]:
+    state = state["parents"][0]
+  return state
 
 
 def _rebuild(cls: type, params: dict) -> base.Node:
@@ -991,8 +998,11 @@ class ProcessBatchIterator(base.OpIterator):
     self._sequential = self._chain.sequential()
     with self._sequential.make_iterator() as iterator:
       self._template = iterator.get_state()
-    self._end = self._chain.input.num_positions()  # None: endless
-    self._position = 0
+    # The input positions of this iteration (see index_ranges.iteration_span);
+    # None when the input's state is more than a position (a mixture's).
+    span = index_ranges.iteration_span(self._chain.input,
+                                       _bottom(self._template)["own"])
+    self._position, self._end = span or (0, None)  # end None: endless
     self._last_seed = 0
     self._error: BaseException | None = None
     self._workers: _Workers | None = None
@@ -1003,8 +1013,11 @@ class ProcessBatchIterator(base.OpIterator):
         "backend": None, "reason": None, "num_workers": num,
         "chunk": node.chunk, "copy": node.copy}
     self._trial: dict[str, float] | None = None
-    if node.backend == "process":
-      self._use_processes(0)
+    if span is None:  # Workers could not save where they are.
+      self._use_threads(None)
+      self._decide("thread", "the input's state is more than a position")
+    elif node.backend == "process":
+      self._use_processes(self._position)
       self._decide("process", "backend='process'")
     elif (os.cpu_count() or 1) < 2:
       self._use_threads(None)
@@ -1289,15 +1302,14 @@ class ProcessBatchIterator(base.OpIterator):
   def _state_at(self, position: int) -> dict:
     """The chain's state with every op caught up and the input at `position`."""
     state = copy.deepcopy(self._template)
-    bottom = state
-    while bottom["parents"]:
-      bottom = bottom["parents"][0]
-    (key,) = bottom["own"]
-    bottom["own"][key] = position
+    bottom = _bottom(state)
+    bottom["own"] = index_ranges.own_state_at(self._chain.input, bottom["own"],
+                                              position)
     return state
 
   def _position_of(self, state: dict) -> int | None:
-    """The input position a chain state resumes from (checks the state).
+    """The input position a chain state resumes from (checks the state), and
+    its iteration taken on (the template and end of the positions).
 
     None when the input's state holds more than a position (workers, which
     read positions of the node they rebuilt, cannot resume it).
@@ -1305,12 +1317,11 @@ class ProcessBatchIterator(base.OpIterator):
     with self._sequential.make_iterator() as iterator:
       iterator.set_state(state)
       state = iterator.get_state()
-    while state["parents"]:
-      state = state["parents"][0]
-    own = state["own"]
-    if not isinstance(own, dict) or len(own) != 1:
+    span = index_ranges.iteration_span(self._chain.input, _bottom(state)["own"])
+    if span is None:
       return None
-    (position,) = own.values()
+    self._template = state
+    position, self._end = span
     return position
 
   def get_state(self) -> dict:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from jaxfeed.ops.base import (Node, OpIterator, PipelineStateError,
-                              check_count, check_state, state_int, to_node)
+                              begin_iteration, check_count, check_state,
+                              state_int, to_node)
 
 _OP = "repeat"
 
@@ -13,9 +14,11 @@ _OP = "repeat"
 class RepeatNode(Node):
   """`parent` repeated `count` times; None or a negative count: forever.
 
-  Each repetition (epoch) iterates a fresh iterator of `parent`. As in
-  tf.data, repeating forever ends when an epoch yields no element; so does a
-  finite repeat, instead of cycling through empty epochs.
+  Each repetition (epoch) iterates a fresh iterator of `parent`, its next
+  iteration: as in tf.data, a shuffled `IndexSampler` (or `shuffle`) under
+  the repeat gives each repetition its own order. As in tf.data, repeating
+  forever ends when an epoch yields no element; so does a finite repeat,
+  instead of cycling through empty epochs.
   """
 
   op_name = _OP
@@ -85,6 +88,7 @@ class RepeatIterator(OpIterator):
       parent.close()
       return
     parent.close()
+    begin_iteration(self._parent_node)
     self.parents[0] = self._parent_node.make_iterator()
     self._epoch = epoch
     self._epoch_is_empty = True

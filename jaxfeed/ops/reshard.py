@@ -41,6 +41,29 @@ def _source_positions(state: Any) -> list:
   return found
 
 
+def _check_identities(identities: list) -> None:
+  """Raises ValueError unless state `h` was saved by shard `h` of
+  `len(identities)` of one pipeline (states saved before states recorded
+  their pipeline are not checked)."""
+  count = len(identities)
+  for h, identity in enumerate(identities):
+    if identity is None:
+      continue
+    sampler = identity.get("sampler", {}) if isinstance(identity, dict) else {}
+    shard = (sampler.get("shard_index"), sampler.get("shard_count"))
+    if shard != (h, count):
+      raise ValueError(
+          f"reshard: state {h} of {count} was saved by shard {shard[0]} of "
+          f"{shard[1]}; pass every process's state, in process order.")
+    same = {**identity, "sampler": {**sampler, "shard_index": 0}}
+    first = identities[0]
+    if first is not None and same != {**first, "sampler": {
+        **first["sampler"], "shard_index": 0}}:
+      raise ValueError(
+          f"reshard: the states of processes 0 and {h} were saved by "
+          f"different pipelines: {first} and {identity}.")
+
+
 def reshard_states(states: list[dict]) -> dict:
   """One pipeline state that resumes, on any number of processes, the run
   whose process `h` of `len(states)` saved `states[h]`.
@@ -60,6 +83,8 @@ def reshard_states(states: list[dict]) -> dict:
       already resharded whose dealt-out epochs are not finished).
   """
   positions = []
+  iterations = []
+  identities = []
   mixtures = []
   chains = []
   pending = []
@@ -91,6 +116,8 @@ def reshard_states(states: list[dict]) -> dict:
               "another number of processes and has not finished the epochs "
               "dealt out then; resume it with the same number of processes.")
         positions.append(state_int(own, "position", _SOURCE, 0))
+        iterations.append(own.get("iteration", 0))
+        identities.append(own.get("identity"))
         mixtures.append(own.get("mixture"))
         if held is not None:
           seeds, partial = pack_lib.unemitted_elements(held["own"])
@@ -117,13 +144,22 @@ def reshard_states(states: list[dict]) -> dict:
   if any(chain != chains[0] for chain in chains):
     raise ValueError(
         f"reshard: the processes' pipelines differ: {chains}.")
+  if any(i != iterations[0] for i in iterations):
+    raise ValueError(
+        f"reshard: the processes' states are in different iterations (epochs "
+        f"of the Loader) {iterations}; they must be taken at the same step.")
+  _check_identities(identities)
   resharded = {"version": RESHARD_STATE_VERSION, "shard_count": len(states),
                "positions": positions}
   if pending:
     resharded["pending"] = pending
   else:
     resharded["unread"] = [[] for _ in positions]
-  own = {"position": 0, "resharded": resharded}
+  own: dict[str, Any] = {"position": 0, "resharded": resharded}
+  if iterations[0]:
+    own["iteration"] = iterations[0]
+  if identities[0] is not None:
+    own["identity"] = identities[0]  # Any shard restores it (resharded).
   if any(m is not None for m in mixtures):
     own["mixture"] = merge_mixture_states(mixtures)
   fresh = {"pack": pack_lib.resumed_pack_state(),

@@ -24,6 +24,8 @@ _EXPORTS = {
     "TLSConfig": "jaxfeed.service.protocol.rpc",
     "AutoscaleConfig": "jaxfeed.service.dispatcher.autoscale",
     "ServiceError": "jaxfeed.service.protocol.rpc",
+    "PoisonSplitError": "jaxfeed.service.protocol.split_failures",
+    "PositionsLostWarning": "jaxfeed.service.protocol.split_failures",
     "SpecError": "jaxfeed.service.protocol.import_paths",
     "UDFImportError": "jaxfeed.service.protocol.import_paths",
     "WireFormatError": "jaxfeed.service.protocol.wire",

@@ -24,6 +24,10 @@ Dispatcher (per job where labelled `job`):
   jaxfeed_job_client_elements_total     elements the clients' consumers took
   jaxfeed_job_client_wait_seconds_total seconds the consumers waited for input
   jaxfeed_job_client_buffer_fill        the clients' buffer fill (0..1, mean)
+  jaxfeed_dispatcher_journal_healthy    1 while the journal takes writes; 0 while a
+                                        full disk refuses them (changes that must be
+                                        durable are refused, heartbeats go on) or
+                                        once it failed for good
   jaxfeed_journal_bytes                 size of the journal and snapshot files
   jaxfeed_journal_replay_records        records the last restart replayed
   jaxfeed_journal_replay_seconds        how long that replay took
@@ -193,6 +197,7 @@ class _DispatcherCollector:
                        "How clients left (call, worker, timeout) and goodbyes ignored "
                        "(refused, stale).", labels=["via"])
     with state.lock:
+      state.lock.answer_without_fsync()
       for via in ("call", "worker", "timeout", "refused", "stale"):
         goodbyes.add_metric([via], state.goodbyes[via])
       reports = dict(state._reports)  # pylint: disable=protected-access
@@ -217,6 +222,10 @@ class _DispatcherCollector:
     for (via, first), count in split_answers:
       answers.add_metric([via, str(first).lower()], count)
     yield answers
+    journal = state.journal
+    yield gauge("jaxfeed_dispatcher_journal_healthy",
+                "1 while the dispatcher's journal takes writes, else 0.",
+                value=1 if journal is None or journal.healthy else 0)
     yield gauge("jaxfeed_journal_bytes", "Size of the journal and snapshot files.",
                 value=_folder_bytes(state.config.work_dir))
     yield gauge("jaxfeed_journal_replay_records", "Records the last restart replayed.",

@@ -11,6 +11,7 @@ from jaxfeed.sources.array_source import ArraySource
 from jaxfeed.sources.base import CorruptRecordError, RecordSource
 from jaxfeed.sources.concat_source import ConcatSource
 from jaxfeed.sources.tfrecord_format import write_tfrecord
+from jaxfeed.sources.tfrecord_scan import DamagedRange
 from jaxfeed.sources.tfrecord_source import TFRecordSource
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "ArraySource",
     "ConcatSource",
     "CorruptRecordError",
+    "DamagedRange",
     "RecordSource",
     "TFRecordSource",
     "write_array_record",

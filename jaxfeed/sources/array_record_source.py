@@ -141,8 +141,13 @@ def _open_reader(name: str, options: str):
   except RuntimeError as e:
     reason = str(e) or "the footer could not be read"
   _close_reader(reader)
+  offset = _offset_in(reason)
+  if offset is None and "://" not in name:
+    # The footer and the record index sit at the end of the file: without
+    # them no record can be found (array_record has no recovery scan).
+    reason += f" (the file has {os.path.getsize(name)} bytes)"
   raise CorruptRecordError(
-      name, _offset_in(reason),
+      name, offset,
       f"not a readable array_record file (truncated, damaged footer, or "
       f"another format): {reason}")
 

@@ -80,6 +80,11 @@ class ArraySource(RecordSource):
     """`{"data": pytree}`: arrays, the one source whose params are not JSON."""
     return {"data": self.data}
 
+  def identity(self) -> dict:
+    """Each leaf's dtype and shape per record (see `RecordSource.identity`)."""
+    return {"leaves": {p or "<root>": f"{a.dtype}{list(a.shape[1:])}"
+                       for p, a in zip(self._paths, self._leaves)}}
+
   def content_hash(self) -> str:
     """A short hash of structure, dtypes, shapes and bytes of every leaf."""
     if self._content_hash is None:

@@ -31,25 +31,45 @@ class CorruptRecordError(ValueError):
       the damaged record or chunk), or None when the reader cannot tell.
     record_index: Index of the damaged record within the file, if known.
     reason: What is wrong, without the path and offset.
+    end: Where the damaged bytes end: bytes [offset, end) hold no readable
+      record and reading goes on at `end` (None where unknown, e.g. a
+      compressed stream that cannot be decompressed further).
+    kind: What is wrong, as one word where the reader knows it:
+      "length_crc", "data_crc", "truncated", "beyond_end", "decompress" or
+      "compression" (TFRecord).
   """
 
   def __init__(self, path: Any, offset: int | None, reason: str,
-               record_index: int | None = None):
+               record_index: int | None = None, end: int | None = None,
+               kind: str | None = None):
     self.path = os.fspath(path)
     self.offset = None if offset is None else int(offset)
     self.record_index = None if record_index is None else int(record_index)
     self.reason = reason
+    self.end = None if end is None else int(end)
+    self.kind = kind
     where = "at an unknown byte offset" if offset is None else (
         f"at byte offset {self.offset}")
     if record_index is not None:
       where += f" (record {self.record_index} of the file)"
-    super().__init__(f"Corrupt record file {self.path} {where}: {reason}")
+    message = f"Corrupt record file {self.path} {where}: {reason}"
+    if self.damaged_bytes is not None:
+      message += (f" [bytes {self.offset} to {self.end} "
+                  f"({self.damaged_bytes} bytes) hold no readable record]")
+    super().__init__(message)
+
+  @property
+  def damaged_bytes(self) -> int | None:
+    """How many bytes the damage spans, where known."""
+    if self.offset is None or self.end is None:
+      return None
+    return self.end - self.offset
 
   def __reduce__(self):
     # Exceptions pickle their `args` by default, which would lose the fields;
     # worker processes send these errors to the consumer.
     return (type(self), (self.path, self.offset, self.reason,
-                         self.record_index))
+                         self.record_index, self.end, self.kind))
 
 
 class RecordSource:
@@ -75,6 +95,8 @@ class RecordSource:
       `spec_params()`, identify the records (sources over files: each file's
       size and modification time), so graph fingerprints change when a file
       is rewritten at the same path.
+    * `identity()` returns cheap JSON-able facts (file names, array shapes)
+      that pipeline states record and check on restore.
     * `repr(src)` is stable across processes and runs: no memory addresses.
   """
 
@@ -94,6 +116,16 @@ class RecordSource:
   def fingerprint_params(self) -> dict:
     """What identifies the records beyond `spec_params()` (see the contract)."""
     return {}
+
+  def identity(self) -> dict:
+    """Cheap JSON-able facts that tell these records from others' without
+    reading any: a pipeline state records them and a restore checks them.
+    Sources over files give their file names (not directories, so data
+    copied elsewhere still matches)."""
+    paths = getattr(self, "paths", None)
+    if paths is None:
+      return {}
+    return {"files": [os.path.basename(os.fspath(p).rstrip("/")) for p in paths]}
 
   def __getitem__(self, index: int) -> Any:
     return self._read(check_index(index, len(self), type(self).__name__))
@@ -119,6 +151,16 @@ class RecordSource:
   def __repr__(self) -> str:
     params = json.dumps(self.spec_params(), sort_keys=True)
     return f"{type(self).__name__}({params})"
+
+
+def source_identity(source: Any) -> dict:
+  """A source's type, number of records and `identity()` (for any object
+  with `__len__`; no record is read)."""
+  identity = {"type": type(source).__name__, "num_records": len(source)}
+  facts = getattr(source, "identity", None)
+  if callable(facts):
+    identity.update(facts())
+  return identity
 
 
 def check_index(index: Any, length: int, source_name: str) -> int:

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jaxfeed.sources.base import RecordSource
+from jaxfeed.sources.base import RecordSource, source_identity
 
 __all__ = ["ConcatSource"]
 
@@ -63,6 +63,10 @@ class ConcatSource(RecordSource):
   def fingerprint_params(self) -> dict:
     return {"sources": [getattr(s, "fingerprint_params", dict)()
                         for s in self._sources]}
+
+  def identity(self) -> dict:
+    """The type, length and identity of each source, in order."""
+    return {"sources": [source_identity(s) for s in self._sources]}
 
   def close(self) -> None:
     for source in self._sources:

@@ -8,7 +8,18 @@ file by scanning the record headers and cached beside the file as
      offset_{num_records - 1}, file_size]
 
 The cache is used only while the file's size and mtime match; otherwise it is
-rebuilt. Where the directory is not writable the index stays in memory.
+rebuilt. Where the directory is not writable the index stays in memory. The
+VERSION says whether every record's data CRC was checked while indexing
+(`on_damage="skip"` needs that) or only the headers.
+
+Damaged files: the index holds every record up to the damage and after it
+where the scan resynchronizes (see `jaxfeed.sources.tfrecord_scan`); each
+damaged range takes one index entry. With `on_damage="raise"` that entry is a
+record whose read raises `CorruptRecordError`, as tf.data's TFRecordDataset
+raises DataLossError where it meets damage, so `ignore_errors()` downstream
+skips exactly the damage. With `on_damage="skip"` the damaged ranges are left
+out. A damaged index is never cached: each build of the source scans the
+file again and reports the damage again.
 
 Compressed files (`compression_type="GZIP"` or `"ZLIB"`) have no random
 access: a deflate stream is read from its start. Their index (the record
@@ -23,6 +34,7 @@ unshuffled sampler; for shuffled access write the file uncompressed.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import struct
 import threading
@@ -36,17 +48,22 @@ from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
                                   as_path_list, check_files_exist, file_of,
                                   file_stamp, files_fingerprint_params, is_local,
                                   split_by_file)
-from jaxfeed.sources.tfrecord_format import (FOOTER_BYTES, FRAME_OVERHEAD,
-                                             HEADER_BYTES, RecordStream,
-                                             compression_wbits, masked_crc32c,
-                                             scan_record_offsets)
+from jaxfeed.sources.tfrecord_format import (DATA_CRC, FOOTER_BYTES,
+                                             FORMAT_PROBE_BYTES,
+                                             FRAME_OVERHEAD, HEADER_BYTES,
+                                             compression_mismatch,
+                                             compression_wbits,
+                                             data_crc_message, masked_crc32c)
+from jaxfeed.sources.tfrecord_scan import DamagedRange, scan_frames
+from jaxfeed.sources.tfrecord_stream import RecordStream
 
 __all__ = ["TFRecordSource", "SequentialReadError"]
 
 INDEX_SUFFIX = ".idx"
 _INDEX_MAGIC = int.from_bytes(b"JFTFRIDX", "little")
-_INDEX_VERSION = 1
-_COMPRESSED_INDEX_VERSION = 2  # offsets in the uncompressed stream
+# Index versions: (headers checked, every data CRC checked too).
+_INDEX_VERSIONS = (1, 3)
+_COMPRESSED_INDEX_VERSIONS = (2, 4)  # offsets in the uncompressed stream
 _INDEX_HEADER = 5  # magic, version, file_size, mtime_ns, num_records
 
 # get_many merges reads of adjacent small records into one read of at most
@@ -56,8 +73,17 @@ _MAX_SPAN_BYTES = 1 << 20
 # then the 4-byte CRC): one copy instead of two, worth the extra syscall.
 _DIRECT_READ_BYTES = 4096
 
+# Defined here, not imported: CPython 3.11 compiles a method call on an
+# imported name as an attribute load, which costs ~15% of a small record's
+# read.
 _CRC = struct.Struct("<I")
 _LENGTH = struct.Struct("<Q")
+
+_LOG = logging.getLogger(__name__)
+ON_DAMAGE = ("raise", "skip")
+_NOT_READ = object()
+# Damaged ranges logged one by one per file; the rest are counted.
+_LOGGED_RANGES = 5
 
 
 class SequentialReadError(ValueError):
@@ -79,33 +105,53 @@ class TFRecordSource(HandleSource):
       are read in order only (see the module docstring): indexing them
       decompresses each file once, and a read behind a file's position (other
       than its first record) raises `SequentialReadError`.
+    on_damage: What a damaged file gives (a bad length or data CRC, a
+      truncated tail, garbage). "raise" (default): each damaged range is one
+      record whose read raises `CorruptRecordError` naming the file and the
+      byte offset, like tf.data's DataLossError; the records before and
+      after it (where a frame that verifies follows) read normally, so
+      `ignore_errors()` downstream skips only the damage. "skip": damaged
+      ranges are left out, so the source holds exactly the records that
+      verify; indexing then reads whole files to check every data CRC (once:
+      the index is cached). Either way the damage is logged and listed in
+      `damage`. Damage that appears after a file was indexed is raised on
+      read in both modes.
 
   Raises:
     FileNotFoundError: a file does not exist.
-    CorruptRecordError: a file is truncated or a record header is damaged
-      (found while indexing); damaged record data is reported on read.
   """
 
   def __init__(self, paths: Any, verify_crc: bool = True,
                cache_index: bool = True,
-               compression_type: str | None = None):
+               compression_type: str | None = None,
+               on_damage: str = "raise"):
     if not isinstance(verify_crc, bool) or not isinstance(cache_index, bool):
       raise TypeError(
           "TFRecordSource: verify_crc and cache_index must be bools, got "
           f"verify_crc={verify_crc!r}, cache_index={cache_index!r}.")
+    if on_damage not in ON_DAMAGE:
+      raise ValueError(
+          f'TFRecordSource: on_damage must be "raise" or "skip", got '
+          f"{on_damage!r}.")
     wbits = compression_wbits(compression_type, "TFRecordSource")
     path_list = as_path_list(paths, "TFRecordSource")
     check_files_exist(path_list, "TFRecordSource")
     self._verify_crc = verify_crc
     self._cache_index = cache_index
     self._compression_type = compression_type or None
+    self._on_damage = on_damage
+    # Compressed files: a failed chunk's results (see `_read_in_order`).
+    self._replay: dict[int, Any] = {}
+    skip = on_damage == "skip"
     if wbits is None:
-      self._files = [_TFRecordFile(p, cache_index) for p in path_list]
+      self._files = [_TFRecordFile(p, cache_index, skip) for p in path_list]
     else:
-      self._files = [_CompressedTFRecordFile(p, cache_index, wbits,
+      self._files = [_CompressedTFRecordFile(p, cache_index, skip, wbits,
                                              compression_type)
                      for p in path_list]
     counts = [f.load_index() for f in self._files]
+    for f in self._files:
+      _log_damage(f.damage, on_damage)
     self._file_starts = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=self._file_starts[1:])
     self._track_handles()
@@ -120,23 +166,56 @@ class TFRecordSource(HandleSource):
 
   def _read_many(self, indices: np.ndarray) -> list:
     if self._compression_type is not None:
-      # In the order asked: sorting a chunk that spans two epochs would
-      # read the second epoch's first records before the first one's last.
-      return [self._read(i) for i in indices.tolist()]
+      return self._read_in_order(indices.tolist())
     out = [None] * len(indices)
     for f, positions, slots in split_by_file(indices, self._file_starts):
       self._files[f].read_sorted(positions, slots, out, self._verify_crc)
     return out
 
+  def _read_in_order(self, indices: list[int]) -> list:
+    """Reads compressed files in the order asked: sorting a chunk that spans
+    two epochs would read the second epoch's first records before the first
+    one's last.
+
+    Where a record of the chunk is damaged, the chunk's records and errors
+    are kept until its indices are read again one by one (as `from_source`
+    does to find the failing record): reading them from the file again
+    would read backwards.
+    """
+    values = []
+    for i in indices:
+      value = self._replay.pop(i, _NOT_READ)
+      if value is _NOT_READ:
+        self._replay.clear()  # not a read of the failed chunk again
+        try:
+          value = self._read(i)
+        except CorruptRecordError as e:
+          value = e
+      values.append(value)
+    errors = [v for v in values if isinstance(v, CorruptRecordError)]
+    if errors:
+      if len(values) > 1:
+        self._replay = dict(zip(indices, values))
+      raise errors[0]
+    return values
+
   @property
   def paths(self) -> list[str]:
     return [f.name for f in self._files]
+
+  @property
+  def damage(self) -> tuple[DamagedRange, ...]:
+    """The damaged ranges found while indexing, in file order; each names
+    its file, byte range, what is wrong and its index entry (`record_index`)."""
+    return tuple(d for f in self._files for d in f.damage)
 
   def spec_params(self) -> dict:
     params = {"paths": self.paths, "verify_crc": self._verify_crc,
               "cache_index": self._cache_index}
     if self._compression_type is not None:
       params["compression_type"] = self._compression_type
+    if self._on_damage != "raise":
+      params["on_damage"] = self._on_damage
     return params
 
   def fingerprint_params(self) -> dict:
@@ -145,16 +224,47 @@ class TFRecordSource(HandleSource):
   def _handles(self) -> list[LazyHandle]:
     return [f.handle for f in self._files]
 
+  def __getstate__(self) -> dict:
+    state = super().__getstate__()
+    state["_replay"] = {}
+    return state
+
+
+def _log_damage(damage: tuple[DamagedRange, ...], on_damage: str) -> None:
+  if not damage:
+    return
+  outcome = ("left out (on_damage='skip')" if on_damage == "skip" else
+             "each read as a record that raises CorruptRecordError "
+             "(ignore_errors() skips it, or on_damage='skip')")
+  total = sum(d.num_bytes or 0 for d in damage)
+  _LOG.warning(
+      "TFRecordSource: %s is damaged: %d damaged range(s), %d bytes, %s.",
+      damage[0].path, len(damage), total, outcome)
+  for d in damage[:_LOGGED_RANGES]:
+    _LOG.warning("TFRecordSource: %s", d.error())
+  if len(damage) > _LOGGED_RANGES:
+    _LOG.warning("TFRecordSource: %s: %d more damaged ranges (see "
+                 "TFRecordSource.damage).", damage[0].path,
+                 len(damage) - _LOGGED_RANGES)
+
 
 class _TFRecordFile:
-  """One TFRecord file: its record offsets and a lazily opened handle."""
+  """One TFRecord file: its record offsets and a lazily opened handle.
 
-  index_version = _INDEX_VERSION
+  The index has an entry per frame and per damaged range: `offsets` bounds
+  them; `damaged_entries` maps the damaged ones to their `DamagedRange`
+  (empty when skipped); with `on_damage="skip"` and damage, `record_entries`
+  maps record positions to entries (None: position == entry).
+  """
 
-  def __init__(self, path: epath.Path, cache_index: bool):
+  index_versions = _INDEX_VERSIONS
+  compression_type: str | None = None  # GZIP or ZLIB where compressed
+
+  def __init__(self, path: epath.Path, cache_index: bool, skip_damage: bool):
     self.path = path
     self.name = os.fspath(path)
     self.cache_index = cache_index
+    self.skip_damage = skip_damage
     self.local = is_local(path)
     if self.local:
       self.handle = LazyHandle(functools.partial(_open_fd, self.name),
@@ -163,6 +273,9 @@ class _TFRecordFile:
       self.handle = LazyHandle(
           functools.partial(_open_stream, path), _close_stream)
     self.offsets: np.ndarray | None = None
+    self.damage: tuple[DamagedRange, ...] = ()
+    self.damaged_entries: dict[int, DamagedRange] = {}
+    self.record_entries: np.ndarray | None = None
     self.stamp: tuple[int, int] | None = None  # (size, mtime_ns) indexed
     self.index_on_disk = False
     self.num_records = -1
@@ -176,18 +289,37 @@ class _TFRecordFile:
     stamp = file_stamp(self.path)
     offsets = self._load_cached(stamp) if self.cache_index else None
     self.index_on_disk = offsets is not None
+    damage: tuple[DamagedRange, ...] = ()
     if offsets is None:
-      offsets = self._scan(stamp[0])
-      if self.cache_index:
+      offsets, damage = self._scan(stamp[0])
+      if damage and damage[0].start == 0:
+        self._check_compression()
+      if self.cache_index and not damage:  # a damaged index is not cached
         self.index_on_disk = self._store_cached(stamp, offsets)
-    if self.num_records >= 0 and len(offsets) - 1 != self.num_records:
+    record_entries = None
+    if damage and self.skip_damage:
+      record_entries = np.delete(np.arange(len(offsets) - 1, dtype=np.int64),
+                               [d.record_index for d in damage])
+    count = len(offsets) - 1 if record_entries is None else len(record_entries)
+    if self.num_records >= 0 and count != self.num_records:
       raise CorruptRecordError(
           self.name, None,
-          f"the file changed while in use: it now holds {len(offsets) - 1} "
-          f"records, the source was built with {self.num_records}")
-    self.offsets, self.stamp = offsets, stamp
-    self.num_records = len(offsets) - 1
-    return self.num_records
+          f"the file changed while in use: it now holds {count} records, the "
+          f"source was built with {self.num_records}")
+    self.offsets, self.stamp, self.damage = offsets, stamp, damage
+    self.record_entries = record_entries
+    self.damaged_entries = ({} if self.skip_damage else
+                          {d.record_index: d for d in damage})
+    self.num_records = count
+    return count
+
+  def _check_compression(self) -> None:
+    """Refuses a file of another compression type than the source's."""
+    with self.path.open("rb") as f:
+      mismatch = compression_mismatch(f.read(FORMAT_PROBE_BYTES),
+                                      self.compression_type)
+    if mismatch is not None:
+      raise CorruptRecordError(self.name, 0, mismatch)
 
   def _index_path(self) -> epath.Path:
     return epath.Path(self.name + INDEX_SUFFIX)
@@ -203,7 +335,10 @@ class _TFRecordFile:
       return None
     magic, version, size, mtime_ns, count = table[:_INDEX_HEADER].tolist()
     offsets = table[_INDEX_HEADER:]
-    if (magic != _INDEX_MAGIC or version != self.index_version
+    # "skip" needs an index whose data CRCs were all checked.
+    versions = self.index_versions[1:] if self.skip_damage else (
+        self.index_versions)
+    if (magic != _INDEX_MAGIC or version not in versions
         or (size, mtime_ns) != stamp or count != len(offsets) - 1
         or not self._offsets_fit(offsets, size)):
       return None
@@ -214,8 +349,9 @@ class _TFRecordFile:
 
   def _store_cached(self, stamp: tuple[int, int],
                     offsets: np.ndarray) -> bool:
+    version = self.index_versions[1 if self.skip_damage else 0]
     table = np.concatenate([
-        np.array([_INDEX_MAGIC, self.index_version, stamp[0], stamp[1],
+        np.array([_INDEX_MAGIC, version, stamp[0], stamp[1],
                   len(offsets) - 1], np.int64), offsets])
     final = self._index_path()
     temporary = epath.Path(f"{final}.tmp-{uuid.uuid4().hex}")
@@ -258,19 +394,20 @@ class _TFRecordFile:
       self.load_index()
 
   # -- reads ---------------------------------------------------------------
-  def _scan(self, file_size: int) -> np.ndarray:
-    """Scans the file for its offsets through a handle closed when done."""
+  def _scan(self, file_size: int
+            ) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
+    """Scans the file for its entries through a handle closed when done."""
     if self.local:
       fd = _open_fd(self.name)
       try:
-        return scan_record_offsets(functools.partial(os.pread, fd), file_size,
-                                   self.name)
+        return scan_frames(functools.partial(os.pread, fd), file_size,
+                           self.name, self.skip_damage)
       finally:
         os.close(fd)
     handle = _open_stream(self.path)
     try:
-      return scan_record_offsets(functools.partial(_stream_read, handle),
-                                 file_size, self.name)
+      return scan_frames(functools.partial(_stream_read, handle), file_size,
+                         self.name, self.skip_damage)
     finally:
       _close_stream(handle)
 
@@ -293,8 +430,27 @@ class _TFRecordFile:
         self.load_index()  # raises if the record count changed
       self.handle.get()
 
+  def _entry(self, position: int) -> int:
+    """The index entry of record `position`; raises where it is damaged."""
+    if self.record_entries is not None:
+      position = int(self.record_entries[position])
+    if self.damaged_entries and position in self.damaged_entries:
+      raise self.damaged_entries[position].error()
+    return position
+
+  def _entries(self, positions: np.ndarray) -> np.ndarray:
+    """`_entry` of ascending positions, at once."""
+    if self.record_entries is not None:
+      positions = self.record_entries[positions]
+    if self.damaged_entries:
+      damaged = np.isin(positions, list(self.damaged_entries))
+      if damaged.any():
+        raise self.damaged_entries[int(positions[np.argmax(damaged)])].error()
+    return positions
+
   def read_one(self, position: int, verify_crc: bool) -> bytes:
     self._open_checked()
+    position = self._entry(position)
     start = int(self.offsets[position])
     end = int(self.offsets[position + 1])
     pread = self._reader()
@@ -307,6 +463,7 @@ class _TFRecordFile:
                   verify_crc: bool) -> None:
     """Reads records at ascending `positions` into `out[slots]`."""
     self._open_checked()
+    positions = self._entries(positions)
     pread = self._reader()
     extract = self._extract
     starts = self.offsets[positions]
@@ -369,19 +526,19 @@ class _TFRecordFile:
     if stored != computed:
       raise CorruptRecordError(
           self.name, start,
-          f"data CRC mismatch (stored 0x{stored:08x}, computed "
-          f"0x{computed:08x}) for the {len(data)}-byte record starting at "
-          f"byte {start + HEADER_BYTES}", position)
+          f"{data_crc_message(stored, computed, len(data))} starting at byte "
+          f"{start + HEADER_BYTES}", position,
+          start + FRAME_OVERHEAD + len(data), DATA_CRC)
 
 
 class _CompressedTFRecordFile(_TFRecordFile):
   """A GZIP or ZLIB TFRecord file: indexed by one pass, read in order."""
 
-  index_version = _COMPRESSED_INDEX_VERSION
+  index_versions = _COMPRESSED_INDEX_VERSIONS
 
-  def __init__(self, path: epath.Path, cache_index: bool, wbits: int,
-               compression_type: str):
-    super().__init__(path, cache_index)
+  def __init__(self, path: epath.Path, cache_index: bool, skip_damage: bool,
+               wbits: int, compression_type: str):
+    super().__init__(path, cache_index, skip_damage)
     self.wbits = wbits
     self.compression_type = compression_type
     self.handle = LazyHandle(
@@ -391,16 +548,18 @@ class _CompressedTFRecordFile(_TFRecordFile):
     del size  # the offsets count uncompressed bytes
     return True
 
-  def _scan(self, file_size: int) -> np.ndarray:
+  def _scan(self, file_size: int
+            ) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
     del file_size
     stream = _open_record_stream(self.path, self.wbits)
     try:
-      return stream[0].scan_offsets()
+      return stream[0].scan(self.skip_damage)
     finally:
       _close_stream(stream)
 
   def read_one(self, position: int, verify_crc: bool) -> bytes:
     self._open_checked()
+    position = self._entry(position)
     stream, lock = self.handle.get()
     with lock:
       if position == stream.position - 1 and stream.last is not None:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from benchmarks import harness
 from benchmarks import w4_service
 from benchmarks import workloads
 
@@ -37,7 +38,7 @@ def test_w4t_read_with_two_workers_is_served_by_both_workers():
       batches += [len(batch["image"]) for batch in iterator]
     by_worker = _bytes_by_worker(metrics_urls)
   finally:
-    w4_service._stop(procs)  # pylint: disable=protected-access
+    harness.stop_processes(procs)
 
   assert sum(batches) == -(-n // w4_service.BATCH) * w4_service.BATCH
   assert all(by_worker), f"bytes served by each worker: {by_worker}"

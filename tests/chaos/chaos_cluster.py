@@ -14,9 +14,17 @@ from __future__ import annotations
 
 import os
 import pathlib
+import random
 import subprocess
+import time
 
+import grpc
+from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2_grpc
+
+import work_dir_damage
 from service_cluster import ServiceProcess, free_port, release_port
+from small_disk import SmallDisk
 from tcp_proxy import TcpProxy
 
 HEARTBEAT_INTERVAL_S = 0.2
@@ -25,6 +33,10 @@ HEARTBEAT_INTERVAL_S = 0.2
 HEARTBEAT_TIMEOUT_S = 5.0
 # Torn journal tail: the start of a record, cut mid-write.
 TORN_RECORD = b'{"kind":"splits_acked","job_id":'
+# The dispatcher compacts its journal this often, so that its snapshots
+# meet the faults too.
+SNAPSHOT_EVERY_RECORDS = 100
+SERVING_AGAIN_S = 15.0  # after a full disk is freed
 
 
 def cut_tcp(port: int) -> None:
@@ -39,13 +51,15 @@ class ChaosWorker:
   """One worker slot: a process restarted in place, and its proxy if any."""
 
   def __init__(self, slot: int, dispatcher_address: str, proxied: bool,
-               flags: tuple[str, ...], log_path: pathlib.Path):
+               flags: tuple[str, ...], log_path: pathlib.Path,
+               env: dict[str, str] | None = None):
     self.slot = slot
     self.port = free_port()
     self.proxied = proxied
     self._dispatcher_address = dispatcher_address
     self._flags = flags
     self._log_path = log_path
+    self._env = env
     self.host = f"127.0.0.{2 + slot}" if proxied else "127.0.0.1"
     self.proxy = (TcpProxy(f"127.0.0.1:{self.port}", self.host, self.port)
                   if proxied else None)
@@ -67,7 +81,7 @@ class ChaosWorker:
     if self.proxied:
       flags += [f"--advertise_host={self.host}", "--data_socket=false"]
     self.process = ServiceProcess("worker", *flags, wait_ready=wait_ready,
-                                  log_path=self._log_path)
+                                  log_path=self._log_path, env=self._env)
     self.incarnations += 1
 
   def kill(self) -> None:
@@ -106,22 +120,37 @@ class ChaosCluster:
 
   def __init__(self, work_dir: str | os.PathLike, num_workers: int, *,
                proxied_workers: bool = False, split_size: int = 16,
-               worker_buffer_size: int = 8, start: bool = True):
+               worker_buffer_size: int = 8, start: bool = True,
+               worker_env: dict[str, str] | None = None, small_disk: bool = False):
+    """`worker_env`: variables added to the workers' environment;
+    `small_disk`: the dispatcher's work_dir is a small tmpfs that `fill_disk`
+    fills (when the machine cannot mount one, `disk` is None)."""
     self.work_dir = pathlib.Path(work_dir)
     self.work_dir.mkdir(parents=True, exist_ok=True)
-    self.journal_path = self.work_dir / "journal.jsonl"
+    self.disk = None
+    if small_disk:
+      try:
+        self.disk = SmallDisk(self.work_dir / "disk")
+      except OSError:
+        pass
+    # The dispatcher's files (its log stays out of a small disk).
+    self.state_dir = self.work_dir / "disk" if self.disk is not None else self.work_dir
+    self.journal_path = self.state_dir / "journal.jsonl"
     self.log_path = self.work_dir / "dispatcher.log"
     self.dispatcher_port = free_port()
-    self._dispatcher_flags = (f"--port={self.dispatcher_port}", f"--work_dir={self.work_dir}",
+    self._dispatcher_flags = (f"--port={self.dispatcher_port}", f"--work_dir={self.state_dir}",
                               f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
-                              f"--split_size={split_size}")
+                              f"--split_size={split_size}",
+                              f"--snapshot_every_records={SNAPSHOT_EVERY_RECORDS}")
     self.dispatcher_proxy = TcpProxy(f"127.0.0.1:{self.dispatcher_port}")
     self.dispatcher: ServiceProcess | None = None
     self.dispatcher_starts = 0
     self.proxied_workers = proxied_workers
     self._worker_flags = (f"--buffer_size={worker_buffer_size}",)
+    self._worker_env = worker_env
     self.workers = [ChaosWorker(slot, self.address, proxied_workers, self._worker_flags,
-                                self._worker_log(slot)) for slot in range(num_workers)]
+                                self._worker_log(slot), worker_env)
+                    for slot in range(num_workers)]
     if start:
       try:
         self.start_dispatcher()
@@ -153,7 +182,7 @@ class ChaosCluster:
   def wipe_state(self) -> None:
     """Deletes what the dispatcher keeps in its work_dir (not the logs): the
     next one starts as a new dispatcher, as one without a work_dir does."""
-    for path in self.work_dir.iterdir():
+    for path in self.state_dir.iterdir():
       if path.is_file() and path.suffix != ".log":
         path.unlink()
 
@@ -165,6 +194,60 @@ class ChaosCluster:
       self.tear_journal()
     self.start_dispatcher()
 
+  def flip_bit_and_restart(self, rng: random.Random) -> str:
+    """SIGKILL, one bit flipped in a journal or snapshot file, a new process.
+
+    Returns "served" if it started on the damaged files; "refused" if it
+    refused to start, naming the file and the offset of the damaged line:
+    then the bit is flipped back (an operator restoring a backup) and a
+    process started again. Raises AssertionError if it refused otherwise.
+    """
+    self.kill_dispatcher()
+    lines = work_dir_damage.record_lines(self.state_dir)
+    name, start, end, kinds = rng.choice(lines)
+    flip = work_dir_damage.Flip(name, rng.randrange(start, end), rng.randrange(8), start, kinds)
+    flip.apply(self.state_dir)
+    try:
+      self.start_dispatcher()
+      return "served"
+    except RuntimeError:  # exited before serving
+      said = self.log_path.read_text(errors="replace").strip().splitlines()[-1:]
+      assert said and str(self.state_dir / name) in said[0] and f"byte {start} " in said[0], (
+          f"{flip}: the dispatcher refused to start without naming the file and the "
+          f"offset of the damaged line: {said}")
+    flip.apply(self.state_dir)  # restored
+    self.start_dispatcher()
+    return "refused"
+
+  def fill_disk(self, duration_s: float) -> None:
+    """Fills the dispatcher's disk for `duration_s`, then frees it.
+
+    Raises AssertionError if the dispatcher does not say SERVING again within
+    SERVING_AGAIN_S after, or exited meanwhile.
+    """
+    self.disk.fill()
+    time.sleep(duration_s)
+    self.disk.free()
+    deadline = time.monotonic() + SERVING_AGAIN_S
+    while True:
+      assert self.dispatcher.proc.poll() is None, (
+          f"the dispatcher exited (status {self.dispatcher.proc.poll()}) on a full disk")
+      try:
+        if self.health() == health_pb2.HealthCheckResponse.SERVING:
+          return
+      except grpc.RpcError:
+        pass
+      assert time.monotonic() < deadline, (
+          f"the dispatcher did not serve again within {SERVING_AGAIN_S} s of a full disk "
+          "being freed")
+      time.sleep(0.1)
+
+  def health(self) -> int:
+    """The dispatcher's overall status (grpc.health.v1), straight, not proxied."""
+    with grpc.insecure_channel(f"127.0.0.1:{self.dispatcher_port}") as channel:
+      return health_pb2_grpc.HealthStub(channel).Check(
+          health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
   def cut_dispatcher(self, with_ss: bool = False) -> None:
     """Breaks every connection to the dispatcher."""
     if with_ss:
@@ -175,7 +258,7 @@ class ChaosCluster:
   def add_worker(self) -> ChaosWorker:
     slot = len(self.workers)
     worker = ChaosWorker(slot, self.address, self.proxied_workers, self._worker_flags,
-                         self._worker_log(slot))
+                         self._worker_log(slot), self._worker_env)
     self.workers.append(worker)
     worker.start()
     return worker
@@ -199,6 +282,8 @@ class ChaosCluster:
       self.dispatcher.kill()
     self.dispatcher_proxy.close()
     release_port(self.dispatcher_port)
+    if self.disk is not None:
+      self.disk.close()
 
   def __enter__(self) -> "ChaosCluster":
     return self

@@ -16,8 +16,28 @@ checks the guarantee of the mode (DESIGN.md, "Fault model and guarantees"):
   socket's reader still reads them from its socket buffer);
 * parallel_epochs: every worker never killed delivers the whole epoch, a
   killed or restarted one at most one epoch per process it ran as;
+* poison records (distributed_epoch only): one record on which the UDF
+  segfaults its worker, in every worker ("always") or only in the first one
+  that maps it ("once"). Exactly-once: "always" fails the read with
+  `PoisonSplitError` naming the dataset, a split holding the record's
+  position and max_split_attempts workers killed by SIGSEGV ("lost" here:
+  the workers are not the dispatcher's children), after exactly that many
+  deaths; "once" delivers every record once. At-most-once: the read ends
+  without the record, its `lost_positions` hold the record's position, and
+  the poisoned worker counts as a killed one for what may be lost;
+* an exactly-once read may also fail with `PoisonSplitError` when the
+  faults killed max_split_attempts workers while each made the same split:
+  the dispatcher cannot tell that from a poison record, so the error must
+  name only workers the schedule killed;
 * every read ends, or fails with a clear error, within a deadline; with the
   dispatcher back and a worker alive, any failure is itself a violation;
+* a bit flipped in the dispatcher's work_dir (it is killed, the bit flipped,
+  and it is restarted): it refuses to start naming the file and the offset
+  (the bit is then restored, as from a backup, and it starts), or it serves
+  the right data (the read's guarantee holds);
+* a full disk (its work_dir is a small tmpfs, filled for a while): the
+  dispatcher process stays up and serves again once space returns, and the
+  read's guarantee holds;
 * a dispatcher stopped (SIGSTOP) for longer than its heartbeat timeout takes
   no healthy worker for dead: at-most-once loses nothing for it;
 * a dispatcher restarted without its state (its work_dir emptied) under live
@@ -36,16 +56,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import pathlib
 import random
+import re
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 import jaxfeed
 import service_udfs
 from jaxfeed.service import WorkerConfig
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.worker import delivery
 from chaos_cluster import HEARTBEAT_TIMEOUT_S, ChaosCluster
 
@@ -53,7 +76,20 @@ MODES = ("parallel_epochs", "at_most_once", "exactly_once")
 FAULT_KINDS = ("worker_kill", "worker_restart", "worker_stop", "worker_cut",
                "worker_stall", "dispatcher_restart", "dispatcher_torn_restart",
                "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart",
+               "poison_records", "work_dir_bit_flip", "full_disk",
                "dispatcher_stateless_restart", "dispatcher_pause")
+# In the data rather than injected: drawn after the other faults (so that
+# adding it left every seed's other draws as they were), see `Schedule.poison`.
+POISON = "poison_records"
+POISON_KINDS = ("always", "once")
+MAX_SPLIT_ATTEMPTS = split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS  # the dispatcher's
+# Faults on the dispatcher's disk, drawn after poison for the same reason.
+DISK_FAULTS = ("work_dir_bit_flip", "full_disk")
+DISK_FAULT_CHANCE = 0.15  # of each, per schedule
+# A dispatcher restarted without its state, and one stopped past its
+# heartbeat timeout: drawn after the disk faults for the same reason.
+DISPATCHER_LOSS_FAULTS = ("dispatcher_stateless_restart", "dispatcher_pause")
+DISPATCHER_LOSS_CHANCE = 0.15  # of each, per schedule
 SPLITS_PER_REQUEST = WorkerConfig.splits_per_request  # split ranges a worker holds
 BASE_DEADLINE_S = 90.0
 # A read that hands on no batch this long, beyond the fault being injected,
@@ -65,6 +101,10 @@ PROBE_RECORDS = 40
 # What a read of a job the dispatcher lost in a restart without state says.
 STATELESS_RESTART_ERROR = "restarted without its state"
 PAUSE_CHECK_S = 1.0  # after a dispatcher pause, its log is read this much later
+
+
+class NotInjected(Exception):
+  """This machine cannot inject the fault (it is left out of the run)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +130,10 @@ class Schedule:
   slow_map: bool
   consumer_delay_s: float
   faults: tuple[Fault, ...]
+  # "", or how the record of value `poison_record` + 1 kills workers
+  # (POISON_KINDS; see the module docstring).
+  poison: str = ""
+  poison_record: int = -1
 
   @property
   def expected_batches(self) -> int:
@@ -102,9 +146,20 @@ class Schedule:
     extra = 0.0
     for fault in self.faults:
       extra += fault.duration_s + 5.0
-      if "kill" in fault.kind or "restart" in fault.kind:
+      if "kill" in fault.kind or "restart" in fault.kind or fault.kind in DISK_FAULTS:
         extra += 3 * HEARTBEAT_TIMEOUT_S
+    if self.poison:  # each death is noticed after a heartbeat timeout
+      extra += MAX_SPLIT_ATTEMPTS * 3 * HEARTBEAT_TIMEOUT_S
     return BASE_DEADLINE_S + extra
+
+  @property
+  def poison_position(self) -> int:
+    """The sampler position of the poison record (-1: none)."""
+    if not self.poison:
+      return -1
+    sampler = jaxfeed.IndexSampler(self.num_records, shuffle=True, seed=self.seed)
+    return next(p for p in range(self.num_records)
+                if sampler[p].record_index == self.poison_record)
 
 
 @dataclasses.dataclass
@@ -116,6 +171,8 @@ class RunRecord:
   violation: str | None
   hang: bool
   elapsed_s: float
+  # Per work_dir bit flip: "refused" (naming file and offset) or "served".
+  flips: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def ok(self) -> bool:
@@ -135,7 +192,8 @@ def draw(seed: int) -> Schedule:
       proxied_workers=proxied, slow_map=rng.random() < 0.8,
       consumer_delay_s=rng.choice((0.0, 0.002, 0.005)))
   kinds = [k for k in FAULT_KINDS
-           if (k != "worker_kill" or num_workers > 1)  # one worker always lives
+           if k != POISON and k not in DISK_FAULTS and k not in DISPATCHER_LOSS_FAULTS
+           and (k != "worker_kill" or num_workers > 1)  # one worker always lives
            and (k != "worker_stall" or proxied)]
   total = (-(-schedule["num_records"] // schedule["batch_size"])
            * (num_workers if mode == "parallel_epochs" else 1))
@@ -147,21 +205,41 @@ def draw(seed: int) -> Schedule:
     duration = 0.0
     if kind in ("worker_stop", "worker_stall", "dispatcher_stall"):
       duration = round(rng.uniform(0.2, 1.5), 2)
-    elif kind == "dispatcher_pause":  # past the heartbeat timeout
-      duration = round(rng.uniform(HEARTBEAT_TIMEOUT_S + 0.5, HEARTBEAT_TIMEOUT_S + 3), 2)
     elif "restart" in kind:
       duration = round(rng.uniform(0.0, 1.0), 2)
     faults.append(Fault(int(fraction * total), kind, slot, duration))
+  # Poison kills a worker, which worker_kill may have spared: one must live
+  # besides (exactly-once "always" fails the read even with none left).
+  spared = num_workers - 1 - any(f.kind == "worker_kill" for f in faults)
+  if mode != "parallel_epochs" and spared >= 1 and rng.random() < 0.25:
+    schedule["poison"] = rng.choice(POISON_KINDS)
+    schedule["poison_record"] = rng.randrange(schedule["num_records"])
+  for kind in DISK_FAULTS:
+    if rng.random() < DISK_FAULT_CHANCE:
+      duration = round(rng.uniform(0.5, 3.0), 2) if kind == "full_disk" else 0.0
+      faults.append(Fault(int(rng.uniform(0.05, 0.75) * total), kind, 0, duration))
+  for kind in DISPATCHER_LOSS_FAULTS:
+    if rng.random() < DISPATCHER_LOSS_CHANCE:
+      if kind == "dispatcher_pause":  # past the heartbeat timeout
+        duration = round(rng.uniform(HEARTBEAT_TIMEOUT_S + 0.5, HEARTBEAT_TIMEOUT_S + 3), 2)
+      else:
+        duration = round(rng.uniform(0.0, 1.0), 2)
+      faults.append(Fault(int(rng.uniform(0.05, 0.75) * total), kind, 0, duration))
+  faults.sort(key=lambda f: f.after_batches)  # stable: the others keep their order
   return Schedule(faults=tuple(faults), **schedule)
 
 
 def records(num_records: int, batch_size: int, slow_map: bool = True,
-            seed: int = 0, offset: int = 0) -> Any:
-  """Batches of {"x": offset + 1..num_records}, shuffled; 2 ms per record if slow_map."""
+            seed: int = 0, poisoned: bool = False, offset: int = 0) -> Any:
+  """Batches of {"x": offset + 1..num_records}, shuffled; 2 ms per record if
+  slow_map; `poisoned`: the map kills workers as their POISON_ENV says."""
   source = jaxfeed.ArraySource(
       {"x": np.arange(offset, offset + num_records, dtype=np.int64)})
   sampler = jaxfeed.IndexSampler(num_records, shuffle=True, seed=seed)
-  udf = service_udfs.slow_add_one_to_x if slow_map else service_udfs.add_one_to_x
+  udf = {(True, False): service_udfs.slow_add_one_to_x,
+         (False, False): service_udfs.add_one_to_x,
+         (True, True): service_udfs.poisoned_slow_add_one_to_x,
+         (False, True): service_udfs.poisoned_add_one_to_x}[(slow_map, poisoned)]
   return jaxfeed.Dataset.from_source(source, sampler).map(udf).batch(batch_size)
 
 
@@ -169,7 +247,7 @@ def distribute(schedule: Schedule, cluster: ChaosCluster, dataset: Any = None,
                **options: Any) -> Any:
   if dataset is None:
     dataset = records(schedule.num_records, schedule.batch_size, schedule.slow_map,
-                      schedule.seed)
+                      schedule.seed, bool(schedule.poison))
   mode = "parallel_epochs" if schedule.mode == "parallel_epochs" else "distributed_epoch"
   visitation = "exactly_once" if schedule.mode == "exactly_once" else "at_most_once"
   return dataset.distribute(
@@ -187,6 +265,7 @@ class _Injector:
     self.injected: list[str] = []
     self.killed_incarnations = 0  # worker processes killed (at-most-once may lose)
     self.killed_slots: set[int] = set()
+    self.flips: list[str] = []  # per bit flipped: "refused" or "served"
     self.stateless_restarts = 0
     # What a fault's own check found: a healthy worker taken for dead after a
     # dispatcher pause, the read after a restart without state.
@@ -217,7 +296,10 @@ class _Injector:
             self._cond.wait(0.1)
           if self._done:
             return
-        self._inject(fault)
+        try:
+          self._inject(fault)
+        except NotInjected:
+          continue
         self.injected.append(fault.kind)
     except BaseException as e:  # pylint: disable=broad-except
       self.error = e
@@ -261,6 +343,20 @@ class _Injector:
       cluster.dispatcher_proxy.stall()
       time.sleep(fault.duration_s)
       cluster.dispatcher_proxy.resume()
+    elif kind == "dispatcher_and_worker_restart":
+      cluster.kill_dispatcher()
+      self._kill_worker(fault.slot)
+      time.sleep(fault.duration_s)
+      cluster.start_dispatcher()
+      worker.start()
+    elif kind == "work_dir_bit_flip":
+      index = self.schedule.faults.index(fault)
+      self.flips.append(cluster.flip_bit_and_restart(
+          random.Random(self.schedule.seed * 100 + index)))
+    elif kind == "full_disk":
+      if cluster.disk is None:
+        raise NotInjected("no tmpfs to fill (mounting one needs root)")
+      cluster.fill_disk(fault.duration_s)
     elif kind == "dispatcher_pause":
       logged = cluster.log_path.stat().st_size
       cluster.dispatcher.pause()
@@ -275,15 +371,8 @@ class _Injector:
       cluster.start_dispatcher()
       self.stateless_restarts += 1
       self.fault_violation = self.fault_violation or self._probe()
-    elif kind == "dispatcher_and_worker_restart":
-      cluster.kill_dispatcher()
-      self._kill_worker(fault.slot)
-      time.sleep(fault.duration_s)
-      cluster.start_dispatcher()
-      worker.start()
     else:
       raise ValueError(f"Unknown fault kind {kind!r}.")
-
 
   def _healthy_declared_dead(self, log_offset: int) -> str | None:
     """The violation if the dispatcher's log since `log_offset` declares a
@@ -303,7 +392,7 @@ class _Injector:
     without state, while the workers may still run the old read's tasks:
     the violation in what it read, or None."""
     schedule = self.schedule
-    probe = dataclasses.replace(schedule, num_records=PROBE_RECORDS)
+    probe = dataclasses.replace(schedule, num_records=PROBE_RECORDS, poison="")
     dataset = records(PROBE_RECORDS, schedule.batch_size, slow_map=False,
                       seed=schedule.seed, offset=PROBE_OFFSET)
     result = read_until_end(distribute(probe, self.cluster, dataset=dataset,
@@ -322,11 +411,13 @@ class _Injector:
 
 
 def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: int,
-          killed_slots: set[int], incarnations: list[int],
-          complete: bool = True) -> str | None:
-  """The violation of the mode's guarantee in `counts` (value -> times read),
-  or None; of a read that failed (`complete` False), only nothing foreign
-  and nothing read more often than the mode allows."""
+          killed_slots: set[int], incarnations: list[int], poison_deaths: int = 0,
+          lost_positions: Sequence[tuple[int, int]] = (), complete: bool = True
+          ) -> str | None:
+  """The violation of the mode's guarantee in `counts` (value -> times read)
+  by a read that ended without an error, or None; of a read that failed
+  (`complete` False), only nothing foreign and nothing read more often than
+  the mode allows."""
   expected = range(1, schedule.num_records + 1)
   foreign = sorted(set(counts) - set(expected))
   if foreign:
@@ -350,9 +441,19 @@ def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: 
   if not complete:
     return None
   if schedule.mode == "exactly_once":
+    if schedule.poison == "always":
+      return (f"the read ended although every worker that maps record "
+              f"{schedule.poison_record} dies ({poison_deaths} died)")
     if missing:
       return f"{len(missing)} values never read, e.g. {missing[:10]}"
     return None
+  if schedule.poison and counts[schedule.poison_record + 1]:
+    return f"the poison record {schedule.poison_record} was read, though it kills its worker"
+  position = schedule.poison_position
+  if poison_deaths and not any(a <= position < b for a, b in lost_positions):
+    return (f"a worker died on the record at position {position}, but the read's "
+            f"lost_positions {list(lost_positions)[:10]} leave it out")
+  killed_incarnations += poison_deaths
   held = (SPLITS_PER_REQUEST * schedule.split_size
           + (schedule.worker_buffer_size + 2) * schedule.batch_size)
   if schedule.proxied_workers:  # reads over gRPC: the unacknowledged window too
@@ -421,13 +522,45 @@ def read_until_end(iterator: Any, deadline_s: float, no_progress_s: float = NO_P
   return ReadResult(counts, state["batches"], None if hang else state["error"], hang)
 
 
+def check_poison_error(schedule: Schedule, message: str, poison_deaths: int,
+                       killed_addresses: set[str]) -> str | None:
+  """The violation in an exactly-once read's PoisonSplitError, or None: it
+  names the dataset and a split; each worker it names died on that split,
+  killed by the schedule or by the poison record the split holds; and the
+  poison killed no more than MAX_SPLIT_ATTEMPTS workers (the split was not
+  handed out again)."""
+  found = re.search(r"Dataset (\d+) \(job \d+\): the split of positions \[(\d+), (\d+)\) "
+                    r"ended (\d+) worker\(s\) while they made it: (.*?)\. It is not", message)
+  if found is None:
+    return f"PoisonSplitError without the dataset, the positions or the workers: {message}"
+  start, stop = int(found.group(2)), int(found.group(3))
+  named = re.findall(r"([\w.\-]+:\d+): ", found.group(5))
+  if len(named) != MAX_SPLIT_ATTEMPTS:
+    return f"PoisonSplitError names {len(named)} workers, not {MAX_SPLIT_ATTEMPTS}: {message}"
+  if poison_deaths > MAX_SPLIT_ATTEMPTS:
+    return f"the poison record killed {poison_deaths} workers: its split was handed out again"
+  poisoned = start <= schedule.poison_position < stop
+  unexplained = [a for a in named if a not in killed_addresses]
+  if len(unexplained) > (poison_deaths if poisoned else 0):
+    return (f"PoisonSplitError names workers {unexplained} that neither the faults "
+            f"nor a poison record of [{start}, {stop}) killed: {message}")
+  return None
+
+
 def run(schedule: Schedule, work_dir: str) -> RunRecord:
   """Runs `schedule` on a fresh cluster in `work_dir` and checks its guarantee."""
   start = time.monotonic()
+  worker_env, deaths_dir = None, pathlib.Path(work_dir) / "poison"
+  if schedule.poison:
+    deaths_dir.mkdir(parents=True, exist_ok=True)
+    worker_env = {service_udfs.POISON_ENV:
+                  f"{schedule.poison_record},{schedule.poison},{deaths_dir}"}
   with ChaosCluster(work_dir, schedule.num_workers,
                     proxied_workers=schedule.proxied_workers,
                     split_size=schedule.split_size,
-                    worker_buffer_size=schedule.worker_buffer_size) as cluster:
+                    worker_buffer_size=schedule.worker_buffer_size,
+                    worker_env=worker_env,
+                    small_disk=any(f.kind == "full_disk" for f in schedule.faults)) as cluster:
     iterator = distribute(schedule, cluster, timeout_s=60.0).make_iterator()
     injector = _Injector(schedule, cluster)
     longest = max((f.duration_s for f in schedule.faults), default=0.0)
@@ -435,6 +568,8 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
                             on_batch=injector.consumed, delay_s=schedule.consumer_delay_s)
     injector.finish()
     log = cluster.log_tail()
+    killed_addresses = {cluster.workers[slot].address for slot in injector.killed_slots}
+  poison_deaths = len(list(deaths_dir.glob("died-*")))
   counts, hang = result.counts, result.hang
   violation = None
   if hang:
@@ -444,19 +579,23 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
     violation = f"fault injection failed: {type(injector.error).__name__}: {injector.error}"
   elif injector.fault_violation is not None:
     violation = injector.fault_violation
+  elif isinstance(result.error, split_failures.PoisonSplitError):
+    violation = check_poison_error(schedule, str(result.error), poison_deaths,
+                                   killed_addresses)
   elif result.error is not None:
     error = result.error
     violation = f"read failed: {type(error).__name__}: {error}"
     if injector.stateless_restarts and STATELESS_RESTART_ERROR in str(error):
       violation = check(schedule, counts, injector.killed_incarnations,
                         injector.killed_slots, [w.incarnations for w in cluster.workers],
-                        complete=False)
+                        poison_deaths, iterator.lost_positions, complete=False)
   else:
     violation = check(schedule, counts, injector.killed_incarnations, injector.killed_slots,
-                      [w.incarnations for w in cluster.workers])
+                      [w.incarnations for w in cluster.workers], poison_deaths,
+                      iterator.lost_positions)
   if violation is not None and log:
     violation += "\nserver log tail:\n" + log
   return RunRecord(seed=schedule.seed, mode=schedule.mode,
-                   faults_injected=list(injector.injected),
+                   faults_injected=list(injector.injected) + ([POISON] if schedule.poison else []),
                    elements_checked=sum(counts.values()), violation=violation,
-                   hang=hang, elapsed_s=time.monotonic() - start)
+                   hang=hang, elapsed_s=time.monotonic() - start, flips=injector.flips)

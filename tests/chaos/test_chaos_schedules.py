@@ -2,10 +2,12 @@
 
 Each run starts its own dispatcher and workers, reads while faults hit them
 from outside (SIGKILL, SIGSTOP, restarts in place, connections reset with a
-proxy or `ss -K`, stalled connections, a torn journal tail) and checks the
-guarantee of its mode (DESIGN.md §4). The seeds here are a fixed sample
-that covers every mode and fault kind; benchmarks/chaos_soak.py runs many
-more.
+proxy or `ss -K`, stalled connections, a torn journal tail, a record that
+segfaults the workers that map it, a bit flipped in the work_dir, a full
+disk, a dispatcher restarted without its state or stopped past its heartbeat
+timeout) and checks the guarantee of its mode (DESIGN.md §4). The seeds here
+are a fixed sample that covers every mode and fault kind;
+benchmarks/chaos_soak.py runs many more.
 """
 
 from __future__ import annotations
@@ -14,11 +16,17 @@ import collections
 
 import pytest
 
-from schedule import FAULT_KINDS, MODES, Fault, Schedule, draw, run
+from schedule import FAULT_KINDS, MODES, POISON, Fault, Schedule, draw, run
 
 pytestmark = pytest.mark.timeout(400)
 
-CI_SEEDS = (26, 41, 52, 57, 74, 84, 96)
+# 5: an exactly-once read of a record that kills every worker; 9: an
+# at-most-once read of one that kills the first, and a dispatcher restarted
+# without its state; 12 and 16: a dispatcher stopped past its heartbeat
+# timeout; 13, 14 and 17 flip a bit in the work_dir. DISK_SEEDS: a full
+# disk, exactly-once and at-most-once.
+DISK_SEEDS = (6, 25)
+CI_SEEDS = (4, 5, 9, 12, 13, 14, 16, 17, 33) + DISK_SEEDS
 
 
 def _assert_ok(record) -> None:
@@ -30,7 +38,9 @@ def test_seeds_cover_every_mode_and_fault_kind():
   schedules = [draw(seed) for seed in CI_SEEDS]
   assert {s.mode for s in schedules} == set(MODES)
   kinds = collections.Counter(f.kind for s in schedules for f in s.faults)
+  kinds.update(POISON for s in schedules if s.poison)
   assert set(kinds) == set(FAULT_KINDS), set(FAULT_KINDS) - set(kinds)
+  assert {s.poison for s in schedules if s.poison} == {"always", "once"}
 
 
 def test_a_seed_always_draws_the_same_schedule():

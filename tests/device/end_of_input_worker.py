@@ -19,6 +19,7 @@ if __name__ == "__main__":  # The test imports this module for its constants.
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 RECORDS = 40
@@ -85,6 +86,29 @@ def run(dataset, **loader_args) -> dict:
           "batches": state["batches"]}
 
 
+def gathered(batch) -> dict:
+  """The global batch as numpy on every process (rows of process 0 first)."""
+  return {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+          for k, v in batch.items()}
+
+
+def run_partial(dataset, **loader_args) -> dict:
+  """Iterates a Loader with a collective per step; reports every step's
+  global batch (x and, when there is one, the mask)."""
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  steps = []
+  try:
+    with jaxfeed.Loader(dataset, **loader_args) as loader:
+      for batch in loader:
+        global_sum(batch)  # every process enters it at every step
+        steps.append({k: v.tolist() for k, v in gathered(batch).items()})
+      state = loader.get_state()
+  except ValueError as e:
+    return {"steps": steps, "error": str(e)}
+  return {"steps": steps, "batches": state["batches"],
+          "end_of_epoch": state.get("end_of_epoch", False)}
+
+
 def close_while_waiting(process_id: int) -> dict:
   """Process 0 closes its Loader while its prefetch thread waits for process
   1, which starts its Loader only later (and closes it unread)."""
@@ -116,9 +140,6 @@ def scenario(name: str, process_id: int) -> dict:
     return run(ragged(process_id, {"x": [8]}))
   if name == "ragged_common":
     return run(ragged(process_id, None), pad_to_common_shape=True)
-  if name == "ragged_rows":
-    # Equal lengths but 3 and 2 rows: the last step's batches differ in size.
-    return run(filtered(process_id, False))
   if name == "pad_empty_process":
     # Process 1 keeps nothing: it has no batch to learn the structure from.
     return run(filtered(process_id, True).take(0 if process_id else 100),
@@ -132,6 +153,14 @@ def scenario(name: str, process_id: int) -> dict:
     return run(filtered(process_id, True), sharding=local)
   if name == "close_while_waiting":
     return close_while_waiting(process_id)
+  if name.startswith("partial_"):
+    # 20 and 14 records kept, batches of 4, no drop_remainder: 5 and 4
+    # batches, the last of process 1 partial (2 rows).
+    policy, _, end = name[len("partial_"):].partition("_")
+    args = {} if policy == "default" else {"partial_batch": policy}
+    if end:
+      args["end_of_input"] = "stop_at_shortest"
+    return run_partial(filtered(process_id, False), **args)
   raise ValueError(f"unknown scenario {name!r}")
 
 

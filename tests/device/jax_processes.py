@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
+
+import pytest
 
 
 def free_port() -> int:
@@ -51,3 +54,27 @@ def run_processes(script: str, num_processes: int, args: list[str],
         outputs[i] = proc.communicate()
   return timed_out, [(proc.returncode, *outputs[i])
                      for i, proc in enumerate(procs)]
+
+
+def scenario_reports(script: str, num_processes: int, scenarios: list[str],
+                     timeout_s: float) -> dict[str, list[dict]]:
+  """Runs `scenarios` (comma-joined, one argument) in one group of processes
+  whose script prints one JSON line per scenario with its "scenario" name.
+
+  Returns {scenario: [report of process 0, ...]}; fails the calling test,
+  naming the scenarios each process finished, if they hang or fail.
+  """
+  timed_out, results = run_processes(
+      script, num_processes, [",".join(scenarios)], timeout_s)
+  by_scenario: dict[str, list] = {}
+  for i, (returncode, stdout, stderr) in enumerate(results):
+    lines = [json.loads(line) for line in stdout.splitlines()
+             if line.startswith("{")]
+    for line in lines:
+      by_scenario.setdefault(line["scenario"], [None] * num_processes)[i] = line
+    if timed_out:
+      done = [line["scenario"] for line in lines]
+      pytest.fail(f"process {i} hung after scenarios {done} (killed after "
+                  f"{timeout_s} s):\n{stderr[-3000:]}")
+    assert returncode == 0, f"process {i} failed:\n{stderr[-4000:]}"
+  return by_scenario

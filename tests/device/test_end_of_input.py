@@ -5,18 +5,17 @@ All scenarios run in one pair of processes (`end_of_input_worker.py`); each
 prints a JSON line when it ends, so a hang is reported with its scenario.
 """
 
-import json
 import pathlib
 
 import pytest
 
 import end_of_input_worker as worker
-from jax_processes import run_processes
+from jax_processes import scenario_reports
 
 WORKER = str(pathlib.Path(worker.__file__).resolve())
 NUM_PROCESSES = 2
 SCENARIOS = ["filter", "filter_sync", "uneven_shards", "pad", "ragged",
-             "ragged_fixed", "ragged_common", "ragged_rows", "local_mesh", "pad_empty_process",
+             "ragged_fixed", "ragged_common", "local_mesh", "pad_empty_process",
              "close_while_waiting"]
 TIMEOUT_S = 150
 
@@ -24,20 +23,7 @@ TIMEOUT_S = 150
 @pytest.fixture(scope="module")
 def reports():
   """{scenario: [report of process 0, report of process 1]}."""
-  timed_out, results = run_processes(
-      WORKER, NUM_PROCESSES, [",".join(SCENARIOS)], TIMEOUT_S)
-  by_scenario = {}
-  for i, (returncode, stdout, stderr) in enumerate(results):
-    lines = [json.loads(line) for line in stdout.splitlines()
-             if line.startswith("{")]
-    for line in lines:
-      by_scenario.setdefault(line["scenario"], [None] * NUM_PROCESSES)[i] = line
-    if timed_out:
-      done = [line["scenario"] for line in lines]
-      pytest.fail(f"process {i} hung after scenarios {done} (killed after "
-                  f"{TIMEOUT_S} s):\n{stderr[-3000:]}")
-    assert returncode == 0, f"process {i} failed:\n{stderr[-4000:]}"
-  return by_scenario
+  return scenario_reports(WORKER, NUM_PROCESSES, SCENARIOS, TIMEOUT_S)
 
 
 def expected_sums(batches_per_process: int, drop_remainder: bool = True):
@@ -102,15 +88,6 @@ def test_pad_to_common_shape_pads_to_the_longest_process(reports):
   for report in reports["ragged_common"]:
     assert report["shapes"] == [[4, 5]]
     assert report["sums"] == [2 * 3 + 2 * 5]
-
-
-def test_last_partial_batch_of_one_process_fails_on_every_process(reports):
-  # 20 and 14 records kept, batches of 4: at step 3 process 1 has 2 rows.
-  for report in reports["ragged_rows"]:
-    assert report["steps"] == 3
-    assert "step 3" in report["error"]
-    assert "(4,) int64 on process 0, (2,) int64 on process 1" in report["error"]
-    assert "drop_remainder=True" in report["error"]
 
 
 def test_process_local_shardings_read_each_process_to_its_own_end(reports):

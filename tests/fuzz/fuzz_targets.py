@@ -38,12 +38,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxfeed import _lifetime
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import spec
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal_lines
 from jaxfeed.service.storage import journal_records
+from jaxfeed.service.storage import journal_replay
 
 # Small enough that a decoder allocating what a peer declares (up to this
 # limit) stays well inside the child's address-space limit.
@@ -414,12 +417,15 @@ def journal_corpus_from_run() -> list[str]:
           with dataset.distribute(dispatcher.target, "distributed_epoch",
                                   **options).make_iterator() as iterator:
             list(iterator)
-    with open(os.path.join(work_dir, "journal.jsonl")) as f:
-      return f.read().splitlines()
+    with open(os.path.join(work_dir, "journal.jsonl"), "rb") as f:
+      checked = journal_lines.check(f.read())
+    return [payload.decode() for payload in checked.payloads[1:]]  # not the header
 
 
 class _JournalTarget:
-  """Replays a journal (a list of lines) with a real DispatcherState."""
+  """Replays a journal (a list of lines, each the JSON of a batch) with a
+  real DispatcherState. The lines are written with their checksums, however
+  mutated: what is fuzzed is what replay does with records that pass them."""
 
   def __init__(self):
     self._dir = tempfile.TemporaryDirectory(prefix="jaxfeed-fuzz-replay-")
@@ -428,8 +434,9 @@ class _JournalTarget:
     from jaxfeed.service.dispatcher import server as dispatcher  # pylint: disable=g-import-not-at-top
     for name in os.listdir(self._dir.name):  # what the last replay left
       os.remove(os.path.join(self._dir.name, name))
-    with open(os.path.join(self._dir.name, "journal.jsonl"), "w") as f:
-      f.write("\n".join(lines) + "\n")
+    with open(os.path.join(self._dir.name, "journal.jsonl"), "wb") as f:
+      f.write(journal_lines.encode_all(
+          [json.dumps(journal_replay.header(0)).encode(), *(l.encode() for l in lines)])[0])
     state = dispatcher.DispatcherState(dispatcher.DispatcherConfig(work_dir=self._dir.name))
     try:
       for job in state.jobs.values():  # what was accepted has the types it should
@@ -558,6 +565,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rlimit_mb", type=int, default=1024,
                       help="address space allowed beyond the start-up size")
   args = parser.parse_args(argv)
+  _lifetime.die_with_parent_from_env()  # started by benchmarks/fuzz_soak.py
   names = [n for n in args.targets.split(",") if n]
   targets = make_targets()  # corpora are built before the limit
   corpora = {name: target.corpus() for name, target in targets.items()

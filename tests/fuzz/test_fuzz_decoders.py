@@ -21,7 +21,9 @@ from jaxfeed.service.dispatcher import server as dispatcher_lib
 from jaxfeed.service.protocol import spec
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal_lines
 from jaxfeed.service.storage import journal_records
+from jaxfeed.service.storage import journal_replay
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -175,8 +177,10 @@ def test_a_long_chain_of_ops_still_round_trips():
 
 # -- journal replay --------------------------------------------------------------
 def replay(tmp_path, records: list) -> dispatcher_lib.DispatcherState:
+  """Replays a journal of one line per record (checksums included)."""
   lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
-  (tmp_path / "journal.jsonl").write_text("\n".join(lines) + "\n")
+  (tmp_path / "journal.jsonl").write_bytes(journal_lines.encode_all(
+      [json.dumps(journal_replay.header(0)).encode(), *(l.encode() for l in lines)])[0])
   return dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path)))
 
 
@@ -200,19 +204,19 @@ JOB = {"kind": "job", "id": 2, "dataset_id": "1", "policy": "OFF", "job_name": "
     ({**DATASET, "id": [2]}, "want an integer"),
 ])
 def test_a_malformed_journal_record_stops_the_replay_naming_it(tmp_path, bad, message):
-  with pytest.raises(ValueError, match=f"corrupt at line 3.*{message}") as raised:
+  with pytest.raises(ValueError, match=f"corrupt at line 4.*{message}") as raised:
     replay(tmp_path, [DATASET, JOB, bad, {"kind": "job_deleted", "job_id": 2}])
   assert isinstance(raised.value.__cause__, journal_records.JournalRecordError)
 
 
 def test_a_journal_batch_holding_a_non_record_stops_the_replay_naming_it(tmp_path):
   # A line is a batch (a JSON list of records); a list inside it is no record.
-  with pytest.raises(ValueError, match="corrupt at line 3: expected a record"):
+  with pytest.raises(ValueError, match=r"corrupt at line 4 \(byte \d+\): expected a record"):
     replay(tmp_path, [DATASET, JOB, [["kind", "job"]], {"kind": "job_deleted", "job_id": 2}])
 
 
 def test_a_too_deeply_nested_journal_line_is_reported_as_corrupt(tmp_path):
-  with pytest.raises(ValueError, match="corrupt at line 2"):
+  with pytest.raises(ValueError, match=r"damaged at byte \d+ \(line 3\).*no JSON"):
     replay(tmp_path, [DATASET, "[" * 100000 + "]" * 100000, JOB])
 
 

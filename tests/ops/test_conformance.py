@@ -318,6 +318,17 @@ _add("from_tensor_slices/dict", lambda ns: ns.D.from_tensor_slices(SLICES))
 _add("from_tensor_slices/tuple",
      lambda ns: ns.D.from_tensor_slices((SLICES["x"], SLICES["y"])))
 
+# from_tensors, counter, take_while
+_add("from_tensors/dict", lambda ns: ns.D.from_tensors(SLICES).repeat(2))
+_add("from_tensors/python_values",
+     lambda ns: ns.D.from_tensors({"a": [1, 2], "b": 2.5, "c": "s"}))
+_add("counter/take", lambda ns: ns.D.counter(3, -2).take(9))
+_add("take_while/after_map",
+     lambda ns: ns.D.range(12).map(lambda x: x * 3).take_while(lambda x: x < 20))
+_add("take_while/zip_unpacked",
+     lambda ns: ns.D.zip((ns.D.range(9), ns.D.range(9, 0, -1))).take_while(
+         lambda a, b: a < b).batch(2))
+
 # Combinations of this folder's ops
 _add("combo/interleave_map_bucket",
      lambda ns: ns.D.range(8).interleave(
@@ -369,6 +380,15 @@ NEW_PROCESS_PIPELINES = {
     "group_by_window": (
         "Dataset.range(30).group_by_window(lambda x: x % 4, lambda k, w: "
         "w.batch(2), window_size=5)", [1, 8, 14]),
+    "rejection_resample": (
+        "Dataset.range(60).rejection_resample(lambda x: x % 3, [0.2, 0.3, 0.5], "
+        "seed=5)", [1, 9, 20]),
+    "random_rerandomized": (
+        "Dataset.random(seed=3, rerandomize_each_iteration=True).take(5).repeat(3)",
+        [2, 7, 12]),
+    "sparse_batch": (
+        "Dataset.range(9).map(lambda x: np.arange(int(x) % 4)).sparse_batch(2, [None])",
+        [1, 3]),
 }
 
 

@@ -225,12 +225,14 @@ def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
   assert "Op to fix: 'filter' (20% of the pipeline's self time, parallelism 1)" in text
 
 
-def test_the_readme_states_the_default_sampling_rate_and_linger():
-  readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-  rate = re.search(r"looks at the Python stacks (\d+) times a second", readme)
+def test_the_manual_states_the_default_sampling_rate_and_linger():
+  docs = pathlib.Path(__file__).parents[2] / "docs"
+  tuning = (docs / "guides" / "performance.md").read_text()
+  rate = re.search(r"looks at the Python stacks (\d+) times a second", tuning)
   assert rate is not None
   assert int(rate.group(1)) == round(1 / DEFAULT_SAMPLE_INTERVAL_S)
-  assert "one thread per process outlives the last\n  pipeline by a second" in readme
+  benchmarks = (docs / "benchmarks.md").read_text()
+  assert "one thread per process outlives the last\n  pipeline by a second" in benchmarks
   assert DEFAULT_LINGER_S == 1.0
 
 
@@ -273,3 +275,56 @@ def test_a_forked_child_samples_its_own_pipelines():
       child.join(timeout=60)
   assert child.exitcode == 0
   assert running and self_seconds > 0.0
+
+
+def test_an_autotuned_op_is_not_advised_to_use_autotune():
+  # A lambda: the map stays on threads (a function processes could not take).
+  ds = Dataset.range(10**6).map(lambda x: sleepy(x), num_parallel_calls=jaxfeed.AUTOTUNE)
+  with ds.make_iterator() as it:
+    deadline = time.monotonic() + 30
+    while it.stats()["ops"][1]["self_seconds"] < 0.05:
+      assert time.monotonic() < deadline, it.stats()
+      next(it)
+    rows = it.stats()["ops"]
+  assert rows[1]["autotune"] is True and "autotune" not in rows[0]
+  text = op_stats.report(rows)
+  assert "Op to fix: 'map'" in text and "it already uses AUTOTUNE (parallelism" in text
+  assert "num_parallel_calls=jaxfeed.AUTOTUNE" not in text
+  fixed = [{"op": "range", "self_seconds": 0.1}, {"op": "map", "self_seconds": 2.0}]
+  assert "num_parallel_calls=jaxfeed.AUTOTUNE" in op_stats.report(fixed)
+
+
+def test_a_fused_op_that_runs_its_parts_is_one_group_in_the_table():
+  # A map..batch chain that AUTOTUNE may move to processes, running on
+  # threads: its parts' iterators come before it, in pipeline order.
+  rows = [{"op": "range", "elements": 640, "self_seconds": 0.0, "parallelism": 1},
+          {"op": "map+filter", "elements": 640, "self_seconds": 1.5, "parallelism": 2,
+           "autotune": True},
+          {"op": "batch", "elements": 20, "self_seconds": 0.1, "parallelism": 1},
+          {"op": "range+map+filter+batch", "elements": None, "self_seconds": 0.2,
+           "parallelism": 1, "backend": "thread", "reason": "threads were faster"},
+          {"op": "prefetch", "elements": 20, "self_seconds": 0.0, "parallelism": 1}]
+  table = op_stats.format_table(rows).splitlines()
+  names = [re.split(r"\s{2,}", line.strip())[0] for line in table[1:]]
+  assert names == ["range+map+filter+batch [thread]", "range", "map+filter", "batch",
+                   "prefetch"]
+  indents = [len(line) - len(line.lstrip()) for line in table[1:]]
+  assert indents == [0, 2, 2, 2, 0]
+  assert "Op to fix: 'map+filter' (" in op_stats.report(rows)
+  on_processes = [{"op": "range+map+batch", "elements": None, "self_seconds": 3.0,
+                   "parallelism": 2, "backend": "process"}]
+  text = op_stats.report(on_processes)
+  assert "range+map+batch [process]" in text and "runs on 2 worker processes" in text
+
+
+def test_a_report_with_only_a_service_reads_wait_names_the_read():
+  rows = [{"op": "range", "self_seconds": 0.0, "worker": "w:1", "task": 1},
+          {"op": "distribute", "elements": 40, "self_seconds": 0.0, "wait_seconds": 0.0,
+           "read_wait_seconds": 2.5, "service_workers": 2, "received": 44,
+           "reconnects": 1}]
+  text = op_stats.report(rows, {"batches": 40, "input_bound_fraction": 0.9})
+  assert "No op has measured time yet" not in text
+  assert ("it is spent in the service read ('distribute'), whose pipeline runs on the "
+          "workers. This process waited 2.500 s for 40 elements from 2 worker(s) "
+          "(44 received, 1 reconnections)") in text
+  assert "No op has measured time yet." in op_stats.report([{"op": "range"}])

@@ -14,6 +14,8 @@ import sys
 import tempfile
 import threading
 
+from jaxfeed import _lifetime
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 TESTS_DIR = pathlib.Path(__file__).resolve().parent
 START_TIMEOUT_S = 60
@@ -75,10 +77,12 @@ class ServiceProcess:
   """A `python -m jaxfeed.service.<role>` child process; kill() or stop() ends it."""
 
   def __init__(self, role: str, *flags: str, wait_ready: bool = True,
-               log_path: str | os.PathLike | None = None):
+               log_path: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None):
     """Flags without --udf_modules get TEST_UDF_MODULES; `log_path`: the
-    process's stderr (its logging) is appended there."""
-    env = dict(os.environ)
+    process's stderr (its logging) is appended there; `env`: variables
+    added to this process's environment."""
+    env = {**os.environ, **(env or {})}
     # Workers import the tests' UDFs (service_udfs) by module path.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])
@@ -88,7 +92,8 @@ class ServiceProcess:
       flags = (*flags, f"--udf_modules={','.join(TEST_UDF_MODULES)}")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # pylint: disable=consider-using-with
     try:
-      self.proc = subprocess.Popen(
+      # It ends with this process, however that ends (jaxfeed._lifetime).
+      self.proc = _lifetime.popen(
           [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
           stdout=subprocess.PIPE, stderr=log, env=env, text=True)
     finally:

@@ -110,3 +110,66 @@ def dawdle(x):
   import time  # pylint: disable=g-import-not-at-top
   time.sleep(1.0)
   return {"x": x}
+
+
+POISON = 13  # the record the poison UDFs below fail on
+
+
+def segfault_at_poison(x):
+  """x, but a real segmentation fault in the worker on record POISON."""
+  if int(x) == POISON:
+    import ctypes  # pylint: disable=g-import-not-at-top
+    ctypes.string_at(0)
+  return x
+
+
+def hang_at_poison(x):
+  """x, but never returns on record POISON (the worker lives on)."""
+  if int(x) == POISON:
+    import threading  # pylint: disable=g-import-not-at-top
+    threading.Event().wait()
+  return x
+
+
+def spin_at_poison(x):
+  """x, but on record POISON spins in C holding the GIL for ever (a regular
+  expression that backtracks 2**64 times): no other thread of the worker runs."""
+  if int(x) == POISON:
+    import re  # pylint: disable=g-import-not-at-top
+    re.match(r"(a+)+$", "a" * 64 + "b")
+  return x
+
+
+# The chaos suite's poison record: "VALUE,KIND,FOLDER" in the workers'
+# environment. KIND "always": every worker that maps x == VALUE segfaults;
+# "once": only the first one. Each death leaves a file "died-PID" in FOLDER.
+POISON_ENV = "JAXFEED_TEST_POISON"
+
+
+def _strike_if_poison(element):
+  import os  # pylint: disable=g-import-not-at-top
+  spec = os.environ.get(POISON_ENV)
+  if not spec:
+    return
+  value, kind, folder = spec.split(",", 2)
+  if int(element["x"]) != int(value):
+    return
+  if kind == "once":
+    try:
+      os.close(os.open(os.path.join(folder, "struck"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+      return
+  with open(os.path.join(folder, f"died-{os.getpid()}"), "w"):
+    pass
+  import ctypes  # pylint: disable=g-import-not-at-top
+  ctypes.string_at(0)
+
+
+def poisoned_add_one_to_x(element):
+  _strike_if_poison(element)
+  return add_one_to_x(element)
+
+
+def poisoned_slow_add_one_to_x(element):
+  _strike_if_poison(element)
+  return slow_add_one_to_x(element)

@@ -6,7 +6,7 @@ import jaxfeed
 from jaxfeed import service
 
 PUBLIC_NAMES = ("AutoscaleConfig", "DispatchServer", "DispatcherConfig", "DistributedNode",
-                "ServiceError", "ShardingPolicy", "SpecError", "TLSConfig", "UDFImportError",
+                "PoisonSplitError", "PositionsLostWarning", "ServiceError", "ShardingPolicy", "SpecError", "TLSConfig", "UDFImportError",
                 "WireFormatError", "WorkerConfig", "WorkerServer", "distribute",
                 "from_dataset_id", "register_dataset", "serve_client_metrics")
 

@@ -15,8 +15,10 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
+from jaxfeed.service.client import read as read_client
 from jaxfeed.service.protocol import import_paths, rpc, spec
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from service_cluster import free_port, release_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -232,6 +234,77 @@ def test_unknown_processing_mode_is_refused():
 def test_bad_visitation_is_refused_with_what_it_needs(kwargs, message):
   with pytest.raises(ValueError, match=message):
     small_dataset().distribute("127.0.0.1:1", **kwargs)
+
+
+@pytest.mark.parametrize("read, name", [
+    (lambda **kw: small_dataset().distribute("127.0.0.1:1", "distributed_epoch", **kw),
+     "distribute"),
+    (lambda **kw: service.distribute(small_dataset(), "127.0.0.1:1", **kw), "distribute"),
+    (lambda **kw: service.from_dataset_id("parallel_epochs", "127.0.0.1:1", "id", **kw),
+     "from_dataset_id")])
+def test_a_misspelled_keyword_names_the_function_and_the_close_match(read, name):
+  with pytest.raises(TypeError) as refused:
+    read(visitaton="exactly_once")
+  message = str(refused.value)
+  assert message.startswith(f"{name}() got an unexpected keyword argument 'visitaton'; "
+                            "did you mean 'visitation'? It takes: ")
+  assert "DistributedNode" not in message and "max_frame_bytes" in message
+  with pytest.raises(TypeError, match=r"'timeout'; did you mean 'timeout_s'\?"):
+    read(timeout=5)
+  with pytest.raises(TypeError, match=r"'frobnicate'\. It takes: auth_token, "):
+    read(frobnicate=True)
+
+
+def nothing_listens() -> str:
+  """An address on loopback where nothing listens (the port stays reserved
+  for this test process, see free_port)."""
+  return f"127.0.0.1:{free_port()}"
+
+
+@pytest.mark.parametrize("read_from", ["distribute", "from_dataset_id", "register_dataset"])
+def test_a_dispatcher_address_where_nothing_answers_fails_in_seconds_naming_it(read_from):
+  address = nothing_listens()
+  start = time.monotonic()
+  with pytest.raises(service.ServiceError) as failed:
+    if read_from == "distribute":
+      read(small_dataset().distribute(address))
+    elif read_from == "from_dataset_id":
+      read(service.from_dataset_id("parallel_epochs", address, "some-id"))
+    else:
+      service.register_dataset(address, small_dataset())
+  took = time.monotonic() - start
+  assert read_client.UNANSWERED_S <= took < read_client.UNANSWERED_S + 10
+  message = str(failed.value)
+  assert f"no answer within 5 s from {address}: nothing answers there" in message
+  assert "Connection refused" in message and "wait_for_dispatcher=True" in message
+
+
+def test_wait_for_dispatcher_keeps_trying_until_one_starts_there():
+  address = nothing_listens()
+  port = int(address.rsplit(":", 1)[1])
+  got, errors = [], []
+
+  def read_when_it_starts():
+    try:
+      got.extend(read(small_dataset().distribute(address, wait_for_dispatcher=True)))
+    except Exception as e:  # noqa: BLE001 -- asserted below
+      errors.append(e)
+
+  reader = threading.Thread(target=read_when_it_starts)
+  reader.start()
+  time.sleep(read_client.UNANSWERED_S + 1)
+  assert reader.is_alive() and not errors, errors
+  release_port(port)
+  dispatcher = service.DispatchServer(service.DispatcherConfig(port=port))
+  worker = service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.target,
+                                                     heartbeat_interval_s=0.1))
+  try:
+    reader.join(timeout=40)
+  finally:
+    worker.stop()
+    dispatcher.stop()
+  assert not reader.is_alive() and not errors, errors
+  assert np.concatenate(got).tolist() == list(range(1, 21))
 
 
 def test_a_shared_job_refuses_a_consumer_with_another_visitation(servers):

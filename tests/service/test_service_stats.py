@@ -82,3 +82,25 @@ def test_stats_asks_a_worker_at_most_once_per_max_age(cluster, monkeypatch):
       assert worker_rows(iterator) == first  # not asked again
     monkeypatch.setattr(task_stats, "MAX_AGE_S", 0.0)
     assert worker_rows(iterator)[-1]["elements"] > made  # asked
+
+
+def test_a_service_read_with_no_op_time_yet_says_the_time_is_in_the_read(cluster):
+  dispatcher = cluster("dispatcher", "--port=0")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}",
+          "--heartbeat_interval_s=0.2")
+  # No sampling, here or on the worker: no op measures time.
+  dataset = (jaxfeed.Dataset.from_tensor_slices({"x": np.arange(400)}).batch(8)
+             .with_options(jaxfeed.Options(stats=False))
+             .distribute(dispatcher.address, "parallel_epochs"))
+  with jaxfeed.Loader(dataset, prefetch=1) as loader:
+    for _ in range(5):
+      next(loader)
+    read = loader.stats()["ops"][-1]
+    with open(os.devnull, "w") as sink:
+      text = loader.report(file=sink)
+  assert read["op"] == "distribute" and read["service_workers"] == 1
+  assert read["received"] >= 5 and read["read_wait_seconds"] > 0
+  assert "No op has measured time yet" not in text
+  assert ("No op in this process has measured time: it is spent in the service read "
+          "('distribute'), whose pipeline runs on the workers. This process waited ") in text
+  assert f"from 1 worker(s) ({read['received']} received, 0 reconnections)" in text

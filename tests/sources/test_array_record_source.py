@@ -9,6 +9,7 @@ from array_record.python import array_record_module
 import numpy as np
 import pytest
 
+from jaxfeed import Dataset
 from jaxfeed.sources import (ArrayRecordSource, CorruptRecordError,
                              write_array_record)
 from source_helpers import make_records
@@ -115,6 +116,27 @@ def test_truncated_file_raises_corrupt_record_error_when_opened(tmp_path,
                      ) as info:
     ArrayRecordSource(path)
   assert info.value.path == path and path in str(info.value)
+  if info.value.offset is None:  # then the message gives the file's size
+    assert f"(the file has {os.path.getsize(path)} bytes)" in str(info.value)
+
+
+def test_ignore_errors_skips_exactly_the_damaged_records(tmp_path):
+  records = make_records(20, seed=1, sizes=(64, 700))
+  path = _write(tmp_path / "a.ar", records,
+                options="group_size:1,uncompressed")
+  for record in (3, 11):
+    where = _chunk_offset_of(path, records[record])
+    with open(path, "r+b") as f:
+      f.seek(where + 5)
+      byte = f.read(1)[0]
+      f.seek(where + 5)
+      f.write(bytes([byte ^ 0x5A]))
+  with ArrayRecordSource(path) as source:
+    dataset = Dataset.from_source(source).ignore_errors()
+    with dataset.make_iterator() as iterator:
+      assert list(iterator) == [r for i, r in enumerate(records)
+                                if i not in (3, 11)]
+      assert iterator.stats()["ops"][-1]["errors_ignored"] == 2
 
 
 @pytest.mark.parametrize("size", [0, 100, 70_000, 300_000])

@@ -129,14 +129,20 @@ def test_index_is_cached_and_pickled_copies_read(tmp_path):
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_truncated_compressed_file_raises_corrupt_record_error(tmp_path,
-                                                                compression):
+def test_truncated_compressed_file_raises_where_the_cut_is(tmp_path,
+                                                          compression):
   path = tmp_path / "a.tfrecord"
-  write_tfrecord(path, make_records(40, seed=6), compression_type=compression)
+  records = make_records(40, seed=6)
+  write_tfrecord(path, records, compression_type=compression)
   data = path.read_bytes()
   path.write_bytes(data[:len(data) // 2])
-  with pytest.raises(CorruptRecordError, match="a.tfrecord"):
-    TFRecordSource(str(path), compression_type=compression)
+  with TFRecordSource(str(path), compression_type=compression) as source:
+    damage, = source.damage
+    assert damage.record_index == len(source) - 1 > 5
+    intact = source.get_many(range(len(source) - 1))
+    assert intact == records[:len(intact)]
+    with pytest.raises(CorruptRecordError, match="a.tfrecord"):
+      source[len(source) - 1]
 
 
 def test_wrong_compression_type_raises_corrupt_record_error(tmp_path):

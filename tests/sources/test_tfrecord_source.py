@@ -32,20 +32,6 @@ def _write(path, records) -> str:
   return path
 
 
-@pytest.fixture
-def scan_counter(monkeypatch):
-  """Counts how often a file is scanned to build its index."""
-  calls = []
-  original = tfrecord_source.scan_record_offsets
-
-  def counting_scan(read_at, size, path):
-    calls.append(path)
-    return original(read_at, size, path)
-
-  monkeypatch.setattr(tfrecord_source, "scan_record_offsets", counting_scan)
-  return calls
-
-
 # -- format and TensorFlow interop ---------------------------------------------
 
 
@@ -319,20 +305,24 @@ def test_flipped_data_crc_byte_raises_corrupt_record_error(tmp_path):
 
 @pytest.mark.parametrize("field_byte", [0, 3, 7, 8, 11])
 @pytest.mark.parametrize("record", [0, 4])
-def test_flipped_length_or_length_crc_byte_raises_when_indexing(
+def test_flipped_length_or_length_crc_byte_raises_on_reading_that_record(
     tmp_path, field_byte, record):
   records = make_records(5, sizes=(10, 2000))
   path = _write(tmp_path / "a.tfrecord", records)
   start = _frame_offsets(records)[record]
   _damage(path, start + field_byte)
-  with pytest.raises(CorruptRecordError, match="length CRC mismatch") as info:
-    TFRecordSource(path)
-  _check_error(info.value, path, start)
+  with TFRecordSource(path) as source:
+    with pytest.raises(CorruptRecordError,
+                       match="length CRC mismatch") as info:
+      source[record]
+    _check_error(info.value, path, start)
+    others = [i for i in range(5) if i != record]
+    assert source.get_many(others) == [records[i] for i in others]
   assert not os.path.exists(path + ".idx")
 
 
 @pytest.mark.parametrize("cut", ["in_header", "in_data", "in_data_crc"])
-def test_file_truncated_mid_record_raises_naming_the_record_offset(
+def test_file_truncated_mid_record_raises_on_reading_the_cut_record(
     tmp_path, cut):
   records = make_records(6, sizes=(100,))
   path = _write(tmp_path / "a.tfrecord", records)
@@ -340,20 +330,24 @@ def test_file_truncated_mid_record_raises_naming_the_record_offset(
   keep = last + {"in_header": 5, "in_data": 12 + 40, "in_data_crc": 12 + 102}[
       cut]
   os.truncate(path, keep)
-  with pytest.raises(CorruptRecordError, match="truncated") as info:
-    TFRecordSource(path)
+  with TFRecordSource(path) as source:
+    assert source.get_many(range(5)) == records[:5]
+    with pytest.raises(CorruptRecordError, match="truncated") as info:
+      source[5]
   _check_error(info.value, path, last)
   assert info.value.record_index == 5
 
 
 @pytest.mark.parametrize("size", [1, 11, 12, 500, 100_000])
-def test_garbage_file_raises_corrupt_record_error_at_offset_zero(tmp_path,
+def test_garbage_file_reads_as_one_damaged_record_at_offset_zero(tmp_path,
                                                                  size):
   path = str(tmp_path / "garbage.tfrecord")
   with open(path, "wb") as f:
     f.write(np.random.default_rng(size).bytes(size))
-  with pytest.raises(CorruptRecordError) as info:
-    TFRecordSource(path)
+  with TFRecordSource(path) as source:
+    assert len(source) == 1
+    with pytest.raises(CorruptRecordError) as info:
+      source[0]
   _check_error(info.value, path, 0)
 
 

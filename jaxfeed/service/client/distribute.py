@@ -42,13 +42,15 @@ read ends when every worker's stream ended.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
 from jaxfeed.service.client.iterator import DistributedIterator
-from jaxfeed.service.client.read import dispatcher_caller
+from jaxfeed.service.client.read import call_dispatcher, dispatcher_caller
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol import wire
@@ -71,7 +73,7 @@ def _target(service: str) -> str:
 
 def register_dataset(service: str, dataset: Any, *, auth_token: str | None = None,
                      udf_secret: bytes | None = None, tls: rpc.TLSConfig | None = None,
-                     timeout_s: float = 60.0) -> str:
+                     timeout_s: float = 60.0, wait_for_dispatcher: bool = False) -> str:
   """Registers a pipeline with the dispatcher and returns its dataset id.
 
   Equal pipelines (same fingerprint) get the same id.
@@ -85,9 +87,16 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
       are then shipped pickled and signed. None refuses such UDFs.
     tls: root certificates for a TLS dispatcher.
     timeout_s: how long to wait for (and retry reaching) the dispatcher.
+    wait_for_dispatcher: keep trying for `timeout_s` when nothing answers at
+      `service` (a dispatcher still starting); False: fail after
+      `UNANSWERED_S` (5 s) with an error naming the address.
 
   Returns:
     The dataset id.
+
+  Raises:
+    ServiceError: the dispatcher did not register it, or nothing answers at
+      `service` (see `wait_for_dispatcher`).
   """
   node = task_pipeline.pipeline_node(dataset, "register_dataset")
   dataset_def = spec_lib.to_dataset_def(node, udf_secret,
@@ -96,8 +105,9 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
   try:
     caller = dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,
                                 auth_token)
-    response = rpc.call_with_retry(caller, pb.RegisterDatasetRequest(dataset=dataset_def),
-                                   timeout_s, f"Registering dataset with {service}")
+    response = call_dispatcher(caller, pb.RegisterDatasetRequest(dataset=dataset_def),
+                               _target(service), timeout_s, wait_for_dispatcher,
+                               f"Registering dataset with {service}")
     return response.dataset_id
   finally:
     channel.close()
@@ -169,7 +179,8 @@ class DistributedNode(base.Node):
                tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
                timeout_s: float = 60.0, round_timeout_s: float | None = None,
                visitation: str = "at_most_once", ephemeral_sharing: bool = False,
-               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES):
+               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+               wait_for_dispatcher: bool = False):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
@@ -196,6 +207,10 @@ class DistributedNode(base.Node):
     self.tls = tls
     self.data_transfer = data_transfer
     self.timeout_s = timeout_s
+    if not isinstance(wait_for_dispatcher, bool):
+      raise ValueError(f"wait_for_dispatcher must be True or False, got "
+                       f"{wait_for_dispatcher!r}.")
+    self.wait_for_dispatcher = wait_for_dispatcher
     self.round_timeout_s = None if round_timeout_s is None else float(round_timeout_s)
     self._lock = threading.Lock()
 
@@ -208,7 +223,8 @@ class DistributedNode(base.Node):
             "data_transfer": self.data_transfer, "timeout_s": self.timeout_s,
             "round_timeout_s": self.round_timeout_s, "visitation": self.visitation,
             "ephemeral_sharing": self.ephemeral_sharing,
-            "max_frame_bytes": self.max_frame_bytes}
+            "max_frame_bytes": self.max_frame_bytes,
+            "wait_for_dispatcher": self.wait_for_dispatcher}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on each read (so the dispatcher may start later,
@@ -217,11 +233,29 @@ class DistributedNode(base.Node):
       if self.dataset is not None:
         self.dataset_id = register_dataset(
             self.service, self.dataset, auth_token=self.auth_token,
-            udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s)
+            udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s,
+            wait_for_dispatcher=self.wait_for_dispatcher)
       return self.dataset_id
 
   def make_iterator(self) -> "DistributedIterator":
     return DistributedIterator(self)
+
+
+def _check_options(function: str, own: Iterable[str], other_input: str,
+                   options: dict) -> None:
+  """Refuses a keyword in `options` (what `function` passes on to
+  `DistributedNode`) that `function` does not take, in the words of
+  `function`, with the closest keyword it takes: a misspelled `visitation`
+  otherwise surfaced as DistributedNode.__init__'s error."""
+  node_keywords = set(inspect.signature(DistributedNode.__init__).parameters) - {"self"}
+  passed_on = node_keywords - set(own) - {other_input}
+  for key in options:
+    if key not in passed_on:
+      takes = sorted((set(own) | passed_on) - {"options"})
+      close = difflib.get_close_matches(key, takes, n=1)
+      hint = f"; did you mean {close[0]!r}?" if close else "."
+      raise TypeError(f"{function}() got an unexpected keyword argument {key!r}{hint} "
+                      f"It takes: {', '.join(takes)}.")
 
 
 def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epochs",
@@ -252,11 +286,14 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       None: the job's value, 60 s for a new job. Every consumer of a job
       passes the same value or None.
     **options: auth_token, udf_secret, tls, data_transfer ("auto", "socket",
-      "grpc"), timeout_s (how long a read goes without the parties it needs
-      before it fails: the dispatcher when it starts, a worker the
-      dispatcher lists as alive whose connection broke, the dispatcher when
-      no worker is left; a read goes on from its workers however long the
-      dispatcher is away, see docs/service.md),
+      "grpc"), timeout_s (how long a read goes without progress or without
+      the parties it needs before it fails: the dispatcher when it starts,
+      a worker the dispatcher lists as alive whose connection broke, the
+      dispatcher when no worker is left; a read goes on from its workers
+      however long the dispatcher is away, see docs/service.md),
+      wait_for_dispatcher (True: when nothing answers at `service`, keep
+      trying for timeout_s, for a dispatcher that is still starting; by
+      default the read fails after 5 s with an error naming the address),
       visitation: "at_most_once" (default: what a lost worker had buffered
       or in flight is lost) or "exactly_once" (distributed_epoch without
       num_consumers: the pipeline runs split by split on the workers, so a
@@ -277,7 +314,12 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
 
   Returns:
     A jaxfeed Dataset.
+
+  Raises:
+    TypeError: a keyword that is none of the above, with the closest one.
   """
+  _check_options("distribute", inspect.signature(distribute).parameters, "dataset_id",
+                 options)
   node = DistributedNode(
       service=service, processing_mode=processing_mode, dataset=dataset,
       job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
@@ -292,6 +334,8 @@ def from_dataset_id(processing_mode: Any, service: str, dataset_id: str,
                     max_outstanding_requests: int | None = None,
                     round_timeout_s: float | None = None, **options: Any) -> Any:
   """Reads a dataset registered with `register_dataset` (see `distribute`)."""
+  _check_options("from_dataset_id", inspect.signature(from_dataset_id).parameters,
+                 "dataset", options)
   if not isinstance(dataset_id, str) or not dataset_id:
     raise ValueError(f"dataset_id must be a non-empty string, got {dataset_id!r}.")
   return Dataset(DistributedNode(

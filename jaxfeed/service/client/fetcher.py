@@ -32,6 +32,11 @@ _WORKER_LOST = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_
                           "ABORTED", "OUT_OF_RANGE"})
 
 
+class Keepalive(int):
+  """A keepalive from the worker: its task's progress counter (see
+  `jaxfeed.service.worker.delivery.Idle`)."""
+
+
 class Fetcher:
   """One thread reading one task's stream into the read's buffer.
 
@@ -67,6 +72,10 @@ class Fetcher:
     # When the current connection last brought something; None while the
     # fetcher waits for room in the buffer rather than for data.
     self.heard_at: float | None = None
+    # When the worker last made progress on the task: an item arrived, or a
+    # keepalive with a new progress counter (the last one seen).
+    self.progress_at = time.monotonic()
+    self._worker_progress: int | None = None
     self._read = read
     self._connection: Any = None
     self._cancelled = False
@@ -100,7 +109,7 @@ class Fetcher:
 
   def _items(self):
     """One connection's items: (seq, frame, round, 0), (seq, None, split
-    start, split stop) at an exactly-once split's end, None for a keepalive."""
+    start, split stop) at an exactly-once split's end, a `Keepalive`."""
     read = self._read
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
@@ -113,7 +122,8 @@ class Fetcher:
     if use_socket:
       conn = data_socket.DataConnection(
           self.task.data_address, {"token": self.task.read_ticket, **self._request()},
-          ssl_context=read.ssl_context, max_frame_bytes=read.node.max_frame_bytes)
+          min(_STALL_S, read.node.timeout_s), ssl_context=read.ssl_context,
+          max_frame_bytes=read.node.max_frame_bytes)
       self._connection = conn
       self._send_ack = conn.ack
       try:
@@ -125,7 +135,7 @@ class Fetcher:
             self.end_stats = conn.end_stats
             return
           kind, seq, frame, round_index = item
-          yield None if kind == data_socket.KIND_KEEPALIVE else (
+          yield Keepalive(round_index) if kind == data_socket.KIND_KEEPALIVE else (
               seq, frame, round_index, conn.split_stop if frame is None else 0)
       finally:
         conn.close()
@@ -140,14 +150,14 @@ class Fetcher:
                             self.task.read_ticket or None)
       self._send_ack = lambda received: ack_call(pb.AckElementsRequest(
           task_id=self.task.task_id, client_id=read.client_id, received=received),
-          timeout=_STALL_S)
+          timeout=min(_STALL_S, read.node.timeout_s))
       if self._cancelled:
         call.cancel()
       frames = element_chunks.FrameAssembler(read.node.max_frame_bytes)
       for raw in call:
         chunk = element_chunks.parse(raw)
         if chunk.keepalive:
-          yield None
+          yield Keepalive(chunk.round)
           continue
         if chunk.end_of_sequence:
           frames.check_ended()
@@ -175,10 +185,13 @@ class Fetcher:
             self.heard_at = time.monotonic()
             self.failing_since, backoff = None, _BACKOFF_S[0]  # the connection works
             self._unreachable_listed_s = 0.0
-            if item is None:  # a keepalive
+            if isinstance(item, Keepalive):
+              if item != self._worker_progress:
+                self._worker_progress, self.progress_at = item, self.heard_at
               if self._ack_error is not None:  # the worker may wait for the ack
                 raise self._ack_error
               continue
+            self.progress_at = self.heard_at
             if not self._take(item, split):
               return
           self.done = True

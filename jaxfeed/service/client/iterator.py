@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import queue
 import time
-import weakref
+import warnings
 from typing import Any
 
 from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
+from jaxfeed.ops import state_identity
 from jaxfeed.service.client import read as client_read
+from jaxfeed.service.client import reaper
 from jaxfeed.service.client import task_stats
 from jaxfeed.service.client.fetcher import Fetcher
 from jaxfeed.service.client.read import POLL_S
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol import stream_state
 
 
@@ -27,7 +30,19 @@ class DistributedIterator(base.OpIterator):
   from it on a new job (`jaxfeed.service.protocol.read_state`); parallel_epochs reads
   that are neither shared nor round-robin save how much of each worker's
   stream it took and resume each stream on a new job (`jaxfeed.service.
-  stream_state`); other reads restore only a state of nothing read.
+  stream_state`); other reads restore only a state of nothing read. The
+  positions those states name belong to the pipeline's split input: when
+  the client holds the pipeline (`distribute`, not `from_dataset_id`), they
+  record what defines its order (a `from_source`'s sampler and source, see
+  `jaxfeed.ops.state_identity`), and restoring into a read of another
+  pipeline raises PipelineStateError naming what differs.
+
+  Failures: a `next()` that waits `timeout_s` while no worker makes
+  progress on the read raises ServiceError; an exactly-once read whose
+  split ended `--max_split_attempts` workers raises `PoisonSplitError`; an
+  at-most-once read that lost positions with its workers says so at its end
+  (`PositionsLostWarning`, and `lost_positions`); see
+  `jaxfeed.service.protocol.split_failures`.
   """
 
   op_name = "distribute"  # DistributedNode's
@@ -43,7 +58,10 @@ class DistributedIterator(base.OpIterator):
     self._skipped = {"rounds_skipped": 0, "rounds_of_ended_workers": 0}
     self._ended_pending = 0
     self._worker_rows = task_stats.TaskRows()
-    self._finalizer = weakref.finalize(self, self._read.close)
+    self._identity = _split_input_identity(node)
+    self._lost_warned = False
+    # Not closed inside the garbage collector: see jaxfeed.service.client.reaper.
+    self._finalizer = reaper.track(self, self._read)
 
   @property
   def elements_by_worker(self) -> dict[str, int]:
@@ -54,6 +72,14 @@ class DistributedIterator(base.OpIterator):
   @property
   def job_id(self) -> int:
     return self._read.job_id
+
+  @property
+  def lost_positions(self) -> list[tuple[int, int]]:
+    """At-most-once DYNAMIC reads: the [start, stop) positions of the splits
+    that workers were reading when they were lost (their elements that had
+    not reached this client are lost; see
+    `jaxfeed.service.protocol.split_failures`). Empty when none was lost."""
+    return list(self._read.lost_positions)
 
   @property
   def last_round(self) -> int:
@@ -99,7 +125,18 @@ class DistributedIterator(base.OpIterator):
     return stats
 
   def _stats_fields(self) -> dict:
-    return {"elements": self._read.consumed}
+    """The read's own row: elements taken, and what this client saw of the
+    service (`op_stats.report` names them): seconds it waited for batches,
+    the workers it read from, batches received, reconnections."""
+    read = self._read
+    fetchers = list(read.fetchers.values())
+    return {"elements": read.consumed, "read_wait_seconds": round(read.wait_s, 4),
+            "service_workers": len({f.task.worker_address for f in fetchers}),
+            "received": sum(f.received for f in fetchers),
+            "reconnects": sum(f.reconnects for f in fetchers)}
+
+  def _stats_buffer_fill(self) -> float | None:
+    return self._read.buffer.qsize() / self._read.capacity
 
   def _raise_error(self) -> None:
     error = self._read.error
@@ -118,15 +155,25 @@ class DistributedIterator(base.OpIterator):
     read.consumed += 1
     return element
 
+  def _end(self) -> None:
+    """Raises StopIteration, after warning of the positions the read lost."""
+    lost = self._read.lost_positions
+    if lost and not self._lost_warned:
+      self._lost_warned = True
+      warnings.warn(split_failures.PositionsLostWarning(
+          split_failures.lost_message(self._read.dataset_id, lost)), stacklevel=4)
+    raise StopIteration
+
   def _next_element(self) -> Any:
     read = self._read
+    waiting_since = time.monotonic()
     while True:
       try:
         item = read.buffer.get(timeout=POLL_S)
       except queue.Empty:
         item = None
       if item is client_read.END:
-        raise StopIteration
+        self._end()
       if item is not None:
         element, tag = item
         if isinstance(tag, read_state.SplitTag):
@@ -137,9 +184,10 @@ class DistributedIterator(base.OpIterator):
         return element
       self._raise_error()
       if read.finished and read.buffer.empty():
-        raise StopIteration
+        self._end()
       if read.stop.is_set():
         raise StopIteration
+      read.check_progress(waiting_since)
 
   # -- round-robin reads ---------------------------------------------------------
   def _head(self, fetcher: Fetcher) -> tuple | None:
@@ -160,10 +208,12 @@ class DistributedIterator(base.OpIterator):
 
   def _next_round(self) -> Any:
     read = self._read
+    waiting_since = time.monotonic()
     while True:
       self._raise_error()
       if read.stop.is_set():
         raise StopIteration
+      read.check_progress(waiting_since)
       by_index, num_workers = read.round_fetchers()
       if all(self._drained(f) for f in by_index.values()) and (
           read.finished or (by_index and len(by_index) >= num_workers)):
@@ -223,11 +273,15 @@ class DistributedIterator(base.OpIterator):
   def _get_own_state(self) -> dict:
     read = self._read
     if read.node.visitation == "exactly_once":
-      return {"elements_read": self._elements, "splits": read.progress.state(),
-              "job_name": read.node.job_name or ""}
-    if read.streams is not None:
-      return {"elements_read": self._elements, "streams": read.streams.state()}
-    return {"elements_read": self._elements}
+      state = {"elements_read": self._elements, "splits": read.progress.state(),
+               "job_name": read.node.job_name or ""}
+    elif read.streams is not None:
+      state = {"elements_read": self._elements, "streams": read.streams.state()}
+    else:
+      return {"elements_read": self._elements}
+    if self._identity is not None:
+      state["identity"] = self._identity
+    return state
 
   def _set_own_state(self, state: dict) -> None:
     """Exactly-once reads go on where the state was taken, on a new job (see
@@ -236,6 +290,9 @@ class DistributedIterator(base.OpIterator):
     restore a state of nothing read."""
     node = self._read.node
     kwargs = None
+    if isinstance(state, dict) and ("splits" in state or "streams" in state):
+      state_identity.check_identity(state.get("identity"), self._identity,
+                                    self.op_name, resharded=False)
     try:
       if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
         # A state not marked by a restore (`read_state.merge_process_states`)
@@ -250,10 +307,9 @@ class DistributedIterator(base.OpIterator):
     if kwargs is not None:
       (name, restored), = kwargs.items()
       if restored.started or getattr(self._read, name).started:
-        self._finalizer.detach()  # else: a fresh read either way
-        self._read.close()
+        reaper.close_now(self._finalizer, self._read)  # else: a fresh read either way
         self._read = client_read.ReadState(node, **kwargs)
-        self._finalizer = weakref.finalize(self, self._read.close)
+        self._finalizer = reaper.track(self, self._read)
       self._elements = int(state.get("elements_read", 0))
       return
     if state.get("elements_read", 0) != self._elements:
@@ -267,7 +323,7 @@ class DistributedIterator(base.OpIterator):
           "read, e.g. restore_checkpoint(..., restore_loader=False).")
 
   def _close_own(self) -> None:
-    self._finalizer()
+    reaper.close_now(self._finalizer, self._read)
 
 
 def _sharing(node: Any) -> str:
@@ -277,6 +333,21 @@ def _sharing(node: Any) -> str:
   if node.ephemeral_sharing:
     return " and ephemeral_sharing=True"
   return f" of shared job {node.job_name!r}" if node.job_name else ""
+
+
+def _split_input_identity(node: Any) -> dict | None:
+  """What defines the positions a resumable read's state names: the
+  identity of its pipeline's split input (a `from_source`'s sampler and
+  source); None when the client does not hold the pipeline
+  (`from_dataset_id`) or its input records none."""
+  if node.dataset is None:
+    return None
+  try:
+    split_input = index_ranges.split_input(node.dataset)
+  except index_ranges.NotIndexAddressableError:
+    return None
+  identity = getattr(split_input, "identity", None)
+  return identity if isinstance(identity, dict) else None
 
 
 def _check_index_based(node: Any) -> None:

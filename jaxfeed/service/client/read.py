@@ -17,6 +17,7 @@ from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol import stream_state
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
@@ -30,6 +31,9 @@ _ANSWER_SLACK_S = 5.0
 # timeout_s) for the dispatcher to say the job finished, then ends without it.
 _END_WITHOUT_DISPATCHER_S = 10.0
 GOODBYE_TIMEOUT_S = 1.0  # to connect to a worker, and again for its answer
+HEARTBEAT_TIMEOUT_S = 10.0  # the longest one heartbeat call may take
+RELEASE_TIMEOUT_S = 2.0  # ReleaseJobClient's deadline
+CLOSE_TIMEOUT_S = 15.0  # the longest close() waits for the read's threads, in all
 END = object()  # put in the buffer when a read is over, to wake its consumer
 
 
@@ -40,9 +44,25 @@ def follows_streams(node: Any) -> bool:
           and not node.num_consumers and not node.ephemeral_sharing)
 
 
+UNANSWERED_S = 5.0
+"""A read or `register_dataset` fails after this many seconds when nothing
+answers at the dispatcher's address (unless it waits for the dispatcher)."""
+
+
 def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
                       token: str | None) -> rpc.Caller:
   return rpc.Caller(channel, _DISPATCHER + method, response_cls, token)
+
+
+def call_dispatcher(caller: rpc.Caller, request: Any, service: str, timeout_s: float,
+                    wait_for_dispatcher: bool, what: str) -> Any:
+  """A dispatcher call retried for `timeout_s`; without `wait_for_dispatcher`,
+  an error naming `service` after `UNANSWERED_S` when nothing answers there."""
+  return rpc.call_with_retry(
+      caller, request, timeout_s, what, target=service,
+      answer_within_s=None if wait_for_dispatcher else UNANSWERED_S,
+      unanswered_hint=("; to keep trying for timeout_s while a dispatcher starts "
+                       "there, pass wait_for_dispatcher=True"))
 
 
 class ReadState:
@@ -66,7 +86,9 @@ class ReadState:
     self.lock = threading.Lock()
     self.error: BaseException | None = None
     self.elements_by_worker: dict[str, int] = {}
-    self.acks: list[int] = []  # exactly-once: splits to acknowledge
+    # Exactly-once: splits to acknowledge, sent with each heartbeat until the
+    # dispatcher has them durable.
+    self.acks: list[int] = []
     self.handed_on: set[int] = set()  # exactly-once: splits this read has had
     # Reported to the dispatcher for autoscaling.
     self.consumed = 0
@@ -82,8 +104,12 @@ class ReadState:
     self.dispatcher_away = False
     self._away_logged = False
     self._answered_at = time.monotonic()  # the dispatcher's last heartbeat answer
+    self.dataset_id = node.dataset_id or ""
     self.job_id = 0
     self.client_id = 0
+    # At-most-once: positions of the splits lost workers were reading
+    # (sorted [start, stop) pairs; see jaxfeed.service.protocol.split_failures).
+    self.lost_positions: list[tuple[int, int]] = []
     # From the last heartbeat answer: say goodbye through a worker, with this
     # ticket (the dispatcher serves many clients), rather than by a call.
     self.goodbye_via_worker = False
@@ -131,7 +157,7 @@ class ReadState:
       if self.streams is not None and self.streams.resumed and not self.streams.open_streams:
         self._end()  # every stream was over when the state was taken
         return
-      dataset_id = node.resolve_dataset_id()
+      dataset_id = self.dataset_id = node.resolve_dataset_id()
       job_call = dispatcher_caller(self.channel, "GetOrCreateJob",
                                     pb.GetOrCreateJobResponse, node.auth_token)
       job_name, done, partial = node.job_name or "", *self.progress.resume_ranges
@@ -139,7 +165,7 @@ class ReadState:
         job_name = read_state.resume_job_name(job_name, self.progress.resumed_from,
                                               self.progress.restore_id)
       try:
-        job = rpc.call_with_retry(job_call, pb.GetOrCreateJobRequest(
+        job = call_dispatcher(job_call, pb.GetOrCreateJobRequest(
             dataset_id=dataset_id, sharding_policy=node.policy.value,
             resume_done=[pb.SplitRange(start=a, stop=b) for a, b in done],
             resume_partial=[pb.SplitRange(start=a, stop=b) for a, b in partial],
@@ -148,7 +174,8 @@ class ReadState:
             round_timeout_s=node.round_timeout_s or 0.0,
             exactly_once=node.visitation == "exactly_once",
             ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True),
-            node.timeout_s, f"Creating a job for dataset {dataset_id}")
+            node.service, node.timeout_s, node.wait_for_dispatcher,
+            f"Creating a job for dataset {dataset_id}")
       except rpc.ServiceError as e:
         cause = e.__cause__
         if (isinstance(cause, grpc.RpcError)
@@ -182,11 +209,13 @@ class ReadState:
                 elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
                 read_elapsed_s=time.monotonic() - self.started,
                 buffer_fill=self.buffer.qsize() / self.capacity,
-                known_tasks_version=tasks_version), timeout=10)
+                known_tasks_version=tasks_version),
+                timeout=min(HEARTBEAT_TIMEOUT_S, node.timeout_s))
             last_ok = time.monotonic()
             self.dispatcher_away = self._away_logged = False
-            with self.lock:
-              del self.acks[:len(acks)]
+            if not response.acks_pending:  # else sent again until durable
+              with self.lock:
+                del self.acks[:len(acks)]
           except grpc.RpcError as e:
             # A heartbeat sent while the dispatcher is stopped, restarts or
             # its connection was just cut may time out rather than fail
@@ -202,6 +231,10 @@ class ReadState:
             continue
         self.goodbye_via_worker = response.goodbye_via_worker
         self.goodbye_ticket = response.goodbye_ticket
+        if response.job_error:  # before the job's end: a failed job ends too
+          raise split_failures.PoisonSplitError(response.job_error)
+        if response.lost_ranges:
+          self.lost_positions = [(r.start, r.stop) for r in response.lost_ranges]
         if response.tasks_unchanged:
           response.tasks.extend(tasks)
         else:
@@ -330,7 +363,36 @@ class ReadState:
       return {}, 0
     return {f.task.worker_index: f for f in fetchers}, fetchers[-1].task.num_workers
 
+  def check_progress(self, waiting_since: float) -> None:
+    """Raises ServiceError when the consumer has waited `timeout_s` since
+    `waiting_since` and no worker made progress on the read meanwhile (a
+    pipeline stuck on a record, or a job without live workers): a read
+    never waits silently longer than its timeout."""
+    now = time.monotonic()
+    fetchers = list(self.fetchers.values())
+    last = max([waiting_since, self.job_started] + [f.progress_at for f in fetchers])
+    timeout_s = self.node.timeout_s
+    if now - last <= timeout_s:
+      return
+    live = [f for f in fetchers if not f.ended]
+    if not self.job_id:
+      state = f"it has no job yet: the dispatcher at {self.node.service} did not create one"
+    elif not live:
+      state = "its job has no live worker (none registered, or all were lost)"
+    else:
+      state = "its workers: " + "; ".join(
+          f"{f.task.worker_address} (task {f.task.task_id}): nothing new for "
+          f"{now - f.progress_at:.0f} s" for f in live)
+    raise rpc.ServiceError(
+        f"No element of dataset {self.dataset_id or '?'} (job {self.job_id}) came for "
+        f"{now - last:.0f} s, and no worker made progress on it (timeout_s="
+        f"{timeout_s:g}); {state}. A UDF that never returns on some record looks "
+        "like this: its worker lives, so the records it holds are not read "
+        "elsewhere. Raise timeout_s if the pipeline's first element may take longer.")
+
   def close(self) -> None:
+    """Stops the read's threads and leaves the job, within CLOSE_TIMEOUT_S
+    (or timeout_s, if shorter) plus the goodbye's deadline."""
     self.stop.set()
     self.wake.set()
     fetchers = list(self.fetchers.values())
@@ -339,16 +401,17 @@ class ReadState:
     streaming = sorted((f.task for f in fetchers if f.on_socket), key=lambda t: t.task_id)
     for fetcher in fetchers:
       fetcher.cancel()
+    deadline = time.monotonic() + min(CLOSE_TIMEOUT_S, self.node.timeout_s)
     if self.manager is not threading.current_thread():
-      self.manager.join(timeout=15)
+      self.manager.join(timeout=max(0.0, deadline - time.monotonic()))
     for fetcher in list(self.fetchers.values()):
-      fetcher.thread.join(timeout=15)
+      fetcher.thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if self.client_id and not self._goodbye_through_worker(streaming):
       try:
         dispatcher_caller(self.channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
                            self.node.auth_token)(
             pb.ReleaseJobClientRequest(job_id=self.job_id, client_id=self.client_id),
-            timeout=2)
+            timeout=min(RELEASE_TIMEOUT_S, self.node.timeout_s))
       except grpc.RpcError:
         pass  # the dispatcher times the client out instead
     self.channel.close()

@@ -8,6 +8,8 @@ from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import split_failures
+from jaxfeed.service.storage import journal_replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +44,17 @@ class DispatcherConfig:
       workers; None takes the workers registered when the job starts.
     tls: Server key and certificate for TLS; None serves plaintext. With a
       client CA, callers must present certificates it signed.
-    journal_fsync: fsync the journal before a change is acknowledged (durable
-      across power loss; one fsync per state change, shared by changes that
-      commit together). Without it a change survives a crash of the
-      dispatcher process but not of the machine.
+    journal_fsync: fsync the journal before answering a change that must be
+      durable (across power loss; one fsync shared by the changes that commit
+      together, never with the state's lock held). Heartbeats wait for none:
+      their changes are fsynced within ~20 ms, and the splits they
+      acknowledge are sent again until they are. Without it a change
+      survives a crash of the dispatcher process but not of the machine.
+    journal_damage: What a restart does with damage in the journal before
+      valid records (a checksum that does not match): "refuse" to start
+      (the error names the file and offset), or "truncate": cut the journal
+      there, losing every change after it (logged loudly). A torn last
+      line is always cut; a damaged snapshot always refuses.
     snapshot_every_records: Compact the journal into a snapshot of the live
       state once it holds this many records (0: never by count). A restart
       reads the snapshot plus at most about this many records.
@@ -59,6 +68,10 @@ class DispatcherConfig:
       started by hand.
     heartbeat_pacing: How often workers and clients are asked to heartbeat,
       and how DYNAMIC splits grow, as their numbers grow.
+    max_split_attempts: Exactly-once jobs: a split whose worker was lost
+      while it made the split this many times is handed out no more and
+      the job fails, naming it (`jaxfeed.service.protocol.split_failures`):
+      a record that kills every worker it reaches kills only this many.
   """
 
   port: int = 0
@@ -78,11 +91,13 @@ class DispatcherConfig:
   num_workers: int | None = None
   tls: rpc.TLSConfig | None = None
   journal_fsync: bool = True
+  journal_damage: str = journal_replay.REFUSE
   snapshot_every_records: int = 50_000
   snapshot_every_bytes: int = 32 << 20
   dataset_gc_timeout_s: float = 24 * 3600.0
   autoscale: autoscale_lib.AutoscaleConfig | None = None
   heartbeat_pacing: heartbeat_pacing.HeartbeatPacing = heartbeat_pacing.HeartbeatPacing()
+  max_split_attempts: int = split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS
 
   def __post_init__(self):
     if not isinstance(self.heartbeat_pacing, heartbeat_pacing.HeartbeatPacing):
@@ -95,6 +110,9 @@ class DispatcherConfig:
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"DispatcherConfig: {name} must be > 0 seconds, got {value!r}.")
+    if self.journal_damage not in journal_replay.DAMAGE_POLICIES:
+      raise ValueError(f"DispatcherConfig: journal_damage must be one of "
+                       f"{journal_replay.DAMAGE_POLICIES}, got {self.journal_damage!r}.")
     for name in ("snapshot_every_records", "snapshot_every_bytes"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
@@ -120,6 +138,10 @@ class DispatcherConfig:
     if self.auth_token is not None and self.auth_token == self.worker_token:
       raise ValueError("DispatcherConfig: auth_token and worker_token must differ, "
                        "so that clients cannot pose as workers.")
+    if (isinstance(self.max_split_attempts, bool) or not isinstance(self.max_split_attempts, int)
+        or self.max_split_attempts < 1):
+      raise ValueError("DispatcherConfig: max_split_attempts must be an integer >= 1, "
+                       f"got {self.max_split_attempts!r}.")
     if not isinstance(self.max_jobs_per_host, int) or self.max_jobs_per_host < 1:
       raise ValueError("DispatcherConfig: max_jobs_per_host must be an integer >= 1, "
                        f"got {self.max_jobs_per_host!r}.")

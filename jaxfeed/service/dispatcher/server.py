@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -22,8 +23,10 @@ from typing import Any
 
 import grpc
 
+from jaxfeed import _lifetime
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
+from jaxfeed.service.dispatcher import health as health_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
@@ -31,7 +34,10 @@ from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_replay
 
 SERVICE_NAME = "jaxfeed.service.Dispatcher"
 
@@ -139,6 +145,8 @@ class DispatchServer:
     self._server, self.port = rpc_server.make_server(
         f"{self.config.host}:{self.config.port}", servicer.handler(self.config),
         self.config.max_message_bytes, self.config.tls)
+    self.health = health_lib.DispatcherHealth(self._server.server, SERVICE_NAME,
+                                              self.state.journal)
     self._stop = threading.Event()
     self._liveness = threading.Thread(
         target=_liveness_loop, name="jaxfeed-dispatcher-liveness", daemon=True,
@@ -164,8 +172,10 @@ class DispatchServer:
       self.autoscaler = autoscale_lib.Autoscaler(
           self.config.autoscale, backend, self.state.sample_clients,
           self.state.num_workers)
+      # How its workers ended, for the splits they die on (local processes only).
+      self.state.worker_exit_status = getattr(backend, "exit_status", None)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
-                                       self.autoscaler)
+                                       self.autoscaler, self.health)
     if start:
       self.start()
 
@@ -206,7 +216,10 @@ class DispatchServer:
 
 
 def _shutdown(server: rpc_server.ServerHandle, stop: threading.Event, state: DispatcherState,
-              autoscaler: autoscale_lib.Autoscaler | None = None) -> None:
+              autoscaler: autoscale_lib.Autoscaler | None = None,
+              health: health_lib.DispatcherHealth | None = None) -> None:
+  if health is not None:
+    health.stopping()
   if autoscaler is not None:  # its workers go first, while they can still say goodbye
     autoscaler.close()
   stop.set()
@@ -219,6 +232,8 @@ def main(argv: Any) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  # Started with jaxfeed._lifetime.popen: it ends with its parent.
+  _lifetime.die_with_parent_from_env()
   try:
     udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
                                  "pickled_udf_secret")
@@ -232,7 +247,8 @@ def main(argv: Any) -> None:
         udf_modules=import_paths.parse_udf_modules(f.udf_modules), insecure=f.insecure,
         max_jobs_per_host=f.max_jobs_per_host,
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, client_ca=f.tls_client_ca),
-        journal_fsync=f.journal_fsync, snapshot_every_records=f.snapshot_every_records,
+        journal_fsync=f.journal_fsync, journal_damage=f.journal_damage,
+        snapshot_every_records=f.snapshot_every_records,
         snapshot_every_bytes=f.snapshot_every_bytes, job_gc_timeout_s=f.job_gc_timeout_s,
         dataset_gc_timeout_s=f.dataset_gc_timeout_s,
         autoscale=autoscale_lib.AutoscaleConfig(
@@ -242,15 +258,21 @@ def main(argv: Any) -> None:
             kubernetes_deployment=f.kubernetes_deployment or None)
         if f.autoscale_max_workers else None,
         heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(
-            goodbye_via_worker_clients=f.goodbye_via_worker_clients))
+            goodbye_via_worker_clients=f.goodbye_via_worker_clients),
+        max_split_attempts=f.max_split_attempts)
   except ValueError as e:  # a flag's value: say which, without a traceback
-    raise SystemExit(f"jaxfeed dispatcher: {e}") from e
+    rpc.exit_for_bad_flags("jaxfeed dispatcher", e)
   # SIGTERM stops the dispatcher cleanly from here on: the pool it starts
   # while it is being built goes with it, even when the signal comes first.
   rpc.stop_on_sigterm()
-  server = metrics = None
   try:
     server = DispatchServer(config)
+  except journal_lib.JournalDamageError as e:  # the file and offset, without a traceback
+    raise SystemExit(f"jaxfeed dispatcher: {e}") from e
+  except OSError as e:  # its port or work_dir: say which, without a traceback
+    rpc.exit_for_bad_flags("jaxfeed dispatcher", f"cannot start: {e}")
+  metrics = None
+  try:
     # The modules and the replayed state live as long as the process: out of
     # the collector's full passes, which otherwise stalled every call for
     # 35-210 ms (benchmarks/dispatcher_scale.py, 256-1,024 workers). Only here:
@@ -262,10 +284,13 @@ def main(argv: Any) -> None:
       print(f"jaxfeed dispatcher metrics on {metrics.url}", flush=True)
     if f.port_file:
       _write_port_file(f.port_file, server.port)
-    server.join()
+    server.health.failed.wait()  # until SIGTERM (SystemExit) or its journal fails
+    print(f"jaxfeed dispatcher: its journal in {config.work_dir} failed (see the log); "
+          f"exiting with status {journal_lib.FATAL_EXIT_STATUS} to be restarted: a "
+          "restart replays every acknowledged change.", file=sys.stderr, flush=True)
+    raise SystemExit(journal_lib.FATAL_EXIT_STATUS)
   finally:
-    if server is not None:
-      server.stop()
+    server.stop()
     if metrics is not None:
       metrics.close()
 
@@ -284,8 +309,16 @@ def define_flags() -> None:
   flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 0.0.0.0 for all (workers "
                       "and clients on other machines).")
   flags.DEFINE_string("work_dir", "", "Folder of the write-ahead journal.")
-  flags.DEFINE_bool("journal_fsync", True, "fsync the journal before acknowledging a "
-                    "change (--nojournal_fsync: survives a process crash, not a power loss).")
+  flags.DEFINE_bool("journal_fsync", True, "fsync the journal before answering a change "
+                    "that must be durable (a heartbeat's are fsynced within ~20 ms, and "
+                    "acknowledged splits are sent again until they are); "
+                    "--nojournal_fsync: changes survive a process crash, not a power loss.")
+  flags.DEFINE_enum("journal_damage", journal_replay.REFUSE, list(journal_replay.DAMAGE_POLICIES),
+                    "What a restart does with a damaged journal (a checksum that does "
+                    "not match, before valid records): refuse to start, naming the file "
+                    "and offset; or truncate: cut the journal there, losing every change "
+                    "after it (logged). A torn last line is always cut; a damaged "
+                    "snapshot always refuses.")
   flags.DEFINE_integer("snapshot_every_records", 50_000, "Compact the journal into a "
                        "snapshot after this many records (0: never by count).")
   flags.DEFINE_integer("snapshot_every_bytes", 32 << 20, "Compact the journal into a "
@@ -305,6 +338,11 @@ def define_flags() -> None:
   flags.DEFINE_integer("max_jobs_per_host", 256, "Most jobs one client host may read "
                        "at once.")
   flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
+  flags.DEFINE_integer("max_split_attempts", split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS,
+                       "Exactly-once reads: a split whose worker was lost while it "
+                       "made the split this many times is handed out no more and the "
+                       "read fails, naming the split's positions and how the workers "
+                       "ended (a record that kills the worker reading it).")
   flags.DEFINE_integer("goodbye_via_worker_clients",
                        heartbeat_pacing.HeartbeatPacing.goodbye_via_worker_clients,
                        "From this many live clients on, clients say goodbye through a "

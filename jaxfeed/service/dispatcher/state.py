@@ -21,9 +21,11 @@ from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy, to_sharding_policy
 from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_lock
 from jaxfeed.service.worker import round_assembly
 
 
@@ -51,19 +53,27 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     # ignored: "refused" (wrong ticket, or a job the worker does not serve),
     # "stale" (the client was released already, or never joined).
     self.goodbyes: collections.Counter[str] = collections.Counter()
+    # Exactly-once: client id -> the journal batch of its latest acknowledged
+    # splits, until that batch is durable (heartbeats wait for no fsync).
+    self._ack_batches: dict[int, int] = {}
     self.replay_stats = journal_lib.ReplayStats()
     if config.work_dir:
       self._journal = journal_lib.Journal(
           config.work_dir, config.journal_fsync, config.snapshot_every_records,
-          config.snapshot_every_bytes)
+          config.snapshot_every_bytes, config.journal_damage)
       replay_started = time.monotonic()
+      self.replaying = True
       self.replay_stats = self._journal.replay(self._apply)
+      self.replaying = False
       self.replay_seconds = time.monotonic() - replay_started  # for --metrics_port
       deadline = time.monotonic() + config.heartbeat_timeout_s
       self._awaited = {t.worker_address: deadline for job in self.jobs.values()
                        for t in job.tasks.values() if not t.finished}
-    self.lock = journal_lib.JournalLock(self._journal, self._live_records)
+    self.lock = journal_lock.JournalLock(self._journal, self._live_records)
+    self.lock.snapshot_now()  # files of the previous release: written again, checked
     with self.lock:
+      # Durable before any call that must be (they wait for what they saw).
+      self.lock.answer_without_fsync()
       if not self.incarnation:  # a new state: workers drop what they learnt before
         self._record({"kind": "incarnation", "id": self._next_id()})
       if config.auth_token and self._ticket_master is None:
@@ -72,6 +82,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
   def close(self) -> None:
     if self._journal is not None:
       self._journal.close()
+
+  @property
+  def journal(self) -> journal_lib.Journal | None:
+    """The journal (None without a work_dir): its health, for the servers."""
+    return self._journal
 
   # -- datasets -------------------------------------------------------------
   def register_dataset(self, dataset_def: pb.DatasetDef) -> str:
@@ -85,6 +100,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     trusted.CopyFrom(dataset_def)
     trusted.fingerprint = spec_lib.fingerprint(dataset_def)
     with self.lock:
+      self.lock.check_writable()
       existing = self.dataset_by_fingerprint.get(trusted.fingerprint)
       if existing is not None:
         self._unread_since.pop(existing, None)  # registered again: in use
@@ -96,6 +112,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
 
   def dataset_def(self, dataset_id: str) -> pb.DatasetDef:
     with self.lock:
+      # Asked by a worker for a task it was given: its dataset is durable.
+      self.lock.answer_without_fsync()
       found = self.datasets.get(dataset_id)
     if found is None:
       raise rpc.NotFoundError(self.unknown_id("dataset id", dataset_id,
@@ -109,6 +127,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     policy = to_sharding_policy(request.sharding_policy)
     _check_job_request(request, policy)
     with self.lock:
+      self.lock.check_writable()
       open_jobs = self._host_clients[host]
       if host and open_jobs >= self.config.max_jobs_per_host:
         raise rpc.StatusError(
@@ -197,6 +216,10 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     """`client_heartbeat`'s answer, serialized: the task list is serialized
     once per change, not once per heartbeat."""
     with self.lock:
+      # A heartbeat's answer waits for no fsync: the splits it acknowledges
+      # are durable soon after (or once a full disk takes them), and until
+      # then the answer asks the client to send them again (acks_pending).
+      self.lock.answer_without_fsync()
       job = self._job(job_id)
       if client_id not in job.clients:
         raise rpc.NotFoundError(f"Client {client_id} is not reading job {job_id}.")
@@ -208,6 +231,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       acked = sorted(s for s in set(acked_splits) if s in job.unacked or s in job.reissue)
       if acked:
         self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
+        self._ack_batches[client_id] = self.lock.batch
+      acks_pending = client_id in self._ack_batches
+      if acks_pending and self.lock.durable(self._ack_batches[client_id]):
+        del self._ack_batches[client_id]
+        acks_pending = False
       task_list = self._client_task_list(job)
       done = task_list.all_finished
       if job.policy == ShardingPolicy.DYNAMIC:
@@ -222,9 +250,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       live_clients, joins_per_s = self._client_load()
       pacing = self.config.heartbeat_pacing
       response = pb.ClientHeartbeatResponse(
-          job_finished=finished, tasks_version=task_list.version,
+          job_finished=finished, tasks_version=task_list.version, acks_pending=acks_pending,
           heartbeat_interval_s=pacing.client_interval(
-              live_clients, self.config.client_timeout_s, joins_per_s))
+              live_clients, self.config.client_timeout_s, joins_per_s),
+          job_error=job.error,
+          lost_ranges=[pb.SplitRange(start=a, stop=b) for a, b in job.lost])
       if pacing.goodbye_via_worker(live_clients):
         response.goodbye_via_worker = True
         if self._ticket_master is not None:
@@ -260,6 +290,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
 
   def release_client(self, job_id: int, client_id: int) -> None:
     with self.lock:
+      self.lock.answer_without_fsync()  # a client that leaves waits for nothing
       self.goodbyes["call"] += 1
       job = self.jobs.get(job_id)
       if job is None or client_id not in job.clients:
@@ -273,20 +304,22 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     deadline moves by as much."""
     now = time.monotonic()
     with self.lock:
+      self.lock.answer_without_fsync()  # nobody waits for its answer
       if away_s > 0:
         self._excuse_absence(away_s, now)
       for address, worker in list(self.workers.items()):
         if now - worker.last_heartbeat <= self.config.heartbeat_timeout_s:
           continue
-        logging.warning("Worker %s missed heartbeats for %.1fs: declared dead.",
-                        address, now - worker.last_heartbeat)
+        how = self.how_lost(worker)
+        logging.warning("Worker %s missed heartbeats for %.1fs: declared dead (%s).",
+                        address, now - worker.last_heartbeat, how)
         del self.workers[address]
-        self._lose_tasks_of(address)
+        self._lose_tasks_of(address, how=how)
       for address, deadline in list(self._awaited.items()):
         if now > deadline:  # did not come back after a dispatcher restart
           logging.warning("Worker %s did not register again: its tasks are lost.", address)
           del self._awaited[address]
-          self._lose_tasks_of(address)
+          self._lose_tasks_of(address, how=split_failures.LOST)
       for job in list(self.jobs.values()):
         for client_id, seen in list(job.clients.items()):
           if now - seen > self.config.client_timeout_s:
@@ -332,11 +365,13 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
   def num_workers(self) -> int:
     """The workers registered and alive."""
     with self.lock:
+      self.lock.answer_without_fsync()
       return len(self.workers)
 
   def sample_clients(self) -> autoscale_lib.Sample | None:
     """The live clients' reports since the last call, as one sample."""
     with self.lock:
+      self.lock.answer_without_fsync()
       now = time.monotonic()
       live = {c for job in self.jobs.values() for c in job.clients}
       elements, waits, fills = 0, [], []
@@ -380,6 +415,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
     self._forget_host(client_id)
+    self._ack_batches.pop(client_id, None)
     job = self.jobs[job_id]
     if job.clients:
       return

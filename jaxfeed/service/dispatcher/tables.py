@@ -11,9 +11,10 @@ import time
 
 from jaxfeed.service.dispatcher import task_lists
 from jaxfeed.service.protocol import read_state
+from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
-from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_lock
 from jaxfeed.service.storage import journal_records
 from jaxfeed.service.storage import state_snapshot
 
@@ -61,11 +62,23 @@ class Job:
   # A resumed exactly-once read's job: positions no split is carved from (sorted
   # disjoint [start, stop) ranges; see jaxfeed.service.protocol.read_state).
   skip: list = dataclasses.field(default_factory=list)
+  # Exactly-once: split start -> (its stop, "worker: how it ended" for each
+  # worker lost while it made the split; see jaxfeed.service.protocol.split_failures).
+  split_losses: dict[int, tuple[int, list[str]]] = dataclasses.field(default_factory=dict)
+  # Exactly-once: unacknowledged splits their worker reported made (not
+  # journaled: after a restart, a worker lost counts against them again).
+  made: set[int] = dataclasses.field(default_factory=set)
+  # Why the job failed ("": it did not), and the splits it handed out no more.
+  error: str = ""
+  failed_splits: dict[int, int] = dataclasses.field(default_factory=dict)
+  # At-most-once: sorted disjoint [start, stop) positions lost workers were reading.
+  lost: list = dataclasses.field(default_factory=list)
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
     stop, _ = self.unacked.pop(start)
     self.holders.pop(start, None)
+    self.made.discard(start)
     self.reissue[start] = stop
 
   @property
@@ -89,6 +102,8 @@ class Worker:
   last_heartbeat: float
   tasks: set[int] = dataclasses.field(default_factory=set)
   incarnation: str = ""  # of the worker's process ("": it sends none)
+  pid: int = 0  # its process and that process's parent (0: it sends none)
+  parent_pid: int = 0
 
 
 class WorkerTable(dict):
@@ -138,7 +153,7 @@ class DispatcherTables:
   happens and again when the journal is replayed after a restart."""
 
   # Set by the subclass, once the journal is open.
-  lock: journal_lib.JournalLock
+  lock: journal_lock.JournalLock
 
   def __init__(self):
     self.datasets: dict[str, pb.DatasetDef] = {}
@@ -167,6 +182,8 @@ class DispatcherTables:
     # Version of every job's clients as workers see them; random at start,
     # so that no version a worker got from an earlier process matches.
     self.clients_version = random.getrandbits(62) + 1
+    # Records come from the journal's files, not from a change being made.
+    self.replaying = False
 
   # -- journaled changes --------------------------------------------------
   def _record(self, record: dict) -> None:
@@ -219,6 +236,8 @@ class DispatcherTables:
       self.incarnation = int(r["id"])
     elif kind == "dataset":
       dataset_def = pb.DatasetDef.FromString(base64.b64decode(r["def"]))
+      if self.replaying:  # computed from the definition, never trusted from the file
+        dataset_def.fingerprint = spec_lib.fingerprint(dataset_def)
       self.datasets[r["dataset_id"]] = dataset_def
       self.dataset_by_fingerprint[dataset_def.fingerprint] = r["dataset_id"]
     elif kind == "dataset_deleted":
@@ -305,9 +324,22 @@ class DispatcherTables:
       for start in r["starts"]:
         job.unacked.pop(start, None)
         job.holders.pop(start, None)
+        job.made.discard(start)
         job.reissue.pop(start, None)  # acknowledged just after its worker was lost
     elif kind == "splits_lost":
       self.jobs[r["job_id"]].reissue.update((start, stop) for start, stop in r["ranges"])
+    elif kind == "splits_failed":  # a worker was lost while it made (or read) them
+      job = self.jobs[r["job_id"]]
+      if job.exactly_once:
+        for start, stop in r["ranges"]:
+          job.split_losses.setdefault(start, (stop, []))[1].append(f"{r['worker']}: {r['how']}")
+      else:
+        job.lost = read_state.merge_ranges(job.lost + r["ranges"])
+    elif kind == "split_poisoned":  # handed out no more; the job fails
+      job = self.jobs[r["job_id"]]
+      job.reissue.pop(r["start"], None)
+      job.failed_splits[r["start"]] = r["stop"]
+      job.error = job.error or r["error"]
     else:
       raise ValueError(f"Unknown journal record kind {kind!r}.")
 

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jaxfeed.service.dispatcher import tables as dispatcher_tables
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.tables import Job, Task, Worker
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
+from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+
+
+# Split answers whose journal batch is remembered before the durable ones are dropped.
+_MAX_ANSWER_BATCHES = 4096
 
 
 class WorkerRegistry(dispatcher_tables.DispatcherTables):
@@ -30,6 +36,13 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     # Split answers given, by (the call that carried them, whether it was a
     # task's first request): for --metrics_port.
     self.split_answers: collections.Counter[tuple[str, bool]] = collections.Counter()
+    # Task id -> the journal batch of its last split answer, until durable: a
+    # repeated request waits for that batch only (replayed ones are durable).
+    self._answer_batches: dict[int, int] = {}
+    # The return code of a worker process this dispatcher's pool started
+    # (None while it runs; KeyError for a process it did not start): set by
+    # the server when it runs a local pool.
+    self.worker_exit_status: Callable[[int], int | None] | None = None
 
   def _assign_tasks(self, job: Job) -> None:
     """Creates tasks for live workers that lack one (lock held)."""
@@ -106,6 +119,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     if not address:
       raise ValueError("WorkerHeartbeat: worker_address is empty.")
     with self.lock:
+      self.lock.answer_without_fsync()  # unless it hands out tasks (below)
       if request.leaving:
         self._finish_tasks(request.finished_tasks)
         leaving = self.workers.get(address)
@@ -123,7 +137,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         # new process has none of the old one's tasks or streams.
         logging.warning("Worker %s restarted: its tasks are lost.", address)
         del self.workers[address]
-        self._lose_tasks_of(address)
+        self._lose_tasks_of(address, how=_RESTARTED)
         worker = None
       if worker is None:
         logging.info("Worker %s registered.", address)
@@ -135,13 +149,14 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           # Tasks journaled before a restart that the process does not run:
           # it restarted too (or never got them).
           self._lose_tasks_of(address, keep=set(request.current_tasks)
-                              | set(request.finished_tasks))
+                              | set(request.finished_tasks), how=_RESTARTED)
         for job in self.jobs.values():  # tasks journaled before a restart
           worker.tasks.update(t.task_id for t in job.tasks.values()
                               if t.worker_address == address)
         for job in list(self.jobs.values()):
           self._assign_tasks(job)
       worker.last_heartbeat = time.monotonic()
+      worker.pid, worker.parent_pid = request.pid, request.parent_pid
       if worker.data_address != request.data_address:
         self._task_lists.changed()  # clients read its tasks at the new address
       worker.data_address = request.data_address
@@ -154,15 +169,24 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         if starts:
           self._record({"kind": "splits_held", "job_id": job.job_id,
                         "client_id": held.client_id, "starts": starts})
+      for made in request.made_splits:
+        task = live.get(made.task_id)
+        if task is not None:
+          job = self.jobs[task.job_id]
+          job.made.update(s for s in made.starts
+                          if job.unacked.get(s, (0, -1))[1] == made.task_id)
       if request.client_goodbyes:  # after the splits held for them
         self._release_goodbyes(request.client_goodbyes, {t.job_id for t in live.values()})
       current = set(request.current_tasks)
       # Every task's clients again only when some job's clients changed:
       # 1,024 clients of a job are 1,024 ids sorted and sent per heartbeat.
       unchanged = request.known_clients_version == self.clients_version
+      new_tasks = [self._new_task_info(t, request) for tid, t in sorted(live.items())
+                   if tid not in current and not t.finished]
+      if new_tasks:  # they, and the splits they come with, must be durable first
+        self.lock.answer_after_fsync()
       return pb.WorkerHeartbeatResponse(
-          new_tasks=[self._new_task_info(t, request) for tid, t in sorted(live.items())
-                     if tid not in current and not t.finished],
+          new_tasks=new_tasks,
           tasks_to_delete=sorted(current - set(live)),
           ticket_key=self._ticket_key(address),
           task_clients=[] if unchanged else [
@@ -213,15 +237,24 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     last = job.last_splits.get(task_id)
     if request_seq and last is not None and last[0] == request_seq:
       # The worker did not get the reply: the same ranges, still its own
-      # (they are acknowledged or reissued only after it had them).
+      # (they are acknowledged or reissued only after it had them). They wait
+      # for no fsync but the one that makes them durable, if still due.
+      batch = self._answer_batches.get(task_id, 0)
+      if self.lock.durable(batch):
+        self._answer_batches.pop(task_id, None)
+        batch = 0
+      self.lock.answer_without_fsync(batch)
       return pb.GetSplitsResponse(ranges=[pb.SplitRange(start=a, stop=b)
                                           for a, b in last[1]])
+    if job.error:  # it failed: its tasks end
+      return pb.GetSplitsResponse(end_of_splits=True)
     wanted = max(1, min(max_ranges, 64))
-    ranges = [pb.SplitRange(start=start, stop=stop)
-              for start, stop in sorted(job.reissue.items())[:wanted]]
+    ranges = _reissued(job, wanted)
     start = job.next_position
     split_size = self.config.heartbeat_pacing.split_size(self.config.split_size,
                                                          len(job.tasks))
+    if ranges and ranges[0].start in job.split_losses:
+      wanted = 1  # a worker was lost on it: alone, so that a loss names it alone
     while len(ranges) < wanted:
       if 0 <= job.num_positions <= start:
         break
@@ -234,6 +267,15 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     issued = {"task_id": task_id, "ranges": [[r.start, r.stop] for r in ranges]}
     if request_seq:
       issued["request_seq"] = request_seq
+    if not ranges:  # nothing handed out, nothing recorded: no fsync to wait for
+      self.lock.answer_without_fsync()
+    else:
+      self.lock.check_writable()  # new splits must be durable before they go out
+      if request_seq:
+        if len(self._answer_batches) > _MAX_ANSWER_BATCHES:
+          self._answer_batches = {t: b for t, b in self._answer_batches.items()
+                                  if not self.lock.durable(b)}
+        self._answer_batches[task_id] = self.lock.batch
     if start != job.next_position:
       self._record({"kind": "splits", "job_id": job.job_id, "next_position": start,
                     **({} if job.exactly_once else issued)})
@@ -253,11 +295,74 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         if task is not None and not task.finished:
           self._record({"kind": "task_finished", "job_id": job.job_id, "task_id": task_id})
 
-  def _lose_tasks_of(self, address: str, keep: set[int] = frozenset()) -> None:
-    """Records as lost the unfinished tasks on `address`, but those in `keep`."""
+  def _lose_tasks_of(self, address: str, keep: set[int] = frozenset(),
+                     how: str | None = None) -> None:
+    """Records as lost the unfinished tasks on `address`, but those in `keep`.
+
+    `how` the worker ended, unless it left on its own (None): then the
+    splits it was making (reading, at-most-once) count the loss
+    (`jaxfeed.service.protocol.split_failures`)."""
     for job in self.jobs.values():
       for task in list(job.tasks.values()):
         if (task.worker_address == address and not task.finished
             and task.task_id not in keep):
+          blamed = self._splits_in_the_making(job, task.task_id) if how is not None else []
+          if blamed:
+            self._record({"kind": "splits_failed", "job_id": job.job_id,
+                          "ranges": blamed, "worker": address, "how": how})
           self._record({"kind": "task_lost", "job_id": job.job_id, "task_id": task.task_id})
+          if job.exactly_once:
+            self._fail_poisoned(job, [start for start, _ in blamed])
+
+  def _splits_in_the_making(self, job: Job, task_id: int) -> list[list[int]]:
+    """The splits a lost task may have died of (lock held): those of its
+    last GetSplits answer (a worker asks again only once it made or, at
+    most once, read them all) that it had not reported made."""
+    last = job.last_splits.get(task_id)
+    if last is None:
+      return []
+    if not job.exactly_once:
+      return [[a, b] for a, b in last[1]]
+    return [[a, b] for a, b in last[1]
+            if job.unacked.get(a, (0, -1))[1] == task_id and a not in job.made
+            and a not in job.holders]
+
+  def _fail_poisoned(self, job: Job, starts: Sequence[int]) -> None:
+    """Hands out no more the splits that reached max_split_attempts losses,
+    and fails the job (lock held)."""
+    for start in starts:
+      stop, losses = job.split_losses[start]
+      if len(losses) >= self.config.max_split_attempts and start not in job.failed_splits:
+        error = split_failures.poison_message(job.dataset_id, job.job_id, start, stop,
+                                              losses, self.config.max_split_attempts)
+        logging.error("%s", error)
+        self._record({"kind": "split_poisoned", "job_id": job.job_id, "start": start,
+                      "stop": stop, "error": error})
+
+  def how_lost(self, worker: Worker) -> str:
+    """How a worker whose heartbeats stopped ended, as far as this
+    dispatcher knows: its exit where this process's pool started it."""
+    if self.worker_exit_status is None or not worker.pid or worker.parent_pid != os.getpid():
+      return split_failures.LOST
+    try:
+      return split_failures.describe_exit(self.worker_exit_status(worker.pid))
+    except KeyError:  # a process of this machine the pool did not start
+      return split_failures.LOST
+
+
+_RESTARTED = "restarted (a new process on its address)"
+
+
+def _reissued(job: Job, wanted: int) -> list[pb.SplitRange]:
+  """Up to `wanted` splits to issue again, oldest first; one a worker was
+  lost on goes alone: first in an answer of its own (the caller adds no new
+  split), else not before the next answer."""
+  ranges = []
+  for start, stop in sorted(job.reissue.items()):
+    if len(ranges) >= wanted or (ranges and start in job.split_losses):
+      break
+    ranges.append(pb.SplitRange(start=start, stop=stop))
+    if start in job.split_losses:
+      break
+  return ranges
 

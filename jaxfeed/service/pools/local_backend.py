@@ -1,8 +1,15 @@
 """A worker pool on this machine: the autoscaler starts and stops worker
-processes (`python -m jaxfeed.service.worker`), children of the dispatcher."""
+processes (`python -m jaxfeed.service.worker`), children of the dispatcher.
+
+The workers end with the dispatcher's process, however it ends (a SIGKILL
+included: see `jaxfeed._lifetime`), and the pool remembers how each of its
+workers ended, which the dispatcher names when a split kills them (see
+`jaxfeed.service.protocol.split_failures`).
+"""
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import subprocess
@@ -10,6 +17,8 @@ import sys
 import tempfile
 import threading
 from typing import Sequence
+
+from jaxfeed import _lifetime
 
 _LOG = logging.getLogger(__name__)
 
@@ -31,6 +40,8 @@ class LocalWorkerBackend:
     self._flags = list(flags)
     self._lock = threading.Lock()
     self._processes: list[subprocess.Popen] = []
+    # pid -> return code of the workers that ended, the latest _EXITS_KEPT.
+    self._exits: collections.OrderedDict[int, int] = collections.OrderedDict()
     self._folder = tempfile.TemporaryDirectory(prefix="jaxfeed-workers-")
     self._flagfile = None
     if secrets:
@@ -43,12 +54,40 @@ class LocalWorkerBackend:
   @property
   def num_workers(self) -> int:
     with self._lock:
-      self._processes = [p for p in self._processes if p.poll() is None]
-      return len(self._processes)
+      return len(self._live_locked())
 
   def pids(self) -> list[int]:
     with self._lock:
-      return [p.pid for p in self._processes if p.poll() is None]
+      return [p.pid for p in self._live_locked()]
+
+  def exit_status(self, pid: int) -> int | None:
+    """The return code of worker process `pid` (negative: the signal that
+    ended it), None while it runs. Raises KeyError for a process this pool
+    did not start (or ended too long ago)."""
+    with self._lock:
+      self._live_locked()
+      if pid in self._exits:
+        return self._exits[pid]
+      if any(p.pid == pid for p in self._processes):
+        return None
+    raise KeyError(pid)
+
+  def _live_locked(self) -> list[subprocess.Popen]:
+    """The processes still running; notes how the others ended (lock held)."""
+    live = []
+    for process in self._processes:
+      code = process.poll()
+      if code is None:
+        live.append(process)
+        continue
+      self._note_exit(process.pid, code)
+    self._processes = live
+    return live
+
+  def _note_exit(self, pid: int, code: int) -> None:
+    self._exits[pid] = code
+    while len(self._exits) > _EXITS_KEPT:
+      self._exits.popitem(last=False)
 
   def start_worker(self) -> None:
     args = [sys.executable, "-m", "jaxfeed.service.worker",
@@ -56,7 +95,8 @@ class LocalWorkerBackend:
             f"--parent_pid={os.getpid()}", *self._flags]
     if self._flagfile:
       args.append(f"--flagfile={self._flagfile}")
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    # It calls _lifetime.die_with_parent_from_env(): it ends with this process.
+    process = _lifetime.popen(args, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     with self._lock:
       self._processes.append(process)
     _LOG.info("Started worker process %d.", process.pid)
@@ -70,6 +110,8 @@ class LocalWorkerBackend:
       process = live[-1]
       self._processes.remove(process)
     _stop_process(process)
+    with self._lock:
+      self._note_exit(process.pid, process.returncode)
     _LOG.info("Stopped worker process %d.", process.pid)
     return True
 
@@ -81,6 +123,9 @@ class LocalWorkerBackend:
     for process in processes:
       _stop_process(process)
     self._folder.cleanup()
+
+
+_EXITS_KEPT = 1024
 
 
 def _stop_process(process: subprocess.Popen) -> None:

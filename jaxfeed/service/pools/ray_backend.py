@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import ray
 
+from jaxfeed import _lifetime
+
 _LOG = logging.getLogger(__name__)
 
 # How long a stopping worker may drain (its --drain_timeout_s is 30 s) before
@@ -53,9 +55,10 @@ class _WorkerActor:
         for name, value in secrets.items():
           f.write(f"--{name}={value}\n")
       args.append(f"--flagfile={path}")
-    self._process = subprocess.Popen([sys.executable, "-m", "jaxfeed.service.worker", *args],
-                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     text=True)
+    # It ends with the actor's process, however that ends (jaxfeed._lifetime).
+    self._process = _lifetime.popen([sys.executable, "-m", "jaxfeed.service.worker", *args],
+                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                    text=True)
     # "jaxfeed worker listening on ADDRESS [data ADDRESS]"
     words = self._process.stdout.readline().split()
     if "on" not in words:

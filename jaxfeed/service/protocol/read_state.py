@@ -251,7 +251,12 @@ def merge_process_states(pipeline_states: Sequence[Any],
       if (node.get("op") == "distribute" and isinstance(own, dict) and own.get("job_name")
           and "splits" in own):
         groups.setdefault(own["job_name"], []).append(own)
-    for owns in groups.values():
+    for name, owns in groups.items():
+      identities = {json.dumps(own.get("identity"), sort_keys=True) for own in owns}
+      if len(identities) > 1:
+        raise ResumeStateError(
+            f"The processes' reads of shared job {name!r} were saved from "
+            f"different pipelines: {sorted(identities)!s:.400}.")
       merged = merge_states([own["splits"] for own in owns])
       for own in owns:
         own["splits"] = merged

@@ -13,9 +13,10 @@ import math
 import os
 import signal
 import ssl
+import sys
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import grpc
 from google.protobuf import message as pb_message
@@ -311,7 +312,9 @@ class Caller:
 
 def call_with_retry(caller: Caller, request: pb_message.Message,
                     timeout_s: float | None, what: str, attempt_s: float | None = None,
-                    cancelled: Callable[[], bool] | None = None) -> Any:
+                    cancelled: Callable[[], bool] | None = None, *, target: str = "",
+                    answer_within_s: float | None = None,
+                    unanswered_hint: str = "") -> Any:
   """Calls until success, retrying while the server is unreachable.
 
   Args:
@@ -325,6 +328,14 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
     cancelled: polled while a call waits (past a first plain attempt of
       _QUICK_ATTEMPT_S); once true, the call is cancelled and ServiceError
       raised (whoever needed the answer is gone).
+    target: the server's address, for the error of `answer_within_s`.
+    answer_within_s: the calls of its first seconds fail fast, and if all
+      of those found nothing that answers at `target` (the connection
+      refused, an unknown host, a handshake that fails: no server there, or
+      another TLS setting), the error comes after `answer_within_s` rather
+      than `timeout_s`, with `unanswered_hint` added. A server that
+      answers, or is slow to (a deadline passes), gets the whole timeout_s.
+    unanswered_hint: see `answer_within_s`.
 
   Returns:
     The response.
@@ -333,22 +344,27 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
     ServiceError: the server refused the call, timeout_s passed, or it was
       cancelled; its message names the status and `what`.
   """
-  deadline = None if timeout_s is None else time.monotonic() + timeout_s
+  start = time.monotonic()
+  deadline = None if timeout_s is None else start + timeout_s
+  answer_by = None if answer_within_s is None else start + min(
+      answer_within_s, math.inf if timeout_s is None else timeout_s)
   retried = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
   first = True
   while True:
-    left = math.inf if deadline is None else deadline - time.monotonic()
+    until = deadline if answer_by is None else answer_by
+    left = math.inf if until is None else until - time.monotonic()
     limit = min(left, attempt_s if attempt_s is not None else math.inf)
     if cancelled is not None and first:
       # Most calls are answered at once: a plain call, without a future's
       # thread hops (a few ms each), and cancellable calls only after it.
       limit = min(limit, _QUICK_ATTEMPT_S)
     timeout = None if limit == math.inf else max(limit, 0.05)
+    wait_for_ready = answer_by is None
     try:
       if cancelled is None or first:
         first = False
-        return caller(request, timeout=timeout, wait_for_ready=True)
-      future = caller.future(request, timeout=timeout, wait_for_ready=True)
+        return caller(request, timeout=timeout, wait_for_ready=wait_for_ready)
+      future = caller.future(request, timeout=timeout, wait_for_ready=wait_for_ready)
       while True:
         try:
           return future.result(timeout=_CANCEL_POLL_S)
@@ -358,6 +374,16 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
             raise ServiceError(f"{what} was given up: whoever needed it is gone.") from None
     except grpc.RpcError as e:
       code = e.code()
+      if answer_by is not None and code == grpc.StatusCode.UNAVAILABLE:
+        if answer_by - time.monotonic() > 0.05:
+          time.sleep(0.1)
+          continue
+        raise ServiceError(
+            f"{what} failed: no answer within {answer_by - start:g} s from {target}: "
+            f"nothing answers there ({code.name}: {e.details()}). Check that the server "
+            "is up at that address and that client and server agree on TLS and its "
+            f"certificates{unanswered_hint}.") from e
+      answer_by = None  # it answered, or is slow to: the whole timeout_s
       if code in retried and (deadline is None or deadline - time.monotonic() > 0.05):
         if cancelled is not None and cancelled():
           raise ServiceError(f"{what} was given up: whoever needed it is gone.") from e
@@ -369,6 +395,14 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
                 "that address and that client and server agree on TLS and its "
                 "certificates)")
       raise ServiceError(f"{what} failed: {code.name}: {e.details()}{hint}") from e
+
+
+def exit_for_bad_flags(program: str, error: Exception | str) -> NoReturn:
+  """Ends a server's command line that it cannot act on (a flag's value, a
+  port it cannot listen on, a folder it cannot use): the reason in one line,
+  no traceback, exit status 2 as for a usage error."""
+  print(f"{program}: {error}", file=sys.stderr, flush=True)
+  raise SystemExit(2)
 
 
 def stop_on_sigterm() -> None:

@@ -174,13 +174,17 @@ def make_server(address: str, methods_handler: grpc.GenericRpcHandler,
                ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS)],
       maximum_concurrent_rpcs=None)
   server.add_generic_rpc_handlers((methods_handler,))
-  if tls is not None:
-    port = server.add_secure_port(address, tls.server_credentials())
-  else:
-    port = server.add_insecure_port(address)
+  try:
+    if tls is not None:
+      port = server.add_secure_port(address, tls.server_credentials())
+    else:
+      port = server.add_insecure_port(address)
+  except RuntimeError:  # what grpc raises where its older releases returned 0
+    port = 0
   if port == 0:
     executor.shutdown(wait=False)
-    raise OSError(f"Cannot bind a gRPC server to {address!r}.")
+    raise OSError(f"Cannot listen on {address!r}: the port is in use, or the host is "
+                  "not an address of this machine.")
   return ServerHandle(server, executor, errors), port
 
 

@@ -8,78 +8,109 @@ Files in the work_dir:
   journal.<G>.jsonl   journal generation G >= 1.
   LOCK                held (flock) by the dispatcher using the folder.
 
-A journal line is one batch: the JSON list of the records of one state change,
-written with one `write` and (by default) one fsync. Lines of a single JSON
-object (one record) are read too: older dispatchers wrote those. A restart
-replays the snapshot, then every generation from G on, oldest first.
+Every line of these files is checked: it carries a rolling CRC-32C
+(`journal_lines`). A journal file starts with a header line; each line after
+it is one batch, the JSON list of the records of one state change. A restart
+replays the snapshot, then every generation from G on, oldest first
+(`journal_replay`: a torn last line is cut off; damage anywhere else refuses
+to start, or with `--journal_damage=truncate` is cut with what follows).
 
-A torn last line (a crash in the middle of a write) was never acknowledged: it
-is cut off when the journal is replayed, so the next batch starts on a clean
-line. An incomplete or unreadable line anywhere else is an error naming the
-file and line.
+Writing. A batch is written (`os.write`, into the page cache) while the
+state's lock is held, so a crash of the process never loses a change once
+the lock is released; it is made durable (fsync) after the lock is
+released, and nothing holds the state's lock across an fsync. One fsync
+covers every batch written before it, so changes that commit at once share
+it (group commit). What an answer waits for is its `JournalLock` holder's
+choice: by default every change it may have seen is durable before it goes
+out; heartbeats, reads and a repeated split answer that was durable already
+wait for no fsync (see `JournalLock.answer_without_fsync`). A thread makes
+what nobody waits for durable within about LAZY_SYNC_S, and writes the
+snapshots.
+
+A full disk. A batch whose write fails stays in memory, in order, and the
+journal is unhealthy (`healthy`; the dispatcher's health service and
+`jaxfeed_dispatcher_journal_healthy` say so). Changes that must be durable
+before their answer are refused with UNAVAILABLE meanwhile (callers retry),
+while heartbeats go on: what they change is kept in memory and written once
+the disk takes it. The thread retries every RETRY_S; once the waiting bytes
+are written and fsynced the journal is healthy again, and the dispatcher
+serves every call, with no restart. Should more than MAX_UNWRITTEN_BYTES
+wait, or an fsync fail, the journal fails for good (`failed`): after a failed
+fsync the kernel may have dropped the pages it could not write, and a later
+fsync would succeed without them (PostgreSQL stops there too), so only a
+restart that replays what the disk holds knows the state. The command-line
+dispatcher then exits with status FATAL_EXIT_STATUS for its supervisor to
+restart it.
 
 A snapshot is taken in three steps; a crash between any two of them replays
 the same state:
 
-  1. Under the state's lock: fsync generation G, start generation G+1 (new
-     records go there), take the live state's records.
-  2. Write them to `snapshot.json.tmp`, fsync it, rename it to `snapshot.json`,
-     fsync the folder. Until the rename the old snapshot and generations up
-     to G+1 describe the state; a leftover tmp file is ignored and removed.
+  1. Under the state's lock: start generation G+1 (new records go there,
+     behind its header), take the live state's records.
+  2. On the journal's thread: fsync generation G; write the records to
+     `snapshot.json.tmp`, fsync it, rename it to `snapshot.json`, fsync the
+     folder. Until the rename the old snapshot and generations up to G+1
+     describe the state; a leftover tmp file is ignored and removed.
   3. Delete generations up to G (a restart also deletes any left over).
 
 Cost of fsync (`DispatcherConfig.journal_fsync`, on by default), measured with
 `python -m benchmarks.journal_restart` on an ext4 virtual disk: one journaled
 change (a GetSplits) takes 1.7 ms with fsync and 0.013 ms without (470 against
 13.9k changes/s from one thread); with 8 threads committing at once, changes
-share fsyncs (group commit) and reach 5.6k/s. A reply that changed nothing
-waits only for changes it may have seen. The same run: a restart after 10k
-jobs and 1M exactly-once splits replays 2.1M records in 18 s without
+share fsyncs (group commit) and reach 5.6k/s. The same run: a restart after
+10k jobs and 1M exactly-once splits replays 2.1M records in 18 s without
 snapshots, and 69k (39k of live state, 30k of journal) in 1.6 s with them.
+
+Test hook: with the environment variable JAXFEED_TEST_FSYNC_DELAY_S set (to
+seconds), every fsync of the journal sleeps that long first: tests use it to
+give a dispatcher process a slow disk.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import collections
 import fcntl
 import json
 import logging
 import os
 import pathlib
-import re
 import threading
+import time
 from typing import Any, Callable
 
+from jaxfeed.service.protocol import rpc
+from jaxfeed.service.storage import journal_lines
+from jaxfeed.service.storage import journal_replay
 from jaxfeed.service.storage import state_snapshot
+from jaxfeed.service.storage.journal_lines import JournalDamageError
+from jaxfeed.service.storage.journal_replay import (REFUSE, SNAPSHOT_NAME, TMP_SUFFIX,
+                                                    ReplayStats, journal_name)
 
-SNAPSHOT_NAME = "snapshot.json"
+__all__ = ["Journal", "JournalDamageError", "JournalUnavailableError", "ReplayStats",
+           "journal_name",
+           "SNAPSHOT_NAME", "LOCK_NAME", "TMP_SUFFIX", "FATAL_EXIT_STATUS"]
+
 LOCK_NAME = "LOCK"
-TMP_SUFFIX = ".tmp"
-_GENERATION_NAME = re.compile(r"journal(?:\.(\d+))?\.jsonl")
+RETRY_S = 0.5  # between tries to write what a full disk refused
+LAZY_SYNC_S = 0.02  # what nobody waits for is fsynced after about this long
+MAX_UNWRITTEN_BYTES = 64 << 20  # batches a failing disk may leave in memory
+FATAL_EXIT_STATUS = 75  # the command-line dispatcher's, once its journal failed
+FSYNC_DELAY_ENV = "JAXFEED_TEST_FSYNC_DELAY_S"
 
 
-def journal_name(generation: int) -> str:
-  """The file name of a journal generation."""
-  return "journal.jsonl" if generation == 0 else f"journal.{generation}.jsonl"
+def _fsync(fd: int) -> None:
+  delay = os.environ.get(FSYNC_DELAY_ENV)
+  if delay:
+    time.sleep(float(delay))
+  os.fsync(fd)
 
 
-@dataclasses.dataclass(frozen=True)
-class ReplayStats:
-  """What a restart read.
+class JournalUnavailableError(rpc.StatusError):
+  """The journal cannot take a change now (its disk refused a write, or it
+  failed): answered UNAVAILABLE, which callers retry."""
 
-  Attributes:
-    snapshot_records: records read from the snapshot.
-    journal_records: records read from the journal after the snapshot.
-    torn_bytes: bytes of a torn last line that were cut off.
-  """
-
-  snapshot_records: int = 0
-  journal_records: int = 0
-  torn_bytes: int = 0
-
-  @property
-  def records(self) -> int:
-    return self.snapshot_records + self.journal_records
+  def __init__(self, message: str):
+    super().__init__("UNAVAILABLE", message)
 
 
 class Journal:
@@ -96,31 +127,49 @@ class Journal:
       records since the last one; 0: never by count.
     snapshot_every_bytes: take a snapshot once the journal holds this many
       bytes since the last one; 0: never by size.
+    damage: what replay does with damage before valid records
+      (`journal_replay.DAMAGE_POLICIES`).
   """
 
   def __init__(self, work_dir: str | os.PathLike, fsync: bool = True,
                snapshot_every_records: int = 50_000,
-               snapshot_every_bytes: int = 32 << 20):
+               snapshot_every_bytes: int = 32 << 20, damage: str = REFUSE):
     self.work_dir = pathlib.Path(work_dir)
     self.work_dir.mkdir(parents=True, exist_ok=True)
     self._fsync = fsync
     self._every_records = snapshot_every_records
     self._every_bytes = snapshot_every_bytes
+    self._damage = damage
+    self._replayed = False
+    self._lock_fd: int | None = None
+    # Guards everything below; held for writes (page cache), never during an fsync.
+    lock = threading.Lock()
+    self._cond = threading.Condition(lock)  # an fsync round ended
+    self._work = threading.Condition(lock)  # the journal's thread has work
     self._generation = 0
     self._fd: int | None = None
-    self._replayed = False
-    # Batches written and batches known durable (a count over all generations).
-    self._written = 0
-    self._synced = 0
-    # Guards _synced, _syncing and the descriptor against closing; never held
-    # during an fsync.
-    self._sync_lock = threading.Condition(threading.Lock())
-    self._syncing = False  # a caller is in fsync
+    self._crc = 0  # of the current generation's last line
+    self._retired: list[int] = []  # descriptors of finished generations, to fsync
+    self._folder_dirty = False  # a file was created since the folder's last fsync
+    # Batches accepted, written and durable: numbers counted from 1 over all
+    # generations; accepted ones not yet written wait in _unwritten, in order.
+    self._accepted = self._written = self._synced = 0
+    self._unwritten: collections.deque[tuple[int, bytes]] = collections.deque()
+    self._unwritten_bytes = 0
+    self._partial = 0  # bytes of the first unwritten batch already written
+    self._syncing = False  # a thread is in fsync
+    self._write_error: OSError | None = None  # unhealthy while set
+    self._failure: BaseException | None = None  # failed for good
     self._records_since_snapshot = 0
     self._bytes_since_snapshot = 0
+    self._force_snapshot = False
     self._snapshot_in_flight = False
-    self._failure: OSError | None = None
-    self._lock_fd: int | None = None
+    self._snapshots: collections.deque[tuple[int, list]] = collections.deque()
+    self._closed = False
+    self._thread: threading.Thread | None = None
+    # What was written waits for the thread's fsync (nobody may wait for it).
+    self._sync_due = False
+    self._listeners: list[Callable[[bool], None]] = []
 
   @property
   def path(self) -> pathlib.Path:
@@ -133,60 +182,43 @@ class Journal:
 
   # -- restart ---------------------------------------------------------------
   def replay(self, apply: Callable[[dict[str, Any]], None]) -> ReplayStats:
-    """Calls `apply` on every record of the snapshot and journal, in order.
-
-    Cuts off a torn last line and removes files a crash left behind.
+    """Calls `apply` on every record of the snapshot and journal, in order,
+    then opens the journal for writing (see `journal_replay.replay`).
 
     Raises:
-      ValueError: a file is damaged (the message names it and the line), or
-        `apply` failed on a record.
+      JournalDamageError: a file is damaged (the message names it and the offset).
+      ValueError: `apply` failed on a record.
     """
     if self._replayed:
       raise RuntimeError(f"Journal {self.work_dir} was already replayed.")
     self._lock_folder()
     self._replayed = True
     try:
-      return self._replay(apply)
+      result = journal_replay.replay(self.work_dir, apply, self._damage, self._fsync)
     except BaseException:
       self.close()
       raise
-
-  def _replay(self, apply: Callable[[dict[str, Any]], None]) -> ReplayStats:
-    tmp = self.work_dir / (SNAPSHOT_NAME + TMP_SUFFIX)
-    tmp.unlink(missing_ok=True)  # an unfinished snapshot
-    first, snapshot_records = 0, 0
-    if self.snapshot_path.exists():
-      first, records = state_snapshot.decode(self.snapshot_path.read_bytes(),
-                                             str(self.snapshot_path))
-      for number, record in enumerate(records, 1):
-        _apply_one(apply, record, f"Dispatcher snapshot {self.snapshot_path}, record {number}")
-      snapshot_records = len(records)
-    generations = sorted(self._generations())
-    for generation in [g for g in generations if g < first]:
-      (self.work_dir / journal_name(generation)).unlink()  # folded into the snapshot
-    generations = [g for g in generations if g >= first]
-    expected = list(range(first, first + len(generations)))
-    if generations and generations != expected:
-      raise ValueError(
-          f"Journal files in {self.work_dir} do not continue the snapshot: found "
-          f"generations {generations}, expected {expected} (journal.jsonl is 0, "
-          "journal.<N>.jsonl is N). A file is missing.")
-    journal_records, valid_bytes, torn = 0, 0, 0
-    for generation in generations:
-      count, valid_bytes, size = self._replay_file(
-          generation, apply, last=generation == generations[-1])
-      journal_records += count
-      self._records_since_snapshot += count
-      self._bytes_since_snapshot += valid_bytes
-      torn = size - valid_bytes
-    self._generation = generations[-1] if generations else first
-    if torn:
-      logging.warning("Journal %s ended in a torn line (%d bytes, never acknowledged): "
-                      "cut off.", self.path, torn)
-      os.truncate(self.path, valid_bytes)
-      if self._fsync:
-        _fsync_path(self.path)
-    return ReplayStats(snapshot_records, journal_records, torn)
+    self._generation, self._crc = result.generation, result.last_crc
+    self._records_since_snapshot, self._bytes_since_snapshot = result.records, result.bytes
+    if result.legacy:
+      # Never append to a file of the previous release: the state goes to a
+      # new generation and, at the first chance, a snapshot (see JournalLock).
+      logging.warning("Dispatcher work_dir %s holds files of the previous release, "
+                      "without checksums: read once, written again as a checked "
+                      "snapshot now.", self.work_dir)
+      self._generation += 1
+      self._crc = 0
+      self._force_snapshot = True
+      result_size = 0
+    else:
+      result_size = result.size
+    with self._cond:
+      if result_size == 0:
+        self._queue_header()
+      self._flush()
+    self._thread = threading.Thread(target=self._run, name="jaxfeed-journal", daemon=True)
+    self._thread.start()
+    return result.stats
 
   def _lock_folder(self) -> None:
     """Two dispatchers appending to one journal would corrupt it."""
@@ -201,259 +233,334 @@ class Journal:
           "one its own --work_dir.") from None
     self._lock_fd = fd
 
-  def _generations(self) -> list[int]:
-    found = []
-    for path in self.work_dir.iterdir():
-      match = _GENERATION_NAME.fullmatch(path.name)
-      if match:
-        found.append(int(match.group(1) or 0))
-    return found
+  # -- health ----------------------------------------------------------------
+  @property
+  def healthy(self) -> bool:
+    """Whether every batch accepted could be written (a full disk: not)."""
+    return self._write_error is None and self._failure is None
 
-  def _replay_file(self, generation: int, apply: Callable[[dict[str, Any]], None],
-                   last: bool) -> tuple[int, int, int]:
-    """Replays one generation: (records, bytes of whole lines, file size)."""
-    path = self.work_dir / journal_name(generation)
-    count, offset = 0, 0
-    with open(path, "rb") as f:
-      for number, line in enumerate(f, 1):
-        if not line.endswith(b"\n"):
-          if last:
-            break  # torn: cut off below
-          raise ValueError(f"Journal {path} is corrupt at line {number}: the line is "
-                           "incomplete but a later journal generation follows it.")
-        offset += len(line)
-        if not line.strip():
-          continue
-        try:
-          decoded = json.loads(line)
-        except (ValueError, RecursionError) as e:  # too deep a nesting recurses too far
-          raise ValueError(f"Journal {path} is corrupt at line {number}: {e}") from e
-        batch = decoded if isinstance(decoded, list) else [decoded]
-        for record in batch:
-          _apply_one(apply, record, f"Journal {path} is corrupt at line {number}")
-        count += len(batch)
-      size = f.seek(0, os.SEEK_END)
-    return count, offset, size
+  @property
+  def failed(self) -> bool:
+    """Whether the journal gave up (a failed fsync, too much waiting in
+    memory): only a restart serves again."""
+    return self._failure is not None
+
+  def add_listener(self, listener: Callable[[bool], None]) -> None:
+    """Calls `listener(healthy)` whenever `healthy` changes (from the thread
+    that noticed)."""
+    self._listeners.append(listener)
+
+  def _notify(self) -> None:
+    healthy = self.healthy
+    for listener in list(self._listeners):
+      try:
+        listener(healthy)
+      except Exception:  # pylint: disable=broad-except
+        logging.exception("A journal health listener failed")
+
+  def check_writable(self) -> None:
+    """Raises JournalUnavailableError unless changes can be made durable now."""
+    if self._failure is not None:
+      raise JournalUnavailableError(self._failure_message())
+    if self._write_error is not None:
+      raise JournalUnavailableError(
+          f"The dispatcher cannot write its journal in {self.work_dir} "
+          f"({self._write_error.strerror or self._write_error}): changes wait until "
+          f"the disk takes writes again (it retries every {RETRY_S:g} s; heartbeats "
+          "go on meanwhile). Retry the call.")
+
+  def _failure_message(self) -> str:
+    return (f"The dispatcher's journal in {self.work_dir} failed ({self._failure}); "
+            "it accepts no more changes and must be restarted: it replays every "
+            "change that was acknowledged.")
 
   # -- writing ---------------------------------------------------------------
   def write(self, records: list[dict[str, Any]]) -> int:
-    """Appends one batch (one line); returns its number for `sync`."""
+    """Writes one batch (one line), or keeps it in memory while the disk
+    refuses writes; returns its number (for `sync` and `durable`)."""
     if not self._replayed:
       raise RuntimeError(f"Journal {self.work_dir}: replay it before writing.")
-    self._check_failure()
-    data = json.dumps(records, separators=(",", ":")).encode() + b"\n"
+    payload = json.dumps(records, separators=(",", ":")).encode()
+    with self._cond:
+      if self._failure is not None:
+        raise JournalUnavailableError(self._failure_message())
+      line, self._crc = journal_lines.encode(payload, self._crc)
+      self._accepted += 1
+      self._unwritten.append((self._accepted, line))
+      self._unwritten_bytes += len(line)
+      self._records_since_snapshot += len(records)
+      self._bytes_since_snapshot += len(line)
+      was_healthy = self._write_error is None
+      if was_healthy:
+        self._flush()
+      if self._unwritten_bytes > MAX_UNWRITTEN_BYTES:
+        self._fail(OSError(f"more than {MAX_UNWRITTEN_BYTES} bytes of changes waited "
+                           f"for the disk (last error: {self._write_error})"))
+      changed = was_healthy != self.healthy
+      number = self._accepted
+      if changed or (self._fsync and not self._sync_due):
+        # Once per fsync of the thread, not at every write: a wake-up takes
+        # the interpreter lock from the handlers.
+        self._sync_due = self._sync_due or self._fsync
+        self._work.notify()
+    if changed:
+      self._notify()
+    return number
+
+  def _queue_header(self) -> None:
+    """Starts the current generation's file with its header (lock held)."""
+    line, self._crc = journal_lines.encode_json(journal_replay.header(self._generation), 0)
+    self._unwritten.append((self._accepted, line))
+    self._unwritten_bytes += len(line)
+
+  def _flush(self) -> bool:
+    """Writes what waits, in order; False if the disk refused (lock held)."""
     try:
       if self._fd is None:
-        self._fd = self._open(self.path, sync_folder=self._fsync)
-      view = memoryview(data)
-      while view:
-        view = view[os.write(self._fd, view):]
+        self._fd = self._open(self.path)
+      while self._unwritten:
+        number, line = self._unwritten[0]
+        self._partial += os.write(self._fd, memoryview(line)[self._partial:])
+        if self._partial == len(line):
+          self._unwritten.popleft()
+          self._unwritten_bytes -= len(line)
+          self._partial = 0
+          self._written = number
     except OSError as e:
-      self._fail(e)
-    self._written += 1
-    self._records_since_snapshot += len(records)
-    self._bytes_since_snapshot += len(data)
-    return self._written
+      if self._write_error is None:
+        logging.error("Writing the dispatcher journal %s failed (%s): changes that must "
+                      "be durable are refused until the disk takes writes again; "
+                      "retrying every %g s.", self.path, e, RETRY_S)
+      self._write_error = e
+      return False
+    if self._write_error is not None:
+      logging.warning("The dispatcher journal %s takes writes again.", self.path)
+      self._write_error = None
+    return True
+
+  def _open(self, path: pathlib.Path) -> int:
+    existed = path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    if not existed:
+      self._folder_dirty = True  # its name must survive a power loss too
+    return fd
 
   @property
   def written(self) -> int:
-    """The number of the last batch written."""
-    return self._written
+    """The number of the last batch accepted."""
+    return self._accepted
+
+  def durable(self, batch: int) -> bool:
+    """Whether batch `batch` (and every one before it) survives a power
+    loss (with fsync off: a crash of the process)."""
+    return batch <= (self._synced if self._fsync else self._written)
 
   def sync(self, batch: int) -> None:
-    """Returns once batches up to `batch` are durable (with fsync on).
+    """Returns once batches up to `batch` are durable (with fsync on: after
+    an fsync; off: once written).
 
-    One fsync covers every batch written before it started, so changes that
-    commit at the same time share it.
+    One fsync covers every batch written before it, so changes that commit
+    at the same time share it.
+
+    Raises:
+      JournalUnavailableError: the batch is not written (the disk refuses
+        writes) or the journal failed.
     """
-    if not self._fsync or batch <= self._synced:
-      return
-    with self._sync_lock:
-      # Callers that find an fsync under way wait for its end together and
-      # are woken at once; one of those it did not cover starts the next.
-      # (Queuing them on a plain lock woke one at a time, each waiting for a
-      # core and the interpreter lock before passing on: under a burst of
-      # commits that chain, not the disk, was most of a call's time.)
-      while self._syncing and batch > self._synced:
-        self._sync_lock.wait()
-      if batch <= self._synced:
-        return  # another caller's fsync covered it
-      self._check_failure()
+    while True:
+      with self._cond:
+        # Callers that find an fsync under way wait for its end together and
+        # are woken at once; one of those it did not cover starts the next.
+        # (Queuing them on a plain lock woke one at a time, each waiting for a
+        # core and the interpreter lock before passing on: under a burst of
+        # commits that chain, not the disk, was most of a call's time.)
+        while not self.durable(batch) and self._syncing and self._failure is None:
+          self._cond.wait()
+        if self.durable(batch):
+          return
+        if self._failure is None and batch > self._written:
+          self.check_writable()
+          raise JournalUnavailableError(f"Dispatcher journal batch {batch} was never written.")
+      self._fsync_round()
+
+  def _fsync_round(self) -> None:
+    """fsyncs every open file of the journal once, the older generations
+    first, after the round under way if any (called without the lock).
+
+    Raises:
+      JournalUnavailableError: the journal failed (now, or before).
+    """
+    with self._cond:
+      while self._syncing and self._failure is None:
+        self._cond.wait()
+      if self._failure is not None:
+        raise JournalUnavailableError(self._failure_message())
       self._syncing = True
-      target, fd = self._written, self._fd
-    durable = False
+      target, folder, retired = self._written, self._folder_dirty, list(self._retired)
+      fds = [*retired, *([self._fd] if self._fd is not None else [])]
+    error = None
     try:
-      os.fsync(fd)
-      durable = True
+      for fd in fds:  # a later generation never outlives an earlier one
+        _fsync(fd)
+      if folder:
+        _fsync_folder(self.work_dir)
     except OSError as e:
-      self._fail(e)
-    finally:
-      with self._sync_lock:
-        self._syncing = False
-        if durable:
-          self._synced = max(self._synced, target)
-        self._sync_lock.notify_all()
+      error = e
+    with self._cond:
+      self._syncing = False
+      if error is None:
+        for fd in retired:  # one retired during the round may hold a write it missed
+          self._retired.remove(fd)
+          os.close(fd)
+        self._folder_dirty = self._folder_dirty and not folder
+        self._synced = max(self._synced, target)
+      else:
+        self._fail(error)
+      self._cond.notify_all()
+    if error is not None:
+      self._notify()
+      raise JournalUnavailableError(self._failure_message())
 
-  def _open(self, path: pathlib.Path, sync_folder: bool) -> int:
-    existed = path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    if not existed and sync_folder:
-      _fsync_path(self.work_dir)  # the new file's name survives a power loss
-    return fd
+  def _fail(self, error: BaseException) -> None:
+    """Gives up for good (lock held)."""
+    if self._failure is None:
+      logging.critical("The dispatcher journal in %s failed (%s): it accepts no more "
+                       "changes; restart the dispatcher to replay what the disk holds.",
+                       self.work_dir, error)
+      self._failure = error
 
-  def _fail(self, error: OSError) -> None:
-    self._failure = error
-    self._check_failure()
+  # -- the journal's thread ------------------------------------------------------
+  def _run(self) -> None:
+    """Retries refused writes, syncs what nobody waits for, writes snapshots."""
+    while True:
+      with self._cond:
+        while not self._has_work():
+          self._work.wait()
+        snapshot = self._snapshots.popleft() if self._snapshots else None
+        if snapshot is None and (self._closed or self._failure is not None):
+          return  # a snapshot taken is written first, even when closing
+        retry = self._write_error is not None
+        if snapshot is None and not retry:
+          self._sync_due = False  # a write from now on sets it again
+      if snapshot is not None:
+        self._finish_snapshot(*snapshot)
+      elif retry:
+        self._sleep(RETRY_S)
+        with self._cond:
+          if self._closed or not self._flush():
+            continue
+          self._sync_due = self._fsync  # what waited is written: fsync it
+        self._notify()
+      else:
+        time.sleep(LAZY_SYNC_S)  # more commits share the fsync
+        try:
+          self.sync(self._written)
+        except JournalUnavailableError:
+          pass  # failed: noted, and told to every call
 
-  def _check_failure(self) -> None:
-    if self._failure is not None:
-      raise RuntimeError(
-          f"Writing the dispatcher journal in {self.work_dir} failed "
-          f"({self._failure}); the dispatcher accepts no more changes. Fix the disk "
-          "and restart it: it replays every change that was acknowledged."
-      ) from self._failure
+  def _has_work(self) -> bool:
+    return bool(self._closed or self._failure is not None or self._snapshots
+                or self._write_error is not None or self._sync_due)
+
+  def _sleep(self, seconds: float) -> None:
+    with self._cond:
+      self._work.wait_for(lambda: self._closed, seconds)
 
   # -- snapshots ---------------------------------------------------------------
   def wants_snapshot(self) -> bool:
-    """Whether the journal grew past a snapshot threshold."""
-    if self._snapshot_in_flight or not self._replayed:
+    """Whether the journal grew past a snapshot threshold (or the state must
+    be written again in the checked format)."""
+    if self._snapshot_in_flight or not self._replayed or not self.healthy:
       return False
     return bool(
-        (self._every_records and self._records_since_snapshot >= self._every_records)
+        self._force_snapshot
+        or (self._every_records and self._records_since_snapshot >= self._every_records)
         or (self._every_bytes and self._bytes_since_snapshot >= self._every_bytes))
 
-  def start_snapshot(self) -> int:
-    """Step 1 (under the state's lock, after its last write): starts the next
-    journal generation and returns it; pass it to `finish_snapshot` with
-    the state's records as of now.
-
-    The finished generation is fsynced even with fsync off: a generation
-    followed by another is then never torn, whatever the crash.
-    """
-    with self._sync_lock:
-      while self._syncing:  # its descriptor is about to be closed
-        self._sync_lock.wait()
-      if self._fd is not None:
-        try:
-          os.fsync(self._fd)
-          os.close(self._fd)
-        except OSError as e:
-          self._fail(e)
-        self._fd = None
-      self._synced = self._written
-      self._generation += 1
+  def start_snapshot(self) -> int | None:
+    """Step 1 (under the state's lock, after its last write): starts the
+    next journal generation and returns it, or None if the disk refused;
+    pass it to `finish_snapshot` (or `queue_snapshot`) with the state's
+    records as of now."""
+    with self._cond:
+      if self._unwritten or self._failure is not None:
+        return None
       try:
-        self._fd = self._open(self.path, sync_folder=True)
+        fd = self._open(self.work_dir / journal_name(self._generation + 1))
       except OSError as e:
-        self._fail(e)
-    self._snapshot_in_flight = True
-    self._records_since_snapshot = self._bytes_since_snapshot = 0
-    return self._generation
+        logging.error("Starting journal generation %d in %s failed (%s): no snapshot "
+                      "now.", self._generation + 1, self.work_dir, e)
+        return None
+      if self._fd is not None:
+        self._retired.append(self._fd)
+      self._fd = fd
+      self._generation += 1
+      self._queue_header()
+      self._flush()
+      self._snapshot_in_flight = True
+      self._force_snapshot = False
+      self._records_since_snapshot = self._bytes_since_snapshot = 0
+      return self._generation
+
+  def queue_snapshot(self, generation: int, records: list[dict[str, Any]]) -> None:
+    """Steps 2 and 3 on the journal's thread."""
+    with self._cond:
+      self._snapshots.append((generation, records))
+      self._work.notify()
 
   def finish_snapshot(self, generation: int, records: list[dict[str, Any]]) -> None:
-    """Steps 2 and 3 (without the lock): writes the snapshot atomically and
-    deletes the journal generations it replaces. A failure is logged: the
-    journal still holds everything, and the next threshold tries again."""
+    """Steps 2 and 3 here and now."""
+    self._finish_snapshot(generation, records)
+
+  def _finish_snapshot(self, generation: int, records: list[dict[str, Any]]) -> None:
+    """Writes the snapshot atomically and deletes the journal generations it
+    replaces. A failure is logged: the journal still holds everything, and
+    the next threshold tries again."""
     tmp = self.work_dir / (SNAPSHOT_NAME + TMP_SUFFIX)
     try:
+      self._fsync_round()  # generation G: a crash must not tear it after this
       data = state_snapshot.encode(records, generation)
       with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        _fsync(f.fileno())
       os.replace(tmp, self.snapshot_path)
-      _fsync_path(self.work_dir)
-      for old in self._generations():
+      _fsync_folder(self.work_dir)
+      for old in journal_replay.generations(self.work_dir):
         if old < generation:
           (self.work_dir / journal_name(old)).unlink(missing_ok=True)
-    except OSError:
+    except (OSError, JournalUnavailableError):
       logging.exception("Dispatcher snapshot in %s failed; the journal keeps growing "
                         "until the next one succeeds.", self.work_dir)
       tmp.unlink(missing_ok=True)
     finally:
-      self._snapshot_in_flight = False
+      with self._cond:
+        self._snapshot_in_flight = False
 
   def close(self) -> None:
-    with self._sync_lock:
+    """Writes a snapshot under way, stops the journal's thread and closes
+    its files. Batches a full disk still refused are lost (they were never
+    acknowledged as durable)."""
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+      self._work.notify()
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout=30)
+    with self._cond:
       while self._syncing:
-        self._sync_lock.wait()
-      for fd in (self._fd, self._lock_fd):
+        self._cond.wait()
+      if self._unwritten:
+        logging.error("Dispatcher journal %s closed with %d batches the disk refused: "
+                      "they are lost.", self.path, len(self._unwritten))
+      for fd in [*self._retired, self._fd, self._lock_fd]:
         if fd is not None:
           os.close(fd)  # closing the lock's file releases it
-      self._fd = self._lock_fd = None
+      self._retired, self._fd, self._lock_fd = [], None, None
 
 
-class JournalLock:
-  """The lock of journaled state.
-
-  Records `add`ed while it is held are written to the journal as one batch
-  when it is released, and are durable before `release` returns: a reply
-  built under the lock goes out only after every change it may report
-  survives a crash. A snapshot due after the batch is taken then too.
-
-  Args:
-    journal: the journal, replayed; None keeps the state in memory only.
-    live_records: the records of the live state (for snapshots); called
-      with the lock held.
-  """
-
-  def __init__(self, journal: Journal | None,
-               live_records: Callable[[], list[dict[str, Any]]]):
-    self._lock = threading.Lock()
-    self._journal = journal
-    self._live_records = live_records
-    self._pending: list[dict[str, Any]] = []
-
-  def add(self, record: dict[str, Any]) -> None:
-    """Adds a record to the batch of the current holder."""
-    self._pending.append(record)
-
-  def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-    return self._lock.acquire(blocking, timeout)
-
-  def locked(self) -> bool:
-    return self._lock.locked()
-
-  def release(self) -> None:
-    journal, batch, snapshot = self._journal, self._pending, None
-    self._pending = []
-    try:
-      if journal is None:
-        return
-      if batch:
-        journal.write(batch)
-      seen = journal.written  # the last change this holder may have seen
-      if journal.wants_snapshot():
-        generation = journal.start_snapshot()
-        snapshot = generation, self._live_records()
-    finally:
-      self._lock.release()
-    journal.sync(seen)
-    if snapshot is not None:
-      journal.finish_snapshot(*snapshot)
-
-  def __enter__(self) -> "JournalLock":
-    self.acquire()
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.release()
-
-
-def _apply_one(apply: Callable[[dict[str, Any]], None], record: Any, where: str) -> None:
-  if not isinstance(record, dict) or "kind" not in record:
-    raise ValueError(f"{where}: expected a record (a JSON object with a 'kind'), "
-                     f"got {str(record)[:80]!r}.")
-  try:
-    apply(record)
-  except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(f"{where}: record {str(record)[:200]} cannot be applied: "
-                     f"{type(e).__name__}: {e}") from e
-
-
-def _fsync_path(path: pathlib.Path) -> None:
+def _fsync_folder(path: pathlib.Path) -> None:
   fd = os.open(path, os.O_RDONLY)
   try:
-    os.fsync(fd)
+    _fsync(fd)
   finally:
     os.close(fd)

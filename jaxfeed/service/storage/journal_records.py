@@ -84,6 +84,11 @@ _FIELDS: dict[str, tuple[dict, dict]] = {
     "splits": ({"job_id": _is_int, "next_position": _is_int}, {}),
     "splits_issued": ({**_JOB_TASK, "ranges": _list_of(_pair(_is_int, _is_int))}, {}),
     "splits_acked": ({"job_id": _is_int, "starts": _list_of(_is_int)}, {}),
+    "splits_failed": ({"job_id": _is_int, "ranges": _list_of(_pair(_is_int, _is_int)),
+                       "worker": _is_str, "how": _is_str}, {}),
+    "split_poisoned": ({"job_id": _is_int, "start": _is_int, "stop": _is_int,
+                        "error": _is_str}, {}),
+    "incarnation": ({"id": _is_int}, {}),
 }
 # Records of these kinds may name a job that is gone (they change nothing then).
 _MAY_NAME_A_GONE_JOB = frozenset({"job_deleted"})

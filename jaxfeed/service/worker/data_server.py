@@ -151,7 +151,7 @@ class DataServer:
     # thread (it must not block); raises DataConnectionError to refuse it.
     self._goodbye = goodbye
     self._ssl_context = ssl_context
-    # serve(hello, link) -> generator of `delivery.Item`s and IDLE (None)
+    # serve(hello, link) -> generator of `delivery.Item`s and `delivery.Idle`s
     # that returns the statistics sent with the end of sequence (a dict or
     # None); `link` is the connection's ServerLink.
     self._serve = serve
@@ -332,9 +332,9 @@ class DataServer:
             return
           stats = json.dumps(end.value).encode() if end.value else b""
           break
-        if item is delivery.IDLE:
+        if isinstance(item, delivery.Idle):  # a keepalive's round: the task's progress
           if time.monotonic() - last_sent >= delivery.KEEPALIVE_S:
-            conn.sendall(FRAME_PREFIX.pack(KIND_KEEPALIVE, 0, 0, 0))
+            conn.sendall(FRAME_PREFIX.pack(KIND_KEEPALIVE, 0, item, 0))
             last_sent = time.monotonic()
           continue
         if item.frame is None:  # exactly-once: the split `item.round` ended

@@ -15,7 +15,9 @@ whole).
 What the client has received is what it acknowledges, not what the
 kernel accepted: bytes in socket buffers when a connection breaks are sent
 again. While it has nothing to send, a connection sends a keepalive every
-KEEPALIVE_S, so the client tells a stalled connection from a slow pipeline.
+KEEPALIVE_S, so the client tells a stalled connection from a slow pipeline;
+the keepalive carries the task's progress counter (`Idle`), so the client
+also tells a slow pipeline from one stuck on a record.
 
 A stream lives on the worker until its task ends or the dispatcher no longer
 lists its client (it left or timed out); `Registry` keeps them.
@@ -35,7 +37,13 @@ KEEPALIVE_S = 1.0
 DEFAULT_WINDOW = 32
 MAX_WINDOW = 1024
 _WAIT_S = 0.2  # longest wait inside `ClientStream.items` between checks
-IDLE = None  # what `ClientStream.items` yields when it has nothing to send
+
+
+class Idle(int):
+  """What `ClientStream.items` yields while it has nothing to send: the
+  task's progress counter (elements its pipeline made plus items its
+  consumers took), which keepalives carry, so that a client tells a worker
+  stuck on a record from a slow one."""
 
 
 class Item:
@@ -140,7 +148,7 @@ class ClientStream:
   def items(self, token: object, received: int, is_active: Callable[[], bool],
             wait_for_ack: Callable[[float], None]
             ) -> Generator[Item | None, None, dict | None]:
-    """The items from `received` on, IDLE (None) while there is nothing to
+    """The items from `received` on, `Idle` while there is nothing to
     send; returns the task's statistics at its end, None once the connection
     was superseded or `is_active()` turned false. `wait_for_ack(s)` waits
     up to s seconds for the client's acknowledgments (a transport reads
@@ -163,9 +171,12 @@ class ClientStream:
         return stats
       elif full:
         wait_for_ack(_WAIT_S)
-        yield IDLE
+        yield self.idle()
       elif not self._take():
-        yield IDLE
+        yield self.idle()
+
+  def idle(self) -> Idle:
+    return Idle(getattr(self._source, "progress", 0))
 
   def _take(self) -> bool:
     """Takes the source's next item into the buffer; False if none came."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from jaxfeed import _lifetime
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
@@ -201,6 +202,9 @@ def main(argv: Any) -> None:
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
+  # Started by a pool (or anything using jaxfeed._lifetime.popen): it ends
+  # with its parent, however the parent ends.
+  _lifetime.die_with_parent_from_env()
   try:
     udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
                                  "pickled_udf_secret")
@@ -219,13 +223,16 @@ def main(argv: Any) -> None:
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
                                      f.tls_client_ca))
   except ValueError as e:  # a flag's value: say which, without a traceback
-    raise SystemExit(f"jaxfeed worker: {e}") from e
+    rpc.exit_for_bad_flags("jaxfeed worker", e)
   # SIGTERM stops the worker cleanly from here on, before it registers and
   # says it listens: a pool (or a test) may stop it as soon as it is up.
   rpc.stop_on_sigterm()
-  server = metrics = None
   try:
     server = WorkerServer(config)
+  except OSError as e:  # its port: say which, without a traceback
+    rpc.exit_for_bad_flags("jaxfeed worker", f"cannot start: {e}")
+  metrics = None
+  try:
     data = f" data {server.data_address}" if server.data_address else ""
     print(f"jaxfeed worker listening on {server.target}{data}", flush=True)
     metrics = metrics_lib.serve_worker(server, f.host, f.metrics_port)
@@ -236,13 +243,11 @@ def main(argv: Any) -> None:
                        name="jaxfeed-worker-parent-watch", daemon=True).start()
     server.join()
   except SystemExit:  # SIGTERM: hand over what it holds, then stop
-    if (server is not None and f.drain_timeout_s > 0
-        and not server.drain(f.drain_timeout_s)):
+    if f.drain_timeout_s > 0 and not server.drain(f.drain_timeout_s):
       logging.warning("Stopping with batches not taken after %.0fs.", f.drain_timeout_s)
     raise
   finally:
-    if server is not None:
-      server.stop()
+    server.stop()
     if metrics is not None:
       metrics.close()
   if server.rejected or server.gave_up:

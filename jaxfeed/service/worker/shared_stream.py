@@ -263,6 +263,11 @@ class SharedStreamReader:
         local_round += 1
     return None
 
+  @property
+  def progress(self) -> int:
+    """Frames the shared pipeline made (see `TaskRunner.progress`)."""
+    return self.stream.produced
+
   def stats(self) -> dict:
     return {"elements_skipped": self.stream.skipped(self.task_id)}
 

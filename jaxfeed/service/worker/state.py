@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -68,6 +69,8 @@ class WorkerState:
                                                    config.dataset_cache_bytes)
     self.streams = delivery.Registry()  # what each client of a task gets
     self._held: list[tuple[int, int, list[int]]] = []  # not yet reported
+    # Exactly-once: (task id, splits made) whose report failed, for the next heartbeat.
+    self._made: list[tuple[int, list[int]]] = []
     # Goodbyes of clients, not yet forwarded: (job id, client id) -> ticket.
     self._goodbyes: dict[tuple[int, int], str] = {}
     self.served = metrics_lib.ServedCounts()  # for --metrics_port
@@ -111,6 +114,9 @@ class WorkerState:
       finished = list(self.finished)
       held, self._held = self._held + held, []
       goodbyes, self._goodbyes = self._goodbyes, {}
+      made = self._made + [(task_id, runner.take_made()) for task_id, runner in self.tasks.items()
+                           if isinstance(runner, task_runner_lib.TaskRunner)]
+      made, self._made = [(t, s) for t, s in made if s], []
     listed_version, listed_tasks, listed = self._listed
     # Draining or stopping, it starts no new task: splits sent with one would
     # wait unread until it leaves (at-most-once: lost).
@@ -126,12 +132,15 @@ class WorkerState:
                                      else 0),
               held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
                            for t, c, s in held],
-              client_goodbyes=_goodbye_messages(goodbyes)),
+              client_goodbyes=_goodbye_messages(goodbyes),
+              pid=os.getpid(), parent_pid=os.getppid(),
+              made_splits=[pb.TaskSplits(task_id=t, starts=s) for t, s in made]),
           timeout=min(timeout_s, self.heartbeat_deadline_s))
     except BaseException:
       with self.lock:  # reported with the next heartbeat
         self._held = held + self._held
         self._goodbyes = {**goodbyes, **self._goodbyes}
+        self._made = made + self._made
       raise
     # Before the new tasks: a dispatcher that started without the last one's
     # state gives ids that say nothing of the definitions kept.
@@ -427,10 +436,10 @@ class WorkerState:
         except StopIteration as end:
           stats = end.value
           break
-        if item is delivery.IDLE:
+        if isinstance(item, delivery.Idle):  # a keepalive's round: the task's progress
           if time.monotonic() - last_sent >= delivery.KEEPALIVE_S:
             last_sent = time.monotonic()
-            yield pb.ElementChunk(keepalive=True)
+            yield pb.ElementChunk(keepalive=True, round=item)
           continue
         last_sent = time.monotonic()
         if item.frame is None:  # exactly-once: the split `item.round` ended
@@ -451,7 +460,7 @@ class WorkerState:
       raise rpc.StatusError(e.status, str(e)) from e
 
   def serve_socket(self, hello: dict, link: data_server.ServerLink
-                   ) -> Generator[delivery.Item | None, None, dict | None]:
+                   ) -> Generator[delivery.Item | delivery.Idle, None, dict | None]:
     try:
       request = pb.GetElementsRequest(
           task_id=int(hello["task_id"]), consumer_index=int(hello.get("consumer_index", 0)),

@@ -81,6 +81,10 @@ class TaskRunner:
     self.task_id = task_id
     self.exactly_once = exactly_once
     self._split_frames: list[wire.Frame] = []  # exactly-once: the split in progress
+    self._made: list[int] = []  # exactly-once: splits made, not yet reported
+    # Elements made plus items consumers took: clients tell a pipeline stuck
+    # on a record (a UDF that never returns) from a slow one by it.
+    self.progress = 0
     self._fifo_frames = 0
     self._last_taken = time.monotonic()  # when a consumer last took a frame
     self.num_consumers = num_consumers
@@ -130,6 +134,7 @@ class TaskRunner:
         raise self._setup_error
       iterator = self._pipeline = make_iterator()
       for element in iterator:
+        self.progress += element is not task_pipeline.WAITING
         if self.exactly_once:
           if not self._take_split_element(element):
             return
@@ -172,6 +177,7 @@ class TaskRunner:
       return not self._stop.is_set()
     frames, self._split_frames = self._split_frames, []
     with self._cond:
+      self._made.append(element.start)  # made: a loss from now on is not its fault
       if not self._wait_for_room_locked():
         return False
       self._fifo.append(((element.start, element.stop), frames))
@@ -210,12 +216,14 @@ class TaskRunner:
             self._cond.notify_all()
           got = self._rounds.take(consumer_index, local_round)
           if got is not None:
+            self.progress += 1
             self._last_taken = time.monotonic()
             self._cond.notify_all()
             return got
           ended = self._done and self._rounds.exhausted(local_round)
         elif self._fifo:
           item = self._fifo.popleft()
+          self.progress += 1
           self._last_taken = time.monotonic()
           if self.exactly_once:
             self._fifo_frames -= len(item[1])
@@ -259,6 +267,12 @@ class TaskRunner:
       yield frame, local_round
       local_round += 1
     return None
+
+  def take_made(self) -> list[int]:
+    """Exactly-once: the starts of the splits made since the last call."""
+    with self._cond:
+      made, self._made = self._made, []
+    return made
 
   def stats(self) -> dict:
     """Round-robin counters (rounds made, windows and batches dropped, see
