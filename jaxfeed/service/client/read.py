@@ -27,6 +27,9 @@ POLL_S = 0.05
 # A heartbeat answered this much later than the dispatcher asked for follows
 # a silence (it was stopped, down or unreachable), not a listing.
 _ANSWER_SLACK_S = 5.0
+# The dispatcher is away for `check_progress` once its heartbeat answer is
+# this much later than its interval: a read waits for it without counting.
+_AWAY_AFTER_S = 1.0
 # A read whose every task sent its whole stream waits this long (at most
 # timeout_s) for the dispatcher to say the job finished, then ends without it.
 _END_WITHOUT_DISPATCHER_S = 10.0
@@ -104,6 +107,8 @@ class ReadState:
     self.dispatcher_away = False
     self._away_logged = False
     self._answered_at = time.monotonic()  # the dispatcher's last heartbeat answer
+    self._interval_s = heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S  # it asked for
+    self._back_at = 0.0  # when it last answered after being away
     self.dataset_id = node.dataset_id or ""
     self.job_id = 0
     self.client_id = 0
@@ -295,6 +300,9 @@ class ReadState:
     # only.
     since, self._answered_at = now - self._answered_at, now
     interval_s = response.heartbeat_interval_s or heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S
+    if since > self._interval_s + _AWAY_AFTER_S:
+      self._back_at = now
+    self._interval_s = interval_s
     listed_s = 0.0 if since > min(interval_s + _ANSWER_SLACK_S, self.node.timeout_s / 2) else since
     if self.streams is not None:
       self._check_stream_count(len(listed), now, response.job_finished)
@@ -367,10 +375,15 @@ class ReadState:
     """Raises ServiceError when the consumer has waited `timeout_s` since
     `waiting_since` and no worker made progress on the read meanwhile (a
     pipeline stuck on a record, or a job without live workers): a read
-    never waits silently longer than its timeout."""
+    never waits silently longer than its timeout. Time the dispatcher was
+    away does not count (workers may wait for it, for splits): while it is,
+    `_outlive_dispatcher` bounds the read, and back, it has timeout_s."""
     now = time.monotonic()
+    if self.job_id and now - self._answered_at > self._interval_s + _AWAY_AFTER_S:
+      return
     fetchers = list(self.fetchers.values())
-    last = max([waiting_since, self.job_started] + [f.progress_at for f in fetchers])
+    last = max([waiting_since, self.job_started, self._back_at]
+               + [f.progress_at for f in fetchers])
     timeout_s = self.node.timeout_s
     if now - last <= timeout_s:
       return

@@ -375,8 +375,9 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
     except grpc.RpcError as e:
       code = e.code()
       if answer_by is not None and code == grpc.StatusCode.UNAVAILABLE:
-        if answer_by - time.monotonic() > 0.05:
-          time.sleep(0.1)
+        unanswered_left = answer_by - time.monotonic()
+        if unanswered_left > 0:  # the error comes after answer_within_s, not before
+          time.sleep(min(0.1, unanswered_left))
           continue
         raise ServiceError(
             f"{what} failed: no answer within {answer_by - start:g} s from {target}: "
