@@ -151,3 +151,9 @@ def test_a_save_is_resumed_by_calling_again_and_another_pipeline_is_refused(tmp_
       jaxfeed.ops.load.wait_until_complete(path, WAIT_S)
   assert [int(x) for x in jaxfeed.Dataset.load(path)] == [x * x for x in range(100)]
   assert save_format.progress(path).chunks_done == 10
+
+
+def test_a_damaged_list_of_saves_in_progress_does_not_stop_the_dispatcher(tmp_path):
+  (tmp_path / "saves.json").write_text('{"paths": ["/x"], "checksum": "0"}')
+  with service.DispatchServer(service.DispatcherConfig(port=0, work_dir=str(tmp_path))) as d:
+    assert d.saves.active_paths() == []

@@ -89,7 +89,13 @@ class SaveRegistry:
     self._saves: dict[str, _Save] = {}
     self._registry = (epath.Path(config.work_dir) / _REGISTRY) if config.work_dir else None
     if self._registry is not None and self._registry.exists():
-      for path in save_format.read_json(self._registry)["paths"]:
+      try:
+        paths = save_format.read_json(self._registry)["paths"]
+      except (save_format.SaveFormatError, KeyError) as e:
+        # The saves stay in their folders: distributed_save again resumes each.
+        logging.error("The distributed saves in progress are unknown: %s", e)
+        paths = []
+      for path in paths:
         try:
           self._resume(path)
         except (OSError, save_format.SaveFormatError) as e:
