@@ -85,10 +85,12 @@ def test_local_reads_nothing_from_a_remote_worker_and_takes_batches_through_memo
   assert sorted(f.read(target_workers="local")) == list(range(40))  # one worker's epoch
   # DYNAMIC: the remote worker gets no task, so no split waits on it unread.
   assert sorted(f.read("distributed_epoch", target_workers="LOCAL")) == list(range(40))
+  assert sorted(f.read("distributed_epoch", target_workers="local",
+                       visitation="exactly_once")) == list(range(40))
   remote_elements, remote_connections = _served(f.remote_urls[0])
   assert (remote_elements, remote_connections) == (0, {})
   local_elements, local_connections = _served(f.local_metrics.url)
-  assert local_elements == 2 * BATCHES
+  assert local_elements == 3 * BATCHES
   assert set(local_connections) == {"memory"}, local_connections
 
 
