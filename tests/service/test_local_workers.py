@@ -15,9 +15,12 @@ import jaxfeed
 from jaxfeed import _lifetime
 from jaxfeed import service
 from jaxfeed.service import metrics
+from jaxfeed.service.dispatcher import server as dispatcher_lib
 from jaxfeed.service.protocol import target_workers
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 parser = pytest.importorskip("prometheus_client.parser")
+import test_journal  # pylint: disable=g-import-not-at-top,wrong-import-position
 from test_metrics import _metrics_url, scrape  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 pytestmark = pytest.mark.timeout(120)
@@ -203,3 +206,30 @@ def test_trainers_sharing_a_job_each_read_only_their_own_worker(cluster):
         other.stdout.close()
       assert out == ["100", "True"]
       assert len(got) == 100 and list(it.elements_by_worker) == [worker.target]
+
+
+def test_the_dispatcher_gives_a_local_job_tasks_on_its_clients_workers_and_snapshots_it():
+  state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
+  dataset_id = state.register_dataset(test_journal.dataset_def(100), "train")
+  for address, process in (("w1:1", "p1"), ("w2:1", "p2"), ("w3:1", "")):
+    state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address,
+                                                     process_id=process))
+  job_id, _ = state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="distributed_epoch", job_name="j",
+      target_workers="local", client_process="p1"))
+  job = state.jobs[job_id]
+  assert [t.worker_address for t in job.tasks.values()] == ["w1:1"]
+  state.get_or_create_job(pb.GetOrCreateJobRequest(  # a second trainer joins
+      dataset_id=dataset_id, sharding_policy="distributed_epoch", job_name="j",
+      target_workers="LOCAL", client_process="p2"))
+  assert sorted(t.worker_address for t in job.tasks.values()) == ["w1:1", "w2:1"]
+  # A restart replays the snapshot's records into the same tables.
+  replayed = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
+  replayed.replaying = True
+  for record in state._live_records():  # pylint: disable=protected-access
+    replayed._apply(record)  # pylint: disable=protected-access
+  assert test_journal.live_records(replayed) == test_journal.live_records(state)
+  again = replayed.jobs[job_id]
+  assert again.target_workers == "local"
+  assert sorted(again.client_processes.values()) == ["p1", "p2"]
+  assert "train" in replayed.datasets
