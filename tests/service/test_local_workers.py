@@ -211,6 +211,8 @@ def test_trainers_sharing_a_job_each_read_only_their_own_worker(cluster):
 def test_the_dispatcher_gives_a_local_job_tasks_on_its_clients_workers_and_snapshots_it():
   state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
   dataset_id = state.register_dataset(test_journal.dataset_def(100), "train")
+  # A chosen id that looks like a number does not move the dispatcher's ids.
+  assert state.register_dataset(test_journal.dataset_def(50), "9" * 30) == "9" * 30
   for address, process in (("w1:1", "p1"), ("w2:1", "p2"), ("w3:1", "")):
     state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address,
                                                      process_id=process))
@@ -219,6 +221,7 @@ def test_the_dispatcher_gives_a_local_job_tasks_on_its_clients_workers_and_snaps
       target_workers="local", client_process="p1"))
   job = state.jobs[job_id]
   assert [t.worker_address for t in job.tasks.values()] == ["w1:1"]
+  assert job_id < 1 << 63
   state.get_or_create_job(pb.GetOrCreateJobRequest(  # a second trainer joins
       dataset_id=dataset_id, sharding_policy="distributed_epoch", job_name="j",
       target_workers="LOCAL", client_process="p2"))
@@ -232,4 +235,5 @@ def test_the_dispatcher_gives_a_local_job_tasks_on_its_clients_workers_and_snaps
   again = replayed.jobs[job_id]
   assert again.target_workers == "local"
   assert sorted(again.client_processes.values()) == ["p1", "p2"]
-  assert "train" in replayed.datasets
+  assert "train" in replayed.datasets and "9" * 30 in replayed.datasets
+  assert replayed._next_id() < 1 << 63  # pylint: disable=protected-access

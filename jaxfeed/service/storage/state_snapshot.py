@@ -56,8 +56,10 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
   """
   records: list[dict[str, Any]] = [{"kind": "ids", "id": next_id - 1}]
   for dataset_id, dataset_def in datasets.items():
-    # A dataset id a user chose is no number of the dispatcher's.
-    records.append({"kind": "dataset", **({"id": dataset_id} if dataset_id.isdigit() else {}),
+    # A dataset id a user chose is no number of the dispatcher's (the "ids"
+    # record above keeps its numbers).
+    numbered = dataset_id.isdigit() and int(dataset_id) < next_id
+    records.append({"kind": "dataset", **({"id": dataset_id} if numbered else {}),
                     "dataset_id": dataset_id,
                     "def": base64.b64encode(dataset_def.SerializeToString()).decode()})
   for job in jobs.values():
