@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 
@@ -181,7 +181,7 @@ class Fetcher:
       return None
     return local_workers.get(self.task.worker_address)
 
-  def _connection_items(self, conn: Any):
+  def _connection_items(self, conn: Any) -> Iterator[Any]:
     """The items of a data-socket or in-process connection (see `_items`)."""
     self._connection = conn
     self._send_ack = conn.ack
