@@ -17,6 +17,7 @@ import gc
 import logging
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -27,6 +28,7 @@ from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import health as health_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.dispatcher import saves as saves_lib
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
 from jaxfeed.service.protocol import element_chunks
@@ -44,12 +46,14 @@ SERVICE_NAME = "jaxfeed.service.Dispatcher"
 class _DispatcherServicer:
   """Maps RPCs onto DispatcherState."""
 
-  def __init__(self, state: DispatcherState):
+  def __init__(self, state: DispatcherState, saves: saves_lib.SaveRegistry):
     self.state = state
+    self.saves = saves
 
   def RegisterDataset(self, request, context):
     del context
-    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(request.dataset))
+    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(
+        request.dataset, request.dataset_id, request.compression))
 
   def GetDatasetDef(self, request, context):
     del context
@@ -79,11 +83,25 @@ class _DispatcherServicer:
 
   def WorkerHeartbeat(self, request, context):
     del context
-    return self.state.worker_heartbeat(request)
+    response = self.state.worker_heartbeat(request)
+    if not request.leaving:
+      response.active_saves.extend(self.saves.active_paths())
+    return response
 
   def GetSplits(self, request, context):
     del context
     return self.state.get_splits(request)
+
+  def StartSave(self, request, context):
+    del context
+    return self.saves.start(request)
+
+  def SaveChunks(self, request, context):
+    del context
+    with self.state.lock:
+      self.state.lock.answer_without_fsync()  # reads the workers, writes nothing
+      live = {a: w.incarnation for a, w in self.state.workers.items()}
+    return self.saves.chunks(request, live)
 
   def handler(self, config: DispatcherConfig) -> grpc.GenericRpcHandler:
     client, worker = (rpc.CLIENT,), (rpc.WORKER,)
@@ -95,6 +113,8 @@ class _DispatcherServicer:
         "ReleaseJobClient": (pb.ReleaseJobClientRequest, client),
         "WorkerHeartbeat": (pb.WorkerHeartbeatRequest, worker),
         "GetSplits": (pb.GetSplitsRequest, worker),
+        "StartSave": (pb.StartSaveRequest, client),
+        "SaveChunks": (pb.SaveChunksRequest, worker),
     }
     return rpc_server.method_handlers(
         SERVICE_NAME, {rpc.CLIENT: config.auth_token, rpc.WORKER: config.worker_token},
@@ -114,13 +134,21 @@ def _peer_host(peer: str) -> str:
   return peer
 
 
-def _liveness_loop(state_ref: weakref.ref, stop: threading.Event, period: float) -> None:
+def _liveness_loop(state_ref: weakref.ref, stop: threading.Event, period: float,
+                   excused_from_s: float) -> None:
+  woke = time.monotonic()
   while not stop.wait(period):
+    # Woken this much later than asked: the process was stopped (SIGSTOP, a
+    # paused container) or starved, and heartbeats could not reach it. Short
+    # delays are left to the heartbeat timeout's margin: a busy machine wakes
+    # this thread late now and then, and a dead worker would be found later.
+    now = time.monotonic()
+    late, woke = now - woke - period, now
     state = state_ref()
     if state is None:
       return
     try:
-      state.check_liveness()
+      state.check_liveness(away_s=late if late > excused_from_s else 0.0)
     except Exception:  # pylint: disable=broad-except
       logging.exception("Dispatcher liveness check failed")
     del state
@@ -132,7 +160,8 @@ class DispatchServer:
   def __init__(self, config: DispatcherConfig | None = None, start: bool = True):
     self.config = config or DispatcherConfig()
     self.state = DispatcherState(self.config)
-    servicer = _DispatcherServicer(self.state)
+    self.saves = saves_lib.SaveRegistry(self.config)
+    servicer = _DispatcherServicer(self.state, self.saves)
     self._server, self.port = rpc_server.make_server(
         f"{self.config.host}:{self.config.port}", servicer.handler(self.config),
         self.config.max_message_bytes, self.config.tls)
@@ -142,7 +171,8 @@ class DispatchServer:
     self._liveness = threading.Thread(
         target=_liveness_loop, name="jaxfeed-dispatcher-liveness", daemon=True,
         args=(weakref.ref(self.state), self._stop,
-              min(0.5, self.config.heartbeat_timeout_s / 4)))
+              min(0.5, self.config.heartbeat_timeout_s / 4),
+              self.config.heartbeat_timeout_s / 4))
     self._started = False
     self._stopped = False
     self.autoscaler: autoscale_lib.Autoscaler | None = None

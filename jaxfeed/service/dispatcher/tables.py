@@ -12,6 +12,7 @@ import time
 from jaxfeed.service.dispatcher import task_lists
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 from jaxfeed.service.storage import journal_lock
@@ -73,6 +74,10 @@ class Job:
   failed_splits: dict[int, int] = dataclasses.field(default_factory=dict)
   # At-most-once: sorted disjoint [start, stop) positions lost workers were reading.
   lost: list = dataclasses.field(default_factory=list)
+  # Which workers its clients read (jaxfeed.service.protocol.target_workers),
+  # and each client's process.
+  target_workers: str = target_workers.AUTO
+  client_processes: dict[int, str] = dataclasses.field(default_factory=dict)
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
@@ -104,6 +109,8 @@ class Worker:
   incarnation: str = ""  # of the worker's process ("": it sends none)
   pid: int = 0  # its process and that process's parent (0: it sends none)
   parent_pid: int = 0
+  process_id: str = ""  # jaxfeed.service.protocol.target_workers.process_id
+  tags: tuple[str, ...] = ()
 
 
 class WorkerTable(dict):
@@ -125,6 +132,21 @@ class WorkerTable(dict):
   def pop(self, *args):
     self._task_lists.changed()
     return super().pop(*args)
+
+
+# A dispatcher process hands out ids (of datasets, jobs, clients and tasks)
+# from its start time in microseconds times 2**ID_BITS_PER_US on, or after the
+# highest id its journal holds. One that restarted without its state never
+# gives an id its predecessor gave (workers and clients still hold those): that
+# would take the predecessor more than 2**10 ids per microsecond it ran, or a
+# clock set back by more than ids / 2**10 microseconds. Ids stay below 2**63
+# (protobuf int64) until the year 2255.
+ID_BITS_PER_US = 10
+
+
+def first_id_now() -> int:
+  """The first id a dispatcher process starting now may hand out."""
+  return (time.time_ns() // 1000) << ID_BITS_PER_US
 
 
 # Journal records that change a job's task list as clients see it.
@@ -151,7 +173,13 @@ class DispatcherTables:
     # Task id -> its job's id (entries of lost tasks and deleted jobs stay
     # until their worker's next heartbeat finds them gone).
     self._task_jobs: dict[int, int] = {}
-    self._ids = itertools.count(1)
+    # This process's first id: ids below it were given by earlier processes.
+    self.first_process_id = first_id_now()
+    self._ids = itertools.count(self.first_process_id)
+    # The id of the first process of this state (the "incarnation" record):
+    # the same across restarts that replay the work_dir, new without one.
+    # Ids below it belong to dispatchers that ran before with other state.
+    self.incarnation = 0
     # Workers derive their read-ticket keys from it; journaled (and kept in
     # snapshots), so that the tickets clients hold stay valid across a restart.
     self._ticket_master: bytes | None = None
@@ -182,10 +210,25 @@ class DispatcherTables:
     records = state_snapshot.state_records(self.datasets, self.jobs, next_id)
     if self._ticket_master is not None:  # the tickets clients hold stay valid
       records.append({"kind": "ticket_master", "key": self._ticket_master.hex()})
+    if self.incarnation:
+      records.append({"kind": "incarnation", "id": self.incarnation})
     return records
 
   def _next_id(self) -> int:
     return next(self._ids)
+
+  def unknown_id(self, what: str, value: int | str, otherwise: str) -> str:
+    """Why `what` `value` is unknown, for a NOT_FOUND answer: made by a
+    dispatcher that ran here before with other state (it restarted without
+    its work_dir), or `otherwise`."""
+    number = value if isinstance(value, int) else int(value) if str(value).isdigit() else -1
+    shown = repr(value) if isinstance(value, str) else value
+    if 0 < number < self.incarnation:
+      return (f"Unknown {what} {shown}: it was made by an earlier dispatcher at this "
+              "address, which restarted without its state (give the dispatcher a "
+              "--work_dir to keep datasets and jobs across restarts); "
+              f"{'register it' if what == 'dataset id' else 'start the read'} again.")
+    return f"Unknown {what} {shown}: {otherwise}"
 
   def _apply(self, r: dict) -> None:
     journal_records.check_record(r, self.jobs)
@@ -196,6 +239,8 @@ class DispatcherTables:
       self._ids = itertools.count(max(current, n + 1))
     if kind == "ids":
       pass  # a snapshot's highest id: handled above
+    elif kind == "incarnation":
+      self.incarnation = int(r["id"])
     elif kind == "dataset":
       dataset_def = pb.DatasetDef.FromString(base64.b64decode(r["def"]))
       if self.replaying:  # computed from the definition, never trusted from the file
@@ -213,6 +258,7 @@ class DispatcherTables:
                  r["job_name"], r["num_consumers"], r["num_positions"],
                  r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False),
                  ephemeral_sharing=r.get("ephemeral_sharing", False),
+                 target_workers=r.get("target_workers", target_workers.AUTO),
                  skip=read_state.merge_ranges(r.get("skip", [])))
       job.next_position = read_state.skip_to(job.skip, 0)
       self.jobs[job.job_id] = job
@@ -251,12 +297,15 @@ class DispatcherTables:
     elif kind == "client":
       job = self.jobs[r["job_id"]]
       job.clients[int(r["id"])] = time.monotonic()
+      if r.get("process"):
+        job.client_processes[int(r["id"])] = r["process"]
       if job.num_consumers:
         job.consumers[int(r["id"])] = r.get("consumer_index", 0)
     elif kind == "client_released":
       job = self.jobs[r["job_id"]]
       job.clients.pop(r["client_id"], None)
       job.consumers.pop(r["client_id"], None)
+      job.client_processes.pop(r["client_id"], None)
       for start, client_id in list(job.holders.items()):
         if client_id == r["client_id"]:  # it may never have had all of them
           job.return_split(start)

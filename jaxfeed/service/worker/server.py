@@ -26,7 +26,9 @@ from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import config as worker_config
 from jaxfeed.service.worker import data_server
+from jaxfeed.service.worker import local_workers
 from jaxfeed.service.worker import round_assembly
 from jaxfeed.service.worker.config import WorkerConfig
 from jaxfeed.service.worker.state import WorkerState
@@ -35,8 +37,10 @@ SERVICE_NAME = "jaxfeed.service.Worker"
 _MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
 
 
-def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: float,
+                    give_up_s: float | None) -> None:
   failures = 0
+  heard_at = time.monotonic()
   while not stop.is_set():
     worker = worker_ref()
     if worker is None:
@@ -44,6 +48,7 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
     try:
       worker.heartbeat()
       failures = 0
+      heard_at = time.monotonic()
     except grpc.RpcError as e:
       if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         worker.rejected = (
@@ -54,9 +59,18 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
         stop.set()
         return
       failures += 1
+      silent_s = time.monotonic() - heard_at
+      if give_up_s is not None and silent_s > give_up_s:
+        worker.gave_up = (
+            f"the dispatcher at {worker.config.dispatcher_address} did not answer "
+            f"worker {worker.address} for {silent_s:.0f} s (--dispatcher_timeout_s="
+            f"{give_up_s:g}); last error: {e.code().name}")
+        logging.error("Worker stops: %s", worker.gave_up)
+        stop.set()
+        return
       if failures in (1, 20) or failures % 200 == 0:
-        logging.warning("Worker %s: heartbeat to dispatcher failed (%s); retrying.",
-                        worker.address, e.code().name)
+        logging.warning("Worker %s: heartbeat to dispatcher failed (%s); serving the "
+                        "tasks it has and retrying.", worker.address, e.code().name)
     except Exception:  # pylint: disable=broad-except
       logging.exception("Worker heartbeat failed")
     paced_s = worker.paced_interval_s
@@ -90,11 +104,16 @@ class WorkerServer:
       self._data_server = data_server.DataServer(
           config.host, self._worker.check_hello, self._worker.serve_socket,
           config.tls.server_ssl_context() if config.tls is not None else None,
-          goodbye=self._worker.take_goodbye)
-      self._worker.data_address = f"{advertised}:{self._data_server.port}"
+          goodbye=self._worker.take_goodbye,
+          port=(worker_config.data_transfer_port(config.data_transfer_address)
+                if config.data_transfer_address else 0))
+      self._worker.data_address = (
+          config.data_transfer_address.replace("%port%", str(self._data_server.port))
+          if config.data_transfer_address else f"{advertised}:{self._data_server.port}")
     self._heartbeat = threading.Thread(
         target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,
-        args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s))
+        args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s,
+              config.dispatcher_timeout_s))
     self._started = False
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._worker,
                                        self._data_server)
@@ -118,12 +137,16 @@ class WorkerServer:
   def start(self) -> "WorkerServer":
     if not self._started:
       self._started = True
+      # Listed while it runs: clients of this process may read it through
+      # memory (see jaxfeed.service.worker.local_workers).
+      local_workers.add(self._worker.address, self._worker)
       self._server.start()
       self._heartbeat.start()
     return self
 
   def join(self, timeout: float | None = None) -> None:
-    """Blocks until the server stops, or the dispatcher refused this worker."""
+    """Blocks until the server stops, the dispatcher refused this worker, or
+    it did not answer for dispatcher_timeout_s."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while not self._worker.stop.is_set():
       wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
@@ -134,6 +157,12 @@ class WorkerServer:
   def rejected(self) -> str | None:
     """Why the dispatcher refused this worker (it then stops serving), or None."""
     return self._worker.rejected
+
+  @property
+  def gave_up(self) -> str | None:
+    """Why this worker stopped serving on its own (its dispatcher did not
+    answer for `WorkerConfig.dispatcher_timeout_s`), or None."""
+    return self._worker.gave_up
 
   def stop(self) -> None:
     """Stops serving, its tasks and its threads. Idempotent."""
@@ -170,6 +199,7 @@ class _LazyHandler(grpc.GenericRpcHandler):
 
 def _shutdown(server: rpc_server.ServerHandle, worker: WorkerState, data_server: Any) -> None:
   worker.stop.set()
+  local_workers.remove(worker.address, worker)
   worker.leave()
   if data_server is not None:
     data_server.close()
@@ -198,6 +228,9 @@ def main(argv: Any) -> None:
         max_window_batches=f.max_window_batches,
         sharing_window_bytes=f.sharing_window_bytes,
         autocache_dir=f.autocache_dir or None,
+        worker_tags=tuple(t for t in f.worker_tags.split(",") if t),
+        data_transfer_address=f.data_transfer_address or None,
+        dispatcher_timeout_s=f.dispatcher_timeout_s or None,
         pickled_udf_secret=udf_secret.encode() if udf_secret else None,
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
                                      f.tls_client_ca))
@@ -229,8 +262,8 @@ def main(argv: Any) -> None:
     server.stop()
     if metrics is not None:
       metrics.close()
-  if server.rejected:
-    raise SystemExit(f"jaxfeed worker: {server.rejected}")
+  if server.rejected or server.gave_up:
+    raise SystemExit(f"jaxfeed worker: {server.rejected or server.gave_up}")
 
 
 def _stop_with_parent(parent_pid: int, server: WorkerServer) -> None:
@@ -248,9 +281,19 @@ def define_flags() -> None:
   flags.DEFINE_string("advertise_host", "", "Host name or IP clients reach this worker "
                       "at (default: --host, or the host name when --host is 0.0.0.0).")
   flags.DEFINE_float("heartbeat_interval_s", 0.5, "Seconds between heartbeats.")
+  flags.DEFINE_float("dispatcher_timeout_s", 0.0, "Seconds the worker goes on serving "
+                     "the tasks it has while its dispatcher does not answer (it "
+                     "registers again when the dispatcher is back); past them it "
+                     "stops. 0: for as long as it takes.")
   flags.DEFINE_integer("buffer_size", 8, "Ready batches buffered per task.")
   rpc.define_auth_flags(flags)
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
+  flags.DEFINE_string("data_transfer_address", "", "host:port clients fetch batches "
+                      "from (the data socket's address), when it differs from the "
+                      "gRPC address; '%port%' stands for the socket's own port.")
+  flags.DEFINE_string("worker_tags", "", "Comma-separated tags for the dispatcher; "
+                      "COLOCATED: a worker on a trainer's host, which other trainers' "
+                      "target_workers='auto' reads skip.")
   flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, seconds to finish the splits "
                      "held and let consumers take the batches before stopping.")
   flags.DEFINE_integer("parent_pid", 0, "Stop when this parent process is gone (set by "
