@@ -30,6 +30,8 @@ for _folder in ("chaos", "service"):
 
 import schedule as schedule_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from benchmarks import record as results  # pylint: disable=wrong-import-position
+
 
 def _table(records: list) -> str:
   modes = sorted({r.mode for r in records}) + ["all"]
@@ -89,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
   print(f"{len(records)} runs in {time.monotonic() - start:.0f}s")
   print(_table(records))
   failing = [r for r in records if not r.ok]
+  results.row({"workload": "W9", "system": "jaxfeed service", "runs": len(records),
+               "violations": sum(1 for r in records if r.violation and not r.hang),
+               "hangs": sum(1 for r in records if r.hang), "runs_not_made": len(errors),
+               "failing_seeds": [r.seed for r in failing]}, echo=False)
   print()
   print(f"failing seeds ({len(failing)}):")
   for r in failing:
@@ -103,4 +109,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  with results.run("chaos_soak"):
+    code = main()
+  sys.exit(code)

@@ -63,6 +63,7 @@ import tempfile
 import threading
 import time
 
+from benchmarks import record
 from jaxfeed import _lifetime
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -792,6 +793,8 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(_simulate(args))
     return
   result = run(args)
+  record.row({"workload": "dispatcher scale", "system": f"{args.workers} workers, "
+              f"{args.clients} clients", **result}, echo=False)
   if args.json:
     print(json.dumps(result))
     return
@@ -800,4 +803,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("dispatcher_scale"):
+    main()

@@ -26,6 +26,7 @@ from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
+from benchmarks import record  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -65,4 +66,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   np.set_printoptions(precision=3)
-  app.run(main)
+  with record.run("run"):
+    app.run(main)

@@ -54,11 +54,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import time
 
+from benchmarks import record
 from benchmarks import workloads
 
 TARGET = 0.02
@@ -259,7 +259,7 @@ def run(rounds: int, scale: float, only: str | None = None, min_seconds: float =
     if only is not None and name != only:
       continue
     line = measure(name, make, count, unit, rounds, min_seconds, amplify, wait_idle)
-    print(json.dumps(line), flush=True)
+    record.row(line)
     lines.append(line)
   print(summary(lines), flush=True)
   return lines
@@ -304,4 +304,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("stats_overhead"):
+    main()

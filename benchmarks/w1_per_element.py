@@ -31,7 +31,6 @@ The jaxfeed rows report the ratio to tf.data and to (cores x bare loop).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import threading
@@ -40,6 +39,7 @@ import time
 import numpy as np
 import psutil
 
+from benchmarks import record
 from benchmarks import workloads
 
 BATCH = 128
@@ -244,8 +244,9 @@ def main() -> None:
       line["vs_cores_x_bare_loop"] = round(line["rate"] / (cores * bare), 3)
       if "tf.data" in rows:
         line["vs_tf_data"] = round(line["rate"] / rows["tf.data"]["rate"], 3)
-    print(json.dumps(line), flush=True)
+    record.row(line)
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("w1_per_element"):
+    main()

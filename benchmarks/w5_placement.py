@@ -40,6 +40,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
+from benchmarks import record  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -146,4 +147,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  with record.run("w5_placement"):
+    app.run(main)
