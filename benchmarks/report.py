@@ -22,7 +22,9 @@ import re
 import subprocess
 import sys
 from benchmarks import record
+from benchmarks import report_plots
 from benchmarks import report_rows
+from benchmarks.report_rows import table
 
 REPO = record.REPO
 README = REPO / "README.md"
@@ -44,16 +46,6 @@ def replace_blocks(text: str, blocks: dict[str, str], where: str) -> str:
         f"mark each with '<!-- benchmarks.report: NAME -->' ... "
         f"'<!-- end benchmarks.report: NAME -->' (names: {sorted(blocks)}).")
   return _BLOCK.sub(lambda m: m.group(1) + blocks[m.group("name")] + m.group(4), text)
-
-
-def _cell(text: str) -> str:
-  return text.replace("|", "\\|").replace("\n", " ")
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-  return "\n".join(lines) + "\n"
 
 
 def readme_table(results: report_rows.Results) -> str:
@@ -114,17 +106,21 @@ def outputs(results: report_rows.Results, plots: bool = True) -> list[Output]:
   images: dict[str, bytes] = {}
   titles: dict[str, str] = {}
   if plots:
-    from benchmarks import report_plots  # pylint: disable=import-outside-toplevel  # matplotlib
     for name, (title, svg) in report_plots.render(results).items():
       images[name], titles[name] = svg, title
-  else:  # the page names the plots that are there
-    from benchmarks import report_plots  # pylint: disable=import-outside-toplevel
+  else:  # the page names the same plots
     titles = report_plots.titles(results)
   readme, docs = render(results, README.read_text(encoding="utf-8"),
                         DOCS_PAGE.read_text(encoding="utf-8"), titles)
   found = [Output(README, readme.encode()), Output(DOCS_PAGE, docs.encode())]
   found += [Output(PLOTS_DIR / name, svg) for name, svg in images.items()]
   return found
+
+
+def leftovers(written: list[Output]) -> list[pathlib.Path]:
+  """Plots of an earlier rendering that this one no longer draws."""
+  kept = {output.path for output in written}
+  return sorted(p for p in PLOTS_DIR.glob("*.svg") if p not in kept)
 
 
 def stale(results: report_rows.Results) -> list[str]:
@@ -152,7 +148,16 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   results = report_rows.Results.load(args.results)
   differ = []
-  for output in outputs(results, plots=not args.no_plots):
+  written = outputs(results, plots=not args.no_plots)
+  if not args.no_plots:
+    for path in leftovers(written):
+      print(f"{path.relative_to(REPO)}: no longer drawn" + ("" if args.check else "; removed"),
+            file=sys.stderr)
+      if args.check:
+        differ.append(path.relative_to(REPO))
+      else:
+        path.unlink()
+  for output in written:
     old = output.path.read_bytes() if output.path.exists() else None
     if old == output.content:
       continue

@@ -78,7 +78,8 @@ def ratio(value: float) -> str:
 
 
 def percent(fraction: float) -> str:
-  return f"{fraction * 100:.1f}%"
+  """0.78%, 2.82%, 29.9%."""
+  return f"{fraction * 100:.2f}%" if abs(fraction) < 0.1 else f"{fraction * 100:.1f}%"
 
 
 def load_range(context: Context) -> str:
@@ -95,7 +96,8 @@ def measured(*contexts: Context) -> str:
   seen, parts = set(), []
   for context in contexts:
     commit = context.get("commit", "unknown")[:7] + ("+" if context.get("dirty") else "")
-    text = f"`{commit}`, {context.get('machine', {}).get('cores', '?')} cores, {load_range(context)}"
+    cores = context.get("machine", {}).get("cores", "?")
+    text = f"`{commit}`, {cores} cores, {load_range(context)}"
     if text not in seen:
       seen.add(text)
       parts.append(text)
@@ -115,17 +117,28 @@ def describe_run(context: Context) -> str:
           f"{versions.get('python', '?')}, {peers}.")
 
 
+def _cell(text: str) -> str:
+  return text.replace("|", "\\|").replace("\n", " ")
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+  """A Markdown table."""
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines) + "\n"
+
+
 _FIGURES = (("ratio_vs_best_peer", ratio), ("padding_fraction", percent),
             ("fraction_of_plain_socket", lambda x: f"{x:.2f}"),
             ("overhead_vs_host_only", percent), ("cpu_us_per_image", lambda x: f"{x:.0f} us"),
-            ("tokens_per_cpu_second", rate), ("first_batch_ms", lambda x: f"{x:g} ms"),
+            ("tokens_per_cpu_second", rate), ("modelled_time_per_real_token", lambda x: f"{x:.3f}"),
+            ("median_ms", lambda x: f"{x:g} ms"), ("first_batch_ms", lambda x: f"{x:g} ms"),
             ("peak_rss_mb", lambda x: f"{x:.0f} MB"))
 
 
 def rows_table(rows: list[Row]) -> str:
   """A run's rows: what each measured, its rate and the figures it has of
   `_FIGURES`."""
-  from benchmarks import report  # pylint: disable=import-outside-toplevel  # a cycle otherwise
   keys = [(k, f) for k, f in _FIGURES if any(k in line for line in rows)]
   body = []
   for line in rows:
@@ -134,7 +147,7 @@ def rows_table(rows: list[Row]) -> str:
         line.get("rate"), (int, float)) else ""
     body.append([str(line.get("workload", "")), what, value]
                 + [f(line[k]) if isinstance(line.get(k), (int, float)) else "" for k, f in keys])
-  return report.table(["workload", "system", "rate"] + [k for k, _ in keys], body)
+  return table(["workload", "system", "rate"] + [k for k, _ in keys], body)
 
 
 # ----------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def test_a_hand_edited_figure_is_put_back():
 
 
 def test_missing_markers_are_named():
-  with pytest.raises(ValueError, match=r"README.md: generated blocks \['results'\] have no markers"):
+  with pytest.raises(ValueError,
+                     match=r"README.md: generated blocks \['results'\] have no markers"):
     report.replace_blocks("# no table here\n", {"results": "x\n"}, "README.md")
 
 
