@@ -84,7 +84,9 @@ def _bar_chart(title: str, bars: list[tuple[str, float]]) -> Callable:
     figure, axes = pyplot.subplots(figsize=(6.4, 0.45 * len(bars) + 0.9))
     names = [name for name, _ in bars][::-1]
     values = [value for _, value in bars][::-1]
-    colors = ["#1f77b4" if name.startswith("jaxfeed") else "#999999" for name in names]
+    # jaxfeed, the peers, and references (limits, a plain socket) lighter.
+    colors = ["#1f77b4" if name.startswith("jaxfeed") else "#808080"
+              if name.startswith(tuple(report_rows.PEER_NAMES)) else "#c8c8c8" for name in names]
     axes.barh(names, values, color=colors)
     if max(values) / max(min(values), 1e-9) > 50:
       axes.set_xscale("log")
@@ -104,12 +106,16 @@ def _dispatcher_chart(lines: list[dict]) -> Callable:
     for kind in kinds:
       latency.plot(workers, [line["latency_ms"].get(kind, {}).get("p99") for line in lines],
                    marker="o", label=kind)
-    latency.set_xscale("log", base=2)
+    for axes in (latency, cpu):
+      axes.set_xscale("log", base=2)
+      axes.set_xticks(workers, [str(w) for w in workers])
+      axes.minorticks_off()
+    latency.set_title("p99 latency by call, one run per size", loc="left")
     latency.set_xlabel("workers (clients: twice as many)")
     latency.set_ylabel("p99 latency, ms")
     latency.legend(fontsize=7)
     cpu.plot(workers, [line["dispatcher_cpu_share"] for line in lines], marker="o")
-    cpu.set_xscale("log", base=2)
+    cpu.set_title("the dispatcher's CPU", loc="left")
     cpu.set_xlabel("workers")
     cpu.set_ylabel("dispatcher CPU, cores")
     cpu.set_ylim(bottom=0)

@@ -191,11 +191,12 @@ def w1(results: Results) -> Headline | None:
 
 def _vs_best_peer(results: Results, benchmark: str, workload: str, system: str,
                   title: str, target: str, padding: bool = False) -> Headline | None:
+  """`system` against the fastest tf.data or Grain row of its workload."""
   mine = results.get(benchmark, workload, system)
   if mine is None:
     return None
   best = _best([rc for rc in results.rows(benchmark, workload)
-                if not rc[0].get("system", "").startswith("jaxfeed")
+                if rc[0].get("system", "").startswith(tuple(PEER_NAMES))
                 and isinstance(rc[0].get("rate"), (int, float))])
   pad = lambda line: f", {percent(line['padding_fraction'])} padding" if padding else ""
   return Headline(
@@ -293,11 +294,11 @@ def w8(results: Results) -> Headline | None:
 
 
 def w5(results: Results) -> Headline | None:
-  default = results.get("w5_placement", "W5", "jaxfeed-default")
+  default = results.get("w5_placement", "W5", "jaxfeed-loader-default")
   host = results.get("w5_placement", "W5", "jaxfeed-host-only")
   if default is None or host is None:
     return None
-  zero = results.get("w5_placement", "W5", "jaxfeed-prefetch0")
+  zero = results.get("w5_placement", "W5", "jaxfeed-loader-prefetch0")
   return Headline(
       "W5 `Loader` on 8 CPU devices vs host only",
       f"default {percent(default[0]['overhead_vs_host_only'])} overhead"
