@@ -57,10 +57,11 @@ def readme_table(results: report_rows.Results) -> str:
 
 
 def _headline_docs(results: report_rows.Results) -> str:
-  rows = [[h.workload, h.jaxfeed, h.peer, h.ratio, h.target, h.measured]
+  rows = [[h.workload, h.jaxfeed, h.peer, h.ratio, h.target, h.measured, h.commands]
           for h in report_rows.headlines(results, readme=False)]
   missing = report_rows.not_recorded(results)
-  text = table(["workload", "jaxfeed", "best peer", "ratio", "target", "measured"], rows)
+  text = table(["workload", "jaxfeed", "best peer", "ratio", "target", "measured", "rerun"],
+               rows)
   if missing:
     text += ("\nNot recorded yet (run the command, then `python -m benchmarks.report`): "
              + "; ".join(f"{name}: `{command}`" for name, command in missing) + ".\n")

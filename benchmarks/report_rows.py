@@ -155,12 +155,23 @@ def rows_table(rows: list[Row]) -> str:
 # ----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Headline:
+  """A row of the results tables, and the runs its figures come from."""
   workload: str
   jaxfeed: str
   peer: str
   ratio: str
   target: str
-  measured: str
+  runs: tuple[Context, ...]
+
+  @property
+  def measured(self) -> str:
+    return measured(*self.runs)
+
+  @property
+  def commands(self) -> str:
+    """The recorded commands, to rerun the row."""
+    found = dict.fromkeys(f"`{context.get('command', '?')}`" for context in self.runs)
+    return "; ".join(found)
 
 
 def _best(found: list[tuple[Row, Context]]) -> tuple[Row, Context] | None:
@@ -186,7 +197,7 @@ def w1(results: Results) -> Headline | None:
       rate(auto[0]["rate"]) + picked,
       f"{best[0]['system']} {rate(best[0]['rate'])}" if best else "",
       ratio(auto[0]["rate"] / best[0]["rate"]) if best else "",
-      ">= 1.5x tf.data and Grain", measured(auto[1], *([best[1]] if best else [])))
+      ">= 1.5x tf.data and Grain", (auto[1], *([best[1]] if best else [])))
 
 
 def _vs_best_peer(results: Results, benchmark: str, workload: str, system: str,
@@ -203,7 +214,7 @@ def _vs_best_peer(results: Results, benchmark: str, workload: str, system: str,
       title, rate(mine[0]["rate"]) + pad(mine[0]),
       f"{_peer(best[0]['system'])} {rate(best[0]['rate'])}{pad(best[0])}" if best else "",
       ratio(mine[0]["rate"] / best[0]["rate"]) if best else "", target,
-      measured(mine[1], *([best[1]] if best else [])))
+      (mine[1], *([best[1]] if best else [])))
 
 
 def w2_per_element(results: Results) -> Headline | None:
@@ -242,7 +253,7 @@ def w4(results: Results) -> Headline | None:
       " / ".join(rate(line["rate"]) for line, _ in mine),
       f"tf.data service {rate(best[0]['rate'])}" if best else "",
       " / ".join(ratio(line["rate"] / best[0]["rate"]) for line, _ in mine) if best else "",
-      ">= 1.5x", measured(*(c for _, c in mine)))
+      ">= 1.5x", tuple(c for _, c in mine))
 
 
 def w4t(results: Results) -> Headline | None:
@@ -258,7 +269,7 @@ def w4t(results: Results) -> Headline | None:
       f"plain socket {rate(socket[0]['rate'])}"
       + (f" (tf.data service {rate(tf[0]['rate'])})" if tf else ""),
       " / ".join(f"{line['fraction_of_plain_socket']:.2f}" for line, _ in vs),
-      ">= 0.8 of the socket, epoch by epoch", measured(socket[1]))
+      ">= 0.8 of the socket, epoch by epoch", (socket[1],))
 
 
 def w6(results: Results) -> Headline | None:
@@ -273,7 +284,7 @@ def w6(results: Results) -> Headline | None:
       "per-host bucketing / none",
       f"{ratio(lower['vs_per_host_bucketing_per_token'])} / "
       f"{ratio(lower['vs_no_bucketing_per_token'])} lower",
-      ">= 1.5x / 3x, padding <= 5%", measured(summary[1]))
+      ">= 1.5x / 3x, padding <= 5%", (summary[1],))
 
 
 def w7(results: Results) -> Headline | None:
@@ -304,7 +315,7 @@ def w5(results: Results) -> Headline | None:
       f"default {percent(default[0]['overhead_vs_host_only'])} overhead"
       + (f", `prefetch=0` {percent(zero[0]['overhead_vs_host_only'])}" if zero else ""),
       f"host only {rate(host[0]['rate'])}", "", "default <= prefetch=0",
-      measured(default[1]))
+      (default[1],))
 
 
 def dispatcher(results: Results) -> Headline | None:
@@ -318,7 +329,7 @@ def dispatcher(results: Results) -> Headline | None:
       f"{line['seconds']:.0f} s",
       f"worst p99 {p99:g} ms, {line['dispatcher_cpu_share']:g} core, "
       f"{line['failed_rpcs']} failed, restart replay {line['restart_replay_s']:g} s",
-      "", "", "p99 <= 100 ms, <= 0.6 core, 0 failed, replay <= 5 s", measured(context))
+      "", "", "p99 <= 100 ms, <= 0.6 core, 0 failed, replay <= 5 s", (context,))
 
 
 # (builder, in the README, command that records it)
