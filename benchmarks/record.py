@@ -199,8 +199,18 @@ def save(benchmark: str, new_run: dict) -> pathlib.Path:
   return path
 
 
+_FIRST = ("workload", "system", "way", "mode", "unit", "rate")
+
+
+def _ordered(line: dict) -> dict:
+  """What a row measured and its rate first, the rest by name."""
+  first = [k for k in _FIRST if k in line]
+  return {k: line[k] for k in first + sorted(k for k in line if k not in _FIRST)}
+
+
 def dumps(data: dict) -> str:
-  """JSON with one row per line: a rerun's diff is the rows that changed."""
+  """JSON with one row per line, each beginning with what it measured: a
+  rerun's diff is the rows that changed."""
   def one(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
@@ -213,7 +223,7 @@ def dumps(data: dict) -> str:
               for j, (k, v) in enumerate(context)]
     lines.append("   },")
     lines.append('   "rows": [')
-    lines += [f"    {one(line)}{',' if j < len(entry['rows']) - 1 else ''}"
+    lines += [f"    {json.dumps(_ordered(line))}{',' if j < len(entry['rows']) - 1 else ''}"
               for j, line in enumerate(entry["rows"])]
     lines.append("   ]")
     lines.append("  }" + ("," if i < len(data["runs"]) - 1 else ""))

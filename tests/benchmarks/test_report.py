@@ -98,7 +98,7 @@ def test_a_rerun_replaces_the_rows_it_measured_and_keeps_the_others(tmp_path, mo
   runs = json.loads(text)["runs"]
   assert [(r["context"]["commit"][0], [x["rate"] for x in r["rows"]]) for r in runs] == [
       ("a", [3.0]), ("b", [2.0])]
-  assert '    {"rate": 2.0, "system": "jaxfeed", "workload": "W2"}' in text.splitlines()
+  assert '    {"workload": "W2", "system": "jaxfeed", "rate": 2.0}' in text.splitlines()
 
 
 def _w1_rows() -> list[dict]:
