@@ -125,12 +125,15 @@ def leftovers(written: list[Output]) -> list[pathlib.Path]:
 
 
 def stale(results: report_rows.Results) -> list[str]:
-  """Headline runs whose commit's code (jaxfeed/, benchmarks/) differs from HEAD's."""
+  """Runs whose commit's code (jaxfeed/, benchmarks/) differs from HEAD's:
+  what they measured is no longer the code in the repository. The files that
+  record and render results measure nothing and do not count."""
   notes = []
   for commit in sorted(results.commits()):
     changed = subprocess.run(
         ["git", "diff", "--name-only", commit, "HEAD", "--", "jaxfeed", "benchmarks",
-         ":(exclude)benchmarks/results", ":(exclude)benchmarks/report*.py"],
+         ":(exclude)benchmarks/results", ":(exclude)benchmarks/report*.py",
+         ":(exclude)benchmarks/record.py"],
         cwd=REPO, capture_output=True, text=True, check=False).stdout.split()
     if changed:
       notes.append(f"runs at {commit[:7]}: {len(changed)} files of jaxfeed/ and benchmarks/ "
