@@ -182,6 +182,14 @@ def _peer(system: str) -> str:
   return PEER_NAMES.get(system.split("-")[0], system)
 
 
+def _backend(picked: object) -> str:
+  """" (on processes)": the backend AUTOTUNE picked, as W1's row gives it
+  (a dict per op, or a list of them)."""
+  ops = picked if isinstance(picked, list) else [picked]
+  backends = [op.get("backend") for op in ops if isinstance(op, dict) and op.get("backend")]
+  return f" (on {', '.join(backends)})" if backends else ""
+
+
 def w1(results: Results) -> Headline | None:
   """W1 as users write it (`benchmarks.w1_per_element`): AUTOTUNE against
   the best main peer row."""
@@ -191,7 +199,7 @@ def w1(results: Results) -> Headline | None:
   peers = [rc for rc in results.rows("w1_per_element", "W1 per-element")
            if rc[0].get("main_row") and rc[0]["system"].startswith(("tf.data", "grain"))]
   best = _best(peers)
-  picked = f" ({auto[0]['picked']})" if auto[0].get("picked") else ""
+  picked = _backend(auto[0].get("picked"))
   return Headline(
       "W1 images/s, a per-element function as users write it, AUTOTUNE",
       rate(auto[0]["rate"]) + picked,
