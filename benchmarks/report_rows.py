@@ -142,14 +142,28 @@ def rows_table(rows: list[Row]) -> str:
   """A run's rows: what each measured, its rate and the figures it has of
   `_FIGURES`."""
   keys = [(k, f) for k, f in _FIGURES if any(k in line for line in rows)]
+  bare = [line for line in rows if "rate" not in line and not any(k in line for k, _ in keys)]
   body = []
   for line in rows:
     what = " / ".join(str(line[k]) for k in ("system", "way", "mode") if k in line)
     value = f"{rate(line['rate'])} {line.get('unit', '')}".strip() if isinstance(
         line.get("rate"), (int, float)) else ""
     body.append([str(line.get("workload", "")), what, value]
-                + [f(line[k]) if isinstance(line.get(k), (int, float)) else "" for k, f in keys])
-  return table(["workload", "system", "rate"] + [k for k, _ in keys], body)
+                + [f(line[k]) if isinstance(line.get(k), (int, float)) else "" for k, f in keys]
+                + ([_scalars(line) if line in bare else ""] if bare else []))
+  return table(["workload", "system", "rate"] + [k for k, _ in keys]
+               + (["figures"] if bare else []), body)
+
+
+def _scalars(line: Row, most: int = 8) -> str:
+  """A row's first numbers, for rows with no rate and none of `_FIGURES`."""
+  flat = {}
+  for key, value in line.items():  # one level of nesting: {"ratios": {"a": 1.5}} -> ratios.a
+    flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict)
+                else {key: value})
+  found = [f"{k} {v:g}" for k, v in flat.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)]
+  return ", ".join(found[:most]) + (", ..." if len(found) > most else "")
 
 
 # ----------------------------------------------------------------------------
