@@ -133,7 +133,8 @@ _FIGURES = (("ratio_vs_best_peer", ratio), ("padding_fraction", percent),
             ("overhead_vs_host_only", percent), ("cpu_us_per_image", lambda x: f"{x:.0f} us"),
             ("tokens_per_cpu_second", rate), ("modelled_time_per_real_token", lambda x: f"{x:.3f}"),
             ("median_ms", lambda x: f"{x:g} ms"), ("first_batch_ms", lambda x: f"{x:g} ms"),
-            ("ratio_vs_limit", percent), ("rpcs_per_s", rate),
+            ("ratio_vs_limit", percent), ("overhead", percent), ("cpu_overhead", percent),
+            ("rpcs_per_s", rate),
             ("dispatcher_cpu_share", lambda x: f"{x:g} core"), ("failed_rpcs", str),
             ("restart_replay_s", lambda x: f"{x:g} s"), ("peak_rss_mb", lambda x: f"{x:.0f} MB"))
 
