@@ -5,7 +5,7 @@ from __future__ import annotations
 import jaxfeed
 from jaxfeed import service
 
-PUBLIC_NAMES = ("AutoscaleConfig", "DispatchServer", "DispatcherConfig", "DistributedNode",
+PUBLIC_NAMES = ("AutoscaleConfig", "CrossTrainerCache", "DispatchServer", "DispatcherConfig", "DistributedNode",
                 "PoisonSplitError", "PositionsLostWarning", "ServiceError", "ShardingPolicy", "SpecError", "TLSConfig", "UDFImportError",
                 "WireFormatError", "WorkerConfig", "WorkerServer", "distribute",
                 "from_dataset_id", "register_dataset", "serve_client_metrics")

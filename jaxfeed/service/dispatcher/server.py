@@ -50,7 +50,8 @@ class _DispatcherServicer:
 
   def RegisterDataset(self, request, context):
     del context
-    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(request.dataset))
+    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(
+        request.dataset, request.dataset_id, request.compression))
 
   def GetDatasetDef(self, request, context):
     del context

@@ -20,6 +20,7 @@ from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 from jaxfeed.service.worker import data_server
 from jaxfeed.service.worker import dataset_cache
@@ -134,7 +135,9 @@ class WorkerState:
                            for t, c, s in held],
               client_goodbyes=_goodbye_messages(goodbyes),
               pid=os.getpid(), parent_pid=os.getppid(),
-              made_splits=[pb.TaskSplits(task_id=t, starts=s) for t, s in made]),
+              made_splits=[pb.TaskSplits(task_id=t, starts=s) for t, s in made],
+              process_id=target_workers.process_id(),
+              worker_tags=self.config.worker_tags),
           timeout=min(timeout_s, self.heartbeat_deadline_s))
     except BaseException:
       with self.lock:  # reported with the next heartbeat
@@ -325,12 +328,13 @@ class WorkerState:
         self.task_added.wait(min(left, 0.1))
       return self.tasks[task_id]
 
-  def open_stream(self, request: pb.GetElementsRequest, kick: Callable[[], None]
-                  ) -> tuple[delivery.ClientStream, object]:
-    """The client's stream of the task, attached to a new connection that
-    `kick` ends; returns it and the connection's token (see
-    `delivery.ClientStream.attach`)."""
+  def open_stream(self, request: pb.GetElementsRequest, kick: Callable[[], None],
+                  transport: str) -> tuple[delivery.ClientStream, object]:
+    """The client's stream of the task, attached to a new connection over
+    `transport` ("grpc", "socket" or "memory") that `kick` ends; returns it
+    and the connection's token (see `delivery.ClientStream.attach`)."""
     runner = self.find_task(request.task_id)
+    self.served.connected(transport)
     window = min(request.window or delivery.DEFAULT_WINDOW, delivery.MAX_WINDOW)
     stream = self.streams.get_or_add(
         request.task_id, request.client_id,
@@ -424,10 +428,9 @@ class WorkerState:
                   context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:
     self.check_ticket(request.task_id, rpc.metadata_token(context.invocation_metadata()))
     chunk = min(request.max_chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
-    compression = request.compression
-    wire.check_compression(compression)
+    compression = wire.check_compression(wire.resolve_compression(request.compression, "grpc"))
     try:
-      stream, token = self.open_stream(request, context.cancel)
+      stream, token = self.open_stream(request, context.cancel, "grpc")
       items = stream.items(token, request.received, context.is_active, stream.wait_for_ack)
       last_sent = time.monotonic()
       while True:
@@ -470,7 +473,7 @@ class WorkerState:
     except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(inf): Overflow
       raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
     try:
-      stream, token = self.open_stream(request, link.kick)
+      stream, token = self.open_stream(request, link.kick, "socket")
       link.on_ack = stream.ack
       return (yield from stream.items(token, request.received, link.is_active,
                                       link.wait_for_ack))
