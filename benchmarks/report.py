@@ -136,8 +136,9 @@ def stale(results: report_rows.Results) -> list[str]:
          ":(exclude)benchmarks/record.py"],
         cwd=REPO, capture_output=True, text=True, check=False).stdout.split()
     if changed:
-      notes.append(f"runs at {commit[:7]}: {len(changed)} files of jaxfeed/ and benchmarks/ "
-                   f"changed since (e.g. {changed[0]}); rerun them")
+      where = sorted({"/".join(path.split("/")[:2]) for path in changed})
+      notes.append(f"runs at {commit[:7]}: {len(changed)} files changed since, in "
+                   f"{', '.join(where)}; rerun the runs that use them")
   return notes
 
 
