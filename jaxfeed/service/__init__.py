@@ -34,6 +34,7 @@ _EXPORTS = {
     "distribute": "jaxfeed.service.client.distribute",
     "register_dataset": "jaxfeed.service.client.distribute",
     "from_dataset_id": "jaxfeed.service.client.distribute",
+    "distributed_save": "jaxfeed.service.client.distributed_save",
     "serve_client_metrics": "jaxfeed.service.metrics",
 }
 

@@ -26,6 +26,7 @@ from jaxfeed.service.worker import data_server
 from jaxfeed.service.worker import dataset_cache
 from jaxfeed.service.worker import delivery
 from jaxfeed.service.worker import round_assembly
+from jaxfeed.service.worker import save_writer
 from jaxfeed.service.worker import shared_stream
 from jaxfeed.service.worker import task_pipeline
 from jaxfeed.service.worker import task_runner as task_runner_lib
@@ -105,6 +106,9 @@ class WorkerState:
                                    pb.GetDatasetDefResponse, token)
     self.splits_call = rpc.Caller(channel, _DISPATCHER + "GetSplits",
                                   pb.GetSplitsResponse, token)
+    self.saves = save_writer.SaveWriters(channel, token, lambda: self.address,
+                                         self.incarnation, config.pickled_udf_secret,
+                                         config.udf_modules)
 
   # -- heartbeats and tasks ----------------------------------------------------
   def heartbeat(self, timeout_s: float = _HEARTBEAT_DEADLINE_S) -> None:
@@ -154,6 +158,8 @@ class WorkerState:
       self.heartbeat_deadline_s = response.heartbeat_timeout_s * _HEARTBEAT_DEADLINE_FRACTION
     for task in response.new_tasks:
       self.start_task(task)
+    if response.active_saves and not self.draining.is_set():
+      self.saves.update(response.active_saves)
     for task_id in response.tasks_to_delete:
       with self.lock:
         runner = self.tasks.pop(task_id, None)
@@ -523,6 +529,7 @@ class WorkerState:
 
   def shutdown(self) -> None:
     self.stop.set()
+    self.saves.close()
     with self.lock:
       runners = list(self.tasks.values())
       self.tasks.clear()
