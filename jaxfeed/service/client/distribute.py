@@ -49,6 +49,7 @@ from typing import Any, Iterable
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
+from jaxfeed.ops import index_ranges
 from jaxfeed.service.client.iterator import DistributedIterator
 from jaxfeed.service.client.read import call_dispatcher, dispatcher_caller
 from jaxfeed.service.protocol import rpc
@@ -99,8 +100,9 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
       `service` (see `wait_for_dispatcher`).
   """
   node = task_pipeline.pipeline_node(dataset, "register_dataset")
-  dataset_def = spec_lib.to_dataset_def(node, udf_secret,
-                                        num_positions=task_pipeline.num_positions(node))
+  dataset_def = spec_lib.to_dataset_def(
+      node, udf_secret, num_positions=task_pipeline.num_positions(node),
+      positions_are_files=index_ranges.reads_files(node))
   channel = rpc.make_channel(_target(service), tls=tls)
   try:
     caller = dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,

@@ -247,8 +247,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     wanted = max(1, min(max_ranges, 64))
     ranges = _reissued(job, wanted)
     start = job.next_position
-    split_size = self.config.heartbeat_pacing.split_size(self.config.split_size,
-                                                         len(job.tasks))
+    split_size = self._split_size(job)
     if ranges and ranges[0].start in job.split_losses:
       wanted = 1  # a worker was lost on it: alone, so that a loss names it alone
     while len(ranges) < wanted:
@@ -294,6 +293,15 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
   def _lose_tasks_of(self, address: str, keep: set[int] = frozenset(),
                      how: str | None = None) -> None:
     """Records as lost the unfinished tasks on `address`, but those in `keep`.
+
+  def _split_size(self, job: Job) -> int:
+    """Positions per new split of `job` (lock held): one where they are
+    files, as tf.data service hands out files; else the configured size,
+    grown with the job's tasks."""
+    dataset_def = self.datasets.get(job.dataset_id)
+    if dataset_def is not None and dataset_def.positions_are_files:
+      return 1
+    return self.config.heartbeat_pacing.split_size(self.config.split_size, len(job.tasks))
 
     `how` the worker ended, unless it left on its own (None): then the
     splits it was making (reading, at-most-once) count the loss
