@@ -51,7 +51,7 @@ def read(dataset: jaxfeed.Dataset) -> tuple[collections.Counter, dict]:
   """Every x read, and batches by worker address."""
   with dataset.make_iterator() as iterator:
     batches = list(iterator)
-    by_worker = dict(iterator.elements_by_worker)
+    by_worker = dict(getattr(iterator, "elements_by_worker", {}))
   xs = np.concatenate([np.asarray(b["x"]).reshape(-1) for b in batches]).tolist() if batches else []
   return collections.Counter(xs), by_worker
 
@@ -79,20 +79,28 @@ def test_dynamic_hands_out_whole_files_to_both_workers(cluster, tmp_path, make, 
   assert all(by_worker.values())
 
 
+def slow_exactly_once_read(address: str, folder) -> jaxfeed.Dataset:
+  """8 files of 60 records at 2 ms each, read exactly once in batches of 4."""
+  dataset = tfrecords(write_files(folder, lambda f: 60)).map(
+      service_udfs.slow_add_one_to_x).batch(4)
+  return dataset.distribute(address, "distributed_epoch", visitation="exactly_once",
+                            max_outstanding_requests=2)
+
+
+def assert_every_slow_record_once(batches) -> None:
+  xs = np.concatenate([b["x"] for b in batches]).tolist()
+  assert collections.Counter(xs) == collections.Counter(
+      {x + 1: 1 for x in expected(lambda f: 60)})
+
+
 def test_dynamic_exactly_once_over_files_survives_a_worker_killed_mid_epoch(cluster, tmp_path):
   dispatcher, workers = start_service(cluster, 2)
-  dataset = tfrecords(write_files(tmp_path, lambda f: 60)).map(
-      service_udfs.slow_add_one_to_x).batch(4)
-  distributed = dataset.distribute(dispatcher.address, "distributed_epoch",
-                                   visitation="exactly_once", max_outstanding_requests=2)
-  with distributed.make_iterator() as iterator:
+  with slow_exactly_once_read(dispatcher.address, tmp_path).make_iterator() as iterator:
     batches = [next(iterator) for _ in range(15)]
     workers[0].kill()  # mid-file: 2 ms per record, 120 ms per file
     batches += list(iterator)
     by_worker = iterator.elements_by_worker
-  xs = np.concatenate([b["x"] for b in batches]).tolist()
-  assert collections.Counter(xs) == collections.Counter(
-      {x + 1: 1 for x in expected(lambda f: 60)})
+  assert_every_slow_record_once(batches)
   assert by_worker.get(workers[0].address, 0) > 0  # it read files before it died
 
 
@@ -205,3 +213,30 @@ def test_a_worker_takes_the_first_free_entry_its_address_matches():
   assert workers._fixed_index(fixed, "10.0.0.2:8", {1}) == 2
   assert workers._fixed_index(fixed, "10.0.0.2:9", {1, 2}) is None
   assert workers._fixed_index(fixed, "10.0.0.3:1", set()) == 3
+
+
+def test_dynamic_exactly_once_over_files_survives_a_dispatcher_restart(cluster, tmp_path):
+  port = free_port()
+  try:
+    flags = (f"--port={port}", f"--work_dir={tmp_path / 'journal'}", "--heartbeat_timeout_s=2")
+    dispatcher = cluster("dispatcher", *flags)
+    for _ in range(2):
+      cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+    with slow_exactly_once_read(dispatcher.address, tmp_path).make_iterator() as iterator:
+      batches = [next(iterator) for _ in range(15)]
+      dispatcher.kill()  # the file splits handed out and acknowledged are in its journal
+      dispatcher = cluster("dispatcher", *flags)
+      batches += list(iterator)
+    assert_every_slow_record_once(batches)
+  finally:
+    release_port(port)
+
+
+def test_a_dynamic_read_of_files_repeats_outside_the_service(cluster, tmp_path):
+  dispatcher, _ = start_service(cluster, 2)
+  dataset = tfrecords(write_files(tmp_path, lambda f: 3))
+  with pytest.raises(ValueError, match=r"repeats its split input \(repeat 2 times\).*"
+                                       r"Apply .repeat\(\) to the distributed dataset"):
+    dataset.repeat(2).distribute(dispatcher.address, "distributed_epoch")
+  got, _ = read(dataset.distribute(dispatcher.address, "distributed_epoch").repeat(2))
+  assert got == collections.Counter({x: 2 for x in expected(lambda f: 3)})
