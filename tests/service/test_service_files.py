@@ -125,6 +125,16 @@ def test_file_or_data_shards_a_sampler_by_records_without_files(cluster):
   assert sorted(by_worker.values()) == [9, 9]
 
 
+@pytest.mark.parametrize("policy", ["DATA", "FILE_OR_DATA"])
+def test_data_without_a_sampler_keeps_every_nth_output_element_per_worker(cluster, policy):
+  dispatcher, _ = start_service(cluster, 2, "--num_workers=2")
+  dataset = jaxfeed.Dataset.range(60).map(service_udfs.add_one).batch(6)  # tf.data's DATA
+  with dataset.distribute(dispatcher.address, policy).make_iterator() as iterator:
+    batches = [np.asarray(b).tolist() for b in iterator]
+  assert sorted(sum(batches, [])) == list(range(1, 61))
+  assert sorted(batches) == sorted(np.asarray(list(dataset)).tolist())  # whole batches
+
+
 def test_hint_fills_shard_placeholders_with_each_workers_index(cluster, tmp_path):
   dispatcher, workers = start_service(cluster, 2, "--num_workers=2")
   names = np.array([p.encode() for p in write_files(tmp_path)])

@@ -25,7 +25,8 @@ class ShardingPolicy(enum.Enum):
     `interleave` / `flat_map`); a pipeline without one is refused (use DATA
     or FILE_OR_DATA).
   DATA: static sharding by records: worker i of n applies ShardOptions(i, n)
-    to the pipeline's `from_source` sampler.
+    to the pipeline's `from_source` sampler; a pipeline without one keeps
+    elements i, i + n, ... of its output.
   FILE_OR_DATA: FILE when the pipeline reads files, else DATA.
   HINT: every `shard(SHARD_HINT, SHARD_HINT)` of the pipeline becomes
     `shard(n, i)` on worker i of n (`jaxfeed.service.SHARD_HINT`).

@@ -5,7 +5,10 @@ worker i of n reads its own part of the input, fixed when the job starts.
   of `from_tfrecord`, or the elements of the input an `interleave` /
   `flat_map` opens a dataset for (`jaxfeed.ops.index_ranges.reads_files`).
   A worker with no file (more workers than files) reads nothing.
-- DATA: the pipeline's `from_source` sampler gets ShardOptions(i, n).
+- DATA: the pipeline's `from_source` sampler gets ShardOptions(i, n), so a
+  worker reads only its own records; a pipeline without one runs whole on
+  every worker, which keeps elements i, i + n, ... of its output (tf.data's
+  DATA).
 - FILE_OR_DATA: FILE where the pipeline reads files, else DATA.
 - HINT: every `shard(SHARD_HINT, SHARD_HINT)` becomes `shard(n, i)`.
 """
@@ -90,14 +93,23 @@ def shard_task(policy: ShardingPolicy, task: pb.TaskInfo, decode: Decode) -> bas
     return decode(_fill_hints(task))
   touched: list = []
   node = decode(_shard_sampler(task, policy, touched))
-  if len(touched) != 1:
+  if not touched:  # tf.data's DATA: run it all, keep every n-th element
+    return _shard_output(node, task)
+  if len(touched) > 1:
     raise spec_lib.SpecError(
-        f"{policy.name} sharding needs a pipeline with exactly one "
-        f"from_source(source, sampler) op to shard; dataset "
-        f"{task.dataset_id!r} has {len(touched)}. Use processing_mode "
-        "'parallel_epochs' (OFF), 'distributed_epoch' (DYNAMIC), FILE for "
-        "files, or read records through Dataset.from_source.")
+        f"{policy.name} sharding shards the pipeline's from_source sampler, but "
+        f"dataset {task.dataset_id!r} has {len(touched)}: it cannot tell which "
+        "to shard. Mix them into one source (Dataset.mix), or use "
+        "processing_mode 'parallel_epochs' (OFF) or 'distributed_epoch' (DYNAMIC).")
   return node
+
+
+def _shard_output(node: base.Node, task: pb.TaskInfo) -> base.Node:
+  """`node` (under its Options root, if any) followed by shard(n, i)."""
+  if node.op_name == "with_options":
+    inner = shard.ShardNode(node.parents[0], task.num_workers, task.worker_index)
+    return type(node)(inner, **node.spec_params())
+  return shard.ShardNode(node, task.num_workers, task.worker_index)
 
 
 def _fill_hints(task: pb.TaskInfo) -> spec_lib.NodeRewrite:
