@@ -32,7 +32,8 @@ class DispatcherConfig:
       need it. Different from auth_token, so that a client cannot pose as a
       worker nor a worker as a client; clients read from workers with
       per-task tickets the dispatcher hands them instead.
-    split_size: Sampler positions per DYNAMIC split.
+    split_size: Sampler positions per DYNAMIC split (where the positions are
+      files, a split is always one file).
     max_message_bytes: Largest gRPC message accepted or sent.
     pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
     udf_modules: Modules (or package prefixes ending in ".") whose UDFs and

@@ -328,7 +328,8 @@ def define_flags() -> None:
   flags.DEFINE_string("auth_token_file", "", "File holding the clients' token.")
   flags.DEFINE_integer("max_jobs_per_host", 256, "Most jobs one client host may read "
                        "at once.")
-  flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
+  flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split (one file where "
+                       "the positions are files).")
   flags.DEFINE_integer("max_split_attempts", split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS,
                        "Exactly-once reads: a split whose worker was lost while it "
                        "made the split this many times is handed out no more and the "
