@@ -105,8 +105,9 @@ def test_dynamic_exactly_once_over_files_survives_a_worker_killed_mid_epoch(clus
   assert_every_slow_record_once(batches)
 
 
-@pytest.mark.parametrize("policy", ["FILE", "FILE_OR_DATA"])
-@pytest.mark.parametrize("make", [tfrecords, interleaved], ids=["from_tfrecord", "interleave"])
+@pytest.mark.parametrize("make, policy", [(tfrecords, "FILE"), (interleaved, "FILE"),
+                                          (interleaved, "FILE_OR_DATA")],
+                         ids=["from_tfrecord-FILE", "interleave-FILE", "interleave-FILE_OR_DATA"])
 def test_file_sharding_gives_each_worker_its_own_files(cluster, tmp_path, make, policy):
   dispatcher, workers = start_service(cluster, 2, "--num_workers=2")
   sizes = lambda f: 5 * (f + 1)  # worker 0: files 0, 2, 4, 6 (80 records); 1: 100
@@ -126,11 +127,10 @@ def test_file_or_data_shards_a_sampler_by_records_without_files(cluster):
   assert sorted(by_worker.values()) == [9, 9]
 
 
-@pytest.mark.parametrize("policy", ["DATA", "FILE_OR_DATA"])
-def test_data_without_a_sampler_keeps_every_nth_output_element_per_worker(cluster, policy):
+def test_data_without_a_sampler_keeps_every_nth_output_element_per_worker(cluster):
   dispatcher, _ = start_service(cluster, 2, "--num_workers=2")
   dataset = jaxfeed.Dataset.range(60).map(service_udfs.add_one).batch(6)  # tf.data's DATA
-  with dataset.distribute(dispatcher.address, policy).make_iterator() as iterator:
+  with dataset.distribute(dispatcher.address, "DATA").make_iterator() as iterator:
     batches = [np.asarray(b).tolist() for b in iterator]
   assert sorted(sum(batches, [])) == list(range(1, 61))
   assert sorted(batches) == sorted(np.asarray(list(dataset)).tolist())  # whole batches
