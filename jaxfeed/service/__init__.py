@@ -31,9 +31,11 @@ _EXPORTS = {
     "UDFImportError": "jaxfeed.service.protocol.import_paths",
     "WireFormatError": "jaxfeed.service.protocol.wire",
     "DistributedNode": "jaxfeed.service.client.distribute",
+    "CrossTrainerCache": "jaxfeed.service.client.cross_trainer_cache",
     "distribute": "jaxfeed.service.client.distribute",
     "register_dataset": "jaxfeed.service.client.distribute",
     "from_dataset_id": "jaxfeed.service.client.distribute",
+    "distributed_save": "jaxfeed.service.client.distributed_save",
     "serve_client_metrics": "jaxfeed.service.metrics",
 }
 
