@@ -17,6 +17,7 @@ from typing import Any
 # jaxfeed.loader": jaxfeed.service takes 0.3 ms so, 75 to 160 ms eagerly).
 _EXPORTS = {
     "ShardingPolicy": "jaxfeed.service.protocol.sharding",
+    "SHARD_HINT": "jaxfeed.ops.shard",
     "DispatchServer": "jaxfeed.service.dispatcher.server",
     "DispatcherConfig": "jaxfeed.service.dispatcher.config",
     "WorkerServer": "jaxfeed.service.worker.server",
