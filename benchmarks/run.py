@@ -25,7 +25,6 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 FLAGS = flags.FLAGS

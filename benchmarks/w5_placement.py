@@ -48,9 +48,11 @@ FLAGS = flags.FLAGS
 def _define_flags() -> None:
   # Only when run as a script: benchmarks.run imports this module and has its
   # own --scale.
-  flags.DEFINE_integer("rounds", 5, "Timed rounds (one epoch of each variant) after a warm-up round.")
+  flags.DEFINE_integer("rounds", 5,
+                       "Timed rounds (one epoch of each variant) after a warm-up round.")
   flags.DEFINE_float("scale", 1.0, "Fraction of W1's 20,000 images.")
-  flags.DEFINE_bool("aligned", False, "Also run the variants whose augmentation writes aligned memory.")
+  flags.DEFINE_bool("aligned", False,
+                    "Also run the variants whose augmentation writes aligned memory.")
 
 
 def _pipeline(data: dict, aligned: bool):

@@ -48,7 +48,8 @@ def w3_sequences(lengths: np.ndarray) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------
 def augment(example: dict, rng: np.random.Generator) -> dict:
   """W1: random 56x56 crop, random horizontal flip, normalize to float32."""
-  y, x, flip = rng.integers(0, IMAGE - CROP + 1), rng.integers(0, IMAGE - CROP + 1), rng.random() < 0.5
+  y, x = rng.integers(0, IMAGE - CROP + 1), rng.integers(0, IMAGE - CROP + 1)
+  flip = rng.random() < 0.5
   crop = example["image"][y:y + CROP, x:x + CROP]
   if flip:
     crop = crop[:, ::-1]

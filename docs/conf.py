@@ -33,7 +33,8 @@ nitpicky = True
 # Types from other packages (no intersphinx: the build reads nothing from
 # the network) and jaxfeed's internal classes in signatures are plain text.
 nitpick_ignore_regex = [
-    ("py:class", r"(numpy|os|ssl|grpc|jax|jaxlib|etils|orbax|typing|collections|concurrent|threading|pathlib)\..*"),
+    ("py:class", r"(numpy|os|ssl|grpc|jax|jaxlib|etils|orbax|typing|collections"
+                 r"|concurrent|threading|pathlib)\..*"),
     ("py:class", r"jaxfeed(\.[a-z_]+){2,}\.\w+"),
 ]
 # compute_lengths raises it: it is documented as jaxfeed.coord.LengthIndexError.

@@ -7,7 +7,7 @@ the ops' logic lives there. Op modules never import this file.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from jaxfeed.ops import base
 
@@ -60,7 +60,10 @@ class Dataset:
 
   @staticmethod
   def range(*args: int, dtype: Any = None) -> "Dataset":
-    """Like tf.data.Dataset.range: range(stop), range(start, stop[, step])."""
+    """Integers from `start` to `stop` by `step`, like tf.data.Dataset.range.
+
+    The arguments are `stop`, or `start, stop[, step]`.
+    """
     return Dataset(_op("range").RangeNode(*args, dtype=dtype))
 
   @staticmethod

@@ -84,7 +84,7 @@ def _dense_default(default_value: Any, shape: tuple[int, ...],
   """The default as a flat list of prod(shape) values, or None."""
   if default_value is None:
     return None
-  if dtype == object:
+  if dtype == np.dtype(object):
     value = np.empty((), object) if isinstance(default_value, (bytes, str)) \
         else None
     if value is not None:

@@ -32,7 +32,9 @@ class ChooseFromDatasetsNode(base.Node):
   op_name = _OP
 
   def __init__(self, *parents: base.Node, stop_on_empty_dataset: bool = True):
-    """Args:
+    """Chooses from `parents[:-1]` by the choices of `parents[-1]`.
+
+    Args:
       *parents: the datasets chosen from, then the choice dataset (last).
       stop_on_empty_dataset: end at the first choice of an exhausted input.
     """

@@ -6,7 +6,8 @@ import jaxfeed
 from jaxfeed import service
 
 PUBLIC_NAMES = ("AutoscaleConfig", "DispatchServer", "DispatcherConfig", "DistributedNode",
-                "PoisonSplitError", "PositionsLostWarning", "ServiceError", "ShardingPolicy", "SpecError", "TLSConfig", "UDFImportError",
+                "PoisonSplitError", "PositionsLostWarning", "ServiceError", "ShardingPolicy",
+                "SpecError", "TLSConfig", "UDFImportError",
                 "WireFormatError", "WorkerConfig", "WorkerServer", "distribute",
                 "from_dataset_id", "register_dataset", "serve_client_metrics")
 

@@ -25,7 +25,7 @@ import jaxfeed
 import resume_trainer as trainer
 from jaxfeed.ops import base
 from jaxfeed.service.protocol import read_state
-from service_cluster import REPO_ROOT, TESTS_DIR, ServiceProcess, free_port
+from service_cluster import REPO_ROOT, TESTS_DIR, free_port
 
 pytestmark = pytest.mark.timeout(240)
 

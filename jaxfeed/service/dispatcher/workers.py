@@ -94,7 +94,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
   def _job(self, job_id: int) -> Job:
     job = self.jobs.get(job_id)
     if job is None:
-      raise rpc.NotFoundError(f"Unknown job id {job_id}: it finished, was released or never existed.")
+      raise rpc.NotFoundError(f"Unknown job id {job_id}: it finished, was released or "
+                              "never existed.")
     return job
 
   def _tasks_of_worker(self, worker: Worker) -> dict[int, Task]:
