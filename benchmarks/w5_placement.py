@@ -141,6 +141,14 @@ def run(rounds: int, scale: float, aligned: bool = False) -> list[dict]:
                         "images/s", {f"jaxfeed-{k}": v for k, v in extra.items()})
 
 
+def run_w5(systems, epochs, scale):
+  """`benchmarks.run`'s W5: host only vs Loader prefetch=0 vs the default
+  (and the placement thread), interleaved per epoch."""
+  if "jaxfeed" not in systems:
+    return []
+  return run(epochs, scale)
+
+
 def main(argv: list[str]) -> None:
   del argv
   run(FLAGS.rounds, FLAGS.scale, FLAGS.aligned)

@@ -231,17 +231,3 @@ def run_w3(systems, epochs, scale):
       lines += harness.report(f"W3-{kind}", subset, "sequences/s", extra)
   return lines
 
-
-# ----------------------------------------------------------------------------
-# W5: W1 through jaxfeed.Loader onto an 8-device CPU mesh vs host only
-# ----------------------------------------------------------------------------
-def run_w5(systems, epochs, scale):
-  """Host only vs Loader prefetch=0 vs the default (and the placement
-  thread), interleaved per epoch; see `benchmarks.w5_placement`."""
-  if "jaxfeed" not in systems:
-    return []
-  from benchmarks import w5_placement
-  return w5_placement.run(epochs, scale)
-
-
-RUNNERS = {"W1": run_w1, "W2": run_w2, "W3": run_w3, "W5": run_w5}
