@@ -30,7 +30,7 @@ import numpy as np
 from jaxfeed.coord.bucket_plan import BucketPlan
 from jaxfeed.coord.length_index import read_records
 from jaxfeed.ops import base
-from jaxfeed.ops import stacking
+from jaxfeed.ops import padding
 from jaxfeed.ops import tree
 
 __all__ = ["BucketPlanNode", "BucketPlanIterator", "RecordLengthMismatchError"]
@@ -209,7 +209,7 @@ def pad_records(records: list, padded_length: int, padded_shapes: Any,
     if sequence_axes:
       _check_sequence_fits(records, j, sequence_axes, padded_length, indices,
                            step, structure)
-  return stacking.pad_and_stack(
+  return padding.pad_and_stack(
       records, tree.unflatten(structure, shapes), padding_values, op_name=_OP)
 
 

@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxfeed.ops import base
 from jaxfeed.ops import parallel
+from jaxfeed.ops import padding
 from jaxfeed.ops import stacking
 from jaxfeed.ops import tree
 
@@ -257,7 +258,7 @@ class BucketBySequenceLengthIterator(base.OpIterator):
     elements = bucket.elements
     if self._no_padding:
       return stacking.stack(elements, _OP)
-    return stacking.pad_and_stack(elements, self._shapes_for(index, elements),
+    return padding.pad_and_stack(elements, self._shapes_for(index, elements),
                                   self._padding_values, _OP)
 
   def _shapes_for(self, index: int, elements: list) -> Any:
