@@ -1,8 +1,8 @@
 """The per-op stats as text: the table `Loader.report()` and `jaxfeed
 inspect` print, the op to fix first and how (`bottleneck`, `report`).
 
-The stats themselves are sampled in `jaxfeed/ops/op_stats.py`, which
-re-exports these names.
+The stats themselves are sampled in `jaxfeed/ops/op_stats.py`; this module
+is imported only where a report is printed (`import jaxfeed` does not).
 """
 
 from __future__ import annotations

@@ -41,13 +41,10 @@ import time
 import weakref
 from typing import Any, Callable
 
-from jaxfeed.ops.op_report import bottleneck, format_table, report
-
 __all__ = ["SAMPLE_INTERVAL_S", "LINGER_S", "THREAD_NAME", "OpCell", "register_op_class",
            "waits_for_input", "track", "release", "tracked_count", "sampler_running",
            "sampler_cpu_seconds", "samples_taken", "label_of",
-           "fuse_labels", "label_iterators", "instrument", "rows_of",
-           "bottleneck", "format_table", "report"]
+           "fuse_labels", "label_iterators", "instrument", "rows_of"]
 
 SAMPLE_INTERVAL_S = 0.1
 """Seconds between two looks at the threads' stacks. A look costs little CPU

@@ -126,7 +126,7 @@ class DistributedIterator(base.OpIterator):
 
   def _stats_fields(self) -> dict:
     """The read's own row: elements taken, and what this client saw of the
-    service (`op_stats.report` names them): seconds it waited for batches,
+    service (`op_report.report` names them): seconds it waited for batches,
     the workers it read from, batches received, reconnections."""
     read = self._read
     fetchers = list(read.fetchers.values())
