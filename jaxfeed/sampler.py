@@ -72,7 +72,7 @@ class ShardOptions:
   shard_count: int
   drop_remainder: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not _is_int(self.shard_count) or self.shard_count < 1:
       raise ValueError(
           f"ShardOptions: shard_count must be an integer >= 1, got "
@@ -98,7 +98,7 @@ class ShardOptions:
 class NoSharding(ShardOptions):
   """A single shard holding every record (shard 0 of 1)."""
 
-  def __init__(self):
+  def __init__(self) -> None:
     super().__init__(shard_index=0, shard_count=1, drop_remainder=False)
 
 
@@ -330,7 +330,7 @@ class IndexSampler:
     x = _feistel(global_position, keys, self._hi_bits, self._lo_bits)
     while x >= self._num_records:  # Cycle walking back into [0, N).
       x = _feistel(x, keys, self._hi_bits, self._lo_bits)
-    return x
+    return int(x)
 
   def _permute_many(self, global_positions: np.ndarray,
                     epochs: np.ndarray) -> np.ndarray:
@@ -351,7 +351,8 @@ class IndexSampler:
       sub_keys = [k[walking] if k.ndim else k for k in keys]
       x[walking] = _feistel(x[walking], sub_keys, self._hi_bits, self._lo_bits)
       walking = walking[x[walking] >= limit]
-    return x.astype(np.int64)
+    permuted: np.ndarray = x.astype(np.int64)
+    return permuted
 
   # -- iterations ----------------------------------------------------------
   def for_iteration(self, iteration: int) -> "IndexSampler":
@@ -375,7 +376,7 @@ class IndexSampler:
         num_epochs=self._num_epochs, shard_options=self._shard)
 
   # -- identity ------------------------------------------------------------
-  def spec_params(self) -> dict:
+  def spec_params(self) -> dict[str, Any]:
     """The constructor keyword arguments (JSON-able) that rebuild this sampler."""
     params = {
         "num_records": self._num_records,
@@ -388,7 +389,7 @@ class IndexSampler:
       params["reshuffle_each_iteration"] = False
     return params
 
-  def identity(self) -> dict:
+  def identity(self) -> dict[str, Any]:
     """What defines the order this sampler gives (JSON-able), which a
     pipeline state records and checks on restore (see `from_source`)."""
     return {"type": "IndexSampler", "num_records": self._num_records,
@@ -399,7 +400,7 @@ class IndexSampler:
             "drop_remainder": self._shard.drop_remainder,
             "reshuffle_each_iteration": self._reshuffle}
 
-  def _key(self) -> tuple:
+  def _key(self) -> tuple[Any, ...]:
     return (self._num_records, self._shuffle, self._seed, self._num_epochs,
             self._shard.shard_index, self._shard.shard_count,
             self._shard.drop_remainder, self._reshuffle)
@@ -420,7 +421,7 @@ class IndexSampler:
             f"{reshuffle})")
 
 
-def _feistel(x: Any, keys: list, hi_bits: int, lo_bits: int) -> Any:
+def _feistel(x: Any, keys: list[Any], hi_bits: int, lo_bits: int) -> Any:
   """One pass of the keyed permutation of `[0, 2**(hi_bits + lo_bits))`.
 
   Works on a Python int (with explicit 64-bit wrapping) or element-wise on a
