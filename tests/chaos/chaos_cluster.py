@@ -179,6 +179,13 @@ class ChaosCluster:
     with open(self.journal_path, "ab") as f:
       f.write(TORN_RECORD)
 
+  def wipe_state(self) -> None:
+    """Deletes what the dispatcher keeps in its work_dir (not the logs): the
+    next one starts as a new dispatcher, as one without a work_dir does."""
+    for path in self.state_dir.iterdir():
+      if path.is_file() and path.suffix != ".log":
+        path.unlink()
+
   def restart_dispatcher(self, torn_journal: bool = False) -> None:
     """SIGKILL, optionally a torn journal tail, then a new process on the same
     port and work_dir."""

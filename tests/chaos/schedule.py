@@ -37,7 +37,15 @@ checks the guarantee of the mode (DESIGN.md, "Fault model and guarantees"):
   the right data (the read's guarantee holds);
 * a full disk (its work_dir is a small tmpfs, filled for a while): the
   dispatcher process stays up and serves again once space returns, and the
-  read's guarantee holds.
+  read's guarantee holds;
+* a dispatcher stopped (SIGSTOP) for longer than its heartbeat timeout takes
+  no healthy worker for dead: at-most-once loses nothing for it;
+* a dispatcher restarted without its state (its work_dir emptied) under live
+  workers never makes anyone read wrong data: the read of a job it does not
+  know ends as its mode promises, or fails saying that the dispatcher
+  restarted without its state, with nothing foreign or twice (parallel_epochs:
+  no more than an epoch per worker process) in what it read; and a pipeline
+  registered right after it (other values) is read whole, and only it.
 
 The run's `RunRecord` says which faults were injected, how many elements
 were checked, the violation (None if the guarantee held) and whether the
@@ -68,7 +76,8 @@ MODES = ("parallel_epochs", "at_most_once", "exactly_once")
 FAULT_KINDS = ("worker_kill", "worker_restart", "worker_stop", "worker_cut",
                "worker_stall", "dispatcher_restart", "dispatcher_torn_restart",
                "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart",
-               "poison_records", "work_dir_bit_flip", "full_disk")
+               "poison_records", "work_dir_bit_flip", "full_disk",
+               "dispatcher_stateless_restart", "dispatcher_pause")
 # In the data rather than injected: drawn after the other faults (so that
 # adding it left every seed's other draws as they were), see `Schedule.poison`.
 POISON = "poison_records"
@@ -77,11 +86,21 @@ MAX_SPLIT_ATTEMPTS = split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS  # the dispatcher
 # Faults on the dispatcher's disk, drawn after poison for the same reason.
 DISK_FAULTS = ("work_dir_bit_flip", "full_disk")
 DISK_FAULT_CHANCE = 0.15  # of each, per schedule
+# A dispatcher restarted without its state, and one stopped past its
+# heartbeat timeout: drawn after the disk faults for the same reason.
+DISPATCHER_LOSS_FAULTS = ("dispatcher_stateless_restart", "dispatcher_pause")
+DISPATCHER_LOSS_CHANCE = 0.15  # of each, per schedule
 SPLITS_PER_REQUEST = WorkerConfig.splits_per_request  # split ranges a worker holds
 BASE_DEADLINE_S = 90.0
 # A read that hands on no batch this long, beyond the fault being injected,
 # hangs: a dead worker is noticed in HEARTBEAT_TIMEOUT_S.
 NO_PROGRESS_S = 45.0
+# A pipeline read right after a stateless restart has values above this.
+PROBE_OFFSET = 1_000_000
+PROBE_RECORDS = 40
+# What a read of a job the dispatcher lost in a restart without state says.
+STATELESS_RESTART_ERROR = "restarted without its state"
+PAUSE_CHECK_S = 1.0  # after a dispatcher pause, its log is read this much later
 
 
 class NotInjected(Exception):
@@ -173,7 +192,7 @@ def draw(seed: int) -> Schedule:
       proxied_workers=proxied, slow_map=rng.random() < 0.8,
       consumer_delay_s=rng.choice((0.0, 0.002, 0.005)))
   kinds = [k for k in FAULT_KINDS
-           if k != POISON and k not in DISK_FAULTS
+           if k != POISON and k not in DISK_FAULTS and k not in DISPATCHER_LOSS_FAULTS
            and (k != "worker_kill" or num_workers > 1)  # one worker always lives
            and (k != "worker_stall" or proxied)]
   total = (-(-schedule["num_records"] // schedule["batch_size"])
@@ -199,15 +218,23 @@ def draw(seed: int) -> Schedule:
     if rng.random() < DISK_FAULT_CHANCE:
       duration = round(rng.uniform(0.5, 3.0), 2) if kind == "full_disk" else 0.0
       faults.append(Fault(int(rng.uniform(0.05, 0.75) * total), kind, 0, duration))
+  for kind in DISPATCHER_LOSS_FAULTS:
+    if rng.random() < DISPATCHER_LOSS_CHANCE:
+      if kind == "dispatcher_pause":  # past the heartbeat timeout
+        duration = round(rng.uniform(HEARTBEAT_TIMEOUT_S + 0.5, HEARTBEAT_TIMEOUT_S + 3), 2)
+      else:
+        duration = round(rng.uniform(0.0, 1.0), 2)
+      faults.append(Fault(int(rng.uniform(0.05, 0.75) * total), kind, 0, duration))
   faults.sort(key=lambda f: f.after_batches)  # stable: the others keep their order
   return Schedule(faults=tuple(faults), **schedule)
 
 
 def records(num_records: int, batch_size: int, slow_map: bool = True,
-            seed: int = 0, poisoned: bool = False) -> Any:
-  """Batches of {"x": 1..num_records}, shuffled; 2 ms per record if slow_map;
-  `poisoned`: the map kills workers as their POISON_ENV says."""
-  source = jaxfeed.ArraySource({"x": np.arange(num_records, dtype=np.int64)})
+            seed: int = 0, poisoned: bool = False, offset: int = 0) -> Any:
+  """Batches of {"x": offset + 1..num_records}, shuffled; 2 ms per record if
+  slow_map; `poisoned`: the map kills workers as their POISON_ENV says."""
+  source = jaxfeed.ArraySource(
+      {"x": np.arange(offset, offset + num_records, dtype=np.int64)})
   sampler = jaxfeed.IndexSampler(num_records, shuffle=True, seed=seed)
   udf = {(True, False): service_udfs.slow_add_one_to_x,
          (False, False): service_udfs.add_one_to_x,
@@ -216,9 +243,11 @@ def records(num_records: int, batch_size: int, slow_map: bool = True,
   return jaxfeed.Dataset.from_source(source, sampler).map(udf).batch(batch_size)
 
 
-def distribute(schedule: Schedule, cluster: ChaosCluster, **options: Any) -> Any:
-  dataset = records(schedule.num_records, schedule.batch_size, schedule.slow_map,
-                    schedule.seed, bool(schedule.poison))
+def distribute(schedule: Schedule, cluster: ChaosCluster, dataset: Any = None,
+               **options: Any) -> Any:
+  if dataset is None:
+    dataset = records(schedule.num_records, schedule.batch_size, schedule.slow_map,
+                      schedule.seed, bool(schedule.poison))
   mode = "parallel_epochs" if schedule.mode == "parallel_epochs" else "distributed_epoch"
   visitation = "exactly_once" if schedule.mode == "exactly_once" else "at_most_once"
   return dataset.distribute(
@@ -237,6 +266,10 @@ class _Injector:
     self.killed_incarnations = 0  # worker processes killed (at-most-once may lose)
     self.killed_slots: set[int] = set()
     self.flips: list[str] = []  # per bit flipped: "refused" or "served"
+    self.stateless_restarts = 0
+    # What a fault's own check found: a healthy worker taken for dead after a
+    # dispatcher pause, the read after a restart without state.
+    self.fault_violation: str | None = None
     self.error: BaseException | None = None
     self._consumed = 0
     self._done = False
@@ -324,15 +357,67 @@ class _Injector:
       if cluster.disk is None:
         raise NotInjected("no tmpfs to fill (mounting one needs root)")
       cluster.fill_disk(fault.duration_s)
+    elif kind == "dispatcher_pause":
+      logged = cluster.log_path.stat().st_size
+      cluster.dispatcher.pause()
+      time.sleep(fault.duration_s)
+      cluster.dispatcher.resume()
+      time.sleep(PAUSE_CHECK_S)  # its liveness loop runs at once
+      self.fault_violation = self.fault_violation or self._healthy_declared_dead(logged)
+    elif kind == "dispatcher_stateless_restart":
+      cluster.kill_dispatcher()
+      time.sleep(fault.duration_s)
+      cluster.wipe_state()
+      cluster.start_dispatcher()
+      self.stateless_restarts += 1
+      self.fault_violation = self.fault_violation or self._probe()
     else:
       raise ValueError(f"Unknown fault kind {kind!r}.")
+
+  def _healthy_declared_dead(self, log_offset: int) -> str | None:
+    """The violation if the dispatcher's log since `log_offset` declares a
+    worker dead that is alive (nothing else ran during the pause)."""
+    with open(self.cluster.log_path, "rb") as f:
+      f.seek(log_offset)
+      lines = f.read().decode(errors="replace").splitlines()
+    alive = [w.address for w in self.cluster.workers if w.alive]
+    wrong = [line for line in lines if "declared dead" in line
+             and any(f"Worker {address} " in line for address in alive)]
+    if wrong:
+      return f"after a dispatcher pause, a healthy worker was declared dead: {wrong[0]}"
+    return None
+
+  def _probe(self) -> str | None:
+    """Reads a new pipeline (other values) on the dispatcher just restarted
+    without state, while the workers may still run the old read's tasks:
+    the violation in what it read, or None."""
+    schedule = self.schedule
+    probe = dataclasses.replace(schedule, num_records=PROBE_RECORDS, poison="")
+    dataset = records(PROBE_RECORDS, schedule.batch_size, slow_map=False,
+                      seed=schedule.seed, offset=PROBE_OFFSET)
+    result = read_until_end(distribute(probe, self.cluster, dataset=dataset,
+                                       timeout_s=60.0).make_iterator(), BASE_DEADLINE_S)
+    if result.hang or result.error is not None:
+      return (f"the read after a restart without state "
+              f"{'hung' if result.hang else f'failed: {result.error!r}'}")
+    counts = result.counts
+    expected = set(range(PROBE_OFFSET + 1, PROBE_OFFSET + PROBE_RECORDS + 1))
+    if set(counts) != expected or len(set(counts.values())) != 1 or (
+        schedule.mode != "parallel_epochs" and max(counts.values()) != 1):
+      foreign = sorted(set(counts) - expected)[:10]
+      return (f"the read after a restart without state got values {foreign} not its "
+              f"own, or not each equally often ({collections.Counter(counts.values())})")
+    return None
 
 
 def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: int,
           killed_slots: set[int], incarnations: list[int], poison_deaths: int = 0,
-          lost_positions: Sequence[tuple[int, int]] = ()) -> str | None:
+          lost_positions: Sequence[tuple[int, int]] = (), complete: bool = True
+          ) -> str | None:
   """The violation of the mode's guarantee in `counts` (value -> times read)
-  by a read that ended without an error, or None."""
+  by a read that ended without an error, or None; of a read that failed
+  (`complete` False), only nothing foreign and nothing read more often than
+  the mode allows."""
   expected = range(1, schedule.num_records + 1)
   foreign = sorted(set(counts) - set(expected))
   if foreign:
@@ -340,7 +425,7 @@ def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: 
   if schedule.mode == "parallel_epochs":
     live = sum(1 for slot in range(schedule.num_workers) if slot not in killed_slots)
     most = live + sum(incarnations[slot] for slot in killed_slots)
-    short = [v for v in expected if counts[v] < live]
+    short = [v for v in expected if counts[v] < live] if complete else []
     extra = [v for v in expected if counts[v] > most]
     if short:
       return (f"{len(short)} values read fewer than {live} times (once per worker "
@@ -353,6 +438,8 @@ def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: 
   missing = [v for v in expected if counts[v] == 0]
   if twice:
     return f"{len(twice)} values read more than once, e.g. {twice[:10]}"
+  if not complete:
+    return None
   if schedule.mode == "exactly_once":
     if schedule.poison == "always":
       return (f"the read ended although every worker that maps record "
@@ -490,12 +577,18 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
                  f"stopped making progress ({sum(counts.values())} elements read)")
   elif injector.error is not None:
     violation = f"fault injection failed: {type(injector.error).__name__}: {injector.error}"
+  elif injector.fault_violation is not None:
+    violation = injector.fault_violation
   elif isinstance(result.error, split_failures.PoisonSplitError):
     violation = check_poison_error(schedule, str(result.error), poison_deaths,
                                    killed_addresses)
   elif result.error is not None:
     error = result.error
     violation = f"read failed: {type(error).__name__}: {error}"
+    if injector.stateless_restarts and STATELESS_RESTART_ERROR in str(error):
+      violation = check(schedule, counts, injector.killed_incarnations,
+                        injector.killed_slots, [w.incarnations for w in cluster.workers],
+                        poison_deaths, iterator.lost_positions, complete=False)
   else:
     violation = check(schedule, counts, injector.killed_incarnations, injector.killed_slots,
                       [w.incarnations for w in cluster.workers], poison_deaths,

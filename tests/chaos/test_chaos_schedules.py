@@ -4,7 +4,8 @@ Each run starts its own dispatcher and workers, reads while faults hit them
 from outside (SIGKILL, SIGSTOP, restarts in place, connections reset with a
 proxy or `ss -K`, stalled connections, a torn journal tail, a record that
 segfaults the workers that map it, a bit flipped in the work_dir, a full
-disk) and checks the guarantee of its mode (DESIGN.md §4). The seeds here
+disk, a dispatcher restarted without its state or stopped past its heartbeat
+timeout) and checks the guarantee of its mode (DESIGN.md §4). The seeds here
 are a fixed sample that covers every mode and fault kind;
 benchmarks/chaos_soak.py runs many more.
 """
@@ -20,8 +21,10 @@ from schedule import FAULT_KINDS, MODES, POISON, Fault, Schedule, draw, run
 pytestmark = pytest.mark.timeout(400)
 
 # 5: an exactly-once read of a record that kills every worker; 9: an
-# at-most-once read of one that kills the first; 13, 14 and 17 flip a bit in
-# the work_dir. DISK_SEEDS: a full disk, exactly-once and at-most-once.
+# at-most-once read of one that kills the first, and a dispatcher restarted
+# without its state; 12 and 16: a dispatcher stopped past its heartbeat
+# timeout; 13, 14 and 17 flip a bit in the work_dir. DISK_SEEDS: a full
+# disk, exactly-once and at-most-once.
 DISK_SEEDS = (6, 25)
 CI_SEEDS = (4, 5, 9, 12, 13, 14, 16, 17, 33) + DISK_SEEDS
 
@@ -92,3 +95,24 @@ def test_dispatcher_restarts_after_a_torn_journal_tail_twice(mode, tmp_path):
                str(tmp_path))
   _assert_ok(record)
   assert record.faults_injected == ["dispatcher_torn_restart"] * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dispatcher_stopped_past_its_heartbeat_timeout(mode, tmp_path):
+  # Woken, it takes its healthy worker for dead, at-most-once would lose
+  # what the worker held; and the read outlives the stop.
+  record = run(_schedule(mode, False, Fault(20, "dispatcher_pause", duration_s=6.5)),
+               str(tmp_path))
+  _assert_ok(record)
+  assert record.faults_injected == ["dispatcher_pause"]
+  assert record.elements_checked == 400
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dispatcher_restarted_without_state_under_live_workers(mode, tmp_path):
+  # No wrong data: the running read ends or fails saying why, and a new
+  # pipeline read right after gets its own data only (schedule._probe).
+  record = run(_schedule(mode, False, Fault(20, "dispatcher_stateless_restart",
+                                            duration_s=0.3)), str(tmp_path))
+  _assert_ok(record)
+  assert record.faults_injected == ["dispatcher_stateless_restart"]

@@ -412,3 +412,18 @@ def test_a_client_cut_off_from_the_dispatcher_longer_than_a_heartbeat_deadline(c
     client_path.resume()
     counts.update(finish(iterator))
   assert counts == epoch()
+
+
+def test_a_worker_only_the_dispatcher_reaches_fails_the_read_after_timeout_s(chaos):
+  # A read outlives its dispatcher, not a worker it cannot reach while the
+  # dispatcher hears that worker and keeps listing it as alive.
+  cluster = chaos(1, proxied_workers=True)
+  iterator = read(cluster, "exactly_once", timeout_s=3.0)
+  take(iterator, 2)
+  cluster.workers[0].proxy.close()  # the clients' way to the worker only
+  start = time.monotonic()
+  result = read_until_end(iterator, deadline_s=60.0)
+  assert not result.hang
+  assert isinstance(result.error, ServiceError), repr(result.error)
+  assert "although the dispatcher lists it as alive" in str(result.error)
+  assert time.monotonic() - start < 30

@@ -30,8 +30,9 @@ def cluster():
   # resource tracker running: only processes started here must be gone.
   children_before = {p.pid for p in psutil.Process().children(recursive=True)}
 
-  def start(role: str, *flags: str, wait_ready: bool = True) -> ServiceProcess:
-    process = ServiceProcess(role, *flags, wait_ready=wait_ready)
+  def start(role: str, *flags: str, wait_ready: bool = True,
+            log_path=None) -> ServiceProcess:
+    process = ServiceProcess(role, *flags, wait_ready=wait_ready, log_path=log_path)
     started.append(process)
     return process
 

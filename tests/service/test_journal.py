@@ -123,11 +123,11 @@ def test_a_journal_of_the_previous_release_is_read_once_and_written_again_checke
   dataset_id = state.register_dataset(dataset_def())
   state.register_dataset(dataset_def(7))
   state.close()
-  first, second = batches(tmp_path / "journal.jsonl")
+  incarnation, first, second = batches(tmp_path / "journal.jsonl")
   # As the previous release wrote it: JSON lines without checksums, a batch
   # per line or (older still) one record.
-  (tmp_path / "journal.jsonl").write_bytes(
-      json.dumps(first[0]).encode() + b"\n" + json.dumps(second).encode() + b"\n")
+  (tmp_path / "journal.jsonl").write_bytes(b"".join(
+      json.dumps(line).encode() + b"\n" for line in (incarnation, first[0], second)))
   state = dispatcher_lib.DispatcherState(config)
   assert sorted(state.datasets) == sorted([dataset_id, str(int(dataset_id) + 1)])
   state.close()

@@ -31,6 +31,19 @@ SECOND = FILE.index(b"\n") + 1  # where the second line starts
 LAST = FILE.rindex(b"\n", 0, len(FILE) - 1) + 1  # where the last line starts
 
 
+def line_start(data: bytes, number: int) -> int:
+  """Where line `number` (1: the first) of `data` starts."""
+  offset = 0
+  for _ in range(number - 1):
+    offset = data.index(b"\n", offset) + 1
+  return offset
+
+
+# A new dispatcher state's journal: its header, its incarnation's line, then
+# a line per change.
+FIRST_CHANGE_LINE = 3
+
+
 def flipped(data: bytes, offset: int, bit: int = 0) -> bytes:
   return data[:offset] + bytes([data[offset] ^ (1 << bit)]) + data[offset + 1:]
 
@@ -61,10 +74,10 @@ def test_damage_before_valid_lines_refuses_naming_file_and_offset(tmp_path):
   state.close()
   path = tmp_path / "journal.jsonl"
   data = path.read_bytes()
-  second = data.index(b"\n", data.index(b"\n") + 1) + 1  # the second dataset's line
+  second = line_start(data, FIRST_CHANGE_LINE + 1)  # the second dataset's line
   path.write_bytes(flipped(data, second + 40))
   with pytest.raises(journal_lib.JournalDamageError,
-                     match=rf"{path} is damaged at byte {second} \(line 3\).*truncate") as e:
+                     match=rf"{path} is damaged at byte {second} \(line 4\).*truncate") as e:
     dispatcher_lib.DispatcherState(config)
   assert (e.value.path, e.value.offset) == (str(path), second)
 
@@ -78,7 +91,7 @@ def test_truncate_cuts_at_the_damage_and_reports_what_was_lost(tmp_path, caplog)
   state.close()
   path = tmp_path / "journal.jsonl"
   data = path.read_bytes()
-  second = data.index(b"\n", data.index(b"\n") + 1) + 1
+  second = line_start(data, FIRST_CHANGE_LINE + 1)  # the second dataset's line
   path.write_bytes(flipped(data, second + 40))
   with caplog.at_level(logging.ERROR):
     state = dispatcher_lib.DispatcherState(config)

@@ -287,8 +287,11 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       None: the job's value, 60 s for a new job. Every consumer of a job
       passes the same value or None.
     **options: auth_token, udf_secret, tls, data_transfer ("auto", "socket",
-      "grpc"), timeout_s (how long to retry reaching the dispatcher, or a
-      listed worker whose connection broke, before the read fails),
+      "grpc"), timeout_s (how long a read goes without progress or without
+      the parties it needs before it fails: the dispatcher when it starts,
+      a worker the dispatcher lists as alive whose connection broke, the
+      dispatcher when no worker is left; a read goes on from its workers
+      however long the dispatcher is away, see docs/service.md),
       wait_for_dispatcher (True: when nothing answers at `service`, keep
       trying for timeout_s, for a dispatcher that is still starting; by
       default the read fails after 5 s with an error naming the address),

@@ -44,8 +44,10 @@ class Fetcher:
   _STALL_S while it waits for data), the fetcher connects again with
   backoff and the worker goes on after the last item received (see
   `jaxfeed.service.worker.delivery`), so nothing is lost or repeated. It stops at
-  the stream's end, when cancelled (the dispatcher dropped the worker), and
-  fails the read when no connection worked for the read's `timeout_s`.
+  the stream's end, or when cancelled (the dispatcher dropped the worker);
+  while no connection works it tries on, and the read fails once the
+  dispatcher listed the worker as alive for its `timeout_s` meanwhile (time
+  the dispatcher was away does not count: only it can say the worker died).
   """
 
   def __init__(self, read: Any, task: pb.TaskInfo, out: queue.Queue,
@@ -78,6 +80,11 @@ class Fetcher:
     self._connection: Any = None
     self._cancelled = False
     self._ended = False
+    self.ended_at = 0.0  # when the thread ended (monotonic)
+    self.failing_since: float | None = None  # since when no connection worked
+    self.last_error = ""  # of the last connection that failed
+    # Seconds the dispatcher listed the task while no connection worked.
+    self._unreachable_listed_s = 0.0
     self.thread = threading.Thread(target=self._run, daemon=True,
                                    name=f"jaxfeed-fetch-{task.task_id}")
     self.thread.start()
@@ -169,7 +176,6 @@ class Fetcher:
   def _run(self) -> None:
     read = self._read
     split: list = []  # exactly-once: the elements of the split arriving now
-    failing_since = None
     backoff = _BACKOFF_S[0]
     try:
       while True:
@@ -177,7 +183,8 @@ class Fetcher:
         try:
           for item in self._items():
             self.heard_at = time.monotonic()
-            failing_since, backoff = None, _BACKOFF_S[0]  # the connection works
+            self.failing_since, backoff = None, _BACKOFF_S[0]  # the connection works
+            self._unreachable_listed_s = 0.0
             if isinstance(item, Keepalive):
               if item != self._worker_progress:
                 self._worker_progress, self.progress_at = item, self.heard_at
@@ -207,15 +214,11 @@ class Fetcher:
                 f"Worker {self.task.worker_address} failed task {self.task.task_id} of "
                 f"dataset {self.task.dataset_id}: {status}: {details}"))
             return
-          now = time.monotonic()
-          failing_since = failing_since or now
-          if now - failing_since > read.node.timeout_s:
-            self.failed = True
-            read.fail(rpc.ServiceError(
-                f"Cannot reach {where} for {now - failing_since:.0f} s although the "
-                f"dispatcher lists it as alive (timeout_s={read.node.timeout_s:g}); "
-                f"last error: {status}: {details}"))
-            return
+          # Tried on until the dispatcher drops the task: only it can say
+          # the worker died (the read fails when it lists it as alive for
+          # timeout_s, see `unreachable_listed`).
+          self.failing_since = self.failing_since or time.monotonic()
+          self.last_error = f"{status}: {details}"
           logging.info("Connection to %s broke (%s: %s); connecting again.",
                        where, status, details)
         finally:
@@ -229,6 +232,7 @@ class Fetcher:
       self.failed = True
       read.fail(e)
     finally:
+      self.ended_at = time.monotonic()
       self._ended = True  # after its last put
       read.wake.set()  # the read may be over: ask the dispatcher now
 
@@ -289,6 +293,22 @@ class Fetcher:
     self.handed_on += 1
     self._read.count(self.task.worker_address)
     return True
+
+  def unreachable_listed(self, listed_s: float) -> rpc.ServiceError | None:
+    """The dispatcher listed the task as alive again, `listed_s` seconds
+    after it last did (0: it was away in between): the read's error once
+    the fetcher has not reached the worker for timeout_s of such time."""
+    if self.failing_since is None or self._cancelled:
+      return None
+    self._unreachable_listed_s += listed_s
+    timeout_s = self._read.node.timeout_s
+    if self._unreachable_listed_s <= timeout_s:
+      return None
+    return rpc.ServiceError(
+        f"Cannot reach worker {self.task.worker_address} (task {self.task.task_id} of "
+        f"job {self.task.job_id}) for {self._unreachable_listed_s:.0f} s although the "
+        f"dispatcher lists it as alive (timeout_s={timeout_s:g}); last error: "
+        f"{self.last_error}")
 
   @property
   def on_socket(self) -> bool:

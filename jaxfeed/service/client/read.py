@@ -24,6 +24,15 @@ from jaxfeed.service.protocol.sharding import ShardingPolicy
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
+# A heartbeat answered this much later than the dispatcher asked for follows
+# a silence (it was stopped, down or unreachable), not a listing.
+_ANSWER_SLACK_S = 5.0
+# The dispatcher is away for `check_progress` once its heartbeat answer is
+# this much later than its interval: a read waits for it without counting.
+_AWAY_AFTER_S = 1.0
+# A read whose every task sent its whole stream waits this long (at most
+# timeout_s) for the dispatcher to say the job finished, then ends without it.
+_END_WITHOUT_DISPATCHER_S = 10.0
 GOODBYE_TIMEOUT_S = 1.0  # to connect to a worker, and again for its answer
 HEARTBEAT_TIMEOUT_S = 10.0  # the longest one heartbeat call may take
 RELEASE_TIMEOUT_S = 2.0  # ReleaseJobClient's deadline
@@ -93,6 +102,13 @@ class ReadState:
     self.capacity = capacity
     self.fetchers: dict[int, Fetcher] = {}
     self.finished = False
+    # The dispatcher did not answer the last heartbeat (it is stopped, down
+    # or unreachable): the read goes on from its workers meanwhile.
+    self.dispatcher_away = False
+    self._away_logged = False
+    self._answered_at = time.monotonic()  # the dispatcher's last heartbeat answer
+    self._interval_s = heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S  # it asked for
+    self._back_at = 0.0  # when it last answered after being away
     self.dataset_id = node.dataset_id or ""
     self.job_id = 0
     self.client_id = 0
@@ -201,20 +217,23 @@ class ReadState:
                 known_tasks_version=tasks_version),
                 timeout=min(HEARTBEAT_TIMEOUT_S, node.timeout_s))
             last_ok = time.monotonic()
+            self.dispatcher_away = self._away_logged = False
             if not response.acks_pending:  # else sent again until durable
               with self.lock:
                 del self.acks[:len(acks)]
           except grpc.RpcError as e:
-            # A heartbeat sent while the dispatcher restarts or its connection
-            # was just cut may time out rather than fail fast: both are an
-            # outage, retried until the read's timeout.
-            if e.code() in (grpc.StatusCode.UNAVAILABLE,
-                            grpc.StatusCode.DEADLINE_EXCEEDED) and (
-                                time.monotonic() - last_ok < node.timeout_s):
-              self.stop.wait(0.2)
-              continue
-            raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
-                                   f"{e.code().name}: {e.details()}") from e
+            # A heartbeat sent while the dispatcher is stopped, restarts or
+            # its connection was just cut may time out rather than fail
+            # fast: all are an outage, which the read outlives.
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                grpc.StatusCode.DEADLINE_EXCEEDED):
+              raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
+                                     f"{e.code().name}: {e.details()}") from e
+            self.dispatcher_away = True
+            if self._outlive_dispatcher(last_ok, f"{e.code().name}: {e.details()}"):
+              return
+            self.stop.wait(0.2)
+            continue
         self.goodbye_via_worker = response.goodbye_via_worker
         self.goodbye_ticket = response.goodbye_ticket
         if response.job_error:  # before the job's end: a failed job ends too
@@ -233,9 +252,58 @@ class ReadState:
     except BaseException as e:  # pylint: disable=broad-except
       self.fail(e)
 
+  def _outlive_dispatcher(self, last_ok: float, error: str) -> bool:
+    """What the read does while its dispatcher does not answer: it reads on
+    from the workers it knows, however long, and keeps what it must tell
+    the dispatcher (acknowledged splits) for its return. True once it ends
+    without the dispatcher: every task it knows sent its whole stream (each
+    worker of a parallel_epochs read its epoch; a DYNAMIC task ends only
+    once the dispatcher said all splits were delivered) and the dispatcher
+    has not answered since for _END_WITHOUT_DISPATCHER_S. Raises ServiceError
+    when no worker is left to read from (its fetcher ended, or has not
+    reached it for timeout_s) and the dispatcher has not answered for
+    timeout_s."""
+    node, now = self.node, time.monotonic()
+    fetchers = list(self.fetchers.values())
+    for fetcher in fetchers:
+      fetcher.kick_if_stalled(now)
+    if fetchers and all(f.done for f in fetchers):
+      if now - max(last_ok, *(f.ended_at for f in fetchers)) < min(
+          node.timeout_s, _END_WITHOUT_DISPATCHER_S):
+        return False  # a dispatcher restarting in place says so itself
+      logging.warning("The dispatcher at %s does not answer (%s), and every worker of "
+                      "job %d sent its whole stream: the read ends.", node.service, error,
+                      self.job_id)
+      self._end()
+      return True
+    if any(not f.ended and now - (f.failing_since or now) <= node.timeout_s
+           for f in fetchers):  # a worker it still reaches, or may yet
+      if not self._away_logged:
+        self._away_logged = True
+        logging.warning("The dispatcher at %s does not answer (%s): reading on from the "
+                        "workers of job %d until it is back.", node.service, error,
+                        self.job_id)
+      return False
+    alone_since = max([last_ok] + [f.ended_at for f in fetchers])
+    if now - alone_since > node.timeout_s:
+      raise rpc.ServiceError(
+          f"The dispatcher at {node.service} has not answered for {now - last_ok:.0f} s "
+          f"and job {self.job_id} has no worker left to read from (for "
+          f"timeout_s={node.timeout_s:g} s); last error: {error}")
+    return False
+
   def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
     listed = {t.task_id: t for t in response.tasks}
     now = time.monotonic()
+    # How long the dispatcher has listed the tasks since its last answer; an
+    # answer after a longer silence (it was stopped or down) lists them now
+    # only.
+    since, self._answered_at = now - self._answered_at, now
+    interval_s = response.heartbeat_interval_s or heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S
+    if since > self._interval_s + _AWAY_AFTER_S:
+      self._back_at = now
+    self._interval_s = interval_s
+    listed_s = 0.0 if since > min(interval_s + _ANSWER_SLACK_S, self.node.timeout_s / 2) else since
     if self.streams is not None:
       self._check_stream_count(len(listed), now, response.job_finished)
     for task_id, task in sorted(listed.items()):
@@ -247,6 +315,9 @@ class ReadState:
           # goes there and learns which.
           old.task = task
         old.kick_if_stalled(now)
+        error = old.unreachable_listed(listed_s)
+        if error is not None:
+          raise error
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
         stream = self.streams.assign() if self.streams is not None else None
@@ -304,10 +375,15 @@ class ReadState:
     """Raises ServiceError when the consumer has waited `timeout_s` since
     `waiting_since` and no worker made progress on the read meanwhile (a
     pipeline stuck on a record, or a job without live workers): a read
-    never waits silently longer than its timeout."""
+    never waits silently longer than its timeout. Time the dispatcher was
+    away does not count (workers may wait for it, for splits): while it is,
+    `_outlive_dispatcher` bounds the read, and back, it has timeout_s."""
     now = time.monotonic()
+    if self.job_id and now - self._answered_at > self._interval_s + _AWAY_AFTER_S:
+      return
     fetchers = list(self.fetchers.values())
-    last = max([waiting_since, self.job_started] + [f.progress_at for f in fetchers])
+    last = max([waiting_since, self.job_started, self._back_at]
+               + [f.progress_at for f in fetchers])
     timeout_s = self.node.timeout_s
     if now - last <= timeout_s:
       return

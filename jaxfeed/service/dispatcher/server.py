@@ -17,6 +17,7 @@ import gc
 import logging
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -114,13 +115,21 @@ def _peer_host(peer: str) -> str:
   return peer
 
 
-def _liveness_loop(state_ref: weakref.ref, stop: threading.Event, period: float) -> None:
+def _liveness_loop(state_ref: weakref.ref, stop: threading.Event, period: float,
+                   excused_from_s: float) -> None:
+  woke = time.monotonic()
   while not stop.wait(period):
+    # Woken this much later than asked: the process was stopped (SIGSTOP, a
+    # paused container) or starved, and heartbeats could not reach it. Short
+    # delays are left to the heartbeat timeout's margin: a busy machine wakes
+    # this thread late now and then, and a dead worker would be found later.
+    now = time.monotonic()
+    late, woke = now - woke - period, now
     state = state_ref()
     if state is None:
       return
     try:
-      state.check_liveness()
+      state.check_liveness(away_s=late if late > excused_from_s else 0.0)
     except Exception:  # pylint: disable=broad-except
       logging.exception("Dispatcher liveness check failed")
     del state
@@ -142,7 +151,8 @@ class DispatchServer:
     self._liveness = threading.Thread(
         target=_liveness_loop, name="jaxfeed-dispatcher-liveness", daemon=True,
         args=(weakref.ref(self.state), self._stop,
-              min(0.5, self.config.heartbeat_timeout_s / 4)))
+              min(0.5, self.config.heartbeat_timeout_s / 4),
+              self.config.heartbeat_timeout_s / 4))
     self._started = False
     self._stopped = False
     self.autoscaler: autoscale_lib.Autoscaler | None = None

@@ -71,10 +71,12 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
                        for t in job.tasks.values() if not t.finished}
     self.lock = journal_lock.JournalLock(self._journal, self._live_records)
     self.lock.snapshot_now()  # files of the previous release: written again, checked
-    if config.auth_token and self._ticket_master is None:
-      with self.lock:
-        # Durable before any call that must be (they wait for what they saw).
-        self.lock.answer_without_fsync()
+    with self.lock:
+      # Durable before any call that must be (they wait for what they saw).
+      self.lock.answer_without_fsync()
+      if not self.incarnation:  # a new state: workers drop what they learnt before
+        self._record({"kind": "incarnation", "id": self._next_id()})
+      if config.auth_token and self._ticket_master is None:
         self._record({"kind": "ticket_master", "key": os.urandom(32).hex()})
 
   def close(self) -> None:
@@ -114,7 +116,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
       self.lock.answer_without_fsync()
       found = self.datasets.get(dataset_id)
     if found is None:
-      raise rpc.NotFoundError(f"Unknown dataset id {dataset_id!r}: register the dataset first.")
+      raise rpc.NotFoundError(self.unknown_id("dataset id", dataset_id,
+                                              "register the dataset first."))
     return found
 
   # -- jobs -------------------------------------------------------------------
@@ -134,8 +137,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
             "(--max_jobs_per_host): finish or release some first.")
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
-        raise rpc.NotFoundError(
-            f"Unknown dataset id {request.dataset_id!r}: register the dataset first.")
+        raise rpc.NotFoundError(self.unknown_id("dataset id", request.dataset_id,
+                                                "register the dataset first."))
       job = None
       if request.job_name:
         job_id = self.job_by_name.get(request.job_name)
@@ -294,11 +297,16 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
         return
       self.release_client_locked(job_id, client_id)
 
-  def check_liveness(self) -> None:
-    """Drops workers and clients whose heartbeats stopped."""
+  def check_liveness(self, away_s: float = 0.0) -> None:
+    """Drops workers and clients whose heartbeats stopped. `away_s`: how
+    long this dispatcher itself was not running since the last check
+    (stopped, or starved of CPU): nobody could reach it meanwhile, so every
+    deadline moves by as much."""
     now = time.monotonic()
     with self.lock:
       self.lock.answer_without_fsync()  # nobody waits for its answer
+      if away_s > 0:
+        self._excuse_absence(away_s, now)
       for address, worker in list(self.workers.items()):
         if now - worker.last_heartbeat <= self.config.heartbeat_timeout_s:
           continue
@@ -323,6 +331,26 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
             and now - job.idle_since > self.config.job_gc_timeout_s):
           self._record({"kind": "job_deleted", "job_id": job.job_id})
       self._collect_datasets(now)
+
+  def _excuse_absence(self, away_s: float, now: float) -> None:
+    """Moves every liveness deadline `away_s` later, but none past what a
+    party heard `now` gets (lock held): a dispatcher woken from SIGSTOP
+    takes none of the workers and clients that heartbeated in vain for
+    dead, and one that died before it stopped is still found out."""
+    logging.warning("The dispatcher did not run for %.1f s (stopped, or starved of "
+                    "CPU): workers and clients get as much longer to heartbeat.", away_s)
+    for worker in self.workers.values():
+      worker.last_heartbeat = min(worker.last_heartbeat + away_s, now)
+    timeout_s = self.config.heartbeat_timeout_s
+    self._awaited = {address: min(deadline + away_s, now + timeout_s)
+                     for address, deadline in self._awaited.items()}
+    for job in self.jobs.values():
+      for client_id, seen in job.clients.items():
+        job.clients[client_id] = min(seen + away_s, now)
+      if job.idle_since is not None:
+        job.idle_since = min(job.idle_since + away_s, now)
+    for dataset_id, since in self._unread_since.items():
+      self._unread_since[dataset_id] = min(since + away_s, now)
 
   def _collect_datasets(self, now: float) -> None:
     """Deletes datasets no job has read for dataset_gc_timeout_s (lock held)."""

@@ -127,6 +127,21 @@ class WorkerTable(dict):
     return super().pop(*args)
 
 
+# A dispatcher process hands out ids (of datasets, jobs, clients and tasks)
+# from its start time in microseconds times 2**ID_BITS_PER_US on, or after the
+# highest id its journal holds. One that restarted without its state never
+# gives an id its predecessor gave (workers and clients still hold those): that
+# would take the predecessor more than 2**10 ids per microsecond it ran, or a
+# clock set back by more than ids / 2**10 microseconds. Ids stay below 2**63
+# (protobuf int64) until the year 2255.
+ID_BITS_PER_US = 10
+
+
+def first_id_now() -> int:
+  """The first id a dispatcher process starting now may hand out."""
+  return (time.time_ns() // 1000) << ID_BITS_PER_US
+
+
 # Journal records that change a job's task list as clients see it.
 TASK_LIST_RECORDS = frozenset({"task", "task_finished", "task_lost", "fix_workers"})
 # Records that change which clients read a job (workers' task_clients).
@@ -151,7 +166,13 @@ class DispatcherTables:
     # Task id -> its job's id (entries of lost tasks and deleted jobs stay
     # until their worker's next heartbeat finds them gone).
     self._task_jobs: dict[int, int] = {}
-    self._ids = itertools.count(1)
+    # This process's first id: ids below it were given by earlier processes.
+    self.first_process_id = first_id_now()
+    self._ids = itertools.count(self.first_process_id)
+    # The id of the first process of this state (the "incarnation" record):
+    # the same across restarts that replay the work_dir, new without one.
+    # Ids below it belong to dispatchers that ran before with other state.
+    self.incarnation = 0
     # Workers derive their read-ticket keys from it; journaled (and kept in
     # snapshots), so that the tickets clients hold stay valid across a restart.
     self._ticket_master: bytes | None = None
@@ -182,10 +203,25 @@ class DispatcherTables:
     records = state_snapshot.state_records(self.datasets, self.jobs, next_id)
     if self._ticket_master is not None:  # the tickets clients hold stay valid
       records.append({"kind": "ticket_master", "key": self._ticket_master.hex()})
+    if self.incarnation:
+      records.append({"kind": "incarnation", "id": self.incarnation})
     return records
 
   def _next_id(self) -> int:
     return next(self._ids)
+
+  def unknown_id(self, what: str, value: int | str, otherwise: str) -> str:
+    """Why `what` `value` is unknown, for a NOT_FOUND answer: made by a
+    dispatcher that ran here before with other state (it restarted without
+    its work_dir), or `otherwise`."""
+    number = value if isinstance(value, int) else int(value) if str(value).isdigit() else -1
+    shown = repr(value) if isinstance(value, str) else value
+    if 0 < number < self.incarnation:
+      return (f"Unknown {what} {shown}: it was made by an earlier dispatcher at this "
+              "address, which restarted without its state (give the dispatcher a "
+              "--work_dir to keep datasets and jobs across restarts); "
+              f"{'register it' if what == 'dataset id' else 'start the read'} again.")
+    return f"Unknown {what} {shown}: {otherwise}"
 
   def _apply(self, r: dict) -> None:
     journal_records.check_record(r, self.jobs)
@@ -196,6 +232,8 @@ class DispatcherTables:
       self._ids = itertools.count(max(current, n + 1))
     if kind == "ids":
       pass  # a snapshot's highest id: handled above
+    elif kind == "incarnation":
+      self.incarnation = int(r["id"])
     elif kind == "dataset":
       dataset_def = pb.DatasetDef.FromString(base64.b64decode(r["def"]))
       if self.replaying:  # computed from the definition, never trusted from the file

@@ -81,7 +81,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     job = self.jobs[task.job_id]
     worker = self.workers.get(task.worker_address)
     key = self._ticket_key(task.worker_address) if for_client else b""
+    dataset_def = self.datasets.get(job.dataset_id)
     return pb.TaskInfo(
+        dataset_fingerprint=dataset_def.fingerprint if dataset_def is not None else "",
         read_ticket=rpc.read_ticket(key, task.task_id) if key else "",
         task_id=task.task_id, job_id=job.job_id, dataset_id=job.dataset_id,
         worker_address=task.worker_address,
@@ -94,8 +96,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
   def _job(self, job_id: int) -> Job:
     job = self.jobs.get(job_id)
     if job is None:
-      raise rpc.NotFoundError(f"Unknown job id {job_id}: it finished, was released or "
-                              "never existed.")
+      raise rpc.NotFoundError(self.unknown_id(
+          "job id", job_id, "it finished, was released or never existed."))
     return job
 
   def _tasks_of_worker(self, worker: Worker) -> dict[int, Task]:
@@ -193,7 +195,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           clients_version=self.clients_version, clients_unchanged=unchanged,
           heartbeat_timeout_s=self.config.heartbeat_timeout_s,
           heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
-              len(self.workers), self.config.heartbeat_timeout_s))
+              len(self.workers), self.config.heartbeat_timeout_s),
+          dispatcher_incarnation=str(self.incarnation))
 
   def _new_task_info(self, task: Task, request: pb.WorkerHeartbeatRequest) -> pb.TaskInfo:
     """A task handed to a worker; a DYNAMIC one with the answer to its first

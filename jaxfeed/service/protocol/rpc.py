@@ -9,13 +9,14 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import signal
 import ssl
 import sys
 import tempfile
 import time
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import grpc
 from google.protobuf import message as pb_message
@@ -242,6 +243,11 @@ def metadata_token(metadata: Any) -> str | None:
   return None
 
 
+# How often a call that may be cancelled checks whether it is, and how long
+# its first attempt waits before it becomes one (call_with_retry).
+_CANCEL_POLL_S = 0.1
+_QUICK_ATTEMPT_S = 2.0
+
 # The first and the longest wait before a channel reconnects, in milliseconds.
 RECONNECT_BACKOFF_MS = (200, 2000)
 
@@ -292,38 +298,86 @@ class Caller:
     self._metadata = ((TOKEN_METADATA_KEY, token),) if token else None
     self.method = method
 
-  def __call__(self, request: pb_message.Message, timeout: float,
+  def __call__(self, request: pb_message.Message, timeout: float | None,
                wait_for_ready: bool = False) -> Any:
     return self._call(request, timeout=timeout, metadata=self._metadata,
                       wait_for_ready=wait_for_ready)
 
+  def future(self, request: pb_message.Message, timeout: float | None,
+             wait_for_ready: bool = False) -> Any:
+    """The call, made without waiting: a `grpc.Future` of its response."""
+    return self._call.future(request, timeout=timeout, metadata=self._metadata,
+                             wait_for_ready=wait_for_ready)
+
 
 def call_with_retry(caller: Caller, request: pb_message.Message,
-                    timeout_s: float, what: str, *, target: str = "",
+                    timeout_s: float | None, what: str, attempt_s: float | None = None,
+                    cancelled: Callable[[], bool] | None = None, *, target: str = "",
                     answer_within_s: float | None = None,
                     unanswered_hint: str = "") -> Any:
-  """Calls until success or timeout_s, retrying while the server is unreachable.
+  """Calls until success, retrying while the server is unreachable.
 
-  With `answer_within_s`, the calls of its first seconds fail fast, and if
-  all of those found nothing that answers at `target` (the connection
-  refused, an unknown host, a handshake that fails: no server there, or
-  another TLS setting), the error comes after `answer_within_s` rather than
-  `timeout_s`, with `unanswered_hint` added. A server that answers, or is
-  slow to (a deadline passes), gets the whole `timeout_s`.
+  Args:
+    caller: the method to call.
+    request: its request.
+    timeout_s: how long to retry; None: for as long as it takes.
+    what: what the call does, for the error ("Fetching dataset 7").
+    attempt_s: the deadline of each call (None: what is left of timeout_s):
+      a call hung on a connection that broke without a reset, or on a
+      stopped server, is made again.
+    cancelled: polled while a call waits (past a first plain attempt of
+      _QUICK_ATTEMPT_S); once true, the call is cancelled and ServiceError
+      raised (whoever needed the answer is gone).
+    target: the server's address, for the error of `answer_within_s`.
+    answer_within_s: the calls of its first seconds fail fast, and if all
+      of those found nothing that answers at `target` (the connection
+      refused, an unknown host, a handshake that fails: no server there, or
+      another TLS setting), the error comes after `answer_within_s` rather
+      than `timeout_s`, with `unanswered_hint` added. A server that
+      answers, or is slow to (a deadline passes), gets the whole timeout_s.
+    unanswered_hint: see `answer_within_s`.
+
+  Returns:
+    The response.
+
+  Raises:
+    ServiceError: the server refused the call, timeout_s passed, or it was
+      cancelled; its message names the status and `what`.
   """
   start = time.monotonic()
-  deadline = start + timeout_s
-  answer_by = None if answer_within_s is None else start + min(answer_within_s, timeout_s)
+  deadline = None if timeout_s is None else start + timeout_s
+  answer_by = None if answer_within_s is None else start + min(
+      answer_within_s, math.inf if timeout_s is None else timeout_s)
+  retried = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+  first = True
   while True:
-    limit = deadline if answer_by is None else answer_by
+    until = deadline if answer_by is None else answer_by
+    left = math.inf if until is None else until - time.monotonic()
+    limit = min(left, attempt_s if attempt_s is not None else math.inf)
+    if cancelled is not None and first:
+      # Most calls are answered at once: a plain call, without a future's
+      # thread hops (a few ms each), and cancellable calls only after it.
+      limit = min(limit, _QUICK_ATTEMPT_S)
+    timeout = None if limit == math.inf else max(limit, 0.05)
+    wait_for_ready = answer_by is None
     try:
-      return caller(request, timeout=max(limit - time.monotonic(), 0.05),
-                    wait_for_ready=answer_by is None)
+      if cancelled is None or first:
+        first = False
+        return caller(request, timeout=timeout, wait_for_ready=wait_for_ready)
+      future = caller.future(request, timeout=timeout, wait_for_ready=wait_for_ready)
+      while True:
+        try:
+          return future.result(timeout=_CANCEL_POLL_S)
+        except grpc.FutureTimeoutError:
+          if cancelled():
+            future.cancel()
+            raise ServiceError(f"{what} was given up: whoever needed it is gone.") from None
     except grpc.RpcError as e:
       code = e.code()
       if answer_by is not None and code == grpc.StatusCode.UNAVAILABLE:
-        if answer_by - time.monotonic() > 0.05:
-          time.sleep(0.1)
+        unanswered_left = answer_by - time.monotonic()
+        if unanswered_left > 0:  # the error comes after answer_within_s, not before
+          time.sleep(min(0.1, unanswered_left))
           continue
         raise ServiceError(
             f"{what} failed: no answer within {answer_by - start:g} s from {target}: "
@@ -331,12 +385,13 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
             "is up at that address and that client and server agree on TLS and its "
             f"certificates{unanswered_hint}.") from e
       answer_by = None  # it answered, or is slow to: the whole timeout_s
-      if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and (
-          deadline - time.monotonic() > 0.05):
+      if code in retried and (deadline is None or deadline - time.monotonic() > 0.05):
+        if cancelled is not None and cancelled():
+          raise ServiceError(f"{what} was given up: whoever needed it is gone.") from e
         time.sleep(0.05)
         continue
       hint = ""
-      if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+      if code in retried:
         hint = (f" (no answer within {timeout_s:g} s: check that the server is up at "
                 "that address and that client and server agree on TLS and its "
                 "certificates)")

@@ -88,6 +88,7 @@ _FIELDS: dict[str, tuple[dict, dict]] = {
                        "worker": _is_str, "how": _is_str}, {}),
     "split_poisoned": ({"job_id": _is_int, "start": _is_int, "stop": _is_int,
                         "error": _is_str}, {}),
+    "incarnation": ({"id": _is_int}, {}),
 }
 # Records of these kinds may name a job that is gone (they change nothing then).
 _MAY_NAME_A_GONE_JOB = frozenset({"job_deleted"})

@@ -47,6 +47,14 @@ class WorkerConfig:
       partial bucket windows; past it the oldest window is dropped (see
       `jaxfeed.service.worker.round_assembly`). A job's worker memory is bounded by
       this plus buffer_size rounds of num_consumers batches.
+    dispatcher_timeout_s: How long the worker goes on without its
+      dispatcher: it serves the tasks it has meanwhile (DYNAMIC ones wait
+      for more splits), and re-registers when the dispatcher is back. Past
+      it, the worker stops (its clients read on from other workers, or fail
+      saying so). None: for as long as it takes.
+    dataset_cache_entries: Most dataset definitions the worker keeps for
+      later tasks (least recently used out first).
+    dataset_cache_bytes: Most bytes of dataset definitions it keeps.
   """
 
   dispatcher_address: str
@@ -67,6 +75,9 @@ class WorkerConfig:
   max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES
   sharing_window_bytes: int = 256 << 20
   autocache_dir: str | None = None
+  dispatcher_timeout_s: float | None = None
+  dataset_cache_entries: int = 64
+  dataset_cache_bytes: int = 128 << 20
 
   def __post_init__(self):
     if not isinstance(self.dispatcher_address, str) or ":" not in self.dispatcher_address:
@@ -77,8 +88,13 @@ class WorkerConfig:
     if not isinstance(self.heartbeat_interval_s, (int, float)) or self.heartbeat_interval_s <= 0:
       raise ValueError("WorkerConfig: heartbeat_interval_s must be > 0, got "
                        f"{self.heartbeat_interval_s!r}.")
+    if self.dispatcher_timeout_s is not None and (
+        not isinstance(self.dispatcher_timeout_s, (int, float))
+        or not self.dispatcher_timeout_s > 0):
+      raise ValueError("WorkerConfig: dispatcher_timeout_s must be > 0 seconds, or None "
+                       f"(no limit), got {self.dispatcher_timeout_s!r}.")
     for name in ("buffer_size", "splits_per_request", "max_window_batches",
-                 "sharing_window_bytes"):
+                 "sharing_window_bytes", "dataset_cache_entries", "dataset_cache_bytes"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"WorkerConfig: {name} must be an integer >= 1, got {value!r}.")

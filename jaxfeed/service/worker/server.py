@@ -35,8 +35,10 @@ SERVICE_NAME = "jaxfeed.service.Worker"
 _MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
 
 
-def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: float,
+                    give_up_s: float | None) -> None:
   failures = 0
+  heard_at = time.monotonic()
   while not stop.is_set():
     worker = worker_ref()
     if worker is None:
@@ -44,6 +46,7 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
     try:
       worker.heartbeat()
       failures = 0
+      heard_at = time.monotonic()
     except grpc.RpcError as e:
       if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         worker.rejected = (
@@ -54,9 +57,18 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
         stop.set()
         return
       failures += 1
+      silent_s = time.monotonic() - heard_at
+      if give_up_s is not None and silent_s > give_up_s:
+        worker.gave_up = (
+            f"the dispatcher at {worker.config.dispatcher_address} did not answer "
+            f"worker {worker.address} for {silent_s:.0f} s (--dispatcher_timeout_s="
+            f"{give_up_s:g}); last error: {e.code().name}")
+        logging.error("Worker stops: %s", worker.gave_up)
+        stop.set()
+        return
       if failures in (1, 20) or failures % 200 == 0:
-        logging.warning("Worker %s: heartbeat to dispatcher failed (%s); retrying.",
-                        worker.address, e.code().name)
+        logging.warning("Worker %s: heartbeat to dispatcher failed (%s); serving the "
+                        "tasks it has and retrying.", worker.address, e.code().name)
     except Exception:  # pylint: disable=broad-except
       logging.exception("Worker heartbeat failed")
     paced_s = worker.paced_interval_s
@@ -94,7 +106,8 @@ class WorkerServer:
       self._worker.data_address = f"{advertised}:{self._data_server.port}"
     self._heartbeat = threading.Thread(
         target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,
-        args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s))
+        args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s,
+              config.dispatcher_timeout_s))
     self._started = False
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._worker,
                                        self._data_server)
@@ -123,7 +136,8 @@ class WorkerServer:
     return self
 
   def join(self, timeout: float | None = None) -> None:
-    """Blocks until the server stops, or the dispatcher refused this worker."""
+    """Blocks until the server stops, the dispatcher refused this worker, or
+    it did not answer for dispatcher_timeout_s."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while not self._worker.stop.is_set():
       wait = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
@@ -134,6 +148,12 @@ class WorkerServer:
   def rejected(self) -> str | None:
     """Why the dispatcher refused this worker (it then stops serving), or None."""
     return self._worker.rejected
+
+  @property
+  def gave_up(self) -> str | None:
+    """Why this worker stopped serving on its own (its dispatcher did not
+    answer for `WorkerConfig.dispatcher_timeout_s`), or None."""
+    return self._worker.gave_up
 
   def stop(self) -> None:
     """Stops serving, its tasks and its threads. Idempotent."""
@@ -198,6 +218,7 @@ def main(argv: Any) -> None:
         max_window_batches=f.max_window_batches,
         sharing_window_bytes=f.sharing_window_bytes,
         autocache_dir=f.autocache_dir or None,
+        dispatcher_timeout_s=f.dispatcher_timeout_s or None,
         pickled_udf_secret=udf_secret.encode() if udf_secret else None,
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
                                      f.tls_client_ca))
@@ -229,8 +250,8 @@ def main(argv: Any) -> None:
     server.stop()
     if metrics is not None:
       metrics.close()
-  if server.rejected:
-    raise SystemExit(f"jaxfeed worker: {server.rejected}")
+  if server.rejected or server.gave_up:
+    raise SystemExit(f"jaxfeed worker: {server.rejected or server.gave_up}")
 
 
 def _stop_with_parent(parent_pid: int, server: WorkerServer) -> None:
@@ -248,6 +269,10 @@ def define_flags() -> None:
   flags.DEFINE_string("advertise_host", "", "Host name or IP clients reach this worker "
                       "at (default: --host, or the host name when --host is 0.0.0.0).")
   flags.DEFINE_float("heartbeat_interval_s", 0.5, "Seconds between heartbeats.")
+  flags.DEFINE_float("dispatcher_timeout_s", 0.0, "Seconds the worker goes on serving "
+                     "the tasks it has while its dispatcher does not answer (it "
+                     "registers again when the dispatcher is back); past them it "
+                     "stops. 0: for as long as it takes.")
   flags.DEFINE_integer("buffer_size", 8, "Ready batches buffered per task.")
   rpc.define_auth_flags(flags)
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")

@@ -4,7 +4,6 @@ them, its heartbeats to the dispatcher, and the calls it answers from them;
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 from jaxfeed.service.worker import data_server
+from jaxfeed.service.worker import dataset_cache
 from jaxfeed.service.worker import delivery
 from jaxfeed.service.worker import round_assembly
 from jaxfeed.service.worker import shared_stream
@@ -40,6 +40,10 @@ _HEARTBEAT_DEADLINE_S = 10.0
 _HEARTBEAT_DEADLINE_FRACTION = 1 / 3
 # The longest a finished task's end waits for the dispatcher to hear of it.
 _FINISH_REPORT_TIMEOUT_S = 2.0
+# The deadline of one split or definition request: a busy dispatcher answers
+# late, and an answer given up on is asked for again (and waited for again);
+# only a connection that broke without a reset needs it at all.
+_DISPATCHER_CALL_S = 30.0
 # Clients' goodbyes kept for the next heartbeat, at most (a pod's worth many times).
 _MAX_GOODBYES = 1 << 16
 _MAX_GOODBYE_TICKET = 128  # characters; the dispatcher's tickets have 64
@@ -61,7 +65,8 @@ class WorkerState:
     self.stop = threading.Event()
     self.draining = threading.Event()  # no new splits: finish what it has
     self.dynamic_tasks: set[int] = set()  # tasks that read DYNAMIC splits
-    self.dataset_defs: dict[str, pb.DatasetDef] = {}
+    self.dataset_defs = dataset_cache.DatasetCache(config.dataset_cache_entries,
+                                                   config.dataset_cache_bytes)
     self.streams = delivery.Registry()  # what each client of a task gets
     self._held: list[tuple[int, int, list[int]]] = []  # not yet reported
     # Exactly-once: (task id, splits made) whose report failed, for the next heartbeat.
@@ -73,7 +78,7 @@ class WorkerState:
     # address has a new one, so its predecessor's tasks count as lost.
     self.incarnation = secrets.token_hex(8)
     # Task id -> the number of its next GetSplits request (see GetSplitsRequest).
-    self._split_requests: dict[int, int] = collections.defaultdict(lambda: 1)
+    self._split_requests: dict[int, int] = {}
     # Task id -> the answer to its first GetSplits, which came with the task
     # (TaskInfo.first_splits): (ranges, end_of_splits), until the task uses it.
     self._first_splits: dict[int, tuple[list, bool]] = {}
@@ -84,6 +89,9 @@ class WorkerState:
     # heartbeat: None before the first answer, b"" when it issues none.
     self.ticket_key: bytes | None = None
     self.rejected: str | None = None  # why the dispatcher refused this worker
+    # Why this worker stopped on its own: its dispatcher did not answer for
+    # config.dispatcher_timeout_s.
+    self.gave_up: str | None = None
     # The heartbeat interval the dispatcher asks for (0: the configured one).
     self.paced_interval_s = 0.0
     self.heartbeat_deadline_s = _HEARTBEAT_DEADLINE_S
@@ -134,6 +142,9 @@ class WorkerState:
         self._goodbyes = {**goodbyes, **self._goodbyes}
         self._made = made + self._made
       raise
+    # Before the new tasks: a dispatcher that started without the last one's
+    # state gives ids that say nothing of the definitions kept.
+    self.dataset_defs.meet(response.dispatcher_incarnation)
     self.ticket_key = response.ticket_key
     self.paced_interval_s = response.heartbeat_interval_s
     if response.heartbeat_timeout_s > 0:
@@ -145,6 +156,7 @@ class WorkerState:
         runner = self.tasks.pop(task_id, None)
         self.finished.discard(task_id)
         self._first_splits.pop(task_id, None)
+        self._split_requests.pop(task_id, None)
         self.dynamic_tasks.discard(task_id)
       if runner is not None:
         runner.stop()
@@ -225,12 +237,18 @@ class WorkerState:
       logging.exception("Reporting finished task %d failed", task_id)
 
   def _make_iterator(self, task: pb.TaskInfo) -> Any:
-    dataset_def = self.dataset_defs.get(task.dataset_id)
+    def gone() -> bool:  # nobody needs the task's pipeline any more
+      with self.lock:  # start_task adds the task under it
+        return self.stop.is_set() or (
+            not task.ephemeral_sharing and task.task_id not in self.tasks)
+
+    dataset_def = self.dataset_defs.get(task.dataset_id, task.dataset_fingerprint)
     if dataset_def is None:
-      dataset_def = rpc.call_with_retry(
+      dataset_def = self._ask_dispatcher(
           self.dataset_call, pb.GetDatasetDefRequest(dataset_id=task.dataset_id),
-          30, f"Fetching dataset {task.dataset_id}").dataset
-      self.dataset_defs[task.dataset_id] = dataset_def
+          f"Fetching dataset {task.dataset_id}", gone).dataset
+      dataset_cache.check_fingerprint(task, dataset_def)
+      self.dataset_defs.put(task.dataset_id, dataset_def)
 
     fetching = threading.Lock()  # one request of the task at a time: they are numbered
 
@@ -242,27 +260,23 @@ class WorkerState:
 
     def fetch_numbered() -> tuple[list, bool]:
       with self.lock:
-        request_seq = self._split_requests[task.task_id]
+        request_seq = self._split_requests.get(task.task_id, 1)
         first = self._first_splits.pop(task.task_id, None) if request_seq == 1 else None
         if first is not None:  # request 1 was answered with the task
-          self._split_requests[task.task_id] = 2
+          if task.task_id in self.tasks:
+            self._split_requests[task.task_id] = 2
           return first
-      try:
-        response = rpc.call_with_retry(
-            self.splits_call,
-            pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
-                                max_ranges=self.config.splits_per_request,
-                                request_seq=request_seq),
-            30, f"Fetching splits of job {task.job_id}")
-      except rpc.ServiceError as e:
-        cause = e.__cause__
-        if isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.NOT_FOUND:
-          # The dispatcher gave the task up (it took this worker for dead):
-          # the task is lost, as if this worker had died, not failed.
-          e.grpc_status = "NOT_FOUND"
-        raise
+      # While the dispatcher is away, the task waits here for more splits
+      # (and its clients with it) for up to dispatcher_timeout_s.
+      response = self._ask_dispatcher(
+          self.splits_call,
+          pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
+                              max_ranges=self.config.splits_per_request,
+                              request_seq=request_seq),
+          f"Fetching splits of job {task.job_id}", gone)
       with self.lock:
-        self._split_requests[task.task_id] = request_seq + 1
+        if task.task_id in self.tasks:
+          self._split_requests[task.task_id] = request_seq + 1
       return [(r.start, r.stop) for r in response.ranges], response.end_of_splits
 
     if task.exactly_once:
@@ -271,6 +285,28 @@ class WorkerState:
     return task_pipeline.task_iterator(dataset_def, task, self.config.pickled_udf_secret,
                                        fetch_ranges, self.config.autocache_dir,
                                        self.config.udf_modules)
+
+  def _ask_dispatcher(self, caller: rpc.Caller, request: Any, what: str,
+                      gone: Callable[[], bool]) -> Any:
+    """A task's call to the dispatcher, made again while it is away (for up
+    to dispatcher_timeout_s) unless the task is `gone()` meanwhile."""
+    try:
+      return rpc.call_with_retry(caller, request, self.config.dispatcher_timeout_s, what,
+                                 attempt_s=_DISPATCHER_CALL_S, cancelled=gone)
+    except rpc.ServiceError as e:
+      cause = e.__cause__
+      code = cause.code() if isinstance(cause, grpc.RpcError) else None
+      if code == grpc.StatusCode.NOT_FOUND:
+        # The dispatcher gave the task up (it took this worker for dead, or
+        # it is a new one that never knew it): the task is lost, as if this
+        # worker had died, not failed.
+        e.grpc_status = "NOT_FOUND"  # type: ignore[attr-defined]
+      elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        raise rpc.ServiceError(
+            f"{what} failed: the dispatcher at {self.config.dispatcher_address} did not "
+            f"answer for {self.config.dispatcher_timeout_s:g} s (the worker's "
+            f"dispatcher_timeout_s); last error: {code.name}: {cause.details()}") from e
+      raise
 
   def find_task(self, task_id: int, timeout_s: float = 5.0) -> task_runner_lib.TaskRunner:
     """The task's runner, waiting briefly: clients may learn of a task first."""
