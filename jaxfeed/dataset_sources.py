@@ -1,7 +1,8 @@
 """`Dataset`'s constructors: its sources and mixtures of datasets.
 
 `Dataset` inherits them from `DatasetSources`, which holds the node a dataset
-wraps; the transformations live in `jaxfeed/dataset.py`. Each constructor
+wraps; the transformations live in `jaxfeed/dataset_batching.py` and
+`jaxfeed/dataset.py`. Each constructor
 builds one node from its op module in `jaxfeed/ops/`.
 
 The op modules are imported in the constructors that use them, not at the top:
@@ -32,6 +33,10 @@ class DatasetSources:
     self.node = node
     self.options = options
     self._optimized: base.Node | None = None
+
+  def _wrap(self: _DatasetT, node: base.Node) -> _DatasetT:
+    """`node` as a dataset of this one's class, with this one's options."""
+    return type(self)(node, self.options)
 
   @classmethod
   def from_source(cls: type[_DatasetT], source: Any, sampler: Any = None) -> _DatasetT:
