@@ -293,7 +293,7 @@ class BucketBySequenceLengthIterator(base.OpIterator):
     first = base.state_int(state, "first", _OP)
     flush_next = base.state_int(state, "flush_next", _OP,
                                 high=len(self._buckets))
-    kept = [collections.deque(maxlen=n) for n in pending]
+    kept: list[collections.deque[Any]] = [collections.deque(maxlen=n) for n in pending]
 
     def consume(index: int, element: Any, seed: int) -> None:
       kept[self._bucket_of(element)].append((index, element, seed))

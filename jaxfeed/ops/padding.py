@@ -181,7 +181,7 @@ def _holds_str(value: Any) -> bool:
 
 
 def _pad_column(col: list, leaf_index: int, shape_spec: Any, pad_value: Any,
-                structure: Any, elements: list, op_name: str) -> np.ndarray:
+                structure: Any, elements: Sequence[Any], op_name: str) -> np.ndarray:
   first = col[0]
   path = _path(structure, leaf_index)
   shapes = [np.shape(v) for v in col]

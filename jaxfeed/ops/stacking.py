@@ -227,7 +227,7 @@ def _gather(structure: Any, values: list, out: list[list]) -> None:
     out.append(values)
 
 
-def _raise_structure_mismatch(elements: list, op_name: str) -> None:
+def _raise_structure_mismatch(elements: Sequence[Any], op_name: str) -> None:
   first = elements[0]
   for pos, element in enumerate(elements):
     if not tree.same_structure(first, element):
@@ -268,7 +268,7 @@ def _dtype_of(value: Any) -> np.dtype:
 
 
 def _stack_column(col: list, leaf_index: int, structure: Any,
-                  elements: list, op_name: str) -> np.ndarray:
+                  elements: Sequence[Any], op_name: str) -> np.ndarray:
   first = col[0]
   if _is_string(first):
     return _stack_objects(col, leaf_index, structure, elements, op_name)
@@ -286,7 +286,7 @@ def _stack_column(col: list, leaf_index: int, structure: Any,
   return out
 
 
-def _stack_objects(col: list, leaf_index: int, structure: Any, elements: list,
+def _stack_objects(col: list, leaf_index: int, structure: Any, elements: Sequence[Any],
                    op_name: str) -> np.ndarray:
   """Stacks a string column into an object array of the original values."""
   shape = np.shape(col[0])
@@ -313,7 +313,7 @@ def _stack_objects(col: list, leaf_index: int, structure: Any, elements: list,
 
 
 def _diagnose_column(col: list, leaf_index: int, structure: Any,
-                     elements: list, op_name: str,
+                     elements: Sequence[Any], op_name: str,
                      cause: BaseException | None,
                      padded: bool = False) -> None:
   """Raises the most specific error for a column that would not stack."""
