@@ -40,6 +40,8 @@ _EXPORTS = {
     "DamagedRange": "jaxfeed.sources",
     "SequentialReadError": "jaxfeed.sources.tfrecord_source",
     "RecordSource": "jaxfeed.sources",
+    "SavedDatasetSource": "jaxfeed.ops.load",
+    "SaveFormatError": "jaxfeed.ops.save_format",
     # device and loader
     "DevicePrefetcher": "jaxfeed.device",
     "batch_sharding": "jaxfeed.device",
@@ -103,8 +105,10 @@ if TYPE_CHECKING:
   from jaxfeed.mixture import MixtureSampler as MixtureSampler
   from jaxfeed.ops.base import AUTOTUNE as AUTOTUNE, PipelineStateError as PipelineStateError
   from jaxfeed.ops.element_spec import TensorSpec as TensorSpec
+  from jaxfeed.ops.load import SavedDatasetSource as SavedDatasetSource
   from jaxfeed.ops.mix import align_mixture_states as align_mixture_states
   from jaxfeed.ops.options import Options as Options
+  from jaxfeed.ops.save_format import SaveFormatError as SaveFormatError
   from jaxfeed.sampler import (
       IndexSampler as IndexSampler,
       NoSharding as NoSharding,

@@ -198,6 +198,18 @@ class Dataset(DatasetBatching):
         state = reduce_func(state, element)
     return state
 
+  def save(self, path: Any, compression: str | None = None,
+           shard_func: Callable[..., Any] | None = None,
+           checkpoint_args: Any = None) -> None:
+    """Runs the pipeline to its end and writes its elements to the folder
+    `path` (tf.data's `save`), for `Dataset.load`: array_record chunks and a
+    checksummed manifest written last. `compression`: None, "SNAPPY" or
+    "ZSTD"; `shard_func(element) -> int` groups elements into chunks by
+    shard. Replaces a saved dataset already at `path`. See `jaxfeed.ops.save`."""
+    from jaxfeed.ops import save
+    save.save(self.make_iterator(), path, self.fingerprint(),
+              compression, shard_func, checkpoint_args)
+
   # ---- order and count -------------------------------------------------
   def shuffle(self, buffer_size: int, seed: int | None = None,
               reshuffle_each_iteration: bool = True) -> "Dataset":

@@ -120,6 +120,29 @@ class DatasetSources:
         generator, output_signature=output_signature, args=args, skip=skip))
 
   @classmethod
+  def load(cls: type[_DatasetT], path: Any, element_spec: Any = None,
+           compression: str | None = None,
+           reader_func: Callable[..., Any] | None = None, wait: bool = False,
+           sampler: Any = None) -> _DatasetT:
+    """The dataset saved at `path` by `save` or `jaxfeed.service.distributed_save`
+    (tf.data's `load`), as a random-access source: elements in the order
+    they were saved, or in `sampler`'s (an `IndexSampler` over them, to
+    shuffle and shard). An incomplete save is refused, or waited for with
+    `wait=True`. `element_spec`, if given, must match the saved one;
+    `compression` is read from the save; `reader_func` has no counterpart
+    (read order is the sampler's). See `jaxfeed.ops.load`."""
+    from jaxfeed.ops import load
+    if reader_func is not None:
+      raise ValueError("load: reader_func has no jaxfeed counterpart; pass "
+                       "sampler=jaxfeed.IndexSampler(...) to choose the order.")
+    del compression  # the save records its own
+    node = load.load_node(path, wait, sampler)
+    if element_spec is not None and element_spec != node.source.element_spec:
+      raise ValueError(f"load: element_spec {element_spec} differs from the saved "
+                       f"dataset's {node.source.element_spec} at {path}.")
+    return cls(node)
+
+  @classmethod
   def zip(cls: type[_DatasetT], datasets: Any) -> _DatasetT:
     """Zips a tuple or dict of datasets, like tf.data.Dataset.zip."""
     from jaxfeed.ops import zip

@@ -30,21 +30,25 @@ _EXPORTS = {
     "UDFImportError": "jaxfeed.service.protocol.import_paths",
     "WireFormatError": "jaxfeed.service.protocol.wire",
     "DistributedNode": "jaxfeed.service.client.distribute",
+    "CrossTrainerCache": "jaxfeed.service.client.cross_trainer_cache",
     "distribute": "jaxfeed.service.client.distribute",
     "register_dataset": "jaxfeed.service.client.distribute",
     "from_dataset_id": "jaxfeed.service.client.distribute",
+    "distributed_save": "jaxfeed.service.client.distributed_save",
     "serve_client_metrics": "jaxfeed.service.metrics",
 }
 
 if TYPE_CHECKING:
   # What type checkers and IDEs see of the lazy exports above (a test
   # checks that both name the same things).
+  from jaxfeed.service.client.cross_trainer_cache import CrossTrainerCache as CrossTrainerCache
   from jaxfeed.service.client.distribute import (
       DistributedNode as DistributedNode,
       distribute as distribute,
       from_dataset_id as from_dataset_id,
       register_dataset as register_dataset,
   )
+  from jaxfeed.service.client.distributed_save import distributed_save as distributed_save
   from jaxfeed.service.dispatcher.autoscale import AutoscaleConfig as AutoscaleConfig
   from jaxfeed.service.dispatcher.config import DispatcherConfig as DispatcherConfig
   from jaxfeed.service.dispatcher.server import DispatchServer as DispatchServer

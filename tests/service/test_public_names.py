@@ -5,11 +5,11 @@ from __future__ import annotations
 import jaxfeed
 from jaxfeed import service
 
-PUBLIC_NAMES = ("AutoscaleConfig", "DispatchServer", "DispatcherConfig", "DistributedNode",
-                "PoisonSplitError", "PositionsLostWarning", "ServiceError", "ShardingPolicy",
-                "SpecError", "TLSConfig", "UDFImportError",
+PUBLIC_NAMES = ("AutoscaleConfig", "CrossTrainerCache", "DispatchServer", "DispatcherConfig",
+                "DistributedNode", "PoisonSplitError", "PositionsLostWarning", "ServiceError",
+                "ShardingPolicy", "SpecError", "TLSConfig", "UDFImportError",
                 "WireFormatError", "WorkerConfig", "WorkerServer", "distribute",
-                "from_dataset_id", "register_dataset", "serve_client_metrics")
+                "distributed_save", "from_dataset_id", "register_dataset", "serve_client_metrics")
 
 
 def test_every_public_name_of_the_service_resolves_to_what_it_names():

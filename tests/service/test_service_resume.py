@@ -25,6 +25,7 @@ import jaxfeed
 import resume_trainer as trainer
 from jaxfeed.ops import base
 from jaxfeed.service.protocol import read_state
+from test_first_splits import gauge, metrics_url, wait_for
 from service_cluster import REPO_ROOT, TESTS_DIR, free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -166,9 +167,13 @@ def parallel_read(dispatcher: str, **options) -> jaxfeed.Dataset:
         "have no worker in its new job")])
 def test_a_parallel_epochs_read_resumed_on_another_worker_count_says_so(
     cluster, workers_after, message):
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2")
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2",
+                       "--metrics_port=0")
+  url = metrics_url(dispatcher)
   workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
              for _ in range(2)]
+  # The saved state must name both workers' streams: read once both are in.
+  wait_for("both workers", lambda: gauge(url, "jaxfeed_dispatcher_workers") == 2)
   dataset = parallel_read(dispatcher.address, timeout_s=3)
   with dataset.make_iterator() as iterator:
     next(iterator)

@@ -28,6 +28,7 @@ from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import health as health_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.dispatcher import saves as saves_lib
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
 from jaxfeed.service.protocol import element_chunks
@@ -45,12 +46,14 @@ SERVICE_NAME = "jaxfeed.service.Dispatcher"
 class _DispatcherServicer:
   """Maps RPCs onto DispatcherState."""
 
-  def __init__(self, state: DispatcherState):
+  def __init__(self, state: DispatcherState, saves: saves_lib.SaveRegistry):
     self.state = state
+    self.saves = saves
 
   def RegisterDataset(self, request, context):
     del context
-    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(request.dataset))
+    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(
+        request.dataset, request.dataset_id, request.compression))
 
   def GetDatasetDef(self, request, context):
     del context
@@ -80,11 +83,25 @@ class _DispatcherServicer:
 
   def WorkerHeartbeat(self, request, context):
     del context
-    return self.state.worker_heartbeat(request)
+    response = self.state.worker_heartbeat(request)
+    if not request.leaving:
+      response.active_saves.extend(self.saves.active_paths())
+    return response
 
   def GetSplits(self, request, context):
     del context
     return self.state.get_splits(request)
+
+  def StartSave(self, request, context):
+    del context
+    return self.saves.start(request)
+
+  def SaveChunks(self, request, context):
+    del context
+    with self.state.lock:
+      self.state.lock.answer_without_fsync()  # reads the workers, writes nothing
+      live = {a: w.incarnation for a, w in self.state.workers.items()}
+    return self.saves.chunks(request, live)
 
   def handler(self, config: DispatcherConfig) -> grpc.GenericRpcHandler:
     client, worker = (rpc.CLIENT,), (rpc.WORKER,)
@@ -96,6 +113,8 @@ class _DispatcherServicer:
         "ReleaseJobClient": (pb.ReleaseJobClientRequest, client),
         "WorkerHeartbeat": (pb.WorkerHeartbeatRequest, worker),
         "GetSplits": (pb.GetSplitsRequest, worker),
+        "StartSave": (pb.StartSaveRequest, client),
+        "SaveChunks": (pb.SaveChunksRequest, worker),
     }
     return rpc_server.method_handlers(
         SERVICE_NAME, {rpc.CLIENT: config.auth_token, rpc.WORKER: config.worker_token},
@@ -141,7 +160,8 @@ class DispatchServer:
   def __init__(self, config: DispatcherConfig | None = None, start: bool = True):
     self.config = config or DispatcherConfig()
     self.state = DispatcherState(self.config)
-    servicer = _DispatcherServicer(self.state)
+    self.saves = saves_lib.SaveRegistry(self.config)
+    servicer = _DispatcherServicer(self.state, self.saves)
     self._server, self.port = rpc_server.make_server(
         f"{self.config.host}:{self.config.port}", servicer.handler(self.config),
         self.config.max_message_bytes, self.config.tls)

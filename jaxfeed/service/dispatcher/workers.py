@@ -15,6 +15,7 @@ from jaxfeed.service.dispatcher.tables import Job, Task, Worker
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import split_failures
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 
@@ -57,6 +58,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     for address in sorted(self.workers):
       if address in have:
         continue
+      if job.fixed_workers is None and not self._read_by_a_client(job, self.workers[address]):
+        continue  # no client of the job reads it: its task would hold splits unread
       if job.fixed_workers is not None:
         if address not in job.fixed_workers:
           continue
@@ -66,6 +69,15 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
+
+  def _read_by_a_client(self, job: Job, worker: Worker) -> bool:
+    """Whether some client of the job reads the worker (its target_workers);
+    with no client yet, whether a client of any process would."""
+    processes = set(job.client_processes.values()) or {""}
+    if len(processes) < len(job.clients):
+      processes.add("")  # a client that sent no process
+    return any(target_workers.reads(job.target_workers, process, worker.process_id,
+                                    worker.tags) for process in processes)
 
   def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
                         served_jobs: set[int]) -> None:
@@ -80,6 +92,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
   def _task_info(self, task: Task, for_client: bool = False) -> pb.TaskInfo:
     job = self.jobs[task.job_id]
     worker = self.workers.get(task.worker_address)
+    dataset = self.datasets.get(job.dataset_id)
     key = self._ticket_key(task.worker_address) if for_client else b""
     dataset_def = self.datasets.get(job.dataset_id)
     return pb.TaskInfo(
@@ -91,7 +104,10 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         sharding_policy=job.policy.value, worker_index=task.worker_index,
         num_workers=task.num_workers, num_consumers=job.num_consumers,
         round_timeout_s=job.round_timeout_s, exactly_once=job.exactly_once,
-        ephemeral_sharing=job.ephemeral_sharing)
+        ephemeral_sharing=job.ephemeral_sharing,
+        worker_process=worker.process_id if worker else "",
+        worker_tags=worker.tags if worker else (),
+        compression=dataset.compression if dataset is not None else "")
 
   def _job(self, job_id: int) -> Job:
     job = self.jobs.get(job_id)
@@ -143,7 +159,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         logging.info("Worker %s registered.", address)
         self._awaited.pop(address, None)
         worker = Worker(address, request.data_address, time.monotonic(),
-                         incarnation=request.incarnation)
+                         incarnation=request.incarnation, process_id=request.process_id,
+                         tags=tuple(request.worker_tags))
         self.workers[address] = worker
         if request.incarnation:
           # Tasks journaled before a restart that the process does not run:
