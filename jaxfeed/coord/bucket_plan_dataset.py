@@ -199,7 +199,7 @@ def pad_records(records: list, padded_length: int, padded_shapes: Any,
   for j, (spec, leaf) in enumerate(zip(specs, first_leaves)):
     if spec is None:  # default: the first dimension is the sequence dimension
       rank = np.ndim(leaf)
-      sequence_axes = (0,) if rank else ()
+      sequence_axes: tuple[int, ...] = (0,) if rank else ()
       # pad_and_stack reads None as "the batch maximum".
       shapes.append([padded_length] + [None] * (rank - 1) if rank else [])
     else:
