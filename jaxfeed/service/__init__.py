@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 # jaxfeed.loader": jaxfeed.service takes 0.3 ms so, 75 to 160 ms eagerly).
 _EXPORTS = {
     "ShardingPolicy": "jaxfeed.service.protocol.sharding",
+    "SHARD_HINT": "jaxfeed.ops.shard",
     "DispatchServer": "jaxfeed.service.dispatcher.server",
     "DispatcherConfig": "jaxfeed.service.dispatcher.config",
     "WorkerServer": "jaxfeed.service.worker.server",
@@ -41,6 +42,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
   # What type checkers and IDEs see of the lazy exports above (a test
   # checks that both name the same things).
+  from jaxfeed.ops.shard import SHARD_HINT as SHARD_HINT
   from jaxfeed.service.client.cross_trainer_cache import CrossTrainerCache as CrossTrainerCache
   from jaxfeed.service.client.distribute import (
       DistributedNode as DistributedNode,

@@ -49,6 +49,7 @@ from typing import Any, Iterable
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
+from jaxfeed.ops import index_ranges
 from jaxfeed.service.client import cross_trainer_cache as cross_trainer_cache_lib
 from jaxfeed.service.client.cross_trainer_cache import CrossTrainerCache
 from jaxfeed.service.client.iterator import DistributedIterator
@@ -116,8 +117,9 @@ def register_dataset(service: str, dataset: Any, compression: str | None = "AUTO
   if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
     raise ValueError(f"dataset_id must be a non-empty string or None, got {dataset_id!r}.")
   node = task_pipeline.pipeline_node(dataset, "register_dataset")
-  dataset_def = spec_lib.to_dataset_def(node, udf_secret,
-                                        num_positions=task_pipeline.num_positions(node))
+  dataset_def = spec_lib.to_dataset_def(
+      node, udf_secret, num_positions=task_pipeline.num_positions(node),
+      positions_are_files=index_ranges.reads_files(node))
   channel = rpc.make_channel(_target(service), tls=tls)
   try:
     caller = dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,
