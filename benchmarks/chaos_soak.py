@@ -8,9 +8,9 @@ stopped, restarted, connections cut or stalled, the dispatcher restarted,
 its journal torn, a bit flipped in its work_dir, its disk full for a while, a
 record that segfaults the workers that map it) one after another, each on
 its own dispatcher and worker processes, and prints per mode the runs,
-faults injected by kind, elements checked, violations of the mode's guarantee and hangs, then the seeds of the
-failing runs with their first violation line, and those of runs whose
-cluster did not start (not counted). Rerun one with
+faults injected by kind, elements checked, violations of the mode's guarantee
+and hangs, then the seeds of the failing runs with their first violation
+line, and those of runs whose cluster did not start (not counted). Rerun one with
 `--runs=1 --seed=SEED --verbose`.
 """
 

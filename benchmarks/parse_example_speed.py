@@ -93,8 +93,8 @@ def main() -> None:
       lambda r: tf.io.parse_single_example(r, specs))
 
   def jaxfeed_single():
-    for record in records:
-      jaxfeed.parse_single_example(record, features)
+    for serialized in records:
+      jaxfeed.parse_single_example(serialized, features)
 
   def jaxfeed_batch():
     for batch in batches:

@@ -203,7 +203,7 @@ def _backend(picked: object) -> str:
   """" (on processes)": the backend AUTOTUNE picked, as W1's row gives it
   (a dict per op, or a list of them)."""
   ops = picked if isinstance(picked, list) else [picked]
-  backends = [op.get("backend") for op in ops if isinstance(op, dict) and op.get("backend")]
+  backends = [str(op["backend"]) for op in ops if isinstance(op, dict) and op.get("backend")]
   return f" (on {', '.join(backends)})" if backends else ""
 
 
@@ -316,7 +316,7 @@ def w7(results: Results) -> Headline | None:
   found = _vs_best_peer(results, "w7_images", "W7", "jaxfeed",
                         "W7 images/s, JPEG Examples -> 224 crops", ">= 1.2x tf.data")
   mine = results.get("w7_images", "W7", "jaxfeed")
-  if found is None or "ratio_vs_limit" not in mine[0]:
+  if found is None or mine is None or "ratio_vs_limit" not in mine[0]:
     return found
   return dataclasses.replace(
       found, jaxfeed=f"{found.jaxfeed} ({percent(mine[0]['ratio_vs_limit'])} of the limit)",

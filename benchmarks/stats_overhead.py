@@ -283,7 +283,8 @@ def summary(lines: list[dict]) -> str:
         f"{100 * line['cpu_overhead']:+7.1f}% "
         f"{'-' if projected is None else f'{100 * projected:+.2f}%':>9} "
         f"{line['load_average'][0]:5.1f}-{line['load_average'][1]:<5.1f}  {verdict}"
-        + (f" ({line['idle_rounds']}/{line['rounds']} rounds idle)" if "idle_rounds" in line else ""))
+        + (f" ({line['idle_rounds']}/{line['rounds']} rounds idle)"
+           if "idle_rounds" in line else ""))
   return "\n".join(out)
 
 

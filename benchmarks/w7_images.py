@@ -232,8 +232,8 @@ class BareBatches:
     from jaxfeed import image
     import jaxfeed
     row = -1
-    for row, (record, rng) in enumerate(zip(records, rngs)):
-      example = jaxfeed.parse_single_example(record, images_data.FEATURES)
+    for row, (serialized, rng) in enumerate(zip(records, rngs)):
+      example = jaxfeed.parse_single_example(serialized, images_data.FEATURES)
       pixels = image.decode_and_random_resized_crop(
           example["image/encoded"].item(), rng, SIZE, SCALE, RATIO,
           out=self.cropped)

@@ -167,8 +167,9 @@ def broken_links(site: pathlib.Path) -> list[str]:
   for name, page in sorted(pages.items()):
     for link in page.links:
       parts = urllib.parse.urlsplit(link)
-      target = posixpath.normpath(posixpath.join(posixpath.dirname(name),
-                                                 urllib.parse.unquote(parts.path))) if parts.path else name
+      target = (posixpath.normpath(posixpath.join(posixpath.dirname(name),
+                                                  urllib.parse.unquote(parts.path)))
+                if parts.path else name)
       if target.endswith("/") or (site / target).is_dir():
         target = posixpath.join(target, "index.html")
       if not (site / target).is_file():

@@ -387,7 +387,9 @@ class InputReplay:
 
   def __init__(self, parent: OpIterator, op_name: str, interval: int = 64,
                oldest_needed: Callable[[], int] | None = None):
-    """Args:
+    """Records anchors of `parent`'s reads to replay them on restore.
+
+    Args:
       parent: The iterator read from.
       op_name: The op named in restore errors.
       interval: Reads between two anchors (1: an anchor before every read).

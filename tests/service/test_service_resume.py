@@ -27,7 +27,7 @@ import service_udfs
 from jaxfeed.ops import base
 from jaxfeed.service.protocol import read_state
 from test_first_splits import gauge, metrics_url, wait_for
-from service_cluster import REPO_ROOT, TESTS_DIR, ServiceProcess, free_port
+from service_cluster import REPO_ROOT, TESTS_DIR, free_port
 
 pytestmark = pytest.mark.timeout(240)
 

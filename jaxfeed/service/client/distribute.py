@@ -128,7 +128,7 @@ def register_dataset(service: str, dataset: Any, compression: str | None = "AUTO
         dataset=dataset_def, dataset_id=dataset_id or "", compression=compression),
                                _target(service), timeout_s, wait_for_dispatcher,
                                f"Registering dataset with {service}")
-    return response.dataset_id
+    return str(response.dataset_id)
   finally:
     channel.close()
 
@@ -244,7 +244,7 @@ class DistributedNode(base.Node):
     self.round_timeout_s = None if round_timeout_s is None else float(round_timeout_s)
     self._lock = threading.Lock()
 
-  def spec_params(self) -> dict:
+  def spec_params(self) -> dict[str, Any]:
     return {"service": self.service, "processing_mode": self.policy.value,
             "dataset": self.dataset, "dataset_id": self.dataset_id,
             "job_name": self.job_name, "num_consumers": self.num_consumers,
@@ -266,6 +266,7 @@ class DistributedNode(base.Node):
             self.service, self.dataset, self.compression, auth_token=self.auth_token,
             udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s,
             wait_for_dispatcher=self.wait_for_dispatcher)
+      assert self.dataset_id is not None  # distribute() or from_dataset_id() sets one
       return self.dataset_id
 
   def make_iterator(self) -> "DistributedIterator":
@@ -273,7 +274,7 @@ class DistributedNode(base.Node):
 
 
 def _check_options(function: str, own: Iterable[str], other_input: str,
-                   options: dict) -> None:
+                   options: dict[str, Any]) -> None:
   """Refuses a keyword in `options` (what `function` passes on to
   `DistributedNode`) that `function` does not take, in the words of
   `function`, with the closest keyword it takes: a misspelled `visitation`

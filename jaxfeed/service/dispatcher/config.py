@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
@@ -128,13 +129,15 @@ class DispatcherConfig:
         raise ValueError(
             f"DispatcherConfig: {name} must be an integer >= 0 (0: off), got {value!r}.")
     if not isinstance(self.split_size, int) or self.split_size < 1:
-      raise ValueError(f"DispatcherConfig: split_size must be an integer >= 1, got {self.split_size!r}.")
+      raise ValueError("DispatcherConfig: split_size must be an integer >= 1, "
+                       f"got {self.split_size!r}.")
     if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
       raise ValueError("DispatcherConfig: max_message_bytes must be an integer "
                        f">= 1024, got {self.max_message_bytes!r}.")
     if self.num_workers is not None and (
         not isinstance(self.num_workers, int) or self.num_workers < 1):
-      raise ValueError(f"DispatcherConfig: num_workers must be None or >= 1, got {self.num_workers!r}.")
+      raise ValueError("DispatcherConfig: num_workers must be None or >= 1, "
+                       f"got {self.num_workers!r}.")
     object.__setattr__(self, "worker_addresses", _worker_addresses(self.worker_addresses))
     if self.num_workers is not None and self.worker_addresses and (
         self.num_workers != len(self.worker_addresses)):
@@ -176,7 +179,7 @@ def _worker_addresses(value: object) -> tuple[str, ...]:
   if isinstance(value, str):
     value = [value]
   try:
-    entries = tuple(value)  # type: ignore[arg-type]
+    entries: tuple[Any, ...] = tuple(value)  # type: ignore[arg-type]
   except TypeError:
     entries = (value,)
   for entry in entries:
