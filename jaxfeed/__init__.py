@@ -40,6 +40,8 @@ _EXPORTS = {
     "DamagedRange": "jaxfeed.sources",
     "SequentialReadError": "jaxfeed.sources.tfrecord_source",
     "RecordSource": "jaxfeed.sources",
+    "SavedDatasetSource": "jaxfeed.ops.load",
+    "SaveFormatError": "jaxfeed.ops.save_format",
     # device and loader
     "DevicePrefetcher": "jaxfeed.device",
     "batch_sharding": "jaxfeed.device",

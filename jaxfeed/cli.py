@@ -4,6 +4,9 @@
   jaxfeed worker [FLAGS]         a service worker (python -m jaxfeed.service.worker)
   jaxfeed convert IN... OUT      TFRecord, ArrayRecord, NumPy, Parquet; sharded, parallel, resumable
   jaxfeed inspect FILE...        record count, sizes and a decoded sample
+  jaxfeed inspect FOLDER         a saved dataset's progress (Dataset.save,
+                                 distributed_save): chunks done of expected,
+                                 elements, bytes, complete or not
   jaxfeed bench MODULE:FUNCTION  runs a user's pipeline for a while: elements/s
                                  and a table of where each op spent its time
 
@@ -97,6 +100,28 @@ def describe_example(record: bytes, max_values: int = 4) -> str | None:
     more = ", ..." if len(values) > max_values else ""
     parts.append(f"{name!r}: {kind[:-5]}[{len(values)}] [{shown}{more}]")
   return "{" + ", ".join(parts) + "}" if parts else None
+
+
+def inspect_saved(path: str, samples: int = 1) -> dict:
+  """The progress of the saved dataset at `path` (complete or being written),
+  and when complete its element spec and first elements."""
+  from jaxfeed.ops import load as load_lib  # pylint: disable=g-import-not-at-top
+  from jaxfeed.ops import save_format  # pylint: disable=g-import-not-at-top
+  try:
+    progress = save_format.progress(path)
+  except save_format.SaveFormatError as e:
+    raise UsageError(str(e)) from None
+  result = {"saved_dataset": progress.path, "complete": progress.complete,
+            "writer": progress.writer, "chunks_done": progress.chunks_done,
+            "chunks_expected": (progress.chunks_expected if progress.chunks_expected >= 0
+                                else "unknown until complete"),
+            "elements": progress.num_elements, "bytes": progress.num_bytes,
+            **({"failed": progress.error} if progress.error else {})}
+  if progress.complete:
+    source = load_lib.SavedDatasetSource(path)
+    result["element_spec"] = str(source.element_spec)
+    result["samples"] = [repr(source[i]) for i in range(min(samples, len(source)))]
+  return result
 
 
 def _check_inputs(paths: Sequence[str]) -> None:
@@ -329,11 +354,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="remove existing outputs of OUT (any shard count) first, "
                     "instead of refusing")
   insp = commands.add_parser(
-      "inspect", help="describe record files",
+      "inspect", help="describe record files, or a saved dataset's folder",
       description="Prints, as JSON, the record count, the record sizes and the first "
       "records decoded: tf.train.Example features with their types and first values "
-      "(long bytes as their size and first bytes, JPEG and PNG as their decoded shape).")
-  insp.add_argument("paths", nargs="+", metavar="FILE", help="files of one format")
+      "(long bytes as their size and first bytes, JPEG and PNG as their decoded shape). "
+      "Given one folder written by Dataset.save or distributed_save: its chunks done "
+      "of those expected, elements, bytes and whether it is complete.")
+  insp.add_argument("paths", nargs="+", metavar="FILE",
+                    help="files of one format, or one saved dataset's folder")
   insp.add_argument("--format", choices=FORMAT_NAMES,
                     help="their format (default: from the extension)")
   insp.add_argument("--samples", type=_at_least(0, int), default=1,
@@ -368,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       result = convert(args.paths[:-1], args.paths[-1], in_format=args.in_format,
                        out_format=args.out_format, num_shards=args.num_shards,
                        workers=args.workers, overwrite=args.overwrite)
+    elif args.command == "inspect" and len(args.paths) == 1 and os.path.isfile(
+        os.path.join(args.paths[0], "save.json")):
+      result = inspect_saved(args.paths[0], args.samples)
     elif args.command == "inspect":
       result = inspect_files(args.paths, args.format, args.samples)
     else:

@@ -113,6 +113,27 @@ class Dataset:
         generator, output_signature=output_signature, args=args, skip=skip))
 
   @staticmethod
+  def load(path: Any, element_spec: Any = None, compression: str | None = None,
+           reader_func: Callable | None = None, wait: bool = False,
+           sampler: Any = None) -> "Dataset":
+    """The dataset saved at `path` by `save` or `jaxfeed.service.distributed_save`
+    (tf.data's `load`), as a random-access source: elements in the order
+    they were saved, or in `sampler`'s (an `IndexSampler` over them, to
+    shuffle and shard). An incomplete save is refused, or waited for with
+    `wait=True`. `element_spec`, if given, must match the saved one;
+    `compression` is read from the save; `reader_func` has no counterpart
+    (read order is the sampler's). See `jaxfeed.ops.load`."""
+    if reader_func is not None:
+      raise ValueError("load: reader_func has no jaxfeed counterpart; pass "
+                       "sampler=jaxfeed.IndexSampler(...) to choose the order.")
+    del compression  # the save records its own
+    node = _op("load").load_node(path, wait, sampler)
+    if element_spec is not None and element_spec != node.source.element_spec:
+      raise ValueError(f"load: element_spec {element_spec} differs from the saved "
+                       f"dataset's {node.source.element_spec} at {path}.")
+    return Dataset(node)
+
+  @staticmethod
   def zip(datasets: Any) -> "Dataset":
     """Zips a tuple or dict of datasets, like tf.data.Dataset.zip."""
     return Dataset(_op("zip").ZipNode(datasets))
@@ -338,6 +359,16 @@ class Dataset:
       for element in iterator:
         state = reduce_func(state, element)
     return state
+
+  def save(self, path: Any, compression: str | None = None,
+           shard_func: Callable | None = None, checkpoint_args: Any = None) -> None:
+    """Runs the pipeline to its end and writes its elements to the folder
+    `path` (tf.data's `save`), for `Dataset.load`: array_record chunks and a
+    checksummed manifest written last. `compression`: None, "SNAPPY" or
+    "ZSTD"; `shard_func(element) -> int` groups elements into chunks by
+    shard. Replaces a saved dataset already at `path`. See `jaxfeed.ops.save`."""
+    _op("save").save(self.make_iterator(), path, self.fingerprint(),
+                     compression, shard_func, checkpoint_args)
 
   # ---- batching ----------------------------------------------------------
   def batch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":

@@ -98,6 +98,10 @@ def element_spec(node: Node) -> Any:
     ValueError: an op whose spec is read from its first element has none.
   """
   rule = _RULES.get(node.op_name)
+  # A saved dataset (`Dataset.load`) records the spec of all its elements.
+  recorded = getattr(getattr(node, "source", None), "element_spec", None)
+  if node.op_name == "from_source" and recorded is not None:
+    return recorded
   if rule is None:
     return _peek(node)
   return rule(node)

@@ -17,6 +17,7 @@ from typing import Any
 # jaxfeed.loader": jaxfeed.service takes 0.3 ms so, 75 to 160 ms eagerly).
 _EXPORTS = {
     "ShardingPolicy": "jaxfeed.service.protocol.sharding",
+    "SHARD_HINT": "jaxfeed.ops.shard",
     "DispatchServer": "jaxfeed.service.dispatcher.server",
     "DispatcherConfig": "jaxfeed.service.dispatcher.config",
     "WorkerServer": "jaxfeed.service.worker.server",
@@ -30,9 +31,11 @@ _EXPORTS = {
     "UDFImportError": "jaxfeed.service.protocol.import_paths",
     "WireFormatError": "jaxfeed.service.protocol.wire",
     "DistributedNode": "jaxfeed.service.client.distribute",
+    "CrossTrainerCache": "jaxfeed.service.client.cross_trainer_cache",
     "distribute": "jaxfeed.service.client.distribute",
     "register_dataset": "jaxfeed.service.client.distribute",
     "from_dataset_id": "jaxfeed.service.client.distribute",
+    "distributed_save": "jaxfeed.service.client.distributed_save",
     "serve_client_metrics": "jaxfeed.service.metrics",
 }
 

@@ -42,6 +42,9 @@ Worker:
   jaxfeed_worker_elements_served_total  elements (batches) sent to consumers, by job
   jaxfeed_worker_bytes_served_total     their encoded bytes, by job
   jaxfeed_worker_errors_total           task failures sent to consumers, by job
+  jaxfeed_worker_connections_total      clients' connections to its tasks, by
+                                        transport (grpc, socket, memory: a client
+                                        in the worker's own process)
   jaxfeed_rpc_errors_total              calls answered with a status other than OK,
                                         by method ("data_socket": the data socket's
                                         refusals and failures) and code
@@ -101,6 +104,14 @@ class ServedCounts:
     self.elements: collections.Counter = collections.Counter()
     self.bytes: collections.Counter = collections.Counter()
     self.errors: collections.Counter = collections.Counter()
+    # Client connections to tasks, by transport: "grpc", "socket" or
+    # "memory" (a client in the worker's process, see
+    # jaxfeed.service.worker.local_workers).
+    self.connections: collections.Counter = collections.Counter()
+
+  def connected(self, transport: str) -> None:
+    with self._lock:
+      self.connections[transport] += 1
 
   def track(self, task: Any) -> None:
     """Remembers the job of a task (a `TaskInfo`) the worker starts."""
@@ -294,6 +305,14 @@ class _WorkerCollector:
       for job, value in sorted(values.items()):
         family.add_metric([job], value)
       yield family
+    with self._worker.served._lock:  # pylint: disable=protected-access
+      connections = dict(self._worker.served.connections)
+    family = counter("jaxfeed_worker_connections",
+                     "Client connections to tasks, by transport (grpc, socket, memory).",
+                     labels=["transport"])
+    for transport, value in sorted(connections.items()):
+      family.add_metric([transport], value)
+    yield family
 
 
 def serve_dispatcher(server: Any, host: str, port: int) -> MetricsServer | None:

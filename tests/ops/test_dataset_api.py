@@ -25,16 +25,13 @@ tf = import_tensorflow()
 DELIBERATE_OMISSIONS = {
     # Nothing: every public name of tf.data.Dataset (TensorFlow 2.21) exists.
 }
-# Built with `jaxfeed.service.distributed_save`, whose format they share, in a
-# change of their own; present or not until it lands. Remove them from here then.
-BUILT_ELSEWHERE = {"save", "load"}
 
 
 def test_every_public_name_of_tf_data_dataset_exists():
   names = [n for n in dir(tf.data.Dataset) if not n.startswith("_")]
   assert len(names) >= 49, names
   missing = [n for n in names if not hasattr(Dataset, n)
-             and n not in DELIBERATE_OMISSIONS and n not in BUILT_ELSEWHERE]
+             and n not in DELIBERATE_OMISSIONS]
   assert not missing, f"jaxfeed.Dataset lacks tf.data names {missing}"
   stale = [n for n in DELIBERATE_OMISSIONS if hasattr(Dataset, n)]
   assert not stale, f"{stale} exist now: remove them from DELIBERATE_OMISSIONS"

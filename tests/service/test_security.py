@@ -264,6 +264,10 @@ def test_a_client_token_cannot_act_as_a_worker(secured, cluster):
   assert refused_code(dispatcher.address, DISPATCHER + "GetDatasetDef",
                       pb.GetDatasetDefRequest(dataset_id="1"), CLIENT_TOKEN
                       ) == grpc.StatusCode.UNAUTHENTICATED
+  # A save's chunks (and its pipeline, with any pickled UDFs) are the workers'.
+  assert refused_code(dispatcher.address, DISPATCHER + "SaveChunks",
+                      pb.SaveChunksRequest(path="/x", want_dataset=True), CLIENT_TOKEN
+                      ) == grpc.StatusCode.UNAUTHENTICATED
   # A worker process holding the client token is refused and exits saying so.
   impostor = cluster("worker", f"--dispatcher_address={dispatcher.address}",
                      f"--worker_token={CLIENT_TOKEN}")

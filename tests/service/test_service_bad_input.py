@@ -273,7 +273,9 @@ def test_a_dispatcher_address_where_nothing_answers_fails_in_seconds_naming_it(r
     else:
       service.register_dataset(address, small_dataset())
   took = time.monotonic() - start
-  assert read_client.UNANSWERED_S <= took < read_client.UNANSWERED_S + 10
+  # The 5 s are a gRPC deadline on gRPC's own clock, which may end a moment
+  # before this test's clock says 5 s.
+  assert read_client.UNANSWERED_S - 0.5 <= took < read_client.UNANSWERED_S + 10
   message = str(failed.value)
   assert f"no answer within 5 s from {address}: nothing answers there" in message
   assert "Connection refused" in message and "wait_for_dispatcher=True" in message

@@ -254,9 +254,16 @@ def test_round_robin_consumers_read_each_round_from_one_worker():
   assert results[0] == [2 * (r // 2) for r in range(16)]
   assert results[1] == [2 * (r // 2) + 1 for r in range(16)]
   # The op-stats sampling thread is the process's, not the service's: it
-  # ends by itself once no pipeline has been open for a while.
-  assert not [t for t in set(threading.enumerate()) - threads_before
+  # ends by itself once no pipeline has been open for a while. The reads'
+  # reaper ends within its poll once no read is open.
+  deadline = time.monotonic() + 5
+  while True:
+    leaked = [t for t in set(threading.enumerate()) - threads_before
               if t.is_alive() and t.name != op_stats.THREAD_NAME]
+    if not leaked or time.monotonic() > deadline:
+      break
+    time.sleep(0.05)
+  assert not leaked, leaked
 
 
 def test_a_task_learned_twice_at_once_gets_one_runner(monkeypatch):

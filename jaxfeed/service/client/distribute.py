@@ -49,10 +49,14 @@ from typing import Any, Iterable
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
+from jaxfeed.ops import index_ranges
+from jaxfeed.service.client import cross_trainer_cache as cross_trainer_cache_lib
+from jaxfeed.service.client.cross_trainer_cache import CrossTrainerCache
 from jaxfeed.service.client.iterator import DistributedIterator
 from jaxfeed.service.client.read import call_dispatcher, dispatcher_caller
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import target_workers as target_workers_lib
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy, to_sharding_policy
@@ -71,16 +75,27 @@ def _target(service: str) -> str:
   return service
 
 
-def register_dataset(service: str, dataset: Any, *, auth_token: str | None = None,
+def register_dataset(service: str, dataset: Any, compression: str | None = "AUTO",
+                     dataset_id: str | None = None, *, auth_token: str | None = None,
                      udf_secret: bytes | None = None, tls: rpc.TLSConfig | None = None,
                      timeout_s: float = 60.0, wait_for_dispatcher: bool = False) -> str:
   """Registers a pipeline with the dispatcher and returns its dataset id.
 
-  Equal pipelines (same fingerprint) get the same id.
+  Equal pipelines (same fingerprint) get the same id, unless a `dataset_id`
+  is given.
 
   Args:
     service: the dispatcher's "host:port" (a "grpc://" prefix is accepted).
     dataset: a jaxfeed Dataset (or op node).
+    compression: how `from_dataset_id` reads that name no compression get
+      its batches: "AUTO" (tf.data's default: the service picks per
+      transport, see `wire.resolve_compression`), None (none), "lz4" or
+      "zstd". A pipeline already registered keeps its first compression.
+    dataset_id: an id to register it under (tf.data's user-chosen ids).
+      Registering the same pipeline under it again returns it, so trainers
+      that share a dataset may all register it; a different pipeline under
+      an id already taken is refused (ServiceError naming both
+      fingerprints). None: the dispatcher picks the id.
     auth_token: the clients' token, if the deployment requires one (workers
       are read with per-task tickets from the dispatcher, never with it).
     udf_secret: the deployment's shared secret; UDFs without an import path
@@ -98,14 +113,19 @@ def register_dataset(service: str, dataset: Any, *, auth_token: str | None = Non
     ServiceError: the dispatcher did not register it, or nothing answers at
       `service` (see `wait_for_dispatcher`).
   """
+  compression = wire.check_compression(compression)
+  if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
+    raise ValueError(f"dataset_id must be a non-empty string or None, got {dataset_id!r}.")
   node = task_pipeline.pipeline_node(dataset, "register_dataset")
-  dataset_def = spec_lib.to_dataset_def(node, udf_secret,
-                                        num_positions=task_pipeline.num_positions(node))
+  dataset_def = spec_lib.to_dataset_def(
+      node, udf_secret, num_positions=task_pipeline.num_positions(node),
+      positions_are_files=index_ranges.reads_files(node))
   channel = rpc.make_channel(_target(service), tls=tls)
   try:
     caller = dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,
                                 auth_token)
-    response = call_dispatcher(caller, pb.RegisterDatasetRequest(dataset=dataset_def),
+    response = call_dispatcher(caller, pb.RegisterDatasetRequest(
+        dataset=dataset_def, dataset_id=dataset_id or "", compression=compression),
                                _target(service), timeout_s, wait_for_dispatcher,
                                f"Registering dataset with {service}")
     return response.dataset_id
@@ -117,7 +137,7 @@ def _check_read_options(policy: ShardingPolicy, job_name: str | None,
                         num_consumers: int | None, consumer_index: int | None,
                         compression: str | None, max_outstanding_requests: int | None,
                         data_transfer: str, round_timeout_s: float | None,
-                        visitation: str, ephemeral_sharing: bool) -> None:
+                        visitation: str, ephemeral_sharing: bool, target: str) -> None:
   if job_name is not None and (not isinstance(job_name, str) or not job_name):
     raise ValueError(f"job_name must be a non-empty string or None, got {job_name!r}.")
   if num_consumers is not None:
@@ -157,6 +177,9 @@ def _check_read_options(policy: ShardingPolicy, job_name: str | None,
         "visitation='exactly_once' needs processing_mode='distributed_epoch' "
         f"(DYNAMIC) and no num_consumers; got {policy.name} and "
         f"num_consumers={num_consumers}.")
+  if target == target_workers_lib.LOCAL and num_consumers is not None:
+    raise ValueError("Coordinated reads require non-local workers, but target_workers "
+                     f"is 'local' (num_consumers={num_consumers}).")
   if not isinstance(ephemeral_sharing, bool):
     raise ValueError(f"ephemeral_sharing must be True or False, got {ephemeral_sharing!r}.")
   if ephemeral_sharing and (policy != ShardingPolicy.OFF or num_consumers is not None):
@@ -180,15 +203,22 @@ class DistributedNode(base.Node):
                timeout_s: float = 60.0, round_timeout_s: float | None = None,
                visitation: str = "at_most_once", ephemeral_sharing: bool = False,
                max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-               wait_for_dispatcher: bool = False):
+               wait_for_dispatcher: bool = False, target_workers: str = "auto",
+               cross_trainer_cache: CrossTrainerCache | None = None):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
     self.service = _target(service)
     self.policy = to_sharding_policy(processing_mode)
+    self.target_workers = target_workers_lib.check_target_workers(target_workers)
+    self.cross_trainer_cache = cross_trainer_cache
+    if cross_trainer_cache is not None:  # tf.data's name for ephemeral sharing
+      job_name = cross_trainer_cache_lib.trainer_job_name(
+          cross_trainer_cache, job_name, self.policy, num_consumers)
+      ephemeral_sharing = True
     _check_read_options(self.policy, job_name, num_consumers, consumer_index, compression,
                         max_outstanding_requests, data_transfer, round_timeout_s,
-                        visitation, ephemeral_sharing)
+                        visitation, ephemeral_sharing, self.target_workers)
     self.visitation = visitation
     self.ephemeral_sharing = ephemeral_sharing
     self.max_frame_bytes = wire.check_max_frame_bytes(max_frame_bytes)
@@ -224,7 +254,8 @@ class DistributedNode(base.Node):
             "round_timeout_s": self.round_timeout_s, "visitation": self.visitation,
             "ephemeral_sharing": self.ephemeral_sharing,
             "max_frame_bytes": self.max_frame_bytes,
-            "wait_for_dispatcher": self.wait_for_dispatcher}
+            "wait_for_dispatcher": self.wait_for_dispatcher,
+            "target_workers": self.target_workers}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on each read (so the dispatcher may start later,
@@ -232,7 +263,7 @@ class DistributedNode(base.Node):
     with self._lock:
       if self.dataset is not None:
         self.dataset_id = register_dataset(
-            self.service, self.dataset, auth_token=self.auth_token,
+            self.service, self.dataset, self.compression, auth_token=self.auth_token,
             udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s,
             wait_for_dispatcher=self.wait_for_dispatcher)
       return self.dataset_id
@@ -276,7 +307,9 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       batch each, all with the same bucket key (padded shapes); see the
       module docstring.
     consumer_index: this consumer's index in [0, num_consumers).
-    compression: None, "lz4" or "zstd" for batches on the wire.
+    compression: None, "AUTO" (the service picks per transport: lz4 over
+      gRPC when installed, none on the data socket and in memory), "lz4" or
+      "zstd" for batches on the wire.
     max_outstanding_requests: batches buffered on the client (default 8;
       per worker for round-robin reads).
     round_timeout_s: round-robin reads: once the first consumer took its
@@ -310,7 +343,16 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       job at its own position; a job that falls behind the window skips
       ahead (see `jaxfeed.service.worker.shared_stream`),
       max_frame_bytes: the largest batch (its frame, after decompression)
-      accepted from a worker, 2 GiB by default; a bigger one fails the read.
+      accepted from a worker, 2 GiB by default; a bigger one fails the read,
+      target_workers: which workers to read (tf.data's; any case): "auto"
+      (default: all but the "COLOCATED"-tagged workers of other processes),
+      "any" (all) or "local" (only the `WorkerServer`s of this process,
+      through memory; the read fails at once when there is none); see
+      `jaxfeed.service.protocol.target_workers`. Consumers of a named job
+      pass the same value,
+      cross_trainer_cache: a `CrossTrainerCache(trainer_id)`: tf.data's name
+      for ephemeral sharing (needs job_name and parallel_epochs; see
+      `jaxfeed.service.client.cross_trainer_cache`).
 
   Returns:
     A jaxfeed Dataset.

@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 
@@ -15,9 +15,11 @@ from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import stream_state
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.worker import delivery
+from jaxfeed.service.worker import local_workers
 
 _WORKER = "/jaxfeed.service.Worker/"
 # A fetcher's connection that brings nothing, not even a keepalive (see
@@ -89,9 +91,15 @@ class Fetcher:
                                    name=f"jaxfeed-fetch-{task.task_id}")
     self.thread.start()
 
-  def _request(self) -> dict:
+  def _request(self, transport: str) -> dict:
+    """The request of a connection over `transport` ("socket", "grpc" or
+    "memory"; see `wire.resolve_compression`)."""
     node = self._read.node
-    return {"task_id": self.task.task_id, "compression": node.compression or "",
+    # A read of a registered dataset that names no compression uses the dataset's.
+    compression = node.compression or ("" if node.dataset is not None
+                                       else self.task.compression)
+    return {"task_id": self.task.task_id,
+            "compression": wire.resolve_compression(compression, transport),
             "consumer_index": node.consumer_index or 0, "round": 0,
             "client_id": self._read.client_id, "received": self.received,
             "window": 1 if self._one_split_at_a_time else delivery.DEFAULT_WINDOW,
@@ -111,6 +119,11 @@ class Fetcher:
     """One connection's items: (seq, frame, round, 0), (seq, None, split
     start, split stop) at an exactly-once split's end, a `Keepalive`."""
     read = self._read
+    local = self._local_worker()
+    if local is not None:
+      yield from self._connection_items(local_workers.LocalConnection(
+          local, {"token": self.task.read_ticket, **self._request("memory")}))
+      return
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
       # Retried: after a restart, the dispatcher lists the tasks of a worker
@@ -120,31 +133,17 @@ class Fetcher:
           "(data_transfer='socket'): it serves none, or has not registered again "
           "since the dispatcher restarted.", "UNAVAILABLE")
     if use_socket:
-      conn = data_socket.DataConnection(
-          self.task.data_address, {"token": self.task.read_ticket, **self._request()},
+      yield from self._connection_items(data_socket.DataConnection(
+          self.task.data_address, {"token": self.task.read_ticket, **self._request("socket")},
           min(_STALL_S, read.node.timeout_s), ssl_context=read.ssl_context,
-          max_frame_bytes=read.node.max_frame_bytes)
-      self._connection = conn
-      self._send_ack = conn.ack
-      try:
-        if self._cancelled:
-          return
-        while True:
-          item = conn.next_item()
-          if item is None:
-            self.end_stats = conn.end_stats
-            return
-          kind, seq, frame, round_index = item
-          yield Keepalive(round_index) if kind == data_socket.KIND_KEEPALIVE else (
-              seq, frame, round_index, conn.split_stop if frame is None else 0)
-      finally:
-        conn.close()
+          max_frame_bytes=read.node.max_frame_bytes))
+      return
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
     try:
       # Workers are given the task's read ticket, never the client's token.
       caller = rpc.Caller(channel, _WORKER + "GetElements", None,
                           self.task.read_ticket or None, streams=True)
-      call = caller(pb.GetElementsRequest(**self._request()), timeout=None)
+      call = caller(pb.GetElementsRequest(**self._request("grpc")), timeout=None)
       self._connection = call
       ack_call = rpc.Caller(channel, _WORKER + "AckElements", pb.AckElementsResponse,
                             self.task.read_ticket or None)
@@ -172,6 +171,40 @@ class Fetcher:
           yield seq, data, round_index, 0
     finally:
       channel.close()
+
+  def _local_worker(self) -> Any:
+    """The task's worker when this read takes it through memory: a
+    target_workers="local" read (data_transfer "auto") of a worker in this
+    process (see `jaxfeed.service.worker.local_workers`); else None."""
+    node = self._read.node
+    if node.target_workers != target_workers.LOCAL or node.data_transfer != "auto":
+      return None
+    return local_workers.get(self.task.worker_address)
+
+  def _connection_items(self, conn: Any) -> Iterator[Any]:
+    """The items of a data-socket or in-process connection (see `_items`)."""
+    self._connection = conn
+    self._send_ack = conn.ack
+    try:
+      if self._cancelled:
+        return
+      while True:
+        item = conn.next_item()
+        if item is None:
+          self.end_stats = conn.end_stats
+          return
+        kind, seq, frame, round_index = item
+        yield Keepalive(round_index) if kind == data_socket.KIND_KEEPALIVE else (
+            seq, frame, round_index, conn.split_stop if frame is None else 0)
+    finally:
+      conn.close()
+
+  def _element(self, frame: Any) -> Any:
+    """A received frame's element: bytes are decoded, an in-process
+    `wire.Frame` is taken as it is."""
+    if isinstance(frame, wire.Frame):
+      return frame.value()
+    return wire.decode(frame, self._read.node.max_frame_bytes)
 
   def _run(self) -> None:
     read = self._read
@@ -250,9 +283,9 @@ class Fetcher:
     taken = True
     if read.node.visitation != "exactly_once":
       tag = round_index if self.stream is None else stream_state.StreamTag(self.stream[0])
-      taken = self._put((wire.decode(frame, self._read.node.max_frame_bytes), tag))
+      taken = self._put((self._element(frame), tag))
     elif frame is not None:
-      split.append((wire.decode(frame, self._read.node.max_frame_bytes), round_index))
+      split.append((self._element(frame), round_index))
     else:
       if any(r != round_index for _, r in split):
         raise rpc.ServiceError(
@@ -331,7 +364,7 @@ class Fetcher:
     acknowledged, so a live worker sends at most a window more."""
     self._cancelled = True
     connection = self._connection
-    if isinstance(connection, data_socket.DataConnection):
+    if isinstance(connection, (data_socket.DataConnection, local_workers.LocalConnection)):
       connection.stop_receiving()
     else:
       self._close_connection()
@@ -339,7 +372,7 @@ class Fetcher:
   def _close_connection(self) -> None:
     connection = self._connection
     if connection is not None:
-      if isinstance(connection, data_socket.DataConnection):
+      if isinstance(connection, (data_socket.DataConnection, local_workers.LocalConnection)):
         connection.close()
       else:
         connection.cancel()

@@ -361,5 +361,5 @@ def _check_index_based(node: Any) -> None:
   except index_ranges.NotIndexAddressableError as e:
     raise base.PipelineStateError(
         "A parallel_epochs read resumes only a pipeline with one index-based "
-        "input (range, from_tensor_slices, from_source), whose order every "
-        f"worker repeats; pipeline {str(node.dataset):.200} has none, or several.") from e
+        "input (range, from_tensor_slices, from_source, from_tfrecord), whose "
+        f"order every worker repeats; pipeline {str(node.dataset):.200} has none, or several.") from e

@@ -19,8 +19,10 @@ from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol import stream_state
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+from jaxfeed.service.worker import local_workers
 
 _DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
@@ -45,6 +47,17 @@ def follows_streams(node: Any) -> bool:
   stream_state`): parallel_epochs, not shared, not round-robin."""
   return (node.policy == ShardingPolicy.OFF and not node.job_name
           and not node.num_consumers and not node.ephemeral_sharing)
+
+
+def check_local_workers(node: Any) -> None:
+  """Raises ValueError for a target_workers="local" read in a process that
+  runs no worker (tf.data's check)."""
+  if node.target_workers == target_workers.LOCAL and local_workers.empty():
+    raise ValueError(
+        "Local reads require local workers, but no local worker is found: "
+        "target_workers='local' reads only the workers of this process; start a "
+        "jaxfeed.service.WorkerServer in it first (with the dispatcher's address), "
+        "or read with target_workers='auto' or 'any'.")
 
 
 UNANSWERED_S = 5.0
@@ -77,6 +90,8 @@ class ReadState:
     `progress`, what a restored exactly-once read's consumer took before;
     `streams`, what a restored parallel_epochs read's consumer took."""
     self.node = node
+    check_local_workers(node)
+    self.process = target_workers.process_id()
     # Exactly-once: what the consumer took (a restored read goes on from it).
     self.progress = progress or read_state.SplitProgress()
     # Reads that can resume per stream: what the consumer took of each.
@@ -178,7 +193,8 @@ class ReadState:
             consumer_index=node.consumer_index or 0,
             round_timeout_s=node.round_timeout_s or 0.0,
             exactly_once=node.visitation == "exactly_once",
-            ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True),
+            ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True,
+            target_workers=node.target_workers, client_process=self.process),
             node.service, node.timeout_s, node.wait_for_dispatcher,
             f"Creating a job for dataset {dataset_id}")
       except rpc.ServiceError as e:
@@ -293,7 +309,11 @@ class ReadState:
     return False
 
   def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
-    listed = {t.task_id: t for t in response.tasks}
+    # Only the tasks of workers this read targets (round-robin reads read
+    # every worker of their job, as tf.data's coordinated reads do).
+    listed = {t.task_id: t for t in response.tasks
+              if self.node.num_consumers or target_workers.reads(
+                  self.node.target_workers, self.process, t.worker_process, t.worker_tags)}
     now = time.monotonic()
     # How long the dispatcher has listed the tasks since its last answer; an
     # answer after a longer silence (it was stopped or down) lists them now

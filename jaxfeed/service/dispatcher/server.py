@@ -28,6 +28,7 @@ from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import health as health_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.dispatcher import saves as saves_lib
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.state import DispatcherState
 from jaxfeed.service.protocol import element_chunks
@@ -45,12 +46,14 @@ SERVICE_NAME = "jaxfeed.service.Dispatcher"
 class _DispatcherServicer:
   """Maps RPCs onto DispatcherState."""
 
-  def __init__(self, state: DispatcherState):
+  def __init__(self, state: DispatcherState, saves: saves_lib.SaveRegistry):
     self.state = state
+    self.saves = saves
 
   def RegisterDataset(self, request, context):
     del context
-    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(request.dataset))
+    return pb.RegisterDatasetResponse(dataset_id=self.state.register_dataset(
+        request.dataset, request.dataset_id, request.compression))
 
   def GetDatasetDef(self, request, context):
     del context
@@ -80,11 +83,25 @@ class _DispatcherServicer:
 
   def WorkerHeartbeat(self, request, context):
     del context
-    return self.state.worker_heartbeat(request)
+    response = self.state.worker_heartbeat(request)
+    if not request.leaving:
+      response.active_saves.extend(self.saves.active_paths())
+    return response
 
   def GetSplits(self, request, context):
     del context
     return self.state.get_splits(request)
+
+  def StartSave(self, request, context):
+    del context
+    return self.saves.start(request)
+
+  def SaveChunks(self, request, context):
+    del context
+    with self.state.lock:
+      self.state.lock.answer_without_fsync()  # reads the workers, writes nothing
+      live = {a: w.incarnation for a, w in self.state.workers.items()}
+    return self.saves.chunks(request, live)
 
   def handler(self, config: DispatcherConfig) -> grpc.GenericRpcHandler:
     client, worker = (rpc.CLIENT,), (rpc.WORKER,)
@@ -96,6 +113,8 @@ class _DispatcherServicer:
         "ReleaseJobClient": (pb.ReleaseJobClientRequest, client),
         "WorkerHeartbeat": (pb.WorkerHeartbeatRequest, worker),
         "GetSplits": (pb.GetSplitsRequest, worker),
+        "StartSave": (pb.StartSaveRequest, client),
+        "SaveChunks": (pb.SaveChunksRequest, worker),
     }
     return rpc_server.method_handlers(
         SERVICE_NAME, {rpc.CLIENT: config.auth_token, rpc.WORKER: config.worker_token},
@@ -141,7 +160,8 @@ class DispatchServer:
   def __init__(self, config: DispatcherConfig | None = None, start: bool = True):
     self.config = config or DispatcherConfig()
     self.state = DispatcherState(self.config)
-    servicer = _DispatcherServicer(self.state)
+    self.saves = saves_lib.SaveRegistry(self.config)
+    servicer = _DispatcherServicer(self.state, self.saves)
     self._server, self.port = rpc_server.make_server(
         f"{self.config.host}:{self.config.port}", servicer.handler(self.config),
         self.config.max_message_bytes, self.config.tls)
@@ -243,6 +263,7 @@ def main(argv: Any) -> None:
         auth_token=rpc.read_secret(f.auth_token, f.auth_token_file, "auth_token"),
         worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
         split_size=f.split_size, num_workers=f.num_workers or None,
+        worker_addresses=tuple(f.worker_addresses or ()),
         pickled_udf_secret=udf_secret.encode() if udf_secret else None,
         udf_modules=import_paths.parse_udf_modules(f.udf_modules), insecure=f.insecure,
         max_jobs_per_host=f.max_jobs_per_host,
@@ -337,7 +358,8 @@ def define_flags() -> None:
   flags.DEFINE_string("auth_token_file", "", "File holding the clients' token.")
   flags.DEFINE_integer("max_jobs_per_host", 256, "Most jobs one client host may read "
                        "at once.")
-  flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
+  flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split (one file where "
+                       "the positions are files).")
   flags.DEFINE_integer("max_split_attempts", split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS,
                        "Exactly-once reads: a split whose worker was lost while it "
                        "made the split this many times is handed out no more and the "
@@ -349,6 +371,10 @@ def define_flags() -> None:
                        "worker, which forwards it in its heartbeat, instead of a "
                        "ReleaseJobClient call each (0: never).")
   flags.DEFINE_integer("num_workers", 0, "Workers static sharding waits for.")
+  flags.DEFINE_list("worker_addresses", [],
+                    "Static sharding (FILE, DATA, FILE_OR_DATA, HINT) with fixed worker "
+                    "indices: comma-separated addresses (host:port, host, or "
+                    "host:%port%) of the workers, the one at entry i reading shard i.")
   flags.DEFINE_string("port_file", "", "Write the bound port to this file.")
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")

@@ -22,11 +22,16 @@ from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol import split_failures
+from jaxfeed.service.protocol import target_workers
+from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy, to_sharding_policy
 from jaxfeed.service.storage import journal as journal_lib
 from jaxfeed.service.storage import journal_lock
 from jaxfeed.service.worker import round_assembly
+
+
+_MAX_DATASET_ID = 256  # characters of a dataset id a user chose
 
 
 class DispatcherState(dispatcher_workers.WorkerRegistry):
@@ -89,7 +94,22 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     return self._journal
 
   # -- datasets -------------------------------------------------------------
-  def register_dataset(self, dataset_def: pb.DatasetDef) -> str:
+  def register_dataset(self, dataset_def: pb.DatasetDef, dataset_id: str = "",
+                       compression: str = "") -> str:
+    """Registers a pipeline; returns its dataset id.
+
+    Args:
+      dataset_def: the pipeline's spec.
+      dataset_id: an id the user chose ("": the dispatcher's own, shared by
+        equal pipelines). The same pipeline under it again gets it back;
+        another pipeline under it is refused (ValueError).
+      compression: the dataset's compression for reads that name none
+        ("", "AUTO", "lz4" or "zstd"); not part of its fingerprint.
+    """
+    _check_dataset_id(dataset_id)
+    if compression not in (*wire.COMPRESSIONS, wire.COMPRESSION_AUTO):
+      raise ValueError(f"RegisterDataset: compression must be one of "
+                       f"{(*wire.COMPRESSIONS, wire.COMPRESSION_AUTO)}, got {compression!r:.40}.")
     spec_lib.check_signature(dataset_def, self.config.pickled_udf_secret)
     import_paths.check_spec_paths(dataset_def, self.config.udf_modules)
     if not dataset_def.graph_json:
@@ -99,14 +119,32 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     trusted = pb.DatasetDef()
     trusted.CopyFrom(dataset_def)
     trusted.fingerprint = spec_lib.fingerprint(dataset_def)
+    trusted.compression = compression
     with self.lock:
       self.lock.check_writable()
-      existing = self.dataset_by_fingerprint.get(trusted.fingerprint)
+      if dataset_id:
+        existing = dataset_id if dataset_id in self.datasets else None
+        if existing is not None and (
+            self.datasets[existing].fingerprint != trusted.fingerprint):
+          raise ValueError(
+              f"Dataset id {dataset_id!r} is registered for another pipeline "
+              f"(fingerprint {self.datasets[existing].fingerprint}, this one "
+              f"{trusted.fingerprint}): a dataset id names one pipeline. Register "
+              "this one under another id, or without one.")
+      else:
+        existing = self.dataset_by_fingerprint.get(trusted.fingerprint)
       if existing is not None:
         self._unread_since.pop(existing, None)  # registered again: in use
         return existing
-      dataset_id = str(self._next_id())
-      self._record({"kind": "dataset", "id": dataset_id, "dataset_id": dataset_id,
+      # A user's id is no number of the dispatcher's (one like "7" would
+      # otherwise move its ids): the dispatcher's own skip the ids taken.
+      numbered = {}
+      if not dataset_id:
+        dataset_id = str(self._next_id())
+        while dataset_id in self.datasets:  # a user chose it
+          dataset_id = str(self._next_id())
+        numbered = {"id": dataset_id}
+      self._record({"kind": "dataset", **numbered, "dataset_id": dataset_id,
                     "def": base64.b64encode(trusted.SerializeToString()).decode()})
       return dataset_id
 
@@ -126,6 +164,7 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
     """Returns (job id, client id); `host` is the client's, for max_jobs_per_host."""
     policy = to_sharding_policy(request.sharding_policy)
     _check_job_request(request, policy)
+    target = target_workers.check_target_workers(request.target_workers or target_workers.AUTO)
     with self.lock:
       self.lock.check_writable()
       open_jobs = self._host_clients[host]
@@ -157,6 +196,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
               f"ephemeral_sharing={request.ephemeral_sharing}: every consumer of a "
               "job must pass the same dataset, processing mode, num_consumers, "
               "visitation and ephemeral_sharing.")
+        if job is not None and job.target_workers != target:
+          raise ValueError(
+              f"Job {request.job_name!r} is read with target_workers="
+              f"{job.target_workers!r}; a consumer asked for {target!r}: every "
+              "consumer of a job must pass the same target_workers.")
         if job is not None and request.round_timeout_s and (
             request.round_timeout_s != job.round_timeout_s):
           raise ValueError(
@@ -179,11 +223,12 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
                       "round_timeout_s": (request.round_timeout_s
                                           or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
                       "exactly_once": request.exactly_once,
-                      "ephemeral_sharing": request.ephemeral_sharing})
+                      "ephemeral_sharing": request.ephemeral_sharing,
+                      **({"target_workers": target} if target != target_workers.AUTO
+                         else {})})
         if partial:  # issued again first, whole
           self._record({"kind": "splits_lost", "job_id": job_id, "ranges": partial})
         job = self.jobs[job_id]
-        self._assign_tasks(job)
       holder = next((c for c, i in job.consumers.items()
                      if i == request.consumer_index), None) if job.num_consumers else None
       if holder is not None:
@@ -195,7 +240,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
             f"client_timeout_s={self.config.client_timeout_s:g} s without heartbeats.")
       client_id = self._next_id()
       self._record({"kind": "client", "id": client_id, "job_id": job.job_id,
-                    "consumer_index": request.consumer_index})
+                    "consumer_index": request.consumer_index,
+                    **({"process": request.client_process} if request.client_process
+                       else {})})
+      if not job.tasks or len(job.tasks) < len(self.workers):
+        self._assign_tasks(job)  # workers this client reads may lack a task
       self._joins.note(time.monotonic())
       if host:
         self._client_hosts[client_id] = host
@@ -244,7 +293,10 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
         finished = job.fixed_workers is not None and done
       else:
         finished = bool(job.tasks) and done
-      if job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
+      if job.fixed_workers is not None and self.listed_workers(job):
+        finished = finished and len({  # every listed worker's shard was read
+            t.worker_index for t in job.tasks.values() if t.finished}) == len(job.fixed_workers)
+      elif job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
         finished = finished and not any(  # a fixed worker may still come back
             a in self.workers for a in job.fixed_workers)
       live_clients, joins_per_s = self._client_load()
@@ -434,6 +486,12 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
 
 def _visitation(exactly_once: bool) -> str:
   return "exactly-once" if exactly_once else "at-most-once"
+
+
+def _check_dataset_id(dataset_id: str) -> None:
+  if len(dataset_id) > _MAX_DATASET_ID or not dataset_id.isprintable():
+    raise ValueError(f"RegisterDataset: dataset_id must be at most {_MAX_DATASET_ID} "
+                     f"printable characters, got {dataset_id!r:.80}.")
 
 
 def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy) -> None:

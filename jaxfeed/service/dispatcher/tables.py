@@ -12,6 +12,7 @@ import time
 from jaxfeed.service.dispatcher import task_lists
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 from jaxfeed.service.storage import journal_lock
@@ -73,6 +74,10 @@ class Job:
   failed_splits: dict[int, int] = dataclasses.field(default_factory=dict)
   # At-most-once: sorted disjoint [start, stop) positions lost workers were reading.
   lost: list = dataclasses.field(default_factory=list)
+  # Which workers its clients read (jaxfeed.service.protocol.target_workers),
+  # and each client's process.
+  target_workers: str = target_workers.AUTO
+  client_processes: dict[int, str] = dataclasses.field(default_factory=dict)
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
@@ -104,6 +109,8 @@ class Worker:
   incarnation: str = ""  # of the worker's process ("": it sends none)
   pid: int = 0  # its process and that process's parent (0: it sends none)
   parent_pid: int = 0
+  process_id: str = ""  # jaxfeed.service.protocol.target_workers.process_id
+  tags: tuple[str, ...] = ()
 
 
 class WorkerTable(dict):
@@ -251,6 +258,7 @@ class DispatcherTables:
                  r["job_name"], r["num_consumers"], r["num_positions"],
                  r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False),
                  ephemeral_sharing=r.get("ephemeral_sharing", False),
+                 target_workers=r.get("target_workers", target_workers.AUTO),
                  skip=read_state.merge_ranges(r.get("skip", [])))
       job.next_position = read_state.skip_to(job.skip, 0)
       self.jobs[job.job_id] = job
@@ -289,12 +297,15 @@ class DispatcherTables:
     elif kind == "client":
       job = self.jobs[r["job_id"]]
       job.clients[int(r["id"])] = time.monotonic()
+      if r.get("process"):
+        job.client_processes[int(r["id"])] = r["process"]
       if job.num_consumers:
         job.consumers[int(r["id"])] = r.get("consumer_index", 0)
     elif kind == "client_released":
       job = self.jobs[r["job_id"]]
       job.clients.pop(r["client_id"], None)
       job.consumers.pop(r["client_id"], None)
+      job.client_processes.pop(r["client_id"], None)
       for start, client_id in list(job.holders.items()):
         if client_id == r["client_id"]:  # it may never have had all of them
           job.return_split(start)

@@ -26,6 +26,8 @@ MAGIC = b"JFB1"
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 64
 COMPRESSIONS = ("", "lz4", "zstd")
+# tf.data's "AUTO": the service picks per transport (`resolve_compression`).
+COMPRESSION_AUTO = "AUTO"
 # A received frame (its payload after decompression) may be at most this big
 # unless the reader configures another limit: its length comes from the peer.
 DEFAULT_MAX_FRAME_BYTES = 2 << 30
@@ -84,6 +86,12 @@ def _leaf_array(leaf: Any, path: str) -> np.ndarray:
   return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
+def _read_only(arr: np.ndarray) -> np.ndarray:
+  view = arr.view()
+  view.flags.writeable = False
+  return view
+
+
 def _compressor(name: str):
   if name not in COMPRESSIONS:
     raise ValueError(
@@ -105,10 +113,33 @@ def _compressor(name: str):
 
 
 def check_compression(name: str | None) -> str:
-  """Validates a compression option (importing its codec) and returns it."""
+  """Validates a compression option (importing its codec; "AUTO" needs
+  none) and returns it."""
   name = name or ""
-  _compressor(name)
+  if name != COMPRESSION_AUTO:
+    _compressor(name)
   return name
+
+
+def resolve_compression(name: str, transport: str) -> str:
+  """The compression a connection uses for option `name`: "AUTO" is lz4
+  over gRPC when the lz4 package is installed, none on the data socket (its
+  bytes are not worth the CPU on a data-center network, as tf.data decides
+  for its own data transfer) and in memory; others are themselves.
+
+  Args:
+    name: "", "AUTO", "lz4" or "zstd".
+    transport: "grpc", "socket" or "memory".
+  """
+  if name != COMPRESSION_AUTO:
+    return name
+  if transport != "grpc":
+    return ""
+  try:
+    _compressor("lz4")
+  except ImportError:
+    return ""
+  return "lz4"
 
 
 class Frame:
@@ -149,6 +180,17 @@ class Frame:
           pending, filled = [], 0
     if pending:
       yield pending
+
+  def value(self) -> Any:
+    """The pytree as `decode` rebuilds it (leaves read-only arrays), without
+    encoding it: what an in-process reader takes (no copy of the arrays)."""
+    if self._value is None:
+      return decode(self.tobytes())
+    value = self._value
+    structure = _decode_structure(_encode_structure(value))
+    return tree.unflatten(structure, [
+        _read_only(_leaf_array(leaf, path))
+        for leaf, path in zip(tree.flatten(value), tree.paths(value))])
 
   def encoded(self, compression: str | None) -> "Frame":
     """The frame with `compression` applied (itself when there is none)."""

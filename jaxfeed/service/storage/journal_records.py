@@ -14,6 +14,7 @@ from typing import Any, Callable, Container
 
 from google.protobuf import message as pb_message
 
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
@@ -72,13 +73,15 @@ _FIELDS: dict[str, tuple[dict, dict]] = {
              "job_name": _is_str, "num_consumers": _is_int, "num_positions": _is_int},
             {"round_timeout_s": _is_number, "exactly_once": _is_bool,
              "ephemeral_sharing": _is_bool,
-             "skip": _list_of(_pair(_is_int, _is_int))}),
+             "skip": _list_of(_pair(_is_int, _is_int)),
+             "target_workers": lambda v: v in target_workers.TARGET_WORKERS}),
     "fix_workers": ({"job_id": _is_int, "workers": _list_of(_pair(_is_str, _is_int))}, {}),
     "task": ({"id": _is_int, "job_id": _is_int, "worker_address": _is_str,
               "worker_index": _is_int, "num_workers": _is_int}, {}),
     "task_finished": (_JOB_TASK, {}),
     "task_lost": (_JOB_TASK, {}),
-    "client": ({"id": _is_int, "job_id": _is_int}, {"consumer_index": _is_int}),
+    "client": ({"id": _is_int, "job_id": _is_int},
+               {"consumer_index": _is_int, "process": _is_str}),
     "client_released": ({"job_id": _is_int, "client_id": _is_int}, {}),
     "job_deleted": ({"job_id": _is_int}, {}),
     "splits": ({"job_id": _is_int, "next_position": _is_int}, {}),

@@ -33,6 +33,7 @@ import json
 import zlib
 from typing import Any, Mapping
 
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.storage import journal_lines
 from jaxfeed.service.storage.journal_lines import JournalDamageError
 
@@ -55,7 +56,11 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
   """
   records: list[dict[str, Any]] = [{"kind": "ids", "id": next_id - 1}]
   for dataset_id, dataset_def in datasets.items():
-    records.append({"kind": "dataset", "id": dataset_id, "dataset_id": dataset_id,
+    # A dataset id a user chose is no number of the dispatcher's (the "ids"
+    # record above keeps its numbers).
+    numbered = dataset_id.isdigit() and int(dataset_id) < next_id
+    records.append({"kind": "dataset", **({"id": dataset_id} if numbered else {}),
+                    "dataset_id": dataset_id,
                     "def": base64.b64encode(dataset_def.SerializeToString()).decode()})
   for job in jobs.values():
     records.append({"kind": "job", "id": job.job_id, "dataset_id": job.dataset_id,
@@ -65,7 +70,9 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
                     "round_timeout_s": job.round_timeout_s,
                     "exactly_once": job.exactly_once,
                     "ephemeral_sharing": job.ephemeral_sharing,
-                    **({"skip": job.skip} if job.skip else {})})
+                    **({"skip": job.skip} if job.skip else {}),
+                    **({"target_workers": job.target_workers}
+                       if job.target_workers != target_workers.AUTO else {})})
     if job.fixed_workers is not None:
       records.append({"kind": "fix_workers", "job_id": job.job_id,
                       "workers": [[a, i] for a, i in job.fixed_workers.items()]})
@@ -78,7 +85,9 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
                         "task_id": task.task_id})
     for client_id in job.clients:
       records.append({"kind": "client", "id": client_id, "job_id": job.job_id,
-                      "consumer_index": job.consumers.get(client_id, 0)})
+                      "consumer_index": job.consumers.get(client_id, 0),
+                      **({"process": job.client_processes[client_id]}
+                         if job.client_processes.get(client_id) else {})})
     if job.next_position:
       records.append({"kind": "splits", "job_id": job.job_id,
                       "next_position": job.next_position})

@@ -47,6 +47,15 @@ class WorkerConfig:
       partial bucket windows; past it the oldest window is dropped (see
       `jaxfeed.service.worker.round_assembly`). A job's worker memory is bounded by
       this plus buffer_size rounds of num_consumers batches.
+    worker_tags: Tags the dispatcher tells clients (tf.data's): "COLOCATED"
+      marks a worker that runs on a trainer's host, which clients in other
+      processes with target_workers="auto" do not read (see
+      `jaxfeed.service.protocol.target_workers`).
+    data_transfer_address: The "host:port" clients fetch batches from (the
+      data socket's address), when it differs from the worker's gRPC
+      address: a data-plane interface or a forwarded port. "%port%" stands
+      for the data socket's own port; a number binds the data socket to
+      that port. None: `advertise_host` (or `host`) and the socket's port.
     dispatcher_timeout_s: How long the worker goes on without its
       dispatcher: it serves the tasks it has meanwhile (DYNAMIC ones wait
       for more splits), and re-registers when the dispatcher is back. Past
@@ -75,6 +84,8 @@ class WorkerConfig:
   max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES
   sharing_window_bytes: int = 256 << 20
   autocache_dir: str | None = None
+  worker_tags: tuple[str, ...] = ()
+  data_transfer_address: str | None = None
   dispatcher_timeout_s: float | None = None
   dataset_cache_entries: int = 64
   dataset_cache_bytes: int = 128 << 20
@@ -104,8 +115,35 @@ class WorkerConfig:
     if self.worker_token is not None and (
         not isinstance(self.worker_token, str) or not self.worker_token):
       raise ValueError("WorkerConfig: worker_token must be a non-empty string or None.")
+    if isinstance(self.worker_tags, str) or not all(
+        isinstance(tag, str) and tag and "," not in tag for tag in self.worker_tags):
+      raise ValueError("WorkerConfig: worker_tags must be a sequence of non-empty strings "
+                       f"without commas, got {self.worker_tags!r}.")
+    object.__setattr__(self, "worker_tags", tuple(self.worker_tags))
+    if self.data_transfer_address is not None:
+      data_transfer_port(self.data_transfer_address)
+      if not self.data_socket:
+        raise ValueError(f"WorkerConfig: data_transfer_address="
+                         f"{self.data_transfer_address!r} needs data_socket=True: it is "
+                         "the data socket's address.")
     object.__setattr__(self, "udf_modules", import_paths.check_udf_modules(self.udf_modules))
     rpc.check_bind_is_safe(
         "Worker", self.host,
         bool(self.worker_token) or bool(self.tls is not None and self.tls.verifies_clients),
         self.insecure, "read every task's batches")
+
+
+def data_transfer_port(address: str) -> int:
+  """The port to bind the data socket to for a `data_transfer_address`
+  ("host:port" or "host:%port%"; 0 for the latter: a free one).
+
+  Raises:
+    ValueError: the address is not of either form.
+  """
+  host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+  if host and port == "%port%":
+    return 0
+  if host and port.isdigit() and 0 < int(port) < 65536:
+    return int(port)
+  raise ValueError(f"WorkerConfig: data_transfer_address must be 'host:port' or "
+                   f"'host:%port%' (the data socket's own port), got {address!r}.")

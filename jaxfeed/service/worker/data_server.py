@@ -144,7 +144,7 @@ class DataServer:
                ssl_context: ssl.SSLContext | None = None,
                max_connections: int = 512, max_pending_hellos: int = 256,
                hello_timeout_s: float = 5.0,
-               goodbye: Callable[[dict], None] | None = None):
+               goodbye: Callable[[dict], None] | None = None, port: int = 0):
     # authenticate(hello) raises DataConnectionError to refuse a client.
     self._authenticate = authenticate
     # goodbye(hello) takes an authenticated goodbye hello, on the accepting
@@ -159,7 +159,7 @@ class DataServer:
     self._max_pending = max_pending_hellos
     self._hello_timeout_s = hello_timeout_s
     self.errors = rpc_errors.ErrorCounts()  # refusals and failures, by status
-    self._listener = socket.create_server((host, 0), backlog=128)
+    self._listener = socket.create_server((host, port), backlog=128)
     self._listener.setblocking(False)
     self.port = self._listener.getsockname()[1]
     self._stop = threading.Event()
@@ -318,6 +318,8 @@ class DataServer:
     try:
       conn.settimeout(_SEND_TIMEOUT_S)
       compression = hello.get("compression") or ""
+      if compression == wire.COMPRESSION_AUTO:
+        compression = wire.resolve_compression(compression, "socket")
       if compression not in wire.COMPRESSIONS:
         raise DataConnectionError(f"Unknown compression {compression!r}.", "INVALID_ARGUMENT")
       link = ServerLink(conn, self._stop)

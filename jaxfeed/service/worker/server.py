@@ -26,7 +26,9 @@ from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import config as worker_config
 from jaxfeed.service.worker import data_server
+from jaxfeed.service.worker import local_workers
 from jaxfeed.service.worker import round_assembly
 from jaxfeed.service.worker.config import WorkerConfig
 from jaxfeed.service.worker.state import WorkerState
@@ -102,8 +104,12 @@ class WorkerServer:
       self._data_server = data_server.DataServer(
           config.host, self._worker.check_hello, self._worker.serve_socket,
           config.tls.server_ssl_context() if config.tls is not None else None,
-          goodbye=self._worker.take_goodbye)
-      self._worker.data_address = f"{advertised}:{self._data_server.port}"
+          goodbye=self._worker.take_goodbye,
+          port=(worker_config.data_transfer_port(config.data_transfer_address)
+                if config.data_transfer_address else 0))
+      self._worker.data_address = (
+          config.data_transfer_address.replace("%port%", str(self._data_server.port))
+          if config.data_transfer_address else f"{advertised}:{self._data_server.port}")
     self._heartbeat = threading.Thread(
         target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,
         args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s,
@@ -131,6 +137,9 @@ class WorkerServer:
   def start(self) -> "WorkerServer":
     if not self._started:
       self._started = True
+      # Listed while it runs: clients of this process may read it through
+      # memory (see jaxfeed.service.worker.local_workers).
+      local_workers.add(self._worker.address, self._worker)
       self._server.start()
       self._heartbeat.start()
     return self
@@ -190,6 +199,7 @@ class _LazyHandler(grpc.GenericRpcHandler):
 
 def _shutdown(server: rpc_server.ServerHandle, worker: WorkerState, data_server: Any) -> None:
   worker.stop.set()
+  local_workers.remove(worker.address, worker)
   worker.leave()
   if data_server is not None:
     data_server.close()
@@ -218,6 +228,8 @@ def main(argv: Any) -> None:
         max_window_batches=f.max_window_batches,
         sharing_window_bytes=f.sharing_window_bytes,
         autocache_dir=f.autocache_dir or None,
+        worker_tags=tuple(t for t in f.worker_tags.split(",") if t),
+        data_transfer_address=f.data_transfer_address or None,
         dispatcher_timeout_s=f.dispatcher_timeout_s or None,
         pickled_udf_secret=udf_secret.encode() if udf_secret else None,
         tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
@@ -276,6 +288,12 @@ def define_flags() -> None:
   flags.DEFINE_integer("buffer_size", 8, "Ready batches buffered per task.")
   rpc.define_auth_flags(flags)
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
+  flags.DEFINE_string("data_transfer_address", "", "host:port clients fetch batches "
+                      "from (the data socket's address), when it differs from the "
+                      "gRPC address; '%port%' stands for the socket's own port.")
+  flags.DEFINE_string("worker_tags", "", "Comma-separated tags for the dispatcher; "
+                      "COLOCATED: a worker on a trainer's host, which other trainers' "
+                      "target_workers='auto' reads skip.")
   flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, seconds to finish the splits "
                      "held and let consumers take the batches before stopping.")
   flags.DEFINE_integer("parent_pid", 0, "Stop when this parent process is gone (set by "

@@ -20,11 +20,13 @@ from jaxfeed.service.protocol import element_chunks
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 from jaxfeed.service.worker import data_server
 from jaxfeed.service.worker import dataset_cache
 from jaxfeed.service.worker import delivery
 from jaxfeed.service.worker import round_assembly
+from jaxfeed.service.worker import save_writer
 from jaxfeed.service.worker import shared_stream
 from jaxfeed.service.worker import task_pipeline
 from jaxfeed.service.worker import task_runner as task_runner_lib
@@ -104,6 +106,9 @@ class WorkerState:
                                    pb.GetDatasetDefResponse, token)
     self.splits_call = rpc.Caller(channel, _DISPATCHER + "GetSplits",
                                   pb.GetSplitsResponse, token)
+    self.saves = save_writer.SaveWriters(channel, token, lambda: self.address,
+                                         self.incarnation, config.pickled_udf_secret,
+                                         config.udf_modules)
 
   # -- heartbeats and tasks ----------------------------------------------------
   def heartbeat(self, timeout_s: float = _HEARTBEAT_DEADLINE_S) -> None:
@@ -134,7 +139,9 @@ class WorkerState:
                            for t, c, s in held],
               client_goodbyes=_goodbye_messages(goodbyes),
               pid=os.getpid(), parent_pid=os.getppid(),
-              made_splits=[pb.TaskSplits(task_id=t, starts=s) for t, s in made]),
+              made_splits=[pb.TaskSplits(task_id=t, starts=s) for t, s in made],
+              process_id=target_workers.process_id(),
+              worker_tags=self.config.worker_tags),
           timeout=min(timeout_s, self.heartbeat_deadline_s))
     except BaseException:
       with self.lock:  # reported with the next heartbeat
@@ -151,6 +158,8 @@ class WorkerState:
       self.heartbeat_deadline_s = response.heartbeat_timeout_s * _HEARTBEAT_DEADLINE_FRACTION
     for task in response.new_tasks:
       self.start_task(task)
+    if response.active_saves and not self.draining.is_set():
+      self.saves.update(response.active_saves)
     for task_id in response.tasks_to_delete:
       with self.lock:
         runner = self.tasks.pop(task_id, None)
@@ -325,12 +334,13 @@ class WorkerState:
         self.task_added.wait(min(left, 0.1))
       return self.tasks[task_id]
 
-  def open_stream(self, request: pb.GetElementsRequest, kick: Callable[[], None]
-                  ) -> tuple[delivery.ClientStream, object]:
-    """The client's stream of the task, attached to a new connection that
-    `kick` ends; returns it and the connection's token (see
-    `delivery.ClientStream.attach`)."""
+  def open_stream(self, request: pb.GetElementsRequest, kick: Callable[[], None],
+                  transport: str) -> tuple[delivery.ClientStream, object]:
+    """The client's stream of the task, attached to a new connection over
+    `transport` ("grpc", "socket" or "memory") that `kick` ends; returns it
+    and the connection's token (see `delivery.ClientStream.attach`)."""
     runner = self.find_task(request.task_id)
+    self.served.connected(transport)
     window = min(request.window or delivery.DEFAULT_WINDOW, delivery.MAX_WINDOW)
     stream = self.streams.get_or_add(
         request.task_id, request.client_id,
@@ -424,10 +434,9 @@ class WorkerState:
                   context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:
     self.check_ticket(request.task_id, rpc.metadata_token(context.invocation_metadata()))
     chunk = min(request.max_chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
-    compression = request.compression
-    wire.check_compression(compression)
+    compression = wire.check_compression(wire.resolve_compression(request.compression, "grpc"))
     try:
-      stream, token = self.open_stream(request, context.cancel)
+      stream, token = self.open_stream(request, context.cancel, "grpc")
       items = stream.items(token, request.received, context.is_active, stream.wait_for_ack)
       last_sent = time.monotonic()
       while True:
@@ -470,7 +479,7 @@ class WorkerState:
     except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(inf): Overflow
       raise data_socket.DataConnectionError(f"Malformed hello: {e}", "INVALID_ARGUMENT") from e
     try:
-      stream, token = self.open_stream(request, link.kick)
+      stream, token = self.open_stream(request, link.kick, "socket")
       link.on_ack = stream.ack
       return (yield from stream.items(token, request.received, link.is_active,
                                       link.wait_for_ack))
@@ -520,6 +529,7 @@ class WorkerState:
 
   def shutdown(self) -> None:
     self.stop.set()
+    self.saves.close()
     with self.lock:
       runners = list(self.tasks.values())
       self.tasks.clear()

@@ -69,6 +69,16 @@ class DispatcherStub:
                 request_serializer=service__pb2.GetSplitsRequest.SerializeToString,
                 response_deserializer=service__pb2.GetSplitsResponse.FromString,
                 _registered_method=True)
+        self.StartSave = channel.unary_unary(
+                '/jaxfeed.service.Dispatcher/StartSave',
+                request_serializer=service__pb2.StartSaveRequest.SerializeToString,
+                response_deserializer=service__pb2.StartSaveResponse.FromString,
+                _registered_method=True)
+        self.SaveChunks = channel.unary_unary(
+                '/jaxfeed.service.Dispatcher/SaveChunks',
+                request_serializer=service__pb2.SaveChunksRequest.SerializeToString,
+                response_deserializer=service__pb2.SaveChunksResponse.FromString,
+                _registered_method=True)
 
 
 class DispatcherServicer:
@@ -116,6 +126,18 @@ class DispatcherServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartSave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveChunks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DispatcherServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_DispatcherServicer_to_server(servicer, server):
                     servicer.GetSplits,
                     request_deserializer=service__pb2.GetSplitsRequest.FromString,
                     response_serializer=service__pb2.GetSplitsResponse.SerializeToString,
+            ),
+            'StartSave': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartSave,
+                    request_deserializer=service__pb2.StartSaveRequest.FromString,
+                    response_serializer=service__pb2.StartSaveResponse.SerializeToString,
+            ),
+            'SaveChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.SaveChunks,
+                    request_deserializer=service__pb2.SaveChunksRequest.FromString,
+                    response_serializer=service__pb2.SaveChunksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +376,60 @@ class Dispatcher:
             '/jaxfeed.service.Dispatcher/GetSplits',
             service__pb2.GetSplitsRequest.SerializeToString,
             service__pb2.GetSplitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartSave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxfeed.service.Dispatcher/StartSave',
+            service__pb2.StartSaveRequest.SerializeToString,
+            service__pb2.StartSaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxfeed.service.Dispatcher/SaveChunks',
+            service__pb2.SaveChunksRequest.SerializeToString,
+            service__pb2.SaveChunksResponse.FromString,
             options,
             channel_credentials,
             insecure,
