@@ -5,12 +5,14 @@
 Runs the schedules of seeds seed, seed+1, ... (tests/chaos/schedule.py: a
 processing mode, a small pipeline and a sequence of faults: workers killed,
 stopped, restarted, connections cut or stalled, the dispatcher restarted,
-its journal torn, a bit flipped in its work_dir, its disk full for a while, a
-record that segfaults the workers that map it) one after another, each on
-its own dispatcher and worker processes, and prints per mode the runs,
-faults injected by kind, elements checked, violations of the mode's guarantee
-and hangs, then the seeds of the failing runs with their first violation
-line, and those of runs whose cluster did not start (not counted). Rerun one with
+its journal torn, a bit flipped in its work_dir, its disk full for a while,
+the dispatcher restarted without its state or stopped past its heartbeat
+timeout, a record that segfaults the workers that map it) one after
+another, each on its own dispatcher and worker processes, and prints per
+mode the runs, faults injected by kind, elements checked, violations of the
+mode's guarantee and hangs, then the seeds of the failing runs with their
+first violation line, and those of runs whose cluster did not start (not
+counted). Rerun one with
 `--runs=1 --seed=SEED --verbose`.
 """
 
