@@ -5,12 +5,14 @@
 Runs the schedules of seeds seed, seed+1, ... (tests/chaos/schedule.py: a
 processing mode, a small pipeline and a sequence of faults: workers killed,
 stopped, restarted, connections cut or stalled, the dispatcher restarted,
-its journal torn, a bit flipped in its work_dir, its disk full for a while, a
-record that segfaults the workers that map it) one after another, each on
-its own dispatcher and worker processes, and prints per mode the runs,
-faults injected by kind, elements checked, violations of the mode's guarantee and hangs, then the seeds of the
-failing runs with their first violation line, and those of runs whose
-cluster did not start (not counted). Rerun one with
+its journal torn, a bit flipped in its work_dir, its disk full for a while,
+the dispatcher restarted without its state or stopped past its heartbeat
+timeout, a record that segfaults the workers that map it) one after
+another, each on its own dispatcher and worker processes, and prints per
+mode the runs, faults injected by kind, elements checked, violations of the
+mode's guarantee and hangs, then the seeds of the failing runs with their
+first violation line, and those of runs whose cluster did not start (not
+counted). Rerun one with
 `--runs=1 --seed=SEED --verbose`.
 """
 
@@ -29,6 +31,8 @@ for _folder in ("chaos", "service"):
     sys.path.insert(0, str(_TESTS / _folder))
 
 import schedule as schedule_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from benchmarks import record as results  # pylint: disable=wrong-import-position
 
 
 def _table(records: list) -> str:
@@ -89,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
   print(f"{len(records)} runs in {time.monotonic() - start:.0f}s")
   print(_table(records))
   failing = [r for r in records if not r.ok]
+  results.row({"workload": "W9", "system": "jaxfeed service", "runs": len(records),
+               "violations": sum(1 for r in records if r.violation and not r.hang),
+               "hangs": sum(1 for r in records if r.hang), "runs_not_made": len(errors),
+               "failing_seeds": [r.seed for r in failing]}, echo=False)
   print()
   print(f"failing seeds ({len(failing)}):")
   for r in failing:
@@ -103,4 +111,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  with results.run("chaos_soak"):
+    code = main()
+  sys.exit(code)

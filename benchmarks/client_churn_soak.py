@@ -38,6 +38,7 @@ import threading
 import time
 
 from benchmarks import harness
+from benchmarks import record
 from jaxfeed import _lifetime
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -246,9 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         number, r["reads"], r["reads_per_s"], r["slowest_s"], sum(r["errors"].values()),
         "yes" if r["hang"] else "no", r["ended"]))
   failed = sum(1 for r in results if not r["ok"])
+  record.row({"workload": "client churn", "system": "jaxfeed service",
+              "rounds": len(results), "failed_rounds": failed,
+              "reads": sum(r["reads"] for r in results),
+              "slowest_s": max(r["slowest_s"] for r in results)}, echo=False)
   print(f"\n{len(results) - failed} of {len(results)} rounds clean")
   return 1 if failed else 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  with record.run("client_churn_soak"):
+    code = main()
+  sys.exit(code)

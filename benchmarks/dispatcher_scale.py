@@ -26,8 +26,9 @@ when every party has joined) the simulators stop, the dispatcher is killed
 again is the restart replay time. Prints one JSON line (`--json`) or a
 readable summary: parties, RPCs/s, p50/p99/max latency per RPC kind (as the
 callers saw it, `latency_ms`, and inside the dispatcher's handlers,
-`handler_ms`: lock, work and fsync, without gRPC's queues; GetOrCreateJob and ReleaseJobClient from the joins before and
-the goodbyes after the window), failed RPCs, dispatcher CPU (share of one core) and RSS,
+`handler_ms`: lock, work and fsync, without gRPC's queues; GetOrCreateJob
+and ReleaseJobClient from the joins before and the goodbyes after the
+window), failed RPCs, dispatcher CPU (share of one core) and RSS,
 journal bytes written per second, the dispatcher's garbage-collection pauses
 (`dispatcher_gc`), the simulators' own CPU and how late their event loops woke
 a 10 ms sleep (`simulator_loop_lag_ms`: their own share of the latencies;
@@ -63,6 +64,7 @@ import tempfile
 import threading
 import time
 
+from benchmarks import record
 from jaxfeed import _lifetime
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -792,6 +794,8 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(_simulate(args))
     return
   result = run(args)
+  record.row({"workload": "dispatcher scale", "system": f"{args.workers} workers, "
+              f"{args.clients} clients", **result}, echo=False)
   if args.json:
     print(json.dumps(result))
     return
@@ -800,4 +804,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("dispatcher_scale"):
+    main()

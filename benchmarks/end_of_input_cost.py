@@ -33,6 +33,7 @@ import time
 from absl import app
 from absl import flags
 
+from benchmarks import record
 from jaxfeed import _lifetime
 
 FLAGS = flags.FLAGS
@@ -118,11 +119,17 @@ def main(argv):
       [sys.executable, "-m", "benchmarks.end_of_input_cost",
        f"--processes={FLAGS.processes}", f"--steps={FLAGS.steps}",
        f"--model_ms={FLAGS.model_ms}",
-       f"--process_id={i}", f"--port={port}"], env=env)
+       f"--process_id={i}", f"--port={port}"], env=env, stdout=subprocess.PIPE, text=True)
            for i in range(FLAGS.processes)]
   try:
-    for proc in procs:
-      proc.wait(timeout=600)
+    for i, proc in enumerate(procs):
+      output, _ = proc.communicate(timeout=600)
+      for line in output.splitlines():
+        if not line.startswith("{"):  # jax's own messages
+          print(line, flush=True)
+          continue
+        record.row({"workload": "end of input", "system": f"process {i} of {FLAGS.processes}",
+                    **json.loads(line)})
   finally:
     for proc in procs:
       if proc.poll() is None:
@@ -131,4 +138,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  with record.run("end_of_input_cost"):
+    app.run(main)

@@ -26,6 +26,7 @@ import time
 import numpy as np
 import psutil
 
+from benchmarks import record
 from jaxfeed import _lifetime
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -148,7 +149,7 @@ def print_table(rows: list[Row]) -> None:
       print(f"  {row.target}: {failure}")
 
 
-def main() -> None:
+def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--cases", type=int, default=100_000,
                       help="in-process cases, shared among the decoder targets")
@@ -177,9 +178,15 @@ def main() -> None:
   if server_cases:
     rows.append(run_servers(server_cases, args.seed))
   print_table(rows)
-  if any(row.crashes or row.hangs for row in rows):
-    sys.exit(1)
+  for row in rows:
+    record.row({"workload": "fuzz", "system": row.target, "cases": row.cases,
+                "crashes": row.crashes, "hangs": row.hangs,
+                "rss_growth_mb": round(row.rss_growth_mb, 1), "seconds": round(row.seconds, 1),
+                "outcomes": dict(row.outcomes)}, echo=False)
+  return 1 if any(row.crashes or row.hangs for row in rows) else 0
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("fuzz_soak"):
+    code = main()
+  sys.exit(code)

@@ -10,7 +10,6 @@ best peer.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import subprocess
 import threading
@@ -18,6 +17,8 @@ import time
 from typing import Callable, Iterable, Sequence
 
 import psutil
+
+from benchmarks import record
 
 
 def process_tree_cpu_s() -> float:
@@ -168,7 +169,7 @@ def report(workload: str, results: dict[str, dict], unit: str,
     if system.startswith("jaxfeed") and best_peer:
       line["best_peer"] = best_peer[0]
       line["ratio_vs_best_peer"] = round(result["rate"] / best_peer[1], 3)
-    print(json.dumps(line), flush=True)
+    record.row(line)
     lines.append(line)
   return lines
 

@@ -18,7 +18,6 @@ either way); the fsync numbers depend on the disk under `work_dir`.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import sys
@@ -27,6 +26,8 @@ import threading
 import time
 
 import numpy as np
+
+from benchmarks import record
 
 SPLIT_SIZE = 10
 
@@ -146,8 +147,9 @@ def main(argv: list[str]) -> None:
       result[name] = _fsync_cost(f"{root}/{name}", fsync, threads)
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  print(json.dumps(result), flush=True)
+  record.row({"workload": "journal restart", **result})
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  with record.run("journal_restart"):
+    main(sys.argv)

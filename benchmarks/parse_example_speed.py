@@ -23,10 +23,11 @@ per-element iterator cost, so it bounds a pipeline, not the parser.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
+
+from benchmarks import record
 
 
 def make_records(count: int) -> list[bytes]:
@@ -92,8 +93,8 @@ def main() -> None:
       lambda r: tf.io.parse_single_example(r, specs))
 
   def jaxfeed_single():
-    for record in records:
-      jaxfeed.parse_single_example(record, features)
+    for serialized in records:
+      jaxfeed.parse_single_example(serialized, features)
 
   def jaxfeed_batch():
     for batch in batches:
@@ -122,9 +123,10 @@ def main() -> None:
     result[clock_name + "ratio_single_vs_tf-single-graph"] = round(
         result[clock_name + "tf-single-graph"]
         / result[clock_name + "jaxfeed-single"], 3)
-  print(json.dumps({"workload": "parse_example", "unit": "us/record",
-                    "records": n, "batch": args.batch, **result}))
+  record.row({"workload": "parse_example", "unit": "us/record",
+              "records": n, "batch": args.batch, **result})
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("parse_example_speed"):
+    main()

@@ -25,7 +25,8 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import record  # noqa: E402
+from benchmarks import w5_placement  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -34,6 +35,9 @@ flags.DEFINE_list("systems", ["jaxfeed", "tf.data", "grain"],
                   "Systems to run (peers are skipped when not installed).")
 flags.DEFINE_integer("epochs", 3, "Timed epochs after one warm-up epoch.")
 flags.DEFINE_float("scale", 1.0, "Fraction of each workload's records (for smoke runs).")
+
+RUNNERS = {"W1": workloads.run_w1, "W2": workloads.run_w2, "W3": workloads.run_w3,
+           "W5": w5_placement.run_w5}
 
 
 def _installed(module: str) -> bool:
@@ -56,13 +60,14 @@ def main(argv: list[str]) -> None:
   systems = _systems()
   epochs = FLAGS.epochs
   for workload in FLAGS.workloads:
-    runner = workloads.RUNNERS.get(workload)
+    runner = RUNNERS.get(workload)
     if runner is None:
       raise app.UsageError(
-          f"--workloads: unknown workload {workload!r}; known: {sorted(workloads.RUNNERS)}")
+          f"--workloads: unknown workload {workload!r}; known: {sorted(RUNNERS)}")
     runner(systems, epochs, FLAGS.scale)
 
 
 if __name__ == "__main__":
   np.set_printoptions(precision=3)
-  app.run(main)
+  with record.run("run"):
+    app.run(main)

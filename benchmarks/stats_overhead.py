@@ -54,11 +54,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import time
 
+from benchmarks import record
 from benchmarks import workloads
 
 TARGET = 0.02
@@ -259,7 +259,7 @@ def run(rounds: int, scale: float, only: str | None = None, min_seconds: float =
     if only is not None and name != only:
       continue
     line = measure(name, make, count, unit, rounds, min_seconds, amplify, wait_idle)
-    print(json.dumps(line), flush=True)
+    record.row(line)
     lines.append(line)
   print(summary(lines), flush=True)
   return lines
@@ -283,7 +283,8 @@ def summary(lines: list[dict]) -> str:
         f"{100 * line['cpu_overhead']:+7.1f}% "
         f"{'-' if projected is None else f'{100 * projected:+.2f}%':>9} "
         f"{line['load_average'][0]:5.1f}-{line['load_average'][1]:<5.1f}  {verdict}"
-        + (f" ({line['idle_rounds']}/{line['rounds']} rounds idle)" if "idle_rounds" in line else ""))
+        + (f" ({line['idle_rounds']}/{line['rounds']} rounds idle)"
+           if "idle_rounds" in line else ""))
   return "\n".join(out)
 
 
@@ -304,4 +305,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("stats_overhead"):
+    main()

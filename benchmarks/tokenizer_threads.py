@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import statistics
 import tempfile
@@ -49,6 +48,8 @@ import threading
 import time
 
 from examples import lm_data
+
+from benchmarks import record
 
 BATCH = 16
 
@@ -186,9 +187,8 @@ def main() -> None:
         ("encode", lambda: [tokenizer.encode(t) for t in texts]),
         ("encode_many", lambda: [tokenizer.encode_many(texts[i:i + BATCH])
                                  for i in range(0, len(texts), BATCH)])):
-      print(json.dumps({"workload": "hf_tokenize_gil", "call": name,
-                        "other_thread_progress": round(
-                            other_thread_progress(work), 2)}), flush=True)
+      record.row({"workload": "hf_tokenize_gil", "system": name,
+                  "other_thread_progress": round(other_thread_progress(work), 2)})
     rates = {name: [] for name in configs}
     busy = {name: [] for name in configs}
     tokens = {}
@@ -210,8 +210,8 @@ def main() -> None:
     load = [round(x, 1) for x in load_before + os.getloadavg()]
     for name, values in rates.items():
       rate = statistics.median(values[1:])
-      print(json.dumps({
-          "workload": "hf_tokenize", "config": name, "unit": "MB/s",
+      record.row({
+          "workload": "hf_tokenize", "system": name, "unit": "MB/s",
           "rate": round(rate, 2), "rates": [round(r, 2) for r in values[1:]],
           f"ratio_vs_{base_name}": round(rate / base, 2),
           "cores_busy": round(statistics.median(busy[name][1:]), 2),
@@ -219,11 +219,11 @@ def main() -> None:
               statistics.median(r / b for r, b in zip(values[1:], busy[name][1:])),
               2),
           "tokens": tokens[name], "megabytes": round(size / 1e6, 2),
-          "cpus": os.cpu_count(), "load_average_before_after": load}),
-            flush=True)
+          "cpus": os.cpu_count(), "load_average_before_after": load})
     if len(set(tokens.values())) != 1:
       raise AssertionError(f"configurations disagree on the tokens: {tokens}")
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("tokenizer_threads"):
+    main()

@@ -53,6 +53,7 @@ import numpy as np
 import psutil
 
 from benchmarks import harness
+from benchmarks import record
 
 BATCH = 128
 WORKLOAD = "W1 per-element"
@@ -396,8 +397,12 @@ def main() -> None:
             "rate": round(result.pop("rate"), 1), **result,
             "main_row": name in MAIN_ROWS, "cores": _cores(),
             "load_avg_before": load_before, "load_avg_after": load_after}
-    print(json.dumps(line), flush=True)
+    record.row(line)
 
 
 if __name__ == "__main__":
-  main()
+  if "--alone" in sys.argv:  # a row's memory run: nothing to record
+    main()
+  else:
+    with record.run("w1_per_element"):
+      main()

@@ -11,12 +11,12 @@ padding fraction (1 - real tokens / row tokens).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 
+from benchmarks import record
 from benchmarks import workloads
 
 ROW_LENGTH = 512
@@ -60,10 +60,10 @@ def main() -> None:
     rate, rows = _measure(lambda: iter(packed), args.epochs)
     real = sum(int(np.count_nonzero(r["tokens_segment_ids"])) for r in rows)
     assert real == total_tokens, (real, total_tokens)  # no token lost
-    print(json.dumps({
+    record.row({
         "workload": "W3-packing", "system": f"jaxfeed-{algorithm}",
         "sequences_per_s": round(rate), "rows": len(rows),
-        "padding_fraction": round(_padding_fraction(rows), 4)}))
+        "padding_fraction": round(_padding_fraction(rows), 4)})
   if args.grain:
     import grain
     packed = grain.experimental.FirstFitPackIterDataset(
@@ -71,11 +71,12 @@ def main() -> None:
         length_struct={"tokens": ROW_LENGTH}, num_packing_bins=NUM_ROWS,
         shuffle_bins=False)
     rate, rows = _measure(lambda: iter(packed), args.epochs)
-    print(json.dumps({
+    record.row({
         "workload": "W3-packing", "system": "grain-first_fit",
         "sequences_per_s": round(rate), "rows": len(rows),
-        "padding_fraction": round(_padding_fraction(rows), 4)}))
+        "padding_fraction": round(_padding_fraction(rows), 4)})
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("w3_pack_padding"):
+    main()

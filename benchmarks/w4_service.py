@@ -29,7 +29,6 @@ the medians.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -44,6 +43,7 @@ import urllib.request
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import record
 from benchmarks import workloads
 from jaxfeed import _lifetime
 
@@ -327,8 +327,8 @@ def main(argv: list[str]) -> None:
                              "rates": [round(r, 1) for r in all_timed]}
   harness.report("W4t", w4t, "MB/s")
   for name, socket_rates in timed.items():
-    print(json.dumps({
-        "workload": "W4t", "system": name,
+    record.row({
+        "workload": "W4t", "system": f"{name} vs plain socket",
         "fraction_of_plain_socket": round(float(np.median(
             [r / s for r, s in zip(w4t[name]["rates"], socket_rates)])), 3),
         "fraction_of_median_rates": round(w4t[name]["rate"] / float(np.median(socket_rates)), 3),
@@ -337,7 +337,7 @@ def main(argv: list[str]) -> None:
         "last_batch_to_end_ms": w4t[name]["last_batch_to_end_ms"],
         "served_mb_by_worker": w4t[name]["served_mb_by_worker"],
         "min_worker_share": w4t[name]["min_worker_share"],
-        "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"]}), flush=True)
+        "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"]})
   unfair = {name: result["min_worker_share"] for name, result in w4t.items()
             if len(result.get("served_mb_by_worker", ())) > 1
             and result["min_worker_share"] < FAIR_SHARE}
@@ -346,4 +346,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  with record.run("w4_service"):
+    main(sys.argv)

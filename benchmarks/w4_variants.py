@@ -12,12 +12,12 @@ the plain socket path (W4t) or to at-most-once (W4) measured in the same run.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
 
 from benchmarks import harness
+from benchmarks import record
 from benchmarks import w4_service
 from benchmarks import workloads
 
@@ -102,8 +102,9 @@ def main(argv: list[str]) -> None:
   for line in w4:
     line["ratio_vs_at_most_once"] = round(line["rate"] / w4[0]["rate"], 3)
   for line in lines + w4:
-    print(json.dumps(line), flush=True)
+    record.row(line)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  with record.run("w4_variants"):
+    main(sys.argv)

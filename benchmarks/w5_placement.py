@@ -40,6 +40,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
+from benchmarks import record  # noqa: E402
 from benchmarks import workloads  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -48,9 +49,11 @@ FLAGS = flags.FLAGS
 def _define_flags() -> None:
   # Only when run as a script: benchmarks.run imports this module and has its
   # own --scale.
-  flags.DEFINE_integer("rounds", 5, "Timed rounds (one epoch of each variant) after a warm-up round.")
+  flags.DEFINE_integer("rounds", 5,
+                       "Timed rounds (one epoch of each variant) after a warm-up round.")
   flags.DEFINE_float("scale", 1.0, "Fraction of W1's 20,000 images.")
-  flags.DEFINE_bool("aligned", False, "Also run the variants whose augmentation writes aligned memory.")
+  flags.DEFINE_bool("aligned", False,
+                    "Also run the variants whose augmentation writes aligned memory.")
 
 
 def _pipeline(data: dict, aligned: bool):
@@ -139,6 +142,14 @@ def run(rounds: int, scale: float, aligned: bool = False) -> list[dict]:
                         "images/s", {f"jaxfeed-{k}": v for k, v in extra.items()})
 
 
+def run_w5(systems, epochs, scale):
+  """`benchmarks.run`'s W5: host only vs Loader prefetch=0 vs the default
+  (and the placement thread), interleaved per epoch."""
+  if "jaxfeed" not in systems:
+    return []
+  return run(epochs, scale)
+
+
 def main(argv: list[str]) -> None:
   del argv
   run(FLAGS.rounds, FLAGS.scale, FLAGS.aligned)
@@ -146,4 +157,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  with record.run("w5_placement"):
+    app.run(main)

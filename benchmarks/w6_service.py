@@ -29,7 +29,6 @@ dataset: it runs for as many rounds as (a) had.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import record
 from benchmarks import w4_service
 from benchmarks import workloads
 
@@ -273,7 +273,7 @@ def main(argv: list[str]) -> None:
   if args.get("tf_service", "1") != "0":
     lines += list(run_tf_service(lengths, seed, coordinated["steps"]))
   for line in lines:
-    print(json.dumps(line), flush=True)
+    record.row(line)
 
   def lower_by(a: dict, b: dict) -> float:
     return round(b["modelled_time_per_real_token"] / a["modelled_time_per_real_token"], 3)
@@ -283,9 +283,10 @@ def main(argv: list[str]) -> None:
     ratios["tf.data service coordinated vs uncoordinated"] = lower_by(lines[2], lines[3])
     ratios["jaxfeed coordinated vs tf.data service coordinated"] = lower_by(
         coordinated, lines[2])
-  print(json.dumps({"workload": "W6", "mode": "service",
-                    "modelled_time_per_real_token_lower_by": ratios}), flush=True)
+  record.row({"workload": "W6", "mode": "service", "way": "summary",
+              "modelled_time_per_real_token_lower_by": ratios})
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  with record.run("w6_service"):
+    main(sys.argv)

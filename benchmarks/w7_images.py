@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import io
 import itertools
-import json
 import os
 import statistics
 import time
@@ -64,6 +63,7 @@ import time
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import record
 
 SIZE = 224
 BATCH = 128
@@ -231,8 +231,8 @@ class BareBatches:
     from jaxfeed import image
     import jaxfeed
     row = -1
-    for row, (record, rng) in enumerate(zip(records, rngs)):
-      example = jaxfeed.parse_single_example(record, images_data.FEATURES)
+    for row, (serialized, rng) in enumerate(zip(records, rngs)):
+      example = jaxfeed.parse_single_example(serialized, images_data.FEATURES)
       pixels = image.decode_and_random_resized_crop(
           example["image/encoded"].item(), rng, SIZE, SCALE, RATIO,
           out=self.cropped)
@@ -454,10 +454,11 @@ def main() -> None:
                       args.records)
   runs = [run_once(args, path, cores, threads) for _ in range(args.repeats)]
   if args.repeats > 1:
-    print(json.dumps({"workload": "W7", "median_of_repeats": {
+    record.row({"workload": "W7", "system": "median of repeats", "median_of_repeats": {
         key: statistics.median(run[key] for run in runs) for key in runs[0]},
-        "repeats": args.repeats}))
+        "repeats": args.repeats})
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("w7_images"):
+    main()

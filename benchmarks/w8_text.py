@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from benchmarks import harness
+from benchmarks import record
 from examples import lm_data
 
 ROW = 512
@@ -200,4 +201,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  with record.run("w8_text"):
+    main()

@@ -48,7 +48,8 @@ def w3_sequences(lengths: np.ndarray) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------
 def augment(example: dict, rng: np.random.Generator) -> dict:
   """W1: random 56x56 crop, random horizontal flip, normalize to float32."""
-  y, x, flip = rng.integers(0, IMAGE - CROP + 1), rng.integers(0, IMAGE - CROP + 1), rng.random() < 0.5
+  y, x = rng.integers(0, IMAGE - CROP + 1), rng.integers(0, IMAGE - CROP + 1)
+  flip = rng.random() < 0.5
   crop = example["image"][y:y + CROP, x:x + CROP]
   if flip:
     crop = crop[:, ::-1]
@@ -230,17 +231,3 @@ def run_w3(systems, epochs, scale):
       lines += harness.report(f"W3-{kind}", subset, "sequences/s", extra)
   return lines
 
-
-# ----------------------------------------------------------------------------
-# W5: W1 through jaxfeed.Loader onto an 8-device CPU mesh vs host only
-# ----------------------------------------------------------------------------
-def run_w5(systems, epochs, scale):
-  """Host only vs Loader prefetch=0 vs the default (and the placement
-  thread), interleaved per epoch; see `benchmarks.w5_placement`."""
-  if "jaxfeed" not in systems:
-    return []
-  from benchmarks import w5_placement
-  return w5_placement.run(epochs, scale)
-
-
-RUNNERS = {"W1": run_w1, "W2": run_w2, "W3": run_w3, "W5": run_w5}

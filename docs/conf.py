@@ -33,8 +33,11 @@ nitpicky = True
 # Types from other packages (no intersphinx: the build reads nothing from
 # the network) and jaxfeed's internal classes in signatures are plain text.
 nitpick_ignore_regex = [
-    ("py:class", r"(numpy|os|ssl|grpc|jax|jaxlib|etils|orbax|typing|collections|concurrent|threading|pathlib)\..*"),
+    ("py:class", r"(numpy|os|ssl|grpc|jax|jaxlib|etils|orbax|typing|collections"
+                 r"|concurrent|threading|pathlib)\..*"),
     ("py:class", r"jaxfeed(\.[a-z_]+){2,}\.\w+"),
+    # Dataset's base (its constructors), in the signatures of the mixtures.
+    ("py:class", r"jaxfeed\.dataset_sources\.\w+"),
 ]
 # compute_lengths raises it: it is documented as jaxfeed.coord.LengthIndexError.
 nitpick_ignore = [("py:exc", "LengthIndexError")]
@@ -44,6 +47,9 @@ myst_heading_anchors = 3
 autosummary_generate = True
 autodoc_default_options = {"members": True, "undoc-members": False}
 autodoc_member_order = "bysource"
+# Dataset's constructors are typed by a type variable of their base class
+# (jaxfeed/dataset_sources.py); readers see the Dataset they return.
+autodoc_type_aliases = {"_DatasetT": "jaxfeed.Dataset"}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True

@@ -82,7 +82,9 @@ class ProgressLog:
 
   def __init__(self, loader: Any, every: int, last_step: int,
                line: Callable[[int, float, float, float, float], str]):
-    """Args:
+    """Logs the training's progress every `every` steps.
+
+    Args:
       loader: the jaxfeed.Loader (for its input-bound fraction).
       every: steps between lines.
       last_step: the final step, always logged.

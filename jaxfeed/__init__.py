@@ -9,7 +9,7 @@ imported at once, to be given the service's reader.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxfeed import dataset as _dataset
 
@@ -75,6 +75,64 @@ _EXPORTS = {
 # Submodules reachable as attributes (`jaxfeed.example.parse_example`).
 _SUBMODULES = ("sources", "ops", "service", "device", "coord", "sampler", "text",
                "example", "image")
+
+if TYPE_CHECKING:
+  # What type checkers and IDEs see of the lazy exports above (a test
+  # checks that both name the same things).
+  from jaxfeed.coord import BucketPlan as BucketPlan, compute_lengths as compute_lengths
+  from jaxfeed.dataset import Dataset as Dataset
+  from jaxfeed.device import DevicePrefetcher as DevicePrefetcher, batch_sharding as batch_sharding
+  from jaxfeed.example import (
+      FixedLenFeature as FixedLenFeature,
+      FixedLenSequenceFeature as FixedLenSequenceFeature,
+      SparseArray as SparseArray,
+      VarLenFeature as VarLenFeature,
+      make_example as make_example,
+      make_sequence_example as make_sequence_example,
+      parse_example as parse_example,
+      parse_single_example as parse_single_example,
+      parse_single_sequence_example as parse_single_sequence_example,
+  )
+  from jaxfeed.loader import (
+      Loader as Loader,
+      LoaderCheckpointHandler as LoaderCheckpointHandler,
+      LoaderRestore as LoaderRestore,
+      LoaderSave as LoaderSave,
+      reshard_loader_states as reshard_loader_states,
+      restore_checkpoint as restore_checkpoint,
+      save_checkpoint as save_checkpoint,
+  )
+  from jaxfeed.mixture import MixtureSampler as MixtureSampler
+  from jaxfeed.ops.base import AUTOTUNE as AUTOTUNE, PipelineStateError as PipelineStateError
+  from jaxfeed.ops.element_spec import TensorSpec as TensorSpec
+  from jaxfeed.ops.load import SavedDatasetSource as SavedDatasetSource
+  from jaxfeed.ops.mix import align_mixture_states as align_mixture_states
+  from jaxfeed.ops.options import Options as Options
+  from jaxfeed.ops.save_format import SaveFormatError as SaveFormatError
+  from jaxfeed.sampler import (
+      IndexSampler as IndexSampler,
+      NoSharding as NoSharding,
+      RecordMetadata as RecordMetadata,
+      ShardByJaxProcess as ShardByJaxProcess,
+      ShardOptions as ShardOptions,
+  )
+  from jaxfeed.sources import (
+      ArrayRecordSource as ArrayRecordSource,
+      ArraySource as ArraySource,
+      ConcatSource as ConcatSource,
+      CorruptRecordError as CorruptRecordError,
+      DamagedRange as DamagedRange,
+      RecordSource as RecordSource,
+      TFRecordSource as TFRecordSource,
+      write_array_record as write_array_record,
+      write_tfrecord as write_tfrecord,
+  )
+  from jaxfeed.sources.tfrecord_source import SequentialReadError as SequentialReadError
+  from jaxfeed.text import (
+      ByteTokenizer as ByteTokenizer,
+      HFTokenizer as HFTokenizer,
+      Tokenize as Tokenize,
+  )
 
 __all__ = sorted(_EXPORTS) + [m for m in _SUBMODULES if m != "sampler"]
 

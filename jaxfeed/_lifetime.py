@@ -196,7 +196,8 @@ class _Spawner:
       done.set()
 
   def run(self, call: Callable[[], Any]) -> Any:
-    done, result = threading.Event(), []
+    done = threading.Event()
+    result: list[Any] = []
     self._calls.put((call, done, result))
     done.wait()
     ok, value = result[0]

@@ -111,7 +111,8 @@ def inspect_saved(path: str, samples: int = 1) -> dict:
     progress = save_format.progress(path)
   except save_format.SaveFormatError as e:
     raise UsageError(str(e)) from None
-  result = {"saved_dataset": progress.path, "complete": progress.complete,
+  result: dict[str, Any] = {
+            "saved_dataset": progress.path, "complete": progress.complete,
             "writer": progress.writer, "chunks_done": progress.chunks_done,
             "chunks_expected": (progress.chunks_expected if progress.chunks_expected >= 0
                                 else "unknown until complete"),
@@ -249,13 +250,13 @@ def bench(target: str, seconds: float, warmup_s: float = 1.0) -> dict:
 def bench_report(result: dict) -> str:
   """`bench`'s result as text: the rate, then the per-op table and the op
   that limits the rate."""
-  from jaxfeed.ops import op_stats  # pylint: disable=g-import-not-at-top
+  from jaxfeed.ops import op_report  # pylint: disable=g-import-not-at-top
   head = (f"{result['elements']} elements in {result['seconds']} s: "
           f"{result['elements_per_s']} elements/s")
   if result.get("note"):
     head += f"\nNote: {result['note']}."
   rows = result.get("stats", {}).get("ops")
-  return f"{head}\n\n{op_stats.report(rows)}" if rows else head
+  return f"{head}\n\n{op_report.report(rows)}" if rows else head
 
 
 # -- the servers ---------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Iterable, Mapping, NamedTuple, Union
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import numpy as np
 from google.protobuf import message as _message
@@ -84,7 +84,7 @@ def _dense_default(default_value: Any, shape: tuple[int, ...],
   """The default as a flat list of prod(shape) values, or None."""
   if default_value is None:
     return None
-  if dtype == object:
+  if dtype == np.dtype(object):
     value = np.empty((), object) if isinstance(default_value, (bytes, str)) \
         else None
     if value is not None:
@@ -117,7 +117,7 @@ class FixedLenFeature:
     default_value: Used where the feature is missing (broadcast to shape);
       None makes the feature required.
   """
-  shape: tuple[int, ...]
+  shape: Sequence[int] | int  # a tuple once constructed
   dtype: Any
   default_value: Any = None
 
@@ -137,7 +137,7 @@ class FixedLenSequenceFeature:
     dtype: int64, float32 or bytes.
     allow_missing: A missing feature list gives zero steps instead of an error.
   """
-  shape: tuple[int, ...]
+  shape: Sequence[int] | int  # a tuple once constructed
   dtype: Any
   allow_missing: bool = False
 

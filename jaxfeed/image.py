@@ -406,7 +406,7 @@ def random_flip_left_right(image: np.ndarray, rng: np.random.Generator,
 
 @functools.lru_cache(maxsize=16)
 def _normalize_table(inverse: bytes, shift: bytes, channels: int) -> np.ndarray:
-  """normalize's results for the 256 uint8 values, [1, 256, channels]."""
+  """Normalize's results for the 256 uint8 values, [1, 256, channels]."""
   table = np.arange(256, dtype=np.float32)[:, None] * np.broadcast_to(
       np.frombuffer(inverse, np.float32), (channels,))
   table += np.broadcast_to(np.frombuffer(shift, np.float32), (channels,))

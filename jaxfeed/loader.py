@@ -38,6 +38,7 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.device import DevicePrefetcher
 from jaxfeed.device.agreement import distributed_client
 from jaxfeed.device.step_verdict import resolve_policy
+from jaxfeed.ops import op_report
 from jaxfeed.ops import op_stats
 from jaxfeed.ops.batch_rows import full_batch_rows
 from jaxfeed.ops.reshard import reshard_states
@@ -259,12 +260,12 @@ class Loader:
     """Prints (to `file`, default stdout) and returns one table of the
     pipeline's ops, whether the loop is input bound, and the op to fix."""
     stats = self.stats()
-    text = op_stats.report(stats["ops"], stats)
+    text = op_report.report(stats["ops"], stats)
     print(text, file=file)
     return text
 
   # -- state ----------------------------------------------------------------
-  def get_state(self) -> dict:
+  def get_state(self) -> dict[str, Any]:
     """`{"pipeline": ..., "batches": n}` as of the last batch received, with
     `"end_of_epoch": True` once the epoch has ended."""
     state = {"pipeline": self._prefetcher.get_state(), "batches": self._batches}
@@ -272,7 +273,7 @@ class Loader:
       state["end_of_epoch"] = True
     return state
 
-  def set_state(self, state: dict) -> None:
+  def set_state(self, state: dict[str, Any]) -> None:
     """Resumes from a `get_state()` result; read-ahead restarts from there.
 
     Raises:
@@ -333,7 +334,7 @@ def _reads_ahead(dataset: Any) -> bool:
               and options.inject_prefetch)
 
 
-def reshard_loader_states(states: list[dict]) -> dict:
+def reshard_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
   """A Loader state that resumes, on any number of JAX processes, the run whose
   process `h` of `len(states)` saved `states[h]` (`Loader.get_state()`).
 
@@ -386,10 +387,10 @@ def _agreed_restore_id() -> str:
     restore_id = read_state.new_restore_id()
     client.key_value_set(key, restore_id)
     return restore_id
-  return client.blocking_key_value_get(key, 300_000)
+  return str(client.blocking_key_value_get(key, 300_000))
 
 
-def _read_state(directory: epath.Path) -> dict:
+def _read_state(directory: epath.Path) -> dict[str, Any]:
   """This process's state, or one resharded from another process count's.
 
   An exactly-once read of a shared service job resumes what all processes
@@ -398,7 +399,7 @@ def _read_state(directory: epath.Path) -> dict:
   """
   path = _state_file(directory)
   if path.exists():
-    state = json.loads(path.read_text())
+    state: dict[str, Any] = json.loads(path.read_text())
     if jax.process_count() > 1 and read_state.has_shared_read(state["pipeline"]):
       states = [json.loads((epath.Path(directory) / (
           f"process_{i}-of-{jax.process_count()}.json")).read_text())
@@ -425,7 +426,7 @@ def _read_state(directory: epath.Path) -> dict:
   return reshard_loader_states([json.loads(f.read_text()) for f in files])
 
 
-class LoaderCheckpointHandler(ocp.CheckpointHandler):
+class LoaderCheckpointHandler(ocp.CheckpointHandler):  # type: ignore[misc]  # Orbax: no hints
   """Orbax handler for a `Loader`'s state: one JSON file per JAX process.
 
   Restoring with another number of JAX processes than saved reads every
@@ -452,19 +453,19 @@ class LoaderCheckpointHandler(ocp.CheckpointHandler):
 
 @ocp.args.register_with_handler(LoaderCheckpointHandler, for_save=True)
 @dataclasses.dataclass
-class LoaderSave(ocp.args.CheckpointArgs):
+class LoaderSave(ocp.args.CheckpointArgs):  # type: ignore[misc]  # Orbax: no hints
   """Saves `loader`'s state as of now (the state is taken at construction)."""
 
   loader: Any
-  state: dict = dataclasses.field(init=False)
+  state: dict[str, Any] = dataclasses.field(init=False)
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     self.state = self.loader.get_state()
 
 
 @ocp.args.register_with_handler(LoaderCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
-class LoaderRestore(ocp.args.CheckpointArgs):
+class LoaderRestore(ocp.args.CheckpointArgs):  # type: ignore[misc]  # Orbax: no hints
   """Restores into `loader` (restore returns it), or returns the state dict
   when `loader` is None."""
 
@@ -477,9 +478,9 @@ def save_checkpoint(manager: ocp.CheckpointManager, step: int, loader: Loader,
 
   Returns whether the manager saved (see `ocp.CheckpointManager.save`).
   """
-  return manager.save(step, args=ocp.args.Composite(**{
+  return bool(manager.save(step, args=ocp.args.Composite(**{
       _MODEL_ITEM: ocp.args.StandardSave(model_state),
-      _LOADER_ITEM: LoaderSave(loader)}), force=force)
+      _LOADER_ITEM: LoaderSave(loader)}), force=force))
 
 
 def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,

@@ -30,7 +30,7 @@ are laid out like the epochs of an unshuffled `IndexSampler` (one epoch of all
 positions when the mixture ends, epochs of `BLOCK` positions when it is
 endless), and shard `h` of `H` takes the positions that sampler gives it. So a
 mixture resumes on another number of shards like any sampler pipeline
-(`jaxfeed.sampler.ReshardedSampler` deals out the unread positions).
+(`jaxfeed.resharded_sampler.ReshardedSampler` deals out the unread positions).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxfeed.sampler import (IndexSampler, RecordMetadata, ReshardedSampler,
-                             ShardOptions)
+from jaxfeed.resharded_sampler import ReshardedSampler
+from jaxfeed.sampler import IndexSampler, RecordMetadata, ShardOptions
 from jaxfeed.seeding import mix_seed, mix_seeds
 
 __all__ = ["MIXTURE_STATE_VERSION", "MixtureSampler", "merge_mixture_states"]

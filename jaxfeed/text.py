@@ -18,9 +18,10 @@ features pass through). With a Hugging Face tokenizer, tokenize batches
 instead: `batch(64).map(Tokenize(tokenizer, batched=True),
 num_parallel_calls=...).unbatch()`. `Tokenizer.encode` holds the GIL for the
 whole Rust call, so per-document maps do not scale on threads;
-`encode_batch_fast` releases it (see docs/llm_text.md for measurements). Both tokenizers and `Tokenize` list their
-`spec_params()`, so pipelines that use them travel to service workers (the
-HF tokenizer file must exist at the same path on the workers).
+`encode_batch_fast` releases it (see docs/llm_text.md for measurements).
+Both tokenizers and `Tokenize` list their `spec_params()`, so pipelines that
+use them travel to service workers (the HF tokenizer file must exist at the
+same path on the workers).
 """
 
 from __future__ import annotations

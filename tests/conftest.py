@@ -1,6 +1,8 @@
 """Shared test setup.
 
 * 8 CPU devices, set before anything imports jax.
+* Benchmarks that tests run record their rows in a temporary directory,
+  never over the recorded runs in benchmarks/results/.
 * A leak check around every test module: jaxfeed's threads (all named
   "jaxfeed-...") and child processes started by the module must be gone once
   its tests and fixtures are done (after a garbage collection).
@@ -19,6 +21,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICE_FLAG).strip()
 
 from jaxfeed import _lifetime  # pylint: disable=wrong-import-position  # after XLA_FLAGS
+
+
+@pytest.fixture(autouse=True, scope="session")
+def benchmark_results_elsewhere(tmp_path_factory):
+  """Points `benchmarks.record` (and the benchmark processes tests start) at
+  a temporary directory."""
+  os.environ["JAXFEED_BENCHMARK_RESULTS"] = str(tmp_path_factory.mktemp("benchmark_results"))
+  yield
+  os.environ.pop("JAXFEED_BENCHMARK_RESULTS", None)
 
 
 def _jaxfeed_threads() -> set:

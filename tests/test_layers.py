@@ -93,7 +93,8 @@ def test_jaxfeed_has_no_import_cycles():
 
 # DESIGN.md's data path, left to right; the Dataset facade belongs to the op
 # graph. A module imports only from its own layer and the layers to its left.
-_LAYERS = {"sources": 0, "seeding": 0, "sampler": 1, "ops": 2, "dataset": 2,
+_LAYERS = {"sources": 0, "seeding": 0, "sampler": 1, "resharded_sampler": 1,
+           "ops": 2, "dataset": 2, "dataset_batching": 2, "dataset_sources": 2,
            "service": 3, "device": 4}
 
 
@@ -139,6 +140,12 @@ def test_service_parts_import_only_from_their_left():
       and _service_part(target) != _service_part(module)
       and _SERVICE_PARTS[_service_part(target)] >= _SERVICE_PARTS[_service_part(module)])
   assert not wrong, f"service parts importing a part not to their left (module, target): {wrong}"
+
+
+def test_the_benchmarks_have_no_import_cycles():
+  benchmarks = PACKAGE_DIR.parent / "benchmarks"
+  cycles = import_cycles(import_graph(benchmarks, "benchmarks"))
+  assert not cycles, f"benchmark modules import each other in a cycle: {cycles}"
 
 
 def test_the_dataset_facade_does_not_import_the_service():

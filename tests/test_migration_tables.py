@@ -87,7 +87,7 @@ def test_jaxfeed_has_tells_a_missing_name_from_an_existing_one():
   assert jaxfeed_has("jaxfeed.Dataset.batch")
   assert jaxfeed_has("jaxfeed.service.WorkerConfig.dispatcher_address")
   assert not jaxfeed_has("jaxfeed.Dataset.no_such_method")
-  assert not jaxfeed_has("jaxfeed.service.ShardingPolicy.HINT")
+  assert not jaxfeed_has("jaxfeed.service.ShardingPolicy.NO_SUCH_POLICY")
 
 
 def test_the_tf_data_tables_name_every_dataset_method_and_experimental_name():

@@ -9,7 +9,8 @@ import pytest
 import jaxfeed
 from jaxfeed import reshard_loader_states
 from jaxfeed.ops.reshard import reshard_states
-from jaxfeed.sampler import IndexSampler, ReshardedSampler, ShardOptions
+from jaxfeed.resharded_sampler import ReshardedSampler
+from jaxfeed.sampler import IndexSampler, ShardOptions
 
 
 def sampler(num_records, shard, count, num_epochs, shuffle=True):

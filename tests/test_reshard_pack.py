@@ -185,7 +185,7 @@ def test_a_partly_emitted_document_resumes_at_its_exact_token_offset():
   assert sorted(split["keep"]) == sorted(p for ps in partial for p in ps)
   got, _ = resume(state, 3, bins=1, batch=6)
   assert got == after
-  for seed, pieces in split["keep"]:  # Its first tokens were emitted before.
+  for _, pieces in split["keep"]:  # Its first tokens were emitted before.
     assert pieces[0] > 0
 
 

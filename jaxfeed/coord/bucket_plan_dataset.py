@@ -30,7 +30,7 @@ import numpy as np
 from jaxfeed.coord.bucket_plan import BucketPlan
 from jaxfeed.coord.length_index import read_records
 from jaxfeed.ops import base
-from jaxfeed.ops import stacking
+from jaxfeed.ops import padding
 from jaxfeed.ops import tree
 
 __all__ = ["BucketPlanNode", "BucketPlanIterator", "RecordLengthMismatchError"]
@@ -199,7 +199,7 @@ def pad_records(records: list, padded_length: int, padded_shapes: Any,
   for j, (spec, leaf) in enumerate(zip(specs, first_leaves)):
     if spec is None:  # default: the first dimension is the sequence dimension
       rank = np.ndim(leaf)
-      sequence_axes = (0,) if rank else ()
+      sequence_axes: tuple[int, ...] = (0,) if rank else ()
       # pad_and_stack reads None as "the batch maximum".
       shapes.append([padded_length] + [None] * (rank - 1) if rank else [])
     else:
@@ -209,7 +209,7 @@ def pad_records(records: list, padded_length: int, padded_shapes: Any,
     if sequence_axes:
       _check_sequence_fits(records, j, sequence_axes, padded_length, indices,
                            step, structure)
-  return stacking.pad_and_stack(
+  return padding.pad_and_stack(
       records, tree.unflatten(structure, shapes), padding_values, op_name=_OP)
 
 

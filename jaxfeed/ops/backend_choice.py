@@ -173,6 +173,7 @@ class BackendChooser:
         self._decide()
 
   def _explore(self, why: str) -> None:
+    assert self._pick is not None  # only the running pick explores
     self._todo = [c for c in self.candidates if c != self._pick] + [self._pick]
     self._round = {self._pick: self.rates[self._pick]}
     self._windows = collections.Counter({self._pick: 1})

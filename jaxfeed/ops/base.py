@@ -29,7 +29,7 @@ AUTOTUNE = -1
 """Pass as `num_parallel_calls` or a buffer size to let the autotuner choose."""
 
 __all__ = ["AUTOTUNE", "InputReplay", "IterationCounter", "Node", "OpIterator",
-           "PipelineStateError", "begin_iteration", "mix_seed"]
+           "PipelineStateError", "begin_iteration", "graph_nodes", "mix_seed"]
 
 
 class PipelineStateError(ValueError):
@@ -249,6 +249,12 @@ def begin_iteration(root: Node) -> None:
   next repetition, never by iterators an op makes for its own bookkeeping,
   so every iterator of one iteration reads the same data.
   """
+  for node in graph_nodes(root):
+    node.begin_iteration()
+
+
+def graph_nodes(root: Node) -> Iterator[Node]:
+  """Every node of the graph of `root`, once however many paths reach it."""
   seen: set[int] = set()
   stack = [root]
   while stack:
@@ -256,7 +262,7 @@ def begin_iteration(root: Node) -> None:
     if id(node) in seen:
       continue
     seen.add(id(node))
-    node.begin_iteration()
+    yield node
     stack.extend(node.parents)
 
 
@@ -387,7 +393,9 @@ class InputReplay:
 
   def __init__(self, parent: OpIterator, op_name: str, interval: int = 64,
                oldest_needed: Callable[[], int] | None = None):
-    """Args:
+    """Records anchors of `parent`'s reads to replay them on restore.
+
+    Args:
       parent: The iterator read from.
       op_name: The op named in restore errors.
       interval: Reads between two anchors (1: an anchor before every read).

@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxfeed.ops import base
 from jaxfeed.ops import parallel
+from jaxfeed.ops import padding
 from jaxfeed.ops import stacking
 from jaxfeed.ops import tree
 
@@ -257,7 +258,7 @@ class BucketBySequenceLengthIterator(base.OpIterator):
     elements = bucket.elements
     if self._no_padding:
       return stacking.stack(elements, _OP)
-    return stacking.pad_and_stack(elements, self._shapes_for(index, elements),
+    return padding.pad_and_stack(elements, self._shapes_for(index, elements),
                                   self._padding_values, _OP)
 
   def _shapes_for(self, index: int, elements: list) -> Any:
@@ -292,7 +293,7 @@ class BucketBySequenceLengthIterator(base.OpIterator):
     first = base.state_int(state, "first", _OP)
     flush_next = base.state_int(state, "flush_next", _OP,
                                 high=len(self._buckets))
-    kept = [collections.deque(maxlen=n) for n in pending]
+    kept: list[collections.deque[Any]] = [collections.deque(maxlen=n) for n in pending]
 
     def consume(index: int, element: Any, seed: int) -> None:
       kept[self._bucket_of(element)].append((index, element, seed))

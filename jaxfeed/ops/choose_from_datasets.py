@@ -16,6 +16,8 @@ and the choices' states plus which inputs are exhausted.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from jaxfeed.ops import base
@@ -31,9 +33,12 @@ class ChooseFromDatasetsNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, *parents: base.Node, stop_on_empty_dataset: bool = True):
-    """Args:
-      *parents: the datasets chosen from, then the choice dataset (last).
+  def __init__(self, *parents: Any, stop_on_empty_dataset: bool = True):
+    """Chooses from `parents[:-1]` by the choices of `parents[-1]`.
+
+    Args:
+      *parents: the nodes chosen from, then the choice dataset (last; a
+        Dataset or its node).
       stop_on_empty_dataset: end at the first choice of an exhausted input.
     """
     if len(parents) < 2:

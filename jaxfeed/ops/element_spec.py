@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxfeed.ops import stacking
+from jaxfeed.ops import padding
 from jaxfeed.ops import tree
 from jaxfeed.ops.base import Node
 
@@ -157,9 +157,9 @@ def _padded_batch(node: Any) -> Any:
         spec.dtype))
   # One padded shape per leaf, read as padded_batch reads them; None and -1
   # pad to the longest element of each batch.
-  padded = stacking._per_leaf(parent, node.padded_shapes, "padded_shapes",  # pylint: disable=protected-access
-                              node.op_name)
-  specs = [TensorSpec((size,) + tuple(stacking._shape_spec(  # pylint: disable=protected-access
+  padded = padding._per_leaf(parent, node.padded_shapes, "padded_shapes",  # pylint: disable=protected-access
+                             node.op_name)
+  specs = [TensorSpec((size,) + tuple(padding._shape_spec(  # pylint: disable=protected-access
       shape, len(spec.shape), path, node.op_name)), spec.dtype)
            for spec, shape, path in zip(tree.flatten(parent), padded,
                                         tree.paths(parent))]

@@ -10,8 +10,8 @@ from jaxfeed.ops import stacking
 from jaxfeed.ops.base import (IterationCounter, Node, OpIterator,
                               PipelineStateError, state_int)
 from jaxfeed.ops.state_identity import check_identity, pipeline_identity
-from jaxfeed.sampler import (RESHARD_STATE_VERSION, IndexSampler,
-                             ReshardedSampler, ShardOptions)
+from jaxfeed.resharded_sampler import RESHARD_STATE_VERSION, ReshardedSampler
+from jaxfeed.sampler import IndexSampler, ShardOptions
 
 
 def records_reader(source: Any) -> Callable[[np.ndarray], Sequence]:

@@ -11,6 +11,10 @@ DataLossError; the iterator is then past it (see
 `jaxfeed.sources.tfrecord_stream`), so with `ignore_errors()` reading goes on
 with the next record that verifies, or with the next file where nothing in
 this one can be trusted any more.
+
+Files are its positions (see `jaxfeed.ops.index_ranges`): position i is
+every record of file i, so the service's DYNAMIC sharding hands out whole
+files and FILE sharding gives each worker its own files.
 """
 
 from __future__ import annotations
@@ -73,6 +77,19 @@ class TFRecordNode(Node):
   def make_iterator(self) -> "TFRecordIterator":
     return TFRecordIterator(self)
 
+  # Index addressing (see jaxfeed.ops.index_ranges): position i is file i.
+  def index_addressable(self) -> bool:
+    return True
+
+  def num_positions(self) -> int:
+    return len(self.paths)
+
+  def positions_are_files(self) -> bool:
+    return True
+
+  def range_iterator(self, start: int, stop: int) -> "TFRecordIterator":
+    return TFRecordIterator(self, start, min(stop, len(self.paths)))
+
   def __repr__(self) -> str:
     return (f"TFRecordNode({len(self.paths)} files, "
             f"compression_type={self.compression_type!r})")
@@ -84,10 +101,12 @@ class TFRecordIterator(OpIterator):
 
   op_name = _OP
 
-  def __init__(self, node: TFRecordNode):
+  def __init__(self, node: TFRecordNode, first: int = 0, stop: int | None = None):
     super().__init__()
     self._node = node
-    self._file = 0
+    self._first = first
+    self._stop = len(node.paths) if stop is None else stop
+    self._file = first
     self._stream: RecordStream | None = None
     # Where the next record is, until the stream is open (after set_state).
     self._offset = 0
@@ -111,7 +130,7 @@ class TFRecordIterator(OpIterator):
     return stream
 
   def __next__(self) -> bytes:
-    while self._file < len(self._node.paths):
+    while self._file < self._stop:
       if self._stream is None:
         self._stream = self._open()
       record = self._stream.read(self._node.verify_crc)
@@ -134,8 +153,8 @@ class TFRecordIterator(OpIterator):
             "record": self._position}
 
   def _set_own_state(self, state: dict) -> None:
-    files = len(self._node.paths)
-    file = state_int(state, "file", _OP, 0, files)
+    files = self._stop
+    file = state_int(state, "file", _OP, self._first, files)
     offset = state_int(state, "offset", _OP, 0)
     position = state_int(state, "record", _OP, 0)
     if file == files and (offset or position):

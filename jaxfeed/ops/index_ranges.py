@@ -16,6 +16,13 @@ A node takes part by implementing three methods:
   [start, stop), in order, each with the `last_seed` the node's own iterator
   gives it (so a record is augmented alike on every worker).
 
+A node whose positions are files (`from_tfrecord`) also says so with
+`positions_are_files() -> True`; so does a pipeline whose split input feeds
+an `interleave` or `flat_map` (`from_tensor_slices(files).interleave(read)`)
+(`reads_files`). The service hands such positions out one by one (a file per
+DYNAMIC split) and FILE sharding gives each worker its share of them
+(`over_positions`).
+
 Readers of positions that save states (the worker processes of
 `process_batch`) also need the position an iterator's own state stands at:
 `iteration_span` and `own_state_at` below. A node whose iterations read
@@ -40,11 +47,16 @@ from jaxfeed.ops import stacking
 
 __all__ = ["ALLOWED", "NotIndexAddressableError", "RangesNode", "RangesIterator",
            "is_index_addressable", "iteration_span", "num_positions",
-           "over_ranges", "own_state_at", "range_iterator", "split_input"]
+           "over_positions", "over_ranges", "own_state_at", "range_iterator",
+           "reads_files", "split_input"]
 
 _OP = "ranges"
-ALLOWED = ("range, from_tensor_slices, from_source, or a concatenate / zip of "
-           "such datasets with no other op in between")
+ALLOWED = ("range, from_tensor_slices, from_source, from_tfrecord (its "
+           "files), or a concatenate / zip of such datasets with no other op "
+           "in between")
+# Ops that open a dataset per input element: their input's positions are
+# typically files (`from_tensor_slices(files).interleave(read)`).
+_PER_ELEMENT_DATASET_OPS = frozenset({"interleave", "flat_map"})
 
 # Inputs listed in an error at most (a graph's paths can be many).
 _MAX_LISTED = 8
@@ -149,8 +161,59 @@ def split_input(root: base.Node) -> base.Node:
   raise NotIndexAddressableError(
       "DYNAMIC sharding (processing_mode='distributed_epoch') splits the "
       "positions of one index-addressable input of the pipeline, but "
-      + "; ".join(problems) + f". Index-addressable are: {ALLOWED}. Otherwise "
-      "use processing_mode='parallel_epochs'.")
+      + "; ".join(problems) + f". Index-addressable are: {ALLOWED}. Files "
+      "split as from_tfrecord([files]) or from_tensor_slices(files)"
+      ".interleave(read_one_file); otherwise use "
+      "processing_mode='parallel_epochs'.")
+
+
+def _ops_between(root: base.Node, target: base.Node) -> set[str]:
+  """The names of the ops on the paths from `target` up to `root`."""
+  names: set[str] = set()
+  seen: dict[int, bool] = {}
+
+  def walk(node: base.Node) -> bool:  # whether `target` is below `node`
+    if node is target:
+      return True
+    if id(node) not in seen:
+      below = [walk(p) for p in node.parents]
+      seen[id(node)] = any(below)
+      if seen[id(node)]:
+        names.add(node.op_name)
+    return seen[id(node)]
+
+  walk(root)
+  return names
+
+
+def reads_files(root: base.Node) -> bool:
+  """Whether a pipeline's split input positions are files: the input reads
+  files itself (`from_tfrecord`), or an `interleave` / `flat_map` opens a
+  dataset for each of its elements. False when it has no split input."""
+  try:
+    target = split_input(root)
+  except NotIndexAddressableError:
+    return False
+  files = getattr(target, "positions_are_files", None)
+  if callable(files) and files():
+    return True
+  return bool(_ops_between(root, target) & _PER_ELEMENT_DATASET_OPS)
+
+
+def over_positions(root: base.Node, index: int, count: int) -> base.Node:
+  """`root`'s pipeline with its split input reading positions `index, index +
+  count, index + 2 count, ...` only (static sharding of files, as tf.data's
+  FILE sharding: a worker with no position reads nothing)."""
+  total = num_positions(split_input(root))
+  if total is None:
+    raise NotIndexAddressableError(
+        "FILE sharding gives each worker its share of the pipeline's files, "
+        "but its split input is endless; use processing_mode='parallel_epochs'.")
+
+  def fetch() -> tuple[list[tuple[int, int]], bool]:
+    return [(p, p + 1) for p in range(index, total, count)], True
+
+  return over_ranges(root, fetch)
 
 
 def over_ranges(root: base.Node, fetch_ranges: FetchRanges) -> base.Node:

@@ -4,9 +4,9 @@
 The patterns are matched once, when the dataset is built, through
 `etils.epath` (so `gs://` patterns work where its filesystem backend is
 installed), with tf.data's rules: `*`, `?` and `[...]` in any path component,
-matching within one component (`*` matches hidden files too); the names of every pattern together, sorted,
-duplicates kept; a pattern without a directory gives `./name`; no match at
-all is an error naming the patterns. The dataset is
+matching within one component (`*` matches hidden files too); the names of
+every pattern together, sorted, duplicates kept; a pattern without a
+directory gives `./name`; no match at all is an error naming the patterns. The dataset is
 `from_tensor_slices(names)` (elements are `bytes`, like tf.data's strings),
 then, with `shuffle=True` (the default, as in tf.data), `shuffle` over all of
 them: a uniform random order, a new one each iteration (epoch), from `seed`.

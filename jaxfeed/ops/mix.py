@@ -84,7 +84,8 @@ def align_mixture_states(states: Sequence[Any]) -> list:
   aligned = []
   for state in states:
     replacements = iter(merged)
-    aligned.append(_map_mixtures(state, lambda m: next(replacements)))
+    aligned.append(_map_mixtures(
+        state, lambda m, replacements=replacements: next(replacements)))
   return aligned
 
 

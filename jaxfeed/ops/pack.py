@@ -44,7 +44,7 @@ their per-record seeds, the input elements whose values have not all been
 emitted yet (`unemitted`: whole elements, and for `overflow="split"` the
 pieces still to come of partly emitted ones). Resharding folds them back into
 the global order as unread sampler positions (see
-`jaxfeed.sampler.ReshardedSampler`), and the resumed `pack_split` cuts a partly
+`jaxfeed.resharded_sampler.ReshardedSampler`), and the resumed `pack_split` cuts a partly
 emitted element to exactly its missing pieces (`keep`). Every value the
 uninterrupted run would still have emitted is emitted once over all new
 processes; rows differ from the uninterrupted run's, since each process packs
@@ -58,6 +58,8 @@ from typing import Any
 import numpy as np
 
 from jaxfeed.ops import base
+from jaxfeed.ops.pack_split import (SPLIT_OP, SplitIterator, element_leaves, keep_map, lookup,
+                                    resumed_split_state)
 
 __all__ = ["PackNode", "PackIterator", "ALGORITHMS", "OVERFLOWS",
            "SPLIT_OP", "ELASTIC_INPUT_OPS", "unemitted_elements",
@@ -66,7 +68,6 @@ __all__ = ["PackNode", "PackIterator", "ALGORITHMS", "OVERFLOWS",
 _OP = "pack"
 ALGORITHMS = ("first_fit", "best_fit")
 OVERFLOWS = ("error", "truncate", "split")
-SPLIT_OP = "pack_split"
 # Element-wise ops that may stand between a sampler's records and `pack` in a
 # pipeline resumed on another number of processes.
 ELASTIC_INPUT_OPS = ("map", "random_map", "filter", "map_and_filter")
@@ -92,12 +93,6 @@ def _feature_paths(length_struct: Any, prefix: tuple = ()) -> list[tuple]:
                               f"the row length of feature {'/'.join(prefix + (key,))!r}")
       paths.append(prefix + (key,))
   return paths
-
-
-def _lookup(tree: Any, path: tuple) -> Any:
-  for key in path:
-    tree = tree[key]
-  return tree
 
 
 class PackNode(base.Node):
@@ -150,7 +145,7 @@ class PackNode(base.Node):
 
   def capacities(self) -> list[int]:
     """The row length of each feature, in `paths` order."""
-    return [int(_lookup(self.length_struct, p)) for p in self.paths]
+    return [int(lookup(self.length_struct, p)) for p in self.paths]
 
   def make_iterator(self) -> "PackIterator":
     parent = self.parents[0].make_iterator()
@@ -184,135 +179,6 @@ class _Rows:
     self.num_rows = 0             # rows holding an element (always a prefix)
 
 
-class _Leaves(list):
-  """An element already reduced to its packed features' leaves (a piece)."""
-
-
-def _element_leaves(element: Any, paths: list[tuple], flat: bool) -> _Leaves:
-  """The leaves of `element` at `paths` (`flat`: all of length 1), each 1-D+."""
-  if isinstance(element, _Leaves):
-    return element
-  try:
-    if flat:
-      leaves = _Leaves(element[p[0]] for p in paths)
-    else:
-      leaves = _Leaves(_lookup(element, p) for p in paths)
-  except (KeyError, TypeError, IndexError) as e:
-    raise ValueError(
-        f"{_OP}: input elements must be dicts holding the features "
-        f"{['/'.join(p) for p in paths]} of length_struct; an element "
-        f"lacks {e} ({type(element).__name__}: {element!r:.200}).") from None
-  for i, leaf in enumerate(leaves):
-    if type(leaf) is not np.ndarray or leaf.ndim == 0:
-      leaf = np.asarray(leaf)
-      if leaf.ndim == 0:
-        leaf = leaf.reshape(1)
-      leaves[i] = leaf
-  return leaves
-
-
-class SplitIterator(base.OpIterator):
-  """`overflow="split"`: the input's elements cut into row-length pieces.
-
-  Its state is the input's position before the element being cut plus the
-  number of its pieces returned; restoring reads that element again. After
-  an elastic resume it also holds `keep`: for elements (by seed) that the old
-  processes had partly emitted, the only pieces still to return.
-  """
-
-  op_name = SPLIT_OP
-
-  def __init__(self, parent: base.OpIterator, node: PackNode):
-    super().__init__([parent])
-    self._paths = node.paths
-    self._flat = all(len(p) == 1 for p in self._paths)
-    self._capacities = node.capacities()
-    self._pieces: list[_Leaves] = []
-    self._indices: list[int] = []  # Each piece's index among all pieces.
-    self._count = 0                # The pieces of the element being cut.
-    self._pos = 0
-    self._seed = 0
-    self._keep: dict[int, list[int]] = {}
-    self._input = base.InputReplay(parent, _OP, oldest_needed=self._oldest_needed)
-
-  @property
-  def last_seed(self) -> int:
-    index = self._indices[self._pos - 1] if self._pos else 0
-    return self._seed if index == 0 else base.mix_seed(self._seed, index)
-
-  @property
-  def last_piece(self) -> tuple[int, int, int]:
-    """(element seed, piece index, piece count) of the piece returned last."""
-    return self._seed, self._indices[self._pos - 1], self._count
-
-  def pieces_to_come(self) -> tuple[int, list[int], int]:
-    """(element seed, indices of its pieces not returned yet, piece count)."""
-    return self._seed, self._indices[self._pos:], self._count
-
-  def _partial(self) -> bool:
-    return 0 < self._pos < len(self._pieces)
-
-  def _oldest_needed(self) -> int:
-    return self._input.num_read - (1 if self._partial() else 0)
-
-  def _cut(self, element: Any, seed: int) -> None:
-    leaves = _element_leaves(element, self._paths, self._flat)
-    count = max([1] + [-(-len(leaf) // c)
-                       for leaf, c in zip(leaves, self._capacities)])
-    indices = range(count)
-    if self._keep and seed in self._keep:
-      indices = self._keep[seed]
-      if indices[-1] >= count:
-        raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: the state keeps piece {indices[-1]} "
-            f"of an element cut into {count}; it belongs to other data.")
-    if count == 1:
-      self._pieces = [leaves]
-    else:
-      self._pieces = [_Leaves(leaf[k * c:(k + 1) * c]
-                              for leaf, c in zip(leaves, self._capacities))
-                      for k in indices]
-    self._indices = list(indices)
-    self._count = count
-    self._pos = 0
-    self._seed = seed
-
-  def __next__(self) -> Any:
-    while self._pos >= len(self._pieces):
-      self._pieces = []
-      element = self._input.read()
-      self._cut(element, self.parents[0].last_seed)
-    piece = self._pieces[self._pos]
-    self._pieces[self._pos] = None
-    self._pos += 1
-    return piece
-
-  def _get_own_state(self) -> dict:
-    partial = self._partial()
-    state = {"input": self._input.get_state(self._oldest_needed()),
-             "pos": self._pos if partial else 0}
-    if self._keep:
-      state["keep"] = [[seed, pieces] for seed, pieces in self._keep.items()]
-    return state
-
-  def _set_own_state(self, state: dict) -> None:
-    pos = base.state_int(state, "pos", _OP)
-    input_state = state.get("input") if isinstance(state, dict) else None
-    num_read = base.state_int(input_state, "num_read", _OP)
-    self._keep = _keep_map(state.get("keep", []))
-    self._pieces, self._pos = [], 0
-    self._input.set_state(input_state, num_read - 1 if pos else num_read,
-                          lambda index, element, seed: self._cut(element, seed))
-    if pos:
-      if pos >= len(self._pieces):
-        raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: the state is at piece {pos} of an "
-            f"element cut into {len(self._pieces)}; it belongs to other data.")
-      for k in range(pos):
-        self._pieces[k] = None
-      self._pos = pos
-
-
 class PackIterator(base.OpIterator):
   """Fills rows from the input and returns them one at a time."""
 
@@ -323,7 +189,7 @@ class PackIterator(base.OpIterator):
     self._paths = node.paths
     self._flat = all(len(p) == 1 for p in self._paths)
     self._capacities = np.array(
-        [_lookup(node.length_struct, p) for p in self._paths], np.int64)
+        [lookup(node.length_struct, p) for p in self._paths], np.int64)
     self._capacity_list = self._capacities.tolist()
     self._num_bins = node.num_packing_bins
     self._best_fit = node.algorithm == "best_fit"
@@ -357,7 +223,7 @@ class PackIterator(base.OpIterator):
 
   # -- placing ---------------------------------------------------------------
   def _leaves(self, element: Any) -> list[np.ndarray]:
-    leaves = _element_leaves(element, self._paths, self._flat)
+    leaves = element_leaves(element, self._paths, self._flat)
     if self._truncate:
       for i, capacity in enumerate(self._capacity_list):
         if len(leaves[i]) > capacity:
@@ -602,25 +468,6 @@ def _reads_a_sampler(iterator: base.OpIterator) -> bool:
   return iterator.op_name == "from_source"
 
 
-def _keep_map(keep: Any) -> dict[int, list[int]]:
-  """`pack_split`'s `keep` state as {element seed: sorted piece indices}."""
-  ok = isinstance(keep, list)
-  result: dict[int, list[int]] = {}
-  for entry in keep if ok else ():
-    if not (isinstance(entry, list) and len(entry) == 2
-            and isinstance(entry[0], int) and isinstance(entry[1], list)
-            and entry[1] and all(isinstance(k, int) and k >= 0
-                                 for k in entry[1])):
-      ok = False
-      break
-    result[entry[0]] = sorted(set(entry[1]))
-  if not ok:
-    raise base.PipelineStateError(
-        f"Cannot restore op {SPLIT_OP!r}: 'keep' must be a list of [seed, "
-        f"[piece index, ...]] pairs, got {str(keep):.200}.")
-  return result
-
-
 def unemitted_elements(own_state: Any) -> tuple[list[int], list[list]]:
   """From a `pack` op's own state: the seeds of the input elements it had read
   but not all emitted, and `[seed, [piece, ...]]` for those of them partly
@@ -638,7 +485,7 @@ def unemitted_elements(own_state: Any) -> tuple[list[int], list[list]]:
         f"('unemitted'), so it can only be resumed on the same number of "
         f"processes; got {str(own_state):.200}.")
   partial = unemitted["pieces"]
-  _keep_map(partial)
+  keep_map(partial)
   return unemitted["elements"] + [seed for seed, _ in partial], partial
 
 
@@ -649,10 +496,3 @@ def resumed_pack_state() -> dict:
           "unemitted": {"elements": [], "pieces": []}}
 
 
-def resumed_split_state(keep: list[list]) -> dict:
-  """The own state of a `pack_split` that holds nothing and cuts the
-  elements of `keep` (`[[seed, [piece, ...]], ...]`) to those pieces."""
-  state: dict = {"input": {"num_read": 0}, "pos": 0}
-  if keep:
-    state["keep"] = keep
-  return state

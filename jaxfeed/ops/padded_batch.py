@@ -4,7 +4,7 @@ tf.data semantics: each leaf is padded to its entry of `padded_shapes` (None
 or -1 dimensions, or no `padded_shapes` at all, pad to the longest element of
 the batch) with its entry of `padding_values` (0 / False for numbers, b'' or ''
 for strings by default; one scalar pads every leaf). An element longer than an
-explicit padded size is an error. See `jaxfeed.ops.stacking.pad_and_stack`.
+explicit padded size is an error. See `jaxfeed.ops.padding.pad_and_stack`.
 
 Several JAX processes: padding to the batch's longest element gives each
 process its own shape, and the processes' batches of a step must have equal
@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxfeed.ops import base
 from jaxfeed.ops import batch
-from jaxfeed.ops import stacking
+from jaxfeed.ops import padding
 from jaxfeed.ops import tree
 
 
@@ -69,7 +69,7 @@ class PaddedBatchIterator(batch.BatchIterator):
     self._padding_values = node.padding_values
 
   def _assemble(self, elements: list) -> Any:
-    return stacking.pad_and_stack(elements, self._padded_shapes,
+    return padding.pad_and_stack(elements, self._padded_shapes,
                                   self._padding_values, self.op_name)
 
 

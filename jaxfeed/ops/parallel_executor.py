@@ -150,14 +150,14 @@ class ParallelExecutor:
                parallelism: int, deterministic: bool, op_name: str,
                writes_out: bool = False):
     """Args:
-      parent: the input iterator.
-      work_fn: work_fn(element, seed) -> output; must not reference the
-        op iterator (so that garbage collection can stop the threads).
-      parallelism: initial `parallelism`.
-      deterministic: whether outputs keep the input order.
-      op_name: for thread names and errors.
-      writes_out: work_fn(element, seed, out) also takes the batch row its
-        output goes to, and may write the output there itself.
+    parent: the input iterator.
+    work_fn: work_fn(element, seed) -> output; must not reference the
+      op iterator (so that garbage collection can stop the threads).
+    parallelism: initial `parallelism`.
+    deterministic: whether outputs keep the input order.
+    op_name: for thread names and errors.
+    writes_out: work_fn(element, seed, out) also takes the batch row its
+      output goes to, and may write the output there itself.
     """
     if parallelism < 1:
       raise ValueError(f"{op_name}: parallelism must be >= 1, got {parallelism}.")

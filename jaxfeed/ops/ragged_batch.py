@@ -28,7 +28,7 @@ def ragged_stack(elements: list) -> Any:
   """The ragged batch of `elements` (see the module docstring)."""
   structure = elements[0]
   columns = [tree.flatten(e) for e in elements]
-  leaves = []
+  leaves: list[Any] = []
   for i in range(len(columns[0])):
     rows = [np.asarray(c[i]) for c in columns]
     if rows[0].ndim == 0:

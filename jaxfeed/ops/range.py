@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -120,7 +120,7 @@ class RangeIterator(OpIterator):
     length = node.cardinality()
     self._length = length if stop is None else min(stop, length)
     self._dtype = node.dtype
-    self._scalar = node.dtype.type
+    self._scalar: Callable[[Any], Any] = node.dtype.type
     last = self._start + max(self._length - 1, 0) * self._step
     low, high = min(self._start, last), max(self._start, last)
     if self._length and node.dtype.kind in "iu":

@@ -1,7 +1,7 @@
 """Folding the pipeline states of N processes into one that M processes
 resume (`reshard_states`): the records the old processes had not read, and
 those a `pack` held, are dealt out to the new ones (see
-`jaxfeed.sampler.ReshardedSampler`)."""
+`jaxfeed.resharded_sampler.ReshardedSampler`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from jaxfeed.mixture import merge_mixture_states
 from jaxfeed.ops import pack as pack_lib
 from jaxfeed.ops.base import state_int
-from jaxfeed.sampler import RESHARD_STATE_VERSION
+from jaxfeed.resharded_sampler import RESHARD_STATE_VERSION
 
 __all__ = ["reshard_states"]
 
@@ -73,7 +73,7 @@ def reshard_states(states: list[dict]) -> dict:
   `map`, `random_map`, `filter`, at most one `pack` and `batch` /
   `padded_batch`. Restored into such a pipeline on process `i` of `M`, it
   reads the records the old processes had not read, each once over all new
-  processes (see `jaxfeed.sampler.ReshardedSampler`); the records a `pack`
+  processes (see `jaxfeed.resharded_sampler.ReshardedSampler`); the records a `pack`
   held but had not emitted count as unread, and of a record it had partly
   emitted (`overflow="split"`) only the missing pieces are packed.
 

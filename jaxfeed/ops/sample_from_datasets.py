@@ -76,7 +76,9 @@ class SampleFromDatasetsNode(base.Node):
   def __init__(self, *parents: base.Node, weights: Sequence[float] | None = None,
                seed: int | None = None, stop_on_empty_dataset: bool = False,
                seed_given: bool | None = None):
-    """Args:
+    """Mixes `parents`, each element from one drawn by weight.
+
+    Args:
       *parents: the datasets mixed.
       weights: one non-negative weight per dataset; None for uniform.
       seed: the seed of the draws; None draws one now.

@@ -316,7 +316,7 @@ def _fsync_dir(path: epath.Path) -> None:
 
 def committed_chunks(path: epath.Path) -> dict[int, ChunkInfo]:
   """The chunks committed under `path`, by index."""
-  found = {}
+  found: dict[int, ChunkInfo] = {}
   folder = epath.Path(path) / CHUNKS
   if not folder.exists():
     return found

@@ -1,8 +1,9 @@
 """`scan`: a running state through the elements (tf.data's `scan`).
 
 `scan_func(state, element) -> (new_state, output)`, starting from
-`initial_state` (a tuple element is passed whole, as in tf.data). The running state is saved with the iterator's state, so it must be a
-pytree of numpy arrays, Python scalars, bytes or str.
+`initial_state` (a tuple element is passed whole, as in tf.data). The
+running state is saved with the iterator's state, so it must be a pytree of
+numpy arrays, Python scalars, bytes or str.
 """
 
 from __future__ import annotations

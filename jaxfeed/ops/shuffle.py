@@ -207,7 +207,7 @@ class ShuffleIterator(base.OpIterator):
     """The parent's state at the window start plus the position in it."""
     if self._offset >= len(self._order):
       # Between windows: the next window starts where the parent is now.
-      parent_state = self.parents[0].get_state()
+      parent_state: dict | None = self.parents[0].get_state()
       window_index, offset = self._window_index + 1, 0
     else:
       parent_state = self._window_start

@@ -15,8 +15,9 @@ parent, whatever kills it.
   parent's `sys.path` for the modules it imports.
 * A worker dies with its parent (`jaxfeed._lifetime.die_with_parent`):
   `PR_SET_PDEATHSIG` (SIGKILL) on Linux, and a thread that ends the worker
-  when its parent process changes (a fallback, and the only means elsewhere). The death signal fires when the *thread*
-  that started a child ends, so every child is started by one thread of this
+  when its parent process changes (a fallback, and the only means
+  elsewhere). The death signal fires when the *thread* that started a
+  child ends, so every child is started by one thread of this
   module (`LAUNCHER_THREAD`) that lives as long as any child does (and
   `LINGER_S` more). That thread also does the slow part of a start (the
   interpreter and the shipment), so starting workers does not block.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import operator
 import pickle
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -27,7 +27,8 @@ class ArraySource(RecordSource):
   """
 
   def __init__(self, data: Any):
-    paths, leaves = [], []
+    paths: list[Any] = []
+    leaves: list[Any] = []
     self._structure = _flatten(data, "", paths, leaves)
     if not leaves:
       raise ValueError(
@@ -50,7 +51,7 @@ class ArraySource(RecordSource):
           f"number of records); got leaf lengths {listing}.")
     self._paths = paths
     self._leaves = arrays
-    self._length = lengths.pop()
+    self._length: int = lengths.pop()
     self._content_hash: str | None = None
     self._build = _compile(self._structure)
 
@@ -65,7 +66,7 @@ class ArraySource(RecordSource):
   def _read(self, index: int) -> Any:
     return self._build([leaf[index] for leaf in self._leaves])
 
-  def _read_many(self, indices: np.ndarray) -> list:
+  def _read_many(self, indices: np.ndarray) -> list[Any]:
     # Views into the read-only leaves, like src[i]: copying rows here would
     # cost more than the whole record read.
     leaves = self._leaves
@@ -76,11 +77,11 @@ class ArraySource(RecordSource):
     indices = check_indices(indices, self._length, "ArraySource")
     return self._build([leaf[indices] for leaf in self._leaves])
 
-  def spec_params(self) -> dict:
+  def spec_params(self) -> dict[str, Any]:
     """`{"data": pytree}`: arrays, the one source whose params are not JSON."""
     return {"data": self.data}
 
-  def identity(self) -> dict:
+  def identity(self) -> dict[str, Any]:
     """Each leaf's dtype and shape per record (see `RecordSource.identity`)."""
     return {"leaves": {p or "<root>": f"{a.dtype}{list(a.shape[1:])}"
                        for p, a in zip(self._paths, self._leaves)}}
@@ -105,12 +106,12 @@ class ArraySource(RecordSource):
     return (f"ArraySource(num_records={self._length}, leaves={{{leaves}}}, "
             f"content_hash={self.content_hash()})")
 
-  def __getstate__(self) -> dict:
+  def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
     del state["_build"]  # closures; rebuilt from the structure
     return state
 
-  def __setstate__(self, state: dict) -> None:
+  def __setstate__(self, state: dict[str, Any]) -> None:
     self.__dict__.update(state)
     self._leaves = [_read_only(a) for a in self._leaves]
     self._build = _compile(self._structure)
@@ -118,7 +119,7 @@ class ArraySource(RecordSource):
 
 def _read_only(array: np.ndarray) -> np.ndarray:
   """A read-only view: src[i] hands out views, the caller's array stays as is."""
-  view = array.view()
+  view: np.ndarray = array.view()
   view.flags.writeable = False
   return view
 
@@ -128,7 +129,7 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 _LEAF = None
 
 
-def _flatten(tree: Any, path: str, paths: list, leaves: list) -> Any:
+def _flatten(tree: Any, path: str, paths: list[Any], leaves: list[Any]) -> Any:
   if isinstance(tree, dict):
     return {k: _flatten(v, f"{path}[{k!r}]", paths, leaves)
             for k, v in tree.items()}
@@ -153,7 +154,7 @@ def _compile(structure: Any) -> Callable[[Sequence[Any]], Any]:
   return _compile_node(structure, counter)
 
 
-def _compile_node(structure: Any, counter) -> Callable[[Sequence[Any]], Any]:
+def _compile_node(structure: Any, counter: Iterator[int]) -> Callable[[Sequence[Any]], Any]:
   if structure is _LEAF:
     return operator.itemgetter(next(counter))
   if isinstance(structure, dict):

@@ -33,7 +33,7 @@ class ConcatSource(RecordSource):
     self._offsets = np.cumsum([0] + [len(s) for s in self._sources])
 
   @property
-  def sources(self) -> list:
+  def sources(self) -> list[Any]:
     return list(self._sources)
 
   def __len__(self) -> int:
@@ -43,9 +43,9 @@ class ConcatSource(RecordSource):
     c = int(np.searchsorted(self._offsets, index, side="right")) - 1
     return self._sources[c][index - int(self._offsets[c])]
 
-  def _read_many(self, indices: np.ndarray) -> list:
+  def _read_many(self, indices: np.ndarray) -> list[Any]:
     which_source = np.searchsorted(self._offsets, indices, side="right") - 1
-    records: list = [None] * indices.size
+    records: list[Any] = [None] * indices.size
     for c in np.unique(which_source).tolist():
       where = np.flatnonzero(which_source == c)
       source = self._sources[c]
@@ -57,14 +57,14 @@ class ConcatSource(RecordSource):
         records[slot] = record
     return records
 
-  def spec_params(self) -> dict:
+  def spec_params(self) -> dict[str, Any]:
     return {"sources": list(self._sources)}
 
-  def fingerprint_params(self) -> dict:
+  def fingerprint_params(self) -> dict[str, Any]:
     return {"sources": [getattr(s, "fingerprint_params", dict)()
                         for s in self._sources]}
 
-  def identity(self) -> dict:
+  def identity(self) -> dict[str, Any]:
     """The type, length and identity of each source, in order."""
     return {"sources": [source_identity(s) for s in self._sources]}
 

@@ -57,7 +57,7 @@ _MEM_LEVEL = 9
 
 
 def compression_wbits(compression_type: Any, where: str) -> int | None:
-  """zlib window bits of `compression_type`, or None for no compression.
+  """Zlib window bits of `compression_type`, or None for no compression.
 
   Raises:
     ValueError: not one of None, "", "GZIP", "ZLIB".
@@ -162,7 +162,8 @@ def write_tfrecord(path: epath.PathLike, records: Iterable[bytes],
     else:
       deflate = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED,
                                  wbits, _MEM_LEVEL)
-      write = lambda data: f.write(deflate.compress(data))
+      def write(data: bytes) -> Any:
+        return f.write(deflate.compress(data))
     for count, record in enumerate(records, start=1):
       if not isinstance(record, bytes):
         record = as_record_bytes(record, "write_tfrecord", path, count - 1)

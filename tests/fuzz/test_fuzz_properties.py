@@ -82,7 +82,8 @@ def test_generated_chunk_streams_get_wire_format_error(raws):
 
 
 @FUZZ
-@hypothesis.given(graph=JSON, arrays=st.sampled_from([b"", wire.encode([])]) | st.binary(max_size=30))
+@hypothesis.given(graph=JSON,
+                  arrays=st.sampled_from([b"", wire.encode([])]) | st.binary(max_size=30))
 def test_generated_specs_get_spec_error(graph, arrays):
   dataset_def = pb.DatasetDef(graph_json=json.dumps(graph).encode(), arrays=arrays)
   try:

@@ -445,5 +445,5 @@ def test_element_spec_below_a_function_is_its_first_output_and_uses_no_iteration
 def test_element_spec_of_an_empty_dataset_below_a_function_is_an_error():
   with pytest.raises(ValueError, match="element_spec: the spec of op 'map' is read "
                      "from its first element .* but it has none"):
-    Dataset.range(0).map(lambda x: x).element_spec
+    _ = Dataset.range(0).map(lambda x: x).element_spec
   assert Dataset.range(0).batch(2).element_spec == TensorSpec((None,), np.int64)

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from jaxfeed.dataset import Dataset
-from op_testing import (assert_matches_tf_data, assert_same_stream,
-                        check_resume, import_tensorflow, run)
+from op_testing import (assert_matches_tf_data, check_resume, import_tensorflow, run)
 
 tf = import_tensorflow()
 

@@ -11,7 +11,6 @@ import traceback
 import numpy as np
 import pytest
 
-import jaxfeed
 from jaxfeed import AUTOTUNE
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import interleave

@@ -15,6 +15,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed import Dataset
+from jaxfeed.ops import op_report
 from jaxfeed.ops import op_stats
 from process_udfs import plus_ten
 
@@ -130,7 +131,7 @@ def test_a_process_batch_chain_names_its_input_ops_and_batch():
   assert rows[-1]["backend"] == "process" and rows[-1]["parallelism"] >= 1
   assert rows[-1]["elements"] == 5
   assert ("range+map+batch runs in worker processes (2); as asked: "
-          "backend='process'.") in op_stats.report(rows)
+          "backend='process'.") in op_report.report(rows)
   ds.close()
 
 
@@ -139,15 +140,15 @@ def test_the_report_says_what_autotune_picked_the_rates_and_why():
          "backend": "process", "picked": "process", "measuring": False,
          "num_workers": 2, "rates": {"process": 41000.0, "inline": 30000.0},
          "reason": "processes 41,000/s > inline 30,000/s"}
-  assert op_stats.backend_lines([row]) == [
+  assert op_report.backend_lines([row]) == [
       "from_source+random_map+batch runs in worker processes (2); AUTOTUNE "
       "picked processes: processes 41,000/s > inline 30,000/s."]
   measuring = dict(row, backend="inline", picked=None, measuring=True,
                    reason="measuring")
-  assert op_stats.backend_lines([measuring]) == [
+  assert op_report.backend_lines([measuring]) == [
       "from_source+random_map+batch runs in the consumer's thread; AUTOTUNE "
       "is measuring the backends: measuring."]
-  assert op_stats.backend_lines([{"op": "map", "self_seconds": 1.0}]) == []
+  assert op_report.backend_lines([{"op": "map", "self_seconds": 1.0}]) == []
 
 
 def test_a_slow_op_gets_the_self_time_not_its_input_or_consumer():
@@ -163,7 +164,7 @@ def test_a_slow_op_gets_the_self_time_not_its_input_or_consumer():
   # 200 x 3 ms of sleeping: most of the run, and charged to the slow map only.
   assert 0.5 * 0.6 <= slow["self_seconds"] <= elapsed * 1.2
   assert sum(r["self_seconds"] for r in rows) - slow["self_seconds"] < 0.5 * slow["self_seconds"]
-  assert op_stats.bottleneck(rows) is slow
+  assert op_report.bottleneck(rows) is slow
   assert rows[3]["elements"] == 40
 
 
@@ -180,7 +181,7 @@ def test_parallel_work_counts_as_self_time_and_waiting_as_wait_time():
   assert rows["prefetch"]["wait_seconds"] > 0.1
   assert rows["prefetch"]["self_seconds"] < rows["prefetch"]["wait_seconds"]
   # 3 threads busy 0.9 s cost 0.3 s of wall time: still the bottleneck.
-  assert op_stats.bottleneck(list(rows.values()))["op"] == "map"
+  assert op_report.bottleneck(list(rows.values()))["op"] == "map"
 
 
 def test_op_fields_of_their_own_are_in_their_row():
@@ -237,8 +238,8 @@ def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
   rows = [{"op": "range", "self_seconds": 0.1, "parallelism": 1},
           {"op": "map", "self_seconds": 4.0, "parallelism": 8},
           {"op": "filter", "self_seconds": 1.0, "parallelism": 1}]
-  assert op_stats.bottleneck(rows)["op"] == "filter"
-  text = op_stats.report(rows, {"batches": 10, "input_bound_fraction": 0.5})
+  assert op_report.bottleneck(rows)["op"] == "filter"
+  text = op_report.report(rows, {"batches": 10, "input_bound_fraction": 0.5})
   assert text.splitlines()[0].split() == ["op", "elements", "self", "s", "wait", "s",
                                           "fill", "par", "self", "%"]
   assert "Input bound: the training loop waited 50%" in text
@@ -307,11 +308,11 @@ def test_an_autotuned_op_is_not_advised_to_use_autotune():
       next(it)
     rows = it.stats()["ops"]
   assert rows[1]["autotune"] is True and "autotune" not in rows[0]
-  text = op_stats.report(rows)
+  text = op_report.report(rows)
   assert "Op to fix: 'map'" in text and "it already uses AUTOTUNE (parallelism" in text
   assert "num_parallel_calls=jaxfeed.AUTOTUNE" not in text
   fixed = [{"op": "range", "self_seconds": 0.1}, {"op": "map", "self_seconds": 2.0}]
-  assert "num_parallel_calls=jaxfeed.AUTOTUNE" in op_stats.report(fixed)
+  assert "num_parallel_calls=jaxfeed.AUTOTUNE" in op_report.report(fixed)
 
 
 def test_a_fused_op_that_runs_its_parts_is_one_group_in_the_table():
@@ -324,16 +325,16 @@ def test_a_fused_op_that_runs_its_parts_is_one_group_in_the_table():
           {"op": "range+map+filter+batch", "elements": None, "self_seconds": 0.2,
            "parallelism": 1, "backend": "thread", "reason": "threads were faster"},
           {"op": "prefetch", "elements": 20, "self_seconds": 0.0, "parallelism": 1}]
-  table = op_stats.format_table(rows).splitlines()
+  table = op_report.format_table(rows).splitlines()
   names = [re.split(r"\s{2,}", line.strip())[0] for line in table[1:]]
   assert names == ["range+map+filter+batch [thread]", "range", "map+filter", "batch",
                    "prefetch"]
   indents = [len(line) - len(line.lstrip()) for line in table[1:]]
   assert indents == [0, 2, 2, 2, 0]
-  assert "Op to fix: 'map+filter' (" in op_stats.report(rows)
+  assert "Op to fix: 'map+filter' (" in op_report.report(rows)
   on_processes = [{"op": "range+map+batch", "elements": None, "self_seconds": 3.0,
                    "parallelism": 2, "backend": "process"}]
-  text = op_stats.report(on_processes)
+  text = op_report.report(on_processes)
   assert "range+map+batch [process]" in text and "runs on 2 worker processes" in text
 
 
@@ -342,9 +343,9 @@ def test_a_report_with_only_a_service_reads_wait_names_the_read():
           {"op": "distribute", "elements": 40, "self_seconds": 0.0, "wait_seconds": 0.0,
            "read_wait_seconds": 2.5, "service_workers": 2, "received": 44,
            "reconnects": 1}]
-  text = op_stats.report(rows, {"batches": 40, "input_bound_fraction": 0.9})
+  text = op_report.report(rows, {"batches": 40, "input_bound_fraction": 0.9})
   assert "No op has measured time yet" not in text
   assert ("it is spent in the service read ('distribute'), whose pipeline runs on the "
           "workers. This process waited 2.500 s for 40 elements from 2 worker(s) "
           "(44 received, 1 reconnections)") in text
-  assert "No op has measured time yet." in op_stats.report([{"op": "range"}])
+  assert "No op has measured time yet." in op_report.report([{"op": "range"}])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import stacking
+from jaxfeed.ops import padding
 import op_testing
 from op_testing import assert_same_stream, check_resume, elements_dataset
 
@@ -100,7 +100,7 @@ def test_padding_values_equal_tf_data(kind, padding_values):
 def test_one_padding_value_pads_every_leaf():
   elements = [(np.arange(i, dtype=np.int32), np.ones(i + 1, np.float32))
               for i in range(4)]
-  out = stacking.pad_and_stack(elements, padding_values=-3)
+  out = padding.pad_and_stack(elements, padding_values=-3)
   assert out[0].dtype == np.int32 and out[0][0].tolist() == [-3, -3, -3]
   assert out[1].dtype == np.float32 and out[1][0].tolist() == [1, -3, -3, -3]
 
@@ -108,14 +108,14 @@ def test_one_padding_value_pads_every_leaf():
 def test_none_entries_of_padding_values_use_defaults():
   elements = [{"a": np.arange(i), "s": np.array([b"x"] * i, dtype=object)}
               for i in (1, 3)]
-  out = stacking.pad_and_stack(elements, padding_values={"a": -1, "s": None})
+  out = padding.pad_and_stack(elements, padding_values={"a": -1, "s": None})
   assert out["a"].tolist() == [[0, -1, -1], [0, 1, 2]]
   assert out["s"].tolist() == [[b"x", b"", b""], [b"x", b"x", b"x"]]
 
 
 def test_str_leaves_pad_with_empty_str():
   elements = [np.array(["a"], dtype=object), np.array(["b", "c"], dtype=object)]
-  out = stacking.pad_and_stack(elements)
+  out = padding.pad_and_stack(elements)
   assert out.dtype == object and out.tolist() == [["a", ""], ["b", "c"]]
 
 
@@ -125,7 +125,7 @@ def test_many_short_rows_pad_like_few_long_rows():
   short = [np.arange(k, dtype=np.int32) for k in rng.integers(0, 20, 64)]
   long = [np.arange(k, dtype=np.int32) for k in rng.integers(100, 200, 4)]
   for elements in (short, long):
-    out = stacking.pad_and_stack(elements, padding_values=-1)
+    out = padding.pad_and_stack(elements, padding_values=-1)
     for row, element in zip(out, elements):
       assert row[:len(element)].tolist() == element.tolist()
       assert (row[len(element):] == -1).all()
@@ -160,39 +160,39 @@ def test_element_longer_than_padded_shape_raises_error_naming_sizes():
 def test_padded_shape_of_wrong_rank_raises():
   elements = make_elements("float32_matrix", 4)
   with pytest.raises(ValueError, match="rank"):
-    stacking.pad_and_stack(elements, padded_shapes=[5])
+    padding.pad_and_stack(elements, padded_shapes=[5])
 
 
 def test_padded_shapes_of_wrong_structure_raise():
   elements = make_elements("features", 3)
   with pytest.raises(ValueError, match="padded_shapes"):
-    stacking.pad_and_stack(elements, padded_shapes={"tokens": [8]})
+    padding.pad_and_stack(elements, padded_shapes={"tokens": [8]})
 
 
 def test_elements_of_different_ranks_raise():
   with pytest.raises(ValueError, match="ranks"):
-    stacking.pad_and_stack([np.zeros(2), np.zeros((2, 2))])
+    padding.pad_and_stack([np.zeros(2), np.zeros((2, 2))])
 
 
 def test_elements_of_different_structures_raise():
   with pytest.raises(ValueError, match="same structure"):
-    stacking.pad_and_stack([{"a": np.zeros(2)}, {"b": np.zeros(2)}])
+    padding.pad_and_stack([{"a": np.zeros(2)}, {"b": np.zeros(2)}])
 
 
 def test_elements_of_different_dtypes_raise():
   with pytest.raises(ValueError, match="dtypes"):
-    stacking.pad_and_stack([np.zeros(2, np.int32), np.zeros(3, np.int64)])
+    padding.pad_and_stack([np.zeros(2, np.int32), np.zeros(3, np.int64)])
 
 
 @pytest.mark.parametrize("value", [1.5, "x", np.zeros(2)])
 def test_padding_value_not_fitting_int_leaf_raises(value):
   with pytest.raises(ValueError, match="padding"):
-    stacking.pad_and_stack([np.zeros(2, np.int32), np.zeros(3, np.int32)],
+    padding.pad_and_stack([np.zeros(2, np.int32), np.zeros(3, np.int32)],
                            padding_values=value)
 
 
 def test_nan_padding_value_is_accepted_for_floats():
-  out = stacking.pad_and_stack([np.zeros(1), np.zeros(2)],
+  out = padding.pad_and_stack([np.zeros(1), np.zeros(2)],
                                padding_values=np.nan)
   assert np.isnan(out[0, 1]) and out[1].tolist() == [0, 0]
 

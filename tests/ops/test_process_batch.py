@@ -244,7 +244,7 @@ def test_the_dataset_keeps_its_workers_until_closed_or_collected():
 
 def test_a_with_block_closes_the_dataset():
   with Dataset.range(100).map(plus_ten, backend="process").batch(10) as dataset:
-    for batch in dataset:
+    for _batch in dataset:
       pass
     it = dataset.make_iterator()
     pids = it.pids()
@@ -490,7 +490,7 @@ def test_a_dataset_keeps_its_spare_slots_only_while_it_lives():
   kept = _slots()
   assert kept
   seen = set()
-  for batch in dataset:
+  for batch in dataset:  # noqa: B007 (the last batch stays alive until the del)
     seen |= _slots()
   assert seen == kept  # the second epoch wrote into the first's slots only
   del dataset, batch

@@ -173,3 +173,10 @@ def poisoned_add_one_to_x(element):
 def poisoned_slow_add_one_to_x(element):
   _strike_if_poison(element)
   return slow_add_one_to_x(element)
+
+
+def tfrecord_file(path):
+  """interleave's fn: the decoded records of one TFRecord file (its name as bytes)."""
+  import jaxfeed  # pylint: disable=g-import-not-at-top
+  name = path.decode() if isinstance(path, bytes) else str(path)
+  return jaxfeed.Dataset.from_tfrecord(name).map(decode_record)

@@ -8,7 +8,6 @@ import signal
 import stat
 import time
 
-import numpy as np
 import psutil
 import pytest
 

@@ -389,7 +389,8 @@ def test_client_makes_no_heartbeat_call_right_after_its_join():
 def test_goodbyes_go_through_workers_from_the_threshold_of_live_clients_on():
   pacing = heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=256)
   assert not pacing.goodbye_via_worker(255) and pacing.goodbye_via_worker(256)
-  assert not heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=0).goodbye_via_worker(1 << 20)
+  no_goodbyes = heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=0)
+  assert not no_goodbyes.goodbye_via_worker(1 << 20)
   with pytest.raises(ValueError, match=r"goodbye_via_worker_clients must be an integer >= 0 "
                      r"\(0: never\), got -1"):
     heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=-1)

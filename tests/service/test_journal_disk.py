@@ -170,7 +170,8 @@ def test_heartbeats_wait_for_no_fsync(cluster, tmp_path, monkeypatch):
   finally:
     parties.close()
   slow = {kind: min(times) for kind, times in timed.items()
-          if kind in ("RegisterDataset", "GetOrCreateJob", "GetSplits", "WorkerHeartbeat with a task")}
+          if kind in ("RegisterDataset", "GetOrCreateJob", "GetSplits",
+                      "WorkerHeartbeat with a task")}
   fast = {kind: max(times) for kind, times in timed.items()
           if kind in ("ClientHeartbeat", "WorkerHeartbeat", "GetSplits repeated")}
   assert all(t >= 0.9 for t in slow.values()), slow  # they wait for their fsync

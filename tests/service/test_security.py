@@ -5,11 +5,9 @@ real dispatcher and worker processes on loopback."""
 from __future__ import annotations
 
 import collections
-import json
 import os
 import pathlib
 import socket
-import struct
 import subprocess
 import sys
 import time

@@ -23,10 +23,11 @@ import pytest
 
 import jaxfeed
 import resume_trainer as trainer
+import service_udfs
 from jaxfeed.ops import base
 from jaxfeed.service.protocol import read_state
 from test_first_splits import gauge, metrics_url, wait_for
-from service_cluster import REPO_ROOT, TESTS_DIR, ServiceProcess, free_port
+from service_cluster import REPO_ROOT, TESTS_DIR, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -204,10 +205,11 @@ def test_a_parallel_epochs_read_saved_after_its_streams_ended_resumes_at_its_end
 
 
 def test_a_parallel_epochs_read_of_a_pipeline_without_an_index_based_input_refuses_a_position(
-    cluster, tmp_path):
+    cluster):
   dispatcher = cluster("dispatcher", "--port=0")
-  dataset = jaxfeed.Dataset.from_tfrecord([str(tmp_path / "a.tfrecord")]).distribute(
-      dispatcher.address, "parallel_epochs")
+  # Two inputs read apart (a from_tfrecord's files are positions now).
+  dataset = jaxfeed.Dataset.range(4).map(service_udfs.add_one).concatenate(
+      jaxfeed.Dataset.range(3)).distribute(dispatcher.address, "parallel_epochs")
   state = {"op": "distribute", "parents": [], "own": {
       "elements_read": 1, "streams": {"version": 1, "streams": [[1, False]]}}}
   with dataset.make_iterator() as iterator:

@@ -271,7 +271,8 @@ def targeted_flips(work_dir: pathlib.Path) -> list[Flip]:
 
 
 # Characters whose lowest bit flipped is base64 still.
-_FLIPS_TO_BASE64 = {bytes([c]) for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYabcdefghijklmnopqrstuvwxy0123456789"}
+_FLIPS_TO_BASE64 = {bytes([c]) for c in
+                    b"ABCDEFGHIJKLMNOPQRSTUVWXYabcdefghijklmnopqrstuvwxy0123456789"}
 
 
 def kinds_present(work_dir: pathlib.Path) -> set[tuple[str, str]]:

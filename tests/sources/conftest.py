@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxfeed.sources import tfrecord_source
+from jaxfeed.sources import tfrecord_file
 from source_helpers import ARRAY_RECORD, TFRECORD, FileFormat
 
 
@@ -24,12 +24,12 @@ class Scans(list):
 def scan_counter(monkeypatch) -> Scans:
   """Counts how often a TFRecord file is scanned to build its index."""
   scans = Scans()
-  original = tfrecord_source.scan_frames
+  original = tfrecord_file.scan_frames
 
   def counting_scan(read_at, size, path, verify_data):
     scans.append(path)
     scans.verified.append(verify_data)
     return original(read_at, size, path, verify_data)
 
-  monkeypatch.setattr(tfrecord_source, "scan_frames", counting_scan)
+  monkeypatch.setattr(tfrecord_file, "scan_frames", counting_scan)
   return scans

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import pathlib
 import pickle
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

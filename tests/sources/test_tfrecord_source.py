@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from jaxfeed.sources import CorruptRecordError, TFRecordSource, write_tfrecord
+from jaxfeed.sources import tfrecord_file
 from jaxfeed.sources import tfrecord_source
 from jaxfeed.sources.tfrecord_format import masked_crc32c
 from source_helpers import make_records
@@ -394,7 +395,7 @@ def test_reads_through_the_stream_path_used_for_remote_files(tmp_path,
                                                             monkeypatch):
   # Remote paths (gs://...) read through seek/read on an epath stream, not
   # os.pread; force that path on a local file.
-  monkeypatch.setattr(tfrecord_source, "is_local", lambda path: False)
+  monkeypatch.setattr(tfrecord_file, "is_local", lambda path: False)
   records = make_records(40, sizes=(0, 10, 5000))
   path = _write(tmp_path / "a.tfrecord", records)
   with TFRecordSource(path) as source:

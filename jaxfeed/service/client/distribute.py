@@ -49,6 +49,7 @@ from typing import Any, Iterable
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
+from jaxfeed.ops import index_ranges
 from jaxfeed.service.client import cross_trainer_cache as cross_trainer_cache_lib
 from jaxfeed.service.client.cross_trainer_cache import CrossTrainerCache
 from jaxfeed.service.client.iterator import DistributedIterator
@@ -116,8 +117,9 @@ def register_dataset(service: str, dataset: Any, compression: str | None = "AUTO
   if dataset_id is not None and (not isinstance(dataset_id, str) or not dataset_id):
     raise ValueError(f"dataset_id must be a non-empty string or None, got {dataset_id!r}.")
   node = task_pipeline.pipeline_node(dataset, "register_dataset")
-  dataset_def = spec_lib.to_dataset_def(node, udf_secret,
-                                        num_positions=task_pipeline.num_positions(node))
+  dataset_def = spec_lib.to_dataset_def(
+      node, udf_secret, num_positions=task_pipeline.num_positions(node),
+      positions_are_files=index_ranges.reads_files(node))
   channel = rpc.make_channel(_target(service), tls=tls)
   try:
     caller = dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,
@@ -126,7 +128,7 @@ def register_dataset(service: str, dataset: Any, compression: str | None = "AUTO
         dataset=dataset_def, dataset_id=dataset_id or "", compression=compression),
                                _target(service), timeout_s, wait_for_dispatcher,
                                f"Registering dataset with {service}")
-    return response.dataset_id
+    return str(response.dataset_id)
   finally:
     channel.close()
 
@@ -242,7 +244,7 @@ class DistributedNode(base.Node):
     self.round_timeout_s = None if round_timeout_s is None else float(round_timeout_s)
     self._lock = threading.Lock()
 
-  def spec_params(self) -> dict:
+  def spec_params(self) -> dict[str, Any]:
     return {"service": self.service, "processing_mode": self.policy.value,
             "dataset": self.dataset, "dataset_id": self.dataset_id,
             "job_name": self.job_name, "num_consumers": self.num_consumers,
@@ -264,6 +266,7 @@ class DistributedNode(base.Node):
             self.service, self.dataset, self.compression, auth_token=self.auth_token,
             udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s,
             wait_for_dispatcher=self.wait_for_dispatcher)
+      assert self.dataset_id is not None  # distribute() or from_dataset_id() sets one
       return self.dataset_id
 
   def make_iterator(self) -> "DistributedIterator":
@@ -271,7 +274,7 @@ class DistributedNode(base.Node):
 
 
 def _check_options(function: str, own: Iterable[str], other_input: str,
-                   options: dict) -> None:
+                   options: dict[str, Any]) -> None:
   """Refuses a keyword in `options` (what `function` passes on to
   `DistributedNode`) that `function` does not take, in the words of
   `function`, with the closest keyword it takes: a misspelled `visitation`

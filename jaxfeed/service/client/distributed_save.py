@@ -88,8 +88,11 @@ def distributed_save(dataset: Any, path: Any, service: str, wait: bool = False, 
     compression: None, "SNAPPY" or "ZSTD".
     chunk_positions: positions of the pipeline's input per chunk; 0: about
       64 chunks.
-    auth_token, udf_secret, tls, timeout_s, wait_for_dispatcher: as for
-      `register_dataset`.
+    auth_token: as for `register_dataset`.
+    udf_secret: as for `register_dataset`.
+    tls: as for `register_dataset`.
+    timeout_s: as for `register_dataset`.
+    wait_for_dispatcher: as for `register_dataset`.
     wait_timeout_s: with `wait`, raise TimeoutError after this long (None:
       wait however long the save takes).
 

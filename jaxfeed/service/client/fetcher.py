@@ -230,7 +230,8 @@ class Fetcher:
           self.done = True
           return
         except (grpc.RpcError, data_socket.DataConnectionError, OSError) as e:
-          status = e.code().name if isinstance(e, grpc.RpcError) else getattr(e, "status", "UNAVAILABLE")
+          status = (e.code().name if isinstance(e, grpc.RpcError)
+                    else getattr(e, "status", "UNAVAILABLE"))
           details = e.details() if isinstance(e, grpc.RpcError) else str(e)
           where = (f"worker {self.task.worker_address} (task {self.task.task_id} of "
                    f"job {self.task.job_id})")

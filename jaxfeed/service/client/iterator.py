@@ -126,7 +126,7 @@ class DistributedIterator(base.OpIterator):
 
   def _stats_fields(self) -> dict:
     """The read's own row: elements taken, and what this client saw of the
-    service (`op_stats.report` names them): seconds it waited for batches,
+    service (`op_report.report` names them): seconds it waited for batches,
     the workers it read from, batches received, reconnections."""
     read = self._read
     fetchers = list(read.fetchers.values())
@@ -361,5 +361,6 @@ def _check_index_based(node: Any) -> None:
   except index_ranges.NotIndexAddressableError as e:
     raise base.PipelineStateError(
         "A parallel_epochs read resumes only a pipeline with one index-based "
-        "input (range, from_tensor_slices, from_source), whose order every "
-        f"worker repeats; pipeline {str(node.dataset):.200} has none, or several.") from e
+        "input (range, from_tensor_slices, from_source, from_tfrecord), whose "
+        f"order every worker repeats; pipeline {str(node.dataset):.200} has none, "
+        "or several.") from e

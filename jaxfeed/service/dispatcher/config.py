@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
@@ -32,7 +33,8 @@ class DispatcherConfig:
       need it. Different from auth_token, so that a client cannot pose as a
       worker nor a worker as a client; clients read from workers with
       per-task tickets the dispatcher hands them instead.
-    split_size: Sampler positions per DYNAMIC split.
+    split_size: Sampler positions per DYNAMIC split (where the positions are
+      files, a split is always one file).
     max_message_bytes: Largest gRPC message accepted or sent.
     pickled_udf_secret: Shared secret that signs pickled UDFs; None refuses them.
     udf_modules: Modules (or package prefixes ending in ".") whose UDFs and
@@ -42,6 +44,13 @@ class DispatcherConfig:
     max_jobs_per_host: Most jobs one client host may read at once.
     num_workers: Static sharding and round-robin jobs wait for this many
       workers; None takes the workers registered when the job starts.
+    worker_addresses: Static sharding (FILE, DATA, FILE_OR_DATA, HINT) with
+      fixed worker indices, as tf.data service's: the worker at entry i
+      reads shard i of len(worker_addresses), whenever it registers, and a
+      job ends once every shard was read. An entry is "host:port" (the
+      address a worker registers: its advertised host and port), "host" or
+      "host:%port%" (any port on the host). Empty: the workers registered
+      when the job starts (see num_workers).
     tls: Server key and certificate for TLS; None serves plaintext. With a
       client CA, callers must present certificates it signed.
     journal_fsync: fsync the journal before answering a change that must be
@@ -89,6 +98,7 @@ class DispatcherConfig:
   insecure: bool = False
   max_jobs_per_host: int = 256
   num_workers: int | None = None
+  worker_addresses: tuple[str, ...] = ()
   tls: rpc.TLSConfig | None = None
   journal_fsync: bool = True
   journal_damage: str = journal_replay.REFUSE
@@ -119,13 +129,21 @@ class DispatcherConfig:
         raise ValueError(
             f"DispatcherConfig: {name} must be an integer >= 0 (0: off), got {value!r}.")
     if not isinstance(self.split_size, int) or self.split_size < 1:
-      raise ValueError(f"DispatcherConfig: split_size must be an integer >= 1, got {self.split_size!r}.")
+      raise ValueError("DispatcherConfig: split_size must be an integer >= 1, "
+                       f"got {self.split_size!r}.")
     if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
       raise ValueError("DispatcherConfig: max_message_bytes must be an integer "
                        f">= 1024, got {self.max_message_bytes!r}.")
     if self.num_workers is not None and (
         not isinstance(self.num_workers, int) or self.num_workers < 1):
-      raise ValueError(f"DispatcherConfig: num_workers must be None or >= 1, got {self.num_workers!r}.")
+      raise ValueError("DispatcherConfig: num_workers must be None or >= 1, "
+                       f"got {self.num_workers!r}.")
+    object.__setattr__(self, "worker_addresses", _worker_addresses(self.worker_addresses))
+    if self.num_workers is not None and self.worker_addresses and (
+        self.num_workers != len(self.worker_addresses)):
+      raise ValueError(
+          f"DispatcherConfig: num_workers={self.num_workers} but worker_addresses lists "
+          f"{len(self.worker_addresses)}; give one of them (or equal counts).")
     for name in ("auth_token", "worker_token"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, str) or not value):
@@ -155,3 +173,22 @@ class DispatcherConfig:
     """Whether every caller must prove who it is (tokens, or client certificates)."""
     return bool(self.auth_token) or bool(self.tls is not None and self.tls.verifies_clients)
 
+
+def _worker_addresses(value: object) -> tuple[str, ...]:
+  """`worker_addresses` as a tuple of distinct non-empty strings."""
+  if isinstance(value, str):
+    value = [value]
+  try:
+    entries: tuple[Any, ...] = tuple(value)  # type: ignore[arg-type]
+  except TypeError:
+    entries = (value,)
+  for entry in entries:
+    if not isinstance(entry, str) or not entry or entry != entry.strip() or "," in entry:
+      raise ValueError(
+          "DispatcherConfig: worker_addresses must be a list of \"host:port\", "
+          f"\"host\" or \"host:%port%\" strings, got {entry!r} in {value!r}.")
+  repeated = sorted({e for e in entries if entries.count(e) > 1})
+  if repeated:
+    raise ValueError(f"DispatcherConfig: worker_addresses lists {repeated} more than "
+                     "once; each worker has one index.")
+  return entries

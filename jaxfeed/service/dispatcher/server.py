@@ -263,6 +263,7 @@ def main(argv: Any) -> None:
         auth_token=rpc.read_secret(f.auth_token, f.auth_token_file, "auth_token"),
         worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
         split_size=f.split_size, num_workers=f.num_workers or None,
+        worker_addresses=tuple(f.worker_addresses or ()),
         pickled_udf_secret=udf_secret.encode() if udf_secret else None,
         udf_modules=import_paths.parse_udf_modules(f.udf_modules), insecure=f.insecure,
         max_jobs_per_host=f.max_jobs_per_host,
@@ -357,7 +358,8 @@ def define_flags() -> None:
   flags.DEFINE_string("auth_token_file", "", "File holding the clients' token.")
   flags.DEFINE_integer("max_jobs_per_host", 256, "Most jobs one client host may read "
                        "at once.")
-  flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split.")
+  flags.DEFINE_integer("split_size", 256, "Positions per DYNAMIC split (one file where "
+                       "the positions are files).")
   flags.DEFINE_integer("max_split_attempts", split_failures.DEFAULT_MAX_SPLIT_ATTEMPTS,
                        "Exactly-once reads: a split whose worker was lost while it "
                        "made the split this many times is handed out no more and the "
@@ -369,6 +371,10 @@ def define_flags() -> None:
                        "worker, which forwards it in its heartbeat, instead of a "
                        "ReleaseJobClient call each (0: never).")
   flags.DEFINE_integer("num_workers", 0, "Workers static sharding waits for.")
+  flags.DEFINE_list("worker_addresses", [],
+                    "Static sharding (FILE, DATA, FILE_OR_DATA, HINT) with fixed worker "
+                    "indices: comma-separated addresses (host:port, host, or "
+                    "host:%port%) of the workers, the one at entry i reading shard i.")
   flags.DEFINE_string("port_file", "", "Write the bound port to this file.")
   flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS (with --tls_cert).")
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")

@@ -293,7 +293,10 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
         finished = job.fixed_workers is not None and done
       else:
         finished = bool(job.tasks) and done
-      if job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
+      if job.fixed_workers is not None and self.listed_workers(job):
+        finished = finished and len({  # every listed worker's shard was read
+            t.worker_index for t in job.tasks.values() if t.finished}) == len(job.fixed_workers)
+      elif job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
         finished = finished and not any(  # a fixed worker may still come back
             a in self.workers for a in job.fixed_workers)
       live_clients, joins_per_s = self._client_load()

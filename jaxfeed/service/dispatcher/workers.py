@@ -48,27 +48,38 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
   def _assign_tasks(self, job: Job) -> None:
     """Creates tasks for live workers that lack one (lock held)."""
     if job.fixes_workers and job.fixed_workers is None:
-      wanted = self.config.num_workers or 1
-      if len(self.workers) < wanted:
-        return
-      addresses = sorted(self.workers)[:self.config.num_workers or len(self.workers)]
+      if self.listed_workers(job):
+        addresses = list(self.config.worker_addresses)
+      else:
+        wanted = self.config.num_workers or 1
+        if len(self.workers) < wanted:
+          return
+        addresses = sorted(self.workers)[:self.config.num_workers or len(self.workers)]
       self._record({"kind": "fix_workers", "job_id": job.job_id,
                     "workers": [[a, i] for i, a in enumerate(addresses)]})
     have = {t.worker_address for t in job.tasks.values()}
+    indices = {t.worker_index for t in job.tasks.values()}
     for address in sorted(self.workers):
       if address in have:
         continue
       if job.fixed_workers is None and not self._read_by_a_client(job, self.workers[address]):
         continue  # no client of the job reads it: its task would hold splits unread
       if job.fixed_workers is not None:
-        if address not in job.fixed_workers:
+        index = _fixed_index(job.fixed_workers, address, indices)
+        if index is None:
           continue
-        index, count = job.fixed_workers[address], len(job.fixed_workers)
+        indices.add(index)
+        count = len(job.fixed_workers)
       else:
         index, count = 0, 1
       self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
+
+  def listed_workers(self, job: Job) -> bool:
+    """Whether `job` shards over the dispatcher's `worker_addresses`: worker
+    i of the list reads shard i, and the job ends once each shard was read."""
+    return bool(self.config.worker_addresses) and job.policy.is_static
 
   def _read_by_a_client(self, job: Job, worker: Worker) -> bool:
     """Whether some client of the job reads the worker (its target_workers);
@@ -268,8 +279,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     wanted = max(1, min(max_ranges, 64))
     ranges = _reissued(job, wanted)
     start = job.next_position
-    split_size = self.config.heartbeat_pacing.split_size(self.config.split_size,
-                                                         len(job.tasks))
+    split_size = self._split_size(job)
     if ranges and ranges[0].start in job.split_losses:
       wanted = 1  # a worker was lost on it: alone, so that a loss names it alone
     while len(ranges) < wanted:
@@ -304,6 +314,15 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     # splits may come back to this task.
     return pb.GetSplitsResponse(ranges=ranges,
                                 end_of_splits=not ranges and job.all_splits_delivered)
+
+  def _split_size(self, job: Job) -> int:
+    """Positions per new split of `job` (lock held): one where they are
+    files, as tf.data service hands out files; else the configured size,
+    grown with the job's tasks."""
+    dataset_def = self.datasets.get(job.dataset_id)
+    if dataset_def is not None and dataset_def.positions_are_files:
+      return 1
+    return self.config.heartbeat_pacing.split_size(self.config.split_size, len(job.tasks))
 
   def _finish_tasks(self, task_ids: Sequence[int]) -> None:
     for task_id in task_ids:
@@ -368,6 +387,20 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
 
 
 _RESTARTED = "restarted (a new process on its address)"
+
+
+def _fixed_index(fixed: dict[str, int], address: str, taken: set[int]) -> int | None:
+  """The shard of a job's fixed workers that `address` reads: its own entry,
+  else the first entry it matches whose shard no task reads (entries as
+  tf.data's `worker_addresses`: "host:port", "host" or "host:%port%" for any
+  port); None: it reads none."""
+  if address in fixed:
+    return fixed[address]
+  host = address.rsplit(":", 1)[0]
+  for entry, index in sorted(fixed.items(), key=lambda item: item[1]):
+    if index not in taken and entry in (host, f"{host}:%port%"):
+      return index
+  return None
 
 
 def _reissued(job: Job, wanted: int) -> list[pb.SplitRange]:

@@ -249,16 +249,17 @@ def check_signature(dataset_def: service_pb2.DatasetDef, secret: bytes | None,
 
 
 def to_dataset_def(node: base.Node, udf_secret: bytes | None = None,
-                   num_positions: int = 0) -> service_pb2.DatasetDef:
+                   num_positions: int = 0,
+                   positions_are_files: bool = False) -> service_pb2.DatasetDef:
   """Encodes a graph; with udf_secret, unimportable UDFs are pickled and the
-  spec (num_positions included) is signed."""
+  spec (num_positions and positions_are_files included) is signed."""
   encoder = _Encoder(pickle_udfs=bool(udf_secret))
   graph = encoder.node(node)
   dataset_def = service_pb2.DatasetDef(
       graph_json=json.dumps(graph, sort_keys=True).encode(),
       arrays=bytes(wire.encode(encoder.arrays)),
       pickled_udfs=encoder.pickled,
-      num_positions=num_positions)
+      num_positions=num_positions, positions_are_files=positions_are_files)
   dataset_def.fingerprint = fingerprint(dataset_def)
   if udf_secret:
     dataset_def.signature = sign(dataset_def, udf_secret)

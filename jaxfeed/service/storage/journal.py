@@ -383,7 +383,7 @@ class Journal:
       self._fsync_round()
 
   def _fsync_round(self) -> None:
-    """fsyncs every open file of the journal once, the older generations
+    """Fsyncs every open file of the journal once, the older generations
     first, after the round under way if any (called without the lock).
 
     Raises:

@@ -1,8 +1,8 @@
-"""Checked lines: the framing of the dispatcher's journal and snapshot files.
+r"""Checked lines: the framing of the dispatcher's journal and snapshot files.
 
 Every line of those files is
 
-  CCCCCCCC JSON\\n
+  CCCCCCCC JSON\n
 
 where CCCCCCCC is a CRC-32C in lowercase hex of JSON's bytes, extended from
 the CRC of the line before it (the first line of a file extends 0): a rolling

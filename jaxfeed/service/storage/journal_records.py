@@ -109,7 +109,7 @@ def check_record(record: Any, jobs: Container[int]) -> None:
     raise JournalRecordError(
         f"Journal record {record!r:.200} has id {record['id']!r:.40}; want an integer.")
   required, optional = _FIELDS.get(kind, ({}, {}))
-  for name, check in required.items():
+  for name in required:
     if name not in record:
       raise JournalRecordError(f"Journal record {record!r:.200} of kind {kind!r} "
                                f"lacks its field {name!r}.")

@@ -330,7 +330,7 @@ def _apply_one(apply: Apply, record: Any, path: pathlib.Path, line: int, offset:
 
 
 def fsync_path(path: pathlib.Path) -> None:
-  """fsyncs a file or folder by its path."""
+  """Fsyncs a file or folder by its path."""
   fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)

@@ -109,7 +109,8 @@ class WorkerConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"WorkerConfig: {name} must be an integer >= 1, got {value!r}.")
-    if not isinstance(self.chunk_bytes, int) or not 1024 <= self.chunk_bytes <= self.max_message_bytes - 1024:
+    if (not isinstance(self.chunk_bytes, int)
+        or not 1024 <= self.chunk_bytes <= self.max_message_bytes - 1024):
       raise ValueError(f"WorkerConfig: chunk_bytes must be in [1024, max_message_bytes - 1024], "
                        f"got {self.chunk_bytes!r}.")
     if self.worker_token is not None and (

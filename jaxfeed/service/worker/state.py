@@ -186,7 +186,8 @@ class WorkerState:
 
   def start_task(self, task: pb.TaskInfo) -> None:
     self.served.track(task)
-    make_iterator = lambda: self._make_iterator(task)
+    def make_iterator() -> Any:
+      return self._make_iterator(task)
     # Checked and added under one lock hold: the heartbeat thread and a
     # client's first request (find_task) may both learn of a new task, and
     # two runners of one task would serve its consumers different streams.

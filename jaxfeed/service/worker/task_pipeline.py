@@ -1,11 +1,13 @@
 """Builds and runs a task's pipeline on a worker: the spec, the task's
 sharding and the client's `jaxfeed.Options`.
 
-Static sharding (FILE / DATA) gives the pipeline's sampler ShardOptions(i, n).
+Static sharding (FILE, DATA, FILE_OR_DATA, HINT) gives worker i of n its own
+files, sampler shard or `shard(n, i)` (`jaxfeed.service.worker.static_sharding`).
 DYNAMIC sharding splits the positions of the pipeline's one index-addressable
-input (`range`, `from_tensor_slices`, `from_source`, or a `concatenate` /
-`zip` of those; see `jaxfeed.ops.index_ranges`): the dispatcher hands out
-ranges of positions and the worker's pipeline reads the elements at them.
+input (`range`, `from_tensor_slices`, `from_source`, `from_tfrecord`'s files,
+or a `concatenate` / `zip` of those; see `jaxfeed.ops.index_ranges`): the
+dispatcher hands out ranges of positions (one file per split where they are
+files) and the worker's pipeline reads the elements at them.
 Every element keeps the seed it has in a local run (the sampler's per-record
 seed for sources), so a record is augmented the same way whichever worker
 reads it. With nothing lost, an epoch's elements are each delivered once in
@@ -35,12 +37,10 @@ from jaxfeed.ops import index_ranges
 from jaxfeed.ops import op_stats
 from jaxfeed.ops import optimize
 from jaxfeed.ops.options import Options
-from jaxfeed.sampler import IndexSampler
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
-
-SOURCE_OP = "from_source"
+from jaxfeed.service.worker import static_sharding
 
 FetchRanges = index_ranges.FetchRanges
 
@@ -100,6 +100,8 @@ def pipeline_node(dataset: Any, what: str,
   node = base.to_node(dataset, what, "dataset")
   if policy == ShardingPolicy.DYNAMIC:
     _check_no_repeat_after(index_ranges.split_input(node), node)
+  if policy is not None:
+    static_sharding.check_pipeline(node, policy)
   # A node carries no options (a WithOptionsNode already holds its own).
   options = None if dataset is node else getattr(dataset, "options", None)
   return node if options is None else WithOptionsNode(node, options)
@@ -131,10 +133,6 @@ def unwrap_options(node: base.Node) -> tuple[base.Node, Options | None]:
   return node, None
 
 
-def _is_sampler(value: Any) -> bool:
-  return hasattr(value, "get_many") and hasattr(value, "num_positions")
-
-
 def num_positions(node: base.Node) -> int:
   """Positions DYNAMIC sharding splits: those of the pipeline's
   index-addressable input; -1 if unbounded or if it has none."""
@@ -156,40 +154,13 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
     defaults).
   """
   policy = ShardingPolicy(task.sharding_policy)
-  touched = []
 
-  def shard_sampler(cls: type, params: dict) -> tuple[type, dict]:
-    if getattr(cls, "op_name", None) != SOURCE_OP:
-      return cls, params
-    sampler = params.get("sampler")
-    source = params.get("source")
-    if sampler is None and source is not None:
-      sampler = IndexSampler(len(source))
-    if not _is_sampler(sampler):
-      return cls, params
-    touched.append(sampler)
-    sampler_params = dict(sampler.spec_params())
-    current = dict(sampler_params.get("shard_options") or {})
-    if current.get("shard_count", 1) != 1:
-      raise spec_lib.SpecError(
-          f"{policy.name} sharding shards the pipeline's sampler itself, but it "
-          f"is already sharded ({current}); give the pipeline an unsharded sampler.")
-    sampler_params["shard_options"] = {"shard_index": task.worker_index,
-                                       "shard_count": task.num_workers,
-                                       "drop_remainder": False}
-    return cls, {**params, "sampler": type(sampler)(**sampler_params)}
+  def decode(rewrite: spec_lib.NodeRewrite | None) -> base.Node:
+    return spec_lib.from_dataset_def(dataset_def, udf_secret, rewrite, udf_modules)
 
-  node = spec_lib.from_dataset_def(dataset_def, udf_secret,
-                                   shard_sampler if policy.is_static else None,
-                                   udf_modules)
+  node = (static_sharding.shard_task(policy, task, decode) if policy.is_static
+          else decode(None))
   node, options = unwrap_options(node)
-  if policy.is_static and len(touched) != 1:
-    raise spec_lib.SpecError(
-        f"{policy.name} sharding needs a pipeline with exactly one "
-        f"from_source(source, sampler) op to shard; dataset "
-        f"{task.dataset_id!r} has {len(touched)}. Use processing_mode "
-        "'parallel_epochs' (OFF) or 'distributed_epoch' (DYNAMIC), or read "
-        "records through Dataset.from_source.")
   if policy == ShardingPolicy.DYNAMIC:
     try:
       node = index_ranges.over_ranges(node, fetch_ranges)

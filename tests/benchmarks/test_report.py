@@ -1,0 +1,136 @@
+"""The README's results table and the benchmark page's tables are what
+`python -m benchmarks.report` renders from benchmarks/results/, byte for
+byte; benchmark runs record their rows with their context.
+
+No benchmark runs here: the recorded files are read, and the record module
+is exercised with rows made up for the purpose.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import record
+from benchmarks import report
+from benchmarks import report_plots
+from benchmarks import report_rows
+
+
+def _recorded() -> report_rows.Results:
+  # Not $JAXFEED_BENCHMARK_RESULTS: the tests point that at a temporary folder.
+  return report_rows.Results.load(record.RESULTS_DIR)
+
+
+def _rendered() -> tuple[str, str]:
+  return report.render(_recorded(), report.README.read_text(encoding="utf-8"),
+                       report.DOCS_PAGE.read_text(encoding="utf-8"),
+                       report_plots.titles(_recorded()))
+
+
+def test_readme_table_is_rendered_from_the_recorded_runs():
+  readme, _ = _rendered()
+  assert report.README.read_text(encoding="utf-8") == readme, (
+      "README.md's results table differs from the recorded runs: edit "
+      "benchmarks/results/ (rerun the benchmark), then `python -m benchmarks.report`.")
+
+
+def test_benchmark_page_tables_are_rendered_from_the_recorded_runs():
+  _, docs = _rendered()
+  assert report.DOCS_PAGE.read_text(encoding="utf-8") == docs, (
+      "docs/benchmarks.md differs from the recorded runs: `python -m benchmarks.report`.")
+
+
+def test_readme_has_recorded_headline_rows():
+  table = report.readme_table(_recorded())
+  assert "| W2 elements/s" in table and "(earlier)" not in table
+
+
+def test_a_hand_edited_figure_is_put_back():
+  readme = report.README.read_text(encoding="utf-8")
+  row = next(line for line in readme.splitlines() if line.startswith("| W2 elements/s"))
+  edited = readme.replace(row, "| W2 elements/s, `map` per element | 99.9M | Grain 1k | 99x | |")
+  assert edited != readme
+  rendered, _ = report.render(_recorded(), edited, report.DOCS_PAGE.read_text(encoding="utf-8"),
+                              {})
+  assert rendered == readme
+
+
+def test_missing_markers_are_named():
+  with pytest.raises(ValueError,
+                     match=r"README.md: generated blocks \['results'\] have no markers"):
+    report.replace_blocks("# no table here\n", {"results": "x\n"}, "README.md")
+
+
+def test_a_run_records_its_rows_and_context(tmp_path, monkeypatch):
+  monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
+  with record.run("made_up"):
+    record.row({"workload": "W0", "system": "jaxfeed", "rate": 1.0})
+    record.row({"workload": "W0", "system": "peer", "rate": 2.0}, echo=False)
+  (entry,) = json.loads((tmp_path / "made_up.json").read_text())["runs"]
+  context = entry["context"]
+  assert {"commit", "dirty", "machine", "load_average_start", "load_average_end", "date",
+          "versions", "command"} <= set(context)
+  assert context["machine"]["cores"] >= 1 and context["machine"]["cpu_model"]
+  assert context["versions"]["python"] and "jax" in context["versions"]
+  assert [r["system"] for r in entry["rows"]] == ["jaxfeed", "peer"]
+
+
+def test_a_failed_run_records_nothing(tmp_path, monkeypatch):
+  monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
+  with pytest.raises(RuntimeError):
+    with record.run("made_up"):
+      record.row({"workload": "W0", "system": "jaxfeed", "rate": 1.0})
+      raise RuntimeError("the benchmark failed half way")
+  assert not (tmp_path / "made_up.json").exists()
+
+
+def test_a_rerun_replaces_the_rows_it_measured_and_keeps_the_others(tmp_path, monkeypatch):
+  monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
+  context = {"commit": "a" * 40}
+  record.save("made_up", {"context": context, "rows": [
+      {"workload": "W2", "system": "jaxfeed", "rate": 1.0},
+      {"workload": "W3", "system": "jaxfeed", "rate": 3.0}]})
+  record.save("made_up", {"context": {"commit": "b" * 40}, "rows": [
+      {"workload": "W2", "system": "jaxfeed", "rate": 2.0}]})
+  text = (tmp_path / "made_up.json").read_text()
+  runs = json.loads(text)["runs"]
+  assert [(r["context"]["commit"][0], [x["rate"] for x in r["rows"]]) for r in runs] == [
+      ("a", [3.0]), ("b", [2.0])]
+  assert '    {"workload": "W2", "system": "jaxfeed", "rate": 2.0}' in text.splitlines()
+
+
+def _w1_rows() -> list[dict]:
+  """W1's rows as `benchmarks.w1_per_element` writes them."""
+  made = [("jaxfeed AUTOTUNE", 9000.0), ("jaxfeed no parallelism", 4000.0),
+          ("tf.data (tf.image ops)", 3000.0), ("grain (multiprocessing)", 2000.0),
+          ("bare single-thread loop", 5000.0)]
+  return [{"workload": "W1 per-element", "system": name, "unit": "images/s", "rate": rate,
+           "main_row": True, **({"picked": {"op": "from_source+random_map+batch",
+                                             "backend": "process", "num_workers": 2}}
+                                if name == "jaxfeed AUTOTUNE" else {})}
+          for name, rate in made]
+
+
+def test_w1_rows_appear_once_recorded(tmp_path, monkeypatch):
+  monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
+  assert report_rows.w1(report_rows.Results.load(tmp_path)) is None
+  record.save("w1_per_element", {"context": {"commit": "c" * 40, "dirty": False,
+                                             "machine": {"cores": 2},
+                                             "load_average_start": [1.0, 1, 1],
+                                             "load_average_end": [2.0, 1, 1]},
+                                 "rows": _w1_rows()})
+  table = report.readme_table(report_rows.Results.load(tmp_path))
+  assert ("| W1 images/s, a per-element function as users write it, AUTOTUNE | 9000 (on process) "
+          "| tf.data (tf.image ops) 3000 | 3.00x | `ccccccc`, 2 cores, load 1.0-2.0 |") in table
+
+
+def test_check_exits_nonzero_when_the_readme_differs(tmp_path):
+  """`--check` over other results than the README's: it must say so."""
+  (tmp_path / "run.json").write_text(record.dumps({"benchmark": "run", "runs": []}))
+  done = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check", "--no-plots",
+                         "--results", str(tmp_path)], cwd=record.REPO,
+                        capture_output=True, text=True, timeout=60, check=False)
+  assert done.returncode == 1, done.stderr
+  assert "README.md differs from what `python -m benchmarks.report` renders" in done.stderr
