@@ -14,13 +14,14 @@ REPO = PACKAGE_DIR.parent
 # A module holds one idea; past this many lines it holds several.
 MAX_LINES = 550
 
-# Known exceptions, each to be split along its seams (then removed here):
-# the process pool's batch op and the parallel executor are being split
-# apart in their own change, and the dispatcher's journal (one class of 450
-# lines) with the service's storage. Generated gRPC modules are not edited.
+# Known exceptions, each to be split along its seams (then removed here): the
+# fused chain's iterator and the parallel executor came out of the split of
+# ops/process_batch.py (1,371 lines) and ops/parallel.py (912) a little over
+# the limit, and the dispatcher's journal is one class of 450 lines. Generated
+# gRPC modules are not edited.
 LONG_MODULES = {
-    "ops/process_batch.py",
-    "ops/parallel.py",
+    "ops/process_batch_iterator.py",
+    "ops/parallel_executor.py",
     "service/storage/journal.py",
 }
 GENERATED = ("_pb2.py", "_pb2_grpc.py")
@@ -39,10 +40,11 @@ def test_no_module_in_jaxfeed_grows_past_the_line_limit():
       f"modules over {MAX_LINES} lines; split them along their seams: {too_long}")
 
 
-def test_the_known_long_modules_still_exist():
+def test_the_known_long_modules_are_still_long():
   # A split module leaves this list: its entry would hide a new long file.
-  missing = [name for name in LONG_MODULES if not (PACKAGE_DIR / name).exists()]
-  assert not missing, f"remove from LONG_MODULES: {missing}"
+  stale = [name for name in LONG_MODULES if not (PACKAGE_DIR / name).exists()
+           or len((PACKAGE_DIR / name).read_text().splitlines()) <= MAX_LINES]
+  assert not stale, f"remove from LONG_MODULES (gone, or within the limit): {stale}"
 
 
 def _lazy_exports_and_typed_imports(path: pathlib.Path) -> tuple[set[str], set[str]]:
