@@ -166,7 +166,7 @@ def test_a_worker_stops_after_dispatcher_timeout_s_and_the_read_fails_clearly(
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_reads_outlive_a_90_s_dispatcher_stop(cluster, mode):
-  """Issue 27's case as it was measured: default timeouts (heartbeat 10 s,
+  """The reported outage as it was measured: default timeouts (heartbeat 10 s,
   clients 60 s), a read with timeout_s=30, the dispatcher stopped for 90 s."""
   dispatcher = cluster("dispatcher", "--port=0", "--split_size=8")
   for _ in range(2):
