@@ -17,6 +17,7 @@ from op_testing import (NUM_PARALLEL_CALLS, assert_matches_tf_data,
                         assert_same_multiset, assert_same_values, check_resume,
                         graph_iterator, new_threads, run, seeds_of)
 # A fixture, requested by name.
+from op_testing import work_mode  # noqa: F401
 
 tf = op_testing.import_tensorflow()
 
