@@ -383,13 +383,8 @@ class Dataset(DatasetBatching):
     """
     if self._optimized is None:
       return
-    seen, stack = set(), [self._optimized]
-    while stack:
-      node = stack.pop()
-      if id(node) not in seen:
-        seen.add(id(node))
-        node.close()
-        stack.extend(node.parents)
+    for node in base.graph_nodes(self._optimized):
+      node.close()
 
   def __enter__(self) -> "Dataset":
     return self

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxfeed.ops.base import Node, OpIterator, to_node
+from jaxfeed.ops.base import Node, OpIterator, graph_nodes, to_node
 from jaxfeed.ops.cache import CacheNode
 
 __all__ = ["AutocacheNode", "AutocacheIterator", "point_at"]
@@ -78,16 +78,7 @@ class AutocacheIterator(OpIterator):
 
 def point_at(node: Node, cache_dir: str) -> list[AutocacheNode]:
   """Points every autocache op of a graph at `cache_dir`; returns them."""
-  found = []
-  seen: set[int] = set()
-  stack = [node]
-  while stack:
-    current = stack.pop()
-    if id(current) in seen:
-      continue
-    seen.add(id(current))
-    if isinstance(current, AutocacheNode):
-      current.cache_dir = cache_dir
-      found.append(current)
-    stack.extend(current.parents)
+  found = [current for current in graph_nodes(node) if isinstance(current, AutocacheNode)]
+  for current in found:
+    current.cache_dir = cache_dir
   return found
