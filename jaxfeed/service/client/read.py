@@ -413,9 +413,7 @@ class ReadState:
     elif not live:
       state = "its job has no live worker (none registered, or all were lost)"
     else:
-      state = "its workers: " + "; ".join(
-          f"{f.task.worker_address} (task {f.task.task_id}): nothing new for "
-          f"{now - f.progress_at:.0f} s" for f in live)
+      state = "its workers: " + "; ".join(_fetcher_state(f, now) for f in live)
     raise rpc.ServiceError(
         f"No element of dataset {self.dataset_id or '?'} (job {self.job_id}) came for "
         f"{now - last:.0f} s, and no worker made progress on it (timeout_s="
@@ -469,3 +467,12 @@ class ReadState:
       return False
     return True
 
+
+def _fetcher_state(fetcher: Fetcher, now: float) -> str:
+  """How one live worker of a stuck read stands, for its error: silent,
+  or unreachable from here while the dispatcher lists it as alive."""
+  where = f"{fetcher.task.worker_address} (task {fetcher.task.task_id})"
+  if fetcher.failing_since is not None:
+    return (f"{where}: cannot reach it for {now - fetcher.failing_since:.0f} s although "
+            f"the dispatcher lists it as alive; last error: {fetcher.last_error}")
+  return f"{where}: nothing new for {now - fetcher.progress_at:.0f} s"
