@@ -257,6 +257,9 @@ class _DispatcherCollector:
       for direction in ("up", "down", "hold"):
         made.add_metric([direction], counts[direction])
       yield made
+      per_job = getattr(autoscaler, "metric_families", None)  # --autoscale_policy=per_job
+      if per_job is not None:
+        yield from per_job(gauge, counter)
 
 
 def _folder_bytes(folder: str | None) -> int:

@@ -180,3 +180,10 @@ def tfrecord_file(path):
   import jaxfeed  # pylint: disable=g-import-not-at-top
   name = path.decode() if isinstance(path, bytes) else str(path)
   return jaxfeed.Dataset.from_tfrecord(name).map(decode_record)
+
+
+def sleepy_20ms(x):
+  """20 ms of waiting per element: a pipeline that needs 4 times sleepy's workers."""
+  import time  # pylint: disable=g-import-not-at-top
+  time.sleep(0.02)
+  return x

@@ -58,6 +58,10 @@ START_TIMEOUT_S = 60.0
 
 # The places a pool's workers can run (AutoscaleConfig.backend).
 BACKENDS = ("local", "ray", "kubernetes")
+# How the workers are sized and shared (AutoscaleConfig.policy).
+POOL, PER_JOB = "pool", "per_job"
+POLICIES = (POOL, PER_JOB)
+_DEFAULT_MIN_GAIN = {POOL: 0.1, PER_JOB: 0.03}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +74,9 @@ class AutoscaleConfig:
     interval_s: Seconds between decisions.
     scale_up_wait_fraction: Consumers waiting more than this share of the
       time are input-bound.
-    min_gain: A worker added must raise throughput by this fraction, or the
-      pool stops growing.
+    min_gain: A worker added must raise throughput (per_job: cut the job's
+      batch time) by more than this fraction, or the pool (the job) stops
+      growing; None: 0.1 for "pool", 0.03 for "per_job".
     scale_down_fill: Buffers at least this full (and consumers that waited
       less than a fifth of scale_up_wait_fraction) count as well fed.
     scale_down_intervals: Well-fed intervals in a row before a worker goes.
@@ -82,28 +87,57 @@ class AutoscaleConfig:
       the cluster this process is connected to, or Ray's "auto".
     kubernetes_deployment: "namespace/name" of the worker Deployment
       ("kubernetes" backend; required there).
+    policy: One of `POLICIES`: "pool" sizes one pool whose workers serve
+      every job; "per_job" gives each job its own workers, sized on its own
+      batch time (`jaxfeed.service.dispatcher.job_scaling`), and shares
+      max_workers between jobs.
+    queue_growth: "per_job": a converged job whose consumers stopped waiting
+      gives a worker back once its clients' buffers stay fuller than at
+      convergence by this fraction (relative) for scale_down_intervals.
   """
 
   min_workers: int = 1
   max_workers: int = 4
   interval_s: float = 5.0
   scale_up_wait_fraction: float = 0.05
-  min_gain: float = 0.1
+  min_gain: float | None = None
   scale_down_fill: float = 0.9
   scale_down_intervals: int = 3
   worker_flags: tuple[str, ...] = ()
   backend: str = "local"
   ray_address: str | None = None
   kubernetes_deployment: str | None = None
+  policy: str = POOL
+  queue_growth: float = 0.4
 
   def __post_init__(self):
+    if self.policy not in POLICIES:
+      raise ValueError(f"AutoscaleConfig: policy (--autoscale_policy) must be one of "
+                       f"{', '.join(POLICIES)}, got {self.policy!r}.")
+    if self.min_gain is None:
+      object.__setattr__(self, "min_gain", _DEFAULT_MIN_GAIN[self.policy])
+    for name, flag in (("min_gain", "autoscale_min_gain"),
+                       ("scale_up_wait_fraction", "autoscale_wait_fraction")):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"AutoscaleConfig: {name} (--{flag}) must be a fraction in "
+                         f"(0, 1), got {value!r}.")
+    if (isinstance(self.queue_growth, bool) or not isinstance(self.queue_growth, (int, float))
+        or not self.queue_growth > 0):
+      raise ValueError(f"AutoscaleConfig: queue_growth (--autoscale_queue_growth) must be "
+                       f"a number > 0, got {self.queue_growth!r}.")
+    if self.policy == PER_JOB and self.backend == "kubernetes":
+      raise ValueError(
+          "AutoscaleConfig: policy='per_job' needs a backend that stops a chosen worker "
+          "(local, ray); backend='kubernetes' scales a Deployment whose pod to remove "
+          "Kubernetes picks, so use policy='pool' there.")
     if not isinstance(self.min_workers, int) or self.min_workers < 0:
       raise ValueError(f"AutoscaleConfig: min_workers must be an integer >= 0, got "
                        f"{self.min_workers!r}.")
     if not isinstance(self.max_workers, int) or self.max_workers < max(1, self.min_workers):
       raise ValueError(f"AutoscaleConfig: max_workers must be an integer >= max(1, "
                        f"min_workers={self.min_workers}), got {self.max_workers!r}.")
-    for name in ("interval_s", "scale_up_wait_fraction", "min_gain", "scale_down_fill"):
+    for name in ("interval_s", "scale_down_fill"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"AutoscaleConfig: {name} must be a number > 0, got {value!r}.")
@@ -163,6 +197,7 @@ class ScalingPolicy:
       self._settling = False
       return 0
     if self._throughput_before_add is not None:
+      assert c.min_gain is not None  # resolved at construction
       gained = sample.elements_per_s >= self._throughput_before_add * (1 + c.min_gain)
       self._throughput_before_add = None
       if not gained and workers > c.min_workers:  # the last one did not help: undo
@@ -187,6 +222,11 @@ class ScalingPolicy:
       return 0
     self._well_fed = 0
     return 0
+
+
+def direction(change: int) -> str:
+  """"up", "down" or "hold": a change of workers as the metrics name it."""
+  return "up" if change > 0 else "down" if change < 0 else "hold"
 
 
 def make_backend(config: AutoscaleConfig, dispatcher_address: str,
@@ -251,21 +291,25 @@ class Autoscaler:
   def _run(self) -> None:
     while not self._stop.wait(self.config.interval_s):
       try:
-        workers = self.backend.num_workers
-        sample = self._sample()  # reports from before the new worker serves count for nothing
-        change = 0 if self._still_starting() else self.policy.decide(workers, sample)
-        if change > 0:
-          if self._registered is not None:
-            self._starting = (self._registered(), time.monotonic())
-          self.backend.start_worker()
-        elif change < 0:
-          self.backend.stop_worker()
-        if change:
-          _LOG.info("Autoscaler: %d -> %d workers.", workers, workers + change)
-        self.decisions.append((workers, change))
-        self.decision_counts["up" if change > 0 else "down" if change < 0 else "hold"] += 1
+        self._step()
       except Exception:  # pylint: disable=broad-except
         _LOG.exception("Autoscaler step failed")
+
+  def _step(self) -> None:
+    """One interval's decision, applied."""
+    workers = self.backend.num_workers
+    sample = self._sample()  # reports from before the new worker serves count for nothing
+    change = 0 if self._still_starting() else self.policy.decide(workers, sample)
+    if change > 0:
+      if self._registered is not None:
+        self._starting = (self._registered(), time.monotonic())
+      self.backend.start_worker()
+    elif change < 0:
+      self.backend.stop_worker()
+    if change:
+      _LOG.info("Autoscaler: %d -> %d workers.", workers, workers + change)
+    self.decisions.append((workers, change))
+    self.decision_counts[direction(change)] += 1
 
   def _still_starting(self) -> bool:
     """Whether the worker added last has yet to register (for a while)."""

@@ -26,6 +26,7 @@ import grpc
 from jaxfeed import _lifetime
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
+from jaxfeed.service.dispatcher import job_autoscaler
 from jaxfeed.service.dispatcher import health as health_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
 from jaxfeed.service.dispatcher import saves as saves_lib
@@ -189,9 +190,13 @@ class DispatchServer:
         flags.append(f"--udf_modules={','.join(self.config.udf_modules)}")
       backend = autoscale_lib.make_backend(self.config.autoscale, f"{local}:{self.port}",
                                            flags, secrets)
-      self.autoscaler = autoscale_lib.Autoscaler(
-          self.config.autoscale, backend, self.state.sample_clients,
-          self.state.num_workers)
+      if self.config.autoscale.policy == autoscale_lib.PER_JOB:
+        self.autoscaler = job_autoscaler.JobAutoscaler(self.config.autoscale, backend,
+                                                       self.state)
+      else:
+        self.autoscaler = autoscale_lib.Autoscaler(
+            self.config.autoscale, backend, self.state.sample_clients,
+            self.state.num_workers)
       # How its workers ended, for the splits they die on (local processes only).
       self.state.worker_exit_status = getattr(backend, "exit_status", None)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._stop, self.state,
@@ -247,6 +252,15 @@ def _shutdown(server: rpc_server.ServerHandle, stop: threading.Event, state: Dis
   state.close()
 
 
+def _no_autoscaling(policy: str) -> autoscale_lib.AutoscaleConfig | None:
+  """None (--autoscale_max_workers=0: workers are started by hand), or the
+  error of a policy set for no pool."""
+  if policy != autoscale_lib.POOL:
+    raise ValueError(f"--autoscale_policy={policy} needs an elastic pool: set "
+                     "--autoscale_max_workers to the most workers it may run (> 0).")
+  return None
+
+
 def main(argv: Any) -> None:
   """Runs a dispatcher from flags; a bad flag value ends it with the reason."""
   del argv
@@ -276,8 +290,12 @@ def main(argv: Any) -> None:
             min_workers=f.autoscale_min_workers, max_workers=f.autoscale_max_workers,
             interval_s=f.autoscale_interval_s, worker_flags=tuple(f.worker_flag or ()),
             backend=f.worker_backend, ray_address=f.ray_address or None,
-            kubernetes_deployment=f.kubernetes_deployment or None)
-        if f.autoscale_max_workers else None,
+            kubernetes_deployment=f.kubernetes_deployment or None,
+            policy=f.autoscale_policy, min_gain=f.autoscale_min_gain,
+            scale_up_wait_fraction=f.autoscale_wait_fraction,
+            queue_growth=f.autoscale_queue_growth,
+            scale_down_intervals=f.autoscale_scale_down_intervals)
+        if f.autoscale_max_workers else _no_autoscaling(f.autoscale_policy),
         heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(
             goodbye_via_worker_clients=f.goodbye_via_worker_clients),
         max_split_attempts=f.max_split_attempts)
@@ -382,6 +400,20 @@ def define_flags() -> None:
                        "many workers (0: workers are started by hand).")
   flags.DEFINE_integer("autoscale_min_workers", 1, "Workers the elastic pool keeps.")
   flags.DEFINE_float("autoscale_interval_s", 5.0, "Seconds between pool resizes.")
+  flags.DEFINE_string("autoscale_policy", autoscale_lib.POOL,
+                      "How the elastic pool is sized: 'pool' (one pool for every job) or "
+                      "'per_job' (each job its own workers, sized on its batch time; a "
+                      "worker serves one job at a time).")
+  flags.DEFINE_float("autoscale_min_gain", None, "A worker added must cut the batch time "
+                     "(per_job; pool: raise the throughput) by more than this fraction, or "
+                     "the job (pool) stops growing (default: 0.03 per_job, 0.1 pool).")
+  flags.DEFINE_float("autoscale_wait_fraction", 0.05, "Consumers waiting more than this "
+                     "share of the time are input-bound: their job (pool) may grow.")
+  flags.DEFINE_float("autoscale_queue_growth", 0.4, "per_job: a job whose consumers stopped "
+                     "waiting gives a worker back once its clients' buffers stay this "
+                     "much (relative) fuller than when it converged.")
+  flags.DEFINE_integer("autoscale_scale_down_intervals", 3, "Intervals in a row a job "
+                       "(pool) must look over-provisioned before a worker goes.")
   flags.DEFINE_multi_string("worker_flag", None, "A flag of the pool's workers, e.g. "
                             "--worker_flag=--buffer_size=16 (repeat for more).")
   flags.DEFINE_integer("metrics_port", metrics_lib.OFF, "Serve Prometheus metrics on "

@@ -9,6 +9,7 @@ import os
 import time
 from typing import Callable, Sequence
 
+from jaxfeed.service.dispatcher import job_grants
 from jaxfeed.service.dispatcher import tables as dispatcher_tables
 from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.dispatcher.tables import Job, Task, Worker
@@ -44,6 +45,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     # (None while it runs; KeyError for a process it did not start): set by
     # the server when it runs a local pool.
     self.worker_exit_status: Callable[[int], int | None] | None = None
+    # Which job each worker serves, under per_job autoscaling (None: any).
+    self.job_grants: job_grants.JobGrants | None = None
 
   def _assign_tasks(self, job: Job) -> None:
     """Creates tasks for live workers that lack one (lock held)."""
@@ -64,6 +67,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         continue
       if job.fixed_workers is None and not self._read_by_a_client(job, self.workers[address]):
         continue  # no client of the job reads it: its task would hold splits unread
+      if job.fixed_workers is None and self.job_grants is not None and (
+          not self.job_grants.may_serve(job.job_id, address, self.jobs)):
+        continue  # per_job autoscaling: it serves another job, or none yet
       if job.fixed_workers is not None:
         index = _fixed_index(job.fixed_workers, address, indices)
         if index is None:
@@ -75,6 +81,14 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
+
+  def assign_granted(self, job_id: int) -> None:
+    """Gives the job tasks on the workers granted to it (per_job autoscaling)."""
+    with self.lock:
+      job = self.jobs.get(job_id)
+      if job is not None:
+        self.lock.check_writable()
+        self._assign_tasks(job)
 
   def listed_workers(self, job: Job) -> bool:
     """Whether `job` shards over the dispatcher's `worker_addresses`: worker

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jaxfeed import _lifetime
 
@@ -103,11 +103,19 @@ class LocalWorkerBackend:
 
   def stop_worker(self) -> bool:
     """Stops the newest worker; False if this backend runs none."""
+    return self._stop(lambda live: live[-1] if live else None)
+
+  def stop_worker_at(self, address: str, pid: int) -> bool:
+    """Stops the worker of process `pid` (the pid it registered with;
+    `address` is for other backends); False if this backend runs no such one."""
+    del address
+    return self._stop(lambda live: next((p for p in live if p.pid == pid), None))
+
+  def _stop(self, choose: Callable[[list[subprocess.Popen]], subprocess.Popen | None]) -> bool:
     with self._lock:
-      live = [p for p in self._processes if p.poll() is None]
-      if not live:
+      process = choose([p for p in self._processes if p.poll() is None])
+      if process is None:
         return False
-      process = live[-1]
       self._processes.remove(process)
     _stop_process(process)
     with self._lock:

@@ -185,6 +185,33 @@ class RayWorkerBackend:
     _LOG.info("Stopped a Ray worker actor.")
     return True
 
+  def stop_worker_at(self, address: str, pid: int = 0) -> bool:
+    """Stops the worker that registered as `address` (host:port); False if
+    this backend runs no such one (or it has yet to start)."""
+    del pid  # of the actor's node, not this one
+    with self._lock:
+      actors = list(self._actors)
+    if not actors:
+      return False
+    started, _ = ray.wait([first for _, first in actors], num_returns=len(actors), timeout=0)
+    started = set(started)
+    for actor, first in actors:
+      if first not in started:
+        continue
+      try:
+        if ray.get(first)["address"] != address:
+          continue
+      except ray.exceptions.RayError:
+        continue  # lost meanwhile
+      with self._lock:
+        if (actor, first) not in self._actors:
+          return False  # stopped by another call meanwhile
+        self._actors.remove((actor, first))
+      _stop_actors([(actor, first)])
+      _LOG.info("Stopped the Ray worker actor of %s.", address)
+      return True
+    return False
+
   def close(self) -> None:
     with self._lock:
       if self._closed:

@@ -1,0 +1,132 @@
+"""Per-job autoscaling with real worker processes: each job its own workers."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import jaxfeed
+import service_udfs
+from jaxfeed import service
+from jaxfeed.service import metrics
+
+parser = pytest.importorskip("prometheus_client.parser")
+
+pytestmark = pytest.mark.timeout(120)
+
+TESTS_DIR = pathlib.Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parents[1]
+
+
+def jobs_by_worker(dispatcher):
+  """Worker address -> the jobs (by name) it has unfinished tasks of."""
+  state = dispatcher.state
+  with state.lock:
+    state.lock.answer_without_fsync()
+    found: dict[str, set[str]] = {}
+    for job in state.jobs.values():
+      for task in job.tasks.values():
+        if not task.finished:
+          found.setdefault(task.worker_address, set()).add(job.job_name)
+  return found
+
+
+def scrape(dispatcher) -> dict[tuple[str, tuple], float]:
+  """The dispatcher's metrics: (name, sorted labels) -> value."""
+  server = metrics.serve_dispatcher(dispatcher, "127.0.0.1", 0)
+  try:
+    with urllib.request.urlopen(server.url, timeout=10) as response:
+      text = response.read().decode()
+  finally:
+    server.close()
+  return {(s.name, tuple(sorted(s.labels.items()))): s.value
+          for family in parser.text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_two_jobs_converge_to_their_own_workers_and_share_none(monkeypatch):
+  # "light" costs nothing on a worker: one worker keeps its consumer fed.
+  # "heavy" sleeps 20 ms per element for a consumer that takes one every
+  # 6 ms: it needs about 4 workers, and each one it gets cuts its batch time.
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  config = service.DispatcherConfig(
+      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
+          policy="per_job", min_workers=2, max_workers=6, interval_s=0.5,
+          worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4")))
+  stop = threading.Event()
+  iterators = {}
+  errors = []
+
+  def consume(name, udf):
+    dataset = jaxfeed.Dataset.range(10**6).map(udf)
+    try:
+      with dataset.distribute(dispatcher.target, "distributed_epoch", job_name=name,
+                              max_outstanding_requests=4).make_iterator() as it:
+        iterators[name] = it
+        while not stop.is_set():
+          next(it)
+          time.sleep(0.006)  # the model's step
+        iterators[name] = it.elements_by_worker
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  with service.DispatchServer(config) as dispatcher:
+    scaler = dispatcher.autoscaler
+    threads = [threading.Thread(target=consume, args=("light", service_udfs.add_one)),
+               threading.Thread(target=consume, args=("heavy", service_udfs.sleepy_20ms))]
+    for thread in threads:
+      thread.start()
+    shared, seen = [], []
+    try:
+      deadline = time.monotonic() + 25
+      steady_since = None
+      while time.monotonic() < deadline and not errors:
+        time.sleep(0.1)
+        shared += [jobs for jobs in jobs_by_worker(dispatcher).values() if len(jobs) > 1]
+        workers = dict(scaler.job_workers)
+        seen.append(workers)
+        if workers.get("light") == 1 and workers.get("heavy", 0) >= 3:
+          steady_since = steady_since or time.monotonic()
+          if time.monotonic() - steady_since > 2:  # and stays there
+            break
+        else:
+          steady_since = None
+    finally:
+      stop.set()
+      for thread in threads:
+        thread.join(timeout=30)
+    decisions = dict(scaler.job_decisions)
+    exported = scrape(dispatcher)
+  assert not errors, errors
+  assert seen[-1]["light"] == 1 and seen[-1]["heavy"] >= 3, (seen[-1], decisions)
+  assert not shared, shared  # no worker ever had tasks of both jobs
+  light, heavy = iterators["light"], iterators["heavy"]
+  assert len(light) == 1 and len(heavy) >= 3 and not set(light) & set(heavy), (light, heavy)
+  assert decisions[("heavy", "up", "gain")] >= 2 and ("light", "up", "gain") not in decisions
+  assert exported[("jaxfeed_job_workers", (("job", "light"),))] == 1
+  assert exported[("jaxfeed_job_workers", (("job", "heavy"),))] >= 3
+  assert exported[("jaxfeed_job_scaling_decisions_total", (
+      ("direction", "up"), ("job", "heavy"), ("reason", "gain")))] >= 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--autoscale_max_workers=4", "--autoscale_policy=each"),
+     "--autoscale_policy) must be one of pool, per_job, got 'each'"),
+    (("--autoscale_max_workers=4", "--autoscale_policy=per_job", "--autoscale_min_gain=2"),
+     "--autoscale_min_gain) must be a fraction in (0, 1), got 2.0"),
+    (("--autoscale_max_workers=4", "--autoscale_queue_growth=-1"),
+     "--autoscale_queue_growth) must be a number > 0, got -1.0"),
+    (("--autoscale_policy=per_job",), "--autoscale_policy=per_job needs an elastic pool")])
+def test_a_bad_autoscaling_flag_stops_the_dispatcher_naming_it(flags, message):
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]))
+  done = subprocess.run([sys.executable, "-m", "jaxfeed.service.dispatcher", "--port=0", *flags],
+                        capture_output=True, text=True, env=env, timeout=60)
+  assert done.returncode != 0 and "listening" not in done.stdout
+  assert message in done.stderr, done.stderr
