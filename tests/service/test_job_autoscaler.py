@@ -38,6 +38,16 @@ def jobs_by_worker(dispatcher):
   return found
 
 
+def per_job_config(monkeypatch, **autoscale) -> service.DispatcherConfig:
+  """A dispatcher with a per_job pool of local workers that import service_udfs."""
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  return service.DispatcherConfig(
+      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
+          policy="per_job", worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4"),
+          **autoscale))
+
+
 def scrape(dispatcher) -> dict[tuple[str, tuple], float]:
   """The dispatcher's metrics: (name, sorted labels) -> value."""
   server = metrics.serve_dispatcher(dispatcher, "127.0.0.1", 0)
@@ -54,12 +64,7 @@ def test_two_jobs_converge_to_their_own_workers_and_share_none(monkeypatch):
   # "light" costs nothing on a worker: one worker keeps its consumer fed.
   # "heavy" sleeps 20 ms per element for a consumer that takes one every
   # 6 ms: it needs about 4 workers, and each one it gets cuts its batch time.
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
-  config = service.DispatcherConfig(
-      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
-          policy="per_job", min_workers=2, max_workers=6, interval_s=0.5,
-          worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4")))
+  config = per_job_config(monkeypatch, min_workers=2, max_workers=6, interval_s=0.5)
   stop = threading.Event()
   iterators = {}
   errors = []
@@ -130,3 +135,55 @@ def test_a_bad_autoscaling_flag_stops_the_dispatcher_naming_it(flags, message):
                         capture_output=True, text=True, env=env, timeout=60)
   assert done.returncode != 0 and "listening" not in done.stdout
   assert message in done.stderr, done.stderr
+
+
+def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(monkeypatch):
+  # "heavy" alone grows to all 3 workers; then "light" starts with none
+  # free: heavy's last worker drains and goes, light gets the next one, and
+  # heavy's read (at-most-once, so that a worker stopped without draining
+  # would lose its splits) still delivers every element once.
+  config = per_job_config(monkeypatch, min_workers=1, max_workers=3, interval_s=0.4)
+  heavy = jaxfeed.Dataset.range(1000).map(service_udfs.sleepy_20ms)
+  light = jaxfeed.Dataset.range(10**6).map(service_udfs.add_one)
+  stop = threading.Event()
+  light_workers, pids_then, errors = [], [], []
+
+  def read_light():
+    try:
+      with light.distribute(dispatcher.target, "distributed_epoch", job_name="light",
+                            max_outstanding_requests=4).make_iterator() as light_it:
+        next(light_it)
+        pids_then.append(backend.pids())  # the pool as light got its worker
+        while not stop.is_set():
+          next(light_it)
+          time.sleep(0.005)
+        light_workers.append(light_it.elements_by_worker)
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  with service.DispatchServer(config) as dispatcher:
+    scaler = dispatcher.autoscaler
+    backend = scaler.backend
+    seen, shared = [], []
+    thread = threading.Thread(target=read_light)
+    try:
+      with heavy.distribute(dispatcher.target, "distributed_epoch", job_name="heavy",
+                            max_outstanding_requests=4).make_iterator() as it:
+        for x in it:
+          seen.append(int(x))
+          if scaler.job_workers.get("heavy") == 3 and not thread.is_alive():
+            first_pids = backend.pids()
+            thread.start()
+          shared += [jobs for jobs in jobs_by_worker(dispatcher).values() if len(jobs) > 1]
+    finally:
+      stop.set()
+      if thread.is_alive():
+        thread.join(timeout=30)
+    decisions = dict(scaler.job_decisions)
+  assert not errors, errors
+  assert sorted(seen) == list(range(1000))  # nothing lost, nothing twice
+  assert decisions.get(("heavy", "down", "rebalance")) == 1, decisions
+  assert len(light_workers[0]) == 1 and not shared, (light_workers, shared)
+  # The drained worker was gone before light's started: never more than 3.
+  assert len(set(first_pids) - set(pids_then[0])) == 1 and len(pids_then[0]) == 3, (
+      first_pids, pids_then, decisions)

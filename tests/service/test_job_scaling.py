@@ -1,11 +1,16 @@
-"""The per-job autoscaling rule, fed modelled jobs (no processes)."""
+"""The per-job autoscaling rule, fed modelled jobs, and its grants (no processes)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from jaxfeed.service.dispatcher import autoscale
+from jaxfeed.service.dispatcher import job_grants
 from jaxfeed.service.dispatcher import job_scaling
+from jaxfeed.service.dispatcher import tables
+from jaxfeed.service.protocol.sharding import ShardingPolicy
 
 
 def config(**kwargs):
@@ -163,3 +168,56 @@ def test_bad_per_job_settings_name_the_value_and_what_is_allowed(kwargs, message
 def test_min_gain_defaults_to_each_policys_own():
   assert autoscale.AutoscaleConfig().min_gain == 0.1
   assert autoscale.AutoscaleConfig(policy="per_job").min_gain == 0.03
+
+
+def test_a_job_no_client_reads_gives_its_workers_back_one_an_interval():
+  policy = job_scaling.JobScalingPolicy(config(max_workers=4))
+  workers, _ = run(policy, {1: (0.003, 0.010)}, 20)
+  assert workers == {1: 4}
+  downs = []
+  while workers[1]:
+    decisions = policy.decide(workers, {}, idle={1})
+    assert [(d.change, d.reason) for d in decisions] == [(-1, "idle")]
+    workers[1] -= 1
+    downs.append(decisions)
+  assert len(downs) == 4
+  assert policy.decide(workers, {}, idle={1}) == [job_scaling.Decision(1, 0, "idle")]
+
+
+def job(job_id, *tasks):
+  """A job with unfinished tasks on the workers at `tasks`."""
+  made = tables.Job(job_id, "d", ShardingPolicy.DYNAMIC, f"job{job_id}", 0, 100)
+  for i, address in enumerate(tasks):
+    made.tasks[100 * job_id + i] = tables.Task(100 * job_id + i, job_id, address, 0, 1)
+  return made
+
+
+def test_a_worker_is_granted_to_one_job_and_a_waiting_job_takes_a_new_one():
+  grants = job_grants.JobGrants()
+  jobs = {1: job(1), 2: job(2)}
+  assert not grants.may_serve(1, "w1", jobs)  # no client reads it, nobody waits
+  grants.waiting.append((2, time.monotonic()))
+  assert not grants.may_serve(1, "w1", jobs) and grants.may_serve(2, "w1", jobs)
+  assert grants.owner == {"w1": 2} and not grants.waiting
+  jobs[2] = job(2, "w1")
+  assert not grants.may_serve(1, "w1", jobs)
+  grants.drain("w1")
+  assert not grants.may_serve(2, "w1", jobs)  # draining: no task of any job
+  assert grants.workers_of([1, 2]) == {1: 0, 2: 0}
+  jobs[1].clients[5] = time.monotonic()  # read, without a worker: it takes a free one
+  assert grants.may_serve(1, "w2", jobs) and grants.owner == {"w2": 1}
+  assert not grants.may_serve(1, "w3", jobs)  # one only: more are the policy's to give
+
+
+def test_grants_come_back_from_the_tasks_after_a_restart():
+  # A restarted dispatcher replays the tasks, not the grants.
+  grants = job_grants.JobGrants()
+  jobs = {1: job(1, "w1", "w2"), 2: job(2, "w3")}
+  grants.sync(["w1", "w2", "w3", "w4"], jobs, waiting_timeout_s=60)
+  assert grants.owner == {"w1": 1, "w2": 1, "w3": 2}
+  assert grants.free(["w1", "w2", "w3", "w4"], jobs) == ["w4"]
+  assert not grants.may_serve(2, "w1", jobs)  # it serves job 1
+  del jobs[1]  # the job ended: its workers are free
+  grants.sync(["w1", "w3", "w4"], jobs, waiting_timeout_s=60)
+  assert grants.owner == {"w3": 2}
+  assert grants.free(["w1", "w3", "w4"], jobs) == ["w1", "w4"]

@@ -43,14 +43,14 @@ def job_label(job: Any) -> str:
 
 def job_sample(reports: list[tuple[_Report, _Report]]) -> job_scaling.JobSample | None:
   """One job's sample from its clients' (report now, report at the last
-  sample); None when none reported since."""
+  sample); None when none reported since or took an element (a consumer
+  blocked on its first element reports its wait only once it has it)."""
   times, waits, fills = [], [], []
   for (count, wait_s, elapsed_s, fill), before in reports:
     span = elapsed_s - before[2]
-    if span <= 0:
+    if span <= 0 or count <= before[0]:
       continue
-    # A consumer that took nothing took at least the whole span per element.
-    times.append(span / max(count - before[0], 1))
+    times.append(span / (count - before[0]))
     waits.append(min(1.0, max(0.0, (wait_s - before[1]) / span)))
     fills.append(fill)
   if not times:
@@ -94,14 +94,17 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
                         for c in job.clients if c in reports] for job_id, job in live.items()}
       self._sampled = {c: r for c, r in reports.items()
                        if any(c in job.clients for job in live.values())}
-      workers = self.grants.workers_of(live)
+      idle = {job_id for job_id in self.grants.owner.values()
+              if job_id not in live and job_id in jobs}
+      workers = self.grants.workers_of(set(live) | idle)
       starting = {job_id for job_id, _ in self.grants.waiting}
       draining = len(self.grants.draining)
       free = self.grants.free(state.workers, jobs)
       pids = {a: w.pid for a, w in state.workers.items()}
-      labels = {job_id: job_label(job) for job_id, job in live.items()}
+      labels = {job_id: job_label(jobs[job_id]) for job_id in workers}
+    free = self._keep_promises(free)
     samples = {job_id: job_sample(p) for job_id, p in pairs.items()}
-    decisions = self.job_policy.decide(workers, samples, starting, draining)
+    decisions = self.job_policy.decide(workers, samples, starting, draining, idle)
     for d in decisions:
       if d.change > 0:
         free = self._add(d.job, free)
@@ -120,6 +123,20 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
     self.job_workers = {labels[job_id]: count + sum(d.change for d in decisions
                                                     if d.job == job_id)
                         for job_id, count in workers.items()}
+
+  def _keep_promises(self, free: list[str]) -> list[str]:
+    """Grants free workers to the jobs promised one; returns those left."""
+    granted = []
+    with self._state.lock:
+      self._state.lock.answer_without_fsync()
+      while free and self.grants.waiting:
+        job_id, _ = self.grants.waiting.pop(0)
+        self.grants.grant(free[0], job_id)
+        granted.append(job_id)
+        free = free[1:]
+    for job_id in granted:
+      self._state.assign_granted(job_id)
+    return free
 
   def _add(self, job_id: int, free: list[str]) -> list[str]:
     """Grants a free worker to the job, or promises it the next one to

@@ -2,11 +2,12 @@
 (`JobGrants`): a worker serves one job at a time.
 
 A worker is granted to one job; the dispatcher gives it tasks of that job
-only (`may_serve`, asked where it assigns tasks). A job that was promised a
-worker waits in `waiting` until one registers (a new process of the pool)
-or is granted a free one. A worker taken from a job drains: it gets no task
-until it is gone. The grants are not journaled: after a restart they come
-back from the tasks (`sync`), which are.
+only (`may_serve`, asked where it assigns tasks). A new job takes a free
+worker at once. A job that was promised a worker waits in `waiting` until
+one registers (a new process of the pool) or is granted a free one. A
+worker taken from a job drains: it gets no task until it is gone. The
+grants are not journaled: after a restart they come back from the tasks
+(`sync`), which are.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class JobGrants:
         del self.waiting[i]
         self.grant(address, job_id)
         return True
+    if not self.waiting and jobs[job_id].clients and job_id not in self.owner.values():
+      self.grant(address, job_id)  # a job starts with one worker, at once if one is free
+      return True
     return False
 
   def grant(self, address: str, job_id: int) -> None:

@@ -50,9 +50,10 @@ WAITING = "waiting"  # wants a worker; none is free
 STARTING = "starting"  # its added worker has yet to serve
 SETTLING = "settling"  # the interval after a change
 NO_REPORTS = "no_reports"  # its clients reported nothing this interval
+IDLE = "idle"  # no client reads it: its workers go, one an interval
 STEADY = "steady"
 REASONS = (START, GAIN, NO_GAIN, QUEUE, REGROW, REBALANCE, WAITING, STARTING, SETTLING,
-           NO_REPORTS, STEADY)
+           NO_REPORTS, IDLE, STEADY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +115,16 @@ class JobScalingPolicy:
     return state.gain if state is not None else math.inf
 
   def decide(self, workers: Mapping[int, int], samples: Mapping[int, JobSample | None],
-             starting: Iterable[int] = (), draining: int = 0) -> list[Decision]:
+             starting: Iterable[int] = (), draining: int = 0,
+             idle: Iterable[int] = ()) -> list[Decision]:
     """Each live job's decision for this interval.
 
     Args:
       workers: Live job -> the workers it has (starting ones included).
       samples: Job -> its clients' reports of the interval (None: none).
       starting: Jobs whose added worker has yet to serve: not judged.
+      idle: Jobs that no client reads: they give their workers back, one an
+        interval.
       draining: Workers given back that still run: they count against
         `max_workers` until they are gone, and each already makes room for
         one job that waits.
@@ -130,9 +134,15 @@ class JobScalingPolicy:
     starting = set(starting)
     decisions: dict[int, Decision] = {}
     wants: list[tuple[float, int, str]] = []  # (expected gain, job, reason)
+    idle = set(idle)
     for job in sorted(workers):
-      state = self._jobs.setdefault(job, _JobState())
-      if workers[job] == 0:
+      if job not in self._jobs:  # its consumers' wait for the first worker shows late
+        self._jobs[job] = _JobState(settling=2 if workers[job] else 0)
+      state = self._jobs[job]
+      if job in idle:
+        self._jobs.pop(job)  # judged afresh if a client comes back
+        decisions[job] = Decision(job, DOWN if workers[job] else HOLD, IDLE)
+      elif workers[job] == 0:
         wants.append((math.inf, job, START))
       elif job in starting:
         decisions[job] = Decision(job, HOLD, STARTING)
@@ -144,7 +154,7 @@ class JobScalingPolicy:
           decisions[job] = Decision(job, change, reason)
     free = self.config.max_workers - sum(workers.values()) - draining
     for job, decision in list(decisions.items()):
-      if decision.change == DOWN:  # a job fed past its level keeps that level
+      if decision.change == DOWN and job not in idle:  # one fed past its level keeps it
         self._changed(job, DOWN, keep_level=decision.reason == QUEUE)
     in_flight = draining
     for expected, job, reason in sorted(wants, key=lambda w: (-w[0], w[1])):
@@ -152,6 +162,8 @@ class JobScalingPolicy:
         free -= 1
         decisions[job] = Decision(job, UP, reason)
         self._changed(job, UP)
+        if reason == START:  # its consumers' wait for the first worker shows late
+          self._jobs[job].settling = 2
         continue
       decisions[job] = Decision(job, HOLD, WAITING)
       if in_flight > 0:  # a worker given back already makes room for it
@@ -161,6 +173,7 @@ class JobScalingPolicy:
       if donor is not None and expected > self._jobs[donor].gain + self._min_gain:
         decisions[donor] = Decision(donor, DOWN, REBALANCE)
         self._changed(donor, DOWN)
+        self._jobs[donor].gain = self._measured_gain(self._jobs[donor], workers[donor] - 1)
     return [decisions[job] for job in sorted(decisions)]
 
   def _judge(self, state: _JobState, workers: int,
@@ -228,8 +241,9 @@ class JobScalingPolicy:
              exclude: int) -> int | None:
     """The job whose last worker gains least, of those that can give one."""
     candidates = [job for job, count in workers.items()
-                  if job != exclude and count >= 2 and decisions.get(job) is not None
-                  and decisions[job].change == HOLD and decisions[job].reason != WAITING]
+                  if job != exclude and count >= 2 and job in self._jobs
+                  and job in decisions and decisions[job].change == HOLD
+                  and decisions[job].reason != WAITING]
     if not candidates:
       return None
     return min(candidates, key=lambda job: (self._jobs[job].gain, job))
