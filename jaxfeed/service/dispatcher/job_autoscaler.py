@@ -14,6 +14,9 @@ applies its decisions through `jaxfeed.service.dispatcher.job_grants`:
   DYNAMIC jobs lose nothing), and counts against max_workers until gone.
 * Free workers nobody waits for are stopped, down to min_workers.
 
+Jobs that fix their workers (static sharding, `num_consumers`) read the
+workers they fixed when they started and are not scaled.
+
 `job_workers` and `job_decisions` (by job label: its job_name, else its id)
 are what `--metrics_port` exports.
 """
@@ -77,6 +80,7 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
     state.job_grants = self.grants
     self._sampled: dict[int, _Report] = {}
     self._stops: list[threading.Thread] = []
+    self._free_since: dict[str, float] = {}  # free worker -> since when
     # Job label -> its workers at the last interval; (label, direction,
     # reason) -> decisions made (for --metrics_port).
     self.job_workers: dict[str, int] = {}
@@ -88,7 +92,9 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
       state.lock.answer_without_fsync()
       jobs = state.jobs
       self.grants.sync(state.workers, jobs, autoscale_lib.START_TIMEOUT_S)
-      live = {job_id: job for job_id, job in jobs.items() if job.clients}
+      # Static sharding and round-robin reads fix their workers: not scaled.
+      live = {job_id: job for job_id, job in jobs.items()
+              if job.clients and not job.fixes_workers}
       reports: dict[int, _Report] = state._reports  # pylint: disable=protected-access
       pairs = {job_id: [(reports[c], self._sampled.get(c, (0, 0.0, 0.0, 0.0)))
                         for c in job.clients if c in reports] for job_id, job in live.items()}
@@ -168,13 +174,19 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
     self._stop_worker(address, pids.get(address, 0))
 
   def _stop_spare(self, free: list[str], pids: dict[str, int]) -> None:
-    """Stops one free worker beyond min_workers that nobody waits for."""
-    if not free or self.grants.waiting or self.backend.num_workers <= self.config.min_workers:
+    """Stops one worker beyond min_workers that was free (and nobody waited
+    for one) for scale_down_intervals intervals."""
+    now = time.monotonic()
+    self._free_since = {a: self._free_since.get(a, now) for a in free}
+    patience = self.config.scale_down_intervals * self.config.interval_s
+    spare = [a for a in free if now - self._free_since[a] >= patience]
+    if (not spare or self.grants.waiting
+        or self.backend.num_workers <= self.config.min_workers):
       return
     with self._state.lock:
       self._state.lock.answer_without_fsync()
-      self.grants.draining[free[-1]] = job_grants.SPARE
-    self._stop_worker(free[-1], pids.get(free[-1], 0))
+      self.grants.draining[spare[-1]] = job_grants.SPARE
+    self._stop_worker(spare[-1], pids.get(spare[-1], 0))
 
   def _stop_worker(self, address: str, pid: int) -> None:
     # Draining takes as long as its consumers take its batches: not on this thread.
