@@ -187,3 +187,31 @@ def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(m
   # The drained worker was gone before light's started: never more than 3.
   assert len(set(first_pids) - set(pids_then[0])) == 1 and len(pids_then[0]) == 3, (
       first_pids, pids_then, decisions)
+
+
+def test_a_job_whose_consumer_slows_down_gives_its_workers_back(monkeypatch):
+  # A consumer taking one element every 6 ms from workers that take 20 ms
+  # each: the job grows; then each step takes 45 ms and its buffers stay
+  # full: it gives workers back, each draining before it goes, to one worker
+  # (20 ms per element is still faster than 45 ms).
+  config = per_job_config(monkeypatch, min_workers=1, max_workers=4, interval_s=0.4,
+                          scale_down_intervals=2)
+  dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy_20ms)
+  with service.DispatchServer(config) as dispatcher:
+    scaler = dispatcher.autoscaler
+    with dataset.distribute(dispatcher.target, "distributed_epoch", job_name="slowing",
+                            max_outstanding_requests=4).make_iterator() as it:
+      deadline = time.monotonic() + 20
+      while time.monotonic() < deadline and (  # converged: its consumer stopped waiting
+          scaler.job_decisions[("slowing", "hold", "steady")] < 2):
+        next(it)
+        time.sleep(0.006)
+      grown = scaler.job_workers.get("slowing")
+      deadline = time.monotonic() + 20
+      while scaler.backend.num_workers > 1 and time.monotonic() < deadline:
+        next(it)
+        time.sleep(0.045)
+      shrunk = scaler.backend.num_workers
+      decisions = dict(scaler.job_decisions)
+  assert grown >= 3 and shrunk == 1, decisions
+  assert decisions[("slowing", "down", "queue")] == grown - 1, decisions

@@ -103,7 +103,22 @@ def test_a_fed_job_whose_queue_grows_past_its_converged_level_gives_workers_back
   # Buffers only 30% fuller than at convergence: it keeps its workers.
   policy = job_scaling.JobScalingPolicy(config(max_workers=8, scale_down_intervals=3))
   workers, _ = run(policy, {1: (0.003, 0.010)}, 20)
-  workers, _ = run(policy, {1: (0.010, 0.010)}, 30, workers, fills={1: 0.78})
+  workers, _ = run(policy, {1: (0.003, 0.010)}, 30, workers, fills={1: 0.78})
+  assert workers == {1: 4}
+
+
+def test_a_job_converged_with_full_buffers_gives_workers_back_when_its_consumers_slow():
+  # Full buffers at convergence cannot grow 40%: a batch time 40% longer
+  # than the converged one (the consumer slowed from 3 to 10 ms) stands in.
+  policy = job_scaling.JobScalingPolicy(config(max_workers=8, scale_down_intervals=3))
+  workers, _ = run(policy, {1: (0.003, 0.010)}, 20, fills={1: 1.0})
+  assert workers == {1: 4}
+  workers, log = run(policy, {1: (0.010, 0.010)}, 30, workers, fills={1: 1.0})
+  assert workers == {1: 1}, log
+  # 30% slower only: it keeps them.
+  policy = job_scaling.JobScalingPolicy(config(max_workers=8, scale_down_intervals=3))
+  workers, _ = run(policy, {1: (0.003, 0.010)}, 20, fills={1: 1.0})
+  workers, _ = run(policy, {1: (0.0039, 0.010)}, 30, workers, fills={1: 1.0})
   assert workers == {1: 4}
 
 

@@ -17,7 +17,10 @@ from the processes it moves, so that it can be tested with injected samples:
 * Converged: the job's buffer fill is its converged level. When its
   consumers stop waiting (less than a fifth of `wait_fraction`) and its fill
   stays above that level by `queue_growth` (relative) for
-  `scale_down_intervals` intervals, it gives one worker back. When its batch
+  `scale_down_intervals` intervals, it gives one worker back. Where the
+  converged level is too near full for that (a fill cannot pass 1), a
+  batch time longer than the converged one by `queue_growth` stands in for
+  the queue's growth (consumers that much slower than at convergence). When its batch
   time grows past the converged one by `min_gain` while its consumers wait,
   for as many intervals, it grows again (its input got dearer).
 * Sharing `max_workers`: jobs that want a worker get one in the order of
@@ -205,8 +208,14 @@ class JobScalingPolicy:
     if state.converged_fill is None or state.converged_time is None:
       state.converged_fill, state.converged_time = sample.buffer_fill, time_s
       return HOLD, STEADY, 0.0
-    fed = (sample.wait_fraction < c.scale_up_wait_fraction / 5
-           and sample.buffer_fill > state.converged_fill * (1 + c.queue_growth))
+    # A buffer full at convergence cannot show its queue grow: then the
+    # consumers' rate stands in for it (they take elements that much slower
+    # than the workers make them).
+    grown = c.queue_growth + 1
+    fed = sample.wait_fraction < c.scale_up_wait_fraction / 5 and (
+        sample.buffer_fill > state.converged_fill * grown
+        or (state.converged_fill * grown >= 1 and sample.buffer_fill >= state.converged_fill
+            and time_s > state.converged_time * grown))
     state.fed = state.fed + 1 if fed and workers > 1 else 0
     if state.fed >= c.scale_down_intervals:
       state.gain = self._measured_gain(state, workers - 1)
