@@ -57,6 +57,38 @@ def test_a_pool_counts_the_workers_the_deployment_already_has():
   assert api.replicas == 3 and len(api.patches) == 1
 
 
+class FakeCoreApi:
+  """The pods of the worker Deployment (and one of another), by IP."""
+
+  def __init__(self, pods: dict[str, str]):
+    self.pods = pods  # name -> IP
+    self.patches: list[tuple[str, str, dict]] = []
+
+  def list_namespaced_pod(self, namespace, field_selector):
+    assert namespace == "jaxfeed" and field_selector.startswith("status.podIP=")
+    ip = field_selector.split("=", 1)[1]
+    return types.SimpleNamespace(items=[
+        types.SimpleNamespace(metadata=types.SimpleNamespace(name=name))
+        for name, pod_ip in self.pods.items() if pod_ip == ip])
+
+  def patch_namespaced_pod(self, name, namespace, body):
+    self.patches.append((namespace, name, body))
+
+
+def test_the_worker_asked_for_goes_cheapest_before_the_deployment_shrinks():
+  apps = FakeAppsApi(replicas=3)
+  core = FakeCoreApi({"jaxfeed-worker-7c9-a": "10.0.0.1", "jaxfeed-worker-7c9-b": "10.0.0.2",
+                      "jaxfeed-worker-7c9-c": "10.0.0.3", "other-1": "10.0.0.9"})
+  backend = kubernetes_backend.KubernetesWorkerBackend("jaxfeed/jaxfeed-worker", apps, core)
+  assert backend.stop_worker_at("10.0.0.2:5051")
+  assert core.patches == [("jaxfeed", "jaxfeed-worker-7c9-b", {"metadata": {"annotations": {
+      kubernetes_backend.DELETION_COST: str(-(2**31))}}})]
+  assert apps.replicas == 2
+  # No pod of the Deployment has that IP: nothing changes.
+  assert not backend.stop_worker_at("10.0.0.9:5051") and not backend.stop_worker_at("10.0.0.5:1")
+  assert apps.replicas == 2 and len(core.patches) == 1
+
+
 @pytest.mark.parametrize("value", ["", "jaxfeed", "/w", "a/b/c"])
 def test_a_bad_deployment_name_is_named(value):
   with pytest.raises(ValueError, match="NAMESPACE/NAME"):

@@ -126,11 +126,6 @@ class AutoscaleConfig:
         or not self.queue_growth > 0):
       raise ValueError(f"AutoscaleConfig: queue_growth (--autoscale_queue_growth) must be "
                        f"a number > 0, got {self.queue_growth!r}.")
-    if self.policy == PER_JOB and self.backend == "kubernetes":
-      raise ValueError(
-          "AutoscaleConfig: policy='per_job' needs a backend that stops a chosen worker "
-          "(local, ray); backend='kubernetes' scales a Deployment whose pod to remove "
-          "Kubernetes picks, so use policy='pool' there.")
     if not isinstance(self.min_workers, int) or self.min_workers < 0:
       raise ValueError(f"AutoscaleConfig: min_workers must be an integer >= 0, got "
                        f"{self.min_workers!r}.")
