@@ -1,9 +1,11 @@
 r"""Renders the benchmark results recorded in benchmarks/results/ into the
-README's results table and docs/benchmarks.md (tables, and plots under
-docs/images/benchmarks/), so that every published figure comes from a
-recorded run.
+README's results table, docs/benchmarks.md (tables, and plots under
+docs/images/benchmarks/) and the tables other docs pages quote
+(`report_pages.PAGES`: the dispatcher at pod scale, W8 in the text guide,
+W6's plans in coordinated reads), so that every published figure comes
+from a recorded run.
 
-  python -m benchmarks.report            # rewrite README.md, docs/benchmarks.md, plots
+  python -m benchmarks.report            # rewrite README.md, the docs pages, plots
   python -m benchmarks.report --check    # exit 1 when any of them differs
   python -m benchmarks.report --no-plots # tables only (no matplotlib needed)
 
@@ -22,6 +24,7 @@ import re
 import subprocess
 import sys
 from benchmarks import record
+from benchmarks import report_pages
 from benchmarks import report_plots
 from benchmarks import report_rows
 from benchmarks.report_rows import table
@@ -96,6 +99,12 @@ def render(results: report_rows.Results, readme: str, docs: str,
   return readme, docs
 
 
+def render_page(results: report_rows.Results, page: str, text: str) -> str:
+  """`text`, the page `page` of `report_pages.PAGES`, with its generated
+  tables filled in."""
+  return replace_blocks(text, report_pages.PAGES[page](results), page)
+
+
 @dataclasses.dataclass(frozen=True)
 class Output:
   path: pathlib.Path
@@ -114,6 +123,9 @@ def outputs(results: report_rows.Results, plots: bool = True) -> list[Output]:
   readme, docs = render(results, README.read_text(encoding="utf-8"),
                         DOCS_PAGE.read_text(encoding="utf-8"), titles)
   found = [Output(README, readme.encode()), Output(DOCS_PAGE, docs.encode())]
+  for page in report_pages.PAGES:
+    text = render_page(results, page, (REPO / page).read_text(encoding="utf-8"))
+    found.append(Output(REPO / page, text.encode()))
   found += [Output(PLOTS_DIR / name, svg) for name, svg in images.items()]
   return found
 

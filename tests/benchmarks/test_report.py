@@ -1,11 +1,13 @@
-"""The README's results table and the benchmark page's tables are what
-`python -m benchmarks.report` renders from benchmarks/results/, byte for
-byte; benchmark runs record their rows with their context.
+"""The README's results table, the benchmark page's tables and the
+dispatcher-scale page's tables are what `python -m benchmarks.report`
+renders from benchmarks/results/, byte for byte; benchmark runs record
+their rows with their context.
 
 No benchmark runs here: the recorded files are read, and the record module
 is exercised with rows made up for the purpose.
 """
 
+import copy
 import json
 import subprocess
 import sys
@@ -14,6 +16,8 @@ import pytest
 
 from benchmarks import record
 from benchmarks import report
+from benchmarks import report_dispatcher
+from benchmarks import report_pages
 from benchmarks import report_plots
 from benchmarks import report_rows
 
@@ -40,6 +44,53 @@ def test_benchmark_page_tables_are_rendered_from_the_recorded_runs():
   _, docs = _rendered()
   assert report.DOCS_PAGE.read_text(encoding="utf-8") == docs, (
       "docs/benchmarks.md differs from the recorded runs: `python -m benchmarks.report`.")
+
+
+@pytest.mark.parametrize("page", sorted(report_pages.PAGES))
+def test_docs_pages_tables_are_rendered_from_the_recorded_runs(page):
+  text = (record.REPO / page).read_text(encoding="utf-8")
+  assert report.render_page(_recorded(), page, text) == text, (
+      f"{page} differs from the recorded runs: `python -m benchmarks.report`.")
+
+
+def test_every_rendered_page_counts_as_an_output_of_the_report():
+  """A checkout that differs only in what the report writes still runs its commit's code."""
+  assert set(report_pages.PAGES) <= set(record.OUTPUTS)
+
+
+def test_a_hand_edited_dispatcher_figure_is_put_back():
+  page = "docs/dispatcher_scale.md"
+  text = (record.REPO / page).read_text(encoding="utf-8")
+  row = next(line for line in text.splitlines() if line.startswith("| 1,024 / 2,048 | 60 s |"))
+  edited = text.replace(row, "| 1,024 / 2,048 | 60 s | 9999 | 0.1 | 0.01 ms | 0 |")
+  assert edited != text
+  assert report.render_page(_recorded(), page, edited) == text
+
+
+def test_a_missed_dispatcher_target_is_marked(tmp_path, monkeypatch):
+  monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
+  line, context = max(_recorded().rows("dispatcher_scale", "dispatcher scale"),
+                      key=lambda rc: rc[0]["workers"])
+  slow = copy.deepcopy(line)
+  slow["latency_ms"]["GetSplits"]["p99"] = 150.0
+  slow["failed_rpcs"] = 3
+  record.save("dispatcher_scale", {"context": context, "rows": [slow]})
+  text = report_dispatcher.targets(report_rows.Results.load(tmp_path))
+  assert "| every RPC kind's callers' p99 <= 100 ms | 150 ms (GetSplits) | **no** |" in text
+  assert "| no failed RPC | 3 | **no** |" in text
+  assert "| restart replay <= 5 s |" in text and "s | yes |" in text
+
+
+def test_the_projection_paces_heartbeats_as_the_dispatcher_does():
+  calls = report_dispatcher.modelled_rpcs(1024)
+  # Both caps bind: workers every 10 / 3 s, clients every 60 / 10 s; splits
+  # of 256 x 1024 / 32 positions, 2 a call, 1,000 positions a second per task.
+  assert calls["WorkerHeartbeat"] == pytest.approx(1024 / (10 / 3))
+  assert calls["ClientHeartbeat"] == pytest.approx(2048 / 6)
+  assert calls["GetSplits"] == pytest.approx(2 * 1024 * 1000 / (2 * 256 * 32))
+  # A few workers keep their own intervals (0.5 s; clients 0.1 s).
+  assert report_dispatcher.modelled_rpcs(16)["WorkerHeartbeat"] == pytest.approx(32)
+  assert report_dispatcher.largest_within(0.6, 0.5) > report_dispatcher.largest_within(0.6, 1.0)
 
 
 def test_readme_has_recorded_headline_rows():
@@ -134,3 +185,5 @@ def test_check_exits_nonzero_when_the_readme_differs(tmp_path):
                         capture_output=True, text=True, timeout=60, check=False)
   assert done.returncode == 1, done.stderr
   assert "README.md differs from what `python -m benchmarks.report` renders" in done.stderr
+  assert ("docs/dispatcher_scale.md differs from what `python -m benchmarks.report` renders"
+          in done.stderr)
