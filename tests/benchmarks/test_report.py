@@ -9,6 +9,7 @@ is exercised with rows made up for the purpose.
 
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -187,3 +188,36 @@ def test_check_exits_nonzero_when_the_readme_differs(tmp_path):
   assert "README.md differs from what `python -m benchmarks.report` renders" in done.stderr
   assert ("docs/dispatcher_scale.md differs from what `python -m benchmarks.report` renders"
           in done.stderr)
+
+
+# A rate (MB/s, images/s, RPC/s, ...), a ratio (2.5x) or a tail latency
+# (p99 ... 12 ms): what a benchmark measures.
+_MEASURED = re.compile(
+    r"\d[\d.,]*\s*[kMG]?\s*(?:MB/s|GB/s|KB/s|MiB/s|GiB/s|img/s|images/s|tokens/s|elements/s"
+    r"|sequences/s|seq/s|RPC/s|calls/s|changes/s)"
+    r"|\b\d+(?:\.\d+)?x\b(?! *\d)"
+    r"|\bp(?:50|90|99)\b[^.|\n]{0,12}?\d+(?:\.\d+)? ?ms", re.I)
+_GENERATED = re.compile(r"<!-- benchmarks\.report: ([\w-]+) -->.*?"
+                        r"<!-- end benchmarks\.report: \1 -->", re.S)
+
+
+def _measured_figures_typed_by_hand(text: str) -> list[str]:
+  return [m.group(0) for m in _MEASURED.finditer(_GENERATED.sub("", text))]
+
+
+def test_no_measured_figure_is_typed_by_hand_in_the_docs():
+  pages = [record.REPO / "README.md", *sorted((record.REPO / "docs").rglob("*.md"))]
+  typed = {str(page.relative_to(record.REPO)): found for page in pages
+           if (found := _measured_figures_typed_by_hand(page.read_text(encoding="utf-8")))}
+  assert not typed, (
+      f"measured figures typed by hand: {typed}; render them from benchmarks/results/ "
+      "(a block of benchmarks/report_pages.py) or say it without the number.")
+
+
+def test_hand_typed_figures_are_found_and_rendered_ones_are_not():
+  assert _measured_figures_typed_by_hand(
+      "ran 5.8 MB/s against 3.9 (1.5x); 13.4k images/s; p99 of 25 ms; a 64x64 image") == [
+          "5.8 MB/s", "1.5x", "13.4k images/s", "p99 of 25 ms"]
+  assert _measured_figures_typed_by_hand(
+      "<!-- benchmarks.report: w8 -->\n| 48.5M tokens/s | 6.39x |\n"
+      "<!-- end benchmarks.report: w8 -->\n") == []
