@@ -483,8 +483,11 @@ class ProcessBatchIterator(base.OpIterator):
     fields["copy"] = self._node.copy
     fields["elements"] = self._batches
     fields["busy_seconds"] = self._busy_s
-    fields["parallelism"] = (1 if self._workers is None
-                             else len(self._workers))
+    if self._workers is not None:
+      fields["parallelism"] = len(self._workers)
+    else:  # ended: the workers it ran on went back to the node
+      fields["parallelism"] = (self._runtime.num_workers or 1
+                               if self.backend in ("thread", "process") else 1)
     return fields
 
   @property
