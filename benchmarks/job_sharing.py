@@ -16,8 +16,8 @@ read (by all jobs), and how many times each record was computed (worker CPU
 over one job's). The tf.data service paper's shape: no slowdown with sharing
 as jobs grow; without it, N jobs split the workers' CPU. Its regime is
 preprocessing-bound jobs (hence 2 ms of work per record by default): with
-cheap records every job's client, all in this process here, costs more than
-the shared pipeline saves.
+cheap records the jobs' clients, all in this process here, become the
+bottleneck before the workers do.
 """
 
 from __future__ import annotations
