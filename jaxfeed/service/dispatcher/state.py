@@ -16,6 +16,7 @@ from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import spec_signature
 from jaxfeed.service.protocol import split_failures
 from jaxfeed.service.protocol import target_workers
 from jaxfeed.service.protocol import wire
@@ -84,7 +85,7 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
     if compression not in (*wire.COMPRESSIONS, wire.COMPRESSION_AUTO):
       raise ValueError(f"RegisterDataset: compression must be one of "
                        f"{(*wire.COMPRESSIONS, wire.COMPRESSION_AUTO)}, got {compression!r:.40}.")
-    spec_lib.check_signature(dataset_def, self.config.pickled_udf_secret)
+    spec_signature.check_signature(dataset_def, self.config.pickled_udf_secret)
     import_paths.check_spec_paths(dataset_def, self.config.udf_modules)
     if not dataset_def.graph_json:
       raise ValueError("RegisterDataset: the dataset definition has no graph.")
