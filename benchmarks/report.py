@@ -18,6 +18,7 @@ rendering twice gives the same bytes.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import pathlib
 import re
@@ -136,10 +137,37 @@ def leftovers(written: list[Output]) -> list[pathlib.Path]:
   return sorted(p for p in PLOTS_DIR.glob("*.svg") if p not in kept)
 
 
+def _code(source: str) -> str:
+  """A module's syntax tree without its docstrings: what runs, whatever the
+  layout (the formatter's line breaks, a reworded docstring)."""
+  try:
+    tree = ast.parse(source)
+  except SyntaxError:
+    return source
+  for node in ast.walk(tree):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+      body[0] = ast.Pass()
+  return ast.dump(tree)
+
+
+def _same_code(commit: str, path: str) -> bool:
+  """Whether `path` at `commit` runs the same code as at HEAD."""
+  if not path.endswith(".py"):
+    return False
+  old, new = (subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO,
+                             capture_output=True, text=True, check=False)
+              for rev in (commit, "HEAD"))
+  return (old.returncode == 0 and new.returncode == 0
+          and _code(old.stdout) == _code(new.stdout))
+
+
 def stale(results: report_rows.Results) -> list[str]:
   """Runs whose commit's code (jaxfeed/, benchmarks/) differs from HEAD's:
   what they measured is no longer the code in the repository. The files that
-  record and render results measure nothing and do not count."""
+  record and render results measure nothing and do not count, nor do changes
+  of layout or docstrings alone (`_code`)."""
   notes = []
   for commit in sorted(results.commits()):
     changed = subprocess.run(
@@ -147,6 +175,7 @@ def stale(results: report_rows.Results) -> list[str]:
          ":(exclude)benchmarks/results", ":(exclude)benchmarks/report*.py",
          ":(exclude)benchmarks/record.py"],
         cwd=REPO, capture_output=True, text=True, check=False).stdout.split()
+    changed = [path for path in changed if not _same_code(commit, path)]
     if changed:
       where = sorted({"/".join(path.split("/")[:2]) for path in changed})
       notes.append(f"runs at {commit[:7]}: {len(changed)} files changed since, in "

@@ -221,3 +221,34 @@ def test_hand_typed_figures_are_found_and_rendered_ones_are_not():
   assert _measured_figures_typed_by_hand(
       "<!-- benchmarks.report: w8 -->\n| 48.5M tokens/s | 6.39x |\n"
       "<!-- end benchmarks.report: w8 -->\n") == []
+
+
+def test_a_run_goes_stale_when_the_code_changes_not_its_layout(tmp_path, monkeypatch):
+  # The formatter's line breaks and a reworded docstring leave a run's
+  # figures standing; a changed expression does not.
+  repo = tmp_path / "repo"
+  (repo / "jaxfeed").mkdir(parents=True)
+  module = repo / "jaxfeed" / "op.py"
+
+  def commit(text: str) -> str:
+    module.write_text(text, encoding="utf-8")
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"],
+                   cwd=repo, check=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+  subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+  measured = commit('"""Op."""\n\ndef f(a, b):\n  return g(a,\n           b)\n')
+
+  class Results:
+    def commits(self):
+      return {measured}
+
+  monkeypatch.setattr(report, "REPO", repo)
+  commit('"""The op, reworded."""\n\n\ndef f(a, b):\n  return g(\n    a,\n    b,\n  )\n')
+  assert report.stale(Results()) == []
+  commit('"""Op."""\n\ndef f(a, b):\n  return g(b, a)\n')
+  assert report.stale(Results()) == [
+      f"runs at {measured[:7]}: 1 files changed since, in jaxfeed/op.py; "
+      "rerun the runs that use them"]
