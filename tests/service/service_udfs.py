@@ -1,5 +1,7 @@
 """Module-level UDFs the service tests ship to worker processes by import path."""
 
+import os
+
 import numpy as np
 
 
@@ -187,3 +189,11 @@ def sleepy_20ms(x):
   import time  # pylint: disable=g-import-not-at-top
   time.sleep(0.02)
   return x
+
+
+def logged_triple(element):
+  """{"x": 3x}, logging each call as one byte in $JAXFEED_TEST_CALLS (any
+  process, so that tests count calls made in worker processes)."""
+  with open(os.environ["JAXFEED_TEST_CALLS"], "ab") as f:
+    f.write(b".")
+  return {"x": element["x"] * 3}

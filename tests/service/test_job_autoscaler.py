@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 import jaxfeed
@@ -35,6 +36,18 @@ def jobs_by_worker(dispatcher):
       for task in job.tasks.values():
         if not task.finished:
           found.setdefault(task.worker_address, set()).add(job.job_name)
+  return found
+
+
+def worker_processes() -> list[psutil.Process]:
+  """This process's worker processes, draining ones included."""
+  found = []
+  for child in psutil.Process().children():
+    try:
+      if "jaxfeed.service.worker" in child.cmdline():
+        found.append(child)
+    except psutil.NoSuchProcess:
+      pass
   return found
 
 
@@ -143,7 +156,7 @@ def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(m
   # heavy's read (at-most-once, so that a worker stopped without draining
   # would lose its splits) still delivers every element once.
   config = per_job_config(monkeypatch, min_workers=1, max_workers=3, interval_s=0.4)
-  heavy = jaxfeed.Dataset.range(1000).map(service_udfs.sleepy_20ms)
+  heavy = jaxfeed.Dataset.range(1500).map(service_udfs.sleepy_20ms)
   light = jaxfeed.Dataset.range(10**6).map(service_udfs.add_one)
   stop = threading.Event()
   light_workers, pids_then, errors = [], [], []
@@ -164,7 +177,7 @@ def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(m
   with service.DispatchServer(config) as dispatcher:
     scaler = dispatcher.autoscaler
     backend = scaler.backend
-    seen, shared = [], []
+    seen, shared, most = [], [], 0
     thread = threading.Thread(target=read_light)
     try:
       with heavy.distribute(dispatcher.target, "distributed_epoch", job_name="heavy",
@@ -175,18 +188,19 @@ def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(m
             first_pids = backend.pids()
             thread.start()
           shared += [jobs for jobs in jobs_by_worker(dispatcher).values() if len(jobs) > 1]
+          most = max(most, len(worker_processes()))
     finally:
       stop.set()
       if thread.is_alive():
         thread.join(timeout=30)
     decisions = dict(scaler.job_decisions)
   assert not errors, errors
-  assert sorted(seen) == list(range(1000))  # nothing lost, nothing twice
+  assert sorted(seen) == list(range(1500))  # nothing lost, nothing twice
   assert decisions.get(("heavy", "down", "rebalance")) == 1, decisions
   assert len(light_workers[0]) == 1 and not shared, (light_workers, shared)
-  # The drained worker was gone before light's started: never more than 3.
-  assert len(set(first_pids) - set(pids_then[0])) == 1 and len(pids_then[0]) == 3, (
-      first_pids, pids_then, decisions)
+  # The drained worker was gone before light's started: never more than 3
+  # worker processes.
+  assert set(first_pids) - set(pids_then[0]) and most <= 3, (first_pids, pids_then, decisions)
 
 
 def test_a_job_whose_consumer_slows_down_gives_its_workers_back(monkeypatch):
