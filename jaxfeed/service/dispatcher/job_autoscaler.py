@@ -108,6 +108,10 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
       free = self.grants.free(state.workers, jobs)
       pids = {a: w.pid for a, w in state.workers.items()}
       labels = {job_id: job_label(jobs[job_id]) for job_id in workers}
+      known = {job_label(job) for job in jobs.values()}
+    # A job's counts live as long as the job.
+    for key in [k for k in self.job_decisions if k[0] not in known]:
+      del self.job_decisions[key]
     free = self._keep_promises(free)
     samples = {job_id: job_sample(p) for job_id, p in pairs.items()}
     decisions = self.job_policy.decide(workers, samples, starting, draining, idle)
