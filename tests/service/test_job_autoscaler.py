@@ -141,6 +141,10 @@ def test_two_jobs_converge_to_their_own_workers_and_share_none(monkeypatch):
      "--autoscale_min_gain) must be a fraction in (0, 1), got 2.0"),
     (("--autoscale_max_workers=4", "--autoscale_queue_growth=-1"),
      "--autoscale_queue_growth) must be a number > 0, got -1.0"),
+    (("--autoscale_max_workers=4", "--autoscale_scale_down_fill=1.5"),
+     "--autoscale_scale_down_fill) must be a fraction in (0, 1], got 1.5"),
+    (("--autoscale_max_workers=4", "--autoscale_interval_s=0"),
+     "--autoscale_interval_s) must be a number > 0, got 0.0"),
     (("--autoscale_policy=per_job",), "--autoscale_policy=per_job needs an elastic pool")])
 def test_a_bad_autoscaling_flag_stops_the_dispatcher_naming_it(flags, message):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]))

@@ -132,10 +132,14 @@ class AutoscaleConfig:
     if not isinstance(self.max_workers, int) or self.max_workers < max(1, self.min_workers):
       raise ValueError(f"AutoscaleConfig: max_workers must be an integer >= max(1, "
                        f"min_workers={self.min_workers}), got {self.max_workers!r}.")
-    for name in ("interval_s", "scale_down_fill"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"AutoscaleConfig: {name} must be a number > 0, got {value!r}.")
+    if (isinstance(self.interval_s, bool) or not isinstance(self.interval_s, (int, float))
+        or not self.interval_s > 0):
+      raise ValueError(f"AutoscaleConfig: interval_s (--autoscale_interval_s) must be a "
+                       f"number > 0, got {self.interval_s!r}.")
+    if (isinstance(self.scale_down_fill, bool)
+        or not isinstance(self.scale_down_fill, (int, float)) or not 0 < self.scale_down_fill <= 1):
+      raise ValueError(f"AutoscaleConfig: scale_down_fill (--autoscale_scale_down_fill) must "
+                       f"be a fraction in (0, 1], got {self.scale_down_fill!r}.")
     if not isinstance(self.scale_down_intervals, int) or self.scale_down_intervals < 1:
       raise ValueError(f"AutoscaleConfig: scale_down_intervals must be an integer >= 1, "
                        f"got {self.scale_down_intervals!r}.")

@@ -294,7 +294,8 @@ def main(argv: Any) -> None:
             policy=f.autoscale_policy, min_gain=f.autoscale_min_gain,
             scale_up_wait_fraction=f.autoscale_wait_fraction,
             queue_growth=f.autoscale_queue_growth,
-            scale_down_intervals=f.autoscale_scale_down_intervals)
+            scale_down_intervals=f.autoscale_scale_down_intervals,
+            scale_down_fill=f.autoscale_scale_down_fill)
         if f.autoscale_max_workers else _no_autoscaling(f.autoscale_policy),
         heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(
             goodbye_via_worker_clients=f.goodbye_via_worker_clients),
@@ -412,6 +413,8 @@ def define_flags() -> None:
   flags.DEFINE_float("autoscale_queue_growth", 0.4, "per_job: a job whose consumers stopped "
                      "waiting gives a worker back once its clients' buffers stay this "
                      "much (relative) fuller than when it converged.")
+  flags.DEFINE_float("autoscale_scale_down_fill", 0.9, "pool: buffers at least this full "
+                     "(and consumers hardly waiting) count as well fed.")
   flags.DEFINE_integer("autoscale_scale_down_intervals", 3, "Intervals in a row a job "
                        "(pool) must look over-provisioned before a worker goes.")
   flags.DEFINE_multi_string("worker_flag", None, "A flag of the pool's workers, e.g. "
