@@ -208,18 +208,20 @@ def job(job_id, *tasks):
 def test_a_worker_is_granted_to_one_job_and_a_waiting_job_takes_a_new_one():
   grants = job_grants.JobGrants()
   jobs = {1: job(1), 2: job(2)}
-  assert not grants.may_serve(1, "w1", jobs)  # no client reads it, nobody waits
+  assert not grants.may_serve(jobs[1], "w1", set())  # no client reads it, nobody waits
   grants.waiting.append((2, time.monotonic()))
-  assert not grants.may_serve(1, "w1", jobs) and grants.may_serve(2, "w1", jobs)
+  assert not grants.may_serve(jobs[1], "w1", set()) and grants.may_serve(jobs[2], "w1", set())
   assert grants.owner == {"w1": 2} and not grants.waiting
-  jobs[2] = job(2, "w1")
-  assert not grants.may_serve(1, "w1", jobs)
+  assert not grants.may_serve(jobs[1], "w1", {2})
   grants.drain("w1")
-  assert not grants.may_serve(2, "w1", jobs)  # draining: no task of any job
+  assert not grants.may_serve(jobs[2], "w1", {2})  # draining: no task of any job
   assert grants.workers_of([1, 2]) == {1: 0, 2: 0}
   jobs[1].clients[5] = time.monotonic()  # read, without a worker: it takes a free one
-  assert grants.may_serve(1, "w2", jobs) and grants.owner == {"w2": 1}
-  assert not grants.may_serve(1, "w3", jobs)  # one only: more are the policy's to give
+  assert grants.may_serve(jobs[1], "w2", set()) and grants.owner == {"w2": 1}
+  assert not grants.may_serve(jobs[1], "w3", set())  # one only: more are the policy's to give
+  # A worker with a task of a job (replayed after a restart) serves that job only.
+  assert not grants.may_serve(jobs[1], "w4", {2}) and grants.may_serve(jobs[2], "w4", {2})
+  assert grants.owner["w4"] == 2
 
 
 def test_grants_come_back_from_the_tasks_after_a_restart():
@@ -229,7 +231,7 @@ def test_grants_come_back_from_the_tasks_after_a_restart():
   grants.sync(["w1", "w2", "w3", "w4"], jobs, waiting_timeout_s=60)
   assert grants.owner == {"w1": 1, "w2": 1, "w3": 2}
   assert grants.free(["w1", "w2", "w3", "w4"], jobs) == ["w4"]
-  assert not grants.may_serve(2, "w1", jobs)  # it serves job 1
+  assert not grants.may_serve(jobs[2], "w1", {1})  # it serves job 1
   del jobs[1]  # the job ended: its workers are free
   grants.sync(["w1", "w3", "w4"], jobs, waiting_timeout_s=60)
   assert grants.owner == {"w3": 2}

@@ -40,12 +40,13 @@ class JobGrants:
     self.waiting: list[tuple[int, float]] = []
     self.draining: dict[str, int] = {}  # address -> the job it served
 
-  def may_serve(self, job_id: int, address: str, jobs: Mapping[int, Job]) -> bool:
-    """Whether the worker at `address` may get a task of job `job_id`; a
-    free worker is granted to the job if it waits for one."""
+  def may_serve(self, job: Job, address: str, busy: set[int]) -> bool:
+    """Whether the worker at `address`, which has unfinished tasks of the
+    jobs `busy`, may get a task of `job`; a free worker is granted to the
+    job if it waits for one."""
+    job_id = job.job_id
     if address in self.draining:
       return False
-    busy = jobs_on(address, jobs.values())
     if busy - {job_id}:
       return False
     owner = self.owner.get(address)
@@ -59,7 +60,7 @@ class JobGrants:
         del self.waiting[i]
         self.grant(address, job_id)
         return True
-    if not self.waiting and jobs[job_id].clients and job_id not in self.owner.values():
+    if not self.waiting and job.clients and job_id not in self.owner.values():
       self.grant(address, job_id)  # a job starts with one worker, at once if one is free
       return True
     return False

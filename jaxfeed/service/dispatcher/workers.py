@@ -68,7 +68,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       if job.fixed_workers is None and not self._read_by_a_client(job, self.workers[address]):
         continue  # no client of the job reads it: its task would hold splits unread
       if job.fixed_workers is None and self.job_grants is not None and (
-          not self.job_grants.may_serve(job.job_id, address, self.jobs)):
+          not self.job_grants.may_serve(job, address, self._jobs_on(address))):
         continue  # per_job autoscaling: it serves another job, or none yet
       if job.fixed_workers is not None:
         index = _fixed_index(job.fixed_workers, address, indices)
@@ -81,6 +81,11 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
+
+  def _jobs_on(self, address: str) -> set[int]:
+    """The jobs with unfinished tasks on the worker at `address` (lock held)."""
+    return {t.job_id for t in self._tasks_of_worker(self.workers[address]).values()
+            if not t.finished}
 
   def assign_granted(self, job_id: int) -> None:
     """Gives the job tasks on the workers granted to it (per_job autoscaling)."""
