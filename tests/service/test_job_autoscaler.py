@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -233,3 +234,30 @@ def test_a_job_whose_consumer_slows_down_gives_its_workers_back(monkeypatch):
       decisions = dict(scaler.job_decisions)
   assert grown >= 3 and shrunk == 1, decisions
   assert decisions[("slowing", "down", "queue")] == grown - 1, decisions
+
+
+def test_a_job_that_loses_a_worker_grows_back(monkeypatch):
+  # SIGKILL one of a converged job's workers: its batch time grows while
+  # its consumer waits, so the job grows again to what it had.
+  config = per_job_config(monkeypatch, min_workers=1, max_workers=4, interval_s=0.4,
+                          scale_down_intervals=2)
+  dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy_20ms)
+  with service.DispatchServer(config) as dispatcher:
+    scaler = dispatcher.autoscaler
+    with dataset.distribute(dispatcher.target, "distributed_epoch", job_name="hurt",
+                            max_outstanding_requests=4).make_iterator() as it:
+      deadline = time.monotonic() + 20
+      while scaler.job_decisions[("hurt", "hold", "steady")] < 2:  # converged
+        assert time.monotonic() < deadline, dict(scaler.job_decisions)
+        next(it)
+        time.sleep(0.006)  # 4 workers make one every 5 ms: it stops waiting
+      converged = scaler.job_workers["hurt"]
+      victim = scaler.backend.pids()[-1]
+      os.kill(victim, signal.SIGKILL)
+      deadline = time.monotonic() + 20
+      while victim in scaler.backend.pids() or scaler.backend.num_workers < converged:
+        assert time.monotonic() < deadline, dict(scaler.job_decisions)
+        next(it)
+        time.sleep(0.006)
+      decisions = dict(scaler.job_decisions)
+  assert converged >= 3 and decisions[("hurt", "up", "regrow")] == 1, decisions
