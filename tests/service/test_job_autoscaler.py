@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -208,56 +209,52 @@ def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(m
   assert set(first_pids) - set(pids_then[0]) and most <= 3, (first_pids, pids_then, decisions)
 
 
-def test_a_job_whose_consumer_slows_down_gives_its_workers_back(monkeypatch):
-  # A consumer taking one element every 6 ms from workers that take 20 ms
-  # each: the job grows; then each step takes 45 ms and its buffers stay
-  # full: it gives workers back, each draining before it goes, to one worker
-  # (20 ms per element is still faster than 45 ms).
+def read_until(it, done, step_s: float, scaler) -> None:
+  """Reads one element every step_s until done() (at most 20 s)."""
+  deadline = time.monotonic() + 20
+  while not done():
+    assert time.monotonic() < deadline, dict(scaler.job_decisions)
+    next(it)
+    time.sleep(step_s)
+
+
+@contextlib.contextmanager
+def converged_job(monkeypatch, name: str):
+  """(the autoscaler, a read) of a job of 20 ms per element on a worker,
+  read one element every 6 ms, once it converged (4 workers make one every
+  5 ms: its consumer stopped waiting)."""
   config = per_job_config(monkeypatch, min_workers=1, max_workers=4, interval_s=0.4,
                           scale_down_intervals=2)
   dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy_20ms)
   with service.DispatchServer(config) as dispatcher:
     scaler = dispatcher.autoscaler
-    with dataset.distribute(dispatcher.target, "distributed_epoch", job_name="slowing",
+    with dataset.distribute(dispatcher.target, "distributed_epoch", job_name=name,
                             max_outstanding_requests=4).make_iterator() as it:
-      deadline = time.monotonic() + 20
-      while time.monotonic() < deadline and (  # converged: its consumer stopped waiting
-          scaler.job_decisions[("slowing", "hold", "steady")] < 2):
-        next(it)
-        time.sleep(0.006)
-      grown = scaler.job_workers.get("slowing")
-      deadline = time.monotonic() + 20
-      while scaler.backend.num_workers > 1 and time.monotonic() < deadline:
-        next(it)
-        time.sleep(0.045)
-      shrunk = scaler.backend.num_workers
-      decisions = dict(scaler.job_decisions)
-  assert grown >= 3 and shrunk == 1, decisions
+      read_until(it, lambda: scaler.job_decisions[(name, "hold", "steady")] >= 2, 0.006,
+                 scaler)
+      yield scaler, it
+
+
+def test_a_job_whose_consumer_slows_down_gives_its_workers_back(monkeypatch):
+  # Then each step takes 45 ms and its buffers stay full: it gives workers
+  # back, each draining before it goes, to one worker (20 ms per element is
+  # still faster than 45 ms).
+  with converged_job(monkeypatch, "slowing") as (scaler, it):
+    grown = scaler.job_workers["slowing"]
+    read_until(it, lambda: scaler.backend.num_workers == 1, 0.045, scaler)
+    decisions = dict(scaler.job_decisions)
+  assert grown >= 3, decisions
   assert decisions[("slowing", "down", "queue")] == grown - 1, decisions
 
 
 def test_a_job_that_loses_a_worker_grows_back(monkeypatch):
-  # SIGKILL one of a converged job's workers: its batch time grows while
-  # its consumer waits, so the job grows again to what it had.
-  config = per_job_config(monkeypatch, min_workers=1, max_workers=4, interval_s=0.4,
-                          scale_down_intervals=2)
-  dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy_20ms)
-  with service.DispatchServer(config) as dispatcher:
-    scaler = dispatcher.autoscaler
-    with dataset.distribute(dispatcher.target, "distributed_epoch", job_name="hurt",
-                            max_outstanding_requests=4).make_iterator() as it:
-      deadline = time.monotonic() + 20
-      while scaler.job_decisions[("hurt", "hold", "steady")] < 2:  # converged
-        assert time.monotonic() < deadline, dict(scaler.job_decisions)
-        next(it)
-        time.sleep(0.006)  # 4 workers make one every 5 ms: it stops waiting
-      converged = scaler.job_workers["hurt"]
-      victim = scaler.backend.pids()[-1]
-      os.kill(victim, signal.SIGKILL)
-      deadline = time.monotonic() + 20
-      while victim in scaler.backend.pids() or scaler.backend.num_workers < converged:
-        assert time.monotonic() < deadline, dict(scaler.job_decisions)
-        next(it)
-        time.sleep(0.006)
-      decisions = dict(scaler.job_decisions)
+  # SIGKILL one of its workers: its batch time grows while its consumer
+  # waits, so the job grows again to what it had.
+  with converged_job(monkeypatch, "hurt") as (scaler, it):
+    converged = scaler.job_workers["hurt"]
+    victim = scaler.backend.pids()[-1]
+    os.kill(victim, signal.SIGKILL)
+    read_until(it, lambda: victim not in scaler.backend.pids() and (
+        scaler.backend.num_workers == converged), 0.006, scaler)
+    decisions = dict(scaler.job_decisions)
   assert converged >= 3 and decisions[("hurt", "up", "regrow")] == 1, decisions
