@@ -24,13 +24,18 @@ workers, integrated over the run) and the most workers it ran.
 
   python -m benchmarks.autoscale_jobs [--seconds=40] [--max_workers=6]
       [--model_ms=6] [--light_ms=2] [--heavy_ms=20] [--interval_s=0.5]
-      [--policies=per_job,pool,fixed]
+      [--policies=per_job,pool,fixed] [--rounds=1]
+
+With --rounds=N the policies take turns N times (each round in another
+order, so that a change of the machine's load falls on each of them) and
+each figure is the median of its rounds.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import statistics
 import sys
 import threading
 import time
@@ -170,7 +175,7 @@ def measure(policy: str, options: dict[str, float]) -> dict:
 def main(argv: list[str]) -> None:
   options: dict[str, Any] = {"seconds": 40.0, "max_workers": 6, "model_ms": 6.0,
                              "light_ms": 2.0, "heavy_ms": 20.0, "interval_s": 0.5,
-                             "policies": ",".join(POLICIES)}
+                             "rounds": 1, "policies": ",".join(POLICIES)}
   for arg in argv[1:]:
     name, _, value = arg.lstrip("-").partition("=")
     if name not in options or not value:
@@ -184,8 +189,24 @@ def main(argv: list[str]) -> None:
   # The workers import this module by its import path.
   os.environ["PYTHONPATH"] = os.pathsep.join(
       [str(record.REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+  rounds = int(options.pop("rounds"))
+  runs: dict[str, list[dict]] = {policy: [] for policy in policies}
+  for i in range(rounds):  # the policies take turns, each round in another order
+    for policy in policies[i % len(policies):] + policies[:i % len(policies)]:
+      load = record.load_average()
+      runs[policy].append({**measure(policy, options), "load_before": load})
   for policy in policies:
-    record.row({**measure(policy, options), "load_before": record.load_average()})
+    record.row(median_row(runs[policy]))
+
+
+def median_row(rows: list[dict]) -> dict:
+  """One policy's rounds as one row: the median of each figure."""
+  row = dict(rows[0], rounds=len(rows), load_before=[r["load_before"] for r in rows])
+  for name in ("worker_seconds", "most_workers"):
+    row[name] = statistics.median(r[name] for r in rows)
+  row["jobs"] = {job: {name: statistics.median(r["jobs"][job][name] for r in rows)
+                       for name in figures} for job, figures in rows[0]["jobs"].items()}
+  return row
 
 
 if __name__ == "__main__":

@@ -29,3 +29,13 @@ def test_bad_options_name_what_is_allowed():
     autoscale_jobs.main(["autoscale_jobs", "--sconds=3"])
   with pytest.raises(SystemExit, match=r"--policies must name some of .*got \['each'\]"):
     autoscale_jobs.main(["autoscale_jobs", "--policies=each"])
+
+
+def test_rounds_are_reported_as_medians():
+  rows = [{"way": "pool", "jobs": {"a": {"workers": w, "elements_per_s": r}},
+           "worker_seconds": s, "most_workers": w, "load_before": [float(w)]}
+          for w, r, s in ((1, 10.0, 5.0), (3, 30.0, 9.0), (2, 20.0, 7.0))]
+  row = autoscale_jobs.median_row(rows)
+  assert row["jobs"] == {"a": {"workers": 2, "elements_per_s": 20.0}}
+  assert row["worker_seconds"] == 7.0 and row["most_workers"] == 2 and row["rounds"] == 3
+  assert row["load_before"] == [[1.0], [3.0], [2.0]]
