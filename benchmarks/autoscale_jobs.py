@@ -39,7 +39,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from benchmarks import record
 import jaxfeed
@@ -203,10 +203,14 @@ def median_row(rows: list[dict]) -> dict:
   """One policy's rounds as one row: the median of each figure."""
   row = dict(rows[0], rounds=len(rows), load_before=[r["load_before"] for r in rows])
   for name in ("worker_seconds", "most_workers"):
-    row[name] = statistics.median(r[name] for r in rows)
-  row["jobs"] = {job: {name: statistics.median(r["jobs"][job][name] for r in rows)
+    row[name] = _median(r[name] for r in rows)
+  row["jobs"] = {job: {name: _median(r["jobs"][job][name] for r in rows)
                        for name in figures} for job, figures in rows[0]["jobs"].items()}
   return row
+
+
+def _median(values: Iterable[float]) -> float:
+  return round(statistics.median(values), 2)
 
 
 if __name__ == "__main__":
