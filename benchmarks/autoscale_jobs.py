@@ -84,8 +84,9 @@ class _Consumer:
 
   def _run(self) -> None:
     try:
-      with self._dataset.distribute(self._target, "distributed_epoch", job_name=self.name,
-                                    max_outstanding_requests=4).make_iterator() as it:
+      with self._dataset.distribute(
+        self._target, "distributed_epoch", job_name=self.name, max_outstanding_requests=4
+      ).make_iterator() as it:
         while not self._stop.is_set():
           next(it)
           self.times.append(time.monotonic())
@@ -105,8 +106,10 @@ def _workers_by_job(dispatcher: service.DispatchServer) -> dict[str, int]:
   state = dispatcher.state
   with state.lock:
     state.lock.answer_without_fsync()
-    return {job.job_name: len({t.worker_address for t in job.tasks.values() if not t.finished})
-            for job in state.jobs.values()}
+    return {
+      job.job_name: len({t.worker_address for t in job.tasks.values() if not t.finished})
+      for job in state.jobs.values()
+    }
 
 
 def measure(policy: str, options: dict[str, float]) -> dict:
@@ -117,16 +120,22 @@ def measure(policy: str, options: dict[str, float]) -> dict:
   autoscale = None
   if policy != "fixed":
     autoscale = service.AutoscaleConfig(
-        policy=policy, min_workers=1, max_workers=max_workers,
-        interval_s=options["interval_s"], worker_flags=("--heartbeat_interval_s=0.2",
-                                                        "--buffer_size=4"))
-  config = service.DispatcherConfig(heartbeat_timeout_s=5, udf_modules=(_MODULE,),
-                                    autoscale=autoscale)
+      policy=policy,
+      min_workers=1,
+      max_workers=max_workers,
+      interval_s=options["interval_s"],
+      worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4"),
+    )
+  config = service.DispatcherConfig(
+    heartbeat_timeout_s=5, udf_modules=(_MODULE,), autoscale=autoscale
+  )
   hand = None
   with service.DispatchServer(config) as dispatcher:
     if policy == "fixed":
-      hand = local_backend.LocalWorkerBackend(dispatcher.target, [
-          "--heartbeat_interval_s=0.2", "--buffer_size=4", f"--udf_modules={_MODULE}"])
+      hand = local_backend.LocalWorkerBackend(
+        dispatcher.target,
+        ["--heartbeat_interval_s=0.2", "--buffer_size=4", f"--udf_modules={_MODULE}"],
+      )
       for _ in range(max_workers):
         hand.start_worker()
     pool: Any = hand
@@ -134,8 +143,10 @@ def measure(policy: str, options: dict[str, float]) -> dict:
       pool = dispatcher.autoscaler.backend
     udfs = importlib.import_module(_MODULE)
     try:
-      consumers = [_Consumer(dispatcher.target, name, getattr(udfs, name),
-                             options["model_ms"] / 1e3) for name in ("light", "heavy")]
+      consumers = [
+        _Consumer(dispatcher.target, name, getattr(udfs, name), options["model_ms"] / 1e3)
+        for name in ("light", "heavy")
+      ]
       started = time.monotonic()
       for consumer in consumers:
         consumer.start()
@@ -159,28 +170,49 @@ def measure(policy: str, options: dict[str, float]) -> dict:
   for consumer in consumers:
     counts = [(t, by_job.get(consumer.name, 0)) for t, by_job in history]
     final = counts[-1][1]
-    changed = max((t for (t, n), (_, before) in zip(counts[1:], counts) if n != before),
-                  default=0.0)
+    changed = max(
+      (t for (t, n), (_, before) in zip(counts[1:], counts) if n != before), default=0.0
+    )
     late = [t for t in consumer.times if t >= half]
     jobs[consumer.name] = {
-        "workers": final, "converged_s": round(changed, 1),
-        "elements_per_s": round(len(late) / (options["seconds"] / 2), 1)}
-  return {"workload": "W13 per-job autoscaling", "system": "jaxfeed", "way": policy,
-          "jobs": jobs, "worker_seconds": round(worker_seconds, 1), "most_workers": most,
-          "seconds": options["seconds"], "max_workers": max_workers,
-          "model_ms": options["model_ms"], "light_ms": options["light_ms"],
-          "heavy_ms": options["heavy_ms"], "interval_s": options["interval_s"]}
+      "workers": final,
+      "converged_s": round(changed, 1),
+      "elements_per_s": round(len(late) / (options["seconds"] / 2), 1),
+    }
+  return {
+    "workload": "W13 per-job autoscaling",
+    "system": "jaxfeed",
+    "way": policy,
+    "jobs": jobs,
+    "worker_seconds": round(worker_seconds, 1),
+    "most_workers": most,
+    "seconds": options["seconds"],
+    "max_workers": max_workers,
+    "model_ms": options["model_ms"],
+    "light_ms": options["light_ms"],
+    "heavy_ms": options["heavy_ms"],
+    "interval_s": options["interval_s"],
+  }
 
 
 def main(argv: list[str]) -> None:
-  options: dict[str, Any] = {"seconds": 40.0, "max_workers": 6, "model_ms": 6.0,
-                             "light_ms": 2.0, "heavy_ms": 20.0, "interval_s": 0.5,
-                             "rounds": 1, "policies": ",".join(POLICIES)}
+  options: dict[str, Any] = {
+    "seconds": 40.0,
+    "max_workers": 6,
+    "model_ms": 6.0,
+    "light_ms": 2.0,
+    "heavy_ms": 20.0,
+    "interval_s": 0.5,
+    "rounds": 1,
+    "policies": ",".join(POLICIES),
+  }
   for arg in argv[1:]:
     name, _, value = arg.lstrip("-").partition("=")
     if name not in options or not value:
-      raise SystemExit(f"autoscale_jobs: unknown option {arg!r}; allowed: "
-                       f"{', '.join('--' + n + '=' for n in options)}.")
+      raise SystemExit(
+        f"autoscale_jobs: unknown option {arg!r}; allowed: "
+        f"{', '.join('--' + n + '=' for n in options)}."
+      )
     options[name] = value if name == "policies" else float(value)
   policies = options.pop("policies").split(",")
   bad = [p for p in policies if p not in POLICIES]
@@ -188,11 +220,12 @@ def main(argv: list[str]) -> None:
     raise SystemExit(f"autoscale_jobs: --policies must name some of {POLICIES}, got {bad}.")
   # The workers import this module by its import path.
   os.environ["PYTHONPATH"] = os.pathsep.join(
-      [str(record.REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    [str(record.REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+  )
   rounds = int(options.pop("rounds"))
   runs: dict[str, list[dict]] = {policy: [] for policy in policies}
   for i in range(rounds):  # the policies take turns, each round in another order
-    for policy in policies[i % len(policies):] + policies[:i % len(policies)]:
+    for policy in policies[i % len(policies) :] + policies[: i % len(policies)]:
       load = record.load_average()
       runs[policy].append({**measure(policy, options), "load_before": load})
   for policy in policies:
@@ -204,8 +237,10 @@ def median_row(rows: list[dict]) -> dict:
   row = dict(rows[0], rounds=len(rows), load_before=[r["load_before"] for r in rows])
   for name in ("worker_seconds", "most_workers"):
     row[name] = _median(r[name] for r in rows)
-  row["jobs"] = {job: {name: _median(r["jobs"][job][name] for r in rows)
-                       for name in figures} for job, figures in rows[0]["jobs"].items()}
+  row["jobs"] = {
+    job: {name: _median(r["jobs"][job][name] for r in rows) for name in figures}
+    for job, figures in rows[0]["jobs"].items()
+  }
   return row
 
 

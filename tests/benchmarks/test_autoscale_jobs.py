@@ -13,11 +13,20 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_a_short_per_job_run_gives_the_heavy_job_more_workers(monkeypatch):
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(record.REPO), os.environ.get("PYTHONPATH", "")]))
-  row = autoscale_jobs.measure("per_job", {"seconds": 8.0, "max_workers": 4, "model_ms": 6.0,
-                                           "light_ms": 2.0, "heavy_ms": 20.0,
-                                           "interval_s": 0.4})
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join([str(record.REPO), os.environ.get("PYTHONPATH", "")])
+  )
+  row = autoscale_jobs.measure(
+    "per_job",
+    {
+      "seconds": 8.0,
+      "max_workers": 4,
+      "model_ms": 6.0,
+      "light_ms": 2.0,
+      "heavy_ms": 20.0,
+      "interval_s": 0.4,
+    },
+  )
   light, heavy = row["jobs"]["light"], row["jobs"]["heavy"]
   assert light["workers"] == 1 and heavy["workers"] >= 2, row
   assert light["elements_per_s"] > 0 and heavy["elements_per_s"] > 0
@@ -32,9 +41,16 @@ def test_bad_options_name_what_is_allowed():
 
 
 def test_rounds_are_reported_as_medians():
-  rows = [{"way": "pool", "jobs": {"a": {"workers": w, "elements_per_s": r}},
-           "worker_seconds": s, "most_workers": w, "load_before": [float(w)]}
-          for w, r, s in ((1, 10.0, 5.0), (3, 30.0, 9.0), (2, 20.0, 7.0))]
+  rows = [
+    {
+      "way": "pool",
+      "jobs": {"a": {"workers": w, "elements_per_s": r}},
+      "worker_seconds": s,
+      "most_workers": w,
+      "load_before": [float(w)],
+    }
+    for w, r, s in ((1, 10.0, 5.0), (3, 30.0, 9.0), (2, 20.0, 7.0))
+  ]
   row = autoscale_jobs.median_row(rows)
   assert row["jobs"] == {"a": {"workers": 2, "elements_per_s": 20.0}}
   assert row["worker_seconds"] == 7.0 and row["most_workers"] == 2 and row["rounds"] == 3

@@ -55,12 +55,17 @@ def worker_processes() -> list[psutil.Process]:
 
 def per_job_config(monkeypatch, **autoscale) -> service.DispatcherConfig:
   """A dispatcher with a per_job pool of local workers that import service_udfs."""
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  monkeypatch.setenv(
+    "PYTHONPATH",
+    os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+  )
   return service.DispatcherConfig(
-      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
-          policy="per_job", worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4"),
-          **autoscale))
+    heartbeat_timeout_s=2,
+    udf_modules=("service_udfs",),
+    autoscale=service.AutoscaleConfig(
+      policy="per_job", worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4"), **autoscale
+    ),
+  )
 
 
 def scrape(dispatcher) -> dict[tuple[str, tuple], float]:
@@ -71,8 +76,11 @@ def scrape(dispatcher) -> dict[tuple[str, tuple], float]:
       text = response.read().decode()
   finally:
     server.close()
-  return {(s.name, tuple(sorted(s.labels.items()))): s.value
-          for family in parser.text_string_to_metric_families(text) for s in family.samples}
+  return {
+    (s.name, tuple(sorted(s.labels.items()))): s.value
+    for family in parser.text_string_to_metric_families(text)
+    for s in family.samples
+  }
 
 
 def test_two_jobs_converge_to_their_own_workers_and_share_none(monkeypatch):
@@ -87,8 +95,9 @@ def test_two_jobs_converge_to_their_own_workers_and_share_none(monkeypatch):
   def consume(name, udf):
     dataset = jaxfeed.Dataset.range(10**6).map(udf)
     try:
-      with dataset.distribute(dispatcher.target, "distributed_epoch", job_name=name,
-                              max_outstanding_requests=4).make_iterator() as it:
+      with dataset.distribute(
+        dispatcher.target, "distributed_epoch", job_name=name, max_outstanding_requests=4
+      ).make_iterator() as it:
         iterators[name] = it
         while not stop.is_set():
           next(it)
@@ -99,8 +108,10 @@ def test_two_jobs_converge_to_their_own_workers_and_share_none(monkeypatch):
 
   with service.DispatchServer(config) as dispatcher:
     scaler = dispatcher.autoscaler
-    threads = [threading.Thread(target=consume, args=("light", service_udfs.add_one)),
-               threading.Thread(target=consume, args=("heavy", service_udfs.sleepy_20ms))]
+    threads = [
+      threading.Thread(target=consume, args=("light", service_udfs.add_one)),
+      threading.Thread(target=consume, args=("heavy", service_udfs.sleepy_20ms)),
+    ]
     for thread in threads:
       thread.start()
     shared, seen = [], []
@@ -132,26 +143,52 @@ def test_two_jobs_converge_to_their_own_workers_and_share_none(monkeypatch):
   assert decisions[("heavy", "up", "gain")] >= 2 and ("light", "up", "gain") not in decisions
   assert exported[("jaxfeed_job_workers", (("job", "light"),))] == 1
   assert exported[("jaxfeed_job_workers", (("job", "heavy"),))] >= 3
-  assert exported[("jaxfeed_job_scaling_decisions_total", (
-      ("direction", "up"), ("job", "heavy"), ("reason", "gain")))] >= 2
+  assert (
+    exported[
+      (
+        "jaxfeed_job_scaling_decisions_total",
+        (("direction", "up"), ("job", "heavy"), ("reason", "gain")),
+      )
+    ]
+    >= 2
+  )
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("--autoscale_max_workers=4", "--autoscale_policy=each"),
-     "--autoscale_policy) must be one of pool, per_job, got 'each'"),
-    (("--autoscale_max_workers=4", "--autoscale_policy=per_job", "--autoscale_min_gain=2"),
-     "--autoscale_min_gain) must be a fraction in (0, 1), got 2.0"),
-    (("--autoscale_max_workers=4", "--autoscale_queue_growth=-1"),
-     "--autoscale_queue_growth) must be a number > 0, got -1.0"),
-    (("--autoscale_max_workers=4", "--autoscale_scale_down_fill=1.5"),
-     "--autoscale_scale_down_fill) must be a fraction in (0, 1], got 1.5"),
-    (("--autoscale_max_workers=4", "--autoscale_interval_s=0"),
-     "--autoscale_interval_s) must be a number > 0, got 0.0"),
-    (("--autoscale_policy=per_job",), "--autoscale_policy=per_job needs an elastic pool")])
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (
+      ("--autoscale_max_workers=4", "--autoscale_policy=each"),
+      "--autoscale_policy) must be one of pool, per_job, got 'each'",
+    ),
+    (
+      ("--autoscale_max_workers=4", "--autoscale_policy=per_job", "--autoscale_min_gain=2"),
+      "--autoscale_min_gain) must be a fraction in (0, 1), got 2.0",
+    ),
+    (
+      ("--autoscale_max_workers=4", "--autoscale_queue_growth=-1"),
+      "--autoscale_queue_growth) must be a number > 0, got -1.0",
+    ),
+    (
+      ("--autoscale_max_workers=4", "--autoscale_scale_down_fill=1.5"),
+      "--autoscale_scale_down_fill) must be a fraction in (0, 1], got 1.5",
+    ),
+    (
+      ("--autoscale_max_workers=4", "--autoscale_interval_s=0"),
+      "--autoscale_interval_s) must be a number > 0, got 0.0",
+    ),
+    (("--autoscale_policy=per_job",), "--autoscale_policy=per_job needs an elastic pool"),
+  ],
+)
 def test_a_bad_autoscaling_flag_stops_the_dispatcher_naming_it(flags, message):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]))
-  done = subprocess.run([sys.executable, "-m", "jaxfeed.service.dispatcher", "--port=0", *flags],
-                        capture_output=True, text=True, env=env, timeout=60)
+  done = subprocess.run(
+    [sys.executable, "-m", "jaxfeed.service.dispatcher", "--port=0", *flags],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=60,
+  )
   assert done.returncode != 0 and "listening" not in done.stdout
   assert message in done.stderr, done.stderr
 
@@ -169,8 +206,9 @@ def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(m
 
   def read_light():
     try:
-      with light.distribute(dispatcher.target, "distributed_epoch", job_name="light",
-                            max_outstanding_requests=4).make_iterator() as light_it:
+      with light.distribute(
+        dispatcher.target, "distributed_epoch", job_name="light", max_outstanding_requests=4
+      ).make_iterator() as light_it:
         next(light_it)
         pids_then.append(backend.pids())  # the pool as light got its worker
         while not stop.is_set():
@@ -186,8 +224,9 @@ def test_a_job_that_gains_more_takes_a_drained_worker_from_one_that_gains_less(m
     seen, shared, most = [], [], 0
     thread = threading.Thread(target=read_light)
     try:
-      with heavy.distribute(dispatcher.target, "distributed_epoch", job_name="heavy",
-                            max_outstanding_requests=4).make_iterator() as it:
+      with heavy.distribute(
+        dispatcher.target, "distributed_epoch", job_name="heavy", max_outstanding_requests=4
+      ).make_iterator() as it:
         for x in it:
           seen.append(int(x))
           if scaler.job_workers.get("heavy") == 3 and not thread.is_alive():
@@ -223,15 +262,16 @@ def converged_job(monkeypatch, name: str):
   """(the autoscaler, a read) of a job of 20 ms per element on a worker,
   read one element every 6 ms, once it converged (4 workers make one every
   5 ms: its consumer stopped waiting)."""
-  config = per_job_config(monkeypatch, min_workers=1, max_workers=4, interval_s=0.4,
-                          scale_down_intervals=2)
+  config = per_job_config(
+    monkeypatch, min_workers=1, max_workers=4, interval_s=0.4, scale_down_intervals=2
+  )
   dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy_20ms)
   with service.DispatchServer(config) as dispatcher:
     scaler = dispatcher.autoscaler
-    with dataset.distribute(dispatcher.target, "distributed_epoch", job_name=name,
-                            max_outstanding_requests=4).make_iterator() as it:
-      read_until(it, lambda: scaler.job_decisions[(name, "hold", "steady")] >= 2, 0.006,
-                 scaler)
+    with dataset.distribute(
+      dispatcher.target, "distributed_epoch", job_name=name, max_outstanding_requests=4
+    ).make_iterator() as it:
+      read_until(it, lambda: scaler.job_decisions[(name, "hold", "steady")] >= 2, 0.006, scaler)
       yield scaler, it
 
 
@@ -254,7 +294,11 @@ def test_a_job_that_loses_a_worker_grows_back(monkeypatch):
     converged = scaler.job_workers["hurt"]
     victim = scaler.backend.pids()[-1]
     os.kill(victim, signal.SIGKILL)
-    read_until(it, lambda: victim not in scaler.backend.pids() and (
-        scaler.backend.num_workers == converged), 0.006, scaler)
+    read_until(
+      it,
+      lambda: victim not in scaler.backend.pids() and (scaler.backend.num_workers == converged),
+      0.006,
+      scaler,
+    )
     decisions = dict(scaler.job_decisions)
   assert converged >= 3 and decisions[("hurt", "up", "regrow")] == 1, decisions

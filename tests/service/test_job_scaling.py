@@ -23,9 +23,11 @@ def modelled(model_s, element_s, workers, fill=None, cores=64):
   waits and buffer fill."""
   time_s = max(model_s, element_s / min(workers, cores)) if workers else 1.0
   wait = 1 - model_s / time_s
-  return job_scaling.JobSample(batch_time_s=time_s, wait_fraction=wait,
-                               buffer_fill=fill if fill is not None else (
-                                   0.5 if wait > 0.01 else 0.6))
+  return job_scaling.JobSample(
+    batch_time_s=time_s,
+    wait_fraction=wait,
+    buffer_fill=fill if fill is not None else (0.5 if wait > 0.01 else 0.6),
+  )
 
 
 def run(policy, jobs, intervals, workers=None, fills=None, cores=64):
@@ -34,8 +36,11 @@ def run(policy, jobs, intervals, workers=None, fills=None, cores=64):
   workers = dict(workers or {job: 0 for job in jobs})
   log = []
   for _ in range(intervals):
-    samples = {job: modelled(*jobs[job], workers[job], (fills or {}).get(job), cores)
-               for job in jobs if workers[job]}
+    samples = {
+      job: modelled(*jobs[job], workers[job], (fills or {}).get(job), cores)
+      for job in jobs
+      if workers[job]
+    }
     decisions = policy.decide(workers, samples)
     for d in decisions:
       workers[d.job] += d.change
@@ -46,8 +51,7 @@ def run(policy, jobs, intervals, workers=None, fills=None, cores=64):
 def test_a_job_grows_while_workers_help_and_converges():
   # 10 ms per element on a worker, 3 ms per element in the consumer: 4
   # workers feed it (2.5 ms); its consumer then waits no more.
-  workers, log = run(job_scaling.JobScalingPolicy(config(max_workers=8)),
-                     {1: (0.003, 0.010)}, 20)
+  workers, log = run(job_scaling.JobScalingPolicy(config(max_workers=8)), {1: (0.003, 0.010)}, 20)
   assert workers == {1: 4}
   reasons = [d.reason for step in log for d in step if d.change]
   assert reasons == ["start", "gain", "gain", "gain"], reasons
@@ -57,8 +61,9 @@ def test_a_job_grows_while_workers_help_and_converges():
 def test_a_worker_that_does_not_help_goes_again():
   # The same job on a machine of 3 cores: the 4th worker gains nothing
   # although the consumer still waits.
-  workers, log = run(job_scaling.JobScalingPolicy(config(max_workers=8)),
-                     {1: (0.003, 0.010)}, 20, cores=3)
+  workers, log = run(
+    job_scaling.JobScalingPolicy(config(max_workers=8)), {1: (0.003, 0.010)}, 20, cores=3
+  )
   assert workers == {1: 3}
   reasons = [d.reason for step in log for d in step if d.change]
   assert reasons == ["start", "gain", "gain", "gain", "no_gain"], reasons
@@ -68,8 +73,10 @@ def test_a_worker_that_does_not_help_goes_again():
 def test_a_job_whose_additions_gain_less_than_min_gain_stops():
   # Each worker after the first gains 2.5%: below 3%, the second goes again.
   def sample_of(workers):
-    return job_scaling.JobSample(batch_time_s=0.01 * (1 - 0.025 * (workers - 1)),
-                                 wait_fraction=0.5, buffer_fill=0.1)
+    return job_scaling.JobSample(
+      batch_time_s=0.01 * (1 - 0.025 * (workers - 1)), wait_fraction=0.5, buffer_fill=0.1
+    )
+
   policy = job_scaling.JobScalingPolicy(config(max_workers=8))
   workers = {7: 0}
   for _ in range(12):
@@ -86,8 +93,7 @@ def test_a_job_whose_additions_gain_less_than_min_gain_stops():
 
 
 def test_a_consumer_that_does_not_wait_keeps_one_worker():
-  workers, log = run(job_scaling.JobScalingPolicy(config(max_workers=8)),
-                     {1: (0.010, 0.002)}, 10)
+  workers, log = run(job_scaling.JobScalingPolicy(config(max_workers=8)), {1: (0.010, 0.002)}, 10)
   assert workers == {1: 1}
 
 
@@ -159,20 +165,34 @@ def test_jobs_starting_a_worker_are_not_judged():
   policy.decide({1: 0}, {})
   sample = job_scaling.JobSample(batch_time_s=0.01, wait_fraction=0.9, buffer_fill=0.0)
   assert policy.decide({1: 1}, {1: sample}, starting={1}) == [
-      job_scaling.Decision(1, 0, "starting")]
+    job_scaling.Decision(1, 0, "starting")
+  ]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"policy": "each"}, r"policy \(--autoscale_policy\) must be one of pool, per_job, "
-                         r"got 'each'"),
-    ({"min_gain": 0}, r"min_gain \(--autoscale_min_gain\) must be a fraction in \(0, 1\), "
-                      "got 0"),
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (
+      {"policy": "each"},
+      r"policy \(--autoscale_policy\) must be one of pool, per_job, "
+      r"got 'each'",
+    ),
+    (
+      {"min_gain": 0},
+      r"min_gain \(--autoscale_min_gain\) must be a fraction in \(0, 1\), "
+      "got 0",
+    ),
     ({"min_gain": 1.5}, r"min_gain .* got 1.5"),
     ({"scale_up_wait_fraction": -0.1}, r"scale_up_wait_fraction \(--autoscale_wait_fraction\)"),
-    ({"queue_growth": 0}, r"queue_growth \(--autoscale_queue_growth\) must be a number > 0, "
-                          "got 0"),
+    (
+      {"queue_growth": 0},
+      r"queue_growth \(--autoscale_queue_growth\) must be a number > 0, "
+      "got 0",
+    ),
     ({"queue_growth": "big"}, "queue_growth .* got 'big'"),
-    ({"scale_down_intervals": 0}, "scale_down_intervals must be an integer >= 1, got 0")])
+    ({"scale_down_intervals": 0}, "scale_down_intervals must be an integer >= 1, got 0"),
+  ],
+)
 def test_bad_per_job_settings_name_the_value_and_what_is_allowed(kwargs, message):
   with pytest.raises(ValueError, match=message):
     autoscale.AutoscaleConfig(**kwargs)

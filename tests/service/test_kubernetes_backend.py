@@ -50,8 +50,9 @@ def test_scaling_patches_the_deployments_replicas():
 def test_a_pool_counts_the_workers_the_deployment_already_has():
   api = FakeAppsApi(replicas=2)
   backend = kubernetes_backend.KubernetesWorkerBackend("jaxfeed/jaxfeed-worker", api)
-  pool = autoscale.Autoscaler(autoscale.AutoscaleConfig(min_workers=3, max_workers=4),
-                              backend, lambda: None)
+  pool = autoscale.Autoscaler(
+    autoscale.AutoscaleConfig(min_workers=3, max_workers=4), backend, lambda: None
+  )
   pool.start()
   pool.close()
   assert api.replicas == 3 and len(api.patches) == 1
@@ -67,9 +68,13 @@ class FakeCoreApi:
   def list_namespaced_pod(self, namespace, field_selector):
     assert namespace == "jaxfeed" and field_selector.startswith("status.podIP=")
     ip = field_selector.split("=", 1)[1]
-    return types.SimpleNamespace(items=[
+    return types.SimpleNamespace(
+      items=[
         types.SimpleNamespace(metadata=types.SimpleNamespace(name=name))
-        for name, pod_ip in self.pods.items() if pod_ip == ip])
+        for name, pod_ip in self.pods.items()
+        if pod_ip == ip
+      ]
+    )
 
   def patch_namespaced_pod(self, name, namespace, body):
     self.patches.append((namespace, name, body))
@@ -77,12 +82,23 @@ class FakeCoreApi:
 
 def test_the_worker_asked_for_goes_cheapest_before_the_deployment_shrinks():
   apps = FakeAppsApi(replicas=3)
-  core = FakeCoreApi({"jaxfeed-worker-7c9-a": "10.0.0.1", "jaxfeed-worker-7c9-b": "10.0.0.2",
-                      "jaxfeed-worker-7c9-c": "10.0.0.3", "other-1": "10.0.0.9"})
+  core = FakeCoreApi(
+    {
+      "jaxfeed-worker-7c9-a": "10.0.0.1",
+      "jaxfeed-worker-7c9-b": "10.0.0.2",
+      "jaxfeed-worker-7c9-c": "10.0.0.3",
+      "other-1": "10.0.0.9",
+    }
+  )
   backend = kubernetes_backend.KubernetesWorkerBackend("jaxfeed/jaxfeed-worker", apps, core)
   assert backend.stop_worker_at("10.0.0.2:5051")
-  assert core.patches == [("jaxfeed", "jaxfeed-worker-7c9-b", {"metadata": {"annotations": {
-      kubernetes_backend.DELETION_COST: str(-(2**31))}}})]
+  assert core.patches == [
+    (
+      "jaxfeed",
+      "jaxfeed-worker-7c9-b",
+      {"metadata": {"annotations": {kubernetes_backend.DELETION_COST: str(-(2**31))}}},
+    )
+  ]
   assert apps.replicas == 2
   # No pod of the Deployment has that IP: nothing changes.
   assert not backend.stop_worker_at("10.0.0.9:5051") and not backend.stop_worker_at("10.0.0.5:1")
@@ -119,8 +135,17 @@ def test_every_manifest_is_a_valid_object_of_its_kind():
   for doc in _documents():
     models[(doc["kind"], doc["metadata"]["name"])] = _validated(doc)
   kinds = {kind for kind, _ in models}
-  assert {"Namespace", "Secret", "StatefulSet", "Deployment", "Service",
-          "NetworkPolicy", "Role", "RoleBinding", "ServiceAccount"} <= kinds
+  assert {
+    "Namespace",
+    "Secret",
+    "StatefulSet",
+    "Deployment",
+    "Service",
+    "NetworkPolicy",
+    "Role",
+    "RoleBinding",
+    "ServiceAccount",
+  } <= kinds
   dispatcher = models[("StatefulSet", "jaxfeed-dispatcher")]
   assert dispatcher.spec.volume_claim_templates[0].metadata.name == "journal"
   args = dispatcher.spec.template.spec.containers[0].args
@@ -129,15 +154,22 @@ def test_every_manifest_is_a_valid_object_of_its_kind():
   secret = models[("Secret", "jaxfeed-tokens")]
   assert set(secret.string_data) == {"auth-token", "worker-token"}
   worker = models[("Deployment", "jaxfeed-worker")]
-  assert any(a.startswith("--worker_token_file=") for a in
-             worker.spec.template.spec.containers[0].args)
-
+  assert any(
+    a.startswith("--worker_token_file=") for a in worker.spec.template.spec.containers[0].args
+  )
 
 
 def test_the_manifest_check_refuses_missing_and_misspelled_fields():
   with pytest.raises(ValueError, match="selector"):
-    _validated({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "w"},
-                "spec": {"replicas": 1}})
+    _validated(
+      {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "w"},
+        "spec": {"replicas": 1},
+      }
+    )
   with pytest.raises(AssertionError):
-    _validated({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"},
-                "strngData": {"a": "b"}})
+    _validated(
+      {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "strngData": {"a": "b"}}
+    )

@@ -25,7 +25,8 @@ class _Actor:
   def __init__(self, address: str, stopped: list):
     self.running = True
     self.info = types.SimpleNamespace(
-        remote=lambda: _Ref({"address": address, "running": self.running}))
+      remote=lambda: _Ref({"address": address, "running": self.running})
+    )
     self.stop = types.SimpleNamespace(remote=lambda: _Ref(self._stop(stopped, address)))
 
   def _stop(self, stopped: list, address: str) -> None:

@@ -58,9 +58,12 @@ def job_sample(reports: list[tuple[_Report, _Report]]) -> job_scaling.JobSample 
     fills.append(fill)
   if not times:
     return None
-  return job_scaling.JobSample(batch_time_s=sum(times) / len(times),
-                               wait_fraction=sum(waits) / len(waits),
-                               buffer_fill=sum(fills) / len(fills), num_clients=len(times))
+  return job_scaling.JobSample(
+    batch_time_s=sum(times) / len(times),
+    wait_fraction=sum(waits) / len(waits),
+    buffer_fill=sum(fills) / len(fills),
+    num_clients=len(times),
+  )
 
 
 class JobAutoscaler(autoscale_lib.Autoscaler):
@@ -93,15 +96,22 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
       jobs = state.jobs
       self.grants.sync(state.workers, jobs, autoscale_lib.START_TIMEOUT_S)
       # Static sharding and round-robin reads fix their workers: not scaled.
-      live = {job_id: job for job_id, job in jobs.items()
-              if job.clients and not job.fixes_workers}
+      live = {job_id: job for job_id, job in jobs.items() if job.clients and not job.fixes_workers}
       reports: dict[int, _Report] = state._reports  # pylint: disable=protected-access
-      pairs = {job_id: [(reports[c], self._sampled.get(c, (0, 0.0, 0.0, 0.0)))
-                        for c in job.clients if c in reports] for job_id, job in live.items()}
-      self._sampled = {c: r for c, r in reports.items()
-                       if any(c in job.clients for job in live.values())}
-      idle = {job_id for job_id in self.grants.owner.values()
-              if job_id not in live and job_id in jobs}
+      pairs = {
+        job_id: [
+          (reports[c], self._sampled.get(c, (0, 0.0, 0.0, 0.0)))
+          for c in job.clients
+          if c in reports
+        ]
+        for job_id, job in live.items()
+      }
+      self._sampled = {
+        c: r for c, r in reports.items() if any(c in job.clients for job in live.values())
+      }
+      idle = {
+        job_id for job_id in self.grants.owner.values() if job_id not in live and job_id in jobs
+      }
       workers = self.grants.workers_of(set(live) | idle)
       starting = {job_id for job_id, _ in self.grants.waiting}
       draining = len(self.grants.draining)
@@ -121,8 +131,13 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
       elif d.change < 0:
         self._remove(d.job, pids)
       if d.change:
-        _LOG.info("Autoscaler: job %s %d -> %d workers (%s).", labels[d.job],
-                  workers[d.job], workers[d.job] + d.change, d.reason)
+        _LOG.info(
+          "Autoscaler: job %s %d -> %d workers (%s).",
+          labels[d.job],
+          workers[d.job],
+          workers[d.job] + d.change,
+          d.reason,
+        )
       self.job_decisions[(labels[d.job], autoscale_lib.direction(d.change), d.reason)] += 1
       self.decision_counts[autoscale_lib.direction(d.change)] += 1
     if not any(d.change > 0 for d in decisions):
@@ -130,9 +145,10 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
     total = sum(workers.values())
     change = sum(d.change for d in decisions)
     self.decisions.append((total, change))
-    self.job_workers = {labels[job_id]: count + sum(d.change for d in decisions
-                                                    if d.job == job_id)
-                        for job_id, count in workers.items()}
+    self.job_workers = {
+      labels[job_id]: count + sum(d.change for d in decisions if d.job == job_id)
+      for job_id, count in workers.items()
+    }
 
   def _keep_promises(self, free: list[str]) -> list[str]:
     """Grants free workers to the jobs promised one; returns those left."""
@@ -184,8 +200,7 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
     self._free_since = {a: self._free_since.get(a, now) for a in free}
     patience = self.config.scale_down_intervals * self.config.interval_s
     spare = [a for a in free if now - self._free_since[a] >= patience]
-    if (not spare or self.grants.waiting
-        or self.backend.num_workers <= self.config.min_workers):
+    if not spare or self.grants.waiting or self.backend.num_workers <= self.config.min_workers:
       return
     with self._state.lock:
       self._state.lock.answer_without_fsync()
@@ -195,8 +210,9 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
   def _stop_worker(self, address: str, pid: int) -> None:
     # Draining takes as long as its consumers take its batches: not on this thread.
     self._stops = [t for t in self._stops if t.is_alive()]
-    thread = threading.Thread(target=self._stop_one, args=(address, pid),
-                              name="jaxfeed-autoscaler-stop", daemon=True)
+    thread = threading.Thread(
+      target=self._stop_one, args=(address, pid), name="jaxfeed-autoscaler-stop", daemon=True
+    )
     self._stops.append(thread)
     thread.start()
 
@@ -213,14 +229,17 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
   def metric_families(self, gauge: Any, counter: Any) -> Iterator[Any]:
     """jaxfeed_job_workers and jaxfeed_job_scaling_decisions (prometheus
     families, from the given family classes)."""
-    workers = gauge("jaxfeed_job_workers", "Workers serving the job (per_job autoscaling).",
-                    labels=["job"])
+    workers = gauge(
+      "jaxfeed_job_workers", "Workers serving the job (per_job autoscaling).", labels=["job"]
+    )
     for label, count in sorted(self.job_workers.items()):
       workers.add_metric([label], count)
     yield workers
-    made = counter("jaxfeed_job_scaling_decisions",
-                   "Per-job autoscaling decisions, by job, direction and reason.",
-                   labels=["job", "direction", "reason"])
+    made = counter(
+      "jaxfeed_job_scaling_decisions",
+      "Per-job autoscaling decisions, by job, direction and reason.",
+      labels=["job", "direction", "reason"],
+    )
     for (label, direction, reason), count in sorted(self.job_decisions.copy().items()):
       made.add_metric([label, direction, reason], count)
     yield made

@@ -24,9 +24,12 @@ SPARE = -1
 
 def jobs_on(address: str, jobs: Iterable[Job]) -> set[int]:
   """The jobs that have an unfinished task on the worker at `address`."""
-  return {job.job_id for job in jobs
-          for task in job.tasks.values()
-          if task.worker_address == address and not task.finished}
+  return {
+    job.job_id
+    for job in jobs
+    for task in job.tasks.values()
+    if task.worker_address == address and not task.finished
+  }
 
 
 class JobGrants:
@@ -80,8 +83,7 @@ class JobGrants:
     mine = [a for a, j in self.owner.items() if j == job_id]
     return max(mine, key=lambda a: (self.granted_at.get(a, 0.0), a)) if mine else None
 
-  def sync(self, workers: Iterable[str], jobs: Mapping[int, Job],
-           waiting_timeout_s: float) -> None:
+  def sync(self, workers: Iterable[str], jobs: Mapping[int, Job], waiting_timeout_s: float) -> None:
     """Forgets workers that are gone and jobs that ended; grants each worker
     to the job it has tasks of (tasks replayed after a restart); drops the
     promises older than `waiting_timeout_s` (a worker that never came)."""
@@ -96,8 +98,9 @@ class JobGrants:
       if len(busy) == 1:
         self.grant(address, busy.pop())
     now = time.monotonic()
-    self.waiting = [(j, since) for j, since in self.waiting
-                    if j in jobs and now - since < waiting_timeout_s]
+    self.waiting = [
+      (j, since) for j, since in self.waiting if j in jobs and now - since < waiting_timeout_s
+    ]
 
   def workers_of(self, job_ids: Iterable[int]) -> dict[int, int]:
     """Job -> its workers: granted (draining ones not) and promised."""
@@ -109,5 +112,8 @@ class JobGrants:
 
   def free(self, workers: Iterable[str], jobs: Mapping[int, Job]) -> list[str]:
     """The registered workers granted to no job, draining not, with no task."""
-    return sorted(a for a in workers if a not in self.owner and a not in self.draining
-                  and not jobs_on(a, jobs.values()))
+    return sorted(
+      a
+      for a in workers
+      if a not in self.owner and a not in self.draining and not jobs_on(a, jobs.values())
+    )

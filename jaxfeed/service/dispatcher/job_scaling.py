@@ -55,8 +55,20 @@ SETTLING = "settling"  # the interval after a change
 NO_REPORTS = "no_reports"  # its clients reported nothing this interval
 IDLE = "idle"  # no client reads it: its workers go, one an interval
 STEADY = "steady"
-REASONS = (START, GAIN, NO_GAIN, QUEUE, REGROW, REBALANCE, WAITING, STARTING, SETTLING,
-           NO_REPORTS, IDLE, STEADY)
+REASONS = (
+  START,
+  GAIN,
+  NO_GAIN,
+  QUEUE,
+  REGROW,
+  REBALANCE,
+  WAITING,
+  STARTING,
+  SETTLING,
+  NO_REPORTS,
+  IDLE,
+  STEADY,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +82,7 @@ class JobSample:
     buffer_fill: How full the clients' buffers were (0..1), averaged.
     num_clients: Clients that reported.
   """
+
   batch_time_s: float
   wait_fraction: float
   buffer_fill: float
@@ -79,6 +92,7 @@ class JobSample:
 @dataclasses.dataclass(frozen=True)
 class Decision:
   """One job's change of workers for one interval (+1, -1 or 0) and why."""
+
   job: int
   change: int
   reason: str
@@ -87,6 +101,7 @@ class Decision:
 @dataclasses.dataclass
 class _JobState:
   """What the policy remembers of one job."""
+
   times: dict[int, float] = dataclasses.field(default_factory=dict)  # workers -> batch time
   settling: int = 0
   last_change: int = HOLD
@@ -117,9 +132,14 @@ class JobScalingPolicy:
     state = self._jobs.get(job)
     return state.gain if state is not None else math.inf
 
-  def decide(self, workers: Mapping[int, int], samples: Mapping[int, JobSample | None],
-             starting: Iterable[int] = (), draining: int = 0,
-             idle: Iterable[int] = ()) -> list[Decision]:
+  def decide(
+    self,
+    workers: Mapping[int, int],
+    samples: Mapping[int, JobSample | None],
+    starting: Iterable[int] = (),
+    draining: int = 0,
+    idle: Iterable[int] = (),
+  ) -> list[Decision]:
     """Each live job's decision for this interval.
 
     Args:
@@ -179,8 +199,9 @@ class JobScalingPolicy:
         self._jobs[donor].gain = self._measured_gain(self._jobs[donor], workers[donor] - 1)
     return [decisions[job] for job in sorted(decisions)]
 
-  def _judge(self, state: _JobState, workers: int,
-             sample: JobSample | None) -> tuple[int, str, float]:
+  def _judge(
+    self, state: _JobState, workers: int, sample: JobSample | None
+  ) -> tuple[int, str, float]:
     """(change, reason, the gain expected from one more worker) for one job."""
     c = self.config
     if sample is None or sample.num_clients == 0:
@@ -213,9 +234,13 @@ class JobScalingPolicy:
     # than the workers make them).
     grown = c.queue_growth + 1
     fed = sample.wait_fraction < c.scale_up_wait_fraction / 5 and (
-        sample.buffer_fill > state.converged_fill * grown
-        or (state.converged_fill * grown >= 1 and sample.buffer_fill >= state.converged_fill
-            and time_s > state.converged_time * grown))
+      sample.buffer_fill > state.converged_fill * grown
+      or (
+        state.converged_fill * grown >= 1
+        and sample.buffer_fill >= state.converged_fill
+        and time_s > state.converged_time * grown
+      )
+    )
     state.fed = state.fed + 1 if fed and workers > 1 else 0
     if state.fed >= c.scale_down_intervals:
       state.gain = self._measured_gain(state, workers - 1)
@@ -246,13 +271,20 @@ class JobScalingPolicy:
       if not keep_level:  # measured again at the size it goes to
         state.converged_fill = state.converged_time = None
 
-  def _donor(self, workers: Mapping[int, int], decisions: Mapping[int, Decision],
-             exclude: int) -> int | None:
+  def _donor(
+    self, workers: Mapping[int, int], decisions: Mapping[int, Decision], exclude: int
+  ) -> int | None:
     """The job whose last worker gains least, of those that can give one."""
-    candidates = [job for job, count in workers.items()
-                  if job != exclude and count >= 2 and job in self._jobs
-                  and job in decisions and decisions[job].change == HOLD
-                  and decisions[job].reason != WAITING]
+    candidates = [
+      job
+      for job, count in workers.items()
+      if job != exclude
+      and count >= 2
+      and job in self._jobs
+      and job in decisions
+      and decisions[job].change == HOLD
+      and decisions[job].reason != WAITING
+    ]
     if not candidates:
       return None
     return min(candidates, key=lambda job: (self._jobs[job].gain, job))

@@ -33,8 +33,9 @@ def parse_deployment(value: str) -> tuple[str, str]:
   """Splits "namespace/name" into (namespace, name), naming the bad value otherwise."""
   namespace, _, name = value.partition("/")
   if not namespace or not name or "/" in name:
-    raise ValueError(f"kubernetes_deployment must be NAMESPACE/NAME of the worker "
-                     f"Deployment, got {value!r}.")
+    raise ValueError(
+      f"kubernetes_deployment must be NAMESPACE/NAME of the worker Deployment, got {value!r}."
+    )
   return namespace, name
 
 
@@ -42,6 +43,7 @@ def _client() -> Any:
   """The official client's `client` module, configured from the pod's
   service account (or ~/.kube/config)."""
   from kubernetes import client, config  # pylint: disable=g-import-not-at-top
+
   try:
     config.load_incluster_config()
   except config.ConfigException:
@@ -74,7 +76,8 @@ class KubernetesWorkerBackend:
 
   def _set_replicas(self, replicas: int) -> None:
     self._api.patch_namespaced_deployment_scale(
-        self._name, self._namespace, {"spec": {"replicas": replicas}})
+      self._name, self._namespace, {"spec": {"replicas": replicas}}
+    )
     _LOG.info("Scaled Deployment %s/%s to %d workers.", self._namespace, self._name, replicas)
 
   def start_worker(self) -> None:
@@ -101,20 +104,23 @@ class KubernetesWorkerBackend:
     host = address.rsplit(":", 1)[0]
     if self._core is None:
       self._core = _client().CoreV1Api()
-    pods = self._core.list_namespaced_pod(self._namespace,
-                                          field_selector=f"status.podIP={host}").items
+    pods = self._core.list_namespaced_pod(
+      self._namespace, field_selector=f"status.podIP={host}"
+    ).items
     mine = [p.metadata.name for p in pods if p.metadata.name.startswith(f"{self._name}-")]
     if len(mine) != 1:
       return False
     with self._lock:
-      self._core.patch_namespaced_pod(mine[0], self._namespace, {"metadata": {"annotations": {
-          DELETION_COST: str(_CHEAPEST)}}})
+      self._core.patch_namespaced_pod(
+        mine[0], self._namespace, {"metadata": {"annotations": {DELETION_COST: str(_CHEAPEST)}}}
+      )
       replicas = self.num_workers
       if replicas == 0:
         return False
       self._set_replicas(replicas - 1)
-    _LOG.info("Removing pod %s (%s) from Deployment %s/%s.", mine[0], address,
-              self._namespace, self._name)
+    _LOG.info(
+      "Removing pod %s (%s) from Deployment %s/%s.", mine[0], address, self._namespace, self._name
+    )
     return True
 
   def close(self) -> None:
