@@ -4,6 +4,8 @@ CrossTrainerCache(trainer_id)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import jaxfeed
@@ -99,18 +101,28 @@ def test_data_transfer_address_binds_a_port_it_names():
 
 
 def test_cross_trainer_cache_is_ephemeral_sharing_by_trainer():
+  endless = jaxfeed.Dataset.range(40).repeat().batch(4)  # what trainers share
   with service.DispatchServer() as dispatcher, service.WorkerServer(
-      service.WorkerConfig(dispatcher_address=dispatcher.target)):
-    reads = [DATASET.distribute(
+      service.WorkerConfig(dispatcher_address=dispatcher.target)) as worker:
+    reads = [endless.distribute(
         dispatcher.target, job_name="cache",
         cross_trainer_cache=service.CrossTrainerCache(trainer_id=t)).make_iterator()
              for t in ("a", "b")]
     nodes = [r._read.node for r in reads]  # pylint: disable=protected-access
     assert [n.job_name for n in nodes] == ["cache/trainer:a", "cache/trainer:b"]
     assert all(n.ephemeral_sharing for n in nodes)
-    for read in reads:  # every trainer reads all of it
+    # Both trainers read the worker's one stream before either moves on: a
+    # trainer that joins later starts at the window's oldest frame, and
+    # frames every reader already passed are gone.
+    streams = worker._worker.shared_streams  # pylint: disable=protected-access
+    deadline = time.monotonic() + 30
+    while not any(stream.num_readers == 2 for stream in list(streams.values())):
+      assert time.monotonic() < deadline, "the trainers never both read the stream"
+      time.sleep(0.01)
+    for read in reads:  # every trainer reads all of it, from the start
       with read:
-        assert sorted(int(x) for batch in read for x in batch) == list(range(40))
+        batches = [next(read) for _ in range(10)]
+        assert [int(x) for batch in batches for x in batch] == list(range(40))
   with pytest.raises(ValueError, match="requires named jobs"):
     DATASET.distribute("h:1", cross_trainer_cache=service.CrossTrainerCache("a"))
   with pytest.raises(ValueError, match="parallel_epochs"):
