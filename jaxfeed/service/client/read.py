@@ -441,7 +441,9 @@ class ReadState:
       try:
         dispatcher_caller(self.channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
                            self.node.auth_token)(
-            pb.ReleaseJobClientRequest(job_id=self.job_id, client_id=self.client_id),
+            pb.ReleaseJobClientRequest(job_id=self.job_id, client_id=self.client_id,
+                                       elements_consumed=self.consumed,
+                                       consumer_wait_s=self.wait_s),
             timeout=min(RELEASE_TIMEOUT_S, self.node.timeout_s))
       except grpc.RpcError:
         pass  # the dispatcher times the client out instead

@@ -109,7 +109,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     return pb.TaskInfo(
         dataset_fingerprint=dataset_def.fingerprint if dataset_def is not None else "",
         read_ticket=rpc.read_ticket(key, task.task_id) if key else "",
-        task_id=task.task_id, job_id=job.job_id, dataset_id=job.dataset_id,
+        task_id=task.task_id, job_id=job.job_id, job_name=job.job_name,
+        dataset_id=job.dataset_id,
         worker_address=task.worker_address,
         data_address=worker.data_address if worker else "",
         sharding_policy=job.policy.value, worker_index=task.worker_index,

@@ -419,8 +419,8 @@ class WorkerState:
           f"and goodbye at most {_MAX_GOODBYE_TICKET} hex digits; got "
           f"{str(task_id)[:40]!r}, {str(client_id)[:40]!r}, {str(ticket)[:40]!r}.",
           "INVALID_ARGUMENT")
-    job = self.served.job_of(task_id)
-    if not job or self.streams.find(task_id, client_id) is None:
+    job = self.served.job_id_of(task_id)
+    if job is None or self.streams.find(task_id, client_id) is None:
       raise data_socket.DataConnectionError(
           f"Worker {self.address} serves no stream of task {task_id} to client "
           f"{client_id}: a client says goodbye to a worker it reads from.", "NOT_FOUND")
@@ -429,7 +429,7 @@ class WorkerState:
         raise data_socket.DataConnectionError(
             f"Worker {self.address} already holds {_MAX_GOODBYES} goodbyes.",
             "RESOURCE_EXHAUSTED")
-      self._goodbyes[(int(job), client_id)] = ticket
+      self._goodbyes[(job, client_id)] = ticket
 
   def GetElements(self, request: pb.GetElementsRequest,
                   context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:
