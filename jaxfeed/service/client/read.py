@@ -194,6 +194,10 @@ class ReadState:
             round_timeout_s=node.round_timeout_s or 0.0,
             exactly_once=node.visitation == "exactly_once",
             ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True,
+            identical_worker_streams=node.identical_worker_streams,
+            resume_worker_indices=(
+                self.streams.open_orders() if self.streams is not None
+                and not node.identical_worker_streams else ()),
             target_workers=node.target_workers, client_process=self.process),
             node.service, node.timeout_s, node.wait_for_dispatcher,
             f"Creating a job for dataset {dataset_id}")
@@ -340,7 +344,8 @@ class ReadState:
           raise error
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
-        stream = self.streams.assign() if self.streams is not None else None
+        stream = (self.streams.assign(task.worker_index) if self.streams is not None
+                  else None)
         fetcher = self.fetchers[task_id] = Fetcher(self, task, out, stream)
         if stream is not None:
           self.streams.reading(*stream, fetcher)

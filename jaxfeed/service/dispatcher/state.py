@@ -33,6 +33,7 @@ from jaxfeed.service.worker import round_assembly
 
 
 _MAX_DATASET_ID = 256  # characters of a dataset id a user chose
+_MAX_RESUME_ORDERS = 65536  # worker streams a resumed parallel_epochs read continues
 
 
 class DispatcherState(dispatcher_workers.WorkerRegistry):
@@ -199,6 +200,13 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
               f"ephemeral_sharing={request.ephemeral_sharing}: every consumer of a "
               "job must pass the same dataset, processing mode, num_consumers, "
               "visitation and ephemeral_sharing.")
+        if job is not None and (job.identical_worker_streams
+                                != request.identical_worker_streams):
+          raise ValueError(
+              f"Job {request.job_name!r} is read with identical_worker_streams="
+              f"{job.identical_worker_streams}; a consumer asked for "
+              f"{request.identical_worker_streams}: every consumer of a job must "
+              "pass the same identical_worker_streams.")
         if job is not None and job.target_workers != target:
           raise ValueError(
               f"Job {request.job_name!r} is read with target_workers="
@@ -228,7 +236,11 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
                       "exactly_once": request.exactly_once,
                       "ephemeral_sharing": request.ephemeral_sharing,
                       **({"target_workers": target} if target != target_workers.AUTO
-                         else {})})
+                         else {}),
+                      **({"identical_worker_streams": True}
+                         if request.identical_worker_streams else {}),
+                      **({"resume_orders": list(request.resume_worker_indices)}
+                         if request.resume_worker_indices else {})})
         if partial:  # issued again first, whole
           self._record({"kind": "splits_lost", "job_id": job_id, "ranges": partial})
         job = self.jobs[job_id]
@@ -534,3 +546,14 @@ def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy
         f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
         f"num_consumers; got {policy.name} and num_consumers={k}.")
 
+  if (request.identical_worker_streams or request.resume_worker_indices) and (
+      policy != ShardingPolicy.OFF):
+    raise ValueError(
+        f"identical_worker_streams and resume_worker_indices apply to OFF "
+        f"sharding (parallel_epochs) only; got {policy.name}.")
+  indices = list(request.resume_worker_indices)
+  if len(indices) > _MAX_RESUME_ORDERS or len(set(indices)) != len(indices) or any(
+      i < 0 for i in indices):
+    raise ValueError(
+        f"resume_worker_indices must be at most {_MAX_RESUME_ORDERS} distinct "
+        f"indices >= 0, got {len(indices)}: {indices[:10]}.")

@@ -70,8 +70,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           continue
         indices.add(index)
         count = len(job.fixed_workers)
-      else:
-        index, count = 0, 1
+      else:  # parallel_epochs: the worker's order; DYNAMIC: 0
+        index, count = job.next_worker_index(indices), 1
+        indices.add(index)
       self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
