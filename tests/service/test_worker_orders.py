@@ -11,6 +11,10 @@ import pytest
 
 import jaxfeed
 import service_udfs
+from jaxfeed.service.dispatcher import server as dispatcher_lib
+from jaxfeed.service.protocol import spec
+from jaxfeed.service.protocol import split_failures
+from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.worker import worker_orders
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,3 +147,66 @@ def test_a_read_saved_with_identical_streams_resumes_only_with_them(two_workers)
   with dataset.make_iterator() as iterator:
     iterator.set_state(state)
     assert len(list(iterator)) == 2 * RECORDS - taken
+
+
+def _indices(state, job_id: int) -> dict[str, int]:
+  return {t.worker_address: t.worker_index for t in state.jobs[job_id].tasks.values()}
+
+
+@pytest.mark.parametrize("snapshot_every_records", [0, 1])
+def test_worker_indices_fill_the_smallest_free_one_and_survive_a_restart(
+    tmp_path, snapshot_every_records):
+  config = dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path), heartbeat_timeout_s=60,
+                                           snapshot_every_records=snapshot_every_records)
+  state = dispatcher_lib.DispatcherState(config)
+  dataset_id = state.register_dataset(spec.to_dataset_def(pipeline().node))
+  for address in ("w1:1", "w2:1", "w3:1"):
+    state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address))
+
+  def job(**request) -> int:
+    return state.get_or_create_job(pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="OFF", **request))[0]
+
+  own, same, resumed = (job(), job(identical_worker_streams=True),
+                        job(resume_worker_indices=[2, 0]))
+  assert _indices(state, own) == {"w1:1": 0, "w2:1": 1, "w3:1": 2}
+  assert _indices(state, same) == {"w1:1": 0, "w2:1": 0, "w3:1": 0}
+  assert _indices(state, resumed) == {"w1:1": 2, "w2:1": 0, "w3:1": 1}
+  with state.lock:  # w2 is lost; a new worker takes its index
+    del state.workers["w2:1"]
+    state._lose_tasks_of("w2:1", how=split_failures.LOST)  # pylint: disable=protected-access
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w4:1"))
+  with state.lock:
+    state._assign_tasks(state.jobs[own])  # pylint: disable=protected-access
+  assert _indices(state, own) == {"w1:1": 0, "w3:1": 2, "w4:1": 1}
+  state.close()
+  restarted = dispatcher_lib.DispatcherState(config)
+  assert _indices(restarted, own) == {"w1:1": 0, "w3:1": 2, "w4:1": 1}
+  assert restarted.jobs[same].identical_worker_streams
+  assert not restarted.jobs[own].identical_worker_streams
+  assert restarted.jobs[resumed].resume_orders == [2, 0]
+  restarted.close()
+
+
+@pytest.mark.parametrize("request_fields,message", [
+    ({"sharding_policy": "DYNAMIC", "identical_worker_streams": True}, "OFF sharding"),
+    ({"sharding_policy": "OFF", "resume_worker_indices": [1, 1]}, "distinct"),
+    ({"sharding_policy": "OFF", "resume_worker_indices": [-1]}, ">= 0")])
+def test_a_job_request_with_bad_worker_order_fields_is_refused(request_fields, message):
+  state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
+  dataset_id = state.register_dataset(spec.to_dataset_def(pipeline().node))
+  with pytest.raises(ValueError, match=message):
+    state.get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=dataset_id, **request_fields))
+  state.close()
+
+
+def test_consumers_of_a_named_job_pass_the_same_identical_worker_streams():
+  state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
+  dataset_id = state.register_dataset(spec.to_dataset_def(pipeline().node))
+  state.get_or_create_job(pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="OFF", job_name="train"))
+  with pytest.raises(ValueError, match="same identical_worker_streams"):
+    state.get_or_create_job(pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="OFF", job_name="train",
+        identical_worker_streams=True))
+  state.close()
