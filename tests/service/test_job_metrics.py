@@ -28,9 +28,12 @@ def _wait_for(url: str, name: str, want: float, **labels: str) -> dict:
     time.sleep(0.05)
 
 
-def test_a_jobs_counters_keep_what_a_client_that_left_consumed(cluster, tmp_path):
+@pytest.mark.parametrize("goodbye", ["call", "worker"])
+def test_a_jobs_counters_keep_what_a_client_that_left_consumed(cluster, tmp_path, goodbye):
+  # "worker": from one live client on, clients say goodbye through a worker.
+  flags = ["--goodbye_via_worker_clients=1"] if goodbye == "worker" else []
   dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={tmp_path}", "--metrics_port=0",
-                       "--nojournal_fsync")
+                       "--nojournal_fsync", *flags)
   url = _metrics_url(dispatcher)
   worker_url = _metrics_url(cluster(
       "worker", f"--dispatcher_address={dispatcher.address}", "--port=0",
@@ -43,6 +46,7 @@ def test_a_jobs_counters_keep_what_a_client_that_left_consumed(cluster, tmp_path
       for _ in range(100):
         next(leaving)
       before = _wait_for(url, elements, 101, job="train")
+      time.sleep(1.2)  # the dispatcher counts its live clients once a second
     assert value(before, "jaxfeed_job_clients", job="train") == 2
     assert value(before, "jaxfeed_job_workers", job="train") == 1
     assert value(before, "jaxfeed_job_client_wait_seconds_total", job="train") > 0
@@ -57,6 +61,7 @@ def test_a_jobs_counters_keep_what_a_client_that_left_consumed(cluster, tmp_path
   # heartbeat may not have.
   idle = _wait_for(url, "jaxfeed_job_clients", 0, job="train")
   assert value(idle, elements, job="train") == 150
+  assert value(idle, "jaxfeed_dispatcher_client_goodbyes_total", via=goodbye) == 2
   assert not [labels for name, labels in idle
               if name.startswith("jaxfeed_job_") and dict(labels).get("job") != "train"]
   # The workers' per-job series carry the same label.

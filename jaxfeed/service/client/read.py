@@ -465,7 +465,8 @@ class ReadState:
     try:
       data_socket.send_goodbye(
           task.data_address, {"token": task.read_ticket, "task_id": task.task_id,
-                              "client_id": self.client_id, "goodbye": self.goodbye_ticket},
+                              "client_id": self.client_id, "goodbye": self.goodbye_ticket,
+                              "elements": self.consumed, "wait_s": self.wait_s},
           GOODBYE_TIMEOUT_S, self.ssl_context)
     except data_socket.DataConnectionError as e:
       logging.info("Worker %s did not take the goodbye of client %d (%s: %s): "

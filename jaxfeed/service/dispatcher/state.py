@@ -485,6 +485,8 @@ class DispatcherState(dispatcher_workers.WorkerRegistry):
         self.goodbyes["refused"] += 1
       else:
         self.goodbyes["worker"] += 1
+        self.job_counts.report(goodbye.job_id, goodbye.client_id,
+                               goodbye.elements_consumed, goodbye.consumer_wait_s)
         self.release_client_locked(goodbye.job_id, goodbye.client_id)
 
   def release_client_locked(self, job_id: int, client_id: int) -> None:

@@ -74,7 +74,7 @@ class WorkerState:
     # Exactly-once: (task id, splits made) whose report failed, for the next heartbeat.
     self._made: list[tuple[int, list[int]]] = []
     # Goodbyes of clients, not yet forwarded: (job id, client id) -> ticket.
-    self._goodbyes: dict[tuple[int, int], str] = {}
+    self._goodbyes: dict[tuple[int, int], pb.ClientGoodbye] = {}
     self.served = metrics_lib.ServedCounts()  # for --metrics_port
     # Told to the dispatcher with every heartbeat: a process restarted on this
     # address has a new one, so its predecessor's tasks count as lost.
@@ -409,16 +409,20 @@ class WorkerState:
     ReleaseJobClient)."""
     task_id, client_id, ticket = (hello.get("task_id"), hello.get("client_id"),
                                   hello.get("goodbye"))
+    elements, wait_s = hello.get("elements", 0), hello.get("wait_s", 0.0)
     # Hex digits only: a ticket that protobuf cannot encode (a lone
     # surrogate) would fail every later heartbeat of this worker.
     if not (_is_id(task_id) and _is_id(client_id) and client_id > 0
             and isinstance(ticket, str) and len(ticket) <= _MAX_GOODBYE_TICKET
-            and not ticket.strip(_HEX_DIGITS)):
+            and not ticket.strip(_HEX_DIGITS) and _is_id(elements)
+            and isinstance(wait_s, (int, float)) and not isinstance(wait_s, bool)
+            and 0 <= wait_s < float("inf")):
       raise data_socket.DataConnectionError(
-          "Malformed goodbye: task_id and client_id must be integers (client_id > 0) "
-          f"and goodbye at most {_MAX_GOODBYE_TICKET} hex digits; got "
-          f"{str(task_id)[:40]!r}, {str(client_id)[:40]!r}, {str(ticket)[:40]!r}.",
-          "INVALID_ARGUMENT")
+          "Malformed goodbye: task_id and client_id must be integers (client_id > 0), "
+          f"goodbye at most {_MAX_GOODBYE_TICKET} hex digits, elements an integer "
+          f">= 0 and wait_s a finite number >= 0; got {str(task_id)[:40]!r}, "
+          f"{str(client_id)[:40]!r}, {str(ticket)[:40]!r}, {str(elements)[:40]!r}, "
+          f"{str(wait_s)[:40]!r}.", "INVALID_ARGUMENT")
     job = self.served.job_id_of(task_id)
     if job is None or self.streams.find(task_id, client_id) is None:
       raise data_socket.DataConnectionError(
@@ -429,7 +433,9 @@ class WorkerState:
         raise data_socket.DataConnectionError(
             f"Worker {self.address} already holds {_MAX_GOODBYES} goodbyes.",
             "RESOURCE_EXHAUSTED")
-      self._goodbyes[(job, client_id)] = ticket
+      self._goodbyes[(job, client_id)] = pb.ClientGoodbye(
+          job_id=job, client_id=client_id, ticket=ticket, elements_consumed=elements,
+          consumer_wait_s=wait_s)
 
   def GetElements(self, request: pb.GetElementsRequest,
                   context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:
@@ -545,6 +551,6 @@ def _is_id(value: Any) -> bool:
   return wire.is_int(value) and 0 <= value < 1 << 63
 
 
-def _goodbye_messages(goodbyes: dict[tuple[int, int], str]) -> list[pb.ClientGoodbye]:
-  return [pb.ClientGoodbye(job_id=job_id, client_id=client_id, ticket=ticket)
-          for (job_id, client_id), ticket in goodbyes.items()]
+def _goodbye_messages(goodbyes: dict[tuple[int, int], pb.ClientGoodbye]
+                      ) -> list[pb.ClientGoodbye]:
+  return list(goodbyes.values())
