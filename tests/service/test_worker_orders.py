@@ -210,3 +210,39 @@ def test_consumers_of_a_named_job_pass_the_same_identical_worker_streams():
         dataset_id=dataset_id, sharding_policy="OFF", job_name="train",
         identical_worker_streams=True))
   state.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: pipeline(),
+    lambda: jaxfeed.Dataset.range(50).shuffle(50, seed=3),
+    lambda: jaxfeed.Dataset.sample_from_datasets(
+        [jaxfeed.Dataset.range(20), jaxfeed.Dataset.range(100, 120)], seed=2)])
+def test_a_worker_index_reorders_every_seeded_order_and_keeps_the_elements(make):
+  dataset = make()
+  dataset_def = spec.to_dataset_def(dataset.node)
+  local = [int(e["x"] if isinstance(e, dict) else e) for e in dataset]
+  streams_by_index = []
+  for index in range(3):
+    node = spec.from_dataset_def(dataset_def, None, worker_orders.reorder(index))
+    streams_by_index.append([int(e["x"] if isinstance(e, dict) else e)
+                             for e in jaxfeed.Dataset(node)])
+  assert streams_by_index[0] == local  # index 0: the pipeline's own order
+  for stream in streams_by_index[1:]:
+    assert sorted(stream) == sorted(local) and stream != local
+  assert streams_by_index[1] != streams_by_index[2]
+
+
+def test_a_mixtures_worker_reads_each_component_in_its_own_order_in_the_same_proportions():
+  def component(offset: int, seed: int) -> jaxfeed.Dataset:
+    source = jaxfeed.ArraySource({"x": np.arange(offset, offset + 100, dtype=np.int64)})
+    return jaxfeed.Dataset.from_source(
+        source, jaxfeed.IndexSampler(100, shuffle=True, seed=seed))
+
+  mixture = jaxfeed.Dataset.mix([component(0, 1), component(1000, 2)], [0.3, 0.7], seed=3)
+  dataset_def = spec.to_dataset_def(mixture.node)
+  local, other = ([int(e["x"]) for e in jaxfeed.Dataset(
+      spec.from_dataset_def(dataset_def, None, worker_orders.reorder(i)))] for i in (0, 1))
+  assert local == [int(e["x"]) for e in mixture]
+  assert [x < 1000 for x in other] == [x < 1000 for x in local]  # each position's component
+  assert other != local
+  assert len(set(other)) == len(other)  # nothing twice

@@ -12,7 +12,9 @@ order re-keyed by i:
 
 - the `from_source` sampler's seed (`IndexSampler(shuffle=True, seed=s)`
   gives worker i the permutation of seed `mix_seed(s, ORDER_DOMAIN, i)`, and
-  the per-record seeds that come with it);
+  the per-record seeds that come with it), and those of the samplers a
+  `Dataset.mix` mixes (the mixture keeps its own: each position reads the
+  component it reads locally, another record of it);
 - the seeds of `shuffle` and `sample_from_datasets`.
 
 Worker 0 runs the pipeline as the client built it, so its stream is the
@@ -68,11 +70,28 @@ def reorder(worker_index: int) -> spec_lib.NodeRewrite | None:
     if op_name in ORDER_OPS and _is_seed(params.get("seed")):
       return cls, {**params, "seed": worker_seed(int(params["seed"]), worker_index)}
     sampler: Any = params.get("sampler")
-    if op_name == SOURCE_OP and sampler is not None and hasattr(sampler, "spec_params"):
-      sampler_params = dict(sampler.spec_params())
-      if _is_seed(sampler_params.get("seed")):
-        sampler_params["seed"] = worker_seed(sampler_params["seed"], worker_index)
-        return cls, {**params, "sampler": type(sampler)(**sampler_params)}
+    if op_name == SOURCE_OP and _is_sampler(sampler):
+      return cls, {**params, "sampler": reseeded(sampler, worker_index)}
     return cls, params
 
   return rewrite
+
+
+def _is_sampler(value: Any) -> bool:
+  return value is not None and hasattr(value, "spec_params")
+
+
+def reseeded(sampler: Any, worker_index: int) -> Any:
+  """`sampler` (anything with `spec_params()` that rebuild it) with its seed
+  re-keyed by the index; a sampler that mixes others (`components`, see
+  `Dataset.mix`) keeps its own seed, which picks the component of each
+  position (so the mixture's proportions stay those of every prefix), and
+  re-keys its components'."""
+  params = dict(sampler.spec_params())
+  components = params.get("components")
+  if isinstance(components, list):
+    params["components"] = [reseeded(c, worker_index) if _is_sampler(c) else c
+                            for c in components]
+  elif _is_seed(params.get("seed")):
+    params["seed"] = worker_seed(params["seed"], worker_index)
+  return type(sampler)(**params)
