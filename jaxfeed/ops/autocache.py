@@ -1,20 +1,25 @@
 """`autocache`: marks where a pipeline's output may be kept and reused.
 
-In a local pipeline it passes elements through. On a jaxfeed service worker
-started with `--autocache_dir=DIR`, the worker points each autocache op of a
-task at `DIR/<fingerprint of the op's input>`, and the op then behaves as
-`cache(filename=...)`: the first task whose pass over the input completes
-writes the cache, and every later task — of this job or any other job whose
-pipeline has the same input subgraph, on any worker sharing DIR — reads it
-instead of running the input again.
+Where its input is `from_source` followed by per-record deterministic ops
+(`map`, `filter`), the results are kept by record index in a folder that
+jobs with other samplers share (see `jaxfeed.ops.shared_preprocessing`):
+locally with `autocache(directory=DIR)`, or on jaxfeed service workers
+started with `--autocache_dir=DIR`, for every kind of job, splits of
+`distributed_epoch` jobs included. Any other input, on a worker with
+`--autocache_dir` (or with a local `directory`), is kept whole at
+`DIR/<fingerprint of the op's input>`, as `cache(filename=...)` keeps it: the
+first task whose pass over the input completes writes the cache, and every
+later task — of this job or any other job whose pipeline has the same input
+subgraph, on any worker sharing DIR — reads it instead of running the input
+again; tasks of `distributed_epoch` jobs never complete a pass and pass such
+inputs through. Without a folder, autocache passes elements through.
 
 The input's fingerprint covers its ops, their parameters, the code of its
 UDFs, the size and modification time of its source files, and the shard a
 static (FILE / DATA) task reads, so different inputs never share a cache (see
 `jaxfeed.ops.fingerprint`). An input whose fingerprint is not reproducible (a
 UDF holds an object that cannot be hashed by content) passes through: no later
-task could find its cache. Tasks of `distributed_epoch` jobs read different splits every time
-and pass through. As with `cache`, put `autocache` before random
+task could find its cache. As with `cache`, put `autocache` before random
 augmentation and before `repeat` (an endless input never completes a pass),
 and do not modify the elements it hands out in place.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxfeed.ops import shared_preprocessing
 from jaxfeed.ops.base import Node, OpIterator, graph_nodes, to_node
 from jaxfeed.ops.cache import CacheNode
 
@@ -37,12 +43,20 @@ class AutocacheNode(Node):
 
   op_name = _OP
 
-  def __init__(self, parent: Any):
+  def __init__(self, parent: Any, directory: str | None = None):
     super().__init__([to_node(parent, _OP, "input")])
-    self.cache_dir = ""  # set on service workers, never part of the spec
+    if directory is not None and (not isinstance(directory, str) or not directory):
+      raise ValueError(f"{_OP}: directory must be a non-empty folder path or None, "
+                       f"got {directory!r}.")
+    # Set by service workers (never part of the spec), or given locally.
+    self.cache_dir = directory or ""
+    self.records_only = False  # pass through unless kept by record
 
   def spec_params(self) -> dict:
     return {}
+
+  def local_params(self) -> dict:
+    return {"directory": self.cache_dir} if self.cache_dir else {}
 
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
@@ -57,7 +71,11 @@ class AutocacheNode(Node):
     return os.path.join(self.cache_dir, fingerprint)
 
   def make_iterator(self) -> OpIterator:
-    path = self.cache_path()
+    if self.cache_dir:
+      shared = shared_preprocessing.shared_graph(self.parents[0], self.cache_dir)
+      if shared is not None:
+        return AutocacheIterator(shared.make_iterator())
+    path = None if self.records_only else self.cache_path()
     if path is not None:
       return CacheNode(self.parents[0], path).make_iterator()
     return AutocacheIterator(self.parents[0].make_iterator())
@@ -76,9 +94,13 @@ class AutocacheIterator(OpIterator):
     return next(self._parent)
 
 
-def point_at(node: Node, cache_dir: str) -> list[AutocacheNode]:
-  """Points every autocache op of a graph at `cache_dir`; returns them."""
+def point_at(node: Node, cache_dir: str, records_only: bool = False) -> list[AutocacheNode]:
+  """Points every autocache op of a graph at `cache_dir`; returns them.
+  `records_only`: only those kept by record index (see
+  `jaxfeed.ops.shared_preprocessing`) use it, the others pass through (a
+  task that reads splits never completes a pass of its input)."""
   found = [current for current in graph_nodes(node) if isinstance(current, AutocacheNode)]
   for current in found:
     current.cache_dir = cache_dir
+    current.records_only = records_only
   return found
