@@ -179,7 +179,7 @@ def test_a_parallel_epochs_read_resumed_on_another_worker_count_says_so(
   with dataset.make_iterator() as iterator:
     next(iterator)
     state = iterator.get_state()
-  assert [closed for _, closed in state["own"]["streams"]["streams"]] == [False, False]
+  assert [closed for _, closed, _ in state["own"]["streams"]["streams"]] == [False, False]
   for _ in range(workers_after - 2):
     cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
   for worker in workers[workers_after:]:
@@ -197,7 +197,7 @@ def test_a_parallel_epochs_read_saved_after_its_streams_ended_resumes_at_its_end
   with dataset.make_iterator() as iterator:
     assert len(list(iterator)) == 10
     state = iterator.get_state()
-  assert state["own"]["streams"]["streams"] == [[10, True]]
+  assert state["own"]["streams"]["streams"] == [[10, True, 0]]
   with dataset.make_iterator() as iterator:
     iterator.set_state(state)
     assert list(iterator) == []

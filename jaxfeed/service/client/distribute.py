@@ -137,7 +137,8 @@ def _check_read_options(policy: ShardingPolicy, job_name: str | None,
                         num_consumers: int | None, consumer_index: int | None,
                         compression: str | None, max_outstanding_requests: int | None,
                         data_transfer: str, round_timeout_s: float | None,
-                        visitation: str, ephemeral_sharing: bool, target: str) -> None:
+                        visitation: str, ephemeral_sharing: bool, target: str,
+                        identical_worker_streams: bool) -> None:
   if job_name is not None and (not isinstance(job_name, str) or not job_name):
     raise ValueError(f"job_name must be a non-empty string or None, got {job_name!r}.")
   if num_consumers is not None:
@@ -186,6 +187,13 @@ def _check_read_options(policy: ShardingPolicy, job_name: str | None,
     raise ValueError(
         "ephemeral_sharing=True needs processing_mode='parallel_epochs' (OFF) and "
         f"no num_consumers; got {policy.name} and num_consumers={num_consumers}.")
+  if not isinstance(identical_worker_streams, bool):
+    raise ValueError(f"identical_worker_streams must be True or False, got "
+                     f"{identical_worker_streams!r}.")
+  if identical_worker_streams and policy != ShardingPolicy.OFF:
+    raise ValueError(
+        "identical_worker_streams=True applies to processing_mode='parallel_epochs' "
+        f"(OFF), where every worker runs the whole pipeline; got {policy.name}.")
 
 
 class DistributedNode(base.Node):
@@ -204,7 +212,8 @@ class DistributedNode(base.Node):
                visitation: str = "at_most_once", ephemeral_sharing: bool = False,
                max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
                wait_for_dispatcher: bool = False, target_workers: str = "auto",
-               cross_trainer_cache: CrossTrainerCache | None = None):
+               cross_trainer_cache: CrossTrainerCache | None = None,
+               identical_worker_streams: bool = False):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
@@ -218,8 +227,10 @@ class DistributedNode(base.Node):
       ephemeral_sharing = True
     _check_read_options(self.policy, job_name, num_consumers, consumer_index, compression,
                         max_outstanding_requests, data_transfer, round_timeout_s,
-                        visitation, ephemeral_sharing, self.target_workers)
+                        visitation, ephemeral_sharing, self.target_workers,
+                        identical_worker_streams)
     self.visitation = visitation
+    self.identical_worker_streams = identical_worker_streams
     self.ephemeral_sharing = ephemeral_sharing
     self.max_frame_bytes = wire.check_max_frame_bytes(max_frame_bytes)
     self.dataset = None if dataset is None else task_pipeline.pipeline_node(
@@ -255,7 +266,8 @@ class DistributedNode(base.Node):
             "ephemeral_sharing": self.ephemeral_sharing,
             "max_frame_bytes": self.max_frame_bytes,
             "wait_for_dispatcher": self.wait_for_dispatcher,
-            "target_workers": self.target_workers}
+            "target_workers": self.target_workers,
+            "identical_worker_streams": self.identical_worker_streams}
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on each read (so the dispatcher may start later,
@@ -353,7 +365,15 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       pass the same value,
       cross_trainer_cache: a `CrossTrainerCache(trainer_id)`: tf.data's name
       for ephemeral sharing (needs job_name and parallel_epochs; see
-      `jaxfeed.service.client.cross_trainer_cache`).
+      `jaxfeed.service.client.cross_trainer_cache`),
+      identical_worker_streams: parallel_epochs only. False (default): each
+      worker streams the pipeline in its own order, worker i's samplers and
+      shuffles seeded from the pipeline's seeds and i (worker 0: the
+      pipeline's own order), as tf.data service's workers each read in
+      their own order; True: every worker streams the pipeline's own order,
+      so the reader gets identical streams interleaved (see
+      `jaxfeed.service.worker.worker_orders`). Consumers of a named job pass
+      the same value.
 
   Returns:
     A jaxfeed Dataset.

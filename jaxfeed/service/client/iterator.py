@@ -301,7 +301,9 @@ class DistributedIterator(base.OpIterator):
             state["splits"], state.get("restore_id") or read_state.new_restore_id())}
       elif self._read.streams is not None and isinstance(state, dict) and "streams" in state:
         _check_index_based(node)
-        kwargs = {"streams": stream_state.StreamProgress(state["streams"])}
+        streams = stream_state.StreamProgress(state["streams"])
+        streams.check_orders(node.identical_worker_streams)
+        kwargs = {"streams": streams}
     except read_state.ResumeStateError as e:
       raise base.PipelineStateError(str(e)) from e
     if kwargs is not None:

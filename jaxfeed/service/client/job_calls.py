@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 
@@ -42,9 +42,11 @@ def call_dispatcher(caller: rpc.Caller, request: Any, service: str, timeout_s: f
 
 
 def join_job(node: Any, channel: grpc.Channel, dataset_id: str,
-             progress: read_state.SplitProgress, process: str) -> pb.GetOrCreateJobResponse:
+             progress: read_state.SplitProgress, process: str,
+             resume_worker_indices: Sequence[int] = ()) -> pb.GetOrCreateJobResponse:
   """Creates or joins the job of the read of `node` (a `DistributedNode`)
-  of `dataset_id`, resuming `progress`; `process` is the client's
+  of `dataset_id`, resuming `progress` (a parallel_epochs read: the streams
+  of `resume_worker_indices`); `process` is the client's
   (`target_workers.process_id`). The answer carries the first heartbeat's
   when the dispatcher gives it.
 
@@ -68,6 +70,8 @@ def join_job(node: Any, channel: grpc.Channel, dataset_id: str,
         round_timeout_s=node.round_timeout_s or 0.0,
         exactly_once=node.visitation == "exactly_once",
         ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True,
+        identical_worker_streams=node.identical_worker_streams,
+        resume_worker_indices=resume_worker_indices,
         target_workers=node.target_workers, client_process=process),
         node.service, node.timeout_s, node.wait_for_dispatcher,
         f"Creating a job for dataset {dataset_id}")
@@ -84,8 +88,11 @@ def join_job(node: Any, channel: grpc.Channel, dataset_id: str,
 
 def leave_job(channel: grpc.Channel, node: Any, job_id: int, client_id: int,
               via_workers: list[pb.TaskInfo], goodbye_ticket: str,
-              ssl_context: ssl.SSLContext | None) -> None:
-  """Leaves the job, best effort (else the dispatcher times the client out).
+              ssl_context: ssl.SSLContext | None, consumed: int = 0,
+              wait_s: float = 0.0) -> None:
+  """Leaves the job, best effort (else the dispatcher times the client out),
+  with the consumer's last counts (`consumed` elements, `wait_s` waited) for
+  the job's metrics.
 
   When the dispatcher asks for it (it serves many clients, who may all
   leave at once), `via_workers` lists the workers the read streamed from:
@@ -93,27 +100,29 @@ def leave_job(channel: grpc.Channel, node: Any, job_id: int, client_id: int,
   its next heartbeat. With none, or if that worker did not take it, the
   client calls ReleaseJobClient.
   """
-  if via_workers and _goodbye_through_worker(via_workers, client_id, goodbye_ticket,
-                                             ssl_context):
+  if via_workers and _goodbye_through_worker(
+      via_workers, {"client_id": client_id, "goodbye": goodbye_ticket,
+                    "elements": consumed, "wait_s": wait_s}, ssl_context):
     return
   try:
     dispatcher_caller(channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
                       node.auth_token)(
-        pb.ReleaseJobClientRequest(job_id=job_id, client_id=client_id),
+        pb.ReleaseJobClientRequest(job_id=job_id, client_id=client_id,
+                                   elements_consumed=consumed, consumer_wait_s=wait_s),
         timeout=min(RELEASE_TIMEOUT_S, node.timeout_s))
   except grpc.RpcError:
     pass  # the dispatcher times the client out instead
 
 
-def _goodbye_through_worker(streaming: list[pb.TaskInfo], client_id: int,
-                            goodbye_ticket: str, ssl_context: ssl.SSLContext | None) -> bool:
-  """Says goodbye to one of the workers `streaming`; False if it did not
-  take the goodbye."""
+def _goodbye_through_worker(streaming: list[pb.TaskInfo], goodbye: dict,
+                            ssl_context: ssl.SSLContext | None) -> bool:
+  """Says `goodbye` (the hello's client_id, goodbye ticket and counts) to
+  one of the workers `streaming`; False if it did not take it."""
+  client_id = goodbye["client_id"]
   task = streaming[client_id % len(streaming)]
   try:
     data_socket.send_goodbye(
-        task.data_address, {"token": task.read_ticket, "task_id": task.task_id,
-                            "client_id": client_id, "goodbye": goodbye_ticket},
+        task.data_address, {"token": task.read_ticket, "task_id": task.task_id, **goodbye},
         GOODBYE_TIMEOUT_S, ssl_context)
   except data_socket.DataConnectionError as e:
     logging.info("Worker %s did not take the goodbye of client %d (%s: %s): "

@@ -155,7 +155,10 @@ class ReadState:
         self._end()  # every stream was over when the state was taken
         return
       dataset_id = self.dataset_id = node.resolve_dataset_id()
-      job = job_calls.join_job(node, self.channel, dataset_id, self.progress, self.process)
+      job = job_calls.join_job(
+          node, self.channel, dataset_id, self.progress, self.process,
+          self.streams.open_orders()
+          if self.streams is not None and not node.identical_worker_streams else ())
       self.job_id, self.client_id = job.job_id, job.client_id
       self.job_started = time.monotonic()
       heartbeat = job_calls.dispatcher_caller(self.channel, "ClientHeartbeat",
@@ -290,7 +293,8 @@ class ReadState:
           raise error
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
-        stream = self.streams.assign() if self.streams is not None else None
+        stream = (self.streams.assign(task.worker_index) if self.streams is not None
+                  else None)
         fetcher = self.fetchers[task_id] = Fetcher(self, task, out, stream)
         if stream is not None:
           self.streams.reading(*stream, fetcher)
@@ -390,7 +394,7 @@ class ReadState:
     if self.client_id:
       job_calls.leave_job(self.channel, self.node, self.job_id, self.client_id,
                           streaming if self.goodbye_via_worker else [], self.goodbye_ticket,
-                          self.ssl_context)
+                          self.ssl_context, self.consumed, self.wait_s)
     self.channel.close()
 
 

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.dispatcher import job_counts
 from jaxfeed.service.dispatcher import task_lists
 from jaxfeed.service.dispatcher import workers as dispatcher_workers
 from jaxfeed.service.dispatcher.config import DispatcherConfig
@@ -34,6 +35,8 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
     self._reports: dict[int, tuple[int, float, float, float]] = {}
     self._sampled: dict[int, tuple[int, float, float, float]] = {}
     self._sampled_at = time.monotonic()
+    # What each job's consumers took, for --metrics_port (kept when clients leave).
+    self.job_counts = job_counts.JobCounts()
     # The live clients' hosts, for max_jobs_per_host (clients replayed from
     # the journal count for no host).
     self._client_hosts: dict[int, str] = {}
@@ -73,6 +76,8 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
         self._reports[client_id] = (report.elements_consumed, report.consumer_wait_s,
                                     report.read_elapsed_s,
                                     min(max(report.buffer_fill, 0.0), 1.0))
+        self.job_counts.report(job_id, client_id, report.elements_consumed,
+                               report.consumer_wait_s)
       acked = sorted(s for s in set(acked_splits) if s in job.unacked or s in job.reissue)
       if acked:
         self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
@@ -136,13 +141,18 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
       self._client_count = (now, count)
     return count, self._joins.per_s(now)
 
-  def release_client(self, job_id: int, client_id: int) -> None:
+  def release_client(self, job_id: int, client_id: int,
+                     last_report: pb.ReleaseJobClientRequest | None = None) -> None:
+    """A client leaves; `last_report` carries its final counts."""
     with self.lock:
       self.lock.answer_without_fsync()  # a client that leaves waits for nothing
       self.goodbyes["call"] += 1
       job = self.jobs.get(job_id)
       if job is None or client_id not in job.clients:
         return
+      if last_report is not None:
+        self.job_counts.report(job_id, client_id, last_report.elements_consumed,
+                               last_report.consumer_wait_s)
       self.release_client_locked(job_id, client_id)
 
   def sample_clients(self) -> autoscale_lib.Sample | None:
@@ -187,12 +197,15 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
         self.goodbyes["refused"] += 1
       else:
         self.goodbyes["worker"] += 1
+        self.job_counts.report(goodbye.job_id, goodbye.client_id,
+                               goodbye.elements_consumed, goodbye.consumer_wait_s)
         self.release_client_locked(goodbye.job_id, goodbye.client_id)
 
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
     self._forget_host(client_id)
     self._ack_batches.pop(client_id, None)
+    self.job_counts.client_left(job_id, client_id)
     job = self.jobs[job_id]
     if job.clients:
       return

@@ -28,6 +28,7 @@ from jaxfeed.service.worker import round_assembly
 
 
 _MAX_DATASET_ID = 256  # characters of a dataset id a user chose
+_MAX_RESUME_ORDERS = 65536  # worker streams a resumed parallel_epochs read continues
 
 
 class DispatcherState(dispatcher_clients.ClientRegistry):
@@ -171,6 +172,13 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
               f"ephemeral_sharing={request.ephemeral_sharing}: every consumer of a "
               "job must pass the same dataset, processing mode, num_consumers, "
               "visitation and ephemeral_sharing.")
+        if job is not None and (job.identical_worker_streams
+                                != request.identical_worker_streams):
+          raise ValueError(
+              f"Job {request.job_name!r} is read with identical_worker_streams="
+              f"{job.identical_worker_streams}; a consumer asked for "
+              f"{request.identical_worker_streams}: every consumer of a job must "
+              "pass the same identical_worker_streams.")
         if job is not None and job.target_workers != target:
           raise ValueError(
               f"Job {request.job_name!r} is read with target_workers="
@@ -200,7 +208,11 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
                       "exactly_once": request.exactly_once,
                       "ephemeral_sharing": request.ephemeral_sharing,
                       **({"target_workers": target} if target != target_workers.AUTO
-                         else {})})
+                         else {}),
+                      **({"identical_worker_streams": True}
+                         if request.identical_worker_streams else {}),
+                      **({"resume_orders": list(request.resume_worker_indices)}
+                         if request.resume_worker_indices else {})})
         if partial:  # issued again first, whole
           self._record({"kind": "splits_lost", "job_id": job_id, "ranges": partial})
         job = self.jobs[job_id]
@@ -260,6 +272,7 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
         if (job.idle_since is not None and not job.clients
             and now - job.idle_since > self.config.job_gc_timeout_s):
           self._record({"kind": "job_deleted", "job_id": job.job_id})
+      self.job_counts.keep(self.jobs)
       self._collect_datasets(now)
 
   def _excuse_absence(self, away_s: float, now: float) -> None:
@@ -337,4 +350,14 @@ def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy
     raise ValueError(
         f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
         f"num_consumers; got {policy.name} and num_consumers={k}.")
-
+  if (request.identical_worker_streams or request.resume_worker_indices) and (
+      policy != ShardingPolicy.OFF):
+    raise ValueError(
+        f"identical_worker_streams and resume_worker_indices apply to OFF "
+        f"sharding (parallel_epochs) only; got {policy.name}.")
+  indices = list(request.resume_worker_indices)
+  if len(indices) > _MAX_RESUME_ORDERS or len(set(indices)) != len(indices) or any(
+      i < 0 for i in indices):
+    raise ValueError(
+        f"resume_worker_indices must be at most {_MAX_RESUME_ORDERS} distinct "
+        f"indices >= 0, got {len(indices)}: {indices[:10]}.")

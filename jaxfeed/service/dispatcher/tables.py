@@ -78,6 +78,21 @@ class Job:
   # and each client's process.
   target_workers: str = target_workers.AUTO
   client_processes: dict[int, str] = dataclasses.field(default_factory=dict)
+  # parallel_epochs: every task streams the pipeline's own order (True), or
+  # each its own (see jaxfeed.service.worker.worker_orders); a resumed read's
+  # worker indices, handed to its first tasks in turn.
+  identical_worker_streams: bool = False
+  resume_orders: list[int] = dataclasses.field(default_factory=list)
+
+  def next_worker_index(self, taken: set[int]) -> int:
+    """A new parallel_epochs task's worker index (its order): the next of
+    `resume_orders` no task holds, else the smallest index none holds."""
+    if self.policy != ShardingPolicy.OFF or self.identical_worker_streams:
+      return 0
+    index = next((i for i in self.resume_orders if i not in taken), 0)
+    while index in taken:
+      index += 1
+    return index
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
@@ -259,7 +274,9 @@ class DispatcherTables:
                  r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False),
                  ephemeral_sharing=r.get("ephemeral_sharing", False),
                  target_workers=r.get("target_workers", target_workers.AUTO),
-                 skip=read_state.merge_ranges(r.get("skip", [])))
+                 skip=read_state.merge_ranges(r.get("skip", [])),
+                 identical_worker_streams=r.get("identical_worker_streams", False),
+                 resume_orders=list(r.get("resume_orders", [])))
       job.next_position = read_state.skip_to(job.skip, 0)
       self.jobs[job.job_id] = job
       if job.job_name:

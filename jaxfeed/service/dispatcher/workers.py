@@ -70,8 +70,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           continue
         indices.add(index)
         count = len(job.fixed_workers)
-      else:
-        index, count = 0, 1
+      else:  # parallel_epochs: the worker's order; DYNAMIC: 0
+        index, count = job.next_worker_index(indices), 1
+        indices.add(index)
       self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
                     "worker_address": address, "worker_index": index,
                     "num_workers": count})
@@ -109,7 +110,8 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     return pb.TaskInfo(
         dataset_fingerprint=dataset_def.fingerprint if dataset_def is not None else "",
         read_ticket=rpc.read_ticket(key, task.task_id) if key else "",
-        task_id=task.task_id, job_id=job.job_id, dataset_id=job.dataset_id,
+        task_id=task.task_id, job_id=job.job_id, job_name=job.job_name,
+        dataset_id=job.dataset_id,
         worker_address=task.worker_address,
         data_address=worker.data_address if worker else "",
         sharding_policy=job.policy.value, worker_index=task.worker_index,

@@ -24,7 +24,8 @@ streams the task's frames:
 
 A client that leaves its job may instead open a connection whose hello
 carries "goodbye" (its goodbye ticket from the dispatcher) with "token",
-"task_id" and "client_id": the worker keeps the goodbye for its next
+"task_id", "client_id" and optionally its last counts, "elements" and
+"wait_s" (see ReleaseJobClientRequest): the worker keeps the goodbye for its next
 heartbeat, answers kind 1 (no bytes) or an error, and closes the connection
 (see `send_goodbye`).
 

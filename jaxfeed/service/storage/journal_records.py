@@ -74,6 +74,8 @@ _FIELDS: dict[str, tuple[dict, dict]] = {
             {"round_timeout_s": _is_number, "exactly_once": _is_bool,
              "ephemeral_sharing": _is_bool,
              "skip": _list_of(_pair(_is_int, _is_int)),
+             "identical_worker_streams": _is_bool,
+             "resume_orders": _list_of(_is_int),
              "target_workers": lambda v: v in target_workers.TARGET_WORKERS}),
     "fix_workers": ({"job_id": _is_int, "workers": _list_of(_pair(_is_str, _is_int))}, {}),
     "task": ({"id": _is_int, "job_id": _is_int, "worker_address": _is_str,

@@ -71,6 +71,9 @@ def state_records(datasets: Mapping[str, Any], jobs: Mapping[int, Any],
                     "exactly_once": job.exactly_once,
                     "ephemeral_sharing": job.ephemeral_sharing,
                     **({"skip": job.skip} if job.skip else {}),
+                    **({"identical_worker_streams": True}
+                       if job.identical_worker_streams else {}),
+                    **({"resume_orders": job.resume_orders} if job.resume_orders else {}),
                     **({"target_workers": job.target_workers}
                        if job.target_workers != target_workers.AUTO else {})})
     if job.fixed_workers is not None:

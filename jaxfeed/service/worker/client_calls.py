@@ -70,22 +70,28 @@ class ClientCalls:
     ReleaseJobClient)."""
     task_id, client_id, ticket = (hello.get("task_id"), hello.get("client_id"),
                                   hello.get("goodbye"))
+    elements, wait_s = hello.get("elements", 0), hello.get("wait_s", 0.0)
     # Hex digits only: a ticket that protobuf cannot encode (a lone
     # surrogate) would fail every later heartbeat of this worker.
     if not (_is_id(task_id) and _is_id(client_id) and client_id > 0
             and isinstance(ticket, str) and len(ticket) <= _MAX_GOODBYE_TICKET
-            and not ticket.strip(_HEX_DIGITS)):
+            and not ticket.strip(_HEX_DIGITS) and _is_id(elements)
+            and isinstance(wait_s, (int, float)) and not isinstance(wait_s, bool)
+            and 0 <= wait_s < float("inf")):
       raise data_socket.DataConnectionError(
-          "Malformed goodbye: task_id and client_id must be integers (client_id > 0) "
-          f"and goodbye at most {_MAX_GOODBYE_TICKET} hex digits; got "
-          f"{str(task_id)[:40]!r}, {str(client_id)[:40]!r}, {str(ticket)[:40]!r}.",
-          "INVALID_ARGUMENT")
-    job = self._worker.served.job_of(task_id)
-    if not job or self._worker.streams.find(task_id, client_id) is None:
+          "Malformed goodbye: task_id and client_id must be integers (client_id > 0), "
+          f"goodbye at most {_MAX_GOODBYE_TICKET} hex digits, elements an integer "
+          f">= 0 and wait_s a finite number >= 0; got {str(task_id)[:40]!r}, "
+          f"{str(client_id)[:40]!r}, {str(ticket)[:40]!r}, {str(elements)[:40]!r}, "
+          f"{str(wait_s)[:40]!r}.", "INVALID_ARGUMENT")
+    job = self._worker.served.job_id_of(task_id)
+    if job is None or self._worker.streams.find(task_id, client_id) is None:
       raise data_socket.DataConnectionError(
           f"Worker {self._worker.address} serves no stream of task {task_id} to client "
           f"{client_id}: a client says goodbye to a worker it reads from.", "NOT_FOUND")
-    self._worker.hold_goodbye(int(job), client_id, ticket)
+    self._worker.hold_goodbye(pb.ClientGoodbye(
+        job_id=job, client_id=client_id, ticket=ticket, elements_consumed=elements,
+        consumer_wait_s=wait_s))
 
   def GetElements(self, request: pb.GetElementsRequest,
                   context: grpc.ServicerContext) -> Iterator[bytes | pb.ElementChunk]:

@@ -68,7 +68,7 @@ class WorkerState:
     # Exactly-once: (task id, splits made) whose report failed, for the next heartbeat.
     self._made: list[tuple[int, list[int]]] = []
     # Goodbyes of clients, not yet forwarded: (job id, client id) -> ticket.
-    self._goodbyes: dict[tuple[int, int], str] = {}
+    self._goodbyes: dict[tuple[int, int], pb.ClientGoodbye] = {}
     self.served = metrics_lib.ServedCounts()  # for --metrics_port
     # Told to the dispatcher with every heartbeat: a process restarted on this
     # address has a new one, so its predecessor's tasks count as lost.
@@ -346,7 +346,7 @@ class WorkerState:
                                       skip=request.skip))
     return stream, stream.attach(request.received, kick)
 
-  def hold_goodbye(self, job_id: int, client_id: int, ticket: str) -> None:
+  def hold_goodbye(self, goodbye: pb.ClientGoodbye) -> None:
     """Keeps a client's goodbye (checked by `client_calls`) for the next
     heartbeat. Raises DataConnectionError when it holds too many."""
     with self.lock:
@@ -354,7 +354,7 @@ class WorkerState:
         raise data_socket.DataConnectionError(
             f"Worker {self.address} already holds {_MAX_GOODBYES} goodbyes.",
             "RESOURCE_EXHAUSTED")
-      self._goodbyes[(job_id, client_id)] = ticket
+      self._goodbyes[(goodbye.job_id, goodbye.client_id)] = goodbye
 
   def drain(self, timeout_s: float) -> bool:
     """Takes no new splits, lets DYNAMIC tasks finish the splits they hold
@@ -407,6 +407,6 @@ class WorkerState:
     self.channel.close()
 
 
-def _goodbye_messages(goodbyes: dict[tuple[int, int], str]) -> list[pb.ClientGoodbye]:
-  return [pb.ClientGoodbye(job_id=job_id, client_id=client_id, ticket=ticket)
-          for (job_id, client_id), ticket in goodbyes.items()]
+def _goodbye_messages(goodbyes: dict[tuple[int, int], pb.ClientGoodbye]
+                      ) -> list[pb.ClientGoodbye]:
+  return list(goodbyes.values())

@@ -3,6 +3,8 @@ sharding and the client's `jaxfeed.Options`.
 
 Static sharding (FILE, DATA, FILE_OR_DATA, HINT) gives worker i of n its own
 files, sampler shard or `shard(n, i)` (`jaxfeed.service.worker.static_sharding`).
+OFF (`parallel_epochs`) gives worker i its own order of the whole pipeline
+(`jaxfeed.service.worker.worker_orders`).
 DYNAMIC sharding splits the positions of the pipeline's one index-addressable
 input (`range`, `from_tensor_slices`, `from_source`, `from_tfrecord`'s files,
 or a `concatenate` / `zip` of those; see `jaxfeed.ops.index_ranges`): the
@@ -41,6 +43,7 @@ from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 from jaxfeed.service.worker import static_sharding
+from jaxfeed.service.worker import worker_orders
 
 FetchRanges = index_ranges.FetchRanges
 
@@ -158,8 +161,12 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
   def decode(rewrite: spec_lib.NodeRewrite | None) -> base.Node:
     return spec_lib.from_dataset_def(dataset_def, udf_secret, rewrite, udf_modules)
 
-  node = (static_sharding.shard_task(policy, task, decode) if policy.is_static
-          else decode(None))
+  if policy.is_static:
+    node = static_sharding.shard_task(policy, task, decode)
+  elif policy == ShardingPolicy.OFF:  # each worker its own order
+    node = decode(worker_orders.reorder(task.worker_index))
+  else:
+    node = decode(None)
   node, options = unwrap_options(node)
   if policy == ShardingPolicy.DYNAMIC:
     try:
