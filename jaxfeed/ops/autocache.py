@@ -17,6 +17,12 @@ task could find its cache. Tasks of `distributed_epoch` jobs read different spli
 and pass through. As with `cache`, put `autocache` before random
 augmentation and before `repeat` (an endless input never completes a pass),
 and do not modify the elements it hands out in place.
+
+A worker's `--autocache_max_bytes` and `--autocache_ttl_s` bound the folder
+(least recently used entries go first; an entry being read or written, by
+any process sharing the folder, is never removed): see
+`jaxfeed.ops.autocache_folder`. `jaxfeed cache ls|rm DIR` lists and removes
+entries.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jaxfeed.ops.autocache_entry import AutocacheEntryIterator
+from jaxfeed.ops.autocache_folder import AutocacheFolder
 from jaxfeed.ops.base import Node, OpIterator, graph_nodes, to_node
 from jaxfeed.ops.cache import CacheNode
 
@@ -39,7 +47,12 @@ class AutocacheNode(Node):
 
   def __init__(self, parent: Any):
     super().__init__([to_node(parent, _OP, "input")])
-    self.cache_dir = ""  # set on service workers, never part of the spec
+    # Set on service workers, never part of the spec.
+    self.folder: AutocacheFolder | None = None
+
+  @property
+  def cache_dir(self) -> str:
+    return self.folder.path if self.folder is not None else ""
 
   def spec_params(self) -> dict:
     return {}
@@ -58,8 +71,12 @@ class AutocacheNode(Node):
 
   def make_iterator(self) -> OpIterator:
     path = self.cache_path()
-    if path is not None:
-      return CacheNode(self.parents[0], path).make_iterator()
+    if path is not None and self.folder is not None:
+      parent = self.parents[0]
+      # The on-disk store `cache(filename=path)` reads and writes.
+      store = CacheNode(parent, path)._store  # pylint: disable=protected-access
+      return AutocacheEntryIterator(parent.make_iterator(), store, self.folder,
+                                    os.path.basename(path))
     return AutocacheIterator(self.parents[0].make_iterator())
 
 
@@ -76,9 +93,12 @@ class AutocacheIterator(OpIterator):
     return next(self._parent)
 
 
-def point_at(node: Node, cache_dir: str) -> list[AutocacheNode]:
-  """Points every autocache op of a graph at `cache_dir`; returns them."""
+def point_at(node: Node, folder: str | AutocacheFolder) -> list[AutocacheNode]:
+  """Points every autocache op of a graph at `folder` (a path: one without
+  limits); returns them."""
+  if not isinstance(folder, AutocacheFolder):
+    folder = AutocacheFolder(folder)
   found = [current for current in graph_nodes(node) if isinstance(current, AutocacheNode)]
   for current in found:
-    current.cache_dir = cache_dir
+    current.folder = folder
   return found

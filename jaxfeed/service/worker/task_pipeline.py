@@ -40,6 +40,7 @@ from jaxfeed.ops.options import Options
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+from jaxfeed.service.worker import autocache_keeper
 from jaxfeed.service.worker import static_sharding
 
 FetchRanges = index_ranges.FetchRanges
@@ -186,7 +187,7 @@ def task_iterator(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
   if autocache_dir and task.sharding_policy != ShardingPolicy.DYNAMIC.value:
     # After the optimizer: it rebuilds ops from their specs, which leave the
     # folder out.
-    autocache.point_at(node, autocache_dir)
+    autocache.point_at(node, autocache_keeper.folder_at(autocache_dir))
   return run(node, options)
 
 
