@@ -67,12 +67,12 @@ class FolderLimits:
         not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool)
         or self.max_bytes < 1):
       raise ValueError(f"autocache_max_bytes must be an integer >= 1 (bytes), or None "
-                       f"for no limit, got {self.max_bytes!r}.")
+                       f"(0 on the command line) for no limit, got {self.max_bytes!r}.")
     if self.ttl_s is not None and (
         not isinstance(self.ttl_s, (int, float)) or isinstance(self.ttl_s, bool)
         or not 0 < self.ttl_s < float("inf")):
-      raise ValueError(f"autocache_ttl_s must be a number of seconds > 0, or None to "
-                       f"keep entries, got {self.ttl_s!r}.")
+      raise ValueError(f"autocache_ttl_s must be a number of seconds > 0, or None (0 "
+                       f"on the command line) to keep entries, got {self.ttl_s!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,9 +312,14 @@ class AutocacheFolder:
 
   def _evict_locked(self, need_bytes: int, leave_out: str) -> list[str]:
     limits = self.limits
+    # Under the folder lock nobody is deleting: what trash holds was left
+    # by a process that died deleting it.
+    trash = os.path.join(self._meta, "trash")
+    for item in os.listdir(trash) if os.path.isdir(trash) else ():
+      shutil.rmtree(os.path.join(trash, item), ignore_errors=True)
     reserved = self._reserved()
     names = self._names()
-    used = _tree_bytes(os.path.join(self._meta, "trash"))
+    used = 0
     sizes = {}
     for name, folders in names.items():
       sizes[name] = self._entry_bytes([f for f in folders if f != leave_out], reserved)

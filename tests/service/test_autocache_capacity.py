@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jaxfeed
+import service_udfs
 from service_cluster import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -164,6 +165,28 @@ def test_ttl_removes_an_entry_nobody_reads_and_keeps_one_in_use(cluster, tmp_pat
   assert os.listdir(tmp_path / ".jaxfeed" / "trash") == []
 
 
+def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(
+    cluster, tmp_path):
+  dispatcher = cluster("dispatcher", "--port=0")
+  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
+                   "--heartbeat_interval_s=0.2", f"--autocache_dir={tmp_path}",
+                   "--autocache_max_bytes=100000000")
+  paced = jaxfeed.Dataset.range(200).map(service_udfs.paced).autocache()
+  with paced.distribute(dispatcher.address, "parallel_epochs").make_iterator() as reader:
+    next(reader)
+    worker.kill()  # mid-write: its temporary folder and reservation stay
+  [partial] = os.listdir(tmp_path / ".jaxfeed" / "writes")
+  assert os.path.isdir(tmp_path / partial)
+  listed = jaxfeed_cli("cache", "ls", str(tmp_path))
+  assert listed.stdout.splitlines()[1].split()[-1] == "abandoned"
+  start(cluster, tmp_path, "--autocache_max_bytes=100000000")  # evicts as it starts
+  deadline = time.monotonic() + 20
+  while os.path.exists(tmp_path / partial) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert sorted(os.listdir(tmp_path)) == [".jaxfeed"]
+  assert os.listdir(tmp_path / ".jaxfeed" / "writes") == []
+
+
 def jaxfeed_cli(*args: str) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "-m", "jaxfeed.cli", *args], capture_output=True,
                         text=True, timeout=60, cwd=REPO_ROOT)
@@ -219,9 +242,9 @@ def test_cache_commands_explain_bad_arguments(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (("--autocache_max_bytes=-5",), "autocache_max_bytes must be an integer >= 1 (bytes), "
-     "or None for no limit, got -5"),
+     "or None (0 on the command line) for no limit, got -5"),
     (("--autocache_ttl_s=-1",), "autocache_ttl_s must be a number of seconds > 0, or None "
-     "to keep entries, got -1.0"),
+     "(0 on the command line) to keep entries, got -1.0"),
     (("--autocache_ttl_s=inf",), "got inf"),
 ])
 def test_worker_refuses_bad_limits_by_name(tmp_path, flags, message):
