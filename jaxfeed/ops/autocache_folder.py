@@ -338,6 +338,10 @@ class AutocacheFolder:
       if (expired or over or not self._is_complete(name)) and self._remove(name):
         removed.append(name)
         used -= sizes[name]
+    # The lock files of entries deleted by hand.
+    locks = os.path.join(self._meta, "locks")
+    for name in set(os.listdir(locks) if os.path.isdir(locks) else ()) - set(names):
+      self._remove(name)
     return removed
 
   def fits(self, leave_out: str, total_bytes: int) -> bool:

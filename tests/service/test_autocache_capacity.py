@@ -179,12 +179,17 @@ def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(
   assert os.path.isdir(tmp_path / partial)
   listed = jaxfeed_cli("cache", "ls", str(tmp_path))
   assert listed.stdout.splitlines()[1].split()[-1] == "abandoned"
+  os.makedirs(tmp_path / "by-hand")  # an entry deleted by hand leaves its lock file
+  open(tmp_path / ".jaxfeed" / "locks" / "by-hand", "w").close()
+  os.rmdir(tmp_path / "by-hand")
   start(cluster, tmp_path, "--autocache_max_bytes=100000000")  # evicts as it starts
   deadline = time.monotonic() + 20
-  while os.path.exists(tmp_path / partial) and time.monotonic() < deadline:
+  while (os.path.exists(tmp_path / partial) or os.listdir(tmp_path / ".jaxfeed" / "locks")
+         ) and time.monotonic() < deadline:
     time.sleep(0.05)
   assert sorted(os.listdir(tmp_path)) == [".jaxfeed"]
   assert os.listdir(tmp_path / ".jaxfeed" / "writes") == []
+  assert os.listdir(tmp_path / ".jaxfeed" / "locks") == []
 
 
 def jaxfeed_cli(*args: str) -> subprocess.CompletedProcess:
