@@ -39,7 +39,8 @@ RESULTS_DIR = REPO / "benchmarks" / "results"
 ENV_DIR = "JAXFEED_BENCHMARK_RESULTS"
 # Written by `benchmarks.report` and by benchmark runs: a checkout that differs
 # from its commit only here still runs exactly the commit's code.
-OUTPUTS = ("benchmarks/results", "README.md", "docs/benchmarks.md", "docs/images/benchmarks")
+OUTPUTS = ("benchmarks/results", "README.md", "docs/benchmarks.md", "docs/images/benchmarks",
+           "docs/dispatcher_scale.md", "docs/llm_text.md", "docs/concepts/coordinated_reads.md")
 VERSIONS = ("jax", "jaxlib", "numpy", "tensorflow-cpu", "grain")
 
 _current: list["Run"] = []

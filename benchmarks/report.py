@@ -1,9 +1,11 @@
 r"""Renders the benchmark results recorded in benchmarks/results/ into the
-README's results table and docs/benchmarks.md (tables, and plots under
-docs/images/benchmarks/), so that every published figure comes from a
-recorded run.
+README's results table, docs/benchmarks.md (tables, and plots under
+docs/images/benchmarks/) and the tables other docs pages quote
+(`report_pages.PAGES`: the dispatcher at pod scale, W8 in the text guide,
+W6's plans in coordinated reads), so that every published figure comes
+from a recorded run.
 
-  python -m benchmarks.report            # rewrite README.md, docs/benchmarks.md, plots
+  python -m benchmarks.report            # rewrite README.md, the docs pages, plots
   python -m benchmarks.report --check    # exit 1 when any of them differs
   python -m benchmarks.report --no-plots # tables only (no matplotlib needed)
 
@@ -16,12 +18,14 @@ rendering twice gives the same bytes.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import pathlib
 import re
 import subprocess
 import sys
 from benchmarks import record
+from benchmarks import report_pages
 from benchmarks import report_plots
 from benchmarks import report_rows
 from benchmarks.report_rows import table
@@ -96,6 +100,12 @@ def render(results: report_rows.Results, readme: str, docs: str,
   return readme, docs
 
 
+def render_page(results: report_rows.Results, page: str, text: str) -> str:
+  """`text`, the page `page` of `report_pages.PAGES`, with its generated
+  tables filled in."""
+  return replace_blocks(text, report_pages.PAGES[page](results), page)
+
+
 @dataclasses.dataclass(frozen=True)
 class Output:
   path: pathlib.Path
@@ -114,6 +124,9 @@ def outputs(results: report_rows.Results, plots: bool = True) -> list[Output]:
   readme, docs = render(results, README.read_text(encoding="utf-8"),
                         DOCS_PAGE.read_text(encoding="utf-8"), titles)
   found = [Output(README, readme.encode()), Output(DOCS_PAGE, docs.encode())]
+  for page in report_pages.PAGES:
+    text = render_page(results, page, (REPO / page).read_text(encoding="utf-8"))
+    found.append(Output(REPO / page, text.encode()))
   found += [Output(PLOTS_DIR / name, svg) for name, svg in images.items()]
   return found
 
@@ -124,10 +137,37 @@ def leftovers(written: list[Output]) -> list[pathlib.Path]:
   return sorted(p for p in PLOTS_DIR.glob("*.svg") if p not in kept)
 
 
+def _code(source: str) -> str:
+  """A module's syntax tree without its docstrings: what runs, whatever the
+  layout (the formatter's line breaks, a reworded docstring)."""
+  try:
+    tree = ast.parse(source)
+  except SyntaxError:
+    return source
+  for node in ast.walk(tree):
+    body = getattr(node, "body", None)
+    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+      body[0] = ast.Pass()
+  return ast.dump(tree)
+
+
+def _same_code(commit: str, path: str) -> bool:
+  """Whether `path` at `commit` runs the same code as at HEAD."""
+  if not path.endswith(".py"):
+    return False
+  old, new = (subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO,
+                             capture_output=True, text=True, check=False)
+              for rev in (commit, "HEAD"))
+  return (old.returncode == 0 and new.returncode == 0
+          and _code(old.stdout) == _code(new.stdout))
+
+
 def stale(results: report_rows.Results) -> list[str]:
   """Runs whose commit's code (jaxfeed/, benchmarks/) differs from HEAD's:
   what they measured is no longer the code in the repository. The files that
-  record and render results measure nothing and do not count."""
+  record and render results measure nothing and do not count, nor do changes
+  of layout or docstrings alone (`_code`)."""
   notes = []
   for commit in sorted(results.commits()):
     changed = subprocess.run(
@@ -135,6 +175,7 @@ def stale(results: report_rows.Results) -> list[str]:
          ":(exclude)benchmarks/results", ":(exclude)benchmarks/report*.py",
          ":(exclude)benchmarks/record.py"],
         cwd=REPO, capture_output=True, text=True, check=False).stdout.split()
+    changed = [path for path in changed if not _same_code(commit, path)]
     if changed:
       where = sorted({"/".join(path.split("/")[:2]) for path in changed})
       notes.append(f"runs at {commit[:7]}: {len(changed)} files changed since, in "

@@ -58,16 +58,16 @@ class Results:
 # ----------------------------------------------------------------------------
 # Figures as text
 # ----------------------------------------------------------------------------
-def _three_digits(value: float) -> str:
+def three_digits(value: float) -> str:
   return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
 def rate(value: float) -> str:
   """Three significant digits: 18.5M, 2.07M, 147k, 50.8k; 7549, 42.5 below 10k."""
   if value >= 1e6:
-    return _three_digits(value / 1e6) + "M"
+    return three_digits(value / 1e6) + "M"
   if value >= 1e4:
-    return _three_digits(value / 1e3) + "k"
+    return three_digits(value / 1e3) + "k"
   if value >= 100:
     return f"{value:.0f}"
   return f"{value:.3g}"

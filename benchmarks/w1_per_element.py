@@ -328,6 +328,21 @@ def _load() -> list[float]:
   return [round(x, 2) for x in os.getloadavg()]
 
 
+def _row_names(text: str, known) -> list[str]:
+  """The rows `--rows` names, comma-separated; a row's own name may hold a
+  comma ("jaxfeed AUTOTUNE, one iterator over 4 epochs"): the longest known
+  name wins."""
+  parts, names, i = text.split(","), [], 0
+  while i < len(parts):
+    j = next((j for j in range(len(parts), i, -1)
+              if ",".join(parts[i:j]).strip() in known), i + 1)
+    name = ",".join(parts[i:j]).strip()
+    if name:
+      names.append(name)
+    i = j
+  return names
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--epochs", type=int, default=3, help="timed epochs")
@@ -347,7 +362,7 @@ def main() -> None:
   data = workloads.w1_data(args.scale)
   n = len(data["label"])
   makers = _makers(1 + args.epochs)
-  names = [r for r in args.rows.split(",") if r] or list(makers)
+  names = _row_names(args.rows, makers) or list(makers)
   unknown = sorted(set(names) - set(makers))
   if unknown:
     parser.error(f"unknown rows {unknown}; rows are {sorted(makers)}")

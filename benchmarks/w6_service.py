@@ -100,7 +100,9 @@ def _read_in_threads(make_iterator: Callable[[int], Any]) -> tuple[list, list, f
           batches[i].append((getattr(iterator, "last_round", len(batches[i])),
                              tokens.shape[0], tokens.shape[1],
                              int(np.count_nonzero(tokens))))
-        stats[i] = getattr(iterator, "stats", {})
+        # jaxfeed's iterators have a stats() method; tf.data's have none.
+        stats_of = getattr(iterator, "stats", None)
+        stats[i] = stats_of() if callable(stats_of) else {}
     except BaseException as e:  # pylint: disable=broad-except
       errors.append(e)
 
@@ -127,6 +129,11 @@ def _steps(batches: list, by_round: bool) -> list[list[tuple]]:
 
 def _summary(system: str, way: str, steps: list[list[tuple]], sequences: int,
              elapsed: float, total_tokens: int) -> dict:
+  if not steps:
+    raise ValueError(
+        f"W6 {system}, {way}: no step gave all {CONSUMERS} consumers a batch out of "
+        f"{sequences} sequences (too few to fill {PER_CONSUMER_BATCH}-row batches of one "
+        f"bucket for every consumer); use a larger --scale (0.1 or more).")
   rows = np.array([[c[0] for c in step] for step in steps])
   padded_length = np.array([[c[1] for c in step] for step in steps])
   real = int(sum(c[2] for step in steps for c in step))

@@ -46,12 +46,12 @@ _EXPORTS = {
     "DevicePrefetcher": "jaxfeed.device",
     "batch_sharding": "jaxfeed.device",
     "Loader": "jaxfeed.loader",
-    "LoaderCheckpointHandler": "jaxfeed.loader",
-    "LoaderSave": "jaxfeed.loader",
-    "LoaderRestore": "jaxfeed.loader",
-    "save_checkpoint": "jaxfeed.loader",
-    "restore_checkpoint": "jaxfeed.loader",
-    "reshard_loader_states": "jaxfeed.loader",
+    "LoaderCheckpointHandler": "jaxfeed.loader_checkpoint",
+    "LoaderSave": "jaxfeed.loader_checkpoint",
+    "LoaderRestore": "jaxfeed.loader_checkpoint",
+    "save_checkpoint": "jaxfeed.loader_checkpoint",
+    "restore_checkpoint": "jaxfeed.loader_checkpoint",
+    "reshard_loader_states": "jaxfeed.loader_checkpoint",
     "align_mixture_states": "jaxfeed.ops.mix",
     # text
     "ByteTokenizer": "jaxfeed.text",
@@ -93,8 +93,8 @@ if TYPE_CHECKING:
       parse_single_example as parse_single_example,
       parse_single_sequence_example as parse_single_sequence_example,
   )
-  from jaxfeed.loader import (
-      Loader as Loader,
+  from jaxfeed.loader import Loader as Loader
+  from jaxfeed.loader_checkpoint import (
       LoaderCheckpointHandler as LoaderCheckpointHandler,
       LoaderRestore as LoaderRestore,
       LoaderSave as LoaderSave,

@@ -15,17 +15,15 @@ import time
 import weakref
 from typing import Any, Callable
 
-import numpy as np
-
-from jaxfeed.ops import batch_placement, op_stats, stacking
+from jaxfeed.ops import batch_placement, executor_threads, op_stats
+from jaxfeed.ops.executor_batches import BatchReads
+from jaxfeed.ops.executor_threads import BATCH_DEPTH, CHUNK
 from jaxfeed.ops.base import OpIterator
 from jaxfeed.ops.replay import (anchor_interval, check_replay_state,
                                 drop_replayed, skip_outputs)
 
 __all__ = ["ParallelExecutor", "INLINE_BELOW_S", "PROBE_INTERVAL",
-           "PROBE_LENGTH", "BATCH_DEPTH"]
-
-_STOP = None  # Task-queue sentinel: the worker that takes it exits.
+           "PROBE_LENGTH", "CHUNK", "BATCH_DEPTH"]
 
 INLINE_BELOW_S = 100e-6
 """Work cheaper than this per element runs in the consumer (ordered mode).
@@ -33,72 +31,16 @@ INLINE_BELOW_S = 100e-6
 0 turns the timing off: work then always runs on the threads.
 """
 
+INLINE_TIMING_EVERY = 8
+"""Running in the consumer, one call in this many is timed."""
+
 PROBE_INTERVAL = 256
 """Outputs between two timings of the work in the consumer (ordered mode)."""
 
 PROBE_LENGTH = 4
 """Elements timed in the consumer per probe (the fastest one counts)."""
 
-BATCH_DEPTH = 4
-"""Reading batches (`next_batch`), the executor keeps this many elements per
-thread in flight (at most a batch), not one: a worker that finishes finds
-its next element queued instead of waiting for the consumer thread to wake
-up and pull one, which on a busy machine can take a scheduler time slice."""
-
-
-def _worker_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
-                 work_fn: Callable[[Any, int], Any], generation: list,
-                 busy: list) -> None:
-  """A worker thread; `busy[0]` accumulates its seconds spent in work_fn."""
-  # Holds no reference to the executor or the op iterator, so an abandoned
-  # iterator can be garbage-collected (its finalizer then stops this thread).
-  clock = time.perf_counter
-  while True:
-    task = tasks.get()
-    if task is _STOP:
-      return
-    task_generation, seq, element, seed, slot = task
-    task = None
-    if task_generation != generation[0]:
-      continue  # Discarded by restore() or close(): skip the work.
-    start = clock()
-    try:
-      value = _call_work(work_fn, element, seed, slot)
-      if slot is not None:
-        value = batch_placement.place(value, slot)
-      result = (task_generation, seq, True, value)
-    except BaseException as exc:  # noqa: BLE001 -- re-raised in the consumer
-      result = (task_generation, seq, False, exc)
-    element = value = slot = None
-    busy[0] += clock() - start
-    results.put(result)
-    result = None
-
-
-def _call_work(work_fn: Callable, element: Any, seed: int,
-               slot: tuple | None) -> Any:
-  """work_fn(element, seed), and the row to write into as a third argument
-  when the slot hands one out (see `batch_placement.Placement.slot`)."""
-  out = None if slot is None else slot[4]
-  if out is None:
-    return work_fn(element, seed)
-  return work_fn(element, seed, out)
-
-
-def _shutdown(tasks: queue.SimpleQueue, threads: list, generation: list) -> None:
-  """Stops and joins the worker threads (close() and garbage collection)."""
-  generation[0] += 1  # Queued tasks are skipped instead of computed.
-  live = [t for t in threads if t.is_alive()]
-  for _ in live:
-    tasks.put(_STOP)
-  current = threading.current_thread()
-  for thread in live:
-    if thread is not current:
-      thread.join()
-  threads.clear()
-
-
-class ParallelExecutor:
+class ParallelExecutor(BatchReads):
   """Pipelined `work_fn(element, seed)` over a parent iterator on threads.
 
   Elements are pulled in the consumer's thread, so the parent is only ever
@@ -130,9 +72,10 @@ class ParallelExecutor:
 
   Batches. `next_batch` (what a following `batch` reads) tells each task the
   batch row its output goes to, and the worker writes it there (see
-  `jaxfeed.ops.batch_placement`); up to `BATCH_DEPTH` elements per thread are
-  then in flight. With `writes_out` the work function is also handed the
-  row itself, to write the output there without a copy.
+  `jaxfeed.ops.batch_placement`); tasks are then runs of `CHUNK` elements,
+  `BATCH_DEPTH` of them per thread in flight. With `writes_out` the work
+  function is also handed the row itself, to write the output there without
+  a copy.
 
   Attributes:
     parallelism: the maximum number of elements in flight (pulled from the
@@ -175,7 +118,7 @@ class ParallelExecutor:
     self._num_active_threads = 0
     self._busy_cells: list[list[float]] = []
     self._finalizer = weakref.finalize(
-        self, _shutdown, self._tasks, self._threads, self._generation)
+        self, executor_threads.shutdown, self._tasks, self._threads, self._generation)
     self._finalizer.atexit = False  # Daemon threads; never block exit.
     self._closed = False
     self.last_seed = 0
@@ -189,6 +132,7 @@ class ParallelExecutor:
     self.placement: batch_placement.Placement | None = None
     self.placement_declined = False  # outputs that stacking handles best
     self._batch_depth = 0  # in flight for next_batch (see BATCH_DEPTH)
+    self._chunk = 1  # elements per task (see CHUNK)
     self._reset_bookkeeping(consumed_ahead=())
 
   # -- configuration -----------------------------------------------------
@@ -214,7 +158,7 @@ class ParallelExecutor:
       busy = [0.0]
       self._busy_cells.append(busy)
       thread = threading.Thread(
-          target=_worker_loop,
+          target=executor_threads.worker_loop,
           args=(self._tasks, self._results, self._work_fn, self._generation,
                 busy),
           name=f"jaxfeed-{self._op_name}-worker", daemon=True)
@@ -223,7 +167,7 @@ class ParallelExecutor:
     for _ in range(-missing):
       # A retiring thread exits after the tasks queued before the sentinel;
       # it stays in _threads so that close() still joins it.
-      self._tasks.put(_STOP)
+      self._tasks.put(executor_threads.STOP)
     self._num_active_threads = target
 
   @property
@@ -304,45 +248,75 @@ class ParallelExecutor:
 
   def _fill(self) -> None:
     """Pulls elements and submits work until `parallelism` are in flight
-    (more while reading batches: `BATCH_DEPTH`)."""
+    (more, in runs of `CHUNK`, while reading batches: `BATCH_DEPTH`)."""
     pending = self._pending
     generation = self._generation[0]
-    while len(pending) < max(self._parallelism, self._batch_depth):
+    chunk = self._chunk
+    limit = max(self._parallelism, self._batch_depth)
+    if pending and limit - len(pending) < chunk:
+      return  # room for a whole run only
+    tasks, items = self._tasks, []
+    while len(pending) < limit:
       pulled = self._pull()
       if pulled is None:
-        return
+        break
       seq, ok, element, seed = pulled
       pending[seq] = seed
       placement = self.placement
       if ok:
         slot = None if placement is None else placement.slot(seq)
-        self._tasks.put((generation, seq, element, seed, slot))
+        items.append((seq, element, seed, slot))
+        if len(items) >= chunk:
+          tasks.put((generation, items))
+          items = []
       else:
         self._ready[seq] = (False, element)
         if placement is not None:
           placement.realign(seq + 1)  # the error ends its batch
       del pulled, element
+    if items:
+      tasks.put((generation, items))
 
   def _next_inline(self) -> Any:
     """Pulls the next element and runs its work in the consumer, timed."""
-    pulled = self._pull()
-    if pulled is None:
-      raise StopIteration
-    seq, ok, value, seed = pulled
-    del pulled
-    self.last_seed = seed
-    self._mark_returned(seq)
-    if not ok:
-      raise value
+    if self._consumed_ahead or self._exhausted:
+      pulled = self._pull()
+      if pulled is None:
+        raise StopIteration
+      seq, ok, value, seed = pulled
+      del pulled
+      self.last_seed = seed
+      self._mark_returned(seq)
+      if not ok:
+        raise value
+    else:
+      # Nothing in flight: the parent's own state is the executor's (see
+      # `parent_state`), so the element needs no anchor.
+      seq = self._next_seq
+      try:
+        value = next(self._parent)
+      except StopIteration:
+        self._exhausted = True
+        raise
+      except Exception:
+        self._next_seq = self._base_seq = seq + 1  # an element: an error
+        self.last_seed = 0
+        raise
+      self._next_seq = self._base_seq = seq + 1
+      seed = self.last_seed = self._parent.last_seed
     # A probe between parallel stretches writes into the batch like the
     # workers do; work cheap enough to stay here is stacked as it was.
     placement = None if self._inline else self.placement
     slot = None if placement is None else placement.slot(seq)
-    start = time.perf_counter()
-    try:
-      value = _call_work(self._work_fn, value, seed, slot)
-    finally:
-      self._judge_work_time(time.perf_counter() - start)
+    call_work = executor_threads.call_work
+    if self._inline and seq % INLINE_TIMING_EVERY:
+      value = call_work(self._work_fn, value, seed, slot)  # timed now and then
+    else:
+      start = time.perf_counter()
+      try:
+        value = call_work(self._work_fn, value, seed, slot)
+      finally:
+        self._judge_work_time(time.perf_counter() - start)
     if slot is not None:
       value = batch_placement.place(value, slot)
     return value
@@ -378,12 +352,15 @@ class ParallelExecutor:
     ready = self._ready
     while True:
       try:
-        result_generation, seq, ok, value = results.get(block)
+        result_generation, done = results.get(block)
       except queue.Empty:
         return False
       if result_generation == generation:
-        ready[seq] = (ok, value)
-        if until is None or seq == until:
+        arrived = until is None
+        for seq, ok, value in done:
+          ready[seq] = (ok, value)
+          arrived = arrived or seq == until
+        if arrived:
           return True
 
   def __next__(self) -> Any:
@@ -427,72 +404,6 @@ class ParallelExecutor:
       del value
 
   next = __next__
-
-  def next_batch(self, batch_size: int) -> tuple[Any, np.ndarray]:
-    """The next `batch_size` outputs as one batch (the batched-read protocol
-    of `jaxfeed.ops.stacking`, for ordered executors).
-
-    Rows the workers placed are handed out as they are when they form the
-    whole batch in order; otherwise the outputs are stacked. An output's
-    error ends the batch (the outputs before it are lost), as in `batch`.
-    """
-    self._batch_depth = min(batch_size, BATCH_DEPTH * self._parallelism)
-    placement = self.placement
-    start = self._base_seq
-    if placement is not None:
-      if placement.batch_size != batch_size:
-        placement = self.placement = None
-      elif start < placement.origin or (start - placement.origin) % batch_size:
-        placement.realign(start)  # skipped or restored mid-batch
-    outputs, seeds = [], []
-    next_output, append, append_seed = self.next, outputs.append, seeds.append
-    try:
-      append(next_output())
-      append_seed(self.last_seed)
-      if placement is None:
-        # From the first output on, elements pulled for the rest of this
-        # batch and for the next ones are placed.
-        self._adopt_template(outputs[0], batch_size, start)
-      for _ in range(batch_size - 1):
-        append(next_output())
-        append_seed(self.last_seed)
-    except StopIteration:
-      if not outputs:
-        raise
-    except Exception:
-      if self.placement is not None:
-        self.placement.realign(self._base_seq)
-      raise
-    finally:
-      if self.placement is not None:
-        self.placement.close_before(self._base_seq)
-    batch = None if placement is None else placement.batch(outputs)
-    if batch is None:
-      elements = [o.element(copy=False) if type(o) is batch_placement.Placed
-                  else o for o in outputs]
-      if self.placement is not None:
-        # Not placed as a whole (the first batch, say): copied into a block
-        # all the same, rather than onto fresh pages.
-        batch = self.placement.assemble(elements)
-      if batch is None:
-        batch = stacking.stack(elements)
-        if placement is not None:  # new shapes, say: place those from now on
-          self._adopt_template(elements[0], batch_size, self._base_seq)
-    return batch, np.array(seeds, dtype=np.uint64)
-
-  def _adopt_template(self, element: Any, batch_size: int,
-                      origin: int) -> None:
-    """Places rows like `element`'s, batches starting at element `origin`."""
-    placement = self.placement
-    if placement is not None and placement.template.leaves_of(element):
-      return
-    template = batch_placement.template_for(element)
-    if template is None:
-      self.placement = None
-      self.placement_declined = placement is None  # the first batch decides
-      return
-    self.placement = batch_placement.Placement(
-        batch_size, template, origin, hands_out_rows=self.writes_out)
 
   def skip(self, count: int) -> int:
     """Skips up to `count` outputs, without work when the parent can skip."""

@@ -29,15 +29,13 @@ from typing import Any
 
 from jaxfeed.ops import base, op_stats, stacking
 from jaxfeed.ops.backend_choice import Window
+from jaxfeed.ops.chunk_plan import MIN_CHUNK_ELEMENTS, Chunk, chunk_stop, tuned_size
 from jaxfeed.ops.chunk_workers import InlineWorker, ThreadWorkers
 from jaxfeed.ops.worker_processes import RemoteTraceback, WorkerProcessError
 
 __all__ = ["ProcessBatchIterator"]
 
 _OP = "process_batch"
-
-CHUNK_WORK_S = 0.01
-"""Worker time one chunk aims at: long enough to hide a hand-off."""
 
 CHUNKS_PER_WORKER = 2
 """Chunks queued at each worker thread or process (one computing, one
@@ -51,21 +49,6 @@ its slots: a new slot costs its pages)."""
 CLOSE_WAIT_S = 5.0
 """How long `close()` waits for worker processes to finish the chunks in
 flight before it stops them (their next iterator starts new ones)."""
-
-_MAX_CHUNK_BATCHES = 16
-_MIN_CHUNK_ELEMENTS, _MAX_CHUNK_ELEMENTS = 16, 4096
-
-
-class _Chunk:
-  __slots__ = ("worker", "start", "stop", "slot", "reply")
-
-  def __init__(self, worker: int, start: int, stop: int, slot: Any):
-    self.worker, self.start, self.stop, self.slot = worker, start, stop, slot
-    self.reply: tuple[list, float] | None = None  # (headers, busy s) once done
-
-  def doing(self) -> str:
-    return f"computing input positions [{self.start}, {self.stop})"
-
 
 class ProcessBatchIterator(base.OpIterator):
   """Iterator of `process_batch.ProcessBatchNode` (see the module docstring).
@@ -325,27 +308,21 @@ class ProcessBatchIterator(base.OpIterator):
                                               and not self._chain.writes_rows)
               else self._kit.slots.take(self._slot_bytes, index))
       workers.send_chunk(index, start, stop, slot)
-      chunk = _Chunk(index, start, stop, slot)
+      chunk = Chunk(index, start, stop, slot)
       self._inflight.append(chunk)
       pending[index].append(chunk)
       self._next_start = stop
       self._sent += 1
 
   def _chunk_stop(self, start: int) -> int:
-    """Where the chunk from `start` ends: a chunk size on, except that each
-    worker's first chunk is a batch (an epoch's first batches come sooner)
-    and the last chunks share what is left among the workers (none idles
-    while another computes a whole chunk). A `chunk` of the node is kept."""
-    size = self._chunk_size
-    if self._node.chunk is None:
-      unit = _MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size
-      workers = len(self._workers)
-      if self._sent < workers:
-        size = min(size, unit)
-      if self._end is not None and self._end - start < size * workers:
-        share = -(-(self._end - start) // (workers * unit)) * unit
-        size = min(size, max(unit, share))
-    return start + size if self._end is None else min(start + size, self._end)
+    """Where the chunk from `start` ends (`chunk_plan.chunk_stop`); a
+    `chunk` of the node is kept."""
+    if self._node.chunk is not None:
+      stop = start + self._chunk_size
+      return stop if self._end is None else min(stop, self._end)
+    unit = MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size
+    return chunk_stop(start, self._chunk_size, end=self._end,
+                      workers=len(self._workers), sent=self._sent, unit=unit)
 
   def _receive_chunk(self, need: bool = False) -> bool:
     """Moves the oldest chunk's outputs to `_items`; False when there is
@@ -366,7 +343,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._items.append(("release", chunk.slot))
     return True
 
-  def _result(self, chunk: _Chunk, refill: bool = True,
+  def _result(self, chunk: Chunk, refill: bool = True,
               deadline: float | None = None) -> tuple[list, float]:
     """The chunk's (headers, busy seconds). Meanwhile answers every worker
     (a slot to grow) and, with `refill`, gives a worker that finished its
@@ -401,7 +378,7 @@ class ProcessBatchIterator(base.OpIterator):
     chunk.slot = self._kit.slots.take(self._slot_bytes, index)
     return chunk.slot
 
-  def _tune_chunk(self, chunk: _Chunk, busy_s: float) -> None:
+  def _tune_chunk(self, chunk: Chunk, busy_s: float) -> None:
     """Sizes chunks to about `CHUNK_WORK_S` of a worker's time: once, from
     the backend's first chunks, then only when that time changes fourfold
     (a noisy machine would otherwise change it all the time, and each
@@ -413,12 +390,8 @@ class ProcessBatchIterator(base.OpIterator):
                           self._per_position + 0.25 * (per_position - self._per_position))
     if self._sent <= len(self._workers):
       return  # the first chunks: cold, and small (`_chunk_stop`)
-    target = CHUNK_WORK_S / max(self._per_position, 1e-9)
-    if self._chain.filters:
-      size = int(min(max(target, _MIN_CHUNK_ELEMENTS), _MAX_CHUNK_ELEMENTS))
-    else:
-      batch = self._chain.batch_size
-      size = batch * int(min(max(target // batch, 1), _MAX_CHUNK_BATCHES))
+    size = tuned_size(self._per_position, self._chain.batch_size,
+                      bool(self._chain.filters))
     learned = self._runtime.learned.get(self._backend)
     if learned is None or not learned / 4 <= size <= 4 * learned:
       self._runtime.learned[self._backend] = size
@@ -510,8 +483,11 @@ class ProcessBatchIterator(base.OpIterator):
     fields["copy"] = self._node.copy
     fields["elements"] = self._batches
     fields["busy_seconds"] = self._busy_s
-    fields["parallelism"] = (1 if self._workers is None
-                             else len(self._workers))
+    if self._workers is not None:
+      fields["parallelism"] = len(self._workers)
+    else:  # ended: the workers it ran on went back to the node
+      fields["parallelism"] = (self._runtime.num_workers or 1
+                               if self.backend in ("thread", "process") else 1)
     return fields
 
   @property

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import cache as cache_module
+from jaxfeed.ops import cache_disk
 from jaxfeed.ops.cache import CacheNode
 import op_testing
 from op_testing import (INPUT_KINDS, canonical, check_resume, graph_iterator,
@@ -115,7 +115,7 @@ def _leafy(i):
 
 
 def test_disk_cache_keeps_every_leaf_kind_and_structure(tmp_path, monkeypatch):
-  monkeypatch.setattr(cache_module, "_CHUNK_ELEMENTS", 4)  # several chunks
+  monkeypatch.setattr(cache_disk, "_CHUNK_ELEMENTS", 4)  # several chunks
   elements = [_leafy(i) for i in range(11)]
   source = Dataset.range(11).map(lambda i: _leafy(int(i)))
   filename = str(tmp_path / "leafy")
@@ -142,7 +142,7 @@ def test_disk_cache_written_by_one_dataset_is_read_by_another(tmp_path):
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_resume_at_every_cut_point_with_a_fresh_pipeline(on_disk, tmp_path,
                                                          monkeypatch):
-  monkeypatch.setattr(cache_module, "_CHUNK_ELEMENTS", 3)
+  monkeypatch.setattr(cache_disk, "_CHUNK_ELEMENTS", 3)
 
   def build():
     # A new node each time: an in-memory cache starts empty, as in a new

@@ -315,6 +315,18 @@ def test_an_autotuned_op_is_not_advised_to_use_autotune():
   assert "num_parallel_calls=jaxfeed.AUTOTUNE" in op_report.report(fixed)
 
 
+def test_an_ended_fused_op_on_processes_reports_its_worker_count():
+  # After the epoch the workers went back to the dataset: the row and the
+  # advice still say how many ran it.
+  ds = Dataset.range(512).map(plus_ten, num_parallel_calls=2, backend="process").batch(64)
+  with ds.make_iterator() as it:
+    assert sum(len(b) for b in it) == 512
+    rows = it.stats()["ops"]
+  fused = [row for row in rows if row.get("backend") == "process"]
+  assert fused and fused[0]["parallelism"] == 2, rows
+  assert "it runs on 2 worker processes already" in op_report.report(rows)
+
+
 def test_a_fused_op_that_runs_its_parts_is_one_group_in_the_table():
   # A map..batch chain that AUTOTUNE may move to processes, running on
   # threads: its parts' iterators come before it, in pipeline order.

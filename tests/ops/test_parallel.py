@@ -404,6 +404,54 @@ def test_expensive_work_stays_on_the_threads(monkeypatch):
   assert in_consumer == list(range(parallel_executor.PROBE_LENGTH))  # the probe
 
 
+def test_threads_reading_batches_take_runs_of_consecutive_elements():
+  # One hand-off per run of CHUNK elements, not per element: each thread
+  # works through consecutive elements.
+  chunk = parallel_executor.CHUNK
+  threads = {}
+
+  def work(x, seed):
+    threads[int(x)] = threading.current_thread()
+    return np.full(1 << 14, x, np.float32)  # worth placing into the batch
+
+  _, executor = _executor(range(256), work=work, parallelism=2)
+  batches = [executor.next_batch(64)[0] for _ in range(4)]
+  executor.close()
+  np.testing.assert_array_equal(np.concatenate(batches)[:, 0], np.arange(256))
+  runs, start = [], 0
+  for x in range(1, 257):
+    if x == 256 or threads[x] is not threads[start]:
+      runs.append(x - start)
+      start = x
+  assert all(run % chunk == 0 for run in runs), runs
+  assert len(set(threads.values())) == 2
+
+
+def test_cheap_work_in_the_consumer_raises_input_errors_in_order_and_resumes(monkeypatch):
+  # The consumer's fast path (nothing in flight, no anchors): an input
+  # error is an element of its own, and a state taken there resumes exactly.
+  monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 100e-6)
+  items = list(range(600))
+  items[400] = ValueError("bad record 400")
+  parent = ListNode(items)
+  executor = parallel.ParallelExecutor(parent.make_iterator(), lambda x, seed: x, 2,
+                                       True, "test")
+  out = [next(executor) for _ in range(400)]
+  state = (executor.parent_state(), executor.own_state())
+  with pytest.raises(ValueError, match="bad record 400"):
+    next(executor)
+  out += _drain(executor)
+  assert out == list(range(400)) + list(range(401, 600))
+  again = parallel.ParallelExecutor(parent.make_iterator(), lambda x, seed: x, 2,
+                                    True, "test")
+  again.restore(*state)
+  with pytest.raises(ValueError, match="bad record 400"):
+    next(again)
+  assert _drain(again) == list(range(401, 600))
+  executor.close()
+  again.close()
+
+
 def test_unordered_work_never_runs_in_the_consumer(monkeypatch):
   monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 100e-6)
   threads, work = _thread_recording()

@@ -22,7 +22,7 @@ import pytest
 
 import jaxfeed
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import (backend_choice, process_batch, process_batch_iterator,
+from jaxfeed.ops import (backend_choice, chunk_plan, process_batch, process_batch_iterator,
                          worker_processes)
 from jaxfeed.ops.process_batch import ProcessBatchNode
 from jaxfeed.ops.worker_processes import WorkerProcessError
@@ -326,7 +326,7 @@ def switching(monkeypatch):
   monkeypatch.setattr(backend_choice, "WINDOW_S", 0.0)
   monkeypatch.setattr(backend_choice, "WINDOW_CHUNKS", 0)
   monkeypatch.setattr(process_batch_iterator, "SETTLE_CHUNKS", 0)
-  monkeypatch.setattr(process_batch_iterator, "CHUNK_WORK_S", 0.0)
+  monkeypatch.setattr(chunk_plan, "CHUNK_WORK_S", 0.0)
   monkeypatch.setattr(backend_choice, "EXPLORE_FIRST_S", 0.0)
   ran = []
   switch = process_batch_iterator.ProcessBatchIterator._switch

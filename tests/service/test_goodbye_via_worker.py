@@ -16,7 +16,7 @@ import pytest
 
 from jaxfeed import service
 from jaxfeed.service import register_dataset
-from jaxfeed.service.client.read import dispatcher_caller
+from jaxfeed.service.client.job_calls import dispatcher_caller
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol.protos import service_pb2 as pb

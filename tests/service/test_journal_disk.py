@@ -27,7 +27,7 @@ import jaxfeed
 import service_udfs
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol.protos import service_pb2 as pb
-from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_files
 from service_cluster import free_port
 from small_disk import SmallDisk
 
@@ -132,7 +132,7 @@ def test_a_full_disk_keeps_the_read_going_and_the_dispatcher_serves_again_once_f
 
 def test_heartbeats_wait_for_no_fsync(cluster, tmp_path, monkeypatch):
   # The test hook gives the dispatcher process a disk whose every fsync takes 1 s.
-  monkeypatch.setenv(journal_lib.FSYNC_DELAY_ENV, "1.0")
+  monkeypatch.setenv(journal_files.FSYNC_DELAY_ENV, "1.0")
   dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={tmp_path}",
                        *dispatcher_parties.FLAGS)
   parties = dispatcher_parties.Parties(dispatcher.address)

@@ -13,6 +13,7 @@ import pytest
 
 from jaxfeed.service.dispatcher import server as dispatcher_lib
 from jaxfeed.service.storage import journal as journal_lib
+from jaxfeed.service.storage import journal_files
 from jaxfeed.service.storage import journal_lines
 from jaxfeed.service.storage import state_snapshot
 from test_journal import dataset_def
@@ -127,7 +128,7 @@ def test_a_failed_fsync_fails_the_journal_for_good(tmp_path, monkeypatch):
 
     def failing_fsync(fd):
       raise OSError(errno.EIO, "Input/output error")
-    monkeypatch.setattr(journal_lib, "_fsync", failing_fsync)
+    monkeypatch.setattr(journal_files, "fsync", failing_fsync)
     with pytest.raises(journal_lib.JournalUnavailableError, match="must be restarted"):
       server.state.register_dataset(dataset_def(20))
     assert server.state.journal.failed and not server.state.journal.healthy
@@ -143,7 +144,7 @@ def test_a_failed_fsync_fails_the_journal_for_good(tmp_path, monkeypatch):
 def test_a_change_nobody_waits_for_is_durable_soon(tmp_path, monkeypatch, round_under_way):
   # A heartbeat's change waits for no fsync: the journal's thread makes it
   # durable, also when it woke while a caller's fsync was under way.
-  monkeypatch.setenv(journal_lib.FSYNC_DELAY_ENV, "0.2")
+  monkeypatch.setenv(journal_files.FSYNC_DELAY_ENV, "0.2")
   journal = journal_lib.Journal(tmp_path)
   journal.replay(lambda r: None)
   try:

@@ -20,7 +20,7 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service.protocol import data_socket, import_paths, rpc, spec
+from jaxfeed.service.protocol import data_socket, import_paths, rpc, spec, spec_signature
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT, TESTS_DIR
 
@@ -357,15 +357,15 @@ def signed_def(**sign_args) -> pb.DatasetDef:
   offset = 3
   node = jaxfeed.Dataset.range(6).map(lambda x: x + offset).batch(3).node
   dataset_def = spec.to_dataset_def(node, udf_secret=SECRET, num_positions=-1)
-  dataset_def.signature = spec.sign(dataset_def, SECRET, **sign_args)
+  dataset_def.signature = spec_signature.sign(dataset_def, SECRET, **sign_args)
   return dataset_def
 
 
 def test_an_expired_or_altered_signed_spec_is_refused(secured):
   dispatcher, _ = secured
-  expired = signed_def(now=time.time() - 2 * spec.SPEC_TTL_S)
+  expired = signed_def(now=time.time() - 2 * spec_signature.SPEC_TTL_S)
   other_key = signed_def()
-  other_key.signature = spec.sign(other_key, b"another secret")
+  other_key.signature = spec_signature.sign(other_key, b"another secret")
   altered = {"expired": expired, "key id": other_key}
   for field, value in [("num_positions", 1 << 40), ("fingerprint", "someone else's"),
                        ("arrays", spec.to_dataset_def(records().node).arrays),

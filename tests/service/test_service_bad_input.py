@@ -15,7 +15,7 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.service.client import read as read_client
+from jaxfeed.service.client import job_calls
 from jaxfeed.service.protocol import import_paths, rpc, spec
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import free_port, release_port
@@ -275,7 +275,7 @@ def test_a_dispatcher_address_where_nothing_answers_fails_in_seconds_naming_it(r
   took = time.monotonic() - start
   # The 5 s are a gRPC deadline on gRPC's own clock, which may end a moment
   # before this test's clock says 5 s.
-  assert read_client.UNANSWERED_S - 0.5 <= took < read_client.UNANSWERED_S + 10
+  assert job_calls.UNANSWERED_S - 0.5 <= took < job_calls.UNANSWERED_S + 10
   message = str(failed.value)
   assert f"no answer within 5 s from {address}: nothing answers there" in message
   assert "Connection refused" in message and "wait_for_dispatcher=True" in message
@@ -294,7 +294,7 @@ def test_wait_for_dispatcher_keeps_trying_until_one_starts_there():
 
   reader = threading.Thread(target=read_when_it_starts)
   reader.start()
-  time.sleep(read_client.UNANSWERED_S + 1)
+  time.sleep(job_calls.UNANSWERED_S + 1)
   assert reader.is_alive() and not errors, errors
   release_port(port)
   dispatcher = service.DispatchServer(service.DispatcherConfig(port=port))

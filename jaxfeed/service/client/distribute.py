@@ -53,7 +53,7 @@ from jaxfeed.ops import index_ranges
 from jaxfeed.service.client import cross_trainer_cache as cross_trainer_cache_lib
 from jaxfeed.service.client.cross_trainer_cache import CrossTrainerCache
 from jaxfeed.service.client.iterator import DistributedIterator
-from jaxfeed.service.client.read import call_dispatcher, dispatcher_caller
+from jaxfeed.service.client.job_calls import call_dispatcher, dispatcher_caller
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol import target_workers as target_workers_lib

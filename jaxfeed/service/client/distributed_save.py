@@ -28,7 +28,7 @@ from jaxfeed.ops import base
 from jaxfeed.ops import index_ranges
 from jaxfeed.ops import load as load_lib
 from jaxfeed.ops import save_format
-from jaxfeed.service.client.read import call_dispatcher, dispatcher_caller
+from jaxfeed.service.client.job_calls import call_dispatcher, dispatcher_caller
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb

@@ -1,6 +1,7 @@
 """What a service read's threads share (`ReadState`): the job it joined at
-the dispatcher, the heartbeats that keep it and list its tasks, and a
-fetcher per task (`jaxfeed.service.client.fetcher`)."""
+the dispatcher (`jaxfeed.service.client.job_calls`), the heartbeats that keep
+it and list its tasks, and a fetcher per task
+(`jaxfeed.service.client.fetcher`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from typing import Any
 
 import grpc
 
+from jaxfeed.service.client import job_calls
 from jaxfeed.service.client.fetcher import Fetcher
 from jaxfeed.service.dispatcher import heartbeat_pacing
-from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import read_state
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import split_failures
@@ -24,7 +25,6 @@ from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
 from jaxfeed.service.worker import local_workers
 
-_DISPATCHER = "/jaxfeed.service.Dispatcher/"
 POLL_S = 0.05
 # A heartbeat answered this much later than the dispatcher asked for follows
 # a silence (it was stopped, down or unreachable), not a listing.
@@ -35,9 +35,7 @@ _AWAY_AFTER_S = 1.0
 # A read whose every task sent its whole stream waits this long (at most
 # timeout_s) for the dispatcher to say the job finished, then ends without it.
 _END_WITHOUT_DISPATCHER_S = 10.0
-GOODBYE_TIMEOUT_S = 1.0  # to connect to a worker, and again for its answer
 HEARTBEAT_TIMEOUT_S = 10.0  # the longest one heartbeat call may take
-RELEASE_TIMEOUT_S = 2.0  # ReleaseJobClient's deadline
 CLOSE_TIMEOUT_S = 15.0  # the longest close() waits for the read's threads, in all
 END = object()  # put in the buffer when a read is over, to wake its consumer
 
@@ -58,27 +56,6 @@ def check_local_workers(node: Any) -> None:
         "target_workers='local' reads only the workers of this process; start a "
         "jaxfeed.service.WorkerServer in it first (with the dispatcher's address), "
         "or read with target_workers='auto' or 'any'.")
-
-
-UNANSWERED_S = 5.0
-"""A read or `register_dataset` fails after this many seconds when nothing
-answers at the dispatcher's address (unless it waits for the dispatcher)."""
-
-
-def dispatcher_caller(channel: grpc.Channel, method: str, response_cls: type,
-                      token: str | None) -> rpc.Caller:
-  return rpc.Caller(channel, _DISPATCHER + method, response_cls, token)
-
-
-def call_dispatcher(caller: rpc.Caller, request: Any, service: str, timeout_s: float,
-                    wait_for_dispatcher: bool, what: str) -> Any:
-  """A dispatcher call retried for `timeout_s`; without `wait_for_dispatcher`,
-  an error naming `service` after `UNANSWERED_S` when nothing answers there."""
-  return rpc.call_with_retry(
-      caller, request, timeout_s, what, target=service,
-      answer_within_s=None if wait_for_dispatcher else UNANSWERED_S,
-      unanswered_hint=("; to keep trying for timeout_s while a dispatcher starts "
-                       "there, pass wait_for_dispatcher=True"))
 
 
 class ReadState:
@@ -178,38 +155,11 @@ class ReadState:
         self._end()  # every stream was over when the state was taken
         return
       dataset_id = self.dataset_id = node.resolve_dataset_id()
-      job_call = dispatcher_caller(self.channel, "GetOrCreateJob",
-                                    pb.GetOrCreateJobResponse, node.auth_token)
-      job_name, done, partial = node.job_name or "", *self.progress.resume_ranges
-      if job_name and self.progress.resumed_from:
-        job_name = read_state.resume_job_name(job_name, self.progress.resumed_from,
-                                              self.progress.restore_id)
-      try:
-        job = call_dispatcher(job_call, pb.GetOrCreateJobRequest(
-            dataset_id=dataset_id, sharding_policy=node.policy.value,
-            resume_done=[pb.SplitRange(start=a, stop=b) for a, b in done],
-            resume_partial=[pb.SplitRange(start=a, stop=b) for a, b in partial],
-            job_name=job_name, num_consumers=node.num_consumers or 0,
-            consumer_index=node.consumer_index or 0,
-            round_timeout_s=node.round_timeout_s or 0.0,
-            exactly_once=node.visitation == "exactly_once",
-            ephemeral_sharing=node.ephemeral_sharing, first_heartbeat=True,
-            target_workers=node.target_workers, client_process=self.process),
-            node.service, node.timeout_s, node.wait_for_dispatcher,
-            f"Creating a job for dataset {dataset_id}")
-      except rpc.ServiceError as e:
-        cause = e.__cause__
-        if (isinstance(cause, grpc.RpcError)
-            and cause.code() == grpc.StatusCode.INVALID_ARGUMENT):
-          raise ValueError(
-              f"distribute(job_name={node.job_name!r}, num_consumers="
-              f"{node.num_consumers}, consumer_index={node.consumer_index}): the "
-              f"dispatcher refused the read: {cause.details()}") from e
-        raise
+      job = job_calls.join_job(node, self.channel, dataset_id, self.progress, self.process)
       self.job_id, self.client_id = job.job_id, job.client_id
       self.job_started = time.monotonic()
-      heartbeat = dispatcher_caller(self.channel, "ClientHeartbeat",
-                                     pb.ClientHeartbeatResponse, node.auth_token)
+      heartbeat = job_calls.dispatcher_caller(self.channel, "ClientHeartbeat",
+                                               pb.ClientHeartbeatResponse, node.auth_token)
       last_ok = time.monotonic()
       # The last task list and its version: the dispatcher leaves the tasks
       # out of its answer while they stay the same.
@@ -437,35 +387,12 @@ class ReadState:
       self.manager.join(timeout=max(0.0, deadline - time.monotonic()))
     for fetcher in list(self.fetchers.values()):
       fetcher.thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    if self.client_id and not self._goodbye_through_worker(streaming):
-      try:
-        dispatcher_caller(self.channel, "ReleaseJobClient", pb.ReleaseJobClientResponse,
-                           self.node.auth_token)(
-            pb.ReleaseJobClientRequest(job_id=self.job_id, client_id=self.client_id),
-            timeout=min(RELEASE_TIMEOUT_S, self.node.timeout_s))
-      except grpc.RpcError:
-        pass  # the dispatcher times the client out instead
+    if self.client_id:
+      job_calls.leave_job(self.channel, self.node, self.job_id, self.client_id,
+                          streaming if self.goodbye_via_worker else [], self.goodbye_ticket,
+                          self.ssl_context)
     self.channel.close()
 
-  def _goodbye_through_worker(self, streaming: list[pb.TaskInfo]) -> bool:
-    """When the dispatcher asks for it (it serves many clients, who may all
-    leave at once), says goodbye to one worker this read streamed from, which
-    forwards it in its next heartbeat. False if there is none, or it did not
-    take the goodbye: then the read calls ReleaseJobClient."""
-    if not (self.goodbye_via_worker and streaming):
-      return False
-    task = streaming[self.client_id % len(streaming)]
-    try:
-      data_socket.send_goodbye(
-          task.data_address, {"token": task.read_ticket, "task_id": task.task_id,
-                              "client_id": self.client_id, "goodbye": self.goodbye_ticket},
-          GOODBYE_TIMEOUT_S, self.ssl_context)
-    except data_socket.DataConnectionError as e:
-      logging.info("Worker %s did not take the goodbye of client %d (%s: %s): "
-                   "telling the dispatcher.", task.worker_address, self.client_id,
-                   e.status, e)
-      return False
-    return True
 
 
 def _fetcher_state(fetcher: Fetcher, now: float) -> str:

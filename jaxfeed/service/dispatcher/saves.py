@@ -42,6 +42,7 @@ from jaxfeed.service.dispatcher.config import DispatcherConfig
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import spec as spec_lib
+from jaxfeed.service.protocol import spec_signature
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 
 __all__ = ["SaveRegistry", "WRITER", "default_chunk_positions"]
@@ -130,7 +131,7 @@ class SaveRegistry:
     if not path or not (os.path.isabs(path) or "://" in path):
       raise ValueError(f"StartSave: path must be absolute (the workers' view of it), "
                        f"got {path!r}.")
-    spec_lib.check_signature(request.dataset, self._config.pickled_udf_secret)
+    spec_signature.check_signature(request.dataset, self._config.pickled_udf_secret)
     import_paths.check_spec_paths(request.dataset, self._config.udf_modules)
     save_format.array_record_options(request.compression or None)
     if request.chunk_positions < 0:

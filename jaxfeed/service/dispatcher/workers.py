@@ -92,7 +92,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
 
   def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
                         served_jobs: set[int]) -> None:
-    """Releases the clients that said goodbye through a worker (DispatcherState's)."""
+    """Releases the clients that said goodbye through a worker (ClientRegistry's)."""
     raise NotImplementedError
 
   def _ticket_key(self, worker_address: str) -> bytes:

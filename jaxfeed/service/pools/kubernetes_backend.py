@@ -23,7 +23,7 @@ _LOG = logging.getLogger(__name__)
 
 
 def parse_deployment(value: str) -> tuple[str, str]:
-  """"namespace/name" -> (namespace, name), naming the bad value otherwise."""
+  """Splits "namespace/name" into (namespace, name), naming the bad value otherwise."""
   namespace, _, name = value.partition("/")
   if not namespace or not name or "/" in name:
     raise ValueError(f"kubernetes_deployment must be NAMESPACE/NAME of the worker "

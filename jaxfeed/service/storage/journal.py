@@ -1,15 +1,8 @@
 """The dispatcher's durable state: a write-ahead journal compacted by snapshots.
 
-Files in the work_dir:
-
-  snapshot.json       the live state as of the start of journal generation G
-                      (see `state_snapshot`); absent before the first snapshot.
-  journal.jsonl       journal generation 0.
-  journal.<G>.jsonl   journal generation G >= 1.
-  LOCK                held (flock) by the dispatcher using the folder.
-
-Every line of these files is checked: it carries a rolling CRC-32C
-(`journal_lines`). A journal file starts with a header line; each line after
+The files in the work_dir: a snapshot, journal generations G, G+1, ... and
+a lock (`journal_files`). Every line of these files is checked: it carries a
+rolling CRC-32C (`journal_lines`). A journal file starts with a header line; each line after
 it is one batch, the JSON list of the records of one state change. A restart
 replays the snapshot, then every generation from G on, oldest first
 (`journal_replay`: a torn last line is cut off; damage anywhere else refuses
@@ -27,20 +20,9 @@ wait for no fsync (see `JournalLock.answer_without_fsync`). A thread makes
 what nobody waits for durable within about LAZY_SYNC_S, and writes the
 snapshots.
 
-A full disk. A batch whose write fails stays in memory, in order, and the
-journal is unhealthy (`healthy`; the dispatcher's health service and
-`jaxfeed_dispatcher_journal_healthy` say so). Changes that must be durable
-before their answer are refused with UNAVAILABLE meanwhile (callers retry),
-while heartbeats go on: what they change is kept in memory and written once
-the disk takes it. The thread retries every RETRY_S; once the waiting bytes
-are written and fsynced the journal is healthy again, and the dispatcher
-serves every call, with no restart. Should more than MAX_UNWRITTEN_BYTES
-wait, or an fsync fail, the journal fails for good (`failed`): after a failed
-fsync the kernel may have dropped the pages it could not write, and a later
-fsync would succeed without them (PostgreSQL stops there too), so only a
-restart that replays what the disk holds knows the state. The command-line
-dispatcher then exits with status FATAL_EXIT_STATUS for its supervisor to
-restart it.
+A full disk (`journal_health`): a batch the disk refused waits in memory, in
+order, and the journal is unhealthy until the thread could write it; a failed
+fsync, or more than MAX_UNWRITTEN_BYTES waiting, fail it for good.
 
 A snapshot is taken in three steps; a crash between any two of them replays
 the same state:
@@ -49,8 +31,9 @@ the same state:
      behind its header), take the live state's records.
   2. On the journal's thread: fsync generation G; write the records to
      `snapshot.json.tmp`, fsync it, rename it to `snapshot.json`, fsync the
-     folder. Until the rename the old snapshot and generations up to G+1
-     describe the state; a leftover tmp file is ignored and removed.
+     folder (`journal_files.write_snapshot`). Until the rename the old
+     snapshot and generations up to G+1 describe the state; a leftover tmp
+     file is ignored and removed.
   3. Delete generations up to G (a restart also deletes any left over).
 
 Cost of fsync (`DispatcherConfig.journal_fsync`, on by default), measured with
@@ -61,15 +44,12 @@ share fsyncs (group commit) and reach 5.6k/s. The same run: a restart after
 10k jobs and 1M exactly-once splits replays 2.1M records in 18 s without
 snapshots, and 69k (39k of live state, 30k of journal) in 1.6 s with them.
 
-Test hook: with the environment variable JAXFEED_TEST_FSYNC_DELAY_S set (to
-seconds), every fsync of the journal sleeps that long first: tests use it to
-give a dispatcher process a slow disk.
+Test hook: `journal_files.FSYNC_DELAY_ENV` gives the journal a slow disk.
 """
 
 from __future__ import annotations
 
 import collections
-import fcntl
 import json
 import logging
 import os
@@ -78,10 +58,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from jaxfeed.service.protocol import rpc
+from jaxfeed.service.storage import journal_files
 from jaxfeed.service.storage import journal_lines
 from jaxfeed.service.storage import journal_replay
-from jaxfeed.service.storage import state_snapshot
+from jaxfeed.service.storage.journal_files import LOCK_NAME
+from jaxfeed.service.storage.journal_health import RETRY_S, JournalHealth, JournalUnavailableError
 from jaxfeed.service.storage.journal_lines import JournalDamageError
 from jaxfeed.service.storage.journal_replay import (REFUSE, SNAPSHOT_NAME, TMP_SUFFIX,
                                                     ReplayStats, journal_name)
@@ -90,27 +71,9 @@ __all__ = ["Journal", "JournalDamageError", "JournalUnavailableError", "ReplaySt
            "journal_name",
            "SNAPSHOT_NAME", "LOCK_NAME", "TMP_SUFFIX", "FATAL_EXIT_STATUS"]
 
-LOCK_NAME = "LOCK"
-RETRY_S = 0.5  # between tries to write what a full disk refused
 LAZY_SYNC_S = 0.02  # what nobody waits for is fsynced after about this long
 MAX_UNWRITTEN_BYTES = 64 << 20  # batches a failing disk may leave in memory
 FATAL_EXIT_STATUS = 75  # the command-line dispatcher's, once its journal failed
-FSYNC_DELAY_ENV = "JAXFEED_TEST_FSYNC_DELAY_S"
-
-
-def _fsync(fd: int) -> None:
-  delay = os.environ.get(FSYNC_DELAY_ENV)
-  if delay:
-    time.sleep(float(delay))
-  os.fsync(fd)
-
-
-class JournalUnavailableError(rpc.StatusError):
-  """The journal cannot take a change now (its disk refused a write, or it
-  failed): answered UNAVAILABLE, which callers retry."""
-
-  def __init__(self, message: str):
-    super().__init__("UNAVAILABLE", message)
 
 
 class Journal:
@@ -158,8 +121,7 @@ class Journal:
     self._unwritten_bytes = 0
     self._partial = 0  # bytes of the first unwritten batch already written
     self._syncing = False  # a thread is in fsync
-    self._write_error: OSError | None = None  # unhealthy while set
-    self._failure: BaseException | None = None  # failed for good
+    self._health = JournalHealth(self.work_dir)
     self._records_since_snapshot = 0
     self._bytes_since_snapshot = 0
     self._force_snapshot = False
@@ -169,7 +131,6 @@ class Journal:
     self._thread: threading.Thread | None = None
     # What was written waits for the thread's fsync (nobody may wait for it).
     self._sync_due = False
-    self._listeners: list[Callable[[bool], None]] = []
 
   @property
   def path(self) -> pathlib.Path:
@@ -191,7 +152,7 @@ class Journal:
     """
     if self._replayed:
       raise RuntimeError(f"Journal {self.work_dir} was already replayed.")
-    self._lock_folder()
+    self._lock_fd = journal_files.lock_folder(self.work_dir)
     self._replayed = True
     try:
       result = journal_replay.replay(self.work_dir, apply, self._damage, self._fsync)
@@ -220,59 +181,26 @@ class Journal:
     self._thread.start()
     return result.stats
 
-  def _lock_folder(self) -> None:
-    """Two dispatchers appending to one journal would corrupt it."""
-    fd = os.open(self.work_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      os.close(fd)
-      raise RuntimeError(
-          f"Dispatcher work_dir {self.work_dir} is in use by another dispatcher (it "
-          f"holds {self.work_dir / LOCK_NAME}): stop that one first, or give this "
-          "one its own --work_dir.") from None
-    self._lock_fd = fd
-
   # -- health ----------------------------------------------------------------
   @property
   def healthy(self) -> bool:
     """Whether every batch accepted could be written (a full disk: not)."""
-    return self._write_error is None and self._failure is None
+    return self._health.healthy
 
   @property
   def failed(self) -> bool:
     """Whether the journal gave up (a failed fsync, too much waiting in
     memory): only a restart serves again."""
-    return self._failure is not None
+    return self._health.failed
 
   def add_listener(self, listener: Callable[[bool], None]) -> None:
     """Calls `listener(healthy)` whenever `healthy` changes (from the thread
     that noticed)."""
-    self._listeners.append(listener)
-
-  def _notify(self) -> None:
-    healthy = self.healthy
-    for listener in list(self._listeners):
-      try:
-        listener(healthy)
-      except Exception:  # pylint: disable=broad-except
-        logging.exception("A journal health listener failed")
+    self._health.add_listener(listener)
 
   def check_writable(self) -> None:
     """Raises JournalUnavailableError unless changes can be made durable now."""
-    if self._failure is not None:
-      raise JournalUnavailableError(self._failure_message())
-    if self._write_error is not None:
-      raise JournalUnavailableError(
-          f"The dispatcher cannot write its journal in {self.work_dir} "
-          f"({self._write_error.strerror or self._write_error}): changes wait until "
-          f"the disk takes writes again (it retries every {RETRY_S:g} s; heartbeats "
-          "go on meanwhile). Retry the call.")
-
-  def _failure_message(self) -> str:
-    return (f"The dispatcher's journal in {self.work_dir} failed ({self._failure}); "
-            "it accepts no more changes and must be restarted: it replays every "
-            "change that was acknowledged.")
+    self._health.check_writable()
 
   # -- writing ---------------------------------------------------------------
   def write(self, records: list[dict[str, Any]]) -> int:
@@ -282,20 +210,21 @@ class Journal:
       raise RuntimeError(f"Journal {self.work_dir}: replay it before writing.")
     payload = json.dumps(records, separators=(",", ":")).encode()
     with self._cond:
-      if self._failure is not None:
-        raise JournalUnavailableError(self._failure_message())
+      if self._health.failure is not None:
+        raise JournalUnavailableError(self._health.failure_message())
       line, self._crc = journal_lines.encode(payload, self._crc)
       self._accepted += 1
       self._unwritten.append((self._accepted, line))
       self._unwritten_bytes += len(line)
       self._records_since_snapshot += len(records)
       self._bytes_since_snapshot += len(line)
-      was_healthy = self._write_error is None
+      was_healthy = self._health.write_error is None
       if was_healthy:
         self._flush()
       if self._unwritten_bytes > MAX_UNWRITTEN_BYTES:
-        self._fail(OSError(f"more than {MAX_UNWRITTEN_BYTES} bytes of changes waited "
-                           f"for the disk (last error: {self._write_error})"))
+        self._health.fail(OSError(
+            f"more than {MAX_UNWRITTEN_BYTES} bytes of changes waited for the disk "
+            f"(last error: {self._health.write_error})"))
       changed = was_healthy != self.healthy
       number = self._accepted
       if changed or (self._fsync and not self._sync_due):
@@ -304,7 +233,7 @@ class Journal:
         self._sync_due = self._sync_due or self._fsync
         self._work.notify()
     if changed:
-      self._notify()
+      self._health.notify()
     return number
 
   def _queue_header(self) -> None:
@@ -327,15 +256,9 @@ class Journal:
           self._partial = 0
           self._written = number
     except OSError as e:
-      if self._write_error is None:
-        logging.error("Writing the dispatcher journal %s failed (%s): changes that must "
-                      "be durable are refused until the disk takes writes again; "
-                      "retrying every %g s.", self.path, e, RETRY_S)
-      self._write_error = e
+      self._health.write_failed(self.path, e)
       return False
-    if self._write_error is not None:
-      logging.warning("The dispatcher journal %s takes writes again.", self.path)
-      self._write_error = None
+    self._health.wrote(self.path)
     return True
 
   def _open(self, path: pathlib.Path) -> int:
@@ -373,11 +296,11 @@ class Journal:
         # (Queuing them on a plain lock woke one at a time, each waiting for a
         # core and the interpreter lock before passing on: under a burst of
         # commits that chain, not the disk, was most of a call's time.)
-        while not self.durable(batch) and self._syncing and self._failure is None:
+        while not self.durable(batch) and self._syncing and self._health.failure is None:
           self._cond.wait()
         if self.durable(batch):
           return
-        if self._failure is None and batch > self._written:
+        if self._health.failure is None and batch > self._written:
           self.check_writable()
           raise JournalUnavailableError(f"Dispatcher journal batch {batch} was never written.")
       self._fsync_round()
@@ -390,19 +313,19 @@ class Journal:
       JournalUnavailableError: the journal failed (now, or before).
     """
     with self._cond:
-      while self._syncing and self._failure is None:
+      while self._syncing and self._health.failure is None:
         self._cond.wait()
-      if self._failure is not None:
-        raise JournalUnavailableError(self._failure_message())
+      if self._health.failure is not None:
+        raise JournalUnavailableError(self._health.failure_message())
       self._syncing = True
       target, folder, retired = self._written, self._folder_dirty, list(self._retired)
       fds = [*retired, *([self._fd] if self._fd is not None else [])]
     error = None
     try:
       for fd in fds:  # a later generation never outlives an earlier one
-        _fsync(fd)
+        journal_files.fsync(fd)
       if folder:
-        _fsync_folder(self.work_dir)
+        journal_files.fsync_folder(self.work_dir)
     except OSError as e:
       error = e
     with self._cond:
@@ -414,19 +337,11 @@ class Journal:
         self._folder_dirty = self._folder_dirty and not folder
         self._synced = max(self._synced, target)
       else:
-        self._fail(error)
+        self._health.fail(error)
       self._cond.notify_all()
     if error is not None:
-      self._notify()
-      raise JournalUnavailableError(self._failure_message())
-
-  def _fail(self, error: BaseException) -> None:
-    """Gives up for good (lock held)."""
-    if self._failure is None:
-      logging.critical("The dispatcher journal in %s failed (%s): it accepts no more "
-                       "changes; restart the dispatcher to replay what the disk holds.",
-                       self.work_dir, error)
-      self._failure = error
+      self._health.notify()
+      raise JournalUnavailableError(self._health.failure_message())
 
   # -- the journal's thread ------------------------------------------------------
   def _run(self) -> None:
@@ -436,9 +351,9 @@ class Journal:
         while not self._has_work():
           self._work.wait()
         snapshot = self._snapshots.popleft() if self._snapshots else None
-        if snapshot is None and (self._closed or self._failure is not None):
+        if snapshot is None and (self._closed or self._health.failure is not None):
           return  # a snapshot taken is written first, even when closing
-        retry = self._write_error is not None
+        retry = self._health.write_error is not None
         if snapshot is None and not retry:
           self._sync_due = False  # a write from now on sets it again
       if snapshot is not None:
@@ -449,7 +364,7 @@ class Journal:
           if self._closed or not self._flush():
             continue
           self._sync_due = self._fsync  # what waited is written: fsync it
-        self._notify()
+        self._health.notify()
       else:
         time.sleep(LAZY_SYNC_S)  # more commits share the fsync
         try:
@@ -458,8 +373,7 @@ class Journal:
           pass  # failed: noted, and told to every call
 
   def _has_work(self) -> bool:
-    return bool(self._closed or self._failure is not None or self._snapshots
-                or self._write_error is not None or self._sync_due)
+    return bool(self._closed or not self._health.healthy or self._snapshots or self._sync_due)
 
   def _sleep(self, seconds: float) -> None:
     with self._cond:
@@ -482,7 +396,7 @@ class Journal:
     pass it to `finish_snapshot` (or `queue_snapshot`) with the state's
     records as of now."""
     with self._cond:
-      if self._unwritten or self._failure is not None:
+      if self._unwritten or self._health.failure is not None:
         return None
       try:
         fd = self._open(self.work_dir / journal_name(self._generation + 1))
@@ -515,23 +429,12 @@ class Journal:
     """Writes the snapshot atomically and deletes the journal generations it
     replaces. A failure is logged: the journal still holds everything, and
     the next threshold tries again."""
-    tmp = self.work_dir / (SNAPSHOT_NAME + TMP_SUFFIX)
     try:
       self._fsync_round()  # generation G: a crash must not tear it after this
-      data = state_snapshot.encode(records, generation)
-      with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        _fsync(f.fileno())
-      os.replace(tmp, self.snapshot_path)
-      _fsync_folder(self.work_dir)
-      for old in journal_replay.generations(self.work_dir):
-        if old < generation:
-          (self.work_dir / journal_name(old)).unlink(missing_ok=True)
+      journal_files.write_snapshot(self.work_dir, generation, records)
     except (OSError, JournalUnavailableError):
       logging.exception("Dispatcher snapshot in %s failed; the journal keeps growing "
                         "until the next one succeeds.", self.work_dir)
-      tmp.unlink(missing_ok=True)
     finally:
       with self._cond:
         self._snapshot_in_flight = False
@@ -556,11 +459,3 @@ class Journal:
         if fd is not None:
           os.close(fd)  # closing the lock's file releases it
       self._retired, self._fd, self._lock_fd = [], None, None
-
-
-def _fsync_folder(path: pathlib.Path) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    _fsync(fd)
-  finally:
-    os.close(fd)

@@ -20,6 +20,7 @@ from typing import Any
 from jaxfeed.service.protocol import data_socket
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import client_calls
 from jaxfeed.service.worker import delivery
 from jaxfeed.service.worker import task_runner
 
@@ -59,7 +60,7 @@ class LocalConnection:
   `wire.Frame`s (their `value()` is the element)."""
 
   def __init__(self, worker: Any, hello: dict):
-    worker.check_hello(hello)
+    client_calls.ClientCalls(worker).check_hello(hello)
     request = pb.GetElementsRequest(
         task_id=hello["task_id"], consumer_index=hello.get("consumer_index", 0),
         round=hello.get("round", 0), client_id=hello.get("client_id", 0),

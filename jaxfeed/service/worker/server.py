@@ -32,6 +32,7 @@ from jaxfeed.service.worker import config as worker_config
 from jaxfeed.service.worker import data_server
 from jaxfeed.service.worker import local_workers
 from jaxfeed.service.worker import round_assembly
+from jaxfeed.service.worker.client_calls import ClientCalls
 from jaxfeed.service.worker.config import WorkerConfig
 from jaxfeed.service.worker.state import WorkerState
 
@@ -92,21 +93,20 @@ class WorkerServer:
         max_receive_bytes=_MAX_REQUEST_BYTES)
     advertised = _advertised_host(config)
     self._worker = WorkerState(config, f"{advertised}:{self.port}")
+    calls = ClientCalls(self._worker)
     # Clients are let in by read tickets, checked per task in GetElements.
     handler_holder.append(rpc_server.method_handlers(
         SERVICE_NAME, {},
-        {"GetElements": (self._worker.GetElements, pb.GetElementsRequest, True,
-                         (rpc.CLIENT,)),
-         "AckElements": (self._worker.AckElements, pb.AckElementsRequest, False,
-                         (rpc.CLIENT,)),
-         "GetTaskStats": (self._worker.GetTaskStats, pb.GetTaskStatsRequest, False,
+        {"GetElements": (calls.GetElements, pb.GetElementsRequest, True, (rpc.CLIENT,)),
+         "AckElements": (calls.AckElements, pb.AckElementsRequest, False, (rpc.CLIENT,)),
+         "GetTaskStats": (calls.GetTaskStats, pb.GetTaskStatsRequest, False,
                           (rpc.CLIENT,))}))
     self._data_server = None
     if config.data_socket:
       self._data_server = data_server.DataServer(
-          config.host, self._worker.check_hello, self._worker.serve_socket,
+          config.host, calls.check_hello, calls.serve_socket,
           config.tls.server_ssl_context() if config.tls is not None else None,
-          goodbye=self._worker.take_goodbye,
+          goodbye=calls.take_goodbye,
           port=(worker_config.data_transfer_port(config.data_transfer_address)
                 if config.data_transfer_address else 0))
       self._worker.data_address = (
