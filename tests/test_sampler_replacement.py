@@ -153,3 +153,21 @@ def test_an_empty_source_gives_no_positions():
 def test_bad_replacement_arguments_are_refused_by_name(kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):
     IndexSampler(10, **kwargs)
+
+
+def test_a_service_worker_rebuilds_the_sampler_with_its_draws():
+  from jaxfeed import service  # pylint: disable=g-import-not-at-top
+  from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
+  source = jaxfeed.ArraySource({"x": np.arange(60)})
+  dataset = jaxfeed.Dataset.from_source(
+      source, IndexSampler(60, seed=4, num_epochs=2, replacement=True))
+  local = [int(e["x"]) for e in dataset]
+  rebuilt = spec.from_dataset_def(spec.to_dataset_def(dataset.node))
+  with rebuilt.make_iterator() as iterator:
+    assert [int(e["x"]) for e in iterator] == local
+  with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
+    with service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.target,
+                                                   heartbeat_interval_s=0.1)):
+      served = [int(e["x"]) for e in dataset.distribute(dispatcher.target,
+                                                         "distributed_epoch")]
+  assert sorted(served) == sorted(local)
