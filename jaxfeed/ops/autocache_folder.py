@@ -23,13 +23,17 @@ writes it. Beside them, `DIR/.jaxfeed/` holds the folder's bookkeeping:
 - `folder.lock`: serializes reservations and evictions between processes.
 
 `flock` works between the processes of one machine; a folder shared between
-machines needs a filesystem whose locks do too (NFS v4's, for example).
+machines needs a filesystem whose locks do too (NFS v4's, for example). A
+process that may not write the folder (a read-only copy) reads its entries
+without marking them, with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
+import logging
 import os
 import shutil
 import time
@@ -120,6 +124,10 @@ def _lock(path: str, mode: int, create: bool) -> int | None:
     except BlockingIOError:
       os.close(fd)
       return None
+    except OSError as e:
+      os.close(fd)
+      raise OSError(e.errno, f"cannot lock {path!r} ({e.strerror}): an autocache folder "
+                    "needs a filesystem with flock locks") from e
     try:
       if os.stat(path).st_ino == os.fstat(fd).st_ino:
         return fd
@@ -371,9 +379,19 @@ class EntryHold:
   """A shared lock on one entry: it is not removed while held."""
 
   def __init__(self, folder: AutocacheFolder, name: str):
-    fd = _lock(folder._lock_path(name), fcntl.LOCK_SH, create=True)
+    self._fd: int | None = None
+    try:
+      fd = _lock(folder._lock_path(name), fcntl.LOCK_SH, create=True)
+    except OSError as e:
+      if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise
+      # A folder this process may not write (a read-only copy) is read as
+      # it is: this process could not remove or write entries either.
+      logging.warning("Reading autocache folder %s without marking entries in use: %s",
+                      folder.path, e)
+      return
     assert fd is not None  # a blocking lock that may create its file
-    self._fd: int | None = fd
+    self._fd = fd
     _touch(fd)
 
   def release(self) -> None:
