@@ -110,13 +110,17 @@ def _tree_bytes(path: str) -> int:
   return total
 
 
-def _lock(path: str, mode: int, create: bool) -> int | None:
-  """An fd holding `flock(mode)` on the file at `path`; None where it is
-  held elsewhere (with LOCK_NB) or, unless `create`, missing. Retries while
-  the file at `path` is replaced (its remover unlinks it under the lock)."""
+def _lock(path: str, mode: int, create: bool, write: bool = False) -> int | None:
+  """An fd (writable if `write`) holding `flock(mode)` on the file at
+  `path`; None where it is held elsewhere (with LOCK_NB) or, unless
+  `create`, missing. Retries while the file at `path` is replaced (its
+  remover unlinks it under the lock)."""
   while True:
     try:
-      fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+      # Read-only unless written: flock needs no more, and `jaxfeed cache
+      # ls` may look at a folder it cannot write.
+      flags = (os.O_RDWR if write else os.O_RDONLY) | (os.O_CREAT if create else 0)
+      fd = os.open(path, flags, 0o644)
     except FileNotFoundError:
       return None
     try:
@@ -221,7 +225,10 @@ class AutocacheFolder:
       path = os.path.join(writes, name)
       fd = _lock(path, fcntl.LOCK_EX | fcntl.LOCK_NB, create=False)
       if fd is not None:  # nobody holds it: its writer is gone
-        os.unlink(path)
+        try:
+          os.unlink(path)
+        except OSError:
+          pass  # a folder this process may not write: counted for nothing all the same
         os.close(fd)
         continue
       try:
@@ -408,7 +415,7 @@ class WriteReservation:
     self._folder = folder
     self._name = name
     self._path = os.path.join(folder._meta_dir("writes"), name)
-    fd = _lock(self._path, fcntl.LOCK_EX, create=True)
+    fd = _lock(self._path, fcntl.LOCK_EX, create=True, write=True)
     assert fd is not None
     self._fd: int | None = fd
     self.reserved = 0
