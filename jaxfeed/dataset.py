@@ -310,12 +310,15 @@ class Dataset(DatasetBatching):
     from jaxfeed.ops import snapshot
     return self._wrap(snapshot.SnapshotNode(self.node, path))
 
-  def autocache(self) -> "Dataset":
-    """Marks where service workers with `--autocache_dir` may keep this
-    pipeline's output and reuse it across jobs (see jaxfeed.ops.autocache);
-    passes elements through elsewhere."""
+  def autocache(self, directory: str | None = None) -> "Dataset":
+    """Marks where this pipeline's output may be kept and reused across jobs:
+    by service workers with `--autocache_dir`, or here in `directory`.
+    After `from_source` and per-record `map` / `filter` ops, the results are
+    kept by record index, shared by pipelines with any sampler (other
+    seeds, shards, epochs) and by processes given the same folder (see
+    jaxfeed.ops.autocache). Without a folder, elements pass through."""
     from jaxfeed.ops import autocache
-    return self._wrap(autocache.AutocacheNode(self.node))
+    return self._wrap(autocache.AutocacheNode(self.node, directory))
 
   def prefetch(self, buffer_size: int) -> "Dataset":
     """Produces up to `buffer_size` elements ahead on a background thread

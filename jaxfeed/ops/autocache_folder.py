@@ -3,7 +3,12 @@
 An entry is the cache of one autocache input (see `jaxfeed.ops.autocache`):
 the folder `DIR/<fingerprint>` once complete (it holds `manifest.json`, see
 `jaxfeed.ops.cache`), and `DIR/<fingerprint>.tmp-<pid>-<id>` while a pass
-writes it. Beside them, `DIR/.jaxfeed/` holds the folder's bookkeeping:
+writes it; or a store of preprocessed records `DIR/records-<key>` (see
+`jaxfeed.ops.shared_preprocessing`), which its readers fill block by block:
+the byte limit is applied to it at the next eviction (a write elsewhere, or
+the worker's periodic pass), not before each block, so while such stores
+are being filled the folder may go past the limit by what they wrote since.
+Beside the entries, `DIR/.jaxfeed/` holds the folder's bookkeeping:
 
 - `locks/<fingerprint>`: the entry's lock file. Every process reading or
   writing the entry holds a shared `flock` on it for as long as it does;
@@ -38,6 +43,8 @@ import os
 import shutil
 import time
 import uuid
+
+from jaxfeed.ops.shared_preprocessing import STORE_PREFIX
 
 __all__ = ["AutocacheFolder", "EntryHold", "EntryInfo", "EntryInUseError",
            "FolderLimits", "WriteReservation"]
@@ -197,7 +204,10 @@ class AutocacheFolder:
     return names
 
   def _is_complete(self, name: str) -> bool:
-    return os.path.exists(os.path.join(self.path, name, _MANIFEST))
+    # A store kept by record is whole at any time: its blocks are written
+    # whole, one by one, while it is read.
+    return (name.startswith(STORE_PREFIX)
+            or os.path.exists(os.path.join(self.path, name, _MANIFEST)))
 
   def _in_use(self, name: str) -> bool:
     fd = _lock(os.path.join(self._meta, "locks", name), fcntl.LOCK_EX | fcntl.LOCK_NB,

@@ -221,6 +221,12 @@ class Node:
     """
     return {}
 
+  def local_params(self) -> dict:
+    """Keyword arguments that rebuild this node in this process (with
+    `spec_params`, when the optimizer rebuilds it) but stay out of
+    fingerprints and service specs: a local folder, say."""
+    return {}
+
   def cardinality(self) -> int | None:
     """Number of elements if known and finite, -1 for infinite, None unknown."""
     return None

@@ -74,8 +74,7 @@ def _fused(fused: base.Node, *parts: base.Node) -> base.Node:
 
 
 def _rebuild(node: base.Node, parents: tuple, **changes: Any) -> base.Node:
-  params = dict(node.spec_params())
-  params.update(changes)
+  params = {**node.spec_params(), **node.local_params(), **changes}
   rebuilt = type(node)(*parents, **params)
   rebuilt.stats_label = node.stats_label
   return rebuilt

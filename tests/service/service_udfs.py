@@ -1,5 +1,7 @@
 """Module-level UDFs the service tests ship to worker processes by import path."""
 
+import os
+
 import numpy as np
 
 
@@ -180,3 +182,11 @@ def tfrecord_file(path):
   import jaxfeed  # pylint: disable=g-import-not-at-top
   name = path.decode() if isinstance(path, bytes) else str(path)
   return jaxfeed.Dataset.from_tfrecord(name).map(decode_record)
+
+
+def logged_triple(element):
+  """{"x": 3x}, logging each call as one byte in $JAXFEED_TEST_CALLS (any
+  process, so that tests count calls made in worker processes)."""
+  with open(os.environ["JAXFEED_TEST_CALLS"], "ab") as f:
+    f.write(b".")
+  return {"x": element["x"] * 3}

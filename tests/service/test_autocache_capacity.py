@@ -165,6 +165,25 @@ def test_ttl_removes_an_entry_nobody_reads_and_keeps_one_in_use(cluster, tmp_pat
   assert os.listdir(tmp_path / ".jaxfeed" / "trash") == []
 
 
+def test_a_store_kept_by_record_is_held_while_read_and_then_expires(cluster, tmp_path):
+  dispatcher = start(cluster, tmp_path, "--autocache_ttl_s=1")
+  source = jaxfeed.ArraySource({"x": np.arange(400)})
+  dataset = jaxfeed.Dataset.from_source(source).map(service_udfs.add_one_to_x).autocache()
+  with dataset.distribute(dispatcher.address, "parallel_epochs").make_iterator() as reader:
+    assert int(next(reader)["x"]) == 1
+    [store] = os.listdir(tmp_path / ".jaxfeed" / "locks")
+    assert store.startswith("records-")
+    listed = jaxfeed_cli("cache", "ls", str(tmp_path)).stdout.splitlines()
+    assert listed[1].split()[0] == store and listed[1].split()[-1] == "reading"
+    time.sleep(2.5)  # past the ttl, but being read
+    assert os.path.isdir(tmp_path / store)
+    assert [int(e["x"]) for e in reader] == list(range(2, 401))
+  deadline = time.monotonic() + 20
+  while os.path.exists(tmp_path / store) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not os.path.exists(tmp_path / store)
+
+
 def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(
     cluster, tmp_path):
   dispatcher = cluster("dispatcher", "--port=0")

@@ -109,8 +109,11 @@ def write_labelled(path: str, xs) -> None:
 def wait_for_cache_entries(cache_dir: str, count: int) -> list[str]:
   deadline = time.monotonic() + 60
   while True:
+    # A whole pass has its manifest; records kept by index, their blocks.
     done = sorted(name for name in os.listdir(cache_dir)
-                  if os.path.exists(os.path.join(cache_dir, name, "manifest.json")))
+                  if os.path.exists(os.path.join(cache_dir, name, "manifest.json"))
+                  or any(f.startswith("block-")
+                         for f in os.listdir(os.path.join(cache_dir, name))))
     if len(done) >= count or time.monotonic() > deadline:
       return done
     time.sleep(0.05)
@@ -308,3 +311,36 @@ def test_a_spec_naming_a_service_node_by_its_path_before_the_move_rebuilds_the_s
   assert spec.to_dataset_def(rebuilt).graph_json == current.graph_json
   if "WithOptionsNode" in old_path:  # left out of the hash: new clients share it
     assert spec.fingerprint(written_before) == spec.fingerprint(current)
+
+
+def test_jobs_with_other_samplers_share_the_workers_preprocessing(cluster, tmp_path,
+                                                                  monkeypatch):
+  # OneAccess's sweep: jobs differ in sampling only. Over from_source and
+  # per-record ops, autocache keeps the results by record index: each record
+  # is preprocessed once across the jobs, a distributed_epoch job's splits
+  # included, and each job reads exactly its own pipeline's elements.
+  calls = tmp_path / "calls"
+  monkeypatch.setenv("JAXFEED_TEST_CALLS", str(calls))
+  dispatcher = start(cluster, f"--autocache_dir={tmp_path / 'autocache'}")
+  source = jaxfeed.ArraySource({"x": np.arange(500)})
+
+  def dataset(seed):
+    sampler = jaxfeed.IndexSampler(500, shuffle=True, seed=seed)
+    return jaxfeed.Dataset.from_source(source, sampler).map(
+        service_udfs.logged_triple).autocache().map(lambda e: e["x"])
+
+  def local(seed):
+    sampler = jaxfeed.IndexSampler(500, shuffle=True, seed=seed)
+    return [3 * m.record_index for m in sampler]
+
+  first = values(dataset(0).distribute(dispatcher.address, "parallel_epochs",
+                                       udf_secret=SECRET.encode()))
+  assert first == local(0)
+  assert calls.stat().st_size == 500
+  second = values(dataset(1).distribute(dispatcher.address, "parallel_epochs",
+                                        udf_secret=SECRET.encode()))
+  assert second == local(1)
+  split = values(dataset(2).distribute(dispatcher.address, "distributed_epoch",
+                                       udf_secret=SECRET.encode()))
+  assert sorted(split) == sorted(local(2))
+  assert calls.stat().st_size == 500  # the later jobs preprocessed nothing

@@ -18,7 +18,7 @@ import pytest
 import jaxfeed
 import service_udfs
 from jaxfeed import service
-from jaxfeed.ops import op_stats
+from jaxfeed.ops import op_stats, shared_preprocessing
 from jaxfeed.service.protocol import rpc, spec, wire
 from jaxfeed.service.protocol.protos import generate
 
@@ -483,16 +483,20 @@ def test_autocache_keeps_a_pass_for_later_jobs_of_the_same_input(tmp_path):
       assert service_udfs.CALLS["tally"] == 60  # the first job ran the input
       shared = [b["x"].tolist() for b in other.distribute(dispatcher.target)]
       assert service_udfs.CALLS["tally"] == 60  # later jobs read the cache
-      for _ in range(2):  # DYNAMIC tasks read other splits each time: no cache
+      # DYNAMIC tasks read other splits each time; over from_source with
+      # per-record ops, the records are kept by index all the same.
+      for _ in range(2):
         got = [b["x"].tolist() for b in dynamic.distribute(dispatcher.target,
                                                           "distributed_epoch")]
         assert sorted(sum(got, [])) == list(range(30))
-      assert service_udfs.CALLS["tally"] == 120
+      assert service_udfs.CALLS["tally"] == 90
   assert runs == [local, local]
   assert shared == [list(range(15)), list(range(15, 30))]
   key = decoded.node.parents[0].fingerprint()
-  # Beside the entry: the folder's bookkeeping (jaxfeed.ops.autocache_folder).
-  assert sorted(p.name for p in tmp_path.iterdir()) == [".jaxfeed", key]
+  source_node, ops = shared_preprocessing.per_record_chain(dynamic.node.parents[0].parents[0])
+  records = f"records-{shared_preprocessing.store_key(source_node.source, ops)}"
+  # Beside the entries: the folder's bookkeeping (jaxfeed.ops.autocache_folder).
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".jaxfeed", key, records])
 
 
 def test_exactly_once_shared_job_gives_each_split_whole_to_one_of_its_clients():

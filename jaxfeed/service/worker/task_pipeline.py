@@ -184,10 +184,11 @@ def task_iterator(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
   """A (not exactly-once) task's pipeline, optimized and autotuned."""
   node, options = build_task_node(dataset_def, task, udf_secret, fetch_ranges, udf_modules)
   node = optimize.optimize(node, options)
-  if autocache_dir and task.sharding_policy != ShardingPolicy.DYNAMIC.value:
+  if autocache_dir:
     # After the optimizer: it rebuilds ops from their specs, which leave the
-    # folder out.
-    autocache.point_at(node, autocache_keeper.folder_at(autocache_dir))
+    # folder out. A task reading splits only uses stores kept by record.
+    autocache.point_at(node, autocache_keeper.folder_at(autocache_dir),
+                       records_only=task.sharding_policy == ShardingPolicy.DYNAMIC.value)
   return run(node, options)
 
 
