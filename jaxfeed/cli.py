@@ -9,6 +9,8 @@
                                  elements, bytes, complete or not
   jaxfeed bench MODULE:FUNCTION  runs a user's pipeline for a while: elements/s
                                  and a table of where each op spent its time
+  jaxfeed cache ls|rm DIR        an autocache folder's entries (--autocache_dir):
+                                 list them, or remove those not in use
 
 Every command takes `--help`. A command line it cannot act on (an unknown
 flag, a bad value, a missing file) ends with one line naming what is wrong
@@ -37,6 +39,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import numpy as np
 
+from jaxfeed import cli_cache
 from jaxfeed.convert import FORMAT_NAMES, UsageError, convert, file_format, open_source
 
 _IMAGE_MAGIC = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"))
@@ -381,6 +384,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds read before timing (default: %(default)s)")
   ben.add_argument("--json", action="store_true",
                    help="print the result as JSON instead of a table")
+  cli_cache.add_parser(commands)
   return parser
 
 
@@ -402,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       result = inspect_saved(args.paths[0], args.samples)
     elif args.command == "inspect":
       result = inspect_files(args.paths, args.format, args.samples)
+    elif args.command == "cache":
+      return cli_cache.run(args)
     else:
       result = bench(args.target, args.seconds, args.warmup)
       if not args.json:

@@ -172,11 +172,8 @@ class ReshardedSampler:
       ranks = shard.shard_index + (positions[which] - start) * shard.shard_count
       global_positions = self._unread_at(ranks, done, holes)
       epoch_array = np.full(global_positions.size, epoch, np.int64)
-      if self._base.shuffle:
-        record_indices = self._base._permute_many(  # pylint: disable=protected-access
-            global_positions, epoch_array)
-      else:
-        record_indices = global_positions
+      record_indices = self._base._records_many(  # pylint: disable=protected-access
+          global_positions, epoch_array)
       epochs[which] = epoch
       records[which] = record_indices
       seeds[which] = mix_seeds(self._base.seed, epoch_array, record_indices)

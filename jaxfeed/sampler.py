@@ -19,6 +19,10 @@ and endless samplers read the same positions in every iteration. A state is
 then the position plus, from the second iteration on, the iteration number:
 the position alone cannot tell the end of iteration i from the start of
 iteration i + 1, and the iteration picks the seed.
+
+With `replacement=True` each global position of each epoch draws its record
+uniformly with replacement instead (`jaxfeed.sampler_replacement`), a pure
+function of the seed, the epoch and the position, sharded as above.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
+from jaxfeed.sampler_replacement import draw_record, draw_records
 from jaxfeed.seeding import mix_seed, mix_seeds
 
 __all__ = [
@@ -147,12 +152,15 @@ class IndexSampler:
       like tf.data's `shuffle(..., reshuffle_each_iteration=True)`; False
       repeats the first iteration's. Endless samplers are never iterated
       again, so it does not apply to them.
+    replacement: Whether each epoch draws its positions uniformly with
+      replacement from the records (OneAccess's sampling) instead of visiting
+      every record once; needs `shuffle=False` (the draws are random already).
   """
 
   def __init__(self, num_records: int, *, shuffle: bool = False, seed: int = 0,
                num_epochs: int | None = 1,
                shard_options: ShardOptions | Mapping[str, Any] | None = None,
-               reshuffle_each_iteration: bool = True):
+               reshuffle_each_iteration: bool = True, replacement: bool = False):
     if not _is_int(num_records) or num_records < 0:
       raise ValueError(
           f"IndexSampler: num_records must be an integer >= 0, got "
@@ -164,6 +172,13 @@ class IndexSampler:
       raise ValueError(
           f"IndexSampler: reshuffle_each_iteration must be True or False, got "
           f"{reshuffle_each_iteration!r}.")
+    if not isinstance(replacement, (bool, np.bool_)):
+      raise ValueError(
+          f"IndexSampler: replacement must be True or False, got {replacement!r}.")
+    if replacement and shuffle:
+      raise ValueError(
+          "IndexSampler: replacement=True draws every position at random "
+          "already; it needs shuffle=False, got shuffle=True.")
     if not _is_int(seed):
       raise ValueError(
           f"IndexSampler: seed must be an integer, got {seed!r} "
@@ -189,6 +204,7 @@ class IndexSampler:
                                shard_options.shard_count,
                                shard_options.drop_remainder)
     self._reshuffle = bool(reshuffle_each_iteration)
+    self._replacement = bool(replacement)
 
     n, h, count = self._num_records, self._shard.shard_index, self._shard.shard_count
     if self._shard.drop_remainder:
@@ -230,6 +246,10 @@ class IndexSampler:
     return self._reshuffle
 
   @property
+  def replacement(self) -> bool:
+    return self._replacement
+
+  @property
   def records_per_epoch(self) -> int:
     """Number of positions this shard reads in every epoch."""
     return self._per_epoch
@@ -268,7 +288,9 @@ class IndexSampler:
       raise IndexError(self._out_of_range_message(position))
     epoch, local = divmod(position, self._per_epoch)
     global_position = self._shard.shard_index + local * self._shard.shard_count
-    if self._shuffle:
+    if self._replacement:
+      record_index = draw_record(self._seed, epoch, global_position, self._num_records)
+    elif self._shuffle:
       record_index = self._permute_one(global_position, epoch)
     else:
       record_index = global_position
@@ -302,10 +324,7 @@ class IndexSampler:
     per_epoch = max(self._per_epoch, 1)  # Only 0 when `positions` is empty.
     epochs, local = np.divmod(positions, per_epoch)
     global_positions = self._shard.shard_index + local * self._shard.shard_count
-    if self._shuffle:
-      record_indices = self._permute_many(global_positions, epochs)
-    else:
-      record_indices = global_positions
+    record_indices = self._records_many(global_positions, epochs)
     seeds = mix_seeds(self._seed, epochs, record_indices)
     return (epochs.reshape(shape), record_indices.reshape(shape),
             seeds.reshape(shape))
@@ -317,6 +336,15 @@ class IndexSampler:
             f"must be in {allowed}.")
 
   # -- permutation ---------------------------------------------------------
+  def _records_many(self, global_positions: np.ndarray,
+                    epochs: np.ndarray) -> np.ndarray:
+    """The records at `global_positions` of `epochs` (int64 arrays)."""
+    if self._replacement:
+      return draw_records(self._seed, epochs, global_positions, self._num_records)
+    if self._shuffle:
+      return self._permute_many(global_positions, epochs)
+    return global_positions
+
   def _round_keys(self, epoch: int) -> list[int]:
     cached = self._cached_keys
     if cached is None or cached[0] != epoch:
@@ -373,7 +401,8 @@ class IndexSampler:
     return IndexSampler(
         self._num_records, shuffle=self._shuffle,
         seed=mix_seed(self._seed, _ITERATION_DOMAIN, iteration),
-        num_epochs=self._num_epochs, shard_options=self._shard)
+        num_epochs=self._num_epochs, shard_options=self._shard,
+        replacement=self._replacement)
 
   # -- identity ------------------------------------------------------------
   def spec_params(self) -> dict[str, Any]:
@@ -387,6 +416,8 @@ class IndexSampler:
     }
     if not self._reshuffle:  # Only when set: fingerprints stay as they were.
       params["reshuffle_each_iteration"] = False
+    if self._replacement:
+      params["replacement"] = True
     return params
 
   def identity(self) -> dict[str, Any]:
@@ -398,12 +429,13 @@ class IndexSampler:
             "shard_index": self._shard.shard_index,
             "shard_count": self._shard.shard_count,
             "drop_remainder": self._shard.drop_remainder,
-            "reshuffle_each_iteration": self._reshuffle}
+            "reshuffle_each_iteration": self._reshuffle,
+            **({"replacement": True} if self._replacement else {})}
 
   def _key(self) -> tuple[Any, ...]:
     return (self._num_records, self._shuffle, self._seed, self._num_epochs,
             self._shard.shard_index, self._shard.shard_count,
-            self._shard.drop_remainder, self._reshuffle)
+            self._shard.drop_remainder, self._reshuffle, self._replacement)
 
   def __eq__(self, other: Any) -> bool:
     if not isinstance(other, IndexSampler):
@@ -415,6 +447,7 @@ class IndexSampler:
 
   def __repr__(self) -> str:
     reshuffle = "" if self._reshuffle else ", reshuffle_each_iteration=False"
+    reshuffle += ", replacement=True" if self._replacement else ""
     return (f"IndexSampler(num_records={self._num_records}, "
             f"shuffle={self._shuffle}, seed={self._seed}, "
             f"num_epochs={self._num_epochs}, shard_options={self._shard!r}"

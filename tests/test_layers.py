@@ -93,7 +93,8 @@ def test_jaxfeed_has_no_import_cycles():
 
 # DESIGN.md's data path, left to right; the Dataset facade belongs to the op
 # graph. A module imports only from its own layer and the layers to its left.
-_LAYERS = {"sources": 0, "seeding": 0, "sampler": 1, "resharded_sampler": 1,
+_LAYERS = {"sources": 0, "seeding": 0, "sampler": 1, "sampler_replacement": 1,
+           "resharded_sampler": 1,
            "ops": 2, "dataset": 2, "dataset_batching": 2, "dataset_sources": 2,
            "service": 3, "device": 4}
 

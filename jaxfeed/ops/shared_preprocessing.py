@@ -35,7 +35,10 @@ from jaxfeed.ops.udf_args import call_unpacked
 from jaxfeed.sources.base import source_identity
 
 __all__ = ["Dropped", "PreprocessedSource", "per_record_chain", "store_key",
-           "shared_graph"]
+           "shared_graph", "STORE_PREFIX"]
+
+STORE_PREFIX = "records-"
+"""A store's folder in an autocache folder: this, then its key."""
 
 _KEY_PARAMS = {"map": ("fn",), "filter": ("predicate",),
                "map_and_filter": ("fn", "predicate")}
@@ -139,7 +142,7 @@ def shared_graph(node: Node, directory: str) -> Node | None:
   if not key.reproducible:
     return None
   source = PreprocessedSource(source_node.source, ops,
-                              os.path.join(directory, f"records-{key}"), key)
+                              os.path.join(directory, f"{STORE_PREFIX}{key}"), key)
   new: Node = SourceNode(source, source_node.sampler)
   new.iterations = source_node.iterations  # type: ignore[attr-defined]
   if ranges is not None:

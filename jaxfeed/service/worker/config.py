@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxfeed.ops.autocache_folder import FolderLimits
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.worker import round_assembly
@@ -40,6 +41,11 @@ class WorkerConfig:
       tasks keep their input's output, keyed by its fingerprint, for later
       tasks of any job (see `jaxfeed.ops.autocache`); None: they pass
       through. Workers may share the folder.
+    autocache_max_bytes: Most bytes the autocache folder holds (least
+      recently used entries not in use go first; see
+      `jaxfeed.ops.autocache_folder`); None: no limit.
+    autocache_ttl_s: Autocache entries nobody read for this many seconds
+      are removed; None: kept.
     sharing_window_bytes: Ephemeral sharing: most bytes of frames a shared
       pipeline keeps for its slower readers (see
       `jaxfeed.service.worker.shared_stream`).
@@ -84,6 +90,8 @@ class WorkerConfig:
   max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES
   sharing_window_bytes: int = 256 << 20
   autocache_dir: str | None = None
+  autocache_max_bytes: int | None = None
+  autocache_ttl_s: float | None = None
   worker_tags: tuple[str, ...] = ()
   data_transfer_address: str | None = None
   dispatcher_timeout_s: float | None = None
@@ -127,6 +135,11 @@ class WorkerConfig:
         raise ValueError(f"WorkerConfig: data_transfer_address="
                          f"{self.data_transfer_address!r} needs data_socket=True: it is "
                          "the data socket's address.")
+    FolderLimits(self.autocache_max_bytes, self.autocache_ttl_s)  # checks them
+    if not self.autocache_dir and (self.autocache_max_bytes is not None
+                                   or self.autocache_ttl_s is not None):
+      raise ValueError("WorkerConfig: autocache_max_bytes and autocache_ttl_s limit the "
+                       "autocache folder: they need autocache_dir.")
     object.__setattr__(self, "udf_modules", import_paths.check_udf_modules(self.udf_modules))
     rpc.check_bind_is_safe(
         "Worker", self.host,

@@ -21,11 +21,13 @@ from typing import Any
 import grpc
 
 from jaxfeed import _lifetime
+from jaxfeed.ops.autocache_folder import FolderLimits
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import autocache_keeper
 from jaxfeed.service.worker import config as worker_config
 from jaxfeed.service.worker import data_server
 from jaxfeed.service.worker import local_workers
@@ -115,8 +117,12 @@ class WorkerServer:
         args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s,
               config.dispatcher_timeout_s))
     self._started = False
+    # Its tasks find the folder's limits by its path (task_pipeline).
+    keeper = (autocache_keeper.AutocacheKeeper(
+        config.autocache_dir, FolderLimits(config.autocache_max_bytes, config.autocache_ttl_s))
+              if config.autocache_dir else None)
     self._finalizer = weakref.finalize(self, _shutdown, self._server, self._worker,
-                                       self._data_server)
+                                       self._data_server, keeper)
     if start:
       self.start()
 
@@ -197,7 +203,8 @@ class _LazyHandler(grpc.GenericRpcHandler):
     return self._holder[0].service(handler_call_details) if self._holder else None
 
 
-def _shutdown(server: rpc_server.ServerHandle, worker: WorkerState, data_server: Any) -> None:
+def _shutdown(server: rpc_server.ServerHandle, worker: WorkerState, data_server: Any,
+              keeper: autocache_keeper.AutocacheKeeper | None) -> None:
   worker.stop.set()
   local_workers.remove(worker.address, worker)
   worker.leave()
@@ -205,6 +212,8 @@ def _shutdown(server: rpc_server.ServerHandle, worker: WorkerState, data_server:
     data_server.close()
   server.stop()
   worker.shutdown()
+  if keeper is not None:
+    keeper.close()
 
 
 def main(argv: Any) -> None:
@@ -228,6 +237,8 @@ def main(argv: Any) -> None:
         max_window_batches=f.max_window_batches,
         sharing_window_bytes=f.sharing_window_bytes,
         autocache_dir=f.autocache_dir or None,
+        autocache_max_bytes=f.autocache_max_bytes or None,
+        autocache_ttl_s=f.autocache_ttl_s or None,
         worker_tags=tuple(t for t in f.worker_tags.split(",") if t),
         data_transfer_address=f.data_transfer_address or None,
         dispatcher_timeout_s=f.dispatcher_timeout_s or None,
@@ -300,6 +311,12 @@ def define_flags() -> None:
                        "the dispatcher for the workers of its pool).")
   flags.DEFINE_string("autocache_dir", "", "Folder where autocache ops keep and reuse "
                       "their input's output across jobs (may be shared by workers).")
+  flags.DEFINE_integer("autocache_max_bytes", 0, "Most bytes the --autocache_dir folder "
+                       "holds: least recently used entries go first, never one being read "
+                       "or written; a write that finds no room goes on without caching. "
+                       "0: no limit.")
+  flags.DEFINE_float("autocache_ttl_s", 0.0, "Remove --autocache_dir entries nobody read "
+                     "for this many seconds. 0: keep them.")
   flags.DEFINE_integer("sharing_window_bytes", 256 << 20,
                        "Ephemeral sharing: bytes a shared pipeline keeps for slower jobs.")
   flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,

@@ -42,6 +42,7 @@ from jaxfeed.ops.options import Options
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+from jaxfeed.service.worker import autocache_keeper
 from jaxfeed.service.worker import static_sharding
 from jaxfeed.service.worker import worker_orders
 
@@ -193,7 +194,7 @@ def task_iterator(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
   if autocache_dir:
     # After the optimizer: it rebuilds ops from their specs, which leave the
     # folder out. A task reading splits only uses stores kept by record.
-    autocache.point_at(node, autocache_dir,
+    autocache.point_at(node, autocache_keeper.folder_at(autocache_dir),
                        records_only=task.sharding_policy == ShardingPolicy.DYNAMIC.value)
   return run(node, options)
 
