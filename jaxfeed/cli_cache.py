@@ -29,33 +29,46 @@ _IN_USE_STATUS = 1
 def add_parser(commands: Any) -> None:
   """Adds `cache` and its `ls` and `rm` commands to `jaxfeed`'s parser."""
   cache = commands.add_parser(
-      "cache", help="list or remove the entries of an autocache folder",
-      description="The entries of an autocache folder (workers fill it with "
-      "--autocache_dir): "
-      "`ls` lists them, `rm` removes them. An entry a process is reading or writing "
-      "is never removed.")
+    "cache",
+    help="list or remove the entries of an autocache folder",
+    description="The entries of an autocache folder (workers fill it with "
+    "--autocache_dir): "
+    "`ls` lists them, `rm` removes them. An entry a process is reading or writing "
+    "is never removed.",
+  )
   actions = cache.add_subparsers(dest="action", required=True, metavar="ACTION")
   ls = actions.add_parser(
-      "ls", help="entries, bytes, last use and state",
-      description="Lists the entries of an autocache folder, least recently used "
-      "first: name, bytes, when a read or write of it last started or ended, and "
-      "its state: idle, reading, writing, or abandoned (a write that never "
-      "finished).")
+    "ls",
+    help="entries, bytes, last use and state",
+    description="Lists the entries of an autocache folder, least recently used "
+    "first: name, bytes, when a read or write of it last started or ended, and "
+    "its state: idle, reading, writing, or abandoned (a write that never "
+    "finished).",
+  )
   ls.add_argument("dir", metavar="DIR", help="the autocache folder")
   ls.add_argument("--json", action="store_true", help="print the entries as JSON")
   rm = actions.add_parser(
-      "rm", help="remove entries (all of them without ENTRY)",
-      description="Removes the named entries of an autocache folder, or all of them. "
-      f"Entries in use are left and named; the status is then {_IN_USE_STATUS}.")
+    "rm",
+    help="remove entries (all of them without ENTRY)",
+    description="Removes the named entries of an autocache folder, or all of them. "
+    f"Entries in use are left and named; the status is then {_IN_USE_STATUS}.",
+  )
   rm.add_argument("dir", metavar="DIR", help="the autocache folder")
-  rm.add_argument("entries", nargs="*", metavar="ENTRY",
-                  help="entry names, as `jaxfeed cache ls` shows them (default: all)")
+  rm.add_argument(
+    "entries",
+    nargs="*",
+    metavar="ENTRY",
+    help="entry names, as `jaxfeed cache ls` shows them (default: all)",
+  )
 
 
 def _folder(path: str) -> AutocacheFolder:
   if not os.path.isdir(path):
-    raise UsageError(f"no folder {path!r}" if not os.path.exists(path)
-                     else f"{path!r} is a file; give an autocache folder (--autocache_dir)")
+    raise UsageError(
+      f"no folder {path!r}"
+      if not os.path.exists(path)
+      else f"{path!r} is a file; give an autocache folder (--autocache_dir)"
+    )
   return AutocacheFolder(path)
 
 
@@ -67,12 +80,20 @@ def _when(seconds: float, now: float) -> str:
 def _ls(args: argparse.Namespace) -> int:
   entries = _folder(args.dir).entries()
   if args.json:
-    print(json.dumps([{"entry": e.name, "bytes": e.bytes, "last_used": e.last_used,
-                       "state": e.state} for e in entries], indent=1))
+    print(
+      json.dumps(
+        [
+          {"entry": e.name, "bytes": e.bytes, "last_used": e.last_used, "state": e.state}
+          for e in entries
+        ],
+        indent=1,
+      )
+    )
     return 0
   now = time.time()
   rows = [("ENTRY", "BYTES", "LAST USED", "STATE")] + [
-      (e.name, str(e.bytes), _when(e.last_used, now), e.state) for e in entries]
+    (e.name, str(e.bytes), _when(e.last_used, now), e.state) for e in entries
+  ]
   widths = [max(len(row[i]) for row in rows) for i in range(3)]
   for row in rows:
     print(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}")

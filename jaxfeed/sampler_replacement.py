@@ -23,8 +23,7 @@ __all__ = ["draw_record", "draw_records"]
 _DRAW_DOMAIN = 0x44524157  # "DRAW"
 
 
-def draw_record(seed: int, epoch: int, global_position: int,
-                num_records: int) -> int:
+def draw_record(seed: int, epoch: int, global_position: int, num_records: int) -> int:
   """The record drawn at `global_position` of `epoch`.
 
   Args:
@@ -40,8 +39,9 @@ def draw_record(seed: int, epoch: int, global_position: int,
   return (mix_seed(seed, epoch, _DRAW_DOMAIN, global_position) * num_records) >> 64
 
 
-def draw_records(seed: int, epochs: np.ndarray, global_positions: np.ndarray,
-                 num_records: int) -> np.ndarray:
+def draw_records(
+  seed: int, epochs: np.ndarray, global_positions: np.ndarray, num_records: int
+) -> np.ndarray:
   """Vectorized `draw_record`: int64 record indices of the broadcast shape of
   `epochs` and `global_positions`, equal element-wise to `draw_record`."""
   hashes = mix_seeds(seed, epochs, _DRAW_DOMAIN, global_positions)

@@ -31,8 +31,7 @@ def test_vectorized_draws_equal_scalar_draws_and_stay_in_range(num_records):
   epochs = np.repeat(np.arange(3), 200)
   positions = np.tile(np.arange(200), 3) * 7919
   vector = draw_records(11, epochs, positions, num_records)
-  scalar = [draw_record(11, int(e), int(g), num_records)
-            for e, g in zip(epochs, positions)]
+  scalar = [draw_record(11, int(e), int(g), num_records) for e, g in zip(epochs, positions)]
   np.testing.assert_array_equal(vector, scalar)
   assert vector.dtype == np.int64
   assert vector.min() >= 0 and vector.max() < num_records
@@ -47,8 +46,7 @@ def test_random_access_equals_sequential_iteration():
     assert sampler[int(position)] == sequential[position]
   epochs, records, seeds = sampler.get_many(np.arange(len(sampler))[::-1])
   assert [int(r) for r in records[::-1]] == [m.record_index for m in sequential]
-  assert [int(s) for s in seeds[::-1]] == [
-      mix_seed(5, m.epoch, m.record_index) for m in sequential]
+  assert [int(s) for s in seeds[::-1]] == [mix_seed(5, m.epoch, m.record_index) for m in sequential]
   # A pipeline reads the records the sampler draws, in its order.
   source = jaxfeed.ArraySource({"x": np.arange(97) * 10})
   read = [int(e["x"]) for e in jaxfeed.Dataset.from_source(source, sampler)]
@@ -75,8 +73,13 @@ def test_host_shards_take_disjoint_positions_that_cover_the_epoch(drop_remainder
   whole = IndexSampler(n, seed=9, num_epochs=2, replacement=True)
   seen: dict[tuple[int, int], int] = {}
   for h in range(hosts):
-    shard = IndexSampler(n, seed=9, num_epochs=2, replacement=True,
-                         shard_options=ShardOptions(h, hosts, drop_remainder))
+    shard = IndexSampler(
+      n,
+      seed=9,
+      num_epochs=2,
+      replacement=True,
+      shard_options=ShardOptions(h, hosts, drop_remainder),
+    )
     for k, meta in enumerate(shard):
       local = k % shard.records_per_epoch
       global_position = h + local * hosts
@@ -125,10 +128,11 @@ def test_spec_params_and_identity_rebuild_and_name_replacement():
 
 
 def test_a_resharded_sampler_keeps_the_draws():
-  base = IndexSampler(40, seed=6, num_epochs=2, replacement=True,
-                      shard_options=ShardOptions(0, 1))
-  old = [IndexSampler(40, seed=6, num_epochs=2, replacement=True,
-                      shard_options=ShardOptions(h, 2)) for h in range(2)]
+  base = IndexSampler(40, seed=6, num_epochs=2, replacement=True, shard_options=ShardOptions(0, 1))
+  old = [
+    IndexSampler(40, seed=6, num_epochs=2, replacement=True, shard_options=ShardOptions(h, 2))
+    for h in range(2)
+  ]
   # Two old shards read 5 positions each; one new shard reads the rest.
   resharded = ReshardedSampler(base, old_shard_count=2, old_positions=[5, 5])
   read = {(m.epoch, m.record_index) for s in old for m in list(s)[:5]}
@@ -136,20 +140,26 @@ def test_a_resharded_sampler_keeps_the_draws():
   assert len(rest) == 2 * 40 - 10
   whole = list(IndexSampler(40, seed=6, num_epochs=2, replacement=True))
   assert sorted(read | {(m.epoch, m.record_index) for m in rest}) == sorted(
-      {(m.epoch, m.record_index) for m in whole})
+    {(m.epoch, m.record_index) for m in whole}
+  )
 
 
 def test_an_empty_source_gives_no_positions():
   assert len(IndexSampler(0, replacement=True)) == 0
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
+@pytest.mark.parametrize(
+  "kwargs, pattern",
+  [
     ({"replacement": "yes"}, r"replacement must be True or False, got 'yes'"),
     ({"replacement": 1}, r"replacement must be True or False, got 1"),
-    ({"replacement": True, "shuffle": True},
-     r"replacement=True draws every position at random already; it needs "
-     r"shuffle=False, got shuffle=True"),
-])
+    (
+      {"replacement": True, "shuffle": True},
+      r"replacement=True draws every position at random already; it needs "
+      r"shuffle=False, got shuffle=True",
+    ),
+  ],
+)
 def test_bad_replacement_arguments_are_refused_by_name(kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):
     IndexSampler(10, **kwargs)
@@ -158,16 +168,18 @@ def test_bad_replacement_arguments_are_refused_by_name(kwargs, pattern):
 def test_a_service_worker_rebuilds_the_sampler_with_its_draws():
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
   from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
+
   source = jaxfeed.ArraySource({"x": np.arange(60)})
   dataset = jaxfeed.Dataset.from_source(
-      source, IndexSampler(60, seed=4, num_epochs=2, replacement=True))
+    source, IndexSampler(60, seed=4, num_epochs=2, replacement=True)
+  )
   local = [int(e["x"]) for e in dataset]
   rebuilt = spec.from_dataset_def(spec.to_dataset_def(dataset.node))
   with rebuilt.make_iterator() as iterator:
     assert [int(e["x"]) for e in iterator] == local
   with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
-    with service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.target,
-                                                   heartbeat_interval_s=0.1)):
-      served = [int(e["x"]) for e in dataset.distribute(dispatcher.target,
-                                                         "distributed_epoch")]
+    with service.WorkerServer(
+      service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)
+    ):
+      served = [int(e["x"]) for e in dataset.distribute(dispatcher.target, "distributed_epoch")]
   assert sorted(served) == sorted(local)

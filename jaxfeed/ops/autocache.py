@@ -54,8 +54,9 @@ class AutocacheNode(Node):
   def __init__(self, parent: Any, directory: str | None = None):
     super().__init__([to_node(parent, _OP, "input")])
     if directory is not None and (not isinstance(directory, str) or not directory):
-      raise ValueError(f"{_OP}: directory must be a non-empty folder path or None, "
-                       f"got {directory!r}.")
+      raise ValueError(
+        f"{_OP}: directory must be a non-empty folder path or None, got {directory!r}."
+      )
     # Set by service workers (never part of the spec), or given locally.
     self.cache_dir = directory or ""
     self.records_only = False  # pass through unless kept by record
@@ -89,17 +90,22 @@ class AutocacheNode(Node):
     if self.cache_dir:
       shared = shared_preprocessing.shared_graph(self.parents[0], self.cache_dir)
       if shared is not None:
-        [source] = [s for s in (getattr(n, "source", None) for n in graph_nodes(shared))
-                    if isinstance(s, shared_preprocessing.PreprocessedSource)]
-        return AutocacheIterator(shared.make_iterator(), self.folder(),
-                                 os.path.basename(source.store.directory))
+        [source] = [
+          s
+          for s in (getattr(n, "source", None) for n in graph_nodes(shared))
+          if isinstance(s, shared_preprocessing.PreprocessedSource)
+        ]
+        return AutocacheIterator(
+          shared.make_iterator(), self.folder(), os.path.basename(source.store.directory)
+        )
     path = None if self.records_only else self.cache_path()
     if path is not None:
       parent = self.parents[0]
       # The on-disk store `cache(filename=path)` reads and writes.
       store = CacheNode(parent, path)._store  # pylint: disable=protected-access
-      return AutocacheEntryIterator(parent.make_iterator(), store, self.folder(),
-                                    os.path.basename(path))
+      return AutocacheEntryIterator(
+        parent.make_iterator(), store, self.folder(), os.path.basename(path)
+      )
     return AutocacheIterator(self.parents[0].make_iterator())
 
 
@@ -109,8 +115,7 @@ class AutocacheIterator(OpIterator):
 
   op_name = _OP
 
-  def __init__(self, parent: OpIterator, folder: AutocacheFolder | None = None,
-               entry: str = ""):
+  def __init__(self, parent: OpIterator, folder: AutocacheFolder | None = None, entry: str = ""):
     super().__init__([parent])
     self._parent = parent
     self._folder = folder
@@ -135,8 +140,9 @@ class AutocacheIterator(OpIterator):
     self._release()
 
 
-def point_at(node: Node, folder: str | AutocacheFolder,
-             records_only: bool = False) -> list[AutocacheNode]:
+def point_at(
+  node: Node, folder: str | AutocacheFolder, records_only: bool = False
+) -> list[AutocacheNode]:
   """Points every autocache op of a graph at `folder` (a path: a folder
   without limits); returns them. `records_only`: only those kept by record
   index (see `jaxfeed.ops.shared_preprocessing`) use it, the others pass

@@ -36,8 +36,9 @@ def element_bytes(element: Any) -> int:
   for leaf in tree.flatten(element):
     nbytes = getattr(leaf, "nbytes", None)
     if nbytes is None:
-      nbytes = len(leaf) * 4 if isinstance(leaf, str) else (
-          len(leaf) if isinstance(leaf, bytes) else 16)
+      nbytes = (
+        len(leaf) * 4 if isinstance(leaf, str) else (len(leaf) if isinstance(leaf, bytes) else 16)
+      )
     total += int(nbytes) + 8 * (1 + getattr(leaf, "ndim", 0))  # shape of a ragged leaf
   return total
 
@@ -51,8 +52,8 @@ class AutocacheEntryIterator(CacheIterator):
     self._name = name
     self._hold: EntryHold | None = None
     self._reservation: WriteReservation | None = None
-    self._written = 0      # estimated bytes of the elements written
-    self._accounted = 0    # elements counted in _written
+    self._written = 0  # estimated bytes of the elements written
+    self._accounted = 0  # elements counted in _written
 
   def __next__(self) -> Any:
     if self._hold is None:

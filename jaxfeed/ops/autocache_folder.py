@@ -46,8 +46,14 @@ import uuid
 
 from jaxfeed.ops.shared_preprocessing import STORE_PREFIX
 
-__all__ = ["AutocacheFolder", "EntryHold", "EntryInfo", "EntryInUseError",
-           "FolderLimits", "WriteReservation"]
+__all__ = [
+  "AutocacheFolder",
+  "EntryHold",
+  "EntryInfo",
+  "EntryInUseError",
+  "FolderLimits",
+  "WriteReservation",
+]
 
 _META = ".jaxfeed"
 _MANIFEST = "manifest.json"
@@ -75,15 +81,21 @@ class FolderLimits:
 
   def __post_init__(self) -> None:
     if self.max_bytes is not None and (
-        not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool)
-        or self.max_bytes < 1):
-      raise ValueError(f"autocache_max_bytes must be an integer >= 1 (bytes), or None "
-                       f"(0 on the command line) for no limit, got {self.max_bytes!r}.")
+      not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 1
+    ):
+      raise ValueError(
+        f"autocache_max_bytes must be an integer >= 1 (bytes), or None "
+        f"(0 on the command line) for no limit, got {self.max_bytes!r}."
+      )
     if self.ttl_s is not None and (
-        not isinstance(self.ttl_s, (int, float)) or isinstance(self.ttl_s, bool)
-        or not 0 < self.ttl_s < float("inf")):
-      raise ValueError(f"autocache_ttl_s must be a number of seconds > 0, or None (0 "
-                       f"on the command line) to keep entries, got {self.ttl_s!r}.")
+      not isinstance(self.ttl_s, (int, float))
+      or isinstance(self.ttl_s, bool)
+      or not 0 < self.ttl_s < float("inf")
+    ):
+      raise ValueError(
+        f"autocache_ttl_s must be a number of seconds > 0, or None (0 "
+        f"on the command line) to keep entries, got {self.ttl_s!r}."
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +149,11 @@ def _lock(path: str, mode: int, create: bool, write: bool = False) -> int | None
       return None
     except OSError as e:
       os.close(fd)
-      raise OSError(e.errno, f"cannot lock {path!r} ({e.strerror}): an autocache folder "
-                    "needs a filesystem with flock locks") from e
+      raise OSError(
+        e.errno,
+        f"cannot lock {path!r} ({e.strerror}): an autocache folder "
+        "needs a filesystem with flock locks",
+      ) from e
     try:
       if os.stat(path).st_ino == os.fstat(fd).st_ino:
         return fd
@@ -206,20 +221,20 @@ class AutocacheFolder:
   def _is_complete(self, name: str) -> bool:
     # A store kept by record is whole at any time: its blocks are written
     # whole, one by one, while it is read.
-    return (name.startswith(STORE_PREFIX)
-            or os.path.exists(os.path.join(self.path, name, _MANIFEST)))
+    return name.startswith(STORE_PREFIX) or os.path.exists(os.path.join(self.path, name, _MANIFEST))
 
   def _in_use(self, name: str) -> bool:
-    fd = _lock(os.path.join(self._meta, "locks", name), fcntl.LOCK_EX | fcntl.LOCK_NB,
-               create=False)
+    fd = _lock(os.path.join(self._meta, "locks", name), fcntl.LOCK_EX | fcntl.LOCK_NB, create=False)
     if fd is None:
       return os.path.exists(os.path.join(self._meta, "locks", name))
     os.close(fd)
     return False
 
   def _last_used(self, name: str, folders: list[str]) -> float:
-    for path in [os.path.join(self._meta, "locks", name),
-                 *(os.path.join(self.path, f) for f in folders)]:
+    for path in [
+      os.path.join(self._meta, "locks", name),
+      *(os.path.join(self.path, f) for f in folders),
+    ]:
       try:
         return os.stat(path).st_mtime
       except OSError:
@@ -249,8 +264,7 @@ class AutocacheFolder:
     return out
 
   def _entry_bytes(self, folders: list[str], reserved: dict[str, int]) -> int:
-    return sum(max(_tree_bytes(os.path.join(self.path, f)), reserved.get(f, 0))
-               for f in folders)
+    return sum(max(_tree_bytes(os.path.join(self.path, f)), reserved.get(f, 0)) for f in folders)
 
   def entries(self) -> list[EntryInfo]:
     """The folder's entries, least recently used first."""
@@ -259,10 +273,12 @@ class AutocacheFolder:
     for name, folders in self._names().items():
       complete = self._is_complete(name)
       in_use = self._in_use(name)
-      state = ({True: "reading", False: "idle"} if complete
-               else {True: "writing", False: "abandoned"})[in_use]
-      out.append(EntryInfo(name, self._entry_bytes(folders, reserved),
-                           self._last_used(name, folders), state))
+      state = (
+        {True: "reading", False: "idle"} if complete else {True: "writing", False: "abandoned"}
+      )[in_use]
+      out.append(
+        EntryInfo(name, self._entry_bytes(folders, reserved), self._last_used(name, folders), state)
+      )
     return sorted(out, key=lambda e: (e.last_used, e.name))
 
   def used_bytes(self, leave_out: str = "") -> int:
@@ -310,8 +326,10 @@ class AutocacheFolder:
       names = list(present)
     missing = [n for n in names if n not in present]
     if missing:
-      raise KeyError(f"no entry {', '.join(map(repr, missing))} in {self.path!r}; its "
-                     f"entries: {', '.join(present) or 'none'}")
+      raise KeyError(
+        f"no entry {', '.join(map(repr, missing))} in {self.path!r}; its "
+        f"entries: {', '.join(present) or 'none'}"
+      )
     removed: list[str] = []
     in_use: list[str] = []
     with self._folder_lock():
@@ -319,9 +337,10 @@ class AutocacheFolder:
         (removed if self._remove(name) else in_use).append(name)
     if in_use:
       raise EntryInUseError(
-          f"{', '.join(map(repr, in_use))} in {self.path!r} "
-          f"{'is' if len(in_use) == 1 else 'are'} being read or written by a process "
-          f"using the folder; not removed (removed: {', '.join(removed) or 'none'})")
+        f"{', '.join(map(repr, in_use))} in {self.path!r} "
+        f"{'is' if len(in_use) == 1 else 'are'} being read or written by a process "
+        f"using the folder; not removed (removed: {', '.join(removed) or 'none'})"
+      )
     return removed
 
   def _folder_lock(self) -> "_FolderLock":
@@ -350,16 +369,13 @@ class AutocacheFolder:
       sizes[name] = self._entry_bytes([f for f in folders if f != leave_out], reserved)
       used += sizes[name]
     now = time.time()
-    order = sorted(names, key=lambda n: (self._is_complete(n),
-                                         self._last_used(n, names[n]), n))
+    order = sorted(names, key=lambda n: (self._is_complete(n), self._last_used(n, names[n]), n))
     removed = []
     for name in order:
       if leave_out and leave_out in names[name]:
         continue
-      expired = limits.ttl_s is not None and now - self._last_used(
-          name, names[name]) > limits.ttl_s
-      over = (limits.max_bytes is not None
-              and used + need_bytes > limits.max_bytes)
+      expired = limits.ttl_s is not None and now - self._last_used(name, names[name]) > limits.ttl_s
+      over = limits.max_bytes is not None and used + need_bytes > limits.max_bytes
       if (expired or over or not self._is_complete(name)) and self._remove(name):
         removed.append(name)
         used -= sizes[name]
@@ -404,8 +420,9 @@ class EntryHold:
         raise
       # A folder this process may not write (a read-only copy) is read as
       # it is: this process could not remove or write entries either.
-      logging.warning("Reading autocache folder %s without marking entries in use: %s",
-                      folder.path, e)
+      logging.warning(
+        "Reading autocache folder %s without marking entries in use: %s", folder.path, e
+      )
       return
     assert fd is not None  # a blocking lock that may create its file
     self._fd = fd
@@ -456,4 +473,3 @@ class WriteReservation:
       except FileNotFoundError:
         pass
       os.close(fd)
-

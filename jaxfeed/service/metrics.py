@@ -164,10 +164,12 @@ class MetricsServer:
 
   def __init__(self, collector: Any, host: str, port: int):
     import prometheus_client  # pylint: disable=g-import-not-at-top
+
     self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
     self.registry.register(collector)
     self._server, self._thread = prometheus_client.start_http_server(
-        port, addr=host, registry=self.registry)
+      port, addr=host, registry=self.registry
+    )
     self.port = self._server.server_address[1]
     self.url = f"http://{host}:{self.port}/metrics"
 
@@ -179,6 +181,7 @@ class MetricsServer:
 
 def _families():
   from prometheus_client import core  # pylint: disable=g-import-not-at-top
+
   return core.GaugeMetricFamily, core.CounterMetricFamily
 
 
@@ -208,25 +211,40 @@ class _DispatcherCollector:
     gauge, counter = _families()
     state = self._server.state
     clients = gauge("jaxfeed_job_clients", "Clients reading the job.", labels=["job"])
-    workers = gauge("jaxfeed_job_workers",
-                    "Live workers with an unfinished task of the job.", labels=["job"])
-    lag = gauge("jaxfeed_job_split_lag",
-                "Exactly-once splits issued but not yet acknowledged.", labels=["job"])
-    reissue = gauge("jaxfeed_job_splits_to_reissue",
-                    "Splits of lost workers waiting to be issued again.", labels=["job"])
-    issued = gauge("jaxfeed_job_positions_issued",
-                   "Sampler positions handed out in splits.", labels=["job"])
-    elements = counter("jaxfeed_job_client_elements",
-                       "Elements the job's consumers took (clients that left included).",
-                       labels=["job"])
-    waited = counter("jaxfeed_job_client_wait_seconds",
-                     "Seconds the job's consumers waited for input (clients that left "
-                     "included).", labels=["job"])
-    fill = gauge("jaxfeed_job_client_buffer_fill",
-                 "Mean fill (0..1) of the clients' buffers.", labels=["job"])
-    goodbyes = counter("jaxfeed_dispatcher_client_goodbyes",
-                       "How clients left (call, worker, timeout) and goodbyes ignored "
-                       "(refused, stale).", labels=["via"])
+    workers = gauge(
+      "jaxfeed_job_workers", "Live workers with an unfinished task of the job.", labels=["job"]
+    )
+    lag = gauge(
+      "jaxfeed_job_split_lag",
+      "Exactly-once splits issued but not yet acknowledged.",
+      labels=["job"],
+    )
+    reissue = gauge(
+      "jaxfeed_job_splits_to_reissue",
+      "Splits of lost workers waiting to be issued again.",
+      labels=["job"],
+    )
+    issued = gauge(
+      "jaxfeed_job_positions_issued", "Sampler positions handed out in splits.", labels=["job"]
+    )
+    elements = counter(
+      "jaxfeed_job_client_elements",
+      "Elements the job's consumers took (clients that left included).",
+      labels=["job"],
+    )
+    waited = counter(
+      "jaxfeed_job_client_wait_seconds",
+      "Seconds the job's consumers waited for input (clients that left included).",
+      labels=["job"],
+    )
+    fill = gauge(
+      "jaxfeed_job_client_buffer_fill", "Mean fill (0..1) of the clients' buffers.", labels=["job"]
+    )
+    goodbyes = counter(
+      "jaxfeed_dispatcher_client_goodbyes",
+      "How clients left (call, worker, timeout) and goodbyes ignored (refused, stale).",
+      labels=["via"],
+    )
     with state.lock:
       state.lock.answer_without_fsync()
       for via in ("call", "worker", "timeout", "refused", "stale"):
@@ -238,8 +256,16 @@ class _DispatcherCollector:
       for job in state.jobs.values():
         label = [job_label(job.job_name, job.job_id)]
         clients.add_metric(label, len(job.clients))
-        workers.add_metric(label, len({t.worker_address for t in job.tasks.values()
-                                       if not t.finished and t.worker_address in state.workers}))
+        workers.add_metric(
+          label,
+          len(
+            {
+              t.worker_address
+              for t in job.tasks.values()
+              if not t.finished and t.worker_address in state.workers
+            }
+          ),
+        )
         lag.add_metric(label, len(job.unacked))
         reissue.add_metric(label, len(job.reissue))
         issued.add_metric(label, job.next_position)
@@ -251,32 +277,46 @@ class _DispatcherCollector:
     yield gauge("jaxfeed_dispatcher_workers", "Registered workers.", value=num_workers)
     yield gauge("jaxfeed_dispatcher_jobs", "Jobs.", value=num_jobs)
     yield from (clients, workers, lag, reissue, issued, elements, waited, fill, goodbyes)
-    answers = counter("jaxfeed_dispatcher_split_answers",
-                      "DYNAMIC split answers, by the call that carried them and "
-                      "whether it was a task's first.", labels=["via", "first"])
+    answers = counter(
+      "jaxfeed_dispatcher_split_answers",
+      "DYNAMIC split answers, by the call that carried them and whether it was a task's first.",
+      labels=["via", "first"],
+    )
     for (via, first), count in split_answers:
       answers.add_metric([via, str(first).lower()], count)
     yield answers
     journal = state.journal
-    yield gauge("jaxfeed_dispatcher_journal_healthy",
-                "1 while the dispatcher's journal takes writes, else 0.",
-                value=1 if journal is None or journal.healthy else 0)
-    yield gauge("jaxfeed_journal_bytes", "Size of the journal and snapshot files.",
-                value=_folder_bytes(state.config.work_dir))
-    yield gauge("jaxfeed_journal_replay_records", "Records the last restart replayed.",
-                value=state.replay_stats.records)
-    yield gauge("jaxfeed_journal_replay_seconds", "How long the last restart's replay took.",
-                value=getattr(state, "replay_seconds", 0.0))
-    yield _error_family("jaxfeed_rpc_errors", _SERVED_ERRORS_DOC,
-                        self._server._server.errors)  # pylint: disable=protected-access
+    yield gauge(
+      "jaxfeed_dispatcher_journal_healthy",
+      "1 while the dispatcher's journal takes writes, else 0.",
+      value=1 if journal is None or journal.healthy else 0,
+    )
+    yield gauge(
+      "jaxfeed_journal_bytes",
+      "Size of the journal and snapshot files.",
+      value=_folder_bytes(state.config.work_dir),
+    )
+    yield gauge(
+      "jaxfeed_journal_replay_records",
+      "Records the last restart replayed.",
+      value=state.replay_stats.records,
+    )
+    yield gauge(
+      "jaxfeed_journal_replay_seconds",
+      "How long the last restart's replay took.",
+      value=getattr(state, "replay_seconds", 0.0),
+    )
+    yield _error_family("jaxfeed_rpc_errors", _SERVED_ERRORS_DOC, self._server._server.errors)  # pylint: disable=protected-access
     autoscaler = self._server.autoscaler
     if autoscaler is not None:
       decisions = list(autoscaler.decisions)
-      workers = (decisions[-1][0] + decisions[-1][1] if decisions
-                 else autoscaler.config.min_workers)
+      workers = decisions[-1][0] + decisions[-1][1] if decisions else autoscaler.config.min_workers
       yield gauge("jaxfeed_pool_workers", "Workers of the elastic pool.", value=workers)
-      made = counter("jaxfeed_pool_scaling_decisions",
-                     "The elastic pool's decisions, by direction.", labels=["direction"])
+      made = counter(
+        "jaxfeed_pool_scaling_decisions",
+        "The elastic pool's decisions, by direction.",
+        labels=["direction"],
+      )
       counts = autoscaler.decision_counts.copy()
       for direction in ("up", "down", "hold"):
         made.add_metric([direction], counts[direction])
@@ -306,8 +346,7 @@ class _WorkerCollector:
   def collect(self) -> Iterator[Any]:
     gauge, counter = _families()
     yield _error_family("jaxfeed_rpc_errors", _SERVED_ERRORS_DOC, *self._errors)
-    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC,
-                        rpc_errors.CLIENT_ERRORS)
+    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC, rpc_errors.CLIENT_ERRORS)
     with self._worker.lock:
       tasks = dict(self._worker.tasks)
     yield gauge("jaxfeed_worker_tasks", "Tasks the worker runs.", value=len(tasks))
@@ -315,25 +354,31 @@ class _WorkerCollector:
     for task_id, runner in tasks.items():
       if hasattr(runner, "buffer_fill"):  # a shared stream's reader has none of its own
         fills[self._worker.served.job_of(task_id)].append(runner.buffer_fill())
-    fill = gauge("jaxfeed_worker_buffer_fill",
-                 "Mean fill (0..1) of the buffers of produced batches.", labels=["job"])
+    fill = gauge(
+      "jaxfeed_worker_buffer_fill",
+      "Mean fill (0..1) of the buffers of produced batches.",
+      labels=["job"],
+    )
     for job, values in sorted(fills.items()):
       fill.add_metric([job], sum(values) / len(values))
     yield fill
     served, sent, errors = self._worker.served.snapshot()
     for name, doc, values in (
-        ("jaxfeed_worker_elements_served", "Elements (batches) sent to consumers.", served),
-        ("jaxfeed_worker_bytes_served", "Encoded bytes sent to consumers.", sent),
-        ("jaxfeed_worker_errors", "Task failures sent to consumers.", errors)):
+      ("jaxfeed_worker_elements_served", "Elements (batches) sent to consumers.", served),
+      ("jaxfeed_worker_bytes_served", "Encoded bytes sent to consumers.", sent),
+      ("jaxfeed_worker_errors", "Task failures sent to consumers.", errors),
+    ):
       family = counter(name, doc, labels=["job"])
       for job, value in sorted(values.items()):
         family.add_metric([job], value)
       yield family
     with self._worker.served._lock:  # pylint: disable=protected-access
       connections = dict(self._worker.served.connections)
-    family = counter("jaxfeed_worker_connections",
-                     "Client connections to tasks, by transport (grpc, socket, memory).",
-                     labels=["transport"])
+    family = counter(
+      "jaxfeed_worker_connections",
+      "Client connections to tasks, by transport (grpc, socket, memory).",
+      labels=["transport"],
+    )
     for transport, value in sorted(connections.items()):
       family.add_metric([transport], value)
     yield family
@@ -357,8 +402,7 @@ class _ClientCollector:
   """The process's failed calls, at each scrape."""
 
   def collect(self) -> Iterator[Any]:
-    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC,
-                        rpc_errors.CLIENT_ERRORS)
+    yield _error_family("jaxfeed_client_rpc_errors", _CLIENT_ERRORS_DOC, rpc_errors.CLIENT_ERRORS)
 
 
 def serve_client_metrics(host: str = "127.0.0.1", port: int = 0) -> MetricsServer | None:
@@ -372,6 +416,7 @@ def serve_client_metrics(host: str = "127.0.0.1", port: int = 0) -> MetricsServe
 def check_port(port: int) -> int:
   """Validates a --metrics_port value."""
   if not isinstance(port, int) or not OFF <= port < 65536:
-    raise ValueError(f"metrics_port must be {OFF} (off), 0 (a free port) or a port "
-                     f"up to 65535, got {port!r}.")
+    raise ValueError(
+      f"metrics_port must be {OFF} (off), 0 (a free port) or a port up to 65535, got {port!r}."
+    )
   return port

@@ -36,8 +36,7 @@ def odd_free(element):
 
 
 def pipeline(sampler, directory=None, fn=prep):
-  return (jaxfeed.Dataset.from_source(SOURCE, sampler).map(fn).filter(odd_free)
-          .autocache(directory))
+  return jaxfeed.Dataset.from_source(SOURCE, sampler).map(fn).filter(odd_free).autocache(directory)
 
 
 def xs(dataset) -> list[int]:
@@ -50,12 +49,13 @@ def zero_calls():
 
 
 SAMPLERS = {
-    "shuffled": lambda: jaxfeed.IndexSampler(N, shuffle=True, seed=3),
-    "another seed": lambda: jaxfeed.IndexSampler(N, shuffle=True, seed=11),
-    "a shard": lambda: jaxfeed.IndexSampler(
-        N, shuffle=True, seed=3, shard_options=jaxfeed.ShardOptions(1, 3)),
-    "two epochs": lambda: jaxfeed.IndexSampler(N, shuffle=True, seed=5, num_epochs=2),
-    "in order": lambda: jaxfeed.IndexSampler(N),
+  "shuffled": lambda: jaxfeed.IndexSampler(N, shuffle=True, seed=3),
+  "another seed": lambda: jaxfeed.IndexSampler(N, shuffle=True, seed=11),
+  "a shard": lambda: jaxfeed.IndexSampler(
+    N, shuffle=True, seed=3, shard_options=jaxfeed.ShardOptions(1, 3)
+  ),
+  "two epochs": lambda: jaxfeed.IndexSampler(N, shuffle=True, seed=5, num_epochs=2),
+  "in order": lambda: jaxfeed.IndexSampler(N),
 }
 
 
@@ -101,20 +101,31 @@ def test_another_function_is_another_store(tmp_path):
 
 
 def test_tuple_elements_and_dropped_records_keep_their_shape(tmp_path):
-  dataset = lambda d: (jaxfeed.Dataset.from_source(SOURCE, jaxfeed.IndexSampler(N))
-                       .map(lambda e: (e["x"], -e["x"])).filter(lambda a, b: a % 5 == 0)
-                       .autocache(d))
-  assert [tuple(map(int, e)) for e in dataset(str(tmp_path))] == [
-      (x, -x) for x in range(0, N, 5)]
+  dataset = lambda d: (
+    jaxfeed.Dataset.from_source(SOURCE, jaxfeed.IndexSampler(N))
+    .map(lambda e: (e["x"], -e["x"]))
+    .filter(lambda a, b: a % 5 == 0)
+    .autocache(d)
+  )
+  assert [tuple(map(int, e)) for e in dataset(str(tmp_path))] == [(x, -x) for x in range(0, N, 5)]
 
 
 def test_random_ops_are_not_kept_by_record(tmp_path):
-  assert shared_preprocessing.per_record_chain(
-      jaxfeed.Dataset.from_source(SOURCE).random_map(lambda e, rng: e).node) is None
-  assert shared_preprocessing.per_record_chain(
-      jaxfeed.Dataset.from_source(SOURCE).map(lambda b: b, batched=True).node) is None
-  dataset = (jaxfeed.Dataset.from_source(SOURCE).random_map(lambda e, rng: e)
-             .autocache(str(tmp_path)))
+  assert (
+    shared_preprocessing.per_record_chain(
+      jaxfeed.Dataset.from_source(SOURCE).random_map(lambda e, rng: e).node
+    )
+    is None
+  )
+  assert (
+    shared_preprocessing.per_record_chain(
+      jaxfeed.Dataset.from_source(SOURCE).map(lambda b: b, batched=True).node
+    )
+    is None
+  )
+  dataset = (
+    jaxfeed.Dataset.from_source(SOURCE).random_map(lambda e, rng: e).autocache(str(tmp_path))
+  )
   assert len(xs(dataset)) == N
   assert [p.name.startswith("records-") for p in entries(tmp_path)] == [False]
 
@@ -156,9 +167,11 @@ def start(tmp_path, seed: int, **env) -> subprocess.Popen:
   script = tmp_path / "job.py"
   script.write_text(SCRIPT)
   return subprocess.Popen(
-      [sys.executable, str(script), str(seed), str(tmp_path / "store")],
-      stdout=subprocess.PIPE, text=True,
-      env={**os.environ, "COUNT_FILE": str(tmp_path / "count"), **env})
+    [sys.executable, str(script), str(seed), str(tmp_path / "store")],
+    stdout=subprocess.PIPE,
+    text=True,
+    env={**os.environ, "COUNT_FILE": str(tmp_path / "count"), **env},
+  )
 
 
 def test_concurrent_jobs_in_processes_preprocess_each_record_about_once(tmp_path):

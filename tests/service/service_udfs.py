@@ -16,6 +16,7 @@ def add_one_to_x(element):
 def with_worker_pid(element):
   """The element and the process (worker) that made it."""
   import os  # pylint: disable=g-import-not-at-top
+
   return {**element, "pid": np.int64(os.getpid())}
 
 
@@ -27,6 +28,7 @@ def fails_at_five(x):
 
 def slow_add_one_to_x(element):
   import time  # pylint: disable=g-import-not-at-top
+
   time.sleep(0.002)
   return {**element, "x": element["x"] + 1}
 
@@ -39,7 +41,7 @@ def decode_record(record):
 
 def trim_tokens(record):
   """A fixed-width token row cut to the record's length, with its id."""
-  return {"tokens": record["tokens"][:record["length"]], "id": record["id"]}
+  return {"tokens": record["tokens"][: record["length"]], "id": record["id"]}
 
 
 def token_count(element):
@@ -63,6 +65,7 @@ def counted(x):
 def sleepy(x):
   """5 ms of waiting per element: a pipeline more workers speed up."""
   import time  # pylint: disable=g-import-not-at-top
+
   time.sleep(0.005)
   return x
 
@@ -86,6 +89,7 @@ def most_concurrent(x):
   this process}; each call waits 20 ms, so more threads run more calls."""
   import threading  # pylint: disable=g-import-not-at-top
   import time  # pylint: disable=g-import-not-at-top
+
   lock = _CONCURRENT.setdefault("lock", threading.Lock())
   with lock:
     _CONCURRENT["now"] += 1
@@ -100,6 +104,7 @@ def paced(x):
   """{"x": x} after 30 ms: a read that lasts long enough for several
   consumers of a shared job to each take part of it."""
   import time  # pylint: disable=g-import-not-at-top
+
   time.sleep(0.03)
   return {"x": x}
 
@@ -108,6 +113,7 @@ def paced_record(element):
   """`element` after 20 ms: a split takes long enough that a second worker
   of a job takes splits too, whichever worker starts first."""
   import time  # pylint: disable=g-import-not-at-top
+
   time.sleep(0.02)
   return element
 
@@ -116,6 +122,7 @@ def dawdle(x):
   """{"x": x} after a second: a worker's connection waits for the next
   element longer than a heartbeat."""
   import time  # pylint: disable=g-import-not-at-top
+
   time.sleep(1.0)
   return {"x": x}
 
@@ -127,6 +134,7 @@ def segfault_at_poison(x):
   """x, but a real segmentation fault in the worker on record POISON."""
   if int(x) == POISON:
     import ctypes  # pylint: disable=g-import-not-at-top
+
     ctypes.string_at(0)
   return x
 
@@ -135,6 +143,7 @@ def hang_at_poison(x):
   """x, but never returns on record POISON (the worker lives on)."""
   if int(x) == POISON:
     import threading  # pylint: disable=g-import-not-at-top
+
     threading.Event().wait()
   return x
 
@@ -144,6 +153,7 @@ def spin_at_poison(x):
   expression that backtracks 2**64 times): no other thread of the worker runs."""
   if int(x) == POISON:
     import re  # pylint: disable=g-import-not-at-top
+
     re.match(r"(a+)+$", "a" * 64 + "b")
   return x
 
@@ -156,6 +166,7 @@ POISON_ENV = "JAXFEED_TEST_POISON"
 
 def _strike_if_poison(element):
   import os  # pylint: disable=g-import-not-at-top
+
   spec = os.environ.get(POISON_ENV)
   if not spec:
     return
@@ -170,6 +181,7 @@ def _strike_if_poison(element):
   with open(os.path.join(folder, f"died-{os.getpid()}"), "w"):
     pass
   import ctypes  # pylint: disable=g-import-not-at-top
+
   ctypes.string_at(0)
 
 
@@ -186,6 +198,7 @@ def poisoned_slow_add_one_to_x(element):
 def tfrecord_file(path):
   """interleave's fn: the decoded records of one TFRecord file (its name as bytes)."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   name = path.decode() if isinstance(path, bytes) else str(path)
   return jaxfeed.Dataset.from_tfrecord(name).map(decode_record)
 

@@ -47,8 +47,9 @@ def folder_bytes(path: str) -> int:
 
 
 def complete_entries(path: str) -> set[str]:
-  return {name for name in os.listdir(path)
-          if os.path.exists(os.path.join(path, name, "manifest.json"))}
+  return {
+    name for name in os.listdir(path) if os.path.exists(os.path.join(path, name, "manifest.json"))
+  }
 
 
 def key(k: int) -> str:
@@ -81,8 +82,13 @@ class FolderWatch:
 
 def start(cluster, cache_dir, *flags: str):
   dispatcher = cluster("dispatcher", "--port=0")
-  cluster("worker", f"--dispatcher_address={dispatcher.address}",
-          "--heartbeat_interval_s=0.2", f"--autocache_dir={cache_dir}", *flags)
+  cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    "--heartbeat_interval_s=0.2",
+    f"--autocache_dir={cache_dir}",
+    *flags,
+  )
   return dispatcher
 
 
@@ -184,12 +190,15 @@ def test_a_store_kept_by_record_is_held_while_read_and_then_expires(cluster, tmp
   assert not os.path.exists(tmp_path / store)
 
 
-def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(
-    cluster, tmp_path):
+def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(cluster, tmp_path):
   dispatcher = cluster("dispatcher", "--port=0")
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                   "--heartbeat_interval_s=0.2", f"--autocache_dir={tmp_path}",
-                   "--autocache_max_bytes=100000000")
+  worker = cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    "--heartbeat_interval_s=0.2",
+    f"--autocache_dir={tmp_path}",
+    "--autocache_max_bytes=100000000",
+  )
   paced = jaxfeed.Dataset.range(200).map(service_udfs.paced).autocache()
   with paced.distribute(dispatcher.address, "parallel_epochs").make_iterator() as reader:
     next(reader)
@@ -203,8 +212,9 @@ def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(
   os.rmdir(tmp_path / "by-hand")
   start(cluster, tmp_path, "--autocache_max_bytes=100000000")  # evicts as it starts
   deadline = time.monotonic() + 20
-  while (os.path.exists(tmp_path / partial) or os.listdir(tmp_path / ".jaxfeed" / "locks")
-         ) and time.monotonic() < deadline:
+  while (
+    os.path.exists(tmp_path / partial) or os.listdir(tmp_path / ".jaxfeed" / "locks")
+  ) and time.monotonic() < deadline:
     time.sleep(0.05)
   assert sorted(os.listdir(tmp_path)) == [".jaxfeed"]
   assert os.listdir(tmp_path / ".jaxfeed" / "writes") == []
@@ -212,8 +222,13 @@ def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(
 
 
 def jaxfeed_cli(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", "jaxfeed.cli", *args], capture_output=True,
-                        text=True, timeout=60, cwd=REPO_ROOT)
+  return subprocess.run(
+    [sys.executable, "-m", "jaxfeed.cli", *args],
+    capture_output=True,
+    text=True,
+    timeout=60,
+    cwd=REPO_ROOT,
+  )
 
 
 def test_cache_ls_and_rm_show_and_remove_entries_and_refuse_those_in_use(cluster, tmp_path):
@@ -236,8 +251,10 @@ def test_cache_ls_and_rm_show_and_remove_entries_and_refuse_those_in_use(cluster
 
     refused = jaxfeed_cli("cache", "rm", str(tmp_path), key(1))
     assert refused.returncode == 1
-    assert (f"jaxfeed cache rm: '{key(1)}' in '{tmp_path}' is being read or written by "
-            "a process using the folder; not removed") in refused.stderr
+    assert (
+      f"jaxfeed cache rm: '{key(1)}' in '{tmp_path}' is being read or written by "
+      "a process using the folder; not removed"
+    ) in refused.stderr
     missing = jaxfeed_cli("cache", "rm", str(tmp_path), "nope")
     assert missing.returncode == 2
     assert f"no entry 'nope' in '{tmp_path}'; its entries: " in missing.stderr
@@ -254,9 +271,10 @@ def test_cache_ls_and_rm_show_and_remove_entries_and_refuse_those_in_use(cluster
 
 def test_cache_commands_explain_bad_arguments(tmp_path):
   for args, message in [
-      (("cache", "ls", str(tmp_path / "none")), f"no folder '{tmp_path / 'none'}'"),
-      (("cache", "frob", str(tmp_path)), "invalid choice: 'frob'"),
-      (("cache",), "the following arguments are required: ACTION")]:
+    (("cache", "ls", str(tmp_path / "none")), f"no folder '{tmp_path / 'none'}'"),
+    (("cache", "frob", str(tmp_path)), "invalid choice: 'frob'"),
+    (("cache",), "the following arguments are required: ACTION"),
+  ]:
     result = jaxfeed_cli(*args)
     assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
   for args in (("cache", "--help"), ("cache", "ls", "--help"), ("cache", "rm", "--help")):
@@ -264,34 +282,71 @@ def test_cache_commands_explain_bad_arguments(tmp_path):
     assert result.returncode == 0 and "autocache folder" in result.stdout
 
 
-@pytest.mark.parametrize("flags, message", [
-    (("--autocache_max_bytes=-5",), "autocache_max_bytes must be an integer >= 1 (bytes), "
-     "or None (0 on the command line) for no limit, got -5"),
-    (("--autocache_ttl_s=-1",), "autocache_ttl_s must be a number of seconds > 0, or None "
-     "(0 on the command line) to keep entries, got -1.0"),
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (
+      ("--autocache_max_bytes=-5",),
+      "autocache_max_bytes must be an integer >= 1 (bytes), "
+      "or None (0 on the command line) for no limit, got -5",
+    ),
+    (
+      ("--autocache_ttl_s=-1",),
+      "autocache_ttl_s must be a number of seconds > 0, or None "
+      "(0 on the command line) to keep entries, got -1.0",
+    ),
     (("--autocache_ttl_s=inf",), "got inf"),
-])
+  ],
+)
 def test_worker_refuses_bad_limits_by_name(tmp_path, flags, message):
   result = subprocess.run(
-      [sys.executable, "-m", "jaxfeed.cli", "worker", "--dispatcher_address=127.0.0.1:1",
-       f"--autocache_dir={tmp_path}", *flags], capture_output=True, text=True, timeout=60)
+    [
+      sys.executable,
+      "-m",
+      "jaxfeed.cli",
+      "worker",
+      "--dispatcher_address=127.0.0.1:1",
+      f"--autocache_dir={tmp_path}",
+      *flags,
+    ],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
 def test_limits_need_a_folder_and_worker_help_lists_them(tmp_path):
   result = subprocess.run(
-      [sys.executable, "-m", "jaxfeed.cli", "worker", "--dispatcher_address=127.0.0.1:1",
-       "--autocache_ttl_s=5"], capture_output=True, text=True, timeout=60)
+    [
+      sys.executable,
+      "-m",
+      "jaxfeed.cli",
+      "worker",
+      "--dispatcher_address=127.0.0.1:1",
+      "--autocache_ttl_s=5",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert result.returncode == 2
-  assert "autocache_max_bytes and autocache_ttl_s limit the autocache folder: they need " \
-         "autocache_dir" in result.stderr
-  shown = subprocess.run([sys.executable, "-m", "jaxfeed.cli", "worker", "--help"],
-                         capture_output=True, text=True, timeout=60).stdout
+  assert (
+    "autocache_max_bytes and autocache_ttl_s limit the autocache folder: they need "
+    "autocache_dir" in result.stderr
+  )
+  shown = subprocess.run(
+    [sys.executable, "-m", "jaxfeed.cli", "worker", "--help"],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  ).stdout
   assert "--autocache_max_bytes" in shown and "--autocache_ttl_s" in shown
 
 
 def test_folder_limits_refuse_bad_values():
   from jaxfeed.ops.autocache_folder import AutocacheFolder, FolderLimits  # pylint: disable=g-import-not-at-top
+
   for bad in (0, -1, 1.5, True, "10"):
     with pytest.raises(ValueError, match=f"autocache_max_bytes .* got {bad!r}"):
       FolderLimits(max_bytes=bad)

@@ -32,12 +32,24 @@ def _wait_for(url: str, name: str, want: float, **labels: str) -> dict:
 def test_a_jobs_counters_keep_what_a_client_that_left_consumed(cluster, tmp_path, goodbye):
   # "worker": from one live client on, clients say goodbye through a worker.
   flags = ["--goodbye_via_worker_clients=1"] if goodbye == "worker" else []
-  dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={tmp_path}", "--metrics_port=0",
-                       "--nojournal_fsync", *flags)
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    f"--work_dir={tmp_path}",
+    "--metrics_port=0",
+    "--nojournal_fsync",
+    *flags,
+  )
   url = _metrics_url(dispatcher)
-  worker_url = _metrics_url(cluster(
-      "worker", f"--dispatcher_address={dispatcher.address}", "--port=0",
-      "--metrics_port=0", "--heartbeat_interval_s=0.2"))
+  worker_url = _metrics_url(
+    cluster(
+      "worker",
+      f"--dispatcher_address={dispatcher.address}",
+      "--port=0",
+      "--metrics_port=0",
+      "--heartbeat_interval_s=0.2",
+    )
+  )
   dataset = jaxfeed.Dataset.range(10**6).distribute(dispatcher.address, job_name="train")
   elements = "jaxfeed_job_client_elements_total"
   with dataset.make_iterator() as staying:
@@ -62,26 +74,34 @@ def test_a_jobs_counters_keep_what_a_client_that_left_consumed(cluster, tmp_path
   idle = _wait_for(url, "jaxfeed_job_clients", 0, job="train")
   assert value(idle, elements, job="train") == 150
   assert value(idle, "jaxfeed_dispatcher_client_goodbyes_total", via=goodbye) == 2
-  assert not [labels for name, labels in idle
-              if name.startswith("jaxfeed_job_") and dict(labels).get("job") != "train"]
+  assert not [
+    labels
+    for name, labels in idle
+    if name.startswith("jaxfeed_job_") and dict(labels).get("job") != "train"
+  ]
   # The workers' per-job series carry the same label.
   assert value(scrape(worker_url), "jaxfeed_worker_elements_served_total", job="train") >= 150
 
 
 def test_an_anonymous_job_is_labelled_by_its_id(cluster, tmp_path):
-  dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={tmp_path}", "--metrics_port=0",
-                       "--nojournal_fsync")
+  dispatcher = cluster(
+    "dispatcher", "--port=0", f"--work_dir={tmp_path}", "--metrics_port=0", "--nojournal_fsync"
+  )
   url = _metrics_url(dispatcher)
-  cluster("worker", f"--dispatcher_address={dispatcher.address}", "--port=0",
-          "--heartbeat_interval_s=0.2")
+  cluster(
+    "worker", f"--dispatcher_address={dispatcher.address}", "--port=0", "--heartbeat_interval_s=0.2"
+  )
   with jaxfeed.Dataset.range(10**6).distribute(dispatcher.address).make_iterator() as it:
     for _ in range(10):
       next(it)
     deadline = time.monotonic() + 30
     while True:
       samples = scrape(url)
-      jobs = [dict(labels)["job"] for name, labels in samples
-              if name == "jaxfeed_job_client_elements_total"]
+      jobs = [
+        dict(labels)["job"]
+        for name, labels in samples
+        if name == "jaxfeed_job_client_elements_total"
+      ]
       if jobs and value(samples, "jaxfeed_job_client_elements_total", job=jobs[0]) == 10:
         break
       assert time.monotonic() < deadline, samples
@@ -94,8 +114,11 @@ def test_the_dashboard_shows_each_jobs_workers_and_rates_by_job():
   dashboard = json.loads(DASHBOARD.read_text())
   queries = {t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])}
   by_job = {q for q in queries if "by (job)" in q and '{job=~"$job"}' in q}
-  for name in ("jaxfeed_job_workers", "rate(jaxfeed_job_client_elements_total",
-               "rate(jaxfeed_job_client_wait_seconds_total",
-               "rate(jaxfeed_worker_elements_served_total"):
+  for name in (
+    "jaxfeed_job_workers",
+    "rate(jaxfeed_job_client_elements_total",
+    "rate(jaxfeed_job_client_wait_seconds_total",
+    "rate(jaxfeed_worker_elements_served_total",
+  ):
     assert [q for q in by_job if name in q], (name, sorted(queries))
   assert "job" in [v["name"] for v in dashboard["templating"]["list"]]

@@ -50,8 +50,9 @@ def test_scaling_patches_the_deployments_replicas():
 def test_a_pool_counts_the_workers_the_deployment_already_has():
   api = FakeAppsApi(replicas=2)
   backend = kubernetes_backend.KubernetesWorkerBackend("jaxfeed/jaxfeed-worker", api)
-  pool = autoscale.Autoscaler(autoscale.AutoscaleConfig(min_workers=3, max_workers=4),
-                              backend, lambda: None)
+  pool = autoscale.Autoscaler(
+    autoscale.AutoscaleConfig(min_workers=3, max_workers=4), backend, lambda: None
+  )
   pool.start()
   pool.close()
   assert api.replicas == 3 and len(api.patches) == 1
@@ -87,8 +88,17 @@ def test_every_manifest_is_a_valid_object_of_its_kind():
   for doc in _documents():
     models[(doc["kind"], doc["metadata"]["name"])] = _validated(doc)
   kinds = {kind for kind, _ in models}
-  assert {"Namespace", "Secret", "StatefulSet", "Deployment", "Service",
-          "NetworkPolicy", "Role", "RoleBinding", "ServiceAccount"} <= kinds
+  assert {
+    "Namespace",
+    "Secret",
+    "StatefulSet",
+    "Deployment",
+    "Service",
+    "NetworkPolicy",
+    "Role",
+    "RoleBinding",
+    "ServiceAccount",
+  } <= kinds
   dispatcher = models[("StatefulSet", "jaxfeed-dispatcher")]
   assert dispatcher.spec.volume_claim_templates[0].metadata.name == "journal"
   args = dispatcher.spec.template.spec.containers[0].args
@@ -97,15 +107,22 @@ def test_every_manifest_is_a_valid_object_of_its_kind():
   secret = models[("Secret", "jaxfeed-tokens")]
   assert set(secret.string_data) == {"auth-token", "worker-token"}
   worker = models[("Deployment", "jaxfeed-worker")]
-  assert any(a.startswith("--worker_token_file=") for a in
-             worker.spec.template.spec.containers[0].args)
-
+  assert any(
+    a.startswith("--worker_token_file=") for a in worker.spec.template.spec.containers[0].args
+  )
 
 
 def test_the_manifest_check_refuses_missing_and_misspelled_fields():
   with pytest.raises(ValueError, match="selector"):
-    _validated({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "w"},
-                "spec": {"replicas": 1}})
+    _validated(
+      {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "w"},
+        "spec": {"replicas": 1},
+      }
+    )
   with pytest.raises(AssertionError):
-    _validated({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"},
-                "strngData": {"a": "b"}})
+    _validated(
+      {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "strngData": {"a": "b"}}
+    )

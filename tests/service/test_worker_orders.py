@@ -25,15 +25,17 @@ HEARTBEAT = ("--heartbeat_interval_s=0.2",)
 
 def pipeline(seed: int = 0) -> jaxfeed.Dataset:
   source = jaxfeed.ArraySource({"x": np.arange(RECORDS, dtype=np.int64)})
-  return jaxfeed.Dataset.from_source(
-      source, jaxfeed.IndexSampler(RECORDS, shuffle=True, seed=seed))
+  return jaxfeed.Dataset.from_source(source, jaxfeed.IndexSampler(RECORDS, shuffle=True, seed=seed))
 
 
 def read(dispatcher: str, **options) -> list[tuple[int, int]]:
   """(worker pid, record) of every element of one parallel_epochs read, in
   the order the trainer got them."""
-  dataset = pipeline().map(service_udfs.with_worker_pid).distribute(
-      dispatcher, "parallel_epochs", **options)
+  dataset = (
+    pipeline()
+    .map(service_udfs.with_worker_pid)
+    .distribute(dispatcher, "parallel_epochs", **options)
+  )
   return [(int(e["pid"]), int(e["x"])) for e in dataset]
 
 
@@ -58,8 +60,9 @@ def occurrences(elements: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
 @pytest.fixture
 def two_workers(cluster):
   dispatcher = cluster("dispatcher", "--port=0")
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-             for _ in range(2)]
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT) for _ in range(2)
+  ]
   # A worker registers before it reports its address: a job gets a task on each.
   yield dispatcher.address
   for worker in workers:
@@ -82,8 +85,7 @@ def test_each_worker_streams_a_whole_epoch_in_its_own_order(two_workers):
 
 
 def test_the_orders_are_the_same_in_another_read(two_workers):
-  assert sorted(streams(read(two_workers)).values()) == sorted(
-      streams(read(two_workers)).values())
+  assert sorted(streams(read(two_workers)).values()) == sorted(streams(read(two_workers)).values())
 
 
 def test_identical_worker_streams_gives_every_worker_the_pipelines_order(two_workers):
@@ -96,8 +98,9 @@ def test_identical_worker_streams_gives_every_worker_the_pipelines_order(two_wor
 
 
 def test_identical_worker_streams_is_refused_outside_parallel_epochs():
-  with pytest.raises(ValueError, match="identical_worker_streams=True applies to "
-                                       "processing_mode='parallel_epochs'"):
+  with pytest.raises(
+    ValueError, match="identical_worker_streams=True applies to processing_mode='parallel_epochs'"
+  ):
     pipeline().distribute("127.0.0.1:1", "distributed_epoch", identical_worker_streams=True)
 
 
@@ -117,13 +120,18 @@ def order_of(worker_index: int) -> list[int]:
 def test_a_resumed_read_continues_each_stream_on_a_worker_of_its_index(two_workers):
   """Saved: worker 0's stream over, worker 1's at 300, worker 2's at 50. The
   new job's two tasks get indices 1 and 2 and go on where those streams were."""
-  dataset = pipeline().map(service_udfs.with_worker_pid).distribute(
-      two_workers, "parallel_epochs", timeout_s=20)
+  dataset = (
+    pipeline()
+    .map(service_udfs.with_worker_pid)
+    .distribute(two_workers, "parallel_epochs", timeout_s=20)
+  )
   with dataset.make_iterator() as iterator:
     next(iterator)
     state = iterator.get_state()
-  state["own"]["streams"] = {"version": 2, "streams": [
-      [RECORDS, True, 0], [300, False, 1], [50, False, 2]]}
+  state["own"]["streams"] = {
+    "version": 2,
+    "streams": [[RECORDS, True, 0], [300, False, 1], [50, False, 2]],
+  }
   with dataset.make_iterator() as iterator:
     iterator.set_state(state)
     rest = [(int(e["pid"]), int(e["x"])) for e in iterator]
@@ -131,8 +139,7 @@ def test_a_resumed_read_continues_each_stream_on_a_worker_of_its_index(two_worke
 
 
 def test_a_read_saved_with_identical_streams_resumes_only_with_them(two_workers):
-  dataset = pipeline().distribute(two_workers, "parallel_epochs",
-                                  identical_worker_streams=True)
+  dataset = pipeline().distribute(two_workers, "parallel_epochs", identical_worker_streams=True)
   taken = 0
   with dataset.make_iterator() as iterator:
     while len(iterator.get_state()["own"]["streams"]["streams"]) < 2:  # both tasks listed
@@ -155,20 +162,26 @@ def _indices(state, job_id: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("snapshot_every_records", [0, 1])
 def test_worker_indices_fill_the_smallest_free_one_and_survive_a_restart(
-    tmp_path, snapshot_every_records):
-  config = dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path), heartbeat_timeout_s=60,
-                                           snapshot_every_records=snapshot_every_records)
+  tmp_path, snapshot_every_records
+):
+  config = dispatcher_lib.DispatcherConfig(
+    work_dir=str(tmp_path), heartbeat_timeout_s=60, snapshot_every_records=snapshot_every_records
+  )
   state = dispatcher_lib.DispatcherState(config)
   dataset_id = state.register_dataset(spec.to_dataset_def(pipeline().node))
   for address in ("w1:1", "w2:1", "w3:1"):
     state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address))
 
   def job(**request) -> int:
-    return state.get_or_create_job(pb.GetOrCreateJobRequest(
-        dataset_id=dataset_id, sharding_policy="OFF", **request))[0]
+    return state.get_or_create_job(
+      pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF", **request)
+    )[0]
 
-  own, same, resumed = (job(), job(identical_worker_streams=True),
-                        job(resume_worker_indices=[2, 0]))
+  own, same, resumed = (
+    job(),
+    job(identical_worker_streams=True),
+    job(resume_worker_indices=[2, 0]),
+  )
   assert _indices(state, own) == {"w1:1": 0, "w2:1": 1, "w3:1": 2}
   assert _indices(state, same) == {"w1:1": 0, "w2:1": 0, "w3:1": 0}
   assert _indices(state, resumed) == {"w1:1": 2, "w2:1": 0, "w3:1": 1}
@@ -188,10 +201,14 @@ def test_worker_indices_fill_the_smallest_free_one_and_survive_a_restart(
   restarted.close()
 
 
-@pytest.mark.parametrize("request_fields,message", [
+@pytest.mark.parametrize(
+  "request_fields,message",
+  [
     ({"sharding_policy": "DYNAMIC", "identical_worker_streams": True}, "OFF sharding"),
     ({"sharding_policy": "OFF", "resume_worker_indices": [1, 1]}, "distinct"),
-    ({"sharding_policy": "OFF", "resume_worker_indices": [-1]}, ">= 0")])
+    ({"sharding_policy": "OFF", "resume_worker_indices": [-1]}, ">= 0"),
+  ],
+)
 def test_a_job_request_with_bad_worker_order_fields_is_refused(request_fields, message):
   state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
   dataset_id = state.register_dataset(spec.to_dataset_def(pipeline().node))
@@ -203,20 +220,31 @@ def test_a_job_request_with_bad_worker_order_fields_is_refused(request_fields, m
 def test_consumers_of_a_named_job_pass_the_same_identical_worker_streams():
   state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())
   dataset_id = state.register_dataset(spec.to_dataset_def(pipeline().node))
-  state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="OFF", job_name="train"))
+  state.get_or_create_job(
+    pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF", job_name="train")
+  )
   with pytest.raises(ValueError, match="same identical_worker_streams"):
-    state.get_or_create_job(pb.GetOrCreateJobRequest(
-        dataset_id=dataset_id, sharding_policy="OFF", job_name="train",
-        identical_worker_streams=True))
+    state.get_or_create_job(
+      pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id,
+        sharding_policy="OFF",
+        job_name="train",
+        identical_worker_streams=True,
+      )
+    )
   state.close()
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: pipeline(),
     lambda: jaxfeed.Dataset.range(50).shuffle(50, seed=3),
     lambda: jaxfeed.Dataset.sample_from_datasets(
-        [jaxfeed.Dataset.range(20), jaxfeed.Dataset.range(100, 120)], seed=2)])
+      [jaxfeed.Dataset.range(20), jaxfeed.Dataset.range(100, 120)], seed=2
+    ),
+  ],
+)
 def test_a_worker_index_reorders_every_seeded_order_and_keeps_the_elements(make):
   dataset = make()
   dataset_def = spec.to_dataset_def(dataset.node)
@@ -224,8 +252,9 @@ def test_a_worker_index_reorders_every_seeded_order_and_keeps_the_elements(make)
   streams_by_index = []
   for index in range(3):
     node = spec.from_dataset_def(dataset_def, None, worker_orders.reorder(index))
-    streams_by_index.append([int(e["x"] if isinstance(e, dict) else e)
-                             for e in jaxfeed.Dataset(node)])
+    streams_by_index.append(
+      [int(e["x"] if isinstance(e, dict) else e) for e in jaxfeed.Dataset(node)]
+    )
   assert streams_by_index[0] == local  # index 0: the pipeline's own order
   for stream in streams_by_index[1:]:
     assert sorted(stream) == sorted(local) and stream != local
@@ -235,13 +264,17 @@ def test_a_worker_index_reorders_every_seeded_order_and_keeps_the_elements(make)
 def test_a_mixtures_worker_reads_each_component_in_its_own_order_in_the_same_proportions():
   def component(offset: int, seed: int) -> jaxfeed.Dataset:
     source = jaxfeed.ArraySource({"x": np.arange(offset, offset + 100, dtype=np.int64)})
-    return jaxfeed.Dataset.from_source(
-        source, jaxfeed.IndexSampler(100, shuffle=True, seed=seed))
+    return jaxfeed.Dataset.from_source(source, jaxfeed.IndexSampler(100, shuffle=True, seed=seed))
 
   mixture = jaxfeed.Dataset.mix([component(0, 1), component(1000, 2)], [0.3, 0.7], seed=3)
   dataset_def = spec.to_dataset_def(mixture.node)
-  local, other = ([int(e["x"]) for e in jaxfeed.Dataset(
-      spec.from_dataset_def(dataset_def, None, worker_orders.reorder(i)))] for i in (0, 1))
+  local, other = (
+    [
+      int(e["x"])
+      for e in jaxfeed.Dataset(spec.from_dataset_def(dataset_def, None, worker_orders.reorder(i)))
+    ]
+    for i in (0, 1)
+  )
   assert local == [int(e["x"]) for e in mixture]
   assert [x < 1000 for x in other] == [x < 1000 for x in local]  # each position's component
   assert other != local

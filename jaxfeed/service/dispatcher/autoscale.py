@@ -98,42 +98,55 @@ class AutoscaleConfig:
 
   def __post_init__(self):
     if not isinstance(self.min_workers, int) or self.min_workers < 0:
-      raise ValueError(f"AutoscaleConfig: min_workers must be an integer >= 0, got "
-                       f"{self.min_workers!r}.")
+      raise ValueError(
+        f"AutoscaleConfig: min_workers must be an integer >= 0, got {self.min_workers!r}."
+      )
     if not isinstance(self.max_workers, int) or self.max_workers < max(1, self.min_workers):
-      raise ValueError(f"AutoscaleConfig: max_workers must be an integer >= max(1, "
-                       f"min_workers={self.min_workers}), got {self.max_workers!r}.")
+      raise ValueError(
+        f"AutoscaleConfig: max_workers must be an integer >= max(1, "
+        f"min_workers={self.min_workers}), got {self.max_workers!r}."
+      )
     for name in ("interval_s", "scale_up_wait_fraction", "min_gain", "scale_down_fill"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"AutoscaleConfig: {name} must be a number > 0, got {value!r}.")
     if not isinstance(self.scale_down_intervals, int) or self.scale_down_intervals < 1:
-      raise ValueError(f"AutoscaleConfig: scale_down_intervals must be an integer >= 1, "
-                       f"got {self.scale_down_intervals!r}.")
-    if isinstance(self.worker_flags, str) or not all(
-        isinstance(f, str) for f in self.worker_flags):
-      raise ValueError(f"AutoscaleConfig: worker_flags must be a sequence of strings, got "
-                       f"{self.worker_flags!r}.")
+      raise ValueError(
+        f"AutoscaleConfig: scale_down_intervals must be an integer >= 1, "
+        f"got {self.scale_down_intervals!r}."
+      )
+    if isinstance(self.worker_flags, str) or not all(isinstance(f, str) for f in self.worker_flags):
+      raise ValueError(
+        f"AutoscaleConfig: worker_flags must be a sequence of strings, got {self.worker_flags!r}."
+      )
     if self.backend not in BACKENDS:
-      raise ValueError(f"AutoscaleConfig: backend must be one of {', '.join(BACKENDS)}, "
-                       f"got {self.backend!r}.")
+      raise ValueError(
+        f"AutoscaleConfig: backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}."
+      )
     if self.ray_address is not None and (
-        self.backend != "ray" or not isinstance(self.ray_address, str) or not self.ray_address):
-      raise ValueError(f"AutoscaleConfig: ray_address applies to backend='ray' only and "
-                       f"must be a non-empty host:port, got {self.ray_address!r} with "
-                       f"backend={self.backend!r}.")
+      self.backend != "ray" or not isinstance(self.ray_address, str) or not self.ray_address
+    ):
+      raise ValueError(
+        f"AutoscaleConfig: ray_address applies to backend='ray' only and "
+        f"must be a non-empty host:port, got {self.ray_address!r} with "
+        f"backend={self.backend!r}."
+      )
     if (self.backend == "kubernetes") != (self.kubernetes_deployment is not None):
-      raise ValueError(f"AutoscaleConfig: kubernetes_deployment (NAMESPACE/NAME) is "
-                       f"required with backend='kubernetes' and applies to it only, got "
-                       f"{self.kubernetes_deployment!r} with backend={self.backend!r}.")
+      raise ValueError(
+        f"AutoscaleConfig: kubernetes_deployment (NAMESPACE/NAME) is "
+        f"required with backend='kubernetes' and applies to it only, got "
+        f"{self.kubernetes_deployment!r} with backend={self.backend!r}."
+      )
     if self.kubernetes_deployment is not None:
       from jaxfeed.service.pools import kubernetes_backend  # pylint: disable=g-import-not-at-top
+
       kubernetes_backend.parse_deployment(self.kubernetes_deployment)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
   """What the clients reported over one interval."""
+
   elements_per_s: float
   wait_fraction: float  # of the interval, averaged over clients
   buffer_fill: float  # averaged over clients
@@ -176,8 +189,10 @@ class ScalingPolicy:
         self._settling = True
         return 1
       return 0
-    if (sample.wait_fraction < c.scale_up_wait_fraction / 5
-        and sample.buffer_fill >= c.scale_down_fill):
+    if (
+      sample.wait_fraction < c.scale_up_wait_fraction / 5
+      and sample.buffer_fill >= c.scale_down_fill
+    ):
       self._well_fed += 1
       if self._well_fed >= c.scale_down_intervals and workers > c.min_workers:
         self._well_fed = 0
@@ -189,24 +204,33 @@ class ScalingPolicy:
     return 0
 
 
-def make_backend(config: AutoscaleConfig, dispatcher_address: str,
-                 flags: Sequence[str] = (), secrets: dict[str, str] | None = None) -> Any:
+def make_backend(
+  config: AutoscaleConfig,
+  dispatcher_address: str,
+  flags: Sequence[str] = (),
+  secrets: dict[str, str] | None = None,
+) -> Any:
   """The backend `config.backend` names, for workers of `dispatcher_address`."""
   if config.backend == "ray":
     try:
       from jaxfeed.service.pools import ray_backend  # pylint: disable=g-import-not-at-top
     except ImportError as e:
-      raise ImportError("AutoscaleConfig(backend='ray') needs Ray: pip install "
-                        "'jaxfeed[ray]'.") from e
-    return ray_backend.RayWorkerBackend(dispatcher_address, flags, secrets,
-                                        ray_address=config.ray_address)
+      raise ImportError(
+        "AutoscaleConfig(backend='ray') needs Ray: pip install 'jaxfeed[ray]'."
+      ) from e
+    return ray_backend.RayWorkerBackend(
+      dispatcher_address, flags, secrets, ray_address=config.ray_address
+    )
   if config.backend == "kubernetes":  # the Deployment carries flags and secrets
     try:
       from jaxfeed.service.pools import kubernetes_backend  # pylint: disable=g-import-not-at-top
+
       return kubernetes_backend.KubernetesWorkerBackend(config.kubernetes_deployment)
     except ImportError as e:
-      raise ImportError("AutoscaleConfig(backend='kubernetes') needs the kubernetes "
-                        "client: pip install 'jaxfeed[kubernetes]'.") from e
+      raise ImportError(
+        "AutoscaleConfig(backend='kubernetes') needs the kubernetes "
+        "client: pip install 'jaxfeed[kubernetes]'."
+      ) from e
   return local_backend.LocalWorkerBackend(dispatcher_address, flags, secrets)
 
 
@@ -221,9 +245,13 @@ class Autoscaler:
       a worker added is measured after one interval, started or not.
   """
 
-  def __init__(self, config: AutoscaleConfig, backend: Any,
-               sample: Callable[[], Sample | None],
-               registered: Callable[[], int] | None = None):
+  def __init__(
+    self,
+    config: AutoscaleConfig,
+    backend: Any,
+    sample: Callable[[], Sample | None],
+    registered: Callable[[], int] | None = None,
+  ):
     self.config = config
     self.backend = backend
     self.policy = ScalingPolicy(config)
@@ -236,10 +264,10 @@ class Autoscaler:
     # The latest decisions, (workers, change), newest last; one is made every
     # interval for as long as the dispatcher runs, so only the last are kept
     # and `decision_counts` counts them all by direction.
-    self.decisions: collections.deque[tuple[int, int]] = collections.deque(
-        maxlen=_DECISIONS_KEPT)
+    self.decisions: collections.deque[tuple[int, int]] = collections.deque(maxlen=_DECISIONS_KEPT)
     self.decision_counts: collections.Counter[str] = collections.Counter(
-        {"up": 0, "down": 0, "hold": 0})
+      {"up": 0, "down": 0, "hold": 0}
+    )
     self._thread = threading.Thread(target=self._run, name="jaxfeed-autoscaler", daemon=True)
 
   def start(self) -> None:

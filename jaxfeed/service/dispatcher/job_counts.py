@@ -18,6 +18,7 @@ from typing import Container
 @dataclasses.dataclass
 class Counts:
   """Elements consumed and seconds waited for them."""
+
   elements: int = 0
   wait_s: float = 0.0
 

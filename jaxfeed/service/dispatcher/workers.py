@@ -54,9 +54,14 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         wanted = self.config.num_workers or 1
         if len(self.workers) < wanted:
           return
-        addresses = sorted(self.workers)[:self.config.num_workers or len(self.workers)]
-      self._record({"kind": "fix_workers", "job_id": job.job_id,
-                    "workers": [[a, i] for i, a in enumerate(addresses)]})
+        addresses = sorted(self.workers)[: self.config.num_workers or len(self.workers)]
+      self._record(
+        {
+          "kind": "fix_workers",
+          "job_id": job.job_id,
+          "workers": [[a, i] for i, a in enumerate(addresses)],
+        }
+      )
     have = {t.worker_address for t in job.tasks.values()}
     indices = {t.worker_index for t in job.tasks.values()}
     for address in sorted(self.workers):
@@ -73,9 +78,16 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       else:  # parallel_epochs: the worker's order; DYNAMIC: 0
         index, count = job.next_worker_index(indices), 1
         indices.add(index)
-      self._record({"kind": "task", "id": self._next_id(), "job_id": job.job_id,
-                    "worker_address": address, "worker_index": index,
-                    "num_workers": count})
+      self._record(
+        {
+          "kind": "task",
+          "id": self._next_id(),
+          "job_id": job.job_id,
+          "worker_address": address,
+          "worker_index": index,
+          "num_workers": count,
+        }
+      )
 
   def listed_workers(self, job: Job) -> bool:
     """Whether `job` shards over the dispatcher's `worker_addresses`: worker
@@ -88,11 +100,12 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     processes = set(job.client_processes.values()) or {""}
     if len(processes) < len(job.clients):
       processes.add("")  # a client that sent no process
-    return any(target_workers.reads(job.target_workers, process, worker.process_id,
-                                    worker.tags) for process in processes)
+    return any(
+      target_workers.reads(job.target_workers, process, worker.process_id, worker.tags)
+      for process in processes
+    )
 
-  def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
-                        served_jobs: set[int]) -> None:
+  def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye], served_jobs: set[int]) -> None:
     """Releases the clients that said goodbye through a worker (ClientRegistry's)."""
     raise NotImplementedError
 
@@ -108,25 +121,32 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     key = self._ticket_key(task.worker_address) if for_client else b""
     dataset_def = self.datasets.get(job.dataset_id)
     return pb.TaskInfo(
-        dataset_fingerprint=dataset_def.fingerprint if dataset_def is not None else "",
-        read_ticket=rpc.read_ticket(key, task.task_id) if key else "",
-        task_id=task.task_id, job_id=job.job_id, job_name=job.job_name,
-        dataset_id=job.dataset_id,
-        worker_address=task.worker_address,
-        data_address=worker.data_address if worker else "",
-        sharding_policy=job.policy.value, worker_index=task.worker_index,
-        num_workers=task.num_workers, num_consumers=job.num_consumers,
-        round_timeout_s=job.round_timeout_s, exactly_once=job.exactly_once,
-        ephemeral_sharing=job.ephemeral_sharing,
-        worker_process=worker.process_id if worker else "",
-        worker_tags=worker.tags if worker else (),
-        compression=dataset.compression if dataset is not None else "")
+      dataset_fingerprint=dataset_def.fingerprint if dataset_def is not None else "",
+      read_ticket=rpc.read_ticket(key, task.task_id) if key else "",
+      task_id=task.task_id,
+      job_id=job.job_id,
+      job_name=job.job_name,
+      dataset_id=job.dataset_id,
+      worker_address=task.worker_address,
+      data_address=worker.data_address if worker else "",
+      sharding_policy=job.policy.value,
+      worker_index=task.worker_index,
+      num_workers=task.num_workers,
+      num_consumers=job.num_consumers,
+      round_timeout_s=job.round_timeout_s,
+      exactly_once=job.exactly_once,
+      ephemeral_sharing=job.ephemeral_sharing,
+      worker_process=worker.process_id if worker else "",
+      worker_tags=worker.tags if worker else (),
+      compression=dataset.compression if dataset is not None else "",
+    )
 
   def _job(self, job_id: int) -> Job:
     job = self.jobs.get(job_id)
     if job is None:
-      raise rpc.NotFoundError(self.unknown_id(
-          "job id", job_id, "it finished, was released or never existed."))
+      raise rpc.NotFoundError(
+        self.unknown_id("job id", job_id, "it finished, was released or never existed.")
+      )
     return job
 
   def _tasks_of_worker(self, worker: Worker) -> dict[int, Task]:
@@ -153,15 +173,20 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         self._finish_tasks(request.finished_tasks)
         leaving = self.workers.get(address)
         if leaving is not None and request.client_goodbyes:
-          self._release_goodbyes(request.client_goodbyes, {
-              t.job_id for t in self._tasks_of_worker(leaving).values()})
+          self._release_goodbyes(
+            request.client_goodbyes, {t.job_id for t in self._tasks_of_worker(leaving).values()}
+          )
         if self.workers.pop(address, None) is not None:
           logging.info("Worker %s left.", address)
           self._lose_tasks_of(address)
         return pb.WorkerHeartbeatResponse()
       worker = self.workers.get(address)
-      if (worker is not None and request.incarnation and worker.incarnation
-          and request.incarnation != worker.incarnation):
+      if (
+        worker is not None
+        and request.incarnation
+        and worker.incarnation
+        and request.incarnation != worker.incarnation
+      ):
         # Restarted on the same address before its heartbeats timed out: the
         # new process has none of the old one's tasks or streams.
         logging.warning("Worker %s restarted: its tasks are lost.", address)
@@ -171,18 +196,23 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       if worker is None:
         logging.info("Worker %s registered.", address)
         self._awaited.pop(address, None)
-        worker = Worker(address, request.data_address, time.monotonic(),
-                         incarnation=request.incarnation, process_id=request.process_id,
-                         tags=tuple(request.worker_tags))
+        worker = Worker(
+          address,
+          request.data_address,
+          time.monotonic(),
+          incarnation=request.incarnation,
+          process_id=request.process_id,
+          tags=tuple(request.worker_tags),
+        )
         self.workers[address] = worker
         if request.incarnation:
           # Tasks journaled before a restart that the process does not run:
           # it restarted too (or never got them).
-          self._lose_tasks_of(address, keep=set(request.current_tasks)
-                              | set(request.finished_tasks), how=_RESTARTED)
+          self._lose_tasks_of(
+            address, keep=set(request.current_tasks) | set(request.finished_tasks), how=_RESTARTED
+          )
         for job in self.jobs.values():  # tasks journaled before a restart
-          worker.tasks.update(t.task_id for t in job.tasks.values()
-                              if t.worker_address == address)
+          worker.tasks.update(t.task_id for t in job.tasks.values() if t.worker_address == address)
         for job in list(self.jobs.values()):
           self._assign_tasks(job)
       worker.last_heartbeat = time.monotonic()
@@ -197,36 +227,51 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         job = self.jobs[task.job_id] if task is not None else None
         starts = [s for s in held.starts if job is not None and s in job.unacked]
         if starts:
-          self._record({"kind": "splits_held", "job_id": job.job_id,
-                        "client_id": held.client_id, "starts": starts})
+          self._record(
+            {
+              "kind": "splits_held",
+              "job_id": job.job_id,
+              "client_id": held.client_id,
+              "starts": starts,
+            }
+          )
       for made in request.made_splits:
         task = live.get(made.task_id)
         if task is not None:
           job = self.jobs[task.job_id]
-          job.made.update(s for s in made.starts
-                          if job.unacked.get(s, (0, -1))[1] == made.task_id)
+          job.made.update(s for s in made.starts if job.unacked.get(s, (0, -1))[1] == made.task_id)
       if request.client_goodbyes:  # after the splits held for them
         self._release_goodbyes(request.client_goodbyes, {t.job_id for t in live.values()})
       current = set(request.current_tasks)
       # Every task's clients again only when some job's clients changed:
       # 1,024 clients of a job are 1,024 ids sorted and sent per heartbeat.
       unchanged = request.known_clients_version == self.clients_version
-      new_tasks = [self._new_task_info(t, request) for tid, t in sorted(live.items())
-                   if tid not in current and not t.finished]
+      new_tasks = [
+        self._new_task_info(t, request)
+        for tid, t in sorted(live.items())
+        if tid not in current and not t.finished
+      ]
       if new_tasks:  # they, and the splits they come with, must be durable first
         self.lock.answer_after_fsync()
       return pb.WorkerHeartbeatResponse(
-          new_tasks=new_tasks,
-          tasks_to_delete=sorted(current - set(live)),
-          ticket_key=self._ticket_key(address),
-          task_clients=[] if unchanged else [
-              pb.TaskClients(task_id=tid, client_ids=sorted(self.jobs[t.job_id].clients))
-              for tid, t in sorted(live.items()) if tid in current],
-          clients_version=self.clients_version, clients_unchanged=unchanged,
-          heartbeat_timeout_s=self.config.heartbeat_timeout_s,
-          heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
-              len(self.workers), self.config.heartbeat_timeout_s),
-          dispatcher_incarnation=str(self.incarnation))
+        new_tasks=new_tasks,
+        tasks_to_delete=sorted(current - set(live)),
+        ticket_key=self._ticket_key(address),
+        task_clients=[]
+        if unchanged
+        else [
+          pb.TaskClients(task_id=tid, client_ids=sorted(self.jobs[t.job_id].clients))
+          for tid, t in sorted(live.items())
+          if tid in current
+        ],
+        clients_version=self.clients_version,
+        clients_unchanged=unchanged,
+        heartbeat_timeout_s=self.config.heartbeat_timeout_s,
+        heartbeat_interval_s=self.config.heartbeat_pacing.worker_interval(
+          len(self.workers), self.config.heartbeat_timeout_s
+        ),
+        dispatcher_incarnation=str(self.incarnation),
+      )
 
   def _new_task_info(self, task: Task, request: pb.WorkerHeartbeatRequest) -> pb.TaskInfo:
     """A task handed to a worker; a DYNAMIC one with the answer to its first
@@ -243,25 +288,35 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     info = self._task_info(task)
     job = self.jobs[task.job_id]
     last = job.last_splits.get(task.task_id)
-    if (job.policy == ShardingPolicy.DYNAMIC and request.incarnation
-        and request.splits_per_request >= 0 and (last is None or last[0] == 1)):
-      info.first_splits.CopyFrom(self._answer_splits(
-          job, task.task_id, request.splits_per_request or 2, 1, "WorkerHeartbeat"))
+    if (
+      job.policy == ShardingPolicy.DYNAMIC
+      and request.incarnation
+      and request.splits_per_request >= 0
+      and (last is None or last[0] == 1)
+    ):
+      info.first_splits.CopyFrom(
+        self._answer_splits(
+          job, task.task_id, request.splits_per_request or 2, 1, "WorkerHeartbeat"
+        )
+      )
     return info
 
   def get_splits(self, request: pb.GetSplitsRequest) -> pb.GetSplitsResponse:
     with self.lock:
       job = self._job(request.job_id)
       if job.policy != ShardingPolicy.DYNAMIC:
-        raise ValueError(f"Job {job.job_id} uses {job.policy.name} sharding; only "
-                         "DYNAMIC jobs hand out splits.")
+        raise ValueError(
+          f"Job {job.job_id} uses {job.policy.name} sharding; only DYNAMIC jobs hand out splits."
+        )
       if request.task_id not in job.tasks:
         raise rpc.NotFoundError(f"Task {request.task_id} is not part of job {job.job_id}.")
-      return self._answer_splits(job, request.task_id, request.max_ranges,
-                                 request.request_seq, "GetSplits")
+      return self._answer_splits(
+        job, request.task_id, request.max_ranges, request.request_seq, "GetSplits"
+      )
 
-  def _answer_splits(self, job: Job, task_id: int, max_ranges: int, request_seq: int,
-                     via: str) -> pb.GetSplitsResponse:
+  def _answer_splits(
+    self, job: Job, task_id: int, max_ranges: int, request_seq: int, via: str
+  ) -> pb.GetSplitsResponse:
     """The answer to a task's GetSplits, recorded (lock held)."""
     self.split_answers[(via, request_seq == 1)] += 1
     last = job.last_splits.get(task_id)
@@ -274,8 +329,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         self._answer_batches.pop(task_id, None)
         batch = 0
       self.lock.answer_without_fsync(batch)
-      return pb.GetSplitsResponse(ranges=[pb.SplitRange(start=a, stop=b)
-                                          for a, b in last[1]])
+      return pb.GetSplitsResponse(ranges=[pb.SplitRange(start=a, stop=b) for a, b in last[1]])
     if job.error:  # it failed: its tasks end
       return pb.GetSplitsResponse(end_of_splits=True)
     wanted = max(1, min(max_ranges, 64))
@@ -302,20 +356,28 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       self.lock.check_writable()  # new splits must be durable before they go out
       if request_seq:
         if len(self._answer_batches) > _MAX_ANSWER_BATCHES:
-          self._answer_batches = {t: b for t, b in self._answer_batches.items()
-                                  if not self.lock.durable(b)}
+          self._answer_batches = {
+            t: b for t, b in self._answer_batches.items() if not self.lock.durable(b)
+          }
         self._answer_batches[task_id] = self.lock.batch
     if start != job.next_position:
-      self._record({"kind": "splits", "job_id": job.job_id, "next_position": start,
-                    **({} if job.exactly_once else issued)})
+      self._record(
+        {
+          "kind": "splits",
+          "job_id": job.job_id,
+          "next_position": start,
+          **({} if job.exactly_once else issued),
+        }
+      )
     if not job.exactly_once:
       return pb.GetSplitsResponse(ranges=ranges, end_of_splits=job.splits_exhausted)
     if ranges:
       self._record({"kind": "splits_issued", "job_id": job.job_id, **issued})
     # The end only once every split arrived: until then a lost worker's
     # splits may come back to this task.
-    return pb.GetSplitsResponse(ranges=ranges,
-                                end_of_splits=not ranges and job.all_splits_delivered)
+    return pb.GetSplitsResponse(
+      ranges=ranges, end_of_splits=not ranges and job.all_splits_delivered
+    )
 
   def _split_size(self, job: Job) -> int:
     """Positions per new split of `job` (lock held): one where they are
@@ -333,8 +395,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
         if task is not None and not task.finished:
           self._record({"kind": "task_finished", "job_id": job.job_id, "task_id": task_id})
 
-  def _lose_tasks_of(self, address: str, keep: set[int] = frozenset(),
-                     how: str | None = None) -> None:
+  def _lose_tasks_of(
+    self, address: str, keep: set[int] = frozenset(), how: str | None = None
+  ) -> None:
     """Records as lost the unfinished tasks on `address`, but those in `keep`.
 
     `how` the worker ended, unless it left on its own (None): then the
@@ -342,12 +405,18 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     (`jaxfeed.service.protocol.split_failures`)."""
     for job in self.jobs.values():
       for task in list(job.tasks.values()):
-        if (task.worker_address == address and not task.finished
-            and task.task_id not in keep):
+        if task.worker_address == address and not task.finished and task.task_id not in keep:
           blamed = self._splits_in_the_making(job, task.task_id) if how is not None else []
           if blamed:
-            self._record({"kind": "splits_failed", "job_id": job.job_id,
-                          "ranges": blamed, "worker": address, "how": how})
+            self._record(
+              {
+                "kind": "splits_failed",
+                "job_id": job.job_id,
+                "ranges": blamed,
+                "worker": address,
+                "how": how,
+              }
+            )
           self._record({"kind": "task_lost", "job_id": job.job_id, "task_id": task.task_id})
           if job.exactly_once:
             self._fail_poisoned(job, [start for start, _ in blamed])
@@ -361,9 +430,11 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       return []
     if not job.exactly_once:
       return [[a, b] for a, b in last[1]]
-    return [[a, b] for a, b in last[1]
-            if job.unacked.get(a, (0, -1))[1] == task_id and a not in job.made
-            and a not in job.holders]
+    return [
+      [a, b]
+      for a, b in last[1]
+      if job.unacked.get(a, (0, -1))[1] == task_id and a not in job.made and a not in job.holders
+    ]
 
   def _fail_poisoned(self, job: Job, starts: Sequence[int]) -> None:
     """Hands out no more the splits that reached max_split_attempts losses,
@@ -371,11 +442,19 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
     for start in starts:
       stop, losses = job.split_losses[start]
       if len(losses) >= self.config.max_split_attempts and start not in job.failed_splits:
-        error = split_failures.poison_message(job.dataset_id, job.job_id, start, stop,
-                                              losses, self.config.max_split_attempts)
+        error = split_failures.poison_message(
+          job.dataset_id, job.job_id, start, stop, losses, self.config.max_split_attempts
+        )
         logging.error("%s", error)
-        self._record({"kind": "split_poisoned", "job_id": job.job_id, "start": start,
-                      "stop": stop, "error": error})
+        self._record(
+          {
+            "kind": "split_poisoned",
+            "job_id": job.job_id,
+            "start": start,
+            "stop": stop,
+            "error": error,
+          }
+        )
 
   def how_lost(self, worker: Worker) -> str:
     """How a worker whose heartbeats stopped ended, as far as this
@@ -417,4 +496,3 @@ def _reissued(job: Job, wanted: int) -> list[pb.SplitRange]:
     if start in job.split_losses:
       break
   return ranges
-

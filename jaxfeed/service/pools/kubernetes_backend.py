@@ -26,8 +26,9 @@ def parse_deployment(value: str) -> tuple[str, str]:
   """Splits "namespace/name" into (namespace, name), naming the bad value otherwise."""
   namespace, _, name = value.partition("/")
   if not namespace or not name or "/" in name:
-    raise ValueError(f"kubernetes_deployment must be NAMESPACE/NAME of the worker "
-                     f"Deployment, got {value!r}.")
+    raise ValueError(
+      f"kubernetes_deployment must be NAMESPACE/NAME of the worker Deployment, got {value!r}."
+    )
   return namespace, name
 
 
@@ -44,6 +45,7 @@ class KubernetesWorkerBackend:
     self._namespace, self._name = parse_deployment(deployment)
     if apps_api is None:
       from kubernetes import client, config  # pylint: disable=g-import-not-at-top
+
       try:
         config.load_incluster_config()
       except config.ConfigException:
@@ -60,7 +62,8 @@ class KubernetesWorkerBackend:
 
   def _set_replicas(self, replicas: int) -> None:
     self._api.patch_namespaced_deployment_scale(
-        self._name, self._namespace, {"spec": {"replicas": replicas}})
+      self._name, self._namespace, {"spec": {"replicas": replicas}}
+    )
     _LOG.info("Scaled Deployment %s/%s to %d workers.", self._namespace, self._name, replicas)
 
   def start_worker(self) -> None:

@@ -34,8 +34,9 @@ class LocalWorkerBackend:
       flag file only this user can read.
   """
 
-  def __init__(self, dispatcher_address: str, flags: Sequence[str] = (),
-               secrets: dict[str, str] | None = None):
+  def __init__(
+    self, dispatcher_address: str, flags: Sequence[str] = (), secrets: dict[str, str] | None = None
+  ):
     self._address = dispatcher_address
     self._flags = list(flags)
     self._lock = threading.Lock()
@@ -90,9 +91,15 @@ class LocalWorkerBackend:
       self._exits.popitem(last=False)
 
   def start_worker(self) -> None:
-    args = [sys.executable, "-m", "jaxfeed.service.worker",
-            f"--dispatcher_address={self._address}", "--port=0",
-            f"--parent_pid={os.getpid()}", *self._flags]
+    args = [
+      sys.executable,
+      "-m",
+      "jaxfeed.service.worker",
+      f"--dispatcher_address={self._address}",
+      "--port=0",
+      f"--parent_pid={os.getpid()}",
+      *self._flags,
+    ]
     if self._flagfile:
       args.append(f"--flagfile={self._flagfile}")
     # It calls _lifetime.die_with_parent_from_env(): it ends with this process.

@@ -56,26 +56,34 @@ class _WorkerActor:
           f.write(f"--{name}={value}\n")
       args.append(f"--flagfile={path}")
     # It ends with the actor's process, however that ends (jaxfeed._lifetime).
-    self._process = _lifetime.popen([sys.executable, "-m", "jaxfeed.service.worker", *args],
-                                    stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    text=True)
+    self._process = _lifetime.popen(
+      [sys.executable, "-m", "jaxfeed.service.worker", *args],
+      stdout=subprocess.PIPE,
+      stdin=subprocess.DEVNULL,
+      text=True,
+    )
     # "jaxfeed worker listening on ADDRESS [data ADDRESS]"
     words = self._process.stdout.readline().split()
     if "on" not in words:
       code = self._process.wait()
       self._folder.cleanup()
-      raise RuntimeError(f"The jaxfeed worker on node {ray.util.get_node_ip_address()} "
-                         f"exited with status {code} before serving (its reason is in "
-                         "this actor's log).")
+      raise RuntimeError(
+        f"The jaxfeed worker on node {ray.util.get_node_ip_address()} "
+        f"exited with status {code} before serving (its reason is in "
+        "this actor's log)."
+      )
     self._address = words[words.index("on") + 1]
     # Anything it prints later must not fill the pipe and block it.
     threading.Thread(target=self._process.stdout.read, daemon=True).start()
 
   def info(self) -> dict[str, Any]:
     """The worker's address, node and whether it still runs."""
-    return {"address": self._address, "pid": self._process.pid,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "running": self._process.poll() is None}
+    return {
+      "address": self._address,
+      "pid": self._process.pid,
+      "node_id": ray.get_runtime_context().get_node_id(),
+      "running": self._process.poll() is None,
+    }
 
   def stop(self) -> int:
     """SIGTERM: the worker drains, tells the dispatcher it left and exits."""
@@ -103,9 +111,14 @@ class RayWorkerBackend:
     num_cpus: CPUs each worker's actor reserves on its node.
   """
 
-  def __init__(self, dispatcher_address: str, flags: Sequence[str] = (),
-               secrets: dict[str, str] | None = None, ray_address: str | None = None,
-               num_cpus: float = 1.0):
+  def __init__(
+    self,
+    dispatcher_address: str,
+    flags: Sequence[str] = (),
+    secrets: dict[str, str] | None = None,
+    ray_address: str | None = None,
+    num_cpus: float = 1.0,
+  ):
     self._args = [f"--dispatcher_address={dispatcher_address}", "--port=0", *flags]
     self._secrets = dict(secrets or {})
     self._owns_connection = not ray.is_initialized()
@@ -114,12 +127,12 @@ class RayWorkerBackend:
       # own handler (the command-line dispatcher's clean stop) stays.
       sigterm = signal.getsignal(signal.SIGTERM)
       # The actors' output stays in their logs: this process's stdout is its own.
-      ray.init(address=ray_address or "auto", log_to_driver=False,
-               logging_level=logging.WARNING)
+      ray.init(address=ray_address or "auto", log_to_driver=False, logging_level=logging.WARNING)
       if threading.current_thread() is threading.main_thread() and sigterm is not None:
         signal.signal(signal.SIGTERM, sigterm)
     self._actor_class = ray.remote(_WorkerActor).options(
-        num_cpus=num_cpus, scheduling_strategy="SPREAD", max_restarts=0)
+      num_cpus=num_cpus, scheduling_strategy="SPREAD", max_restarts=0
+    )
     self._lock = threading.Lock()
     self._actors: list[tuple[Any, Any]] = []  # (actor, its first info() call), oldest first
     self._closed = False

@@ -61,6 +61,7 @@ STATE_VERSION = 2
 
 class StreamTag(NamedTuple):
   """The stream (in the order its task appeared) an element came from."""
+
   slot: int
 
 
@@ -78,14 +79,24 @@ def check_state(state: Any) -> list[list]:
   streams = state.get("streams") if isinstance(state, dict) else None
   version: Any = state.get("version") if isinstance(state, dict) else None
   size = {1: 2, STATE_VERSION: 3}.get(version) if wire.is_int(version) else None
-  if (size is None or set(state) != {"version", "streams"} or not isinstance(streams, list)
-      or not all(isinstance(s, list) and len(s) == size and _is_count(s[0])
-                 and isinstance(s[1], bool) and (size == 2 or _is_count(s[2]))
-                 for s in streams)):
+  if (
+    size is None
+    or set(state) != {"version", "streams"}
+    or not isinstance(streams, list)
+    or not all(
+      isinstance(s, list)
+      and len(s) == size
+      and _is_count(s[0])
+      and isinstance(s[1], bool)
+      and (size == 2 or _is_count(s[2]))
+      for s in streams
+    )
+  ):
     raise read_state.ResumeStateError(
-        f"A parallel_epochs read's state must be a dict with version "
-        f"{STATE_VERSION} and 'streams', a list of [taken >= 0, closed, "
-        f"worker_index >= 0] (version 1: [taken >= 0, closed]), got {str(state):.200}.")
+      f"A parallel_epochs read's state must be a dict with version "
+      f"{STATE_VERSION} and 'streams', a list of [taken >= 0, closed, "
+      f"worker_index >= 0] (version 1: [taken >= 0, closed]), got {str(state):.200}."
+    )
   return [[*s, 0] if size == 2 else list(s) for s in streams]
 
 
@@ -126,16 +137,18 @@ class StreamProgress:
     orders = self.open_orders()
     if identical and any(orders):
       raise read_state.ResumeStateError(
-          f"This parallel_epochs read was saved with each worker in its own order "
-          f"(worker indices {orders}); a read with identical_worker_streams=True "
-          "streams the pipeline's own order on every worker and cannot continue "
-          "them. Resume with identical_worker_streams=False.")
+        f"This parallel_epochs read was saved with each worker in its own order "
+        f"(worker indices {orders}); a read with identical_worker_streams=True "
+        "streams the pipeline's own order on every worker and cannot continue "
+        "them. Resume with identical_worker_streams=False."
+      )
     if not identical and len(set(orders)) < len(orders):
       raise read_state.ResumeStateError(
-          f"This parallel_epochs read was saved with identical worker streams "
-          f"({len(orders)} open streams of the pipeline's own order: "
-          "identical_worker_streams=True, or a jaxfeed from before per-worker "
-          "orders); resume with identical_worker_streams=True.")
+        f"This parallel_epochs read was saved with identical worker streams "
+        f"({len(orders)} open streams of the pipeline's own order: "
+        "identical_worker_streams=True, or a jaxfeed from before per-worker "
+        "orders); resume with identical_worker_streams=True."
+      )
 
   def assign(self, worker_index: int = 0) -> tuple[int, int]:
     """A new task's stream: the first restored open one of its worker

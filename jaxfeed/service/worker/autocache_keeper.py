@@ -55,8 +55,9 @@ class AutocacheKeeper:
       _keepers.setdefault(self.folder.path, []).append(self)
     self._thread: threading.Thread | None = None
     if limits.max_bytes is not None or limits.ttl_s is not None:
-      self._thread = threading.Thread(target=self._run, name="jaxfeed-autocache-keeper",
-                                      daemon=True)
+      self._thread = threading.Thread(
+        target=self._run, name="jaxfeed-autocache-keeper", daemon=True
+      )
       self._thread.start()
 
   def _run(self) -> None:
@@ -64,8 +65,7 @@ class AutocacheKeeper:
       try:
         self.folder.evict()
       except OSError:  # a folder on a failing disk: say so, keep serving
-        logging.exception("Applying the limits of autocache folder %s failed",
-                          self.folder.path)
+        logging.exception("Applying the limits of autocache folder %s failed", self.folder.path)
       if self._stop.wait(self._interval_s):
         return
 

@@ -90,8 +90,7 @@ def reseeded(sampler: Any, worker_index: int) -> Any:
   params = dict(sampler.spec_params())
   components = params.get("components")
   if isinstance(components, list):
-    params["components"] = [reseeded(c, worker_index) if _is_sampler(c) else c
-                            for c in components]
+    params["components"] = [reseeded(c, worker_index) if _is_sampler(c) else c for c in components]
   elif _is_seed(params.get("seed")):
     params["seed"] = worker_seed(params["seed"], worker_index)
   return type(sampler)(**params)
