@@ -41,10 +41,16 @@ def _table(records: list) -> str:
   for mode in modes:
     of_mode = [r for r in records if mode in ("all", r.mode)]
     faults = collections.Counter(k for r in of_mode for k in r.faults_injected)
-    rows.append((mode, len(of_mode), sum(faults.values()),
-                 sum(r.elements_checked for r in of_mode),
-                 sum(1 for r in of_mode if r.violation and not r.hang),
-                 sum(1 for r in of_mode if r.hang)))
+    rows.append(
+      (
+        mode,
+        len(of_mode),
+        sum(faults.values()),
+        sum(r.elements_checked for r in of_mode),
+        sum(1 for r in of_mode if r.violation and not r.hang),
+        sum(1 for r in of_mode if r.hang),
+      )
+    )
   header = ("mode", "runs", "faults", "elements", "violations", "hangs")
   lines = ["%-16s %6s %7s %10s %10s %6s" % header]
   lines += ["%-16s %6d %7d %10d %10d %6d" % row for row in rows]
@@ -53,8 +59,10 @@ def _table(records: list) -> str:
   lines.append("faults injected by kind:")
   lines += [f"  {kind:32s} {by_kind[kind]:6d}" for kind in schedule_lib.FAULT_KINDS]
   flips = collections.Counter(f for r in records for f in r.flips)
-  lines.append(f"work_dir bit flips: {flips['refused']} refused to start naming file and "
-               f"offset, {flips['served']} served (the read's guarantee checked)")
+  lines.append(
+    f"work_dir bit flips: {flips['refused']} refused to start naming file and "
+    f"offset, {flips['served']} served (the read's guarantee checked)"
+  )
   return "\n".join(lines)
 
 
@@ -62,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--runs", type=int, default=1000)
   parser.add_argument("--seed", type=int, default=0, help="seed of the first run")
-  parser.add_argument("--verbose", action="store_true",
-                      help="print each schedule (failing runs' schedules and whole "
-                      "violations are always printed)")
+  parser.add_argument(
+    "--verbose",
+    action="store_true",
+    help="print each schedule (failing runs' schedules and whole violations are always printed)",
+  )
   args = parser.parse_args(argv)
   if args.runs < 1:
     parser.error(f"--runs must be >= 1, got {args.runs}")
@@ -82,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
       continue
     records.append(record)
     status = "ok" if record.ok else ("HANG" if record.hang else "VIOLATION")
-    print(f"seed {seed:6d} {record.mode:16s} {status:9s} faults="
-          f"{','.join(record.faults_injected) or '-'} elements={record.elements_checked} "
-          f"{record.elapsed_s:.1f}s", flush=True)
+    print(
+      f"seed {seed:6d} {record.mode:16s} {status:9s} faults="
+      f"{','.join(record.faults_injected) or '-'} elements={record.elements_checked} "
+      f"{record.elapsed_s:.1f}s",
+      flush=True,
+    )
     if args.verbose or record.violation:  # a failure's whole story, servers' logs too
       print(f"  {schedule}")
       if record.violation:
@@ -93,10 +106,18 @@ def main(argv: list[str] | None = None) -> int:
   print(f"{len(records)} runs in {time.monotonic() - start:.0f}s")
   print(_table(records))
   failing = [r for r in records if not r.ok]
-  results.row({"workload": "W9", "system": "jaxfeed service", "runs": len(records),
-               "violations": sum(1 for r in records if r.violation and not r.hang),
-               "hangs": sum(1 for r in records if r.hang), "runs_not_made": len(errors),
-               "failing_seeds": [r.seed for r in failing]}, echo=False)
+  results.row(
+    {
+      "workload": "W9",
+      "system": "jaxfeed service",
+      "runs": len(records),
+      "violations": sum(1 for r in records if r.violation and not r.hang),
+      "hangs": sum(1 for r in records if r.hang),
+      "runs_not_made": len(errors),
+      "failing_seeds": [r.seed for r in failing],
+    },
+    echo=False,
+  )
   print()
   print(f"failing seeds ({len(failing)}):")
   for r in failing:

@@ -71,8 +71,13 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLIENT_TOKEN = "dispatcher-scale-client-token"
 WORKER_TOKEN = "dispatcher-scale-worker-token"
 SERVICE = "/jaxfeed.service.Dispatcher/"
-RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
-             "ReleaseJobClient")
+RPC_KINDS = (
+  "WorkerHeartbeat",
+  "GetSplits",
+  "GetOrCreateJob",
+  "ClientHeartbeat",
+  "ReleaseJobClient",
+)
 START_TIMEOUT_S = 120.0
 # A simulated RPC's deadline: one that takes longer counts as failed.
 RPC_DEADLINE_S = 30.0
@@ -84,8 +89,14 @@ NUM_POSITIONS = 1 << 50
 class DispatcherProcess:
   """`python -m jaxfeed.service.dispatcher` on loopback; `kill()` ends it."""
 
-  def __init__(self, work_dir: str, extra_flags: tuple[str, ...] = (), nice: int = 0,
-               timing_file: str = "", metrics: bool = False):
+  def __init__(
+    self,
+    work_dir: str,
+    extra_flags: tuple[str, ...] = (),
+    nice: int = 0,
+    timing_file: str = "",
+    metrics: bool = False,
+  ):
     """timing_file: run it under benchmarks.dispatcher_scale_server, which
     writes its handlers' times there; metrics: serve its metrics
     (`metrics_url`)."""
@@ -95,15 +106,26 @@ class DispatcherProcess:
     env.setdefault("JAX_PLATFORMS", "cpu")
     self.started_at = time.monotonic()
     self.proc = _lifetime.popen(
-        [sys.executable, "-m",
-         "benchmarks.dispatcher_scale_server" if timing_file else "jaxfeed.service.dispatcher",
-         *([f"--timing_file={timing_file}"] if timing_file else []), "--port=0",
-         f"--work_dir={work_dir}", f"--auth_token={CLIENT_TOKEN}",
-         f"--worker_token={WORKER_TOKEN}", "--max_jobs_per_host=100000",
-         "--heartbeat_timeout_s=10", *(["--metrics_port=0"] if metrics else []),
-         *extra_flags],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
-        preexec_fn=(lambda: os.nice(nice)) if nice else None)
+      [
+        sys.executable,
+        "-m",
+        "benchmarks.dispatcher_scale_server" if timing_file else "jaxfeed.service.dispatcher",
+        *([f"--timing_file={timing_file}"] if timing_file else []),
+        "--port=0",
+        f"--work_dir={work_dir}",
+        f"--auth_token={CLIENT_TOKEN}",
+        f"--worker_token={WORKER_TOKEN}",
+        "--max_jobs_per_host=100000",
+        "--heartbeat_timeout_s=10",
+        *(["--metrics_port=0"] if metrics else []),
+        *extra_flags,
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.DEVNULL,
+      env=env,
+      text=True,
+      preexec_fn=(lambda: os.nice(nice)) if nice else None,
+    )
     self._lines: queue.Queue = queue.Queue()
     threading.Thread(target=self._read, daemon=True).start()
     try:
@@ -134,6 +156,7 @@ def _scrape(url: str) -> list:
   """The samples of the dispatcher's /metrics page."""
   import urllib.request  # pylint: disable=g-import-not-at-top
   from prometheus_client import parser  # pylint: disable=g-import-not-at-top
+
   with urllib.request.urlopen(url, timeout=10) as response:
     text = response.read().decode()
   return [s for family in parser.text_string_to_metric_families(text) for s in family.samples]
@@ -152,33 +175,47 @@ def _wait_released(url: str, timeout_s: float) -> float | None:
 
 def _goodbye_counts(url: str) -> dict[str, int]:
   """How the dispatcher's clients left (jaxfeed_dispatcher_client_goodbyes_total)."""
-  return {s.labels["via"]: int(s.value) for s in _scrape(url)
-          if s.name == "jaxfeed_dispatcher_client_goodbyes_total"}
+  return {
+    s.labels["via"]: int(s.value)
+    for s in _scrape(url)
+    if s.name == "jaxfeed_dispatcher_client_goodbyes_total"
+  }
 
 
 def _channel_options() -> list[tuple[str, object]]:
   # One TCP connection per simulated party, as separate hosts would have.
-  return [("grpc.use_local_subchannel_pool", 1), ("grpc.so_reuseport", 0),
-          ("grpc.max_receive_message_length", 64 << 20)]
+  return [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+  ]
 
 
 def _wait_serving(address: str, timeout_s: float) -> None:
   """Blocks until the dispatcher answers an RPC (any answer but UNAVAILABLE)."""
   import grpc  # pylint: disable=g-import-not-at-top
   from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+
   deadline = time.monotonic() + timeout_s
   with grpc.insecure_channel(address, options=_channel_options()) as channel:
-    call = channel.unary_unary(SERVICE + "GetDatasetDef",
-                               request_serializer=lambda m: m.SerializeToString(),
-                               response_deserializer=pb.GetDatasetDefResponse.FromString)
+    call = channel.unary_unary(
+      SERVICE + "GetDatasetDef",
+      request_serializer=lambda m: m.SerializeToString(),
+      response_deserializer=pb.GetDatasetDefResponse.FromString,
+    )
     while True:
       try:
-        call(pb.GetDatasetDefRequest(dataset_id="0"), timeout=5,
-             metadata=(("x-jaxfeed-token", WORKER_TOKEN),), wait_for_ready=True)
+        call(
+          pb.GetDatasetDefRequest(dataset_id="0"),
+          timeout=5,
+          metadata=(("x-jaxfeed-token", WORKER_TOKEN),),
+          wait_for_ready=True,
+        )
         return
       except grpc.RpcError as e:
         if e.code() != grpc.StatusCode.UNAVAILABLE and (
-            e.code() != grpc.StatusCode.DEADLINE_EXCEEDED):
+          e.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+        ):
           return  # it answered (NOT_FOUND for the made-up id)
         if time.monotonic() > deadline:
           raise TimeoutError(f"The dispatcher at {address} does not answer.") from e
@@ -190,15 +227,22 @@ def _register_dataset(address: str) -> str:
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
   from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+
   dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(4)}))
   dataset_def = spec.to_dataset_def(dataset.node)
   dataset_def.num_positions = NUM_POSITIONS
   with grpc.insecure_channel(address) as channel:
-    call = channel.unary_unary(SERVICE + "RegisterDataset",
-                               request_serializer=lambda m: m.SerializeToString(),
-                               response_deserializer=pb.RegisterDatasetResponse.FromString)
-    response = call(pb.RegisterDatasetRequest(dataset=dataset_def), timeout=60,
-                    metadata=(("x-jaxfeed-token", CLIENT_TOKEN),), wait_for_ready=True)
+    call = channel.unary_unary(
+      SERVICE + "RegisterDataset",
+      request_serializer=lambda m: m.SerializeToString(),
+      response_deserializer=pb.RegisterDatasetResponse.FromString,
+    )
+    response = call(
+      pb.RegisterDatasetRequest(dataset=dataset_def),
+      timeout=60,
+      metadata=(("x-jaxfeed-token", CLIENT_TOKEN),),
+      wait_for_ready=True,
+    )
   return response.dataset_id
 
 
@@ -238,29 +282,42 @@ class _Party:
   def __init__(self, address: str, token: str, stats: _Stats, stop: asyncio.Event):
     import grpc  # pylint: disable=g-import-not-at-top
     from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+
     self.channel = grpc.aio.insecure_channel(address, options=_channel_options())
     self.metadata = (("x-jaxfeed-token", token),)
     self.stats = stats
     self.stop = stop
-    responses = {"WorkerHeartbeat": pb.WorkerHeartbeatResponse,
-                 "GetSplits": pb.GetSplitsResponse,
-                 "GetOrCreateJob": pb.GetOrCreateJobResponse,
-                 "ClientHeartbeat": pb.ClientHeartbeatResponse,
-                 "ReleaseJobClient": pb.ReleaseJobClientResponse}
-    self.calls = {kind: self.channel.unary_unary(
-        SERVICE + kind, request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=cls.FromString) for kind, cls in responses.items()}
+    responses = {
+      "WorkerHeartbeat": pb.WorkerHeartbeatResponse,
+      "GetSplits": pb.GetSplitsResponse,
+      "GetOrCreateJob": pb.GetOrCreateJobResponse,
+      "ClientHeartbeat": pb.ClientHeartbeatResponse,
+      "ReleaseJobClient": pb.ReleaseJobClientResponse,
+    }
+    self.calls = {
+      kind: self.channel.unary_unary(
+        SERVICE + kind,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=cls.FromString,
+      )
+      for kind, cls in responses.items()
+    }
 
   async def call(self, kind: str, request):
     """The response, or None when the RPC failed (counted)."""
     import grpc  # pylint: disable=g-import-not-at-top
+
     start = time.perf_counter()
     try:
-      response = await self.calls[kind](request, timeout=RPC_DEADLINE_S,
-                                        metadata=self.metadata, wait_for_ready=True)
+      response = await self.calls[kind](
+        request, timeout=RPC_DEADLINE_S, metadata=self.metadata, wait_for_ready=True
+      )
     except grpc.aio.AioRpcError as e:
-      if self.stop.is_set() and e.code() == grpc.StatusCode.CANCELLED and (
-          kind != "ReleaseJobClient"):
+      if (
+        self.stop.is_set()
+        and e.code() == grpc.StatusCode.CANCELLED
+        and (kind != "ReleaseJobClient")
+      ):
         return None  # the simulation ends: its calls in flight are cancelled
       self.stats.fail(kind, f"{e.code().name}: {e.details()}")
       return None
@@ -297,6 +354,7 @@ class _Simulator:
 
   async def worker(self, number: int, ready: asyncio.Event) -> None:
     from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+
     party = _Party(self.args.address, WORKER_TOKEN, self.stats, self.stop)
     address = f"sim-worker-{number}.local:5051"
     current: set[int] = set()
@@ -314,12 +372,18 @@ class _Simulator:
       while not (self.clients_gone.is_set() and not goodbyes):
         running = frozenset(current)
         forwarded, goodbyes[:] = list(goodbyes), []
-        response = await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
-            worker_address=address, data_address=f"sim-worker-{number}.local:5052",
-            current_tasks=sorted(current), incarnation=incarnation,
+        response = await party.call(
+          "WorkerHeartbeat",
+          pb.WorkerHeartbeatRequest(
+            worker_address=address,
+            data_address=f"sim-worker-{number}.local:5052",
+            current_tasks=sorted(current),
+            incarnation=incarnation,
             splits_per_request=self.args.splits_per_request,
             known_clients_version=listed_version if listed_tasks == running else 0,
-            client_goodbyes=forwarded))
+            client_goodbyes=forwarded,
+          ),
+        )
         if response is None:
           goodbyes.extend(forwarded)  # with the next heartbeat
         else:
@@ -333,9 +397,15 @@ class _Simulator:
             current.add(task.task_id)
             self.job_workers.setdefault(task.job_id, set()).add(number)
             if task.sharding_policy == "DYNAMIC":
-              fetchers[task.task_id] = asyncio.ensure_future(self.fetch_splits(
-                  party, task.job_id, task.task_id, task.exactly_once,
-                  task.first_splits if task.HasField("first_splits") else None))
+              fetchers[task.task_id] = asyncio.ensure_future(
+                self.fetch_splits(
+                  party,
+                  task.job_id,
+                  task.task_id,
+                  task.exactly_once,
+                  task.first_splits if task.HasField("first_splits") else None,
+                )
+              )
           for task_id in response.tasks_to_delete:
             current.discard(task_id)
             fetcher = fetchers.pop(task_id, None)
@@ -346,16 +416,19 @@ class _Simulator:
         # Not woken by the window's end: goodbyes wait for the next heartbeat.
         await asyncio.sleep(interval * random.uniform(0.9, 1.1))
       if self.args.leave:
-        await party.call("WorkerHeartbeat", pb.WorkerHeartbeatRequest(
-            worker_address=address, leaving=True))
+        await party.call(
+          "WorkerHeartbeat", pb.WorkerHeartbeatRequest(worker_address=address, leaving=True)
+        )
     finally:
       for fetcher in fetchers.values():
         fetcher.cancel()
       await party.channel.close()
 
-  async def fetch_splits(self, party: _Party, job_id: int, task_id: int,
-                         exactly_once: bool, first_splits=None) -> None:
+  async def fetch_splits(
+    self, party: _Party, job_id: int, task_id: int, exactly_once: bool, first_splits=None
+  ) -> None:
     from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+
     per_request = self.args.splits_per_request
     # The first request comes once the (simulated) pipeline is built; as
     # jaxfeed's worker, it takes the first splits that came with the task
@@ -366,9 +439,12 @@ class _Simulator:
       if request_seq == 1 and first_splits is not None:
         response = first_splits
       else:
-        response = await party.call("GetSplits", pb.GetSplitsRequest(
-            job_id=job_id, task_id=task_id, max_ranges=per_request,
-            request_seq=request_seq))
+        response = await party.call(
+          "GetSplits",
+          pb.GetSplitsRequest(
+            job_id=job_id, task_id=task_id, max_ranges=per_request, request_seq=request_seq
+          ),
+        )
       if response is not None:
         request_seq += 1
       positions = 0
@@ -384,18 +460,26 @@ class _Simulator:
 
   async def client(self, number: int) -> None:
     from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
+
     party = _Party(self.args.address, CLIENT_TOKEN, self.stats, self.stop)
     args = self.args
     try:
       await _sleep_until(self.stop, random.uniform(0, args.join_spread_s))
       if number < args.round_robin_clients:
         request = pb.GetOrCreateJobRequest(
-            dataset_id=args.dataset_id, sharding_policy="OFF", job_name="scale-rr",
-            num_consumers=args.round_robin_clients, consumer_index=number)
+          dataset_id=args.dataset_id,
+          sharding_policy="OFF",
+          job_name="scale-rr",
+          num_consumers=args.round_robin_clients,
+          consumer_index=number,
+        )
       else:
         request = pb.GetOrCreateJobRequest(
-            dataset_id=args.dataset_id, sharding_policy="DYNAMIC",
-            job_name=f"scale-{number % args.jobs}", exactly_once=True)
+          dataset_id=args.dataset_id,
+          sharding_policy="DYNAMIC",
+          job_name=f"scale-{number % args.jobs}",
+          exactly_once=True,
+        )
       request.first_heartbeat = True  # as jaxfeed's client
       job = await party.call("GetOrCreateJob", request)
       if job is None:
@@ -409,14 +493,22 @@ class _Simulator:
       await _sleep_until(self.stop, interval * random.uniform(0.9, 1.1))
       while not self.stop.is_set():
         pending = self.issued.get(job.job_id, [])
-        acks = pending[:args.max_acks]
-        del pending[:len(acks)]
+        acks = pending[: args.max_acks]
+        del pending[: len(acks)]
         consumed += 256 * len(acks)
-        response = await party.call("ClientHeartbeat", pb.ClientHeartbeatRequest(
-            job_id=job.job_id, client_id=job.client_id, acked_splits=acks,
-            elements_consumed=consumed, consumer_wait_s=0.0,
-            read_elapsed_s=time.monotonic() - started, buffer_fill=0.5,
-            known_tasks_version=version))
+        response = await party.call(
+          "ClientHeartbeat",
+          pb.ClientHeartbeatRequest(
+            job_id=job.job_id,
+            client_id=job.client_id,
+            acked_splits=acks,
+            elements_consumed=consumed,
+            consumer_wait_s=0.0,
+            read_elapsed_s=time.monotonic() - started,
+            buffer_fill=0.5,
+            known_tasks_version=version,
+          ),
+        )
         if response is not None:
           goodbye = response
           interval = response.heartbeat_interval_s or 0.1
@@ -428,11 +520,15 @@ class _Simulator:
       # worker's side of a goodbye costs the dispatcher nothing), else a call.
       workers = sorted(self.job_workers.get(job.job_id, ()))
       if goodbye.goodbye_via_worker and workers:
-        self.goodbyes[workers[job.client_id % len(workers)]].append(pb.ClientGoodbye(
-            job_id=job.job_id, client_id=job.client_id, ticket=goodbye.goodbye_ticket))
+        self.goodbyes[workers[job.client_id % len(workers)]].append(
+          pb.ClientGoodbye(
+            job_id=job.job_id, client_id=job.client_id, ticket=goodbye.goodbye_ticket
+          )
+        )
       else:
-        await party.call("ReleaseJobClient", pb.ReleaseJobClientRequest(
-            job_id=job.job_id, client_id=job.client_id))
+        await party.call(
+          "ReleaseJobClient", pb.ReleaseJobClientRequest(job_id=job.job_id, client_id=job.client_id)
+        )
     finally:
       await party.channel.close()
 
@@ -477,7 +573,7 @@ class _Simulator:
     self.stats.measuring = False
     self.phase = "goodbyes"
     self.stop.set()
-    clients = tasks[len(worker_numbers):]
+    clients = tasks[len(worker_numbers) :]
     await asyncio.gather(*clients, return_exceptions=True)
     self.clients_gone.set()
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -487,9 +583,14 @@ class _Simulator:
       if isinstance(outcome, BaseException):  # a bug of the simulator: report it
         key = f"simulator: {type(outcome).__name__}: {outcome}"[:200]
         self.stats.errors[key] = self.stats.errors.get(key, 0) + 1
-    return {"latencies": self.stats.latencies, "failed": self.stats.failed,
-            "errors": self.stats.errors, "loop_lags": self.stats.loop_lags,
-            "burst_lags": self.stats.burst_lags, "joins": self.stats.joins}
+    return {
+      "latencies": self.stats.latencies,
+      "failed": self.stats.failed,
+      "errors": self.stats.errors,
+      "loop_lags": self.stats.loop_lags,
+      "burst_lags": self.stats.burst_lags,
+      "joins": self.stats.joins,
+    }
 
 
 def _say(message: dict) -> None:
@@ -504,6 +605,7 @@ async def _simulate(args: argparse.Namespace) -> None:
   def read_commands():
     for line in sys.stdin:
       loop.call_soon_threadsafe(commands.put_nowait, line.strip())
+
   threading.Thread(target=read_commands, daemon=True).start()
   result = await _Simulator(args, args.index).run(commands)
   _say({"event": "result", **result})
@@ -518,14 +620,37 @@ class _SimulatorProcess:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env["GRPC_VERBOSITY"] = "ERROR"
     env.setdefault("JAX_PLATFORMS", "cpu")
-    flags = [f"--{name}={getattr(args, name)}" for name in (
-        "workers", "clients", "jobs", "round_robin_clients", "processes",
-        "elements_per_s", "splits_per_request", "max_acks", "join_spread_s")]
+    flags = [
+      f"--{name}={getattr(args, name)}"
+      for name in (
+        "workers",
+        "clients",
+        "jobs",
+        "round_robin_clients",
+        "processes",
+        "elements_per_s",
+        "splits_per_request",
+        "max_acks",
+        "join_spread_s",
+      )
+    ]
     self.proc = _lifetime.popen(
-        [sys.executable, "-m", "benchmarks.dispatcher_scale", "--simulator",
-         f"--index={index}", f"--address={args.address}", f"--dataset_id={dataset_id}",
-         *flags, *(["--leave"] if args.leave else [])],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+      [
+        sys.executable,
+        "-m",
+        "benchmarks.dispatcher_scale",
+        "--simulator",
+        f"--index={index}",
+        f"--address={args.address}",
+        f"--dataset_id={dataset_id}",
+        *flags,
+        *(["--leave"] if args.leave else []),
+      ],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      env=env,
+      text=True,
+    )
     self._lines: queue.Queue = queue.Queue()
     threading.Thread(target=self._read, daemon=True).start()
 
@@ -564,9 +689,11 @@ def _percentile(sorted_values: list[float], q: float) -> float:
 
 def _summary_ms(sorted_values: list[float]) -> dict[str, float]:
   """p50, p99 and max of seconds, in ms."""
-  return {"p50": round(_percentile(sorted_values, 0.5) * 1e3, 2),
-          "p99": round(_percentile(sorted_values, 0.99) * 1e3, 2),
-          "max": round((sorted_values[-1] if sorted_values else 0.0) * 1e3, 2)}
+  return {
+    "p50": round(_percentile(sorted_values, 0.5) * 1e3, 2),
+    "p99": round(_percentile(sorted_values, 0.99) * 1e3, 2),
+    "max": round((sorted_values[-1] if sorted_values else 0.0) * 1e3, 2),
+  }
 
 
 def _read_timing(path: str, timeout_s: float) -> dict[str, list[float]]:
@@ -587,6 +714,7 @@ def _cpu_seconds(process) -> float:
 
 def _tree_cpu_seconds(pids: list[int]) -> float:
   import psutil  # pylint: disable=g-import-not-at-top
+
   total = 0.0
   for pid in pids:
     try:
@@ -599,13 +727,15 @@ def _tree_cpu_seconds(pids: list[int]) -> float:
 def run(args: argparse.Namespace) -> dict:
   """Runs the whole measurement; returns the result dict."""
   import psutil  # pylint: disable=g-import-not-at-top
+
   work_dir = args.work_dir or tempfile.mkdtemp(prefix="jaxfeed-dispatcher-scale-")
   os.makedirs(work_dir, exist_ok=True)
   dispatcher_flags = tuple(args.dispatcher_flag or ())
   timing_dir = tempfile.mkdtemp(prefix="jaxfeed-dispatcher-timing-")
   timing_file = os.path.join(timing_dir, "handlers.json")
-  dispatcher = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice, timing_file,
-                                 metrics=True)
+  dispatcher = DispatcherProcess(
+    work_dir, dispatcher_flags, args.dispatcher_nice, timing_file, metrics=True
+  )
   simulators: list[_SimulatorProcess] = []
   try:
     args.address = dispatcher.address
@@ -655,8 +785,7 @@ def run(args: argparse.Namespace) -> dict:
     handler_times = _read_timing(timing_file, 60.0)
     for simulator in simulators:
       simulator.proc.wait(timeout=60)
-    journal_bytes = sum(f.stat().st_size for f in pathlib.Path(work_dir).rglob("*")
-                        if f.is_file())
+    journal_bytes = sum(f.stat().st_size for f in pathlib.Path(work_dir).rglob("*") if f.is_file())
     dispatcher.kill()
     restarted = DispatcherProcess(work_dir, dispatcher_flags, args.dispatcher_nice)
     _wait_serving(restarted.address, START_TIMEOUT_S)
@@ -670,70 +799,85 @@ def run(args: argparse.Namespace) -> dict:
       shutil.rmtree(work_dir, ignore_errors=True)
     shutil.rmtree(timing_dir, ignore_errors=True)
 
-  latencies = {kind: sorted(x for r in results for x in r["latencies"][kind])
-               for kind in RPC_KINDS}
+  latencies = {kind: sorted(x for r in results for x in r["latencies"][kind]) for kind in RPC_KINDS}
   failed = {kind: sum(r["failed"][kind] for r in results) for kind in RPC_KINDS}
   errors: dict[str, int] = {}
   for r in results:
     for key, count in r["errors"].items():
       errors[key] = errors.get(key, 0) + count
   loop_lags = sorted(x for r in results for x in r["loop_lags"])
-  joins = {kind: sorted(x for r in results for x in r["joins"][kind])
-           for kind in RPC_KINDS if kind != "GetOrCreateJob"}
-  burst_lags = {phase: sorted(x for r in results for x in r["burst_lags"][phase])
-                for phase in ("joins", "goodbyes")}
+  joins = {
+    kind: sorted(x for r in results for x in r["joins"][kind])
+    for kind in RPC_KINDS
+    if kind != "GetOrCreateJob"
+  }
+  burst_lags = {
+    phase: sorted(x for r in results for x in r["burst_lags"][phase])
+    for phase in ("joins", "goodbyes")
+  }
   collections = handler_times.get("gc", [])
   busy = lambda t: t.user + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
-  machine_busy = (busy(machine1) - busy(machine0)) / max(
-      1e-9, sum(machine1) - sum(machine0)) * psutil.cpu_count()
+  machine_busy = (
+    (busy(machine1) - busy(machine0))
+    / max(1e-9, sum(machine1) - sum(machine0))
+    * psutil.cpu_count()
+  )
   # Joins and goodbyes fall outside the window: the rate counts the others.
-  measured = sum(len(v) for kind, v in latencies.items()
-                 if kind not in ("GetOrCreateJob", "ReleaseJobClient"))
+  measured = sum(
+    len(v) for kind, v in latencies.items() if kind not in ("GetOrCreateJob", "ReleaseJobClient")
+  )
   return {
-      "workers": args.workers, "clients": args.clients, "jobs": args.jobs,
-      "round_robin_clients": args.round_robin_clients,
-      "dispatcher_flags": list(dispatcher_flags), "dispatcher_nice": args.dispatcher_nice,
-      "parties": args.workers + args.clients, "seconds": round(elapsed, 2),
-      "simulator_processes": args.processes,
-      "rpcs_per_s": round(measured / elapsed, 1),
-      "rpcs": {kind: len(v) for kind, v in latencies.items()},
-      "latency_ms": {kind: _summary_ms(v) for kind, v in latencies.items()},
-      "handler_ms": {kind: _summary_ms(v)
-                     for kind, v in handler_times.items() if kind in RPC_KINDS},
-      "simulator_burst_lag_ms": {phase: _summary_ms(v) for phase, v in burst_lags.items()},
-      # From the window's end until the dispatcher had released every client
-      # (its jaxfeed_job_clients gauge; None: not within 120 s), its CPU
-      # seconds meanwhile, and how the clients left (dispatcher metrics:
-      # call = ReleaseJobClient calls, worker = goodbyes forwarded by workers).
-      "release_all_s": None if release_all_s is None else round(release_all_s, 2),
-      "release_dispatcher_cpu_s": round(goodbye_cpu_s, 2),
-      "goodbyes": goodbye_counts,
-      "release_job_client_calls": len(latencies["ReleaseJobClient"]),
-      "failed_rpcs": sum(failed.values()), "failed_by_kind": failed,
-      "simulator_errors": sum(n for k, n in errors.items() if k.startswith("simulator:")),
-      "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
-      "dispatcher_cpu_share": round((cpu1 - cpu0) / elapsed, 3),
-      "dispatcher_rss_mb": round(rss / (1 << 20), 1),
-      "journal_bytes_per_s": round((io1 - io0) / elapsed, 1),
-      "journal_dir_bytes": journal_bytes,
-      "simulator_cpu_share": round((sim_cpu1 - sim_cpu0) / elapsed, 3),
-      "simulator_loop_lag_ms": _summary_ms(loop_lags),
-      "dispatcher_gc": {"collections": len(collections),
-                        "seconds": round(sum(collections), 3),
-                        "max_ms": round((collections[-1] if collections else 0.0) * 1e3, 2),
-                        "full_collections": len(handler_times.get("gc2", [])),
-                        "full_max_ms": round(max(handler_times.get("gc2", [0.0])) * 1e3, 2)},
-      "machine_cores": psutil.cpu_count(),
-      "machine_busy_cores": round(machine_busy, 2),
-      "load_average_1m": round(os.getloadavg()[0], 2),
-      "setup_s": round(setup_s, 2),
-      # From the first join until every client joined (--join_spread_s).
-      "joins_s": round(joins_s, 2), "joins_dispatcher_cpu_s": round(joins_cpu_s, 2),
-      # The other calls in those seconds, and what their callers saw.
-      "joins_rpcs": {kind: len(v) for kind, v in joins.items()},
-      "joins_latency_ms": {kind: _summary_ms(v) for kind, v in joins.items()},
-      "dispatcher_start_s": round(start_s, 2),
-      "restart_replay_s": round(restart_s, 2),
+    "workers": args.workers,
+    "clients": args.clients,
+    "jobs": args.jobs,
+    "round_robin_clients": args.round_robin_clients,
+    "dispatcher_flags": list(dispatcher_flags),
+    "dispatcher_nice": args.dispatcher_nice,
+    "parties": args.workers + args.clients,
+    "seconds": round(elapsed, 2),
+    "simulator_processes": args.processes,
+    "rpcs_per_s": round(measured / elapsed, 1),
+    "rpcs": {kind: len(v) for kind, v in latencies.items()},
+    "latency_ms": {kind: _summary_ms(v) for kind, v in latencies.items()},
+    "handler_ms": {kind: _summary_ms(v) for kind, v in handler_times.items() if kind in RPC_KINDS},
+    "simulator_burst_lag_ms": {phase: _summary_ms(v) for phase, v in burst_lags.items()},
+    # From the window's end until the dispatcher had released every client
+    # (its jaxfeed_job_clients gauge; None: not within 120 s), its CPU
+    # seconds meanwhile, and how the clients left (dispatcher metrics:
+    # call = ReleaseJobClient calls, worker = goodbyes forwarded by workers).
+    "release_all_s": None if release_all_s is None else round(release_all_s, 2),
+    "release_dispatcher_cpu_s": round(goodbye_cpu_s, 2),
+    "goodbyes": goodbye_counts,
+    "release_job_client_calls": len(latencies["ReleaseJobClient"]),
+    "failed_rpcs": sum(failed.values()),
+    "failed_by_kind": failed,
+    "simulator_errors": sum(n for k, n in errors.items() if k.startswith("simulator:")),
+    "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
+    "dispatcher_cpu_share": round((cpu1 - cpu0) / elapsed, 3),
+    "dispatcher_rss_mb": round(rss / (1 << 20), 1),
+    "journal_bytes_per_s": round((io1 - io0) / elapsed, 1),
+    "journal_dir_bytes": journal_bytes,
+    "simulator_cpu_share": round((sim_cpu1 - sim_cpu0) / elapsed, 3),
+    "simulator_loop_lag_ms": _summary_ms(loop_lags),
+    "dispatcher_gc": {
+      "collections": len(collections),
+      "seconds": round(sum(collections), 3),
+      "max_ms": round((collections[-1] if collections else 0.0) * 1e3, 2),
+      "full_collections": len(handler_times.get("gc2", [])),
+      "full_max_ms": round(max(handler_times.get("gc2", [0.0])) * 1e3, 2),
+    },
+    "machine_cores": psutil.cpu_count(),
+    "machine_busy_cores": round(machine_busy, 2),
+    "load_average_1m": round(os.getloadavg()[0], 2),
+    "setup_s": round(setup_s, 2),
+    # From the first join until every client joined (--join_spread_s).
+    "joins_s": round(joins_s, 2),
+    "joins_dispatcher_cpu_s": round(joins_cpu_s, 2),
+    # The other calls in those seconds, and what their callers saw.
+    "joins_rpcs": {kind: len(v) for kind, v in joins.items()},
+    "joins_latency_ms": {kind: _summary_ms(v) for kind, v in joins.items()},
+    "dispatcher_start_s": round(start_s, 2),
+    "restart_replay_s": round(restart_s, 2),
   }
 
 
@@ -741,35 +885,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workers", type=int, default=64)
   parser.add_argument("--clients", type=int, default=128)
-  parser.add_argument("--seconds", type=float, default=20.0,
-                      help="Length of the measured window.")
+  parser.add_argument("--seconds", type=float, default=20.0, help="Length of the measured window.")
   parser.add_argument("--json", action="store_true", help="Print one JSON line.")
-  parser.add_argument("--jobs", type=int, default=2,
-                      help="Shared exactly-once DYNAMIC jobs the clients read.")
-  parser.add_argument("--round_robin_clients", type=int, default=8,
-                      help="Clients that read one round-robin job instead (at most "
-                      "half the clients).")
+  parser.add_argument(
+    "--jobs", type=int, default=2, help="Shared exactly-once DYNAMIC jobs the clients read."
+  )
+  parser.add_argument(
+    "--round_robin_clients",
+    type=int,
+    default=8,
+    help="Clients that read one round-robin job instead (at most half the clients).",
+  )
   parser.add_argument("--processes", type=int, default=2, help="Simulator processes.")
-  parser.add_argument("--elements_per_s", type=float, default=1000.0,
-                      help="Elements (sampler positions) a second one worker "
-                      "produces for one task.")
-  parser.add_argument("--splits_per_request", type=int, default=2,
-                      help="Split ranges per GetSplits (the workers' default).")
-  parser.add_argument("--max_acks", type=int, default=1024,
-                      help="Most acknowledgments in one client heartbeat.")
-  parser.add_argument("--join_spread_s", type=float, default=10.0,
-                      help="Clients join at random times within this many seconds.")
-  parser.add_argument("--warmup_s", type=float, default=5.0,
-                      help="Seconds of load before the measured window.")
-  parser.add_argument("--leave", action="store_true",
-                      help="Workers say goodbye when they stop.")
+  parser.add_argument(
+    "--elements_per_s",
+    type=float,
+    default=1000.0,
+    help="Elements (sampler positions) a second one worker produces for one task.",
+  )
+  parser.add_argument(
+    "--splits_per_request",
+    type=int,
+    default=2,
+    help="Split ranges per GetSplits (the workers' default).",
+  )
+  parser.add_argument(
+    "--max_acks", type=int, default=1024, help="Most acknowledgments in one client heartbeat."
+  )
+  parser.add_argument(
+    "--join_spread_s",
+    type=float,
+    default=10.0,
+    help="Clients join at random times within this many seconds.",
+  )
+  parser.add_argument(
+    "--warmup_s", type=float, default=5.0, help="Seconds of load before the measured window."
+  )
+  parser.add_argument("--leave", action="store_true", help="Workers say goodbye when they stop.")
   parser.add_argument("--work_dir", default="", help="Dispatcher work_dir (kept).")
-  parser.add_argument("--dispatcher_flag", action="append",
-                      help="A flag for the dispatcher, e.g. --dispatcher_flag=--nojournal_fsync "
-                      "(repeat for more).")
-  parser.add_argument("--dispatcher_nice", type=int, default=0,
-                      help="Niceness change of the dispatcher process (e.g. -10 to "
-                      "favour it on a machine that runs other work).")
+  parser.add_argument(
+    "--dispatcher_flag",
+    action="append",
+    help="A flag for the dispatcher, e.g. --dispatcher_flag=--nojournal_fsync (repeat for more).",
+  )
+  parser.add_argument(
+    "--dispatcher_nice",
+    type=int,
+    default=0,
+    help="Niceness change of the dispatcher process (e.g. -10 to "
+    "favour it on a machine that runs other work).",
+  )
   # A simulator process (started by the driver).
   parser.add_argument("--simulator", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -794,8 +959,14 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(_simulate(args))
     return
   result = run(args)
-  record.row({"workload": "dispatcher scale", "system": f"{args.workers} workers, "
-              f"{args.clients} clients", **result}, echo=False)
+  record.row(
+    {
+      "workload": "dispatcher scale",
+      "system": f"{args.workers} workers, {args.clients} clients",
+      **result,
+    },
+    echo=False,
+  )
   if args.json:
     print(json.dumps(result))
     return

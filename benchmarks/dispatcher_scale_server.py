@@ -26,8 +26,15 @@ from jaxfeed.service.dispatcher import server as dispatcher
 
 # Timed whenever they come: before the window (joins) and after it (goodbyes).
 BURSTS = ("GetOrCreateJob", "ReleaseJobClient")
-METHODS = ("RegisterDataset", "GetDatasetDef", "GetOrCreateJob", "ClientHeartbeat",
-           "ReleaseJobClient", "WorkerHeartbeat", "GetSplits")
+METHODS = (
+  "RegisterDataset",
+  "GetDatasetDef",
+  "GetOrCreateJob",
+  "ClientHeartbeat",
+  "ReleaseJobClient",
+  "WorkerHeartbeat",
+  "GetSplits",
+)
 
 
 def _timed(name: str, method, times: list):
@@ -38,6 +45,7 @@ def _timed(name: str, method, times: list):
     finally:
       end = time.monotonic()
       times.append((name, end, end - start))  # list.append is atomic
+
   return handler
 
 
@@ -53,6 +61,7 @@ def _time_collections(times: list) -> None:
       times.append(("gc", end, end - started[0]))
       if info["generation"] == 2:
         times.append(("gc2", end, end - started[0]))
+
   gc.callbacks.append(callback)
 
 
@@ -81,11 +90,15 @@ def main() -> None:
   sys.argv = [a for a in sys.argv if not a.startswith("--timing_file=")]
   times: list = []
   for name in METHODS:
-    setattr(dispatcher._DispatcherServicer, name,  # pylint: disable=protected-access
-            _timed(name, getattr(dispatcher._DispatcherServicer, name), times))  # pylint: disable=protected-access
+    setattr(
+      dispatcher._DispatcherServicer,
+      name,  # pylint: disable=protected-access
+      _timed(name, getattr(dispatcher._DispatcherServicer, name), times),
+    )  # pylint: disable=protected-access
   _time_collections(times)
   threading.Thread(target=_write_when_asked, args=(timing_file, times), daemon=True).start()
   from absl import app  # pylint: disable=g-import-not-at-top
+
   dispatcher.define_flags()
   app.run(dispatcher.main)
 

@@ -39,9 +39,12 @@ from jaxfeed import _lifetime
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("processes", 2, "JAX processes.")
 flags.DEFINE_integer("steps", 2000, "Timed steps per measurement.")
-flags.DEFINE_float("model_ms", 0.0,
-                   "Host time the training loop spends per step besides the "
-                   "global sum (a sleep standing in for a model step).")
+flags.DEFINE_float(
+  "model_ms",
+  0.0,
+  "Host time the training loop spends per step besides the "
+  "global sum (a sleep standing in for a model step).",
+)
 flags.DEFINE_integer("process_id", -1, "Internal: this process's index.")
 flags.DEFINE_integer("port", 0, "Internal: the coordinator's port.")
 
@@ -54,18 +57,25 @@ def _measure() -> dict:
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
-      f"127.0.0.1:{FLAGS.port}", num_processes=FLAGS.processes,
-      process_id=FLAGS.process_id, initialization_timeout=60)
+    f"127.0.0.1:{FLAGS.port}",
+    num_processes=FLAGS.processes,
+    process_id=FLAGS.process_id,
+    initialization_timeout=60,
+  )
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed.device import agreement  # pylint: disable=g-import-not-at-top
 
   steps = FLAGS.steps
   batch = {"x": np.ones((8, 16), np.float32), "y": np.ones(8, np.int32)}
-  report = {"process": jax.process_index(), "processes": jax.process_count(),
-            "model_ms": FLAGS.model_ms}
+  report = {
+    "process": jax.process_index(),
+    "processes": jax.process_count(),
+    "model_ms": FLAGS.model_ms,
+  }
 
   step_agreement = agreement.StepAgreement(
-      "stop_at_shortest", "bench/raw", agreement.distributed_client())
+    "stop_at_shortest", "bench/raw", agreement.distributed_client()
+  )
   for _ in range(50):
     step_agreement.step(batch)
   start = time.perf_counter()
@@ -74,6 +84,7 @@ def _measure() -> dict:
   report["agreement_us"] = (time.perf_counter() - start) / steps * 1e6
 
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   flag = np.ones(1, np.int32)
   for _ in range(20):
     multihost_utils.process_allgather(flag)
@@ -84,7 +95,8 @@ def _measure() -> dict:
 
   global_sum = jax.jit(lambda b: jnp.sum(b["x"]))
   dataset = jaxfeed.Dataset.from_tensor_slices(
-      {"x": np.ones((8 * (steps + 50), 16), np.float32)}).batch(8)
+    {"x": np.ones((8 * (steps + 50), 16), np.float32)}
+  ).batch(8)
   agreed_step = agreement.StepAgreement.step
   for mode in ("on", "off"):
     if mode == "off":  # The baseline: no agreement at all.
@@ -98,8 +110,7 @@ def _measure() -> dict:
           if FLAGS.model_ms:
             time.sleep(FLAGS.model_ms / 1000)
         seconds = time.perf_counter() - start
-      report[f"loader_step_us_prefetch{prefetch}_{mode}"] = (
-          seconds / steps * 1e6)
+      report[f"loader_step_us_prefetch{prefetch}_{mode}"] = seconds / steps * 1e6
   agreement.StepAgreement.step = agreed_step
   jax.distributed.shutdown()
   return report
@@ -115,12 +126,24 @@ def main(argv):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [_lifetime.popen(
-      [sys.executable, "-m", "benchmarks.end_of_input_cost",
-       f"--processes={FLAGS.processes}", f"--steps={FLAGS.steps}",
-       f"--model_ms={FLAGS.model_ms}",
-       f"--process_id={i}", f"--port={port}"], env=env, stdout=subprocess.PIPE, text=True)
-           for i in range(FLAGS.processes)]
+  procs = [
+    _lifetime.popen(
+      [
+        sys.executable,
+        "-m",
+        "benchmarks.end_of_input_cost",
+        f"--processes={FLAGS.processes}",
+        f"--steps={FLAGS.steps}",
+        f"--model_ms={FLAGS.model_ms}",
+        f"--process_id={i}",
+        f"--port={port}",
+      ],
+      env=env,
+      stdout=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(FLAGS.processes)
+  ]
   try:
     for i, proc in enumerate(procs):
       output, _ = proc.communicate(timeout=600)
@@ -128,8 +151,13 @@ def main(argv):
         if not line.startswith("{"):  # jax's own messages
           print(line, flush=True)
           continue
-        record.row({"workload": "end of input", "system": f"process {i} of {FLAGS.processes}",
-                    **json.loads(line)})
+        record.row(
+          {
+            "workload": "end of input",
+            "system": f"process {i} of {FLAGS.processes}",
+            **json.loads(line),
+          }
+        )
   finally:
     for proc in procs:
       if proc.poll() is None:

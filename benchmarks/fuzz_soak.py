@@ -34,8 +34,13 @@ FUZZ_DIR = REPO / "tests" / "fuzz"
 sys.path[:0] = [str(FUZZ_DIR), str(REPO / "tests" / "service")]
 
 # Share of the cases per in-process target: the cheap decoders get more.
-WEIGHTS = {"wire_frame": 0.35, "element_chunks": 0.25, "data_socket_client": 0.10,
-           "dataset_spec": 0.20, "journal_replay": 0.10}
+WEIGHTS = {
+  "wire_frame": 0.35,
+  "element_chunks": 0.25,
+  "data_socket_client": 0.10,
+  "dataset_spec": 0.20,
+  "journal_replay": 0.10,
+}
 BATCH = 20_000
 
 
@@ -56,10 +61,20 @@ def run_batch(row: Row, cases: int, seed: int, rlimit_mb: int, timeout_s: float)
   started = time.monotonic()
   try:
     result = _lifetime.run(
-        [sys.executable, str(FUZZ_DIR / "fuzz_targets.py"), f"--targets={row.target}",
-         f"--cases={cases}", f"--seed={seed}", f"--rlimit_mb={rlimit_mb}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout_s,
-        env=env)
+      [
+        sys.executable,
+        str(FUZZ_DIR / "fuzz_targets.py"),
+        f"--targets={row.target}",
+        f"--cases={cases}",
+        f"--seed={seed}",
+        f"--rlimit_mb={rlimit_mb}",
+      ],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      timeout=timeout_s,
+      env=env,
+    )
   except subprocess.TimeoutExpired:
     row.hangs += 1
     row.failures.append(f"batch seed {seed}: no result within {timeout_s:.0f} s")
@@ -68,8 +83,9 @@ def run_batch(row: Row, cases: int, seed: int, rlimit_mb: int, timeout_s: float)
     row.seconds += time.monotonic() - started
   if result.returncode != 0:
     row.crashes += 1
-    row.failures.append(f"batch seed {seed}: child exited {result.returncode}: "
-                        f"{result.stderr[-500:]}")
+    row.failures.append(
+      f"batch seed {seed}: child exited {result.returncode}: {result.stderr[-500:]}"
+    )
     return
   (stats,) = json.loads(result.stdout)
   row.cases += stats["cases"]
@@ -90,8 +106,9 @@ def run_servers(cases: int, seed: int) -> Row:
   row = Row("servers (dispatcher+worker)")
   started = time.monotonic()
   dispatcher = ServiceProcess("dispatcher", "--heartbeat_timeout_s=3")
-  worker = ServiceProcess("worker", f"--dispatcher_address={dispatcher.address}",
-                          "--heartbeat_interval_s=0.2")
+  worker = ServiceProcess(
+    "worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2"
+  )
   processes = (dispatcher, worker)
 
   def read_one_epoch() -> None:
@@ -137,13 +154,17 @@ def run_servers(cases: int, seed: int) -> Row:
 
 
 def print_table(rows: list[Row]) -> None:
-  print(f"\n{'target':<28} {'cases':>9} {'crashes':>8} {'hangs':>6} {'max RSS growth':>15} "
-        f"{'cases/s':>8}  errors by kind")
+  print(
+    f"\n{'target':<28} {'cases':>9} {'crashes':>8} {'hangs':>6} {'max RSS growth':>15} "
+    f"{'cases/s':>8}  errors by kind"
+  )
   for row in rows:
     errors = ", ".join(f"{kind}={n}" for kind, n in row.outcomes.most_common() if kind != "ok")
     rate = row.cases / row.seconds if row.seconds else 0.0
-    print(f"{row.target:<28} {row.cases:>9} {row.crashes:>8} {row.hangs:>6} "
-          f"{row.rss_growth_mb:>12.1f} MB {rate:>8.0f}  ok={row.outcomes['ok']}, {errors}")
+    print(
+      f"{row.target:<28} {row.cases:>9} {row.crashes:>8} {row.hangs:>6} "
+      f"{row.rss_growth_mb:>12.1f} MB {rate:>8.0f}  ok={row.outcomes['ok']}, {errors}"
+    )
   for row in rows:
     for failure in row.failures[:5]:
       print(f"  {row.target}: {failure}")
@@ -151,13 +172,22 @@ def print_table(rows: list[Row]) -> None:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--cases", type=int, default=100_000,
-                      help="in-process cases, shared among the decoder targets")
-  parser.add_argument("--server_cases", type=int, default=None,
-                      help="cases against the servers (default: cases / 200, 300 to 5000)")
+  parser.add_argument(
+    "--cases", type=int, default=100_000, help="in-process cases, shared among the decoder targets"
+  )
+  parser.add_argument(
+    "--server_cases",
+    type=int,
+    default=None,
+    help="cases against the servers (default: cases / 200, 300 to 5000)",
+  )
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--rlimit_mb", type=int, default=1024,
-                      help="address space each child may use beyond its start-up size")
+  parser.add_argument(
+    "--rlimit_mb",
+    type=int,
+    default=1024,
+    help="address space each child may use beyond its start-up size",
+  )
   parser.add_argument("--targets", default="", help="comma-separated; empty: all")
   args = parser.parse_args()
   names = [n for n in args.targets.split(",") if n] or list(WEIGHTS)
@@ -170,19 +200,36 @@ def main() -> int:
     total = max(1, round(args.cases * WEIGHTS[name] / sum(WEIGHTS[n] for n in names)))
     for batch, start in enumerate(range(0, total, BATCH)):
       cases = min(BATCH, total - start)
-      run_batch(row, cases, args.seed * 1_000_003 + index * 10_007 + batch, args.rlimit_mb,
-                timeout_s=120 + cases * 0.05)
-      print(f"{name}: {row.cases} cases, {row.crashes} crashes, {row.hangs} hangs",
-            file=sys.stderr, flush=True)
+      run_batch(
+        row,
+        cases,
+        args.seed * 1_000_003 + index * 10_007 + batch,
+        args.rlimit_mb,
+        timeout_s=120 + cases * 0.05,
+      )
+      print(
+        f"{name}: {row.cases} cases, {row.crashes} crashes, {row.hangs} hangs",
+        file=sys.stderr,
+        flush=True,
+      )
     rows.append(row)
   if server_cases:
     rows.append(run_servers(server_cases, args.seed))
   print_table(rows)
   for row in rows:
-    record.row({"workload": "fuzz", "system": row.target, "cases": row.cases,
-                "crashes": row.crashes, "hangs": row.hangs,
-                "rss_growth_mb": round(row.rss_growth_mb, 1), "seconds": round(row.seconds, 1),
-                "outcomes": dict(row.outcomes)}, echo=False)
+    record.row(
+      {
+        "workload": "fuzz",
+        "system": row.target,
+        "cases": row.cases,
+        "crashes": row.crashes,
+        "hangs": row.hangs,
+        "rss_growth_mb": round(row.rss_growth_mb, 1),
+        "seconds": round(row.seconds, 1),
+        "outcomes": dict(row.outcomes),
+      },
+      echo=False,
+    )
   return 1 if any(row.crashes or row.hangs for row in rows) else 0
 
 

@@ -25,6 +25,7 @@ def process_tree_cpu_s() -> float:
   """CPU seconds used so far by this process and its child processes (worker
   processes): those that ended and were reaped, and those that run."""
   import resource  # pylint: disable=import-outside-toplevel -- Unix only
+
   me = resource.getrusage(resource.RUSAGE_SELF)
   ended = resource.getrusage(resource.RUSAGE_CHILDREN)
   total = me.ru_utime + me.ru_stime + ended.ru_utime + ended.ru_stime
@@ -87,17 +88,23 @@ class PeakRSS:
     peak less its start) and, with others, `servers_peak_rss_mb` and
     `total_peak_rss_mb` (this process plus its servers)."""
     mib = lambda b: round(b / 2**20, 1)
-    result = {"peak_rss_mb": mib(self.peak_bytes),
-              "rss_growth_mb": mib(self.peak_bytes - self.start_bytes)}
+    result = {
+      "peak_rss_mb": mib(self.peak_bytes),
+      "rss_growth_mb": mib(self.peak_bytes - self.start_bytes),
+    }
     if self._others:
       result["servers_peak_rss_mb"] = mib(self.others_peak_bytes)
       result["total_peak_rss_mb"] = mib(self.total_peak_bytes)
     return result
 
 
-def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
-            epochs: int = 3, servers: Sequence[int] = (),
-            before_epoch: Callable[[], None] | None = None) -> dict:
+def measure(
+  make_epoch: Callable[[], Iterable],
+  count: Callable[[object], int],
+  epochs: int = 3,
+  servers: Sequence[int] = (),
+  before_epoch: Callable[[], None] | None = None,
+) -> dict:
   """Runs one warm-up and `epochs` timed epochs; returns rate and memory.
 
   Args:
@@ -145,25 +152,25 @@ def measure(make_epoch: Callable[[], Iterable], count: Callable[[object], int],
       if epoch:
         rates.append(items / elapsed)
   return {
-      "rate": statistics.median(rates),
-      "rates": [round(r, 1) for r in rates],
-      "items": items,
-      "first_batch_ms": round(statistics.median(firsts[1:]) * 1e3, 1),
-      "first_batch_ms_warmup": round(firsts[0] * 1e3, 1),
-      "last_batch_to_end_ms": round(statistics.median(tails[1:]) * 1e3, 1),
-      **rss.report(),
+    "rate": statistics.median(rates),
+    "rates": [round(r, 1) for r in rates],
+    "items": items,
+    "first_batch_ms": round(statistics.median(firsts[1:]) * 1e3, 1),
+    "first_batch_ms_warmup": round(firsts[0] * 1e3, 1),
+    "last_batch_to_end_ms": round(statistics.median(tails[1:]) * 1e3, 1),
+    **rss.report(),
   }
 
 
-def report(workload: str, results: dict[str, dict], unit: str,
-           extra: dict[str, dict] | None = None) -> list[dict]:
+def report(
+  workload: str, results: dict[str, dict], unit: str, extra: dict[str, dict] | None = None
+) -> list[dict]:
   """Prints one JSON line per system; jaxfeed rows get `ratio_vs_best_peer`."""
   peers = {k: v["rate"] for k, v in results.items() if not k.startswith("jaxfeed")}
   best_peer = max(peers.items(), key=lambda kv: kv[1]) if peers else None
   lines = []
   for system, result in results.items():
-    line = {"workload": workload, "system": system, "unit": unit,
-            "rate": round(result["rate"], 1)}
+    line = {"workload": workload, "system": system, "unit": unit, "rate": round(result["rate"], 1)}
     line.update({k: v for k, v in result.items() if k != "rate"})
     line.update((extra or {}).get(system, {}))
     if system.startswith("jaxfeed") and best_peer:

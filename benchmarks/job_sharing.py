@@ -70,8 +70,12 @@ def calibrate(cost_us: float) -> int:
 def pipeline(records: int):
   import jaxfeed
   from benchmarks import job_sharing  # an importable path for the workers
-  return (jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"i": np.arange(records)}))
-          .map(job_sharing.preprocess).batch(BATCH))
+
+  return (
+    jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"i": np.arange(records)}))
+    .map(job_sharing.preprocess)
+    .batch(BATCH)
+  )
 
 
 def _workers_cpu_s(pids: list[int]) -> float:
@@ -82,8 +86,9 @@ def _workers_cpu_s(pids: list[int]) -> float:
   return total
 
 
-def run_jobs(dataset, address: str, jobs: int, share: bool, worker_pids: list[int],
-             tag: str) -> dict:
+def run_jobs(
+  dataset, address: str, jobs: int, share: bool, worker_pids: list[int], tag: str
+) -> dict:
   """`jobs` concurrent jobs, one epoch each: per-job rates and worker CPU."""
   barrier = threading.Barrier(jobs)
   seconds: list[float] = [0.0] * jobs
@@ -140,17 +145,24 @@ def main() -> None:
         for jobs in job_counts:
           result = run_jobs(dataset, address, jobs, share, worker_pids, f"{jobs}")
           total = sum(result["records"])
-          record.row({
-              "workload": WORKLOAD, "system": "jaxfeed service",
+          record.row(
+            {
+              "workload": WORKLOAD,
+              "system": "jaxfeed service",
               "mode": "ephemeral sharing" if share else "no sharing",
-              "way": f"{jobs} jobs", "jobs": jobs, "workers": args.workers,
+              "way": f"{jobs} jobs",
+              "jobs": jobs,
+              "workers": args.workers,
               "unit": "records/s per job",
               "rate": round(statistics.median(result["rates"]), 1),
               "slowest_job_rate": round(min(result["rates"]), 1),
               "vs_one_job": round(statistics.median(result["rates"]) / one_rate, 3),
               "worker_cpu_ms_per_record_read": round(1e3 * result["worker_cpu_s"] / total, 3),
               "computations_per_record": round(result["worker_cpu_s"] / one_cpu, 2),
-              "records_per_job": args.records, "cost_us": args.cost_us})
+              "records_per_job": args.records,
+              "cost_us": args.cost_us,
+            }
+          )
   finally:
     harness.stop_processes(procs)
 

@@ -33,40 +33,47 @@ from benchmarks import record
 def make_records(count: int) -> list[bytes]:
   """`count` typical Examples (random payloads, fixed layout)."""
   import jaxfeed
+
   rng = np.random.default_rng(0)
-  return [jaxfeed.make_example({
-      "image/encoded": rng.bytes(20_000),
-      "image/class/label": int(rng.integers(1000)),
-      "image/object/bbox": rng.random(4).astype(np.float32),
-      "image/object/class": rng.integers(0, 1000, 10),
-      "image/filename": f"n{i:08d}.JPEG",
-  }) for i in range(count)]
+  return [
+    jaxfeed.make_example(
+      {
+        "image/encoded": rng.bytes(20_000),
+        "image/class/label": int(rng.integers(1000)),
+        "image/object/bbox": rng.random(4).astype(np.float32),
+        "image/object/class": rng.integers(0, 1000, 10),
+        "image/filename": f"n{i:08d}.JPEG",
+      }
+    )
+    for i in range(count)
+  ]
 
 
 def jaxfeed_features() -> dict:
   import jaxfeed
+
   return {
-      "image/encoded": jaxfeed.FixedLenFeature([], bytes),
-      "image/class/label": jaxfeed.FixedLenFeature([], np.int64),
-      "image/object/bbox": jaxfeed.FixedLenFeature([4], np.float32),
-      "image/object/class": jaxfeed.VarLenFeature(np.int64),
-      "image/filename": jaxfeed.FixedLenFeature([], bytes),
+    "image/encoded": jaxfeed.FixedLenFeature([], bytes),
+    "image/class/label": jaxfeed.FixedLenFeature([], np.int64),
+    "image/object/bbox": jaxfeed.FixedLenFeature([4], np.float32),
+    "image/object/class": jaxfeed.VarLenFeature(np.int64),
+    "image/filename": jaxfeed.FixedLenFeature([], bytes),
   }
 
 
 def tf_features() -> dict:
   import tensorflow as tf
+
   return {
-      "image/encoded": tf.io.FixedLenFeature([], tf.string),
-      "image/class/label": tf.io.FixedLenFeature([], tf.int64),
-      "image/object/bbox": tf.io.FixedLenFeature([4], tf.float32),
-      "image/object/class": tf.io.VarLenFeature(tf.int64),
-      "image/filename": tf.io.FixedLenFeature([], tf.string),
+    "image/encoded": tf.io.FixedLenFeature([], tf.string),
+    "image/class/label": tf.io.FixedLenFeature([], tf.int64),
+    "image/object/bbox": tf.io.FixedLenFeature([4], tf.float32),
+    "image/object/class": tf.io.VarLenFeature(tf.int64),
+    "image/filename": tf.io.FixedLenFeature([], tf.string),
   }
 
 
-def best_us_per_record(run, records: int, repeats: int,
-                       clock=time.perf_counter) -> float:
+def best_us_per_record(run, records: int, repeats: int, clock=time.perf_counter) -> float:
   run()  # warm-up
   best = float("inf")
   for _ in range(repeats):
@@ -84,13 +91,14 @@ def main() -> None:
   args = parser.parse_args()
   import jaxfeed
   import tensorflow as tf
+
   records = make_records(args.records)
-  batches = [records[i:i + args.batch]
-             for i in range(0, len(records), args.batch)]
+  batches = [records[i : i + args.batch] for i in range(0, len(records), args.batch)]
   features, specs = jaxfeed_features(), tf_features()
   tf_batches = [tf.constant(batch) for batch in batches]
   dataset = tf.data.Dataset.from_tensor_slices(tf.constant(records)).map(
-      lambda r: tf.io.parse_single_example(r, specs))
+    lambda r: tf.io.parse_single_example(r, specs)
+  )
 
   def jaxfeed_single():
     for serialized in records:
@@ -109,22 +117,25 @@ def main() -> None:
       pass
 
   n = len(records)
-  runs = (("jaxfeed-single", jaxfeed_single), ("jaxfeed-batch", jaxfeed_batch),
-          ("tf-batch", tf_batch), ("tf-single-graph", tf_single_graph))
+  runs = (
+    ("jaxfeed-single", jaxfeed_single),
+    ("jaxfeed-batch", jaxfeed_batch),
+    ("tf-batch", tf_batch),
+    ("tf-single-graph", tf_single_graph),
+  )
   result = {}
-  for clock_name, clock in (("", time.perf_counter),
-                            ("cpu_", time.process_time)):
+  for clock_name, clock in (("", time.perf_counter), ("cpu_", time.process_time)):
     for name, run in runs:
-      result[clock_name + name] = best_us_per_record(run, n, args.repeats,
-                                                     clock)
+      result[clock_name + name] = best_us_per_record(run, n, args.repeats, clock)
     result[clock_name + "ratio_batch_vs_tf-batch"] = round(
-        result[clock_name + "tf-batch"] / result[clock_name + "jaxfeed-batch"],
-        3)
+      result[clock_name + "tf-batch"] / result[clock_name + "jaxfeed-batch"], 3
+    )
     result[clock_name + "ratio_single_vs_tf-single-graph"] = round(
-        result[clock_name + "tf-single-graph"]
-        / result[clock_name + "jaxfeed-single"], 3)
-  record.row({"workload": "parse_example", "unit": "us/record",
-              "records": n, "batch": args.batch, **result})
+      result[clock_name + "tf-single-graph"] / result[clock_name + "jaxfeed-single"], 3
+    )
+  record.row(
+    {"workload": "parse_example", "unit": "us/record", "records": n, "batch": args.batch, **result}
+  )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,15 @@ RESULTS_DIR = REPO / "benchmarks" / "results"
 ENV_DIR = "JAXFEED_BENCHMARK_RESULTS"
 # Written by `benchmarks.report` and by benchmark runs: a checkout that differs
 # from its commit only here still runs exactly the commit's code.
-OUTPUTS = ("benchmarks/results", "README.md", "docs/benchmarks.md", "docs/images/benchmarks",
-           "docs/dispatcher_scale.md", "docs/llm_text.md", "docs/concepts/coordinated_reads.md")
+OUTPUTS = (
+  "benchmarks/results",
+  "README.md",
+  "docs/benchmarks.md",
+  "docs/images/benchmarks",
+  "docs/dispatcher_scale.md",
+  "docs/llm_text.md",
+  "docs/concepts/coordinated_reads.md",
+)
 VERSIONS = ("jax", "jaxlib", "numpy", "tensorflow-cpu", "grain")
 
 _current: list["Run"] = []
@@ -53,8 +60,9 @@ def results_dir() -> pathlib.Path:
 
 def _git(*args: str) -> str:
   try:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                          check=True, timeout=30).stdout.strip()
+    return subprocess.run(
+      ["git", *args], cwd=REPO, capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return ""
 
@@ -62,8 +70,14 @@ def _git(*args: str) -> str:
 def commit() -> dict:
   """HEAD's hash and whether tracked files other than the outputs differ."""
   head = _git("rev-parse", "HEAD")
-  changed = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                 *(f":(exclude){path}" for path in OUTPUTS))
+  changed = _git(
+    "status",
+    "--porcelain",
+    "--untracked-files=no",
+    "--",
+    ".",
+    *(f":(exclude){path}" for path in OUTPUTS),
+  )
   return {"commit": head or "unknown", "dirty": bool(changed) if head else None}
 
 
@@ -84,8 +98,13 @@ def machine() -> dict:
   memory_gib = None
   if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
     memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-  return {"cores": cores, "cpus_online": os.cpu_count(), "cpu_model": _cpu_model(),
-          "memory_gib": memory_gib, "system": f"{platform.system()} {platform.machine()}"}
+  return {
+    "cores": cores,
+    "cpus_online": os.cpu_count(),
+    "cpu_model": _cpu_model(),
+    "memory_gib": memory_gib,
+    "system": f"{platform.system()} {platform.machine()}",
+  }
 
 
 def load_average() -> list[float]:
@@ -118,9 +137,13 @@ class Run:
     self.benchmark = benchmark
     self.rows: list[dict] = []
     self.context = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": command(), **commit(), "machine": machine(),
-        "load_average_start": load_average(), "versions": versions()}
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+      "command": command(),
+      **commit(),
+      "machine": machine(),
+      "load_average_start": load_average(),
+      "versions": versions(),
+    }
     if os.environ.get("XLA_FLAGS"):
       self.context["xla_flags"] = os.environ["XLA_FLAGS"]
 
@@ -212,6 +235,7 @@ def _ordered(line: dict) -> dict:
 def dumps(data: dict) -> str:
   """JSON with one row per line, each beginning with what it measured: a
   rerun's diff is the rows that changed."""
+
   def one(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
@@ -220,12 +244,16 @@ def dumps(data: dict) -> str:
     lines.append("  {")
     lines.append('   "context": {')
     context = sorted(entry["context"].items())
-    lines += [f"    {one(k)}: {one(v)}{',' if j < len(context) - 1 else ''}"
-              for j, (k, v) in enumerate(context)]
+    lines += [
+      f"    {one(k)}: {one(v)}{',' if j < len(context) - 1 else ''}"
+      for j, (k, v) in enumerate(context)
+    ]
     lines.append("   },")
     lines.append('   "rows": [')
-    lines += [f"    {json.dumps(_ordered(line))}{',' if j < len(entry['rows']) - 1 else ''}"
-              for j, line in enumerate(entry["rows"])]
+    lines += [
+      f"    {json.dumps(_ordered(line))}{',' if j < len(entry['rows']) - 1 else ''}"
+      for j, line in enumerate(entry["rows"])
+    ]
     lines.append("   ]")
     lines.append("  }" + ("," if i < len(data["runs"]) - 1 else ""))
   lines += [" ]", "}", ""]

@@ -34,8 +34,11 @@ REPO = record.REPO
 README = REPO / "README.md"
 DOCS_PAGE = REPO / "docs" / "benchmarks.md"
 PLOTS_DIR = REPO / "docs" / "images" / "benchmarks"
-_BLOCK = re.compile(r"(<!-- benchmarks\.report: (?P<name>[\w-]+) -->\n)(.*?)"
-                    r"(<!-- end benchmarks\.report: (?P=name) -->)", re.S)
+_BLOCK = re.compile(
+  r"(<!-- benchmarks\.report: (?P<name>[\w-]+) -->\n)(.*?)"
+  r"(<!-- end benchmarks\.report: (?P=name) -->)",
+  re.S,
+)
 
 
 def replace_blocks(text: str, blocks: dict[str, str], where: str) -> str:
@@ -46,29 +49,36 @@ def replace_blocks(text: str, blocks: dict[str, str], where: str) -> str:
   unknown = sorted(set(found) - set(blocks))
   if missing or unknown:
     raise ValueError(
-        f"{where}: generated blocks {missing} have no markers, blocks {unknown} are unknown; "
-        f"mark each with '<!-- benchmarks.report: NAME -->' ... "
-        f"'<!-- end benchmarks.report: NAME -->' (names: {sorted(blocks)}).")
+      f"{where}: generated blocks {missing} have no markers, blocks {unknown} are unknown; "
+      f"mark each with '<!-- benchmarks.report: NAME -->' ... "
+      f"'<!-- end benchmarks.report: NAME -->' (names: {sorted(blocks)})."
+    )
   return _BLOCK.sub(lambda m: m.group(1) + blocks[m.group("name")] + m.group(4), text)
 
 
 def readme_table(results: report_rows.Results) -> str:
-  rows = [[h.workload, h.jaxfeed, h.peer, h.ratio, h.measured]
-          for h in report_rows.headlines(results, readme=True)]
+  rows = [
+    [h.workload, h.jaxfeed, h.peer, h.ratio, h.measured]
+    for h in report_rows.headlines(results, readme=True)
+  ]
   if not rows:
     return "No runs recorded yet: see [benchmarks](docs/benchmarks.md).\n"
   return table(["workload", "jaxfeed", "best peer", "ratio", "measured"], rows)
 
 
 def _headline_docs(results: report_rows.Results) -> str:
-  rows = [[h.workload, h.jaxfeed, h.peer, h.ratio, h.target, h.measured, h.commands]
-          for h in report_rows.headlines(results, readme=False)]
+  rows = [
+    [h.workload, h.jaxfeed, h.peer, h.ratio, h.target, h.measured, h.commands]
+    for h in report_rows.headlines(results, readme=False)
+  ]
   missing = report_rows.not_recorded(results)
-  text = table(["workload", "jaxfeed", "best peer", "ratio", "target", "measured", "rerun"],
-               rows)
+  text = table(["workload", "jaxfeed", "best peer", "ratio", "target", "measured", "rerun"], rows)
   if missing:
-    text += ("\nNot recorded yet (run the command, then `python -m benchmarks.report`): "
-             + "; ".join(f"{name}: `{command}`" for name, command in missing) + ".\n")
+    text += (
+      "\nNot recorded yet (run the command, then `python -m benchmarks.report`): "
+      + "; ".join(f"{name}: `{command}`" for name, command in missing)
+      + ".\n"
+    )
   return text
 
 
@@ -90,13 +100,20 @@ def _plots_docs(plots: dict[str, str]) -> str:
   return "\n".join(f"![{title}](images/benchmarks/{name})\n" for name, title in plots.items())
 
 
-def render(results: report_rows.Results, readme: str, docs: str,
-           plot_titles: dict[str, str]) -> tuple[str, str]:
+def render(
+  results: report_rows.Results, readme: str, docs: str, plot_titles: dict[str, str]
+) -> tuple[str, str]:
   """The README and the docs page with their generated blocks filled in."""
   readme = replace_blocks(readme, {"results": readme_table(results)}, "README.md")
-  docs = replace_blocks(docs, {"headline": _headline_docs(results),
-                               "plots": _plots_docs(plot_titles),
-                               "runs": _runs_docs(results)}, "docs/benchmarks.md")
+  docs = replace_blocks(
+    docs,
+    {
+      "headline": _headline_docs(results),
+      "plots": _plots_docs(plot_titles),
+      "runs": _runs_docs(results),
+    },
+    "docs/benchmarks.md",
+  )
   return readme, docs
 
 
@@ -121,8 +138,9 @@ def outputs(results: report_rows.Results, plots: bool = True) -> list[Output]:
       images[name], titles[name] = svg, title
   else:  # the page names the same plots
     titles = report_plots.titles(results)
-  readme, docs = render(results, README.read_text(encoding="utf-8"),
-                        DOCS_PAGE.read_text(encoding="utf-8"), titles)
+  readme, docs = render(
+    results, README.read_text(encoding="utf-8"), DOCS_PAGE.read_text(encoding="utf-8"), titles
+  )
   found = [Output(README, readme.encode()), Output(DOCS_PAGE, docs.encode())]
   for page in report_pages.PAGES:
     text = render_page(results, page, (REPO / page).read_text(encoding="utf-8"))
@@ -146,8 +164,13 @@ def _code(source: str) -> str:
     return source
   for node in ast.walk(tree):
     body = getattr(node, "body", None)
-    if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
-        and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+    if (
+      isinstance(body, list)
+      and body
+      and isinstance(body[0], ast.Expr)
+      and isinstance(body[0].value, ast.Constant)
+      and isinstance(body[0].value.value, str)
+    ):
       body[0] = ast.Pass()
   return ast.dump(tree)
 
@@ -156,11 +179,13 @@ def _same_code(commit: str, path: str) -> bool:
   """Whether `path` at `commit` runs the same code as at HEAD."""
   if not path.endswith(".py"):
     return False
-  old, new = (subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO,
-                             capture_output=True, text=True, check=False)
-              for rev in (commit, "HEAD"))
-  return (old.returncode == 0 and new.returncode == 0
-          and _code(old.stdout) == _code(new.stdout))
+  old, new = (
+    subprocess.run(
+      ["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    for rev in (commit, "HEAD")
+  )
+  return old.returncode == 0 and new.returncode == 0 and _code(old.stdout) == _code(new.stdout)
 
 
 def stale(results: report_rows.Results) -> list[str]:
@@ -171,34 +196,58 @@ def stale(results: report_rows.Results) -> list[str]:
   notes = []
   for commit in sorted(results.commits()):
     changed = subprocess.run(
-        ["git", "diff", "--name-only", commit, "HEAD", "--", "jaxfeed", "benchmarks",
-         ":(exclude)benchmarks/results", ":(exclude)benchmarks/report*.py",
-         ":(exclude)benchmarks/record.py"],
-        cwd=REPO, capture_output=True, text=True, check=False).stdout.split()
+      [
+        "git",
+        "diff",
+        "--name-only",
+        commit,
+        "HEAD",
+        "--",
+        "jaxfeed",
+        "benchmarks",
+        ":(exclude)benchmarks/results",
+        ":(exclude)benchmarks/report*.py",
+        ":(exclude)benchmarks/record.py",
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      check=False,
+    ).stdout.split()
     changed = [path for path in changed if not _same_code(commit, path)]
     if changed:
       where = sorted({"/".join(path.split("/")[:2]) for path in changed})
-      notes.append(f"runs at {commit[:7]}: {len(changed)} files changed since, in "
-                   f"{', '.join(where)}; rerun the runs that use them")
+      notes.append(
+        f"runs at {commit[:7]}: {len(changed)} files changed since, in "
+        f"{', '.join(where)}; rerun the runs that use them"
+      )
   return notes
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--check", action="store_true",
-                      help="write nothing; exit 1 when a file differs from what it renders")
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="write nothing; exit 1 when a file differs from what it renders",
+  )
   parser.add_argument("--no-plots", action="store_true", help="tables only, no matplotlib")
-  parser.add_argument("--results", type=pathlib.Path, default=None,
-                      help="the results folder (default: $JAXFEED_BENCHMARK_RESULTS or "
-                      "benchmarks/results)")
+  parser.add_argument(
+    "--results",
+    type=pathlib.Path,
+    default=None,
+    help="the results folder (default: $JAXFEED_BENCHMARK_RESULTS or benchmarks/results)",
+  )
   args = parser.parse_args(argv)
   results = report_rows.Results.load(args.results)
   differ = []
   written = outputs(results, plots=not args.no_plots)
   if not args.no_plots:
     for path in leftovers(written):
-      print(f"{path.relative_to(REPO)}: no longer drawn" + ("" if args.check else "; removed"),
-            file=sys.stderr)
+      print(
+        f"{path.relative_to(REPO)}: no longer drawn" + ("" if args.check else "; removed"),
+        file=sys.stderr,
+      )
       if args.check:
         differ.append(path.relative_to(REPO))
       else:

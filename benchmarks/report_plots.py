@@ -13,13 +13,15 @@ from benchmarks import report_rows
 Results = report_rows.Results
 
 # (workload title, benchmark, workload) of the bar charts.
-BARS = (("W1 per element, images/s", "w1_per_element", "W1 per-element"),
-        ("W2, elements/s", "run", "W2"),
-        ("W3a bucketing, sequences/s", "run", "W3-bucketing"),
-        ("W3b packing, sequences/s", "run", "W3-packing"),
-        ("W4 through the service, images/s", "w4_service", "W4"),
-        ("W7 JPEG Examples, images/s", "w7_images", "W7"),
-        ("W8 text, tokens/s", "w8_text", "W8"))
+BARS = (
+  ("W1 per element, images/s", "w1_per_element", "W1 per-element"),
+  ("W2, elements/s", "run", "W2"),
+  ("W3a bucketing, sequences/s", "run", "W3-bucketing"),
+  ("W3b packing, sequences/s", "run", "W3-packing"),
+  ("W4 through the service, images/s", "w4_service", "W4"),
+  ("W7 JPEG Examples, images/s", "w7_images", "W7"),
+  ("W8 text, tokens/s", "w8_text", "W8"),
+)
 
 
 def _file_name(workload: str) -> str:
@@ -27,34 +29,41 @@ def _file_name(workload: str) -> str:
 
 
 def _bars(results: Results, benchmark: str, workload: str) -> list[tuple[str, float]]:
-  return [(line["system"], float(line["rate"]))
-          for line, _ in results.rows(benchmark, workload)
-          if isinstance(line.get("rate"), (int, float)) and "system" in line]
+  return [
+    (line["system"], float(line["rate"]))
+    for line, _ in results.rows(benchmark, workload)
+    if isinstance(line.get("rate"), (int, float)) and "system" in line
+  ]
 
 
 def _dispatcher(results: Results) -> list[dict]:
-  return sorted((line for line, _ in results.rows("dispatcher_scale", "dispatcher scale")),
-                key=lambda line: (line["workers"], line["clients"]))
+  return sorted(
+    (line for line, _ in results.rows("dispatcher_scale", "dispatcher scale")),
+    key=lambda line: (line["workers"], line["clients"]),
+  )
 
 
 def _w4t(results: Results) -> list[tuple[str, list[float]]]:
   series = []
   for workers in (1, 2):
     found = results.get("w4_service", "W4t", f"jaxfeed service ({workers} workers)")
-    vs = results.get("w4_service", "W4t",
-                     f"jaxfeed service ({workers} workers) vs plain socket")
+    vs = results.get("w4_service", "W4t", f"jaxfeed service ({workers} workers) vs plain socket")
     if found and vs:
       workers_text = f"{workers} worker{'s' * (workers > 1)}"
       series.append((f"jaxfeed service, {workers_text}", found[0]["rates"]))
-      series.append((f"plain socket, right before each {workers_text} epoch",
-                     vs[0]["socket_rates"]))
+      series.append(
+        (f"plain socket, right before each {workers_text} epoch", vs[0]["socket_rates"])
+      )
   return series
 
 
 def titles(results: Results) -> dict[str, str]:
   """File name -> title of every plot the results make."""
-  found = {_file_name(workload): title for title, benchmark, workload in BARS
-           if _bars(results, benchmark, workload)}
+  found = {
+    _file_name(workload): title
+    for title, benchmark, workload in BARS
+    if _bars(results, benchmark, workload)
+  }
   if _dispatcher(results):
     found["dispatcher_scale.svg"] = "The dispatcher's p99 latency and CPU as the pod grows"
   if _w4t(results):
@@ -66,15 +75,22 @@ def _figure(draw: Callable) -> bytes:
   # Here, not at the top: pyplot takes seconds to import (3.6 s at load 20
   # on 2 cores), and the tables, `--no-plots` and the test need none of it.
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=import-outside-toplevel
-  with matplotlib.rc_context({"svg.hashsalt": "jaxfeed", "svg.fonttype": "none",
-                              "font.size": 9, "axes.spines.top": False,
-                              "axes.spines.right": False}):
+
+  with matplotlib.rc_context(
+    {
+      "svg.hashsalt": "jaxfeed",
+      "svg.fonttype": "none",
+      "font.size": 9,
+      "axes.spines.top": False,
+      "axes.spines.right": False,
+    }
+  ):
     figure = draw(pyplot)
     out = io.StringIO()
-    figure.savefig(out, format="svg", bbox_inches="tight",
-                   metadata={"Date": None, "Creator": None})
+    figure.savefig(out, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
     pyplot.close(figure)
   return out.getvalue().encode()
 
@@ -85,16 +101,24 @@ def _bar_chart(title: str, bars: list[tuple[str, float]]) -> Callable:
     names = [name for name, _ in bars][::-1]
     values = [value for _, value in bars][::-1]
     # jaxfeed, the peers, and references (limits, a plain socket) lighter.
-    colors = ["#1f77b4" if name.startswith("jaxfeed") else "#808080"
-              if name.startswith(tuple(report_rows.PEER_NAMES)) else "#c8c8c8" for name in names]
+    colors = [
+      "#1f77b4"
+      if name.startswith("jaxfeed")
+      else "#808080"
+      if name.startswith(tuple(report_rows.PEER_NAMES))
+      else "#c8c8c8"
+      for name in names
+    ]
     axes.barh(names, values, color=colors)
     if max(values) / max(min(values), 1e-9) > 50:
       axes.set_xscale("log")
     for y, value in enumerate(values):
-      axes.annotate(report_rows.rate(value), (value, y), xytext=(3, 0),
-                    textcoords="offset points", va="center")
+      axes.annotate(
+        report_rows.rate(value), (value, y), xytext=(3, 0), textcoords="offset points", va="center"
+      )
     axes.set_title(title, loc="left")
     return figure
+
   return draw
 
 
@@ -104,8 +128,12 @@ def _dispatcher_chart(lines: list[dict]) -> Callable:
     workers = [line["workers"] for line in lines]
     kinds = sorted({kind for line in lines for kind in line["latency_ms"]})
     for kind in kinds:
-      latency.plot(workers, [line["latency_ms"].get(kind, {}).get("p99") for line in lines],
-                   marker="o", label=kind)
+      latency.plot(
+        workers,
+        [line["latency_ms"].get(kind, {}).get("p99") for line in lines],
+        marker="o",
+        label=kind,
+      )
     for axes in (latency, cpu):
       axes.set_xscale("log", base=2)
       axes.set_xticks(workers, [str(w) for w in workers])
@@ -121,6 +149,7 @@ def _dispatcher_chart(lines: list[dict]) -> Callable:
     cpu.set_ylim(bottom=0)
     figure.tight_layout()
     return figure
+
   return draw
 
 
@@ -128,8 +157,14 @@ def _w4t_chart(series: list[tuple[str, list[float]]]) -> Callable:
   def draw(pyplot):
     figure, axes = pyplot.subplots(figsize=(6.4, 3.2))
     for index, (name, rates) in enumerate(series):  # a service and its socket: one color
-      axes.plot(range(1, len(rates) + 1), rates, marker="o", color=f"C{index // 2}",
-                linestyle="--" if name.startswith("plain") else "-", label=name)
+      axes.plot(
+        range(1, len(rates) + 1),
+        rates,
+        marker="o",
+        color=f"C{index // 2}",
+        linestyle="--" if name.startswith("plain") else "-",
+        label=name,
+      )
     axes.set_title("W4t, MB/s: each service epoch and the socket epoch before it", loc="left")
     axes.set_xlabel("timed epoch")
     axes.set_ylabel("MB/s")
@@ -137,6 +172,7 @@ def _w4t_chart(series: list[tuple[str, list[float]]]) -> Callable:
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.legend(fontsize=7)
     return figure
+
   return draw
 
 
@@ -149,8 +185,10 @@ def render(results: Results) -> dict[str, tuple[str, bytes]]:
     if name in names:
       out[name] = (names[name], _figure(_bar_chart(title, _bars(results, benchmark, workload))))
   if "dispatcher_scale.svg" in names:
-    out["dispatcher_scale.svg"] = (names["dispatcher_scale.svg"],
-                                   _figure(_dispatcher_chart(_dispatcher(results))))
+    out["dispatcher_scale.svg"] = (
+      names["dispatcher_scale.svg"],
+      _figure(_dispatcher_chart(_dispatcher(results))),
+    )
   if "w4t_epochs.svg" in names:
     out["w4t_epochs.svg"] = (names["w4t_epochs.svg"], _figure(_w4t_chart(_w4t(results))))
   return out

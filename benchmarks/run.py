@@ -31,13 +31,20 @@ from benchmarks import workloads  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("workloads", ["W1", "W2", "W3", "W5"], "Workloads to run.")
-flags.DEFINE_list("systems", ["jaxfeed", "tf.data", "grain"],
-                  "Systems to run (peers are skipped when not installed).")
+flags.DEFINE_list(
+  "systems",
+  ["jaxfeed", "tf.data", "grain"],
+  "Systems to run (peers are skipped when not installed).",
+)
 flags.DEFINE_integer("epochs", 3, "Timed epochs after one warm-up epoch.")
 flags.DEFINE_float("scale", 1.0, "Fraction of each workload's records (for smoke runs).")
 
-RUNNERS = {"W1": workloads.run_w1, "W2": workloads.run_w2, "W3": workloads.run_w3,
-           "W5": w5_placement.run_w5}
+RUNNERS = {
+  "W1": workloads.run_w1,
+  "W2": workloads.run_w2,
+  "W3": workloads.run_w3,
+  "W5": w5_placement.run_w5,
+}
 
 
 def _installed(module: str) -> bool:
@@ -62,8 +69,7 @@ def main(argv: list[str]) -> None:
   for workload in FLAGS.workloads:
     runner = RUNNERS.get(workload)
     if runner is None:
-      raise app.UsageError(
-          f"--workloads: unknown workload {workload!r}; known: {sorted(RUNNERS)}")
+      raise app.UsageError(f"--workloads: unknown workload {workload!r}; known: {sorted(RUNNERS)}")
     runner(systems, epochs, FLAGS.scale)
 
 

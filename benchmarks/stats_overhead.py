@@ -70,10 +70,12 @@ IDLE_WAIT_S = 30.0
 
 def _busy_cores(seconds: float) -> float:
   """Cores that processes other than this one kept busy over `seconds`."""
+
   def read() -> tuple[float, float, float]:
     with open("/proc/stat", encoding="ascii") as f:
       ticks = [int(v) for v in f.readline().split()[1:]]
     return sum(ticks), ticks[3] + ticks[4], time.process_time()
+
   total, idle, cpu = read()
   time.sleep(seconds)
   total2, idle2, cpu2 = read()
@@ -94,12 +96,14 @@ def _wait_idle(cores: float) -> bool:
 
 def _w1(data, per_element: bool, stats: bool):
   import jaxfeed
+
   ds = workloads._w1_jaxfeed(data, batched=not per_element)  # pylint: disable=protected-access
   return ds.with_options(jaxfeed.Options(stats=stats))
 
 
 def _w2(n: int, per_element: bool, stats: bool):
   import jaxfeed
+
   ds = jaxfeed.Dataset.range(n).map(workloads.add_one, batched=not per_element).batch(1024)
   return ds.with_options(jaxfeed.Options(stats=stats))
 
@@ -115,6 +119,7 @@ def _backend(iterator) -> str | None:
 def _end_sampler() -> None:
   """Makes the lingering sampling thread end now, and waits until it has."""
   from jaxfeed.ops import op_stats
+
   linger, op_stats.LINGER_S = op_stats.LINGER_S, 0.0
   try:
     deadline = time.monotonic() + 30
@@ -124,12 +129,14 @@ def _end_sampler() -> None:
     op_stats.LINGER_S = linger
 
 
-def _sample(make, count, min_seconds: float, backends: collections.Counter
-            ) -> tuple[float, float, float, float]:
+def _sample(
+  make, count, min_seconds: float, backends: collections.Counter
+) -> tuple[float, float, float, float]:
   """Runs epochs for at least `min_seconds`; returns items per second, items
   per CPU second (this process, all threads), the sampling thread's share of
   that CPU and its looks per second."""
   from jaxfeed.ops import op_stats
+
   items = 0
   start, cpu_start = time.perf_counter(), time.process_time()
   sampler_start, samples_start = op_stats.sampler_cpu_seconds(), op_stats.samples_taken()
@@ -156,10 +163,19 @@ def _quartiles(values: list[float]) -> list[float]:
   return [q[0], q[1], q[2]]
 
 
-def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
-            amplify: int = 0, wait_idle: float | None = None) -> dict:
+def measure(
+  name: str,
+  make,
+  count,
+  unit: str,
+  rounds: int,
+  min_seconds: float,
+  amplify: int = 0,
+  wait_idle: float | None = None,
+) -> dict:
   """One row: `make(stats)` builds the workload's dataset."""
   from jaxfeed.ops import op_stats
+
   arms = ["on", "off"] + (["amplified"] if amplify else [])
   rates = {arm: [] for arm in arms}
   cpu_rates = {arm: [] for arm in arms}
@@ -177,8 +193,12 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
     op_stats.SAMPLE_INTERVAL_S = default_interval / amplify if amplified else default_interval
     op_stats.MAX_CPU_SHARE = 1.0 if amplified else default_cap
     try:
-      result = _sample(lambda: make(arm != "off"), count, min_seconds,
-                       backends[arm] if record else collections.Counter())
+      result = _sample(
+        lambda: make(arm != "off"),
+        count,
+        min_seconds,
+        backends[arm] if record else collections.Counter(),
+      )
     finally:
       op_stats.SAMPLE_INTERVAL_S, op_stats.MAX_CPU_SHARE = default_interval, default_cap
     if record:
@@ -202,19 +222,21 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
 
   pair = [1 - on / off for on, off in zip(rates["on"], rates["off"])]
   line = {
-      "workload": name, "unit": unit,
-      "stats_on": round(statistics.median(rates["on"]), 1),
-      "stats_off": round(statistics.median(rates["off"]), 1),
-      "overhead": round(overhead(rates), 4),
-      "overhead_per_round_q1_median_q3": [round(q, 4) for q in _quartiles(pair)],
-      "per_cpu_second_on": round(statistics.median(cpu_rates["on"]), 1),
-      "per_cpu_second_off": round(statistics.median(cpu_rates["off"]), 1),
-      "cpu_overhead": round(overhead(cpu_rates), 4),
-      "sampler_cpu_share": round(statistics.median(sampler_share["on"]), 5),
-      "looks_per_s": round(statistics.median(looks["on"]), 1),
-      "rounds": rounds, "min_sample_s": min_seconds,
-      "load_average": [round(load_before, 2), round(load_after, 2)],
-      "cores": os.cpu_count(),
+    "workload": name,
+    "unit": unit,
+    "stats_on": round(statistics.median(rates["on"]), 1),
+    "stats_off": round(statistics.median(rates["off"]), 1),
+    "overhead": round(overhead(rates), 4),
+    "overhead_per_round_q1_median_q3": [round(q, 4) for q in _quartiles(pair)],
+    "per_cpu_second_on": round(statistics.median(cpu_rates["on"]), 1),
+    "per_cpu_second_off": round(statistics.median(cpu_rates["off"]), 1),
+    "cpu_overhead": round(overhead(cpu_rates), 4),
+    "sampler_cpu_share": round(statistics.median(sampler_share["on"]), 5),
+    "looks_per_s": round(statistics.median(looks["on"]), 1),
+    "rounds": rounds,
+    "min_sample_s": min_seconds,
+    "load_average": [round(load_before, 2), round(load_after, 2)],
+    "cores": os.cpu_count(),
   }
   if wait_idle is not None:
     line["idle_rounds"] = idle_rounds
@@ -231,26 +253,36 @@ def measure(name: str, make, count, unit: str, rounds: int, min_seconds: float,
       wall_per_look = (1 / rate_amp - 1 / rate_on) / looks_per_item
       cpu_per_look = (1 / cpu_amp - 1 / cpu_on) / looks_per_item
       default_looks = statistics.median(looks["on"])
-      line.update({
+      line.update(
+        {
           "amplified_looks_per_s": round(statistics.median(looks["amplified"]), 1),
           "amplified_overhead": round(overhead(rates, "amplified"), 4),
-          "extra_per_sample_ms": {"wall": round(1e3 * wall_per_look, 4),
-                                  "cpu": round(1e3 * cpu_per_look, 4)},
+          "extra_per_sample_ms": {
+            "wall": round(1e3 * wall_per_look, 4),
+            "cpu": round(1e3 * cpu_per_look, 4),
+          },
           "projected_overhead": round(wall_per_look * default_looks, 4),
-      })
+        }
+      )
   return line
 
 
-def run(rounds: int, scale: float, only: str | None = None, min_seconds: float = 0.3,
-        amplify: int = 0, wait_idle: float | None = None) -> list[dict]:
+def run(
+  rounds: int,
+  scale: float,
+  only: str | None = None,
+  min_seconds: float = 0.3,
+  amplify: int = 0,
+  wait_idle: float | None = None,
+) -> list[dict]:
   data = workloads.w1_data(scale)
   n = max(10_000, int(200_000 * scale))
   images = lambda b: len(b["label"])
   rows = {
-      "W1": (lambda s: _w1(data, False, s), images, "images/s"),
-      "W1 per-element": (lambda s: _w1(data, True, s), images, "images/s"),
-      "W2": (lambda s: _w2(n, False, s), len, "elements/s"),
-      "W2 per-element": (lambda s: _w2(n, True, s), len, "elements/s"),
+    "W1": (lambda s: _w1(data, False, s), images, "images/s"),
+    "W1 per-element": (lambda s: _w1(data, True, s), images, "images/s"),
+    "W2": (lambda s: _w2(n, False, s), len, "elements/s"),
+    "W2 per-element": (lambda s: _w2(n, True, s), len, "elements/s"),
   }
   if only is not None and only not in rows:
     raise SystemExit(f"--only must be one of {sorted(rows)}, got {only!r}.")
@@ -267,10 +299,11 @@ def run(rounds: int, scale: float, only: str | None = None, min_seconds: float =
 
 def summary(lines: list[dict]) -> str:
   """A table of the rows' overheads against `TARGET`."""
-  out = [f"\nstats on vs off (target: at most {100 * TARGET:.0f}% slower; "
-         "negative: on was faster)",
-         f"{'workload':16} {'wall':>7} {'rounds q1..q3':>17} {'CPU/item':>8} "
-         f"{'projected':>9} {'load':>11}  verdict"]
+  out = [
+    f"\nstats on vs off (target: at most {100 * TARGET:.0f}% slower; negative: on was faster)",
+    f"{'workload':16} {'wall':>7} {'rounds q1..q3':>17} {'CPU/item':>8} "
+    f"{'projected':>9} {'load':>11}  verdict",
+  ]
   for line in lines:
     q1, _, q3 = line["overhead_per_round_q1_median_q3"]
     projected = line.get("projected_overhead")
@@ -279,12 +312,12 @@ def summary(lines: list[dict]) -> str:
     if q1 <= TARGET < q3:
       verdict += " (noise spans the target)"
     out.append(
-        f"{line['workload']:16} {100 * worst:+6.1f}% {100 * q1:+7.1f}..{100 * q3:+5.1f}% "
-        f"{100 * line['cpu_overhead']:+7.1f}% "
-        f"{'-' if projected is None else f'{100 * projected:+.2f}%':>9} "
-        f"{line['load_average'][0]:5.1f}-{line['load_average'][1]:<5.1f}  {verdict}"
-        + (f" ({line['idle_rounds']}/{line['rounds']} rounds idle)"
-           if "idle_rounds" in line else ""))
+      f"{line['workload']:16} {100 * worst:+6.1f}% {100 * q1:+7.1f}..{100 * q3:+5.1f}% "
+      f"{100 * line['cpu_overhead']:+7.1f}% "
+      f"{'-' if projected is None else f'{100 * projected:+.2f}%':>9} "
+      f"{line['load_average'][0]:5.1f}-{line['load_average'][1]:<5.1f}  {verdict}"
+      + (f" ({line['idle_rounds']}/{line['rounds']} rounds idle)" if "idle_rounds" in line else "")
+    )
   return "\n".join(out)
 
 
@@ -293,13 +326,25 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=9)
   parser.add_argument("--scale", type=float, default=1.0)
   parser.add_argument("--only", help="one workload row, e.g. 'W2 per-element'")
-  parser.add_argument("--min_sample_s", type=float, default=0.3,
-                      help="each sample runs whole epochs for at least this long")
-  parser.add_argument("--amplify", type=int, default=0,
-                      help="also sample K times as often, to measure one look's cost")
-  parser.add_argument("--wait_idle", type=float, default=None, metavar="CORES",
-                      help="before each round wait for other processes to use "
-                           "under CORES cores for half a second")
+  parser.add_argument(
+    "--min_sample_s",
+    type=float,
+    default=0.3,
+    help="each sample runs whole epochs for at least this long",
+  )
+  parser.add_argument(
+    "--amplify",
+    type=int,
+    default=0,
+    help="also sample K times as often, to measure one look's cost",
+  )
+  parser.add_argument(
+    "--wait_idle",
+    type=float,
+    default=None,
+    metavar="CORES",
+    help="before each round wait for other processes to use under CORES cores for half a second",
+  )
   args = parser.parse_args()
   run(args.rounds, args.scale, args.only, args.min_sample_s, args.amplify, args.wait_idle)
 

@@ -44,6 +44,7 @@ class CountedSource:
 
   def __init__(self, path: str):
     import jaxfeed
+
     self._source = jaxfeed.TFRecordSource(path)
 
   def __len__(self) -> int:
@@ -69,6 +70,7 @@ def preprocess(record: bytes) -> dict:
 def _job(path: str, seed: int, store: str) -> None:
   import jaxfeed
   from benchmarks import sweep_sharing
+
   source = sweep_sharing.CountedSource(path)
   sampler = jaxfeed.IndexSampler(len(source), shuffle=True, seed=seed)
   dataset = jaxfeed.Dataset.from_source(source, sampler).map(sweep_sharing.preprocess)
@@ -96,19 +98,33 @@ def sweep(path: str, jobs: int, shared: bool, workdir: str) -> dict:
   for log in (calls, read):
     open(log, "wb").close()
   store = os.path.join(workdir, "store") if shared else ""
-  env = {**os.environ, _COUNT_ENV: calls, _READ_ENV: read,
-         "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")])}
+  env = {
+    **os.environ,
+    _COUNT_ENV: calls,
+    _READ_ENV: read,
+    "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]),
+  }
   start = time.perf_counter()
-  procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.sweep_sharing", "--job",
-                             path, str(seed), store], stdout=subprocess.PIPE, text=True, env=env)
-           for seed in range(jobs)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-m", "benchmarks.sweep_sharing", "--job", path, str(seed), store],
+      stdout=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    for seed in range(jobs)
+  ]
   results = [json.loads(p.communicate()[0]) for p in procs]
   wall = time.perf_counter() - start
   if any(p.returncode for p in procs):
     raise RuntimeError(f"a job failed: exit codes {[p.returncode for p in procs]}")
-  return {"wall_s": wall, "cpu_s": sum(r["cpu_s"] for r in results),
-          "exact": all(r["exact"] for r in results),
-          "calls": os.path.getsize(calls), "read": os.path.getsize(read)}
+  return {
+    "wall_s": wall,
+    "cpu_s": sum(r["cpu_s"] for r in results),
+    "exact": all(r["exact"] for r in results),
+    "calls": os.path.getsize(calls),
+    "read": os.path.getsize(read),
+  }
 
 
 def main() -> None:
@@ -124,25 +140,38 @@ def main() -> None:
   if args.jobs < 1 or args.records < 1:
     parser.error(f"--jobs and --records must be >= 1, got {args.jobs} and {args.records}")
   import jaxfeed
+
   os.environ[_SIZE_ENV] = str(_calibrate(args.cost_us))
   rng = np.random.default_rng(0)
   with tempfile.TemporaryDirectory() as workdir, record.run("sweep_sharing"):
     path = os.path.join(workdir, "records.tfrecord")
-    jaxfeed.write_tfrecord(path, [
+    jaxfeed.write_tfrecord(
+      path,
+      [
         np.concatenate([[i], rng.normal(size=RECORD_BYTES // 4 - 1)]).astype(np.float32).tobytes()
-        for i in range(args.records)])
+        for i in range(args.records)
+      ],
+    )
     for shared in (True, False):
       folder = tempfile.mkdtemp(dir=workdir)
       result = sweep(path, args.jobs, shared, folder)
-      record.row({
-          "workload": WORKLOAD, "system": "jaxfeed",
+      record.row(
+        {
+          "workload": WORKLOAD,
+          "system": "jaxfeed",
           "mode": "shared preprocessing" if shared else "not shared",
-          "way": f"{args.jobs} jobs", "jobs": args.jobs, "records": args.records,
-          "cost_us": args.cost_us, "unit": "preprocessings per record",
+          "way": f"{args.jobs} jobs",
+          "jobs": args.jobs,
+          "records": args.records,
+          "cost_us": args.cost_us,
+          "unit": "preprocessings per record",
           "rate": round(result["calls"] / args.records, 3),
           "bytes_read_per_byte": round(result["read"] / args.records, 3),
-          "cpu_s": round(result["cpu_s"], 2), "wall_s": round(result["wall_s"], 2),
-          "every_job_exact": result["exact"]})
+          "cpu_s": round(result["cpu_s"], 2),
+          "wall_s": round(result["wall_s"], 2),
+          "every_job_exact": result["exact"],
+        }
+      )
 
 
 if __name__ == "__main__":

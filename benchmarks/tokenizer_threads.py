@@ -54,16 +54,18 @@ from benchmarks import record
 BATCH = 16
 
 
-def pipeline(tokenizer, documents, threads: int, batched: bool,
-             backend: str = "thread"):
+def pipeline(tokenizer, documents, threads: int, batched: bool, backend: str = "thread"):
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   calls = None if threads == 1 else threads
   ds = jaxfeed.Dataset.from_source(documents)
   if batched:
-    return ds.batch(BATCH).map(jaxfeed.Tokenize(tokenizer, batched=True),
-                               num_parallel_calls=calls).unbatch()
-  return ds.map(jaxfeed.Tokenize(tokenizer), num_parallel_calls=calls,
-                backend=backend)
+    return (
+      ds.batch(BATCH)
+      .map(jaxfeed.Tokenize(tokenizer, batched=True), num_parallel_calls=calls)
+      .unbatch()
+    )
+  return ds.map(jaxfeed.Tokenize(tokenizer), num_parallel_calls=calls, backend=backend)
 
 
 def other_thread_progress(work) -> float:
@@ -102,7 +104,7 @@ def bare_loop(tokenizer, documents, threads: int, batched: bool):
     for doc in documents:
       yield len(tokenizer.encode(doc)) + 1
     return
-  batches = [documents[i:i + BATCH] for i in range(0, len(documents), BATCH)]
+  batches = [documents[i : i + BATCH] for i in range(0, len(documents), BATCH)]
   with concurrent.futures.ThreadPoolExecutor(threads) as pool:
     for ids in pool.map(tokenizer.encode_many, batches):
       for one in ids:
@@ -111,18 +113,18 @@ def bare_loop(tokenizer, documents, threads: int, batched: bool):
 
 # name: (threads, batched, runner, TOKENIZERS_PARALLELISM or None for unset)
 CONFIGS = {
-    "per_document_1_thread": (1, False, "thread", None),
-    "per_document_2_threads": (2, False, "thread", None),
-    "batched_1_thread": (1, True, "thread", "false"),
-    "batched_2_threads": (2, True, "thread", "false"),
-    "batched_1_thread_rust_pool": (1, True, "thread", "true"),
-    "batched_2_threads_rust_pool": (2, True, "thread", "true"),
-    "per_document_2_processes": (2, False, "process", None),
-    "bare_per_document_1_thread": (1, False, "bare", None),
-    "bare_batched_1_thread": (1, True, "bare", "false"),
-    "bare_batched_2_threads": (2, True, "bare", "false"),
-    "bare_batched_1_thread_rust_pool": (1, True, "bare", "true"),
-    "bare_batched_2_threads_rust_pool": (2, True, "bare", "true"),
+  "per_document_1_thread": (1, False, "thread", None),
+  "per_document_2_threads": (2, False, "thread", None),
+  "batched_1_thread": (1, True, "thread", "false"),
+  "batched_2_threads": (2, True, "thread", "false"),
+  "batched_1_thread_rust_pool": (1, True, "thread", "true"),
+  "batched_2_threads_rust_pool": (2, True, "thread", "true"),
+  "per_document_2_processes": (2, False, "process", None),
+  "bare_per_document_1_thread": (1, False, "bare", None),
+  "bare_batched_1_thread": (1, True, "bare", "false"),
+  "bare_batched_2_threads": (2, True, "bare", "false"),
+  "bare_batched_1_thread_rust_pool": (1, True, "bare", "true"),
+  "bare_batched_2_threads_rust_pool": (2, True, "bare", "true"),
 }
 
 
@@ -131,11 +133,9 @@ def run_once(tokenizer, documents, threads, batched, runner):
   if runner == "bare":
     start, cpu = time.perf_counter(), time.process_time()
     count = sum(bare_loop(tokenizer, documents, threads, batched))
-    return (time.perf_counter() - start, time.process_time() - cpu, count,
-            sum(map(len, documents)))
+    return (time.perf_counter() - start, time.process_time() - cpu, count, sum(map(len, documents)))
   start, cpu = time.perf_counter(), time.process_time()
-  iterator = pipeline(tokenizer, documents, threads, batched,
-                      runner).make_iterator()
+  iterator = pipeline(tokenizer, documents, threads, batched, runner).make_iterator()
   if runner == "process":
     # Timed from the first element on: starting worker processes is not
     # tokenization. Only the first document was tokenized before.
@@ -156,10 +156,10 @@ def run_once(tokenizer, documents, threads, batched, runner):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--megabytes", type=float, default=4.0,
-                      help="text tokenized per configuration and round")
-  parser.add_argument("--only", default="",
-                      help="comma-separated configurations (default: all)")
+  parser.add_argument(
+    "--megabytes", type=float, default=4.0, help="text tokenized per configuration and round"
+  )
+  parser.add_argument("--only", default="", help="comma-separated configurations (default: all)")
   args = parser.parse_args()
   names = args.only.split(",") if args.only else list(CONFIGS)
   unknown = sorted(set(names) - set(CONFIGS))
@@ -167,6 +167,7 @@ def main() -> None:
     parser.error(f"--only: no configuration {unknown}; choose from {list(CONFIGS)}")
   configs = {name: CONFIGS[name] for name in names}
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   documents = lm_data.code_documents() + lm_data.prose_documents()
   # Interleave the corpora, then take documents up to the requested size.
   documents = sorted(documents, key=hash)
@@ -179,16 +180,26 @@ def main() -> None:
   load_before = os.getloadavg()
   with tempfile.TemporaryDirectory() as tmp:
     tokenizer = jaxfeed.HFTokenizer.train_bpe(
-        (d.decode("utf-8", "replace") for d in documents[:400]),
-        os.path.join(tmp, "tokenizer.json"), vocab_size=4096)
+      (d.decode("utf-8", "replace") for d in documents[:400]),
+      os.path.join(tmp, "tokenizer.json"),
+      vocab_size=4096,
+    )
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     texts = [d.decode("utf-8", "replace") for d in chosen[:300]]
     for name, work in (
-        ("encode", lambda: [tokenizer.encode(t) for t in texts]),
-        ("encode_many", lambda: [tokenizer.encode_many(texts[i:i + BATCH])
-                                 for i in range(0, len(texts), BATCH)])):
-      record.row({"workload": "hf_tokenize_gil", "system": name,
-                  "other_thread_progress": round(other_thread_progress(work), 2)})
+      ("encode", lambda: [tokenizer.encode(t) for t in texts]),
+      (
+        "encode_many",
+        lambda: [tokenizer.encode_many(texts[i : i + BATCH]) for i in range(0, len(texts), BATCH)],
+      ),
+    ):
+      record.row(
+        {
+          "workload": "hf_tokenize_gil",
+          "system": name,
+          "other_thread_progress": round(other_thread_progress(work), 2),
+        }
+      )
     rates = {name: [] for name in configs}
     busy = {name: [] for name in configs}
     tokens = {}
@@ -199,27 +210,33 @@ def main() -> None:
           os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
           os.environ["TOKENIZERS_PARALLELISM"] = rust_pool
-        elapsed, used, count, timed = run_once(tokenizer, chosen, threads,
-                                               batched, runner)
+        elapsed, used, count, timed = run_once(tokenizer, chosen, threads, batched, runner)
         busy[name].append(used / elapsed)
         rates[name].append(timed / 1e6 / elapsed)
         tokens[name] = count
-    base_name = ("per_document_1_thread" if "per_document_1_thread" in rates
-                 else next(iter(rates)))
+    base_name = "per_document_1_thread" if "per_document_1_thread" in rates else next(iter(rates))
     base = statistics.median(rates[base_name][1:])
     load = [round(x, 1) for x in load_before + os.getloadavg()]
     for name, values in rates.items():
       rate = statistics.median(values[1:])
-      record.row({
-          "workload": "hf_tokenize", "system": name, "unit": "MB/s",
-          "rate": round(rate, 2), "rates": [round(r, 2) for r in values[1:]],
+      record.row(
+        {
+          "workload": "hf_tokenize",
+          "system": name,
+          "unit": "MB/s",
+          "rate": round(rate, 2),
+          "rates": [round(r, 2) for r in values[1:]],
           f"ratio_vs_{base_name}": round(rate / base, 2),
           "cores_busy": round(statistics.median(busy[name][1:]), 2),
-          "mb_per_cpu_second": None if configs[name][2] == "process" else round(
-              statistics.median(r / b for r, b in zip(values[1:], busy[name][1:])),
-              2),
-          "tokens": tokens[name], "megabytes": round(size / 1e6, 2),
-          "cpus": os.cpu_count(), "load_average_before_after": load})
+          "mb_per_cpu_second": None
+          if configs[name][2] == "process"
+          else round(statistics.median(r / b for r, b in zip(values[1:], busy[name][1:])), 2),
+          "tokens": tokens[name],
+          "megabytes": round(size / 1e6, 2),
+          "cpus": os.cpu_count(),
+          "load_average_before_after": load,
+        }
+      )
     if len(set(tokens.values())) != 1:
       raise AssertionError(f"configurations disagree on the tokens: {tokens}")
 

@@ -60,30 +60,34 @@ WORKLOAD = "W1 per-element"
 
 
 def augment(el, rng):
-  x = el["image"]                                   # uint8 64x64x3
+  x = el["image"]  # uint8 64x64x3
   i, j = rng.integers(0, 9, 2)
-  x = x[i:i + 56, j:j + 56]
+  x = x[i : i + 56, j : j + 56]
   if rng.random() < 0.5:
     x = x[:, ::-1]
   return {"image": (x.astype(np.float32) - 127.5) / 127.5, "label": el["label"]}
 
 
 def _cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-      os.cpu_count() or 1)
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # ----------------------------------------------------------------------------
 # the rows: each makes one epoch's iterable (a "for batch in ds" per epoch)
 # ----------------------------------------------------------------------------
-def _jaxfeed(data: dict, num_epochs: int = 1, fn: Callable = augment,
-             **random_map_kwargs: Any):
+def _jaxfeed(data: dict, num_epochs: int = 1, fn: Callable = augment, **random_map_kwargs: Any):
   import jaxfeed
+
   n = len(data["label"])
-  ds = (jaxfeed.Dataset.from_source(
+  ds = (
+    jaxfeed.Dataset.from_source(
       jaxfeed.ArraySource({"image": data["image"], "label": data["label"]}),
-      jaxfeed.IndexSampler(n, shuffle=True, seed=0, num_epochs=num_epochs))
-        .random_map(fn, **random_map_kwargs).batch(BATCH).prefetch(2))
+      jaxfeed.IndexSampler(n, shuffle=True, seed=0, num_epochs=num_epochs),
+    )
+    .random_map(fn, **random_map_kwargs)
+    .batch(BATCH)
+    .prefetch(2)
+  )
   return ds
 
 
@@ -91,15 +95,23 @@ def _tf_data(data: dict):
   import tensorflow as tf
 
   def aug(x, y):
-    x = tf.image.random_crop(x, (56, 56, 3)); x = tf.image.random_flip_left_right(x)  # noqa: E702
+    x = tf.image.random_crop(x, (56, 56, 3))
+    x = tf.image.random_flip_left_right(x)  # noqa: E702
     return (tf.cast(x, tf.float32) - 127.5) / 127.5, y
 
   imgs, labels = data["image"], data["label"]
-  return tf.data.Dataset.from_tensor_slices((imgs, labels)).shuffle(20000).map(aug, num_parallel_calls=tf.data.AUTOTUNE).batch(128).prefetch(tf.data.AUTOTUNE)  # noqa: E501
+  return (
+    tf.data.Dataset.from_tensor_slices((imgs, labels))
+    .shuffle(20000)
+    .map(aug, num_parallel_calls=tf.data.AUTOTUNE)
+    .batch(128)
+    .prefetch(tf.data.AUTOTUNE)
+  )  # noqa: E501
 
 
 def _tf_numpy_function(data: dict):
   import tensorflow as tf
+
   rng = np.random.default_rng(0)
 
   def aug(x, y):
@@ -112,9 +124,13 @@ def _tf_numpy_function(data: dict):
     y.set_shape([])
     return x, y
 
-  return (tf.data.Dataset.from_tensor_slices((data["image"], data["label"]))
-          .shuffle(20000).map(tf_aug, num_parallel_calls=tf.data.AUTOTUNE)
-          .batch(128).prefetch(tf.data.AUTOTUNE))
+  return (
+    tf.data.Dataset.from_tensor_slices((data["image"], data["label"]))
+    .shuffle(20000)
+    .map(tf_aug, num_parallel_calls=tf.data.AUTOTUNE)
+    .batch(128)
+    .prefetch(tf.data.AUTOTUNE)
+  )
 
 
 class _Records:
@@ -134,12 +150,17 @@ class _Records:
 def _grain(data: dict):
   import grain
   from absl import flags
+
   if not flags.FLAGS.is_parsed():  # Grain reads its flags; no absl.app here
     flags.FLAGS.mark_as_parsed()
-  return (grain.MapDataset.source(_Records(data)).shuffle(seed=0)
-          .random_map(augment, seed=0).batch(BATCH)
-          .to_iter_dataset(grain.ReadOptions(num_threads=_cores()))
-          .mp_prefetch(grain.MultiprocessingOptions(num_workers=_cores())))
+  return (
+    grain.MapDataset.source(_Records(data))
+    .shuffle(seed=0)
+    .random_map(augment, seed=0)
+    .batch(BATCH)
+    .to_iter_dataset(grain.ReadOptions(num_threads=_cores()))
+    .mp_prefetch(grain.MultiprocessingOptions(num_workers=_cores()))
+  )
 
 
 class _BareLoop:
@@ -153,15 +174,19 @@ class _BareLoop:
     images, labels, rng = self.images, self.labels, self.rng
     perm = rng.permutation(len(labels))
     for start in range(0, len(perm), BATCH):
-      outs = [augment({"image": images[i], "label": labels[i]}, rng)
-              for i in perm[start:start + BATCH]]
-      yield {"image": np.stack([o["image"] for o in outs]),
-             "label": np.stack([o["label"] for o in outs])}
+      outs = [
+        augment({"image": images[i], "label": labels[i]}, rng) for i in perm[start : start + BATCH]
+      ]
+      yield {
+        "image": np.stack([o["image"] for o in outs]),
+        "label": np.stack([o["label"] for o in outs]),
+      }
 
 
 def _hand_tuned(data: dict):
   import jaxfeed
   from benchmarks import workloads
+
   return _jaxfeed(data, fn=workloads.augment, num_parallel_calls=jaxfeed.AUTOTUNE)
 
 
@@ -169,30 +194,38 @@ def _makers(epochs: int) -> dict[str, Callable[[dict], Any]]:
   """Row name -> make(data) -> an object iterated once per epoch, of
   `epochs` epochs in all."""
   import jaxfeed
+
   auto = jaxfeed.AUTOTUNE
   return {
-      "jaxfeed AUTOTUNE": lambda d: _jaxfeed(d, num_parallel_calls=auto),
-      "jaxfeed no parallelism": lambda d: _jaxfeed(d),
-      "jaxfeed threads (num_parallel_calls=2)": lambda d: _jaxfeed(
-          d, num_parallel_calls=2, backend="thread"),
-      "jaxfeed processes (num_parallel_calls=2)": lambda d: _jaxfeed(
-          d, num_parallel_calls=2, backend="process"),
-      "jaxfeed AUTOTUNE, one iterator over 4 epochs": lambda d: _OneIterator(
-          _jaxfeed(d, num_epochs=epochs, num_parallel_calls=auto), len(d["label"])),
-      "tf.data (tf.image ops)": _tf_data,
-      "grain (multiprocessing)": _grain,
-      "bare single-thread loop": _BareLoop,
-      "jaxfeed AUTOTUNE, hand-tuned function (out= buffers)": _hand_tuned,
-      "tf.data, tf.numpy_function": _tf_numpy_function,
+    "jaxfeed AUTOTUNE": lambda d: _jaxfeed(d, num_parallel_calls=auto),
+    "jaxfeed no parallelism": lambda d: _jaxfeed(d),
+    "jaxfeed threads (num_parallel_calls=2)": lambda d: _jaxfeed(
+      d, num_parallel_calls=2, backend="thread"
+    ),
+    "jaxfeed processes (num_parallel_calls=2)": lambda d: _jaxfeed(
+      d, num_parallel_calls=2, backend="process"
+    ),
+    "jaxfeed AUTOTUNE, one iterator over 4 epochs": lambda d: _OneIterator(
+      _jaxfeed(d, num_epochs=epochs, num_parallel_calls=auto), len(d["label"])
+    ),
+    "tf.data (tf.image ops)": _tf_data,
+    "grain (multiprocessing)": _grain,
+    "bare single-thread loop": _BareLoop,
+    "jaxfeed AUTOTUNE, hand-tuned function (out= buffers)": _hand_tuned,
+    "tf.data, tf.numpy_function": _tf_numpy_function,
   }
 
 
-MAIN_ROWS = ("jaxfeed AUTOTUNE", "jaxfeed no parallelism",
-             "jaxfeed threads (num_parallel_calls=2)",
-             "jaxfeed processes (num_parallel_calls=2)",
-             "jaxfeed AUTOTUNE, one iterator over 4 epochs",
-             "tf.data (tf.image ops)", "grain (multiprocessing)",
-             "bare single-thread loop")
+MAIN_ROWS = (
+  "jaxfeed AUTOTUNE",
+  "jaxfeed no parallelism",
+  "jaxfeed threads (num_parallel_calls=2)",
+  "jaxfeed processes (num_parallel_calls=2)",
+  "jaxfeed AUTOTUNE, one iterator over 4 epochs",
+  "tf.data (tf.image ops)",
+  "grain (multiprocessing)",
+  "bare single-thread loop",
+)
 
 
 class _OneIterator:
@@ -255,11 +288,13 @@ class _Row:
 
   def result(self, images: int) -> dict:
     timed, cpu = self.times[1:], self.cpu[1:]
-    return {"rate": statistics.median(images / t for t in timed),
-            "rates": [round(images / t, 1) for t in timed],
-            "images_per_cpu_s": round(images * len(cpu) / sum(cpu), 1),
-            "cores_used": round(sum(cpu) / sum(timed), 2),
-            "warmup_epoch_s": round(self.times[0], 2)}
+    return {
+      "rate": statistics.median(images / t for t in timed),
+      "rates": [round(images / t, 1) for t in timed],
+      "images_per_cpu_s": round(images * len(cpu) / sum(cpu), 1),
+      "cores_used": round(sum(cpu) / sum(timed), 2),
+      "warmup_epoch_s": round(self.times[0], 2),
+    }
 
 
 def _picked(iterator: Any) -> dict | None:
@@ -270,8 +305,11 @@ def _picked(iterator: Any) -> dict | None:
     return None
   for row in stats()["ops"]:
     if "backend" in row:
-      return {k: v for k, v in row.items() if k in (
-          "op", "backend", "reason", "num_workers", "rates", "measured")}
+      return {
+        k: v
+        for k, v in row.items()
+        if k in ("op", "backend", "reason", "num_workers", "rates", "measured")
+      }
   return None
 
 
@@ -301,8 +339,15 @@ class _TreeMemory:
 
 def _memory_of(name: str, scale: float) -> dict:
   """Peak RSS and PSS of the row run alone (two epochs) in a subprocess."""
-  command = [sys.executable, "-m", "benchmarks.w1_per_element", "--alone", name,
-             "--scale", str(scale)]
+  command = [
+    sys.executable,
+    "-m",
+    "benchmarks.w1_per_element",
+    "--alone",
+    name,
+    "--scale",
+    str(scale),
+  ]
   process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
   memory = _TreeMemory(process.pid)
   while process.poll() is None:
@@ -310,13 +355,16 @@ def _memory_of(name: str, scale: float) -> dict:
     time.sleep(memory.interval)
   if process.returncode:
     return {"memory_error": f"exit code {process.returncode}"}
-  return {"peak_rss_mb": round(memory.peak_rss / 2**20, 1),
-          "peak_pss_mb": round(memory.peak_pss / 2**20, 1)}
+  return {
+    "peak_rss_mb": round(memory.peak_rss / 2**20, 1),
+    "peak_pss_mb": round(memory.peak_pss / 2**20, 1),
+  }
 
 
 def _alone(name: str, scale: float) -> None:
   """Two epochs of one row, for `_memory_of`."""
   from benchmarks import workloads
+
   ds = _makers(2)[name](workloads.w1_data(scale))
   for _ in range(2):
     for _ in ds:
@@ -334,8 +382,7 @@ def _row_names(text: str, known) -> list[str]:
   name wins."""
   parts, names, i = text.split(","), [], 0
   while i < len(parts):
-    j = next((j for j in range(len(parts), i, -1)
-              if ",".join(parts[i:j]).strip() in known), i + 1)
+    j = next((j for j in range(len(parts), i, -1) if ",".join(parts[i:j]).strip() in known), i + 1)
     name = ",".join(parts[i:j]).strip()
     if name:
       names.append(name)
@@ -347,10 +394,12 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--epochs", type=int, default=3, help="timed epochs")
   parser.add_argument("--scale", type=float, default=1.0)
-  parser.add_argument("--rows", default="", help="comma-separated row names "
-                      "(default: all; rows of missing peers are skipped)")
-  parser.add_argument("--no-memory", action="store_true",
-                      help="skip the per-row memory runs")
+  parser.add_argument(
+    "--rows",
+    default="",
+    help="comma-separated row names (default: all; rows of missing peers are skipped)",
+  )
+  parser.add_argument("--no-memory", action="store_true", help="skip the per-row memory runs")
   parser.add_argument("--alone", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.alone is not None:
@@ -358,6 +407,7 @@ def main() -> None:
     return
 
   from benchmarks import workloads
+
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   data = workloads.w1_data(args.scale)
   n = len(data["label"])
@@ -392,26 +442,34 @@ def main() -> None:
   rate = lambda name: results[name]["rate"] if name in results else None
   auto = "jaxfeed AUTOTUNE"
   if auto in results:
-    ratios = {"vs_no_parallelism": rate("jaxfeed no parallelism"),
-              "vs_tf_data": rate("tf.data (tf.image ops)"),
-              "vs_grain": rate("grain (multiprocessing)"),
-              "vs_threads": rate("jaxfeed threads (num_parallel_calls=2)"),
-              "vs_processes": rate("jaxfeed processes (num_parallel_calls=2)")}
+    ratios = {
+      "vs_no_parallelism": rate("jaxfeed no parallelism"),
+      "vs_tf_data": rate("tf.data (tf.image ops)"),
+      "vs_grain": rate("grain (multiprocessing)"),
+      "vs_threads": rate("jaxfeed threads (num_parallel_calls=2)"),
+      "vs_processes": rate("jaxfeed processes (num_parallel_calls=2)"),
+    }
     for key, other in ratios.items():
       if other:
         results[auto][key] = round(results[auto]["rate"] / other, 3)
     bare = rate("bare single-thread loop")
     if bare:
-      results[auto]["vs_cores_x_bare_loop"] = round(
-          results[auto]["rate"] / (_cores() * bare), 3)
+      results[auto]["vs_cores_x_bare_loop"] = round(results[auto]["rate"] / (_cores() * bare), 3)
     one = rate("jaxfeed AUTOTUNE, one iterator over 4 epochs")
     if one:
       results[auto]["epochs_2_4_vs_one_iterator"] = round(results[auto]["rate"] / one, 3)
   for name, result in results.items():
-    line = {"workload": WORKLOAD, "system": name, "unit": "images/s",
-            "rate": round(result.pop("rate"), 1), **result,
-            "main_row": name in MAIN_ROWS, "cores": _cores(),
-            "load_avg_before": load_before, "load_avg_after": load_after}
+    line = {
+      "workload": WORKLOAD,
+      "system": name,
+      "unit": "images/s",
+      "rate": round(result.pop("rate"), 1),
+      **result,
+      "main_row": name in MAIN_ROWS,
+      "cores": _cores(),
+      "load_avg_before": load_before,
+      "load_avg_after": load_after,
+    }
     record.row(line)
 
 

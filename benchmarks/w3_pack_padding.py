@@ -45,36 +45,50 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--epochs", type=int, default=3)
   parser.add_argument("--scale", type=float, default=1.0)
-  parser.add_argument("--grain", action="store_true",
-                      help="also run Grain's FirstFitPackIterDataset")
+  parser.add_argument(
+    "--grain", action="store_true", help="also run Grain's FirstFitPackIterDataset"
+  )
   args = parser.parse_args()
 
   import jaxfeed
+
   lengths = workloads.w3_lengths(args.scale)
   examples = [{"tokens": s} for s in workloads.w3_sequences(lengths)]
   source = jaxfeed.Dataset.from_source(examples)
   total_tokens = int(lengths.sum())
   for algorithm in ("first_fit", "best_fit"):
-    packed = source.pack({"tokens": ROW_LENGTH}, num_packing_bins=NUM_ROWS,
-                         algorithm=algorithm)
+    packed = source.pack({"tokens": ROW_LENGTH}, num_packing_bins=NUM_ROWS, algorithm=algorithm)
     rate, rows = _measure(lambda: iter(packed), args.epochs)
     real = sum(int(np.count_nonzero(r["tokens_segment_ids"])) for r in rows)
     assert real == total_tokens, (real, total_tokens)  # no token lost
-    record.row({
-        "workload": "W3-packing", "system": f"jaxfeed-{algorithm}",
-        "sequences_per_s": round(rate), "rows": len(rows),
-        "padding_fraction": round(_padding_fraction(rows), 4)})
+    record.row(
+      {
+        "workload": "W3-packing",
+        "system": f"jaxfeed-{algorithm}",
+        "sequences_per_s": round(rate),
+        "rows": len(rows),
+        "padding_fraction": round(_padding_fraction(rows), 4),
+      }
+    )
   if args.grain:
     import grain
+
     packed = grain.experimental.FirstFitPackIterDataset(
-        grain.MapDataset.source(examples).to_iter_dataset(),
-        length_struct={"tokens": ROW_LENGTH}, num_packing_bins=NUM_ROWS,
-        shuffle_bins=False)
+      grain.MapDataset.source(examples).to_iter_dataset(),
+      length_struct={"tokens": ROW_LENGTH},
+      num_packing_bins=NUM_ROWS,
+      shuffle_bins=False,
+    )
     rate, rows = _measure(lambda: iter(packed), args.epochs)
-    record.row({
-        "workload": "W3-packing", "system": "grain-first_fit",
-        "sequences_per_s": round(rate), "rows": len(rows),
-        "padding_fraction": round(_padding_fraction(rows), 4)})
+    record.row(
+      {
+        "workload": "W3-packing",
+        "system": "grain-first_fit",
+        "sequences_per_s": round(rate),
+        "rows": len(rows),
+        "padding_fraction": round(_padding_fraction(rows), 4),
+      }
+    )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,10 @@ _CACHED: dict = {}
 # -- UDFs shipped to jaxfeed workers by import path --------------------------------
 def decode_record(record: bytes) -> dict:
   data = np.frombuffer(record, dtype=np.uint8)
-  return {"image": data[4:].reshape(workloads.IMAGE, workloads.IMAGE, 3),
-          "label": data[:4].view(np.int32)[0]}
+  return {
+    "image": data[4:].reshape(workloads.IMAGE, workloads.IMAGE, 3),
+    "label": data[:4].view(np.int32)[0],
+  }
 
 
 def cached_batch(index) -> dict:
@@ -77,8 +79,13 @@ def cached_batch(index) -> dict:
 
 # -- processes ----------------------------------------------------------------------
 def _env() -> dict:
-  env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="3",
-             GRPC_VERBOSITY="ERROR", JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ,
+    PYTHONPATH=str(REPO_ROOT),
+    TF_CPP_MIN_LOG_LEVEL="3",
+    GRPC_VERBOSITY="ERROR",
+    JAX_PLATFORMS="cpu",
+  )
   return env
 
 
@@ -86,21 +93,35 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, str]:
   if args[:2] in (["-m", "jaxfeed.service.dispatcher"], ["-m", "jaxfeed.service.worker"]):
     args = [*args, "--udf_modules=benchmarks."]  # where the benchmarks' UDFs live
   # Servers end with this process, however it ends (jaxfeed._lifetime).
-  proc = _lifetime.popen([sys.executable, *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, env=_env(), text=True)
+  proc = _lifetime.popen(
+    [sys.executable, *args],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    env=_env(),
+    text=True,
+  )
   return proc, harness.printed_address(proc, args)
 
 
-def jaxfeed_cluster(num_workers: int, split_size: int, flags: Sequence[str] = (),
-                    worker_flags: Sequence[str] = ()) -> tuple[list, str, list[str]]:
+def jaxfeed_cluster(
+  num_workers: int, split_size: int, flags: Sequence[str] = (), worker_flags: Sequence[str] = ()
+) -> tuple[list, str, list[str]]:
   """A dispatcher and its workers, all with `flags`: (processes, dispatcher
   address, the workers' metrics URLs)."""
-  dispatcher, address = _spawn(["-m", "jaxfeed.service.dispatcher", "--port=0",
-                                f"--split_size={split_size}", *flags])
+  dispatcher, address = _spawn(
+    ["-m", "jaxfeed.service.dispatcher", "--port=0", f"--split_size={split_size}", *flags]
+  )
   procs, metrics_urls = [dispatcher], []
   for _ in range(num_workers):
-    args = ["-m", "jaxfeed.service.worker", f"--dispatcher_address={address}",
-            "--buffer_size=8", "--metrics_port=0", *flags, *worker_flags]
+    args = [
+      "-m",
+      "jaxfeed.service.worker",
+      f"--dispatcher_address={address}",
+      "--buffer_size=8",
+      "--metrics_port=0",
+      *flags,
+      *worker_flags,
+    ]
     worker, _ = _spawn(args)
     procs.append(worker)
     metrics_urls.append(harness.printed_address(worker, args))
@@ -114,8 +135,14 @@ def served_bytes(metrics_urls: list[str]) -> list[dict[int, int]]:
   for url in metrics_urls:
     with urllib.request.urlopen(url, timeout=10) as response:
       text = response.read().decode()
-    counts.append({int(job): int(float(value)) for job, value in re.findall(
-        r'^jaxfeed_worker_bytes_served_total\{job="(\d+)"\} (\S+)$', text, re.M)})
+    counts.append(
+      {
+        int(job): int(float(value))
+        for job, value in re.findall(
+          r'^jaxfeed_worker_bytes_served_total\{job="(\d+)"\} (\S+)$', text, re.M
+        )
+      }
+    )
   return counts
 
 
@@ -157,15 +184,21 @@ def _tf_cluster(num_workers: int) -> tuple[list, str]:
 def _jaxfeed_w4(path: str, n: int):
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from benchmarks import w4_service  # importable path for the UDFs
-  return (jaxfeed.Dataset.from_source(jaxfeed.TFRecordSource(path),
-                                      jaxfeed.IndexSampler(n, shuffle=True, seed=0))
-          .map(w4_service.decode_record).batch(BATCH)
-          .random_map(workloads.augment_batch, num_parallel_calls=2))
+
+  return (
+    jaxfeed.Dataset.from_source(
+      jaxfeed.TFRecordSource(path), jaxfeed.IndexSampler(n, shuffle=True, seed=0)
+    )
+    .map(w4_service.decode_record)
+    .batch(BATCH)
+    .random_map(workloads.augment_batch, num_parallel_calls=2)
+  )
 
 
 def _jaxfeed_w4t(n: int):
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from benchmarks import w4_service
+
   num_batches = -(-n // BATCH)
   source = jaxfeed.ArraySource({"i": np.arange(num_batches)})
   return jaxfeed.Dataset.from_source(source).map(w4_service.cached_batch)
@@ -173,6 +206,7 @@ def _jaxfeed_w4t(n: int):
 
 def _tf_w4(path: str):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   crop = workloads.CROP
 
   def parse(record):
@@ -183,36 +217,49 @@ def _tf_w4(path: str):
     image = tf.image.random_flip_left_right(image)
     return {"image": tf.cast(image, tf.float32) / 127.5 - 1.0, "label": label}
 
-  return (tf.data.TFRecordDataset(path).map(parse, num_parallel_calls=tf.data.AUTOTUNE)
-          .batch(BATCH))
+  return tf.data.TFRecordDataset(path).map(parse, num_parallel_calls=tf.data.AUTOTUNE).batch(BATCH)
 
 
 def _tf_w4t(n: int):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   batch = tf.ones([BATCH, workloads.CROP, workloads.CROP, 3], tf.float32)
   return tf.data.Dataset.from_tensors({"image": batch}).repeat(-(-n // BATCH)).cache()
 
 
 def read_epoch(dataset, address: str):
   """An iterator over one epoch of `dataset` read through the service (a new job)."""
-  return dataset.distribute(address, "distributed_epoch",
-                            max_outstanding_requests=8).make_iterator()
+  return dataset.distribute(
+    address, "distributed_epoch", max_outstanding_requests=8
+  ).make_iterator()
 
 
-def _measure_jaxfeed(make, address: str, epochs: int, procs: list,
-                     before_epoch=None) -> dict:
-  return harness.measure(lambda: read_epoch(make(), address), lambda b: len(b["image"]), epochs,
-                         servers=[p.pid for p in procs], before_epoch=before_epoch)
+def _measure_jaxfeed(make, address: str, epochs: int, procs: list, before_epoch=None) -> dict:
+  return harness.measure(
+    lambda: read_epoch(make(), address),
+    lambda b: len(b["image"]),
+    epochs,
+    servers=[p.pid for p in procs],
+    before_epoch=before_epoch,
+  )
 
 
 def _measure_tf(make, address: str, epochs: int, procs: list) -> dict:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   def epoch():
-    return make().apply(tf.data.experimental.service.distribute(
-        processing_mode="distributed_epoch", service=f"grpc://{address}")
-    ).prefetch(8).as_numpy_iterator()
-  return harness.measure(epoch, lambda b: len(b["image"]), epochs,
-                         servers=[p.pid for p in procs])
+    return (
+      make()
+      .apply(
+        tf.data.experimental.service.distribute(
+          processing_mode="distributed_epoch", service=f"grpc://{address}"
+        )
+      )
+      .prefetch(8)
+      .as_numpy_iterator()
+    )
+
+  return harness.measure(epoch, lambda b: len(b["image"]), epochs, servers=[p.pid for p in procs])
 
 
 _SENDER = r"""
@@ -257,15 +304,19 @@ def _served_by_worker(served: list[dict[int, int]]) -> dict:
   the smallest share any worker served of any of them."""
   jobs = sorted(set().union(*served))[1:]
   shares = worker_shares(served, jobs)
-  return {"served_mb_by_worker": [round(sum(c.get(j, 0) for j in jobs) / 1e6, 1)
-                                  for c in served],
-          "min_worker_share": round(min(min(s) for s in shares), 3)}
+  return {
+    "served_mb_by_worker": [round(sum(c.get(j, 0) for j in jobs) / 1e6, 1) for c in served],
+    "min_worker_share": round(min(min(s) for s in shares), 3),
+  }
 
 
 def _to_mb_per_s(result: dict, item_bytes: int) -> dict:
   """A result in items/s as MB/s."""
-  return {**result, "rate": result["rate"] * item_bytes / 1e6,
-          "rates": [round(r * item_bytes / 1e6, 1) for r in result["rates"]]}
+  return {
+    **result,
+    "rate": result["rate"] * item_bytes / 1e6,
+    "rates": [round(r * item_bytes / 1e6, 1) for r in result["rates"]],
+  }
 
 
 def main(argv: list[str]) -> None:
@@ -275,6 +326,7 @@ def main(argv: list[str]) -> None:
   if only not in ("", "W4", "W4t"):
     raise SystemExit(f"--only must be W4 or W4t, got {only!r}.")
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   data = workloads.w1_data(scale)
   n = len(data["label"])
   image_bytes = workloads.CROP * workloads.CROP * 3 * 4
@@ -283,8 +335,9 @@ def main(argv: list[str]) -> None:
   w4, w4t, sockets = {}, {}, {}
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "w4.tfrecord")
-    jaxfeed.write_tfrecord(path, [data["label"][i].tobytes() + data["image"][i].tobytes()
-                                  for i in range(n)])
+    jaxfeed.write_tfrecord(
+      path, [data["label"][i].tobytes() + data["image"][i].tobytes() for i in range(n)]
+    )
     for workers in (1, 2):
       name = f"jaxfeed service ({workers} workers)"
       if only != "W4t":
@@ -297,10 +350,16 @@ def main(argv: list[str]) -> None:
         procs, address, metrics_urls = jaxfeed_cluster(workers, W4T_SPLIT_SIZE)
         try:
           socket_rates = sockets[name] = []
-          w4t[name] = _to_mb_per_s(_measure_jaxfeed(
-              lambda: _jaxfeed_w4t(n), address, epochs, procs,
-              lambda: socket_rates.append(_plain_socket_epoch(num_batches, batch_bytes))),
-              image_bytes)
+          w4t[name] = _to_mb_per_s(
+            _measure_jaxfeed(
+              lambda: _jaxfeed_w4t(n),
+              address,
+              epochs,
+              procs,
+              lambda: socket_rates.append(_plain_socket_epoch(num_batches, batch_bytes)),
+            ),
+            image_bytes,
+          )
           w4t[name].update(_served_by_worker(served_bytes(metrics_urls)))
         finally:
           harness.stop_processes(procs)
@@ -311,7 +370,8 @@ def main(argv: list[str]) -> None:
           w4[name] = _measure_tf(lambda: _tf_w4(path), address, epochs, procs)
         if only != "W4":
           w4t[name] = _to_mb_per_s(
-              _measure_tf(lambda: _tf_w4t(n), address, epochs, procs), image_bytes)
+            _measure_tf(lambda: _tf_w4t(n), address, epochs, procs), image_bytes
+          )
       finally:
         harness.stop_processes(procs)
   for result in w4.values():
@@ -323,24 +383,33 @@ def main(argv: list[str]) -> None:
   # Timed epochs only (the first socket epoch went with the warm-up).
   timed = {name: [r / 1e6 for r in rates[1:]] for name, rates in sockets.items()}
   all_timed = [r for rates in timed.values() for r in rates]
-  w4t["plain TCP socket"] = {"rate": float(np.median(all_timed)),
-                             "rates": [round(r, 1) for r in all_timed]}
+  w4t["plain TCP socket"] = {
+    "rate": float(np.median(all_timed)),
+    "rates": [round(r, 1) for r in all_timed],
+  }
   harness.report("W4t", w4t, "MB/s")
   for name, socket_rates in timed.items():
-    record.row({
-        "workload": "W4t", "system": f"{name} vs plain socket",
-        "fraction_of_plain_socket": round(float(np.median(
-            [r / s for r, s in zip(w4t[name]["rates"], socket_rates)])), 3),
+    record.row(
+      {
+        "workload": "W4t",
+        "system": f"{name} vs plain socket",
+        "fraction_of_plain_socket": round(
+          float(np.median([r / s for r, s in zip(w4t[name]["rates"], socket_rates)])), 3
+        ),
         "fraction_of_median_rates": round(w4t[name]["rate"] / float(np.median(socket_rates)), 3),
         "socket_rates": [round(r, 1) for r in socket_rates],
         "first_batch_ms": w4t[name]["first_batch_ms"],
         "last_batch_to_end_ms": w4t[name]["last_batch_to_end_ms"],
         "served_mb_by_worker": w4t[name]["served_mb_by_worker"],
         "min_worker_share": w4t[name]["min_worker_share"],
-        "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"]})
-  unfair = {name: result["min_worker_share"] for name, result in w4t.items()
-            if len(result.get("served_mb_by_worker", ())) > 1
-            and result["min_worker_share"] < FAIR_SHARE}
+        "total_peak_rss_mb": w4t[name]["total_peak_rss_mb"],
+      }
+    )
+  unfair = {
+    name: result["min_worker_share"]
+    for name, result in w4t.items()
+    if len(result.get("served_mb_by_worker", ())) > 1 and result["min_worker_share"] < FAIR_SHARE
+  }
   if unfair:
     raise SystemExit(f"W4t: a worker served less than {FAIR_SHARE:.0%} of an epoch: {unfair}.")
 

@@ -33,37 +33,54 @@ def _cluster(num_workers: int, tls: bool, split_size: int) -> tuple[list, str]:
   return procs, address
 
 
-_MEMORY_AND_START = ("first_batch_ms", "peak_rss_mb", "servers_peak_rss_mb",
-                     "total_peak_rss_mb")
+_MEMORY_AND_START = ("first_batch_ms", "peak_rss_mb", "servers_peak_rss_mb", "total_peak_rss_mb")
 
 
 def _measure(make, address: str, epochs: int, procs: list, **options) -> dict:
   def epoch():
-    return make().distribute(address, "distributed_epoch", max_outstanding_requests=8,
-                             **options).make_iterator()
-  result = harness.measure(epoch, lambda b: len(b["image"]), epochs,
-                           servers=[p.pid for p in procs])
+    return (
+      make()
+      .distribute(address, "distributed_epoch", max_outstanding_requests=8, **options)
+      .make_iterator()
+    )
+
+  result = harness.measure(epoch, lambda b: len(b["image"]), epochs, servers=[p.pid for p in procs])
   result["memory_and_start"] = {k: result[k] for k in _MEMORY_AND_START}
   return result
 
 
 def _w4_visitations(data: dict, workers: int, epochs: int) -> list[dict]:
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   n = len(data["label"])
   w4 = []
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "w4.tfrecord")
-    jaxfeed.write_tfrecord(path, [data["label"][i].tobytes() + data["image"][i].tobytes()
-                                  for i in range(n)])
+    jaxfeed.write_tfrecord(
+      path, [data["label"][i].tobytes() + data["image"][i].tobytes() for i in range(n)]
+    )
     procs, address = _cluster(workers, False, w4_service.W4_SPLIT_SIZE)
     try:
       for visitation in ("at_most_once", "exactly_once"):
-        result = _measure(lambda: w4_service._jaxfeed_w4(path, n),  # pylint: disable=protected-access
-                          address, epochs, procs, visitation=visitation)
-        w4.append({"workload": "W4", "unit": "images/s", "workers": workers,
-                   "visitation": visitation, "rate": round(result["rate"], 1),
-                   "rates": result["rates"], "items": result["items"],
-                   **result["memory_and_start"]})
+        result = _measure(
+          lambda: w4_service._jaxfeed_w4(path, n),  # pylint: disable=protected-access
+          address,
+          epochs,
+          procs,
+          visitation=visitation,
+        )
+        w4.append(
+          {
+            "workload": "W4",
+            "unit": "images/s",
+            "workers": workers,
+            "visitation": visitation,
+            "rate": round(result["rate"], 1),
+            "rates": result["rates"],
+            "items": result["items"],
+            **result["memory_and_start"],
+          }
+        )
     finally:
       harness.stop_processes(procs)
   return w4
@@ -75,6 +92,7 @@ def main(argv: list[str]) -> None:
   workers = int(args.get("workers", 1))
   only = args.get("only", "")
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
+
   data = workloads.w1_data(scale)
   n = len(data["label"])
   image_bytes = workloads.CROP * workloads.CROP * 3 * 4
@@ -85,14 +103,25 @@ def main(argv: list[str]) -> None:
     procs, address = _cluster(workers, use_tls, w4_service.W4T_SPLIT_SIZE)
     try:
       for transfer in ("socket", "grpc"):
-        result = _measure(lambda: w4_service._jaxfeed_w4t(n),  # pylint: disable=protected-access
-                          address, epochs, procs, data_transfer=transfer,
-                          tls=tls if use_tls else None)
-        lines.append({"workload": "W4t", "unit": "MB/s", "workers": workers,
-                      "path": f"{transfer}{' + TLS' if use_tls else ''}",
-                      "rate": round(result["rate"] * image_bytes / 1e6, 1),
-                      "rates": [round(r * image_bytes / 1e6, 1) for r in result["rates"]],
-                      **result["memory_and_start"]})
+        result = _measure(
+          lambda: w4_service._jaxfeed_w4t(n),  # pylint: disable=protected-access
+          address,
+          epochs,
+          procs,
+          data_transfer=transfer,
+          tls=tls if use_tls else None,
+        )
+        lines.append(
+          {
+            "workload": "W4t",
+            "unit": "MB/s",
+            "workers": workers,
+            "path": f"{transfer}{' + TLS' if use_tls else ''}",
+            "rate": round(result["rate"] * image_bytes / 1e6, 1),
+            "rates": [round(r * image_bytes / 1e6, 1) for r in result["rates"]],
+            **result["memory_and_start"],
+          }
+        )
     finally:
       harness.stop_processes(procs)
   for line in lines:

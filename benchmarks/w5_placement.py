@@ -49,19 +49,24 @@ FLAGS = flags.FLAGS
 def _define_flags() -> None:
   # Only when run as a script: benchmarks.run imports this module and has its
   # own --scale.
-  flags.DEFINE_integer("rounds", 5,
-                       "Timed rounds (one epoch of each variant) after a warm-up round.")
+  flags.DEFINE_integer(
+    "rounds", 5, "Timed rounds (one epoch of each variant) after a warm-up round."
+  )
   flags.DEFINE_float("scale", 1.0, "Fraction of W1's 20,000 images.")
-  flags.DEFINE_bool("aligned", False,
-                    "Also run the variants whose augmentation writes aligned memory.")
+  flags.DEFINE_bool(
+    "aligned", False, "Also run the variants whose augmentation writes aligned memory."
+  )
 
 
 def _pipeline(data: dict, aligned: bool):
   if aligned:
     from jaxfeed.device import aligned_empty
+
     return workloads._w1_jaxfeed(  # pylint: disable=protected-access
-        data, batched=True,
-        augment_batched=functools.partial(workloads.augment_batch, empty=aligned_empty))
+      data,
+      batched=True,
+      augment_batched=functools.partial(workloads.augment_batch, empty=aligned_empty),
+    )
   return workloads._w1_jaxfeed(data, batched=True)  # pylint: disable=protected-access
 
 
@@ -77,16 +82,19 @@ def variants(data: dict, aligned: bool) -> dict[str, Callable[[], Iterator]]:
         for batch in loader:
           jax.block_until_ready(batch)
           yield batch
+
     return epoch
 
   suffix = "-aligned" if aligned else ""
   return {
-      f"host-only{suffix}": lambda: iter(_pipeline(data, aligned)),
-      f"loader-prefetch0{suffix}": placed(
-          lambda: jaxfeed.Loader(_pipeline(data, aligned), prefetch=0)),
-      f"loader-default{suffix}": placed(lambda: jaxfeed.Loader(_pipeline(data, aligned))),
-      f"loader-thread{suffix}": placed(lambda: DevicePrefetcher(
-          _pipeline(data, aligned).make_iterator(), prefetch=2)),
+    f"host-only{suffix}": lambda: iter(_pipeline(data, aligned)),
+    f"loader-prefetch0{suffix}": placed(
+      lambda: jaxfeed.Loader(_pipeline(data, aligned), prefetch=0)
+    ),
+    f"loader-default{suffix}": placed(lambda: jaxfeed.Loader(_pipeline(data, aligned))),
+    f"loader-thread{suffix}": placed(
+      lambda: DevicePrefetcher(_pipeline(data, aligned).make_iterator(), prefetch=2)
+    ),
   }
 
 
@@ -111,6 +119,7 @@ def _epoch(make_epoch: Callable[[], Iterator]) -> tuple[float, float, float]:
 def run(rounds: int, scale: float, aligned: bool = False) -> list[dict]:
   """Runs the variants interleaved; prints and returns one JSON line each."""
   import jax
+
   data = workloads.w1_data(scale)
   runs = variants(data, False)
   if aligned:
@@ -127,19 +136,30 @@ def run(rounds: int, scale: float, aligned: bool = False) -> list[dict]:
       if round_:  # Round 0 warms up every variant.
         rates[name].append(rate)
         cpu_ms[name].append(cpu)
-  results = {name: {"rate": statistics.median(rates[name]),
-                    "rates": [round(r) for r in rates[name]],
-                    "cpu_ms_per_batch": round(statistics.median(cpu_ms[name]), 2),
-                    "peak_rss_mb": round(peaks[name], 1)} for name in names}
+  results = {
+    name: {
+      "rate": statistics.median(rates[name]),
+      "rates": [round(r) for r in rates[name]],
+      "cpu_ms_per_batch": round(statistics.median(cpu_ms[name]), 2),
+      "peak_rss_mb": round(peaks[name], 1),
+    }
+    for name in names
+  }
   extra = {}
   for name in names:
     host = "host-only-aligned" if name.endswith("-aligned") else "host-only"
-    extra[name] = {"devices": len(jax.devices()), "rounds": rounds,
-                   "overhead_vs_host_only": round(
-                       results[host]["rate"] / results[name]["rate"] - 1, 4)}
+    extra[name] = {
+      "devices": len(jax.devices()),
+      "rounds": rounds,
+      "overhead_vs_host_only": round(results[host]["rate"] / results[name]["rate"] - 1, 4),
+    }
   # Every variant is jaxfeed: no peer ratio.
-  return harness.report("W5", {f"jaxfeed-{k}": v for k, v in results.items()},
-                        "images/s", {f"jaxfeed-{k}": v for k, v in extra.items()})
+  return harness.report(
+    "W5",
+    {f"jaxfeed-{k}": v for k, v in results.items()},
+    "images/s",
+    {f"jaxfeed-{k}": v for k, v in extra.items()},
+  )
 
 
 def run_w5(systems, epochs, scale):

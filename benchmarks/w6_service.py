@@ -60,7 +60,7 @@ class RaggedTokenSource:
     return len(self.offsets) - 1
 
   def __getitem__(self, index: int) -> dict:
-    return {"tokens": self.tokens[self.offsets[index]:self.offsets[index + 1]]}
+    return {"tokens": self.tokens[self.offsets[index] : self.offsets[index + 1]]}
 
   def get_many(self, indices: Any) -> list:
     starts, stops = self.offsets[indices], self.offsets[np.asarray(indices) + 1]
@@ -78,11 +78,12 @@ def token_count(element: dict) -> int:
 def _pipeline(lengths: np.ndarray, seed: int):
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from benchmarks import w6_service  # importable paths, also when run as __main__
+
   tokens = np.concatenate(workloads.w3_sequences(lengths))
   offsets = np.concatenate([[0], np.cumsum(lengths)])
   source = w6_service.RaggedTokenSource(tokens, offsets)
   return jaxfeed.Dataset.from_source(
-      source, jaxfeed.IndexSampler(len(lengths), shuffle=True, seed=seed)
+    source, jaxfeed.IndexSampler(len(lengths), shuffle=True, seed=seed)
   ).bucket_by_sequence_length(w6_service.token_count, BOUNDARIES, BATCH_SIZES)
 
 
@@ -97,9 +98,14 @@ def _read_in_threads(make_iterator: Callable[[int], Any]) -> tuple[list, list, f
       with make_iterator(i) as iterator:
         for batch in iterator:
           tokens = batch["tokens"]
-          batches[i].append((getattr(iterator, "last_round", len(batches[i])),
-                             tokens.shape[0], tokens.shape[1],
-                             int(np.count_nonzero(tokens))))
+          batches[i].append(
+            (
+              getattr(iterator, "last_round", len(batches[i])),
+              tokens.shape[0],
+              tokens.shape[1],
+              int(np.count_nonzero(tokens)),
+            )
+          )
         # jaxfeed's iterators have a stats() method; tf.data's have none.
         stats_of = getattr(iterator, "stats", None)
         stats[i] = stats_of() if callable(stats_of) else {}
@@ -127,13 +133,15 @@ def _steps(batches: list, by_round: bool) -> list[list[tuple]]:
   return [[consumer[s][1:] for consumer in batches] for s in range(steps)]
 
 
-def _summary(system: str, way: str, steps: list[list[tuple]], sequences: int,
-             elapsed: float, total_tokens: int) -> dict:
+def _summary(
+  system: str, way: str, steps: list[list[tuple]], sequences: int, elapsed: float, total_tokens: int
+) -> dict:
   if not steps:
     raise ValueError(
-        f"W6 {system}, {way}: no step gave all {CONSUMERS} consumers a batch out of "
-        f"{sequences} sequences (too few to fill {PER_CONSUMER_BATCH}-row batches of one "
-        f"bucket for every consumer); use a larger --scale (0.1 or more).")
+      f"W6 {system}, {way}: no step gave all {CONSUMERS} consumers a batch out of "
+      f"{sequences} sequences (too few to fill {PER_CONSUMER_BATCH}-row batches of one "
+      f"bucket for every consumer); use a larger --scale (0.1 or more)."
+    )
   rows = np.array([[c[0] for c in step] for step in steps])
   padded_length = np.array([[c[1] for c in step] for step in steps])
   real = int(sum(c[2] for step in steps for c in step))
@@ -141,31 +149,40 @@ def _summary(system: str, way: str, steps: list[list[tuple]], sequences: int,
   slowest = padded_tokens.max(axis=1)
   agree = (padded_length == padded_length[:, :1]).all(axis=1)
   return {
-      "workload": "W6", "system": system, "way": way, "consumers": CONSUMERS,
-      "workers": WORKERS, "per_consumer_batch": PER_CONSUMER_BATCH,
-      "steps": len(steps), "sequences": int(rows.sum()),
-      "sequences_left_out": int(sequences - rows.sum()),
-      "token_coverage": round(real / total_tokens, 4),
-      "bucket_agreement": round(float(agree.mean()), 4),
-      "padding_fraction": round(1 - real / int(padded_tokens.sum()), 4),
-      # Idle rows of consumers waiting for the slowest one count as padding too.
-      "padding_fraction_incl_waiting": round(1 - real / (CONSUMERS * int(slowest.sum())), 4),
-      "modelled_time_tokens": int(slowest.sum()),
-      "modelled_time_per_real_token": round(float(slowest.sum()) / real, 5),
-      "read_seconds": round(elapsed, 2),
-      "sequences_per_s": round(float(rows.sum()) / elapsed, 1),
+    "workload": "W6",
+    "system": system,
+    "way": way,
+    "consumers": CONSUMERS,
+    "workers": WORKERS,
+    "per_consumer_batch": PER_CONSUMER_BATCH,
+    "steps": len(steps),
+    "sequences": int(rows.sum()),
+    "sequences_left_out": int(sequences - rows.sum()),
+    "token_coverage": round(real / total_tokens, 4),
+    "bucket_agreement": round(float(agree.mean()), 4),
+    "padding_fraction": round(1 - real / int(padded_tokens.sum()), 4),
+    # Idle rows of consumers waiting for the slowest one count as padding too.
+    "padding_fraction_incl_waiting": round(1 - real / (CONSUMERS * int(slowest.sum())), 4),
+    "modelled_time_tokens": int(slowest.sum()),
+    "modelled_time_per_real_token": round(float(slowest.sum()) / real, 5),
+    "read_seconds": round(elapsed, 2),
+    "sequences_per_s": round(float(rows.sum()) / elapsed, 1),
   }
 
 
 def _jaxfeed_cluster() -> tuple[list, str]:
   """A dispatcher whose round-robin jobs wait for WORKERS workers, and those."""
   spawn = w4_service._spawn  # pylint: disable=protected-access
-  dispatcher, address = spawn(["-m", "jaxfeed.service.dispatcher", "--port=0",
-                               f"--num_workers={WORKERS}"])
+  dispatcher, address = spawn(
+    ["-m", "jaxfeed.service.dispatcher", "--port=0", f"--num_workers={WORKERS}"]
+  )
   procs = [dispatcher]
   for _ in range(WORKERS):
-    procs.append(spawn(["-m", "jaxfeed.service.worker", f"--dispatcher_address={address}",
-                        "--buffer_size=8"])[0])
+    procs.append(
+      spawn(["-m", "jaxfeed.service.worker", f"--dispatcher_address={address}", "--buffer_size=8"])[
+        0
+      ]
+    )
   return procs, address
 
 
@@ -177,23 +194,41 @@ def run_jaxfeed(lengths: np.ndarray, seed: int, epochs: int) -> tuple[dict, dict
     dataset = _pipeline(lengths, seed)
     for epoch in range(epochs + 1):
       batches, stats, elapsed = _read_in_threads(
-          lambda i: dataset.distribute(address, "data", job_name=f"coordinated-{epoch}",
-                                       num_consumers=CONSUMERS, consumer_index=i
-                                       ).make_iterator())
-      coordinated = _summary("jaxfeed service", "coordinated (num_consumers=4)",
-                             _steps(batches, by_round=True), len(lengths), elapsed,
-                             int(lengths.sum()))
+        lambda i: dataset.distribute(
+          address,
+          "data",
+          job_name=f"coordinated-{epoch}",
+          num_consumers=CONSUMERS,
+          consumer_index=i,
+        ).make_iterator()
+      )
+      coordinated = _summary(
+        "jaxfeed service",
+        "coordinated (num_consumers=4)",
+        _steps(batches, by_round=True),
+        len(lengths),
+        elapsed,
+        int(lengths.sum()),
+      )
       coordinated["rounds_skipped"] = sum(s["rounds_skipped"] for s in stats)
       for key in ("rows_dropped_at_end", "rows_dropped_over_limit", "rows_dropped_late"):
         coordinated[key] = stats[0][key]
       coordinated["peak_window_batches_per_worker"] = max(
-          w["peak_window_batches"] for w in stats[0]["workers"].values())
+        w["peak_window_batches"] for w in stats[0]["workers"].values()
+      )
       batches, _, elapsed = _read_in_threads(
-          lambda i: dataset.distribute(address, "data", job_name=f"uncoordinated-{epoch}"
-                                       ).make_iterator())
-      uncoordinated = _summary("jaxfeed service", "uncoordinated (shared job)",
-                               _steps(batches, by_round=False), len(lengths), elapsed,
-                               int(lengths.sum()))
+        lambda i: dataset.distribute(
+          address, "data", job_name=f"uncoordinated-{epoch}"
+        ).make_iterator()
+      )
+      uncoordinated = _summary(
+        "jaxfeed service",
+        "uncoordinated (shared job)",
+        _steps(batches, by_round=False),
+        len(lengths),
+        elapsed,
+        int(lengths.sum()),
+      )
       if epoch:
         coordinated_rates.append(coordinated["sequences_per_s"])
         uncoordinated_rates.append(uncoordinated["sequences_per_s"])
@@ -210,28 +245,35 @@ def run_jaxfeed(lengths: np.ndarray, seed: int, epochs: int) -> tuple[dict, dict
 # -- tf.data service -------------------------------------------------------------------
 def _tf_dataset(lengths: np.ndarray, seed: int, coordinated: bool):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   lengths_t = tf.constant(lengths, tf.int64)
 
   def sequence(index):
     length = lengths_t[index]
-    tokens = tf.random.stateless_uniform(tf.reshape(length, [1]), seed=tf.stack([index, 0]),
-                                         minval=1, maxval=32_000, dtype=tf.int32)
+    tokens = tf.random.stateless_uniform(
+      tf.reshape(length, [1]), seed=tf.stack([index, 0]), minval=1, maxval=32_000, dtype=tf.int32
+    )
     return {"tokens": tokens}
 
-  dataset = (tf.data.Dataset.range(len(lengths)).shuffle(len(lengths), seed=seed)
-             .repeat().map(sequence)
-             .bucket_by_sequence_length(lambda e: tf.shape(e["tokens"])[0],
-                                        BOUNDARIES, BATCH_SIZES))
+  dataset = (
+    tf.data.Dataset.range(len(lengths))
+    .shuffle(len(lengths), seed=seed)
+    .repeat()
+    .map(sequence)
+    .bucket_by_sequence_length(lambda e: tf.shape(e["tokens"])[0], BOUNDARIES, BATCH_SIZES)
+  )
   if coordinated:  # the recipe: K consecutive batches of one padded length
     dataset = dataset.group_by_window(
-        key_func=lambda e: tf.cast(tf.shape(e["tokens"])[1], tf.int64),
-        reduce_func=lambda _, window: window.batch(CONSUMERS),
-        window_size=CONSUMERS).unbatch()
+      key_func=lambda e: tf.cast(tf.shape(e["tokens"])[1], tf.int64),
+      reduce_func=lambda _, window: window.batch(CONSUMERS),
+      window_size=CONSUMERS,
+    ).unbatch()
   return dataset
 
 
 def run_tf_service(lengths: np.ndarray, seed: int, rounds: int) -> tuple[dict, dict]:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   procs, address = w4_service._tf_cluster(WORKERS)  # pylint: disable=protected-access
   service = f"grpc://{address}"
   try:
@@ -241,17 +283,33 @@ def run_tf_service(lengths: np.ndarray, seed: int, rounds: int) -> tuple[dict, d
       options = dict(num_consumers=CONSUMERS) if coordinated else {}
 
       def make_iterator(i, dataset=dataset, options=options, coordinated=coordinated):
-        distributed = dataset.apply(tf.data.experimental.service.distribute(
-            processing_mode="parallel_epochs", service=service,
-            job_name=f"w6-{coordinated}", consumer_index=i if coordinated else None,
-            **options)).take(rounds)
+        distributed = dataset.apply(
+          tf.data.experimental.service.distribute(
+            processing_mode="parallel_epochs",
+            service=service,
+            job_name=f"w6-{coordinated}",
+            consumer_index=i if coordinated else None,
+            **options,
+          )
+        ).take(rounds)
         return _Closing(distributed.as_numpy_iterator())
 
       batches, _, elapsed = _read_in_threads(make_iterator)
-      way = ("coordinated (num_consumers=4, group_by_window recipe)" if coordinated
-             else "uncoordinated (shared job)")
-      results.append(_summary("tf.data service", way, _steps(batches, by_round=False),
-                              len(lengths), elapsed, int(lengths.sum())))
+      way = (
+        "coordinated (num_consumers=4, group_by_window recipe)"
+        if coordinated
+        else "uncoordinated (shared job)"
+      )
+      results.append(
+        _summary(
+          "tf.data service",
+          way,
+          _steps(batches, by_round=False),
+          len(lengths),
+          elapsed,
+          int(lengths.sum()),
+        )
+      )
   finally:
     harness.stop_processes(procs)
   return results[0], results[1]
@@ -288,10 +346,15 @@ def main(argv: list[str]) -> None:
   ratios = {"jaxfeed coordinated vs uncoordinated": lower_by(coordinated, uncoordinated)}
   if len(lines) == 4:
     ratios["tf.data service coordinated vs uncoordinated"] = lower_by(lines[2], lines[3])
-    ratios["jaxfeed coordinated vs tf.data service coordinated"] = lower_by(
-        coordinated, lines[2])
-  record.row({"workload": "W6", "mode": "service", "way": "summary",
-              "modelled_time_per_real_token_lower_by": ratios})
+    ratios["jaxfeed coordinated vs tf.data service coordinated"] = lower_by(coordinated, lines[2])
+  record.row(
+    {
+      "workload": "W6",
+      "mode": "service",
+      "way": "summary",
+      "modelled_time_per_real_token_lower_by": ratios,
+    }
+  )
 
 
 if __name__ == "__main__":

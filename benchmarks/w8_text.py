@@ -56,23 +56,31 @@ def _slots(batch: dict) -> int:
 
 def _jaxfeed_corpora(corpora: list[list[bytes]]):
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  return [jaxfeed.Dataset.from_source(documents, jaxfeed.IndexSampler(
-      len(documents), shuffle=True, seed=SEED + salt, num_epochs=None))
-          for salt, documents in enumerate(corpora)]
+
+  return [
+    jaxfeed.Dataset.from_source(
+      documents,
+      jaxfeed.IndexSampler(len(documents), shuffle=True, seed=SEED + salt, num_epochs=None),
+    )
+    for salt, documents in enumerate(corpora)
+  ]
 
 
 def _jaxfeed_rows(dataset, batches: int):
-  dataset = (dataset.pack({"tokens": ROW}, num_packing_bins=BINS, overflow="split")
-             .batch(BATCH, drop_remainder=True))
+  dataset = dataset.pack({"tokens": ROW}, num_packing_bins=BINS, overflow="split").batch(
+    BATCH, drop_remainder=True
+  )
 
   def epoch():
     return itertools.islice(dataset.make_iterator(), batches)
+
   return epoch
 
 
 def jaxfeed_mix_epochs(corpora: list[list[bytes]], batches: int):
   """The README's recipe: the index-level mixture, then tokenize."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   tokenize = jaxfeed.Tokenize(jaxfeed.ByteTokenizer())
   mixture = jaxfeed.Dataset.mix(_jaxfeed_corpora(corpora), list(WEIGHTS), seed=SEED)
   return _jaxfeed_rows(mixture.map(tokenize), batches)
@@ -81,11 +89,12 @@ def jaxfeed_mix_epochs(corpora: list[list[bytes]], batches: int):
 def jaxfeed_sample_epochs(corpora: list[list[bytes]], batches: int):
   """The iterator-level mixture of tokenized corpora."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   tokenize = jaxfeed.Tokenize(jaxfeed.ByteTokenizer())
   parts = [part.map(tokenize) for part in _jaxfeed_corpora(corpora)]
   return _jaxfeed_rows(
-      jaxfeed.Dataset.sample_from_datasets(parts, list(WEIGHTS), seed=SEED),
-      batches)
+    jaxfeed.Dataset.sample_from_datasets(parts, list(WEIGHTS), seed=SEED), batches
+  )
 
 
 class _Pieces:
@@ -95,31 +104,37 @@ class _Pieces:
 
   def flat_map(self, element):
     tokens = element["tokens"]
-    return [{"tokens": tokens[i:i + ROW]} for i in range(0, len(tokens), ROW)]
+    return [{"tokens": tokens[i : i + ROW]} for i in range(0, len(tokens), ROW)]
 
 
 def grain_epochs(corpora: list[list[bytes]], batches: int):
   import grain  # pylint: disable=g-import-not-at-top
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   tokenize = jaxfeed.Tokenize(jaxfeed.ByteTokenizer())
-  parts = [grain.MapDataset.source(documents).shuffle(seed=SEED + salt).repeat()
-           .map(tokenize) for salt, documents in enumerate(corpora)]
+  parts = [
+    grain.MapDataset.source(documents).shuffle(seed=SEED + salt).repeat().map(tokenize)
+    for salt, documents in enumerate(corpora)
+  ]
   pieces = grain.experimental.FlatMapIterDataset(
-      grain.MapDataset.mix(parts, weights=list(WEIGHTS)).to_iter_dataset(),
-      type("Pieces", (_Pieces, grain.experimental.FlatMapTransform), {})())
+    grain.MapDataset.mix(parts, weights=list(WEIGHTS)).to_iter_dataset(),
+    type("Pieces", (_Pieces, grain.experimental.FlatMapTransform), {})(),
+  )
   packed = grain.experimental.FirstFitPackIterDataset(
-      pieces, length_struct={"tokens": ROW}, num_packing_bins=BINS,
-      shuffle_bins=False)
+    pieces, length_struct={"tokens": ROW}, num_packing_bins=BINS, shuffle_bins=False
+  )
   dataset = packed.batch(BATCH, drop_remainder=True)
 
   def epoch():
     return itertools.islice(iter(dataset), batches)
+
   return epoch
 
 
 def tf_data_epochs(corpora: list[list[bytes]], batches: int):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   encode = jaxfeed.ByteTokenizer().encode
   eos = np.int32(jaxfeed.ByteTokenizer.eos_id)
 
@@ -129,34 +144,43 @@ def tf_data_epochs(corpora: list[list[bytes]], batches: int):
   def corpus(documents, salt):
     ds = tf.data.Dataset.from_tensor_slices(np.array(documents, dtype=object))
     ds = ds.shuffle(len(documents), seed=SEED + salt).repeat()
-    ds = ds.map(lambda t: tf.ensure_shape(
-        tf.numpy_function(tokenize, [t], tf.int32), [None]))
+    ds = ds.map(lambda t: tf.ensure_shape(tf.numpy_function(tokenize, [t], tf.int32), [None]))
     return ds.flat_map(lambda t: tf.data.Dataset.from_tensor_slices(t).batch(ROW))
 
   mixed = tf.data.Dataset.sample_from_datasets(
-      [corpus(d, salt) for salt, d in enumerate(corpora)], list(WEIGHTS), seed=SEED)
+    [corpus(d, salt) for salt, d in enumerate(corpora)], list(WEIGHTS), seed=SEED
+  )
   bucketed = mixed.bucket_by_sequence_length(
-      lambda t: tf.shape(t)[0], bucket_boundaries=[65, 129, 257],
-      bucket_batch_sizes=[BATCH] * 4, padding_values=-1, drop_remainder=True)
+    lambda t: tf.shape(t)[0],
+    bucket_boundaries=[65, 129, 257],
+    bucket_batch_sizes=[BATCH] * 4,
+    padding_values=-1,
+    drop_remainder=True,
+  )
   dataset = bucketed.map(lambda t: {"tokens_segment_ids": tf.cast(t >= 0, tf.int32)})
 
   def epoch():
     return itertools.islice(dataset.as_numpy_iterator(), batches)
+
   return epoch
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--epochs", type=int, default=3)
-  parser.add_argument("--batches", type=int, default=100,
-                      help="batches of 32 x 512 tokens per epoch")
+  parser.add_argument(
+    "--batches", type=int, default=100, help="batches of 32 x 512 tokens per epoch"
+  )
   parser.add_argument("--no-peers", action="store_true")
-  parser.add_argument("--repeats", type=int, default=1,
-                      help="runs of every system in turn; the median run counts")
+  parser.add_argument(
+    "--repeats", type=int, default=1, help="runs of every system in turn; the median run counts"
+  )
   args = parser.parse_args()
   corpora = [lm_data.code_documents(), lm_data.prose_documents()]
-  systems = {"jaxfeed (mix)": jaxfeed_mix_epochs,
-             "jaxfeed (sample_from_datasets)": jaxfeed_sample_epochs}
+  systems = {
+    "jaxfeed (mix)": jaxfeed_mix_epochs,
+    "jaxfeed (sample_from_datasets)": jaxfeed_sample_epochs,
+  }
   if not args.no_peers:
     systems.update({"grain": grain_epochs, "tf.data": tf_data_epochs})
   epochs = {name: make(corpora, args.batches) for name, make in systems.items()}
@@ -173,6 +197,7 @@ def main() -> None:
         padding[0] += tokens
         padding[1] += _slots(batch)
         return tokens
+
       # CPU time from the first epoch on: the collection the harness runs
       # before it walks every object of TensorFlow and Grain (0.2 s here, as
       # much as a jaxfeed run) and is no system's cost.
@@ -181,22 +206,23 @@ def main() -> None:
       def start_cpu_clock(started=started):
         if not started:
           started.append(time.process_time())
-      runs[name].append(harness.measure(epoch, count, args.epochs,
-                                        before_epoch=start_cpu_clock))
+
+      runs[name].append(harness.measure(epoch, count, args.epochs, before_epoch=start_cpu_clock))
       cpu[name] += time.process_time() - started[0]
   load = [round(x, 1) for x in load + os.getloadavg()]
   results, extra = {}, {}
   for name, measured in runs.items():
     results[name] = sorted(measured, key=lambda r: r["rate"])[len(measured) // 2]
-    extra[name] = {"padding_fraction": round(1 - padding[name][0] / padding[name][1], 4),
-                   "tokens_per_cpu_second": round(padding[name][0] / cpu[name]),
-                   "load_average_before_after": load}
+    extra[name] = {
+      "padding_fraction": round(1 - padding[name][0] / padding[name][1], 4),
+      "tokens_per_cpu_second": round(padding[name][0] / cpu[name]),
+      "load_average_before_after": load,
+    }
     if args.repeats > 1:
       extra[name]["rate_per_repeat"] = [round(r["rate"]) for r in measured]
   for name in results:
     if name.startswith("jaxfeed") and "grain" in results:
-      extra[name]["ratio_vs_grain"] = round(
-          results[name]["rate"] / results["grain"]["rate"], 2)
+      extra[name]["ratio_vs_grain"] = round(results[name]["rate"] / results["grain"]["rate"], 2)
   harness.report("W8", results, "tokens/s", extra)
 
 

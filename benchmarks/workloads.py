@@ -27,8 +27,10 @@ def w1_size(scale: float) -> int:
 def w1_data(scale: float) -> dict[str, np.ndarray]:
   n = w1_size(scale)
   rng = np.random.default_rng(0)
-  return {"image": rng.integers(0, 256, (n, IMAGE, IMAGE, 3), dtype=np.uint8),
-          "label": rng.integers(0, 1000, n, dtype=np.int32)}
+  return {
+    "image": rng.integers(0, 256, (n, IMAGE, IMAGE, 3), dtype=np.uint8),
+    "label": rng.integers(0, 1000, n, dtype=np.int32),
+  }
 
 
 def w3_lengths(scale: float) -> np.ndarray:
@@ -50,7 +52,7 @@ def augment(example: dict, rng: np.random.Generator) -> dict:
   """W1: random 56x56 crop, random horizontal flip, normalize to float32."""
   y, x = rng.integers(0, IMAGE - CROP + 1), rng.integers(0, IMAGE - CROP + 1)
   flip = rng.random() < 0.5
-  crop = example["image"][y:y + CROP, x:x + CROP]
+  crop = example["image"][y : y + CROP, x : x + CROP]
   if flip:
     crop = crop[:, ::-1]
   out = np.empty(crop.shape, np.float32)
@@ -59,8 +61,7 @@ def augment(example: dict, rng: np.random.Generator) -> dict:
   return {"image": out, "label": example["label"]}
 
 
-def augment_batch(batch: dict, rng: np.random.Generator, *,
-                  empty: Callable = np.empty) -> dict:
+def augment_batch(batch: dict, rng: np.random.Generator, *, empty: Callable = np.empty) -> dict:
   """W1, vectorized: the same augmentation applied to a whole batch, written
   into `empty(shape, dtype)`."""
   images = batch["image"]
@@ -71,7 +72,7 @@ def augment_batch(batch: dict, rng: np.random.Generator, *,
   out = empty((n, CROP, CROP, 3), np.float32)
   scale = np.float32(1 / 127.5)
   for i in range(n):
-    crop = images[i, ys[i]:ys[i] + CROP, xs[i]:xs[i] + CROP]
+    crop = images[i, ys[i] : ys[i] + CROP, xs[i] : xs[i] + CROP]
     np.multiply(crop[:, ::-1] if flips[i] else crop, scale, out=out[i], casting="unsafe")
   np.subtract(out, np.float32(1.0), out=out)
   return {"image": out, "label": batch["label"]}
@@ -96,6 +97,7 @@ def sequence_length(example: dict) -> int:
 # ----------------------------------------------------------------------------
 def _w1_jaxfeed(data: dict, batched: bool, augment_batched: Callable = augment_batch):
   import jaxfeed
+
   source = jaxfeed.ArraySource(data)
   ds = jaxfeed.Dataset.from_source(source, jaxfeed.IndexSampler(len(source)))
   if batched:
@@ -113,17 +115,26 @@ def _w1_tf(data: dict):
     image = tf.image.random_flip_left_right(image)
     return tf.cast(image, tf.float32) / 127.5 - 1.0, label
 
-  return (tf.data.Dataset.from_tensor_slices((data["image"], data["label"]))
-          .map(tf_augment, num_parallel_calls=tf.data.AUTOTUNE)
-          .batch(128).prefetch(tf.data.AUTOTUNE))
+  return (
+    tf.data.Dataset.from_tensor_slices((data["image"], data["label"]))
+    .map(tf_augment, num_parallel_calls=tf.data.AUTOTUNE)
+    .batch(128)
+    .prefetch(tf.data.AUTOTUNE)
+  )
 
 
 def _w1_grain(data: dict):
   import grain
+
   images, labels = data["image"], data["label"]
-  return (grain.MapDataset.range(len(images))
-          .map(lambda i: {"image": images[i], "label": labels[i]})
-          .seed(0).random_map(augment).batch(128).to_iter_dataset())
+  return (
+    grain.MapDataset.range(len(images))
+    .map(lambda i: {"image": images[i], "label": labels[i]})
+    .seed(0)
+    .random_map(augment)
+    .batch(128)
+    .to_iter_dataset()
+  )
 
 
 def _epochs_of(system: str, make: Callable) -> Callable:
@@ -146,9 +157,11 @@ def run_w1(systems, epochs, scale):
     # image with its own crop and flip); "jaxfeed-per-element" is the
     # element-wise form the peers use.
     results["jaxfeed"] = harness.measure(
-        _epochs_of("jaxfeed", lambda: _w1_jaxfeed(data, batched=True)), count, epochs)
+      _epochs_of("jaxfeed", lambda: _w1_jaxfeed(data, batched=True)), count, epochs
+    )
     results["jaxfeed-per-element"] = harness.measure(
-        _epochs_of("jaxfeed", lambda: _w1_jaxfeed(data, batched=False)), count, epochs)
+      _epochs_of("jaxfeed", lambda: _w1_jaxfeed(data, batched=False)), count, epochs
+    )
   if "tf.data" in systems:
     results["tf.data"] = harness.measure(_epochs_of("tf.data", lambda: _w1_tf(data)), count, epochs)
   if "grain" in systems:
@@ -165,17 +178,21 @@ def run_w2(systems, epochs, scale):
   results = {}
   if "jaxfeed" in systems:
     import jaxfeed
+
     results["jaxfeed"] = harness.measure(
-        lambda: iter(jaxfeed.Dataset.range(n).map(add_one, batched=True).batch(1024)),
-        count, epochs)
+      lambda: iter(jaxfeed.Dataset.range(n).map(add_one, batched=True).batch(1024)), count, epochs
+    )
     results["jaxfeed-per-element"] = harness.measure(
-        lambda: iter(jaxfeed.Dataset.range(n).map(add_one).batch(1024)), count, epochs)
+      lambda: iter(jaxfeed.Dataset.range(n).map(add_one).batch(1024)), count, epochs
+    )
   if "tf.data" in systems:
     import tensorflow as tf
+
     ds = tf.data.Dataset.range(n).map(lambda x: x + 1).batch(1024)
     results["tf.data"] = harness.measure(ds.as_numpy_iterator, count, epochs)
   if "grain" in systems:
     import grain
+
     ds = grain.MapDataset.range(n).map(add_one).batch(1024).to_iter_dataset()
     results["grain"] = harness.measure(lambda: iter(ds), count, epochs)
   return harness.report("W2", results, "elements/s")
@@ -199,35 +216,57 @@ def run_w3(systems, epochs, scale):
 
   if "jaxfeed" in systems:
     import jaxfeed
+
     base = jaxfeed.Dataset.from_source(examples)
-    tally("jaxfeed-bucketing",
-          lambda: iter(base.bucket_by_sequence_length(sequence_length, boundaries, sizes)),
-          lambda b: b["tokens"].shape[0], lambda b: int((b["tokens"] != 0).sum()), "tokens")
-    tally("jaxfeed-packing",
-          lambda: iter(base.pack({"tokens": 512}, num_packing_bins=32)),
-          packed_sequences,
-          lambda b: int((b["tokens_segment_ids"] != 0).sum()), "tokens")
+    tally(
+      "jaxfeed-bucketing",
+      lambda: iter(base.bucket_by_sequence_length(sequence_length, boundaries, sizes)),
+      lambda b: b["tokens"].shape[0],
+      lambda b: int((b["tokens"] != 0).sum()),
+      "tokens",
+    )
+    tally(
+      "jaxfeed-packing",
+      lambda: iter(base.pack({"tokens": 512}, num_packing_bins=32)),
+      packed_sequences,
+      lambda b: int((b["tokens_segment_ids"] != 0).sum()),
+      "tokens",
+    )
   if "tf.data" in systems:
     import tensorflow as tf
+
     flat = tf.constant(np.concatenate(sequences))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    ds = tf.data.Dataset.from_tensor_slices((starts, lengths)).map(
-        lambda start, length: flat[start:start + length]).bucket_by_sequence_length(
-        lambda x: tf.shape(x)[0], boundaries, sizes)
-    tally("tf.data-bucketing", ds.as_numpy_iterator, lambda b: b.shape[0],
-          lambda b: int((b != 0).sum()), "tokens")
+    ds = (
+      tf.data.Dataset.from_tensor_slices((starts, lengths))
+      .map(lambda start, length: flat[start : start + length])
+      .bucket_by_sequence_length(lambda x: tf.shape(x)[0], boundaries, sizes)
+    )
+    tally(
+      "tf.data-bucketing",
+      ds.as_numpy_iterator,
+      lambda b: b.shape[0],
+      lambda b: int((b != 0).sum()),
+      "tokens",
+    )
   if "grain" in systems:
     import grain
+
     packed = grain.experimental.FirstFitPackIterDataset(
-        grain.MapDataset.source(examples).to_iter_dataset(),
-        length_struct={"tokens": 512}, num_packing_bins=32)
-    tally("grain-packing", lambda: iter(packed),
-          packed_sequences,
-          lambda b: int((b["tokens_segment_ids"] != 0).sum()), "tokens")
+      grain.MapDataset.source(examples).to_iter_dataset(),
+      length_struct={"tokens": 512},
+      num_packing_bins=32,
+    )
+    tally(
+      "grain-packing",
+      lambda: iter(packed),
+      packed_sequences,
+      lambda b: int((b["tokens_segment_ids"] != 0).sum()),
+      "tokens",
+    )
   lines = []
   for kind in ("bucketing", "packing"):
     subset = {k: v for k, v in results.items() if k.endswith(kind)}
     if subset:
       lines += harness.report(f"W3-{kind}", subset, "sequences/s", extra)
   return lines
-

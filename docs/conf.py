@@ -19,11 +19,11 @@ copyright = "The jaxfeed authors"
 release = jaxfeed.__version__
 
 extensions = [
-    "myst_parser",
-    "sphinx.ext.autodoc",
-    "sphinx.ext.autosummary",
-    "sphinx.ext.napoleon",
-    "docstrings",
+  "myst_parser",
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",
+  "docstrings",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
@@ -33,11 +33,14 @@ nitpicky = True
 # Types from other packages (no intersphinx: the build reads nothing from
 # the network) and jaxfeed's internal classes in signatures are plain text.
 nitpick_ignore_regex = [
-    ("py:class", r"(numpy|os|ssl|grpc|jax|jaxlib|etils|orbax|typing|collections"
-                 r"|concurrent|threading|pathlib)\..*"),
-    ("py:class", r"jaxfeed(\.[a-z_]+){2,}\.\w+"),
-    # Dataset's base (its constructors), in the signatures of the mixtures.
-    ("py:class", r"jaxfeed\.dataset_sources\.\w+"),
+  (
+    "py:class",
+    r"(numpy|os|ssl|grpc|jax|jaxlib|etils|orbax|typing|collections"
+    r"|concurrent|threading|pathlib)\..*",
+  ),
+  ("py:class", r"jaxfeed(\.[a-z_]+){2,}\.\w+"),
+  # Dataset's base (its constructors), in the signatures of the mixtures.
+  ("py:class", r"jaxfeed\.dataset_sources\.\w+"),
 ]
 # compute_lengths raises it: it is documented as jaxfeed.coord.LengthIndexError.
 nitpick_ignore = [("py:exc", "LengthIndexError")]

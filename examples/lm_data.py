@@ -40,12 +40,14 @@ def code_documents() -> list[bytes]:
 def prose_documents() -> list[bytes]:
   """The interactive help's topics, sorted by topic name."""
   from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+
   return [topics.topics[name].encode("utf-8") for name in sorted(topics.topics)]
 
 
 def prepare_corpora(data_dir: str) -> dict[str, str]:
   """Writes each corpus as one ArrayRecord file once; returns their paths."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   paths = {name: os.path.join(data_dir, f"{name}.array_record") for name in CORPORA}
   documents = {"code": code_documents, "prose": prose_documents}
   os.makedirs(data_dir, exist_ok=True)
@@ -57,10 +59,17 @@ def prepare_corpora(data_dir: str) -> dict[str, str]:
   return paths
 
 
-def make_dataset(paths: dict[str, str], *, seq_len: int, batch_size: int,
-                 seed: int, weights: Sequence[float] = (0.7, 0.3),
-                 tokenizer: Any = None, num_parallel_calls: int = 2,
-                 num_packing_bins: int = 8) -> Any:
+def make_dataset(
+  paths: dict[str, str],
+  *,
+  seq_len: int,
+  batch_size: int,
+  seed: int,
+  weights: Sequence[float] = (0.7, 0.3),
+  tokenizer: Any = None,
+  num_parallel_calls: int = 2,
+  num_packing_bins: int = 8,
+) -> Any:
   """This host's batches: `{"tokens", "tokens_segment_ids", "tokens_positions"}`,
   each `[batch_size // process_count, seq_len + 1]` (one extra token, so inputs
   and targets are the row shifted by one).
@@ -70,21 +79,19 @@ def make_dataset(paths: dict[str, str], *, seq_len: int, batch_size: int,
 
   num_hosts = jax.process_count()
   if batch_size % num_hosts:
-    raise ValueError(f"--batch_size={batch_size} must be divisible by the "
-                     f"{num_hosts} JAX processes.")
+    raise ValueError(
+      f"--batch_size={batch_size} must be divisible by the {num_hosts} JAX processes."
+    )
   tokenize = jaxfeed.Tokenize(tokenizer or jaxfeed.ByteTokenizer())
   corpora = []
   for salt, name in enumerate(CORPORA):
     source = jaxfeed.ArrayRecordSource([paths[name]])
-    sampler = jaxfeed.IndexSampler(len(source), shuffle=True, seed=seed + salt,
-                                   num_epochs=None)
+    sampler = jaxfeed.IndexSampler(len(source), shuffle=True, seed=seed + salt, num_epochs=None)
     corpora.append(jaxfeed.Dataset.from_source(source, sampler))
   # One global mixture of the two shuffles, sharded per process.
   mixture = jaxfeed.Dataset.mix(
-      corpora, list(weights), seed=seed,
-      shard_options=jaxfeed.ShardByJaxProcess()).map(
-          tokenize, num_parallel_calls=num_parallel_calls)
-  return (mixture
-          .pack({"tokens": seq_len + 1}, num_packing_bins=num_packing_bins,
-                overflow="split")
-          .batch(batch_size // num_hosts, drop_remainder=True))
+    corpora, list(weights), seed=seed, shard_options=jaxfeed.ShardByJaxProcess()
+  ).map(tokenize, num_parallel_calls=num_parallel_calls)
+  return mixture.pack(
+    {"tokens": seq_len + 1}, num_packing_bins=num_packing_bins, overflow="split"
+  ).batch(batch_size // num_hosts, drop_remainder=True)

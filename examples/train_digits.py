@@ -29,10 +29,12 @@ from examples import training
 from examples.digits_data import IMAGE_SIZE, NUM_CLASSES, augment, decode_record, encode_record
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data_dir", "/tmp/jaxfeed_digits/data",
-                    "Where the ArrayRecord files are written once and read.")
-flags.DEFINE_string("workdir", "/tmp/jaxfeed_digits/ckpt",
-                    "Checkpoint directory (model, optimizer and loader state).")
+flags.DEFINE_string(
+  "data_dir", "/tmp/jaxfeed_digits/data", "Where the ArrayRecord files are written once and read."
+)
+flags.DEFINE_string(
+  "workdir", "/tmp/jaxfeed_digits/ckpt", "Checkpoint directory (model, optimizer and loader state)."
+)
 flags.DEFINE_integer("num_shards", 4, "ArrayRecord files to split the data into.")
 flags.DEFINE_integer("batch_size", 128, "Global batch size (over all hosts).")
 flags.DEFINE_integer("num_steps", 400, "Total training steps.")
@@ -44,14 +46,24 @@ flags.DEFINE_integer("seed", 0, "Seed of the model, the shuffle and the augmenta
 flags.DEFINE_integer("num_parallel_calls", 2, "Threads for decode and augment.")
 flags.DEFINE_integer("prefetch", 2, "Batches the Loader keeps ahead on device.")
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
-flags.DEFINE_string("service", "", "host:port of a jaxfeed dispatcher: decode, augment "
-                    "and batch on its workers (every host reads one shared job).")
+flags.DEFINE_string(
+  "service",
+  "",
+  "host:port of a jaxfeed dispatcher: decode, augment "
+  "and batch on its workers (every host reads one shared job).",
+)
 flags.DEFINE_string("service_job", "digits-train", "Job name the hosts share on the service.")
-flags.DEFINE_string("service_token_file", "", "File holding the service's client token, "
-                    "when the dispatcher requires one.")
-flags.DEFINE_bool("distributed", False,
-                  "Call jax.distributed.initialize() first (one process per "
-                  "host, e.g. on every host of a Cloud TPU VM slice).")
+flags.DEFINE_string(
+  "service_token_file",
+  "",
+  "File holding the service's client token, when the dispatcher requires one.",
+)
+flags.DEFINE_bool(
+  "distributed",
+  False,
+  "Call jax.distributed.initialize() first (one process per "
+  "host, e.g. on every host of a Cloud TPU VM slice).",
+)
 
 
 def prepare_digits(data_dir: str, num_shards: int) -> list[str]:
@@ -59,8 +71,10 @@ def prepare_digits(data_dir: str, num_shards: int) -> list[str]:
   import jaxfeed
   from sklearn import datasets as sk_datasets
 
-  paths = [os.path.join(data_dir, f"digits-{i:05d}-of-{num_shards:05d}.array_record")
-           for i in range(num_shards)]
+  paths = [
+    os.path.join(data_dir, f"digits-{i:05d}-of-{num_shards:05d}.array_record")
+    for i in range(num_shards)
+  ]
   if all(os.path.exists(p) for p in paths):
     return paths
   os.makedirs(data_dir, exist_ok=True)
@@ -75,9 +89,15 @@ def prepare_digits(data_dir: str, num_shards: int) -> list[str]:
   return paths
 
 
-def make_dataset(paths: list[str], batch_size: int, seed: int,
-                 num_parallel_calls: int, service: str = "",
-                 service_job: str = "digits-train", service_token: str | None = None) -> Any:
+def make_dataset(
+  paths: list[str],
+  batch_size: int,
+  seed: int,
+  num_parallel_calls: int,
+  service: str = "",
+  service_job: str = "digits-train",
+  service_token: str | None = None,
+) -> Any:
   """The input pipeline: global shuffle, per-host shard, decode, augment, batch.
 
   With `service`, the workers of that dispatcher run it over the whole
@@ -91,18 +111,27 @@ def make_dataset(paths: list[str], batch_size: int, seed: int,
   source = jaxfeed.ArrayRecordSource(paths)
   num_hosts = jax.process_count()
   if batch_size % num_hosts:
-    raise ValueError(f"--batch_size={batch_size} must be divisible by the "
-                     f"{num_hosts} JAX processes.")
+    raise ValueError(
+      f"--batch_size={batch_size} must be divisible by the {num_hosts} JAX processes."
+    )
   shard = jaxfeed.NoSharding() if service else jaxfeed.ShardByJaxProcess(drop_remainder=True)
-  sampler = jaxfeed.IndexSampler(len(source), shuffle=True, seed=seed, num_epochs=None,
-                                 shard_options=shard)
-  dataset = (jaxfeed.Dataset.from_source(source, sampler)
-             .map(decode_record, num_parallel_calls=num_parallel_calls)
-             .random_map(augment, num_parallel_calls=num_parallel_calls, seed=seed)
-             .batch(batch_size // num_hosts, drop_remainder=True))
+  sampler = jaxfeed.IndexSampler(
+    len(source), shuffle=True, seed=seed, num_epochs=None, shard_options=shard
+  )
+  dataset = (
+    jaxfeed.Dataset.from_source(source, sampler)
+    .map(decode_record, num_parallel_calls=num_parallel_calls)
+    .random_map(augment, num_parallel_calls=num_parallel_calls, seed=seed)
+    .batch(batch_size // num_hosts, drop_remainder=True)
+  )
   if service:
-    dataset = dataset.distribute(service, "distributed_epoch", job_name=service_job,
-                                 auth_token=service_token, visitation="exactly_once")
+    dataset = dataset.distribute(
+      service,
+      "distributed_epoch",
+      job_name=service_job,
+      auth_token=service_token,
+      visitation="exactly_once",
+    )
   return dataset
 
 
@@ -123,7 +152,6 @@ def main(argv: list[str]) -> None:
   _, replicated, split = training.data_parallel(FLAGS.batch_size)
 
   class MLP(nnx.Module):
-
     def __init__(self, rngs: nnx.Rngs):
       self.hidden = nnx.Linear(IMAGE_SIZE * IMAGE_SIZE, FLAGS.hidden, rngs=rngs)
       self.out = nnx.Linear(FLAGS.hidden, NUM_CLASSES, rngs=rngs)
@@ -143,6 +171,7 @@ def main(argv: list[str]) -> None:
       logits = model(batch["image"])
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
       return loss, (logits.argmax(-1) == batch["label"]).mean()
+
     (loss, accuracy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     training.optimizer_update(optimizer, model, grads)
     return loss, accuracy
@@ -151,22 +180,35 @@ def main(argv: list[str]) -> None:
   if FLAGS.service_token_file:
     with open(FLAGS.service_token_file) as f:
       token = f.read().strip()
-  dataset = make_dataset(paths, FLAGS.batch_size, FLAGS.seed, FLAGS.num_parallel_calls,
-                         FLAGS.service, FLAGS.service_job, token)
+  dataset = make_dataset(
+    paths,
+    FLAGS.batch_size,
+    FLAGS.seed,
+    FLAGS.num_parallel_calls,
+    FLAGS.service,
+    FLAGS.service_job,
+    token,
+  )
   loader = jaxfeed.Loader(dataset, sharding=split, prefetch=FLAGS.prefetch)
   manager = training.checkpoint_manager(FLAGS.workdir)
   # The loader's state is saved with the model: a service read goes on too.
   step = training.resume(manager, loader, state) if FLAGS.resume else 0
 
-  training.log("Training on %d devices (%s), global batch %d, %d records.",
-               len(jax.devices()), jax.devices()[0].platform, FLAGS.batch_size,
-               len(jaxfeed.ArrayRecordSource(paths)))
+  training.log(
+    "Training on %d devices (%s), global batch %d, %d records.",
+    len(jax.devices()),
+    jax.devices()[0].platform,
+    FLAGS.batch_size,
+    len(jaxfeed.ArrayRecordSource(paths)),
+  )
   accuracy = [0.0]
 
   def line(step, loss, steps_per_s, images_per_s, wait):
     del images_per_s
-    return (f"step {step:5d}  loss {loss:.4f}  accuracy {accuracy[0]:.3f}  "
-            f"{steps_per_s:.1f} steps/s  input wait {wait:.1f}% of step time")
+    return (
+      f"step {step:5d}  loss {loss:.4f}  accuracy {accuracy[0]:.3f}  "
+      f"{steps_per_s:.1f} steps/s  input wait {wait:.1f}% of step time"
+    )
 
   progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
 
@@ -175,9 +217,17 @@ def main(argv: list[str]) -> None:
     accuracy[0] = float(batch_accuracy)
     return loss, FLAGS.batch_size
 
-  training.train(loader, manager, state, run_step, progress, step=step,
-                 num_steps=FLAGS.num_steps, checkpoint_every=FLAGS.checkpoint_every,
-                 workdir=FLAGS.workdir)
+  training.train(
+    loader,
+    manager,
+    state,
+    run_step,
+    progress,
+    step=step,
+    num_steps=FLAGS.num_steps,
+    checkpoint_every=FLAGS.checkpoint_every,
+    workdir=FLAGS.workdir,
+  )
 
 
 if __name__ == "__main__":

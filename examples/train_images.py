@@ -27,10 +27,12 @@ from examples import images_data
 from examples import training
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data_dir", "/tmp/jaxfeed_images/data",
-                    "Where the TFRecord file is written once and read.")
-flags.DEFINE_string("workdir", "/tmp/jaxfeed_images/ckpt",
-                    "Checkpoint directory (model, optimizer and loader state).")
+flags.DEFINE_string(
+  "data_dir", "/tmp/jaxfeed_images/data", "Where the TFRecord file is written once and read."
+)
+flags.DEFINE_string(
+  "workdir", "/tmp/jaxfeed_images/ckpt", "Checkpoint directory (model, optimizer and loader state)."
+)
 flags.DEFINE_integer("num_records", 2000, "JPEG Examples to make.")
 flags.DEFINE_integer("image_size", 64, "Side of the training crops.")
 flags.DEFINE_integer("batch_size", 64, "Global batch size (over all hosts).")
@@ -43,30 +45,40 @@ flags.DEFINE_integer("seed", 0, "Seed of the data, model, shuffle and augmentati
 flags.DEFINE_integer("num_parallel_calls", 2, "Threads for parsing and decoding.")
 flags.DEFINE_integer("prefetch", 2, "Batches the Loader keeps ahead on device.")
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
-flags.DEFINE_bool("distributed", False,
-                  "Call jax.distributed.initialize() first (one process per host).")
+flags.DEFINE_bool(
+  "distributed", False, "Call jax.distributed.initialize() first (one process per host)."
+)
 
 
-def make_dataset(path: str, image_size: int, batch_size: int, seed: int,
-                 num_parallel_calls: int):
+def make_dataset(path: str, image_size: int, batch_size: int, seed: int, num_parallel_calls: int):
   """Shuffled, per-host shard, parse, decode + augment, batch."""
   import jax  # pylint: disable=g-import-not-at-top
   import jaxfeed  # pylint: disable=g-import-not-at-top
 
   num_hosts = jax.process_count()
   if batch_size % num_hosts:
-    raise ValueError(f"--batch_size={batch_size} must be divisible by the "
-                     f"{num_hosts} JAX processes.")
+    raise ValueError(
+      f"--batch_size={batch_size} must be divisible by the {num_hosts} JAX processes."
+    )
   source = jaxfeed.TFRecordSource(path)
   sampler = jaxfeed.IndexSampler(
-      len(source), shuffle=True, seed=seed, num_epochs=None,
-      shard_options=jaxfeed.ShardByJaxProcess(drop_remainder=True))
-  return (jaxfeed.Dataset.from_source(source, sampler)
-          .map(images_data.parse_record, num_parallel_calls=num_parallel_calls)
-          .random_map(images_data.Augment(image_size),
-                      num_parallel_calls=num_parallel_calls, seed=seed,
-                      writes_out=True)
-          .batch(batch_size // num_hosts, drop_remainder=True))
+    len(source),
+    shuffle=True,
+    seed=seed,
+    num_epochs=None,
+    shard_options=jaxfeed.ShardByJaxProcess(drop_remainder=True),
+  )
+  return (
+    jaxfeed.Dataset.from_source(source, sampler)
+    .map(images_data.parse_record, num_parallel_calls=num_parallel_calls)
+    .random_map(
+      images_data.Augment(image_size),
+      num_parallel_calls=num_parallel_calls,
+      seed=seed,
+      writes_out=True,
+    )
+    .batch(batch_size // num_hosts, drop_remainder=True)
+  )
 
 
 def build_model(width: int, seed: int):
@@ -75,7 +87,6 @@ def build_model(width: int, seed: int):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   class CNN(nnx.Module):
-
     def __init__(self, rngs: nnx.Rngs):
       self.conv1 = nnx.Conv(3, width, (3, 3), rngs=rngs)
       self.conv2 = nnx.Conv(width, 2 * width, (3, 3), rngs=rngs)
@@ -101,8 +112,7 @@ def main(argv: list[str]) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   if FLAGS.distributed:
     jax.distributed.initialize()
-  path = images_data.prepare_images(FLAGS.data_dir, FLAGS.num_records,
-                                    FLAGS.seed)
+  path = images_data.prepare_images(FLAGS.data_dir, FLAGS.num_records, FLAGS.seed)
   _, replicated, split = training.data_parallel(FLAGS.batch_size)
 
   model = build_model(FLAGS.width, FLAGS.seed)
@@ -114,29 +124,39 @@ def main(argv: list[str]) -> None:
   def train_step(model, optimizer, batch):
     def loss_fn(model):
       logits = model(batch["image"])
-      loss = optax.softmax_cross_entropy_with_integer_labels(
-          logits, batch["label"]).mean()
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
       return loss, (logits.argmax(-1) == batch["label"]).mean()
+
     (loss, accuracy), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     training.optimizer_update(optimizer, model, grads)
     return loss, accuracy
 
-  dataset = make_dataset(path, FLAGS.image_size, FLAGS.batch_size, FLAGS.seed,
-                         FLAGS.num_parallel_calls)
+  dataset = make_dataset(
+    path, FLAGS.image_size, FLAGS.batch_size, FLAGS.seed, FLAGS.num_parallel_calls
+  )
   loader = jaxfeed.Loader(dataset, sharding=split, prefetch=FLAGS.prefetch)
   manager = training.checkpoint_manager(FLAGS.workdir)
   step = training.resume(manager, loader, state) if FLAGS.resume else 0
 
-  training.log("Training a CNN on %d devices (%s), global batch %d of %dx%d "
-               "crops, %d JPEG Examples, %d classes.", len(jax.devices()),
-               jax.devices()[0].platform, FLAGS.batch_size, FLAGS.image_size,
-               FLAGS.image_size, FLAGS.num_records, images_data.NUM_CLASSES)
+  training.log(
+    "Training a CNN on %d devices (%s), global batch %d of %dx%d "
+    "crops, %d JPEG Examples, %d classes.",
+    len(jax.devices()),
+    jax.devices()[0].platform,
+    FLAGS.batch_size,
+    FLAGS.image_size,
+    FLAGS.image_size,
+    FLAGS.num_records,
+    images_data.NUM_CLASSES,
+  )
   accuracy = [0.0]
 
   def line(step, loss, steps_per_s, images_per_s, wait):
-    return (f"step {step:5d}  loss {loss:.4f}  accuracy {accuracy[0]:.3f}  "
-            f"{steps_per_s:.2f} steps/s  {images_per_s:.0f} images/s  "
-            f"input wait {wait:.1f}% of step time")
+    return (
+      f"step {step:5d}  loss {loss:.4f}  accuracy {accuracy[0]:.3f}  "
+      f"{steps_per_s:.2f} steps/s  {images_per_s:.0f} images/s  "
+      f"input wait {wait:.1f}% of step time"
+    )
 
   progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
 
@@ -145,9 +165,17 @@ def main(argv: list[str]) -> None:
     accuracy[0] = float(batch_accuracy)
     return loss, FLAGS.batch_size
 
-  training.train(loader, manager, state, run_step, progress, step=step,
-                 num_steps=FLAGS.num_steps, checkpoint_every=FLAGS.checkpoint_every,
-                 workdir=FLAGS.workdir)
+  training.train(
+    loader,
+    manager,
+    state,
+    run_step,
+    progress,
+    step=step,
+    num_steps=FLAGS.num_steps,
+    checkpoint_every=FLAGS.checkpoint_every,
+    workdir=FLAGS.workdir,
+  )
 
 
 if __name__ == "__main__":

@@ -29,13 +29,19 @@ from examples import lm_data
 from examples import training
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("data_dir", "/tmp/jaxfeed_lm/data",
-                    "Where the corpora are written once and read.")
-flags.DEFINE_string("workdir", "/tmp/jaxfeed_lm/ckpt",
-                    "Checkpoint directory (model, optimizer and loader state).")
-flags.DEFINE_enum("tokenizer", "bytes", ["bytes", "bpe"],
-                  "bytes: UTF-8 bytes (no dependency); bpe: a byte-level BPE "
-                  "tokenizer trained once on the corpora (needs jaxfeed[text]).")
+flags.DEFINE_string(
+  "data_dir", "/tmp/jaxfeed_lm/data", "Where the corpora are written once and read."
+)
+flags.DEFINE_string(
+  "workdir", "/tmp/jaxfeed_lm/ckpt", "Checkpoint directory (model, optimizer and loader state)."
+)
+flags.DEFINE_enum(
+  "tokenizer",
+  "bytes",
+  ["bytes", "bpe"],
+  "bytes: UTF-8 bytes (no dependency); bpe: a byte-level BPE "
+  "tokenizer trained once on the corpora (needs jaxfeed[text]).",
+)
 flags.DEFINE_integer("vocab_size", 2048, "Vocabulary of the trained BPE tokenizer.")
 flags.DEFINE_float("code_weight", 0.7, "Share of code in the mixture (the rest is prose).")
 flags.DEFINE_integer("seq_len", 128, "Tokens per packed row.")
@@ -51,19 +57,23 @@ flags.DEFINE_integer("seed", 0, "Seed of the model, the shuffles and the mixture
 flags.DEFINE_integer("num_parallel_calls", 2, "Threads for tokenization.")
 flags.DEFINE_integer("prefetch", 2, "Batches the Loader keeps ahead on device.")
 flags.DEFINE_bool("resume", False, "Continue from the latest checkpoint in --workdir.")
-flags.DEFINE_bool("distributed", False,
-                  "Call jax.distributed.initialize() first (one process per host).")
+flags.DEFINE_bool(
+  "distributed", False, "Call jax.distributed.initialize() first (one process per host)."
+)
 
 
 def make_tokenizer(data_dir: str, kind: str, vocab_size: int):
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   if kind == "bytes":
     return jaxfeed.ByteTokenizer()
   path = os.path.join(data_dir, f"bpe-{vocab_size}.json")
   if os.path.exists(path):
     return jaxfeed.HFTokenizer(path)
-  texts = (d.decode("utf-8", errors="replace")
-           for d in lm_data.code_documents() + lm_data.prose_documents())
+  texts = (
+    d.decode("utf-8", errors="replace")
+    for d in lm_data.code_documents() + lm_data.prose_documents()
+  )
   return jaxfeed.HFTokenizer.train_bpe(texts, path, vocab_size=vocab_size)
 
 
@@ -76,11 +86,11 @@ def build_model(vocab_size: int, seed: int):
   d = FLAGS.d_model
 
   class Block(nnx.Module):
-
     def __init__(self, rngs: nnx.Rngs):
       self.norm1 = nnx.LayerNorm(d, rngs=rngs)
       self.attention = nnx.MultiHeadAttention(
-          num_heads=FLAGS.num_heads, in_features=d, decode=False, rngs=rngs)
+        num_heads=FLAGS.num_heads, in_features=d, decode=False, rngs=rngs
+      )
       self.norm2 = nnx.LayerNorm(d, rngs=rngs)
       self.up = nnx.Linear(d, 4 * d, rngs=rngs)
       self.down = nnx.Linear(4 * d, d, rngs=rngs)
@@ -90,12 +100,14 @@ def build_model(vocab_size: int, seed: int):
       return x + self.down(nnx.gelu(self.up(self.norm2(x))))
 
   class Decoder(nnx.Module):
-
     def __init__(self, rngs: nnx.Rngs):
       self.tokens = nnx.Embed(vocab_size, d, rngs=rngs)
       self.positions = nnx.Embed(FLAGS.seq_len, d, rngs=rngs)
-      self.blocks = nnx.List([Block(rngs) for _ in range(FLAGS.num_layers)]) if hasattr(
-          nnx, "List") else [Block(rngs) for _ in range(FLAGS.num_layers)]
+      self.blocks = (
+        nnx.List([Block(rngs) for _ in range(FLAGS.num_layers)])
+        if hasattr(nnx, "List")
+        else [Block(rngs) for _ in range(FLAGS.num_layers)]
+      )
       self.norm = nnx.LayerNorm(d, rngs=rngs)
       self.head = nnx.Linear(d, vocab_size, rngs=rngs)
 
@@ -141,8 +153,7 @@ def main(argv: list[str]) -> None:
     positions = batch["tokens_positions"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     # A target counts only inside the document of its input token.
-    weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)
-               ).astype(jnp.float32)
+    weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] > 0)).astype(jnp.float32)
 
     def loss_fn(model):
       logits = model(inputs, segments[:, :-1], positions[:, :-1])
@@ -154,32 +165,54 @@ def main(argv: list[str]) -> None:
     return loss, (segments > 0).sum()
 
   dataset = lm_data.make_dataset(
-      paths, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size, seed=FLAGS.seed,
-      weights=(FLAGS.code_weight, 1.0 - FLAGS.code_weight), tokenizer=tokenizer,
-      num_parallel_calls=FLAGS.num_parallel_calls)
+    paths,
+    seq_len=FLAGS.seq_len,
+    batch_size=FLAGS.batch_size,
+    seed=FLAGS.seed,
+    weights=(FLAGS.code_weight, 1.0 - FLAGS.code_weight),
+    tokenizer=tokenizer,
+    num_parallel_calls=FLAGS.num_parallel_calls,
+  )
   loader = jaxfeed.Loader(dataset, sharding=split, prefetch=FLAGS.prefetch)
   manager = training.checkpoint_manager(FLAGS.workdir)
   step = training.resume(manager, loader, state) if FLAGS.resume else 0
 
-  training.log("Training a %d-layer transformer on %d devices (%s), global batch "
-               "%d x %d tokens, %s tokenizer (vocabulary %d), code/prose %.0f/%.0f.",
-               FLAGS.num_layers, len(jax.devices()), jax.devices()[0].platform,
-               FLAGS.batch_size, FLAGS.seq_len, FLAGS.tokenizer,
-               tokenizer.vocab_size, 100 * FLAGS.code_weight,
-               100 * (1 - FLAGS.code_weight))
+  training.log(
+    "Training a %d-layer transformer on %d devices (%s), global batch "
+    "%d x %d tokens, %s tokenizer (vocabulary %d), code/prose %.0f/%.0f.",
+    FLAGS.num_layers,
+    len(jax.devices()),
+    jax.devices()[0].platform,
+    FLAGS.batch_size,
+    FLAGS.seq_len,
+    FLAGS.tokenizer,
+    tokenizer.vocab_size,
+    100 * FLAGS.code_weight,
+    100 * (1 - FLAGS.code_weight),
+  )
 
   def line(step, loss, steps_per_s, tokens_per_s, wait):
-    return (f"step {step:5d}  loss {loss:.4f}  {steps_per_s:.2f} steps/s  "
-            f"{tokens_per_s:.0f} tokens/s  input wait {wait:.1f}% of step time")
+    return (
+      f"step {step:5d}  loss {loss:.4f}  {steps_per_s:.2f} steps/s  "
+      f"{tokens_per_s:.0f} tokens/s  input wait {wait:.1f}% of step time"
+    )
 
   progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
 
   def run_step(batch):
     return train_step(model, optimizer, batch)  # (loss, real tokens)
 
-  training.train(loader, manager, state, run_step, progress, step=step,
-                 num_steps=FLAGS.num_steps, checkpoint_every=FLAGS.checkpoint_every,
-                 workdir=FLAGS.workdir)
+  training.train(
+    loader,
+    manager,
+    state,
+    run_step,
+    progress,
+    step=step,
+    num_steps=FLAGS.num_steps,
+    checkpoint_every=FLAGS.checkpoint_every,
+    workdir=FLAGS.workdir,
+  )
 
 
 if __name__ == "__main__":

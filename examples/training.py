@@ -17,10 +17,10 @@ def log(message: str, *args: Any) -> None:
 def data_parallel(batch_size: int) -> tuple[Any, Any, Any]:
   """A 1-D mesh over every device: (mesh, replicated, batch-split sharding)."""
   import jax  # pylint: disable=g-import-not-at-top
+
   devices = jax.devices()
   if batch_size % len(devices):
-    raise ValueError(f"--batch_size={batch_size} must be divisible by the "
-                     f"{len(devices)} devices.")
+    raise ValueError(f"--batch_size={batch_size} must be divisible by the {len(devices)} devices.")
   mesh = jax.sharding.Mesh(np.array(devices), ("data",))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -31,6 +31,7 @@ def optimizer_update(optimizer: Any, model: Any, grads: Any) -> None:
   """`optimizer.update` across flax releases: 0.11 and later pass the model
   to each update; 0.10 (the newest for Python 3.10) binds it at creation."""
   import flax  # pylint: disable=g-import-not-at-top
+
   if tuple(map(int, flax.__version__.split(".")[:2])) >= (0, 11):
     optimizer.update(model, grads)
   else:
@@ -46,42 +47,49 @@ class TrainState:
 
   def get(self) -> dict:
     from flax import nnx  # pylint: disable=g-import-not-at-top
+
     return {"model": nnx.state(self.model), "optimizer": nnx.state(self.optimizer)}
 
   def load(self, state: dict) -> None:
     from flax import nnx  # pylint: disable=g-import-not-at-top
+
     nnx.update(self.model, state["model"])
     nnx.update(self.optimizer, state["optimizer"])
 
 
 def checkpoint_manager(workdir: str) -> Any:
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   return ocp.CheckpointManager(
-      os.path.abspath(workdir),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    os.path.abspath(workdir), options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+  )
 
 
-def resume(manager: Any, loader: Any, train_state: TrainState,
-           restore_loader: bool = True) -> int:
+def resume(manager: Any, loader: Any, train_state: TrainState, restore_loader: bool = True) -> int:
   """Restores the latest checkpoint (model, optimizer, loader); its step."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   step = manager.latest_step()
   if step is None:
     return 0
-  restored = jaxfeed.restore_checkpoint(manager, step, loader,
-                                        model_state=train_state.get(),
-                                        restore_loader=restore_loader)
+  restored = jaxfeed.restore_checkpoint(
+    manager, step, loader, model_state=train_state.get(), restore_loader=restore_loader
+  )
   train_state.load(restored)
-  log("Resumed from step %d (loader at batch %d).", step,
-      loader.get_state()["batches"])
+  log("Resumed from step %d (loader at batch %d).", step, loader.get_state()["batches"])
   return step
 
 
 class ProgressLog:
   """Prints one line every `every` steps: mean loss, rates, input wait."""
 
-  def __init__(self, loader: Any, every: int, last_step: int,
-               line: Callable[[int, float, float, float, float], str]):
+  def __init__(
+    self,
+    loader: Any,
+    every: int,
+    last_step: int,
+    line: Callable[[int, float, float, float, float], str],
+  ):
     """Logs the training's progress every `every` steps.
 
     Args:
@@ -108,14 +116,31 @@ class ProgressLog:
       return
     elapsed = time.perf_counter() - self._start
     wait = self._loader.stats()["input_bound_fraction"]
-    print(self._line(step, float(np.mean(self._losses)), self._steps / elapsed,
-                     self._items / elapsed, 100.0 * wait), flush=True)
+    print(
+      self._line(
+        step,
+        float(np.mean(self._losses)),
+        self._steps / elapsed,
+        self._items / elapsed,
+        100.0 * wait,
+      ),
+      flush=True,
+    )
     self._start, self._steps, self._losses, self._items = time.perf_counter(), 0, [], 0
 
 
-def train(loader: Any, manager: Any, state: TrainState, run_step: Callable[[Any], tuple],
-          progress: ProgressLog, *, step: int, num_steps: int, checkpoint_every: int,
-          workdir: str) -> int:
+def train(
+  loader: Any,
+  manager: Any,
+  state: TrainState,
+  run_step: Callable[[Any], tuple],
+  progress: ProgressLog,
+  *,
+  step: int,
+  num_steps: int,
+  checkpoint_every: int,
+  workdir: str,
+) -> int:
   """The loop every example shares: `run_step(batch) -> (loss, items)` from
   `step` up to `num_steps`, logging through `progress` and checkpointing the
   model, optimizer and loader every `checkpoint_every` steps and at the end.
@@ -124,6 +149,7 @@ def train(loader: Any, manager: Any, state: TrainState, run_step: Callable[[Any]
     The last step taken.
   """
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   with loader:
     for batch in loader:
       if step >= num_steps:

@@ -65,8 +65,11 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
       raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
   except (OSError, AttributeError) as e:
-    logging.warning("prctl(PR_SET_PDEATHSIG) failed (%s): only a parent watch "
-                    "thread ends this process with its parent.", e)
+    logging.warning(
+      "prctl(PR_SET_PDEATHSIG) failed (%s): only a parent watch "
+      "thread ends this process with its parent.",
+      e,
+    )
     return False
   return True
 
@@ -79,8 +82,13 @@ def on_lasting_thread() -> bool:
   return current is threading.main_thread() or current.name == SPAWNER_THREAD_NAME
 
 
-def die_with_parent(parent_pid: int | None = None, deathsig: bool = True, *,
-                    sig: int = signal.SIGKILL, poll_s: float = _POLL_S) -> None:
+def die_with_parent(
+  parent_pid: int | None = None,
+  deathsig: bool = True,
+  *,
+  sig: int = signal.SIGKILL,
+  poll_s: float = _POLL_S,
+) -> None:
   """Ends this process with `sig` once `parent_pid` is no longer its parent.
 
   Call it first thing in a child process. If the parent is gone already (it
@@ -104,8 +112,9 @@ def die_with_parent(parent_pid: int | None = None, deathsig: bool = True, *,
     set_parent_death_signal(sig)
   if os.getppid() != parent_pid:  # it died before the signal was set
     _end(parent_pid, sig)
-  threading.Thread(target=_watch, args=(parent_pid, sig, poll_s),
-                   name="jaxfeed-parent-watch", daemon=True).start()
+  threading.Thread(
+    target=_watch, args=(parent_pid, sig, poll_s), name="jaxfeed-parent-watch", daemon=True
+  ).start()
 
 
 def die_with_parent_from_env(sig: int = signal.SIGKILL) -> bool:
@@ -144,8 +153,9 @@ def popen(args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
   return _spawner().run(lambda: subprocess.Popen(args, **kwargs))
 
 
-def run(args: Sequence[str], *, timeout: float | None = None,
-        **kwargs: Any) -> subprocess.CompletedProcess:
+def run(
+  args: Sequence[str], *, timeout: float | None = None, **kwargs: Any
+) -> subprocess.CompletedProcess:
   """`subprocess.run(args, timeout=timeout, **kwargs)` through `popen`."""
   with popen(args, **kwargs) as process:
     try:
@@ -165,8 +175,10 @@ def _watch(parent_pid: int, sig: int, poll_s: float) -> None:
 
 def _end(parent_pid: int, sig: int) -> None:
   try:
-    sys.stderr.write(f"jaxfeed: process {os.getpid()}: its parent {parent_pid} is gone; "
-                     f"ending with {signal.Signals(sig).name}.\n")
+    sys.stderr.write(
+      f"jaxfeed: process {os.getpid()}: its parent {parent_pid} is gone; "
+      f"ending with {signal.Signals(sig).name}.\n"
+    )
     sys.stderr.flush()
   except (OSError, ValueError):
     pass  # no stderr left
@@ -182,8 +194,7 @@ class _Spawner:
 
   def __init__(self):
     self._calls: queue.Queue = queue.Queue()
-    self._thread = threading.Thread(target=self._serve, name=SPAWNER_THREAD_NAME,
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._serve, name=SPAWNER_THREAD_NAME, daemon=True)
     self._thread.start()
 
   def _serve(self) -> None:

@@ -39,17 +39,32 @@ import numpy as np
 from jaxfeed import _lifetime
 from jaxfeed import progress as progress_lib
 
-__all__ = ["FORMATS", "FORMAT_NAMES", "UsageError", "file_format", "open_source",
-           "shard_paths", "convert"]
+__all__ = [
+  "FORMATS",
+  "FORMAT_NAMES",
+  "UsageError",
+  "file_format",
+  "open_source",
+  "shard_paths",
+  "convert",
+]
 
-FORMATS = {".tfrecord": "tfrecord", ".tfrecords": "tfrecord",
-           ".array_record": "array_record", ".arrayrecord": "array_record",
-           ".npy": "numpy", ".npz": "numpy", ".parquet": "parquet"}
+FORMATS = {
+  ".tfrecord": "tfrecord",
+  ".tfrecords": "tfrecord",
+  ".array_record": "array_record",
+  ".arrayrecord": "array_record",
+  ".npy": "numpy",
+  ".npz": "numpy",
+  ".parquet": "parquet",
+}
 FORMAT_NAMES = ("tfrecord", "array_record", "numpy", "parquet")
 
 
 class UsageError(ValueError):
   """A command line the command cannot act on; printed without a traceback."""
+
+
 def file_format(path: str, given: str | None = None) -> str:
   """One of FORMAT_NAMES, from `given` or the file name."""
   if given:
@@ -59,8 +74,9 @@ def file_format(path: str, given: str | None = None) -> str:
   suffix = os.path.splitext(path)[1].lower()
   if suffix not in FORMATS:
     raise UsageError(
-        f"Cannot tell the format of {path!r} from its extension {suffix!r}: "
-        f"use one of {', '.join(sorted(FORMATS))} or pass --from/--to.")
+      f"Cannot tell the format of {path!r} from its extension {suffix!r}: "
+      f"use one of {', '.join(sorted(FORMATS))} or pass --from/--to."
+    )
   return FORMATS[suffix]
 
 
@@ -68,6 +84,7 @@ def open_source(paths: Sequence[str], fmt: str, on_damage: str = "raise") -> Any
   """A source over `paths` of format `fmt`; `on_damage` as `TFRecordSource`'s."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed import tables  # pylint: disable=g-import-not-at-top
+
   try:
     if fmt == "tfrecord":
       return jaxfeed.TFRecordSource(list(paths), on_damage=on_damage)
@@ -82,10 +99,14 @@ def _writer(fmt: str, path: str) -> Any:
   """write(file, records) of `fmt` for the output `path`."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed import tables  # pylint: disable=g-import-not-at-top
+
   if fmt == "numpy":
     return functools.partial(tables.write_numpy, single_array=path.endswith(".npy"))
-  return {"tfrecord": jaxfeed.write_tfrecord, "array_record": jaxfeed.write_array_record,
-          "parquet": tables.write_parquet}[fmt]
+  return {
+    "tfrecord": jaxfeed.write_tfrecord,
+    "array_record": jaxfeed.write_array_record,
+    "parquet": tables.write_parquet,
+  }[fmt]
 
 
 def _read_range(source: Any, start: int, stop: int) -> Any:
@@ -176,17 +197,22 @@ def _job_record_path(out: str) -> str:
   return os.path.join(folder, f".{name}.convert")
 
 
-def _job_of(inputs: Sequence[str], in_fmt: str, out_fmt: str, num_shards: int,
-            total: int) -> dict:
+def _job_of(inputs: Sequence[str], in_fmt: str, out_fmt: str, num_shards: int, total: int) -> dict:
   """What identifies a conversion: run again, the same dict means the same
   records in the same shards."""
   files = []
   for path in inputs:
     info = os.stat(path)
-    files.append({"path": os.path.abspath(path), "bytes": info.st_size,
-                  "mtime_ns": info.st_mtime_ns})
-  return {"inputs": files, "from": in_fmt, "to": out_fmt,
-          "num_shards": num_shards, "records": total}
+    files.append(
+      {"path": os.path.abspath(path), "bytes": info.st_size, "mtime_ns": info.st_mtime_ns}
+    )
+  return {
+    "inputs": files,
+    "from": in_fmt,
+    "to": out_fmt,
+    "num_shards": num_shards,
+    "records": total,
+  }
 
 
 def _read_job(out: str) -> dict | None:
@@ -212,30 +238,43 @@ def _other_shard_sets(out: str, paths: Sequence[str]) -> list[str]:
   digits = "[0-9]" * 5
   pattern = f"{glob.escape(stem)}-{digits}-of-{digits}{glob.escape(ext)}"
   named = set(paths)
-  return sorted(p for p in [out, *glob.glob(pattern)]
-                if p not in named and os.path.exists(p))
+  return sorted(p for p in [out, *glob.glob(pattern)] if p not in named and os.path.exists(p))
 
 
-def _refusal(out: str, existing: list[str], num_shards: int, unfinished: dict | None,
-             job: dict) -> UsageError:
+def _refusal(
+  out: str, existing: list[str], num_shards: int, unfinished: dict | None, job: dict
+) -> UsageError:
   """Why a conversion into `out` cannot go on without `--overwrite`."""
   first = existing[0]
   if unfinished is not None and unfinished != job:
     changed = [k for k in job if unfinished.get(k) != job[k]]
-    why = (f"an unfinished conversion of other {' and '.join(changed)} into {out!r} "
-           f"left {len(existing)} file(s) there, first {first!r}")
+    why = (
+      f"an unfinished conversion of other {' and '.join(changed)} into {out!r} "
+      f"left {len(existing)} file(s) there, first {first!r}"
+    )
   else:
-    why = (f"{first!r} already exists ({len(existing)} file(s) named as outputs of "
-           f"{out!r} with --num_shards={num_shards} or another shard count), and no "
-           "unfinished conversion of these inputs wrote it")
-  return UsageError(f"{why}; a conversion never mixes its records with another's: pass "
-                    "--overwrite to replace them, or write to another name.")
+    why = (
+      f"{first!r} already exists ({len(existing)} file(s) named as outputs of "
+      f"{out!r} with --num_shards={num_shards} or another shard count), and no "
+      "unfinished conversion of these inputs wrote it"
+    )
+  return UsageError(
+    f"{why}; a conversion never mixes its records with another's: pass "
+    "--overwrite to replace them, or write to another name."
+  )
 
 
-def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
-            out_format: str | None = None, num_shards: int = 1,
-            workers: int = 1, progress: bool | None = None,
-            overwrite: bool = False) -> dict:
+def convert(
+  inputs: Sequence[str],
+  out: str,
+  *,
+  in_format: str | None = None,
+  out_format: str | None = None,
+  num_shards: int = 1,
+  workers: int = 1,
+  progress: bool | None = None,
+  overwrite: bool = False,
+) -> dict:
   """Converts every record of `inputs` to `out`.
 
   Args:
@@ -261,8 +300,7 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
   in_fmt = file_format(inputs[0], in_format)
   out_fmt = file_format(out, out_format)
   if num_shards < 1 or workers < 1:
-    raise UsageError(f"--num_shards and --workers must be >= 1, got "
-                     f"{num_shards} and {workers}.")
+    raise UsageError(f"--num_shards and --workers must be >= 1, got {num_shards} and {workers}.")
   missing = [p for p in inputs if not os.path.exists(p)]
   if missing:
     raise UsageError(f"No such input file: {missing[0]!r}.")
@@ -283,12 +321,14 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
     raise _refusal(out, others + existing, num_shards, unfinished, job)
   else:
     _write_job(out, job)
-  jobs = [(list(inputs), in_fmt, out_fmt, path, bounds[i], bounds[i + 1])
-          for i, path in enumerate(paths) if path not in existing]
+  jobs = [
+    (list(inputs), in_fmt, out_fmt, path, bounds[i], bounds[i + 1])
+    for i, path in enumerate(paths)
+    if path not in existing
+  ]
   for shard in jobs:
     _remove_stale_temporaries(shard[3])
-  with progress_lib.Progress(f"convert -> {os.path.basename(out)}", total,
-                             enabled=progress) as bar:
+  with progress_lib.Progress(f"convert -> {os.path.basename(out)}", total, enabled=progress) as bar:
     bar.advance(total - sum(j[5] - j[4] for j in jobs))
     if workers == 1 or len(jobs) <= 1:
       for shard in jobs:
@@ -297,16 +337,17 @@ def convert(inputs: Sequence[str], out: str, *, in_format: str | None = None,
       # Spawned, not forked: a fork copies the caller's threads' locks
       # (pyarrow's, gRPC's, jax's) mid-use and can crash the child.
       with concurrent.futures.ProcessPoolExecutor(
-          workers, mp_context=multiprocessing.get_context("spawn"),
-          # A killed caller never shuts the pool down: its processes end
-          # with it instead of converting on unseen and waiting forever.
-          initializer=_lifetime.die_with_parent,
-          initargs=(os.getpid(), _lifetime.on_lasting_thread())) as pool:
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        # A killed caller never shuts the pool down: its processes end
+        # with it instead of converting on unseen and waiting forever.
+        initializer=_lifetime.die_with_parent,
+        initargs=(os.getpid(), _lifetime.on_lasting_thread()),
+      ) as pool:
         for count in pool.map(_convert_shard, jobs):
           bar.advance(count)
   try:
     os.remove(_job_record_path(out))
   except FileNotFoundError:
     pass  # a conversion of the same job running beside this one ended first
-  return {"records": total, "shards": paths, "skipped": len(existing),
-          "replaced": replaced}
+  return {"records": total, "shards": paths, "skipped": len(existing), "replaced": replaced}

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 # levels deeper: numpy's typing module runs slower under a deeper stack, and
 # `python -X importtime -c "import jaxfeed"` took about 5 ms more.
 from jaxfeed.ops import base
+
 # isort: split
 from jaxfeed.dataset_batching import DatasetBatching
 
@@ -42,9 +43,15 @@ class Dataset(DatasetBatching):
   __slots__ = ()
 
   # ---- element-wise --------------------------------------------------------
-  def map(self, fn: Callable[..., Any], num_parallel_calls: int | None = None,
-          deterministic: bool = True, batched: bool = False,
-          backend: str = "auto", writes_out: bool = False) -> "Dataset":
+  def map(
+    self,
+    fn: Callable[..., Any],
+    num_parallel_calls: int | None = None,
+    deterministic: bool = True,
+    batched: bool = False,
+    backend: str = "auto",
+    writes_out: bool = False,
+  ) -> "Dataset":
     """Applies `fn` to each element.
 
     tf.data's `map`: a tuple element is unpacked into arguments
@@ -84,14 +91,28 @@ class Dataset(DatasetBatching):
     `ds.map(fn, num_parallel_calls=4, writes_out=True).batch(64)`.
     """
     from jaxfeed.ops import map
-    return self._wrap(map.MapNode(
-        self.node, fn, num_parallel_calls=num_parallel_calls,
-        deterministic=deterministic, batched=batched, backend=backend,
-        writes_out=writes_out))
 
-  def random_map(self, fn: Callable[..., Any], num_parallel_calls: int | None = None,
-                 deterministic: bool = True, seed: int | None = None,
-                 backend: str = "auto", writes_out: bool = False) -> "Dataset":
+    return self._wrap(
+      map.MapNode(
+        self.node,
+        fn,
+        num_parallel_calls=num_parallel_calls,
+        deterministic=deterministic,
+        batched=batched,
+        backend=backend,
+        writes_out=writes_out,
+      )
+    )
+
+  def random_map(
+    self,
+    fn: Callable[..., Any],
+    num_parallel_calls: int | None = None,
+    deterministic: bool = True,
+    seed: int | None = None,
+    backend: str = "auto",
+    writes_out: bool = False,
+  ) -> "Dataset":
     """Applies `fn(element, rng)` with a `np.random.Generator` per element.
 
     The generator is seeded from the element's own seed (for sampler
@@ -104,10 +125,18 @@ class Dataset(DatasetBatching):
     With `writes_out=True`, `fn(element, rng, out=...)` (see `map`).
     """
     from jaxfeed.ops import random_map
-    return self._wrap(random_map.RandomMapNode(
-        self.node, fn, num_parallel_calls=num_parallel_calls,
-        deterministic=deterministic, seed=seed, backend=backend,
-        writes_out=writes_out))
+
+    return self._wrap(
+      random_map.RandomMapNode(
+        self.node,
+        fn,
+        num_parallel_calls=num_parallel_calls,
+        deterministic=deterministic,
+        seed=seed,
+        backend=backend,
+        writes_out=writes_out,
+      )
+    )
 
   def filter(self, predicate: Callable[..., Any]) -> "Dataset":
     """Keeps the elements for which `predicate(element)` is true.
@@ -118,11 +147,13 @@ class Dataset(DatasetBatching):
     Example: `Dataset.range(6).filter(lambda x: x % 2 == 0)` -> 0, 2, 4.
     """
     from jaxfeed.ops import filter
+
     return self._wrap(filter.FilterNode(self.node, predicate))
 
   def enumerate(self, start: int = 0) -> "Dataset":
     """`(index, element)` pairs, the index an int64 counting from `start`."""
     from jaxfeed.ops import enumerate
+
     return self._wrap(enumerate.EnumerateNode(self.node, start))
 
   def scan(self, initial_state: Any, scan_func: Callable[..., Any]) -> "Dataset":
@@ -132,12 +163,14 @@ class Dataset(DatasetBatching):
     state, so it must be arrays, scalars, bytes, str or containers of them.
     """
     from jaxfeed.ops import scan
+
     return self._wrap(scan.ScanNode(self.node, initial_state, scan_func))
 
   def unique(self) -> "Dataset":
     """The first occurrence of each distinct element (integer or string
     scalars, as in tf.data); the values seen are kept in memory and state."""
     from jaxfeed.ops import unique
+
     return self._wrap(unique.UniqueNode(self.node))
 
   def shard(self, num_shards: int, index: int) -> "Dataset":
@@ -147,45 +180,57 @@ class Dataset(DatasetBatching):
     (`ShardOptions`, `ShardByJaxProcess`) reads only this shard's records.
     """
     from jaxfeed.ops import shard
+
     return self._wrap(shard.ShardNode(self.node, num_shards, index))
 
   def take_while(self, predicate: Callable[..., Any]) -> "Dataset":
     """The elements up to the first for which `predicate(element)` is false
     (tf.data's `take_while`; tuple elements are unpacked)."""
     from jaxfeed.ops import take_while
+
     return self._wrap(take_while.TakeWhileNode(self.node, predicate))
 
-  def rejection_resample(self, class_func: Callable[..., Any],
-                         target_dist: Sequence[float],
-                         initial_dist: Sequence[float] | None = None,
-                         seed: int | None = None) -> "Dataset":
+  def rejection_resample(
+    self,
+    class_func: Callable[..., Any],
+    target_dist: Sequence[float],
+    initial_dist: Sequence[float] | None = None,
+    seed: int | None = None,
+  ) -> "Dataset":
     """`(class_func(element), element)` pairs resampled so that the classes
     follow `target_dist` (tf.data's `rejection_resample`: elements may be
     dropped or repeated). Deterministic from `seed`; see
     `jaxfeed.ops.rejection_resample`."""
     from jaxfeed.ops import rejection_resample
-    return self._wrap(rejection_resample.RejectionResampleNode(
-        self.node, class_func, target_dist, initial_dist, seed))
+
+    return self._wrap(
+      rejection_resample.RejectionResampleNode(
+        self.node, class_func, target_dist, initial_dist, seed
+      )
+    )
 
   def apply(self, transformation_func: Callable[["Dataset"], "Dataset"]) -> "Dataset":
     """`transformation_func(self)`, which must return a Dataset (tf.data's
     `apply`, for chaining reusable transformations)."""
     dataset = transformation_func(self)
     if not isinstance(dataset, Dataset):
-      raise TypeError(f"apply: transformation_func must return a jaxfeed "
-                      f"Dataset, got {type(dataset).__name__}.")
+      raise TypeError(
+        f"apply: transformation_func must return a jaxfeed Dataset, got {type(dataset).__name__}."
+      )
     return dataset
 
   def ignore_errors(self, log_warning: bool = False) -> "Dataset":
     """Drops the elements whose computation raised (a failing UDF, a corrupt
     record) and goes on; the iterator's `stats()` counts them."""
     from jaxfeed.ops import ignore_errors
+
     return self._wrap(ignore_errors.IgnoreErrorsNode(self.node, log_warning))
 
   def get_single_element(self) -> Any:
     """The dataset's only element; a ValueError if it has none or more
     (tf.data's `get_single_element`)."""
     from jaxfeed.ops import single_element
+
     return single_element.single_element(self.make_iterator(), repr(self))
 
   def reduce(self, initial_state: Any, reduce_func: Callable[..., Any]) -> Any:
@@ -198,21 +243,28 @@ class Dataset(DatasetBatching):
         state = reduce_func(state, element)
     return state
 
-  def save(self, path: Any, compression: str | None = None,
-           shard_func: Callable[..., Any] | None = None,
-           checkpoint_args: Any = None) -> None:
+  def save(
+    self,
+    path: Any,
+    compression: str | None = None,
+    shard_func: Callable[..., Any] | None = None,
+    checkpoint_args: Any = None,
+  ) -> None:
     """Runs the pipeline to its end and writes its elements to the folder
     `path` (tf.data's `save`), for `Dataset.load`: array_record chunks and a
     checksummed manifest written last. `compression`: None, "SNAPPY" or
     "ZSTD"; `shard_func(element) -> int` groups elements into chunks by
     shard. Replaces a saved dataset already at `path`. See `jaxfeed.ops.save`."""
     from jaxfeed.ops import save
-    save.save(self.make_iterator(), path, self.fingerprint(),
-              compression, shard_func, checkpoint_args)
+
+    save.save(
+      self.make_iterator(), path, self.fingerprint(), compression, shard_func, checkpoint_args
+    )
 
   # ---- order and count -------------------------------------------------
-  def shuffle(self, buffer_size: int, seed: int | None = None,
-              reshuffle_each_iteration: bool = True) -> "Dataset":
+  def shuffle(
+    self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True
+  ) -> "Dataset":
     """Shuffles the elements within windows of `buffer_size`, with exact,
     small state.
 
@@ -227,9 +279,12 @@ class Dataset(DatasetBatching):
     See `jaxfeed.ops.shuffle`.
     """
     from jaxfeed.ops import shuffle
-    return self._wrap(shuffle.ShuffleNode(
-        self.node, buffer_size, seed=seed,
-        reshuffle_each_iteration=reshuffle_each_iteration))
+
+    return self._wrap(
+      shuffle.ShuffleNode(
+        self.node, buffer_size, seed=seed, reshuffle_each_iteration=reshuffle_each_iteration
+      )
+    )
 
   def repeat(self, count: int | None = None) -> "Dataset":
     """Repeats the dataset `count` times (forever for None or -1).
@@ -241,30 +296,39 @@ class Dataset(DatasetBatching):
     `IndexSampler` also gives epochs with their own global shuffle.
     """
     from jaxfeed.ops import repeat
+
     return self._wrap(repeat.RepeatNode(self.node, count))
 
   def take(self, count: int) -> "Dataset":
     """At most the first `count` elements (tf.data's `take`; a negative count
     takes them all)."""
     from jaxfeed.ops import take
+
     return self._wrap(take.TakeNode(self.node, count))
 
   def skip(self, count: int) -> "Dataset":
     """All but the first `count` elements (tf.data's `skip`; a negative count
     skips everything). Ops that can skip without computing do so."""
     from jaxfeed.ops import skip
+
     return self._wrap(skip.SkipNode(self.node, count))
 
   def concatenate(self, other: "Dataset") -> "Dataset":
     """The elements of this dataset, then those of `other` (tf.data's
     `concatenate`; structures and dtypes must match, shapes may differ)."""
     from jaxfeed.ops import concatenate
+
     return self._wrap(concatenate.ConcatenateNode(self.node, other))
 
   # ---- nesting -----------------------------------------------------------
-  def interleave(self, fn: Callable[..., Any], cycle_length: int | None = None,
-                 block_length: int = 1, num_parallel_calls: int | None = None,
-                 deterministic: bool = True) -> "Dataset":
+  def interleave(
+    self,
+    fn: Callable[..., Any],
+    cycle_length: int | None = None,
+    block_length: int = 1,
+    num_parallel_calls: int | None = None,
+    deterministic: bool = True,
+  ) -> "Dataset":
     """Reads the datasets `fn(element)` returns, cycling between them.
 
     tf.data's `interleave`, in tf.data's exact order: up to `cycle_length`
@@ -278,14 +342,23 @@ class Dataset(DatasetBatching):
     lambda y: 10 * x + y), cycle_length=2)` -> 0, 10, 1, 11, 2, 12.
     """
     from jaxfeed.ops import interleave
-    return self._wrap(interleave.InterleaveNode(
-        self.node, fn, cycle_length=cycle_length, block_length=block_length,
-        num_parallel_calls=num_parallel_calls, deterministic=deterministic))
+
+    return self._wrap(
+      interleave.InterleaveNode(
+        self.node,
+        fn,
+        cycle_length=cycle_length,
+        block_length=block_length,
+        num_parallel_calls=num_parallel_calls,
+        deterministic=deterministic,
+      )
+    )
 
   def flat_map(self, fn: Callable[..., Any]) -> "Dataset":
     """The elements of the dataset `fn(element)` returns, for each element
     in turn (tf.data's `flat_map`: `interleave` with `cycle_length=1`)."""
     from jaxfeed.ops import flat_map
+
     return self._wrap(flat_map.FlatMapNode(self.node, fn))
 
   # ---- materialization and overlap ----------------------------------------
@@ -301,6 +374,7 @@ class Dataset(DatasetBatching):
     values. See `jaxfeed.ops.cache`.
     """
     from jaxfeed.ops import cache
+
     return self._wrap(cache.CacheNode(self.node, filename))
 
   def snapshot(self, path: str) -> "Dataset":
@@ -308,6 +382,7 @@ class Dataset(DatasetBatching):
     and reads it from there afterwards, in any process; a pass killed
     mid-write leaves nothing half-written. See `jaxfeed.ops.snapshot`."""
     from jaxfeed.ops import snapshot
+
     return self._wrap(snapshot.SnapshotNode(self.node, path))
 
   def autocache(self, directory: str | None = None) -> "Dataset":
@@ -318,6 +393,7 @@ class Dataset(DatasetBatching):
     seeds, shards, epochs) and by processes given the same folder (see
     jaxfeed.ops.autocache). Without a folder, elements pass through."""
     from jaxfeed.ops import autocache
+
     return self._wrap(autocache.AutocacheNode(self.node, directory))
 
   def prefetch(self, buffer_size: int) -> "Dataset":
@@ -325,15 +401,16 @@ class Dataset(DatasetBatching):
     (`jaxfeed.AUTOTUNE` lets the autotuner size it). The thread's exceptions
     reach the consumer's next `next()`."""
     from jaxfeed.ops import prefetch
+
     return self._wrap(prefetch.PrefetchNode(self.node, buffer_size))
 
   # ---- service -------------------------------------------------------------
-  def distribute(self, service: str, processing_mode: Any = "parallel_epochs",
-                 **kwargs: Any) -> "Dataset":
+  def distribute(
+    self, service: str, processing_mode: Any = "parallel_epochs", **kwargs: Any
+  ) -> "Dataset":
     """Runs this pipeline on jaxfeed service workers (see jaxfeed.service)."""
     if _distribute is None:  # jaxfeed/__init__.py registers it when imported
-      raise RuntimeError("Dataset.distribute: the service is not registered; "
-                         "import jaxfeed first.")
+      raise RuntimeError("Dataset.distribute: the service is not registered; import jaxfeed first.")
     return _distribute(self, service, processing_mode, **kwargs)
 
   # ---- running -----------------------------------------------------------
@@ -359,6 +436,7 @@ class Dataset(DatasetBatching):
     autotuner when it has AUTOTUNE knobs (see `jaxfeed.Options`).
     """
     from jaxfeed.ops import optimize, op_stats, autotune
+
     # Optimized once per Dataset: nodes that keep something across iterations
     # (an in-memory cache, shuffle's pass counter, from_source's iteration)
     # then live on, as they do when the same Dataset is iterated again in
@@ -366,8 +444,7 @@ class Dataset(DatasetBatching):
     if self._optimized is None:
       self._optimized = optimize.optimize(self.node, self.options)
     base.begin_iteration(self._optimized)
-    root = op_stats.instrument(self._optimized, self._optimized.make_iterator(),
-                                      self.options)
+    root = op_stats.instrument(self._optimized, self._optimized.make_iterator(), self.options)
     return autotune.autotuned(root, self.options)
 
   def __iter__(self) -> base.OpIterator:
@@ -408,6 +485,7 @@ class Dataset(DatasetBatching):
     see through, from that op's first element. See
     `jaxfeed.ops.element_spec`."""
     from jaxfeed.ops import element_spec
+
     return element_spec.element_spec(self.node)
 
   def cardinality(self) -> int | None:

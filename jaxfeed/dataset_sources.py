@@ -42,17 +42,19 @@ class DatasetSources:
   def from_source(cls: type[_DatasetT], source: Any, sampler: Any = None) -> _DatasetT:
     """Records of a random-access source, in the order a sampler gives."""
     from jaxfeed.ops import from_source
+
     return cls(from_source.SourceNode(source, sampler))
 
   @classmethod
-  def from_tfrecord(cls: type[_DatasetT], paths: Any, compression_type: str | None = None,
-                    verify_crc: bool = True) -> _DatasetT:
+  def from_tfrecord(
+    cls: type[_DatasetT], paths: Any, compression_type: str | None = None, verify_crc: bool = True
+  ) -> _DatasetT:
     """Like tf.data.TFRecordDataset: the records (bytes) of TFRecord files,
     files in order, records in order, read sequentially (compression_type
     None, "GZIP" or "ZLIB"); resumes at the saved (file, byte offset)."""
     from jaxfeed.ops import from_tfrecord
-    return cls(from_tfrecord.TFRecordNode(
-        paths, compression_type, verify_crc))
+
+    return cls(from_tfrecord.TFRecordNode(paths, compression_type, verify_crc))
 
   @classmethod
   def range(cls: type[_DatasetT], *args: int, dtype: Any = None) -> _DatasetT:
@@ -61,12 +63,14 @@ class DatasetSources:
     The arguments are `stop`, or `start, stop[, step]`.
     """
     from jaxfeed.ops import range
+
     return cls(range.RangeNode(*args, dtype=dtype))
 
   @classmethod
   def from_tensor_slices(cls: type[_DatasetT], tensors: Any) -> _DatasetT:
     """Slices a pytree of arrays along its first dimension."""
     from jaxfeed.ops import from_tensor_slices
+
     return cls(from_tensor_slices.TensorSlicesNode(tensors))
 
   @classmethod
@@ -74,6 +78,7 @@ class DatasetSources:
     """One element: the pytree `tensors` whole (tf.data's `from_tensors`;
     leaves convert as in `from_tensor_slices`)."""
     from jaxfeed.ops import from_tensors
+
     return cls(from_tensors.FromTensorsNode(tensors))
 
   @classmethod
@@ -81,32 +86,39 @@ class DatasetSources:
     """Endless `start, start + step, ...` (tf.data's `counter`), scalars of
     `dtype` (int64 by default)."""
     from jaxfeed.ops import counter
+
     return cls(counter.CounterNode(start, step, dtype))
 
   @classmethod
-  def random(cls: type[_DatasetT], seed: int | None = None,
-             rerandomize_each_iteration: bool | None = None) -> _DatasetT:
+  def random(
+    cls: type[_DatasetT], seed: int | None = None, rerandomize_each_iteration: bool | None = None
+  ) -> _DatasetT:
     """Endless int64 values uniform in [0, 2**32) (tf.data's `random`): the
     same for the same `seed`, every iteration unless
     `rerandomize_each_iteration`. See `jaxfeed.ops.random_dataset`."""
     from jaxfeed.ops import random_dataset
-    return cls(random_dataset.RandomNode(
-        seed, rerandomize_each_iteration))
+
+    return cls(random_dataset.RandomNode(seed, rerandomize_each_iteration))
 
   @classmethod
-  def list_files(cls: type[_DatasetT], file_pattern: Any, shuffle: bool | None = None,
-                 seed: int | None = None) -> _DatasetT:
+  def list_files(
+    cls: type[_DatasetT], file_pattern: Any, shuffle: bool | None = None, seed: int | None = None
+  ) -> _DatasetT:
     """The file names (bytes) matching glob patterns, matched now (tf.data's
     `list_files`): shuffled by default, sorted with `shuffle=False`. See
     `jaxfeed.ops.list_files` for how `seed=None` resumes."""
     from jaxfeed.ops import list_files
+
     return cls(list_files.list_files_node(file_pattern, shuffle, seed))
 
   @classmethod
-  def from_generator(cls: type[_DatasetT], generator: Callable[..., Any],
-                     output_signature: Any = None,
-                     args: Sequence[Any] | None = None,
-                     skip: Callable[..., Any] | None = None) -> _DatasetT:
+  def from_generator(
+    cls: type[_DatasetT],
+    generator: Callable[..., Any],
+    output_signature: Any = None,
+    args: Sequence[Any] | None = None,
+    skip: Callable[..., Any] | None = None,
+  ) -> _DatasetT:
     """The elements of `generator(*args)`, leaves as numpy arrays.
 
     Like tf.data's `from_generator`; `output_signature`, if given, is a pytree
@@ -116,14 +128,23 @@ class DatasetSources:
     that starts at element `count`. See `jaxfeed.ops.from_generator`.
     """
     from jaxfeed.ops import from_generator
-    return cls(from_generator.GeneratorNode(
-        generator, output_signature=output_signature, args=args, skip=skip))
+
+    return cls(
+      from_generator.GeneratorNode(
+        generator, output_signature=output_signature, args=args, skip=skip
+      )
+    )
 
   @classmethod
-  def load(cls: type[_DatasetT], path: Any, element_spec: Any = None,
-           compression: str | None = None,
-           reader_func: Callable[..., Any] | None = None, wait: bool = False,
-           sampler: Any = None) -> _DatasetT:
+  def load(
+    cls: type[_DatasetT],
+    path: Any,
+    element_spec: Any = None,
+    compression: str | None = None,
+    reader_func: Callable[..., Any] | None = None,
+    wait: bool = False,
+    sampler: Any = None,
+  ) -> _DatasetT:
     """The dataset saved at `path` by `save` or `jaxfeed.service.distributed_save`
     (tf.data's `load`), as a random-access source: elements in the order
     they were saved, or in `sampler`'s (an `IndexSampler` over them, to
@@ -132,27 +153,36 @@ class DatasetSources:
     `compression` is read from the save; `reader_func` has no counterpart
     (read order is the sampler's). See `jaxfeed.ops.load`."""
     from jaxfeed.ops import load
+
     if reader_func is not None:
-      raise ValueError("load: reader_func has no jaxfeed counterpart; pass "
-                       "sampler=jaxfeed.IndexSampler(...) to choose the order.")
+      raise ValueError(
+        "load: reader_func has no jaxfeed counterpart; pass "
+        "sampler=jaxfeed.IndexSampler(...) to choose the order."
+      )
     del compression  # the save records its own
     node = load.load_node(path, wait, sampler)
     if element_spec is not None and element_spec != node.source.element_spec:
-      raise ValueError(f"load: element_spec {element_spec} differs from the saved "
-                       f"dataset's {node.source.element_spec} at {path}.")
+      raise ValueError(
+        f"load: element_spec {element_spec} differs from the saved "
+        f"dataset's {node.source.element_spec} at {path}."
+      )
     return cls(node)
 
   @classmethod
   def zip(cls: type[_DatasetT], datasets: Any) -> _DatasetT:
     """Zips a tuple or dict of datasets, like tf.data.Dataset.zip."""
     from jaxfeed.ops import zip
+
     return cls(zip.ZipNode(datasets))
 
   @classmethod
-  def sample_from_datasets(cls: type[_DatasetT], datasets: Sequence[DatasetSources],
-                           weights: Sequence[float] | None = None,
-                           seed: int | None = None,
-                           stop_on_empty_dataset: bool = False) -> _DatasetT:
+  def sample_from_datasets(
+    cls: type[_DatasetT],
+    datasets: Sequence[DatasetSources],
+    weights: Sequence[float] | None = None,
+    seed: int | None = None,
+    stop_on_empty_dataset: bool = False,
+  ) -> _DatasetT:
     """A random mixture: each element comes from a dataset drawn by weight.
 
     Like tf.data's `sample_from_datasets`. Draw `k` is a pure function of
@@ -165,15 +195,23 @@ class DatasetSources:
     Example: `Dataset.sample_from_datasets([code, prose], [0.7, 0.3], seed=0)`.
     """
     from jaxfeed.ops import mixing, sample_from_datasets
+
     nodes = mixing.check_datasets(datasets, "sample_from_datasets")
-    return cls(sample_from_datasets.SampleFromDatasetsNode(
-        *nodes, weights=weights, seed=seed,
-        stop_on_empty_dataset=stop_on_empty_dataset))
+    return cls(
+      sample_from_datasets.SampleFromDatasetsNode(
+        *nodes, weights=weights, seed=seed, stop_on_empty_dataset=stop_on_empty_dataset
+      )
+    )
 
   @classmethod
-  def mix(cls: type[_DatasetT], datasets: Sequence[DatasetSources],
-          weights: Sequence[float] | None = None,
-          *, seed: int = 0, shard_options: Any = None) -> _DatasetT:
+  def mix(
+    cls: type[_DatasetT],
+    datasets: Sequence[DatasetSources],
+    weights: Sequence[float] | None = None,
+    *,
+    seed: int = 0,
+    shard_options: Any = None,
+  ) -> _DatasetT:
     """An index-level mixture of `from_source` datasets, like Grain's
     `MapDataset.mix`.
 
@@ -193,13 +231,16 @@ class DatasetSources:
     Dataset.from_source(prose, prose_sampler)], [0.7, 0.3])`.
     """
     from jaxfeed.ops import mix
-    return cls(mix.mix_node(datasets, weights, seed=seed,
-                                       shard_options=shard_options))
+
+    return cls(mix.mix_node(datasets, weights, seed=seed, shard_options=shard_options))
 
   @classmethod
-  def choose_from_datasets(cls: type[_DatasetT], datasets: Sequence[DatasetSources],
-                           choice_dataset: DatasetSources,
-                           stop_on_empty_dataset: bool = True) -> _DatasetT:
+  def choose_from_datasets(
+    cls: type[_DatasetT],
+    datasets: Sequence[DatasetSources],
+    choice_dataset: DatasetSources,
+    stop_on_empty_dataset: bool = True,
+  ) -> _DatasetT:
     """The next element of `datasets[c]` for each choice `c` of `choice_dataset`.
 
     Same output as tf.data's `choose_from_datasets`: with
@@ -209,22 +250,38 @@ class DatasetSources:
     `[0, len(datasets))` is an error.
     """
     from jaxfeed.ops import mixing, choose_from_datasets
+
     nodes = mixing.check_datasets(datasets, "choose_from_datasets")
-    return cls(choose_from_datasets.ChooseFromDatasetsNode(
-        *nodes, choice_dataset, stop_on_empty_dataset=stop_on_empty_dataset))
+    return cls(
+      choose_from_datasets.ChooseFromDatasetsNode(
+        *nodes, choice_dataset, stop_on_empty_dataset=stop_on_empty_dataset
+      )
+    )
 
   @classmethod
-  def from_bucket_plan(cls: type[_DatasetT], source: Any, plan: Any, padded_shapes: Any = None,
-                       padding_values: Any = None,
-                       pad_to_bucket_boundary: bool = False,
-                       decode_fn: Callable[..., Any] | None = None) -> _DatasetT:
+  def from_bucket_plan(
+    cls: type[_DatasetT],
+    source: Any,
+    plan: Any,
+    padded_shapes: Any = None,
+    padding_values: Any = None,
+    pad_to_bucket_boundary: bool = False,
+    decode_fn: Callable[..., Any] | None = None,
+  ) -> _DatasetT:
     """This host's padded batches of a `jaxfeed.coord.BucketPlan`.
 
     Records must be pytrees of arrays, or bytes that `decode_fn` turns into
     one; every host pads a step's batch to the same sequence length.
     """
     from jaxfeed.coord import bucket_plan_dataset  # coord sits right of ops
-    return cls(bucket_plan_dataset.BucketPlanNode(
-        source, plan, padded_shapes=padded_shapes,
+
+    return cls(
+      bucket_plan_dataset.BucketPlanNode(
+        source,
+        plan,
+        padded_shapes=padded_shapes,
         padding_values=padding_values,
-        pad_to_bucket_boundary=pad_to_bucket_boundary, decode_fn=decode_fn))
+        pad_to_bucket_boundary=pad_to_bucket_boundary,
+        decode_fn=decode_fn,
+      )
+    )

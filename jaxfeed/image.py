@@ -37,9 +37,16 @@ from typing import Any, Sequence
 import numpy as np
 
 __all__ = [
-    "decode_jpeg", "decode_image", "decode_and_random_resized_crop",
-    "random_crop_box", "random_crop", "flip_left_right", "random_flip_left_right",
-    "normalize", "IMAGENET_MEAN", "IMAGENET_STD",
+  "decode_jpeg",
+  "decode_image",
+  "decode_and_random_resized_crop",
+  "random_crop_box",
+  "random_crop",
+  "flip_left_right",
+  "random_flip_left_right",
+  "normalize",
+  "IMAGENET_MEAN",
+  "IMAGENET_STD",
 ]
 
 # Per-channel RGB mean and standard deviation of ImageNet, in 0..255 pixels.
@@ -59,30 +66,30 @@ def _modules():
     import simplejpeg  # pylint: disable=g-import-not-at-top
   except ImportError as e:
     raise ImportError(
-        f"jaxfeed.image needs the image extra ({e}): pip install "
-        "'jaxfeed[image]' (simplejpeg and opencv-python-headless).") from None
+      f"jaxfeed.image needs the image extra ({e}): pip install "
+      "'jaxfeed[image]' (simplejpeg and opencv-python-headless)."
+    ) from None
   return simplejpeg, cv2
 
 
 def _check_channels(channels: Any, where: str, allowed=(0, 1, 3)) -> int:
   if channels not in allowed or isinstance(channels, bool):
-    raise ValueError(f"{where}: channels must be one of {allowed}, got "
-                     f"{channels!r}.")
+    raise ValueError(f"{where}: channels must be one of {allowed}, got {channels!r}.")
   return channels
 
 
 def _format_of(data: bytes, where: str) -> str:
   if not isinstance(data, (bytes, bytearray, memoryview, np.ndarray)):
-    raise TypeError(f"{where}: data must be bytes, got "
-                    f"{type(data).__name__}.")
+    raise TypeError(f"{where}: data must be bytes, got {type(data).__name__}.")
   head = bytes(data[:8])
   if head.startswith(_JPEG_MAGIC):
     return "jpeg"
   if head == _PNG_MAGIC:
     return "png"
   raise ValueError(
-      f"{where}: the {len(data)} bytes are neither JPEG nor PNG (they start "
-      f"with {head!r}); only JPEG and PNG are decoded.")
+    f"{where}: the {len(data)} bytes are neither JPEG nor PNG (they start "
+    f"with {head!r}); only JPEG and PNG are decoded."
+  )
 
 
 def _jpeg_colorspace(simplejpeg, data: bytes, channels: int) -> str:
@@ -92,8 +99,9 @@ def _jpeg_colorspace(simplejpeg, data: bytes, channels: int) -> str:
   return "GRAY" if channels == 1 else "RGB"
 
 
-def _decode_jpeg(data: bytes, channels: int, where: str,
-                 min_size: tuple[int, int] | None = None) -> np.ndarray:
+def _decode_jpeg(
+  data: bytes, channels: int, where: str, min_size: tuple[int, int] | None = None
+) -> np.ndarray:
   simplejpeg, _ = _modules()
   try:
     colorspace = _jpeg_colorspace(simplejpeg, data, channels)
@@ -102,15 +110,18 @@ def _decode_jpeg(data: bytes, channels: int, where: str,
       kwargs = {"min_height": min_size[0], "min_width": min_size[1]}
     image = simplejpeg.decode_jpeg(data, colorspace=colorspace, **kwargs)
   except ValueError as e:
-    raise ValueError(f"{where}: the {len(data)}-byte JPEG cannot be decoded: "
-                     f"{e}") from None
+    raise ValueError(f"{where}: the {len(data)}-byte JPEG cannot be decoded: {e}") from None
   return image if image.ndim == 3 else image[:, :, None]
 
 
 def _decode_png(data: bytes, channels: int, where: str) -> np.ndarray:
   _, cv2 = _modules()
-  flag = {0: cv2.IMREAD_UNCHANGED, 1: cv2.IMREAD_GRAYSCALE,
-          3: cv2.IMREAD_COLOR_RGB, 4: cv2.IMREAD_UNCHANGED}[channels]
+  flag = {
+    0: cv2.IMREAD_UNCHANGED,
+    1: cv2.IMREAD_GRAYSCALE,
+    3: cv2.IMREAD_COLOR_RGB,
+    4: cv2.IMREAD_UNCHANGED,
+  }[channels]
   image = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
   if image is None:
     raise ValueError(f"{where}: the {len(data)}-byte PNG cannot be decoded.")
@@ -124,9 +135,10 @@ def _decode_png(data: bytes, channels: int, where: str) -> np.ndarray:
     elif image.shape[2] == 4:
       image = cv2.cvtColor(image, cv2.COLOR_BGRA2RGBA)
     if channels == 4 and image.shape[2] != 4:
-      image = cv2.cvtColor(image if image.shape[2] == 3 else image[:, :, 0],
-                           cv2.COLOR_RGB2RGBA if image.shape[2] == 3
-                           else cv2.COLOR_GRAY2RGBA)
+      image = cv2.cvtColor(
+        image if image.shape[2] == 3 else image[:, :, 0],
+        cv2.COLOR_RGB2RGBA if image.shape[2] == 3 else cv2.COLOR_GRAY2RGBA,
+      )
   return image
 
 
@@ -143,8 +155,7 @@ def decode_jpeg(data: bytes, channels: int = 3) -> np.ndarray:
   where = "decode_jpeg"
   _check_channels(channels, where)
   if _format_of(data, where) != "jpeg":
-    raise ValueError(f"{where}: the {len(data)} bytes are a PNG, not a JPEG; "
-                     "use decode_image.")
+    raise ValueError(f"{where}: the {len(data)} bytes are a PNG, not a JPEG; use decode_image.")
   return _decode_jpeg(data, channels, where)
 
 
@@ -162,14 +173,16 @@ def decode_image(data: bytes, channels: int = 3) -> np.ndarray:
   where = "decode_image"
   if _format_of(data, where) == "jpeg":
     return _decode_jpeg(data, _check_channels(channels, where), where)
-  return _decode_png(data, _check_channels(channels, where, (0, 1, 3, 4)),
-                     where)
+  return _decode_png(data, _check_channels(channels, where, (0, 1, 3, 4)), where)
 
 
-def random_crop_box(height: int, width: int, rng: np.random.Generator,
-                    scale: Sequence[float] = (0.08, 1.0),
-                    ratio: Sequence[float] = (3 / 4, 4 / 3)
-                    ) -> tuple[int, int, int, int]:
+def random_crop_box(
+  height: int,
+  width: int,
+  rng: np.random.Generator,
+  scale: Sequence[float] = (0.08, 1.0),
+  ratio: Sequence[float] = (3 / 4, 4 / 3),
+) -> tuple[int, int, int, int]:
   """A random crop (top, left, crop_height, crop_width) inside an image.
 
   The crop's area is a uniform fraction in `scale` of the image's and its
@@ -184,11 +197,13 @@ def random_crop_box(height: int, width: int, rng: np.random.Generator,
     ratio: (min, max) aspect ratio, 0 < min <= max.
   """
   if not (0 < scale[0] <= scale[1] <= 1):
-    raise ValueError(f"random_crop_box: scale must be (min, max) with 0 < min "
-                     f"<= max <= 1, got {tuple(scale)}.")
+    raise ValueError(
+      f"random_crop_box: scale must be (min, max) with 0 < min <= max <= 1, got {tuple(scale)}."
+    )
   if not (0 < ratio[0] <= ratio[1]):
-    raise ValueError(f"random_crop_box: ratio must be (min, max) with 0 < min "
-                     f"<= max, got {tuple(ratio)}.")
+    raise ValueError(
+      f"random_crop_box: ratio must be (min, max) with 0 < min <= max, got {tuple(ratio)}."
+    )
   if height < 1 or width < 1:
     raise ValueError(f"random_crop_box: the image is {height}x{width}.")
   area = height * width
@@ -215,8 +230,9 @@ def random_crop_box(height: int, width: int, rng: np.random.Generator,
 def _size_pair(size: Any, where: str) -> tuple[int, int]:
   pair = (size, size) if isinstance(size, int) else tuple(size)
   if len(pair) != 2 or not all(isinstance(s, int) and s > 0 for s in pair):
-    raise ValueError(f"{where}: size must be an int or (height, width) of "
-                     f"positive ints, got {size!r}.")
+    raise ValueError(
+      f"{where}: size must be an int or (height, width) of positive ints, got {size!r}."
+    )
   return pair
 
 
@@ -226,22 +242,24 @@ def _image_size(data: bytes, kind: str, where: str) -> tuple[int, int]:
     try:
       height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError as e:
-      raise ValueError(f"{where}: the {len(data)}-byte JPEG has no readable "
-                       f"header: {e}") from None
+      raise ValueError(f"{where}: the {len(data)}-byte JPEG has no readable header: {e}") from None
     return height, width
   # PNG: the IHDR chunk follows the 8-byte signature and its header.
   if len(data) < 24:
     raise ValueError(f"{where}: the {len(data)}-byte PNG has no header.")
-  width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(
-      data[20:24], "big")
+  width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
   return height, width
 
 
 def decode_and_random_resized_crop(
-    data: bytes, rng: np.random.Generator, size: int | tuple[int, int],
-    scale: Sequence[float] = (0.08, 1.0),
-    ratio: Sequence[float] = (3 / 4, 4 / 3), channels: int = 3,
-    out: np.ndarray | None = None) -> np.ndarray:
+  data: bytes,
+  rng: np.random.Generator,
+  size: int | tuple[int, int],
+  scale: Sequence[float] = (0.08, 1.0),
+  ratio: Sequence[float] = (3 / 4, 4 / 3),
+  channels: int = 3,
+  out: np.ndarray | None = None,
+) -> np.ndarray:
   """Decodes a random crop (see `random_crop_box`) resized to `size`.
 
   JPEGs are decoded at the smallest DCT scale that keeps the crop at least
@@ -272,35 +290,44 @@ def decode_and_random_resized_crop(
     # The largest reduction (1/2, 1/4, 1/8: libjpeg's fast scaled IDCTs)
     # whose crop still has out_h x out_w pixels.
     reduction = 1
-    while (reduction < 8 and crop_h >= 2 * reduction * out_h
-           and crop_w >= 2 * reduction * out_w):
+    while reduction < 8 and crop_h >= 2 * reduction * out_h and crop_w >= 2 * reduction * out_w:
       reduction *= 2
-    min_size = None if reduction == 1 else (-(-height // reduction),
-                                            -(-width // reduction))
+    min_size = None if reduction == 1 else (-(-height // reduction), -(-width // reduction))
     decoded = _decode_jpeg(data, channels, where, min_size)
   else:
     decoded = _decode_png(data, channels, where)
-  return _resize_box(decoded, (top, left, crop_h, crop_w), (height, width),
-                     (out_h, out_w), out)
+  return _resize_box(decoded, (top, left, crop_h, crop_w), (height, width), (out_h, out_w), out)
 
 
 def _check_out(out: Any, shape: tuple, dtype: Any, where: str) -> None:
   """Refuses an `out` array the result cannot be written into as it is."""
-  if (not isinstance(out, np.ndarray) or out.shape != tuple(shape)
-      or out.dtype != dtype or not out.flags.c_contiguous
-      or not out.flags.writeable):
-    described = (f"a {'' if out.flags.c_contiguous else 'non-'}contiguous "
-                 f"{'' if out.flags.writeable else 'read-only '}"
-                 f"{out.dtype} array of shape {out.shape}"
-                 if isinstance(out, np.ndarray) else type(out).__name__)
+  if (
+    not isinstance(out, np.ndarray)
+    or out.shape != tuple(shape)
+    or out.dtype != dtype
+    or not out.flags.c_contiguous
+    or not out.flags.writeable
+  ):
+    described = (
+      f"a {'' if out.flags.c_contiguous else 'non-'}contiguous "
+      f"{'' if out.flags.writeable else 'read-only '}"
+      f"{out.dtype} array of shape {out.shape}"
+      if isinstance(out, np.ndarray)
+      else type(out).__name__
+    )
     raise ValueError(
-        f"{where}: out must be a writeable C-contiguous {np.dtype(dtype)} "
-        f"array of shape {tuple(shape)}, got {described}.")
+      f"{where}: out must be a writeable C-contiguous {np.dtype(dtype)} "
+      f"array of shape {tuple(shape)}, got {described}."
+    )
 
 
-def _resize_box(image: np.ndarray, box: tuple[int, int, int, int],
-                full_size: tuple[int, int], size: tuple[int, int],
-                out: np.ndarray | None = None) -> np.ndarray:
+def _resize_box(
+  image: np.ndarray,
+  box: tuple[int, int, int, int],
+  full_size: tuple[int, int],
+  size: tuple[int, int],
+  out: np.ndarray | None = None,
+) -> np.ndarray:
   """Resizes `box` (in full-size pixels) of a possibly scaled-down decode."""
   _, cv2 = _modules()
   top, left, crop_h, crop_w = box
@@ -316,13 +343,16 @@ def _resize_box(image: np.ndarray, box: tuple[int, int, int, int],
     out = cv2.resize(crop, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
     return out if out.ndim == 3 else out[:, :, None]
   # OpenCV writes into a 2-D view for one channel (it drops the axis).
-  cv2.resize(crop, (size[1], size[0]), dst=out if out.shape[2] > 1 else
-             out[:, :, 0], interpolation=cv2.INTER_LINEAR)
+  cv2.resize(
+    crop,
+    (size[1], size[0]),
+    dst=out if out.shape[2] > 1 else out[:, :, 0],
+    interpolation=cv2.INTER_LINEAR,
+  )
   return out
 
 
-def random_crop(image: np.ndarray, size: Sequence[int],
-                rng: np.random.Generator) -> np.ndarray:
+def random_crop(image: np.ndarray, size: Sequence[int], rng: np.random.Generator) -> np.ndarray:
   """A crop of `size` at a uniformly random place, like `tf.image.random_crop`.
 
   As in TensorFlow, `size` has one entry per dimension of `image` (for an
@@ -346,20 +376,21 @@ def random_crop(image: np.ndarray, size: Sequence[int],
   """
   image = np.asarray(image)
   crop = tuple(size)
-  if (len(crop) != image.ndim
-      or not all(isinstance(c, (int, np.integer)) and c >= 0 for c in crop)):
+  if len(crop) != image.ndim or not all(isinstance(c, (int, np.integer)) and c >= 0 for c in crop):
     raise ValueError(
-        f"random_crop: size must be {image.ndim} non-negative ints (one per "
-        f"dimension of the image of shape {image.shape}), got {tuple(size)!r}.")
+      f"random_crop: size must be {image.ndim} non-negative ints (one per "
+      f"dimension of the image of shape {image.shape}), got {tuple(size)!r}."
+    )
   if any(c > n for c, n in zip(crop, image.shape)):
-    raise ValueError(f"random_crop: size {crop} is larger than the image of shape "
-                     f"{image.shape}; it must fit in every dimension.")
+    raise ValueError(
+      f"random_crop: size {crop} is larger than the image of shape "
+      f"{image.shape}; it must fit in every dimension."
+    )
   offsets = rng.integers(0, np.subtract(image.shape, crop) + 1)
   return image[tuple(slice(o, o + c) for o, c in zip(offsets.tolist(), crop))]
 
 
-def flip_left_right(image: np.ndarray,
-                    out: np.ndarray | None = None) -> np.ndarray:
+def flip_left_right(image: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
   """The image mirrored left to right ([..., height, width, channels]).
 
   Args:
@@ -372,8 +403,7 @@ def flip_left_right(image: np.ndarray,
   if out is not None:
     _check_out(out, image.shape, image.dtype, where)
     if np.shares_memory(out, image):
-      raise ValueError(f"{where}: out must not overlap the image; pass a "
-                       "separate array.")
+      raise ValueError(f"{where}: out must not overlap the image; pass a separate array.")
   if image.ndim == 3 and image.shape[2] <= 4 and image.dtype == np.uint8:
     _, cv2 = _modules()
     if out is not None:
@@ -387,8 +417,9 @@ def flip_left_right(image: np.ndarray,
   return np.ascontiguousarray(image[..., ::-1, :])
 
 
-def random_flip_left_right(image: np.ndarray, rng: np.random.Generator,
-                           out: np.ndarray | None = None) -> np.ndarray:
+def random_flip_left_right(
+  image: np.ndarray, rng: np.random.Generator, out: np.ndarray | None = None
+) -> np.ndarray:
   """The image, mirrored with probability 1/2 (into `out` when given).
 
   Without `out` an image that is not mirrored is returned as it is; with
@@ -397,8 +428,7 @@ def random_flip_left_right(image: np.ndarray, rng: np.random.Generator,
   if rng.random() < 0.5:
     return flip_left_right(image, out)
   if out is not None:
-    _check_out(out, np.shape(image), np.asarray(image).dtype,
-               "random_flip_left_right")
+    _check_out(out, np.shape(image), np.asarray(image).dtype, "random_flip_left_right")
     np.copyto(out, image)
     return out
   return image
@@ -408,14 +438,18 @@ def random_flip_left_right(image: np.ndarray, rng: np.random.Generator,
 def _normalize_table(inverse: bytes, shift: bytes, channels: int) -> np.ndarray:
   """Normalize's results for the 256 uint8 values, [1, 256, channels]."""
   table = np.arange(256, dtype=np.float32)[:, None] * np.broadcast_to(
-      np.frombuffer(inverse, np.float32), (channels,))
+    np.frombuffer(inverse, np.float32), (channels,)
+  )
   table += np.broadcast_to(np.frombuffer(shift, np.float32), (channels,))
   return table.reshape(1, 256, channels)
 
 
-def normalize(image: np.ndarray, mean: Sequence[float] = IMAGENET_MEAN,
-              std: Sequence[float] = IMAGENET_STD,
-              out: np.ndarray | None = None) -> np.ndarray:
+def normalize(
+  image: np.ndarray,
+  mean: Sequence[float] = IMAGENET_MEAN,
+  std: Sequence[float] = IMAGENET_STD,
+  out: np.ndarray | None = None,
+) -> np.ndarray:
   """(image - mean) / std per channel, as float32.
 
   `mean` and `std` are in the image's pixel units (0..255 for uint8); the
@@ -432,15 +466,20 @@ def normalize(image: np.ndarray, mean: Sequence[float] = IMAGENET_MEAN,
   channels = image.shape[-1]
   if mean.size not in (1, channels) or inverse.size not in (1, channels):
     raise ValueError(
-        f"normalize: mean and std need 1 or {channels} values (the image's "
-        f"channels), got {mean.size} and {inverse.size}.")
+      f"normalize: mean and std need 1 or {channels} values (the image's "
+      f"channels), got {mean.size} and {inverse.size}."
+    )
   if out is None:
     out = np.empty(image.shape, np.float32)
   else:
     _check_out(out, image.shape, np.float32, "normalize")
   shift = -mean * inverse
-  if (image.dtype == np.uint8 and image.ndim >= 2 and 1 <= channels <= 4
-      and 0 < image.size < _LUT_MAX_SIZE):
+  if (
+    image.dtype == np.uint8
+    and image.ndim >= 2
+    and 1 <= channels <= 4
+    and 0 < image.size < _LUT_MAX_SIZE
+  ):
     # A uint8 image has 256 values per channel: OpenCV looks each pixel up
     # in a table of the float32 results, one pass that writes `out` once
     # (about half the time of the cast, scale and shift below, whose three
@@ -448,9 +487,11 @@ def normalize(image: np.ndarray, mean: Sequence[float] = IMAGENET_MEAN,
     # very float32 operations below, so the results are the same bits.
     _, cv2 = _modules()
     width = image.shape[-2]
-    cv2.LUT(np.ascontiguousarray(image).reshape(-1, width, channels),
-            _normalize_table(inverse.tobytes(), shift.tobytes(), channels),
-            dst=out.reshape(-1, width, channels))
+    cv2.LUT(
+      np.ascontiguousarray(image).reshape(-1, width, channels),
+      _normalize_table(inverse.tobytes(), shift.tobytes(), channels),
+      dst=out.reshape(-1, width, channels),
+    )
     return out
   # Cast first, then scale and shift in place: NumPy's float32 loops are
   # vectorized, while a uint8 * float32 multiply casts through a small

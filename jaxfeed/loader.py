@@ -132,14 +132,21 @@ class Loader:
   and which op to fix.
   """
 
-  def __init__(self, dataset: Any, *, sharding: ShardingLike = None,
-               prefetch: int = 2, partial_batch: str | None = None,
-               end_of_input: str | None = None,
-               pad_to_common_shape: bool = False):
+  def __init__(
+    self,
+    dataset: Any,
+    *,
+    sharding: ShardingLike = None,
+    prefetch: int = 2,
+    partial_batch: str | None = None,
+    end_of_input: str | None = None,
+    pad_to_common_shape: bool = False,
+  ):
     if not isinstance(dataset, Dataset) and not hasattr(dataset, "__iter__"):
       raise TypeError(
-          "Loader: dataset must be a jaxfeed.Dataset or an iterable of numpy "
-          f"batch pytrees, got {type(dataset).__name__}.")
+        "Loader: dataset must be a jaxfeed.Dataset or an iterable of numpy "
+        f"batch pytrees, got {type(dataset).__name__}."
+      )
     resolve_policy(partial_batch, end_of_input, "Loader")
     self._dataset = dataset
     self._sharding = sharding
@@ -147,8 +154,7 @@ class Loader:
     self._partial_batch = partial_batch
     self._end_of_input = end_of_input
     self._pad_to_common_shape = pad_to_common_shape
-    self._full_batch_rows = (full_batch_rows(dataset.node)
-                             if isinstance(dataset, Dataset) else None)
+    self._full_batch_rows = full_batch_rows(dataset.node) if isinstance(dataset, Dataset) else None
     self._host_iterator = self._new_host_iterator()
     self._prefetcher = self._new_prefetcher(self._host_iterator)
     self._end_of_epoch = False  # next() raised StopIteration this epoch
@@ -158,13 +164,16 @@ class Loader:
     self._returned_at: float | None = None
 
   def _new_prefetcher(self, host_iterator: Any) -> DevicePrefetcher:
-    return DevicePrefetcher(host_iterator, self._sharding,
-                            prefetch=self._prefetch,
-                            partial_batch=self._partial_batch,
-                            end_of_input=self._end_of_input,
-                            pad_to_common_shape=self._pad_to_common_shape,
-                            full_batch_rows=self._full_batch_rows,
-                            host_reads_ahead=_reads_ahead(self._dataset))
+    return DevicePrefetcher(
+      host_iterator,
+      self._sharding,
+      prefetch=self._prefetch,
+      partial_batch=self._partial_batch,
+      end_of_input=self._end_of_input,
+      pad_to_common_shape=self._pad_to_common_shape,
+      full_batch_rows=self._full_batch_rows,
+      host_reads_ahead=_reads_ahead(self._dataset),
+    )
 
   def _new_host_iterator(self) -> Any:
     if isinstance(self._dataset, Dataset):
@@ -204,11 +213,12 @@ class Loader:
       host_iterator = iter(self._dataset)
       if host_iterator is self._dataset or host_iterator is self._host_iterator:
         raise RuntimeError(
-            f"Loader: the epoch has ended and the input "
-            f"{type(self._dataset).__name__} is a one-shot iterator, which "
-            "cannot start another. Give the Loader a jaxfeed.Dataset (or an "
-            "iterable whose __iter__ returns a new iterator, like a list) to "
-            "iterate it for several epochs, or make a new Loader per epoch.")
+          f"Loader: the epoch has ended and the input "
+          f"{type(self._dataset).__name__} is a one-shot iterator, which "
+          "cannot start another. Give the Loader a jaxfeed.Dataset (or an "
+          "iterable whose __iter__ returns a new iterator, like a list) to "
+          "iterate it for several epochs, or make a new Loader per epoch."
+        )
     self._prefetcher.close()
     self._host_iterator = host_iterator
     self._prefetcher = self._new_prefetcher(host_iterator)
@@ -219,11 +229,11 @@ class Loader:
     the pipeline's per-op rows (`ops`; empty for a plain iterable)."""
     busy = self._wait_s + self._model_s
     return {
-        "batches": self._batches,
-        "wait_seconds": self._wait_s,
-        "model_seconds": self._model_s,
-        "input_bound_fraction": self._wait_s / busy if busy else 0.0,
-        "ops": op_stats.rows_of(self._host_iterator),
+      "batches": self._batches,
+      "wait_seconds": self._wait_s,
+      "model_seconds": self._model_s,
+      "input_bound_fraction": self._wait_s / busy if busy else 0.0,
+      "ops": op_stats.rows_of(self._host_iterator),
     }
 
   def report(self, file: Any = None) -> str:
@@ -254,14 +264,17 @@ class Loader:
         (`reshard_loader_states`) are allowed. A state saved by a jaxfeed
         that did not record its pipeline restores with a warning.
     """
-    if (not isinstance(state, dict)
-        or not {"pipeline", "batches"} <= set(state) <= _STATE_KEYS
-        or not isinstance(state["batches"], int)
-        or not isinstance(state.get("end_of_epoch", False), bool)):
+    if (
+      not isinstance(state, dict)
+      or not {"pipeline", "batches"} <= set(state) <= _STATE_KEYS
+      or not isinstance(state["batches"], int)
+      or not isinstance(state.get("end_of_epoch", False), bool)
+    ):
       raise ValueError(
-          "Loader.set_state: expected the dict returned by Loader.get_state() "
-          "with keys 'pipeline', 'batches' (int) and optionally "
-          f"'end_of_epoch' (bool), got {str(state):.200}.")
+        "Loader.set_state: expected the dict returned by Loader.get_state() "
+        "with keys 'pipeline', 'batches' (int) and optionally "
+        f"'end_of_epoch' (bool), got {str(state):.200}."
+      )
     if isinstance(self._dataset, Dataset):
       # A fresh iterator: the old one may have failed or been exhausted.
       host_iterator = self._dataset.make_iterator()
@@ -300,5 +313,4 @@ def _reads_ahead(dataset: Any) -> bool:
   if isinstance(node, PrefetchNode):
     return node.buffer_size != 0
   options = dataset.options
-  return bool(options is not None and options.optimize
-              and options.inject_prefetch)
+  return bool(options is not None and options.optimize and options.inject_prefetch)

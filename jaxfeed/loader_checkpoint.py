@@ -62,19 +62,21 @@ def reshard_loader_states(states: list[dict[str, Any]]) -> dict[str, Any]:
   batches = {state.get("batches") for state in states}
   if len(batches) != 1:
     raise ValueError(
-        f"reshard: the processes' Loader states have received different "
-        f"numbers of batches {sorted(map(str, batches))}; they must be "
-        "taken at the same step.")
-  merged = {"pipeline": reshard_states([state["pipeline"] for state in states]),
-            "batches": batches.pop()}
+      f"reshard: the processes' Loader states have received different "
+      f"numbers of batches {sorted(map(str, batches))}; they must be "
+      "taken at the same step."
+    )
+  merged = {
+    "pipeline": reshard_states([state["pipeline"] for state in states]),
+    "batches": batches.pop(),
+  }
   if all(state.get("end_of_epoch") for state in states):
     merged["end_of_epoch"] = True
   return merged
 
 
 def _state_file(directory: epath.Path) -> epath.Path:
-  return epath.Path(directory) / (
-      f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+  return epath.Path(directory) / (f"process_{jax.process_index()}-of-{jax.process_count()}.json")
 
 
 _restores = itertools.count()  # this process's restores of shared reads
@@ -88,9 +90,10 @@ def _agreed_restore_id() -> str:
   client = distributed_client()
   if client is None:
     raise RuntimeError(
-        "Restoring a shared service read in a multi-process job needs "
-        "jax.distributed.initialize(): its processes agree on the new job "
-        "through it.")
+      "Restoring a shared service read in a multi-process job needs "
+      "jax.distributed.initialize(): its processes agree on the new job "
+      "through it."
+    )
   if jax.process_index() == 0:
     restore_id = read_state.new_restore_id()
     client.key_value_set(key, restore_id)
@@ -109,28 +112,33 @@ def _read_state(directory: epath.Path) -> dict[str, Any]:
   if path.exists():
     state: dict[str, Any] = json.loads(path.read_text())
     if jax.process_count() > 1 and read_state.has_shared_read(state["pipeline"]):
-      states = [json.loads((epath.Path(directory) / (
-          f"process_{i}-of-{jax.process_count()}.json")).read_text())
-                for i in range(jax.process_count())]
-      merged = read_state.merge_process_states([s["pipeline"] for s in states],
-                                               _agreed_restore_id())
+      states = [
+        json.loads(
+          (epath.Path(directory) / (f"process_{i}-of-{jax.process_count()}.json")).read_text()
+        )
+        for i in range(jax.process_count())
+      ]
+      merged = read_state.merge_process_states(
+        [s["pipeline"] for s in states], _agreed_restore_id()
+      )
       state["pipeline"] = merged[jax.process_index()]
     return state
   found = sorted(p.name for p in epath.Path(directory).glob("process_*.json"))
   counts = {name.rsplit("-of-", 1)[-1].removesuffix(".json") for name in found}
   if len(counts) != 1 or not next(iter(counts)).isdigit():
     raise FileNotFoundError(
-        f"Loader checkpoint: {path} does not exist and the files there "
-        f"({found}) are not one set written by one number of JAX processes.")
+      f"Loader checkpoint: {path} does not exist and the files there "
+      f"({found}) are not one set written by one number of JAX processes."
+    )
   count = int(counts.pop())
-  files = [epath.Path(directory) / f"process_{i}-of-{count}.json"
-           for i in range(count)]
+  files = [epath.Path(directory) / f"process_{i}-of-{count}.json" for i in range(count)]
   missing = [f.name for f in files if not f.exists()]
   if missing:
     raise FileNotFoundError(
-        f"Loader checkpoint: written by {count} JAX processes, restoring with "
-        f"{jax.process_count()}; resharding needs every process's file but "
-        f"{missing} are missing in {directory}.")
+      f"Loader checkpoint: written by {count} JAX processes, restoring with "
+      f"{jax.process_count()}; resharding needs every process's file but "
+      f"{missing} are missing in {directory}."
+    )
   return reshard_loader_states([json.loads(f.read_text()) for f in files])
 
 
@@ -180,20 +188,37 @@ class LoaderRestore(ocp.args.CheckpointArgs):  # type: ignore[misc]  # Orbax: no
   loader: Any = None
 
 
-def save_checkpoint(manager: ocp.CheckpointManager, step: int, loader: Loader,
-                    *, model_state: Any, force: bool = False) -> bool:
+def save_checkpoint(
+  manager: ocp.CheckpointManager,
+  step: int,
+  loader: Loader,
+  *,
+  model_state: Any,
+  force: bool = False,
+) -> bool:
   """Saves `model_state` (item "model") and the loader state (item "loader").
 
   Returns whether the manager saved (see `ocp.CheckpointManager.save`).
   """
-  return bool(manager.save(step, args=ocp.args.Composite(**{
-      _MODEL_ITEM: ocp.args.StandardSave(model_state),
-      _LOADER_ITEM: LoaderSave(loader)}), force=force))
+  return bool(
+    manager.save(
+      step,
+      args=ocp.args.Composite(
+        **{_MODEL_ITEM: ocp.args.StandardSave(model_state), _LOADER_ITEM: LoaderSave(loader)}
+      ),
+      force=force,
+    )
+  )
 
 
-def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
-                       loader: Loader, *, model_state: Any,
-                       restore_loader: bool = True) -> Any:
+def restore_checkpoint(
+  manager: ocp.CheckpointManager,
+  step: int | None,
+  loader: Loader,
+  *,
+  model_state: Any,
+  restore_loader: bool = True,
+) -> Any:
   """Restores the loader in place and returns the model state of `step`.
 
   Args:
@@ -214,8 +239,7 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None,
   if step is None:
     step = manager.latest_step()
     if step is None:
-      raise FileNotFoundError(
-          f"restore_checkpoint: no checkpoint in {manager.directory}.")
+      raise FileNotFoundError(f"restore_checkpoint: no checkpoint in {manager.directory}.")
   items = {_MODEL_ITEM: ocp.args.StandardRestore(model_state)}
   if restore_loader:
     items[_LOADER_ITEM] = LoaderRestore(loader)

@@ -68,24 +68,34 @@ class MixtureSampler:
   weight > 0 in the last segment is.
   """
 
-  def __init__(self, components: Sequence[IndexSampler], weights: Any = None, *,
-               seed: int = 0,
-               shard_options: ShardOptions | Mapping[str, Any] | None = None,
-               segments: Sequence[Sequence[Any]] | None = None):
-    if isinstance(components, (str, bytes, Mapping)) or not isinstance(
-        components, Sequence) or not components:
-      raise TypeError(f"{_OP}: components must be a non-empty list of "
-                      f"IndexSamplers, got {components!r:.200}.")
+  def __init__(
+    self,
+    components: Sequence[IndexSampler],
+    weights: Any = None,
+    *,
+    seed: int = 0,
+    shard_options: ShardOptions | Mapping[str, Any] | None = None,
+    segments: Sequence[Sequence[Any]] | None = None,
+  ):
+    if (
+      isinstance(components, (str, bytes, Mapping))
+      or not isinstance(components, Sequence)
+      or not components
+    ):
+      raise TypeError(
+        f"{_OP}: components must be a non-empty list of IndexSamplers, got {components!r:.200}."
+      )
     for i, component in enumerate(components):
       if not isinstance(component, IndexSampler):
         raise TypeError(
-            f"{_OP}: components[{i}] must be an IndexSampler, got "
-            f"{type(component).__name__}.")
+          f"{_OP}: components[{i}] must be an IndexSampler, got {type(component).__name__}."
+        )
       if component.shard_options.shard_count != 1:
         raise ValueError(
-            f"{_OP}: components[{i}] is sharded ({component.shard_options}); "
-            "shard the mixture (shard_options=...), not its components, so "
-            "every shard reads one global mixture.")
+          f"{_OP}: components[{i}] is sharded ({component.shard_options}); "
+          "shard the mixture (shard_options=...), not its components, so "
+          "every shard reads one global mixture."
+        )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
       raise ValueError(f"{_OP}: seed must be an integer, got {seed!r}.")
     self._components = tuple(components)
@@ -96,30 +106,35 @@ class MixtureSampler:
     elif isinstance(shard_options, Mapping):
       shard_options = ShardOptions(**shard_options)
     elif not isinstance(shard_options, ShardOptions):
-      raise ValueError(f"{_OP}: shard_options must be a ShardOptions, a mapping "
-                       f"of its fields or None, got {type(shard_options).__name__}.")
-    self._shard = ShardOptions(shard_options.shard_index,
-                               shard_options.shard_count,
-                               shard_options.drop_remainder)
+      raise ValueError(
+        f"{_OP}: shard_options must be a ShardOptions, a mapping "
+        f"of its fields or None, got {type(shard_options).__name__}."
+      )
+    self._shard = ShardOptions(
+      shard_options.shard_index, shard_options.shard_count, shard_options.drop_remainder
+    )
     self._segments = self._check_segments(
-        [[0, list(self._weights)]] if segments is None else segments)
-    self._schedules = [Schedule(tuple(w), self._seed, j)
-                       for j, (_, w) in enumerate(self._segments)]
+      [[0, list(self._weights)]] if segments is None else segments
+    )
+    self._schedules = [Schedule(tuple(w), self._seed, j) for j, (_, w) in enumerate(self._segments)]
     self._starts = np.array([s for s, _ in self._segments], np.int64)
     # Each component's position count at the start of each segment.
     self._bases = [[0] * len(components)]
     for j in range(1, len(self._segments)):
       span = self._segments[j][0] - self._segments[j - 1][0]
-      self._bases.append([b + c for b, c in zip(
-          self._bases[-1], self._schedules[j - 1].counts(span))])
+      self._bases.append(
+        [b + c for b, c in zip(self._bases[-1], self._schedules[j - 1].counts(span))]
+      )
     self._offsets = np.cumsum([0] + [c.num_records for c in components])
     self._total = self._length()
     endless = self._total is None
     self._layout = IndexSampler(
-        BLOCK if endless else self._total, num_epochs=None if endless else 1,
-        shard_options=ShardOptions(
-            self._shard.shard_index, self._shard.shard_count,
-            self._shard.drop_remainder and not endless))
+      BLOCK if endless else self._total,
+      num_epochs=None if endless else 1,
+      shard_options=ShardOptions(
+        self._shard.shard_index, self._shard.shard_count, self._shard.drop_remainder and not endless
+      ),
+    )
     self._positions: Any = self._layout  # A ReshardedSampler after `reshard`.
 
   def _check_segments(self, segments: Any) -> list[list[Any]]:
@@ -128,21 +143,26 @@ class MixtureSampler:
     checked = []
     previous = -1
     for segment in segments if ok else ():
-      if not (isinstance(segment, (list, tuple)) and len(segment) == 2
-              and isinstance(segment[0], int) and segment[0] > previous
-              and isinstance(segment[1], (list, tuple))
-              and len(segment[1]) == count
-              and all(isinstance(w, int) and w >= 0 for w in segment[1])
-              and 0 < sum(segment[1]) <= MAX_WEIGHT_TOTAL):
+      if not (
+        isinstance(segment, (list, tuple))
+        and len(segment) == 2
+        and isinstance(segment[0], int)
+        and segment[0] > previous
+        and isinstance(segment[1], (list, tuple))
+        and len(segment[1]) == count
+        and all(isinstance(w, int) and w >= 0 for w in segment[1])
+        and 0 < sum(segment[1]) <= MAX_WEIGHT_TOTAL
+      ):
         ok = False
         break
       previous = segment[0]
       checked.append([segment[0], [int(w) for w in segment[1]]])
     if not ok or checked[0][0] != 0:
       raise ValueError(
-          f"{_OP}: segments must be [[start, weights], ...] with starts "
-          f"increasing from 0 and {count} integer weights >= 0 (not all 0) "
-          f"each, got {str(segments):.200}.")
+        f"{_OP}: segments must be [[start, weights], ...] with starts "
+        f"increasing from 0 and {count} integer weights >= 0 (not all 0) "
+        f"each, got {str(segments):.200}."
+      )
     return checked
 
   # -- shape ---------------------------------------------------------------
@@ -195,8 +215,9 @@ class MixtureSampler:
     sizes = [c.num_positions for c in self._components]
 
     def exhausted(m: int) -> bool:
-      return any(size is not None and count > size
-                 for size, count in zip(sizes, self.component_counts(m)))
+      return any(
+        size is not None and count > size for size, count in zip(sizes, self.component_counts(m))
+      )
 
     last_start, last_weights = self._segments[-1]
     if exhausted(last_start):  # It ended before the last weights applied.
@@ -263,8 +284,7 @@ class MixtureSampler:
 
   def __getitem__(self, position: int) -> RecordMetadata:
     epochs, records, seeds = self.get_many(np.array([position], np.int64))
-    return RecordMetadata(int(position), int(epochs[0]), int(records[0]),
-                          int(seeds[0]))
+    return RecordMetadata(int(position), int(epochs[0]), int(records[0]), int(seeds[0]))
 
   # -- resuming --------------------------------------------------------------
   def frontier(self, position: int) -> int:
@@ -278,50 +298,65 @@ class MixtureSampler:
   def saved_state(self, position: int) -> dict:
     """What a pipeline state keeps of the mixture (JSON-able): the weight
     history and where this shard stands in the global order."""
-    return {"version": MIXTURE_STATE_VERSION, "segments": self.segments,
-            "frontier": self.frontier(position),
-            # Not even a single shard's frontier is where the new weights may
-            # start: a state may hold older snapshots of this one (an op's
-            # replay anchor), which must switch at the same position. See
-            # `jaxfeed.align_mixture_states`.
-            "frontier_is_global": False}
+    return {
+      "version": MIXTURE_STATE_VERSION,
+      "segments": self.segments,
+      "frontier": self.frontier(position),
+      # Not even a single shard's frontier is where the new weights may
+      # start: a state may hold older snapshots of this one (an op's
+      # replay anchor), which must switch at the same position. See
+      # `jaxfeed.align_mixture_states`.
+      "frontier_is_global": False,
+    }
 
   def restored(self, state: Any) -> "MixtureSampler":
     """This sampler with a saved weight history; when this sampler's weights
     differ from the last saved ones they apply from the saved frontier on."""
-    if (not isinstance(state, dict) or state.get("version") != MIXTURE_STATE_VERSION
-        or set(state) != {"version", "segments", "frontier", "frontier_is_global"}
-        or isinstance(state["frontier"], bool)
-        or not isinstance(state["frontier"], int) or state["frontier"] < 0):
+    if (
+      not isinstance(state, dict)
+      or state.get("version") != MIXTURE_STATE_VERSION
+      or set(state) != {"version", "segments", "frontier", "frontier_is_global"}
+      or isinstance(state["frontier"], bool)
+      or not isinstance(state["frontier"], int)
+      or state["frontier"] < 0
+    ):
       raise ValueError(
-          f"{_OP}: a mixture state is a dict with 'version' "
-          f"(= {MIXTURE_STATE_VERSION}), 'segments', 'frontier' and "
-          f"'frontier_is_global', got {str(state):.200}.")
+        f"{_OP}: a mixture state is a dict with 'version' "
+        f"(= {MIXTURE_STATE_VERSION}), 'segments', 'frontier' and "
+        f"'frontier_is_global', got {str(state):.200}."
+      )
     segments = self._check_segments(state["segments"])
     if integer_weights(segments[-1][1], len(self._components)) != self._weights:
       if not state["frontier_is_global"]:
         raise ValueError(
-            f"{_OP}: the weights changed from {segments[-1][1]} to "
-            f"{list(self._weights)} on restore, but the state does not say "
-            "where the new weights may start. Pass the states of all "
-            "processes (a list of one for one process) through "
-            "jaxfeed.align_mixture_states first and restore this process's "
-            "result (or merge them with jaxfeed.reshard_loader_states).")
+          f"{_OP}: the weights changed from {segments[-1][1]} to "
+          f"{list(self._weights)} on restore, but the state does not say "
+          "where the new weights may start. Pass the states of all "
+          "processes (a list of one for one process) through "
+          "jaxfeed.align_mixture_states first and restore this process's "
+          "result (or merge them with jaxfeed.reshard_loader_states)."
+        )
       switch = max(state["frontier"], segments[-1][0])
       if switch == segments[-1][0]:
         segments.pop()  # Nothing was read with those weights.
       segments.append([switch, list(self._weights)])
-    return MixtureSampler(self._components, self._weights, seed=self._seed,
-                          shard_options=self._shard, segments=segments)
+    return MixtureSampler(
+      self._components, self._weights, seed=self._seed, shard_options=self._shard, segments=segments
+    )
 
-  def reshard(self, old_shard_count: int, old_positions: Any,
-              old_unread: Any = None) -> "MixtureSampler":
+  def reshard(
+    self, old_shard_count: int, old_positions: Any, old_unread: Any = None
+  ) -> "MixtureSampler":
     """This shard's sampler after a resume on another number of shards (see
     `ReshardedSampler`)."""
-    view = MixtureSampler(self._components, self._weights, seed=self._seed,
-                          shard_options=self._shard, segments=self._segments)
-    view._positions = ReshardedSampler(self._layout, old_shard_count,
-                                       old_positions, old_unread)
+    view = MixtureSampler(
+      self._components,
+      self._weights,
+      seed=self._seed,
+      shard_options=self._shard,
+      segments=self._segments,
+    )
+    view._positions = ReshardedSampler(self._layout, old_shard_count, old_positions, old_unread)
     return view
 
   def reshard_state(self) -> dict | None:
@@ -345,49 +380,57 @@ class MixtureSampler:
     components = [c.for_iteration(iteration) for c in self._components]
     if all(new is old for new, old in zip(components, self._components)):
       return self
-    return MixtureSampler(components, self._weights, seed=self._seed,
-                          shard_options=self._shard, segments=self._segments)
+    return MixtureSampler(
+      components, self._weights, seed=self._seed, shard_options=self._shard, segments=self._segments
+    )
 
   # -- identity ------------------------------------------------------------
   def identity(self) -> dict:
     """What defines the order (JSON-able), checked when a pipeline state is
     restored (see `from_source`). The weights are left out: a restored
     mixture may have new ones (`restored`)."""
-    return {"type": "MixtureSampler", "seed": self._seed,
-            "shard_index": self._shard.shard_index,
-            "shard_count": self._shard.shard_count,
-            "drop_remainder": self._shard.drop_remainder,
-            "components": [c.identity() for c in self._components]}
+    return {
+      "type": "MixtureSampler",
+      "seed": self._seed,
+      "shard_index": self._shard.shard_index,
+      "shard_count": self._shard.shard_count,
+      "drop_remainder": self._shard.drop_remainder,
+      "components": [c.identity() for c in self._components],
+    }
 
   def spec_params(self) -> dict:
     """The constructor keyword arguments (JSON-able but for the component
     samplers, which carry their own) that rebuild this sampler."""
-    return {"components": list(self._components), "weights": list(self._weights),
-            "seed": self._seed, "shard_options": {
-                "shard_index": self._shard.shard_index,
-                "shard_count": self._shard.shard_count,
-                "drop_remainder": self._shard.drop_remainder},
-            "segments": self.segments}
+    return {
+      "components": list(self._components),
+      "weights": list(self._weights),
+      "seed": self._seed,
+      "shard_options": {
+        "shard_index": self._shard.shard_index,
+        "shard_count": self._shard.shard_count,
+        "drop_remainder": self._shard.drop_remainder,
+      },
+      "segments": self.segments,
+    }
 
   def __repr__(self) -> str:
-    return (f"MixtureSampler({list(self._components)!r}, "
-            f"weights={list(self._weights)}, seed={self._seed}, "
-            f"shard_options={self._shard!r}, segments={self.segments})")
+    return (
+      f"MixtureSampler({list(self._components)!r}, "
+      f"weights={list(self._weights)}, seed={self._seed}, "
+      f"shard_options={self._shard!r}, segments={self.segments})"
+    )
 
 
 def merge_mixture_states(states: list[dict], frontier: int | None = None) -> dict:
   """One mixture state for all shards, whose frontier is global: every shard
   has read nothing from it on (their largest frontier, or `frontier` when
   larger)."""
-  segments = [state.get("segments") if isinstance(state, dict) else None
-              for state in states]
+  segments = [state.get("segments") if isinstance(state, dict) else None for state in states]
   if any(s != segments[0] for s in segments):
     raise ValueError(
-        f"reshard: the processes' mixtures have different weight histories: "
-        f"{str(segments):.300}.")
+      f"reshard: the processes' mixtures have different weight histories: {str(segments):.300}."
+    )
   frontiers = [state.get("frontier") for state in states]
   if not all(isinstance(f, int) and not isinstance(f, bool) for f in frontiers):
-    raise ValueError(f"reshard: mixture states need integer frontiers, got "
-                     f"{frontiers}.")
-  return {**states[0], "frontier": max(frontiers + [frontier or 0]),
-          "frontier_is_global": True}
+    raise ValueError(f"reshard: mixture states need integer frontiers, got {frontiers}.")
+  return {**states[0], "frontier": max(frontiers + [frontier or 0]), "frontier_is_global": True}

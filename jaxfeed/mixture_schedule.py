@@ -41,25 +41,25 @@ def integer_weights(weights: Any, count: int) -> tuple[int, ...]:
   if weights is None:
     return (1,) * count
   if isinstance(weights, (str, bytes, Mapping)):
-    raise TypeError(f"{_OP}: weights must be a list of numbers, got "
-                    f"{type(weights).__name__}.")
+    raise TypeError(f"{_OP}: weights must be a list of numbers, got {type(weights).__name__}.")
   try:
     values = np.asarray(weights, dtype=np.float64).reshape(-1)
   except (TypeError, ValueError):
-    raise TypeError(f"{_OP}: weights must be a list of numbers, got "
-                    f"{weights!r:.200}.") from None
+    raise TypeError(f"{_OP}: weights must be a list of numbers, got {weights!r:.200}.") from None
   if values.size != count:
-    raise ValueError(f"{_OP}: got {values.size} weights for {count} "
-                     "components; give one weight per component.")
+    raise ValueError(
+      f"{_OP}: got {values.size} weights for {count} components; give one weight per component."
+    )
   if not np.isfinite(values).all() or (values < 0).any() or values.sum() <= 0:
-    raise ValueError(f"{_OP}: weights must be finite, >= 0 and not all 0, got "
-                     f"{values.tolist()}.")
+    raise ValueError(f"{_OP}: weights must be finite, >= 0 and not all 0, got {values.tolist()}.")
   for scale in (1, 10, 100, 1000, 10_000, 100_000, 1_000_000):
     scaled = values * scale
     rounded = np.round(scaled)
-    if ((np.abs(scaled - rounded) <= 1e-9 * scaled).all()
-        and ((rounded > 0) == (values > 0)).all()
-        and rounded.sum() <= MAX_WEIGHT_TOTAL):
+    if (
+      (np.abs(scaled - rounded) <= 1e-9 * scaled).all()
+      and ((rounded > 0) == (values > 0)).all()
+      and rounded.sum() <= MAX_WEIGHT_TOTAL
+    ):
       ints = [int(v) for v in rounded]
       break
   else:
@@ -67,9 +67,10 @@ def integer_weights(weights: Any, count: int) -> tuple[int, ...]:
     tiny = [i for i, (v, w) in enumerate(zip(values, ints)) if v > 0 and w == 0]
     if tiny:
       raise ValueError(
-          f"{_OP}: weights {[values[i] for i in tiny]} (components {tiny}) are "
-          f"below 2**-20 of the total {values.sum()}; give them weight 0 or "
-          "more weight.")
+        f"{_OP}: weights {[values[i] for i in tiny]} (components {tiny}) are "
+        f"below 2**-20 of the total {values.sum()}; give them weight 0 or "
+        "more weight."
+      )
   divisor = math.gcd(*ints)
   return tuple(w // divisor for w in ints)
 
@@ -128,6 +129,8 @@ class Schedule:
       mid, left, total, phase = self._nodes[(lo, hi)]
       before = self._to_left(n, left, total, phase)
       goes_left = self._to_left(n + 1, left, total, phase) > before
-      stack += [(lo, mid, which[goes_left], before[goes_left]),
-                (mid, hi, which[~goes_left], (n - before)[~goes_left])]
+      stack += [
+        (lo, mid, which[goes_left], before[goes_left]),
+        (mid, hi, which[~goes_left], (n - before)[~goes_left]),
+      ]
     return components, indices

@@ -18,8 +18,13 @@ class Progress:
     enabled: None draws only when stderr is a terminal.
   """
 
-  def __init__(self, description: str, total: int | None = None,
-               unit: str = "records", enabled: bool | None = None):
+  def __init__(
+    self,
+    description: str,
+    total: int | None = None,
+    unit: str = "records",
+    enabled: bool | None = None,
+  ):
     self.description = description
     self.total = total
     self.unit = unit
@@ -35,9 +40,13 @@ class Progress:
       except ImportError:
         return self
       self._bar = progress.Progress(
-          progress.TextColumn("{task.description}"), progress.BarColumn(),
-          progress.MofNCompleteColumn(), progress.TextColumn(self.unit),
-          progress.TimeRemainingColumn(), console=console.Console(stderr=True))
+        progress.TextColumn("{task.description}"),
+        progress.BarColumn(),
+        progress.MofNCompleteColumn(),
+        progress.TextColumn(self.unit),
+        progress.TimeRemainingColumn(),
+        console=console.Console(stderr=True),
+      )
       self._bar.__enter__()
       self._task = self._bar.add_task(self.description, total=self.total)
     return self

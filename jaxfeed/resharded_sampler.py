@@ -49,53 +49,72 @@ class ReshardedSampler:
       `old_positions[h]` it had not consumed.
   """
 
-  def __init__(self, base: IndexSampler, old_shard_count: int,
-               old_positions: Any, old_unread: Any = None):
+  def __init__(
+    self, base: IndexSampler, old_shard_count: int, old_positions: Any, old_unread: Any = None
+  ):
     if not _is_int(old_shard_count) or old_shard_count < 1:
       raise ValueError(
-          f"ReshardedSampler: old_shard_count must be an integer >= 1, got "
-          f"{old_shard_count!r}.")
+        f"ReshardedSampler: old_shard_count must be an integer >= 1, got {old_shard_count!r}."
+      )
     positions = list(old_positions)
-    if len(positions) != old_shard_count or not all(
-        _is_int(p) and p >= 0 for p in positions):
+    if len(positions) != old_shard_count or not all(_is_int(p) and p >= 0 for p in positions):
       raise ValueError(
-          f"ReshardedSampler: old_positions must be {old_shard_count} "
-          f"integers >= 0 (one per old shard), got {old_positions!r}.")
-    unread = [[] for _ in positions] if old_unread is None else [
-        list(u) if isinstance(u, (list, tuple)) else None for u in old_unread]
+        f"ReshardedSampler: old_positions must be {old_shard_count} "
+        f"integers >= 0 (one per old shard), got {old_positions!r}."
+      )
+    unread = (
+      [[] for _ in positions]
+      if old_unread is None
+      else [list(u) if isinstance(u, (list, tuple)) else None for u in old_unread]
+    )
     if len(unread) != old_shard_count or not all(
-        u is not None and all(_is_int(j) and 0 <= j < p for j in u)
-        and len(set(u)) == len(u) for u, p in zip(unread, positions)):
+      u is not None and all(_is_int(j) and 0 <= j < p for j in u) and len(set(u)) == len(u)
+      for u, p in zip(unread, positions)
+    ):
       raise ValueError(
-          f"ReshardedSampler: old_unread must be {old_shard_count} lists of "
-          f"distinct positions, each below its shard's old position "
-          f"{positions}, got {str(old_unread):.200}.")
+        f"ReshardedSampler: old_unread must be {old_shard_count} lists of "
+        f"distinct positions, each below its shard's old position "
+        f"{positions}, got {str(old_unread):.200}."
+      )
     self._base = base
     self._old_count = int(old_shard_count)
     self._old_positions = [int(p) for p in positions]
     self._old_unread = [sorted(int(j) for j in u) for u in unread]
     shard = base.shard_options
     n = base.num_records
-    per = np.array([
-        IndexSampler(n, shard_options=ShardOptions(
-            h, self._old_count, shard.drop_remainder)).records_per_epoch
-        for h in range(self._old_count)], np.int64)
+    per = np.array(
+      [
+        IndexSampler(
+          n, shard_options=ShardOptions(h, self._old_count, shard.drop_remainder)
+        ).records_per_epoch
+        for h in range(self._old_count)
+      ],
+      np.int64,
+    )
     self._old_per = per
     reading = per > 0
     # Per old shard, the first position it has not consumed.
-    frontiers = np.array([min(u[:1] + [p]) for u, p in zip(
-        self._old_unread, self._old_positions)], np.int64)
+    frontiers = np.array(
+      [min(u[:1] + [p]) for u, p in zip(self._old_unread, self._old_positions)], np.int64
+    )
     epochs = frontiers[reading] // per[reading]
     first = int(epochs.min()) if epochs.size else 0
-    last = int((np.array(self._old_positions, np.int64)[reading]
-                // per[reading]).max()) if epochs.size else -1
+    last = (
+      int((np.array(self._old_positions, np.int64)[reading] // per[reading]).max())
+      if epochs.size
+      else -1
+    )
     if base.num_epochs is not None:
       last = min(last, base.num_epochs - 1)
     # The unread positions below the frontiers as global positions, sorted.
-    holes = np.array(sorted(
+    holes = np.array(
+      sorted(
         (j // int(per[h]), h + (j % int(per[h])) * self._old_count)
-        for h, u in enumerate(self._old_unread) for j in u), np.int64
-                     ).reshape(-1, 2)
+        for h, u in enumerate(self._old_unread)
+        for j in u
+      ),
+      np.int64,
+    ).reshape(-1, 2)
     # Per dealt-out epoch: (epoch, unread positions read so far per old
     # shard, that epoch's holes, this shard's share, first position of the
     # share).
@@ -126,22 +145,23 @@ class ReshardedSampler:
 
   def reshard_state(self) -> dict:
     """What `from_source` saves to rebuild this sampler (JSON-able)."""
-    return {"version": RESHARD_STATE_VERSION, "shard_count": self._old_count,
-            "positions": list(self._old_positions),
-            "unread": [list(u) for u in self._old_unread]}
+    return {
+      "version": RESHARD_STATE_VERSION,
+      "shard_count": self._old_count,
+      "positions": list(self._old_positions),
+      "unread": [list(u) for u in self._old_unread],
+    }
 
   def base_position(self, position: int) -> int | None:
     """The `base` position equal to `position`; None inside the dealt-out
     epochs."""
     if position < self._dealt:
       return None
-    return (position - self._dealt
-            + self._next_epoch * self._base.records_per_epoch)
+    return position - self._dealt + self._next_epoch * self._base.records_per_epoch
 
   def __getitem__(self, position: int) -> RecordMetadata:
     epochs, records, seeds = self.get_many(np.array([position], np.int64))
-    return RecordMetadata(int(position), int(epochs[0]), int(records[0]),
-                          int(seeds[0]))
+    return RecordMetadata(int(position), int(epochs[0]), int(records[0]), int(seeds[0]))
 
   def get_many(self, positions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(epochs, record_indices, rng_seeds)` like `IndexSampler.get_many`."""
@@ -149,21 +169,21 @@ class ReshardedSampler:
     shape = positions.shape
     positions = positions.reshape(-1)
     num = self.num_positions
-    if positions.size and (positions.min() < 0 or (
-        num is not None and positions.max() >= num)):
+    if positions.size and (positions.min() < 0 or (num is not None and positions.max() >= num)):
       bad = int(positions.min() if positions.min() < 0 else positions.max())
       raise IndexError(
-          f"Position {bad} is out of range for {self!r}: positions must be "
-          f"in [0, {'inf' if num is None else num}).")
+        f"Position {bad} is out of range for {self!r}: positions must be "
+        f"in [0, {'inf' if num is None else num})."
+      )
     epochs = np.zeros(positions.size, np.int64)
     records = np.zeros(positions.size, np.int64)
     seeds = np.zeros(positions.size, np.uint64)
     later = positions >= self._dealt
     if later.any():
-      base_positions = (positions[later] - self._dealt
-                        + self._next_epoch * self._base.records_per_epoch)
-      epochs[later], records[later], seeds[later] = self._base.get_many(
-          base_positions)
+      base_positions = (
+        positions[later] - self._dealt + self._next_epoch * self._base.records_per_epoch
+      )
+      epochs[later], records[later], seeds[later] = self._base.get_many(base_positions)
     shard = self._base.shard_options
     for epoch, done, holes, share, start in self._epochs:
       which = (positions >= start) & (positions < start + share)
@@ -172,18 +192,15 @@ class ReshardedSampler:
       ranks = shard.shard_index + (positions[which] - start) * shard.shard_count
       global_positions = self._unread_at(ranks, done, holes)
       epoch_array = np.full(global_positions.size, epoch, np.int64)
-      if self._base.shuffle:
-        record_indices = self._base._permute_many(  # pylint: disable=protected-access
-            global_positions, epoch_array)
-      else:
-        record_indices = global_positions
+      record_indices = self._base._records_many(  # pylint: disable=protected-access
+        global_positions, epoch_array
+      )
       epochs[which] = epoch
       records[which] = record_indices
       seeds[which] = mix_seeds(self._base.seed, epoch_array, record_indices)
     return epochs.reshape(shape), records.reshape(shape), seeds.reshape(shape)
 
-  def _unread_at(self, ranks: np.ndarray, done: np.ndarray,
-                 holes: np.ndarray) -> np.ndarray:
+  def _unread_at(self, ranks: np.ndarray, done: np.ndarray, holes: np.ndarray) -> np.ndarray:
     """The global positions of rank `ranks` among an epoch's unread ones.
 
     Old shard `h` left positions `h + j * count` for `done[h] <= j < per[h]`
@@ -197,8 +214,7 @@ class ReshardedSampler:
 
     def unread_below(g: np.ndarray) -> np.ndarray:
       below = np.maximum(0, -(-(g[:, None] - shards) // count))
-      return ((np.clip(below, done, per) - done).sum(axis=1)
-              + np.searchsorted(holes, g))
+      return (np.clip(below, done, per) - done).sum(axis=1) + np.searchsorted(holes, g)
 
     low = np.zeros(ranks.size, np.int64)
     high = np.full(ranks.size, self._base.num_records, np.int64)
@@ -210,6 +226,8 @@ class ReshardedSampler:
     return low
 
   def __repr__(self) -> str:
-    return (f"ReshardedSampler({self._base!r}, old_shard_count="
-            f"{self._old_count}, old_positions={self._old_positions}, "
-            f"old_unread={self._old_unread})")
+    return (
+      f"ReshardedSampler({self._base!r}, old_shard_count="
+      f"{self._old_count}, old_positions={self._old_positions}, "
+      f"old_unread={self._old_unread})"
+    )

@@ -19,6 +19,10 @@ and endless samplers read the same positions in every iteration. A state is
 then the position plus, from the second iteration on, the iteration number:
 the position alone cannot tell the end of iteration i from the start of
 iteration i + 1, and the iteration picks the seed.
+
+With `replacement=True` each global position of each epoch draws its record
+uniformly with replacement instead (`jaxfeed.sampler_replacement`), a pure
+function of the seed, the epoch and the position, sharded as above.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
+from jaxfeed.sampler_replacement import draw_record, draw_records
 from jaxfeed.seeding import mix_seed, mix_seeds
 
 __all__ = [
-    "IndexSampler",
-    "NoSharding",
-    "RecordMetadata",
-    "ShardByJaxProcess",
-    "ShardOptions",
+  "IndexSampler",
+  "NoSharding",
+  "RecordMetadata",
+  "ShardByJaxProcess",
+  "ShardOptions",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -75,18 +80,18 @@ class ShardOptions:
   def __post_init__(self) -> None:
     if not _is_int(self.shard_count) or self.shard_count < 1:
       raise ValueError(
-          f"ShardOptions: shard_count must be an integer >= 1, got "
-          f"{self.shard_count!r}.")
-    if (not _is_int(self.shard_index)
-        or not 0 <= self.shard_index < self.shard_count):
+        f"ShardOptions: shard_count must be an integer >= 1, got {self.shard_count!r}."
+      )
+    if not _is_int(self.shard_index) or not 0 <= self.shard_index < self.shard_count:
       raise ValueError(
-          f"ShardOptions: shard_index must be an integer in "
-          f"[0, {int(self.shard_count)}) (shard_count={int(self.shard_count)}), "
-          f"got {self.shard_index!r}.")
+        f"ShardOptions: shard_index must be an integer in "
+        f"[0, {int(self.shard_count)}) (shard_count={int(self.shard_count)}), "
+        f"got {self.shard_index!r}."
+      )
     if not isinstance(self.drop_remainder, (bool, np.bool_)):
       raise ValueError(
-          f"ShardOptions: drop_remainder must be True or False, got "
-          f"{self.drop_remainder!r}.")
+        f"ShardOptions: drop_remainder must be True or False, got {self.drop_remainder!r}."
+      )
     # Numpy ints are accepted but stored as Python values so the options
     # compare, hash and serialize like plain ints.
     object.__setattr__(self, "shard_index", int(self.shard_index))
@@ -110,9 +115,10 @@ class ShardByJaxProcess(ShardOptions):
     import jax  # pylint: disable=g-import-not-at-top  # only where used
 
     super().__init__(
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-        drop_remainder=drop_remainder)
+      shard_index=jax.process_index(),
+      shard_count=jax.process_count(),
+      drop_remainder=drop_remainder,
+    )
 
 
 class RecordMetadata(NamedTuple):
@@ -147,48 +153,65 @@ class IndexSampler:
       like tf.data's `shuffle(..., reshuffle_each_iteration=True)`; False
       repeats the first iteration's. Endless samplers are never iterated
       again, so it does not apply to them.
+    replacement: Whether each epoch draws its positions uniformly with
+      replacement from the records (OneAccess's sampling) instead of visiting
+      every record once; needs `shuffle=False` (the draws are random already).
   """
 
-  def __init__(self, num_records: int, *, shuffle: bool = False, seed: int = 0,
-               num_epochs: int | None = 1,
-               shard_options: ShardOptions | Mapping[str, Any] | None = None,
-               reshuffle_each_iteration: bool = True):
+  def __init__(
+    self,
+    num_records: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    num_epochs: int | None = 1,
+    shard_options: ShardOptions | Mapping[str, Any] | None = None,
+    reshuffle_each_iteration: bool = True,
+    replacement: bool = False,
+  ):
     if not _is_int(num_records) or num_records < 0:
-      raise ValueError(
-          f"IndexSampler: num_records must be an integer >= 0, got "
-          f"{num_records!r}.")
+      raise ValueError(f"IndexSampler: num_records must be an integer >= 0, got {num_records!r}.")
     if not isinstance(shuffle, (bool, np.bool_)):
-      raise ValueError(
-          f"IndexSampler: shuffle must be True or False, got {shuffle!r}.")
+      raise ValueError(f"IndexSampler: shuffle must be True or False, got {shuffle!r}.")
     if not isinstance(reshuffle_each_iteration, (bool, np.bool_)):
       raise ValueError(
-          f"IndexSampler: reshuffle_each_iteration must be True or False, got "
-          f"{reshuffle_each_iteration!r}.")
+        f"IndexSampler: reshuffle_each_iteration must be True or False, got "
+        f"{reshuffle_each_iteration!r}."
+      )
+    if not isinstance(replacement, (bool, np.bool_)):
+      raise ValueError(f"IndexSampler: replacement must be True or False, got {replacement!r}.")
+    if replacement and shuffle:
+      raise ValueError(
+        "IndexSampler: replacement=True draws every position at random "
+        "already; it needs shuffle=False, got shuffle=True."
+      )
     if not _is_int(seed):
       raise ValueError(
-          f"IndexSampler: seed must be an integer, got {seed!r} "
-          f"({type(seed).__name__}).")
+        f"IndexSampler: seed must be an integer, got {seed!r} ({type(seed).__name__})."
+      )
     if num_epochs is not None and (not _is_int(num_epochs) or num_epochs < 1):
       raise ValueError(
-          f"IndexSampler: num_epochs must be an integer >= 1 or None for "
-          f"endless, got {num_epochs!r}.")
+        f"IndexSampler: num_epochs must be an integer >= 1 or None for endless, got {num_epochs!r}."
+      )
     if shard_options is None:
       shard_options = NoSharding()
     elif isinstance(shard_options, Mapping):
       shard_options = ShardOptions(**shard_options)
     elif not isinstance(shard_options, ShardOptions):
       raise ValueError(
-          f"IndexSampler: shard_options must be a ShardOptions, a mapping of "
-          f"its fields or None, got {type(shard_options).__name__}.")
+        f"IndexSampler: shard_options must be a ShardOptions, a mapping of "
+        f"its fields or None, got {type(shard_options).__name__}."
+      )
 
     self._num_records = int(num_records)
     self._shuffle = bool(shuffle)
     self._seed = int(seed)
     self._num_epochs = None if num_epochs is None else int(num_epochs)
-    self._shard = ShardOptions(shard_options.shard_index,
-                               shard_options.shard_count,
-                               shard_options.drop_remainder)
+    self._shard = ShardOptions(
+      shard_options.shard_index, shard_options.shard_count, shard_options.drop_remainder
+    )
     self._reshuffle = bool(reshuffle_each_iteration)
+    self._replacement = bool(replacement)
 
     n, h, count = self._num_records, self._shard.shard_index, self._shard.shard_count
     if self._shard.drop_remainder:
@@ -230,6 +253,10 @@ class IndexSampler:
     return self._reshuffle
 
   @property
+  def replacement(self) -> bool:
+    return self._replacement
+
+  @property
   def records_per_epoch(self) -> int:
     """Number of positions this shard reads in every epoch."""
     return self._per_epoch
@@ -250,8 +277,9 @@ class IndexSampler:
     num = self.num_positions
     if num is None:
       raise TypeError(
-          f"{self!r} is endless (num_epochs=None) and has no length; use "
-          f"num_positions, which is None for endless samplers.")
+        f"{self!r} is endless (num_epochs=None) and has no length; use "
+        f"num_positions, which is None for endless samplers."
+      )
     return num
 
   # -- lookups ---------------------------------------------------------------
@@ -261,19 +289,20 @@ class IndexSampler:
       position = operator.index(position)
     except TypeError:
       raise TypeError(
-          f"IndexSampler positions must be integers, got "
-          f"{type(position).__name__}: {position!r}.") from None
+        f"IndexSampler positions must be integers, got {type(position).__name__}: {position!r}."
+      ) from None
     num = self.num_positions
     if position < 0 or (num is not None and position >= num):
       raise IndexError(self._out_of_range_message(position))
     epoch, local = divmod(position, self._per_epoch)
     global_position = self._shard.shard_index + local * self._shard.shard_count
-    if self._shuffle:
+    if self._replacement:
+      record_index = draw_record(self._seed, epoch, global_position, self._num_records)
+    elif self._shuffle:
       record_index = self._permute_one(global_position, epoch)
     else:
       record_index = global_position
-    return RecordMetadata(position, epoch, record_index,
-                          mix_seed(self._seed, epoch, record_index))
+    return RecordMetadata(position, epoch, record_index, mix_seed(self._seed, epoch, record_index))
 
   def get_many(self, positions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Vectorized `__getitem__` over an integer array of positions.
@@ -288,8 +317,8 @@ class IndexSampler:
     positions = np.asarray(positions)
     if positions.size and positions.dtype.kind not in "iu":
       raise TypeError(
-          f"IndexSampler.get_many: positions must be integers, got dtype "
-          f"{positions.dtype}.")
+        f"IndexSampler.get_many: positions must be integers, got dtype {positions.dtype}."
+      )
     shape = positions.shape
     positions = positions.astype(np.int64, copy=False).reshape(-1)
     if positions.size:
@@ -302,26 +331,28 @@ class IndexSampler:
     per_epoch = max(self._per_epoch, 1)  # Only 0 when `positions` is empty.
     epochs, local = np.divmod(positions, per_epoch)
     global_positions = self._shard.shard_index + local * self._shard.shard_count
-    if self._shuffle:
-      record_indices = self._permute_many(global_positions, epochs)
-    else:
-      record_indices = global_positions
+    record_indices = self._records_many(global_positions, epochs)
     seeds = mix_seeds(self._seed, epochs, record_indices)
-    return (epochs.reshape(shape), record_indices.reshape(shape),
-            seeds.reshape(shape))
+    return (epochs.reshape(shape), record_indices.reshape(shape), seeds.reshape(shape))
 
   def _out_of_range_message(self, position: int) -> str:
     num = self.num_positions
     allowed = "[0, inf)" if num is None else f"[0, {num})"
-    return (f"Position {position} is out of range for {self!r}: positions "
-            f"must be in {allowed}.")
+    return f"Position {position} is out of range for {self!r}: positions must be in {allowed}."
 
   # -- permutation ---------------------------------------------------------
+  def _records_many(self, global_positions: np.ndarray, epochs: np.ndarray) -> np.ndarray:
+    """The records at `global_positions` of `epochs` (int64 arrays)."""
+    if self._replacement:
+      return draw_records(self._seed, epochs, global_positions, self._num_records)
+    if self._shuffle:
+      return self._permute_many(global_positions, epochs)
+    return global_positions
+
   def _round_keys(self, epoch: int) -> list[int]:
     cached = self._cached_keys
     if cached is None or cached[0] != epoch:
-      keys = [mix_seed(self._seed, epoch, _PERMUTATION_DOMAIN, r)
-              for r in range(_FEISTEL_ROUNDS)]
+      keys = [mix_seed(self._seed, epoch, _PERMUTATION_DOMAIN, r) for r in range(_FEISTEL_ROUNDS)]
       cached = self._cached_keys = (epoch, keys)
     return cached[1]
 
@@ -332,8 +363,7 @@ class IndexSampler:
       x = _feistel(x, keys, self._hi_bits, self._lo_bits)
     return int(x)
 
-  def _permute_many(self, global_positions: np.ndarray,
-                    epochs: np.ndarray) -> np.ndarray:
+  def _permute_many(self, global_positions: np.ndarray, epochs: np.ndarray) -> np.ndarray:
     if global_positions.size == 0:
       return global_positions.astype(np.int64)
     first, last = int(epochs.min()), int(epochs.max())
@@ -341,10 +371,11 @@ class IndexSampler:
       keys = [np.uint64(k) for k in self._round_keys(first)]
     else:
       unique_epochs, inverse = np.unique(epochs, return_inverse=True)
-      keys = [mix_seeds(self._seed, unique_epochs, _PERMUTATION_DOMAIN, r)[inverse]
-              for r in range(_FEISTEL_ROUNDS)]
-    x = _feistel(global_positions.astype(np.uint64), keys, self._hi_bits,
-                 self._lo_bits)
+      keys = [
+        mix_seeds(self._seed, unique_epochs, _PERMUTATION_DOMAIN, r)[inverse]
+        for r in range(_FEISTEL_ROUNDS)
+      ]
+    x = _feistel(global_positions.astype(np.uint64), keys, self._hi_bits, self._lo_bits)
     limit = np.uint64(self._num_records)
     walking = np.flatnonzero(x >= limit)
     while walking.size:
@@ -366,44 +397,63 @@ class IndexSampler:
     """
     if not _is_int(iteration) or iteration < 0:
       raise ValueError(
-          f"IndexSampler.for_iteration: iteration must be an integer >= 0, "
-          f"got {iteration!r}.")
+        f"IndexSampler.for_iteration: iteration must be an integer >= 0, got {iteration!r}."
+      )
     if not iteration or not self._reshuffle or self.num_positions is None:
       return self
     return IndexSampler(
-        self._num_records, shuffle=self._shuffle,
-        seed=mix_seed(self._seed, _ITERATION_DOMAIN, iteration),
-        num_epochs=self._num_epochs, shard_options=self._shard)
+      self._num_records,
+      shuffle=self._shuffle,
+      seed=mix_seed(self._seed, _ITERATION_DOMAIN, iteration),
+      num_epochs=self._num_epochs,
+      shard_options=self._shard,
+      replacement=self._replacement,
+    )
 
   # -- identity ------------------------------------------------------------
   def spec_params(self) -> dict[str, Any]:
     """The constructor keyword arguments (JSON-able) that rebuild this sampler."""
     params = {
-        "num_records": self._num_records,
-        "shuffle": self._shuffle,
-        "seed": self._seed,
-        "num_epochs": self._num_epochs,
-        "shard_options": dataclasses.asdict(self._shard),
+      "num_records": self._num_records,
+      "shuffle": self._shuffle,
+      "seed": self._seed,
+      "num_epochs": self._num_epochs,
+      "shard_options": dataclasses.asdict(self._shard),
     }
     if not self._reshuffle:  # Only when set: fingerprints stay as they were.
       params["reshuffle_each_iteration"] = False
+    if self._replacement:
+      params["replacement"] = True
     return params
 
   def identity(self) -> dict[str, Any]:
     """What defines the order this sampler gives (JSON-able), which a
     pipeline state records and checks on restore (see `from_source`)."""
-    return {"type": "IndexSampler", "num_records": self._num_records,
-            "shuffle": self._shuffle, "seed": self._seed,
-            "num_epochs": self._num_epochs,
-            "shard_index": self._shard.shard_index,
-            "shard_count": self._shard.shard_count,
-            "drop_remainder": self._shard.drop_remainder,
-            "reshuffle_each_iteration": self._reshuffle}
+    return {
+      "type": "IndexSampler",
+      "num_records": self._num_records,
+      "shuffle": self._shuffle,
+      "seed": self._seed,
+      "num_epochs": self._num_epochs,
+      "shard_index": self._shard.shard_index,
+      "shard_count": self._shard.shard_count,
+      "drop_remainder": self._shard.drop_remainder,
+      "reshuffle_each_iteration": self._reshuffle,
+      **({"replacement": True} if self._replacement else {}),
+    }
 
   def _key(self) -> tuple[Any, ...]:
-    return (self._num_records, self._shuffle, self._seed, self._num_epochs,
-            self._shard.shard_index, self._shard.shard_count,
-            self._shard.drop_remainder, self._reshuffle)
+    return (
+      self._num_records,
+      self._shuffle,
+      self._seed,
+      self._num_epochs,
+      self._shard.shard_index,
+      self._shard.shard_count,
+      self._shard.drop_remainder,
+      self._reshuffle,
+      self._replacement,
+    )
 
   def __eq__(self, other: Any) -> bool:
     if not isinstance(other, IndexSampler):
@@ -415,10 +465,13 @@ class IndexSampler:
 
   def __repr__(self) -> str:
     reshuffle = "" if self._reshuffle else ", reshuffle_each_iteration=False"
-    return (f"IndexSampler(num_records={self._num_records}, "
-            f"shuffle={self._shuffle}, seed={self._seed}, "
-            f"num_epochs={self._num_epochs}, shard_options={self._shard!r}"
-            f"{reshuffle})")
+    reshuffle += ", replacement=True" if self._replacement else ""
+    return (
+      f"IndexSampler(num_records={self._num_records}, "
+      f"shuffle={self._shuffle}, seed={self._seed}, "
+      f"num_epochs={self._num_epochs}, shard_options={self._shard!r}"
+      f"{reshuffle})"
+    )
 
 
 def _feistel(x: Any, keys: list[Any], hi_bits: int, lo_bits: int) -> Any:

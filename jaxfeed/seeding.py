@@ -49,8 +49,10 @@ def mix_seeds(*values: np.ndarray | int) -> np.ndarray:
   while count < len(values) and isinstance(values[count], int):
     count += 1
   prefix = continue_mix(_GOLDEN, *values[:count])
-  arrays = [np.asarray(v).astype(np.uint64) if not isinstance(v, int)
-            else np.uint64(v & _MASK64) for v in values[count:]]
+  arrays = [
+    np.asarray(v).astype(np.uint64) if not isinstance(v, int) else np.uint64(v & _MASK64)
+    for v in values[count:]
+  ]
   shape = np.broadcast_shapes(*(np.shape(a) for a in arrays))
   z = np.full(shape, prefix, dtype=np.uint64)
   with np.errstate(over="ignore"):

@@ -39,8 +39,7 @@ def _pyarrow() -> tuple[Any, Any]:
     import pyarrow  # pylint: disable=g-import-not-at-top
     import pyarrow.parquet  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ImportError("Parquet files need pyarrow: pip install 'jaxfeed[parquet]'."
-                      ) from None
+    raise ImportError("Parquet files need pyarrow: pip install 'jaxfeed[parquet]'.") from None
   return pyarrow, pyarrow.parquet
 
 
@@ -57,24 +56,29 @@ class _NumpyFile:
         with loaded:
           self.columns = {key: loaded[key] for key in loaded.files}
     except ValueError as e:  # object arrays need pickle, which is refused
-      raise ValueError(f"{path}: cannot read it without pickle ({e}); store "
-                       "numbers, bools or fixed-width strings.") from None
+      raise ValueError(
+        f"{path}: cannot read it without pickle ({e}); store numbers, bools or fixed-width strings."
+      ) from None
     except OSError as e:
       raise ValueError(f"{path}: not a NumPy .npy/.npz file: {e}") from None
-    lengths = {key: (value.shape[0] if value.ndim else None)
-               for key, value in self.columns.items()}
+    lengths = {key: (value.shape[0] if value.ndim else None) for key, value in self.columns.items()}
     if not lengths or None in lengths.values() or len(set(lengths.values())) > 1:
       raise ValueError(
-          f"{path}: every array needs the same leading (row) axis; got shapes "
-          f"{ {k: v.shape for k, v in self.columns.items()} }.")
+        f"{path}: every array needs the same leading (row) axis; got shapes "
+        f"{ {k: v.shape for k, v in self.columns.items()} }."
+      )
     self.num_rows = next(iter(lengths.values()))
 
   def records(self, start: int, stop: int) -> Iterator[bytes]:
     for first in range(start, stop, _CHUNK_ROWS):
       last = min(stop, first + _CHUNK_ROWS)
       yield from _examples(
-          [_numpy_column(self.path, key, np.asarray(value[first:last]))
-           for key, value in self.columns.items()], last - first)
+        [
+          _numpy_column(self.path, key, np.asarray(value[first:last]))
+          for key, value in self.columns.items()
+        ],
+        last - first,
+      )
 
 
 def _examples(columns: list[tuple[str, str, list]], rows: int) -> Iterator[bytes]:
@@ -96,14 +100,18 @@ def _examples(columns: list[tuple[str, str, list]], rows: int) -> Iterator[bytes
         try:
           field.value.extend(row)
         except TypeError:  # a null inside a row's list
-          raise ValueError(f"column {name!r}: row {i} of a chunk holds {row!r}; "
-                           "a tf.train.Example's lists hold no nulls.") from None
+          raise ValueError(
+            f"column {name!r}: row {i} of a chunk holds {row!r}; "
+            "a tf.train.Example's lists hold no nulls."
+          ) from None
     yield record.SerializeToString()
 
 
 def _unsupported(path: str, name: str, what: Any) -> ValueError:
-  return ValueError(f"{path}: column {name!r} holds {what}; a tf.train.Example "
-                    "holds ints, bools, floats, strings or bytes.")
+  return ValueError(
+    f"{path}: column {name!r} holds {what}; a tf.train.Example "
+    "holds ints, bools, floats, strings or bytes."
+  )
 
 
 def _numpy_column(path: str, name: str, chunk: np.ndarray) -> tuple[str, str, list]:
@@ -136,7 +144,8 @@ class _ParquetFile:
     meta = self._file.metadata
     self.num_rows = meta.num_rows
     self._group_starts = np.cumsum(
-        [0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+      [0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    )
 
   def records(self, start: int, stop: int) -> Iterator[bytes]:
     first_group = int(np.searchsorted(self._group_starts, start, side="right")) - 1
@@ -148,36 +157,51 @@ class _ParquetFile:
       table = table.slice(max(start - offset, 0), stop - max(start, offset))
       for batch in table.to_batches(_CHUNK_ROWS):
         yield from _examples(
-            [_arrow_column(self.path, field.name, batch.column(i))
-             for i, field in enumerate(batch.schema)], batch.num_rows)
+          [
+            _arrow_column(self.path, field.name, batch.column(i))
+            for i, field in enumerate(batch.schema)
+          ],
+          batch.num_rows,
+        )
 
 
 def _arrow_column(path: str, name: str, column: Any) -> tuple[str, str, list]:
   """(name, list field, rows' values or None for a null) of a Parquet column."""
   pyarrow, _ = _pyarrow()
   types = pyarrow.types
-  is_list = (types.is_list(column.type) or types.is_large_list(column.type)
-             or types.is_fixed_size_list(column.type))
+  is_list = (
+    types.is_list(column.type)
+    or types.is_large_list(column.type)
+    or types.is_fixed_size_list(column.type)
+  )
   item = column.type.value_type if is_list else column.type
   if types.is_integer(item) or types.is_boolean(item):
     kind, target = "int64_list", pyarrow.int64()
   elif types.is_floating(item):
     kind, target = "float_list", pyarrow.float32()
-  elif types.is_string(item) or types.is_large_string(item) or types.is_binary(
-      item) or types.is_large_binary(item) or types.is_fixed_size_binary(item):
+  elif (
+    types.is_string(item)
+    or types.is_large_string(item)
+    or types.is_binary(item)
+    or types.is_large_binary(item)
+    or types.is_fixed_size_binary(item)
+  ):
     kind, target = "bytes_list", None
   else:
     raise _unsupported(path, name, f"Parquet type {column.type}")
   if target is not None:
     try:
-      column = column.cast(pyarrow.list_(target) if is_list else target,
-                           safe=kind == "int64_list")  # floats round to float32
+      column = column.cast(
+        pyarrow.list_(target) if is_list else target, safe=kind == "int64_list"
+      )  # floats round to float32
     except pyarrow.ArrowInvalid as e:
       raise ValueError(f"{path}: column {name!r}: {e}") from None
   values = column.to_pylist()
   if types.is_string(item) or types.is_large_string(item):
-    values = [None if v is None else [s and s.encode() for s in v] if is_list
-              else v.encode() for v in values]
+    values = [
+      None if v is None else [s and s.encode() for s in v] if is_list else v.encode()
+      for v in values
+    ]
   if not is_list:
     values = [None if v is None else [v] for v in values]
   return name, kind, values
@@ -192,8 +216,9 @@ class TableSource:
 
   def __init__(self, paths: Sequence[str], fmt: str):
     if fmt not in (NUMPY_FORMAT, PARQUET_FORMAT):
-      raise ValueError(f"TableSource: format must be {NUMPY_FORMAT!r} or "
-                       f"{PARQUET_FORMAT!r}, got {fmt!r}.")
+      raise ValueError(
+        f"TableSource: format must be {NUMPY_FORMAT!r} or {PARQUET_FORMAT!r}, got {fmt!r}."
+      )
     opener = _NumpyFile if fmt == NUMPY_FORMAT else _ParquetFile
     self._files = [opener(os.fspath(p)) for p in paths]
     self._starts = np.cumsum([0] + [f.num_rows for f in self._files])
@@ -214,8 +239,9 @@ class TableSource:
     if not indices.size:
       return []
     if indices.min() < 0 or indices.max() >= len(self):
-      raise IndexError(f"TableSource: indices must be in [0, {len(self)}), got "
-                       f"{indices.min()}..{indices.max()}.")
+      raise IndexError(
+        f"TableSource: indices must be in [0, {len(self)}), got {indices.min()}..{indices.max()}."
+      )
     lo = int(indices.min())
     span = list(self.records(lo, int(indices.max()) + 1))
     return [span[i - lo] for i in indices.tolist()]
@@ -235,8 +261,10 @@ def _columns(records: Iterator[bytes], path: str) -> tuple[int, dict[str, list]]
     try:
       features = example_pb2.Example.FromString(record).features.feature
     except Exception as e:  # noqa: BLE001 -- DecodeError and friends
-      raise ValueError(f"{path}: record {rows - 1} is not a tf.train.Example ({e}); "
-                       "only Examples convert to tables.") from None
+      raise ValueError(
+        f"{path}: record {rows - 1} is not a tf.train.Example ({e}); "
+        "only Examples convert to tables."
+      ) from None
     for name, feature in features.items():
       kind = feature.WhichOneof("kind")
       if kind is None:
@@ -244,8 +272,10 @@ def _columns(records: Iterator[bytes], path: str) -> tuple[int, dict[str, list]]
       if name not in columns:
         columns[name] = (kind, [None] * (rows - 1))
       elif columns[name][0] != kind:
-        raise ValueError(f"{path}: feature {name!r} is {columns[name][0]} in earlier "
-                         f"records and {kind} in record {rows - 1}.")
+        raise ValueError(
+          f"{path}: feature {name!r} is {columns[name][0]} in earlier "
+          f"records and {kind} in record {rows - 1}."
+        )
       columns[name][1].append(list(getattr(feature, kind).value))
     for _, values in columns.values():
       if len(values) < rows:
@@ -256,8 +286,7 @@ def _columns(records: Iterator[bytes], path: str) -> tuple[int, dict[str, list]]
 _NUMPY_DTYPES = {"int64_list": np.int64, "float_list": np.float32, "bytes_list": np.bytes_}
 
 
-def write_numpy(path: str, records: Iterator[bytes], *,
-                single_array: bool | None = None) -> int:
+def write_numpy(path: str, records: Iterator[bytes], *, single_array: bool | None = None) -> int:
   """Writes Examples as an .npz (a key per feature) or an .npy (one feature).
 
   single_array: write an .npy; None: when `path` ends with .npy.
@@ -269,22 +298,30 @@ def write_numpy(path: str, records: Iterator[bytes], *,
   for name, (kind, values) in sorted(columns.items()):
     if any(v is None for v in values):
       missing = next(i for i, v in enumerate(values) if v is None)
-      raise ValueError(f"{path}: feature {name!r} is missing from record {missing}; "
-                       "NumPy arrays need it in every record (Parquet allows nulls).")
+      raise ValueError(
+        f"{path}: feature {name!r} is missing from record {missing}; "
+        "NumPy arrays need it in every record (Parquet allows nulls)."
+      )
     sizes = {len(v) for v in values}
     if len(sizes) > 1:
-      raise ValueError(f"{path}: feature {name!r} has {sorted(sizes)} values in "
-                       "different records; NumPy arrays need the same number in each.")
+      raise ValueError(
+        f"{path}: feature {name!r} has {sorted(sizes)} values in "
+        "different records; NumPy arrays need the same number in each."
+      )
     if kind == "bytes_list" and any(b.endswith(b"\0") for v in values for b in v):
-      raise ValueError(f"{path}: feature {name!r} has bytes ending in NUL, which "
-                       "NumPy 'S' arrays drop; convert to TFRecord, ArrayRecord or Parquet.")
+      raise ValueError(
+        f"{path}: feature {name!r} has bytes ending in NUL, which "
+        "NumPy 'S' arrays drop; convert to TFRecord, ArrayRecord or Parquet."
+      )
     array = np.array(values, _NUMPY_DTYPES[kind]).reshape(rows, *sizes - {1})
     arrays[name] = array
   with open(path, "wb") as f:
     if single_array:
       if len(arrays) != 1:
-        raise ValueError(f"{path}: an .npy file holds one feature, the records have "
-                         f"{sorted(arrays)}; write an .npz.")
+        raise ValueError(
+          f"{path}: an .npy file holds one feature, the records have "
+          f"{sorted(arrays)}; write an .npz."
+        )
       np.save(f, next(iter(arrays.values())), allow_pickle=False)
     else:
       np.savez(f, **arrays)
@@ -294,8 +331,11 @@ def write_numpy(path: str, records: Iterator[bytes], *,
 def write_parquet(path: str, records: Iterator[bytes]) -> int:
   """Writes Examples as a Parquet file, a column per feature."""
   pyarrow, parquet = _pyarrow()
-  types = {"int64_list": pyarrow.int64(), "float_list": pyarrow.float32(),
-           "bytes_list": pyarrow.binary()}
+  types = {
+    "int64_list": pyarrow.int64(),
+    "float_list": pyarrow.float32(),
+    "bytes_list": pyarrow.binary(),
+  }
   rows, columns = _columns(records, path)
   arrays = {}
   for name, (kind, values) in sorted(columns.items()):
@@ -303,6 +343,8 @@ def write_parquet(path: str, records: Iterator[bytes]) -> int:
       arrays[name] = pyarrow.array([v and v[0] for v in values], types[kind])
     else:
       arrays[name] = pyarrow.array(values, pyarrow.list_(types[kind]))
-  parquet.write_table(pyarrow.table(arrays) if arrays else
-                      pyarrow.table({}).append_column("_", pyarrow.nulls(rows)), path)
+  parquet.write_table(
+    pyarrow.table(arrays) if arrays else pyarrow.table({}).append_column("_", pyarrow.nulls(rows)),
+    path,
+  )
   return rows

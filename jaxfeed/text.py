@@ -43,8 +43,7 @@ def _as_bytes(text: Any) -> bytes:
     return _as_bytes(text.item())
   if isinstance(text, (np.bytes_, np.str_)):
     return _as_bytes(text.item())
-  raise TypeError(f"Tokenize: text must be bytes or str, got "
-                  f"{type(text).__name__}: {text!r:.80}.")
+  raise TypeError(f"Tokenize: text must be bytes or str, got {type(text).__name__}: {text!r:.80}.")
 
 
 class ByteTokenizer:
@@ -65,8 +64,9 @@ class ByteTokenizer:
     """The text of `ids`; the end-of-document id and invalid UTF-8 are dropped
     or replaced."""
     values = np.asarray(ids, np.int64)
-    return bytes(values[(values >= 0) & (values < 256)].astype(np.uint8)
-                 ).decode("utf-8", errors="replace")
+    return bytes(values[(values >= 0) & (values < 256)].astype(np.uint8)).decode(
+      "utf-8", errors="replace"
+    )
 
   def spec_params(self) -> dict:
     return {}
@@ -94,35 +94,47 @@ class HFTokenizer:
       from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
     except ImportError as e:
       raise ImportError(
-          "HFTokenizer needs the `tokenizers` package: pip install "
-          "'jaxfeed[text]' (or use jaxfeed.text.ByteTokenizer, which needs "
-          "nothing).") from e
+        "HFTokenizer needs the `tokenizers` package: pip install "
+        "'jaxfeed[text]' (or use jaxfeed.text.ByteTokenizer, which needs "
+        "nothing)."
+      ) from e
     self.path = os.fspath(path)
     if not os.path.isfile(self.path):
       raise FileNotFoundError(
-          f"HFTokenizer: no tokenizer file at {self.path!r}; train one with "
-          "HFTokenizer.train_bpe(texts, path) or copy a tokenizer.json there.")
+        f"HFTokenizer: no tokenizer file at {self.path!r}; train one with "
+        "HFTokenizer.train_bpe(texts, path) or copy a tokenizer.json there."
+      )
     self._tokenizer = Tokenizer.from_file(self.path)
     self.eos_token = eos_token
     eos_id = self._tokenizer.token_to_id(eos_token)
     if eos_id is None:
-      raise ValueError(f"HFTokenizer: {self.path!r} has no token {eos_token!r} "
-                       "to end documents with; pass eos_token=... of its vocabulary.")
+      raise ValueError(
+        f"HFTokenizer: {self.path!r} has no token {eos_token!r} "
+        "to end documents with; pass eos_token=... of its vocabulary."
+      )
     self.eos_id = int(eos_id)
     self.vocab_size = int(self._tokenizer.get_vocab_size())
 
   @classmethod
-  def train_bpe(cls, texts: Iterable[str], path: str | os.PathLike,
-                vocab_size: int = 4096,
-                eos_token: str = "<|endoftext|>") -> "HFTokenizer":
+  def train_bpe(
+    cls,
+    texts: Iterable[str],
+    path: str | os.PathLike,
+    vocab_size: int = 4096,
+    eos_token: str = "<|endoftext|>",
+  ) -> "HFTokenizer":
     """Trains a byte-level BPE tokenizer on `texts`, writes it to `path`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top,g-multiple-import
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[eos_token], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+      vocab_size=vocab_size,
+      special_tokens=[eos_token],
+      show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer)
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -135,17 +147,16 @@ class HFTokenizer:
     """The token ids of `text` (int32)."""
     if not isinstance(text, str):
       text = _as_bytes(text).decode("utf-8", errors="replace")
-    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids,
-                      np.int32)
+    return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
   def encode_many(self, texts: Iterable[bytes | str]) -> list[np.ndarray]:
     """`[encode(t) for t in texts]` in one Rust call that releases the GIL, so
     several threads encode at once. The call also spreads over the
     tokenizers library's own threads unless TOKENIZERS_PARALLELISM=false."""
-    strings = [t if isinstance(t, str)
-               else _as_bytes(t).decode("utf-8", errors="replace") for t in texts]
-    encodings = self._tokenizer.encode_batch_fast(strings,
-                                                  add_special_tokens=False)
+    strings = [
+      t if isinstance(t, str) else _as_bytes(t).decode("utf-8", errors="replace") for t in texts
+    ]
+    encodings = self._tokenizer.encode_batch_fast(strings, add_special_tokens=False)
     return [np.asarray(e.ids, np.int32) for e in encodings]
 
   def decode(self, ids: Iterable[int]) -> str:
@@ -180,17 +191,26 @@ class Tokenize:
       texts of the batch are encoded in one `encode_many` call.
   """
 
-  def __init__(self, tokenizer: Any, feature: str = "text",
-               output: str = "tokens", append_eos: bool = True,
-               batched: bool = False):
+  def __init__(
+    self,
+    tokenizer: Any,
+    feature: str = "text",
+    output: str = "tokens",
+    append_eos: bool = True,
+    batched: bool = False,
+  ):
     if not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "eos_id")):
-      raise TypeError("Tokenize: tokenizer must be a jaxfeed.text.ByteTokenizer "
-                      f"or HFTokenizer, got {type(tokenizer).__name__}.")
+      raise TypeError(
+        "Tokenize: tokenizer must be a jaxfeed.text.ByteTokenizer "
+        f"or HFTokenizer, got {type(tokenizer).__name__}."
+      )
     if not isinstance(batched, (bool, np.bool_)):
       raise TypeError(f"Tokenize: batched must be True or False, got {batched!r}.")
     if batched and not hasattr(tokenizer, "encode_many"):
-      raise TypeError(f"Tokenize(batched=True): {type(tokenizer).__name__} has "
-                      "no encode_many(texts) to encode a batch with.")
+      raise TypeError(
+        f"Tokenize(batched=True): {type(tokenizer).__name__} has "
+        "no encode_many(texts) to encode a batch with."
+      )
     self.tokenizer = tokenizer
     self.feature = feature
     self.output = output
@@ -200,8 +220,9 @@ class Tokenize:
   def __call__(self, element: Any) -> dict:
     if isinstance(element, dict):
       if self.feature not in element:
-        raise KeyError(f"Tokenize: the element has no feature {self.feature!r} "
-                       f"(it has {sorted(element)}).")
+        raise KeyError(
+          f"Tokenize: the element has no feature {self.feature!r} (it has {sorted(element)})."
+        )
       result = {k: v for k, v in element.items() if k != self.feature}
       text = element[self.feature]
     else:
@@ -220,20 +241,27 @@ class Tokenize:
   def _encode_batch(self, texts: Any) -> np.ndarray:
     if np.ndim(texts) != 1 or isinstance(texts, (str, bytes)):
       raise TypeError(
-          f"Tokenize(batched=True): the text must be a batch (a 1-D array of "
-          f"texts, e.g. after .batch(k)), got {type(texts).__name__} of shape "
-          f"{np.shape(texts)}.")
+        f"Tokenize(batched=True): the text must be a batch (a 1-D array of "
+        f"texts, e.g. after .batch(k)), got {type(texts).__name__} of shape "
+        f"{np.shape(texts)}."
+      )
     out = np.empty(len(texts), object)
     for i, ids in enumerate(self.tokenizer.encode_many(list(texts))):
       out[i] = self._with_eos(ids)
     return out
 
   def __repr__(self) -> str:
-    return (f"Tokenize({self.tokenizer!r}, feature={self.feature!r}, "
-            f"output={self.output!r}, append_eos={self.append_eos}, "
-            f"batched={self.batched})")
+    return (
+      f"Tokenize({self.tokenizer!r}, feature={self.feature!r}, "
+      f"output={self.output!r}, append_eos={self.append_eos}, "
+      f"batched={self.batched})"
+    )
 
   def spec_params(self) -> dict:
-    return {"tokenizer": self.tokenizer, "feature": self.feature,
-            "output": self.output, "append_eos": self.append_eos,
-            "batched": self.batched}
+    return {
+      "tokenizer": self.tokenizer,
+      "feature": self.feature,
+      "output": self.output,
+      "append_eos": self.append_eos,
+      "batched": self.batched,
+    }

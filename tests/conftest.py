@@ -35,8 +35,11 @@ def benchmark_results_elsewhere(tmp_path_factory):
 def _jaxfeed_threads() -> set:
   # jaxfeed._lifetime's spawner lives as long as the process: the children it
   # started would get their parent-death signal when it ended.
-  return {t for t in threading.enumerate() if t.name.startswith("jaxfeed")
-          and t.name != _lifetime.SPAWNER_THREAD_NAME}
+  return {
+    t
+    for t in threading.enumerate()
+    if t.name.startswith("jaxfeed") and t.name != _lifetime.SPAWNER_THREAD_NAME
+  }
 
 
 def _children() -> set:
@@ -47,8 +50,7 @@ def _children() -> set:
         continue
       # multiprocessing's resource tracker and fork server (process_batch
       # forks its workers from it) live as long as the interpreter.
-      if any("resource_tracker" in part or "forkserver" in part
-             for part in child.cmdline()):
+      if any("resource_tracker" in part or "forkserver" in part for part in child.cmdline()):
         continue
       procs.add((child.pid, child.create_time()))
     except psutil.NoSuchProcess:
@@ -70,5 +72,8 @@ def no_leaked_threads_or_processes(request):
     if time.monotonic() > deadline:
       break
     time.sleep(0.05)
-  pytest.fail(f"{request.module.__name__} leaked threads {sorted(t.name for t in threads)} "
-              f"and child processes {sorted(children)}", pytrace=False)
+  pytest.fail(
+    f"{request.module.__name__} leaked threads {sorted(t.name for t in threads)} "
+    f"and child processes {sorted(children)}",
+    pytrace=False,
+  )

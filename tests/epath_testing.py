@@ -21,7 +21,7 @@ def bucket_in(root: os.PathLike) -> Iterator[str]:
   def local(path) -> str:
     # The mock stands in for every backend, the local one too.
     path = os.fspath(path)
-    return root + path[len(BUCKET):] if path.startswith(BUCKET) else path
+    return root + path[len(BUCKET) :] if path.startswith(BUCKET) else path
 
   def one(original, path, *args, **kwargs):
     return original(local(path), *args, **kwargs)
@@ -34,7 +34,21 @@ def bucket_in(root: os.PathLike) -> Iterator[str]:
 
   # With TensorFlow installed, epath sends gs:// to tf.io.gfile directly,
   # past the backends the mock replaces.
-  with mock.patch.object(gpath, "_is_tf_installed", lambda: False), testing.mock_epath(
-      open=one, exists=one, isdir=one, listdir=listdir, makedirs=one, mkdir=one,
-      remove=one, rename=two, replace=two, rmtree=one, stat=one, copy=two):
+  with (
+    mock.patch.object(gpath, "_is_tf_installed", lambda: False),
+    testing.mock_epath(
+      open=one,
+      exists=one,
+      isdir=one,
+      listdir=listdir,
+      makedirs=one,
+      mkdir=one,
+      remove=one,
+      rename=two,
+      replace=two,
+      rmtree=one,
+      stat=one,
+      copy=two,
+    ),
+  ):
     yield BUCKET

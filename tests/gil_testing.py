@@ -20,6 +20,7 @@ def spinner_count_during(work) -> int:
     while not done.is_set():
       count += 1
     counts.append(count)
+
   interval = sys.getswitchinterval()
   sys.setswitchinterval(1.0)
   spinner = threading.Thread(target=spin)

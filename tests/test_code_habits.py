@@ -29,14 +29,17 @@ def test_no_module_in_jaxfeed_grows_past_the_line_limit():
     lines = len(path.read_text().splitlines())
     if lines > MAX_LINES:
       too_long[name] = lines
-  assert not too_long, (
-      f"modules over {MAX_LINES} lines; split them along their seams: {too_long}")
+  assert not too_long, f"modules over {MAX_LINES} lines; split them along their seams: {too_long}"
 
 
 def test_the_known_long_modules_are_still_long():
   # A split module leaves this list: its entry would hide a new long file.
-  stale = [name for name in LONG_MODULES if not (PACKAGE_DIR / name).exists()
-           or len((PACKAGE_DIR / name).read_text().splitlines()) <= MAX_LINES]
+  stale = [
+    name
+    for name in LONG_MODULES
+    if not (PACKAGE_DIR / name).exists()
+    or len((PACKAGE_DIR / name).read_text().splitlines()) <= MAX_LINES
+  ]
   assert not stale, f"remove from LONG_MODULES (gone, or within the limit): {stale}"
 
 
@@ -47,8 +50,11 @@ def _lazy_exports_and_typed_imports(path: pathlib.Path) -> tuple[set[str], set[s
   for node in tree.body:
     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS":
       exports = set(ast.literal_eval(node.value))
-    if (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
-        and node.test.id == "TYPE_CHECKING"):
+    if (
+      isinstance(node, ast.If)
+      and isinstance(node.test, ast.Name)
+      and node.test.id == "TYPE_CHECKING"
+    ):
       for statement in node.body:
         assert isinstance(statement, ast.ImportFrom), ast.dump(statement)
         for alias in statement.names:
@@ -62,8 +68,9 @@ def test_type_checkers_see_every_lazy_export():
     exports, typed = _lazy_exports_and_typed_imports(init)
     assert exports, init
     assert exports == typed, (
-        f"{init}: _EXPORTS and the TYPE_CHECKING imports differ: only exported "
-        f"{sorted(exports - typed)}, only imported {sorted(typed - exports)}")
+      f"{init}: _EXPORTS and the TYPE_CHECKING imports differ: only exported "
+      f"{sorted(exports - typed)}, only imported {sorted(typed - exports)}"
+    )
 
 
 def test_the_package_ships_its_type_hints():

@@ -14,9 +14,11 @@ SEED = 11
 
 def augment(element, rng):
   """A random augmentation: noise and a random crop offset per record."""
-  return {"x": element["x"] + rng.normal(size=element["x"].shape),
-          "offset": np.int64(rng.integers(0, 1000)),
-          "label": element["label"]}
+  return {
+    "x": element["x"] + rng.normal(size=element["x"].shape),
+    "offset": np.int64(rng.integers(0, 1000)),
+    "label": element["label"],
+  }
 
 
 def square(element):
@@ -27,24 +29,25 @@ def keep(element):
   return element["offset"] % 3 != 0
 
 
-def pipeline(num_parallel_calls, backend: str,
-             seed: int = SEED) -> jaxfeed.Dataset:
+def pipeline(num_parallel_calls, backend: str, seed: int = SEED) -> jaxfeed.Dataset:
   source = jaxfeed.ArraySource(
-      {"x": np.arange(NUM_RECORDS * 4, dtype=np.float64).reshape(-1, 4),
-       "label": np.arange(NUM_RECORDS)})
-  sampler = jaxfeed.IndexSampler(NUM_RECORDS, shuffle=True, seed=seed,
-                                 num_epochs=2)
-  return (jaxfeed.Dataset.from_source(source, sampler)
-          .random_map(augment, num_parallel_calls=num_parallel_calls,
-                      seed=seed, backend=backend)
-          .map(square, num_parallel_calls=num_parallel_calls, backend=backend)
-          .filter(keep)
-          .shuffle(16, seed=seed)
-          .batch(16, drop_remainder=True))
+    {
+      "x": np.arange(NUM_RECORDS * 4, dtype=np.float64).reshape(-1, 4),
+      "label": np.arange(NUM_RECORDS),
+    }
+  )
+  sampler = jaxfeed.IndexSampler(NUM_RECORDS, shuffle=True, seed=seed, num_epochs=2)
+  return (
+    jaxfeed.Dataset.from_source(source, sampler)
+    .random_map(augment, num_parallel_calls=num_parallel_calls, seed=seed, backend=backend)
+    .map(square, num_parallel_calls=num_parallel_calls, backend=backend)
+    .filter(keep)
+    .shuffle(16, seed=seed)
+    .batch(16, drop_remainder=True)
+  )
 
 
-def global_batches(num_parallel_calls, backend: str,
-                   seed: int = SEED) -> list[dict]:
+def global_batches(num_parallel_calls, backend: str, seed: int = SEED) -> list[dict]:
   with jaxfeed.Loader(pipeline(num_parallel_calls, backend, seed)) as loader:
     return [jax.tree_util.tree_map(np.asarray, batch) for batch in loader]
 
@@ -54,12 +57,19 @@ def reference():
   return global_batches(None, "thread")
 
 
-@pytest.mark.parametrize("num_parallel_calls, backend", [
-    (1, "thread"), (4, "thread"), (jaxfeed.AUTOTUNE, "thread"),
-    (2, "process"), (jaxfeed.AUTOTUNE, "process"),
-])
+@pytest.mark.parametrize(
+  "num_parallel_calls, backend",
+  [
+    (1, "thread"),
+    (4, "thread"),
+    (jaxfeed.AUTOTUNE, "thread"),
+    (2, "process"),
+    (jaxfeed.AUTOTUNE, "process"),
+  ],
+)
 def test_same_seed_same_global_batches_with_any_parallelism_and_backend(
-    reference, num_parallel_calls, backend):
+  reference, num_parallel_calls, backend
+):
   got = global_batches(num_parallel_calls, backend)
   assert len(got) == len(reference) > 10
   for batch, want in zip(got, reference):

@@ -33,9 +33,14 @@ import jaxfeed
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # What the site builds from, and never the build's own outputs.
 _BUILT = ("_build", "generated")
-DOCS = [REPO / "README.md",
-        *sorted(path for path in (REPO / "docs").rglob("*.md")
-                if not set(path.relative_to(REPO / "docs").parts) & set(_BUILT))]
+DOCS = [
+  REPO / "README.md",
+  *sorted(
+    path
+    for path in (REPO / "docs").rglob("*.md")
+    if not set(path.relative_to(REPO / "docs").parts) & set(_BUILT)
+  ),
+]
 _FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```[ \t]*$", re.S | re.M)
 _NOT_RUNNABLE = re.compile(r"<!-- not-runnable: (\S.*?) -->")
 _CONTINUES = "<!-- continues -->"
@@ -45,21 +50,23 @@ _CONTINUES = "<!-- continues -->"
 class Snippet:
   """A fenced code block of a document, and what the line before it says."""
 
-  where: str        # "docs/images.md:30"
-  language: str     # "python", "bash", "" (output)
+  where: str  # "docs/images.md:30"
+  language: str  # "python", "bash", "" (output)
   code: str
-  marker: str       # the line before the fence, stripped
+  marker: str  # the line before the fence, stripped
 
 
 def snippets_of(path: pathlib.Path) -> list[Snippet]:
   text = path.read_text()
   found = []
   for match in _FENCE.finditer(text):
-    before = text[:match.start()].rstrip("\n").rpartition("\n")[2].strip()
+    before = text[: match.start()].rstrip("\n").rpartition("\n")[2].strip()
     line = text.count("\n", 0, match.start()) + 1
     indent = match.group(1)
-    code = "".join(l[len(indent):] if l.startswith(indent) else l
-                   for l in match.group(3).splitlines(keepends=True))
+    code = "".join(
+      l[len(indent) :] if l.startswith(indent) else l
+      for l in match.group(3).splitlines(keepends=True)
+    )
     found.append(Snippet(f"{path.relative_to(REPO)}:{line}", match.group(2), code, before))
   return found
 
@@ -95,29 +102,43 @@ def test_every_code_snippet_runs_or_says_why_not():
   assert len(runnable_scripts()) >= 8
 
 
-@pytest.mark.parametrize("where,script", runnable_scripts(),
-                         ids=[where for where, _ in runnable_scripts()])
+@pytest.mark.parametrize(
+  "where,script", runnable_scripts(), ids=[where for where, _ in runnable_scripts()]
+)
 def test_a_docs_snippet_runs(tmp_path, where, script):
   (tmp_path / "snippet.py").write_text(script)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  done = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=180, check=False)
+  done = subprocess.run(
+    [sys.executable, "snippet.py"],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=180,
+    check=False,
+  )
   assert done.returncode == 0, f"{where}:\n{done.stderr[-3000:]}"
 
 
 def test_every_public_name_and_dataset_method_has_a_docstring():
-  missing = [name for name in jaxfeed.__all__
-             if not isinstance(getattr(jaxfeed, name), (int, float, str))
-             and not inspect.getdoc(getattr(jaxfeed, name))]
+  missing = [
+    name
+    for name in jaxfeed.__all__
+    if not isinstance(getattr(jaxfeed, name), (int, float, str))
+    and not inspect.getdoc(getattr(jaxfeed, name))
+  ]
   assert not missing, missing
-  undocumented = [name for name, member in inspect.getmembers(jaxfeed.Dataset)
-                  if not name.startswith("_") and callable(member)
-                  and not inspect.getdoc(member)]
+  undocumented = [
+    name
+    for name, member in inspect.getmembers(jaxfeed.Dataset)
+    if not name.startswith("_") and callable(member) and not inspect.getdoc(member)
+  ]
   assert not undocumented, undocumented
 
 
 def test_every_listed_submodule_is_reachable_as_an_attribute():
   import types
+
   for name in jaxfeed.__all__:
     value = getattr(jaxfeed, name)
     if isinstance(value, types.ModuleType):
@@ -129,8 +150,7 @@ def test_dataset_docstrings_say_what_users_ask_about():
   assert "drop_remainder" in inspect.getdoc(jaxfeed.Dataset.batch)
   map_doc = inspect.getdoc(jaxfeed.Dataset.map)
   assert '"process"' in map_doc and "unpacked into arguments" in map_doc
-  for method in ("shuffle", "unbatch", "padded_batch", "interleave", "repeat",
-                 "cache"):
+  for method in ("shuffle", "unbatch", "padded_batch", "interleave", "repeat", "cache"):
     assert len(inspect.getdoc(getattr(jaxfeed.Dataset, method))) > 80, method
 
 
@@ -159,7 +179,7 @@ def broken_links(site: pathlib.Path) -> list[str]:
   pages = {}
   for path in site.rglob("*.html"):
     if path.relative_to(site).parts[0] in ("_static", "_sources"):
-      continue   # the theme's template fragments, not pages
+      continue  # the theme's template fragments, not pages
     page = _Page()
     page.feed(path.read_text())
     pages[path.relative_to(site).as_posix()] = page
@@ -167,9 +187,13 @@ def broken_links(site: pathlib.Path) -> list[str]:
   for name, page in sorted(pages.items()):
     for link in page.links:
       parts = urllib.parse.urlsplit(link)
-      target = (posixpath.normpath(posixpath.join(posixpath.dirname(name),
-                                                  urllib.parse.unquote(parts.path)))
-                if parts.path else name)
+      target = (
+        posixpath.normpath(
+          posixpath.join(posixpath.dirname(name), urllib.parse.unquote(parts.path))
+        )
+        if parts.path
+        else name
+      )
       if target.endswith("/") or (site / target).is_dir():
         target = posixpath.join(target, "index.html")
       if not (site / target).is_file():
@@ -187,24 +211,45 @@ def test_the_readme_links_to_files_that_exist():
 
 
 def test_broken_links_finds_a_missing_page_and_a_missing_anchor(tmp_path):
-  (tmp_path / "a.html").write_text('<h1 id="top">A</h1><a href="b.html#gone">b</a>'
-                                   '<a href="#top">top</a><a href="c.html">c</a>'
-                                   '<a href="https://example.org/x.html">out</a>')
+  (tmp_path / "a.html").write_text(
+    '<h1 id="top">A</h1><a href="b.html#gone">b</a>'
+    '<a href="#top">top</a><a href="c.html">c</a>'
+    '<a href="https://example.org/x.html">out</a>'
+  )
   (tmp_path / "b.html").write_text('<p id="here"><a href="a.html#top">a</a></p>')
-  assert broken_links(tmp_path) == ["a.html -> b.html#gone (no anchor)",
-                                    "a.html -> c.html (no file)"]
+  assert broken_links(tmp_path) == [
+    "a.html -> b.html#gone (no anchor)",
+    "a.html -> c.html (no file)",
+  ]
 
 
 def build_site(root: pathlib.Path) -> subprocess.CompletedProcess:
   """Builds the manual from a copy of docs/ into root/html, with warnings as
   errors (and nitpicky: docs/conf.py)."""
-  shutil.copytree(REPO / "docs", root / "src",
-                  ignore=lambda folder, names: [n for n in names if n in _BUILT])
+  shutil.copytree(
+    REPO / "docs", root / "src", ignore=lambda folder, names: [n for n in names if n in _BUILT]
+  )
   return subprocess.run(
-      [sys.executable, "-m", "sphinx", "-b", "html", "-W", "--keep-going", "-q",
-       "-d", str(root / "doctrees"), str(root / "src"), str(root / "html")],
-      capture_output=True, text=True, timeout=600, check=False,
-      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    [
+      sys.executable,
+      "-m",
+      "sphinx",
+      "-b",
+      "html",
+      "-W",
+      "--keep-going",
+      "-q",
+      "-d",
+      str(root / "doctrees"),
+      str(root / "src"),
+      str(root / "html"),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+  )
 
 
 # One test, so that the build (the slow part) runs once however pytest-xdist
@@ -216,7 +261,7 @@ def test_the_manual_builds_without_warnings_or_broken_links(tmp_path):
   assert done.returncode == 0 and not done.stderr.strip(), done.stderr[-5000:]
   site = tmp_path / "html"
 
-  for path in DOCS[1:]:   # every docs page is a page of the site
+  for path in DOCS[1:]:  # every docs page is a page of the site
     page = path.relative_to(REPO / "docs").with_suffix(".html")
     assert (site / page).is_file(), page
 
@@ -228,7 +273,7 @@ def test_the_manual_builds_without_warnings_or_broken_links(tmp_path):
   index = (site / "reference" / "index.html").read_text()
   for name in jaxfeed.__all__:
     if isinstance(getattr(jaxfeed, name), int):
-      assert f'id="jaxfeed.{name}"' in index, name     # a constant: on the index
+      assert f'id="jaxfeed.{name}"' in index, name  # a constant: on the index
     elif name not in jaxfeed._SUBMODULES or name == "image":
       assert (generated / f"jaxfeed.{name}.html").is_file(), name
   for name in jaxfeed.service.__all__:
@@ -240,8 +285,7 @@ def test_the_manual_builds_without_warnings_or_broken_links(tmp_path):
   assert 'id="jaxfeed.Dataset.batch"' in batch and "drop_remainder" in batch
 
   # The snippet markers are HTML comments: in the page, never shown.
-  pages = [page for page in site.rglob("*.html")
-           if page.relative_to(site).parts[0] != "_static"]
+  pages = [page for page in site.rglob("*.html") if page.relative_to(site).parts[0] != "_static"]
   for page in pages:
     visible = re.sub(r"<!--.*?-->", "", page.read_text(), flags=re.S)
     assert "not-runnable" not in visible and "continues --" not in visible, page
@@ -252,8 +296,8 @@ def test_the_reference_page_lists_every_public_name():
   text = (REPO / "docs" / "reference" / "index.md").read_text()
   listed = set(re.findall(r"^\s+([A-Za-z_]\w*)$", text, re.MULTILINE))
   listed |= set(re.findall(r"py:data:: (\w+)", text))
-  missing = [name for name in jaxfeed.__all__
-             if name not in jaxfeed._SUBMODULES and name not in listed]
-  missing += [f"jaxfeed.service.{name}" for name in jaxfeed.service.__all__
-              if name not in listed]
+  missing = [
+    name for name in jaxfeed.__all__ if name not in jaxfeed._SUBMODULES and name not in listed
+  ]
+  missing += [f"jaxfeed.service.{name}" for name in jaxfeed.service.__all__ if name not in listed]
   assert not missing, f"docs/reference/index.md does not list {missing}"

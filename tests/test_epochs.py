@@ -27,22 +27,30 @@ WINDOW = 16  # The restart test's pipeline also has a windowed shuffle.
 
 
 def records():
-  return {"x": np.arange(NUM_RECORDS, dtype=np.int64),
-          "y": np.arange(NUM_RECORDS, dtype=np.float32) * 0.5}
+  return {
+    "x": np.arange(NUM_RECORDS, dtype=np.int64),
+    "y": np.arange(NUM_RECORDS, dtype=np.float32) * 0.5,
+  }
 
 
 def noisy(element, rng):
   return {"x": element["x"], "y": element["y"] + rng.random(dtype=np.float32)}
 
 
-def pipeline(reshuffle=True, seed=3, num_epochs=1, shard_options=None,
-             batch=BATCH, window=None, **parallel):
+def pipeline(
+  reshuffle=True, seed=3, num_epochs=1, shard_options=None, batch=BATCH, window=None, **parallel
+):
   """A globally shuffled sampler, per-record randomness (`parallel`: its
   `random_map`'s num_parallel_calls / backend), optionally a windowed
   `shuffle` (it reshuffles each iteration too), batches."""
-  sampler = IndexSampler(NUM_RECORDS, shuffle=True, seed=seed,
-                         num_epochs=num_epochs, shard_options=shard_options,
-                         reshuffle_each_iteration=reshuffle)
+  sampler = IndexSampler(
+    NUM_RECORDS,
+    shuffle=True,
+    seed=seed,
+    num_epochs=num_epochs,
+    shard_options=shard_options,
+    reshuffle_each_iteration=reshuffle,
+  )
   ds = Dataset.from_source(jaxfeed.ArraySource(records()), sampler)
   ds = ds.random_map(noisy, **parallel)
   if window:
@@ -76,8 +84,10 @@ def test_iterating_a_dataset_twice_gives_two_epochs_in_different_orders():
   assert flat(first) == flat(second) == list(range(NUM_RECORDS))
   assert xs(first) != xs(second)
   # Each iteration's per-record seeds differ too: fresh augmentation.
-  assert not np.allclose(sorted(np.concatenate([b["y"] for b in first])),
-                         sorted(np.concatenate([b["y"] for b in second])))
+  assert not np.allclose(
+    sorted(np.concatenate([b["y"] for b in first])),
+    sorted(np.concatenate([b["y"] for b in second])),
+  )
   # The orders are a function of the seed and the iteration: a new Dataset
   # gives them again.
   again = pipeline()
@@ -113,7 +123,7 @@ def test_repeat_gives_each_repetition_its_own_order_and_resumes():
   ds = pipeline().repeat(3)
   batches = list(ds)
   per_epoch = NUM_RECORDS // BATCH
-  epochs = [xs(batches[i * per_epoch:(i + 1) * per_epoch]) for i in range(3)]
+  epochs = [xs(batches[i * per_epoch : (i + 1) * per_epoch]) for i in range(3)]
   assert epochs[0] != epochs[1] != epochs[2]
   it = pipeline().repeat(3).make_iterator()
   for _ in range(per_epoch + 1):
@@ -122,7 +132,7 @@ def test_repeat_gives_each_repetition_its_own_order_and_resumes():
   it.close()
   resumed = pipeline().repeat(3).make_iterator()
   resumed.set_state(state)
-  assert_same(list(resumed), batches[per_epoch + 1:])
+  assert_same(list(resumed), batches[per_epoch + 1 :])
 
 
 def test_endless_sampler_reads_the_same_stream_every_iteration():
@@ -150,12 +160,12 @@ def test_shards_of_two_hosts_cover_each_iteration_once_between_them():
 def test_a_second_epoch_resumes_on_another_number_of_processes():
   def hosts(count):
     return [pipeline(shard_options=ShardOptions(h, count)) for h in range(count)]
+
   old = hosts(2)
   for ds in old:
     list(ds)
   iterators = [ds.make_iterator() for ds in old]  # the second epoch
-  taken = [flat([next(it) for _ in range(steps)])
-           for it, steps in zip(iterators, (1, 2))]
+  taken = [flat([next(it) for _ in range(steps)]) for it, steps in zip(iterators, (1, 2))]
   states = [json.loads(json.dumps(it.get_state())) for it in iterators]
   rest_of_old_run = [flat(it) for it in iterators]
   for it in iterators:
@@ -181,13 +191,18 @@ def test_a_second_epoch_resumes_on_another_number_of_processes():
 
 def test_mixture_reshuffles_its_components_each_iteration():
   def build():
-    parts = [Dataset.from_source(
+    parts = [
+      Dataset.from_source(
         jaxfeed.ArraySource({"x": np.arange(n) + offset}),
-        IndexSampler(n, shuffle=True, seed=offset)) for n, offset in
-             ((20, 0), (10, 100))]
+        IndexSampler(n, shuffle=True, seed=offset),
+      )
+      for n, offset in ((20, 0), (10, 100))
+    ]
     return Dataset.mix(parts, [2, 1], seed=1)
+
   def values(iterable):
     return [int(x["x"]) for x in iterable]
+
   reference = build()
   runs = [values(reference) for _ in range(4)]
   assert runs[0] != runs[1] and sorted(runs[0]) == sorted(runs[1])
@@ -298,8 +313,9 @@ def test_loader_epochs_on_worker_processes_are_those_of_one_thread():
 
 
 def _save_batches(batches, path):
-  np.savez(path, count=len(batches),
-           **{f"{i}_{k}": v for i, b in enumerate(batches) for k, v in b.items()})
+  np.savez(
+    path, count=len(batches), **{f"{i}_{k}": v for i, b in enumerate(batches) for k, v in b.items()}
+  )
 
 
 def main(argv):
@@ -324,11 +340,13 @@ def test_loader_resumes_the_second_epoch_after_a_process_restart(tmp_path):
     state_path = tmp_path / "state.json"
     state_path.write_text(json.dumps(loader.get_state()))
   out = tmp_path / "rest.npz"
-  subprocess.run([sys.executable, os.path.abspath(__file__), "--state",
-                  str(state_path), "--out", str(out)], check=True, timeout=240)
+  subprocess.run(
+    [sys.executable, os.path.abspath(__file__), "--state", str(state_path), "--out", str(out)],
+    check=True,
+    timeout=240,
+  )
   with np.load(out) as data:
-    got = [{k: data[f"{i}_{k}"] for k in ("x", "y")}
-           for i in range(int(data["count"]))]
+    got = [{k: data[f"{i}_{k}"] for k in ("x", "y")} for i in range(int(data["count"]))]
   assert_same(got, epochs[1][2:] + epochs[2])
 
 

@@ -39,23 +39,24 @@ CUTS = [0, 1, 2, 3, 25, 26, 27, 50, "end"]
 def _records():
   rng = np.random.default_rng(0)
   return {
-      "image": rng.integers(0, 256, (NUM_RECORDS, 4, 4, 3), dtype=np.uint8),
-      "label": np.arange(NUM_RECORDS, dtype=np.int32),
+    "image": rng.integers(0, 256, (NUM_RECORDS, 4, 4, 3), dtype=np.uint8),
+    "label": np.arange(NUM_RECORDS, dtype=np.int32),
   }
 
 
 def normalize(record):
-  return {"image": record["image"].astype(np.float32) / 255.0,
-          "label": record["label"]}
+  return {"image": record["image"].astype(np.float32) / 255.0, "label": record["label"]}
 
 
 def augment(element, rng):
   image = element["image"]
   if rng.random() < 0.5:
     image = image[:, ::-1]
-  return {"image": image + rng.normal(0, 0.01, image.shape).astype(np.float32),
-          "label": element["label"],
-          "noise": rng.integers(0, 1 << 30)}
+  return {
+    "image": image + rng.normal(0, 0.01, image.shape).astype(np.float32),
+    "label": element["label"],
+    "noise": rng.integers(0, 1 << 30),
+  }
 
 
 def keep(element):
@@ -64,8 +65,7 @@ def keep(element):
 
 def build_pipeline(num_parallel_calls, shuffle_seed=5, variant="main"):
   """The pipeline under test, or a variant that differs in one op."""
-  sampler = jaxfeed.IndexSampler(NUM_RECORDS, shuffle=True, seed=17,
-                                 num_epochs=2)
+  sampler = jaxfeed.IndexSampler(NUM_RECORDS, shuffle=True, seed=17, num_epochs=2)
   ds = Dataset.from_source(jaxfeed.ArraySource(_records()), sampler)
   ds = ds.map(normalize, num_parallel_calls=num_parallel_calls)
   ds = ds.random_map(augment, num_parallel_calls=num_parallel_calls, seed=3)
@@ -159,10 +159,19 @@ def restored_in_new_process(uninterrupted, tmp_path_factory):
     states_path = tmp / "states.json"
     states_path.write_text(json.dumps(states))
     subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--states",
-         str(states_path), "--out_dir", str(tmp), "--num_parallel_calls",
-         str(num_parallel_calls or 0)],
-        check=True, timeout=240)
+      [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--states",
+        str(states_path),
+        "--out_dir",
+        str(tmp),
+        "--num_parallel_calls",
+        str(num_parallel_calls or 0),
+      ],
+      check=True,
+      timeout=240,
+    )
     for cut in CUTS:
       results[num_parallel_calls, cut] = _load_batches(tmp / f"cut_{cut}.npz")
   return results
@@ -173,8 +182,7 @@ def test_pipeline_yields_two_epochs_of_kept_records(uninterrupted):
   labels = np.concatenate([b["label"] for b in batches])
   kept = [i for i in range(NUM_RECORDS) if i % 7 != 3]
   assert sorted(labels.tolist()) == sorted(kept * 2)
-  assert len(batches) == -(-len(labels) // BATCH_SIZE) > max(
-      c for c in CUTS if c != "end")
+  assert len(batches) == -(-len(labels) // BATCH_SIZE) > max(c for c in CUTS if c != "end")
 
 
 def test_parallel_maps_yield_the_sequential_batches(uninterrupted):
@@ -184,16 +192,18 @@ def test_parallel_maps_yield_the_sequential_batches(uninterrupted):
 @pytest.mark.parametrize("num_parallel_calls", PARALLELISM)
 @pytest.mark.parametrize("cut", CUTS)
 def test_new_process_resumes_with_the_uninterrupted_batches(
-    restored_in_new_process, uninterrupted, num_parallel_calls, cut):
+  restored_in_new_process, uninterrupted, num_parallel_calls, cut
+):
   expected = uninterrupted[num_parallel_calls]
   ours = restored_in_new_process[num_parallel_calls, cut]
-  _assert_same_batches(ours, expected[_cut_steps(cut, len(expected)):])
+  _assert_same_batches(ours, expected[_cut_steps(cut, len(expected)) :])
 
 
 @pytest.mark.parametrize("num_parallel_calls", PARALLELISM)
 @pytest.mark.parametrize("cut", [3, 27])
 def test_same_process_resumes_with_the_uninterrupted_batches(
-    uninterrupted, num_parallel_calls, cut):
+  uninterrupted, num_parallel_calls, cut
+):
   threads_before = set(threading.enumerate())
   with build_pipeline(num_parallel_calls).make_iterator() as it:
     for _ in range(cut):
@@ -207,16 +217,18 @@ def test_same_process_resumes_with_the_uninterrupted_batches(
   _assert_same_batches(ours, uninterrupted[num_parallel_calls][cut:])
   # The process's op-stats sampler outlives pipelines by op_stats.LINGER_S
   # (the module's leak check waits for it, as tests/ops' new_threads does).
-  assert {t for t in threading.enumerate()
-          if t.name != op_stats.THREAD_NAME} <= threads_before
+  assert {t for t in threading.enumerate() if t.name != op_stats.THREAD_NAME} <= threads_before
 
 
-@pytest.mark.parametrize("other", [
+@pytest.mark.parametrize(
+  "other",
+  [
     dict(variant="no_shuffle"),
     dict(variant="no_filter"),
     dict(variant="padded_batch"),
     dict(shuffle_seed=6),
-])
+  ],
+)
 def test_state_of_a_different_pipeline_raises_pipeline_state_error(other):
   with build_pipeline(None).make_iterator() as it:
     for _ in range(3):

@@ -40,7 +40,7 @@ def import_graph(root: pathlib.Path, package: str) -> dict[str, set[str]]:
       elif isinstance(node, ast.ImportFrom):
         origin = node.module or ""
         if node.level:  # relative: from the module's own package upwards
-          base = name.split(".")[:len(name.split(".")) - node.level + is_package]
+          base = name.split(".")[: len(name.split(".")) - node.level + is_package]
           origin = ".".join(base + ([origin] if origin else []))
         for alias in node.names:
           submodule = f"{origin}.{alias.name}"
@@ -87,15 +87,26 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_jaxfeed_has_no_import_cycles():
   cycles = import_cycles(import_graph(PACKAGE_DIR, "jaxfeed"))
   assert not cycles, (
-      "jaxfeed modules import each other in a cycle (imports inside functions "
-      f"count too); move the shared code to the layer on the left: {cycles}")
+    "jaxfeed modules import each other in a cycle (imports inside functions "
+    f"count too); move the shared code to the layer on the left: {cycles}"
+  )
 
 
 # DESIGN.md's data path, left to right; the Dataset facade belongs to the op
 # graph. A module imports only from its own layer and the layers to its left.
-_LAYERS = {"sources": 0, "seeding": 0, "sampler": 1, "resharded_sampler": 1,
-           "ops": 2, "dataset": 2, "dataset_batching": 2, "dataset_sources": 2,
-           "service": 3, "device": 4}
+_LAYERS = {
+  "sources": 0,
+  "seeding": 0,
+  "sampler": 1,
+  "sampler_replacement": 1,
+  "resharded_sampler": 1,
+  "ops": 2,
+  "dataset": 2,
+  "dataset_batching": 2,
+  "dataset_sources": 2,
+  "service": 3,
+  "device": 4,
+}
 
 
 def _layer(module: str) -> int | None:
@@ -106,9 +117,11 @@ def _layer(module: str) -> int | None:
 def test_layers_import_only_from_their_left():
   graph = import_graph(PACKAGE_DIR, "jaxfeed")
   rightward = sorted(
-      (module, target) for module, targets in graph.items() for target in targets
-      if _layer(module) is not None and _layer(target) is not None
-      and _layer(target) > _layer(module))
+    (module, target)
+    for module, targets in graph.items()
+    for target in targets
+    if _layer(module) is not None and _layer(target) is not None and _layer(target) > _layer(module)
+  )
   assert not rightward, f"imports from a layer to the right (module, target): {rightward}"
 
 
@@ -116,8 +129,15 @@ def test_layers_import_only_from_their_left():
 # protocol); the dispatcher's storage, the pools its workers run in and the
 # metrics; then the worker, the dispatcher and the client (in the trainer).
 # A module imports only from its own part and the parts at lower levels.
-_SERVICE_PARTS = {"protocol": 0, "storage": 1, "pools": 1, "metrics": 1,
-                  "worker": 2, "dispatcher": 3, "client": 4}
+_SERVICE_PARTS = {
+  "protocol": 0,
+  "storage": 1,
+  "pools": 1,
+  "metrics": 1,
+  "worker": 2,
+  "dispatcher": 3,
+  "client": 4,
+}
 
 
 def _service_part(module: str) -> str | None:
@@ -127,18 +147,21 @@ def _service_part(module: str) -> str | None:
 
 def test_every_service_module_belongs_to_a_part():
   graph = import_graph(PACKAGE_DIR, "jaxfeed")
-  unplaced = sorted(m for m in graph
-                    if _service_part(m) not in (None, *_SERVICE_PARTS))
+  unplaced = sorted(m for m in graph if _service_part(m) not in (None, *_SERVICE_PARTS))
   assert not unplaced, f"place these in _SERVICE_PARTS (a folder of the service): {unplaced}"
 
 
 def test_service_parts_import_only_from_their_left():
   graph = import_graph(PACKAGE_DIR, "jaxfeed")
   wrong = sorted(
-      (module, target) for module, targets in graph.items() for target in targets
-      if _service_part(module) in _SERVICE_PARTS and _service_part(target) in _SERVICE_PARTS
-      and _service_part(target) != _service_part(module)
-      and _SERVICE_PARTS[_service_part(target)] >= _SERVICE_PARTS[_service_part(module)])
+    (module, target)
+    for module, targets in graph.items()
+    for target in targets
+    if _service_part(module) in _SERVICE_PARTS
+    and _service_part(target) in _SERVICE_PARTS
+    and _service_part(target) != _service_part(module)
+    and _SERVICE_PARTS[_service_part(target)] >= _SERVICE_PARTS[_service_part(module)]
+  )
   assert not wrong, f"service parts importing a part not to their left (module, target): {wrong}"
 
 
@@ -160,7 +183,8 @@ def test_a_cycle_through_an_import_inside_a_function_is_found(tmp_path):
   (package / "sub" / "__init__.py").write_text("from pkg.sub import low\n")
   (package / "top.py").write_text("from pkg.sub import low\n")
   (package / "sub" / "low.py").write_text(
-      "import os\n\ndef late():\n  from .. import top\n  return top\n")
+    "import os\n\ndef late():\n  from .. import top\n  return top\n"
+  )
   (package / "alone.py").write_text("from pkg import sub\n")
   graph = import_graph(package, "pkg")
   assert graph["pkg.sub.low"] == {"pkg.top"}

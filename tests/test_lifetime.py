@@ -40,18 +40,24 @@ _PARENT = textwrap.dedent("""
     time.sleep(600)
 """)
 _READY = "print('ready', flush=True); time.sleep(600)"
-_CHILD_FROM_ENV = ("from jaxfeed import _lifetime; import time; "
-                   f"_lifetime.die_with_parent_from_env(); {_READY}")
-_CHILD_DEATHSIG_ONLY = ("from jaxfeed import _lifetime; import time; "
-                        f"assert _lifetime.set_parent_death_signal(); {_READY}")
-_CHILD_WATCH_ONLY = ("import os, time; from jaxfeed import _lifetime; "
-                     "_lifetime.die_with_parent(os.getppid(), deathsig=False, poll_s=0.1); "
-                     f"{_READY}")
+_CHILD_FROM_ENV = (
+  f"from jaxfeed import _lifetime; import time; _lifetime.die_with_parent_from_env(); {_READY}"
+)
+_CHILD_DEATHSIG_ONLY = (
+  "from jaxfeed import _lifetime; import time; "
+  f"assert _lifetime.set_parent_death_signal(); {_READY}"
+)
+_CHILD_WATCH_ONLY = (
+  "import os, time; from jaxfeed import _lifetime; "
+  "_lifetime.die_with_parent(os.getppid(), deathsig=False, poll_s=0.1); "
+  f"{_READY}"
+)
 
 
 def _start_parent(how: str, child: str) -> tuple[subprocess.Popen, psutil.Process]:
-  parent = subprocess.Popen([sys.executable, "-c", _PARENT, how, child],
-                            stdout=subprocess.PIPE, text=True)
+  parent = subprocess.Popen(
+    [sys.executable, "-c", _PARENT, how, child], stdout=subprocess.PIPE, text=True
+  )
   child_pid = int(parent.stdout.readline())
   return parent, psutil.Process(child_pid)
 
@@ -75,11 +81,15 @@ def _kill(parent: subprocess.Popen, child: psutil.Process) -> None:
     pass
 
 
-@pytest.mark.parametrize("how, child", [
+@pytest.mark.parametrize(
+  "how, child",
+  [
     ("popen_from_a_thread_that_ends", _CHILD_FROM_ENV),
     ("popen_from_a_thread_that_ends", _CHILD_DEATHSIG_ONLY),
     ("plain", _CHILD_WATCH_ONLY),
-], ids=["deathsig_and_watch", "deathsig_only", "watch_only"])
+  ],
+  ids=["deathsig_and_watch", "deathsig_only", "watch_only"],
+)
 def test_a_child_ends_with_its_sigkilled_parent(how, child):
   parent, process = _start_parent(how, child)
   try:
@@ -92,15 +102,22 @@ def test_a_child_ends_with_its_sigkilled_parent(how, child):
 
 
 def test_a_child_whose_parent_died_before_it_watched_ends_at_once():
-  child = subprocess.Popen([sys.executable, "-c",
-                            "from jaxfeed import _lifetime; import time; "
-                            "_lifetime.die_with_parent(1); time.sleep(600)"])
+  child = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      "from jaxfeed import _lifetime; import time; _lifetime.die_with_parent(1); time.sleep(600)",
+    ]
+  )
   # Its parent is this process, not pid 1: as if pid 1 had died meanwhile.
   assert child.wait(timeout=30) == -signal.SIGKILL
 
 
 def test_popen_names_this_process_to_the_child_and_run_returns_its_output():
-  result = _lifetime.run([sys.executable, "-c", f"import os; print(os.environ["
-                          f"{_lifetime.PARENT_PID_ENV!r}])"],
-                         stdout=subprocess.PIPE, text=True, timeout=30)
+  result = _lifetime.run(
+    [sys.executable, "-c", f"import os; print(os.environ[{_lifetime.PARENT_PID_ENV!r}])"],
+    stdout=subprocess.PIPE,
+    text=True,
+    timeout=30,
+  )
   assert int(result.stdout) == os.getpid() and result.returncode == 0

@@ -46,15 +46,16 @@ def no_leaked_threads():
   gc.collect()
   deadline = time.monotonic() + 10
   while set(threading.enumerate()) - before:
-    assert time.monotonic() < deadline, (
-        f"leaked threads: {set(threading.enumerate()) - before}")
+    assert time.monotonic() < deadline, f"leaked threads: {set(threading.enumerate()) - before}"
     time.sleep(0.01)
 
 
 def rows() -> dict[str, np.ndarray]:
   n = num_rows()
-  return {"image": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3),
-          "label": np.arange(n, dtype=np.int32)}
+  return {
+    "image": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3),
+    "label": np.arange(n, dtype=np.int32),
+  }
 
 
 def add_one(element):
@@ -65,10 +66,12 @@ def pipeline(batch_size: int | None = None, seed: int = 3) -> jaxfeed.Dataset:
   """Shuffled, mapped, batched: every op has state a resume must restore.
 
   The batch size defaults to `batch_of(16)`: 16 in CI, NUM_BATCHES batches."""
-  return (jaxfeed.Dataset.from_tensor_slices(rows())
-          .shuffle(20, seed=seed)
-          .map(add_one)
-          .batch(batch_size or batch_of(16), drop_remainder=True))
+  return (
+    jaxfeed.Dataset.from_tensor_slices(rows())
+    .shuffle(20, seed=seed)
+    .map(add_one)
+    .batch(batch_size or batch_of(16), drop_remainder=True)
+  )
 
 
 def host_batches(dataset: jaxfeed.Dataset) -> list[dict]:
@@ -111,8 +114,7 @@ def test_default_sharding_splits_batch_over_all_devices(prefetch):
       assert batch[key].devices() == set(jax.devices())
       assert {d.platform for d in batch[key].devices()} == {jax.default_backend()}
       assert len(batch[key].addressable_shards) == jax.device_count()
-      assert all(s.data.shape[0] == rows_per_device
-                 for s in batch[key].addressable_shards)
+      assert all(s.data.shape[0] == rows_per_device for s in batch[key].addressable_shards)
       assert_shards_match(batch[key], host[key])
 
 
@@ -135,13 +137,21 @@ def with_count(batch):
 
 def test_pytree_of_shardings_and_replicated_scalars():
   mesh = mesh_2d()
-  shardings = {"image": NamedSharding(mesh, P("data", None, "model")),
-               "label": NamedSharding(mesh, P(("data", "model"))),
-               "count": NamedSharding(mesh, P())}
-  dataset = (jaxfeed.Dataset.from_tensor_slices(
-      {"image": np.arange(16 * 2 * 4, dtype=np.float32).reshape(16, 2, 4),
-       "label": np.arange(16, dtype=np.int32)})
-             .batch(8).map(with_count, batched=True))
+  shardings = {
+    "image": NamedSharding(mesh, P("data", None, "model")),
+    "label": NamedSharding(mesh, P(("data", "model"))),
+    "count": NamedSharding(mesh, P()),
+  }
+  dataset = (
+    jaxfeed.Dataset.from_tensor_slices(
+      {
+        "image": np.arange(16 * 2 * 4, dtype=np.float32).reshape(16, 2, 4),
+        "label": np.arange(16, dtype=np.int32),
+      }
+    )
+    .batch(8)
+    .map(with_count, batched=True)
+  )
   want = host_batches(dataset)
   with jaxfeed.Loader(dataset, sharding=shardings) as loader:
     got = list(loader)
@@ -226,8 +236,7 @@ def test_orbax_save_restore_of_model_and_loader_resumes_identically(tmp_path, pr
       next(loader)  # Progress after the save is not part of the checkpoint.
     manager.wait_until_finished()
     with jaxfeed.Loader(pipeline(), prefetch=prefetch) as resumed:
-      restored = jaxfeed.restore_checkpoint(manager, None, resumed,
-                                            model_state=model_state())
+      restored = jaxfeed.restore_checkpoint(manager, None, resumed, model_state=model_state())
       assert resumed.get_state()["batches"] == 2
       rest = [to_host(b) for b in resumed]
   np.testing.assert_array_equal(restored["w"], np.full((4, 2), 1.5))
@@ -239,14 +248,16 @@ def test_orbax_composite_with_loader_items(tmp_path):
     with jaxfeed.Loader(pipeline()) as loader:
       next(loader)
       saved = loader.get_state()
-      manager.save(1, args=ocp.args.Composite(
-          model=ocp.args.StandardSave(model_state(2.0)),
-          loader=jaxfeed.LoaderSave(loader)))
+      manager.save(
+        1,
+        args=ocp.args.Composite(
+          model=ocp.args.StandardSave(model_state(2.0)), loader=jaxfeed.LoaderSave(loader)
+        ),
+      )
       manager.wait_until_finished()
       files = sorted(p.name for p in (tmp_path / "ckpt" / "1" / "loader").iterdir())
       assert "process_0-of-1.json" in files
-      restored = manager.restore(1, args=ocp.args.Composite(
-          loader=jaxfeed.LoaderRestore()))
+      restored = manager.restore(1, args=ocp.args.Composite(loader=jaxfeed.LoaderRestore()))
   assert restored["loader"] == saved
 
 
@@ -257,8 +268,9 @@ def test_orbax_restore_with_other_process_count_names_missing_files(tmp_path):
       manager.wait_until_finished()
       loader_dir = tmp_path / "ckpt" / "0" / "loader"
       (loader_dir / "process_0-of-1.json").rename(loader_dir / "process_0-of-2.json")
-      with pytest.raises(FileNotFoundError,
-                         match=r"written by 2 JAX processes.*process_1-of-2.json"):
+      with pytest.raises(
+        FileNotFoundError, match=r"written by 2 JAX processes.*process_1-of-2.json"
+      ):
         jaxfeed.restore_checkpoint(manager, 0, loader, model_state=model_state())
 
 
@@ -290,9 +302,17 @@ def test_stats_split_wait_and_model_time():
   with jaxfeed.Loader(pipeline(), prefetch=2) as loader:
     stats = loader.stats()
     assert [row["op"] for row in stats.pop("ops")] == [
-        "from_tensor_slices", "shuffle", "map", "batch"]
-    assert stats == {"batches": 0, "wait_seconds": 0.0,
-                     "model_seconds": 0.0, "input_bound_fraction": 0.0}
+      "from_tensor_slices",
+      "shuffle",
+      "map",
+      "batch",
+    ]
+    assert stats == {
+      "batches": 0,
+      "wait_seconds": 0.0,
+      "model_seconds": 0.0,
+      "input_bound_fraction": 0.0,
+    }
     next(loader)
     for _ in range(3):
       time.sleep(0.05)  # The "model step" between batches.
@@ -302,7 +322,8 @@ def test_stats_split_wait_and_model_time():
   assert stats["model_seconds"] >= 0.15
   assert stats["wait_seconds"] > 0.0
   assert stats["input_bound_fraction"] == pytest.approx(
-      stats["wait_seconds"] / (stats["wait_seconds"] + stats["model_seconds"]))
+    stats["wait_seconds"] / (stats["wait_seconds"] + stats["model_seconds"])
+  )
 
 
 def sleepy_add_one(x):
@@ -311,9 +332,14 @@ def sleepy_add_one(x):
 
 
 def test_report_says_input_bound_and_names_the_slow_op(capsys):
-  dataset = (jaxfeed.Dataset.range(100_000).map(np.negative).map(np.negative)
-             .map(sleepy_add_one, num_parallel_calls=2).batch(batch_of(8))
-             .prefetch(1))
+  dataset = (
+    jaxfeed.Dataset.range(100_000)
+    .map(np.negative)
+    .map(np.negative)
+    .map(sleepy_add_one, num_parallel_calls=2)
+    .batch(batch_of(8))
+    .prefetch(1)
+  )
   with jaxfeed.Loader(dataset, prefetch=1) as loader:
     deadline = time.monotonic() + 60
     # Until the slow map has worked half a second and the sampler (10 looks
@@ -363,8 +389,7 @@ def failing_decode(element):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_pipeline_exception_reaches_the_training_loop(prefetch):
-  dataset = (jaxfeed.Dataset.from_tensor_slices(rows()).map(failing_decode)
-             .batch(batch_of(8)))
+  dataset = jaxfeed.Dataset.from_tensor_slices(rows()).map(failing_decode).batch(batch_of(8))
   with jaxfeed.Loader(dataset, prefetch=prefetch) as loader:
     for _ in range(FAIL_AT_BATCH):
       next(loader)
@@ -389,8 +414,7 @@ def test_batch_size_not_divisible_by_devices_is_a_clear_error():
 
 
 @pytest.mark.parametrize("batch_size", [4, 12, 16])
-def test_default_sharding_fails_exactly_on_batch_sizes_the_devices_do_not_divide(
-    batch_size):
+def test_default_sharding_fails_exactly_on_batch_sizes_the_devices_do_not_divide(batch_size):
   # 4 and 12 fail over 8 CPU devices; over 1 GPU every size fits.
   n = jax.device_count()
   dataset = jaxfeed.Dataset.from_tensor_slices(rows()).batch(batch_size)
@@ -418,8 +442,7 @@ def test_unknown_end_of_input_policy_is_rejected():
 @pytest.mark.parametrize("end_of_input", ["stop_at_shortest", "pad"])
 def test_end_of_input_policy_changes_nothing_in_one_process(end_of_input):
   # No other process to agree with: no mask leaf, no padding, same batches.
-  with jaxfeed.Loader(pipeline(), end_of_input=end_of_input,
-                      pad_to_common_shape=True) as loader:
+  with jaxfeed.Loader(pipeline(), end_of_input=end_of_input, pad_to_common_shape=True) as loader:
     got = [to_host(batch) for batch in loader]
   assert_batches_equal(got, host_batches(pipeline()))
 
@@ -427,8 +450,9 @@ def test_end_of_input_policy_changes_nothing_in_one_process(end_of_input):
 # -- a partial batch in one process -----------------------------------------------------
 def twenty_in_eights(repeat: int = 1) -> jaxfeed.Dataset:
   """20 records in batches of 8 (one per CPU device): 8, 8 and a partial 4."""
-  return (jaxfeed.Dataset.from_tensor_slices({"x": np.arange(20, dtype=np.int32)})
-          .batch(8).repeat(repeat))
+  return (
+    jaxfeed.Dataset.from_tensor_slices({"x": np.arange(20, dtype=np.int32)}).batch(8).repeat(repeat)
+  )
 
 
 def loaded(loader: jaxfeed.Loader) -> list[dict]:
@@ -439,8 +463,10 @@ def loaded(loader: jaxfeed.Loader) -> list[dict]:
 def test_a_partial_batch_in_one_process_is_dropped_by_default():
   # 4 rows cannot be split over 8 devices: before partial_batch, the epoch
   # ended in an error instead.
-  for loader in (jaxfeed.Loader(twenty_in_eights()),
-                 jaxfeed.Loader(twenty_in_eights(), partial_batch="drop")):
+  for loader in (
+    jaxfeed.Loader(twenty_in_eights()),
+    jaxfeed.Loader(twenty_in_eights(), partial_batch="drop"),
+  ):
     assert loaded(loader) == [{"x": list(range(8))}, {"x": list(range(8, 16))}]
   # Mid-stream too (batch, then repeat): only the partial steps go.
   assert [b["x"][0] for b in loaded(jaxfeed.Loader(twenty_in_eights(2)))] == [0, 8, 0, 8]
@@ -449,18 +475,22 @@ def test_a_partial_batch_in_one_process_is_dropped_by_default():
 def test_a_partial_batch_in_one_process_is_padded_to_full_size_with_a_mask():
   batches = loaded(jaxfeed.Loader(twenty_in_eights(), partial_batch="pad"))
   assert batches == [
-      {"x": list(range(8)), "mask": [True] * 8},
-      {"x": list(range(8, 16)), "mask": [True] * 8},
-      {"x": [16, 17, 18, 19, 0, 0, 0, 0], "mask": [True] * 4 + [False] * 4}]
+    {"x": list(range(8)), "mask": [True] * 8},
+    {"x": list(range(8, 16)), "mask": [True] * 8},
+    {"x": [16, 17, 18, 19, 0, 0, 0, 0], "mask": [True] * 4 + [False] * 4},
+  ]
 
 
 def test_a_partial_batch_in_one_process_is_an_error_naming_step_and_shape():
   with jaxfeed.Loader(twenty_in_eights(), partial_batch="error") as loader:
     assert len([next(loader), next(loader)]) == 2
-    with pytest.raises(ValueError, match=r"partial_batch='error'\): the batch of "
-                       r"process\(es\) \[0\] at step 2 is partial: leaf \['x'\] has "
-                       r"local shape and dtype \(4,\) int32 on process 0, and a "
-                       r"complete batch has 8 rows"):
+    with pytest.raises(
+      ValueError,
+      match=r"partial_batch='error'\): the batch of "
+      r"process\(es\) \[0\] at step 2 is partial: leaf \['x'\] has "
+      r"local shape and dtype \(4,\) int32 on process 0, and a "
+      r"complete batch has 8 rows",
+    ):
       next(loader)
 
 
@@ -476,10 +506,13 @@ def test_a_loader_dropping_a_partial_batch_resumes_and_starts_the_next_epoch():
   assert state["batches"] == 1
 
 
-@pytest.mark.parametrize("args,error", [
+@pytest.mark.parametrize(
+  "args,error",
+  [
     ({"partial_batch": "fill"}, "partial_batch must be one of"),
-    ({"partial_batch": "drop", "end_of_input": "pad"},
-     "partial_batch='drop' drops the steps")])
+    ({"partial_batch": "drop", "end_of_input": "pad"}, "partial_batch='drop' drops the steps"),
+  ],
+)
 def test_partial_batch_values_are_checked(args, error):
   with pytest.raises(ValueError, match=error):
     jaxfeed.Loader(twenty_in_eights(), **args)
@@ -488,8 +521,9 @@ def test_partial_batch_values_are_checked(args, error):
 def test_padding_needs_dict_batches_for_its_mask():
   dataset = jaxfeed.Dataset.from_tensor_slices((np.arange(12),)).batch(8)
   with jaxfeed.Loader(dataset, partial_batch="pad") as loader:
-    with pytest.raises(TypeError, match="padded batches must be dicts to carry "
-                       "the 'mask' mask leaf, got tuple"):
+    with pytest.raises(
+      TypeError, match="padded batches must be dicts to carry the 'mask' mask leaf, got tuple"
+    ):
       next(loader)
 
 
@@ -511,7 +545,6 @@ class StatefulBatches:
 
 
 class StatefulBatchIterator:
-
   def __init__(self):
     self.position = 0
 
@@ -541,8 +574,9 @@ def test_iterable_with_state_methods_resumes():
 
 # -- lifetime -------------------------------------------------------------------------
 def threaded_pipeline() -> jaxfeed.Dataset:
-  return (jaxfeed.Dataset.from_tensor_slices(rows())
-          .map(add_one, num_parallel_calls=2).batch(batch_of(8)))
+  return (
+    jaxfeed.Dataset.from_tensor_slices(rows()).map(add_one, num_parallel_calls=2).batch(batch_of(8))
+  )
 
 
 def test_close_is_idempotent_and_stops_iteration():
@@ -568,9 +602,16 @@ def test_unclosed_loader_releases_threads_on_gc():
 
 
 def test_loader_is_exported_with_checkpoint_helpers():
-  for name in ("Loader", "DevicePrefetcher", "batch_sharding", "LoaderSave",
-               "LoaderRestore", "LoaderCheckpointHandler", "save_checkpoint",
-               "restore_checkpoint"):
+  for name in (
+    "Loader",
+    "DevicePrefetcher",
+    "batch_sharding",
+    "LoaderSave",
+    "LoaderRestore",
+    "LoaderCheckpointHandler",
+    "save_checkpoint",
+    "restore_checkpoint",
+  ):
     assert name in dir(jaxfeed)
     assert getattr(jaxfeed, name) is not None
 
@@ -597,7 +638,8 @@ def test_pipeline_that_reads_ahead_is_placed_inline_on_cpu_devices(ends_in_prefe
 
 def test_injected_prefetch_counts_as_reading_ahead():
   options = jaxfeed.Options(inject_prefetch=True)
-  with jaxfeed.Loader(pipeline().with_options(options),
-                      sharding=cpu_batch_sharding(), prefetch=2) as loader:
+  with jaxfeed.Loader(
+    pipeline().with_options(options), sharding=cpu_batch_sharding(), prefetch=2
+  ) as loader:
     next(loader)
     assert not device_prefetch_threads()

@@ -51,8 +51,11 @@ def jaxfeed_has(name: str) -> bool:
   assert parts[0] == "jaxfeed", name
   value = jaxfeed
   for i, part in enumerate(parts[1:], start=1):
-    if (i == len(parts) - 1 and dataclasses.is_dataclass(value)
-        and part in {f.name for f in dataclasses.fields(value)}):
+    if (
+      i == len(parts) - 1
+      and dataclasses.is_dataclass(value)
+      and part in {f.name for f in dataclasses.fields(value)}
+    ):
       return True
     if not hasattr(value, part):
       return False
@@ -62,7 +65,7 @@ def jaxfeed_has(name: str) -> bool:
 
 def peers(rows: list[Row], prefix: str) -> set[str]:
   """The names after `prefix` in the peer column (`Dataset.map` -> map)."""
-  return {row.peer[len(prefix):] for row in rows if row.peer.startswith(prefix)}
+  return {row.peer[len(prefix) :] for row in rows if row.peer.startswith(prefix)}
 
 
 def public(names) -> set[str]:
@@ -78,8 +81,10 @@ def test_every_row_says_same_differs_or_missing_and_its_jaxfeed_name_agrees(page
     if row.status not in STATUSES:
       wrong.append(f"{row.where}: status {row.status!r} is none of {STATUSES}")
     elif (row.status == "missing") == jaxfeed_has(row.jaxfeed):
-      wrong.append(f"{row.where}: {row.jaxfeed} is marked {row.status} but "
-                   f"{'exists' if jaxfeed_has(row.jaxfeed) else 'does not exist'}")
+      wrong.append(
+        f"{row.where}: {row.jaxfeed} is marked {row.status} but "
+        f"{'exists' if jaxfeed_has(row.jaxfeed) else 'does not exist'}"
+      )
   assert not wrong, "\n".join(wrong)
 
 

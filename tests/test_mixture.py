@@ -22,21 +22,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def component(i, num_epochs=1, size=None):
-  return jaxfeed.IndexSampler(SIZES[i] if size is None else size, shuffle=True,
-                              seed=10 + i, num_epochs=num_epochs)
+  return jaxfeed.IndexSampler(
+    SIZES[i] if size is None else size, shuffle=True, seed=10 + i, num_epochs=num_epochs
+  )
 
 
 def sources():
   # Component i's record r is 1000 * i + r, so outputs name their origin.
-  return [jaxfeed.ArraySource({"x": 1000 * i + np.arange(n)})
-          for i, n in enumerate(SIZES)]
+  return [jaxfeed.ArraySource({"x": 1000 * i + np.arange(n)}) for i, n in enumerate(SIZES)]
 
 
 def mixture(weights, shard=0, count=1, num_epochs=1, seed=5):
-  parts = [jaxfeed.Dataset.from_source(src, component(i, num_epochs))
-           for i, src in enumerate(sources())]
-  return jaxfeed.Dataset.mix(parts, weights, seed=seed,
-                             shard_options=jaxfeed.ShardOptions(shard, count))
+  parts = [
+    jaxfeed.Dataset.from_source(src, component(i, num_epochs)) for i, src in enumerate(sources())
+  ]
+  return jaxfeed.Dataset.mix(
+    parts, weights, seed=seed, shard_options=jaxfeed.ShardOptions(shard, count)
+  )
 
 
 def values(elements):
@@ -48,16 +50,21 @@ def take(iterator, count):
 
 
 def test_mixture_is_a_pure_function_of_seed_and_position():
-  code = ("import numpy as np; from jaxfeed.mixture import MixtureSampler; "
-          "import jaxfeed; c = [jaxfeed.IndexSampler(n, shuffle=True, seed=s, "
-          "num_epochs=None) for n, s in ((7, 1), (11, 2))]; "
-          "print(MixtureSampler(c, [0.6, 0.4], seed=9).get_many("
-          "np.arange(5000))[1].tolist())")
+  code = (
+    "import numpy as np; from jaxfeed.mixture import MixtureSampler; "
+    "import jaxfeed; c = [jaxfeed.IndexSampler(n, shuffle=True, seed=s, "
+    "num_epochs=None) for n, s in ((7, 1), (11, 2))]; "
+    "print(MixtureSampler(c, [0.6, 0.4], seed=9).get_many("
+    "np.arange(5000))[1].tolist())"
+  )
   here = MixtureSampler(
-      [jaxfeed.IndexSampler(n, shuffle=True, seed=s, num_epochs=None)
-       for n, s in ((7, 1), (11, 2))], [0.6, 0.4], seed=9)
-  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, check=True).stdout
+    [jaxfeed.IndexSampler(n, shuffle=True, seed=s, num_epochs=None) for n, s in ((7, 1), (11, 2))],
+    [0.6, 0.4],
+    seed=9,
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, check=True
+  ).stdout
   assert json.loads(out) == here.get_many(np.arange(5000))[1].tolist()
   # Lookups in any order and batching agree with the sequential order.
   positions = np.random.default_rng(0).permutation(5000)
@@ -65,8 +72,9 @@ def test_mixture_is_a_pure_function_of_seed_and_position():
   assert records.tolist() == [here[int(p)].record_index for p in positions]
 
 
-@pytest.mark.parametrize("weights", [[0.7, 0.3], [1, 2, 3], [0.05, 0.9, 0.05],
-                                     [1 / 3, 1 / 3, 1 / 3], [5, 0, 1]])
+@pytest.mark.parametrize(
+  "weights", [[0.7, 0.3], [1, 2, 3], [0.05, 0.9, 0.05], [1 / 3, 1 / 3, 1 / 3], [5, 0, 1]]
+)
 def test_proportions_hold_at_every_prefix(weights):
   parts = [jaxfeed.IndexSampler(10, num_epochs=None) for _ in weights]
   sampler = MixtureSampler(parts, weights, seed=3)
@@ -102,8 +110,10 @@ def test_shards_split_one_global_mixture():
 
 def read_run(weights, count, steps, batch=4, num_epochs=1):
   """Iterators of `count` shards after each read `steps[h]` batches."""
-  iterators = [mixture(weights, h, count, num_epochs).map(
-      lambda e: e).batch(batch).make_iterator() for h in range(count)]
+  iterators = [
+    mixture(weights, h, count, num_epochs).map(lambda e: e).batch(batch).make_iterator()
+    for h in range(count)
+  ]
   read = []
   for it, n in zip(iterators, steps):
     for _ in range(n):
@@ -114,16 +124,13 @@ def read_run(weights, count, steps, batch=4, num_epochs=1):
 @pytest.mark.parametrize("num_epochs", [1, 2])
 def test_resume_on_three_processes_reads_the_rest_exactly_once(num_epochs):
   weights = [0.5, 0.2, 0.3]
-  whole = collections.Counter(
-      values(mixture(weights, num_epochs=num_epochs)))
+  whole = collections.Counter(values(mixture(weights, num_epochs=num_epochs)))
   iterators, read = read_run(weights, 2, (3, 5), num_epochs=num_epochs)
-  state = reshard_loader_states(
-      [{"pipeline": it.get_state(), "batches": 4} for it in iterators])
+  state = reshard_loader_states([{"pipeline": it.get_state(), "batches": 4} for it in iterators])
   for it in iterators:
     it.close()
   for i in range(3):
-    resumed = mixture(weights, i, 3, num_epochs).map(
-        lambda e: e).batch(4).make_iterator()
+    resumed = mixture(weights, i, 3, num_epochs).map(lambda e: e).batch(4).make_iterator()
     resumed.set_state(state["pipeline"])
     read += [x for b in resumed for x in b["x"].tolist()]
     resumed.close()
@@ -154,8 +161,7 @@ def test_new_weights_apply_from_the_checkpoint_on():
     assert mine == expected
   # The history travels on: a later checkpoint resumes exactly.
   saved = resumed.get_state()
-  assert saved["own"]["mixture"]["segments"] == [[0, [8, 1, 1]],
-                                                 [50, [1, 1, 8]]]
+  assert saved["own"]["mixture"]["segments"] == [[0, [8, 1, 1]], [50, [1, 1, 8]]]
   again = mixture([0.1, 0.1, 0.8], num_epochs=None).make_iterator()
   again.set_state(saved)
   assert take(again, 100) == take(resumed, 100)
@@ -172,8 +178,7 @@ def test_new_weights_on_several_processes_need_their_merged_state():
   own.close()
   merged = reshard_states(states)
   for h in range(2):
-    resumed = mixture([0.2, 0.2, 0.6], h, 2).map(
-        lambda e: e).batch(4).make_iterator()
+    resumed = mixture([0.2, 0.2, 0.6], h, 2).map(lambda e: e).batch(4).make_iterator()
     resumed.set_state(merged)
     read += [x for b in resumed for x in b["x"].tolist()]
     resumed.close()
@@ -184,14 +189,17 @@ def test_new_weights_on_several_processes_need_their_merged_state():
     assert mine == sorted(component(i).get_many(np.arange(len(mine)))[1])
 
 
-@pytest.mark.parametrize("weights, message", [
+@pytest.mark.parametrize(
+  "weights, message",
+  [
     ([1, -1, 1], "finite, >= 0 and not all 0"),
     ([0, 0, 0], "finite, >= 0 and not all 0"),
     ([1, float("nan"), 1], "finite, >= 0 and not all 0"),
     ([1, 2], "got 2 weights for 3 components"),
     ("abc", "weights must be a list of numbers"),
     ([1, 1e-9, 1], "below 2\\*\\*-20 of the total"),
-])
+  ],
+)
 def test_bad_weights_are_rejected(weights, message):
   with pytest.raises((TypeError, ValueError), match=message):
     mixture(weights)
@@ -204,8 +212,9 @@ def test_components_must_be_unsharded_from_source_datasets():
     jaxfeed.Dataset.mix([plain, plain.map(lambda e: e)])
   with pytest.raises(TypeError, match=r"datasets\[0\] is op 'range'"):
     jaxfeed.Dataset.mix([jaxfeed.Dataset.range(3), plain])
-  sharded = jaxfeed.Dataset.from_source(src, jaxfeed.IndexSampler(
-      5, shard_options=jaxfeed.ShardOptions(0, 2)))
+  sharded = jaxfeed.Dataset.from_source(
+    src, jaxfeed.IndexSampler(5, shard_options=jaxfeed.ShardOptions(0, 2))
+  )
   with pytest.raises(ValueError, match=r"components\[1\] is sharded"):
     jaxfeed.Dataset.mix([plain, sharded])
 
@@ -221,23 +230,22 @@ def test_state_of_another_number_of_components_is_rejected():
 
 def test_mixture_travels_to_service_workers_as_a_spec():
   from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
+
   ds = mixture([0.5, 0.2, 0.3], 1, 2).batch(4)
   rebuilt = jaxfeed.Dataset(spec.from_dataset_def(spec.to_dataset_def(ds.node)))
-  assert ([b["x"].tolist() for b in rebuilt] ==
-          [b["x"].tolist() for b in ds])
+  assert [b["x"].tolist() for b in rebuilt] == [b["x"].tolist() for b in ds]
 
 
 def packed(weights, shard, count):
   def tokens(e):
     return {"tokens": np.full(int(e["x"]) % 5 + 1, e["x"], np.int32)}
-  return mixture(weights, shard, count).map(tokens).pack(
-      {"tokens": 8}, num_packing_bins=2).batch(2)
+
+  return mixture(weights, shard, count).map(tokens).pack({"tokens": 8}, num_packing_bins=2).batch(2)
 
 
 @pytest.mark.parametrize("count", [1, 2])
 def test_packing_processes_take_new_weights_from_their_aligned_states(count):
-  iterators = [packed([0.5, 0.2, 0.3], h, count).make_iterator()
-               for h in range(count)]
+  iterators = [packed([0.5, 0.2, 0.3], h, count).make_iterator() for h in range(count)]
   tokens = []
   for it, steps in zip(iterators, (2, 4)):
     for _ in range(steps):
@@ -295,9 +303,13 @@ def test_a_packed_mixture_resumes_exactly_in_a_new_process(shard, count):
         next(it)
       states.append(it.get_state())
   done = subprocess.run(
-      [sys.executable, "-c", RESTORE_IN_NEW_PROCESS],
-      input=json.dumps([shard, count, states]).encode(), capture_output=True,
-      cwd=REPO, timeout=120, check=False)
+    [sys.executable, "-c", RESTORE_IN_NEW_PROCESS],
+    input=json.dumps([shard, count, states]).encode(),
+    capture_output=True,
+    cwd=REPO,
+    timeout=120,
+    check=False,
+  )
   assert done.returncode == 0, done.stderr.decode()[-3000:]
   for cut, rest in zip(cuts, pickle.loads(done.stdout)):
     assert rest == expected[cut:], cut

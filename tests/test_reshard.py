@@ -14,16 +14,19 @@ from jaxfeed.sampler import IndexSampler, ShardOptions
 
 
 def sampler(num_records, shard, count, num_epochs, shuffle=True):
-  return IndexSampler(num_records, shuffle=shuffle, seed=3,
-                      num_epochs=num_epochs,
-                      shard_options=ShardOptions(shard, count))
+  return IndexSampler(
+    num_records,
+    shuffle=shuffle,
+    seed=3,
+    num_epochs=num_epochs,
+    shard_options=ShardOptions(shard, count),
+  )
 
 
 def reads(s, count):
   """(epoch, record, seed) of the first `count` positions of sampler `s`."""
   epochs, records, seeds = s.get_many(np.arange(count, dtype=np.int64))
-  return collections.Counter(zip(epochs.tolist(), records.tolist(),
-                                 seeds.tolist()))
+  return collections.Counter(zip(epochs.tolist(), records.tolist(), seeds.tolist()))
 
 
 @pytest.mark.parametrize("trial", range(40))
@@ -36,13 +39,11 @@ def test_new_shards_read_every_unread_position_exactly_once(trial):
   olds = [sampler(num_records, h, old, num_epochs, shuffle) for h in range(old)]
   positions = [int(rng.integers(0, len(s) + 1)) for s in olds]
   unread = sum((reads(s, len(s)) for s in olds), collections.Counter())
-  unread -= sum((reads(s, p) for s, p in zip(olds, positions)),
-                collections.Counter())
+  unread -= sum((reads(s, p) for s, p in zip(olds, positions)), collections.Counter())
   got = collections.Counter()
   lengths = []
   for i in range(new):
-    resharded = ReshardedSampler(
-        sampler(num_records, i, new, num_epochs, shuffle), old, positions)
+    resharded = ReshardedSampler(sampler(num_records, i, new, num_epochs, shuffle), old, positions)
     got += reads(resharded, resharded.num_positions)
     lengths.append(resharded.num_positions)
   assert got == unread
@@ -59,18 +60,18 @@ def test_unread_positions_below_the_old_positions_are_dealt_out_too(trial):
   num_epochs = int(rng.integers(1, 4))
   olds = [sampler(num_records, h, old, num_epochs) for h in range(old)]
   positions = [int(rng.integers(0, len(s) + 1)) for s in olds]
-  holes = [sorted(rng.choice(p, int(rng.integers(0, min(p, 6) + 1)),
-                             replace=False).tolist()) for p in positions]
+  holes = [
+    sorted(rng.choice(p, int(rng.integers(0, min(p, 6) + 1)), replace=False).tolist())
+    for p in positions
+  ]
   unread = sum((reads(s, len(s)) for s in olds), collections.Counter())
-  unread -= sum((reads(s, p) for s, p in zip(olds, positions)),
-                collections.Counter())
+  unread -= sum((reads(s, p) for s, p in zip(olds, positions)), collections.Counter())
   for s, h in zip(olds, holes):
     epochs, records, seeds = s.get_many(np.array(h, np.int64))
     unread.update(zip(epochs.tolist(), records.tolist(), seeds.tolist()))
   got = collections.Counter()
   for i in range(new):
-    resharded = ReshardedSampler(
-        sampler(num_records, i, new, num_epochs), old, positions, holes)
+    resharded = ReshardedSampler(sampler(num_records, i, new, num_epochs), old, positions, holes)
     got += reads(resharded, resharded.num_positions)
     assert resharded.reshard_state()["unread"] == holes
   assert got == unread
@@ -88,9 +89,9 @@ def test_bad_old_positions_are_rejected():
 
 def pipeline(shard, count, shuffle_buffer=False):
   source = jaxfeed.ArraySource({"x": np.arange(60)})
-  ds = jaxfeed.Dataset.from_source(
-      source, sampler(60, shard, count, num_epochs=2)).filter(
-          lambda e: e["x"] % 4 != 0)
+  ds = jaxfeed.Dataset.from_source(source, sampler(60, shard, count, num_epochs=2)).filter(
+    lambda e: e["x"] % 4 != 0
+  )
   if shuffle_buffer:
     ds = ds.shuffle(8, seed=1)
   return ds.batch(3)
@@ -107,9 +108,12 @@ def test_resharded_state_reads_the_rest_then_saves_a_plain_position():
   resumed = pipeline(0, 3).make_iterator()
   resumed.set_state(state)
   own = resumed.get_state()["parents"][0]["parents"][0]["own"]
-  assert own["resharded"] == {"version": 2, "shard_count": 2,
-                              "positions": own["resharded"]["positions"],
-                              "unread": [[], []]}
+  assert own["resharded"] == {
+    "version": 2,
+    "shard_count": 2,
+    "positions": own["resharded"]["positions"],
+    "unread": [[], []],
+  }
   list(resumed)  # To the end: past the dealt-out epochs.
   own = resumed.get_state()["parents"][0]["parents"][0]["own"]
   assert set(own) == {"position", "identity"}
@@ -126,8 +130,7 @@ def test_shuffle_buffer_cannot_be_resharded():
 
 def test_loader_states_at_different_steps_are_rejected():
   with pytest.raises(ValueError, match="different numbers of batches"):
-    reshard_loader_states([{"pipeline": {}, "batches": 1},
-                           {"pipeline": {}, "batches": 2}])
+    reshard_loader_states([{"pipeline": {}, "batches": 1}, {"pipeline": {}, "batches": 2}])
 
 
 def test_state_saved_inside_the_dealt_out_epochs_resumes_exactly():

@@ -31,8 +31,7 @@ def documents(num_docs=NUM_DOCS):
   tokens = np.zeros((num_docs, lengths.max()), np.int64)
   for r, n in enumerate(lengths):
     tokens[r, :n] = r * 1000 + np.arange(n)
-  return jaxfeed.ArraySource({"doc": np.arange(num_docs), "tokens": tokens,
-                              "length": lengths})
+  return jaxfeed.ArraySource({"doc": np.arange(num_docs), "tokens": tokens, "length": lengths})
 
 
 def keep(element):
@@ -40,24 +39,36 @@ def keep(element):
 
 
 def trim(element):
-  return {"tokens": element["tokens"][:element["length"]]}
+  return {"tokens": element["tokens"][: element["length"]]}
 
 
-def pipeline(shard, count, *, overflow="split", num_epochs=2, bins=3,
-             batch=6, shuffle_buffer=False, num_docs=NUM_DOCS,
-             num_parallel_calls=None):
+def pipeline(
+  shard,
+  count,
+  *,
+  overflow="split",
+  num_epochs=2,
+  bins=3,
+  batch=6,
+  shuffle_buffer=False,
+  num_docs=NUM_DOCS,
+  num_parallel_calls=None,
+):
   assert batch % count == 0
-  sampler = IndexSampler(num_docs, shuffle=True, seed=SEED,
-                         num_epochs=num_epochs,
-                         shard_options=ShardOptions(shard, count))
+  sampler = IndexSampler(
+    num_docs,
+    shuffle=True,
+    seed=SEED,
+    num_epochs=num_epochs,
+    shard_options=ShardOptions(shard, count),
+  )
   ds = jaxfeed.Dataset.from_source(documents(num_docs), sampler).filter(keep)
   if shuffle_buffer:
     ds = ds.shuffle(4, seed=1)
   ds = ds.map(trim, num_parallel_calls=num_parallel_calls)
   if overflow == "truncate_in_map":  # Documents fit a row: no overflow.
     ds, overflow = ds.map(lambda e: {"tokens": e["tokens"][:ROW]}), "error"
-  return ds.pack({"tokens": ROW}, num_packing_bins=bins,
-                 overflow=overflow).batch(batch // count)
+  return ds.pack({"tokens": ROW}, num_packing_bins=bins, overflow=overflow).batch(batch // count)
 
 
 def tokens_of(batch):
@@ -70,7 +81,8 @@ def check_pieces(batch):
   """Each segment is one contiguous run of one document's tokens, its
   positions counting from 0."""
   for tokens, segments, positions in zip(
-      batch["tokens"], batch["tokens_segment_ids"], batch["tokens_positions"]):
+    batch["tokens"], batch["tokens_segment_ids"], batch["tokens_positions"]
+  ):
     for s in set(segments.tolist()) - {0}:
       run = tokens[segments == s]
       assert len(set((run // 1000).tolist())) == 1
@@ -120,31 +132,42 @@ def all_tokens(num_epochs=2, num_docs=NUM_DOCS, row_cap=None):
 
 
 @pytest.mark.parametrize("overflow", ["split", "truncate_in_map"])
-@pytest.mark.parametrize("old, new, steps, bins", [
-    (2, 3, 2, 3), (3, 2, 3, 3), (2, 1, 1, 1), (1, 3, 4, 5), (3, 3, 2, 2),
-    (2, 3, 7, 3), (3, 2, 0, 3)])
-def test_resumed_processes_emit_every_remaining_token_exactly_once(
-    overflow, old, new, steps, bins):
-  states, before, after = run_processes(old, steps, overflow=overflow,
-                                        bins=bins)
+@pytest.mark.parametrize(
+  "old, new, steps, bins",
+  [
+    (2, 3, 2, 3),
+    (3, 2, 3, 3),
+    (2, 1, 1, 1),
+    (1, 3, 4, 5),
+    (3, 3, 2, 2),
+    (2, 3, 7, 3),
+    (3, 2, 0, 3),
+  ],
+)
+def test_resumed_processes_emit_every_remaining_token_exactly_once(overflow, old, new, steps, bins):
+  states, before, after = run_processes(old, steps, overflow=overflow, bins=bins)
   row_cap = ROW if overflow == "truncate_in_map" else None
   assert before + after == all_tokens(row_cap=row_cap)
-  got, sizes = resume(reshard_loader_states(states), new, overflow=overflow,
-                      bins=bins)
+  got, sizes = resume(reshard_loader_states(states), new, overflow=overflow, bins=bins)
   assert got == after
   assert sizes <= {6 // new}  # The same global batch size.
 
 
 def mixed(shard, count):
   """Two document sets mixed 70/30 by index (`Dataset.mix`), packed."""
-  components = [jaxfeed.Dataset.from_source(
-      documents(n), IndexSampler(n, shuffle=True, seed=SEED + n,
-                                 num_epochs=1)) for n in (60, 40)]
-  return jaxfeed.Dataset.mix(
-      components, [0.7, 0.3], seed=SEED,
-      shard_options=ShardOptions(shard, count)).filter(keep).map(trim).pack(
-          {"tokens": ROW}, num_packing_bins=3,
-          overflow="split").batch(6 // count)
+  components = [
+    jaxfeed.Dataset.from_source(
+      documents(n), IndexSampler(n, shuffle=True, seed=SEED + n, num_epochs=1)
+    )
+    for n in (60, 40)
+  ]
+  return (
+    jaxfeed.Dataset.mix(components, [0.7, 0.3], seed=SEED, shard_options=ShardOptions(shard, count))
+    .filter(keep)
+    .map(trim)
+    .pack({"tokens": ROW}, num_packing_bins=3, overflow="split")
+    .batch(6 // count)
+  )
 
 
 def test_a_packed_mixture_resumes_on_another_process_count_exactly():
@@ -177,8 +200,9 @@ def test_a_partly_emitted_document_resumes_at_its_exact_token_offset():
   # after an odd number of rows leaves some document half emitted.
   states, before, after = run_processes(2, 3, bins=1, batch=2)
   keep_state = [s["pipeline"] for s in states]
-  partial = [own for s in keep_state
-             for own in [s["parents"][0]["own"]["unemitted"]["pieces"]] if own]
+  partial = [
+    own for s in keep_state for own in [s["parents"][0]["own"]["unemitted"]["pieces"]] if own
+  ]
   assert partial, "the test needs a document cut across the checkpoint"
   state = reshard_loader_states(states)
   split = state["pipeline"]["parents"][0]["parents"][0]["own"]
@@ -208,22 +232,23 @@ def test_a_resumed_run_saved_again_inside_the_dealt_out_epoch_resumes_exactly():
 
 
 def test_the_state_names_exactly_the_held_documents():
-  with pipeline(0, 1, overflow="truncate_in_map", bins=4,
-                batch=1).make_iterator() as it:
+  with pipeline(0, 1, overflow="truncate_in_map", bins=4, batch=1).make_iterator() as it:
     row = next(it)
     own = it.get_state()["parents"][0]["own"]
   held = own["unemitted"]["elements"]
-  emitted = len(set((row["tokens"][row["tokens_segment_ids"] > 0] // 1000)
-                    .tolist()))
+  emitted = len(set((row["tokens"][row["tokens_segment_ids"] > 0] // 1000).tolist()))
   read = own["input"]["num_read"]
   assert len(held) == len(set(held)) == read - emitted
   assert own["unemitted"]["pieces"] == []
 
 
-@pytest.mark.parametrize("build, op", [
+@pytest.mark.parametrize(
+  "build, op",
+  [
     (lambda h, n: pipeline(h, n, shuffle_buffer=True), "shuffle"),
     (lambda h, n: pipeline(h, n).unbatch().batch(2), "unbatch"),
-])
+  ],
+)
 def test_an_op_that_cannot_move_between_processes_is_named(build, op):
   with build(0, 2).make_iterator() as it:
     next(it)
@@ -234,9 +259,13 @@ def test_an_op_that_cannot_move_between_processes_is_named(build, op):
 
 def test_packing_twice_is_rejected():
   sampler = IndexSampler(NUM_DOCS, shuffle=True, seed=SEED)
-  ds = (jaxfeed.Dataset.from_source(documents(), sampler).map(trim)
-        .pack({"tokens": ROW}, num_packing_bins=2, overflow="split")
-        .pack({"tokens": 2 * ROW}, num_packing_bins=2).batch(2))
+  ds = (
+    jaxfeed.Dataset.from_source(documents(), sampler)
+    .map(trim)
+    .pack({"tokens": ROW}, num_packing_bins=2, overflow="split")
+    .pack({"tokens": 2 * ROW}, num_packing_bins=2)
+    .batch(2)
+  )
   with ds.make_iterator() as it:
     next(it)
     state = {"pipeline": it.get_state(), "batches": 1}

@@ -9,8 +9,13 @@ import sys
 import numpy as np
 import pytest
 
-from jaxfeed.sampler import (IndexSampler, NoSharding, RecordMetadata,
-                             ShardByJaxProcess, ShardOptions)
+from jaxfeed.sampler import (
+  IndexSampler,
+  NoSharding,
+  RecordMetadata,
+  ShardByJaxProcess,
+  ShardOptions,
+)
 from jaxfeed.seeding import mix_seed
 
 NUM_EPOCHS = 3
@@ -20,17 +25,27 @@ def _epoch_orders(sampler: IndexSampler) -> list[np.ndarray]:
   """The record indices of each epoch of a finite sampler."""
   _, records, _ = sampler.get_many(np.arange(len(sampler)))
   per_epoch = sampler.records_per_epoch
-  return [records[e * per_epoch:(e + 1) * per_epoch]
-          for e in range(sampler.num_epochs)]
+  return [records[e * per_epoch : (e + 1) * per_epoch] for e in range(sampler.num_epochs)]
 
 
 # -- ShardOptions -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("index, count", [
-    (2, 2), (5, 3), (-1, 2), (0, 0), (0, -4), (1.0, 2), ("0", 1), (0, 2.0),
-    (True, 2), (None, 1),
-])
+@pytest.mark.parametrize(
+  "index, count",
+  [
+    (2, 2),
+    (5, 3),
+    (-1, 2),
+    (0, 0),
+    (0, -4),
+    (1.0, 2),
+    ("0", 1),
+    (0, 2.0),
+    (True, 2),
+    (None, 1),
+  ],
+)
 def test_shard_options_rejects_bad_index_or_count(index, count):
   with pytest.raises(ValueError, match="shard_(index|count)") as info:
     ShardOptions(index, count)
@@ -61,24 +76,25 @@ def test_shard_options_is_frozen():
 
 def test_no_sharding_is_shard_zero_of_one():
   options = NoSharding()
-  assert (options.shard_index, options.shard_count,
-          options.drop_remainder) == (0, 1, False)
+  assert (options.shard_index, options.shard_count, options.drop_remainder) == (0, 1, False)
 
 
 def test_shard_by_jax_process_uses_process_index_and_count(monkeypatch):
   import jax
+
   assert ShardByJaxProcess().shard_index == jax.process_index()
   monkeypatch.setattr(jax, "process_index", lambda: 2)
   monkeypatch.setattr(jax, "process_count", lambda: 4)
   options = ShardByJaxProcess(drop_remainder=True)
-  assert (options.shard_index, options.shard_count,
-          options.drop_remainder) == (2, 4, True)
+  assert (options.shard_index, options.shard_count, options.drop_remainder) == (2, 4, True)
 
 
 # -- validation ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
+@pytest.mark.parametrize(
+  "kwargs, pattern",
+  [
     ({"num_records": -1}, "num_records.*-1"),
     ({"num_records": 2.5}, "num_records.*2.5"),
     ({"num_records": "10"}, "num_records.*'10'"),
@@ -91,7 +107,8 @@ def test_shard_by_jax_process_uses_process_index_and_count(monkeypatch):
     ({"num_records": 10, "seed": None}, "seed.*None"),
     ({"num_records": 10, "shuffle": "yes"}, "shuffle.*'yes'"),
     ({"num_records": 10, "shard_options": (0, 2)}, "shard_options.*tuple"),
-])
+  ],
+)
 def test_sampler_rejects_bad_arguments_with_clear_message(kwargs, pattern):
   num_records = kwargs.pop("num_records")
   with pytest.raises(ValueError, match=pattern):
@@ -108,23 +125,26 @@ def test_sampler_accepts_shard_options_as_mapping():
 # -- sharding and the global shuffle --------------------------------------------
 
 CONFIGS = [
-    (num_records, shard_count, seed, drop_remainder)
-    for num_records, shard_count in itertools.product(
-        (1, 3, 7, 97, 10_000), (1, 2, 3, 8))
-    for seed, drop_remainder in ((0, False), (12345, True))
+  (num_records, shard_count, seed, drop_remainder)
+  for num_records, shard_count in itertools.product((1, 3, 7, 97, 10_000), (1, 2, 3, 8))
+  for seed, drop_remainder in ((0, False), (12345, True))
 ] + [(10_000, 8, -3, False), (2, 8, 5, True), (0, 3, 1, False)]
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
-@pytest.mark.parametrize("num_records, shard_count, seed, drop_remainder",
-                         CONFIGS)
+@pytest.mark.parametrize("num_records, shard_count, seed, drop_remainder", CONFIGS)
 def test_every_record_once_per_epoch_over_disjoint_shards(
-    num_records, shard_count, seed, drop_remainder, shuffle):
+  num_records, shard_count, seed, drop_remainder, shuffle
+):
   samplers = [
-      IndexSampler(num_records, shuffle=shuffle, seed=seed,
-                   num_epochs=NUM_EPOCHS,
-                   shard_options=ShardOptions(h, shard_count, drop_remainder))
-      for h in range(shard_count)
+    IndexSampler(
+      num_records,
+      shuffle=shuffle,
+      seed=seed,
+      num_epochs=NUM_EPOCHS,
+      shard_options=ShardOptions(h, shard_count, drop_remainder),
+    )
+    for h in range(shard_count)
   ]
   orders = [_epoch_orders(s) for s in samplers]
   for h, sampler in enumerate(samplers):
@@ -144,14 +164,16 @@ def test_every_record_once_per_epoch_over_disjoint_shards(
       np.testing.assert_array_equal(np.sort(seen), np.arange(num_records))
 
 
-@pytest.mark.parametrize("num_records, shard_count, seed, drop_remainder",
-                         CONFIGS)
-def test_vectorized_lookup_equals_scalar_lookup(num_records, shard_count, seed,
-                                                drop_remainder):
+@pytest.mark.parametrize("num_records, shard_count, seed, drop_remainder", CONFIGS)
+def test_vectorized_lookup_equals_scalar_lookup(num_records, shard_count, seed, drop_remainder):
   for h in sorted({0, shard_count - 1}):
     sampler = IndexSampler(
-        num_records, shuffle=True, seed=seed, num_epochs=NUM_EPOCHS,
-        shard_options=ShardOptions(h, shard_count, drop_remainder))
+      num_records,
+      shuffle=True,
+      seed=seed,
+      num_epochs=NUM_EPOCHS,
+      shard_options=ShardOptions(h, shard_count, drop_remainder),
+    )
     positions = np.arange(len(sampler))
     epochs, records, seeds = sampler.get_many(positions)
     scalar = [sampler[int(k)] for k in positions]
@@ -168,26 +190,24 @@ def test_unshuffled_shard_takes_every_shard_count_th_position():
 
 
 def test_drop_remainder_gives_every_shard_the_same_length():
-  lengths = [len(IndexSampler(10, shard_options=ShardOptions(h, 4, True)))
-             for h in range(4)]
+  lengths = [len(IndexSampler(10, shard_options=ShardOptions(h, 4, True))) for h in range(4)]
   assert lengths == [2, 2, 2, 2]
-  lengths = [len(IndexSampler(10, shard_options=ShardOptions(h, 4)))
-             for h in range(4)]
+  lengths = [len(IndexSampler(10, shard_options=ShardOptions(h, 4))) for h in range(4)]
   assert lengths == [3, 3, 2, 2]
 
 
 @pytest.mark.parametrize("num_records", [7, 97, 10_000])
 def test_each_epoch_has_a_new_order(num_records):
-  orders = _epoch_orders(IndexSampler(num_records, shuffle=True, seed=1,
-                                      num_epochs=NUM_EPOCHS))
+  orders = _epoch_orders(IndexSampler(num_records, shuffle=True, seed=1, num_epochs=NUM_EPOCHS))
   distinct = {tuple(o.tolist()) for o in orders}
   assert len(distinct) == NUM_EPOCHS
 
 
 def test_shuffle_is_global_across_shards():
   num_records, shard_count = 10_000, 8
-  sampler = IndexSampler(num_records, shuffle=True, seed=3,
-                         shard_options=ShardOptions(0, shard_count))
+  sampler = IndexSampler(
+    num_records, shuffle=True, seed=3, shard_options=ShardOptions(0, shard_count)
+  )
   records = _epoch_orders(sampler)[0]
   # Shard 0 reads from the whole index range, not from a contiguous block,
   # and already its first 100 records are spread over it.
@@ -205,8 +225,7 @@ def test_shuffled_order_is_not_the_identity_nor_a_rotation():
 
 
 def test_small_shuffles_reach_every_permutation():
-  orders = {tuple(_epoch_orders(IndexSampler(4, shuffle=True, seed=s))[0])
-            for s in range(400)}
+  orders = {tuple(_epoch_orders(IndexSampler(4, shuffle=True, seed=s))[0]) for s in range(400)}
   assert len(orders) == 24
 
 
@@ -217,18 +236,18 @@ def test_seed_changes_the_order():
 
 
 def test_same_arguments_give_the_same_order():
-  a = IndexSampler(1000, shuffle=True, seed=9, num_epochs=2).get_many(
-      np.arange(2000))
-  b = IndexSampler(1000, shuffle=True, seed=9, num_epochs=2).get_many(
-      np.arange(2000))
+  a = IndexSampler(1000, shuffle=True, seed=9, num_epochs=2).get_many(np.arange(2000))
+  b = IndexSampler(1000, shuffle=True, seed=9, num_epochs=2).get_many(np.arange(2000))
   for x, y in zip(a, b):
     np.testing.assert_array_equal(x, y)
 
 
 # (num_records, seed, num_epochs, shard_index, shard_count, drop_remainder)
 _SUBPROCESS_CONFIGS = [
-    (1000, 3, 1, 0, 1, False), (97, 11, 2, 8, 9, True),
-    (10_000, -5, 3, 7, 8, False), (1, 0, 2, 0, 1, False),
+  (1000, 3, 1, 0, 1, False),
+  (97, 11, 2, 8, 9, True),
+  (10_000, -5, 3, 7, 8, False),
+  (1, 0, 2, 0, 1, False),
 ]
 
 
@@ -236,8 +255,12 @@ def _orders_for(configs) -> list:
   out = []
   for num_records, seed, epochs, index, count, drop in configs:
     sampler = IndexSampler(
-        num_records, shuffle=True, seed=seed, num_epochs=epochs,
-        shard_options=ShardOptions(index, count, drop))
+      num_records,
+      shuffle=True,
+      seed=seed,
+      num_epochs=epochs,
+      shard_options=ShardOptions(index, count, drop),
+    )
     e, r, s = sampler.get_many(np.arange(len(sampler)))
     out.append([e.tolist(), r.tolist(), [str(v) for v in s.tolist()]])
   return out
@@ -245,14 +268,20 @@ def _orders_for(configs) -> list:
 
 def test_order_is_identical_in_another_process():
   code = (
-      "import json, sys\n"
-      "sys.path.insert(0, sys.argv[1])\n"
-      "import test_sampler as t\n"
-      "print(json.dumps(t._orders_for(t._SUBPROCESS_CONFIGS)))\n")
+    "import json, sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "import test_sampler as t\n"
+    "print(json.dumps(t._orders_for(t._SUBPROCESS_CONFIGS)))\n"
+  )
   env = dict(os.environ, PYTHONHASHSEED="12345")
   result = subprocess.run(
-      [sys.executable, "-c", code, os.path.dirname(__file__)],
-      capture_output=True, text=True, env=env, timeout=120, check=True)
+    [sys.executable, "-c", code, os.path.dirname(__file__)],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=120,
+    check=True,
+  )
   assert json.loads(result.stdout) == _orders_for(_SUBPROCESS_CONFIGS)
 
 
@@ -263,14 +292,12 @@ def test_rng_seed_mixes_seed_epoch_and_record_index():
   sampler = IndexSampler(50, shuffle=True, seed=77, num_epochs=2)
   epochs, records, seeds = sampler.get_many(np.arange(100))
   assert seeds.dtype == np.uint64
-  assert seeds.tolist() == [mix_seed(77, e, r)
-                            for e, r in zip(epochs.tolist(), records.tolist())]
+  assert seeds.tolist() == [mix_seed(77, e, r) for e, r in zip(epochs.tolist(), records.tolist())]
   # Every (epoch, record) gets its own seed; seed+index would collide across
   # seeds and epochs.
   assert len(set(seeds.tolist())) == 100
   other = IndexSampler(50, shuffle=True, seed=78, num_epochs=2)
-  assert not set(other.get_many(np.arange(100))[2].tolist()) & set(
-      seeds.tolist())
+  assert not set(other.get_many(np.arange(100))[2].tolist()) & set(seeds.tolist())
 
 
 # -- lookups, length and bounds --------------------------------------------------
@@ -316,8 +343,7 @@ def test_endless_sampler_has_no_length_but_any_position():
 
 
 def test_endless_sampler_of_an_empty_shard_is_empty():
-  sampler = IndexSampler(2, num_epochs=None,
-                         shard_options=ShardOptions(3, 4, drop_remainder=True))
+  sampler = IndexSampler(2, num_epochs=None, shard_options=ShardOptions(3, 4, drop_remainder=True))
   assert sampler.num_positions == 0 and len(sampler) == 0
   with pytest.raises(IndexError):
     sampler[0]
@@ -335,8 +361,7 @@ def test_get_many_keeps_shape_and_dtypes():
   positions = np.arange(40).reshape(5, 8)
   epochs, records, seeds = sampler.get_many(positions)
   assert epochs.shape == records.shape == seeds.shape == (5, 8)
-  assert (epochs.dtype, records.dtype, seeds.dtype) == (
-      np.int64, np.int64, np.uint64)
+  assert (epochs.dtype, records.dtype, seeds.dtype) == (np.int64, np.int64, np.uint64)
   assert records[4, 7] == sampler[39].record_index
 
 
@@ -351,20 +376,22 @@ def test_get_many_in_any_order_equals_scalar_lookup():
 
 
 def test_spec_params_are_json_and_rebuild_an_equal_sampler():
-  sampler = IndexSampler(10, shuffle=True, seed=3, num_epochs=None,
-                         shard_options=ShardOptions(1, 2, True))
+  sampler = IndexSampler(
+    10, shuffle=True, seed=3, num_epochs=None, shard_options=ShardOptions(1, 2, True)
+  )
   params = json.loads(json.dumps(sampler.spec_params()))
   rebuilt = IndexSampler(**params)
   assert rebuilt == sampler and hash(rebuilt) == hash(sampler)
   assert repr(rebuilt) == repr(sampler)
-  assert rebuilt != IndexSampler(10, shuffle=True, seed=4, num_epochs=None,
-                                 shard_options=ShardOptions(1, 2, True))
+  assert rebuilt != IndexSampler(
+    10, shuffle=True, seed=4, num_epochs=None, shard_options=ShardOptions(1, 2, True)
+  )
 
 
 def test_repr_is_stable_and_names_every_argument():
-  sampler = IndexSampler(10, shuffle=True, seed=3, num_epochs=2,
-                         shard_options=NoSharding())
+  sampler = IndexSampler(10, shuffle=True, seed=3, num_epochs=2, shard_options=NoSharding())
   assert repr(sampler) == (
-      "IndexSampler(num_records=10, shuffle=True, seed=3, num_epochs=2, "
-      "shard_options=ShardOptions(shard_index=0, shard_count=1, "
-      "drop_remainder=False))")
+    "IndexSampler(num_records=10, shuffle=True, seed=3, num_epochs=2, "
+    "shard_options=ShardOptions(shard_index=0, shard_count=1, "
+    "drop_remainder=False))"
+  )

@@ -52,27 +52,32 @@ def saved_state(ds=None, steps=10):
   return state
 
 
-@pytest.mark.parametrize("changed, message", [
+@pytest.mark.parametrize(
+  "changed, message",
+  [
     (dict(seed=2), r"seed=2 \(saved seed=1\)"),
     (dict(shuffle=False), r"shuffle=False \(saved shuffle=True\)"),
     (dict(num_epochs=2), r"num_epochs=2 \(saved num_epochs=1\)"),
-    (dict(reshuffle_each_iteration=False),
-     r"reshuffle_each_iteration=False \(saved reshuffle_each_iteration=True\)"),
-    (dict(shard_options=ShardOptions(1, 2)),
-     r"shard_index=1 \(saved shard_index=0\).*reshard_loader_states"),
-    (dict(shard_options=ShardOptions(0, 3)),
-     r"shard_count=3 \(saved shard_count=2\)"),
-    (dict(source=array_source(120)),
-     r"num_records=120 \(saved num_records=100\)"),
-    (dict(source=array_source(dtype=np.int32)),
-     r"leaves.*int32\[\].*saved.*int64\[\]"),
-    (dict(source=ListSource(NUM_RECORDS)),
-     r"type='ListSource' \(saved type='ArraySource'\)"),
-    (dict(op="filter"), r"op 'map' .* given the state of op 'filter'|"
-                        r"op 'filter' .* given the state of op 'map'"),
-])
-def test_a_state_restored_into_another_pipeline_names_the_difference(
-    changed, message):
+    (
+      dict(reshuffle_each_iteration=False),
+      r"reshuffle_each_iteration=False \(saved reshuffle_each_iteration=True\)",
+    ),
+    (
+      dict(shard_options=ShardOptions(1, 2)),
+      r"shard_index=1 \(saved shard_index=0\).*reshard_loader_states",
+    ),
+    (dict(shard_options=ShardOptions(0, 3)), r"shard_count=3 \(saved shard_count=2\)"),
+    (dict(source=array_source(120)), r"num_records=120 \(saved num_records=100\)"),
+    (dict(source=array_source(dtype=np.int32)), r"leaves.*int32\[\].*saved.*int64\[\]"),
+    (dict(source=ListSource(NUM_RECORDS)), r"type='ListSource' \(saved type='ArraySource'\)"),
+    (
+      dict(op="filter"),
+      r"op 'map' .* given the state of op 'filter'|"
+      r"op 'filter' .* given the state of op 'map'",
+    ),
+  ],
+)
+def test_a_state_restored_into_another_pipeline_names_the_difference(changed, message):
   state = saved_state()
   other = pipeline(**changed)
   it = other.make_iterator()
@@ -83,13 +88,16 @@ def test_a_state_restored_into_another_pipeline_names_the_difference(
 
 def test_the_issue_repro_another_seed_is_refused_instead_of_repeating_records():
   # Restored with another seed, 13 of 100 records came twice and 13 never.
-  ds = Dataset.from_source(array_source(), IndexSampler(NUM_RECORDS, shuffle=True,
-                                                        seed=1))
+  ds = Dataset.from_source(array_source(), IndexSampler(NUM_RECORDS, shuffle=True, seed=1))
   state = saved_state(ds, 50)
-  other = Dataset.from_source(array_source(), IndexSampler(
-      NUM_RECORDS, shuffle=True, seed=2)).make_iterator()
-  with pytest.raises(ValueError, match=r"IndexSampler\(num_records=100, "
-                     r"shuffle=True, seed=1, .*seed=2 \(saved seed=1\)"):
+  other = Dataset.from_source(
+    array_source(), IndexSampler(NUM_RECORDS, shuffle=True, seed=2)
+  ).make_iterator()
+  with pytest.raises(
+    ValueError,
+    match=r"IndexSampler\(num_records=100, "
+    r"shuffle=True, seed=1, .*seed=2 \(saved seed=1\)",
+  ):
     other.set_state(state)
 
 
@@ -106,8 +114,7 @@ def test_file_sources_are_told_apart_by_file_name_not_directory(tmp_path):
   records = [bytes([i]) for i in range(NUM_RECORDS)]
   for folder in ("a", "b"):
     (tmp_path / folder).mkdir()
-    jaxfeed.write_array_record(str(tmp_path / folder / "data.array_record"),
-                               records)
+    jaxfeed.write_array_record(str(tmp_path / folder / "data.array_record"), records)
   jaxfeed.write_array_record(str(tmp_path / "a" / "other.array_record"), records)
 
   def reader(path):
@@ -118,18 +125,21 @@ def test_file_sources_are_told_apart_by_file_name_not_directory(tmp_path):
   moved.set_state(state)  # the same files, copied elsewhere
   moved.close()
   other = reader(tmp_path / "a" / "other.array_record").make_iterator()
-  with pytest.raises(PipelineStateError,
-                     match=r"files\[0\]='other.array_record' \(saved "
-                           r"files\[0\]='data.array_record'\)"):
+  with pytest.raises(
+    PipelineStateError,
+    match=r"files\[0\]='other.array_record' \(saved "
+    r"files\[0\]='data.array_record'\)",
+  ):
     other.set_state(state)
   other.close()
 
 
 def mixture(weights, component_seed=10, shard=0, count=1):
-  parts = [Dataset.from_source(array_source(n), IndexSampler(
-      n, shuffle=True, seed=component_seed + i)) for i, n in enumerate((60, 40))]
-  return Dataset.mix(parts, weights, seed=5,
-                     shard_options=ShardOptions(shard, count))
+  parts = [
+    Dataset.from_source(array_source(n), IndexSampler(n, shuffle=True, seed=component_seed + i))
+    for i, n in enumerate((60, 40))
+  ]
+  return Dataset.mix(parts, weights, seed=5, shard_options=ShardOptions(shard, count))
 
 
 def test_a_mixture_may_take_new_weights_but_not_other_components():
@@ -139,16 +149,17 @@ def test_a_mixture_may_take_new_weights_but_not_other_components():
   reweighted.set_state(aligned)  # documented: new weights from here on
   reweighted.close()
   other = mixture([0.5, 0.5], component_seed=20).make_iterator()
-  with pytest.raises(PipelineStateError,
-                     match=r"components\[0\].seed=20 \(saved components\[0\]"
-                           r".seed=10\)"):
+  with pytest.raises(
+    PipelineStateError,
+    match=r"components\[0\].seed=20 \(saved components\[0\]"
+    r".seed=10\)",
+  ):
     other.set_state(state)
   other.close()
 
 
 def test_another_number_of_processes_restores_through_reshard():
-  states = [saved_state(pipeline(shard_options=ShardOptions(h, 2)))
-            for h in range(2)]
+  states = [saved_state(pipeline(shard_options=ShardOptions(h, 2))) for h in range(2)]
   merged = reshard_states(states)
   for h in range(3):  # documented: resume on 3 processes
     it = pipeline(shard_options=ShardOptions(h, 3)).make_iterator()
@@ -157,8 +168,7 @@ def test_another_number_of_processes_restores_through_reshard():
   with pytest.raises(ValueError, match="state 0 of 2 was saved by shard 1"):
     reshard_states(states[::-1])
   with pytest.raises(ValueError, match="different pipelines"):
-    reshard_states([states[0], saved_state(pipeline(
-        seed=9, shard_options=ShardOptions(1, 2)))])
+    reshard_states([states[0], saved_state(pipeline(seed=9, shard_options=ShardOptions(1, 2)))])
 
 
 def _without_identity(state):

@@ -12,10 +12,15 @@ from jaxfeed import tables
 
 def test_numpy_rows_are_the_examples_make_example_makes(tmp_path):
   rng = np.random.default_rng(0)
-  columns = {"i": rng.integers(-9, 9, 70).astype(np.int8), "u": np.arange(70, dtype=np.uint32),
-             "b": rng.random(70) > 0.5, "f": rng.random(70),  # float64: rounds to float32
-             "m": rng.random((70, 2, 3)).astype(np.float32), "s": np.array([b"x\0y"] * 70),
-             "t": np.array(["ü%d" % i for i in range(70)])}
+  columns = {
+    "i": rng.integers(-9, 9, 70).astype(np.int8),
+    "u": np.arange(70, dtype=np.uint32),
+    "b": rng.random(70) > 0.5,
+    "f": rng.random(70),  # float64: rounds to float32
+    "m": rng.random((70, 2, 3)).astype(np.float32),
+    "s": np.array([b"x\0y"] * 70),
+    "t": np.array(["ü%d" % i for i in range(70)]),
+  }
   np.savez(tmp_path / "t.npz", **columns)
   source = tables.TableSource([str(tmp_path / "t.npz")] * 2, "numpy")
   assert len(source) == 140
@@ -26,17 +31,29 @@ def test_numpy_rows_are_the_examples_make_example_makes(tmp_path):
 
 
 def test_parquet_rows_are_the_examples_make_example_makes(tmp_path):
-  table = pa.table({
-      "i": pa.array([1, None, 3], pa.int32()), "b": pa.array([True, False, None]),
+  table = pa.table(
+    {
+      "i": pa.array([1, None, 3], pa.int32()),
+      "b": pa.array([True, False, None]),
       "f": pa.array([0.1, 0.2, 0.3], pa.float64()),
       "l": pa.array([[1.5], [], None], pa.list_(pa.float32())),
-      "s": pa.array(["a", "ü", None]), "y": pa.array([b"\0", None, b"z"], pa.binary()),
-      "ls": pa.array([["a", "b"], None, []], pa.list_(pa.string()))})
+      "s": pa.array(["a", "ü", None]),
+      "y": pa.array([b"\0", None, b"z"], pa.binary()),
+      "ls": pa.array([["a", "b"], None, []], pa.list_(pa.string())),
+    }
+  )
   pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
   rows = table.to_pylist()
-  expected = [jaxfeed.make_example(
-      {k: (np.array(v, np.float32) if k == "l" else np.array(v, object) if k == "ls" else v)
-       for k, v in row.items() if v is not None}) for row in rows]
+  expected = [
+    jaxfeed.make_example(
+      {
+        k: (np.array(v, np.float32) if k == "l" else np.array(v, object) if k == "ls" else v)
+        for k, v in row.items()
+        if v is not None
+      }
+    )
+    for row in rows
+  ]
   source = tables.TableSource([str(tmp_path / "t.parquet")], "parquet")
   assert list(source.records(0, 3)) == expected
   assert list(source.records(1, 3)) == expected[1:]  # from the middle of a row group

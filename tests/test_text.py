@@ -28,8 +28,10 @@ def test_tokenize_maps_text_features_and_bare_records():
   out = tokenize({"text": b"ab", "id": np.int64(3)})
   assert out["tokens"].tolist() == [97, 98, 256] and out["id"] == 3
   assert "text" not in out
-  assert jaxfeed.Tokenize(jaxfeed.ByteTokenizer(), append_eos=False)(b"ab")[
-      "tokens"].tolist() == [97, 98]
+  assert jaxfeed.Tokenize(jaxfeed.ByteTokenizer(), append_eos=False)(b"ab")["tokens"].tolist() == [
+    97,
+    98,
+  ]
   with pytest.raises(KeyError, match="no feature 'text'.*'body'"):
     tokenize({"body": b"x"})
   with pytest.raises(TypeError, match="bytes or str.*int"):
@@ -68,7 +70,9 @@ def test_tokenize_gives_the_same_tokens_on_threads_and_resumes(tokenizer, bpe):
 
   def build(calls):
     return Dataset.from_tensor_slices(np.array(texts, dtype=object)).map(
-        jaxfeed.Tokenize(chosen), num_parallel_calls=calls)
+      jaxfeed.Tokenize(chosen), num_parallel_calls=calls
+    )
+
   expected = [chosen.encode(t).tolist() + [chosen.eos_id] for t in texts]
   for calls in (None, 4, jaxfeed.AUTOTUNE):
     assert [e["tokens"].tolist() for e in build(calls)] == expected
@@ -85,27 +89,30 @@ def test_tokenize_gives_the_same_tokens_on_threads_and_resumes(tokenizer, bpe):
 def test_tokenizing_pipelines_travel_to_service_workers(tokenizer, bpe):
   chosen = jaxfeed.ByteTokenizer() if tokenizer == "bytes" else bpe
   ds = Dataset.from_tensor_slices(np.array(TEXTS[:2])).map(
-      jaxfeed.Tokenize(chosen, append_eos=False))
+    jaxfeed.Tokenize(chosen, append_eos=False)
+  )
   rebuilt = Dataset(spec.from_dataset_def(spec.to_dataset_def(ds.node)))
-  assert [e["tokens"].tolist() for e in rebuilt] == [
-      e["tokens"].tolist() for e in ds]
+  assert [e["tokens"].tolist() for e in rebuilt] == [e["tokens"].tolist() for e in ds]
   assert pickle.loads(pickle.dumps(chosen)).encode("abc").tolist() == (
-      chosen.encode("abc").tolist())
+    chosen.encode("abc").tolist()
+  )
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
-def test_batched_tokenize_equals_per_document_on_threads_and_resumes(
-    tokenizer, bpe):
+def test_batched_tokenize_equals_per_document_on_threads_and_resumes(tokenizer, bpe):
   chosen = jaxfeed.ByteTokenizer() if tokenizer == "bytes" else bpe
   texts = [f"line {i}: " + TEXTS[i % 2] * (i % 7) for i in range(200)]
   expected = [chosen.encode(t).tolist() + [chosen.eos_id] for t in texts]
-  assert [ids.tolist() for ids in chosen.encode_many(texts)] == [
-      e[:-1] for e in expected]
+  assert [ids.tolist() for ids in chosen.encode_many(texts)] == [e[:-1] for e in expected]
 
   def build(calls):
-    return Dataset.from_source([t.encode() for t in texts]).batch(16).map(
-        jaxfeed.Tokenize(chosen, batched=True),
-        num_parallel_calls=calls).unbatch()
+    return (
+      Dataset.from_source([t.encode() for t in texts])
+      .batch(16)
+      .map(jaxfeed.Tokenize(chosen, batched=True), num_parallel_calls=calls)
+      .unbatch()
+    )
+
   for calls in (None, 3):
     got = list(build(calls))
     assert [e["tokens"].tolist() for e in got] == expected
@@ -131,9 +138,9 @@ def test_batched_tokenize_names_what_it_needs(bpe):
 
     def encode(self, text):
       return np.zeros(1, np.int32)
+
   with pytest.raises(TypeError, match="EncodeOnly has no encode_many"):
     jaxfeed.Tokenize(EncodeOnly(), batched=True)
   ds = Dataset.from_source([b"ab", b"c"]).batch(2).map(batched).unbatch()
   rebuilt = Dataset(spec.from_dataset_def(spec.to_dataset_def(ds.node)))
-  assert [e["tokens"].tolist() for e in rebuilt] == [
-      e["tokens"].tolist() for e in ds]
+  assert [e["tokens"].tolist() for e in rebuilt] == [e["tokens"].tolist() for e in ds]

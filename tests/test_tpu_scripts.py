@@ -20,10 +20,13 @@ def test_script_parses(script):
 
 
 def _defined_flags(role: str) -> set[str]:
-  code = (f"import json; from absl import flags; from jaxfeed.service.{role} import server; "
-          f"server.define_flags(); print(json.dumps(sorted(flags.FLAGS)))")
-  out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                       text=True).stdout
+  code = (
+    f"import json; from absl import flags; from jaxfeed.service.{role} import server; "
+    f"server.define_flags(); print(json.dumps(sorted(flags.FLAGS)))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], check=True, capture_output=True, text=True
+  ).stdout
   return set(json.loads(out))
 
 
@@ -41,23 +44,27 @@ def test_service_commands_use_real_flags_and_reach_other_machines(role):
 
 def test_servers_get_their_tokens_by_file_never_on_a_command_line():
   text = (SCRIPTS / "start_service.sh").read_text().replace("\\\n", " ")
-  dispatcher, = re.findall(r"jaxfeed\.service\.dispatcher\b([^>]*)>", text)
+  (dispatcher,) = re.findall(r"jaxfeed\.service\.dispatcher\b([^>]*)>", text)
   workers = re.findall(r"jaxfeed\.service\.worker\b([^>]*)>", text)
   assert "--auth_token_file=" in dispatcher and "--worker_token_file=" in dispatcher
   assert all("--worker_token_file=" in w and "--auth_token_file" not in w for w in workers)
   for script in SCRIPTS.glob("*.sh"):
-    assert not re.search(r"--(auth_token|worker_token|pickled_udf_secret)=",
-                         script.read_text()), script.name
+    assert not re.search(r"--(auth_token|worker_token|pickled_udf_secret)=", script.read_text()), (
+      script.name
+    )
 
 
 def test_tokens_are_made_once_readable_by_this_user_only(tmp_path):
   folder = tmp_path / "secrets"
-  env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PROJECT": "test",
-         "SECRETS_DIR": str(folder)}
+  env = {
+    "PATH": "/usr/bin:/bin",
+    "HOME": str(tmp_path),
+    "PROJECT": "test",
+    "SECRETS_DIR": str(folder),
+  }
   make = f"source {SCRIPTS / 'common.sh'} && ensure_tokens"
   subprocess.run(["bash", "-c", make], check=True, env=env)
-  tokens = {name: (folder / f"{name}.token").read_text().strip()
-            for name in ("client", "worker")}
+  tokens = {name: (folder / f"{name}.token").read_text().strip() for name in ("client", "worker")}
   assert len(tokens["client"]) == 64 and tokens["client"] != tokens["worker"]
   assert stat.S_IMODE(folder.stat().st_mode) == 0o700
   for name in tokens:

@@ -21,9 +21,10 @@ import re
 from typing import Any
 
 _SECTION = re.compile(
-    r"\s*(Args|Arguments|Attributes|Example|Examples|Keyword Args|Methods|Note|"
-    r"Notes|Other Parameters|Raises|References|Returns|See Also|Usage|Warning|"
-    r"Warns|Yields):\s*$")
+  r"\s*(Args|Arguments|Attributes|Example|Examples|Keyword Args|Methods|Note|"
+  r"Notes|Other Parameters|Raises|References|Returns|See Also|Usage|Warning|"
+  r"Warns|Yields):\s*$"
+)
 _BULLET = re.compile(r"\s*([*-]|\d+\.) ")
 _SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 _PUBLIC = re.compile(r"jaxfeed(\.service)?\.[A-Z_a-z]\w*(\.[a-z_]\w*)?")
@@ -44,14 +45,14 @@ def _public_object(name: str) -> bool:
       return False
     value = getattr(value, part)
     if isinstance(value, type(importlib)):
-      return False   # a submodule's names: the reference lists some only
+      return False  # a submodule's names: the reference lists some only
   return bool(getattr(value, "__doc__", None))
 
 
 def _inline(text: str) -> str:
   out, end = [], 0
   for match in _SPAN.finditer(text):
-    out.append(_escape_stars(text[end:match.start()]))
+    out.append(_escape_stars(text[end : match.start()]))
     code = match.group(1)
     if _public_object(code):
       out.append(f":py:obj:`{code}`")
@@ -59,7 +60,7 @@ def _inline(text: str) -> str:
       out.append("``" + code + "``")
     end = match.end()
     if end < len(text) and (text[end].isalnum() or text[end] == "_"):
-      out.append("\\ ")      # "`jax.Array`s": end the literal, then the word
+      out.append("\\ ")  # "`jax.Array`s": end the literal, then the word
   out.append(_escape_stars(text[end:]))
   return "".join(out)
 
@@ -77,7 +78,7 @@ def _indent(line: str) -> int:
 def set_hanging_indents_apart(lines: list[str]) -> list[str]:
   """The lines with hanging indents joined and indented lists set apart."""
   out: list[str] = []
-  skip_indent = None     # inside a napoleon section or a literal block
+  skip_indent = None  # inside a napoleon section or a literal block
   i = 0
   while i < len(lines):
     line = lines[i]
@@ -91,13 +92,14 @@ def set_hanging_indents_apart(lines: list[str]) -> list[str]:
       skip_indent = _indent(line)
       out.append(line)
       continue
-    deeper = (i < len(lines) and lines[i].strip()
-              and _indent(lines[i]) > _indent(line) and line.strip())
+    deeper = (
+      i < len(lines) and lines[i].strip() and _indent(lines[i]) > _indent(line) and line.strip()
+    )
     if not deeper:
       out.append(line)
       continue
     if _BULLET.match(line):
-      out.append(line)   # an item's own continuation lines
+      out.append(line)  # an item's own continuation lines
       continue
     if _BULLET.match(lines[i]) or line.rstrip().endswith(":"):
       out += [line, ""]
@@ -143,8 +145,7 @@ def markdown_code_to_rst(lines: list[str]) -> None:
       literal_indent = indent
 
 
-def _process(app: Any, what: str, name: str, obj: Any, options: Any,
-             lines: list[str]) -> None:
+def _process(app: Any, what: str, name: str, obj: Any, options: Any, lines: list[str]) -> None:
   del app, what, name, obj, options
   markdown_code_to_rst(lines)
 

@@ -20,9 +20,9 @@ from jaxfeed.coord.length_index import LengthIndexError
 from jaxfeed.coord.length_index import compute_lengths
 
 __all__ = [
-    "BucketPlan",
-    "BucketPlanNode",
-    "LengthIndexError",
-    "RecordLengthMismatchError",
-    "compute_lengths",
+  "BucketPlan",
+  "BucketPlanNode",
+  "LengthIndexError",
+  "RecordLengthMismatchError",
+  "compute_lengths",
 ]

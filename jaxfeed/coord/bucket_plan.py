@@ -35,6 +35,7 @@ _CACHED_EPOCHS = 2  # the current epoch and the next (a prefetcher runs ahead)
 @dataclasses.dataclass(frozen=True)
 class _EpochTable:
   """One epoch of the global plan (all arrays read-only)."""
+
   grouped_records: np.ndarray  # record indices, grouped by bucket
   step_bucket: np.ndarray  # bucket id of each step of the epoch
   step_start: np.ndarray  # offset of each step's global batch in grouped_records
@@ -87,22 +88,30 @@ class BucketPlan:
       bucket instead of dropping it.
   """
 
-  def __init__(self, lengths: Any, bucket_boundaries: Sequence[int],
-               bucket_batch_sizes: Sequence[int], *, seed: int = 0,
-               shuffle: bool = True, num_epochs: int | None = 1,
-               shard_options: ShardOptions = NoSharding(),
-               carry_remainders: bool = False):
+  def __init__(
+    self,
+    lengths: Any,
+    bucket_boundaries: Sequence[int],
+    bucket_batch_sizes: Sequence[int],
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = 1,
+    shard_options: ShardOptions = NoSharding(),
+    carry_remainders: bool = False,
+  ):
     self._lengths = _read_only(_check_lengths(lengths))
     self._boundaries = _check_boundaries(bucket_boundaries)
     self._shard_index, self._shard_count = _shard_of(shard_options)
     self._batch_sizes = _check_batch_sizes(
-        bucket_batch_sizes, len(self._boundaries), self._shard_count)
+      bucket_batch_sizes, len(self._boundaries), self._shard_count
+    )
     if not _is_int(seed):
       raise ValueError(f"BucketPlan: seed must be an integer, got {seed!r}.")
     if num_epochs is not None and (not _is_int(num_epochs) or num_epochs < 1):
       raise ValueError(
-          f"BucketPlan: num_epochs must be an integer >= 1 or None (endless), "
-          f"got {num_epochs!r}.")
+        f"BucketPlan: num_epochs must be an integer >= 1 or None (endless), got {num_epochs!r}."
+      )
     self._seed = int(seed)
     self._shuffle = bool(shuffle)
     self._num_epochs = None if num_epochs is None else int(num_epochs)
@@ -111,12 +120,13 @@ class BucketPlan:
     num_buckets = len(self._batch_sizes)
     # Small bucket ids make the per-epoch stable sort a radix sort.
     bucket_dtype = np.uint16 if num_buckets <= 1 << 16 else np.int64
-    self._record_bucket = _read_only(np.searchsorted(
-        self._boundaries, self._lengths, side="right").astype(bucket_dtype))
-    self._bucket_counts = np.bincount(self._record_bucket,
-                                      minlength=num_buckets).astype(np.int64)
-    self._bucket_offsets = np.concatenate(
-        [[0], np.cumsum(self._bucket_counts)[:-1]]).astype(np.int64)
+    self._record_bucket = _read_only(
+      np.searchsorted(self._boundaries, self._lengths, side="right").astype(bucket_dtype)
+    )
+    self._bucket_counts = np.bincount(self._record_bucket, minlength=num_buckets).astype(np.int64)
+    self._bucket_offsets = np.concatenate([[0], np.cumsum(self._bucket_counts)[:-1]]).astype(
+      np.int64
+    )
     # The records each bucket's batches are cut from: its own, after the
     # remainder carried from the bucket before (which sits right before them
     # once records are grouped by bucket).
@@ -131,19 +141,22 @@ class BucketPlan:
     self._steps_per_epoch = int(self._batches_per_bucket.sum())
     if self._steps_per_epoch == 0:
       raise ValueError(
-          f"BucketPlan: no bucket holds a full global batch: records per "
-          f"bucket {self._bucket_counts.tolist()}, global batch sizes "
-          f"{self._batch_sizes.tolist()}. Use smaller batch sizes or fewer "
-          f"buckets.")
+        f"BucketPlan: no bucket holds a full global batch: records per "
+        f"bucket {self._bucket_counts.tolist()}, global batch sizes "
+        f"{self._batch_sizes.tolist()}. Use smaller batch sizes or fewer "
+        f"buckets."
+      )
     # The epoch-independent layout of the global batches inside the grouped
     # record array: batch j covers grouped[batch_start[j]:+batch_size].
-    self._batch_bucket = np.repeat(
-        np.arange(num_buckets), self._batches_per_bucket)
+    self._batch_bucket = np.repeat(np.arange(num_buckets), self._batches_per_bucket)
     first_batch = np.cumsum(self._batches_per_bucket) - self._batches_per_bucket
-    within_bucket = (np.arange(self._steps_per_epoch)
-                     - np.repeat(first_batch, self._batches_per_bucket))
-    self._batch_start = (self._group_offsets[self._batch_bucket]
-                         + within_bucket * self._batch_sizes[self._batch_bucket])
+    within_bucket = np.arange(self._steps_per_epoch) - np.repeat(
+      first_batch, self._batches_per_bucket
+    )
+    self._batch_start = (
+      self._group_offsets[self._batch_bucket]
+      + within_bucket * self._batch_sizes[self._batch_bucket]
+    )
     used_end = self._group_offsets + self._batches_per_bucket * self._batch_sizes
     group_end = self._group_offsets + self._group_counts
     if self._carry:  # only the last bucket's remainder is left over
@@ -220,8 +233,8 @@ class BucketPlan:
   def __len__(self) -> int:
     if self._num_epochs is None:
       raise TypeError(
-          "BucketPlan with num_epochs=None is endless and has no len(); "
-          "use steps_per_epoch.")
+        "BucketPlan with num_epochs=None is endless and has no len(); use steps_per_epoch."
+      )
     return self._steps_per_epoch * self._num_epochs
 
   def num_steps(self) -> int | None:
@@ -247,15 +260,14 @@ class BucketPlan:
     bucket_id = int(table.step_bucket[local_step])
     rows = self.local_batch_size(bucket_id)
     start = int(table.step_start[local_step]) + self._shard_index * rows
-    return bucket_id, table.grouped_records[start:start + rows]
+    return bucket_id, table.grouped_records[start : start + rows]
 
   def global_step(self, step: int) -> tuple[int, np.ndarray]:
     """(bucket id, record indices of the whole global batch) at `step`."""
     table, local_step = self._locate(step)
     bucket_id = int(table.step_bucket[local_step])
     start = int(table.step_start[local_step])
-    return bucket_id, table.grouped_records[
-        start:start + int(self._batch_sizes[bucket_id])]
+    return bucket_id, table.grouped_records[start : start + int(self._batch_sizes[bucket_id])]
 
   def max_length(self, step: int) -> int:
     """The longest record of the GLOBAL batch at `step` (same on all hosts)."""
@@ -276,9 +288,10 @@ class BucketPlan:
     bound = self.bucket_bound(bucket_id)
     if bound is None:
       raise ValueError(
-          f"BucketPlan: with pad_to_bucket_boundary=True every record must be "
-          f"shorter than the last boundary {int(self._boundaries[-1])}, but "
-          f"step {step} is from the unbounded last bucket.")
+        f"BucketPlan: with pad_to_bucket_boundary=True every record must be "
+        f"shorter than the last boundary {int(self._boundaries[-1])}, but "
+        f"step {step} is from the unbounded last bucket."
+      )
     return bound - 1
 
   def epoch_buckets(self, epoch: int) -> np.ndarray:
@@ -303,30 +316,32 @@ class BucketPlan:
 
   def __repr__(self) -> str:
     epochs = "endless" if self._num_epochs is None else self._num_epochs
-    return (f"BucketPlan(num_records={self.num_records}, "
-            f"bucket_boundaries={list(self.bucket_boundaries)}, "
-            f"bucket_batch_sizes={list(self.bucket_batch_sizes)}, "
-            f"seed={self._seed}, shuffle={self._shuffle}, "
-            f"num_epochs={epochs}, shard={self._shard_index}/"
-            f"{self._shard_count}, carry_remainders={self._carry}, "
-            f"fingerprint={self._digest})")
+    return (
+      f"BucketPlan(num_records={self.num_records}, "
+      f"bucket_boundaries={list(self.bucket_boundaries)}, "
+      f"bucket_batch_sizes={list(self.bucket_batch_sizes)}, "
+      f"seed={self._seed}, shuffle={self._shuffle}, "
+      f"num_epochs={epochs}, shard={self._shard_index}/"
+      f"{self._shard_count}, carry_remainders={self._carry}, "
+      f"fingerprint={self._digest})"
+    )
 
   # -- internals ------------------------------------------------------------
   def _check_epoch(self, epoch: int) -> int:
-    if not _is_int(epoch) or epoch < 0 or (
-        self._num_epochs is not None and epoch >= self._num_epochs):
-      allowed = ("any integer >= 0" if self._num_epochs is None
-                 else f"0..{self._num_epochs - 1}")
-      raise IndexError(f"BucketPlan: epoch {epoch!r} out of range; "
-                       f"allowed: {allowed}.")
+    if (
+      not _is_int(epoch)
+      or epoch < 0
+      or (self._num_epochs is not None and epoch >= self._num_epochs)
+    ):
+      allowed = "any integer >= 0" if self._num_epochs is None else f"0..{self._num_epochs - 1}"
+      raise IndexError(f"BucketPlan: epoch {epoch!r} out of range; allowed: {allowed}.")
     return int(epoch)
 
   def _locate(self, step: int) -> tuple[_EpochTable, int]:
     total = self.num_steps()
     if not _is_int(step) or step < 0 or (total is not None and step >= total):
-      allowed = ("any integer >= 0" if total is None else f"0..{total - 1}")
-      raise IndexError(f"BucketPlan: step {step!r} out of range; "
-                       f"allowed: {allowed}.")
+      allowed = "any integer >= 0" if total is None else f"0..{total - 1}"
+      raise IndexError(f"BucketPlan: step {step!r} out of range; allowed: {allowed}.")
     epoch, local_step = divmod(int(step), self._steps_per_epoch)
     return self._table(epoch), local_step
 
@@ -346,20 +361,22 @@ class BucketPlan:
     if self._shuffle:
       # The keys are distinct (the mixer is a bijection of the index for a
       # fixed prefix), so any sort algorithm gives the same order.
-      record_keys = mix_seeds(mix_seed(self._seed, epoch, _RECORD_ORDER_SALT),
-                              np.arange(n, dtype=np.uint64))
+      record_keys = mix_seeds(
+        mix_seed(self._seed, epoch, _RECORD_ORDER_SALT), np.arange(n, dtype=np.uint64)
+      )
       record_order = np.argsort(record_keys)
     else:
       record_order = np.arange(n, dtype=np.int64)
     # Stable grouping keeps the shuffled order inside each bucket.
-    stream_position = np.argsort(self._record_bucket[record_order],
-                                 kind="stable")
+    stream_position = np.argsort(self._record_bucket[record_order], kind="stable")
     grouped = record_order[stream_position]
 
     batch_sizes = self._batch_sizes[self._batch_bucket]
     if self._shuffle:
-      batch_keys = mix_seeds(mix_seed(self._seed, epoch, _BATCH_ORDER_SALT),
-                             np.arange(self._steps_per_epoch, dtype=np.uint64))
+      batch_keys = mix_seeds(
+        mix_seed(self._seed, epoch, _BATCH_ORDER_SALT),
+        np.arange(self._steps_per_epoch, dtype=np.uint64),
+      )
       batch_order = np.argsort(batch_keys)
     else:
       # A batch is due when its last record has been read (tf.data's order).
@@ -375,17 +392,28 @@ class BucketPlan:
     batch_max = np.maximum.reduceat(grouped_lengths, bounds)[0::2]
 
     return _EpochTable(
-        grouped_records=_read_only(grouped),
-        step_bucket=_read_only(self._batch_bucket[batch_order]),
-        step_start=_read_only(self._batch_start[batch_order]),
-        step_max_length=_read_only(batch_max[batch_order]))
+      grouped_records=_read_only(grouped),
+      step_bucket=_read_only(self._batch_bucket[batch_order]),
+      step_start=_read_only(self._batch_start[batch_order]),
+      step_max_length=_read_only(batch_max[batch_order]),
+    )
 
   def _content_digest(self) -> str:
     h = hashlib.sha256()
     h.update(np.ascontiguousarray(self._lengths, np.int64).tobytes())
-    h.update(repr((self.bucket_boundaries, self.bucket_batch_sizes,
-                   self._seed, self._shuffle, self._num_epochs,
-                   self._shard_index, self._shard_count)).encode())
+    h.update(
+      repr(
+        (
+          self.bucket_boundaries,
+          self.bucket_batch_sizes,
+          self._seed,
+          self._shuffle,
+          self._num_epochs,
+          self._shard_index,
+          self._shard_count,
+        )
+      ).encode()
+    )
     if self._carry:  # plans made before the option keep their fingerprints
       h.update(b"carry_remainders")
     return h.hexdigest()[:16]
@@ -395,54 +423,55 @@ def _check_lengths(lengths: Any) -> np.ndarray:
   array = np.asarray(lengths)
   if array.ndim != 1:
     raise ValueError(
-        f"BucketPlan: lengths must be a 1-D array with one length per record, "
-        f"got shape {array.shape}.")
+      f"BucketPlan: lengths must be a 1-D array with one length per record, "
+      f"got shape {array.shape}."
+    )
   if array.size and not np.issubdtype(array.dtype, np.integer):
-    raise ValueError(
-        f"BucketPlan: lengths must be integers, got dtype {array.dtype}.")
+    raise ValueError(f"BucketPlan: lengths must be integers, got dtype {array.dtype}.")
   array = array.astype(np.int64)
   if array.size and array.min() < 0:
     bad = int(np.argmax(array < 0))
     raise ValueError(
-        f"BucketPlan: lengths must be >= 0, but record {bad} has length "
-        f"{int(array[bad])} ({int((array < 0).sum())} negative in all).")
+      f"BucketPlan: lengths must be >= 0, but record {bad} has length "
+      f"{int(array[bad])} ({int((array < 0).sum())} negative in all)."
+    )
   return array
 
 
 def _check_boundaries(boundaries: Sequence[int]) -> np.ndarray:
   values = list(boundaries)
   if not all(_is_int(b) for b in values):
-    raise ValueError(
-        f"BucketPlan: bucket_boundaries must be integers, got {values!r}.")
+    raise ValueError(f"BucketPlan: bucket_boundaries must be integers, got {values!r}.")
   if values and values[0] < 1:
-    raise ValueError(
-        f"BucketPlan: bucket_boundaries must be >= 1, got {values!r}.")
+    raise ValueError(f"BucketPlan: bucket_boundaries must be >= 1, got {values!r}.")
   for low, high in zip(values, values[1:]):
     if high <= low:
       raise ValueError(
-          f"BucketPlan: bucket_boundaries must be strictly increasing, got "
-          f"{values!r} ({high} follows {low}).")
+        f"BucketPlan: bucket_boundaries must be strictly increasing, got "
+        f"{values!r} ({high} follows {low})."
+      )
   return np.asarray(values, dtype=np.int64)
 
 
-def _check_batch_sizes(sizes: Sequence[int], num_boundaries: int,
-                       shard_count: int) -> np.ndarray:
+def _check_batch_sizes(sizes: Sequence[int], num_boundaries: int, shard_count: int) -> np.ndarray:
   values = list(sizes)
   if len(values) != num_boundaries + 1:
     raise ValueError(
-        f"BucketPlan: bucket_batch_sizes must have len(bucket_boundaries) + 1 "
-        f"= {num_boundaries + 1} entries (one per bucket), got {len(values)}: "
-        f"{values!r}.")
+      f"BucketPlan: bucket_batch_sizes must have len(bucket_boundaries) + 1 "
+      f"= {num_boundaries + 1} entries (one per bucket), got {len(values)}: "
+      f"{values!r}."
+    )
   for size in values:
     if not _is_int(size) or size < 1:
       raise ValueError(
-          f"BucketPlan: bucket_batch_sizes must be integers >= 1, got "
-          f"{size!r} in {values!r}.")
+        f"BucketPlan: bucket_batch_sizes must be integers >= 1, got {size!r} in {values!r}."
+      )
     if size % shard_count:
       raise ValueError(
-          f"BucketPlan: global batch size {size} is not divisible by the "
-          f"{shard_count} hosts (shard_count) it is split across; every "
-          f"bucket_batch_sizes entry must be a multiple of {shard_count}.")
+        f"BucketPlan: global batch size {size} is not divisible by the "
+        f"{shard_count} hosts (shard_count) it is split across; every "
+        f"bucket_batch_sizes entry must be a multiple of {shard_count}."
+      )
   return np.asarray(values, dtype=np.int64)
 
 
@@ -453,11 +482,12 @@ def _shard_of(shard_options: Any) -> tuple[int, int]:
     count = shard_options.shard_count
   except AttributeError:
     raise TypeError(
-        f"BucketPlan: shard_options must be a jaxfeed.ShardOptions "
-        f"(shard_index, shard_count), got {shard_options!r}.") from None
-  if not _is_int(count) or count < 1 or not _is_int(index) or not (
-      0 <= index < count):
+      f"BucketPlan: shard_options must be a jaxfeed.ShardOptions "
+      f"(shard_index, shard_count), got {shard_options!r}."
+    ) from None
+  if not _is_int(count) or count < 1 or not _is_int(index) or not (0 <= index < count):
     raise ValueError(
-        f"BucketPlan: shard_options needs 0 <= shard_index < shard_count, got "
-        f"shard_index={index!r}, shard_count={count!r}.")
+      f"BucketPlan: shard_options needs 0 <= shard_index < shard_count, got "
+      f"shard_index={index!r}, shard_count={count!r}."
+    )
   return int(index), int(count)

@@ -62,20 +62,25 @@ class BucketPlanNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, source: Any, plan: BucketPlan, padded_shapes: Any = None,
-               padding_values: Any = None, pad_to_bucket_boundary: bool = False,
-               decode_fn: Callable[[Any], Any] | None = None):
+  def __init__(
+    self,
+    source: Any,
+    plan: BucketPlan,
+    padded_shapes: Any = None,
+    padding_values: Any = None,
+    pad_to_bucket_boundary: bool = False,
+    decode_fn: Callable[[Any], Any] | None = None,
+  ):
     super().__init__(())
     if not isinstance(plan, BucketPlan):
-      raise TypeError(
-          f"{_OP}: plan must be a jaxfeed.coord.BucketPlan, got "
-          f"{type(plan).__name__}.")
+      raise TypeError(f"{_OP}: plan must be a jaxfeed.coord.BucketPlan, got {type(plan).__name__}.")
     num_records = len(source)
     if num_records != plan.num_records:
       raise ValueError(
-          f"{_OP}: the plan's length index has {plan.num_records} lengths but "
-          f"the source {source!r} has {num_records} records; compute the "
-          f"lengths for this source (jaxfeed.coord.compute_lengths).")
+        f"{_OP}: the plan's length index has {plan.num_records} lengths but "
+        f"the source {source!r} has {num_records} records; compute the "
+        f"lengths for this source (jaxfeed.coord.compute_lengths)."
+      )
     if pad_to_bucket_boundary:
       _check_bounded(plan)
     if decode_fn is not None and not callable(decode_fn):
@@ -92,12 +97,12 @@ class BucketPlanNode(base.Node):
 
   def spec_params(self) -> dict:
     return {
-        "source": self.source,
-        "plan": self.plan,
-        "padded_shapes": self.padded_shapes,
-        "padding_values": self.padding_values,
-        "pad_to_bucket_boundary": self.pad_to_bucket_boundary,
-        "decode_fn": self.decode_fn,
+      "source": self.source,
+      "plan": self.plan,
+      "padded_shapes": self.padded_shapes,
+      "padding_values": self.padding_values,
+      "pad_to_bucket_boundary": self.pad_to_bucket_boundary,
+      "decode_fn": self.decode_fn,
     }
 
   def cardinality(self) -> int:
@@ -134,8 +139,9 @@ class BucketPlanIterator(base.OpIterator):
     if node.decode_fn is not None:
       records = [node.decode_fn(record) for record in records]
     padded_length = self._plan.padded_length(step, node.pad_to_bucket_boundary)
-    batch = pad_records(records, padded_length, node.padded_shapes,
-                        node.padding_values, indices, step)
+    batch = pad_records(
+      records, padded_length, node.padded_shapes, node.padding_values, indices, step
+    )
     self._step = step + 1
     self._last_seed = base.mix_seed(self._plan.seed, step)
     self.last_step = step
@@ -152,12 +158,16 @@ class BucketPlanIterator(base.OpIterator):
   def _set_own_state(self, state: dict) -> None:
     step = state.get("step") if isinstance(state, dict) else None
     limit = self._num_steps
-    if (not isinstance(step, int) or isinstance(step, bool) or step < 0
-        or (limit is not None and step > limit)):
+    if (
+      not isinstance(step, int)
+      or isinstance(step, bool)
+      or step < 0
+      or (limit is not None and step > limit)
+    ):
       allowed = "an integer >= 0" if limit is None else f"an integer 0..{limit}"
       raise base.PipelineStateError(
-          f"{_OP}: state step must be {allowed} (steps of {self._plan!r}), got "
-          f"{state!r}.")
+        f"{_OP}: state step must be {allowed} (steps of {self._plan!r}), got {state!r}."
+      )
     self._step = step
     self._last_seed = base.mix_seed(self._plan.seed, step - 1) if step else 0
 
@@ -168,13 +178,20 @@ def _check_bounded(plan: BucketPlan) -> None:
   if not boundaries or longest >= boundaries[-1]:
     limit = boundaries[-1] if boundaries else "(no boundaries)"
     raise ValueError(
-        f"{_OP}: pad_to_bucket_boundary=True needs every record shorter than "
-        f"the last bucket boundary {limit}, but the longest record has length "
-        f"{longest}.")
+      f"{_OP}: pad_to_bucket_boundary=True needs every record shorter than "
+      f"the last bucket boundary {limit}, but the longest record has length "
+      f"{longest}."
+    )
 
 
-def pad_records(records: list, padded_length: int, padded_shapes: Any,
-                padding_values: Any, indices: np.ndarray, step: int) -> Any:
+def pad_records(
+  records: list,
+  padded_length: int,
+  padded_shapes: Any,
+  padding_values: Any,
+  indices: np.ndarray,
+  step: int,
+) -> Any:
   """Stacks records into one batch, sequence dims padded to `padded_length`.
 
   Args:
@@ -204,18 +221,23 @@ def pad_records(records: list, padded_length: int, padded_shapes: Any,
       shapes.append([padded_length] + [None] * (rank - 1) if rank else [])
     else:
       sequence_axes = tuple(a for a, d in enumerate(spec) if d is None or d == -1)
-      shapes.append([padded_length if a in sequence_axes else int(d)
-                     for a, d in enumerate(spec)])
+      shapes.append([padded_length if a in sequence_axes else int(d) for a, d in enumerate(spec)])
     if sequence_axes:
-      _check_sequence_fits(records, j, sequence_axes, padded_length, indices,
-                           step, structure)
+      _check_sequence_fits(records, j, sequence_axes, padded_length, indices, step, structure)
   return padding.pad_and_stack(
-      records, tree.unflatten(structure, shapes), padding_values, op_name=_OP)
+    records, tree.unflatten(structure, shapes), padding_values, op_name=_OP
+  )
 
 
-def _check_sequence_fits(records: list, leaf_index: int, axes: tuple,
-                         padded_length: int, indices: np.ndarray, step: int,
-                         structure: Any) -> None:
+def _check_sequence_fits(
+  records: list,
+  leaf_index: int,
+  axes: tuple,
+  padded_length: int,
+  indices: np.ndarray,
+  step: int,
+  structure: Any,
+) -> None:
   for row, record in enumerate(records):
     leaves = tree.flatten(record)
     if leaf_index >= len(leaves):
@@ -224,11 +246,12 @@ def _check_sequence_fits(records: list, leaf_index: int, axes: tuple,
     if any(a < len(shape) and shape[a] > padded_length for a in axes):
       path = tree.paths(structure)[leaf_index] or "<record>"
       raise RecordLengthMismatchError(
-          f"{_OP}: record {int(indices[row])} feature {path!r} has shape "
-          f"{shape}, longer than {padded_length}, the padded length the plan "
-          f"gives step {step} from its length index. The length index is "
-          f"stale or measures a different feature; recompute it with "
-          f"jaxfeed.coord.compute_lengths.")
+        f"{_OP}: record {int(indices[row])} feature {path!r} has shape "
+        f"{shape}, longer than {padded_length}, the padded length the plan "
+        f"gives step {step} from its length index. The length index is "
+        f"stale or measures a different feature; recompute it with "
+        f"jaxfeed.coord.compute_lengths."
+      )
 
 
 def _leaf_shape_specs(structure: Any, padded_shapes: Any) -> list:
@@ -245,11 +268,12 @@ def _leaf_shape_specs(structure: Any, padded_shapes: Any) -> list:
       if hasattr(spec, "as_list"):
         spec = spec.as_list()
       if not isinstance(spec, (tuple, list, np.ndarray)) or not all(
-          s is None or (isinstance(s, (int, np.integer)) and s >= -1)
-          for s in spec):
+        s is None or (isinstance(s, (int, np.integer)) and s >= -1) for s in spec
+      ):
         raise ValueError(
-            f"{_OP}: padded_shapes at {where or '<record>'!r} must be a shape "
-            f"(a tuple of ints >= 0, None or -1), got {spec!r}.")
+          f"{_OP}: padded_shapes at {where or '<record>'!r} must be a shape "
+          f"(a tuple of ints >= 0, None or -1), got {spec!r}."
+        )
       specs.append(tuple(spec))
       return
     if isinstance(node, dict):
@@ -269,5 +293,6 @@ def _leaf_shape_specs(structure: Any, padded_shapes: Any) -> list:
 
 def _spec_mismatch(node: Any, spec: Any, where: str) -> None:
   raise ValueError(
-      f"{_OP}: padded_shapes {spec!r} does not match the record's structure "
-      f"{tree.structure_str(node)} at {where or '<record>'!r}.")
+    f"{_OP}: padded_shapes {spec!r} does not match the record's structure "
+    f"{tree.structure_str(node)} at {where or '<record>'!r}."
+  )

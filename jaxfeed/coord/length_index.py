@@ -25,8 +25,9 @@ def read_records(source: Any, indices: np.ndarray) -> list:
   return list(from_source.records_reader(source)(indices))
 
 
-def compute_lengths(source: Any, length_fn: Callable[[Any], int],
-                    path: str | os.PathLike | None = None) -> np.ndarray:
+def compute_lengths(
+  source: Any, length_fn: Callable[[Any], int], path: str | os.PathLike | None = None
+) -> np.ndarray:
   """One length per record of `source`, computed once and cached as .npy.
 
   Args:
@@ -48,8 +49,11 @@ def compute_lengths(source: Any, length_fn: Callable[[Any], int],
   if index_path is not None and index_path.exists():
     with index_path.open("rb") as f:
       stored = np.load(f, allow_pickle=False)
-    if (stored.ndim == 1 and stored.shape[0] == num_records
-        and np.issubdtype(stored.dtype, np.integer)):
+    if (
+      stored.ndim == 1
+      and stored.shape[0] == num_records
+      and np.issubdtype(stored.dtype, np.integer)
+    ):
       return stored.astype(np.int64, copy=False)
     # A stale index (the source changed size) is recomputed below.
 
@@ -69,12 +73,12 @@ def compute_lengths(source: Any, length_fn: Callable[[Any], int],
 def _checked_length(value: Any, index: int, length_fn: Callable) -> int:
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value.item()
-  if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-      or value < 0):
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
     raise LengthIndexError(
-        f"compute_lengths: length_fn {getattr(length_fn, '__name__', length_fn)}"
-        f" returned {value!r} for record {index}; a length must be an integer "
-        f">= 0.")
+      f"compute_lengths: length_fn {getattr(length_fn, '__name__', length_fn)}"
+      f" returned {value!r} for record {index}; a length must be an integer "
+      f">= 0."
+    )
   return int(value)
 
 

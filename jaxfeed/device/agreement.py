@@ -45,6 +45,7 @@ def distributed_client() -> Any:
   """The `jax.distributed` coordination client (None when not initialized)."""
   # jax has no public handle on its key-value store; orbax uses the same one.
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
   return distributed.global_state.client
 
 
@@ -71,11 +72,18 @@ class StepAgreement:
       instead of requiring equal sizes.
   """
 
-  def __init__(self, policy: StepPolicy | str, namespace: str, client: Any, *,
-               pad_to_common_shape: bool = False):
+  def __init__(
+    self,
+    policy: StepPolicy | str,
+    namespace: str,
+    client: Any,
+    *,
+    pad_to_common_shape: bool = False,
+  ):
     if isinstance(policy, str):
       policy = step_verdict.resolve_policy(
-          None, policy, "StepAgreement", pad_to_common_shape=pad_to_common_shape)
+        None, policy, "StepAgreement", pad_to_common_shape=pad_to_common_shape
+      )
     self._policy = policy
     self._namespace = namespace
     self._client = client
@@ -119,8 +127,7 @@ class StepAgreement:
       if step >= 2 and (step - 2) % _CHUNK == _CHUNK - 1:
         # Every process has read the verdicts up to step - 2: it wrote its
         # message of step - 1, which process 0 has read, after reading them.
-        self._client.key_value_delete(self._directory(step - 2)
-                                      .rsplit("/", 1)[0])
+        self._client.key_value_delete(self._directory(step - 2).rsplit("/", 1)[0])
     else:
       self._client.key_value_set(f"{directory}/p{self._index}", message)
       if batch is None and self._policy.end_of_input == "stop_at_shortest":
@@ -134,8 +141,7 @@ class StepAgreement:
       return step_verdict.SKIP
     if "targets" not in verdict:
       return batch
-    return step_verdict.pad(batch, self._treedef, verdict["targets"],
-                            self._policy.mask_key)
+    return step_verdict.pad(batch, self._treedef, verdict["targets"], self._policy.mask_key)
 
   # -- messages ---------------------------------------------------------------
   def _directory(self, step: int) -> str:
@@ -144,14 +150,12 @@ class StepAgreement:
   def _encode(self, batch: Any) -> tuple[str, int | None]:
     """The message for `batch` and its rows; notes its structure for padding."""
     leaves, self._treedef = jax.tree_util.tree_flatten(batch)
-    key = (self._treedef, tuple((np.shape(leaf), np.asarray(leaf).dtype.str)
-                                for leaf in leaves))
+    key = (self._treedef, tuple((np.shape(leaf), np.asarray(leaf).dtype.str) for leaf in leaves))
     # Shapes rarely change between steps: reuse the message, whose leaf
     # paths cost more to build than this key.
     if self._message_cache[0] != key:
       described = step_verdict.describe(batch)
-      self._message_cache = (key, json.dumps(described),
-                             step_verdict.rows_of(described))
+      self._message_cache = (key, json.dumps(described), step_verdict.rows_of(described))
     return self._message_cache[1], self._message_cache[2]
 
   def _read(self, key: str, stop: threading.Event | None) -> str:
@@ -164,8 +168,7 @@ class StepAgreement:
       if stop is not None and stop.is_set():
         raise Interrupted()
 
-  def _messages(self, directory: str, own: str,
-                stop: threading.Event | None) -> dict[int, str]:
+  def _messages(self, directory: str, own: str, stop: threading.Event | None) -> dict[int, str]:
     """Every process's message of the step (JSON), waiting for missing ones."""
     messages = {self._index: own}
     prefix = f"{directory}/p"
@@ -179,17 +182,23 @@ class StepAgreement:
       if len(missing) > 1:
         for key, value in self._client.key_value_dir_get(directory):
           if key.startswith(prefix):
-            messages[int(key[len(prefix):])] = value
+            messages[int(key[len(prefix) :])] = value
 
   # -- agreement (process 0) ----------------------------------------------------
-  def _decide(self, step: int, directory: str, own: str, rows: int | None,
-              stop: threading.Event | None) -> dict:
+  def _decide(
+    self, step: int, directory: str, own: str, rows: int | None, stop: threading.Event | None
+  ) -> dict:
     """The verdict (see `step_verdict.decide`)."""
     raw = self._messages(directory, own, stop)
     policy = self._policy
-    if (not policy.pads and not policy.pad_to_common_shape and own[0] == "["
-        and (policy.full_rows is None or rows is None or rows >= policy.full_rows)
-        and all(m == own for m in raw.values())):
+    if (
+      not policy.pads
+      and not policy.pad_to_common_shape
+      and own[0] == "["
+      and (policy.full_rows is None or rows is None or rows >= policy.full_rows)
+      and all(m == own for m in raw.values())
+    ):
       return {}  # The usual step: every process has a complete batch like this one.
-    return step_verdict.decide(step, {p: json.loads(m) for p, m in raw.items()},
-                               self._count, policy)
+    return step_verdict.decide(
+      step, {p: json.loads(m) for p, m in raw.items()}, self._count, policy
+    )

@@ -36,8 +36,9 @@ ShardingLike = Union[Sharding, Callable[[np.ndarray], Sharding], Any]
 structure), or a callable leaf -> Sharding."""
 
 
-def batch_sharding(mesh: Mesh | None = None,
-                   axis_name: str | tuple[str, ...] = "data") -> NamedSharding:
+def batch_sharding(
+  mesh: Mesh | None = None, axis_name: str | tuple[str, ...] = "data"
+) -> NamedSharding:
   """The sharding that splits the leading (batch) dimension over `axis_name`.
 
   Args:
@@ -52,19 +53,22 @@ def batch_sharding(mesh: Mesh | None = None,
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   if not names or not all(isinstance(n, str) and n for n in names):
     raise ValueError(
-        f"batch_sharding: axis_name must be a non-empty mesh axis name or a "
-        f"tuple of them, got {axis_name!r}.")
+      f"batch_sharding: axis_name must be a non-empty mesh axis name or a "
+      f"tuple of them, got {axis_name!r}."
+    )
   if mesh is None:
     if len(names) != 1:
       raise ValueError(
-          f"batch_sharding: without a mesh, axis_name must be one name (the "
-          f"default mesh is 1-D), got {axis_name!r}.")
+        f"batch_sharding: without a mesh, axis_name must be one name (the "
+        f"default mesh is 1-D), got {axis_name!r}."
+      )
     mesh = Mesh(np.array(jax.devices()), names)
   missing = [n for n in names if n not in mesh.axis_names]
   if missing:
     raise ValueError(
-        f"batch_sharding: axis {missing[0]!r} is not an axis of the mesh; its "
-        f"axes are {tuple(mesh.axis_names)}.")
+      f"batch_sharding: axis {missing[0]!r} is not an axis of the mesh; its "
+      f"axes are {tuple(mesh.axis_names)}."
+    )
   return NamedSharding(mesh, PartitionSpec(axis_name))
 
 
@@ -88,7 +92,7 @@ def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
   raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
   start = -raw.ctypes.data % _ALIGNMENT
-  return raw[start:start + nbytes].view(dtype).reshape(shape)
+  return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _is_sharding(value: Any) -> bool:
@@ -105,8 +109,7 @@ def _replicated(sharding: Sharding) -> Sharding:
   return NamedSharding(Mesh(np.array(devices), ("replica",)), PartitionSpec())
 
 
-def _parts(sharding: Sharding, ndim: int
-           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _parts(sharding: Sharding, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Per dimension: how many distinct slices this process's devices hold, and
   how many all devices hold.
 
@@ -118,11 +121,12 @@ def _parts(sharding: Sharding, ndim: int
   probe = (len(sharding.device_set),) * ndim
 
   def count(index_map: dict) -> tuple[int, ...]:
-    return tuple(len({(index[d].start or 0) for index in index_map.values()})
-                 for d in range(ndim))
+    return tuple(len({(index[d].start or 0) for index in index_map.values()}) for d in range(ndim))
 
-  return (count(sharding.addressable_devices_indices_map(probe)),
-          count(sharding.devices_indices_map(probe)))
+  return (
+    count(sharding.addressable_devices_indices_map(probe)),
+    count(sharding.devices_indices_map(probe)),
+  )
 
 
 class BatchPlacer:
@@ -146,10 +150,11 @@ class BatchPlacer:
       bad = [leaf for leaf in leaves if not _is_sharding(leaf)]
       if not leaves or bad:
         raise TypeError(
-            "DevicePrefetcher: sharding must be a jax.sharding.Sharding, a "
-            "pytree of Shardings matching the batch, or a callable leaf -> "
-            f"Sharding; got {type(sharding).__name__} "
-            f"{bad[0] if bad else sharding!r:.120}.")
+          "DevicePrefetcher: sharding must be a jax.sharding.Sharding, a "
+          "pytree of Shardings matching the batch, or a callable leaf -> "
+          f"Sharding; got {type(sharding).__name__} "
+          f"{bad[0] if bad else sharding!r:.120}."
+        )
       self._mode = "tree"
     self._sharding = sharding
     # (sharding, rank) -> (local parts, global parts) per dimension.
@@ -165,19 +170,21 @@ class BatchPlacer:
 
   def __call__(self, batch: Any) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
-    leaves = [leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf)
-              for leaf in leaves]
+    leaves = [leaf if isinstance(leaf, np.ndarray) else np.asarray(leaf) for leaf in leaves]
     shardings = self._shardings_for(batch, leaves, treedef)
-    global_shapes = [self._global_shape(batch, i, leaf, sharding)
-                     for i, (leaf, sharding) in enumerate(zip(leaves, shardings))]
+    global_shapes = [
+      self._global_shape(batch, i, leaf, sharding)
+      for i, (leaf, sharding) in enumerate(zip(leaves, shardings))
+    ]
     if self._local_only:
       arrays = jax.device_put(leaves, shardings)
     elif _PLACES_LEAF_LISTS:
-      arrays = jax.make_array_from_process_local_data(
-          shardings, leaves, global_shapes)
+      arrays = jax.make_array_from_process_local_data(shardings, leaves, global_shapes)
     else:
-      arrays = [jax.make_array_from_process_local_data(sharding, leaf, shape)
-                for sharding, leaf, shape in zip(shardings, leaves, global_shapes)]
+      arrays = [
+        jax.make_array_from_process_local_data(sharding, leaf, shape)
+        for sharding, leaf, shape in zip(shardings, leaves, global_shapes)
+      ]
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
   def spans_processes(self) -> bool:
@@ -186,8 +193,7 @@ class BatchPlacer:
     if self._mode == "fn":
       return True
     shardings = jax.tree_util.tree_leaves(self._sharding, is_leaf=_is_sharding)
-    return any(d.process_index != jax.process_index()
-               for s in shardings for d in s.device_set)
+    return any(d.process_index != jax.process_index() for s in shardings for d in s.device_set)
 
   def on_cpu_devices_only(self) -> bool:
     """Whether every batch goes to CPU devices only (unknown for a sharding
@@ -198,17 +204,17 @@ class BatchPlacer:
     return all(d.platform == "cpu" for s in shardings for d in s.device_set)
 
   # -- shardings per leaf ----------------------------------------------------
-  def _shardings_for(self, batch: Any, leaves: list[np.ndarray],
-                     treedef: Any) -> list[Sharding]:
+  def _shardings_for(self, batch: Any, leaves: list[np.ndarray], treedef: Any) -> list[Sharding]:
     if self._mode == "fn":
       shardings = []
       for i, leaf in enumerate(leaves):
         sharding = self._sharding(leaf)
         if not _is_sharding(sharding):
           raise TypeError(
-              f"DevicePrefetcher: the sharding function returned "
-              f"{sharding!r:.100} for leaf {_leaf_path(batch, i)}; "
-              f"it must return a jax.sharding.Sharding.")
+            f"DevicePrefetcher: the sharding function returned "
+            f"{sharding!r:.100} for leaf {_leaf_path(batch, i)}; "
+            f"it must return a jax.sharding.Sharding."
+          )
         shardings.append(self._for_rank(sharding, leaf.ndim))
       return shardings
     key = (treedef, tuple(leaf.ndim for leaf in leaves))
@@ -217,8 +223,7 @@ class BatchPlacer:
         per_leaf = [self._sharding] * len(leaves)
       else:
         per_leaf = self._broadcast_tree(batch, treedef)
-      self._cached_shardings = [
-          self._for_rank(s, leaf.ndim) for s, leaf in zip(per_leaf, leaves)]
+      self._cached_shardings = [self._for_rank(s, leaf.ndim) for s, leaf in zip(per_leaf, leaves)]
       self._cached_key = key
     return self._cached_shardings
 
@@ -226,13 +231,17 @@ class BatchPlacer:
     """Expands the sharding pytree (a prefix of the batch) to one per leaf."""
     try:
       expanded = jax.tree_util.tree_map(
-          lambda s, subtree: jax.tree_util.tree_map(lambda _: s, subtree),
-          self._sharding, batch, is_leaf=_is_sharding)
+        lambda s, subtree: jax.tree_util.tree_map(lambda _: s, subtree),
+        self._sharding,
+        batch,
+        is_leaf=_is_sharding,
+      )
     except (ValueError, TypeError) as e:
       raise ValueError(
-          "DevicePrefetcher: the sharding pytree does not match the batch "
-          f"structure {treedef}; it must have the batch's structure or a "
-          f"prefix of it. ({e})") from e
+        "DevicePrefetcher: the sharding pytree does not match the batch "
+        f"structure {treedef}; it must have the batch's structure or a "
+        f"prefix of it. ({e})"
+      ) from e
     return jax.tree_util.tree_leaves(expanded, is_leaf=_is_sharding)
 
   def _for_rank(self, sharding: Sharding, ndim: int) -> Sharding:
@@ -244,14 +253,16 @@ class BatchPlacer:
     return replicated
 
   # -- validation -------------------------------------------------------------
-  def _global_shape(self, batch: Any, index: int, leaf: np.ndarray,
-                    sharding: Sharding) -> tuple[int, ...]:
+  def _global_shape(
+    self, batch: Any, index: int, leaf: np.ndarray, sharding: Sharding
+  ) -> tuple[int, ...]:
     """Checks the leaf against its sharding; returns the global shape."""
     if leaf.dtype.kind in "OUSV":
       raise TypeError(
-          f"DevicePrefetcher: leaf {_leaf_path(batch, index)} has dtype "
-          f"{leaf.dtype}, which cannot be placed on devices; allowed are "
-          "numeric and bool arrays.")
+        f"DevicePrefetcher: leaf {_leaf_path(batch, index)} has dtype "
+        f"{leaf.dtype}, which cannot be placed on devices; allowed are "
+        "numeric and bool arrays."
+      )
     if not leaf.ndim:
       return ()
     key = (sharding, leaf.ndim)
@@ -261,20 +272,23 @@ class BatchPlacer:
         parts = self._parts[key] = _parts(sharding, leaf.ndim)
       except (ValueError, IndexError) as e:
         raise ValueError(
-            f"DevicePrefetcher: leaf {_leaf_path(batch, index)} of shape "
-            f"{leaf.shape} cannot use sharding {sharding}: {e}") from e
+          f"DevicePrefetcher: leaf {_leaf_path(batch, index)} of shape "
+          f"{leaf.shape} cannot use sharding {sharding}: {e}"
+        ) from e
     local_parts, global_parts = parts
     for dim, (size, count) in enumerate(zip(leaf.shape, local_parts)):
       if size % count:
         what = "local batch size" if dim == 0 else f"size of dimension {dim}"
         raise ValueError(
-            f"DevicePrefetcher: leaf {_leaf_path(batch, index)} has "
-            f"{what} {size}, which is not divisible by {count}, the number "
-            f"of this process's devices that dimension is split over "
-            f"(sharding {sharding}). Use a per-process batch size that is a "
-            f"multiple of {count} (e.g. batch(..., drop_remainder=True)).")
-    return tuple(size // count * total for size, count, total
-                 in zip(leaf.shape, local_parts, global_parts))
+          f"DevicePrefetcher: leaf {_leaf_path(batch, index)} has "
+          f"{what} {size}, which is not divisible by {count}, the number "
+          f"of this process's devices that dimension is split over "
+          f"(sharding {sharding}). Use a per-process batch size that is a "
+          f"multiple of {count} (e.g. batch(..., drop_remainder=True))."
+        )
+    return tuple(
+      size // count * total for size, count, total in zip(leaf.shape, local_parts, global_parts)
+    )
 
 
 def _leaf_path(batch: Any, index: int) -> str:

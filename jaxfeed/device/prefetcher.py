@@ -48,8 +48,13 @@ class _HostSteps:
   are several (else checked alone), and the iterator state right after each
   step taken."""
 
-  def __init__(self, iterator: Any, has_state: bool, state: Any,
-               steps: agreement.StepAgreement | step_verdict.LocalSteps):
+  def __init__(
+    self,
+    iterator: Any,
+    has_state: bool,
+    state: Any,
+    steps: agreement.StepAgreement | step_verdict.LocalSteps,
+  ):
     self.iterator = iterator
     self._has_state = has_state
     self._state = state
@@ -82,9 +87,13 @@ class _HostSteps:
       # next step follows.
 
 
-def _produce(steps: _HostSteps, place: Callable[[Any], Any],
-             out: queue.SimpleQueue, slots: threading.Semaphore,
-             stop: threading.Event) -> None:
+def _produce(
+  steps: _HostSteps,
+  place: Callable[[Any], Any],
+  out: queue.SimpleQueue,
+  slots: threading.Semaphore,
+  stop: threading.Event,
+) -> None:
   """Thread body. It references no DevicePrefetcher, so GC can close it."""
   try:
     while True:
@@ -118,14 +127,16 @@ class _Resources:
     self.slots: threading.Semaphore | None = None
     self.stop: threading.Event | None = None
 
-  def start(self, steps: _HostSteps, place: Callable[[Any], Any],
-            prefetch: int) -> None:
+  def start(self, steps: _HostSteps, place: Callable[[Any], Any], prefetch: int) -> None:
     self.queue = queue.SimpleQueue()
     self.slots = threading.Semaphore(prefetch)
     self.stop = threading.Event()
     self.thread = threading.Thread(
-        target=_produce, name="jaxfeed-device-prefetch", daemon=True,
-        args=(steps, place, self.queue, self.slots, self.stop))
+      target=_produce,
+      name="jaxfeed-device-prefetch",
+      daemon=True,
+      args=(steps, place, self.queue, self.slots, self.stop),
+    )
     self.thread.start()
 
   def stop_thread(self, interrupt: Callable[[], None] | None = None) -> None:
@@ -143,9 +154,11 @@ class _Resources:
     thread.join(_JOIN_TIMEOUT_S)
     if thread.is_alive():
       warnings.warn(
-          f"DevicePrefetcher: the input iterator did not return within "
-          f"{_JOIN_TIMEOUT_S:.0f} s of close(); its thread is left running.",
-          RuntimeWarning, stacklevel=3)
+        f"DevicePrefetcher: the input iterator did not return within "
+        f"{_JOIN_TIMEOUT_S:.0f} s of close(); its thread is left running.",
+        RuntimeWarning,
+        stacklevel=3,
+      )
     self.thread = self.queue = self.slots = self.stop = None
 
   def close(self) -> None:
@@ -231,29 +244,36 @@ class DevicePrefetcher:
       own thread; lets placement on CPU devices run in `next()` (see above).
   """
 
-  def __init__(self, host_iterator: Any, sharding: ShardingLike = None, *,
-               prefetch: int = 2, end_of_input: str | None = None,
-               pad_to_common_shape: bool = False,
-               partial_batch: str | None = None,
-               full_batch_rows: int | None = None,
-               host_reads_ahead: bool = False):
+  def __init__(
+    self,
+    host_iterator: Any,
+    sharding: ShardingLike = None,
+    *,
+    prefetch: int = 2,
+    end_of_input: str | None = None,
+    pad_to_common_shape: bool = False,
+    partial_batch: str | None = None,
+    full_batch_rows: int | None = None,
+    host_reads_ahead: bool = False,
+  ):
     policy = step_verdict.resolve_policy(
-        partial_batch, end_of_input, "DevicePrefetcher",
-        pad_to_common_shape=bool(pad_to_common_shape))
+      partial_batch, end_of_input, "DevicePrefetcher", pad_to_common_shape=bool(pad_to_common_shape)
+    )
     self._policy = policy.with_full_rows(full_batch_rows)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-      raise ValueError(
-          f"DevicePrefetcher: prefetch must be an integer >= 0, got {prefetch!r}.")
+      raise ValueError(f"DevicePrefetcher: prefetch must be an integer >= 0, got {prefetch!r}.")
     if not callable(getattr(host_iterator, "__next__", None)):
       raise TypeError(
-          "DevicePrefetcher: host_iterator must be an iterator (with "
-          f"__next__), got {type(host_iterator).__name__}.")
+        "DevicePrefetcher: host_iterator must be an iterator (with "
+        f"__next__), got {type(host_iterator).__name__}."
+      )
     mask_key = self._policy.mask_key
-    if (mask_key is not None and isinstance(sharding, Mapping)
-        and mask_key not in sharding):
+    if mask_key is not None and isinstance(sharding, Mapping) and mask_key not in sharding:
       # The mask leaf is split over the batch dimension like the batch.
-      sharding = {**sharding, mask_key: next(iter(
-          jax.tree_util.tree_leaves(sharding, is_leaf=_is_sharding)), None)}
+      sharding = {
+        **sharding,
+        mask_key: next(iter(jax.tree_util.tree_leaves(sharding, is_leaf=_is_sharding)), None),
+      }
     self._place = BatchPlacer(sharding)
     self._prefetch = prefetch
     self._agreement_name = None
@@ -262,13 +282,13 @@ class DevicePrefetcher:
       client = agreement.distributed_client()
       if client is None:
         raise RuntimeError(
-            "DevicePrefetcher: a multi-process job needs jax.distributed."
-            "initialize() for the processes to agree on the end of input.")
-      self._agreement_name = (
-          f"jaxfeed/end_of_input/{next(_agreement_serials)}")
+          "DevicePrefetcher: a multi-process job needs jax.distributed."
+          "initialize() for the processes to agree on the end of input."
+        )
+      self._agreement_name = f"jaxfeed/end_of_input/{next(_agreement_serials)}"
     self._inline = not prefetch or (
-        bool(host_reads_ahead) and self._agreement_name is None
-        and self._place.on_cpu_devices_only())
+      bool(host_reads_ahead) and self._agreement_name is None and self._place.on_cpu_devices_only()
+    )
     self._generation = itertools.count()
     self._has_state = callable(getattr(host_iterator, "get_state", None))
     self._state = host_iterator.get_state() if self._has_state else None
@@ -283,12 +303,13 @@ class DevicePrefetcher:
     if self._agreement_name is not None:
       # A restart (set_state) agrees on fresh keys: every process restarts.
       steps: Any = agreement.StepAgreement(
-          self._policy, f"{self._agreement_name}/{next(self._generation)}",
-          agreement.distributed_client())
+        self._policy,
+        f"{self._agreement_name}/{next(self._generation)}",
+        agreement.distributed_client(),
+      )
     else:
       steps = step_verdict.LocalSteps(self._policy)
-    self._steps = _HostSteps(self._resources.iterator, self._has_state,
-                             self._state, steps)
+    self._steps = _HostSteps(self._resources.iterator, self._has_state, self._state, steps)
     if not self._inline:
       self._resources.start(self._steps, self._place, self._prefetch)
 
@@ -341,9 +362,10 @@ class DevicePrefetcher:
     """The host iterator's state as of the last batch `next()` returned."""
     if not self._has_state:
       raise TypeError(
-          f"DevicePrefetcher: the host iterator "
-          f"{type(self._resources.iterator).__name__} has no get_state(); "
-          "checkpointing needs a jaxfeed pipeline iterator.")
+        f"DevicePrefetcher: the host iterator "
+        f"{type(self._resources.iterator).__name__} has no get_state(); "
+        "checkpointing needs a jaxfeed pipeline iterator."
+      )
     return copy.deepcopy(self._state)
 
   def set_state(self, state: dict) -> None:
@@ -353,8 +375,9 @@ class DevicePrefetcher:
     iterator = self._resources.iterator
     if not callable(getattr(iterator, "set_state", None)):
       raise TypeError(
-          f"DevicePrefetcher: the host iterator {type(iterator).__name__} has "
-          "no set_state(); restoring needs a jaxfeed pipeline iterator.")
+        f"DevicePrefetcher: the host iterator {type(iterator).__name__} has "
+        "no set_state(); restoring needs a jaxfeed pipeline iterator."
+      )
     self._resources.stop_thread()
     iterator.set_state(state)
     self._state = iterator.get_state() if self._has_state else copy.deepcopy(state)

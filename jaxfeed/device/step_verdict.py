@@ -78,10 +78,9 @@ class StepPolicy:
 
   def __post_init__(self):
     if self.full_rows is not None and (
-        isinstance(self.full_rows, bool) or not isinstance(self.full_rows, int)
-        or self.full_rows < 1):
-      raise ValueError(f"full_rows must be None or an integer >= 1, got "
-                       f"{self.full_rows!r}.")
+      isinstance(self.full_rows, bool) or not isinstance(self.full_rows, int) or self.full_rows < 1
+    ):
+      raise ValueError(f"full_rows must be None or an integer >= 1, got {self.full_rows!r}.")
 
   @property
   def pads(self) -> bool:
@@ -92,8 +91,13 @@ class StepPolicy:
     return dataclasses.replace(self, full_rows=full_rows)
 
 
-def resolve_policy(partial_batch: str | None, end_of_input: str | None,
-                   who: str, *, pad_to_common_shape: bool = False) -> StepPolicy:
+def resolve_policy(
+  partial_batch: str | None,
+  end_of_input: str | None,
+  who: str,
+  *,
+  pad_to_common_shape: bool = False,
+) -> StepPolicy:
   """The policy of a Loader's (or DevicePrefetcher's) arguments; None means
   the default (see the module docstring).
 
@@ -102,26 +106,29 @@ def resolve_policy(partial_batch: str | None, end_of_input: str | None,
       `end_of_input="pad"` (padding a step and dropping it).
   """
   if partial_batch is not None and partial_batch not in PARTIAL_BATCH_POLICIES:
-    raise ValueError(f"{who}: partial_batch must be one of "
-                     f"{PARTIAL_BATCH_POLICIES}, got {partial_batch!r}.")
+    raise ValueError(
+      f"{who}: partial_batch must be one of {PARTIAL_BATCH_POLICIES}, got {partial_batch!r}."
+    )
   if end_of_input is not None and end_of_input not in END_OF_INPUT_POLICIES:
-    raise ValueError(f"{who}: end_of_input must be one of "
-                     f"{END_OF_INPUT_POLICIES}, got {end_of_input!r}.")
+    raise ValueError(
+      f"{who}: end_of_input must be one of {END_OF_INPUT_POLICIES}, got {end_of_input!r}."
+    )
   if partial_batch is None and end_of_input == "pad":
-    return StepPolicy("pad", "pad", LEGACY_MASK_KEY,
-                      pad_to_common_shape=pad_to_common_shape)
+    return StepPolicy("pad", "pad", LEGACY_MASK_KEY, pad_to_common_shape=pad_to_common_shape)
   partial_batch = partial_batch or "drop"
   if end_of_input is None:
     end_of_input = "pad" if partial_batch == "pad" else "stop_at_shortest"
   if partial_batch == "drop" and end_of_input == "pad":
     raise ValueError(
-        f"{who}: partial_batch='drop' drops the steps where a process's "
-        "batch is incomplete, and end_of_input='pad' pads the steps where a "
-        "process has none; use partial_batch='pad' (pads both) or "
-        "end_of_input='stop_at_shortest'.")
+      f"{who}: partial_batch='drop' drops the steps where a process's "
+      "batch is incomplete, and end_of_input='pad' pads the steps where a "
+      "process has none; use partial_batch='pad' (pads both) or "
+      "end_of_input='stop_at_shortest'."
+    )
   pads = partial_batch == "pad" or end_of_input == "pad"
-  return StepPolicy(partial_batch, end_of_input, MASK_KEY if pads else None,
-                    pad_to_common_shape=pad_to_common_shape)
+  return StepPolicy(
+    partial_batch, end_of_input, MASK_KEY if pads else None, pad_to_common_shape=pad_to_common_shape
+  )
 
 
 # -- describing batches -------------------------------------------------------------
@@ -131,8 +138,7 @@ def describe(batch: Any) -> list:
   described = []
   for path, leaf in leaves:
     leaf = np.asarray(leaf)
-    described.append([jax.tree_util.keystr(path) or "<batch>",
-                      list(leaf.shape), leaf.dtype.str])
+    described.append([jax.tree_util.keystr(path) or "<batch>", list(leaf.shape), leaf.dtype.str])
   return described
 
 
@@ -145,14 +151,12 @@ def rows_of(described: list) -> int | None:
 
 def leaf_rows(batch: Any) -> int | None:
   """`rows_of(describe(batch))` without describing the batch."""
-  sizes = {np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(batch)
-           if np.ndim(leaf)}
+  sizes = {np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf)}
   return sizes.pop() if len(sizes) == 1 else None
 
 
 # -- the verdict --------------------------------------------------------------------
-def decide(step: int, messages: Mapping[int, Any], count: int,
-           policy: StepPolicy) -> dict:
+def decide(step: int, messages: Mapping[int, Any], count: int, policy: StepPolicy) -> dict:
   """The verdict on one step.
 
   Args:
@@ -168,26 +172,29 @@ def decide(step: int, messages: Mapping[int, Any], count: int,
     (pad every leaf to them, and add the mask).
   """
   present = {p: m for p, m in messages.items() if isinstance(m, list)}
-  if not present or (len(present) < count
-                     and policy.end_of_input == "stop_at_shortest"):
+  if not present or (len(present) < count and policy.end_of_input == "stop_at_shortest"):
     return {"end": True}
   rows = {p: rows_of(d) for p, d in present.items()}
   by_rows = None not in rows.values()
   pad_rows = policy.pads or by_rows
-  signatures = {p: _signature(d, pad_rows, policy.pad_to_common_shape)
-                for p, d in present.items()}
+  signatures = {p: _signature(d, pad_rows, policy.pad_to_common_shape) for p, d in present.items()}
   if len(set(signatures.values())) > 1:
-    return {"error": _mismatch_message(step, present, signatures, pad_rows,
-                                       policy.pad_to_common_shape)}
+    return {
+      "error": _mismatch_message(step, present, signatures, pad_rows, policy.pad_to_common_shape)
+    }
   full = None
   if by_rows:
     full = max([*rows.values(), policy.full_rows or 0])
     partial = sorted(p for p, r in rows.items() if r < full)
     if partial and policy.partial_batch == "drop":
       logging.info(
-          "Loader: step %d dropped on every process: processes %s have %s of "
-          "%d rows (partial_batch='pad' keeps them, with a mask).", step,
-          partial, [rows[p] for p in partial], full)
+        "Loader: step %d dropped on every process: processes %s have %s of "
+        "%d rows (partial_batch='pad' keeps them, with a mask).",
+        step,
+        partial,
+        [rows[p] for p in partial],
+        full,
+      )
       return {"skip": True}
     if partial and policy.partial_batch == "error":
       return {"error": _partial_message(step, present, partial, full)}
@@ -195,16 +202,18 @@ def decide(step: int, messages: Mapping[int, Any], count: int,
     return {}
   without_structure = sorted(p for p, m in messages.items() if m == "never")
   if without_structure:
-    return {"error": (
+    return {
+      "error": (
         f"Loader(end_of_input='pad'): processes {without_structure} have "
         f"had no batch at all by step {step}, so they cannot build padding "
         "batches of the right structure; every process needs at least one "
-        "batch of its own.")}
+        "batch of its own."
+      )
+    }
   reference = next(iter(present.values()))
   targets = []
   for i, (_, shape, dtype) in enumerate(reference):
-    target = [max(d[i][1][dim] for d in present.values())
-              for dim in range(len(shape))]
+    target = [max(d[i][1][dim] for d in present.values()) for dim in range(len(shape))]
     if shape and full is not None and policy.pads:
       target[0] = full
     if not policy.pad_to_common_shape:
@@ -216,63 +225,77 @@ def decide(step: int, messages: Mapping[int, Any], count: int,
 def _signature(described: list, pad_rows: bool, pad_dims: bool) -> tuple:
   """What must be equal on every process: paths, dtypes, ranks and the sizes
   of the dimensions that are not padded."""
+
   def sizes(shape: list) -> tuple:
-    return tuple(None if (d == 0 and pad_rows) or (d > 0 and pad_dims) else n
-                 for d, n in enumerate(shape))
+    return tuple(
+      None if (d == 0 and pad_rows) or (d > 0 and pad_dims) else n for d, n in enumerate(shape)
+    )
+
   return tuple((path, dtype, sizes(shape)) for path, shape, dtype in described)
 
 
 def _shapes(present: Mapping[int, list], leaf: int) -> str:
-  return ", ".join(f"{tuple(d[leaf][1])} {np.dtype(d[leaf][2]).name} on "
-                   f"process {p}" for p, d in sorted(present.items()))
+  return ", ".join(
+    f"{tuple(d[leaf][1])} {np.dtype(d[leaf][2]).name} on process {p}"
+    for p, d in sorted(present.items())
+  )
 
 
-def _partial_message(step: int, present: Mapping[int, list], partial: list,
-                     full: int) -> str:
-  leaf = next(i for i, (_, shape, _) in enumerate(next(iter(present.values())))
-              if shape)
+def _partial_message(step: int, present: Mapping[int, list], partial: list, full: int) -> str:
+  leaf = next(i for i, (_, shape, _) in enumerate(next(iter(present.values()))) if shape)
   path = next(iter(present.values()))[leaf][0]
   return (
-      f"Loader(partial_batch='error'): the batch of process(es) {partial} at "
-      f"step {step} is partial: leaf {path} has local shape and dtype "
-      f"{_shapes(present, leaf)}, and a complete batch has {full} rows. Use "
-      "partial_batch='drop' to drop such steps, partial_batch='pad' to pad "
-      "them with a mask, or batch(..., drop_remainder=True).")
+    f"Loader(partial_batch='error'): the batch of process(es) {partial} at "
+    f"step {step} is partial: leaf {path} has local shape and dtype "
+    f"{_shapes(present, leaf)}, and a complete batch has {full} rows. Use "
+    "partial_batch='drop' to drop such steps, partial_batch='pad' to pad "
+    "them with a mask, or batch(..., drop_remainder=True)."
+  )
 
 
-def _mismatch_message(step: int, present: Mapping[int, list],
-                      signatures: Mapping[int, tuple], pad_rows: bool,
-                      pad_dims: bool) -> str:
+def _mismatch_message(
+  step: int,
+  present: Mapping[int, list],
+  signatures: Mapping[int, tuple],
+  pad_rows: bool,
+  pad_dims: bool,
+) -> str:
   """Names the first leaf whose path, dtype or shape differs between processes."""
   described = sorted(present.items())
   paths = {p: [leaf[0] for leaf in d] for p, d in described}
   if len({tuple(v) for v in paths.values()}) > 1:
     what = "; ".join(f"process {p}: {v}" for p, v in paths.items())
-    return (f"Loader: the processes' batches at step {step} have different "
-            f"structures (leaf paths {what}); every process must yield the "
-            "same structure.")
+    return (
+      f"Loader: the processes' batches at step {step} have different "
+      f"structures (leaf paths {what}); every process must yield the "
+      "same structure."
+    )
   for i, path in enumerate(next(iter(paths.values()))):
     if len({signatures[p][i] for p, _ in described}) > 1:
       if pad_dims:
-        allowed = "the same rank" + ("" if pad_rows else
-                                     " and leading (batch) dimension")
+        allowed = "the same rank" + ("" if pad_rows else " and leading (batch) dimension")
       elif pad_rows:
         allowed = "the same shape except the leading (batch) dimension"
       else:
         allowed = "the same shape"
       only_rows = len({tuple(d[i][1][1:]) for _, d in described}) == 1
       if only_rows:
-        remedy = ("for a last partial batch, use batch(..., "
-                  "drop_remainder=True) or Loader(partial_batch='pad')")
+        remedy = (
+          "for a last partial batch, use batch(..., "
+          "drop_remainder=True) or Loader(partial_batch='pad')"
+        )
       else:
-        remedy = ("pad to sizes every process agrees on (e.g. padded_batch("
-                  "..., padded_shapes=<fixed sizes>) instead of padding to each "
-                  "process's longest element), or pass "
-                  "Loader(pad_to_common_shape=True)")
+        remedy = (
+          "pad to sizes every process agrees on (e.g. padded_batch("
+          "..., padded_shapes=<fixed sizes>) instead of padding to each "
+          "process's longest element), or pass "
+          "Loader(pad_to_common_shape=True)"
+        )
       return (
-          f"Loader: leaf {path} cannot form one global array at step {step}: "
-          f"its local shape and dtype are {_shapes(present, i)}. Every process "
-          f"must yield {allowed} and dtype: {remedy}.")
+        f"Loader: leaf {path} cannot form one global array at step {step}: "
+        f"its local shape and dtype are {_shapes(present, i)}. Every process "
+        f"must yield {allowed} and dtype: {remedy}."
+      )
   raise AssertionError("no mismatching leaf")  # Callers checked one differs.
 
 
@@ -285,22 +308,27 @@ def pad(batch: Any, treedef: Any, targets: list, mask_key: str | None) -> Any:
     leaves = [np.zeros(shape, dtype) for shape, (_, dtype) in zip(shapes, targets)]
     valid = 0
   else:
-    leaves = [_pad_to(np.asarray(leaf), shape) for leaf, shape
-              in zip(jax.tree_util.tree_leaves(batch), shapes)]
-    valid = max((np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(batch)
-                 if np.ndim(leaf)), default=0)
+    leaves = [
+      _pad_to(np.asarray(leaf), shape)
+      for leaf, shape in zip(jax.tree_util.tree_leaves(batch), shapes)
+    ]
+    valid = max(
+      (np.shape(leaf)[0] for leaf in jax.tree_util.tree_leaves(batch) if np.ndim(leaf)), default=0
+    )
   batch = jax.tree_util.tree_unflatten(treedef, leaves)
   if mask_key is None:
     return batch
   if not isinstance(batch, Mapping):
     raise TypeError(
-        f"Loader: padded batches must be dicts to carry the '{mask_key}' "
-        f"mask leaf, got {type(batch).__name__}; map the batches to dicts, or "
-        "use partial_batch='drop'.")
+      f"Loader: padded batches must be dicts to carry the '{mask_key}' "
+      f"mask leaf, got {type(batch).__name__}; map the batches to dicts, or "
+      "use partial_batch='drop'."
+    )
   if mask_key in batch:
     raise ValueError(
-        f"Loader: the batch already has a leaf '{mask_key}', the name of the "
-        "mask padding adds; rename it.")
+      f"Loader: the batch already has a leaf '{mask_key}', the name of the "
+      "mask padding adds; rename it."
+    )
   rows = max((shape[0] for shape in shapes if shape), default=0)
   mask = np.zeros(rows, bool)
   mask[:valid] = True
@@ -331,9 +359,11 @@ class LocalSteps:
     step = self._step
     self._step += 1
     policy = self._policy
-    if self._as_they_are or not policy.pads and (policy.full_rows is None
-                            or (leaf_rows(batch) or policy.full_rows)
-                            >= policy.full_rows):
+    if (
+      self._as_they_are
+      or not policy.pads
+      and (policy.full_rows is None or (leaf_rows(batch) or policy.full_rows) >= policy.full_rows)
+    ):
       return batch  # The usual step: nothing to pad, drop or check.
     verdict = decide(step, {0: describe(batch)}, 1, policy)
     if "error" in verdict:
@@ -342,5 +372,4 @@ class LocalSteps:
       return SKIP
     if "targets" not in verdict:
       return batch
-    return pad(batch, jax.tree_util.tree_structure(batch), verdict["targets"],
-               policy.mask_key)
+    return pad(batch, jax.tree_util.tree_structure(batch), verdict["targets"], policy.mask_key)

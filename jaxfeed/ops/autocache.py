@@ -22,6 +22,12 @@ UDF holds an object that cannot be hashed by content) passes through: no later
 task could find its cache. As with `cache`, put `autocache` before random
 augmentation and before `repeat` (an endless input never completes a pass),
 and do not modify the elements it hands out in place.
+
+A worker's `--autocache_max_bytes` and `--autocache_ttl_s` bound the folder
+(least recently used entries go first; an entry being read or written, by
+any process sharing the folder, is never removed): see
+`jaxfeed.ops.autocache_folder`. `jaxfeed cache ls|rm DIR` lists and removes
+entries.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import os
 from typing import Any
 
 from jaxfeed.ops import shared_preprocessing
+from jaxfeed.ops.autocache_entry import AutocacheEntryIterator
+from jaxfeed.ops.autocache_folder import AutocacheFolder, EntryHold
 from jaxfeed.ops.base import Node, OpIterator, graph_nodes, to_node
 from jaxfeed.ops.cache import CacheNode
 
@@ -46,11 +54,19 @@ class AutocacheNode(Node):
   def __init__(self, parent: Any, directory: str | None = None):
     super().__init__([to_node(parent, _OP, "input")])
     if directory is not None and (not isinstance(directory, str) or not directory):
-      raise ValueError(f"{_OP}: directory must be a non-empty folder path or None, "
-                       f"got {directory!r}.")
+      raise ValueError(
+        f"{_OP}: directory must be a non-empty folder path or None, got {directory!r}."
+      )
     # Set by service workers (never part of the spec), or given locally.
     self.cache_dir = directory or ""
     self.records_only = False  # pass through unless kept by record
+    self._folder: AutocacheFolder | None = None  # with a worker's limits
+
+  def folder(self) -> AutocacheFolder:
+    """The folder's bookkeeping (`jaxfeed.ops.autocache_folder`)."""
+    if self._folder is None or self._folder.path != os.path.abspath(self.cache_dir):
+      self._folder = AutocacheFolder(self.cache_dir)
+    return self._folder
 
   def spec_params(self) -> dict:
     return {}
@@ -74,33 +90,68 @@ class AutocacheNode(Node):
     if self.cache_dir:
       shared = shared_preprocessing.shared_graph(self.parents[0], self.cache_dir)
       if shared is not None:
-        return AutocacheIterator(shared.make_iterator())
+        [source] = [
+          s
+          for s in (getattr(n, "source", None) for n in graph_nodes(shared))
+          if isinstance(s, shared_preprocessing.PreprocessedSource)
+        ]
+        return AutocacheIterator(
+          shared.make_iterator(), self.folder(), os.path.basename(source.store.directory)
+        )
     path = None if self.records_only else self.cache_path()
     if path is not None:
-      return CacheNode(self.parents[0], path).make_iterator()
+      parent = self.parents[0]
+      # The on-disk store `cache(filename=path)` reads and writes.
+      store = CacheNode(parent, path)._store  # pylint: disable=protected-access
+      return AutocacheEntryIterator(
+        parent.make_iterator(), store, self.folder(), os.path.basename(path)
+      )
     return AutocacheIterator(self.parents[0].make_iterator())
 
 
 class AutocacheIterator(OpIterator):
-  """Passes its input through (no state of its own)."""
+  """Passes its input through (no state of its own); given a folder and an
+  entry, holds the entry in use from its first element to its end."""
 
   op_name = _OP
 
-  def __init__(self, parent: OpIterator):
+  def __init__(self, parent: OpIterator, folder: AutocacheFolder | None = None, entry: str = ""):
     super().__init__([parent])
     self._parent = parent
+    self._folder = folder
+    self._entry = entry
+    self._hold: EntryHold | None = None
 
   def __next__(self) -> Any:
-    return next(self._parent)
+    if self._hold is None and self._folder is not None:
+      self._hold = self._folder.hold(self._entry)
+    try:
+      return next(self._parent)
+    except BaseException:
+      self._release()
+      raise
+
+  def _release(self) -> None:
+    hold, self._hold = self._hold, None
+    if hold is not None:
+      hold.release()
+
+  def _close_own(self) -> None:
+    self._release()
 
 
-def point_at(node: Node, cache_dir: str, records_only: bool = False) -> list[AutocacheNode]:
-  """Points every autocache op of a graph at `cache_dir`; returns them.
-  `records_only`: only those kept by record index (see
-  `jaxfeed.ops.shared_preprocessing`) use it, the others pass through (a
-  task that reads splits never completes a pass of its input)."""
+def point_at(
+  node: Node, folder: str | AutocacheFolder, records_only: bool = False
+) -> list[AutocacheNode]:
+  """Points every autocache op of a graph at `folder` (a path: a folder
+  without limits); returns them. `records_only`: only those kept by record
+  index (see `jaxfeed.ops.shared_preprocessing`) use it, the others pass
+  through (a task that reads splits never completes a pass of its input)."""
+  if not isinstance(folder, AutocacheFolder):
+    folder = AutocacheFolder(folder)
   found = [current for current in graph_nodes(node) if isinstance(current, AutocacheNode)]
   for current in found:
-    current.cache_dir = cache_dir
+    current.cache_dir = folder.path
+    current._folder = folder  # pylint: disable=protected-access
     current.records_only = records_only
   return found

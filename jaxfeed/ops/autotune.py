@@ -67,11 +67,13 @@ class Knob:
 
   def __post_init__(self):
     if self.kind not in ("threads", "buffer"):
-      raise ValueError(f"Knob {self.name!r}: kind must be 'threads' or 'buffer', "
-                       f"got {self.kind!r}.")
+      raise ValueError(
+        f"Knob {self.name!r}: kind must be 'threads' or 'buffer', got {self.kind!r}."
+      )
     if not 1 <= self.minimum <= self.maximum:
-      raise ValueError(f"Knob {self.name!r}: need 1 <= minimum <= maximum, got "
-                       f"{self.minimum}..{self.maximum}.")
+      raise ValueError(
+        f"Knob {self.name!r}: need 1 <= minimum <= maximum, got {self.minimum}..{self.maximum}."
+      )
 
 
 def collect_knobs(root: OpIterator) -> list[Knob]:
@@ -119,8 +121,7 @@ class AutotunePolicy:
     return sum(t.knob.get() for t in self.tracks if t.knob.kind == "threads")
 
   def _bytes_used(self) -> int:
-    return sum(t.knob.get() * t.knob.unit_bytes() for t in self.tracks
-               if t.knob.kind == "buffer")
+    return sum(t.knob.get() * t.knob.unit_bytes() for t in self.tracks if t.knob.kind == "buffer")
 
   def step(self, interval_s: float) -> dict[str, int]:
     """Applies one round of decisions; returns the knobs' new values."""
@@ -136,28 +137,25 @@ class AutotunePolicy:
       knob = track.knob
       value = knob.get()
       useful = knob.kind == "threads" or filled
-      if (waited > _WAIT_SHARE_TO_GROW * interval_s and value < knob.maximum
-          and useful):
+      if waited > _WAIT_SHARE_TO_GROW * interval_s and value < knob.maximum and useful:
         track.calm = 0
         if knob.kind == "threads" and self._threads_used() + 1 > self.cpu_budget:
           continue
-        if (knob.kind == "buffer" and
-            self._bytes_used() + knob.unit_bytes() > self.ram_budget_bytes):
+        if knob.kind == "buffer" and self._bytes_used() + knob.unit_bytes() > self.ram_budget_bytes:
           continue
         knob.set(value + 1)
         continue
       track.calm = track.calm + 1 if waited <= 0.0 else 0
-      idle = (knob.kind == "buffer" or
-              busy < _IDLE_SHARE_TO_SHRINK * value * interval_s)
-      if (track.calm >= _CALM_INTERVALS_TO_SHRINK and idle
-          and value > knob.minimum):
+      idle = knob.kind == "buffer" or busy < _IDLE_SHARE_TO_SHRINK * value * interval_s
+      if track.calm >= _CALM_INTERVALS_TO_SHRINK and idle and value > knob.minimum:
         knob.set(value - 1)
         track.calm = 0
     return {t.knob.name: t.knob.get() for t in self.tracks}
 
 
-def _tune_loop(policy: AutotunePolicy, stop: threading.Event, interval_s: float,
-               history: list) -> None:
+def _tune_loop(
+  policy: AutotunePolicy, stop: threading.Event, interval_s: float, history: list
+) -> None:
   while not stop.wait(interval_s):
     try:
       history.append(policy.step(interval_s))
@@ -184,8 +182,11 @@ class AutotunedIterator(OpIterator):
     if knobs:
       policy = AutotunePolicy(knobs, options.cpu_budget, options.ram_budget_bytes)
       self._thread = threading.Thread(
-          target=_tune_loop, args=(policy, self._stop, interval_s, self.history),
-          name="jaxfeed-autotune", daemon=True)
+        target=_tune_loop,
+        args=(policy, self._stop, interval_s, self.history),
+        name="jaxfeed-autotune",
+        daemon=True,
+      )
       self._thread.start()
     self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread)
 

@@ -37,10 +37,21 @@ import threading
 import time
 from typing import Sequence
 
-__all__ = ["BackendChooser", "Window", "WINDOW_S", "WINDOW_CHUNKS",
-           "PREFERENCE", "TIE", "CLEAR", "SWITCH_MARGIN",
-           "DROP", "SETTLE_S", "FIRST_ROUNDS", "EXPLORE_FIRST_S",
-           "EXPLORE_MAX_S"]
+__all__ = [
+  "BackendChooser",
+  "Window",
+  "WINDOW_S",
+  "WINDOW_CHUNKS",
+  "PREFERENCE",
+  "TIE",
+  "CLEAR",
+  "SWITCH_MARGIN",
+  "DROP",
+  "SETTLE_S",
+  "FIRST_ROUNDS",
+  "EXPLORE_FIRST_S",
+  "EXPLORE_MAX_S",
+]
 
 PREFERENCE = ("inline", "thread", "process")
 """Backends from the least CPU used for the same work to the most."""
@@ -74,10 +85,8 @@ EXPLORE_MAX_S = 160.0
 """Seconds of running between two measurements of the other backends."""
 
 
-
 def _label(backend: str) -> str:
-  return {"inline": "inline", "thread": "threads", "process": "processes"}.get(
-      backend, backend)
+  return {"inline": "inline", "thread": "threads", "process": "processes"}.get(backend, backend)
 
 
 class BackendChooser:
@@ -92,8 +101,12 @@ class BackendChooser:
       candidates in turn).
   """
 
-  def __init__(self, candidates: Sequence[str], excluded: dict[str, str] | None = None,
-               order: Sequence[str] | None = None):
+  def __init__(
+    self,
+    candidates: Sequence[str],
+    excluded: dict[str, str] | None = None,
+    order: Sequence[str] | None = None,
+  ):
     self._lock = threading.Lock()
     self.excluded = dict(excluded or {})
     self.candidates = [c for c in candidates if c not in self.excluded]
@@ -102,11 +115,13 @@ class BackendChooser:
     self.rates: dict[str, float] = {}
     self._round: dict[str, float] = {}  # best rates of the measurement
     self._windows: collections.Counter = collections.Counter()  # per backend
-    self._todo = ([c for c in (order or self.candidates) if c in self.candidates]
-                  if len(self.candidates) > 1 else [])
+    self._todo = (
+      [c for c in (order or self.candidates) if c in self.candidates]
+      if len(self.candidates) > 1
+      else []
+    )
     self._pick: str | None = None if self._todo else self.candidates[0]
-    self._reason = ("measuring" if self._todo else
-                    f"the only backend ({self._why_others()})")
+    self._reason = "measuring" if self._todo else f"the only backend ({self._why_others()})"
     self._reference = 0.0  # the pick's rate when it was chosen
     # The pick's windows of the last SETTLE_S seconds: (seconds, rate).
     self._recent: collections.deque = collections.deque()
@@ -150,8 +165,7 @@ class BackendChooser:
       # last SETTLE_S seconds came near the rate the pick was chosen at.
       best = max(r for _, r in recent)
       if best < DROP * self._reference and self._run_s >= SETTLE_S:
-        self._explore(f"{_label(backend)} fell from {self._reference:,.0f}/s "
-                      f"to {best:,.0f}/s")
+        self._explore(f"{_label(backend)} fell from {self._reference:,.0f}/s to {best:,.0f}/s")
       elif self._run_s >= self.explore_every:
         self._explore(f"{self._run_s:.0f} s since the last measurement")
 
@@ -187,8 +201,11 @@ class BackendChooser:
     missing = [c for c in self.candidates if c not in rates]
     if not missing and rates:
       top = max(rates.values())
-      missing = [c for c in self.candidates
-                 if (1 + CLEAR) * rates[c] >= top and self._windows[c] < FIRST_ROUNDS]
+      missing = [
+        c
+        for c in self.candidates
+        if (1 + CLEAR) * rates[c] >= top and self._windows[c] < FIRST_ROUNDS
+      ]
       if len([c for c in self.candidates if (1 + CLEAR) * rates[c] >= top]) < 2:
         missing = []
     if missing:
@@ -208,8 +225,11 @@ class BackendChooser:
     top = max(self.rates[c] for c in measured)
     tied = [c for c in measured if self.rates[c] >= (1 - TIE) * top]
     best = min(tied, key=lambda c: PREFERENCE.index(c) if c in PREFERENCE else 99)
-    if (previous in measured and best != previous
-        and self.rates[best] < (1 + SWITCH_MARGIN) * self.rates[previous]):
+    if (
+      previous in measured
+      and best != previous
+      and self.rates[best] < (1 + SWITCH_MARGIN) * self.rates[previous]
+    ):
       best = previous
     self._pick = best
     self._reference = self.rates[best]
@@ -221,12 +241,13 @@ class BackendChooser:
     else:
       self.explore_every = EXPLORE_FIRST_S
     ranked = sorted(measured, key=lambda c: -self.rates[c])
-    self._reason = " > ".join(
-        f"{_label(c)} {self.rates[c]:,.0f}/s" for c in ranked)
+    self._reason = " > ".join(f"{_label(c)} {self.rates[c]:,.0f}/s" for c in ranked)
     if best != ranked[0]:
-      self._reason += (f"; {_label(best)} kept (within "
-                       f"{100 * (SWITCH_MARGIN if best == previous else TIE):.0f}%"
-                       f", {'no switch' if best == previous else 'less CPU'})")
+      self._reason += (
+        f"; {_label(best)} kept (within "
+        f"{100 * (SWITCH_MARGIN if best == previous else TIE):.0f}%"
+        f", {'no switch' if best == previous else 'less CPU'})"
+      )
     others = self._why_others()
     if others:
       self._reason += f"; {others}"
@@ -239,9 +260,12 @@ class BackendChooser:
     "reason", "rates" (elements/s by backend, as last measured),
     "measuring" (whether backends are being measured now)}."""
     with self._lock:
-      return {"picked": self._pick, "reason": self._reason,
-              "rates": {c: round(r, 1) for c, r in self.rates.items()},
-              "measuring": bool(self._todo)}
+      return {
+        "picked": self._pick,
+        "reason": self._reason,
+        "rates": {c: round(r, 1) for c, r in self.rates.items()},
+        "measuring": bool(self._todo),
+      }
 
 
 WINDOW_S = 0.1
@@ -261,8 +285,7 @@ class Window:
   `settle` chunks given to `resume` (they fill the pipeline).
   """
 
-  __slots__ = ("backend", "settle", "chunks", "seconds", "positions", "since",
-               "from_position")
+  __slots__ = ("backend", "settle", "chunks", "seconds", "positions", "since", "from_position")
 
   def __init__(self, backend: str):
     self.backend = backend
@@ -300,8 +323,7 @@ class Window:
     if self.since is None:
       self.since, self.from_position = now, position
       return None
-    if (self.seconds + now - self.since < WINDOW_S
-        or self.chunks < WINDOW_CHUNKS * workers):
+    if self.seconds + now - self.since < WINDOW_S or self.chunks < WINDOW_CHUNKS * workers:
       return None
     self.pause(now, position)
     return self.positions / self.seconds

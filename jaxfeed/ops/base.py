@@ -28,8 +28,17 @@ from jaxfeed.seeding import mix_seed  # re-exported for op modules
 AUTOTUNE = -1
 """Pass as `num_parallel_calls` or a buffer size to let the autotuner choose."""
 
-__all__ = ["AUTOTUNE", "InputReplay", "IterationCounter", "Node", "OpIterator",
-           "PipelineStateError", "begin_iteration", "graph_nodes", "mix_seed"]
+__all__ = [
+  "AUTOTUNE",
+  "InputReplay",
+  "IterationCounter",
+  "Node",
+  "OpIterator",
+  "PipelineStateError",
+  "begin_iteration",
+  "graph_nodes",
+  "mix_seed",
+]
 
 
 class PipelineStateError(ValueError):
@@ -128,9 +137,9 @@ class OpIterator:
   def get_state(self) -> dict:
     """A small JSON-serializable dict from which `set_state` resumes exactly."""
     return {
-        "op": self.op_name,
-        "own": self._get_own_state(),
-        "parents": [p.get_state() for p in self.parents],
+      "op": self.op_name,
+      "own": self._get_own_state(),
+      "parents": [p.get_state() for p in self.parents],
     }
 
   def set_state(self, state: dict) -> None:
@@ -173,13 +182,15 @@ def check_state(state: Any, op_name: str, num_parents: int) -> None:
   """Raises PipelineStateError unless `state` was saved by op `op_name`."""
   if not isinstance(state, dict) or "op" not in state or "parents" not in state:
     raise PipelineStateError(
-        f"Cannot restore op {op_name!r}: expected a state dict from "
-        f"get_state() with keys 'op', 'own', 'parents', got {_short(state)}.")
+      f"Cannot restore op {op_name!r}: expected a state dict from "
+      f"get_state() with keys 'op', 'own', 'parents', got {_short(state)}."
+    )
   if state["op"] != op_name or len(state["parents"]) != num_parents:
     raise PipelineStateError(
-        f"State belongs to a different pipeline: op {op_name!r} with "
-        f"{num_parents} input(s) was given the state of op {state['op']!r} "
-        f"with {len(state['parents'])} input(s).")
+      f"State belongs to a different pipeline: op {op_name!r} with "
+      f"{num_parents} input(s) was given the state of op {state['op']!r} "
+      f"with {len(state['parents'])} input(s)."
+    )
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -241,7 +252,8 @@ class Node:
     """A stable hash of what this subgraph computes: op names, parents and
     params by content, UDFs by their code (see `jaxfeed.ops.fingerprint`)."""
     return fingerprint_lib.node_fingerprint(
-        self.op_name, self.spec_params(), [p.fingerprint() for p in self.parents])
+      self.op_name, self.spec_params(), [p.fingerprint() for p in self.parents]
+    )
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.op_name})"
@@ -326,8 +338,9 @@ def as_dataset(node: Node) -> Any:
   """`node` as the public Dataset, for ops that hand datasets to user code
   (group_by_window's reduce_func) without importing the facade."""
   if _dataset_wrapper is None:
-    raise RuntimeError("jaxfeed.dataset has not been imported; build "
-                       "pipelines through jaxfeed.Dataset.")
+    raise RuntimeError(
+      "jaxfeed.dataset has not been imported; build pipelines through jaxfeed.Dataset."
+    )
   return _dataset_wrapper(node)
 
 
@@ -339,18 +352,16 @@ def to_node(value: Any, op_name: str, what: str = "value") -> Node:
   if isinstance(node, Node):
     return node
   raise TypeError(
-      f"{op_name}: {what} must be a jaxfeed Dataset, got "
-      f"{type(value).__name__}: {_short(value)}.")
+    f"{op_name}: {what} must be a jaxfeed Dataset, got {type(value).__name__}: {_short(value)}."
+  )
 
 
-def check_positive_int(value: Any, op_name: str, name: str,
-                       allow_zero: bool = False) -> int:
+def check_positive_int(value: Any, op_name: str, name: str, allow_zero: bool = False) -> int:
   """Validates an integer option and returns it as int."""
   ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool)
   low = 0 if allow_zero else 1
   if not ok or value < low:
-    raise ValueError(
-        f"{op_name}: {name} must be an integer >= {low}, got {value!r}.")
+    raise ValueError(f"{op_name}: {name} must be an integer >= {low}, got {value!r}.")
   return int(value)
 
 
@@ -358,21 +369,26 @@ def check_count(value: Any, op_name: str, name: str = "count") -> int:
   """Validates a tf.data-style element count: an int, negative meaning 'all'."""
   if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
     raise ValueError(
-        f"{op_name}: {name} must be an integer (-1 for all elements), got "
-        f"{type(value).__name__}: {_short(value)}.")
+      f"{op_name}: {name} must be an integer (-1 for all elements), got "
+      f"{type(value).__name__}: {_short(value)}."
+    )
   return int(value)
 
 
-def state_int(state: Any, key: str, op_name: str, low: int = 0,
-              high: int | None = None) -> int:
+def state_int(state: Any, key: str, op_name: str, low: int = 0, high: int | None = None) -> int:
   """Reads integer `state[key]` of an own state, checking `low <= it <= high`."""
   value = state.get(key) if isinstance(state, dict) else None
-  if (not isinstance(value, int) or isinstance(value, bool) or value < low
-      or (high is not None and value > high)):
+  if (
+    not isinstance(value, int)
+    or isinstance(value, bool)
+    or value < low
+    or (high is not None and value > high)
+  ):
     allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
     raise PipelineStateError(
-        f"Cannot restore op {op_name!r}: own state needs an integer {key!r} "
-        f"in {allowed}, got {_short(state)}.")
+      f"Cannot restore op {op_name!r}: own state needs an integer {key!r} "
+      f"in {allowed}, got {_short(state)}."
+    )
   return value
 
 
@@ -397,8 +413,13 @@ class InputReplay:
   elements; running costs one parent `get_state()` per `interval` reads.
   """
 
-  def __init__(self, parent: OpIterator, op_name: str, interval: int = 64,
-               oldest_needed: Callable[[], int] | None = None):
+  def __init__(
+    self,
+    parent: OpIterator,
+    op_name: str,
+    interval: int = 64,
+    oldest_needed: Callable[[], int] | None = None,
+  ):
     """Records anchors of `parent`'s reads to replay them on restore.
 
     Args:
@@ -420,8 +441,7 @@ class InputReplay:
     """The parent's next element (StopIteration at its end)."""
     anchors = self._anchors
     if not anchors or self.num_read - anchors[-1][0] >= self._interval:
-      self._forget_before(self.num_read if self._oldest_needed is None
-                          else self._oldest_needed())
+      self._forget_before(self.num_read if self._oldest_needed is None else self._oldest_needed())
       anchors.append((self.num_read, self.parent.get_state()))
     element = next(self.parent)
     self.num_read += 1
@@ -438,11 +458,11 @@ class InputReplay:
       return {"num_read": self.num_read}
     self._forget_before(oldest_needed)
     index, parent_state = self._anchors[0]
-    return {"num_read": self.num_read, "anchor_index": index,
-            "anchor": parent_state}
+    return {"num_read": self.num_read, "anchor_index": index, "anchor": parent_state}
 
-  def set_state(self, state: Any, first_needed: int,
-                consume: Callable[[int, Any, int], None]) -> None:
+  def set_state(
+    self, state: Any, first_needed: int, consume: Callable[[int, Any, int], None]
+  ) -> None:
     """Re-reads elements `first_needed ..` of a saved state.
 
     Calls `consume(read_index, element, seed)` for each of them, in order, and
@@ -467,9 +487,10 @@ class InputReplay:
           element = next(parent)
         except StopIteration:
           raise PipelineStateError(
-              f"Cannot restore op {self._op_name!r}: its input ended after "
-              f"{index} elements while re-reading the {num_read} the state "
-              f"was saved at; the state belongs to other data.") from None
+            f"Cannot restore op {self._op_name!r}: its input ended after "
+            f"{index} elements while re-reading the {num_read} the state "
+            f"was saved at; the state belongs to other data."
+          ) from None
         if index >= first_needed:
           consume(index, element, parent.last_seed)
         index += 1

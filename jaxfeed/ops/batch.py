@@ -17,8 +17,9 @@ from jaxfeed.ops import base
 from jaxfeed.ops import stacking
 
 
-def batched_cardinality(parent_cardinality: int | None, batch_size: int,
-                        drop_remainder: bool) -> int | None:
+def batched_cardinality(
+  parent_cardinality: int | None, batch_size: int, drop_remainder: bool
+) -> int | None:
   """The number of batches of `batch_size` from that many elements."""
   if parent_cardinality is None or parent_cardinality < 0:
     return parent_cardinality
@@ -32,24 +33,19 @@ class BatchNode(base.Node):
 
   op_name = "batch"
 
-  def __init__(self, parent: base.Node, batch_size: int,
-               drop_remainder: bool = False):
+  def __init__(self, parent: base.Node, batch_size: int, drop_remainder: bool = False):
     super().__init__([base.to_node(parent, self.op_name, "input")])
-    self.batch_size = base.check_positive_int(batch_size, self.op_name,
-                                              "batch_size")
+    self.batch_size = base.check_positive_int(batch_size, self.op_name, "batch_size")
     self.drop_remainder = bool(drop_remainder)
 
   def spec_params(self) -> dict:
-    return {"batch_size": self.batch_size,
-            "drop_remainder": self.drop_remainder}
+    return {"batch_size": self.batch_size, "drop_remainder": self.drop_remainder}
 
   def cardinality(self) -> int | None:
-    return batched_cardinality(self.parents[0].cardinality(), self.batch_size,
-                               self.drop_remainder)
+    return batched_cardinality(self.parents[0].cardinality(), self.batch_size, self.drop_remainder)
 
   def make_iterator(self) -> "BatchIterator":
-    return BatchIterator(self.parents[0].make_iterator(), self.batch_size,
-                         self.drop_remainder)
+    return BatchIterator(self.parents[0].make_iterator(), self.batch_size, self.drop_remainder)
 
 
 class BatchIterator(base.OpIterator):
@@ -63,13 +59,11 @@ class BatchIterator(base.OpIterator):
   op_name = "batch"
   _use_batched_reads = True
 
-  def __init__(self, parent: base.OpIterator, batch_size: int,
-               drop_remainder: bool):
+  def __init__(self, parent: base.OpIterator, batch_size: int, drop_remainder: bool):
     super().__init__([parent])
     self._batch_size = batch_size
     self._drop_remainder = drop_remainder
-    self._next_batch = (getattr(parent, "next_batch", None)
-                        if self._use_batched_reads else None)
+    self._next_batch = getattr(parent, "next_batch", None) if self._use_batched_reads else None
     self._last_seed = 0
     self._batches = 0
 
@@ -83,7 +77,8 @@ class BatchIterator(base.OpIterator):
 
   def __next__(self) -> Any:
     if self._next_batch is not None and not getattr(
-        self.parents[0], "batched_reads_declined", False):
+      self.parents[0], "batched_reads_declined", False
+    ):
       batch, seeds = self._next_batch(self._batch_size)
       if len(seeds) < self._batch_size and self._drop_remainder:
         raise StopIteration

@@ -39,8 +39,17 @@ import numpy as np
 
 from jaxfeed.ops import tree
 
-__all__ = ["Template", "Placed", "Placement", "place", "POOL_BLOCKS",
-           "MIN_ELEMENT_BYTES", "template_for", "row_views", "write_row"]
+__all__ = [
+  "Template",
+  "Placed",
+  "Placement",
+  "place",
+  "POOL_BLOCKS",
+  "MIN_ELEMENT_BYTES",
+  "template_for",
+  "row_views",
+  "write_row",
+]
 
 MIN_ELEMENT_BYTES = 64 << 10
 """Elements smaller than this are stacked, not placed: stacking copies a
@@ -65,8 +74,7 @@ def _describe(value: Any, leaves: list) -> Any:
   leaves to `leaves` in `tree.flatten` order (dict keys sorted)."""
   kind = type(value)
   if kind is dict:
-    return (dict, tuple(value),
-            tuple(_describe(value[k], leaves) for k in sorted(value)))
+    return (dict, tuple(value), tuple(_describe(value[k], leaves) for k in sorted(value)))
   if kind is tuple or kind is list:
     return (kind, tuple(_describe(v, leaves) for v in value))
   if isinstance(value, (dict, tuple, list)):
@@ -84,8 +92,7 @@ class Template:
     self.structure = structure
     self.signature = signature
     self.specs = specs  # [(shape, dtype)] in `tree.flatten` order
-    self.nbytes = sum(int(np.prod(shape)) * dtype.itemsize
-                      for shape, dtype in specs)
+    self.nbytes = sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype in specs)
 
   @classmethod
   def of(cls, element: Any) -> "Template | None":
@@ -158,8 +165,7 @@ def template_for(element: Any, min_bytes: int | None = None) -> Template | None:
   layout or is smaller than `min_bytes` (default `MIN_ELEMENT_BYTES`), too
   small to be worth placing."""
   template = Template.of(element)
-  if template is None or template.nbytes < (
-      MIN_ELEMENT_BYTES if min_bytes is None else min_bytes):
+  if template is None or template.nbytes < (MIN_ELEMENT_BYTES if min_bytes is None else min_bytes):
     return None
   return template
 
@@ -204,8 +210,9 @@ class Placement:
 
   _UNREFERENCED = _unreferenced_count()
 
-  def __init__(self, batch_size: int, template: Template, origin: int,
-               hands_out_rows: bool = False):
+  def __init__(
+    self, batch_size: int, template: Template, origin: int, hands_out_rows: bool = False
+  ):
     self.batch_size = batch_size
     self.hands_out_rows = hands_out_rows
     self.template = template
@@ -216,8 +223,7 @@ class Placement:
     size = 0
     for shape, dtype in template.specs:
       self._offsets.append(size)
-      size += -(-batch_size * int(np.prod(shape)) * dtype.itemsize
-                // _ALIGN) * _ALIGN
+      size += -(-batch_size * int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
     self._block_bytes = max(size, 1)
     weakref.finalize(self, _keep_spares, self._blocks)
 
@@ -236,8 +242,7 @@ class Placement:
       arrays = self._open[index] = self._arrays()
     if not self.hands_out_rows:
       return index, arrays, row, self.template, None, None
-    return (index, arrays, row, self.template,
-            *row_views(arrays, row, self.template))
+    return (index, arrays, row, self.template, *row_views(arrays, row, self.template))
 
   def index_of(self, seq: int) -> int:
     return (seq - self.origin) // self.batch_size
@@ -260,8 +265,7 @@ class Placement:
       return None
     arrays = first.arrays
     for row, output in enumerate(outputs):
-      if type(output) is not Placed or output.arrays is not arrays or (
-          output.row != row):
+      if type(output) is not Placed or output.arrays is not arrays or (output.row != row):
         return None
     self._open.pop(first.index, None)
     return tree.unflatten(self.template.structure, arrays)
@@ -285,8 +289,11 @@ class Placement:
     arrays = []
     for offset, (shape, dtype) in zip(self._offsets, self.template.specs):
       count = self.batch_size * int(np.prod(shape))
-      arrays.append(block[offset:offset + count * dtype.itemsize].view(
-          dtype).reshape((self.batch_size,) + shape))
+      arrays.append(
+        block[offset : offset + count * dtype.itemsize]
+        .view(dtype)
+        .reshape((self.batch_size,) + shape)
+      )
     return arrays
 
   def _free_block(self) -> np.ndarray:

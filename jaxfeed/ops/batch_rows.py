@@ -21,9 +21,20 @@ from jaxfeed.ops.base import Node
 
 __all__ = ["full_batch_rows"]
 
-_KEEP_ROWS = ("take", "skip", "repeat", "shuffle", "filter", "prefetch",
-              "cache", "snapshot", "shard", "take_while", "ignore_errors",
-              "autocache")
+_KEEP_ROWS = (
+  "take",
+  "skip",
+  "repeat",
+  "shuffle",
+  "filter",
+  "prefetch",
+  "cache",
+  "snapshot",
+  "shard",
+  "take_while",
+  "ignore_errors",
+  "autocache",
+)
 
 
 def full_batch_rows(node: Node) -> int | None:

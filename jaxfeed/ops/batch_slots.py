@@ -34,8 +34,7 @@ __all__ = ["Slot", "SlotPool"]
 class Slot:
   """One memfd batches are written to (see the module docstring)."""
 
-  __slots__ = ("fd", "id", "map", "size", "guard", "taken", "mapped_by",
-               "__weakref__")
+  __slots__ = ("fd", "id", "map", "size", "guard", "taken", "mapped_by", "__weakref__")
   _ids = itertools.count()
 
   def __init__(self, size: int):
@@ -78,7 +77,7 @@ class Slot:
       if type(leaf) is ArrayRef:
         dtype = np.dtype(leaf.dtype)
         size = int(np.prod(leaf.shape)) * dtype.itemsize
-        array = whole[leaf.offset:leaf.offset + size].view(dtype).reshape(leaf.shape)
+        array = whole[leaf.offset : leaf.offset + size].view(dtype).reshape(leaf.shape)
         return array.copy() if copy else array
       return leaf
 
@@ -147,7 +146,7 @@ class SlotPool:
       # Slots whose batches users still hold are not reused; past a few, the
       # oldest are retired, so that memory is bounded by what users hold.
       held = [s for s in self.slots if s.in_use() and not s.taken]
-      for old in held[:max(0, len(held) - self.held_limit)]:
+      for old in held[: max(0, len(held) - self.held_limit)]:
         self._retire(old)
 
   def retire(self, slot: Slot) -> None:

@@ -47,8 +47,7 @@ from jaxfeed.ops import padding
 from jaxfeed.ops import stacking
 from jaxfeed.ops import tree
 
-__all__ = ["BucketBySequenceLengthNode", "BucketBySequenceLengthIterator",
-           "check_length"]
+__all__ = ["BucketBySequenceLengthNode", "BucketBySequenceLengthIterator", "check_length"]
 
 _OP = "bucket_by_sequence_length"
 
@@ -64,44 +63,41 @@ def check_length(value: Any, op_name: str, what: str) -> int:
     value = value[()]
   if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
     raise TypeError(
-        f"{op_name}: {what} must return an integer scalar, got "
-        f"{type(value).__name__}: {value!r:.200}.")
+      f"{op_name}: {what} must return an integer scalar, got "
+      f"{type(value).__name__}: {value!r:.200}."
+    )
   if value < 0:
     raise ValueError(
-        f"{op_name}: {what} returned the negative length {int(value)}; "
-        f"lengths must be >= 0.")
+      f"{op_name}: {what} returned the negative length {int(value)}; lengths must be >= 0."
+    )
   return int(value)
 
 
 def _check_boundaries(boundaries: Any) -> tuple[int, ...]:
-  if isinstance(boundaries, (str, bytes)) or not isinstance(
-      boundaries, (list, tuple, np.ndarray)):
+  if isinstance(boundaries, (str, bytes)) or not isinstance(boundaries, (list, tuple, np.ndarray)):
     raise TypeError(
-        f"{_OP}: bucket_boundaries must be a list of integers, got "
-        f"{boundaries!r:.200}.")
-  values = tuple(base.check_positive_int(b, _OP, "every bucket boundary")
-                 for b in boundaries)
+      f"{_OP}: bucket_boundaries must be a list of integers, got {boundaries!r:.200}."
+    )
+  values = tuple(base.check_positive_int(b, _OP, "every bucket boundary") for b in boundaries)
   for low, high in zip(values, values[1:]):
     if high <= low:
       raise ValueError(
-          f"{_OP}: bucket_boundaries must be strictly increasing, got "
-          f"{list(values)} ({high} follows {low}).")
+        f"{_OP}: bucket_boundaries must be strictly increasing, got "
+        f"{list(values)} ({high} follows {low})."
+      )
   return values
 
 
 def _check_batch_sizes(sizes: Any, num_boundaries: int) -> tuple[int, ...]:
-  if isinstance(sizes, (str, bytes)) or not isinstance(
-      sizes, (list, tuple, np.ndarray)):
-    raise TypeError(
-        f"{_OP}: bucket_batch_sizes must be a list of integers, got "
-        f"{sizes!r:.200}.")
+  if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple, np.ndarray)):
+    raise TypeError(f"{_OP}: bucket_batch_sizes must be a list of integers, got {sizes!r:.200}.")
   if len(sizes) != num_boundaries + 1:
     raise ValueError(
-        f"{_OP}: len(bucket_batch_sizes) must equal len(bucket_boundaries) + 1 "
-        f"= {num_boundaries + 1}, got {len(sizes)} batch sizes "
-        f"{list(sizes)!r:.200}.")
-  return tuple(base.check_positive_int(s, _OP, "every bucket batch size")
-               for s in sizes)
+      f"{_OP}: len(bucket_batch_sizes) must equal len(bucket_boundaries) + 1 "
+      f"= {num_boundaries + 1}, got {len(sizes)} batch sizes "
+      f"{list(sizes)!r:.200}."
+    )
+  return tuple(base.check_positive_int(s, _OP, "every bucket batch size") for s in sizes)
 
 
 class BucketBySequenceLengthNode(base.Node):
@@ -126,18 +122,24 @@ class BucketBySequenceLengthNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, parent: base.Node, element_length_func: Callable,
-               bucket_boundaries: Sequence[int],
-               bucket_batch_sizes: Sequence[int], padded_shapes: Any = None,
-               padding_values: Any = None,
-               pad_to_bucket_boundary: bool = False, no_padding: bool = False,
-               drop_remainder: bool = False):
+  def __init__(
+    self,
+    parent: base.Node,
+    element_length_func: Callable,
+    bucket_boundaries: Sequence[int],
+    bucket_batch_sizes: Sequence[int],
+    padded_shapes: Any = None,
+    padding_values: Any = None,
+    pad_to_bucket_boundary: bool = False,
+    no_padding: bool = False,
+    drop_remainder: bool = False,
+  ):
     super().__init__([base.to_node(parent, _OP, "input")])
     self.element_length_func = parallel.check_callable(
-        element_length_func, _OP, "element_length_func")
+      element_length_func, _OP, "element_length_func"
+    )
     self.bucket_boundaries = _check_boundaries(bucket_boundaries)
-    self.bucket_batch_sizes = _check_batch_sizes(bucket_batch_sizes,
-                                                 len(self.bucket_boundaries))
+    self.bucket_batch_sizes = _check_batch_sizes(bucket_batch_sizes, len(self.bucket_boundaries))
     self.padded_shapes = padded_shapes
     self.padding_values = padding_values
     self.pad_to_bucket_boundary = bool(pad_to_bucket_boundary)
@@ -145,18 +147,21 @@ class BucketBySequenceLengthNode(base.Node):
     self.drop_remainder = bool(drop_remainder)
     if self.pad_to_bucket_boundary and not self.bucket_boundaries:
       raise ValueError(
-          f"{_OP}: pad_to_bucket_boundary=True needs at least one bucket "
-          f"boundary, got bucket_boundaries=[].")
+        f"{_OP}: pad_to_bucket_boundary=True needs at least one bucket "
+        f"boundary, got bucket_boundaries=[]."
+      )
 
   def spec_params(self) -> dict:
-    return {"element_length_func": self.element_length_func,
-            "bucket_boundaries": list(self.bucket_boundaries),
-            "bucket_batch_sizes": list(self.bucket_batch_sizes),
-            "padded_shapes": self.padded_shapes,
-            "padding_values": self.padding_values,
-            "pad_to_bucket_boundary": self.pad_to_bucket_boundary,
-            "no_padding": self.no_padding,
-            "drop_remainder": self.drop_remainder}
+    return {
+      "element_length_func": self.element_length_func,
+      "bucket_boundaries": list(self.bucket_boundaries),
+      "bucket_batch_sizes": list(self.bucket_batch_sizes),
+      "padded_shapes": self.padded_shapes,
+      "padding_values": self.padding_values,
+      "pad_to_bucket_boundary": self.pad_to_bucket_boundary,
+      "no_padding": self.no_padding,
+      "drop_remainder": self.drop_remainder,
+    }
 
   def cardinality(self) -> int | None:
     return 0 if self.parents[0].cardinality() == 0 else None
@@ -187,8 +192,7 @@ class BucketBySequenceLengthIterator(base.OpIterator):
 
   op_name = _OP
 
-  def __init__(self, parent: base.OpIterator,
-               node: BucketBySequenceLengthNode):
+  def __init__(self, parent: base.OpIterator, node: BucketBySequenceLengthNode):
     super().__init__([parent])
     self._length_func = node.element_length_func
     self._boundaries = list(node.bucket_boundaries)
@@ -202,8 +206,7 @@ class BucketBySequenceLengthIterator(base.OpIterator):
     self._end_of_input = False
     self._flush_next = 0  # the next bucket to flush once the input ended
     self._last_seed = 0
-    self._input = base.InputReplay(parent, _OP,
-                                   oldest_needed=self._oldest_pending)
+    self._input = base.InputReplay(parent, _OP, oldest_needed=self._oldest_pending)
 
   @property
   def last_seed(self) -> int:
@@ -215,14 +218,16 @@ class BucketBySequenceLengthIterator(base.OpIterator):
     return min(indices) if indices else self._input.num_read
 
   def _bucket_of(self, element: Any) -> int:
-    length = check_length(parallel.call_unpacked(self._length_func, element),
-                          _OP, "element_length_func")
+    length = check_length(
+      parallel.call_unpacked(self._length_func, element), _OP, "element_length_func"
+    )
     bucket = bisect.bisect_right(self._boundaries, length)
     if self._pad_to_boundary and bucket == len(self._boundaries):
       raise ValueError(
-          f"{_OP}: with pad_to_bucket_boundary=True, elements must have length "
-          f"< max(bucket_boundaries) = {self._boundaries[-1]}, got an element "
-          f"of length {length}.")
+        f"{_OP}: with pad_to_bucket_boundary=True, elements must have length "
+        f"< max(bucket_boundaries) = {self._boundaries[-1]}, got an element "
+        f"of length {length}."
+      )
     return bucket
 
   def __next__(self) -> Any:
@@ -258,8 +263,9 @@ class BucketBySequenceLengthIterator(base.OpIterator):
     elements = bucket.elements
     if self._no_padding:
       return stacking.stack(elements, _OP)
-    return padding.pad_and_stack(elements, self._shapes_for(index, elements),
-                                  self._padding_values, _OP)
+    return padding.pad_and_stack(
+      elements, self._shapes_for(index, elements), self._padding_values, _OP
+    )
 
   def _shapes_for(self, index: int, elements: list) -> Any:
     if not self._pad_to_boundary:
@@ -271,41 +277,49 @@ class BucketBySequenceLengthIterator(base.OpIterator):
       except (KeyError, IndexError, TypeError, ValueError):
         return self._padded_shapes  # pad_and_stack explains the mismatch.
     return tree.map_structure(
-        lambda leaf: [filler] + [None] * (np.ndim(leaf) - 1)
-        if np.ndim(leaf) else [], elements[0])
+      lambda leaf: [filler] + [None] * (np.ndim(leaf) - 1) if np.ndim(leaf) else [], elements[0]
+    )
 
   # -- state -----------------------------------------------------------------
   def _get_own_state(self) -> dict:
     first = self._oldest_pending()
-    return {"input": self._input.get_state(first), "first": first,
-            "pending": [len(b.elements) for b in self._buckets],
-            "end_of_input": self._end_of_input, "flush_next": self._flush_next}
+    return {
+      "input": self._input.get_state(first),
+      "first": first,
+      "pending": [len(b.elements) for b in self._buckets],
+      "end_of_input": self._end_of_input,
+      "flush_next": self._flush_next,
+    }
 
   def _set_own_state(self, state: dict) -> None:
     pending = state.get("pending") if isinstance(state, dict) else None
-    if (not isinstance(pending, list) or len(pending) != len(self._buckets)
-        or not all(isinstance(n, int) and 0 <= n < size
-                   for n, size in zip(pending, self._batch_sizes))):
+    if (
+      not isinstance(pending, list)
+      or len(pending) != len(self._buckets)
+      or not all(
+        isinstance(n, int) and 0 <= n < size for n, size in zip(pending, self._batch_sizes)
+      )
+    ):
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: 'pending' must list, per bucket, a "
-          f"count below its batch size {list(self._batch_sizes)}, got "
-          f"{pending!r:.200}.")
+        f"Cannot restore op {_OP!r}: 'pending' must list, per bucket, a "
+        f"count below its batch size {list(self._batch_sizes)}, got "
+        f"{pending!r:.200}."
+      )
     first = base.state_int(state, "first", _OP)
-    flush_next = base.state_int(state, "flush_next", _OP,
-                                high=len(self._buckets))
+    flush_next = base.state_int(state, "flush_next", _OP, high=len(self._buckets))
     kept: list[collections.deque[Any]] = [collections.deque(maxlen=n) for n in pending]
 
     def consume(index: int, element: Any, seed: int) -> None:
       kept[self._bucket_of(element)].append((index, element, seed))
 
-    self._input.set_state(state.get("input"),
-                          first if any(pending) else sys.maxsize, consume)
+    self._input.set_state(state.get("input"), first if any(pending) else sys.maxsize, consume)
     for i, entries in enumerate(kept):
       if len(entries) != pending[i]:
         raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: bucket {i} should hold {pending[i]} "
-            f"elements but re-reading the input gave {len(entries)}; the "
-            f"state belongs to other data.")
+          f"Cannot restore op {_OP!r}: bucket {i} should hold {pending[i]} "
+          f"elements but re-reading the input gave {len(entries)}; the "
+          f"state belongs to other data."
+        )
       bucket = _Bucket()
       if entries:
         bucket.first_index = entries[0][0]
@@ -319,9 +333,9 @@ class BucketBySequenceLengthIterator(base.OpIterator):
 def _fill_unknown_dims(structure: Any, padded_shapes: Any, filler: int) -> Any:
   """`padded_shapes` (shaped like the element `structure`) with None dims = filler."""
   if isinstance(structure, dict):
-    return {k: _fill_unknown_dims(structure[k], padded_shapes[k], filler)
-            for k in structure}
+    return {k: _fill_unknown_dims(structure[k], padded_shapes[k], filler) for k in structure}
   if isinstance(structure, (tuple, list)):
-    return type(structure)(_fill_unknown_dims(s, p, filler)
-                           for s, p in zip(structure, padded_shapes, strict=True))
+    return type(structure)(
+      _fill_unknown_dims(s, p, filler) for s, p in zip(structure, padded_shapes, strict=True)
+    )
   return _fill_shape_spec(padded_shapes, filler)

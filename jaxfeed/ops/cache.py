@@ -40,11 +40,11 @@ class CacheNode(Node):
     super().__init__([parent])
     if not isinstance(filename, (str, os.PathLike)):
       raise TypeError(
-          f"cache: filename must be a str or path ('' for an in-memory "
-          f"cache), got {type(filename).__name__}: {filename!r}.")
+        f"cache: filename must be a str or path ('' for an in-memory "
+        f"cache), got {type(filename).__name__}: {filename!r}."
+      )
     self.filename = os.fspath(filename)
-    self._store = (cache_disk.DiskStore(self.filename) if self.filename
-                   else _MemoryStore())
+    self._store = cache_disk.DiskStore(self.filename) if self.filename else _MemoryStore()
 
   def make_iterator(self) -> "CacheIterator":
     return CacheIterator(self.parents[0].make_iterator(), self._store)
@@ -84,7 +84,6 @@ class _MemoryStore:
 
 
 class _MemoryWriter:
-
   def __init__(self, store: _MemoryStore):
     self._store = store
     self._elements: list = []
@@ -102,7 +101,6 @@ class _MemoryWriter:
 
 
 class _MemoryReader:
-
   def __init__(self, elements: list, seeds: list):
     self._elements = elements
     self._seeds = seeds
@@ -136,8 +134,8 @@ class CacheIterator(OpIterator):
     self._parent = parent
     self._store = store
     self._mode = _START
-    self._count = 0          # elements returned while filling
-    self._index = 0          # next cache index while reading
+    self._count = 0  # elements returned while filling
+    self._index = 0  # next cache index while reading
     self._writer: Any = None
     self._reader: Any = None
     self._read_parent_state: Any = None
@@ -163,9 +161,10 @@ class CacheIterator(OpIterator):
     self._reader = self._store.reader()
     if self._index > self._reader.num_elements:
       raise PipelineStateError(
-          f"cache: the state reads element {self._index} of the "
-          f"{self._store.describe()}, which holds "
-          f"{self._reader.num_elements} elements.")
+        f"cache: the state reads element {self._index} of the "
+        f"{self._store.describe()}, which holds "
+        f"{self._reader.num_elements} elements."
+      )
 
   def __next__(self) -> Any:
     if self._mode == _READ:
@@ -230,22 +229,29 @@ class CacheIterator(OpIterator):
   # -- state ---------------------------------------------------------------
   def get_state(self) -> dict:
     if self._mode == _READ:
-      return {"op": self.op_name, "own": {"mode": _READ, "index": self._index},
-              "parents": [self._read_parent_state]}
-    return {"op": self.op_name, "own": {"mode": _FILL, "count": self._count},
-            "parents": [self._parent.get_state()]}
+      return {
+        "op": self.op_name,
+        "own": {"mode": _READ, "index": self._index},
+        "parents": [self._read_parent_state],
+      }
+    return {
+      "op": self.op_name,
+      "own": {"mode": _FILL, "count": self._count},
+      "parents": [self._parent.get_state()],
+    }
 
   def set_state(self, state: dict) -> None:
     check_state(state, self.op_name, 1)
     own = state.get("own")
     position_key = {_FILL: "count", _READ: "index"}.get(
-        own.get("mode") if isinstance(own, dict) else None)
+      own.get("mode") if isinstance(own, dict) else None
+    )
     position = own.get(position_key) if position_key else None
-    if (not isinstance(position, int) or isinstance(position, bool)
-        or position < 0):
+    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
       raise PipelineStateError(
-          f"Cannot restore op 'cache': 'own' must be {{'mode': 'fill', "
-          f"'count': n}} or {{'mode': 'read', 'index': i}}, got {own!r}.")
+        f"Cannot restore op 'cache': 'own' must be {{'mode': 'fill', "
+        f"'count': n}} or {{'mode': 'read', 'index': i}}, got {own!r}."
+      )
     self._abort_writer()
     self._parent.set_state(state["parents"][0])
     self._reader = None

@@ -63,21 +63,27 @@ def _remove_tree(path: str) -> None:
 def _leaf_kind(leaf: Any, where: str) -> str:
   if isinstance(leaf, np.ndarray):
     if leaf.dtype == object:
-      raise TypeError(
-          f"{where}: cannot store an array of dtype object without pickle.")
+      raise TypeError(f"{where}: cannot store an array of dtype object without pickle.")
     return "array"
   if isinstance(leaf, np.generic):
     return "scalar"
-  for kind, types in (("bool", bool), ("int", int), ("float", float),
-                      ("complex", complex), ("bytes", bytes), ("str", str)):
+  for kind, types in (
+    ("bool", bool),
+    ("int", int),
+    ("float", float),
+    ("complex", complex),
+    ("bytes", bytes),
+    ("str", str),
+  ):
     if isinstance(leaf, types):
       return kind
   if hasattr(leaf, "__array__"):
     return "array"
   raise TypeError(
-      f"{where}: cannot store a leaf of type {type(leaf).__name__} "
-      f"({leaf!r:.80}); leaves must be numpy arrays or scalars, Python "
-      f"numbers, bytes or str.")
+    f"{where}: cannot store a leaf of type {type(leaf).__name__} "
+    f"({leaf!r:.80}); leaves must be numpy arrays or scalars, Python "
+    f"numbers, bytes or str."
+  )
 
 
 def _encode_structure(element: Any, where: str) -> Any:
@@ -85,9 +91,7 @@ def _encode_structure(element: Any, where: str) -> Any:
   if isinstance(element, dict):
     for key in element:
       if not isinstance(key, str):
-        raise TypeError(
-            f"{where}: dict keys must be str to be cached on disk, got "
-            f"{key!r}.")
+        raise TypeError(f"{where}: dict keys must be str to be cached on disk, got {key!r}.")
     return {"dict": [[k, _encode_structure(v, where)] for k, v in element.items()]}
   if isinstance(element, tuple):
     return {"tuple": [_encode_structure(v, where) for v in element]}
@@ -136,17 +140,17 @@ class _DiskWriter:
       self._pending = [[] for _ in leaves]
     elif not tree.same_structure(self._example, element):
       raise TypeError(
-          f"{self._where}: element {self._count} has structure "
-          f"{tree.structure_str(element)}, but element 0 had "
-          f"{tree.structure_str(self._example)}; cached elements must share "
-          f"one structure.")
+        f"{self._where}: element {self._count} has structure "
+        f"{tree.structure_str(element)}, but element 0 had "
+        f"{tree.structure_str(self._example)}; cached elements must share "
+        f"one structure."
+      )
     for pending, leaf in zip(self._pending, leaves):
       pending.append(leaf)
       self._pending_bytes += getattr(leaf, "nbytes", 8)
     self._pending_seeds.append(seed)
     self._count += 1
-    if (len(self._pending_seeds) >= _CHUNK_ELEMENTS
-        or self._pending_bytes >= _CHUNK_BYTES):
+    if len(self._pending_seeds) >= _CHUNK_ELEMENTS or self._pending_bytes >= _CHUNK_BYTES:
       self._flush()
 
   def _leaf_arrays(self, j: int) -> list[np.ndarray]:
@@ -158,8 +162,9 @@ class _DiskWriter:
       for value in values:
         if not isinstance(value, wanted):
           raise TypeError(
-              f"{self._where}: leaf {self._leaf_paths[j]!r} was {kind} in "
-              f"element 0 but is {type(value).__name__} later.")
+            f"{self._where}: leaf {self._leaf_paths[j]!r} was {kind} in "
+            f"element 0 but is {type(value).__name__} later."
+          )
         raw = value if kind == "bytes" else value.encode("utf-8")
         out.append(np.frombuffer(raw, dtype=np.uint8))
       return out
@@ -167,15 +172,17 @@ class _DiskWriter:
     first = arrays[0]
     if first.dtype == object:
       raise TypeError(
-          f"{self._where}: leaf {self._leaf_paths[j]!r} has dtype object, "
-          f"which cannot be stored without pickle.")
+        f"{self._where}: leaf {self._leaf_paths[j]!r} has dtype object, "
+        f"which cannot be stored without pickle."
+      )
     for array in arrays:
       if array.dtype != first.dtype or array.ndim != first.ndim:
         raise TypeError(
-            f"{self._where}: leaf {self._leaf_paths[j]!r} has dtype "
-            f"{array.dtype} and rank {array.ndim} in one element but "
-            f"{first.dtype} and rank {first.ndim} in another; cached leaves "
-            f"must keep their dtype and rank.")
+          f"{self._where}: leaf {self._leaf_paths[j]!r} has dtype "
+          f"{array.dtype} and rank {array.ndim} in one element but "
+          f"{first.dtype} and rank {first.ndim} in another; cached leaves "
+          f"must keep their dtype and rank."
+        )
     return arrays
 
   def _flush(self) -> None:
@@ -189,9 +196,9 @@ class _DiskWriter:
         payload[f"l{j}"] = np.stack(arrays)
       else:
         payload[f"l{j}_data"] = np.concatenate([a.ravel() for a in arrays])
-        payload[f"l{j}_shapes"] = np.array(
-            [a.shape for a in arrays], dtype=np.int64).reshape(
-                len(arrays), arrays[0].ndim)
+        payload[f"l{j}_shapes"] = np.array([a.shape for a in arrays], dtype=np.int64).reshape(
+          len(arrays), arrays[0].ndim
+        )
       self._pending[j] = []
     name = f"chunk-{len(self._chunks):05d}.npz"
     with (self._tmp / name).open("wb") as f:
@@ -203,11 +210,11 @@ class _DiskWriter:
   def publish(self) -> None:
     self._flush()
     manifest = {
-        "version": _FORMAT_VERSION,
-        "num_elements": self._count,
-        "structure": (self._structure if self._example is not None else None),
-        "kinds": self._kinds,
-        "chunks": self._chunks,
+      "version": _FORMAT_VERSION,
+      "num_elements": self._count,
+      "structure": (self._structure if self._example is not None else None),
+      "kinds": self._kinds,
+      "chunks": self._chunks,
     }
     (self._tmp / _MANIFEST).write_text(json.dumps(manifest))
     path = epath.Path(self._path)
@@ -236,12 +243,12 @@ class _DiskReader:
     try:
       manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
-      raise ValueError(
-          f"cache {path!r}: cannot read {manifest_path}: {exc}.") from exc
+      raise ValueError(f"cache {path!r}: cannot read {manifest_path}: {exc}.") from exc
     if manifest.get("version") != _FORMAT_VERSION:
       raise ValueError(
-          f"cache {path!r}: unsupported format version "
-          f"{manifest.get('version')!r}, expected {_FORMAT_VERSION}.")
+        f"cache {path!r}: unsupported format version "
+        f"{manifest.get('version')!r}, expected {_FORMAT_VERSION}."
+      )
     self.num_elements = int(manifest["num_elements"])
     self._kinds = manifest["kinds"]
     self._skeleton = _decode_structure(manifest["structure"])
@@ -267,20 +274,20 @@ class _DiskReader:
         columns.append(stacked)
       else:
         data, shapes = arrays[f"l{j}_data"], arrays[f"l{j}_shapes"]
-        sizes = np.prod(shapes, axis=1) if shapes.shape[1] else np.ones(
-            len(shapes), dtype=np.int64)
+        sizes = np.prod(shapes, axis=1) if shapes.shape[1] else np.ones(len(shapes), dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        columns.append([
-            data[offsets[i]:offsets[i + 1]].reshape(tuple(shapes[i]))
-            for i in range(len(shapes))])
+        columns.append(
+          [data[offsets[i] : offsets[i + 1]].reshape(tuple(shapes[i])) for i in range(len(shapes))]
+        )
     self._columns = columns
     self._seeds = arrays["seeds"]
     self._chunk_index = chunk_index
 
   def get(self, index: int) -> tuple[Any, int]:
     chunk_index = self._chunk_index
-    if not (chunk_index >= 0 and self._starts[chunk_index] <= index
-            < self._starts[chunk_index + 1]):
+    if not (
+      chunk_index >= 0 and self._starts[chunk_index] <= index < self._starts[chunk_index + 1]
+    ):
       chunk_index = bisect.bisect_right(self._starts, index) - 1
       self._load(chunk_index)
     offset = index - self._starts[chunk_index]
@@ -297,6 +304,5 @@ class _DiskReader:
       elif kind == "str":
         leaves.append(value.tobytes().decode("utf-8"))
       else:  # Python numbers
-        leaves.append({"bool": bool, "int": int, "float": float,
-                       "complex": complex}[kind](value))
+        leaves.append({"bool": bool, "int": int, "float": float, "complex": complex}[kind](value))
     return tree.unflatten(self._skeleton, leaves), int(self._seeds[offset])

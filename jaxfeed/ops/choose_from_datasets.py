@@ -53,8 +53,7 @@ class ChooseFromDatasetsNode(base.Node):
 
   def make_iterator(self) -> "ChooseIterator":
     inputs = [p.make_iterator() for p in self.parents[:-1]]
-    return ChooseIterator(inputs, self.parents[-1].make_iterator(),
-                          self.stop_on_empty_dataset)
+    return ChooseIterator(inputs, self.parents[-1].make_iterator(), self.stop_on_empty_dataset)
 
 
 class ChooseIterator(mixing.MixIterator):
@@ -62,8 +61,7 @@ class ChooseIterator(mixing.MixIterator):
 
   op_name = _OP
 
-  def __init__(self, inputs: list[base.OpIterator], choices: base.OpIterator,
-               stop_on_empty: bool):
+  def __init__(self, inputs: list[base.OpIterator], choices: base.OpIterator, stop_on_empty: bool):
     super().__init__(inputs, choices, stop_on_empty, _OP)
 
   def _choose(self) -> int:
@@ -72,12 +70,13 @@ class ChooseIterator(mixing.MixIterator):
     array = np.asarray(value)
     if array.ndim != 0 or array.dtype.kind not in "iu":
       raise TypeError(
-          f"{self.op_name}: choice_dataset must yield scalar integers, got "
-          f"{value!r:.80}.")
+        f"{self.op_name}: choice_dataset must yield scalar integers, got {value!r:.80}."
+      )
     index = int(array)
     if not 0 <= index < self._num_inputs:
       raise ValueError(
-          f"{self.op_name}: choice {index} is out of range: there are "
-          f"{self._num_inputs} datasets (valid choices are 0 to "
-          f"{self._num_inputs - 1}).")
+        f"{self.op_name}: choice {index} is out of range: there are "
+        f"{self._num_inputs} datasets (valid choices are 0 to "
+        f"{self._num_inputs - 1})."
+      )
     return index

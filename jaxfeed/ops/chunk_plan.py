@@ -30,8 +30,9 @@ class Chunk:
     return f"computing input positions [{self.start}, {self.stop})"
 
 
-def chunk_stop(start: int, size: int, *, end: int | None, workers: int, sent: int,
-               unit: int) -> int:
+def chunk_stop(
+  start: int, size: int, *, end: int | None, workers: int, sent: int, unit: int
+) -> int:
   """Where the chunk from `start` ends: `size` on, except that each worker's
   first chunk is one `unit` (a batch: an epoch's first batches come sooner;
   the sent chunks number `sent`) and the last chunks before `end` share

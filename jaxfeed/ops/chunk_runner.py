@@ -62,9 +62,11 @@ class ChunkRunner:
     self._iteration = 0  # of the positions `_reader` reads
     self.stages = [_stage_fn(s) for s in stages]
     # Maps only, none writing into its row: each a plain work(element, seed).
-    self._works = (None if any(s[0] not in ("map", "random_map") or s[-1]
-                               for s in stages)
-                   else [_work_fn(s) for s in stages])
+    self._works = (
+      None
+      if any(s[0] not in ("map", "random_map") or s[-1] for s in stages)
+      else [_work_fn(s) for s in stages]
+    )
     self.filters = any(s[0] in ("filter", "map_and_filter") for s in stages)
     # The last op writes into its element's batch row (writes_out).
     self.hands_out_rows = stages[-1][-1] and not self.filters
@@ -128,9 +130,9 @@ class ChunkRunner:
             # A first batch, or new shapes: rows like this element's.
             # A function that writes into its row gets one at any size.
             self.template = batch_placement.template_for(
-                element, 0 if self.hands_out_rows else ROW_MIN_BYTES)
-            rows = (None if self.template is None else
-                    self._open(slot, end, stop - position + 1))
+              element, 0 if self.hands_out_rows else ROW_MIN_BYTES
+            )
+            rows = None if self.template is None else self._open(slot, end, stop - position + 1)
         if rows is not None and not rows.put(count, element, own):
           batch = rows.elements(count)  # shapes changed: stacked instead
           rows = None
@@ -138,12 +140,12 @@ class ChunkRunner:
           batch.append(element)
         count += 1
         if count == self.batch_size:
-          end = self._finish(slot, items, rows, batch, count, first_seed,
-                             position, end, stop - position)
+          end = self._finish(
+            slot, items, rows, batch, count, first_seed, position, end, stop - position
+          )
           batch, rows, count = [], None, 0
       if count and not self.drop_remainder:
-        end = self._finish(slot, items, rows, batch, count, first_seed,
-                           position, end, 0)
+        end = self._finish(slot, items, rows, batch, count, first_seed, position, end, 0)
     except Exception as exc:  # noqa: BLE001 -- raised in the consumer
       text = traceback.format_exc()
       drop_tracebacks(exc)
@@ -172,8 +174,7 @@ class ChunkRunner:
     if self._contiguous:
       if self._reader is None or self._next != start:
         self.close()
-        end = (None if per_iteration is None
-               else (iteration + 1) * per_iteration)
+        end = None if per_iteration is None else (iteration + 1) * per_iteration
         self._reader = self.input.range_iterator(start, end)
       return self._reader
     reposition = getattr(self._reader, "reposition", None)
@@ -197,13 +198,23 @@ class ChunkRunner:
     if rows is None:
       batches = -(-left // self.batch_size)
       size = _Rows.layout(0, self.batch_size, self.template)[1]
-      rows = _Rows.open(slot.grow(start + batches * _align(size), start),
-                        start, self.batch_size, self.template)
+      rows = _Rows.open(
+        slot.grow(start + batches * _align(size), start), start, self.batch_size, self.template
+      )
     return rows
 
-  def _finish(self, slot: Any, items: list, rows: "_Rows | None", batch: list,
-              count: int, first_seed: int, position: int, end: int,
-              left: int) -> int:
+  def _finish(
+    self,
+    slot: Any,
+    items: list,
+    rows: "_Rows | None",
+    batch: list,
+    count: int,
+    first_seed: int,
+    position: int,
+    end: int,
+    left: int,
+  ) -> int:
     """Adds the batch to `items` (stacking its elements into the slot unless
     its rows are there); returns where it ends in the slot."""
     if rows is not None:
@@ -267,14 +278,15 @@ class _Rows:
     return offsets, offset
 
   @classmethod
-  def open(cls, block: memoryview, start: int, batch_size: int,
-           template) -> "_Rows | None":
+  def open(cls, block: memoryview, start: int, batch_size: int, template) -> "_Rows | None":
     """The batch's rows, or None if the block is too small for them."""
     offsets, offset = cls.layout(start, batch_size, template)
     if offset > len(block):
       return None
-    arrays = [np.ndarray((batch_size,) + shape, dtype, buffer=block, offset=o)
-              for o, (shape, dtype) in zip(offsets, template.specs)]
+    arrays = [
+      np.ndarray((batch_size,) + shape, dtype, buffer=block, offset=o)
+      for o, (shape, dtype) in zip(offsets, template.specs)
+    ]
     return cls(template, offsets, arrays, offset)
 
   def row(self, row: int) -> tuple[Any, list]:
@@ -295,14 +307,17 @@ class _Rows:
 
   def elements(self, count: int) -> list:
     """Copies of the first `count` elements (to stack with later ones)."""
-    return [tree.unflatten(self.template.structure,
-                           [array[row, ...].copy() for array in self.arrays])
-            for row in range(count)]
+    return [
+      tree.unflatten(self.template.structure, [array[row, ...].copy() for array in self.arrays])
+      for row in range(count)
+    ]
 
   def skeleton(self, count: int) -> Any:
     """The batch of the first `count` rows as `ArrayRef`s."""
-    refs = [ArrayRef(offset, array.dtype.str, (count,) + array.shape[1:])
-            for offset, array in zip(self.offsets, self.arrays)]
+    refs = [
+      ArrayRef(offset, array.dtype.str, (count,) + array.shape[1:])
+      for offset, array in zip(self.offsets, self.arrays)
+    ]
     return tree.unflatten(self.template.structure, refs)
 
 
@@ -319,9 +334,13 @@ def _plan_batch(elements: list, start: int) -> tuple[Any, list, int]:
   markers, writes, offset = [], [], start
   for index, column in enumerate(columns):
     first = column[0]
-    if (type(first) is np.ndarray and not first.dtype.hasobject
-        and all(type(v) is np.ndarray and v.dtype == first.dtype
-                and v.shape == first.shape for v in column)):
+    if (
+      type(first) is np.ndarray
+      and not first.dtype.hasobject
+      and all(
+        type(v) is np.ndarray and v.dtype == first.dtype and v.shape == first.shape for v in column
+      )
+    ):
       # What np.array(column) would give, without building it first.
       shape, dtype, source = (len(column),) + first.shape, first.dtype, column
     else:
@@ -344,7 +363,8 @@ def _work_fn(spec: tuple) -> Callable[..., Any]:
   if kind == "map":
     return map_op._map_work(spec[1], writes_out)  # pylint: disable=protected-access
   return random_map._random_map_work(  # pylint: disable=protected-access
-      spec[1], random_map.ElementGenerators(spec[2]), writes_out)
+    spec[1], random_map.ElementGenerators(spec[2]), writes_out
+  )
 
 
 def _stage_fn(spec: tuple) -> Callable[[Any, int, Any], tuple[bool, Any]]:
@@ -362,6 +382,7 @@ def _stage_fn(spec: tuple) -> Callable[[Any, int, Any], tuple[bool, Any]]:
     def keep(element, seed, out):
       result = parallel.call_unpacked(predicate, element)
       return predicate_result(predicate, result, "filter"), element
+
     return keep
   fn, predicate = spec[1], spec[2]
 
@@ -369,4 +390,5 @@ def _stage_fn(spec: tuple) -> Callable[[Any, int, Any], tuple[bool, Any]]:
     mapped = parallel.call_unpacked(fn, element)
     result = parallel.call_unpacked(predicate, mapped)
     return predicate_result(predicate, result, "filter"), mapped
+
   return map_and_keep

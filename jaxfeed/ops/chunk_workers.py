@@ -36,8 +36,12 @@ from typing import Any, Callable
 
 from jaxfeed.ops import batch_slots, memfd, shipping
 from jaxfeed.ops.chunk_runner import ChunkRunner
-from jaxfeed.ops.worker_processes import (RemoteTraceback, WorkerProcess,
-                                          WorkerProcessError, picklable_error)
+from jaxfeed.ops.worker_processes import (
+  RemoteTraceback,
+  WorkerProcess,
+  WorkerProcessError,
+  picklable_error,
+)
 
 __all__ = ["InlineWorker", "ThreadWorkers", "ProcessWorkers", "ship", "AHEAD_CHUNKS"]
 
@@ -95,8 +99,7 @@ class InlineWorker:
   def ready(self) -> bool:
     return True
 
-  def send_chunk(self, index: int, start: int, stop: int,
-                 slot: batch_slots.Slot | None) -> None:
+  def send_chunk(self, index: int, start: int, stop: int, slot: batch_slots.Slot | None) -> None:
     self._queued.append((start, stop, slot))
 
   def send_slot(self, index: int, slot: batch_slots.Slot) -> None:
@@ -127,11 +130,14 @@ class ThreadWorkers:
     self._tasks = [queue.SimpleQueue() for _ in range(num_threads)]
     self._replies = [queue.SimpleQueue() for _ in range(num_threads)]
     self._threads = [
-        threading.Thread(target=_thread_main,
-                         args=(payload, index, self._tasks[index],
-                               self._replies[index], self._results),
-                         name=f"jaxfeed-{op_name}-thread-{index}", daemon=True)
-        for index in range(num_threads)]
+      threading.Thread(
+        target=_thread_main,
+        args=(payload, index, self._tasks[index], self._replies[index], self._results),
+        name=f"jaxfeed-{op_name}-thread-{index}",
+        daemon=True,
+      )
+      for index in range(num_threads)
+    ]
     for thread in self._threads:
       thread.start()
 
@@ -141,8 +147,7 @@ class ThreadWorkers:
   def ready(self) -> bool:
     return True
 
-  def send_chunk(self, index: int, start: int, stop: int,
-                 slot: batch_slots.Slot | None) -> None:
+  def send_chunk(self, index: int, start: int, stop: int, slot: batch_slots.Slot | None) -> None:
     self._tasks[index].put((start, stop, slot))
 
   def send_slot(self, index: int, slot: batch_slots.Slot) -> None:
@@ -178,8 +183,13 @@ class ThreadWorkers:
         thread.join()
 
 
-def _thread_main(payload: tuple, index: int, tasks: queue.SimpleQueue,
-                 replies: queue.SimpleQueue, results: queue.SimpleQueue) -> None:
+def _thread_main(
+  payload: tuple,
+  index: int,
+  tasks: queue.SimpleQueue,
+  replies: queue.SimpleQueue,
+  results: queue.SimpleQueue,
+) -> None:
   runner = ChunkRunner(payload)
 
   def bigger(needed: int) -> batch_slots.Slot:
@@ -224,11 +234,14 @@ class ProcessWorkers:
   name = "process"
   ahead = AHEAD_CHUNKS
 
-  def __init__(self, shipment: shipping.Shipment | Callable[[], shipping.Shipment],
-               num_workers: int, op_name: str):
+  def __init__(
+    self,
+    shipment: shipping.Shipment | Callable[[], shipping.Shipment],
+    num_workers: int,
+    op_name: str,
+  ):
     self._op_name = op_name
-    self.workers = [WorkerProcess(shipment, f"{op_name}-{i}")
-                    for i in range(num_workers)]
+    self.workers = [WorkerProcess(shipment, f"{op_name}-{i}") for i in range(num_workers)]
     self._ready = [False] * num_workers
     self.retired: list[list[int]] = [[] for _ in range(num_workers)]
 
@@ -259,8 +272,8 @@ class ProcessWorkers:
   def _check_ready(self, index: int, reply: tuple) -> None:
     if reply[0] == "error":
       raise WorkerProcessError(
-          f"{self._op_name}: a worker process could not load the pipeline: "
-          f"{reply[1]!r}") from RemoteTraceback(reply[2])
+        f"{self._op_name}: a worker process could not load the pipeline: {reply[1]!r}"
+      ) from RemoteTraceback(reply[2])
     self._ready[index] = True
 
   def pids(self) -> list[int]:
@@ -271,8 +284,7 @@ class ProcessWorkers:
     for ids in self.retired:
       ids.append(slot_id)
 
-  def send_chunk(self, index: int, start: int, stop: int,
-                 slot: batch_slots.Slot | None) -> None:
+  def send_chunk(self, index: int, start: int, stop: int, slot: batch_slots.Slot | None) -> None:
     """Sends a chunk, and the slot's descriptor if the worker lacks it."""
     ids, self.retired[index] = self.retired[index], []
     spec = None if slot is None else slot.spec(index)
@@ -340,9 +352,10 @@ class ProcessWorkers:
     worker.check_started()
     worker.stop(timeout_s=1)
     return WorkerProcessError(
-        f"{self._op_name}: worker process {worker.name} (pid {worker.pid}) "
-        f"died (exit code {worker.exitcode}) while {doing}; the iterator "
-        f"cannot go on. Restore its last state into a new iterator to resume.")
+      f"{self._op_name}: worker process {worker.name} (pid {worker.pid}) "
+      f"died (exit code {worker.exitcode}) while {doing}; the iterator "
+      f"cannot go on. Restore its last state into a new iterator to resume."
+    )
 
   def close(self) -> None:
     """Stops the processes (killing those that do not stop in time)."""
@@ -384,8 +397,7 @@ class _WorkerSlot:
   """The slot a worker process writes a chunk's batches into; `grow` asks
   the parent for a bigger one and moves what was written there."""
 
-  def __init__(self, conn, slots: dict, queued: collections.deque,
-               slot_id: int):
+  def __init__(self, conn, slots: dict, queued: collections.deque, slot_id: int):
     # `slots`: the worker's mapped slots by id (mapped once each).
     self.conn, self.slots, self.queued = conn, slots, queued
     self.block = slots[slot_id]
@@ -457,8 +469,7 @@ def _process_main(conn, payload: tuple) -> None:
         block = slots.pop(slot_id, None)
         if block is not None:
           block.close()
-      slot = (None if slot_spec is None
-              else _WorkerSlot(conn, slots, queued, slot_spec[0]))
+      slot = None if slot_spec is None else _WorkerSlot(conn, slots, queued, slot_spec[0])
       reply = _compute(runner, start, stop, slot)
       del slot
       items = reply[1]

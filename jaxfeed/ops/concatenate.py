@@ -23,8 +23,7 @@ _OP = "concatenate"
 def element_signature(element: Any) -> str:
   """An element's structure and leaf dtypes (not shapes), e.g. "{'x': int64}"."""
   if isinstance(element, dict):
-    inner = ", ".join(f"{k!r}: {element_signature(element[k])}"
-                      for k in sorted(element, key=repr))
+    inner = ", ".join(f"{k!r}: {element_signature(element[k])}" for k in sorted(element, key=repr))
     return "{" + inner + "}"
   if isinstance(element, (tuple, list)):
     inner = ", ".join(element_signature(v) for v in element)
@@ -47,8 +46,7 @@ class ConcatenateNode(base.Node):
   op_name = _OP
 
   def __init__(self, parent: base.Node, other: Any):
-    super().__init__([base.to_node(parent, _OP, "input"),
-                      base.to_node(other, _OP, "other")])
+    super().__init__([base.to_node(parent, _OP, "input"), base.to_node(other, _OP, "other")])
 
   def cardinality(self) -> int | None:
     first, second = (p.cardinality() for p in self.parents)
@@ -59,9 +57,12 @@ class ConcatenateNode(base.Node):
     return first + second
 
   def make_iterator(self) -> "ConcatenateIterator":
-    return ConcatenateIterator(self.parents[0].make_iterator(),
-                               self.parents[1].make_iterator(),
-                               repr(self.parents[0]), repr(self.parents[1]))
+    return ConcatenateIterator(
+      self.parents[0].make_iterator(),
+      self.parents[1].make_iterator(),
+      repr(self.parents[0]),
+      repr(self.parents[1]),
+    )
 
   # Index addressing (see jaxfeed.ops.index_ranges): the input's positions,
   # then those of `other`.
@@ -78,10 +79,11 @@ class ConcatenateNode(base.Node):
     if count is None:  # `other` is never reached
       count = stop
     return ConcatenateIterator(
-        index_ranges.range_iterator(first, min(start, count), min(stop, count)),
-        index_ranges.range_iterator(second, max(start - count, 0),
-                                    max(stop - count, 0)),
-        repr(first), repr(second))
+      index_ranges.range_iterator(first, min(start, count), min(stop, count)),
+      index_ranges.range_iterator(second, max(start - count, 0), max(stop - count, 0)),
+      repr(first),
+      repr(second),
+    )
 
 
 class ConcatenateIterator(base.OpIterator):
@@ -89,8 +91,9 @@ class ConcatenateIterator(base.OpIterator):
 
   op_name = _OP
 
-  def __init__(self, first: base.OpIterator, second: base.OpIterator,
-               first_name: str, second_name: str):
+  def __init__(
+    self, first: base.OpIterator, second: base.OpIterator, first_name: str, second_name: str
+  ):
     super().__init__([first, second])
     self._names = (first_name, second_name)
     self._index = 0
@@ -122,24 +125,24 @@ class ConcatenateIterator(base.OpIterator):
     signature = element_signature(element)
     if self._signature is not None and signature != self._signature:
       raise TypeError(
-          f"{_OP}: the datasets are not compatible: the input "
-          f"{self._names[0]} has elements {self._signature}, the other "
-          f"dataset {self._names[1]} has elements {signature}. Structures "
-          f"and dtypes must match (cast with a map first).")
+        f"{_OP}: the datasets are not compatible: the input "
+        f"{self._names[0]} has elements {self._signature}, the other "
+        f"dataset {self._names[1]} has elements {signature}. Structures "
+        f"and dtypes must match (cast with a map first)."
+      )
     self._checked = True
 
   def _get_own_state(self) -> dict:
-    return {"index": self._index, "signature": self._signature,
-            "checked": self._checked}
+    return {"index": self._index, "signature": self._signature, "checked": self._checked}
 
   def _set_own_state(self, state: dict) -> None:
     self._index = base.state_int(state, "index", _OP, high=1)
     signature = state.get("signature")
     checked = state.get("checked")
-    if not (signature is None or isinstance(signature, str)) or not isinstance(
-        checked, bool):
+    if not (signature is None or isinstance(signature, str)) or not isinstance(checked, bool):
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: own state needs 'signature' (str or "
-          f"None) and 'checked' (bool), got {state!r:.200}.")
+        f"Cannot restore op {_OP!r}: own state needs 'signature' (str or "
+        f"None) and 'checked' (bool), got {state!r:.200}."
+      )
     self._signature = signature
     self._checked = checked

@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxfeed.ops import jsonable
-from jaxfeed.ops.base import (Node, OpIterator, PipelineStateError, mix_seed,
-                               state_int)
+from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, mix_seed, state_int
 
 __all__ = ["CounterNode", "CounterIterator"]
 
@@ -25,11 +24,9 @@ def _as_dtype(dtype: Any) -> np.dtype:
   try:
     dtype = np.dtype(np.int64 if dtype is None else dtype)
   except TypeError as e:
-    raise ValueError(f"{_OP}: dtype must be a numpy dtype or its name, got "
-                     f"{dtype!r}.") from e
+    raise ValueError(f"{_OP}: dtype must be a numpy dtype or its name, got {dtype!r}.") from e
   if dtype.kind not in "iuf":
-    raise ValueError(f"{_OP}: dtype must be an integer or floating dtype, got "
-                     f"{dtype}.")
+    raise ValueError(f"{_OP}: dtype must be an integer or floating dtype, got {dtype}.")
   return dtype
 
 
@@ -67,8 +64,7 @@ class CounterNode(Node):
     return CounterIterator(self)
 
   def __repr__(self) -> str:
-    return (f"CounterNode(start={self.start}, step={self.step}, "
-            f"dtype={self.dtype.name})")
+    return f"CounterNode(start={self.start}, step={self.step}, dtype={self.dtype.name})"
 
 
 class CounterIterator(OpIterator):
@@ -117,6 +113,7 @@ class CounterIterator(OpIterator):
     value = jsonable.decode(state.get("next"))
     if not isinstance(value, np.generic) or value.dtype != self._dtype:
       raise PipelineStateError(
-          f"Cannot restore op {_OP!r}: own state needs the next value as a "
-          f"{self._dtype} scalar, got {state!r:.200}.")
+        f"Cannot restore op {_OP!r}: own state needs the next value as a "
+        f"{self._dtype} scalar, got {state!r:.200}."
+      )
     self._count, self._next = count, value

@@ -53,29 +53,33 @@ class TensorSpec:
 
   def __post_init__(self):
     shape = tuple(self.shape)
-    if any(not (d is None or (isinstance(d, (int, np.integer))
-                              and not isinstance(d, bool) and d >= 0))
-           for d in shape):
-      raise ValueError(f"TensorSpec: shape must hold sizes >= 0 or None, "
-                       f"got {self.shape!r}.")
-    object.__setattr__(self, "shape", tuple(
-        None if d is None else int(d) for d in shape))
+    if any(
+      not (d is None or (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0))
+      for d in shape
+    ):
+      raise ValueError(f"TensorSpec: shape must hold sizes >= 0 or None, got {self.shape!r}.")
+    object.__setattr__(self, "shape", tuple(None if d is None else int(d) for d in shape))
     object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
   def is_compatible_with(self, value: Any) -> bool:
     """Whether `value` (an array or scalar) fits this spec."""
     other = spec_of_value(value)
-    return other.dtype == self.dtype and len(other.shape) == len(self.shape) and all(
-        d is None or d == n for d, n in zip(self.shape, other.shape))
+    return (
+      other.dtype == self.dtype
+      and len(other.shape) == len(self.shape)
+      and all(d is None or d == n for d, n in zip(self.shape, other.shape))
+    )
 
   def most_specific_compatible(self, other: "TensorSpec") -> "TensorSpec":
     """The spec of both: sizes that differ become None (tf.data's rule for
     `concatenate` and the mixtures). A dtype or rank that differs is an error."""
     if other.dtype != self.dtype or len(other.shape) != len(self.shape):
-      raise ValueError(f"element_spec: {self} and {other} have no common spec "
-                       "(the dtypes or ranks differ).")
-    return TensorSpec(tuple(a if a == b else None
-                            for a, b in zip(self.shape, other.shape)), self.dtype)
+      raise ValueError(
+        f"element_spec: {self} and {other} have no common spec (the dtypes or ranks differ)."
+      )
+    return TensorSpec(
+      tuple(a if a == b else None for a, b in zip(self.shape, other.shape)), self.dtype
+    )
 
   def with_batch(self, size: int | None) -> "TensorSpec":
     """This spec with a leading batch dimension of `size`."""
@@ -119,8 +123,7 @@ def _common(specs: list) -> Any:
   first = specs[0]
   for spec in specs[1:]:
     if not tree.same_structure(first, spec):
-      raise ValueError(f"element_spec: the inputs' structures differ: "
-                       f"{first} and {spec}.")
+      raise ValueError(f"element_spec: the inputs' structures differ: {first} and {spec}.")
     first = tree.map_structure(TensorSpec.most_specific_compatible, first, spec)
   return first
 
@@ -152,25 +155,39 @@ def _padded_batch(node: Any) -> Any:
     # Padded to the longest element of each batch: a size every element
     # has stays; a size read from a first element may vary.
     exact = _derived(node.parents[0])
-    return _leaves(parent, lambda spec: TensorSpec(
-        (size,) + (spec.shape if exact else (None,) * len(spec.shape)),
-        spec.dtype))
+    return _leaves(
+      parent,
+      lambda spec: TensorSpec(
+        (size,) + (spec.shape if exact else (None,) * len(spec.shape)), spec.dtype
+      ),
+    )
   # One padded shape per leaf, read as padded_batch reads them; None and -1
   # pad to the longest element of each batch.
-  padded = padding._per_leaf(parent, node.padded_shapes, "padded_shapes",  # pylint: disable=protected-access
-                             node.op_name)
-  specs = [TensorSpec((size,) + tuple(padding._shape_spec(  # pylint: disable=protected-access
-      shape, len(spec.shape), path, node.op_name)), spec.dtype)
-           for spec, shape, path in zip(tree.flatten(parent), padded,
-                                        tree.paths(parent))]
+  padded = padding._per_leaf(
+    parent,
+    node.padded_shapes,
+    "padded_shapes",  # pylint: disable=protected-access
+    node.op_name,
+  )
+  specs = [
+    TensorSpec(
+      (size,)
+      + tuple(
+        padding._shape_spec(  # pylint: disable=protected-access
+          shape, len(spec.shape), path, node.op_name
+        )
+      ),
+      spec.dtype,
+    )
+    for spec, shape, path in zip(tree.flatten(parent), padded, tree.paths(parent))
+  ]
   return tree.unflatten(parent, specs)
 
 
 def _rebatch(node: Any) -> Any:
   sizes = node.batch_sizes
   size = sizes[0] if node.drop_remainder and len(set(sizes)) == 1 else None
-  return _leaves(_parent(node), lambda spec: TensorSpec(
-      (size,) + spec.shape[1:], spec.dtype))
+  return _leaves(_parent(node), lambda spec: TensorSpec((size,) + spec.shape[1:], spec.dtype))
 
 
 def _unbatch(node: Node) -> Any:
@@ -178,14 +195,17 @@ def _unbatch(node: Node) -> Any:
     if not spec.shape:
       raise ValueError("element_spec: unbatch of scalar elements.")
     return _drop_first(spec)
+
   return _leaves(_parent(node), unbatched)
 
 
 def _sparse_batch(node: Any) -> dict:
   rank = len(node.row_shape) + 1
-  return {"indices": TensorSpec((None, rank), np.int64),
-          "values": TensorSpec((None,), _parent(node).dtype),
-          "dense_shape": TensorSpec((rank,), np.int64)}
+  return {
+    "indices": TensorSpec((None, rank), np.int64),
+    "values": TensorSpec((None,), _parent(node).dtype),
+    "dense_shape": TensorSpec((rank,), np.int64),
+  }
 
 
 # -- structure -------------------------------------------------------------------
@@ -211,26 +231,48 @@ def _distributed(node: Any) -> Any:
   pipeline = getattr(node, "dataset", None)
   if not isinstance(pipeline, Node):
     raise ValueError(
-        "element_spec: a read of a dataset registered by id has no pipeline "
-        "here to derive the spec from; read an element and use "
-        "jaxfeed.ops.element_spec.spec_of_value on its leaves.")
+      "element_spec: a read of a dataset registered by id has no pipeline "
+      "here to derive the spec from; read an element and use "
+      "jaxfeed.ops.element_spec.spec_of_value on its leaves."
+    )
   return element_spec(pipeline)
 
 
-_PASS_THROUGH = ("take", "skip", "repeat", "shuffle", "filter", "prefetch",
-                 "cache", "snapshot", "shard", "take_while", "ignore_errors",
-                 "autocache", "unique")
+_PASS_THROUGH = (
+  "take",
+  "skip",
+  "repeat",
+  "shuffle",
+  "filter",
+  "prefetch",
+  "cache",
+  "snapshot",
+  "shard",
+  "take_while",
+  "ignore_errors",
+  "autocache",
+  "unique",
+)
 
 _RULES: dict[str, Callable[[Any], Any]] = {
-    "range": _scalar(np.int64), "counter": _scalar(np.int64),
-    "random": _scalar(np.int64), "from_tfrecord": _scalar(object),
-    "from_tensor_slices": _slices, "from_tensors": _slices,
-    "batch": _batch, "padded_batch": _padded_batch, "rebatch": _rebatch,
-    "unbatch": _unbatch, "sparse_batch": _sparse_batch,
-    "zip": _zip, "enumerate": _enumerate, "concatenate": _all_parents,
-    "sample_from_datasets": _all_parents,
-    "choose_from_datasets": _data_parents, "distribute": _distributed,
-    **{op: _parent for op in _PASS_THROUGH},
+  "range": _scalar(np.int64),
+  "counter": _scalar(np.int64),
+  "random": _scalar(np.int64),
+  "from_tfrecord": _scalar(object),
+  "from_tensor_slices": _slices,
+  "from_tensors": _slices,
+  "batch": _batch,
+  "padded_batch": _padded_batch,
+  "rebatch": _rebatch,
+  "unbatch": _unbatch,
+  "sparse_batch": _sparse_batch,
+  "zip": _zip,
+  "enumerate": _enumerate,
+  "concatenate": _all_parents,
+  "sample_from_datasets": _all_parents,
+  "choose_from_datasets": _data_parents,
+  "distribute": _distributed,
+  **{op: _parent for op in _PASS_THROUGH},
 }
 
 
@@ -269,7 +311,8 @@ def _peek(node: Node) -> Any:
       element = next(iterator)
     except StopIteration:
       raise ValueError(
-          f"element_spec: the spec of op {node.op_name!r} is read from its "
-          f"first element (see jaxfeed.ops.element_spec), but it has none: "
-          f"{node!r} is empty.") from None
+        f"element_spec: the spec of op {node.op_name!r} is read from its "
+        f"first element (see jaxfeed.ops.element_spec), but it has none: "
+        f"{node!r} is empty."
+      ) from None
   return tree.map_structure(spec_of_value, element)

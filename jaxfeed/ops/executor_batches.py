@@ -74,8 +74,9 @@ class BatchReads:
         self.placement.close_before(self._base_seq)
     batch = None if placement is None else placement.batch(outputs)
     if batch is None:
-      elements = [o.element(copy=False) if type(o) is batch_placement.Placed
-                  else o for o in outputs]
+      elements = [
+        o.element(copy=False) if type(o) is batch_placement.Placed else o for o in outputs
+      ]
       if self.placement is not None:
         # Not placed as a whole (the first batch, say): copied into a block
         # all the same, rather than onto fresh pages.
@@ -86,8 +87,7 @@ class BatchReads:
           self._adopt_template(elements[0], batch_size, self._base_seq)
     return batch, np.array(seeds, dtype=np.uint64)
 
-  def _adopt_template(self, element: Any, batch_size: int,
-                      origin: int) -> None:
+  def _adopt_template(self, element: Any, batch_size: int, origin: int) -> None:
     """Places rows like `element`'s, batches starting at element `origin`."""
     placement = self.placement
     if placement is not None and placement.template.leaves_of(element):
@@ -98,4 +98,5 @@ class BatchReads:
       self.placement_declined = placement is None  # the first batch decides
       return
     self.placement = batch_placement.Placement(
-        batch_size, template, origin, hands_out_rows=self.writes_out)
+      batch_size, template, origin, hands_out_rows=self.writes_out
+    )

@@ -33,9 +33,13 @@ which on a busy machine can take a scheduler time slice."""
 STOP = None  # Task-queue sentinel: the worker that takes it exits.
 
 
-def worker_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
-                work_fn: Callable[[Any, int], Any], generation: list,
-                busy: list) -> None:
+def worker_loop(
+  tasks: queue.SimpleQueue,
+  results: queue.SimpleQueue,
+  work_fn: Callable[[Any, int], Any],
+  generation: list,
+  busy: list,
+) -> None:
   """A worker thread; `busy[0]` accumulates its seconds spent in work_fn.
 
   A task is a run of consecutive elements (see `CHUNK`), worked on in
@@ -71,8 +75,7 @@ def worker_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
     del done
 
 
-def call_work(work_fn: Callable, element: Any, seed: int,
-              slot: tuple | None) -> Any:
+def call_work(work_fn: Callable, element: Any, seed: int, slot: tuple | None) -> Any:
   """work_fn(element, seed), and the row to write into as a third argument
   when the slot hands one out (see `batch_placement.Placement.slot`)."""
   out = None if slot is None else slot[4]

@@ -24,8 +24,7 @@ class FilterNode(Node):
 
   def __init__(self, parent: Node, predicate: Callable):
     super().__init__([parent])
-    self.predicate = parallel.check_callable(predicate, self.op_name,
-                                             "predicate")
+    self.predicate = parallel.check_callable(predicate, self.op_name, "predicate")
 
   def make_iterator(self) -> "FilterIterator":
     return FilterIterator(self.parents[0].make_iterator(), self.predicate)
@@ -44,16 +43,17 @@ def predicate_result(predicate: Callable, result: Any, op_name: str) -> bool:
   if type(result) is np.bool_:
     return bool(result)
   dtype = getattr(result, "dtype", None)
-  if dtype is not None and getattr(result, "shape", None) == () and (
-      dtype == np.bool_):
+  if dtype is not None and getattr(result, "shape", None) == () and (dtype == np.bool_):
     return bool(result)
   raise TypeError(
-      f"{op_name}: predicate {callable_path(predicate)} must return a bool "
-      f"scalar (Python bool, numpy bool or 0-d bool array), got "
-      f"{type(result).__name__}"
-      + (f" with dtype {dtype} and shape {getattr(result, 'shape', None)}"
-         if dtype is not None else "")
-      + f": {_short(result)}.")
+    f"{op_name}: predicate {callable_path(predicate)} must return a bool "
+    f"scalar (Python bool, numpy bool or 0-d bool array), got "
+    f"{type(result).__name__}"
+    + (
+      f" with dtype {dtype} and shape {getattr(result, 'shape', None)}" if dtype is not None else ""
+    )
+    + f": {_short(result)}."
+  )
 
 
 def _short(value: Any, limit: int = 80) -> str:

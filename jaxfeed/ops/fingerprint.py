@@ -57,10 +57,22 @@ _PYTHON = f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python code
 # Class attributes that say nothing about behaviour, or that hold
 # interpreter bookkeeping objects whose content cannot be hashed.
-_SKIPPED_CLASS_ATTRS = frozenset({
-    "__dict__", "__weakref__", "__module__", "__qualname__", "__doc__",
-    "__annotations__", "__dataclass_fields__", "__dataclass_params__",
-    "__parameters__", "__orig_bases__", "__abstractmethods__", "_abc_impl"})
+_SKIPPED_CLASS_ATTRS = frozenset(
+  {
+    "__dict__",
+    "__weakref__",
+    "__module__",
+    "__qualname__",
+    "__doc__",
+    "__annotations__",
+    "__dataclass_fields__",
+    "__dataclass_params__",
+    "__parameters__",
+    "__orig_bases__",
+    "__abstractmethods__",
+    "_abc_impl",
+  }
+)
 
 
 class Fingerprint(str):
@@ -81,8 +93,7 @@ def digest(value: Any) -> str:
   return hasher.hexdigest()
 
 
-def node_fingerprint(op_name: str, params: dict,
-                     parent_fingerprints: Sequence[str]) -> Fingerprint:
+def node_fingerprint(op_name: str, params: dict, parent_fingerprints: Sequence[str]) -> Fingerprint:
   """The fingerprint of a graph node from its op, params and parents."""
   hasher = _Hasher()
   hasher.put(b"node", op_name.encode())
@@ -162,8 +173,7 @@ class _Hasher:
       self._set(b"frozenset", v, static)
     elif isinstance(v, types.CodeType):
       self._code(v)
-    elif isinstance(v, (types.FunctionType, type, types.ModuleType,
-                        types.BuiltinFunctionType)):
+    elif isinstance(v, (types.FunctionType, type, types.ModuleType, types.BuiltinFunctionType)):
       self._code_object(v, static)
     elif isinstance(v, _node_class):
       self.graph(v.fingerprint())
@@ -277,8 +287,9 @@ class _Hasher:
       self.put(b"module", f"{v.__name__}=={_version(v.__name__)}".encode())
       return
     path = _import_path(v)
-    if path is not None and (_is_installed(path[0]) or not isinstance(
-        v, (types.FunctionType, type))):
+    if path is not None and (
+      _is_installed(path[0]) or not isinstance(v, (types.FunctionType, type))
+    ):
       self.put(b"named", f"{path[0]}:{path[1]}=={_version(path[0])}".encode())
       wrapped = getattr(v, "__wrapped__", None)  # e.g. a jitted function
       if wrapped is not None and not _is_installed(path[0]):
@@ -301,8 +312,8 @@ class _Hasher:
       return
     module = sys.modules.get(fn.__module__)
     globals_are_module_state = (
-        module is not None and fn.__module__ != "__main__"
-        and fn.__globals__ is vars(module))
+      module is not None and fn.__module__ != "__main__" and fn.__globals__ is vars(module)
+    )
     state_is_module_state = module_state and fn.__module__ != "__main__"
     self.put(b"function")
     self._code(fn.__code__)
@@ -310,8 +321,7 @@ class _Hasher:
     # they are walked even where their values are module state.
     self._items(b"defaults", fn.__defaults__ or (), state_is_module_state)
     kwdefaults = sorted((fn.__kwdefaults__ or {}).items())
-    self._items(b"kwdefaults", (x for kv in kwdefaults for x in kv),
-                state_is_module_state)
+    self._items(b"kwdefaults", (x for kv in kwdefaults for x in kv), state_is_module_state)
     cells = fn.__closure__ or ()
     self.put(b"cells", str(len(cells)).encode())
     for cell in cells:
@@ -332,30 +342,39 @@ class _Hasher:
     # File names and line numbers are left out: the same code installed in
     # another folder computes the same.
     self.put(b"code", _PYTHON.encode())
-    self.put(b"layout", repr((code.co_argcount, code.co_posonlyargcount,
-                              code.co_kwonlyargcount, code.co_nlocals,
-                              code.co_flags)).encode())
+    self.put(
+      b"layout",
+      repr(
+        (
+          code.co_argcount,
+          code.co_posonlyargcount,
+          code.co_kwonlyargcount,
+          code.co_nlocals,
+          code.co_flags,
+        )
+      ).encode(),
+    )
     self.put(b"bytecode", code.co_code)
     self.put(b"exceptions", getattr(code, "co_exceptiontable", b""))
-    for names in (code.co_names, code.co_varnames, code.co_freevars,
-                  code.co_cellvars):
+    for names in (code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars):
       self.put(b"names", "\0".join(names).encode())
     self._items(b"consts", code.co_consts, static=True)
 
   def _class(self, cls: type) -> None:
     path = _import_path(cls)
     if (path is not None and _is_installed(path[0])) or not (
-        cls.__flags__ & _HEAPTYPE):  # installed, or a C type
-      self.put(b"class", f"{cls.__module__}:{cls.__qualname__}=="
-               f"{_version(cls.__module__)}".encode())
+      cls.__flags__ & _HEAPTYPE
+    ):  # installed, or a C type
+      self.put(
+        b"class", f"{cls.__module__}:{cls.__qualname__}=={_version(cls.__module__)}".encode()
+      )
       return
     if not self._first_visit(cls):
       return
     self.put(b"class", cls.__qualname__.encode())
     self._items(b"bases", cls.__bases__, static=True)
     # Class attributes are state set up by the class's code, like globals.
-    members = sorted((k, v) for k, v in vars(cls).items()
-                     if k not in _SKIPPED_CLASS_ATTRS)
+    members = sorted((k, v) for k, v in vars(cls).items() if k not in _SKIPPED_CLASS_ATTRS)
     self._items(b"members", (x for kv in members for x in kv), static=True)
 
 
@@ -401,8 +420,7 @@ def _import_path(obj: Any) -> tuple[str, str] | None:
 @functools.cache
 def _installed_roots() -> tuple[str, ...]:
   paths = sysconfig.get_paths()
-  roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")
-           if k in paths}
+  roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
   roots.update(getattr(site, "getsitepackages", list)())
   if site.ENABLE_USER_SITE:
     roots.add(site.getusersitepackages())

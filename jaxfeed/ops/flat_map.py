@@ -33,6 +33,11 @@ class FlatMapNode(base.Node):
 
   def make_iterator(self) -> interleave.InterleaveIterator:
     return interleave.InterleaveIterator(
-        self.parents[0].make_iterator(), self.fn, cycle_length=1,
-        block_length=1, num_threads=None, deterministic=True,
-        op_name=self.op_name)
+      self.parents[0].make_iterator(),
+      self.fn,
+      cycle_length=1,
+      block_length=1,
+      num_threads=None,
+      deterministic=True,
+      op_name=self.op_name,
+    )

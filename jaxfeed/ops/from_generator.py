@@ -34,8 +34,13 @@ class GeneratorNode(Node):
 
   op_name = _OP
 
-  def __init__(self, generator: Callable, output_signature: Any = None,
-               args: Sequence[Any] | None = None, skip: Callable | None = None):
+  def __init__(
+    self,
+    generator: Callable,
+    output_signature: Any = None,
+    args: Sequence[Any] | None = None,
+    skip: Callable | None = None,
+  ):
     super().__init__([])
     self.generator = parallel.check_callable(generator, _OP)
     self.skip = None if skip is None else parallel.check_callable(skip, _OP)
@@ -47,8 +52,12 @@ class GeneratorNode(Node):
       self._dtypes = None
 
   def spec_params(self) -> dict:
-    return {"generator": self.generator, "output_signature": self.output_signature,
-            "args": self.args, "skip": self.skip}
+    return {
+      "generator": self.generator,
+      "output_signature": self.output_signature,
+      "args": self.args,
+      "skip": self.skip,
+    }
 
   def make_iterator(self) -> "GeneratorIterator":
     return GeneratorIterator(self)
@@ -72,8 +81,9 @@ class GeneratorIterator(OpIterator):
       return tree.unflatten(element, [np.asarray(x)[()] for x in leaves])
     if len(dtypes) != len(leaves):
       raise ValueError(
-          f"{_OP}: the generator yielded {tree.structure_str(element)}, which "
-          f"does not match output_signature {self._node.output_signature!r:.200}.")
+        f"{_OP}: the generator yielded {tree.structure_str(element)}, which "
+        f"does not match output_signature {self._node.output_signature!r:.200}."
+      )
     return tree.unflatten(element, [np.asarray(x, d)[()] for x, d in zip(leaves, dtypes)])
 
   def __next__(self) -> Any:
@@ -98,7 +108,8 @@ class GeneratorIterator(OpIterator):
           next(self._iterator)
         except StopIteration:
           raise PipelineStateError(
-              f"Cannot restore op {_OP!r}: the generator ended after {done} "
-              f"elements, but the state was saved after {count}; it yields "
-              "something else now.") from None
+            f"Cannot restore op {_OP!r}: the generator ended after {done} "
+            f"elements, but the state was saved after {count}; it yields "
+            "something else now."
+          ) from None
     self._count = count

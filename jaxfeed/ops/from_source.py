@@ -7,8 +7,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxfeed.ops import stacking
-from jaxfeed.ops.base import (IterationCounter, Node, OpIterator,
-                              PipelineStateError, state_int)
+from jaxfeed.ops.base import IterationCounter, Node, OpIterator, PipelineStateError, state_int
 from jaxfeed.ops.state_identity import check_identity, pipeline_identity
 from jaxfeed.resharded_sampler import RESHARD_STATE_VERSION, ReshardedSampler
 from jaxfeed.sampler import IndexSampler, ShardOptions
@@ -22,6 +21,7 @@ def records_reader(source: Any) -> Callable[[np.ndarray], Sequence]:
     return get_many
   return lambda indices: [source[i] for i in np.asarray(indices).tolist()]
 
+
 class _Failed:
   """Stands for a record whose read raised: the error is raised when the
   pipeline reaches it, so the records before it arrive and those after it can
@@ -33,8 +33,7 @@ class _Failed:
     self.error = error
 
 
-def _read_each(read_many: Callable[[np.ndarray], Sequence],
-               indices: np.ndarray) -> list:
+def _read_each(read_many: Callable[[np.ndarray], Sequence], indices: np.ndarray) -> list:
   """The records at `indices` read one at a time, a `_Failed` for each that
   raises."""
   records: list = []
@@ -74,29 +73,30 @@ class SourceNode(Node):
     super().__init__()
     if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
       raise TypeError(
-          f"{_OP}: source must be a random-access source with __len__ and "
-          f"__getitem__ (e.g. jaxfeed.ArraySource), got "
-          f"{type(source).__name__}.")
+        f"{_OP}: source must be a random-access source with __len__ and "
+        f"__getitem__ (e.g. jaxfeed.ArraySource), got "
+        f"{type(source).__name__}."
+      )
     num_records = len(source)
     if sampler is None:
       sampler = IndexSampler(num_records)
-    elif not all(hasattr(sampler, a)
-                 for a in ("get_many", "num_records", "num_positions")):
+    elif not all(hasattr(sampler, a) for a in ("get_many", "num_records", "num_positions")):
       raise TypeError(
-          f"{_OP}: sampler must be a jaxfeed.IndexSampler (or provide "
-          f"get_many, num_records and num_positions), got "
-          f"{type(sampler).__name__}.")
+        f"{_OP}: sampler must be a jaxfeed.IndexSampler (or provide "
+        f"get_many, num_records and num_positions), got "
+        f"{type(sampler).__name__}."
+      )
     if sampler.num_records != num_records:
       raise ValueError(
-          f"{_OP}: the sampler indexes {sampler.num_records} records but the "
-          f"source {type(source).__name__} holds {num_records}; build the "
-          f"sampler with num_records=len(source).")
+        f"{_OP}: the sampler indexes {sampler.num_records} records but the "
+        f"source {type(source).__name__} holds {num_records}; build the "
+        f"sampler with num_records=len(source)."
+      )
     self.source = source
     self.sampler = sampler
     for_iteration = getattr(sampler, "for_iteration", None)
     # Whether iterations read different data (a reshuffling sampler).
-    self.iterates_anew = (callable(for_iteration)
-                          and for_iteration(1) is not sampler)
+    self.iterates_anew = callable(for_iteration) and for_iteration(1) is not sampler
     self.iterations = IterationCounter()
     self._identity: dict | None = None
 
@@ -119,8 +119,7 @@ class SourceNode(Node):
     return self._identity
 
   def make_iterator(self) -> "SourceIterator":
-    return SourceIterator(self.source, self.sampler,
-                          iteration=self.iterations.current, node=self)
+    return SourceIterator(self.source, self.sampler, iteration=self.iterations.current, node=self)
 
   # Index addressing (see jaxfeed.ops.index_ranges): the sampler's positions.
   # Iteration i of a reshuffling sampler (P positions each) has the positions
@@ -142,11 +141,11 @@ class SourceNode(Node):
       stop -= iteration * per_iteration
       if stop > per_iteration:
         raise ValueError(
-            f"{_OP}: positions [{start}, {stop}) of iteration {iteration} "
-            f"run past its {per_iteration} positions; a range reads within "
-            "one iteration.")
-    return SourceIterator(self.source, self.sampler, start, stop,
-                          iteration=iteration, node=self)
+          f"{_OP}: positions [{start}, {stop}) of iteration {iteration} "
+          f"run past its {per_iteration} positions; a range reads within "
+          "one iteration."
+        )
+    return SourceIterator(self.source, self.sampler, start, stop, iteration=iteration, node=self)
 
   def iteration_span(self, own_state: dict) -> tuple[int, int | None] | None:
     """For an own state of this node's iterator: the index position it reads
@@ -186,9 +185,16 @@ class SourceIterator(OpIterator):
 
   op_name = _OP
 
-  def __init__(self, source: Any, sampler: IndexSampler, first: int = 0,
-               stop: int | None = None, *, iteration: int = 0,
-               node: SourceNode | None = None):
+  def __init__(
+    self,
+    source: Any,
+    sampler: IndexSampler,
+    first: int = 0,
+    stop: int | None = None,
+    *,
+    iteration: int = 0,
+    node: SourceNode | None = None,
+  ):
     super().__init__()
     self._source = source
     self._node = node
@@ -243,8 +249,9 @@ class SourceIterator(OpIterator):
       records = _read_each(self._read_many, record_indices)
     if len(records) != count:
       raise RuntimeError(
-          f"{_OP}: {type(self._source).__name__}.get_many returned "
-          f"{len(records)} records for {count} indices.")
+        f"{_OP}: {type(self._source).__name__}.get_many returned "
+        f"{len(records)} records for {count} indices."
+      )
     self._buffer_start, self._buffered, self._offset = start, count, 0
     self._records, self._seeds = records, seeds
     self._chunk = min(2 * self._chunk, _MAX_CHUNK)
@@ -260,11 +267,14 @@ class SourceIterator(OpIterator):
       if end is not None:
         size = min(size, end - start)
       _, self._block_indices, self._block_seeds = self._sampler.get_many(
-          np.arange(start, start + size, dtype=np.int64))
+        np.arange(start, start + size, dtype=np.int64)
+      )
       self._block_start, offset = start, 0
       self._block = min(4 * self._block, _MAX_BLOCK)
-    return (self._block_indices[offset:offset + count],
-            self._block_seeds[offset:offset + count])
+    return (
+      self._block_indices[offset : offset + count],
+      self._block_seeds[offset : offset + count],
+    )
 
   def next_batch(self, max_count: int) -> tuple[Any, np.ndarray]:
     """The next `k <= max_count` records stacked, and their seeds.
@@ -328,8 +338,7 @@ class SourceIterator(OpIterator):
   def skip_elements(self, count: int) -> int:
     """Skips up to `count` elements without reading them; returns how many."""
     position = self.position
-    end = position + count if self._end is None else min(position + count,
-                                                         self._end)
+    end = position + count if self._end is None else min(position + count, self._end)
     skipped = max(0, end - position)
     self._seek(position + skipped)
     return skipped
@@ -377,17 +386,19 @@ class SourceIterator(OpIterator):
     resharded = state.get("resharded")
     mixture = state.get("mixture")
     if self._node is not None:
-      check_identity(state.get("identity"), self._node.identity, _OP,
-                     resharded=resharded is not None)
+      check_identity(
+        state.get("identity"), self._node.identity, _OP, resharded=resharded is not None
+      )
     iteration = 0
     if "iteration" in state:
       iteration = state_int(state, "iteration", _OP, 1)
       if self._node is not None and not self._node.iterates_anew:
         raise PipelineStateError(
-            f"Cannot restore op {_OP!r}: the state is in iteration "
-            f"{iteration} of a sampler that reshuffles each iteration, but "
-            f"this pipeline's {self._node_sampler!r} reads the same order "
-            f"every iteration.")
+          f"Cannot restore op {_OP!r}: the state is in iteration "
+          f"{iteration} of a sampler that reshuffles each iteration, but "
+          f"this pipeline's {self._node_sampler!r} reads the same order "
+          f"every iteration."
+        )
     if iteration != self._iteration:
       self._iteration = iteration
       self._base_sampler = _for_iteration(self._node_sampler, iteration)
@@ -400,8 +411,9 @@ class SourceIterator(OpIterator):
     if mixture is not None:
       if not hasattr(sampler, "restored"):
         raise ValueError(
-            f"{_OP}: the state was saved by a mixture (Dataset.mix) but this "
-            f"pipeline reads a {type(sampler).__name__}.")
+          f"{_OP}: the state was saved by a mixture (Dataset.mix) but this "
+          f"pipeline reads a {type(sampler).__name__}."
+        )
       sampler = sampler.restored(mixture)
     if resharded is not None:
       sampler = _resharded_sampler(sampler, resharded)
@@ -438,19 +450,23 @@ def _resharded_sampler(base: Any, resharded: Any) -> ReshardedSampler:
   """The sampler a resharded state (see `reshard_states`) describes."""
   if not isinstance(base, IndexSampler) and not hasattr(base, "reshard"):
     raise ValueError(
-        f"{_OP}: a state saved with another number of processes can only be "
-        f"restored with an IndexSampler or a mixture of them, got "
-        f"{type(base).__name__}.")
+      f"{_OP}: a state saved with another number of processes can only be "
+      f"restored with an IndexSampler or a mixture of them, got "
+      f"{type(base).__name__}."
+    )
   keys = {"version", "shard_count", "positions"}
-  if (not isinstance(resharded, dict) or not (
-      (resharded.get("version") == 1 and set(resharded) == keys)
-      or (resharded.get("version") == RESHARD_STATE_VERSION and (
-          set(resharded) == keys | {"unread"}
-          or set(resharded) == keys | {"pending"})))):
+  if not isinstance(resharded, dict) or not (
+    (resharded.get("version") == 1 and set(resharded) == keys)
+    or (
+      resharded.get("version") == RESHARD_STATE_VERSION
+      and (set(resharded) == keys | {"unread"} or set(resharded) == keys | {"pending"})
+    )
+  ):
     raise ValueError(
-        f"{_OP}: 'resharded' state must be a dict with keys 'version' "
-        f"(= {RESHARD_STATE_VERSION}), 'shard_count', 'positions' and "
-        f"'unread' or 'pending', got {str(resharded):.200}.")
+      f"{_OP}: 'resharded' state must be a dict with keys 'version' "
+      f"(= {RESHARD_STATE_VERSION}), 'shard_count', 'positions' and "
+      f"'unread' or 'pending', got {str(resharded):.200}."
+    )
   count, positions = resharded["shard_count"], resharded["positions"]
   unread = resharded.get("unread")
   if "pending" in resharded:
@@ -460,18 +476,23 @@ def _resharded_sampler(base: Any, resharded: Any) -> ReshardedSampler:
   return base.reshard(count, positions, unread)
 
 
-def _unread_positions(base: Any, count: Any, positions: Any,
-                      pending: Any) -> list[list[int]]:
+def _unread_positions(base: Any, count: Any, positions: Any, pending: Any) -> list[list[int]]:
   """Per old shard, its positions whose records an op (`pack`) held but had
   not emitted: those in `[pending[h]["from"], positions[h])` whose seed is in
   `pending[h]["seeds"]`."""
-  if (not isinstance(pending, list) or not isinstance(positions, list)
-      or len(pending) != len(positions) or not all(
-          isinstance(p, dict) and set(p) == {"from", "seeds"}
-          and isinstance(p["seeds"], list) for p in pending)):
+  if (
+    not isinstance(pending, list)
+    or not isinstance(positions, list)
+    or len(pending) != len(positions)
+    or not all(
+      isinstance(p, dict) and set(p) == {"from", "seeds"} and isinstance(p["seeds"], list)
+      for p in pending
+    )
+  ):
     raise ValueError(
-        f"{_OP}: 'pending' must hold one {{'from', 'seeds'}} dict per old "
-        f"process, got {str(pending):.200}.")
+      f"{_OP}: 'pending' must hold one {{'from', 'seeds'}} dict per old "
+      f"process, got {str(pending):.200}."
+    )
   unread = []
   drop = base.shard_options.drop_remainder
   for h, (stop, entry) in enumerate(zip(positions, pending)):
@@ -480,15 +501,15 @@ def _unread_positions(base: Any, count: Any, positions: Any,
       unread.append([])
       continue
     start = state_int(entry, "from", _OP, 0, stop)
-    old_shard = type(base)(**{**base.spec_params(), "shard_options":
-                              ShardOptions(h, count, drop)})
+    old_shard = type(base)(**{**base.spec_params(), "shard_options": ShardOptions(h, count, drop)})
     window = np.arange(start, stop, dtype=np.int64)
     _, _, seeds = old_shard.get_many(window)
     found = np.isin(seeds, wanted)
     if int(found.sum()) != np.unique(wanted).size:
       raise PipelineStateError(
-          f"Cannot restore op {_OP!r}: {np.unique(wanted).size} records held "
-          f"by process {h} of {count} are not all among its positions "
-          f"[{start}, {stop}); the state belongs to other data.")
+        f"Cannot restore op {_OP!r}: {np.unique(wanted).size} records held "
+        f"by process {h} of {count} are not all among its positions "
+        f"[{start}, {stop}); the state belongs to other data."
+      )
     unread.append(window[found].tolist())
   return unread

@@ -39,35 +39,35 @@ def _holds_numpy_dtype(value: Any) -> bool:
 def _to_array(leaf: Any, path: str) -> np.ndarray:
   """Converts one component to a read-only array with tf.data's dtype rules."""
   # Other array-likes (jax, tf) keep their dtype through np.asarray.
-  python_values = isinstance(leaf, (list, int, float)) and (
-      not _holds_numpy_dtype(leaf))
+  python_values = isinstance(leaf, (list, int, float)) and (not _holds_numpy_dtype(leaf))
   try:
     array = np.asarray(leaf)
   except (ValueError, OverflowError) as e:
     raise ValueError(
-        f"{_OP}: component {path!r} cannot be converted to an array "
-        f"(non-rectangular nested lists or out-of-range integers?): {e}") from e
-  if array.dtype == object and not all(
-      isinstance(v, (str, bytes)) for v in array.flat):
+      f"{_OP}: component {path!r} cannot be converted to an array "
+      f"(non-rectangular nested lists or out-of-range integers?): {e}"
+    ) from e
+  if array.dtype == object and not all(isinstance(v, (str, bytes)) for v in array.flat):
     raise ValueError(
-        f"{_OP}: component {path!r} must be numeric, boolean or string data; "
-        f"got values of types "
-        f"{sorted({type(v).__name__ for v in array.flat})}.")
+      f"{_OP}: component {path!r} must be numeric, boolean or string data; "
+      f"got values of types "
+      f"{sorted({type(v).__name__ for v in array.flat})}."
+    )
   if python_values:
     if array.dtype.kind in "iu":
-      fits = array.size == 0 or (
-          array.min() >= _INT32.min and array.max() <= _INT32.max)
+      fits = array.size == 0 or (array.min() >= _INT32.min and array.max() <= _INT32.max)
       array = array.astype(np.int32 if fits else np.int64)
     elif array.dtype.kind == "f":
       array = array.astype(np.float32)
   if array.dtype.kind in "USO":
     # tf.data yields strings as `bytes`.
-    array = np.array([v.encode() if isinstance(v, str) else bytes(v)
-                      for v in array.flat], dtype=object).reshape(array.shape)
+    array = np.array(
+      [v.encode() if isinstance(v, str) else bytes(v) for v in array.flat], dtype=object
+    ).reshape(array.shape)
   if array.ndim == 0:
     raise ValueError(
-        f"{_OP}: slicing needs components of rank >= 1, but component "
-        f"{path!r} is a scalar: {leaf!r}.")
+      f"{_OP}: slicing needs components of rank >= 1, but component {path!r} is a scalar: {leaf!r}."
+    )
   # A view, so the caller's array keeps its own flags; read-only, because
   # yielded slices share its memory.
   array = array.view()
@@ -75,16 +75,13 @@ def _to_array(leaf: Any, path: str) -> np.ndarray:
   return array
 
 
-def _compile(value: Any, path: str,
-             leaves: list[tuple[str, np.ndarray]]) -> Callable[[int], Any]:
+def _compile(value: Any, path: str, leaves: list[tuple[str, np.ndarray]]) -> Callable[[int], Any]:
   """Converts the leaves of `value` and returns a builder of element i."""
   if isinstance(value, Mapping):
-    items = [(k, _compile(v, f"{path}/{k}" if path else str(k), leaves))
-             for k, v in value.items()]
+    items = [(k, _compile(v, f"{path}/{k}" if path else str(k), leaves)) for k, v in value.items()]
     return lambda i: {k: build(i) for k, build in items}
   if isinstance(value, tuple):
-    builders = [_compile(v, f"{path}/{n}" if path else str(n), leaves)
-                for n, v in enumerate(value)]
+    builders = [_compile(v, f"{path}/{n}" if path else str(n), leaves) for n, v in enumerate(value)]
     if hasattr(value, "_fields"):  # namedtuple
       cls = type(value)
       return lambda i: cls(*[build(i) for build in builders])
@@ -106,14 +103,14 @@ class TensorSlicesNode(Node):
     self._build = _compile(tensors, "", leaves)
     if not leaves:
       raise ValueError(
-          f"{_OP}: tensors must hold at least one array, got the empty "
-          f"structure {tensors!r}.")
+        f"{_OP}: tensors must hold at least one array, got the empty structure {tensors!r}."
+      )
     sizes = {path: array.shape[0] for path, array in leaves}
     if len(set(sizes.values())) > 1:
       listed = ", ".join(f"{path!r}: {size}" for path, size in sizes.items())
       raise ValueError(
-          f"{_OP}: all components must have the same size in dimension 0, "
-          f"got {listed}.")
+        f"{_OP}: all components must have the same size in dimension 0, got {listed}."
+      )
     self._length = leaves[0][1].shape[0]
 
   def spec_params(self) -> dict:
@@ -177,14 +174,11 @@ class TensorSlicesIterator(OpIterator):
       raise StopIteration
     # The element builder indexes every component; with a slice it builds
     # the components' rows, which `as_batch` copies into the batch layout.
-    batch = stacking.as_batch(self._build(slice(index, index + count)),
-                              copy=True)
+    batch = stacking.as_batch(self._build(slice(index, index + count)), copy=True)
     if batch is None:
-      batch = stacking.stack(
-          [self._build(i) for i in range(index, index + count)], "batch")
+      batch = stacking.stack([self._build(i) for i in range(index, index + count)], "batch")
     self._index = index + count
-    return batch, mix_seeds(0, 0, np.arange(index, index + count,
-                                            dtype=np.int64))
+    return batch, mix_seeds(0, 0, np.arange(index, index + count, dtype=np.int64))
 
   @property
   def last_seed(self) -> int:

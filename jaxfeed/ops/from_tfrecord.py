@@ -37,9 +37,7 @@ def _paths(paths: Any) -> list[str]:
   try:
     paths = [os.fspath(p) for p in paths]
   except TypeError:
-    raise TypeError(
-        f"{_OP}: paths must be a path or a sequence of paths, got "
-        f"{paths!r}.") from None
+    raise TypeError(f"{_OP}: paths must be a path or a sequence of paths, got {paths!r}.") from None
   if not paths:
     raise ValueError(f"{_OP}: paths is empty; give at least one file.")
   return paths
@@ -56,20 +54,21 @@ class TFRecordNode(Node):
 
   op_name = _OP
 
-  def __init__(self, paths: Any, compression_type: str | None = None,
-               verify_crc: bool = True):
+  def __init__(self, paths: Any, compression_type: str | None = None, verify_crc: bool = True):
     super().__init__()
     self.paths = _paths(paths)
     self.wbits = compression_wbits(compression_type, _OP)
     self.compression_type = compression_type or None
     if not isinstance(verify_crc, bool):
-      raise TypeError(f"{_OP}: verify_crc must be a bool, got "
-                      f"{verify_crc!r}.")
+      raise TypeError(f"{_OP}: verify_crc must be a bool, got {verify_crc!r}.")
     self.verify_crc = verify_crc
 
   def spec_params(self) -> dict:
-    return {"paths": self.paths, "compression_type": self.compression_type,
-            "verify_crc": self.verify_crc}
+    return {
+      "paths": self.paths,
+      "compression_type": self.compression_type,
+      "verify_crc": self.verify_crc,
+    }
 
   def cardinality(self) -> int | None:
     return None  # unknown without reading every file
@@ -91,8 +90,7 @@ class TFRecordNode(Node):
     return TFRecordIterator(self, start, min(stop, len(self.paths)))
 
   def __repr__(self) -> str:
-    return (f"TFRecordNode({len(self.paths)} files, "
-            f"compression_type={self.compression_type!r})")
+    return f"TFRecordNode({len(self.paths)} files, compression_type={self.compression_type!r})"
 
 
 class TFRecordIterator(OpIterator):
@@ -118,8 +116,8 @@ class TFRecordIterator(OpIterator):
       handle = epath.Path(path).open("rb")
     except FileNotFoundError:
       raise FileNotFoundError(
-          f"{_OP}: file {self._file} of {len(self._node.paths)}, {path!r}, "
-          "does not exist.") from None
+        f"{_OP}: file {self._file} of {len(self._node.paths)}, {path!r}, does not exist."
+      ) from None
     stream = RecordStream(handle, self._node.wbits, path)
     if self._offset or self._position:
       try:
@@ -147,10 +145,8 @@ class TFRecordIterator(OpIterator):
       # Damage ended this file: a restore goes on with the next one.
       return {"file": self._file + 1, "offset": 0, "record": 0}
     if self._stream is not None:
-      self._offset, self._position = (self._stream.offset,
-                                      self._stream.position)
-    return {"file": self._file, "offset": self._offset,
-            "record": self._position}
+      self._offset, self._position = (self._stream.offset, self._stream.position)
+    return {"file": self._file, "offset": self._offset, "record": self._position}
 
   def _set_own_state(self, state: dict) -> None:
     files = self._stop
@@ -159,8 +155,9 @@ class TFRecordIterator(OpIterator):
     position = state_int(state, "record", _OP, 0)
     if file == files and (offset or position):
       raise PipelineStateError(
-          f"Cannot restore op {_OP!r}: the state is past the last of the "
-          f"{files} files, got {state!r}.")
+        f"Cannot restore op {_OP!r}: the state is past the last of the "
+        f"{files} files, got {state!r}."
+      )
     self._close_own()
     self._file, self._offset, self._position = file, offset, position
 

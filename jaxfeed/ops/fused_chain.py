@@ -40,9 +40,10 @@ class FusedChain:
       node = node.parents[0]
     if node.op_name not in INPUT_OPS or not stages:
       raise ValueError(
-          f"{op_name}: fuses {' | '.join(INPUT_OPS)} -> "
-          f"({' | '.join(ELEMENT_OPS)})+ -> batch, got a chain from "
-          f"{node.op_name!r}.")
+        f"{op_name}: fuses {' | '.join(INPUT_OPS)} -> "
+        f"({' | '.join(ELEMENT_OPS)})+ -> batch, got a chain from "
+        f"{node.op_name!r}."
+      )
     self.input = node
     self.stage_nodes = stages[::-1]
     self.stages = [_stage_spec(n) for n in self.stage_nodes]
@@ -66,8 +67,12 @@ class FusedChain:
   def payload(self) -> tuple:
     """What chunk workers rebuild: the input as (type, params), the stages,
     the batch size and drop_remainder (see `chunk_runner.ChunkRunner`)."""
-    return ((type(self.input), self.input.spec_params()), self.stages,
-            self.batch_size, self.drop_remainder)
+    return (
+      (type(self.input), self.input.spec_params()),
+      self.stages,
+      self.batch_size,
+      self.drop_remainder,
+    )
 
   def num_positions(self) -> int | None:
     """The input's positions in one iteration (None: endless)."""

@@ -37,23 +37,25 @@ _INT64 = np.iinfo(np.int64)
 def _check_key(value: Any) -> int:
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value[()]
-  if (not isinstance(value, (int, np.integer))
-      or isinstance(value, (bool, np.bool_))
-      or not _INT64.min <= value <= _INT64.max):
+  if (
+    not isinstance(value, (int, np.integer))
+    or isinstance(value, (bool, np.bool_))
+    or not _INT64.min <= value <= _INT64.max
+  ):
     raise TypeError(
-        f"{_OP}: key_func must return an int64 scalar, got "
-        f"{type(value).__name__}: {value!r:.200}.")
+      f"{_OP}: key_func must return an int64 scalar, got {type(value).__name__}: {value!r:.200}."
+    )
   return int(value)
 
 
 def _check_window_size(value: Any, key: int) -> int:
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value[()]
-  if (not isinstance(value, (int, np.integer))
-      or isinstance(value, (bool, np.bool_)) or value <= 0):
+  if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value <= 0:
     raise ValueError(
-        f"{_OP}: window size must be an integer greater than zero, but "
-        f"window_size_func returned {value!r:.200} for key {key}.")
+      f"{_OP}: window size must be an integer greater than zero, but "
+      f"window_size_func returned {value!r:.200} for key {key}."
+    )
   return int(value)
 
 
@@ -100,8 +102,7 @@ class _WindowIterator(base.OpIterator):
     return {"pos": self._pos}
 
   def _set_own_state(self, state: dict) -> None:
-    self._pos = base.state_int(state, "pos", self.op_name,
-                               high=len(self._elements))
+    self._pos = base.state_int(state, "pos", self.op_name, high=len(self._elements))
 
 
 class GroupByWindowNode(base.Node):
@@ -118,27 +119,39 @@ class GroupByWindowNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, parent: base.Node, key_func: Callable,
-               reduce_func: Callable, window_size: int | None = None,
-               window_size_func: Callable | None = None):
+  def __init__(
+    self,
+    parent: base.Node,
+    key_func: Callable,
+    reduce_func: Callable,
+    window_size: int | None = None,
+    window_size_func: Callable | None = None,
+  ):
     super().__init__([base.to_node(parent, _OP, "input")])
     self.key_func = parallel.check_callable(key_func, _OP, "key_func")
     self.reduce_func = parallel.check_callable(reduce_func, _OP, "reduce_func")
     if (window_size is None) == (window_size_func is None):
       raise ValueError(
-          f"{_OP}: pass exactly one of window_size and window_size_func, got "
-          f"window_size={window_size!r} and "
-          f"window_size_func={window_size_func!r}.")
-    self.window_size = (None if window_size is None else
-                        base.check_positive_int(window_size, _OP, "window_size"))
+        f"{_OP}: pass exactly one of window_size and window_size_func, got "
+        f"window_size={window_size!r} and "
+        f"window_size_func={window_size_func!r}."
+      )
+    self.window_size = (
+      None if window_size is None else base.check_positive_int(window_size, _OP, "window_size")
+    )
     self.window_size_func = (
-        None if window_size_func is None else
-        parallel.check_callable(window_size_func, _OP, "window_size_func"))
+      None
+      if window_size_func is None
+      else parallel.check_callable(window_size_func, _OP, "window_size_func")
+    )
 
   def spec_params(self) -> dict:
-    return {"key_func": self.key_func, "reduce_func": self.reduce_func,
-            "window_size": self.window_size,
-            "window_size_func": self.window_size_func}
+    return {
+      "key_func": self.key_func,
+      "reduce_func": self.reduce_func,
+      "window_size": self.window_size,
+      "window_size_func": self.window_size_func,
+    }
 
   def cardinality(self) -> int | None:
     return 0 if self.parents[0].cardinality() == 0 else None
@@ -182,8 +195,7 @@ class GroupByWindowIterator(base.OpIterator):
     self._groups: dict[int, _Group] = {}
     self._window: _Window | None = None
     self._end_of_input = False
-    self._input = base.InputReplay(parent, _OP,
-                                   oldest_needed=self._oldest_buffered)
+    self._input = base.InputReplay(parent, _OP, oldest_needed=self._oldest_buffered)
 
   @property
   def last_seed(self) -> int:
@@ -249,54 +261,61 @@ class GroupByWindowIterator(base.OpIterator):
     first = self._oldest_buffered()
     window = self._window
     return {
-        "input": self._input.get_state(first),
-        "first": first,
-        "groups": [[key, len(g.elements), g.window_size]
-                   for key, g in sorted(self._groups.items())],
-        "window": None if window is None else {
-            "key": window.key, "count": len(window.group.elements),
-            "window_size": window.group.window_size,
-            "reduced": window.iterator.get_state()},
-        "end_of_input": self._end_of_input,
+      "input": self._input.get_state(first),
+      "first": first,
+      "groups": [[key, len(g.elements), g.window_size] for key, g in sorted(self._groups.items())],
+      "window": None
+      if window is None
+      else {
+        "key": window.key,
+        "count": len(window.group.elements),
+        "window_size": window.group.window_size,
+        "reduced": window.iterator.get_state(),
+      },
+      "end_of_input": self._end_of_input,
     }
 
   def _set_own_state(self, state: dict) -> None:
     self._close_window()
     groups = state.get("groups") if isinstance(state, dict) else None
     window = state.get("window") if isinstance(state, dict) else None
-    if (not isinstance(groups, list)
-        or not all(isinstance(g, list) and len(g) == 3
-                   and all(isinstance(v, int) for v in g) and g[1] >= 1
-                   for g in groups)
-        or not (window is None or isinstance(window, dict))):
+    if (
+      not isinstance(groups, list)
+      or not all(
+        isinstance(g, list) and len(g) == 3 and all(isinstance(v, int) for v in g) and g[1] >= 1
+        for g in groups
+      )
+      or not (window is None or isinstance(window, dict))
+    ):
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: own state needs 'groups' as a list of "
-          f"[key, count, window_size] and 'window' as None or a dict, got "
-          f"{state!r:.300}.")
+        f"Cannot restore op {_OP!r}: own state needs 'groups' as a list of "
+        f"[key, count, window_size] and 'window' as None or a dict, got "
+        f"{state!r:.300}."
+      )
     counts = {key: (count, size) for key, count, size in groups}
     if window is not None:
       counts[base.state_int(window, "key", _OP, low=_INT64.min)] = (
-          base.state_int(window, "count", _OP, low=1),
-          base.state_int(window, "window_size", _OP, low=1))
+        base.state_int(window, "count", _OP, low=1),
+        base.state_int(window, "window_size", _OP, low=1),
+      )
     first = base.state_int(state, "first", _OP)
-    kept = {key: collections.deque(maxlen=count)
-            for key, (count, _) in counts.items()}
+    kept = {key: collections.deque(maxlen=count) for key, (count, _) in counts.items()}
 
     def consume(index: int, element: Any, seed: int) -> None:
       entries = kept.get(self._key_of(element))
       if entries is not None:
         entries.append((index, element, seed))
 
-    self._input.set_state(state.get("input"), first if counts else sys.maxsize,
-                          consume)
+    self._input.set_state(state.get("input"), first if counts else sys.maxsize, consume)
     rebuilt = {}
     for key, entries in kept.items():
       count, size = counts[key]
       if len(entries) != count:
         raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: key {key} should hold {count} "
-            f"elements but re-reading the input gave {len(entries)}; the "
-            f"state belongs to other data.")
+          f"Cannot restore op {_OP!r}: key {key} should hold {count} "
+          f"elements but re-reading the input gave {len(entries)}; the "
+          f"state belongs to other data."
+        )
       group = _Group(entries[0][0], size)
       group.elements = [e for _, e, _ in entries]
       group.seeds = [s for _, _, s in entries]

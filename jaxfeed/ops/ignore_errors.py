@@ -90,16 +90,16 @@ class IgnoreErrorsIterator(OpIterator):
         self._count(e)
         if in_a_row >= MAX_ERRORS_IN_A_ROW:
           raise RuntimeError(
-              f"{_OP}: the input raised {in_a_row} times in a row without "
-              "producing an element; it does not go on after errors.") from e
+            f"{_OP}: the input raised {in_a_row} times in a row without "
+            "producing an element; it does not go on after errors."
+          ) from e
 
   def _count(self, error: Exception) -> None:
     self.errors_ignored += 1
     if isinstance(error, CorruptRecordError) and error.damaged_bytes:
       self.damaged_bytes_skipped += error.damaged_bytes
     if self._log_warning:
-      logging.warning("%s: dropped an element: %s: %s", _OP,
-                      type(error).__name__, error)
+      logging.warning("%s: dropped an element: %s: %s", _OP, type(error).__name__, error)
 
   def _input_state(self) -> Any:
     try:
@@ -111,30 +111,37 @@ class IgnoreErrorsIterator(OpIterator):
     self._ended = True
     self.dead_ends += 1
     logging.warning(
-        "%s: the input raised the same error again without moving on, so it "
-        "cannot go on; ending it here (%d element(s) dropped so far): %s: %s",
-        _OP, self.errors_ignored, type(error).__name__, error)
+      "%s: the input raised the same error again without moving on, so it "
+      "cannot go on; ending it here (%d element(s) dropped so far): %s: %s",
+      _OP,
+      self.errors_ignored,
+      type(error).__name__,
+      error,
+    )
 
   def _stats_fields(self) -> dict:
-    return {"errors_ignored": self.errors_ignored,
-            "damaged_bytes_skipped": self.damaged_bytes_skipped,
-            "dead_ends": self.dead_ends}
+    return {
+      "errors_ignored": self.errors_ignored,
+      "damaged_bytes_skipped": self.damaged_bytes_skipped,
+      "dead_ends": self.dead_ends,
+    }
 
   def _get_own_state(self) -> dict:
-    return {"errors_ignored": self.errors_ignored,
-            "damaged_bytes_skipped": self.damaged_bytes_skipped,
-            "dead_ends": self.dead_ends, "ended": self._ended}
+    return {
+      "errors_ignored": self.errors_ignored,
+      "damaged_bytes_skipped": self.damaged_bytes_skipped,
+      "dead_ends": self.dead_ends,
+      "ended": self._ended,
+    }
 
   def _set_own_state(self, state: dict) -> None:
     self.errors_ignored = state_int(state, "errors_ignored", _OP)
     # States saved before these fields existed have none of them.
     self.damaged_bytes_skipped = (
-        state_int(state, "damaged_bytes_skipped", _OP)
-        if "damaged_bytes_skipped" in state else 0)
-    self.dead_ends = (state_int(state, "dead_ends", _OP)
-                      if "dead_ends" in state else 0)
+      state_int(state, "damaged_bytes_skipped", _OP) if "damaged_bytes_skipped" in state else 0
+    )
+    self.dead_ends = state_int(state, "dead_ends", _OP) if "dead_ends" in state else 0
     ended = state.get("ended", False)
     if not isinstance(ended, bool):
-      raise TypeError(f"{_OP}: the state's ended must be a bool, got "
-                      f"{ended!r}.")
+      raise TypeError(f"{_OP}: the state's ended must be a bool, got {ended!r}.")
     self._ended = ended

@@ -45,15 +45,28 @@ import numpy as np
 from jaxfeed.ops import base
 from jaxfeed.ops import stacking
 
-__all__ = ["ALLOWED", "NotIndexAddressableError", "RangesNode", "RangesIterator",
-           "is_index_addressable", "iteration_span", "num_positions",
-           "over_positions", "over_ranges", "own_state_at", "range_iterator",
-           "reads_files", "split_input"]
+__all__ = [
+  "ALLOWED",
+  "NotIndexAddressableError",
+  "RangesNode",
+  "RangesIterator",
+  "is_index_addressable",
+  "iteration_span",
+  "num_positions",
+  "over_positions",
+  "over_ranges",
+  "own_state_at",
+  "range_iterator",
+  "reads_files",
+  "split_input",
+]
 
 _OP = "ranges"
-ALLOWED = ("range, from_tensor_slices, from_source, from_tfrecord (its "
-           "files), or a concatenate / zip of such datasets with no other op "
-           "in between")
+ALLOWED = (
+  "range, from_tensor_slices, from_source, from_tfrecord (its "
+  "files), or a concatenate / zip of such datasets with no other op "
+  "in between"
+)
 # Ops that open a dataset per input element: their input's positions are
 # typically files (`from_tensor_slices(files).interleave(read)`).
 _PER_ELEMENT_DATASET_OPS = frozenset({"interleave", "flat_map"})
@@ -107,8 +120,7 @@ def own_state_at(node: base.Node, own_state: dict, position: int) -> dict:
   return {key: position}
 
 
-def _find_inputs(node: base.Node, path: tuple[str, ...], found: list,
-                 refused: list) -> None:
+def _find_inputs(node: base.Node, path: tuple[str, ...], found: list, refused: list) -> None:
   """Collects every addressable input on every path from `node` (a node read
   along two paths counts twice: each path would read it by itself)."""
   if len(found) + len(refused) > _MAX_LISTED:
@@ -149,22 +161,27 @@ def split_input(root: base.Node) -> base.Node:
     return found[0][0]
   problems = []
   if refused:
-    problems.append("it reads " + ", ".join(_describe(n, p) for n, p in refused) +
-                    ", which cannot be split")
-  if len(found) > 1:
-    count = (f"more than {_MAX_LISTED}" if len(found) + len(refused) > _MAX_LISTED
-             else str(len(found)))
     problems.append(
-        f"it reads {count} inputs separately (" +
-        ", ".join(_describe(n, p) for n, p in found) +
-        "): combine them with concatenate / zip before any other op")
+      "it reads " + ", ".join(_describe(n, p) for n, p in refused) + ", which cannot be split"
+    )
+  if len(found) > 1:
+    count = (
+      f"more than {_MAX_LISTED}" if len(found) + len(refused) > _MAX_LISTED else str(len(found))
+    )
+    problems.append(
+      f"it reads {count} inputs separately ("
+      + ", ".join(_describe(n, p) for n, p in found)
+      + "): combine them with concatenate / zip before any other op"
+    )
   raise NotIndexAddressableError(
-      "DYNAMIC sharding (processing_mode='distributed_epoch') splits the "
-      "positions of one index-addressable input of the pipeline, but "
-      + "; ".join(problems) + f". Index-addressable are: {ALLOWED}. Files "
-      "split as from_tfrecord([files]) or from_tensor_slices(files)"
-      ".interleave(read_one_file); otherwise use "
-      "processing_mode='parallel_epochs'.")
+    "DYNAMIC sharding (processing_mode='distributed_epoch') splits the "
+    "positions of one index-addressable input of the pipeline, but "
+    + "; ".join(problems)
+    + f". Index-addressable are: {ALLOWED}. Files "
+    "split as from_tfrecord([files]) or from_tensor_slices(files)"
+    ".interleave(read_one_file); otherwise use "
+    "processing_mode='parallel_epochs'."
+  )
 
 
 def _ops_between(root: base.Node, target: base.Node) -> set[str]:
@@ -207,8 +224,9 @@ def over_positions(root: base.Node, index: int, count: int) -> base.Node:
   total = num_positions(split_input(root))
   if total is None:
     raise NotIndexAddressableError(
-        "FILE sharding gives each worker its share of the pipeline's files, "
-        "but its split input is endless; use processing_mode='parallel_epochs'.")
+      "FILE sharding gives each worker its share of the pipeline's files, "
+      "but its split input is endless; use processing_mode='parallel_epochs'."
+    )
 
   def fetch() -> tuple[list[tuple[int, int]], bool]:
     return [(p, p + 1) for p in range(index, total, count)], True
@@ -230,8 +248,11 @@ def over_ranges(root: base.Node, fetch_ranges: FetchRanges) -> base.Node:
       return RangesNode(node, fetch_ranges)
     if id(node) not in memo:
       parents = tuple(rebuild(p) for p in node.parents)
-      memo[id(node)] = (node if all(a is b for a, b in zip(parents, node.parents))
-                        else type(node)(*parents, **node.spec_params()))
+      memo[id(node)] = (
+        node
+        if all(a is b for a, b in zip(parents, node.parents))
+        else type(node)(*parents, **node.spec_params())
+      )
     return memo[id(node)]
 
   return rebuild(root)
@@ -253,8 +274,8 @@ class RangesNode(base.Node):
     super().__init__([base.to_node(parent, _OP, "input")])
     if not is_index_addressable(self.parents[0]):
       raise NotIndexAddressableError(
-          f"{_OP}: the input {self.parents[0]!r} is not index-addressable; "
-          f"allowed: {ALLOWED}.")
+        f"{_OP}: the input {self.parents[0]!r} is not index-addressable; allowed: {ALLOWED}."
+      )
     self.fetch_ranges = fetch_ranges
 
   def spec_params(self) -> dict:
@@ -323,8 +344,9 @@ class RangesIterator(base.OpIterator):
   def _set_own_state(self, state: dict) -> None:
     if state.get("elements_read") != self._elements_read:
       raise base.PipelineStateError(
-          "A DYNAMIC service task cannot be restored to another position: its "
-          f"ranges come from the dispatcher (state {state}).")
+        "A DYNAMIC service task cannot be restored to another position: its "
+        f"ranges come from the dispatcher (state {state})."
+      )
 
   def _close_own(self) -> None:
     self._close_current()

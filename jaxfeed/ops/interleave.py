@@ -58,9 +58,9 @@ def default_cycle_length() -> int:
 
 
 def _check_cycle_length(value: Any, op_name: str) -> int | None:
-  if value is None or (isinstance(value, (int, np.integer))
-                       and not isinstance(value, bool)
-                       and value == base.AUTOTUNE):
+  if value is None or (
+    isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value == base.AUTOTUNE
+  ):
     return None
   return base.check_positive_int(value, op_name, "cycle_length")
 
@@ -81,40 +81,55 @@ class InterleaveNode(base.Node):
 
   op_name = "interleave"
 
-  def __init__(self, parent: base.Node, fn: Callable,
-               cycle_length: int | None = None, block_length: int = 1,
-               num_parallel_calls: int | None = None,
-               deterministic: bool = True):
+  def __init__(
+    self,
+    parent: base.Node,
+    fn: Callable,
+    cycle_length: int | None = None,
+    block_length: int = 1,
+    num_parallel_calls: int | None = None,
+    deterministic: bool = True,
+  ):
     super().__init__([base.to_node(parent, self.op_name, "input")])
     self.fn = parallel.check_callable(fn, self.op_name)
     self.cycle_length = _check_cycle_length(cycle_length, self.op_name)
-    self.block_length = base.check_positive_int(block_length, self.op_name,
-                                                "block_length")
-    self.num_parallel_calls = parallel.check_num_parallel_calls(
-        num_parallel_calls, self.op_name)
-    self.deterministic = parallel.check_deterministic(deterministic,
-                                                      self.op_name)
+    self.block_length = base.check_positive_int(block_length, self.op_name, "block_length")
+    self.num_parallel_calls = parallel.check_num_parallel_calls(num_parallel_calls, self.op_name)
+    self.deterministic = parallel.check_deterministic(deterministic, self.op_name)
 
   def spec_params(self) -> dict:
-    return {"fn": self.fn, "cycle_length": self.cycle_length,
-            "block_length": self.block_length,
-            "num_parallel_calls": self.num_parallel_calls,
-            "deterministic": self.deterministic}
+    return {
+      "fn": self.fn,
+      "cycle_length": self.cycle_length,
+      "block_length": self.block_length,
+      "num_parallel_calls": self.num_parallel_calls,
+      "deterministic": self.deterministic,
+    }
 
   def cardinality(self) -> int | None:
     return 0 if self.parents[0].cardinality() == 0 else None
 
   def make_iterator(self) -> "InterleaveIterator":
     cycle_length = self.cycle_length or default_cycle_length()
-    threads = (None if self.num_parallel_calls is None
-               else parallel.resolve_parallelism(self.num_parallel_calls))
-    return InterleaveIterator(self.parents[0].make_iterator(), self.fn,
-                              cycle_length, self.block_length, threads,
-                              self.deterministic, self.op_name)
+    threads = (
+      None
+      if self.num_parallel_calls is None
+      else parallel.resolve_parallelism(self.num_parallel_calls)
+    )
+    return InterleaveIterator(
+      self.parents[0].make_iterator(),
+      self.fn,
+      cycle_length,
+      self.block_length,
+      threads,
+      self.deterministic,
+      self.op_name,
+    )
 
 
-def _open_nested(fn: Callable, element: Any, op_name: str,
-                 state: Any, skip: int) -> base.OpIterator:
+def _open_nested(
+  fn: Callable, element: Any, op_name: str, state: Any, skip: int
+) -> base.OpIterator:
   """The nested iterator of an input element, restored to `state` + `skip`."""
   result = parallel.call_unpacked(fn, element)
   node = base.to_node(result, op_name, "the value returned by fn")
@@ -135,8 +150,7 @@ class _Slot:
   __slots__ = ("input_index", "input_seed", "iterator")
   failed = False
 
-  def __init__(self, input_index: int, input_seed: int,
-               iterator: base.OpIterator):
+  def __init__(self, input_index: int, input_seed: int, iterator: base.OpIterator):
     self.input_index = input_index
     self.input_seed = input_seed
     self.iterator = iterator
@@ -154,8 +168,7 @@ class _Slot:
     return base.mix_seed(self.input_seed, self.iterator.last_seed)
 
   def get_state(self) -> dict:
-    return {"input_index": self.input_index,
-            "child": self.iterator.get_state(), "skip": 0}
+    return {"input_index": self.input_index, "child": self.iterator.get_state(), "skip": 0}
 
   def close(self) -> None:
     self.iterator.close()
@@ -170,8 +183,9 @@ class _Block:
 
   __slots__ = ("state", "elements", "seeds", "exhausted", "error")
 
-  def __init__(self, state: Any, elements: list, seeds: list,
-               exhausted: bool, error: BaseException | None):
+  def __init__(
+    self, state: Any, elements: list, seeds: list, exhausted: bool, error: BaseException | None
+  ):
     self.state = state
     self.elements = elements
     self.seeds = seeds
@@ -188,9 +202,16 @@ class _PrefetchSlot:
   an abandoned iterator then shuts the pool down).
   """
 
-  def __init__(self, pool: concurrent.futures.ThreadPoolExecutor,
-               input_index: int, input_seed: int, open_nested: Callable,
-               read_length: int, child_state: Any = None, skip: int = 0):
+  def __init__(
+    self,
+    pool: concurrent.futures.ThreadPoolExecutor,
+    input_index: int,
+    input_seed: int,
+    open_nested: Callable,
+    read_length: int,
+    child_state: Any = None,
+    skip: int = 0,
+  ):
     self.input_index = input_index
     self.input_seed = input_seed
     self.failed = False
@@ -201,11 +222,11 @@ class _PrefetchSlot:
     self._block: _Block | None = None
     self._pos = 0
     self._future: concurrent.futures.Future | None = pool.submit(
-        self._open_and_read, open_nested, child_state, skip)
+      self._open_and_read, open_nested, child_state, skip
+    )
 
   # -- worker side -----------------------------------------------------------
-  def _open_and_read(self, open_nested: Callable, state: Any,
-                     skip: int) -> _Block:
+  def _open_and_read(self, open_nested: Callable, state: Any, skip: int) -> _Block:
     self._iterator = open_nested(state, skip)
     return self._read_block()
 
@@ -230,8 +251,9 @@ class _PrefetchSlot:
   # -- consumer side -----------------------------------------------------------
   def ready(self) -> bool:
     block = self._block
-    if block is not None and (self._pos < len(block.elements)
-                              or block.error is not None or block.exhausted):
+    if block is not None and (
+      self._pos < len(block.elements) or block.error is not None or block.exhausted
+    ):
       return True
     return self._future is None or self._future.done()
 
@@ -293,9 +315,16 @@ class InterleaveIterator(base.OpIterator):
 
   op_name = "interleave"
 
-  def __init__(self, parent: base.OpIterator, fn: Callable, cycle_length: int,
-               block_length: int, num_threads: int | None,
-               deterministic: bool, op_name: str = "interleave"):
+  def __init__(
+    self,
+    parent: base.OpIterator,
+    fn: Callable,
+    cycle_length: int,
+    block_length: int,
+    num_threads: int | None,
+    deterministic: bool,
+    op_name: str = "interleave",
+  ):
     super().__init__([parent])
     self.op_name = op_name
     self._fn = fn
@@ -308,14 +337,13 @@ class InterleaveIterator(base.OpIterator):
     self._block_index = 0
     self._end_of_input = False
     self._last_slot = None
-    self._input = base.InputReplay(parent, op_name, interval=16,
-                                   oldest_needed=self._oldest_input)
+    self._input = base.InputReplay(parent, op_name, interval=16, oldest_needed=self._oldest_input)
     self._pool = None
     if num_threads is not None:
       self._pool = concurrent.futures.ThreadPoolExecutor(
-          max_workers=num_threads, thread_name_prefix=f"jaxfeed-{op_name}")
-      self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False,
-                                         cancel_futures=True)
+        max_workers=num_threads, thread_name_prefix=f"jaxfeed-{op_name}"
+      )
+      self._finalizer = weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
 
   @property
   def last_seed(self) -> int:
@@ -329,20 +357,27 @@ class InterleaveIterator(base.OpIterator):
     self._block_index = 0
     self._cycle_index = (self._cycle_index + 1) % self._cycle_length
 
-  def _open(self, input_index: int, element: Any, input_seed: int,
-            child_state: Any = None, skip: int = 0):
+  def _open(
+    self, input_index: int, element: Any, input_seed: int, child_state: Any = None, skip: int = 0
+  ):
     if self._pool is None:
-      return _Slot(input_index, input_seed,
-                   _open_nested(self._fn, element, self.op_name, child_state,
-                                skip))
+      return _Slot(
+        input_index, input_seed, _open_nested(self._fn, element, self.op_name, child_state, skip)
+      )
     fn, op_name = self._fn, self.op_name
 
     def open_nested(state: Any, skip: int) -> base.OpIterator:
       return _open_nested(fn, element, op_name, state, skip)
 
-    return _PrefetchSlot(self._pool, input_index, input_seed, open_nested,
-                         max(self._block_length, _MIN_READ_AHEAD), child_state,
-                         skip)
+    return _PrefetchSlot(
+      self._pool,
+      input_index,
+      input_seed,
+      open_nested,
+      max(self._block_length, _MIN_READ_AHEAD),
+      child_state,
+      skip,
+    )
 
   def _can_skip(self, index: int) -> bool:
     """deterministic=False: whether to pass over the unready position `index`.
@@ -353,12 +388,12 @@ class InterleaveIterator(base.OpIterator):
     current = self._slots[index]
     while not current.ready():
       for i, slot in enumerate(self._slots):
-        if i != index and (slot.ready() if slot is not None
-                           else not self._end_of_input):
+        if i != index and (slot.ready() if slot is not None else not self._end_of_input):
           return True
       futures = [s.future() for s in self._slots if s is not None]
-      concurrent.futures.wait([f for f in futures if f is not None],
-                              return_when=concurrent.futures.FIRST_COMPLETED)
+      concurrent.futures.wait(
+        [f for f in futures if f is not None], return_when=concurrent.futures.FIRST_COMPLETED
+      )
     return False
 
   def _fill_empty_positions(self) -> None:
@@ -378,16 +413,14 @@ class InterleaveIterator(base.OpIterator):
         except StopIteration:
           self._end_of_input = True
           return
-        slots[index] = self._open(self._input.num_read - 1, element,
-                                  self.parents[0].last_seed)
+        slots[index] = self._open(self._input.num_read - 1, element, self.parents[0].last_seed)
         self._num_open += 1
 
   def __next__(self) -> Any:
     slots = self._slots
     eager = self._pool is not None
     while not self._end_of_input or self._num_open:
-      if eager and not self._end_of_input and (
-          self._num_open < self._cycle_length):
+      if eager and not self._end_of_input and (self._num_open < self._cycle_length):
         self._fill_empty_positions()
         continue
       index = self._cycle_index
@@ -403,12 +436,10 @@ class InterleaveIterator(base.OpIterator):
           continue
         # If fn fails the element is consumed and the position stays empty,
         # as in tf.data.
-        slots[index] = self._open(self._input.num_read - 1, element,
-                                  self.parents[0].last_seed)
+        slots[index] = self._open(self._input.num_read - 1, element, self.parents[0].last_seed)
         self._num_open += 1
         continue
-      if (not self._deterministic and not slot.ready()
-          and self._can_skip(index)):
+      if not self._deterministic and not slot.ready() and self._can_skip(index):
         self._advance_cycle()
         continue
       try:
@@ -435,28 +466,29 @@ class InterleaveIterator(base.OpIterator):
   # -- state -----------------------------------------------------------------
   def _get_own_state(self) -> dict:
     return {
-        "cycle_index": self._cycle_index,
-        "block_index": self._block_index,
-        "end_of_input": self._end_of_input,
-        "input": self._input.get_state(self._oldest_input()),
-        "slots": [None if s is None else s.get_state() for s in self._slots],
+      "cycle_index": self._cycle_index,
+      "block_index": self._block_index,
+      "end_of_input": self._end_of_input,
+      "input": self._input.get_state(self._oldest_input()),
+      "slots": [None if s is None else s.get_state() for s in self._slots],
     }
 
   def _set_own_state(self, state: dict) -> None:
     op = self.op_name
     self._close_slots()
     slot_states = state.get("slots") if isinstance(state, dict) else None
-    if (not isinstance(slot_states, list)
-        or len(slot_states) != self._cycle_length
-        or not all(s is None or isinstance(s, dict) for s in slot_states)):
+    if (
+      not isinstance(slot_states, list)
+      or len(slot_states) != self._cycle_length
+      or not all(s is None or isinstance(s, dict) for s in slot_states)
+    ):
       raise base.PipelineStateError(
-          f"Cannot restore op {op!r}: 'slots' must be a list of "
-          f"{self._cycle_length} (the cycle_length) entries, got "
-          f"{slot_states!r:.200}.")
-    cycle_index = base.state_int(state, "cycle_index", op,
-                                 high=self._cycle_length - 1)
-    block_index = base.state_int(state, "block_index", op,
-                                 high=self._block_length - 1)
+        f"Cannot restore op {op!r}: 'slots' must be a list of "
+        f"{self._cycle_length} (the cycle_length) entries, got "
+        f"{slot_states!r:.200}."
+      )
+    cycle_index = base.state_int(state, "cycle_index", op, high=self._cycle_length - 1)
+    block_index = base.state_int(state, "block_index", op, high=self._block_length - 1)
     needed = {}
     for s in slot_states:
       if s is not None:
@@ -468,17 +500,16 @@ class InterleaveIterator(base.OpIterator):
       if index in needed:
         found[index] = (element, seed)
 
-    self._input.set_state(state.get("input"),
-                          min(needed) if needed else sys.maxsize, consume)
+    self._input.set_state(state.get("input"), min(needed) if needed else sys.maxsize, consume)
     if len(found) != len(needed):
       raise base.PipelineStateError(
-          f"Cannot restore op {op!r}: input elements {sorted(set(needed) - set(found))} "
-          f"named by the state were not re-read.")
+        f"Cannot restore op {op!r}: input elements {sorted(set(needed) - set(found))} "
+        f"named by the state were not re-read."
+      )
     for i, s in enumerate(slot_states):
       if s is not None:
         element, seed = found[s["input_index"]]
-        self._slots[i] = self._open(s["input_index"], element, seed,
-                                    s.get("child"), s["skip"])
+        self._slots[i] = self._open(s["input_index"], element, seed, s.get("child"), s["skip"])
         self._num_open += 1
     self._cycle_index = cycle_index
     self._block_index = block_index

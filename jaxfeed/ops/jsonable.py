@@ -19,9 +19,12 @@ def encode(value: Any) -> Any:
     array = np.asarray(value)
     if array.dtype.hasobject:
       raise TypeError(f"Cannot save an object array in a pipeline state: {value!r:.80}.")
-    return {"__nd__": array.dtype.str, "shape": list(array.shape),
-            "scalar": isinstance(value, np.generic),
-            "b64": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()}
+    return {
+      "__nd__": array.dtype.str,
+      "shape": list(array.shape),
+      "scalar": isinstance(value, np.generic),
+      "b64": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode(),
+    }
   if isinstance(value, bytes):
     return {"__bytes__": base64.b64encode(value).decode()}
   if value is None or isinstance(value, (bool, int, float, str)):
@@ -32,9 +35,11 @@ def encode(value: Any) -> Any:
     return [encode(v) for v in value]
   if isinstance(value, dict):
     return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
-  raise TypeError(f"Cannot save a {type(value).__name__} in a pipeline state "
-                  f"(arrays, scalars, bytes, str and containers of them can be "
-                  f"saved): {value!r:.80}.")
+  raise TypeError(
+    f"Cannot save a {type(value).__name__} in a pipeline state "
+    f"(arrays, scalars, bytes, str and containers of them can be "
+    f"saved): {value!r:.80}."
+  )
 
 
 def decode(obj: Any) -> Any:

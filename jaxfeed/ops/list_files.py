@@ -48,20 +48,19 @@ def _patterns(file_pattern: Any) -> list[str]:
       pattern = pattern.decode()
     if not isinstance(pattern, (str, os.PathLike)):
       raise TypeError(
-          f"{_OP}: file_pattern must be a string, a path or a list of them, "
-          f"got {type(pattern).__name__}: {pattern!r:.80}.")
+        f"{_OP}: file_pattern must be a string, a path or a list of them, "
+        f"got {type(pattern).__name__}: {pattern!r:.80}."
+      )
     patterns.append(os.fspath(pattern))
   if not patterns:
-    raise ValueError(f"{_OP}: file_pattern is an empty list; give at least "
-                     "one glob pattern.")
+    raise ValueError(f"{_OP}: file_pattern is an empty list; give at least one glob pattern.")
   return patterns
 
 
 def _matches(pattern: str) -> list[str]:
   """The names one pattern matches, spelled as tf.data spells them."""
   parts = pattern.split("/")
-  first = next((i for i, part in enumerate(parts)
-                if _WILDCARDS.intersection(part)), None)
+  first = next((i for i, part in enumerate(parts) if _WILDCARDS.intersection(part)), None)
   if first is None:
     return [pattern] if epath.Path(pattern).exists() else []
   directory = "/".join(parts[:first]) or ("/" if first else ".")
@@ -75,12 +74,11 @@ def _matches(pattern: str) -> list[str]:
       if _WILDCARDS.intersection(part):
         # fnmatch, not pathlib's glob: as in tf.data, `*` matches a leading
         # dot too (hidden files).
-        found.extend(child for child in path.iterdir()
-                     if fnmatch.fnmatchcase(child.name, part))
+        found.extend(child for child in path.iterdir() if fnmatch.fnmatchcase(child.name, part))
       elif (path / part).exists():
         found.append(path / part)
     paths = found if depth == len(parts) else [p for p in found if p.is_dir()]
-  return [prefix + "/".join(path.parts[-(len(parts) - first):]) for path in paths]
+  return [prefix + "/".join(path.parts[-(len(parts) - first) :]) for path in paths]
 
 
 def match_files(file_pattern: Any) -> list[str]:
@@ -96,14 +94,13 @@ def match_files(file_pattern: Any) -> list[str]:
   return names
 
 
-def list_files_node(file_pattern: Any, shuffle: bool | None = None,
-                    seed: int | None = None) -> Node:
+def list_files_node(
+  file_pattern: Any, shuffle: bool | None = None, seed: int | None = None
+) -> Node:
   """The graph of `Dataset.list_files`: the names, shuffled if asked."""
   if shuffle is not None and not isinstance(shuffle, (bool, np.bool_)):
     raise TypeError(f"{_OP}: shuffle must be a bool or None, got {shuffle!r}.")
   node: Node = TensorSlicesNode(np.array(match_files(file_pattern)))
   if shuffle is None or shuffle:
-    node = ShuffleNode(node, max(node.cardinality(), 1), seed=seed,
-                       reshuffle_each_iteration=True)
+    node = ShuffleNode(node, max(node.cardinality(), 1), seed=seed, reshuffle_each_iteration=True)
   return node
-

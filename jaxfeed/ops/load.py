@@ -41,8 +41,10 @@ def wait_until_complete(path: epath.PathLike, timeout_s: float | None = None) ->
     save_format.check_not_failed(path)
     if deadline is not None and time.monotonic() > deadline:
       progress = save_format.progress(path)
-      raise TimeoutError(f"The save at {path} is still incomplete after {timeout_s:g} s "
-                         f"({progress.chunks_done} of {progress.chunks_expected} chunks).")
+      raise TimeoutError(
+        f"The save at {path} is still incomplete after {timeout_s:g} s "
+        f"({progress.chunks_done} of {progress.chunks_expected} chunks)."
+      )
     time.sleep(_POLL_S)
   return save_format.read_json(path / save_format.MANIFEST_JSON)
 
@@ -70,21 +72,28 @@ class SavedDatasetSource(RecordSource):
     if not (folder / save_format.MANIFEST_JSON).exists():
       save_format.check_not_failed(folder)
       progress = save_format.progress(folder)
-      expected = ("an unknown number of" if progress.chunks_expected < 0
-                  else progress.chunks_expected)
+      expected = (
+        "an unknown number of" if progress.chunks_expected < 0 else progress.chunks_expected
+      )
       raise save_format.SaveFormatError(
-          f"The save at {self._path} is incomplete ({progress.chunks_done} of {expected} "
-          f"chunks written): it is still being written or its writer stopped. Wait for it "
-          f"with Dataset.load(path, wait=True), or see `jaxfeed inspect {self._path}`.")
+        f"The save at {self._path} is incomplete ({progress.chunks_done} of {expected} "
+        f"chunks written): it is still being written or its writer stopped. Wait for it "
+        f"with Dataset.load(path, wait=True), or see `jaxfeed inspect {self._path}`."
+      )
     self.manifest = save_format.read_json(folder / save_format.MANIFEST_JSON)
     chunks = [c for c in self.manifest["chunks"] if c["num_elements"] > 0]
-    self._records = ArrayRecordSource(
-        [os.fspath(save_format.chunk_dir(folder, c["index"]) / save_format.RECORDS)
-         for c in chunks]) if chunks else None
+    self._records = (
+      ArrayRecordSource(
+        [os.fspath(save_format.chunk_dir(folder, c["index"]) / save_format.RECORDS) for c in chunks]
+      )
+      if chunks
+      else None
+    )
     if self._records is not None and len(self._records) != self.manifest["num_elements"]:
       raise save_format.SaveFormatError(
-          f"The save at {self._path} is damaged: its chunks hold {len(self._records)} "
-          f"elements, its manifest says {self.manifest['num_elements']}.")
+        f"The save at {self._path} is damaged: its chunks hold {len(self._records)} "
+        f"elements, its manifest says {self.manifest['num_elements']}."
+      )
 
   @property
   def element_spec(self) -> Any:
@@ -99,8 +108,10 @@ class SavedDatasetSource(RecordSource):
     return save_format.decode_element(self._records[index], self._where(index))
 
   def _read_many(self, indices: np.ndarray) -> list:
-    return [save_format.decode_element(record, self._where(i))
-            for i, record in zip(indices.tolist(), self._records.get_many(indices))]
+    return [
+      save_format.decode_element(record, self._where(i))
+      for i, record in zip(indices.tolist(), self._records.get_many(indices))
+    ]
 
   def _where(self, index: int) -> str:
     return f"element {index} of the save at {self._path}"

@@ -40,16 +40,20 @@ class MapNode(Node):
 
   op_name = "map"
 
-  def __init__(self, parent: Node, fn: Callable,
-               num_parallel_calls: int | None = None,
-               deterministic: bool = True, batched: bool = False,
-               backend: str = "auto", writes_out: bool = False):
+  def __init__(
+    self,
+    parent: Node,
+    fn: Callable,
+    num_parallel_calls: int | None = None,
+    deterministic: bool = True,
+    batched: bool = False,
+    backend: str = "auto",
+    writes_out: bool = False,
+  ):
     super().__init__([parent])
     self.fn = parallel.check_callable(fn, self.op_name)
-    self.num_parallel_calls = parallel.check_num_parallel_calls(
-        num_parallel_calls, self.op_name)
-    self.deterministic = parallel.check_deterministic(deterministic,
-                                                      self.op_name)
+    self.num_parallel_calls = parallel.check_num_parallel_calls(num_parallel_calls, self.op_name)
+    self.deterministic = parallel.check_deterministic(deterministic, self.op_name)
     if not isinstance(batched, bool):
       raise TypeError(f"map: batched must be a bool, got {batched!r}.")
     self.batched = batched
@@ -57,14 +61,23 @@ class MapNode(Node):
     self.writes_out = parallel.check_writes_out(writes_out, self.op_name)
 
   def make_iterator(self) -> "MapIterator":
-    return MapIterator(self.parents[0].make_iterator(), self.fn,
-                       self.num_parallel_calls, self.deterministic,
-                       self.backend, self.writes_out)
+    return MapIterator(
+      self.parents[0].make_iterator(),
+      self.fn,
+      self.num_parallel_calls,
+      self.deterministic,
+      self.backend,
+      self.writes_out,
+    )
 
   def spec_params(self) -> dict:
-    params = {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
-              "deterministic": self.deterministic, "batched": self.batched,
-              "backend": self.backend}
+    params = {
+      "fn": self.fn,
+      "num_parallel_calls": self.num_parallel_calls,
+      "deterministic": self.deterministic,
+      "batched": self.batched,
+      "backend": self.backend,
+    }
     return parallel.with_writes_out(params, self.writes_out)
 
   def cardinality(self) -> int | None:
@@ -73,16 +86,19 @@ class MapNode(Node):
 
 def _map_work(fn: Callable, writes_out: bool) -> Callable[..., Any]:
   if writes_out:
+
     def work_into(element: Any, seed: int, out: Any = None) -> Any:
       del seed
       if type(element) is tuple:
         return fn(*element, out=out)
       return fn(element, out=out)
+
     return work_into
 
   def work(element: Any, seed: int) -> Any:
     del seed
     return parallel.call_unpacked(fn, element)
+
   return work
 
 
@@ -93,24 +109,28 @@ class MapIterator(parallel.ParallelMapIterator):
 
   op_name = "map"
 
-  def __init__(self, parent: OpIterator, fn: Callable,
-               num_parallel_calls: int | None, deterministic: bool,
-               backend: str = "auto", writes_out: bool = False):
+  def __init__(
+    self,
+    parent: OpIterator,
+    fn: Callable,
+    num_parallel_calls: int | None,
+    deterministic: bool,
+    backend: str = "auto",
+    writes_out: bool = False,
+  ):
     self._fn = fn
     self._pool = None
     if backend == "process":
       # Unpacks tuples itself; the executor's threads each drive a process.
       # Outside a fused chain (`process_batch`) there is no row to hand out.
-      self._pool = process_pool.pool_or_threads(
-          parallel.without_out(fn, writes_out), self.op_name)
+      self._pool = process_pool.pool_or_threads(parallel.without_out(fn, writes_out), self.op_name)
     if self._pool is not None:
       work = self._pool
       writes_out = False
     else:
       work = _map_work(fn, writes_out)
     self._work = work
-    super().__init__(parent, work, num_parallel_calls, deterministic,
-                     writes_out)
+    super().__init__(parent, work, num_parallel_calls, deterministic, writes_out)
 
   def _apply(self, element: Any) -> Any:
     if self._pool is not None:

@@ -21,32 +21,44 @@ class MapAndFilterNode(Node):
 
   op_name = "map_and_filter"
 
-  def __init__(self, parent: Node, fn: Callable, predicate: Callable,
-               num_parallel_calls: int | None = None, deterministic: bool = True):
+  def __init__(
+    self,
+    parent: Node,
+    fn: Callable,
+    predicate: Callable,
+    num_parallel_calls: int | None = None,
+    deterministic: bool = True,
+  ):
     super().__init__([parent])
     self.fn = parallel.check_callable(fn, self.op_name)
     self.predicate = parallel.check_callable(predicate, self.op_name, "predicate")
-    self.num_parallel_calls = parallel.check_num_parallel_calls(
-        num_parallel_calls, self.op_name)
+    self.num_parallel_calls = parallel.check_num_parallel_calls(num_parallel_calls, self.op_name)
     self.deterministic = parallel.check_deterministic(deterministic, self.op_name)
 
   def make_iterator(self) -> "MapAndFilterIterator":
-    return MapAndFilterIterator(self.parents[0].make_iterator(), self.fn,
-                                self.predicate, self.num_parallel_calls,
-                                self.deterministic)
+    return MapAndFilterIterator(
+      self.parents[0].make_iterator(),
+      self.fn,
+      self.predicate,
+      self.num_parallel_calls,
+      self.deterministic,
+    )
 
   def spec_params(self) -> dict:
-    return {"fn": self.fn, "predicate": self.predicate,
-            "num_parallel_calls": self.num_parallel_calls,
-            "deterministic": self.deterministic}
+    return {
+      "fn": self.fn,
+      "predicate": self.predicate,
+      "num_parallel_calls": self.num_parallel_calls,
+      "deterministic": self.deterministic,
+    }
 
 
 def _map_and_test(fn: Callable, predicate: Callable) -> Callable[[Any], tuple]:
   def apply(element: Any) -> tuple:
     mapped = parallel.call_unpacked(fn, element)
-    keep = predicate_result(predicate, parallel.call_unpacked(predicate, mapped),
-                            "filter")
+    keep = predicate_result(predicate, parallel.call_unpacked(predicate, mapped), "filter")
     return keep, mapped
+
   return apply
 
 
@@ -56,12 +68,19 @@ class MapAndFilterIterator(parallel.ParallelMapIterator):
   op_name = "map_and_filter"
   stats_one_to_one = False
 
-  def __init__(self, parent: OpIterator, fn: Callable, predicate: Callable,
-               num_parallel_calls: int | None, deterministic: bool):
+  def __init__(
+    self,
+    parent: OpIterator,
+    fn: Callable,
+    predicate: Callable,
+    num_parallel_calls: int | None,
+    deterministic: bool,
+  ):
     apply = _map_and_test(fn, predicate)
     self._apply = apply
-    super().__init__(parent, lambda element, seed: apply(element),
-                     num_parallel_calls, deterministic)
+    super().__init__(
+      parent, lambda element, seed: apply(element), num_parallel_calls, deterministic
+    )
     self._kept = 0  # elements returned, for stats()
 
   def __next__(self) -> Any:

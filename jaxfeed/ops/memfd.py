@@ -30,8 +30,8 @@ def anonymous_file(name: str, size: int = 0) -> int:
     fd = os.memfd_create(PREFIX + name, os.MFD_CLOEXEC)
   else:  # no memfd (macOS): a file unlinked at once
     fd, path = tempfile.mkstemp(
-        prefix=PREFIX + name + "-",
-        dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+      prefix=PREFIX + name + "-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
     os.unlink(path)
   if size:
     try:

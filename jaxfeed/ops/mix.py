@@ -24,26 +24,33 @@ __all__ = ["align_mixture_states", "mix_node"]
 _OP = "mix"
 
 
-def mix_node(datasets: Sequence[Any], weights: Any = None, *, seed: int = 0,
-             shard_options: ShardOptions | Mapping[str, Any] | None = None
-             ) -> SourceNode:
+def mix_node(
+  datasets: Sequence[Any],
+  weights: Any = None,
+  *,
+  seed: int = 0,
+  shard_options: ShardOptions | Mapping[str, Any] | None = None,
+) -> SourceNode:
   """The `from_source` node of the mixture (see `Dataset.mix`)."""
   nodes = mixing.check_datasets(datasets, _OP)
   samplers = []
   for i, node in enumerate(nodes):
     sampler = getattr(node, "sampler", None)
     if not isinstance(node, SourceNode) or not isinstance(sampler, IndexSampler):
-      what = (f"a from_source with a {type(sampler).__name__}"
-              if isinstance(node, SourceNode) else f"op {node.op_name!r}")
+      what = (
+        f"a from_source with a {type(sampler).__name__}"
+        if isinstance(node, SourceNode)
+        else f"op {node.op_name!r}"
+      )
       raise TypeError(
-          f"{_OP}: datasets[{i}] is {what}; mix chooses records by position, "
-          "so each component must be Dataset.from_source(source, sampler) with "
-          "an IndexSampler and no op after it (apply map, filter, ... to the "
-          "mixture).")
+        f"{_OP}: datasets[{i}] is {what}; mix chooses records by position, "
+        "so each component must be Dataset.from_source(source, sampler) with "
+        "an IndexSampler and no op after it (apply map, filter, ... to the "
+        "mixture)."
+      )
     samplers.append(sampler)
   try:
-    sampler = MixtureSampler(samplers, weights, seed=seed,
-                             shard_options=shard_options)
+    sampler = MixtureSampler(samplers, weights, seed=seed, shard_options=shard_options)
   except (TypeError, ValueError) as e:
     raise type(e)(f"{_OP}: {e}") from None
   return SourceNode(ConcatSource([node.source for node in nodes]), sampler)
@@ -72,20 +79,18 @@ def align_mixture_states(states: Sequence[Any]) -> list:
     _map_mixtures(state, lambda m, f=found[-1]: f.append(m) or m)
   if any(len(f) != len(found[0]) for f in found):
     raise ValueError(
-        f"align_mixture_states: the processes' states hold different numbers "
-        f"of mixtures: {[len(f) for f in found]}.")
+      f"align_mixture_states: the processes' states hold different numbers "
+      f"of mixtures: {[len(f) for f in found]}."
+    )
   # One switch position for every snapshot of every mixture: an op's replay
   # anchor holds an older snapshot of the same mixture, which must switch
   # where the newest one does.
-  furthest = max((merge_mixture_states(f)["frontier"] for f in found if f),
-                 default=0)
-  merged = [merge_mixture_states([f[i] for f in found], furthest)
-            for i in range(len(found[0]))]
+  furthest = max((merge_mixture_states(f)["frontier"] for f in found if f), default=0)
+  merged = [merge_mixture_states([f[i] for f in found], furthest) for i in range(len(found[0]))]
   aligned = []
   for state in states:
     replacements = iter(merged)
-    aligned.append(_map_mixtures(
-        state, lambda m, replacements=replacements: next(replacements)))
+    aligned.append(_map_mixtures(state, lambda m, replacements=replacements: next(replacements)))
   return aligned
 
 
@@ -95,8 +100,12 @@ def _map_mixtures(state: Any, fn: Callable[[dict], dict]) -> Any:
   if isinstance(state, dict):
     out = {}
     for key, value in state.items():
-      if (key == "own" and state.get("op") == SourceNode.op_name
-          and isinstance(value, dict) and "mixture" in value):
+      if (
+        key == "own"
+        and state.get("op") == SourceNode.op_name
+        and isinstance(value, dict)
+        and "mixture" in value
+      ):
         out[key] = {**value, "mixture": fn(value["mixture"])}
       else:
         out[key] = _map_mixtures(value, fn)

@@ -15,10 +15,15 @@ __all__ = ["MixIterator", "check_datasets", "check_stop"]
 
 def check_datasets(datasets: Any, op_name: str) -> list[base.Node]:
   """The nodes of a non-empty list or tuple of datasets."""
-  if isinstance(datasets, dict) or not isinstance(datasets, Sequence) or isinstance(
-      datasets, (str, bytes)):
-    raise TypeError(f"{op_name}: datasets must be a non-empty list or tuple of "
-                    f"jaxfeed Datasets, got {type(datasets).__name__}.")
+  if (
+    isinstance(datasets, dict)
+    or not isinstance(datasets, Sequence)
+    or isinstance(datasets, (str, bytes))
+  ):
+    raise TypeError(
+      f"{op_name}: datasets must be a non-empty list or tuple of "
+      f"jaxfeed Datasets, got {type(datasets).__name__}."
+    )
   if not datasets:
     raise ValueError(f"{op_name}: datasets must not be empty.")
   return [base.to_node(d, op_name, f"datasets[{i}]") for i, d in enumerate(datasets)]
@@ -26,8 +31,7 @@ def check_datasets(datasets: Any, op_name: str) -> list[base.Node]:
 
 def check_stop(value: Any, op_name: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{op_name}: stop_on_empty_dataset must be a bool, got "
-                    f"{value!r}.")
+    raise TypeError(f"{op_name}: stop_on_empty_dataset must be a bool, got {value!r}.")
   return bool(value)
 
 
@@ -37,9 +41,13 @@ class MixIterator(base.OpIterator):
   Parents: the inputs, then (for `choose_from_datasets`) the choice iterator.
   """
 
-  def __init__(self, inputs: list[base.OpIterator],
-               choices: base.OpIterator | None, stop_on_empty: bool,
-               op_name: str):
+  def __init__(
+    self,
+    inputs: list[base.OpIterator],
+    choices: base.OpIterator | None,
+    stop_on_empty: bool,
+    op_name: str,
+  ):
     super().__init__(inputs + ([choices] if choices is not None else []))
     self.op_name = op_name
     self._num_inputs = len(inputs)
@@ -79,20 +87,22 @@ class MixIterator(base.OpIterator):
     raise StopIteration
 
   def _get_own_state(self) -> dict:
-    return {"exhausted": list(self._exhausted), "ended": self._ended,
-            "last": self._last}
+    return {"exhausted": list(self._exhausted), "ended": self._ended, "last": self._last}
 
   def _set_own_state(self, state: dict) -> None:
     exhausted = state.get("exhausted")
     ended = state.get("ended")
-    if (not isinstance(exhausted, list) or len(exhausted) != self._num_inputs
-        or not all(isinstance(e, bool) for e in exhausted)
-        or not isinstance(ended, bool)):
+    if (
+      not isinstance(exhausted, list)
+      or len(exhausted) != self._num_inputs
+      or not all(isinstance(e, bool) for e in exhausted)
+      or not isinstance(ended, bool)
+    ):
       raise base.PipelineStateError(
-          f"Cannot restore op {self.op_name!r}: own state needs 'exhausted' (a "
-          f"list of {self._num_inputs} bools) and 'ended' (a bool), got "
-          f"{state!r:.200}.")
+        f"Cannot restore op {self.op_name!r}: own state needs 'exhausted' (a "
+        f"list of {self._num_inputs} bools) and 'ended' (a bool), got "
+        f"{state!r:.200}."
+      )
     self._exhausted = list(exhausted)
     self._ended = ended
-    self._last = base.state_int(state, "last", self.op_name,
-                                high=self._num_inputs - 1)
+    self._last = base.state_int(state, "last", self.op_name, high=self._num_inputs - 1)

@@ -29,16 +29,22 @@ def _advice(row: dict) -> str:
   op = row["op"]
   backend = row.get("backend")
   if isinstance(backend, str) and backend.startswith("process"):
-    return (f"it runs on {row.get('parallelism') or 1} worker processes already: make "
-            "its functions cheaper, or give the pipeline more cores")
+    return (
+      f"it runs on {row.get('parallelism') or 1} worker processes already: make "
+      "its functions cheaper, or give the pipeline more cores"
+    )
   if "map" in op or "filter" in op:
     if row.get("autotune") or backend:
-      return (f"it already uses AUTOTUNE (parallelism {row.get('parallelism') or 1} "
-              "now): make its function cheaper, or pass backend='process' if the "
-              "function is Python-heavy (threads share the GIL)")
-    return ("give it more parallelism (num_parallel_calls=jaxfeed.AUTOTUNE, or "
-            "backend='process' for Python-heavy functions) or make its "
-            "function cheaper")
+      return (
+        f"it already uses AUTOTUNE (parallelism {row.get('parallelism') or 1} "
+        "now): make its function cheaper, or pass backend='process' if the "
+        "function is Python-heavy (threads share the GIL)"
+      )
+    return (
+      "give it more parallelism (num_parallel_calls=jaxfeed.AUTOTUNE, or "
+      "backend='process' for Python-heavy functions) or make its "
+      "function cheaper"
+    )
   if op in ("from_source", "from_tensor_slices", "range", "interleave"):
     return "read faster: more parallel reads (interleave) or faster storage"
   if "batch" in op:
@@ -46,9 +52,14 @@ def _advice(row: dict) -> str:
   return "make it cheaper or move work out of it"
 
 
-_COLUMNS = (("op", "op", "{}"), ("elements", "elements", "{}"),
-            ("self_seconds", "self s", "{:.3f}"), ("wait_seconds", "wait s", "{:.3f}"),
-            ("buffer_fill", "fill", "{:.2f}"), ("parallelism", "par", "{}"))
+_COLUMNS = (
+  ("op", "op", "{}"),
+  ("elements", "elements", "{}"),
+  ("self_seconds", "self s", "{:.3f}"),
+  ("wait_seconds", "wait s", "{:.3f}"),
+  ("buffer_fill", "fill", "{:.2f}"),
+  ("parallelism", "par", "{}"),
+)
 
 
 def _name(row: dict, backend: bool = True) -> str:
@@ -61,8 +72,11 @@ def _name(row: dict, backend: bool = True) -> str:
   return f"{name} (worker {worker})" if worker else name
 
 
-_BACKENDS = {"inline": "in the consumer's thread", "thread": "on threads",
-             "process": "in worker processes"}
+_BACKENDS = {
+  "inline": "in the consumer's thread",
+  "thread": "on threads",
+  "process": "in worker processes",
+}
 _PICKS = {"inline": "inline", "thread": "threads", "process": "processes"}
 
 
@@ -85,8 +99,7 @@ def backend_lines(rows: Iterable[dict]) -> list[str]:
       how = f"AUTOTUNE picked {_PICKS.get(picked, picked)}"
     else:
       how = "as asked"
-    lines.append(f"{_name(row, backend=False)} runs {where}; {how}: "
-                 f"{row['reason']}.")
+    lines.append(f"{_name(row, backend=False)} runs {where}; {how}: {row['reason']}.")
   return lines
 
 
@@ -98,9 +111,10 @@ def _fused_parts(rows: list[dict], i: int) -> int:
   if "+" not in str(label):
     return 0
   for count in range(2, i + 1):
-    parts = rows[i - count:i]
-    if ("+".join(str(r["op"]) for r in parts) == label
-        and all(r.get("worker") == worker for r in parts)):
+    parts = rows[i - count : i]
+    if "+".join(str(r["op"]) for r in parts) == label and all(
+      r.get("worker") == worker for r in parts
+    ):
       return count
   return 0
 
@@ -137,21 +151,25 @@ def format_table(rows: list[dict]) -> str:
     lines.append(cells)
   widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
   return "\n".join(
-      "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                for i, (cell, w) in enumerate(zip(line, widths)))
-      for line in lines)
+    "  ".join(
+      cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))
+    )
+    for line in lines
+  )
 
 
 def _remote_read(row: dict) -> str:
   """Where the time goes when no op here measured any: a read of a pipeline
   that runs on other machines (the service), seen from this process."""
-  return (f"No op in this process has measured time: it is spent in the service "
-          f"read ({row['op']!r}), whose pipeline runs on the workers. This process "
-          f"waited {row['read_wait_seconds']:.3f} s for {row.get('elements') or 0} "
-          f"elements from {row.get('service_workers', 0)} worker(s) "
-          f"({row.get('received', 0)} received, {row.get('reconnects', 0)} "
-          "reconnections); the workers' op rows follow at most once a second and "
-          "at the end of their streams.")
+  return (
+    f"No op in this process has measured time: it is spent in the service "
+    f"read ({row['op']!r}), whose pipeline runs on the workers. This process "
+    f"waited {row['read_wait_seconds']:.3f} s for {row.get('elements') or 0} "
+    f"elements from {row.get('service_workers', 0)} worker(s) "
+    f"({row.get('received', 0)} received, {row.get('reconnects', 0)} "
+    "reconnections); the workers' op rows follow at most once a second and "
+    "at the end of their streams."
+  )
 
 
 def report(rows: list[dict], loader_stats: dict | None = None) -> str:
@@ -165,12 +183,15 @@ def report(rows: list[dict], loader_stats: dict | None = None) -> str:
   if loader_stats is not None and loader_stats.get("batches"):
     fraction = loader_stats.get("input_bound_fraction", 0.0)
     if fraction >= INPUT_BOUND_FRACTION:
-      lines.append(f"Input bound: the training loop waited {100 * fraction:.0f}% "
-                   "of its time for batches.")
+      lines.append(
+        f"Input bound: the training loop waited {100 * fraction:.0f}% of its time for batches."
+      )
     else:
-      lines.append(f"Not input bound: the training loop waited only "
-                   f"{100 * fraction:.0f}% of its time for batches; the model "
-                   "step is the bottleneck.")
+      lines.append(
+        f"Not input bound: the training loop waited only "
+        f"{100 * fraction:.0f}% of its time for batches; the model "
+        "step is the bottleneck."
+      )
   lines.extend(backend_lines(rows))
   slowest = bottleneck(rows)
   remote = [r for r in rows if "read_wait_seconds" in r]
@@ -182,7 +203,9 @@ def report(rows: list[dict], loader_stats: dict | None = None) -> str:
     total = sum(r.get("self_seconds", 0.0) for r in rows) or 1.0
     share = 100 * slowest["self_seconds"] / total
     where = f" on worker {slowest['worker']}" if slowest.get("worker") else ""
-    lines.append(f"Op to fix: {slowest['op']!r}{where} ({share:.0f}% of the pipeline's "
-                 f"self time, parallelism {slowest.get('parallelism') or 1}): "
-                 f"{_advice(slowest)}.")
+    lines.append(
+      f"Op to fix: {slowest['op']!r}{where} ({share:.0f}% of the pipeline's "
+      f"self time, parallelism {slowest.get('parallelism') or 1}): "
+      f"{_advice(slowest)}."
+    )
   return "\n".join(lines)

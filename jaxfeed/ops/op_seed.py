@@ -29,10 +29,8 @@ class OpSeed:
     if seed is None:
       self.seed, self.given = int.from_bytes(os.urandom(8), "little"), False
       return
-    if (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
-        or not 0 <= seed < 2**64):
-      raise ValueError(f"{op_name}: seed must be None or an integer in "
-                       f"[0, 2**64), got {seed!r}.")
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+      raise ValueError(f"{op_name}: seed must be None or an integer in [0, 2**64), got {seed!r}.")
     self.seed = int(seed)
     self.given = True if seed_given is None else bool(seed_given)
 
@@ -47,9 +45,10 @@ class OpSeed:
     seed = state_int(state, "seed", op_name, high=2**64 - 1)
     if self.given and seed != self.seed:
       raise PipelineStateError(
-          f"Cannot restore op {op_name!r}: the state was saved with seed "
-          f"{seed}, this pipeline has seed {self.seed}; restore into a "
-          "pipeline built with the same seed (or seed=None to adopt the "
-          "saved one).")
+        f"Cannot restore op {op_name!r}: the state was saved with seed "
+        f"{seed}, this pipeline has seed {self.seed}; restore into a "
+        "pipeline built with the same seed (or seed=None to adopt the "
+        "saved one)."
+      )
     self.seed = seed
     return seed

@@ -41,10 +41,25 @@ import time
 import weakref
 from typing import Any, Callable
 
-__all__ = ["SAMPLE_INTERVAL_S", "LINGER_S", "THREAD_NAME", "OpCell", "register_op_class",
-           "waits_for_input", "track", "release", "tracked_count", "sampler_running",
-           "sampler_cpu_seconds", "samples_taken", "label_of",
-           "fuse_labels", "label_iterators", "instrument", "rows_of"]
+__all__ = [
+  "SAMPLE_INTERVAL_S",
+  "LINGER_S",
+  "THREAD_NAME",
+  "OpCell",
+  "register_op_class",
+  "waits_for_input",
+  "track",
+  "release",
+  "tracked_count",
+  "sampler_running",
+  "sampler_cpu_seconds",
+  "samples_taken",
+  "label_of",
+  "fuse_labels",
+  "label_iterators",
+  "instrument",
+  "rows_of",
+]
 
 SAMPLE_INTERVAL_S = 0.1
 """Seconds between two looks at the threads' stacks. A look costs little CPU
@@ -85,8 +100,7 @@ _MAX_DEPTH = 64  # stack frames examined per thread, from the innermost
 # Code objects of every OpIterator method, and of functions in which a
 # thread waits for an op's producers (filled as classes are defined).
 _OP_CODES: set = set()
-_WAIT_CODES: set = {threading.Condition.wait.__code__,
-                    threading.Event.wait.__code__}
+_WAIT_CODES: set = {threading.Condition.wait.__code__, threading.Event.wait.__code__}
 
 
 @dataclasses.dataclass
@@ -162,15 +176,13 @@ class _Sampler:
     with self._lock:
       self._pipelines.append(pipeline)
       if self._thread is None:
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME,
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
   def release(self, root: Any) -> None:
     """Forgets `root` (the thread ends `LINGER_S` after the last one)."""
     with self._lock:
-      self._pipelines = [p for p in self._pipelines
-                         if p.alive() and p.root() is not root]
+      self._pipelines = [p for p in self._pipelines if p.alive() and p.root() is not root]
 
   def count(self) -> int:
     with self._lock:
@@ -185,8 +197,9 @@ class _Sampler:
     been since `idle_since` for `LINGER_S`."""
     with self._lock:
       self._pipelines = [p for p in self._pipelines if p.alive()]
-      if (not self._pipelines and idle_since is not None
-          and time.monotonic() - idle_since >= LINGER_S):
+      if (
+        not self._pipelines and idle_since is not None and time.monotonic() - idle_since >= LINGER_S
+      ):
         self._thread = None
         return None
       return list(self._pipelines)
@@ -410,8 +423,9 @@ def op_rows(root: Any) -> list[dict]:
     RuntimeError: the sampling thread failed (with its exception as cause).
   """
   if _SAMPLER.error is not None:
-    raise RuntimeError(f"Op statistics: the sampling thread failed: "
-                       f"{_SAMPLER.error!r}") from _SAMPLER.error
+    raise RuntimeError(
+      f"Op statistics: the sampling thread failed: {_SAMPLER.error!r}"
+    ) from _SAMPLER.error
   ops = ops_of(root)
   counts: dict[int, int | None] = {}
   rows = []
@@ -423,13 +437,12 @@ def op_rows(root: Any) -> list[dict]:
       elements = counts.get(id(op.parents[0]))
     counts[id(op)] = elements
     row = {
-        "op": op.stats_label,
-        "elements": elements,
-        "self_seconds": round(cell.self_s + fields.pop("busy_seconds", 0.0), 4),
-        "wait_seconds": round(cell.wait_s, 4),
-        "buffer_fill": (round(cell.fill_sum / cell.fill_samples, 3)
-                        if cell.fill_samples else None),
-        "parallelism": fields.pop("parallelism", 1),
+      "op": op.stats_label,
+      "elements": elements,
+      "self_seconds": round(cell.self_s + fields.pop("busy_seconds", 0.0), 4),
+      "wait_seconds": round(cell.wait_s, 4),
+      "buffer_fill": (round(cell.fill_sum / cell.fill_samples, 3) if cell.fill_samples else None),
+      "parallelism": fields.pop("parallelism", 1),
     }
     if op.tunables():
       row["autotune"] = True  # the autotuner sets its parallelism or buffer

@@ -39,8 +39,7 @@ class ComposedFn:
 
   def __init__(self, f: Callable, g: Callable):
     self.f, self.g = f, g
-    self.__qualname__ = (f"ComposedFn({base.callable_path(f)}, "
-                         f"{base.callable_path(g)})")
+    self.__qualname__ = f"ComposedFn({base.callable_path(f)}, {base.callable_path(g)})"
     self.__module__ = __name__
 
   def __call__(self, *args: Any) -> Any:
@@ -60,10 +59,10 @@ class AllOf:
 
 
 _NOOPS = {
-    "take": lambda p: p.get("count") == -1,
-    "skip": lambda p: p.get("count") == 0,
-    "repeat": lambda p: p.get("count") == 1,
-    "prefetch": lambda p: p.get("buffer_size") == 0,
+  "take": lambda p: p.get("count") == -1,
+  "skip": lambda p: p.get("count") == 0,
+  "repeat": lambda p: p.get("count") == 1,
+  "prefetch": lambda p: p.get("buffer_size") == 0,
 }
 
 
@@ -84,8 +83,9 @@ def _same_execution(a: dict, b: dict) -> bool:
   keys = ("num_parallel_calls", "deterministic", "batched", "backend")
   # A function writing into its batch row is called with the row as `out`,
   # which a composition or fusion would not pass on.
-  return (all(a.get(k) == b.get(k) for k in keys)
-          and not a.get("writes_out") and not b.get("writes_out"))
+  return (
+    all(a.get(k) == b.get(k) for k in keys) and not a.get("writes_out") and not b.get("writes_out")
+  )
 
 
 def _rewrite(node: base.Node, options: Options, memo: dict) -> base.Node:
@@ -117,35 +117,52 @@ def _rewrite_one(node: base.Node, options: Options) -> base.Node:
 
   if op == "filter" and parent_op == "filter" and options.filter_fusion:
     inner = parent.spec_params()
-    return _fused(_rebuild(parent, parent.parents,
-                           predicate=AllOf(inner["predicate"], params["predicate"])),
-                  parent, node)
+    return _fused(
+      _rebuild(parent, parent.parents, predicate=AllOf(inner["predicate"], params["predicate"])),
+      parent,
+      node,
+    )
 
   if op == "filter" and parent_op == "map_and_filter" and options.filter_fusion:
     inner = parent.spec_params()
-    return _fused(_rebuild(parent, parent.parents,
-                           predicate=AllOf(inner["predicate"], params["predicate"])),
-                  parent, node)
+    return _fused(
+      _rebuild(parent, parent.parents, predicate=AllOf(inner["predicate"], params["predicate"])),
+      parent,
+      node,
+    )
 
   if op == "map" and parent_op == "map" and options.map_fusion:
     inner = parent.spec_params()
     if _same_execution(inner, params):
-      return _fused(_rebuild(parent, parent.parents,
-                             fn=ComposedFn(inner["fn"], params["fn"])), parent, node)
+      return _fused(
+        _rebuild(parent, parent.parents, fn=ComposedFn(inner["fn"], params["fn"])), parent, node
+      )
 
   if op == "filter" and parent_op == "map" and options.map_and_filter_fusion:
     inner = parent.spec_params()
     # map_and_filter runs on threads: a map asking for processes stays.
-    if (not inner.get("batched") and inner.get("backend") != "process"
-        and not inner.get("writes_out")):
+    if (
+      not inner.get("batched") and inner.get("backend") != "process" and not inner.get("writes_out")
+    ):
       fused = importlib.import_module("jaxfeed.ops.map_and_filter")
-      return _fused(fused.MapAndFilterNode(
-          parent.parents[0], inner["fn"], params["predicate"],
+      return _fused(
+        fused.MapAndFilterNode(
+          parent.parents[0],
+          inner["fn"],
+          params["predicate"],
           num_parallel_calls=inner.get("num_parallel_calls"),
-          deterministic=inner.get("deterministic", True)), parent, node)
+          deterministic=inner.get("deterministic", True),
+        ),
+        parent,
+        node,
+      )
 
-  if (op == "batch" and parent_op == "map" and options.map_and_batch_vectorization
-      and parent.spec_params().get("batched")):
+  if (
+    op == "batch"
+    and parent_op == "map"
+    and options.map_and_batch_vectorization
+    and parent.spec_params().get("batched")
+  ):
     inner = parent.spec_params()
     batched = _rebuild(node, (parent.parents[0],))
     return _rebuild(parent, (batched,), **{k: v for k, v in inner.items()})

@@ -53,10 +53,10 @@ class Options:
       value = getattr(self, field.name)
       if field.type == "bool" and not isinstance(value, bool):
         raise TypeError(f"Options.{field.name} must be a bool, got {value!r}.")
-      if field.type == "int" and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 0):
-        raise ValueError(
-            f"Options.{field.name} must be an int >= 0, got {value!r}.")
+      if field.type == "int" and (
+        not isinstance(value, int) or isinstance(value, bool) or value < 0
+      ):
+        raise ValueError(f"Options.{field.name} must be an int >= 0, got {value!r}.")
 
   @property
   def cpu_budget(self) -> int:

@@ -58,12 +58,26 @@ from typing import Any
 import numpy as np
 
 from jaxfeed.ops import base
-from jaxfeed.ops.pack_split import (SPLIT_OP, SplitIterator, element_leaves, keep_map, lookup,
-                                    resumed_split_state)
+from jaxfeed.ops.pack_split import (
+  SPLIT_OP,
+  SplitIterator,
+  element_leaves,
+  keep_map,
+  lookup,
+  resumed_split_state,
+)
 
-__all__ = ["PackNode", "PackIterator", "ALGORITHMS", "OVERFLOWS",
-           "SPLIT_OP", "ELASTIC_INPUT_OPS", "unemitted_elements",
-           "resumed_pack_state", "resumed_split_state"]
+__all__ = [
+  "PackNode",
+  "PackIterator",
+  "ALGORITHMS",
+  "OVERFLOWS",
+  "SPLIT_OP",
+  "ELASTIC_INPUT_OPS",
+  "unemitted_elements",
+  "resumed_pack_state",
+  "resumed_split_state",
+]
 
 _OP = "pack"
 ALGORITHMS = ("first_fit", "best_fit")
@@ -77,20 +91,23 @@ def _feature_paths(length_struct: Any, prefix: tuple = ()) -> list[tuple]:
   """Key paths of the features of `length_struct`, dict keys sorted."""
   if not isinstance(length_struct, dict) or not length_struct:
     raise TypeError(
-        f"{_OP}: length_struct must be a non-empty dict (of dicts) mapping "
-        f"feature names to row lengths, got {length_struct!r:.200}.")
+      f"{_OP}: length_struct must be a non-empty dict (of dicts) mapping "
+      f"feature names to row lengths, got {length_struct!r:.200}."
+    )
   paths = []
   for key in sorted(length_struct):
     if not isinstance(key, str):
       raise TypeError(
-          f"{_OP}: length_struct keys must be str (output features are named "
-          f"'<key>_segment_ids'), got {key!r}.")
+        f"{_OP}: length_struct keys must be str (output features are named "
+        f"'<key>_segment_ids'), got {key!r}."
+      )
     value = length_struct[key]
     if isinstance(value, dict):
       paths.extend(_feature_paths(value, prefix + (key,)))
     else:
-      base.check_positive_int(value, _OP,
-                              f"the row length of feature {'/'.join(prefix + (key,))!r}")
+      base.check_positive_int(
+        value, _OP, f"the row length of feature {'/'.join(prefix + (key,))!r}"
+      )
       paths.append(prefix + (key,))
   return paths
 
@@ -110,35 +127,44 @@ class PackNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, parent: base.Node, length_struct: Any, *,
-               num_packing_bins: int, algorithm: str = "first_fit",
-               max_sequences_per_bin: int | None = None,
-               overflow: str = "error"):
+  def __init__(
+    self,
+    parent: base.Node,
+    length_struct: Any,
+    *,
+    num_packing_bins: int,
+    algorithm: str = "first_fit",
+    max_sequences_per_bin: int | None = None,
+    overflow: str = "error",
+  ):
     super().__init__([base.to_node(parent, _OP, "input")])
     self.paths = _feature_paths(length_struct)
     self.length_struct = length_struct
-    self.num_packing_bins = base.check_positive_int(
-        num_packing_bins, _OP, "num_packing_bins")
+    self.num_packing_bins = base.check_positive_int(num_packing_bins, _OP, "num_packing_bins")
     if algorithm not in ALGORITHMS:
       raise ValueError(
-          f"{_OP}: algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, "
-          f"got {algorithm!r}.")
+        f"{_OP}: algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}."
+      )
     self.algorithm = algorithm
     self.max_sequences_per_bin = (
-        None if max_sequences_per_bin is None else base.check_positive_int(
-            max_sequences_per_bin, _OP, "max_sequences_per_bin"))
+      None
+      if max_sequences_per_bin is None
+      else base.check_positive_int(max_sequences_per_bin, _OP, "max_sequences_per_bin")
+    )
     if overflow not in OVERFLOWS:
       raise ValueError(
-          f"{_OP}: overflow must be one of {', '.join(map(repr, OVERFLOWS))}, "
-          f"got {overflow!r}.")
+        f"{_OP}: overflow must be one of {', '.join(map(repr, OVERFLOWS))}, got {overflow!r}."
+      )
     self.overflow = overflow
 
   def spec_params(self) -> dict:
-    return {"length_struct": self.length_struct,
-            "num_packing_bins": self.num_packing_bins,
-            "algorithm": self.algorithm,
-            "max_sequences_per_bin": self.max_sequences_per_bin,
-            "overflow": self.overflow}
+    return {
+      "length_struct": self.length_struct,
+      "num_packing_bins": self.num_packing_bins,
+      "algorithm": self.algorithm,
+      "max_sequences_per_bin": self.max_sequences_per_bin,
+      "overflow": self.overflow,
+    }
 
   def cardinality(self) -> int | None:
     return 0 if self.parents[0].cardinality() == 0 else None
@@ -163,20 +189,19 @@ class _Rows:
   rows.
   """
 
-  __slots__ = ("free", "counts", "items", "lengths", "rows_of", "seeds",
-               "idents", "num_rows")
+  __slots__ = ("free", "counts", "items", "lengths", "rows_of", "seeds", "idents", "num_rows")
 
   def __init__(self, capacities: list[int], num_bins: int):
     self.free = [[c] * num_bins for c in capacities]  # per feature, per row
     self.counts = [0] * num_bins  # elements per row
-    self.items: list[list] = []   # per element: its leaves (arrival order)
+    self.items: list[list] = []  # per element: its leaves (arrival order)
     self.lengths: list[list[int]] = []  # per element: its feature lengths
     self.rows_of: list[int] = []  # per element: its row
-    self.seeds: list[int] = []    # per element: its seed
+    self.seeds: list[int] = []  # per element: its seed
     # Per element, what elastic resume names it by: its seed, or for a piece
     # (doc seed, piece index, piece count).
     self.idents: list = []
-    self.num_rows = 0             # rows holding an element (always a prefix)
+    self.num_rows = 0  # rows holding an element (always a prefix)
 
 
 class PackIterator(base.OpIterator):
@@ -188,8 +213,7 @@ class PackIterator(base.OpIterator):
     super().__init__([parent])
     self._paths = node.paths
     self._flat = all(len(p) == 1 for p in self._paths)
-    self._capacities = np.array(
-        [lookup(node.length_struct, p) for p in self._paths], np.int64)
+    self._capacities = np.array([lookup(node.length_struct, p) for p in self._paths], np.int64)
     self._capacity_list = self._capacities.tolist()
     self._num_bins = node.num_packing_bins
     self._best_fit = node.algorithm == "best_fit"
@@ -198,16 +222,15 @@ class PackIterator(base.OpIterator):
     self._split = parent if isinstance(parent, SplitIterator) else None
     self._elastic = _reads_a_sampler(parent)
     self._filling = _Rows(self._capacity_list, self._num_bins)
-    self._filling_start = 0       # read index of its first element
+    self._filling_start = 0  # read index of its first element
     self._emitted: list | None = None  # rows being returned
     self._emitted_seeds: list = []
     self._emitted_elements: _Rows | None = None  # what they were made of
-    self._emitted_start = 0       # read index of their first element
+    self._emitted_start = 0  # read index of their first element
     self._next_row = 0
     self._end_of_input = False
     self._last_seed = 0
-    self._input = base.InputReplay(parent, _OP,
-                                   oldest_needed=self._oldest_needed)
+    self._input = base.InputReplay(parent, _OP, oldest_needed=self._oldest_needed)
 
   @property
   def last_seed(self) -> int:
@@ -234,9 +257,10 @@ class PackIterator(base.OpIterator):
     for path, leaf, capacity in zip(self._paths, leaves, self._capacity_list):
       if len(leaf) > capacity:
         raise ValueError(
-            f"{_OP}: feature {'/'.join(path)!r} of an element has length "
-            f"{len(leaf)}, longer than its row length {capacity}; pass "
-            f"overflow='truncate' or overflow='split' to cut it.")
+          f"{_OP}: feature {'/'.join(path)!r} of an element has length "
+          f"{len(leaf)}, longer than its row length {capacity}; pass "
+          f"overflow='truncate' or overflow='split' to cut it."
+        )
 
   def _place(self, rows: _Rows, leaves: list, seed: int, ident: Any) -> bool:
     """Puts an element into a row of `rows`; False if it fits in none."""
@@ -253,8 +277,11 @@ class PackIterator(base.OpIterator):
       if self._best_fit:
         least = None
         for r in candidates:
-          if free[r] >= length and (limit is None or counts[r] < limit) and (
-              least is None or free[r] < least):
+          if (
+            free[r] >= length
+            and (limit is None or counts[r] < limit)
+            and (least is None or free[r] < least)
+          ):
             chosen, least = r, free[r]
       else:
         for r in candidates:
@@ -269,7 +296,8 @@ class PackIterator(base.OpIterator):
       least = None
       for r in candidates:
         if (limit is None or counts[r] < limit) and all(
-            free[r] >= length for free, length in pairs):
+          free[r] >= length for free, length in pairs
+        ):
           if not self._best_fit:
             chosen = r
             break
@@ -300,8 +328,9 @@ class PackIterator(base.OpIterator):
       return
     if self._emitted is not None:
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: re-reading the input filled more rows "
-          f"than the state describes; it belongs to other data.")
+        f"Cannot restore op {_OP!r}: re-reading the input filled more rows "
+        f"than the state describes; it belongs to other data."
+      )
     self._emit_filling()
     self._filling_start = index
     self._place(self._filling, leaves, seed, ident)
@@ -346,17 +375,15 @@ class PackIterator(base.OpIterator):
           flat_values = np.concatenate(parts)
         except ValueError as e:
           raise ValueError(
-              f"{_OP}: the elements of feature {'/'.join(path)!r} have "
-              f"different shapes beyond the sequence dimension: "
-              f"{sorted({p.shape[1:] for p in parts})}.") from e
-        token_offsets = np.repeat(sorted_rows * capacity + within - starts,
-                                  lengths)
+            f"{_OP}: the elements of feature {'/'.join(path)!r} have "
+            f"different shapes beyond the sequence dimension: "
+            f"{sorted({p.shape[1:] for p in parts})}."
+          ) from e
+        token_offsets = np.repeat(sorted_rows * capacity + within - starts, lengths)
         destination = token_offsets + np.arange(total)
-        values.reshape((num_rows * capacity,) + first.shape[1:])[
-            destination] = flat_values
+        values.reshape((num_rows * capacity,) + first.shape[1:])[destination] = flat_values
         segment_ids.reshape(-1)[destination] = np.repeat(segment_of, lengths)
-        positions.reshape(-1)[destination] = (
-            np.arange(total) - np.repeat(starts, lengths))
+        positions.reshape(-1)[destination] = np.arange(total) - np.repeat(starts, lengths)
       outputs.append((values, segment_ids, positions))
     first_item = order[row_first]
     seeds = [rows.seeds[i] for i in first_item.tolist()]
@@ -399,9 +426,13 @@ class PackIterator(base.OpIterator):
   # -- state -------------------------------------------------------------------
   def _get_own_state(self) -> dict:
     first = self._oldest_needed()
-    state = {"input": self._input.get_state(first), "first": first,
-             "emitting": self._emitted is not None, "next_row": self._next_row,
-             "end_of_input": self._end_of_input}
+    state = {
+      "input": self._input.get_state(first),
+      "first": first,
+      "emitting": self._emitted is not None,
+      "next_row": self._next_row,
+      "end_of_input": self._end_of_input,
+    }
     if self._elastic:
       state["unemitted"] = self._unemitted()
     return state
@@ -413,8 +444,7 @@ class PackIterator(base.OpIterator):
     emitted = self._emitted_elements
     if emitted is not None:
       next_row = self._next_row
-      idents.extend(ident for ident, row in zip(emitted.idents, emitted.rows_of)
-                    if row >= next_row)
+      idents.extend(ident for ident, row in zip(emitted.idents, emitted.rows_of) if row >= next_row)
     if self._split is None:
       return {"elements": idents, "pieces": []}
     pieces: dict[int, tuple[int, list[int]]] = {}
@@ -423,22 +453,26 @@ class PackIterator(base.OpIterator):
       pieces[seed] = (count, list(to_come))
     for seed, index, count in idents:
       pieces.setdefault(seed, (count, []))[1].append(index)
-    whole = [seed for seed, (count, indices) in pieces.items()
-             if len(indices) == count]
-    return {"elements": whole,
-            "pieces": [[seed, sorted(indices)] for seed, (count, indices)
-                       in pieces.items() if len(indices) != count]}
+    whole = [seed for seed, (count, indices) in pieces.items() if len(indices) == count]
+    return {
+      "elements": whole,
+      "pieces": [
+        [seed, sorted(indices)]
+        for seed, (count, indices) in pieces.items()
+        if len(indices) != count
+      ],
+    }
 
   def _set_own_state(self, state: dict) -> None:
     first = base.state_int(state, "first", _OP)
-    next_row = base.state_int(state, "next_row", _OP,
-                              high=self._num_bins - 1)
+    next_row = base.state_int(state, "next_row", _OP, high=self._num_bins - 1)
     emitting = state.get("emitting")
     end_of_input = state.get("end_of_input")
     if not isinstance(emitting, bool) or not isinstance(end_of_input, bool):
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: own state needs bools 'emitting' and "
-          f"'end_of_input', got {state!r:.200}.")
+        f"Cannot restore op {_OP!r}: own state needs bools 'emitting' and "
+        f"'end_of_input', got {state!r:.200}."
+      )
     self._filling = _Rows(self._capacity_list, self._num_bins)
     self._emitted, self._emitted_seeds, self._next_row = None, [], 0
     self._emitted_elements = None
@@ -446,12 +480,12 @@ class PackIterator(base.OpIterator):
     self._input.set_state(state.get("input"), first, self._absorb)
     if emitting and self._emitted is None and end_of_input and self._filling.items:
       self._emit_filling()
-    if emitting != (self._emitted is not None) or (
-        emitting and next_row >= len(self._emitted)):
+    if emitting != (self._emitted is not None) or (emitting and next_row >= len(self._emitted)):
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: re-reading the input from element "
-          f"{first} does not rebuild the rows the state describes; it "
-          f"belongs to other data.")
+        f"Cannot restore op {_OP!r}: re-reading the input from element "
+        f"{first} does not rebuild the rows the state describes; it "
+        f"belongs to other data."
+      )
     for r in range(next_row):
       self._emitted[r] = None
     self._next_row = next_row
@@ -477,13 +511,16 @@ def unemitted_elements(own_state: Any) -> tuple[list[int], list[list]]:
     ValueError: the state does not list them (saved before they were kept).
   """
   unemitted = own_state.get("unemitted") if isinstance(own_state, dict) else None
-  if (not isinstance(unemitted, dict)
-      or not isinstance(unemitted.get("elements"), list)
-      or not isinstance(unemitted.get("pieces"), list)):
+  if (
+    not isinstance(unemitted, dict)
+    or not isinstance(unemitted.get("elements"), list)
+    or not isinstance(unemitted.get("pieces"), list)
+  ):
     raise ValueError(
-        f"reshard: op {_OP!r}'s state does not list the elements it holds "
-        f"('unemitted'), so it can only be resumed on the same number of "
-        f"processes; got {str(own_state):.200}.")
+      f"reshard: op {_OP!r}'s state does not list the elements it holds "
+      f"('unemitted'), so it can only be resumed on the same number of "
+      f"processes; got {str(own_state):.200}."
+    )
   partial = unemitted["pieces"]
   keep_map(partial)
   return unemitted["elements"] + [seed for seed, _ in partial], partial
@@ -491,8 +528,11 @@ def unemitted_elements(own_state: Any) -> tuple[list[int], list[list]]:
 
 def resumed_pack_state() -> dict:
   """The own state of a `pack` that holds nothing (after a reshard)."""
-  return {"input": {"num_read": 0}, "first": 0, "emitting": False,
-          "next_row": 0, "end_of_input": False,
-          "unemitted": {"elements": [], "pieces": []}}
-
-
+  return {
+    "input": {"num_read": 0},
+    "first": 0,
+    "emitting": False,
+    "next_row": 0,
+    "end_of_input": False,
+    "unemitted": {"elements": [], "pieces": []},
+  }

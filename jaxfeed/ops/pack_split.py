@@ -49,9 +49,10 @@ def element_leaves(element: Any, paths: list[tuple], flat: bool) -> _Leaves:
       leaves = _Leaves(lookup(element, p) for p in paths)
   except (KeyError, TypeError, IndexError) as e:
     raise ValueError(
-        f"{_OP}: input elements must be dicts holding the features "
-        f"{['/'.join(p) for p in paths]} of length_struct; an element "
-        f"lacks {e} ({type(element).__name__}: {element!r:.200}).") from None
+      f"{_OP}: input elements must be dicts holding the features "
+      f"{['/'.join(p) for p in paths]} of length_struct; an element "
+      f"lacks {e} ({type(element).__name__}: {element!r:.200})."
+    ) from None
   for i, leaf in enumerate(leaves):
     if type(leaf) is not np.ndarray or leaf.ndim == 0:
       leaf = np.asarray(leaf)
@@ -79,7 +80,7 @@ class SplitIterator(base.OpIterator):
     self._capacities = node.capacities()
     self._pieces: list[_Leaves] = []
     self._indices: list[int] = []  # Each piece's index among all pieces.
-    self._count = 0                # The pieces of the element being cut.
+    self._count = 0  # The pieces of the element being cut.
     self._pos = 0
     self._seed = 0
     self._keep: dict[int, list[int]] = {}
@@ -97,7 +98,7 @@ class SplitIterator(base.OpIterator):
 
   def pieces_to_come(self) -> tuple[int, list[int], int]:
     """(element seed, indices of its pieces not returned yet, piece count)."""
-    return self._seed, self._indices[self._pos:], self._count
+    return self._seed, self._indices[self._pos :], self._count
 
   def _partial(self) -> bool:
     return 0 < self._pos < len(self._pieces)
@@ -107,21 +108,22 @@ class SplitIterator(base.OpIterator):
 
   def _cut(self, element: Any, seed: int) -> None:
     leaves = element_leaves(element, self._paths, self._flat)
-    count = max([1] + [-(-len(leaf) // c)
-                       for leaf, c in zip(leaves, self._capacities)])
+    count = max([1] + [-(-len(leaf) // c) for leaf, c in zip(leaves, self._capacities)])
     indices = range(count)
     if self._keep and seed in self._keep:
       indices = self._keep[seed]
       if indices[-1] >= count:
         raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: the state keeps piece {indices[-1]} "
-            f"of an element cut into {count}; it belongs to other data.")
+          f"Cannot restore op {_OP!r}: the state keeps piece {indices[-1]} "
+          f"of an element cut into {count}; it belongs to other data."
+        )
     if count == 1:
       self._pieces = [leaves]
     else:
-      self._pieces = [_Leaves(leaf[k * c:(k + 1) * c]
-                              for leaf, c in zip(leaves, self._capacities))
-                      for k in indices]
+      self._pieces = [
+        _Leaves(leaf[k * c : (k + 1) * c] for leaf, c in zip(leaves, self._capacities))
+        for k in indices
+      ]
     self._indices = list(indices)
     self._count = count
     self._pos = 0
@@ -139,8 +141,10 @@ class SplitIterator(base.OpIterator):
 
   def _get_own_state(self) -> dict:
     partial = self._partial()
-    state = {"input": self._input.get_state(self._oldest_needed()),
-             "pos": self._pos if partial else 0}
+    state = {
+      "input": self._input.get_state(self._oldest_needed()),
+      "pos": self._pos if partial else 0,
+    }
     if self._keep:
       state["keep"] = [[seed, pieces] for seed, pieces in self._keep.items()]
     return state
@@ -151,13 +155,17 @@ class SplitIterator(base.OpIterator):
     num_read = base.state_int(input_state, "num_read", _OP)
     self._keep = keep_map(state.get("keep", []))
     self._pieces, self._pos = [], 0
-    self._input.set_state(input_state, num_read - 1 if pos else num_read,
-                          lambda index, element, seed: self._cut(element, seed))
+    self._input.set_state(
+      input_state,
+      num_read - 1 if pos else num_read,
+      lambda index, element, seed: self._cut(element, seed),
+    )
     if pos:
       if pos >= len(self._pieces):
         raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: the state is at piece {pos} of an "
-            f"element cut into {len(self._pieces)}; it belongs to other data.")
+          f"Cannot restore op {_OP!r}: the state is at piece {pos} of an "
+          f"element cut into {len(self._pieces)}; it belongs to other data."
+        )
       for k in range(pos):
         self._pieces[k] = None
       self._pos = pos
@@ -168,17 +176,22 @@ def keep_map(keep: Any) -> dict[int, list[int]]:
   ok = isinstance(keep, list)
   result: dict[int, list[int]] = {}
   for entry in keep if ok else ():
-    if not (isinstance(entry, list) and len(entry) == 2
-            and isinstance(entry[0], int) and isinstance(entry[1], list)
-            and entry[1] and all(isinstance(k, int) and k >= 0
-                                 for k in entry[1])):
+    if not (
+      isinstance(entry, list)
+      and len(entry) == 2
+      and isinstance(entry[0], int)
+      and isinstance(entry[1], list)
+      and entry[1]
+      and all(isinstance(k, int) and k >= 0 for k in entry[1])
+    ):
       ok = False
       break
     result[entry[0]] = sorted(set(entry[1]))
   if not ok:
     raise base.PipelineStateError(
-        f"Cannot restore op {SPLIT_OP!r}: 'keep' must be a list of [seed, "
-        f"[piece index, ...]] pairs, got {str(keep):.200}.")
+      f"Cannot restore op {SPLIT_OP!r}: 'keep' must be a list of [seed, "
+      f"[piece index, ...]] pairs, got {str(keep):.200}."
+    )
   return result
 
 

@@ -31,12 +31,16 @@ class PaddedBatchNode(base.Node):
 
   op_name = "padded_batch"
 
-  def __init__(self, parent: base.Node, batch_size: int,
-               padded_shapes: Any = None, padding_values: Any = None,
-               drop_remainder: bool = False):
+  def __init__(
+    self,
+    parent: base.Node,
+    batch_size: int,
+    padded_shapes: Any = None,
+    padding_values: Any = None,
+    drop_remainder: bool = False,
+  ):
     super().__init__([base.to_node(parent, self.op_name, "input")])
-    self.batch_size = base.check_positive_int(batch_size, self.op_name,
-                                              "batch_size")
+    self.batch_size = base.check_positive_int(batch_size, self.op_name, "batch_size")
     self.padded_shapes = _normalize_shapes(padded_shapes)
     _check_padded_sizes(self.padded_shapes)
     _check_padding_values(padding_values)
@@ -44,14 +48,17 @@ class PaddedBatchNode(base.Node):
     self.drop_remainder = bool(drop_remainder)
 
   def spec_params(self) -> dict:
-    return {"batch_size": self.batch_size,
-            "padded_shapes": self.padded_shapes,
-            "padding_values": self.padding_values,
-            "drop_remainder": self.drop_remainder}
+    return {
+      "batch_size": self.batch_size,
+      "padded_shapes": self.padded_shapes,
+      "padding_values": self.padding_values,
+      "drop_remainder": self.drop_remainder,
+    }
 
   def cardinality(self) -> int | None:
-    return batch.batched_cardinality(self.parents[0].cardinality(),
-                                     self.batch_size, self.drop_remainder)
+    return batch.batched_cardinality(
+      self.parents[0].cardinality(), self.batch_size, self.drop_remainder
+    )
 
   def make_iterator(self) -> "PaddedBatchIterator":
     return PaddedBatchIterator(self.parents[0].make_iterator(), self)
@@ -69,8 +76,7 @@ class PaddedBatchIterator(batch.BatchIterator):
     self._padding_values = node.padding_values
 
   def _assemble(self, elements: list) -> Any:
-    return padding.pad_and_stack(elements, self._padded_shapes,
-                                  self._padding_values, self.op_name)
+    return padding.pad_and_stack(elements, self._padded_shapes, self._padding_values, self.op_name)
 
 
 def _normalize_shapes(padded_shapes: Any) -> Any:
@@ -90,17 +96,20 @@ def _check_padded_sizes(padded_shapes: Any) -> None:
   for leaf in tree.flatten(padded_shapes):
     sizes = leaf.tolist() if isinstance(leaf, np.ndarray) else [leaf]
     for size in sizes:
-      ok = size is None or (isinstance(size, (int, np.integer))
-                            and not isinstance(size, bool) and size >= -1)
+      ok = size is None or (
+        isinstance(size, (int, np.integer)) and not isinstance(size, bool) and size >= -1
+      )
       if not ok:
         raise ValueError(
-            f"padded_batch: padded_shapes holds size {size!r}; allowed are "
-            f"ints >= 0, or None / -1 to pad to the batch maximum.")
+          f"padded_batch: padded_shapes holds size {size!r}; allowed are "
+          f"ints >= 0, or None / -1 to pad to the batch maximum."
+        )
 
 
 def _check_padding_values(padding_values: Any) -> None:
   for leaf in tree.flatten(padding_values):
     if leaf is not None and np.ndim(leaf) != 0:
       raise ValueError(
-          f"padded_batch: padding_values must be scalars (one per leaf, or "
-          f"one for all leaves), got {leaf!r}.")
+        f"padded_batch: padding_values must be scalars (one per leaf, or "
+        f"one for all leaves), got {leaf!r}."
+      )

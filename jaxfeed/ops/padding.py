@@ -11,9 +11,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxfeed.ops import tree
-from jaxfeed.ops.stacking import (_columns, _describe, _diagnose_column, _dtype_of, _groups,
-                                  _is_string, _path, _raise_structure_mismatch,
-                                  _stack_column)
+from jaxfeed.ops.stacking import (
+  _columns,
+  _describe,
+  _diagnose_column,
+  _dtype_of,
+  _groups,
+  _is_string,
+  _path,
+  _raise_structure_mismatch,
+  _stack_column,
+)
 
 __all__ = ["pad_and_stack"]
 
@@ -22,9 +30,12 @@ _MASK_PAD_MAX_LENGTH = 64
 _MASK_PAD_MIN_ROWS = 16
 
 
-def pad_and_stack(elements: Sequence[Any], padded_shapes: Any = None,
-                  padding_values: Any = None,
-                  op_name: str = "padded_batch") -> Any:
+def pad_and_stack(
+  elements: Sequence[Any],
+  padded_shapes: Any = None,
+  padding_values: Any = None,
+  op_name: str = "padded_batch",
+) -> Any:
   """Pads elements to common shapes and stacks them (tf.data `padded_batch`).
 
   Args:
@@ -53,8 +64,7 @@ def pad_and_stack(elements: Sequence[Any], padded_shapes: Any = None,
   values = _per_leaf(structure, padding_values, "padding_values", op_name)
   leaves = []
   for i, col in enumerate(columns):
-    leaves.append(_pad_column(col, i, shapes[i], values[i], structure,
-                              elements, op_name))
+    leaves.append(_pad_column(col, i, shapes[i], values[i], structure, elements, op_name))
   return tree.unflatten(structure, leaves)
 
 
@@ -64,7 +74,8 @@ def _is_shape_spec(value: Any) -> bool:
   if isinstance(value, np.ndarray):
     return value.ndim == 1
   return isinstance(value, (tuple, list)) and all(
-      d is None or isinstance(d, (int, np.integer)) for d in value)
+    d is None or isinstance(d, (int, np.integer)) for d in value
+  )
 
 
 def _is_scalar_spec(value: Any) -> bool:
@@ -72,9 +83,9 @@ def _is_scalar_spec(value: Any) -> bool:
 
 
 _SPEC_LEAVES = {
-    # name: (is a per-leaf entry, what one is, one entry may serve all leaves)
-    "padded_shapes": (_is_shape_spec, "a shape (a list of ints / None)", False),
-    "padding_values": (_is_scalar_spec, "a scalar or None", True),
+  # name: (is a per-leaf entry, what one is, one entry may serve all leaves)
+  "padded_shapes": (_is_shape_spec, "a shape (a list of ints / None)", False),
+  "padding_values": (_is_scalar_spec, "a scalar or None", True),
 }
 
 
@@ -92,8 +103,8 @@ def _per_leaf(structure: Any, spec: Any, name: str, op_name: str) -> list:
     if tree.is_leaf(s):
       if not is_spec_leaf(p):
         raise ValueError(
-            f"{op_name}: {name} at {where or '<element>'!r} must be {what} "
-            f"for a leaf, got {p!r}.")
+          f"{op_name}: {name} at {where or '<element>'!r} must be {what} for a leaf, got {p!r}."
+        )
       out.append(p)
       return
     if p is None:
@@ -116,8 +127,9 @@ def _per_leaf(structure: Any, spec: Any, name: str, op_name: str) -> list:
 
 def _spec_mismatch(name: str, op_name: str, structure: Any, spec: Any) -> None:
   raise ValueError(
-      f"{op_name}: {name} must have the structure of the elements "
-      f"{_describe(structure)}, got {spec!r}.")
+    f"{op_name}: {name} must have the structure of the elements "
+    f"{_describe(structure)}, got {spec!r}."
+  )
 
 
 def _shape_spec(spec: Any, rank: int, path: str, op_name: str) -> list:
@@ -127,45 +139,50 @@ def _shape_spec(spec: Any, rank: int, path: str, op_name: str) -> list:
   dims = spec.as_list() if hasattr(spec, "as_list") else list(spec)
   if len(dims) != rank:
     raise ValueError(
-        f"{op_name}: padded_shapes for leaf {path!r} is {list(dims)} (rank "
-        f"{len(dims)}), but the elements have rank {rank}. The padded shape "
-        f"needs one entry (an int or None) per dimension.")
+      f"{op_name}: padded_shapes for leaf {path!r} is {list(dims)} (rank "
+      f"{len(dims)}), but the elements have rank {rank}. The padded shape "
+      f"needs one entry (an int or None) per dimension."
+    )
   out: list[int | None] = []
   for d in dims:
     if d is None or int(d) == -1:
       out.append(None)
     elif int(d) < 0:
       raise ValueError(
-          f"{op_name}: padded_shapes for leaf {path!r} has size {int(d)}; "
-          f"allowed are sizes >= 0, or None / -1 for the batch maximum.")
+        f"{op_name}: padded_shapes for leaf {path!r} has size {int(d)}; "
+        f"allowed are sizes >= 0, or None / -1 for the batch maximum."
+      )
     else:
       out.append(int(d))
   return out
 
 
-def _padding_value(value: Any, is_string: bool, first: Any, dtype: np.dtype,
-                   path: str, op_name: str) -> Any:
+def _padding_value(
+  value: Any, is_string: bool, first: Any, dtype: np.dtype, path: str, op_name: str
+) -> Any:
   if is_string:
     if value is None:
       return "" if _holds_str(first) else b""
     if not isinstance(value, (bytes, str)):
       raise ValueError(
-          f"{op_name}: padding value {value!r} for string leaf {path!r} must "
-          f"be bytes or str.")
+        f"{op_name}: padding value {value!r} for string leaf {path!r} must be bytes or str."
+      )
     return value
   if value is None:
     return np.zeros((), dtype)
   arr = np.asarray(value)
   if arr.ndim != 0 or arr.dtype.kind not in "biufc":
     raise ValueError(
-        f"{op_name}: padding value {value!r} for leaf {path!r} must be a "
-        f"numeric scalar (the leaf has dtype {dtype}).")
+      f"{op_name}: padding value {value!r} for leaf {path!r} must be a "
+      f"numeric scalar (the leaf has dtype {dtype})."
+    )
   converted = arr.astype(dtype)
   same_nan = arr != arr and converted != converted
   if converted != arr and not same_nan:
     raise ValueError(
-        f"{op_name}: padding value {value!r} for leaf {path!r} is not "
-        f"representable in its dtype {dtype}.")
+      f"{op_name}: padding value {value!r} for leaf {path!r} is not "
+      f"representable in its dtype {dtype}."
+    )
   return converted
 
 
@@ -180,8 +197,15 @@ def _holds_str(value: Any) -> bool:
   return False
 
 
-def _pad_column(col: list, leaf_index: int, shape_spec: Any, pad_value: Any,
-                structure: Any, elements: Sequence[Any], op_name: str) -> np.ndarray:
+def _pad_column(
+  col: list,
+  leaf_index: int,
+  shape_spec: Any,
+  pad_value: Any,
+  structure: Any,
+  elements: Sequence[Any],
+  op_name: str,
+) -> np.ndarray:
   first = col[0]
   path = _path(structure, leaf_index)
   shapes = [np.shape(v) for v in col]
@@ -190,8 +214,9 @@ def _pad_column(col: list, leaf_index: int, shape_spec: Any, pad_value: Any,
     if not all(map(tree.is_leaf, col)):
       _raise_structure_mismatch(elements, op_name)
     raise ValueError(
-        f"{op_name}: leaf {path!r} has different ranks in one batch: "
-        f"{_groups(shapes)}. Padding needs equal ranks.")
+      f"{op_name}: leaf {path!r} has different ranks in one batch: "
+      f"{_groups(shapes)}. Padding needs equal ranks."
+    )
   dims = _shape_spec(shape_spec, rank, path, op_name)
   target = []
   for d, size in enumerate(dims):
@@ -202,10 +227,11 @@ def _pad_column(col: list, leaf_index: int, shape_spec: Any, pad_value: Any,
     if longest > size:
       pos = next(i for i, s in enumerate(shapes) if s[d] > size)
       raise ValueError(
-          f"{op_name}: element {pos} of the batch has size {shapes[pos][d]} "
-          f"in dimension {d} of leaf {path!r}, larger than its padded size "
-          f"{size} from padded_shapes. Allowed: padded sizes >= every "
-          f"element's size, or None to pad to the batch maximum.")
+        f"{op_name}: element {pos} of the batch has size {shapes[pos][d]} "
+        f"in dimension {d} of leaf {path!r}, larger than its padded size "
+        f"{size} from padded_shapes. Allowed: padded sizes >= every "
+        f"element's size, or None to pad to the batch maximum."
+      )
     target.append(size)
   target_shape = tuple(target)
   is_string = _is_string(first)
@@ -214,18 +240,16 @@ def _pad_column(col: list, leaf_index: int, shape_spec: Any, pad_value: Any,
   if all(s == target_shape for s in shapes):
     return _stack_column(col, leaf_index, structure, elements, op_name)
   if not is_string and any(v.dtype != dtype for v in col):
-    _diagnose_column(col, leaf_index, structure, elements, op_name, None,
-                     padded=True)
+    _diagnose_column(col, leaf_index, structure, elements, op_name, None, padded=True)
   n = len(col)
   out = np.full((n,) + target_shape, fill, dtype=dtype)
-  if (rank == 1 and n >= _MASK_PAD_MIN_ROWS
-      and target_shape[0] <= _MASK_PAD_MAX_LENGTH):
+  if rank == 1 and n >= _MASK_PAD_MIN_ROWS and target_shape[0] <= _MASK_PAD_MAX_LENGTH:
     lengths = np.fromiter((s[0] for s in shapes), np.int64, n)
     flat = np.concatenate(col)
     out[np.arange(target_shape[0]) < lengths[:, None]] = flat
   elif rank == 1:
     for i, (value, s) in enumerate(zip(col, shapes)):
-      out[i, :s[0]] = value
+      out[i, : s[0]] = value
   else:
     for i, (value, s) in enumerate(zip(col, shapes)):
       out[(i,) + tuple(slice(0, d) for d in s)] = value

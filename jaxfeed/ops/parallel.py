@@ -32,40 +32,53 @@ from typing import Any, Callable
 import numpy as np
 
 from jaxfeed.ops import autotune, batch_placement
-from jaxfeed.ops.base import (AUTOTUNE, OpIterator, PipelineStateError,
-                              check_state)
+from jaxfeed.ops.base import AUTOTUNE, OpIterator, PipelineStateError, check_state
 from jaxfeed.ops.parallel_executor import ParallelExecutor
-from jaxfeed.ops.replay import (ANCHOR_INTERVAL, anchor_interval,
-                                check_replay_state, drop_replayed,
-                                replays_identically, skip_outputs)
-from jaxfeed.ops.udf_args import (BACKENDS, MAX_AUTOTUNE_PARALLELISM,
-                                  call_unpacked, check_backend, check_callable,
-                                  check_deterministic, check_num_parallel_calls,
-                                  check_writes_out, default_autotune_parallelism,
-                                  resolve_parallelism, usable_cores,
-                                  with_writes_out, without_out)
+from jaxfeed.ops.replay import (
+  ANCHOR_INTERVAL,
+  anchor_interval,
+  check_replay_state,
+  drop_replayed,
+  replays_identically,
+  skip_outputs,
+)
+from jaxfeed.ops.udf_args import (
+  BACKENDS,
+  MAX_AUTOTUNE_PARALLELISM,
+  call_unpacked,
+  check_backend,
+  check_callable,
+  check_deterministic,
+  check_num_parallel_calls,
+  check_writes_out,
+  default_autotune_parallelism,
+  resolve_parallelism,
+  usable_cores,
+  with_writes_out,
+  without_out,
+)
 
 __all__ = [
-    "ParallelExecutor",
-    "ParallelMapIterator",
-    "ANCHOR_INTERVAL",
-    "BACKENDS",
-    "anchor_interval",
-    "call_unpacked",
-    "check_backend",
-    "check_callable",
-    "check_deterministic",
-    "check_num_parallel_calls",
-    "check_replay_state",
-    "check_writes_out",
-    "default_autotune_parallelism",
-    "drop_replayed",
-    "replays_identically",
-    "resolve_parallelism",
-    "skip_outputs",
-    "usable_cores",
-    "with_writes_out",
-    "without_out",
+  "ParallelExecutor",
+  "ParallelMapIterator",
+  "ANCHOR_INTERVAL",
+  "BACKENDS",
+  "anchor_interval",
+  "call_unpacked",
+  "check_backend",
+  "check_callable",
+  "check_deterministic",
+  "check_num_parallel_calls",
+  "check_replay_state",
+  "check_writes_out",
+  "default_autotune_parallelism",
+  "drop_replayed",
+  "replays_identically",
+  "resolve_parallelism",
+  "skip_outputs",
+  "usable_cores",
+  "with_writes_out",
+  "without_out",
 ]
 
 
@@ -94,9 +107,14 @@ class ParallelMapIterator(OpIterator):
   """Whether a following `batch` may read through `next_batch`: one output
   per input, so the workers can write each into its row of the batch."""
 
-  def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
-               num_parallel_calls: int | None, deterministic: bool,
-               writes_out: bool = False):
+  def __init__(
+    self,
+    parent: OpIterator,
+    work_fn: Callable[[Any, int], Any],
+    num_parallel_calls: int | None,
+    deterministic: bool,
+    writes_out: bool = False,
+  ):
     super().__init__([parent])
     self._parent = parent
     self._autotuned = num_parallel_calls == AUTOTUNE
@@ -104,8 +122,13 @@ class ParallelMapIterator(OpIterator):
       self.executor: ParallelExecutor | None = None
     else:
       self.executor = ParallelExecutor(
-          parent, work_fn, resolve_parallelism(num_parallel_calls),
-          deterministic, self.op_name, writes_out)
+        parent,
+        work_fn,
+        resolve_parallelism(num_parallel_calls),
+        deterministic,
+        self.op_name,
+        writes_out,
+      )
     # Read by `replays_identically`: unordered outputs do not replay.
     self.deterministic = self.executor is None or self.executor.deterministic
 
@@ -162,8 +185,9 @@ class ParallelMapIterator(OpIterator):
   def parallelism(self, value: int) -> None:
     if self.executor is None:
       raise ValueError(
-          f"{self.op_name}: parallelism can only be changed on an op built "
-          f"with num_parallel_calls > 1 or AUTOTUNE.")
+        f"{self.op_name}: parallelism can only be changed on an op built "
+        f"with num_parallel_calls > 1 or AUTOTUNE."
+      )
     self.executor.parallelism = value
 
   def _stats_fields(self) -> dict:
@@ -186,20 +210,32 @@ class ParallelMapIterator(OpIterator):
     if not self._autotuned or self.executor is None:
       return []
     executor = self.executor
-    return [autotune.Knob(
-        name=f"{self.op_name}/parallelism", kind="threads",
+    return [
+      autotune.Knob(
+        name=f"{self.op_name}/parallelism",
+        kind="threads",
         get=lambda: executor.parallelism,
         set=lambda value: setattr(executor, "parallelism", value),
         # The autotuner's CPU budget (jaxfeed.Options) is the real bound.
-        minimum=1, maximum=MAX_AUTOTUNE_PARALLELISM,
-        wait_s=lambda: executor.wait_s, busy_s=lambda: executor.busy_s)]
+        minimum=1,
+        maximum=MAX_AUTOTUNE_PARALLELISM,
+        wait_s=lambda: executor.wait_s,
+        busy_s=lambda: executor.busy_s,
+      )
+    ]
 
   def get_state(self) -> dict:
     if self.executor is None:
-      return {"op": self.op_name, "own": {"skip": 0, "consumed_ahead": []},
-              "parents": [self._parent.get_state()]}
-    return {"op": self.op_name, "own": self.executor.own_state(),
-            "parents": [self.executor.parent_state()]}
+      return {
+        "op": self.op_name,
+        "own": {"skip": 0, "consumed_ahead": []},
+        "parents": [self._parent.get_state()],
+      }
+    return {
+      "op": self.op_name,
+      "own": self.executor.own_state(),
+      "parents": [self.executor.parent_state()],
+    }
 
   def set_state(self, state: dict) -> None:
     check_state(state, self.op_name, 1)
@@ -210,9 +246,10 @@ class ParallelMapIterator(OpIterator):
     skip, consumed_ahead = check_replay_state(own, self.op_name)
     if consumed_ahead:
       raise PipelineStateError(
-          f"Cannot restore op {self.op_name!r}: the state lists elements "
-          f"returned out of order (deterministic=False), which only a "
-          f"parallel {self.op_name} can resume; got {own!r}.")
+        f"Cannot restore op {self.op_name!r}: the state lists elements "
+        f"returned out of order (deterministic=False), which only a "
+        f"parallel {self.op_name} can resume; got {own!r}."
+      )
     self._parent.set_state(state["parents"][0])
     drop_replayed(self._parent, skip, self.op_name)
 

@@ -19,11 +19,16 @@ from jaxfeed.ops import batch_placement, executor_threads, op_stats
 from jaxfeed.ops.executor_batches import BatchReads
 from jaxfeed.ops.executor_threads import BATCH_DEPTH, CHUNK
 from jaxfeed.ops.base import OpIterator
-from jaxfeed.ops.replay import (anchor_interval, check_replay_state,
-                                drop_replayed, skip_outputs)
+from jaxfeed.ops.replay import anchor_interval, check_replay_state, drop_replayed, skip_outputs
 
-__all__ = ["ParallelExecutor", "INLINE_BELOW_S", "PROBE_INTERVAL",
-           "PROBE_LENGTH", "CHUNK", "BATCH_DEPTH"]
+__all__ = [
+  "ParallelExecutor",
+  "INLINE_BELOW_S",
+  "PROBE_INTERVAL",
+  "PROBE_LENGTH",
+  "CHUNK",
+  "BATCH_DEPTH",
+]
 
 INLINE_BELOW_S = 100e-6
 """Work cheaper than this per element runs in the consumer (ordered mode).
@@ -39,6 +44,7 @@ PROBE_INTERVAL = 256
 
 PROBE_LENGTH = 4
 """Elements timed in the consumer per probe (the fastest one counts)."""
+
 
 class ParallelExecutor(BatchReads):
   """Pipelined `work_fn(element, seed)` over a parent iterator on threads.
@@ -89,9 +95,15 @@ class ParallelExecutor(BatchReads):
       batch showed that its elements can be placed).
   """
 
-  def __init__(self, parent: OpIterator, work_fn: Callable[[Any, int], Any],
-               parallelism: int, deterministic: bool, op_name: str,
-               writes_out: bool = False):
+  def __init__(
+    self,
+    parent: OpIterator,
+    work_fn: Callable[[Any, int], Any],
+    parallelism: int,
+    deterministic: bool,
+    op_name: str,
+    writes_out: bool = False,
+  ):
     """Args:
     parent: the input iterator.
     work_fn: work_fn(element, seed) -> output; must not reference the
@@ -118,7 +130,8 @@ class ParallelExecutor(BatchReads):
     self._num_active_threads = 0
     self._busy_cells: list[list[float]] = []
     self._finalizer = weakref.finalize(
-        self, executor_threads.shutdown, self._tasks, self._threads, self._generation)
+      self, executor_threads.shutdown, self._tasks, self._threads, self._generation
+    )
     self._finalizer.atexit = False  # Daemon threads; never block exit.
     self._closed = False
     self.last_seed = 0
@@ -145,8 +158,7 @@ class ParallelExecutor(BatchReads):
     """Changes the parallelism while running (the autotuner's hook)."""
     value = int(value)
     if value < 1:
-      raise ValueError(
-          f"{self._op_name}: parallelism must be >= 1, got {value}.")
+      raise ValueError(f"{self._op_name}: parallelism must be >= 1, got {value}.")
     # The pool itself is resized by the consumer thread, on its next call.
     self._parallelism = value
 
@@ -158,10 +170,11 @@ class ParallelExecutor(BatchReads):
       busy = [0.0]
       self._busy_cells.append(busy)
       thread = threading.Thread(
-          target=executor_threads.worker_loop,
-          args=(self._tasks, self._results, self._work_fn, self._generation,
-                busy),
-          name=f"jaxfeed-{self._op_name}-worker", daemon=True)
+        target=executor_threads.worker_loop,
+        args=(self._tasks, self._results, self._work_fn, self._generation, busy),
+        name=f"jaxfeed-{self._op_name}-worker",
+        daemon=True,
+      )
       thread.start()
       self._threads.append(thread)
     for _ in range(-missing):
@@ -192,12 +205,12 @@ class ParallelExecutor(BatchReads):
 
   # -- bookkeeping ---------------------------------------------------------
   def _reset_bookkeeping(self, consumed_ahead) -> None:
-    self._next_seq = 0          # seq of the next element to pull
-    self._base_seq = 0          # oldest element not yet returned
+    self._next_seq = 0  # seq of the next element to pull
+    self._base_seq = 0  # oldest element not yet returned
     self._anchors: collections.deque = collections.deque()  # (seq, state)
     self._pending: dict[int, int] = {}  # seq -> seed: pulled, not returned
     self._consumed_ahead: set[int] = set(consumed_ahead)
-    self._ready: dict[int, tuple] = {}   # finished, not yet returned
+    self._ready: dict[int, tuple] = {}  # finished, not yet returned
     self._exhausted = False
 
   def _mark_returned(self, seq: int) -> None:
@@ -370,8 +383,8 @@ class ParallelExecutor(BatchReads):
     if self._num_active_threads != self._parallelism:
       self._resize_pool()
     if self.deterministic and (
-        self._inline
-        or (self._since_probe >= PROBE_INTERVAL and INLINE_BELOW_S > 0)):
+      self._inline or (self._since_probe >= PROBE_INTERVAL and INLINE_BELOW_S > 0)
+    ):
       # Measure the work in the consumer once everything in flight is out.
       if not self._pending:
         return self._next_inline()
@@ -408,8 +421,7 @@ class ParallelExecutor(BatchReads):
   def skip(self, count: int) -> int:
     """Skips up to `count` outputs, without work when the parent can skip."""
     skip_parent = getattr(self._parent, "skip_elements", None)
-    if (skip_parent is None or self._pending or self._consumed_ahead
-        or self._exhausted):
+    if skip_parent is None or self._pending or self._consumed_ahead or self._exhausted:
       return skip_outputs(self, count)
     skipped = skip_parent(count)
     self._next_seq += skipped
@@ -429,9 +441,10 @@ class ParallelExecutor(BatchReads):
     if self._next_seq == self._base_seq and not self._consumed_ahead:
       return {"skip": 0, "consumed_ahead": []}
     anchor_seq = self._anchor()[0]
-    return {"skip": self._base_seq - anchor_seq,
-            "consumed_ahead": sorted(s - anchor_seq
-                                     for s in self._consumed_ahead)}
+    return {
+      "skip": self._base_seq - anchor_seq,
+      "consumed_ahead": sorted(s - anchor_seq for s in self._consumed_ahead),
+    }
 
   def _anchor(self) -> tuple[int, Any]:
     """The newest anchor at or before the oldest unreturned element."""

@@ -9,8 +9,7 @@ import weakref
 from typing import Any
 
 from jaxfeed.ops import autotune, parallel, tree
-from jaxfeed.ops.base import (AUTOTUNE, Node, OpIterator, check_positive_int,
-                              check_state, state_int)
+from jaxfeed.ops.base import AUTOTUNE, Node, OpIterator, check_positive_int, check_state, state_int
 
 __all__ = ["PrefetchNode", "PrefetchIterator", "DEFAULT_AUTOTUNE_BUFFER_SIZE"]
 
@@ -39,19 +38,19 @@ class PrefetchNode(Node):
     super().__init__([parent])
     if buffer_size != AUTOTUNE or isinstance(buffer_size, bool):
       try:
-        buffer_size = check_positive_int(buffer_size, self.op_name,
-                                         "buffer_size", allow_zero=True)
+        buffer_size = check_positive_int(buffer_size, self.op_name, "buffer_size", allow_zero=True)
       except ValueError:
         raise ValueError(
-            f"prefetch: buffer_size must be an integer >= 0 or "
-            f"jaxfeed.AUTOTUNE (-1), got {buffer_size!r}.") from None
+          f"prefetch: buffer_size must be an integer >= 0 or "
+          f"jaxfeed.AUTOTUNE (-1), got {buffer_size!r}."
+        ) from None
     self.buffer_size = int(buffer_size)
 
   def make_iterator(self) -> "PrefetchIterator":
-    size = (DEFAULT_AUTOTUNE_BUFFER_SIZE if self.buffer_size == AUTOTUNE
-            else self.buffer_size)
-    return PrefetchIterator(self.parents[0].make_iterator(), size,
-                            autotuned=self.buffer_size == AUTOTUNE)
+    size = DEFAULT_AUTOTUNE_BUFFER_SIZE if self.buffer_size == AUTOTUNE else self.buffer_size
+    return PrefetchIterator(
+      self.parents[0].make_iterator(), size, autotuned=self.buffer_size == AUTOTUNE
+    )
 
   def spec_params(self) -> dict:
     return {"buffer_size": self.buffer_size}
@@ -106,8 +105,7 @@ def _produce(parent: OpIterator, buffer: _Buffer, interval: int) -> None:
       start = time.perf_counter()
       with cond:
         buffer.producer_waiting = True
-        while (buffer.produced - buffer.consumed >= buffer.capacity
-               and not buffer.stop):
+        while buffer.produced - buffer.consumed >= buffer.capacity and not buffer.stop:
           cond.wait()
         buffer.producer_waiting = False
       buffer.full_s += time.perf_counter() - start
@@ -166,8 +164,7 @@ class PrefetchIterator(OpIterator):
   op_name = "prefetch"
   stats_one_to_one = True
 
-  def __init__(self, parent: OpIterator, buffer_size: int,
-               autotuned: bool = False):
+  def __init__(self, parent: OpIterator, buffer_size: int, autotuned: bool = False):
     super().__init__([parent])
     self._parent = parent
     self._buffer_size = buffer_size
@@ -197,9 +194,10 @@ class PrefetchIterator(OpIterator):
     value = int(value)
     if self._buffer_size == 0 or value < 1:
       raise ValueError(
-          f"prefetch: buffer_size can be changed to an integer >= 1 on a "
-          f"prefetch built with buffer_size >= 1 or AUTOTUNE, got {value!r} "
-          f"(built with {self._buffer_size}).")
+        f"prefetch: buffer_size can be changed to an integer >= 1 on a "
+        f"prefetch built with buffer_size >= 1 or AUTOTUNE, got {value!r} "
+        f"(built with {self._buffer_size})."
+      )
     self._buffer_size = value
     buffer = self._buffer
     if buffer is not None:
@@ -211,14 +209,19 @@ class PrefetchIterator(OpIterator):
     """The buffer-size knob, for prefetches built with AUTOTUNE."""
     if not self._autotuned:
       return []
-    return [autotune.Knob(
-        name="prefetch/buffer_size", kind="buffer",
+    return [
+      autotune.Knob(
+        name="prefetch/buffer_size",
+        kind="buffer",
         get=lambda: self._buffer_size,
         set=lambda value: setattr(self, "buffer_size", value),
-        minimum=1, maximum=_MAX_AUTOTUNE_BUFFER_SIZE,
+        minimum=1,
+        maximum=_MAX_AUTOTUNE_BUFFER_SIZE,
         wait_s=lambda: self.wait_s,
         producer_blocked_s=lambda: 0.0 if self._buffer is None else self._buffer.full_s,
-        unit_bytes=lambda: self._element_bytes)]
+        unit_bytes=lambda: self._element_bytes,
+      )
+    ]
 
   @property
   def num_buffered(self) -> int:
@@ -241,13 +244,15 @@ class PrefetchIterator(OpIterator):
     self._position = 0
     self._anchor = (0, self._parent.get_state())
     buffer = _Buffer(self._buffer_size)
-    thread = threading.Thread(target=_produce,
-                              args=(self._parent, buffer, self._interval),
-                              name="jaxfeed-prefetch", daemon=True)
+    thread = threading.Thread(
+      target=_produce,
+      args=(self._parent, buffer, self._interval),
+      name="jaxfeed-prefetch",
+      daemon=True,
+    )
     self._buffer = buffer
     self._threads = [thread]
-    self._finalizer = weakref.finalize(self, _stop_producer, buffer,
-                                       self._threads)
+    self._finalizer = weakref.finalize(self, _stop_producer, buffer, self._threads)
     self._finalizer.atexit = False  # A daemon thread; never block exit.
     thread.start()
 
@@ -303,12 +308,13 @@ class PrefetchIterator(OpIterator):
   def get_state(self) -> dict:
     if self._buffer is None:
       # No producer touches the parent: its own state is exact.
-      return {"op": self.op_name, "own": {"skip": 0},
-              "parents": [self._parent.get_state()]}
+      return {"op": self.op_name, "own": {"skip": 0}, "parents": [self._parent.get_state()]}
     anchor_position, anchor = self._anchor
-    return {"op": self.op_name,
-            "own": {"skip": self._position - anchor_position},
-            "parents": [anchor]}
+    return {
+      "op": self.op_name,
+      "own": {"skip": self._position - anchor_position},
+      "parents": [anchor],
+    }
 
   def set_state(self, state: dict) -> None:
     check_state(state, self.op_name, 1)

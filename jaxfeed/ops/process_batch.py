@@ -78,8 +78,9 @@ def fuse(batch_node: base.Node) -> "ProcessBatchNode | None":
   calls = [p.get("num_parallel_calls") for p in params]
   if "process" in backends:
     counts = [c for c in calls if c is not None and c > 1]
-    return ProcessBatchNode(batch_node, backend="process",
-                            num_workers=max(counts) if counts else None)
+    return ProcessBatchNode(
+      batch_node, backend="process", num_workers=max(counts) if counts else None
+    )
   if "thread" in backends or base.AUTOTUNE not in calls:
     return None
   return ProcessBatchNode(batch_node, backend="auto")
@@ -100,28 +101,39 @@ class ProcessBatchNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, chain: base.Node, backend: str = "process",
-               num_workers: int | None = None, chunk: int | None = None,
-               copy: bool = False):
+  def __init__(
+    self,
+    chain: base.Node,
+    backend: str = "process",
+    num_workers: int | None = None,
+    chunk: int | None = None,
+    copy: bool = False,
+  ):
     super().__init__([chain])
     self.chain = FusedChain(chain)
     if backend not in BACKENDS:
-      raise ValueError(f"{_OP}: backend must be one of "
-                       f"{', '.join(map(repr, BACKENDS))}, got {backend!r}.")
-    self.backend = backend
-    self.num_workers = (None if num_workers is None else
-                        base.check_positive_int(num_workers, _OP, "num_workers"))
-    self.chunk = None if chunk is None else base.check_positive_int(chunk, _OP, "chunk")
-    if (self.chunk is not None and not self.chain.filters
-        and self.chunk % self.chain.batch_size):
       raise ValueError(
-          f"{_OP}: chunk must be a multiple of the batch size "
-          f"{self.chain.batch_size} when no filter runs, got {self.chunk}.")
+        f"{_OP}: backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}."
+      )
+    self.backend = backend
+    self.num_workers = (
+      None if num_workers is None else base.check_positive_int(num_workers, _OP, "num_workers")
+    )
+    self.chunk = None if chunk is None else base.check_positive_int(chunk, _OP, "chunk")
+    if self.chunk is not None and not self.chain.filters and self.chunk % self.chain.batch_size:
+      raise ValueError(
+        f"{_OP}: chunk must be a multiple of the batch size "
+        f"{self.chain.batch_size} when no filter runs, got {self.chunk}."
+      )
     self.copy = bool(copy)
 
   def spec_params(self) -> dict:
-    return {"backend": self.backend, "num_workers": self.num_workers,
-            "chunk": self.chunk, "copy": self.copy}
+    return {
+      "backend": self.backend,
+      "num_workers": self.num_workers,
+      "chunk": self.chunk,
+      "copy": self.copy,
+    }
 
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
@@ -153,8 +165,7 @@ class _Kit:
   def start_processes(self) -> None:
     """Starts the worker processes (in the background) unless they run."""
     if self.processes is None:
-      self.processes = ProcessWorkers(self._runtime.shipment,
-                                      self._runtime.num_workers, _OP)
+      self.processes = ProcessWorkers(self._runtime.shipment, self._runtime.num_workers, _OP)
       self.slots.held_limit = 2 * self._runtime.num_workers
       for slot in self.slots.slots:
         slot.mapped_by.clear()
@@ -232,9 +243,12 @@ class _Runtime:
       why = shipping.why_not_shippable(self._chain.payload())
       if why is not None:
         excluded["process"] = f"its functions cannot be sent to worker processes ({why})"
-        _LOG.warning("%s: running %s on threads: %s.", _OP,
-                     node.chain.batch_node.stats_label or "the chain",
-                     excluded["process"])
+        _LOG.warning(
+          "%s: running %s on threads: %s.",
+          _OP,
+          node.chain.batch_node.stats_label or "the chain",
+          excluded["process"],
+        )
     if node.backend == "auto":
       if cores < 2:
         excluded.setdefault("process", "this process may use one core only")
@@ -242,8 +256,10 @@ class _Runtime:
       # takes their cores for a while), inline once more after; processes
       # twice (their first chunks also make their slots).
       self.chooser: BackendChooser | None = BackendChooser(
-          ["process", "inline", "thread"], excluded,
-          order=["thread", "inline", "process", "inline", "process"])
+        ["process", "inline", "thread"],
+        excluded,
+        order=["thread", "inline", "process", "inline", "process"],
+      )
       self._fixed = None
       self._reason = None
     else:
@@ -339,9 +355,12 @@ class _Runtime:
   def _expire(self) -> None:
     """Stops worker processes idle for `IDLE_TIMEOUT_S` (a launcher tick)."""
     with self._lock:
-      if (self._kit is not None and not self._lent
-          and self._idle_since is not None
-          and time.monotonic() - self._idle_since >= IDLE_TIMEOUT_S):
+      if (
+        self._kit is not None
+        and not self._lent
+        and self._idle_since is not None
+        and time.monotonic() - self._idle_since >= IDLE_TIMEOUT_S
+      ):
         self._kit.stop_processes()
 
   def close(self) -> None:

@@ -50,6 +50,7 @@ CLOSE_WAIT_S = 5.0
 """How long `close()` waits for worker processes to finish the chunks in
 flight before it stops them (their next iterator starts new ones)."""
 
+
 class ProcessBatchIterator(base.OpIterator):
   """Iterator of `process_batch.ProcessBatchNode` (see the module docstring).
 
@@ -107,8 +108,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._lease.inflight = self._inflight
     self._finalizer = weakref.finalize(self, self._lease.close)
     chooser = self._runtime.chooser
-    if (chooser is not None and chooser.measuring
-        and "process" in chooser.candidates):
+    if chooser is not None and chooser.measuring and "process" in chooser.candidates:
       self._processes_started()  # in the background, ready for their turn
     self._follow(self._runtime.backend(), first=True)
 
@@ -128,8 +128,7 @@ class ProcessBatchIterator(base.OpIterator):
     if backend == "process":
       if not self._processes_started():
         backend = self._runtime.interim_backend()
-      elif (first and self._runtime.chooser is not None
-            and self._kit.processes_starting()):
+      elif first and self._runtime.chooser is not None and self._kit.processes_starting():
         self._switch(self._runtime.interim_backend())
         self._switch_to = "process"
         return
@@ -167,8 +166,7 @@ class ProcessBatchIterator(base.OpIterator):
     self._lease.transport = workers
     self._pending = [collections.deque() for _ in range(len(workers))]
     self._next_start = self._position
-    self._set_chunk(self._node.chunk or self._runtime.learned.get(backend)
-                    or self._chunk_size)
+    self._set_chunk(self._node.chunk or self._runtime.learned.get(backend) or self._chunk_size)
     window = self._runtime.window
     if window is None or window.backend != backend:
       window = self._runtime.window = Window(backend)
@@ -242,8 +240,7 @@ class ProcessBatchIterator(base.OpIterator):
         raise StopIteration
 
   def _draining(self) -> bool:
-    return (self._switch_to is not None and not self._chain.filters
-            and self._switch_ready())
+    return self._switch_to is not None and not self._chain.filters and self._switch_ready()
 
   def _take_batch(self) -> Any:
     """The next batch of the running backend; None when it has no more (the
@@ -295,8 +292,7 @@ class ProcessBatchIterator(base.OpIterator):
     workers, pending = self._workers, self._pending
     depth = workers.ahead * len(workers)
     per_worker = min(CHUNKS_PER_WORKER, workers.ahead)
-    while len(self._inflight) < depth and (self._end is None
-                                           or self._next_start < self._end):
+    while len(self._inflight) < depth and (self._end is None or self._next_start < self._end):
       index = min(range(len(workers)), key=lambda i: len(pending[i]))
       if len(pending[index]) >= per_worker:
         return
@@ -304,9 +300,11 @@ class ProcessBatchIterator(base.OpIterator):
       stop = self._chunk_stop(start)
       # The consumer's own thread stacks into new arrays, unless the
       # function writes into its batch rows (then they are in a slot).
-      slot = (None if self._chain.filters or (self._backend == "inline"
-                                              and not self._chain.writes_rows)
-              else self._kit.slots.take(self._slot_bytes, index))
+      slot = (
+        None
+        if self._chain.filters or (self._backend == "inline" and not self._chain.writes_rows)
+        else self._kit.slots.take(self._slot_bytes, index)
+      )
       workers.send_chunk(index, start, stop, slot)
       chunk = Chunk(index, start, stop, slot)
       self._inflight.append(chunk)
@@ -321,8 +319,9 @@ class ProcessBatchIterator(base.OpIterator):
       stop = start + self._chunk_size
       return stop if self._end is None else min(stop, self._end)
     unit = MIN_CHUNK_ELEMENTS if self._chain.filters else self._chain.batch_size
-    return chunk_stop(start, self._chunk_size, end=self._end,
-                      workers=len(self._workers), sent=self._sent, unit=unit)
+    return chunk_stop(
+      start, self._chunk_size, end=self._end, workers=len(self._workers), sent=self._sent, unit=unit
+    )
 
   def _receive_chunk(self, need: bool = False) -> bool:
     """Moves the oldest chunk's outputs to `_items`; False when there is
@@ -343,8 +342,9 @@ class ProcessBatchIterator(base.OpIterator):
     self._items.append(("release", chunk.slot))
     return True
 
-  def _result(self, chunk: Chunk, refill: bool = True,
-              deadline: float | None = None) -> tuple[list, float]:
+  def _result(
+    self, chunk: Chunk, refill: bool = True, deadline: float | None = None
+  ) -> tuple[list, float]:
     """The chunk's (headers, busy seconds). Meanwhile answers every worker
     (a slot to grow) and, with `refill`, gives a worker that finished its
     chunks new ones. With a `deadline` (time.monotonic), raises TimeoutError
@@ -370,8 +370,8 @@ class ProcessBatchIterator(base.OpIterator):
     chunk = self._pending[index][0]
     learned = self._runtime.learned
     learned["slot_bytes_per_position"] = max(
-        learned.get("slot_bytes_per_position", 0),
-        -(-needed // max(1, chunk.stop - chunk.start)))
+      learned.get("slot_bytes_per_position", 0), -(-needed // max(1, chunk.stop - chunk.start))
+    )
     self._slot_bytes = max(2 * chunk.slot.size, needed)
     chunk.slot.taken = False
     self._kit.slots.retire(chunk.slot)
@@ -386,12 +386,14 @@ class ProcessBatchIterator(base.OpIterator):
     if self._node.chunk is not None or chunk.stop <= chunk.start:
       return
     per_position = busy_s / (chunk.stop - chunk.start)
-    self._per_position = (per_position if self._per_position is None else
-                          self._per_position + 0.25 * (per_position - self._per_position))
+    self._per_position = (
+      per_position
+      if self._per_position is None
+      else self._per_position + 0.25 * (per_position - self._per_position)
+    )
     if self._sent <= len(self._workers):
       return  # the first chunks: cold, and small (`_chunk_stop`)
-    size = tuned_size(self._per_position, self._chain.batch_size,
-                      bool(self._chain.filters))
+    size = tuned_size(self._per_position, self._chain.batch_size, bool(self._chain.filters))
     learned = self._runtime.learned.get(self._backend)
     if learned is None or not learned / 4 <= size <= 4 * learned:
       self._runtime.learned[self._backend] = size
@@ -424,8 +426,11 @@ class ProcessBatchIterator(base.OpIterator):
     chooser.record(self._backend, rate, self._window.seconds)
     self._runtime.window = self._window = Window(self._backend)
     self._follow(chooser.backend())
-    if (not chooser.measuring and self._kit.processes is not None
-        and "process" not in (self._backend, self._switch_to)):
+    if (
+      not chooser.measuring
+      and self._kit.processes is not None
+      and "process" not in (self._backend, self._switch_to)
+    ):
       self._runtime.idle_processes(self._kit)
 
   # -- state ---------------------------------------------------------------
@@ -469,8 +474,7 @@ class ProcessBatchIterator(base.OpIterator):
       self.parents = [self._fallback]
     if state is not None:
       self._fallback.set_state(state)
-    self._runtime.note("the input's state is more than a position: "
-                       "element by element on threads")
+    self._runtime.note("the input's state is more than a position: element by element on threads")
 
   # -- reporting and lifetime ----------------------------------------------
   def _stats_fields(self) -> dict:
@@ -486,8 +490,9 @@ class ProcessBatchIterator(base.OpIterator):
     if self._workers is not None:
       fields["parallelism"] = len(self._workers)
     else:  # ended: the workers it ran on went back to the node
-      fields["parallelism"] = (self._runtime.num_workers or 1
-                               if self.backend in ("thread", "process") else 1)
+      fields["parallelism"] = (
+        self._runtime.num_workers or 1 if self.backend in ("thread", "process") else 1
+      )
     return fields
 
   @property
@@ -524,4 +529,3 @@ class ProcessBatchIterator(base.OpIterator):
     if self._fallback is not None:
       self._fallback.close()
     op_stats.release(self)
-

@@ -34,8 +34,12 @@ import numpy as np
 
 from jaxfeed.ops import memfd, shipping, tree
 from jaxfeed.ops.memfd import ArrayRef
-from jaxfeed.ops.worker_processes import (RemoteTraceback, WorkerProcess,
-                                          WorkerProcessError, picklable_error)
+from jaxfeed.ops.worker_processes import (
+  RemoteTraceback,
+  WorkerProcess,
+  WorkerProcessError,
+  picklable_error,
+)
 
 __all__ = ["ProcessPool", "WorkerProcessError", "pool_or_threads"]
 
@@ -107,8 +111,7 @@ def _worker_main(conn, fn: Callable) -> None:
           block.close()
           block = _Block(reply[1], reduction.recv_handle(conn))
         for array, offset in arrays:
-          np.ndarray(array.shape, array.dtype, buffer=block.map,
-                     offset=offset)[...] = array
+          np.ndarray(array.shape, array.dtype, buffer=block.map, offset=offset)[...] = array
         conn.send(("ok", skeleton))
       except BaseException as exc:  # noqa: BLE001 -- re-raised in the parent
         conn.send(("error", picklable_error(exc), traceback.format_exc()))
@@ -129,8 +132,8 @@ class _Worker:
     if reply[0] == "error":
       self.stop()
       raise WorkerProcessError(
-          f"{op_name}: worker process could not load the function: "
-          f"{reply[1]!r}") from RemoteTraceback(reply[2])
+        f"{op_name}: worker process could not load the function: {reply[1]!r}"
+      ) from RemoteTraceback(reply[2])
 
   def _send_block(self, first: bool = False) -> None:
     self.process.check_started()  # its target goes first
@@ -143,8 +146,9 @@ class _Worker:
     except (EOFError, OSError) as exc:
       self.process.stop(timeout_s=1)
       raise WorkerProcessError(
-          f"{self.op_name}: worker process {self.process.name} died "
-          f"(exit code {self.process.exitcode}).") from exc
+        f"{self.op_name}: worker process {self.process.name} died "
+        f"(exit code {self.process.exitcode})."
+      ) from exc
 
   def run(self, element: Any) -> Any:
     conn = self.process.conn
@@ -161,8 +165,7 @@ class _Worker:
 
     def restore(leaf):
       if type(leaf) is ArrayRef:
-        return np.ndarray(leaf.shape, np.dtype(leaf.dtype), buffer=buf,
-                          offset=leaf.offset).copy()
+        return np.ndarray(leaf.shape, np.dtype(leaf.dtype), buffer=buf, offset=leaf.offset).copy()
       return leaf
 
     return tree.map_structure(restore, reply[1])
@@ -201,15 +204,15 @@ class ProcessPool:
       self._shipment = shipping.dumps((_worker_main, (fn,)))
     except Exception as exc:  # noqa: BLE001 -- a lock, a generator, ...
       raise ValueError(
-          f"{op_name}(backend='process'): {fn!r} cannot be sent to worker "
-          f"processes ({type(exc).__name__}: {exc}).") from exc
+        f"{op_name}(backend='process'): {fn!r} cannot be sent to worker "
+        f"processes ({type(exc).__name__}: {exc})."
+      ) from exc
     self._op_name = op_name
     self._workers: list[_Worker] = []
     self._idle: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._closed = False
-    self._finalizer = weakref.finalize(self, _stop_all, self._workers,
-                                       self._lock, self._shipment)
+    self._finalizer = weakref.finalize(self, _stop_all, self._workers, self._lock, self._shipment)
 
   @property
   def num_processes(self) -> int:
@@ -259,6 +262,10 @@ def pool_or_threads(fn: Callable, op_name: str) -> ProcessPool | None:
       return ProcessPool(fn, op_name)
     except ValueError as exc:
       why = str(exc)
-  _LOG.warning("%s(backend='process'): running %r on threads: it cannot be "
-               "sent to worker processes (%s).", op_name, fn, why)
+  _LOG.warning(
+    "%s(backend='process'): running %r on threads: it cannot be sent to worker processes (%s).",
+    op_name,
+    fn,
+    why,
+  )
   return None

@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 
 from jaxfeed.ops import tree
-from jaxfeed.ops.base import (Node, OpIterator, check_positive_int, state_int,
-                              to_node)
+from jaxfeed.ops.base import Node, OpIterator, check_positive_int, state_int, to_node
 
 __all__ = ["RaggedBatchNode", "RaggedBatchIterator", "ragged_stack"]
 
@@ -37,10 +36,11 @@ def ragged_stack(elements: list) -> Any:
     try:
       values = np.concatenate(rows)
     except ValueError as e:
-      raise ValueError(f"{_OP}: rows of component {i} differ beyond their first "
-                       f"dimension: {sorted({r.shape[1:] for r in rows})}.") from e
-    leaves.append({"values": values,
-                   "row_lengths": np.array([len(r) for r in rows], np.int64)})
+      raise ValueError(
+        f"{_OP}: rows of component {i} differ beyond their first "
+        f"dimension: {sorted({r.shape[1:] for r in rows})}."
+      ) from e
+    leaves.append({"values": values, "row_lengths": np.array([len(r) for r in rows], np.int64)})
   return tree.unflatten(structure, leaves)
 
 
@@ -66,8 +66,9 @@ class RaggedBatchNode(Node):
     return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
 
   def make_iterator(self) -> "RaggedBatchIterator":
-    return RaggedBatchIterator(self.parents[0].make_iterator(), self.batch_size,
-                               self.drop_remainder)
+    return RaggedBatchIterator(
+      self.parents[0].make_iterator(), self.batch_size, self.drop_remainder
+    )
 
 
 class RaggedBatchIterator(OpIterator):

@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxfeed.ops.base import (IterationCounter, Node, OpIterator,
-                               PipelineStateError, state_int)
+from jaxfeed.ops.base import IterationCounter, Node, OpIterator, PipelineStateError, state_int
 from jaxfeed.ops.op_seed import OpSeed
 from jaxfeed.seeding import mix_seed, mix_seeds
 
@@ -32,21 +31,26 @@ class RandomNode(Node):
 
   op_name = _OP
 
-  def __init__(self, seed: int | None = None,
-               rerandomize_each_iteration: bool | None = None,
-               seed_given: bool | None = None):
+  def __init__(
+    self,
+    seed: int | None = None,
+    rerandomize_each_iteration: bool | None = None,
+    seed_given: bool | None = None,
+  ):
     super().__init__()
     self.op_seed = OpSeed(seed, _OP, seed_given)
     if rerandomize_each_iteration is not None and not isinstance(
-        rerandomize_each_iteration, (bool, np.bool_)):
-      raise TypeError(f"{_OP}: rerandomize_each_iteration must be a bool or "
-                      f"None, got {rerandomize_each_iteration!r}.")
+      rerandomize_each_iteration, (bool, np.bool_)
+    ):
+      raise TypeError(
+        f"{_OP}: rerandomize_each_iteration must be a bool or "
+        f"None, got {rerandomize_each_iteration!r}."
+      )
     self.rerandomize_each_iteration = bool(rerandomize_each_iteration)
     self.iterations = IterationCounter()
 
   def spec_params(self) -> dict:
-    return {**self.op_seed.params(),
-            "rerandomize_each_iteration": self.rerandomize_each_iteration}
+    return {**self.op_seed.params(), "rerandomize_each_iteration": self.rerandomize_each_iteration}
 
   def cardinality(self) -> int:
     return -1
@@ -91,20 +95,19 @@ class RandomIterator(OpIterator):
     return {"elements": self._index}
 
   def _get_own_state(self) -> dict:
-    return {"seed": self._seed, "iteration": self._iteration,
-            "index": self._index}
+    return {"seed": self._seed, "iteration": self._iteration, "index": self._index}
 
   def _set_own_state(self, state: dict) -> None:
     self._seed = self._node.op_seed.restored(state, _OP)
     self._iteration = state_int(state, "iteration", _OP)
     if self._iteration and not self._node.rerandomize_each_iteration:
       raise PipelineStateError(
-          f"Cannot restore op {_OP!r}: the state is in iteration "
-          f"{self._iteration} of a random dataset with "
-          "rerandomize_each_iteration=True, but this pipeline's repeats the "
-          "same sequence every iteration.")
+        f"Cannot restore op {_OP!r}: the state is in iteration "
+        f"{self._iteration} of a random dataset with "
+        "rerandomize_each_iteration=True, but this pipeline's repeats the "
+        "same sequence every iteration."
+      )
     self._index = state_int(state, "index", _OP)
     self._chunk, self._chunk_start = [], self._index
     if self._node.rerandomize_each_iteration:
       self._node.iterations.restored(self._iteration)
-

@@ -11,8 +11,13 @@ from jaxfeed.ops import parallel, process_pool
 from jaxfeed.ops.base import Node, OpIterator, mix_seed
 from jaxfeed.seeding import continue_mix
 
-__all__ = ["RandomMapNode", "RandomMapIterator", "RandomMapCall",
-           "ElementGenerators", "element_rng"]
+__all__ = [
+  "RandomMapNode",
+  "RandomMapIterator",
+  "RandomMapCall",
+  "ElementGenerators",
+  "element_rng",
+]
 
 
 def element_rng(op_seed: int, record_seed: int) -> np.random.Generator:
@@ -28,8 +33,7 @@ def element_rng(op_seed: int, record_seed: int) -> np.random.Generator:
   """
   key = mix_seed(op_seed, record_seed)
   # A key array equals key=int (low word first) and skips int conversion.
-  return np.random.Generator(
-      np.random.Philox(key=np.array([key, 0], dtype=np.uint64)))
+  return np.random.Generator(np.random.Philox(key=np.array([key, 0], dtype=np.uint64)))
 
 
 class ElementGenerators:
@@ -51,10 +55,14 @@ class ElementGenerators:
       generator, state, key_words = local.cached
     except AttributeError:
       key_words = np.zeros(2, np.uint64)
-      state = {"bit_generator": "Philox",
-               "state": {"counter": np.zeros(4, np.uint64), "key": key_words},
-               "buffer": np.zeros(4, np.uint64), "buffer_pos": 4,
-               "has_uint32": 0, "uinteger": 0}
+      state = {
+        "bit_generator": "Philox",
+        "state": {"counter": np.zeros(4, np.uint64), "key": key_words},
+        "buffer": np.zeros(4, np.uint64),
+        "buffer_pos": 4,
+        "has_uint32": 0,
+        "uinteger": 0,
+      }
       generator = np.random.Generator(np.random.Philox(key=0))
       local.cached = (generator, state, key_words)
     key_words[0] = key  # the state setter copies the arrays it is given
@@ -82,48 +90,64 @@ class RandomMapNode(Node):
 
   op_name = "random_map"
 
-  def __init__(self, parent: Node, fn: Callable,
-               num_parallel_calls: int | None = None,
-               deterministic: bool = True, seed: int | None = None,
-               backend: str = "auto", writes_out: bool = False):
+  def __init__(
+    self,
+    parent: Node,
+    fn: Callable,
+    num_parallel_calls: int | None = None,
+    deterministic: bool = True,
+    seed: int | None = None,
+    backend: str = "auto",
+    writes_out: bool = False,
+  ):
     super().__init__([parent])
     self.fn = parallel.check_callable(fn, self.op_name)
-    self.num_parallel_calls = parallel.check_num_parallel_calls(
-        num_parallel_calls, self.op_name)
-    self.deterministic = parallel.check_deterministic(deterministic,
-                                                      self.op_name)
-    if seed is not None and (not isinstance(seed, (int, np.integer))
-                             or isinstance(seed, bool)):
-      raise TypeError(
-          f"random_map: seed must be an int or None, got {seed!r}.")
+    self.num_parallel_calls = parallel.check_num_parallel_calls(num_parallel_calls, self.op_name)
+    self.deterministic = parallel.check_deterministic(deterministic, self.op_name)
+    if seed is not None and (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)):
+      raise TypeError(f"random_map: seed must be an int or None, got {seed!r}.")
     self.seed = None if seed is None else int(seed)
     self.backend = parallel.check_backend(backend, self.op_name)
     self.writes_out = parallel.check_writes_out(writes_out, self.op_name)
 
   def make_iterator(self) -> "RandomMapIterator":
-    return RandomMapIterator(self.parents[0].make_iterator(), self.fn,
-                             self.num_parallel_calls, self.deterministic,
-                             self.seed or 0, self.backend, self.writes_out)
+    return RandomMapIterator(
+      self.parents[0].make_iterator(),
+      self.fn,
+      self.num_parallel_calls,
+      self.deterministic,
+      self.seed or 0,
+      self.backend,
+      self.writes_out,
+    )
 
   def spec_params(self) -> dict:
-    params = {"fn": self.fn, "num_parallel_calls": self.num_parallel_calls,
-              "deterministic": self.deterministic, "seed": self.seed,
-              "backend": self.backend}
+    params = {
+      "fn": self.fn,
+      "num_parallel_calls": self.num_parallel_calls,
+      "deterministic": self.deterministic,
+      "seed": self.seed,
+      "backend": self.backend,
+    }
     return parallel.with_writes_out(params, self.writes_out)
 
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
 
 
-def _random_map_work(fn: Callable, generators: ElementGenerators,
-                     writes_out: bool) -> Callable[..., Any]:
+def _random_map_work(
+  fn: Callable, generators: ElementGenerators, writes_out: bool
+) -> Callable[..., Any]:
   if writes_out:
+
     def work_into(element: Any, seed: int, out: Any = None) -> Any:
       return fn(element, generators(seed), out=out)
+
     return work_into
 
   def work(element: Any, seed: int) -> Any:
     return fn(element, generators(seed))
+
   return work
 
 
@@ -146,6 +170,7 @@ def _process_work(pool: process_pool.ProcessPool) -> Callable[[Any, int], Any]:
   def work(element: Any, seed: int) -> Any:
     # The pool unpacks the tuple into RandomMapCall(element, seed).
     return pool((element, seed), seed)
+
   return work
 
 
@@ -156,25 +181,31 @@ class RandomMapIterator(parallel.ParallelMapIterator):
 
   op_name = "random_map"
 
-  def __init__(self, parent: OpIterator, fn: Callable,
-               num_parallel_calls: int | None, deterministic: bool,
-               op_seed: int, backend: str = "auto", writes_out: bool = False):
+  def __init__(
+    self,
+    parent: OpIterator,
+    fn: Callable,
+    num_parallel_calls: int | None,
+    deterministic: bool,
+    op_seed: int,
+    backend: str = "auto",
+    writes_out: bool = False,
+  ):
     self._fn = fn
     self._generators = ElementGenerators(op_seed)
     self._pool = None
     if backend == "process":
       # Outside a fused chain (`process_batch`) there is no row to hand out.
       self._pool = process_pool.pool_or_threads(
-          RandomMapCall(parallel.without_out(fn, writes_out), op_seed),
-          self.op_name)
+        RandomMapCall(parallel.without_out(fn, writes_out), op_seed), self.op_name
+      )
     if self._pool is not None:
       work = _process_work(self._pool)
       writes_out = False
     else:
       work = _random_map_work(fn, self._generators, writes_out)
     self._work = work
-    super().__init__(parent, work, num_parallel_calls, deterministic,
-                     writes_out)
+    super().__init__(parent, work, num_parallel_calls, deterministic, writes_out)
 
   def _apply(self, element: Any) -> Any:
     return self._work(element, self._parent.last_seed)

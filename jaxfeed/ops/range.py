@@ -28,9 +28,7 @@ _INT64 = np.iinfo(np.int64)
 
 def _check_int(value: Any, name: str) -> int:
   if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-    raise ValueError(
-        f"{_OP}: {name} must be an integer, got {type(value).__name__}: "
-        f"{value!r}.")
+    raise ValueError(f"{_OP}: {name} must be an integer, got {type(value).__name__}: {value!r}.")
   return int(value)
 
 
@@ -43,13 +41,20 @@ class RangeNode(Node):
 
   op_name = _OP
 
-  def __init__(self, *args: int, dtype: Any = None, start: int | None = None,
-               stop: int | None = None, step: int | None = None):
+  def __init__(
+    self,
+    *args: int,
+    dtype: Any = None,
+    start: int | None = None,
+    stop: int | None = None,
+    step: int | None = None,
+  ):
     super().__init__()
     if args and (start is not None or stop is not None or step is not None):
       raise TypeError(
-          f"{_OP}: pass start/stop/step either positionally or by keyword, "
-          f"got args={args!r} and start={start!r}, stop={stop!r}, step={step!r}.")
+        f"{_OP}: pass start/stop/step either positionally or by keyword, "
+        f"got args={args!r} and start={start!r}, stop={stop!r}, step={step!r}."
+      )
     if not args:
       if stop is None:
         raise TypeError(f"{_OP}: missing the required argument stop.")
@@ -60,25 +65,24 @@ class RangeNode(Node):
       args = (args[0], args[1], 1)
     elif len(args) != 3:
       raise TypeError(
-          f"{_OP}: expected range(stop) or range(start, stop[, step]), got "
-          f"{len(args)} arguments: {args!r}.")
+        f"{_OP}: expected range(stop) or range(start, stop[, step]), got "
+        f"{len(args)} arguments: {args!r}."
+      )
     self.start, self.stop, self.step = (
-        _check_int(v, n) for v, n in zip(args, ("start", "stop", "step")))
+      _check_int(v, n) for v, n in zip(args, ("start", "stop", "step"))
+    )
     if self.step == 0:
       raise ValueError(f"{_OP}: step must be a non-zero integer, got 0.")
     dtype = getattr(dtype, "as_numpy_dtype", dtype)  # Accepts tf.DType too.
     try:
       self.dtype = np.dtype(np.int64 if dtype is None else dtype)
     except TypeError as e:
-      raise ValueError(
-          f"{_OP}: dtype must be a numpy dtype or its name, got {dtype!r}.") from e
+      raise ValueError(f"{_OP}: dtype must be a numpy dtype or its name, got {dtype!r}.") from e
     if self.dtype.kind not in "iuf":
-      raise ValueError(
-          f"{_OP}: dtype must be an integer or floating dtype, got {self.dtype}.")
+      raise ValueError(f"{_OP}: dtype must be an integer or floating dtype, got {self.dtype}.")
 
   def spec_params(self) -> dict:
-    return {"start": self.start, "stop": self.stop, "step": self.step,
-            "dtype": self.dtype.name}
+    return {"start": self.start, "stop": self.stop, "step": self.step, "dtype": self.dtype.name}
 
   def cardinality(self) -> int:
     return len(range(self.start, self.stop, self.step))
@@ -97,8 +101,9 @@ class RangeNode(Node):
     return RangeIterator(self, start, stop)
 
   def __repr__(self) -> str:
-    return (f"RangeNode(start={self.start}, stop={self.stop}, step={self.step}, "
-            f"dtype={self.dtype.name})")
+    return (
+      f"RangeNode(start={self.start}, stop={self.stop}, step={self.step}, dtype={self.dtype.name})"
+    )
 
 
 class RangeIterator(OpIterator):

@@ -28,8 +28,7 @@ def _check_batch_sizes(batch_size: Any) -> tuple[int, ...]:
     sizes = list(batch_size)
     if not sizes:
       raise ValueError(f"{_OP}: batch_size must not be an empty list.")
-    return tuple(base.check_positive_int(s, _OP, "every batch_size entry")
-                 for s in sizes)
+    return tuple(base.check_positive_int(s, _OP, "every batch_size entry") for s in sizes)
   return (base.check_positive_int(batch_size, _OP, "batch_size"),)
 
 
@@ -38,23 +37,25 @@ class RebatchNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, parent: base.Node, batch_size: int | Sequence[int],
-               drop_remainder: bool = False):
+  def __init__(
+    self, parent: base.Node, batch_size: int | Sequence[int], drop_remainder: bool = False
+  ):
     super().__init__([base.to_node(parent, _OP, "input")])
     self.batch_sizes = _check_batch_sizes(batch_size)
     self.drop_remainder = bool(drop_remainder)
 
   def spec_params(self) -> dict:
     sizes = self.batch_sizes
-    return {"batch_size": sizes[0] if len(sizes) == 1 else list(sizes),
-            "drop_remainder": self.drop_remainder}
+    return {
+      "batch_size": sizes[0] if len(sizes) == 1 else list(sizes),
+      "drop_remainder": self.drop_remainder,
+    }
 
   def cardinality(self) -> int | None:
     return 0 if self.parents[0].cardinality() == 0 else None
 
   def make_iterator(self) -> "RebatchIterator":
-    return RebatchIterator(self.parents[0].make_iterator(), self.batch_sizes,
-                           self.drop_remainder)
+    return RebatchIterator(self.parents[0].make_iterator(), self.batch_sizes, self.drop_remainder)
 
 
 class RebatchIterator(base.OpIterator):
@@ -62,8 +63,7 @@ class RebatchIterator(base.OpIterator):
 
   op_name = _OP
 
-  def __init__(self, parent: base.OpIterator, batch_sizes: tuple[int, ...],
-               drop_remainder: bool):
+  def __init__(self, parent: base.OpIterator, batch_sizes: tuple[int, ...], drop_remainder: bool):
     super().__init__([parent])
     self._batch_sizes = batch_sizes
     self._drop_remainder = drop_remainder
@@ -107,8 +107,7 @@ class RebatchIterator(base.OpIterator):
       take = min(need, self._rows - self._offset)
       if first_seed is None:
         first_seed = base.mix_seed(self._batch_seed, self._offset)
-      pieces.append(stacking.slice_batch(self._batch, self._offset,
-                                         self._offset + take))
+      pieces.append(stacking.slice_batch(self._batch, self._offset, self._offset + take))
       self._offset += take
       need -= take
     if not pieces or (need and self._drop_remainder):
@@ -122,9 +121,12 @@ class RebatchIterator(base.OpIterator):
   def _get_own_state(self) -> dict:
     partial = self._batch is not None and self._offset < self._rows
     num_read = self._input.num_read
-    return {"input": self._input.get_state(num_read - 1 if partial else num_read),
-            "offset": self._offset if partial else 0,
-            "num_out": self._num_out, "ended": self._ended}
+    return {
+      "input": self._input.get_state(num_read - 1 if partial else num_read),
+      "offset": self._offset if partial else 0,
+      "num_out": self._num_out,
+      "ended": self._ended,
+    }
 
   def _set_own_state(self, state: dict) -> None:
     offset = base.state_int(state, "offset", _OP)
@@ -132,12 +134,16 @@ class RebatchIterator(base.OpIterator):
     input_state = state.get("input")
     num_read = base.state_int(input_state, "num_read", _OP)
     self._batch, self._rows, self._offset = None, 0, 0
-    self._input.set_state(input_state, num_read - 1 if offset else num_read,
-                          lambda index, batch, seed: self._take_batch(batch, seed))
+    self._input.set_state(
+      input_state,
+      num_read - 1 if offset else num_read,
+      lambda index, batch, seed: self._take_batch(batch, seed),
+    )
     if offset:
       if offset >= self._rows:
         raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: the state is at row {offset} of a "
-            f"batch that has {self._rows} rows; it belongs to other data.")
+          f"Cannot restore op {_OP!r}: the state is at row {offset} of a "
+          f"batch that has {self._rows} rows; it belongs to other data."
+        )
       self._offset = offset
     self._ended = bool(state.get("ended"))

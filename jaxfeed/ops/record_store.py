@@ -43,8 +43,7 @@ class RecordStore:
     compute: compute(start, stop) -> the preprocessed records [start, stop).
   """
 
-  def __init__(self, directory: str, num_records: int,
-               compute: Callable[[int, int], list]):
+  def __init__(self, directory: str, num_records: int, compute: Callable[[int, int], list]):
     self.directory = directory
     self.num_records = num_records
     self._compute = compute
@@ -113,7 +112,6 @@ def _write(path: str, records: list) -> None:
     except FileNotFoundError:
       pass
     raise
-
 
 
 def _claim(claim: str) -> bool:

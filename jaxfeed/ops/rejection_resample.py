@@ -36,13 +36,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxfeed.ops import parallel
-from jaxfeed.ops.base import (Node, OpIterator, PipelineStateError, state_int,
-                              to_node)
+from jaxfeed.ops.base import Node, OpIterator, PipelineStateError, state_int, to_node
 from jaxfeed.ops.op_seed import OpSeed
 from jaxfeed.seeding import mix_seed
 
-__all__ = ["RejectionResampleNode", "RejectionResampleIterator",
-           "acceptance_and_mixing"]
+__all__ = ["RejectionResampleNode", "RejectionResampleIterator", "acceptance_and_mixing"]
 
 _OP = "rejection_resample"
 _SMOOTHING = 10  # tf.data's initial count per class.
@@ -55,20 +53,27 @@ def _distribution(value: Any, name: str, count: int | None = None) -> list[float
   try:
     probs = np.asarray(value, dtype=np.float64)
   except (TypeError, ValueError):
-    raise TypeError(f"{_OP}: {name} must be a list of probabilities, got "
-                    f"{value!r:.120}.") from None
-  if (probs.ndim != 1 or not probs.size or not np.all(np.isfinite(probs))
-      or np.any(probs < 0) or not math.isclose(probs.sum(), 1.0, abs_tol=1e-4)):
-    raise ValueError(f"{_OP}: {name} must be a 1-d list of probabilities "
-                     f">= 0 that sum to 1 (one per class), got {value!r:.120}.")
+    raise TypeError(f"{_OP}: {name} must be a list of probabilities, got {value!r:.120}.") from None
+  if (
+    probs.ndim != 1
+    or not probs.size
+    or not np.all(np.isfinite(probs))
+    or np.any(probs < 0)
+    or not math.isclose(probs.sum(), 1.0, abs_tol=1e-4)
+  ):
+    raise ValueError(
+      f"{_OP}: {name} must be a 1-d list of probabilities "
+      f">= 0 that sum to 1 (one per class), got {value!r:.120}."
+    )
   if count is not None and probs.size != count:
-    raise ValueError(f"{_OP}: {name} has {probs.size} classes but target_dist "
-                     f"has {count}; give one probability per class.")
+    raise ValueError(
+      f"{_OP}: {name} has {probs.size} classes but target_dist "
+      f"has {count}; give one probability per class."
+    )
   return probs.tolist()
 
 
-def acceptance_and_mixing(initial: np.ndarray,
-                          target: np.ndarray) -> tuple[np.ndarray, float]:
+def acceptance_and_mixing(initial: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, float]:
   """The per-class acceptance probabilities `a` and the probability `m` of
   taking the input as it comes (see the module docstring).
 
@@ -88,26 +93,37 @@ class RejectionResampleNode(Node):
 
   op_name = _OP
 
-  def __init__(self, parent: Any, class_func: Callable,
-               target_dist: Sequence[float],
-               initial_dist: Sequence[float] | None = None,
-               seed: int | None = None, seed_given: bool | None = None):
+  def __init__(
+    self,
+    parent: Any,
+    class_func: Callable,
+    target_dist: Sequence[float],
+    initial_dist: Sequence[float] | None = None,
+    seed: int | None = None,
+    seed_given: bool | None = None,
+  ):
     super().__init__([to_node(parent, _OP, "input")])
     self.class_func = parallel.check_callable(class_func, _OP, "class_func")
     self.target_dist = _distribution(target_dist, "target_dist")
-    self.initial_dist = (None if initial_dist is None else _distribution(
-        initial_dist, "initial_dist", len(self.target_dist)))
+    self.initial_dist = (
+      None
+      if initial_dist is None
+      else _distribution(initial_dist, "initial_dist", len(self.target_dist))
+    )
     self.op_seed = OpSeed(seed, _OP, seed_given)
 
   def spec_params(self) -> dict:
-    return {"class_func": self.class_func, "target_dist": self.target_dist,
-            "initial_dist": self.initial_dist, **self.op_seed.params()}
+    return {
+      "class_func": self.class_func,
+      "target_dist": self.target_dist,
+      "initial_dist": self.initial_dist,
+      **self.op_seed.params(),
+    }
 
   def make_iterator(self) -> "RejectionResampleIterator":
     # Two reads of the input, as tf.data's two inputs of its mixture.
     parent = self.parents[0]
-    return RejectionResampleIterator(
-        parent.make_iterator(), parent.make_iterator(), self)
+    return RejectionResampleIterator(parent.make_iterator(), parent.make_iterator(), self)
 
 
 class RejectionResampleIterator(OpIterator):
@@ -119,8 +135,7 @@ class RejectionResampleIterator(OpIterator):
 
   op_name = _OP
 
-  def __init__(self, as_is: OpIterator, filtered: OpIterator,
-               node: RejectionResampleNode):
+  def __init__(self, as_is: OpIterator, filtered: OpIterator, node: RejectionResampleNode):
     super().__init__([as_is, filtered])
     self._node = node
     self._class_func = node.class_func
@@ -133,8 +148,7 @@ class RejectionResampleIterator(OpIterator):
       self._counts = [_SMOOTHING] * len(node.target_dist)
       self._estimate()
     else:
-      self._accept, self._mixing = acceptance_and_mixing(
-          np.array(node.initial_dist), self._target)
+      self._accept, self._mixing = acceptance_and_mixing(np.array(node.initial_dist), self._target)
     self._last_seed = 0
 
   @property
@@ -173,37 +187,40 @@ class RejectionResampleIterator(OpIterator):
   def _estimate(self) -> None:
     """The acceptance and mixing of the class distribution counted so far."""
     counts = np.array(self._counts, np.float64)
-    self._accept, self._mixing = acceptance_and_mixing(
-        counts / counts.sum(), self._target)
+    self._accept, self._mixing = acceptance_and_mixing(counts / counts.sum(), self._target)
 
   def _class_of(self, element: Any) -> Any:
     label = parallel.call_unpacked(self._class_func, element)
     value = np.asarray(label)
-    if (value.shape != () or value.dtype.kind not in "iu"
-        or not 0 <= int(value) < len(self._target)):
+    if value.shape != () or value.dtype.kind not in "iu" or not 0 <= int(value) < len(self._target):
       raise ValueError(
-          f"{_OP}: class_func must return an integer scalar in "
-          f"[0, {len(self._target)}) (one class per target_dist entry), got "
-          f"{label!r:.80}.")
+        f"{_OP}: class_func must return an integer scalar in "
+        f"[0, {len(self._target)}) (one class per target_dist entry), got "
+        f"{label!r:.80}."
+      )
     return value[()]
 
   def _get_own_state(self) -> dict:
-    return {"seed": self._seed, "draws": self._draws, "tests": self._tests,
-            "counts": self._counts}
+    return {"seed": self._seed, "draws": self._draws, "tests": self._tests, "counts": self._counts}
 
   def _set_own_state(self, state: dict) -> None:
     self._seed = self._node.op_seed.restored(state, _OP)
     self._draws = state_int(state, "draws", _OP)
     self._tests = state_int(state, "tests", _OP)
     counts = state.get("counts")
-    if (counts is None) != (self._counts is None) or (counts is not None and (
-        not isinstance(counts, list) or len(counts) != len(self._target)
-        or not all(isinstance(c, int) and c >= _SMOOTHING for c in counts))):
+    if (counts is None) != (self._counts is None) or (
+      counts is not None
+      and (
+        not isinstance(counts, list)
+        or len(counts) != len(self._target)
+        or not all(isinstance(c, int) and c >= _SMOOTHING for c in counts)
+      )
+    ):
       raise PipelineStateError(
-          f"Cannot restore op {_OP!r}: the saved class counts {counts!r:.120} "
-          f"do not fit this pipeline's {len(self._target)} classes "
-          + ("estimated as it reads." if self._counts is not None
-             else "with a given initial_dist."))
+        f"Cannot restore op {_OP!r}: the saved class counts {counts!r:.120} "
+        f"do not fit this pipeline's {len(self._target)} classes "
+        + ("estimated as it reads." if self._counts is not None else "with a given initial_dist.")
+      )
     if counts is not None:
       self._counts = list(counts)
       self._estimate()

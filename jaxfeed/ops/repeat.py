@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxfeed.ops.base import (Node, OpIterator, PipelineStateError,
-                              begin_iteration, check_count, check_state,
-                              state_int, to_node)
+from jaxfeed.ops.base import (
+  Node,
+  OpIterator,
+  PipelineStateError,
+  begin_iteration,
+  check_count,
+  check_state,
+  state_int,
+  to_node,
+)
 
 _OP = "repeat"
 
@@ -98,19 +105,18 @@ class RepeatIterator(OpIterator):
       parents = [self._final_parent_state]
     else:
       parents = [p.get_state() for p in self.parents]
-    return {"op": self.op_name, "own": self._get_own_state(),
-            "parents": parents}
+    return {"op": self.op_name, "own": self._get_own_state(), "parents": parents}
 
   def set_state(self, state: dict) -> None:
     check_state(state, self.op_name, len(self.parents))
     own = state["own"]
-    epoch = state_int(own, "epoch", _OP, 0,
-                      None if self._count < 0 else max(self._count - 1, 0))
+    epoch = state_int(own, "epoch", _OP, 0, None if self._count < 0 else max(self._count - 1, 0))
     done, epoch_is_empty = own.get("done"), own.get("epoch_is_empty")
     if not isinstance(done, bool) or not isinstance(epoch_is_empty, bool):
       raise PipelineStateError(
-          f"Cannot restore op {_OP!r}: own state needs booleans 'done' and "
-          f"'epoch_is_empty', got {own!r}.")
+        f"Cannot restore op {_OP!r}: own state needs booleans 'done' and "
+        f"'epoch_is_empty', got {own!r}."
+      )
     if self.parents:
       parent, parent_state = self.parents[0], state["parents"][0]
       if done:
@@ -124,5 +130,4 @@ class RepeatIterator(OpIterator):
     self._epoch, self._epoch_is_empty, self._done = epoch, epoch_is_empty, done
 
   def _get_own_state(self) -> dict:
-    return {"epoch": self._epoch, "epoch_is_empty": self._epoch_is_empty,
-            "done": self._done}
+    return {"epoch": self._epoch, "epoch_is_empty": self._epoch_is_empty, "done": self._done}

@@ -13,8 +13,14 @@ from typing import Any
 
 from jaxfeed.ops.base import OpIterator, PipelineStateError
 
-__all__ = ["ANCHOR_INTERVAL", "anchor_interval", "check_replay_state",
-           "drop_replayed", "replays_identically", "skip_outputs"]
+__all__ = [
+  "ANCHOR_INTERVAL",
+  "anchor_interval",
+  "check_replay_state",
+  "drop_replayed",
+  "replays_identically",
+  "skip_outputs",
+]
 
 ANCHOR_INTERVAL = 32
 """Pulls between two parent-state anchors when the parent replays exactly."""
@@ -64,8 +70,9 @@ def drop_replayed(parent: OpIterator, count: int, op_name: str) -> None:
 
 def _replay_ended(op_name: str, index: int, count: int) -> None:
   raise PipelineStateError(
-      f"Cannot restore op {op_name!r}: its input ended after {index} of the "
-      f"{count} elements to replay; the state belongs to other data.")
+    f"Cannot restore op {op_name!r}: its input ended after {index} of the "
+    f"{count} elements to replay; the state belongs to other data."
+  )
 
 
 def skip_outputs(iterator: Any, count: int) -> int:
@@ -84,11 +91,15 @@ def check_replay_state(own: Any, op_name: str) -> tuple[int, list[int]]:
   """Reads `{"skip": n, "consumed_ahead": [...]}` of a saved own state."""
   skip = own.get("skip", 0) if isinstance(own, dict) else None
   ahead = own.get("consumed_ahead", []) if isinstance(own, dict) else None
-  if (not isinstance(skip, int) or isinstance(skip, bool) or skip < 0
-      or not isinstance(ahead, list)
-      or not all(isinstance(o, int) and not isinstance(o, bool) and o > skip
-                 for o in ahead)):
+  if (
+    not isinstance(skip, int)
+    or isinstance(skip, bool)
+    or skip < 0
+    or not isinstance(ahead, list)
+    or not all(isinstance(o, int) and not isinstance(o, bool) and o > skip for o in ahead)
+  ):
     raise PipelineStateError(
-        f"Cannot restore op {op_name!r}: own state needs an int 'skip' >= 0 "
-        f"and 'consumed_ahead', a list of ints > skip, got {own!r}.")
+      f"Cannot restore op {op_name!r}: own state needs an int 'skip' >= 0 "
+      f"and 'consumed_ahead', a list of ints > skip, got {own!r}."
+    )
   return skip, ahead

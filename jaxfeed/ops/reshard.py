@@ -53,15 +53,16 @@ def _check_identities(identities: list) -> None:
     shard = (sampler.get("shard_index"), sampler.get("shard_count"))
     if shard != (h, count):
       raise ValueError(
-          f"reshard: state {h} of {count} was saved by shard {shard[0]} of "
-          f"{shard[1]}; pass every process's state, in process order.")
+        f"reshard: state {h} of {count} was saved by shard {shard[0]} of "
+        f"{shard[1]}; pass every process's state, in process order."
+      )
     same = {**identity, "sampler": {**sampler, "shard_index": 0}}
     first = identities[0]
-    if first is not None and same != {**first, "sampler": {
-        **first["sampler"], "shard_index": 0}}:
+    if first is not None and same != {**first, "sampler": {**first["sampler"], "shard_index": 0}}:
       raise ValueError(
-          f"reshard: the states of processes 0 and {h} were saved by "
-          f"different pipelines: {first} and {identity}.")
+        f"reshard: the states of processes 0 and {h} were saved by "
+        f"different pipelines: {first} and {identity}."
+      )
 
 
 def reshard_states(states: list[dict]) -> dict:
@@ -96,25 +97,27 @@ def reshard_states(states: list[dict]) -> dict:
     while True:
       if not isinstance(node, dict) or "op" not in node:
         raise ValueError(
-            f"reshard: process {process}'s pipeline state is not an op state: "
-            f"{str(node):.200}.")
+          f"reshard: process {process}'s pipeline state is not an op state: {str(node):.200}."
+        )
       op = node["op"]
       own = node.get("own")
       parents = node.get("parents", [])
       if (op not in _RESHARDABLE and op not in _PACK_OPS) or len(parents) > 1:
         raise ValueError(
-            f"reshard: op {op!r} cannot be resumed on another number of "
-            f"processes (it may hold elements read from its own process's "
-            f"shard); only chains of {_ELASTIC} (with at most one pack) "
-            f"can. Resume with {len(states)} processes, or shuffle globally "
-            "with IndexSampler(shuffle=True) instead of a shuffle buffer.")
+          f"reshard: op {op!r} cannot be resumed on another number of "
+          f"processes (it may hold elements read from its own process's "
+          f"shard); only chains of {_ELASTIC} (with at most one pack) "
+          f"can. Resume with {len(states)} processes, or shuffle globally "
+          "with IndexSampler(shuffle=True) instead of a shuffle buffer."
+        )
       chain.append(op)
       if op == _SOURCE:
         if any("resharded" in s for s in [own] + (held or {}).get("anchors", [])):
           raise ValueError(
-              f"reshard: process {process}'s state was itself resumed on "
-              "another number of processes and has not finished the epochs "
-              "dealt out then; resume it with the same number of processes.")
+            f"reshard: process {process}'s state was itself resumed on "
+            "another number of processes and has not finished the epochs "
+            "dealt out then; resume it with the same number of processes."
+          )
         positions.append(state_int(own, "position", _SOURCE, 0))
         iterations.append(own.get("iteration", 0))
         identities.append(own.get("identity"))
@@ -122,35 +125,37 @@ def reshard_states(states: list[dict]) -> dict:
         if held is not None:
           seeds, partial = pack_lib.unemitted_elements(held["own"])
           keep.extend(partial)
-          start = min([positions[-1]] + [state_int(s, "position", _SOURCE, 0)
-                                         for s in held["anchors"]])
+          start = min(
+            [positions[-1]] + [state_int(s, "position", _SOURCE, 0) for s in held["anchors"]]
+          )
           pending.append({"from": start, "seeds": seeds})
         break
       if op in _PACK_OPS:
         if op == "pack" and held is not None:
           raise ValueError(
-              f"reshard: process {process}'s pipeline packs twice; only one "
-              "pack can be resumed on another number of processes.")
+            f"reshard: process {process}'s pipeline packs twice; only one "
+            "pack can be resumed on another number of processes."
+          )
         if op == "pack":
           held = {"own": own, "anchors": []}
         held["anchors"].extend(_source_positions(own))
       elif own not in _AT_REST or not parents:
         raise ValueError(
-            f"reshard: op {op!r} of process {process} has elements in flight "
-            f"(state {own!r}); only a state taken between batches with "
-            "nothing in flight can be resumed on another number of processes.")
+          f"reshard: op {op!r} of process {process} has elements in flight "
+          f"(state {own!r}); only a state taken between batches with "
+          "nothing in flight can be resumed on another number of processes."
+        )
       node = parents[0]
     chains.append(chain)
   if any(chain != chains[0] for chain in chains):
-    raise ValueError(
-        f"reshard: the processes' pipelines differ: {chains}.")
+    raise ValueError(f"reshard: the processes' pipelines differ: {chains}.")
   if any(i != iterations[0] for i in iterations):
     raise ValueError(
-        f"reshard: the processes' states are in different iterations (epochs "
-        f"of the Loader) {iterations}; they must be taken at the same step.")
+      f"reshard: the processes' states are in different iterations (epochs "
+      f"of the Loader) {iterations}; they must be taken at the same step."
+    )
   _check_identities(identities)
-  resharded = {"version": RESHARD_STATE_VERSION, "shard_count": len(states),
-               "positions": positions}
+  resharded = {"version": RESHARD_STATE_VERSION, "shard_count": len(states), "positions": positions}
   if pending:
     resharded["pending"] = pending
   else:
@@ -162,13 +167,18 @@ def reshard_states(states: list[dict]) -> dict:
     own["identity"] = identities[0]  # Any shard restores it (resharded).
   if any(m is not None for m in mixtures):
     own["mixture"] = merge_mixture_states(mixtures)
-  fresh = {"pack": pack_lib.resumed_pack_state(),
-           pack_lib.SPLIT_OP: pack_lib.resumed_split_state(keep)}
+  fresh = {
+    "pack": pack_lib.resumed_pack_state(),
+    pack_lib.SPLIT_OP: pack_lib.resumed_split_state(keep),
+  }
 
   def rebuild(node: dict) -> dict:
     if node["op"] == _SOURCE:
       return {**node, "own": own}
-    return {**node, "own": fresh.get(node["op"], node["own"]),
-            "parents": [rebuild(node["parents"][0])]}
+    return {
+      **node,
+      "own": fresh.get(node["op"], node["own"]),
+      "parents": [rebuild(node["parents"][0])],
+    }
 
   return rebuild(states[0])

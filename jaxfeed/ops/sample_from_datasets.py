@@ -43,28 +43,27 @@ def _check_weights(weights: Any, count: int) -> tuple[float, ...]:
   if weights is None:
     return (1.0 / count,) * count
   if hasattr(weights, "node") or isinstance(weights, base.Node):
-    raise TypeError(f"{_OP}: weights must be a list of numbers; weights that "
-                    "change per element (a dataset of weights) are not supported.")
+    raise TypeError(
+      f"{_OP}: weights must be a list of numbers; weights that "
+      "change per element (a dataset of weights) are not supported."
+    )
   try:
     values = [float(w) for w in np.asarray(weights, dtype=np.float64).reshape(-1)]
   except (TypeError, ValueError):
-    raise TypeError(f"{_OP}: weights must be a list of numbers, got "
-                    f"{weights!r:.200}.") from None
+    raise TypeError(f"{_OP}: weights must be a list of numbers, got {weights!r:.200}.") from None
   if len(values) != count:
-    raise ValueError(f"{_OP}: got {len(values)} weights for {count} datasets; "
-                     "give one weight per dataset.")
+    raise ValueError(
+      f"{_OP}: got {len(values)} weights for {count} datasets; give one weight per dataset."
+    )
   if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
-    raise ValueError(f"{_OP}: weights must be finite, >= 0 and not all 0, got "
-                     f"{values}.")
+    raise ValueError(f"{_OP}: weights must be finite, >= 0 and not all 0, got {values}.")
   total = sum(values)
   return tuple(w / total for w in values)
 
 
 def _check_seed(seed: Any) -> int:
-  if (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
-      or not 0 <= seed < 2**64):
-    raise ValueError(f"{_OP}: seed must be None or an integer in [0, 2**64), "
-                     f"got {seed!r}.")
+  if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+    raise ValueError(f"{_OP}: seed must be None or an integer in [0, 2**64), got {seed!r}.")
   return int(seed)
 
 
@@ -73,9 +72,14 @@ class SampleFromDatasetsNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, *parents: base.Node, weights: Sequence[float] | None = None,
-               seed: int | None = None, stop_on_empty_dataset: bool = False,
-               seed_given: bool | None = None):
+  def __init__(
+    self,
+    *parents: base.Node,
+    weights: Sequence[float] | None = None,
+    seed: int | None = None,
+    stop_on_empty_dataset: bool = False,
+    seed_given: bool | None = None,
+  ):
     """Mixes `parents`, each element from one drawn by weight.
 
     Args:
@@ -89,15 +93,16 @@ class SampleFromDatasetsNode(base.Node):
     super().__init__(nodes)
     self.weights = _check_weights(weights, len(nodes))
     self.seed_given = seed is not None if seed_given is None else bool(seed_given)
-    self.seed = (_check_seed(seed) if seed is not None
-                 else int.from_bytes(os.urandom(8), "little"))
-    self.stop_on_empty_dataset = mixing.check_stop(
-        stop_on_empty_dataset, _OP)
+    self.seed = _check_seed(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
+    self.stop_on_empty_dataset = mixing.check_stop(stop_on_empty_dataset, _OP)
 
   def spec_params(self) -> dict:
-    return {"weights": list(self.weights), "seed": self.seed,
-            "stop_on_empty_dataset": self.stop_on_empty_dataset,
-            "seed_given": self.seed_given}
+    return {
+      "weights": list(self.weights),
+      "seed": self.seed,
+      "stop_on_empty_dataset": self.stop_on_empty_dataset,
+      "seed_given": self.seed_given,
+    }
 
   def cardinality(self) -> int | None:
     counts = [p.cardinality() for p in self.parents]
@@ -125,8 +130,11 @@ class SampleIterator(mixing.MixIterator):
     self._draws = 0
 
   def _choose(self) -> int:
-    live = [i for i, w in enumerate(self._weights)
-            if w > 0 and not (self._exhausted[i] and not self._stop_on_empty)]
+    live = [
+      i
+      for i, w in enumerate(self._weights)
+      if w > 0 and not (self._exhausted[i] and not self._stop_on_empty)
+    ]
     if not live:
       raise StopIteration
     total = sum(self._weights[i] for i in live)
@@ -149,6 +157,7 @@ class SampleIterator(mixing.MixIterator):
     seed = base.state_int(state, "seed", _OP, high=2**64 - 1)
     if self._seed_given and seed != self._seed:
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: the state was saved with seed {seed}, "
-          f"this pipeline has seed {self._seed}.")
+        f"Cannot restore op {_OP!r}: the state was saved with seed {seed}, "
+        f"this pipeline has seed {self._seed}."
+      )
     self._seed = seed

@@ -54,16 +54,21 @@ def start_folder(path: epath.Path, save: dict, replace: bool) -> None:
       clear_folder(path)
     elif any(path.iterdir()):
       raise FileExistsError(
-          f"save: {path} is a non-empty folder that holds no saved dataset; give a new "
-          "or empty folder.")
+        f"save: {path} is a non-empty folder that holds no saved dataset; give a new "
+        "or empty folder."
+      )
   path.mkdir(parents=True, exist_ok=True)
-  save_format.write_json(path / save_format.SAVE_JSON, {
-      "format": save_format.FORMAT, "version": save_format.VERSION, **save})
+  save_format.write_json(
+    path / save_format.SAVE_JSON,
+    {"format": save_format.FORMAT, "version": save_format.VERSION, **save},
+  )
 
 
 def _nbytes(element: Any) -> int:
-  return sum(np.asarray(leaf).nbytes if not isinstance(leaf, (bytes, str)) else len(leaf)
-             for leaf in tree.flatten(element))
+  return sum(
+    np.asarray(leaf).nbytes if not isinstance(leaf, (bytes, str)) else len(leaf)
+    for leaf in tree.flatten(element)
+  )
 
 
 def _chunks_in_order(elements: Iterator[Any]) -> Iterator[list]:
@@ -98,27 +103,44 @@ def _chunks_by_shard(elements: Iterator[Any], shard_func: Callable) -> Iterator[
     yield pending[shard][0]
 
 
-def save(elements: Iterable[Any], path: str | os.PathLike, fingerprint: str,
-         compression: str | None = None, shard_func: Callable | None = None,
-         checkpoint_args: Any = None) -> dict:
+def save(
+  elements: Iterable[Any],
+  path: str | os.PathLike,
+  fingerprint: str,
+  compression: str | None = None,
+  shard_func: Callable | None = None,
+  checkpoint_args: Any = None,
+) -> dict:
   """Writes `elements` as a saved dataset at `path`; returns its manifest."""
   if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
     raise TypeError(f"save: path must be a non-empty str or path, got {path!r}.")
   if checkpoint_args is not None:
-    raise ValueError("save: checkpoint_args (tf.train.CheckpointManager arguments) has no "
-                     "jaxfeed counterpart; a save that stops is written again whole, or "
-                     "use jaxfeed.service.distributed_save, which resumes.")
+    raise ValueError(
+      "save: checkpoint_args (tf.train.CheckpointManager arguments) has no "
+      "jaxfeed counterpart; a save that stops is written again whole, or "
+      "use jaxfeed.service.distributed_save, which resumes."
+    )
   if shard_func is not None and not callable(shard_func):
     raise TypeError(f"save: shard_func must be callable, got {shard_func!r}.")
   save_format.array_record_options(compression)  # checked before anything is written
   folder = epath.Path(path)
-  start_folder(folder, {"writer": "save", "fingerprint": fingerprint,
-                        "compression": compression, "num_chunks": -1,
-                        "num_positions": -1, "chunk_positions": 0}, replace=True)
+  start_folder(
+    folder,
+    {
+      "writer": "save",
+      "fingerprint": fingerprint,
+      "compression": compression,
+      "num_chunks": -1,
+      "num_positions": -1,
+      "chunk_positions": 0,
+    },
+    replace=True,
+  )
   iterator = iter(elements)
   try:
-    groups = (_chunks_in_order(iterator) if shard_func is None
-              else _chunks_by_shard(iterator, shard_func))
+    groups = (
+      _chunks_in_order(iterator) if shard_func is None else _chunks_by_shard(iterator, shard_func)
+    )
     chunks = {}
     for index, group in enumerate(groups):
       chunks[index] = save_format.write_chunk(folder, index, group, compression)

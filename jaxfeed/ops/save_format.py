@@ -41,11 +41,25 @@ from jaxfeed.ops import tree
 from jaxfeed.ops.element_spec import TensorSpec, spec_of_value
 from jaxfeed.sources import array_record_source
 
-__all__ = ["FORMAT", "SaveFormatError", "ChunkInfo", "Progress", "encode_element",
-           "decode_element", "write_chunk", "read_json", "write_json", "chunk_dir",
-           "committed_chunks", "progress", "finalize", "array_record_options",
-           "check_not_failed",
-           "spec_to_json", "spec_from_json"]
+__all__ = [
+  "FORMAT",
+  "SaveFormatError",
+  "ChunkInfo",
+  "Progress",
+  "encode_element",
+  "decode_element",
+  "write_chunk",
+  "read_json",
+  "write_json",
+  "chunk_dir",
+  "committed_chunks",
+  "progress",
+  "finalize",
+  "array_record_options",
+  "check_not_failed",
+  "spec_to_json",
+  "spec_from_json",
+]
 
 FORMAT = "jaxfeed.saved_dataset"
 VERSION = 1
@@ -59,8 +73,13 @@ CHUNK_JSON = "chunk.json"
 _MAGIC = b"JFE1"
 _PREFIX = struct.Struct("<4sI")
 # tf.data's save names -> array_record writer options.
-_COMPRESSIONS = {None: "uncompressed", "": "uncompressed", "NONE": "uncompressed",
-                 "SNAPPY": "snappy", "ZSTD": "zstd"}
+_COMPRESSIONS = {
+  None: "uncompressed",
+  "": "uncompressed",
+  "NONE": "uncompressed",
+  "SNAPPY": "snappy",
+  "ZSTD": "zstd",
+}
 
 
 class SaveFormatError(ValueError):
@@ -72,8 +91,9 @@ def array_record_options(compression: str | None) -> str:
   key = compression.upper() if isinstance(compression, str) else compression
   if key not in _COMPRESSIONS:
     raise ValueError(
-        f"save: compression must be None, 'SNAPPY' or 'ZSTD', got {compression!r} "
-        "('GZIP' has no array_record codec: use 'ZSTD').")
+      f"save: compression must be None, 'SNAPPY' or 'ZSTD', got {compression!r} "
+      "('GZIP' has no array_record codec: use 'ZSTD')."
+    )
   return f"group_size:1,{_COMPRESSIONS[key]}"
 
 
@@ -94,7 +114,7 @@ def _structure(element: Any) -> Any:
 def _build(encoded: Any) -> Any:
   if encoded is None:
     return 0
-  (kind, items), = encoded.items()
+  ((kind, items),) = encoded.items()
   if kind == "d":
     return {k: _build(v) for k, v in items}
   built = [_build(v) for v in items]
@@ -128,8 +148,7 @@ def _encode(element: Any) -> tuple[bytes, bytes]:
     entry, raw = _leaf(leaf)
     entries.append(entry)
     payload.append(raw)
-  header = json.dumps({"s": _structure(element), "l": entries},
-                      separators=(",", ":")).encode()
+  header = json.dumps({"s": _structure(element), "l": entries}, separators=(",", ":")).encode()
   return header, b"".join([_PREFIX.pack(_MAGIC, len(header)), header, *payload])
 
 
@@ -144,8 +163,8 @@ def decode_element(record: bytes, where: str = "record") -> Any:
     magic, size = _PREFIX.unpack_from(record)
     if magic != _MAGIC:
       raise ValueError(f"bad magic {magic!r}")
-    header = json.loads(record[_PREFIX.size:_PREFIX.size + size])
-    data = memoryview(bytearray(record[_PREFIX.size + size:]))
+    header = json.loads(record[_PREFIX.size : _PREFIX.size + size])
+    data = memoryview(bytearray(record[_PREFIX.size + size :]))
     leaves, offset = [], 0
     for kind, dtype, shape in header["l"]:
       dtype = np.dtype(dtype)
@@ -181,7 +200,7 @@ def spec_to_json(spec: Any) -> Any:
 def spec_from_json(encoded: Any) -> Any:
   if "dtype" in encoded:
     return TensorSpec(tuple(encoded["shape"]), np.dtype(encoded["dtype"]))
-  (kind, items), = encoded.items()
+  ((kind, items),) = encoded.items()
   if kind == "d":
     return {k: spec_from_json(v) for k, v in items}
   built = [spec_from_json(v) for v in items]
@@ -193,8 +212,10 @@ def _merge_spec(spec: Any, element: Any) -> Any:
   if spec is None:
     return other
   if not tree.same_structure(spec, other):
-    raise TypeError(f"save: element structure {tree.structure_str(element)} differs from "
-                    f"the earlier elements' {spec}.")
+    raise TypeError(
+      f"save: element structure {tree.structure_str(element)} differs from "
+      f"the earlier elements' {spec}."
+    )
   return tree.map_structure(TensorSpec.most_specific_compatible, spec, other)
 
 
@@ -223,8 +244,9 @@ def read_json(path: epath.Path) -> dict:
   except (OSError, ValueError, KeyError, AttributeError) as e:
     raise SaveFormatError(f"Saved dataset file {path} is unreadable: {e}") from e
   if checksum != _digest(content):
-    raise SaveFormatError(f"Saved dataset file {path} is damaged: its checksum does not "
-                          "match its content.")
+    raise SaveFormatError(
+      f"Saved dataset file {path} is damaged: its checksum does not match its content."
+    )
   return content
 
 
@@ -232,6 +254,7 @@ def read_json(path: epath.Path) -> dict:
 @dataclasses.dataclass(frozen=True)
 class ChunkInfo:
   """A committed chunk: its index, elements, bytes and element spec (JSON)."""
+
   index: int
   num_elements: int
   num_bytes: int
@@ -242,8 +265,9 @@ def chunk_dir(path: epath.Path, index: int) -> epath.Path:
   return path / CHUNKS / f"{index:08d}"
 
 
-def write_chunk(path: epath.Path, index: int, elements: Iterable[Any],
-                compression: str | None) -> ChunkInfo | None:
+def write_chunk(
+  path: epath.Path, index: int, elements: Iterable[Any], compression: str | None
+) -> ChunkInfo | None:
   """Writes chunk `index` of the saved dataset at `path` from `elements` and
   commits it (a rename of its whole directory). Returns its info, or None
   when another writer committed the chunk first (this copy is dropped: a
@@ -269,11 +293,21 @@ def write_chunk(path: epath.Path, index: int, elements: Iterable[Any],
 
     array_record_source.write_array_record(tmp / RECORDS, records(), options)
     _fsync_file(tmp / RECORDS)
-    info = ChunkInfo(index, count, os.path.getsize(os.fspath(tmp / RECORDS)),
-                     None if spec is None else spec_to_json(spec))
-    write_json(tmp / CHUNK_JSON, {"index": index, "num_elements": info.num_elements,
-                                  "num_bytes": info.num_bytes,
-                                  "element_spec": info.element_spec})
+    info = ChunkInfo(
+      index,
+      count,
+      os.path.getsize(os.fspath(tmp / RECORDS)),
+      None if spec is None else spec_to_json(spec),
+    )
+    write_json(
+      tmp / CHUNK_JSON,
+      {
+        "index": index,
+        "num_elements": info.num_elements,
+        "num_bytes": info.num_bytes,
+        "element_spec": info.element_spec,
+      },
+    )
     final = chunk_dir(path, index)
     final.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -324,8 +358,9 @@ def committed_chunks(path: epath.Path) -> dict[int, ChunkInfo]:
     if not entry.name.isdigit():
       continue
     content = read_json(entry / CHUNK_JSON)
-    found[int(entry.name)] = ChunkInfo(int(entry.name), content["num_elements"],
-                                       content["num_bytes"], content["element_spec"])
+    found[int(entry.name)] = ChunkInfo(
+      int(entry.name), content["num_elements"], content["num_bytes"], content["element_spec"]
+    )
   return found
 
 
@@ -338,16 +373,23 @@ def finalize(path: epath.Path, save: dict, chunks: dict[int, ChunkInfo]) -> dict
     if chunk.element_spec is None:
       continue
     other = spec_from_json(chunk.element_spec)
-    spec = other if spec is None else tree.map_structure(
-        TensorSpec.most_specific_compatible, spec, other)
+    spec = (
+      other
+      if spec is None
+      else tree.map_structure(TensorSpec.most_specific_compatible, spec, other)
+    )
   manifest = {
-      "format": FORMAT, "version": VERSION, "fingerprint": save.get("fingerprint", ""),
-      "compression": save.get("compression"), "complete": True,
-      "num_elements": sum(c.num_elements for c in ordered),
-      "num_bytes": sum(c.num_bytes for c in ordered),
-      "element_spec": None if spec is None else spec_to_json(spec),
-      "chunks": [{"index": c.index, "num_elements": c.num_elements,
-                  "num_bytes": c.num_bytes} for c in ordered],
+    "format": FORMAT,
+    "version": VERSION,
+    "fingerprint": save.get("fingerprint", ""),
+    "compression": save.get("compression"),
+    "complete": True,
+    "num_elements": sum(c.num_elements for c in ordered),
+    "num_bytes": sum(c.num_bytes for c in ordered),
+    "element_spec": None if spec is None else spec_to_json(spec),
+    "chunks": [
+      {"index": c.index, "num_elements": c.num_elements, "num_bytes": c.num_bytes} for c in ordered
+    ],
   }
   write_json(path / MANIFEST_JSON, manifest)
   tmp = path / "tmp"
@@ -363,9 +405,11 @@ def read_save(path: epath.Path) -> dict:
     raise SaveFormatError(f"{path} is not a saved dataset: it has no {SAVE_JSON}.")
   save = read_json(path / SAVE_JSON)
   if save.get("format") != FORMAT or save.get("version") != VERSION:
-    raise SaveFormatError(f"{path / SAVE_JSON} is of format {save.get('format')!r} "
-                          f"version {save.get('version')!r}; this jaxfeed reads "
-                          f"{FORMAT!r} version {VERSION}.")
+    raise SaveFormatError(
+      f"{path / SAVE_JSON} is of format {save.get('format')!r} "
+      f"version {save.get('version')!r}; this jaxfeed reads "
+      f"{FORMAT!r} version {VERSION}."
+    )
   return save
 
 
@@ -381,6 +425,7 @@ class Progress:
   """How far a save is: chunks committed of those expected (-1: unknown
   until the end), elements and bytes so far, whether it is complete, and
   why it failed ("" unless it did)."""
+
   path: str
   complete: bool
   chunks_done: int
@@ -398,10 +443,24 @@ def progress(path: epath.PathLike) -> Progress:
   if (path / MANIFEST_JSON).exists():
     manifest = read_json(path / MANIFEST_JSON)
     count = len(manifest["chunks"])
-    return Progress(os.fspath(path), True, count, count, manifest["num_elements"],
-                    manifest["num_bytes"], save["writer"])
+    return Progress(
+      os.fspath(path),
+      True,
+      count,
+      count,
+      manifest["num_elements"],
+      manifest["num_bytes"],
+      save["writer"],
+    )
   chunks = committed_chunks(path)
   error = read_json(path / FAILED_JSON)["error"] if (path / FAILED_JSON).exists() else ""
-  return Progress(os.fspath(path), False, len(chunks), int(save["num_chunks"]),
-                  sum(c.num_elements for c in chunks.values()),
-                  sum(c.num_bytes for c in chunks.values()), save["writer"], error)
+  return Progress(
+    os.fspath(path),
+    False,
+    len(chunks),
+    int(save["num_chunks"]),
+    sum(c.num_elements for c in chunks.values()),
+    sum(c.num_bytes for c in chunks.values()),
+    save["writer"],
+    error,
+  )

@@ -53,8 +53,10 @@ class ScanIterator(OpIterator):
     element = next(self.parents[0])
     result = self._fn(self._state, element)
     if not isinstance(result, tuple) or len(result) != 2:
-      raise TypeError(f"{_OP}: scan_func must return (new_state, output), got "
-                      f"{type(result).__name__}: {result!r:.80}.")
+      raise TypeError(
+        f"{_OP}: scan_func must return (new_state, output), got "
+        f"{type(result).__name__}: {result!r:.80}."
+      )
     self._state, output = result
     return output
 
@@ -63,6 +65,7 @@ class ScanIterator(OpIterator):
 
   def _set_own_state(self, state: dict) -> None:
     if not isinstance(state, dict) or "state" not in state:
-      raise PipelineStateError(f"Cannot restore op {_OP!r}: own state needs "
-                               f"'state', got {state!r:.200}.")
+      raise PipelineStateError(
+        f"Cannot restore op {_OP!r}: own state needs 'state', got {state!r:.200}."
+      )
     self._state = jsonable.decode(state["state"])

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxfeed.ops.base import (Node, OpIterator, check_positive_int, graph_nodes,
-                              state_int, to_node)
+from jaxfeed.ops.base import Node, OpIterator, check_positive_int, graph_nodes, state_int, to_node
 
 __all__ = ["SHARD_HINT", "ShardNode", "ShardIterator", "has_shard_hint"]
 
@@ -23,8 +22,9 @@ SHARD_HINT = -1
 
 def has_shard_hint(root: Node) -> bool:
   """Whether a pipeline holds a `shard(SHARD_HINT, SHARD_HINT)`."""
-  return any(isinstance(node, ShardNode) and node.num_shards == SHARD_HINT
-             for node in graph_nodes(root))
+  return any(
+    isinstance(node, ShardNode) and node.num_shards == SHARD_HINT for node in graph_nodes(root)
+  )
 
 
 class ShardNode(Node):
@@ -37,16 +37,16 @@ class ShardNode(Node):
     if SHARD_HINT in (num_shards, index):
       if num_shards != SHARD_HINT or index != SHARD_HINT:
         raise ValueError(
-            f"{_OP}: SHARD_HINT ({SHARD_HINT}) is a placeholder for both "
-            f"num_shards and index, as shard(SHARD_HINT, SHARD_HINT); got "
-            f"num_shards={num_shards!r}, index={index!r}.")
+          f"{_OP}: SHARD_HINT ({SHARD_HINT}) is a placeholder for both "
+          f"num_shards and index, as shard(SHARD_HINT, SHARD_HINT); got "
+          f"num_shards={num_shards!r}, index={index!r}."
+        )
       self.num_shards = self.index = SHARD_HINT
       return
     self.num_shards = check_positive_int(num_shards, _OP, "num_shards")
     index = check_positive_int(index, _OP, "index", allow_zero=True)
     if index >= self.num_shards:
-      raise ValueError(f"{_OP}: index must be in [0, num_shards={self.num_shards}), "
-                       f"got {index}.")
+      raise ValueError(f"{_OP}: index must be in [0, num_shards={self.num_shards}), got {index}.")
     self.index = index
 
   def spec_params(self) -> dict:
@@ -63,11 +63,12 @@ class ShardNode(Node):
   def make_iterator(self) -> "ShardIterator":
     if self.num_shards == SHARD_HINT:
       raise ValueError(
-          f"{_OP}(SHARD_HINT, SHARD_HINT) is a placeholder that only a "
-          "jaxfeed service job with processing_mode=ShardingPolicy.HINT fills "
-          "in (as shard(num_workers, worker_index)); this pipeline runs "
-          "elsewhere. Give shard() numbers, or distribute the pipeline with "
-          "processing_mode='HINT'.")
+        f"{_OP}(SHARD_HINT, SHARD_HINT) is a placeholder that only a "
+        "jaxfeed service job with processing_mode=ShardingPolicy.HINT fills "
+        "in (as shard(num_workers, worker_index)); this pipeline runs "
+        "elsewhere. Give shard() numbers, or distribute the pipeline with "
+        "processing_mode='HINT'."
+      )
     return ShardIterator(self.parents[0].make_iterator(), self.num_shards, self.index)
 
 

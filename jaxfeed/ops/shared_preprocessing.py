@@ -34,11 +34,19 @@ from jaxfeed.ops.record_store import RecordStore
 from jaxfeed.ops.udf_args import call_unpacked
 from jaxfeed.sources.base import source_identity
 
-__all__ = ["Dropped", "PreprocessedSource", "per_record_chain", "store_key",
-           "shared_graph"]
+__all__ = [
+  "Dropped",
+  "PreprocessedSource",
+  "per_record_chain",
+  "store_key",
+  "shared_graph",
+  "STORE_PREFIX",
+]
 
-_KEY_PARAMS = {"map": ("fn",), "filter": ("predicate",),
-               "map_and_filter": ("fn", "predicate")}
+STORE_PREFIX = "records-"
+"""A store's folder in an autocache folder: this, then its key."""
+
+_KEY_PARAMS = {"map": ("fn",), "filter": ("predicate",), "map_and_filter": ("fn", "predicate")}
 """What of each op decides its output (not how parallel it runs)."""
 
 
@@ -64,8 +72,9 @@ def per_record_chain(node: Node) -> tuple[Node, list[Node]] | None:
   deterministic ops, else None."""
   ops: list[Node] = []
   while True:
-    if type(node) is SourceNode or (type(node) is RangesNode
-                                    and type(node.parents[0]) is SourceNode):
+    if type(node) is SourceNode or (
+      type(node) is RangesNode and type(node.parents[0]) is SourceNode
+    ):
       return node, ops[::-1]
     if type(node) is MapNode:
       if node.batched or node.writes_out:
@@ -138,8 +147,9 @@ def shared_graph(node: Node, directory: str) -> Node | None:
   key = store_key(source_node.source, ops)
   if not key.reproducible:
     return None
-  source = PreprocessedSource(source_node.source, ops,
-                              os.path.join(directory, f"records-{key}"), key)
+  source = PreprocessedSource(
+    source_node.source, ops, os.path.join(directory, f"{STORE_PREFIX}{key}"), key
+  )
   new: Node = SourceNode(source, source_node.sampler)
   new.iterations = source_node.iterations  # type: ignore[attr-defined]
   if ranges is not None:

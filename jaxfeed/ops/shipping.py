@@ -33,8 +33,7 @@ SHARED_ARRAY_BYTES = 1 << 20
 
 
 def _is_shared(obj: Any) -> bool:
-  return (type(obj) is np.ndarray and obj.nbytes >= SHARED_ARRAY_BYTES
-          and not obj.dtype.hasobject)
+  return type(obj) is np.ndarray and obj.nbytes >= SHARED_ARRAY_BYTES and not obj.dtype.hasobject
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -135,4 +134,3 @@ def _shared_array(index: int, dtype: str, shape: tuple) -> np.ndarray:
   mapping = memfd.map_file(_loading_fds[index], size, readonly=True)
   # A read-only mapping gives a read-only array that keeps the mapping.
   return np.frombuffer(mapping, dtype_, int(np.prod(shape))).reshape(shape)
-

@@ -50,8 +50,7 @@ import numpy as np
 from jaxfeed.ops import base
 
 
-def window_permutation(seed: int, iteration: int, window_index: int,
-                       size: int) -> np.ndarray:
+def window_permutation(seed: int, iteration: int, window_index: int, size: int) -> np.ndarray:
   """The emission order of one window: a permutation of `range(size)`."""
   key = base.mix_seed(seed, iteration, window_index)
   return np.random.Generator(np.random.PCG64(key)).permutation(size)
@@ -73,8 +72,7 @@ class _ShuffleRun:
     self.lock = threading.Lock()
 
   def __getstate__(self) -> dict:
-    return {"seed": self.seed, "seed_given": self.seed_given,
-            "next_iteration": self.next_iteration}
+    return {"seed": self.seed, "seed_given": self.seed_given, "next_iteration": self.next_iteration}
 
   def __setstate__(self, state: dict) -> None:
     self.__dict__.update(state)
@@ -110,20 +108,21 @@ class ShuffleNode(base.Node):
 
   op_name = "shuffle"
 
-  def __init__(self, parent: base.Node, buffer_size: int,
-               seed: int | None = None, reshuffle_each_iteration: bool = True):
+  def __init__(
+    self,
+    parent: base.Node,
+    buffer_size: int,
+    seed: int | None = None,
+    reshuffle_each_iteration: bool = True,
+  ):
     super().__init__([base.to_node(parent, self.op_name, "input")])
-    self.buffer_size = base.check_positive_int(buffer_size, self.op_name,
-                                               "buffer_size")
+    self.buffer_size = base.check_positive_int(buffer_size, self.op_name, "buffer_size")
     if isinstance(seed, _CarriedSeed):
       self._run = seed.run
     elif seed is None:
       self._run = _ShuffleRun(int.from_bytes(os.urandom(8), "little"), False)
-    elif (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
-          or not 0 <= seed < 2**64):
-      raise ValueError(
-          f"shuffle: seed must be None or an integer in [0, 2**64), got "
-          f"{seed!r}.")
+    elif not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+      raise ValueError(f"shuffle: seed must be None or an integer in [0, 2**64), got {seed!r}.")
     else:
       self._run = _ShuffleRun(int(seed), True)
     self.seed = int(seed) if seed is not None else self._run.seed
@@ -132,15 +131,17 @@ class ShuffleNode(base.Node):
   def spec_params(self) -> dict:
     seed = _CarriedSeed(self.seed)
     seed.run = self._run
-    return {"buffer_size": self.buffer_size, "seed": seed,
-            "reshuffle_each_iteration": self.reshuffle_each_iteration}
+    return {
+      "buffer_size": self.buffer_size,
+      "seed": seed,
+      "reshuffle_each_iteration": self.reshuffle_each_iteration,
+    }
 
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
 
   def make_iterator(self) -> "ShuffleIterator":
-    iteration = (self._run.take_iteration() if self.reshuffle_each_iteration
-                 else 0)
+    iteration = self._run.take_iteration() if self.reshuffle_each_iteration else 0
     return ShuffleIterator(self.parents[0].make_iterator(), self, iteration)
 
 
@@ -149,14 +150,13 @@ class ShuffleIterator(base.OpIterator):
 
   op_name = "shuffle"
 
-  def __init__(self, parent: base.OpIterator, node: ShuffleNode,
-               iteration: int):
+  def __init__(self, parent: base.OpIterator, node: ShuffleNode, iteration: int):
     super().__init__([parent])
     self._buffer_size = node.buffer_size
     self._run = node._run  # pylint: disable=protected-access
     self._seed = self._run.seed
     self._iteration = iteration
-    self._window_index = -1        # no window read yet
+    self._window_index = -1  # no window read yet
     self._window_start: dict | None = None
     self._elements: list = []
     self._seeds: list[int] = []
@@ -195,8 +195,9 @@ class ShuffleIterator(base.OpIterator):
     self._before += len(self._order)  # every element of the last window left
     self._elements, self._seeds = elements, seeds
     self._offset = 0
-    self._order = window_permutation(self._seed, self._iteration, window_index,
-                                     len(elements)).tolist()
+    self._order = window_permutation(
+      self._seed, self._iteration, window_index, len(elements)
+    ).tolist()
 
   def _stats_fields(self) -> dict:
     """Elements returned: those of the windows before plus this one's."""
@@ -213,11 +214,15 @@ class ShuffleIterator(base.OpIterator):
       parent_state = self._window_start
       window_index, offset = self._window_index, self._offset
     return {
-        "op": self.op_name,
-        "own": {"seed": self._seed, "buffer_size": self._buffer_size,
-                "iteration": self._iteration, "window_index": window_index,
-                "offset": offset},
-        "parents": [parent_state],
+      "op": self.op_name,
+      "own": {
+        "seed": self._seed,
+        "buffer_size": self._buffer_size,
+        "iteration": self._iteration,
+        "window_index": window_index,
+        "offset": offset,
+      },
+      "parents": [parent_state],
     }
 
   def _set_own_state(self, state: dict) -> None:
@@ -229,14 +234,16 @@ class ShuffleIterator(base.OpIterator):
     offset = base.state_int(state, "offset", self.op_name, 0, buffer_size)
     if self._run.seed_given and seed != self._run.seed:
       raise base.PipelineStateError(
-          f"shuffle: the state was saved with seed {seed}, but this "
-          f"pipeline's shuffle has seed {self._run.seed}; restore into a "
-          f"pipeline built with the same seed (or seed=None to adopt the "
-          f"saved one).")
+        f"shuffle: the state was saved with seed {seed}, but this "
+        f"pipeline's shuffle has seed {self._run.seed}; restore into a "
+        f"pipeline built with the same seed (or seed=None to adopt the "
+        f"saved one)."
+      )
     if buffer_size != self._buffer_size:
       raise base.PipelineStateError(
-          f"shuffle: the state was saved with buffer_size {buffer_size}, but "
-          f"this pipeline's shuffle has buffer_size {self._buffer_size}.")
+        f"shuffle: the state was saved with buffer_size {buffer_size}, but "
+        f"this pipeline's shuffle has buffer_size {self._buffer_size}."
+      )
     self._seed, self._iteration = seed, iteration
     self._run.restored(seed, iteration)
     self._elements, self._seeds, self._order = [], [], []
@@ -249,9 +256,10 @@ class ShuffleIterator(base.OpIterator):
       self._read_window(window_index)
       if offset > len(self._order):
         raise base.PipelineStateError(
-            f"shuffle: the state is {offset} elements into window "
-            f"{window_index}, but the input holds only {len(self._order)} "
-            f"elements there; the state belongs to other input.")
+          f"shuffle: the state is {offset} elements into window "
+          f"{window_index}, but the input holds only {len(self._order)} "
+          f"elements there; the state belongs to other input."
+        )
       for slot in self._order[:offset]:
         self._elements[slot] = None
       self._last_seed = self._seeds[self._order[offset - 1]]
@@ -263,5 +271,6 @@ class ShuffleIterator(base.OpIterator):
     keys = ("seed", "buffer_size", "iteration", "window_index", "offset")
     if not isinstance(own, dict) or any(k not in own for k in keys):
       raise base.PipelineStateError(
-          f"shuffle: expected own state with keys {list(keys)}, got {own!r}.")
+        f"shuffle: expected own state with keys {list(keys)}, got {own!r}."
+      )
     super().set_state(state)

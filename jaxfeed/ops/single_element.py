@@ -26,13 +26,14 @@ def single_element(iterator: OpIterator, description: str) -> Any:
       element = next(iterator)
     except StopIteration:
       raise ValueError(
-          f"get_single_element: the dataset {description} is empty; it must "
-          "have exactly one element.") from None
+        f"get_single_element: the dataset {description} is empty; it must have exactly one element."
+      ) from None
     try:
       next(iterator)
     except StopIteration:
       return element
   raise ValueError(
-      f"get_single_element: the dataset {description} has more than one "
-      "element; it must have exactly one (e.g. end it with .take(1), or "
-      ".batch(n) to get all its elements as one batch).")
+    f"get_single_element: the dataset {description} has more than one "
+    "element; it must have exactly one (e.g. end it with .take(1), or "
+    ".batch(n) to get all its elements as one batch)."
+  )

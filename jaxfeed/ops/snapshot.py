@@ -32,8 +32,7 @@ class SnapshotNode(cache.CacheNode):
 
   def __init__(self, parent: Any, path: str | os.PathLike):
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-      raise TypeError(f"snapshot: path must be a non-empty str or path, got "
-                      f"{path!r}.")
+      raise TypeError(f"snapshot: path must be a non-empty str or path, got {path!r}.")
     node = to_node(parent, "snapshot", "input")
     self.path = os.fspath(path)
     super().__init__(node, os.fspath(epath.Path(self.path) / node.fingerprint()))

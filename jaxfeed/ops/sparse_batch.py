@@ -39,12 +39,13 @@ def _check_row_shape(row_shape: Any) -> tuple[int | None, ...]:
   if isinstance(dims, np.ndarray):
     dims = dims.tolist()
   if not isinstance(dims, (list, tuple)) or any(
-      not (d is None or (isinstance(d, (int, np.integer))
-                         and not isinstance(d, bool) and d >= 0))
-      for d in dims):
+    not (d is None or (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0))
+    for d in dims
+  ):
     raise ValueError(
-        f"{_OP}: row_shape must be a list of sizes (integers >= 0, or None "
-        f"for the largest in each batch), got {row_shape!r}.")
+      f"{_OP}: row_shape must be a list of sizes (integers >= 0, or None "
+      f"for the largest in each batch), got {row_shape!r}."
+    )
   return tuple(None if d is None else int(d) for d in dims)
 
 
@@ -53,8 +54,7 @@ class SparseBatchNode(batch.BatchNode):
 
   op_name = _OP
 
-  def __init__(self, parent: base.Node, batch_size: int,
-               row_shape: Sequence[int | None]):
+  def __init__(self, parent: base.Node, batch_size: int, row_shape: Sequence[int | None]):
     super().__init__(parent, batch_size)
     self.row_shape = _check_row_shape(row_shape)
 
@@ -78,35 +78,46 @@ class SparseBatchIterator(batch.BatchIterator):
   def _assemble(self, elements: list) -> dict:
     arrays = [self._check(element) for element in elements]
     rank = len(self._row_shape)
-    indices = [np.concatenate(
-        [np.full((array.size, 1), row, np.int64),
-         np.argwhere(np.ones(array.shape, bool)).astype(np.int64)], axis=1)
-               for row, array in enumerate(arrays)]
+    indices = [
+      np.concatenate(
+        [
+          np.full((array.size, 1), row, np.int64),
+          np.argwhere(np.ones(array.shape, bool)).astype(np.int64),
+        ],
+        axis=1,
+      )
+      for row, array in enumerate(arrays)
+    ]
     dense = [len(arrays)] + [
-        size if size is not None else max(a.shape[d] for a in arrays)
-        for d, size in enumerate(self._row_shape)]
-    return {"indices": np.concatenate(indices).reshape(-1, rank + 1),
-            "values": np.concatenate([a.reshape(-1) for a in arrays]),
-            "dense_shape": np.array(dense, np.int64)}
+      size if size is not None else max(a.shape[d] for a in arrays)
+      for d, size in enumerate(self._row_shape)
+    ]
+    return {
+      "indices": np.concatenate(indices).reshape(-1, rank + 1),
+      "values": np.concatenate([a.reshape(-1) for a in arrays]),
+      "dense_shape": np.array(dense, np.int64),
+    }
 
   def _check(self, element: Any) -> np.ndarray:
     if isinstance(element, (dict, tuple, list)):
       raise TypeError(
-          f"{_OP}: every element must be one array, got a "
-          f"{type(element).__name__}; sparse_batch each component separately "
-          "(e.g. map to one leaf first).")
+        f"{_OP}: every element must be one array, got a "
+        f"{type(element).__name__}; sparse_batch each component separately "
+        "(e.g. map to one leaf first)."
+      )
     array = np.asarray(element)
     if array.dtype.kind in "SU":  # Strings as bytes objects, as `batch` has them.
-      array = np.array([v.encode() if isinstance(v, str) else bytes(v)
-                        for v in array.reshape(-1).tolist()],
-                       dtype=object).reshape(array.shape)
+      array = np.array(
+        [v.encode() if isinstance(v, str) else bytes(v) for v in array.reshape(-1).tolist()],
+        dtype=object,
+      ).reshape(array.shape)
     if array.ndim != len(self._row_shape) or any(
-        size is not None and n > size
-        for n, size in zip(array.shape, self._row_shape)):
-      problem = ("rank differs from" if array.ndim != len(self._row_shape)
-                 else "is larger than")
+      size is not None and n > size for n, size in zip(array.shape, self._row_shape)
+    ):
+      problem = "rank differs from" if array.ndim != len(self._row_shape) else "is larger than"
       raise ValueError(
-          f"{_OP}: an element of shape {array.shape} {problem} row_shape "
-          f"{list(self._row_shape)}; elements must have rank "
-          f"{len(self._row_shape)} and fit in row_shape.")
+        f"{_OP}: an element of shape {array.shape} {problem} row_shape "
+        f"{list(self._row_shape)}; elements must have rank "
+        f"{len(self._row_shape)} and fit in row_shape."
+      )
     return array

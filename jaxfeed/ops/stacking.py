@@ -59,13 +59,13 @@ import numpy as np
 from jaxfeed.ops import tree
 
 __all__ = [
-    "as_batch",
-    "batch_length",
-    "concatenate",
-    "slice_batch",
-    "stack",
-    "to_batch_leaf",
-    "unstack",
+  "as_batch",
+  "batch_length",
+  "concatenate",
+  "slice_batch",
+  "stack",
+  "to_batch_leaf",
+  "unstack",
 ]
 
 _MAX_LISTED_POSITIONS = 8
@@ -91,8 +91,7 @@ def stack(elements: Sequence[Any], op_name: str = "batch") -> Any:
       message suggests `padded_batch`) or in the dtype of a leaf.
   """
   structure, columns = _columns(elements, op_name)
-  leaves = [_stack_column(col, i, structure, elements, op_name)
-            for i, col in enumerate(columns)]
+  leaves = [_stack_column(col, i, structure, elements, op_name) for i, col in enumerate(columns)]
   return tree.unflatten(structure, leaves)
 
 
@@ -133,9 +132,10 @@ def concatenate(batches: Sequence[Any], op_name: str = "rebatch") -> Any:
       leaf = np.concatenate(col, axis=0)
     except ValueError as e:
       raise ValueError(
-          f"{op_name}: cannot join batches at leaf "
-          f"{_path(structure, i)!r}: shapes {[np.shape(c) for c in col]} "
-          f"differ beyond the batch dimension.") from e
+        f"{op_name}: cannot join batches at leaf "
+        f"{_path(structure, i)!r}: shapes {[np.shape(c) for c in col]} "
+        f"differ beyond the batch dimension."
+      ) from e
     leaves.append(leaf)
   return tree.unflatten(structure, leaves)
 
@@ -232,9 +232,10 @@ def _raise_structure_mismatch(elements: Sequence[Any], op_name: str) -> None:
   for pos, element in enumerate(elements):
     if not tree.same_structure(first, element):
       raise ValueError(
-          f"{op_name}: elements of one batch must have the same structure, "
-          f"but element 0 is {_describe(first)} and element {pos} is "
-          f"{_describe(element)}.")
+        f"{op_name}: elements of one batch must have the same structure, "
+        f"but element 0 is {_describe(first)} and element {pos} is "
+        f"{_describe(element)}."
+      )
   raise AssertionError("structure mismatch without a differing element")
 
 
@@ -267,8 +268,9 @@ def _dtype_of(value: Any) -> np.dtype:
   return np.asarray(value).dtype
 
 
-def _stack_column(col: list, leaf_index: int, structure: Any,
-                  elements: Sequence[Any], op_name: str) -> np.ndarray:
+def _stack_column(
+  col: list, leaf_index: int, structure: Any, elements: Sequence[Any], op_name: str
+) -> np.ndarray:
   first = col[0]
   if _is_string(first):
     return _stack_objects(col, leaf_index, structure, elements, op_name)
@@ -286,8 +288,9 @@ def _stack_column(col: list, leaf_index: int, structure: Any,
   return out
 
 
-def _stack_objects(col: list, leaf_index: int, structure: Any, elements: Sequence[Any],
-                   op_name: str) -> np.ndarray:
+def _stack_objects(
+  col: list, leaf_index: int, structure: Any, elements: Sequence[Any], op_name: str
+) -> np.ndarray:
   """Stacks a string column into an object array of the original values."""
   shape = np.shape(col[0])
   out = np.empty((len(col),) + shape, dtype=object)
@@ -296,8 +299,7 @@ def _stack_objects(col: list, leaf_index: int, structure: Any, elements: Sequenc
       if any(isinstance(v, (np.ndarray, np.generic)) for v in col):
         # 0-d arrays would be stored as array objects and numpy string
         # scalars as such; store their Python values.
-        col = [v.item() if isinstance(v, (np.ndarray, np.generic)) else v
-               for v in col]
+        col = [v.item() if isinstance(v, (np.ndarray, np.generic)) else v for v in col]
       out[:] = col
     else:
       for i, value in enumerate(col):
@@ -312,10 +314,15 @@ def _stack_objects(col: list, leaf_index: int, structure: Any, elements: Sequenc
   return out
 
 
-def _diagnose_column(col: list, leaf_index: int, structure: Any,
-                     elements: Sequence[Any], op_name: str,
-                     cause: BaseException | None,
-                     padded: bool = False) -> None:
+def _diagnose_column(
+  col: list,
+  leaf_index: int,
+  structure: Any,
+  elements: Sequence[Any],
+  op_name: str,
+  cause: BaseException | None,
+  padded: bool = False,
+) -> None:
   """Raises the most specific error for a column that would not stack."""
   path = _path(structure, leaf_index)
   if not all(map(tree.is_leaf, col)):
@@ -323,18 +330,20 @@ def _diagnose_column(col: list, leaf_index: int, structure: Any,
   shapes = [np.shape(v) for v in col]
   if len(set(shapes)) > 1 and not padded:
     raise ValueError(
-        f"{op_name}: cannot batch elements whose leaf {path!r} has different "
-        f"shapes: {_groups(shapes)}. Batching needs equal shapes; use "
-        f"padded_batch to pad them to a common shape.") from cause
+      f"{op_name}: cannot batch elements whose leaf {path!r} has different "
+      f"shapes: {_groups(shapes)}. Batching needs equal shapes; use "
+      f"padded_batch to pad them to a common shape."
+    ) from cause
   kinds = [_kind(v) for v in col]
   if len(set(kinds)) > 1:
     raise ValueError(
-        f"{op_name}: cannot batch elements whose leaf {path!r} has different "
-        f"dtypes: {_groups(kinds)}. All elements must have one dtype per "
-        f"leaf; cast them in a map first.") from cause
+      f"{op_name}: cannot batch elements whose leaf {path!r} has different "
+      f"dtypes: {_groups(kinds)}. All elements must have one dtype per "
+      f"leaf; cast them in a map first."
+    ) from cause
   raise ValueError(
-      f"{op_name}: cannot batch leaf {path!r} with values of shape "
-      f"{shapes[0]} and dtype {kinds[0]}.") from cause
+    f"{op_name}: cannot batch leaf {path!r} with values of shape {shapes[0]} and dtype {kinds[0]}."
+  ) from cause
 
 
 def _kind(value: Any) -> str:
@@ -360,5 +369,3 @@ def _groups(keys: list) -> str:
 # ---------------------------------------------------------------------------
 # padding one column
 # ---------------------------------------------------------------------------
-
-

@@ -47,11 +47,9 @@ def _differences(saved: Any, current: Any, path: str = "") -> list[tuple[str, An
   if isinstance(saved, dict) and isinstance(current, dict):
     found = []
     for key in sorted(set(saved) | set(current), key=str):
-      found += _differences(saved.get(key), current.get(key),
-                            f"{path}.{key}" if path else str(key))
+      found += _differences(saved.get(key), current.get(key), f"{path}.{key}" if path else str(key))
     return found
-  if (isinstance(saved, list) and isinstance(current, list)
-      and len(saved) == len(current)):
+  if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
     found = []
     for i, (a, b) in enumerate(zip(saved, current)):
       found += _differences(a, b, f"{path}[{i}]")
@@ -61,15 +59,13 @@ def _differences(saved: Any, current: Any, path: str = "") -> list[tuple[str, An
 
 def _describe(identity: dict) -> str:
   """A sampler or source identity as one line, e.g. `IndexSampler(seed=1, ...)`."""
-  fields = ", ".join(f"{k}={v!r}" for k, v in identity.items()
-                     if k not in ("type", "components"))
+  fields = ", ".join(f"{k}={v!r}" for k, v in identity.items() if k not in ("type", "components"))
   if "components" in identity:
     fields += f", components=[{', '.join(_describe(c) for c in identity['components'])}]"
   return f"{identity.get('type', '?')}({fields})"
 
 
-def check_identity(saved: Any, current: dict | None, op_name: str, *,
-                   resharded: bool) -> None:
+def check_identity(saved: Any, current: dict | None, op_name: str, *, resharded: bool) -> None:
   """Raises PipelineStateError unless a state's recorded identity `saved`
   matches the pipeline's `current` one.
 
@@ -85,15 +81,18 @@ def check_identity(saved: Any, current: dict | None, op_name: str, *,
     return
   if saved is None:
     warnings.warn(
-        f"{op_name}: restoring a state saved without the record of its "
-        f"sampler and source (saved by an older jaxfeed); it cannot be "
-        f"checked against this pipeline's {_describe(current['sampler'])} "
-        f"over {_describe(current['source'])}.", stacklevel=4)
+      f"{op_name}: restoring a state saved without the record of its "
+      f"sampler and source (saved by an older jaxfeed); it cannot be "
+      f"checked against this pipeline's {_describe(current['sampler'])} "
+      f"over {_describe(current['source'])}.",
+      stacklevel=4,
+    )
     return
   if not isinstance(saved, dict) or set(saved) != {"sampler", "source"}:
     raise PipelineStateError(
-        f"Cannot restore op {op_name!r}: its 'identity' must be a dict with "
-        f"'sampler' and 'source', got {str(saved):.200}.")
+      f"Cannot restore op {op_name!r}: its 'identity' must be a dict with "
+      f"'sampler' and 'source', got {str(saved):.200}."
+    )
   found = []
   for part in ("sampler", "source"):
     for field, was, now in _differences(saved[part], current[part]):
@@ -103,17 +102,21 @@ def check_identity(saved: Any, current: dict | None, op_name: str, *,
   if not found:
     return
   part = found[0][0]
-  changes = "; ".join(f"{field}={now!r} (saved {field}={was!r})"
-                      for p, field, was, now in found if p == part)
-  message = (f"Cannot restore op {op_name!r}: the state was saved with "
-             f"{_describe(saved[part])} but this pipeline has {changes}.")
+  changes = "; ".join(
+    f"{field}={now!r} (saved {field}={was!r})" for p, field, was, now in found if p == part
+  )
+  message = (
+    f"Cannot restore op {op_name!r}: the state was saved with "
+    f"{_describe(saved[part])} but this pipeline has {changes}."
+  )
   if part == "sampler" and all(f in _SHARD_FIELDS for p, f, _, _ in found):
-    message += (" Each process restores the state it saved; to resume on "
-                "another number of processes, merge all processes' states "
-                "with jaxfeed.reshard_loader_states.")
+    message += (
+      " Each process restores the state it saved; to resume on "
+      "another number of processes, merge all processes' states "
+      "with jaxfeed.reshard_loader_states."
+    )
   else:
-    message += (" A state restores only into a pipeline with the same "
-                "sampler and source.")
+    message += " A state restores only into a pipeline with the same sampler and source."
   if any(p != part for p, _, _, _ in found):
     other = "source" if part == "sampler" else "sampler"
     message += f" Its {other} differs too."

@@ -58,5 +58,4 @@ class TakeIterator(OpIterator):
     return {"taken": self._taken}
 
   def _set_own_state(self, state: dict) -> None:
-    self._taken = state_int(state, "taken", _OP, 0,
-                            self._count if self._count >= 0 else None)
+    self._taken = state_int(state, "taken", _OP, 0, self._count if self._count >= 0 else None)

@@ -55,8 +55,7 @@ class TakeWhileIterator(OpIterator):
       raise StopIteration
     element = next(self.parents[0])
     keep = parallel.call_unpacked(self._predicate, element)
-    if keep is True or (keep is not False and predicate_result(
-        self._predicate, keep, _OP)):
+    if keep is True or (keep is not False and predicate_result(self._predicate, keep, _OP)):
       return element
     self._done = True
     raise StopIteration
@@ -68,6 +67,6 @@ class TakeWhileIterator(OpIterator):
     done = state.get("done") if isinstance(state, dict) else None
     if not isinstance(done, bool):
       raise PipelineStateError(
-          f"Cannot restore op {_OP!r}: own state needs a bool 'done', got "
-          f"{state!r:.200}.")
+        f"Cannot restore op {_OP!r}: own state needs a bool 'done', got {state!r:.200}."
+      )
     self._done = done

@@ -78,11 +78,11 @@ def map_structure(fn: Callable, *trees: Any) -> Any:
 
 def same_structure(a: Any, b: Any) -> bool:
   if isinstance(a, dict):
-    return isinstance(b, dict) and set(a) == set(b) and all(
-        same_structure(a[k], b[k]) for k in a)
+    return isinstance(b, dict) and set(a) == set(b) and all(same_structure(a[k], b[k]) for k in a)
   if isinstance(a, (tuple, list)):
-    return type(a) is type(b) and len(a) == len(b) and all(
-        same_structure(x, y) for x, y in zip(a, b))
+    return (
+      type(a) is type(b) and len(a) == len(b) and all(same_structure(x, y) for x, y in zip(a, b))
+    )
   return is_leaf(b)
 
 

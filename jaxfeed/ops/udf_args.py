@@ -12,11 +12,21 @@ import numpy as np
 
 from jaxfeed.ops.base import AUTOTUNE
 
-__all__ = ["BACKENDS", "MAX_AUTOTUNE_PARALLELISM", "call_unpacked",
-           "check_backend", "check_callable", "check_deterministic",
-           "check_num_parallel_calls", "check_writes_out",
-           "default_autotune_parallelism", "resolve_parallelism",
-           "usable_cores", "with_writes_out", "without_out"]
+__all__ = [
+  "BACKENDS",
+  "MAX_AUTOTUNE_PARALLELISM",
+  "call_unpacked",
+  "check_backend",
+  "check_callable",
+  "check_deterministic",
+  "check_num_parallel_calls",
+  "check_writes_out",
+  "default_autotune_parallelism",
+  "resolve_parallelism",
+  "usable_cores",
+  "with_writes_out",
+  "without_out",
+]
 
 MAX_AUTOTUNE_PARALLELISM = 256
 """The most threads the autotuner may give a map-like op."""
@@ -39,12 +49,16 @@ def check_num_parallel_calls(value: Any, op_name: str) -> int | None:
   """Validates `num_parallel_calls`: None, AUTOTUNE (-1) or an int >= 1."""
   if value is None:
     return None
-  if (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-      and (value == AUTOTUNE or value >= 1)):
+  if (
+    isinstance(value, (int, np.integer))
+    and not isinstance(value, bool)
+    and (value == AUTOTUNE or value >= 1)
+  ):
     return int(value)
   raise ValueError(
-      f"{op_name}: num_parallel_calls must be None, jaxfeed.AUTOTUNE (-1) or "
-      f"an integer >= 1, got {value!r}.")
+    f"{op_name}: num_parallel_calls must be None, jaxfeed.AUTOTUNE (-1) or "
+    f"an integer >= 1, got {value!r}."
+  )
 
 
 def resolve_parallelism(num_parallel_calls: int | None) -> int:
@@ -70,8 +84,8 @@ def check_backend(value: Any, op_name: str) -> str:
   """Validates a parallelism backend name (see `MapNode`'s `backend`)."""
   if value not in BACKENDS:
     raise ValueError(
-        f"{op_name}: backend must be one of {', '.join(map(repr, BACKENDS))}, "
-        f"got {value!r}.")
+      f"{op_name}: backend must be one of {', '.join(map(repr, BACKENDS))}, got {value!r}."
+    )
   return value
 
 
@@ -80,8 +94,7 @@ def check_deterministic(value: Any, op_name: str) -> bool:
   if value is None:
     return True
   if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(
-        f"{op_name}: deterministic must be a bool or None, got {value!r}.")
+    raise TypeError(f"{op_name}: deterministic must be a bool or None, got {value!r}.")
   return bool(value)
 
 
@@ -108,7 +121,5 @@ def with_writes_out(params: dict, writes_out: bool) -> dict:
 def check_callable(fn: Any, op_name: str, name: str = "fn") -> Callable:
   """Validates that a user function is callable."""
   if not callable(fn):
-    raise TypeError(
-        f"{op_name}: {name} must be callable, got {type(fn).__name__}: "
-        f"{fn!r}.")
+    raise TypeError(f"{op_name}: {name} must be callable, got {type(fn).__name__}: {fn!r}.")
   return fn

@@ -30,23 +30,23 @@ def batch_rows(batch: Any, op_name: str) -> int:
   """
   leaves = tree.flatten(batch)
   if not leaves:
-    raise ValueError(f"{op_name}: input elements need at least one array, got "
-                     f"{batch!r:.200}.")
+    raise ValueError(f"{op_name}: input elements need at least one array, got {batch!r:.200}.")
   sizes = []
   for leaf in leaves:
     shape = np.shape(leaf)
     if not shape:
       raise ValueError(
-          f"{op_name}: every component of an input element must have a batch "
-          f"dimension, but the element {tree.structure_str(batch)} has a "
-          f"scalar component; batch the dataset first.")
+        f"{op_name}: every component of an input element must have a batch "
+        f"dimension, but the element {tree.structure_str(batch)} has a "
+        f"scalar component; batch the dataset first."
+      )
     sizes.append(shape[0])
   if len(set(sizes)) > 1:
     paths = tree.paths(batch)
     detail = ", ".join(f"{p or '<element>'!r}: {s}" for p, s in zip(paths, sizes))
     raise ValueError(
-        f"{op_name}: every component of an input element must have the same "
-        f"batch size, got {detail}.")
+      f"{op_name}: every component of an input element must have the same batch size, got {detail}."
+    )
   return int(sizes[0])
 
 
@@ -99,19 +99,25 @@ class UnbatchIterator(base.OpIterator):
   def _get_own_state(self) -> dict:
     partial = 0 < self._pos < len(self._rows)
     num_read = self._input.num_read
-    return {"input": self._input.get_state(num_read - 1 if partial else num_read),
-            "pos": self._pos if partial else 0}
+    return {
+      "input": self._input.get_state(num_read - 1 if partial else num_read),
+      "pos": self._pos if partial else 0,
+    }
 
   def _set_own_state(self, state: dict) -> None:
     pos = base.state_int(state, "pos", _OP)
     input_state = state.get("input") if isinstance(state, dict) else None
     num_read = base.state_int(input_state, "num_read", _OP)
     self._rows, self._pos = [], 0
-    self._input.set_state(input_state, num_read - 1 if pos else num_read,
-                          lambda index, batch, seed: self._take_batch(batch, seed))
+    self._input.set_state(
+      input_state,
+      num_read - 1 if pos else num_read,
+      lambda index, batch, seed: self._take_batch(batch, seed),
+    )
     if pos:
       if pos > len(self._rows):
         raise base.PipelineStateError(
-            f"Cannot restore op {_OP!r}: the state is at row {pos} of a batch "
-            f"that has {len(self._rows)} rows; it belongs to other data.")
+          f"Cannot restore op {_OP!r}: the state is at row {pos} of a batch "
+          f"that has {len(self._rows)} rows; it belongs to other data."
+        )
       self._pos = pos

@@ -22,14 +22,15 @@ _OP = "unique"
 def _key(element: Any) -> Any:
   array = np.asarray(element)
   if array.ndim != 0 or array.dtype.kind not in "iuSUO":
-    raise TypeError(f"{_OP}: elements must be integer or string scalars, as in "
-                    f"tf.data, got {type(element).__name__}: {element!r:.80}.")
+    raise TypeError(
+      f"{_OP}: elements must be integer or string scalars, as in "
+      f"tf.data, got {type(element).__name__}: {element!r:.80}."
+    )
   value = array.item()
   if isinstance(value, str):
     return value.encode()
   if not isinstance(value, (int, bytes)):
-    raise TypeError(f"{_OP}: elements must be integer or string scalars, got "
-                    f"{element!r:.80}.")
+    raise TypeError(f"{_OP}: elements must be integer or string scalars, got {element!r:.80}.")
   return value
 
 
@@ -69,6 +70,7 @@ class UniqueIterator(OpIterator):
   def _set_own_state(self, state: dict) -> None:
     seen = jsonable.decode(state.get("seen") if isinstance(state, dict) else None)
     if not isinstance(seen, list):
-      raise PipelineStateError(f"Cannot restore op {_OP!r}: own state needs a "
-                               f"list 'seen', got {state!r:.200}.")
+      raise PipelineStateError(
+        f"Cannot restore op {_OP!r}: own state needs a list 'seen', got {state!r:.200}."
+      )
     self._seen = set(seen)

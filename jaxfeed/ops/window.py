@@ -21,8 +21,15 @@ from __future__ import annotations
 from typing import Any
 
 from jaxfeed.ops import stacking
-from jaxfeed.ops.base import (InputReplay, Node, OpIterator, PipelineStateError,
-                              check_positive_int, state_int, to_node)
+from jaxfeed.ops.base import (
+  InputReplay,
+  Node,
+  OpIterator,
+  PipelineStateError,
+  check_positive_int,
+  state_int,
+  to_node,
+)
 
 __all__ = ["WindowNode", "WindowIterator"]
 
@@ -34,8 +41,15 @@ class WindowNode(Node):
 
   op_name = _OP
 
-  def __init__(self, parent: Any, size: int, shift: int | None = None,
-               stride: int = 1, drop_remainder: bool = False, stack: bool = True):
+  def __init__(
+    self,
+    parent: Any,
+    size: int,
+    shift: int | None = None,
+    stride: int = 1,
+    drop_remainder: bool = False,
+    stack: bool = True,
+  ):
     super().__init__([to_node(parent, _OP, "input")])
     self.size = check_positive_int(size, _OP, "size")
     self.shift = self.size if shift is None else check_positive_int(shift, _OP, "shift")
@@ -47,8 +61,13 @@ class WindowNode(Node):
     self.stack = stack
 
   def spec_params(self) -> dict:
-    return {"size": self.size, "shift": self.shift, "stride": self.stride,
-            "drop_remainder": self.drop_remainder, "stack": self.stack}
+    return {
+      "size": self.size,
+      "shift": self.shift,
+      "stride": self.stride,
+      "drop_remainder": self.drop_remainder,
+      "stack": self.stack,
+    }
 
   def cardinality(self) -> int | None:
     n = self.parents[0].cardinality()
@@ -73,7 +92,7 @@ class WindowIterator(OpIterator):
     self._size, self._shift, self._stride = node.size, node.shift, node.stride
     self._drop_remainder = node.drop_remainder
     self._stack = node.stack
-    self._start = 0          # input index of the current window's first element
+    self._start = 0  # input index of the current window's first element
     self._buffer: list = []  # input elements from `_start` on
     self._seeds: list = []
     self._ended = False
@@ -101,26 +120,26 @@ class WindowIterator(OpIterator):
     self._fill(span)
     if not self._buffer:
       raise StopIteration
-    window = self._buffer[:span:self._stride]
+    window = self._buffer[: span : self._stride]
     if len(window) < self._size and self._drop_remainder:
       raise StopIteration
     self._last_seed = self._seeds[0]
     # Next window: drop what it no longer needs (reading past a gap).
     self._start += self._shift
-    del self._buffer[:self._shift], self._seeds[:self._shift]
+    del self._buffer[: self._shift], self._seeds[: self._shift]
     return stacking.stack(window, _OP) if self._stack else list(window)
 
   def _get_own_state(self) -> dict:
-    return {"input": self._input.get_state(self._start), "start": self._start,
-            "ended": self._ended}
+    return {"input": self._input.get_state(self._start), "start": self._start, "ended": self._ended}
 
   def _set_own_state(self, state: dict) -> None:
     start = state_int(state, "start", _OP)
     self._start, self._buffer, self._seeds = start, [], []
     ended = state.get("ended")
     if not isinstance(ended, bool):
-      raise PipelineStateError(f"Cannot restore op {_OP!r}: own state needs a "
-                               f"bool 'ended', got {state!r:.200}.")
+      raise PipelineStateError(
+        f"Cannot restore op {_OP!r}: own state needs a bool 'ended', got {state!r:.200}."
+      )
     input_state = state.get("input")
     self._input.set_state(input_state, start, self._keep)
     self._ended = ended

@@ -44,9 +44,16 @@ from typing import Callable
 from jaxfeed import _lifetime
 from jaxfeed.ops import shipping
 
-__all__ = ["WorkerProcess", "WorkerProcessError", "RemoteTraceback",
-           "LAUNCHER_THREAD", "LINGER_S", "every_tick", "launcher_running",
-           "picklable_error"]
+__all__ = [
+  "WorkerProcess",
+  "WorkerProcessError",
+  "RemoteTraceback",
+  "LAUNCHER_THREAD",
+  "LINGER_S",
+  "every_tick",
+  "launcher_running",
+  "picklable_error",
+]
 
 LAUNCHER_THREAD = "jaxfeed-process-launcher"
 """The thread that starts (and outlives) every worker process."""
@@ -60,12 +67,13 @@ TICK_S = 1.0
 PARENT_POLL_S = 0.5
 """Seconds between two looks of a worker at its parent process."""
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # sys.argv: [-c, socket fd, parent pid, the directory jaxfeed is in].
-_BOOT = ("import sys; sys.path.insert(0, sys.argv[3]); "
-         "from jaxfeed.ops.worker_processes import _child_main; "
-         "_child_main(int(sys.argv[1]), int(sys.argv[2]))")
+_BOOT = (
+  "import sys; sys.path.insert(0, sys.argv[3]); "
+  "from jaxfeed.ops.worker_processes import _child_main; "
+  "_child_main(int(sys.argv[1]), int(sys.argv[2]))"
+)
 
 
 class WorkerProcessError(RuntimeError):
@@ -108,8 +116,7 @@ class _Launcher:
     with self._lock:
       self._jobs.append(job)
       if self._thread is None:
-        self._thread = threading.Thread(target=self._run, name=LAUNCHER_THREAD,
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=LAUNCHER_THREAD, daemon=True)
         self._thread.start()
       self._wake.notify()
 
@@ -197,8 +204,7 @@ class WorkerProcess:
     name: for errors (e.g. "process_batch-0").
   """
 
-  def __init__(self, shipment: shipping.Shipment | Callable[[], shipping.Shipment],
-               name: str):
+  def __init__(self, shipment: shipping.Shipment | Callable[[], shipping.Shipment], name: str):
     self.name = name
     parent, child = socket.socketpair()
     self.conn = connection.Connection(parent.detach())
@@ -208,8 +214,9 @@ class WorkerProcess:
     self._started = threading.Event()
     _LAUNCHER.submit(lambda: self._launch(child, shipment))
 
-  def _launch(self, child: socket.socket,
-              shipment: shipping.Shipment | Callable[[], shipping.Shipment]) -> None:
+  def _launch(
+    self, child: socket.socket, shipment: shipping.Shipment | Callable[[], shipping.Shipment]
+  ) -> None:
     """On the launcher thread: starts the interpreter, sends the target."""
     try:
       if callable(shipment):
@@ -218,8 +225,10 @@ class WorkerProcess:
       data, fds = shipment.data, shipment.fds
       with child:
         self._popen = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, str(child.fileno()), str(os.getpid()),
-             _PACKAGE_ROOT], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+          [sys.executable, "-c", _BOOT, str(child.fileno()), str(os.getpid()), _PACKAGE_ROOT],
+          pass_fds=(child.fileno(),),
+          stdin=subprocess.DEVNULL,
+        )
       _LAUNCHER.adopt(self._popen)
       self.conn.send((list(sys.path), data, len(fds)))
       for fd in fds:
@@ -262,8 +271,8 @@ class WorkerProcess:
     self._wait_started()
     if self._start_error is not None:
       raise WorkerProcessError(
-          f"{self.name}: could not start a worker process: "
-          f"{self._start_error!r}") from self._start_error
+        f"{self.name}: could not start a worker process: {self._start_error!r}"
+      ) from self._start_error
 
   def stop(self, timeout_s: float = 5.0) -> None:
     """Waits up to `timeout_s` for the process to end (after the caller asked

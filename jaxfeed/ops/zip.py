@@ -21,8 +21,7 @@ _OP = "zip"
 
 
 def _is_dataset(value: Any) -> bool:
-  return isinstance(value, base.Node) or isinstance(
-      getattr(value, "node", None), base.Node)
+  return isinstance(value, base.Node) or isinstance(getattr(value, "node", None), base.Node)
 
 
 def _split_structure(datasets: Any) -> tuple[Any, list[base.Node]]:
@@ -40,12 +39,14 @@ def _split_structure(datasets: Any) -> tuple[Any, list[base.Node]]:
       return tuple(walk(v) for v in value)
     if isinstance(value, list):
       raise TypeError(
-          f"{_OP}: inputs must be a (nested) tuple or dict of datasets; a "
-          f"Python list is not supported (as in tf.data), use a tuple: "
-          f"{value!r:.200}.")
+        f"{_OP}: inputs must be a (nested) tuple or dict of datasets; a "
+        f"Python list is not supported (as in tf.data), use a tuple: "
+        f"{value!r:.200}."
+      )
     raise TypeError(
-        f"{_OP}: inputs must be a (nested) tuple or dict of jaxfeed datasets, "
-        f"found {type(value).__name__}: {value!r:.200}.")
+      f"{_OP}: inputs must be a (nested) tuple or dict of jaxfeed datasets, "
+      f"found {type(value).__name__}: {value!r:.200}."
+    )
 
   skeleton = walk(datasets)
   if not nodes:
@@ -64,20 +65,19 @@ class ZipNode(base.Node):
 
   op_name = _OP
 
-  def __init__(self, datasets: Any, *more_datasets: Any,
-               structure: Any = None):
+  def __init__(self, datasets: Any, *more_datasets: Any, structure: Any = None):
     if structure is None:
       if more_datasets:
         datasets = (datasets,) + more_datasets
       structure, nodes = _split_structure(datasets)
     else:
-      nodes = [base.to_node(d, _OP, "each input")
-               for d in (datasets,) + more_datasets]
+      nodes = [base.to_node(d, _OP, "each input") for d in (datasets,) + more_datasets]
       leaves = tree.flatten(structure)
       if sorted(leaves) != list(range(len(nodes))) or leaves != sorted(leaves):
         raise ValueError(
-            f"{_OP}: structure must hold the parent indices 0..{len(nodes) - 1} "
-            f"in order, got {structure!r:.200}.")
+          f"{_OP}: structure must hold the parent indices 0..{len(nodes) - 1} "
+          f"in order, got {structure!r:.200}."
+        )
     super().__init__(nodes)
     self.structure = structure
 
@@ -95,8 +95,7 @@ class ZipNode(base.Node):
     return result
 
   def make_iterator(self) -> "ZipIterator":
-    return ZipIterator([p.make_iterator() for p in self.parents],
-                       self.structure)
+    return ZipIterator([p.make_iterator() for p in self.parents], self.structure)
 
   # Index addressing (see jaxfeed.ops.index_ranges): position p of every
   # input, up to the shortest input.
@@ -109,8 +108,9 @@ class ZipNode(base.Node):
     return min(bounded) if bounded else None
 
   def range_iterator(self, start: int, stop: int) -> "ZipIterator":
-    return ZipIterator([index_ranges.range_iterator(p, start, stop)
-                        for p in self.parents], self.structure)
+    return ZipIterator(
+      [index_ranges.range_iterator(p, start, stop) for p in self.parents], self.structure
+    )
 
 
 class ZipIterator(base.OpIterator):
@@ -148,6 +148,6 @@ class ZipIterator(base.OpIterator):
     ended = state.get("ended") if isinstance(state, dict) else None
     if not isinstance(ended, bool):
       raise base.PipelineStateError(
-          f"Cannot restore op {_OP!r}: own state needs a bool 'ended', got "
-          f"{state!r:.200}.")
+        f"Cannot restore op {_OP!r}: own state needs a bool 'ended', got {state!r:.200}."
+      )
     self._ended = ended

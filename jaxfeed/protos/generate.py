@@ -23,6 +23,7 @@ PROTO_FILES = ("example.proto",)
 def generate(out_dir: pathlib.Path = PROTO_DIR) -> list[pathlib.Path]:
   """Writes the generated modules into out_dir and returns their paths."""
   from grpc_tools import protoc  # pylint: disable=g-import-not-at-top
+
   out_dir = pathlib.Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   written = []
@@ -30,11 +31,12 @@ def generate(out_dir: pathlib.Path = PROTO_DIR) -> list[pathlib.Path]:
   # "jaxfeed/protos/example.proto": unique in the process-wide pool.
   with tempfile.TemporaryDirectory() as tmp:
     for name in PROTO_FILES:
-      code = protoc.main(["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={tmp}",
-                          str(PROTO_DIR / name)])
+      code = protoc.main(
+        ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={tmp}", str(PROTO_DIR / name)]
+      )
       if code != 0:
         raise RuntimeError(f"protoc failed on {PROTO_DIR / name} (exit {code}).")
-      module = f"{name[:-len('.proto')]}_pb2.py"
+      module = f"{name[: -len('.proto')]}_pb2.py"
       shutil.copyfile(pathlib.Path(tmp, "jaxfeed", "protos", module), out_dir / module)
       written.append(out_dir / module)
   return written

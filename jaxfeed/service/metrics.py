@@ -6,10 +6,13 @@ between scrapes; the worker counts what it serves in `ServedCounts`, which
 needs no Prometheus at all. `prometheus-client` is an optional dependency
 (`pip install jaxfeed[metrics]`), imported only by `serve_*`.
 
-Dispatcher (per job where labelled `job`):
+Dispatcher (per job where labelled `job`: the job's `job_name`, or its id
+when it has none; the same label as the workers' metrics):
   jaxfeed_dispatcher_workers            registered workers
   jaxfeed_dispatcher_jobs               jobs
   jaxfeed_job_clients                   clients reading the job
+  jaxfeed_job_workers                   live workers serving the job (with a
+                                        task of it that has not finished)
   jaxfeed_dispatcher_client_goodbyes_total  how clients left, by `via`: call
                                         (ReleaseJobClient calls), worker (goodbyes
                                         forwarded by workers), timeout; and goodbyes
@@ -21,8 +24,9 @@ Dispatcher (per job where labelled `job`):
                                         carried them (`via`: GetSplits, or
                                         WorkerHeartbeat with a new task) and
                                         whether it was a task's first (`first`)
-  jaxfeed_job_client_elements_total     elements the clients' consumers took
-  jaxfeed_job_client_wait_seconds_total seconds the consumers waited for input
+  jaxfeed_job_client_elements_total     elements the clients' consumers took, clients
+                                        that left included (monotonic while the job lives)
+  jaxfeed_job_client_wait_seconds_total seconds the consumers waited for input (likewise)
   jaxfeed_job_client_buffer_fill        the clients' buffer fill (0..1, mean)
   jaxfeed_dispatcher_journal_healthy    1 while the journal takes writes; 0 while a
                                         full disk refuses them (changes that must be
@@ -33,9 +37,11 @@ Dispatcher (per job where labelled `job`):
   jaxfeed_journal_replay_seconds        how long that replay took
   jaxfeed_pool_workers                  workers of the elastic pool
   jaxfeed_pool_scaling_decisions_total  the pool's decisions, by direction
+  jaxfeed_job_scaling_decisions_total   --autoscale_policy=per_job's decisions, by
+                                        job, direction and reason
   jaxfeed_rpc_errors_total              calls answered with a status other than OK,
                                         by method and code
-Worker:
+Worker (`job`: as the dispatcher's):
   jaxfeed_worker_tasks                  tasks it runs
   jaxfeed_worker_buffer_fill            fill (0..1) of its tasks' buffers of produced
                                         batches, by job (the mean over its tasks)
@@ -69,6 +75,12 @@ from jaxfeed.service.protocol import rpc_errors
 OFF = -1
 
 
+def job_label(job_name: str, job_id: int) -> str:
+  """The `job` label of a job's metrics: the name its clients gave it (what
+  an operator knows it by), or its id when it has none."""
+  return job_name or str(job_id)
+
+
 class _CountedSource:
   """A task source whose `take()` results are counted (see
   `ServedCounts.counting`); everything else is the source's."""
@@ -100,7 +112,7 @@ class ServedCounts:
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._job_of: dict[int, int] = {}  # task id -> job id
+    self._job_of: dict[int, tuple[int, str]] = {}  # task id -> (job id, job label)
     self.elements: collections.Counter = collections.Counter()
     self.bytes: collections.Counter = collections.Counter()
     self.errors: collections.Counter = collections.Counter()
@@ -116,12 +128,18 @@ class ServedCounts:
   def track(self, task: Any) -> None:
     """Remembers the job of a task (a `TaskInfo`) the worker starts."""
     with self._lock:
-      self._job_of[task.task_id] = task.job_id
+      self._job_of[task.task_id] = (task.job_id, job_label(task.job_name, task.job_id))
 
   def job_of(self, task_id: int) -> str:
     """The job of a tracked task, as a label ("" if not tracked)."""
     with self._lock:
-      return str(self._job_of.get(task_id, ""))
+      return self._job_of.get(task_id, (0, ""))[1]
+
+  def job_id_of(self, task_id: int) -> int | None:
+    """The job id of a tracked task (None if not tracked)."""
+    with self._lock:
+      known = self._job_of.get(task_id)
+      return None if known is None else known[0]
 
   def counting(self, task_id: int, source: Any) -> "_CountedSource":
     """`source` (a task's runner or shared-stream reader) with what its
@@ -195,6 +213,9 @@ class _DispatcherCollector:
     gauge, counter = _families()
     state = self._server.state
     clients = gauge("jaxfeed_job_clients", "Clients reading the job.", labels=["job"])
+    workers = gauge(
+      "jaxfeed_job_workers", "Live workers with an unfinished task of the job.", labels=["job"]
+    )
     lag = gauge(
       "jaxfeed_job_split_lag",
       "Exactly-once splits issued but not yet acknowledged.",
@@ -209,11 +230,13 @@ class _DispatcherCollector:
       "jaxfeed_job_positions_issued", "Sampler positions handed out in splits.", labels=["job"]
     )
     elements = counter(
-      "jaxfeed_job_client_elements", "Elements the clients' consumers took.", labels=["job"]
+      "jaxfeed_job_client_elements",
+      "Elements the job's consumers took (clients that left included).",
+      labels=["job"],
     )
     waited = counter(
       "jaxfeed_job_client_wait_seconds",
-      "Seconds the clients' consumers waited for input.",
+      "Seconds the job's consumers waited for input (clients that left included).",
       labels=["job"],
     )
     fill = gauge(
@@ -231,19 +254,31 @@ class _DispatcherCollector:
       reports = dict(state._reports)  # pylint: disable=protected-access
       split_answers = sorted(state.split_answers.items())
       num_workers, num_jobs = len(state.workers), len(state.jobs)
+      totals = state.job_counts.totals()
       for job in state.jobs.values():
-        label = [str(job.job_id)]
+        label = [job_label(job.job_name, job.job_id)]
         clients.add_metric(label, len(job.clients))
+        workers.add_metric(
+          label,
+          len(
+            {
+              t.worker_address
+              for t in job.tasks.values()
+              if not t.finished and t.worker_address in state.workers
+            }
+          ),
+        )
         lag.add_metric(label, len(job.unacked))
         reissue.add_metric(label, len(job.reissue))
         issued.add_metric(label, job.next_position)
+        total = totals.get(job.job_id)
+        elements.add_metric(label, total.elements if total else 0)
+        waited.add_metric(label, total.wait_s if total else 0.0)
         mine = [reports[c] for c in job.clients if c in reports]
-        elements.add_metric(label, sum(r[0] for r in mine))
-        waited.add_metric(label, sum(r[1] for r in mine))
         fill.add_metric(label, sum(r[3] for r in mine) / len(mine) if mine else 0.0)
     yield gauge("jaxfeed_dispatcher_workers", "Registered workers.", value=num_workers)
     yield gauge("jaxfeed_dispatcher_jobs", "Jobs.", value=num_jobs)
-    yield from (clients, lag, reissue, issued, elements, waited, fill, goodbyes)
+    yield from (clients, workers, lag, reissue, issued, elements, waited, fill, goodbyes)
     answers = counter(
       "jaxfeed_dispatcher_split_answers",
       "DYNAMIC split answers, by the call that carried them and whether it was a task's first.",

@@ -5,8 +5,7 @@ Every source follows `RecordSource`: `len(src)`, `src[i]`,
 `src.get_many(indices)`, `close()`, picklable, `spec_params()`.
 """
 
-from jaxfeed.sources.array_record_source import (ArrayRecordSource,
-                                                 write_array_record)
+from jaxfeed.sources.array_record_source import ArrayRecordSource, write_array_record
 from jaxfeed.sources.array_source import ArraySource
 from jaxfeed.sources.base import CorruptRecordError, RecordSource
 from jaxfeed.sources.concat_source import ConcatSource
@@ -15,13 +14,13 @@ from jaxfeed.sources.tfrecord_scan import DamagedRange
 from jaxfeed.sources.tfrecord_source import TFRecordSource
 
 __all__ = [
-    "ArrayRecordSource",
-    "ArraySource",
-    "ConcatSource",
-    "CorruptRecordError",
-    "DamagedRange",
-    "RecordSource",
-    "TFRecordSource",
-    "write_array_record",
-    "write_tfrecord",
+  "ArrayRecordSource",
+  "ArraySource",
+  "ConcatSource",
+  "CorruptRecordError",
+  "DamagedRange",
+  "RecordSource",
+  "TFRecordSource",
+  "write_array_record",
+  "write_tfrecord",
 ]

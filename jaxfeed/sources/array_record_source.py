@@ -21,9 +21,17 @@ from array_record.python import array_record_module
 from etils import epath
 import numpy as np
 
-from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
-                                  as_path_list, as_record_bytes, check_files_exist,
-                                  file_of, files_fingerprint_params, split_by_file)
+from jaxfeed.sources.base import (
+  CorruptRecordError,
+  HandleSource,
+  LazyHandle,
+  as_path_list,
+  as_record_bytes,
+  check_files_exist,
+  file_of,
+  files_fingerprint_params,
+  split_by_file,
+)
 
 __all__ = ["ArrayRecordSource", "write_array_record"]
 
@@ -31,9 +39,11 @@ __all__ = ["ArrayRecordSource", "write_array_record"]
 DEFAULT_READER_OPTIONS = "readahead_buffer_size:0"
 _FILE_READER_BUFFER_BYTES = 32768
 _MAX_COUNTING_THREADS = 16
-_OFFSET_PATTERNS = (re.compile(r"chunk at (\d+)"),
-                    re.compile(r"block at (\d+)"),
-                    re.compile(r"at byte (\d+)"))
+_OFFSET_PATTERNS = (
+  re.compile(r"chunk at (\d+)"),
+  re.compile(r"block at (\d+)"),
+  re.compile(r"at byte (\d+)"),
+)
 
 
 class ArrayRecordSource(HandleSource):
@@ -50,12 +60,12 @@ class ArrayRecordSource(HandleSource):
       damaged record chunks are reported on read.
   """
 
-  def __init__(self, paths: Any,
-               reader_options: str = DEFAULT_READER_OPTIONS):
+  def __init__(self, paths: Any, reader_options: str = DEFAULT_READER_OPTIONS):
     if not isinstance(reader_options, str):
       raise TypeError(
-          "ArrayRecordSource: reader_options must be a string like "
-          f"'readahead_buffer_size:0', got {reader_options!r}.")
+        "ArrayRecordSource: reader_options must be a string like "
+        f"'readahead_buffer_size:0', got {reader_options!r}."
+      )
     path_list = as_path_list(paths, "ArrayRecordSource")
     check_files_exist(path_list, "ArrayRecordSource")
     self._names = [os.fspath(p) for p in path_list]
@@ -69,8 +79,9 @@ class ArrayRecordSource(HandleSource):
     self._file_starts = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=self._file_starts[1:])
     self._readers = [
-        LazyHandle(functools.partial(_open_reader, name, reader_options),
-                   _close_reader) for name in self._names]
+      LazyHandle(functools.partial(_open_reader, name, reader_options), _close_reader)
+      for name in self._names
+    ]
     self._track_handles()
 
   def _count_records(self, name: str) -> int:
@@ -105,8 +116,7 @@ class ArrayRecordSource(HandleSource):
           try:
             reader.read([position])
           except RuntimeError as single_error:
-            raise _corrupt(self._names[f], single_error,
-                           position) from single_error
+            raise _corrupt(self._names[f], single_error, position) from single_error
         raise _corrupt(self._names[f], e, None) from e
       for slot, record in zip(slots.tolist(), records):
         out[slot] = record
@@ -131,7 +141,8 @@ def _open_reader(name: str, options: str):
   if not os.path.exists(name) and "://" not in name:
     raise FileNotFoundError(f"ArrayRecordSource: file {name} does not exist.")
   reader = array_record_module.ArrayRecordReader(
-      name, options, file_reader_buffer_size=_FILE_READER_BUFFER_BYTES)
+    name, options, file_reader_buffer_size=_FILE_READER_BUFFER_BYTES
+  )
   if reader.ok():
     return reader
   # The reader keeps its failure status; a read reports it.
@@ -147,9 +158,10 @@ def _open_reader(name: str, options: str):
     # them no record can be found (array_record has no recovery scan).
     reason += f" (the file has {os.path.getsize(name)} bytes)"
   raise CorruptRecordError(
-      name, offset,
-      f"not a readable array_record file (truncated, damaged footer, or "
-      f"another format): {reason}")
+    name,
+    offset,
+    f"not a readable array_record file (truncated, damaged footer, or another format): {reason}",
+  )
 
 
 def _close_reader(reader) -> None:
@@ -167,14 +179,13 @@ def _offset_in(message: str) -> int | None:
   return None
 
 
-def _corrupt(name: str, error: RuntimeError,
-             position: int | None) -> CorruptRecordError:
-  return CorruptRecordError(name, _offset_in(str(error)),
-                            f"damaged record data: {error}", position)
+def _corrupt(name: str, error: RuntimeError, position: int | None) -> CorruptRecordError:
+  return CorruptRecordError(name, _offset_in(str(error)), f"damaged record data: {error}", position)
 
 
-def write_array_record(path: epath.PathLike, records: Iterable[bytes],
-                       options: str = "group_size:1") -> int:
+def write_array_record(
+  path: epath.PathLike, records: Iterable[bytes], options: str = "group_size:1"
+) -> int:
   """Writes `records` (bytes-like) to an array_record file; returns the count.
 
   `group_size:1` (one record per chunk) gives the fastest random access.
@@ -182,13 +193,11 @@ def write_array_record(path: epath.PathLike, records: Iterable[bytes],
   name = os.fspath(path)
   parent = epath.Path(path).parent
   if not parent.exists():
-    raise FileNotFoundError(
-        f"write_array_record: directory {parent} does not exist.")
+    raise FileNotFoundError(f"write_array_record: directory {parent} does not exist.")
   try:
     writer = array_record_module.ArrayRecordWriter(name, options)
   except ValueError as e:
-    raise ValueError(
-        f"write_array_record({name}): bad options {options!r}: {e}") from None
+    raise ValueError(f"write_array_record({name}): bad options {options!r}: {e}") from None
   if not writer.ok():
     try:
       writer.close()
@@ -199,8 +208,7 @@ def write_array_record(path: epath.PathLike, records: Iterable[bytes],
   count = 0
   try:
     for count, record in enumerate(records, start=1):
-      writer.write(as_record_bytes(record, "write_array_record", name,
-                                   count - 1))
+      writer.write(as_record_bytes(record, "write_array_record", name, count - 1))
   finally:
     writer.close()
   return count

@@ -32,23 +32,25 @@ class ArraySource(RecordSource):
     self._structure = _flatten(data, "", paths, leaves)
     if not leaves:
       raise ValueError(
-          "ArraySource: data has no array leaves; give a pytree (dict / list "
-          "/ tuple) of arrays that share their first dimension.")
+        "ArraySource: data has no array leaves; give a pytree (dict / list "
+        "/ tuple) of arrays that share their first dimension."
+      )
     arrays = []
     for path, leaf in zip(paths, leaves):
       array = np.asarray(leaf)
       if array.ndim == 0:
         raise ValueError(
-            f"ArraySource: leaf {path or '<root>'} is a scalar; every leaf "
-            "needs a first (record) dimension.")
+          f"ArraySource: leaf {path or '<root>'} is a scalar; every leaf "
+          "needs a first (record) dimension."
+        )
       arrays.append(_read_only(array))
     lengths = {a.shape[0] for a in arrays}
     if len(lengths) != 1:
-      listing = ", ".join(
-          f"{p or '<root>'}: {a.shape[0]}" for p, a in zip(paths, arrays))
+      listing = ", ".join(f"{p or '<root>'}: {a.shape[0]}" for p, a in zip(paths, arrays))
       raise ValueError(
-          "ArraySource: all leaves must share their first dimension (the "
-          f"number of records); got leaf lengths {listing}.")
+        "ArraySource: all leaves must share their first dimension (the "
+        f"number of records); got leaf lengths {listing}."
+      )
     self._paths = paths
     self._leaves = arrays
     self._length: int = lengths.pop()
@@ -83,8 +85,11 @@ class ArraySource(RecordSource):
 
   def identity(self) -> dict[str, Any]:
     """Each leaf's dtype and shape per record (see `RecordSource.identity`)."""
-    return {"leaves": {p or "<root>": f"{a.dtype}{list(a.shape[1:])}"
-                       for p, a in zip(self._paths, self._leaves)}}
+    return {
+      "leaves": {
+        p or "<root>": f"{a.dtype}{list(a.shape[1:])}" for p, a in zip(self._paths, self._leaves)
+      }
+    }
 
   def content_hash(self) -> str:
     """A short hash of structure, dtypes, shapes and bytes of every leaf."""
@@ -101,10 +106,13 @@ class ArraySource(RecordSource):
     return self._content_hash
 
   def __repr__(self) -> str:
-    leaves = ", ".join(f"{p or '<root>'}: {a.dtype}{list(a.shape[1:])}"
-                       for p, a in zip(self._paths, self._leaves))
-    return (f"ArraySource(num_records={self._length}, leaves={{{leaves}}}, "
-            f"content_hash={self.content_hash()})")
+    leaves = ", ".join(
+      f"{p or '<root>'}: {a.dtype}{list(a.shape[1:])}" for p, a in zip(self._paths, self._leaves)
+    )
+    return (
+      f"ArraySource(num_records={self._length}, leaves={{{leaves}}}, "
+      f"content_hash={self.content_hash()})"
+    )
 
   def __getstate__(self) -> dict[str, Any]:
     state = self.__dict__.copy()
@@ -131,11 +139,9 @@ _LEAF = None
 
 def _flatten(tree: Any, path: str, paths: list[Any], leaves: list[Any]) -> Any:
   if isinstance(tree, dict):
-    return {k: _flatten(v, f"{path}[{k!r}]", paths, leaves)
-            for k, v in tree.items()}
+    return {k: _flatten(v, f"{path}[{k!r}]", paths, leaves) for k, v in tree.items()}
   if isinstance(tree, (list, tuple)):
-    children = [_flatten(v, f"{path}[{i}]", paths, leaves)
-                for i, v in enumerate(tree)]
+    children = [_flatten(v, f"{path}[{i}]", paths, leaves) for i, v in enumerate(tree)]
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
       return ("namedtuple", type(tree), children)
     return ("tuple" if isinstance(tree, tuple) else "list", None, children)
@@ -146,8 +152,7 @@ def _flatten(tree: Any, path: str, paths: list[Any], leaves: list[Any]) -> Any:
 
 def _compile(structure: Any) -> Callable[[Sequence[Any]], Any]:
   """A function from the list of leaf values to the pytree."""
-  if isinstance(structure, dict) and all(
-      v is _LEAF for v in structure.values()):
+  if isinstance(structure, dict) and all(v is _LEAF for v in structure.values()):
     keys = tuple(structure)  # the common flat dict, built in one call
     return lambda values: dict(zip(keys, values))
   counter = iter(range(1 << 62))

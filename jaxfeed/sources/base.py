@@ -39,23 +39,29 @@ class CorruptRecordError(ValueError):
       "compression" (TFRecord).
   """
 
-  def __init__(self, path: Any, offset: int | None, reason: str,
-               record_index: int | None = None, end: int | None = None,
-               kind: str | None = None):
+  def __init__(
+    self,
+    path: Any,
+    offset: int | None,
+    reason: str,
+    record_index: int | None = None,
+    end: int | None = None,
+    kind: str | None = None,
+  ):
     self.path = os.fspath(path)
     self.offset = None if offset is None else int(offset)
     self.record_index = None if record_index is None else int(record_index)
     self.reason = reason
     self.end = None if end is None else int(end)
     self.kind = kind
-    where = "at an unknown byte offset" if offset is None else (
-        f"at byte offset {self.offset}")
+    where = "at an unknown byte offset" if offset is None else (f"at byte offset {self.offset}")
     if record_index is not None:
       where += f" (record {self.record_index} of the file)"
     message = f"Corrupt record file {self.path} {where}: {reason}"
     if self.damaged_bytes is not None:
-      message += (f" [bytes {self.offset} to {self.end} "
-                  f"({self.damaged_bytes} bytes) hold no readable record]")
+      message += (
+        f" [bytes {self.offset} to {self.end} ({self.damaged_bytes} bytes) hold no readable record]"
+      )
     super().__init__(message)
 
   @property
@@ -68,8 +74,10 @@ class CorruptRecordError(ValueError):
   def __reduce__(self):
     # Exceptions pickle their `args` by default, which would lose the fields;
     # worker processes send these errors to the consumer.
-    return (type(self), (self.path, self.offset, self.reason,
-                         self.record_index, self.end, self.kind))
+    return (
+      type(self),
+      (self.path, self.offset, self.reason, self.record_index, self.end, self.kind),
+    )
 
 
 class RecordSource:
@@ -132,8 +140,7 @@ class RecordSource:
 
   def get_many(self, indices: Sequence[int] | np.ndarray) -> list:
     """Records at `indices`, in the requested order."""
-    return self._read_many(
-        check_indices(indices, len(self), type(self).__name__))
+    return self._read_many(check_indices(indices, len(self), type(self).__name__))
 
   def __iter__(self):
     for i in range(len(self)):
@@ -166,18 +173,18 @@ def source_identity(source: Any) -> dict:
 def check_index(index: Any, length: int, source_name: str) -> int:
   """Returns `index` as an int, or raises IndexError / TypeError."""
   if isinstance(index, (bool, np.bool_)):
-    raise TypeError(
-        f"{source_name}: record index must be an integer, got {index!r}.")
+    raise TypeError(f"{source_name}: record index must be an integer, got {index!r}.")
   try:
     i = operator.index(index)
   except TypeError:
     raise TypeError(
-        f"{source_name}: record index must be an integer, got "
-        f"{type(index).__name__}: {index!r}.") from None
+      f"{source_name}: record index must be an integer, got {type(index).__name__}: {index!r}."
+    ) from None
   if i < 0 or i >= length:
     raise IndexError(
-        f"{source_name}: record index {i} is out of range for a source of "
-        f"{length} records (allowed: 0 <= index < {length}).")
+      f"{source_name}: record index {i} is out of range for a source of "
+      f"{length} records (allowed: 0 <= index < {length})."
+    )
   return i
 
 
@@ -188,14 +195,16 @@ def check_indices(indices: Any, length: int, source_name: str) -> np.ndarray:
     return np.zeros(0, np.int64)
   if array.ndim != 1 or array.dtype.kind not in "iu":
     raise TypeError(
-        f"{source_name}: get_many needs a 1-D sequence of integer indices, "
-        f"got an array of dtype {array.dtype} and shape {array.shape}.")
+      f"{source_name}: get_many needs a 1-D sequence of integer indices, "
+      f"got an array of dtype {array.dtype} and shape {array.shape}."
+    )
   low, high = array.min(), array.max()
   if low < 0 or high >= length:
     bad = int(low) if low < 0 else int(high)
     raise IndexError(
-        f"{source_name}: record index {bad} is out of range for a source of "
-        f"{length} records (allowed: 0 <= index < {length}).")
+      f"{source_name}: record index {bad} is out of range for a source of "
+      f"{length} records (allowed: 0 <= index < {length})."
+    )
   return array.astype(np.int64, copy=False)
 
 
@@ -205,8 +214,9 @@ def as_path_list(paths: Any, source_name: str) -> list[epath.Path]:
     paths = [paths]
   elif not isinstance(paths, Iterable):
     raise TypeError(
-        f"{source_name}: paths must be a path or a sequence of paths, got "
-        f"{type(paths).__name__}: {paths!r}.")
+      f"{source_name}: paths must be a path or a sequence of paths, got "
+      f"{type(paths).__name__}: {paths!r}."
+    )
   paths = list(paths)
   if not paths:
     raise ValueError(f"{source_name}: paths is empty; give at least one file.")
@@ -214,8 +224,8 @@ def as_path_list(paths: Any, source_name: str) -> list[epath.Path]:
   for p in paths:
     if not isinstance(p, (str, os.PathLike)):
       raise TypeError(
-          f"{source_name}: every path must be a str or os.PathLike, got "
-          f"{type(p).__name__}: {p!r}.")
+        f"{source_name}: every path must be a str or os.PathLike, got {type(p).__name__}: {p!r}."
+      )
     out.append(epath.Path(p))
   return out
 
@@ -225,8 +235,7 @@ def check_files_exist(paths: Sequence[epath.Path], source_name: str) -> None:
     if not p.exists():
       raise FileNotFoundError(f"{source_name}: file {p} does not exist.")
     if p.is_dir():
-      raise IsADirectoryError(
-          f"{source_name}: {p} is a directory; give record files.")
+      raise IsADirectoryError(f"{source_name}: {p} is a directory; give record files.")
 
 
 def is_local(path: epath.Path) -> bool:
@@ -367,8 +376,7 @@ class HandleSource(RecordSource):
     self._track_handles()
 
 
-def as_record_bytes(record: Any, writer_name: str, path: Any,
-                    index: int) -> bytes:
+def as_record_bytes(record: Any, writer_name: str, path: Any, index: int) -> bytes:
   """A bytes-like record (bytes, bytearray, memoryview, ndarray) as bytes."""
   if isinstance(record, bytes):
     return record
@@ -377,6 +385,7 @@ def as_record_bytes(record: Any, writer_name: str, path: Any,
   if isinstance(record, np.ndarray):
     return record.tobytes()
   raise TypeError(
-      f"{writer_name}({os.fspath(path)}): record {index} must be bytes-like "
-      f"(bytes, bytearray, memoryview, numpy array), got "
-      f"{type(record).__name__}.")
+    f"{writer_name}({os.fspath(path)}): record {index} must be bytes-like "
+    f"(bytes, bytearray, memoryview, numpy array), got "
+    f"{type(record).__name__}."
+  )

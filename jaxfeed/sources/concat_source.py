@@ -20,15 +20,16 @@ class ConcatSource(RecordSource):
   """
 
   def __init__(self, sources: Sequence[Any]):
-    if isinstance(sources, (str, bytes)) or not isinstance(
-        sources, Sequence) or not sources:
-      raise TypeError(f"ConcatSource: sources must be a non-empty list of "
-                      f"sources, got {sources!r:.200}.")
+    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or not sources:
+      raise TypeError(
+        f"ConcatSource: sources must be a non-empty list of sources, got {sources!r:.200}."
+      )
     for i, source in enumerate(sources):
       if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
         raise TypeError(
-            f"ConcatSource: sources[{i}] must be a random-access source with "
-            f"__len__ and __getitem__, got {type(source).__name__}.")
+          f"ConcatSource: sources[{i}] must be a random-access source with "
+          f"__len__ and __getitem__, got {type(source).__name__}."
+        )
     self._sources = list(sources)
     self._offsets = np.cumsum([0] + [len(s) for s in self._sources])
 
@@ -51,8 +52,7 @@ class ConcatSource(RecordSource):
       source = self._sources[c]
       local = indices[where] - self._offsets[c]
       get_many = getattr(source, "get_many", None)
-      read = (get_many(local) if callable(get_many)
-              else [source[i] for i in local.tolist()])
+      read = get_many(local) if callable(get_many) else [source[i] for i in local.tolist()]
       for slot, record in zip(where.tolist(), read):
         records[slot] = record
     return records
@@ -61,8 +61,7 @@ class ConcatSource(RecordSource):
     return {"sources": list(self._sources)}
 
   def fingerprint_params(self) -> dict[str, Any]:
-    return {"sources": [getattr(s, "fingerprint_params", dict)()
-                        for s in self._sources]}
+    return {"sources": [getattr(s, "fingerprint_params", dict)() for s in self._sources]}
 
   def identity(self) -> dict[str, Any]:
     """The type, length and identity of each source, in order."""

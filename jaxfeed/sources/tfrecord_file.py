@@ -18,11 +18,16 @@ from etils import epath
 import numpy as np
 
 from jaxfeed.sources.base import CorruptRecordError, LazyHandle, file_stamp, is_local
-from jaxfeed.sources.tfrecord_format import (DATA_CRC, FOOTER_BYTES,
-                                             FORMAT_PROBE_BYTES,
-                                             FRAME_OVERHEAD, HEADER_BYTES,
-                                             compression_mismatch,
-                                             data_crc_message, masked_crc32c)
+from jaxfeed.sources.tfrecord_format import (
+  DATA_CRC,
+  FOOTER_BYTES,
+  FORMAT_PROBE_BYTES,
+  FRAME_OVERHEAD,
+  HEADER_BYTES,
+  compression_mismatch,
+  data_crc_message,
+  masked_crc32c,
+)
 from jaxfeed.sources.tfrecord_scan import DamagedRange, scan_frames
 from jaxfeed.sources.tfrecord_stream import RecordStream
 
@@ -68,11 +73,9 @@ class TFRecordFile:
     self.skip_damage = skip_damage
     self.local = is_local(path)
     if self.local:
-      self.handle = LazyHandle(functools.partial(_open_fd, self.name),
-                               os.close)
+      self.handle = LazyHandle(functools.partial(_open_fd, self.name), os.close)
     else:
-      self.handle = LazyHandle(
-          functools.partial(_open_stream, path), _close_stream)
+      self.handle = LazyHandle(functools.partial(_open_stream, path), _close_stream)
     self.offsets: np.ndarray | None = None
     self.damage: tuple[DamagedRange, ...] = ()
     self.damaged_entries: dict[int, DamagedRange] = {}
@@ -99,26 +102,27 @@ class TFRecordFile:
         self.index_on_disk = self._store_cached(stamp, offsets)
     record_entries = None
     if damage and self.skip_damage:
-      record_entries = np.delete(np.arange(len(offsets) - 1, dtype=np.int64),
-                               [d.record_index for d in damage])
+      record_entries = np.delete(
+        np.arange(len(offsets) - 1, dtype=np.int64), [d.record_index for d in damage]
+      )
     count = len(offsets) - 1 if record_entries is None else len(record_entries)
     if self.num_records >= 0 and count != self.num_records:
       raise CorruptRecordError(
-          self.name, None,
-          f"the file changed while in use: it now holds {count} records, the "
-          f"source was built with {self.num_records}")
+        self.name,
+        None,
+        f"the file changed while in use: it now holds {count} records, the "
+        f"source was built with {self.num_records}",
+      )
     self.offsets, self.stamp, self.damage = offsets, stamp, damage
     self.record_entries = record_entries
-    self.damaged_entries = ({} if self.skip_damage else
-                          {d.record_index: d for d in damage})
+    self.damaged_entries = {} if self.skip_damage else {d.record_index: d for d in damage}
     self.num_records = count
     return count
 
   def _check_compression(self) -> None:
     """Refuses a file of another compression type than the source's."""
     with self.path.open("rb") as f:
-      mismatch = compression_mismatch(f.read(FORMAT_PROBE_BYTES),
-                                      self.compression_type)
+      mismatch = compression_mismatch(f.read(FORMAT_PROBE_BYTES), self.compression_type)
     if mismatch is not None:
       raise CorruptRecordError(self.name, 0, mismatch)
 
@@ -131,29 +135,30 @@ class TFRecordFile:
         table = np.load(f, allow_pickle=False)
     except (OSError, ValueError, EOFError):
       return None  # missing or unreadable: rebuilt by the caller
-    if (table.dtype != np.int64 or table.ndim != 1
-        or len(table) < _INDEX_HEADER + 1):
+    if table.dtype != np.int64 or table.ndim != 1 or len(table) < _INDEX_HEADER + 1:
       return None
     magic, version, size, mtime_ns, count = table[:_INDEX_HEADER].tolist()
     offsets = table[_INDEX_HEADER:]
     # "skip" needs an index whose data CRCs were all checked.
-    versions = self.index_versions[1:] if self.skip_damage else (
-        self.index_versions)
-    if (magic != _INDEX_MAGIC or version not in versions
-        or (size, mtime_ns) != stamp or count != len(offsets) - 1
-        or not self._offsets_fit(offsets, size)):
+    versions = self.index_versions[1:] if self.skip_damage else (self.index_versions)
+    if (
+      magic != _INDEX_MAGIC
+      or version not in versions
+      or (size, mtime_ns) != stamp
+      or count != len(offsets) - 1
+      or not self._offsets_fit(offsets, size)
+    ):
       return None
     return offsets
 
   def _offsets_fit(self, offsets: np.ndarray, size: int) -> bool:
     return offsets[-1] == size
 
-  def _store_cached(self, stamp: tuple[int, int],
-                    offsets: np.ndarray) -> bool:
+  def _store_cached(self, stamp: tuple[int, int], offsets: np.ndarray) -> bool:
     version = self.index_versions[1 if self.skip_damage else 0]
-    table = np.concatenate([
-        np.array([_INDEX_MAGIC, version, stamp[0], stamp[1],
-                  len(offsets) - 1], np.int64), offsets])
+    table = np.concatenate(
+      [np.array([_INDEX_MAGIC, version, stamp[0], stamp[1], len(offsets) - 1], np.int64), offsets]
+    )
     final = self._index_path()
     temporary = epath.Path(f"{final}.tmp-{uuid.uuid4().hex}")
     try:
@@ -195,20 +200,19 @@ class TFRecordFile:
       self.load_index()
 
   # -- reads ---------------------------------------------------------------
-  def _scan(self, file_size: int
-            ) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
+  def _scan(self, file_size: int) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
     """Scans the file for its entries through a handle closed when done."""
     if self.local:
       fd = _open_fd(self.name)
       try:
-        return scan_frames(functools.partial(os.pread, fd), file_size,
-                           self.name, self.skip_damage)
+        return scan_frames(functools.partial(os.pread, fd), file_size, self.name, self.skip_damage)
       finally:
         os.close(fd)
     handle = _open_stream(self.path)
     try:
-      return scan_frames(functools.partial(_stream_read, handle), file_size,
-                         self.name, self.skip_damage)
+      return scan_frames(
+        functools.partial(_stream_read, handle), file_size, self.name, self.skip_damage
+      )
     finally:
       _close_stream(handle)
 
@@ -257,11 +261,11 @@ class TFRecordFile:
     pread = self._reader()
     if end - start >= _DIRECT_READ_BYTES:
       return self._read_direct(pread, start, end, position, verify_crc)
-    return self._extract(pread(end - start, start), start, start, end,
-                         position, verify_crc)
+    return self._extract(pread(end - start, start), start, start, end, position, verify_crc)
 
-  def read_sorted(self, positions: np.ndarray, slots: np.ndarray, out: list,
-                  verify_crc: bool) -> None:
+  def read_sorted(
+    self, positions: np.ndarray, slots: np.ndarray, out: list, verify_crc: bool
+  ) -> None:
     """Reads records at ascending `positions` into `out[slots]`."""
     self._open_checked()
     positions = self._entries(positions)
@@ -275,61 +279,69 @@ class TFRecordFile:
     for first, last in zip(span_first.tolist(), span_last.tolist()):
       low = starts[first]
       if first == last and ends[last] - low >= _DIRECT_READ_BYTES:
-        out[slots[first]] = self._read_direct(pread, low, ends[last],
-                                              positions[first], verify_crc)
+        out[slots[first]] = self._read_direct(pread, low, ends[last], positions[first], verify_crc)
         continue
       buffer = pread(ends[last] - low, low)
       for k in range(first, last + 1):
-        out[slots[k]] = extract(buffer, low, starts[k], ends[k], positions[k],
-                                verify_crc)
+        out[slots[k]] = extract(buffer, low, starts[k], ends[k], positions[k], verify_crc)
 
-  def _read_direct(self, pread: Callable[[int, int], bytes], start: int,
-                   end: int, position: int, verify_crc: bool) -> bytes:
+  def _read_direct(
+    self, pread: Callable[[int, int], bytes], start: int, end: int, position: int, verify_crc: bool
+  ) -> bytes:
     """Reads a large record's data straight into its own bytes object."""
     data = pread(end - start - FRAME_OVERHEAD, start + HEADER_BYTES)
     footer = pread(FOOTER_BYTES, end - FOOTER_BYTES) if verify_crc else b""
-    if len(data) < end - start - FRAME_OVERHEAD or (
-        verify_crc and len(footer) < FOOTER_BYTES):
+    if len(data) < end - start - FRAME_OVERHEAD or (verify_crc and len(footer) < FOOTER_BYTES):
       raise CorruptRecordError(
-          self.name, start,
-          f"the file ended inside this record (it should end at byte {end}); "
-          "the file was truncated after it was indexed", position)
+        self.name,
+        start,
+        f"the file ended inside this record (it should end at byte {end}); "
+        "the file was truncated after it was indexed",
+        position,
+      )
     if verify_crc:
       self._check_crc(data, _CRC.unpack(footer)[0], start, position)
     return data
 
-  def _extract(self, buffer: bytes, base: int, start: int, end: int,
-               position: int, verify_crc: bool) -> bytes:
+  def _extract(
+    self, buffer: bytes, base: int, start: int, end: int, position: int, verify_crc: bool
+  ) -> bytes:
     """The data of the frame [start, end) from `buffer` read at `base`."""
     if len(buffer) < end - base:
       raise CorruptRecordError(
-          self.name, start,
-          f"the file ended inside this record (it holds {len(buffer)} of "
-          f"{end - base} bytes read from offset {base}); the file was "
-          "truncated after it was indexed", position)
-    data = buffer[start - base + HEADER_BYTES:end - base - FOOTER_BYTES]
+        self.name,
+        start,
+        f"the file ended inside this record (it holds {len(buffer)} of "
+        f"{end - base} bytes read from offset {base}); the file was "
+        "truncated after it was indexed",
+        position,
+      )
+    data = buffer[start - base + HEADER_BYTES : end - base - FOOTER_BYTES]
     if verify_crc:
       length = _LENGTH.unpack_from(buffer, start - base)[0]
       if length != end - start - FRAME_OVERHEAD:
         raise CorruptRecordError(
-            self.name, start,
-            f"the record header says {length} data bytes but the index says "
-            f"{end - start - FRAME_OVERHEAD}; the file changed after it was "
-            "indexed", position)
-      self._check_crc(
-          data, _CRC.unpack_from(buffer, end - base - FOOTER_BYTES)[0], start,
-          position)
+          self.name,
+          start,
+          f"the record header says {length} data bytes but the index says "
+          f"{end - start - FRAME_OVERHEAD}; the file changed after it was "
+          "indexed",
+          position,
+        )
+      self._check_crc(data, _CRC.unpack_from(buffer, end - base - FOOTER_BYTES)[0], start, position)
     return data
 
-  def _check_crc(self, data: bytes, stored: int, start: int,
-                 position: int) -> None:
+  def _check_crc(self, data: bytes, stored: int, start: int, position: int) -> None:
     computed = masked_crc32c(data)
     if stored != computed:
       raise CorruptRecordError(
-          self.name, start,
-          f"{data_crc_message(stored, computed, len(data))} starting at byte "
-          f"{start + HEADER_BYTES}", position,
-          start + FRAME_OVERHEAD + len(data), DATA_CRC)
+        self.name,
+        start,
+        f"{data_crc_message(stored, computed, len(data))} starting at byte {start + HEADER_BYTES}",
+        position,
+        start + FRAME_OVERHEAD + len(data),
+        DATA_CRC,
+      )
 
 
 class CompressedTFRecordFile(TFRecordFile):
@@ -337,20 +349,19 @@ class CompressedTFRecordFile(TFRecordFile):
 
   index_versions = _COMPRESSED_INDEX_VERSIONS
 
-  def __init__(self, path: epath.Path, cache_index: bool, skip_damage: bool,
-               wbits: int, compression_type: str):
+  def __init__(
+    self, path: epath.Path, cache_index: bool, skip_damage: bool, wbits: int, compression_type: str
+  ):
     super().__init__(path, cache_index, skip_damage)
     self.wbits = wbits
     self.compression_type = compression_type
-    self.handle = LazyHandle(
-        functools.partial(_open_record_stream, path, wbits), _close_stream)
+    self.handle = LazyHandle(functools.partial(_open_record_stream, path, wbits), _close_stream)
 
   def _offsets_fit(self, offsets: np.ndarray, size: int) -> bool:
     del size  # the offsets count uncompressed bytes
     return True
 
-  def _scan(self, file_size: int
-            ) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
+  def _scan(self, file_size: int) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
     del file_size
     stream = _open_record_stream(self.path, self.wbits)
     try:
@@ -369,36 +380,40 @@ class CompressedTFRecordFile(TFRecordFile):
       record = stream.read(verify_crc)
       if record is None:
         raise CorruptRecordError(
-            self.name, stream.offset,
-            f"the file ended before record {position}; it changed after it "
-            "was indexed", position)
+          self.name,
+          stream.offset,
+          f"the file ended before record {position}; it changed after it was indexed",
+          position,
+        )
       return record
 
   def _seek(self, stream: RecordStream, position: int) -> None:
     if position < stream.position:
       if position != 0:
         raise SequentialReadError(
-            f"TFRecordSource: {self.name} is {self.compression_type}-"
-            f"compressed, so its records are read in order only: record "
-            f"{position} of the file was asked for after record "
-            f"{stream.position - 1}. Read it with an unshuffled sampler "
-            "(IndexSampler(n, shuffle=False)), or write it uncompressed "
-            "(write_tfrecord without compression_type) for random access.")
+          f"TFRecordSource: {self.name} is {self.compression_type}-"
+          f"compressed, so its records are read in order only: record "
+          f"{position} of the file was asked for after record "
+          f"{stream.position - 1}. Read it with an unshuffled sampler "
+          "(IndexSampler(n, shuffle=False)), or write it uncompressed "
+          "(write_tfrecord without compression_type) for random access."
+        )
       stream.rewind()  # the first record again: a new pass over the file
     while stream.position < position:
       if not stream.skip():
         raise CorruptRecordError(
-            self.name, stream.offset,
-            f"the file ended before record {position}; it changed after it "
-            "was indexed", position)
+          self.name,
+          stream.offset,
+          f"the file ended before record {position}; it changed after it was indexed",
+          position,
+        )
 
 
 def _open_record_stream(path: epath.Path, wbits: int):
   return RecordStream(path.open("rb"), wbits, os.fspath(path)), threading.Lock()
 
 
-def _spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray,
-                                                          np.ndarray]:
+def _spans(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Groups ascending frames into runs of adjacent small frames read at once.
 
   A run breaks at a gap between frames and every `_MAX_SPAN_BYTES` bytes;

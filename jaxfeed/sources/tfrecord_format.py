@@ -49,8 +49,7 @@ COMPRESSION = "compression"  # the file has another compression type
 
 # zlib window bits of each compression type: 16 + 15 asks zlib for a gzip
 # header and trailer, 15 for a zlib one (what TensorFlow's writer uses).
-_WBITS = {None: None, "": None, "GZIP": 16 + zlib.MAX_WBITS,
-          "ZLIB": zlib.MAX_WBITS}
+_WBITS = {None: None, "": None, "GZIP": 16 + zlib.MAX_WBITS, "ZLIB": zlib.MAX_WBITS}
 # zlib's memory level in TensorFlow's writer (zlib's own default is 8): with
 # the same level the compressed bytes are identical to TensorFlow's.
 _MEM_LEVEL = 9
@@ -66,8 +65,8 @@ def compression_wbits(compression_type: Any, where: str) -> int | None:
     return _WBITS[compression_type]
   except (KeyError, TypeError):
     raise ValueError(
-        f'{where}: compression_type must be None, "", "GZIP" or "ZLIB", '
-        f"got {compression_type!r}.") from None
+      f'{where}: compression_type must be None, "", "GZIP" or "ZLIB", got {compression_type!r}.'
+    ) from None
 
 
 def mask_crc(crc: int) -> int:
@@ -82,14 +81,18 @@ def masked_crc32c(data: bytes) -> int:
 
 
 def length_crc_message(stored: int, computed: int) -> str:
-  return (f"length CRC mismatch in the record header (stored 0x{stored:08x}, "
-          f"computed 0x{computed:08x}); the header or the file is damaged, or "
-          "this is not a TFRecord file")
+  return (
+    f"length CRC mismatch in the record header (stored 0x{stored:08x}, "
+    f"computed 0x{computed:08x}); the header or the file is damaged, or "
+    "this is not a TFRecord file"
+  )
 
 
 def data_crc_message(stored: int, computed: int, length: int) -> str:
-  return (f"data CRC mismatch (stored 0x{stored:08x}, computed "
-          f"0x{computed:08x}) for the {length}-byte record")
+  return (
+    f"data CRC mismatch (stored 0x{stored:08x}, computed "
+    f"0x{computed:08x}) for the {length}-byte record"
+  )
 
 
 def is_frame_header(data: bytes) -> bool:
@@ -115,8 +118,7 @@ def identify_compression(head: bytes) -> str | None:
   return None
 
 
-def compression_mismatch(head: bytes,
-                         compression_type: str | None) -> str | None:
+def compression_mismatch(head: bytes, compression_type: str | None) -> str | None:
   """Why a file that starts with `head` cannot be read with
   `compression_type`, where its start shows that it has another one (its
   start would read as damage, and a resync might find records in it, e.g.
@@ -127,8 +129,9 @@ def compression_mismatch(head: bytes,
     return None
   what = f"{found}-compressed" if found else "not compressed"
   hint = f'compression_type="{found}"' if found else "no compression_type"
-  return (f"this TFRecord file is {what}, but it is read as "
-          f"{expected or 'uncompressed'}; pass {hint}")
+  return (
+    f"this TFRecord file is {what}, but it is read as {expected or 'uncompressed'}; pass {hint}"
+  )
 
 
 # Bytes of a file's start that `compression_mismatch` needs at most.
@@ -140,8 +143,9 @@ def encode_frame_header(length: int) -> bytes:
   return header + CRC.pack(masked_crc32c(header))
 
 
-def write_tfrecord(path: epath.PathLike, records: Iterable[bytes],
-                   compression_type: str | None = None) -> int:
+def write_tfrecord(
+  path: epath.PathLike, records: Iterable[bytes], compression_type: str | None = None
+) -> int:
   """Writes `records` (bytes-like) to a TFRecord file; returns the count.
 
   The file is readable by `tf.data.TFRecordDataset(path, compression_type)`.
@@ -160,10 +164,11 @@ def write_tfrecord(path: epath.PathLike, records: Iterable[bytes],
     if wbits is None:
       write = f.write
     else:
-      deflate = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED,
-                                 wbits, _MEM_LEVEL)
+      deflate = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, wbits, _MEM_LEVEL)
+
       def write(data: bytes) -> Any:
         return f.write(deflate.compress(data))
+
     for count, record in enumerate(records, start=1):
       if not isinstance(record, bytes):
         record = as_record_bytes(record, "write_tfrecord", path, count - 1)

@@ -24,14 +24,22 @@ import google_crc32c
 import numpy as np
 
 from jaxfeed.sources.base import CorruptRecordError
-from jaxfeed.sources.tfrecord_format import (BEYOND_END, CRC, DATA_CRC,
-                                             FOOTER_BYTES, FRAME_OVERHEAD,
-                                             HEADER,
-                                             HEADER_BYTES, LENGTH_CRC,
-                                             MASK_DELTA, TRUNCATED,
-                                             data_crc_message,
-                                             length_crc_message, mask_crc,
-                                             masked_crc32c)
+from jaxfeed.sources.tfrecord_format import (
+  BEYOND_END,
+  CRC,
+  DATA_CRC,
+  FOOTER_BYTES,
+  FRAME_OVERHEAD,
+  HEADER,
+  HEADER_BYTES,
+  LENGTH_CRC,
+  MASK_DELTA,
+  TRUNCATED,
+  data_crc_message,
+  length_crc_message,
+  mask_crc,
+  masked_crc32c,
+)
 
 __all__ = ["DamagedRange", "next_frame", "scan_frames"]
 
@@ -79,13 +87,20 @@ class DamagedRange:
 
   def error(self) -> CorruptRecordError:
     """A new error that names the file, the offset and what is wrong."""
-    return CorruptRecordError(self.path, self.start, self.reason,
-                              self.record_index, self.end, self.kind)
+    return CorruptRecordError(
+      self.path, self.start, self.reason, self.record_index, self.end, self.kind
+    )
 
   @classmethod
   def from_error(cls, error: CorruptRecordError) -> "DamagedRange":
-    return cls(error.path, error.offset or 0, error.end,
-               error.kind or TRUNCATED, error.reason, error.record_index or 0)
+    return cls(
+      error.path,
+      error.offset or 0,
+      error.end,
+      error.kind or TRUNCATED,
+      error.reason,
+      error.record_index or 0,
+    )
 
 
 @functools.cache
@@ -119,7 +134,7 @@ def _header_candidates(chunk: bytes, room: int) -> np.ndarray:
   n = len(data) - HEADER_BYTES + 1
   if n <= 0:
     return np.zeros(0, np.int64)
-  byte = [data[j:j + n] for j in range(HEADER_BYTES)]
+  byte = [data[j : j + n] for j in range(HEADER_BYTES)]
   # Cheap filters on whole slices first. A frame that fits in the file has a
   # length below 2**40 (its high 3 bytes are zero), and a zero length has
   # one valid CRC, so runs of zeros (a zero-filled tail) drop out here.
@@ -142,16 +157,14 @@ def _header_candidates(chunk: bytes, room: int) -> np.ndarray:
   crc = np.full(len(at), zero, np.uint32)
   for j in range(8):
     crc ^= tables[j][data[at + j]]
-  masked = ((crc >> np.uint32(15)) | (crc << np.uint32(17))) + np.uint32(
-      MASK_DELTA)
+  masked = ((crc >> np.uint32(15)) | (crc << np.uint32(17))) + np.uint32(MASK_DELTA)
   stored = np.zeros(len(at), np.uint32)
   for j in range(4):
     stored |= data[at + 8 + j].astype(np.uint32) << np.uint32(8 * j)
   return at[masked == stored].astype(np.int64)
 
 
-def _data_crcs(pread: Pread, start: int,
-               length: int) -> tuple[int, int] | None:
+def _data_crcs(pread: Pread, start: int, length: int) -> tuple[int, int] | None:
   """(stored, computed) data CRC of the frame at `start` with `length` data
   bytes, read in pieces (a candidate's length may be large); None where the
   file ends first."""
@@ -197,9 +210,8 @@ def next_frame(pread: Pread, start: int, file_size: int) -> int | None:
       length = HEADER.unpack_from(chunk, q)[0]
       end = q + FRAME_OVERHEAD + length
       if end <= len(chunk):
-        data = chunk[q + HEADER_BYTES:end - FOOTER_BYTES]
-        if CRC.unpack_from(chunk, end - FOOTER_BYTES)[0] == masked_crc32c(
-            data):
+        data = chunk[q + HEADER_BYTES : end - FOOTER_BYTES]
+        if CRC.unpack_from(chunk, end - FOOTER_BYTES)[0] == masked_crc32c(data):
           return pos + q
       elif _data_crc_matches(pread, pos + q, length):
         return pos + q
@@ -208,9 +220,9 @@ def next_frame(pread: Pread, start: int, file_size: int) -> int | None:
   return None
 
 
-def scan_frames(pread: Pread, file_size: int, path: str,
-                verify_data: bool = False
-                ) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
+def scan_frames(
+  pread: Pread, file_size: int, path: str, verify_data: bool = False
+) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
   """Finds every frame of a TFRecord file, and every damaged range.
 
   Args:
@@ -239,35 +251,39 @@ def scan_frames(pread: Pread, file_size: int, path: str,
     problem = None
     if pos + HEADER_BYTES > chunk_end:
       if pos + HEADER_BYTES > file_size:
-        problem = (TRUNCATED,
-                   f"truncated file: {file_size - pos} bytes left where a "
-                   f"{HEADER_BYTES}-byte record header starts (file size "
-                   f"{file_size})")
+        problem = (
+          TRUNCATED,
+          f"truncated file: {file_size - pos} bytes left where a "
+          f"{HEADER_BYTES}-byte record header starts (file size "
+          f"{file_size})",
+        )
       else:
         chunk = pread(max(HEADER_BYTES, min(read_size, file_size - pos)), pos)
         chunk_start, chunk_end = pos, pos + len(chunk)
         if chunk_end < pos + HEADER_BYTES:
-          problem = (TRUNCATED, "the file ended while reading a record header "
-                     "(it is shorter than its reported size)")
+          problem = (
+            TRUNCATED,
+            "the file ended while reading a record header (it is shorter than its reported size)",
+          )
     if problem is None:
       at = pos - chunk_start
       length, length_crc = unpack_header(chunk, at)
       end = pos + FRAME_OVERHEAD + length
-      computed = masked_crc32c(chunk[at:at + 8])
+      computed = masked_crc32c(chunk[at : at + 8])
       if computed != length_crc:
         problem = (LENGTH_CRC, length_crc_message(length_crc, computed))
       elif end > file_size:
-        problem = (BEYOND_END,
-                   f"truncated file: the record header says {length} data "
-                   f"bytes, so the record ends at byte {end}, but the file has "
-                   f"{file_size} bytes")
+        problem = (
+          BEYOND_END,
+          f"truncated file: the record header says {length} data "
+          f"bytes, so the record ends at byte {end}, but the file has "
+          f"{file_size} bytes",
+        )
       elif verify_data:
-        problem = _data_problem(pread, chunk, chunk_start, chunk_end, pos,
-                                length)
+        problem = _data_problem(pread, chunk, chunk_start, chunk_end, pos, length)
     if problem is None:
       append(pos)
-      read_size = HEADER_BYTES if length >= _LARGE_RECORD_BYTES else (
-          _SCAN_CHUNK_BYTES)
+      read_size = HEADER_BYTES if length >= _LARGE_RECORD_BYTES else (_SCAN_CHUNK_BYTES)
       pos = end
       continue
     resume = next_frame(pread, pos + 1, file_size)
@@ -280,14 +296,14 @@ def scan_frames(pread: Pread, file_size: int, path: str,
   return np.asarray(offsets, dtype=np.int64), tuple(damage)
 
 
-def _data_problem(pread: Pread, chunk: bytes, chunk_start: int,
-                  chunk_end: int, pos: int,
-                  length: int) -> tuple[str, str] | None:
+def _data_problem(
+  pread: Pread, chunk: bytes, chunk_start: int, chunk_end: int, pos: int, length: int
+) -> tuple[str, str] | None:
   """(kind, reason) where the data CRC of the frame at `pos` fails."""
   end = pos + FRAME_OVERHEAD + length
   if end <= chunk_end:
     at = pos - chunk_start
-    data = chunk[at + HEADER_BYTES:at + HEADER_BYTES + length]
+    data = chunk[at + HEADER_BYTES : at + HEADER_BYTES + length]
     stored = CRC.unpack_from(chunk, at + HEADER_BYTES + length)[0]
     computed = masked_crc32c(data)
     if stored == computed:
@@ -295,8 +311,7 @@ def _data_problem(pread: Pread, chunk: bytes, chunk_start: int,
     return DATA_CRC, data_crc_message(stored, computed, length)
   crcs = _data_crcs(pread, pos, length)
   if crcs is None:
-    return TRUNCATED, ("the file ended inside this record (it is shorter "
-                       "than its reported size)")
+    return TRUNCATED, ("the file ended inside this record (it is shorter than its reported size)")
   if crcs[0] == crcs[1]:
     return None
   return DATA_CRC, data_crc_message(crcs[0], crcs[1], length)

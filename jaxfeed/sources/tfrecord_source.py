@@ -38,11 +38,17 @@ from typing import Any
 
 import numpy as np
 
-from jaxfeed.sources.base import (CorruptRecordError, HandleSource, LazyHandle,
-                                  as_path_list, check_files_exist, file_of,
-                                  files_fingerprint_params, split_by_file)
-from jaxfeed.sources.tfrecord_file import (CompressedTFRecordFile, SequentialReadError,
-                                           TFRecordFile)
+from jaxfeed.sources.base import (
+  CorruptRecordError,
+  HandleSource,
+  LazyHandle,
+  as_path_list,
+  check_files_exist,
+  file_of,
+  files_fingerprint_params,
+  split_by_file,
+)
+from jaxfeed.sources.tfrecord_file import CompressedTFRecordFile, SequentialReadError, TFRecordFile
 from jaxfeed.sources.tfrecord_format import compression_wbits
 from jaxfeed.sources.tfrecord_scan import DamagedRange
 
@@ -86,18 +92,21 @@ class TFRecordSource(HandleSource):
     FileNotFoundError: a file does not exist.
   """
 
-  def __init__(self, paths: Any, verify_crc: bool = True,
-               cache_index: bool = True,
-               compression_type: str | None = None,
-               on_damage: str = "raise"):
+  def __init__(
+    self,
+    paths: Any,
+    verify_crc: bool = True,
+    cache_index: bool = True,
+    compression_type: str | None = None,
+    on_damage: str = "raise",
+  ):
     if not isinstance(verify_crc, bool) or not isinstance(cache_index, bool):
       raise TypeError(
-          "TFRecordSource: verify_crc and cache_index must be bools, got "
-          f"verify_crc={verify_crc!r}, cache_index={cache_index!r}.")
+        "TFRecordSource: verify_crc and cache_index must be bools, got "
+        f"verify_crc={verify_crc!r}, cache_index={cache_index!r}."
+      )
     if on_damage not in ON_DAMAGE:
-      raise ValueError(
-          f'TFRecordSource: on_damage must be "raise" or "skip", got '
-          f"{on_damage!r}.")
+      raise ValueError(f'TFRecordSource: on_damage must be "raise" or "skip", got {on_damage!r}.')
     wbits = compression_wbits(compression_type, "TFRecordSource")
     path_list = as_path_list(paths, "TFRecordSource")
     check_files_exist(path_list, "TFRecordSource")
@@ -111,9 +120,9 @@ class TFRecordSource(HandleSource):
     if wbits is None:
       self._files = [TFRecordFile(p, cache_index, skip) for p in path_list]
     else:
-      self._files = [CompressedTFRecordFile(p, cache_index, skip, wbits,
-                                             compression_type)
-                     for p in path_list]
+      self._files = [
+        CompressedTFRecordFile(p, cache_index, skip, wbits, compression_type) for p in path_list
+      ]
     counts = [f.load_index() for f in self._files]
     for f in self._files:
       _log_damage(f.damage, on_damage)
@@ -126,8 +135,7 @@ class TFRecordSource(HandleSource):
 
   def _read(self, index: int) -> bytes:
     f = file_of(index, self._file_starts)
-    return self._files[f].read_one(index - int(self._file_starts[f]),
-                                   self._verify_crc)
+    return self._files[f].read_one(index - int(self._file_starts[f]), self._verify_crc)
 
   def _read_many(self, indices: np.ndarray) -> list:
     if self._compression_type is not None:
@@ -175,8 +183,7 @@ class TFRecordSource(HandleSource):
     return tuple(d for f in self._files for d in f.damage)
 
   def spec_params(self) -> dict:
-    params = {"paths": self.paths, "verify_crc": self._verify_crc,
-              "cache_index": self._cache_index}
+    params = {"paths": self.paths, "verify_crc": self._verify_crc, "cache_index": self._cache_index}
     if self._compression_type is not None:
       params["compression_type"] = self._compression_type
     if self._on_damage != "raise":
@@ -198,18 +205,25 @@ class TFRecordSource(HandleSource):
 def _log_damage(damage: tuple[DamagedRange, ...], on_damage: str) -> None:
   if not damage:
     return
-  outcome = ("left out (on_damage='skip')" if on_damage == "skip" else
-             "each read as a record that raises CorruptRecordError "
-             "(ignore_errors() skips it, or on_damage='skip')")
+  outcome = (
+    "left out (on_damage='skip')"
+    if on_damage == "skip"
+    else "each read as a record that raises CorruptRecordError "
+    "(ignore_errors() skips it, or on_damage='skip')"
+  )
   total = sum(d.num_bytes or 0 for d in damage)
   _LOG.warning(
-      "TFRecordSource: %s is damaged: %d damaged range(s), %d bytes, %s.",
-      damage[0].path, len(damage), total, outcome)
+    "TFRecordSource: %s is damaged: %d damaged range(s), %d bytes, %s.",
+    damage[0].path,
+    len(damage),
+    total,
+    outcome,
+  )
   for d in damage[:_LOGGED_RANGES]:
     _LOG.warning("TFRecordSource: %s", d.error())
   if len(damage) > _LOGGED_RANGES:
-    _LOG.warning("TFRecordSource: %s: %d more damaged ranges (see "
-                 "TFRecordSource.damage).", damage[0].path,
-                 len(damage) - _LOGGED_RANGES)
-
-
+    _LOG.warning(
+      "TFRecordSource: %s: %d more damaged ranges (see TFRecordSource.damage).",
+      damage[0].path,
+      len(damage) - _LOGGED_RANGES,
+    )

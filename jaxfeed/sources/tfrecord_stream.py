@@ -22,16 +22,22 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from jaxfeed.sources.base import CorruptRecordError
-from jaxfeed.sources.tfrecord_format import (BEYOND_END, COMPRESSION,
-                                             DATA_CRC, DECOMPRESS,
-                                             FORMAT_PROBE_BYTES,
-                                             FRAME_OVERHEAD, HEADER_BYTES,
-                                             LENGTH_CRC,
-                                             TRUNCATED, compression_mismatch,
-                                             compression_wbits,
-                                             data_crc_message,
-                                             length_crc_message,
-                                             masked_crc32c)
+from jaxfeed.sources.tfrecord_format import (
+  BEYOND_END,
+  COMPRESSION,
+  DATA_CRC,
+  DECOMPRESS,
+  FORMAT_PROBE_BYTES,
+  FRAME_OVERHEAD,
+  HEADER_BYTES,
+  LENGTH_CRC,
+  TRUNCATED,
+  compression_mismatch,
+  compression_wbits,
+  data_crc_message,
+  length_crc_message,
+  masked_crc32c,
+)
 from jaxfeed.sources.tfrecord_scan import DamagedRange, next_frame
 
 __all__ = ["RecordStream"]
@@ -42,8 +48,9 @@ _HEADER = struct.Struct("<QI")
 _CRC = struct.Struct("<I")
 # Compressed bytes read per call while streaming.
 _STREAM_CHUNK_BYTES = 1 << 20
-_COMPRESSION_TYPES = {compression_wbits(name, "RecordStream"): name
-                      for name in (None, "GZIP", "ZLIB")}
+_COMPRESSION_TYPES = {
+  compression_wbits(name, "RecordStream"): name for name in (None, "GZIP", "ZLIB")
+}
 
 
 class _PlainBytes:
@@ -125,17 +132,19 @@ class RecordStream:
       pass
     if self.offset != offset:
       raise CorruptRecordError(
-          self._path, self.offset,
-          f"no record starts at uncompressed offset {offset} (the file ended "
-          "or changed since that position was saved)", self.position)
+        self._path,
+        self.offset,
+        f"no record starts at uncompressed offset {offset} (the file ended "
+        "or changed since that position was saved)",
+        self.position,
+      )
     self.position = position
 
   def _pread(self, size: int, offset: int) -> bytes:
     self._stream.seek(offset)
     return self._stream.read(size)
 
-  def _damaged(self, kind: str, reason: str,
-               frame_length: int | None = None) -> CorruptRecordError:
+  def _damaged(self, kind: str, reason: str, frame_length: int | None = None) -> CorruptRecordError:
     """Moves past the damage found at `self.offset`; returns its error.
 
     Args:
@@ -184,19 +193,20 @@ class RecordStream:
           return False  # a plain file just ends
         if len(self._buffer) == self._start:
           raise self._damaged(
-              TRUNCATED, "the compressed stream ends without its end marker "
-              "(the file was truncated)")
+            TRUNCATED, "the compressed stream ends without its end marker (the file was truncated)"
+          )
         return False
       try:
         data = self._inflate.decompress(compressed, _STREAM_CHUNK_BYTES)
       except zlib.error as e:
         raise self._damaged(
-            DECOMPRESS,
-            f"the compressed stream cannot be decompressed ({e}); the file is "
-            "damaged or its compression_type is not the one it was written "
-            "with") from None
+          DECOMPRESS,
+          f"the compressed stream cannot be decompressed ({e}); the file is "
+          "damaged or its compression_type is not the one it was written "
+          "with",
+        ) from None
       if self._start:
-        del self._buffer[:self._start]  # drop what has been read
+        del self._buffer[: self._start]  # drop what has been read
         self._start = 0
       self._buffer += data
     return True
@@ -210,17 +220,15 @@ class RecordStream:
         return None
       raise self._damaged(TRUNCATED, self._truncated(HEADER_BYTES))
     length, length_crc = _HEADER.unpack_from(self._buffer, self._start)
-    computed = masked_crc32c(bytes(self._buffer[self._start:self._start + 8]))
+    computed = masked_crc32c(bytes(self._buffer[self._start : self._start + 8]))
     if computed != length_crc:
-      raise self._damaged(LENGTH_CRC,
-                          length_crc_message(length_crc, computed))
+      raise self._damaged(LENGTH_CRC, length_crc_message(length_crc, computed))
     if not self._fill(FRAME_OVERHEAD + length):
       raise self._damaged(BEYOND_END, self._truncated(FRAME_OVERHEAD + length))
     return length
 
   def _truncated(self, size: int) -> str:
-    return (f"truncated file: the uncompressed stream ends inside a "
-            f"{size}-byte frame")
+    return f"truncated file: the uncompressed stream ends inside a {size}-byte frame"
 
   def _advance(self, length: int) -> None:
     self._start += FRAME_OVERHEAD + length
@@ -238,13 +246,12 @@ class RecordStream:
     if length is None:
       return None
     start = self._start + HEADER_BYTES
-    data = bytes(self._buffer[start:start + length])
+    data = bytes(self._buffer[start : start + length])
     if verify_crc:
       stored = _CRC.unpack_from(self._buffer, start + length)[0]
       computed = masked_crc32c(data)
       if stored != computed:
-        raise self._damaged(DATA_CRC,
-                            data_crc_message(stored, computed, length), length)
+        raise self._damaged(DATA_CRC, data_crc_message(stored, computed, length), length)
     self._advance(length)
     self.last = data
     return data
@@ -258,8 +265,7 @@ class RecordStream:
     self.last = None
     return True
 
-  def scan(self, verify_data: bool
-           ) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
+  def scan(self, verify_data: bool) -> tuple[np.ndarray, tuple[DamagedRange, ...]]:
     """Offsets of the remaining frames plus the end, and the damage met.
 
     Each damaged range takes one entry (see `tfrecord_scan.scan_frames`).

@@ -12,8 +12,16 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_eight_threads_of_short_reads_run_clean(tmp_path, capsys):
-  code = client_churn_soak.main(["--rounds=1", "--seconds=6", "--threads=8", "--workers=1",
-                                 "--timeout_s=20", f"--log_dir={tmp_path}"])
+  code = client_churn_soak.main(
+    [
+      "--rounds=1",
+      "--seconds=6",
+      "--threads=8",
+      "--workers=1",
+      "--timeout_s=20",
+      f"--log_dir={tmp_path}",
+    ]
+  )
   out = capsys.readouterr().out
   assert code == 0, out
   assert "1 of 1 rounds clean" in out

@@ -29,29 +29,35 @@ def _recorded() -> report_rows.Results:
 
 
 def _rendered() -> tuple[str, str]:
-  return report.render(_recorded(), report.README.read_text(encoding="utf-8"),
-                       report.DOCS_PAGE.read_text(encoding="utf-8"),
-                       report_plots.titles(_recorded()))
+  return report.render(
+    _recorded(),
+    report.README.read_text(encoding="utf-8"),
+    report.DOCS_PAGE.read_text(encoding="utf-8"),
+    report_plots.titles(_recorded()),
+  )
 
 
 def test_readme_table_is_rendered_from_the_recorded_runs():
   readme, _ = _rendered()
   assert report.README.read_text(encoding="utf-8") == readme, (
-      "README.md's results table differs from the recorded runs: edit "
-      "benchmarks/results/ (rerun the benchmark), then `python -m benchmarks.report`.")
+    "README.md's results table differs from the recorded runs: edit "
+    "benchmarks/results/ (rerun the benchmark), then `python -m benchmarks.report`."
+  )
 
 
 def test_benchmark_page_tables_are_rendered_from_the_recorded_runs():
   _, docs = _rendered()
   assert report.DOCS_PAGE.read_text(encoding="utf-8") == docs, (
-      "docs/benchmarks.md differs from the recorded runs: `python -m benchmarks.report`.")
+    "docs/benchmarks.md differs from the recorded runs: `python -m benchmarks.report`."
+  )
 
 
 @pytest.mark.parametrize("page", sorted(report_pages.PAGES))
 def test_docs_pages_tables_are_rendered_from_the_recorded_runs(page):
   text = (record.REPO / page).read_text(encoding="utf-8")
   assert report.render_page(_recorded(), page, text) == text, (
-      f"{page} differs from the recorded runs: `python -m benchmarks.report`.")
+    f"{page} differs from the recorded runs: `python -m benchmarks.report`."
+  )
 
 
 def test_every_rendered_page_counts_as_an_output_of_the_report():
@@ -70,8 +76,9 @@ def test_a_hand_edited_dispatcher_figure_is_put_back():
 
 def test_a_missed_dispatcher_target_is_marked(tmp_path, monkeypatch):
   monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
-  line, context = max(_recorded().rows("dispatcher_scale", "dispatcher scale"),
-                      key=lambda rc: rc[0]["workers"])
+  line, context = max(
+    _recorded().rows("dispatcher_scale", "dispatcher scale"), key=lambda rc: rc[0]["workers"]
+  )
   slow = copy.deepcopy(line)
   slow["latency_ms"]["GetSplits"]["p99"] = 150.0
   slow["failed_rpcs"] = 3
@@ -104,14 +111,14 @@ def test_a_hand_edited_figure_is_put_back():
   row = next(line for line in readme.splitlines() if line.startswith("| W2 elements/s"))
   edited = readme.replace(row, "| W2 elements/s, `map` per element | 99.9M | Grain 1k | 99x | |")
   assert edited != readme
-  rendered, _ = report.render(_recorded(), edited, report.DOCS_PAGE.read_text(encoding="utf-8"),
-                              {})
+  rendered, _ = report.render(_recorded(), edited, report.DOCS_PAGE.read_text(encoding="utf-8"), {})
   assert rendered == readme
 
 
 def test_missing_markers_are_named():
-  with pytest.raises(ValueError,
-                     match=r"README.md: generated blocks \['results'\] have no markers"):
+  with pytest.raises(
+    ValueError, match=r"README.md: generated blocks \['results'\] have no markers"
+  ):
     report.replace_blocks("# no table here\n", {"results": "x\n"}, "README.md")
 
 
@@ -122,8 +129,16 @@ def test_a_run_records_its_rows_and_context(tmp_path, monkeypatch):
     record.row({"workload": "W0", "system": "peer", "rate": 2.0}, echo=False)
   (entry,) = json.loads((tmp_path / "made_up.json").read_text())["runs"]
   context = entry["context"]
-  assert {"commit", "dirty", "machine", "load_average_start", "load_average_end", "date",
-          "versions", "command"} <= set(context)
+  assert {
+    "commit",
+    "dirty",
+    "machine",
+    "load_average_start",
+    "load_average_end",
+    "date",
+    "versions",
+    "command",
+  } <= set(context)
   assert context["machine"]["cores"] >= 1 and context["machine"]["cpu_model"]
   assert context["versions"]["python"] and "jax" in context["versions"]
   assert [r["system"] for r in entry["rows"]] == ["jaxfeed", "peer"]
@@ -141,64 +156,122 @@ def test_a_failed_run_records_nothing(tmp_path, monkeypatch):
 def test_a_rerun_replaces_the_rows_it_measured_and_keeps_the_others(tmp_path, monkeypatch):
   monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
   context = {"commit": "a" * 40}
-  record.save("made_up", {"context": context, "rows": [
-      {"workload": "W2", "system": "jaxfeed", "rate": 1.0},
-      {"workload": "W3", "system": "jaxfeed", "rate": 3.0}]})
-  record.save("made_up", {"context": {"commit": "b" * 40}, "rows": [
-      {"workload": "W2", "system": "jaxfeed", "rate": 2.0}]})
+  record.save(
+    "made_up",
+    {
+      "context": context,
+      "rows": [
+        {"workload": "W2", "system": "jaxfeed", "rate": 1.0},
+        {"workload": "W3", "system": "jaxfeed", "rate": 3.0},
+      ],
+    },
+  )
+  record.save(
+    "made_up",
+    {
+      "context": {"commit": "b" * 40},
+      "rows": [{"workload": "W2", "system": "jaxfeed", "rate": 2.0}],
+    },
+  )
   text = (tmp_path / "made_up.json").read_text()
   runs = json.loads(text)["runs"]
   assert [(r["context"]["commit"][0], [x["rate"] for x in r["rows"]]) for r in runs] == [
-      ("a", [3.0]), ("b", [2.0])]
+    ("a", [3.0]),
+    ("b", [2.0]),
+  ]
   assert '    {"workload": "W2", "system": "jaxfeed", "rate": 2.0}' in text.splitlines()
 
 
 def _w1_rows() -> list[dict]:
   """W1's rows as `benchmarks.w1_per_element` writes them."""
-  made = [("jaxfeed AUTOTUNE", 9000.0), ("jaxfeed no parallelism", 4000.0),
-          ("tf.data (tf.image ops)", 3000.0), ("grain (multiprocessing)", 2000.0),
-          ("bare single-thread loop", 5000.0)]
-  return [{"workload": "W1 per-element", "system": name, "unit": "images/s", "rate": rate,
-           "main_row": True, **({"picked": {"op": "from_source+random_map+batch",
-                                             "backend": "process", "num_workers": 2}}
-                                if name == "jaxfeed AUTOTUNE" else {})}
-          for name, rate in made]
+  made = [
+    ("jaxfeed AUTOTUNE", 9000.0),
+    ("jaxfeed no parallelism", 4000.0),
+    ("tf.data (tf.image ops)", 3000.0),
+    ("grain (multiprocessing)", 2000.0),
+    ("bare single-thread loop", 5000.0),
+  ]
+  return [
+    {
+      "workload": "W1 per-element",
+      "system": name,
+      "unit": "images/s",
+      "rate": rate,
+      "main_row": True,
+      **(
+        {"picked": {"op": "from_source+random_map+batch", "backend": "process", "num_workers": 2}}
+        if name == "jaxfeed AUTOTUNE"
+        else {}
+      ),
+    }
+    for name, rate in made
+  ]
 
 
 def test_w1_rows_appear_once_recorded(tmp_path, monkeypatch):
   monkeypatch.setenv(record.ENV_DIR, str(tmp_path))
   assert report_rows.w1(report_rows.Results.load(tmp_path)) is None
-  record.save("w1_per_element", {"context": {"commit": "c" * 40, "dirty": False,
-                                             "machine": {"cores": 2},
-                                             "load_average_start": [1.0, 1, 1],
-                                             "load_average_end": [2.0, 1, 1]},
-                                 "rows": _w1_rows()})
+  record.save(
+    "w1_per_element",
+    {
+      "context": {
+        "commit": "c" * 40,
+        "dirty": False,
+        "machine": {"cores": 2},
+        "load_average_start": [1.0, 1, 1],
+        "load_average_end": [2.0, 1, 1],
+      },
+      "rows": _w1_rows(),
+    },
+  )
   table = report.readme_table(report_rows.Results.load(tmp_path))
-  assert ("| W1 images/s, a per-element function as users write it, AUTOTUNE | 9000 (on process) "
-          "| tf.data (tf.image ops) 3000 | 3.00x | `ccccccc`, 2 cores, load 1.0-2.0 |") in table
+  assert (
+    "| W1 images/s, a per-element function as users write it, AUTOTUNE | 9000 (on process) "
+    "| tf.data (tf.image ops) 3000 | 3.00x | `ccccccc`, 2 cores, load 1.0-2.0 |"
+  ) in table
 
 
 def test_check_exits_nonzero_when_the_readme_differs(tmp_path):
   """`--check` over other results than the README's: it must say so."""
   (tmp_path / "run.json").write_text(record.dumps({"benchmark": "run", "runs": []}))
-  done = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check", "--no-plots",
-                         "--results", str(tmp_path)], cwd=record.REPO,
-                        capture_output=True, text=True, timeout=60, check=False)
+  done = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.report",
+      "--check",
+      "--no-plots",
+      "--results",
+      str(tmp_path),
+    ],
+    cwd=record.REPO,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    check=False,
+  )
   assert done.returncode == 1, done.stderr
   assert "README.md differs from what `python -m benchmarks.report` renders" in done.stderr
-  assert ("docs/dispatcher_scale.md differs from what `python -m benchmarks.report` renders"
-          in done.stderr)
+  assert (
+    "docs/dispatcher_scale.md differs from what `python -m benchmarks.report` renders"
+    in done.stderr
+  )
 
 
 # A rate (MB/s, images/s, RPC/s, ...), a ratio (2.5x) or a tail latency
 # (p99 ... 12 ms): what a benchmark measures.
 _MEASURED = re.compile(
-    r"\d[\d.,]*\s*[kMG]?\s*(?:MB/s|GB/s|KB/s|MiB/s|GiB/s|img/s|images/s|tokens/s|elements/s"
-    r"|sequences/s|seq/s|RPC/s|calls/s|changes/s)"
-    r"|\b\d+(?:\.\d+)?x\b(?! *\d)"
-    r"|\bp(?:50|90|99)\b[^.|\n]{0,12}?\d+(?:\.\d+)? ?ms", re.I)
-_GENERATED = re.compile(r"<!-- benchmarks\.report: ([\w-]+) -->.*?"
-                        r"<!-- end benchmarks\.report: \1 -->", re.S)
+  r"\d[\d.,]*\s*[kMG]?\s*(?:MB/s|GB/s|KB/s|MiB/s|GiB/s|img/s|images/s|tokens/s|elements/s"
+  r"|sequences/s|seq/s|RPC/s|calls/s|changes/s)"
+  r"|\b\d+(?:\.\d+)?x\b(?! *\d)"
+  r"|\bp(?:50|90|99)\b[^.|\n]{0,12}?\d+(?:\.\d+)? ?ms",
+  re.I,
+)
+_GENERATED = re.compile(
+  r"<!-- benchmarks\.report: ([\w-]+) -->.*?"
+  r"<!-- end benchmarks\.report: \1 -->",
+  re.S,
+)
 
 
 def _measured_figures_typed_by_hand(text: str) -> list[str]:
@@ -207,20 +280,28 @@ def _measured_figures_typed_by_hand(text: str) -> list[str]:
 
 def test_no_measured_figure_is_typed_by_hand_in_the_docs():
   pages = [record.REPO / "README.md", *sorted((record.REPO / "docs").rglob("*.md"))]
-  typed = {str(page.relative_to(record.REPO)): found for page in pages
-           if (found := _measured_figures_typed_by_hand(page.read_text(encoding="utf-8")))}
+  typed = {
+    str(page.relative_to(record.REPO)): found
+    for page in pages
+    if (found := _measured_figures_typed_by_hand(page.read_text(encoding="utf-8")))
+  }
   assert not typed, (
-      f"measured figures typed by hand: {typed}; render them from benchmarks/results/ "
-      "(a block of benchmarks/report_pages.py) or say it without the number.")
+    f"measured figures typed by hand: {typed}; render them from benchmarks/results/ "
+    "(a block of benchmarks/report_pages.py) or say it without the number."
+  )
 
 
 def test_hand_typed_figures_are_found_and_rendered_ones_are_not():
   assert _measured_figures_typed_by_hand(
-      "ran 5.8 MB/s against 3.9 (1.5x); 13.4k images/s; p99 of 25 ms; a 64x64 image") == [
-          "5.8 MB/s", "1.5x", "13.4k images/s", "p99 of 25 ms"]
-  assert _measured_figures_typed_by_hand(
+    "ran 5.8 MB/s against 3.9 (1.5x); 13.4k images/s; p99 of 25 ms; a 64x64 image"
+  ) == ["5.8 MB/s", "1.5x", "13.4k images/s", "p99 of 25 ms"]
+  assert (
+    _measured_figures_typed_by_hand(
       "<!-- benchmarks.report: w8 -->\n| 48.5M tokens/s | 6.39x |\n"
-      "<!-- end benchmarks.report: w8 -->\n") == []
+      "<!-- end benchmarks.report: w8 -->\n"
+    )
+    == []
+  )
 
 
 def test_a_run_goes_stale_when_the_code_changes_not_its_layout(tmp_path, monkeypatch):
@@ -233,10 +314,14 @@ def test_a_run_goes_stale_when_the_code_changes_not_its_layout(tmp_path, monkeyp
   def commit(text: str) -> str:
     module.write_text(text, encoding="utf-8")
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"],
-                   cwd=repo, check=True)
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+      ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"],
+      cwd=repo,
+      check=True,
+    )
+    return subprocess.run(
+      ["git", "rev-parse", "HEAD"], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
   subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
   measured = commit('"""Op."""\n\ndef f(a, b):\n  return g(a,\n           b)\n')
@@ -250,5 +335,5 @@ def test_a_run_goes_stale_when_the_code_changes_not_its_layout(tmp_path, monkeyp
   assert report.stale(Results()) == []
   commit('"""Op."""\n\ndef f(a, b):\n  return g(b, a)\n')
   assert report.stale(Results()) == [
-      f"runs at {measured[:7]}: 1 files changed since, in jaxfeed/op.py; "
-      "rerun the runs that use them"]
+    f"runs at {measured[:7]}: 1 files changed since, in jaxfeed/op.py; rerun the runs that use them"
+  ]

@@ -43,5 +43,5 @@ def test_w4t_read_with_two_workers_is_served_by_both_workers():
   assert sum(batches) == -(-n // w4_service.BATCH) * w4_service.BATCH
   assert all(by_worker), f"bytes served by each worker: {by_worker}"
   # Between them, the workers served every batch (and a little framing).
-  batch_bytes = w4_service.BATCH * workloads.CROP ** 2 * 3 * 4
+  batch_bytes = w4_service.BATCH * workloads.CROP**2 * 3 * 4
   assert sum(by_worker) >= len(batches) * batch_bytes

@@ -41,18 +41,27 @@ SERVING_AGAIN_S = 15.0  # after a full disk is freed
 
 def cut_tcp(port: int) -> None:
   """Resets every established TCP connection to or from `port` (`ss -K`)."""
-  subprocess.run(["ss", "-K", "-n", "state", "established",
-                  f"( dport = :{port} or sport = :{port} )"],
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
-                 timeout=30)
+  subprocess.run(
+    ["ss", "-K", "-n", "state", "established", f"( dport = :{port} or sport = :{port} )"],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+    check=False,
+    timeout=30,
+  )
 
 
 class ChaosWorker:
   """One worker slot: a process restarted in place, and its proxy if any."""
 
-  def __init__(self, slot: int, dispatcher_address: str, proxied: bool,
-               flags: tuple[str, ...], log_path: pathlib.Path,
-               env: dict[str, str] | None = None):
+  def __init__(
+    self,
+    slot: int,
+    dispatcher_address: str,
+    proxied: bool,
+    flags: tuple[str, ...],
+    log_path: pathlib.Path,
+    env: dict[str, str] | None = None,
+  ):
     self.slot = slot
     self.port = free_port()
     self.proxied = proxied
@@ -61,8 +70,7 @@ class ChaosWorker:
     self._log_path = log_path
     self._env = env
     self.host = f"127.0.0.{2 + slot}" if proxied else "127.0.0.1"
-    self.proxy = (TcpProxy(f"127.0.0.1:{self.port}", self.host, self.port)
-                  if proxied else None)
+    self.proxy = TcpProxy(f"127.0.0.1:{self.port}", self.host, self.port) if proxied else None
     self.process: ServiceProcess | None = None
     self.incarnations = 0
     self.paused = False
@@ -76,12 +84,17 @@ class ChaosWorker:
     return self.process is not None and self.process.proc.poll() is None
 
   def start(self, wait_ready: bool = True) -> None:
-    flags = [f"--dispatcher_address={self._dispatcher_address}", f"--port={self.port}",
-             f"--heartbeat_interval_s={HEARTBEAT_INTERVAL_S}", *self._flags]
+    flags = [
+      f"--dispatcher_address={self._dispatcher_address}",
+      f"--port={self.port}",
+      f"--heartbeat_interval_s={HEARTBEAT_INTERVAL_S}",
+      *self._flags,
+    ]
     if self.proxied:
       flags += [f"--advertise_host={self.host}", "--data_socket=false"]
-    self.process = ServiceProcess("worker", *flags, wait_ready=wait_ready,
-                                  log_path=self._log_path, env=self._env)
+    self.process = ServiceProcess(
+      "worker", *flags, wait_ready=wait_ready, log_path=self._log_path, env=self._env
+    )
     self.incarnations += 1
 
   def kill(self) -> None:
@@ -118,10 +131,18 @@ class ChaosWorker:
 class ChaosCluster:
   """A dispatcher with a work_dir plus worker slots; `close()` ends all of it."""
 
-  def __init__(self, work_dir: str | os.PathLike, num_workers: int, *,
-               proxied_workers: bool = False, split_size: int = 16,
-               worker_buffer_size: int = 8, start: bool = True,
-               worker_env: dict[str, str] | None = None, small_disk: bool = False):
+  def __init__(
+    self,
+    work_dir: str | os.PathLike,
+    num_workers: int,
+    *,
+    proxied_workers: bool = False,
+    split_size: int = 16,
+    worker_buffer_size: int = 8,
+    start: bool = True,
+    worker_env: dict[str, str] | None = None,
+    small_disk: bool = False,
+  ):
     """`worker_env`: variables added to the workers' environment;
     `small_disk`: the dispatcher's work_dir is a small tmpfs that `fill_disk`
     fills (when the machine cannot mount one, `disk` is None)."""
@@ -138,19 +159,25 @@ class ChaosCluster:
     self.journal_path = self.state_dir / "journal.jsonl"
     self.log_path = self.work_dir / "dispatcher.log"
     self.dispatcher_port = free_port()
-    self._dispatcher_flags = (f"--port={self.dispatcher_port}", f"--work_dir={self.state_dir}",
-                              f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
-                              f"--split_size={split_size}",
-                              f"--snapshot_every_records={SNAPSHOT_EVERY_RECORDS}")
+    self._dispatcher_flags = (
+      f"--port={self.dispatcher_port}",
+      f"--work_dir={self.state_dir}",
+      f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+      f"--split_size={split_size}",
+      f"--snapshot_every_records={SNAPSHOT_EVERY_RECORDS}",
+    )
     self.dispatcher_proxy = TcpProxy(f"127.0.0.1:{self.dispatcher_port}")
     self.dispatcher: ServiceProcess | None = None
     self.dispatcher_starts = 0
     self.proxied_workers = proxied_workers
     self._worker_flags = (f"--buffer_size={worker_buffer_size}",)
     self._worker_env = worker_env
-    self.workers = [ChaosWorker(slot, self.address, proxied_workers, self._worker_flags,
-                                self._worker_log(slot), worker_env)
-                    for slot in range(num_workers)]
+    self.workers = [
+      ChaosWorker(
+        slot, self.address, proxied_workers, self._worker_flags, self._worker_log(slot), worker_env
+      )
+      for slot in range(num_workers)
+    ]
     if start:
       try:
         self.start_dispatcher()
@@ -166,8 +193,7 @@ class ChaosCluster:
     return self.dispatcher_proxy.address
 
   def start_dispatcher(self) -> None:
-    self.dispatcher = ServiceProcess("dispatcher", *self._dispatcher_flags,
-                                     log_path=self.log_path)
+    self.dispatcher = ServiceProcess("dispatcher", *self._dispatcher_flags, log_path=self.log_path)
     self.dispatcher_starts += 1
 
   def kill_dispatcher(self) -> None:
@@ -213,8 +239,9 @@ class ChaosCluster:
     except RuntimeError:  # exited before serving
       said = self.log_path.read_text(errors="replace").strip().splitlines()[-1:]
       assert said and str(self.state_dir / name) in said[0] and f"byte {start} " in said[0], (
-          f"{flip}: the dispatcher refused to start without naming the file and the "
-          f"offset of the damaged line: {said}")
+        f"{flip}: the dispatcher refused to start without naming the file and the "
+        f"offset of the damaged line: {said}"
+      )
     flip.apply(self.state_dir)  # restored
     self.start_dispatcher()
     return "refused"
@@ -231,22 +258,26 @@ class ChaosCluster:
     deadline = time.monotonic() + SERVING_AGAIN_S
     while True:
       assert self.dispatcher.proc.poll() is None, (
-          f"the dispatcher exited (status {self.dispatcher.proc.poll()}) on a full disk")
+        f"the dispatcher exited (status {self.dispatcher.proc.poll()}) on a full disk"
+      )
       try:
         if self.health() == health_pb2.HealthCheckResponse.SERVING:
           return
       except grpc.RpcError:
         pass
       assert time.monotonic() < deadline, (
-          f"the dispatcher did not serve again within {SERVING_AGAIN_S} s of a full disk "
-          "being freed")
+        f"the dispatcher did not serve again within {SERVING_AGAIN_S} s of a full disk being freed"
+      )
       time.sleep(0.1)
 
   def health(self) -> int:
     """The dispatcher's overall status (grpc.health.v1), straight, not proxied."""
     with grpc.insecure_channel(f"127.0.0.1:{self.dispatcher_port}") as channel:
-      return health_pb2_grpc.HealthStub(channel).Check(
-          health_pb2.HealthCheckRequest(service=""), timeout=5).status
+      return (
+        health_pb2_grpc.HealthStub(channel)
+        .Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        .status
+      )
 
   def cut_dispatcher(self, with_ss: bool = False) -> None:
     """Breaks every connection to the dispatcher."""
@@ -257,8 +288,14 @@ class ChaosCluster:
 
   def add_worker(self) -> ChaosWorker:
     slot = len(self.workers)
-    worker = ChaosWorker(slot, self.address, self.proxied_workers, self._worker_flags,
-                         self._worker_log(slot), self._worker_env)
+    worker = ChaosWorker(
+      slot,
+      self.address,
+      self.proxied_workers,
+      self._worker_flags,
+      self._worker_log(slot),
+      self._worker_env,
+    )
     self.workers.append(worker)
     worker.start()
     return worker

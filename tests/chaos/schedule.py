@@ -73,11 +73,23 @@ from jaxfeed.service.worker import delivery
 from chaos_cluster import HEARTBEAT_TIMEOUT_S, ChaosCluster
 
 MODES = ("parallel_epochs", "at_most_once", "exactly_once")
-FAULT_KINDS = ("worker_kill", "worker_restart", "worker_stop", "worker_cut",
-               "worker_stall", "dispatcher_restart", "dispatcher_torn_restart",
-               "dispatcher_cut", "dispatcher_stall", "dispatcher_and_worker_restart",
-               "poison_records", "work_dir_bit_flip", "full_disk",
-               "dispatcher_stateless_restart", "dispatcher_pause")
+FAULT_KINDS = (
+  "worker_kill",
+  "worker_restart",
+  "worker_stop",
+  "worker_cut",
+  "worker_stall",
+  "dispatcher_restart",
+  "dispatcher_torn_restart",
+  "dispatcher_cut",
+  "dispatcher_stall",
+  "dispatcher_and_worker_restart",
+  "poison_records",
+  "work_dir_bit_flip",
+  "full_disk",
+  "dispatcher_stateless_restart",
+  "dispatcher_pause",
+)
 # In the data rather than injected: drawn after the other faults (so that
 # adding it left every seed's other draws as they were), see `Schedule.poison`.
 POISON = "poison_records"
@@ -158,8 +170,7 @@ class Schedule:
     if not self.poison:
       return -1
     sampler = jaxfeed.IndexSampler(self.num_records, shuffle=True, seed=self.seed)
-    return next(p for p in range(self.num_records)
-                if sampler[p].record_index == self.poison_record)
+    return next(p for p in range(self.num_records) if sampler[p].record_index == self.poison_record)
 
 
 @dataclasses.dataclass
@@ -186,17 +197,29 @@ def draw(seed: int) -> Schedule:
   num_workers = rng.choice((1, 2, 2, 3))
   proxied = rng.random() < 0.5
   schedule = dict(
-      seed=seed, mode=mode, num_records=rng.choice((240, 400, 600)),
-      batch_size=rng.choice((2, 4, 8)), split_size=rng.choice((8, 16)),
-      num_workers=num_workers, worker_buffer_size=rng.choice((2, 8)),
-      proxied_workers=proxied, slow_map=rng.random() < 0.8,
-      consumer_delay_s=rng.choice((0.0, 0.002, 0.005)))
-  kinds = [k for k in FAULT_KINDS
-           if k != POISON and k not in DISK_FAULTS and k not in DISPATCHER_LOSS_FAULTS
-           and (k != "worker_kill" or num_workers > 1)  # one worker always lives
-           and (k != "worker_stall" or proxied)]
-  total = (-(-schedule["num_records"] // schedule["batch_size"])
-           * (num_workers if mode == "parallel_epochs" else 1))
+    seed=seed,
+    mode=mode,
+    num_records=rng.choice((240, 400, 600)),
+    batch_size=rng.choice((2, 4, 8)),
+    split_size=rng.choice((8, 16)),
+    num_workers=num_workers,
+    worker_buffer_size=rng.choice((2, 8)),
+    proxied_workers=proxied,
+    slow_map=rng.random() < 0.8,
+    consumer_delay_s=rng.choice((0.0, 0.002, 0.005)),
+  )
+  kinds = [
+    k
+    for k in FAULT_KINDS
+    if k != POISON
+    and k not in DISK_FAULTS
+    and k not in DISPATCHER_LOSS_FAULTS
+    and (k != "worker_kill" or num_workers > 1)  # one worker always lives
+    and (k != "worker_stall" or proxied)
+  ]
+  total = -(-schedule["num_records"] // schedule["batch_size"]) * (
+    num_workers if mode == "parallel_epochs" else 1
+  )
   points = sorted(rng.uniform(0.05, 0.75) for _ in range(rng.randint(1, 4)))
   faults = []
   for fraction in points:
@@ -229,30 +252,48 @@ def draw(seed: int) -> Schedule:
   return Schedule(faults=tuple(faults), **schedule)
 
 
-def records(num_records: int, batch_size: int, slow_map: bool = True,
-            seed: int = 0, poisoned: bool = False, offset: int = 0) -> Any:
+def records(
+  num_records: int,
+  batch_size: int,
+  slow_map: bool = True,
+  seed: int = 0,
+  poisoned: bool = False,
+  offset: int = 0,
+) -> Any:
   """Batches of {"x": offset + 1..num_records}, shuffled; 2 ms per record if
   slow_map; `poisoned`: the map kills workers as their POISON_ENV says."""
-  source = jaxfeed.ArraySource(
-      {"x": np.arange(offset, offset + num_records, dtype=np.int64)})
+  source = jaxfeed.ArraySource({"x": np.arange(offset, offset + num_records, dtype=np.int64)})
   sampler = jaxfeed.IndexSampler(num_records, shuffle=True, seed=seed)
-  udf = {(True, False): service_udfs.slow_add_one_to_x,
-         (False, False): service_udfs.add_one_to_x,
-         (True, True): service_udfs.poisoned_slow_add_one_to_x,
-         (False, True): service_udfs.poisoned_add_one_to_x}[(slow_map, poisoned)]
+  udf = {
+    (True, False): service_udfs.slow_add_one_to_x,
+    (False, False): service_udfs.add_one_to_x,
+    (True, True): service_udfs.poisoned_slow_add_one_to_x,
+    (False, True): service_udfs.poisoned_add_one_to_x,
+  }[(slow_map, poisoned)]
   return jaxfeed.Dataset.from_source(source, sampler).map(udf).batch(batch_size)
 
 
-def distribute(schedule: Schedule, cluster: ChaosCluster, dataset: Any = None,
-               **options: Any) -> Any:
+def distribute(
+  schedule: Schedule, cluster: ChaosCluster, dataset: Any = None, **options: Any
+) -> Any:
   if dataset is None:
-    dataset = records(schedule.num_records, schedule.batch_size, schedule.slow_map,
-                      schedule.seed, bool(schedule.poison))
+    dataset = records(
+      schedule.num_records,
+      schedule.batch_size,
+      schedule.slow_map,
+      schedule.seed,
+      bool(schedule.poison),
+    )
   mode = "parallel_epochs" if schedule.mode == "parallel_epochs" else "distributed_epoch"
   visitation = "exactly_once" if schedule.mode == "exactly_once" else "at_most_once"
   return dataset.distribute(
-      cluster.address, mode, visitation=visitation, max_outstanding_requests=4,
-      data_transfer="grpc" if schedule.proxied_workers else "socket", **options)
+    cluster.address,
+    mode,
+    visitation=visitation,
+    max_outstanding_requests=4,
+    data_transfer="grpc" if schedule.proxied_workers else "socket",
+    **options,
+  )
 
 
 class _Injector:
@@ -351,8 +392,9 @@ class _Injector:
       worker.start()
     elif kind == "work_dir_bit_flip":
       index = self.schedule.faults.index(fault)
-      self.flips.append(cluster.flip_bit_and_restart(
-          random.Random(self.schedule.seed * 100 + index)))
+      self.flips.append(
+        cluster.flip_bit_and_restart(random.Random(self.schedule.seed * 100 + index))
+      )
     elif kind == "full_disk":
       if cluster.disk is None:
         raise NotInjected("no tmpfs to fill (mounting one needs root)")
@@ -381,8 +423,11 @@ class _Injector:
       f.seek(log_offset)
       lines = f.read().decode(errors="replace").splitlines()
     alive = [w.address for w in self.cluster.workers if w.alive]
-    wrong = [line for line in lines if "declared dead" in line
-             and any(f"Worker {address} " in line for address in alive)]
+    wrong = [
+      line
+      for line in lines
+      if "declared dead" in line and any(f"Worker {address} " in line for address in alive)
+    ]
     if wrong:
       return f"after a dispatcher pause, a healthy worker was declared dead: {wrong[0]}"
     return None
@@ -393,27 +438,43 @@ class _Injector:
     the violation in what it read, or None."""
     schedule = self.schedule
     probe = dataclasses.replace(schedule, num_records=PROBE_RECORDS, poison="")
-    dataset = records(PROBE_RECORDS, schedule.batch_size, slow_map=False,
-                      seed=schedule.seed, offset=PROBE_OFFSET)
-    result = read_until_end(distribute(probe, self.cluster, dataset=dataset,
-                                       timeout_s=60.0).make_iterator(), BASE_DEADLINE_S)
+    dataset = records(
+      PROBE_RECORDS, schedule.batch_size, slow_map=False, seed=schedule.seed, offset=PROBE_OFFSET
+    )
+    result = read_until_end(
+      distribute(probe, self.cluster, dataset=dataset, timeout_s=60.0).make_iterator(),
+      BASE_DEADLINE_S,
+    )
     if result.hang or result.error is not None:
-      return (f"the read after a restart without state "
-              f"{'hung' if result.hang else f'failed: {result.error!r}'}")
+      return (
+        f"the read after a restart without state "
+        f"{'hung' if result.hang else f'failed: {result.error!r}'}"
+      )
     counts = result.counts
     expected = set(range(PROBE_OFFSET + 1, PROBE_OFFSET + PROBE_RECORDS + 1))
-    if set(counts) != expected or len(set(counts.values())) != 1 or (
-        schedule.mode != "parallel_epochs" and max(counts.values()) != 1):
+    if (
+      set(counts) != expected
+      or len(set(counts.values())) != 1
+      or (schedule.mode != "parallel_epochs" and max(counts.values()) != 1)
+    ):
       foreign = sorted(set(counts) - expected)[:10]
-      return (f"the read after a restart without state got values {foreign} not its "
-              f"own, or not each equally often ({collections.Counter(counts.values())})")
+      return (
+        f"the read after a restart without state got values {foreign} not its "
+        f"own, or not each equally often ({collections.Counter(counts.values())})"
+      )
     return None
 
 
-def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: int,
-          killed_slots: set[int], incarnations: list[int], poison_deaths: int = 0,
-          lost_positions: Sequence[tuple[int, int]] = (), complete: bool = True
-          ) -> str | None:
+def check(
+  schedule: Schedule,
+  counts: collections.Counter,
+  killed_incarnations: int,
+  killed_slots: set[int],
+  incarnations: list[int],
+  poison_deaths: int = 0,
+  lost_positions: Sequence[tuple[int, int]] = (),
+  complete: bool = True,
+) -> str | None:
   """The violation of the mode's guarantee in `counts` (value -> times read)
   by a read that ended without an error, or None; of a read that failed
   (`complete` False), only nothing foreign and nothing read more often than
@@ -428,11 +489,15 @@ def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: 
     short = [v for v in expected if counts[v] < live] if complete else []
     extra = [v for v in expected if counts[v] > most]
     if short:
-      return (f"{len(short)} values read fewer than {live} times (once per worker "
-              f"never killed), e.g. {short[:10]} ({[counts[v] for v in short[:10]]} times)")
+      return (
+        f"{len(short)} values read fewer than {live} times (once per worker "
+        f"never killed), e.g. {short[:10]} ({[counts[v] for v in short[:10]]} times)"
+      )
     if extra:
-      return (f"{len(extra)} values read more than {most} times (once per worker "
-              f"process), e.g. {extra[:10]}")
+      return (
+        f"{len(extra)} values read more than {most} times (once per worker "
+        f"process), e.g. {extra[:10]}"
+      )
     return None
   twice = sorted(v for v, n in counts.items() if n > 1)
   missing = [v for v in expected if counts[v] == 0]
@@ -442,8 +507,10 @@ def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: 
     return None
   if schedule.mode == "exactly_once":
     if schedule.poison == "always":
-      return (f"the read ended although every worker that maps record "
-              f"{schedule.poison_record} dies ({poison_deaths} died)")
+      return (
+        f"the read ended although every worker that maps record "
+        f"{schedule.poison_record} dies ({poison_deaths} died)"
+      )
     if missing:
       return f"{len(missing)} values never read, e.g. {missing[:10]}"
     return None
@@ -451,17 +518,24 @@ def check(schedule: Schedule, counts: collections.Counter, killed_incarnations: 
     return f"the poison record {schedule.poison_record} was read, though it kills its worker"
   position = schedule.poison_position
   if poison_deaths and not any(a <= position < b for a, b in lost_positions):
-    return (f"a worker died on the record at position {position}, but the read's "
-            f"lost_positions {list(lost_positions)[:10]} leave it out")
+    return (
+      f"a worker died on the record at position {position}, but the read's "
+      f"lost_positions {list(lost_positions)[:10]} leave it out"
+    )
   killed_incarnations += poison_deaths
-  held = (SPLITS_PER_REQUEST * schedule.split_size
-          + (schedule.worker_buffer_size + 2) * schedule.batch_size)
+  held = (
+    SPLITS_PER_REQUEST * schedule.split_size
+    + (schedule.worker_buffer_size + 2) * schedule.batch_size
+  )
   if schedule.proxied_workers:  # reads over gRPC: the unacknowledged window too
     held += delivery.DEFAULT_WINDOW * schedule.batch_size
   allowed = killed_incarnations * held
   if len(missing) > allowed:
-    why = (f"{killed_incarnations} killed worker process(es) held at most {allowed}"
-           if killed_incarnations else "no worker was killed")
+    why = (
+      f"{killed_incarnations} killed worker process(es) held at most {allowed}"
+      if killed_incarnations
+      else "no worker was killed"
+    )
     return f"{len(missing)} values lost but {why}, e.g. {missing[:10]}"
   return None
 
@@ -474,9 +548,14 @@ class ReadResult:
   hang: bool  # it neither ended nor failed in time
 
 
-def read_until_end(iterator: Any, deadline_s: float, no_progress_s: float = NO_PROGRESS_S,
-                   on_batch: Callable[[int], None] | None = None,
-                   delay_s: float = 0.0, max_batches: int | None = None) -> ReadResult:
+def read_until_end(
+  iterator: Any,
+  deadline_s: float,
+  no_progress_s: float = NO_PROGRESS_S,
+  on_batch: Callable[[int], None] | None = None,
+  delay_s: float = 0.0,
+  max_batches: int | None = None,
+) -> ReadResult:
   """Reads `iterator` to its end (or `max_batches`) on a thread, counting the
   values of "x".
 
@@ -522,15 +601,19 @@ def read_until_end(iterator: Any, deadline_s: float, no_progress_s: float = NO_P
   return ReadResult(counts, state["batches"], None if hang else state["error"], hang)
 
 
-def check_poison_error(schedule: Schedule, message: str, poison_deaths: int,
-                       killed_addresses: set[str]) -> str | None:
+def check_poison_error(
+  schedule: Schedule, message: str, poison_deaths: int, killed_addresses: set[str]
+) -> str | None:
   """The violation in an exactly-once read's PoisonSplitError, or None: it
   names the dataset and a split; each worker it names died on that split,
   killed by the schedule or by the poison record the split holds; and the
   poison killed no more than MAX_SPLIT_ATTEMPTS workers (the split was not
   handed out again)."""
-  found = re.search(r"Dataset (\d+) \(job \d+\): the split of positions \[(\d+), (\d+)\) "
-                    r"ended (\d+) worker\(s\) while they made it: (.*?)\. It is not", message)
+  found = re.search(
+    r"Dataset (\d+) \(job \d+\): the split of positions \[(\d+), (\d+)\) "
+    r"ended (\d+) worker\(s\) while they made it: (.*?)\. It is not",
+    message,
+  )
   if found is None:
     return f"PoisonSplitError without the dataset, the positions or the workers: {message}"
   start, stop = int(found.group(2)), int(found.group(3))
@@ -542,8 +625,10 @@ def check_poison_error(schedule: Schedule, message: str, poison_deaths: int,
   poisoned = start <= schedule.poison_position < stop
   unexplained = [a for a in named if a not in killed_addresses]
   if len(unexplained) > (poison_deaths if poisoned else 0):
-    return (f"PoisonSplitError names workers {unexplained} that neither the faults "
-            f"nor a poison record of [{start}, {stop}) killed: {message}")
+    return (
+      f"PoisonSplitError names workers {unexplained} that neither the faults "
+      f"nor a poison record of [{start}, {stop}) killed: {message}"
+    )
   return None
 
 
@@ -553,19 +638,28 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
   worker_env, deaths_dir = None, pathlib.Path(work_dir) / "poison"
   if schedule.poison:
     deaths_dir.mkdir(parents=True, exist_ok=True)
-    worker_env = {service_udfs.POISON_ENV:
-                  f"{schedule.poison_record},{schedule.poison},{deaths_dir}"}
-  with ChaosCluster(work_dir, schedule.num_workers,
-                    proxied_workers=schedule.proxied_workers,
-                    split_size=schedule.split_size,
-                    worker_buffer_size=schedule.worker_buffer_size,
-                    worker_env=worker_env,
-                    small_disk=any(f.kind == "full_disk" for f in schedule.faults)) as cluster:
+    worker_env = {
+      service_udfs.POISON_ENV: f"{schedule.poison_record},{schedule.poison},{deaths_dir}"
+    }
+  with ChaosCluster(
+    work_dir,
+    schedule.num_workers,
+    proxied_workers=schedule.proxied_workers,
+    split_size=schedule.split_size,
+    worker_buffer_size=schedule.worker_buffer_size,
+    worker_env=worker_env,
+    small_disk=any(f.kind == "full_disk" for f in schedule.faults),
+  ) as cluster:
     iterator = distribute(schedule, cluster, timeout_s=60.0).make_iterator()
     injector = _Injector(schedule, cluster)
     longest = max((f.duration_s for f in schedule.faults), default=0.0)
-    result = read_until_end(iterator, schedule.deadline_s, NO_PROGRESS_S + longest,
-                            on_batch=injector.consumed, delay_s=schedule.consumer_delay_s)
+    result = read_until_end(
+      iterator,
+      schedule.deadline_s,
+      NO_PROGRESS_S + longest,
+      on_batch=injector.consumed,
+      delay_s=schedule.consumer_delay_s,
+    )
     injector.finish()
     log = cluster.log_tail()
     killed_addresses = {cluster.workers[slot].address for slot in injector.killed_slots}
@@ -573,29 +667,49 @@ def run(schedule: Schedule, work_dir: str) -> RunRecord:
   counts, hang = result.counts, result.hang
   violation = None
   if hang:
-    violation = (f"hang: the read did not end within {schedule.deadline_s:.0f}s or "
-                 f"stopped making progress ({sum(counts.values())} elements read)")
+    violation = (
+      f"hang: the read did not end within {schedule.deadline_s:.0f}s or "
+      f"stopped making progress ({sum(counts.values())} elements read)"
+    )
   elif injector.error is not None:
     violation = f"fault injection failed: {type(injector.error).__name__}: {injector.error}"
   elif injector.fault_violation is not None:
     violation = injector.fault_violation
   elif isinstance(result.error, split_failures.PoisonSplitError):
-    violation = check_poison_error(schedule, str(result.error), poison_deaths,
-                                   killed_addresses)
+    violation = check_poison_error(schedule, str(result.error), poison_deaths, killed_addresses)
   elif result.error is not None:
     error = result.error
     violation = f"read failed: {type(error).__name__}: {error}"
     if injector.stateless_restarts and STATELESS_RESTART_ERROR in str(error):
-      violation = check(schedule, counts, injector.killed_incarnations,
-                        injector.killed_slots, [w.incarnations for w in cluster.workers],
-                        poison_deaths, iterator.lost_positions, complete=False)
+      violation = check(
+        schedule,
+        counts,
+        injector.killed_incarnations,
+        injector.killed_slots,
+        [w.incarnations for w in cluster.workers],
+        poison_deaths,
+        iterator.lost_positions,
+        complete=False,
+      )
   else:
-    violation = check(schedule, counts, injector.killed_incarnations, injector.killed_slots,
-                      [w.incarnations for w in cluster.workers], poison_deaths,
-                      iterator.lost_positions)
+    violation = check(
+      schedule,
+      counts,
+      injector.killed_incarnations,
+      injector.killed_slots,
+      [w.incarnations for w in cluster.workers],
+      poison_deaths,
+      iterator.lost_positions,
+    )
   if violation is not None and log:
     violation += "\nserver log tail:\n" + log
-  return RunRecord(seed=schedule.seed, mode=schedule.mode,
-                   faults_injected=list(injector.injected) + ([POISON] if schedule.poison else []),
-                   elements_checked=sum(counts.values()), violation=violation,
-                   hang=hang, elapsed_s=time.monotonic() - start, flips=injector.flips)
+  return RunRecord(
+    seed=schedule.seed,
+    mode=schedule.mode,
+    faults_injected=list(injector.injected) + ([POISON] if schedule.poison else []),
+    elements_checked=sum(counts.values()),
+    violation=violation,
+    hang=hang,
+    elapsed_s=time.monotonic() - start,
+    flips=injector.flips,
+  )

@@ -73,8 +73,9 @@ class _Link:
     self._lock = threading.Lock()
     self._open = 2  # directions still forwarding
     self.closed = False
-    self.thread = threading.Thread(target=self._run, daemon=True,
-                                   name=f"chaos-proxy-{proxy.address}")
+    self.thread = threading.Thread(
+      target=self._run, daemon=True, name=f"chaos-proxy-{proxy.address}"
+    )
     self.thread.start()
 
   def _run(self) -> None:
@@ -92,8 +93,12 @@ class _Link:
         _reset(upstream)
         return
       self.upstream = upstream
-    back = threading.Thread(target=self._pump, args=(self.upstream, self.downstream),
-                            daemon=True, name=f"chaos-proxy-{self._proxy.address}-back")
+    back = threading.Thread(
+      target=self._pump,
+      args=(self.upstream, self.downstream),
+      daemon=True,
+      name=f"chaos-proxy-{self._proxy.address}-back",
+    )
     back.start()
     self._pump(self.downstream, self.upstream)
     back.join()
@@ -192,8 +197,9 @@ class TcpProxy:
     self._listener.settimeout(_POLL_S)
     host, port = self._listener.getsockname()[:2]
     self.address = f"{host}:{port}"
-    self._acceptor = threading.Thread(target=self._accept, daemon=True,
-                                      name=f"chaos-proxy-accept-{self.address}")
+    self._acceptor = threading.Thread(
+      target=self._accept, daemon=True, name=f"chaos-proxy-accept-{self.address}"
+    )
     self._acceptor.start()
 
   def _accept(self) -> None:

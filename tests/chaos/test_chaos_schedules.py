@@ -30,8 +30,9 @@ CI_SEEDS = (4, 5, 9, 12, 13, 14, 16, 17, 33) + DISK_SEEDS
 
 
 def _assert_ok(record) -> None:
-  assert record.ok, (f"seed {record.seed} ({record.mode}, faults "
-                     f"{record.faults_injected}): {record.violation}")
+  assert record.ok, (
+    f"seed {record.seed} ({record.mode}, faults {record.faults_injected}): {record.violation}"
+  )
 
 
 def test_seeds_cover_every_mode_and_fault_kind():
@@ -54,17 +55,27 @@ def test_seeded_schedule_keeps_its_guarantee(seed, tmp_path):
 
 
 def _schedule(mode: str, proxied: bool, *faults: Fault) -> Schedule:
-  return Schedule(seed=0, mode=mode, num_records=400, batch_size=4, split_size=8,
-                  num_workers=1, worker_buffer_size=4, proxied_workers=proxied,
-                  slow_map=True, consumer_delay_s=0.002, faults=faults)
+  return Schedule(
+    seed=0,
+    mode=mode,
+    num_records=400,
+    batch_size=4,
+    split_size=8,
+    num_workers=1,
+    worker_buffer_size=4,
+    proxied_workers=proxied,
+    slow_map=True,
+    consumer_delay_s=0.002,
+    faults=faults,
+  )
 
 
 # A broken or stalled connection to a live worker loses nothing, in any mode.
 CONNECTION_FAULTS = {
-    "proxy_cut": (True, Fault(20, "worker_cut")),
-    "ss_cut": (False, Fault(20, "worker_cut")),
-    "proxy_stall": (True, Fault(20, "worker_stall", duration_s=1.5)),
-    "sigstop": (False, Fault(20, "worker_stop", duration_s=1.5)),
+  "proxy_cut": (True, Fault(20, "worker_cut")),
+  "ss_cut": (False, Fault(20, "worker_cut")),
+  "proxy_stall": (True, Fault(20, "worker_stall", duration_s=1.5)),
+  "sigstop": (False, Fault(20, "worker_stop", duration_s=1.5)),
 }
 
 
@@ -80,9 +91,16 @@ def test_a_broken_connection_to_a_live_worker_loses_nothing(mode, fault, tmp_pat
 
 @pytest.mark.parametrize("mode", MODES)
 def test_dispatcher_connections_cut_and_stalled(mode, tmp_path):
-  record = run(_schedule(mode, True, Fault(10, "dispatcher_cut"),
-                         Fault(30, "dispatcher_stall", duration_s=1.5),
-                         Fault(50, "dispatcher_cut")), str(tmp_path))
+  record = run(
+    _schedule(
+      mode,
+      True,
+      Fault(10, "dispatcher_cut"),
+      Fault(30, "dispatcher_stall", duration_s=1.5),
+      Fault(50, "dispatcher_cut"),
+    ),
+    str(tmp_path),
+  )
   _assert_ok(record)
   assert record.elements_checked == 400
 
@@ -90,9 +108,15 @@ def test_dispatcher_connections_cut_and_stalled(mode, tmp_path):
 @pytest.mark.parametrize("mode", MODES)
 def test_dispatcher_restarts_after_a_torn_journal_tail_twice(mode, tmp_path):
   # The second restart replays what the first one appended after the torn tail.
-  record = run(_schedule(mode, False, Fault(15, "dispatcher_torn_restart"),
-                         Fault(45, "dispatcher_torn_restart", duration_s=0.2)),
-               str(tmp_path))
+  record = run(
+    _schedule(
+      mode,
+      False,
+      Fault(15, "dispatcher_torn_restart"),
+      Fault(45, "dispatcher_torn_restart", duration_s=0.2),
+    ),
+    str(tmp_path),
+  )
   _assert_ok(record)
   assert record.faults_injected == ["dispatcher_torn_restart"] * 2
 
@@ -101,8 +125,7 @@ def test_dispatcher_restarts_after_a_torn_journal_tail_twice(mode, tmp_path):
 def test_dispatcher_stopped_past_its_heartbeat_timeout(mode, tmp_path):
   # Woken, it takes its healthy worker for dead, at-most-once would lose
   # what the worker held; and the read outlives the stop.
-  record = run(_schedule(mode, False, Fault(20, "dispatcher_pause", duration_s=6.5)),
-               str(tmp_path))
+  record = run(_schedule(mode, False, Fault(20, "dispatcher_pause", duration_s=6.5)), str(tmp_path))
   _assert_ok(record)
   assert record.faults_injected == ["dispatcher_pause"]
   assert record.elements_checked == 400
@@ -112,7 +135,8 @@ def test_dispatcher_stopped_past_its_heartbeat_timeout(mode, tmp_path):
 def test_dispatcher_restarted_without_state_under_live_workers(mode, tmp_path):
   # No wrong data: the running read ends or fails saying why, and a new
   # pipeline read right after gets its own data only (schedule._probe).
-  record = run(_schedule(mode, False, Fault(20, "dispatcher_stateless_restart",
-                                            duration_s=0.3)), str(tmp_path))
+  record = run(
+    _schedule(mode, False, Fault(20, "dispatcher_stateless_restart", duration_s=0.3)), str(tmp_path)
+  )
   _assert_ok(record)
   assert record.faults_injected == ["dispatcher_stateless_restart"]

@@ -35,8 +35,10 @@ EPOCH = 200
 BATCH = 4
 SPLIT = 16  # ChaosCluster's default split_size
 BUFFER = 8
-DISTRIBUTED = {"at_most_once": ("distributed_epoch", "at_most_once"),
-               "exactly_once": ("distributed_epoch", "exactly_once")}
+DISTRIBUTED = {
+  "at_most_once": ("distributed_epoch", "at_most_once"),
+  "exactly_once": ("distributed_epoch", "exactly_once"),
+}
 MODES = {"parallel_epochs": ("parallel_epochs", "at_most_once"), **DISTRIBUTED}
 
 
@@ -49,8 +51,9 @@ def read(cluster, mode: str, dataset=None, **options):
   policy, visitation = MODES[mode]
   dataset = dataset if dataset is not None else records(EPOCH, BATCH)
   options = {"max_outstanding_requests": 4, "timeout_s": 60.0, **options}
-  return dataset.distribute(cluster.address, policy, visitation=visitation,
-                            **options).make_iterator()
+  return dataset.distribute(
+    cluster.address, policy, visitation=visitation, **options
+  ).make_iterator()
 
 
 def _checked(result) -> collections.Counter:
@@ -118,8 +121,9 @@ def test_dispatcher_restart_before_reading(chaos, mode):
   policy, visitation = MODES[mode]
   dataset_id = register_dataset(cluster.address, records(EPOCH, BATCH))
   cluster.restart_dispatcher()
-  dataset = from_dataset_id(policy, cluster.address, dataset_id,
-                                            visitation=visitation, timeout_s=60.0)
+  dataset = from_dataset_id(
+    policy, cluster.address, dataset_id, visitation=visitation, timeout_s=60.0
+  )
   assert finish(dataset.make_iterator()) == epoch()
 
 
@@ -152,8 +156,7 @@ def test_dispatcher_restart_during_distributed_epoch_repeatedly(chaos, mode):
 
 def test_dispatcher_restart_between_iterations(chaos):
   cluster = chaos(1)
-  dataset = records(EPOCH, BATCH).distribute(cluster.address, "parallel_epochs",
-                                             timeout_s=60.0)
+  dataset = records(EPOCH, BATCH).distribute(cluster.address, "parallel_epochs", timeout_s=60.0)
   assert finish(dataset.make_iterator()) == epoch()
   cluster.restart_dispatcher()
   assert finish(dataset.make_iterator()) == epoch()
@@ -165,8 +168,7 @@ def test_dispatcher_many_restarts(chaos):
   for size in range(10, 15):
     dataset = records(size, 2, slow_map=False)
     dataset_id = register_dataset(cluster.address, dataset)
-    datasets[size] = from_dataset_id(
-        "parallel_epochs", cluster.address, dataset_id, timeout_s=60.0)
+    datasets[size] = from_dataset_id("parallel_epochs", cluster.address, dataset_id, timeout_s=60.0)
     cluster.restart_dispatcher()
   for size, dataset in datasets.items():
     got = finish(dataset.make_iterator())
@@ -176,8 +178,7 @@ def test_dispatcher_many_restarts(chaos):
 def test_dispatcher_and_worker_restart(chaos):
   cluster = chaos(1)
   dataset_id = register_dataset(cluster.address, records(EPOCH, BATCH))
-  dataset = from_dataset_id("parallel_epochs", cluster.address,
-                                            dataset_id, timeout_s=60.0)
+  dataset = from_dataset_id("parallel_epochs", cluster.address, dataset_id, timeout_s=60.0)
   for _ in range(2):
     cluster.restart_dispatcher()
     cluster.workers[0].kill()
@@ -257,8 +258,7 @@ def test_a_worker_restarted_after_its_task_finished_but_not_delivered(chaos, mod
   # not wait for it at the old data address (parallel_epochs, at-most-once),
   # and exactly-once must get its unacknowledged splits issued again.
   cluster = chaos(1, worker_buffer_size=EPOCH // BATCH)  # holds a whole epoch
-  iterator = read(cluster, mode, records(EPOCH, BATCH, slow_map=False),
-                  data_transfer="socket")
+  iterator = read(cluster, mode, records(EPOCH, BATCH, slow_map=False), data_transfer="socket")
   counts = take(iterator, 5)
   time.sleep(3.0)  # the worker runs out of input and tells the dispatcher
   cluster.workers[0].kill()
@@ -271,8 +271,11 @@ def test_a_worker_restarted_after_its_task_finished_but_not_delivered(chaos, mod
     assert len(counts) < EPOCH  # it held some of the epoch when killed
 
 
-@pytest.mark.parametrize("pause_s", [0.0, 2 * HEARTBEAT_TIMEOUT_S],
-                         ids=["reading_on", "pausing_past_the_heartbeat_timeout"])
+@pytest.mark.parametrize(
+  "pause_s",
+  [0.0, 2 * HEARTBEAT_TIMEOUT_S],
+  ids=["reading_on", "pausing_past_the_heartbeat_timeout"],
+)
 def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos, pause_s):
   # Nobody reads for a while, so each worker sends a whole window of
   # unacknowledged batches into the client's socket; then one is killed.
@@ -282,8 +285,9 @@ def test_a_killed_worker_loses_what_it_held_not_what_reached_the_client(chaos, p
   # (pausing), and only what the worker itself held is lost.
   cluster = chaos(2, worker_buffer_size=2)
   size = 4 * EPOCH
-  iterator = read(cluster, "at_most_once", records(size, BATCH, slow_map=False),
-                  data_transfer="socket")
+  iterator = read(
+    cluster, "at_most_once", records(size, BATCH, slow_map=False), data_transfer="socket"
+  )
   counts = take(iterator, 4)
   time.sleep(2.0)
   cluster.workers[1].kill()
@@ -305,9 +309,11 @@ def test_a_worker_whose_dispatcher_connection_is_dropped_silently_stays_alive(ch
   cluster = chaos(1)
   size = 3 * EPOCH
   direct = f"127.0.0.1:{cluster.dispatcher_port}"  # the client's path stays up
-  iterator = records(size, BATCH).distribute(
-      direct, "parallel_epochs", max_outstanding_requests=4,
-      timeout_s=60.0).make_iterator()
+  iterator = (
+    records(size, BATCH)
+    .distribute(direct, "parallel_epochs", max_outstanding_requests=4, timeout_s=60.0)
+    .make_iterator()
+  )
   counts = take(iterator, 5)
   proxy = cluster.dispatcher_proxy
   proxy.stall()
@@ -330,9 +336,14 @@ def test_a_client_that_joins_before_the_worker_registers_again_reads_its_socket(
   dataset = records(EPOCH, BATCH)
 
   def join():
-    return dataset.distribute(direct, "parallel_epochs", job_name="shared",
-                              max_outstanding_requests=4, data_transfer="socket",
-                              timeout_s=60.0).make_iterator()
+    return dataset.distribute(
+      direct,
+      "parallel_epochs",
+      job_name="shared",
+      max_outstanding_requests=4,
+      data_transfer="socket",
+      timeout_s=60.0,
+    ).make_iterator()
 
   first = join()
   try:
@@ -362,13 +373,22 @@ def test_a_task_the_restarted_dispatcher_gave_up_ends_without_failing_the_read(c
   cluster = chaos(1, worker_buffer_size=2)
   size = 4 * EPOCH
   with TcpProxy(f"127.0.0.1:{cluster.dispatcher_port}") as client_path:
-    iterator = records(size, BATCH, slow_map=False).distribute(
-        client_path.address, "distributed_epoch", max_outstanding_requests=4,
-        data_transfer="socket", timeout_s=60.0).make_iterator()
+    iterator = (
+      records(size, BATCH, slow_map=False)
+      .distribute(
+        client_path.address,
+        "distributed_epoch",
+        max_outstanding_requests=4,
+        data_transfer="socket",
+        timeout_s=60.0,
+      )
+      .make_iterator()
+    )
     counts = take(iterator, 5)
     result = {}
-    reader = threading.Thread(target=lambda: result.update(rest=read_until_end(
-        iterator, DEADLINE_S)))
+    reader = threading.Thread(
+      target=lambda: result.update(rest=read_until_end(iterator, DEADLINE_S))
+    )
     client_path.stall()
     cluster.dispatcher_proxy.stall()
     cluster.restart_dispatcher()
@@ -403,9 +423,17 @@ def test_a_client_cut_off_from_the_dispatcher_longer_than_a_heartbeat_deadline(c
   cluster = chaos(1)
   with TcpProxy(cluster.address) as client_path:
     policy, visitation = MODES[mode]
-    iterator = records(EPOCH, BATCH).distribute(
-        client_path.address, policy, visitation=visitation, max_outstanding_requests=4,
-        timeout_s=60.0).make_iterator()
+    iterator = (
+      records(EPOCH, BATCH)
+      .distribute(
+        client_path.address,
+        policy,
+        visitation=visitation,
+        max_outstanding_requests=4,
+        timeout_s=60.0,
+      )
+      .make_iterator()
+    )
     counts = take(iterator, 5)
     client_path.stall()
     time.sleep(13.0)

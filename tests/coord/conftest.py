@@ -22,8 +22,7 @@ class SequenceSource:
   def record(self, i: int) -> dict:
     # Every token of record i is i, so padded batches show which records
     # they hold and padding shows as the padding value.
-    return {"tokens": np.full(int(self.lengths[i]), i, np.int32),
-            "id": np.int64(i)}
+    return {"tokens": np.full(int(self.lengths[i]), i, np.int32), "id": np.int64(i)}
 
   def __getitem__(self, i: int) -> dict:
     self.getitem_calls += 1
@@ -37,8 +36,7 @@ class SequenceSource:
     return f"SequenceSource({len(self)} records)"
 
 
-def lognormal_lengths(num_records: int, seed: int = 0, low: int = 1,
-                      high: int = 200) -> np.ndarray:
+def lognormal_lengths(num_records: int, seed: int = 0, low: int = 1, high: int = 200) -> np.ndarray:
   rng = np.random.default_rng(seed)
   return np.clip(rng.lognormal(3.5, 0.8, num_records), low, high).astype(np.int64)
 

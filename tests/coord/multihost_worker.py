@@ -38,8 +38,7 @@ class TokenSource:
     return len(self._lengths)
 
   def __getitem__(self, i: int) -> dict:
-    return {"tokens": np.full(int(self._lengths[i]), i, np.int32),
-            "id": np.int32(i)}
+    return {"tokens": np.full(int(self._lengths[i]), i, np.int32), "id": np.int32(i)}
 
   def get_many(self, indices) -> list:
     return [self[int(i)] for i in indices]
@@ -52,17 +51,25 @@ def local_rows(array: jax.Array) -> np.ndarray:
 
 def main(process_id: int, num_processes: int, port: int, out: str) -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=60)
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=60,
+  )
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed.coord import BucketPlan  # pylint: disable=g-import-not-at-top
 
   lengths = lengths_index()
-  plan = BucketPlan(lengths, BOUNDARIES, [GLOBAL_BATCH] * (len(BOUNDARIES) + 1),
-                    seed=SEED, num_epochs=NUM_EPOCHS,
-                    shard_options=jaxfeed.ShardByJaxProcess())
-  dataset = jaxfeed.Dataset.from_bucket_plan(TokenSource(lengths), plan,
-                                             padding_values=-1)
+  plan = BucketPlan(
+    lengths,
+    BOUNDARIES,
+    [GLOBAL_BATCH] * (len(BOUNDARIES) + 1),
+    seed=SEED,
+    num_epochs=NUM_EPOCHS,
+    shard_options=jaxfeed.ShardByJaxProcess(),
+  )
+  dataset = jaxfeed.Dataset.from_bucket_plan(TokenSource(lengths), plan, padding_values=-1)
   sum_ids = jax.jit(jnp.sum)
   count_tokens = jax.jit(lambda tokens: jnp.sum(tokens >= 0))
 
@@ -72,14 +79,14 @@ def main(process_id: int, num_processes: int, port: int, out: str) -> None:
     tokens, ids = batch["tokens"], batch["id"]
     local_tokens = local_rows(tokens)
     line = {
-        "phase": phase,
-        "step": step,
-        "global_shape": list(tokens.shape),
-        "padded_length": int(local_tokens.shape[1]),
-        "ids": local_rows(ids).tolist(),
-        "row_lengths": (local_tokens >= 0).sum(axis=1).tolist(),
-        # Reductions over the GLOBAL arrays: all hosts must hold one array.
-        "global_id_sum": int(sum_ids(ids)),
+      "phase": phase,
+      "step": step,
+      "global_shape": list(tokens.shape),
+      "padded_length": int(local_tokens.shape[1]),
+      "ids": local_rows(ids).tolist(),
+      "row_lengths": (local_tokens >= 0).sum(axis=1).tolist(),
+      # Reductions over the GLOBAL arrays: all hosts must hold one array.
+      "global_id_sum": int(sum_ids(ids)),
     }
     if step < 2:  # one compilation per padded length; two steps suffice
       line["global_token_count"] = int(count_tokens(tokens))

@@ -18,9 +18,10 @@ def _lengths(n=3000, seed=0):
 
 
 def _plans(lengths, hosts, **kwargs):
-  return [BucketPlan(lengths, BOUNDARIES, BATCH_SIZES,
-                     shard_options=ShardOptions(h, hosts), **kwargs)
-          for h in range(hosts)]
+  return [
+    BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, shard_options=ShardOptions(h, hosts), **kwargs)
+    for h in range(hosts)
+  ]
 
 
 def _bucket_of(lengths):
@@ -32,8 +33,7 @@ def _bucket_of(lengths):
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_every_host_reads_the_same_bucket_at_every_step(hosts, shuffle, carry):
   lengths = _lengths()
-  plans = _plans(lengths, hosts, seed=7, shuffle=shuffle, num_epochs=2,
-                 carry_remainders=carry)
+  plans = _plans(lengths, hosts, seed=7, shuffle=shuffle, num_epochs=2, carry_remainders=carry)
   assert len({len(p) for p in plans}) == 1
   for step in range(len(plans[0])):
     buckets = {p[step][0] for p in plans}
@@ -56,17 +56,16 @@ def test_hosts_read_disjoint_contiguous_slices_of_the_global_batch(hosts):
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_each_epoch_reads_every_record_once_except_the_dropped(hosts, shuffle, carry):
   lengths = _lengths()
-  plans = _plans(lengths, hosts, seed=11, shuffle=shuffle, num_epochs=3,
-                 carry_remainders=carry)
+  plans = _plans(lengths, hosts, seed=11, shuffle=shuffle, num_epochs=3, carry_remainders=carry)
   steps = plans[0].steps_per_epoch
   for epoch in range(3):
-    read = np.concatenate([p[s][1] for p in plans
-                           for s in range(epoch * steps, (epoch + 1) * steps)])
+    read = np.concatenate(
+      [p[s][1] for p in plans for s in range(epoch * steps, (epoch + 1) * steps)]
+    )
     dropped = plans[0].dropped_per_epoch(epoch)
     assert len(dropped) == plans[0].num_dropped_per_epoch
     assert len(set(read.tolist())) == len(read), "a record read twice"
-    np.testing.assert_array_equal(
-        np.sort(np.concatenate([read, dropped])), np.arange(len(lengths)))
+    np.testing.assert_array_equal(np.sort(np.concatenate([read, dropped])), np.arange(len(lengths)))
 
 
 def test_dropped_records_are_each_buckets_remainder():
@@ -76,8 +75,8 @@ def test_dropped_records_are_each_buckets_remainder():
   remainders = counts % BATCH_SIZES
   dropped = plan.dropped_per_epoch(0)
   np.testing.assert_array_equal(
-      np.bincount(_bucket_of(lengths[dropped]), minlength=len(BATCH_SIZES)),
-      remainders)
+    np.bincount(_bucket_of(lengths[dropped]), minlength=len(BATCH_SIZES)), remainders
+  )
   assert plan.num_dropped_per_epoch == remainders.sum()
   assert plan.steps_per_epoch == (counts // BATCH_SIZES).sum()
 
@@ -94,8 +93,9 @@ def test_batches_hold_only_records_of_their_bucket():
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_carried_remainders_join_the_next_longer_bucket(shuffle):
   lengths = _lengths()
-  plan = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=5, num_epochs=2,
-                    shuffle=shuffle, carry_remainders=True)
+  plan = BucketPlan(
+    lengths, BOUNDARIES, BATCH_SIZES, seed=5, num_epochs=2, shuffle=shuffle, carry_remainders=True
+  )
   counts = np.bincount(_bucket_of(lengths), minlength=len(BATCH_SIZES))
   carried = np.zeros(len(BATCH_SIZES), np.int64)  # into bucket b from b - 1
   for b in range(1, len(BATCH_SIZES)):
@@ -125,8 +125,7 @@ def test_same_seed_gives_the_same_plan_and_other_seeds_differ():
   a = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=1)
   b = BucketPlan(lengths.copy(), list(BOUNDARIES), list(BATCH_SIZES), seed=1)
   c = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=2)
-  same = all(a[s][0] == b[s][0] and np.array_equal(a[s][1], b[s][1])
-             for s in range(len(a)))
+  same = all(a[s][0] == b[s][0] and np.array_equal(a[s][1], b[s][1]) for s in range(len(a)))
   assert same
   assert a.fingerprint() == b.fingerprint() != c.fingerprint()
   assert any(not np.array_equal(a[s][1], c[s][1]) for s in range(len(a)))
@@ -152,15 +151,20 @@ def test_unshuffled_plan_reads_records_in_index_order_within_buckets():
   for bucket, records in per_bucket.items():
     assert records == sorted(records)
     expected = np.flatnonzero(_bucket_of(lengths) == bucket)
-    assert records == expected[:len(records)].tolist()
+    assert records == expected[: len(records)].tolist()
 
 
 def test_plan_is_a_pure_function_of_the_step_so_lookups_resume_anywhere():
   lengths = _lengths()
   reference = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=9, num_epochs=3)
   expected = [reference[s] for s in range(len(reference))]
-  for start in [0, 1, reference.steps_per_epoch - 1, reference.steps_per_epoch,
-                2 * reference.steps_per_epoch + 5]:
+  for start in [
+    0,
+    1,
+    reference.steps_per_epoch - 1,
+    reference.steps_per_epoch,
+    2 * reference.steps_per_epoch + 5,
+  ]:
     resumed = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=9, num_epochs=3)
     for step in range(start, len(resumed)):
       bucket, records = resumed[step]
@@ -203,8 +207,7 @@ def test_padded_length_is_the_global_batch_max_or_the_bucket_boundary():
     # Each host computes the same padded length without seeing the others.
     assert {p.padded_length(step) for p in plans} == {lengths[records].max()}
     if bucket < len(BOUNDARIES):
-      assert plans[0].padded_length(step, pad_to_bucket_boundary=True) == (
-          BOUNDARIES[bucket] - 1)
+      assert plans[0].padded_length(step, pad_to_bucket_boundary=True) == (BOUNDARIES[bucket] - 1)
     else:
       with pytest.raises(ValueError, match="last boundary"):
         plans[0].padded_length(step, pad_to_bucket_boundary=True)
@@ -213,8 +216,7 @@ def test_padded_length_is_the_global_batch_max_or_the_bucket_boundary():
 def test_no_sharding_is_the_default_and_reads_whole_batches():
   lengths = _lengths()
   default = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=3)
-  explicit = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=3,
-                        shard_options=NoSharding())
+  explicit = BucketPlan(lengths, BOUNDARIES, BATCH_SIZES, seed=3, shard_options=NoSharding())
   assert default.shard_count == 1
   bucket, records = default[0]
   np.testing.assert_array_equal(records, explicit.global_step(0)[1])
@@ -229,43 +231,50 @@ def test_empty_boundaries_make_one_bucket():
 def test_million_record_plan_builds_an_epoch():
   rng = np.random.default_rng(0)
   lengths = rng.integers(8, 512, 1_000_000)
-  plan = BucketPlan(lengths, list(range(8, 513, 8)), [128] * 65,
-                    shard_options=ShardOptions(3, 4))
+  plan = BucketPlan(lengths, list(range(8, 513, 8)), [128] * 65, shard_options=ShardOptions(3, 4))
   bucket, records = plan[len(plan) - 1]
   assert len(records) == 32
-  assert (np.searchsorted(plan.bucket_boundaries, lengths[records],
-                          side="right") == bucket).all()
+  assert (np.searchsorted(plan.bucket_boundaries, lengths[records], side="right") == bucket).all()
 
 
 # -- invalid input -----------------------------------------------------------
-@pytest.mark.parametrize("lengths, message", [
+@pytest.mark.parametrize(
+  "lengths, message",
+  [
     (np.array([3, -1, 4]), "record 1 has length -1"),
     (np.zeros((2, 3), np.int64), "1-D"),
     (np.array([1.5, 2.0]), "integers"),
-])
+  ],
+)
 def test_bad_lengths_raise_value_error(lengths, message):
   with pytest.raises(ValueError, match=message):
     BucketPlan(lengths, [2], [1, 1])
 
 
-@pytest.mark.parametrize("boundaries, message", [
+@pytest.mark.parametrize(
+  "boundaries, message",
+  [
     ([32, 16, 64], "strictly increasing"),
     ([16, 16, 64], "strictly increasing"),
     ([0, 16, 64], ">= 1"),
     ([16, 2.5, 64], "integers"),
-])
+  ],
+)
 def test_bad_boundaries_raise_value_error(boundaries, message):
   with pytest.raises(ValueError, match=message):
     BucketPlan(_lengths(), boundaries, [4, 4, 4, 4])
 
 
-@pytest.mark.parametrize("batch_sizes, message", [
+@pytest.mark.parametrize(
+  "batch_sizes, message",
+  [
     ([8, 8, 8], "4 entries"),
     ([8, 8, 8, 8, 8], "4 entries"),
     ([8, 0, 8, 8], "integers >= 1"),
     ([8, -4, 8, 8], "integers >= 1"),
     ([8, 8, 8, True], "integers >= 1"),
-])
+  ],
+)
 def test_bad_batch_sizes_raise_value_error(batch_sizes, message):
   with pytest.raises(ValueError, match=message):
     BucketPlan(_lengths(), [16, 32, 64], batch_sizes)
@@ -273,16 +282,18 @@ def test_bad_batch_sizes_raise_value_error(batch_sizes, message):
 
 def test_global_batch_not_divisible_by_hosts_names_size_and_host_count():
   with pytest.raises(ValueError, match=r"global batch size 10 .* 4 hosts"):
-    BucketPlan(_lengths(), [16, 32], [8, 10, 4],
-               shard_options=ShardOptions(0, 4))
+    BucketPlan(_lengths(), [16, 32], [8, 10, 4], shard_options=ShardOptions(0, 4))
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     ({"num_epochs": 0}, "num_epochs"),
     ({"num_epochs": 1.0}, "num_epochs"),
     ({"seed": "x"}, "seed"),
     ({"shard_options": object()}, "ShardOptions"),
-])
+  ],
+)
 def test_bad_options_raise(kwargs, message):
   with pytest.raises((ValueError, TypeError), match=message):
     BucketPlan(_lengths(), [16, 32], [8, 8, 4], **kwargs)

@@ -13,8 +13,7 @@ def _tokens_length(record):
 
 
 @pytest.mark.parametrize("with_get_many", [True, False])
-def test_lengths_are_one_per_record(sequence_source_cls, make_lengths,
-                                    with_get_many):
+def test_lengths_are_one_per_record(sequence_source_cls, make_lengths, with_get_many):
   lengths = make_lengths(9000, seed=1)  # more than one get_many chunk
   source = sequence_source_cls(lengths, with_get_many=with_get_many)
   computed = compute_lengths(source, _tokens_length)
@@ -27,7 +26,8 @@ def test_lengths_are_one_per_record(sequence_source_cls, make_lengths,
 
 
 def test_index_is_saved_and_reused_without_reading_the_source(
-    sequence_source_cls, make_lengths, tmp_path):
+  sequence_source_cls, make_lengths, tmp_path
+):
   lengths = make_lengths(500)
   path = tmp_path / "sub" / "lengths.npy"
   first = compute_lengths(sequence_source_cls(lengths), _tokens_length, path)
@@ -41,7 +41,8 @@ def test_index_is_saved_and_reused_without_reading_the_source(
 
 
 def test_stored_index_of_another_record_count_is_recomputed(
-    sequence_source_cls, make_lengths, tmp_path):
+  sequence_source_cls, make_lengths, tmp_path
+):
   path = tmp_path / "lengths.npy"
   np.save(path, np.arange(7))
   lengths = make_lengths(300)
@@ -53,15 +54,13 @@ def test_stored_index_of_another_record_count_is_recomputed(
 
 
 @pytest.mark.parametrize("bad_length", [-3, 2.5, "7", None, True])
-def test_length_fn_returning_a_non_length_names_the_record(sequence_source_cls,
-                                                           bad_length):
+def test_length_fn_returning_a_non_length_names_the_record(sequence_source_cls, bad_length):
   source = sequence_source_cls([4, 5, 6, 7])
 
   def length_fn(record):
     return bad_length if int(record["id"]) == 2 else len(record["tokens"])
 
-  with pytest.raises(LengthIndexError, match=f"returned {bad_length!r} for "
-                     f"record 2"):
+  with pytest.raises(LengthIndexError, match=f"returned {bad_length!r} for record 2"):
     compute_lengths(source, length_fn)
 
 

@@ -32,15 +32,19 @@ def host_logs(tmp_path_factory):
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = os.pathsep.join(
-      [str(pathlib.Path(__file__).resolve().parents[2])]
-      + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    [str(pathlib.Path(__file__).resolve().parents[2])]
+    + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+  )
   port = str(_free_port())
   script = str(pathlib.Path(worker.__file__).resolve())
   processes = [
-      subprocess.Popen(
-          [sys.executable, script, str(i), str(NUM_PROCESSES), port, str(out)],
-          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-      for i in range(NUM_PROCESSES)
+    subprocess.Popen(
+      [sys.executable, script, str(i), str(NUM_PROCESSES), port, str(out)],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+    )
+    for i in range(NUM_PROCESSES)
   ]
   outputs = []
   try:
@@ -73,8 +77,7 @@ def _bucket(length):
   return int(np.searchsorted(worker.BOUNDARIES, length, side="right"))
 
 
-def test_every_host_reads_the_same_bucket_and_padded_length_each_step(
-    host_logs):
+def test_every_host_reads_the_same_bucket_and_padded_length_each_step(host_logs):
   steps = [_by_step(log, "first") for log in host_logs]
   assert len(steps[0]) > 2 * worker.RESUME_AT
   assert all(s.keys() == steps[0].keys() for s in steps)
@@ -88,8 +91,7 @@ def test_every_host_reads_the_same_bucket_and_padded_length_each_step(
     assert len({line["padded_length"] for line in lines}) == 1
     padded = lines[0]["padded_length"]
     assert padded == max(n for line in lines for n in line["row_lengths"])
-    assert all(line["global_shape"] == [worker.GLOBAL_BATCH, padded]
-               for line in lines)
+    assert all(line["global_shape"] == [worker.GLOBAL_BATCH, padded] for line in lines)
     assert all(len(line["ids"]) == per_host for line in lines)
     for line in lines:
       np.testing.assert_array_equal(lengths[line["ids"]], line["row_lengths"])
@@ -111,8 +113,7 @@ def test_hosts_read_disjoint_records_and_each_once_per_epoch(host_logs):
   steps_per_epoch = len(steps[0]) // worker.NUM_EPOCHS
   for epoch in range(worker.NUM_EPOCHS):
     epoch_steps = range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch)
-    per_host = [[i for step in epoch_steps for i in s[step]["ids"]]
-                for s in steps]
+    per_host = [[i for step in epoch_steps for i in s[step]["ids"]] for s in steps]
     assert not set(per_host[0]) & set(per_host[1])
     counts = collections.Counter(per_host[0] + per_host[1])
     assert max(counts.values()) == 1
@@ -125,6 +126,5 @@ def test_resuming_from_a_saved_step_continues_identically(host_logs):
     assert min(resumed) == worker.RESUME_AT
     assert sorted(resumed) == [s for s in sorted(first) if s >= worker.RESUME_AT]
     for step, line in resumed.items():
-      for key in ("ids", "row_lengths", "padded_length", "global_shape",
-                  "global_id_sum"):
+      for key in ("ids", "row_lengths", "padded_length", "global_shape", "global_id_sum"):
         assert line[key] == first[step][key], (step, key)

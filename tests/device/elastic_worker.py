@@ -57,49 +57,62 @@ MIX_OFFSET = 1000
 def mix_components():
   """The samplers and sources of the mixed pipeline's two components."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  samplers = [jaxfeed.IndexSampler(n, shuffle=True, seed=SEED + i,
-                                   num_epochs=NUM_EPOCHS)
-              for i, n in enumerate(MIX_SIZES)]
-  sources = [jaxfeed.ArraySource({"label": MIX_OFFSET * i + np.arange(n)})
-             for i, n in enumerate(MIX_SIZES)]
+
+  samplers = [
+    jaxfeed.IndexSampler(n, shuffle=True, seed=SEED + i, num_epochs=NUM_EPOCHS)
+    for i, n in enumerate(MIX_SIZES)
+  ]
+  sources = [
+    jaxfeed.ArraySource({"label": MIX_OFFSET * i + np.arange(n)}) for i, n in enumerate(MIX_SIZES)
+  ]
   return samplers, sources
 
 
 def records(source_kind):
   import jaxfeed  # pylint: disable=g-import-not-at-top
+
   if source_kind == "mix":
     samplers, sources = mix_components()
     return jaxfeed.Dataset.mix(
-        [jaxfeed.Dataset.from_source(src, s) for s, src in zip(samplers, sources)],
-        list(MIX_WEIGHTS), seed=SEED, shard_options=jaxfeed.ShardByJaxProcess())
+      [jaxfeed.Dataset.from_source(src, s) for s, src in zip(samplers, sources)],
+      list(MIX_WEIGHTS),
+      seed=SEED,
+      shard_options=jaxfeed.ShardByJaxProcess(),
+    )
   sampler = jaxfeed.IndexSampler(
-      NUM_RECORDS, shuffle=True, seed=SEED, num_epochs=NUM_EPOCHS,
-      shard_options=jaxfeed.ShardByJaxProcess())
+    NUM_RECORDS,
+    shuffle=True,
+    seed=SEED,
+    num_epochs=NUM_EPOCHS,
+    shard_options=jaxfeed.ShardByJaxProcess(),
+  )
   source = jaxfeed.ArraySource({"label": np.arange(NUM_RECORDS)})
   return jaxfeed.Dataset.from_source(source, sampler)
 
 
 def pipeline(source_kind="index"):
-  kept = (records("index" if source_kind == "pack" else source_kind)
-          .random_map(noise, seed=SEED)
-          .filter(keep))
+  kept = (
+    records("index" if source_kind == "pack" else source_kind)
+    .random_map(noise, seed=SEED)
+    .filter(keep)
+  )
   if source_kind == "pack":
-    kept = kept.map(tokens).pack({"tokens": PACK_ROW}, num_packing_bins=3,
-                                 overflow="split")
+    kept = kept.map(tokens).pack({"tokens": PACK_ROW}, num_packing_bins=3, overflow="split")
   return kept.batch(GLOBAL_BATCH // jax.process_count())
 
 
 def local_rows(batch) -> list[list[int]]:
   """This process's real (unpadded) rows as [label, noise], or for packed
   rows its real tokens as [token]."""
+
   def local(leaf):
     return np.asarray(leaf.addressable_shards[0].data)
+
   valid = local(batch["valid"])
   if "tokens" in batch:
     real = (local(batch["tokens_segment_ids"]) > 0) & valid[:, None]
     return local(batch["tokens"])[real].reshape(-1, 1).tolist()
-  return np.stack([local(batch["label"]), local(batch["noise"])], 1)[
-      valid].tolist()
+  return np.stack([local(batch["label"]), local(batch["noise"])], 1)[valid].tolist()
 
 
 def held_by_pack(state) -> int:
@@ -118,8 +131,12 @@ def main() -> None:
   source_kind = sys.argv[7] if len(sys.argv) > 7 else "index"
   out = out.replace("PID", str(process_id))
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=60)
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=60,
+  )
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   import jaxfeed  # pylint: disable=g-import-not-at-top
@@ -131,16 +148,14 @@ def main() -> None:
   report = {"before": [], "after": [], "global_rows": []}
   with jaxfeed.Loader(pipeline(source_kind), end_of_input="pad") as loader:
     if mode == "resume":
-      manager.restore(SAVE_AT, args=ocp.args.Composite(
-          loader=jaxfeed.LoaderRestore(loader)))
+      manager.restore(SAVE_AT, args=ocp.args.Composite(loader=jaxfeed.LoaderRestore(loader)))
       report["restored_batches"] = loader.get_state()["batches"]
     for step, batch in enumerate(loader, start=loader.get_state()["batches"]):
       real_sum(batch).block_until_ready()
       report["global_rows"].append(batch[key].shape[0])
       report["before" if step < SAVE_AT else "after"].extend(local_rows(batch))
       if mode == "save" and step + 1 == SAVE_AT:
-        manager.save(SAVE_AT, args=ocp.args.Composite(
-            loader=jaxfeed.LoaderSave(loader)))
+        manager.save(SAVE_AT, args=ocp.args.Composite(loader=jaxfeed.LoaderSave(loader)))
         report["held"] = held_by_pack(loader.get_state()["pipeline"])
   manager.wait_until_finished()
   manager.close()

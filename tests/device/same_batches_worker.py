@@ -31,28 +31,45 @@ def square(element):
 def main() -> None:
   process_id, num_processes, port = map(int, sys.argv[1:4])
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=60)
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=60,
+  )
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
   import jaxfeed  # pylint: disable=g-import-not-at-top
 
-  source = jaxfeed.ArraySource({"label": np.arange(NUM_RECORDS),
-                                "x": np.arange(NUM_RECORDS, dtype=np.float64)})
+  source = jaxfeed.ArraySource(
+    {"label": np.arange(NUM_RECORDS), "x": np.arange(NUM_RECORDS, dtype=np.float64)}
+  )
   sampler = jaxfeed.IndexSampler(
-      NUM_RECORDS, shuffle=True, seed=SEED, num_epochs=2,
-      shard_options=jaxfeed.ShardByJaxProcess(drop_remainder=True))
-  dataset = (jaxfeed.Dataset.from_source(source, sampler)
-             .random_map(augment, num_parallel_calls=2, seed=SEED)
-             .map(square, num_parallel_calls=2)
-             .batch(GLOBAL_BATCH // num_processes, drop_remainder=True))
+    NUM_RECORDS,
+    shuffle=True,
+    seed=SEED,
+    num_epochs=2,
+    shard_options=jaxfeed.ShardByJaxProcess(drop_remainder=True),
+  )
+  dataset = (
+    jaxfeed.Dataset.from_source(source, sampler)
+    .random_map(augment, num_parallel_calls=2, seed=SEED)
+    .map(square, num_parallel_calls=2)
+    .batch(GLOBAL_BATCH // num_processes, drop_remainder=True)
+  )
   steps = []
   with jaxfeed.Loader(dataset) as loader:
     for batch in loader:
       whole = multihost_utils.process_allgather(batch, tiled=True)
-      steps.append(sorted(zip(np.asarray(whole["label"]).tolist(),
-                              np.asarray(whole["noise"]).tolist(),
-                              np.asarray(whole["x"]).tolist())))
+      steps.append(
+        sorted(
+          zip(
+            np.asarray(whole["label"]).tolist(),
+            np.asarray(whole["noise"]).tolist(),
+            np.asarray(whole["x"]).tolist(),
+          )
+        )
+      )
   if process_id == 0:
     print(json.dumps(steps))
   jax.distributed.shutdown()

@@ -38,23 +38,33 @@ SAVE_AT = 3
 AHEAD = 2
 
 global_sum = jax.jit(lambda batch: jnp.sum(batch["x"]))
-masked_sums = jax.jit(
-    lambda batch: (jnp.sum(batch["x"] * batch["valid"]), jnp.sum(batch["valid"])))
+masked_sums = jax.jit(lambda batch: (jnp.sum(batch["x"] * batch["valid"]), jnp.sum(batch["valid"])))
 
 
-def read(process_id: int, dispatcher: str, job_name: str, end_of_input: str, mode: str,
-         checkpoint_dir: str) -> dict:
+def read(
+  process_id: int, dispatcher: str, job_name: str, end_of_input: str, mode: str, checkpoint_dir: str
+) -> dict:
   """Reads the shared job through a Loader; what this process saw."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   import jaxfeed  # pylint: disable=g-import-not-at-top
   import service_udfs  # pylint: disable=g-import-not-at-top
+
   manager = ocp.CheckpointManager(checkpoint_dir) if checkpoint_dir else None
   # One split per batch (the dispatcher's --split_size is BATCH), so the
   # job's batches are dealt out to both consumers as they ask.
-  dataset = jaxfeed.Dataset.range(RECORDS).map(service_udfs.paced).batch(BATCH).distribute(
-      dispatcher, "distributed_epoch", job_name=job_name, visitation="exactly_once",
-      max_outstanding_requests=1)
+  dataset = (
+    jaxfeed.Dataset.range(RECORDS)
+    .map(service_udfs.paced)
+    .batch(BATCH)
+    .distribute(
+      dispatcher,
+      "distributed_epoch",
+      job_name=job_name,
+      visitation="exactly_once",
+      max_outstanding_requests=1,
+    )
+  )
   # Process 1 joins the job LATE_S after process 0: a head start in which
   # process 0 could take much of the job.
   multihost_utils.sync_global_devices("before the read")
@@ -75,14 +85,14 @@ def read(process_id: int, dispatcher: str, job_name: str, end_of_input: str, mod
       if mode == "save" and steps == SAVE_AT:
         manager.save(SAVE_AT, args=ocp.args.Composite(loader=jaxfeed.LoaderSave(loader)))
       if (mode == "save" and steps == SAVE_AT + AHEAD) or (
-          mode == "restore_ahead" and steps == AHEAD):
+        mode == "restore_ahead" and steps == AHEAD
+      ):
         break
     state = loader.get_state()
   if manager is not None:
     manager.wait_until_finished()
     manager.close()
-  return {"steps": steps, "sums": sums, "valid_rows": valid_rows,
-          "batches": state["batches"]}
+  return {"steps": steps, "sums": sums, "valid_rows": valid_rows, "batches": state["batches"]}
 
 
 def main() -> None:
@@ -90,11 +100,16 @@ def main() -> None:
   dispatcher, job_name, policies = sys.argv[4:7]
   mode, checkpoint_dir = (sys.argv[7:9] + ["read", ""])[:2]
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                             process_id=process_id, initialization_timeout=60)
+  jax.distributed.initialize(
+    f"127.0.0.1:{port}",
+    num_processes=num_processes,
+    process_id=process_id,
+    initialization_timeout=60,
+  )
   for end_of_input in policies.split(","):
-    report = read(process_id, dispatcher, f"{job_name}-{end_of_input}", end_of_input, mode,
-                  checkpoint_dir)
+    report = read(
+      process_id, dispatcher, f"{job_name}-{end_of_input}", end_of_input, mode, checkpoint_dir
+    )
     print(json.dumps({"end_of_input": end_of_input, **report}), flush=True)
   jax.distributed.shutdown()
 

@@ -27,8 +27,10 @@ def batch_size() -> int:
 
 def rows() -> dict[str, np.ndarray]:
   n = NUM_BATCHES * batch_size()
-  return {"image": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3),
-          "label": np.arange(n, dtype=np.int32)}
+  return {
+    "image": np.arange(n * 6, dtype=np.float32).reshape(n, 2, 3),
+    "label": np.arange(n, dtype=np.int32),
+  }
 
 
 def add_one(element):
@@ -37,10 +39,12 @@ def add_one(element):
 
 def pipeline(reads_ahead: bool = False) -> jaxfeed.Dataset:
   """Shuffled, mapped, batched: every op has state a resume must restore."""
-  dataset = (jaxfeed.Dataset.from_tensor_slices(rows())
-             .shuffle(10, seed=5)
-             .map(add_one)
-             .batch(batch_size(), drop_remainder=True))
+  dataset = (
+    jaxfeed.Dataset.from_tensor_slices(rows())
+    .shuffle(10, seed=5)
+    .map(add_one)
+    .batch(batch_size(), drop_remainder=True)
+  )
   return dataset.prefetch(2) if reads_ahead else dataset
 
 
@@ -79,8 +83,7 @@ def assert_batches_equal(got: list, want: list) -> None:
 
 @pytest.mark.parametrize("reads_ahead", [False, True])
 @pytest.mark.parametrize("prefetch", [0, 2])
-def test_loader_yields_host_batches_as_global_arrays_on_default_devices(
-    prefetch, reads_ahead):
+def test_loader_yields_host_batches_as_global_arrays_on_default_devices(prefetch, reads_ahead):
   want = host_batches()
   assert len(want) == NUM_BATCHES
   with jaxfeed.Loader(pipeline(reads_ahead), prefetch=prefetch) as loader:
@@ -95,8 +98,7 @@ def test_read_ahead_thread_is_used_iff_default_backend_is_not_cpu(reads_ahead):
   on_cpu = jax.default_backend() == "cpu"
   want = host_batches()
   iterator = pipeline(reads_ahead).make_iterator()
-  with DevicePrefetcher(iterator, None, prefetch=2,
-                        host_reads_ahead=reads_ahead) as it:
+  with DevicePrefetcher(iterator, None, prefetch=2, host_reads_ahead=reads_ahead) as it:
     assert it.places_inline == (reads_ahead and on_cpu)
     got = [next(it)]
     assert bool(device_prefetch_threads()) == (not it.places_inline)
@@ -138,8 +140,7 @@ def failing_decode(element):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_pipeline_exception_reaches_the_consumer(prefetch):
-  dataset = (jaxfeed.Dataset.from_tensor_slices(rows()).map(failing_decode)
-             .batch(batch_size()))
+  dataset = jaxfeed.Dataset.from_tensor_slices(rows()).map(failing_decode).batch(batch_size())
   with jaxfeed.Loader(dataset, prefetch=prefetch) as loader:
     for _ in range(FAIL_AT_BATCH):
       assert next(loader)["label"].devices() == set(jax.devices())

@@ -22,8 +22,7 @@ TIMEOUT_S = 120
 def reports(tmp_path_factory):
   """Runs both processes once; returns each one's JSON report."""
   checkpoint_dir = tmp_path_factory.mktemp("distributed_ckpt")
-  timed_out, results = run_processes(
-      str(WORKER), NUM_PROCESSES, [str(checkpoint_dir)], TIMEOUT_S)
+  timed_out, results = run_processes(str(WORKER), NUM_PROCESSES, [str(checkpoint_dir)], TIMEOUT_S)
   assert not timed_out, f"the processes hung for more than {TIMEOUT_S} s"
   for i, (returncode, _, stderr) in enumerate(results):
     assert returncode == 0, f"process {i} failed:\n{stderr[-4000:]}"

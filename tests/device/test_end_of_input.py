@@ -14,9 +14,18 @@ from jax_processes import scenario_reports
 
 WORKER = str(pathlib.Path(worker.__file__).resolve())
 NUM_PROCESSES = 2
-SCENARIOS = ["filter", "filter_sync", "uneven_shards", "pad", "ragged",
-             "ragged_fixed", "ragged_common", "local_mesh", "pad_empty_process",
-             "close_while_waiting"]
+SCENARIOS = [
+  "filter",
+  "filter_sync",
+  "uneven_shards",
+  "pad",
+  "ragged",
+  "ragged_fixed",
+  "ragged_common",
+  "local_mesh",
+  "pad_empty_process",
+  "close_while_waiting",
+]
 TIMEOUT_S = 150
 
 
@@ -29,13 +38,14 @@ def reports():
 def expected_sums(batches_per_process: int, drop_remainder: bool = True):
   """Global sum of each step's batch over both processes' filtered data."""
   kept = [worker.kept(p) for p in range(NUM_PROCESSES)]
-  return [int(sum(k[s * worker.BATCH:(s + 1) * worker.BATCH].sum()
-                  for k in kept)) for s in range(batches_per_process)]
+  return [
+    int(sum(k[s * worker.BATCH : (s + 1) * worker.BATCH].sum() for k in kept))
+    for s in range(batches_per_process)
+  ]
 
 
 @pytest.mark.parametrize("name", ["filter", "filter_sync"])
-def test_filter_keeping_unequal_counts_stops_every_process_at_shortest(
-    reports, name):
+def test_filter_keeping_unequal_counts_stops_every_process_at_shortest(reports, name):
   # 20 and 14 records kept: 5 and 3 full batches of 4.
   for report in reports[name]:
     assert report["steps"] == 3
@@ -56,8 +66,7 @@ def test_pad_goes_on_to_the_longest_process_with_a_mask(reports):
     assert report["steps"] == 5
     sums, valid = zip(*report["sums"])
     assert list(valid) == [8, 8, 8, 4 + 2, 4]
-    assert sum(sums) == sum(int(worker.kept(p).sum())
-                            for p in range(NUM_PROCESSES))
+    assert sum(sums) == sum(int(worker.kept(p).sum()) for p in range(NUM_PROCESSES))
 
 
 def test_pad_with_a_process_that_never_had_a_batch_fails_everywhere(reports):
@@ -66,8 +75,7 @@ def test_pad_with_a_process_that_never_had_a_batch_fails_everywhere(reports):
     assert "processes [1] have had no batch at all by step 0" in report["error"]
 
 
-def test_differing_local_shapes_fail_on_every_process_naming_leaf_and_shapes(
-    reports):
+def test_differing_local_shapes_fail_on_every_process_naming_leaf_and_shapes(reports):
   for report in reports["ragged"]:
     assert report["steps"] == 0
     message = report["error"]
@@ -96,8 +104,7 @@ def test_process_local_shardings_read_each_process_to_its_own_end(reports):
   for process, report in enumerate(reports["local_mesh"]):
     assert report["shapes"] == [[worker.BATCH]] * report["steps"]
     kept = worker.kept(process)
-    assert report["sums"] == [int(kept[s * 4:(s + 1) * 4].sum())
-                              for s in range(report["steps"])]
+    assert report["sums"] == [int(kept[s * 4 : (s + 1) * 4].sum()) for s in range(report["steps"])]
 
 
 def test_close_interrupts_a_wait_for_another_process(reports):

@@ -18,8 +18,7 @@ from jax_processes import scenario_reports
 
 WORKER = str(pathlib.Path(worker.__file__).resolve())
 NUM_PROCESSES = 2
-SCENARIOS = ["partial_default", "partial_drop", "partial_pad", "partial_error",
-             "partial_pad_stop"]
+SCENARIOS = ["partial_default", "partial_drop", "partial_pad", "partial_error", "partial_pad_stop"]
 TIMEOUT_S = 150
 
 
@@ -32,7 +31,7 @@ def reports():
 def local_batches(process):
   """This process's batches of 4 of its kept records (the last partial)."""
   kept = worker.kept(process).tolist()
-  return [kept[i:i + worker.BATCH] for i in range(0, len(kept), worker.BATCH)]
+  return [kept[i : i + worker.BATCH] for i in range(0, len(kept), worker.BATCH)]
 
 
 BATCHES = [local_batches(p) for p in range(NUM_PROCESSES)]  # 5 and 4 batches
@@ -41,7 +40,8 @@ BATCHES = [local_batches(p) for p in range(NUM_PROCESSES)]  # 5 and 4 batches
 def same_on_both(reports, name):
   first, second = reports[name]
   assert {k: v for k, v in first.items() if k not in ("seconds",)} == {
-      k: v for k, v in second.items() if k not in ("seconds",)}
+    k: v for k, v in second.items() if k not in ("seconds",)
+  }
   return first
 
 
@@ -52,7 +52,8 @@ def test_drop_delivers_the_complete_steps_and_ends_the_epoch_together(reports, n
   # Steps 0-2 are complete; at step 3 process 1 has 2 rows (dropped) and at
   # step 4 none (the end).
   assert [step["x"] for step in report["steps"]] == [
-      BATCHES[0][s] + BATCHES[1][s] for s in range(3)]
+    BATCHES[0][s] + BATCHES[1][s] for s in range(3)
+  ]
   assert all(set(step) == {"x"} for step in report["steps"])  # no mask leaf
   assert report["batches"] == 3 and report["end_of_epoch"]
 

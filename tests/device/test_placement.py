@@ -18,8 +18,10 @@ from jaxfeed.device import BatchPlacer, aligned_empty, batch_sharding
 
 def shard_rows(array: jax.Array) -> list[tuple[int, np.ndarray]]:
   """(first row, contents) of each addressable shard, by device id."""
-  return [(shard.index[0].start or 0, np.asarray(shard.data))
-          for shard in sorted(array.addressable_shards, key=lambda s: s.device.id)]
+  return [
+    (shard.index[0].start or 0, np.asarray(shard.data))
+    for shard in sorted(array.addressable_shards, key=lambda s: s.device.id)
+  ]
 
 
 def assert_shards_match(array: jax.Array, host: np.ndarray) -> None:
@@ -49,11 +51,14 @@ def test_batch_sharding_default_mesh_takes_custom_axis_name():
   assert list(sharding.mesh.devices) == jax.devices()
 
 
-@pytest.mark.parametrize("use_mesh, axis_name, match", [
+@pytest.mark.parametrize(
+  "use_mesh, axis_name, match",
+  [
     (True, "nope", "'nope' is not an axis of the mesh"),
     (False, ("a", "b"), "must be one name"),
     (False, "", "non-empty mesh axis name"),
-])
+  ],
+)
 def test_batch_sharding_rejects_bad_axis(use_mesh, axis_name, match):
   with pytest.raises(ValueError, match=match):
     batch_sharding(mesh_2d() if use_mesh else None, axis_name)
@@ -99,9 +104,8 @@ def test_pytree_of_shardings_applies_per_leaf_and_as_prefix():
   by_data = NamedSharding(mesh, P("data"))
   by_both = NamedSharding(mesh, P(("data", "model")))
   batch = {
-      "image": np.arange(8 * 4, dtype=np.float32).reshape(8, 4),
-      "meta": {"id": np.arange(8, dtype=np.int64),
-               "mask": np.ones((8, 2), dtype=bool)},
+    "image": np.arange(8 * 4, dtype=np.float32).reshape(8, 4),
+    "meta": {"id": np.arange(8, dtype=np.int64), "mask": np.ones((8, 2), dtype=bool)},
   }
   # "meta" gets one sharding for its whole subtree (a prefix of the batch).
   out = BatchPlacer({"image": by_both, "meta": by_data})(batch)
@@ -110,8 +114,7 @@ def test_pytree_of_shardings_applies_per_leaf_and_as_prefix():
   assert out["meta"]["mask"].sharding == by_data
   assert len({str(s.index) for s in out["image"].addressable_shards}) == 8
   assert len({str(s.index) for s in out["meta"]["id"].addressable_shards}) == 4
-  for got, want in zip(jax.tree_util.tree_leaves(out),
-                       jax.tree_util.tree_leaves(batch)):
+  for got, want in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(batch)):
     assert_shards_match(got, want)
 
 
@@ -136,14 +139,15 @@ def test_scalars_are_replicated(scalar):
   assert out["step"].sharding.is_fully_replicated
   assert out["step"].devices() == set(jax.devices())
   assert len(out["step"].addressable_shards) == jax.device_count()
-  assert all(np.asarray(s.data) == np.asarray(scalar)
-             for s in out["step"].addressable_shards)
+  assert all(np.asarray(s.data) == np.asarray(scalar) for s in out["step"].addressable_shards)
 
 
 def test_placement_preserves_structure_and_dtypes():
   n = jax.device_count()
-  batch = {"b": (np.zeros((n,), np.uint8), [np.ones((n, 1), np.float16)]),
-           "a": np.zeros((n,), np.int64)}
+  batch = {
+    "b": (np.zeros((n,), np.uint8), [np.ones((n, 1), np.float16)]),
+    "a": np.zeros((n,), np.int64),
+  }
   out = BatchPlacer(None)(batch)
   assert set(out) == {"a", "b"}
   assert isinstance(out["b"], tuple) and isinstance(out["b"][1], list)
@@ -163,8 +167,7 @@ def test_batch_size_not_divisible_by_devices_names_leaf_size_and_count(batch_siz
 
 
 @pytest.mark.parametrize("batch_size", [4, 12, 1])
-def test_default_placement_fails_exactly_on_sizes_not_divisible_by_device_count(
-    batch_size):
+def test_default_placement_fails_exactly_on_sizes_not_divisible_by_device_count(batch_size):
   # Every size fails over 8 CPU devices; over 1 GPU each one fits.
   n = jax.device_count()
   batch = {"image": np.zeros((n, 2)), "label": np.zeros((batch_size,))}
@@ -245,13 +248,15 @@ def test_aligned_batch_is_aliased_by_cpu_devices_not_copied():
   row_bytes = image.strides[0]
   for shard in placed.addressable_shards:
     first_row = shard.index[0].start or 0
-    assert shard.data.unsafe_buffer_pointer() == (
-        image.ctypes.data + first_row * row_bytes), shard.device
+    assert shard.data.unsafe_buffer_pointer() == (image.ctypes.data + first_row * row_bytes), (
+      shard.device
+    )
   assert_shards_match(placed, image)
 
 
-@pytest.mark.parametrize("shape,dtype", [((3, 5), np.float32), ((7,), np.uint8),
-                                         ((2, 3, 4), np.int64), ((), np.float64)])
+@pytest.mark.parametrize(
+  "shape,dtype", [((3, 5), np.float32), ((7,), np.uint8), ((2, 3, 4), np.int64), ((), np.float64)]
+)
 def test_aligned_empty_is_aligned_contiguous_and_writable(shape, dtype):
   for _ in range(4):  # Fresh allocations start at varying offsets.
     array = aligned_empty(shape, dtype)

@@ -51,8 +51,11 @@ class CountingIterator:
     rows = np.arange(self.position * BATCH, (self.position + 1) * BATCH)
     self.position += 1
     self.produced += 1
-    return {"x": rows.astype(np.float32)[:, None] * np.ones((1, 3), np.float32),
-            "index": rows.astype(np.int32), "step": np.int32(self.position - 1)}
+    return {
+      "x": rows.astype(np.float32)[:, None] * np.ones((1, 3), np.float32),
+      "index": rows.astype(np.int32),
+      "step": np.int32(self.position - 1),
+    }
 
   def get_state(self):
     return {"position": self.position}
@@ -105,7 +108,8 @@ def test_yields_every_batch_in_order_as_global_arrays(prefetch):
     assert isinstance(batch["x"], jax.Array)
     assert batch["x"].sharding == batch_sharding()
     np.testing.assert_array_equal(
-        np.asarray(batch["index"]), np.arange(step * BATCH, (step + 1) * BATCH))
+      np.asarray(batch["index"]), np.arange(step * BATCH, (step + 1) * BATCH)
+    )
 
 
 @pytest.mark.parametrize("prefetch", [1, 2, 4])
@@ -171,8 +175,7 @@ def test_state_after_exhaustion_is_end_state(prefetch):
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 def test_pipeline_exception_reaches_consumer_with_traceback(prefetch):
-  with DevicePrefetcher(CountingIterator(6, fail_at=2), None,
-                        prefetch=prefetch) as it:
+  with DevicePrefetcher(CountingIterator(6, fail_at=2), None, prefetch=prefetch) as it:
     assert steps_of([next(it), next(it)]) == [0, 1]
     with pytest.raises(PipelineFailure, match="bad record in batch 2") as info:
       next(it)
@@ -187,13 +190,11 @@ def test_pipeline_exception_reaches_consumer_with_traceback(prefetch):
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_bad_batch_size_error_reaches_consumer(prefetch):
   class OddBatches(CountingIterator):
-
     def __next__(self):
       batch = super().__next__()
       return {"x": batch["x"][:6]}
 
-  with DevicePrefetcher(OddBatches(3), cpu_batch_sharding(),
-                        prefetch=prefetch) as it:
+  with DevicePrefetcher(OddBatches(3), cpu_batch_sharding(), prefetch=prefetch) as it:
     with pytest.raises(ValueError, match=r"\['x'\] has local batch size 6.*divisible by 8"):
       next(it)
     # Sticky like a pipeline exception.
@@ -205,7 +206,6 @@ def test_bad_batch_size_error_reaches_consumer(prefetch):
 def test_placement_error_on_default_devices_reaches_consumer(prefetch):
   # Fails on any number of default devices (a size check might not).
   class TextBatches(CountingIterator):
-
     def __next__(self):
       batch = super().__next__()
       return {**batch, "text": np.array(["row"] * BATCH)}
@@ -299,7 +299,8 @@ def test_host_without_read_ahead_keeps_the_placement_thread():
 
 def test_sharding_function_keeps_the_placement_thread():
   # A sharding function may name any device, so it is not known to be CPU.
-  with DevicePrefetcher(CountingIterator(3), lambda leaf: batch_sharding(),
-                        prefetch=2, host_reads_ahead=True) as it:
+  with DevicePrefetcher(
+    CountingIterator(3), lambda leaf: batch_sharding(), prefetch=2, host_reads_ahead=True
+  ) as it:
     assert not it.places_inline
     assert steps_of(list(it)) == expected_steps(0, 3)

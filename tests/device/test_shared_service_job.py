@@ -31,19 +31,24 @@ def dispatcher():
   """A dispatcher (one position per split and batch row) and one worker."""
   started = [ServiceProcess("dispatcher", "--port=0", f"--split_size={worker.BATCH}")]
   try:
-    started.append(ServiceProcess("worker", f"--dispatcher_address={started[0].address}",
-                                  "--heartbeat_interval_s=0.2"))
+    started.append(
+      ServiceProcess(
+        "worker", f"--dispatcher_address={started[0].address}", "--heartbeat_interval_s=0.2"
+      )
+    )
     yield started[0].address
   finally:
     for process in reversed(started):  # workers first: they say goodbye
       process.stop()
 
 
-def read_shared_job(dispatcher: str, job_name: str, policies: list[str],
-                    *mode: str) -> dict[str, list[dict]]:
+def read_shared_job(
+  dispatcher: str, job_name: str, policies: list[str], *mode: str
+) -> dict[str, list[dict]]:
   """{end_of_input policy: [report of process 0, report of process 1]}."""
   timed_out, results = run_processes(
-      WORKER, NUM_PROCESSES, [dispatcher, job_name, ",".join(policies), *mode], TIMEOUT_S)
+    WORKER, NUM_PROCESSES, [dispatcher, job_name, ",".join(policies), *mode], TIMEOUT_S
+  )
   reports: dict[str, list[dict]] = {}
   for i, (returncode, stdout, stderr) in enumerate(results):
     assert not timed_out, f"process {i} hung (killed after {TIMEOUT_S} s):\n{stderr[-3000:]}"
@@ -81,7 +86,8 @@ def test_a_shared_job_ending_unevenly_pads_to_the_longest_process_exactly_once(u
 
 @pytest.mark.parametrize("restored_before", [0, 1])
 def test_a_shared_job_saved_at_step_k_resumes_in_new_processes_exactly_once(
-    dispatcher, tmp_path, restored_before):
+  dispatcher, tmp_path, restored_before
+):
   job = f"resume{restored_before}"
   saved = read_shared_job(dispatcher, job, ["pad"], "save", str(tmp_path))["pad"]
   if restored_before:
@@ -96,7 +102,7 @@ def test_a_shared_job_saved_at_step_k_resumes_in_new_processes_exactly_once(
   assert resumed[0]["batches"] == worker.SAVE_AT + resumed[0]["steps"]
   # Steps up to the checkpoint, then the restored read: every record once
   # over both processes (the AHEAD steps after the checkpoint came again).
-  rows = saved[0]["valid_rows"][:worker.SAVE_AT] + resumed[0]["valid_rows"]
-  sums = saved[0]["sums"][:worker.SAVE_AT] + resumed[0]["sums"]
+  rows = saved[0]["valid_rows"][: worker.SAVE_AT] + resumed[0]["valid_rows"]
+  sums = saved[0]["sums"][: worker.SAVE_AT] + resumed[0]["sums"]
   assert sum(rows) == worker.RECORDS
   assert sum(sums) == sum(range(worker.RECORDS))

@@ -52,9 +52,25 @@ from jaxfeed.service.storage import journal_replay
 # limit) stays well inside the child's address-space limit.
 MAX_FRAME_BYTES = 16 << 20
 
-_INTERESTING_INTS = (0, 1, -1, 7, 255, 256, 1 << 16, (1 << 31) - 1, 1 << 31, (1 << 32) - 1,
-                     1 << 32, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 1 << 64, -(1 << 63),
-                     10 ** 30)
+_INTERESTING_INTS = (
+  0,
+  1,
+  -1,
+  7,
+  255,
+  256,
+  1 << 16,
+  (1 << 31) - 1,
+  1 << 31,
+  (1 << 32) - 1,
+  1 << 32,
+  (1 << 63) - 1,
+  1 << 63,
+  (1 << 64) - 1,
+  1 << 64,
+  -(1 << 63),
+  10**30,
+)
 
 
 # -- mutation -------------------------------------------------------------------
@@ -72,16 +88,16 @@ def mutate_bytes(data: bytes, rng: random.Random) -> bytes:
     elif op == 2:  # insert random bytes
       out[pos:pos] = rng.randbytes(rng.choice((1, 2, 4, 8, 64)))
     elif op == 3 and out:  # delete a range
-      del out[pos:pos + rng.choice((1, 2, 8, 64, len(out)))]
+      del out[pos : pos + rng.choice((1, 2, 8, 64, len(out)))]
     elif op == 4:  # truncate
       del out[pos:]
     elif op == 5 and out:  # duplicate a range
       start = rng.randrange(len(out))
-      out[pos:pos] = out[start:start + rng.choice((1, 8, 64, 4096))]
+      out[pos:pos] = out[start : start + rng.choice((1, 8, 64, 4096))]
     elif op == 6:  # an absurd little-endian integer (a length, a count)
       value = rng.choice(_INTERESTING_INTS) & ((1 << 64) - 1)
       width = rng.choice((4, 8))
-      out[pos:pos + width] = (value & ((1 << (8 * width)) - 1)).to_bytes(width, "little")
+      out[pos : pos + width] = (value & ((1 << (8 * width)) - 1)).to_bytes(width, "little")
     elif op == 7:  # an absurd varint (protobuf lengths and ints)
       out[pos:pos] = element_chunks.varint(rng.choice(_INTERESTING_INTS) & ((1 << 64) - 1))
   return bytes(out)
@@ -98,9 +114,22 @@ def _absurd_json_value(rng: random.Random, original: Any) -> Any:
   if choice == 3:
     return rng.choice((float("inf"), float("-inf"), float("nan"), 1e308, -0.5, 2.5))
   if choice == 4:
-    return rng.choice(("", "x" * rng.choice((1, 100, 10000)), "\x00", "../..", "os:system",
-                       "O", "<f8", "V1000000000", "(1000000,1000000)f8", ",i4", "i4,(2,)f8",
-                       "jaxfeed:nothing"))
+    return rng.choice(
+      (
+        "",
+        "x" * rng.choice((1, 100, 10000)),
+        "\x00",
+        "../..",
+        "os:system",
+        "O",
+        "<f8",
+        "V1000000000",
+        "(1000000,1000000)f8",
+        ",i4",
+        "i4,(2,)f8",
+        "jaxfeed:nothing",
+      )
+    )
   if choice == 5:
     return []
   if choice == 6:
@@ -122,7 +151,7 @@ def _absurd_json_value(rng: random.Random, original: Any) -> Any:
   if choice == 9 and isinstance(original, int) and not isinstance(original, bool):
     return original + rng.choice((-1, 1, 1 << 32))
   if choice == 10 and isinstance(original, str):
-    return original[:rng.randrange(len(original) + 1)]
+    return original[: rng.randrange(len(original) + 1)]
   if choice == 11 and isinstance(original, list) and original:
     shorter = list(original)
     del shorter[rng.randrange(len(shorter))]
@@ -178,6 +207,7 @@ def json_dumps(value: Any) -> bytes:
 @dataclasses.dataclass
 class Target:
   """A decoder under fuzz: valid inputs, a mutator, and the decoder's call."""
+
   name: str
   corpus: Callable[[], list]
   mutate: Callable[[Any, random.Random], Any]
@@ -189,11 +219,13 @@ class Target:
 def _sample_trees() -> list:
   rng = np.random.default_rng(0)
   return [
-      {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "y": np.arange(3)},
-      (np.zeros((0, 3), np.int16), [np.bool_(True), np.array(b"abc")]),
-      {"tokens": rng.integers(0, 1000, (4, 16), dtype=np.int32),
-       "nested": {"a": np.array(["ab", "c"]), "b": np.float64(2.5)}},
-      np.arange(5000, dtype=np.int64),
+    {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "y": np.arange(3)},
+    (np.zeros((0, 3), np.int16), [np.bool_(True), np.array(b"abc")]),
+    {
+      "tokens": rng.integers(0, 1000, (4, 16), dtype=np.int32),
+      "nested": {"a": np.array(["ab", "c"]), "b": np.float64(2.5)},
+    },
+    np.arange(5000, dtype=np.int64),
   ]
 
 
@@ -204,12 +236,15 @@ def _frame_with_header(header: Any, body: bytes) -> bytes:
 
 def _split_frame(frame: bytes) -> tuple[Any, bytes] | None:
   (header_len,) = struct.unpack_from("<I", frame, 4)
-  return json.loads(frame[8:8 + header_len]), frame[8 + header_len:]
+  return json.loads(frame[8 : 8 + header_len]), frame[8 + header_len :]
 
 
 def _wire_corpus() -> list[bytes]:
-  return [wire.encode(tree, compression) for tree in _sample_trees()
-          for compression in ("", "lz4", "zstd")]
+  return [
+    wire.encode(tree, compression)
+    for tree in _sample_trees()
+    for compression in ("", "lz4", "zstd")
+  ]
 
 
 def _mutate_frame(frame: bytes, rng: random.Random) -> bytes:
@@ -231,13 +266,17 @@ def _chunk_corpus() -> list[list[bytes]]:
   for tree in _sample_trees()[:3]:
     frame = wire.encode(tree)
     third = max(1, len(frame) // 3)
-    parts = [frame[:third], frame[third:2 * third], frame[2 * third:]]
-    streams.append([element_chunks.encode([parts[0]], len(frame), 3),
-                    element_chunks.encode([parts[1]]), element_chunks.encode([parts[2]]),
-                    pb.ElementChunk(split_end=True, round=3).SerializeToString(),
-                    element_chunks.encode([frame], len(frame), 4),
-                    pb.ElementChunk(end_of_sequence=True,
-                                    stats_json='{"rounds": 2}').SerializeToString()])
+    parts = [frame[:third], frame[third : 2 * third], frame[2 * third :]]
+    streams.append(
+      [
+        element_chunks.encode([parts[0]], len(frame), 3),
+        element_chunks.encode([parts[1]]),
+        element_chunks.encode([parts[2]]),
+        pb.ElementChunk(split_end=True, round=3).SerializeToString(),
+        element_chunks.encode([frame], len(frame), 4),
+        pb.ElementChunk(end_of_sequence=True, stats_json='{"rounds": 2}').SerializeToString(),
+      ]
+    )
   return streams
 
 
@@ -250,8 +289,9 @@ def _mutate_chunks(chunks: list[bytes], rng: random.Random) -> list[bytes]:
   elif op == 1:
     chunks.insert(i, chunks[rng.randrange(len(chunks))])
   elif op == 2:  # a chunk declaring an absurd frame size
-    chunks[i] = element_chunks.encode([b"x" * rng.choice((0, 1, 100))],
-                                      rng.choice(_INTERESTING_INTS) % (1 << 63), 0)
+    chunks[i] = element_chunks.encode(
+      [b"x" * rng.choice((0, 1, 100))], rng.choice(_INTERESTING_INTS) % (1 << 63), 0
+    )
   else:
     chunks[i] = mutate_bytes(chunks[i], rng)
   return chunks
@@ -277,11 +317,11 @@ def _chunks_run(chunks: list[bytes]) -> None:
 SOCKET_PREFIX = struct.Struct("<BQqq")
 
 
-def socket_message(kind: int, body: bytes, round_index: int = 0, seq: int = 0,
-                   length: int | None = None) -> bytes:
+def socket_message(
+  kind: int, body: bytes, round_index: int = 0, seq: int = 0, length: int | None = None
+) -> bytes:
   """One data socket message; `length` overrides the announced body length."""
-  return SOCKET_PREFIX.pack(kind, len(body) if length is None else length,
-                            round_index, seq) + body
+  return SOCKET_PREFIX.pack(kind, len(body) if length is None else length, round_index, seq) + body
 
 
 def _socket_corpus() -> list[bytes]:
@@ -289,11 +329,12 @@ def _socket_corpus() -> list[bytes]:
   for tree in _sample_trees()[:3]:
     frame = wire.encode(tree)
     streams.append(
-        socket_message(data_socket.KIND_FRAME, frame, 1, 0)
-        + socket_message(data_socket.KIND_KEEPALIVE, b"")
-        + socket_message(data_socket.KIND_SPLIT_END, b"", 1, 1)
-        + socket_message(data_socket.KIND_FRAME, wire.encode(tree, "lz4"), 2, 2)
-        + socket_message(data_socket.KIND_END, b'{"rounds": 2}'))
+      socket_message(data_socket.KIND_FRAME, frame, 1, 0)
+      + socket_message(data_socket.KIND_KEEPALIVE, b"")
+      + socket_message(data_socket.KIND_SPLIT_END, b"", 1, 1)
+      + socket_message(data_socket.KIND_FRAME, wire.encode(tree, "lz4"), 2, 2)
+      + socket_message(data_socket.KIND_END, b'{"rounds": 2}')
+    )
   return streams
 
 
@@ -337,8 +378,9 @@ class _StreamServer:
   def run(self, stream: bytes) -> None:
     self._streams.append(stream)
     self._ready.release()
-    conn = data_socket.DataConnection(self.address, {"task_id": 1}, timeout_s=10,
-                                      max_frame_bytes=MAX_FRAME_BYTES)
+    conn = data_socket.DataConnection(
+      self.address, {"task_id": 1}, timeout_s=10, max_frame_bytes=MAX_FRAME_BYTES
+    )
     try:
       received = 0
       while True:
@@ -371,15 +413,19 @@ def _mutate_stream(stream: bytes, rng: random.Random) -> bytes:
 
 def spec_corpus() -> list[bytes]:
   import jaxfeed  # pylint: disable=g-import-not-at-top
-  source = jaxfeed.ArraySource({"x": np.arange(40, dtype=np.float32).reshape(20, 2),
-                                "label": np.arange(20) % 3})
+
+  source = jaxfeed.ArraySource(
+    {"x": np.arange(40, dtype=np.float32).reshape(20, 2), "label": np.arange(20) % 3}
+  )
   pipelines = [
-      jaxfeed.Dataset.range(10).map(np.negative).batch(4, drop_remainder=True),
-      jaxfeed.Dataset.from_source(source, jaxfeed.IndexSampler(
-          20, shuffle=True, seed=3)).shuffle(4, seed=1).batch(3),
-      jaxfeed.Dataset.zip((jaxfeed.Dataset.range(5), jaxfeed.Dataset.range(5, 10))).take(3),
-      jaxfeed.Dataset.from_tensor_slices({"a": np.arange(6), "b": np.ones((6, 2))})
-      .padded_batch(2, padded_shapes={"a": [], "b": [4]}),
+    jaxfeed.Dataset.range(10).map(np.negative).batch(4, drop_remainder=True),
+    jaxfeed.Dataset.from_source(source, jaxfeed.IndexSampler(20, shuffle=True, seed=3))
+    .shuffle(4, seed=1)
+    .batch(3),
+    jaxfeed.Dataset.zip((jaxfeed.Dataset.range(5), jaxfeed.Dataset.range(5, 10))).take(3),
+    jaxfeed.Dataset.from_tensor_slices({"a": np.arange(6), "b": np.ones((6, 2))}).padded_batch(
+      2, padded_shapes={"a": [], "b": [4]}
+    ),
   ]
   return [spec.to_dataset_def(ds.node).SerializeToString() for ds in pipelines]
 
@@ -407,15 +453,17 @@ def journal_corpus_from_run() -> list[str]:
   """The journal lines of a short session of a real dispatcher and worker."""
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
+
   with tempfile.TemporaryDirectory(prefix="jaxfeed-fuzz-journal-") as work_dir:
     with service.DispatchServer(service.DispatcherConfig(work_dir=work_dir)) as dispatcher:
-      with service.WorkerServer(service.WorkerConfig(
-          dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)):
-        dataset = jaxfeed.Dataset.from_source(
-            jaxfeed.ArraySource({"x": np.arange(12)})).batch(4)
+      with service.WorkerServer(
+        service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)
+      ):
+        dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(12)})).batch(4)
         for options in ({"visitation": "exactly_once"}, {"job_name": "shared"}):
-          with dataset.distribute(dispatcher.target, "distributed_epoch",
-                                  **options).make_iterator() as iterator:
+          with dataset.distribute(
+            dispatcher.target, "distributed_epoch", **options
+          ).make_iterator() as iterator:
             list(iterator)
     with open(os.path.join(work_dir, "journal.jsonl"), "rb") as f:
       checked = journal_lines.check(f.read())
@@ -432,18 +480,25 @@ class _JournalTarget:
 
   def run(self, lines: list[str]) -> None:
     from jaxfeed.service.dispatcher import server as dispatcher  # pylint: disable=g-import-not-at-top
+
     for name in os.listdir(self._dir.name):  # what the last replay left
       os.remove(os.path.join(self._dir.name, name))
     with open(os.path.join(self._dir.name, "journal.jsonl"), "wb") as f:
-      f.write(journal_lines.encode_all(
-          [json.dumps(journal_replay.header(0)).encode(), *(l.encode() for l in lines)])[0])
+      f.write(
+        journal_lines.encode_all(
+          [json.dumps(journal_replay.header(0)).encode(), *(l.encode() for l in lines)]
+        )[0]
+      )
     state = dispatcher.DispatcherState(dispatcher.DispatcherConfig(work_dir=self._dir.name))
     try:
       for job in state.jobs.values():  # what was accepted has the types it should
-        assert all(isinstance(v, int) for v in (job.job_id, job.num_consumers,
-                                                job.num_positions, job.next_position)), job
-        assert all(isinstance(s, int) and isinstance(e, int)
-                   for s, (e, _) in job.unacked.items()), job
+        assert all(
+          isinstance(v, int)
+          for v in (job.job_id, job.num_consumers, job.num_positions, job.next_position)
+        ), job
+        assert all(
+          isinstance(s, int) and isinstance(e, int) for s, (e, _) in job.unacked.items()
+        ), job
     finally:
       state.close()
 
@@ -471,18 +526,29 @@ def make_targets() -> dict[str, Target]:
   stream_server = _StreamServer()
   journal = _JournalTarget()
   return {
-      "wire_frame": Target("wire_frame", _wire_corpus, _mutate_frame, _wire_run,
-                           (wire.WireFormatError,)),
-      "element_chunks": Target("element_chunks", _chunk_corpus, _mutate_chunks, _chunks_run,
-                               (wire.WireFormatError,)),
-      "data_socket_client": Target(
-          "data_socket_client", _socket_corpus, _mutate_stream, stream_server.run,
-          (wire.WireFormatError, data_socket.DataConnectionError), stream_server.close),
-      "dataset_spec": Target("dataset_spec", spec_corpus, mutate_spec, _spec_run,
-                             (spec.SpecError,)),
-      "journal_replay": Target("journal_replay", lambda: [journal_corpus_from_run()],
-                               _mutate_journal, journal.run,
-                               (journal_records.JournalRecordError, ValueError), journal.close),
+    "wire_frame": Target(
+      "wire_frame", _wire_corpus, _mutate_frame, _wire_run, (wire.WireFormatError,)
+    ),
+    "element_chunks": Target(
+      "element_chunks", _chunk_corpus, _mutate_chunks, _chunks_run, (wire.WireFormatError,)
+    ),
+    "data_socket_client": Target(
+      "data_socket_client",
+      _socket_corpus,
+      _mutate_stream,
+      stream_server.run,
+      (wire.WireFormatError, data_socket.DataConnectionError),
+      stream_server.close,
+    ),
+    "dataset_spec": Target("dataset_spec", spec_corpus, mutate_spec, _spec_run, (spec.SpecError,)),
+    "journal_replay": Target(
+      "journal_replay",
+      lambda: [journal_corpus_from_run()],
+      _mutate_journal,
+      journal.run,
+      (journal_records.JournalRecordError, ValueError),
+      journal.close,
+    ),
   }
 
 
@@ -542,8 +608,9 @@ def run_target(target: Target, cases: int, seed: int, hang_s: float = 10.0) -> T
 def run_targets(names: list[str] | None, cases: int, seed: int) -> list[TargetStats]:
   targets = make_targets()
   try:
-    return [run_target(targets[name], cases, seed + i)
-            for i, name in enumerate(names or list(targets))]
+    return [
+      run_target(targets[name], cases, seed + i) for i, name in enumerate(names or list(targets))
+    ]
   finally:
     for target in targets.values():
       target.close()
@@ -562,14 +629,16 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--cases", type=int, default=200, help="mutated cases per target")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--targets", default="", help="comma-separated; empty: all")
-  parser.add_argument("--rlimit_mb", type=int, default=1024,
-                      help="address space allowed beyond the start-up size")
+  parser.add_argument(
+    "--rlimit_mb", type=int, default=1024, help="address space allowed beyond the start-up size"
+  )
   args = parser.parse_args(argv)
   _lifetime.die_with_parent_from_env()  # started by benchmarks/fuzz_soak.py
   names = [n for n in args.targets.split(",") if n]
   targets = make_targets()  # corpora are built before the limit
-  corpora = {name: target.corpus() for name, target in targets.items()
-             if not names or name in names}
+  corpora = {
+    name: target.corpus() for name, target in targets.items() if not names or name in names
+  }
   limit_address_space(args.rlimit_mb)
   results = []
   try:

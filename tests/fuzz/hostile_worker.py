@@ -24,14 +24,18 @@ class HostileWorker:
   open, reading acks (so a client waiting for more bytes than were announced
   would wait forever)."""
 
-  def __init__(self, dispatcher_address: str, grpc_messages: list[bytes],
-               socket_bytes: bytes):
+  def __init__(self, dispatcher_address: str, grpc_messages: list[bytes], socket_bytes: bytes):
     self._grpc_messages = grpc_messages
     self._socket_bytes = socket_bytes
     self._stop = threading.Event()
-    handler = rpc_server.method_handlers("jaxfeed.service.Worker", {}, {
+    handler = rpc_server.method_handlers(
+      "jaxfeed.service.Worker",
+      {},
+      {
         "GetElements": (self._get_elements, pb.GetElementsRequest, True, (rpc.CLIENT,)),
-        "AckElements": (self._ack_elements, pb.AckElementsRequest, False, (rpc.CLIENT,))})
+        "AckElements": (self._ack_elements, pb.AckElementsRequest, False, (rpc.CLIENT,)),
+      },
+    )
     self._server, port = rpc_server.make_server("127.0.0.1:0", handler, 64 << 20, None)
     self._server.start()
     self.address = f"127.0.0.1:{port}"
@@ -41,17 +45,19 @@ class HostileWorker:
     self._connections: list[socket.socket] = []
     self._connection_threads: list[threading.Thread] = []
     self._channel = rpc.make_channel(dispatcher_address)
-    self._heartbeat = rpc.Caller(self._channel, "/jaxfeed.service.Dispatcher/WorkerHeartbeat",
-                                 pb.WorkerHeartbeatResponse, None)
+    self._heartbeat = rpc.Caller(
+      self._channel, "/jaxfeed.service.Dispatcher/WorkerHeartbeat", pb.WorkerHeartbeatResponse, None
+    )
     self._heartbeat(self._request(), timeout=30, wait_for_ready=True)
-    self._threads = [threading.Thread(target=self._heartbeat_loop, daemon=True),
-                     threading.Thread(target=self._accept_loop, daemon=True)]
+    self._threads = [
+      threading.Thread(target=self._heartbeat_loop, daemon=True),
+      threading.Thread(target=self._accept_loop, daemon=True),
+    ]
     for thread in self._threads:
       thread.start()
 
   def _request(self) -> pb.WorkerHeartbeatRequest:
-    return pb.WorkerHeartbeatRequest(worker_address=self.address,
-                                     data_address=self.data_address)
+    return pb.WorkerHeartbeatRequest(worker_address=self.address, data_address=self.data_address)
 
   def _heartbeat_loop(self) -> None:
     while not self._stop.wait(0.2):
@@ -108,8 +114,9 @@ class HostileWorker:
     for conn in self._connections:
       conn.close()
     try:  # leave at once instead of after the dispatcher's heartbeat timeout
-      self._heartbeat(pb.WorkerHeartbeatRequest(worker_address=self.address, leaving=True),
-                      timeout=5)
+      self._heartbeat(
+        pb.WorkerHeartbeatRequest(worker_address=self.address, leaving=True), timeout=5
+      )
     except Exception:  # pylint: disable=broad-except
       pass
     self._channel.close()

@@ -28,20 +28,38 @@ from jaxfeed.service.storage import journal_replay
 pytestmark = pytest.mark.timeout(240)
 
 FUZZ_TARGETS = pathlib.Path(__file__).resolve().parent / "fuzz_targets.py"
-CASES = {"wire_frame": 1000, "element_chunks": 1000, "data_socket_client": 500,
-         "dataset_spec": 400, "journal_replay": 250}
+CASES = {
+  "wire_frame": 1000,
+  "element_chunks": 1000,
+  "data_socket_client": 500,
+  "dataset_spec": 400,
+  "journal_replay": 250,
+}
 
 
 @pytest.mark.parametrize("target", sorted(CASES))
 def test_mutated_inputs_get_the_decoders_own_errors_within_bounded_memory(target):
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-      [str(FUZZ_TARGETS.parents[2]), os.environ.get("PYTHONPATH", "")])}
+  env = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(FUZZ_TARGETS.parents[2]), os.environ.get("PYTHONPATH", "")]),
+  }
   # The child caps its address space: a decoder allocating what an input
   # declares dies with MemoryError (a crash) instead of swapping the machine.
   result = subprocess.run(
-      [sys.executable, str(FUZZ_TARGETS), f"--targets={target}", f"--cases={CASES[target]}",
-       "--seed=20261123", "--rlimit_mb=1024"],
-      capture_output=True, text=True, timeout=200, env=env, check=False)
+    [
+      sys.executable,
+      str(FUZZ_TARGETS),
+      f"--targets={target}",
+      f"--cases={CASES[target]}",
+      "--seed=20261123",
+      "--rlimit_mb=1024",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=200,
+    env=env,
+    check=False,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   (stats,) = json.loads(result.stdout)
   assert stats["cases"] > CASES[target]
@@ -56,29 +74,51 @@ def frame_with(header, body: bytes = b"") -> bytes:
   return wire.MAGIC + struct.pack("<I", len(header_bytes)) + header_bytes + body
 
 
-GOOD_HEADER = {"structure": None, "paths": [""], "leaves": [["<f4", [2], 0, 8]],
-               "payload_bytes": 8, "compression": ""}
+GOOD_HEADER = {
+  "structure": None,
+  "paths": [""],
+  "leaves": [["<f4", [2], 0, 8]],
+  "payload_bytes": 8,
+  "compression": "",
+}
 
 
-@pytest.mark.parametrize("frame, message", [
+@pytest.mark.parametrize(
+  "frame, message",
+  [
     (frame_with(b'{"structure":null,"leaves":[],"payload_bytes":1e400}'), "payload of inf"),
     (frame_with(b"[" * 100000 + b"]" * 100000), "not valid JSON"),
-    (frame_with(('{"structure":' + '{"l":[' * 450 + "null" + "]}" * 450
-                 + ',"leaves":[],"payload_bytes":0}').encode()), "deeper than|not valid JSON"),
+    (
+      frame_with(
+        (
+          '{"structure":' + '{"l":[' * 450 + "null" + "]}" * 450 + ',"leaves":[],"payload_bytes":0}'
+        ).encode()
+      ),
+      "deeper than|not valid JSON",
+    ),
     (frame_with({**GOOD_HEADER, "compression": ["zstd"]}, bytes(8)), "unknown compression"),
     (frame_with({**GOOD_HEADER, "leaves": [[",i4", [2], 0, 8]]}, bytes(8)), "not a dtype"),
-    (frame_with({**GOOD_HEADER, "leaves": [["<f4", [-1, -2], 0, 8]]}, bytes(8)),
-     "non-negative integers"),
-    (frame_with({**GOOD_HEADER, "leaves": [["<f4", [1 << 62, 4], 0, 16]]}, bytes(8)),
-     "too large"),
+    (
+      frame_with({**GOOD_HEADER, "leaves": [["<f4", [-1, -2], 0, 8]]}, bytes(8)),
+      "non-negative integers",
+    ),
+    (frame_with({**GOOD_HEADER, "leaves": [["<f4", [1 << 62, 4], 0, 16]]}, bytes(8)), "too large"),
     (frame_with({**GOOD_HEADER, "leaves": [["<f4", [4], 0, 16]]}, bytes(8)), "does not fit"),
-    (frame_with({**GOOD_HEADER, "leaves": [["<f4", [0, 1 << 63], 0, 0]]}, bytes(8)),
-     "too large"),
+    (frame_with({**GOOD_HEADER, "leaves": [["<f4", [0, 1 << 63], 0, 0]]}, bytes(8)), "too large"),
     (frame_with({**GOOD_HEADER, "payload_bytes": 1 << 40}, bytes(8)), "max_frame_bytes"),
-    (frame_with({"structure": {"d": [["a", None], [1, None]]}, "leaves": [
-        ["<f4", [], 0, 4], ["<f4", [], 0, 4]], "payload_bytes": 4}, bytes(4)),
-     "Bad tree structure"),
-])
+    (
+      frame_with(
+        {
+          "structure": {"d": [["a", None], [1, None]]},
+          "leaves": [["<f4", [], 0, 4], ["<f4", [], 0, 4]],
+          "payload_bytes": 4,
+        },
+        bytes(4),
+      ),
+      "Bad tree structure",
+    ),
+  ],
+)
 def test_a_malformed_frame_header_raises_wire_format_error(frame, message):
   with pytest.raises(wire.WireFormatError, match=message):
     wire.decode(frame)
@@ -103,9 +143,21 @@ def test_an_lz4_payload_is_decompressed_only_up_to_the_declared_size():
 
 
 def test_frames_of_every_fixed_size_dtype_still_round_trip():
-  value = {name: np.zeros((2, 3), name) for name in (
-      "bool", "int8", "uint64", "float16", "complex128", "S5", "U3", "datetime64[ms]",
-      "timedelta64[10s]", "V4")}
+  value = {
+    name: np.zeros((2, 3), name)
+    for name in (
+      "bool",
+      "int8",
+      "uint64",
+      "float16",
+      "complex128",
+      "S5",
+      "U3",
+      "datetime64[ms]",
+      "timedelta64[10s]",
+      "V4",
+    )
+  }
   for compression in ("", "lz4", "zstd"):
     decoded = wire.decode(wire.encode(value, compression))
     for name, array in value.items():
@@ -118,8 +170,12 @@ def dataset_def(graph, arrays: bytes = b"") -> pb.DatasetDef:
 
 
 def range_node(**params) -> dict:
-  return {"class": "jaxfeed.ops.range:RangeNode", "op": "range",
-          "params": {"start": 0, "stop": 4, "step": 1, **params}, "parents": []}
+  return {
+    "class": "jaxfeed.ops.range:RangeNode",
+    "op": "range",
+    "params": {"start": 0, "stop": 4, "step": 1, **params},
+    "parents": [],
+  }
 
 
 def nested_lists(depth: int):
@@ -129,7 +185,9 @@ def nested_lists(depth: int):
   return value
 
 
-@pytest.mark.parametrize("graph, message", [
+@pytest.mark.parametrize(
+  "graph, message",
+  [
     ({"class": "jaxfeed.ops.range:RangeNode", "parents": []}, "malformed op node"),
     ([range_node()], "malformed op node"),
     (range_node(stop={"__array__": 5}), "malformed __array__"),
@@ -143,10 +201,13 @@ def nested_lists(depth: int):
     (range_node(stop={"__dict__": [[1, 2, 3]]}), "malformed __dict__"),
     (range_node(stop={"__dict__": [[[[1]], 2]]}), "not hashable"),
     (range_node(stop={"__object__": "jaxfeed.sampler:IndexSampler"}), "Unknown value tag"),
-    (range_node(stop={"__object__": "jaxfeed.sampler:IndexSampler", "params": 3}),
-     "malformed object"),
+    (
+      range_node(stop={"__object__": "jaxfeed.sampler:IndexSampler", "params": 3}),
+      "malformed object",
+    ),
     (range_node(stop=nested_lists(600)), "deeper than|too deeply"),
-])
+  ],
+)
 def test_a_malformed_spec_raises_spec_error(graph, message):
   with pytest.raises(spec.SpecError, match=message):
     spec.from_dataset_def(dataset_def(graph))
@@ -179,30 +240,49 @@ def test_a_long_chain_of_ops_still_round_trips():
 def replay(tmp_path, records: list) -> dispatcher_lib.DispatcherState:
   """Replays a journal of one line per record (checksums included)."""
   lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
-  (tmp_path / "journal.jsonl").write_bytes(journal_lines.encode_all(
-      [json.dumps(journal_replay.header(0)).encode(), *(l.encode() for l in lines)])[0])
+  (tmp_path / "journal.jsonl").write_bytes(
+    journal_lines.encode_all(
+      [json.dumps(journal_replay.header(0)).encode(), *(l.encode() for l in lines)]
+    )[0]
+  )
   return dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path)))
 
 
-DATASET = {"kind": "dataset", "id": "1", "dataset_id": "1",
-           "def": base64.b64encode(pb.DatasetDef(graph_json=b"{}").SerializeToString()).decode()}
-JOB = {"kind": "job", "id": 2, "dataset_id": "1", "policy": "OFF", "job_name": "",
-       "num_consumers": 0, "num_positions": 8}
+DATASET = {
+  "kind": "dataset",
+  "id": "1",
+  "dataset_id": "1",
+  "def": base64.b64encode(pb.DatasetDef(graph_json=b"{}").SerializeToString()).decode(),
+}
+JOB = {
+  "kind": "job",
+  "id": 2,
+  "dataset_id": "1",
+  "policy": "OFF",
+  "job_name": "",
+  "num_consumers": 0,
+  "num_positions": 8,
+}
 
 
-@pytest.mark.parametrize("bad, message", [
+@pytest.mark.parametrize(
+  "bad, message",
+  [
     ({"kind": "task_finished", "job_id": 99, "task_id": 1}, "names job 99"),
     ({**JOB, "id": 3, "num_consumers": "2"}, "malformed field 'num_consumers'"),
     ({**JOB, "id": 3, "policy": ["OFF"]}, "malformed field 'policy'"),
     ({**JOB, "id": 3, "exactly_once": "yes"}, "malformed field 'exactly_once'"),
-    ({"kind": "splits_issued", "job_id": 2, "task_id": 4, "ranges": [[0, "8"]]},
-     "malformed field 'ranges'"),
+    (
+      {"kind": "splits_issued", "job_id": 2, "task_id": 4, "ranges": [[0, "8"]]},
+      "malformed field 'ranges'",
+    ),
     ({"kind": "splits_acked", "job_id": 2, "starts": [{}]}, "malformed field 'starts'"),
     ({"kind": "fix_workers", "job_id": 2, "workers": [["a:1"]]}, "malformed field 'workers'"),
     ({"kind": "client", "id": 5}, "lacks its field 'job_id'"),
     ({**DATASET, "id": "2", "dataset_id": "2", "def": "!!not base64"}, "malformed field 'def'"),
     ({**DATASET, "id": [2]}, "want an integer"),
-])
+  ],
+)
 def test_a_malformed_journal_record_stops_the_replay_naming_it(tmp_path, bad, message):
   with pytest.raises(ValueError, match=f"corrupt at line 4.*{message}") as raised:
     replay(tmp_path, [DATASET, JOB, bad, {"kind": "job_deleted", "job_id": 2}])
@@ -235,6 +315,7 @@ def test_the_dispatcher_refuses_a_spec_nested_too_deeply_with_a_spec_error(tmp_p
   from jaxfeed.service.protocol import import_paths
   from jaxfeed.service.protocol import spec as spec_lib
   from jaxfeed.service.protocol.protos import service_pb2 as pb
+
   nested = pb.DatasetDef(graph_json=("[" * 100_000 + "]" * 100_000).encode())
   with pytest.raises(spec_lib.SpecError, match="not valid JSON"):
     import_paths.check_spec_paths(nested, ())

@@ -28,8 +28,9 @@ def servers():
   dispatcher = ServiceProcess("dispatcher", "--heartbeat_timeout_s=3")
   worker = None
   try:
-    worker = ServiceProcess("worker", f"--dispatcher_address={dispatcher.address}",
-                            "--heartbeat_interval_s=0.2")
+    worker = ServiceProcess(
+      "worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2"
+    )
     yield dispatcher, worker
   finally:
     if worker is not None:
@@ -98,15 +99,35 @@ def test_a_hello_nested_too_deeply_gets_invalid_argument(servers):
       reply += chunk
   kind, length, _, _ = SOCKET_PREFIX.unpack_from(reply)
   assert kind == 2
-  assert json.loads(reply[SOCKET_PREFIX.size:SOCKET_PREFIX.size + length])["status"] == (
-      "INVALID_ARGUMENT")
+  assert json.loads(reply[SOCKET_PREFIX.size : SOCKET_PREFIX.size + length])["status"] == (
+    "INVALID_ARGUMENT"
+  )
 
 
-@pytest.mark.parametrize("bad", [
-    {"client_id": "7"}, {"client_id": 0}, {"client_id": -3}, {"client_id": True},
-    {"client_id": 1 << 70}, {"goodbye": ["x"]}, {"goodbye": None}, {"goodbye": "a" * 129},
-    {"goodbye": "\ud800"}, {"goodbye": "g" * 64},
-    {"task_id": "1"}])
+@pytest.mark.parametrize(
+  "bad",
+  [
+    {"client_id": "7"},
+    {"client_id": 0},
+    {"client_id": -3},
+    {"client_id": True},
+    {"client_id": 1 << 70},
+    {"goodbye": ["x"]},
+    {"goodbye": None},
+    {"goodbye": "a" * 129},
+    {"goodbye": "\ud800"},
+    {"goodbye": "g" * 64},
+    {"task_id": "1"},
+    {"elements": -1},
+    {"elements": "5"},
+    {"elements": 1 << 70},
+    {"elements": True},
+    {"wait_s": -0.5},
+    {"wait_s": float("nan")},
+    {"wait_s": "1"},
+    {"wait_s": float("inf")},
+  ],
+)
 def test_a_malformed_goodbye_is_refused_and_the_worker_keeps_serving(servers, bad):
   dispatcher, worker = servers
   fuzzer = ServerFuzzer(dispatcher.address, worker.address, worker.data_address)

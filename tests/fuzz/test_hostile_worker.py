@@ -33,15 +33,17 @@ def dispatcher():
 
 
 def read_from(dispatcher, **options) -> None:
-  dataset = jaxfeed.Dataset.range(10).batch(2).distribute(
-      dispatcher.address, timeout_s=30, **options)
+  dataset = (
+    jaxfeed.Dataset.range(10).batch(2).distribute(dispatcher.address, timeout_s=30, **options)
+  )
   with dataset.make_iterator() as iterator:
     list(iterator)
 
 
 @pytest.mark.parametrize("data_transfer", ["grpc", "socket"])
 def test_a_frame_longer_than_max_frame_bytes_fails_the_read_before_allocating(
-    dispatcher, data_transfer):
+  dispatcher, data_transfer
+):
   chunk = element_chunks.encode([b"JFB1" + bytes(60)], frame_bytes=ABSURD)
   socket_message = socket_message_of(0, bytes(64), length=ABSURD)
   with HostileWorker(dispatcher.address, [chunk], socket_message):
@@ -74,8 +76,15 @@ def peak_rss_mb() -> float:
 
 
 def test_a_zstd_bomb_is_not_decompressed_past_the_declared_size(dispatcher):
-  header = json.dumps({"structure": None, "paths": [""], "leaves": [["<f8", [1], 0, 8]],
-                       "payload_bytes": 8, "compression": "zstd"}).encode()
+  header = json.dumps(
+    {
+      "structure": None,
+      "paths": [""],
+      "leaves": [["<f8", [1], 0, 8]],
+      "payload_bytes": 8,
+      "compression": "zstd",
+    }
+  ).encode()
   frame = wire.MAGIC + struct.pack("<I", len(header)) + header + zstd_bomb(1 << 30)
   socket_message = socket_message_of(0, frame)
   with HostileWorker(dispatcher.address, [], socket_message):

@@ -31,6 +31,7 @@ def make(k):
 def with_state(state):
   def lookup(x):
     return state["weights"][x % len(state["weights"])]
+
   return lookup
 
 
@@ -41,14 +42,15 @@ def recursive(x):
 def build() -> jaxfeed.Dataset:
   """One pipeline with every kind of UDF state the fingerprint hashes."""
   weights = np.linspace(0.0, 1.0, 7)
-  return (jaxfeed.Dataset.range(20)
-          .map(make(2))
-          .map(lambda x, offset=5: x + offset)
-          .map(with_state({"weights": weights, "names": frozenset({"x", "y", "z"})}))
-          .map(functools.partial(np.add, 1))
-          .map(scaled)
-          .map(counting)
-          .map(calls_helper)
-          .map(recursive)
-          .filter(lambda x: str(x) not in {"a", "b", "c"}))
-
+  return (
+    jaxfeed.Dataset.range(20)
+    .map(make(2))
+    .map(lambda x, offset=5: x + offset)
+    .map(with_state({"weights": weights, "names": frozenset({"x", "y", "z"})}))
+    .map(functools.partial(np.add, 1))
+    .map(scaled)
+    .map(counting)
+    .map(calls_helper)
+    .map(recursive)
+    .filter(lambda x: str(x) not in {"a", "b", "c"})
+  )

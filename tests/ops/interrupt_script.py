@@ -19,10 +19,12 @@ def main(report_path: str) -> None:
   # Ctrl-C as in a terminal: a shell that starts a job in the background
   # hands it SIGINT ignored, and the test must not depend on how it was run.
   signal.signal(signal.SIGINT, signal.default_int_handler)
-  ds = (jaxfeed.Dataset.range(10**9)
-        .map(slow_square, num_parallel_calls=2, backend="process")
-        .map(slow_square_of_dict, num_parallel_calls=2)
-        .prefetch(4))
+  ds = (
+    jaxfeed.Dataset.range(10**9)
+    .map(slow_square, num_parallel_calls=2, backend="process")
+    .map(slow_square_of_dict, num_parallel_calls=2)
+    .prefetch(4)
+  )
   it = iter(ds)
   next(it)
   pool = _find_pool(it)

@@ -38,8 +38,7 @@ from jaxfeed.ops import parallel_executor
 from jaxfeed.ops import stacking
 from jaxfeed.ops import worker_processes
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The num_parallel_calls values the parallel ops are tested with.
 NUM_PARALLEL_CALLS = [None, 1, 4, jaxfeed.AUTOTUNE]
@@ -58,6 +57,7 @@ def import_tensorflow() -> Any:
   """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
   tf.get_logger().setLevel("ERROR")
   tf.autograph.set_verbosity(0)
   return tf
@@ -89,19 +89,17 @@ def tf_elements_dataset(items: Sequence[Any], example: Any = None) -> Any:
   tf = import_tensorflow()
   items = list(items)
   spec = tf_spec(items[0] if items else example)
-  return tf.data.Dataset.from_generator(lambda: iter(items),
-                                        output_signature=spec)
+  return tf.data.Dataset.from_generator(lambda: iter(items), output_signature=spec)
 
 
 _COLUMN = np.arange(10, dtype=np.int32)
 # Inputs of each element structure, built from a Dataset class: jaxfeed's
 # `Dataset` or `tf.data.Dataset`.
 INPUT_KINDS = {
-    "range": lambda D: D.range(20),
-    "tuple": lambda D: D.from_tensor_slices((_COLUMN, _COLUMN * 2.5)),
-    "dict": lambda D: D.from_tensor_slices({"x": _COLUMN,
-                                            "y": _COLUMN[:, None]}),
-    "empty": lambda D: D.range(0),
+  "range": lambda D: D.range(20),
+  "tuple": lambda D: D.from_tensor_slices((_COLUMN, _COLUMN * 2.5)),
+  "dict": lambda D: D.from_tensor_slices({"x": _COLUMN, "y": _COLUMN[:, None]}),
+  "empty": lambda D: D.range(0),
 }
 
 
@@ -110,9 +108,7 @@ def graph_iterator(dataset: Dataset) -> base.OpIterator:
   return dataset.node.make_iterator()
 
 
-def run(dataset: Any,
-        make_iterator: Callable[[Dataset], base.OpIterator] | None = None
-        ) -> list:
+def run(dataset: Any, make_iterator: Callable[[Dataset], base.OpIterator] | None = None) -> list:
   """All elements of a jaxfeed dataset (read with `make_iterator`, by default
   the dataset's own), or of a tf.data one as numpy values."""
   if isinstance(dataset, Dataset):
@@ -122,9 +118,11 @@ def run(dataset: Any,
 
 
 def assert_matches_tf_data(
-    make: Callable[[Any], Any], *,
-    make_iterator: Callable[[Dataset], base.OpIterator] | None = None,
-    same: Callable[[list, list], None] | None = None) -> list:
+  make: Callable[[Any], Any],
+  *,
+  make_iterator: Callable[[Dataset], base.OpIterator] | None = None,
+  same: Callable[[list, list], None] | None = None,
+) -> list:
   """Checks that a pipeline yields what tf.data's yields.
 
   Args:
@@ -138,13 +136,11 @@ def assert_matches_tf_data(
     jaxfeed's elements.
   """
   ours = run(make(Dataset), make_iterator)
-  (same or assert_same_stream)(
-      ours, run(make(import_tensorflow().data.Dataset)))
+  (same or assert_same_stream)(ours, run(make(import_tensorflow().data.Dataset)))
   return ours
 
 
-def elements_and_seeds(iterator: Iterable[Any],
-                       limit: int | None = None) -> tuple[list, list]:
+def elements_and_seeds(iterator: Iterable[Any], limit: int | None = None) -> tuple[list, list]:
   """Reads `iterator` (to its end, or `limit` elements): the elements and the
   `last_seed` after each."""
   elements, seeds = [], []
@@ -183,8 +179,9 @@ class ListNode(base.Node):
 
   op_name = "list"
 
-  def __init__(self, items: Iterable[Any], gate: threading.Event | None = None,
-               with_next_batch: bool = False):
+  def __init__(
+    self, items: Iterable[Any], gate: threading.Event | None = None, with_next_batch: bool = False
+  ):
     super().__init__()
     self.items = items if isinstance(items, np.ndarray) else list(items)
     self.gate, self.with_next_batch = gate, with_next_batch
@@ -247,7 +244,7 @@ class BatchedListIterator(ListIterator):
     self.node.pulls += self.index - start
     self.batched_calls += 1
     seeds = np.arange(1000 + start, 1000 + self.index, dtype=np.uint64)
-    return stacking.to_batch_leaf(np.asarray(items[start:self.index])), seeds
+    return stacking.to_batch_leaf(np.asarray(items[start : self.index])), seeds
 
 
 # ---------------------------------------------------------------------------
@@ -280,8 +277,7 @@ def assert_same_values(ours: Iterable[Any], theirs: Iterable[Any]) -> None:
 
 def assert_same_multiset(ours: Iterable[Any], theirs: Iterable[Any]) -> None:
   """The same elements in any order, compared by `canonical` form."""
-  assert (sorted(canonical(e) for e in ours)
-          == sorted(canonical(e) for e in theirs))
+  assert sorted(canonical(e) for e in ours) == sorted(canonical(e) for e in theirs)
 
 
 def assert_same_element(ours: Any, theirs: Any, where: str = "element") -> None:
@@ -316,8 +312,7 @@ def assert_same_stream(ours: Iterable[Any], theirs: Iterable[Any]) -> None:
     assert_same_element(a, b, f"element {i}")
 
 
-def assert_identical_batch(ours: Any, expected: Any,
-                           path: str = "batch") -> None:
+def assert_identical_batch(ours: Any, expected: Any, path: str = "batch") -> None:
   """The same container types and dict key order; per leaf array the same
   dtype, shape, Python types of the values and values; ours is writable."""
   assert type(ours) is type(expected), (path, type(ours), type(expected))
@@ -379,11 +374,12 @@ def next_of_both(ours: Iterable[Any], reference: Iterable[Any]) -> tuple | None:
   return next(ours), expected
 
 
-def check_next_batch(make_iterator: Callable[[], base.OpIterator],
-                     sizes: Sequence[int],
-                     source_arrays: Sequence[np.ndarray] = (),
-                     same_element: Callable[[Any, Any], None] | None = None
-                     ) -> int:
+def check_next_batch(
+  make_iterator: Callable[[], base.OpIterator],
+  sizes: Sequence[int],
+  source_arrays: Sequence[np.ndarray] = (),
+  same_element: Callable[[Any, Any], None] | None = None,
+) -> int:
   """Reads two iterators to their end, one with `next_batch`, one with next().
 
   Checks that each `next_batch(size)`, for `sizes` in turn (cycled), equals
@@ -429,18 +425,22 @@ def check_next_batch(make_iterator: Callable[[], base.OpIterator],
 # ---------------------------------------------------------------------------
 class Resumed(NamedTuple):
   """What `check_resume` saw: the uninterrupted elements, the state per cut."""
+
   expected: list
   states: list
 
 
-def check_resume(build: Callable[[], Dataset],
-                 cuts: Iterable[int] | None = None, *,
-                 make_iterator: Callable[[Dataset], base.OpIterator] = (
-                     lambda dataset: dataset.make_iterator()),
-                 same: Callable[[list, list], None] = assert_same_stream,
-                 limit: int | None = None, with_seeds: bool = False,
-                 into_same_iterator: bool = False,
-                 pause_s: float = 0.0) -> Resumed:
+def check_resume(
+  build: Callable[[], Dataset],
+  cuts: Iterable[int] | None = None,
+  *,
+  make_iterator: Callable[[Dataset], base.OpIterator] = (lambda dataset: dataset.make_iterator()),
+  same: Callable[[list, list], None] = assert_same_stream,
+  limit: int | None = None,
+  with_seeds: bool = False,
+  into_same_iterator: bool = False,
+  pause_s: float = 0.0,
+) -> Resumed:
   """Checks exact resume from a state saved after each cut.
 
   For each cut, reads that many elements, saves the state (through a JSON
@@ -463,6 +463,7 @@ def check_resume(build: Callable[[], Dataset],
   Returns:
     The uninterrupted elements and the state saved at each cut.
   """
+
   def read(iterator, count):
     elements, seeds = elements_and_seeds(iterator, count)
     return list(zip(elements, seeds)) if with_seeds else elements
@@ -473,7 +474,7 @@ def check_resume(build: Callable[[], Dataset],
   with make_iterator(build()) as iterator:
     expected = read(iterator, limit)
   states = []
-  for cut in (range(len(expected) + 1) if cuts is None else cuts):
+  for cut in range(len(expected) + 1) if cuts is None else cuts:
     with make_iterator(build()) as iterator:
       head = read(iterator, cut)
       assert len(head) == cut, (cut, len(head))
@@ -507,9 +508,14 @@ def restore_in_new_process(expression: str, states: Sequence[dict]) -> list:
         iterator.close()
       sys.stdout.buffer.write(pickle.dumps(results))
   """)
-  done = subprocess.run([sys.executable, "-c", script, expression],
-                        input=json.dumps(states).encode(), capture_output=True,
-                        cwd=REPO_ROOT, timeout=120, check=False)
+  done = subprocess.run(
+    [sys.executable, "-c", script, expression],
+    input=json.dumps(states).encode(),
+    capture_output=True,
+    cwd=REPO_ROOT,
+    timeout=120,
+    check=False,
+  )
   assert done.returncode == 0, done.stderr.decode()[-3000:]
   return pickle.loads(done.stdout)
 
@@ -517,21 +523,23 @@ def restore_in_new_process(expression: str, states: Sequence[dict]) -> list:
 # ---------------------------------------------------------------------------
 # threads, processes and shared memory
 # ---------------------------------------------------------------------------
-def new_threads(before: Iterable[threading.Thread],
-                prefix: str = "") -> list[threading.Thread]:
+def new_threads(before: Iterable[threading.Thread], prefix: str = "") -> list[threading.Thread]:
   """The live threads named `prefix...` that are not in `before`, except the
   process's op-stats sampling thread and its worker-process launcher (no
   op's: they outlive pipelines by `op_stats.LINGER_S` and
   `worker_processes.LINGER_S`)."""
   before = set(before)
-  return [t for t in threading.enumerate()
-          if t not in before and t.is_alive() and t.name.startswith(prefix)
-          and t.name not in (op_stats.THREAD_NAME,
-                             worker_processes.LAUNCHER_THREAD)]
+  return [
+    t
+    for t in threading.enumerate()
+    if t not in before
+    and t.is_alive()
+    and t.name.startswith(prefix)
+    and t.name not in (op_stats.THREAD_NAME, worker_processes.LAUNCHER_THREAD)
+  ]
 
 
-def check_close(iterator: Any, threads_before: Iterable[threading.Thread]
-                ) -> None:
+def check_close(iterator: Any, threads_before: Iterable[threading.Thread]) -> None:
   """Closes `iterator` twice (closing is idempotent), then checks that no
   thread started since `threads_before` runs and that next() fails."""
   iterator.close()

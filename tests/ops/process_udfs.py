@@ -13,8 +13,7 @@ def plus_ten(x):
 
 def jitter(x, rng):
   value = x["x"] if isinstance(x, dict) else x
-  return {"v": np.float32(value) + rng.random(2, dtype=np.float32),
-          "k": rng.integers(0, 100)}
+  return {"v": np.float32(value) + rng.random(2, dtype=np.float32), "k": rng.integers(0, 100)}
 
 
 def not_multiple_of_three(x):
@@ -35,8 +34,6 @@ def busy_python(x):
   return np.array([total], np.int64)
 
 
-
-
 def wide_after_400(x):
   return np.full(1 if x < 400 else 4096, x, np.int64)  # 8 B, then 32 KiB
 
@@ -46,8 +43,7 @@ def image_rows(x, out=None, dtype="float32", log=None):
   a line per element saying whether it had a row."""
   value = x["x"] if isinstance(x, dict) else x
   side = 128 if dtype == "uint8" else 64
-  pixels = np.full((side, side // 2, 8),
-                   int(value) % 251, dtype)
+  pixels = np.full((side, side // 2, 8), int(value) % 251, dtype)
   if log is not None:
     with open(log, "a") as file:
       file.write(f"{int(out is not None)}\n")

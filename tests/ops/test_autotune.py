@@ -14,14 +14,22 @@ from op_testing import wait_until
 class FakeKnob:
   """A knob whose clocks the test advances by hand."""
 
-  def __init__(self, name, kind="threads", value=1, minimum=1, maximum=8, unit_bytes=0,
-               reports_blocking=False):
+  def __init__(
+    self, name, kind="threads", value=1, minimum=1, maximum=8, unit_bytes=0, reports_blocking=False
+  ):
     self.value, self.wait, self.busy, self.blocked = value, 0.0, 0.0, 0.0
     self.knob = autotune.Knob(
-        name=name, kind=kind, get=lambda: self.value, set=self._set,
-        minimum=minimum, maximum=maximum, wait_s=lambda: self.wait,
-        busy_s=lambda: self.busy, unit_bytes=lambda: unit_bytes,
-        producer_blocked_s=(lambda: self.blocked) if reports_blocking else None)
+      name=name,
+      kind=kind,
+      get=lambda: self.value,
+      set=self._set,
+      minimum=minimum,
+      maximum=maximum,
+      wait_s=lambda: self.wait,
+      busy_s=lambda: self.busy,
+      unit_bytes=lambda: unit_bytes,
+      producer_blocked_s=(lambda: self.blocked) if reports_blocking else None,
+    )
 
   def _set(self, value):
     self.value = value
@@ -39,8 +47,7 @@ def test_a_waited_on_op_grows_until_the_cpu_budget():
 
 def test_the_budget_goes_to_the_op_that_is_waited_on():
   slow, fast = FakeKnob("slow", value=1), FakeKnob("fast", value=1)
-  policy = autotune.AutotunePolicy([slow.knob, fast.knob], cpu_budget=5,
-                                   ram_budget_bytes=1 << 30)
+  policy = autotune.AutotunePolicy([slow.knob, fast.knob], cpu_budget=5, ram_budget_bytes=1 << 30)
   for _ in range(10):
     slow.wait += 0.08
     slow.busy += 0.1 * slow.value
@@ -75,16 +82,19 @@ def test_buffers_grow_only_within_the_ram_budget():
   assert fake.value == 5
 
 
-@pytest.mark.parametrize("steps, producer_blocked_s, expected_size", [
+@pytest.mark.parametrize(
+  "steps, producer_blocked_s, expected_size",
+  [
     # The consumer waits, but the buffer never fills: no growth.
     pytest.param(20, 0.0, 2, id="behind_a_slow_producer_does_not_grow"),
     # Bursty: the producer also waits for room; the buffer grows.
     pytest.param(10, 0.02, 12, id="that_fills_and_still_starves_the_consumer_grows"),
-])
-def test_a_buffer_grows_only_when_its_producer_fills_it(steps, producer_blocked_s,
-                                                        expected_size):
-  fake = FakeKnob("prefetch", kind="buffer", value=2, maximum=100, unit_bytes=10,
-                  reports_blocking=True)
+  ],
+)
+def test_a_buffer_grows_only_when_its_producer_fills_it(steps, producer_blocked_s, expected_size):
+  fake = FakeKnob(
+    "prefetch", kind="buffer", value=2, maximum=100, unit_bytes=10, reports_blocking=True
+  )
   policy = autotune.AutotunePolicy([fake.knob], cpu_budget=8, ram_budget_bytes=1 << 30)
   for _ in range(steps):
     fake.wait += 0.05
@@ -160,9 +170,9 @@ def test_autotune_off_or_no_knobs_means_no_tuner():
 
 def test_tuner_thread_adjusts_a_live_knob():
   fake = FakeKnob("k", maximum=3)
-  it = autotune.AutotunedIterator(KnobbedIterator(fake.knob),
-                                  jaxfeed.Options(autotune_cpu_budget=8),
-                                  interval_s=0.01)
+  it = autotune.AutotunedIterator(
+    KnobbedIterator(fake.knob), jaxfeed.Options(autotune_cpu_budget=8), interval_s=0.01
+  )
   deadline = time.time() + 5
   while fake.value < 3 and time.time() < deadline:
     fake.wait += 0.01
@@ -179,8 +189,11 @@ def sleepy_identity(x):
 
 def test_autotune_raises_parallelism_of_a_real_slow_map():
   options = jaxfeed.Options(autotune_cpu_budget=6)
-  ds = jaxfeed.Dataset.range(600).map(sleepy_identity,
-                                      num_parallel_calls=jaxfeed.AUTOTUNE).with_options(options)
+  ds = (
+    jaxfeed.Dataset.range(600)
+    .map(sleepy_identity, num_parallel_calls=jaxfeed.AUTOTUNE)
+    .with_options(options)
+  )
   it = ds.make_iterator()
   assert isinstance(it, autotune.AutotunedIterator)
   out = [int(x) for x in it]

@@ -43,8 +43,7 @@ def test_measures_every_candidate_in_turns_then_runs_the_fastest():
   summary = chooser.summary()
   assert summary["picked"] == "process" and not summary["measuring"]
   assert summary["rates"] == {"process": 40_000, "inline": 30_000, "thread": 20_000}
-  assert summary["reason"].startswith(
-      "processes 40,000/s > inline 30,000/s > threads 20,000/s")
+  assert summary["reason"].startswith("processes 40,000/s > inline 30,000/s > threads 20,000/s")
 
 
 def test_backends_too_close_to_tell_are_measured_again():
@@ -56,8 +55,10 @@ def test_backends_too_close_to_tell_are_measured_again():
 
 def test_a_backend_counts_with_its_best_window():
   chooser = BackendChooser(["inline", "process"])
-  for rates in ({"inline": 30_000, "process": 27_000},   # processes disturbed
-                {"inline": 31_000, "process": 45_000}):
+  for rates in (
+    {"inline": 30_000, "process": 27_000},  # processes disturbed
+    {"inline": 31_000, "process": 45_000},
+  ):
     chooser.record("inline", rates["inline"], 0.1)
     chooser.record("process", rates["process"], 0.1)
   assert chooser.backend() == "process"

@@ -24,9 +24,11 @@ def on_threads(monkeypatch):
 
 
 def image_like(x):
-  return {"pixels": np.full((5, 6, 3), x % 251, np.uint8),
-          "label": np.int64(x),
-          "extra": (np.float32(x) / 2, np.arange(x, x + 2))}
+  return {
+    "pixels": np.full((5, 6, 3), x % 251, np.uint8),
+    "label": np.int64(x),
+    "extra": (np.float32(x) / 2, np.arange(x, x + 2)),
+  }
 
 
 def noisy(x, rng):
@@ -56,8 +58,7 @@ def outcomes(dataset: Dataset) -> list:
 assert_same_outcomes = op_testing.assert_same_outcomes
 
 
-def parallel_and_sequential(fn, n, batch_size, threads=2, random=False,
-                            skip=0):
+def parallel_and_sequential(fn, n, batch_size, threads=2, random=False, skip=0):
   def build(calls):
     dataset = Dataset.range(n)
     if random:
@@ -65,14 +66,15 @@ def parallel_and_sequential(fn, n, batch_size, threads=2, random=False,
     else:
       dataset = dataset.map(fn, num_parallel_calls=calls)
     return dataset.skip(skip).batch(batch_size)
+
   return build(threads), build(None)
 
 
-@pytest.mark.parametrize("fn,random", [(image_like, False), (noisy, True),
-                                       (strings_and_ints, False)])
+@pytest.mark.parametrize(
+  "fn,random", [(image_like, False), (noisy, True), (strings_and_ints, False)]
+)
 @pytest.mark.parametrize("batch_size,threads", [(4, 2), (7, 3), (1, 2)])
-def test_batches_equal_those_stacked_from_sequential_outputs(
-    fn, random, batch_size, threads):
+def test_batches_equal_those_stacked_from_sequential_outputs(fn, random, batch_size, threads):
   ours, theirs = parallel_and_sequential(fn, 50, batch_size, threads, random)
   assert_same_outcomes(outcomes(ours), outcomes(theirs))
 
@@ -88,12 +90,12 @@ def test_whole_batches_are_views_of_one_block():
 
 
 def test_small_elements_are_stacked_and_large_ones_placed(monkeypatch):
-  monkeypatch.setattr(batch_placement, "MIN_ELEMENT_BYTES",
-                      DEFAULT_MIN_ELEMENT_BYTES)
+  monkeypatch.setattr(batch_placement, "MIN_ELEMENT_BYTES", DEFAULT_MIN_ELEMENT_BYTES)
   small, _ = parallel_and_sequential(image_like, 40, 8)
   assert all(batch["pixels"].base is None for batch in small)
   large, theirs = parallel_and_sequential(
-      lambda x: np.full(DEFAULT_MIN_ELEMENT_BYTES, x % 251, np.uint8), 40, 8)
+    lambda x: np.full(DEFAULT_MIN_ELEMENT_BYTES, x % 251, np.uint8), 40, 8
+  )
   batches = list(large)
   assert all(batch.base is not None for batch in batches)
   assert_same_outcomes(batches, list(theirs))
@@ -142,8 +144,9 @@ def test_skipped_elements_before_the_batch_keep_batches_aligned():
 
 def test_resumes_exactly_from_every_batch():
   op_testing.check_resume(
-      lambda: Dataset.range(30).map(image_like, num_parallel_calls=2).batch(4),
-      into_same_iterator=True)
+    lambda: Dataset.range(30).map(image_like, num_parallel_calls=2).batch(4),
+    into_same_iterator=True,
+  )
 
 
 ROWS_HANDED_OUT = []  # the `out` arrays the functions below wrote into
@@ -163,8 +166,7 @@ def noisy_into(x, rng, out=None):
   noise = rng.random(4).astype(np.float32)
   if out is not None:
     ROWS_HANDED_OUT.append(out["noise"])
-  return {"noise": np.add(noise, x, out=None if out is None else out["noise"]),
-          "x": np.asarray(x)}
+  return {"noise": np.add(noise, x, out=None if out is None else out["noise"]), "x": np.asarray(x)}
 
 
 def fails_on_5_and_17_into(x, out=None):
@@ -178,33 +180,36 @@ def grows_every_10_into(x, out=None):
   return grows_every_10(x)
 
 
-def writing_and_plain(fn_into, fn, n, batch_size, threads=2, random=False,
-                      skip=0):
+def writing_and_plain(fn_into, fn, n, batch_size, threads=2, random=False, skip=0):
   """The pipeline with `fn_into` writing into its rows, and with `fn`."""
+
   def build(f, calls, writes_out):
     dataset = Dataset.range(n)
     if random:
-      dataset = dataset.random_map(f, num_parallel_calls=calls, seed=3,
-                                   writes_out=writes_out)
+      dataset = dataset.random_map(f, num_parallel_calls=calls, seed=3, writes_out=writes_out)
     else:
-      dataset = dataset.map(f, num_parallel_calls=calls,
-                            writes_out=writes_out)
+      dataset = dataset.map(f, num_parallel_calls=calls, writes_out=writes_out)
     return dataset.skip(skip).batch(batch_size)
+
   return build(fn_into, threads, True), build(fn, None, False)
 
 
-@pytest.mark.parametrize("fn_into,fn,random,skip", [
+@pytest.mark.parametrize(
+  "fn_into,fn,random,skip",
+  [
     (image_like_into, image_like, False, 0),
     (noisy_into, noisy, True, 0),
     (image_like_into, image_like, False, 3),
     (fails_on_5_and_17_into, fails_on_5_and_17, False, 0),
-    (grows_every_10_into, grows_every_10, False, 0)])
+    (grows_every_10_into, grows_every_10, False, 0),
+  ],
+)
 @pytest.mark.parametrize("batch_size,threads", [(4, 2), (7, 3), (1, 2)])
 def test_functions_writing_into_their_rows_give_the_plain_batches(
-    fn_into, fn, random, skip, batch_size, threads):
+  fn_into, fn, random, skip, batch_size, threads
+):
   ROWS_HANDED_OUT.clear()
-  ours, theirs = writing_and_plain(fn_into, fn, 50, batch_size, threads,
-                                   random, skip)
+  ours, theirs = writing_and_plain(fn_into, fn, 50, batch_size, threads, random, skip)
   got = outcomes(ours)
   assert_same_outcomes(got, outcomes(theirs))
   if fn_into is grows_every_10_into or skip:
@@ -214,12 +219,13 @@ def test_functions_writing_into_their_rows_give_the_plain_batches(
   # the function wrote into, with no copy of their own, except around an
   # error (the batch it ends is stacked, and so is the next one).
   handed_out = {row.__array_interface__["data"][0] for row in ROWS_HANDED_OUT}
-  full = [b for b in got if isinstance(b, dict) and len(b["x" if random
-                                                          else "label"]) ==
-          batch_size]
+  full = [
+    b for b in got if isinstance(b, dict) and len(b["x" if random else "label"]) == batch_size
+  ]
   key = "noise" if random else "pixels"
-  written = [all(row.__array_interface__["data"][0] in handed_out
-                 for row in batch[key]) for batch in full]
+  written = [
+    all(row.__array_interface__["data"][0] in handed_out for row in batch[key]) for batch in full
+  ]
   errors = sum(isinstance(b, str) for b in got)
   assert sum(written) >= len(full) - 2 - 2 * errors
 
@@ -227,8 +233,7 @@ def test_functions_writing_into_their_rows_give_the_plain_batches(
 def test_without_a_batch_or_threads_the_function_gets_no_row():
   ROWS_HANDED_OUT.clear()
   for calls in (None, 2):
-    got = list(Dataset.range(12).map(image_like_into, num_parallel_calls=calls,
-                                     writes_out=True))
+    got = list(Dataset.range(12).map(image_like_into, num_parallel_calls=calls, writes_out=True))
     assert [int(e["label"]) for e in got] == list(range(12))
   assert not ROWS_HANDED_OUT
 
@@ -237,18 +242,22 @@ def test_writing_functions_are_not_fused_away_from_their_rows():
   # Map fusion, map-and-filter fusion and the process chains would call fn
   # without its row; a map writing into its rows stays a map on threads.
   ROWS_HANDED_OUT.clear()
-  dataset = (Dataset.range(40).map(
-      image_like_into, num_parallel_calls=parallel.AUTOTUNE, writes_out=True)
-             .batch(4))
+  dataset = (
+    Dataset.range(40)
+    .map(image_like_into, num_parallel_calls=parallel.AUTOTUNE, writes_out=True)
+    .batch(4)
+  )
   want = list(Dataset.range(40).map(image_like).batch(4))
   assert_same_outcomes(list(dataset), want)
   assert ROWS_HANDED_OUT
   ROWS_HANDED_OUT.clear()  # views of the chain's slots: they go with it
   dataset.close()
   plus_one = lambda e: {**e, "label": e["label"] + 1}
-  got = list(Dataset.range(8).map(image_like_into, num_parallel_calls=2,
-                                  writes_out=True).map(plus_one,
-                                                       num_parallel_calls=2))
+  got = list(
+    Dataset.range(8)
+    .map(image_like_into, num_parallel_calls=2, writes_out=True)
+    .map(plus_one, num_parallel_calls=2)
+  )
   assert [int(e["label"]) for e in got] == list(range(1, 9))
 
 
@@ -259,13 +268,14 @@ def test_writes_out_is_checked():
 
 def test_resumes_exactly_when_writing_into_rows():
   op_testing.check_resume(
-      lambda: Dataset.range(30).map(image_like_into, num_parallel_calls=2,
-                                    writes_out=True).batch(4),
-      into_same_iterator=True)
+    lambda: Dataset.range(30).map(image_like_into, num_parallel_calls=2, writes_out=True).batch(4),
+    into_same_iterator=True,
+  )
 
 
 def test_writes_out_is_kept_by_rebuilds_and_fingerprinted_only_when_set():
   from jaxfeed.ops.map import MapNode
+
   node = MapNode(Dataset.range(4).node, image_like_into, writes_out=True)
   assert MapNode(*node.parents, **node.spec_params()).writes_out
   plain = MapNode(Dataset.range(4).node, image_like_into)

@@ -11,8 +11,7 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.ops import cache_disk
 from jaxfeed.ops.cache import CacheNode
 import op_testing
-from op_testing import (INPUT_KINDS, canonical, check_resume, graph_iterator,
-                        run, seeds_of)
+from op_testing import INPUT_KINDS, canonical, check_resume, graph_iterator, run, seeds_of
 
 tf = op_testing.import_tensorflow()
 
@@ -34,15 +33,12 @@ def _filename(tmp_path, on_disk, name="cache"):
 
 @pytest.mark.parametrize("on_disk", [False, True])
 @pytest.mark.parametrize("kind", sorted(INPUT_KINDS))
-def test_cache_under_repeat_matches_tf_data_and_runs_the_input_once(
-    kind, on_disk, tmp_path):
+def test_cache_under_repeat_matches_tf_data_and_runs_the_input_once(kind, on_disk, tmp_path):
   make_input = INPUT_KINDS[kind]
   counter = Counter()
-  ds = make_input(Dataset).map(counter).cache(
-      _filename(tmp_path, on_disk)).repeat(3)
+  ds = make_input(Dataset).map(counter).cache(_filename(tmp_path, on_disk)).repeat(3)
   ours = [canonical(e, exact_types=True) for e in run(ds, graph_iterator)]
-  tf_ds = make_input(tf.data.Dataset).cache(
-      _filename(tmp_path, on_disk, "tf")).repeat(3)
+  tf_ds = make_input(tf.data.Dataset).cache(_filename(tmp_path, on_disk, "tf")).repeat(3)
   theirs = [canonical(e, exact_types=True) for e in run(tf_ds)]
   assert ours == theirs
   assert counter.calls == len(ours) // 3
@@ -91,8 +87,7 @@ def test_a_pass_whose_input_fails_is_not_cached(on_disk, tmp_path):
       raise OSError("read error")
     return x
 
-  ds = Dataset.range(6).map(fail_once_on_four).cache(
-      _filename(tmp_path, on_disk))
+  ds = Dataset.range(6).map(fail_once_on_four).cache(_filename(tmp_path, on_disk))
   it = graph_iterator(ds)
   with pytest.raises(OSError):
     list(it)
@@ -105,12 +100,12 @@ def test_a_pass_whose_input_fails_is_not_cached(on_disk, tmp_path):
 
 def _leafy(i):
   return {
-      "ragged": np.arange(i % 4, dtype=np.float32).reshape(-1),
-      "image": np.full((2, 3), i, dtype=np.uint8),
-      "zero_d": np.array(i * 1.5),
-      "np_scalar": np.int16(i),
-      "py": (int(i), float(i) / 2, bool(i % 2), complex(i, 1)),
-      "text": [f"record {i}", bytes([i, 0, 255])[: i % 4]],
+    "ragged": np.arange(i % 4, dtype=np.float32).reshape(-1),
+    "image": np.full((2, 3), i, dtype=np.uint8),
+    "zero_d": np.array(i * 1.5),
+    "np_scalar": np.int16(i),
+    "py": (int(i), float(i) / 2, bool(i % 2), complex(i, 1)),
+    "text": [f"record {i}", bytes([i, 0, 255])[: i % 4]],
   }
 
 
@@ -121,7 +116,11 @@ def test_disk_cache_keeps_every_leaf_kind_and_structure(tmp_path, monkeypatch):
   filename = str(tmp_path / "leafy")
   written = list(graph_iterator(source.cache(filename)))
   assert sorted(os.listdir(filename)) == [
-      "chunk-00000.npz", "chunk-00001.npz", "chunk-00002.npz", "manifest.json"]
+    "chunk-00000.npz",
+    "chunk-00001.npz",
+    "chunk-00002.npz",
+    "manifest.json",
+  ]
   counter = Counter()
   read = list(graph_iterator(source.map(counter).cache(filename)))  # a new node
   assert counter.calls == 0
@@ -140,15 +139,13 @@ def test_disk_cache_written_by_one_dataset_is_read_by_another(tmp_path):
 
 
 @pytest.mark.parametrize("on_disk", [False, True])
-def test_resume_at_every_cut_point_with_a_fresh_pipeline(on_disk, tmp_path,
-                                                         monkeypatch):
+def test_resume_at_every_cut_point_with_a_fresh_pipeline(on_disk, tmp_path, monkeypatch):
   monkeypatch.setattr(cache_disk, "_CHUNK_ELEMENTS", 3)
 
   def build():
     # A new node each time: an in-memory cache starts empty, as in a new
     # process.
-    return (Dataset.range(7).map(lambda x: x * 2)
-            .cache(_filename(tmp_path, on_disk)).repeat(3))
+    return Dataset.range(7).map(lambda x: x * 2).cache(_filename(tmp_path, on_disk)).repeat(3)
 
   resumed = check_resume(build, make_iterator=graph_iterator)
   assert [int(x) for x in resumed.expected] == [x * 2 for x in range(7)] * 3
@@ -174,13 +171,15 @@ def test_seeds_of_cached_elements_are_kept(tmp_path):
     assert seeds_of(Dataset.range(6).cache(filename).repeat(2)) == expected * 2
 
 
-@pytest.mark.parametrize("element, match", [
+@pytest.mark.parametrize(
+  "element, match",
+  [
     ({1: np.int32(1)}, "dict keys must be str"),
     (np.array([object()], dtype=object), "dtype object"),
     (object(), "cannot store a leaf"),
-])
-def test_unstorable_elements_raise_type_error_naming_the_cache(element, match,
-                                                               tmp_path):
+  ],
+)
+def test_unstorable_elements_raise_type_error_naming_the_cache(element, match, tmp_path):
   filename = str(tmp_path / "bad")
   ds = Dataset.range(2).map(lambda x: element).cache(filename)
   with pytest.raises(TypeError, match=match) as info:
@@ -190,13 +189,16 @@ def test_unstorable_elements_raise_type_error_naming_the_cache(element, match,
 
 
 def test_elements_changing_structure_or_dtype_raise_type_error(tmp_path):
-  changing = Dataset.range(3).map(
-      lambda x: {"a": x} if x == 0 else {"b": x}).cache(str(tmp_path / "s"))
+  changing = (
+    Dataset.range(3).map(lambda x: {"a": x} if x == 0 else {"b": x}).cache(str(tmp_path / "s"))
+  )
   with pytest.raises(TypeError, match="share one structure"):
     list(graph_iterator(changing))
-  dtypes = Dataset.range(3).map(
-      lambda x: np.int32(x) if x == 0 else np.float32(x)).cache(
-          str(tmp_path / "d"))
+  dtypes = (
+    Dataset.range(3)
+    .map(lambda x: np.int32(x) if x == 0 else np.float32(x))
+    .cache(str(tmp_path / "d"))
+  )
   with pytest.raises(TypeError, match="keep their dtype"):
     list(graph_iterator(dtypes))
 
@@ -214,19 +216,16 @@ def test_invalid_filename_and_state_are_rejected():
 def test_spec_params_rebuild_an_equal_node(tmp_path):
   node = CacheNode(Dataset.range(3).node, str(tmp_path / "x"))
   assert node.spec_params() == {"filename": str(tmp_path / "x")}
-  assert CacheNode(*node.parents, **node.spec_params()).fingerprint() == (
-      node.fingerprint())
+  assert CacheNode(*node.parents, **node.spec_params()).fingerprint() == (node.fingerprint())
   assert node.cardinality() == 3
 
 
 @pytest.mark.parametrize("on_disk", [False, True])
 def test_skip_over_a_filled_cache_matches_tf_data(on_disk, tmp_path):
-  ds = Dataset.range(12).map(lambda x: x * 3).cache(
-      _filename(tmp_path, on_disk))
+  ds = Dataset.range(12).map(lambda x: x * 3).cache(_filename(tmp_path, on_disk))
   list(graph_iterator(ds))  # fill
   ours = [int(x) for x in graph_iterator(ds.skip(5).repeat(2))]
-  tf_ds = tf.data.Dataset.range(12).map(lambda x: x * 3).cache(
-      _filename(tmp_path, on_disk, "tf"))
+  tf_ds = tf.data.Dataset.range(12).map(lambda x: x * 3).cache(_filename(tmp_path, on_disk, "tf"))
   list(tf_ds)
   assert ours == [int(x) for x in tf_ds.skip(5).repeat(2).as_numpy_iterator()]
   with graph_iterator(ds) as it:
@@ -246,6 +245,7 @@ def test_autocache_passes_through_and_resumes_exactly_outside_the_service(tmp_pa
   check_resume(build)
   pointed = build()
   from jaxfeed.ops import autocache  # pylint: disable=g-import-not-at-top
+
   [node] = autocache.point_at(pointed.node, str(tmp_path))
   assert canonical(list(pointed)) == canonical(list(build()))
   assert os.path.isdir(node.cache_path())  # a complete pass was written there

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxfeed.dataset import Dataset
-from op_testing import (assert_matches_tf_data, check_resume, import_tensorflow, run)
+from op_testing import assert_matches_tf_data, check_resume, import_tensorflow, run
 
 tf = import_tensorflow()
 
@@ -24,7 +24,8 @@ def test_enumerate_matches_tf_data(start):
 def test_enumerate_of_dict_elements_matches_tf_data():
   column = np.arange(4, dtype=np.int32)
   assert_matches_tf_data(
-      lambda D: D.from_tensor_slices({"a": column, "b": column * 1.5}).enumerate())
+    lambda D: D.from_tensor_slices({"a": column, "b": column * 1.5}).enumerate()
+  )
 
 
 @pytest.mark.parametrize("num_shards,index", [(1, 0), (3, 0), (3, 2), (7, 6), (20, 3)])
@@ -60,6 +61,7 @@ def test_scan_running_sum_matches_tf_data():
     if D is tf.data.Dataset:
       return D.range(8).scan(tf.constant(0, tf.int64), lambda s, x: (s + x, s * x))
     return D.range(8).scan(np.int64(0), lambda s, x: (s + x, s * x))
+
   assert_matches_tf_data(make)
 
 
@@ -76,14 +78,17 @@ def test_scan_with_a_structured_state_and_tuple_elements_matches_tf_data():
       init = (tf.constant(0, tf.float32), tf.constant(0.0, tf.float32))
       return D.from_tensor_slices((a, b)).scan(init, step)
     return D.from_tensor_slices((a, b)).scan((np.float32(0), np.float32(0)), step)
+
   assert_matches_tf_data(make)
 
 
 def test_scan_resumes_exactly_with_its_running_state():
-  check_resume(lambda: Dataset.range(12).scan(
+  check_resume(
+    lambda: Dataset.range(12).scan(
       {"sum": np.int64(0), "last": np.zeros(2)},
-      lambda s, x: ({"sum": s["sum"] + x, "last": np.array([x, 2.0 * x])},
-                    s["sum"] * 10 + x)))
+      lambda s, x: ({"sum": s["sum"] + x, "last": np.array([x, 2.0 * x])}, s["sum"] * 10 + x),
+    )
+  )
 
 
 def test_scan_refuses_a_state_that_cannot_be_saved_and_a_bad_return():
@@ -94,24 +99,32 @@ def test_scan_refuses_a_state_that_cannot_be_saved_and_a_bad_return():
 
 
 def test_reduce_matches_tf_data():
-  theirs = tf.data.Dataset.range(10).reduce(
-      tf.constant(0, tf.int64), lambda s, x: s + x * x).numpy()
+  theirs = (
+    tf.data.Dataset.range(10).reduce(tf.constant(0, tf.int64), lambda s, x: s + x * x).numpy()
+  )
   assert Dataset.range(10).reduce(np.int64(0), lambda s, x: s + x * x) == theirs
   assert Dataset.range(0).reduce(np.int64(4), lambda s, x: s + x) == 4
 
 
 # -- window ----------------------------------------------------------------------
-WINDOWS = [(3, None, 1, False), (3, 2, 1, False), (3, 1, 2, True), (2, 5, 1, False),
-           (4, 3, 2, False), (5, 1, 1, True), (20, 2, 1, False)]
+WINDOWS = [
+  (3, None, 1, False),
+  (3, 2, 1, False),
+  (3, 1, 2, True),
+  (2, 5, 1, False),
+  (4, 3, 2, False),
+  (5, 1, 1, True),
+  (20, 2, 1, False),
+]
 
 
 @pytest.mark.parametrize("size,shift,stride,drop", WINDOWS)
 def test_stacked_windows_match_tf_data(size, shift, stride, drop):
   def make(D):
     if D is tf.data.Dataset:
-      return D.range(11).window(size, shift, stride, drop).flat_map(
-          lambda w: w.batch(size))
+      return D.range(11).window(size, shift, stride, drop).flat_map(lambda w: w.batch(size))
     return D.range(11).window(size, shift, stride, drop)
+
   assert_matches_tf_data(make)
 
 
@@ -123,8 +136,7 @@ def test_windows_of_dicts_as_lists_hold_the_elements():
 
 @pytest.mark.parametrize("size,shift,stride,drop", WINDOWS[:5])
 def test_window_resumes_exactly(size, shift, stride, drop):
-  check_resume(lambda: Dataset.range(23).window(size, shift, stride, drop),
-               with_seeds=True)
+  check_resume(lambda: Dataset.range(23).window(size, shift, stride, drop), with_seeds=True)
 
 
 def test_window_cardinality_matches_its_output():
@@ -139,17 +151,25 @@ def test_ragged_batch_matches_tf_data(drop):
   def make(D):
     if D is tf.data.Dataset:
       ds = D.range(7).map(lambda x: {"seq": tf.range(x) * 2, "id": x})
-      return ds.ragged_batch(3, drop_remainder=drop).map(lambda b: {
+      return ds.ragged_batch(3, drop_remainder=drop).map(
+        lambda b: {
           "seq": {"values": b["seq"].flat_values, "row_lengths": b["seq"].row_lengths()},
-          "id": b["id"]})
-    return D.range(7).map(lambda x: {"seq": np.arange(x) * 2, "id": x}).ragged_batch(
-        3, drop_remainder=drop)
+          "id": b["id"],
+        }
+      )
+    return (
+      D.range(7)
+      .map(lambda x: {"seq": np.arange(x) * 2, "id": x})
+      .ragged_batch(3, drop_remainder=drop)
+    )
+
   assert_matches_tf_data(make)
 
 
 def test_ragged_batch_resumes_exactly():
-  check_resume(lambda: Dataset.range(10).map(lambda x: np.arange(x % 4)).ragged_batch(3),
-               with_seeds=True)
+  check_resume(
+    lambda: Dataset.range(10).map(lambda x: np.arange(x % 4)).ragged_batch(3), with_seeds=True
+  )
 
 
 # -- from_generator ---------------------------------------------------------------
@@ -161,10 +181,16 @@ def gen(n):
 def test_from_generator_matches_tf_data():
   def make(D):
     if D is tf.data.Dataset:
-      return D.from_generator(gen, args=(6,), output_signature={
-          "i": tf.TensorSpec([], tf.int64), "squares": tf.TensorSpec([None], tf.int64)})
-    return D.from_generator(gen, args=(6,),
-                            output_signature={"i": np.int64, "squares": np.int64})
+      return D.from_generator(
+        gen,
+        args=(6,),
+        output_signature={
+          "i": tf.TensorSpec([], tf.int64),
+          "squares": tf.TensorSpec([None], tf.int64),
+        },
+      )
+    return D.from_generator(gen, args=(6,), output_signature={"i": np.int64, "squares": np.int64})
+
   assert_matches_tf_data(make)
 
 
@@ -175,6 +201,7 @@ def test_from_generator_resumes_by_skipping_or_with_skip():
   def skip(count, n):
     skips.append(count)
     return (x for x in list(gen(n))[count:])
+
   check_resume(lambda: Dataset.from_generator(gen, args=(9,), skip=skip), cuts=[4])
   assert 4 in skips
 
@@ -203,11 +230,17 @@ def fails_on_multiples_of_three(x):
 def test_ignore_errors_drops_failed_elements_like_tf_data(calls):
   def make(D):
     if D is tf.data.Dataset:
-      return D.range(10).map(lambda x: tf.numpy_function(
-          lambda v: np.int64(fails_on_multiples_of_three(v)), [x], tf.int64)
-      ).ignore_errors()
-    return D.range(10).map(fails_on_multiples_of_three,
-                           num_parallel_calls=calls).ignore_errors()
+      return (
+        D.range(10)
+        .map(
+          lambda x: tf.numpy_function(
+            lambda v: np.int64(fails_on_multiples_of_three(v)), [x], tf.int64
+          )
+        )
+        .ignore_errors()
+      )
+    return D.range(10).map(fails_on_multiples_of_three, num_parallel_calls=calls).ignore_errors()
+
   assert_matches_tf_data(make)
 
 

@@ -6,8 +6,13 @@ import pytest
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.filter import FilterNode
 import op_testing
-from op_testing import (assert_matches_tf_data, assert_same_values,
-                        check_resume, elements_and_seeds, graph_iterator)
+from op_testing import (
+  assert_matches_tf_data,
+  assert_same_values,
+  check_resume,
+  elements_and_seeds,
+  graph_iterator,
+)
 
 tf = op_testing.import_tensorflow()
 
@@ -16,32 +21,31 @@ B = np.arange(15, dtype=np.float32) * 0.5
 
 # name -> (input from a Dataset class, predicate working on numpy and tf values)
 CASES = {
-    "every_third": (lambda D: D.range(30), lambda x: x % 3 == 0),
-    "none_kept": (lambda D: D.range(10), lambda x: x > 100),
-    "all_kept": (lambda D: D.range(10), lambda x: x >= 0),
-    "empty_input": (lambda D: D.range(0), lambda x: x >= 0),
-    "tuple_unpacked": (lambda D: D.from_tensor_slices((A, B)),
-                       lambda a, b: a % 2 == 1),
-    "dict_one_argument": (lambda D: D.from_tensor_slices({"a": A, "b": B}),
-                          lambda d: d["b"] > 3.0),
+  "every_third": (lambda D: D.range(30), lambda x: x % 3 == 0),
+  "none_kept": (lambda D: D.range(10), lambda x: x > 100),
+  "all_kept": (lambda D: D.range(10), lambda x: x >= 0),
+  "empty_input": (lambda D: D.range(0), lambda x: x >= 0),
+  "tuple_unpacked": (lambda D: D.from_tensor_slices((A, B)), lambda a, b: a % 2 == 1),
+  "dict_one_argument": (lambda D: D.from_tensor_slices({"a": A, "b": B}), lambda d: d["b"] > 3.0),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_filter_matches_tf_data(case):
   make_input, predicate = CASES[case]
-  assert_matches_tf_data(lambda D: make_input(D).filter(predicate),
-                         make_iterator=graph_iterator, same=assert_same_values)
+  assert_matches_tf_data(
+    lambda D: make_input(D).filter(predicate), make_iterator=graph_iterator, same=assert_same_values
+  )
 
 
 def test_cardinality_is_unknown_like_tf_data():
   assert int(tf.data.Dataset.range(5).filter(lambda x: True).cardinality()) == (
-      tf.data.UNKNOWN_CARDINALITY)
+    tf.data.UNKNOWN_CARDINALITY
+  )
   assert Dataset.range(5).filter(lambda x: True).cardinality() is None
 
 
-@pytest.mark.parametrize("result", [True, np.bool_(True), np.array(True),
-                                    np.array([True])[0]])
+@pytest.mark.parametrize("result", [True, np.bool_(True), np.array(True), np.array([True])[0]])
 def test_boolean_scalars_are_accepted(result):
   kept = list(graph_iterator(Dataset.range(3).filter(lambda x: result)))
   assert len(kept) == 3
@@ -51,13 +55,21 @@ def _returns_one(x):
   return 1
 
 
-@pytest.mark.parametrize("result, shown", [
-    (1, "int"), (np.int64(1), "int64"), (np.array([True, False]), "shape (2,)"),
-    (None, "NoneType"), ("yes", "str"), (np.array(1.0), "float64")])
-def test_non_boolean_predicate_result_raises_type_error_naming_op_and_predicate(
-    result, shown):
+@pytest.mark.parametrize(
+  "result, shown",
+  [
+    (1, "int"),
+    (np.int64(1), "int64"),
+    (np.array([True, False]), "shape (2,)"),
+    (None, "NoneType"),
+    ("yes", "str"),
+    (np.array(1.0), "float64"),
+  ],
+)
+def test_non_boolean_predicate_result_raises_type_error_naming_op_and_predicate(result, shown):
   def not_a_bool(x):
     return result
+
   with pytest.raises(TypeError) as info:
     next(graph_iterator(Dataset.range(3).filter(not_a_bool)))
   message = str(info.value)
@@ -65,12 +77,14 @@ def test_non_boolean_predicate_result_raises_type_error_naming_op_and_predicate(
   assert "not_a_bool" in message and shown in message
 
 
-@pytest.mark.parametrize("case", ["every_third", "tuple_unpacked",
-                                  "dict_one_argument"])
+@pytest.mark.parametrize("case", ["every_third", "tuple_unpacked", "dict_one_argument"])
 def test_filter_resumes_exactly_at_every_cut_point(case):
   make_input, predicate = CASES[case]
-  check_resume(lambda: make_input(Dataset).filter(predicate),
-               make_iterator=graph_iterator, same=assert_same_values)
+  check_resume(
+    lambda: make_input(Dataset).filter(predicate),
+    make_iterator=graph_iterator,
+    same=assert_same_values,
+  )
 
 
 def test_last_seed_is_the_kept_elements_seed():
@@ -89,6 +103,7 @@ def test_predicate_exception_propagates():
     if x == 2:
       raise ValueError("two")
     return True
+
   it = graph_iterator(Dataset.range(5).filter(picky))
   assert [int(next(it)) for _ in range(2)] == [0, 1]
   with pytest.raises(ValueError, match="two"):
@@ -99,7 +114,6 @@ def test_predicate_exception_propagates():
 def test_spec_params_and_validation():
   node = FilterNode(Dataset.range(3).node, _returns_one)
   assert node.spec_params() == {"predicate": _returns_one}
-  assert FilterNode(*node.parents, **node.spec_params()).fingerprint() == (
-      node.fingerprint())
+  assert FilterNode(*node.parents, **node.spec_params()).fingerprint() == (node.fingerprint())
   with pytest.raises(TypeError, match="filter: predicate must be callable"):
     FilterNode(node.parents[0], 3)

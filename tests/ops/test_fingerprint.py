@@ -29,7 +29,7 @@ def test_closures_of_one_factory_with_different_cells_differ():
 
 def test_lambdas_differ_by_their_code_and_agree_when_equal():
   assert mapped(lambda x: x + 1) != mapped(lambda x: x + 2)
-  assert mapped(lambda x: x * 2) != mapped(lambda x: x ** 2)
+  assert mapped(lambda x: x * 2) != mapped(lambda x: x**2)
   assert mapped(lambda x: x + 1) == mapped(lambda x: x + 1)
 
 
@@ -38,12 +38,11 @@ def test_closure_cells_are_hashed_by_content():
   weights = np.arange(5.0)
   other = weights.copy()
   other[3] = -1.0
-  assert mapped(with_state({"weights": weights})) == mapped(
-      with_state({"weights": weights.copy()}))
+  assert mapped(with_state({"weights": weights})) == mapped(with_state({"weights": weights.copy()}))
+  assert mapped(with_state({"weights": weights})) != mapped(with_state({"weights": other}))
   assert mapped(with_state({"weights": weights})) != mapped(
-      with_state({"weights": other}))
-  assert mapped(with_state({"weights": weights})) != mapped(
-      with_state({"weights": weights.astype(np.float32)}))
+    with_state({"weights": weights.astype(np.float32)})
+  )
 
 
 def test_defaults_and_keyword_defaults_differ():
@@ -77,9 +76,12 @@ def test_module_globals_and_helpers_of_an_importable_udf_are_hashed():
   module = types.ModuleType("fingerprint_module_under_test")
   module.__file__ = os.path.join(HERE, "fingerprint_module_under_test.py")
   module.__dict__["SCALE"] = 2
-  exec("def helper(x):\n  return x * SCALE\n"  # pylint: disable=exec-used
-       "def f(x):\n  return helper(x) + 1\n"
-       "def g(x, *, k=2):\n  return x * k\n", module.__dict__)
+  exec(
+    "def helper(x):\n  return x * SCALE\n"  # pylint: disable=exec-used
+    "def f(x):\n  return helper(x) + 1\n"
+    "def g(x, *, k=2):\n  return x * k\n",
+    module.__dict__,
+  )
   sys.modules[module.__name__] = module
   try:
     before = mapped(module.f)
@@ -87,12 +89,16 @@ def test_module_globals_and_helpers_of_an_importable_udf_are_hashed():
     assert mapped(module.f) != before
     module.SCALE = 2
     assert mapped(module.f) == before
-    exec("def helper(x):\n  return x * SCALE + 0\n",  # pylint: disable=exec-used
-         module.__dict__)
+    exec(
+      "def helper(x):\n  return x * SCALE + 0\n",  # pylint: disable=exec-used
+      module.__dict__,
+    )
     assert mapped(module.f) != before
     g = mapped(module.g)
-    exec("def g(x, *, k=3):\n  return x * k\n",  # pylint: disable=exec-used
-         module.__dict__)
+    exec(
+      "def g(x, *, k=3):\n  return x * k\n",  # pylint: disable=exec-used
+      module.__dict__,
+    )
     assert mapped(module.g) != g
   finally:
     del sys.modules[module.__name__]
@@ -107,8 +113,7 @@ def test_mutable_module_state_a_udf_updates_does_not_change_it():
 def test_recursive_functions_and_cyclic_values_are_hashed():
   cycle = []
   cycle.append(cycle)
-  assert mapped(fingerprint_pipelines.recursive) == mapped(
-      fingerprint_pipelines.recursive)
+  assert mapped(fingerprint_pipelines.recursive) == mapped(fingerprint_pipelines.recursive)
   assert mapped(lambda x, c=cycle: x) == mapped(lambda x, c=cycle: x)
 
 
@@ -120,7 +125,6 @@ def test_objects_without_hashable_content_never_match_another_object():
 
 def test_plain_objects_are_hashed_by_their_fields():
   class Scale:
-
     def __init__(self, k):
       self.k = k
 
@@ -140,8 +144,11 @@ def test_the_same_pipeline_has_the_same_fingerprint_in_other_processes():
   children = []
   for seed in ("1", "2"):  # str and set hashing differ between the two
     env["PYTHONHASHSEED"] = seed
-    children.append(subprocess.Popen([sys.executable, "-c", script], env=dict(env),
-                                     stdout=subprocess.PIPE, text=True))
+    children.append(
+      subprocess.Popen(
+        [sys.executable, "-c", script], env=dict(env), stdout=subprocess.PIPE, text=True
+      )
+    )
   printed = [child.communicate(timeout=120)[0].strip() for child in children]
   assert [child.returncode for child in children] == [0, 0]
   assert printed == [fingerprint_pipelines.build().fingerprint()] * 2
@@ -157,15 +164,17 @@ def test_numpy_arrays_are_hashed_by_content():
   dates = np.array(["2020-01-01", "2021-01-01"], "datetime64[D]")
   assert fingerprint.digest(dates) != fingerprint.digest(dates[::-1].copy())
   assert fingerprint.digest(np.array(5)) != fingerprint.digest(np.array([5]))
-  assert (jaxfeed.Dataset.from_tensor_slices(a).fingerprint()
-          != jaxfeed.Dataset.from_tensor_slices(a + 1).fingerprint())
+  assert (
+    jaxfeed.Dataset.from_tensor_slices(a).fingerprint()
+    != jaxfeed.Dataset.from_tensor_slices(a + 1).fingerprint()
+  )
 
 
-@pytest.mark.parametrize("value", [1, 1.0, True, "1", b"1", (1,), [1], {1: 1},
-                                   {1}, np.int64(1), np.float32(1), None])
+@pytest.mark.parametrize(
+  "value", [1, 1.0, True, "1", b"1", (1,), [1], {1: 1}, {1}, np.int64(1), np.float32(1), None]
+)
 def test_values_of_different_types_differ(value):
-  others = [1, 1.0, True, "1", b"1", (1,), [1], {1: 1}, {1}, np.int64(1),
-            np.float32(1), None]
+  others = [1, 1.0, True, "1", b"1", (1,), [1], {1: 1}, {1}, np.int64(1), np.float32(1), None]
   matches = [o for o in others if fingerprint.digest(o) == fingerprint.digest(value)]
   assert len(matches) == 1
 
@@ -173,11 +182,14 @@ def test_values_of_different_types_differ(value):
 def test_frozen_dataclass_module_constants_are_hashed_by_value():
   module = types.ModuleType("fingerprint_config_module_under_test")
   module.__file__ = os.path.join(HERE, "fingerprint_config_module_under_test.py")
-  exec("import dataclasses\n"  # pylint: disable=exec-used
-       "@dataclasses.dataclass(frozen=True)\n"
-       "class Config:\n  scale: int\n"
-       "CONFIG = Config(2)\n"
-       "def f(x):\n  return x * CONFIG.scale\n", module.__dict__)
+  exec(
+    "import dataclasses\n"  # pylint: disable=exec-used
+    "@dataclasses.dataclass(frozen=True)\n"
+    "class Config:\n  scale: int\n"
+    "CONFIG = Config(2)\n"
+    "def f(x):\n  return x * CONFIG.scale\n",
+    module.__dict__,
+  )
   sys.modules[module.__name__] = module
   try:
     before = mapped(module.f)
@@ -200,12 +212,15 @@ def test_only_fingerprints_without_a_nonce_are_reproducible():
 def test_closures_in_module_state_are_module_state():
   module = types.ModuleType("fingerprint_closure_module_under_test")
   module.__file__ = os.path.join(HERE, "fingerprint_closure_module_under_test.py")
-  exec("import threading\n"  # pylint: disable=exec-used
-       "def make(guard):\n"
-       "  def locked(x):\n    with guard:\n      return x + 1\n"
-       "  return locked\n"
-       "helper = make(threading.Lock())\n"
-       "def f(x):\n  return helper(x)\n", module.__dict__)
+  exec(
+    "import threading\n"  # pylint: disable=exec-used
+    "def make(guard):\n"
+    "  def locked(x):\n    with guard:\n      return x + 1\n"
+    "  return locked\n"
+    "helper = make(threading.Lock())\n"
+    "def f(x):\n  return helper(x)\n",
+    module.__dict__,
+  )
   sys.modules[module.__name__] = module
   try:
     # The lock is made by the module's code on every host: named, not a nonce.
@@ -215,9 +230,9 @@ def test_closures_in_module_state_are_module_state():
     del sys.modules[module.__name__]
 
 
-def test_autocache_keeps_nothing_under_a_fingerprint_that_is_not_reproducible(
-    tmp_path):
+def test_autocache_keeps_nothing_under_a_fingerprint_that_is_not_reproducible(tmp_path):
   from jaxfeed.ops import autocache  # pylint: disable=g-import-not-at-top
+
   lock = threading.Lock()
   kept = jaxfeed.Dataset.range(4).map(lambda x: x + 1).autocache()
   passed = jaxfeed.Dataset.range(4).map(lambda x, l=lock: x + 1).autocache()

@@ -13,13 +13,15 @@ tf = op_testing.import_tensorflow()
 
 def build(n=8):
   return Dataset.range(n).flat_map(
-      lambda x: Dataset.range(int(x) % 4).map(lambda y, x=int(x): y * 10 + x))
+    lambda x: Dataset.range(int(x) % 4).map(lambda y, x=int(x): y * 10 + x)
+  )
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 8])
 def test_matches_tf_data(n):
   theirs = tf.data.Dataset.range(n).flat_map(
-      lambda x: tf.data.Dataset.range(x % 4).map(lambda y: y * 10 + x))
+    lambda x: tf.data.Dataset.range(x % 4).map(lambda y: y * 10 + x)
+  )
   with build(n).make_iterator() as it:
     assert_same_stream(it, theirs.as_numpy_iterator())
 

@@ -15,9 +15,12 @@ from process_udfs import jitter
 
 
 def _node(reshuffle=True, num_epochs=1):
-  return SourceNode(jaxfeed.ArraySource({"x": np.arange(10)}),
-                    IndexSampler(10, shuffle=True, seed=4, num_epochs=num_epochs,
-                                 reshuffle_each_iteration=reshuffle))
+  return SourceNode(
+    jaxfeed.ArraySource({"x": np.arange(10)}),
+    IndexSampler(
+      10, shuffle=True, seed=4, num_epochs=num_epochs, reshuffle_each_iteration=reshuffle
+    ),
+  )
 
 
 def _values(iterator):
@@ -93,10 +96,12 @@ def test_state_restored_into_another_iteration_reads_that_iteration():
 def test_process_workers_read_the_iteration_of_their_parent():
   def build(backend):
     sampler = IndexSampler(64, shuffle=True, seed=5)
-    return (Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(64)}),
-                                sampler)
-            .random_map(jitter, num_parallel_calls=2, backend=backend)
-            .batch(8))
+    return (
+      Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(64)}), sampler)
+      .random_map(jitter, num_parallel_calls=2, backend=backend)
+      .batch(8)
+    )
+
   threads, processes = build("thread"), build("process")
   orders = []
   for _ in range(2):
@@ -127,36 +132,47 @@ def test_a_mixture_under_process_workers_runs_on_threads_and_saves_its_state():
   # workers reading positions could not save: it ran on processes and
   # failed in get_state().
   def build():
-    parts = [Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(n)}),
-                                 IndexSampler(n, shuffle=True, seed=n))
-             for n in (40, 24)]
-    return (Dataset.mix(parts, [1, 1])
-            .random_map(jitter, num_parallel_calls=2, backend="process")
-            .batch(8))
+    parts = [
+      Dataset.from_source(
+        jaxfeed.ArraySource({"x": np.arange(n)}), IndexSampler(n, shuffle=True, seed=n)
+      )
+      for n in (40, 24)
+    ]
+    return (
+      Dataset.mix(parts, [1, 1])
+      .random_map(jitter, num_parallel_calls=2, backend="process")
+      .batch(8)
+    )
+
   want = list(graph_iterator(build()))
   it = build().make_iterator()
   first = next(it)
   state = json.loads(json.dumps(it.get_state()))
   rest = list(it)
   it.close()
-  assert [b["k"].tolist() for b in [first] + rest] == [
-      b["k"].tolist() for b in want]
+  assert [b["k"].tolist() for b in [first] + rest] == [b["k"].tolist() for b in want]
   resumed = build().make_iterator()
   resumed.set_state(state)
   assert [b["k"].tolist() for b in resumed] == [b["k"].tolist() for b in rest]
   resumed.close()
 
 
-@pytest.mark.parametrize("parallel", [
-    {"num_parallel_calls": jaxfeed.AUTOTUNE},
-    {"num_parallel_calls": 2, "backend": "process"}])
+@pytest.mark.parametrize(
+  "parallel",
+  [{"num_parallel_calls": jaxfeed.AUTOTUNE}, {"num_parallel_calls": 2, "backend": "process"}],
+)
 def test_parallel_epochs_read_what_no_parallelism_reads(parallel):
   # Worker processes rebuild the input and read positions of the epoch the
   # consumer's iterator is in; the chunks of one reader span the epochs.
   def build(**kw):
-    return (Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(300)}),
-                                IndexSampler(300, shuffle=True, seed=7))
-            .random_map(jitter, **kw).batch(10))
+    return (
+      Dataset.from_source(
+        jaxfeed.ArraySource({"x": np.arange(300)}), IndexSampler(300, shuffle=True, seed=7)
+      )
+      .random_map(jitter, **kw)
+      .batch(10)
+    )
+
   plain, ours = build(), build(**parallel)
   orders = []
   for _ in range(2):

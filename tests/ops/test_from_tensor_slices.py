@@ -9,9 +9,14 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.ops.base import PipelineStateError, mix_seed
 from jaxfeed.ops.from_tensor_slices import TensorSlicesNode
 import op_testing
-from op_testing import (assert_same_element, assert_same_stream,
-                        check_next_batch, check_resume, elements_and_seeds,
-                        leaves)
+from op_testing import (
+  assert_same_element,
+  assert_same_stream,
+  check_next_batch,
+  check_resume,
+  elements_and_seeds,
+  leaves,
+)
 
 tf = op_testing.import_tensorflow()
 
@@ -21,33 +26,35 @@ Point = collections.namedtuple("Point", ["x", "y"])
 def _inputs():
   """Fresh test inputs (tf may hold on to arrays it was given)."""
   return {
-      "int64_array": np.arange(5),
-      "empty_2d_array": np.zeros((0, 3)),
-      "single_element": np.array([7], np.uint8),
-      "float16_3d": np.arange(24, dtype=np.float16).reshape(4, 3, 2),
-      "python_ints": [1, 2, 3],
-      "python_big_ints": [1, 2**40],
-      "python_negative_big_ints": [-2**31 - 1, 0],
-      "python_floats": [1.5, 2.0],
-      "python_ints_and_floats": [1, 2.5],
-      "python_bools": [True, False, True],
-      "python_strings": ["a", "bc"],
-      "python_bytes": [b"x", b"yz"],
-      "numpy_strings": np.array(["a", "bc"]),
-      "nested_python_list": [[1, 2], [3, 4], [5, 6]],
-      "empty_python_list": [],
-      "tuple_of_lists": ([1, 2], [3.0, 4.0]),
-      "dict": {"a": [1, 2], "b": (np.arange(2), [b"x", b"y"])},
-      "dict_of_dicts": {"outer": {"inner": np.ones((3, 2), np.float32)},
-                        "label": np.array([0, 1, 2], np.int32)},
-      "namedtuple": Point(np.arange(2), np.ones(2)),
-      "string_matrix": np.array([["a", "b"], ["c", "d"]]),
-      "list_of_numpy_int_scalars": [np.int64(3), np.uint8(4)],
-      "list_of_numpy_float_and_int": [np.float64(1), 2],
-      "list_of_numpy_int_and_float": [np.int32(1), 2.5],
-      "list_of_numpy_float16": [np.float16(1), np.float16(2)],
-      "list_of_int8_arrays": [np.arange(2, dtype=np.int8)] * 3,
-      "numpy_bools_2d": np.array([[True, False], [False, True]]),
+    "int64_array": np.arange(5),
+    "empty_2d_array": np.zeros((0, 3)),
+    "single_element": np.array([7], np.uint8),
+    "float16_3d": np.arange(24, dtype=np.float16).reshape(4, 3, 2),
+    "python_ints": [1, 2, 3],
+    "python_big_ints": [1, 2**40],
+    "python_negative_big_ints": [-(2**31) - 1, 0],
+    "python_floats": [1.5, 2.0],
+    "python_ints_and_floats": [1, 2.5],
+    "python_bools": [True, False, True],
+    "python_strings": ["a", "bc"],
+    "python_bytes": [b"x", b"yz"],
+    "numpy_strings": np.array(["a", "bc"]),
+    "nested_python_list": [[1, 2], [3, 4], [5, 6]],
+    "empty_python_list": [],
+    "tuple_of_lists": ([1, 2], [3.0, 4.0]),
+    "dict": {"a": [1, 2], "b": (np.arange(2), [b"x", b"y"])},
+    "dict_of_dicts": {
+      "outer": {"inner": np.ones((3, 2), np.float32)},
+      "label": np.array([0, 1, 2], np.int32),
+    },
+    "namedtuple": Point(np.arange(2), np.ones(2)),
+    "string_matrix": np.array([["a", "b"], ["c", "d"]]),
+    "list_of_numpy_int_scalars": [np.int64(3), np.uint8(4)],
+    "list_of_numpy_float_and_int": [np.float64(1), 2],
+    "list_of_numpy_int_and_float": [np.int32(1), 2.5],
+    "list_of_numpy_float16": [np.float16(1), np.float16(2)],
+    "list_of_int8_arrays": [np.arange(2, dtype=np.int8)] * 3,
+    "numpy_bools_2d": np.array([[True, False], [False, True]]),
   }
 
 
@@ -59,7 +66,9 @@ def test_elements_match_tf_data(name):
   assert ours.cardinality() == int(theirs.cardinality())
 
 
-@pytest.mark.parametrize("tensors, pattern", [
+@pytest.mark.parametrize(
+  "tensors, pattern",
+  [
     (1, "rank >= 1.*'<root>'"),
     ((), "empty"),
     ({}, "empty"),
@@ -69,7 +78,8 @@ def test_elements_match_tf_data(name):
     ([[1, 2], [3]], "cannot be converted"),
     ({"x": [object(), object()]}, "'x' must be numeric"),
     ([2**70, 1], "'<root>'"),
-])
+  ],
+)
 def test_invalid_tensors_raise_value_error_like_tf(tensors, pattern):
   with pytest.raises(ValueError, match=pattern):
     TensorSlicesNode(tensors)
@@ -96,21 +106,23 @@ def test_yielded_slices_are_read_only_and_the_input_stays_writable():
 
 
 def test_dict_keys_keep_the_callers_order():
-  element = next(iter(Dataset.from_tensor_slices(
-      {"z": [1], "a": [2], "m": [3]})))
+  element = next(iter(Dataset.from_tensor_slices({"z": [1], "a": [2], "m": [3]})))
   assert list(element) == ["z", "a", "m"]
 
 
-@pytest.mark.parametrize("tensors", [
+@pytest.mark.parametrize(
+  "tensors",
+  [
     {"a": np.arange(6), "b": np.arange(12).reshape(6, 2)},
     np.zeros((0, 2)),
     [5],
-])
+  ],
+)
 def test_state_resumes_exactly_at_every_cut(tensors):
-  resumed = check_resume(lambda: Dataset.from_tensor_slices(tensors),
-                         into_same_iterator=True)
+  resumed = check_resume(lambda: Dataset.from_tensor_slices(tensors), into_same_iterator=True)
   assert [state["own"] for state in resumed.states] == [
-      {"index": cut} for cut in range(len(resumed.expected) + 1)]
+    {"index": cut} for cut in range(len(resumed.expected) + 1)
+  ]
 
 
 def test_last_seed_is_the_default_sampler_seed_of_the_index():
@@ -132,16 +144,20 @@ def test_spec_params_rebuild_an_equal_node():
   node = TensorSlicesNode(tensors)
   rebuilt = TensorSlicesNode(**node.spec_params())
   assert rebuilt.fingerprint() == node.fingerprint()
-  assert TensorSlicesNode({"a": np.arange(3), "b": [1.0, 2.0, 4.0]}
-                          ).fingerprint() != node.fingerprint()
+  assert (
+    TensorSlicesNode({"a": np.arange(3), "b": [1.0, 2.0, 4.0]}).fingerprint() != node.fingerprint()
+  )
 
 
-@pytest.mark.parametrize("state", [
+@pytest.mark.parametrize(
+  "state",
+  [
     {"op": "range", "own": {"index": 0}, "parents": []},
     {"op": "from_tensor_slices", "own": {"index": 4}, "parents": []},
     {"op": "from_tensor_slices", "own": {"index": "1"}, "parents": []},
     {"op": "from_tensor_slices", "own": {}, "parents": []},
-])
+  ],
+)
 def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
   iterator = Dataset.from_tensor_slices([1, 2, 3]).make_iterator()
   with pytest.raises(PipelineStateError):
@@ -150,8 +166,8 @@ def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
 
 def test_array_likes_keep_their_dtype():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  elements = list(Dataset.from_tensor_slices(
-      {"a": jnp.arange(3, dtype=jnp.int16)}))
+
+  elements = list(Dataset.from_tensor_slices({"a": jnp.arange(3, dtype=jnp.int16)}))
   assert [e["a"].dtype for e in elements] == [np.int16] * 3
   assert [int(e["a"]) for e in elements] == [0, 1, 2]
 
@@ -161,21 +177,24 @@ def test_array_likes_keep_their_dtype():
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(_inputs()))
 @pytest.mark.parametrize("sizes", [[1], [2], [100], [2, 0, 1]])
-def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(
-    name, sizes):
+def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(name, sizes):
   tensors = _inputs()[name]
-  check_next_batch(lambda: TensorSlicesNode(tensors).make_iterator(), sizes,
-                   [np.asarray(leaf) for leaf in leaves(tensors)],
-                   same_element=assert_same_element)
+  check_next_batch(
+    lambda: TensorSlicesNode(tensors).make_iterator(),
+    sizes,
+    [np.asarray(leaf) for leaf in leaves(tensors)],
+    same_element=assert_same_element,
+  )
 
 
 def test_batch_of_slices_reads_with_next_batch_and_equals_tf_data():
-  tensors = {"image": np.arange(7 * 6, dtype=np.uint8).reshape(7, 2, 3),
-             "label": np.arange(7, dtype=np.int32),
-             "name": np.array([b"n%d" % i for i in range(7)])}
+  tensors = {
+    "image": np.arange(7 * 6, dtype=np.uint8).reshape(7, 2, 3),
+    "label": np.arange(7, dtype=np.int32),
+    "name": np.array([b"n%d" % i for i in range(7)]),
+  }
   ours = list(Dataset.from_tensor_slices(tensors).batch(3))
-  theirs = list(tf.data.Dataset.from_tensor_slices(tensors).batch(3)
-                .as_numpy_iterator())
+  theirs = list(tf.data.Dataset.from_tensor_slices(tensors).batch(3).as_numpy_iterator())
   assert len(ours) == len(theirs) == 3
   for a, b in zip(ours, theirs):
     assert list(a) == list(tensors)

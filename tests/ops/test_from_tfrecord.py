@@ -22,8 +22,9 @@ def _write_files(folder, compression, sizes=(5, 0, 7)) -> list[str]:
   paths = []
   for f, count in enumerate(sizes):
     path = os.path.join(folder, f"part-{f}.tfrecord")
-    jaxfeed.write_tfrecord(path, [f"file{f}-record{i}-".encode() * (i * 37 + 1)
-                                  for i in range(count)], compression)
+    jaxfeed.write_tfrecord(
+      path, [f"file{f}-record{i}-".encode() * (i * 37 + 1) for i in range(count)], compression
+    )
     paths.append(path)
   return paths
 
@@ -31,8 +32,7 @@ def _write_files(folder, compression, sizes=(5, 0, 7)) -> list[str]:
 @pytest.mark.parametrize("compression", COMPRESSIONS)
 def test_records_equal_tf_data_tfrecorddataset(tmp_path, compression):
   paths = _write_files(tmp_path, compression)
-  expected = [r.numpy() for r in tf.data.TFRecordDataset(
-      paths, compression_type=compression or "")]
+  expected = [r.numpy() for r in tf.data.TFRecordDataset(paths, compression_type=compression or "")]
   assert list(Dataset.from_tfrecord(paths, compression)) == expected
   assert len(expected) == 12
 
@@ -88,9 +88,8 @@ def test_missing_file_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_truncated_file_raises_corrupt_record_error_naming_it(tmp_path,
-                                                              compression):
-  path, = _write_files(tmp_path, compression, sizes=(6,))
+def test_truncated_file_raises_corrupt_record_error_naming_it(tmp_path, compression):
+  (path,) = _write_files(tmp_path, compression, sizes=(6,))
   with open(path, "rb+") as f:
     f.truncate(os.path.getsize(path) - 9)
   with pytest.raises(CorruptRecordError, match="part-0.tfrecord"):
@@ -98,7 +97,7 @@ def test_truncated_file_raises_corrupt_record_error_naming_it(tmp_path,
 
 
 def test_damaged_record_data_raises_corrupt_record_error(tmp_path):
-  path, = _write_files(tmp_path, None, sizes=(3,))
+  (path,) = _write_files(tmp_path, None, sizes=(3,))
   data = bytearray(open(path, "rb").read())
   data[20] ^= 0xFF  # inside the first record's data
   open(path, "wb").write(bytes(data))
@@ -107,21 +106,22 @@ def test_damaged_record_data_raises_corrupt_record_error(tmp_path):
 
 
 def test_wrong_compression_type_raises_naming_the_file(tmp_path):
-  path, = _write_files(tmp_path, None, sizes=(3,))
+  (path,) = _write_files(tmp_path, None, sizes=(3,))
   with pytest.raises(CorruptRecordError, match="part-0.tfrecord"):
     list(Dataset.from_tfrecord(path, "GZIP"))
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_state_past_the_files_or_off_a_record_is_refused(tmp_path,
-                                                        compression):
+def test_state_past_the_files_or_off_a_record_is_refused(tmp_path, compression):
   paths = _write_files(tmp_path, compression, sizes=(4,))
   dataset = Dataset.from_tfrecord(paths, compression)
   with iter(dataset) as it:
     with pytest.raises(PipelineStateError, match="file"):
-      it.set_state({"op": "from_tfrecord", "parents": [],
-                    "own": {"file": 5, "offset": 0, "record": 0}})
-    it.set_state({"op": "from_tfrecord", "parents": [],
-                  "own": {"file": 0, "offset": 3, "record": 1}})
+      it.set_state(
+        {"op": "from_tfrecord", "parents": [], "own": {"file": 5, "offset": 0, "record": 0}}
+      )
+    it.set_state(
+      {"op": "from_tfrecord", "parents": [], "own": {"file": 0, "offset": 3, "record": 1}}
+    )
     with pytest.raises(CorruptRecordError, match="part-0.tfrecord.*offset 3"):
       next(it)

@@ -11,30 +11,33 @@ import pytest
 from jaxfeed import Dataset
 from jaxfeed.sources import CorruptRecordError, write_tfrecord
 from op_testing import check_resume
-from tfrecord_damage import (NUM_RECORDS, Damage, make_records,
-                             over_every_damage, write_damaged,
-                             write_with_bad_data_crc)
+from tfrecord_damage import (
+  NUM_RECORDS,
+  Damage,
+  make_records,
+  over_every_damage,
+  write_damaged,
+  write_with_bad_data_crc,
+)
 
 RECORDS = make_records()
 
 
 @over_every_damage
-def test_from_tfrecord_delivers_the_records_before_the_damage_then_names_it(
-    tmp_path, damage):
+def test_from_tfrecord_delivers_the_records_before_the_damage_then_names_it(tmp_path, damage):
   path = write_damaged(tmp_path, damage, RECORDS)
   out = []
   with Dataset.from_tfrecord(path).make_iterator() as iterator:
     with pytest.raises(CorruptRecordError) as info:
       for record in iterator:
         out.append(record)
-  assert out == RECORDS[:damage.record]
+  assert out == RECORDS[: damage.record]
   assert info.value.path == path
   assert info.value.offset == damage.damaged_offset(RECORDS)
 
 
 @over_every_damage
-def test_from_tfrecord_ignore_errors_delivers_exactly_the_intact_records(
-    tmp_path, damage):
+def test_from_tfrecord_ignore_errors_delivers_exactly_the_intact_records(tmp_path, damage):
   path = write_damaged(tmp_path, damage, RECORDS)
   dataset = Dataset.from_tfrecord(path).ignore_errors()
   with dataset.make_iterator() as iterator:
@@ -44,9 +47,15 @@ def test_from_tfrecord_ignore_errors_delivers_exactly_the_intact_records(
   assert stats["damaged_bytes_skipped"] > 0
 
 
-@pytest.mark.parametrize("damage", [
-    Damage("length", 100, "length", 9), Damage("data", 100, "data", 3),
-    Damage("cut", 100, "cut", 5)], ids=lambda d: d.name)
+@pytest.mark.parametrize(
+  "damage",
+  [
+    Damage("length", 100, "length", 9),
+    Damage("data", 100, "data", 3),
+    Damage("cut", 100, "cut", 5),
+  ],
+  ids=lambda d: d.name,
+)
 def test_from_tfrecord_resumes_exactly_around_the_damage(tmp_path, damage):
   path = write_damaged(tmp_path, damage, RECORDS)
   clean = str(tmp_path / "clean.tfrecord")
@@ -58,8 +67,7 @@ def test_from_tfrecord_resumes_exactly_around_the_damage(tmp_path, damage):
 
 
 @pytest.mark.parametrize("compression", ["GZIP", "ZLIB"])
-def test_damage_in_a_compressed_file_ends_it_and_the_next_file_is_read(
-    tmp_path, compression):
+def test_damage_in_a_compressed_file_ends_it_and_the_next_file_is_read(tmp_path, compression):
   paths = [str(tmp_path / f"{name}.tfrecord") for name in ("cut", "clean")]
   for path in paths:
     write_tfrecord(path, RECORDS, compression_type=compression)
@@ -70,20 +78,18 @@ def test_damage_in_a_compressed_file_ends_it_and_the_next_file_is_read(
     out = list(iterator)
     assert iterator.stats()["ops"][-1]["errors_ignored"] == 1
   assert 20 < len(out) - NUM_RECORDS < NUM_RECORDS
-  assert out == RECORDS[:len(out) - NUM_RECORDS] + RECORDS
+  assert out == RECORDS[: len(out) - NUM_RECORDS] + RECORDS
 
 
 @pytest.mark.parametrize("compression", [None, "GZIP", "ZLIB"])
-def test_a_bad_data_crc_in_a_compressed_file_skips_that_record_only(
-    tmp_path, compression):
+def test_a_bad_data_crc_in_a_compressed_file_skips_that_record_only(tmp_path, compression):
   path = str(tmp_path / "a.tfrecord")
   write_with_bad_data_crc(path, RECORDS, 77, compression)
   dataset = Dataset.from_tfrecord(path, compression).ignore_errors()
   assert list(dataset) == RECORDS[:77] + RECORDS[78:]
 
 
-def test_a_gzip_file_read_as_plain_gives_no_records_found_inside_it(
-    tmp_path):
+def test_a_gzip_file_read_as_plain_gives_no_records_found_inside_it(tmp_path):
   # Its incompressible records sit verbatim in stored deflate blocks; a
   # resync would find them there. The file is refused as a whole instead.
   path = str(tmp_path / "a.tfrecord")
@@ -103,8 +109,7 @@ def test_the_same_message_from_elements_that_move_on_is_not_a_dead_end():
     return x
 
   for calls in (None, 4):
-    dataset = Dataset.range(20).map(fails_in_the_middle,
-                                    num_parallel_calls=calls).ignore_errors()
+    dataset = Dataset.range(20).map(fails_in_the_middle, num_parallel_calls=calls).ignore_errors()
     with dataset.make_iterator() as iterator:
       assert [int(x) for x in iterator] == [*range(5), *range(15, 20)]
       stats = iterator.stats()["ops"][-1]

@@ -14,17 +14,21 @@ def _source(n: int = 30):
 
 
 ADDRESSABLE = {
-    "range": lambda: Dataset.range(3, 40, 2),
-    "from_tensor_slices": lambda: Dataset.from_tensor_slices(
-        {"a": np.arange(17), "b": (np.arange(17) * 2.0, np.arange(17) % 3)}),
-    "from_source": lambda: Dataset.from_source(
-        _source(), jaxfeed.IndexSampler(30, shuffle=True, seed=3, num_epochs=2)),
-    "concatenate": lambda: Dataset.range(5).concatenate(Dataset.range(100, 113)),
-    "zip": lambda: Dataset.zip((Dataset.range(20),
-                                Dataset.from_tensor_slices(np.arange(15) * 10))),
-    "zip_of_concatenate": lambda: Dataset.zip({
-        "a": Dataset.range(5).concatenate(Dataset.from_tensor_slices(np.arange(12))),
-        "b": Dataset.from_source(_source())}),
+  "range": lambda: Dataset.range(3, 40, 2),
+  "from_tensor_slices": lambda: Dataset.from_tensor_slices(
+    {"a": np.arange(17), "b": (np.arange(17) * 2.0, np.arange(17) % 3)}
+  ),
+  "from_source": lambda: Dataset.from_source(
+    _source(), jaxfeed.IndexSampler(30, shuffle=True, seed=3, num_epochs=2)
+  ),
+  "concatenate": lambda: Dataset.range(5).concatenate(Dataset.range(100, 113)),
+  "zip": lambda: Dataset.zip((Dataset.range(20), Dataset.from_tensor_slices(np.arange(15) * 10))),
+  "zip_of_concatenate": lambda: Dataset.zip(
+    {
+      "a": Dataset.range(5).concatenate(Dataset.from_tensor_slices(np.arange(12))),
+      "b": Dataset.from_source(_source()),
+    }
+  ),
 }
 
 
@@ -70,11 +74,14 @@ def test_a_batch_of_fetched_ranges_joins_the_ends_of_two_ranges():
   dataset = ADDRESSABLE["from_source"]()
   local = np.array([e["x"] for e in dataset])
   calls = iter([([(0, 7), (40, 60)], False), ([(7, 40)], False), ([], True)])
-  batches = list(Dataset(index_ranges.RangesNode(dataset.node, lambda: next(calls)))
-                 .batch(8).make_iterator())
+  batches = list(
+    Dataset(index_ranges.RangesNode(dataset.node, lambda: next(calls))).batch(8).make_iterator()
+  )
   assert [len(b["x"]) for b in batches] == [8] * 7 + [4]
-  np.testing.assert_array_equal(np.concatenate([b["x"] for b in batches]),
-                                np.concatenate([local[0:7], local[40:60], local[7:40]]))
+  np.testing.assert_array_equal(
+    np.concatenate([b["x"] for b in batches]),
+    np.concatenate([local[0:7], local[40:60], local[7:40]]),
+  )
 
 
 def test_an_endless_sampler_has_endless_positions_and_zip_takes_the_shortest():
@@ -89,12 +96,19 @@ def test_split_input_is_the_addressable_input_under_element_wise_ops():
   assert index_ranges.split_input(zipped.map(abs).batch(2).node) is zipped.node
 
 
-@pytest.mark.parametrize("make, named", [
-    (lambda: Dataset.range(5).map(abs).concatenate(Dataset.range(3)),
-     "'range -> map -> concatenate', 'range -> concatenate'"),
-    (lambda: Dataset.zip((Dataset.range(5), Dataset.range(5).map(abs))).batch(2),
-     "'range -> zip -> batch', 'range -> map -> zip -> batch'"),
-])
+@pytest.mark.parametrize(
+  "make, named",
+  [
+    (
+      lambda: Dataset.range(5).map(abs).concatenate(Dataset.range(3)),
+      "'range -> map -> concatenate', 'range -> concatenate'",
+    ),
+    (
+      lambda: Dataset.zip((Dataset.range(5), Dataset.range(5).map(abs))).batch(2),
+      "'range -> zip -> batch', 'range -> map -> zip -> batch'",
+    ),
+  ],
+)
 def test_inputs_combined_after_other_ops_are_refused_naming_them(make, named):
   with pytest.raises(index_ranges.NotIndexAddressableError, match="2 inputs") as raised:
     index_ranges.split_input(make().node)
@@ -116,6 +130,8 @@ class _Opaque(base.Node):
 
 def test_a_source_without_positions_is_refused_naming_it():
   dataset = Dataset.zip((Dataset(_Opaque()), Dataset.range(3))).batch(2)
-  with pytest.raises(index_ranges.NotIndexAddressableError,
-                     match="reads 'opaque -> zip -> batch', which cannot be split"):
+  with pytest.raises(
+    index_ranges.NotIndexAddressableError,
+    match="reads 'opaque -> zip -> batch', which cannot be split",
+  ):
     index_ranges.split_input(dataset.node)

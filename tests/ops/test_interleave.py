@@ -26,10 +26,13 @@ def nested(x):
 
 
 def build(n=14, cycle=3, block=2, parallel=None, deterministic=True):
-  return Dataset.range(n).interleave(nested, cycle_length=cycle,
-                                     block_length=block,
-                                     num_parallel_calls=parallel,
-                                     deterministic=deterministic)
+  return Dataset.range(n).interleave(
+    nested,
+    cycle_length=cycle,
+    block_length=block,
+    num_parallel_calls=parallel,
+    deterministic=deterministic,
+  )
 
 
 def values(dataset):
@@ -39,16 +42,18 @@ def values(dataset):
 
 def tf_values(n, cycle, block):
   ds = tf.data.Dataset.range(n).interleave(
-      lambda x: tf.data.Dataset.range(x % 5).map(lambda y: y * 100 + x),
-      cycle_length=cycle, block_length=block)
+    lambda x: tf.data.Dataset.range(x % 5).map(lambda y: y * 100 + x),
+    cycle_length=cycle,
+    block_length=block,
+  )
   return [int(v) for v in ds.as_numpy_iterator()]
 
 
-@pytest.mark.parametrize("n,cycle,block", [(14, 3, 2), (20, 4, 1), (7, 10, 3),
-                                           (11, 1, 2), (0, 2, 2)])
+@pytest.mark.parametrize(
+  "n,cycle,block", [(14, 3, 2), (20, 4, 1), (7, 10, 3), (11, 1, 2), (0, 2, 2)]
+)
 @pytest.mark.parametrize("parallel", [None, 1, 3, AUTOTUNE])
-def test_order_is_tf_data_order_sequential_and_parallel(n, cycle, block,
-                                                        parallel):
+def test_order_is_tf_data_order_sequential_and_parallel(n, cycle, block, parallel):
   assert values(build(n, cycle, block, parallel)) == tf_values(n, cycle, block)
 
 
@@ -68,10 +73,12 @@ def test_nondeterministic_keeps_each_nested_order_and_the_multiset():
       if x == 0:
         time.sleep(0.01)
       return y * 100 + x
+
     return Dataset.range(5).map(slow)
 
-  ds = Dataset.range(6).interleave(slow_nested, cycle_length=3,
-                                   num_parallel_calls=3, deterministic=False)
+  ds = Dataset.range(6).interleave(
+    slow_nested, cycle_length=3, num_parallel_calls=3, deterministic=False
+  )
   out = values(ds)
   expected = values(Dataset.range(6).interleave(slow_nested, cycle_length=3))
   assert sorted(out) == sorted(expected)
@@ -82,8 +89,9 @@ def test_nondeterministic_keeps_each_nested_order_and_the_multiset():
 
 def test_parallel_mode_opens_every_cycle_position_at_once():
   for parallel, opened in [(2, 4), (None, 1)]:
-    ds = Dataset.range(20).interleave(lambda x: Dataset.range(3), cycle_length=4,
-                                      num_parallel_calls=parallel)
+    ds = Dataset.range(20).interleave(
+      lambda x: Dataset.range(3), cycle_length=4, num_parallel_calls=parallel
+    )
     with ds.make_iterator() as it:
       next(it)
       assert it.get_state()["own"]["input"]["num_read"] == opened
@@ -91,14 +99,14 @@ def test_parallel_mode_opens_every_cycle_position_at_once():
 
 def test_tuple_elements_are_unpacked_into_fn_arguments():
   ds = Dataset.zip((Dataset.range(4), Dataset.range(10, 14))).interleave(
-      lambda a, b: Dataset.range(a, b, 5), cycle_length=2)
+    lambda a, b: Dataset.range(a, b, 5), cycle_length=2
+  )
   assert values(ds) == [0, 1, 5, 6, 2, 3, 7, 8]
 
 
 @pytest.mark.parametrize("parallel", [None, 2])
 def test_fn_returning_a_non_dataset_is_a_type_error_naming_op_and_value(parallel):
-  ds = Dataset.range(3).interleave(lambda x: [1, 2, 3], cycle_length=2,
-                                   num_parallel_calls=parallel)
+  ds = Dataset.range(3).interleave(lambda x: [1, 2, 3], cycle_length=2, num_parallel_calls=parallel)
   with ds.make_iterator() as it:
     with pytest.raises(TypeError, match=r"interleave.*list.*\[1, 2, 3\]"):
       next(it)
@@ -111,8 +119,7 @@ def test_fn_error_surfaces_then_the_next_input_element_is_used(parallel):
       raise ValueError("bad element 1")
     return Dataset.range(x * 10, x * 10 + 2)
 
-  ds = Dataset.range(4).interleave(fn, cycle_length=1,
-                                   num_parallel_calls=parallel)
+  ds = Dataset.range(4).interleave(fn, cycle_length=1, num_parallel_calls=parallel)
   with ds.make_iterator() as it:
     assert [int(next(it)) for _ in range(2)] == [0, 1]
     with pytest.raises(ValueError, match="bad element 1"):
@@ -128,8 +135,11 @@ def _failing_map(y):
 
 def test_parallel_worker_error_surfaces_in_next_with_worker_traceback():
   ds = Dataset.range(3).interleave(
-      lambda x: Dataset.range(4).map(_failing_map), cycle_length=3,
-      block_length=4, num_parallel_calls=3)
+    lambda x: Dataset.range(4).map(_failing_map),
+    cycle_length=3,
+    block_length=4,
+    num_parallel_calls=3,
+  )
   with ds.make_iterator() as it:
     got = []
     with pytest.raises(RuntimeError, match="nested failure") as info:
@@ -140,12 +150,15 @@ def test_parallel_worker_error_surfaces_in_next_with_worker_traceback():
   assert "_failing_map" in frames
 
 
-@pytest.mark.parametrize("bad,match", [
+@pytest.mark.parametrize(
+  "bad,match",
+  [
     ({"cycle_length": 0}, "cycle_length"),
     ({"cycle_length": 2.5}, "cycle_length"),
     ({"block_length": 0}, "block_length"),
     ({"num_parallel_calls": 0}, "num_parallel_calls"),
-])
+  ],
+)
 def test_invalid_options_are_rejected_with_their_names(bad, match):
   kwargs = {"cycle_length": 2, **bad}
   with pytest.raises(ValueError, match=f"interleave.*{match}"):
@@ -173,9 +186,10 @@ def test_resume_at_every_cut_is_exact(parallel, block):
 def test_resume_with_a_random_map_in_the_nested_datasets_is_exact():
   def noisy(x):
     return Dataset.range(int(x) % 4 + 1).random_map(
-        lambda y, rng: float(rng.random()) + float(y), seed=3)
-  check_resume(lambda: Dataset.range(9).interleave(noisy, cycle_length=2),
-               cuts=[0, 3, 7, 11])
+      lambda y, rng: float(rng.random()) + float(y), seed=3
+    )
+
+  check_resume(lambda: Dataset.range(9).interleave(noisy, cycle_length=2), cuts=[0, 3, 7, 11])
 
 
 def test_state_is_small_and_has_no_elements():
@@ -187,15 +201,13 @@ def test_state_is_small_and_has_no_elements():
 
 
 @pytest.mark.parametrize("saved_parallel,restored_parallel", [(None, 2), (2, None)])
-def test_states_move_between_sequential_and_parallel(saved_parallel,
-                                                     restored_parallel):
+def test_states_move_between_sequential_and_parallel(saved_parallel, restored_parallel):
   expected = values(build(n=15, cycle=3, block=2))
   for cut in (1, 4, 9, 17):
     with build(n=15, cycle=3, block=2, parallel=saved_parallel).make_iterator() as it:
       head = [int(next(it)) for _ in range(cut)]
       state = json.loads(json.dumps(it.get_state()))
-    with build(n=15, cycle=3, block=2,
-               parallel=restored_parallel).make_iterator() as it:
+    with build(n=15, cycle=3, block=2, parallel=restored_parallel).make_iterator() as it:
       it.set_state(state)
       assert head + [int(v) for v in it] == expected
 
@@ -243,10 +255,11 @@ def test_last_seed_differs_between_nested_datasets_of_different_inputs():
 def test_nested_elements_are_returned_unchanged():
   arrays = [np.full((2, 3), i, np.float32) for i in range(4)]
   ds = Dataset.range(4).interleave(
-      lambda i: Dataset.from_tensor_slices(arrays[int(i)]), cycle_length=2,
-      num_parallel_calls=2)
+    lambda i: Dataset.from_tensor_slices(arrays[int(i)]), cycle_length=2, num_parallel_calls=2
+  )
   with ds.make_iterator() as it:
     out = list(it)
-  expected = [arrays[i][r] for i, r in [(0, 0), (1, 0), (0, 1), (1, 1),
-                                        (2, 0), (3, 0), (2, 1), (3, 1)]]
+  expected = [
+    arrays[i][r] for i, r in [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+  ]
   assert_same_stream(out, expected)

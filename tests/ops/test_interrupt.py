@@ -16,8 +16,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_sigint_during_iteration_cleans_up_workers_and_shared_memory(tmp_path):
   report = tmp_path / "report.json"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_ROOT, HERE]))
-  proc = subprocess.Popen([sys.executable, os.path.join(HERE, "interrupt_script.py"), str(report)],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, os.path.join(HERE, "interrupt_script.py"), str(report)],
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
     info = json.loads(report.read_text())
@@ -31,5 +36,4 @@ def test_sigint_during_iteration_cleans_up_workers_and_shared_memory(tmp_path):
       proc.wait()
   assert proc.returncode != 0 and "KeyboardInterrupt" in err, err
   assert "leaked" not in err, err
-  wait_until(lambda: not any(process_alive(p) for p in info["pids"]),
-             timeout_s=10)
+  wait_until(lambda: not any(process_alive(p) for p in info["pids"]), timeout_s=10)

@@ -13,9 +13,18 @@ import jaxfeed
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.map import MapNode
 import op_testing
-from op_testing import (NUM_PARALLEL_CALLS, assert_matches_tf_data,
-                        assert_same_multiset, assert_same_values, check_resume,
-                        graph_iterator, new_threads, run, seeds_of)
+from op_testing import (
+  NUM_PARALLEL_CALLS,
+  assert_matches_tf_data,
+  assert_same_multiset,
+  assert_same_values,
+  check_resume,
+  graph_iterator,
+  new_threads,
+  run,
+  seeds_of,
+)
+
 # A fixture, requested by name.
 from op_testing import work_mode  # noqa: F401
 
@@ -26,13 +35,14 @@ B = np.linspace(0.0, 1.0, 12)
 
 # name -> (input from a Dataset class, fn working on numpy and tf values)
 CASES = {
-    "range_scalar": (lambda D: D.range(17), lambda x: x * 3 + 1),
-    "tuple_unpacked": (lambda D: D.from_tensor_slices((A, B)),
-                       lambda a, b: (b * 2.0, a + 1)),
-    "dict_one_argument": (lambda D: D.from_tensor_slices({"a": A, "b": B}),
-                          lambda d: {"sum": d["b"] + 1.0, "a": d["a"] * 2}),
-    "scalar_to_tuple": (lambda D: D.range(9), lambda x: (x, x * x)),
-    "empty": (lambda D: D.range(0), lambda x: x + 1),
+  "range_scalar": (lambda D: D.range(17), lambda x: x * 3 + 1),
+  "tuple_unpacked": (lambda D: D.from_tensor_slices((A, B)), lambda a, b: (b * 2.0, a + 1)),
+  "dict_one_argument": (
+    lambda D: D.from_tensor_slices({"a": A, "b": B}),
+    lambda d: {"sum": d["b"] + 1.0, "a": d["a"] * 2},
+  ),
+  "scalar_to_tuple": (lambda D: D.range(9), lambda x: (x, x * x)),
+  "empty": (lambda D: D.range(0), lambda x: x + 1),
 }
 
 
@@ -42,12 +52,15 @@ CASES = {
 @pytest.mark.usefixtures("work_mode")
 def test_map_matches_tf_data(case, num_parallel_calls, deterministic):
   make_input, fn = CASES[case]
-  ours_ds = make_input(Dataset).map(fn, num_parallel_calls=num_parallel_calls,
-                                    deterministic=deterministic)
+  ours_ds = make_input(Dataset).map(
+    fn, num_parallel_calls=num_parallel_calls, deterministic=deterministic
+  )
   # tf.data only takes `deterministic` together with `num_parallel_calls`.
   theirs_ds = make_input(tf.data.Dataset).map(
-      fn, num_parallel_calls=num_parallel_calls,
-      deterministic=deterministic if num_parallel_calls else None)
+    fn,
+    num_parallel_calls=num_parallel_calls,
+    deterministic=deterministic if num_parallel_calls else None,
+  )
   same = assert_same_values if deterministic else assert_same_multiset
   same(run(ours_ds, graph_iterator), run(theirs_ds))
   tf_cardinality = int(make_input(tf.data.Dataset).map(fn).cardinality())
@@ -55,31 +68,34 @@ def test_map_matches_tf_data(case, num_parallel_calls, deterministic):
 
 
 def test_map_through_the_facade_with_default_options_matches_tf_data():
-  ours = list(Dataset.range(50).map(lambda x: x + 1, num_parallel_calls=3)
-              .map(lambda x: x * 2))
-  theirs = run(tf.data.Dataset.range(50).map(lambda x: x + 1)
-               .map(lambda x: x * 2))
+  ours = list(Dataset.range(50).map(lambda x: x + 1, num_parallel_calls=3).map(lambda x: x * 2))
+  theirs = run(tf.data.Dataset.range(50).map(lambda x: x + 1).map(lambda x: x * 2))
   assert_same_values(ours, theirs)
 
 
 def test_namedtuple_elements_are_passed_whole_like_tf_data():
   pair = collections.namedtuple("Pair", "a b")
   assert_matches_tf_data(
-      lambda D: D.from_tensor_slices(pair(A, B)).map(lambda p: p.a * 2),
-      make_iterator=graph_iterator, same=assert_same_values)
+    lambda D: D.from_tensor_slices(pair(A, B)).map(lambda p: p.a * 2),
+    make_iterator=graph_iterator,
+    same=assert_same_values,
+  )
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
 @pytest.mark.usefixtures("work_mode")
-def test_map_resumes_exactly_at_every_cut_point(num_parallel_calls,
-                                                 deterministic):
+def test_map_resumes_exactly_at_every_cut_point(num_parallel_calls, deterministic):
   ds = Dataset.from_tensor_slices({"a": A, "b": B}).map(
-      lambda d: {"a": d["a"] * 2, "b": d["b"]},
-      num_parallel_calls=num_parallel_calls, deterministic=deterministic)
+    lambda d: {"a": d["a"] * 2, "b": d["b"]},
+    num_parallel_calls=num_parallel_calls,
+    deterministic=deterministic,
+  )
   resumed = check_resume(
-      lambda: ds, make_iterator=graph_iterator,
-      same=assert_same_values if deterministic else assert_same_multiset)
+    lambda: ds,
+    make_iterator=graph_iterator,
+    same=assert_same_values if deterministic else assert_same_multiset,
+  )
   assert len(resumed.states) == len(A) + 1
 
 
@@ -108,10 +124,8 @@ def _explode_on_five(x):
 
 
 @pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
-def test_fn_exception_surfaces_with_type_and_traceback_then_iteration_continues(
-    num_parallel_calls):
-  ds = Dataset.range(8).map(_explode_on_five,
-                            num_parallel_calls=num_parallel_calls)
+def test_fn_exception_surfaces_with_type_and_traceback_then_iteration_continues(num_parallel_calls):
+  ds = Dataset.range(8).map(_explode_on_five, num_parallel_calls=num_parallel_calls)
   with graph_iterator(ds) as it:
     assert [int(next(it)) for _ in range(5)] == [0, 1, 2, 3, 4]
     with pytest.raises(ZeroDivisionError, match="no fives") as info:
@@ -139,19 +153,28 @@ def test_no_threads_leak_after_close_or_garbage_collection(num_parallel_calls):
 
 def test_sequential_map_starts_no_thread():
   before = threading.enumerate()
-  with graph_iterator(Dataset.range(5).map(lambda x: x,
-                                           num_parallel_calls=1)) as it:
+  with graph_iterator(Dataset.range(5).map(lambda x: x, num_parallel_calls=1)) as it:
     next(it)
     assert not op_testing.new_threads(before)
 
 
 def test_spec_params_rebuild_an_equal_node_and_keep_batched():
-  node = MapNode(Dataset.range(4).node, _explode_on_five, num_parallel_calls=3,
-                 deterministic=False, batched=True, backend="thread")
+  node = MapNode(
+    Dataset.range(4).node,
+    _explode_on_five,
+    num_parallel_calls=3,
+    deterministic=False,
+    batched=True,
+    backend="thread",
+  )
   params = node.spec_params()
-  assert params == {"fn": _explode_on_five, "num_parallel_calls": 3,
-                    "deterministic": False, "batched": True,
-                    "backend": "thread"}
+  assert params == {
+    "fn": _explode_on_five,
+    "num_parallel_calls": 3,
+    "deterministic": False,
+    "batched": True,
+    "backend": "thread",
+  }
   rebuilt = MapNode(*node.parents, **params)
   assert rebuilt.fingerprint() == node.fingerprint()
   other = MapNode(Dataset.range(4).node, _explode_on_five, batched=False)
@@ -160,8 +183,7 @@ def test_spec_params_rebuild_an_equal_node_and_keep_batched():
 
 def test_batched_flag_does_not_change_map_output():
   plain = list(graph_iterator(Dataset.range(6).map(lambda x: x * 2)))
-  batched = list(graph_iterator(Dataset.range(6).map(lambda x: x * 2,
-                                                     batched=True)))
+  batched = list(graph_iterator(Dataset.range(6).map(lambda x: x * 2, batched=True)))
   assert plain == batched
 
 
@@ -187,19 +209,17 @@ class _Counting:
 
 
 @pytest.mark.parametrize("num_parallel_calls", NUM_PARALLEL_CALLS)
-def test_skip_after_map_matches_tf_data_without_calling_fn_on_skipped(
-    num_parallel_calls):
+def test_skip_after_map_matches_tf_data_without_calling_fn_on_skipped(num_parallel_calls):
   fn = _Counting()
   ds = Dataset.range(20).map(fn, num_parallel_calls=num_parallel_calls).skip(7)
   assert_same_values(
-      run(ds, graph_iterator),
-      run(tf.data.Dataset.range(20).map(lambda x: x * 2).skip(7)))
+    run(ds, graph_iterator), run(tf.data.Dataset.range(20).map(lambda x: x * 2).skip(7))
+  )
   assert fn.calls == 13  # the skipped elements never reached fn
 
 
 @pytest.mark.parametrize("num_parallel_calls", [None, 4])
-def test_skip_elements_in_the_middle_of_a_map_keeps_order_and_state(
-    num_parallel_calls):
+def test_skip_elements_in_the_middle_of_a_map_keeps_order_and_state(num_parallel_calls):
   ds = Dataset.range(40).map(lambda x: x, num_parallel_calls=num_parallel_calls)
   with graph_iterator(ds) as it:
     head = [int(next(it)) for _ in range(3)]  # work may be in flight now

@@ -69,32 +69,48 @@ def test_rows_have_every_field_in_pipeline_order():
   assert by_op["map"]["buffer_fill"] is None and by_op["map"]["parallelism"] == 1
 
 
-@pytest.mark.parametrize("build, names", [
+@pytest.mark.parametrize(
+  "build, names",
+  [
     (lambda: Dataset.range(10).map(np.negative).map(np.negative), ["range", "map+map"]),
     (lambda: Dataset.range(10).map(np.negative).filter(is_even), ["range", "map+filter"]),
     (lambda: Dataset.range(10).filter(is_even).filter(is_even), ["range", "filter+filter"]),
-    (lambda: Dataset.range(10).map(np.negative).map(np.negative).filter(is_even)
-     .filter(is_even), ["range", "map+map+filter+filter"]),
+    (
+      lambda: Dataset.range(10).map(np.negative).map(np.negative).filter(is_even).filter(is_even),
+      ["range", "map+map+filter+filter"],
+    ),
     # Vectorization swaps map and batch: two ops, nothing fused.
-    (lambda: Dataset.range(10).map(np.negative, batched=True).batch(2),
-     ["range", "batch", "map"]),
+    (lambda: Dataset.range(10).map(np.negative, batched=True).batch(2), ["range", "batch", "map"]),
     # Nothing rewritten: every op as written.
-    (lambda: Dataset.range(10).map(np.negative).map(np.negative).with_options(
-        jaxfeed.Options(optimize=False)), ["range", "map", "map"]),
-])
+    (
+      lambda: (
+        Dataset.range(10)
+        .map(np.negative)
+        .map(np.negative)
+        .with_options(jaxfeed.Options(optimize=False))
+      ),
+      ["range", "map", "map"],
+    ),
+  ],
+)
 def test_fused_ops_are_named_by_their_parts(build, names):
   with build().make_iterator() as it:
     list(it)
     assert ops(it) == names
 
 
-@pytest.mark.parametrize("build, op", [
+@pytest.mark.parametrize(
+  "build, op",
+  [
     (lambda: Dataset.range(25).filter(is_even), "filter"),
     (lambda: Dataset.range(25).filter(is_even).filter(is_even), "filter+filter"),
     (lambda: Dataset.range(25).map(np.negative).filter(is_even), "map+filter"),
-    (lambda: Dataset.range(25).map(np.negative, num_parallel_calls=2).filter(is_even),
-     "map+filter"),
-])
+    (
+      lambda: Dataset.range(25).map(np.negative, num_parallel_calls=2).filter(is_even),
+      "map+filter",
+    ),
+  ],
+)
 def test_filters_count_the_elements_they_keep(build, op):
   with build().make_iterator() as it:
     assert next(it) == 0
@@ -130,30 +146,43 @@ def test_a_process_batch_chain_names_its_input_ops_and_batch():
   assert rows[-1]["op"] == "range+map+batch"
   assert rows[-1]["backend"] == "process" and rows[-1]["parallelism"] >= 1
   assert rows[-1]["elements"] == 5
-  assert ("range+map+batch runs in worker processes (2); as asked: "
-          "backend='process'.") in op_report.report(rows)
+  assert (
+    "range+map+batch runs in worker processes (2); as asked: backend='process'."
+  ) in op_report.report(rows)
   ds.close()
 
 
 def test_the_report_says_what_autotune_picked_the_rates_and_why():
-  row = {"op": "from_source+random_map+batch", "self_seconds": 1.0,
-         "backend": "process", "picked": "process", "measuring": False,
-         "num_workers": 2, "rates": {"process": 41000.0, "inline": 30000.0},
-         "reason": "processes 41,000/s > inline 30,000/s"}
+  row = {
+    "op": "from_source+random_map+batch",
+    "self_seconds": 1.0,
+    "backend": "process",
+    "picked": "process",
+    "measuring": False,
+    "num_workers": 2,
+    "rates": {"process": 41000.0, "inline": 30000.0},
+    "reason": "processes 41,000/s > inline 30,000/s",
+  }
   assert op_report.backend_lines([row]) == [
-      "from_source+random_map+batch runs in worker processes (2); AUTOTUNE "
-      "picked processes: processes 41,000/s > inline 30,000/s."]
-  measuring = dict(row, backend="inline", picked=None, measuring=True,
-                   reason="measuring")
+    "from_source+random_map+batch runs in worker processes (2); AUTOTUNE "
+    "picked processes: processes 41,000/s > inline 30,000/s."
+  ]
+  measuring = dict(row, backend="inline", picked=None, measuring=True, reason="measuring")
   assert op_report.backend_lines([measuring]) == [
-      "from_source+random_map+batch runs in the consumer's thread; AUTOTUNE "
-      "is measuring the backends: measuring."]
+    "from_source+random_map+batch runs in the consumer's thread; AUTOTUNE "
+    "is measuring the backends: measuring."
+  ]
   assert op_report.backend_lines([{"op": "map", "self_seconds": 1.0}]) == []
 
 
 def test_a_slow_op_gets_the_self_time_not_its_input_or_consumer():
-  ds = (Dataset.range(200).map(np.negative).map(sleepy).batch(5)
-        .with_options(jaxfeed.Options(map_fusion=False)))
+  ds = (
+    Dataset.range(200)
+    .map(np.negative)
+    .map(sleepy)
+    .batch(5)
+    .with_options(jaxfeed.Options(map_fusion=False))
+  )
   with ds.make_iterator() as it:
     start = time.perf_counter()
     list(it)
@@ -235,13 +264,25 @@ def test_one_thread_samples_pipeline_after_pipeline_and_ends_when_idle(monkeypat
 
 
 def test_report_names_the_op_with_most_time_per_unit_of_parallelism():
-  rows = [{"op": "range", "self_seconds": 0.1, "parallelism": 1},
-          {"op": "map", "self_seconds": 4.0, "parallelism": 8},
-          {"op": "filter", "self_seconds": 1.0, "parallelism": 1}]
+  rows = [
+    {"op": "range", "self_seconds": 0.1, "parallelism": 1},
+    {"op": "map", "self_seconds": 4.0, "parallelism": 8},
+    {"op": "filter", "self_seconds": 1.0, "parallelism": 1},
+  ]
   assert op_report.bottleneck(rows)["op"] == "filter"
   text = op_report.report(rows, {"batches": 10, "input_bound_fraction": 0.5})
-  assert text.splitlines()[0].split() == ["op", "elements", "self", "s", "wait", "s",
-                                          "fill", "par", "self", "%"]
+  assert text.splitlines()[0].split() == [
+    "op",
+    "elements",
+    "self",
+    "s",
+    "wait",
+    "s",
+    "fill",
+    "par",
+    "self",
+    "%",
+  ]
   assert "Input bound: the training loop waited 50%" in text
   assert "Op to fix: 'filter' (20% of the pipeline's self time, parallelism 1)" in text
 
@@ -330,34 +371,58 @@ def test_an_ended_fused_op_on_processes_reports_its_worker_count():
 def test_a_fused_op_that_runs_its_parts_is_one_group_in_the_table():
   # A map..batch chain that AUTOTUNE may move to processes, running on
   # threads: its parts' iterators come before it, in pipeline order.
-  rows = [{"op": "range", "elements": 640, "self_seconds": 0.0, "parallelism": 1},
-          {"op": "map+filter", "elements": 640, "self_seconds": 1.5, "parallelism": 2,
-           "autotune": True},
-          {"op": "batch", "elements": 20, "self_seconds": 0.1, "parallelism": 1},
-          {"op": "range+map+filter+batch", "elements": None, "self_seconds": 0.2,
-           "parallelism": 1, "backend": "thread", "reason": "threads were faster"},
-          {"op": "prefetch", "elements": 20, "self_seconds": 0.0, "parallelism": 1}]
+  rows = [
+    {"op": "range", "elements": 640, "self_seconds": 0.0, "parallelism": 1},
+    {"op": "map+filter", "elements": 640, "self_seconds": 1.5, "parallelism": 2, "autotune": True},
+    {"op": "batch", "elements": 20, "self_seconds": 0.1, "parallelism": 1},
+    {
+      "op": "range+map+filter+batch",
+      "elements": None,
+      "self_seconds": 0.2,
+      "parallelism": 1,
+      "backend": "thread",
+      "reason": "threads were faster",
+    },
+    {"op": "prefetch", "elements": 20, "self_seconds": 0.0, "parallelism": 1},
+  ]
   table = op_report.format_table(rows).splitlines()
   names = [re.split(r"\s{2,}", line.strip())[0] for line in table[1:]]
-  assert names == ["range+map+filter+batch [thread]", "range", "map+filter", "batch",
-                   "prefetch"]
+  assert names == ["range+map+filter+batch [thread]", "range", "map+filter", "batch", "prefetch"]
   indents = [len(line) - len(line.lstrip()) for line in table[1:]]
   assert indents == [0, 2, 2, 2, 0]
   assert "Op to fix: 'map+filter' (" in op_report.report(rows)
-  on_processes = [{"op": "range+map+batch", "elements": None, "self_seconds": 3.0,
-                   "parallelism": 2, "backend": "process"}]
+  on_processes = [
+    {
+      "op": "range+map+batch",
+      "elements": None,
+      "self_seconds": 3.0,
+      "parallelism": 2,
+      "backend": "process",
+    }
+  ]
   text = op_report.report(on_processes)
   assert "range+map+batch [process]" in text and "runs on 2 worker processes" in text
 
 
 def test_a_report_with_only_a_service_reads_wait_names_the_read():
-  rows = [{"op": "range", "self_seconds": 0.0, "worker": "w:1", "task": 1},
-          {"op": "distribute", "elements": 40, "self_seconds": 0.0, "wait_seconds": 0.0,
-           "read_wait_seconds": 2.5, "service_workers": 2, "received": 44,
-           "reconnects": 1}]
+  rows = [
+    {"op": "range", "self_seconds": 0.0, "worker": "w:1", "task": 1},
+    {
+      "op": "distribute",
+      "elements": 40,
+      "self_seconds": 0.0,
+      "wait_seconds": 0.0,
+      "read_wait_seconds": 2.5,
+      "service_workers": 2,
+      "received": 44,
+      "reconnects": 1,
+    },
+  ]
   text = op_report.report(rows, {"batches": 40, "input_bound_fraction": 0.9})
   assert "No op has measured time yet" not in text
-  assert ("it is spent in the service read ('distribute'), whose pipeline runs on the "
-          "workers. This process waited 2.500 s for 40 elements from 2 worker(s) "
-          "(44 received, 1 reconnections)") in text
+  assert (
+    "it is spent in the service read ('distribute'), whose pipeline runs on the "
+    "workers. This process waited 2.500 s for 40 elements from 2 worker(s) "
+    "(44 received, 1 reconnections)"
+  ) in text
   assert "No op has measured time yet." in op_report.report([{"op": "range"}])

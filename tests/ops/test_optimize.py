@@ -72,20 +72,28 @@ def as_list(dataset):
 
 
 PIPELINES = {
-    "map_map": lambda d: d.map(double).map(add_three),
-    "map_map_parallel": lambda d: d.map(double, num_parallel_calls=3).map(
-        add_three, num_parallel_calls=3),
-    "map_map_mixed": lambda d: d.map(double).map(add_three, num_parallel_calls=2),
-    "map_filter": lambda d: d.map(double).filter(not_div_by_three),
-    "map_filter_parallel": lambda d: d.map(add_three, num_parallel_calls=4).filter(is_even),
-    "filter_filter": lambda d: d.filter(is_even).filter(not_div_by_three),
-    "map_filter_filter": lambda d: d.map(add_three).filter(is_even).filter(not_div_by_three),
-    "tuple_map_map": lambda d: d.map(pair).map(add_pair),
-    "noops": lambda d: d.skip(0).take(-1).repeat(1).prefetch(0).map(double),
-    "batched_map_batch": lambda d: d.map(double, batched=True).batch(4),
-    "batched_map_batch_drop": lambda d: d.map(double, batched=True).batch(3, drop_remainder=True),
-    "everything": lambda d: (d.skip(0).map(double).map(add_three).filter(below_150)
-                             .filter(not_div_by_three).map(add_three, batched=True).batch(5)),
+  "map_map": lambda d: d.map(double).map(add_three),
+  "map_map_parallel": lambda d: d.map(double, num_parallel_calls=3).map(
+    add_three, num_parallel_calls=3
+  ),
+  "map_map_mixed": lambda d: d.map(double).map(add_three, num_parallel_calls=2),
+  "map_filter": lambda d: d.map(double).filter(not_div_by_three),
+  "map_filter_parallel": lambda d: d.map(add_three, num_parallel_calls=4).filter(is_even),
+  "filter_filter": lambda d: d.filter(is_even).filter(not_div_by_three),
+  "map_filter_filter": lambda d: d.map(add_three).filter(is_even).filter(not_div_by_three),
+  "tuple_map_map": lambda d: d.map(pair).map(add_pair),
+  "noops": lambda d: d.skip(0).take(-1).repeat(1).prefetch(0).map(double),
+  "batched_map_batch": lambda d: d.map(double, batched=True).batch(4),
+  "batched_map_batch_drop": lambda d: d.map(double, batched=True).batch(3, drop_remainder=True),
+  "everything": lambda d: (
+    d.skip(0)
+    .map(double)
+    .map(add_three)
+    .filter(below_150)
+    .filter(not_div_by_three)
+    .map(add_three, batched=True)
+    .batch(5)
+  ),
 }
 
 
@@ -98,7 +106,9 @@ def test_optimized_outputs_equal_unoptimized(name, n):
   assert as_list(optimized) == as_list(plain)
 
 
-@pytest.mark.parametrize("name,expected", [
+@pytest.mark.parametrize(
+  "name,expected",
+  [
     ("map_map", ["range", "map"]),
     ("map_map_parallel", ["range", "map"]),
     ("map_map_mixed", ["range", "map", "map"]),  # different parallelism: kept apart
@@ -107,20 +117,24 @@ def test_optimized_outputs_equal_unoptimized(name, n):
     ("map_filter_filter", ["range", "map_and_filter"]),
     ("noops", ["range", "map"]),
     ("batched_map_batch", ["range", "batch", "map"]),
-])
+  ],
+)
 def test_rewrites_produce_expected_graph(name, expected):
   node = PIPELINES[name](jaxfeed.Dataset.range(10)).node
   assert ops_of(optimize.optimize(node)) == expected
   assert ops_of(optimize.optimize(node, NO_OPT)) == ops_of(node)
 
 
-@pytest.mark.parametrize("switch,name,unfused", [
+@pytest.mark.parametrize(
+  "switch,name,unfused",
+  [
     ("map_fusion", "map_map", ["range", "map", "map"]),
     ("map_and_filter_fusion", "map_filter", ["range", "map", "filter"]),
     ("filter_fusion", "filter_filter", ["range", "filter", "filter"]),
     ("noop_elimination", "noops", ["range", "skip", "take", "repeat", "prefetch", "map"]),
     ("map_and_batch_vectorization", "batched_map_batch", ["range", "map", "batch"]),
-])
+  ],
+)
 def test_each_rewrite_can_be_switched_off(switch, name, unfused):
   options = dataclasses.replace(jaxfeed.Options(), **{switch: False})
   node = PIPELINES[name](jaxfeed.Dataset.range(10)).node

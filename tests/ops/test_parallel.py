@@ -27,9 +27,16 @@ from jaxfeed.ops.base import AUTOTUNE, PipelineStateError
 from jaxfeed.ops.map import MapNode
 from jaxfeed.ops.random_map import RandomMapNode
 import op_testing
-from op_testing import (ListNode, assert_same_multiset, check_close,
-                        check_resume, graph_iterator, new_threads,
-                        memfds, wait_until)
+from op_testing import (
+  ListNode,
+  assert_same_multiset,
+  check_close,
+  check_resume,
+  graph_iterator,
+  new_threads,
+  memfds,
+  wait_until,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -51,15 +58,18 @@ def _jittered(fn):
   def run(element, seed):
     time.sleep(delays[hash(int(element)) % 64])
     return fn(element, seed)
+
   return run
 
 
 def _blocked_on_zero(release):
   """Work that returns its element; on element 0 it first waits for `release`."""
+
   def work(x, seed):
     if x == 0:
       release.wait()
     return x
+
   return work
 
 
@@ -67,8 +77,9 @@ def _executor(items, work=None, parallelism=4, deterministic=True):
   """An executor over a `ListNode` of `items`; returns (node, executor)."""
   parent = ListNode(items)
   work = work or _jittered(lambda x, seed: (x, seed))
-  return parent, parallel.ParallelExecutor(parent.make_iterator(), work,
-                                           parallelism, deterministic, "test")
+  return parent, parallel.ParallelExecutor(
+    parent.make_iterator(), work, parallelism, deterministic, "test"
+  )
 
 
 def _drain(executor):
@@ -97,8 +108,7 @@ def test_ordered_executor_keeps_input_order_and_seeds(parallelism):
 
 @pytest.mark.parametrize("parallelism", [2, 4])
 def test_unordered_executor_returns_every_element_once_with_its_seed(parallelism):
-  _, executor = _executor(range(40), parallelism=parallelism,
-                          deterministic=False)
+  _, executor = _executor(range(40), parallelism=parallelism, deterministic=False)
   pairs = []
   while True:
     try:
@@ -112,8 +122,9 @@ def test_unordered_executor_returns_every_element_once_with_its_seed(parallelism
 
 def test_unordered_executor_does_not_wait_for_a_slow_head_element():
   release = threading.Event()
-  _, executor = _executor(range(10), work=_blocked_on_zero(release),
-                          parallelism=3, deterministic=False)
+  _, executor = _executor(
+    range(10), work=_blocked_on_zero(release), parallelism=3, deterministic=False
+  )
   first = [next(executor) for _ in range(5)]  # element 0 is still running
   release.set()
   rest = _drain(executor)
@@ -124,10 +135,8 @@ def test_unordered_executor_does_not_wait_for_a_slow_head_element():
 
 @pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("parallelism", [1, 3])
-def test_executor_never_has_more_than_parallelism_elements_in_flight(
-    parallelism, deterministic):
-  parent, executor = _executor(range(30), parallelism=parallelism,
-                               deterministic=deterministic)
+def test_executor_never_has_more_than_parallelism_elements_in_flight(parallelism, deterministic):
+  parent, executor = _executor(range(30), parallelism=parallelism, deterministic=deterministic)
   returned = 0
   while True:
     try:
@@ -148,8 +157,7 @@ def test_ordered_executor_resumes_exactly_at_every_cut_point():
   for cut in range(len(items) + 1):
     _, executor = _executor(items)
     head = [next(executor) for _ in range(cut)]
-    state = json.loads(json.dumps(
-        {"parent": executor.parent_state(), "own": executor.own_state()}))
+    state = json.loads(json.dumps({"parent": executor.parent_state(), "own": executor.own_state()}))
     executor.close()
     assert state["own"]["consumed_ahead"] == []
     _, restored = _executor(items)
@@ -171,8 +179,7 @@ def test_unordered_executor_resumes_exactly_at_every_cut_point(seed):
   for cut in range(len(items) + 1):
     _, executor = _executor(items, work=work, deterministic=False)
     head = [next(executor) for _ in range(cut)]
-    state = json.loads(json.dumps(
-        {"parent": executor.parent_state(), "own": executor.own_state()}))
+    state = json.loads(json.dumps({"parent": executor.parent_state(), "own": executor.own_state()}))
     executor.close()
     _, restored = _executor(items, work=work, deterministic=False)
     restored.restore(state["parent"], state["own"])
@@ -183,8 +190,9 @@ def test_unordered_executor_resumes_exactly_at_every_cut_point(seed):
 
 def test_unordered_state_lists_elements_returned_ahead_of_a_slow_one():
   release = threading.Event()
-  _, executor = _executor(range(10), work=_blocked_on_zero(release),
-                          parallelism=4, deterministic=False)
+  _, executor = _executor(
+    range(10), work=_blocked_on_zero(release), parallelism=4, deterministic=False
+  )
   head = [next(executor) for _ in range(3)]
   parent_state, own = executor.parent_state(), executor.own_state()
   release.set()
@@ -214,8 +222,7 @@ def test_worker_exception_surfaces_in_order_with_its_traceback_and_iteration_goe
   assert [next(executor) for _ in range(3)] == [0, 1, 2]
   with pytest.raises(KeyError, match="bad element 3") as info:
     next(executor)
-  frames = [frame.name for frame in
-            traceback.extract_tb(info.value.__traceback__)]
+  frames = [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
   assert "explode_on_three" in frames
   assert _drain(executor) == [4, 5]
   executor.close()
@@ -224,8 +231,7 @@ def test_worker_exception_surfaces_in_order_with_its_traceback_and_iteration_goe
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_parent_exception_surfaces_at_its_position(deterministic):
   items = [0, 1, ValueError("input broke"), 3]
-  _, executor = _executor(items, work=lambda x, s: x, parallelism=2,
-                          deterministic=deterministic)
+  _, executor = _executor(items, work=lambda x, s: x, parallelism=2, deterministic=deterministic)
   got = []
   for _ in range(4):
     try:
@@ -296,8 +302,7 @@ def test_parallelism_shrink_retires_threads():
 
 
 def test_autotune_starts_from_the_default_and_exposes_a_parallelism_knob():
-  it = MapNode(Dataset.range(10).node, lambda x: x,
-               num_parallel_calls=AUTOTUNE).make_iterator()
+  it = MapNode(Dataset.range(10).node, lambda x: x, num_parallel_calls=AUTOTUNE).make_iterator()
   assert it.parallelism == min(os.cpu_count(), 8)
   [knob] = it.tunables()
   assert knob.kind == "threads" and knob.get() == it.parallelism
@@ -306,8 +311,7 @@ def test_autotune_starts_from_the_default_and_exposes_a_parallelism_knob():
   assert list(it) == list(range(10))
   assert knob.wait_s() >= 0.0 and knob.busy_s() >= 0.0
   it.close()
-  fixed = MapNode(Dataset.range(3).node, lambda x: x,
-                  num_parallel_calls=3).make_iterator()
+  fixed = MapNode(Dataset.range(3).node, lambda x: x, num_parallel_calls=3).make_iterator()
   assert fixed.tunables() == []
   fixed.close()
 
@@ -373,6 +377,7 @@ def _thread_recording(cost_s=lambda x: 0.0):
     if cost_s(x):
       time.sleep(cost_s(x))
     return x
+
   return threads, work
 
 
@@ -434,16 +439,14 @@ def test_cheap_work_in_the_consumer_raises_input_errors_in_order_and_resumes(mon
   items = list(range(600))
   items[400] = ValueError("bad record 400")
   parent = ListNode(items)
-  executor = parallel.ParallelExecutor(parent.make_iterator(), lambda x, seed: x, 2,
-                                       True, "test")
+  executor = parallel.ParallelExecutor(parent.make_iterator(), lambda x, seed: x, 2, True, "test")
   out = [next(executor) for _ in range(400)]
   state = (executor.parent_state(), executor.own_state())
   with pytest.raises(ValueError, match="bad record 400"):
     next(executor)
   out += _drain(executor)
   assert out == list(range(400)) + list(range(401, 600))
-  again = parallel.ParallelExecutor(parent.make_iterator(), lambda x, seed: x, 2,
-                                    True, "test")
+  again = parallel.ParallelExecutor(parent.make_iterator(), lambda x, seed: x, 2, True, "test")
   again.restore(*state)
   with pytest.raises(ValueError, match="bad record 400"):
     next(again)
@@ -461,8 +464,7 @@ def test_unordered_work_never_runs_in_the_consumer(monkeypatch):
   assert threading.main_thread() not in threads.values()
 
 
-def test_work_getting_dearer_goes_back_to_threads_and_resume_stays_exact(
-    monkeypatch):
+def test_work_getting_dearer_goes_back_to_threads_and_resume_stays_exact(monkeypatch):
   monkeypatch.setattr(parallel_executor, "INLINE_BELOW_S", 100e-6)
   threads, work = _thread_recording(lambda x: 0.0005 if x >= 300 else 0.0)
   items = list(range(360))
@@ -485,8 +487,7 @@ def test_work_getting_dearer_goes_back_to_threads_and_resume_stays_exact(
 
 
 def test_unordered_upstream_makes_anchors_per_element():
-  unordered = Dataset.range(30).map(lambda x: x, num_parallel_calls=3,
-                                    deterministic=False)
+  unordered = Dataset.range(30).map(lambda x: x, num_parallel_calls=3, deterministic=False)
   assert parallel.replays_identically(Dataset.range(3).node.make_iterator())
   it = unordered.node.make_iterator()
   assert not parallel.replays_identically(it)
@@ -496,15 +497,13 @@ def test_unordered_upstream_makes_anchors_per_element():
 
 @pytest.mark.parametrize("outer", ["map", "prefetch"])
 def test_ops_over_an_unordered_map_resume_exactly_as_a_multiset(outer):
-  inner = Dataset.range(40).map(_sleepy, num_parallel_calls=3,
-                                deterministic=False)
-  ds = (inner.map(lambda x: x + 1000, num_parallel_calls=2)
-        if outer == "map" else inner.prefetch(3))
+  inner = Dataset.range(40).map(_sleepy, num_parallel_calls=3, deterministic=False)
+  ds = inner.map(lambda x: x + 1000, num_parallel_calls=2) if outer == "map" else inner.prefetch(3)
   offset = 1000 if outer == "map" else 0
-  resumed = check_resume(lambda: ds, cuts=(0, 1, 5, 17, 39, 40),
-                         make_iterator=graph_iterator, same=assert_same_multiset)
-  assert sorted(int(x) for x in resumed.expected) == [
-      i + offset for i in range(40)]
+  resumed = check_resume(
+    lambda: ds, cuts=(0, 1, 5, 17, 39, 40), make_iterator=graph_iterator, same=assert_same_multiset
+  )
+  assert sorted(int(x) for x in resumed.expected) == [i + offset for i in range(40)]
 
 
 def _sleepy(x):
@@ -532,6 +531,7 @@ def test_validators_accept_what_tf_data_accepts(tf):
 
 def test_call_unpacked_unpacks_plain_tuples_only():
   import collections
+
   pair = collections.namedtuple("Pair", "a b")
   assert parallel.call_unpacked(lambda a, b: a + b, (1, 2)) == 3
   assert parallel.call_unpacked(lambda p: p.a, pair(1, 2)) == 1
@@ -561,14 +561,17 @@ def fails_on_two(d):
 
 def _live_children():
   """This process's child processes that run."""
-  return {p.pid for p in psutil.Process().children(recursive=True)
-          if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
+  return {
+    p.pid
+    for p in psutil.Process().children(recursive=True)
+    if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+  }
 
 
 def _dict_source():
   return Dataset.from_tensor_slices(
-      {"v": np.arange(12, dtype=np.float64).reshape(6, 2),
-       "id": np.arange(6)})
+    {"v": np.arange(12, dtype=np.float64).reshape(6, 2), "id": np.arange(6)}
+  )
 
 
 def _as_lists(elements):
@@ -600,10 +603,8 @@ def test_process_backend_matches_threads_resumes_exactly_and_leaks_nothing():
 
 def test_process_backend_random_map_gives_the_thread_backend_values():
   children_before = _live_children()
-  threads = RandomMapNode(Dataset.range(8).node, noisy, seed=3,
-                          num_parallel_calls=2)
-  processes = RandomMapNode(Dataset.range(8).node, noisy, seed=3,
-                            backend="process")
+  threads = RandomMapNode(Dataset.range(8).node, noisy, seed=3, num_parallel_calls=2)
+  processes = RandomMapNode(Dataset.range(8).node, noisy, seed=3, backend="process")
   with threads.make_iterator() as a, processes.make_iterator() as b:
     assert [x.tolist() for x in a] == [x.tolist() for x in b]
   assert _live_children() == children_before
@@ -626,15 +627,21 @@ def test_process_backend_errors_surface_and_garbage_collection_stops_workers():
 def test_process_backend_runs_lambdas_and_keeps_unshippable_functions_on_threads(caplog):
   children_before = _live_children()
   factor = np.float64(1.5)
-  with Dataset.range(4).map(lambda x: x * factor, num_parallel_calls=2,
-                            backend="process").node.make_iterator() as it:
+  with (
+    Dataset.range(4)
+    .map(lambda x: x * factor, num_parallel_calls=2, backend="process")
+    .node.make_iterator() as it
+  ):
     assert [float(x) for x in it] == [0.0, 1.5, 3.0, 4.5]
     assert len(it._pool.pids()) >= 1
   assert _live_children() == children_before
   lock = threading.Lock()
   with caplog.at_level(logging.WARNING, logger="jaxfeed"):
-    with Dataset.range(3).map(lambda x: (lock, x)[1], num_parallel_calls=2,
-                              backend="process").node.make_iterator() as it:
+    with (
+      Dataset.range(3)
+      .map(lambda x: (lock, x)[1], num_parallel_calls=2, backend="process")
+      .node.make_iterator() as it
+    ):
       assert [int(x) for x in it] == [0, 1, 2]
       assert it._pool is None
   [line] = [r.getMessage() for r in caplog.records]

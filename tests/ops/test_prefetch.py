@@ -12,12 +12,20 @@ import pytest
 import jaxfeed
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.base import PipelineStateError
-from jaxfeed.ops.prefetch import (DEFAULT_AUTOTUNE_BUFFER_SIZE, PrefetchNode)
+from jaxfeed.ops.prefetch import DEFAULT_AUTOTUNE_BUFFER_SIZE, PrefetchNode
 import op_testing
-from op_testing import (INPUT_KINDS, ListNode, assert_matches_tf_data,
-                        assert_same_values, check_close, check_resume,
-                        elements_and_seeds, graph_iterator, new_threads,
-                        wait_until)
+from op_testing import (
+  INPUT_KINDS,
+  ListNode,
+  assert_matches_tf_data,
+  assert_same_values,
+  check_close,
+  check_resume,
+  elements_and_seeds,
+  graph_iterator,
+  new_threads,
+  wait_until,
+)
 
 tf = op_testing.import_tensorflow()
 
@@ -28,8 +36,7 @@ BUFFER_SIZES = [0, 1, 3, jaxfeed.AUTOTUNE]
 @pytest.mark.parametrize("kind", sorted(INPUT_KINDS))
 def test_prefetch_matches_tf_data(kind, buffer_size):
   make = lambda D: INPUT_KINDS[kind](D).prefetch(buffer_size)
-  assert_matches_tf_data(make, make_iterator=graph_iterator,
-                         same=assert_same_values)
+  assert_matches_tf_data(make, make_iterator=graph_iterator, same=assert_same_values)
   assert make(Dataset).cardinality() == int(make(tf.data.Dataset).cardinality())
 
 
@@ -65,16 +72,21 @@ def test_autotune_starts_at_the_default_and_the_tuner_can_resize_the_buffer():
 @pytest.mark.parametrize("buffer_size", BUFFER_SIZES)
 def test_resume_at_every_cut_point_is_exact(buffer_size):
   column = np.arange(10, dtype=np.int32)
-  ds = Dataset.from_tensor_slices({"x": column, "y": column * 3}).prefetch(
-      buffer_size)
-  resumed = check_resume(lambda: ds, make_iterator=graph_iterator,
-                         same=assert_same_values, pause_s=0.001)
+  ds = Dataset.from_tensor_slices({"x": column, "y": column * 3}).prefetch(buffer_size)
+  resumed = check_resume(
+    lambda: ds, make_iterator=graph_iterator, same=assert_same_values, pause_s=0.001
+  )
   assert len(resumed.states) == len(column) + 1
 
 
 def test_resume_of_parallel_map_under_prefetch_is_exact():
-  ds = (Dataset.range(40).map(lambda x: x * x, num_parallel_calls=4)
-        .prefetch(3).map(lambda x: x + 1, num_parallel_calls=2).prefetch(2))
+  ds = (
+    Dataset.range(40)
+    .map(lambda x: x * x, num_parallel_calls=4)
+    .prefetch(3)
+    .map(lambda x: x + 1, num_parallel_calls=2)
+    .prefetch(2)
+  )
   expected = [i * i + 1 for i in range(40)]
   for cut in range(0, 41, 3):
     with graph_iterator(ds) as it:
@@ -152,8 +164,7 @@ def test_close_stops_a_producer_waiting_on_a_slow_input():
 
 def test_garbage_collection_stops_the_producer():
   before = threading.enumerate()
-  it = graph_iterator(Dataset.range(1000).map(lambda x: x, num_parallel_calls=2)
-             .prefetch(3))
+  it = graph_iterator(Dataset.range(1000).map(lambda x: x, num_parallel_calls=2).prefetch(3))
   next(it)
   ref = weakref.ref(it)
   del it
@@ -178,5 +189,4 @@ def test_invalid_buffer_size_and_state_are_rejected():
 def test_spec_params_rebuild_an_equal_node():
   node = PrefetchNode(Dataset.range(3).node, jaxfeed.AUTOTUNE)
   assert node.spec_params() == {"buffer_size": jaxfeed.AUTOTUNE}
-  assert PrefetchNode(*node.parents, **node.spec_params()).fingerprint() == (
-      node.fingerprint())
+  assert PrefetchNode(*node.parents, **node.spec_params()).fingerprint() == (node.fingerprint())

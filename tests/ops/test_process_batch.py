@@ -22,18 +22,31 @@ import pytest
 
 import jaxfeed
 from jaxfeed.dataset import Dataset
-from jaxfeed.ops import (backend_choice, chunk_plan, process_batch, process_batch_iterator,
-                         worker_processes)
+from jaxfeed.ops import (
+  backend_choice,
+  chunk_plan,
+  process_batch,
+  process_batch_iterator,
+  worker_processes,
+)
 from jaxfeed.ops.process_batch import ProcessBatchNode
 from jaxfeed.ops.worker_processes import WorkerProcessError
 import op_testing
-from op_testing import (assert_identical_batch, elements_and_seeds, memfds,
-                        process_alive)
+from op_testing import assert_identical_batch, elements_and_seeds, memfds, process_alive
+
 # In a module of their own: each worker imports the module of a function.
-from process_udfs import (busy_python, fails_on_seven, image_in_one_buffer,
-                          image_rows, image_rows_fail_at_13,
-                          image_rows_widen_at_18, jitter,
-                          not_multiple_of_three, plus_ten, wide_after_400)
+from process_udfs import (
+  busy_python,
+  fails_on_seven,
+  image_in_one_buffer,
+  image_rows,
+  image_rows_fail_at_13,
+  image_rows_widen_at_18,
+  jitter,
+  not_multiple_of_three,
+  plus_ten,
+  wide_after_400,
+)
 
 
 N = 40
@@ -50,17 +63,16 @@ def _input(kind, n=N):
 
 
 CHAINS = {
-    "map": lambda ds, **kw: ds.map(plus_ten, **kw),
-    "random_map": lambda ds, **kw: ds.random_map(jitter, seed=9, **kw),
-    "filter_map_random_map": lambda ds, **kw: (
-        ds.filter(not_multiple_of_three).map(plus_ten, **kw)
-        .random_map(jitter, seed=1, **kw)),
+  "map": lambda ds, **kw: ds.map(plus_ten, **kw),
+  "random_map": lambda ds, **kw: ds.random_map(jitter, seed=9, **kw),
+  "filter_map_random_map": lambda ds, **kw: (
+    ds.filter(not_multiple_of_three).map(plus_ten, **kw).random_map(jitter, seed=1, **kw)
+  ),
 }
 
 
 def _chain(kind, chain, backend, batch_size=6, drop_remainder=False):
-  kw = ({"num_parallel_calls": 2, "backend": "process"} if backend == "process"
-        else {})
+  kw = {"num_parallel_calls": 2, "backend": "process"} if backend == "process" else {}
   return CHAINS[chain](_input(kind), **kw).batch(batch_size, drop_remainder)
 
 
@@ -84,8 +96,7 @@ def _slots():
   inodes = set()
   for fd in os.listdir("/proc/self/fd"):
     try:
-      if os.readlink(f"/proc/self/fd/{fd}").startswith(
-          "/memfd:jaxfeed-process_batch"):
+      if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:jaxfeed-process_batch"):
         inodes.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
     except OSError:
       pass  # closed meanwhile (listdir's own descriptor)
@@ -101,8 +112,7 @@ def _assert_same_batches(ours, expected):
 @pytest.mark.parametrize("drop_remainder", [False, True])
 @pytest.mark.parametrize("chain", sorted(CHAINS))
 @pytest.mark.parametrize("kind", ["range", "from_tensor_slices", "from_source"])
-def test_batches_and_seeds_are_those_of_the_thread_backend(kind, chain,
-                                                           drop_remainder):
+def test_batches_and_seeds_are_those_of_the_thread_backend(kind, chain, drop_remainder):
   build = lambda backend: _chain(kind, chain, backend, drop_remainder=drop_remainder)
   with _threads(build("thread")) as it:
     expected, expected_seeds = elements_and_seeds(it)
@@ -120,28 +130,28 @@ def test_optimizer_fuses_process_and_autotune_chains_and_keeps_others_on_threads
     assert _root(it).backend == "process" and len(_root(it).pids()) >= 1
   # A map asking for processes is not fused with its filter into a
   # (thread-only) map_and_filter, which would drop the backend.
-  filtered = (Dataset.range(N).map(plus_ten, backend="process")
-              .filter(not_multiple_of_three).batch(4))
+  filtered = (
+    Dataset.range(N).map(plus_ten, backend="process").filter(not_multiple_of_three).batch(4)
+  )
   with filtered.make_iterator() as it:
     assert _root(it).backend == "process"
     assert list(it)[0].tolist() == [10, 11, 13, 14]
   plain = Dataset.range(N).map(plus_ten, num_parallel_calls=2).batch(4)
-  threads = Dataset.range(N).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE,
-                                 backend="thread").batch(4)
+  threads = (
+    Dataset.range(N).map(plus_ten, num_parallel_calls=jaxfeed.AUTOTUNE, backend="thread").batch(4)
+  )
   for dataset in (plain, threads):
     with dataset.make_iterator() as it:
       assert not isinstance(_root(it), process_batch.ProcessBatchIterator)
   # AUTOTUNE chains are fused, lambdas included (they travel by value); the
   # first batches run on threads (measured) while the worker processes start.
   scale = np.int64(3)
-  auto = Dataset.range(N).map(lambda x: x * scale,
-                              num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
+  auto = Dataset.range(N).map(lambda x: x * scale, num_parallel_calls=jaxfeed.AUTOTUNE).batch(4)
   with auto.make_iterator() as it:
     assert isinstance(_root(it), process_batch.ProcessBatchIterator)
     assert _root(it).backend == "thread"
     assert len(_root(it).pids()) == 2  # starting
-    assert [b.tolist() for b in it] == [[3 * i for i in range(j, j + 4)]
-                                        for j in range(0, N, 4)]
+    assert [b.tolist() for b in it] == [[3 * i for i in range(j, j + 4)] for j in range(0, N, 4)]
   auto.close()
 
 
@@ -149,9 +159,13 @@ def test_optimizer_fuses_process_and_autotune_chains_and_keeps_others_on_threads
 def test_resumes_exactly_at_every_cut_and_across_backends(chain):
   build = lambda: _chain("from_source", chain, "process", batch_size=4)
   # Cuts inside a chunk, on a chunk boundary and at the end.
-  resumed = op_testing.check_resume(build, cuts=[1, 4, 7],
-                                    make_iterator=lambda ds: _processes(ds, chunk=8),
-                                    with_seeds=True, into_same_iterator=True)
+  resumed = op_testing.check_resume(
+    build,
+    cuts=[1, 4, 7],
+    make_iterator=lambda ds: _processes(ds, chunk=8),
+    with_seeds=True,
+    into_same_iterator=True,
+  )
   # A process checkpoint restores into threads and a thread one into processes.
   on_threads = lambda: _chain("from_source", chain, "thread", batch_size=4)
   for cut, state in zip([1, 4], resumed.states[:2]):
@@ -166,8 +180,7 @@ def test_resumes_exactly_at_every_cut_and_across_backends(chain):
 
 
 def test_resumes_in_a_new_process():
-  expression = ("Dataset.range(50).map(np.square, num_parallel_calls=2, "
-                "backend='process').batch(8)")
+  expression = "Dataset.range(50).map(np.square, num_parallel_calls=2, backend='process').batch(8)"
   dataset = eval(expression)  # pylint: disable=eval-used
   with dataset.make_iterator() as it:
     assert _root(it).backend == "process"
@@ -211,8 +224,9 @@ def test_udf_error_reaches_the_consumer_and_iteration_goes_on_as_on_threads():
 
 def test_the_dataset_keeps_its_workers_until_closed_or_collected():
   big = np.arange(300_000, dtype=np.int64)  # 2.4 MB: shared, not piped
-  build = lambda: Dataset.from_source(jaxfeed.ArraySource({"x": big})).map(
-      plus_ten, backend="process").batch(64)
+  build = lambda: (
+    Dataset.from_source(jaxfeed.ArraySource({"x": big})).map(plus_ten, backend="process").batch(64)
+  )
   threads_before = threading.enumerate()
   shared_before = memfds()  # those of other tests' datasets not yet collected
   dataset = build()
@@ -259,8 +273,7 @@ def test_batches_are_views_until_dropped_then_slots_are_reused():
     held = [next(it) for _ in range(30)]  # all held: none overwritten
     for _ in range(100):
       next(it)  # dropped at once: slots come back
-    assert [b.tolist() for b in held] == [
-        list(range(10 + 10 * i, 20 + 10 * i)) for i in range(30)]
+    assert [b.tolist() for b in held] == [list(range(10 + 10 * i, 20 + 10 * i)) for i in range(30)]
     assert held[0].flags.writeable
     del held  # their slots' memory goes with them
     for _ in range(20):
@@ -285,14 +298,18 @@ def test_killed_worker_gives_a_clear_error_not_a_hang():
 
 def test_lambdas_and_closures_run_in_processes():
   offset = np.arange(4)
-  dataset = (Dataset.range(N).map(lambda x: x + offset, backend="process")
-             .map(lambda v: v * 2, backend="process").batch(5))
+  dataset = (
+    Dataset.range(N)
+    .map(lambda x: x + offset, backend="process")
+    .map(lambda v: v * 2, backend="process")
+    .batch(5)
+  )
   with dataset.make_iterator() as it:
     batches = list(it)
     assert _root(it).backend == "process"
   assert [b.tolist() for b in batches] == [
-      [[2 * (i + k) for k in range(4)] for i in range(j, j + 5)]
-      for j in range(0, N, 5)]
+    [[2 * (i + k) for k in range(4)] for i in range(j, j + 5)] for j in range(0, N, 5)
+  ]
   dataset.close()
 
 
@@ -315,8 +332,7 @@ def test_functions_that_cannot_be_shipped_run_on_threads_with_a_log_line(caplog)
       assert [b.tolist() for b in it] == expected
       assert _root(it).pids() == []
   lines = [r.getMessage() for r in caplog.records]
-  assert len(lines) == 2 and all("lock" in line and "on threads" in line
-                                 for line in lines), lines
+  assert len(lines) == 2 and all("lock" in line and "on threads" in line for line in lines), lines
 
 
 @pytest.fixture
@@ -334,22 +350,27 @@ def switching(monkeypatch):
   def spy(self, backend):
     ran.append(backend)
     switch(self, backend)
+
   monkeypatch.setattr(process_batch_iterator.ProcessBatchIterator, "_switch", spy)
   return ran
 
 
-@pytest.mark.parametrize("chain", ["filter_random_map", "random_map",
-                                   "image_rows_writes_out"])
-def test_autotune_moves_between_backends_without_changing_the_output(
-    switching, chain):
+@pytest.mark.parametrize("chain", ["filter_random_map", "random_map", "image_rows_writes_out"])
+def test_autotune_moves_between_backends_without_changing_the_output(switching, chain):
   if chain == "image_rows_writes_out":
-    build = lambda npc: Dataset.range(300).map(
-        image_rows, num_parallel_calls=npc, writes_out=True).batch(2)
+    build = lambda npc: (
+      Dataset.range(300).map(image_rows, num_parallel_calls=npc, writes_out=True).batch(2)
+    )
   else:
     build = lambda npc: (
-        (_input("from_source", 600).filter(not_multiple_of_three)
-         if chain.startswith("filter") else _input("from_source", 600))
-        .random_map(jitter, seed=2, num_parallel_calls=npc).batch(2))
+      (
+        _input("from_source", 600).filter(not_multiple_of_three)
+        if chain.startswith("filter")
+        else _input("from_source", 600)
+      )
+      .random_map(jitter, seed=2, num_parallel_calls=npc)
+      .batch(2)
+    )
   reference = build(None)  # each epoch in its own order, element by element
   dataset = build(jaxfeed.AUTOTUNE)
   # Epochs until each backend ran (the worker processes start in the
@@ -374,8 +395,7 @@ def test_copies_instead_of_views_when_asked():
   with _processes(dataset, copy=True) as it:
     batches = list(it)
   assert all(b.flags.owndata and b.flags.writeable for b in batches)
-  assert [b.tolist() for b in batches] == [
-      list(range(10 + 10 * i, 20 + 10 * i)) for i in range(10)]
+  assert [b.tolist() for b in batches] == [list(range(10 + 10 * i, 20 + 10 * i)) for i in range(10)]
 
 
 def test_outputs_that_grow_get_slots_big_enough():
@@ -400,8 +420,7 @@ def _image_chain(fn, backend, writes_out, n=42, batch_size=4, **kw):
 @pytest.mark.parametrize("chunk", [4, 8, 24])  # 24: over the first 1 MiB slot
 @pytest.mark.parametrize("writes_out", [False, True])
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
-def test_rows_written_in_place_are_the_thread_batches(tmp_path, dtype,
-                                                       writes_out, chunk):
+def test_rows_written_in_place_are_the_thread_batches(tmp_path, dtype, writes_out, chunk):
   log = tmp_path / "rows"
   fn = functools.partial(image_rows, dtype=dtype, log=str(log))
   with _threads(_image_chain(fn, "thread", writes_out)) as it:
@@ -439,7 +458,8 @@ def test_each_element_is_in_its_row_before_the_next_is_computed():
   with _processes(dataset, chunk=8) as it:
     batches = list(it)
   assert [b["pixels"][:, 0, 0, 0].tolist() for b in batches] == [
-      [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(10)]
+    [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(10)
+  ]
 
 
 def test_writes_out_resumes_exactly_across_backends():
@@ -483,10 +503,8 @@ def test_the_next_iterator_reuses_the_slots_of_the_last():
 
 def test_a_dataset_keeps_its_spare_slots_only_while_it_lives():
   chain = Dataset.range(40).map(image_rows, backend="process").batch(4)
-  dataset = Dataset(ProcessBatchNode(chain.node, chunk=8),
-                    jaxfeed.Options(optimize=False))
-  assert [b["label"].tolist() for b in dataset] == [
-      list(range(i, i + 4)) for i in range(0, 40, 4)]
+  dataset = Dataset(ProcessBatchNode(chain.node, chunk=8), jaxfeed.Options(optimize=False))
+  assert [b["label"].tolist() for b in dataset] == [list(range(i, i + 4)) for i in range(0, 40, 4)]
   kept = _slots()
   assert kept
   seen = set()
@@ -502,8 +520,9 @@ def test_a_dataset_keeps_its_spare_slots_only_while_it_lives():
 # what the dataset keeps across epochs
 # ---------------------------------------------------------------------------
 def _children():
-  return {p.pid for p in psutil.Process().children(recursive=True)
-          if p.status() != psutil.STATUS_ZOMBIE}
+  return {
+    p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+  }
 
 
 def test_epochs_of_one_dataset_reuse_its_warm_worker_processes():
@@ -529,8 +548,7 @@ def test_epochs_of_one_dataset_reuse_its_warm_worker_processes():
 
 
 def test_epochs_of_one_dataset_reuse_autotune_findings_without_a_new_trial():
-  dataset = Dataset.range(3000).map(
-      busy_python, num_parallel_calls=jaxfeed.AUTOTUNE).batch(10)
+  dataset = Dataset.range(3000).map(busy_python, num_parallel_calls=jaxfeed.AUTOTUNE).batch(10)
   for _ in range(30):  # until the first measurement is done
     with dataset.make_iterator() as it:
       for _ in it:
@@ -540,7 +558,10 @@ def test_epochs_of_one_dataset_reuse_autotune_findings_without_a_new_trial():
       break
   picked, rates = row["picked"], row["rates"]
   assert picked in ("inline", "thread", "process") and set(rates) == {
-      "inline", "thread", "process"}, row
+    "inline",
+    "thread",
+    "process",
+  }, row
   for _ in range(2):
     with dataset.make_iterator() as it:
       next(it)
@@ -560,7 +581,6 @@ def test_idle_worker_processes_stop_after_a_while(monkeypatch):
   assert [b.tolist() for b in it] == expected
   pids = it.pids()
   assert pids and all(process_alive(p) for p in pids)
-  op_testing.wait_until(lambda: not any(process_alive(p) for p in pids),
-                        timeout_s=10)
+  op_testing.wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=10)
   assert [b.tolist() for b in dataset] == expected  # new ones start
   dataset.close()

@@ -10,19 +10,37 @@ from jaxfeed.ops.base import PipelineStateError, mix_seed
 from jaxfeed.ops.range import RangeNode
 from gil_testing import spinner_count_during
 import op_testing
-from op_testing import (assert_same_element, assert_same_stream,
-                        check_next_batch, check_resume)
+from op_testing import assert_same_element, assert_same_stream, check_next_batch, check_resume
 
 tf = op_testing.import_tensorflow()
 
 ARGS = [
-    (5,), (0,), (1,), (-3,), (2, 7), (7, 2), (3, 3), (0, 10, 3), (0, 9, 3),
-    (10, 0, -3), (5, -3, -2), (-5, 5, 4), (1, 0, -1), (0, 1, 5), (-2, -8, -1),
-    (10**12, 10**12 + 30, 7), (0, 10**15, 10**14),
+  (5,),
+  (0,),
+  (1,),
+  (-3,),
+  (2, 7),
+  (7, 2),
+  (3, 3),
+  (0, 10, 3),
+  (0, 9, 3),
+  (10, 0, -3),
+  (5, -3, -2),
+  (-5, 5, 4),
+  (1, 0, -1),
+  (0, 1, 5),
+  (-2, -8, -1),
+  (10**12, 10**12 + 30, 7),
+  (0, 10**15, 10**14),
 ]
 DTYPES = [None, np.int32, np.int64, np.float32, np.float64]
-TF_DTYPES = {None: tf.int64, np.int32: tf.int32, np.int64: tf.int64,
-             np.float32: tf.float32, np.float64: tf.float64}
+TF_DTYPES = {
+  None: tf.int64,
+  np.int32: tf.int32,
+  np.int64: tf.int64,
+  np.float32: tf.float32,
+  np.float64: tf.float64,
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -49,7 +67,9 @@ def test_spec_params_rebuild_an_equal_range():
   assert RangeNode(10, 0, -2).fingerprint() != node.fingerprint()
 
 
-@pytest.mark.parametrize("args, kwargs, error, pattern", [
+@pytest.mark.parametrize(
+  "args, kwargs, error, pattern",
+  [
     ((0, 5, 0), {}, ValueError, "step must be a non-zero"),
     ((), {}, TypeError, "stop"),
     ((1, 2, 3, 4), {}, TypeError, "4 arguments"),
@@ -59,7 +79,8 @@ def test_spec_params_rebuild_an_equal_range():
     ((3,), {"stop": 4}, TypeError, "positionally or by keyword"),
     ((3,), {"dtype": "nonsense"}, ValueError, "dtype.*nonsense"),
     ((3,), {"dtype": np.bool_}, ValueError, "integer or floating.*bool"),
-])
+  ],
+)
 def test_bad_arguments_raise_clear_errors(args, kwargs, error, pattern):
   with pytest.raises(error, match=pattern):
     RangeNode(*args, **kwargs)
@@ -74,7 +95,8 @@ def test_step_zero_is_rejected_by_tf_too():
 def test_state_resumes_exactly_at_every_cut(args):
   resumed = check_resume(lambda: Dataset.range(*args), into_same_iterator=True)
   assert [state["own"] for state in resumed.states] == [
-      {"index": cut} for cut in range(len(resumed.expected) + 1)]
+    {"index": cut} for cut in range(len(resumed.expected) + 1)
+  ]
 
 
 def test_last_seed_is_the_default_sampler_seed_of_the_index():
@@ -94,14 +116,17 @@ def test_skip_elements_moves_the_index_without_yielding():
   assert list(iterator) == []
 
 
-@pytest.mark.parametrize("state", [
+@pytest.mark.parametrize(
+  "state",
+  [
     {"op": "take", "own": {"taken": 0}, "parents": []},
     {"op": "range", "own": {"index": 11}, "parents": []},
     {"op": "range", "own": {"index": -1}, "parents": []},
     {"op": "range", "own": {"position": 1}, "parents": []},
     {"op": "range", "own": {"index": 1}, "parents": [{}]},
     "not a state",
-])
+  ],
+)
 def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
   iterator = Dataset.range(10).make_iterator()
   with pytest.raises(PipelineStateError):
@@ -112,20 +137,24 @@ def test_foreign_or_corrupt_state_raises_pipeline_state_error(state):
 # the batched-read protocol (next_batch) and the chunked element-wise reads
 # ---------------------------------------------------------------------------
 NEXT_BATCH_CASES = [
-    ((1000,), None), ((10, -4, -3), np.int32), ((0, 10**15, 10**14), np.float32),
-    ((120, 135, 5), np.int8),  # wraps around like tf.data
-    ((-3, 300, 7), np.uint8), ((2**53 + 1, 2**53 + 40, 3), np.float32),
-    ((2**63, 2**63 + 3), np.uint64),  # beyond int64: built one by one
-    ((600,), np.float16), ((0,), None),
+  ((1000,), None),
+  ((10, -4, -3), np.int32),
+  ((0, 10**15, 10**14), np.float32),
+  ((120, 135, 5), np.int8),  # wraps around like tf.data
+  ((-3, 300, 7), np.uint8),
+  ((2**53 + 1, 2**53 + 40, 3), np.float32),
+  ((2**63, 2**63 + 3), np.uint64),  # beyond int64: built one by one
+  ((600,), np.float16),
+  ((0,), None),
 ]
 
 
 @pytest.mark.parametrize("args, dtype", NEXT_BATCH_CASES)
 @pytest.mark.parametrize("sizes", [[1], [7], [256], [1000], [3, 0, 0, 300, 0, 5]])
-def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(
-    args, dtype, sizes):
-  check_next_batch(lambda: RangeNode(*args, dtype=dtype).make_iterator(), sizes,
-                   same_element=assert_same_element)
+def test_next_batch_equals_stacked_next_calls_with_seeds_and_state(args, dtype, sizes):
+  check_next_batch(
+    lambda: RangeNode(*args, dtype=dtype).make_iterator(), sizes, same_element=assert_same_element
+  )
 
 
 def test_next_batch_of_an_unrepresentable_element_fails_like_next():
@@ -153,13 +182,13 @@ def test_restore_inside_and_outside_the_current_chunk(cut):
 
 def test_batch_of_a_range_reads_with_next_batch_and_equals_tf_data():
   ours = list(Dataset.range(3, 2000, 2).batch(64, drop_remainder=True))
-  theirs = list(tf.data.Dataset.range(3, 2000, 2).batch(
-      64, drop_remainder=True).as_numpy_iterator())
+  theirs = list(
+    tf.data.Dataset.range(3, 2000, 2).batch(64, drop_remainder=True).as_numpy_iterator()
+  )
   assert_same_stream(ours, theirs)
 
 
-@pytest.mark.parametrize("args,dtype", [((300_000,), None),
-                                        ((7, 900_000, 3), np.float32)])
+@pytest.mark.parametrize("args,dtype", [((300_000,), None), ((7, 900_000, 3), np.float32)])
 def test_element_wise_reads_keep_the_gil(args, dtype):
   # np.arange per chunk handed the GIL over every 256 elements: a thread
   # waiting for it (the stats' sampler after each sleep) then woke at every
@@ -167,5 +196,4 @@ def test_element_wise_reads_keep_the_gil(args, dtype):
   iterator = RangeNode(*args, dtype=dtype).make_iterator()
   got = []
   assert spinner_count_during(lambda: got.extend(iterator)) < 100
-  np.testing.assert_array_equal(np.asarray(got),
-                                np.arange(*args).astype(dtype or np.int64))
+  np.testing.assert_array_equal(np.asarray(got), np.arange(*args).astype(dtype or np.int64))

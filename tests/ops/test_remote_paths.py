@@ -16,6 +16,7 @@ def test_an_on_disk_cache_in_a_bucket_is_written_then_read(tmp_path):
   def note(x):
     calls.append(int(x))
     return {"x": x, "v": np.arange(int(x) % 4)}
+
   with bucket_in(tmp_path) as bucket:
     ds = Dataset.range(10).map(note).cache(f"{bucket}/cache")
     first = run(ds)

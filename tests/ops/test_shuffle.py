@@ -39,8 +39,7 @@ def positions(output):
 @pytest.mark.parametrize("buffer_size", [1, 3, 7, 20, 50])
 def test_each_epoch_holds_the_elements_tf_data_yields(n, buffer_size):
   ours = values(Dataset.range(n).shuffle(buffer_size, seed=5).repeat(2))
-  theirs = tf_values(tf.data.Dataset.range(n).shuffle(
-      buffer_size, seed=5).repeat(2))
+  theirs = tf_values(tf.data.Dataset.range(n).shuffle(buffer_size, seed=5).repeat(2))
   assert len(ours) == len(theirs) == 2 * n
   assert sorted(ours[:n]) == sorted(theirs[:n]) == list(range(n))
   assert sorted(ours[n:]) == sorted(theirs[n:])
@@ -49,8 +48,7 @@ def test_each_epoch_holds_the_elements_tf_data_yields(n, buffer_size):
 def test_dict_elements_are_shuffled_whole():
   data = {"x": np.arange(30, dtype=np.int32), "y": np.arange(30) * 10.0}
   ours = list(Dataset.from_tensor_slices(data).shuffle(8, seed=1))
-  theirs = list(tf.data.Dataset.from_tensor_slices(data).shuffle(
-      8, seed=1).as_numpy_iterator())
+  theirs = list(tf.data.Dataset.from_tensor_slices(data).shuffle(8, seed=1).as_numpy_iterator())
   pairs = sorted((int(e["x"]), float(e["y"])) for e in ours)
   assert pairs == sorted((int(e["x"]), float(e["y"])) for e in theirs)
   assert all(y == 10.0 * x for x, y in pairs)
@@ -64,19 +62,22 @@ def test_buffer_size_one_keeps_the_order_like_tf_data():
 
 
 def test_cardinality_matches_tf_data():
-  assert (Dataset.range(17).shuffle(4).cardinality()
-          == int(tf.data.Dataset.range(17).shuffle(4).cardinality()) == 17)
+  assert (
+    Dataset.range(17).shuffle(4).cardinality()
+    == int(tf.data.Dataset.range(17).shuffle(4).cardinality())
+    == 17
+  )
 
 
 @pytest.mark.parametrize("reshuffle", [True, False])
 def test_epochs_under_repeat_reshuffle_like_tf_data(reshuffle):
   n = 30
-  ours = values(Dataset.range(n).shuffle(
-      n, seed=9, reshuffle_each_iteration=reshuffle).repeat(3))
-  theirs = tf_values(tf.data.Dataset.range(n).shuffle(
-      n, seed=9, reshuffle_each_iteration=reshuffle).repeat(3))
+  ours = values(Dataset.range(n).shuffle(n, seed=9, reshuffle_each_iteration=reshuffle).repeat(3))
+  theirs = tf_values(
+    tf.data.Dataset.range(n).shuffle(n, seed=9, reshuffle_each_iteration=reshuffle).repeat(3)
+  )
   for out in (ours, theirs):
-    epochs = [out[i * n:(i + 1) * n] for i in range(3)]
+    epochs = [out[i * n : (i + 1) * n] for i in range(3)]
     assert (epochs[0] == epochs[1] == epochs[2]) is (not reshuffle)
     assert len({tuple(e) for e in epochs}) == (3 if reshuffle else 1)
 
@@ -84,8 +85,7 @@ def test_epochs_under_repeat_reshuffle_like_tf_data(reshuffle):
 # ---------------------------------------------------------------------------
 # what the windowed design guarantees
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("n,buffer_size", [(50, 2), (50, 3), (50, 7), (50, 10),
-                                           (49, 50)])
+@pytest.mark.parametrize("n,buffer_size", [(50, 2), (50, 3), (50, 7), (50, 10), (49, 50)])
 def test_elements_leave_within_their_own_window(n, buffer_size):
   where = positions(values(Dataset.range(n).shuffle(buffer_size, seed=11)))
   window_start = (np.arange(n) // buffer_size) * buffer_size
@@ -101,17 +101,15 @@ def test_no_element_moves_earlier_than_tf_data_allows(buffer_size):
   # positions early; the windowed shuffle keeps that bound.
   n = 60
   ours = positions(values(Dataset.range(n).shuffle(buffer_size, seed=2)))
-  theirs = positions(tf_values(tf.data.Dataset.range(n).shuffle(
-      buffer_size, seed=2)))
+  theirs = positions(tf_values(tf.data.Dataset.range(n).shuffle(buffer_size, seed=2)))
   for where in (ours, theirs):
     assert (where >= np.arange(n) - (buffer_size - 1)).all()
 
 
 def test_small_windows_are_actually_mixed():
   out = values(Dataset.range(80).shuffle(8, seed=4))
-  windows = [out[i:i + 8] for i in range(0, 80, 8)]
-  unchanged = sum(w == list(range(i * 8, i * 8 + 8))
-                  for i, w in enumerate(windows))
+  windows = [out[i : i + 8] for i in range(0, 80, 8)]
+  unchanged = sum(w == list(range(i * 8, i * 8 + 8)) for i, w in enumerate(windows))
   assert unchanged <= 1
 
 
@@ -140,8 +138,7 @@ def test_different_seeds_give_different_orders_and_same_seed_the_same():
 
 
 def test_unseeded_shuffles_differ():
-  assert values(Dataset.range(40).shuffle(40)) != values(
-      Dataset.range(40).shuffle(40))
+  assert values(Dataset.range(40).shuffle(40)) != values(Dataset.range(40).shuffle(40))
 
 
 @pytest.mark.parametrize("reshuffle", [True, False])
@@ -150,8 +147,7 @@ def test_passes_over_one_dataset_reshuffle_unless_disabled(reshuffle):
   first, second = values(ds), values(ds)
   assert (first != second) is reshuffle
   # A separately built equal pipeline starts with the same order.
-  again = Dataset.range(40).shuffle(40, seed=7,
-                                    reshuffle_each_iteration=reshuffle)
+  again = Dataset.range(40).shuffle(40, seed=7, reshuffle_each_iteration=reshuffle)
   assert values(again) == first
 
 
@@ -184,15 +180,14 @@ def test_last_seed_is_the_seed_of_the_emitted_element():
 # ---------------------------------------------------------------------------
 def _pipelines():
   return {
-      "window_3": lambda seed: Dataset.range(10).shuffle(3, seed=seed),
-      "whole_input": lambda seed: Dataset.range(10).shuffle(10, seed=seed),
-      "larger_buffer": lambda seed: Dataset.range(10).shuffle(64, seed=seed),
-      "shuffle_then_repeat": lambda seed: Dataset.range(7).shuffle(
-          4, seed=seed).repeat(3),
-      "repeat_then_shuffle": lambda seed: Dataset.range(7).repeat(3).shuffle(
-          5, seed=seed),
-      "dicts": lambda seed: Dataset.from_tensor_slices(
-          {"a": np.arange(9), "b": np.arange(9) * 2.0}).shuffle(4, seed=seed),
+    "window_3": lambda seed: Dataset.range(10).shuffle(3, seed=seed),
+    "whole_input": lambda seed: Dataset.range(10).shuffle(10, seed=seed),
+    "larger_buffer": lambda seed: Dataset.range(10).shuffle(64, seed=seed),
+    "shuffle_then_repeat": lambda seed: Dataset.range(7).shuffle(4, seed=seed).repeat(3),
+    "repeat_then_shuffle": lambda seed: Dataset.range(7).repeat(3).shuffle(5, seed=seed),
+    "dicts": lambda seed: Dataset.from_tensor_slices(
+      {"a": np.arange(9), "b": np.arange(9) * 2.0}
+    ).shuffle(4, seed=seed),
   }
 
 
@@ -264,12 +259,15 @@ def test_state_of_other_pipeline_raises_pipeline_state_error():
     Dataset.range(10).shuffle(4, seed=1).make_iterator().set_state(state)
 
 
-@pytest.mark.parametrize("corrupt", [
+@pytest.mark.parametrize(
+  "corrupt",
+  [
     lambda own: own.pop("offset"),
     lambda own: own.update(offset=-1),
     lambda own: own.update(window_index="1"),
     lambda own: own.update(seed=2**64),
-])
+  ],
+)
 def test_malformed_own_state_raises_pipeline_state_error(corrupt):
   it = Dataset.range(10).shuffle(4, seed=1).make_iterator()
   next(it)
@@ -308,7 +306,10 @@ def test_node_spec_params_rebuild_an_equal_node():
   node = Dataset.range(20).shuffle(20, seed=4).node
   params = node.spec_params()
   assert json.loads(json.dumps(params)) == {
-      "buffer_size": 20, "seed": 4, "reshuffle_each_iteration": True}
+    "buffer_size": 20,
+    "seed": 4,
+    "reshuffle_each_iteration": True,
+  }
   rebuilt = Dataset(type(node)(*node.parents, **params))
   assert rebuilt.fingerprint() == node.fingerprint()
   assert values(rebuilt) != values(rebuilt)  # still reshuffles per pass
@@ -317,8 +318,7 @@ def test_node_spec_params_rebuild_an_equal_node():
 
 
 def test_emitted_elements_are_not_kept_alive_by_the_window():
-  it = Dataset.range(10).map(lambda i: np.full(3, i)).shuffle(
-      10, seed=1).make_iterator()
+  it = Dataset.range(10).map(lambda i: np.full(3, i)).shuffle(10, seed=1).make_iterator()
   element = next(it)
   ref = weakref.ref(element)
   del element

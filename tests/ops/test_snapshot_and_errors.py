@@ -34,7 +34,8 @@ def udfs_module(tmp_path):
   """A UDF module that counts its calls in a marker file (by appending)."""
   module = tmp_path / "mods" / "snapshot_udfs.py"
   module.parent.mkdir()
-  module.write_text(textwrap.dedent("""
+  module.write_text(
+    textwrap.dedent("""
       import time
       _MARKER = None
       _DELAY = 0.0
@@ -48,15 +49,21 @@ def udfs_module(tmp_path):
           f.write("x")
         time.sleep(_DELAY)
         return x * x
-  """))
+  """)
+  )
   return module.parent
 
 
 def run_child(udfs_dir, path, marker, delay, wait=True):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(udfs_dir)]))
-  proc = subprocess.Popen([sys.executable, "-c", SNAPSHOT_SCRIPT, str(path),
-                           str(marker), str(delay)], env=env, cwd=REPO_ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, "-c", SNAPSHOT_SCRIPT, str(path), str(marker), str(delay)],
+    env=env,
+    cwd=REPO_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   if not wait:
     return proc
   out, err = proc.communicate(timeout=120)
@@ -98,8 +105,8 @@ def test_a_writer_killed_mid_write_leaves_no_partial_snapshot(tmp_path, udfs_mod
 
 def test_snapshot_resumes_exactly_while_writing_and_reading(tmp_path):
   def build():
-    return Dataset.range(30).map(lambda x: {"x": x, "v": np.arange(x % 5)}).snapshot(
-        tmp_path / "s")
+    return Dataset.range(30).map(lambda x: {"x": x, "v": np.arange(x % 5)}).snapshot(tmp_path / "s")
+
   check_resume(build, with_seeds=True)  # the first pass writes, later ones read
   assert os.listdir(tmp_path / "s")
 
@@ -144,9 +151,12 @@ def test_a_loader_survives_a_corrupt_record_and_counts_it(tmp_path):
   path = tmp_path / "data.tfrecord"
   corrupt_tfrecord(path, count=40, bad=(5,))
   source = jaxfeed.TFRecordSource([str(path)])
-  ds = (Dataset.from_source(source)
-        .map(lambda r: np.frombuffer(r.ljust(16, b" "), np.uint8))
-        .ignore_errors().batch(8, drop_remainder=True))
+  ds = (
+    Dataset.from_source(source)
+    .map(lambda r: np.frombuffer(r.ljust(16, b" "), np.uint8))
+    .ignore_errors()
+    .batch(8, drop_remainder=True)
+  )
   with jaxfeed.Loader(ds, prefetch=2) as loader:
     batches = list(loader)
     state = loader.get_state()

@@ -12,8 +12,13 @@ from jaxfeed.ops.repeat import RepeatNode
 from jaxfeed.ops.skip import SkipNode
 from jaxfeed.ops.take import TakeNode
 import op_testing
-from op_testing import (ListNode, assert_same_stream, check_resume,
-                        elements_and_seeds, graph_iterator)
+from op_testing import (
+  ListNode,
+  assert_same_stream,
+  check_resume,
+  elements_and_seeds,
+  graph_iterator,
+)
 
 tf = op_testing.import_tensorflow()
 
@@ -24,8 +29,7 @@ LIMIT = 40
 
 def _apply(dataset, ops):
   for name, arg in ops:
-    dataset = getattr(dataset, name)(arg) if arg != "default" else getattr(
-        dataset, name)()
+    dataset = getattr(dataset, name)(arg) if arg != "default" else getattr(dataset, name)()
   return dataset
 
 
@@ -72,17 +76,17 @@ def test_repeat_matches_tf_data(num, count):
 
 
 CHAINS = [
-    (10, [("skip", 3), ("take", 5), ("repeat", 2)]),
-    (10, [("repeat", 3), ("skip", 4), ("take", 13)]),
-    (5, [("take", 3), ("repeat", "default"), ("take", 10)]),
-    (0, [("repeat", "default"), ("take", 5)]),
-    (7, [("repeat", 2), ("skip", -1)]),
-    (4, [("repeat", "default"), ("skip", 6), ("take", 7)]),
-    (6, [("skip", 6), ("repeat", "default")]),
-    (6, [("take", 0), ("repeat", 5)]),
-    (3, [("repeat", 2), ("repeat", 3)]),
-    (5, [("skip", 2), ("skip", 1), ("take", 10), ("take", 1)]),
-    (4, [("repeat", -1), ("take", -1), ("skip", 3), ("take", 9)]),
+  (10, [("skip", 3), ("take", 5), ("repeat", 2)]),
+  (10, [("repeat", 3), ("skip", 4), ("take", 13)]),
+  (5, [("take", 3), ("repeat", "default"), ("take", 10)]),
+  (0, [("repeat", "default"), ("take", 5)]),
+  (7, [("repeat", 2), ("skip", -1)]),
+  (4, [("repeat", "default"), ("skip", 6), ("take", 7)]),
+  (6, [("skip", 6), ("repeat", "default")]),
+  (6, [("take", 0), ("repeat", 5)]),
+  (3, [("repeat", 2), ("repeat", 3)]),
+  (5, [("skip", 2), ("skip", 1), ("take", 10), ("take", 1)]),
+  (4, [("repeat", -1), ("take", -1), ("skip", 3), ("take", 9)]),
 ]
 
 
@@ -95,13 +99,18 @@ def _elements(iterator, limit=LIMIT):
   return [int(x) for x in itertools.islice(iterator, limit)]
 
 
-@pytest.mark.parametrize("num, ops", CHAINS[:7] + [
+@pytest.mark.parametrize(
+  "num, ops",
+  CHAINS[:7]
+  + [
     (3, [("repeat", "default"), ("take", 8)]),
     (4, [("take", 2), ("repeat", 3), ("skip", 1)]),
-])
+  ],
+)
 def test_state_resumes_exactly_at_every_cut(num, ops):
-  check_resume(lambda: _ours(num, ops), make_iterator=graph_iterator,
-               limit=LIMIT, into_same_iterator=True)
+  check_resume(
+    lambda: _ours(num, ops), make_iterator=graph_iterator, limit=LIMIT, into_same_iterator=True
+  )
 
 
 def test_state_of_a_finished_repeat_restores_finished():
@@ -119,31 +128,60 @@ def test_state_of_a_finished_repeat_restores_finished():
   assert _elements(fresh) == [1, 0, 1]
 
 
-@pytest.mark.parametrize("make, state", [
-    (lambda: Dataset.range(10).skip(3),
-     graph_iterator(Dataset.range(10).take(3)).get_state()),
-    (lambda: Dataset.range(10).take(3).repeat(2),
-     graph_iterator(Dataset.range(10).repeat(2).take(3)).get_state()),
-    (lambda: Dataset.range(10).repeat(2),
-     graph_iterator(Dataset.from_tensor_slices([1, 2]).repeat(2)).get_state()),
-    (lambda: Dataset.range(10).take(3),
-     {"op": "take", "own": {"taken": 4}, "parents": [
-         {"op": "range", "own": {"index": 0}, "parents": []}]}),
-    (lambda: Dataset.range(10).skip(3),
-     {"op": "skip", "own": {"remaining": -1}, "parents": [
-         {"op": "range", "own": {"index": 0}, "parents": []}]}),
-    (lambda: Dataset.range(10).repeat(3),
-     {"op": "repeat", "own": {"epoch": 3, "epoch_is_empty": True,
-                              "done": False}, "parents": [
-         {"op": "range", "own": {"index": 0}, "parents": []}]}),
-    (lambda: Dataset.range(10).repeat(3),
-     {"op": "repeat", "own": {"epoch": 0}, "parents": [
-         {"op": "range", "own": {"index": 0}, "parents": []}]}),
-    (lambda: Dataset.range(10).repeat(3),
-     {"op": "repeat", "own": {"epoch": 0, "epoch_is_empty": True,
-                              "done": True}, "parents": [
-         {"op": "take", "own": {"taken": 0}, "parents": []}]}),
-])
+@pytest.mark.parametrize(
+  "make, state",
+  [
+    (lambda: Dataset.range(10).skip(3), graph_iterator(Dataset.range(10).take(3)).get_state()),
+    (
+      lambda: Dataset.range(10).take(3).repeat(2),
+      graph_iterator(Dataset.range(10).repeat(2).take(3)).get_state(),
+    ),
+    (
+      lambda: Dataset.range(10).repeat(2),
+      graph_iterator(Dataset.from_tensor_slices([1, 2]).repeat(2)).get_state(),
+    ),
+    (
+      lambda: Dataset.range(10).take(3),
+      {
+        "op": "take",
+        "own": {"taken": 4},
+        "parents": [{"op": "range", "own": {"index": 0}, "parents": []}],
+      },
+    ),
+    (
+      lambda: Dataset.range(10).skip(3),
+      {
+        "op": "skip",
+        "own": {"remaining": -1},
+        "parents": [{"op": "range", "own": {"index": 0}, "parents": []}],
+      },
+    ),
+    (
+      lambda: Dataset.range(10).repeat(3),
+      {
+        "op": "repeat",
+        "own": {"epoch": 3, "epoch_is_empty": True, "done": False},
+        "parents": [{"op": "range", "own": {"index": 0}, "parents": []}],
+      },
+    ),
+    (
+      lambda: Dataset.range(10).repeat(3),
+      {
+        "op": "repeat",
+        "own": {"epoch": 0},
+        "parents": [{"op": "range", "own": {"index": 0}, "parents": []}],
+      },
+    ),
+    (
+      lambda: Dataset.range(10).repeat(3),
+      {
+        "op": "repeat",
+        "own": {"epoch": 0, "epoch_is_empty": True, "done": True},
+        "parents": [{"op": "take", "own": {"taken": 0}, "parents": []}],
+      },
+    ),
+  ],
+)
 def test_foreign_or_corrupt_state_raises_pipeline_state_error(make, state):
   iterator = graph_iterator(make())
   with pytest.raises(PipelineStateError):
@@ -226,8 +264,9 @@ def test_input_must_be_a_dataset(node_type):
     node_type([1, 2, 3], 2)
 
 
-@pytest.mark.parametrize("node_type, count", [
-    (TakeNode, 3), (SkipNode, 3), (RepeatNode, 3), (RepeatNode, None)])
+@pytest.mark.parametrize(
+  "node_type, count", [(TakeNode, 3), (SkipNode, 3), (RepeatNode, 3), (RepeatNode, None)]
+)
 def test_spec_params_rebuild_an_equal_node(node_type, count):
   parent = Dataset.range(5).node
   node = node_type(parent, count)
@@ -236,14 +275,17 @@ def test_spec_params_rebuild_an_equal_node(node_type, count):
   assert node_type(parent, 4).fingerprint() != node.fingerprint()
 
 
-@pytest.mark.parametrize("ops, expected", [
+@pytest.mark.parametrize(
+  "ops, expected",
+  [
     ([("repeat", "default")], -1),
     ([("repeat", "default"), ("take", 7)], 7),
     ([("repeat", "default"), ("skip", 7)], -1),
     ([("repeat", 0)], 0),
     ([("take", -1), ("repeat", 4)], 20),
     ([("skip", 2), ("repeat", 2)], 6),
-])
+  ],
+)
 def test_cardinality(ops, expected):
   assert _ours(5, ops).cardinality() == expected
 
@@ -259,9 +301,9 @@ def test_cardinality_of_an_unknown_input_stays_unknown_unless_forced():
 
 def test_elements_keep_their_values_and_dtypes_through_the_ops():
   data = {"x": np.arange(12, dtype=np.float16).reshape(4, 3)}
-  ours = list(graph_iterator(
-      Dataset.from_tensor_slices(data).skip(1).take(2).repeat(2)))
-  theirs = list(tf.data.Dataset.from_tensor_slices(data).skip(1).take(2)
-                .repeat(2).as_numpy_iterator())
+  ours = list(graph_iterator(Dataset.from_tensor_slices(data).skip(1).take(2).repeat(2)))
+  theirs = list(
+    tf.data.Dataset.from_tensor_slices(data).skip(1).take(2).repeat(2).as_numpy_iterator()
+  )
   assert len(ours) == 4
   assert_same_stream(ours, theirs)

@@ -10,11 +10,11 @@ import jaxfeed
 from jaxfeed.ops import tree
 
 TREES = [
-    np.arange(3),
-    {"b": (1, [2, 3]), "a": 4},
-    ({"y": 1, "x": [2, {"z": 3}]}, 5),
-    [],
-    {"only": {}},
+  np.arange(3),
+  {"b": (1, [2, 3]), "a": 4},
+  ({"y": 1, "x": [2, {"z": 3}]}, 5),
+  [],
+  {"only": {}},
 ]
 
 
@@ -24,8 +24,9 @@ def test_unflatten_inverts_flatten_and_keeps_key_order(value):
   rebuilt = tree.unflatten(value, leaves)
   assert tree.same_structure(value, rebuilt)
   assert list(rebuilt) == list(value) if isinstance(value, dict) else True
-  assert [np.asarray(x).tolist() for x in tree.flatten(rebuilt)] == \
-      [np.asarray(x).tolist() for x in leaves]
+  assert [np.asarray(x).tolist() for x in tree.flatten(rebuilt)] == [
+    np.asarray(x).tolist() for x in leaves
+  ]
 
 
 def test_flatten_orders_dict_leaves_by_sorted_key_and_paths_name_them():

@@ -4,18 +4,15 @@ import numpy as np
 import pytest
 
 from jaxfeed.dataset import Dataset
-from op_testing import (assert_matches_tf_data, assert_same_stream,
-                        check_resume, run)
+from op_testing import assert_matches_tf_data, assert_same_stream, check_resume, run
 
-SLICES = {"x": np.arange(13, dtype=np.int32),
-          "y": np.arange(26, dtype=np.float32).reshape(13, 2)}
+SLICES = {"x": np.arange(13, dtype=np.int32), "y": np.arange(26, dtype=np.float32).reshape(13, 2)}
 
 
 # -- unbatch -------------------------------------------------------------------
 @pytest.mark.parametrize("batch_size", [1, 4, 13, 20])
 def test_unbatch_matches_tf_data_on_dicts(batch_size):
-  assert_matches_tf_data(
-      lambda D: D.from_tensor_slices(SLICES).batch(batch_size).unbatch())
+  assert_matches_tf_data(lambda D: D.from_tensor_slices(SLICES).batch(batch_size).unbatch())
 
 
 def test_unbatch_skips_empty_batches():
@@ -39,8 +36,7 @@ def test_unbatch_of_mismatched_batch_sizes_is_an_error_naming_both_sizes():
 
 @pytest.mark.parametrize("batch_size", [1, 3, 5])
 def test_unbatch_resume_at_every_cut_is_exact(batch_size):
-  check_resume(lambda: Dataset.from_tensor_slices(SLICES).batch(batch_size)
-               .unbatch())
+  check_resume(lambda: Dataset.from_tensor_slices(SLICES).batch(batch_size).unbatch())
 
 
 def test_unbatch_state_does_not_hold_the_batch():
@@ -64,14 +60,23 @@ def test_saved_input_positions_stay_bounded_over_a_long_run(op):
 
 
 # -- rebatch -------------------------------------------------------------------
-@pytest.mark.parametrize("n,first,sizes,drop", [
-    (13, 3, 4, False), (13, 3, 4, True), (13, 5, 13, False), (13, 5, 20, False),
-    (13, 5, 20, True), (13, 4, [2, 3], False), (13, 4, [2, 3], True),
-    (0, 2, 3, False)])
+@pytest.mark.parametrize(
+  "n,first,sizes,drop",
+  [
+    (13, 3, 4, False),
+    (13, 3, 4, True),
+    (13, 5, 13, False),
+    (13, 5, 20, False),
+    (13, 5, 20, True),
+    (13, 4, [2, 3], False),
+    (13, 4, [2, 3], True),
+    (0, 2, 3, False),
+  ],
+)
 def test_rebatch_matches_tf_data(n, first, sizes, drop):
   assert_matches_tf_data(
-      lambda D: D.from_tensor_slices(SLICES).take(n).batch(first).rebatch(
-          sizes, drop_remainder=drop))
+    lambda D: D.from_tensor_slices(SLICES).take(n).batch(first).rebatch(sizes, drop_remainder=drop)
+  )
 
 
 def test_rebatch_equals_unbatch_then_batch():
@@ -116,8 +121,9 @@ def test_rebatch_rejects_invalid_batch_sizes(bad):
 
 @pytest.mark.parametrize("sizes,drop", [(4, False), ([1, 5], True), (2, True)])
 def test_rebatch_resume_at_every_cut_is_exact(sizes, drop):
-  check_resume(lambda: Dataset.from_tensor_slices(SLICES).batch(3).rebatch(
-      sizes, drop_remainder=drop))
+  check_resume(
+    lambda: Dataset.from_tensor_slices(SLICES).batch(3).rebatch(sizes, drop_remainder=drop)
+  )
 
 
 def test_rebatch_spec_params_rebuild_an_equal_node():

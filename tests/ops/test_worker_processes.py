@@ -67,8 +67,11 @@ print("TOTAL", total)
 print("PICKED", row.get("picked", row.get("backend")), "|", row["reason"])
 """
 
-EXPECTED_TOTAL = {"named": sum(range(2000)), "lambda": 2 * sum(range(2000)),
-                  "closure": sum(range(2000)) + 500 * 60}
+EXPECTED_TOTAL = {
+  "named": sum(range(2000)),
+  "lambda": 2 * sum(range(2000)),
+  "closure": sum(range(2000)) + 500 * 60,
+}
 
 
 def _run_script(kind: str, how: str, tmp_path) -> str:
@@ -82,8 +85,9 @@ def _run_script(kind: str, how: str, tmp_path) -> str:
     command, stdin = python + ["-"], script
   else:
     command, stdin = python + ["-c", script], None
-  done = subprocess.run(command, input=stdin, capture_output=True, text=True,
-                        cwd=tmp_path, timeout=120)
+  done = subprocess.run(
+    command, input=stdin, capture_output=True, text=True, cwd=tmp_path, timeout=120
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   return done.stdout
 
@@ -121,27 +125,30 @@ if __name__ == "__main__":  # a trainer as careful as can be
 """
 
 
-@pytest.mark.parametrize("pipeline", [
+@pytest.mark.parametrize(
+  "pipeline",
+  [
     # Fused with a batch: the chain's worker processes (2: one per core).
     ("backend='process'", "ds = ds.batch(4)", 2),
     ("num_parallel_calls=jaxfeed.AUTOTUNE, backend='process'", "ds = ds.batch(4)", 2),
     # Not fused: a worker process per executor thread (the first element
     # runs on one, timed by the consumer).
     ("num_parallel_calls=2, backend='process'", "", 1),
-])
+  ],
+)
 def test_no_worker_outlives_a_sigkilled_trainer(tmp_path, pipeline):
   map_args, batch, workers = pipeline
   path = tmp_path / "trainer.py"
   path.write_text(TRAINER.format(map_args=map_args, batch=batch))
   blocked = tmp_path / "blocked"  # a file per worker inside the function
   blocked.mkdir()
-  trainer = subprocess.Popen([sys.executable, str(path), str(blocked)],
-                             cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+  trainer = subprocess.Popen(
+    [sys.executable, str(path), str(blocked)], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+  )
   try:
     assert trainer.stdout.readline().strip() == "READY"
     parent = psutil.Process(trainer.pid)
-    op_testing.wait_until(lambda: len(os.listdir(blocked)) >= workers,
-                          timeout_s=60)
+    op_testing.wait_until(lambda: len(os.listdir(blocked)) >= workers, timeout_s=60)
     descendants = parent.children(recursive=True)
     assert {int(pid) for pid in os.listdir(blocked)} <= {p.pid for p in descendants}
     os.kill(trainer.pid, signal.SIGKILL)
@@ -149,7 +156,8 @@ def test_no_worker_outlives_a_sigkilled_trainer(tmp_path, pipeline):
     deadline = time.monotonic() + 5
     while any(op_testing.process_alive(p.pid) for p in descendants):
       assert time.monotonic() < deadline, [
-          p.pid for p in descendants if op_testing.process_alive(p.pid)]
+        p.pid for p in descendants if op_testing.process_alive(p.pid)
+      ]
       time.sleep(0.05)
   finally:
     if trainer.poll() is None:
@@ -180,7 +188,5 @@ def test_the_launcher_thread_ends_once_no_worker_lives(monkeypatch):
   assert [b.tolist() for b in dataset][0] == [0, 1, 4, 9]
   assert worker_processes.launcher_running()
   dataset.close()
-  op_testing.wait_until(lambda: not worker_processes.launcher_running(),
-                        timeout_s=10)
-  assert not any(t.name == worker_processes.LAUNCHER_THREAD
-                 for t in threading.enumerate())
+  op_testing.wait_until(lambda: not worker_processes.launcher_running(), timeout_s=10)
+  assert not any(t.name == worker_processes.LAUNCHER_THREAD for t in threading.enumerate())

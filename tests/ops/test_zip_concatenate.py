@@ -5,14 +5,14 @@ import pytest
 
 from jaxfeed.dataset import Dataset
 from jaxfeed.ops.zip import ZipNode
-from op_testing import (assert_matches_tf_data, assert_same_stream,
-                        check_resume, run)
+from op_testing import assert_matches_tf_data, assert_same_stream, check_resume, run
 
 
 # -- zip -----------------------------------------------------------------------
 def test_zip_of_a_nested_dict_matches_tf_data():
   def make(D):
     return D.zip({"z": D.range(4), "a": (D.range(10, 20), {"q": D.range(3, 9)})})
+
   assert_matches_tf_data(make)
 
 
@@ -42,8 +42,7 @@ def test_zip_refuses_lists_and_non_datasets():
     Dataset.zip(())
 
 
-@pytest.mark.parametrize("sizes,expected", [((3, 5), 3), ((0, 5), 0),
-                                             ((4,), 4)])
+@pytest.mark.parametrize("sizes,expected", [((3, 5), 3), ((0, 5), 0), ((4,), 4)])
 def test_zip_cardinality_is_the_shortest(sizes, expected):
   ds = Dataset.zip(tuple(Dataset.range(n) for n in sizes))
   assert ds.cardinality() == expected
@@ -58,40 +57,42 @@ def test_zip_cardinality_with_infinite_and_unknown_inputs():
 
 
 def test_zip_spec_params_rebuild_an_equal_node():
-  node = Dataset.zip({"b": Dataset.range(3), "a": (Dataset.range(4),
-                                                    Dataset.range(2))}).node
+  node = Dataset.zip({"b": Dataset.range(3), "a": (Dataset.range(4), Dataset.range(2))}).node
   rebuilt = type(node)(*node.parents, **node.spec_params())
   assert rebuilt.fingerprint() == node.fingerprint()
   assert_same_stream(run(Dataset(rebuilt)), run(Dataset(node)))
 
 
 def test_zip_resume_at_every_cut_is_exact():
-  check_resume(lambda: Dataset.zip(
-      {"a": Dataset.range(6).shuffle(3, seed=1), "b": Dataset.range(8)}))
+  check_resume(
+    lambda: Dataset.zip({"a": Dataset.range(6).shuffle(3, seed=1), "b": Dataset.range(8)})
+  )
 
 
 # -- concatenate -----------------------------------------------------------------
 def test_concatenate_dicts_matches_tf_data():
   slices = {"x": np.arange(4, dtype=np.int32), "y": np.ones((4, 2), np.float32)}
+
   def make(D):
-    return D.from_tensor_slices(slices).concatenate(
-        D.from_tensor_slices(slices).take(2))
+    return D.from_tensor_slices(slices).concatenate(D.from_tensor_slices(slices).take(2))
+
   assert_matches_tf_data(make)
 
 
 def test_concatenate_of_other_dtypes_is_a_type_error_naming_both_datasets():
-  ds = Dataset.range(2).concatenate(
-      Dataset.from_tensor_slices(np.array([1.5, 2.5])))
+  ds = Dataset.range(2).concatenate(Dataset.from_tensor_slices(np.array([1.5, 2.5])))
   with ds.make_iterator() as it:
     assert [int(next(it)) for _ in range(2)] == [0, 1]
-    with pytest.raises(TypeError, match=r"concatenate.*RangeNode.*int64.*"
-                                        r"TensorSlicesNode.*float64"):
+    with pytest.raises(
+      TypeError,
+      match=r"concatenate.*RangeNode.*int64.*"
+      r"TensorSlicesNode.*float64",
+    ):
       next(it)
 
 
 def test_concatenate_of_other_structures_is_a_type_error():
-  ds = Dataset.range(2).concatenate(Dataset.zip((Dataset.range(2),
-                                                 Dataset.range(2))))
+  ds = Dataset.range(2).concatenate(Dataset.zip((Dataset.range(2), Dataset.range(2))))
   with ds.make_iterator() as it:
     list(zip(range(2), it))
     with pytest.raises(TypeError, match=r"concatenate.*\(int64, int64\)"):
@@ -104,8 +105,9 @@ def test_concatenate_accepts_other_shapes_of_one_dtype():
   assert len(run(a.concatenate(b))) == 4
 
 
-@pytest.mark.parametrize("first,second,expected", [
-    (3, 4, 7), (0, 4, 4), (None, 4, None), (-1, 4, -1), (3, -1, -1)])
+@pytest.mark.parametrize(
+  "first,second,expected", [(3, 4, 7), (0, 4, 4), (None, 4, None), (-1, 4, -1), (3, -1, -1)]
+)
 def test_concatenate_cardinality(first, second, expected):
   def make(n):
     if n is None:
@@ -113,6 +115,7 @@ def test_concatenate_cardinality(first, second, expected):
     if n == -1:
       return Dataset.range(2).repeat()
     return Dataset.range(n)
+
   assert make(first).concatenate(make(second)).cardinality() == expected
 
 
@@ -122,5 +125,6 @@ def test_concatenate_other_must_be_a_dataset():
 
 
 def test_concatenate_resume_at_every_cut_is_exact():
-  check_resume(lambda: Dataset.range(4).concatenate(
-      Dataset.range(10, 13)).concatenate(Dataset.range(0)))
+  check_resume(
+    lambda: Dataset.range(4).concatenate(Dataset.range(10, 13)).concatenate(Dataset.range(0))
+  )

@@ -35,9 +35,17 @@ def records(num_records: int = NUM_RECORDS, slow: bool = True) -> jaxfeed.Datase
 
 def main(argv: list[str]) -> None:
   address, job_name, num_batches = argv[1], argv[2], int(argv[3])
-  iterator = records().distribute(
-      address, "distributed_epoch", job_name=job_name, visitation="exactly_once",
-      max_outstanding_requests=2).make_iterator()
+  iterator = (
+    records()
+    .distribute(
+      address,
+      "distributed_epoch",
+      job_name=job_name,
+      visitation="exactly_once",
+      max_outstanding_requests=2,
+    )
+    .make_iterator()
+  )
   for _ in range(num_batches):
     print(json.dumps(next(iterator)["x"].tolist()), flush=True)
   while True:

@@ -45,8 +45,9 @@ def corpus() -> list[np.ndarray]:
   if len(paragraphs) < NUM_SEQUENCES:
     raise RuntimeError(f"Only {len(paragraphs)} paragraphs under {lib}.")
   picked = np.random.default_rng(SEED).permutation(len(paragraphs))[:NUM_SEQUENCES]
-  return [np.array([zlib.crc32(w.encode()) % 30_000 + 1 for w in paragraphs[i]], np.int32)
-          for i in picked]
+  return [
+    np.array([zlib.crc32(w.encode()) % 30_000 + 1 for w in paragraphs[i]], np.int32) for i in picked
+  ]
 
 
 def source() -> jaxfeed.ArraySource:
@@ -54,11 +55,14 @@ def source() -> jaxfeed.ArraySource:
   sequences = corpus()
   tokens = np.zeros((len(sequences), MAX_TOKENS), np.int32)
   for i, sequence in enumerate(sequences):
-    tokens[i, :len(sequence)] = sequence
-  return jaxfeed.ArraySource({
+    tokens[i, : len(sequence)] = sequence
+  return jaxfeed.ArraySource(
+    {
       "tokens": tokens,
       "length": np.array([len(s) for s in sequences], np.int32),
-      "id": np.arange(len(sequences), dtype=np.int64)})
+      "id": np.arange(len(sequences), dtype=np.int64),
+    }
+  )
 
 
 def pipeline(payload: bool = False) -> jaxfeed.Dataset:
@@ -69,30 +73,41 @@ def pipeline(payload: bool = False) -> jaxfeed.Dataset:
   batches at the worker (small batches would all fit in them).
   """
   dataset = jaxfeed.Dataset.from_source(
-      source(), jaxfeed.IndexSampler(NUM_SEQUENCES, shuffle=True, seed=SEED)
+    source(), jaxfeed.IndexSampler(NUM_SEQUENCES, shuffle=True, seed=SEED)
   ).map(service_udfs.trim_tokens)
   if payload:
     dataset = dataset.map(service_udfs.add_payload)
-  return dataset.bucket_by_sequence_length(service_udfs.token_count, BOUNDARIES,
-                                           BATCH_SIZES)
+  return dataset.bucket_by_sequence_length(service_udfs.token_count, BOUNDARIES, BATCH_SIZES)
 
 
 def shard_orders() -> list[np.ndarray]:
   """The record order each worker reads under static DATA sharding."""
   orders = []
   for index in range(NUM_WORKERS):
-    sampler = jaxfeed.IndexSampler(NUM_SEQUENCES, shuffle=True, seed=SEED,
-                                   shard_options=jaxfeed.ShardOptions(index, NUM_WORKERS))
+    sampler = jaxfeed.IndexSampler(
+      NUM_SEQUENCES, shuffle=True, seed=SEED, shard_options=jaxfeed.ShardOptions(index, NUM_WORKERS)
+    )
     orders.append(sampler.get_many(np.arange(len(sampler)))[1])
   return orders
 
 
-def coordinated(address: str, job_name: str, consumer_index: int,
-                round_timeout_s: float, payload: bool = False,
-                **options) -> jaxfeed.Dataset:
+def coordinated(
+  address: str,
+  job_name: str,
+  consumer_index: int,
+  round_timeout_s: float,
+  payload: bool = False,
+  **options,
+) -> jaxfeed.Dataset:
   return pipeline(payload).distribute(
-      address, "data", job_name=job_name, num_consumers=NUM_CONSUMERS,
-      consumer_index=consumer_index, round_timeout_s=round_timeout_s, **options)
+    address,
+    "data",
+    job_name=job_name,
+    num_consumers=NUM_CONSUMERS,
+    consumer_index=consumer_index,
+    round_timeout_s=round_timeout_s,
+    **options,
+  )
 
 
 def main(argv: list[str]) -> None:
@@ -100,8 +115,16 @@ def main(argv: list[str]) -> None:
   payload = argv[5] == "payload"
   with coordinated(address, job_name, index, timeout, payload).make_iterator() as iterator:
     for batch in iterator:
-      print(json.dumps({"round": iterator.last_round, "length": batch["tokens"].shape[1],
-                        "ids": batch["id"].tolist()}), flush=True)
+      print(
+        json.dumps(
+          {
+            "round": iterator.last_round,
+            "length": batch["tokens"].shape[1],
+            "ids": batch["id"].tolist(),
+          }
+        ),
+        flush=True,
+      )
 
 
 if __name__ == "__main__":

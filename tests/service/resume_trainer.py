@@ -36,8 +36,11 @@ def dataset(dispatcher: str, mode: str = "distributed_epoch") -> jaxfeed.Dataset
   source = jaxfeed.ArraySource({"x": np.arange(RECORDS, dtype=np.int64)})
   sampler = jaxfeed.IndexSampler(RECORDS, shuffle=True, seed=7)
   visitation = "exactly_once" if mode == "distributed_epoch" else "at_most_once"
-  return jaxfeed.Dataset.from_source(source, sampler).batch(BATCH).distribute(
-      dispatcher, mode, visitation=visitation, max_outstanding_requests=2)
+  return (
+    jaxfeed.Dataset.from_source(source, sampler)
+    .batch(BATCH)
+    .distribute(dispatcher, mode, visitation=visitation, max_outstanding_requests=2)
+  )
 
 
 def emit(**fields) -> None:

@@ -76,16 +76,20 @@ def release_port(port: int) -> None:
 class ServiceProcess:
   """A `python -m jaxfeed.service.<role>` child process; kill() or stop() ends it."""
 
-  def __init__(self, role: str, *flags: str, wait_ready: bool = True,
-               log_path: str | os.PathLike | None = None,
-               env: dict[str, str] | None = None):
+  def __init__(
+    self,
+    role: str,
+    *flags: str,
+    wait_ready: bool = True,
+    log_path: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+  ):
     """Flags without --udf_modules get TEST_UDF_MODULES; `log_path`: the
     process's stderr (its logging) is appended there; `env`: variables
     added to this process's environment."""
     env = {**os.environ, **(env or {})}
     # Workers import the tests' UDFs (service_udfs) by module path.
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])
     env["GRPC_VERBOSITY"] = "ERROR"
     env.setdefault("JAX_PLATFORMS", "cpu")
     if not any(f.startswith("--udf_modules") for f in flags):
@@ -94,8 +98,12 @@ class ServiceProcess:
     try:
       # It ends with this process, however that ends (jaxfeed._lifetime).
       self.proc = _lifetime.popen(
-          [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
-          stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+        [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        env=env,
+        text=True,
+      )
     finally:
       if log_path:
         log.close()
@@ -120,8 +128,9 @@ class ServiceProcess:
       raise TimeoutError(f"{self.proc.args} did not report its address.") from None
     if line is None:
       code = self.proc.wait(timeout=30)
-      raise RuntimeError(f"{self.proc.args} exited with status {code} before "
-                         "reporting its address.")
+      raise RuntimeError(
+        f"{self.proc.args} exited with status {code} before reporting its address."
+      )
     words = line.split()
     self.address = words[words.index("on") + 1]
     if "data" in words:

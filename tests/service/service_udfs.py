@@ -13,6 +13,13 @@ def add_one_to_x(element):
   return {**element, "x": element["x"] + 1}
 
 
+def with_worker_pid(element):
+  """The element and the process (worker) that made it."""
+  import os  # pylint: disable=g-import-not-at-top
+
+  return {**element, "pid": np.int64(os.getpid())}
+
+
 def fails_at_five(x):
   if x == 5:
     raise ValueError("element five is bad")

@@ -22,8 +22,12 @@ class SmallDisk:
   def __init__(self, path: str | os.PathLike, size: str = "2m"):
     self.path = pathlib.Path(path)
     self.path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                             str(self.path)], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(self.path)],
+      capture_output=True,
+      text=True,
+      check=False,
+    )
     if result.returncode != 0:
       raise OSError(f"Cannot mount a tmpfs at {self.path}: {result.stderr.strip()}")
     self._filler = self.path / "filler"

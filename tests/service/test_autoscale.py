@@ -23,8 +23,9 @@ TESTS_DIR = pathlib.Path(__file__).resolve().parent
 
 
 def sample(rate=100.0, wait=0.0, fill=0.0, clients=1):
-  return autoscale.Sample(elements_per_s=rate, wait_fraction=wait, buffer_fill=fill,
-                          num_clients=clients)
+  return autoscale.Sample(
+    elements_per_s=rate, wait_fraction=wait, buffer_fill=fill, num_clients=clients
+  )
 
 
 def test_policy_grows_while_workers_help_and_stops_when_one_does_not():
@@ -55,19 +56,26 @@ def test_policy_shrinks_after_well_fed_intervals_and_respects_its_bounds():
   assert policy.decide(3, sample(0, clients=0)) == 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"min_workers": -1}, "min_workers"), ({"max_workers": 0}, "max_workers"),
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    ({"min_workers": -1}, "min_workers"),
+    ({"max_workers": 0}, "max_workers"),
     ({"min_workers": 3, "max_workers": 2}, "max_workers"),
-    ({"interval_s": 0}, "interval_s"), ({"scale_down_intervals": 0}, "scale_down_intervals"),
-    ({"worker_flags": "--buffer_size=2"}, "worker_flags")])
+    ({"interval_s": 0}, "interval_s"),
+    ({"scale_down_intervals": 0}, "scale_down_intervals"),
+    ({"worker_flags": "--buffer_size=2"}, "worker_flags"),
+  ],
+)
 def test_bad_autoscale_config_names_the_field(kwargs, message):
   with pytest.raises(ValueError, match=message):
     autoscale.AutoscaleConfig(**kwargs)
 
 
 def test_local_backend_keeps_secrets_off_the_command_line(tmp_path):
-  backend = local_backend.LocalWorkerBackend("127.0.0.1:1", ["--heartbeat_interval_s=0.2"],
-                                         {"worker_token": "hush"})
+  backend = local_backend.LocalWorkerBackend(
+    "127.0.0.1:1", ["--heartbeat_interval_s=0.2"], {"worker_token": "hush"}
+  )
   try:
     backend.start_worker()
     backend.start_worker()
@@ -80,18 +88,26 @@ def test_local_backend_keeps_secrets_off_the_command_line(tmp_path):
   finally:
     pids = backend.pids()
     backend.close()
-  assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                 for p in pids)
+  assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
   assert not os.path.exists(flagfile) and backend.num_workers == 0
 
 
 def test_the_pool_grows_for_a_starved_consumer_and_shrinks_for_a_slow_one(monkeypatch):
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  monkeypatch.setenv(
+    "PYTHONPATH",
+    os.pathsep.join([str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+  )
   config = service.DispatcherConfig(
-      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
-          min_workers=1, max_workers=3, interval_s=0.6, scale_down_intervals=2,
-          worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4")))
+    heartbeat_timeout_s=2,
+    udf_modules=("service_udfs",),
+    autoscale=service.AutoscaleConfig(
+      min_workers=1,
+      max_workers=3,
+      interval_s=0.6,
+      scale_down_intervals=2,
+      worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4"),
+    ),
+  )
   dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy)
   with service.DispatchServer(config) as dispatcher:
     backend = dispatcher.autoscaler.backend
@@ -122,13 +138,21 @@ def test_a_worker_slow_to_start_is_judged_once_it_serves(monkeypatch):
   # The worker the pool adds is stopped (SIGSTOP) before it registers, for
   # many intervals, as a pod or a loaded machine may take: the pool waits
   # for it instead of finding that it did not help and removing it.
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  monkeypatch.setenv(
+    "PYTHONPATH",
+    os.pathsep.join([str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+  )
   interval_s = 0.5
   config = service.DispatcherConfig(
-      heartbeat_timeout_s=2, udf_modules=("service_udfs",), autoscale=service.AutoscaleConfig(
-          min_workers=1, max_workers=2, interval_s=interval_s,
-          worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4")))
+    heartbeat_timeout_s=2,
+    udf_modules=("service_udfs",),
+    autoscale=service.AutoscaleConfig(
+      min_workers=1,
+      max_workers=2,
+      interval_s=interval_s,
+      worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=4"),
+    ),
+  )
   dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.sleepy)
   with service.DispatchServer(config) as dispatcher:
     backend = dispatcher.autoscaler.backend
@@ -162,8 +186,13 @@ def test_a_worker_slow_to_start_is_judged_once_it_serves(monkeypatch):
 
 @pytest.mark.parametrize("how", ["terminate", "kill"])
 def test_a_command_line_pool_goes_with_its_dispatcher(cluster, how):
-  dispatcher = cluster("dispatcher", "--port=0", "--autoscale_max_workers=3",
-                       "--autoscale_min_workers=2", "--worker_flag=--buffer_size=4")
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    "--autoscale_max_workers=3",
+    "--autoscale_min_workers=2",
+    "--worker_flag=--buffer_size=4",
+  )
   parent = psutil.Process(dispatcher.proc.pid)
   deadline = time.monotonic() + 30
   while len(parent.children()) < 2 and time.monotonic() < deadline:
@@ -180,9 +209,14 @@ def test_sigterm_while_the_pool_starts_stops_the_dispatcher_and_its_pool(cluster
   # The signal comes as soon as the first worker process exists, while the
   # dispatcher is still starting its pool: it still exits cleanly (0) and
   # takes every worker it started with it.
-  dispatcher = cluster("dispatcher", "--port=0", "--autoscale_max_workers=3",
-                       "--autoscale_min_workers=2", "--worker_flag=--buffer_size=4",
-                       wait_ready=False)
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    "--autoscale_max_workers=3",
+    "--autoscale_min_workers=2",
+    "--worker_flag=--buffer_size=4",
+    wait_ready=False,
+  )
   parent = psutil.Process(dispatcher.proc.pid)
   deadline = time.monotonic() + 30
   while not parent.children() and time.monotonic() < deadline:

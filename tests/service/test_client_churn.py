@@ -24,13 +24,13 @@ pytestmark = pytest.mark.timeout(120)
 
 def _start(cluster):
   dispatcher = cluster("dispatcher", "--heartbeat_timeout_s=60", "--client_timeout_s=60")
-  cluster("worker", f"--dispatcher_address={dispatcher.address}",
-          "--heartbeat_interval_s=0.2")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2")
   return dispatcher
 
 
 def test_a_dropped_read_is_closed_on_the_reaper_thread_not_where_it_was_dropped(
-    cluster, monkeypatch):
+  cluster, monkeypatch
+):
   dispatcher = _start(cluster)
   closed_on = []
   close = client_read.ReadState.close
@@ -40,8 +40,7 @@ def test_a_dropped_read_is_closed_on_the_reaper_thread_not_where_it_was_dropped(
     close(self)
 
   monkeypatch.setattr(client_read.ReadState, "close", recording_close)
-  dataset = jaxfeed.Dataset.range(10**6).batch(4).distribute(dispatcher.address,
-                                                              timeout_s=30)
+  dataset = jaxfeed.Dataset.range(10**6).batch(4).distribute(dispatcher.address, timeout_s=30)
 
   def read_and_drop():
     iterator = iter(dataset)
@@ -60,8 +59,12 @@ def test_a_dropped_read_is_closed_on_the_reaper_thread_not_where_it_was_dropped(
 
 def test_close_honours_timeout_s_while_the_dispatcher_is_stopped(cluster):
   dispatcher = _start(cluster)
-  iterator = jaxfeed.Dataset.range(10**6).batch(4).distribute(
-      dispatcher.address, timeout_s=2).make_iterator()
+  iterator = (
+    jaxfeed.Dataset.range(10**6)
+    .batch(4)
+    .distribute(dispatcher.address, timeout_s=2)
+    .make_iterator()
+  )
   try:
     for _ in range(8):
       next(iterator)

@@ -54,6 +54,8 @@ def test_a_definition_with_another_fingerprint_than_its_task_is_refused():
   task = pb.TaskInfo(task_id=3, job_id=2, dataset_id="1", dataset_fingerprint="aaa")
   dataset_cache.check_fingerprint(task, definition("aaa"))
   dataset_cache.check_fingerprint(pb.TaskInfo(dataset_id="1"), definition("bbb"))
-  with pytest.raises(dataset_cache.DefinitionMismatchError,
-                     match="made for dataset 1 with fingerprint aaa.*fingerprint bbb"):
+  with pytest.raises(
+    dataset_cache.DefinitionMismatchError,
+    match="made for dataset 1 with fingerprint aaa.*fingerprint bbb",
+  ):
     dataset_cache.check_fingerprint(task, definition("bbb"))

@@ -28,18 +28,26 @@ TIMEOUT_S = 2.0  # the read's timeout_s, the dispatcher's client_timeout_s
 HEARTBEAT_TIMEOUT_S = 1.0  # the dispatcher's
 OUTAGE_S = 4.0  # longer than all of them
 RECORDS = 200
-MODES = {"parallel_epochs": ("parallel_epochs", "at_most_once"),
-         "exactly_once": ("distributed_epoch", "exactly_once")}
+MODES = {
+  "parallel_epochs": ("parallel_epochs", "at_most_once"),
+  "exactly_once": ("distributed_epoch", "exactly_once"),
+}
 
 
 def start_servers(cluster, tmp_path, num_workers: int = 2, *dispatcher_flags: str):
   """A dispatcher (logging to tmp_path/dispatcher.log) and its workers."""
   log = tmp_path / "dispatcher.log"
-  flags = (f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
-           f"--client_timeout_s={TIMEOUT_S}", "--split_size=8", *dispatcher_flags)
+  flags = (
+    f"--heartbeat_timeout_s={HEARTBEAT_TIMEOUT_S}",
+    f"--client_timeout_s={TIMEOUT_S}",
+    "--split_size=8",
+    *dispatcher_flags,
+  )
   dispatcher = cluster("dispatcher", "--port=0", *flags, log_path=log)
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                     "--heartbeat_interval_s=0.1") for _ in range(num_workers)]
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.1")
+    for _ in range(num_workers)
+  ]
   deadline = time.monotonic() + 60
   while log.read_text().count("registered.") < num_workers:
     assert time.monotonic() < deadline, "the workers did not register"
@@ -54,8 +62,9 @@ def start_read(address: str, mode: str, timeout_s: float = TIMEOUT_S):
   policy, visitation = MODES[mode]
   source = jaxfeed.ArraySource({"x": np.arange(RECORDS, dtype=np.int64)})
   dataset = jaxfeed.Dataset.from_source(source).map(service_udfs.slow_add_one_to_x).batch(4)
-  iterator = dataset.distribute(address, policy, visitation=visitation, timeout_s=timeout_s,
-                                max_outstanding_requests=2).make_iterator()
+  iterator = dataset.distribute(
+    address, policy, visitation=visitation, timeout_s=timeout_s, max_outstanding_requests=2
+  ).make_iterator()
   got: collections.Counter = collections.Counter()
   errors: list[BaseException] = []
   started = threading.Event()
@@ -106,7 +115,8 @@ def test_a_read_outlives_a_dispatcher_stopped_past_every_timeout(cluster, tmp_pa
 
 
 def test_a_worker_that_dies_while_the_dispatcher_is_stopped_costs_an_exactly_once_read_nothing(
-    cluster, tmp_path):
+  cluster, tmp_path
+):
   # The read cannot reach the dead worker for longer than timeout_s, but only
   # the dispatcher can say it died: woken, it does, and its splits go to the
   # other worker.
@@ -123,8 +133,7 @@ def test_a_worker_that_dies_while_the_dispatcher_is_stopped_costs_an_exactly_onc
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_read_outlives_a_dispatcher_down_and_restarted_with_its_work_dir(
-    cluster, tmp_path, mode):
+def test_a_read_outlives_a_dispatcher_down_and_restarted_with_its_work_dir(cluster, tmp_path, mode):
   dispatcher, _, _, flags = start_servers(cluster, tmp_path, 2, f"--work_dir={tmp_path}")
   thread, got, errors, _ = start_read(dispatcher.address, mode)
   dispatcher.kill()
@@ -133,12 +142,12 @@ def test_a_read_outlives_a_dispatcher_down_and_restarted_with_its_work_dir(
   finish(thread, got, errors, mode, 2)
 
 
-def test_a_parallel_epochs_read_with_every_element_ends_without_its_dispatcher(
-    cluster, tmp_path):
+def test_a_parallel_epochs_read_with_every_element_ends_without_its_dispatcher(cluster, tmp_path):
   dispatcher, _, _, _ = start_servers(cluster, tmp_path, 1)
   dataset = jaxfeed.Dataset.range(1000).batch(1)
-  with dataset.distribute(dispatcher.address, timeout_s=TIMEOUT_S,
-                          max_outstanding_requests=2).make_iterator() as iterator:
+  with dataset.distribute(
+    dispatcher.address, timeout_s=TIMEOUT_S, max_outstanding_requests=2
+  ).make_iterator() as iterator:
     got = [int(next(iterator)[0]) for _ in range(30)]  # the worker cannot end yet
     dispatcher.kill()  # for good
     start = time.monotonic()
@@ -147,11 +156,14 @@ def test_a_parallel_epochs_read_with_every_element_ends_without_its_dispatcher(
   assert time.monotonic() - start < 15
 
 
-def test_a_worker_stops_after_dispatcher_timeout_s_and_the_read_fails_clearly(
-    cluster, tmp_path):
+def test_a_worker_stops_after_dispatcher_timeout_s_and_the_read_fails_clearly(cluster, tmp_path):
   dispatcher, _, _, _ = start_servers(cluster, tmp_path, 0)
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                   "--heartbeat_interval_s=0.1", "--dispatcher_timeout_s=2")
+  worker = cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    "--heartbeat_interval_s=0.1",
+    "--dispatcher_timeout_s=2",
+  )
   thread, _, errors, _ = start_read(dispatcher.address, "exactly_once")
   dispatcher.kill()  # for good
   assert worker.proc.wait(timeout=30) != 0  # it gave up on the dispatcher
@@ -180,5 +192,7 @@ def test_reads_outlive_a_90_s_dispatcher_stop(cluster, mode):
   finally:
     dispatcher.resume()
   finish(thread, got, errors, mode, 2)
-  print(f"{mode}: all {sum(got.values())} elements; the read ended "
-        f"{times['ended'] - stopped:.1f} s after the dispatcher stopped for 90 s")
+  print(
+    f"{mode}: all {sum(got.values())} elements; the read ended "
+    f"{times['ended'] - stopped:.1f} s after the dispatcher stopped for 90 s"
+  )

@@ -24,13 +24,36 @@ from jaxfeed.service.protocol.protos import service_pb2 as pb
 from service_cluster import REPO_ROOT
 
 RESULT_FIELDS = (
-    "workers", "clients", "parties", "seconds", "rpcs_per_s", "rpcs", "latency_ms",
-    "handler_ms", "failed_rpcs", "failed_by_kind", "dispatcher_cpu_share", "dispatcher_rss_mb",
-    "journal_bytes_per_s", "simulator_cpu_share", "restart_replay_s", "dispatcher_gc",
-    "simulator_loop_lag_ms", "simulator_burst_lag_ms", "joins_dispatcher_cpu_s",
-    "release_all_s", "goodbyes", "release_job_client_calls")
-RPC_KINDS = ("WorkerHeartbeat", "GetSplits", "GetOrCreateJob", "ClientHeartbeat",
-             "ReleaseJobClient")
+  "workers",
+  "clients",
+  "parties",
+  "seconds",
+  "rpcs_per_s",
+  "rpcs",
+  "latency_ms",
+  "handler_ms",
+  "failed_rpcs",
+  "failed_by_kind",
+  "dispatcher_cpu_share",
+  "dispatcher_rss_mb",
+  "journal_bytes_per_s",
+  "simulator_cpu_share",
+  "restart_replay_s",
+  "dispatcher_gc",
+  "simulator_loop_lag_ms",
+  "simulator_burst_lag_ms",
+  "joins_dispatcher_cpu_s",
+  "release_all_s",
+  "goodbyes",
+  "release_job_client_calls",
+)
+RPC_KINDS = (
+  "WorkerHeartbeat",
+  "GetSplits",
+  "GetOrCreateJob",
+  "ClientHeartbeat",
+  "ReleaseJobClient",
+)
 
 
 def _dataset_def(num_positions: int = 1 << 40) -> pb.DatasetDef:
@@ -41,8 +64,11 @@ def _dataset_def(num_positions: int = 1 << 40) -> pb.DatasetDef:
 
 
 def _state(**pacing) -> dispatcher_lib.DispatcherState:
-  return dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig(
-      split_size=10, heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(**pacing)))
+  return dispatcher_lib.DispatcherState(
+    dispatcher_lib.DispatcherConfig(
+      split_size=10, heartbeat_pacing=heartbeat_pacing.HeartbeatPacing(**pacing)
+    )
+  )
 
 
 def _register_workers(state, count: int, first: int = 0) -> pb.WorkerHeartbeatResponse:
@@ -52,11 +78,14 @@ def _register_workers(state, count: int, first: int = 0) -> pb.WorkerHeartbeatRe
   return response
 
 
-@pytest.mark.parametrize("parties, expected", [
-    (10, 0.0),      # few: the parties keep their own interval
-    (100, 1.0),     # 100 / 100 calls a second
+@pytest.mark.parametrize(
+  "parties, expected",
+  [
+    (10, 0.0),  # few: the parties keep their own interval
+    (100, 1.0),  # 100 / 100 calls a second
     (10_000, 5.0),  # capped at the most allowed
-])
+  ],
+)
 def test_heartbeat_interval_keeps_the_rate_within_budget(parties, expected):
   assert heartbeat_pacing.heartbeat_interval(parties, 100.0, 0.5, 5.0) == expected
 
@@ -82,9 +111,12 @@ def test_clients_are_told_a_longer_interval_as_they_grow_and_while_others_join()
   state = _state(client_heartbeats_per_s=100.0)
   _register_workers(state, 2)
   dataset_id = state.register_dataset(_dataset_def())
-  joined = [state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared"))
-            for _ in range(30)]
+  joined = [
+    state.get_or_create_job(
+      pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared")
+    )
+    for _ in range(30)
+  ]
   job_id, client_id = joined[0]
   # 30 joins within moments (counted over at least 0.1 s: 300 a second) leave
   # the heartbeats a quarter of the 100 a second: every 30 / 25 s.
@@ -96,13 +128,16 @@ def test_clients_are_told_a_longer_interval_as_they_grow_and_while_others_join()
   state.close()
 
 
-@pytest.mark.parametrize("clients, joins_per_s, expected", [
-    (100, 0.0, 1 / 3),       # no joins: 100 / 300 a second
-    (100, 200.0, 1.0),       # joins take 200 of the 300: 100 / 100
-    (150, 270.0, 2.0),       # a quarter stays with the heartbeats: 150 / 75
-    (2048, 205.0, 6.0),      # a pod joining: capped at a tenth of the timeout
-    (5, 200.0, 0.0),         # few: the clients keep their own interval
-])
+@pytest.mark.parametrize(
+  "clients, joins_per_s, expected",
+  [
+    (100, 0.0, 1 / 3),  # no joins: 100 / 300 a second
+    (100, 200.0, 1.0),  # joins take 200 of the 300: 100 / 100
+    (150, 270.0, 2.0),  # a quarter stays with the heartbeats: 150 / 75
+    (2048, 205.0, 6.0),  # a pod joining: capped at a tenth of the timeout
+    (5, 200.0, 0.0),  # few: the clients keep their own interval
+  ],
+)
 def test_joins_take_their_share_of_the_client_budget(clients, joins_per_s, expected):
   pacing = heartbeat_pacing.HeartbeatPacing(client_heartbeats_per_s=300.0)
   assert pacing.client_interval(clients, 60.0, joins_per_s) == pytest.approx(expected)
@@ -124,10 +159,12 @@ def test_client_gets_the_task_list_only_when_it_changed():
   state = _state()
   _register_workers(state, 3)
   dataset_id = state.register_dataset(_dataset_def())
-  job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="DYNAMIC"))
+  job_id, client_id = state.get_or_create_job(
+    pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="DYNAMIC")
+  )
   heartbeat = lambda version: state.client_heartbeat(
-      job_id, client_id, report=pb.ClientHeartbeatRequest(known_tasks_version=version))
+    job_id, client_id, report=pb.ClientHeartbeatRequest(known_tasks_version=version)
+  )
   first = heartbeat(0)
   assert len(first.tasks) == 3 and first.tasks_version and not first.tasks_unchanged
   assert all(t.read_ticket == "" for t in first.tasks)
@@ -143,8 +180,7 @@ def test_client_gets_the_task_list_only_when_it_changed():
   assert sorted(t.worker_address for t in shrunk.tasks) == ["w1:1", "w2:1", "w3:1"]
   # An unrelated change elsewhere keeps the version (no list is resent).
   other = state.register_dataset(_dataset_def(7))
-  state.get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=other,
-                                                   sharding_policy="DYNAMIC"))
+  state.get_or_create_job(pb.GetOrCreateJobRequest(dataset_id=other, sharding_policy="DYNAMIC"))
   assert heartbeat(shrunk.tasks_version).tasks_unchanged
   state.close()
 
@@ -153,15 +189,16 @@ def test_task_list_reports_finished_tasks():
   state = _state()
   _register_workers(state, 1)
   dataset_id = state.register_dataset(_dataset_def(5))
-  job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="OFF"))
+  job_id, client_id = state.get_or_create_job(
+    pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF")
+  )
   task_id = next(iter(state.jobs[job_id].tasks))
   before = state.client_heartbeat(job_id, client_id)
   assert not before.job_finished
-  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w0:1",
-                                                   finished_tasks=[task_id]))
-  after = state.client_heartbeat(job_id, client_id, report=pb.ClientHeartbeatRequest(
-      known_tasks_version=before.tasks_version))
+  state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w0:1", finished_tasks=[task_id]))
+  after = state.client_heartbeat(
+    job_id, client_id, report=pb.ClientHeartbeatRequest(known_tasks_version=before.tasks_version)
+  )
   assert after.job_finished and after.tasks_version != before.tasks_version
   state.close()
 
@@ -170,11 +207,11 @@ def test_splits_grow_with_the_tasks_of_a_job():
   state = _state(tasks_per_split_step=4)
   _register_workers(state, 10)
   dataset_id = state.register_dataset(_dataset_def())
-  job_id, _ = state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="DYNAMIC"))
+  job_id, _ = state.get_or_create_job(
+    pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="DYNAMIC")
+  )
   task_id = next(iter(state.jobs[job_id].tasks))
-  response = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
-                                                  max_ranges=2))
+  response = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id, max_ranges=2))
   # 10 tasks, 4 a step: 3 x split_size.
   assert [(r.start, r.stop) for r in response.ranges] == [(0, 30), (30, 60)]
   state.close()
@@ -185,10 +222,27 @@ def _simulate(*flags: str) -> dict:
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
   output = subprocess.run(
-      [sys.executable, "-m", "benchmarks.dispatcher_scale", "--workers=20",
-       "--clients=40", "--seconds=3", "--warmup_s=0.5", "--join_spread_s=0.5",
-       "--processes=1", "--round_robin_clients=4", "--json", *flags],
-      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240, check=True)
+    [
+      sys.executable,
+      "-m",
+      "benchmarks.dispatcher_scale",
+      "--workers=20",
+      "--clients=40",
+      "--seconds=3",
+      "--warmup_s=0.5",
+      "--join_spread_s=0.5",
+      "--processes=1",
+      "--round_robin_clients=4",
+      "--json",
+      *flags,
+    ],
+    cwd=REPO_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+    check=True,
+  )
   return json.loads(output.stdout.strip().splitlines()[-1])
 
 
@@ -209,8 +263,7 @@ def test_load_simulator_reports_every_field_without_failures():
   assert result["journal_bytes_per_s"] > 0  # splits and acknowledgments are journaled
   assert result["dispatcher_gc"]["collections"] > 0  # a 3 s window of calls collects
   assert result["simulator_loop_lag_ms"]["max"] >= result["simulator_loop_lag_ms"]["p50"] >= 0
-  assert not [p for p in psutil.Process().children(recursive=True)
-              if p.pid not in children_before]
+  assert not [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
 
 
 def test_every_goodbye_of_a_pod_sized_burst_is_answered():
@@ -220,24 +273,32 @@ def test_every_goodbye_of_a_pod_sized_burst_is_answered():
   server = dispatcher_lib.DispatchServer(dispatcher_lib.DispatcherConfig())
   try:
     dataset_id = server.state.register_dataset(_dataset_def())
-    joined = [server.state.get_or_create_job(pb.GetOrCreateJobRequest(
-        dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="pod"))
-              for _ in range(3000)]
+    joined = [
+      server.state.get_or_create_job(
+        pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="pod")
+      )
+      for _ in range(3000)
+    ]
 
     async def say_goodbyes() -> list[str]:
       async with grpc.aio.insecure_channel(server.target) as channel:
         release = channel.unary_unary(
-            f"/{dispatcher_lib.SERVICE_NAME}/ReleaseJobClient",
-            request_serializer=pb.ReleaseJobClientRequest.SerializeToString,
-            response_deserializer=pb.ReleaseJobClientResponse.FromString)
+          f"/{dispatcher_lib.SERVICE_NAME}/ReleaseJobClient",
+          request_serializer=pb.ReleaseJobClientRequest.SerializeToString,
+          response_deserializer=pb.ReleaseJobClientResponse.FromString,
+        )
 
         async def goodbye(job_id: int, client_id: int) -> str:
           try:
-            await release(pb.ReleaseJobClientRequest(job_id=job_id, client_id=client_id),
-                          timeout=60, wait_for_ready=True)
+            await release(
+              pb.ReleaseJobClientRequest(job_id=job_id, client_id=client_id),
+              timeout=60,
+              wait_for_ready=True,
+            )
             return "OK"
           except grpc.aio.AioRpcError as e:
             return e.code().name
+
         return await asyncio.gather(*(goodbye(*ids) for ids in joined))
 
     outcomes = asyncio.run(say_goodbyes())
@@ -251,12 +312,16 @@ def test_worker_gets_its_tasks_clients_only_when_they_changed():
   state = _state()
   _register_workers(state, 1)
   dataset_id = state.register_dataset(_dataset_def())
-  join = lambda: state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared"))
+  join = lambda: state.get_or_create_job(
+    pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="shared")
+  )
   job_id, first = join()
   task_id = next(iter(state.jobs[job_id].tasks))
-  heartbeat = lambda version: state.worker_heartbeat(pb.WorkerHeartbeatRequest(
-      worker_address="w0:1", current_tasks=[task_id], known_clients_version=version))
+  heartbeat = lambda version: state.worker_heartbeat(
+    pb.WorkerHeartbeatRequest(
+      worker_address="w0:1", current_tasks=[task_id], known_clients_version=version
+    )
+  )
   listed = heartbeat(0)
   assert [(t.task_id, list(t.client_ids)) for t in listed.task_clients] == [(task_id, [first])]
   assert listed.clients_version and not listed.clients_unchanged
@@ -275,7 +340,6 @@ def test_worker_gets_its_tasks_clients_only_when_they_changed():
   assert other.clients_version != state.clients_version
   state.close()
   other.close()
-
 
 
 def _wait_for(condition, timeout_s: float = 30.0) -> None:
@@ -302,14 +366,23 @@ def test_worker_drops_the_stream_of_a_client_that_died_without_goodbye():
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
   with service.DispatchServer(service.DispatcherConfig(client_timeout_s=1.0)) as dispatcher:
-    with service.WorkerServer(service.WorkerConfig(
-        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.05)) as worker:
+    with service.WorkerServer(
+      service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.05)
+    ) as worker:
       streams = worker._worker.streams._streams  # pylint: disable=protected-access
-      reader = jaxfeed.Dataset.range(1 << 20).batch(4).distribute(
-          dispatcher.target, "distributed_epoch", job_name="shared").make_iterator()
+      reader = (
+        jaxfeed.Dataset.range(1 << 20)
+        .batch(4)
+        .distribute(dispatcher.target, "distributed_epoch", job_name="shared")
+        .make_iterator()
+      )
       next(reader)
-      other = subprocess.Popen([sys.executable, "-c", _KILLED_READER, dispatcher.target],
-                               env=env, stdout=subprocess.PIPE, text=True)
+      other = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_READER, dispatcher.target],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+      )
       try:
         assert other.stdout.readline().strip() == "read"
         _wait_for(lambda: len(streams) == 2)
@@ -332,9 +405,11 @@ def test_worker_drops_the_stream_of_a_client_that_died_without_goodbye():
 
 
 def _dispatcher_call(channel, method: str, response_cls):
-  return channel.unary_unary(f"/{dispatcher_lib.SERVICE_NAME}/{method}",
-                             request_serializer=lambda m: m.SerializeToString(),
-                             response_deserializer=response_cls.FromString)
+  return channel.unary_unary(
+    f"/{dispatcher_lib.SERVICE_NAME}/{method}",
+    request_serializer=lambda m: m.SerializeToString(),
+    response_deserializer=response_cls.FromString,
+  )
 
 
 def test_join_answers_the_first_heartbeat():
@@ -346,8 +421,9 @@ def test_join_answers_the_first_heartbeat():
     with grpc.insecure_channel(server.target) as channel:
       join = _dispatcher_call(channel, "GetOrCreateJob", pb.GetOrCreateJobResponse)
       heartbeat = _dispatcher_call(channel, "ClientHeartbeat", pb.ClientHeartbeatResponse)
-      request = pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="DYNAMIC",
-                                         job_name="pod", first_heartbeat=True)
+      request = pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="DYNAMIC", job_name="pod", first_heartbeat=True
+      )
       joined = join(request, timeout=30)
       first = joined.heartbeat
       assert joined.HasField("heartbeat") and first.tasks_version
@@ -355,9 +431,12 @@ def test_join_answers_the_first_heartbeat():
       assert {t.job_id for t in first.tasks} == {joined.job_id}
       assert not first.job_finished and not first.tasks_unchanged
       # The version is the one the next heartbeat compares.
-      again = heartbeat(pb.ClientHeartbeatRequest(
-          job_id=joined.job_id, client_id=joined.client_id,
-          known_tasks_version=first.tasks_version), timeout=30)
+      again = heartbeat(
+        pb.ClientHeartbeatRequest(
+          job_id=joined.job_id, client_id=joined.client_id, known_tasks_version=first.tasks_version
+        ),
+        timeout=30,
+      )
       assert again.tasks_unchanged and again.tasks_version == first.tasks_version
       request.first_heartbeat = False  # as clients from before it ask
       plain = join(request, timeout=30)
@@ -372,8 +451,12 @@ def test_client_makes_no_heartbeat_call_right_after_its_join():
   config = service.DispatcherConfig(heartbeat_pacing=pacing, client_timeout_s=100.0)
   with service.DispatchServer(config) as dispatcher:
     with service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.target)):
-      reader = jaxfeed.Dataset.range(1 << 20).batch(4).distribute(
-          dispatcher.target, "distributed_epoch").make_iterator()
+      reader = (
+        jaxfeed.Dataset.range(1 << 20)
+        .batch(4)
+        .distribute(dispatcher.target, "distributed_epoch")
+        .make_iterator()
+      )
       try:
         started = time.monotonic()
         next(reader)  # read from the tasks its join listed
@@ -385,14 +468,16 @@ def test_client_makes_no_heartbeat_call_right_after_its_join():
         reader.close()
 
 
-
 def test_goodbyes_go_through_workers_from_the_threshold_of_live_clients_on():
   pacing = heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=256)
   assert not pacing.goodbye_via_worker(255) and pacing.goodbye_via_worker(256)
   no_goodbyes = heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=0)
   assert not no_goodbyes.goodbye_via_worker(1 << 20)
-  with pytest.raises(ValueError, match=r"goodbye_via_worker_clients must be an integer >= 0 "
-                     r"\(0: never\), got -1"):
+  with pytest.raises(
+    ValueError,
+    match=r"goodbye_via_worker_clients must be an integer >= 0 "
+    r"\(0: never\), got -1",
+  ):
     heartbeat_pacing.HeartbeatPacing(goodbye_via_worker_clients=-1)
 
 
@@ -400,6 +485,5 @@ def test_load_simulator_says_goodbye_through_workers_as_jaxfeed_does():
   result = _simulate("--dispatcher_flag=--goodbye_via_worker_clients=1")
   assert result["failed_rpcs"] == 0, result["errors"]
   assert result["release_job_client_calls"] == 0
-  assert result["goodbyes"] == {"call": 0, "worker": 40, "timeout": 0, "refused": 0,
-                                "stale": 0}
+  assert result["goodbyes"] == {"call": 0, "worker": 40, "timeout": 0, "refused": 0, "stale": 0}
   assert result["release_all_s"] is not None

@@ -23,8 +23,7 @@ NUM = 800
 
 def slow_pipeline(n: int = NUM) -> jaxfeed.Dataset:
   # 2 ms an element: a chunk of 40 positions takes about 0.1 s to write.
-  return jaxfeed.Dataset.from_tensor_slices({"x": np.arange(n)}).map(
-      service_udfs.slow_add_one_to_x)
+  return jaxfeed.Dataset.from_tensor_slices({"x": np.arange(n)}).map(service_udfs.slow_add_one_to_x)
 
 
 def saved_xs(path) -> list:
@@ -49,8 +48,14 @@ def test_two_workers_save_a_pipeline_that_loads_in_its_local_order(cluster, tmp_
   for _ in range(2):
     cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
   pipeline = jaxfeed.Dataset.range(500).map(service_udfs.add_one)
-  service.distributed_save(pipeline, tmp_path / "s", dispatcher.address, wait=True,
-                           chunk_positions=37, wait_timeout_s=WAIT_S)
+  service.distributed_save(
+    pipeline,
+    tmp_path / "s",
+    dispatcher.address,
+    wait=True,
+    chunk_positions=37,
+    wait_timeout_s=WAIT_S,
+  )
   progress = save_format.progress(tmp_path / "s")
   assert (progress.complete, progress.chunks_done, progress.num_elements) == (True, 14, 500)
   loaded = jaxfeed.Dataset.load(tmp_path / "s")
@@ -63,8 +68,9 @@ def test_two_workers_save_a_pipeline_that_loads_in_its_local_order(cluster, tmp_
 
 def test_a_worker_killed_mid_save_loses_nothing_and_the_others_finish_it(cluster, tmp_path):
   dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=1.5")
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-             for _ in range(2)]
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT) for _ in range(2)
+  ]
   path = tmp_path / "s"
   service.distributed_save(slow_pipeline(), path, dispatcher.address, chunk_positions=40)
   wait_for_chunks(path, 4)
@@ -106,8 +112,7 @@ def test_an_incomplete_save_is_refused_by_load_and_waited_for_on_request(cluster
   with pytest.raises(jaxfeed.SaveFormatError, match=r"incomplete \(0 of 5 chunks"):
     jaxfeed.Dataset.load(path)
   cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-  assert sorted(int(e["x"]) for e in jaxfeed.Dataset.load(path, wait=True)) == list(
-      range(1, 201))
+  assert sorted(int(e["x"]) for e in jaxfeed.Dataset.load(path, wait=True)) == list(range(1, 201))
 
 
 def test_a_pipeline_that_batches_is_saved_whole_as_its_local_run_gives_it(cluster, tmp_path):
@@ -115,8 +120,9 @@ def test_a_pipeline_that_batches_is_saved_whole_as_its_local_run_gives_it(cluste
   for _ in range(2):
     cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
   pipeline = jaxfeed.Dataset.range(50).map(service_udfs.add_one).batch(7).repeat(2)
-  service.distributed_save(pipeline, tmp_path / "s", dispatcher.address, wait=True,
-                           wait_timeout_s=WAIT_S)
+  service.distributed_save(
+    pipeline, tmp_path / "s", dispatcher.address, wait=True, wait_timeout_s=WAIT_S
+  )
   loaded = [b.tolist() for b in jaxfeed.Dataset.load(tmp_path / "s")]
   assert loaded == [b.tolist() for b in pipeline]
   assert save_format.progress(tmp_path / "s").chunks_done == 1
@@ -126,11 +132,19 @@ def test_a_chunk_that_keeps_failing_fails_the_save_with_its_error(cluster, tmp_p
   dispatcher = cluster("dispatcher", "--port=0", "--max_split_attempts=2")
   cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
   pipeline = jaxfeed.Dataset.range(20).map(service_udfs.fails_at_five)
-  failure = (r"failed: chunk 1 \(positions \[4, 8\)\) of dataset \w+ raised 2 times "
-             r"\(max_split_attempts=2\); the last error: ValueError: element five is bad")
+  failure = (
+    r"failed: chunk 1 \(positions \[4, 8\)\) of dataset \w+ raised 2 times "
+    r"\(max_split_attempts=2\); the last error: ValueError: element five is bad"
+  )
   with pytest.raises(jaxfeed.SaveFormatError, match=failure):
-    service.distributed_save(pipeline, tmp_path / "s", dispatcher.address, wait=True,
-                             chunk_positions=4, wait_timeout_s=WAIT_S)
+    service.distributed_save(
+      pipeline,
+      tmp_path / "s",
+      dispatcher.address,
+      wait=True,
+      chunk_positions=4,
+      wait_timeout_s=WAIT_S,
+    )
   with pytest.raises(jaxfeed.SaveFormatError, match=failure):
     jaxfeed.Dataset.load(tmp_path / "s")
   assert "element five is bad" in save_format.progress(tmp_path / "s").error
@@ -143,8 +157,9 @@ def test_a_save_is_resumed_by_calling_again_and_another_pipeline_is_refused(tmp_
     service.distributed_save(pipeline, path, first.target, chunk_positions=10)
   # A dispatcher without a work_dir forgets the save; the folder remembers it.
   with service.DispatchServer(service.DispatcherConfig(port=0)) as second:
-    with pytest.raises(service.ServiceError, match="ALREADY_EXISTS.*incomplete save of "
-                       "another pipeline"):
+    with pytest.raises(
+      service.ServiceError, match="ALREADY_EXISTS.*incomplete save of another pipeline"
+    ):
       service.distributed_save(pipeline.map(np.negative), path, second.target)
     service.distributed_save(pipeline, path, second.target)
     with service.WorkerServer(service.WorkerConfig(dispatcher_address=second.target)):

@@ -34,8 +34,13 @@ RELEASED_WITHIN_S = 4 * WORKER_INTERVAL_S + 3.0
 
 def goodbyes(url: str) -> collections.Counter:
   """How the dispatcher's clients left: via -> count (0s left out)."""
-  return +collections.Counter({dict(labels)["via"]: v for (name, labels), v in scrape(url).items()
-                              if name == "jaxfeed_dispatcher_client_goodbyes_total"})
+  return +collections.Counter(
+    {
+      dict(labels)["via"]: v
+      for (name, labels), v in scrape(url).items()
+      if name == "jaxfeed_dispatcher_client_goodbyes_total"
+    }
+  )
 
 
 def live_clients(url: str) -> float:
@@ -51,22 +56,42 @@ def wait_for(predicate, timeout_s: float) -> float:
   return time.monotonic() - started
 
 
-def start(cluster, *dispatcher_flags: str, workers: int = 1,
-          worker_interval_s: float = WORKER_INTERVAL_S, worker_flags: tuple = ()):
-  dispatcher = cluster("dispatcher", "--port=0", "--metrics_port=0", f"--auth_token={TOKEN}",
-                       f"--worker_token={WORKER_TOKEN}", "--nojournal_fsync",
-                       *dispatcher_flags)
+def start(
+  cluster,
+  *dispatcher_flags: str,
+  workers: int = 1,
+  worker_interval_s: float = WORKER_INTERVAL_S,
+  worker_flags: tuple = (),
+):
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    "--metrics_port=0",
+    f"--auth_token={TOKEN}",
+    f"--worker_token={WORKER_TOKEN}",
+    "--nojournal_fsync",
+    *dispatcher_flags,
+  )
   url = _metrics_url(dispatcher)
-  started = [cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                     f"--heartbeat_interval_s={worker_interval_s}",
-                     f"--worker_token={WORKER_TOKEN}", *worker_flags)
-             for _ in range(workers)]
+  started = [
+    cluster(
+      "worker",
+      f"--dispatcher_address={dispatcher.address}",
+      f"--heartbeat_interval_s={worker_interval_s}",
+      f"--worker_token={WORKER_TOKEN}",
+      *worker_flags,
+    )
+    for _ in range(workers)
+  ]
   return dispatcher, url, started
 
 
 def reader(dispatcher, mode: str = "parallel_epochs", **options):
-  return records().distribute(dispatcher.address, mode, auth_token=TOKEN, timeout_s=60,
-                              **options).make_iterator()
+  return (
+    records()
+    .distribute(dispatcher.address, mode, auth_token=TOKEN, timeout_s=60, **options)
+    .make_iterator()
+  )
 
 
 def take_and_wait(iterator, batches: int = 3) -> list:
@@ -99,11 +124,15 @@ def test_a_closing_client_says_goodbye_through_a_worker_only_at_pod_scale(cluste
 
 def test_a_goodbye_through_a_worker_over_tls(cluster):
   tls_flags = (f"--tls_key={TLS_DIR / 'server.key'}", f"--tls_cert={TLS_DIR / 'server.pem'}")
-  dispatcher, url, _ = start(cluster, "--goodbye_via_worker_clients=1", *tls_flags,
-                             worker_flags=(f"--tls_root_certs={TLS_DIR / 'ca.pem'}",
-                                           *tls_flags))
-  iterator = reader(dispatcher, tls=service.TLSConfig(
-      root_certificates=(TLS_DIR / "ca.pem").read_bytes()))
+  dispatcher, url, _ = start(
+    cluster,
+    "--goodbye_via_worker_clients=1",
+    *tls_flags,
+    worker_flags=(f"--tls_root_certs={TLS_DIR / 'ca.pem'}", *tls_flags),
+  )
+  iterator = reader(
+    dispatcher, tls=service.TLSConfig(root_certificates=(TLS_DIR / "ca.pem").read_bytes())
+  )
   try:
     take_and_wait(iterator)
   finally:
@@ -112,12 +141,15 @@ def test_a_goodbye_through_a_worker_over_tls(cluster):
   assert goodbyes(url) == {"worker": 1}
 
 
-def test_a_worker_killed_before_forwarding_a_goodbye_leaves_the_client_to_the_timeout(
-    cluster):
+def test_a_worker_killed_before_forwarding_a_goodbye_leaves_the_client_to_the_timeout(cluster):
   # The worker heartbeats every 20 s: it is killed long before its next one.
   dispatcher, url, (doomed,) = start(
-      cluster, "--goodbye_via_worker_clients=1", "--client_timeout_s=4",
-      "--heartbeat_timeout_s=30", worker_interval_s=20)
+    cluster,
+    "--goodbye_via_worker_clients=1",
+    "--client_timeout_s=4",
+    "--heartbeat_timeout_s=30",
+    worker_interval_s=20,
+  )
   iterator = reader(dispatcher)
   try:
     take_and_wait(iterator)
@@ -128,16 +160,19 @@ def test_a_worker_killed_before_forwarding_a_goodbye_leaves_the_client_to_the_ti
   assert goodbyes(url) == {"timeout": 1}
   # The dispatcher goes on: a new worker serves a new read, whole, once the
   # dead worker's task is given up (heartbeat timeout).
-  cluster("worker", f"--dispatcher_address={dispatcher.address}",
-          f"--heartbeat_interval_s={WORKER_INTERVAL_S}", f"--worker_token={WORKER_TOKEN}")
+  cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    f"--heartbeat_interval_s={WORKER_INTERVAL_S}",
+    f"--worker_token={WORKER_TOKEN}",
+  )
   with reader(dispatcher, "distributed_epoch", visitation="exactly_once") as again:
     values = [v for batch in again for v in batch["x"].tolist()]
   assert sorted(values) == list(range(1, NUM_RECORDS + 1))
   assert goodbyes(url)["timeout"] == 1 and goodbyes(url)["worker"] == 0
 
 
-def test_a_worker_that_does_not_answer_the_goodbye_leaves_it_to_the_call_in_bounded_time(
-    cluster):
+def test_a_worker_that_does_not_answer_the_goodbye_leaves_it_to_the_call_in_bounded_time(cluster):
   dispatcher, url, (stopped,) = start(cluster, "--goodbye_via_worker_clients=1")
   iterator = reader(dispatcher)
   try:
@@ -159,8 +194,7 @@ def test_a_worker_that_does_not_answer_the_goodbye_leaves_it_to_the_call_in_boun
 
 
 def test_clients_leaving_mid_epoch_through_workers_lose_and_repeat_nothing(cluster):
-  dispatcher, url, _ = start(cluster, "--goodbye_via_worker_clients=1", "--split_size=8",
-                             workers=2)
+  dispatcher, url, _ = start(cluster, "--goodbye_via_worker_clients=1", "--split_size=8", workers=2)
   options = {"job_name": "once", "visitation": "exactly_once", "max_outstanding_requests": 2}
   leavers = [reader(dispatcher, "distributed_epoch", **options) for _ in range(2)]
   stayer = reader(dispatcher, "distributed_epoch", **options)
@@ -173,8 +207,9 @@ def test_clients_leaving_mid_epoch_through_workers_lose_and_repeat_nothing(clust
   # The splits the leavers held but had not acknowledged come back only once
   # they are released: through the workers within seconds, else after
   # client_timeout_s (60 s), past this deadline.
-  thread = threading.Thread(target=lambda: rest.extend(
-      v for batch in stayer for v in batch["x"].tolist()), daemon=True)
+  thread = threading.Thread(
+    target=lambda: rest.extend(v for batch in stayer for v in batch["x"].tolist()), daemon=True
+  )
   started = time.monotonic()
   try:
     thread.start()
@@ -206,12 +241,15 @@ def test_a_goodbye_naming_another_client_releases_nobody(cluster):
     # its own goodbye ticket, and names every client id in turn.
     dataset_id = register_dataset(dispatcher.address, records(), auth_token=TOKEN)
     job = dispatcher_caller(channel, "GetOrCreateJob", pb.GetOrCreateJobResponse, TOKEN)(
-        pb.GetOrCreateJobRequest(dataset_id=dataset_id,
-                                 sharding_policy="OFF", job_name="shared",
-                                 first_heartbeat=True), timeout=30)
+      pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id, sharding_policy="OFF", job_name="shared", first_heartbeat=True
+      ),
+      timeout=30,
+    )
     time.sleep(1.2)  # counted: its heartbeat answer carries its goodbye ticket
     answer = dispatcher_caller(channel, "ClientHeartbeat", pb.ClientHeartbeatResponse, TOKEN)(
-        pb.ClientHeartbeatRequest(job_id=job.job_id, client_id=job.client_id), timeout=30)
+      pb.ClientHeartbeatRequest(job_id=job.job_id, client_id=job.client_id), timeout=30
+    )
     assert answer.goodbye_via_worker and len(answer.goodbye_ticket) == 64
     (task,) = answer.tasks
     taken = []
@@ -222,9 +260,16 @@ def test_a_goodbye_naming_another_client_releases_nobody(cluster):
       # refuse it, or every later heartbeat of it would fail.)
       for ticket in (answer.goodbye_ticket, "", "0" * 64, "\ud800"):
         try:
-          data_socket.send_goodbye(task.data_address, {
-              "token": task.read_ticket, "task_id": task.task_id, "client_id": client_id,
-              "goodbye": ticket}, 5.0)
+          data_socket.send_goodbye(
+            task.data_address,
+            {
+              "token": task.read_ticket,
+              "task_id": task.task_id,
+              "client_id": client_id,
+              "goodbye": ticket,
+            },
+            5.0,
+          )
         except data_socket.DataConnectionError as e:
           # No stream of that client here, or not a ticket at all.
           assert e.status == ("INVALID_ARGUMENT" if ticket == "\ud800" else "NOT_FOUND"), e

@@ -36,19 +36,24 @@ def busy_state(config: dispatcher_lib.DispatcherConfig) -> dispatcher_lib.Dispat
   second = state.register_dataset(dataset_def(50))
   for address in ("w1:1", "w2:1"):
     state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address))
-  job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=first, sharding_policy="distributed_epoch", exactly_once=True))
+  job_id, client_id = state.get_or_create_job(
+    pb.GetOrCreateJobRequest(
+      dataset_id=first, sharding_policy="distributed_epoch", exactly_once=True
+    )
+  )
   tasks = {t.worker_address: t.task_id for t in state.jobs[job_id].tasks.values()}
   for address in ("w1:1", "w2:1"):
-    state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=tasks[address],
-                                         max_ranges=2))
+    state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=tasks[address], max_ranges=2))
   state.client_heartbeat(job_id, client_id, acked_splits=[0])
   state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w2:1", leaving=True))
-  state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=second, sharding_policy="off", job_name="rr", num_consumers=2,
-      consumer_index=1))
-  state.worker_heartbeat(pb.WorkerHeartbeatRequest(
-      worker_address="w1:1", finished_tasks=[tasks["w1:1"]]))
+  state.get_or_create_job(
+    pb.GetOrCreateJobRequest(
+      dataset_id=second, sharding_policy="off", job_name="rr", num_consumers=2, consumer_index=1
+    )
+  )
+  state.worker_heartbeat(
+    pb.WorkerHeartbeatRequest(worker_address="w1:1", finished_tasks=[tasks["w1:1"]])
+  )
   return state
 
 
@@ -91,28 +96,30 @@ def test_torn_last_line_is_cut_off_and_the_next_batch_starts_on_a_clean_line(tmp
     assert stats.torn_bytes == (len(torn) if round_ == 0 else 0)
     journal.write([{"kind": "c"}])
     journal.close()
-  assert batches(tmp_path / "journal.jsonl") == [[{"kind": "a"}], [{"kind": "c"}],
-                                                 [{"kind": "c"}]]
+  assert batches(tmp_path / "journal.jsonl") == [[{"kind": "a"}], [{"kind": "c"}], [{"kind": "c"}]]
 
 
 def test_a_damaged_line_of_the_previous_release_names_the_file_and_offset(tmp_path):
   (tmp_path / "journal.jsonl").write_bytes(b'{"kind":"a"}\n{not json\n[{"kind":"b"}]\n')
-  with pytest.raises(journal_lib.JournalDamageError,
-                     match=r"journal\.jsonl is damaged at byte 13 \(line 2\)"):
+  with pytest.raises(
+    journal_lib.JournalDamageError, match=r"journal\.jsonl is damaged at byte 13 \(line 2\)"
+  ):
     journal_lib.Journal(tmp_path).replay(lambda r: None)
 
 
 @pytest.mark.parametrize("bad_line", [b'[{"kind":"a"}, 7]', b'"text"'])
 def test_a_line_of_the_previous_release_that_is_no_record_names_the_file_and_line(
-    tmp_path, bad_line):
+  tmp_path, bad_line
+):
   (tmp_path / "journal.jsonl").write_bytes(b'{"kind":"a"}\n' + bad_line + b'\n')
   with pytest.raises(ValueError, match=r"journal\.jsonl is corrupt at line 2 \(byte 13\)"):
     journal_lib.Journal(tmp_path).replay(lambda r: None)
 
 
 def test_a_record_the_state_cannot_apply_names_the_file_and_line(tmp_path):
-  (tmp_path / "journal.jsonl").write_bytes(b'[{"kind":"job_deleted","job_id":7}]\n'
-                                           b'[{"kind":"no_such_kind"}]\n')
+  (tmp_path / "journal.jsonl").write_bytes(
+    b'[{"kind":"job_deleted","job_id":7}]\n[{"kind":"no_such_kind"}]\n'
+  )
   with pytest.raises(ValueError, match=r"journal\.jsonl is corrupt at line 2.*no_such_kind"):
     dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path)))
 
@@ -126,8 +133,9 @@ def test_a_journal_of_the_previous_release_is_read_once_and_written_again_checke
   incarnation, first, second = batches(tmp_path / "journal.jsonl")
   # As the previous release wrote it: JSON lines without checksums, a batch
   # per line or (older still) one record.
-  (tmp_path / "journal.jsonl").write_bytes(b"".join(
-      json.dumps(line).encode() + b"\n" for line in (incarnation, first[0], second)))
+  (tmp_path / "journal.jsonl").write_bytes(
+    b"".join(json.dumps(line).encode() + b"\n" for line in (incarnation, first[0], second))
+  )
   state = dispatcher_lib.DispatcherState(config)
   assert sorted(state.datasets) == sorted([dataset_id, str(int(dataset_id) + 1)])
   state.close()
@@ -140,8 +148,9 @@ def test_a_journal_of_the_previous_release_is_read_once_and_written_again_checke
 
 
 def test_one_state_change_is_one_batch_with_one_fsync(tmp_path, monkeypatch):
-  state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig(
-      work_dir=str(tmp_path), num_workers=2))
+  state = dispatcher_lib.DispatcherState(
+    dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path), num_workers=2)
+  )
   dataset_id = state.register_dataset(dataset_def())
   for address in ("w1:1", "w2:1"):
     state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address))
@@ -150,8 +159,9 @@ def test_one_state_change_is_one_batch_with_one_fsync(tmp_path, monkeypatch):
   fsyncs = []
   real_fsync = os.fsync
   monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
-  state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="data"))  # fix workers, 2 tasks, a client
+  state.get_or_create_job(
+    pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="data")
+  )  # fix workers, 2 tasks, a client
   batches = lines(tmp_path / "journal.jsonl")[before:]
   assert len(batches) == 1 and len(fsyncs) == 1
   assert batches[0].count(b'"kind"') == 5
@@ -161,8 +171,9 @@ def test_one_state_change_is_one_batch_with_one_fsync(tmp_path, monkeypatch):
 def test_journal_fsync_off_writes_without_fsync(tmp_path, monkeypatch):
   fsyncs = []
   monkeypatch.setattr(os, "fsync", fsyncs.append)
-  state = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig(
-      work_dir=str(tmp_path), journal_fsync=False))
+  state = dispatcher_lib.DispatcherState(
+    dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path), journal_fsync=False)
+  )
   dataset_id = state.register_dataset(dataset_def())
   state.close()
   assert not fsyncs
@@ -172,8 +183,9 @@ def test_journal_fsync_off_writes_without_fsync(tmp_path, monkeypatch):
 
 
 def test_a_snapshot_rebuilds_the_live_state(tmp_path):
-  config = dispatcher_lib.DispatcherConfig(work_dir=str(tmp_path), heartbeat_timeout_s=60,
-                                           snapshot_every_records=1)
+  config = dispatcher_lib.DispatcherConfig(
+    work_dir=str(tmp_path), heartbeat_timeout_s=60, snapshot_every_records=1
+  )
   state = busy_state(config)  # snapshots after every change
   job = next(j for j in state.jobs.values() if j.exactly_once)
   assert job.unacked and job.reissue  # the snapshot must carry both
@@ -214,7 +226,7 @@ def test_a_crash_at_any_step_of_a_snapshot_replays_the_same_state(tmp_path, cras
   (work_dir / "journal.jsonl").write_bytes(before["journal.jsonl"])
   if crash_point in ("before_rename", "torn_tmp"):
     (work_dir / "snapshot.json").unlink()
-    tmp = snapshot if crash_point == "before_rename" else snapshot[:len(snapshot) // 2]
+    tmp = snapshot if crash_point == "before_rename" else snapshot[: len(snapshot) // 2]
     (work_dir / "snapshot.json.tmp").write_bytes(tmp)
   restarted = dispatcher_lib.DispatcherState(config)
   assert live_records(restarted) == expected
@@ -256,9 +268,10 @@ def test_a_second_dispatcher_on_the_same_work_dir_is_refused(tmp_path):
   dispatcher_lib.DispatcherState(config).close()
 
 
-@pytest.mark.parametrize("field,value", [
-    ("snapshot_every_records", -1), ("snapshot_every_bytes", 1.5),
-    ("dataset_gc_timeout_s", 0)])
+@pytest.mark.parametrize(
+  "field,value",
+  [("snapshot_every_records", -1), ("snapshot_every_bytes", 1.5), ("dataset_gc_timeout_s", 0)],
+)
 def test_bad_journal_options_are_refused(field, value):
   with pytest.raises(ValueError, match=field):
     dispatcher_lib.DispatcherConfig(**{field: value})
@@ -277,6 +290,7 @@ def test_concurrent_commits_and_snapshots_lose_nothing(tmp_path):
       registered.extend(state.register_dataset(d) for d in chunk)
     except Exception as e:  # pylint: disable=broad-except
       errors.append(e)
+
   threads = [threading.Thread(target=register, args=(definitions[i::8],)) for i in range(8)]
   for t in threads:
     t.start()

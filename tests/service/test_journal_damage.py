@@ -19,12 +19,37 @@ pytestmark = pytest.mark.timeout(300)
 FLIP_SEEDS = range(30)
 PARTS = 4  # the flips are checked in this many tests (each starts a dispatcher per flip)
 # Every kind a busy dispatcher journals, and what its snapshot holds.
-JOURNAL_KINDS = {"header", "dataset", "job", "task", "client", "splits", "splits_issued",
-                 "splits_acked", "splits_held", "task_finished", "task_lost",
-                 "client_released", "job_deleted", "fix_workers"}
-SNAPSHOT_KINDS = {"header", "ids", "dataset", "job", "task", "client", "splits",
-                  "splits_issued", "splits_reply", "splits_held", "splits_lost",
-                  "ticket_master", "fix_workers"}
+JOURNAL_KINDS = {
+  "header",
+  "dataset",
+  "job",
+  "task",
+  "client",
+  "splits",
+  "splits_issued",
+  "splits_acked",
+  "splits_held",
+  "task_finished",
+  "task_lost",
+  "client_released",
+  "job_deleted",
+  "fix_workers",
+}
+SNAPSHOT_KINDS = {
+  "header",
+  "ids",
+  "dataset",
+  "job",
+  "task",
+  "client",
+  "splits",
+  "splits_issued",
+  "splits_reply",
+  "splits_held",
+  "splits_lost",
+  "ticket_master",
+  "fix_workers",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +62,14 @@ def golden(tmp_path_factory):
 
 
 def start(work_dir: pathlib.Path, *flags: str) -> ServiceProcess:
-  return ServiceProcess("dispatcher", "--port=0", f"--work_dir={work_dir}",
-                        *work_dir_damage.FLAGS, *flags,
-                        log_path=work_dir.parent / f"{work_dir.name}.log")
+  return ServiceProcess(
+    "dispatcher",
+    "--port=0",
+    f"--work_dir={work_dir}",
+    *work_dir_damage.FLAGS,
+    *flags,
+    log_path=work_dir.parent / f"{work_dir.name}.log",
+  )
 
 
 def restart_on(work_dir: pathlib.Path, truth: work_dir_damage.Truth) -> str:
@@ -81,7 +111,8 @@ def test_the_flips_cover_the_record_kinds(golden):
 
 @pytest.mark.parametrize("part", range(PARTS))
 def test_a_flipped_bit_refuses_to_start_naming_file_and_offset_or_serves_the_right_state(
-    golden, tmp_path, part):
+  golden, tmp_path, part
+):
   work_dir, truth = golden
   flips = work_dir_damage.flip_positions(work_dir, FLIP_SEEDS)
   flips += work_dir_damage.targeted_flips(work_dir)  # a valid line with other values
@@ -97,7 +128,8 @@ def test_a_flipped_bit_refuses_to_start_naming_file_and_offset_or_serves_the_rig
     except AssertionError as e:
       return f"{flip}: served the wrong state: {e}"
     if outcome.startswith("refused") and not (
-        str(copy / flip.name) in outcome and f"byte {flip.line_start} " in outcome):
+      str(copy / flip.name) in outcome and f"byte {flip.line_start} " in outcome
+    ):
       return f"{flip}: refused without naming the file and the line's offset: {outcome}"
     return None if outcome == "served" or outcome.startswith("refused") else outcome
 

@@ -74,20 +74,30 @@ def register(address: str, num_records: int) -> pb.RegisterDatasetResponse:
   try:
     dataset = dispatcher_parties.pipeline(num_records)
     from jaxfeed.service.protocol import spec  # pylint: disable=g-import-not-at-top
+
     definition = spec.to_dataset_def(dataset.node)
-    return rpc.Caller(parties.channel, "/jaxfeed.service.Dispatcher/RegisterDataset",
-                      pb.RegisterDatasetResponse, None)(
-                          pb.RegisterDatasetRequest(dataset=definition), timeout=10)
+    return rpc.Caller(
+      parties.channel,
+      "/jaxfeed.service.Dispatcher/RegisterDataset",
+      pb.RegisterDatasetResponse,
+      None,
+    )(pb.RegisterDatasetRequest(dataset=definition), timeout=10)
   finally:
     parties.close()
 
 
 def test_a_full_disk_keeps_the_read_going_and_the_dispatcher_serves_again_once_freed(
-    small_disk, cluster):  # the cluster stops before the disk is unmounted
+  small_disk, cluster
+):  # the cluster stops before the disk is unmounted
   work_dir = small_disk.path / "work"
   metrics_port = free_port()
-  dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={work_dir}", "--split_size=20",
-                       f"--metrics_port={metrics_port}")
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    f"--work_dir={work_dir}",
+    "--split_size=20",
+    f"--metrics_port={metrics_port}",
+  )
   metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
   cluster("worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2")
   source = jaxfeed.ArraySource({"x": np.arange(NUM_RECORDS, dtype=np.int64)})
@@ -97,8 +107,9 @@ def test_a_full_disk_keeps_the_read_going_and_the_dispatcher_serves_again_once_f
 
   def consume():
     try:
-      with dataset.distribute(dispatcher.address, "distributed_epoch",
-                              visitation="exactly_once", timeout_s=60).make_iterator() as it:
+      with dataset.distribute(
+        dispatcher.address, "distributed_epoch", visitation="exactly_once", timeout_s=60
+      ).make_iterator() as it:
         for batch in it:
           counts.update(batch["x"].tolist())
     except BaseException as e:  # pylint: disable=broad-except
@@ -133,8 +144,9 @@ def test_a_full_disk_keeps_the_read_going_and_the_dispatcher_serves_again_once_f
 def test_heartbeats_wait_for_no_fsync(cluster, tmp_path, monkeypatch):
   # The test hook gives the dispatcher process a disk whose every fsync takes 1 s.
   monkeypatch.setenv(journal_files.FSYNC_DELAY_ENV, "1.0")
-  dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={tmp_path}",
-                       *dispatcher_parties.FLAGS)
+  dispatcher = cluster(
+    "dispatcher", "--port=0", f"--work_dir={tmp_path}", *dispatcher_parties.FLAGS
+  )
   parties = dispatcher_parties.Parties(dispatcher.address)
   timed = collections.defaultdict(list)
 
@@ -147,33 +159,58 @@ def test_heartbeats_wait_for_no_fsync(cluster, tmp_path, monkeypatch):
   try:
     dataset_id = timing("RegisterDataset", parties.register, 1000)
     parties.worker("127.0.0.1:1", "w")
-    job_id, client_id = timing("GetOrCreateJob", parties.job, dataset_id, "distributed_epoch",
-                               exactly_once=True)
-    task, = timing("WorkerHeartbeat with a task", parties.worker, "127.0.0.1:1", "w").new_tasks
+    job_id, client_id = timing(
+      "GetOrCreateJob", parties.job, dataset_id, "distributed_epoch", exactly_once=True
+    )
+    (task,) = timing("WorkerHeartbeat with a task", parties.worker, "127.0.0.1:1", "w").new_tasks
     pending = []
     for seq in range(2, 7):
       ranges, _ = timing("GetSplits", parties.splits, task, seq)
       acked = [start for start, _ in ranges]
-      response = timing("ClientHeartbeat", parties.call, "ClientHeartbeat",
-                        pb.ClientHeartbeatRequest(job_id=job_id, client_id=client_id,
-                                                  acked_splits=acked),
-                        pb.ClientHeartbeatResponse)
+      response = timing(
+        "ClientHeartbeat",
+        parties.call,
+        "ClientHeartbeat",
+        pb.ClientHeartbeatRequest(job_id=job_id, client_id=client_id, acked_splits=acked),
+        pb.ClientHeartbeatResponse,
+      )
       pending.append(getattr(response, "acks_pending", False))
-      timing("WorkerHeartbeat", parties.worker, "127.0.0.1:1", "w", current=[task.task_id],
-             held=[(task.task_id, client_id, acked)])
+      timing(
+        "WorkerHeartbeat",
+        parties.worker,
+        "127.0.0.1:1",
+        "w",
+        current=[task.task_id],
+        held=[(task.task_id, client_id, acked)],
+      )
     timing("GetSplits repeated", parties.splits, task, 6)  # its batch is durable by now
     # The acknowledgments become durable a fsync later: the client stops sending them.
-    wait_for(lambda: not getattr(parties.call("ClientHeartbeat", pb.ClientHeartbeatRequest(
-        job_id=job_id, client_id=client_id, acked_splits=acked),
-                                              pb.ClientHeartbeatResponse), "acks_pending", False),
-             "acknowledgments durable")
+    wait_for(
+      lambda: (
+        not getattr(
+          parties.call(
+            "ClientHeartbeat",
+            pb.ClientHeartbeatRequest(job_id=job_id, client_id=client_id, acked_splits=acked),
+            pb.ClientHeartbeatResponse,
+          ),
+          "acks_pending",
+          False,
+        )
+      ),
+      "acknowledgments durable",
+    )
   finally:
     parties.close()
-  slow = {kind: min(times) for kind, times in timed.items()
-          if kind in ("RegisterDataset", "GetOrCreateJob", "GetSplits",
-                      "WorkerHeartbeat with a task")}
-  fast = {kind: max(times) for kind, times in timed.items()
-          if kind in ("ClientHeartbeat", "WorkerHeartbeat", "GetSplits repeated")}
+  slow = {
+    kind: min(times)
+    for kind, times in timed.items()
+    if kind in ("RegisterDataset", "GetOrCreateJob", "GetSplits", "WorkerHeartbeat with a task")
+  }
+  fast = {
+    kind: max(times)
+    for kind, times in timed.items()
+    if kind in ("ClientHeartbeat", "WorkerHeartbeat", "GetSplits repeated")
+  }
   assert all(t >= 0.9 for t in slow.values()), slow  # they wait for their fsync
   assert all(t < 0.5 for t in fast.values()), fast  # never
   assert pending[0]  # not durable when answered

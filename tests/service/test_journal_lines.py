@@ -46,10 +46,12 @@ FIRST_CHANGE_LINE = 3
 
 
 def flipped(data: bytes, offset: int, bit: int = 0) -> bytes:
-  return data[:offset] + bytes([data[offset] ^ (1 << bit)]) + data[offset + 1:]
+  return data[:offset] + bytes([data[offset] ^ (1 << bit)]) + data[offset + 1 :]
 
 
-@pytest.mark.parametrize("data,bad,torn,after", [
+@pytest.mark.parametrize(
+  "data,bad,torn,after",
+  [
     (FILE, None, False, 0),
     (FILE + b"0123abcd [{", len(FILE), True, 0),  # cut mid-line
     (FILE[:-1], LAST, True, 0),  # cut before its newline: never acknowledged
@@ -61,7 +63,8 @@ def flipped(data: bytes, offset: int, bit: int = 0) -> bytes:
     (FILE[:SECOND] + FILE[LAST:], SECOND, False, 0),  # a line lost
     (FILE[:LAST] + FILE[SECOND:LAST] + FILE[LAST:], LAST, False, 1),  # one repeated
     (flipped(FILE, next(i for i in range(8) if FILE[i] >= ord("a")), 5), None, False, 0),
-])  # the last: a hex digit's case, the same checksum
+  ],
+)  # the last: a hex digit's case, the same checksum
 def test_check_tells_torn_tails_from_damage(data, bad, torn, after):
   checked = journal_lines.check(data)
   assert (checked.bad_offset, checked.torn, checked.valid_after) == (bad, torn, after)
@@ -77,8 +80,10 @@ def test_damage_before_valid_lines_refuses_naming_file_and_offset(tmp_path):
   data = path.read_bytes()
   second = line_start(data, FIRST_CHANGE_LINE + 1)  # the second dataset's line
   path.write_bytes(flipped(data, second + 40))
-  with pytest.raises(journal_lib.JournalDamageError,
-                     match=rf"{path} is damaged at byte {second} \(line 4\).*truncate") as e:
+  with pytest.raises(
+    journal_lib.JournalDamageError,
+    match=rf"{path} is damaged at byte {second} \(line 4\).*truncate",
+  ) as e:
     dispatcher_lib.DispatcherState(config)
   assert (e.value.path, e.value.offset) == (str(path), second)
 
@@ -128,6 +133,7 @@ def test_a_failed_fsync_fails_the_journal_for_good(tmp_path, monkeypatch):
 
     def failing_fsync(fd):
       raise OSError(errno.EIO, "Input/output error")
+
     monkeypatch.setattr(journal_files, "fsync", failing_fsync)
     with pytest.raises(journal_lib.JournalUnavailableError, match="must be restarted"):
       server.state.register_dataset(dataset_def(20))

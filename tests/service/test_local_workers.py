@@ -32,10 +32,14 @@ DATASET = jaxfeed.Dataset.range(40).batch(4)
 def _served(url: str) -> tuple[int, dict[str, int]]:
   """(elements served over all jobs, connections by transport) of a worker."""
   samples = scrape(url)
-  elements = sum(v for (name, _), v in samples.items()
-                 if name == "jaxfeed_worker_elements_served_total")
-  connections = {dict(labels)["transport"]: int(v) for (name, labels), v in samples.items()
-                 if name == "jaxfeed_worker_connections_total"}
+  elements = sum(
+    v for (name, _), v in samples.items() if name == "jaxfeed_worker_elements_served_total"
+  )
+  connections = {
+    dict(labels)["transport"]: int(v)
+    for (name, labels), v in samples.items()
+    if name == "jaxfeed_worker_connections_total"
+  }
   return int(elements), connections
 
 
@@ -48,12 +52,18 @@ class _Fleet:
     dispatcher_url = _metrics_url(self.dispatcher)
     self.remote_urls = []
     for tags in remote_tags:
-      worker = cluster("worker", f"--dispatcher_address={self.dispatcher.address}",
-                       "--port=0", "--metrics_port=0", "--heartbeat_interval_s=0.2",
-                       f"--worker_tags={tags}")
+      worker = cluster(
+        "worker",
+        f"--dispatcher_address={self.dispatcher.address}",
+        "--port=0",
+        "--metrics_port=0",
+        "--heartbeat_interval_s=0.2",
+        f"--worker_tags={tags}",
+      )
       self.remote_urls.append(_metrics_url(worker))
-    self.local = service.WorkerServer(service.WorkerConfig(
-        dispatcher_address=self.dispatcher.address, heartbeat_interval_s=0.2))
+    self.local = service.WorkerServer(
+      service.WorkerConfig(dispatcher_address=self.dispatcher.address, heartbeat_interval_s=0.2)
+    )
     self.local_metrics = metrics.serve_worker(self.local, "127.0.0.1", 0)
     deadline = time.monotonic() + 30
     while scrape(dispatcher_url)[("jaxfeed_dispatcher_workers", ())] < 1 + len(remote_tags):
@@ -61,8 +71,7 @@ class _Fleet:
       time.sleep(0.1)
 
   def read(self, mode: str = "parallel_epochs", **options) -> list:
-    with DATASET.distribute(self.dispatcher.address, mode,
-                            **options).make_iterator() as iterator:
+    with DATASET.distribute(self.dispatcher.address, mode, **options).make_iterator() as iterator:
       return [int(x) for batch in iterator for x in batch]
 
   def close(self) -> None:
@@ -88,8 +97,9 @@ def test_local_reads_nothing_from_a_remote_worker_and_takes_batches_through_memo
   assert sorted(f.read(target_workers="local")) == list(range(40))  # one worker's epoch
   # DYNAMIC: the remote worker gets no task, so no split waits on it unread.
   assert sorted(f.read("distributed_epoch", target_workers="LOCAL")) == list(range(40))
-  assert sorted(f.read("distributed_epoch", target_workers="local",
-                       visitation="exactly_once")) == list(range(40))
+  assert sorted(
+    f.read("distributed_epoch", target_workers="local", visitation="exactly_once")
+  ) == list(range(40))
   remote_elements, remote_connections = _served(f.remote_urls[0])
   assert (remote_elements, remote_connections) == (0, {})
   local_elements, local_connections = _served(f.local_metrics.url)
@@ -117,8 +127,9 @@ def test_auto_skips_colocated_workers_of_other_processes_only(fleet):
 
 def test_auto_reads_its_own_colocated_worker(cluster):
   dispatcher = cluster("dispatcher", "--port=0")
-  with service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.address, worker_tags=("colocated",))):
+  with service.WorkerServer(
+    service.WorkerConfig(dispatcher_address=dispatcher.address, worker_tags=("colocated",))
+  ):
     got = DATASET.distribute(dispatcher.address, target_workers="auto").make_iterator()
     with got:
       assert sorted(int(x) for b in got for x in b) == list(range(40))
@@ -128,8 +139,9 @@ def test_local_without_a_worker_in_the_process_fails_at_once(cluster):
   dispatcher = cluster("dispatcher", "--port=0")
   cluster("worker", f"--dispatcher_address={dispatcher.address}", "--port=0")
   dataset = DATASET.distribute(dispatcher.address, target_workers="local")
-  with pytest.raises(ValueError, match="Local reads require local workers, but no "
-                     "local worker is found"):
+  with pytest.raises(
+    ValueError, match="Local reads require local workers, but no local worker is found"
+  ):
     dataset.make_iterator()
 
 
@@ -137,19 +149,26 @@ def test_target_workers_is_checked_as_tf_data_checks_it():
   with pytest.raises(ValueError, match="target_workers must be one of"):
     DATASET.distribute("127.0.0.1:1", target_workers="nearby")
   with pytest.raises(ValueError, match="Coordinated reads require non-local workers"):
-    DATASET.distribute("127.0.0.1:1", job_name="j", num_consumers=2, consumer_index=0,
-                       target_workers="local")
+    DATASET.distribute(
+      "127.0.0.1:1", job_name="j", num_consumers=2, consumer_index=0, target_workers="local"
+    )
 
 
 def test_consumers_of_a_named_job_pass_the_same_target(cluster):
   dispatcher = cluster("dispatcher", "--port=0")
   with service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.address)):
-    first = DATASET.repeat().distribute(dispatcher.address, job_name="shared",
-                                        target_workers="any").make_iterator()
+    first = (
+      DATASET.repeat()
+      .distribute(dispatcher.address, job_name="shared", target_workers="any")
+      .make_iterator()
+    )
     with first:
       next(first)
-      other = DATASET.repeat().distribute(dispatcher.address, job_name="shared",
-                                          target_workers="local").make_iterator()
+      other = (
+        DATASET.repeat()
+        .distribute(dispatcher.address, job_name="shared", target_workers="local")
+        .make_iterator()
+      )
       with other, pytest.raises(ValueError, match="same target_workers"):
         next(other)
 
@@ -186,14 +205,23 @@ def test_trainers_sharing_a_job_each_read_only_their_own_worker(cluster):
   nothing of the other's, although the job lists both tasks to both."""
   dispatcher = cluster("dispatcher", "--port=0")
   env = {**os.environ, "GRPC_VERBOSITY": "ERROR", "JAX_PLATFORMS": "cpu"}
-  with service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.address, heartbeat_interval_s=0.2)) as worker:
-    it = jaxfeed.Dataset.range(400).batch(4).distribute(
-        dispatcher.address, job_name="shared", target_workers="local").make_iterator()
+  with service.WorkerServer(
+    service.WorkerConfig(dispatcher_address=dispatcher.address, heartbeat_interval_s=0.2)
+  ) as worker:
+    it = (
+      jaxfeed.Dataset.range(400)
+      .batch(4)
+      .distribute(dispatcher.address, job_name="shared", target_workers="local")
+      .make_iterator()
+    )
     with it:
       got = [next(it)]
-      other = _lifetime.popen([sys.executable, "-c", _TRAINER, dispatcher.address],
-                              stdout=subprocess.PIPE, text=True, env=env)
+      other = _lifetime.popen(
+        [sys.executable, "-c", _TRAINER, dispatcher.address],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+      )
       try:
         assert other.stdout.readline().split() == ["joined"]
         got += list(it)
@@ -214,17 +242,28 @@ def test_the_dispatcher_gives_a_local_job_tasks_on_its_clients_workers_and_snaps
   # A chosen id that looks like a number does not move the dispatcher's ids.
   assert state.register_dataset(test_journal.dataset_def(50), "9" * 30) == "9" * 30
   for address, process in (("w1:1", "p1"), ("w2:1", "p2"), ("w3:1", "")):
-    state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address,
-                                                     process_id=process))
-  job_id, _ = state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="distributed_epoch", job_name="j",
-      target_workers="local", client_process="p1"))
+    state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address=address, process_id=process))
+  job_id, _ = state.get_or_create_job(
+    pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id,
+      sharding_policy="distributed_epoch",
+      job_name="j",
+      target_workers="local",
+      client_process="p1",
+    )
+  )
   job = state.jobs[job_id]
   assert [t.worker_address for t in job.tasks.values()] == ["w1:1"]
   assert job_id < 1 << 63
-  state.get_or_create_job(pb.GetOrCreateJobRequest(  # a second trainer joins
-      dataset_id=dataset_id, sharding_policy="distributed_epoch", job_name="j",
-      target_workers="LOCAL", client_process="p2"))
+  state.get_or_create_job(
+    pb.GetOrCreateJobRequest(  # a second trainer joins
+      dataset_id=dataset_id,
+      sharding_policy="distributed_epoch",
+      job_name="j",
+      target_workers="LOCAL",
+      client_process="p2",
+    )
+  )
   assert sorted(t.worker_address for t in job.tasks.values()) == ["w1:1", "w2:1"]
   # A restart replays the snapshot's records into the same tables.
   replayed = dispatcher_lib.DispatcherState(dispatcher_lib.DispatcherConfig())

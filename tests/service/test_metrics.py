@@ -36,8 +36,11 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
   """(sample name, sorted labels) -> value of one /metrics page."""
   with urllib.request.urlopen(url, timeout=10) as response:
     text = response.read().decode()
-  return {(s.name, tuple(sorted(s.labels.items()))): s.value
-          for family in parser.text_string_to_metric_families(text) for s in family.samples}
+  return {
+    (s.name, tuple(sorted(s.labels.items()))): s.value
+    for family in parser.text_string_to_metric_families(text)
+    for s in family.samples
+  }
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -45,15 +48,28 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 
 def test_dispatcher_and_worker_export_what_they_serve(cluster, tmp_path):
-  dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={tmp_path}", "--metrics_port=0",
-                       "--split_size=10", "--nojournal_fsync")
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    f"--work_dir={tmp_path}",
+    "--metrics_port=0",
+    "--split_size=10",
+    "--nojournal_fsync",
+  )
   dispatcher_url = _metrics_url(dispatcher)
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}", "--port=0",
-                   "--metrics_port=0", "--heartbeat_interval_s=0.2", "--buffer_size=2")
+  worker = cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    "--port=0",
+    "--metrics_port=0",
+    "--heartbeat_interval_s=0.2",
+    "--buffer_size=2",
+  )
   worker_url = _metrics_url(worker)
   dataset = jaxfeed.Dataset.range(200).batch(4)
-  with dataset.distribute(dispatcher.address, "distributed_epoch",
-                          visitation="exactly_once").make_iterator() as iterator:
+  with dataset.distribute(
+    dispatcher.address, "distributed_epoch", visitation="exactly_once"
+  ).make_iterator() as iterator:
     first = [next(iterator) for _ in range(10)]
     during = scrape(dispatcher_url)
     rest = list(iterator)
@@ -81,15 +97,23 @@ def test_dispatcher_and_worker_export_what_they_serve(cluster, tmp_path):
   listed = {n for n in _listed_metrics() if not n.startswith("jaxfeed_pool_")}
   exported = {name for name, _ in [*during, *served]}
   # Checked by tests of their own: errors, and the buffers of live tasks.
-  own_tests = {"jaxfeed_worker_errors_total", "jaxfeed_rpc_errors_total",
-               "jaxfeed_client_rpc_errors_total", "jaxfeed_worker_buffer_fill"}
+  own_tests = {
+    "jaxfeed_worker_errors_total",
+    "jaxfeed_rpc_errors_total",
+    "jaxfeed_client_rpc_errors_total",
+    "jaxfeed_worker_buffer_fill",
+    "jaxfeed_job_scaling_decisions_total",  # a per_job pool's: test_job_autoscaler.py
+  }
   assert listed - own_tests <= exported, listed - exported
 
 
 def _errors(samples: dict, name: str) -> dict[tuple[str, str], float]:
   """(method, code) -> count of an error counter's samples."""
-  return {(dict(labels)["method"], dict(labels)["code"]): v
-          for (sample, labels), v in samples.items() if sample == name}
+  return {
+    (dict(labels)["method"], dict(labels)["code"]): v
+    for (sample, labels), v in samples.items()
+    if sample == name
+  }
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -100,40 +124,60 @@ TOKEN, WORKER_TOKEN = "metrics-client-token", "metrics-worker-token"
 
 
 def test_rpc_errors_are_counted_by_method_and_code_on_both_ends(cluster, tmp_path):
-  dispatcher = cluster("dispatcher", "--port=0", f"--work_dir={tmp_path}", "--metrics_port=0",
-                       f"--auth_token={TOKEN}", f"--worker_token={WORKER_TOKEN}",
-                       "--nojournal_fsync")
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    f"--work_dir={tmp_path}",
+    "--metrics_port=0",
+    f"--auth_token={TOKEN}",
+    f"--worker_token={WORKER_TOKEN}",
+    "--nojournal_fsync",
+  )
   dispatcher_url = _metrics_url(dispatcher)
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}", "--port=0",
-                   "--metrics_port=0", "--heartbeat_interval_s=0.2",
-                   f"--worker_token={WORKER_TOKEN}")
+  worker = cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    "--port=0",
+    "--metrics_port=0",
+    "--heartbeat_interval_s=0.2",
+    f"--worker_token={WORKER_TOKEN}",
+  )
   worker_url = _metrics_url(worker)
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
+
   client_metrics = service.serve_client_metrics("127.0.0.1", 0)
   try:
     client_before = _errors(scrape(client_metrics.url), "jaxfeed_client_rpc_errors_total")
     channel = rpc.make_channel(dispatcher.address)
     try:
       raw = lambda method: channel.unary_unary(  # noqa: E731
-          "/jaxfeed.service.Dispatcher/" + method, request_serializer=lambda b: b,
-          response_deserializer=lambda b: b)
+        "/jaxfeed.service.Dispatcher/" + method,
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+      )
       codes = []
-      for method, data, token in [("GetOrCreateJob", b"", None),  # no credential
-                                  ("GetOrCreateJob", b"", "wrong"),
-                                  ("RegisterDataset", b"\xff\xff", TOKEN),  # not a proto
-                                  ("NoSuchMethod", b"", TOKEN)]:
+      for method, data, token in [
+        ("GetOrCreateJob", b"", None),  # no credential
+        ("GetOrCreateJob", b"", "wrong"),
+        ("RegisterDataset", b"\xff\xff", TOKEN),  # not a proto
+        ("NoSuchMethod", b"", TOKEN),
+      ]:
         with pytest.raises(grpc.RpcError) as failed:
-          raw(method)(data, timeout=10, metadata=((rpc.TOKEN_METADATA_KEY, token),)
-                      if token else None)
+          raw(method)(
+            data, timeout=10, metadata=((rpc.TOKEN_METADATA_KEY, token),) if token else None
+          )
         codes.append(failed.value.code())
       assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 2 + [
-          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED]
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNIMPLEMENTED,
+      ]
     finally:
       channel.close()
     worker_channel = rpc.make_channel(worker.address)
     try:  # the worker's gRPC data path without a read ticket
-      stream = worker_channel.unary_stream("/jaxfeed.service.Worker/GetElements",
-                                           request_serializer=lambda b: b)
+      stream = worker_channel.unary_stream(
+        "/jaxfeed.service.Worker/GetElements", request_serializer=lambda b: b
+      )
       with pytest.raises(grpc.RpcError) as failed:
         list(stream(b"", timeout=10))
       assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -150,17 +194,25 @@ def test_rpc_errors_are_counted_by_method_and_code_on_both_ends(cluster, tmp_pat
       assert b"Malformed hello" in garbage.recv(4096)
 
     assert _errors(scrape(dispatcher_url), "jaxfeed_rpc_errors_total") == {
-        ("GetOrCreateJob", "UNAUTHENTICATED"): 2, ("RegisterDataset", "INVALID_ARGUMENT"): 1,
-        ("unknown", "UNIMPLEMENTED"): 1}
+      ("GetOrCreateJob", "UNAUTHENTICATED"): 2,
+      ("RegisterDataset", "INVALID_ARGUMENT"): 1,
+      ("unknown", "UNIMPLEMENTED"): 1,
+    }
     assert _errors(scrape(worker_url), "jaxfeed_rpc_errors_total") == {
-        ("GetElements", "UNAUTHENTICATED"): 1, ("data_socket", "UNAUTHENTICATED"): 1,
-        ("data_socket", "INVALID_ARGUMENT"): 1}
+      ("GetElements", "UNAUTHENTICATED"): 1,
+      ("data_socket", "UNAUTHENTICATED"): 1,
+      ("data_socket", "INVALID_ARGUMENT"): 1,
+    }
     # This process's side of the same calls (the raw socket is no client's).
-    assert _delta(_errors(scrape(client_metrics.url), "jaxfeed_client_rpc_errors_total"),
-                  client_before) == {
-        ("GetOrCreateJob", "UNAUTHENTICATED"): 2, ("RegisterDataset", "INVALID_ARGUMENT"): 1,
-        ("NoSuchMethod", "UNIMPLEMENTED"): 1, ("GetElements", "UNAUTHENTICATED"): 1,
-        ("data_socket", "UNAUTHENTICATED"): 1}
+    assert _delta(
+      _errors(scrape(client_metrics.url), "jaxfeed_client_rpc_errors_total"), client_before
+    ) == {
+      ("GetOrCreateJob", "UNAUTHENTICATED"): 2,
+      ("RegisterDataset", "INVALID_ARGUMENT"): 1,
+      ("NoSuchMethod", "UNIMPLEMENTED"): 1,
+      ("GetElements", "UNAUTHENTICATED"): 1,
+      ("data_socket", "UNAUTHENTICATED"): 1,
+    }
   finally:
     client_metrics.close()
 
@@ -168,20 +220,26 @@ def test_rpc_errors_are_counted_by_method_and_code_on_both_ends(cluster, tmp_pat
   dispatcher.kill()
   deadline = time.monotonic() + 60
   while not _errors(scrape(worker_url), "jaxfeed_client_rpc_errors_total").get(
-      ("WorkerHeartbeat", "UNAVAILABLE")):
+    ("WorkerHeartbeat", "UNAVAILABLE")
+  ):
     assert time.monotonic() < deadline, "no failed heartbeat was counted"
     time.sleep(0.2)
 
 
 def test_worker_buffer_fill_rises_when_its_consumer_stops_reading():
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
-  with service.DispatchServer() as dispatcher, service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2,
-      buffer_size=4)) as worker:
+
+  with (
+    service.DispatchServer() as dispatcher,
+    service.WorkerServer(
+      service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2, buffer_size=4
+      )
+    ) as worker,
+  ):
     server = metrics.serve_worker(worker, "127.0.0.1", 0)
     try:
-      with jaxfeed.Dataset.range(10**6).distribute(
-          dispatcher.target).make_iterator() as iterator:
+      with jaxfeed.Dataset.range(10**6).distribute(dispatcher.target).make_iterator() as iterator:
         next(iterator)
         job = str(next(iter(dispatcher.state.jobs)))
         fills = []
@@ -198,8 +256,13 @@ def test_worker_buffer_fill_rises_when_its_consumer_stops_reading():
 def test_a_failing_pipeline_counts_a_task_error_for_its_job():
   import service_udfs  # pylint: disable=g-import-not-at-top
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
-  with service.DispatchServer() as dispatcher, service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2)) as worker:
+
+  with (
+    service.DispatchServer() as dispatcher,
+    service.WorkerServer(
+      service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2)
+    ) as worker,
+  ):
     server = metrics.serve_worker(worker, "127.0.0.1", 0)
     try:
       dataset = jaxfeed.Dataset.range(20).map(service_udfs.fails_at_five)
@@ -215,19 +278,28 @@ def test_a_failing_pipeline_counts_a_task_error_for_its_job():
 
 def test_a_healthy_read_counts_no_errors_on_either_end():
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
-  with service.DispatchServer() as dispatcher, service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2)) as worker:
-    served = [metrics.serve_dispatcher(dispatcher, "127.0.0.1", 0),
-              metrics.serve_worker(worker, "127.0.0.1", 0)]
+
+  with (
+    service.DispatchServer() as dispatcher,
+    service.WorkerServer(
+      service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2)
+    ) as worker,
+  ):
+    served = [
+      metrics.serve_dispatcher(dispatcher, "127.0.0.1", 0),
+      metrics.serve_worker(worker, "127.0.0.1", 0),
+    ]
     try:
       before = _errors(scrape(served[1].url), "jaxfeed_client_rpc_errors_total")
       for transfer in ("socket", "grpc"):
         dataset = jaxfeed.Dataset.range(50)
-        with dataset.distribute(dispatcher.target, data_transfer=transfer
-                                ).make_iterator() as iterator:
+        with dataset.distribute(
+          dispatcher.target, data_transfer=transfer
+        ).make_iterator() as iterator:
           assert len(list(iterator)) == 50
-        with dataset.distribute(dispatcher.target, data_transfer=transfer
-                                ).make_iterator() as iterator:
+        with dataset.distribute(
+          dispatcher.target, data_transfer=transfer
+        ).make_iterator() as iterator:
           next(iterator)  # closed mid-read: cancelled, not failed
       assert _errors(scrape(served[0].url), "jaxfeed_rpc_errors_total") == {}
       assert _errors(scrape(served[1].url), "jaxfeed_rpc_errors_total") == {}
@@ -244,15 +316,19 @@ def test_a_client_gone_before_its_task_stops_is_no_error(transfer):
   an error, so none is counted."""
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
   import service_udfs  # pylint: disable=g-import-not-at-top
-  with service.DispatchServer(service.DispatcherConfig(udf_modules=("service_udfs",))
-                              ) as dispatcher, service.WorkerServer(service.WorkerConfig(
-                                  dispatcher_address=dispatcher.target,
-                                  heartbeat_interval_s=0.1)) as worker:
+
+  with (
+    service.DispatchServer(service.DispatcherConfig(udf_modules=("service_udfs",))) as dispatcher,
+    service.WorkerServer(
+      service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)
+    ) as worker,
+  ):
     served = metrics.serve_worker(worker, "127.0.0.1", 0)
     try:
       dataset = jaxfeed.Dataset.range(10).map(service_udfs.dawdle)
-      with dataset.distribute(dispatcher.target, data_transfer=transfer
-                              ).make_iterator() as iterator:
+      with dataset.distribute(
+        dispatcher.target, data_transfer=transfer
+      ).make_iterator() as iterator:
         assert next(iterator)["x"] == 0
       time.sleep(1.5)  # the task stops while the next element is on its way
       assert _errors(scrape(served.url), "jaxfeed_rpc_errors_total") == {}
@@ -266,8 +342,13 @@ def _listed_metrics() -> set[str]:
 
 def test_client_reports_reach_the_dispatchers_metrics():
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
-  with service.DispatchServer() as dispatcher, service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2)):
+
+  with (
+    service.DispatchServer() as dispatcher,
+    service.WorkerServer(
+      service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.2)
+    ),
+  ):
     server = metrics.serve_dispatcher(dispatcher, "127.0.0.1", 0)
     try:
       dataset = jaxfeed.Dataset.range(100)
@@ -303,11 +384,13 @@ def test_every_dashboard_query_names_an_exported_metric():
 
 def test_restart_replay_and_pool_decisions_are_exported(tmp_path):
   from jaxfeed import service  # pylint: disable=g-import-not-at-top
+
   with service.DispatchServer(service.DispatcherConfig(work_dir=str(tmp_path))) as dispatcher:
     dispatcher.state.register_dataset(spec.to_dataset_def(jaxfeed.Dataset.range(10).node))
   config = service.DispatcherConfig(
-      work_dir=str(tmp_path), autoscale=service.AutoscaleConfig(
-          min_workers=1, max_workers=1, interval_s=0.2))
+    work_dir=str(tmp_path),
+    autoscale=service.AutoscaleConfig(min_workers=1, max_workers=1, interval_s=0.2),
+  )
   with service.DispatchServer(config) as dispatcher:
     server = metrics.serve_dispatcher(dispatcher, "127.0.0.1", 0)
     try:

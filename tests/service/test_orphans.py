@@ -45,10 +45,15 @@ _TRAINER = textwrap.dedent("""
 
 
 def test_a_sigkilled_trainer_leaves_no_process_behind():
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
-  trainer = subprocess.Popen([sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE,
-                             text=True, env=env)
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(
+      [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]
+    ),
+  )
+  trainer = subprocess.Popen(
+    [sys.executable, "-c", _TRAINER], stdout=subprocess.PIPE, text=True, env=env
+  )
   descendants: list[psutil.Process] = []
   try:
     assert trainer.stdout.readline().strip() == "reading"
@@ -58,8 +63,10 @@ def test_a_sigkilled_trainer_leaves_no_process_behind():
     trainer.send_signal(signal.SIGKILL)
     trainer.wait(timeout=30)
     _, alive = psutil.wait_procs(descendants, timeout=5)
-    assert not alive, (f"{len(alive)} of the trainer's {len(descendants)} processes "
-                       f"outlived it by 5 s: {[p.cmdline()[:4] for p in alive]}")
+    assert not alive, (
+      f"{len(alive)} of the trainer's {len(descendants)} processes "
+      f"outlived it by 5 s: {[p.cmdline()[:4] for p in alive]}"
+    )
   finally:
     trainer.kill()
     trainer.wait()

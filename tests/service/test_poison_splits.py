@@ -46,8 +46,9 @@ def _failure(error: type, dataset, address: str, **options) -> tuple[str, float]
   """The message of the `error` an exactly-once read raises, and how long it took."""
   started = time.monotonic()
   with pytest.raises(error) as failure:
-    with dataset.distribute(address, "distributed_epoch", visitation="exactly_once",
-                            **options).make_iterator() as it:
+    with dataset.distribute(
+      address, "distributed_epoch", visitation="exactly_once", **options
+    ).make_iterator() as it:
       _read_all(it, 60)
   return str(failure.value), time.monotonic() - started
 
@@ -55,25 +56,34 @@ def _failure(error: type, dataset, address: str, **options) -> tuple[str, float]
 @pytest.fixture
 def pool_env(monkeypatch):
   """Pool workers (children of this process) import the tests' UDFs."""
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  monkeypatch.setenv(
+    "PYTHONPATH",
+    os.pathsep.join([str(TESTS_DIR.parents[1]), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+  )
 
 
 def test_a_split_that_kills_its_workers_fails_the_read_and_is_not_handed_out_again(pool_env):
   del pool_env
   config = service.DispatcherConfig(
-      heartbeat_timeout_s=1.0, split_size=8, udf_modules=("service_udfs",),
-      autoscale=service.AutoscaleConfig(
-          min_workers=3, max_workers=3, interval_s=60,
-          worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=2")))
+    heartbeat_timeout_s=1.0,
+    split_size=8,
+    udf_modules=("service_udfs",),
+    autoscale=service.AutoscaleConfig(
+      min_workers=3,
+      max_workers=3,
+      interval_s=60,
+      worker_flags=("--heartbeat_interval_s=0.2", "--buffer_size=2"),
+    ),
+  )
   dataset = jaxfeed.Dataset.range(64).map(service_udfs.segfault_at_poison).batch(2)
   with service.DispatchServer(config) as dispatcher:
     backend = dispatcher.autoscaler.backend
     deadline = time.monotonic() + 60
     while dispatcher.state.num_workers() < 3 and time.monotonic() < deadline:
       time.sleep(0.05)
-    message, took = _failure(split_failures.PoisonSplitError, dataset, dispatcher.target,
-                             timeout_s=60)
+    message, took = _failure(
+      split_failures.PoisonSplitError, dataset, dispatcher.target, timeout_s=60
+    )
     time.sleep(1.5)  # the split would have reached the third worker by now
     pids = backend.pids()
     ended = {pid: backend.exit_status(pid) for pid in list(backend._exits)}  # pylint: disable=protected-access
@@ -92,11 +102,16 @@ def test_a_split_that_kills_its_workers_fails_the_read_and_is_not_handed_out_aga
 def test_an_at_most_once_read_reports_the_positions_it_lost(cluster):
   dispatcher = cluster("dispatcher", "--heartbeat_timeout_s=1", "--split_size=8")
   for _ in range(2):
-    cluster("worker", f"--dispatcher_address={dispatcher.address}",
-            "--heartbeat_interval_s=0.2", "--buffer_size=2")
+    cluster(
+      "worker",
+      f"--dispatcher_address={dispatcher.address}",
+      "--heartbeat_interval_s=0.2",
+      "--buffer_size=2",
+    )
   dataset = jaxfeed.Dataset.range(64).map(service_udfs.segfault_at_poison).batch(2)
-  with dataset.distribute(dispatcher.address, "distributed_epoch",
-                          timeout_s=30).make_iterator() as it:
+  with dataset.distribute(
+    dispatcher.address, "distributed_epoch", timeout_s=30
+  ).make_iterator() as it:
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
       values = _read_all(it, 30)
@@ -114,8 +129,9 @@ def test_an_at_most_once_read_reports_the_positions_it_lost(cluster):
 
 def test_a_record_the_udf_never_returns_from_fails_the_read_after_timeout_s(cluster):
   dispatcher = cluster("dispatcher", "--heartbeat_timeout_s=2", "--split_size=8")
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                   "--heartbeat_interval_s=0.2")
+  worker = cluster(
+    "worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2"
+  )
   dataset = jaxfeed.Dataset.range(64).map(service_udfs.hang_at_poison)
   message, took = _failure(service.ServiceError, dataset, dispatcher.address, timeout_s=3)
   worker.kill()  # its pipeline thread never returns: it would not drain
@@ -131,29 +147,38 @@ def _dataset_def(num_records: int) -> pb.DatasetDef:
 
 
 @pytest.mark.parametrize("snapshot_every_records", [0, 1])
-def test_split_losses_are_counted_per_split_and_survive_a_restart(tmp_path,
-                                                                 snapshot_every_records):
-  config = service.DispatcherConfig(work_dir=str(tmp_path), split_size=8,
-                                    snapshot_every_records=snapshot_every_records)
+def test_split_losses_are_counted_per_split_and_survive_a_restart(tmp_path, snapshot_every_records):
+  config = service.DispatcherConfig(
+    work_dir=str(tmp_path), split_size=8, snapshot_every_records=snapshot_every_records
+  )
   state = dispatcher_state.DispatcherState(config)
   dataset_id = state.register_dataset(_dataset_def(64))
   state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1", incarnation="a"))
-  job_id, client_id = state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True))
+  job_id, client_id = state.get_or_create_job(
+    pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True
+    )
+  )
   job = state.jobs[job_id]
 
   def ask() -> tuple[int, list]:
     (task_id,) = job.tasks
-    answer = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
-                                                  max_ranges=2, request_seq=1))
+    answer = state.get_splits(
+      pb.GetSplitsRequest(job_id=job_id, task_id=task_id, max_ranges=2, request_seq=1)
+    )
     return task_id, [(r.start, r.stop) for r in answer.ranges]
 
   task_id, ranges = ask()
   assert ranges == [(0, 8), (8, 16)]
   # It made [8, 16) whole, then died (came back as a new process) making [0, 8).
-  state.worker_heartbeat(pb.WorkerHeartbeatRequest(
-      worker_address="w:1", incarnation="a", current_tasks=[task_id],
-      made_splits=[pb.TaskSplits(task_id=task_id, starts=[8])]))
+  state.worker_heartbeat(
+    pb.WorkerHeartbeatRequest(
+      worker_address="w:1",
+      incarnation="a",
+      current_tasks=[task_id],
+      made_splits=[pb.TaskSplits(task_id=task_id, starts=[8])],
+    )
+  )
   state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1", incarnation="b"))
   assert list(job.split_losses) == [0]
   _, ranges = ask()  # answered already, with the new task (its first splits)
@@ -169,7 +194,8 @@ def test_split_losses_are_counted_per_split_and_survive_a_restart(tmp_path,
     error = state.client_heartbeat(job_id, client_id).job_error
     assert f"Dataset {dataset_id} (job {job_id})" in error and "[0, 8)" in error, error
     (task_id,) = job.tasks  # the new process's: it gets no split, the job ended
-    answer = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
-                                                  max_ranges=2, request_seq=2))
+    answer = state.get_splits(
+      pb.GetSplitsRequest(job_id=job_id, task_id=task_id, max_ranges=2, request_seq=2)
+    )
     assert answer.end_of_splits and not answer.ranges
   state.close()

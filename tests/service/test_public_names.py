@@ -5,11 +5,29 @@ from __future__ import annotations
 import jaxfeed
 from jaxfeed import service
 
-PUBLIC_NAMES = ("AutoscaleConfig", "CrossTrainerCache", "DispatchServer", "DispatcherConfig",
-                "DistributedNode", "PoisonSplitError", "PositionsLostWarning", "SHARD_HINT",
-                "ServiceError", "ShardingPolicy", "SpecError", "TLSConfig", "UDFImportError",
-                "WireFormatError", "WorkerConfig", "WorkerServer", "distribute",
-                "distributed_save", "from_dataset_id", "register_dataset", "serve_client_metrics")
+PUBLIC_NAMES = (
+  "AutoscaleConfig",
+  "CrossTrainerCache",
+  "DispatchServer",
+  "DispatcherConfig",
+  "DistributedNode",
+  "PoisonSplitError",
+  "PositionsLostWarning",
+  "SHARD_HINT",
+  "ServiceError",
+  "ShardingPolicy",
+  "SpecError",
+  "TLSConfig",
+  "UDFImportError",
+  "WireFormatError",
+  "WorkerConfig",
+  "WorkerServer",
+  "distribute",
+  "distributed_save",
+  "from_dataset_id",
+  "register_dataset",
+  "serve_client_metrics",
+)
 
 
 def test_every_public_name_of_the_service_resolves_to_what_it_names():

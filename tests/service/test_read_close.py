@@ -35,10 +35,15 @@ UNAVAILABLE = (rpc_errors.DATA_SOCKET, "UNAVAILABLE")
 
 
 def start_service(cluster):
-  dispatcher = cluster("dispatcher", "--port=0", f"--heartbeat_timeout_s={PATIENCE_S}",
-                       f"--client_timeout_s={PATIENCE_S}")
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                   "--heartbeat_interval_s=0.2")
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    f"--heartbeat_timeout_s={PATIENCE_S}",
+    f"--client_timeout_s={PATIENCE_S}",
+  )
+  worker = cluster(
+    "worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2"
+  )
   # A first read ends only once the worker registered and served it.
   with jaxfeed.Dataset.range(4).distribute(dispatcher.address).make_iterator() as it:
     assert sorted(int(x) for x in it) == [0, 1, 2, 3]
@@ -46,8 +51,7 @@ def start_service(cluster):
 
 
 def prefetch_threads() -> list[threading.Thread]:
-  return [t for t in threading.enumerate()
-          if t.name == "jaxfeed-device-prefetch" and t.is_alive()]
+  return [t for t in threading.enumerate() if t.name == "jaxfeed-device-prefetch" and t.is_alive()]
 
 
 def test_loader_close_interrupts_a_read_blocked_on_a_stopped_worker(cluster):
@@ -56,8 +60,11 @@ def test_loader_close_interrupts_a_read_blocked_on_a_stopped_worker(cluster):
   try:
     # The read's job goes to the stopped worker, which neither makes a task
     # nor answers on its data socket: the Loader's thread waits in next().
-    dataset = jaxfeed.Dataset.range(10**6).batch(4).distribute(
-        dispatcher.address, "distributed_epoch", timeout_s=PATIENCE_S)
+    dataset = (
+      jaxfeed.Dataset.range(10**6)
+      .batch(4)
+      .distribute(dispatcher.address, "distributed_epoch", timeout_s=PATIENCE_S)
+    )
     loader = jaxfeed.Loader(dataset, prefetch=2)
     assert len(prefetch_threads()) == 1
     time.sleep(1.0)
@@ -78,8 +85,9 @@ def read_first_element(dispatcher):
   """An iterator of a read that makes one element a second, after its first
   element: its fetcher then waits on the data connection for the next."""
   dataset = jaxfeed.Dataset.range(10**6).map(service_udfs.dawdle)
-  iterator = dataset.distribute(dispatcher.address, "distributed_epoch",
-                                data_transfer="socket").make_iterator()
+  iterator = dataset.distribute(
+    dispatcher.address, "distributed_epoch", data_transfer="socket"
+  ).make_iterator()
   assert next(iterator)["x"] == 0
   return iterator
 
@@ -102,8 +110,12 @@ def test_a_data_connection_cut_from_outside_counts_an_error_and_reads_on(cluster
   port = worker.data_address.rsplit(":", 1)[1]
   before = unavailable_count()
   with read_first_element(dispatcher) as iterator:
-    out = subprocess.run(["ss", "-K", "-t", "state", "established", "dport", "=", f":{port}"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+      ["ss", "-K", "-t", "state", "established", "dport", "=", f":{port}"],
+      capture_output=True,
+      text=True,
+      check=True,
+    )
     assert len(out.stdout.strip().splitlines()) > 1, out.stdout  # one connection cut
     deadline = time.monotonic() + 30
     while unavailable_count() == before and time.monotonic() < deadline:

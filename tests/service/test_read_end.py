@@ -32,8 +32,11 @@ def read_once(address: str, **options) -> tuple[list[int], float]:
 @pytest.mark.parametrize("visitation", ["at_most_once", "exactly_once"])
 def test_a_read_ends_without_waiting_for_the_workers_next_heartbeat(cluster, visitation):
   dispatcher = cluster("dispatcher", "--port=0", f"--heartbeat_timeout_s={10 * SLOW_HEARTBEAT_S}")
-  cluster("worker", f"--dispatcher_address={dispatcher.address}",
-          f"--heartbeat_interval_s={SLOW_HEARTBEAT_S}")
+  cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    f"--heartbeat_interval_s={SLOW_HEARTBEAT_S}",
+  )
   for _ in range(2):  # a new job each time, as epochs are read
     values, seconds = read_once(dispatcher.address, visitation=visitation)
     assert values == list(range(40))
@@ -44,8 +47,7 @@ def test_a_read_ends_without_waiting_for_the_workers_next_heartbeat(cluster, vis
 def test_a_read_ends_without_waiting_for_the_clients_next_heartbeat(cluster, data_transfer):
   # One client heartbeat a minute, as a dispatcher with many clients asks.
   pacing = heartbeat_pacing.HeartbeatPacing(client_heartbeats_per_s=1 / SLOW_HEARTBEAT_S)
-  config = service.DispatcherConfig(client_timeout_s=10 * SLOW_HEARTBEAT_S,
-                                    heartbeat_pacing=pacing)
+  config = service.DispatcherConfig(client_timeout_s=10 * SLOW_HEARTBEAT_S, heartbeat_pacing=pacing)
   with service.DispatchServer(config) as dispatcher:
     assert pacing.client_interval(1, config.client_timeout_s) >= SLOW_HEARTBEAT_S
     cluster("worker", f"--dispatcher_address={dispatcher.target}")

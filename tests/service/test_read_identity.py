@@ -20,13 +20,17 @@ RECORDS = 1000
 HEARTBEAT = ("--heartbeat_interval_s=0.2",)
 
 
-def pipeline(dispatcher: str, seed: int, mode: str = "distributed_epoch",
-             records: int = RECORDS) -> jaxfeed.Dataset:
+def pipeline(
+  dispatcher: str, seed: int, mode: str = "distributed_epoch", records: int = RECORDS
+) -> jaxfeed.Dataset:
   source = jaxfeed.ArraySource({"x": np.arange(records, dtype=np.int64)})
   sampler = jaxfeed.IndexSampler(records, shuffle=True, seed=seed)
   visitation = "exactly_once" if mode == "distributed_epoch" else "at_most_once"
-  return jaxfeed.Dataset.from_source(source, sampler).batch(10).distribute(
-      dispatcher, mode, visitation=visitation, max_outstanding_requests=2)
+  return (
+    jaxfeed.Dataset.from_source(source, sampler)
+    .batch(10)
+    .distribute(dispatcher, mode, visitation=visitation, max_outstanding_requests=2)
+  )
 
 
 def values(batches) -> list[int]:
@@ -48,13 +52,16 @@ def test_an_exactly_once_state_restored_with_another_seed_is_refused(cluster):
   taken, state = partial_read(pipeline(dispatcher.address, seed=1), 30)
   assert state["own"]["identity"]["sampler"]["seed"] == 1
   with pipeline(dispatcher.address, seed=2).make_iterator() as other:
-    with pytest.raises(base.PipelineStateError,
-                       match=r"'distribute'.*IndexSampler\(num_records=1000, "
-                             r"shuffle=True, seed=1.*seed=2 \(saved seed=1\)"):
+    with pytest.raises(
+      base.PipelineStateError,
+      match=r"'distribute'.*IndexSampler\(num_records=1000, "
+      r"shuffle=True, seed=1.*seed=2 \(saved seed=1\)",
+    ):
       other.set_state(state)
   with pipeline(dispatcher.address, seed=1, records=900).make_iterator() as other:
-    with pytest.raises(base.PipelineStateError,
-                       match=r"num_records=900 \(saved num_records=1000\)"):
+    with pytest.raises(
+      base.PipelineStateError, match=r"num_records=900 \(saved num_records=1000\)"
+    ):
       other.set_state(state)
   # The pipeline it was saved from reads the rest: every record once.
   with pipeline(dispatcher.address, seed=1).make_iterator() as same:
@@ -87,12 +94,23 @@ def test_a_state_saved_without_the_record_restores_with_a_warning(cluster):
 
 def test_processes_sharing_a_job_must_have_saved_the_same_pipeline():
   def state(seed: int) -> dict:
-    return {"op": "distribute", "parents": [], "own": {
-        "elements_read": 0, "job_name": "shared",
+    return {
+      "op": "distribute",
+      "parents": [],
+      "own": {
+        "elements_read": 0,
+        "job_name": "shared",
         "splits": {"version": 1, "done": [], "partial": []},
-        "identity": {"sampler": {"type": "IndexSampler", "seed": seed},
-                     "source": {"type": "ArraySource", "num_records": 10}}}}
-  assert read_state.merge_process_states([state(1), state(1)])[0]["own"][
-      "identity"]["sampler"]["seed"] == 1
+        "identity": {
+          "sampler": {"type": "IndexSampler", "seed": seed},
+          "source": {"type": "ArraySource", "num_records": 10},
+        },
+      },
+    }
+
+  assert (
+    read_state.merge_process_states([state(1), state(1)])[0]["own"]["identity"]["sampler"]["seed"]
+    == 1
+  )
   with pytest.raises(read_state.ResumeStateError, match="different pipelines"):
     read_state.merge_process_states([state(1), state(2)])

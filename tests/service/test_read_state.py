@@ -16,11 +16,14 @@ def take_all(progress: SplitProgress, start: int, stop: int, count: int, upto: i
   return handed
 
 
-@pytest.mark.parametrize("ranges,merged", [
+@pytest.mark.parametrize(
+  "ranges,merged",
+  [
     ([], []),
     ([[5, 7], [0, 3], [3, 5]], [[0, 7]]),
     ([[0, 2], [4, 6], [2, 2]], [[0, 2], [4, 6]]),
-])
+  ],
+)
 def test_merge_ranges_joins_adjacent_and_drops_empty(ranges, merged):
   assert read_state.merge_ranges(ranges) == merged
 
@@ -63,12 +66,15 @@ def test_a_restored_partial_split_drops_what_was_taken_and_stays_partial_until_t
   assert progress.state() == {"version": 1, "done": [[0, 20]], "partial": []}
 
 
-@pytest.mark.parametrize("state,match", [
+@pytest.mark.parametrize(
+  "state,match",
+  [
     ({"done": [], "partial": []}, "version 1"),
     ({"version": 1, "done": [[3, 3]], "partial": []}, "'done' must be"),
     ({"version": 1, "done": [], "partial": [[0, 4, 0]]}, "'partial' must be"),
     ({"version": 1, "done": [[0, 8]], "partial": [[4, 12, 1]]}, "overlapping"),
-])
+  ],
+)
 def test_malformed_states_are_refused_naming_the_field(state, match):
   with pytest.raises(read_state.ResumeStateError, match=match):
     SplitProgress(state)
@@ -88,7 +94,8 @@ def test_consumers_resuming_one_state_share_one_new_job_name():
   assert name != read_state.resume_job_name("train", {**state, "done": [[0, 9]]})
   # Two restores of one state: two jobs.
   assert read_state.resume_job_name("train", state, "a") != read_state.resume_job_name(
-      "train", state, "b")
+    "train", state, "b"
+  )
 
 
 def test_merged_states_of_a_shared_job_take_the_furthest_consumer_of_each_split():
@@ -97,13 +104,19 @@ def test_merged_states_of_a_shared_job_take_the_furthest_consumer_of_each_split(
   a = {"version": 1, "done": [[0, 10], [20, 30]], "partial": [[10, 20, 2], [30, 40, 1]]}
   b = {"version": 1, "done": [[0, 20]], "partial": [[30, 40, 3]]}
   assert read_state.merge_states([a, b]) == {
-      "version": 1, "done": [[0, 30]], "partial": [[30, 40, 3]]}
+    "version": 1,
+    "done": [[0, 30]],
+    "partial": [[30, 40, 3]],
+  }
 
 
 def test_merge_process_states_merges_reads_of_one_named_job_only():
   def pipeline(job_name, splits):
-    read = {"op": "distribute", "own": {"elements_read": 1, "splits": splits,
-                                        "job_name": job_name}, "parents": []}
+    read = {
+      "op": "distribute",
+      "own": {"elements_read": 1, "splits": splits, "job_name": job_name},
+      "parents": [],
+    }
     return {"op": "map", "own": {}, "parents": [read]}
 
   first = {"version": 1, "done": [[0, 10]], "partial": []}
@@ -118,8 +131,9 @@ def test_merge_process_states_merges_reads_of_one_named_job_only():
 
 
 @pytest.mark.parametrize("snapshot_every_records", [0, 1], ids=["journal", "snapshots"])
-def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(tmp_path,
-                                                                    snapshot_every_records):
+def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(
+  tmp_path, snapshot_every_records
+):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import jaxfeed  # pylint: disable=g-import-not-at-top
   from jaxfeed.service.dispatcher import server as dispatcher_lib  # pylint: disable=g-import-not-at-top
@@ -127,24 +141,35 @@ def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(tmp_path,
   from jaxfeed.service.protocol.protos import service_pb2 as pb  # pylint: disable=g-import-not-at-top
 
   config = dispatcher_lib.DispatcherConfig(
-      work_dir=str(tmp_path), split_size=10, journal_fsync=False,
-      snapshot_every_records=snapshot_every_records)
+    work_dir=str(tmp_path),
+    split_size=10,
+    journal_fsync=False,
+    snapshot_every_records=snapshot_every_records,
+  )
   definition = spec.to_dataset_def(
-      jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(100)})).node)
+    jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(100)})).node
+  )
   definition.num_positions = 100
   state = dispatcher_lib.DispatcherState(config)
   dataset_id = state.register_dataset(definition)
   state.worker_heartbeat(pb.WorkerHeartbeatRequest(worker_address="w:1"))
-  job_id, _ = state.get_or_create_job(pb.GetOrCreateJobRequest(
-      dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True,
-      resume_done=[pb.SplitRange(start=0, stop=25), pb.SplitRange(start=40, stop=50),
-                   pb.SplitRange(start=72, stop=80)],
-      resume_partial=[pb.SplitRange(start=30, stop=40)]))
+  job_id, _ = state.get_or_create_job(
+    pb.GetOrCreateJobRequest(
+      dataset_id=dataset_id,
+      sharding_policy="distributed_epoch",
+      exactly_once=True,
+      resume_done=[
+        pb.SplitRange(start=0, stop=25),
+        pb.SplitRange(start=40, stop=50),
+        pb.SplitRange(start=72, stop=80),
+      ],
+      resume_partial=[pb.SplitRange(start=30, stop=40)],
+    )
+  )
   task_id = next(iter(state.jobs[job_id].tasks))
 
   def splits() -> list[list[int]]:
-    response = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id,
-                                                    max_ranges=2))
+    response = state.get_splits(pb.GetSplitsRequest(job_id=job_id, task_id=task_id, max_ranges=2))
     return [[r.start, r.stop] for r in response.ranges]
 
   assert splits() == [[30, 40], [25, 30]]  # the partly taken split first, whole
@@ -156,11 +181,20 @@ def test_a_resumed_job_skips_taken_splits_across_dispatcher_restarts(tmp_path,
   assert splits() == [[70, 72], [80, 90]]
   assert splits() == [[90, 100]]
   with pytest.raises(ValueError, match="outside the dataset's 100 positions"):
-    state.get_or_create_job(pb.GetOrCreateJobRequest(
-        dataset_id=dataset_id, sharding_policy="distributed_epoch", exactly_once=True,
-        resume_done=[pb.SplitRange(start=90, stop=110)]))
+    state.get_or_create_job(
+      pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id,
+        sharding_policy="distributed_epoch",
+        exactly_once=True,
+        resume_done=[pb.SplitRange(start=90, stop=110)],
+      )
+    )
   with pytest.raises(ValueError, match="Only exactly-once reads resume"):
-    state.get_or_create_job(pb.GetOrCreateJobRequest(
-        dataset_id=dataset_id, sharding_policy="distributed_epoch",
-        resume_done=[pb.SplitRange(start=0, stop=10)]))
+    state.get_or_create_job(
+      pb.GetOrCreateJobRequest(
+        dataset_id=dataset_id,
+        sharding_policy="distributed_epoch",
+        resume_done=[pb.SplitRange(start=0, stop=10)],
+      )
+    )
   state.close()

@@ -16,12 +16,13 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def batch(rows: int, length: int, first_id: int = 0) -> dict:
-  return {"tokens": np.zeros((rows, length), np.int32),
-          "id": np.arange(first_id, first_id + rows, dtype=np.int64)}
+  return {
+    "tokens": np.zeros((rows, length), np.int32),
+    "id": np.arange(first_id, first_id + rows, dtype=np.int64),
+  }
 
 
 class FakeClock:
-
   def __init__(self):
     self.now = 0.0
 
@@ -37,8 +38,7 @@ def test_bucket_key_ignores_the_batch_dimension_only():
   assert round_assembly.bucket_key((np.zeros((3, 5, 2)), np.int32(1))) == ((5, 2), ())
 
 
-@pytest.mark.parametrize("value, rows", [(batch(7, 3), 7), (np.zeros((0, 4)), 0),
-                                         (np.int64(5), 0)])
+@pytest.mark.parametrize("value, rows", [(batch(7, 3), 7), (np.zeros((0, 4)), 0), (np.int64(5), 0)])
 def test_batch_rows_is_the_first_dimension_of_the_first_leaf(value, rows):
   assert round_assembly.batch_rows(value) == rows
 
@@ -46,8 +46,7 @@ def test_batch_rows_is_the_first_dimension_of_the_first_leaf(value, rows):
 # -- assembler -------------------------------------------------------------------------
 @pytest.mark.parametrize("num_consumers", [1, 2, 3, 5])
 @pytest.mark.parametrize("seed", range(3))
-def test_every_round_is_one_key_and_every_batch_is_served_or_counted_dropped(
-    num_consumers, seed):
+def test_every_round_is_one_key_and_every_batch_is_served_or_counted_dropped(num_consumers, seed):
   rng = np.random.default_rng(seed)
   assembler = round_assembly.RoundAssembler(num_consumers, max_window_batches=1000)
   keys = rng.integers(0, 6, 300)
@@ -149,8 +148,12 @@ def test_round_times_out_only_after_its_first_take():
   clock.now = 105.0
   assert rounds.close_expired()
   assert rounds.open_rounds == 0
-  assert rounds.stats == {"rounds": 1, "rounds_closed_incomplete": 1,
-                          "batches_dropped_late": 2, "rows_dropped_late": 4}
+  assert rounds.stats == {
+    "rounds": 1,
+    "rounds_closed_incomplete": 1,
+    "batches_dropped_late": 2,
+    "rows_dropped_late": 4,
+  }
 
 
 def test_late_consumer_continues_at_the_oldest_open_round():
@@ -213,6 +216,7 @@ def run_consumers(runner, num_consumers, delays=None):
       got.append((r, wire.decode(frame.tobytes())))
       if delays and delays.get(i) and len(got) == delays[i][0]:
         import time  # pylint: disable=g-import-not-at-top
+
         time.sleep(delays[i][1])
     results[i] = got
 
@@ -228,14 +232,14 @@ def run_consumers(runner, num_consumers, delays=None):
 def shuffled_batches(num_batches=60, seed=0):
   rng = np.random.default_rng(seed)
   lengths = rng.choice([8, 16, 24], num_batches)
-  return [batch(int(rng.integers(1, 5)), int(n), first_id=100 * i)
-          for i, n in enumerate(lengths)]
+  return [batch(int(rng.integers(1, 5)), int(n), first_id=100 * i) for i, n in enumerate(lengths)]
 
 
 def test_task_runner_serves_bucket_aligned_rounds_to_every_consumer():
   batches = shuffled_batches()
-  runner = task_runner.TaskRunner(1, lambda: iter(batches), buffer_size=2,
-                                  num_consumers=3, round_timeout_s=30)
+  runner = task_runner.TaskRunner(
+    1, lambda: iter(batches), buffer_size=2, num_consumers=3, round_timeout_s=30
+  )
   try:
     results, ends = run_consumers(runner, 3)
   finally:
@@ -256,8 +260,9 @@ def test_task_runner_serves_bucket_aligned_rounds_to_every_consumer():
 
 def test_task_runner_drops_a_late_consumers_batches_and_the_others_finish():
   batches = shuffled_batches(90, seed=1)
-  runner = task_runner.TaskRunner(2, lambda: iter(batches), buffer_size=2,
-                                  num_consumers=3, round_timeout_s=0.5)
+  runner = task_runner.TaskRunner(
+    2, lambda: iter(batches), buffer_size=2, num_consumers=3, round_timeout_s=0.5
+  )
   try:
     results, ends = run_consumers(runner, 3, delays={2: (2, 2.0)})
   finally:
@@ -270,7 +275,8 @@ def test_task_runner_drops_a_late_consumers_batches_and_the_others_finish():
   assert final["batches_dropped_late"] >= 1
   received = sum(len(b["id"]) for got in results for _, b in got)
   assert received + final["rows_dropped_at_end"] + final["rows_dropped_late"] == sum(
-      len(b["id"]) for b in batches)
+    len(b["id"]) for b in batches
+  )
 
 
 def test_task_runner_refuses_a_consumer_index_outside_the_job():
@@ -284,8 +290,9 @@ def test_task_runner_refuses_a_consumer_index_outside_the_job():
 
 
 def test_task_runner_with_a_window_limit_too_small_fails_its_consumers():
-  runner = task_runner.TaskRunner(4, lambda: iter([batch(1, 2)]), buffer_size=2,
-                                  num_consumers=4, max_window_batches=2)
+  runner = task_runner.TaskRunner(
+    4, lambda: iter([batch(1, 2)]), buffer_size=2, num_consumers=4, max_window_batches=2
+  )
   try:
     with pytest.raises(task_runner.TaskFailed, match="max_window_batches=2") as info:
       next(runner.frames(lambda: True, 0, 0))

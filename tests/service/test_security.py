@@ -46,24 +46,35 @@ def secured(cluster, tmp_path):
   client_file = secret_file(tmp_path, "client.token", CLIENT_TOKEN)
   worker_file = secret_file(tmp_path, "worker.token", WORKER_TOKEN)
   udf_file = secret_file(tmp_path, "udf.secret", SECRET.decode())
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=3",
-                       f"--auth_token_file={client_file}",
-                       f"--worker_token_file={worker_file}",
-                       f"--pickled_udf_secret_file={udf_file}", "--max_jobs_per_host=3")
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                   "--heartbeat_interval_s=0.2", f"--worker_token_file={worker_file}",
-                   f"--pickled_udf_secret_file={udf_file}")
+  dispatcher = cluster(
+    "dispatcher",
+    "--port=0",
+    "--heartbeat_timeout_s=3",
+    f"--auth_token_file={client_file}",
+    f"--worker_token_file={worker_file}",
+    f"--pickled_udf_secret_file={udf_file}",
+    "--max_jobs_per_host=3",
+  )
+  worker = cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    "--heartbeat_interval_s=0.2",
+    f"--worker_token_file={worker_file}",
+    f"--pickled_udf_secret_file={udf_file}",
+  )
   for process in (dispatcher, worker):  # secrets never show on a command line
     assert CLIENT_TOKEN not in " ".join(process.proc.args)
     assert WORKER_TOKEN not in " ".join(process.proc.args)
   return dispatcher, worker
 
 
-def raw_call(target: str, method: str, request, token: str | None,
-             response_cls: type | None = None):
+def raw_call(
+  target: str, method: str, request, token: str | None, response_cls: type | None = None
+):
   with grpc.insecure_channel(target) as channel:
-    call = channel.unary_unary(method, request_serializer=lambda b: b,
-                               response_deserializer=lambda b: b)
+    call = channel.unary_unary(
+      method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     metadata = ((rpc.TOKEN_METADATA_KEY, token),) if token else None
     data = request if isinstance(request, bytes) else request.SerializeToString()
     reply = call(data, timeout=20, metadata=metadata)
@@ -78,7 +89,8 @@ def refused_code(target: str, method: str, request, token: str | None) -> grpc.S
 
 def records(n: int = 64) -> jaxfeed.Dataset:
   return jaxfeed.Dataset.from_source(
-      jaxfeed.ArraySource({"x": np.arange(n, dtype=np.int64)})).batch(8)
+    jaxfeed.ArraySource({"x": np.arange(n, dtype=np.int64)})
+  ).batch(8)
 
 
 def read_all(dataset) -> list:
@@ -87,21 +99,33 @@ def read_all(dataset) -> list:
 
 
 def register(target: str, dataset_def: pb.DatasetDef, token: str | None = CLIENT_TOKEN) -> str:
-  return raw_call(target, DISPATCHER + "RegisterDataset",
-                  pb.RegisterDatasetRequest(dataset=dataset_def), token,
-                  pb.RegisterDatasetResponse).dataset_id
+  return raw_call(
+    target,
+    DISPATCHER + "RegisterDataset",
+    pb.RegisterDatasetRequest(dataset=dataset_def),
+    token,
+    pb.RegisterDatasetResponse,
+  ).dataset_id
 
 
 def a_task(dispatcher: str, dataset_id: str) -> pb.TaskInfo:
   """A task of a new job of the dataset, as its client learns it."""
-  job = raw_call(dispatcher, DISPATCHER + "GetOrCreateJob",
-                 pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF"),
-                 CLIENT_TOKEN, pb.GetOrCreateJobResponse)
+  job = raw_call(
+    dispatcher,
+    DISPATCHER + "GetOrCreateJob",
+    pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF"),
+    CLIENT_TOKEN,
+    pb.GetOrCreateJobResponse,
+  )
   deadline = time.monotonic() + 30
   while time.monotonic() < deadline:
-    response = raw_call(dispatcher, DISPATCHER + "ClientHeartbeat",
-                        pb.ClientHeartbeatRequest(job_id=job.job_id, client_id=job.client_id),
-                        CLIENT_TOKEN, pb.ClientHeartbeatResponse)
+    response = raw_call(
+      dispatcher,
+      DISPATCHER + "ClientHeartbeat",
+      pb.ClientHeartbeatRequest(job_id=job.job_id, client_id=job.client_id),
+      CLIENT_TOKEN,
+      pb.ClientHeartbeatResponse,
+    )
     if response.tasks:
       return response.tasks[0]
     time.sleep(0.1)
@@ -113,8 +137,7 @@ def with_path(path: str, data) -> pb.DatasetDef:
   as a hostile client would send it)."""
   node = jaxfeed.Dataset.from_tensor_slices(data).map(service_udfs.add_one).node
   dataset_def = spec.to_dataset_def(node)
-  dataset_def.graph_json = dataset_def.graph_json.replace(b"service_udfs:add_one",
-                                                          path.encode())
+  dataset_def.graph_json = dataset_def.graph_json.replace(b"service_udfs:add_one", path.encode())
   dataset_def.fingerprint = f"hostile {path}"
   return dataset_def
 
@@ -129,13 +152,14 @@ def hostile_udfs(marker: pathlib.Path) -> dict[str, object]:
       return (os.system, (f"touch {marker}",))
 
   return {
-      "builtins:exec": np.array([f"open({str(marker)!r}, 'w').close()"]),
-      "os:system": np.array([f"touch {marker}"]),
-      "subprocess:run": np.array([["touch", str(marker)]]),
-      "importlib:import_module": np.array(["jaxfeed_test_marker_module"]),
-      "pickle:loads": np.array([pickle.dumps(Touch(), protocol=0)]),
-      "jaxfeed.service.protocol.import_paths:resolve_path": np.array(
-          ["jaxfeed_test_marker_module:x"]),
+    "builtins:exec": np.array([f"open({str(marker)!r}, 'w').close()"]),
+    "os:system": np.array([f"touch {marker}"]),
+    "subprocess:run": np.array([["touch", str(marker)]]),
+    "importlib:import_module": np.array(["jaxfeed_test_marker_module"]),
+    "pickle:loads": np.array([pickle.dumps(Touch(), protocol=0)]),
+    "jaxfeed.service.protocol.import_paths:resolve_path": np.array(
+      ["jaxfeed_test_marker_module:x"]
+    ),
   }
 
 
@@ -147,15 +171,24 @@ def marker(tmp_path, monkeypatch):
   modules = tmp_path / "modules"
   modules.mkdir()
   (modules / "jaxfeed_test_marker_module.py").write_text(
-      f"open({str(marker)!r}, 'w').close()\nx = 1\n")
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(modules), os.environ.get("PYTHONPATH", "")]))
+    f"open({str(marker)!r}, 'w').close()\nx = 1\n"
+  )
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join([str(modules), os.environ.get("PYTHONPATH", "")])
+  )
   return marker
 
 
-HOSTILE_PATHS = ("builtins:exec", "os:system", "subprocess:run", "importlib:import_module",
-                 "pickle:loads", "jaxfeed.service.protocol.import_paths:resolve_path",
-                 "jaxfeed_test_marker_module:x", "service_udfs:__builtins__")
+HOSTILE_PATHS = (
+  "builtins:exec",
+  "os:system",
+  "subprocess:run",
+  "importlib:import_module",
+  "pickle:loads",
+  "jaxfeed.service.protocol.import_paths:resolve_path",
+  "jaxfeed_test_marker_module:x",
+  "service_udfs:__builtins__",
+)
 
 
 def test_code_running_udfs_are_refused_at_registration_and_never_run(marker, secured):
@@ -172,15 +205,20 @@ def test_code_running_udfs_are_refused_at_registration_and_never_run(marker, sec
   assert not marker.exists()
 
 
-@pytest.mark.parametrize("path, why", [
+@pytest.mark.parametrize(
+  "path, why",
+  [
     # The dispatcher allows the module, the worker does not: the worker
     # refuses the pipeline without importing the module.
     ("jaxfeed_test_marker_module:x", "not allowlisted"),
     # An allowed module's import of another module leads nowhere.
-    ("service_udfs:np.load", "is a module imported by")])
+    ("service_udfs:np.load", "is a module imported by"),
+  ],
+)
 def test_a_worker_imports_nothing_its_own_allowlist_lacks(marker, cluster, path, why):
-  dispatcher = cluster("dispatcher", "--port=0",
-                       "--udf_modules=service_udfs,jaxfeed_test_marker_module")
+  dispatcher = cluster(
+    "dispatcher", "--port=0", "--udf_modules=service_udfs,jaxfeed_test_marker_module"
+  )
   cluster("worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2")
   dataset_id = register(dispatcher.address, with_path(path, np.array([1])), None)
   dataset = service.from_dataset_id("parallel_epochs", dispatcher.address, dataset_id)
@@ -196,8 +234,7 @@ def test_the_worker_check_refuses_before_importing_in_this_process(marker):
   assert "jaxfeed_test_marker_module" not in sys.modules and not marker.exists()
 
 
-@pytest.mark.parametrize("entry", ["os", "os.", "importlib.", "builtins", "", "jaxfeed.",
-                                   "a b"])
+@pytest.mark.parametrize("entry", ["os", "os.", "importlib.", "builtins", "", "jaxfeed.", "a b"])
 def test_udf_module_entries_that_would_allow_running_code_are_refused(entry):
   with pytest.raises(ValueError, match="udf_modules"):
     service.WorkerConfig(dispatcher_address="127.0.0.1:1", udf_modules=(entry,))
@@ -207,7 +244,8 @@ def test_pickled_udfs_are_refused_without_a_secret(cluster):
   dispatcher = cluster("dispatcher", "--port=0")
   offset = 3
   dataset_def = spec.to_dataset_def(
-      jaxfeed.Dataset.range(4).map(lambda x: x + offset).node, udf_secret=SECRET)
+    jaxfeed.Dataset.range(4).map(lambda x: x + offset).node, udf_secret=SECRET
+  )
   with pytest.raises(grpc.RpcError) as info:
     register(dispatcher.address, dataset_def, None)
   assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -224,22 +262,37 @@ def non_loopback_host() -> str:
 
 
 def run_role(role: str, *flags: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),
-             GRPC_VERBOSITY="ERROR", JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
-                        capture_output=True, text=True, env=env, timeout=timeout_s)
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR)]),
+    GRPC_VERBOSITY="ERROR",
+    JAX_PLATFORMS="cpu",
+  )
+  return subprocess.run(
+    [sys.executable, "-m", f"jaxfeed.service.{role}", *flags],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=timeout_s,
+  )
 
 
-@pytest.mark.parametrize("role, flags", [
-    ("dispatcher", ()), ("dispatcher", (f"--auth_token={CLIENT_TOKEN}",)),
-    ("worker", ("--dispatcher_address=127.0.0.1:1",))])
+@pytest.mark.parametrize(
+  "role, flags",
+  [
+    ("dispatcher", ()),
+    ("dispatcher", (f"--auth_token={CLIENT_TOKEN}",)),
+    ("worker", ("--dispatcher_address=127.0.0.1:1",)),
+  ],
+)
 def test_a_server_bound_beyond_loopback_without_auth_refuses_to_start(role, flags):
   done = run_role(role, "--port=0", f"--host={non_loopback_host()}", *flags)
   assert done.returncode != 0
   assert "listening" not in done.stdout
   message = done.stderr
   assert ("refusing to bind" in message and "--insecure" in message) or (
-      "worker_token" in message), message
+    "worker_token" in message
+  ), message
 
 
 def test_insecure_lets_a_server_bind_beyond_loopback(cluster):
@@ -252,23 +305,46 @@ def test_insecure_lets_a_server_bind_beyond_loopback(cluster):
 # -- 3. separate roles -------------------------------------------------------------
 def test_a_client_token_cannot_act_as_a_worker(secured, cluster):
   dispatcher, worker = secured
-  for request in (pb.WorkerHeartbeatRequest(worker_address="127.0.0.1:9", data_address="x"),
-                  pb.WorkerHeartbeatRequest(worker_address=worker.address, leaving=True)):
-    assert refused_code(dispatcher.address, DISPATCHER + "WorkerHeartbeat", request,
-                        CLIENT_TOKEN) == grpc.StatusCode.UNAUTHENTICATED
-  assert refused_code(dispatcher.address, DISPATCHER + "GetSplits",
-                      pb.GetSplitsRequest(job_id=1, task_id=1), CLIENT_TOKEN
-                      ) == grpc.StatusCode.UNAUTHENTICATED
-  assert refused_code(dispatcher.address, DISPATCHER + "GetDatasetDef",
-                      pb.GetDatasetDefRequest(dataset_id="1"), CLIENT_TOKEN
-                      ) == grpc.StatusCode.UNAUTHENTICATED
+  for request in (
+    pb.WorkerHeartbeatRequest(worker_address="127.0.0.1:9", data_address="x"),
+    pb.WorkerHeartbeatRequest(worker_address=worker.address, leaving=True),
+  ):
+    assert (
+      refused_code(dispatcher.address, DISPATCHER + "WorkerHeartbeat", request, CLIENT_TOKEN)
+      == grpc.StatusCode.UNAUTHENTICATED
+    )
+  assert (
+    refused_code(
+      dispatcher.address,
+      DISPATCHER + "GetSplits",
+      pb.GetSplitsRequest(job_id=1, task_id=1),
+      CLIENT_TOKEN,
+    )
+    == grpc.StatusCode.UNAUTHENTICATED
+  )
+  assert (
+    refused_code(
+      dispatcher.address,
+      DISPATCHER + "GetDatasetDef",
+      pb.GetDatasetDefRequest(dataset_id="1"),
+      CLIENT_TOKEN,
+    )
+    == grpc.StatusCode.UNAUTHENTICATED
+  )
   # A save's chunks (and its pipeline, with any pickled UDFs) are the workers'.
-  assert refused_code(dispatcher.address, DISPATCHER + "SaveChunks",
-                      pb.SaveChunksRequest(path="/x", want_dataset=True), CLIENT_TOKEN
-                      ) == grpc.StatusCode.UNAUTHENTICATED
+  assert (
+    refused_code(
+      dispatcher.address,
+      DISPATCHER + "SaveChunks",
+      pb.SaveChunksRequest(path="/x", want_dataset=True),
+      CLIENT_TOKEN,
+    )
+    == grpc.StatusCode.UNAUTHENTICATED
+  )
   # A worker process holding the client token is refused and exits saying so.
-  impostor = cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                     f"--worker_token={CLIENT_TOKEN}")
+  impostor = cluster(
+    "worker", f"--dispatcher_address={dispatcher.address}", f"--worker_token={CLIENT_TOKEN}"
+  )
   impostor.proc.wait(timeout=60)
   assert impostor.proc.returncode != 0
   # The real worker still serves every record.
@@ -278,8 +354,9 @@ def test_a_client_token_cannot_act_as_a_worker(secured, cluster):
 
 def test_a_refused_worker_names_the_reason(secured):
   dispatcher, _ = secured
-  done = run_role("worker", f"--dispatcher_address={dispatcher.address}",
-                  "--worker_token=not-the-token")
+  done = run_role(
+    "worker", f"--dispatcher_address={dispatcher.address}", "--worker_token=not-the-token"
+  )
   assert done.returncode != 0
   assert "refused worker" in done.stderr and "UNAUTHENTICATED" in done.stderr, done.stderr
 
@@ -287,13 +364,25 @@ def test_a_refused_worker_names_the_reason(secured):
 def test_a_worker_token_cannot_register_or_read(secured):
   dispatcher, worker = secured
   dataset_def = spec.to_dataset_def(records().node)
-  assert refused_code(dispatcher.address, DISPATCHER + "RegisterDataset",
-                      pb.RegisterDatasetRequest(dataset=dataset_def), WORKER_TOKEN
-                      ) == grpc.StatusCode.UNAUTHENTICATED
+  assert (
+    refused_code(
+      dispatcher.address,
+      DISPATCHER + "RegisterDataset",
+      pb.RegisterDatasetRequest(dataset=dataset_def),
+      WORKER_TOKEN,
+    )
+    == grpc.StatusCode.UNAUTHENTICATED
+  )
   dataset_id = register(dispatcher.address, dataset_def)
-  assert refused_code(dispatcher.address, DISPATCHER + "GetOrCreateJob",
-                      pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF"),
-                      WORKER_TOKEN) == grpc.StatusCode.UNAUTHENTICATED
+  assert (
+    refused_code(
+      dispatcher.address,
+      DISPATCHER + "GetOrCreateJob",
+      pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF"),
+      WORKER_TOKEN,
+    )
+    == grpc.StatusCode.UNAUTHENTICATED
+  )
   task = a_task(dispatcher.address, dataset_id)
   assert task.read_ticket
   # On the worker, neither token reads a task: only the task's ticket does.
@@ -309,13 +398,14 @@ def test_a_worker_token_cannot_register_or_read(secured):
 
 def read_task_grpc(address: str, task: pb.TaskInfo, credential: str) -> str:
   with grpc.insecure_channel(address) as channel:
-    call = channel.unary_stream("/jaxfeed.service.Worker/GetElements",
-                                request_serializer=lambda m: m.SerializeToString(),
-                                response_deserializer=pb.ElementChunk.FromString)
+    call = channel.unary_stream(
+      "/jaxfeed.service.Worker/GetElements",
+      request_serializer=lambda m: m.SerializeToString(),
+      response_deserializer=pb.ElementChunk.FromString,
+    )
     metadata = ((rpc.TOKEN_METADATA_KEY, credential),) if credential else None
     try:
-      for _ in call(pb.GetElementsRequest(task_id=task.task_id), timeout=30,
-                    metadata=metadata):
+      for _ in call(pb.GetElementsRequest(task_id=task.task_id), timeout=30, metadata=metadata):
         return "OK"
     except grpc.RpcError as e:
       return e.code().name
@@ -323,8 +413,7 @@ def read_task_grpc(address: str, task: pb.TaskInfo, credential: str) -> str:
 
 
 def read_task_socket(address: str, task: pb.TaskInfo, credential: str) -> str:
-  connection = data_socket.DataConnection(address, {"token": credential,
-                                                    "task_id": task.task_id})
+  connection = data_socket.DataConnection(address, {"token": credential, "task_id": task.task_id})
   try:
     connection.next_item()
     return "OK"
@@ -339,16 +428,22 @@ def test_mutual_tls_refuses_clients_without_a_certificate(cluster):
   key, cert = TLS_DIR / "server.key", TLS_DIR / "server.pem"
   tls = (f"--tls_key={key}", f"--tls_cert={cert}", f"--tls_client_ca={ca}")
   dispatcher = cluster("dispatcher", "--port=0", *tls)
-  cluster("worker", f"--dispatcher_address={dispatcher.address}", f"--tls_root_certs={ca}",
-          "--heartbeat_interval_s=0.2", *tls)
+  cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    f"--tls_root_certs={ca}",
+    "--heartbeat_interval_s=0.2",
+    *tls,
+  )
   without = service.TLSConfig(root_certificates=ca.read_bytes())
   with pytest.raises(service.ServiceError):
     service.register_dataset(dispatcher.address, records(), tls=without, timeout_s=3)
   # The test server certificate has no usage limits: it serves as a client's too.
   with_cert = service.TLSConfig(key.read_bytes(), cert.read_bytes(), ca.read_bytes())
   for data_transfer in ("socket", "grpc"):
-    got = read_all(records().distribute(dispatcher.address, tls=with_cert,
-                                        data_transfer=data_transfer))
+    got = read_all(
+      records().distribute(dispatcher.address, tls=with_cert, data_transfer=data_transfer)
+    )
     assert len(got) == 8
 
 
@@ -367,9 +462,12 @@ def test_an_expired_or_altered_signed_spec_is_refused(secured):
   other_key = signed_def()
   other_key.signature = spec_signature.sign(other_key, b"another secret")
   altered = {"expired": expired, "key id": other_key}
-  for field, value in [("num_positions", 1 << 40), ("fingerprint", "someone else's"),
-                       ("arrays", spec.to_dataset_def(records().node).arrays),
-                       ("graph_json", signed_def().graph_json.replace(b"6", b"7"))]:
+  for field, value in [
+    ("num_positions", 1 << 40),
+    ("fingerprint", "someone else's"),
+    ("arrays", spec.to_dataset_def(records().node).arrays),
+    ("graph_json", signed_def().graph_json.replace(b"6", b"7")),
+  ]:
     dataset_def = signed_def()
     assert getattr(dataset_def, field) != value
     setattr(dataset_def, field, value)
@@ -383,8 +481,7 @@ def test_an_expired_or_altered_signed_spec_is_refused(secured):
   register(dispatcher.address, signed_def())  # a fresh one is accepted
   offset = 3
   dataset = jaxfeed.Dataset.range(6).map(lambda x: x + offset).batch(3)
-  got = read_all(dataset.distribute(dispatcher.address, auth_token=CLIENT_TOKEN,
-                                    udf_secret=SECRET))
+  got = read_all(dataset.distribute(dispatcher.address, auth_token=CLIENT_TOKEN, udf_secret=SECRET))
   assert np.concatenate(got).tolist() == [3, 4, 5, 6, 7, 8]
 
 
@@ -401,8 +498,11 @@ def test_idle_connections_to_every_port_do_not_stop_a_read(secured):
     time.sleep(1.0)
     threads = psutil.Process(worker.proc.pid).num_threads()
     for data_transfer in ("socket", "grpc"):
-      got = read_all(records().distribute(dispatcher.address, auth_token=CLIENT_TOKEN,
-                                          data_transfer=data_transfer))
+      got = read_all(
+        records().distribute(
+          dispatcher.address, auth_token=CLIENT_TOKEN, data_transfer=data_transfer
+        )
+      )
       assert np.concatenate([b["x"] for b in got]).tolist() == list(range(64))
     # No thread per idle connection (500 of them).
     assert threads < 150, threads
@@ -425,8 +525,9 @@ def test_a_worker_refuses_large_requests_and_slow_hellos(secured):
 
 def read_code(address: str, request: pb.GetElementsRequest) -> str:
   with grpc.insecure_channel(address) as channel:
-    call = channel.unary_stream("/jaxfeed.service.Worker/GetElements",
-                                request_serializer=lambda m: m.SerializeToString())
+    call = channel.unary_stream(
+      "/jaxfeed.service.Worker/GetElements", request_serializer=lambda m: m.SerializeToString()
+    )
     try:
       list(call(request, timeout=30))
     except grpc.RpcError as e:
@@ -438,15 +539,26 @@ def test_a_client_host_cannot_open_more_jobs_than_its_cap(secured):
   dispatcher, _ = secured
   dataset_id = register(dispatcher.address, spec.to_dataset_def(records().node))
   request = pb.GetOrCreateJobRequest(dataset_id=dataset_id, sharding_policy="OFF")
-  jobs = [raw_call(dispatcher.address, DISPATCHER + "GetOrCreateJob", request, CLIENT_TOKEN,
-                   pb.GetOrCreateJobResponse) for _ in range(3)]
+  jobs = [
+    raw_call(
+      dispatcher.address,
+      DISPATCHER + "GetOrCreateJob",
+      request,
+      CLIENT_TOKEN,
+      pb.GetOrCreateJobResponse,
+    )
+    for _ in range(3)
+  ]
   with pytest.raises(grpc.RpcError) as info:
     raw_call(dispatcher.address, DISPATCHER + "GetOrCreateJob", request, CLIENT_TOKEN)
   assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
   assert "--max_jobs_per_host" in info.value.details()
-  raw_call(dispatcher.address, DISPATCHER + "ReleaseJobClient",
-           pb.ReleaseJobClientRequest(job_id=jobs[0].job_id, client_id=jobs[0].client_id),
-           CLIENT_TOKEN)
+  raw_call(
+    dispatcher.address,
+    DISPATCHER + "ReleaseJobClient",
+    pb.ReleaseJobClientRequest(job_id=jobs[0].job_id, client_id=jobs[0].client_id),
+    CLIENT_TOKEN,
+  )
   raw_call(dispatcher.address, DISPATCHER + "GetOrCreateJob", request, CLIENT_TOKEN)
 
 
@@ -469,16 +581,23 @@ def test_one_token_or_equal_tokens_are_refused():
 
 
 def test_an_autoscaled_pool_gets_the_worker_token_by_file(monkeypatch):
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  monkeypatch.setenv(
+    "PYTHONPATH",
+    os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+  )
   config = service.DispatcherConfig(
-      auth_token=CLIENT_TOKEN, worker_token=WORKER_TOKEN, heartbeat_timeout_s=3,
-      autoscale=service.AutoscaleConfig(min_workers=1, max_workers=1, interval_s=0.5,
-                                        worker_flags=("--heartbeat_interval_s=0.2",)))
+    auth_token=CLIENT_TOKEN,
+    worker_token=WORKER_TOKEN,
+    heartbeat_timeout_s=3,
+    autoscale=service.AutoscaleConfig(
+      min_workers=1, max_workers=1, interval_s=0.5, worker_flags=("--heartbeat_interval_s=0.2",)
+    ),
+  )
   with service.DispatchServer(config) as dispatcher:
     got = read_all(records().distribute(dispatcher.target, auth_token=CLIENT_TOKEN))
     assert collections.Counter(np.concatenate([b["x"] for b in got]).tolist()) == (
-        collections.Counter(range(64)))
+      collections.Counter(range(64))
+    )
 
 
 def test_an_unauthenticated_request_body_is_never_received(secured):
@@ -492,28 +611,38 @@ def test_an_unauthenticated_request_body_is_never_received(secured):
   before = peak_rss()
   body = pb.RegisterDatasetRequest(dataset=pb.DatasetDef(graph_json=b"x" * (48 << 20)))
   for token in (None, WORKER_TOKEN):
-    assert refused_code(dispatcher.address, DISPATCHER + "RegisterDataset", body, token
-                        ) == grpc.StatusCode.UNAUTHENTICATED
+    assert (
+      refused_code(dispatcher.address, DISPATCHER + "RegisterDataset", body, token)
+      == grpc.StatusCode.UNAUTHENTICATED
+    )
   assert peak_rss() - before < 16 << 20
 
 
 def test_an_allowed_module_does_not_lend_out_what_it_imports(tmp_path, monkeypatch):
   (tmp_path / "reexporting_udfs.py").write_text(
-      "import os\nfrom os import system\nfrom importlib import import_module\n")
+    "import os\nfrom os import system\nfrom importlib import import_module\n"
+  )
   monkeypatch.syspath_prepend(str(tmp_path))
   allowed = ("reexporting_udfs",)
-  for path, why in [("reexporting_udfs:system", "never allowed"),
-                    ("reexporting_udfs:import_module", "never allowed"),
-                    ("reexporting_udfs:os.system", "is a module imported by"),
-                    ("reexporting_udfs:os", "is a module imported by")]:
+  for path, why in [
+    ("reexporting_udfs:system", "never allowed"),
+    ("reexporting_udfs:import_module", "never allowed"),
+    ("reexporting_udfs:os.system", "is a module imported by"),
+    ("reexporting_udfs:os", "is a module imported by"),
+  ]:
     with pytest.raises(import_paths.UDFNotAllowedError, match=why):
       import_paths.resolve_path(path, allowed)
 
 
 def test_read_tickets_stay_valid_across_a_restart_from_a_snapshot(tmp_path):
   from jaxfeed.service.dispatcher import server as dispatcher_lib  # pylint: disable=g-import-not-at-top
-  config = service.DispatcherConfig(work_dir=str(tmp_path), auth_token=CLIENT_TOKEN,
-                                    worker_token=WORKER_TOKEN, snapshot_every_records=2)
+
+  config = service.DispatcherConfig(
+    work_dir=str(tmp_path),
+    auth_token=CLIENT_TOKEN,
+    worker_token=WORKER_TOKEN,
+    snapshot_every_records=2,
+  )
   keys = []
   for restart in range(2):
     state = dispatcher_lib.DispatcherState(config)

@@ -31,13 +31,25 @@ SECRET = b"shared-udf-secret"
 def servers():
   """A dispatcher and a worker in this process, with a token and a UDF secret."""
   threads_before = set(threading.enumerate())
-  dispatcher = service.DispatchServer(service.DispatcherConfig(
-      auth_token=TOKEN, worker_token=WORKER_TOKEN, pickled_udf_secret=SECRET,
-      max_message_bytes=256 << 10, heartbeat_timeout_s=2))
-  worker = service.WorkerServer(service.WorkerConfig(
-      dispatcher_address=dispatcher.target, worker_token=WORKER_TOKEN,
-      pickled_udf_secret=SECRET, heartbeat_interval_s=0.1, chunk_bytes=64 << 10,
-      max_message_bytes=256 << 10))
+  dispatcher = service.DispatchServer(
+    service.DispatcherConfig(
+      auth_token=TOKEN,
+      worker_token=WORKER_TOKEN,
+      pickled_udf_secret=SECRET,
+      max_message_bytes=256 << 10,
+      heartbeat_timeout_s=2,
+    )
+  )
+  worker = service.WorkerServer(
+    service.WorkerConfig(
+      dispatcher_address=dispatcher.target,
+      worker_token=WORKER_TOKEN,
+      pickled_udf_secret=SECRET,
+      heartbeat_interval_s=0.1,
+      chunk_bytes=64 << 10,
+      max_message_bytes=256 << 10,
+    )
+  )
   yield dispatcher, worker
   worker.stop()
   dispatcher.stop()
@@ -66,8 +78,9 @@ def still_serves(dispatcher) -> None:
 
 def raw_call(target: str, method: str, payload: bytes, token: str | None = TOKEN):
   with grpc.insecure_channel(target) as channel:
-    call = channel.unary_unary(method, request_serializer=lambda b: b,
-                               response_deserializer=lambda b: b)
+    call = channel.unary_unary(
+      method, request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     metadata = ((rpc.TOKEN_METADATA_KEY, token),) if token else None
     return call(payload, timeout=10, metadata=metadata)
 
@@ -101,7 +114,7 @@ def test_truncated_request_gets_invalid_argument(servers):
   dataset_def = spec.to_dataset_def(small_dataset().node)
   full = pb.RegisterDatasetRequest(dataset=dataset_def).SerializeToString()
   with pytest.raises(grpc.RpcError) as info:
-    raw_call(dispatcher.target, REGISTER, full[:len(full) // 2])
+    raw_call(dispatcher.target, REGISTER, full[: len(full) // 2])
   assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
   still_serves(dispatcher)
 
@@ -119,12 +132,14 @@ def test_unknown_dataset_id_gets_not_found(servers):
   dispatcher, _ = servers
   request = pb.GetOrCreateJobRequest(dataset_id="no-such-id", sharding_policy="OFF")
   with pytest.raises(grpc.RpcError) as info:
-    raw_call(dispatcher.target, "/jaxfeed.service.Dispatcher/GetOrCreateJob",
-             request.SerializeToString())
+    raw_call(
+      dispatcher.target, "/jaxfeed.service.Dispatcher/GetOrCreateJob", request.SerializeToString()
+    )
   assert info.value.code() == grpc.StatusCode.NOT_FOUND
   assert "no-such-id" in info.value.details()
-  dataset = service.from_dataset_id("parallel_epochs", dispatcher.target, "no-such-id",
-                                    auth_token=TOKEN)
+  dataset = service.from_dataset_id(
+    "parallel_epochs", dispatcher.target, "no-such-id", auth_token=TOKEN
+  )
   with pytest.raises(service.ServiceError, match="NOT_FOUND.*no-such-id"):
     read(dataset)
   still_serves(dispatcher)
@@ -135,7 +150,8 @@ def test_lambda_udf_is_refused_with_advice_to_move_it_to_module_level(servers):
   offset = 3
   with pytest.raises(service.SpecError, match="module level"):
     jaxfeed.Dataset.range(4).map(lambda x: x + offset).distribute(
-        dispatcher.target, auth_token=TOKEN)
+      dispatcher.target, auth_token=TOKEN
+    )
 
 
 @pytest.mark.parametrize("client_secret", [b"wrong-secret", None])
@@ -147,8 +163,11 @@ def test_unsigned_or_badly_signed_pickled_udf_is_refused(servers, client_secret)
   if client_secret is None:
     dataset_def.ClearField("signature")
   with pytest.raises(grpc.RpcError) as info:
-    raw_call(dispatcher.target, REGISTER,
-             pb.RegisterDatasetRequest(dataset=dataset_def).SerializeToString())
+    raw_call(
+      dispatcher.target,
+      REGISTER,
+      pb.RegisterDatasetRequest(dataset=dataset_def).SerializeToString(),
+    )
   assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
   assert "signature" in info.value.details()
   still_serves(dispatcher)
@@ -164,7 +183,8 @@ def test_signed_pickled_udf_runs_on_the_worker(servers):
 
 def test_worker_refuses_pickled_udfs_it_cannot_verify():
   dataset_def = spec.to_dataset_def(
-      jaxfeed.Dataset.range(4).map(lambda x: x * 2).node, udf_secret=SECRET)
+    jaxfeed.Dataset.range(4).map(lambda x: x * 2).node, udf_secret=SECRET
+  )
   with pytest.raises(spec.SpecError, match="does not accept pickled UDFs"):
     spec.from_dataset_def(dataset_def, udf_secret=None)
   with pytest.raises(spec.SpecError, match="HMAC"):
@@ -173,26 +193,35 @@ def test_worker_refuses_pickled_udfs_it_cannot_verify():
 
 def test_udf_import_path_missing_on_the_worker_names_the_path(servers, monkeypatch):
   dispatcher, _ = servers
-  monkeypatch.setattr(import_paths, "DEFAULT_UDF_MODULES",
-                      (*import_paths.DEFAULT_UDF_MODULES, "no_such_module_here"))
+  monkeypatch.setattr(
+    import_paths, "DEFAULT_UDF_MODULES", (*import_paths.DEFAULT_UDF_MODULES, "no_such_module_here")
+  )
   dataset_def = spec.to_dataset_def(small_dataset().node)
   graph = dataset_def.graph_json.decode().replace(
-      "service_udfs:add_one", "no_such_module_here:add_one")
+    "service_udfs:add_one", "no_such_module_here:add_one"
+  )
   dataset_def.graph_json = graph.encode()
   dataset_def.fingerprint = "missing-udf"
-  response = pb.RegisterDatasetResponse.FromString(raw_call(
-      dispatcher.target, REGISTER,
-      pb.RegisterDatasetRequest(dataset=dataset_def).SerializeToString()))
-  dataset = service.from_dataset_id("parallel_epochs", dispatcher.target,
-                                    response.dataset_id, auth_token=TOKEN)
-  with pytest.raises(service.ServiceError,
-                     match="FAILED_PRECONDITION.*no_such_module_here:add_one"):
+  response = pb.RegisterDatasetResponse.FromString(
+    raw_call(
+      dispatcher.target,
+      REGISTER,
+      pb.RegisterDatasetRequest(dataset=dataset_def).SerializeToString(),
+    )
+  )
+  dataset = service.from_dataset_id(
+    "parallel_epochs", dispatcher.target, response.dataset_id, auth_token=TOKEN
+  )
+  with pytest.raises(
+    service.ServiceError, match="FAILED_PRECONDITION.*no_such_module_here:add_one"
+  ):
     read(dataset)
   still_serves(dispatcher)
 
 
-@pytest.mark.parametrize("hello", [b"\xff" * 8, struct.pack("<I", 5) + b"{nope",
-                                   struct.pack("<I", 1 << 30)])
+@pytest.mark.parametrize(
+  "hello", [b"\xff" * 8, struct.pack("<I", 5) + b"{nope", struct.pack("<I", 1 << 30)]
+)
 def test_garbage_on_the_data_socket_closes_only_that_connection(servers, hello):
   dispatcher, worker = servers
   host, port = worker.data_address.rsplit(":", 1)
@@ -203,7 +232,7 @@ def test_garbage_on_the_data_socket_closes_only_that_connection(servers, hello):
       reply += chunk
   kind, length, _, _ = struct.unpack("<BQqq", reply[:25])
   assert kind == 2
-  assert json.loads(reply[25:25 + length])["status"] == "INVALID_ARGUMENT"
+  assert json.loads(reply[25 : 25 + length])["status"] == "INVALID_ARGUMENT"
   still_serves(dispatcher)
 
 
@@ -212,10 +241,15 @@ def test_num_consumers_without_job_name_is_refused():
     small_dataset().distribute("127.0.0.1:1", num_consumers=2, consumer_index=0)
 
 
-@pytest.mark.parametrize("kwargs", [{"consumer_index": 2, "num_consumers": 2, "job_name": "j"},
-                                    {"compression": "gzip"},
-                                    {"max_outstanding_requests": 0},
-                                    {"data_transfer": "carrier-pigeon"}])
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    {"consumer_index": 2, "num_consumers": 2, "job_name": "j"},
+    {"compression": "gzip"},
+    {"max_outstanding_requests": 0},
+    {"data_transfer": "carrier-pigeon"},
+  ],
+)
 def test_bad_read_options_are_refused(kwargs):
   with pytest.raises(ValueError):
     small_dataset().distribute("127.0.0.1:1", **kwargs)
@@ -226,28 +260,50 @@ def test_unknown_processing_mode_is_refused():
     small_dataset().distribute("127.0.0.1:1", "sometimes")
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
     ({"visitation": "twice"}, "visitation must be one of"),
     ({"visitation": "exactly_once"}, "needs processing_mode='distributed_epoch'"),
-    ({"visitation": "exactly_once", "processing_mode": "distributed_epoch",
-      "job_name": "j", "num_consumers": 2, "consumer_index": 0}, "no num_consumers")])
+    (
+      {
+        "visitation": "exactly_once",
+        "processing_mode": "distributed_epoch",
+        "job_name": "j",
+        "num_consumers": 2,
+        "consumer_index": 0,
+      },
+      "no num_consumers",
+    ),
+  ],
+)
 def test_bad_visitation_is_refused_with_what_it_needs(kwargs, message):
   with pytest.raises(ValueError, match=message):
     small_dataset().distribute("127.0.0.1:1", **kwargs)
 
 
-@pytest.mark.parametrize("read, name", [
-    (lambda **kw: small_dataset().distribute("127.0.0.1:1", "distributed_epoch", **kw),
-     "distribute"),
+@pytest.mark.parametrize(
+  "read, name",
+  [
+    (
+      lambda **kw: small_dataset().distribute("127.0.0.1:1", "distributed_epoch", **kw),
+      "distribute",
+    ),
     (lambda **kw: service.distribute(small_dataset(), "127.0.0.1:1", **kw), "distribute"),
-    (lambda **kw: service.from_dataset_id("parallel_epochs", "127.0.0.1:1", "id", **kw),
-     "from_dataset_id")])
+    (
+      lambda **kw: service.from_dataset_id("parallel_epochs", "127.0.0.1:1", "id", **kw),
+      "from_dataset_id",
+    ),
+  ],
+)
 def test_a_misspelled_keyword_names_the_function_and_the_close_match(read, name):
   with pytest.raises(TypeError) as refused:
     read(visitaton="exactly_once")
   message = str(refused.value)
-  assert message.startswith(f"{name}() got an unexpected keyword argument 'visitaton'; "
-                            "did you mean 'visitation'? It takes: ")
+  assert message.startswith(
+    f"{name}() got an unexpected keyword argument 'visitaton'; "
+    "did you mean 'visitation'? It takes: "
+  )
   assert "DistributedNode" not in message and "max_frame_bytes" in message
   with pytest.raises(TypeError, match=r"'timeout'; did you mean 'timeout_s'\?"):
     read(timeout=5)
@@ -298,8 +354,9 @@ def test_wait_for_dispatcher_keeps_trying_until_one_starts_there():
   assert reader.is_alive() and not errors, errors
   release_port(port)
   dispatcher = service.DispatchServer(service.DispatcherConfig(port=port))
-  worker = service.WorkerServer(service.WorkerConfig(dispatcher_address=dispatcher.target,
-                                                     heartbeat_interval_s=0.1))
+  worker = service.WorkerServer(
+    service.WorkerConfig(dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1)
+  )
   try:
     reader.join(timeout=40)
   finally:
@@ -312,11 +369,17 @@ def test_wait_for_dispatcher_keeps_trying_until_one_starts_there():
 def test_a_shared_job_refuses_a_consumer_with_another_visitation(servers):
   dispatcher, _ = servers
   dataset = jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(20)})).batch(5)
-  with dataset.distribute(dispatcher.target, "distributed_epoch", job_name="shared",
-                          auth_token=TOKEN).make_iterator() as first:
+  with dataset.distribute(
+    dispatcher.target, "distributed_epoch", job_name="shared", auth_token=TOKEN
+  ).make_iterator() as first:
     next(first)
-    other = dataset.distribute(dispatcher.target, "distributed_epoch", job_name="shared",
-                               auth_token=TOKEN, visitation="exactly_once")
+    other = dataset.distribute(
+      dispatcher.target,
+      "distributed_epoch",
+      job_name="shared",
+      auth_token=TOKEN,
+      visitation="exactly_once",
+    )
     with pytest.raises(ValueError, match="at-most-once visitation.*exactly-once"):
       read(other)
   still_serves(dispatcher)

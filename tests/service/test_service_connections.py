@@ -46,8 +46,12 @@ class Cutter:
   def _run(self) -> None:
     while not self._stop.wait(self._interval_s):
       for port in self._ports:
-        out = subprocess.run(["ss", "-K", "-t", "state", "established", "dport", "=",
-                              f":{port}"], capture_output=True, text=True, check=False)
+        out = subprocess.run(
+          ["ss", "-K", "-t", "state", "established", "dport", "=", f":{port}"],
+          capture_output=True,
+          text=True,
+          check=False,
+        )
         self.cuts += max(0, len(out.stdout.strip().splitlines()) - 1)
 
   def stop(self) -> int:
@@ -61,16 +65,16 @@ def port_of(address: str) -> int:
 
 
 def start_service(cluster, num_workers: int, *dispatcher_flags: str):
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=5",
-                       *dispatcher_flags)
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT,
-                     "--buffer_size=4") for _ in range(num_workers)]
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=5", *dispatcher_flags)
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT, "--buffer_size=4")
+    for _ in range(num_workers)
+  ]
   return dispatcher, workers
 
 
 def cut_ports(workers, data_transfer: str) -> list[int]:
-  return [port_of(w.data_address if data_transfer == "socket" else w.address)
-          for w in workers]
+  return [port_of(w.data_address if data_transfer == "socket" else w.address) for w in workers]
 
 
 def read_within_deadline(make_iterator, consume=list):
@@ -110,33 +114,43 @@ def values(batches: list) -> collections.Counter:
 
 
 @pytest.mark.parametrize("data_transfer", ["socket", "grpc"])
-@pytest.mark.parametrize("mode, visitation, copies", [
+@pytest.mark.parametrize(
+  "mode, visitation, copies",
+  [
     ("parallel_epochs", "at_most_once", 2),
     ("distributed_epoch", "at_most_once", 1),
     ("distributed_epoch", "exactly_once", 1),
-])
+  ],
+)
 def test_cut_connections_to_live_workers_lose_and_repeat_nothing(
-    cluster, data_transfer, mode, visitation, copies):
+  cluster, data_transfer, mode, visitation, copies
+):
   dispatcher, workers = start_service(cluster, 2, "--split_size=8")
   distributed = records(CUT_RECORDS, slow=False).distribute(
-      dispatcher.address, mode, visitation=visitation, data_transfer=data_transfer,
-      max_outstanding_requests=2)
+    dispatcher.address,
+    mode,
+    visitation=visitation,
+    data_transfer=data_transfer,
+    max_outstanding_requests=2,
+  )
   cutter = Cutter(cut_ports(workers, data_transfer))
   try:
     batches, _ = read_within_deadline(distributed.make_iterator, slowly)
   finally:
     cuts = cutter.stop()
   assert cuts >= 3  # the read went on through several cuts
-  assert values(batches) == collections.Counter(
-      {v: copies for v in range(1, CUT_RECORDS + 1)})
+  assert values(batches) == collections.Counter({v: copies for v in range(1, CUT_RECORDS + 1)})
 
 
 @pytest.mark.parametrize("data_transfer", ["socket", "grpc"])
 def test_cut_connections_of_a_round_robin_read_skip_no_round(cluster, data_transfer):
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=5",
-                       f"--num_workers={corpus_lib.NUM_WORKERS}")
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT,
-                     "--buffer_size=4") for _ in range(corpus_lib.NUM_WORKERS)]
+  dispatcher = cluster(
+    "dispatcher", "--port=0", "--heartbeat_timeout_s=5", f"--num_workers={corpus_lib.NUM_WORKERS}"
+  )
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT, "--buffer_size=4")
+    for _ in range(corpus_lib.NUM_WORKERS)
+  ]
   results: list = [None] * corpus_lib.NUM_CONSUMERS
 
   def consume(index):
@@ -146,14 +160,17 @@ def test_cut_connections_of_a_round_robin_read_skip_no_round(cluster, data_trans
         ids.append((iterator.last_round, tuple(batch["id"].tolist())))
         time.sleep(0.01)  # a training step: the cuts land mid-read
       return ids, iterator.stats()
-    results[index] = read_within_deadline(lambda: corpus_lib.coordinated(
-        dispatcher.address, f"cut-{data_transfer}", index, 60.0,
-        data_transfer=data_transfer).make_iterator(), run)[0]
+
+    results[index] = read_within_deadline(
+      lambda: corpus_lib.coordinated(
+        dispatcher.address, f"cut-{data_transfer}", index, 60.0, data_transfer=data_transfer
+      ).make_iterator(),
+      run,
+    )[0]
 
   cutter = Cutter(cut_ports(workers, data_transfer))
   try:
-    threads = [threading.Thread(target=consume, args=(i,))
-               for i in range(corpus_lib.NUM_CONSUMERS)]
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(corpus_lib.NUM_CONSUMERS)]
     for thread in threads:
       thread.start()
     for thread in threads:
@@ -174,19 +191,28 @@ def test_cut_connections_of_a_round_robin_read_skip_no_round(cluster, data_trans
   assert len(ids) + dropped == corpus_lib.NUM_SEQUENCES
 
 
-def test_a_killed_client_of_a_shared_exactly_once_job_leaves_its_splits_to_the_other(
-    cluster):
+def test_a_killed_client_of_a_shared_exactly_once_job_leaves_its_splits_to_the_other(cluster):
   dispatcher, _ = start_service(cluster, 2, "--split_size=8", "--client_timeout_s=3")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+  )
   doomed = subprocess.Popen(
-      [sys.executable, "-m", "connection_reads", dispatcher.address, "shared-once", "5"],
-      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    [sys.executable, "-m", "connection_reads", dispatcher.address, "shared-once", "5"],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    env=env,
+    text=True,
+  )
   try:
     lines = [doomed.stdout.readline() for _ in range(5)]
-    distributed = records().distribute(dispatcher.address, "distributed_epoch",
-                                       job_name="shared-once", visitation="exactly_once",
-                                       max_outstanding_requests=2)
+    distributed = records().distribute(
+      dispatcher.address,
+      "distributed_epoch",
+      job_name="shared-once",
+      visitation="exactly_once",
+      max_outstanding_requests=2,
+    )
     result: dict = {}
 
     def kill_soon():

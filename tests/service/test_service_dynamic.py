@@ -24,11 +24,9 @@ Dataset = jaxfeed.Dataset
 
 
 def start_service(cluster, num_workers: int, *dispatcher_flags: str):
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2",
-                       *dispatcher_flags)
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2", *dispatcher_flags)
   for _ in range(num_workers):
-    cluster("worker", f"--dispatcher_address={dispatcher.address}",
-            "--heartbeat_interval_s=0.2")
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2")
   return dispatcher
 
 
@@ -42,25 +40,28 @@ def rows(batches) -> collections.Counter:
 
 
 PIPELINES = {
-    "range": lambda: Dataset.range(200).batch(5),
-    "from_tensor_slices": lambda: Dataset.from_tensor_slices(
-        {"x": np.arange(150), "y": np.arange(150) % 7}).batch(4),
-    "concatenate": lambda: Dataset.range(90).concatenate(
-        Dataset.range(1000, 1070)).map(service_udfs.add_one).batch(6),
-    # Pairs stay those of a local run: (i, 7 i).
-    "zip": lambda: Dataset.zip((Dataset.range(130),
-                                Dataset.from_tensor_slices(np.arange(150) * 7))).batch(5),
+  "range": lambda: Dataset.range(200).batch(5),
+  "from_tensor_slices": lambda: Dataset.from_tensor_slices(
+    {"x": np.arange(150), "y": np.arange(150) % 7}
+  ).batch(4),
+  "concatenate": lambda: (
+    Dataset.range(90).concatenate(Dataset.range(1000, 1070)).map(service_udfs.add_one).batch(6)
+  ),
+  # Pairs stay those of a local run: (i, 7 i).
+  "zip": lambda: Dataset.zip(
+    (Dataset.range(130), Dataset.from_tensor_slices(np.arange(150) * 7))
+  ).batch(5),
 }
 
 
 @pytest.mark.parametrize("visitation", ["at_most_once", "exactly_once"])
-def test_dynamic_sharding_delivers_the_epoch_of_each_index_addressable_input(
-    cluster, visitation):
+def test_dynamic_sharding_delivers_the_epoch_of_each_index_addressable_input(cluster, visitation):
   dispatcher = start_service(cluster, 2, "--split_size=8")
   for name, make in PIPELINES.items():
     dataset = make()
-    with dataset.distribute(dispatcher.address, "distributed_epoch",
-                            visitation=visitation).make_iterator() as iterator:
+    with dataset.distribute(
+      dispatcher.address, "distributed_epoch", visitation=visitation
+    ).make_iterator() as iterator:
       got = rows(iterator)
     assert got == rows(dataset), name
 
@@ -85,8 +86,7 @@ def test_a_registered_unsplittable_dataset_read_dynamically_fails_clearly(cluste
   dispatcher = start_service(cluster, 1)
   dataset = Dataset.zip((Dataset.range(5).map(service_udfs.add_one), Dataset.range(5)))
   dataset_id = jaxfeed.service.register_dataset(dispatcher.address, dataset)
-  reader = jaxfeed.service.from_dataset_id("distributed_epoch", dispatcher.address,
-                                           dataset_id)
+  reader = jaxfeed.service.from_dataset_id("distributed_epoch", dispatcher.address, dataset_id)
   with pytest.raises(rpc.ServiceError, match="'range -> map -> zip'"):
     with reader.make_iterator() as iterator:
       list(iterator)
@@ -108,13 +108,15 @@ def test_a_worker_runs_the_optimizer_with_the_clients_options(cluster, vectorize
 def test_a_worker_autotunes_autotune_parallelism(cluster, visitation):
   dispatcher = start_service(cluster, 1, "--split_size=64")
   start = parallel.default_autotune_parallelism()
-  dataset = Dataset.range(1000).map(service_udfs.most_concurrent,
-                                    num_parallel_calls=jaxfeed.AUTOTUNE)
+  dataset = Dataset.range(1000).map(
+    service_udfs.most_concurrent, num_parallel_calls=jaxfeed.AUTOTUNE
+  )
   # A budget of threads above the start, whatever the number of cores.
   dataset = dataset.with_options(jaxfeed.Options(autotune_cpu_budget=start + 16))
   most = 0
-  with dataset.distribute(dispatcher.address, "distributed_epoch",
-                          visitation=visitation).make_iterator() as iterator:
+  with dataset.distribute(
+    dispatcher.address, "distributed_epoch", visitation=visitation
+  ).make_iterator() as iterator:
     for element in iterator:
       most = max(most, int(element["most"]))
       if most > start + 2:

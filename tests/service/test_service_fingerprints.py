@@ -33,10 +33,15 @@ HEARTBEAT = "--heartbeat_interval_s=0.2"
 
 def start(cluster, *worker_flags: str, extra_udf_modules: tuple = ()):
   allowed = [f"--udf_modules={','.join((*TEST_UDF_MODULES, *extra_udf_modules))}"]
-  dispatcher = cluster("dispatcher", "--port=0", f"--pickled_udf_secret={SECRET}",
-                       *allowed)
-  cluster("worker", f"--dispatcher_address={dispatcher.address}", HEARTBEAT,
-          f"--pickled_udf_secret={SECRET}", *allowed, *worker_flags)
+  dispatcher = cluster("dispatcher", "--port=0", f"--pickled_udf_secret={SECRET}", *allowed)
+  cluster(
+    "worker",
+    f"--dispatcher_address={dispatcher.address}",
+    HEARTBEAT,
+    f"--pickled_udf_secret={SECRET}",
+    *allowed,
+    *worker_flags,
+  )
   return dispatcher
 
 
@@ -51,17 +56,28 @@ def make(k):
 
 def test_closures_of_one_factory_are_two_datasets(cluster):
   dispatcher = start(cluster)
-  outputs = [values(jaxfeed.Dataset.range(4).map(make(k)).distribute(
-      dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode()))
-             for k in (2, 3)]
+  outputs = [
+    values(
+      jaxfeed.Dataset.range(4)
+      .map(make(k))
+      .distribute(dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode())
+    )
+    for k in (2, 3)
+  ]
   assert outputs == [[0, 2, 4, 6], [0, 3, 6, 9]]
 
 
 def test_closures_of_one_factory_do_not_share_a_stream(cluster):
   dispatcher = start(cluster)
-  readers = [jaxfeed.Dataset.range(4).map(make(k)).distribute(
-      dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode(),
-      ephemeral_sharing=True).make_iterator() for k in (2, 3)]
+  readers = [
+    jaxfeed.Dataset.range(4)
+    .map(make(k))
+    .distribute(
+      dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode(), ephemeral_sharing=True
+    )
+    .make_iterator()
+    for k in (2, 3)
+  ]
   try:
     outputs = [[], []]
     for _ in range(4):  # in turns, so that both jobs run at once
@@ -75,9 +91,11 @@ def test_closures_of_one_factory_do_not_share_a_stream(cluster):
 
 def register_raw(address: str, dataset_def: pb.DatasetDef) -> str:
   with grpc.insecure_channel(address) as channel:
-    call = channel.unary_unary("/jaxfeed.service.Dispatcher/RegisterDataset",
-                               request_serializer=lambda m: m.SerializeToString(),
-                               response_deserializer=pb.RegisterDatasetResponse.FromString)
+    call = channel.unary_unary(
+      "/jaxfeed.service.Dispatcher/RegisterDataset",
+      request_serializer=lambda m: m.SerializeToString(),
+      response_deserializer=pb.RegisterDatasetResponse.FromString,
+    )
     return call(pb.RegisterDatasetRequest(dataset=dataset_def), timeout=30).dataset_id
 
 
@@ -95,25 +113,27 @@ def test_a_forged_fingerprint_from_the_client_is_ignored(cluster):
   blank = spec.to_dataset_def(plain.node)
   blank.fingerprint = "forged"
   assert register_raw(dispatcher.address, blank) == forged_id  # equal content: shared
-  read = lambda dataset_id: values(service.from_dataset_id(
-      "parallel_epochs", dispatcher.address, dataset_id))
+  read = lambda dataset_id: values(
+    service.from_dataset_id("parallel_epochs", dispatcher.address, dataset_id)
+  )
   assert read(first_id) == [1, 2, 3, 4]
   assert read(forged_id) == [0, 1, 2, 3]
 
 
 def write_labelled(path: str, xs) -> None:
-  jaxfeed.write_tfrecord(path, [np.int32(7).tobytes() + np.int64(x).tobytes()
-                                for x in xs])
+  jaxfeed.write_tfrecord(path, [np.int32(7).tobytes() + np.int64(x).tobytes() for x in xs])
 
 
 def wait_for_cache_entries(cache_dir: str, count: int) -> list[str]:
   deadline = time.monotonic() + 60
   while True:
     # A whole pass has its manifest; records kept by index, their blocks.
-    done = sorted(name for name in os.listdir(cache_dir)
-                  if os.path.exists(os.path.join(cache_dir, name, "manifest.json"))
-                  or any(f.startswith("block-")
-                         for f in os.listdir(os.path.join(cache_dir, name))))
+    done = sorted(
+      name
+      for name in os.listdir(cache_dir)
+      if os.path.exists(os.path.join(cache_dir, name, "manifest.json"))
+      or any(f.startswith("block-") for f in os.listdir(os.path.join(cache_dir, name)))
+    )
     if len(done) >= count or time.monotonic() > deadline:
       return done
     time.sleep(0.05)
@@ -126,10 +146,15 @@ def test_autocache_serves_a_file_rewritten_at_the_same_path(cluster, tmp_path):
   path = str(tmp_path / "labelled.tfrecord")
 
   def read_file() -> list:
-    dataset = jaxfeed.Dataset.from_source(jaxfeed.TFRecordSource(path)).map(
-        service_udfs.decode_record).autocache().map(lambda e: e["x"])
-    return values(dataset.distribute(dispatcher.address, "parallel_epochs",
-                                     udf_secret=SECRET.encode()))
+    dataset = (
+      jaxfeed.Dataset.from_source(jaxfeed.TFRecordSource(path))
+      .map(service_udfs.decode_record)
+      .autocache()
+      .map(lambda e: e["x"])
+    )
+    return values(
+      dataset.distribute(dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode())
+    )
 
   write_labelled(path, range(4))
   stat = os.stat(path)
@@ -151,12 +176,12 @@ def write_module(directory, body: str) -> None:
   (directory / f"{VERSIONED_MODULE}.py").write_text(f"def scale(x):\n  return {body}\n")
 
 
-def test_worker_refuses_an_import_path_udf_whose_code_differs(cluster, tmp_path,
-                                                              monkeypatch):
+def test_worker_refuses_an_import_path_udf_whose_code_differs(cluster, tmp_path, monkeypatch):
   write_module(tmp_path / "client", "x * 2")
   write_module(tmp_path / "worker", "x * 3")
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(tmp_path / "worker"), os.environ.get("PYTHONPATH", "")]))
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join([str(tmp_path / "worker"), os.environ.get("PYTHONPATH", "")])
+  )
   dispatcher = start(cluster, extra_udf_modules=(VERSIONED_MODULE,))
   monkeypatch.syspath_prepend(str(tmp_path / "client"))
   monkeypatch.delitem(sys.modules, VERSIONED_MODULE, raising=False)
@@ -170,8 +195,7 @@ def test_worker_refuses_an_import_path_udf_whose_code_differs(cluster, tmp_path,
   message = str(info.value)
   assert "FAILED_PRECONDITION" in message
   assert f"{VERSIONED_MODULE}:scale" in message
-  assert (f"client and worker run different versions of module "
-          f"'{VERSIONED_MODULE}'") in message
+  assert (f"client and worker run different versions of module '{VERSIONED_MODULE}'") in message
 
 
 def decoded_with_udf(edit) -> None:
@@ -185,22 +209,27 @@ def decoded_with_udf(edit) -> None:
 
 def test_an_import_path_udf_carries_the_hash_of_its_code():
   decoded_with_udf(lambda body: body)  # unchanged: rebuilds
-  with pytest.raises(spec.UDFImportError,
-                     match="service_udfs:add_one.*different versions of module 'service_udfs'"):
+  with pytest.raises(
+    spec.UDFImportError, match="service_udfs:add_one.*different versions of module 'service_udfs'"
+  ):
     decoded_with_udf(lambda body: {**body, "code": "0" * 64})
   with pytest.raises(spec.UDFImportError, match="service_udfs:add_one.*without the hash"):
     decoded_with_udf(lambda body: body["path"])
 
 
 def test_the_spec_fingerprint_covers_every_part_of_the_spec():
-  dataset_def = spec.to_dataset_def(jaxfeed.Dataset.from_tensor_slices(
-      np.arange(6)).map(service_udfs.add_one).node)
+  dataset_def = spec.to_dataset_def(
+    jaxfeed.Dataset.from_tensor_slices(np.arange(6)).map(service_udfs.add_one).node
+  )
   original = spec.fingerprint(dataset_def)
   variants = []
-  for field, value in [("graph_json", dataset_def.graph_json + b" "),
-                       ("arrays", dataset_def.arrays[:-1] + b"\x01"),
-                       ("num_positions", 7), ("fingerprint", "claimed"),
-                       ("signature", b"sig")]:
+  for field, value in [
+    ("graph_json", dataset_def.graph_json + b" "),
+    ("arrays", dataset_def.arrays[:-1] + b"\x01"),
+    ("num_positions", 7),
+    ("fingerprint", "claimed"),
+    ("signature", b"sig"),
+  ]:
     changed = pb.DatasetDef()
     changed.CopyFrom(dataset_def)
     setattr(changed, field, value)
@@ -214,9 +243,12 @@ def test_the_spec_fingerprint_covers_every_part_of_the_spec():
   assert len({original, *variants[:3], variants[5]}) == 5
 
 
-OPTION_VARIANTS = [None, jaxfeed.Options(), jaxfeed.Options(stats=False),
-                   jaxfeed.Options(optimize=False, autotune=False, inject_prefetch=True,
-                                   autotune_cpu_budget=1)]
+OPTION_VARIANTS = [
+  None,
+  jaxfeed.Options(),
+  jaxfeed.Options(stats=False),
+  jaxfeed.Options(optimize=False, autotune=False, inject_prefetch=True, autotune_cpu_budget=1),
+]
 
 
 def with_options(dataset, options):
@@ -225,13 +257,21 @@ def with_options(dataset, options):
 
 def test_options_are_no_part_of_the_spec_fingerprint():
   dataset = jaxfeed.Dataset.range(8).map(service_udfs.add_one).batch(2)
-  defs = [spec.to_dataset_def(task_pipeline.pipeline_node(with_options(dataset, o), "distribute"))
-          for o in OPTION_VARIANTS]
+  defs = [
+    spec.to_dataset_def(task_pipeline.pipeline_node(with_options(dataset, o), "distribute"))
+    for o in OPTION_VARIANTS
+  ]
   assert len({d.graph_json for d in defs}) == len(OPTION_VARIANTS)  # each ships its own
   assert len({spec.fingerprint(d) for d in defs}) == 1
-  other = spec.to_dataset_def(task_pipeline.pipeline_node(
-      jaxfeed.Dataset.range(8).map(service_udfs.add_one).batch(4).with_options(
-          jaxfeed.Options(stats=False)), "distribute"))
+  other = spec.to_dataset_def(
+    task_pipeline.pipeline_node(
+      jaxfeed.Dataset.range(8)
+      .map(service_udfs.add_one)
+      .batch(4)
+      .with_options(jaxfeed.Options(stats=False)),
+      "distribute",
+    )
+  )
   assert spec.fingerprint(other) != spec.fingerprint(defs[0])
   with service.DispatchServer() as dispatcher:
     ids = {dispatcher.state.register_dataset(d) for d in defs}
@@ -242,9 +282,12 @@ def test_options_are_no_part_of_the_spec_fingerprint():
 def test_consumers_whose_pipelines_differ_only_in_options_share_one_job(cluster):
   dispatcher = start(cluster)
   dataset = jaxfeed.Dataset.range(40).map(service_udfs.add_one)
-  readers = [with_options(dataset, o).distribute(
-      dispatcher.address, "distributed_epoch", job_name="shared").make_iterator()
-             for o in OPTION_VARIANTS]
+  readers = [
+    with_options(dataset, o)
+    .distribute(dispatcher.address, "distributed_epoch", job_name="shared")
+    .make_iterator()
+    for o in OPTION_VARIANTS
+  ]
   got = []
   try:
     while readers:  # in turns, so that every consumer joins the job at once
@@ -278,30 +321,41 @@ def test_the_same_pipeline_has_the_same_spec_fingerprint_in_other_processes():
   expected = {}
   exec(SPEC_SCRIPT, expected)  # pylint: disable=exec-used
   env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR),
-                                       env.get("PYTHONPATH", "")])
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), env.get("PYTHONPATH", "")])
   env["JAX_PLATFORMS"] = "cpu"
   printed = subprocess.run(
-      [sys.executable, "-c", SPEC_SCRIPT + "print(FINGERPRINT)"], env=env,
-      capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    [sys.executable, "-c", SPEC_SCRIPT + "print(FINGERPRINT)"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  ).stdout.strip()
   assert printed == expected["FINGERPRINT"]
 
 
-@pytest.mark.parametrize("old_path,new_path", [
-    ("jaxfeed.service.task_pipeline:WithOptionsNode",
-     "jaxfeed.service.worker.task_pipeline:WithOptionsNode"),
-    ("jaxfeed.service.client:DistributedNode",
-     "jaxfeed.service.client.distribute:DistributedNode")])
+@pytest.mark.parametrize(
+  "old_path,new_path",
+  [
+    (
+      "jaxfeed.service.task_pipeline:WithOptionsNode",
+      "jaxfeed.service.worker.task_pipeline:WithOptionsNode",
+    ),
+    ("jaxfeed.service.client:DistributedNode", "jaxfeed.service.client.distribute:DistributedNode"),
+  ],
+)
 def test_a_spec_naming_a_service_node_by_its_path_before_the_move_rebuilds_the_same(
-    old_path, new_path):
+  old_path, new_path
+):
   # A dispatcher's journal keeps the specs clients registered, written with
   # the class paths the service's nodes had before its modules moved into
   # folders; a restarted dispatcher hands them to workers as they are.
   dataset = jaxfeed.Dataset.range(8).map(service_udfs.add_one).batch(4)
   if "DistributedNode" in old_path:
     dataset = dataset.distribute("127.0.0.1:1")
-  node = task_pipeline.pipeline_node(dataset.with_options(jaxfeed.Options(stats=False)),
-                                     "distribute")
+  node = task_pipeline.pipeline_node(
+    dataset.with_options(jaxfeed.Options(stats=False)), "distribute"
+  )
   current = spec.to_dataset_def(node)
   assert new_path.encode() in current.graph_json
   written_before = pb.DatasetDef()
@@ -313,8 +367,7 @@ def test_a_spec_naming_a_service_node_by_its_path_before_the_move_rebuilds_the_s
     assert spec.fingerprint(written_before) == spec.fingerprint(current)
 
 
-def test_jobs_with_other_samplers_share_the_workers_preprocessing(cluster, tmp_path,
-                                                                  monkeypatch):
+def test_jobs_with_other_samplers_share_the_workers_preprocessing(cluster, tmp_path, monkeypatch):
   # OneAccess's sweep: jobs differ in sampling only. Over from_source and
   # per-record ops, autocache keeps the results by record index: each record
   # is preprocessed once across the jobs, a distributed_epoch job's splits
@@ -326,21 +379,28 @@ def test_jobs_with_other_samplers_share_the_workers_preprocessing(cluster, tmp_p
 
   def dataset(seed):
     sampler = jaxfeed.IndexSampler(500, shuffle=True, seed=seed)
-    return jaxfeed.Dataset.from_source(source, sampler).map(
-        service_udfs.logged_triple).autocache().map(lambda e: e["x"])
+    return (
+      jaxfeed.Dataset.from_source(source, sampler)
+      .map(service_udfs.logged_triple)
+      .autocache()
+      .map(lambda e: e["x"])
+    )
 
   def local(seed):
     sampler = jaxfeed.IndexSampler(500, shuffle=True, seed=seed)
     return [3 * m.record_index for m in sampler]
 
-  first = values(dataset(0).distribute(dispatcher.address, "parallel_epochs",
-                                       udf_secret=SECRET.encode()))
+  first = values(
+    dataset(0).distribute(dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode())
+  )
   assert first == local(0)
   assert calls.stat().st_size == 500
-  second = values(dataset(1).distribute(dispatcher.address, "parallel_epochs",
-                                        udf_secret=SECRET.encode()))
+  second = values(
+    dataset(1).distribute(dispatcher.address, "parallel_epochs", udf_secret=SECRET.encode())
+  )
   assert second == local(1)
-  split = values(dataset(2).distribute(dispatcher.address, "distributed_epoch",
-                                       udf_secret=SECRET.encode()))
+  split = values(
+    dataset(2).distribute(dispatcher.address, "distributed_epoch", udf_secret=SECRET.encode())
+  )
   assert sorted(split) == sorted(local(2))
   assert calls.stat().st_size == 500  # the later jobs preprocessed nothing

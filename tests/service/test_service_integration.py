@@ -24,10 +24,11 @@ HEARTBEAT = ("--heartbeat_interval_s=0.2",)
 
 
 def start_service(cluster, num_workers: int, *dispatcher_flags: str):
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2",
-                       *dispatcher_flags)
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-             for _ in range(num_workers)]
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2", *dispatcher_flags)
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
+    for _ in range(num_workers)
+  ]
   return dispatcher, workers
 
 
@@ -51,12 +52,14 @@ def values(batches: list) -> collections.Counter:
 
 @pytest.mark.parametrize("num_workers", [1, 3])
 @pytest.mark.parametrize("data_transfer", ["socket", "grpc"])
-def test_parallel_epochs_every_worker_serves_the_whole_pipeline(cluster, num_workers,
-                                                                data_transfer):
+def test_parallel_epochs_every_worker_serves_the_whole_pipeline(
+  cluster, num_workers, data_transfer
+):
   dispatcher, _ = start_service(cluster, num_workers)
   dataset = jaxfeed.Dataset.range(50).map(service_udfs.add_one).batch(8)
-  batches, by_worker = read_all(dataset.distribute(
-      dispatcher.address, "parallel_epochs", data_transfer=data_transfer))
+  batches, by_worker = read_all(
+    dataset.distribute(dispatcher.address, "parallel_epochs", data_transfer=data_transfer)
+  )
   counts = collections.Counter(np.concatenate(batches).tolist())
   assert counts == collections.Counter({v: num_workers for v in range(1, 51)})
   assert len(by_worker) == num_workers
@@ -86,9 +89,13 @@ def test_distributed_epoch_reads_a_tfrecord_file_exactly_once(cluster, tmp_path)
   records = [np.int32(i % 7).tobytes() + np.int64(i).tobytes() for i in range(300)]
   jaxfeed.write_tfrecord(path, records)
   dispatcher, _ = start_service(cluster, 2, "--split_size=8")
-  dataset = jaxfeed.Dataset.from_source(
+  dataset = (
+    jaxfeed.Dataset.from_source(
       jaxfeed.TFRecordSource(path), jaxfeed.IndexSampler(300, shuffle=True, seed=1)
-  ).map(service_udfs.decode_record).batch(6)
+    )
+    .map(service_udfs.decode_record)
+    .batch(6)
+  )
   batches, _ = read_all(dataset.distribute(dispatcher.address, "distributed_epoch"))
   got = values(batches)
   assert got == collections.Counter(range(300))
@@ -104,8 +111,9 @@ def test_shared_job_splits_elements_between_two_clients(cluster, mode):
   results: list = [None, None]
 
   def read(i):
-    results[i] = read_all(dataset.distribute(dispatcher.address, mode, job_name="shared",
-                                             max_outstanding_requests=2))[0]
+    results[i] = read_all(
+      dataset.distribute(dispatcher.address, mode, job_name="shared", max_outstanding_requests=2)
+    )[0]
 
   threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
   for t in threads:
@@ -121,8 +129,9 @@ def test_shared_job_splits_elements_between_two_clients(cluster, mode):
 def test_client_finishes_after_a_worker_is_killed_mid_epoch(cluster):
   dispatcher, workers = start_service(cluster, 2, "--split_size=8")
   dataset = records_dataset(600).map(service_udfs.slow_add_one_to_x).batch(4)
-  distributed = dataset.distribute(dispatcher.address, "distributed_epoch",
-                                   max_outstanding_requests=2)
+  distributed = dataset.distribute(
+    dispatcher.address, "distributed_epoch", max_outstanding_requests=2
+  )
   with distributed.make_iterator() as iterator:
     batches = [next(iterator) for _ in range(20)]
     workers[0].kill()
@@ -137,13 +146,16 @@ def test_client_finishes_after_a_worker_is_killed_mid_epoch(cluster):
 
 
 @pytest.mark.parametrize("data_transfer", ["socket", "grpc"])
-def test_exactly_once_delivers_every_record_once_when_a_worker_is_killed(cluster,
-                                                                        data_transfer):
+def test_exactly_once_delivers_every_record_once_when_a_worker_is_killed(cluster, data_transfer):
   dispatcher, workers = start_service(cluster, 3, "--split_size=8")
   dataset = records_dataset(600).map(service_udfs.slow_add_one_to_x).batch(4)
-  distributed = dataset.distribute(dispatcher.address, "distributed_epoch",
-                                   visitation="exactly_once", max_outstanding_requests=2,
-                                   data_transfer=data_transfer)
+  distributed = dataset.distribute(
+    dispatcher.address,
+    "distributed_epoch",
+    visitation="exactly_once",
+    max_outstanding_requests=2,
+    data_transfer=data_transfer,
+  )
   with distributed.make_iterator() as iterator:
     batches = [next(iterator) for _ in range(20)]
     workers[0].kill()  # mid-split: 2 ms per record, 16 ms per split
@@ -158,13 +170,14 @@ def test_exactly_once_delivers_every_record_once_when_a_worker_is_killed(cluster
 
 def test_a_terminated_worker_hands_over_its_splits_and_leaves_at_once(cluster):
   # A long heartbeat timeout: only the worker's goodbye lets the job end soon.
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=60",
-                       "--split_size=8")
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-             for _ in range(2)]
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=60", "--split_size=8")
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT) for _ in range(2)
+  ]
   dataset = records_dataset(600).map(service_udfs.slow_add_one_to_x).batch(4)
-  distributed = dataset.distribute(dispatcher.address, "distributed_epoch",
-                                   max_outstanding_requests=2)
+  distributed = dataset.distribute(
+    dispatcher.address, "distributed_epoch", max_outstanding_requests=2
+  )
   with distributed.make_iterator() as iterator:
     batches = [next(iterator) for _ in range(20)]
     start = time.monotonic()
@@ -183,8 +196,9 @@ def test_a_worker_terminated_as_soon_as_it_says_it_listens_stops_cleanly(cluster
   # dispatcher it left, instead of dying of the signal.
   dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=60")
   for _ in range(3):
-    worker = cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT,
-                     "--metrics_port=0")
+    worker = cluster(
+      "worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT, "--metrics_port=0"
+    )
     worker.proc.terminate()
     assert worker.proc.wait(timeout=30) == 0
 
@@ -192,8 +206,9 @@ def test_a_worker_terminated_as_soon_as_it_says_it_listens_stops_cleanly(cluster
 def test_worker_added_mid_job_starts_serving(cluster):
   dispatcher, _ = start_service(cluster, 1, "--split_size=4")
   dataset = records_dataset(1200).map(service_udfs.slow_add_one_to_x).batch(2)
-  distributed = dataset.distribute(dispatcher.address, "distributed_epoch",
-                                   max_outstanding_requests=2)
+  distributed = dataset.distribute(
+    dispatcher.address, "distributed_epoch", max_outstanding_requests=2
+  )
   with distributed.make_iterator() as iterator:
     batches = [next(iterator) for _ in range(5)]
     late = cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)

@@ -35,15 +35,30 @@ SAVE_AT = 7
 HEARTBEAT = ("--heartbeat_interval_s=0.2",)
 
 
-def trainer_process(dispatcher: str, directory, mode: str,
-                    processing_mode: str = "distributed_epoch") -> subprocess.Popen:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+def trainer_process(
+  dispatcher: str, directory, mode: str, processing_mode: str = "distributed_epoch"
+) -> subprocess.Popen:
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join([str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]),
+  )
   env.pop("XLA_FLAGS", None)
   return subprocess.Popen(
-      [sys.executable, "-m", "resume_trainer", dispatcher, str(directory), str(SAVE_AT),
-       mode, processing_mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-      text=True)
+    [
+      sys.executable,
+      "-m",
+      "resume_trainer",
+      dispatcher,
+      str(directory),
+      str(SAVE_AT),
+      mode,
+      processing_mode,
+    ],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    env=env,
+    text=True,
+  )
 
 
 def lines_until(process: subprocess.Popen, key: str) -> list[dict]:
@@ -54,18 +69,24 @@ def lines_until(process: subprocess.Popen, key: str) -> list[dict]:
     if key in lines[-1]:
       return lines
   process.wait(timeout=30)
-  raise AssertionError(f"the trainer ended (status {process.returncode}) before "
-                       f"printing {key!r}:\n{process.stderr.read()[-4000:]}")
+  raise AssertionError(
+    f"the trainer ended (status {process.returncode}) before "
+    f"printing {key!r}:\n{process.stderr.read()[-4000:]}"
+  )
 
 
 def records(lines: list[dict], up_to: int | None = None) -> collections.Counter:
-  return collections.Counter(x for line in lines if "step" in line
-                             and (up_to is None or line["step"] <= up_to)
-                             for x in line["x"])
+  return collections.Counter(
+    x
+    for line in lines
+    if "step" in line and (up_to is None or line["step"] <= up_to)
+    for x in line["x"]
+  )
 
 
-def first_run_killed_after_its_checkpoint(dispatcher: str, directory,
-                                          processing_mode: str) -> list[dict]:
+def first_run_killed_after_its_checkpoint(
+  dispatcher: str, directory, processing_mode: str
+) -> list[dict]:
   """The first trainer's lines up to its checkpoint at SAVE_AT; it reads
   AHEAD batches more and is SIGKILLed."""
   first = trainer_process(dispatcher, directory, "first", processing_mode)
@@ -95,36 +116,50 @@ def restored_run(dispatcher: str, directory, processing_mode: str) -> list[dict]
 
 
 @pytest.mark.parametrize("old_job", ["dispatcher_restarted_empty", "still_there"])
-def test_a_read_saved_at_step_k_resumes_in_a_new_process_exactly_once(cluster, tmp_path,
-                                                                       old_job):
+def test_a_read_saved_at_step_k_resumes_in_a_new_process_exactly_once(cluster, tmp_path, old_job):
   port = free_port()
-  dispatcher = cluster("dispatcher", f"--port={port}", f"--work_dir={tmp_path / 'a'}",
-                       "--split_size=10", "--heartbeat_timeout_s=5")
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-             for _ in range(2)]
+  dispatcher = cluster(
+    "dispatcher",
+    f"--port={port}",
+    f"--work_dir={tmp_path / 'a'}",
+    "--split_size=10",
+    "--heartbeat_timeout_s=5",
+  )
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT) for _ in range(2)
+  ]
   before = first_run_killed_after_its_checkpoint(
-      dispatcher.address, tmp_path / "checkpoints", "distributed_epoch")
+    dispatcher.address, tmp_path / "checkpoints", "distributed_epoch"
+  )
   if old_job == "dispatcher_restarted_empty":
     # The same address, a new work_dir: the old job is gone.
     dispatcher.stop()
-    dispatcher = cluster("dispatcher", f"--port={port}", f"--work_dir={tmp_path / 'b'}",
-                         "--split_size=10", "--heartbeat_timeout_s=5")
+    dispatcher = cluster(
+      "dispatcher",
+      f"--port={port}",
+      f"--work_dir={tmp_path / 'b'}",
+      "--split_size=10",
+      "--heartbeat_timeout_s=5",
+    )
   after = restored_run(dispatcher.address, tmp_path / "checkpoints", "distributed_epoch")
   got = records(before, SAVE_AT) + records(after)
   assert got == collections.Counter(range(trainer.RECORDS))
   # The batches read after the checkpoint by the killed process came again.
-  assert set(records(before[-trainer.AHEAD:])) <= set(records(after))
+  assert set(records(before[-trainer.AHEAD :])) <= set(records(after))
   for worker in workers:  # before the dispatcher, so that they leave at once
     worker.stop()
 
 
 def test_a_parallel_epochs_read_saved_at_step_k_resumes_each_worker_stream_in_a_new_process(
-    cluster, tmp_path):
+  cluster, tmp_path
+):
   dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=5")
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-             for _ in range(2)]
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT) for _ in range(2)
+  ]
   before = first_run_killed_after_its_checkpoint(
-      dispatcher.address, tmp_path / "checkpoints", "parallel_epochs")
+    dispatcher.address, tmp_path / "checkpoints", "parallel_epochs"
+  )
   after = restored_run(dispatcher.address, tmp_path / "checkpoints", "parallel_epochs")
   # Each of the 2 workers reads the whole epoch: every record twice.
   got = records(before, SAVE_AT) + records(after)
@@ -134,52 +169,70 @@ def test_a_parallel_epochs_read_saved_at_step_k_resumes_each_worker_stream_in_a_
     worker.stop()
 
 
-def partial_read(dispatcher: str, visitation: str, mode: str = "distributed_epoch",
-                 **options):
-  dataset = jaxfeed.Dataset.range(40).batch(4).distribute(
-      dispatcher, mode, visitation=visitation, **options)
+def partial_read(dispatcher: str, visitation: str, mode: str = "distributed_epoch", **options):
+  dataset = (
+    jaxfeed.Dataset.range(40)
+    .batch(4)
+    .distribute(dispatcher, mode, visitation=visitation, **options)
+  )
   with dataset.make_iterator() as iterator:
     next(iterator)
     return dataset, iterator.get_state()
 
 
-@pytest.mark.parametrize("visitation,mode,options", [
+@pytest.mark.parametrize(
+  "visitation,mode,options",
+  [
     ("at_most_once", "distributed_epoch", {}),
     ("at_most_once", "parallel_epochs", {"job_name": "shared"}),
-    ("at_most_once", "parallel_epochs", {"ephemeral_sharing": True})])
+    ("at_most_once", "parallel_epochs", {"ephemeral_sharing": True}),
+  ],
+)
 def test_reads_that_cannot_resume_say_which_can(cluster, visitation, mode, options):
   dispatcher = cluster("dispatcher", "--port=0")
   cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
   dataset, state = partial_read(dispatcher.address, visitation, mode, **options)
   with dataset.make_iterator() as iterator:
-    with pytest.raises(base.PipelineStateError,
-                       match="visitation='exactly_once'.*parallel_epochs reads without"):
+    with pytest.raises(
+      base.PipelineStateError, match="visitation='exactly_once'.*parallel_epochs reads without"
+    ):
       iterator.set_state(state)
 
 
 def parallel_read(dispatcher: str, **options) -> jaxfeed.Dataset:
-  return jaxfeed.Dataset.range(40).batch(4).distribute(
-      dispatcher, "parallel_epochs", max_outstanding_requests=2, **options)
+  return (
+    jaxfeed.Dataset.range(40)
+    .batch(4)
+    .distribute(dispatcher, "parallel_epochs", max_outstanding_requests=2, **options)
+  )
 
 
-@pytest.mark.parametrize("workers_after,message", [
+@pytest.mark.parametrize(
+  "workers_after,message",
+  [
     (3, "saved with 2 open worker streams, but its new job started with 3 workers"),
-    (1, "1 of the open worker streams this parallel_epochs read was saved with "
-        "have no worker in its new job")])
+    (
+      1,
+      "1 of the open worker streams this parallel_epochs read was saved with "
+      "have no worker in its new job",
+    ),
+  ],
+)
 def test_a_parallel_epochs_read_resumed_on_another_worker_count_says_so(
-    cluster, workers_after, message):
-  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2",
-                       "--metrics_port=0")
+  cluster, workers_after, message
+):
+  dispatcher = cluster("dispatcher", "--port=0", "--heartbeat_timeout_s=2", "--metrics_port=0")
   url = metrics_url(dispatcher)
-  workers = [cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-             for _ in range(2)]
+  workers = [
+    cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT) for _ in range(2)
+  ]
   # The saved state must name both workers' streams: read once both are in.
   wait_for("both workers", lambda: gauge(url, "jaxfeed_dispatcher_workers") == 2)
   dataset = parallel_read(dispatcher.address, timeout_s=3)
   with dataset.make_iterator() as iterator:
     next(iterator)
     state = iterator.get_state()
-  assert [closed for _, closed in state["own"]["streams"]["streams"]] == [False, False]
+  assert [closed for _, closed, _ in state["own"]["streams"]["streams"]] == [False, False]
   for _ in range(workers_after - 2):
     cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
   for worker in workers[workers_after:]:
@@ -197,7 +250,7 @@ def test_a_parallel_epochs_read_saved_after_its_streams_ended_resumes_at_its_end
   with dataset.make_iterator() as iterator:
     assert len(list(iterator)) == 10
     state = iterator.get_state()
-  assert state["own"]["streams"]["streams"] == [[10, True]]
+  assert state["own"]["streams"]["streams"] == [[10, True, 0]]
   with dataset.make_iterator() as iterator:
     iterator.set_state(state)
     assert list(iterator) == []
@@ -205,13 +258,21 @@ def test_a_parallel_epochs_read_saved_after_its_streams_ended_resumes_at_its_end
 
 
 def test_a_parallel_epochs_read_of_a_pipeline_without_an_index_based_input_refuses_a_position(
-    cluster):
+  cluster,
+):
   dispatcher = cluster("dispatcher", "--port=0")
   # Two inputs read apart (a from_tfrecord's files are positions now).
-  dataset = jaxfeed.Dataset.range(4).map(service_udfs.add_one).concatenate(
-      jaxfeed.Dataset.range(3)).distribute(dispatcher.address, "parallel_epochs")
-  state = {"op": "distribute", "parents": [], "own": {
-      "elements_read": 1, "streams": {"version": 1, "streams": [[1, False]]}}}
+  dataset = (
+    jaxfeed.Dataset.range(4)
+    .map(service_udfs.add_one)
+    .concatenate(jaxfeed.Dataset.range(3))
+    .distribute(dispatcher.address, "parallel_epochs")
+  )
+  state = {
+    "op": "distribute",
+    "parents": [],
+    "own": {"elements_read": 1, "streams": {"version": 1, "streams": [[1, False]]}},
+  }
   with dataset.make_iterator() as iterator:
     with pytest.raises(base.PipelineStateError, match="one index-based input"):
       iterator.set_state(state)
@@ -221,8 +282,11 @@ def test_a_state_of_another_dataset_is_refused_naming_the_positions(cluster):
   dispatcher = cluster("dispatcher", "--port=0", "--split_size=4")
   cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
   _, state = partial_read(dispatcher.address, "exactly_once")
-  smaller = jaxfeed.Dataset.range(8).batch(4).distribute(
-      dispatcher.address, "distributed_epoch", visitation="exactly_once")
+  smaller = (
+    jaxfeed.Dataset.range(8)
+    .batch(4)
+    .distribute(dispatcher.address, "distributed_epoch", visitation="exactly_once")
+  )
   state["own"]["splits"]["done"] = [[0, 12]]
   with smaller.make_iterator() as iterator:
     iterator.set_state(state)
@@ -234,9 +298,17 @@ def test_consumers_of_a_shared_job_resume_it_together_exactly_once(cluster):
   dispatcher = cluster("dispatcher", "--port=0", "--split_size=6")
   for _ in range(2):
     cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-  dataset = jaxfeed.Dataset.range(120).batch(4).distribute(
-      dispatcher.address, "distributed_epoch", job_name="shared", visitation="exactly_once",
-      max_outstanding_requests=2)
+  dataset = (
+    jaxfeed.Dataset.range(120)
+    .batch(4)
+    .distribute(
+      dispatcher.address,
+      "distributed_epoch",
+      job_name="shared",
+      visitation="exactly_once",
+      max_outstanding_requests=2,
+    )
+  )
   consumers = [dataset.make_iterator() for _ in range(2)]
   try:
     taken = [next(c) for c in consumers for _ in range(4)]
@@ -270,15 +342,24 @@ def test_consumers_of_a_shared_job_resume_it_together_exactly_once(cluster):
 
 @pytest.mark.parametrize("consumers", [1, 2])
 def test_a_shared_read_restored_twice_from_one_checkpoint_reads_the_rest_each_time(
-    cluster, consumers):
+  cluster, consumers
+):
   # The first restore's job goes on and stays (job_gc_timeout_s) after its
   # consumers leave: the second restore must not join it.
   dispatcher = cluster("dispatcher", "--port=0", "--split_size=6", "--job_gc_timeout_s=600")
   for _ in range(2):
     cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-  dataset = jaxfeed.Dataset.range(120).batch(4).distribute(
-      dispatcher.address, "distributed_epoch", job_name="twice", visitation="exactly_once",
-      max_outstanding_requests=2)
+  dataset = (
+    jaxfeed.Dataset.range(120)
+    .batch(4)
+    .distribute(
+      dispatcher.address,
+      "distributed_epoch",
+      job_name="twice",
+      visitation="exactly_once",
+      max_outstanding_requests=2,
+    )
+  )
 
   def read(states: list, batches: int | None) -> list:
     iterators = [dataset.make_iterator() for _ in states]
@@ -291,8 +372,10 @@ def test_a_shared_read_restored_twice_from_one_checkpoint_reads_the_rest_each_ti
         time.sleep(2)  # training on: the heartbeats acknowledge what arrived
         return taken
       got = [None] * len(iterators)
-      threads = [threading.Thread(target=lambda k: got.__setitem__(k, list(iterators[k])),
-                                  args=(k,)) for k in range(len(iterators))]
+      threads = [
+        threading.Thread(target=lambda k: got.__setitem__(k, list(iterators[k])), args=(k,))
+        for k in range(len(iterators))
+      ]
       for thread in threads:
         thread.start()
       for thread in threads:
@@ -321,8 +404,11 @@ def test_a_shared_read_restored_twice_from_one_checkpoint_reads_the_rest_each_ti
 def test_the_state_of_a_fresh_read_restarts_an_iterator_at_the_epoch_start(cluster):
   dispatcher = cluster("dispatcher", "--port=0", "--split_size=8")
   cluster("worker", f"--dispatcher_address={dispatcher.address}", *HEARTBEAT)
-  dataset = jaxfeed.Dataset.range(40).batch(4).distribute(
-      dispatcher.address, "distributed_epoch", visitation="exactly_once")
+  dataset = (
+    jaxfeed.Dataset.range(40)
+    .batch(4)
+    .distribute(dispatcher.address, "distributed_epoch", visitation="exactly_once")
+  )
   with dataset.make_iterator() as iterator:
     start = iterator.get_state()
     for _ in range(3):

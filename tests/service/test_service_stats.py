@@ -19,11 +19,15 @@ def read_of(cluster, num_elements: int, fn, batch_size: int):
   """A dispatcher and a worker process, and a dataset of `num_elements`
   mapped by `fn` and batched on that worker; returns (dataset, worker)."""
   dispatcher = cluster("dispatcher", "--port=0")
-  worker = cluster("worker", f"--dispatcher_address={dispatcher.address}",
-                   "--heartbeat_interval_s=0.2")
-  dataset = (jaxfeed.Dataset.from_tensor_slices({"x": np.arange(num_elements)})
-             .map(fn).batch(batch_size)
-             .distribute(dispatcher.address, "parallel_epochs"))
+  worker = cluster(
+    "worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2"
+  )
+  dataset = (
+    jaxfeed.Dataset.from_tensor_slices({"x": np.arange(num_elements)})
+    .map(fn)
+    .batch(batch_size)
+    .distribute(dispatcher.address, "parallel_epochs")
+  )
   return dataset, worker
 
 
@@ -63,7 +67,10 @@ def test_a_read_that_ended_shows_its_workers_final_rows(cluster):
     rows = worker_rows(iterator)
     stats = iterator.stats()
   assert [(r["op"], r["elements"]) for r in rows] == [
-      ("from_tensor_slices", 100), ("map", 100), ("batch", 10)]
+    ("from_tensor_slices", 100),
+    ("map", 100),
+    ("batch", 10),
+  ]
   assert all(r["worker"] == worker.address for r in rows)
   assert all("ops" not in counters for counters in stats["workers"].values())
 
@@ -86,12 +93,14 @@ def test_stats_asks_a_worker_at_most_once_per_max_age(cluster, monkeypatch):
 
 def test_a_service_read_with_no_op_time_yet_says_the_time_is_in_the_read(cluster):
   dispatcher = cluster("dispatcher", "--port=0")
-  cluster("worker", f"--dispatcher_address={dispatcher.address}",
-          "--heartbeat_interval_s=0.2")
+  cluster("worker", f"--dispatcher_address={dispatcher.address}", "--heartbeat_interval_s=0.2")
   # No sampling, here or on the worker: no op measures time.
-  dataset = (jaxfeed.Dataset.from_tensor_slices({"x": np.arange(400)}).batch(8)
-             .with_options(jaxfeed.Options(stats=False))
-             .distribute(dispatcher.address, "parallel_epochs"))
+  dataset = (
+    jaxfeed.Dataset.from_tensor_slices({"x": np.arange(400)})
+    .batch(8)
+    .with_options(jaxfeed.Options(stats=False))
+    .distribute(dispatcher.address, "parallel_epochs")
+  )
   with jaxfeed.Loader(dataset, prefetch=1) as loader:
     for _ in range(5):
       next(loader)
@@ -101,6 +110,8 @@ def test_a_service_read_with_no_op_time_yet_says_the_time_is_in_the_read(cluster
   assert read["op"] == "distribute" and read["service_workers"] == 1
   assert read["received"] >= 5 and read["read_wait_seconds"] > 0
   assert "No op has measured time yet" not in text
-  assert ("No op in this process has measured time: it is spent in the service read "
-          "('distribute'), whose pipeline runs on the workers. This process waited ") in text
+  assert (
+    "No op in this process has measured time: it is spent in the service read "
+    "('distribute'), whose pipeline runs on the workers. This process waited "
+  ) in text
   assert f"from 1 worker(s) ({read['received']} received, 0 reconnections)" in text

@@ -136,11 +136,17 @@ def test_jobs_of_one_dataset_share_the_worker_pipeline_over_the_service():
   service_udfs.CALLS["counted"] = 0
   dataset = jaxfeed.Dataset.range(1000).map(service_udfs.counted).repeat()
   with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
-    with service.WorkerServer(service.WorkerConfig(
-        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1, buffer_size=2)):
-      readers = [dataset.distribute(dispatcher.target, ephemeral_sharing=True,
-                                    max_outstanding_requests=1).make_iterator()
-                 for _ in range(2)]
+    with service.WorkerServer(
+      service.WorkerConfig(
+        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1, buffer_size=2
+      )
+    ):
+      readers = [
+        dataset.distribute(
+          dispatcher.target, ephemeral_sharing=True, max_outstanding_requests=1
+        ).make_iterator()
+        for _ in range(2)
+      ]
       try:
         got = [[int(next(r)["x"])] for r in readers]
         for _ in range(199):

@@ -48,11 +48,13 @@ class Truth:
       for size, dataset_id in sorted(self.dataset_ids.items()):
         got = parties.register(size)
         assert got == dataset_id, (
-            f"the pipeline of {size} records registered again got dataset id {got}, "
-            f"not its id {dataset_id}")
+          f"the pipeline of {size} records registered again got dataset id {got}, "
+          f"not its id {dataset_id}"
+        )
       # Worker 1 comes back as a new process: its splits are issued again.
-      task = next(t for t in parties.worker("127.0.0.1:1", "again").new_tasks
-                  if t.job_id == self.job_id)
+      task = next(
+        t for t in parties.worker("127.0.0.1:1", "again").new_tasks if t.job_id == self.job_id
+      )
       delivered = collections.Counter()
       for start, stop in self.acked:
         delivered.update(range(start, stop))
@@ -67,8 +69,9 @@ class Truth:
       twice = sorted(p for p, n in delivered.items() if n > 1)
       missing = sorted(set(range(EXACTLY_ONCE_POSITIONS)) - set(delivered))
       assert not twice and not missing and end, (
-          f"exactly-once after the restart: {len(twice)} positions twice (e.g. "
-          f"{twice[:5]}), {len(missing)} never (e.g. {missing[:5]}), ended: {end}")
+        f"exactly-once after the restart: {len(twice)} positions twice (e.g. "
+        f"{twice[:5]}), {len(missing)} never (e.g. {missing[:5]}), ended: {end}"
+      )
     finally:
       parties.close()
 
@@ -128,17 +131,18 @@ class _ExactlyOnce:
   def start(self, dataset_id: str, workers: tuple[str, ...]) -> None:
     for address in workers:
       self.parties.worker(address, address)
-    self.job_id, self.client_id = self.parties.job(dataset_id, "distributed_epoch",
-                                                   exactly_once=True)
+    self.job_id, self.client_id = self.parties.job(
+      dataset_id, "distributed_epoch", exactly_once=True
+    )
     for address in workers:
-      self.tasks[address] = next(t for t in self.parties.worker(address, address).new_tasks
-                                 if t.job_id == self.job_id)
+      self.tasks[address] = next(
+        t for t in self.parties.worker(address, address).new_tasks if t.job_id == self.job_id
+      )
       self.known[address].add(self.tasks[address].task_id)
 
   def heartbeat(self, address: str, **options: Any) -> None:
     """A heartbeat of the worker at `address`, which runs the tasks it got."""
-    response = self.parties.worker(address, address, current=sorted(self.known[address]),
-                                   **options)
+    response = self.parties.worker(address, address, current=sorted(self.known[address]), **options)
     self.known[address].update(t.task_id for t in response.new_tasks)
 
   def rounds(self, count: int) -> None:
@@ -167,8 +171,9 @@ class _ExactlyOnce:
 
 
 def work_dir_of(dispatcher) -> pathlib.Path:
-  return pathlib.Path(next(f.split("=", 1)[1] for f in dispatcher.proc.args
-                           if f.startswith("--work_dir=")))
+  return pathlib.Path(
+    next(f.split("=", 1)[1] for f in dispatcher.proc.args if f.startswith("--work_dir="))
+  )
 
 
 def _snapshot_everything(parties: Parties, dataset_id: str, work_dir: pathlib.Path) -> None:
@@ -263,7 +268,7 @@ def targeted_flips(work_dir: pathlib.Path) -> list[Flip]:
       dataset_def = pb.DatasetDef.FromString(base64.b64decode(encoded.group(1)))
       at = dataset_def.SerializeToString().index(dataset_def.fingerprint.encode())
       index = encoded.start(1) + (at + 4) * 4 // 3  # a character inside the fingerprint
-      while line[index:index + 1] not in _FLIPS_TO_BASE64:
+      while line[index : index + 1] not in _FLIPS_TO_BASE64:
         index += 1
       flips.append(Flip(name, start + index, 0, start, kinds))
       return flips
@@ -271,11 +276,15 @@ def targeted_flips(work_dir: pathlib.Path) -> list[Flip]:
 
 
 # Characters whose lowest bit flipped is base64 still.
-_FLIPS_TO_BASE64 = {bytes([c]) for c in
-                    b"ABCDEFGHIJKLMNOPQRSTUVWXYabcdefghijklmnopqrstuvwxy0123456789"}
+_FLIPS_TO_BASE64 = {
+  bytes([c]) for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYabcdefghijklmnopqrstuvwxy0123456789"
+}
 
 
 def kinds_present(work_dir: pathlib.Path) -> set[tuple[str, str]]:
   """(snapshot | journal, record kind) of every line."""
-  return {("snapshot" if name == "snapshot.json" else "journal", kind)
-          for name, _, _, kinds in record_lines(work_dir) for kind in kinds}
+  return {
+    ("snapshot" if name == "snapshot.json" else "journal", kind)
+    for name, _, _, kinds in record_lines(work_dir)
+    for kind in kinds
+  }

@@ -7,15 +7,13 @@ from typing import Callable
 
 import numpy as np
 
-from jaxfeed.sources import (ArrayRecordSource, TFRecordSource,
-                             write_array_record, write_tfrecord)
+from jaxfeed.sources import ArrayRecordSource, TFRecordSource, write_array_record, write_tfrecord
 
 # Empty records, tiny ones, odd sizes and ones larger than a 64 KiB block.
 RECORD_SIZES = (0, 1, 7, 100, 4096, 12_292, 70_000)
 
 
-def make_records(count: int, seed: int = 0,
-                 sizes: tuple[int, ...] = RECORD_SIZES) -> list[bytes]:
+def make_records(count: int, seed: int = 0, sizes: tuple[int, ...] = RECORD_SIZES) -> list[bytes]:
   """`count` random records cycling through `sizes`, each one distinct."""
   rng = np.random.default_rng(seed)
   return [rng.bytes(sizes[i % len(sizes)]) for i in range(count)]
@@ -38,5 +36,4 @@ class FileFormat:
 
 
 TFRECORD = FileFormat("tfrecord", ".tfrecord", write_tfrecord, TFRecordSource)
-ARRAY_RECORD = FileFormat("array_record", ".array_record", write_array_record,
-                          ArrayRecordSource)
+ARRAY_RECORD = FileFormat("array_record", ".array_record", write_array_record, ArrayRecordSource)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from jaxfeed import Dataset
-from jaxfeed.sources import (ArrayRecordSource, CorruptRecordError,
-                             write_array_record)
+from jaxfeed.sources import ArrayRecordSource, CorruptRecordError, write_array_record
 from source_helpers import make_records
 
 
@@ -37,9 +36,9 @@ def test_default_writer_options_give_one_record_per_group(tmp_path):
     reader.close()
 
 
-@pytest.mark.parametrize("options", ["group_size:1", "group_size:16",
-                                     "group_size:4,uncompressed",
-                                     "group_size:1,snappy"])
+@pytest.mark.parametrize(
+  "options", ["group_size:1", "group_size:16", "group_size:4,uncompressed", "group_size:1,snappy"]
+)
 def test_writer_options_round_trip(tmp_path, options):
   records = make_records(50, seed=3)
   path = _write(tmp_path / "a.ar", records, options=options)
@@ -72,8 +71,7 @@ def test_reader_options_are_part_of_spec_params(tmp_path):
   path = _write(tmp_path / "a.ar", [b"a", b"b"])
   options = "readahead_buffer_size:0,max_parallelism:1"
   with ArrayRecordSource(path, reader_options=options) as source:
-    assert source.spec_params() == {"paths": [path],
-                                    "reader_options": options}
+    assert source.spec_params() == {"paths": [path], "reader_options": options}
     assert list(source) == [b"a", b"b"]
 
 
@@ -81,11 +79,9 @@ def test_reader_options_are_part_of_spec_params(tmp_path):
 
 
 @pytest.mark.parametrize("record", [0, 7, 19])
-def test_damaged_record_chunk_raises_naming_file_offset_and_record(
-    tmp_path, record):
+def test_damaged_record_chunk_raises_naming_file_offset_and_record(tmp_path, record):
   records = make_records(20, seed=1, sizes=(64, 700))
-  path = _write(tmp_path / "a.ar", records,
-                options="group_size:1,uncompressed")
+  path = _write(tmp_path / "a.ar", records, options="group_size:1,uncompressed")
   where = _chunk_offset_of(path, records[record])
   with open(path, "r+b") as f:
     f.seek(where + 3)
@@ -106,14 +102,12 @@ def test_damaged_record_chunk_raises_naming_file_offset_and_record(
 
 
 @pytest.mark.parametrize("keep", [0, 10, 65_535, 65_536, 65_600, -8, -200])
-def test_truncated_file_raises_corrupt_record_error_when_opened(tmp_path,
-                                                                keep):
+def test_truncated_file_raises_corrupt_record_error_when_opened(tmp_path, keep):
   records = make_records(300, seed=2, sizes=(100, 1000))
   path = _write(tmp_path / "a.ar", records)
   size = os.path.getsize(path)
   os.truncate(path, keep if keep >= 0 else size + keep)
-  with pytest.raises(CorruptRecordError, match="not a readable array_record"
-                     ) as info:
+  with pytest.raises(CorruptRecordError, match="not a readable array_record") as info:
     ArrayRecordSource(path)
   assert info.value.path == path and path in str(info.value)
   if info.value.offset is None:  # then the message gives the file's size
@@ -122,8 +116,7 @@ def test_truncated_file_raises_corrupt_record_error_when_opened(tmp_path,
 
 def test_ignore_errors_skips_exactly_the_damaged_records(tmp_path):
   records = make_records(20, seed=1, sizes=(64, 700))
-  path = _write(tmp_path / "a.ar", records,
-                options="group_size:1,uncompressed")
+  path = _write(tmp_path / "a.ar", records, options="group_size:1,uncompressed")
   for record in (3, 11):
     where = _chunk_offset_of(path, records[record])
     with open(path, "r+b") as f:
@@ -134,8 +127,7 @@ def test_ignore_errors_skips_exactly_the_damaged_records(tmp_path):
   with ArrayRecordSource(path) as source:
     dataset = Dataset.from_source(source).ignore_errors()
     with dataset.make_iterator() as iterator:
-      assert list(iterator) == [r for i, r in enumerate(records)
-                                if i not in (3, 11)]
+      assert list(iterator) == [r for i, r in enumerate(records) if i not in (3, 11)]
       assert iterator.stats()["ops"][-1]["errors_ignored"] == 2
 
 

@@ -16,10 +16,10 @@ Pair = collections.namedtuple("Pair", ["left", "right"])
 def _tree(n: int = 10, seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
   return {
-      "image": rng.integers(0, 255, (n, 4, 3), dtype=np.uint8),
-      "label": np.arange(n, dtype=np.int32),
-      "meta": (rng.normal(size=(n, 2)), [np.arange(n) * 2.5]),
-      "pair": Pair(np.arange(n), np.arange(n)[::-1].copy()),
+    "image": rng.integers(0, 255, (n, 4, 3), dtype=np.uint8),
+    "label": np.arange(n, dtype=np.int32),
+    "meta": (rng.normal(size=(n, 2)), [np.arange(n) * 2.5]),
+    "pair": Pair(np.arange(n), np.arange(n)[::-1].copy()),
   }
 
 
@@ -64,16 +64,14 @@ def test_one_dimensional_leaves_give_numpy_scalars_of_their_dtype():
     assert record.shape == () and record.dtype == np.int16 and record == 2
 
 
-@pytest.mark.parametrize("data", [np.arange(6), [np.arange(6), np.ones(6)],
-                                  (np.zeros((6, 2)),)])
+@pytest.mark.parametrize("data", [np.arange(6), [np.arange(6), np.ones(6)], (np.zeros((6, 2)),)])
 def test_non_dict_trees_keep_their_structure(data):
   source = ArraySource(data)
   _assert_tree_equal(source[5], _slice(data, 5))
   _assert_tree_equal(source.get_many([5])[0], _slice(data, 5))
 
 
-@pytest.mark.parametrize("indices", [[0], [9, 0, 4], [3, 3, 3], list(
-    range(9, -1, -1)), []])
+@pytest.mark.parametrize("indices", [[0], [9, 0, 4], [3, 3, 3], list(range(9, -1, -1)), []])
 def test_get_many_equals_single_reads_in_requested_order(indices):
   tree = _tree()
   source = ArraySource(tree)
@@ -95,8 +93,11 @@ def test_get_batch_stacks_the_records(indices):
 @pytest.mark.parametrize("bad", [-1, 10, 100])
 def test_out_of_range_indices_raise_index_error(bad):
   source = ArraySource(_tree())
-  for read in (lambda: source[bad], lambda: source.get_many([1, bad]),
-               lambda: source.get_batch([bad])):
+  for read in (
+    lambda: source[bad],
+    lambda: source.get_many([1, bad]),
+    lambda: source.get_batch([bad]),
+  ):
     with pytest.raises(IndexError, match=f"record index {bad} .* 10 records"):
       read()
 
@@ -137,8 +138,7 @@ def test_records_are_read_only_views_and_get_batch_is_a_copy():
 def test_array_like_leaves_are_accepted_and_lists_are_structure():
   # Like jax pytrees: lists are containers, other array-likes are leaves.
   source = ArraySource({"x": [np.arange(3), range(3)], "y": range(3)})
-  _assert_tree_equal(source[2], {"x": [np.int64(2), np.int64(2)],
-                                 "y": np.int64(2)})
+  _assert_tree_equal(source[2], {"x": [np.int64(2), np.int64(2)], "y": np.int64(2)})
 
 
 def test_repr_is_stable_and_tracks_content():

@@ -13,10 +13,18 @@ from jaxfeed import sources
 from jaxfeed.sources import base
 
 
-@pytest.mark.parametrize("name", ["ArraySource", "ArrayRecordSource",
-                                  "TFRecordSource", "write_array_record",
-                                  "write_tfrecord", "CorruptRecordError",
-                                  "RecordSource"])
+@pytest.mark.parametrize(
+  "name",
+  [
+    "ArraySource",
+    "ArrayRecordSource",
+    "TFRecordSource",
+    "write_array_record",
+    "write_tfrecord",
+    "CorruptRecordError",
+    "RecordSource",
+  ],
+)
 def test_public_names_resolve_from_the_package_root(name):
   assert getattr(jaxfeed, name) is getattr(sources, name)
 
@@ -24,10 +32,9 @@ def test_public_names_resolve_from_the_package_root(name):
 def test_corrupt_record_error_names_file_offset_and_record():
   error = sources.CorruptRecordError("/d/f.rec", 77, "bad CRC", 3)
   assert str(error) == (
-      "Corrupt record file /d/f.rec at byte offset 77 (record 3 of the "
-      "file): bad CRC")
-  assert "unknown byte offset" in str(
-      sources.CorruptRecordError("/d/f.rec", None, "bad"))
+    "Corrupt record file /d/f.rec at byte offset 77 (record 3 of the file): bad CRC"
+  )
+  assert "unknown byte offset" in str(sources.CorruptRecordError("/d/f.rec", None, "bad"))
 
 
 @pytest.mark.parametrize("index", [0, 4, np.int64(2), np.uint8(1)])
@@ -35,9 +42,9 @@ def test_check_index_accepts_integers_in_range(index):
   assert base.check_index(index, 5, "S") == int(index)
 
 
-@pytest.mark.parametrize("indices,dtype", [([], np.int64), ((1, 2), np.int64),
-                                           (np.arange(3, dtype=np.uint32),
-                                            np.int64)])
+@pytest.mark.parametrize(
+  "indices,dtype", [([], np.int64), ((1, 2), np.int64), (np.arange(3, dtype=np.uint32), np.int64)]
+)
 def test_check_indices_returns_int64_arrays(indices, dtype):
   out = base.check_indices(indices, 5, "S")
   assert out.dtype == dtype
@@ -47,8 +54,7 @@ def test_check_indices_returns_int64_arrays(indices, dtype):
 def test_split_by_file_groups_sorted_positions_and_output_slots():
   starts = np.array([0, 3, 3, 8])  # file 1 is empty
   indices = np.array([7, 0, 3, 2, 7, 4])
-  groups = [(f, p.tolist(), s.tolist())
-            for f, p, s in base.split_by_file(indices, starts)]
+  groups = [(f, p.tolist(), s.tolist()) for f, p, s in base.split_by_file(indices, starts)]
   assert groups == [(0, [0, 2], [1, 3]), (2, [0, 1, 4, 4], [2, 5, 0, 4])]
   assert [base.file_of(i, starts) for i in (0, 2, 3, 7)] == [0, 0, 2, 2]
 
@@ -79,8 +85,7 @@ def test_lazy_handle_opens_once_and_reopens_after_close():
   assert opener.log == ["open", f"close {first}", "open"]
 
 
-def test_lazy_handle_in_another_process_drops_the_inherited_handle(
-    monkeypatch):
+def test_lazy_handle_in_another_process_drops_the_inherited_handle(monkeypatch):
   opener = _Opener()
   handle = base.LazyHandle(opener.open, opener.close)
   inherited = handle.get()

@@ -20,8 +20,7 @@ def _open_paths() -> set[str]:
 
 
 @pytest.mark.parametrize("counts", [[1], [37], [5, 0, 12, 1], [3] * 9])
-def test_records_read_back_equal_written_ones_across_files(
-    tmp_path, file_format, counts):
+def test_records_read_back_equal_written_ones_across_files(tmp_path, file_format, counts):
   lists = [make_records(n, seed=i) for i, n in enumerate(counts)]
   paths = file_format.write_files(tmp_path, lists)
   expected = [r for records in lists for r in records]
@@ -49,20 +48,18 @@ def test_file_with_no_records_is_an_empty_source(tmp_path, file_format):
       source[0]
 
 
-@pytest.mark.parametrize("order", ["shuffled", "reversed", "duplicates",
-                                   "single", "empty"])
-def test_get_many_returns_requested_order_equal_to_single_reads(
-    tmp_path, file_format, order):
+@pytest.mark.parametrize("order", ["shuffled", "reversed", "duplicates", "single", "empty"])
+def test_get_many_returns_requested_order_equal_to_single_reads(tmp_path, file_format, order):
   lists = [make_records(40, seed=1), make_records(25, seed=2)]
   paths = file_format.write_files(tmp_path, lists)
   expected = lists[0] + lists[1]
   rng = np.random.default_rng(3)
   indices = {
-      "shuffled": rng.permutation(65),
-      "reversed": np.arange(64, -1, -1),
-      "duplicates": rng.integers(0, 65, 200),
-      "single": np.array([41]),
-      "empty": np.array([], np.int64),
+    "shuffled": rng.permutation(65),
+    "reversed": np.arange(64, -1, -1),
+    "duplicates": rng.integers(0, 65, 200),
+    "single": np.array([41]),
+    "empty": np.array([], np.int64),
   }[order]
   with file_format.source(paths) as source:
     got = source.get_many(indices)
@@ -73,8 +70,7 @@ def test_get_many_returns_requested_order_equal_to_single_reads(
 
 
 @pytest.mark.parametrize("bad", [-1, 10, 11, 10**12])
-def test_out_of_range_index_raises_index_error_naming_index_and_length(
-    tmp_path, file_format, bad):
+def test_out_of_range_index_raises_index_error_naming_index_and_length(tmp_path, file_format, bad):
   (path,) = file_format.write_files(tmp_path, [make_records(10)])
   with file_format.source(path) as source:
     with pytest.raises(IndexError, match=f"record index {bad} .* 10 records"):
@@ -186,8 +182,7 @@ def test_context_manager_closes_handles(tmp_path, file_format):
   assert real not in _open_paths()
 
 
-def test_garbage_collected_source_releases_file_handles(tmp_path,
-                                                        file_format):
+def test_garbage_collected_source_releases_file_handles(tmp_path, file_format):
   (path,) = file_format.write_files(tmp_path, [make_records(4)])
   real = os.path.realpath(path)
   source = file_format.source(path)
@@ -198,8 +193,7 @@ def test_garbage_collected_source_releases_file_handles(tmp_path,
   assert real not in _open_paths()
 
 
-def test_spec_params_are_json_and_rebuild_an_equal_source(tmp_path,
-                                                          file_format):
+def test_spec_params_are_json_and_rebuild_an_equal_source(tmp_path, file_format):
   lists = [make_records(7, seed=8), make_records(3, seed=9)]
   paths = file_format.write_files(tmp_path, lists)
   with file_format.source([epath.Path(p) for p in paths]) as source:

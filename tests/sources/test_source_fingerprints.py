@@ -13,8 +13,7 @@ def fingerprint_of(file_format, path) -> str:
     return jaxfeed.Dataset.from_source(source).fingerprint()
 
 
-def test_a_file_rewritten_at_the_same_path_changes_the_fingerprint(
-    tmp_path, file_format):
+def test_a_file_rewritten_at_the_same_path_changes_the_fingerprint(tmp_path, file_format):
   (path,) = file_format.write_files(tmp_path, [make_records(4, seed=0)])
   first = fingerprint_of(file_format, path)
   assert fingerprint_of(file_format, path) == first  # unchanged file

@@ -40,8 +40,7 @@ def test_files_written_here_are_read_by_tf_data(tmp_path, compression, count):
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_written_files_are_byte_identical_to_tensorflows(tmp_path,
-                                                         compression):
+def test_written_files_are_byte_identical_to_tensorflows(tmp_path, compression):
   records = make_records(80, seed=8, sizes=(0, 30, 5000, 70_000))
   records += [bytes(3000)] * 5  # compressible runs
   write_tfrecord(tmp_path / "ours", records, compression_type=compression)
@@ -64,8 +63,7 @@ def test_gzip_files_are_plain_gzip_streams(tmp_path):
   records = make_records(10, seed=1)
   write_tfrecord(tmp_path / "a.gz", records, compression_type="GZIP")
   write_tfrecord(tmp_path / "a.plain", records)
-  assert gzip.decompress((tmp_path / "a.gz").read_bytes()) == (
-      tmp_path / "a.plain").read_bytes()
+  assert gzip.decompress((tmp_path / "a.gz").read_bytes()) == (tmp_path / "a.plain").read_bytes()
 
 
 def test_reads_through_an_epath_path_and_many_files(tmp_path):
@@ -100,9 +98,11 @@ def test_backward_read_is_refused_naming_the_file(tmp_path):
   write_tfrecord(path, records, compression_type="GZIP")
   with TFRecordSource(path, compression_type="GZIP") as source:
     assert source[10] == records[10]
-    with pytest.raises(SequentialReadError,
-                       match=r"a\.tfrecord\.gz is GZIP-compressed.*record 3 .*"
-                       r"after record 10.*shuffle=False"):
+    with pytest.raises(
+      SequentialReadError,
+      match=r"a\.tfrecord\.gz is GZIP-compressed.*record 3 .*"
+      r"after record 10.*shuffle=False",
+    ):
       source[3]
     assert source[11] == records[11]
     sampler = jaxfeed.IndexSampler(20, shuffle=True, seed=1)
@@ -128,18 +128,17 @@ def test_index_is_cached_and_pickled_copies_read(tmp_path):
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
-def test_truncated_compressed_file_raises_where_the_cut_is(tmp_path,
-                                                          compression):
+def test_truncated_compressed_file_raises_where_the_cut_is(tmp_path, compression):
   path = tmp_path / "a.tfrecord"
   records = make_records(40, seed=6)
   write_tfrecord(path, records, compression_type=compression)
   data = path.read_bytes()
-  path.write_bytes(data[:len(data) // 2])
+  path.write_bytes(data[: len(data) // 2])
   with TFRecordSource(str(path), compression_type=compression) as source:
-    damage, = source.damage
+    (damage,) = source.damage
     assert damage.record_index == len(source) - 1 > 5
     intact = source.get_many(range(len(source) - 1))
-    assert intact == records[:len(intact)]
+    assert intact == records[: len(intact)]
     with pytest.raises(CorruptRecordError, match="a.tfrecord"):
       source[len(source) - 1]
 

@@ -12,8 +12,14 @@ import pytest
 
 from jaxfeed import Dataset, IndexSampler
 from jaxfeed.sources import CorruptRecordError, TFRecordSource, write_tfrecord
-from tfrecord_damage import (NUM_RECORDS, Damage, frame_offsets,
-                             make_records, over_every_damage, write_damaged)
+from tfrecord_damage import (
+  NUM_RECORDS,
+  Damage,
+  frame_offsets,
+  make_records,
+  over_every_damage,
+  write_damaged,
+)
 
 RECORDS = make_records()
 
@@ -30,22 +36,22 @@ def _read_until_error(dataset) -> tuple[list, Exception | None]:
 
 
 @over_every_damage
-def test_strict_read_delivers_the_records_before_the_damage_then_names_it(
-    tmp_path, damage):
+def test_strict_read_delivers_the_records_before_the_damage_then_names_it(tmp_path, damage):
   path = write_damaged(tmp_path, damage, RECORDS)
   with TFRecordSource(path) as source:
     before, error = _read_until_error(Dataset.from_source(source))
-  assert before == RECORDS[:damage.record]
+  assert before == RECORDS[: damage.record]
   assert error is not None and error.path == path
   assert error.offset == damage.damaged_offset(RECORDS)
   assert f"{path} at byte offset {error.offset}" in str(error)
   assert not os.path.exists(path + ".idx") or damage.where in (
-      "data", "data_crc")  # found on read: the headers indexed are sound
+    "data",
+    "data_crc",
+  )  # found on read: the headers indexed are sound
 
 
 @over_every_damage
-def test_ignore_errors_delivers_exactly_the_intact_records_and_counts(
-    tmp_path, damage):
+def test_ignore_errors_delivers_exactly_the_intact_records_and_counts(tmp_path, damage):
   path = write_damaged(tmp_path, damage, RECORDS)
   with TFRecordSource(path) as source:
     dataset = Dataset.from_source(source).ignore_errors()
@@ -58,13 +64,12 @@ def test_ignore_errors_delivers_exactly_the_intact_records_and_counts(
 
 
 @over_every_damage
-def test_skip_mode_holds_exactly_the_intact_records_and_reports_the_range(
-    tmp_path, damage):
+def test_skip_mode_holds_exactly_the_intact_records_and_reports_the_range(tmp_path, damage):
   path = write_damaged(tmp_path, damage, RECORDS)
   with TFRecordSource(path, on_damage="skip") as source:
     assert len(source) == len(damage.intact(RECORDS))
     assert list(source) == damage.intact(RECORDS)
-    found, = source.damage
+    (found,) = source.damage
   offsets = frame_offsets(RECORDS)
   assert (found.path, found.start) == (path, damage.damaged_offset(RECORDS))
   if damage.where in ("cut", "garbage"):
@@ -113,15 +118,13 @@ def test_on_damage_is_checked_and_kept_in_the_spec(tmp_path):
     TFRecordSource(path, on_damage="ignore")
   assert "on_damage" not in TFRecordSource(path).spec_params()
   source = TFRecordSource(path, on_damage="skip")
-  assert type(source)(**source.spec_params()).spec_params()[
-      "on_damage"] == "skip"
+  assert type(source)(**source.spec_params()).spec_params()["on_damage"] == "skip"
 
 
 # -- the index cache ---------------------------------------------------------
 
 
-def test_a_damaged_index_is_not_cached_and_a_repaired_file_is(
-    tmp_path, scan_counter):
+def test_a_damaged_index_is_not_cached_and_a_repaired_file_is(tmp_path, scan_counter):
   path = write_damaged(tmp_path, Damage("cut", 150, "cut", 7), RECORDS)
   assert len(TFRecordSource(path)) == 151
   assert len(TFRecordSource(path)) == 151
@@ -143,8 +146,7 @@ def _rot_in_place(path: str, offset: int) -> None:
   os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def test_skip_mode_does_not_trust_an_index_of_checked_headers_only(
-    tmp_path, scan_counter):
+def test_skip_mode_does_not_trust_an_index_of_checked_headers_only(tmp_path, scan_counter):
   path = str(tmp_path / "a.tfrecord")
   write_tfrecord(path, RECORDS)
   TFRecordSource(path).close()  # caches an index of the headers
@@ -158,8 +160,7 @@ def test_skip_mode_does_not_trust_an_index_of_checked_headers_only(
   assert scan_counter.verified == [False, True]
 
 
-def test_a_verified_index_is_cached_and_serves_both_modes(tmp_path,
-                                                       scan_counter):
+def test_a_verified_index_is_cached_and_serves_both_modes(tmp_path, scan_counter):
   path = str(tmp_path / "a.tfrecord")
   write_tfrecord(path, RECORDS)
   assert len(TFRecordSource(path, on_damage="skip")) == NUM_RECORDS
@@ -173,8 +174,7 @@ def test_a_gzip_file_read_as_plain_is_refused_not_resynced(tmp_path):
   # a resync would find them: the source refuses the file instead.
   path = str(tmp_path / "a.tfrecord")
   write_tfrecord(path, RECORDS[:40], compression_type="GZIP")
-  with pytest.raises(CorruptRecordError,
-                     match='GZIP-compressed.*compression_type="GZIP"'):
+  with pytest.raises(CorruptRecordError, match='GZIP-compressed.*compression_type="GZIP"'):
     TFRecordSource(path)
   plain = str(tmp_path / "b.tfrecord")
   write_tfrecord(plain, RECORDS[:40])

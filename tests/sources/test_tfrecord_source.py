@@ -23,8 +23,7 @@ from source_helpers import make_records
 
 def _frame_offsets(records: list[bytes]) -> list[int]:
   """Byte offset of each record's frame in a file of `records`."""
-  return np.concatenate(
-      [[0], np.cumsum([16 + len(r) for r in records])]).tolist()[:-1]
+  return np.concatenate([[0], np.cumsum([16 + len(r) for r in records])]).tolist()[:-1]
 
 
 def _write(path, records) -> str:
@@ -38,8 +37,7 @@ def _write(path, records) -> str:
 
 def test_masked_crc_matches_the_crc32c_check_value():
   crc = 0xE3069283  # CRC-32C of b"123456789", the standard check value
-  assert masked_crc32c(b"123456789") == (
-      ((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+  assert masked_crc32c(b"123456789") == (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
   assert masked_crc32c(b"") == 0xA282EAD8
 
 
@@ -100,8 +98,7 @@ def test_writer_accepts_bytes_like_records_and_rejects_others(tmp_path):
 # -- index cache -----------------------------------------------------------------
 
 
-def test_index_is_built_once_cached_beside_the_file_and_reused(
-    tmp_path, scan_counter):
+def test_index_is_built_once_cached_beside_the_file_and_reused(tmp_path, scan_counter):
   records = make_records(30)
   path = _write(tmp_path / "a.tfrecord", records)
   with TFRecordSource(path) as first:
@@ -128,8 +125,7 @@ def test_index_is_rebuilt_when_the_file_changes(tmp_path, scan_counter):
   assert scan_counter == [path, path]
 
 
-def test_same_size_rewrite_with_new_mtime_rebuilds_the_index(
-    tmp_path, scan_counter):
+def test_same_size_rewrite_with_new_mtime_rebuilds_the_index(tmp_path, scan_counter):
   path = _write(tmp_path / "a.tfrecord", [b"aaaa", b"bb"])
   TFRecordSource(path).close()
   _write(path, [b"cc", b"dddd"])  # same file size, other record boundaries
@@ -141,16 +137,16 @@ def test_same_size_rewrite_with_new_mtime_rebuilds_the_index(
 
 
 @pytest.mark.parametrize("damage", ["garbage", "empty", "truncated"])
-def test_damaged_index_cache_is_ignored_and_rebuilt(tmp_path, scan_counter,
-                                                    damage):
+def test_damaged_index_cache_is_ignored_and_rebuilt(tmp_path, scan_counter, damage):
   records = make_records(12)
   path = _write(tmp_path / "a.tfrecord", records)
   TFRecordSource(path).close()
   index_file = path + ".idx"
   content = pathlib.Path(index_file).read_bytes()
   with open(index_file, "wb") as f:
-    f.write({"garbage": os.urandom(300), "empty": b"",
-             "truncated": content[:len(content) - 8]}[damage])
+    f.write(
+      {"garbage": os.urandom(300), "empty": b"", "truncated": content[: len(content) - 8]}[damage]
+    )
   with TFRecordSource(path) as source:
     assert list(source) == records
   assert len(scan_counter) == 2
@@ -169,8 +165,7 @@ def test_cache_index_false_writes_no_index_file(tmp_path, scan_counter):
   assert len(scan_counter) == 2
 
 
-def test_unwritable_index_location_keeps_the_index_in_memory(
-    tmp_path, scan_counter):
+def test_unwritable_index_location_keeps_the_index_in_memory(tmp_path, scan_counter):
   records = make_records(9)
   path = _write(tmp_path / "a.tfrecord", records)
   # A directory where the index file would go: writing it fails like a
@@ -186,8 +181,7 @@ def test_unwritable_index_location_keeps_the_index_in_memory(
   assert scan_counter == [path]  # the pickled copy kept the in-memory index
 
 
-def test_pickled_copy_reloads_the_cached_index_instead_of_rescanning(
-    tmp_path, scan_counter):
+def test_pickled_copy_reloads_the_cached_index_instead_of_rescanning(tmp_path, scan_counter):
   records = make_records(15)
   path = _write(tmp_path / "a.tfrecord", records)
   with TFRecordSource(path) as source:
@@ -272,8 +266,7 @@ def _check_error(error: CorruptRecordError, path: str, offset: int) -> None:
 # large (read on its own), record 4 is in between.
 @pytest.mark.parametrize("record", [0, 2, 4, 6])
 @pytest.mark.parametrize("where", ["first", "last"])
-def test_flipped_data_byte_raises_corrupt_record_error_on_read(
-    tmp_path, record, where):
+def test_flipped_data_byte_raises_corrupt_record_error_on_read(tmp_path, record, where):
   records = make_records(7, sizes=(5, 300, 12_292))
   path = _write(tmp_path / "a.tfrecord", records)
   start = _frame_offsets(records)[record]
@@ -307,14 +300,14 @@ def test_flipped_data_crc_byte_raises_corrupt_record_error(tmp_path):
 @pytest.mark.parametrize("field_byte", [0, 3, 7, 8, 11])
 @pytest.mark.parametrize("record", [0, 4])
 def test_flipped_length_or_length_crc_byte_raises_on_reading_that_record(
-    tmp_path, field_byte, record):
+  tmp_path, field_byte, record
+):
   records = make_records(5, sizes=(10, 2000))
   path = _write(tmp_path / "a.tfrecord", records)
   start = _frame_offsets(records)[record]
   _damage(path, start + field_byte)
   with TFRecordSource(path) as source:
-    with pytest.raises(CorruptRecordError,
-                       match="length CRC mismatch") as info:
+    with pytest.raises(CorruptRecordError, match="length CRC mismatch") as info:
       source[record]
     _check_error(info.value, path, start)
     others = [i for i in range(5) if i != record]
@@ -323,13 +316,11 @@ def test_flipped_length_or_length_crc_byte_raises_on_reading_that_record(
 
 
 @pytest.mark.parametrize("cut", ["in_header", "in_data", "in_data_crc"])
-def test_file_truncated_mid_record_raises_on_reading_the_cut_record(
-    tmp_path, cut):
+def test_file_truncated_mid_record_raises_on_reading_the_cut_record(tmp_path, cut):
   records = make_records(6, sizes=(100,))
   path = _write(tmp_path / "a.tfrecord", records)
   last = _frame_offsets(records)[-1]
-  keep = last + {"in_header": 5, "in_data": 12 + 40, "in_data_crc": 12 + 102}[
-      cut]
+  keep = last + {"in_header": 5, "in_data": 12 + 40, "in_data_crc": 12 + 102}[cut]
   os.truncate(path, keep)
   with TFRecordSource(path) as source:
     assert source.get_many(range(5)) == records[:5]
@@ -340,8 +331,7 @@ def test_file_truncated_mid_record_raises_on_reading_the_cut_record(
 
 
 @pytest.mark.parametrize("size", [1, 11, 12, 500, 100_000])
-def test_garbage_file_reads_as_one_damaged_record_at_offset_zero(tmp_path,
-                                                                 size):
+def test_garbage_file_reads_as_one_damaged_record_at_offset_zero(tmp_path, size):
   path = str(tmp_path / "garbage.tfrecord")
   with open(path, "wb") as f:
     f.write(np.random.default_rng(size).bytes(size))
@@ -365,8 +355,7 @@ def test_file_truncated_after_indexing_raises_on_read(tmp_path, size, read):
   _check_error(info.value, path, _frame_offsets(records)[3])
 
 
-def test_file_rewritten_with_fewer_records_after_pickling_is_detected(
-    tmp_path):
+def test_file_rewritten_with_fewer_records_after_pickling_is_detected(tmp_path):
   path = _write(tmp_path / "a.tfrecord", make_records(8))
   with TFRecordSource(path) as source:
     payload = pickle.dumps(source)
@@ -380,7 +369,11 @@ def test_corrupt_record_error_pickles_with_its_fields():
   error = CorruptRecordError("/data/x.tfrecord", 1234, "bad", record_index=7)
   copy = pickle.loads(pickle.dumps(error))
   assert (copy.path, copy.offset, copy.record_index, str(copy)) == (
-      "/data/x.tfrecord", 1234, 7, str(error))
+    "/data/x.tfrecord",
+    1234,
+    7,
+    str(error),
+  )
   assert isinstance(copy, ValueError)
 
 
@@ -391,8 +384,7 @@ def test_non_bool_options_are_rejected(tmp_path, bad):
     TFRecordSource(path, **bad)
 
 
-def test_reads_through_the_stream_path_used_for_remote_files(tmp_path,
-                                                            monkeypatch):
+def test_reads_through_the_stream_path_used_for_remote_files(tmp_path, monkeypatch):
   # Remote paths (gs://...) read through seek/read on an epath stream, not
   # os.pread; force that path on a local file.
   monkeypatch.setattr(tfrecord_file, "is_local", lambda path: False)

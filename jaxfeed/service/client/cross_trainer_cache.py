@@ -30,27 +30,34 @@ class CrossTrainerCache:
 
   def __post_init__(self):
     if not isinstance(self.trainer_id, str) or not self.trainer_id:
-      raise ValueError("CrossTrainerCache: trainer_id must be a non-empty string, got "
-                       f"{self.trainer_id!r}.")
+      raise ValueError(
+        f"CrossTrainerCache: trainer_id must be a non-empty string, got {self.trainer_id!r}."
+      )
 
 
-def trainer_job_name(cache: CrossTrainerCache, job_name: str | None,
-                     policy: ShardingPolicy, num_consumers: int | None) -> str:
+def trainer_job_name(
+  cache: CrossTrainerCache, job_name: str | None, policy: ShardingPolicy, num_consumers: int | None
+) -> str:
   """The job a trainer reads (tf.data's checks first).
 
   Raises:
     ValueError: no job_name, a round-robin read, or not parallel_epochs.
   """
   if not isinstance(cache, CrossTrainerCache):
-    raise ValueError("cross_trainer_cache must be a jaxfeed.service.CrossTrainerCache, "
-                     f"got {cache!r:.80}.")
+    raise ValueError(
+      f"cross_trainer_cache must be a jaxfeed.service.CrossTrainerCache, got {cache!r:.80}."
+    )
   if not job_name:
-    raise ValueError("Cross-trainer caching requires named jobs: pass a job_name "
-                     "(the same for every trainer).")
+    raise ValueError(
+      "Cross-trainer caching requires named jobs: pass a job_name (the same for every trainer)."
+    )
   if num_consumers is not None:
-    raise ValueError("Cross-trainer caching does not support coordinated reads "
-                     f"(num_consumers={num_consumers}).")
+    raise ValueError(
+      f"Cross-trainer caching does not support coordinated reads (num_consumers={num_consumers})."
+    )
   if policy != ShardingPolicy.OFF:
-    raise ValueError("Cross-trainer caching needs processing_mode='parallel_epochs' "
-                     f"(OFF), got {policy.name}: every trainer reads all the data.")
+    raise ValueError(
+      "Cross-trainer caching needs processing_mode='parallel_epochs' "
+      f"(OFF), got {policy.name}: every trainer reads all the data."
+    )
   return f"{job_name}/trainer:{cache.trainer_id}"

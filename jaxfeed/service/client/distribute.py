@@ -71,14 +71,22 @@ def _target(service: str) -> str:
     raise ValueError(f"service must be a 'host:port' string, got {service!r}.")
   for prefix in ("grpc://", "grpcs://"):
     if service.startswith(prefix):
-      return service[len(prefix):]
+      return service[len(prefix) :]
   return service
 
 
-def register_dataset(service: str, dataset: Any, compression: str | None = "AUTO",
-                     dataset_id: str | None = None, *, auth_token: str | None = None,
-                     udf_secret: bytes | None = None, tls: rpc.TLSConfig | None = None,
-                     timeout_s: float = 60.0, wait_for_dispatcher: bool = False) -> str:
+def register_dataset(
+  service: str,
+  dataset: Any,
+  compression: str | None = "AUTO",
+  dataset_id: str | None = None,
+  *,
+  auth_token: str | None = None,
+  udf_secret: bytes | None = None,
+  tls: rpc.TLSConfig | None = None,
+  timeout_s: float = 60.0,
+  wait_for_dispatcher: bool = False,
+) -> str:
   """Registers a pipeline with the dispatcher and returns its dataset id.
 
   Equal pipelines (same fingerprint) get the same id, unless a `dataset_id`
@@ -118,74 +126,116 @@ def register_dataset(service: str, dataset: Any, compression: str | None = "AUTO
     raise ValueError(f"dataset_id must be a non-empty string or None, got {dataset_id!r}.")
   node = task_pipeline.pipeline_node(dataset, "register_dataset")
   dataset_def = spec_lib.to_dataset_def(
-      node, udf_secret, num_positions=task_pipeline.num_positions(node),
-      positions_are_files=index_ranges.reads_files(node))
+    node,
+    udf_secret,
+    num_positions=task_pipeline.num_positions(node),
+    positions_are_files=index_ranges.reads_files(node),
+  )
   channel = rpc.make_channel(_target(service), tls=tls)
   try:
-    caller = dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse,
-                                auth_token)
-    response = call_dispatcher(caller, pb.RegisterDatasetRequest(
-        dataset=dataset_def, dataset_id=dataset_id or "", compression=compression),
-                               _target(service), timeout_s, wait_for_dispatcher,
-                               f"Registering dataset with {service}")
+    caller = dispatcher_caller(channel, "RegisterDataset", pb.RegisterDatasetResponse, auth_token)
+    response = call_dispatcher(
+      caller,
+      pb.RegisterDatasetRequest(
+        dataset=dataset_def, dataset_id=dataset_id or "", compression=compression
+      ),
+      _target(service),
+      timeout_s,
+      wait_for_dispatcher,
+      f"Registering dataset with {service}",
+    )
     return str(response.dataset_id)
   finally:
     channel.close()
 
 
-def _check_read_options(policy: ShardingPolicy, job_name: str | None,
-                        num_consumers: int | None, consumer_index: int | None,
-                        compression: str | None, max_outstanding_requests: int | None,
-                        data_transfer: str, round_timeout_s: float | None,
-                        visitation: str, ephemeral_sharing: bool, target: str) -> None:
+def _check_read_options(
+  policy: ShardingPolicy,
+  job_name: str | None,
+  num_consumers: int | None,
+  consumer_index: int | None,
+  compression: str | None,
+  max_outstanding_requests: int | None,
+  data_transfer: str,
+  round_timeout_s: float | None,
+  visitation: str,
+  ephemeral_sharing: bool,
+  target: str,
+  identical_worker_streams: bool,
+) -> None:
   if job_name is not None and (not isinstance(job_name, str) or not job_name):
     raise ValueError(f"job_name must be a non-empty string or None, got {job_name!r}.")
   if num_consumers is not None:
     if job_name is None:
       raise ValueError(
-          f"num_consumers={num_consumers} needs a job_name: the consumers of a "
-          "round-robin read share one job.")
+        f"num_consumers={num_consumers} needs a job_name: the consumers of a "
+        "round-robin read share one job."
+      )
     if not isinstance(num_consumers, int) or num_consumers < 1:
       raise ValueError(f"num_consumers must be an integer >= 1, got {num_consumers!r}.")
     if consumer_index is None:
       raise ValueError("num_consumers needs consumer_index in [0, num_consumers).")
   if consumer_index is not None and (
-      num_consumers is None or not isinstance(consumer_index, int)
-      or not 0 <= consumer_index < num_consumers):
-    raise ValueError(f"consumer_index must be an integer in [0, num_consumers="
-                     f"{num_consumers}), got {consumer_index!r}.")
+    num_consumers is None
+    or not isinstance(consumer_index, int)
+    or not 0 <= consumer_index < num_consumers
+  ):
+    raise ValueError(
+      f"consumer_index must be an integer in [0, num_consumers="
+      f"{num_consumers}), got {consumer_index!r}."
+    )
   if round_timeout_s is not None:
     if num_consumers is None:
-      raise ValueError(f"round_timeout_s={round_timeout_s!r} applies to round-robin "
-                       "reads only: pass num_consumers and consumer_index too.")
-    if (isinstance(round_timeout_s, bool) or not isinstance(round_timeout_s, (int, float))
-        or not round_timeout_s > 0):
-      raise ValueError(f"round_timeout_s must be a number of seconds > 0, got "
-                       f"{round_timeout_s!r}.")
+      raise ValueError(
+        f"round_timeout_s={round_timeout_s!r} applies to round-robin "
+        "reads only: pass num_consumers and consumer_index too."
+      )
+    if (
+      isinstance(round_timeout_s, bool)
+      or not isinstance(round_timeout_s, (int, float))
+      or not round_timeout_s > 0
+    ):
+      raise ValueError(f"round_timeout_s must be a number of seconds > 0, got {round_timeout_s!r}.")
   wire.check_compression(compression)
   if max_outstanding_requests is not None and (
-      not isinstance(max_outstanding_requests, int) or max_outstanding_requests < 1):
-    raise ValueError("max_outstanding_requests must be an integer >= 1 or None, got "
-                     f"{max_outstanding_requests!r}.")
+    not isinstance(max_outstanding_requests, int) or max_outstanding_requests < 1
+  ):
+    raise ValueError(
+      f"max_outstanding_requests must be an integer >= 1 or None, got {max_outstanding_requests!r}."
+    )
   if data_transfer not in DATA_TRANSFERS:
     raise ValueError(f"data_transfer must be one of {DATA_TRANSFERS}, got {data_transfer!r}.")
   if visitation not in VISITATIONS:
     raise ValueError(f"visitation must be one of {VISITATIONS}, got {visitation!r}.")
   if visitation == "exactly_once" and (
-      policy != ShardingPolicy.DYNAMIC or num_consumers is not None):
+    policy != ShardingPolicy.DYNAMIC or num_consumers is not None
+  ):
     raise ValueError(
-        "visitation='exactly_once' needs processing_mode='distributed_epoch' "
-        f"(DYNAMIC) and no num_consumers; got {policy.name} and "
-        f"num_consumers={num_consumers}.")
+      "visitation='exactly_once' needs processing_mode='distributed_epoch' "
+      f"(DYNAMIC) and no num_consumers; got {policy.name} and "
+      f"num_consumers={num_consumers}."
+    )
   if target == target_workers_lib.LOCAL and num_consumers is not None:
-    raise ValueError("Coordinated reads require non-local workers, but target_workers "
-                     f"is 'local' (num_consumers={num_consumers}).")
+    raise ValueError(
+      "Coordinated reads require non-local workers, but target_workers "
+      f"is 'local' (num_consumers={num_consumers})."
+    )
   if not isinstance(ephemeral_sharing, bool):
     raise ValueError(f"ephemeral_sharing must be True or False, got {ephemeral_sharing!r}.")
   if ephemeral_sharing and (policy != ShardingPolicy.OFF or num_consumers is not None):
     raise ValueError(
-        "ephemeral_sharing=True needs processing_mode='parallel_epochs' (OFF) and "
-        f"no num_consumers; got {policy.name} and num_consumers={num_consumers}.")
+      "ephemeral_sharing=True needs processing_mode='parallel_epochs' (OFF) and "
+      f"no num_consumers; got {policy.name} and num_consumers={num_consumers}."
+    )
+  if not isinstance(identical_worker_streams, bool):
+    raise ValueError(
+      f"identical_worker_streams must be True or False, got {identical_worker_streams!r}."
+    )
+  if identical_worker_streams and policy != ShardingPolicy.OFF:
+    raise ValueError(
+      "identical_worker_streams=True applies to processing_mode='parallel_epochs' "
+      f"(OFF), where every worker runs the whole pipeline; got {policy.name}."
+    )
 
 
 class DistributedNode(base.Node):
@@ -193,18 +243,32 @@ class DistributedNode(base.Node):
 
   op_name = "distribute"
 
-  def __init__(self, *, service: str, processing_mode: Any = "parallel_epochs",
-               dataset: Any = None, dataset_id: str | None = None,
-               job_name: str | None = None, num_consumers: int | None = None,
-               consumer_index: int | None = None, compression: str | None = None,
-               max_outstanding_requests: int | None = None,
-               auth_token: str | None = None, udf_secret: bytes | None = None,
-               tls: rpc.TLSConfig | None = None, data_transfer: str = "auto",
-               timeout_s: float = 60.0, round_timeout_s: float | None = None,
-               visitation: str = "at_most_once", ephemeral_sharing: bool = False,
-               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-               wait_for_dispatcher: bool = False, target_workers: str = "auto",
-               cross_trainer_cache: CrossTrainerCache | None = None):
+  def __init__(
+    self,
+    *,
+    service: str,
+    processing_mode: Any = "parallel_epochs",
+    dataset: Any = None,
+    dataset_id: str | None = None,
+    job_name: str | None = None,
+    num_consumers: int | None = None,
+    consumer_index: int | None = None,
+    compression: str | None = None,
+    max_outstanding_requests: int | None = None,
+    auth_token: str | None = None,
+    udf_secret: bytes | None = None,
+    tls: rpc.TLSConfig | None = None,
+    data_transfer: str = "auto",
+    timeout_s: float = 60.0,
+    round_timeout_s: float | None = None,
+    visitation: str = "at_most_once",
+    ephemeral_sharing: bool = False,
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+    wait_for_dispatcher: bool = False,
+    target_workers: str = "auto",
+    cross_trainer_cache: CrossTrainerCache | None = None,
+    identical_worker_streams: bool = False,
+  ):
     super().__init__(())
     if (dataset is None) == (dataset_id is None):
       raise ValueError("DistributedNode needs exactly one of dataset and dataset_id.")
@@ -214,16 +278,30 @@ class DistributedNode(base.Node):
     self.cross_trainer_cache = cross_trainer_cache
     if cross_trainer_cache is not None:  # tf.data's name for ephemeral sharing
       job_name = cross_trainer_cache_lib.trainer_job_name(
-          cross_trainer_cache, job_name, self.policy, num_consumers)
+        cross_trainer_cache, job_name, self.policy, num_consumers
+      )
       ephemeral_sharing = True
-    _check_read_options(self.policy, job_name, num_consumers, consumer_index, compression,
-                        max_outstanding_requests, data_transfer, round_timeout_s,
-                        visitation, ephemeral_sharing, self.target_workers)
+    _check_read_options(
+      self.policy,
+      job_name,
+      num_consumers,
+      consumer_index,
+      compression,
+      max_outstanding_requests,
+      data_transfer,
+      round_timeout_s,
+      visitation,
+      ephemeral_sharing,
+      self.target_workers,
+      identical_worker_streams,
+    )
     self.visitation = visitation
+    self.identical_worker_streams = identical_worker_streams
     self.ephemeral_sharing = ephemeral_sharing
     self.max_frame_bytes = wire.check_max_frame_bytes(max_frame_bytes)
-    self.dataset = None if dataset is None else task_pipeline.pipeline_node(
-        dataset, "distribute", self.policy)
+    self.dataset = (
+      None if dataset is None else task_pipeline.pipeline_node(dataset, "distribute", self.policy)
+    )
     if self.dataset is not None:
       spec_lib.to_dataset_def(self.dataset, udf_secret)  # fail early on bad UDFs
     self.dataset_id = dataset_id
@@ -238,24 +316,32 @@ class DistributedNode(base.Node):
     self.data_transfer = data_transfer
     self.timeout_s = timeout_s
     if not isinstance(wait_for_dispatcher, bool):
-      raise ValueError(f"wait_for_dispatcher must be True or False, got "
-                       f"{wait_for_dispatcher!r}.")
+      raise ValueError(f"wait_for_dispatcher must be True or False, got {wait_for_dispatcher!r}.")
     self.wait_for_dispatcher = wait_for_dispatcher
     self.round_timeout_s = None if round_timeout_s is None else float(round_timeout_s)
     self._lock = threading.Lock()
 
   def spec_params(self) -> dict[str, Any]:
-    return {"service": self.service, "processing_mode": self.policy.value,
-            "dataset": self.dataset, "dataset_id": self.dataset_id,
-            "job_name": self.job_name, "num_consumers": self.num_consumers,
-            "consumer_index": self.consumer_index, "compression": self.compression,
-            "max_outstanding_requests": self.max_outstanding_requests,
-            "data_transfer": self.data_transfer, "timeout_s": self.timeout_s,
-            "round_timeout_s": self.round_timeout_s, "visitation": self.visitation,
-            "ephemeral_sharing": self.ephemeral_sharing,
-            "max_frame_bytes": self.max_frame_bytes,
-            "wait_for_dispatcher": self.wait_for_dispatcher,
-            "target_workers": self.target_workers}
+    return {
+      "service": self.service,
+      "processing_mode": self.policy.value,
+      "dataset": self.dataset,
+      "dataset_id": self.dataset_id,
+      "job_name": self.job_name,
+      "num_consumers": self.num_consumers,
+      "consumer_index": self.consumer_index,
+      "compression": self.compression,
+      "max_outstanding_requests": self.max_outstanding_requests,
+      "data_transfer": self.data_transfer,
+      "timeout_s": self.timeout_s,
+      "round_timeout_s": self.round_timeout_s,
+      "visitation": self.visitation,
+      "ephemeral_sharing": self.ephemeral_sharing,
+      "max_frame_bytes": self.max_frame_bytes,
+      "wait_for_dispatcher": self.wait_for_dispatcher,
+      "target_workers": self.target_workers,
+      "identical_worker_streams": self.identical_worker_streams,
+    }
 
   def resolve_dataset_id(self) -> str:
     """Registers the pipeline on each read (so the dispatcher may start later,
@@ -263,9 +349,15 @@ class DistributedNode(base.Node):
     with self._lock:
       if self.dataset is not None:
         self.dataset_id = register_dataset(
-            self.service, self.dataset, self.compression, auth_token=self.auth_token,
-            udf_secret=self.udf_secret, tls=self.tls, timeout_s=self.timeout_s,
-            wait_for_dispatcher=self.wait_for_dispatcher)
+          self.service,
+          self.dataset,
+          self.compression,
+          auth_token=self.auth_token,
+          udf_secret=self.udf_secret,
+          tls=self.tls,
+          timeout_s=self.timeout_s,
+          wait_for_dispatcher=self.wait_for_dispatcher,
+        )
       assert self.dataset_id is not None  # distribute() or from_dataset_id() sets one
       return self.dataset_id
 
@@ -273,8 +365,9 @@ class DistributedNode(base.Node):
     return DistributedIterator(self)
 
 
-def _check_options(function: str, own: Iterable[str], other_input: str,
-                   options: dict[str, Any]) -> None:
+def _check_options(
+  function: str, own: Iterable[str], other_input: str, options: dict[str, Any]
+) -> None:
   """Refuses a keyword in `options` (what `function` passes on to
   `DistributedNode`) that `function` does not take, in the words of
   `function`, with the closest keyword it takes: a misspelled `visitation`
@@ -286,15 +379,24 @@ def _check_options(function: str, own: Iterable[str], other_input: str,
       takes = sorted((set(own) | passed_on) - {"options"})
       close = difflib.get_close_matches(key, takes, n=1)
       hint = f"; did you mean {close[0]!r}?" if close else "."
-      raise TypeError(f"{function}() got an unexpected keyword argument {key!r}{hint} "
-                      f"It takes: {', '.join(takes)}.")
+      raise TypeError(
+        f"{function}() got an unexpected keyword argument {key!r}{hint} "
+        f"It takes: {', '.join(takes)}."
+      )
 
 
-def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epochs",
-               job_name: str | None = None, num_consumers: int | None = None,
-               consumer_index: int | None = None, compression: str | None = None,
-               max_outstanding_requests: int | None = None,
-               round_timeout_s: float | None = None, **options: Any) -> Any:
+def distribute(
+  dataset: Any,
+  service: str,
+  processing_mode: Any = "parallel_epochs",
+  job_name: str | None = None,
+  num_consumers: int | None = None,
+  consumer_index: int | None = None,
+  compression: str | None = None,
+  max_outstanding_requests: int | None = None,
+  round_timeout_s: float | None = None,
+  **options: Any,
+) -> Any:
   """Runs `dataset` on the service's workers; returns a Dataset reading its output.
 
   Args:
@@ -353,7 +455,15 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
       pass the same value,
       cross_trainer_cache: a `CrossTrainerCache(trainer_id)`: tf.data's name
       for ephemeral sharing (needs job_name and parallel_epochs; see
-      `jaxfeed.service.client.cross_trainer_cache`).
+      `jaxfeed.service.client.cross_trainer_cache`),
+      identical_worker_streams: parallel_epochs only. False (default): each
+      worker streams the pipeline in its own order, worker i's samplers and
+      shuffles seeded from the pipeline's seeds and i (worker 0: the
+      pipeline's own order), as tf.data service's workers each read in
+      their own order; True: every worker streams the pipeline's own order,
+      so the reader gets identical streams interleaved (see
+      `jaxfeed.service.worker.worker_orders`). Consumers of a named job pass
+      the same value.
 
   Returns:
     A jaxfeed Dataset.
@@ -361,28 +471,51 @@ def distribute(dataset: Any, service: str, processing_mode: Any = "parallel_epoc
   Raises:
     TypeError: a keyword that is none of the above, with the closest one.
   """
-  _check_options("distribute", inspect.signature(distribute).parameters, "dataset_id",
-                 options)
+  _check_options("distribute", inspect.signature(distribute).parameters, "dataset_id", options)
   node = DistributedNode(
-      service=service, processing_mode=processing_mode, dataset=dataset,
-      job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
-      compression=compression, max_outstanding_requests=max_outstanding_requests,
-      round_timeout_s=round_timeout_s, **options)
+    service=service,
+    processing_mode=processing_mode,
+    dataset=dataset,
+    job_name=job_name,
+    num_consumers=num_consumers,
+    consumer_index=consumer_index,
+    compression=compression,
+    max_outstanding_requests=max_outstanding_requests,
+    round_timeout_s=round_timeout_s,
+    **options,
+  )
   return Dataset(node, getattr(dataset, "options", None))
 
 
-def from_dataset_id(processing_mode: Any, service: str, dataset_id: str,
-                    job_name: str | None = None, num_consumers: int | None = None,
-                    consumer_index: int | None = None, compression: str | None = None,
-                    max_outstanding_requests: int | None = None,
-                    round_timeout_s: float | None = None, **options: Any) -> Any:
+def from_dataset_id(
+  processing_mode: Any,
+  service: str,
+  dataset_id: str,
+  job_name: str | None = None,
+  num_consumers: int | None = None,
+  consumer_index: int | None = None,
+  compression: str | None = None,
+  max_outstanding_requests: int | None = None,
+  round_timeout_s: float | None = None,
+  **options: Any,
+) -> Any:
   """Reads a dataset registered with `register_dataset` (see `distribute`)."""
-  _check_options("from_dataset_id", inspect.signature(from_dataset_id).parameters,
-                 "dataset", options)
+  _check_options(
+    "from_dataset_id", inspect.signature(from_dataset_id).parameters, "dataset", options
+  )
   if not isinstance(dataset_id, str) or not dataset_id:
     raise ValueError(f"dataset_id must be a non-empty string, got {dataset_id!r}.")
-  return Dataset(DistributedNode(
-      service=service, processing_mode=processing_mode, dataset_id=dataset_id,
-      job_name=job_name, num_consumers=num_consumers, consumer_index=consumer_index,
-      compression=compression, max_outstanding_requests=max_outstanding_requests,
-      round_timeout_s=round_timeout_s, **options))
+  return Dataset(
+    DistributedNode(
+      service=service,
+      processing_mode=processing_mode,
+      dataset_id=dataset_id,
+      job_name=job_name,
+      num_consumers=num_consumers,
+      consumer_index=consumer_index,
+      compression=compression,
+      max_outstanding_requests=max_outstanding_requests,
+      round_timeout_s=round_timeout_s,
+      **options,
+    )
+  )

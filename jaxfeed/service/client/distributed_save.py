@@ -38,10 +38,22 @@ __all__ = ["distributed_save", "splittable_positions"]
 
 # Ops that turn each input element into elements of their own whatever
 # elements came before: chunks of positions give the pipeline's multiset.
-_PER_ELEMENT_OPS = frozenset({
-    "map", "random_map", "filter", "map_and_filter", "prefetch", "shuffle", "unbatch",
-    "flat_map", "interleave", "ignore_errors", "autocache", "with_options",
-})
+_PER_ELEMENT_OPS = frozenset(
+  {
+    "map",
+    "random_map",
+    "filter",
+    "map_and_filter",
+    "prefetch",
+    "shuffle",
+    "unbatch",
+    "flat_map",
+    "interleave",
+    "ignore_errors",
+    "autocache",
+    "with_options",
+  }
+)
 
 
 def splittable_positions(node: base.Node) -> int:
@@ -67,12 +79,21 @@ def _absolute(path: Any) -> str:
   return path if "://" in path else os.path.abspath(path)
 
 
-def distributed_save(dataset: Any, path: Any, service: str, wait: bool = False, *,
-                     compression: str | None = None, chunk_positions: int = 0,
-                     auth_token: str | None = None, udf_secret: bytes | None = None,
-                     tls: rpc.TLSConfig | None = None, timeout_s: float = 60.0,
-                     wait_for_dispatcher: bool = False,
-                     wait_timeout_s: float | None = None) -> None:
+def distributed_save(
+  dataset: Any,
+  path: Any,
+  service: str,
+  wait: bool = False,
+  *,
+  compression: str | None = None,
+  chunk_positions: int = 0,
+  auth_token: str | None = None,
+  udf_secret: bytes | None = None,
+  tls: rpc.TLSConfig | None = None,
+  timeout_s: float = 60.0,
+  wait_for_dispatcher: bool = False,
+  wait_timeout_s: float | None = None,
+) -> None:
   """Has the service's workers write `dataset`'s output to the folder `path`.
 
   Args:
@@ -106,16 +127,26 @@ def distributed_save(dataset: Any, path: Any, service: str, wait: bool = False, 
   save_format.array_record_options(compression)  # a ValueError here, before any call
   path = _absolute(path)
   pipeline, _ = task_pipeline.unwrap_options(node)
-  dataset_def = spec_lib.to_dataset_def(node, udf_secret,
-                                        num_positions=splittable_positions(pipeline))
-  target = service[len("grpc://"):] if service.startswith("grpc://") else service
+  dataset_def = spec_lib.to_dataset_def(
+    node, udf_secret, num_positions=splittable_positions(pipeline)
+  )
+  target = service[len("grpc://") :] if service.startswith("grpc://") else service
   channel = rpc.make_channel(target, tls=tls)
   try:
     caller = dispatcher_caller(channel, "StartSave", pb.StartSaveResponse, auth_token)
-    call_dispatcher(caller, pb.StartSaveRequest(
-        dataset=dataset_def, path=path, chunk_positions=chunk_positions,
-        compression=compression or ""), target, timeout_s, wait_for_dispatcher,
-        f"Starting the distributed save to {path} at {service}")
+    call_dispatcher(
+      caller,
+      pb.StartSaveRequest(
+        dataset=dataset_def,
+        path=path,
+        chunk_positions=chunk_positions,
+        compression=compression or "",
+      ),
+      target,
+      timeout_s,
+      wait_for_dispatcher,
+      f"Starting the distributed save to {path} at {service}",
+    )
   finally:
     channel.close()
   if wait:

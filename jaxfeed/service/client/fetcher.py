@@ -30,8 +30,9 @@ _ACK_EVERY = delivery.DEFAULT_WINDOW // 4  # items between acknowledgments
 # Statuses after which a fetcher connects to its worker again (NOT_FOUND: the
 # worker lost the task, it is given up); any other status is an error of the
 # pipeline and reaches the consumer.
-_WORKER_LOST = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND",
-                          "ABORTED", "OUT_OF_RANGE"})
+_WORKER_LOST = frozenset(
+  {"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND", "ABORTED", "OUT_OF_RANGE"}
+)
 
 
 class Keepalive(int):
@@ -52,8 +53,9 @@ class Fetcher:
   the dispatcher was away does not count: only it can say the worker died).
   """
 
-  def __init__(self, read: Any, task: pb.TaskInfo, out: queue.Queue,
-               stream: tuple[int, int] | None = None):
+  def __init__(
+    self, read: Any, task: pb.TaskInfo, out: queue.Queue, stream: tuple[int, int] | None = None
+  ):
     """`read` is the `jaxfeed.service.client.read.ReadState` it reads for;
     `stream`, for a read that follows its streams (`jaxfeed.service.
     stream_state`): (the stream's slot, the elements of it the worker drops
@@ -87,8 +89,9 @@ class Fetcher:
     self.last_error = ""  # of the last connection that failed
     # Seconds the dispatcher listed the task while no connection worked.
     self._unreachable_listed_s = 0.0
-    self.thread = threading.Thread(target=self._run, daemon=True,
-                                   name=f"jaxfeed-fetch-{task.task_id}")
+    self.thread = threading.Thread(
+      target=self._run, daemon=True, name=f"jaxfeed-fetch-{task.task_id}"
+    )
     self.thread.start()
 
   def _request(self, transport: str) -> dict:
@@ -96,14 +99,17 @@ class Fetcher:
     "memory"; see `wire.resolve_compression`)."""
     node = self._read.node
     # A read of a registered dataset that names no compression uses the dataset's.
-    compression = node.compression or ("" if node.dataset is not None
-                                       else self.task.compression)
-    return {"task_id": self.task.task_id,
-            "compression": wire.resolve_compression(compression, transport),
-            "consumer_index": node.consumer_index or 0, "round": 0,
-            "client_id": self._read.client_id, "received": self.received,
-            "window": 1 if self._one_split_at_a_time else delivery.DEFAULT_WINDOW,
-            "skip": self.stream[1] if self.stream else 0}
+    compression = node.compression or ("" if node.dataset is not None else self.task.compression)
+    return {
+      "task_id": self.task.task_id,
+      "compression": wire.resolve_compression(compression, transport),
+      "consumer_index": node.consumer_index or 0,
+      "round": 0,
+      "client_id": self._read.client_id,
+      "received": self.received,
+      "window": 1 if self._one_split_at_a_time else delivery.DEFAULT_WINDOW,
+      "skip": self.stream[1] if self.stream else 0,
+    }
 
   @property
   def _one_split_at_a_time(self) -> bool:
@@ -121,35 +127,50 @@ class Fetcher:
     read = self._read
     local = self._local_worker()
     if local is not None:
-      yield from self._connection_items(local_workers.LocalConnection(
-          local, {"token": self.task.read_ticket, **self._request("memory")}))
+      yield from self._connection_items(
+        local_workers.LocalConnection(
+          local, {"token": self.task.read_ticket, **self._request("memory")}
+        )
+      )
       return
     use_socket = read.node.data_transfer != "grpc" and self.task.data_address
     if read.node.data_transfer == "socket" and not self.task.data_address:
       # Retried: after a restart, the dispatcher lists the tasks of a worker
       # that has not registered again without its data address.
       raise data_socket.DataConnectionError(
-          f"The dispatcher lists no data socket of worker {self.task.worker_address} "
-          "(data_transfer='socket'): it serves none, or has not registered again "
-          "since the dispatcher restarted.", "UNAVAILABLE")
+        f"The dispatcher lists no data socket of worker {self.task.worker_address} "
+        "(data_transfer='socket'): it serves none, or has not registered again "
+        "since the dispatcher restarted.",
+        "UNAVAILABLE",
+      )
     if use_socket:
-      yield from self._connection_items(data_socket.DataConnection(
-          self.task.data_address, {"token": self.task.read_ticket, **self._request("socket")},
-          min(_STALL_S, read.node.timeout_s), ssl_context=read.ssl_context,
-          max_frame_bytes=read.node.max_frame_bytes))
+      yield from self._connection_items(
+        data_socket.DataConnection(
+          self.task.data_address,
+          {"token": self.task.read_ticket, **self._request("socket")},
+          min(_STALL_S, read.node.timeout_s),
+          ssl_context=read.ssl_context,
+          max_frame_bytes=read.node.max_frame_bytes,
+        )
+      )
       return
     channel = rpc.make_channel(self.task.worker_address, tls=read.node.tls)
     try:
       # Workers are given the task's read ticket, never the client's token.
-      caller = rpc.Caller(channel, _WORKER + "GetElements", None,
-                          self.task.read_ticket or None, streams=True)
+      caller = rpc.Caller(
+        channel, _WORKER + "GetElements", None, self.task.read_ticket or None, streams=True
+      )
       call = caller(pb.GetElementsRequest(**self._request("grpc")), timeout=None)
       self._connection = call
-      ack_call = rpc.Caller(channel, _WORKER + "AckElements", pb.AckElementsResponse,
-                            self.task.read_ticket or None)
-      self._send_ack = lambda received: ack_call(pb.AckElementsRequest(
-          task_id=self.task.task_id, client_id=read.client_id, received=received),
-          timeout=min(_STALL_S, read.node.timeout_s))
+      ack_call = rpc.Caller(
+        channel, _WORKER + "AckElements", pb.AckElementsResponse, self.task.read_ticket or None
+      )
+      self._send_ack = lambda received: ack_call(
+        pb.AckElementsRequest(
+          task_id=self.task.task_id, client_id=read.client_id, received=received
+        ),
+        timeout=min(_STALL_S, read.node.timeout_s),
+      )
       if self._cancelled:
         call.cancel()
       frames = element_chunks.FrameAssembler(read.node.max_frame_bytes)
@@ -194,8 +215,11 @@ class Fetcher:
           self.end_stats = conn.end_stats
           return
         kind, seq, frame, round_index = item
-        yield Keepalive(round_index) if kind == data_socket.KIND_KEEPALIVE else (
-            seq, frame, round_index, conn.split_stop if frame is None else 0)
+        yield (
+          Keepalive(round_index)
+          if kind == data_socket.KIND_KEEPALIVE
+          else (seq, frame, round_index, conn.split_stop if frame is None else 0)
+        )
     finally:
       conn.close()
 
@@ -230,30 +254,36 @@ class Fetcher:
           self.done = True
           return
         except (grpc.RpcError, data_socket.DataConnectionError, OSError) as e:
-          status = (e.code().name if isinstance(e, grpc.RpcError)
-                    else getattr(e, "status", "UNAVAILABLE"))
+          status = (
+            e.code().name if isinstance(e, grpc.RpcError) else getattr(e, "status", "UNAVAILABLE")
+          )
           details = e.details() if isinstance(e, grpc.RpcError) else str(e)
-          where = (f"worker {self.task.worker_address} (task {self.task.task_id} of "
-                   f"job {self.task.job_id})")
+          where = (
+            f"worker {self.task.worker_address} (task {self.task.task_id} of "
+            f"job {self.task.job_id})"
+          )
           if self._cancelled or read.stop.is_set() or status == "NOT_FOUND":
             if not read.stop.is_set():
-              logging.warning("Lost %s (%s: %s); reading on from the others.",
-                              where, status, details)
+              logging.warning(
+                "Lost %s (%s: %s); reading on from the others.", where, status, details
+              )
             self.failed = True
             return
           if status not in _WORKER_LOST:
             self.failed = True
-            read.fail(rpc.ServiceError(
+            read.fail(
+              rpc.ServiceError(
                 f"Worker {self.task.worker_address} failed task {self.task.task_id} of "
-                f"dataset {self.task.dataset_id}: {status}: {details}"))
+                f"dataset {self.task.dataset_id}: {status}: {details}"
+              )
+            )
             return
           # Tried on until the dispatcher drops the task: only it can say
           # the worker died (the read fails when it lists it as alive for
           # timeout_s, see `unreachable_listed`).
           self.failing_since = self.failing_since or time.monotonic()
           self.last_error = f"{status}: {details}"
-          logging.info("Connection to %s broke (%s: %s); connecting again.",
-                       where, status, details)
+          logging.info("Connection to %s broke (%s: %s); connecting again.", where, status, details)
         finally:
           self.heard_at = None
           self._connection = self._send_ack = self._ack_error = None
@@ -278,8 +308,9 @@ class Fetcher:
       if seq < self.received:  # already had it
         return True
       raise rpc.ServiceError(
-          f"Worker {self.task.worker_address} sent item {seq} of task "
-          f"{self.task.task_id}'s stream after item {self.received - 1}: items were lost.")
+        f"Worker {self.task.worker_address} sent item {seq} of task "
+        f"{self.task.task_id}'s stream after item {self.received - 1}: items were lost."
+      )
     self.received += 1
     taken = True
     if read.node.visitation != "exactly_once":
@@ -290,16 +321,20 @@ class Fetcher:
     else:
       if any(r != round_index for _, r in split):
         raise rpc.ServiceError(
-            f"Worker {self.task.worker_address} ended split {round_index} "
-            "after elements of another split.")
+          f"Worker {self.task.worker_address} ended split {round_index} "
+          "after elements of another split."
+        )
       whole, split[:] = list(split), []
       if read.ack(round_index):  # else sent again: this read already had it
         for element in read.progress.arrived(round_index, split_stop, whole):
           taken = taken and self._put(element)
       if self._one_split_at_a_time and self._send_ack is not None and not self._cancelled:
         self._acknowledge()  # handed on: the worker may send the next
-    if (self.received - self._acked >= _ACK_EVERY and self._send_ack is not None
-        and not self._cancelled):
+    if (
+      self.received - self._acked >= _ACK_EVERY
+      and self._send_ack is not None
+      and not self._cancelled
+    ):
       self._acknowledge()
     return taken
 
@@ -338,10 +373,11 @@ class Fetcher:
     if self._unreachable_listed_s <= timeout_s:
       return None
     return rpc.ServiceError(
-        f"Cannot reach worker {self.task.worker_address} (task {self.task.task_id} of "
-        f"job {self.task.job_id}) for {self._unreachable_listed_s:.0f} s although the "
-        f"dispatcher lists it as alive (timeout_s={timeout_s:g}); last error: "
-        f"{self.last_error}")
+      f"Cannot reach worker {self.task.worker_address} (task {self.task.task_id} of "
+      f"job {self.task.job_id}) for {self._unreachable_listed_s:.0f} s although the "
+      f"dispatcher lists it as alive (timeout_s={timeout_s:g}); last error: "
+      f"{self.last_error}"
+    )
 
   @property
   def on_socket(self) -> bool:
@@ -353,8 +389,11 @@ class Fetcher:
     brought nothing for _STALL_S while the fetcher waited for it."""
     heard_at = self.heard_at
     if heard_at is not None and now - heard_at > _STALL_S and not self._cancelled:
-      logging.warning("No data or keepalive from worker %s for %.0f s: connecting again.",
-                      self.task.worker_address, now - heard_at)
+      logging.warning(
+        "No data or keepalive from worker %s for %.0f s: connecting again.",
+        self.task.worker_address,
+        now - heard_at,
+      )
       self.heard_at = None
       self._close_connection()
 

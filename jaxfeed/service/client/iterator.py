@@ -108,15 +108,20 @@ class DistributedIterator(base.OpIterator):
     """
     fetchers = list(self._read.fetchers.values())
     rows = self._worker_rows.rows(
-        [f.task for f in fetchers if not f.done],
-        [(f.task, f.end_stats) for f in fetchers if f.done and f.end_stats],
-        self._read.node.tls)
-    stats = {"ops": rows + super().stats()["ops"],
-             "rounds_received": self._elements if self._read.node.num_consumers else 0,
-             **self._skipped, "workers": {}}
+      [f.task for f in fetchers if not f.done],
+      [(f.task, f.end_stats) for f in fetchers if f.done and f.end_stats],
+      self._read.node.tls,
+    )
+    stats = {
+      "ops": rows + super().stats()["ops"],
+      "rounds_received": self._elements if self._read.node.num_consumers else 0,
+      **self._skipped,
+      "workers": {},
+    }
     for fetcher in fetchers:
-      counters = {key: value for key, value in fetcher.end_stats.items()
-                  if key != task_stats.END_ROWS_KEY}
+      counters = {
+        key: value for key, value in fetcher.end_stats.items() if key != task_stats.END_ROWS_KEY
+      }
       if counters:
         stats["workers"][fetcher.task.worker_address] = counters
         for key, value in counters.items():
@@ -130,10 +135,13 @@ class DistributedIterator(base.OpIterator):
     the workers it read from, batches received, reconnections."""
     read = self._read
     fetchers = list(read.fetchers.values())
-    return {"elements": read.consumed, "read_wait_seconds": round(read.wait_s, 4),
-            "service_workers": len({f.task.worker_address for f in fetchers}),
-            "received": sum(f.received for f in fetchers),
-            "reconnects": sum(f.reconnects for f in fetchers)}
+    return {
+      "elements": read.consumed,
+      "read_wait_seconds": round(read.wait_s, 4),
+      "service_workers": len({f.task.worker_address for f in fetchers}),
+      "received": sum(f.received for f in fetchers),
+      "reconnects": sum(f.reconnects for f in fetchers),
+    }
 
   def _stats_buffer_fill(self) -> float | None:
     return self._read.buffer.qsize() / self._read.capacity
@@ -160,8 +168,12 @@ class DistributedIterator(base.OpIterator):
     lost = self._read.lost_positions
     if lost and not self._lost_warned:
       self._lost_warned = True
-      warnings.warn(split_failures.PositionsLostWarning(
-          split_failures.lost_message(self._read.dataset_id, lost)), stacklevel=4)
+      warnings.warn(
+        split_failures.PositionsLostWarning(
+          split_failures.lost_message(self._read.dataset_id, lost)
+        ),
+        stacklevel=4,
+      )
     raise StopIteration
 
   def _next_element(self) -> Any:
@@ -203,8 +215,7 @@ class DistributedIterator(base.OpIterator):
 
   def _drained(self, fetcher: Fetcher) -> bool:
     # `ended` first: once the thread ended, nothing more is put.
-    return (fetcher.ended and fetcher.out.empty()
-            and fetcher.task.task_id not in self._heads)
+    return fetcher.ended and fetcher.out.empty() and fetcher.task.task_id not in self._heads
 
   def _next_round(self) -> Any:
     read = self._read
@@ -216,7 +227,8 @@ class DistributedIterator(base.OpIterator):
       read.check_progress(waiting_since)
       by_index, num_workers = read.round_fetchers()
       if all(self._drained(f) for f in by_index.values()) and (
-          read.finished or (by_index and len(by_index) >= num_workers)):
+        read.finished or (by_index and len(by_index) >= num_workers)
+      ):
         self._count_rounds_never_reached(by_index, num_workers)
         raise StopIteration
       index = self._round % num_workers if num_workers else 0
@@ -266,15 +278,20 @@ class DistributedIterator(base.OpIterator):
       made = fetcher.end_stats.get("rounds", 0)
       first = max(0, -(-(self._round - index) // num_workers))
       self._skipped["rounds_skipped"] += max(0, made - first)
-    self._round = max(self._round, max(
-        (f.end_stats.get("rounds", 0) * num_workers for f in by_index.values()), default=0))
+    self._round = max(
+      self._round,
+      max((f.end_stats.get("rounds", 0) * num_workers for f in by_index.values()), default=0),
+    )
     self._ended_pending = 0
 
   def _get_own_state(self) -> dict:
     read = self._read
     if read.node.visitation == "exactly_once":
-      state = {"elements_read": self._elements, "splits": read.progress.state(),
-               "job_name": read.node.job_name or ""}
+      state = {
+        "elements_read": self._elements,
+        "splits": read.progress.state(),
+        "job_name": read.node.job_name or "",
+      }
     elif read.streams is not None:
       state = {"elements_read": self._elements, "streams": read.streams.state()}
     else:
@@ -291,21 +308,27 @@ class DistributedIterator(base.OpIterator):
     node = self._read.node
     kwargs = None
     if isinstance(state, dict) and ("splits" in state or "streams" in state):
-      state_identity.check_identity(state.get("identity"), self._identity,
-                                    self.op_name, resharded=False)
+      state_identity.check_identity(
+        state.get("identity"), self._identity, self.op_name, resharded=False
+      )
     try:
       if node.visitation == "exactly_once" and isinstance(state, dict) and "splits" in state:
         # A state not marked by a restore (`read_state.merge_process_states`)
         # is this consumer's alone: its own restore.
-        kwargs = {"progress": read_state.SplitProgress(
-            state["splits"], state.get("restore_id") or read_state.new_restore_id())}
+        kwargs = {
+          "progress": read_state.SplitProgress(
+            state["splits"], state.get("restore_id") or read_state.new_restore_id()
+          )
+        }
       elif self._read.streams is not None and isinstance(state, dict) and "streams" in state:
         _check_index_based(node)
-        kwargs = {"streams": stream_state.StreamProgress(state["streams"])}
+        streams = stream_state.StreamProgress(state["streams"])
+        streams.check_orders(node.identical_worker_streams)
+        kwargs = {"streams": streams}
     except read_state.ResumeStateError as e:
       raise base.PipelineStateError(str(e)) from e
     if kwargs is not None:
-      (name, restored), = kwargs.items()
+      ((name, restored),) = kwargs.items()
       if restored.started or getattr(self._read, name).started:
         reaper.close_now(self._finalizer, self._read)  # else: a fresh read either way
         self._read = client_read.ReadState(node, **kwargs)
@@ -314,13 +337,14 @@ class DistributedIterator(base.OpIterator):
       return
     if state.get("elements_read", 0) != self._elements:
       raise base.PipelineStateError(
-          f"A {node.policy.name} read with {node.visitation} visitation"
-          f"{_sharing(node)} cannot resume at a position (state {str(state):.200}): "
-          "the workers' output order is not reproducible. Only distributed_epoch "
-          "reads with visitation='exactly_once' (see jaxfeed.service.protocol.read_state) "
-          "and parallel_epochs reads without job_name, num_consumers or "
-          "ephemeral_sharing (jaxfeed.service.protocol.stream_state) resume; start a new "
-          "read, e.g. restore_checkpoint(..., restore_loader=False).")
+        f"A {node.policy.name} read with {node.visitation} visitation"
+        f"{_sharing(node)} cannot resume at a position (state {str(state):.200}): "
+        "the workers' output order is not reproducible. Only distributed_epoch "
+        "reads with visitation='exactly_once' (see jaxfeed.service.protocol.read_state) "
+        "and parallel_epochs reads without job_name, num_consumers or "
+        "ephemeral_sharing (jaxfeed.service.protocol.stream_state) resume; start a new "
+        "read, e.g. restore_checkpoint(..., restore_loader=False)."
+      )
 
   def _close_own(self) -> None:
     reaper.close_now(self._finalizer, self._read)
@@ -360,7 +384,8 @@ def _check_index_based(node: Any) -> None:
     index_ranges.split_input(node.dataset)
   except index_ranges.NotIndexAddressableError as e:
     raise base.PipelineStateError(
-        "A parallel_epochs read resumes only a pipeline with one index-based "
-        "input (range, from_tensor_slices, from_source, from_tfrecord), whose "
-        f"order every worker repeats; pipeline {str(node.dataset):.200} has none, "
-        "or several.") from e
+      "A parallel_epochs read resumes only a pipeline with one index-based "
+      "input (range, from_tensor_slices, from_source, from_tfrecord), whose "
+      f"order every worker repeats; pipeline {str(node.dataset):.200} has none, "
+      "or several."
+    ) from e

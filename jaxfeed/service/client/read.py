@@ -43,8 +43,12 @@ END = object()  # put in the buffer when a read is over, to wake its consumer
 def follows_streams(node: Any) -> bool:
   """Whether a read follows its streams to resume (`jaxfeed.service.
   stream_state`): parallel_epochs, not shared, not round-robin."""
-  return (node.policy == ShardingPolicy.OFF and not node.job_name
-          and not node.num_consumers and not node.ephemeral_sharing)
+  return (
+    node.policy == ShardingPolicy.OFF
+    and not node.job_name
+    and not node.num_consumers
+    and not node.ephemeral_sharing
+  )
 
 
 def check_local_workers(node: Any) -> None:
@@ -52,17 +56,22 @@ def check_local_workers(node: Any) -> None:
   runs no worker (tf.data's check)."""
   if node.target_workers == target_workers.LOCAL and local_workers.empty():
     raise ValueError(
-        "Local reads require local workers, but no local worker is found: "
-        "target_workers='local' reads only the workers of this process; start a "
-        "jaxfeed.service.WorkerServer in it first (with the dispatcher's address), "
-        "or read with target_workers='auto' or 'any'.")
+      "Local reads require local workers, but no local worker is found: "
+      "target_workers='local' reads only the workers of this process; start a "
+      "jaxfeed.service.WorkerServer in it first (with the dispatcher's address), "
+      "or read with target_workers='auto' or 'any'."
+    )
 
 
 class ReadState:
   """Everything a read's threads share; the iterator owns and closes it."""
 
-  def __init__(self, node: Any, progress: read_state.SplitProgress | None = None,
-               streams: stream_state.StreamProgress | None = None):
+  def __init__(
+    self,
+    node: Any,
+    progress: read_state.SplitProgress | None = None,
+    streams: stream_state.StreamProgress | None = None,
+  ):
     """`node` is the `jaxfeed.service.client.distribute.DistributedNode` read;
     `progress`, what a restored exactly-once read's consumer took before;
     `streams`, what a restored parallel_epochs read's consumer took."""
@@ -72,8 +81,7 @@ class ReadState:
     # Exactly-once: what the consumer took (a restored read goes on from it).
     self.progress = progress or read_state.SplitProgress()
     # Reads that can resume per stream: what the consumer took of each.
-    self.streams = streams or (stream_state.StreamProgress()
-                               if follows_streams(node) else None)
+    self.streams = streams or (stream_state.StreamProgress() if follows_streams(node) else None)
     self._first_tasks = True  # no task listed yet
     self.job_started = time.monotonic()  # reset once the job exists
     self.stop = threading.Event()
@@ -113,8 +121,9 @@ class ReadState:
     self.goodbye_ticket = ""
     self.channel = rpc.make_channel(node.service, tls=node.tls)
     self.ssl_context = node.tls.client_ssl_context() if node.tls is not None else None
-    self.manager = threading.Thread(target=self._manage, daemon=True,
-                                    name="jaxfeed-distribute-manager")
+    self.manager = threading.Thread(
+      target=self._manage, daemon=True, name="jaxfeed-distribute-manager"
+    )
     self.manager.start()
 
   # -- shared helpers -----------------------------------------------------------
@@ -155,11 +164,21 @@ class ReadState:
         self._end()  # every stream was over when the state was taken
         return
       dataset_id = self.dataset_id = node.resolve_dataset_id()
-      job = job_calls.join_job(node, self.channel, dataset_id, self.progress, self.process)
+      job = job_calls.join_job(
+        node,
+        self.channel,
+        dataset_id,
+        self.progress,
+        self.process,
+        self.streams.open_orders()
+        if self.streams is not None and not node.identical_worker_streams
+        else (),
+      )
       self.job_id, self.client_id = job.job_id, job.client_id
       self.job_started = time.monotonic()
-      heartbeat = job_calls.dispatcher_caller(self.channel, "ClientHeartbeat",
-                                               pb.ClientHeartbeatResponse, node.auth_token)
+      heartbeat = job_calls.dispatcher_caller(
+        self.channel, "ClientHeartbeat", pb.ClientHeartbeatResponse, node.auth_token
+      )
       last_ok = time.monotonic()
       # The last task list and its version: the dispatcher leaves the tasks
       # out of its answer while they stay the same.
@@ -175,26 +194,32 @@ class ReadState:
           with self.lock:
             acks = list(self.acks)
           try:
-            response = heartbeat(pb.ClientHeartbeatRequest(
-                job_id=self.job_id, client_id=self.client_id, acked_splits=acks,
-                elements_consumed=self.consumed, consumer_wait_s=self.wait_s,
+            response = heartbeat(
+              pb.ClientHeartbeatRequest(
+                job_id=self.job_id,
+                client_id=self.client_id,
+                acked_splits=acks,
+                elements_consumed=self.consumed,
+                consumer_wait_s=self.wait_s,
                 read_elapsed_s=time.monotonic() - self.started,
                 buffer_fill=self.buffer.qsize() / self.capacity,
-                known_tasks_version=tasks_version),
-                timeout=min(HEARTBEAT_TIMEOUT_S, node.timeout_s))
+                known_tasks_version=tasks_version,
+              ),
+              timeout=min(HEARTBEAT_TIMEOUT_S, node.timeout_s),
+            )
             last_ok = time.monotonic()
             self.dispatcher_away = self._away_logged = False
             if not response.acks_pending:  # else sent again until durable
               with self.lock:
-                del self.acks[:len(acks)]
+                del self.acks[: len(acks)]
           except grpc.RpcError as e:
             # A heartbeat sent while the dispatcher is stopped, restarts or
             # its connection was just cut may time out rather than fail
             # fast: all are an outage, which the read outlives.
-            if e.code() not in (grpc.StatusCode.UNAVAILABLE,
-                                grpc.StatusCode.DEADLINE_EXCEEDED):
-              raise rpc.ServiceError(f"Heartbeat for job {self.job_id} failed: "
-                                     f"{e.code().name}: {e.details()}") from e
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+              raise rpc.ServiceError(
+                f"Heartbeat for job {self.job_id} failed: {e.code().name}: {e.details()}"
+              ) from e
             self.dispatcher_away = True
             if self._outlive_dispatcher(last_ok, f"{e.code().name}: {e.details()}"):
               return
@@ -213,8 +238,9 @@ class ReadState:
         self._update_tasks(response)
         if self.finished:
           return
-        self.wake.wait(max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S,
-                           response.heartbeat_interval_s))
+        self.wake.wait(
+          max(heartbeat_pacing.CLIENT_DEFAULT_INTERVAL_S, response.heartbeat_interval_s)
+        )
     except BaseException as e:  # pylint: disable=broad-except
       self.fail(e)
 
@@ -235,35 +261,51 @@ class ReadState:
       fetcher.kick_if_stalled(now)
     if fetchers and all(f.done for f in fetchers):
       if now - max(last_ok, *(f.ended_at for f in fetchers)) < min(
-          node.timeout_s, _END_WITHOUT_DISPATCHER_S):
+        node.timeout_s, _END_WITHOUT_DISPATCHER_S
+      ):
         return False  # a dispatcher restarting in place says so itself
-      logging.warning("The dispatcher at %s does not answer (%s), and every worker of "
-                      "job %d sent its whole stream: the read ends.", node.service, error,
-                      self.job_id)
+      logging.warning(
+        "The dispatcher at %s does not answer (%s), and every worker of "
+        "job %d sent its whole stream: the read ends.",
+        node.service,
+        error,
+        self.job_id,
+      )
       self._end()
       return True
-    if any(not f.ended and now - (f.failing_since or now) <= node.timeout_s
-           for f in fetchers):  # a worker it still reaches, or may yet
+    if any(
+      not f.ended and now - (f.failing_since or now) <= node.timeout_s for f in fetchers
+    ):  # a worker it still reaches, or may yet
       if not self._away_logged:
         self._away_logged = True
-        logging.warning("The dispatcher at %s does not answer (%s): reading on from the "
-                        "workers of job %d until it is back.", node.service, error,
-                        self.job_id)
+        logging.warning(
+          "The dispatcher at %s does not answer (%s): reading on from the "
+          "workers of job %d until it is back.",
+          node.service,
+          error,
+          self.job_id,
+        )
       return False
     alone_since = max([last_ok] + [f.ended_at for f in fetchers])
     if now - alone_since > node.timeout_s:
       raise rpc.ServiceError(
-          f"The dispatcher at {node.service} has not answered for {now - last_ok:.0f} s "
-          f"and job {self.job_id} has no worker left to read from (for "
-          f"timeout_s={node.timeout_s:g} s); last error: {error}")
+        f"The dispatcher at {node.service} has not answered for {now - last_ok:.0f} s "
+        f"and job {self.job_id} has no worker left to read from (for "
+        f"timeout_s={node.timeout_s:g} s); last error: {error}"
+      )
     return False
 
   def _update_tasks(self, response: pb.ClientHeartbeatResponse) -> None:
     # Only the tasks of workers this read targets (round-robin reads read
     # every worker of their job, as tf.data's coordinated reads do).
-    listed = {t.task_id: t for t in response.tasks
-              if self.node.num_consumers or target_workers.reads(
-                  self.node.target_workers, self.process, t.worker_process, t.worker_tags)}
+    listed = {
+      t.task_id: t
+      for t in response.tasks
+      if self.node.num_consumers
+      or target_workers.reads(
+        self.node.target_workers, self.process, t.worker_process, t.worker_tags
+      )
+    }
     now = time.monotonic()
     # How long the dispatcher has listed the tasks since its last answer; an
     # answer after a longer silence (it was stopped or down) lists them now
@@ -290,7 +332,7 @@ class ReadState:
           raise error
       else:
         out = self.buffer if not self.node.num_consumers else queue.Queue(self.capacity)
-        stream = self.streams.assign() if self.streams is not None else None
+        stream = self.streams.assign(task.worker_index) if self.streams is not None else None
         fetcher = self.fetchers[task_id] = Fetcher(self, task, out, stream)
         if stream is not None:
           self.streams.reading(*stream, fetcher)
@@ -319,19 +361,21 @@ class ReadState:
       self._first_tasks = False
       if listed > wanted:
         raise read_state.ResumeStateError(
-            f"This parallel_epochs read was saved with {wanted} open worker "
-            f"streams, but its new job started with {listed} workers: it cannot "
-            "resume exactly, since each worker continues one stream and the "
-            "others would each add a whole epoch. Resume with as many workers "
-            "as the read had, or start a new read (restore_checkpoint(..., "
-            "restore_loader=False)).")
+          f"This parallel_epochs read was saved with {wanted} open worker "
+          f"streams, but its new job started with {listed} workers: it cannot "
+          "resume exactly, since each worker continues one stream and the "
+          "others would each add a whole epoch. Resume with as many workers "
+          "as the read had, or start a new read (restore_checkpoint(..., "
+          "restore_loader=False))."
+        )
     elif wanted and (job_finished or now - self.job_started > self.node.timeout_s):
       raise read_state.ResumeStateError(
-          f"{wanted} of the open worker streams this parallel_epochs read was "
-          f"saved with have no worker in its new job (at its end, or after "
-          f"timeout_s={self.node.timeout_s:g} s): it cannot resume exactly. Resume with as "
-          "many workers as the read had, or start a new read "
-          "(restore_checkpoint(..., restore_loader=False)).")
+        f"{wanted} of the open worker streams this parallel_epochs read was "
+        f"saved with have no worker in its new job (at its end, or after "
+        f"timeout_s={self.node.timeout_s:g} s): it cannot resume exactly. Resume with as "
+        "many workers as the read had, or start a new read "
+        "(restore_checkpoint(..., restore_loader=False))."
+      )
 
   def round_fetchers(self) -> tuple[dict[int, Fetcher], int]:
     """Round-robin reads: the fetcher of each worker index, and the number
@@ -352,8 +396,7 @@ class ReadState:
     if self.job_id and now - self._answered_at > self._interval_s + _AWAY_AFTER_S:
       return
     fetchers = list(self.fetchers.values())
-    last = max([waiting_since, self.job_started, self._back_at]
-               + [f.progress_at for f in fetchers])
+    last = max([waiting_since, self.job_started, self._back_at] + [f.progress_at for f in fetchers])
     timeout_s = self.node.timeout_s
     if now - last <= timeout_s:
       return
@@ -365,11 +408,12 @@ class ReadState:
     else:
       state = "its workers: " + "; ".join(_fetcher_state(f, now) for f in live)
     raise rpc.ServiceError(
-        f"No element of dataset {self.dataset_id or '?'} (job {self.job_id}) came for "
-        f"{now - last:.0f} s, and no worker made progress on it (timeout_s="
-        f"{timeout_s:g}); {state}. A UDF that never returns on some record looks "
-        "like this: its worker lives, so the records it holds are not read "
-        "elsewhere. Raise timeout_s if the pipeline's first element may take longer.")
+      f"No element of dataset {self.dataset_id or '?'} (job {self.job_id}) came for "
+      f"{now - last:.0f} s, and no worker made progress on it (timeout_s="
+      f"{timeout_s:g}); {state}. A UDF that never returns on some record looks "
+      "like this: its worker lives, so the records it holds are not read "
+      "elsewhere. Raise timeout_s if the pipeline's first element may take longer."
+    )
 
   def close(self) -> None:
     """Stops the read's threads and leaves the job, within CLOSE_TIMEOUT_S
@@ -388,11 +432,18 @@ class ReadState:
     for fetcher in list(self.fetchers.values()):
       fetcher.thread.join(timeout=max(0.0, deadline - time.monotonic()))
     if self.client_id:
-      job_calls.leave_job(self.channel, self.node, self.job_id, self.client_id,
-                          streaming if self.goodbye_via_worker else [], self.goodbye_ticket,
-                          self.ssl_context)
+      job_calls.leave_job(
+        self.channel,
+        self.node,
+        self.job_id,
+        self.client_id,
+        streaming if self.goodbye_via_worker else [],
+        self.goodbye_ticket,
+        self.ssl_context,
+        self.consumed,
+        self.wait_s,
+      )
     self.channel.close()
-
 
 
 def _fetcher_state(fetcher: Fetcher, now: float) -> str:
@@ -400,6 +451,8 @@ def _fetcher_state(fetcher: Fetcher, now: float) -> str:
   or unreachable from here while the dispatcher lists it as alive."""
   where = f"{fetcher.task.worker_address} (task {fetcher.task.task_id})"
   if fetcher.failing_since is not None:
-    return (f"{where}: cannot reach it for {now - fetcher.failing_since:.0f} s although "
-            f"the dispatcher lists it as alive; last error: {fetcher.last_error}")
+    return (
+      f"{where}: cannot reach it for {now - fetcher.failing_since:.0f} s although "
+      f"the dispatcher lists it as alive; last error: {fetcher.last_error}"
+    )
   return f"{where}: nothing new for {now - fetcher.progress_at:.0f} s"

@@ -40,8 +40,9 @@ def _tagged(rows: Any, worker_address: str, task_id: int) -> list[dict] | None:
   return [{**row, "worker": worker_address, "task": task_id} for row in rows]
 
 
-def fetch_rows(worker_address: str, task_id: int, read_ticket: str,
-               tls: Any = None, timeout_s: float = TIMEOUT_S) -> list[dict] | None:
+def fetch_rows(
+  worker_address: str, task_id: int, read_ticket: str, tls: Any = None, timeout_s: float = TIMEOUT_S
+) -> list[dict] | None:
   """The task's rows from its worker, tagged with `worker` and `task`; None
   when the worker did not answer or answered something malformed."""
   channel = rpc.make_channel(worker_address, tls=tls)
@@ -63,9 +64,11 @@ def refresh(known: dict[int, list[dict]], tasks: Iterable[Any], tls: Any = None)
   tasks = list(tasks)
   if tasks:
     with concurrent.futures.ThreadPoolExecutor(
-        min(8, len(tasks)), thread_name_prefix="jaxfeed-task-stats") as pool:
+      min(8, len(tasks)), thread_name_prefix="jaxfeed-task-stats"
+    ) as pool:
       answers = pool.map(
-          lambda t: fetch_rows(t.worker_address, t.task_id, t.read_ticket, tls), tasks)
+        lambda t: fetch_rows(t.worker_address, t.task_id, t.read_ticket, tls), tasks
+      )
       for task, rows in zip(tasks, answers):
         if rows is not None:
           known[task.task_id] = rows
@@ -80,8 +83,9 @@ class TaskRows:
     self._known: dict[int, list[dict]] = {}  # task id -> its tagged rows
     self._asked_at: float | None = None
 
-  def rows(self, running: Iterable[Any], ended: Iterable[tuple[Any, dict]],
-           tls: Any = None) -> list[dict]:
+  def rows(
+    self, running: Iterable[Any], ended: Iterable[tuple[Any, dict]], tls: Any = None
+  ) -> list[dict]:
     """Every known task's rows, in task order.
 
     Args:

@@ -259,7 +259,7 @@ class ScalingPolicy:
 
 
 def direction(change: int) -> str:
-  """ "up", "down" or "hold": a change of workers as the metrics name it."""
+  """The metrics' name of a change of workers: "up", "down" or "hold"."""
   return "up" if change > 0 else "down" if change < 0 else "hold"
 
 

@@ -11,6 +11,7 @@ from typing import Sequence
 
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import heartbeat_pacing
+from jaxfeed.service.dispatcher import job_counts
 from jaxfeed.service.dispatcher import task_lists
 from jaxfeed.service.dispatcher import workers as dispatcher_workers
 from jaxfeed.service.dispatcher.config import DispatcherConfig
@@ -34,6 +35,8 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
     self._reports: dict[int, tuple[int, float, float, float]] = {}
     self._sampled: dict[int, tuple[int, float, float, float]] = {}
     self._sampled_at = time.monotonic()
+    # What each job's consumers took, for --metrics_port (kept when clients leave).
+    self.job_counts = job_counts.JobCounts()
     # The live clients' hosts, for max_jobs_per_host (clients replayed from
     # the journal count for no host).
     self._client_hosts: dict[int, str] = {}
@@ -48,16 +51,24 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
     # splits, until that batch is durable (heartbeats wait for no fsync).
     self._ack_batches: dict[int, int] = {}
 
-  def client_heartbeat(self, job_id: int, client_id: int,
-                       acked_splits: Sequence[int] = (),
-                       report: pb.ClientHeartbeatRequest | None = None
-                       ) -> pb.ClientHeartbeatResponse:
+  def client_heartbeat(
+    self,
+    job_id: int,
+    client_id: int,
+    acked_splits: Sequence[int] = (),
+    report: pb.ClientHeartbeatRequest | None = None,
+  ) -> pb.ClientHeartbeatResponse:
     return pb.ClientHeartbeatResponse.FromString(
-        self.client_heartbeat_wire(job_id, client_id, acked_splits, report))
+      self.client_heartbeat_wire(job_id, client_id, acked_splits, report)
+    )
 
-  def client_heartbeat_wire(self, job_id: int, client_id: int,
-                            acked_splits: Sequence[int] = (),
-                            report: pb.ClientHeartbeatRequest | None = None) -> bytes:
+  def client_heartbeat_wire(
+    self,
+    job_id: int,
+    client_id: int,
+    acked_splits: Sequence[int] = (),
+    report: pb.ClientHeartbeatRequest | None = None,
+  ) -> bytes:
     """`client_heartbeat`'s answer, serialized: the task list is serialized
     once per change, not once per heartbeat."""
     with self.lock:
@@ -70,9 +81,13 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
         raise rpc.NotFoundError(f"Client {client_id} is not reading job {job_id}.")
       job.clients[client_id] = time.monotonic()
       if report is not None and report.read_elapsed_s > 0:
-        self._reports[client_id] = (report.elements_consumed, report.consumer_wait_s,
-                                    report.read_elapsed_s,
-                                    min(max(report.buffer_fill, 0.0), 1.0))
+        self._reports[client_id] = (
+          report.elements_consumed,
+          report.consumer_wait_s,
+          report.read_elapsed_s,
+          min(max(report.buffer_fill, 0.0), 1.0),
+        )
+        self.job_counts.report(job_id, client_id, report.elements_consumed, report.consumer_wait_s)
       acked = sorted(s for s in set(acked_splits) if s in job.unacked or s in job.reissue)
       if acked:
         self._record({"kind": "splits_acked", "job_id": job_id, "starts": acked})
@@ -90,19 +105,27 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
       else:
         finished = bool(job.tasks) and done
       if job.fixed_workers is not None and self.listed_workers(job):
-        finished = finished and len({  # every listed worker's shard was read
-            t.worker_index for t in job.tasks.values() if t.finished}) == len(job.fixed_workers)
+        finished = finished and len(
+          {  # every listed worker's shard was read
+            t.worker_index for t in job.tasks.values() if t.finished
+          }
+        ) == len(job.fixed_workers)
       elif job.fixed_workers is not None and len(job.tasks) < len(job.fixed_workers):
         finished = finished and not any(  # a fixed worker may still come back
-            a in self.workers for a in job.fixed_workers)
+          a in self.workers for a in job.fixed_workers
+        )
       live_clients, joins_per_s = self._client_load()
       pacing = self.config.heartbeat_pacing
       response = pb.ClientHeartbeatResponse(
-          job_finished=finished, tasks_version=task_list.version, acks_pending=acks_pending,
-          heartbeat_interval_s=pacing.client_interval(
-              live_clients, self.config.client_timeout_s, joins_per_s),
-          job_error=job.error,
-          lost_ranges=[pb.SplitRange(start=a, stop=b) for a, b in job.lost])
+        job_finished=finished,
+        tasks_version=task_list.version,
+        acks_pending=acks_pending,
+        heartbeat_interval_s=pacing.client_interval(
+          live_clients, self.config.client_timeout_s, joins_per_s
+        ),
+        job_error=job.error,
+        lost_ranges=[pb.SplitRange(start=a, stop=b) for a, b in job.lost],
+      )
       if pacing.goodbye_via_worker(live_clients):
         response.goodbye_via_worker = True
         if self._ticket_master is not None:
@@ -115,6 +138,7 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
 
   def _client_task_list(self, job: Job) -> task_lists.TaskList:
     """The job's tasks as its clients see them (lock held)."""
+
     def tasks():
       for t in job.tasks.values():
         worker = self.workers.get(t.worker_address)
@@ -123,8 +147,10 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
         # would never read it again.
         live = worker is not None or t.worker_address in self._awaited
         yield (t.task_id, worker.data_address if worker else "", live, t.finished)
+
     return self._task_lists.get(
-        job.job_id, tasks, lambda task_id: self._task_info(job.tasks[task_id], for_client=True))
+      job.job_id, tasks, lambda task_id: self._task_info(job.tasks[task_id], for_client=True)
+    )
 
   def _client_load(self) -> tuple[int, float]:
     """(clients of all jobs, counted at most every COUNT_EVERY_S; joins a
@@ -136,13 +162,20 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
       self._client_count = (now, count)
     return count, self._joins.per_s(now)
 
-  def release_client(self, job_id: int, client_id: int) -> None:
+  def release_client(
+    self, job_id: int, client_id: int, last_report: pb.ReleaseJobClientRequest | None = None
+  ) -> None:
+    """A client leaves; `last_report` carries its final counts."""
     with self.lock:
       self.lock.answer_without_fsync()  # a client that leaves waits for nothing
       self.goodbyes["call"] += 1
       job = self.jobs.get(job_id)
       if job is None or client_id not in job.clients:
         return
+      if last_report is not None:
+        self.job_counts.report(
+          job_id, client_id, last_report.elements_consumed, last_report.consumer_wait_s
+        )
       self.release_client_locked(job_id, client_id)
 
   def sample_clients(self) -> autoscale_lib.Sample | None:
@@ -166,12 +199,14 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
       span, self._sampled_at = now - self._sampled_at, now
     if not waits or span <= 0:
       return None
-    return autoscale_lib.Sample(elements_per_s=elements / span,
-                                wait_fraction=sum(waits) / len(waits),
-                                buffer_fill=sum(fills) / len(fills), num_clients=len(waits))
+    return autoscale_lib.Sample(
+      elements_per_s=elements / span,
+      wait_fraction=sum(waits) / len(waits),
+      buffer_fill=sum(fills) / len(fills),
+      num_clients=len(waits),
+    )
 
-  def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye],
-                        served_jobs: set[int]) -> None:
+  def _release_goodbyes(self, goodbyes: Sequence[pb.ClientGoodbye], served_jobs: set[int]) -> None:
     """Releases the clients whose goodbyes a worker forwarded, as
     ReleaseJobClient does (lock held). Ignored: a goodbye for a client
     released already (a repeated heartbeat, a client that called after all)
@@ -182,17 +217,25 @@ class ClientRegistry(dispatcher_workers.WorkerRegistry):
       master = self._ticket_master
       if job is None or goodbye.client_id not in job.clients:
         self.goodbyes["stale"] += 1
-      elif goodbye.job_id not in served_jobs or (master is not None and not rpc.hex_digest_matches(
-          rpc.goodbye_ticket(master, goodbye.job_id, goodbye.client_id), goodbye.ticket)):
+      elif goodbye.job_id not in served_jobs or (
+        master is not None
+        and not rpc.hex_digest_matches(
+          rpc.goodbye_ticket(master, goodbye.job_id, goodbye.client_id), goodbye.ticket
+        )
+      ):
         self.goodbyes["refused"] += 1
       else:
         self.goodbyes["worker"] += 1
+        self.job_counts.report(
+          goodbye.job_id, goodbye.client_id, goodbye.elements_consumed, goodbye.consumer_wait_s
+        )
         self.release_client_locked(goodbye.job_id, goodbye.client_id)
 
   def release_client_locked(self, job_id: int, client_id: int) -> None:
     self._record({"kind": "client_released", "job_id": job_id, "client_id": client_id})
     self._forget_host(client_id)
     self._ack_batches.pop(client_id, None)
+    self.job_counts.client_left(job_id, client_id)
     job = self.jobs[job_id]
     if job.clients:
       return

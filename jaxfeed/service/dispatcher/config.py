@@ -111,62 +111,94 @@ class DispatcherConfig:
 
   def __post_init__(self):
     if not isinstance(self.heartbeat_pacing, heartbeat_pacing.HeartbeatPacing):
-      raise ValueError("DispatcherConfig: heartbeat_pacing must be a HeartbeatPacing, "
-                       f"got {self.heartbeat_pacing!r}.")
+      raise ValueError(
+        "DispatcherConfig: heartbeat_pacing must be a HeartbeatPacing, "
+        f"got {self.heartbeat_pacing!r}."
+      )
     if not isinstance(self.port, int) or not 0 <= self.port < 65536:
       raise ValueError(f"DispatcherConfig: port must be in [0, 65535], got {self.port!r}.")
-    for name in ("heartbeat_timeout_s", "client_timeout_s", "job_gc_timeout_s",
-                 "dataset_gc_timeout_s"):
+    for name in (
+      "heartbeat_timeout_s",
+      "client_timeout_s",
+      "job_gc_timeout_s",
+      "dataset_gc_timeout_s",
+    ):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"DispatcherConfig: {name} must be > 0 seconds, got {value!r}.")
     if self.journal_damage not in journal_replay.DAMAGE_POLICIES:
-      raise ValueError(f"DispatcherConfig: journal_damage must be one of "
-                       f"{journal_replay.DAMAGE_POLICIES}, got {self.journal_damage!r}.")
+      raise ValueError(
+        f"DispatcherConfig: journal_damage must be one of "
+        f"{journal_replay.DAMAGE_POLICIES}, got {self.journal_damage!r}."
+      )
     for name in ("snapshot_every_records", "snapshot_every_bytes"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 0:
         raise ValueError(
-            f"DispatcherConfig: {name} must be an integer >= 0 (0: off), got {value!r}.")
+          f"DispatcherConfig: {name} must be an integer >= 0 (0: off), got {value!r}."
+        )
     if not isinstance(self.split_size, int) or self.split_size < 1:
-      raise ValueError("DispatcherConfig: split_size must be an integer >= 1, "
-                       f"got {self.split_size!r}.")
-    if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
-      raise ValueError("DispatcherConfig: max_message_bytes must be an integer "
-                       f">= 1024, got {self.max_message_bytes!r}.")
-    if self.num_workers is not None and (
-        not isinstance(self.num_workers, int) or self.num_workers < 1):
-      raise ValueError("DispatcherConfig: num_workers must be None or >= 1, "
-                       f"got {self.num_workers!r}.")
-    object.__setattr__(self, "worker_addresses", _worker_addresses(self.worker_addresses))
-    if self.num_workers is not None and self.worker_addresses and (
-        self.num_workers != len(self.worker_addresses)):
       raise ValueError(
-          f"DispatcherConfig: num_workers={self.num_workers} but worker_addresses lists "
-          f"{len(self.worker_addresses)}; give one of them (or equal counts).")
+        f"DispatcherConfig: split_size must be an integer >= 1, got {self.split_size!r}."
+      )
+    if not isinstance(self.max_message_bytes, int) or self.max_message_bytes < 1024:
+      raise ValueError(
+        "DispatcherConfig: max_message_bytes must be an integer "
+        f">= 1024, got {self.max_message_bytes!r}."
+      )
+    if self.num_workers is not None and (
+      not isinstance(self.num_workers, int) or self.num_workers < 1
+    ):
+      raise ValueError(
+        f"DispatcherConfig: num_workers must be None or >= 1, got {self.num_workers!r}."
+      )
+    object.__setattr__(self, "worker_addresses", _worker_addresses(self.worker_addresses))
+    if (
+      self.num_workers is not None
+      and self.worker_addresses
+      and (self.num_workers != len(self.worker_addresses))
+    ):
+      raise ValueError(
+        f"DispatcherConfig: num_workers={self.num_workers} but worker_addresses lists "
+        f"{len(self.worker_addresses)}; give one of them (or equal counts)."
+      )
     for name in ("auth_token", "worker_token"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, str) or not value):
         raise ValueError(f"DispatcherConfig: {name} must be a non-empty string or None.")
     if (self.auth_token is None) != (self.worker_token is None):
       raise ValueError(
-          "DispatcherConfig: set both auth_token (for clients) and worker_token "
-          "(for workers), or neither: with one token only, anyone could take "
-          "the other role.")
+        "DispatcherConfig: set both auth_token (for clients) and worker_token "
+        "(for workers), or neither: with one token only, anyone could take "
+        "the other role."
+      )
     if self.auth_token is not None and self.auth_token == self.worker_token:
-      raise ValueError("DispatcherConfig: auth_token and worker_token must differ, "
-                       "so that clients cannot pose as workers.")
-    if (isinstance(self.max_split_attempts, bool) or not isinstance(self.max_split_attempts, int)
-        or self.max_split_attempts < 1):
-      raise ValueError("DispatcherConfig: max_split_attempts must be an integer >= 1, "
-                       f"got {self.max_split_attempts!r}.")
+      raise ValueError(
+        "DispatcherConfig: auth_token and worker_token must differ, "
+        "so that clients cannot pose as workers."
+      )
+    if (
+      isinstance(self.max_split_attempts, bool)
+      or not isinstance(self.max_split_attempts, int)
+      or self.max_split_attempts < 1
+    ):
+      raise ValueError(
+        "DispatcherConfig: max_split_attempts must be an integer >= 1, "
+        f"got {self.max_split_attempts!r}."
+      )
     if not isinstance(self.max_jobs_per_host, int) or self.max_jobs_per_host < 1:
-      raise ValueError("DispatcherConfig: max_jobs_per_host must be an integer >= 1, "
-                       f"got {self.max_jobs_per_host!r}.")
+      raise ValueError(
+        "DispatcherConfig: max_jobs_per_host must be an integer >= 1, "
+        f"got {self.max_jobs_per_host!r}."
+      )
     object.__setattr__(self, "udf_modules", import_paths.check_udf_modules(self.udf_modules))
     rpc.check_bind_is_safe(
-        "Dispatcher", self.host, self.authenticates, self.insecure,
-        "register pipelines that run their code on every worker, or pose as a worker")
+      "Dispatcher",
+      self.host,
+      self.authenticates,
+      self.insecure,
+      "register pipelines that run their code on every worker, or pose as a worker",
+    )
 
   @property
   def authenticates(self) -> bool:
@@ -185,10 +217,13 @@ def _worker_addresses(value: object) -> tuple[str, ...]:
   for entry in entries:
     if not isinstance(entry, str) or not entry or entry != entry.strip() or "," in entry:
       raise ValueError(
-          "DispatcherConfig: worker_addresses must be a list of \"host:port\", "
-          f"\"host\" or \"host:%port%\" strings, got {entry!r} in {value!r}.")
+        "DispatcherConfig: worker_addresses must be a list of \"host:port\", "
+        f"\"host\" or \"host:%port%\" strings, got {entry!r} in {value!r}."
+      )
   repeated = sorted({e for e in entries if entries.count(e) > 1})
   if repeated:
-    raise ValueError(f"DispatcherConfig: worker_addresses lists {repeated} more than "
-                     "once; each worker has one index.")
+    raise ValueError(
+      f"DispatcherConfig: worker_addresses lists {repeated} more than "
+      "once; each worker has one index."
+    )
   return entries

@@ -36,8 +36,7 @@ class DispatcherHealth:
     journal: its journal; None: always healthy.
   """
 
-  def __init__(self, server: grpc.Server, service_name: str,
-               journal: journal_lib.Journal | None):
+  def __init__(self, server: grpc.Server, service_name: str, journal: journal_lib.Journal | None):
     self._servicer = health.HealthServicer()
     self._names = ("", service_name)
     self._journal = journal

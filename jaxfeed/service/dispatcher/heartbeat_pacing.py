@@ -70,30 +70,43 @@ class HeartbeatPacing:
       if not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"HeartbeatPacing: {name} must be in (0, 1], got {value!r}.")
     if not isinstance(self.tasks_per_split_step, int) or self.tasks_per_split_step < 0:
-      raise ValueError("HeartbeatPacing: tasks_per_split_step must be an integer >= 0 "
-                       f"(0: fixed split size), got {self.tasks_per_split_step!r}.")
-    if (not isinstance(self.goodbye_via_worker_clients, int)
-        or self.goodbye_via_worker_clients < 0):
-      raise ValueError("HeartbeatPacing: goodbye_via_worker_clients must be an integer "
-                       f">= 0 (0: never), got {self.goodbye_via_worker_clients!r}.")
+      raise ValueError(
+        "HeartbeatPacing: tasks_per_split_step must be an integer >= 0 "
+        f"(0: fixed split size), got {self.tasks_per_split_step!r}."
+      )
+    if not isinstance(self.goodbye_via_worker_clients, int) or self.goodbye_via_worker_clients < 0:
+      raise ValueError(
+        "HeartbeatPacing: goodbye_via_worker_clients must be an integer "
+        f">= 0 (0: never), got {self.goodbye_via_worker_clients!r}."
+      )
 
   def worker_interval(self, num_workers: int, heartbeat_timeout_s: float) -> float:
     """Seconds between a worker's heartbeats; 0: the worker's own default."""
-    return heartbeat_interval(num_workers, self.worker_heartbeats_per_s,
-                              WORKER_DEFAULT_INTERVAL_S,
-                              heartbeat_timeout_s * self.worker_timeout_fraction)
+    return heartbeat_interval(
+      num_workers,
+      self.worker_heartbeats_per_s,
+      WORKER_DEFAULT_INTERVAL_S,
+      heartbeat_timeout_s * self.worker_timeout_fraction,
+    )
 
-  def client_interval(self, num_clients: int, client_timeout_s: float,
-                      joins_per_s: float = 0.0) -> float:
+  def client_interval(
+    self, num_clients: int, client_timeout_s: float, joins_per_s: float = 0.0
+  ) -> float:
     """Seconds between a client's heartbeats; 0: the client's own default.
 
     The joins (`joins_per_s`) take their share of the budget first, but
     leave the heartbeats at least HEARTBEAT_SHARE_LEFT of it.
     """
-    heartbeats_per_s = max(self.client_heartbeats_per_s - joins_per_s,
-                           self.client_heartbeats_per_s * HEARTBEAT_SHARE_LEFT)
-    return heartbeat_interval(num_clients, heartbeats_per_s, CLIENT_DEFAULT_INTERVAL_S,
-                              client_timeout_s * self.client_timeout_fraction)
+    heartbeats_per_s = max(
+      self.client_heartbeats_per_s - joins_per_s,
+      self.client_heartbeats_per_s * HEARTBEAT_SHARE_LEFT,
+    )
+    return heartbeat_interval(
+      num_clients,
+      heartbeats_per_s,
+      CLIENT_DEFAULT_INTERVAL_S,
+      client_timeout_s * self.client_timeout_fraction,
+    )
 
   def goodbye_via_worker(self, num_clients: int) -> bool:
     """Whether `num_clients` live clients say goodbye through their workers."""
@@ -106,8 +119,7 @@ class HeartbeatPacing:
     return base * -(-num_tasks // self.tasks_per_split_step)
 
 
-def heartbeat_interval(parties: int, calls_per_s: float, default_s: float,
-                       most_s: float) -> float:
+def heartbeat_interval(parties: int, calls_per_s: float, default_s: float, most_s: float) -> float:
   """The interval that keeps `parties` heartbeats near `calls_per_s` in total.
 
   Args:

@@ -17,8 +17,10 @@ applies its decisions through `jaxfeed.service.dispatcher.job_grants`:
 Jobs that fix their workers (static sharding, `num_consumers`) read the
 workers they fixed when they started and are not scaled.
 
-`job_workers` and `job_decisions` (by job label: its job_name, else its id)
-are what `--metrics_port` exports.
+`job_decisions` (by job label: its job_name, else its id) is what
+`--metrics_port` exports as jaxfeed_job_scaling_decisions_total, beside
+the dispatcher's jaxfeed_job_workers; `job_workers` is each job's count as
+the policy sees it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import threading
 import time
 from typing import Any, Iterator
 
+from jaxfeed.service import metrics
 from jaxfeed.service.dispatcher import autoscale as autoscale_lib
 from jaxfeed.service.dispatcher import job_grants
 from jaxfeed.service.dispatcher import job_scaling
@@ -37,11 +40,6 @@ _LOG = logging.getLogger(__name__)
 
 # Client reports: (elements consumed, seconds waited, seconds read, buffer fill).
 _Report = tuple[int, float, float, float]
-
-
-def job_label(job: Any) -> str:
-  """A job as an operator knows it: its job_name, else its id."""
-  return job.job_name or str(job.job_id)
 
 
 def job_sample(reports: list[tuple[_Report, _Report]]) -> job_scaling.JobSample | None:
@@ -117,8 +115,8 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
       draining = len(self.grants.draining)
       free = self.grants.free(state.workers, jobs)
       pids = {a: w.pid for a, w in state.workers.items()}
-      labels = {job_id: job_label(jobs[job_id]) for job_id in workers}
-      known = {job_label(job) for job in jobs.values()}
+      labels = {job_id: metrics.job_label(jobs[job_id].job_name, job_id) for job_id in workers}
+      known = {metrics.job_label(job.job_name, job.job_id) for job in jobs.values()}
     # A job's counts live as long as the job.
     for key in [k for k in self.job_decisions if k[0] not in known]:
       del self.job_decisions[key]
@@ -227,14 +225,10 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
       _LOG.exception("Stopping worker %s failed", address)
 
   def metric_families(self, gauge: Any, counter: Any) -> Iterator[Any]:
-    """jaxfeed_job_workers and jaxfeed_job_scaling_decisions (prometheus
-    families, from the given family classes)."""
-    workers = gauge(
-      "jaxfeed_job_workers", "Workers serving the job (per_job autoscaling).", labels=["job"]
-    )
-    for label, count in sorted(self.job_workers.items()):
-      workers.add_metric([label], count)
-    yield workers
+    """jaxfeed_job_scaling_decisions (a prometheus family, from the given
+    family classes); each job's workers are the dispatcher's
+    jaxfeed_job_workers."""
+    del gauge
     made = counter(
       "jaxfeed_job_scaling_decisions",
       "Per-job autoscaling decisions, by job, direction and reason.",

@@ -77,8 +77,9 @@ class _Save:
     if self.num_positions < 0:
       return pb.SaveChunk(index=index, start=0, stop=-1)
     start = index * self.chunk_positions
-    return pb.SaveChunk(index=index, start=start,
-                        stop=min(self.num_positions, start + self.chunk_positions))
+    return pb.SaveChunk(
+      index=index, start=start, stop=min(self.num_positions, start + self.chunk_positions)
+    )
 
 
 class SaveRegistry:
@@ -110,9 +111,15 @@ class SaveRegistry:
       return None
     meta = save_format.read_save(folder)
     dataset = pb.DatasetDef.FromString((folder / save_format.DATASET_PB).read_bytes())
-    save = _Save(path, dataset, meta["compression"] or "", meta["num_positions"],
-                 meta["chunk_positions"], meta["num_chunks"],
-                 set(save_format.committed_chunks(folder)))
+    save = _Save(
+      path,
+      dataset,
+      meta["compression"] or "",
+      meta["num_positions"],
+      meta["chunk_positions"],
+      meta["num_chunks"],
+      set(save_format.committed_chunks(folder)),
+    )
     self._saves[path] = save
     self._finish_if_done(save)
     return save
@@ -129,14 +136,12 @@ class SaveRegistry:
     """Registers the save (or resumes one of the same pipeline at its path)."""
     path = request.path
     if not path or not (os.path.isabs(path) or "://" in path):
-      raise ValueError(f"StartSave: path must be absolute (the workers' view of it), "
-                       f"got {path!r}.")
+      raise ValueError(f"StartSave: path must be absolute (the workers' view of it), got {path!r}.")
     spec_signature.check_signature(request.dataset, self._config.pickled_udf_secret)
     import_paths.check_spec_paths(request.dataset, self._config.udf_modules)
     save_format.array_record_options(request.compression or None)
     if request.chunk_positions < 0:
-      raise ValueError(f"StartSave: chunk_positions must be >= 0, got "
-                       f"{request.chunk_positions}.")
+      raise ValueError(f"StartSave: chunk_positions must be >= 0, got {request.chunk_positions}.")
     dataset = pb.DatasetDef()
     dataset.CopyFrom(request.dataset)
     dataset.fingerprint = spec_lib.fingerprint(request.dataset)
@@ -146,13 +151,17 @@ class SaveRegistry:
       if save is None and (folder / save_format.SAVE_JSON).exists():
         meta = save_format.read_save(folder)
         if (folder / save_format.MANIFEST_JSON).exists():
-          raise rpc.StatusError("ALREADY_EXISTS", f"{path} holds a complete saved dataset "
-                                "already: load it, or save to another folder.")
+          raise rpc.StatusError(
+            "ALREADY_EXISTS",
+            f"{path} holds a complete saved dataset already: load it, or save to another folder.",
+          )
         if meta.get("writer") != WRITER or meta.get("fingerprint") != dataset.fingerprint:
           raise rpc.StatusError(
-              "ALREADY_EXISTS", f"{path} holds an incomplete save of another pipeline "
-              f"(writer {meta.get('writer')!r}, fingerprint {meta.get('fingerprint')!r}); "
-              "remove it or save to another folder.")
+            "ALREADY_EXISTS",
+            f"{path} holds an incomplete save of another pipeline "
+            f"(writer {meta.get('writer')!r}, fingerprint {meta.get('fingerprint')!r}); "
+            "remove it or save to another folder.",
+          )
         if (folder / save_format.FAILED_JSON).exists():
           (folder / save_format.FAILED_JSON).unlink()  # asked again: it tries again
         if not (folder / save_format.DATASET_PB).exists():  # stopped before writing it
@@ -161,34 +170,41 @@ class SaveRegistry:
         self._write_registry()
       if save is not None:
         if save.dataset.fingerprint != dataset.fingerprint:
-          raise rpc.StatusError("ALREADY_EXISTS",
-                                f"{path} is being saved from another pipeline.")
-        return pb.StartSaveResponse(num_chunks=save.num_chunks,
-                                    chunks_done=len(save.committed))
+          raise rpc.StatusError("ALREADY_EXISTS", f"{path} is being saved from another pipeline.")
+        return pb.StartSaveResponse(num_chunks=save.num_chunks, chunks_done=len(save.committed))
       num_positions = int(dataset.num_positions)
       chunk_positions = int(request.chunk_positions) or default_chunk_positions(
-          max(num_positions, 0))
+        max(num_positions, 0)
+      )
       num_chunks = 1 if num_positions < 0 else math.ceil(num_positions / chunk_positions)
       try:
-        save_lib.start_folder(folder, {
-            "writer": WRITER, "fingerprint": dataset.fingerprint,
-            "compression": request.compression or None, "num_chunks": num_chunks,
-            "num_positions": num_positions, "chunk_positions": chunk_positions},
-            replace=False)
+        save_lib.start_folder(
+          folder,
+          {
+            "writer": WRITER,
+            "fingerprint": dataset.fingerprint,
+            "compression": request.compression or None,
+            "num_chunks": num_chunks,
+            "num_positions": num_positions,
+            "chunk_positions": chunk_positions,
+          },
+          replace=False,
+        )
       except FileExistsError as e:
         raise rpc.StatusError("ALREADY_EXISTS", str(e)) from None
       _write_dataset(folder, dataset)
-      save = _Save(path, dataset, request.compression, num_positions, chunk_positions,
-                   num_chunks)
+      save = _Save(path, dataset, request.compression, num_positions, chunk_positions, num_chunks)
       self._saves[path] = save
       self._write_registry()
       self._finish_if_done(save)
-      logging.info("Distributed save to %s: %d chunks of %d positions.", path,
-                   num_chunks, chunk_positions)
+      logging.info(
+        "Distributed save to %s: %d chunks of %d positions.", path, num_chunks, chunk_positions
+      )
       return pb.StartSaveResponse(num_chunks=num_chunks, chunks_done=0)
 
-  def chunks(self, request: pb.SaveChunksRequest,
-             live_workers: Mapping[str, str]) -> pb.SaveChunksResponse:
+  def chunks(
+    self, request: pb.SaveChunksRequest, live_workers: Mapping[str, str]
+  ) -> pb.SaveChunksResponse:
     """Takes a worker's committed chunks and hands it the next ones.
 
     `live_workers`: address -> incarnation of the workers alive now.
@@ -199,8 +215,10 @@ class SaveRegistry:
         return pb.SaveChunksResponse(finished=True)
       folder = epath.Path(save.path)
       for index in request.committed:
-        if 0 <= index < save.num_chunks and (
-            save_format.chunk_dir(folder, index) / save_format.CHUNK_JSON).exists():
+        if (
+          0 <= index < save.num_chunks
+          and (save_format.chunk_dir(folder, index) / save_format.CHUNK_JSON).exists()
+        ):
           save.committed.add(index)
           save.assigned.pop(index, None)
       worker = (request.worker_address, request.incarnation)
@@ -236,11 +254,12 @@ class SaveRegistry:
     if count < self._config.max_split_attempts:
       return False
     chunk = save.chunk(failure.index)
-    where = ("the whole pipeline" if chunk.stop < 0
-             else f"positions [{chunk.start}, {chunk.stop})")
-    error = (f"chunk {failure.index} ({where}) of dataset {save.dataset.fingerprint} "
-             f"raised {count} times (max_split_attempts={self._config.max_split_attempts}); "
-             f"the last error: {failure.error}")
+    where = "the whole pipeline" if chunk.stop < 0 else f"positions [{chunk.start}, {chunk.stop})"
+    error = (
+      f"chunk {failure.index} ({where}) of dataset {save.dataset.fingerprint} "
+      f"raised {count} times (max_split_attempts={self._config.max_split_attempts}); "
+      f"the last error: {failure.error}"
+    )
     save_format.write_json(epath.Path(save.path) / save_format.FAILED_JSON, {"error": error})
     del self._saves[save.path]
     self._write_registry()
@@ -252,8 +271,9 @@ class SaveRegistry:
     if len(save.committed) < save.num_chunks:
       return False
     folder = epath.Path(save.path)
-    save_format.finalize(folder, save_format.read_save(folder),
-                         save_format.committed_chunks(folder))
+    save_format.finalize(
+      folder, save_format.read_save(folder), save_format.committed_chunks(folder)
+    )
     del self._saves[save.path]
     self._write_registry()
     logging.info("Distributed save to %s is complete.", save.path)

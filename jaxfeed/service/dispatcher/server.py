@@ -83,7 +83,7 @@ class _DispatcherServicer:
 
   def ReleaseJobClient(self, request, context):
     del context
-    self.state.release_client(request.job_id, request.client_id)
+    self.state.release_client(request.job_id, request.client_id, request)
     return pb.ReleaseJobClientResponse()
 
   def WorkerHeartbeat(self, request, context):

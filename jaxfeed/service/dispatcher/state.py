@@ -28,6 +28,7 @@ from jaxfeed.service.worker import round_assembly
 
 
 _MAX_DATASET_ID = 256  # characters of a dataset id a user chose
+_MAX_RESUME_ORDERS = 65536  # worker streams a resumed parallel_epochs read continues
 
 
 class DispatcherState(dispatcher_clients.ClientRegistry):
@@ -39,16 +40,24 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
     self.replay_stats = journal_lib.ReplayStats()
     if config.work_dir:
       self._journal = journal_lib.Journal(
-          config.work_dir, config.journal_fsync, config.snapshot_every_records,
-          config.snapshot_every_bytes, config.journal_damage)
+        config.work_dir,
+        config.journal_fsync,
+        config.snapshot_every_records,
+        config.snapshot_every_bytes,
+        config.journal_damage,
+      )
       replay_started = time.monotonic()
       self.replaying = True
       self.replay_stats = self._journal.replay(self._apply)
       self.replaying = False
       self.replay_seconds = time.monotonic() - replay_started  # for --metrics_port
       deadline = time.monotonic() + config.heartbeat_timeout_s
-      self._awaited = {t.worker_address: deadline for job in self.jobs.values()
-                       for t in job.tasks.values() if not t.finished}
+      self._awaited = {
+        t.worker_address: deadline
+        for job in self.jobs.values()
+        for t in job.tasks.values()
+        if not t.finished
+      }
     self.lock = journal_lock.JournalLock(self._journal, self._live_records)
     self.lock.snapshot_now()  # files of the previous release: written again, checked
     with self.lock:
@@ -69,8 +78,9 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
     return self._journal
 
   # -- datasets -------------------------------------------------------------
-  def register_dataset(self, dataset_def: pb.DatasetDef, dataset_id: str = "",
-                       compression: str = "") -> str:
+  def register_dataset(
+    self, dataset_def: pb.DatasetDef, dataset_id: str = "", compression: str = ""
+  ) -> str:
     """Registers a pipeline; returns its dataset id.
 
     Args:
@@ -83,8 +93,10 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
     """
     _check_dataset_id(dataset_id)
     if compression not in (*wire.COMPRESSIONS, wire.COMPRESSION_AUTO):
-      raise ValueError(f"RegisterDataset: compression must be one of "
-                       f"{(*wire.COMPRESSIONS, wire.COMPRESSION_AUTO)}, got {compression!r:.40}.")
+      raise ValueError(
+        f"RegisterDataset: compression must be one of "
+        f"{(*wire.COMPRESSIONS, wire.COMPRESSION_AUTO)}, got {compression!r:.40}."
+      )
     spec_signature.check_signature(dataset_def, self.config.pickled_udf_secret)
     import_paths.check_spec_paths(dataset_def, self.config.udf_modules)
     if not dataset_def.graph_json:
@@ -99,13 +111,13 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
       self.lock.check_writable()
       if dataset_id:
         existing = dataset_id if dataset_id in self.datasets else None
-        if existing is not None and (
-            self.datasets[existing].fingerprint != trusted.fingerprint):
+        if existing is not None and (self.datasets[existing].fingerprint != trusted.fingerprint):
           raise ValueError(
-              f"Dataset id {dataset_id!r} is registered for another pipeline "
-              f"(fingerprint {self.datasets[existing].fingerprint}, this one "
-              f"{trusted.fingerprint}): a dataset id names one pipeline. Register "
-              "this one under another id, or without one.")
+            f"Dataset id {dataset_id!r} is registered for another pipeline "
+            f"(fingerprint {self.datasets[existing].fingerprint}, this one "
+            f"{trusted.fingerprint}): a dataset id names one pipeline. Register "
+            "this one under another id, or without one."
+          )
       else:
         existing = self.dataset_by_fingerprint.get(trusted.fingerprint)
       if existing is not None:
@@ -119,8 +131,14 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
         while dataset_id in self.datasets:  # a user chose it
           dataset_id = str(self._next_id())
         numbered = {"id": dataset_id}
-      self._record({"kind": "dataset", **numbered, "dataset_id": dataset_id,
-                    "def": base64.b64encode(trusted.SerializeToString()).decode()})
+      self._record(
+        {
+          "kind": "dataset",
+          **numbered,
+          "dataset_id": dataset_id,
+          "def": base64.b64encode(trusted.SerializeToString()).decode(),
+        }
+      )
       return dataset_id
 
   def dataset_def(self, dataset_id: str) -> pb.DatasetDef:
@@ -129,13 +147,13 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
       self.lock.answer_without_fsync()
       found = self.datasets.get(dataset_id)
     if found is None:
-      raise rpc.NotFoundError(self.unknown_id("dataset id", dataset_id,
-                                              "register the dataset first."))
+      raise rpc.NotFoundError(
+        self.unknown_id("dataset id", dataset_id, "register the dataset first.")
+      )
     return found
 
   # -- jobs -------------------------------------------------------------------
-  def get_or_create_job(self, request: pb.GetOrCreateJobRequest,
-                        host: str = "") -> tuple[int, int]:
+  def get_or_create_job(self, request: pb.GetOrCreateJobRequest, host: str = "") -> tuple[int, int]:
     """Returns (job id, client id); `host` is the client's, for max_jobs_per_host."""
     policy = to_sharding_policy(request.sharding_policy)
     _check_job_request(request, policy)
@@ -145,43 +163,61 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
       open_jobs = self._host_clients[host]
       if host and open_jobs >= self.config.max_jobs_per_host:
         raise rpc.StatusError(
-            "RESOURCE_EXHAUSTED",
-            f"Client host {host} already reads {open_jobs} jobs, the most "
-            f"max_jobs_per_host={self.config.max_jobs_per_host} allows "
-            "(--max_jobs_per_host): finish or release some first.")
+          "RESOURCE_EXHAUSTED",
+          f"Client host {host} already reads {open_jobs} jobs, the most "
+          f"max_jobs_per_host={self.config.max_jobs_per_host} allows "
+          "(--max_jobs_per_host): finish or release some first.",
+        )
       dataset_def = self.datasets.get(request.dataset_id)
       if dataset_def is None:
-        raise rpc.NotFoundError(self.unknown_id("dataset id", request.dataset_id,
-                                                "register the dataset first."))
+        raise rpc.NotFoundError(
+          self.unknown_id("dataset id", request.dataset_id, "register the dataset first.")
+        )
       job = None
       if request.job_name:
         job_id = self.job_by_name.get(request.job_name)
         job = self.jobs.get(job_id) if job_id is not None else None
-        if job is not None and (job.dataset_id != request.dataset_id or job.policy != policy
-                                or job.num_consumers != request.num_consumers
-                                or job.exactly_once != request.exactly_once
-                                or job.ephemeral_sharing != request.ephemeral_sharing):
+        if job is not None and (
+          job.dataset_id != request.dataset_id
+          or job.policy != policy
+          or job.num_consumers != request.num_consumers
+          or job.exactly_once != request.exactly_once
+          or job.ephemeral_sharing != request.ephemeral_sharing
+        ):
           raise ValueError(
-              f"Job {request.job_name!r} exists for dataset {job.dataset_id} with "
-              f"processing mode {job.policy.name}, num_consumers "
-              f"{job.num_consumers}, {_visitation(job.exactly_once)} visitation and "
-              f"ephemeral_sharing={job.ephemeral_sharing}; it cannot be read as "
-              f"dataset {request.dataset_id} with {policy.name} / num_consumers "
-              f"{request.num_consumers} / {_visitation(request.exactly_once)} / "
-              f"ephemeral_sharing={request.ephemeral_sharing}: every consumer of a "
-              "job must pass the same dataset, processing mode, num_consumers, "
-              "visitation and ephemeral_sharing.")
+            f"Job {request.job_name!r} exists for dataset {job.dataset_id} with "
+            f"processing mode {job.policy.name}, num_consumers "
+            f"{job.num_consumers}, {_visitation(job.exactly_once)} visitation and "
+            f"ephemeral_sharing={job.ephemeral_sharing}; it cannot be read as "
+            f"dataset {request.dataset_id} with {policy.name} / num_consumers "
+            f"{request.num_consumers} / {_visitation(request.exactly_once)} / "
+            f"ephemeral_sharing={request.ephemeral_sharing}: every consumer of a "
+            "job must pass the same dataset, processing mode, num_consumers, "
+            "visitation and ephemeral_sharing."
+          )
+        if job is not None and (job.identical_worker_streams != request.identical_worker_streams):
+          raise ValueError(
+            f"Job {request.job_name!r} is read with identical_worker_streams="
+            f"{job.identical_worker_streams}; a consumer asked for "
+            f"{request.identical_worker_streams}: every consumer of a job must "
+            "pass the same identical_worker_streams."
+          )
         if job is not None and job.target_workers != target:
           raise ValueError(
-              f"Job {request.job_name!r} is read with target_workers="
-              f"{job.target_workers!r}; a consumer asked for {target!r}: every "
-              "consumer of a job must pass the same target_workers.")
-        if job is not None and request.round_timeout_s and (
-            request.round_timeout_s != job.round_timeout_s):
+            f"Job {request.job_name!r} is read with target_workers="
+            f"{job.target_workers!r}; a consumer asked for {target!r}: every "
+            "consumer of a job must pass the same target_workers."
+          )
+        if (
+          job is not None
+          and request.round_timeout_s
+          and (request.round_timeout_s != job.round_timeout_s)
+        ):
           raise ValueError(
-              f"Job {request.job_name!r} has round_timeout_s "
-              f"{job.round_timeout_s}; a consumer asked for "
-              f"{request.round_timeout_s}: pass the same value (or none).")
+            f"Job {request.job_name!r} has round_timeout_s "
+            f"{job.round_timeout_s}; a consumer asked for "
+            f"{request.round_timeout_s}: pass the same value (or none)."
+          )
       if job is None:
         if policy == ShardingPolicy.DYNAMIC and dataset_def.num_positions == 0:
           pass  # an empty pipeline: the job finishes at once
@@ -189,35 +225,54 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
         partial = [[r.start, r.stop] for r in request.resume_partial]
         read_state.check_resume_ranges(done, partial, int(dataset_def.num_positions))
         job_id = self._next_id()
-        self._record({"kind": "job", "id": job_id, "dataset_id": request.dataset_id,
-                      **({"skip": read_state.merge_ranges(done + partial)}
-                         if done or partial else {}),
-                      "policy": policy.value, "job_name": request.job_name,
-                      "num_consumers": request.num_consumers,
-                      "num_positions": int(dataset_def.num_positions),
-                      "round_timeout_s": (request.round_timeout_s
-                                          or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
-                      "exactly_once": request.exactly_once,
-                      "ephemeral_sharing": request.ephemeral_sharing,
-                      **({"target_workers": target} if target != target_workers.AUTO
-                         else {})})
+        self._record(
+          {
+            "kind": "job",
+            "id": job_id,
+            "dataset_id": request.dataset_id,
+            **({"skip": read_state.merge_ranges(done + partial)} if done or partial else {}),
+            "policy": policy.value,
+            "job_name": request.job_name,
+            "num_consumers": request.num_consumers,
+            "num_positions": int(dataset_def.num_positions),
+            "round_timeout_s": (request.round_timeout_s or round_assembly.DEFAULT_ROUND_TIMEOUT_S),
+            "exactly_once": request.exactly_once,
+            "ephemeral_sharing": request.ephemeral_sharing,
+            **({"target_workers": target} if target != target_workers.AUTO else {}),
+            **({"identical_worker_streams": True} if request.identical_worker_streams else {}),
+            **(
+              {"resume_orders": list(request.resume_worker_indices)}
+              if request.resume_worker_indices
+              else {}
+            ),
+          }
+        )
         if partial:  # issued again first, whole
           self._record({"kind": "splits_lost", "job_id": job_id, "ranges": partial})
         job = self.jobs[job_id]
-      holder = next((c for c, i in job.consumers.items()
-                     if i == request.consumer_index), None) if job.num_consumers else None
+      holder = (
+        next((c for c, i in job.consumers.items() if i == request.consumer_index), None)
+        if job.num_consumers
+        else None
+      )
       if holder is not None:
         raise ValueError(
-            f"consumer_index {request.consumer_index} of job {job.job_name!r} is "
-            f"already being read by client {holder}: each consumer of a "
-            f"round-robin job needs its own index in [0, {job.num_consumers}). A "
-            "consumer that died is released after "
-            f"client_timeout_s={self.config.client_timeout_s:g} s without heartbeats.")
+          f"consumer_index {request.consumer_index} of job {job.job_name!r} is "
+          f"already being read by client {holder}: each consumer of a "
+          f"round-robin job needs its own index in [0, {job.num_consumers}). A "
+          "consumer that died is released after "
+          f"client_timeout_s={self.config.client_timeout_s:g} s without heartbeats."
+        )
       client_id = self._next_id()
-      self._record({"kind": "client", "id": client_id, "job_id": job.job_id,
-                    "consumer_index": request.consumer_index,
-                    **({"process": request.client_process} if request.client_process
-                       else {})})
+      self._record(
+        {
+          "kind": "client",
+          "id": client_id,
+          "job_id": job.job_id,
+          "consumer_index": request.consumer_index,
+          **({"process": request.client_process} if request.client_process else {}),
+        }
+      )
       if not job.tasks or len(job.tasks) < len(self.workers):
         self._assign_tasks(job)  # workers this client reads may lack a task
       self._joins.note(time.monotonic())
@@ -241,8 +296,12 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
         if now - worker.last_heartbeat <= self.config.heartbeat_timeout_s:
           continue
         how = self.how_lost(worker)
-        logging.warning("Worker %s missed heartbeats for %.1fs: declared dead (%s).",
-                        address, now - worker.last_heartbeat, how)
+        logging.warning(
+          "Worker %s missed heartbeats for %.1fs: declared dead (%s).",
+          address,
+          now - worker.last_heartbeat,
+          how,
+        )
         del self.workers[address]
         self._lose_tasks_of(address, how=how)
       for address, deadline in list(self._awaited.items()):
@@ -257,9 +316,13 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
             self.release_client_locked(job.job_id, client_id)
         if job.job_name and not job.clients and job.idle_since is None:
           job.idle_since = now  # replayed from the journal without clients
-        if (job.idle_since is not None and not job.clients
-            and now - job.idle_since > self.config.job_gc_timeout_s):
+        if (
+          job.idle_since is not None
+          and not job.clients
+          and now - job.idle_since > self.config.job_gc_timeout_s
+        ):
           self._record({"kind": "job_deleted", "job_id": job.job_id})
+      self.job_counts.keep(self.jobs)
       self._collect_datasets(now)
 
   def _excuse_absence(self, away_s: float, now: float) -> None:
@@ -267,13 +330,18 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
     party heard `now` gets (lock held): a dispatcher woken from SIGSTOP
     takes none of the workers and clients that heartbeated in vain for
     dead, and one that died before it stopped is still found out."""
-    logging.warning("The dispatcher did not run for %.1f s (stopped, or starved of "
-                    "CPU): workers and clients get as much longer to heartbeat.", away_s)
+    logging.warning(
+      "The dispatcher did not run for %.1f s (stopped, or starved of "
+      "CPU): workers and clients get as much longer to heartbeat.",
+      away_s,
+    )
     for worker in self.workers.values():
       worker.last_heartbeat = min(worker.last_heartbeat + away_s, now)
     timeout_s = self.config.heartbeat_timeout_s
-    self._awaited = {address: min(deadline + away_s, now + timeout_s)
-                     for address, deadline in self._awaited.items()}
+    self._awaited = {
+      address: min(deadline + away_s, now + timeout_s)
+      for address, deadline in self._awaited.items()
+    }
     for job in self.jobs.values():
       for client_id, seen in job.clients.items():
         job.clients[client_id] = min(seen + away_s, now)
@@ -289,7 +357,8 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
       if dataset_id in read:
         self._unread_since.pop(dataset_id, None)
       elif now - self._unread_since.setdefault(dataset_id, now) > (
-          self.config.dataset_gc_timeout_s):
+        self.config.dataset_gc_timeout_s
+      ):
         self._record({"kind": "dataset_deleted", "dataset_id": dataset_id})
 
   def num_workers(self) -> int:
@@ -299,15 +368,16 @@ class DispatcherState(dispatcher_clients.ClientRegistry):
       return len(self.workers)
 
 
-
 def _visitation(exactly_once: bool) -> str:
   return "exactly-once" if exactly_once else "at-most-once"
 
 
 def _check_dataset_id(dataset_id: str) -> None:
   if len(dataset_id) > _MAX_DATASET_ID or not dataset_id.isprintable():
-    raise ValueError(f"RegisterDataset: dataset_id must be at most {_MAX_DATASET_ID} "
-                     f"printable characters, got {dataset_id!r:.80}.")
+    raise ValueError(
+      f"RegisterDataset: dataset_id must be at most {_MAX_DATASET_ID} "
+      f"printable characters, got {dataset_id!r:.80}."
+    )
 
 
 def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy) -> None:
@@ -316,25 +386,47 @@ def _check_job_request(request: pb.GetOrCreateJobRequest, policy: ShardingPolicy
   if k < 0:
     raise ValueError(f"num_consumers must be >= 0, got {k}.")
   if k and not request.job_name:
-    raise ValueError(f"num_consumers={k} needs a job_name: the consumers of a "
-                     "round-robin read share one job.")
+    raise ValueError(
+      f"num_consumers={k} needs a job_name: the consumers of a round-robin read share one job."
+    )
   if k and not 0 <= request.consumer_index < k:
-    raise ValueError(f"consumer_index must be in [0, num_consumers={k}), got "
-                     f"{request.consumer_index}.")
+    raise ValueError(
+      f"consumer_index must be in [0, num_consumers={k}), got {request.consumer_index}."
+    )
   if not k and (request.consumer_index or request.round_timeout_s):
-    raise ValueError("consumer_index and round_timeout_s apply to round-robin "
-                     "reads only: pass num_consumers too.")
+    raise ValueError(
+      "consumer_index and round_timeout_s apply to round-robin reads only: pass num_consumers too."
+    )
   if request.round_timeout_s < 0 or request.round_timeout_s != request.round_timeout_s:
-    raise ValueError(f"round_timeout_s must be > 0 (or 0 for the job's value), got "
-                     f"{request.round_timeout_s}.")
+    raise ValueError(
+      f"round_timeout_s must be > 0 (or 0 for the job's value), got {request.round_timeout_s}."
+    )
   if request.exactly_once and (policy != ShardingPolicy.DYNAMIC or k):
     raise ValueError(
-        f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
-        f"got {policy.name} and num_consumers={k}.")
+      f"Exactly-once visitation needs DYNAMIC sharding without num_consumers; "
+      f"got {policy.name} and num_consumers={k}."
+    )
   if (request.resume_done or request.resume_partial) and not request.exactly_once:
     raise ValueError("Only exactly-once reads resume from a saved state.")
   if request.ephemeral_sharing and (policy != ShardingPolicy.OFF or k):
     raise ValueError(
-        f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
-        f"num_consumers; got {policy.name} and num_consumers={k}.")
-
+      f"Ephemeral sharing needs OFF sharding (parallel_epochs) without "
+      f"num_consumers; got {policy.name} and num_consumers={k}."
+    )
+  if (request.identical_worker_streams or request.resume_worker_indices) and (
+    policy != ShardingPolicy.OFF
+  ):
+    raise ValueError(
+      f"identical_worker_streams and resume_worker_indices apply to OFF "
+      f"sharding (parallel_epochs) only; got {policy.name}."
+    )
+  indices = list(request.resume_worker_indices)
+  if (
+    len(indices) > _MAX_RESUME_ORDERS
+    or len(set(indices)) != len(indices)
+    or any(i < 0 for i in indices)
+  ):
+    raise ValueError(
+      f"resume_worker_indices must be at most {_MAX_RESUME_ORDERS} distinct "
+      f"indices >= 0, got {len(indices)}: {indices[:10]}."
+    )

@@ -78,6 +78,21 @@ class Job:
   # and each client's process.
   target_workers: str = target_workers.AUTO
   client_processes: dict[int, str] = dataclasses.field(default_factory=dict)
+  # parallel_epochs: every task streams the pipeline's own order (True), or
+  # each its own (see jaxfeed.service.worker.worker_orders); a resumed read's
+  # worker indices, handed to its first tasks in turn.
+  identical_worker_streams: bool = False
+  resume_orders: list[int] = dataclasses.field(default_factory=list)
+
+  def next_worker_index(self, taken: set[int]) -> int:
+    """A new parallel_epochs task's worker index (its order): the next of
+    `resume_orders` no task holds, else the smallest index none holds."""
+    if self.policy != ShardingPolicy.OFF or self.identical_worker_streams:
+      return 0
+    index = next((i for i in self.resume_orders if i not in taken), 0)
+    while index in taken:
+      index += 1
+    return index
 
   def return_split(self, start: int) -> None:
     """An unacknowledged split goes back to the pool, to be issued again."""
@@ -224,10 +239,12 @@ class DispatcherTables:
     number = value if isinstance(value, int) else int(value) if str(value).isdigit() else -1
     shown = repr(value) if isinstance(value, str) else value
     if 0 < number < self.incarnation:
-      return (f"Unknown {what} {shown}: it was made by an earlier dispatcher at this "
-              "address, which restarted without its state (give the dispatcher a "
-              "--work_dir to keep datasets and jobs across restarts); "
-              f"{'register it' if what == 'dataset id' else 'start the read'} again.")
+      return (
+        f"Unknown {what} {shown}: it was made by an earlier dispatcher at this "
+        "address, which restarted without its state (give the dispatcher a "
+        "--work_dir to keep datasets and jobs across restarts); "
+        f"{'register it' if what == 'dataset id' else 'start the read'} again."
+      )
     return f"Unknown {what} {shown}: {otherwise}"
 
   def _apply(self, r: dict) -> None:
@@ -249,17 +266,28 @@ class DispatcherTables:
       self.dataset_by_fingerprint[dataset_def.fingerprint] = r["dataset_id"]
     elif kind == "dataset_deleted":
       dataset_def = self.datasets.pop(r["dataset_id"], None)
-      if dataset_def is not None and self.dataset_by_fingerprint.get(
-          dataset_def.fingerprint) == r["dataset_id"]:
+      if (
+        dataset_def is not None
+        and self.dataset_by_fingerprint.get(dataset_def.fingerprint) == r["dataset_id"]
+      ):
         del self.dataset_by_fingerprint[dataset_def.fingerprint]
       self._unread_since.pop(r["dataset_id"], None)
     elif kind == "job":
-      job = Job(int(r["id"]), r["dataset_id"], ShardingPolicy(r["policy"]),
-                 r["job_name"], r["num_consumers"], r["num_positions"],
-                 r.get("round_timeout_s", 0.0), exactly_once=r.get("exactly_once", False),
-                 ephemeral_sharing=r.get("ephemeral_sharing", False),
-                 target_workers=r.get("target_workers", target_workers.AUTO),
-                 skip=read_state.merge_ranges(r.get("skip", [])))
+      job = Job(
+        int(r["id"]),
+        r["dataset_id"],
+        ShardingPolicy(r["policy"]),
+        r["job_name"],
+        r["num_consumers"],
+        r["num_positions"],
+        r.get("round_timeout_s", 0.0),
+        exactly_once=r.get("exactly_once", False),
+        ephemeral_sharing=r.get("ephemeral_sharing", False),
+        target_workers=r.get("target_workers", target_workers.AUTO),
+        skip=read_state.merge_ranges(r.get("skip", [])),
+        identical_worker_streams=r.get("identical_worker_streams", False),
+        resume_orders=list(r.get("resume_orders", [])),
+      )
       job.next_position = read_state.skip_to(job.skip, 0)
       self.jobs[job.job_id] = job
       if job.job_name:
@@ -268,8 +296,9 @@ class DispatcherTables:
       self.jobs[r["job_id"]].fixed_workers = dict(r["workers"])
     elif kind == "task":
       job = self.jobs[r["job_id"]]
-      job.tasks[int(r["id"])] = Task(int(r["id"]), job.job_id, r["worker_address"],
-                                      r["worker_index"], r["num_workers"])
+      job.tasks[int(r["id"])] = Task(
+        int(r["id"]), job.job_id, r["worker_address"], r["worker_index"], r["num_workers"]
+      )
       self._task_jobs[int(r["id"])] = job.job_id
       worker = self.workers.get(r["worker_address"])
       if worker is not None:
@@ -353,4 +382,3 @@ class DispatcherTables:
       job.error = job.error or r["error"]
     else:
       raise ValueError(f"Unknown journal record kind {kind!r}.")
-

@@ -59,8 +59,12 @@ class TaskListCache:
     self._lists.pop(job_id, None)
     self._infos.pop(job_id, None)
 
-  def get(self, job_id: int, tasks: Callable[[], Iterable[tuple[int, str, bool, bool]]],
-          task_info: Callable[[int], pb.TaskInfo]) -> TaskList:
+  def get(
+    self,
+    job_id: int,
+    tasks: Callable[[], Iterable[tuple[int, str, bool, bool]]],
+    task_info: Callable[[int], pb.TaskInfo],
+  ) -> TaskList:
     """The job's TaskList.
 
     Args:
@@ -83,11 +87,18 @@ class TaskListCache:
         info = known[(task_id, data_address)] = task_info(task_id)
       infos.append(info)
     infos_tuple = tuple(infos)
-    if cached is not None and cached[1].tasks == infos_tuple and (
-        cached[1].all_finished == all_finished):
+    if (
+      cached is not None
+      and cached[1].tasks == infos_tuple
+      and (cached[1].all_finished == all_finished)
+    ):
       built = cached[1]  # the same list: clients that hold it keep it
     else:
-      built = TaskList(next(self._versions), infos_tuple, all_finished,
-                       pb.ClientHeartbeatResponse(tasks=infos_tuple).SerializeToString())
+      built = TaskList(
+        next(self._versions),
+        infos_tuple,
+        all_finished,
+        pb.ClientHeartbeatResponse(tasks=infos_tuple).SerializeToString(),
+      )
     self._lists[job_id] = (self._epoch, built)
     return built

@@ -84,8 +84,9 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
           continue
         indices.add(index)
         count = len(job.fixed_workers)
-      else:
-        index, count = 0, 1
+      else:  # parallel_epochs: the worker's order; DYNAMIC: 0
+        index, count = job.next_worker_index(indices), 1
+        indices.add(index)
       self._record(
         {
           "kind": "task",
@@ -147,6 +148,7 @@ class WorkerRegistry(dispatcher_tables.DispatcherTables):
       read_ticket=rpc.read_ticket(key, task.task_id) if key else "",
       task_id=task.task_id,
       job_id=job.job_id,
+      job_name=job.job_name,
       dataset_id=job.dataset_id,
       worker_address=task.worker_address,
       data_address=worker.data_address if worker else "",

@@ -24,7 +24,8 @@ streams the task's frames:
 
 A client that leaves its job may instead open a connection whose hello
 carries "goodbye" (its goodbye ticket from the dispatcher) with "token",
-"task_id" and "client_id": the worker keeps the goodbye for its next
+"task_id", "client_id" and optionally its last counts, "elements" and
+"wait_s" (see ReleaseJobClientRequest): the worker keeps the goodbye for its next
 heartbeat, answers kind 1 (no bytes) or an error, and closes the connection
 (see `send_goodbye`).
 
@@ -63,8 +64,12 @@ KIND_FRAME, KIND_END, KIND_ERROR, KIND_SPLIT_END, KIND_KEEPALIVE = 0, 1, 2, 3, 4
 MAX_HELLO_BYTES = 4096
 # The longest body a client accepts from a worker, by message kind; frames
 # are bounded by the reader's max_frame_bytes.
-_MAX_BODY_BYTES = {KIND_END: 1 << 20, KIND_ERROR: 1 << 20, KIND_SPLIT_END: SPLIT_STOP.size,
-                   KIND_KEEPALIVE: 0}
+_MAX_BODY_BYTES = {
+  KIND_END: 1 << 20,
+  KIND_ERROR: 1 << 20,
+  KIND_SPLIT_END: SPLIT_STOP.size,
+  KIND_KEEPALIVE: 0,
+}
 
 
 class DataConnectionError(ConnectionError):
@@ -75,8 +80,9 @@ class DataConnectionError(ConnectionError):
     self.status = status
 
 
-def _recv_exact(sock: socket.socket, size: int,
-                into: bytearray | None = None) -> bytearray | np.ndarray:
+def _recv_exact(
+  sock: socket.socket, size: int, into: bytearray | None = None
+) -> bytearray | np.ndarray:
   # np.empty, not bytearray(size): a frame is megabytes that the socket
   # overwrites at once, so zero-filling it first is wasted memory traffic.
   buf = into if into is not None else np.empty(size, np.uint8)
@@ -102,6 +108,7 @@ def _counting_failures(next_item: Callable) -> Callable:
       if not (self._closed or self._stopped):  # pylint: disable=protected-access
         rpc_errors.CLIENT_ERRORS.add(rpc_errors.DATA_SOCKET, e.status)
       raise
+
   return counted
 
 
@@ -112,10 +119,15 @@ class DataConnection:
   `max_frame_bytes`, other messages by a small fixed size.
   """
 
-  def __init__(self, address: str, hello: dict, timeout_s: float = 10.0,
-               ssl_context: ssl.SSLContext | None = None,
-               max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
-               read_timeout_s: float | None = None):
+  def __init__(
+    self,
+    address: str,
+    hello: dict,
+    timeout_s: float = 10.0,
+    ssl_context: ssl.SSLContext | None = None,
+    max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES,
+    read_timeout_s: float | None = None,
+  ):
     self._max_frame_bytes = max_frame_bytes
     self._closed = False  # by close(): what fails after it was cancelled
     self._stopped = False  # by stop_receiving(): the reads that end after it were cancelled
@@ -128,7 +140,8 @@ class DataConnection:
       except (OSError, ValueError) as e:
         self._sock.close()
         raise DataConnectionError(
-            f"TLS handshake with the data socket {address} failed: {e}") from e
+          f"TLS handshake with the data socket {address} failed: {e}"
+        ) from e
     payload = json.dumps(hello).encode()
     self._sock.sendall(HELLO_LEN.pack(len(payload)) + payload)
     self._sock.settimeout(read_timeout_s)
@@ -145,7 +158,8 @@ class DataConnection:
     positions stop (0 if the worker did not say). Raises DataConnectionError."""
     try:
       kind, length, round_index, seq = FRAME_PREFIX.unpack(
-          _recv_exact(self._sock, FRAME_PREFIX.size, self._prefix))
+        _recv_exact(self._sock, FRAME_PREFIX.size, self._prefix)
+      )
       _check_length(kind, length, self._max_frame_bytes)
       body = _recv_exact(self._sock, length)
       if kind == KIND_END:
@@ -157,8 +171,9 @@ class DataConnection:
       raise DataConnectionError(f"Data connection failed: {e}") from e
     if kind == KIND_ERROR:
       error = wire.decode_json_object(body, "Worker error message")
-      raise DataConnectionError(str(error.get("message", "worker error")),
-                                str(error.get("status", "INTERNAL")))
+      raise DataConnectionError(
+        str(error.get("message", "worker error")), str(error.get("status", "INTERNAL"))
+      )
     if kind not in (KIND_FRAME, KIND_SPLIT_END, KIND_KEEPALIVE):
       raise DataConnectionError(f"Unknown data connection message kind {kind}.", "INTERNAL")
     if kind == KIND_SPLIT_END:
@@ -193,15 +208,17 @@ class DataConnection:
     self._sock.close()
 
 
-def send_goodbye(address: str, hello: dict, timeout_s: float,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+def send_goodbye(
+  address: str, hello: dict, timeout_s: float, ssl_context: ssl.SSLContext | None = None
+) -> None:
   """Says a client's goodbye to the worker at `address` (`hello` holds
   "token", "task_id", "client_id" and "goodbye") and waits up to about
   2 x timeout_s for its answer. Raises DataConnectionError if the worker
   refused it, did not answer, or could not be reached."""
   try:
-    conn = DataConnection(address, hello, timeout_s, ssl_context, max_frame_bytes=0,
-                          read_timeout_s=timeout_s)
+    conn = DataConnection(
+      address, hello, timeout_s, ssl_context, max_frame_bytes=0, read_timeout_s=timeout_s
+    )
   except DataConnectionError:
     raise
   except OSError as e:  # could not connect: say so as the worker's refusals do
@@ -220,9 +237,10 @@ def _check_length(kind: int, length: int, max_frame_bytes: int) -> None:
     raise wire.WireFormatError(f"Data connection sent a message of unknown kind {kind}.")
   if length > limit:
     raise wire.WireFormatError(
-        f"Data connection sent a message of kind {kind} with {length} bytes; "
-        f"allowed are at most {limit}"
-        f"{' (max_frame_bytes)' if kind == KIND_FRAME else ''}.")
+      f"Data connection sent a message of kind {kind} with {length} bytes; "
+      f"allowed are at most {limit}"
+      f"{' (max_frame_bytes)' if kind == KIND_FRAME else ''}."
+    )
 
 
 def _stats_of(body: bytes) -> dict:

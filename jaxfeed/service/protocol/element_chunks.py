@@ -38,11 +38,9 @@ def varint(value: int) -> bytes:
       return bytes(out)
 
 
-def encode(data_parts: list, frame_bytes: int = 0, round_index: int = 0,
-           seq: int = 0) -> bytes:
+def encode(data_parts: list, frame_bytes: int = 0, round_index: int = 0, seq: int = 0) -> bytes:
   """An ElementChunk carrying the concatenation of `data_parts`."""
-  head = pb.ElementChunk(frame_bytes=frame_bytes, round=round_index,
-                         seq=seq).SerializeToString()
+  head = pb.ElementChunk(frame_bytes=frame_bytes, round=round_index, seq=seq).SerializeToString()
   size = sum(memoryview(part).nbytes for part in data_parts)
   return b"".join([head, _DATA_TAG, varint(size), *data_parts])
 
@@ -101,9 +99,10 @@ def parse(raw: bytes) -> Chunk:
       length, pos = _read_varint(buf, pos)
       if pos + length > buf.nbytes:
         raise WireFormatError(
-            f"ElementChunk field {field} of {length} bytes runs past the message "
-            f"end ({buf.nbytes} bytes).")
-      value = buf[pos:pos + length]
+          f"ElementChunk field {field} of {length} bytes runs past the message "
+          f"end ({buf.nbytes} bytes)."
+        )
+      value = buf[pos : pos + length]
       pos += length
       if field == 1:
         chunk.data = value
@@ -139,21 +138,27 @@ class FrameAssembler:
     if chunk.frame_bytes:
       if not 0 < chunk.frame_bytes <= self._max_frame_bytes:
         raise WireFormatError(
-            f"Stream chunk starts a frame of {chunk.frame_bytes} bytes; allowed "
-            f"are 1 to {self._max_frame_bytes} (max_frame_bytes).")
+          f"Stream chunk starts a frame of {chunk.frame_bytes} bytes; allowed "
+          f"are 1 to {self._max_frame_bytes} (max_frame_bytes)."
+        )
       if self._buffer is not None:
         raise WireFormatError(
-            f"Stream chunk starts a frame while {self._buffer.nbytes - self._filled} "
-            "bytes of the previous one are missing.")
+          f"Stream chunk starts a frame while {self._buffer.nbytes - self._filled} "
+          "bytes of the previous one are missing."
+        )
       if chunk.frame_bytes == size:
         return chunk.data, chunk.round, chunk.seq  # a view of the received message
       self._buffer, self._filled, self._round, self._seq = (
-          np.empty(chunk.frame_bytes, np.uint8), 0, chunk.round, chunk.seq)
+        np.empty(chunk.frame_bytes, np.uint8),
+        0,
+        chunk.round,
+        chunk.seq,
+      )
     if self._buffer is None:
       raise WireFormatError("Stream chunk arrived without a frame start.")
     if self._filled + size > self._buffer.nbytes:
       raise WireFormatError(f"Stream chunks overrun their {self._buffer.nbytes}-byte frame.")
-    self._buffer[self._filled:self._filled + size] = np.frombuffer(chunk.data, np.uint8)
+    self._buffer[self._filled : self._filled + size] = np.frombuffer(chunk.data, np.uint8)
     self._filled += size
     if self._filled < self._buffer.nbytes:
       return None
@@ -164,5 +169,5 @@ class FrameAssembler:
     """Raises if the stream ended inside a frame."""
     if self._buffer is not None:
       raise WireFormatError(
-          f"Stream ended {self._buffer.nbytes - self._filled} bytes before the end "
-          "of its last frame.")
+        f"Stream ended {self._buffer.nbytes - self._filled} bytes before the end of its last frame."
+      )

@@ -38,29 +38,88 @@ class UDFNotAllowedError(SpecError):
 # numeric modules and jaxfeed's own op helpers. An entry ending in "." allows
 # a package and everything under it; any other entry allows exactly that
 # module (so "numpy" does not let in numpy.ctypeslib or numpy.f2py).
-DEFAULT_UDF_MODULES = ("numpy", "numpy.fft", "numpy.linalg", "math",
-                       "jaxfeed.ops.", "jaxfeed.coord.", "jaxfeed.sampler",
-                       "jaxfeed.seeding")
+DEFAULT_UDF_MODULES = (
+  "numpy",
+  "numpy.fft",
+  "numpy.linalg",
+  "math",
+  "jaxfeed.ops.",
+  "jaxfeed.coord.",
+  "jaxfeed.sampler",
+  "jaxfeed.seeding",
+)
 # Class paths (op nodes, sources, samplers) may also name any jaxfeed class;
 # they are only used after checking that they are such classes.
 _CLASS_MODULES = ("jaxfeed.",)
 # Modules that run code, touch files or processes, or reach the network:
 # never allowed, whatever the deployment lists.
-NEVER_ALLOWED_MODULES = frozenset({
-    "builtins", "os", "posix", "nt", "subprocess", "_posixsubprocess", "importlib",
-    "pickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "shutil", "sys",
-    "ctypes", "socket", "runpy", "code", "codeop", "pty", "multiprocessing", "signal",
-    "io", "_io", "tempfile", "pathlib", "glob", "pkgutil", "zipimport", "types",
-    "inspect", "gc", "threading", "asyncio", "webbrowser", "urllib", "http",
-    "ftplib", "smtplib", "__main__", "functools", "operator"})
+NEVER_ALLOWED_MODULES = frozenset(
+  {
+    "builtins",
+    "os",
+    "posix",
+    "nt",
+    "subprocess",
+    "_posixsubprocess",
+    "importlib",
+    "pickle",
+    "_pickle",
+    "cloudpickle",
+    "dill",
+    "marshal",
+    "shelve",
+    "shutil",
+    "sys",
+    "ctypes",
+    "socket",
+    "runpy",
+    "code",
+    "codeop",
+    "pty",
+    "multiprocessing",
+    "signal",
+    "io",
+    "_io",
+    "tempfile",
+    "pathlib",
+    "glob",
+    "pkgutil",
+    "zipimport",
+    "types",
+    "inspect",
+    "gc",
+    "threading",
+    "asyncio",
+    "webbrowser",
+    "urllib",
+    "http",
+    "ftplib",
+    "smtplib",
+    "__main__",
+    "functools",
+    "operator",
+  }
+)
 # Never a UDF's module either: the service's own functions (they import
 # modules by name, start processes); its classes may appear as class paths.
 _NEVER_UDF_MODULES = NEVER_ALLOWED_MODULES | {"jaxfeed.service"}
 # Callables of allowed modules that read or write files.
 _NEVER_ALLOWED_PATHS = frozenset(
-    f"numpy:{name}" for name in (
-        "load", "save", "savez", "savez_compressed", "loadtxt", "savetxt",
-        "genfromtxt", "fromfile", "fromregex", "memmap", "DataSource"))
+  f"numpy:{name}"
+  for name in (
+    "load",
+    "save",
+    "savez",
+    "savez_compressed",
+    "loadtxt",
+    "savetxt",
+    "genfromtxt",
+    "fromfile",
+    "fromregex",
+    "memmap",
+    "DataSource",
+  )
+)
 UDF_MODULES_FLAG = "--udf_modules"
 
 
@@ -85,24 +144,29 @@ def check_udf_modules(entries: Sequence[str]) -> tuple[str, ...]:
     The entries, in order.
   """
   if isinstance(entries, str):
-    raise ValueError(f"udf_modules must be a sequence of module names, got the "
-                     f"string {entries!r} (split it at commas).")
+    raise ValueError(
+      f"udf_modules must be a sequence of module names, got the "
+      f"string {entries!r} (split it at commas)."
+    )
   checked = []
   for entry in entries:
     name = entry[:-1] if isinstance(entry, str) and entry.endswith(".") else entry
-    if not isinstance(name, str) or not all(
-        part.isidentifier() for part in name.split(".")):
+    if not isinstance(name, str) or not all(part.isidentifier() for part in name.split(".")):
       raise ValueError(
-          f"udf_modules entry {entry!r} is not a module name or a package "
-          "prefix ending in '.' (e.g. 'mypkg.udfs' or 'mypkg.').")
-    unsafe = sorted(m for m in _NEVER_UDF_MODULES
-                    if _module_matches(m, [entry]) or m.startswith(name + ".")
-                    or name.startswith(m + "."))
+        f"udf_modules entry {entry!r} is not a module name or a package "
+        "prefix ending in '.' (e.g. 'mypkg.udfs' or 'mypkg.')."
+      )
+    unsafe = sorted(
+      m
+      for m in _NEVER_UDF_MODULES
+      if _module_matches(m, [entry]) or m.startswith(name + ".") or name.startswith(m + ".")
+    )
     if unsafe:
       raise ValueError(
-          f"udf_modules entry {entry!r} would let pipelines run {unsafe[0]!r}, "
-          "a module that runs code, touches files or processes; it is never "
-          "allowed. List only the modules of your own UDFs.")
+        f"udf_modules entry {entry!r} would let pipelines run {unsafe[0]!r}, "
+        "a module that runs code, touches files or processes; it is never "
+        "allowed. List only the modules of your own UDFs."
+      )
     checked.append(entry)
   return tuple(checked)
 
@@ -121,24 +185,27 @@ def _split_path(path: Any) -> tuple[str, str]:
 
 def _refuse(path: str, what: str, udf_modules: Sequence[str]) -> UDFNotAllowedError:
   return UDFNotAllowedError(
-      f"Import path {path!r} is not allowed on this deployment: {what}. UDFs "
-      "and classes in a pipeline are imported only from jaxfeed's own modules, "
-      f"{', '.join(DEFAULT_UDF_MODULES[:4])} and the modules the dispatcher "
-      f"and workers list in {UDF_MODULES_FLAG} (now: "
-      f"{','.join(udf_modules) or 'none'}); add your UDFs' module there, e.g. "
-      f"{UDF_MODULES_FLAG}=mypkg. on both.")
+    f"Import path {path!r} is not allowed on this deployment: {what}. UDFs "
+    "and classes in a pipeline are imported only from jaxfeed's own modules, "
+    f"{', '.join(DEFAULT_UDF_MODULES[:4])} and the modules the dispatcher "
+    f"and workers list in {UDF_MODULES_FLAG} (now: "
+    f"{','.join(udf_modules) or 'none'}); add your UDFs' module there, e.g. "
+    f"{UDF_MODULES_FLAG}=mypkg. on both."
+  )
 
 
-def check_path_allowed(path: str, udf_modules: Sequence[str], is_class: bool = False
-                       ) -> None:
+def check_path_allowed(path: str, udf_modules: Sequence[str], is_class: bool = False) -> None:
   """Raises UDFNotAllowedError unless `path` may be imported (without importing)."""
   module_name, qualname = _split_path(path)
   allowed = (*(_CLASS_MODULES if is_class else DEFAULT_UDF_MODULES), *udf_modules)
   never = NEVER_ALLOWED_MODULES if is_class else _NEVER_UDF_MODULES
   if any(module_name == m or module_name.startswith(m + ".") for m in never):
-    raise _refuse(path, f"module {module_name!r} runs code, touches files or "
-                  "processes (or is the service itself) and is never allowed",
-                  udf_modules)
+    raise _refuse(
+      path,
+      f"module {module_name!r} runs code, touches files or "
+      "processes (or is the service itself) and is never allowed",
+      udf_modules,
+    )
   if not _module_matches(module_name, allowed):
     raise _refuse(path, f"module {module_name!r} is not allowlisted", udf_modules)
   if path in _NEVER_ALLOWED_PATHS:
@@ -147,8 +214,9 @@ def check_path_allowed(path: str, udf_modules: Sequence[str], is_class: bool = F
     raise _refuse(path, f"qualname {qualname!r} names a private attribute", udf_modules)
 
 
-def resolve_path(path: str, udf_modules: Sequence[str] | None = None,
-                 is_class: bool = False) -> Any:
+def resolve_path(
+  path: str, udf_modules: Sequence[str] | None = None, is_class: bool = False
+) -> Any:
   """Imports `module:qualname` and returns the object.
 
   Args:
@@ -168,19 +236,18 @@ def resolve_path(path: str, udf_modules: Sequence[str] | None = None,
     value = importlib.import_module(module_name)
   except ImportError as e:
     raise UDFImportError(
-        f"Cannot import module {module_name!r} of {path!r} on this host: {e}. "
-        "Install the module on every service worker (or put it on PYTHONPATH)."
+      f"Cannot import module {module_name!r} of {path!r} on this host: {e}. "
+      "Install the module on every service worker (or put it on PYTHONPATH)."
     ) from e
   for part in qualname.split("."):
     try:
       value = getattr(value, part)
     except AttributeError as e:
       raise UDFImportError(
-          f"Module {module_name!r} has no attribute {qualname!r} (import path "
-          f"{path!r}) on this host.") from e
+        f"Module {module_name!r} has no attribute {qualname!r} (import path {path!r}) on this host."
+      ) from e
     if udf_modules is not None and isinstance(value, types.ModuleType):
-      raise _refuse(path, f"{part!r} is a module imported by {module_name!r}",
-                    udf_modules)
+      raise _refuse(path, f"{part!r} is a module imported by {module_name!r}", udf_modules)
   if udf_modules is not None:
     # An allowed module may import a function from elsewhere
     # (`from os import system`): the object's own module must be allowed too.
@@ -188,8 +255,9 @@ def resolve_path(path: str, udf_modules: Sequence[str] | None = None,
     if not isinstance(home, str):
       raise _refuse(path, "the object names no module of its own", udf_modules)
     if home != module_name:
-      check_path_allowed(f"{home}:{getattr(value, '__qualname__', qualname)}",
-                         udf_modules, is_class)
+      check_path_allowed(
+        f"{home}:{getattr(value, '__qualname__', qualname)}", udf_modules, is_class
+      )
   return value
 
 
@@ -211,15 +279,13 @@ def graph_paths(dataset_def: service_pb2.DatasetDef) -> list[tuple[str, bool]]:
           found.append((value, True))
         elif key == "__callable__":
           # {"path": ..., "code": ...}; a bare path from older clients.
-          found.append((value.get("path") if isinstance(value, dict) else value,
-                        False))
+          found.append((value.get("path") if isinstance(value, dict) else value, False))
         else:
           pending.append(value)
   return found
 
 
-def check_spec_paths(dataset_def: service_pb2.DatasetDef,
-                     udf_modules: Sequence[str]) -> None:
+def check_spec_paths(dataset_def: service_pb2.DatasetDef, udf_modules: Sequence[str]) -> None:
   """Raises UDFNotAllowedError if any import path of the spec is not allowed."""
   for path, is_class in graph_paths(dataset_def):
     check_path_allowed(path, udf_modules, is_class)

@@ -43,6 +43,7 @@ class ResumeStateError(ValueError):
 
 class SplitTag(NamedTuple):
   """An element's place: element `index` of the `count` of split [start, stop)."""
+
   start: int
   stop: int
   index: int
@@ -84,41 +85,54 @@ def check_state(state: Any) -> tuple[list[list[int]], list[list[int]]]:
   Raises:
     ResumeStateError: naming what is wrong.
   """
-  if (not isinstance(state, dict) or state.get("version") != STATE_VERSION
-      or set(state) != {"version", "done", "partial"}):
+  if (
+    not isinstance(state, dict)
+    or state.get("version") != STATE_VERSION
+    or set(state) != {"version", "done", "partial"}
+  ):
     raise ResumeStateError(
-        f"A service read's state must be a dict with version {STATE_VERSION}, "
-        f"'done' and 'partial', got {str(state):.200}.")
+      f"A service read's state must be a dict with version {STATE_VERSION}, "
+      f"'done' and 'partial', got {str(state):.200}."
+    )
   done, partial = state["done"], state["partial"]
   if not isinstance(done, list) or not all(
-      isinstance(r, list) and len(r) == 2 and all(map(_is_int, r)) and 0 <= r[0] < r[1]
-      for r in done):
-    raise ResumeStateError(f"A service read's 'done' must be a list of [start, stop) "
-                           f"ranges with 0 <= start < stop, got {str(done):.200}.")
-  if not isinstance(partial, list) or not all(
-      isinstance(p, list) and len(p) == 3 and all(map(_is_int, p))
-      and 0 <= p[0] < p[1] and p[2] > 0 for p in partial):
+    isinstance(r, list) and len(r) == 2 and all(map(_is_int, r)) and 0 <= r[0] < r[1] for r in done
+  ):
     raise ResumeStateError(
-        f"A service read's 'partial' must be a list of [start, stop, taken] with "
-        f"0 <= start < stop and taken > 0, got {str(partial):.200}.")
+      f"A service read's 'done' must be a list of [start, stop) "
+      f"ranges with 0 <= start < stop, got {str(done):.200}."
+    )
+  if not isinstance(partial, list) or not all(
+    isinstance(p, list) and len(p) == 3 and all(map(_is_int, p)) and 0 <= p[0] < p[1] and p[2] > 0
+    for p in partial
+  ):
+    raise ResumeStateError(
+      f"A service read's 'partial' must be a list of [start, stop, taken] with "
+      f"0 <= start < stop and taken > 0, got {str(partial):.200}."
+    )
   ranges = [list(r) for r in done] + [p[:2] for p in partial]
   if sum(b - a for a, b in ranges) != sum(b - a for a, b in merge_ranges(ranges)):
-    raise ResumeStateError(f"A service read's state has overlapping splits: "
-                           f"done {str(done):.200}, partial {str(partial):.200}.")
+    raise ResumeStateError(
+      f"A service read's state has overlapping splits: "
+      f"done {str(done):.200}, partial {str(partial):.200}."
+    )
   return [list(r) for r in done], [list(p) for p in partial]
 
 
-def check_resume_ranges(done: Sequence[Sequence[int]], partial: Sequence[Sequence[int]],
-                        num_positions: int) -> None:
+def check_resume_ranges(
+  done: Sequence[Sequence[int]], partial: Sequence[Sequence[int]], num_positions: int
+) -> None:
   """Raises ResumeStateError unless the ranges lie in [0, num_positions) and
   do not overlap (the dispatcher's check of a resumed job's request)."""
   ranges = [list(r) for r in done] + [list(r) for r in partial]
-  bad = [r for r in ranges if not (0 <= r[0] < r[1]
-                                   and (num_positions < 0 or r[1] <= num_positions))]
+  bad = [
+    r for r in ranges if not (0 <= r[0] < r[1] and (num_positions < 0 or r[1] <= num_positions))
+  ]
   if bad:
     raise ResumeStateError(
-        f"A resumed read names splits {bad[:4]} outside the dataset's "
-        f"{num_positions} positions: it was saved from another dataset.")
+      f"A resumed read names splits {bad[:4]} outside the dataset's "
+      f"{num_positions} positions: it was saved from another dataset."
+    )
   if sum(b - a for a, b in ranges) != sum(b - a for a, b in merge_ranges(ranges)):
     raise ResumeStateError("A resumed read names overlapping splits.")
 
@@ -171,8 +185,10 @@ class SplitProgress:
       if drop >= count:
         self._add_done(start, stop)
         return []
-    return [(element, SplitTag(start, stop, drop + i, count))
-            for i, (element, _) in enumerate(elements[drop:])]
+    return [
+      (element, SplitTag(start, stop, drop + i, count))
+      for i, (element, _) in enumerate(elements[drop:])
+    ]
 
   def took(self, tag: SplitTag) -> None:
     """The consumer took the element of `tag`."""
@@ -189,14 +205,16 @@ class SplitProgress:
     i = bisect.bisect_left(self._done, [start, stop])
     self._done.insert(i, [start, stop])
     lo = max(i - 1, 0)
-    self._done[lo:i + 2] = merge_ranges(self._done[lo:i + 2])
+    self._done[lo : i + 2] = merge_ranges(self._done[lo : i + 2])
 
   def state(self) -> dict:
     """The JSON-able state as of the consumer's last element."""
     with self._lock:
-      return {"version": STATE_VERSION, "done": [list(r) for r in self._done],
-              "partial": [[start, stop, taken] for start, (stop, taken)
-                          in sorted(self._partial.items())]}
+      return {
+        "version": STATE_VERSION,
+        "done": [list(r) for r in self._done],
+        "partial": [[start, stop, taken] for start, (stop, taken) in sorted(self._partial.items())],
+      }
 
   @property
   def started(self) -> bool:
@@ -219,15 +237,19 @@ def merge_states(states: Sequence[dict]) -> dict:
   for _, partial in checked:
     for start, stop, count in partial:
       taken[(start, stop)] = max(count, taken.get((start, stop), 0))
-  partial = [[start, stop, count] for (start, stop), count in sorted(taken.items())
-             if skip_to(done, start) == start]  # not taken whole by another
+  partial = [
+    [start, stop, count]
+    for (start, stop), count in sorted(taken.items())
+    if skip_to(done, start) == start
+  ]  # not taken whole by another
   merged = {"version": STATE_VERSION, "done": done, "partial": partial}
   check_state(merged)  # a split twice: states of different jobs or epochs
   return merged
 
 
-def merge_process_states(pipeline_states: Sequence[Any],
-                         restore_id: str | None = None) -> list[Any]:
+def merge_process_states(
+  pipeline_states: Sequence[Any], restore_id: str | None = None
+) -> list[Any]:
   """The processes' pipeline states with each shared exactly-once read's
   state replaced by what all its consumers took (`merge_states`), and
   marked with `restore_id` (None: a new one), which every process of one
@@ -248,15 +270,20 @@ def merge_process_states(pipeline_states: Sequence[Any],
     groups: dict[str, list[dict]] = {}
     for node in nodes:
       own = node.get("own")
-      if (node.get("op") == "distribute" and isinstance(own, dict) and own.get("job_name")
-          and "splits" in own):
+      if (
+        node.get("op") == "distribute"
+        and isinstance(own, dict)
+        and own.get("job_name")
+        and "splits" in own
+      ):
         groups.setdefault(own["job_name"], []).append(own)
     for name, owns in groups.items():
       identities = {json.dumps(own.get("identity"), sort_keys=True) for own in owns}
       if len(identities) > 1:
         raise ResumeStateError(
-            f"The processes' reads of shared job {name!r} were saved from "
-            f"different pipelines: {sorted(identities)!s:.400}.")
+          f"The processes' reads of shared job {name!r} were saved from "
+          f"different pipelines: {sorted(identities)!s:.400}."
+        )
       merged = merge_states([own["splits"] for own in owns])
       for own in owns:
         own["splits"] = merged
@@ -275,7 +302,11 @@ def has_shared_read(pipeline_state: Any) -> bool:
   if not isinstance(pipeline_state, dict):
     return False
   own = pipeline_state.get("own")
-  if (pipeline_state.get("op") == "distribute" and isinstance(own, dict)
-      and own.get("job_name") and "splits" in own):
+  if (
+    pipeline_state.get("op") == "distribute"
+    and isinstance(own, dict)
+    and own.get("job_name")
+    and "splits" in own
+  ):
     return True
   return any(has_shared_read(p) for p in pipeline_state.get("parents") or ())

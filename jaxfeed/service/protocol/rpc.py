@@ -64,15 +64,21 @@ class TLSConfig:
   client_ca: bytes | None = None
 
   @classmethod
-  def from_files(cls, private_key: str = "", certificate_chain: str = "",
-                 root_certificates: str = "", client_ca: str = "") -> "TLSConfig | None":
+  def from_files(
+    cls,
+    private_key: str = "",
+    certificate_chain: str = "",
+    root_certificates: str = "",
+    client_ca: str = "",
+  ) -> "TLSConfig | None":
     """Reads the PEM files given (empty names are left out); None if none is."""
     if not (private_key or certificate_chain or root_certificates or client_ca):
       return None
     if bool(private_key) != bool(certificate_chain):
       raise ValueError(
-          "TLS: give both the private key and the certificate chain file, got "
-          f"key={private_key!r}, certificate={certificate_chain!r}.")
+        "TLS: give both the private key and the certificate chain file, got "
+        f"key={private_key!r}, certificate={certificate_chain!r}."
+      )
 
     def read(path: str) -> bytes | None:
       if not path:
@@ -86,8 +92,7 @@ class TLSConfig:
         raise ValueError(f"TLS: {path!r} is not a PEM file (no '-----BEGIN' line).")
       return data
 
-    return cls(read(private_key), read(certificate_chain), read(root_certificates),
-               read(client_ca))
+    return cls(read(private_key), read(certificate_chain), read(root_certificates), read(client_ca))
 
   @property
   def verifies_clients(self) -> bool:
@@ -97,13 +102,17 @@ class TLSConfig:
     if not self.private_key or not self.certificate_chain:
       raise ValueError("TLS on a server needs private_key and certificate_chain PEM bytes.")
     return grpc.ssl_server_credentials(
-        [(self.private_key, self.certificate_chain)],
-        root_certificates=self.client_ca, require_client_auth=self.verifies_clients)
+      [(self.private_key, self.certificate_chain)],
+      root_certificates=self.client_ca,
+      require_client_auth=self.verifies_clients,
+    )
 
   def channel_credentials(self) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
-        root_certificates=self.root_certificates, private_key=self.private_key,
-        certificate_chain=self.certificate_chain)
+      root_certificates=self.root_certificates,
+      private_key=self.private_key,
+      certificate_chain=self.certificate_chain,
+    )
 
   def _load_own_certificate(self, context: ssl.SSLContext) -> None:
     # load_cert_chain reads only files: write them to a private folder briefly.
@@ -157,8 +166,9 @@ def read_secret(value: str, path: str, flag: str) -> str | None:
   if not text:
     raise ValueError(f"--{flag}_file {path!r} is empty.")
   if mode & 0o077:
-    logging.warning("--%s_file %s can be read by other users (mode %o): chmod 600 it.",
-                    flag, path, mode & 0o777)
+    logging.warning(
+      "--%s_file %s can be read by other users (mode %o): chmod 600 it.", flag, path, mode & 0o777
+    )
   return text
 
 
@@ -172,34 +182,50 @@ def is_loopback_host(host: str) -> bool:
     return False  # a host name: it may resolve beyond this machine
 
 
-def check_bind_is_safe(who: str, host: str, authenticated: bool, insecure: bool,
-                       how: str) -> None:
+def check_bind_is_safe(who: str, host: str, authenticated: bool, insecure: bool, how: str) -> None:
   """Raises ValueError when a server would bind beyond loopback unauthenticated."""
   if is_loopback_host(host) or authenticated or insecure:
     return
   raise ValueError(
-      f"{who}: refusing to bind {host!r} (reachable from other machines) "
-      f"without authentication: anyone who reaches it could {how}. Set "
-      "the tokens (or TLS with a client CA that verifies callers), or pass "
-      "insecure=True (--insecure) on a network you trust.")
+    f"{who}: refusing to bind {host!r} (reachable from other machines) "
+    f"without authentication: anyone who reaches it could {how}. Set "
+    "the tokens (or TLS with a client CA that verifies callers), or pass "
+    "insecure=True (--insecure) on a network you trust."
+  )
 
 
 def define_auth_flags(flags: Any) -> None:
   """The flags of credentials and trust that dispatcher and workers share."""
-  flags.DEFINE_string("worker_token", "", "Token of the workers (tests; prefer "
-                      "--worker_token_file).")
+  flags.DEFINE_string(
+    "worker_token", "", "Token of the workers (tests; prefer --worker_token_file)."
+  )
   flags.DEFINE_string("worker_token_file", "", "File holding the workers' token.")
-  flags.DEFINE_string("pickled_udf_secret", "", "Shared secret of signed pickled UDFs "
-                      "(tests; prefer --pickled_udf_secret_file).")
-  flags.DEFINE_string("pickled_udf_secret_file", "", "File holding the secret of "
-                      "signed pickled UDFs.")
-  flags.DEFINE_string("udf_modules", "", "Comma-separated modules (or package "
-                      "prefixes ending in '.') pipelines may import UDFs and classes "
-                      "from, beyond jaxfeed's and numpy's; e.g. mypkg.,examples.")
-  flags.DEFINE_bool("insecure", False, "Allow binding beyond loopback without "
-                    "authentication (a trusted network only).")
-  flags.DEFINE_string("tls_client_ca", "", "PEM CA file: require TLS callers to present "
-                      "a certificate it signed (mutual TLS; with --tls_key).")
+  flags.DEFINE_string(
+    "pickled_udf_secret",
+    "",
+    "Shared secret of signed pickled UDFs (tests; prefer --pickled_udf_secret_file).",
+  )
+  flags.DEFINE_string(
+    "pickled_udf_secret_file", "", "File holding the secret of signed pickled UDFs."
+  )
+  flags.DEFINE_string(
+    "udf_modules",
+    "",
+    "Comma-separated modules (or package "
+    "prefixes ending in '.') pipelines may import UDFs and classes "
+    "from, beyond jaxfeed's and numpy's; e.g. mypkg.,examples.",
+  )
+  flags.DEFINE_bool(
+    "insecure",
+    False,
+    "Allow binding beyond loopback without authentication (a trusted network only).",
+  )
+  flags.DEFINE_string(
+    "tls_client_ca",
+    "",
+    "PEM CA file: require TLS callers to present "
+    "a certificate it signed (mutual TLS; with --tls_key).",
+  )
 
 
 def read_ticket(key: bytes, task_id: int) -> str:
@@ -213,14 +239,16 @@ def goodbye_ticket(master_key: bytes, job_id: int, client_id: int) -> str:
   """What a client hands a worker with its goodbye, and the dispatcher
   checks when the worker forwards it: only the dispatcher holds the key, so
   a peer that reads the same task cannot release another client."""
-  return hmac.new(master_key, b"jaxfeed goodbye %d %d" % (job_id, client_id),
-                  hashlib.sha256).hexdigest()
+  return hmac.new(
+    master_key, b"jaxfeed goodbye %d %d" % (job_id, client_id), hashlib.sha256
+  ).hexdigest()
 
 
 def worker_ticket_key(master_key: bytes, worker_address: str) -> bytes:
   """A worker's own ticket key: it verifies tickets for its tasks only."""
-  return hmac.new(master_key, b"jaxfeed worker ticket key\0" + worker_address.encode(),
-                  hashlib.sha256).digest()
+  return hmac.new(
+    master_key, b"jaxfeed worker ticket key\0" + worker_address.encode(), hashlib.sha256
+  ).digest()
 
 
 def hex_digest_matches(expected: str, sent: Any) -> bool:
@@ -228,7 +256,8 @@ def hex_digest_matches(expected: str, sent: Any) -> bool:
   constant time. Anything not a str is no match, and neither is a str that
   is not UTF-8 (a lone surrogate from a JSON hello) rather than an error."""
   return isinstance(sent, str) and hmac.compare_digest(
-      expected.encode(), sent.encode(errors="replace"))
+    expected.encode(), sent.encode(errors="replace")
+  )
 
 
 def ticket_matches(key: bytes, task_id: int, sent: Any) -> bool:
@@ -252,18 +281,21 @@ _QUICK_ATTEMPT_S = 2.0
 RECONNECT_BACKOFF_MS = (200, 2000)
 
 
-def channel_options(max_message_bytes: int, max_receive_bytes: int | None = None
-                    ) -> list[tuple[str, Any]]:
-  return [("grpc.max_send_message_length", max_message_bytes),
-          ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
-          ("grpc.max_metadata_size", MAX_METADATA_BYTES),
-          ("grpc.so_reuseport", 0),
-          # gRPC's default reconnect backoff grows to 120 s: a dispatcher or
-          # worker that is back after a few seconds would go unnoticed for
-          # minutes.
-          ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-          ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-          ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1])]
+def channel_options(
+  max_message_bytes: int, max_receive_bytes: int | None = None
+) -> list[tuple[str, Any]]:
+  return [
+    ("grpc.max_send_message_length", max_message_bytes),
+    ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
+    ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ("grpc.so_reuseport", 0),
+    # gRPC's default reconnect backoff grows to 120 s: a dispatcher or
+    # worker that is back after a few seconds would go unnoticed for
+    # minutes.
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+    ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+  ]
 
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
@@ -274,47 +306,70 @@ def is_wildcard_host(host: str) -> bool:
   return host in _WILDCARD_HOSTS
 
 
-def make_channel(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 tls: TLSConfig | None = None) -> grpc.Channel:
+def make_channel(
+  target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TLSConfig | None = None
+) -> grpc.Channel:
   """A channel to `target` whose failed calls count in `rpc_errors.CLIENT_ERRORS`."""
   if tls is not None:
-    channel = grpc.secure_channel(target, tls.channel_credentials(),
-                                  options=channel_options(max_message_bytes))
+    channel = grpc.secure_channel(
+      target, tls.channel_credentials(), options=channel_options(max_message_bytes)
+    )
   else:
     channel = grpc.insecure_channel(target, options=channel_options(max_message_bytes))
   return grpc.intercept_channel(
-      channel, rpc_errors.ClientErrorInterceptor(rpc_errors.CLIENT_ERRORS))
+    channel, rpc_errors.ClientErrorInterceptor(rpc_errors.CLIENT_ERRORS)
+  )
 
 
 class Caller:
   """Calls one method of a channel with token metadata and a deadline."""
 
-  def __init__(self, channel: grpc.Channel, method: str, response_cls: type | None,
-               token: str | None, streams: bool = False):
+  def __init__(
+    self,
+    channel: grpc.Channel,
+    method: str,
+    response_cls: type | None,
+    token: str | None,
+    streams: bool = False,
+  ):
     """response_cls None: responses arrive as their raw bytes."""
     make = channel.unary_stream if streams else channel.unary_unary
-    self._call = make(method, request_serializer=lambda m: m.SerializeToString(),
-                      response_deserializer=response_cls.FromString if response_cls else None)
+    self._call = make(
+      method,
+      request_serializer=lambda m: m.SerializeToString(),
+      response_deserializer=response_cls.FromString if response_cls else None,
+    )
     self._metadata = ((TOKEN_METADATA_KEY, token),) if token else None
     self.method = method
 
-  def __call__(self, request: pb_message.Message, timeout: float | None,
-               wait_for_ready: bool = False) -> Any:
-    return self._call(request, timeout=timeout, metadata=self._metadata,
-                      wait_for_ready=wait_for_ready)
+  def __call__(
+    self, request: pb_message.Message, timeout: float | None, wait_for_ready: bool = False
+  ) -> Any:
+    return self._call(
+      request, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready
+    )
 
-  def future(self, request: pb_message.Message, timeout: float | None,
-             wait_for_ready: bool = False) -> Any:
+  def future(
+    self, request: pb_message.Message, timeout: float | None, wait_for_ready: bool = False
+  ) -> Any:
     """The call, made without waiting: a `grpc.Future` of its response."""
-    return self._call.future(request, timeout=timeout, metadata=self._metadata,
-                             wait_for_ready=wait_for_ready)
+    return self._call.future(
+      request, timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready
+    )
 
 
-def call_with_retry(caller: Caller, request: pb_message.Message,
-                    timeout_s: float | None, what: str, attempt_s: float | None = None,
-                    cancelled: Callable[[], bool] | None = None, *, target: str = "",
-                    answer_within_s: float | None = None,
-                    unanswered_hint: str = "") -> Any:
+def call_with_retry(
+  caller: Caller,
+  request: pb_message.Message,
+  timeout_s: float | None,
+  what: str,
+  attempt_s: float | None = None,
+  cancelled: Callable[[], bool] | None = None,
+  *,
+  target: str = "",
+  answer_within_s: float | None = None,
+  unanswered_hint: str = "",
+) -> Any:
   """Calls until success, retrying while the server is unreachable.
 
   Args:
@@ -346,8 +401,11 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
   """
   start = time.monotonic()
   deadline = None if timeout_s is None else start + timeout_s
-  answer_by = None if answer_within_s is None else start + min(
-      answer_within_s, math.inf if timeout_s is None else timeout_s)
+  answer_by = (
+    None
+    if answer_within_s is None
+    else start + min(answer_within_s, math.inf if timeout_s is None else timeout_s)
+  )
   retried = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
   first = True
   while True:
@@ -380,10 +438,11 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
           time.sleep(min(0.1, unanswered_left))
           continue
         raise ServiceError(
-            f"{what} failed: no answer within {answer_by - start:g} s from {target}: "
-            f"nothing answers there ({code.name}: {e.details()}). Check that the server "
-            "is up at that address and that client and server agree on TLS and its "
-            f"certificates{unanswered_hint}.") from e
+          f"{what} failed: no answer within {answer_by - start:g} s from {target}: "
+          f"nothing answers there ({code.name}: {e.details()}). Check that the server "
+          "is up at that address and that client and server agree on TLS and its "
+          f"certificates{unanswered_hint}."
+        ) from e
       answer_by = None  # it answered, or is slow to: the whole timeout_s
       if code in retried and (deadline is None or deadline - time.monotonic() > 0.05):
         if cancelled is not None and cancelled():
@@ -392,9 +451,11 @@ def call_with_retry(caller: Caller, request: pb_message.Message,
         continue
       hint = ""
       if code in retried:
-        hint = (f" (no answer within {timeout_s:g} s: check that the server is up at "
-                "that address and that client and server agree on TLS and its "
-                "certificates)")
+        hint = (
+          f" (no answer within {timeout_s:g} s: check that the server is up at "
+          "that address and that client and server agree on TLS and its "
+          "certificates)"
+        )
       raise ServiceError(f"{what} failed: {code.name}: {e.details()}{hint}") from e
 
 
@@ -409,7 +470,9 @@ def exit_for_bad_flags(program: str, error: Exception | str) -> NoReturn:
 def stop_on_sigterm() -> None:
   """Makes SIGTERM end the main thread with SystemExit(0), so a server's
   command-line main stops it (and what it started) in its `finally`."""
+
   def exit_cleanly(signum, frame):
     del signum, frame
     raise SystemExit(0)
+
   signal.signal(signal.SIGTERM, exit_cleanly)

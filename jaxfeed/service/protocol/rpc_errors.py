@@ -66,16 +66,22 @@ class ServerErrorInterceptor(grpc.ServerInterceptor):
     method = _method_name(handler_call_details.method)
     if handler.unary_unary is not None:
       return grpc.unary_unary_rpc_method_handler(
-          self._counted(method, handler.unary_unary, streams=False),
-          handler.request_deserializer, handler.response_serializer)
+        self._counted(method, handler.unary_unary, streams=False),
+        handler.request_deserializer,
+        handler.response_serializer,
+      )
     if handler.unary_stream is not None:
       return grpc.unary_stream_rpc_method_handler(
-          self._counted(method, handler.unary_stream, streams=True),
-          handler.request_deserializer, handler.response_serializer)
+        self._counted(method, handler.unary_stream, streams=True),
+        handler.request_deserializer,
+        handler.response_serializer,
+      )
     if handler.stream_stream is not None:
       return grpc.stream_stream_rpc_method_handler(
-          self._counted(method, handler.stream_stream, streams=True),
-          handler.request_deserializer, handler.response_serializer)
+        self._counted(method, handler.stream_stream, streams=True),
+        handler.request_deserializer,
+        handler.response_serializer,
+      )
     return handler  # the service has no client-streaming methods to count
 
   def _counted(self, method: str, behavior: Callable, streams: bool) -> Callable:
@@ -94,6 +100,7 @@ class ServerErrorInterceptor(grpc.ServerInterceptor):
         counts.add(method, _code_name(code))
 
     if not streams:
+
       def unary(request: Any, context: Any) -> Any:
         try:
           response = behavior(request, context)
@@ -102,6 +109,7 @@ class ServerErrorInterceptor(grpc.ServerInterceptor):
           raise
         ended(context)
         return response
+
       return unary
 
     def stream(request: Any, context: Any) -> Any:
@@ -111,11 +119,11 @@ class ServerErrorInterceptor(grpc.ServerInterceptor):
         count(context)
         raise
       ended(context)
+
     return stream
 
 
-class ClientErrorInterceptor(grpc.UnaryUnaryClientInterceptor,
-                             grpc.UnaryStreamClientInterceptor):
+class ClientErrorInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
   """Counts the calls of a channel that end with a status other than OK."""
 
   def __init__(self, counts: ErrorCounts):
@@ -128,13 +136,16 @@ class ClientErrorInterceptor(grpc.UnaryUnaryClientInterceptor,
       code = finished.code()
       if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
         self._counts.add(method, _code_name(code))
+
     call.add_done_callback(done)
     return call
 
-  def intercept_unary_unary(self, continuation: Callable, client_call_details: Any,
-                            request: Any) -> Any:
+  def intercept_unary_unary(
+    self, continuation: Callable, client_call_details: Any, request: Any
+  ) -> Any:
     return self._watch(client_call_details, continuation(client_call_details, request))
 
-  def intercept_unary_stream(self, continuation: Callable, client_call_details: Any,
-                             request: Any) -> Any:
+  def intercept_unary_stream(
+    self, continuation: Callable, client_call_details: Any, request: Any
+  ) -> Any:
     return self._watch(client_call_details, continuation(client_call_details, request))

@@ -47,11 +47,11 @@ class ShardingPolicy(enum.Enum):
     return self in _STATIC
 
 
-_STATIC = frozenset({ShardingPolicy.FILE, ShardingPolicy.DATA,
-                     ShardingPolicy.FILE_OR_DATA, ShardingPolicy.HINT})
+_STATIC = frozenset(
+  {ShardingPolicy.FILE, ShardingPolicy.DATA, ShardingPolicy.FILE_OR_DATA, ShardingPolicy.HINT}
+)
 
-_ALIASES = {"parallel_epochs": ShardingPolicy.OFF,
-            "distributed_epoch": ShardingPolicy.DYNAMIC}
+_ALIASES = {"parallel_epochs": ShardingPolicy.OFF, "distributed_epoch": ShardingPolicy.DYNAMIC}
 
 
 def to_sharding_policy(value: Any) -> ShardingPolicy:
@@ -64,6 +64,7 @@ def to_sharding_policy(value: Any) -> ShardingPolicy:
     if value.upper() in ShardingPolicy.__members__:
       return ShardingPolicy[value.upper()]
   raise ValueError(
-      f"Unknown processing_mode {value!r}; allowed: 'parallel_epochs', "
-      "'distributed_epoch' or a jaxfeed.service.ShardingPolicy "
-      "(OFF, DYNAMIC, FILE, DATA, FILE_OR_DATA, HINT).")
+    f"Unknown processing_mode {value!r}; allowed: 'parallel_epochs', "
+    "'distributed_epoch' or a jaxfeed.service.ShardingPolicy "
+    "(OFF, DYNAMIC, FILE, DATA, FILE_OR_DATA, HINT)."
+  )

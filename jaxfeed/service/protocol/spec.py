@@ -44,16 +44,19 @@ from jaxfeed.dataset import Dataset
 from jaxfeed.ops import base
 from jaxfeed.ops import fingerprint as fingerprint_lib
 from jaxfeed.service.protocol import wire
-from jaxfeed.service.protocol.import_paths import (SpecError, UDFImportError,
-                                                   check_spec_paths, object_path,
-                                                   resolve_path)
+from jaxfeed.service.protocol.import_paths import (
+  SpecError,
+  UDFImportError,
+  check_spec_paths,
+  object_path,
+  resolve_path,
+)
 from jaxfeed.service.protocol.protos import service_pb2
 from jaxfeed.service.protocol.spec_signature import check_signature, sign
 
 
 def _is_dtype_like(value: Any) -> bool:
-  return isinstance(value, np.dtype) or (
-      isinstance(value, type) and issubclass(value, np.generic))
+  return isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic))
 
 
 class _Encoder:
@@ -69,13 +72,14 @@ class _Encoder:
     try:
       params = node.spec_params()
     except Exception as e:
-      raise SpecError(f"Op {node.op_name!r} ({object_path(cls)}) cannot list "
-                      f"its spec_params(): {e}") from e
+      raise SpecError(
+        f"Op {node.op_name!r} ({object_path(cls)}) cannot list its spec_params(): {e}"
+      ) from e
     return {
-        "class": object_path(cls),
-        "op": node.op_name,
-        "params": {k: self.value(v, f"{node.op_name}.{k}") for k, v in params.items()},
-        "parents": [self.node(p) for p in node.parents],
+      "class": object_path(cls),
+      "op": node.op_name,
+      "params": {k: self.value(v, f"{node.op_name}.{k}") for k, v in params.items()},
+      "parents": [self.node(p) for p in node.parents],
     }
 
   def value(self, value: Any, where: str) -> Any:
@@ -95,16 +99,17 @@ class _Encoder:
     if isinstance(value, list):
       return [self.value(v, where) for v in value]
     if isinstance(value, dict):
-      return {"__dict__": [[self.value(k, where), self.value(v, where)]
-                           for k, v in value.items()]}
+      return {"__dict__": [[self.value(k, where), self.value(v, where)] for k, v in value.items()]}
     if isinstance(value, base.Node):
       return {"__node__": self.node(value)}
     if isinstance(getattr(value, "node", None), base.Node):
       return {"__dataset__": self.node(value.node)}
     if hasattr(value, "spec_params") and not isinstance(value, type):
       params = value.spec_params()
-      encoded = {"__object__": object_path(type(value)),
-                 "params": {k: self.value(v, f"{where}.{k}") for k, v in params.items()}}
+      encoded = {
+        "__object__": object_path(type(value)),
+        "params": {k: self.value(v, f"{where}.{k}") for k, v in params.items()},
+      }
       content = getattr(value, "fingerprint_params", None)
       if content is not None:  # part of the fingerprint; not rebuilt from
         encoded["content"] = self.value(content(), f"{where}.fingerprint_params")
@@ -112,10 +117,11 @@ class _Encoder:
     if callable(value):
       return self.callable(value, where)
     raise SpecError(
-        f"Parameter {where} = {value!r:.80} of type {type(value).__name__} "
-        "cannot travel to service workers: allowed are JSON scalars, "
-        "containers, numpy arrays and dtypes, datasets, objects with "
-        "spec_params() and importable callables.")
+      f"Parameter {where} = {value!r:.80} of type {type(value).__name__} "
+      "cannot travel to service workers: allowed are JSON scalars, "
+      "containers, numpy arrays and dtypes, datasets, objects with "
+      "spec_params() and importable callables."
+    )
 
   def callable(self, fn: Callable, where: str) -> dict:
     path = None
@@ -139,26 +145,32 @@ class _Encoder:
       self.pickled.append(cloudpickle.dumps(fn))
       return {"__pickled__": len(self.pickled) - 1}
     raise SpecError(
-        f"UDF {where} = {fn!r:.80} has no import path that workers can resolve "
-        f"(module {module!r}, qualname {qualname!r}). Lambdas, closures, local "
-        "functions and functions of __main__ cannot travel to service "
-        "workers: move the function to module level in a module the workers "
-        "can import, or enable signed pickled UDFs on the deployment and pass "
-        "udf_secret=...")
+      f"UDF {where} = {fn!r:.80} has no import path that workers can resolve "
+      f"(module {module!r}, qualname {qualname!r}). Lambdas, closures, local "
+      "functions and functions of __main__ cannot travel to service "
+      "workers: move the function to module level in a module the workers "
+      "can import, or enable signed pickled UDFs on the deployment and pass "
+      "udf_secret=..."
+    )
 
 
-def to_dataset_def(node: base.Node, udf_secret: bytes | None = None,
-                   num_positions: int = 0,
-                   positions_are_files: bool = False) -> service_pb2.DatasetDef:
+def to_dataset_def(
+  node: base.Node,
+  udf_secret: bytes | None = None,
+  num_positions: int = 0,
+  positions_are_files: bool = False,
+) -> service_pb2.DatasetDef:
   """Encodes a graph; with udf_secret, unimportable UDFs are pickled and the
   spec (num_positions and positions_are_files included) is signed."""
   encoder = _Encoder(pickle_udfs=bool(udf_secret))
   graph = encoder.node(node)
   dataset_def = service_pb2.DatasetDef(
-      graph_json=json.dumps(graph, sort_keys=True).encode(),
-      arrays=bytes(wire.encode(encoder.arrays)),
-      pickled_udfs=encoder.pickled,
-      num_positions=num_positions, positions_are_files=positions_are_files)
+    graph_json=json.dumps(graph, sort_keys=True).encode(),
+    arrays=bytes(wire.encode(encoder.arrays)),
+    pickled_udfs=encoder.pickled,
+    num_positions=num_positions,
+    positions_are_files=positions_are_files,
+  )
   dataset_def.fingerprint = fingerprint(dataset_def)
   if udf_secret:
     dataset_def.signature = sign(dataset_def, udf_secret)
@@ -171,9 +183,8 @@ _WITH_OPTIONS_CLASS = "jaxfeed.service.worker.task_pipeline:WithOptionsNode"
 # folders, by their path now: a dispatcher's journal may hold specs that
 # name them, and they rebuild (and fingerprint) as the same nodes.
 _MOVED_CLASSES = {
-    "jaxfeed.service.task_pipeline:WithOptionsNode": _WITH_OPTIONS_CLASS,
-    "jaxfeed.service.client:DistributedNode":
-        "jaxfeed.service.client.distribute:DistributedNode",
+  "jaxfeed.service.task_pipeline:WithOptionsNode": _WITH_OPTIONS_CLASS,
+  "jaxfeed.service.client:DistributedNode": "jaxfeed.service.client.distribute:DistributedNode",
 }
 
 
@@ -189,8 +200,12 @@ def _computed_graph(graph_json: bytes) -> bytes:
     graph = json.loads(graph_json)
   except (ValueError, RecursionError):
     return graph_json  # refused where the graph is decoded
-  if (isinstance(graph, dict) and _current_class_path(graph.get("class")) == _WITH_OPTIONS_CLASS
-      and isinstance(graph.get("parents"), list) and len(graph["parents"]) == 1):
+  if (
+    isinstance(graph, dict)
+    and _current_class_path(graph.get("class")) == _WITH_OPTIONS_CLASS
+    and isinstance(graph.get("parents"), list)
+    and len(graph["parents"]) == 1
+  ):
     return json.dumps(graph["parents"][0], sort_keys=True).encode()
   return graph_json
 
@@ -205,8 +220,12 @@ def fingerprint(dataset_def: service_pb2.DatasetDef) -> str:
   `fingerprint` field a client may have set.
   """
   digest = hashlib.sha256(b"jaxfeed.DatasetDef/1")
-  parts = [_computed_graph(dataset_def.graph_json), dataset_def.arrays,
-           *dataset_def.pickled_udfs, str(dataset_def.num_positions).encode()]
+  parts = [
+    _computed_graph(dataset_def.graph_json),
+    dataset_def.arrays,
+    *dataset_def.pickled_udfs,
+    str(dataset_def.num_positions).encode(),
+  ]
   digest.update(struct.pack("<Q", len(parts)))
   for part in parts:
     digest.update(struct.pack("<Q", len(part)))
@@ -221,16 +240,18 @@ def _check_code(path: str, code: Any, fn: Callable) -> None:
   """Raises UDFImportError unless `fn` has the code the client hashed."""
   if not isinstance(code, str):
     raise UDFImportError(
-        f"UDF {path!r} comes without the hash of its code (got {code!r:.80}); "
-        "the client runs a jaxfeed version that does not send it. Use the "
-        "same jaxfeed version on clients and workers.")
+      f"UDF {path!r} comes without the hash of its code (got {code!r:.80}); "
+      "the client runs a jaxfeed version that does not send it. Use the "
+      "same jaxfeed version on clients and workers."
+    )
   if fingerprint_lib.digest(fn) != code:
     module = path.split(":", 1)[0]
     raise UDFImportError(
-        f"UDF {path!r} on this worker is not the code the client sent: client "
-        f"and worker run different versions of module {module!r} (or of a "
-        "module, package or Python it uses, or module-level values it reads "
-        "differ). Deploy the same code on clients and workers.")
+      f"UDF {path!r} on this worker is not the code the client sent: client "
+      f"and worker run different versions of module {module!r} (or of a "
+      "module, package or Python it uses, or module-level values it reads "
+      "differ). Deploy the same code on clients and workers."
+    )
 
 
 # How deep a spec may nest (ops on ops, containers in containers): deeper
@@ -249,8 +270,13 @@ class _Decoder:
   """Rebuilds a graph from a DatasetDef; every part of the spec is checked
   before it is used, so a malformed spec raises SpecError."""
 
-  def __init__(self, dataset_def: service_pb2.DatasetDef, secret: bytes | None,
-               rewrite: NodeRewrite | None, udf_modules: Sequence[str]):
+  def __init__(
+    self,
+    dataset_def: service_pb2.DatasetDef,
+    secret: bytes | None,
+    rewrite: NodeRewrite | None,
+    udf_modules: Sequence[str],
+  ):
     check_signature(dataset_def, secret, check_expiry=False)
     self.udf_modules = udf_modules
     self.arrays = []
@@ -259,8 +285,9 @@ class _Decoder:
         self.arrays = wire.decode(dataset_def.arrays)
       except wire.WireFormatError as e:
         raise SpecError(f"Pipeline spec's array table is not valid: {e}") from e
-      _want(isinstance(self.arrays, list), "array table", type(self.arrays),
-            "want a list of arrays")
+      _want(
+        isinstance(self.arrays, list), "array table", type(self.arrays), "want a list of arrays"
+      )
     self.pickled = list(dataset_def.pickled_udfs)
     self.rewrite = rewrite
     self._depth = 0
@@ -271,13 +298,18 @@ class _Decoder:
       raise SpecError(f"Pipeline spec nests deeper than {MAX_SPEC_DEPTH} levels.")
 
   def node(self, spec: Any) -> base.Node:
-    _want(isinstance(spec, dict) and isinstance(spec.get("class"), str)
-          and isinstance(spec.get("params"), dict) and isinstance(spec.get("parents"), list),
-          "op node", spec, "want {'class': str, 'params': dict, 'parents': list}")
+    _want(
+      isinstance(spec, dict)
+      and isinstance(spec.get("class"), str)
+      and isinstance(spec.get("params"), dict)
+      and isinstance(spec.get("parents"), list),
+      "op node",
+      spec,
+      "want {'class': str, 'params': dict, 'parents': list}",
+    )
     self._enter()
     try:
-      cls = resolve_path(_current_class_path(spec["class"]), self.udf_modules,
-                         is_class=True)
+      cls = resolve_path(_current_class_path(spec["class"]), self.udf_modules, is_class=True)
       if not (isinstance(cls, type) and issubclass(cls, base.Node)):
         raise SpecError(f"{spec['class']!r} is not a jaxfeed op node class.")
       params = {k: self.value(v) for k, v in spec["params"].items()}
@@ -289,8 +321,9 @@ class _Decoder:
     try:
       return cls(*parents, **params)
     except Exception as e:
-      raise SpecError(f"Cannot rebuild op {spec.get('op')!r:.80} "
-                      f"({spec['class']}) from its spec: {e}") from e
+      raise SpecError(
+        f"Cannot rebuild op {spec.get('op')!r:.80} ({spec['class']}) from its spec: {e}"
+      ) from e
 
   def value(self, enc: Any) -> Any:
     if not isinstance(enc, (list, dict)):
@@ -307,9 +340,14 @@ class _Decoder:
     if len(enc) != 1:
       # "content" (what identifies an object's data, for fingerprints) is
       # not needed to rebuild it.
-      _want(set(enc) - {"content"} == {"__object__", "params"}
-            and isinstance(enc["__object__"], str) and isinstance(enc["params"], dict),
-            "object", enc, "want {'__object__': 'module:qualname', 'params': dict}")
+      _want(
+        set(enc) - {"content"} == {"__object__", "params"}
+        and isinstance(enc["__object__"], str)
+        and isinstance(enc["params"], dict),
+        "object",
+        enc,
+        "want {'__object__': 'module:qualname', 'params': dict}",
+      )
       cls = resolve_path(enc["__object__"], self.udf_modules, is_class=True)
       if not (isinstance(cls, type) and hasattr(cls, "spec_params")):
         raise SpecError(f"{enc['__object__']!r} is not a class with spec_params().")
@@ -318,15 +356,20 @@ class _Decoder:
         return cls(**params)
       except Exception as e:
         raise SpecError(f"Cannot rebuild {enc['__object__']} from its spec: {e}") from e
-    (tag, body), = enc.items()
+    ((tag, body),) = enc.items()
     if tag in ("__array__", "__pickled__"):
       table = self.arrays if tag == "__array__" else self.pickled
-      _want(isinstance(body, int) and not isinstance(body, bool) and 0 <= body < len(table),
-            tag, enc, f"want an index into the {len(table)} entries sent")
+      _want(
+        isinstance(body, int) and not isinstance(body, bool) and 0 <= body < len(table),
+        tag,
+        enc,
+        f"want an index into the {len(table)} entries sent",
+      )
       if tag == "__array__":
         return np.array(table[body])  # writable copy owned by the op
       import cloudpickle  # pylint: disable=g-import-not-at-top  # noqa: F401
       import pickle  # pylint: disable=g-import-not-at-top
+
       return pickle.loads(table[body])  # signature checked in __init__
     if tag == "__dtype__":
       try:
@@ -343,9 +386,12 @@ class _Decoder:
       _want(isinstance(body, list), tag, enc, "want a list")
       return tuple(self.value(v) for v in body)
     if tag == "__dict__":
-      _want(isinstance(body, list) and all(isinstance(kv, list) and len(kv) == 2
-                                           for kv in body), tag, enc,
-            "want a list of [key, value] pairs")
+      _want(
+        isinstance(body, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in body),
+        tag,
+        enc,
+        "want a list of [key, value] pairs",
+      )
       items = [(self._key(self.value(k)), self.value(v)) for k, v in body]
       try:
         return dict(items)
@@ -369,10 +415,12 @@ class _Decoder:
     return key if not isinstance(key, list) else tuple(key)
 
 
-def from_dataset_def(dataset_def: service_pb2.DatasetDef,
-                     udf_secret: bytes | None = None,
-                     rewrite: NodeRewrite | None = None,
-                     udf_modules: Sequence[str] = ()) -> base.Node:
+def from_dataset_def(
+  dataset_def: service_pb2.DatasetDef,
+  udf_secret: bytes | None = None,
+  rewrite: NodeRewrite | None = None,
+  udf_modules: Sequence[str] = (),
+) -> base.Node:
   """Rebuilds the graph of a DatasetDef (verifying paths and pickles first).
 
   Args:

@@ -57,8 +57,12 @@ def _mac(secret: bytes, head: bytes, dataset_def: service_pb2.DatasetDef) -> byt
   return hmac.new(secret, head + _canonical_fields(dataset_def), hashlib.sha256).digest()
 
 
-def sign(dataset_def: service_pb2.DatasetDef, secret: bytes,
-         ttl_s: float = SPEC_TTL_S, now: float | None = None) -> bytes:
+def sign(
+  dataset_def: service_pb2.DatasetDef,
+  secret: bytes,
+  ttl_s: float = SPEC_TTL_S,
+  now: float | None = None,
+) -> bytes:
   """A signature over every field of the spec, the key id and an expiry time."""
   kid = key_id(secret).encode()
   expires = int((time.time() if now is None else now) + ttl_s)
@@ -66,8 +70,12 @@ def sign(dataset_def: service_pb2.DatasetDef, secret: bytes,
   return head + _mac(secret, head, dataset_def)
 
 
-def check_signature(dataset_def: service_pb2.DatasetDef, secret: bytes | None,
-                    check_expiry: bool = True, now: float | None = None) -> None:
+def check_signature(
+  dataset_def: service_pb2.DatasetDef,
+  secret: bytes | None,
+  check_expiry: bool = True,
+  now: float | None = None,
+) -> None:
   """Raises SpecError unless the spec's signature (if any) is valid.
 
   A spec that ships pickled UDFs must be signed with this deployment's
@@ -83,34 +91,38 @@ def check_signature(dataset_def: service_pb2.DatasetDef, secret: bytes | None,
   name = f"Dataset {dataset_def.fingerprint!r}"
   if dataset_def.pickled_udfs and not secret:
     raise SpecError(
-        f"{name} ships {len(dataset_def.pickled_udfs)} pickled UDF(s), but this "
-        "deployment does not accept pickled UDFs (no pickled_udf_secret "
-        "configured). Use UDFs importable as module:qualname.")
+      f"{name} ships {len(dataset_def.pickled_udfs)} pickled UDF(s), but this "
+      "deployment does not accept pickled UDFs (no pickled_udf_secret "
+      "configured). Use UDFs importable as module:qualname."
+    )
   if not secret or (not dataset_def.signature and not dataset_def.pickled_udfs):
     return
   signature = dataset_def.signature
   head_size = _SIGNATURE_HEAD.size
   if len(signature) < head_size or signature[:4] != _SIGNATURE_MAGIC:
-    raise SpecError(f"{name} has no valid signature (pickled UDFs must be signed "
-                    "with the deployment's secret); refusing it.")
+    raise SpecError(
+      f"{name} has no valid signature (pickled UDFs must be signed "
+      "with the deployment's secret); refusing it."
+    )
   kid_size = signature[4]
   body = head_size + kid_size + _EXPIRY.size
   if len(signature) != body + hashlib.sha256().digest_size:
     raise SpecError(f"{name}: malformed signature of {len(signature)} bytes; refusing it.")
-  kid = signature[head_size:head_size + kid_size].decode("ascii", "replace")
+  kid = signature[head_size : head_size + kid_size].decode("ascii", "replace")
   if kid != key_id(secret):
     raise SpecError(
-        f"{name}: its HMAC signature is by key id {kid!r}, but this "
-        f"deployment's secret has key id {key_id(secret)!r}; refusing it.")
-  if not hmac.compare_digest(_mac(secret, signature[:body], dataset_def),
-                             signature[body:]):
+      f"{name}: its HMAC signature is by key id {kid!r}, but this "
+      f"deployment's secret has key id {key_id(secret)!r}; refusing it."
+    )
+  if not hmac.compare_digest(_mac(secret, signature[:body], dataset_def), signature[body:]):
     raise SpecError(
-        f"{name}: the HMAC signature does not match the spec (altered after "
-        "signing); refusing it.")
-  (expires,) = _EXPIRY.unpack(signature[body - _EXPIRY.size:body])
+      f"{name}: the HMAC signature does not match the spec (altered after signing); refusing it."
+    )
+  (expires,) = _EXPIRY.unpack(signature[body - _EXPIRY.size : body])
   current = time.time() if now is None else now
   if check_expiry and current > expires:
     raise SpecError(
-        f"{name}: the signature expired {current - expires:.0f} s ago (signed "
-        f"specs are valid for {SPEC_TTL_S:g} s after signing, so that a copy "
-        "cannot be registered again later); sign it again.")
+      f"{name}: the signature expired {current - expires:.0f} s ago (signed "
+      f"specs are valid for {SPEC_TTL_S:g} s after signing, so that a copy "
+      "cannot be registered again later); sign it again."
+    )

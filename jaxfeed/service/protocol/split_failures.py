@@ -54,16 +54,19 @@ def describe_exit(returncode: int | None) -> str:
   return f"exited with status {returncode}"
 
 
-def poison_message(dataset_id: str, job_id: int, start: int, stop: int,
-                   deaths: Sequence[str], max_attempts: int) -> str:
+def poison_message(
+  dataset_id: str, job_id: int, start: int, stop: int, deaths: Sequence[str], max_attempts: int
+) -> str:
   """The error of a job whose split [start, stop) ended `deaths` (one entry
   per worker: "ADDRESS: how it ended")."""
-  return (f"Dataset {dataset_id} (job {job_id}): the split of positions "
-          f"[{start}, {stop}) ended {len(deaths)} worker(s) while they made it: "
-          f"{'; '.join(deaths)}. It is not handed out again "
-          f"(--max_split_attempts={max_attempts}): a record in it kills the worker "
-          "that processes it (a crash in a UDF, or memory the OOM killer ends). "
-          "Find it with the dataset read locally over those positions.")
+  return (
+    f"Dataset {dataset_id} (job {job_id}): the split of positions "
+    f"[{start}, {stop}) ended {len(deaths)} worker(s) while they made it: "
+    f"{'; '.join(deaths)}. It is not handed out again "
+    f"(--max_split_attempts={max_attempts}): a record in it kills the worker "
+    "that processes it (a crash in a UDF, or memory the OOM killer ends). "
+    "Find it with the dataset read locally over those positions."
+  )
 
 
 def lost_message(dataset_id: str, ranges: Sequence[tuple[int, int]]) -> str:
@@ -71,7 +74,9 @@ def lost_message(dataset_id: str, ranges: Sequence[tuple[int, int]]) -> str:
   count = sum(stop - start for start, stop in ranges)
   shown = ", ".join(f"[{a}, {b})" for a, b in ranges[:8])
   more = f" and {len(ranges) - 8} more" if len(ranges) > 8 else ""
-  return (f"Dataset {dataset_id}: this at-most-once read lost {count} positions "
-          f"({shown}{more}) that workers were reading when they were lost; they "
-          "are in the iterator's lost_positions. Read with "
-          "visitation='exactly_once' to have lost workers' splits read again.")
+  return (
+    f"Dataset {dataset_id}: this at-most-once read lost {count} positions "
+    f"({shown}{more}) that workers were reading when they were lost; they "
+    "are in the iterator's lost_positions. Read with "
+    "visitation='exactly_once' to have lost workers' splits read again."
+  )

@@ -35,8 +35,7 @@ def check_target_workers(value: Any) -> str:
   in lower case."""
   if isinstance(value, str) and value.lower() in TARGET_WORKERS:
     return value.lower()
-  raise ValueError(f"target_workers must be one of {TARGET_WORKERS} (any case), "
-                   f"got {value!r}.")
+  raise ValueError(f"target_workers must be one of {TARGET_WORKERS} (any case), got {value!r}.")
 
 
 def process_id() -> str:
@@ -49,8 +48,9 @@ def process_id() -> str:
   return _process[1]
 
 
-def reads(target: str, client_process: str, worker_process: str,
-          worker_tags: Iterable[str]) -> bool:
+def reads(
+  target: str, client_process: str, worker_process: str, worker_tags: Iterable[str]
+) -> bool:
   """Whether a client of `client_process` reading with `target` reads a
   worker of `worker_process` tagged `worker_tags`.
 

@@ -56,17 +56,21 @@ def _decode_structure(enc: Any, depth: int = 0) -> Any:
     return 0
   if depth >= MAX_STRUCTURE_DEPTH:
     raise WireFormatError(
-        f"Frame header nests its tree structure deeper than {MAX_STRUCTURE_DEPTH} levels.")
+      f"Frame header nests its tree structure deeper than {MAX_STRUCTURE_DEPTH} levels."
+    )
   if not isinstance(enc, dict) or len(enc) != 1:
     raise WireFormatError(f"Bad tree structure in frame header: {enc!r:.100}.")
-  (kind, items), = enc.items()
+  ((kind, items),) = enc.items()
   if not isinstance(items, list):
     raise WireFormatError(f"Bad tree structure in frame header: {enc!r:.100}.")
   if kind == "d":
-    if not all(isinstance(item, list) and len(item) == 2
-               and isinstance(item[0], (str, int)) for item in items):
+    if not all(
+      isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))
+      for item in items
+    ):
       raise WireFormatError(
-          f"Bad dict node in frame header: {enc!r:.100} (want [key, node] pairs).")
+        f"Bad dict node in frame header: {enc!r:.100} (want [key, node] pairs)."
+      )
     return {k: _decode_structure(v, depth + 1) for k, v in items}
   if kind == "t":
     return tuple(_decode_structure(v, depth + 1) for v in items)
@@ -79,9 +83,10 @@ def _leaf_array(leaf: Any, path: str) -> np.ndarray:
   arr = np.asarray(leaf)
   if arr.dtype.hasobject:
     raise TypeError(
-        f"Cannot send leaf {path or '<root>'!r} with dtype object over the "
-        "service: only fixed-size numpy dtypes (numbers, bool, bytes 'S', "
-        "str 'U') travel as raw bytes.")
+      f"Cannot send leaf {path or '<root>'!r} with dtype object over the "
+      "service: only fixed-size numpy dtypes (numbers, bool, bytes 'S', "
+      "str 'U') travel as raw bytes."
+    )
   # np.ascontiguousarray would turn 0-d leaves into 1-d ones.
   return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
@@ -94,20 +99,20 @@ def _read_only(arr: np.ndarray) -> np.ndarray:
 
 def _compressor(name: str):
   if name not in COMPRESSIONS:
-    raise ValueError(
-        f"Unknown compression {name!r}; allowed: None, 'lz4', 'zstd'.")
+    raise ValueError(f"Unknown compression {name!r}; allowed: None, 'lz4', 'zstd'.")
   try:
     if name == "lz4":
       import lz4.frame  # pylint: disable=g-import-not-at-top
+
       return lz4.frame.compress, lz4.frame.decompress
     if name == "zstd":
       import zstandard  # pylint: disable=g-import-not-at-top
-      return (zstandard.ZstdCompressor(level=1).compress,
-              zstandard.ZstdDecompressor().decompress)
+
+      return (zstandard.ZstdCompressor(level=1).compress, zstandard.ZstdDecompressor().decompress)
   except ImportError as e:
     raise ImportError(
-        f"compression={name!r} needs the optional package "
-        f"{'lz4' if name == 'lz4' else 'zstandard'}; install jaxfeed[compression]."
+      f"compression={name!r} needs the optional package "
+      f"{'lz4' if name == 'lz4' else 'zstandard'}; install jaxfeed[compression]."
     ) from e
   return None, None
 
@@ -188,9 +193,13 @@ class Frame:
       return decode(self.tobytes())
     value = self._value
     structure = _decode_structure(_encode_structure(value))
-    return tree.unflatten(structure, [
+    return tree.unflatten(
+      structure,
+      [
         _read_only(_leaf_array(leaf, path))
-        for leaf, path in zip(tree.flatten(value), tree.paths(value))])
+        for leaf, path in zip(tree.flatten(value), tree.paths(value))
+      ],
+    )
 
   def encoded(self, compression: str | None) -> "Frame":
     """The frame with `compression` applied (itself when there is none)."""
@@ -209,8 +218,13 @@ def _layout(value: Any) -> tuple[list[np.ndarray], dict]:
     offset = -(-offset // _ALIGN) * _ALIGN
     specs.append([arr.dtype.str, list(arr.shape), offset, arr.nbytes])
     offset += arr.nbytes
-  header = {"structure": _encode_structure(value), "paths": leaf_paths,
-            "leaves": specs, "payload_bytes": offset, "compression": ""}
+  header = {
+    "structure": _encode_structure(value),
+    "paths": leaf_paths,
+    "leaves": specs,
+    "payload_bytes": offset,
+    "compression": "",
+  }
   return arrays, header
 
 
@@ -248,7 +262,7 @@ def encode(value: Any, compression: str | None = None) -> bytes:
   view = np.frombuffer(raw, dtype=np.uint8)
   for arr, (_, _, offset, nbytes) in zip(arrays, header["leaves"]):
     if nbytes:
-      view[offset:offset + nbytes] = arr.reshape(-1).view(np.uint8)
+      view[offset : offset + nbytes] = arr.reshape(-1).view(np.uint8)
   body = compress(bytes(raw))
   header_bytes = json.dumps(header, separators=(",", ":")).encode()
   return _PREFIX.pack(MAGIC, len(header_bytes)) + header_bytes + body
@@ -284,15 +298,16 @@ def _decompress(name: str, data: memoryview, size: int) -> memoryview:
   _compressor(name)  # a missing codec gets its install hint
   if name == "lz4":
     import lz4.frame  # pylint: disable=g-import-not-at-top
+
     decompressor = lz4.frame.LZ4FrameDecompressor()
     out = decompressor.decompress(data, max_length=size + 1)
     if len(out) <= size and not decompressor.eof:
       raise WireFormatError("lz4 payload is truncated.")
     if decompressor.unused_data:
-      raise WireFormatError(
-          f"lz4 payload has {len(decompressor.unused_data)} bytes after its end.")
+      raise WireFormatError(f"lz4 payload has {len(decompressor.unused_data)} bytes after its end.")
   else:
     import zstandard  # pylint: disable=g-import-not-at-top
+
     with zstandard.ZstdDecompressor().stream_reader(data) as reader:
       out = reader.read(size + 1)
   return memoryview(out)
@@ -314,18 +329,23 @@ def _leaf_layout(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, i
   count, offset)."""
   if not isinstance(spec, list) or len(spec) != 4:
     raise WireFormatError(
-        f"Frame leaf description {spec!r:.100} is not [dtype, shape, offset, nbytes].")
+      f"Frame leaf description {spec!r:.100} is not [dtype, shape, offset, nbytes]."
+    )
   dtype_str, shape, offset, nbytes = spec
   dtype = dtype_from_str(dtype_str)
   if dtype.hasobject or dtype.subdtype is not None or not dtype.itemsize:
     raise WireFormatError(
-        f"Frame leaf has dtype {dtype_str!r}: only fixed-size numpy dtypes "
-        "without objects travel as raw bytes.")
-  if (not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(
-      isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+      f"Frame leaf has dtype {dtype_str!r}: only fixed-size numpy dtypes "
+      "without objects travel as raw bytes."
+    )
+  if (
+    not isinstance(shape, list)
+    or len(shape) > _MAX_NDIM
+    or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+  ):
     raise WireFormatError(
-        f"Frame leaf shape {shape!r:.100} is not a list of at most {_MAX_NDIM} "
-        "non-negative integers.")
+      f"Frame leaf shape {shape!r:.100} is not a list of at most {_MAX_NDIM} non-negative integers."
+    )
   count = span = 1
   for dim in shape:  # Python ints: no overflow, unlike np.prod
     count *= dim
@@ -333,15 +353,16 @@ def _leaf_layout(spec: Any, payload_bytes: int) -> tuple[np.dtype, tuple, int, i
   if span * dtype.itemsize > _MAX_ARRAY_SPAN:
     raise WireFormatError(f"Frame leaf shape {shape} is too large for an array.")
   if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, nbytes)) or (
-      count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > payload_bytes):
+    count * dtype.itemsize != nbytes or offset < 0 or offset + nbytes > payload_bytes
+  ):
     raise WireFormatError(
-        f"Frame leaf {dtype_str}{shape} at offset {offset!r} with {nbytes!r} "
-        f"bytes does not fit the {payload_bytes}-byte payload.")
+      f"Frame leaf {dtype_str}{shape} at offset {offset!r} with {nbytes!r} "
+      f"bytes does not fit the {payload_bytes}-byte payload."
+    )
   return dtype, tuple(shape), count, offset
 
 
-def decode(frame: bytes | bytearray | memoryview,
-           max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
+def decode(frame: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
   """Rebuilds the pytree of a frame; leaves are read-only views into it.
 
   Every field of the header is checked against the frame before any array is
@@ -358,24 +379,29 @@ def decode(frame: bytes | bytearray | memoryview,
   start = _PREFIX.size + header_len
   if start > buf.nbytes:
     raise WireFormatError(
-        f"Frame header of {header_len} bytes runs past the frame end "
-        f"({buf.nbytes} bytes): truncated frame.")
-  header = decode_json_object(buf[_PREFIX.size:start], "Frame header")
+      f"Frame header of {header_len} bytes runs past the frame end "
+      f"({buf.nbytes} bytes): truncated frame."
+    )
+  header = decode_json_object(buf[_PREFIX.size : start], "Frame header")
   if not all(key in header for key in ("structure", "leaves", "payload_bytes")):
-    raise WireFormatError(
-        "Frame header lacks one of 'structure', 'leaves', 'payload_bytes'.")
+    raise WireFormatError("Frame header lacks one of 'structure', 'leaves', 'payload_bytes'.")
   structure = _decode_structure(header["structure"])
   specs = header["leaves"]
   payload_bytes = header["payload_bytes"]
   compression = header.get("compression", "")
-  if isinstance(payload_bytes, bool) or not isinstance(payload_bytes, int) or not (
-      0 <= payload_bytes <= max_bytes):
+  if (
+    isinstance(payload_bytes, bool)
+    or not isinstance(payload_bytes, int)
+    or not (0 <= payload_bytes <= max_bytes)
+  ):
     raise WireFormatError(
-        f"Frame header declares a payload of {payload_bytes!r:.40} bytes; "
-        f"allowed are 0 to {max_bytes} (max_frame_bytes).")
+      f"Frame header declares a payload of {payload_bytes!r:.40} bytes; "
+      f"allowed are 0 to {max_bytes} (max_frame_bytes)."
+    )
   if not isinstance(compression, str) or compression not in COMPRESSIONS:
     raise WireFormatError(
-        f"Frame has unknown compression {compression!r:.40}; allowed: {COMPRESSIONS}.")
+      f"Frame has unknown compression {compression!r:.40}; allowed: {COMPRESSIONS}."
+    )
   if not isinstance(specs, list):
     raise WireFormatError(f"Frame header's leaves are a {type(specs).__name__}, not a list.")
   try:
@@ -384,7 +410,8 @@ def decode(frame: bytes | bytearray | memoryview,
     raise WireFormatError(f"Bad tree structure in frame header: {e}") from e
   if num_leaves != len(specs):
     raise WireFormatError(
-        f"Frame header lists {len(specs)} leaves for a structure with {num_leaves}.")
+      f"Frame header lists {len(specs)} leaves for a structure with {num_leaves}."
+    )
   layout = [_leaf_layout(spec, payload_bytes) for spec in specs]
   payload: Any = buf[start:]
   if compression:
@@ -395,11 +422,12 @@ def decode(frame: bytes | bytearray | memoryview,
     except Exception as e:  # codecs raise their own error types
       raise WireFormatError(f"Cannot {compression}-decompress frame payload: {e}") from e
   if payload.nbytes != payload_bytes:
-    got = (f"{payload.nbytes}" if payload.nbytes < payload_bytes
-           else f"more than {payload_bytes}")
+    got = f"{payload.nbytes}" if payload.nbytes < payload_bytes else f"more than {payload_bytes}"
     raise WireFormatError(
-        f"Frame payload has {got} bytes, header says {payload_bytes}: truncated "
-        "or garbled frame.")
-  leaves = [np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
-            for dtype, shape, count, offset in layout]
+      f"Frame payload has {got} bytes, header says {payload_bytes}: truncated or garbled frame."
+    )
+  leaves = [
+    np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
+    for dtype, shape, count, offset in layout
+  ]
   return tree.unflatten(structure, leaves)

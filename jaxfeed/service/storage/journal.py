@@ -64,12 +64,25 @@ from jaxfeed.service.storage import journal_replay
 from jaxfeed.service.storage.journal_files import LOCK_NAME
 from jaxfeed.service.storage.journal_health import RETRY_S, JournalHealth, JournalUnavailableError
 from jaxfeed.service.storage.journal_lines import JournalDamageError
-from jaxfeed.service.storage.journal_replay import (REFUSE, SNAPSHOT_NAME, TMP_SUFFIX,
-                                                    ReplayStats, journal_name)
+from jaxfeed.service.storage.journal_replay import (
+  REFUSE,
+  SNAPSHOT_NAME,
+  TMP_SUFFIX,
+  ReplayStats,
+  journal_name,
+)
 
-__all__ = ["Journal", "JournalDamageError", "JournalUnavailableError", "ReplayStats",
-           "journal_name",
-           "SNAPSHOT_NAME", "LOCK_NAME", "TMP_SUFFIX", "FATAL_EXIT_STATUS"]
+__all__ = [
+  "Journal",
+  "JournalDamageError",
+  "JournalUnavailableError",
+  "ReplayStats",
+  "journal_name",
+  "SNAPSHOT_NAME",
+  "LOCK_NAME",
+  "TMP_SUFFIX",
+  "FATAL_EXIT_STATUS",
+]
 
 LAZY_SYNC_S = 0.02  # what nobody waits for is fsynced after about this long
 MAX_UNWRITTEN_BYTES = 64 << 20  # batches a failing disk may leave in memory
@@ -94,9 +107,14 @@ class Journal:
       (`journal_replay.DAMAGE_POLICIES`).
   """
 
-  def __init__(self, work_dir: str | os.PathLike, fsync: bool = True,
-               snapshot_every_records: int = 50_000,
-               snapshot_every_bytes: int = 32 << 20, damage: str = REFUSE):
+  def __init__(
+    self,
+    work_dir: str | os.PathLike,
+    fsync: bool = True,
+    snapshot_every_records: int = 50_000,
+    snapshot_every_bytes: int = 32 << 20,
+    damage: str = REFUSE,
+  ):
     self.work_dir = pathlib.Path(work_dir)
     self.work_dir.mkdir(parents=True, exist_ok=True)
     self._fsync = fsync
@@ -164,9 +182,12 @@ class Journal:
     if result.legacy:
       # Never append to a file of the previous release: the state goes to a
       # new generation and, at the first chance, a snapshot (see JournalLock).
-      logging.warning("Dispatcher work_dir %s holds files of the previous release, "
-                      "without checksums: read once, written again as a checked "
-                      "snapshot now.", self.work_dir)
+      logging.warning(
+        "Dispatcher work_dir %s holds files of the previous release, "
+        "without checksums: read once, written again as a checked "
+        "snapshot now.",
+        self.work_dir,
+      )
       self._generation += 1
       self._crc = 0
       self._force_snapshot = True
@@ -222,9 +243,12 @@ class Journal:
       if was_healthy:
         self._flush()
       if self._unwritten_bytes > MAX_UNWRITTEN_BYTES:
-        self._health.fail(OSError(
+        self._health.fail(
+          OSError(
             f"more than {MAX_UNWRITTEN_BYTES} bytes of changes waited for the disk "
-            f"(last error: {self._health.write_error})"))
+            f"(last error: {self._health.write_error})"
+          )
+        )
       changed = was_healthy != self.healthy
       number = self._accepted
       if changed or (self._fsync and not self._sync_due):
@@ -249,7 +273,7 @@ class Journal:
         self._fd = self._open(self.path)
       while self._unwritten:
         number, line = self._unwritten[0]
-        self._partial += os.write(self._fd, memoryview(line)[self._partial:])
+        self._partial += os.write(self._fd, memoryview(line)[self._partial :])
         if self._partial == len(line):
           self._unwritten.popleft()
           self._unwritten_bytes -= len(line)
@@ -386,9 +410,10 @@ class Journal:
     if self._snapshot_in_flight or not self._replayed or not self.healthy:
       return False
     return bool(
-        self._force_snapshot
-        or (self._every_records and self._records_since_snapshot >= self._every_records)
-        or (self._every_bytes and self._bytes_since_snapshot >= self._every_bytes))
+      self._force_snapshot
+      or (self._every_records and self._records_since_snapshot >= self._every_records)
+      or (self._every_bytes and self._bytes_since_snapshot >= self._every_bytes)
+    )
 
   def start_snapshot(self) -> int | None:
     """Step 1 (under the state's lock, after its last write): starts the
@@ -401,8 +426,12 @@ class Journal:
       try:
         fd = self._open(self.work_dir / journal_name(self._generation + 1))
       except OSError as e:
-        logging.error("Starting journal generation %d in %s failed (%s): no snapshot "
-                      "now.", self._generation + 1, self.work_dir, e)
+        logging.error(
+          "Starting journal generation %d in %s failed (%s): no snapshot now.",
+          self._generation + 1,
+          self.work_dir,
+          e,
+        )
         return None
       if self._fd is not None:
         self._retired.append(self._fd)
@@ -433,8 +462,10 @@ class Journal:
       self._fsync_round()  # generation G: a crash must not tear it after this
       journal_files.write_snapshot(self.work_dir, generation, records)
     except (OSError, JournalUnavailableError):
-      logging.exception("Dispatcher snapshot in %s failed; the journal keeps growing "
-                        "until the next one succeeds.", self.work_dir)
+      logging.exception(
+        "Dispatcher snapshot in %s failed; the journal keeps growing until the next one succeeds.",
+        self.work_dir,
+      )
     finally:
       with self._cond:
         self._snapshot_in_flight = False
@@ -453,8 +484,11 @@ class Journal:
       while self._syncing:
         self._cond.wait()
       if self._unwritten:
-        logging.error("Dispatcher journal %s closed with %d batches the disk refused: "
-                      "they are lost.", self.path, len(self._unwritten))
+        logging.error(
+          "Dispatcher journal %s closed with %d batches the disk refused: they are lost.",
+          self.path,
+          len(self._unwritten),
+        )
       for fd in [*self._retired, self._fd, self._lock_fd]:
         if fd is not None:
           os.close(fd)  # closing the lock's file releases it

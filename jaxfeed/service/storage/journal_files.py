@@ -61,14 +61,14 @@ def lock_folder(work_dir: pathlib.Path) -> int:
   except BlockingIOError:
     os.close(fd)
     raise RuntimeError(
-        f"Dispatcher work_dir {work_dir} is in use by another dispatcher (it "
-        f"holds {work_dir / LOCK_NAME}): stop that one first, or give this "
-        "one its own --work_dir.") from None
+      f"Dispatcher work_dir {work_dir} is in use by another dispatcher (it "
+      f"holds {work_dir / LOCK_NAME}): stop that one first, or give this "
+      "one its own --work_dir."
+    ) from None
   return fd
 
 
-def write_snapshot(work_dir: pathlib.Path, generation: int,
-                   records: list[dict[str, Any]]) -> None:
+def write_snapshot(work_dir: pathlib.Path, generation: int, records: list[dict[str, Any]]) -> None:
   """Writes the state's `records` as the snapshot that generation
   `generation` starts from, atomically (a tmp file fsynced, renamed, the
   folder fsynced), then deletes the journal generations before it.

@@ -79,22 +79,30 @@ class JournalHealth:
       raise JournalUnavailableError(self.failure_message())
     if self.write_error is not None:
       raise JournalUnavailableError(
-          f"The dispatcher cannot write its journal in {self.work_dir} "
-          f"({self.write_error.strerror or self.write_error}): changes wait until "
-          f"the disk takes writes again (it retries every {RETRY_S:g} s; heartbeats "
-          "go on meanwhile). Retry the call.")
+        f"The dispatcher cannot write its journal in {self.work_dir} "
+        f"({self.write_error.strerror or self.write_error}): changes wait until "
+        f"the disk takes writes again (it retries every {RETRY_S:g} s; heartbeats "
+        "go on meanwhile). Retry the call."
+      )
 
   def failure_message(self) -> str:
-    return (f"The dispatcher's journal in {self.work_dir} failed ({self.failure}); "
-            "it accepts no more changes and must be restarted: it replays every "
-            "change that was acknowledged.")
+    return (
+      f"The dispatcher's journal in {self.work_dir} failed ({self.failure}); "
+      "it accepts no more changes and must be restarted: it replays every "
+      "change that was acknowledged."
+    )
 
   def write_failed(self, path: pathlib.Path, error: OSError) -> None:
     """The disk refused a write to the journal file `path`."""
     if self.write_error is None:
-      logging.error("Writing the dispatcher journal %s failed (%s): changes that must "
-                    "be durable are refused until the disk takes writes again; "
-                    "retrying every %g s.", path, error, RETRY_S)
+      logging.error(
+        "Writing the dispatcher journal %s failed (%s): changes that must "
+        "be durable are refused until the disk takes writes again; "
+        "retrying every %g s.",
+        path,
+        error,
+        RETRY_S,
+      )
     self.write_error = error
 
   def wrote(self, path: pathlib.Path) -> None:
@@ -106,7 +114,10 @@ class JournalHealth:
   def fail(self, error: BaseException) -> None:
     """Gives up for good."""
     if self.failure is None:
-      logging.critical("The dispatcher journal in %s failed (%s): it accepts no more "
-                       "changes; restart the dispatcher to replay what the disk holds.",
-                       self.work_dir, error)
+      logging.critical(
+        "The dispatcher journal in %s failed (%s): it accepts no more "
+        "changes; restart the dispatcher to replay what the disk holds.",
+        self.work_dir,
+        error,
+      )
       self.failure = error

@@ -74,8 +74,11 @@ def _stored_crc(line: bytes) -> int | None:
 
 def _valid(line: bytes, previous_crc: int | None) -> bool:
   stored = _stored_crc(line)
-  return (stored is not None and previous_crc is not None
-          and google_crc32c.extend(previous_crc, line[_CRC_DIGITS + 1:]) == stored)
+  return (
+    stored is not None
+    and previous_crc is not None
+    and google_crc32c.extend(previous_crc, line[_CRC_DIGITS + 1 :]) == stored
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +125,8 @@ def check(data: bytes) -> CheckedFile:
     number += 1
     if end < 0 or match(data, offset, end) is None:
       break
-    payload = data[offset + _CRC_DIGITS + 1:end]
-    stored = int(data[offset:offset + _CRC_DIGITS], 16)
+    payload = data[offset + _CRC_DIGITS + 1 : end]
+    stored = int(data[offset : offset + _CRC_DIGITS], 16)
     if extend(crc, payload) != stored:
       break
     payloads.append(payload)
@@ -134,8 +137,9 @@ def check(data: bytes) -> CheckedFile:
   valid_after = _valid_lines_after(data, offset, crc)
   region = data[offset:]
   torn = valid_after == 0 and (
-      (b"\n" not in region and not _valid(region[:-1], crc))  # cut mid-line
-      or _UNWRITTEN_RUN in region)
+    (b"\n" not in region and not _valid(region[:-1], crc))  # cut mid-line
+    or _UNWRITTEN_RUN in region
+  )
   return CheckedFile(payloads, offsets, offset, crc, offset, number, valid_after, torn, size)
 
 

@@ -28,8 +28,7 @@ class JournalLock:
       with the lock held.
   """
 
-  def __init__(self, journal: Journal | None,
-               live_records: Callable[[], list[dict[str, Any]]]):
+  def __init__(self, journal: Journal | None, live_records: Callable[[], list[dict[str, Any]]]):
     self._lock = threading.Lock()
     self._journal = journal
     self._live_records = live_records

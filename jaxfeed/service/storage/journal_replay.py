@@ -118,8 +118,9 @@ class ReplayResult:
   bytes: int
 
 
-def replay(work_dir: pathlib.Path, apply: Apply, damage: str = REFUSE,
-           fsync: bool = True) -> ReplayResult:
+def replay(
+  work_dir: pathlib.Path, apply: Apply, damage: str = REFUSE, fsync: bool = True
+) -> ReplayResult:
   """Calls `apply` on every record of the snapshot and journal, in order.
 
   Cuts off a torn last line and removes files a crash left behind.
@@ -138,8 +139,11 @@ def replay(work_dir: pathlib.Path, apply: Apply, damage: str = REFUSE,
     snapshot = state_snapshot.decode(snapshot_path.read_bytes(), str(snapshot_path))
     for record, offset in zip(snapshot.records, snapshot.offsets):
       _apply_one(apply, record, snapshot_path, 0, offset)
-    first, snapshot_records, legacy = (snapshot.journal_generation, len(snapshot.records),
-                                       snapshot.legacy)
+    first, snapshot_records, legacy = (
+      snapshot.journal_generation,
+      len(snapshot.records),
+      snapshot.legacy,
+    )
   found = generations(work_dir)
   for generation in [g for g in found if g < first]:
     (work_dir / journal_name(generation)).unlink()  # folded into the snapshot
@@ -147,18 +151,27 @@ def replay(work_dir: pathlib.Path, apply: Apply, damage: str = REFUSE,
   expected = list(range(first, first + len(found)))
   if found and found != expected:
     raise JournalDamageError(
-        f"Journal files in {work_dir} do not continue the snapshot: found "
-        f"generations {found}, expected {expected} (journal.jsonl is 0, "
-        "journal.<N>.jsonl is N). A file is missing.", str(work_dir), 0)
+      f"Journal files in {work_dir} do not continue the snapshot: found "
+      f"generations {found}, expected {expected} (journal.jsonl is 0, "
+      "journal.<N>.jsonl is N). A file is missing.",
+      str(work_dir),
+      0,
+    )
   reader = _Reader(work_dir, apply, damage, fsync)
   for index, generation in enumerate(found):
-    if not reader.read(generation, later=found[index + 1:]):
+    if not reader.read(generation, later=found[index + 1 :]):
       break  # cut at damage: the later generations are gone
   last = reader.generation if found else first
-  stats = ReplayStats(snapshot_records, reader.records, reader.torn, reader.cut,
-                      reader.lost)
-  return ReplayResult(stats, last, reader.last_crc, reader.size if found else 0,
-                      legacy or reader.legacy, reader.records, reader.bytes)
+  stats = ReplayStats(snapshot_records, reader.records, reader.torn, reader.cut, reader.lost)
+  return ReplayResult(
+    stats,
+    last,
+    reader.last_crc,
+    reader.size if found else 0,
+    legacy or reader.legacy,
+    reader.records,
+    reader.bytes,
+  )
 
 
 class _Reader:
@@ -198,31 +211,41 @@ class _Reader:
     if lines.end == len(data):
       return True
     if lines.torn and not later:
-      logging.warning("Journal %s ended in a torn line (%d bytes at byte %d, never "
-                      "acknowledged): cut off.", path, len(data) - lines.end, lines.end)
+      logging.warning(
+        "Journal %s ended in a torn line (%d bytes at byte %d, never acknowledged): cut off.",
+        path,
+        len(data) - lines.end,
+        lines.end,
+      )
       self.torn = len(data) - lines.end
       self._truncate(path, lines.end)
       return True
     self._damaged(path, data, lines, later)
     return False
 
-  def _damaged(self, path: pathlib.Path, data: bytes, lines: "_Lines",
-               later: list[int]) -> None:
+  def _damaged(self, path: pathlib.Path, data: bytes, lines: "_Lines", later: list[int]) -> None:
     """Refuses, or cuts the journal at the damage and logs what was lost."""
     offset = lines.end
     after = _readable_records(data[offset:])
-    later_records = sum(len(_readable_records((self.work_dir / journal_name(g)).read_bytes()))
-                        for g in later)
-    what = (f"Journal {path} is damaged at byte {offset} (line {lines.bad_line}): "
-            f"{lines.why}, and {len(data) - offset} bytes follow it"
-            + (f", then journal generations {later}" if later else "") + ".")
+    later_records = sum(
+      len(_readable_records((self.work_dir / journal_name(g)).read_bytes())) for g in later
+    )
+    what = (
+      f"Journal {path} is damaged at byte {offset} (line {lines.bad_line}): "
+      f"{lines.why}, and {len(data) - offset} bytes follow it"
+      + (f", then journal generations {later}" if later else "")
+      + "."
+    )
     if self.damage == REFUSE:
       raise JournalDamageError(
-          f"{what} The dispatcher refuses to start rather than forget changes it "
-          "acknowledged. Restore the work_dir from a backup, or restart with "
-          "--journal_damage=truncate to cut the journal at the damage and lose "
-          f"every change after it ({len(after) + later_records} records can still "
-          "be read there).", str(path), offset)
+        f"{what} The dispatcher refuses to start rather than forget changes it "
+        "acknowledged. Restore the work_dir from a backup, or restart with "
+        "--journal_damage=truncate to cut the journal at the damage and lose "
+        f"every change after it ({len(after) + later_records} records can still "
+        "be read there).",
+        str(path),
+        offset,
+      )
     kinds = collections.Counter(r.get("kind", "?") for r in after if isinstance(r, dict))
     cut = len(data) - offset
     self._truncate(path, offset)
@@ -234,10 +257,16 @@ class _Reader:
       later_path.unlink()
     self.cut, self.lost = cut, len(after) + later_records
     logging.error(
-        "%s --journal_damage=truncate: cut there. LOST: %d bytes, holding %d readable "
-        "records (%s) and %d more in the later generations: every change after the "
-        "damage is forgotten; exactly-once reads running then may deliver splits "
-        "again.", what, cut, len(after), dict(kinds), later_records)
+      "%s --journal_damage=truncate: cut there. LOST: %d bytes, holding %d readable "
+      "records (%s) and %d more in the later generations: every change after the "
+      "damage is forgotten; exactly-once reads running then may deliver splits "
+      "again.",
+      what,
+      cut,
+      len(after),
+      dict(kinds),
+      later_records,
+    )
 
   def _truncate(self, path: pathlib.Path, size: int) -> None:
     os.truncate(path, size)
@@ -269,11 +298,20 @@ def _checked_lines(data: bytes, path: pathlib.Path, generation: int) -> _Lines:
       first = None
     if first != header(generation):
       raise JournalDamageError(
-          f"Journal {path} does not start with the header of generation {generation} "
-          f"({first!r:.120}): it is not this file's journal.", str(path), 0)
+        f"Journal {path} does not start with the header of generation {generation} "
+        f"({first!r:.120}): it is not this file's journal.",
+        str(path),
+        0,
+      )
   lines = list(zip(checked.payloads, checked.offsets, itertools.count(1)))[1:]
-  return _Lines(lines, checked.valid_end, checked.last_crc, checked.bad_line,
-                checked.torn, "its checksum does not match")
+  return _Lines(
+    lines,
+    checked.valid_end,
+    checked.last_crc,
+    checked.bad_line,
+    checked.torn,
+    "its checksum does not match",
+  )
 
 
 def _legacy_lines(data: bytes, path: pathlib.Path) -> _Lines:
@@ -320,13 +358,18 @@ def _apply_one(apply: Apply, record: Any, path: pathlib.Path, line: int, offset:
       error: Exception | None = e
   else:
     error = None
-  where = (f"Journal {path} is corrupt at line {line} (byte {offset})" if line
-           else f"Dispatcher snapshot {path}, record at byte {offset}")
+  where = (
+    f"Journal {path} is corrupt at line {line} (byte {offset})"
+    if line
+    else f"Dispatcher snapshot {path}, record at byte {offset}"
+  )
   if error is None:
-    raise ValueError(f"{where}: expected a record (a JSON object with a 'kind'), "
-                     f"got {str(record)[:80]!r}.")
-  raise ValueError(f"{where}: record {str(record)[:200]} cannot be applied: "
-                   f"{type(error).__name__}: {error}") from error
+    raise ValueError(
+      f"{where}: expected a record (a JSON object with a 'kind'), got {str(record)[:80]!r}."
+    )
+  raise ValueError(
+    f"{where}: record {str(record)[:200]} cannot be applied: {type(error).__name__}: {error}"
+  ) from error
 
 
 def fsync_path(path: pathlib.Path) -> None:

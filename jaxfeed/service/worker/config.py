@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxfeed.ops.autocache_folder import FolderLimits
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.worker import round_assembly
@@ -40,6 +41,11 @@ class WorkerConfig:
       tasks keep their input's output, keyed by its fingerprint, for later
       tasks of any job (see `jaxfeed.ops.autocache`); None: they pass
       through. Workers may share the folder.
+    autocache_max_bytes: Most bytes the autocache folder holds (least
+      recently used entries not in use go first; see
+      `jaxfeed.ops.autocache_folder`); None: no limit.
+    autocache_ttl_s: Autocache entries nobody read for this many seconds
+      are removed; None: kept.
     sharing_window_bytes: Ephemeral sharing: most bytes of frames a shared
       pipeline keeps for its slower readers (see
       `jaxfeed.service.worker.shared_stream`).
@@ -84,6 +90,8 @@ class WorkerConfig:
   max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES
   sharing_window_bytes: int = 256 << 20
   autocache_dir: str | None = None
+  autocache_max_bytes: int | None = None
+  autocache_ttl_s: float | None = None
   worker_tags: tuple[str, ...] = ()
   data_transfer_address: str | None = None
   dispatcher_timeout_s: float | None = None
@@ -92,46 +100,77 @@ class WorkerConfig:
 
   def __post_init__(self):
     if not isinstance(self.dispatcher_address, str) or ":" not in self.dispatcher_address:
-      raise ValueError("WorkerConfig: dispatcher_address must be 'host:port', "
-                       f"got {self.dispatcher_address!r}.")
+      raise ValueError(
+        f"WorkerConfig: dispatcher_address must be 'host:port', got {self.dispatcher_address!r}."
+      )
     if not isinstance(self.port, int) or not 0 <= self.port < 65536:
       raise ValueError(f"WorkerConfig: port must be in [0, 65535], got {self.port!r}.")
     if not isinstance(self.heartbeat_interval_s, (int, float)) or self.heartbeat_interval_s <= 0:
-      raise ValueError("WorkerConfig: heartbeat_interval_s must be > 0, got "
-                       f"{self.heartbeat_interval_s!r}.")
+      raise ValueError(
+        f"WorkerConfig: heartbeat_interval_s must be > 0, got {self.heartbeat_interval_s!r}."
+      )
     if self.dispatcher_timeout_s is not None and (
-        not isinstance(self.dispatcher_timeout_s, (int, float))
-        or not self.dispatcher_timeout_s > 0):
-      raise ValueError("WorkerConfig: dispatcher_timeout_s must be > 0 seconds, or None "
-                       f"(no limit), got {self.dispatcher_timeout_s!r}.")
-    for name in ("buffer_size", "splits_per_request", "max_window_batches",
-                 "sharing_window_bytes", "dataset_cache_entries", "dataset_cache_bytes"):
+      not isinstance(self.dispatcher_timeout_s, (int, float)) or not self.dispatcher_timeout_s > 0
+    ):
+      raise ValueError(
+        "WorkerConfig: dispatcher_timeout_s must be > 0 seconds, or None "
+        f"(no limit), got {self.dispatcher_timeout_s!r}."
+      )
+    for name in (
+      "buffer_size",
+      "splits_per_request",
+      "max_window_batches",
+      "sharing_window_bytes",
+      "dataset_cache_entries",
+      "dataset_cache_bytes",
+    ):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"WorkerConfig: {name} must be an integer >= 1, got {value!r}.")
-    if (not isinstance(self.chunk_bytes, int)
-        or not 1024 <= self.chunk_bytes <= self.max_message_bytes - 1024):
-      raise ValueError(f"WorkerConfig: chunk_bytes must be in [1024, max_message_bytes - 1024], "
-                       f"got {self.chunk_bytes!r}.")
+    if (
+      not isinstance(self.chunk_bytes, int)
+      or not 1024 <= self.chunk_bytes <= self.max_message_bytes - 1024
+    ):
+      raise ValueError(
+        f"WorkerConfig: chunk_bytes must be in [1024, max_message_bytes - 1024], "
+        f"got {self.chunk_bytes!r}."
+      )
     if self.worker_token is not None and (
-        not isinstance(self.worker_token, str) or not self.worker_token):
+      not isinstance(self.worker_token, str) or not self.worker_token
+    ):
       raise ValueError("WorkerConfig: worker_token must be a non-empty string or None.")
     if isinstance(self.worker_tags, str) or not all(
-        isinstance(tag, str) and tag and "," not in tag for tag in self.worker_tags):
-      raise ValueError("WorkerConfig: worker_tags must be a sequence of non-empty strings "
-                       f"without commas, got {self.worker_tags!r}.")
+      isinstance(tag, str) and tag and "," not in tag for tag in self.worker_tags
+    ):
+      raise ValueError(
+        "WorkerConfig: worker_tags must be a sequence of non-empty strings "
+        f"without commas, got {self.worker_tags!r}."
+      )
     object.__setattr__(self, "worker_tags", tuple(self.worker_tags))
     if self.data_transfer_address is not None:
       data_transfer_port(self.data_transfer_address)
       if not self.data_socket:
-        raise ValueError(f"WorkerConfig: data_transfer_address="
-                         f"{self.data_transfer_address!r} needs data_socket=True: it is "
-                         "the data socket's address.")
+        raise ValueError(
+          f"WorkerConfig: data_transfer_address="
+          f"{self.data_transfer_address!r} needs data_socket=True: it is "
+          "the data socket's address."
+        )
+    FolderLimits(self.autocache_max_bytes, self.autocache_ttl_s)  # checks them
+    if not self.autocache_dir and (
+      self.autocache_max_bytes is not None or self.autocache_ttl_s is not None
+    ):
+      raise ValueError(
+        "WorkerConfig: autocache_max_bytes and autocache_ttl_s limit the "
+        "autocache folder: they need autocache_dir."
+      )
     object.__setattr__(self, "udf_modules", import_paths.check_udf_modules(self.udf_modules))
     rpc.check_bind_is_safe(
-        "Worker", self.host,
-        bool(self.worker_token) or bool(self.tls is not None and self.tls.verifies_clients),
-        self.insecure, "read every task's batches")
+      "Worker",
+      self.host,
+      bool(self.worker_token) or bool(self.tls is not None and self.tls.verifies_clients),
+      self.insecure,
+      "read every task's batches",
+    )
 
 
 def data_transfer_port(address: str) -> int:
@@ -146,5 +185,7 @@ def data_transfer_port(address: str) -> int:
     return 0
   if host and port.isdigit() and 0 < int(port) < 65536:
     return int(port)
-  raise ValueError(f"WorkerConfig: data_transfer_address must be 'host:port' or "
-                   f"'host:%port%' (the data socket's own port), got {address!r}.")
+  raise ValueError(
+    f"WorkerConfig: data_transfer_address must be 'host:port' or "
+    f"'host:%port%' (the data socket's own port), got {address!r}."
+  )

@@ -21,8 +21,18 @@ from typing import Any, Callable
 from jaxfeed.service.protocol import rpc_errors
 from jaxfeed.service.protocol import wire
 from jaxfeed.service.protocol.data_socket import (
-    ACK, FRAME_PREFIX, HELLO_LEN, KIND_END, KIND_ERROR, KIND_FRAME, KIND_KEEPALIVE,
-    KIND_SPLIT_END, MAX_HELLO_BYTES, SPLIT_STOP, DataConnectionError)
+  ACK,
+  FRAME_PREFIX,
+  HELLO_LEN,
+  KIND_END,
+  KIND_ERROR,
+  KIND_FRAME,
+  KIND_KEEPALIVE,
+  KIND_SPLIT_END,
+  MAX_HELLO_BYTES,
+  SPLIT_STOP,
+  DataConnectionError,
+)
 from jaxfeed.service.worker import delivery
 
 # A send that makes no progress this long ends the connection (the client
@@ -40,7 +50,7 @@ def _send_all(sock: socket.socket, buffers: list) -> None:
     return
   first = 0
   while first < len(views):
-    sent = sock.sendmsg(views[first:first + _MAX_IOV])
+    sent = sock.sendmsg(views[first : first + _MAX_IOV])
     while sent:
       head = views[first]
       if sent < head.nbytes:
@@ -74,7 +84,8 @@ class _PendingHello:
       self.data = bytearray()
       if self.length > MAX_HELLO_BYTES:
         raise DataConnectionError(
-            f"Hello of {self.length} bytes exceeds {MAX_HELLO_BYTES}.", "INVALID_ARGUMENT")
+          f"Hello of {self.length} bytes exceeds {MAX_HELLO_BYTES}.", "INVALID_ARGUMENT"
+        )
     return self.length is not None and len(self.data) == self.length
 
 
@@ -139,12 +150,18 @@ class DataServer:
   beyond that is answered RESOURCE_EXHAUSTED.
   """
 
-  def __init__(self, host: str, authenticate: Callable[[dict], None] | None,
-               serve: Callable[[dict, "ServerLink"], Any],
-               ssl_context: ssl.SSLContext | None = None,
-               max_connections: int = 512, max_pending_hellos: int = 256,
-               hello_timeout_s: float = 5.0,
-               goodbye: Callable[[dict], None] | None = None, port: int = 0):
+  def __init__(
+    self,
+    host: str,
+    authenticate: Callable[[dict], None] | None,
+    serve: Callable[[dict, "ServerLink"], Any],
+    ssl_context: ssl.SSLContext | None = None,
+    max_connections: int = 512,
+    max_pending_hellos: int = 256,
+    hello_timeout_s: float = 5.0,
+    goodbye: Callable[[dict], None] | None = None,
+    port: int = 0,
+  ):
     # authenticate(hello) raises DataConnectionError to refuse a client.
     self._authenticate = authenticate
     # goodbye(hello) takes an authenticated goodbye hello, on the accepting
@@ -171,7 +188,8 @@ class DataServer:
     self._wake_reader, self._wake_writer = socket.socketpair()
     self._selector.register(self._wake_reader, selectors.EVENT_READ, None)
     self._accept_thread = threading.Thread(
-        target=self._accept_loop, name="jaxfeed-data-accept", daemon=True)
+      target=self._accept_loop, name="jaxfeed-data-accept", daemon=True
+    )
     self._accept_thread.start()
 
   def _accept_loop(self) -> None:
@@ -209,8 +227,7 @@ class DataServer:
         self._drop(next(iter(self._pending)))
       handshaking = self._ssl_context is not None
       if handshaking:
-        conn = self._ssl_context.wrap_socket(conn, server_side=True,
-                                             do_handshake_on_connect=False)
+        conn = self._ssl_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
       pending = _PendingHello(time.monotonic() + self._hello_timeout_s, handshaking)
       self._pending[conn] = pending
       self._selector.register(conn, selectors.EVENT_READ, pending)
@@ -274,12 +291,15 @@ class DataServer:
       with self._lock:
         if len(self._connections) >= self._max_connections:
           raise DataConnectionError(
-              f"The worker's data socket already streams {self._max_connections} "
-              "connections, its most.", "RESOURCE_EXHAUSTED")
+            f"The worker's data socket already streams {self._max_connections} "
+            "connections, its most.",
+            "RESOURCE_EXHAUSTED",
+          )
         if self._stop.is_set():
           raise DataConnectionError("The worker is stopping.", "UNAVAILABLE")
-        thread = threading.Thread(target=self._handle, args=(conn, hello),
-                                  name="jaxfeed-data-conn", daemon=True)
+        thread = threading.Thread(
+          target=self._handle, args=(conn, hello), name="jaxfeed-data-conn", daemon=True
+        )
         self._connections[conn] = thread
     except DataConnectionError as e:
       self._refuse(conn, e)
@@ -289,8 +309,7 @@ class DataServer:
       # A check that failed on one peer's hello must not end the accept
       # loop: every later connection would hang.
       logging.exception("Checking a data connection's hello failed")
-      self._refuse(conn, DataConnectionError(f"The hello could not be checked: {e}",
-                                             "INTERNAL"))
+      self._refuse(conn, DataConnectionError(f"The hello could not be checked: {e}", "INTERNAL"))
       conn.close()
       return
     conn.setblocking(True)
@@ -340,12 +359,15 @@ class DataServer:
             last_sent = time.monotonic()
           continue
         if item.frame is None:  # exactly-once: the split `item.round` ended
-          conn.sendall(FRAME_PREFIX.pack(KIND_SPLIT_END, SPLIT_STOP.size, item.round,
-                                          item.seq) + SPLIT_STOP.pack(item.split_stop))
+          conn.sendall(
+            FRAME_PREFIX.pack(KIND_SPLIT_END, SPLIT_STOP.size, item.round, item.seq)
+            + SPLIT_STOP.pack(item.split_stop)
+          )
         else:
           frame = item.frame.encoded(compression)
-          _send_all(conn, [FRAME_PREFIX.pack(KIND_FRAME, frame.nbytes, item.round,
-                                              item.seq), *frame.parts])
+          _send_all(
+            conn, [FRAME_PREFIX.pack(KIND_FRAME, frame.nbytes, item.round, item.seq), *frame.parts]
+          )
         last_sent = time.monotonic()
       conn.sendall(FRAME_PREFIX.pack(KIND_END, len(stats), 0, 0) + stats)
     except (DataConnectionError, Exception) as e:  # pylint: disable=broad-except

@@ -30,10 +30,11 @@ def check_fingerprint(task: pb.TaskInfo, dataset_def: pb.DatasetDef) -> None:
   `task` names (a task of a dispatcher that names none passes)."""
   if task.dataset_fingerprint and dataset_def.fingerprint != task.dataset_fingerprint:
     raise DefinitionMismatchError(
-        f"Task {task.task_id} of job {task.job_id} was made for dataset "
-        f"{task.dataset_id} with fingerprint {task.dataset_fingerprint}, but the "
-        f"dispatcher's definition of that id has fingerprint {dataset_def.fingerprint}: "
-        "the worker runs no other pipeline in its place.")
+      f"Task {task.task_id} of job {task.job_id} was made for dataset "
+      f"{task.dataset_id} with fingerprint {task.dataset_fingerprint}, but the "
+      f"dispatcher's definition of that id has fingerprint {dataset_def.fingerprint}: "
+      "the worker runs no other pipeline in its place."
+    )
 
 
 class DatasetCache:
@@ -49,8 +50,7 @@ class DatasetCache:
     self.max_entries = max_entries
     self.max_bytes = max_bytes
     self._lock = threading.Lock()
-    self._defs: collections.OrderedDict[str, tuple[pb.DatasetDef, int]] = (
-        collections.OrderedDict())
+    self._defs: collections.OrderedDict[str, tuple[pb.DatasetDef, int]] = collections.OrderedDict()
     self._bytes = 0
     self.incarnation = ""  # of the dispatcher the definitions came from
 
@@ -84,9 +84,12 @@ class DatasetCache:
       if not incarnation or incarnation == self.incarnation:
         return
       if self.incarnation:
-        logging.info("The dispatcher is a new incarnation (%s, was %s): forgetting "
-                     "%d dataset definitions.", incarnation, self.incarnation,
-                     len(self._defs))
+        logging.info(
+          "The dispatcher is a new incarnation (%s, was %s): forgetting %d dataset definitions.",
+          incarnation,
+          self.incarnation,
+          len(self._defs),
+        )
       self.incarnation = incarnation
       self._defs.clear()
       self._bytes = 0

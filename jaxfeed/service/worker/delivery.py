@@ -52,8 +52,7 @@ class Item:
 
   __slots__ = ("seq", "frame", "round", "split_stop")
 
-  def __init__(self, seq: int, frame: wire.Frame | None, round_index: int,
-               split_stop: int = 0):
+  def __init__(self, seq: int, frame: wire.Frame | None, round_index: int, split_stop: int = 0):
     self.seq = seq
     self.frame = frame
     self.round = round_index
@@ -78,9 +77,17 @@ class ClientStream:
       `jaxfeed.service.protocol.stream_state`).
   """
 
-  def __init__(self, source: Any, exactly_once: bool, consumer_index: int,
-               local_round: int, window: int, first_seq: int = 0,
-               resumable: bool = True, skip: int = 0):
+  def __init__(
+    self,
+    source: Any,
+    exactly_once: bool,
+    consumer_index: int,
+    local_round: int,
+    window: int,
+    first_seq: int = 0,
+    resumable: bool = True,
+    skip: int = 0,
+  ):
     self._source = source
     self._exactly_once = exactly_once
     self._consumer_index = consumer_index
@@ -121,9 +128,11 @@ class ClientStream:
     with self._cond:
       if not self._base <= received <= self._end_seq:
         raise task_runner.TaskFailed(
-            f"The client has received {received} items, but this worker kept "
-            f"items {self._base} to {self._end_seq} of its stream: it cannot "
-            "go on without a gap or a repeat.", "DATA_LOSS")
+          f"The client has received {received} items, but this worker kept "
+          f"items {self._base} to {self._end_seq} of its stream: it cannot "
+          "go on without a gap or a repeat.",
+          "DATA_LOSS",
+        )
       old_kick, self._kick = self._kick, kick
       self._owner = token = object()
     self.ack(received)
@@ -145,9 +154,13 @@ class ClientStream:
     if kick is not None:
       kick()
 
-  def items(self, token: object, received: int, is_active: Callable[[], bool],
-            wait_for_ack: Callable[[float], None]
-            ) -> Generator[Item | None, None, dict | None]:
+  def items(
+    self,
+    token: object,
+    received: int,
+    is_active: Callable[[], bool],
+    wait_for_ack: Callable[[float], None],
+  ) -> Generator[Item | None, None, dict | None]:
     """The items from `received` on, `Idle` while there is nothing to
     send; returns the task's statistics at its end, None once the connection
     was superseded or `is_active()` turned false. `wait_for_ack(s)` waits
@@ -213,8 +226,9 @@ class Registry:
     self._lock = threading.Lock()
     self._streams: dict[tuple[int, int], ClientStream] = {}
 
-  def get_or_add(self, task_id: int, client_id: int,
-                 make: Callable[[], ClientStream]) -> ClientStream:
+  def get_or_add(
+    self, task_id: int, client_id: int, make: Callable[[], ClientStream]
+  ) -> ClientStream:
     """The client's stream of the task; client id 0 gets a new one each
     time (a client that cannot resume)."""
     if not client_id:
@@ -233,8 +247,7 @@ class Registry:
     """(task id, client id, split starts) taken since the last call."""
     with self._lock:
       streams = list(self._streams.items())
-    held = [(task_id, client_id, stream.take_held())
-            for (task_id, client_id), stream in streams]
+    held = [(task_id, client_id, stream.take_held()) for (task_id, client_id), stream in streams]
     return [entry for entry in held if entry[2]]
 
   def drop(self, keep: Callable[[int, int, ClientStream], bool]) -> None:

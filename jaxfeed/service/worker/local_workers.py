@@ -62,10 +62,14 @@ class LocalConnection:
   def __init__(self, worker: Any, hello: dict):
     client_calls.ClientCalls(worker).check_hello(hello)
     request = pb.GetElementsRequest(
-        task_id=hello["task_id"], consumer_index=hello.get("consumer_index", 0),
-        round=hello.get("round", 0), client_id=hello.get("client_id", 0),
-        received=hello.get("received", 0), window=hello.get("window", 0),
-        skip=hello.get("skip", 0))
+      task_id=hello["task_id"],
+      consumer_index=hello.get("consumer_index", 0),
+      round=hello.get("round", 0),
+      client_id=hello.get("client_id", 0),
+      received=hello.get("received", 0),
+      window=hello.get("window", 0),
+      skip=hello.get("skip", 0),
+    )
     self._closed = threading.Event()
     self.end_stats: dict = {}
     self.split_stop = 0
@@ -76,8 +80,9 @@ class LocalConnection:
     except task_runner.TaskFailed as e:
       raise data_socket.DataConnectionError(str(e), e.status) from e
     self._worker = worker
-    self._items = self._stream.items(token, request.received, self._is_active,
-                                     self._stream.wait_for_ack)
+    self._items = self._stream.items(
+      token, request.received, self._is_active, self._stream.wait_for_ack
+    )
 
   def _is_active(self) -> bool:
     return not (self._closed.is_set() or self._worker.stop.is_set())
@@ -90,8 +95,9 @@ class LocalConnection:
     except StopIteration as end:
       if end.value is None:
         raise data_socket.DataConnectionError(
-            "The in-process connection was closed (or a newer one took over).",
-            "CANCELLED" if self._closed.is_set() else "UNAVAILABLE") from None
+          "The in-process connection was closed (or a newer one took over).",
+          "CANCELLED" if self._closed.is_set() else "UNAVAILABLE",
+        ) from None
       self.end_stats = end.value
       return None
     except task_runner.TaskFailed as e:

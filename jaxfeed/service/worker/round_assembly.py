@@ -80,19 +80,25 @@ class RoundAssembler:
       raise ValueError(f"num_consumers must be >= 1, got {num_consumers}.")
     if max_window_batches < num_consumers - 1:
       raise ValueError(
-          f"max_window_batches={max_window_batches} cannot hold a window of "
-          f"num_consumers={num_consumers} batches: it must be >= "
-          f"{num_consumers - 1}.")
+        f"max_window_batches={max_window_batches} cannot hold a window of "
+        f"num_consumers={num_consumers} batches: it must be >= "
+        f"{num_consumers - 1}."
+      )
     self.num_consumers = num_consumers
     self.max_window_batches = max_window_batches
     # Key -> [(frame, rows)]; insertion order is the arrival of each window's
     # first batch, so the first entry is the oldest partial window.
     self._windows: collections.OrderedDict = collections.OrderedDict()
     self._pending = 0
-    self.stats = {"windows_dropped_at_end": 0, "batches_dropped_at_end": 0,
-                  "rows_dropped_at_end": 0, "windows_dropped_over_limit": 0,
-                  "batches_dropped_over_limit": 0, "rows_dropped_over_limit": 0,
-                  "peak_window_batches": 0}
+    self.stats = {
+      "windows_dropped_at_end": 0,
+      "batches_dropped_at_end": 0,
+      "rows_dropped_at_end": 0,
+      "windows_dropped_over_limit": 0,
+      "batches_dropped_over_limit": 0,
+      "rows_dropped_over_limit": 0,
+      "peak_window_batches": 0,
+    }
 
   @property
   def pending_batches(self) -> int:
@@ -151,8 +157,13 @@ class RoundBuffer:
     clock: Monotonic seconds (tests pass a fake one).
   """
 
-  def __init__(self, num_consumers: int, capacity: int, round_timeout_s: float,
-               clock: Callable[[], float] = time.monotonic):
+  def __init__(
+    self,
+    num_consumers: int,
+    capacity: int,
+    round_timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+  ):
     self.num_consumers = num_consumers
     self.capacity = capacity
     self.round_timeout_s = round_timeout_s
@@ -160,8 +171,12 @@ class RoundBuffer:
     self._rounds: dict[int, _Round] = {}
     self._next_round = 0
     self._absent: set[int] = set()
-    self.stats = {"rounds": 0, "rounds_closed_incomplete": 0, "batches_dropped_late": 0,
-                  "rows_dropped_late": 0}
+    self.stats = {
+      "rounds": 0,
+      "rounds_closed_incomplete": 0,
+      "batches_dropped_late": 0,
+      "rows_dropped_late": 0,
+    }
 
   @property
   def full(self) -> bool:
@@ -200,8 +215,11 @@ class RoundBuffer:
   def close_expired(self) -> bool:
     """Closes rounds whose timeout passed; True if any closed."""
     now = self._clock()
-    expired = [(i, r) for i, r in self._rounds.items()
-               if r.first_taken is not None and now - r.first_taken >= self.round_timeout_s]
+    expired = [
+      (i, r)
+      for i, r in self._rounds.items()
+      if r.first_taken is not None and now - r.first_taken >= self.round_timeout_s
+    ]
     for index, found in expired:
       self._absent.update(set(range(self.num_consumers)) - found.served)
       self._close(index, found)

@@ -37,9 +37,13 @@ class _Stopped(Exception):
   """The worker is stopping: the chunk being written is dropped."""
 
 
-def chunk_elements(dataset_def: pb.DatasetDef, chunk: pb.SaveChunk,
-                   udf_secret: bytes | None, udf_modules: Sequence[str],
-                   stop: threading.Event) -> Iterator[Any]:
+def chunk_elements(
+  dataset_def: pb.DatasetDef,
+  chunk: pb.SaveChunk,
+  udf_secret: bytes | None,
+  udf_modules: Sequence[str],
+  stop: threading.Event,
+) -> Iterator[Any]:
   """The pipeline's elements at the chunk's positions (all of them when
   `chunk.stop` is -1), as a local run gives them."""
   ranges = [(chunk.start, chunk.stop)]
@@ -51,8 +55,9 @@ def chunk_elements(dataset_def: pb.DatasetDef, chunk: pb.SaveChunk,
 
   policy = ShardingPolicy.OFF if chunk.stop < 0 else ShardingPolicy.DYNAMIC
   task = pb.TaskInfo(dataset_id=f"save chunk {chunk.index}", sharding_policy=policy.value)
-  node, options = task_pipeline.build_task_node(dataset_def, task, udf_secret, fetch_once,
-                                                udf_modules)
+  node, options = task_pipeline.build_task_node(
+    dataset_def, task, udf_secret, fetch_once, udf_modules
+  )
   iterator = task_pipeline.run(optimize.optimize(node, options), options)
   try:
     for element in iterator:
@@ -66,10 +71,18 @@ def chunk_elements(dataset_def: pb.DatasetDef, chunk: pb.SaveChunk,
 class SaveWriters:
   """One writer thread per active save; `update` starts them, `close` ends them."""
 
-  def __init__(self, channel: grpc.Channel, token: str | None, address: Callable[[], str],
-               incarnation: str, udf_secret: bytes | None, udf_modules: Sequence[str]):
-    self._call = rpc.Caller(channel, "/jaxfeed.service.Dispatcher/SaveChunks",
-                            pb.SaveChunksResponse, token)
+  def __init__(
+    self,
+    channel: grpc.Channel,
+    token: str | None,
+    address: Callable[[], str],
+    incarnation: str,
+    udf_secret: bytes | None,
+    udf_modules: Sequence[str],
+  ):
+    self._call = rpc.Caller(
+      channel, "/jaxfeed.service.Dispatcher/SaveChunks", pb.SaveChunksResponse, token
+    )
     self._address = address
     self._incarnation = incarnation
     self._udf_secret = udf_secret
@@ -85,8 +98,12 @@ class SaveWriters:
         running = self._threads.get(path)
         if self._stop.is_set() or (running is not None and running.is_alive()):
           continue
-        thread = threading.Thread(target=self._write, args=(path,), daemon=True,
-                                  name=f"jaxfeed-save-writer-{len(self._threads)}")
+        thread = threading.Thread(
+          target=self._write,
+          args=(path,),
+          daemon=True,
+          name=f"jaxfeed-save-writer-{len(self._threads)}",
+        )
         self._threads[path] = thread
         thread.start()
 
@@ -110,10 +127,17 @@ class SaveWriters:
     dataset_def, compression = None, None
     folder = epath.Path(path)
     while not self._stop.is_set():
-      response = self._ask(pb.SaveChunksRequest(
-          path=path, worker_address=self._address(), incarnation=self._incarnation,
-          committed=committed, failed=failed, max_chunks=1,
-          want_dataset=dataset_def is None))
+      response = self._ask(
+        pb.SaveChunksRequest(
+          path=path,
+          worker_address=self._address(),
+          incarnation=self._incarnation,
+          committed=committed,
+          failed=failed,
+          max_chunks=1,
+          want_dataset=dataset_def is None,
+        )
+      )
       if response is None:
         self._stop.wait(_RETRY_S)
         continue
@@ -127,16 +151,20 @@ class SaveWriters:
         continue
       for chunk in response.chunks:
         try:
-          save_format.write_chunk(folder, chunk.index, chunk_elements(
-              dataset_def, chunk, self._udf_secret, self._udf_modules, self._stop),
-              compression)
+          save_format.write_chunk(
+            folder,
+            chunk.index,
+            chunk_elements(dataset_def, chunk, self._udf_secret, self._udf_modules, self._stop),
+            compression,
+          )
         except _Stopped:
           return
         except Exception as e:  # pylint: disable=broad-except
           # Reported: the dispatcher hands the chunk out again, or fails the
           # save once it failed max_split_attempts times.
           logging.exception("Writing chunk %d of the save at %s failed", chunk.index, path)
-          failed.append(pb.SaveChunkFailure(index=chunk.index,
-                                            error=f"{type(e).__name__}: {e}"[:2000]))
+          failed.append(
+            pb.SaveChunkFailure(index=chunk.index, error=f"{type(e).__name__}: {e}"[:2000])
+          )
           break
         committed.append(chunk.index)

@@ -21,11 +21,13 @@ from typing import Any
 import grpc
 
 from jaxfeed import _lifetime
+from jaxfeed.ops.autocache_folder import FolderLimits
 from jaxfeed.service import metrics as metrics_lib
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
 from jaxfeed.service.protocol import rpc_server
 from jaxfeed.service.protocol.protos import service_pb2 as pb
+from jaxfeed.service.worker import autocache_keeper
 from jaxfeed.service.worker import config as worker_config
 from jaxfeed.service.worker import data_server
 from jaxfeed.service.worker import local_workers
@@ -38,8 +40,9 @@ SERVICE_NAME = "jaxfeed.service.Worker"
 _MAX_REQUEST_BYTES = 64 << 10  # a worker's requests are all small
 
 
-def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: float,
-                    give_up_s: float | None) -> None:
+def _heartbeat_loop(
+  worker_ref: weakref.ref, stop: threading.Event, interval: float, give_up_s: float | None
+) -> None:
   failures = 0
   heard_at = time.monotonic()
   while not stop.is_set():
@@ -53,9 +56,10 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
     except grpc.RpcError as e:
       if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         worker.rejected = (
-            f"the dispatcher at {worker.config.dispatcher_address} refused worker "
-            f"{worker.address}: {e.code().name}: {e.details()} (give the worker the "
-            "dispatcher's --worker_token_file, or the certificates it trusts)")
+          f"the dispatcher at {worker.config.dispatcher_address} refused worker "
+          f"{worker.address}: {e.code().name}: {e.details()} (give the worker the "
+          "dispatcher's --worker_token_file, or the certificates it trusts)"
+        )
         logging.error("Worker stops: %s", worker.rejected)
         stop.set()
         return
@@ -63,15 +67,19 @@ def _heartbeat_loop(worker_ref: weakref.ref, stop: threading.Event, interval: fl
       silent_s = time.monotonic() - heard_at
       if give_up_s is not None and silent_s > give_up_s:
         worker.gave_up = (
-            f"the dispatcher at {worker.config.dispatcher_address} did not answer "
-            f"worker {worker.address} for {silent_s:.0f} s (--dispatcher_timeout_s="
-            f"{give_up_s:g}); last error: {e.code().name}")
+          f"the dispatcher at {worker.config.dispatcher_address} did not answer "
+          f"worker {worker.address} for {silent_s:.0f} s (--dispatcher_timeout_s="
+          f"{give_up_s:g}); last error: {e.code().name}"
+        )
         logging.error("Worker stops: %s", worker.gave_up)
         stop.set()
         return
       if failures in (1, 20) or failures % 200 == 0:
-        logging.warning("Worker %s: heartbeat to dispatcher failed (%s); serving the "
-                        "tasks it has and retrying.", worker.address, e.code().name)
+        logging.warning(
+          "Worker %s: heartbeat to dispatcher failed (%s); serving the tasks it has and retrying.",
+          worker.address,
+          e.code().name,
+        )
     except Exception:  # pylint: disable=broad-except
       logging.exception("Worker heartbeat failed")
     paced_s = worker.paced_interval_s
@@ -86,37 +94,69 @@ class WorkerServer:
     self.config = config
     handler_holder: list = []
     self._server, self.port = rpc_server.make_server(
-        f"{config.host}:{config.port}",
-        _LazyHandler(handler_holder), config.max_message_bytes, config.tls,
-        max_receive_bytes=_MAX_REQUEST_BYTES)
+      f"{config.host}:{config.port}",
+      _LazyHandler(handler_holder),
+      config.max_message_bytes,
+      config.tls,
+      max_receive_bytes=_MAX_REQUEST_BYTES,
+    )
     advertised = _advertised_host(config)
     self._worker = WorkerState(config, f"{advertised}:{self.port}")
     calls = ClientCalls(self._worker)
     # Clients are let in by read tickets, checked per task in GetElements.
-    handler_holder.append(rpc_server.method_handlers(
-        SERVICE_NAME, {},
-        {"GetElements": (calls.GetElements, pb.GetElementsRequest, True, (rpc.CLIENT,)),
-         "AckElements": (calls.AckElements, pb.AckElementsRequest, False, (rpc.CLIENT,)),
-         "GetTaskStats": (calls.GetTaskStats, pb.GetTaskStatsRequest, False,
-                          (rpc.CLIENT,))}))
+    handler_holder.append(
+      rpc_server.method_handlers(
+        SERVICE_NAME,
+        {},
+        {
+          "GetElements": (calls.GetElements, pb.GetElementsRequest, True, (rpc.CLIENT,)),
+          "AckElements": (calls.AckElements, pb.AckElementsRequest, False, (rpc.CLIENT,)),
+          "GetTaskStats": (calls.GetTaskStats, pb.GetTaskStatsRequest, False, (rpc.CLIENT,)),
+        },
+      )
+    )
     self._data_server = None
     if config.data_socket:
       self._data_server = data_server.DataServer(
-          config.host, calls.check_hello, calls.serve_socket,
-          config.tls.server_ssl_context() if config.tls is not None else None,
-          goodbye=calls.take_goodbye,
-          port=(worker_config.data_transfer_port(config.data_transfer_address)
-                if config.data_transfer_address else 0))
+        config.host,
+        calls.check_hello,
+        calls.serve_socket,
+        config.tls.server_ssl_context() if config.tls is not None else None,
+        goodbye=calls.take_goodbye,
+        port=(
+          worker_config.data_transfer_port(config.data_transfer_address)
+          if config.data_transfer_address
+          else 0
+        ),
+      )
       self._worker.data_address = (
-          config.data_transfer_address.replace("%port%", str(self._data_server.port))
-          if config.data_transfer_address else f"{advertised}:{self._data_server.port}")
+        config.data_transfer_address.replace("%port%", str(self._data_server.port))
+        if config.data_transfer_address
+        else f"{advertised}:{self._data_server.port}"
+      )
     self._heartbeat = threading.Thread(
-        target=_heartbeat_loop, name="jaxfeed-worker-heartbeat", daemon=True,
-        args=(weakref.ref(self._worker), self._worker.stop, config.heartbeat_interval_s,
-              config.dispatcher_timeout_s))
+      target=_heartbeat_loop,
+      name="jaxfeed-worker-heartbeat",
+      daemon=True,
+      args=(
+        weakref.ref(self._worker),
+        self._worker.stop,
+        config.heartbeat_interval_s,
+        config.dispatcher_timeout_s,
+      ),
+    )
     self._started = False
-    self._finalizer = weakref.finalize(self, _shutdown, self._server, self._worker,
-                                       self._data_server)
+    # Its tasks find the folder's limits by its path (task_pipeline).
+    keeper = (
+      autocache_keeper.AutocacheKeeper(
+        config.autocache_dir, FolderLimits(config.autocache_max_bytes, config.autocache_ttl_s)
+      )
+      if config.autocache_dir
+      else None
+    )
+    self._finalizer = weakref.finalize(
+      self, _shutdown, self._server, self._worker, self._data_server, keeper
+    )
     if start:
       self.start()
 
@@ -197,7 +237,12 @@ class _LazyHandler(grpc.GenericRpcHandler):
     return self._holder[0].service(handler_call_details) if self._holder else None
 
 
-def _shutdown(server: rpc_server.ServerHandle, worker: WorkerState, data_server: Any) -> None:
+def _shutdown(
+  server: rpc_server.ServerHandle,
+  worker: WorkerState,
+  data_server: Any,
+  keeper: autocache_keeper.AutocacheKeeper | None,
+) -> None:
   worker.stop.set()
   local_workers.remove(worker.address, worker)
   worker.leave()
@@ -205,35 +250,45 @@ def _shutdown(server: rpc_server.ServerHandle, worker: WorkerState, data_server:
     data_server.close()
   server.stop()
   worker.shutdown()
+  if keeper is not None:
+    keeper.close()
 
 
 def main(argv: Any) -> None:
   """Runs a worker from flags; a bad flag value ends it with the reason."""
   del argv
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   f = flags.FLAGS
   # Started by a pool (or anything using jaxfeed._lifetime.popen): it ends
   # with its parent, however the parent ends.
   _lifetime.die_with_parent_from_env()
   try:
-    udf_secret = rpc.read_secret(f.pickled_udf_secret, f.pickled_udf_secret_file,
-                                 "pickled_udf_secret")
+    udf_secret = rpc.read_secret(
+      f.pickled_udf_secret, f.pickled_udf_secret_file, "pickled_udf_secret"
+    )
     config = WorkerConfig(
-        dispatcher_address=f.dispatcher_address, port=f.port, host=f.host,
-        advertise_host=f.advertise_host or None,
-        heartbeat_interval_s=f.heartbeat_interval_s, buffer_size=f.buffer_size,
-        worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
-        udf_modules=import_paths.parse_udf_modules(f.udf_modules), insecure=f.insecure,
-        data_socket=f.data_socket,
-        max_window_batches=f.max_window_batches,
-        sharing_window_bytes=f.sharing_window_bytes,
-        autocache_dir=f.autocache_dir or None,
-        worker_tags=tuple(t for t in f.worker_tags.split(",") if t),
-        data_transfer_address=f.data_transfer_address or None,
-        dispatcher_timeout_s=f.dispatcher_timeout_s or None,
-        pickled_udf_secret=udf_secret.encode() if udf_secret else None,
-        tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs,
-                                     f.tls_client_ca))
+      dispatcher_address=f.dispatcher_address,
+      port=f.port,
+      host=f.host,
+      advertise_host=f.advertise_host or None,
+      heartbeat_interval_s=f.heartbeat_interval_s,
+      buffer_size=f.buffer_size,
+      worker_token=rpc.read_secret(f.worker_token, f.worker_token_file, "worker_token"),
+      udf_modules=import_paths.parse_udf_modules(f.udf_modules),
+      insecure=f.insecure,
+      data_socket=f.data_socket,
+      max_window_batches=f.max_window_batches,
+      sharing_window_bytes=f.sharing_window_bytes,
+      autocache_dir=f.autocache_dir or None,
+      autocache_max_bytes=f.autocache_max_bytes or None,
+      autocache_ttl_s=f.autocache_ttl_s or None,
+      worker_tags=tuple(t for t in f.worker_tags.split(",") if t),
+      data_transfer_address=f.data_transfer_address or None,
+      dispatcher_timeout_s=f.dispatcher_timeout_s or None,
+      pickled_udf_secret=udf_secret.encode() if udf_secret else None,
+      tls=rpc.TLSConfig.from_files(f.tls_key, f.tls_cert, f.tls_root_certs, f.tls_client_ca),
+    )
   except ValueError as e:  # a flag's value: say which, without a traceback
     rpc.exit_for_bad_flags("jaxfeed worker", e)
   # SIGTERM stops the worker cleanly from here on, before it registers and
@@ -251,8 +306,12 @@ def main(argv: Any) -> None:
     if metrics is not None:
       print(f"jaxfeed worker metrics on {metrics.url}", flush=True)
     if f.parent_pid:  # a pool's worker: goes when the process that started it does
-      threading.Thread(target=_stop_with_parent, args=(f.parent_pid, server),
-                       name="jaxfeed-worker-parent-watch", daemon=True).start()
+      threading.Thread(
+        target=_stop_with_parent,
+        args=(f.parent_pid, server),
+        name="jaxfeed-worker-parent-watch",
+        daemon=True,
+      ).start()
     server.join()
   except SystemExit:  # SIGTERM: hand over what it holds, then stop
     if f.drain_timeout_s > 0 and not server.drain(f.drain_timeout_s):
@@ -275,40 +334,90 @@ def _stop_with_parent(parent_pid: int, server: WorkerServer) -> None:
 
 def define_flags() -> None:
   from absl import flags  # pylint: disable=g-import-not-at-top
+
   flags.DEFINE_string("dispatcher_address", None, "host:port of the dispatcher.")
   flags.DEFINE_integer("port", 0, "Port to serve on; 0 picks a free one.")
   flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 0.0.0.0 for all.")
-  flags.DEFINE_string("advertise_host", "", "Host name or IP clients reach this worker "
-                      "at (default: --host, or the host name when --host is 0.0.0.0).")
+  flags.DEFINE_string(
+    "advertise_host",
+    "",
+    "Host name or IP clients reach this worker "
+    "at (default: --host, or the host name when --host is 0.0.0.0).",
+  )
   flags.DEFINE_float("heartbeat_interval_s", 0.5, "Seconds between heartbeats.")
-  flags.DEFINE_float("dispatcher_timeout_s", 0.0, "Seconds the worker goes on serving "
-                     "the tasks it has while its dispatcher does not answer (it "
-                     "registers again when the dispatcher is back); past them it "
-                     "stops. 0: for as long as it takes.")
+  flags.DEFINE_float(
+    "dispatcher_timeout_s",
+    0.0,
+    "Seconds the worker goes on serving "
+    "the tasks it has while its dispatcher does not answer (it "
+    "registers again when the dispatcher is back); past them it "
+    "stops. 0: for as long as it takes.",
+  )
   flags.DEFINE_integer("buffer_size", 8, "Ready batches buffered per task.")
   rpc.define_auth_flags(flags)
   flags.DEFINE_bool("data_socket", True, "Serve batches on a raw TCP port too.")
-  flags.DEFINE_string("data_transfer_address", "", "host:port clients fetch batches "
-                      "from (the data socket's address), when it differs from the "
-                      "gRPC address; '%port%' stands for the socket's own port.")
-  flags.DEFINE_string("worker_tags", "", "Comma-separated tags for the dispatcher; "
-                      "COLOCATED: a worker on a trainer's host, which other trainers' "
-                      "target_workers='auto' reads skip.")
-  flags.DEFINE_float("drain_timeout_s", 30.0, "On SIGTERM, seconds to finish the splits "
-                     "held and let consumers take the batches before stopping.")
-  flags.DEFINE_integer("parent_pid", 0, "Stop when this parent process is gone (set by "
-                       "the dispatcher for the workers of its pool).")
-  flags.DEFINE_string("autocache_dir", "", "Folder where autocache ops keep and reuse "
-                      "their input's output across jobs (may be shared by workers).")
-  flags.DEFINE_integer("sharing_window_bytes", 256 << 20,
-                       "Ephemeral sharing: bytes a shared pipeline keeps for slower jobs.")
-  flags.DEFINE_integer("max_window_batches", round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
-                       "Round-robin jobs: batches held in partial bucket windows.")
-  flags.DEFINE_string("tls_key", "", "PEM private key file: serve TLS on gRPC and the "
-                      "data socket (with --tls_cert).")
+  flags.DEFINE_string(
+    "data_transfer_address",
+    "",
+    "host:port clients fetch batches "
+    "from (the data socket's address), when it differs from the "
+    "gRPC address; '%port%' stands for the socket's own port.",
+  )
+  flags.DEFINE_string(
+    "worker_tags",
+    "",
+    "Comma-separated tags for the dispatcher; "
+    "COLOCATED: a worker on a trainer's host, which other trainers' "
+    "target_workers='auto' reads skip.",
+  )
+  flags.DEFINE_float(
+    "drain_timeout_s",
+    30.0,
+    "On SIGTERM, seconds to finish the splits "
+    "held and let consumers take the batches before stopping.",
+  )
+  flags.DEFINE_integer(
+    "parent_pid",
+    0,
+    "Stop when this parent process is gone (set by the dispatcher for the workers of its pool).",
+  )
+  flags.DEFINE_string(
+    "autocache_dir",
+    "",
+    "Folder where autocache ops keep and reuse "
+    "their input's output across jobs (may be shared by workers).",
+  )
+  flags.DEFINE_integer(
+    "autocache_max_bytes",
+    0,
+    "Most bytes the --autocache_dir folder "
+    "holds: least recently used entries go first, never one being read "
+    "or written; a write that finds no room goes on without caching. "
+    "0: no limit.",
+  )
+  flags.DEFINE_float(
+    "autocache_ttl_s",
+    0.0,
+    "Remove --autocache_dir entries nobody read for this many seconds. 0: keep them.",
+  )
+  flags.DEFINE_integer(
+    "sharing_window_bytes",
+    256 << 20,
+    "Ephemeral sharing: bytes a shared pipeline keeps for slower jobs.",
+  )
+  flags.DEFINE_integer(
+    "max_window_batches",
+    round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
+    "Round-robin jobs: batches held in partial bucket windows.",
+  )
+  flags.DEFINE_string(
+    "tls_key", "", "PEM private key file: serve TLS on gRPC and the data socket (with --tls_cert)."
+  )
   flags.DEFINE_string("tls_cert", "", "PEM certificate chain file of --tls_key.")
-  flags.DEFINE_string("tls_root_certs", "", "PEM root certificates that verify a TLS "
-                      "dispatcher.")
-  flags.DEFINE_integer("metrics_port", metrics_lib.OFF, "Serve Prometheus metrics on "
-                       "this port (0: a free one, printed; -1: off).")
+  flags.DEFINE_string("tls_root_certs", "", "PEM root certificates that verify a TLS dispatcher.")
+  flags.DEFINE_integer(
+    "metrics_port",
+    metrics_lib.OFF,
+    "Serve Prometheus metrics on this port (0: a free one, printed; -1: off).",
+  )
   flags.mark_flag_as_required("dispatcher_address")

@@ -54,9 +54,14 @@ class SharedStream:
     on_empty: Called (without locks held) after the last reader left.
   """
 
-  def __init__(self, make_iterator: Callable[[], Any], window_bytes: int, ahead: int,
-               on_finished: Callable[[int], None] | None = None,
-               on_empty: Callable[["SharedStream"], None] | None = None):
+  def __init__(
+    self,
+    make_iterator: Callable[[], Any],
+    window_bytes: int,
+    ahead: int,
+    on_finished: Callable[[int], None] | None = None,
+    on_empty: Callable[["SharedStream"], None] | None = None,
+  ):
     self._window_bytes = window_bytes
     self._ahead = ahead
     self._on_finished = on_finished
@@ -74,8 +79,9 @@ class SharedStream:
     self.produced = 0
     self.evicted = 0
     self.peak_bytes = 0
-    self._thread = threading.Thread(target=self._produce, args=(make_iterator,),
-                                    name="jaxfeed-shared-stream", daemon=True)
+    self._thread = threading.Thread(
+      target=self._produce, args=(make_iterator,), name="jaxfeed-shared-stream", daemon=True
+    )
     self._thread.start()
 
   # -- readers --------------------------------------------------------------
@@ -119,8 +125,7 @@ class SharedStream:
   def _end(self) -> int:
     return self._base + len(self._frames)
 
-  def next_frame(self, task_id: int, is_active: Callable[[], bool]
-                 ) -> wire.Frame | None | bool:
+  def next_frame(self, task_id: int, is_active: Callable[[], bool]) -> wire.Frame | None | bool:
     """The reader's next frame; None at the end of the pipeline; False when
     is_active() turned false or the reader was removed. Raises the
     pipeline's error."""
@@ -158,8 +163,8 @@ class SharedStream:
       return
     slowest, fastest = min(self._positions.values()), max(self._positions.values())
     while self._frames and (
-        self._base < slowest
-        or (self._bytes > self._window_bytes and self._base < fastest)):
+      self._base < slowest or (self._bytes > self._window_bytes and self._base < fastest)
+    ):
       self._bytes -= self._frames.popleft().nbytes
       self._base += 1
       self.evicted += 1
@@ -239,19 +244,22 @@ class SharedStreamReader:
       frame = self.stream.next_frame(self.task_id, lambda: time.monotonic() < deadline)
     except Exception as e:  # pylint: disable=broad-except
       raise task_runner.TaskFailed(
-          f"Task {self.task_id}'s shared pipeline failed: {type(e).__name__}: {e}",
-          getattr(e, "grpc_status", None) or task_runner.status_of(e)) from e
+        f"Task {self.task_id}'s shared pipeline failed: {type(e).__name__}: {e}",
+        getattr(e, "grpc_status", None) or task_runner.status_of(e),
+      ) from e
     if frame is None:
       return task_runner.Ended(task_runner.end_stats(self.stats(), self.op_rows()))
     if frame is False:
       if not self.stream.has_reader(self.task_id):
         raise task_runner.TaskFailed(
-            f"Task {self.task_id} was stopped on this worker.", "UNAVAILABLE")
+          f"Task {self.task_id} was stopped on this worker.", "UNAVAILABLE"
+        )
       return None
     return frame, local_round
 
-  def frames(self, is_active: Callable[[], bool], consumer_index: int = 0,
-             local_round: int = 0) -> Generator[tuple[wire.Frame, int], None, dict | None]:
+  def frames(
+    self, is_active: Callable[[], bool], consumer_index: int = 0, local_round: int = 0
+  ) -> Generator[tuple[wire.Frame, int], None, dict | None]:
     """Yields (frame, index) until the pipeline ends; returns the reader's
     statistics then, None when is_active() turned false first."""
     while is_active():

@@ -61,14 +61,15 @@ class WorkerState:
     self.stop = threading.Event()
     self.draining = threading.Event()  # no new splits: finish what it has
     self.dynamic_tasks: set[int] = set()  # tasks that read DYNAMIC splits
-    self.dataset_defs = dataset_cache.DatasetCache(config.dataset_cache_entries,
-                                                   config.dataset_cache_bytes)
+    self.dataset_defs = dataset_cache.DatasetCache(
+      config.dataset_cache_entries, config.dataset_cache_bytes
+    )
     self.streams = delivery.Registry()  # what each client of a task gets
     self._held: list[tuple[int, int, list[int]]] = []  # not yet reported
     # Exactly-once: (task id, splits made) whose report failed, for the next heartbeat.
     self._made: list[tuple[int, list[int]]] = []
     # Goodbyes of clients, not yet forwarded: (job id, client id) -> ticket.
-    self._goodbyes: dict[tuple[int, int], str] = {}
+    self._goodbyes: dict[tuple[int, int], pb.ClientGoodbye] = {}
     self.served = metrics_lib.ServedCounts()  # for --metrics_port
     # Told to the dispatcher with every heartbeat: a process restarted on this
     # address has a new one, so its predecessor's tasks count as lost.
@@ -94,15 +95,21 @@ class WorkerState:
     # The last clients the dispatcher listed: (clients_version, the tasks
     # it listed them for, task id -> client ids).
     self._listed: tuple[int, frozenset[int], dict[int, set[int]]] = (0, frozenset(), {})
-    self.heartbeat_call = rpc.Caller(channel, _DISPATCHER + "WorkerHeartbeat",
-                                     pb.WorkerHeartbeatResponse, token)
-    self.dataset_call = rpc.Caller(channel, _DISPATCHER + "GetDatasetDef",
-                                   pb.GetDatasetDefResponse, token)
-    self.splits_call = rpc.Caller(channel, _DISPATCHER + "GetSplits",
-                                  pb.GetSplitsResponse, token)
-    self.saves = save_writer.SaveWriters(channel, token, lambda: self.address,
-                                         self.incarnation, config.pickled_udf_secret,
-                                         config.udf_modules)
+    self.heartbeat_call = rpc.Caller(
+      channel, _DISPATCHER + "WorkerHeartbeat", pb.WorkerHeartbeatResponse, token
+    )
+    self.dataset_call = rpc.Caller(
+      channel, _DISPATCHER + "GetDatasetDef", pb.GetDatasetDefResponse, token
+    )
+    self.splits_call = rpc.Caller(channel, _DISPATCHER + "GetSplits", pb.GetSplitsResponse, token)
+    self.saves = save_writer.SaveWriters(
+      channel,
+      token,
+      lambda: self.address,
+      self.incarnation,
+      config.pickled_udf_secret,
+      config.udf_modules,
+    )
 
   # -- heartbeats and tasks ----------------------------------------------------
   def heartbeat(self, timeout_s: float = _HEARTBEAT_DEADLINE_S) -> None:
@@ -113,8 +120,11 @@ class WorkerState:
       finished = list(self.finished)
       held, self._held = self._held + held, []
       goodbyes, self._goodbyes = self._goodbyes, {}
-      made = self._made + [(task_id, runner.take_made()) for task_id, runner in self.tasks.items()
-                           if isinstance(runner, task_runner_lib.TaskRunner)]
+      made = self._made + [
+        (task_id, runner.take_made())
+        for task_id, runner in self.tasks.items()
+        if isinstance(runner, task_runner_lib.TaskRunner)
+      ]
       made, self._made = [(t, s) for t, s in made if s], []
     listed_version, listed_tasks, listed = self._listed
     # Draining or stopping, it starts no new task: splits sent with one would
@@ -122,21 +132,25 @@ class WorkerState:
     starts_tasks = not (self.draining.is_set() or self.stop.is_set())
     try:
       response = self.heartbeat_call(
-          pb.WorkerHeartbeatRequest(
-              worker_address=self.address, data_address=self.data_address,
-              incarnation=self.incarnation, current_tasks=current, finished_tasks=finished,
-              splits_per_request=self.config.splits_per_request if starts_tasks else -1,
-              # The lists held cover exactly these tasks: they may stay.
-              known_clients_version=(listed_version if listed_tasks == frozenset(current)
-                                     else 0),
-              held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s)
-                           for t, c, s in held],
-              client_goodbyes=_goodbye_messages(goodbyes),
-              pid=os.getpid(), parent_pid=os.getppid(),
-              made_splits=[pb.TaskSplits(task_id=t, starts=s) for t, s in made],
-              process_id=target_workers.process_id(),
-              worker_tags=self.config.worker_tags),
-          timeout=min(timeout_s, self.heartbeat_deadline_s))
+        pb.WorkerHeartbeatRequest(
+          worker_address=self.address,
+          data_address=self.data_address,
+          incarnation=self.incarnation,
+          current_tasks=current,
+          finished_tasks=finished,
+          splits_per_request=self.config.splits_per_request if starts_tasks else -1,
+          # The lists held cover exactly these tasks: they may stay.
+          known_clients_version=(listed_version if listed_tasks == frozenset(current) else 0),
+          held_splits=[pb.HeldSplits(task_id=t, client_id=c, starts=s) for t, c, s in held],
+          client_goodbyes=_goodbye_messages(goodbyes),
+          pid=os.getpid(),
+          parent_pid=os.getppid(),
+          made_splits=[pb.TaskSplits(task_id=t, starts=s) for t, s in made],
+          process_id=target_workers.process_id(),
+          worker_tags=self.config.worker_tags,
+        ),
+        timeout=min(timeout_s, self.heartbeat_deadline_s),
+      )
     except BaseException:
       with self.lock:  # reported with the next heartbeat
         self._held = held + self._held
@@ -174,14 +188,19 @@ class WorkerState:
     not have been listed yet)."""
     with self.lock:
       tasks = set(self.tasks)
-    self.streams.drop(lambda task_id, client_id, stream: task_id in tasks and (
-        task_id not in clients or client_id in clients[task_id]
-        or stream.created > listed_at))
+    self.streams.drop(
+      lambda task_id, client_id, stream: (
+        task_id in tasks
+        and (task_id not in clients or client_id in clients[task_id] or stream.created > listed_at)
+      )
+    )
 
   def start_task(self, task: pb.TaskInfo) -> None:
     self.served.track(task)
+
     def make_iterator() -> Any:
       return self._make_iterator(task)
+
     # Checked and added under one lock hold: the heartbeat thread and a
     # client's first request (find_task) may both learn of a new task, and
     # two runners of one task would serve its consumers different streams.
@@ -197,14 +216,19 @@ class WorkerState:
         self.dynamic_tasks.add(task.task_id)
         if task.HasField("first_splits"):
           self._first_splits[task.task_id] = (
-              [(r.start, r.stop) for r in task.first_splits.ranges],
-              task.first_splits.end_of_splits)
+            [(r.start, r.stop) for r in task.first_splits.ranges],
+            task.first_splits.end_of_splits,
+          )
       self.tasks[task.task_id] = task_runner_lib.TaskRunner(
-          task.task_id, make_iterator, self.config.buffer_size, task.num_consumers,
-          on_finished=self._on_finished,
-          round_timeout_s=task.round_timeout_s or round_assembly.DEFAULT_ROUND_TIMEOUT_S,
-          max_window_batches=self.config.max_window_batches,
-          exactly_once=task.exactly_once)
+        task.task_id,
+        make_iterator,
+        self.config.buffer_size,
+        task.num_consumers,
+        on_finished=self._on_finished,
+        round_timeout_s=task.round_timeout_s or round_assembly.DEFAULT_ROUND_TIMEOUT_S,
+        max_window_batches=self.config.max_window_batches,
+        exactly_once=task.exactly_once,
+      )
       self.task_added.notify_all()
 
   def _shared_reader(self, task: pb.TaskInfo) -> shared_stream.SharedStreamReader:
@@ -212,13 +236,19 @@ class WorkerState:
     stream = self.shared_streams.get(task.dataset_id)
     reader = stream.add_reader(task.task_id) if stream is not None else None
     if reader is None:
+
       def forget(ended: shared_stream.SharedStream, dataset_id: str = task.dataset_id) -> None:
         with self.lock:
           if self.shared_streams.get(dataset_id) is ended:
             del self.shared_streams[dataset_id]
+
       stream = shared_stream.SharedStream(
-          lambda: self._make_iterator(task), self.config.sharing_window_bytes,
-          self.config.buffer_size, on_finished=self._on_finished, on_empty=forget)
+        lambda: self._make_iterator(task),
+        self.config.sharing_window_bytes,
+        self.config.buffer_size,
+        on_finished=self._on_finished,
+        on_empty=forget,
+      )
       self.shared_streams[task.dataset_id] = stream
       reader = stream.add_reader(task.task_id)
     return reader
@@ -242,14 +272,16 @@ class WorkerState:
   def _make_iterator(self, task: pb.TaskInfo) -> Any:
     def gone() -> bool:  # nobody needs the task's pipeline any more
       with self.lock:  # start_task adds the task under it
-        return self.stop.is_set() or (
-            not task.ephemeral_sharing and task.task_id not in self.tasks)
+        return self.stop.is_set() or (not task.ephemeral_sharing and task.task_id not in self.tasks)
 
     dataset_def = self.dataset_defs.get(task.dataset_id, task.dataset_fingerprint)
     if dataset_def is None:
       dataset_def = self._ask_dispatcher(
-          self.dataset_call, pb.GetDatasetDefRequest(dataset_id=task.dataset_id),
-          f"Fetching dataset {task.dataset_id}", gone).dataset
+        self.dataset_call,
+        pb.GetDatasetDefRequest(dataset_id=task.dataset_id),
+        f"Fetching dataset {task.dataset_id}",
+        gone,
+      ).dataset
       dataset_cache.check_fingerprint(task, dataset_def)
       self.dataset_defs.put(task.dataset_id, dataset_def)
 
@@ -272,30 +304,52 @@ class WorkerState:
       # While the dispatcher is away, the task waits here for more splits
       # (and its clients with it) for up to dispatcher_timeout_s.
       response = self._ask_dispatcher(
-          self.splits_call,
-          pb.GetSplitsRequest(job_id=task.job_id, task_id=task.task_id,
-                              max_ranges=self.config.splits_per_request,
-                              request_seq=request_seq),
-          f"Fetching splits of job {task.job_id}", gone)
+        self.splits_call,
+        pb.GetSplitsRequest(
+          job_id=task.job_id,
+          task_id=task.task_id,
+          max_ranges=self.config.splits_per_request,
+          request_seq=request_seq,
+        ),
+        f"Fetching splits of job {task.job_id}",
+        gone,
+      )
       with self.lock:
         if task.task_id in self.tasks:
           self._split_requests[task.task_id] = request_seq + 1
       return [(r.start, r.stop) for r in response.ranges], response.end_of_splits
 
     if task.exactly_once:
-      return task_pipeline.split_by_split(dataset_def, task, self.config.pickled_udf_secret,
-                                          fetch_ranges, udf_modules=self.config.udf_modules)
-    return task_pipeline.task_iterator(dataset_def, task, self.config.pickled_udf_secret,
-                                       fetch_ranges, self.config.autocache_dir,
-                                       self.config.udf_modules)
+      return task_pipeline.split_by_split(
+        dataset_def,
+        task,
+        self.config.pickled_udf_secret,
+        fetch_ranges,
+        udf_modules=self.config.udf_modules,
+      )
+    return task_pipeline.task_iterator(
+      dataset_def,
+      task,
+      self.config.pickled_udf_secret,
+      fetch_ranges,
+      self.config.autocache_dir,
+      self.config.udf_modules,
+    )
 
-  def _ask_dispatcher(self, caller: rpc.Caller, request: Any, what: str,
-                      gone: Callable[[], bool]) -> Any:
+  def _ask_dispatcher(
+    self, caller: rpc.Caller, request: Any, what: str, gone: Callable[[], bool]
+  ) -> Any:
     """A task's call to the dispatcher, made again while it is away (for up
     to dispatcher_timeout_s) unless the task is `gone()` meanwhile."""
     try:
-      return rpc.call_with_retry(caller, request, self.config.dispatcher_timeout_s, what,
-                                 attempt_s=_DISPATCHER_CALL_S, cancelled=gone)
+      return rpc.call_with_retry(
+        caller,
+        request,
+        self.config.dispatcher_timeout_s,
+        what,
+        attempt_s=_DISPATCHER_CALL_S,
+        cancelled=gone,
+      )
     except rpc.ServiceError as e:
       cause = e.__cause__
       code = cause.code() if isinstance(cause, grpc.RpcError) else None
@@ -306,9 +360,10 @@ class WorkerState:
         e.grpc_status = "NOT_FOUND"  # type: ignore[attr-defined]
       elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         raise rpc.ServiceError(
-            f"{what} failed: the dispatcher at {self.config.dispatcher_address} did not "
-            f"answer for {self.config.dispatcher_timeout_s:g} s (the worker's "
-            f"dispatcher_timeout_s); last error: {code.name}: {cause.details()}") from e
+          f"{what} failed: the dispatcher at {self.config.dispatcher_address} did not "
+          f"answer for {self.config.dispatcher_timeout_s:g} s (the worker's "
+          f"dispatcher_timeout_s); last error: {code.name}: {cause.details()}"
+        ) from e
       raise
 
   def find_task(self, task_id: int, timeout_s: float = 5.0) -> task_runner_lib.TaskRunner:
@@ -329,8 +384,9 @@ class WorkerState:
         self.task_added.wait(min(left, 0.1))
       return self.tasks[task_id]
 
-  def open_stream(self, request: pb.GetElementsRequest, kick: Callable[[], None],
-                  transport: str) -> tuple[delivery.ClientStream, object]:
+  def open_stream(
+    self, request: pb.GetElementsRequest, kick: Callable[[], None], transport: str
+  ) -> tuple[delivery.ClientStream, object]:
     """The client's stream of the task, attached to a new connection over
     `transport` ("grpc", "socket" or "memory") that `kick` ends; returns it
     and the connection's token (see `delivery.ClientStream.attach`)."""
@@ -338,23 +394,30 @@ class WorkerState:
     self.served.connected(transport)
     window = min(request.window or delivery.DEFAULT_WINDOW, delivery.MAX_WINDOW)
     stream = self.streams.get_or_add(
-        request.task_id, request.client_id,
-        lambda: delivery.ClientStream(self.served.counting(request.task_id, runner),
-                                      runner.exactly_once, request.consumer_index,
-                                      request.round, window, request.received,
-                                      resumable=bool(request.client_id),
-                                      skip=request.skip))
+      request.task_id,
+      request.client_id,
+      lambda: delivery.ClientStream(
+        self.served.counting(request.task_id, runner),
+        runner.exactly_once,
+        request.consumer_index,
+        request.round,
+        window,
+        request.received,
+        resumable=bool(request.client_id),
+        skip=request.skip,
+      ),
+    )
     return stream, stream.attach(request.received, kick)
 
-  def hold_goodbye(self, job_id: int, client_id: int, ticket: str) -> None:
+  def hold_goodbye(self, goodbye: pb.ClientGoodbye) -> None:
     """Keeps a client's goodbye (checked by `client_calls`) for the next
     heartbeat. Raises DataConnectionError when it holds too many."""
     with self.lock:
       if len(self._goodbyes) >= _MAX_GOODBYES:
         raise data_socket.DataConnectionError(
-            f"Worker {self.address} already holds {_MAX_GOODBYES} goodbyes.",
-            "RESOURCE_EXHAUSTED")
-      self._goodbyes[(job_id, client_id)] = ticket
+          f"Worker {self.address} already holds {_MAX_GOODBYES} goodbyes.", "RESOURCE_EXHAUSTED"
+        )
+      self._goodbyes[(goodbye.job_id, goodbye.client_id)] = goodbye
 
   def drain(self, timeout_s: float) -> bool:
     """Takes no new splits, lets DYNAMIC tasks finish the splits they hold
@@ -366,7 +429,8 @@ class WorkerState:
       runners = list(self.tasks.items())
     for task_id, runner in runners:
       if not isinstance(runner, task_runner_lib.TaskRunner) or (
-          runner.num_consumers or task_id not in self.dynamic_tasks):
+        runner.num_consumers or task_id not in self.dynamic_tasks
+      ):
         with self.lock:
           self.tasks.pop(task_id, None)
         runner.stop()
@@ -374,8 +438,7 @@ class WorkerState:
     while time.monotonic() < deadline:
       with self.lock:
         # A task nobody has read for a while has no consumer left to wait for.
-        left = [r for r in self.tasks.values()
-                if not r.drained and r.idle_s < _DRAIN_IDLE_S]
+        left = [r for r in self.tasks.values() if not r.drained and r.idle_s < _DRAIN_IDLE_S]
       if not left:
         return True
       time.sleep(0.05)
@@ -388,10 +451,16 @@ class WorkerState:
       finished = list(self.finished)
       goodbyes, self._goodbyes = self._goodbyes, {}
     try:
-      self.heartbeat_call(pb.WorkerHeartbeatRequest(
-          worker_address=self.address, incarnation=self.incarnation,
-          finished_tasks=finished, leaving=True,
-          client_goodbyes=_goodbye_messages(goodbyes)), timeout=2)
+      self.heartbeat_call(
+        pb.WorkerHeartbeatRequest(
+          worker_address=self.address,
+          incarnation=self.incarnation,
+          finished_tasks=finished,
+          leaving=True,
+          client_goodbyes=_goodbye_messages(goodbyes),
+        ),
+        timeout=2,
+      )
     except grpc.RpcError:
       pass
 
@@ -407,6 +476,5 @@ class WorkerState:
     self.channel.close()
 
 
-def _goodbye_messages(goodbyes: dict[tuple[int, int], str]) -> list[pb.ClientGoodbye]:
-  return [pb.ClientGoodbye(job_id=job_id, client_id=client_id, ticket=ticket)
-          for (job_id, client_id), ticket in goodbyes.items()]
+def _goodbye_messages(goodbyes: dict[tuple[int, int], pb.ClientGoodbye]) -> list[pb.ClientGoodbye]:
+  return list(goodbyes.values())

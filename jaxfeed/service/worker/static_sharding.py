@@ -42,26 +42,30 @@ def check_pipeline(node: base.Node, policy: ShardingPolicy | None) -> None:
   hinted = shard.has_shard_hint(node)
   if policy == ShardingPolicy.HINT and not hinted:
     raise ValueError(
-        "processing_mode HINT shards where the pipeline says so, but it has no "
-        "shard(jaxfeed.service.SHARD_HINT, jaxfeed.service.SHARD_HINT): add one "
-        "where each worker should keep its share (after the file names, "
-        "before reading them), or use FILE / DATA / FILE_OR_DATA.")
+      "processing_mode HINT shards where the pipeline says so, but it has no "
+      "shard(jaxfeed.service.SHARD_HINT, jaxfeed.service.SHARD_HINT): add one "
+      "where each worker should keep its share (after the file names, "
+      "before reading them), or use FILE / DATA / FILE_OR_DATA."
+    )
   if hinted and policy != ShardingPolicy.HINT:
     name = "none (a local run)" if policy is None else policy.name
     raise ValueError(
-        f"The pipeline holds shard(SHARD_HINT, SHARD_HINT), a placeholder only "
-        f"processing_mode HINT fills in; the processing mode is {name}. Use "
-        "processing_mode='HINT' or give shard() numbers.")
+      f"The pipeline holds shard(SHARD_HINT, SHARD_HINT), a placeholder only "
+      f"processing_mode HINT fills in; the processing mode is {name}. Use "
+      "processing_mode='HINT' or give shard() numbers."
+    )
   if policy == ShardingPolicy.FILE and not index_ranges.reads_files(node):
     raise ValueError(file_error("the pipeline"))
 
 
 def file_error(what: str) -> str:
-  return (f"FILE sharding gives each worker its own files, but {what} reads "
-          "no files it could split: FILE shards from_tfrecord([files]) or the "
-          "file names an interleave / flat_map opens (from_tensor_slices(files)"
-          ".interleave(read_one_file), list_files(...).interleave(...)). Use "
-          "DATA (a from_source sampler's records) or FILE_OR_DATA.")
+  return (
+    f"FILE sharding gives each worker its own files, but {what} reads "
+    "no files it could split: FILE shards from_tfrecord([files]) or the "
+    "file names an interleave / flat_map opens (from_tensor_slices(files)"
+    ".interleave(read_one_file), list_files(...).interleave(...)). Use "
+    "DATA (a from_source sampler's records) or FILE_OR_DATA."
+  )
 
 
 def resolve(policy: ShardingPolicy, node: base.Node) -> ShardingPolicy:
@@ -97,10 +101,11 @@ def shard_task(policy: ShardingPolicy, task: pb.TaskInfo, decode: Decode) -> bas
     return _shard_output(node, task)
   if len(touched) > 1:
     raise spec_lib.SpecError(
-        f"{policy.name} sharding shards the pipeline's from_source sampler, but "
-        f"dataset {task.dataset_id!r} has {len(touched)}: it cannot tell which "
-        "to shard. Mix them into one source (Dataset.mix), or use "
-        "processing_mode 'parallel_epochs' (OFF) or 'distributed_epoch' (DYNAMIC).")
+      f"{policy.name} sharding shards the pipeline's from_source sampler, but "
+      f"dataset {task.dataset_id!r} has {len(touched)}: it cannot tell which "
+      "to shard. Mix them into one source (Dataset.mix), or use "
+      "processing_mode 'parallel_epochs' (OFF) or 'distributed_epoch' (DYNAMIC)."
+    )
   return node
 
 
@@ -114,10 +119,10 @@ def _shard_output(node: base.Node, task: pb.TaskInfo) -> base.Node:
 
 def _fill_hints(task: pb.TaskInfo) -> spec_lib.NodeRewrite:
   def rewrite(cls: type, params: dict) -> tuple[type, dict]:
-    if (getattr(cls, "op_name", None) == "shard"
-        and params.get("num_shards") == shard.SHARD_HINT):
+    if getattr(cls, "op_name", None) == "shard" and params.get("num_shards") == shard.SHARD_HINT:
       return cls, {**params, "num_shards": task.num_workers, "index": task.worker_index}
     return cls, params
+
   return rewrite
 
 
@@ -125,8 +130,9 @@ def _is_sampler(value: Any) -> bool:
   return hasattr(value, "get_many") and hasattr(value, "num_positions")
 
 
-def _shard_sampler(task: pb.TaskInfo, policy: ShardingPolicy,
-                   touched: list) -> spec_lib.NodeRewrite:
+def _shard_sampler(
+  task: pb.TaskInfo, policy: ShardingPolicy, touched: list
+) -> spec_lib.NodeRewrite:
   """Gives the `from_source` sampler ShardOptions(worker_index, num_workers)."""
 
   def rewrite(cls: type, params: dict) -> tuple[type, dict]:
@@ -143,11 +149,14 @@ def _shard_sampler(task: pb.TaskInfo, policy: ShardingPolicy,
     current = dict(sampler_params.get("shard_options") or {})
     if current.get("shard_count", 1) != 1:
       raise spec_lib.SpecError(
-          f"{policy.name} sharding shards the pipeline's sampler itself, but it "
-          f"is already sharded ({current}); give the pipeline an unsharded sampler.")
-    sampler_params["shard_options"] = {"shard_index": task.worker_index,
-                                       "shard_count": task.num_workers,
-                                       "drop_remainder": False}
+        f"{policy.name} sharding shards the pipeline's sampler itself, but it "
+        f"is already sharded ({current}); give the pipeline an unsharded sampler."
+      )
+    sampler_params["shard_options"] = {
+      "shard_index": task.worker_index,
+      "shard_count": task.num_workers,
+      "drop_remainder": False,
+    }
     return cls, {**params, "sampler": type(sampler)(**sampler_params)}
 
   return rewrite

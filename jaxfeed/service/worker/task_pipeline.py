@@ -3,6 +3,8 @@ sharding and the client's `jaxfeed.Options`.
 
 Static sharding (FILE, DATA, FILE_OR_DATA, HINT) gives worker i of n its own
 files, sampler shard or `shard(n, i)` (`jaxfeed.service.worker.static_sharding`).
+OFF (`parallel_epochs`) gives worker i its own order of the whole pipeline
+(`jaxfeed.service.worker.worker_orders`).
 DYNAMIC sharding splits the positions of the pipeline's one index-addressable
 input (`range`, `from_tensor_slices`, `from_source`, `from_tfrecord`'s files,
 or a `concatenate` / `zip` of those; see `jaxfeed.ops.index_ranges`): the
@@ -40,13 +42,16 @@ from jaxfeed.ops.options import Options
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
+from jaxfeed.service.worker import autocache_keeper
 from jaxfeed.service.worker import static_sharding
+from jaxfeed.service.worker import worker_orders
 
 FetchRanges = index_ranges.FetchRanges
 
 
 class SplitEnd(NamedTuple):
   """Exactly-once tasks: every element of the split [start, stop) came before."""
+
   start: int
   stop: int
 
@@ -75,8 +80,9 @@ class WithOptionsNode(base.Node):
     if isinstance(options, dict):
       options = Options(**options)
     if not isinstance(options, Options):
-      raise TypeError(f"{self.op_name}: options must be a jaxfeed.Options, got "
-                      f"{type(options).__name__}.")
+      raise TypeError(
+        f"{self.op_name}: options must be a jaxfeed.Options, got {type(options).__name__}."
+      )
     self.options = options
 
   def spec_params(self) -> dict:
@@ -89,8 +95,7 @@ class WithOptionsNode(base.Node):
     return run(optimize.optimize(self.parents[0], self.options), self.options)
 
 
-def pipeline_node(dataset: Any, what: str,
-                  policy: ShardingPolicy | None = None) -> base.Node:
+def pipeline_node(dataset: Any, what: str, policy: ShardingPolicy | None = None) -> base.Node:
   """The graph a client ships for `dataset`, with its Options if it has any.
 
   Raises:
@@ -117,11 +122,12 @@ def _check_no_repeat_after(split: base.Node, node: base.Node) -> None:
   if count != 1:
     times = "forever" if count < 0 else f"{count} times"
     raise ValueError(
-        f"distribute(processing_mode='distributed_epoch') cannot read a "
-        f"pipeline that repeats its split input (repeat {times}): each split "
-        "of the input is handed out once per job, so only one pass would be "
-        "read. Apply .repeat() to the distributed dataset instead, or use "
-        "processing_mode='parallel_epochs'.")
+      f"distribute(processing_mode='distributed_epoch') cannot read a "
+      f"pipeline that repeats its split input (repeat {times}): each split "
+      "of the input is handed out once per job, so only one pass would be "
+      "read. Apply .repeat() to the distributed dataset instead, or use "
+      "processing_mode='parallel_epochs'."
+    )
   for parent in node.parents:
     _check_no_repeat_after(split, parent)
 
@@ -143,9 +149,13 @@ def num_positions(node: base.Node) -> int:
   return -1 if count is None else int(count)
 
 
-def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
-                    udf_secret: bytes | None, fetch_ranges: FetchRanges | None,
-                    udf_modules: Sequence[str] = ()) -> tuple[base.Node, Options | None]:
+def build_task_node(
+  dataset_def: pb.DatasetDef,
+  task: pb.TaskInfo,
+  udf_secret: bytes | None,
+  fetch_ranges: FetchRanges | None,
+  udf_modules: Sequence[str] = (),
+) -> tuple[base.Node, Options | None]:
   """Rebuilds a task's pipeline with the task's sharding applied (importing
   only from the deployment's allowed UDF modules, see `spec.from_dataset_def`).
 
@@ -158,8 +168,12 @@ def build_task_node(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
   def decode(rewrite: spec_lib.NodeRewrite | None) -> base.Node:
     return spec_lib.from_dataset_def(dataset_def, udf_secret, rewrite, udf_modules)
 
-  node = (static_sharding.shard_task(policy, task, decode) if policy.is_static
-          else decode(None))
+  if policy.is_static:
+    node = static_sharding.shard_task(policy, task, decode)
+  elif policy == ShardingPolicy.OFF:  # each worker its own order
+    node = decode(worker_orders.reorder(task.worker_index))
+  else:
+    node = decode(None)
   node, options = unwrap_options(node)
   if policy == ShardingPolicy.DYNAMIC:
     try:
@@ -176,18 +190,25 @@ def run(node: base.Node, options: Options | None) -> base.OpIterator:
   return autotune.autotuned(root, options)
 
 
-def task_iterator(dataset_def: pb.DatasetDef, task: pb.TaskInfo,
-                  udf_secret: bytes | None, fetch_ranges: FetchRanges,
-                  autocache_dir: str | None = None,
-                  udf_modules: Sequence[str] = ()) -> base.OpIterator:
+def task_iterator(
+  dataset_def: pb.DatasetDef,
+  task: pb.TaskInfo,
+  udf_secret: bytes | None,
+  fetch_ranges: FetchRanges,
+  autocache_dir: str | None = None,
+  udf_modules: Sequence[str] = (),
+) -> base.OpIterator:
   """A (not exactly-once) task's pipeline, optimized and autotuned."""
   node, options = build_task_node(dataset_def, task, udf_secret, fetch_ranges, udf_modules)
   node = optimize.optimize(node, options)
   if autocache_dir:
     # After the optimizer: it rebuilds ops from their specs, which leave the
     # folder out. A task reading splits only uses stores kept by record.
-    autocache.point_at(node, autocache_dir,
-                       records_only=task.sharding_policy == ShardingPolicy.DYNAMIC.value)
+    autocache.point_at(
+      node,
+      autocache_keeper.folder_at(autocache_dir),
+      records_only=task.sharding_policy == ShardingPolicy.DYNAMIC.value,
+    )
   return run(node, options)
 
 
@@ -201,9 +222,14 @@ def close_quietly(iterator: Any, what: str) -> None:
     logging.exception("Closing %s failed", what)
 
 
-def split_by_split(dataset_def: pb.DatasetDef, task: pb.TaskInfo, udf_secret: bytes | None,
-                   fetch_ranges: FetchRanges, poll_s: float = 0.05,
-                   udf_modules: Sequence[str] = ()) -> Iterator[Any]:
+def split_by_split(
+  dataset_def: pb.DatasetDef,
+  task: pb.TaskInfo,
+  udf_secret: bytes | None,
+  fetch_ranges: FetchRanges,
+  poll_s: float = 0.05,
+  udf_modules: Sequence[str] = (),
+) -> Iterator[Any]:
   """An exactly-once task's elements: the pipeline runs on one split at a
   time, so each element belongs to one split (a batch never spans two), and
   `SplitEnd(start, stop)` follows each split's elements. Yields `WAITING` while the

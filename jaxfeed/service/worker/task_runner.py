@@ -72,12 +72,17 @@ class TaskRunner:
       of whole splits, and one split in progress is held beyond it.
   """
 
-  def __init__(self, task_id: int, make_iterator: Callable[[], Any],
-               buffer_size: int, num_consumers: int = 0,
-               on_finished: Callable[[int], None] | None = None,
-               round_timeout_s: float = round_assembly.DEFAULT_ROUND_TIMEOUT_S,
-               max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
-               exactly_once: bool = False):
+  def __init__(
+    self,
+    task_id: int,
+    make_iterator: Callable[[], Any],
+    buffer_size: int,
+    num_consumers: int = 0,
+    on_finished: Callable[[int], None] | None = None,
+    round_timeout_s: float = round_assembly.DEFAULT_ROUND_TIMEOUT_S,
+    max_window_batches: int = round_assembly.DEFAULT_MAX_WINDOW_BATCHES,
+    exactly_once: bool = False,
+  ):
     self.task_id = task_id
     self.exactly_once = exactly_once
     self._split_frames: list[wire.Frame] = []  # exactly-once: the split in progress
@@ -107,8 +112,8 @@ class TaskRunner:
     self._stop = threading.Event()
     self._on_finished = on_finished
     self._thread = threading.Thread(
-        target=self._produce, args=(make_iterator,),
-        name=f"jaxfeed-task-{task_id}", daemon=True)
+      target=self._produce, args=(make_iterator,), name=f"jaxfeed-task-{task_id}", daemon=True
+    )
     self._thread.start()
 
   # -- producer ---------------------------------------------------------------
@@ -202,15 +207,16 @@ class TaskRunner:
     time. Raises TaskFailed.
     """
     if self.num_consumers and not 0 <= consumer_index < self.num_consumers:
-      raise TaskFailed(f"consumer_index {consumer_index} is outside "
-                       f"[0, {self.num_consumers}) of task {self.task_id}.",
-                       "INVALID_ARGUMENT")
+      raise TaskFailed(
+        f"consumer_index {consumer_index} is outside "
+        f"[0, {self.num_consumers}) of task {self.task_id}.",
+        "INVALID_ARGUMENT",
+      )
     deadline = time.monotonic() + wait_s
     with self._cond:
       while True:
         if self._stop.is_set():
-          raise TaskFailed(f"Task {self.task_id} was stopped on this worker.",
-                           "UNAVAILABLE")
+          raise TaskFailed(f"Task {self.task_id} was stopped on this worker.", "UNAVAILABLE")
         if self._rounds is not None:
           if self._rounds.close_expired():
             self._cond.notify_all()
@@ -240,9 +246,9 @@ class TaskRunner:
           return None
         self._cond.wait(min(left, _POLL_S))
 
-  def frames(self, is_active: Callable[[], bool], consumer_index: int = 0,
-             local_round: int = 0
-             ) -> Generator[tuple[wire.Frame | None, int], None, dict | None]:
+  def frames(
+    self, is_active: Callable[[], bool], consumer_index: int = 0, local_round: int = 0
+  ) -> Generator[tuple[wire.Frame | None, int], None, dict | None]:
     """Yields (frame, local round) until the task ends; raises TaskFailed.
 
     Exactly-once tasks yield (frame, split start) for each frame of a split,
