@@ -256,3 +256,18 @@ def test_grants_come_back_from_the_tasks_after_a_restart():
   grants.sync(["w1", "w3", "w4"], jobs, waiting_timeout_s=60)
   assert grants.owner == {"w3": 2}
   assert grants.free(["w1", "w3", "w4"], jobs) == ["w1", "w4"]
+
+
+def test_a_drained_worker_counts_until_the_pool_stopped_it():
+  # It told the dispatcher it left, but its process still runs: it still
+  # counts against max_workers (as draining) until the pool's stop returns.
+  grants = job_grants.JobGrants()
+  jobs = {1: job(1, "w1")}
+  grants.sync(["w1"], jobs, waiting_timeout_s=60)
+  grants.drain("w1")
+  grants.stopping.add("w1")
+  grants.sync([], jobs, waiting_timeout_s=60)
+  assert grants.draining == {"w1": 1}
+  grants.stopping.discard("w1")
+  grants.sync([], jobs, waiting_timeout_s=60)
+  assert not grants.draining

@@ -207,6 +207,9 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
 
   def _stop_worker(self, address: str, pid: int) -> None:
     # Draining takes as long as its consumers take its batches: not on this thread.
+    with self._state.lock:
+      self._state.lock.answer_without_fsync()
+      self.grants.stopping.add(address)
     self._stops = [t for t in self._stops if t.is_alive()]
     thread = threading.Thread(
       target=self._stop_one, args=(address, pid), name="jaxfeed-autoscaler-stop", daemon=True
@@ -215,14 +218,18 @@ class JobAutoscaler(autoscale_lib.Autoscaler):
     thread.start()
 
   def _stop_one(self, address: str, pid: int) -> None:
+    stopped = False
     try:
-      if not self.backend.stop_worker_at(address, pid):
+      stopped = self.backend.stop_worker_at(address, pid)
+      if not stopped:
         _LOG.info("Worker %s is not the pool's: it stays (serving no job).", address)
-        with self._state.lock:
-          self._state.lock.answer_without_fsync()
-          self.grants.draining.pop(address, None)
     except Exception:  # pylint: disable=broad-except
       _LOG.exception("Stopping worker %s failed", address)
+    with self._state.lock:
+      self._state.lock.answer_without_fsync()
+      self.grants.stopping.discard(address)
+      if not stopped:
+        self.grants.draining.pop(address, None)
 
   def metric_families(self, gauge: Any, counter: Any) -> Iterator[Any]:
     """jaxfeed_job_scaling_decisions (a prometheus family, from the given

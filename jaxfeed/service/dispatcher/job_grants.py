@@ -42,6 +42,9 @@ class JobGrants:
     # with when it was promised.
     self.waiting: list[tuple[int, float]] = []
     self.draining: dict[str, int] = {}  # address -> the job it served
+    # Workers whose stop is under way: they count (as draining) until the
+    # pool has stopped them, even once they told the dispatcher they left.
+    self.stopping: set[str] = set()
 
   def may_serve(self, job: Job, address: str, busy: set[int]) -> bool:
     """Whether the worker at `address`, which has unfinished tasks of the
@@ -91,7 +94,7 @@ class JobGrants:
     for address in [a for a, j in self.owner.items() if a not in live or j not in jobs]:
       del self.owner[address]
       self.granted_at.pop(address, None)
-    for address in [a for a in self.draining if a not in live]:  # it left
+    for address in [a for a in self.draining if a not in live and a not in self.stopping]:
       del self.draining[address]
     for address in live - set(self.owner) - set(self.draining):
       busy = jobs_on(address, jobs.values())
