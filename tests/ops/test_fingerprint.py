@@ -240,5 +240,6 @@ def test_autocache_keeps_nothing_under_a_fingerprint_that_is_not_reproducible(tm
     cache_dir.mkdir()
     autocache.point_at(dataset.node, str(cache_dir))
     assert [int(x) for x in dataset] == [1, 2, 3, 4]
-  assert len(list((tmp_path / "kept").iterdir())) == 1
-  assert not list((tmp_path / "passed").iterdir())
+  entries = lambda folder: [p for p in folder.iterdir() if p.name != ".jaxfeed"]  # bookkeeping
+  assert len(entries(tmp_path / "kept")) == 1
+  assert not entries(tmp_path / "passed")
