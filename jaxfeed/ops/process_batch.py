@@ -353,8 +353,14 @@ class _Runtime:
       kit.slots.free_all()
 
   def _expire(self) -> None:
-    """Stops worker processes idle for `IDLE_TIMEOUT_S` (a launcher tick)."""
-    with self._lock:
+    """Stops worker processes idle for `IDLE_TIMEOUT_S` (a launcher tick).
+
+    A tick never waits for the lock: its holder may be waiting for the
+    launcher to start a worker (`close`), which this thread would then never
+    do. The next tick looks again."""
+    if not self._lock.acquire(blocking=False):
+      return
+    try:
       if (
         self._kit is not None
         and not self._lent
@@ -362,6 +368,8 @@ class _Runtime:
         and time.monotonic() - self._idle_since >= IDLE_TIMEOUT_S
       ):
         self._kit.stop_processes()
+    finally:
+      self._lock.release()
 
   def close(self) -> None:
     with self._lock:

@@ -584,3 +584,19 @@ def test_idle_worker_processes_stop_after_a_while(monkeypatch):
   op_testing.wait_until(lambda: not any(process_alive(p) for p in pids), timeout_s=10)
   assert [b.tolist() for b in dataset] == expected  # new ones start
   dataset.close()
+
+
+def test_a_launcher_tick_never_waits_for_the_runtime_lock():
+  # close() holds the lock while it waits for the launcher to start a
+  # worker; a tick that waited for the lock on the launcher thread would
+  # never let it.
+  ds = Dataset.range(64).map(plus_ten, num_parallel_calls=2, backend="process").batch(8)
+  with ds.make_iterator() as iterator:
+    assert sum(len(b) for b in iterator) == 64
+  runtime = list(process_batch._RUNTIMES.values())[-1]  # pylint: disable=protected-access
+  with runtime._lock:  # pylint: disable=protected-access
+    tick = threading.Thread(target=runtime._expire)  # pylint: disable=protected-access
+    tick.start()
+    tick.join(5)
+    assert not tick.is_alive()
+  ds.close()

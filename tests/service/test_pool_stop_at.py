@@ -57,11 +57,19 @@ def ray_pool(monkeypatch):
   stopped, killed = [], []
   monkeypatch.setitem(sys.modules, "ray", _fake_ray(stopped, killed))
   monkeypatch.delitem(sys.modules, "jaxfeed.service.pools.ray_backend", raising=False)
+  pools = importlib.import_module("jaxfeed.service.pools")
+  real = pools.__dict__.get("ray_backend")
   ray_backend = importlib.import_module("jaxfeed.service.pools.ray_backend")
   try:
     yield ray_backend.RayWorkerBackend("127.0.0.1:1"), stopped, killed
   finally:
+    # The package keeps its real module: importing the stand-in-bound one
+    # set it as an attribute, which later tests would import instead.
     sys.modules.pop("jaxfeed.service.pools.ray_backend", None)
+    if real is None:
+      pools.__dict__.pop("ray_backend", None)
+    else:
+      pools.ray_backend = real
 
 
 def test_the_worker_asked_for_is_stopped_and_no_other(ray_pool):
