@@ -343,14 +343,15 @@ class _Runtime:
 
   def give_back(self, kit: _Kit) -> None:
     with self._lock:
-      if kit is not self._kit or self.closed:
-        kit.close()
-        if kit is self._kit:
-          self._kit = None
-          self._shipment = None
-        return
-      self._lent, self._idle_since = False, time.monotonic()
-      kit.slots.free_all()
+      done = kit is not self._kit or self.closed
+      if not done:
+        self._lent, self._idle_since = False, time.monotonic()
+        kit.slots.free_all()
+      elif kit is self._kit:
+        self._kit = None
+        self._shipment = None
+    if done:
+      kit.close()  # not under the lock: see `close`
 
   def _expire(self) -> None:
     """Stops worker processes idle for `IDLE_TIMEOUT_S` (a launcher tick).
@@ -372,12 +373,16 @@ class _Runtime:
       self._lock.release()
 
   def close(self) -> None:
+    """Stops the kit's workers. Not under the lock: closing waits for
+    workers still starting, and the launcher thread starting them takes the
+    lock to make their shipment (`shipment`)."""
     with self._lock:
       self.closed = True
+      kit = None
       if self._kit is not None and not self._lent:
-        self._kit.close()
-        self._kit = None
-        self._shipment = None
+        kit, self._kit, self._shipment = self._kit, None, None
+    if kit is not None:
+      kit.close()
 
 
 _RUNTIMES: dict[int, _Runtime] = {}
