@@ -6,7 +6,9 @@
   jaxfeed inspect FILE...        record count, sizes and a decoded sample
   jaxfeed inspect FOLDER         a saved dataset's progress (Dataset.save,
                                  distributed_save): chunks done of expected,
-                                 elements, bytes, complete or not
+                                 elements, bytes, complete or not; or an
+                                 autocache folder's entries and the autocache
+                                 policy's decisions, with their reasons
   jaxfeed bench MODULE:FUNCTION  runs a user's pipeline for a while: elements/s
                                  and a table of where each op spent its time
   jaxfeed cache ls|rm DIR        an autocache folder's entries (--autocache_dir):
@@ -440,7 +442,9 @@ def _parser() -> argparse.ArgumentParser:
     "records decoded: tf.train.Example features with their types and first values "
     "(long bytes as their size and first bytes, JPEG and PNG as their decoded shape). "
     "Given one folder written by Dataset.save or distributed_save: its chunks done "
-    "of those expected, elements, bytes and whether it is complete.",
+    "of those expected, elements, bytes and whether it is complete. Given an "
+    "autocache folder (--autocache_dir): its entries, and for each autocache point "
+    "the policy's last decision (compute, write or read), what it measured and why.",
   )
   insp.add_argument(
     "paths", nargs="+", metavar="FILE", help="files of one format, or one saved dataset's folder"
@@ -506,6 +510,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       and os.path.isfile(os.path.join(args.paths[0], "save.json"))
     ):
       result = inspect_saved(args.paths[0], args.samples)
+    elif (
+      args.command == "inspect"
+      and len(args.paths) == 1
+      and cli_cache.is_autocache_folder(args.paths[0])
+    ):
+      result = cli_cache.inspect_folder(args.paths[0])
     elif args.command == "inspect":
       result = inspect_files(args.paths, args.format, args.samples)
     elif args.command == "cache":

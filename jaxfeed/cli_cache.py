@@ -19,9 +19,10 @@ import time
 from typing import Any
 
 from jaxfeed.convert import UsageError
+from jaxfeed.ops import autocache_policy
 from jaxfeed.ops.autocache_folder import AutocacheFolder, EntryInUseError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "inspect_folder", "is_autocache_folder", "run"]
 
 _IN_USE_STATUS = 1
 
@@ -113,6 +114,35 @@ def _rm(args: argparse.Namespace) -> int:
     return _IN_USE_STATUS
   print(f"removed {len(removed)} entries" + (f": {', '.join(removed)}" if removed else ""))
   return 0
+
+
+def is_autocache_folder(path: str) -> bool:
+  """Whether `path` is an autocache folder (it holds `.jaxfeed/`)."""
+  return os.path.isdir(os.path.join(path, ".jaxfeed"))
+
+
+def inspect_folder(path: str) -> dict:
+  """`jaxfeed inspect DIR` of an autocache folder: its entries, and the
+  autocache policy's last decision for each point, with what it measured
+  and why (see `jaxfeed.ops.autocache_policy`)."""
+  entries = _folder(path).entries()
+  return {
+    "autocache_folder": os.path.abspath(path),
+    "entries": [
+      {"entry": e.name, "bytes": e.bytes, "last_used": e.last_used, "state": e.state}
+      for e in entries
+    ],
+    "decisions": [
+      {
+        "point": record.get("entry"),
+        "job": record.get("job"),
+        "decision": record.get("decision"),
+        "why": record.get("reason"),
+        "measurements": record.get("measurements"),
+      }
+      for record in autocache_policy.read_records(path)
+    ],
+  }
 
 
 def run(args: argparse.Namespace) -> int:

@@ -385,16 +385,22 @@ class Dataset(DatasetBatching):
 
     return self._wrap(snapshot.SnapshotNode(self.node, path))
 
-  def autocache(self, directory: str | None = None) -> "Dataset":
+  def autocache(self, directory: str | None = None, policy: str | None = None) -> "Dataset":
     """Marks where this pipeline's output may be kept and reused across jobs:
     by service workers with `--autocache_dir`, or here in `directory`.
     After `from_source` and per-record `map` / `filter` ops, the results are
     kept by record index, shared by pipelines with any sampler (other
     seeds, shards, epochs) and by processes given the same folder (see
-    jaxfeed.ops.autocache). Without a folder, elements pass through."""
+    jaxfeed.ops.autocache). Without a folder, elements pass through.
+
+    Whether a point caches is the autocache policy's call (`policy`, here;
+    a worker's `--autocache_policy` on the service): "auto" (the default)
+    measures what computing, writing and reading cost and caches only where
+    reading is clearly faster (jaxfeed.ops.autocache_policy); "always"
+    caches; "never" computes."""
     from jaxfeed.ops import autocache
 
-    return self._wrap(autocache.AutocacheNode(self.node, directory))
+    return self._wrap(autocache.AutocacheNode(self.node, directory, policy))
 
   def prefetch(self, buffer_size: int) -> "Dataset":
     """Produces up to `buffer_size` elements ahead on a background thread

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jaxfeed.ops import shared_preprocessing
+from jaxfeed.ops import autocache_policy, shared_preprocessing
 from jaxfeed.ops.autocache_entry import AutocacheEntryIterator
 from jaxfeed.ops.autocache_folder import AutocacheFolder, EntryHold
 from jaxfeed.ops.base import Node, OpIterator, graph_nodes, to_node
@@ -51,14 +51,21 @@ class AutocacheNode(Node):
 
   op_name = _OP
 
-  def __init__(self, parent: Any, directory: str | None = None):
+  def __init__(self, parent: Any, directory: str | None = None, policy: str | None = None):
     super().__init__([to_node(parent, _OP, "input")])
     if directory is not None and (not isinstance(directory, str) or not directory):
       raise ValueError(
         f"{_OP}: directory must be a non-empty folder path or None, got {directory!r}."
       )
+    if policy is not None and policy not in autocache_policy.POLICIES:
+      raise ValueError(
+        f"{_OP}: policy must be one of {', '.join(map(repr, autocache_policy.POLICIES))} "
+        f"or None ('auto'), got {policy!r}."
+      )
     # Set by service workers (never part of the spec), or given locally.
     self.cache_dir = directory or ""
+    self.policy = policy or "auto"
+    self.job = ""  # the job's name in metrics (service workers)
     self.records_only = False  # pass through unless kept by record
     self._folder: AutocacheFolder | None = None  # with a worker's limits
 
@@ -72,7 +79,10 @@ class AutocacheNode(Node):
     return {}
 
   def local_params(self) -> dict:
-    return {"directory": self.cache_dir} if self.cache_dir else {}
+    params: dict = {"directory": self.cache_dir} if self.cache_dir else {}
+    if self.policy != "auto":
+      params["policy"] = self.policy
+    return params
 
   def cardinality(self) -> int | None:
     return self.parents[0].cardinality()
@@ -86,9 +96,24 @@ class AutocacheNode(Node):
       return None
     return os.path.join(self.cache_dir, fingerprint)
 
+  def _link(self) -> None:
+    """Groups this point with the points of its input (one pipeline: only
+    the one that saves most caches; see `jaxfeed.ops.autocache_policy`)."""
+    below = [n.cache_path() for n in graph_nodes(self.parents[0]) if isinstance(n, AutocacheNode)]
+    mine = self.cache_path()
+    if mine is None:
+      return
+    points = [autocache_policy.point(self.cache_dir, os.path.basename(mine))]
+    for path in below:
+      if path is not None:
+        points.append(autocache_policy.point(os.path.dirname(path), os.path.basename(path)))
+    autocache_policy.link(points)
+
   def make_iterator(self) -> OpIterator:
     if self.cache_dir:
-      shared = shared_preprocessing.shared_graph(self.parents[0], self.cache_dir)
+      shared = shared_preprocessing.shared_graph(
+        self.parents[0], self.cache_dir, self.policy, self.job
+      )
       if shared is not None:
         [source] = [
           s
@@ -103,8 +128,14 @@ class AutocacheNode(Node):
       parent = self.parents[0]
       # The on-disk store `cache(filename=path)` reads and writes.
       store = CacheNode(parent, path)._store  # pylint: disable=protected-access
+      self._link()
       return AutocacheEntryIterator(
-        parent.make_iterator(), store, self.folder(), os.path.basename(path)
+        parent.make_iterator(),
+        store,
+        self.folder(),
+        os.path.basename(path),
+        self.policy,
+        self.job,
       )
     return AutocacheIterator(self.parents[0].make_iterator())
 
@@ -141,12 +172,18 @@ class AutocacheIterator(OpIterator):
 
 
 def point_at(
-  node: Node, folder: str | AutocacheFolder, records_only: bool = False
+  node: Node,
+  folder: str | AutocacheFolder,
+  records_only: bool = False,
+  policy: str | None = None,
+  job: str = "",
 ) -> list[AutocacheNode]:
   """Points every autocache op of a graph at `folder` (a path: a folder
   without limits); returns them. `records_only`: only those kept by record
   index (see `jaxfeed.ops.shared_preprocessing`) use it, the others pass
-  through (a task that reads splits never completes a pass of its input)."""
+  through (a task that reads splits never completes a pass of its input).
+  `policy` (one of `autocache_policy.POLICIES`) replaces the ops' own;
+  `job` names the job in the policy's decision counts."""
   if not isinstance(folder, AutocacheFolder):
     folder = AutocacheFolder(folder)
   found = [current for current in graph_nodes(node) if isinstance(current, AutocacheNode)]
@@ -154,4 +191,7 @@ def point_at(
     current.cache_dir = folder.path
     current._folder = folder  # pylint: disable=protected-access
     current.records_only = records_only
+    current.job = job
+    if policy is not None:
+      current.policy = policy
   return found

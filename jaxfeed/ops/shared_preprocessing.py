@@ -109,9 +109,17 @@ def preprocess(ops: list[Node], element: Any) -> Any:
 class PreprocessedSource:
   """`source` with `ops` applied to each record, kept in a `RecordStore`."""
 
-  def __init__(self, source: Any, ops: list[Node], directory: str, key: str):
+  def __init__(
+    self,
+    source: Any,
+    ops: list[Node],
+    directory: str,
+    key: str,
+    policy: str = "auto",
+    job: str = "",
+  ):
     self.source, self.ops, self.key = source, ops, key
-    self.store = RecordStore(directory, len(source), self._compute)
+    self.store = RecordStore(directory, len(source), self._compute, policy, job)
 
   def _compute(self, start: int, stop: int) -> list:
     get_many = getattr(self.source, "get_many", None)
@@ -133,7 +141,7 @@ class PreprocessedSource:
     return {"preprocessed": self.key, "source": source_identity(self.source)}
 
 
-def shared_graph(node: Node, directory: str) -> Node | None:
+def shared_graph(node: Node, directory: str, policy: str = "auto", job: str = "") -> Node | None:
   """`node` (an autocache's input) reading through a store in `directory`,
   or None when its ops are not a per-record chain over `from_source` (or a
   function in them cannot be fingerprinted by content)."""
@@ -148,7 +156,7 @@ def shared_graph(node: Node, directory: str) -> Node | None:
   if not key.reproducible:
     return None
   source = PreprocessedSource(
-    source_node.source, ops, os.path.join(directory, f"{STORE_PREFIX}{key}"), key
+    source_node.source, ops, os.path.join(directory, f"{STORE_PREFIX}{key}"), key, policy, job
   )
   new: Node = SourceNode(source, source_node.sampler)
   new.iterations = source_node.iterations  # type: ignore[attr-defined]

@@ -56,6 +56,9 @@ Worker (`job`: as the dispatcher's):
                                         refusals and failures) and code
   jaxfeed_client_rpc_errors_total       the worker's own calls (to the dispatcher)
                                         that failed, by method and code
+  jaxfeed_autocache_decisions_total     the autocache policy's decisions in the
+                                        worker's process, by job, point (its entry,
+                                        shortened) and decision (compute, write, read)
 Client (`jaxfeed.service.serve_client_metrics()`, in the trainer's process):
   jaxfeed_client_rpc_errors_total       the process's calls to dispatcher and
                                         workers that failed, by method and code
@@ -69,6 +72,7 @@ import os
 import threading
 from typing import Any, Iterator
 
+from jaxfeed.ops import autocache_policy
 from jaxfeed.service.protocol import rpc_errors
 
 # --metrics_port's value that serves no metrics.
@@ -386,6 +390,15 @@ class _WorkerCollector:
     )
     for transport, value in sorted(connections.items()):
       family.add_metric([transport], value)
+    yield family
+    family = counter(
+      "jaxfeed_autocache_decisions",
+      "Decisions of the autocache policy, by job, autocache point (its "
+      "entry's name, shortened) and decision: compute, write or read.",
+      labels=["job", "point", "decision"],
+    )
+    for (job, point, decision), value in sorted(autocache_policy.decision_counts().items()):
+      family.add_metric([job, point, decision], value)
     yield family
 
 

@@ -246,6 +246,6 @@ def test_autocache_passes_through_and_resumes_exactly_outside_the_service(tmp_pa
   pointed = build()
   from jaxfeed.ops import autocache  # pylint: disable=g-import-not-at-top
 
-  [node] = autocache.point_at(pointed.node, str(tmp_path))
+  [node] = autocache.point_at(pointed.node, str(tmp_path), policy="always")
   assert canonical(list(pointed)) == canonical(list(build()))
   assert os.path.isdir(node.cache_path())  # a complete pass was written there

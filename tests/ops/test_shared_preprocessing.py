@@ -35,8 +35,13 @@ def odd_free(element):
   return element["x"] % 2 == 0
 
 
-def pipeline(sampler, directory=None, fn=prep):
-  return jaxfeed.Dataset.from_source(SOURCE, sampler).map(fn).filter(odd_free).autocache(directory)
+def pipeline(sampler, directory=None, fn=prep, policy="always"):
+  return (
+    jaxfeed.Dataset.from_source(SOURCE, sampler)
+    .map(fn)
+    .filter(odd_free)
+    .autocache(directory, policy=policy)
+  )
 
 
 def xs(dataset) -> list[int]:
@@ -153,7 +158,7 @@ SCRIPT = textwrap.dedent("""
     seed, store = int(sys.argv[1]), sys.argv[2]
     sampler = jaxfeed.IndexSampler(2000, shuffle=True, seed=seed)
     dataset = (jaxfeed.Dataset.from_source(jaxfeed.ArraySource({"x": np.arange(2000)}), sampler)
-               .map(prep).filter(lambda e: e["x"] % 2 == 0).autocache(store))
+               .map(prep).filter(lambda e: e["x"] % 2 == 0).autocache(store, policy="always"))
     print(json.dumps([int(e["x"]) for e in dataset]))
 """)
 

@@ -217,3 +217,31 @@ def logged_triple(element):
   with open(os.environ["JAXFEED_TEST_CALLS"], "ab") as f:
     f.write(b".")
   return {"x": element["x"] * 3}
+
+
+def _spin(seconds: float) -> None:
+  import time  # pylint: disable=g-import-not-at-top
+
+  started = time.perf_counter()
+  while time.perf_counter() - started < seconds:
+    pass
+
+
+def costly(x):
+  """{"x": x} after 2 ms of CPU: worth caching."""
+  _spin(2e-3)
+  return {"x": x}
+
+
+def costly_record(element):
+  """`element` after 2 ms of CPU: worth keeping by record."""
+  _spin(2e-3)
+  return element
+
+
+def big_cheap(x):
+  """{"x": x, "pad": 256 KiB of zeros}: made in microseconds, slower to
+  read back from a cache than to make."""
+  pad = np.zeros(1 << 16, np.float32)
+  pad[0] = x
+  return {"x": x, "pad": pad}

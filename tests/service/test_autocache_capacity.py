@@ -87,6 +87,7 @@ def start(cluster, cache_dir, *flags: str):
     f"--dispatcher_address={dispatcher.address}",
     "--heartbeat_interval_s=0.2",
     f"--autocache_dir={cache_dir}",
+    "--autocache_policy=always",
     *flags,
   )
   return dispatcher
@@ -198,6 +199,7 @@ def test_a_write_cut_by_sigkill_is_abandoned_and_removed_by_the_next_eviction(cl
     "--heartbeat_interval_s=0.2",
     f"--autocache_dir={tmp_path}",
     "--autocache_max_bytes=100000000",
+    "--autocache_policy=always",
   )
   paced = jaxfeed.Dataset.range(200).map(service_udfs.paced).autocache()
   with paced.distribute(dispatcher.address, "parallel_epochs").make_iterator() as reader:

@@ -142,7 +142,7 @@ def wait_for_cache_entries(cache_dir: str, count: int) -> list[str]:
 def test_autocache_serves_a_file_rewritten_at_the_same_path(cluster, tmp_path):
   cache_dir = tmp_path / "autocache"
   cache_dir.mkdir()
-  dispatcher = start(cluster, f"--autocache_dir={cache_dir}")
+  dispatcher = start(cluster, f"--autocache_dir={cache_dir}", "--autocache_policy=always")
   path = str(tmp_path / "labelled.tfrecord")
 
   def read_file() -> list:
@@ -374,7 +374,9 @@ def test_jobs_with_other_samplers_share_the_workers_preprocessing(cluster, tmp_p
   # included, and each job reads exactly its own pipeline's elements.
   calls = tmp_path / "calls"
   monkeypatch.setenv("JAXFEED_TEST_CALLS", str(calls))
-  dispatcher = start(cluster, f"--autocache_dir={tmp_path / 'autocache'}")
+  dispatcher = start(
+    cluster, f"--autocache_dir={tmp_path / 'autocache'}", "--autocache_policy=always"
+  )
   source = jaxfeed.ArraySource({"x": np.arange(500)})
 
   def dataset(seed):

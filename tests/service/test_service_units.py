@@ -528,7 +528,10 @@ def test_autocache_keeps_a_pass_for_later_jobs_of_the_same_input(tmp_path):
   with service.DispatchServer(service.DispatcherConfig()) as dispatcher:
     with service.WorkerServer(
       service.WorkerConfig(
-        dispatcher_address=dispatcher.target, heartbeat_interval_s=0.1, autocache_dir=str(tmp_path)
+        dispatcher_address=dispatcher.target,
+        heartbeat_interval_s=0.1,
+        autocache_dir=str(tmp_path),
+        autocache_policy="always",
       )
     ):
       runs = [[b["x"].tolist() for b in dataset.distribute(dispatcher.target)] for _ in range(2)]

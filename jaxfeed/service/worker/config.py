@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxfeed.ops import autocache_policy
 from jaxfeed.ops.autocache_folder import FolderLimits
 from jaxfeed.service.protocol import import_paths
 from jaxfeed.service.protocol import rpc
@@ -46,6 +47,10 @@ class WorkerConfig:
       `jaxfeed.ops.autocache_folder`); None: no limit.
     autocache_ttl_s: Autocache entries nobody read for this many seconds
       are removed; None: kept.
+    autocache_policy: Whether each autocache point computes, writes or
+      reads its cache: "auto" decides from what each costs (see
+      `jaxfeed.ops.autocache_policy`), "always" caches every point,
+      "never" computes every point.
     sharing_window_bytes: Ephemeral sharing: most bytes of frames a shared
       pipeline keeps for its slower readers (see
       `jaxfeed.service.worker.shared_stream`).
@@ -92,6 +97,7 @@ class WorkerConfig:
   autocache_dir: str | None = None
   autocache_max_bytes: int | None = None
   autocache_ttl_s: float | None = None
+  autocache_policy: str = "auto"
   worker_tags: tuple[str, ...] = ()
   data_transfer_address: str | None = None
   dispatcher_timeout_s: float | None = None
@@ -156,6 +162,11 @@ class WorkerConfig:
           "the data socket's address."
         )
     FolderLimits(self.autocache_max_bytes, self.autocache_ttl_s)  # checks them
+    if self.autocache_policy not in autocache_policy.POLICIES:
+      raise ValueError(
+        f"WorkerConfig: autocache_policy must be one of "
+        f"{', '.join(autocache_policy.POLICIES)}, got {self.autocache_policy!r}."
+      )
     if not self.autocache_dir and (
       self.autocache_max_bytes is not None or self.autocache_ttl_s is not None
     ):

@@ -283,6 +283,7 @@ def main(argv: Any) -> None:
       autocache_dir=f.autocache_dir or None,
       autocache_max_bytes=f.autocache_max_bytes or None,
       autocache_ttl_s=f.autocache_ttl_s or None,
+      autocache_policy=f.autocache_policy,
       worker_tags=tuple(t for t in f.worker_tags.split(",") if t),
       data_transfer_address=f.data_transfer_address or None,
       dispatcher_timeout_s=f.dispatcher_timeout_s or None,
@@ -399,6 +400,13 @@ def define_flags() -> None:
     "autocache_ttl_s",
     0.0,
     "Remove --autocache_dir entries nobody read for this many seconds. 0: keep them.",
+  )
+  flags.DEFINE_string(
+    "autocache_policy",
+    "auto",
+    "Whether each autocache point computes, writes or reads its cache: auto "
+    "(from what each costs, measured per point), always (cache every point), "
+    "never (compute every point).",
   )
   flags.DEFINE_integer(
     "sharing_window_bytes",

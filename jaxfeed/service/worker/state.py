@@ -334,6 +334,7 @@ class WorkerState:
       fetch_ranges,
       self.config.autocache_dir,
       self.config.udf_modules,
+      self.config.autocache_policy,
     )
 
   def _ask_dispatcher(

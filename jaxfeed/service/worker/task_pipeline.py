@@ -39,6 +39,7 @@ from jaxfeed.ops import index_ranges
 from jaxfeed.ops import op_stats
 from jaxfeed.ops import optimize
 from jaxfeed.ops.options import Options
+from jaxfeed.service import metrics
 from jaxfeed.service.protocol import spec as spec_lib
 from jaxfeed.service.protocol.protos import service_pb2 as pb
 from jaxfeed.service.protocol.sharding import ShardingPolicy
@@ -197,6 +198,7 @@ def task_iterator(
   fetch_ranges: FetchRanges,
   autocache_dir: str | None = None,
   udf_modules: Sequence[str] = (),
+  autocache_policy: str = "auto",
 ) -> base.OpIterator:
   """A (not exactly-once) task's pipeline, optimized and autotuned."""
   node, options = build_task_node(dataset_def, task, udf_secret, fetch_ranges, udf_modules)
@@ -208,6 +210,8 @@ def task_iterator(
       node,
       autocache_keeper.folder_at(autocache_dir),
       records_only=task.sharding_policy == ShardingPolicy.DYNAMIC.value,
+      policy=autocache_policy,
+      job=metrics.job_label(task.job_name, task.job_id),
     )
   return run(node, options)
 
