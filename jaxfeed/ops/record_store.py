@@ -145,7 +145,7 @@ class _Costs:
   the records they held."""
 
   def __init__(self, read_share: float = 0.0):
-    self.seconds: collections.Counter = collections.Counter()
+    self.seconds: dict[str, float] = collections.defaultdict(float)
     self.records: collections.Counter = collections.Counter()
     self.bytes = 0
     self.lookups = 0
