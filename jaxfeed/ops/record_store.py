@@ -10,19 +10,32 @@ others that need it meanwhile wait for the file instead of computing it
 again. A claim whose process is gone (on this host), or older than
 `CLAIM_STALE_S`, is taken over, so a reader killed mid-block holds nobody
 up for long.
+
+Blocks are pickled, and unpickling a file runs whatever its writer put in
+it, so a store reads only what the user running it (or root) could have
+written: before it unpickles a block, the store's folder and the block file
+must both be owned by this user or root and writable by their owner alone
+(no group or others write bit), and the block a regular file, not a link.
+Otherwise the read fails with `UnsafeStoreError`, naming the file, its
+owner and mode. The store makes its folder with mode 0o700 and its blocks
+with 0o600; a folder shared by several users' processes is therefore not
+one store for all of them (each user needs their own autocache folder).
+
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import pickle
 import socket
+import stat
 import tempfile
 import time
 from typing import Any, Callable
 
-__all__ = ["RecordStore", "BLOCK", "CLAIM_STALE_S"]
+__all__ = ["RecordStore", "UnsafeStoreError", "BLOCK", "CLAIM_STALE_S"]
 
 BLOCK = 64
 """Records per block file."""
@@ -32,6 +45,12 @@ CLAIM_STALE_S = 60.0
 
 _WAIT_POLL_S = 0.005
 _CACHED_BLOCKS = 32  # blocks kept in memory per store object
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+class UnsafeStoreError(PermissionError):
+  """A store folder or block file that someone other than this user (or
+  root) may have written: the store refuses to unpickle from it."""
 
 
 class RecordStore:
@@ -50,7 +69,8 @@ class RecordStore:
     self._blocks: collections.OrderedDict[int, list] = collections.OrderedDict()
     self.computed_blocks = 0  # by this object, for tests and stats
     self.read_blocks = 0
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.close(_open_folder(directory))  # an unsafe folder fails here, not at a block
 
   def get(self, index: int) -> Any:
     """The preprocessed record `index`."""
@@ -91,19 +111,74 @@ class RecordStore:
       time.sleep(_WAIT_POLL_S)  # another reader computes it
 
 
-def _load(path: str) -> list | None:
+def _check_owner_and_mode(path: str, info: os.stat_result, what: str) -> None:
+  """Refuses (UnsafeStoreError) a file or folder `info` of `path` that is
+  not owned by this user or root, or that its group or others may write."""
+  if info.st_uid in (os.geteuid(), 0) and not info.st_mode & _OTHERS_WRITE:
+    return
+  raise UnsafeStoreError(
+    f"record store: refusing to unpickle from {path}: the {what} is owned by "
+    f"uid {info.st_uid} with mode {oct(stat.S_IMODE(info.st_mode))}; the "
+    f"store's folder and block files must be owned by this user (uid "
+    f"{os.geteuid()}) or root and writable by their owner only (no group or "
+    "others write bit), since unpickling a file runs what its writer put in "
+    "it. Remove the folder (it is computed again) or give each user their "
+    "own autocache folder."
+  )
+
+
+def _open_folder(directory: str) -> int:
+  """An fd of the store's folder, checked (see the module docstring)."""
+  dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
   try:
-    with open(path, "rb") as f:
-      return pickle.load(f)
+    _check_owner_and_mode(directory, os.fstat(dir_fd), "folder")
+  except BaseException:
+    os.close(dir_fd)
+    raise
+  return dir_fd
+
+
+def _read_checked(path: str) -> bytes | None:
+  """The bytes of block file `path`, once the folder and the file passed
+  the checks of the module docstring; None if there is no such file."""
+  dir_fd = _open_folder(os.path.dirname(path))
+  try:
+    fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
   except FileNotFoundError:
     return None
+  except OSError as exc:
+    if exc.errno != errno.ELOOP:
+      raise
+    raise UnsafeStoreError(
+      f"record store: refusing to unpickle from {path}: it is a symbolic link; "
+      "block files must be regular files."
+    ) from exc
+  finally:
+    os.close(dir_fd)
+  with os.fdopen(fd, "rb") as f:
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+      raise UnsafeStoreError(
+        f"record store: refusing to unpickle from {path}: it is not a regular "
+        f"file (mode {oct(info.st_mode)})."
+      )
+    _check_owner_and_mode(path, info, "block file")
+    return f.read()
+
+
+def _load(path: str) -> list | None:
+  """The records of block file `path`; None if it is missing."""
+  data = _read_checked(path)
+  if data is None:
+    return None
+  return pickle.loads(data)
 
 
 def _write(path: str, records: list) -> None:
   directory = os.path.dirname(path)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
   try:
-    with os.fdopen(fd, "wb") as f:
+    with os.fdopen(fd, "wb") as f:  # mode 0o600, as mkstemp makes it
       pickle.dump(records, f, protocol=pickle.HIGHEST_PROTOCOL)
     os.replace(tmp, path)
   except BaseException:
