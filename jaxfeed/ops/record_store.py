@@ -21,18 +21,25 @@ owner and mode. The store makes its folder with mode 0o700 and its blocks
 with 0o600; a folder shared by several users' processes is therefore not
 one store for all of them (each user needs their own autocache folder).
 
+Each block file carries the length and CRC-32 of its pickle. A block file
+that does not match them (a flipped bit, a truncated copy, a file of an
+older format) is never unpickled: it is treated as missing, computed again
+and replaced, with a warning naming the file.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import logging
 import os
 import pickle
 import socket
 import stat
+import struct
 import tempfile
 import time
+import zlib
 from typing import Any, Callable
 
 __all__ = ["RecordStore", "UnsafeStoreError", "BLOCK", "CLAIM_STALE_S"]
@@ -45,6 +52,9 @@ CLAIM_STALE_S = 60.0
 
 _WAIT_POLL_S = 0.005
 _CACHED_BLOCKS = 32  # blocks kept in memory per store object
+# A block file: this magic, the pickle's length and CRC-32, then the pickle.
+_MAGIC = b"JFRECv1\n"
+_HEADER = struct.Struct("<QI")
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -93,13 +103,13 @@ class RecordStore:
   def _block(self, block: int) -> list:
     path = self._path(block)
     while True:
-      records = _load(path)
+      records = _load(path, warn=False)  # a damaged one is computed by its claimer
       if records is not None:
         self.read_blocks += 1
         return records
       if _claim(path + ".claim"):
         try:
-          records = _load(path)  # written between the look and the claim
+          records = _load(path, warn=True)  # written between the look and the claim
           if records is None:
             start = block * BLOCK
             records = self._compute(start, min(start + BLOCK, self.num_records))
@@ -166,20 +176,49 @@ def _read_checked(path: str) -> bytes | None:
     return f.read()
 
 
-def _load(path: str) -> list | None:
-  """The records of block file `path`; None if it is missing."""
+def _unpack(data: bytes) -> memoryview | str:
+  """The pickle in a block file's bytes, or what is wrong with them."""
+  start = len(_MAGIC) + _HEADER.size
+  if not data.startswith(_MAGIC) or len(data) < start:
+    return "it does not start with a block header"
+  length, crc = _HEADER.unpack_from(data, len(_MAGIC))
+  payload = memoryview(data)[start:]
+  if len(payload) != length:
+    return f"it holds {len(payload)} bytes of records where its header says {length}"
+  if zlib.crc32(payload) != crc:
+    return "its records do not match their CRC-32"
+  return payload
+
+
+def _load(path: str, warn: bool) -> list | None:
+  """The records of block file `path`; None if it is missing or damaged
+  (with a warning naming it if `warn`)."""
   data = _read_checked(path)
   if data is None:
     return None
-  return pickle.loads(data)
+  payload = _unpack(data)
+  if isinstance(payload, str):
+    if warn:
+      logging.warning(
+        "record store: block file %s is damaged (%s); computing it again.", path, payload
+      )
+    return None
+  try:
+    return pickle.loads(payload)
+  except Exception as exc:  # intact bytes: e.g. a class its records need is gone
+    raise ValueError(
+      f"record store: cannot unpickle block file {path}: {exc!r}. Remove it to compute it again."
+    ) from exc
 
 
 def _write(path: str, records: list) -> None:
   directory = os.path.dirname(path)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
   try:
+    payload = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
     with os.fdopen(fd, "wb") as f:  # mode 0o600, as mkstemp makes it
-      pickle.dump(records, f, protocol=pickle.HIGHEST_PROTOCOL)
+      f.write(_MAGIC + _HEADER.pack(len(payload), zlib.crc32(payload)))
+      f.write(payload)
     os.replace(tmp, path)
   except BaseException:
     try:

@@ -1,7 +1,9 @@
 """The record store unpickles only block files this user (or root) wrote, in
-a folder only its owner may write."""
+a folder only its owner may write, and computes a damaged block again."""
 
+import logging
 import re
+import zlib
 import os
 
 import numpy as np
@@ -83,4 +85,43 @@ def test_a_block_another_user_owns_is_refused(tmp_path):
   with pytest.raises(
     PermissionError, match=f"{re.escape(str(block))}: the block file is owned by uid 65534"
   ):
+    reopened(folder).get(3)
+
+
+def _garbage(data):
+  return os.urandom(len(data))
+
+
+def _flipped_bit(data):
+  middle = len(data) // 2
+  return data[:middle] + bytes([data[middle] ^ 0x10]) + data[middle + 1 :]
+
+
+def _truncated(data):
+  return data[: len(data) - 100]
+
+
+@pytest.mark.parametrize("damage", [_garbage, _flipped_bit, _truncated])
+def test_a_damaged_block_is_computed_again_with_a_warning_naming_it(tmp_path, caplog, damage):
+  folder = filled_store(tmp_path)
+  block = block_file(folder)
+  block.write_bytes(damage(block.read_bytes()))
+  store = reopened(folder)
+  with caplog.at_level(logging.WARNING):
+    assert [int(store.get(i)[0]) for i in range(record_store.BLOCK)] == list(
+      range(record_store.BLOCK)
+    )
+  assert store.computed_blocks == 1
+  assert f"block file {block} is damaged" in caplog.text
+  again = reopened(folder)  # the block was written anew
+  assert int(again.get(5)[0]) == 5 and again.computed_blocks == 0
+
+
+def test_an_intact_block_that_cannot_be_unpickled_is_named(tmp_path):
+  folder = filled_store(tmp_path)
+  block = block_file(folder)
+  payload = b"cjaxfeed_no_such_module\nRecords\n."  # a class that is gone
+  header = record_store._HEADER.pack(len(payload), zlib.crc32(payload))  # pylint: disable=protected-access
+  block.write_bytes(record_store._MAGIC + header + payload)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match=f"cannot unpickle block file {re.escape(str(block))}"):
     reopened(folder).get(3)
