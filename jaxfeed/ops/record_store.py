@@ -124,16 +124,20 @@ class RecordStore:
 def _check_owner_and_mode(path: str, info: os.stat_result, what: str) -> None:
   """Refuses (UnsafeStoreError) a file or folder `info` of `path` that is
   not owned by this user or root, or that its group or others may write."""
-  if info.st_uid in (os.geteuid(), 0) and not info.st_mode & _OTHERS_WRITE:
+  mode = oct(stat.S_IMODE(info.st_mode))
+  wrong = []
+  if info.st_uid not in (os.geteuid(), 0):
+    wrong.append(f"is owned by uid {info.st_uid}, not this user (uid {os.geteuid()}) or root")
+  if info.st_mode & _OTHERS_WRITE:
+    wrong.append(f"has mode {mode}, which lets its group or others write it")
+  if not wrong:
     return
   raise UnsafeStoreError(
-    f"record store: refusing to unpickle from {path}: the {what} is owned by "
-    f"uid {info.st_uid} with mode {oct(stat.S_IMODE(info.st_mode))}; the "
-    f"store's folder and block files must be owned by this user (uid "
-    f"{os.geteuid()}) or root and writable by their owner only (no group or "
-    "others write bit), since unpickling a file runs what its writer put in "
-    "it. Remove the folder (it is computed again) or give each user their "
-    "own autocache folder."
+    f"record store: refusing to unpickle from {path}: the {what} {' and '.join(wrong)}. "
+    "A store's folder and block files must be owned by this user or root and "
+    "writable by their owner only, since unpickling a file runs what its writer "
+    "put in it. Remove the folder (it is computed again) or give each user "
+    "their own autocache folder."
   )
 
 
