@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import io
 import logging
 import os
 import pickle
@@ -40,7 +41,7 @@ import struct
 import tempfile
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 __all__ = ["RecordStore", "UnsafeStoreError", "BLOCK", "CLAIM_STALE_S"]
 
@@ -55,6 +56,7 @@ _CACHED_BLOCKS = 32  # blocks kept in memory per store object
 # A block file: this magic, the pickle's length and CRC-32, then the pickle.
 _MAGIC = b"JFRECv1\n"
 _HEADER = struct.Struct("<QI")
+_CHUNK = 1 << 20  # bytes read at a time for the CRC-32
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -152,8 +154,8 @@ def _open_folder(directory: str) -> int:
   return dir_fd
 
 
-def _read_checked(path: str) -> bytes | None:
-  """The bytes of block file `path`, once the folder and the file passed
+def _open_checked(path: str) -> io.BufferedReader | None:
+  """Block file `path` open for reading, once the folder and the file passed
   the checks of the module docstring; None if there is no such file."""
   dir_fd = _open_folder(os.path.dirname(path))
   try:
@@ -169,60 +171,88 @@ def _read_checked(path: str) -> bytes | None:
     ) from exc
   finally:
     os.close(dir_fd)
-  with os.fdopen(fd, "rb") as f:
-    info = os.fstat(f.fileno())
+  f = os.fdopen(fd, "rb")
+  try:
+    info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
       raise UnsafeStoreError(
         f"record store: refusing to unpickle from {path}: it is not a regular "
         f"file (mode {oct(info.st_mode)})."
       )
     _check_owner_and_mode(path, info, "block file")
-    return f.read()
+  except BaseException:
+    f.close()
+    raise
+  return f
 
 
-def _unpack(data: bytes) -> memoryview | str:
-  """The pickle in a block file's bytes, or what is wrong with them."""
-  start = len(_MAGIC) + _HEADER.size
-  if not data.startswith(_MAGIC) or len(data) < start:
+def _damage(f: io.BufferedReader) -> str | None:
+  """What is wrong with the open block file `f` (None: nothing), which is
+  left at the start of its pickle. The pickle is read in chunks for its
+  CRC-32, then again by the unpickler (from the page cache)."""
+  header = f.read(len(_MAGIC) + _HEADER.size)
+  if len(header) < len(_MAGIC) + _HEADER.size or not header.startswith(_MAGIC):
     return "it does not start with a block header"
-  length, crc = _HEADER.unpack_from(data, len(_MAGIC))
-  payload = memoryview(data)[start:]
-  if len(payload) != length:
-    return f"it holds {len(payload)} bytes of records where its header says {length}"
-  if zlib.crc32(payload) != crc:
+  length, crc = _HEADER.unpack_from(header, len(_MAGIC))
+  chunk = bytearray(_CHUNK)
+  seen, running = 0, 0
+  while count := f.readinto(chunk):
+    seen += count
+    running = zlib.crc32(memoryview(chunk)[:count], running)
+  if seen != length:
+    return f"it holds {seen} bytes of records where its header says {length}"
+  if running != crc:
     return "its records do not match their CRC-32"
-  return payload
+  f.seek(len(header))
+  return None
 
 
 def _load(path: str, warn: bool) -> list | None:
   """The records of block file `path`; None if it is missing or damaged
   (with a warning naming it if `warn`)."""
-  data = _read_checked(path)
-  if data is None:
+  f = _open_checked(path)
+  if f is None:
     return None
-  payload = _unpack(data)
-  if isinstance(payload, str):
-    if warn:
-      logging.warning(
-        "record store: block file %s is damaged (%s); computing it again.", path, payload
-      )
-    return None
-  try:
-    return pickle.loads(payload)
-  except Exception as exc:  # intact bytes: e.g. a class its records need is gone
-    raise ValueError(
-      f"record store: cannot unpickle block file {path}: {exc!r}. Remove it to compute it again."
-    ) from exc
+  with f:
+    damage = _damage(f)
+    if damage is not None:
+      if warn:
+        logging.warning(
+          "record store: block file %s is damaged (%s); computing it again.", path, damage
+        )
+      return None
+    try:
+      return pickle.load(f)
+    except Exception as exc:  # intact bytes: e.g. a class its records need is gone
+      raise ValueError(
+        f"record store: cannot unpickle block file {path}: {exc!r}. Remove it to compute it again."
+      ) from exc
+
+
+class _CountingWriter:
+  """A file's `write` that keeps the length and CRC-32 of what went through."""
+
+  def __init__(self, f: BinaryIO):
+    self._f = f
+    self.length = 0
+    self.crc = 0
+
+  def write(self, data: Any) -> int:
+    self.length += memoryview(data).nbytes
+    self.crc = zlib.crc32(data, self.crc)
+    return self._f.write(data)
 
 
 def _write(path: str, records: list) -> None:
   directory = os.path.dirname(path)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
   try:
-    payload = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
     with os.fdopen(fd, "wb") as f:  # mode 0o600, as mkstemp makes it
-      f.write(_MAGIC + _HEADER.pack(len(payload), zlib.crc32(payload)))
-      f.write(payload)
+      f.write(_MAGIC + _HEADER.pack(0, 0))  # filled in below
+      counted = _CountingWriter(f)
+      pickle.dump(records, counted, protocol=pickle.HIGHEST_PROTOCOL)
+      f.seek(len(_MAGIC))
+      f.write(_HEADER.pack(counted.length, counted.crc))
     os.replace(tmp, path)
   except BaseException:
     try:
