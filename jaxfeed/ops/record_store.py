@@ -69,9 +69,13 @@ class RecordStore:
   """The blocks of one preprocessing of one source, in `directory`.
 
   Args:
-    directory: the store's folder (made if missing).
+    directory: the store's folder (made with mode 0o700 if missing).
     num_records: records in the source.
     compute: compute(start, stop) -> the preprocessed records [start, stop).
+
+  Raises:
+    UnsafeStoreError: here or at a read, when the folder or a block file is
+      one the store does not unpickle from (see the module docstring).
   """
 
   def __init__(self, directory: str, num_records: int, compute: Callable[[int, int], list]):
