@@ -170,6 +170,14 @@ def _summary(
   }
 
 
+def _read_summary(
+  system: str, way: str, batches: list, by_round: bool, lengths: np.ndarray, elapsed: float
+) -> dict:
+  """`_summary` of the consumers' `batches` of a read of all `lengths`."""
+  steps = _steps(batches, by_round=by_round)
+  return _summary(system, way, steps, len(lengths), elapsed, int(lengths.sum()))
+
+
 def _jaxfeed_cluster() -> tuple[list, str]:
   """A dispatcher whose round-robin jobs wait for WORKERS workers, and those."""
   spawn = w4_service._spawn  # pylint: disable=protected-access
@@ -202,13 +210,8 @@ def run_jaxfeed(lengths: np.ndarray, seed: int, epochs: int) -> tuple[dict, dict
           consumer_index=i,
         ).make_iterator()
       )
-      coordinated = _summary(
-        "jaxfeed service",
-        "coordinated (num_consumers=4)",
-        _steps(batches, by_round=True),
-        len(lengths),
-        elapsed,
-        int(lengths.sum()),
+      coordinated = _read_summary(
+        "jaxfeed service", "coordinated (num_consumers=4)", batches, True, lengths, elapsed
       )
       coordinated["rounds_skipped"] = sum(s["rounds_skipped"] for s in stats)
       for key in ("rows_dropped_at_end", "rows_dropped_over_limit", "rows_dropped_late"):
@@ -221,13 +224,8 @@ def run_jaxfeed(lengths: np.ndarray, seed: int, epochs: int) -> tuple[dict, dict
           address, "data", job_name=f"uncoordinated-{epoch}"
         ).make_iterator()
       )
-      uncoordinated = _summary(
-        "jaxfeed service",
-        "uncoordinated (shared job)",
-        _steps(batches, by_round=False),
-        len(lengths),
-        elapsed,
-        int(lengths.sum()),
+      uncoordinated = _read_summary(
+        "jaxfeed service", "uncoordinated (shared job)", batches, False, lengths, elapsed
       )
       if epoch:
         coordinated_rates.append(coordinated["sequences_per_s"])
@@ -300,16 +298,7 @@ def run_tf_service(lengths: np.ndarray, seed: int, rounds: int) -> tuple[dict, d
         if coordinated
         else "uncoordinated (shared job)"
       )
-      results.append(
-        _summary(
-          "tf.data service",
-          way,
-          _steps(batches, by_round=False),
-          len(lengths),
-          elapsed,
-          int(lengths.sum()),
-        )
-      )
+      results.append(_read_summary("tf.data service", way, batches, False, lengths, elapsed))
   finally:
     harness.stop_processes(procs)
   return results[0], results[1]

@@ -210,24 +210,12 @@ def main(argv: list[str]) -> None:
       f"{steps_per_s:.1f} steps/s  input wait {wait:.1f}% of step time"
     )
 
-  progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
-
   def run_step(batch):
     loss, batch_accuracy = train_step(model, optimizer, batch)
     accuracy[0] = float(batch_accuracy)
     return loss, FLAGS.batch_size
 
-  training.train(
-    loader,
-    manager,
-    state,
-    run_step,
-    progress,
-    step=step,
-    num_steps=FLAGS.num_steps,
-    checkpoint_every=FLAGS.checkpoint_every,
-    workdir=FLAGS.workdir,
-  )
+  training.train_with_flags(FLAGS, loader, manager, state, run_step, line, step)
 
 
 if __name__ == "__main__":

@@ -197,22 +197,10 @@ def main(argv: list[str]) -> None:
       f"{tokens_per_s:.0f} tokens/s  input wait {wait:.1f}% of step time"
     )
 
-  progress = training.ProgressLog(loader, FLAGS.log_every, FLAGS.num_steps, line)
-
   def run_step(batch):
     return train_step(model, optimizer, batch)  # (loss, real tokens)
 
-  training.train(
-    loader,
-    manager,
-    state,
-    run_step,
-    progress,
-    step=step,
-    num_steps=FLAGS.num_steps,
-    checkpoint_every=FLAGS.checkpoint_every,
-    workdir=FLAGS.workdir,
-  )
+  training.train_with_flags(FLAGS, loader, manager, state, run_step, line, step)
 
 
 if __name__ == "__main__":

@@ -163,3 +163,32 @@ def train(
   manager.close()
   log("Done at step %d; checkpoints in %s.", step, workdir)
   return step
+
+
+def train_with_flags(
+  flags: Any,
+  loader: Any,
+  manager: Any,
+  state: TrainState,
+  run_step: Callable[[Any], tuple],
+  line: Callable[[int, float, float, float, float], str],
+  step: int,
+) -> int:
+  """`train` with the flags every example defines (`log_every`, `num_steps`,
+  `checkpoint_every`, `workdir`), logging `line` (see `ProgressLog`).
+
+  Returns:
+    The last step taken.
+  """
+  progress = ProgressLog(loader, flags.log_every, flags.num_steps, line)
+  return train(
+    loader,
+    manager,
+    state,
+    run_step,
+    progress,
+    step=step,
+    num_steps=flags.num_steps,
+    checkpoint_every=flags.checkpoint_every,
+    workdir=flags.workdir,
+  )

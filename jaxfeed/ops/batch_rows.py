@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from jaxfeed.ops.base import Node
 
-__all__ = ["full_batch_rows"]
+__all__ = ["SAME_ELEMENT_OPS", "full_batch_rows"]
 
-_KEEP_ROWS = (
+# Ops that hand on their one parent's elements as they are (some dropped,
+# repeated or reordered): a batch stays a batch of at most as many rows, and
+# an element keeps its spec (`jaxfeed.ops.element_spec`).
+SAME_ELEMENT_OPS = (
   "take",
   "skip",
   "repeat",
@@ -45,7 +48,7 @@ def full_batch_rows(node: Node) -> int | None:
     if node.op_name == "rebatch":
       sizes = set(node.batch_sizes)  # type: ignore[attr-defined]
       return sizes.pop() if len(sizes) == 1 else None
-    if node.op_name in _KEEP_ROWS and len(node.parents) == 1:
+    if node.op_name in SAME_ELEMENT_OPS and len(node.parents) == 1:
       node = node.parents[0]
     else:
       return None

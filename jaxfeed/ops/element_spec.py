@@ -35,6 +35,7 @@ import numpy as np
 from jaxfeed.ops import padding
 from jaxfeed.ops import tree
 from jaxfeed.ops.base import Node
+from jaxfeed.ops.batch_rows import SAME_ELEMENT_OPS
 
 __all__ = ["TensorSpec", "element_spec", "spec_of_value"]
 
@@ -238,21 +239,8 @@ def _distributed(node: Any) -> Any:
   return element_spec(pipeline)
 
 
-_PASS_THROUGH = (
-  "take",
-  "skip",
-  "repeat",
-  "shuffle",
-  "filter",
-  "prefetch",
-  "cache",
-  "snapshot",
-  "shard",
-  "take_while",
-  "ignore_errors",
-  "autocache",
-  "unique",
-)
+# `unique` hands on its elements too; they are scalars, never a batch.
+_PASS_THROUGH = (*SAME_ELEMENT_OPS, "unique")
 
 _RULES: dict[str, Callable[[Any], Any]] = {
   "range": _scalar(np.int64),

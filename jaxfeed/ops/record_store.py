@@ -10,21 +10,42 @@ others that need it meanwhile wait for the file instead of computing it
 again. A claim whose process is gone (on this host), or older than
 `CLAIM_STALE_S`, is taken over, so a reader killed mid-block holds nobody
 up for long.
+
+Blocks are pickled, and unpickling a file runs whatever its writer put in
+it, so a store reads only what the user running it (or root) could have
+written: before it unpickles a block, the store's folder and the block file
+must both be owned by this user or root and writable by their owner alone
+(no group or others write bit), and the block a regular file, not a link.
+Otherwise the read fails with `UnsafeStoreError`, naming the file, its
+owner and mode. The store makes its folder with mode 0o700 and its blocks
+with 0o600; a folder shared by several users' processes is therefore not
+one store for all of them (each user needs their own autocache folder).
+
+Each block file carries the length and CRC-32 of its pickle. A block file
+that does not match them (a flipped bit, a truncated copy, a file of an
+older format) is never unpickled: it is treated as missing, computed again
+and replaced, with a warning naming the file.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
+import io
+import logging
 import os
 import pickle
 import socket
+import stat
+import struct
 import tempfile
 import time
-from typing import Any, Callable
+import zlib
+from typing import Any, BinaryIO, Callable
 
 from jaxfeed.ops import autocache_policy
 
-__all__ = ["RecordStore", "BLOCK", "CLAIM_STALE_S"]
+__all__ = ["RecordStore", "UnsafeStoreError", "BLOCK", "CLAIM_STALE_S"]
 
 BLOCK = 64
 """Records per block file."""
@@ -34,18 +55,32 @@ CLAIM_STALE_S = 60.0
 
 _WAIT_POLL_S = 0.005
 _CACHED_BLOCKS = 32  # blocks kept in memory per store object
+# A block file: this magic, the pickle's length and CRC-32, then the pickle.
+_MAGIC = b"JFRECv1\n"
+_HEADER = struct.Struct("<QI")
+_CHUNK = 1 << 20  # bytes read at a time for the CRC-32
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+class UnsafeStoreError(PermissionError):
+  """A store folder or block file that someone other than this user (or
+  root) may have written: the store refuses to unpickle from it."""
 
 
 class RecordStore:
   """The blocks of one preprocessing of one source, in `directory`.
 
   Args:
-    directory: the store's folder (made if missing).
+    directory: the store's folder (made with mode 0o700 if missing).
     num_records: records in the source.
     compute: compute(start, stop) -> the preprocessed records [start, stop).
     policy: the autocache policy (`jaxfeed.ops.autocache_policy.POLICIES`):
       whether blocks are kept, or computed and not kept.
     job: the job's name in the policy's decision counts.
+
+  Raises:
+    UnsafeStoreError: here or at a read, when the folder or a block file is
+      one the store does not unpickle from (see the module docstring).
   """
 
   def __init__(
@@ -68,7 +103,8 @@ class RecordStore:
       os.path.dirname(os.path.abspath(directory)), os.path.basename(directory)
     )
     self._costs = _Costs()
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    os.close(_open_folder(directory))  # an unsafe folder fails here, not at a block
 
   def get(self, index: int) -> Any:
     """The preprocessed record `index`."""
@@ -103,20 +139,21 @@ class RecordStore:
     stop = min(start + BLOCK, self.num_records)
     path = self._path(block)
     while True:
-      records = costs.timed("read", stop - start, _load, path)
+      # A damaged block is computed by its claimer.
+      records = costs.timed("read", stop - start, _load, path, False)
       if records is not None:
         self.read_blocks += 1
         return records
       if _claim(path + ".claim"):
         try:
-          records = _load(path)  # written between the look and the claim
+          records = _load(path, warn=True)  # written between the look and the claim
           if records is None:
             records = costs.timed("compute", stop - start, self._compute, start, stop)
             costs.timed("write", stop - start, _write, path, records)
             costs.bytes += os.path.getsize(path)
             self.computed_blocks += 1
             if mode == autocache_policy.PROFILE:
-              costs.timed("read", stop - start, _load, path)  # what a reader pays
+              costs.timed("read", stop - start, _load, path, True)  # what a reader pays
           else:
             self.read_blocks += 1
           return records
@@ -194,20 +231,136 @@ class _Costs:
     }
 
 
-def _load(path: str) -> list | None:
+def _check_owner_and_mode(path: str, info: os.stat_result, what: str) -> None:
+  """Refuses (UnsafeStoreError) a file or folder `info` of `path` that is
+  not owned by this user or root, or that its group or others may write."""
+  mode = oct(stat.S_IMODE(info.st_mode))
+  wrong = []
+  if info.st_uid not in (os.geteuid(), 0):
+    wrong.append(f"is owned by uid {info.st_uid}, not this user (uid {os.geteuid()}) or root")
+  if info.st_mode & _OTHERS_WRITE:
+    wrong.append(f"has mode {mode}, which lets its group or others write it")
+  if not wrong:
+    return
+  raise UnsafeStoreError(
+    f"record store: refusing to unpickle from {path}: the {what} {' and '.join(wrong)}. "
+    "A store's folder and block files must be owned by this user or root and "
+    "writable by their owner only, since unpickling a file runs what its writer "
+    "put in it. Remove the folder (it is computed again) or give each user "
+    "their own autocache folder."
+  )
+
+
+def _open_folder(directory: str) -> int:
+  """An fd of the store's folder, checked (see the module docstring)."""
+  dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
   try:
-    with open(path, "rb") as f:
-      return pickle.load(f)
+    _check_owner_and_mode(directory, os.fstat(dir_fd), "folder")
+  except BaseException:
+    os.close(dir_fd)
+    raise
+  return dir_fd
+
+
+def _open_checked(path: str) -> io.BufferedReader | None:
+  """Block file `path` open for reading, once the folder and the file passed
+  the checks of the module docstring; None if there is no such file."""
+  dir_fd = _open_folder(os.path.dirname(path))
+  try:
+    fd = os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
   except FileNotFoundError:
     return None
+  except OSError as exc:
+    if exc.errno != errno.ELOOP:
+      raise
+    raise UnsafeStoreError(
+      f"record store: refusing to unpickle from {path}: it is a symbolic link; "
+      "block files must be regular files."
+    ) from exc
+  finally:
+    os.close(dir_fd)
+  f = os.fdopen(fd, "rb")
+  try:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+      raise UnsafeStoreError(
+        f"record store: refusing to unpickle from {path}: it is not a regular "
+        f"file (mode {oct(info.st_mode)})."
+      )
+    _check_owner_and_mode(path, info, "block file")
+  except BaseException:
+    f.close()
+    raise
+  return f
+
+
+def _damage(f: io.BufferedReader) -> str | None:
+  """What is wrong with the open block file `f` (None: nothing), which is
+  left at the start of its pickle. The pickle is read in chunks for its
+  CRC-32, then again by the unpickler (from the page cache)."""
+  header = f.read(len(_MAGIC) + _HEADER.size)
+  if len(header) < len(_MAGIC) + _HEADER.size or not header.startswith(_MAGIC):
+    return "it does not start with a block header"
+  length, crc = _HEADER.unpack_from(header, len(_MAGIC))
+  chunk = bytearray(_CHUNK)
+  seen, running = 0, 0
+  while count := f.readinto(chunk):
+    seen += count
+    running = zlib.crc32(memoryview(chunk)[:count], running)
+  if seen != length:
+    return f"it holds {seen} bytes of records where its header says {length}"
+  if running != crc:
+    return "its records do not match their CRC-32"
+  f.seek(len(header))
+  return None
+
+
+def _load(path: str, warn: bool) -> list | None:
+  """The records of block file `path`; None if it is missing or damaged
+  (with a warning naming it if `warn`)."""
+  f = _open_checked(path)
+  if f is None:
+    return None
+  with f:
+    damage = _damage(f)
+    if damage is not None:
+      if warn:
+        logging.warning(
+          "record store: block file %s is damaged (%s); computing it again.", path, damage
+        )
+      return None
+    try:
+      return pickle.load(f)
+    except Exception as exc:  # intact bytes: e.g. a class its records need is gone
+      raise ValueError(
+        f"record store: cannot unpickle block file {path}: {exc!r}. Remove it to compute it again."
+      ) from exc
+
+
+class _CountingWriter:
+  """A file's `write` that keeps the length and CRC-32 of what went through."""
+
+  def __init__(self, f: BinaryIO):
+    self._f = f
+    self.length = 0
+    self.crc = 0
+
+  def write(self, data: Any) -> int:
+    self.length += memoryview(data).nbytes
+    self.crc = zlib.crc32(data, self.crc)
+    return self._f.write(data)
 
 
 def _write(path: str, records: list) -> None:
   directory = os.path.dirname(path)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
   try:
-    with os.fdopen(fd, "wb") as f:
-      pickle.dump(records, f, protocol=pickle.HIGHEST_PROTOCOL)
+    with os.fdopen(fd, "wb") as f:  # mode 0o600, as mkstemp makes it
+      f.write(_MAGIC + _HEADER.pack(0, 0))  # filled in below
+      counted = _CountingWriter(f)
+      pickle.dump(records, counted, protocol=pickle.HIGHEST_PROTOCOL)
+      f.seek(len(_MAGIC))
+      f.write(_HEADER.pack(counted.length, counted.crc))
     os.replace(tmp, path)
   except BaseException:
     try:

@@ -216,35 +216,35 @@ class _DispatcherCollector:
   def collect(self) -> Iterator[Any]:
     gauge, counter = _families()
     state = self._server.state
-    clients = gauge("jaxfeed_job_clients", "Clients reading the job.", labels=["job"])
-    workers = gauge(
-      "jaxfeed_job_workers", "Live workers with an unfinished task of the job.", labels=["job"]
+
+    def job_family(family: Any, name: str, doc: str) -> Any:
+      return family(name, doc, labels=["job"])
+
+    clients = job_family(gauge, "jaxfeed_job_clients", "Clients reading the job.")
+    workers = job_family(
+      gauge, "jaxfeed_job_workers", "Live workers with an unfinished task of the job."
     )
-    lag = gauge(
-      "jaxfeed_job_split_lag",
-      "Exactly-once splits issued but not yet acknowledged.",
-      labels=["job"],
+    lag = job_family(
+      gauge, "jaxfeed_job_split_lag", "Exactly-once splits issued but not yet acknowledged."
     )
-    reissue = gauge(
-      "jaxfeed_job_splits_to_reissue",
-      "Splits of lost workers waiting to be issued again.",
-      labels=["job"],
+    reissue = job_family(
+      gauge, "jaxfeed_job_splits_to_reissue", "Splits of lost workers waiting to be issued again."
     )
-    issued = gauge(
-      "jaxfeed_job_positions_issued", "Sampler positions handed out in splits.", labels=["job"]
+    issued = job_family(
+      gauge, "jaxfeed_job_positions_issued", "Sampler positions handed out in splits."
     )
-    elements = counter(
+    elements = job_family(
+      counter,
       "jaxfeed_job_client_elements",
       "Elements the job's consumers took (clients that left included).",
-      labels=["job"],
     )
-    waited = counter(
+    waited = job_family(
+      counter,
       "jaxfeed_job_client_wait_seconds",
       "Seconds the job's consumers waited for input (clients that left included).",
-      labels=["job"],
     )
-    fill = gauge(
-      "jaxfeed_job_client_buffer_fill", "Mean fill (0..1) of the clients' buffers.", labels=["job"]
+    fill = job_family(
+      gauge, "jaxfeed_job_client_buffer_fill", "Mean fill (0..1) of the clients' buffers."
     )
     goodbyes = counter(
       "jaxfeed_dispatcher_client_goodbyes",

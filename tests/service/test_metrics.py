@@ -103,6 +103,7 @@ def test_dispatcher_and_worker_export_what_they_serve(cluster, tmp_path):
     "jaxfeed_client_rpc_errors_total",
     "jaxfeed_worker_buffer_fill",
     "jaxfeed_job_scaling_decisions_total",  # a per_job pool's: test_job_autoscaler.py
+    "jaxfeed_autocache_decisions_total",  # test_autocache_policy_service.py
   }
   assert listed - own_tests <= exported, listed - exported
 
