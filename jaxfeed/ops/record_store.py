@@ -4,7 +4,11 @@ file system).
 
 Records are kept in blocks of `BLOCK` consecutive indices, one file each,
 written whole (to a temporary name, then renamed): a reader sees a block
-complete or not at all. The reader that first needs a block claims it (a
+complete or not at all. Each record of a block is pickled apart, and the
+block's header gives each one's offset, length and CRC-32: a reader whose
+store fits in its memory (`_CACHED_BLOCKS` blocks) loads whole blocks, and
+one reading a larger store (in a shuffled order, mostly) reads only the
+record it needs. The reader that first needs a block claims it (a
 lock file made with O_EXCL, naming the host and process) and computes it;
 others that need it meanwhile wait for the file instead of computing it
 again. A claim whose process is gone (on this host), or older than
@@ -21,10 +25,11 @@ owner and mode. The store makes its folder with mode 0o700 and its blocks
 with 0o600; a folder shared by several users' processes is therefore not
 one store for all of them (each user needs their own autocache folder).
 
-Each block file carries the length and CRC-32 of its pickle. A block file
-that does not match them (a flipped bit, a truncated copy, a file of an
-older format) is never unpickled: it is treated as missing, computed again
-and replaced, with a warning naming the file.
+A block file's table carries its own CRC-32. A block file whose header or
+table, or a record whose length or CRC-32, does not match (a flipped bit, a
+truncated copy, a file of an older format) is never unpickled: the block is
+treated as missing, computed again and replaced, with a warning naming the
+file.
 """
 
 from __future__ import annotations
@@ -55,10 +60,12 @@ CLAIM_STALE_S = 60.0
 
 _WAIT_POLL_S = 0.005
 _CACHED_BLOCKS = 32  # blocks kept in memory per store object
-# A block file: this magic, the pickle's length and CRC-32, then the pickle.
-_MAGIC = b"JFRECv1\n"
-_HEADER = struct.Struct("<QI")
-_CHUNK = 1 << 20  # bytes read at a time for the CRC-32
+# A block file: this magic; its number of records and the CRC-32 of its
+# table; the table, each record's offset, length and CRC-32; the records'
+# pickles. (v1 files, one pickle a block, count as damaged.)
+_MAGIC = b"JFRECv2\n"
+_HEADER = struct.Struct("<II")
+_ENTRY = struct.Struct("<QQI")
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
@@ -97,12 +104,14 @@ class RecordStore:
     self._blocks: collections.OrderedDict[int, list] = collections.OrderedDict()
     self.computed_blocks = 0  # by this object, for tests and stats
     self.read_blocks = 0
+    self.read_records = 0  # read alone (the store does not fit in memory)
     self.unkept_records = 0  # computed and not kept (the policy's compute)
     self._policy, self._job = policy, job
     self._point = autocache_policy.point(
       os.path.dirname(os.path.abspath(directory)), os.path.basename(directory)
     )
     self._costs = _Costs()
+    self._fits_in_memory = -(-num_records // BLOCK) <= _CACHED_BLOCKS
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.close(_open_folder(directory))  # an unsafe folder fails here, not at a block
 
@@ -112,48 +121,66 @@ class RecordStore:
       raise IndexError(f"record {index} is outside [0, {self.num_records}).")
     costs = self._costs
     costs.served += 1
-    block = index // BLOCK
+    block, position = divmod(index, BLOCK)
     records = self._blocks.get(block)
     if records is not None:
       self._blocks.move_to_end(block)
-      return records[index - block * BLOCK]
+      return records[position]
     mode = self._point.block_mode(self._policy, self._job, costs.read_share())
     if mode == autocache_policy.COMPUTE:  # this record alone, not kept
       [record] = costs.timed("compute", 1, self._compute, index, index + 1)
       self.unkept_records += 1
       self._note(mode)
       return record
-    records = self._block(block, mode)
+    if not self._fits_in_memory:  # in a shuffled order, few records of a block are used
+      one = self._read_record(block, position)
+      if one is not None:
+        self.read_records += 1
+        self._note(mode)
+        return one[0]
+    records = self._block(block, position, mode)  # also when that record is damaged
     self._blocks[block] = records
     if len(self._blocks) > _CACHED_BLOCKS:
       self._blocks.popitem(last=False)
     self._note(mode)
-    return records[index - block * BLOCK]
+    return records[position]
 
   def _path(self, block: int) -> str:
     return os.path.join(self.directory, f"block-{block:09d}.pkl")
 
-  def _block(self, block: int, mode: str) -> list:
+  def _size(self, block: int) -> int:
+    return min(BLOCK, self.num_records - block * BLOCK)
+
+  def _read_record(self, block: int, position: int) -> list | None:
+    """[record `position` of `block`], read alone; None if its block file is
+    missing or damaged."""
+    path = self._path(block)
+    return self._costs.timed("read", 1, _load_record, path, self._size(block), position)
+
+  def _block(self, block: int, position: int, mode: str) -> list:
     costs = self._costs
     start = block * BLOCK
-    stop = min(start + BLOCK, self.num_records)
+    stop = start + self._size(block)
     path = self._path(block)
     while True:
       # A damaged block is computed by its claimer.
-      records = costs.timed("read", stop - start, _load, path, False)
+      records = costs.timed("read", stop - start, _load, path, stop - start, False)
       if records is not None:
         self.read_blocks += 1
         return records
       if _claim(path + ".claim"):
         try:
-          records = _load(path, warn=True)  # written between the look and the claim
+          records = _load(path, stop - start, True)  # written between the look and the claim
           if records is None:
             records = costs.timed("compute", stop - start, self._compute, start, stop)
             costs.timed("write", stop - start, _write, path, records)
             costs.bytes += os.path.getsize(path)
             self.computed_blocks += 1
-            if mode == autocache_policy.PROFILE:
-              costs.timed("read", stop - start, _load, path, True)  # what a reader pays
+            if mode == autocache_policy.PROFILE:  # what a reader pays
+              if self._fits_in_memory:
+                costs.timed("read", stop - start, _load, path, stop - start, True)
+              else:
+                self._read_record(block, position)
           else:
             self.read_blocks += 1
           return records
@@ -210,7 +237,8 @@ class _Costs:
 
   def per_record(self, fits_in_memory: bool) -> dict:
     """Seconds per record handed out. A store whose blocks all fit in a
-    reader's memory is read once a block; in a larger one, a block read
+    reader's memory is read once a block; a larger one is read a record at
+    a time, but a block read there (one another reader wrote meanwhile)
     serves the records of it used while it stays in memory (few, in a
     shuffled order), so its seconds are spread over those."""
 
@@ -294,47 +322,104 @@ def _open_checked(path: str) -> io.BufferedReader | None:
   return f
 
 
-def _damage(f: io.BufferedReader) -> str | None:
-  """What is wrong with the open block file `f` (None: nothing), which is
-  left at the start of its pickle. The pickle is read in chunks for its
-  CRC-32, then again by the unpickler (from the page cache)."""
-  header = f.read(len(_MAGIC) + _HEADER.size)
-  if len(header) < len(_MAGIC) + _HEADER.size or not header.startswith(_MAGIC):
-    return "it does not start with a block header"
-  length, crc = _HEADER.unpack_from(header, len(_MAGIC))
-  chunk = bytearray(_CHUNK)
-  seen, running = 0, 0
-  while count := f.readinto(chunk):
-    seen += count
-    running = zlib.crc32(memoryview(chunk)[:count], running)
-  if seen != length:
-    return f"it holds {seen} bytes of records where its header says {length}"
-  if running != crc:
-    return "its records do not match their CRC-32"
-  f.seek(len(header))
-  return None
+class _Damaged(Exception):
+  """What is wrong with a block file, in its message."""
 
 
-def _load(path: str, warn: bool) -> list | None:
-  """The records of block file `path`; None if it is missing or damaged
-  (with a warning naming it if `warn`)."""
+def _table_end(count: int) -> int:
+  """Where the table of a block file of `count` records ends."""
+  return len(_MAGIC) + _HEADER.size + count * _ENTRY.size
+
+
+def _table(head: bytes | memoryview, count: int) -> memoryview:
+  """The checked table of records of a block file of `count` records, from
+  the file's first bytes `head` (at least `_table_end(count)` of them)."""
+  if len(head) < len(_MAGIC) + _HEADER.size or head[: len(_MAGIC)] != _MAGIC:
+    raise _Damaged("it does not start with a block header")
+  records, crc = _HEADER.unpack_from(head, len(_MAGIC))
+  if records != count:
+    raise _Damaged(f"its header says {records} records where its block has {count}")
+  if len(head) < _table_end(count):
+    raise _Damaged("it ends inside its table of records")
+  table = memoryview(head)[len(_MAGIC) + _HEADER.size : _table_end(count)]
+  if zlib.crc32(table) != crc:
+    raise _Damaged("its table of records does not match its CRC-32")
+  return table
+
+
+def _checked(payload: bytes | memoryview, table: memoryview, position: int) -> None:
+  """Raises _Damaged unless `payload` is record `position` of `table`."""
+  _, length, crc = _ENTRY.unpack_from(table, position * _ENTRY.size)
+  if len(payload) != length:
+    raise _Damaged(f"record {position} holds {len(payload)} bytes where its table says {length}")
+  if zlib.crc32(payload) != crc:
+    raise _Damaged(f"record {position} does not match its CRC-32")
+
+
+def _unpickle(path: str, payload: bytes | memoryview) -> Any:
+  try:
+    return pickle.loads(payload)
+  except Exception as exc:  # intact bytes: e.g. a class its records need is gone
+    raise ValueError(
+      f"record store: cannot unpickle block file {path}: {exc!r}. Remove it to compute it again."
+    ) from exc
+
+
+def _damaged(path: str, damage: _Damaged, warn: bool) -> None:
+  if warn:
+    logging.warning(
+      "record store: block file %s is damaged (%s); computing it again.", path, damage
+    )
+
+
+def _load(path: str, count: int, warn: bool) -> list | None:
+  """The `count` records of block file `path`; None if it is missing or
+  damaged (with a warning naming it if `warn`)."""
   f = _open_checked(path)
   if f is None:
     return None
   with f:
-    damage = _damage(f)
-    if damage is not None:
-      if warn:
-        logging.warning(
-          "record store: block file %s is damaged (%s); computing it again.", path, damage
-        )
-      return None
+    data = memoryview(f.read())
+  try:
+    table = _table(data, count)
+    payloads = [data[offset : offset + length] for offset, length, _ in _ENTRY.iter_unpack(table)]
+    for position, payload in enumerate(payloads):
+      _checked(payload, table, position)
+    end = _table_end(count) + sum(len(payload) for payload in payloads)
+    if len(data) != end:
+      raise _Damaged(f"it holds {len(data)} bytes where its table says {end}")
+  except _Damaged as damage:
+    _damaged(path, damage, warn)
+    return None
+  return [_unpickle(path, payload) for payload in payloads]
+
+
+def _load_record(path: str, count: int, position: int) -> list | None:
+  """[record `position`] of block file `path` of `count` records, reading
+  its table and that record only; None if it is missing or damaged."""
+  f = _open_checked(path)
+  if f is None:
+    return None
+  with f:
     try:
-      return pickle.load(f)
-    except Exception as exc:  # intact bytes: e.g. a class its records need is gone
-      raise ValueError(
-        f"record store: cannot unpickle block file {path}: {exc!r}. Remove it to compute it again."
-      ) from exc
+      table = _table(os.pread(f.fileno(), _table_end(count), 0), count)
+      offset, length, _ = _ENTRY.unpack_from(table, position * _ENTRY.size)
+      payload = os.pread(f.fileno(), length, offset)
+      _checked(payload, table, position)
+    except _Damaged:
+      return None  # the reader that claims the block warns, and computes it
+  return [_unpickle(path, payload)]
+
+
+def _block_head(records: list[tuple[int, int]]) -> bytes:
+  """The header and table of a block file of records whose pickles have
+  these (length, CRC-32) and follow the table in this order."""
+  offset = _table_end(len(records))
+  table = bytearray()
+  for length, crc in records:
+    table += _ENTRY.pack(offset, length, crc)
+    offset += length
+  return _MAGIC + _HEADER.pack(len(records), zlib.crc32(table)) + bytes(table)
 
 
 class _CountingWriter:
@@ -356,11 +441,14 @@ def _write(path: str, records: list) -> None:
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
   try:
     with os.fdopen(fd, "wb") as f:  # mode 0o600, as mkstemp makes it
-      f.write(_MAGIC + _HEADER.pack(0, 0))  # filled in below
-      counted = _CountingWriter(f)
-      pickle.dump(records, counted, protocol=pickle.HIGHEST_PROTOCOL)
-      f.seek(len(_MAGIC))
-      f.write(_HEADER.pack(counted.length, counted.crc))
+      f.write(bytes(_table_end(len(records))))  # filled in below
+      pickled = []
+      for record in records:  # pickled into the file, not copied first
+        counted = _CountingWriter(f)
+        pickle.dump(record, counted, protocol=pickle.HIGHEST_PROTOCOL)
+        pickled.append((counted.length, counted.crc))
+      f.seek(0)
+      f.write(_block_head(pickled))
     os.replace(tmp, path)
   except BaseException:
     try:

@@ -1,10 +1,13 @@
 """The record store unpickles only block files this user (or root) wrote, in
-a folder only its owner may write, and computes a damaged block again."""
+a folder only its owner may write, and computes a damaged block again. A
+store larger than a reader's memory is read a record at a time."""
 
 import logging
+import os
+import pickle
+import random
 import re
 import zlib
-import os
 
 import numpy as np
 import pytest
@@ -16,6 +19,15 @@ N = 200
 
 def compute(start, stop):
   return [np.full(8, i, np.int64) for i in range(start, stop)]
+
+
+@pytest.fixture(params=["fits in memory", "larger than memory"])
+def memory(request, monkeypatch):
+  """Whether the N records' blocks fit in a store object's memory (it then
+  loads whole blocks) or not (it reads single records)."""
+  if request.param == "larger than memory":
+    monkeypatch.setattr(record_store, "_CACHED_BLOCKS", 2)
+  return request.param
 
 
 def filled_store(tmp_path):
@@ -102,7 +114,9 @@ def _truncated(data):
 
 
 @pytest.mark.parametrize("damage", [_garbage, _flipped_bit, _truncated])
-def test_a_damaged_block_is_computed_again_with_a_warning_naming_it(tmp_path, caplog, damage):
+def test_a_damaged_block_is_computed_again_with_a_warning_naming_it(
+  tmp_path, caplog, damage, memory
+):
   folder = filled_store(tmp_path)
   block = block_file(folder)
   block.write_bytes(damage(block.read_bytes()))
@@ -117,11 +131,84 @@ def test_a_damaged_block_is_computed_again_with_a_warning_naming_it(tmp_path, ca
   assert int(again.get(5)[0]) == 5 and again.computed_blocks == 0
 
 
-def test_an_intact_block_that_cannot_be_unpickled_is_named(tmp_path):
+def test_an_intact_block_that_cannot_be_unpickled_is_named(tmp_path, memory):
   folder = filled_store(tmp_path)
   block = block_file(folder)
-  payload = b"cjaxfeed_no_such_module\nRecords\n."  # a class that is gone
-  header = record_store._HEADER.pack(len(payload), zlib.crc32(payload))  # pylint: disable=protected-access
-  block.write_bytes(record_store._MAGIC + header + payload)  # pylint: disable=protected-access
+  payloads = [pickle.dumps(record) for record in compute(0, record_store.BLOCK)]
+  payloads[3] = b"cjaxfeed_no_such_module\nRecords\n."  # a class that is gone
+  head = record_store._block_head([(len(p), zlib.crc32(p)) for p in payloads])  # pylint: disable=protected-access
+  block.write_bytes(head + b"".join(payloads))
   with pytest.raises(ValueError, match=f"cannot unpickle block file {re.escape(str(block))}"):
     reopened(folder).get(3)
+
+
+def record_bounds(block, position):
+  """(offset, length) of record `position` in block file `block`."""
+  data = block.read_bytes()
+  entry = record_store._ENTRY  # pylint: disable=protected-access
+  table = record_store._table_end(0)  # pylint: disable=protected-access
+  offset, length, _ = entry.unpack_from(data, table + position * entry.size)
+  return offset, length
+
+
+def bytes_read():
+  """Bytes this process has read with read-like system calls so far."""
+  with open("/proc/self/io", encoding="ascii") as f:
+    return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+KIB_RECORDS = 4 * record_store.BLOCK + 10  # 5 blocks of 4 KiB records
+
+
+def compute_kib(start, stop):
+  return [np.full(512, i, np.int64) for i in range(start, stop)]
+
+
+def test_shuffled_reads_of_a_store_larger_than_memory_read_only_each_record(tmp_path, monkeypatch):
+  monkeypatch.setattr(record_store, "_CACHED_BLOCKS", 2)
+  folder = str(tmp_path / "records-key")
+  writer = record_store.RecordStore(folder, KIB_RECORDS, compute_kib)
+  for index in range(KIB_RECORDS):
+    writer.get(index)
+  assert writer.computed_blocks == 5
+  order = list(range(KIB_RECORDS))
+  random.Random(0).shuffle(order)
+  reader = record_store.RecordStore(folder, KIB_RECORDS, compute_kib)
+  before = bytes_read()
+  records = [reader.get(index) for index in order]
+  read = bytes_read() - before
+  # Each get reads its record (4 KiB and its pickle's few bytes) and its
+  # block's table (1.3 KiB), not its block (256 KiB).
+  assert read < KIB_RECORDS * 8 * 1024, f"{read / KIB_RECORDS:.0f} bytes read a record"
+  for index, record in zip(order, records):
+    np.testing.assert_array_equal(record, np.full(512, index, np.int64))
+  assert reader.computed_blocks == reader.read_blocks == 0
+  assert reader.read_records == KIB_RECORDS
+
+
+def test_a_store_that_fits_in_memory_loads_whole_blocks(tmp_path):
+  folder = str(tmp_path / "records-key")
+  record_store.RecordStore(folder, KIB_RECORDS, compute_kib).get(0)
+  reader = record_store.RecordStore(folder, KIB_RECORDS, compute_kib)
+  assert [int(reader.get(index)[0]) for index in range(20)] == list(range(20))
+  assert reader.read_blocks == 1 and reader.read_records == 0
+
+
+def test_a_flipped_bit_in_one_record_read_alone_recomputes_its_block(tmp_path, monkeypatch, caplog):
+  monkeypatch.setattr(record_store, "_CACHED_BLOCKS", 2)
+  folder = filled_store(tmp_path)
+  block = block_file(folder)
+  offset, length = record_bounds(block, 5)
+  data = bytearray(block.read_bytes())
+  data[offset + length // 2] ^= 0x01
+  block.write_bytes(bytes(data))
+  store = reopened(folder)
+  assert int(store.get(4)[0]) == 4  # an intact record of it is read alone
+  assert store.read_records == 1 and store.computed_blocks == 0
+  with caplog.at_level(logging.WARNING):
+    assert int(store.get(5)[0]) == 5
+  assert store.computed_blocks == 1
+  assert f"block file {block} is damaged (record 5 does not match its CRC-32)" in caplog.text
+  again = reopened(folder)  # the block was written anew
+  assert int(again.get(5)[0]) == 5
+  assert again.computed_blocks == 0 and again.read_records == 1
