@@ -67,6 +67,8 @@ _MAGIC = b"JFRECv2\n"
 _HEADER = struct.Struct("<II")
 _ENTRY = struct.Struct("<QQI")
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+# Kinds of reads a store's costs count: whole blocks, and records alone.
+_READ, _READ_ONE = "read", "read one"
 
 
 class UnsafeStoreError(PermissionError):
@@ -138,7 +140,7 @@ class RecordStore:
         self.read_records += 1
         self._note(mode)
         return one[0]
-    records = self._block(block, position, mode)  # also when that record is damaged
+    records = self._block(block, mode)  # also when that record is damaged
     self._blocks[block] = records
     if len(self._blocks) > _CACHED_BLOCKS:
       self._blocks.popitem(last=False)
@@ -155,9 +157,9 @@ class RecordStore:
     """[record `position` of `block`], read alone; None if its block file is
     missing or damaged."""
     path = self._path(block)
-    return self._costs.timed("read", 1, _load_record, path, self._size(block), position)
+    return self._costs.timed(_READ_ONE, 1, _load_record, path, self._size(block), position)
 
-  def _block(self, block: int, position: int, mode: str) -> list:
+  def _block(self, block: int, mode: str) -> list:
     costs = self._costs
     start = block * BLOCK
     stop = start + self._size(block)
@@ -180,7 +182,7 @@ class RecordStore:
               if self._fits_in_memory:
                 costs.timed("read", stop - start, _load, path, stop - start, True)
               else:
-                self._read_record(block, position)
+                costs.timed(_READ_ONE, stop - start, _load_each, path, stop - start)
           else:
             self.read_blocks += 1
           return records
@@ -220,11 +222,11 @@ class _Costs:
   def timed(self, kind: str, records: int, fn: Callable, *args: Any) -> Any:
     started = time.perf_counter()
     result = fn(*args)
-    if kind == "read" and result is None:
+    if kind in (_READ, _READ_ONE) and result is None:
       return None  # a look for a missing block is no read
     self.seconds[kind] += time.perf_counter() - started
     self.records[kind] += records
-    if kind == "read":
+    if kind in (_READ, _READ_ONE):
       self.reads += 1
     elif kind == "compute":
       self.computes += 1
@@ -237,10 +239,11 @@ class _Costs:
 
   def per_record(self, fits_in_memory: bool) -> dict:
     """Seconds per record handed out. A store whose blocks all fit in a
-    reader's memory is read once a block; a larger one is read a record at
-    a time, but a block read there (one another reader wrote meanwhile)
-    serves the records of it used while it stays in memory (few, in a
-    shuffled order), so its seconds are spread over those."""
+    reader's memory is read once a block. A larger one is read a record at
+    a time (those reads give its cost); a block read there (one written
+    meanwhile by another reader) serves the records of it used while it
+    stays in memory (few, in a shuffled order), so its seconds are spread
+    over those."""
 
     def rate(kind: str) -> float | None:
       return self.seconds[kind] / self.records[kind] if self.records[kind] else None
@@ -250,6 +253,8 @@ class _Costs:
       kept_share = self.read_share() if self.reads < self.lookups else 1.0
       served_from_reads = max(1.0, self.served * kept_share)
       read_s = max(read_s, self.seconds["read"] / served_from_reads)
+    if self.records[_READ_ONE]:
+      read_s = rate(_READ_ONE)
     writes = self.records["write"]
     return {
       "compute_s": rate("compute"),
@@ -409,6 +414,19 @@ def _load_record(path: str, count: int, position: int) -> list | None:
     except _Damaged:
       return None  # the reader that claims the block warns, and computes it
   return [_unpickle(path, payload)]
+
+
+def _load_each(path: str, count: int) -> list | None:
+  """The `count` records of block file `path`, read one at a time (as a
+  reader of a store larger than its memory does); None if it is missing or
+  damaged."""
+  records = []
+  for position in range(count):
+    one = _load_record(path, count, position)
+    if one is None:
+      return None
+    records += one
+  return records
 
 
 def _block_head(records: list[tuple[int, int]]) -> bytes:

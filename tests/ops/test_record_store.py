@@ -7,12 +7,13 @@ import os
 import pickle
 import random
 import re
+import time
 import zlib
 
 import numpy as np
 import pytest
 
-from jaxfeed.ops import record_store
+from jaxfeed.ops import autocache_policy, record_store
 
 N = 200
 
@@ -212,3 +213,28 @@ def test_a_flipped_bit_in_one_record_read_alone_recomputes_its_block(tmp_path, m
   again = reopened(folder)  # the block was written anew
   assert int(again.get(5)[0]) == 5
   assert again.computed_blocks == 0 and again.read_records == 1
+
+
+def test_a_store_larger_than_memory_measures_a_read_per_record_read_alone(tmp_path, monkeypatch):
+  """The policy compares reading a record alone with computing it, not a
+  block's read spread over the few records of it used."""
+  monkeypatch.setattr(record_store, "_CACHED_BLOCKS", 2)
+
+  def costly(start, stop):
+    spin_until = time.perf_counter() + 300e-6 * (stop - start)
+    while time.perf_counter() < spin_until:
+      pass
+    return compute_kib(start, stop)
+
+  folder = str(tmp_path / "records-key")
+  store = record_store.RecordStore(folder, KIB_RECORDS, costly, policy="auto")
+  order = list(range(KIB_RECORDS))
+  random.Random(0).shuffle(order)
+  for index in order[:40]:  # profiles, decides, reads on
+    store.get(index)
+  m = store._point.measurements  # pylint: disable=protected-access
+  assert m.read_s is not None and m.compute_s is not None
+  assert m.read_s < m.compute_s / 3, (
+    f"read {m.read_s * 1e6:.0f} us, compute {m.compute_s * 1e6:.0f} us"
+  )
+  assert store._point.last[0] in (autocache_policy.READ, autocache_policy.WRITE)  # pylint: disable=protected-access
