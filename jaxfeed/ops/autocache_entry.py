@@ -71,14 +71,12 @@ class AutocacheEntryIterator(CacheIterator):
     self._hold: EntryHold | None = None
     self._reservation: WriteReservation | None = None
     self._written = 0  # estimated bytes of the elements written
-    self._decision = ""
     self._pass: _PassCosts | None = None
     self._profile: list | None = None  # (element, seed) while profiling
 
   def _begin(self) -> None:
     complete = self._store.is_complete()
     decision = self._point.decide(complete, self._policy, self._job)
-    self._decision = decision
     self._pass = _PassCosts()
     self._written = 0
     if decision == autocache_policy.READ and complete:
@@ -183,7 +181,6 @@ class AutocacheEntryIterator(CacheIterator):
       )
       costs.measured = True
     decision = self._point.profiled(self._store.is_complete(), self._job)
-    self._decision = decision
     self._point.group.overhead_s += time.perf_counter() - started
     if decision != autocache_policy.WRITE or not profile:
       return
