@@ -57,6 +57,16 @@ def _w4t(results: Results) -> list[tuple[str, list[float]]]:
   return series
 
 
+def _regimes(results: Results) -> dict[str, dict[str, list[tuple[float, float]]]]:
+  """Kind -> mode -> (compute per element, rate) of the autocache regimes."""
+  found: dict[str, dict[str, list[tuple[float, float]]]] = {}
+  for line, _ in results.rows("autocache_regimes", "autocache regimes"):
+    if isinstance(line.get("rate"), (int, float)) and "kind" in line:
+      points = found.setdefault(line["kind"], {}).setdefault(line["mode"], [])
+      points.append((float(line["cost_us"]), float(line["rate"])))
+  return {kind: {m: sorted(p) for m, p in modes.items()} for kind, modes in found.items()}
+
+
 def titles(results: Results) -> dict[str, str]:
   """File name -> title of every plot the results make."""
   found = {
@@ -68,6 +78,8 @@ def titles(results: Results) -> dict[str, str]:
     found["dispatcher_scale.svg"] = "The dispatcher's p99 latency and CPU as the pod grows"
   if _w4t(results):
     found["w4t_epochs.svg"] = "W4t epoch by epoch: the service against a plain socket"
+  if _regimes(results):
+    found["autocache_regimes.svg"] = "Autocache regimes: the policy against fixed modes"
   return found
 
 
@@ -176,6 +188,31 @@ def _w4t_chart(series: list[tuple[str, list[float]]]) -> Callable:
   return draw
 
 
+def _regimes_chart(regimes: dict[str, dict[str, list[tuple[float, float]]]]) -> Callable:
+  def draw(pyplot):
+    figure, panes = pyplot.subplots(1, len(regimes), figsize=(6.4, 3.2), squeeze=False)
+    for axes, (kind, modes) in zip(panes[0], sorted(regimes.items(), reverse=True)):
+      for index, (mode, points) in enumerate(sorted(modes.items())):
+        axes.plot(
+          [max(cost, 1.0) for cost, _ in points],  # 0 us on the log axis: at 1
+          [rate for _, rate in points],
+          marker="o",
+          color=f"C{index}",
+          linestyle="-" if mode.startswith("auto") else "--",
+          label=mode,
+        )
+      axes.set_xscale("log")
+      axes.set_yscale("log")
+      axes.set_title(kind, loc="left", fontsize=9)
+      axes.set_xlabel("compute per element, us (0 at 1)")
+    panes[0][0].set_ylabel("elements/s over all epochs")
+    panes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    return figure
+
+  return draw
+
+
 def render(results: Results) -> dict[str, tuple[str, bytes]]:
   """File name -> (title, SVG) of every plot."""
   names = titles(results)
@@ -191,4 +228,9 @@ def render(results: Results) -> dict[str, tuple[str, bytes]]:
     )
   if "w4t_epochs.svg" in names:
     out["w4t_epochs.svg"] = (names["w4t_epochs.svg"], _figure(_w4t_chart(_w4t(results))))
+  if "autocache_regimes.svg" in names:
+    out["autocache_regimes.svg"] = (
+      names["autocache_regimes.svg"],
+      _figure(_regimes_chart(_regimes(results))),
+    )
   return out

@@ -150,6 +150,8 @@ _FIGURES = (
   ("failed_rpcs", str),
   ("restart_replay_s", lambda x: f"{x:g} s"),
   ("peak_rss_mb", lambda x: f"{x:.0f} MB"),
+  ("decision", str),
+  ("of_best_fixed", lambda x: f"{x:.2f}"),
 )
 
 
@@ -168,7 +170,7 @@ def rows_table(rows: list[Row]) -> str:
     )
     body.append(
       [str(line.get("workload", "")), what, value]
-      + [f(line[k]) if isinstance(line.get(k), (int, float)) else "" for k, f in keys]
+      + [f(line[k]) if isinstance(line.get(k), (int, float, str)) else "" for k, f in keys]
       + ([_scalars(line) if line in bare else ""] if bare else [])
     )
   return table(

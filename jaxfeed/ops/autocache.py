@@ -14,6 +14,12 @@ subgraph, on any worker sharing DIR — reads it instead of running the input
 again; tasks of `distributed_epoch` jobs never complete a pass and pass such
 inputs through. Without a folder, autocache passes elements through.
 
+Whether a point is cached at all is the autocache policy's call
+(`jaxfeed.ops.autocache_policy`; the op's `policy`, or a worker's
+`--autocache_policy`): with "auto", the default, a pass computes, writes or
+reads by what each costs at that point, measured; "always" caches every
+point; "never" computes every point.
+
 The input's fingerprint covers its ops, their parameters, the code of its
 UDFs, the size and modification time of its source files, and the shard a
 static (FILE / DATA) task reads, so different inputs never share a cache (see

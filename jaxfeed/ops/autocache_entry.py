@@ -71,14 +71,12 @@ class AutocacheEntryIterator(CacheIterator):
     self._hold: EntryHold | None = None
     self._reservation: WriteReservation | None = None
     self._written = 0  # estimated bytes of the elements written
-    self._decision = ""
     self._pass: _PassCosts | None = None
     self._profile: list | None = None  # (element, seed) while profiling
 
   def _begin(self) -> None:
     complete = self._store.is_complete()
     decision = self._point.decide(complete, self._policy, self._job)
-    self._decision = decision
     self._pass = _PassCosts()
     self._written = 0
     if decision == autocache_policy.READ and complete:
@@ -112,6 +110,8 @@ class AutocacheEntryIterator(CacheIterator):
     if costs is not None:
       costs.compute_s += time.perf_counter() - started - (group.overhead_s - overhead)
       costs.elements += 1
+      if costs.elements == autocache_policy.WARMUP_ELEMENTS:
+        costs.warmup_s, costs.warmup_elements = costs.compute_s, costs.elements
     seed = self._parent.last_seed
     if self._profile is not None:
       self._profile.append((element, seed))
@@ -169,8 +169,11 @@ class AutocacheEntryIterator(CacheIterator):
     started = time.perf_counter()
     if costs is not None and profile:
       read_s, write_s = _probe(self._folder, self._name, profile)
+      warm = costs.elements - costs.warmup_elements
       self._point.measurements.update(
-        compute_s=costs.compute_s / max(1, costs.elements),
+        compute_s=(costs.compute_s - costs.warmup_s) / warm
+        if warm > 0
+        else costs.compute_s / max(1, costs.elements),
         read_s=read_s,
         write_s=write_s,
         bytes=sum(element_bytes(e) for e, _ in profile) / len(profile),
@@ -178,7 +181,6 @@ class AutocacheEntryIterator(CacheIterator):
       )
       costs.measured = True
     decision = self._point.profiled(self._store.is_complete(), self._job)
-    self._decision = decision
     self._point.group.overhead_s += time.perf_counter() - started
     if decision != autocache_policy.WRITE or not profile:
       return
@@ -213,7 +215,9 @@ class AutocacheEntryIterator(CacheIterator):
       return
     m = self._point.measurements
     if costs.reads:
-      m.update(read_s=costs.read_s / costs.reads, elements=costs.reads)
+      m.update(
+        read_s=costs.read_s / costs.reads, elements=costs.reads, read_passes=m.read_passes + 1
+      )
     elif costs.elements:
       m.update(
         compute_s=None if costs.measured else costs.compute_s / costs.elements,
@@ -282,6 +286,7 @@ class _PassCosts:
     self.started = time.perf_counter()
     self.compute_s = self.read_s = self.write_s = 0.0
     self.elements = self.reads = self.writes = 0
+    self.warmup_s, self.warmup_elements = 0.0, 0  # the profile's first elements
     self.bytes = 0
     self.profile_bytes = 0
     self.measured = False  # its compute went into a profile's measurement
@@ -293,7 +298,10 @@ class _PassCosts:
     return (
       (
         self.elements >= autocache_policy.PROFILE_ELEMENTS
-        and elapsed >= autocache_policy.PROFILE_MIN_S
+        and (
+          elapsed >= autocache_policy.PROFILE_MIN_S
+          or self.profile_bytes >= autocache_policy.PROFILE_ENOUGH_BYTES
+        )
       )
       or elapsed >= autocache_policy.PROFILE_MAX_S
       or self.profile_bytes >= autocache_policy.PROFILE_MAX_BYTES
@@ -307,6 +315,13 @@ def _probe(folder: AutocacheFolder, name: str, elements: list) -> tuple[float, f
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, f"{name[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
   store = DiskStore(path)
+  probed, size = [], 0
+  for element, seed in elements:
+    probed.append((element, seed))
+    size += element_bytes(element)
+    if size >= autocache_policy.PROBE_MAX_BYTES:
+      break
+  elements = probed
   try:
     started = time.perf_counter()
     writer = store.writer()

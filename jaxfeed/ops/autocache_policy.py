@@ -72,13 +72,27 @@ POLICIES = ("auto", "always", "never")
 TIE_MARGIN = 0.1
 """A cache must be read this much faster than compute to be used."""
 
+PROBE_MARGIN = 0.5
+"""... and this much faster while its read cost is only the probe's
+estimate (no pass has read it yet): a probe of a few elements reads them
+back from the page cache, and a pass that writes and then finds reads
+slower costs more than it can save."""
+
+PROBE_MAX_BYTES = 8 << 20
+"""The probe writes and reads back at most this many bytes of elements."""
+
+WARMUP_ELEMENTS = 8
+"""A profile's first elements (warming up the input) do not count."""
+
 PROFILE_ELEMENTS = 128
 PROFILE_MIN_S = 0.05
+PROFILE_ENOUGH_BYTES = 4 << 20
 PROFILE_MAX_S = 2.0
-PROFILE_MAX_BYTES = 64 << 20
-"""A first pass profiles at least PROFILE_ELEMENTS elements and
-PROFILE_MIN_S seconds, at most PROFILE_MAX_S seconds or PROFILE_MAX_BYTES
-bytes (or its whole pass, where shorter)."""
+PROFILE_MAX_BYTES = 16 << 20
+"""A first pass profiles at least PROFILE_ELEMENTS elements and either
+PROFILE_MIN_S seconds or PROFILE_ENOUGH_BYTES bytes; at most PROFILE_MAX_S
+seconds or PROFILE_MAX_BYTES bytes (or its whole pass, where shorter). It
+keeps the elements it profiled, to write them where it decides to."""
 
 PROFILE_BLOCKS = 2
 REDECIDE_LOOKUPS = 4096
@@ -99,6 +113,7 @@ class Measurements:
   write_s: float | None = None
   bytes: float | None = None
   elements: int | None = None
+  read_passes: int = 0  # passes (or store blocks) whose reads were measured
 
   def update(self, **values: float | None) -> None:
     """Blends each given value into the one kept."""
@@ -106,17 +121,22 @@ class Measurements:
       if value is None:
         continue
       old = getattr(self, name)
-      if name == "elements" or old is None:
+      if name in ("elements", "read_passes") or old is None:
         setattr(self, name, value)
       else:
         setattr(self, name, (1 - _NEW_WEIGHT) * old + _NEW_WEIGHT * value)
+
+  def margin(self) -> float:
+    """How much faster reads must be: TIE_MARGIN once reads were measured,
+    PROBE_MARGIN on the probe's estimate."""
+    return TIE_MARGIN if self.read_passes else PROBE_MARGIN
 
   def cache_wins(self) -> bool:
     """Whether reading beats computing by more than the margin."""
     return (
       self.compute_s is not None
       and self.read_s is not None
-      and self.read_s < self.compute_s * (1 - TIE_MARGIN)
+      and self.read_s < self.compute_s * (1 - self.margin())
     )
 
   def saving_s(self) -> float:
@@ -192,7 +212,7 @@ class Point:
     if best == self.key:
       return self._record(READ if complete else WRITE, f"{costs}: reading saves most", job)
     if not m.cache_wins():
-      reason = f"{costs}: reading is not {TIE_MARGIN:.0%} faster"
+      reason = f"{costs}: reading is not {m.margin():.0%} faster"
     else:
       other = best[1] if best is not None else "?"
       reason = f"{costs}, but caching point {other[:16]} saves more"
@@ -221,7 +241,7 @@ class Point:
         if m.cache_wins():
           self._record(READ if read_share >= 0.5 else WRITE, f"{costs}: records kept", job)
         else:
-          self._record(COMPUTE, f"{costs}: reading is not {TIE_MARGIN:.0%} faster", job)
+          self._record(COMPUTE, f"{costs}: reading is not {m.margin():.0%} faster", job)
       self.blocks += 1
       assert self.last is not None
       return COMPUTE if self.last[0] == COMPUTE else READ

@@ -202,7 +202,8 @@ class RecordStore:
     )
     if due:
       fits = -(-self.num_records // BLOCK) <= _CACHED_BLOCKS
-      self._point.measurements.update(**costs.per_record(fits))
+      m = self._point.measurements
+      m.update(**costs.per_record(fits), read_passes=m.read_passes + (costs.reads > 0))
       self._costs = _Costs(costs.read_share())
 
 

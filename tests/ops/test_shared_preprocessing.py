@@ -129,7 +129,9 @@ def test_random_ops_are_not_kept_by_record(tmp_path):
     is None
   )
   dataset = (
-    jaxfeed.Dataset.from_source(SOURCE).random_map(lambda e, rng: e).autocache(str(tmp_path))
+    jaxfeed.Dataset.from_source(SOURCE)
+    .random_map(lambda e, rng: e)
+    .autocache(str(tmp_path), policy="always")
   )
   assert len(xs(dataset)) == N
   assert [p.name.startswith("records-") for p in entries(tmp_path)] == [False]
