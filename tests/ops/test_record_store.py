@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import re
+import struct
 import time
 import zlib
 
@@ -114,7 +115,14 @@ def _truncated(data):
   return data[: len(data) - 100]
 
 
-@pytest.mark.parametrize("damage", [_garbage, _flipped_bit, _truncated])
+def _older_format(data):
+  """The block as version 1 wrote it: one pickle of all its records."""
+  del data
+  payload = pickle.dumps(compute(0, record_store.BLOCK))
+  return b"JFRECv1\n" + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload
+
+
+@pytest.mark.parametrize("damage", [_garbage, _flipped_bit, _truncated, _older_format])
 def test_a_damaged_block_is_computed_again_with_a_warning_naming_it(
   tmp_path, caplog, damage, memory
 ):
