@@ -371,13 +371,6 @@ def _unpickle(path: str, payload: bytes | memoryview) -> Any:
     ) from exc
 
 
-def _damaged(path: str, damage: _Damaged, warn: bool) -> None:
-  if warn:
-    logging.warning(
-      "record store: block file %s is damaged (%s); computing it again.", path, damage
-    )
-
-
 def _load(path: str, count: int, warn: bool) -> list | None:
   """The `count` records of block file `path`; None if it is missing or
   damaged (with a warning naming it if `warn`)."""
@@ -395,7 +388,10 @@ def _load(path: str, count: int, warn: bool) -> list | None:
     if len(data) != end:
       raise _Damaged(f"it holds {len(data)} bytes where its table says {end}")
   except _Damaged as damage:
-    _damaged(path, damage, warn)
+    if warn:
+      logging.warning(
+        "record store: block file %s is damaged (%s); computing it again.", path, damage
+      )
     return None
   return [_unpickle(path, payload) for payload in payloads]
 
