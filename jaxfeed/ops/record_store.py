@@ -48,7 +48,7 @@ import time
 import zlib
 from typing import Any, BinaryIO, Callable
 
-from jaxfeed.ops import autocache_policy
+from jaxfeed.ops import autocache_policy, store_costs
 
 __all__ = ["RecordStore", "UnsafeStoreError", "BLOCK", "CLAIM_STALE_S"]
 
@@ -67,8 +67,6 @@ _MAGIC = b"JFRECv2\n"
 _HEADER = struct.Struct("<II")
 _ENTRY = struct.Struct("<QQI")
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
-# Kinds of reads a store's costs count: whole blocks, and records alone.
-_READ, _READ_ONE = "read", "read one"
 
 
 class UnsafeStoreError(PermissionError):
@@ -112,7 +110,7 @@ class RecordStore:
     self._point = autocache_policy.point(
       os.path.dirname(os.path.abspath(directory)), os.path.basename(directory)
     )
-    self._costs = _Costs()
+    self._costs = store_costs.StoreCosts()
     self._fits_in_memory = -(-num_records // BLOCK) <= _CACHED_BLOCKS
     os.makedirs(directory, mode=0o700, exist_ok=True)
     os.close(_open_folder(directory))  # an unsafe folder fails here, not at a block
@@ -157,7 +155,9 @@ class RecordStore:
     """[record `position` of `block`], read alone; None if its block file is
     missing or damaged."""
     path = self._path(block)
-    return self._costs.timed(_READ_ONE, 1, _load_record, path, self._size(block), position)
+    return self._costs.timed(
+      store_costs.READ_ONE, 1, _load_record, path, self._size(block), position
+    )
 
   def _block(self, block: int, mode: str) -> list:
     costs = self._costs
@@ -166,7 +166,7 @@ class RecordStore:
     path = self._path(block)
     while True:
       # A damaged block is computed by its claimer.
-      records = costs.timed("read", stop - start, _load, path, stop - start, False)
+      records = costs.timed(store_costs.READ, stop - start, _load, path, stop - start, False)
       if records is not None:
         self.read_blocks += 1
         return records
@@ -180,9 +180,9 @@ class RecordStore:
             self.computed_blocks += 1
             if mode == autocache_policy.PROFILE:  # what a reader pays
               if self._fits_in_memory:
-                costs.timed("read", stop - start, _load, path, stop - start, True)
+                costs.timed(store_costs.READ, stop - start, _load, path, stop - start, True)
               else:
-                costs.timed(_READ_ONE, stop - start, _load_each, path, stop - start)
+                costs.timed(store_costs.READ_ONE, stop - start, _load_each, path, stop - start)
           else:
             self.read_blocks += 1
           return records
@@ -204,65 +204,7 @@ class RecordStore:
       fits = -(-self.num_records // BLOCK) <= _CACHED_BLOCKS
       m = self._point.measurements
       m.update(**costs.per_record(fits), read_passes=m.read_passes + (costs.reads > 0))
-      self._costs = _Costs(costs.read_share())
-
-
-class _Costs:
-  """Seconds a store's lookups (records not in memory) cost, by kind, and
-  the records they held."""
-
-  def __init__(self, read_share: float = 0.0):
-    self.seconds: dict[str, float] = collections.defaultdict(float)
-    self.records: collections.Counter = collections.Counter()
-    self.bytes = 0
-    self.lookups = 0
-    self.served = 0  # records handed out, from memory or not
-    self.reads = self.computes = 0
-    self._last_share = read_share
-
-  def timed(self, kind: str, records: int, fn: Callable, *args: Any) -> Any:
-    started = time.perf_counter()
-    result = fn(*args)
-    if kind in (_READ, _READ_ONE) and result is None:
-      return None  # a look for a missing block is no read
-    self.seconds[kind] += time.perf_counter() - started
-    self.records[kind] += records
-    if kind in (_READ, _READ_ONE):
-      self.reads += 1
-    elif kind == "compute":
-      self.computes += 1
-    return result
-
-  def read_share(self) -> float:
-    """Of the blocks looked up, the share that were read."""
-    total = self.reads + self.computes
-    return self.reads / total if total else self._last_share
-
-  def per_record(self, fits_in_memory: bool) -> dict:
-    """Seconds per record handed out. A store whose blocks all fit in a
-    reader's memory is read once a block. A larger one is read a record at
-    a time (those reads give its cost); a block read there (one written
-    meanwhile by another reader) serves the records of it used while it
-    stays in memory (few, in a shuffled order), so its seconds are spread
-    over those."""
-
-    def rate(kind: str) -> float | None:
-      return self.seconds[kind] / self.records[kind] if self.records[kind] else None
-
-    read_s = rate("read")
-    if read_s is not None and self.served and not fits_in_memory:
-      kept_share = self.read_share() if self.reads < self.lookups else 1.0
-      served_from_reads = max(1.0, self.served * kept_share)
-      read_s = max(read_s, self.seconds["read"] / served_from_reads)
-    if self.records[_READ_ONE]:
-      read_s = rate(_READ_ONE)
-    writes = self.records["write"]
-    return {
-      "compute_s": rate("compute"),
-      "read_s": read_s,
-      "write_s": rate("write"),
-      "bytes": self.bytes / writes if writes else None,
-    }
+      self._costs = store_costs.StoreCosts(costs.read_share())
 
 
 def _check_owner_and_mode(path: str, info: os.stat_result, what: str) -> None:
