@@ -12,7 +12,8 @@ kept by record index). `preprocess` spends `cost` microseconds of CPU, then
 makes an element of `element_kib` KiB. Each measurement reads `epochs`
 epochs (a `for` loop each, as a training loop does) from a fresh folder,
 so the first epoch's profiling and writing are counted; the disk is synced
-before each, so that no measurement pays for an earlier one's writes. Modes run
+before each, so that no measurement pays for an earlier one's writes, and
+one unrecorded measurement per kind warms the process up first. Modes run
 interleaved, `rounds` times; a row gives the median rate. The policy's rows
 give its decision and its rate over the better fixed mode's
 (`of_best_fixed`).
@@ -87,6 +88,8 @@ def run(args: argparse.Namespace) -> list[dict]:
   rates: dict[tuple, list[float]] = {}
   decisions: dict[tuple, str] = {}
   order = list(MODES)
+  for kind in KINDS:  # warms up the process (imports, allocator), not recorded
+    measure(kind, args.costs[0], "always", args)
   for round_index in range(args.rounds):
     for kind in KINDS:
       for cost in args.costs:

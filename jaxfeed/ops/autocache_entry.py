@@ -12,6 +12,7 @@ back within its limits.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import time
@@ -87,6 +88,23 @@ class AutocacheEntryIterator(CacheIterator):
       self._writer = self._store.writer()
     elif decision == autocache_policy.PROFILE:
       self._profile = []
+    elif complete and self._policy == "auto":
+      self._sample_reads()
+
+  def _sample_reads(self) -> None:
+    """Measures reads of the complete entry again, on its first elements."""
+    started = time.perf_counter()
+    reader = self._store.reader()
+    count, size = 0, 0
+    while count < min(autocache_policy.SAMPLE_ELEMENTS, reader.num_elements):
+      element, _ = reader.get(count)
+      count += 1
+      size += element_bytes(element)
+      if size >= autocache_policy.PROBE_MAX_BYTES:
+        break
+    if count:
+      m = self._point.measurements
+      m.update(read_s=(time.perf_counter() - started) / count, read_passes=m.read_passes + 1)
 
   def __next__(self) -> Any:
     if self._hold is None:
@@ -114,7 +132,9 @@ class AutocacheEntryIterator(CacheIterator):
         costs.warmup_s, costs.warmup_elements = costs.compute_s, costs.elements
     seed = self._parent.last_seed
     if self._profile is not None:
-      self._profile.append((element, seed))
+      # A copy: the profile holding the input's own arrays would make the
+      # input allocate new memory for each element, and so look slower.
+      self._profile.append((copy.deepcopy(element), seed))
       if costs is not None and costs.profile_done(element):
         self._decide_after_profile(ended=False)
     elif self._writer is not None:

@@ -10,7 +10,9 @@ the policy keeps what it measured:
 - `read_s` and `write_s`: seconds per element to read the point's elements
   back from the folder and to write them there, measured on the point's own
   elements: first by a probe (the first elements of its first pass written
-  into the folder and read back), then on every pass that reads or writes;
+  into the folder and read back), then on every pass that reads or writes,
+  and on a sample of the cache at the start of a pass that computes while
+  the cache is complete;
 - `bytes`: bytes per element in the cache;
 - `elements`: elements per pass, once a pass has ended.
 
@@ -72,11 +74,17 @@ POLICIES = ("auto", "always", "never")
 TIE_MARGIN = 0.1
 """A cache must be read this much faster than compute to be used."""
 
-PROBE_MARGIN = 0.5
+PROBE_MARGIN = 0.2
 """... and this much faster while its read cost is only the probe's
 estimate (no pass has read it yet): a probe of a few elements reads them
 back from the page cache, and a pass that writes and then finds reads
 slower costs more than it can save."""
+
+SAMPLE_ELEMENTS = 256
+"""A computing pass whose point has a complete cache reads this many of its
+elements (at most PROBE_MAX_BYTES) to measure reads again: the first
+reads after a write compete with the write's flush to disk, and a point
+must see its reads grow cheaper to go back to them."""
 
 PROBE_MAX_BYTES = 8 << 20
 """The probe writes and reads back at most this many bytes of elements."""

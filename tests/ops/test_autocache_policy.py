@@ -130,6 +130,26 @@ def test_a_point_goes_back_to_computing_when_its_reads_turn_slow(tmp_path, monke
   assert list(decisions(tmp_path).values()) == ["compute"]
 
 
+def test_a_point_that_left_slow_reads_reads_again_once_they_are_fast(tmp_path, monkeypatch):
+  dataset = jaxfeed.Dataset.range(100).map(heavy).autocache(str(tmp_path))
+  assert calls_of("heavy", dataset)[1] == 100  # writes
+  get = cache_disk._DiskReader.get  # pylint: disable=protected-access
+
+  def slow_get(self, index):  # the write's flush, or a busy disk: 10 ms an element
+    time.sleep(10e-3)
+    return get(self, index)
+
+  monkeypatch.setattr(cache_disk._DiskReader, "get", slow_get)  # pylint: disable=protected-access
+  assert calls_of("heavy", dataset)[1] == 0  # read, slowly
+  assert calls_of("heavy", dataset)[1] == 100  # computes
+  monkeypatch.setattr(cache_disk._DiskReader, "get", get)  # pylint: disable=protected-access
+  # Each computing pass reads a sample of the cache: reads grow cheaper
+  # again, and the point goes back to them.
+  passes = [calls_of("heavy", dataset)[1] for _ in range(10)]
+  assert passes[-1] == 0, (passes, autocache_policy.read_records(str(tmp_path)))
+  assert list(decisions(tmp_path).values()) == ["read"]
+
+
 def test_of_two_points_only_the_one_that_saves_most_caches(tmp_path):
   dataset = (
     jaxfeed.Dataset.range(500)
